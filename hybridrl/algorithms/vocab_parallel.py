@@ -1,0 +1,110 @@
+"""Log-probabilities and entropies of tensor-parallel (vocab-sharded) logits, without gathering V.
+
+Rank r of `tp_group` holds `logits_shard` `[..., V/tp]`, the contiguous vocabulary slice
+[r * V/tp, (r + 1) * V/tp) of the full logits (Megatron's vocab-parallel output layer). Each
+result needs three all-reduces of `[...]`-sized tensors (a max and sums), never `[..., V]`.
+
+Both are `torch.autograd.Function`s whose backward needs no communication: with the global max,
+normalizer and (for entropy) mean saved from forward, every rank computes the gradient of its own
+slice exactly -- for log-prob, onehot(label) - softmax; for entropy, -p * (x - E_p[x]).
+Math is float32 (float64 for float64 input); gradients come back in the logits' dtype.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def vocab_parallel_log_prob(
+    logits_shard: Tensor, labels: Tensor, tp_group: dist.ProcessGroup | None = None
+) -> Tensor:
+    """log softmax(full logits)[label], `[...]`, from this rank's shard `[..., V/tp]`.
+
+    `labels` `[...]` are global vocabulary ids; every rank of `tp_group` must call this with the
+    same labels (a collective). `tp_group=None` means the default group; without an initialized
+    torch.distributed, the shard is taken to be the whole vocabulary.
+    """
+    return _VocabParallelLogProb.apply(logits_shard, labels, tp_group)
+
+
+def vocab_parallel_entropy(logits_shard: Tensor, tp_group: dist.ProcessGroup | None = None) -> Tensor:
+    """Entropy of softmax(full logits), `[...]`, from this rank's shard `[..., V/tp]` (a collective)."""
+    return _VocabParallelEntropy.apply(logits_shard, tp_group)
+
+
+def _rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _all_reduce(tensor: Tensor, op: dist.ReduceOp, group: dist.ProcessGroup | None) -> Tensor:
+    if _rank_and_size(group)[1] > 1:
+        dist.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+def _as_compute(logits: Tensor) -> Tensor:
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def _global_max_and_normalizer(x: Tensor, group: dist.ProcessGroup | None) -> tuple[Tensor, Tensor]:
+    """Global max over the vocabulary and the sum of exp(x - max), both `[...]`."""
+    global_max = _all_reduce(x.max(dim=-1).values, dist.ReduceOp.MAX, group)
+    normalizer = _all_reduce(torch.exp(x - global_max.unsqueeze(-1)).sum(-1), dist.ReduceOp.SUM, group)
+    return global_max, normalizer
+
+
+class _VocabParallelLogProb(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_shard: Tensor, labels: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+        x = _as_compute(logits_shard)
+        rank, _ = _rank_and_size(group)
+        shard_size = x.shape[-1]
+        local_labels = labels.long() - rank * shard_size
+        in_shard = (local_labels >= 0) & (local_labels < shard_size)
+        local_index = torch.where(in_shard, local_labels, torch.zeros_like(local_labels))
+
+        global_max, normalizer = _global_max_and_normalizer(x, group)
+        # Exactly one rank owns each label; the others contribute 0 to the sum.
+        picked = torch.gather(x, -1, local_index.unsqueeze(-1)).squeeze(-1) - global_max
+        picked = torch.where(in_shard, picked, torch.zeros_like(picked))
+        picked = _all_reduce(picked, dist.ReduceOp.SUM, group)
+
+        ctx.save_for_backward(logits_shard, global_max, normalizer, local_index, in_shard)
+        return picked - torch.log(normalizer)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        logits_shard, global_max, normalizer, local_index, in_shard = ctx.saved_tensors
+        x = _as_compute(logits_shard)
+        probs = torch.exp(x - global_max.unsqueeze(-1)) / normalizer.unsqueeze(-1)
+        grad = grad_output.to(x.dtype).unsqueeze(-1)
+        grad_x = -probs * grad
+        grad_x.scatter_add_(-1, local_index.unsqueeze(-1), grad * in_shard.unsqueeze(-1).to(x.dtype))
+        return grad_x.to(logits_shard.dtype), None, None
+
+
+class _VocabParallelEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_shard: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+        x = _as_compute(logits_shard)
+        # -inf logits would give 0 * inf = NaN below; the float minimum gives 0 * finite = 0.
+        x = torch.clamp(x, min=torch.finfo(x.dtype).min)
+        global_max, normalizer = _global_max_and_normalizer(x, group)
+        shifted = x - global_max.unsqueeze(-1)
+        weighted = _all_reduce((torch.exp(shifted) * shifted).sum(-1), dist.ReduceOp.SUM, group)
+        mean_shifted = weighted / normalizer  # E_p[x] - max
+        ctx.save_for_backward(logits_shard, global_max, normalizer, mean_shifted)
+        # H = log Z - E_p[x], with both terms taken relative to the max.
+        return torch.log(normalizer) - mean_shifted
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        logits_shard, global_max, normalizer, mean_shifted = ctx.saved_tensors
+        x = torch.clamp(_as_compute(logits_shard), min=torch.finfo(global_max.dtype).min)
+        shifted = x - global_max.unsqueeze(-1)
+        probs = torch.exp(shifted) / normalizer.unsqueeze(-1)
+        grad_x = -probs * (shifted - mean_shifted.unsqueeze(-1)) * grad_output.to(x.dtype).unsqueeze(-1)
+        return grad_x.to(logits_shard.dtype), None
