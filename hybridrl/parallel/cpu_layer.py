@@ -1,0 +1,394 @@
+"""The CPU layer: what it takes to run real megatron-core 0.16 on CPU (gloo), in one module.
+
+megatron-core is written for CUDA. Its models, schedules, DDP and optimizers run unchanged on CPU
+tensors once a handful of CUDA assumptions are bridged. Each bridge below is a `_Patch` with a name,
+the megatron functions it serves and why it is needed; `apply_cpu_layer()` installs all of them
+(idempotent), `cpu_layer_active()` tells whether they are in place, `remove_cpu_layer()` undoes
+them (tests use it, together with `skip=`, to show what breaks without a given patch).
+
+The patches (names as in `PATCHES`):
+
+- ``cuda_current_device``: megatron allocates with ``device=torch.cuda.current_device()`` (tensor
+  parallel layers and mappings, rotary embedding, attention, GPT model, p2p communication,
+  distributed optimizer buffers). On a CPU-only torch that call asserts "Torch not compiled with
+  CUDA enabled". We make it return device index 0; ``cuda_to_cpu_mode`` turns that into cpu.
+- ``cuda_to_cpu_mode``: a `TorchFunctionMode` that rewrites cuda devices (``"cuda"``,
+  ``"cuda:N"``, ``torch.device("cuda")``, bare indices) to cpu in every torch call, and makes
+  ``Tensor.cuda()`` a no-op. Covers the hard-coded ``device="cuda"`` of the default causal mask
+  (``transformer.utils.get_default_causal_mask``), the token counters of the pipeline schedules
+  (``pipeline_parallel.schedules``), the optimizer's ``found_inf``/scale tensors
+  (``optimizer.optimizer``) and grad-norm/clipping buffers (``optimizer.clip_grads``), and the
+  index-0 allocations above.
+- ``cpu_rng_tracker``: megatron keeps its model-parallel RNG streams in ``CudaRNGStatesTracker``,
+  which stores and swaps the *CUDA* generator state (``torch.cuda.get_rng_state``); attention
+  dropout and weight init fork it (``get_cuda_rng_tracker().fork()``). We substitute a subclass that
+  keeps the same named streams on the CPU default generator, so
+  ``tensor_parallel.model_parallel_cuda_manual_seed`` itself works on CPU and gives TP ranks the
+  distinct streams (seed + 2718 + tp_rank) and DP ranks the shared one megatron intends. Activation
+  recomputation saves/restores RNG through ``random._get_cuda_rng_state``/``_set_cuda_rng_state``;
+  those are pointed at the CPU generator too.
+- ``cuda_type_names``: megatron checks tensor types by their CUDA names:
+  ``clip_grads.clip_grad_by_total_norm_fp32`` asserts ``grad.type() == 'torch.cuda.FloatTensor'``;
+  ``DistributedOptimizer.__init__`` (via ``_build_model_and_main_param_groups``) and
+  ``Float16OptimizerWithFloat16Params.__init__`` raise TypeError unless params are
+  ``torch.cuda.{Float,Half,BFloat16}Tensor``. While those three functions run (and only then),
+  ``Tensor.type()`` reports the CUDA name of a CPU tensor's dtype.
+
+Not a patch, but required on CPU (`check_config_for_cpu` enforces it, `CPU_CONFIG_OVERRIDES` holds
+the values): ``batch_p2p_sync=False`` (p2p communication calls ``torch.cuda.synchronize()`` after
+batched send/recv), ``gradient_accumulation_fusion=False`` (needs Apex CUDA kernels),
+``apply_rope_fusion=False``/``bias_activation_fusion``/``masked_softmax_fusion``/
+``bias_dropout_fusion``/``persist_layer_norm`` off (TE/Apex kernels).
+
+Written for megatron-core 0.16.x (checked on 0.16.1); `apply_cpu_layer` refuses other versions,
+because each patch names private megatron functions whose behaviour is only known for that line.
+The mode adds Python dispatch to every torch call in the process: apply it only in processes that
+train on CPU (`hybridrl.parallel.state.initialize_model_parallel(device='cpu')` does that).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+SUPPORTED_MEGATRON_PREFIX = "0.16."
+
+# ModelParallelConfig/TransformerConfig values that must hold on CPU (see module docstring).
+CPU_CONFIG_OVERRIDES: dict[str, Any] = {
+    "batch_p2p_sync": False,
+    "gradient_accumulation_fusion": False,
+    "apply_rope_fusion": False,
+    "bias_activation_fusion": False,
+    "masked_softmax_fusion": False,
+    "bias_dropout_fusion": False,
+    "persist_layer_norm": False,
+}
+
+
+class UnsupportedMegatronVersion(RuntimeError):
+    """The installed megatron-core is not the line this CPU layer was written for."""
+
+
+def check_megatron_version(version: str | None = None) -> str:
+    """Return megatron-core's version, or raise if it is not 0.16.x (the version patched here)."""
+    if version is None:
+        import megatron.core
+
+        version = str(getattr(megatron.core, "__version__", "unknown"))
+    if not version.startswith(SUPPORTED_MEGATRON_PREFIX):
+        raise UnsupportedMegatronVersion(
+            f"hybridrl's CPU layer was written for megatron-core {SUPPORTED_MEGATRON_PREFIX}x "
+            f"(checked on 0.16.1) but megatron-core {version} is installed. Its patches target "
+            "private megatron functions (RNG tracker, clip_grads, DistributedOptimizer); install "
+            "megatron-core==0.16.1 or revisit hybridrl/parallel/cpu_layer.py for this version."
+        )
+    return version
+
+
+# --------------------------------------------------------------------------------------------------
+# cuda -> cpu device mapping
+# --------------------------------------------------------------------------------------------------
+_CPU = torch.device("cpu")
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":", 1)[0].strip() == "cuda"
+    # A bare index means a CUDA ordinal to torch (`torch.empty(3, device=0)`); bool is not a device.
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+def _map_device(device: Any) -> Any:
+    return _CPU if _is_cuda_device(device) else device
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Rewrites cuda devices to cpu in every torch call made while the mode is on the stack."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            # `t.cuda()` on CPU means "stay here": return the tensor itself, as CUDA does for a
+            # tensor already on the current device.
+            return args[0]
+        if "device" in kwargs:
+            kwargs["device"] = _map_device(kwargs["device"])
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+# --------------------------------------------------------------------------------------------------
+# CUDA type names for type checks
+# --------------------------------------------------------------------------------------------------
+_CUDA_TYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+
+
+class CudaTypeNamesMode(TorchFunctionMode):
+    """`Tensor.type()` (no arguments) answers the CUDA type name of a CPU float tensor."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            tensor = args[0]
+            if tensor.device.type == "cpu" and tensor.dtype in _CUDA_TYPE_NAMES:
+                return _CUDA_TYPE_NAMES[tensor.dtype]
+        return func(*args, **kwargs)
+
+
+def _with_cuda_type_names(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with CudaTypeNamesMode():
+            return fn(*args, **kwargs)
+
+    wrapper.__hybridrl_cpu_layer_wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+# --------------------------------------------------------------------------------------------------
+# RNG tracker on the CPU generator
+# --------------------------------------------------------------------------------------------------
+def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    """Stand-in for megatron's `random._get_cuda_rng_state`: the CPU default generator's state."""
+    return torch.default_generator.get_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+    """Stand-in for megatron's `random._set_cuda_rng_state`, on the CPU default generator."""
+    torch.default_generator.set_state(new_state)
+
+
+def _make_cpu_tracker_class() -> type:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    base = getattr(mrandom.CudaRNGStatesTracker, "__hybridrl_cpu_base__", mrandom.CudaRNGStatesTracker)
+
+    class CpuRNGStatesTracker(base):  # type: ignore[misc, valid-type]
+        """megatron's named RNG streams, kept as states of the CPU default generator.
+
+        `add(name, seed)` records the state the CPU generator has after `manual_seed(seed)`;
+        `fork(name)` swaps that state in for the block and stores where it ended, exactly as the
+        CUDA tracker does with the CUDA generator. Nested forks restore the outer stream.
+        """
+
+        __hybridrl_cpu_base__ = base
+
+        def add(self, name: str, seed: int) -> None:
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            generator = torch.Generator(device="cpu")
+            generator.manual_seed(seed)
+            self.states_[name] = generator.get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name: str = mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME) -> Iterator[None]:
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            outer_name = self._current_state_name
+            outer_state = torch.default_generator.get_state()
+            if outer_name != "default-rng":
+                self.states_[outer_name] = outer_state
+            torch.default_generator.set_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                if self._current_state_name != name:
+                    raise Exception(
+                        f"rng state {self._current_state_name} is current, expected {name}"
+                    )
+                self.states_[name] = torch.default_generator.get_state()
+                if outer_name != "default-rng":
+                    outer_state = self.states_[outer_name]
+                torch.default_generator.set_state(outer_state)
+                self._current_state_name = outer_name
+
+    return CpuRNGStatesTracker
+
+
+# --------------------------------------------------------------------------------------------------
+# Patch registry
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class _Patch:
+    name: str
+    why: str
+    apply: Callable[[], None]
+    revert: Callable[[], None]
+    active: bool = False
+
+
+@dataclass
+class _LayerState:
+    patches: dict[str, _Patch] = field(default_factory=dict)
+    device_mode: CudaToCpuMode | None = None
+    saved: dict[str, Any] = field(default_factory=dict)
+
+
+_state = _LayerState()
+
+
+def _apply_cuda_current_device() -> None:
+    _state.saved["torch.cuda.current_device"] = torch.cuda.current_device
+    torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
+
+
+def _revert_cuda_current_device() -> None:
+    torch.cuda.current_device = _state.saved.pop("torch.cuda.current_device")  # type: ignore[assignment]
+
+
+def _apply_cuda_to_cpu_mode() -> None:
+    mode = CudaToCpuMode()
+    mode.__enter__()
+    _state.device_mode = mode
+
+
+def _revert_cuda_to_cpu_mode() -> None:
+    mode = _state.device_mode
+    _state.device_mode = None
+    if mode is not None:
+        mode.__exit__(None, None, None)
+
+
+def _apply_cpu_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    _state.saved["rng"] = (
+        mrandom.CudaRNGStatesTracker, mrandom._get_cuda_rng_state, mrandom._set_cuda_rng_state,
+    )
+    # initialize_rng_tracker() and get_all_rng_states() look the class up by module global at call
+    # time, so replacing the global is enough for megatron's own seeding code to build ours.
+    mrandom.CudaRNGStatesTracker = _make_cpu_tracker_class()
+    mrandom._get_cuda_rng_state = _cpu_get_rng_state
+    mrandom._set_cuda_rng_state = _cpu_set_rng_state
+    mrandom.initialize_rng_tracker(force_reset=True)
+
+
+def _revert_cpu_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    cls, get_state, set_state = _state.saved.pop("rng")
+    mrandom.CudaRNGStatesTracker = cls
+    mrandom._get_cuda_rng_state = get_state
+    mrandom._set_cuda_rng_state = set_state
+    mrandom.initialize_rng_tracker(force_reset=True)
+
+
+def _type_check_targets() -> list[tuple[Any, str]]:
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.optimizer import optimizer as moptimizer
+
+    return [
+        (clip_grads, "clip_grad_by_total_norm_fp32"),
+        # optimizer.py imported the function by name: its global must be swapped as well.
+        (moptimizer, "clip_grad_by_total_norm_fp32"),
+        (distrib_optimizer.DistributedOptimizer, "__init__"),
+        (moptimizer.Float16OptimizerWithFloat16Params, "__init__"),
+    ]
+
+
+def _apply_cuda_type_names() -> None:
+    saved = []
+    for owner, attr in _type_check_targets():
+        original = getattr(owner, attr)
+        saved.append((owner, attr, original))
+        setattr(owner, attr, _with_cuda_type_names(original))
+    _state.saved["type_names"] = saved
+
+
+def _revert_cuda_type_names() -> None:
+    for owner, attr, original in _state.saved.pop("type_names"):
+        setattr(owner, attr, original)
+
+
+def _build_patches() -> dict[str, _Patch]:
+    specs = [
+        ("cuda_current_device", "torch.cuda.current_device() asserts without CUDA; megatron allocates "
+         "with it", _apply_cuda_current_device, _revert_cuda_current_device),
+        ("cuda_to_cpu_mode", "hard-coded device='cuda' / device index allocations in megatron",
+         _apply_cuda_to_cpu_mode, _revert_cuda_to_cpu_mode),
+        ("cpu_rng_tracker", "megatron's model-parallel RNG tracker stores CUDA generator states",
+         _apply_cpu_rng_tracker, _revert_cpu_rng_tracker),
+        ("cuda_type_names", "clip_grads and the (distributed/fp16) optimizers check tensor.type() "
+         "against torch.cuda.* names", _apply_cuda_type_names, _revert_cuda_type_names),
+    ]
+    return {name: _Patch(name, why, apply, revert) for name, why, apply, revert in specs}
+
+
+PATCHES: tuple[str, ...] = ("cuda_current_device", "cuda_to_cpu_mode", "cpu_rng_tracker", "cuda_type_names")
+
+
+def apply_cpu_layer(skip: Iterable[str] = ()) -> list[str]:
+    """Install the CPU layer in this process (idempotent); return the names of active patches.
+
+    `skip` leaves named patches out; it exists so tests can show what each patch is needed for.
+    """
+    check_megatron_version()
+    skip = set(skip)
+    unknown = skip - set(PATCHES)
+    if unknown:
+        raise ValueError(f"unknown CPU-layer patches {sorted(unknown)}; known: {list(PATCHES)}")
+    if not _state.patches:
+        _state.patches = _build_patches()
+    for name in PATCHES:
+        patch = _state.patches[name]
+        if name in skip or patch.active:
+            continue
+        patch.apply()
+        patch.active = True
+    return active_patches()
+
+
+def remove_cpu_layer() -> None:
+    """Undo every active patch, in reverse order (tests; a training process keeps the layer)."""
+    for name in reversed(PATCHES):
+        patch = _state.patches.get(name)
+        if patch is not None and patch.active:
+            patch.revert()
+            patch.active = False
+
+
+def active_patches() -> list[str]:
+    """Names of the patches currently installed, in `PATCHES` order."""
+    return [name for name in PATCHES if name in _state.patches and _state.patches[name].active]
+
+
+def cpu_layer_active() -> bool:
+    """True when every patch of the CPU layer is installed."""
+    return active_patches() == list(PATCHES)
+
+
+def describe_patches() -> dict[str, str]:
+    """{patch name: why it exists}, for logs and docs."""
+    patches = _state.patches or _build_patches()
+    return {name: patches[name].why for name in PATCHES}
+
+
+def check_config_for_cpu(config: Any) -> None:
+    """Raise ValueError listing every megatron config flag that cannot work on CPU."""
+    wrong = [
+        f"{key}={getattr(config, key)!r} (needs {value!r})"
+        for key, value in CPU_CONFIG_OVERRIDES.items()
+        if hasattr(config, key) and getattr(config, key) != value
+    ]
+    if wrong:
+        raise ValueError(
+            "megatron config is not CPU-compatible: " + ", ".join(wrong)
+            + ". Use hybridrl.parallel.cpu_layer.CPU_CONFIG_OVERRIDES when building the config."
+        )

@@ -1,0 +1,113 @@
+"""Device differences (cuda vs cpu) in one place.
+
+Everything that depends on whether we train on GPUs or on CPUs is decided here: the device string,
+the torch.distributed backend, the default parameter dtype and which megatron layer spec to build.
+The rest of hybridrl asks these functions instead of testing `torch.cuda.is_available()` itself,
+so the GPU-only branches are plain logic that the CPU test suite covers (issue 9).
+
+Importing this module is cheap: torch is imported lazily inside the functions that need it.
+"""
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+Device = Literal["cuda", "cpu"]
+Backend = Literal["nccl", "gloo"]
+LayerSpecKind = Literal["te", "local"]
+
+_DEVICES: tuple[str, ...] = ("auto", "cuda", "cpu")
+_DTYPE_NAMES: dict[str, str] = {
+    "fp32": "float32", "float32": "float32", "float": "float32",
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+    "fp16": "float16", "float16": "float16", "half": "float16",
+}
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a usable CUDA device (the single place hybridrl asks torch)."""
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def resolve_device(requested: str, *, cuda_is_available: bool | None = None) -> Device:
+    """Map a configured device ('auto' | 'cuda' | 'cpu', 'cuda:N' accepted) to 'cuda' or 'cpu'.
+
+    'auto' picks cuda when available. Asking for cuda on a machine without it is an error rather
+    than a silent fallback: a GPU config running on CPU would be orders of magnitude slower.
+    `cuda_is_available` overrides the probe (tests of the GPU branch on CPU machines).
+    """
+    name = requested.strip().lower()
+    base = name.split(":", 1)[0]
+    if base not in _DEVICES:
+        raise ValueError(f"unknown device {requested!r}: expected one of {', '.join(_DEVICES)}")
+    has_cuda = cuda_available() if cuda_is_available is None else cuda_is_available
+    if base == "auto":
+        return "cuda" if has_cuda else "cpu"
+    if base == "cuda" and not has_cuda:
+        raise RuntimeError(
+            f"device {requested!r} requested but CUDA is not available (torch.cuda.is_available() is "
+            "False: CPU-only torch build or no visible GPU). Use device='cpu' or device='auto'."
+        )
+    return "cuda" if base == "cuda" else "cpu"
+
+
+def backend_for(device: str) -> Backend:
+    """torch.distributed backend for a resolved device: nccl on GPUs, gloo on CPUs."""
+    if device == "cuda":
+        return "nccl"
+    if device == "cpu":
+        return "gloo"
+    raise ValueError(f"backend_for expects a resolved device 'cuda' or 'cpu', got {device!r}")
+
+
+def default_dtype_for(device: str, requested: str | torch.dtype | None = None) -> torch.dtype:
+    """Parameter/compute dtype: the requested one if given, else bf16 on cuda and fp32 on cpu.
+
+    fp32 is the CPU default because the CPU path is used for correctness checks against HF (bit-exact
+    or ~1e-6); bf16 on CPU is faster on AVX512-BF16 machines but must be asked for explicitly.
+    """
+    import torch
+
+    if requested is not None:
+        if isinstance(requested, torch.dtype):
+            return requested
+        key = requested.strip().lower().removeprefix("torch.")
+        if key not in _DTYPE_NAMES:
+            raise ValueError(f"unknown dtype {requested!r}: expected one of {sorted(_DTYPE_NAMES)}")
+        return getattr(torch, _DTYPE_NAMES[key])
+    if device == "cuda":
+        return torch.bfloat16
+    if device == "cpu":
+        return torch.float32
+    raise ValueError(f"default_dtype_for expects a resolved device 'cuda' or 'cpu', got {device!r}")
+
+
+def te_available() -> bool:
+    """Whether transformer_engine is importable (found without importing it: the import is slow)."""
+    try:
+        return importlib.util.find_spec("transformer_engine") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def layer_spec_kind(device: str, te_available: bool | None = None) -> LayerSpecKind:
+    """Which megatron layer spec to build: 'te' on GPUs with Transformer Engine, else 'local'.
+
+    TE does not install on CPU machines and its kernels are CUDA-only, so CPU always gets the local
+    (pure torch) spec. `te_available=None` probes the environment.
+    """
+    if device == "cpu":
+        return "local"
+    if device != "cuda":
+        raise ValueError(f"layer_spec_kind expects a resolved device 'cuda' or 'cpu', got {device!r}")
+    has_te = _probe_te() if te_available is None else te_available
+    return "te" if has_te else "local"
+
+
+# `layer_spec_kind` has a parameter named like the module-level probe; keep a private alias.
+_probe_te = te_available

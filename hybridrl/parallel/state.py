@@ -1,0 +1,273 @@
+"""Process groups and megatron-core parallel state for one training process.
+
+Call order on every rank of a worker group:
+
+    init_distributed(rank, world_size, addr, port, device)      # torch.distributed (nccl | gloo)
+    ctx = initialize_model_parallel(tp, pp, vpp, cp, seed, device)   # megatron groups + RNG
+    ...                                                           # build models with ctx
+    destroy_model_parallel()
+
+`initialize_model_parallel` installs the CPU layer (`hybridrl.parallel.cpu_layer`) when the device is
+cpu, so megatron-core runs unchanged on gloo. It returns a frozen `ParallelContext`; `get_context()`
+returns the current one.
+
+This module is preloaded by the forked-rank launcher's server: keep its import cheap (megatron and
+the CPU layer are imported inside the functions).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from hybridrl.parallel.device import backend_for, resolve_device
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+_context: ParallelContext | None = None
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """This rank's place in the (tp, cp, dp, pp) mesh, with megatron's groups for each axis.
+
+    Megatron orders ranks tp fastest, then cp, dp, pp ("tp-cp-ep-dp-pp"), so ranks
+    [0, tp) form the first TP group, and pipeline stages are world/pp ranks apart.
+    """
+
+    device: str
+    world_size: int
+    rank: int
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    vpp: int | None
+    tp_rank: int
+    pp_rank: int
+    cp_rank: int
+    dp_rank: int
+    seed: int
+    tp_group: dist.ProcessGroup
+    pp_group: dist.ProcessGroup
+    cp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    # DP x CP: the group megatron's DDP reduces gradients over when CP > 1.
+    dp_cp_group: dist.ProcessGroup
+    model_parallel_group: dist.ProcessGroup
+
+    @property
+    def is_first_pp_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_pp_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def describe(self) -> str:
+        return (
+            f"rank {self.rank}/{self.world_size} on {self.device}: tp {self.tp_rank}/{self.tp}, "
+            f"pp {self.pp_rank}/{self.pp}, cp {self.cp_rank}/{self.cp}, dp {self.dp_rank}/{self.dp}"
+            + (f", vpp {self.vpp}" if self.vpp else "")
+        )
+
+
+def validate_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, vpp: int | None = None) -> int:
+    """Check a parallel layout against the world size; return the data-parallel size.
+
+    Raises ValueError naming the values when a size is not positive or when
+    world_size is not divisible by tp * pp * cp.
+    """
+    sizes = {"world_size": world_size, "tp": tp, "pp": pp, "cp": cp}
+    bad = [f"{name}={value}" for name, value in sizes.items() if not isinstance(value, int) or value < 1]
+    if bad:
+        raise ValueError(f"parallel sizes must be positive integers: {', '.join(bad)}")
+    model_parallel = tp * pp * cp
+    if world_size % model_parallel != 0:
+        raise ValueError(
+            f"world_size={world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {model_parallel}"
+        )
+    if vpp is not None:
+        if not isinstance(vpp, int) or vpp < 1:
+            raise ValueError(f"vpp={vpp} must be None or a positive integer")
+        if vpp > 1 and pp < 2:
+            raise ValueError(f"vpp={vpp} (virtual pipeline stages) needs pp >= 2, got pp={pp}")
+    return world_size // model_parallel
+
+
+def init_distributed(
+    rank: int,
+    world_size: int,
+    master_addr: str = "127.0.0.1",
+    master_port: int = 29500,
+    device: str = "cpu",
+    timeout_s: float = 120.0,
+) -> str:
+    """Join the default torch.distributed group (nccl on cuda, gloo on cpu); return the backend.
+
+    The timeout is short on purpose: a rank that dies inside a collective would otherwise leave
+    its peers hanging for torch's default 30 minutes. Safe to call when the default group already
+    exists with the same rank and world size (returns its backend); a different world is an error.
+    """
+    import torch
+    import torch.distributed as dist
+
+    resolved = resolve_device(device)
+    backend = backend_for(resolved)
+    if dist.is_initialized():
+        have = (dist.get_rank(), dist.get_world_size())
+        if have != (rank, world_size):
+            raise RuntimeError(
+                f"torch.distributed is already initialized as rank {have[0]} of {have[1]}, "
+                f"not rank {rank} of {world_size}"
+            )
+        return str(dist.get_backend())
+    if resolved == "cuda":
+        # One GPU per process; LOCAL_RANK is set by torchrun/Ray, else rank modulo visible devices.
+        local_rank = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(
+        backend,
+        rank=rank,
+        world_size=world_size,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return backend
+
+
+def initialize_model_parallel(
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int | None = None,
+    cp: int = 1,
+    seed: int = 1234,
+    device: str = "cpu",
+    timeout_s: float = 120.0,
+) -> ParallelContext:
+    """Create megatron-core's parallel groups for (tp, pp, vpp, cp) and seed its RNG streams.
+
+    torch.distributed must be initialized. On cpu the CPU layer is installed first. Seeding follows
+    megatron: the default generator gets `seed` (equal on all ranks, as megatron's data-parallel
+    stream), the tracker's model-parallel stream gets seed + 2718 + tp_rank (distinct per TP rank,
+    equal across DP), so TP shards initialize and drop out independently.
+    """
+    import torch.distributed as dist
+
+    global _context
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: call init_distributed() first")
+    resolved = resolve_device(device)
+    world_size = dist.get_world_size()
+    dp = validate_layout(world_size, tp, pp, cp, vpp)
+    if resolved == "cpu":
+        from hybridrl.parallel.cpu_layer import apply_cpu_layer
+
+        apply_cpu_layer()
+
+    from megatron.core import parallel_state as mps
+
+    if mps.model_parallel_is_initialized():
+        raise RuntimeError(
+            "megatron model parallel is already initialized in this process; "
+            "call destroy_model_parallel() before initializing again"
+        )
+    mps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
+        distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
+    )
+    seed_model_parallel(seed, resolved)
+    _context = _build_context(resolved, seed, tp, pp, cp, dp, vpp)
+    return _context
+
+
+def seed_model_parallel(seed: int, device: str) -> None:
+    """Seed torch's default generators and megatron's RNG tracker streams (see above).
+
+    On GPU this is megatron's `model_parallel_cuda_manual_seed`; on CPU the same function runs on
+    the CPU layer's tracker, and the CPU default generator (megatron's "default" stream on GPU is the
+    CUDA one) is seeded here, since `torch.cuda.manual_seed` does nothing without CUDA.
+    """
+    import random
+
+    import numpy as np
+    import torch
+    from megatron.core import tensor_parallel
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if device == "cpu":
+        from hybridrl.parallel.cpu_layer import cpu_layer_active
+
+        if not cpu_layer_active():
+            raise RuntimeError("seeding megatron on cpu needs the CPU layer (apply_cpu_layer())")
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def _build_context(
+    device: str, seed: int, tp: int, pp: int, cp: int, dp: int, vpp: int | None
+) -> ParallelContext:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mps
+
+    ctx = ParallelContext(
+        device=device,
+        world_size=dist.get_world_size(),
+        rank=dist.get_rank(),
+        tp=tp, pp=pp, cp=cp, dp=dp, vpp=vpp,
+        tp_rank=mps.get_tensor_model_parallel_rank(),
+        pp_rank=mps.get_pipeline_model_parallel_rank(),
+        cp_rank=mps.get_context_parallel_rank(),
+        dp_rank=mps.get_data_parallel_rank(),
+        seed=seed,
+        tp_group=mps.get_tensor_model_parallel_group(),
+        pp_group=mps.get_pipeline_model_parallel_group(),
+        cp_group=mps.get_context_parallel_group(),
+        dp_group=mps.get_data_parallel_group(),
+        dp_cp_group=mps.get_data_parallel_group(with_context_parallel=True),
+        model_parallel_group=mps.get_model_parallel_group(),
+    )
+    # Megatron's own bookkeeping must agree with the layout we asked for.
+    sizes = (
+        mps.get_tensor_model_parallel_world_size(), mps.get_pipeline_model_parallel_world_size(),
+        mps.get_context_parallel_world_size(), mps.get_data_parallel_world_size(),
+    )
+    if sizes != (tp, pp, cp, dp):
+        raise RuntimeError(f"megatron reports (tp, pp, cp, dp) = {sizes}, expected {(tp, pp, cp, dp)}")
+    return ctx
+
+
+def get_context() -> ParallelContext:
+    """The context made by the last `initialize_model_parallel` in this process."""
+    if _context is None:
+        raise RuntimeError("model parallel is not initialized: call initialize_model_parallel() first")
+    return _context
+
+
+def is_initialized() -> bool:
+    return _context is not None
+
+
+def destroy_model_parallel() -> None:
+    """Tear down megatron's groups and forget the context (torch.distributed stays up).
+
+    The CPU layer stays installed: it is process-wide and harmless between initializations.
+    """
+    global _context
+    from megatron.core import parallel_state as mps
+
+    mps.destroy_model_parallel()
+    _context = None
+
+
+def context_as_dict(ctx: ParallelContext) -> dict[str, Any]:
+    """The picklable part of a context (sizes and ranks), e.g. to return from a worker."""
+    groups = {"tp_group", "pp_group", "cp_group", "dp_group", "dp_cp_group", "model_parallel_group"}
+    return {k: getattr(ctx, k) for k in ParallelContext.__dataclass_fields__ if k not in groups}
