@@ -108,7 +108,8 @@ def grpo_advantages(
     squared.index_add_(0, group_ids, deviation**2)
     # Bessel's correction; a group of one has deviation 0, so any positive divisor gives std 0.
     std = torch.sqrt(squared / torch.clamp(counts - 1, min=1))
-    return deviation / (std[group_ids] + eps)
+    # A group of one must stay 0 even with eps = 0 (0 / 0).
+    return torch.where(counts[group_ids] > 1, deviation / (std[group_ids] + eps), torch.zeros_like(deviation))
 
 
 def rloo_advantages(scores: Tensor, group_index: GroupIndex) -> Tensor:
