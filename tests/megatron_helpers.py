@@ -17,11 +17,11 @@ VOCAB = 64
 SEQ = 8
 HIDDEN = 32
 HEADS = 4
-LAYERS = 2
+LAYERS = 4  # divisible by pp * vpp = 2 * 2
 
 
 def tiny_config(num_layers: int = LAYERS, **overrides: Any):
-    """A TransformerConfig for a 2-layer Llama-like model (RMSNorm, SwiGLU, no bias), CPU-safe."""
+    """A TransformerConfig for a tiny Llama-like model (RMSNorm, SwiGLU, no bias), CPU-safe."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -43,6 +43,7 @@ def tiny_config(num_layers: int = LAYERS, **overrides: Any):
         attention_dropout=0.0,
         tensor_model_parallel_size=ctx.tp,
         pipeline_model_parallel_size=ctx.pp,
+        virtual_pipeline_model_parallel_size=ctx.vpp,
         context_parallel_size=ctx.cp,
         use_cpu_initialization=True,
         params_dtype=torch.float32,

@@ -1,0 +1,320 @@
+"""Each patch of the CPU layer: what fails without it, and the behaviour it enables.
+
+Patches are process-wide, so every check runs in forked ranks (fresh processes from the launcher's
+server, which never applies the layer); the pytest process itself stays unpatched.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hybridrl.parallel import cpu_layer
+from hybridrl.parallel.forked import run_ranks
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the 'fails without the patch' halves assume a CPU-only torch"
+)
+
+
+def _raises(fn) -> str:
+    """Run fn; return '' if it succeeded, else 'ExcType: message'."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test inspects whatever was raised
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def _init_megatron_groups(tp: int = 1) -> None:
+    from megatron.core import parallel_state as mps
+
+    mps.initialize_model_parallel(tensor_model_parallel_size=tp)
+
+
+def _column_linear(use_cpu_initialization: bool):
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=8, num_attention_heads=2, use_cpu_initialization=use_cpu_initialization,
+        **cpu_layer.CPU_CONFIG_OVERRIDES,
+    )
+    return ColumnParallelLinear(
+        8, 16, config=config, init_method=torch.nn.init.normal_, bias=False, gather_output=False,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# version check, idempotence, removal
+# ------------------------------------------------------------------------------------------------
+def test_version_check():
+    assert cpu_layer.check_megatron_version("0.16.1") == "0.16.1"
+    with pytest.raises(cpu_layer.UnsupportedMegatronVersion, match=r"0\.16\.x.*0\.17\.0 is installed"):
+        cpu_layer.check_megatron_version("0.17.0")
+    with pytest.raises(cpu_layer.UnsupportedMegatronVersion):
+        cpu_layer.check_megatron_version("0.15.3")
+
+
+def _apply_with_wrong_version(rank: int, world_size: int) -> tuple[str, list[str]]:
+    import megatron.core
+
+    megatron.core.__version__ = "0.15.0"
+    return _raises(cpu_layer.apply_cpu_layer), cpu_layer.active_patches()
+
+
+def test_apply_refuses_other_megatron_version_and_patches_nothing():
+    error, active = run_ranks(_apply_with_wrong_version, 1, timeout_s=120)[0]
+    assert error.startswith("UnsupportedMegatronVersion") and "0.15.0 is installed" in error
+    assert active == []
+
+
+def _apply_twice_then_remove(rank: int, world_size: int) -> dict:
+    from torch.overrides import _get_current_function_mode_stack
+
+    def modes() -> int:
+        return sum(isinstance(m, cpu_layer.CudaToCpuMode) for m in _get_current_function_mode_stack())
+
+    out = {"before": cpu_layer.cpu_layer_active()}
+    first = cpu_layer.apply_cpu_layer()
+    second = cpu_layer.apply_cpu_layer()
+    out.update(first=first, second=second, active=cpu_layer.cpu_layer_active(), modes=modes(),
+               device_ok=_raises(torch.cuda.current_device) == "")
+    cpu_layer.remove_cpu_layer()
+    out.update(after=cpu_layer.active_patches(), modes_after=modes(),
+               device_after=_raises(torch.cuda.current_device))
+    return out
+
+
+def test_apply_is_idempotent_and_removable():
+    out = run_ranks(_apply_twice_then_remove, 1, timeout_s=120)[0]
+    assert out["before"] is False
+    assert out["first"] == out["second"] == list(cpu_layer.PATCHES)
+    assert out["active"] is True and out["modes"] == 1 and out["device_ok"]
+    assert out["after"] == [] and out["modes_after"] == 0
+    assert "not compiled with CUDA" in out["device_after"]
+
+
+def test_unknown_skip_name_is_rejected():
+    with pytest.raises(ValueError, match="unknown CPU-layer patches"):
+        cpu_layer.apply_cpu_layer(skip=["no_such_patch"])
+
+
+def test_describe_patches_covers_all():
+    assert list(cpu_layer.describe_patches()) == list(cpu_layer.PATCHES)
+
+
+# ------------------------------------------------------------------------------------------------
+# cuda_current_device
+# ------------------------------------------------------------------------------------------------
+def _linear_with_and_without_current_device(rank: int, world_size: int) -> dict:
+    from megatron.core import tensor_parallel
+
+    _init_megatron_groups()
+    cpu_layer.apply_cpu_layer(skip=["cuda_current_device"])
+    tensor_parallel.model_parallel_cuda_manual_seed(3)
+    without = _raises(lambda: _column_linear(use_cpu_initialization=False))
+    cpu_layer.apply_cpu_layer()
+    layer = _column_linear(use_cpu_initialization=False)
+    return {"without": without, "device": str(layer.weight.device), "shape": tuple(layer.weight.shape),
+            "index": torch.cuda.current_device()}
+
+
+def test_cuda_current_device_patch():
+    out = run_ranks(_linear_with_and_without_current_device, 1, timeout_s=120)[0]
+    # megatron's GPU-style init allocates on torch.cuda.current_device(): fails without the patch.
+    assert "not compiled with CUDA" in out["without"]
+    assert out["device"] == "cpu" and out["shape"] == (16, 8) and out["index"] == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# cuda_to_cpu_mode
+# ------------------------------------------------------------------------------------------------
+def _device_mapping(rank: int, world_size: int) -> dict:
+    from megatron.core.transformer.utils import get_default_causal_mask
+
+    cpu_layer.apply_cpu_layer(skip=["cuda_to_cpu_mode"])
+    out = {
+        "mask_without": _raises(lambda: get_default_causal_mask(4)),
+        "index_alloc_without": _raises(lambda: torch.empty(2, device=torch.cuda.current_device())),
+    }
+    cpu_layer.apply_cpu_layer()
+    t = torch.arange(3.0)
+    out.update(
+        mask=get_default_causal_mask(4),
+        zeros=str(torch.zeros(2, device="cuda:0").device),
+        dev_obj=str(torch.ones(1, device=torch.device("cuda")).device),
+        index=str(torch.empty(1, device=torch.cuda.current_device()).device),
+        cuda_is_self=t.cuda() is t,
+        to_cuda=str(t.to("cuda").device),
+        to_cuda_dtype=(str(t.to("cuda", torch.float64).device), str(t.to("cuda", torch.float64).dtype)),
+        to_dtype=str(t.to(torch.float16).dtype),
+        to_kw=str(t.to(device="cuda").device),
+        like=str(torch.zeros_like(t, device="cuda").device),
+    )
+    return out
+
+
+def test_cuda_to_cpu_mode_patch():
+    out = run_ranks(_device_mapping, 1, timeout_s=120)[0]
+    # get_default_causal_mask hard-codes device="cuda" (used when GPTModel gets attention_mask=None).
+    assert "not compiled with CUDA" in out["mask_without"]
+    assert "Cannot access accelerator device" in out["index_alloc_without"]  # device=0 means cuda:0
+    expected = torch.triu(torch.ones(4, 4), diagonal=1).bool()
+    assert out["mask"].device.type == "cpu" and torch.equal(out["mask"], expected)
+    assert out["zeros"] == out["dev_obj"] == out["index"] == out["to_cuda"] == out["to_kw"] == "cpu"
+    assert out["like"] == "cpu"
+    assert out["cuda_is_self"] is True
+    assert out["to_cuda_dtype"] == ("cpu", "torch.float64")
+    assert out["to_dtype"] == "torch.float16"  # non-device arguments of .to() are left alone
+
+
+# ------------------------------------------------------------------------------------------------
+# cpu_rng_tracker
+# ------------------------------------------------------------------------------------------------
+def _seed_without_tracker(rank: int, world_size: int) -> str:
+    from megatron.core import tensor_parallel
+
+    _init_megatron_groups()
+    cpu_layer.apply_cpu_layer(skip=["cpu_rng_tracker"])
+    return _raises(lambda: tensor_parallel.model_parallel_cuda_manual_seed(3))
+
+
+def test_rng_tracker_fails_without_patch():
+    error = run_ranks(_seed_without_tracker, 1, timeout_s=120)[0]
+    assert "not compiled with CUDA" in error  # torch.cuda.get_rng_state in CudaRNGStatesTracker.add
+
+
+def _rng_streams(rank: int, world_size: int, seed: int) -> dict:
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel.random import get_data_parallel_rng_tracker_name
+
+    from hybridrl.parallel.state import initialize_model_parallel
+
+    ctx = initialize_model_parallel(tp=2, seed=seed)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    default_1 = torch.rand(3)
+    with tracker.fork():
+        mp_1 = torch.rand(3)
+        with tracker.fork(get_data_parallel_rng_tracker_name()):
+            nested = torch.rand(3)
+        mp_2 = torch.rand(3)  # the model-parallel stream resumes after the nested fork
+    default_2 = torch.rand(3)
+    with tracker.fork():
+        mp_3 = torch.rand(3)  # and continues where the first fork left it
+
+    # GPU-style (use_cpu_initialization=False) weight init draws from the model-parallel stream.
+    weight = _column_linear(use_cpu_initialization=False).weight.detach().clone()
+
+    # Activation recomputation saves and restores RNG state through the patched helpers: dropout
+    # inside a forked region must be replayed identically in the backward recompute.
+    def block(x: torch.Tensor) -> torch.Tensor:
+        with tracker.fork():
+            return torch.nn.functional.dropout(x * 2.0, p=0.5, training=True)
+
+    x = torch.ones(64, requires_grad=True)
+    y = tensor_parallel.checkpoint(block, False, x)
+    y.sum().backward()
+    recompute_consistent = torch.equal(x.grad, (y.detach() != 0).float() * 4.0)
+    return dict(tp_rank=ctx.tp_rank, dp_rank=ctx.dp_rank, default=torch.cat([default_1, default_2]),
+                mp=torch.cat([mp_1, mp_2, mp_3]), nested=nested, weight=weight,
+                recompute_consistent=recompute_consistent, tracker=type(tracker).__name__)
+
+
+def test_rng_tracker_streams_follow_megatron_scheme():
+    seed = 11
+    outs = run_ranks(_rng_streams, 4, seed, timeout_s=120)  # TP2 x DP2
+    by_pos = {(o["tp_rank"], o["dp_rank"]): o for o in outs}
+    assert set(by_pos) == {(0, 0), (1, 0), (0, 1), (1, 1)}
+    assert all(o["tracker"] == "CpuRNGStatesTracker" for o in outs)
+
+    # default stream: seeded with `seed` on every rank, untouched by forks.
+    ref_default = torch.rand(6, generator=torch.Generator().manual_seed(seed))
+    for o in outs:
+        assert torch.equal(o["default"], ref_default)
+
+    # model-parallel stream: seed + 2718 + tp_rank (megatron's offset), continuous across forks.
+    for o in outs:
+        expected = torch.rand(9, generator=torch.Generator().manual_seed(seed + 2718 + o["tp_rank"]))
+        assert torch.equal(o["mp"], expected)
+        # data-parallel stream: the plain seed, same on all ranks.
+        assert torch.equal(o["nested"], torch.rand(3, generator=torch.Generator().manual_seed(seed)))
+    # TP shards initialize differently; DP replicas identically.
+    assert not torch.equal(by_pos[(0, 0)]["weight"], by_pos[(1, 0)]["weight"])
+    assert torch.equal(by_pos[(0, 0)]["weight"], by_pos[(0, 1)]["weight"])
+    assert torch.equal(by_pos[(1, 0)]["weight"], by_pos[(1, 1)]["weight"])
+    assert all(o["recompute_consistent"] for o in outs)
+
+
+# ------------------------------------------------------------------------------------------------
+# cuda_type_names
+# ------------------------------------------------------------------------------------------------
+def _clip_and_optimizer(rank: int, world_size: int, skip: list[str]) -> dict:
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    from hybridrl.parallel.state import initialize_model_parallel
+    from tests import megatron_helpers as H
+
+    # initialize_model_parallel applies the whole layer first; re-create the state under test.
+    initialize_model_parallel(seed=1)
+    if skip:
+        cpu_layer.remove_cpu_layer()
+        cpu_layer.apply_cpu_layer(skip=skip)
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(1)
+
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.full((4,), 5.0)  # norm 10
+
+    def clip() -> None:
+        from megatron.core.optimizer import clip_grads
+
+        clip_grads.clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=10.0)
+
+    out = {"clip": _raises(clip), "grad": p.grad.clone()}
+    # The module-level name megatron's optimizer calls must be patched too.
+    from megatron.core.optimizer import optimizer as moptimizer
+
+    out["optimizer_global_patched"] = (
+        moptimizer.clip_grad_by_total_norm_fp32 is not clip_grad_by_total_norm_fp32
+    )
+    out["dist_opt"] = _raises(
+        lambda: H.wrap_ddp_and_optimizer(H.tiny_gpt(num_layers=1), distributed_optimizer=True)
+    )
+    out["type_outside"] = torch.zeros(1).type()
+    with cpu_layer.CudaTypeNamesMode():
+        out["type_inside"] = [torch.zeros(1, dtype=d).type() for d in (torch.float32, torch.bfloat16,
+                                                                          torch.float16, torch.int64)]
+    return out
+
+
+def test_cuda_type_names_patch_without():
+    out = run_ranks(_clip_and_optimizer, 1, ["cuda_type_names"], timeout_s=120)[0]
+    assert out["clip"].startswith("AssertionError")  # grad.type() == 'torch.cuda.FloatTensor'
+    assert torch.equal(out["grad"], torch.full((4,), 5.0))
+    assert out["dist_opt"].startswith("TypeError") and "torch.cuda.FloatTensor" in out["dist_opt"]
+
+
+def test_cuda_type_names_patch_with():
+    out = run_ranks(_clip_and_optimizer, 1, [], timeout_s=120)[0]
+    assert out["clip"] == "" and out["dist_opt"] == ""
+    assert torch.allclose(out["grad"], torch.full((4,), 0.5), atol=1e-6)  # clipped 10 -> 1
+    assert out["optimizer_global_patched"]
+    # The CUDA names are reported only inside the wrapped megatron functions.
+    assert out["type_outside"] == "torch.FloatTensor"
+    assert out["type_inside"] == ["torch.cuda.FloatTensor", "torch.cuda.BFloat16Tensor",
+                                  "torch.cuda.HalfTensor", "torch.LongTensor"]
+
+
+# ------------------------------------------------------------------------------------------------
+# config flags that must be off on CPU
+# ------------------------------------------------------------------------------------------------
+def test_check_config_for_cpu_lists_every_bad_flag():
+    good = SimpleNamespace(**cpu_layer.CPU_CONFIG_OVERRIDES)
+    cpu_layer.check_config_for_cpu(good)
+    bad = SimpleNamespace(**{**cpu_layer.CPU_CONFIG_OVERRIDES, "batch_p2p_sync": True,
+                             "gradient_accumulation_fusion": True})
+    with pytest.raises(ValueError, match="batch_p2p_sync=True.*gradient_accumulation_fusion=True"):
+        cpu_layer.check_config_for_cpu(bad)
