@@ -1,0 +1,308 @@
+"""Architecture registry: what an HF `config.json` means for a megatron-core GPTModel.
+
+Torch-free on purpose: the config planner (`hybridrl.config`) imports `ModelShape` to validate a
+run and estimate memory without paying for `import torch` / `import megatron`. Everything here
+works on the config read as a plain dict; `hybridrl.models.bridge` turns the result into real
+megatron objects.
+
+Supported families share the Llama block (RMSNorm, RoPE, SwiGLU MLP, optional GQA) and differ in
+small switches: Qwen2 adds biases on q/k/v, Qwen3 adds an RMSNorm on each query/key head
+(megatron's `qk_layernorm`) and sets `head_dim` explicitly.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+# Megatron pads the vocabulary to a multiple of this times TP (its `make_vocab_size_divisible_by`
+# default) so that every TP rank holds an equal, aligned slice of the embedding and output layer.
+DEFAULT_VOCAB_DIVISOR = 128
+
+
+class UnsupportedModelError(ValueError):
+    """The HF config describes a model this bridge cannot represent exactly."""
+
+
+class ParallelLayoutError(ValueError):
+    """The requested TP/PP/VPP sizes do not fit the model's shape."""
+
+
+@dataclass(frozen=True)
+class ArchFamily:
+    """Per-architecture switches and the HF class defaults used when config.json omits a key."""
+
+    architecture: str
+    model_type: str
+    qkv_bias: bool
+    qk_norm: bool
+    default_max_positions: int
+    # None: hidden_size // num_attention_heads (the HF default for all but Qwen3).
+    default_head_dim: int | None = None
+    default_tie_word_embeddings: bool = False
+
+
+SUPPORTED_ARCHITECTURES: dict[str, ArchFamily] = {
+    family.architecture: family
+    for family in (
+        ArchFamily("LlamaForCausalLM", "llama", qkv_bias=False, qk_norm=False, default_max_positions=2048),
+        ArchFamily("MistralForCausalLM", "mistral", qkv_bias=False, qk_norm=False,
+                   default_max_positions=131072),
+        ArchFamily("Qwen2ForCausalLM", "qwen2", qkv_bias=True, qk_norm=False, default_max_positions=32768),
+        ArchFamily("Qwen3ForCausalLM", "qwen3", qkv_bias=False, qk_norm=True, default_max_positions=32768,
+                   default_head_dim=128),
+    )
+}
+
+
+def _architecture_of(config: Mapping[str, Any]) -> ArchFamily:
+    archs = config.get("architectures")
+    supported = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+    if not archs:
+        # Configs written by hand sometimes only carry model_type: accept it when it is unambiguous.
+        by_type = {f.model_type: f for f in SUPPORTED_ARCHITECTURES.values()}
+        model_type = config.get("model_type")
+        if model_type in by_type:
+            return by_type[model_type]
+        raise UnsupportedModelError(
+            f"config.json has no 'architectures' (model_type={model_type!r}); supported: {supported}"
+        )
+    if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"unsupported architectures={archs!r} in config.json; supported: {supported}"
+        )
+    return SUPPORTED_ARCHITECTURES[archs[0]]
+
+
+def _rope_theta(config: Mapping[str, Any]) -> float:
+    """RoPE base from either transformers 5 (`rope_parameters`) or 4.x (`rope_theta`, `rope_scaling`)."""
+    params = config.get("rope_parameters")
+    legacy_scaling = config.get("rope_scaling")
+    if isinstance(params, Mapping) and params:
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    else:
+        rope_type = "default"
+        if isinstance(legacy_scaling, Mapping) and legacy_scaling:
+            rope_type = legacy_scaling.get("rope_type", legacy_scaling.get("type", "default"))
+        theta = config.get("rope_theta", 10000.0)
+    if rope_type != "default":
+        raise UnsupportedModelError(
+            f"rope_type={rope_type!r} is not supported (only plain RoPE, rope_type='default'): "
+            "megatron's built-in scaling differs from HF's and would silently change logits"
+        )
+    return float(theta)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Every number of a supported decoder-only model that layout, memory and FLOP math need."""
+
+    architecture: str
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rms_norm_eps: float
+    rope_theta: float
+    qkv_bias: bool
+    qk_norm: bool
+    # Attention window of Mistral-style models; None means full causal attention. Megatron's local
+    # spec has no sliding window, so sequences longer than this would diverge from HF.
+    sliding_window: int | None = None
+
+    # ---- construction -------------------------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any]) -> ModelShape:
+        """Read an HF config dict; raise `UnsupportedModelError` for anything not exactly representable."""
+        family = _architecture_of(config)
+        name = family.architecture
+
+        def need(key: str) -> Any:
+            if key not in config or config[key] is None:
+                raise UnsupportedModelError(f"{name} config.json lacks required key {key!r}")
+            return config[key]
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = config.get("head_dim") or family.default_head_dim or hidden // heads
+        if config.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise UnsupportedModelError(
+                f"{name}: hidden_act={config['hidden_act']!r} is not supported (only silu)"
+            )
+        if config.get("mlp_bias"):
+            raise UnsupportedModelError(f"{name}: mlp_bias=True is not supported")
+        # Llama/Mistral/Qwen3 `attention_bias` puts a bias on o_proj too, which megatron can only add
+        # together with every other linear bias: not representable with this mapping.
+        if config.get("attention_bias") and not family.qkv_bias:
+            raise UnsupportedModelError(f"{name}: attention_bias=True is not supported")
+        if heads % kv_heads:
+            raise UnsupportedModelError(
+                f"{name}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
+            )
+        sliding_window = None
+        if family.model_type == "mistral":
+            sliding_window = config.get("sliding_window")
+        elif config.get("use_sliding_window"):
+            raise UnsupportedModelError(f"{name}: use_sliding_window=True is not supported")
+        tie = config.get("tie_word_embeddings")
+        return cls(
+            architecture=name,
+            model_type=family.model_type,
+            num_layers=int(need("num_hidden_layers")),
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=int(head_dim),
+            ffn_hidden_size=int(need("intermediate_size")),
+            vocab_size=int(need("vocab_size")),
+            max_position_embeddings=int(
+                config.get("max_position_embeddings") or family.default_max_positions
+            ),
+            tie_word_embeddings=bool(family.default_tie_word_embeddings if tie is None else tie),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(config),
+            qkv_bias=family.qkv_bias,
+            qk_norm=family.qk_norm,
+            sliding_window=int(sliding_window) if sliding_window else None,
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> ModelShape:
+        return cls.from_hf_config(read_hf_config(path))
+
+    # ---- derived sizes -------------------------------------------------------------------------
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_attention_heads // self.num_kv_heads
+
+    def params_per_layer(self) -> int:
+        attention = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
+        if self.qkv_bias:
+            attention += self.q_size + 2 * self.kv_size
+        if self.qk_norm:
+            attention += 2 * self.head_dim
+        mlp = 3 * self.hidden_size * self.ffn_hidden_size
+        return attention + mlp + 2 * self.hidden_size
+
+    def param_count(self) -> int:
+        """Parameters of the HF model (unpadded vocab; a tied output layer counted once)."""
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return embeddings + self.num_layers * self.params_per_layer() + self.hidden_size
+
+    def padded_vocab_size(self, tp: int, divisor: int = DEFAULT_VOCAB_DIVISOR) -> int:
+        return padded_vocab_size(self.vocab_size, tp, divisor)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    # ---- parallel fit ----------------------------------------------------------------------------
+    def parallel_errors(self, tp: int = 1, pp: int = 1, vpp: int | None = None) -> list[str]:
+        """Every reason TP/PP/VPP cannot shard this model (empty when it can), for all-at-once reports."""
+        errors: list[str] = []
+        for label, value in (("tp", tp), ("pp", pp)):
+            if value < 1:
+                errors.append(f"{label}={value} must be >= 1")
+        if vpp is not None and vpp < 1:
+            errors.append(f"vpp={vpp} must be >= 1")
+        if errors:
+            return errors
+        heads, kv = self.num_attention_heads, self.num_kv_heads
+        if heads % tp:
+            errors.append(f"tp={tp} does not divide num_attention_heads={heads}")
+        # Megatron shards KV heads when tp <= kv; when tp > kv each KV head is shared by tp/kv ranks
+        # (megatron gathers the fused qkv and picks its group), which needs tp to be a multiple of kv.
+        if tp <= kv and kv % tp:
+            errors.append(f"tp={tp} does not divide num_key_value_heads={kv}")
+        if tp > kv and tp % kv:
+            errors.append(f"tp={tp} > num_key_value_heads={kv} must be a multiple of it")
+        qkv_rows = self.q_size + 2 * self.kv_size
+        if qkv_rows % tp:
+            errors.append(f"tp={tp} does not divide the fused qkv size {qkv_rows}")
+        if self.ffn_hidden_size % tp:
+            errors.append(f"tp={tp} does not divide intermediate_size={self.ffn_hidden_size}")
+        chunks = pp * (vpp or 1)
+        if vpp is not None and vpp > 1 and pp < 2:
+            errors.append(f"vpp={vpp} needs pp >= 2 (got pp={pp})")
+        if self.num_layers % chunks:
+            errors.append(
+                f"num_hidden_layers={self.num_layers} is not divisible by pp*vpp={chunks} "
+                "(only even pipeline splits are supported)"
+            )
+        return errors
+
+    def check_parallel(self, tp: int = 1, pp: int = 1, vpp: int | None = None) -> None:
+        errors = self.parallel_errors(tp, pp, vpp)
+        if errors:
+            raise ParallelLayoutError(f"{self.architecture}: " + "; ".join(errors))
+
+    # ---- megatron configuration (plain values; bridge.py makes the objects) ---------------------
+    def megatron_config_kwargs(self, tp: int = 1, pp: int = 1, vpp: int | None = None) -> dict[str, Any]:
+        """`TransformerConfig` keyword arguments, with `activation_func` given by name ('silu')."""
+        self.check_parallel(tp, pp, vpp)
+        return dict(
+            num_layers=self.num_layers,
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            num_query_groups=self.num_kv_heads,
+            kv_channels=self.head_dim,
+            ffn_hidden_size=self.ffn_hidden_size,
+            normalization="RMSNorm",
+            # megatron's default epsilon (1e-5) differs from HF's: always pass the model's.
+            layernorm_epsilon=self.rms_norm_eps,
+            gated_linear_unit=True,
+            activation_func="silu",
+            add_bias_linear=False,
+            add_qkv_bias=self.qkv_bias,
+            qk_layernorm=self.qk_norm,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+        )
+
+    def gpt_model_kwargs(self, tp: int = 1) -> dict[str, Any]:
+        """`GPTModel` keyword arguments that depend only on the model (not the rank's stage)."""
+        return dict(
+            vocab_size=self.padded_vocab_size(tp),
+            max_sequence_length=self.max_position_embeddings,
+            position_embedding_type="rope",
+            rotary_base=self.rope_theta,
+            rotary_percent=1.0,
+            share_embeddings_and_output_weights=self.tie_word_embeddings,
+        )
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisor: int = DEFAULT_VOCAB_DIVISOR) -> int:
+    """Megatron's padding rule: round up to a multiple of `divisor * tp`."""
+    multiple = divisor * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """config.json of an HF folder (or the file itself) as a dict, with a clear error if absent."""
+    path = Path(path)
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        raise FileNotFoundError(f"no config.json in {path}")
+    with config_file.open() as handle:
+        return json.load(handle)

@@ -1,0 +1,583 @@
+"""Checkpoint IO: read HF and sharded-megatron checkpoints tensor range by tensor range, write both.
+
+Readers expose one operation, `read(hf_name, axis, start, stop)`: a range of an HF-named tensor,
+whatever the files hold. For an HF folder that is a `safetensors` slice read; for our sharded
+megatron checkpoint it is stitched from the rank files that hold pieces of it (`layout.hf_export_map`).
+Writers pull every output tensor through `assemble(reader, plan)`, so HF→mcore, mcore→HF and
+mcore→mcore re-sharding are the same code, and no step holds more than one rank file's tensors
+(mcore) or one output shard (HF).
+
+Sharded megatron checkpoint (`hybridrl convert hf-to-mcore`, or `bridge.save_mcore_checkpoint`):
+  model_tp{T:02d}_pp{P:03d}.safetensors  one per TP×PP rank; keys = GPTModel.state_dict() keys
+                                         (local-spec names), prefixed `model{v}.` per VPP chunk
+  hybridrl_checkpoint.json               format, layout, architecture, HF config, dtype, padded
+                                         vocab, and shape/dtype/sha256 of every tensor
+  hf_assets/                             tokenizer and other small files copied from the HF folder
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from hybridrl.models.arch import ModelShape, read_hf_config
+from hybridrl.models.layout import (
+    IGNORED_HF_SUFFIXES,
+    LM_HEAD,
+    ParallelLayout,
+    TensorPlan,
+    checkpoint_file_name,
+    hf_export_map,
+    hf_tensor_axis,
+    hf_tensor_shapes,
+    rank_tensor_plans,
+)
+
+METADATA_FILE = "hybridrl_checkpoint.json"
+CHECKPOINT_FORMAT = "hybridrl-mcore"
+CHECKPOINT_VERSION = 1
+ASSETS_DIR = "hf_assets"
+HF_INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
+# Small non-weight files of an HF folder worth carrying through a conversion (tokenizer, templates).
+ASSET_PATTERNS: tuple[str, ...] = (
+    "tokenizer*", "special_tokens_map.json", "vocab.*", "merges.txt", "*.model", "chat_template*",
+    "added_tokens.json", "preprocessor_config.json",
+)
+
+_ST_DTYPES: dict[str, torch.dtype] = {
+    "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, inconsistent with its config, or corrupted."""
+
+
+def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+    key = aliases.get(name.lower(), name.lower().removeprefix("torch."))
+    if key not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"unsupported dtype {name!r}: expected float32, bfloat16 or float16")
+    return getattr(torch, key)
+
+
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    """sha256 of the tensor's raw bytes as stored (dtype-exact, layout-independent)."""
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+
+
+def _format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+# ---- readers ----------------------------------------------------------------------------------------
+
+class _SafetensorsFiles:
+    """Open-on-demand safetensors handles (kept open: get_slice is cheap on an open file)."""
+
+    def __init__(self) -> None:
+        self._stack = contextlib.ExitStack()
+        self._handles: dict[Path, Any] = {}
+
+    def get(self, path: Path) -> Any:
+        if path not in self._handles:
+            try:
+                self._handles[path] = self._stack.enter_context(safe_open(str(path), framework="pt"))
+            except (OSError, Exception) as exc:  # safetensors raises its own error type on bad headers
+                raise CheckpointError(f"cannot open {path}: {exc}") from exc
+        return self._handles[path]
+
+    def close(self) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+
+def _slice(handle: Any, key: str, axis: int | None, start: int, stop: int) -> torch.Tensor:
+    view = handle.get_slice(key)
+    if axis is None:
+        return view[:]
+    if axis == 0:
+        return view[start:stop]
+    if axis == 1:
+        return view[:, start:stop]
+    raise ValueError(f"axis {axis} not supported")
+
+
+class HFCheckpointReader:
+    """Reads tensor ranges from an HF folder (`model.safetensors` or sharded with an index json)."""
+
+    def __init__(self, hf_dir: str | Path):
+        self.dir = Path(hf_dir)
+        if not self.dir.is_dir():
+            raise CheckpointError(f"HF checkpoint folder {self.dir} does not exist")
+        self.config = read_hf_config(self.dir)
+        self.shape = ModelShape.from_hf_config(self.config)
+        self.weight_files = self._weight_map()
+        self._files = _SafetensorsFiles()
+        self._check_tensors()
+
+    def _weight_map(self) -> dict[str, Path]:
+        index = self.dir / HF_INDEX_FILE
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            out = {name: self.dir / fname for name, fname in weight_map.items()}
+            missing = sorted({str(p.name) for p in out.values() if not p.is_file()})
+            if missing:
+                raise CheckpointError(f"{index} lists files that are missing: {', '.join(missing)}")
+            return out
+        single = self.dir / "model.safetensors"
+        if not single.is_file():
+            others = sorted(p.name for p in self.dir.glob("*.bin"))
+            hint = f" (found {', '.join(others)}: only safetensors are supported)" if others else ""
+            raise CheckpointError(f"no model.safetensors or {HF_INDEX_FILE} in {self.dir}{hint}")
+        with safe_open(str(single), framework="pt") as handle:
+            return {name: single for name in handle.keys()}  # noqa: SIM118 - safe_open has no __iter__
+
+    def _check_tensors(self) -> None:
+        expected = hf_tensor_shapes(self.shape)
+        problems: list[str] = []
+        missing = [name for name in expected if name not in self.weight_files]
+        if missing:
+            problems.append(f"missing tensors ({len(missing)}): {', '.join(missing[:8])}"
+                            + (" ..." if len(missing) > 8 else ""))
+        for name, path in self.weight_files.items():
+            if name in expected:
+                got = tuple(self._files.get(path).get_slice(name).get_shape())
+                if got != expected[name]:
+                    problems.append(f"{name} in {path.name} has shape {list(got)}, config implies "
+                                    f"{list(expected[name])}")
+            elif name == LM_HEAD and self.shape.tie_word_embeddings:
+                continue  # some tied checkpoints still store lm_head; HF ignores it too
+            elif not name.endswith(IGNORED_HF_SUFFIXES):
+                problems.append(f"unexpected tensor {name} in {path.name}")
+        if problems:
+            raise CheckpointError(f"HF checkpoint {self.dir} does not match its config.json "
+                                  f"({self.shape.architecture}): " + "; ".join(problems))
+
+    def read(self, hf_name: str, axis: int | None, start: int, stop: int) -> torch.Tensor:
+        return _slice(self._files.get(self.weight_files[hf_name]), hf_name, axis, start, stop)
+
+    def dtype_of(self, hf_name: str) -> torch.dtype:
+        st = self._files.get(self.weight_files[hf_name]).get_slice(hf_name).get_dtype()
+        return _ST_DTYPES[st]
+
+    def generation_config(self) -> dict[str, Any] | None:
+        path = self.dir / "generation_config.json"
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    def assets(self) -> list[Path]:
+        found: dict[str, Path] = {}
+        for pattern in ASSET_PATTERNS:
+            for path in self.dir.glob(pattern):
+                if path.is_file():
+                    found[path.name] = path
+        return [found[name] for name in sorted(found)]
+
+    def close(self) -> None:
+        self._files.close()
+
+
+@dataclass(frozen=True)
+class McoreMetadata:
+    path: Path
+    raw: dict[str, Any]
+    shape: ModelShape
+    layout: ParallelLayout
+
+    @classmethod
+    def read(cls, ckpt_dir: str | Path) -> McoreMetadata:
+        ckpt_dir = Path(ckpt_dir)
+        meta_path = ckpt_dir / METADATA_FILE
+        if not meta_path.is_file():
+            raise CheckpointError(f"{ckpt_dir} is not a hybridrl megatron checkpoint: no {METADATA_FILE}")
+        raw = json.loads(meta_path.read_text())
+        if raw.get("format") != CHECKPOINT_FORMAT or raw.get("version") != CHECKPOINT_VERSION:
+            raise CheckpointError(f"{meta_path}: format {raw.get('format')!r} v{raw.get('version')!r}, "
+                                  f"expected {CHECKPOINT_FORMAT!r} v{CHECKPOINT_VERSION}")
+        layout = ParallelLayout(**raw["layout"])
+        return cls(ckpt_dir, raw, ModelShape.from_hf_config(raw["hf_config"]), layout)
+
+    @property
+    def hf_config(self) -> dict[str, Any]:
+        return self.raw["hf_config"]
+
+    @property
+    def files(self) -> dict[str, dict[str, Any]]:
+        return self.raw["files"]
+
+
+class McoreCheckpointReader:
+    """Reads HF-named tensor ranges out of a sharded megatron checkpoint, after verifying it."""
+
+    def __init__(self, ckpt_dir: str | Path, verify: bool = True,
+                 progress: Callable[[int], Any] | None = None):
+        self.meta = McoreMetadata.read(ckpt_dir)
+        self.dir = self.meta.path
+        self.shape, self.layout = self.meta.shape, self.meta.layout
+        self.config = self.meta.hf_config
+        self._files = _SafetensorsFiles()
+        self._check_structure()
+        if verify:
+            self.verify(progress)
+        self._pieces = hf_export_map(self.shape, self.layout)
+
+    def _rank_path(self, tp_rank: int, pp_rank: int) -> Path:
+        return self.dir / checkpoint_file_name(tp_rank, pp_rank)
+
+    def _check_structure(self) -> None:
+        """Every rank file exists and holds exactly the tensors its layout implies, with their shapes."""
+        for pp_rank in range(self.layout.pp):
+            for tp_rank in range(self.layout.tp):
+                fname = checkpoint_file_name(tp_rank, pp_rank)
+                path = self.dir / fname
+                if not path.is_file():
+                    raise CheckpointError(f"checkpoint {self.dir} is incomplete: {fname} is missing")
+                plans = rank_tensor_plans(self.shape, self.layout, tp_rank, pp_rank)
+                recorded = self.meta.files.get(fname, {}).get("tensors", {})
+                handle = self._files.get(path)
+                keys = set(handle.keys())
+                if keys != set(plans) or set(recorded) != set(plans):
+                    diff = sorted(set(plans) ^ keys) or sorted(set(plans) ^ set(recorded))
+                    raise CheckpointError(f"{fname} does not match the checkpoint layout; "
+                                          f"differing tensors: {', '.join(diff[:6])}")
+                for key, plan in plans.items():
+                    got = tuple(handle.get_slice(key).get_shape())
+                    if got != plan.shape:
+                        raise CheckpointError(f"{fname} tensor {key} has shape {list(got)}, layout "
+                                              f"implies {list(plan.shape)}")
+
+    def verify(self, progress: Callable[[int], Any] | None = None) -> None:
+        """Recompute every tensor's sha256 against the metadata; name the file and tensor on mismatch."""
+        for fname, entry in self.meta.files.items():
+            handle = self._files.get(self.dir / fname)
+            for key, info in entry["tensors"].items():
+                if tensor_sha256(handle.get_tensor(key)) != info["sha256"]:
+                    raise CheckpointError(
+                        f"checksum mismatch in {self.dir / fname}, tensor {key}: the file was "
+                        "modified or corrupted after it was written"
+                    )
+                if progress is not None:
+                    progress(1)
+
+    def num_tensors(self) -> int:
+        return sum(len(entry["tensors"]) for entry in self.meta.files.values())
+
+    def read(self, hf_name: str, axis: int | None, start: int, stop: int) -> torch.Tensor:
+        parts = []
+        for piece in self._pieces[hf_name]:
+            handle = self._files.get(self._rank_path(piece.tp_rank, piece.pp_rank))
+            if piece.axis is None:
+                return _slice(handle, piece.key, None, 0, 0)
+            lo, hi = max(start, piece.hf_start), min(stop, piece.hf_stop)
+            if lo < hi:
+                off = piece.shard_offset + lo - piece.hf_start
+                parts.append((lo, _slice(handle, piece.key, piece.axis, off, off + hi - lo)))
+        parts.sort(key=lambda item: item[0])
+        return torch.cat([t for _, t in parts], dim=axis if axis is not None else 0)
+
+    def dtype_of(self, hf_name: str) -> torch.dtype:
+        return parse_dtype(self.meta.raw["dtype"])  # type: ignore[return-value]
+
+    def generation_config(self) -> dict[str, Any] | None:
+        return self.meta.raw.get("generation_config")
+
+    def assets(self) -> list[Path]:
+        folder = self.dir / ASSETS_DIR
+        return sorted(p for p in folder.iterdir() if p.is_file()) if folder.is_dir() else []
+
+    def close(self) -> None:
+        self._files.close()
+
+
+TensorReader = HFCheckpointReader | McoreCheckpointReader
+
+
+def assemble(reader: Any, plan: TensorPlan, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Build one megatron tensor from its plan: HF ranges concatenated along the axis, zero padding."""
+    parts: list[torch.Tensor] = []
+    for seg in plan.segments:
+        if seg.hf_name is None:
+            pad_shape = list(plan.shape)
+            pad_shape[plan.axis or 0] = seg.length
+            parts.append(torch.zeros(pad_shape, dtype=parts[0].dtype if parts else torch.float32))
+        else:
+            parts.append(reader.read(seg.hf_name, plan.axis, seg.start, seg.stop))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=plan.axis or 0)
+    if tuple(out.shape) != plan.shape:
+        raise CheckpointError(f"{plan.mcore_name}: assembled shape {list(out.shape)} != {list(plan.shape)}")
+    return out.to(dtype) if dtype is not None else out
+
+
+def read_hf_tensor(reader: Any, shape: ModelShape, hf_name: str) -> torch.Tensor:
+    full = hf_tensor_shapes(shape)[hf_name]
+    axis = hf_tensor_axis(shape, hf_name)
+    return reader.read(hf_name, axis, 0, full[axis] if axis is not None else 0)
+
+
+# ---- output folders ---------------------------------------------------------------------------------
+
+def check_output_dir(out_dir: Path, force: bool) -> None:
+    """Refuse an output that exists as a file, or a non-empty folder without `force` (checked up front)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"output {out_dir} exists and is not a folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
+        raise CheckpointError(f"output folder {out_dir} is not empty (pass --force to replace it)")
+
+
+def check_free_space(out_dir: Path, needed_bytes: int, margin: float = 1.05) -> None:
+    parent = out_dir.parent
+    while not parent.exists():
+        parent = parent.parent
+    free = shutil.disk_usage(parent).free
+    if needed_bytes * margin > free:
+        raise CheckpointError(f"not enough free disk space for {out_dir}: need about "
+                              f"{_format_bytes(needed_bytes * margin)}, {_format_bytes(free)} free")
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out_dir: str | Path, force: bool = False) -> Iterator[Path]:
+    """Yield a temporary folder next to `out_dir`; rename it into place only if the body succeeds.
+
+    On any error the temporary folder is removed and `out_dir` is left exactly as it was.
+    """
+    out_dir = Path(out_dir).absolute()
+    check_output_dir(out_dir, force)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        if out_dir.is_dir():
+            if any(out_dir.iterdir()):
+                trash = out_dir.parent / f".{out_dir.name}.replaced-{uuid.uuid4().hex[:8]}"
+                out_dir.rename(trash)
+                tmp.rename(out_dir)
+                shutil.rmtree(trash, ignore_errors=True)
+                return
+            out_dir.rmdir()
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _copy_assets(assets: list[Path], dest: Path) -> None:
+    if assets:
+        dest.mkdir(exist_ok=True)
+        for path in assets:
+            shutil.copy2(path, dest / path.name)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# ---- writers ----------------------------------------------------------------------------------------
+
+def write_rank_file(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
+    """Save one rank's tensors; return their metadata entries (shape, dtype, sha256)."""
+    contiguous = {key: t.detach().contiguous() for key, t in tensors.items()}
+    save_file(contiguous, str(path), metadata={"format": "pt"})
+    return {
+        key: {"shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype], "sha256": tensor_sha256(t)}
+        for key, t in contiguous.items()
+    }
+
+
+def mcore_metadata(
+    shape: ModelShape, layout: ParallelLayout, hf_config: Mapping[str, Any], dtype: torch.dtype,
+    files: dict[str, dict[str, Any]], generation_config: Mapping[str, Any] | None,
+    assets: list[str],
+) -> dict[str, Any]:
+    chunks = [
+        {"pp_rank": c.pp_rank, "vp_stage": c.vp_stage, "first_layer": c.first_layer,
+         "num_layers": c.num_layers}
+        for c in layout.all_chunks(shape.num_layers)
+    ]
+    return {
+        "format": CHECKPOINT_FORMAT,
+        "version": CHECKPOINT_VERSION,
+        "architecture": shape.architecture,
+        "layout": layout.to_dict(),
+        "dtype": DTYPE_NAMES[dtype],
+        "vocab_size": shape.vocab_size,
+        "padded_vocab_size": shape.padded_vocab_size(layout.tp),
+        "layer_chunks": chunks,
+        "model_shape": shape.to_dict(),
+        "hf_config": dict(hf_config),
+        "generation_config": dict(generation_config) if generation_config else None,
+        "assets": assets,
+        "files": files,
+    }
+
+
+def _source_dtype(reader: Any, shape: ModelShape) -> torch.dtype:
+    from hybridrl.models.layout import EMBED
+
+    return reader.dtype_of(EMBED)
+
+
+def _progress_bar(total: int, desc: str, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="tensor", disable=not enabled, leave=False)
+
+
+def estimated_mcore_bytes(shape: ModelShape, layout: ParallelLayout, dtype: torch.dtype) -> int:
+    numel = 0
+    for pp_rank in range(layout.pp):
+        for tp_rank in range(layout.tp):
+            for plan in rank_tensor_plans(shape, layout, tp_rank, pp_rank).values():
+                count = 1
+                for dim in plan.shape:
+                    count *= dim
+                numel += count
+    return numel * _element_size(dtype)
+
+
+def write_mcore_checkpoint(
+    reader: Any, out_dir: str | Path, layout: ParallelLayout, *, dtype: torch.dtype | None = None,
+    force: bool = False, progress: bool = False,
+) -> Path:
+    """Write `reader`'s model as a sharded megatron checkpoint for `layout` (atomically)."""
+    shape: ModelShape = reader.shape
+    shape.check_parallel(layout.tp, layout.pp, layout.vpp)
+    out_dir = Path(out_dir)
+    dtype = dtype or _source_dtype(reader, shape)
+    check_output_dir(out_dir, force)
+    check_free_space(out_dir, estimated_mcore_bytes(shape, layout, dtype))
+    rank_plans = {
+        (tp_rank, pp_rank): rank_tensor_plans(shape, layout, tp_rank, pp_rank)
+        for pp_rank in range(layout.pp) for tp_rank in range(layout.tp)
+    }
+    total = sum(len(p) for p in rank_plans.values())
+    files: dict[str, dict[str, Any]] = {}
+    assets = reader.assets()
+    with atomic_output_dir(out_dir, force) as tmp, _progress_bar(total, "hf-to-mcore", progress) as bar:
+        for (tp_rank, pp_rank), plans in rank_plans.items():
+            tensors = {}
+            for key, plan in plans.items():
+                tensors[key] = assemble(reader, plan, dtype)
+                bar.update(1)
+            fname = checkpoint_file_name(tp_rank, pp_rank)
+            files[fname] = {"tp_rank": tp_rank, "pp_rank": pp_rank,
+                            "tensors": write_rank_file(tmp / fname, tensors)}
+            del tensors
+        _copy_assets(assets, tmp / ASSETS_DIR)
+        meta = mcore_metadata(shape, layout, reader.config, dtype, files, reader.generation_config(),
+                              [p.name for p in assets])
+        (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=1, sort_keys=False))
+    return out_dir
+
+
+def hf_config_for_export(config: Mapping[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    out = dict(config)
+    name = DTYPE_NAMES[dtype]
+    keys = [k for k in ("dtype", "torch_dtype") if k in out] or ["dtype"]
+    for key in keys:
+        out[key] = name
+    return out
+
+
+def generation_config_for_export(config: Mapping[str, Any], stored: Mapping[str, Any] | None) -> dict:
+    if stored:
+        return dict(stored)
+    # What transformers derives from the model config when a folder has no generation_config.json.
+    keys = ("bos_token_id", "eos_token_id", "pad_token_id")
+    out = {k: config[k] for k in keys if config.get(k) is not None}
+    out["_from_model_config"] = True
+    return out
+
+
+def write_hf_checkpoint(
+    reader: Any, out_dir: str | Path, *, dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, force: bool = False, progress: bool = False,
+) -> Path:
+    """Write `reader`'s model as an HF folder: safetensors shards (+ index), config, generation config."""
+    shape: ModelShape = reader.shape
+    out_dir = Path(out_dir)
+    dtype = dtype or _source_dtype(reader, shape)
+    hf_shapes = hf_tensor_shapes(shape)
+    sizes = {name: _numel(s) * _element_size(dtype) for name, s in hf_shapes.items()}
+    check_output_dir(out_dir, force)
+    check_free_space(out_dir, sum(sizes.values()))
+    # Plan shards first (HF's greedy rule: start a new shard when the next tensor would overflow).
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name in hf_shapes:
+        if shards[-1] and used + sizes[name] > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += sizes[name]
+    n = len(shards)
+    names = (["model.safetensors"] if n == 1
+             else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
+    assets = reader.assets()
+    with atomic_output_dir(out_dir, force) as tmp, _progress_bar(len(hf_shapes), "to-hf", progress) as bar:
+        weight_map: dict[str, str] = {}
+        for fname, members in zip(names, shards):
+            tensors = {}
+            for name in members:
+                tensors[name] = read_hf_tensor(reader, shape, name).to(dtype).contiguous()
+                weight_map[name] = fname
+                bar.update(1)
+            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            del tensors
+        if n > 1:
+            index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+            (tmp / HF_INDEX_FILE).write_text(json.dumps(index, indent=2))
+        config = hf_config_for_export(reader.config, dtype)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        gen = generation_config_for_export(config, reader.generation_config())
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        for path in assets:
+            shutil.copy2(path, tmp / path.name)
+    return out_dir
+
+
+def _numel(dims: tuple[int, ...]) -> int:
+    count = 1
+    for dim in dims:
+        count *= dim
+    return count
+
+
+def open_reader(path: str | Path, verify: bool = True) -> TensorReader:
+    """An HF folder or a hybridrl megatron checkpoint, told apart by the metadata file."""
+    path = Path(path)
+    if (path / METADATA_FILE).is_file():
+        return McoreCheckpointReader(path, verify=verify)
+    return HFCheckpointReader(path)
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a folder entry to disk (after renames) where the OS allows it."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

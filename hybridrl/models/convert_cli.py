@@ -1,0 +1,115 @@
+"""`hybridrl convert`: HF ⇄ sharded megatron checkpoints, offline, on CPU, without torch.distributed.
+
+  hybridrl convert hf-to-mcore   --hf DIR   --out DIR --tp N --pp M [--vpp K] [--dtype bf16]
+  hybridrl convert mcore-to-hf   --ckpt DIR --out DIR [--dtype bf16] [--max-shard-size 5GB]
+  hybridrl convert mcore-to-mcore --ckpt DIR --out DIR --tp N --pp M [--vpp K]
+
+Every command validates its input fully before writing, checks free disk space, writes into a
+temporary folder next to `--out` and renames it into place at the end: on any error `--out` is
+left as it was. Megatron checkpoints are verified against their sha256 sums when read.
+
+Module-level imports stay light (argparse only): torch is imported inside `run`, so building the
+`hybridrl` parser costs nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MiB', '1000000' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).upper() not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r} (examples: 5GB, 500MiB, 1000000)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).upper()])
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="direction", metavar="DIRECTION")
+    sub.required = True
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--out", required=True, help="output folder (created; must be empty unless --force)")
+        p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
+                       help="output dtype (default: the input's)")
+        p.add_argument("--force", action="store_true", help="replace a non-empty output folder")
+        p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    def parallel(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--tp", type=_positive, default=1, help="tensor-parallel size")
+        p.add_argument("--pp", type=_positive, default=1, help="pipeline-parallel size")
+        p.add_argument("--vpp", type=_positive, default=None, help="virtual pipeline chunks per stage")
+
+    to_mcore = sub.add_parser("hf-to-mcore", help="HF folder -> sharded megatron checkpoint")
+    to_mcore.add_argument("--hf", required=True, help="HF folder with config.json and safetensors")
+    parallel(to_mcore)
+    common(to_mcore)
+
+    to_hf = sub.add_parser("mcore-to-hf", help="sharded megatron checkpoint -> HF folder")
+    to_hf.add_argument("--ckpt", required=True, help="checkpoint folder written by hybridrl")
+    to_hf.add_argument("--max-shard-size", type=parse_size, default="5GB",
+                       help="largest safetensors file in the HF output (default 5GB)")
+    common(to_hf)
+
+    reshard = sub.add_parser("mcore-to-mcore", help="re-shard a megatron checkpoint to another TP/PP")
+    reshard.add_argument("--ckpt", required=True, help="checkpoint folder written by hybridrl")
+    parallel(reshard)
+    common(reshard)
+
+
+def run(args: argparse.Namespace) -> int:
+    from hybridrl.models.arch import ParallelLayoutError, UnsupportedModelError
+    from hybridrl.models.checkpoint import (
+        CheckpointError,
+        HFCheckpointReader,
+        McoreCheckpointReader,
+        parse_dtype,
+        write_hf_checkpoint,
+        write_mcore_checkpoint,
+    )
+    from hybridrl.models.layout import ParallelLayout
+
+    progress = not args.quiet
+    dtype = parse_dtype(args.dtype)
+    reader = None
+    try:
+        if args.direction == "hf-to-mcore":
+            reader = HFCheckpointReader(args.hf)
+        else:
+            reader = McoreCheckpointReader(args.ckpt)
+        if args.direction == "mcore-to-hf":
+            out = write_hf_checkpoint(reader, args.out, dtype=dtype, max_shard_bytes=args.max_shard_size,
+                                      force=args.force, progress=progress)
+        else:
+            layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp)
+            out = write_mcore_checkpoint(reader, args.out, layout, dtype=dtype, force=args.force,
+                                         progress=progress)
+    except (CheckpointError, UnsupportedModelError, ParallelLayoutError, FileNotFoundError) as exc:
+        print(f"hybridrl convert: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if reader is not None:
+            reader.close()
+    print(f"hybridrl convert: wrote {out}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hybridrl convert", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
