@@ -1,0 +1,51 @@
+"""Render the schema as a commented YAML file: the documented base config is generated, not typed.
+
+`configs/base.yaml` is this function's output (a test keeps them equal), so every field, default
+and description shown to users comes from `schema.py`, the single source.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import yaml
+
+from hybridrl.config.schema import JobConfig
+
+HEADER = """\
+# hybridrl base config: every field with its default and meaning.
+# Generated from hybridrl/config/schema.py by `python -m hybridrl.config.docs > configs/base.yaml`.
+# A job config names only what it changes; `hybridrl plan CONFIG` shows every derived number.
+"""
+
+
+def _scalar(value: typing.Any) -> str:
+    text = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip()
+    return text.removesuffix("\n...").removesuffix("...").strip()
+
+
+def render_base_yaml(root: typing.Any = None) -> str:
+    root = root if root is not None else JobConfig()
+    lines = [HEADER]
+
+    def walk(obj: typing.Any, indent: int) -> None:
+        pad = "  " * indent
+        for field in dataclasses.fields(obj):
+            value = getattr(obj, field.name)
+            comment = field.metadata.get("doc", "")
+            if dataclasses.is_dataclass(value):
+                lines.append(f"{pad}{field.name}:{f'  # {comment}' if comment else ''}")
+                walk(value, indent + 1)
+            else:
+                lines.append(f"{pad}{field.name}: {_scalar(value)}{f'  # {comment}' if comment else ''}")
+
+    for field in dataclasses.fields(root):
+        section = getattr(root, field.name)
+        lines.append(f"{field.name}:  # {field.metadata.get('doc', '')}")
+        walk(section, 1)
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+if __name__ == "__main__":
+    print(render_base_yaml(), end="")

@@ -1,0 +1,179 @@
+"""Back-of-envelope per-GPU memory and resharding traffic, from the model shape and the layout.
+
+Estimates, not measurements: they exist to stop a job that cannot fit before it starts and to
+show what the hybrid engine's resharding costs against the naive design. Formulas:
+- weights/grads/optimizer: megatron mixed precision keeps bf16 params, fp32 main grads and fp32
+  master params + Adam m, v (12 B/param), the last sharded over DP by the distributed optimizer;
+- activations per micro-batch per layer ~ 34 * s * b * h bytes / TP (Korthikanti et al. 2022, flash
+  attention so no s^2 term; with sequence parallel everything shards over TP), and 1F1B keeps
+  up to PP micro-batches in flight on the first stage;
+- resharding: a rank must receive every byte of its generation shard it does not already hold
+  (HybridFlow §5, Table 2); the naive design all-gathers the whole model on every rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridrl.config.meshes import ReshardGroups, TrainingMesh, interval_overlap
+from hybridrl.config.model_shape import ModelShape
+
+GIB = 1024**3
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class TrainingMemory:
+    role: str
+    params_gib: float
+    grads_gib: float
+    optimizer_gib: float
+    optimizer_gib_without_distributed: float
+    activations_gib_per_micro_batch: float
+    activations_gib_in_flight: float
+    total_gib: float
+    fits: bool
+
+
+@dataclass(frozen=True)
+class RolloutMemory:
+    weights_gib: float
+    kv_cache_gib: float
+    kv_bytes_per_token: int
+    kv_cache_tokens: int
+    tokens_per_replica_step: int
+    fits: bool
+
+
+def _stage_params(shape: ModelShape, pp: int) -> int:
+    """Parameters on the heaviest pipeline stage (embedding on the first, output on the last)."""
+    layers = -(-shape.num_layers // pp)
+    first = shape.embedding_params + layers * shape.layer_params
+    last = layers * shape.layer_params + shape.hidden_size + shape.output_params
+    if pp == 1:
+        return shape.total_params
+    return max(first, last)
+
+
+def training_memory(
+    role: str, shape: ModelShape, mesh: TrainingMesh, *, dtype: str, distributed_optimizer: bool,
+    trainable: bool, micro_batch: int, seq_len: int, sequence_parallel: bool, gpu_gib: float,
+) -> TrainingMemory:
+    params = _stage_params(shape, mesh.pp) / mesh.tp
+    p_bytes = DTYPE_BYTES[dtype]
+    params_gib = params * p_bytes / GIB
+    grads_gib = params * 4 / GIB if trainable else 0.0
+    # fp32 master copy only when compute is in 16-bit; Adam m and v are always fp32.
+    opt_bytes = (4 if p_bytes < 4 else 0) + 8
+    opt_full = params * opt_bytes / GIB if trainable else 0.0
+    opt = opt_full / mesh.dp if (distributed_optimizer and trainable) else opt_full
+    layers = -(-shape.num_layers // mesh.pp)
+    tokens = micro_batch * seq_len / mesh.cp
+    per_layer = 34 * tokens * shape.hidden_size * p_bytes / 2  # 34 sbh counts 2-byte activations
+    per_layer = per_layer / mesh.tp if sequence_parallel else per_layer * (10 + 24 / mesh.tp) / 34
+    logits = tokens * (shape.vocab_size / mesh.tp) * 4 * 2  # fp32 logits + their gradient
+    act = (layers * per_layer + logits) / GIB
+    if not trainable:
+        act = (per_layer + logits) / GIB  # forward only: one layer's working set
+    in_flight = act * (mesh.pp if trainable else 1)
+    total = params_gib + grads_gib + opt + in_flight
+    return TrainingMemory(
+        role, round(params_gib, 3), round(grads_gib, 3), round(opt, 3), round(opt_full, 3),
+        round(act, 3), round(in_flight, 3), round(total, 3), total <= gpu_gib,
+    )
+
+
+def rollout_memory(
+    shape: ModelShape, infer_tp: int, *, dtype: str, gpu_gib: float, gpu_memory_utilization: float,
+    sequences_per_replica: int, seq_len: int,
+) -> RolloutMemory:
+    p_bytes = DTYPE_BYTES[dtype]
+    weights = shape.total_params * p_bytes / infer_tp / GIB
+    budget = gpu_gib * gpu_memory_utilization
+    kv_gib = max(0.0, budget - weights)
+    per_token = shape.kv_bytes_per_token(p_bytes, infer_tp)
+    capacity = int(kv_gib * GIB // per_token) if per_token else 0
+    return RolloutMemory(
+        round(weights, 3), round(kv_gib, 3), per_token, capacity, sequences_per_replica * seq_len,
+        fits=kv_gib > 0 and capacity >= seq_len,
+    )
+
+
+@dataclass(frozen=True)
+class PhasePeaks:
+    """Per-GPU peak of the hybrid engine, where actor, reference and rollout share each GPU.
+
+    Generation: the actor's training state stays resident (unless offloaded) next to vLLM's
+    weights and KV cache. Training: vLLM sleeps (its memory freed) and the reference's weights stay.
+    """
+
+    generation_gib: float
+    training_gib: float
+    fits: bool
+
+
+def phase_peaks(
+    memories: tuple[TrainingMemory, ...], rollout: RolloutMemory, *, gpu_gib: float,
+    gpu_memory_utilization: float, offload_actor: bool,
+) -> PhasePeaks:
+    by_role = {m.role: m for m in memories}
+    actor = by_role["actor"]
+    resident = 0.0 if offload_actor else actor.params_gib + actor.grads_gib + actor.optimizer_gib
+    ref_params = by_role["ref"].params_gib if "ref" in by_role else 0.0
+    generation = resident + ref_params + gpu_gib * gpu_memory_utilization
+    training = actor.total_gib + ref_params
+    return PhasePeaks(round(generation, 3), round(training, 3), max(generation, training) <= gpu_gib)
+
+
+@dataclass(frozen=True)
+class ReshardTraffic:
+    """Bytes each rank receives in one weight sync, under three designs."""
+
+    bytes_received: tuple[int, ...]     # with the planned HybridFlow groups
+    lower_bound: tuple[int, ...]        # what the rank must receive under any grouping
+    naive_gather_all: tuple[int, ...]   # every rank gathers the whole model
+    generation_shard_bytes: tuple[int, ...]
+    model_bytes: int
+
+    @property
+    def ratio_to_lower_bound(self) -> float:
+        bound = sum(self.lower_bound)
+        return sum(self.bytes_received) / bound if bound else 1.0
+
+
+def reshard_traffic(shape: ModelShape, mesh: TrainingMesh, groups: ReshardGroups, dtype: str) -> ReshardTraffic:
+    """Per-rank traffic of a training-layout -> vLLM-layout weight sync.
+
+    TP-split tensors are counted as slices of their split dimension, replicated ones (norms) whole;
+    KV-head replication when infer_tp > KV heads and vocab padding are ignored (small).
+    """
+    p_bytes = DTYPE_BYTES[dtype]
+    t, t_g, p = mesh.tp, groups.rollout.infer_tp, mesh.pp
+    layers_per_stage = shape.num_layers // p
+    norms = 2 * shape.hidden_size
+    split_layer = shape.layer_params - norms
+    # (stage owning it, split bytes, replicated bytes) for every piece of the model
+    pieces = [(0, shape.embedding_params, 0)]
+    pieces += [(layer // layers_per_stage, split_layer, norms) for layer in range(shape.num_layers)]
+    pieces.append((p - 1, shape.output_params, shape.hidden_size))
+    model = sum(split + rep for _, split, rep in pieces) * p_bytes
+
+    received, bound, naive, gen_sizes = [], [], [], []
+    for rank in range(mesh.world_size):
+        coord = mesh.coord(rank)
+        own = (coord.tp / t, (coord.tp + 1) / t)
+
+        def held(j: int, own: tuple[float, float] = own, stage_of_rank: int = coord.pp) -> float:
+            gen = (j / t_g, (j + 1) / t_g)
+            return sum(
+                split * interval_overlap(own, gen) + rep
+                for stage, split, rep in pieces
+                if stage == stage_of_rank
+            )
+
+        gen_size = sum(split / t_g + rep for _, split, rep in pieces)
+        own_size = sum(split / t + rep for stage, split, rep in pieces if stage == coord.pp)
+        received.append(round((gen_size - held(groups.gen_tp_index[rank])) * p_bytes))
+        bound.append(round((gen_size - max(held(j) for j in range(t_g))) * p_bytes))
+        naive.append(round(model - own_size * p_bytes))
+        gen_sizes.append(round(gen_size * p_bytes))
+    return ReshardTraffic(tuple(received), tuple(bound), tuple(naive), tuple(gen_sizes), model)

@@ -1,0 +1,161 @@
+"""Which global ranks form each parallel group: training meshes, rollout mesh, resharding groups.
+
+Pure integer math, shared by the planner (to show and check it) and by the runtime (to build
+process groups and the resharder), so what `hybridrl plan` prints is what runs.
+
+Training ranks follow megatron-core's default order "tp-cp-ep-dp-pp" (tp varies fastest, pp
+slowest; expert parallelism is 1 here):  rank = tp + TP*(cp + CP*(dp + DP*pp)).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import product
+
+Groups = tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class RankCoord:
+    """One training rank's position in the mesh."""
+
+    rank: int
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+
+
+@dataclass(frozen=True)
+class TrainingMesh:
+    tp: int
+    pp: int
+    cp: int
+    dp: int
+    vpp: int | None
+    tp_groups: Groups
+    pp_groups: Groups
+    dp_groups: Groups
+    cp_groups: Groups
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    def coord(self, rank: int) -> RankCoord:
+        tp_rank = rank % self.tp
+        cp_rank = (rank // self.tp) % self.cp
+        dp_rank = (rank // (self.tp * self.cp)) % self.dp
+        pp_rank = rank // (self.tp * self.cp * self.dp)
+        return RankCoord(rank, tp_rank, cp_rank, dp_rank, pp_rank)
+
+    def rank_of(self, *, tp: int, cp: int, dp: int, pp: int) -> int:
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
+
+    def output_ranks(self) -> tuple[int, ...]:
+        """Ranks that own a DP chunk's output: last pipeline stage, TP rank 0, CP rank 0; by dp."""
+        return tuple(self.rank_of(tp=0, cp=0, dp=d, pp=self.pp - 1) for d in range(self.dp))
+
+
+def build_training_mesh(world_size: int, tp: int, pp: int, cp: int = 1, vpp: int | None = None) -> TrainingMesh:
+    model_size = tp * pp * cp
+    if model_size <= 0 or world_size % model_size:
+        raise ValueError(f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
+    dp = world_size // model_size
+    mesh = TrainingMesh(tp, pp, cp, dp, vpp, (), (), (), ())
+
+    def groups(vary: str) -> Groups:
+        sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+        fixed = [axis for axis in ("tp", "cp", "dp", "pp") if axis != vary]
+        out = []
+        for values in product(*(range(sizes[a]) for a in reversed(fixed))):
+            base = dict(zip(reversed(fixed), values))
+            out.append(tuple(mesh.rank_of(**{**base, vary: i}) for i in range(sizes[vary])))
+        return tuple(sorted(out))
+
+    return TrainingMesh(tp, pp, cp, dp, vpp, groups("tp"), groups("pp"), groups("dp"), groups("cp"))
+
+
+@dataclass(frozen=True)
+class RolloutMesh:
+    """vLLM replicas: `replicas[i]` are the ranks of replica i in vLLM TP-rank order."""
+
+    infer_tp: int
+    infer_dp: int
+    replicas: Groups
+
+
+@dataclass(frozen=True)
+class ReshardGroups:
+    """HybridFlow §5 grouping between a training mesh and the rollout mesh.
+
+    `micro_dp_groups[k]` all need the same generation shard and together hold it (zero redundancy),
+    so one all-gather inside each of them is all the TP/PP resharding needs. `gen_tp_index[rank]`
+    is the rank's TP rank inside its vLLM replica.
+    """
+
+    rollout: RolloutMesh
+    micro_dp_size: int
+    micro_dp_groups: Groups
+    gen_tp_index: tuple[int, ...]
+    strategy: str
+
+
+def build_reshard_groups(mesh: TrainingMesh, infer_tp: int) -> ReshardGroups:
+    """Generation TP groups chosen so each rank's generation shard contains its training shard.
+
+    When the training TP is a multiple of the inference TP (t = k * t_g), a training TP group of t
+    ranks hosts k vLLM replicas: replica c takes the ranks at stride k (tp ranks c, c+k, ...), so
+    generation TP rank j lands on training tp rank j*k + c, whose shard lies inside generation shard
+    j. The ranks that share j — k consecutive TP ranks on every pipeline stage — form a micro-DP
+    group of size k*pp; gathering inside it builds shard j from pieces nobody else needs.
+
+    Otherwise (t < t_g, or not a multiple) each replica is a block of consecutive ranks, so that
+    with t == 1 every rank already holds its full slice of its own stage's layers.
+    """
+    world = mesh.world_size
+    if infer_tp <= 0 or world % infer_tp:
+        raise ValueError(f"inference TP {infer_tp} does not divide the world size {world}")
+    gen_index = [0] * world
+    replicas: list[tuple[int, ...]] = []
+    micro_groups: list[tuple[int, ...]] = []
+    if mesh.tp % infer_tp == 0 and mesh.tp > 1:
+        stride = mesh.tp // infer_tp
+        for tp_group in mesh.tp_groups:
+            for c in range(stride):
+                replica = tuple(tp_group[j * stride + c] for j in range(infer_tp))
+                replicas.append(replica)
+                for j, rank in enumerate(replica):
+                    gen_index[rank] = j
+        for dp, cp in product(range(mesh.dp), range(mesh.cp)):
+            for j in range(infer_tp):
+                group = tuple(
+                    sorted(
+                        mesh.rank_of(tp=j * stride + c, cp=cp, dp=dp, pp=pp)
+                        for pp in range(mesh.pp)
+                        for c in range(stride)
+                    )
+                )
+                micro_groups.append(group)
+        strategy = "strided"
+        micro_dp = stride * mesh.pp
+    else:
+        for start in range(0, world, infer_tp):
+            replica = tuple(range(start, start + infer_tp))
+            replicas.append(replica)
+            for j, rank in enumerate(replica):
+                gen_index[rank] = j
+        # Each rank holds its stage's layers; the other stages' layers come from their owners.
+        for dp, cp in product(range(mesh.dp), range(mesh.cp)):
+            for tp in range(mesh.tp):
+                micro_groups.append(
+                    tuple(sorted(mesh.rank_of(tp=tp, cp=cp, dp=dp, pp=pp) for pp in range(mesh.pp)))
+                )
+        strategy = "consecutive"
+        micro_dp = mesh.pp
+    replicas.sort()
+    rollout = RolloutMesh(infer_tp, world // infer_tp, tuple(replicas))
+    return ReshardGroups(rollout, micro_dp, tuple(sorted(micro_groups)), tuple(gen_index), strategy)
+
+
+def interval_overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
+    return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))

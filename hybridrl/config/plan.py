@@ -1,0 +1,389 @@
+"""The Plan: every number derived from a job config, computed once, checked, immutable.
+
+`build_plan(config)` validates the whole config (all errors at once, see `validate.py`) and returns
+a frozen `Plan`: meshes, batch arithmetic per role, memory estimates, the resharding plan. Workers
+and the controller read sizes from the Plan and never re-derive them, and the user's `JobConfig`
+is never mutated (resolved defaults such as clip_ratio_low live in `Plan.resolved`).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hybridrl.config.errors import ConfigError, ConfigIssue
+from hybridrl.config.estimates import (
+    PhasePeaks,
+    ReshardTraffic,
+    RolloutMemory,
+    TrainingMemory,
+    phase_peaks,
+    reshard_traffic,
+    rollout_memory,
+    training_memory,
+)
+from hybridrl.config.loader import config_from_dict, config_to_dict, load_config_collecting
+from hybridrl.config.meshes import ReshardGroups, TrainingMesh, build_reshard_groups, build_training_mesh
+from hybridrl.config.model_shape import ModelShape, UnsupportedArchitectureError
+from hybridrl.config.schema import JobConfig, MegatronConfig
+
+# Estimators that learn from a critic's values vs. from comparing samples of the same prompt.
+CRITIC_ESTIMATORS = frozenset({"gae"})
+GROUP_ESTIMATORS = frozenset({"grpo", "dr_grpo", "rloo"})
+
+
+@dataclass(frozen=True)
+class UpdatePlan:
+    """Batch arithmetic of one role's optimizer updates within a training step."""
+
+    role: str
+    mini_batch_prompts: int
+    mini_batch_sequences: int
+    mini_batches_per_step: int
+    sequences_per_rank_per_mini_batch: int
+    micro_batch_size: int
+    grad_accum_steps: int            # micro-batches per rank per mini-batch; 0 with dynamic batching
+    ppo_epochs: int
+    optimizer_steps_per_step: int
+    dynamic_batching: bool
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """Batch arithmetic of one forward-only pass (old log-probs, ref log-probs, values, rewards)."""
+
+    role: str
+    pass_name: str
+    sequences_per_rank: int
+    micro_batch_size: int
+    micro_batches_per_rank: int
+
+
+@dataclass(frozen=True)
+class RoleLayout:
+    role: str
+    megatron: MegatronConfig
+    mesh: TrainingMesh
+
+
+@dataclass(frozen=True)
+class ReshardPlan:
+    groups: ReshardGroups
+    traffic: ReshardTraffic | None
+    dtype: str
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Config values whose defaults depend on other fields, resolved once."""
+
+    world_size: int
+    device: str
+    train_dtype: str
+    rollout_dtype: str
+    response_length: int
+    max_sequence_length: int
+    clip_ratio_low: float
+    clip_ratio_high: float
+    critic_enabled: bool
+    ref_enabled: bool
+    critic_mini_batch_size: int
+    critic_ppo_epochs: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    config: JobConfig
+    resolved: Resolved
+    model: ModelShape | None
+    layouts: tuple[RoleLayout, ...]
+    prompts_per_step: int
+    sequences_per_step: int
+    prompts_per_rollout_replica: int
+    sequences_per_rollout_replica: int
+    updates: tuple[UpdatePlan, ...]
+    forwards: tuple[ForwardPlan, ...]
+    reshard: ReshardPlan
+    training_memory: tuple[TrainingMemory, ...]
+    rollout_memory: RolloutMemory | None
+    phase_peaks: PhasePeaks | None
+    warnings: tuple[str, ...]
+
+    # Convenience lookups -----------------------------------------------------------------
+    def layout(self, role: str) -> RoleLayout:
+        return _find(self.layouts, role, "role")
+
+    def update(self, role: str) -> UpdatePlan:
+        return _find(self.updates, role, "role")
+
+    def forward(self, pass_name: str) -> ForwardPlan:
+        return _find(self.forwards, pass_name, "pass_name")
+
+    @property
+    def rollout_mesh(self) -> tuple[tuple[int, ...], ...]:
+        return self.reshard.groups.rollout.replicas
+
+    # Serialization -----------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        out = _to_plain(self)
+        out["config"] = config_to_dict(self.config)
+        return out
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        data = dict(data)
+        config = config_from_dict(data.pop("config"))
+        return _from_plain(cls, {**data, "config": config})
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))
+
+
+def _find(items: tuple[Any, ...], key: str, attr: str) -> Any:
+    for item in items:
+        if getattr(item, attr) == key:
+            return item
+    raise KeyError(f"{attr}={key!r} not in plan; have: {', '.join(getattr(i, attr) for i in items)}")
+
+
+def _to_plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        if isinstance(value, JobConfig):
+            return config_to_dict(value)
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+def _from_plain(tp: Any, value: Any) -> Any:
+    """Inverse of `_to_plain` guided by type hints (tuples back from JSON lists)."""
+    if value is None:
+        return None
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, __import__("types").UnionType):
+        options = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _from_plain(options[0], value)
+    if tp is JobConfig:
+        return value if isinstance(value, JobConfig) else config_from_dict(value)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        hints = typing.get_type_hints(tp)
+        return tp(**{f.name: _from_plain(hints[f.name], value[f.name]) for f in dataclasses.fields(tp)})
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_from_plain(args[0], v) for v in value)
+        return tuple(_from_plain(a, v) for a, v in zip(args, value))
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        return [_from_plain(item, v) for v in value]
+    if tp is float and isinstance(value, int):
+        return float(value)
+    return value
+
+
+# ---------------------------------------------------------------------------- building a plan
+def load_model_shape(path: str, issues: list[ConfigIssue], warnings: list[str], field: str) -> ModelShape | None:
+    """The model's shape from `<path>/config.json`, or None (with a warning) when not available."""
+    config_file = Path(path) / "config.json" if path else None
+    if config_file is None or not config_file.is_file():
+        warnings.append(
+            f"{field}={path or '<empty>'}: no config.json there; model-dependent checks (heads, layers, "
+            "vocab, lengths) and memory estimates skipped"
+        )
+        return None
+    try:
+        return ModelShape.from_dir(path)
+    except UnsupportedArchitectureError as exc:
+        issues.append(ConfigIssue(field, path, str(exc)))
+    except (KeyError, ValueError, json.JSONDecodeError) as exc:
+        issues.append(ConfigIssue(field, path, f"config.json is unreadable or incomplete: {exc}"))
+    return None
+
+
+def plan_from_sources(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Plan:
+    """Load, validate and plan in one pass: loader and validation problems are raised together."""
+    config, issues = load_config_collecting(path, overrides)
+    return build_plan(config, prior_issues=issues)
+
+
+def build_plan(config: JobConfig, prior_issues: list[ConfigIssue] | tuple[ConfigIssue, ...] = ()) -> Plan:
+    """Validate `config` (raising `ConfigError` with every problem) and derive the Plan."""
+    from hybridrl.config.validate import validate  # noqa: PLC0415 - validate imports this module's types
+
+    config = copy.deepcopy(config)  # the Plan owns its copy; the caller's object stays theirs
+    issues: list[ConfigIssue] = list(prior_issues)
+    warnings: list[str] = []
+    model = load_model_shape(config.actor_rollout_ref.model.path, issues, warnings, "actor_rollout_ref.model.path")
+    resolved = _resolve(config)
+    validate(config, resolved, model, issues, warnings)
+    if issues:
+        raise ConfigError(issues)
+    return _derive(config, resolved, model, tuple(warnings))
+
+
+def _resolve(config: JobConfig) -> Resolved:
+    trainer, actor = config.trainer, config.actor_rollout_ref.actor
+    rollout = config.actor_rollout_ref.rollout
+    device = trainer.device
+    default_dtype = "bf16" if device == "cuda" else "fp32"
+    critic_enabled = (
+        config.critic.enable if config.critic.enable is not None
+        else config.algorithm.adv_estimator in CRITIC_ESTIMATORS
+    )
+    response = rollout.response_length if rollout.response_length is not None else config.data.max_response_length
+    return Resolved(
+        world_size=(trainer.nnodes or 0) * (trainer.n_gpus_per_node or 0),
+        device=device,
+        train_dtype=actor.megatron.dtype or default_dtype,
+        rollout_dtype=rollout.dtype or default_dtype,
+        response_length=response,
+        max_sequence_length=(config.data.max_prompt_length or 0) + (response or 0),
+        clip_ratio_low=actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio,
+        clip_ratio_high=actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio,
+        critic_enabled=bool(critic_enabled),
+        ref_enabled=actor.use_kl_loss or config.algorithm.use_kl_in_reward,
+        critic_mini_batch_size=config.critic.ppo_mini_batch_size or actor.ppo_mini_batch_size,
+        critic_ppo_epochs=config.critic.ppo_epochs or actor.ppo_epochs,
+    )
+
+
+def role_megatron(config: JobConfig, role: str) -> MegatronConfig:
+    arr = config.actor_rollout_ref
+    return {
+        "actor": arr.actor.megatron,
+        "ref": arr.ref.megatron or arr.actor.megatron,
+        "critic": config.critic.megatron,
+        "reward_model": config.reward_model.megatron,
+    }[role]
+
+
+def active_roles(config: JobConfig, resolved: Resolved) -> list[str]:
+    roles = ["actor"]
+    if resolved.ref_enabled:
+        roles.append("ref")
+    if resolved.critic_enabled:
+        roles.append("critic")
+    if config.reward_model.enable:
+        roles.append("reward_model")
+    return roles
+
+
+def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, warnings: tuple[str, ...]) -> Plan:
+    arr, data = config.actor_rollout_ref, config.data
+    n = arr.rollout.n
+    world = resolved.world_size
+    layouts = []
+    for role in active_roles(config, resolved):
+        mc = role_megatron(config, role)
+        mesh = build_training_mesh(
+            world, mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size,
+            mc.context_parallel_size, mc.virtual_pipeline_model_parallel_size,
+        )
+        layouts.append(RoleLayout(role, mc, mesh))
+    by_role = {layout.role: layout for layout in layouts}
+
+    def update(role: str, mini: int, micro: int, epochs: int, dynamic: bool) -> UpdatePlan:
+        dp = by_role[role].mesh.dp
+        per_rank = mini * n // dp
+        return UpdatePlan(
+            role, mini, mini * n, data.train_batch_size // mini, per_rank, micro,
+            0 if dynamic else per_rank // micro, epochs, (data.train_batch_size // mini) * epochs, dynamic,
+        )
+
+    def forward(role: str, pass_name: str, micro: int) -> ForwardPlan:
+        per_rank = data.train_batch_size * n // by_role[role].mesh.dp
+        return ForwardPlan(role, pass_name, per_rank, micro, -(-per_rank // micro))
+
+    actor = arr.actor
+    updates = [update("actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu,
+                      actor.ppo_epochs, actor.use_dynamic_bsz)]
+    forwards = [forward("actor", "old_log_prob", arr.rollout.log_prob_micro_batch_size_per_gpu)]
+    if "ref" in by_role:
+        forwards.append(forward("ref", "ref_log_prob", arr.ref.log_prob_micro_batch_size_per_gpu))
+    if "critic" in by_role:
+        critic = config.critic
+        updates.append(update("critic", resolved.critic_mini_batch_size, critic.ppo_micro_batch_size_per_gpu,
+                              resolved.critic_ppo_epochs, actor.use_dynamic_bsz))
+        forwards.append(forward("critic", "values", critic.ppo_micro_batch_size_per_gpu))
+    if "reward_model" in by_role:
+        forwards.append(forward("reward_model", "reward_scores", config.reward_model.micro_batch_size_per_gpu))
+
+    actor_mesh = by_role["actor"].mesh
+    groups = build_reshard_groups(actor_mesh, arr.rollout.tensor_model_parallel_size)
+    traffic = reshard_traffic(model, actor_mesh, groups, resolved.rollout_dtype) if model else None
+    infer_dp = groups.rollout.infer_dp
+
+    train_mem: list[TrainingMemory] = []
+    roll_mem = peaks = None
+    if model is not None:
+        for layout in layouts:
+            mc = layout.megatron
+            trainable = layout.role in ("actor", "critic")
+            micro = next((u.micro_batch_size for u in updates if u.role == layout.role),
+                         next(f.micro_batch_size for f in forwards if f.role == layout.role))
+            train_mem.append(training_memory(
+                layout.role, model, layout.mesh, dtype=mc.dtype or resolved.train_dtype,
+                distributed_optimizer=mc.use_distributed_optimizer, trainable=trainable,
+                micro_batch=micro, seq_len=resolved.max_sequence_length,
+                sequence_parallel=mc.sequence_parallel and mc.tensor_model_parallel_size > 1,
+                gpu_gib=config.trainer.gpu_memory_gib,
+            ))
+        roll_mem = rollout_memory(
+            model, arr.rollout.tensor_model_parallel_size, dtype=resolved.rollout_dtype,
+            gpu_gib=config.trainer.gpu_memory_gib,
+            gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
+            sequences_per_replica=data.train_batch_size // infer_dp * n,
+            seq_len=resolved.max_sequence_length,
+        )
+        actor_mc = by_role["actor"].megatron
+        peaks = phase_peaks(
+            tuple(train_mem), roll_mem, gpu_gib=config.trainer.gpu_memory_gib,
+            gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
+            offload_actor=actor_mc.param_offload and actor_mc.optimizer_offload and actor_mc.grad_offload,
+        )
+        extra = [f"{m.role}: estimated {m.total_gib:.1f} GiB per GPU exceeds trainer.gpu_memory_gib="
+                 f"{config.trainer.gpu_memory_gib:g}" for m in train_mem if not m.fits]
+        if not roll_mem.fits:
+            extra.append(
+                f"rollout: no room for a KV cache of one {resolved.max_sequence_length}-token sequence "
+                f"(weights {roll_mem.weights_gib:.1f} GiB per GPU at gpu_memory_utilization="
+                f"{arr.rollout.gpu_memory_utilization:g})"
+            )
+        if arr.hybrid_engine and not peaks.fits:
+            extra.append(
+                "hybrid engine: actor + ref + rollout on one GPU peak at "
+                f"{max(peaks.generation_gib, peaks.training_gib):.1f} GiB (generation "
+                f"{peaks.generation_gib:.1f}, training {peaks.training_gib:.1f}) > "
+                f"trainer.gpu_memory_gib={config.trainer.gpu_memory_gib:g}; lower rollout.gpu_memory_utilization, "
+                "offload, or add TP/PP"
+            )
+        warnings = warnings + tuple(extra)
+
+    return Plan(
+        config=config,
+        resolved=resolved,
+        model=model,
+        layouts=tuple(layouts),
+        prompts_per_step=data.train_batch_size,
+        sequences_per_step=data.train_batch_size * n,
+        prompts_per_rollout_replica=data.train_batch_size // infer_dp,
+        sequences_per_rollout_replica=data.train_batch_size // infer_dp * n,
+        updates=tuple(updates),
+        forwards=tuple(forwards),
+        reshard=ReshardPlan(groups, traffic, resolved.rollout_dtype),
+        training_memory=tuple(train_mem),
+        rollout_memory=roll_mem,
+        phase_peaks=peaks,
+        warnings=warnings,
+    )

@@ -1,0 +1,38 @@
+"""`hybridrl plan CONFIG [overrides]`: validate a job config and print every derived number.
+
+Exit 0 with the report when the config is valid; exit 2 with every error on stderr when not.
+Needs no GPU, no Ray, no torch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from hybridrl.config.errors import ConfigError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", help="YAML job config (defaults only when omitted)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor_rollout_ref.rollout.n=12")
+    parser.add_argument("--format", choices=("text", "json"), default="text", help="report format")
+
+
+def run(args: argparse.Namespace) -> int:
+    from hybridrl.config.plan import plan_from_sources
+    from hybridrl.config.report import render_plan
+
+    config_path, overrides = args.config, list(args.overrides)
+    if config_path and "=" in config_path and not config_path.endswith((".yaml", ".yml")):
+        config_path, overrides = None, [config_path, *overrides]  # only overrides were given
+    try:
+        plan = plan_from_sources(config_path, overrides)
+    except ConfigError as exc:
+        if args.format == "json":
+            print(json.dumps({"valid": False, "errors": [i.to_dict() for i in exc.issues]}, indent=2),
+                  file=sys.stderr)
+        else:
+            print(f"hybridrl plan: {exc}", file=sys.stderr)
+        return 2
+    print(plan.to_json() if args.format == "json" else render_plan(plan))
+    return 0

@@ -1,0 +1,124 @@
+"""The Plan as a one-screen report: meshes, batch arithmetic, memory, resharding."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from hybridrl.config.plan import Plan
+
+MIB = 1024**2
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]])
+
+
+def _groups(groups: Sequence[Sequence[int]], limit: int = 8) -> str:
+    shown = ", ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:limit])
+    return f"[{shown}{', …' if len(groups) > limit else ''}]"
+
+
+def render_plan(plan: Plan) -> str:
+    cfg, res = plan.config, plan.resolved
+    arr = cfg.actor_rollout_ref
+    out: list[str] = []
+    model = plan.model
+    model_line = (
+        f"{model.architecture}: {model.total_params / 1e6:,.1f}M params, {model.num_layers} layers, "
+        f"hidden {model.hidden_size}, heads {model.num_attention_heads}/{model.num_key_value_heads} (q/kv), "
+        f"vocab {model.vocab_size}" if model else "unknown (no config.json at the model path)"
+    )
+    out += [
+        f"hybridrl plan — {cfg.trainer.project_name}/{cfg.trainer.experiment_name}",
+        f"  model:   {arr.model.path or '<none>'} — {model_line}",
+        f"  cluster: {cfg.trainer.nnodes} node(s) × {cfg.trainer.n_gpus_per_node} {cfg.trainer.device} "
+        f"devices = world size {res.world_size}; algorithm {cfg.algorithm.adv_estimator}"
+        f"{' + critic' if res.critic_enabled else ''}{' + ref' if res.ref_enabled else ''}",
+        "",
+        "Training meshes (megatron order tp-cp-dp-pp; DP = world ÷ (TP·PP·CP))",
+    ]
+    out.append(table(
+        ["role", "TP", "PP", "VPP", "CP", "DP", "TP groups", "PP groups", "DP groups"],
+        [[lay.role, lay.mesh.tp, lay.mesh.pp, lay.mesh.vpp or "-", lay.mesh.cp, lay.mesh.dp,
+          _groups(lay.mesh.tp_groups, 3), _groups(lay.mesh.pp_groups, 3), _groups(lay.mesh.dp_groups, 3)]
+         for lay in plan.layouts],
+    ))
+    rollout = plan.reshard.groups.rollout
+    out += ["", f"Rollout mesh (vLLM): {rollout.infer_dp} replicas × infer_tp {rollout.infer_tp}: "
+                f"{_groups(rollout.replicas, 12)}", ""]
+    n = arr.rollout.n
+    out.append("Batch arithmetic per step")
+    rows = [
+        ["prompts per step", "data.train_batch_size", plan.prompts_per_step],
+        ["sequences per step", f"{plan.prompts_per_step} prompts × rollout.n {n}", plan.sequences_per_step],
+        ["prompts per rollout replica", f"{plan.prompts_per_step} ÷ {rollout.infer_dp} replicas",
+         plan.prompts_per_rollout_replica],
+        ["sequences per rollout replica", f"{plan.prompts_per_rollout_replica} × n {n}",
+         plan.sequences_per_rollout_replica],
+    ]
+    for up in plan.updates:
+        dp = plan.layout(up.role).mesh.dp
+        rows += [
+            [f"{up.role}: mini-batches per step", f"{plan.prompts_per_step} ÷ mini {up.mini_batch_prompts}",
+             up.mini_batches_per_step],
+            [f"{up.role}: sequences per GPU per mini-batch", f"{up.mini_batch_prompts} × n {n} ÷ DP {dp}",
+             up.sequences_per_rank_per_mini_batch],
+            [f"{up.role}: grad-accumulation micro-batches",
+             "dynamic (token budget)" if up.dynamic_batching else
+             f"{up.sequences_per_rank_per_mini_batch} ÷ micro {up.micro_batch_size}",
+             "dyn" if up.dynamic_batching else up.grad_accum_steps],
+            [f"{up.role}: optimizer steps per step", f"{up.mini_batches_per_step} × ppo_epochs {up.ppo_epochs}",
+             up.optimizer_steps_per_step],
+        ]
+    for fw in plan.forwards:
+        rows.append([f"{fw.role}: {fw.pass_name} micro-batches per GPU",
+                     f"{fw.sequences_per_rank} seqs ÷ micro {fw.micro_batch_size}", fw.micro_batches_per_rank])
+    out.append(table(["quantity", "from", "value"], rows))
+
+    if plan.training_memory:
+        out += ["", f"Memory per GPU, estimated (GiB; fits in trainer.gpu_memory_gib={cfg.trainer.gpu_memory_gib:g}?)"]
+        out.append(table(
+            ["role", "params", "grads", "optim", "optim w/o dist-opt", "act/micro", "act in flight", "total", "fits"],
+            [[m.role, f"{m.params_gib:.2f}", f"{m.grads_gib:.2f}", f"{m.optimizer_gib:.2f}",
+              f"{m.optimizer_gib_without_distributed:.2f}", f"{m.activations_gib_per_micro_batch:.2f}",
+              f"{m.activations_gib_in_flight:.2f}", f"{m.total_gib:.2f}", "yes" if m.fits else "NO"]
+             for m in plan.training_memory],
+        ))
+        rm = plan.rollout_memory
+        if rm:
+            waves = "fits in one wave" if rm.kv_cache_tokens >= rm.tokens_per_replica_step else "runs in waves"
+            out.append(
+                f"rollout: weights {rm.weights_gib:.2f} GiB/GPU, KV cache {rm.kv_cache_gib:.2f} GiB = "
+                f"{rm.kv_cache_tokens:,} tokens ({rm.kv_bytes_per_token} B/token); one replica's step needs "
+                f"{rm.tokens_per_replica_step:,} tokens ({waves})"
+            )
+
+        pk = plan.phase_peaks
+        if pk and cfg.actor_rollout_ref.hybrid_engine:
+            out.append(f"hybrid engine peak per GPU: generation {pk.generation_gib:.2f} GiB, training "
+                       f"{pk.training_gib:.2f} GiB — {'fits' if pk.fits else 'DOES NOT FIT'}")
+
+    groups = plan.reshard.groups
+    out += ["", f"Resharding (HybridFlow §5, {groups.strategy} generation TP groups): micro-DP size "
+                f"{groups.micro_dp_size}, groups {_groups(groups.micro_dp_groups, 6)}"]
+    traffic = plan.reshard.traffic
+    if traffic:
+        rows = [[r, f"{traffic.bytes_received[r] / MIB:,.1f}", f"{traffic.lower_bound[r] / MIB:,.1f}",
+                 f"{traffic.naive_gather_all[r] / MIB:,.1f}", f"{traffic.generation_shard_bytes[r] / MIB:,.1f}"]
+                for r in range(min(len(traffic.bytes_received), 16))]
+        out.append(table(["rank", "receives MiB", "lower bound", "naive gather-all", "gen shard"], rows))
+        if len(traffic.bytes_received) > 16:
+            out.append(f"(first 16 of {len(traffic.bytes_received)} ranks; max received "
+                       f"{max(traffic.bytes_received) / MIB:,.1f} MiB)")
+        total_naive = sum(traffic.naive_gather_all)
+        out.append(
+            f"total received {sum(traffic.bytes_received) / MIB:,.1f} MiB "
+            f"(×{traffic.ratio_to_lower_bound:.2f} the lower bound) vs naive {total_naive / MIB:,.1f} MiB; "
+            f"model {traffic.model_bytes / MIB:,.1f} MiB in {plan.reshard.dtype}"
+        )
+    if plan.warnings:
+        out += ["", "Warnings:"] + [f"  - {w}" for w in plan.warnings]
+    return "\n".join(out)

@@ -1,0 +1,222 @@
+"""The job config: one tree of dataclasses, in the vocabulary verl users already know.
+
+Every field has a default and a one-line `doc` (shown by `hybridrl plan --explain` and in the
+README). The loader (`hybridrl.config.loader`) fills these from YAML and dotted overrides with type
+checking; derived numbers never live here: they are computed once into the immutable `Plan`
+(`hybridrl.config.plan`), so the user's config is never mutated behind their back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def doc(default: Any = None, text: str = "", *, factory: Any = None) -> Any:
+    """A dataclass field with a default and a one-line description kept in its metadata."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"doc": text})
+    return field(default=default, metadata={"doc": text})
+
+
+# --------------------------------------------------------------------------------------- data
+@dataclass
+class DataConfig:
+    train_files: list[str] = doc(factory=list, text="local parquet/JSONL files with training prompts")
+    val_files: list[str] = doc(factory=list, text="local parquet/JSONL files for validation")
+    prompt_key: str = doc("prompt", "column holding the prompt (text or chat messages)")
+    reward_key: str = doc("reward_model", "column holding the reward spec (e.g. ground truth)")
+    max_prompt_length: int = doc(512, "prompt tokens kept; longer prompts are filtered or truncated")
+    max_response_length: int = doc(512, "response tokens generated at most")
+    train_batch_size: int = doc(1024, "prompts per training step (each sampled rollout.n times)")
+    val_batch_size: int | None = doc(None, "prompts per validation batch; None = whole val set")
+    shuffle: bool = doc(True, "shuffle the training prompts each epoch (deterministic from the seed)")
+    apply_chat_template: bool = doc(False, "wrap prompts with the tokenizer's chat template")
+    filter_overlong_prompts: bool = doc(True, "drop prompts longer than max_prompt_length (counted)")
+    truncation: str = doc("error", "over-long prompts when not filtered: error | left | right")
+
+
+# ------------------------------------------------------------------------------------- models
+@dataclass
+class ModelConfig:
+    path: str = doc("", "local Hugging Face folder (config.json + safetensors)")
+    tokenizer_path: str | None = doc(None, "tokenizer folder; None = model path")
+    trust_remote_code: bool = doc(False, "allow custom modelling code from the model folder")
+    enable_gradient_checkpointing: bool = doc(False, "recompute activations in backward (full recompute)")
+
+
+@dataclass
+class MegatronConfig:
+    tensor_model_parallel_size: int = doc(1, "TP: each layer's matrices split over this many GPUs")
+    pipeline_model_parallel_size: int = doc(1, "PP: layers split into this many stages")
+    virtual_pipeline_model_parallel_size: int | None = doc(None, "VPP: model chunks per stage (interleaved 1F1B)")
+    context_parallel_size: int = doc(1, "CP: each sequence split over this many GPUs")
+    sequence_parallel: bool = doc(False, "shard norms/dropout activations over TP (needs TP > 1)")
+    use_distributed_optimizer: bool = doc(True, "shard optimizer states over data-parallel ranks (ZeRO-1)")
+    make_vocab_size_divisible_by: int = doc(128, "vocab padded to a multiple of this × TP, as megatron does")
+    param_offload: bool = doc(False, "keep parameters on CPU between phases")
+    optimizer_offload: bool = doc(False, "keep optimizer states on CPU between phases")
+    grad_offload: bool = doc(False, "keep gradients on CPU between phases")
+    dtype: str | None = doc(None, "compute dtype: bf16 | fp16 | fp32; None = bf16 on cuda, fp32 on cpu")
+    seed: int = doc(1234, "model-parallel RNG seed")
+
+
+@dataclass
+class OptimConfig:
+    optimizer: str = doc("adam", "adam | sgd")
+    lr: float = doc(1e-6, "peak learning rate")
+    min_lr: float = doc(0.0, "floor of the decay schedule")
+    lr_warmup_steps: int = doc(-1, "linear warmup optimizer steps; -1 = use lr_warmup_steps_ratio")
+    lr_warmup_steps_ratio: float = doc(0.0, "warmup as a fraction of all optimizer steps")
+    lr_decay_style: str = doc("constant", "constant | linear | cosine")
+    weight_decay: float = doc(0.01, "decoupled weight decay (AdamW)")
+    betas: list[float] = doc(factory=lambda: [0.9, 0.999], text="Adam betas")
+    eps: float = doc(1e-8, "Adam epsilon")
+    clip_grad: float = doc(1.0, "global gradient-norm clip; 0 disables")
+
+
+@dataclass
+class ActorConfig:
+    strategy: str = doc("megatron", "training backend (megatron)")
+    megatron: MegatronConfig = doc(factory=MegatronConfig, text="training layout")
+    optim: OptimConfig = doc(factory=OptimConfig, text="optimizer and LR schedule")
+    ppo_mini_batch_size: int = doc(256, "prompts per optimizer step (× rollout.n sequences)")
+    ppo_micro_batch_size_per_gpu: int = doc(4, "sequences per forward/backward on one GPU")
+    use_dynamic_bsz: bool = doc(False, "form micro-batches by token count instead of sequence count")
+    ppo_max_token_len_per_gpu: int = doc(16384, "token budget per micro-batch when use_dynamic_bsz")
+    ppo_epochs: int = doc(1, "passes over each step's data")
+    shuffle: bool = doc(False, "shuffle sequences between PPO epochs")
+    clip_ratio: float = doc(0.2, "PPO clip epsilon (default for clip_ratio_low/high)")
+    clip_ratio_low: float | None = doc(None, "lower clip epsilon; None = clip_ratio")
+    clip_ratio_high: float | None = doc(None, "upper clip epsilon (DAPO clip-higher); None = clip_ratio")
+    clip_ratio_c: float | None = doc(3.0, "dual-clip bound for negative advantages (> 1); None disables")
+    loss_agg_mode: str = doc("token-mean", "how token losses become one number (see algorithms)")
+    entropy_coeff: float = doc(0.0, "entropy bonus coefficient")
+    use_kl_loss: bool = doc(False, "add KL(actor || ref) to the loss (GRPO style)")
+    kl_loss_coef: float = doc(0.001, "coefficient of the KL loss")
+    kl_loss_type: str = doc("low_var_kl", "k1 | k2 | k3 | abs (aliases kl, mse, low_var_kl)")
+
+
+@dataclass
+class SamplingConfig:
+    n: int = doc(1, "samples per prompt")
+    temperature: float = doc(0.0, "sampling temperature; 0 = greedy")
+    top_p: float = doc(1.0, "nucleus sampling mass")
+    top_k: int = doc(-1, "top-k sampling; -1 disables")
+    do_sample: bool = doc(False, "sample (True) or decode greedily (False)")
+
+
+@dataclass
+class RolloutConfig:
+    name: str = doc("vllm", "rollout engine (vllm)")
+    tensor_model_parallel_size: int = doc(1, "inference TP: GPUs per vLLM replica")
+    n: int = doc(1, "samples per prompt (GRPO group size)")
+    temperature: float = doc(1.0, "sampling temperature")
+    top_p: float = doc(1.0, "nucleus sampling mass")
+    top_k: int = doc(-1, "top-k sampling; -1 disables")
+    response_length: int | None = doc(None, "max new tokens; None = data.max_response_length")
+    stop_token_ids: list[int] = doc(factory=list, text="extra token ids that end a response")
+    dtype: str | None = doc(None, "rollout dtype; None = bf16 on cuda, fp32 on cpu")
+    gpu_memory_utilization: float = doc(0.5, "fraction of GPU memory vLLM may use (weights + KV cache)")
+    enforce_eager: bool = doc(True, "no CUDA graphs (faster start, less memory)")
+    free_cache_engine: bool = doc(True, "sleep vLLM (free KV cache and weights) while training")
+    max_num_batched_tokens: int = doc(8192, "vLLM scheduler token budget per step")
+    max_num_seqs: int = doc(1024, "vLLM scheduler sequence budget")
+    log_prob_micro_batch_size_per_gpu: int = doc(8, "sequences per old-log-prob forward on one GPU")
+    calculate_log_probs: bool = doc(True, "return the rollout's own per-token log-probs")
+    val_kwargs: SamplingConfig = doc(factory=SamplingConfig, text="sampling for validation (greedy by default)")
+    seed: int = doc(0, "base seed of sampling requests")
+
+
+@dataclass
+class RefConfig:
+    megatron: MegatronConfig | None = doc(None, "reference layout; None = same as the actor")
+    log_prob_micro_batch_size_per_gpu: int = doc(8, "sequences per ref-log-prob forward on one GPU")
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    hybrid_engine: bool = doc(True, "actor, rollout and reference share processes and GPUs")
+    model: ModelConfig = doc(factory=ModelConfig, text="the policy model")
+    actor: ActorConfig = doc(factory=ActorConfig, text="policy training")
+    rollout: RolloutConfig = doc(factory=RolloutConfig, text="generation with vLLM")
+    ref: RefConfig = doc(factory=RefConfig, text="frozen reference policy")
+
+
+@dataclass
+class CriticConfig:
+    enable: bool | None = doc(None, "train a critic; None = only when adv_estimator is gae")
+    model: ModelConfig = doc(factory=ModelConfig, text="critic backbone; empty path = the actor's model")
+    megatron: MegatronConfig = doc(factory=MegatronConfig, text="critic layout")
+    optim: OptimConfig = doc(factory=lambda: OptimConfig(lr=1e-5), text="critic optimizer")
+    ppo_mini_batch_size: int | None = doc(None, "prompts per critic optimizer step; None = actor's")
+    ppo_micro_batch_size_per_gpu: int = doc(4, "sequences per critic forward/backward on one GPU")
+    ppo_epochs: int | None = doc(None, "critic passes per step; None = actor's")
+    cliprange_value: float = doc(0.5, "value clip range around the old values")
+    loss_agg_mode: str = doc("token-mean", "aggregation of the value loss")
+
+
+@dataclass
+class RewardModelConfig:
+    enable: bool = doc(False, "score responses with a reward model worker")
+    model: ModelConfig = doc(factory=ModelConfig, text="sequence-classification checkpoint")
+    megatron: MegatronConfig = doc(factory=MegatronConfig, text="reward model layout")
+    micro_batch_size_per_gpu: int = doc(8, "sequences per reward-model forward on one GPU")
+
+
+@dataclass
+class CustomRewardConfig:
+    path: str | None = doc(None, "Python file with a reward function (trusted code)")
+    name: str = doc("compute_score", "function name in that file")
+
+
+@dataclass
+class KLControlConfig:
+    type: str = doc("fixed", "fixed | adaptive")
+    kl_coef: float = doc(0.001, "initial KL coefficient")
+    target_kl: float = doc(0.1, "adaptive: the KL to steer towards")
+    horizon: int = doc(10000, "adaptive: steps over which the coefficient adapts")
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = doc("grpo", "gae | grpo | rloo | reinforce_plus_plus | remax | ...")
+    gamma: float = doc(1.0, "discount")
+    lam: float = doc(1.0, "GAE lambda")
+    norm_adv_by_std_in_grpo: bool = doc(True, "divide by the group std (False = Dr.GRPO)")
+    use_kl_in_reward: bool = doc(False, "subtract a KL penalty from the token rewards")
+    kl_penalty: str = doc("kl", "KL estimator for the in-reward penalty")
+    kl_ctrl: KLControlConfig = doc(factory=KLControlConfig, text="KL coefficient controller")
+    reward_fn: str = doc("gsm8k", "rule-based scorer name from the rewards registry")
+    custom_reward_function: CustomRewardConfig = doc(factory=CustomRewardConfig, text="user reward code")
+
+
+@dataclass
+class TrainerConfig:
+    nnodes: int = doc(1, "machines")
+    n_gpus_per_node: int = doc(8, "GPUs per machine (on cpu: ranks per machine)")
+    device: str = doc("cuda", "cuda | cpu")
+    gpu_memory_gib: float = doc(80.0, "memory per GPU, for the plan's fit check")
+    total_epochs: int = doc(1, "passes over the training prompts")
+    total_training_steps: int | None = doc(None, "stop after this many steps; None = epochs × batches")
+    save_freq: int = doc(-1, "checkpoint every N steps; -1 = never")
+    test_freq: int = doc(-1, "validate every N steps; -1 = never")
+    val_before_train: bool = doc(False, "validate once before the first step")
+    default_local_dir: str = doc("checkpoints", "checkpoint root folder")
+    resume_mode: str = doc("auto", "auto | disable | <checkpoint path>")
+    keep_last_n: int | None = doc(None, "keep this many newest checkpoints; None = all")
+    export_hf_on_save: bool = doc(False, "also write an HF folder of the actor at each save")
+    logger: list[str] = doc(factory=lambda: ["console"], text="console | jsonl | tensorboard | wandb")
+    project_name: str = doc("hybridrl", "project (wandb / log folder)")
+    experiment_name: str = doc("default", "run name")
+    seed: int = doc(42, "data order and sampling seed")
+    ray_address: str | None = doc(None, "existing Ray cluster; None = RAY_ADDRESS or a local one")
+
+
+@dataclass
+class JobConfig:
+    data: DataConfig = doc(factory=DataConfig, text="prompts")
+    actor_rollout_ref: ActorRolloutRefConfig = doc(factory=ActorRolloutRefConfig, text="policy")
+    critic: CriticConfig = doc(factory=CriticConfig, text="value model (PPO)")
+    reward_model: RewardModelConfig = doc(factory=RewardModelConfig, text="reward model")
+    algorithm: AlgorithmConfig = doc(factory=AlgorithmConfig, text="RL algorithm")
+    trainer: TrainerConfig = doc(factory=TrainerConfig, text="run control")

@@ -1,0 +1,440 @@
+"""Every rule a job config must satisfy, checked before any process or GPU is spent.
+
+Each rule appends a `ConfigIssue` naming the dotted field, its value, the rule, and the nearest
+valid values, and checking goes on: the user sees every problem at once. Rules that depend on a
+failed one are skipped, so one mistake yields one message, not a cascade.
+"""
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hybridrl.algorithms.names import (
+    ADV_ESTIMATOR_NAMES,
+    KL_CONTROLLER_KINDS,
+    KL_PENALTY_NAMES,
+    LOSS_AGG_MODES,
+)
+from hybridrl.config.errors import ConfigIssue
+from hybridrl.config.model_shape import ModelShape
+from hybridrl.config.schema import JobConfig, MegatronConfig
+
+if TYPE_CHECKING:
+    from hybridrl.config.plan import Resolved
+
+VLLM_VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of 64, then splits it evenly over TP
+DEVICES = ("cuda", "cpu")
+DTYPES = ("bf16", "fp16", "fp32")
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+ROLLOUT_ENGINES = ("vllm",)
+STRATEGIES = ("megatron",)
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
+OPTIMIZERS = ("adam", "sgd")
+TRUNCATIONS = ("error", "left", "right")
+RESUME_MODES = ("auto", "disable")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0] if n > 0 else []
+
+
+def nearest(value: Any, candidates: Iterable[int], k: int = 4) -> list[int]:
+    """Up to k candidates closest to value, in increasing order."""
+    pool = sorted(set(candidates))
+    if not isinstance(value, (int, float)):
+        return pool[:k]
+    return sorted(sorted(pool, key=lambda c: (abs(c - value), c))[:k])
+
+
+def nearest_satisfying(value: int, ok: Callable[[int], bool], k: int = 4, limit: int = 1 << 16) -> list[int]:
+    """Up to k positive integers closest to value for which ok() holds (searching outwards)."""
+    found: list[int] = []
+    base = value if isinstance(value, int) and value > 0 else 1
+    for step in range(limit):
+        for candidate in {base - step, base + step}:
+            if candidate > 0 and candidate not in found and ok(candidate):
+                found.append(candidate)
+        if len(found) >= k:
+            break
+    return sorted(found[:k])
+
+
+class _Checker:
+    """Collects issues; helpers return whether the rule held so dependent rules can be skipped."""
+
+    def __init__(self, issues: list[ConfigIssue], warnings: list[str]):
+        self.issues = issues
+        self.warnings = warnings
+
+    def fail(self, field: str, value: Any, rule: str, valid: Sequence[Any] = ()) -> bool:
+        self.issues.append(ConfigIssue(field, value, rule, tuple(valid)))
+        return False
+
+    def is_int_at_least(self, field: str, value: Any, low: int) -> bool:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= low:
+            return True
+        return self.fail(field, value, f"must be an integer >= {low}")
+
+    def in_range(self, field: str, value: Any, low: float, high: float, *, low_open: bool = False,
+                 high_open: bool = False) -> bool:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return self.fail(field, value, "must be a number")
+        above = value > low if low_open else value >= low
+        below = value < high if high_open else value <= high
+        if above and below:
+            return True
+        left, right = "(" if low_open else "[", ")" if high_open else "]"
+        return self.fail(field, value, f"must be in {left}{low:g}, {high:g}{right}")
+
+    def one_of(self, field: str, value: Any, valid: Sequence[str], what: str = "value") -> bool:
+        if value in valid:
+            return True
+        close = difflib.get_close_matches(str(value), list(valid), n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        return self.fail(field, value, f"is not a known {what}{hint}", valid)
+
+
+def validate(
+    config: JobConfig, resolved: Resolved, model: ModelShape | None,
+    issues: list[ConfigIssue], warnings: list[str],
+) -> None:
+    """Append every violated rule of `config` to `issues` (and soft concerns to `warnings`)."""
+    check = _Checker(issues, warnings)
+    world_ok = _check_trainer(check, config)
+    world = resolved.world_size if world_ok else 0
+    _check_names(check, config)
+    _check_numbers(check, config, resolved)
+    batch_ok = _check_batch_basics(check, config)
+
+    from hybridrl.config.plan import active_roles, role_megatron  # noqa: PLC0415 - avoids an import cycle
+
+    role_fields = {
+        "actor": "actor_rollout_ref.actor.megatron",
+        "ref": "actor_rollout_ref.ref.megatron" if config.actor_rollout_ref.ref.megatron
+        else "actor_rollout_ref.actor.megatron",
+        "critic": "critic.megatron",
+        "reward_model": "reward_model.megatron",
+    }
+    dp_of: dict[str, int] = {}
+    for role in active_roles(config, resolved):
+        if role == "ref" and config.actor_rollout_ref.ref.megatron is None:
+            if "actor" in dp_of:
+                dp_of["ref"] = dp_of["actor"]
+            continue
+        dp = _check_layout(check, role_fields[role], role_megatron(config, role), world, model)
+        if dp:
+            dp_of[role] = dp
+    infer_dp = _check_rollout_layout(check, config, world, model)
+    if batch_ok:
+        _check_batch_arithmetic(check, config, resolved, dp_of, infer_dp)
+    _check_lengths(check, config, resolved, model)
+    _check_algorithm(check, config, resolved)
+
+
+def _check_trainer(check: _Checker, config: JobConfig) -> bool:
+    t = config.trainer
+    ok = check.is_int_at_least("trainer.nnodes", t.nnodes, 1)
+    ok &= check.is_int_at_least("trainer.n_gpus_per_node", t.n_gpus_per_node, 1)
+    check.one_of("trainer.device", t.device, DEVICES, "device")
+    check.is_int_at_least("trainer.total_epochs", t.total_epochs, 1)
+    if t.total_training_steps is not None:
+        check.is_int_at_least("trainer.total_training_steps", t.total_training_steps, 1)
+    for name in ("save_freq", "test_freq"):
+        value = getattr(t, name)
+        if not (isinstance(value, int) and (value == -1 or value >= 1)):
+            check.fail(f"trainer.{name}", value, "must be -1 (never) or a positive number of steps")
+    if t.keep_last_n is not None:
+        check.is_int_at_least("trainer.keep_last_n", t.keep_last_n, 1)
+    check.in_range("trainer.gpu_memory_gib", t.gpu_memory_gib, 0, 1e6, low_open=True)
+    if t.resume_mode not in RESUME_MODES and not Path(str(t.resume_mode)).exists():
+        check.fail("trainer.resume_mode", t.resume_mode, "must be auto, disable, or an existing checkpoint path",
+                   RESUME_MODES)
+    for i, name in enumerate(t.logger):
+        check.one_of(f"trainer.logger[{i}]", name, LOGGERS, "logger")
+    return bool(ok)
+
+
+def _check_names(check: _Checker, config: JobConfig) -> None:
+    arr, alg = config.actor_rollout_ref, config.algorithm
+    check.one_of("algorithm.adv_estimator", alg.adv_estimator, ADV_ESTIMATOR_NAMES, "advantage estimator")
+    check.one_of("actor_rollout_ref.actor.loss_agg_mode", arr.actor.loss_agg_mode, LOSS_AGG_MODES,
+                 "loss aggregation mode")
+    check.one_of("critic.loss_agg_mode", config.critic.loss_agg_mode, LOSS_AGG_MODES, "loss aggregation mode")
+    check.one_of("actor_rollout_ref.actor.kl_loss_type", arr.actor.kl_loss_type, KL_PENALTY_NAMES, "KL estimator")
+    check.one_of("algorithm.kl_penalty", alg.kl_penalty, KL_PENALTY_NAMES, "KL estimator")
+    check.one_of("algorithm.kl_ctrl.type", alg.kl_ctrl.type, KL_CONTROLLER_KINDS, "KL controller")
+    check.one_of("actor_rollout_ref.rollout.name", arr.rollout.name, ROLLOUT_ENGINES, "rollout engine")
+    check.one_of("actor_rollout_ref.actor.strategy", arr.actor.strategy, STRATEGIES, "training strategy")
+    check.one_of("data.truncation", config.data.truncation, TRUNCATIONS, "truncation mode")
+    for prefix, optim in (("actor_rollout_ref.actor.optim", arr.actor.optim), ("critic.optim", config.critic.optim)):
+        check.one_of(f"{prefix}.lr_decay_style", optim.lr_decay_style, LR_DECAY_STYLES, "LR schedule")
+        check.one_of(f"{prefix}.optimizer", optim.optimizer, OPTIMIZERS, "optimizer")
+    for field, value in (("actor_rollout_ref.actor.megatron.dtype", arr.actor.megatron.dtype),
+                         ("actor_rollout_ref.rollout.dtype", arr.rollout.dtype),
+                         ("critic.megatron.dtype", config.critic.megatron.dtype)):
+        if value is not None:
+            check.one_of(field, value, DTYPES, "dtype")
+
+
+def _check_numbers(check: _Checker, config: JobConfig, resolved: Resolved) -> None:
+    arr, alg = config.actor_rollout_ref, config.algorithm
+    actor, rollout = arr.actor, arr.rollout
+    for prefix, optim in (("actor_rollout_ref.actor.optim", actor.optim), ("critic.optim", config.critic.optim)):
+        if check.in_range(f"{prefix}.lr", optim.lr, 0.0, 1.0, low_open=True, high_open=True):
+            check.in_range(f"{prefix}.min_lr", optim.min_lr, 0.0, optim.lr)
+        check.in_range(f"{prefix}.weight_decay", optim.weight_decay, 0.0, 1.0)
+        check.in_range(f"{prefix}.clip_grad", optim.clip_grad, 0.0, 1e9)
+        check.in_range(f"{prefix}.lr_warmup_steps_ratio", optim.lr_warmup_steps_ratio, 0.0, 1.0)
+        if not (isinstance(optim.lr_warmup_steps, int) and optim.lr_warmup_steps >= -1):
+            check.fail(f"{prefix}.lr_warmup_steps", optim.lr_warmup_steps, "must be -1 (use the ratio) or >= 0")
+        if len(optim.betas) != 2 or not all(isinstance(b, float) and 0.0 <= b < 1.0 for b in optim.betas):
+            check.fail(f"{prefix}.betas", optim.betas, "must be two numbers in [0, 1)")
+        check.in_range(f"{prefix}.eps", optim.eps, 0.0, 1.0, low_open=True)
+    a = "actor_rollout_ref.actor"
+    check.in_range(f"{a}.clip_ratio", actor.clip_ratio, 0.0, 1.0, low_open=True, high_open=True)
+    if actor.clip_ratio_low is not None:
+        check.in_range(f"{a}.clip_ratio_low", actor.clip_ratio_low, 0.0, 1.0, low_open=True, high_open=True)
+    if actor.clip_ratio_high is not None:
+        check.in_range(f"{a}.clip_ratio_high", actor.clip_ratio_high, 0.0, 10.0, low_open=True)
+    if actor.clip_ratio_c is not None:
+        check.in_range(f"{a}.clip_ratio_c", actor.clip_ratio_c, 1.0, 1e6, low_open=True)
+    check.in_range(f"{a}.entropy_coeff", actor.entropy_coeff, 0.0, 1e3)
+    check.in_range(f"{a}.kl_loss_coef", actor.kl_loss_coef, 0.0, 1e3)
+    check.is_int_at_least(f"{a}.ppo_epochs", actor.ppo_epochs, 1)
+    check.in_range("critic.cliprange_value", config.critic.cliprange_value, 0.0, 1e6, low_open=True)
+    if config.critic.ppo_epochs is not None:
+        check.is_int_at_least("critic.ppo_epochs", config.critic.ppo_epochs, 1)
+    check.in_range("algorithm.gamma", alg.gamma, 0.0, 1.0)
+    check.in_range("algorithm.lam", alg.lam, 0.0, 1.0)
+    check.in_range("algorithm.kl_ctrl.kl_coef", alg.kl_ctrl.kl_coef, 0.0, 1e3)
+    if alg.kl_ctrl.type == "adaptive":
+        check.in_range("algorithm.kl_ctrl.target_kl", alg.kl_ctrl.target_kl, 0.0, 1e3, low_open=True)
+        check.is_int_at_least("algorithm.kl_ctrl.horizon", alg.kl_ctrl.horizon, 1)
+    r = "actor_rollout_ref.rollout"
+    check.is_int_at_least(f"{r}.n", rollout.n, 1)
+    check.in_range(f"{r}.temperature", rollout.temperature, 0.0, 100.0)
+    check.in_range(f"{r}.top_p", rollout.top_p, 0.0, 1.0, low_open=True)
+    if not (isinstance(rollout.top_k, int) and (rollout.top_k in (-1, 0) or rollout.top_k >= 1)):
+        check.fail(f"{r}.top_k", rollout.top_k, "must be -1 (off) or a positive integer")
+    check.in_range(f"{r}.gpu_memory_utilization", rollout.gpu_memory_utilization, 0.0, 1.0, low_open=True)
+    check.is_int_at_least(f"{r}.max_num_batched_tokens", rollout.max_num_batched_tokens, 1)
+    check.is_int_at_least(f"{r}.max_num_seqs", rollout.max_num_seqs, 1)
+    vk = rollout.val_kwargs
+    check.is_int_at_least(f"{r}.val_kwargs.n", vk.n, 1)
+    check.in_range(f"{r}.val_kwargs.temperature", vk.temperature, 0.0, 100.0)
+    check.in_range(f"{r}.val_kwargs.top_p", vk.top_p, 0.0, 1.0, low_open=True)
+
+
+def _check_batch_basics(check: _Checker, config: JobConfig) -> bool:
+    arr = config.actor_rollout_ref
+    fields = [
+        ("data.train_batch_size", config.data.train_batch_size),
+        ("actor_rollout_ref.actor.ppo_mini_batch_size", arr.actor.ppo_mini_batch_size),
+        ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", arr.actor.ppo_micro_batch_size_per_gpu),
+        ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", arr.rollout.log_prob_micro_batch_size_per_gpu),
+        ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", arr.ref.log_prob_micro_batch_size_per_gpu),
+        ("critic.ppo_micro_batch_size_per_gpu", config.critic.ppo_micro_batch_size_per_gpu),
+        ("reward_model.micro_batch_size_per_gpu", config.reward_model.micro_batch_size_per_gpu),
+        ("actor_rollout_ref.rollout.n", arr.rollout.n),
+    ]
+    if config.critic.ppo_mini_batch_size is not None:
+        fields.append(("critic.ppo_mini_batch_size", config.critic.ppo_mini_batch_size))
+    ok = True
+    for field, value in fields:
+        if field == "actor_rollout_ref.rollout.n":  # already reported by _check_numbers
+            ok &= isinstance(value, int) and value >= 1
+        else:
+            ok &= check.is_int_at_least(field, value, 1)
+    if arr.actor.use_dynamic_bsz:
+        ok &= check.is_int_at_least("actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+                                    arr.actor.ppo_max_token_len_per_gpu, 1)
+    return bool(ok)
+
+
+def _check_layout(check: _Checker, prefix: str, mc: MegatronConfig, world: int, model: ModelShape | None) -> int:
+    """Training layout rules for one role; returns its data-parallel size (0 when invalid)."""
+    tp, pp, cp, vpp = (mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size,
+                       mc.context_parallel_size, mc.virtual_pipeline_model_parallel_size)
+    ok = check.is_int_at_least(f"{prefix}.tensor_model_parallel_size", tp, 1)
+    ok &= check.is_int_at_least(f"{prefix}.pipeline_model_parallel_size", pp, 1)
+    ok &= check.is_int_at_least(f"{prefix}.context_parallel_size", cp, 1)
+    check.is_int_at_least(f"{prefix}.make_vocab_size_divisible_by", mc.make_vocab_size_divisible_by, 1)
+    if vpp is not None:
+        if check.is_int_at_least(f"{prefix}.virtual_pipeline_model_parallel_size", vpp, 1) and ok and pp < 2:
+            ok = check.fail(f"{prefix}.virtual_pipeline_model_parallel_size", vpp,
+                            f"needs pipeline_model_parallel_size > 1 (it is {pp}); use null without PP")
+    if not ok:
+        return 0
+    if mc.sequence_parallel and tp == 1:
+        check.warnings.append(f"{prefix}.sequence_parallel=true has no effect with tensor_model_parallel_size=1")
+    dp = 0
+    if world:
+        gpus = f"the {world} GPUs"
+        if world % tp:
+            check.fail(f"{prefix}.tensor_model_parallel_size", tp, f"must divide {gpus}", divisors(world))
+        elif (world // tp) % pp:
+            check.fail(f"{prefix}.pipeline_model_parallel_size", pp,
+                       f"× tensor_model_parallel_size={tp} must divide {gpus}", divisors(world // tp))
+        elif (world // (tp * pp)) % cp:
+            check.fail(f"{prefix}.context_parallel_size", cp,
+                       f"× TP·PP={tp * pp} must divide {gpus}", divisors(world // (tp * pp)))
+        else:
+            dp = world // (tp * pp * cp)
+    if model is not None:
+        heads, kv = model.num_attention_heads, model.num_key_value_heads
+        if heads % tp:
+            check.fail(f"{prefix}.tensor_model_parallel_size", tp,
+                       f"must divide the model's {heads} attention heads", divisors(heads))
+        elif kv % tp and tp % kv:
+            check.fail(f"{prefix}.tensor_model_parallel_size", tp,
+                       f"must divide the model's {kv} KV heads or be a multiple of them (KV heads are "
+                       f"replicated when TP > KV heads)",
+                       [d for d in divisors(heads) if kv % d == 0 or d % kv == 0])
+        chunks = pp * (vpp or 1)
+        if model.num_layers % chunks:
+            field = "virtual_pipeline_model_parallel_size" if vpp else "pipeline_model_parallel_size"
+            value = vpp if vpp else pp
+            valid = ([v for v in divisors(model.num_layers // pp) if model.num_layers % (pp * v) == 0]
+                     if vpp and model.num_layers % pp == 0 else divisors(model.num_layers))
+            check.fail(f"{prefix}.{field}", value,
+                       f"(PP×VPP={chunks}) must divide the model's {model.num_layers} layers", valid)
+    return dp
+
+
+def _check_rollout_layout(check: _Checker, config: JobConfig, world: int, model: ModelShape | None) -> int:
+    """vLLM layout rules; returns the number of rollout replicas (0 when invalid)."""
+    field = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+    itp = config.actor_rollout_ref.rollout.tensor_model_parallel_size
+    if not check.is_int_at_least(field, itp, 1):
+        return 0
+    ok = True
+    if world and world % itp:
+        ok = check.fail(field, itp, f"must divide the {world} GPUs", divisors(world))
+    if model is not None:
+        heads, kv = model.num_attention_heads, model.num_key_value_heads
+        padded_vocab = -(-model.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+        if heads % itp:
+            ok = check.fail(field, itp, f"must divide the model's {heads} attention heads", divisors(heads))
+        elif kv % itp and itp % kv:
+            ok = check.fail(field, itp, f"must divide the model's {kv} KV heads or be a multiple of them",
+                            [d for d in divisors(heads) if kv % d == 0 or d % kv == 0])
+        elif padded_vocab % itp:
+            ok = check.fail(field, itp,
+                            f"must divide the vocabulary as vLLM pads it ({model.vocab_size} -> {padded_vocab})",
+                            [d for d in divisors(heads) if padded_vocab % d == 0])
+    return world // itp if (ok and world) else 0
+
+
+def _check_batch_arithmetic(
+    check: _Checker, config: JobConfig, resolved: Resolved, dp_of: dict[str, int], infer_dp: int,
+) -> None:
+    arr = config.actor_rollout_ref
+    batch, n = config.data.train_batch_size, arr.rollout.n
+    if infer_dp and batch % infer_dp:
+        check.fail("data.train_batch_size", batch,
+                   f"must split evenly over the {infer_dp} rollout replicas "
+                   f"(GPUs ÷ rollout tensor_model_parallel_size)",
+                   nearest_satisfying(batch, lambda b: b % infer_dp == 0))
+
+    def check_updates(prefix: str, mini: int, micro: int, dp: int, mini_field: str) -> None:
+        if mini > batch or batch % mini:
+            check.fail(mini_field, mini, f"must divide data.train_batch_size={batch} (mini-batches per step)",
+                       nearest(mini, divisors(batch)))
+            return
+        if not dp:
+            return
+        if (mini * n) % dp:
+            check.fail(mini_field, mini,
+                       f"× rollout.n={n} sequences must split evenly over the {dp} data-parallel ranks",
+                       nearest(mini, [d for d in divisors(batch) if (d * n) % dp == 0]))
+            return
+        per_rank = mini * n // dp
+        if not arr.actor.use_dynamic_bsz and per_rank % micro:
+            check.fail(f"{prefix}.ppo_micro_batch_size_per_gpu", micro,
+                       f"must divide the {per_rank} sequences per GPU per mini-batch "
+                       f"({mini_field.rsplit('.', 1)[-1]}={mini} × n={n} ÷ DP={dp})",
+                       nearest(micro, divisors(per_rank)))
+
+    def check_forward(field: str, micro: int, dp: int) -> None:
+        if not dp:
+            return
+        if (batch * n) % dp:
+            check.fail("data.train_batch_size", batch,
+                       f"× rollout.n={n} sequences must split evenly over the {dp} data-parallel ranks",
+                       nearest_satisfying(batch, lambda b: (b * n) % dp == 0))
+            return
+        per_rank = batch * n // dp
+        if not arr.actor.use_dynamic_bsz and per_rank % micro:
+            check.fail(field, micro,
+                       f"must divide the {per_rank} sequences per GPU (train_batch_size={batch} × n={n} ÷ DP={dp})",
+                       nearest(micro, divisors(per_rank)))
+
+    actor_dp = dp_of.get("actor", 0)
+    check_updates("actor_rollout_ref.actor", arr.actor.ppo_mini_batch_size, arr.actor.ppo_micro_batch_size_per_gpu,
+                  actor_dp, "actor_rollout_ref.actor.ppo_mini_batch_size")
+    check_forward("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+                  arr.rollout.log_prob_micro_batch_size_per_gpu, actor_dp)
+    if "ref" in dp_of:
+        check_forward("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+                      arr.ref.log_prob_micro_batch_size_per_gpu, dp_of["ref"])
+    if "critic" in dp_of:
+        mini_field = ("critic.ppo_mini_batch_size" if config.critic.ppo_mini_batch_size is not None
+                      else "actor_rollout_ref.actor.ppo_mini_batch_size")
+        check_updates("critic", resolved.critic_mini_batch_size, config.critic.ppo_micro_batch_size_per_gpu,
+                      dp_of["critic"], mini_field)
+        check_forward("critic.ppo_micro_batch_size_per_gpu", config.critic.ppo_micro_batch_size_per_gpu,
+                      dp_of["critic"])
+    if "reward_model" in dp_of:
+        check_forward("reward_model.micro_batch_size_per_gpu", config.reward_model.micro_batch_size_per_gpu,
+                      dp_of["reward_model"])
+
+
+def _check_lengths(check: _Checker, config: JobConfig, resolved: Resolved, model: ModelShape | None) -> None:
+    data, rollout = config.data, config.actor_rollout_ref.rollout
+    ok = check.is_int_at_least("data.max_prompt_length", data.max_prompt_length, 1)
+    ok &= check.is_int_at_least("data.max_response_length", data.max_response_length, 1)
+    if rollout.response_length is not None:
+        if check.is_int_at_least("actor_rollout_ref.rollout.response_length", rollout.response_length, 1) and ok \
+                and rollout.response_length > data.max_response_length:
+            check.fail("actor_rollout_ref.rollout.response_length", rollout.response_length,
+                       f"must not exceed data.max_response_length={data.max_response_length}",
+                       [data.max_response_length])
+    if ok and model is not None and resolved.max_sequence_length > model.max_position_embeddings:
+        room = model.max_position_embeddings - data.max_prompt_length
+        check.fail("data.max_response_length", data.max_response_length,
+                   f"+ max_prompt_length={data.max_prompt_length} exceeds the model's "
+                   f"max_position_embeddings={model.max_position_embeddings}",
+                   [room] if room > 0 else [])
+    actor = config.actor_rollout_ref.actor
+    if ok and actor.use_dynamic_bsz and isinstance(actor.ppo_max_token_len_per_gpu, int) \
+            and actor.ppo_max_token_len_per_gpu < resolved.max_sequence_length:
+        check.fail("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu,
+                   f"must hold one full sequence (max_prompt_length + response length = "
+                   f"{resolved.max_sequence_length} tokens)", [resolved.max_sequence_length])
+    cp = config.actor_rollout_ref.actor.megatron.context_parallel_size
+    if ok and isinstance(cp, int) and cp > 1 and resolved.max_sequence_length % (2 * cp):
+        check.warnings.append(
+            f"sequences of {resolved.max_sequence_length} tokens are padded to a multiple of 2×CP={2 * cp} "
+            "for load-balanced context parallelism"
+        )
+
+
+def _check_algorithm(check: _Checker, config: JobConfig, resolved: Resolved) -> None:
+    estimator, n = config.algorithm.adv_estimator, config.actor_rollout_ref.rollout.n
+    from hybridrl.config.plan import CRITIC_ESTIMATORS, GROUP_ESTIMATORS  # noqa: PLC0415
+
+    if estimator in GROUP_ESTIMATORS and isinstance(n, int) and n < 2:
+        check.fail("actor_rollout_ref.rollout.n", n,
+                   f"must be >= 2 for algorithm.adv_estimator={estimator} (it compares samples of one prompt; "
+                   "a group of one has advantage 0)", [2, 4, 8, 16])
+    if estimator in CRITIC_ESTIMATORS and config.critic.enable is False:
+        check.fail("critic.enable", False, f"must be true (or null) for algorithm.adv_estimator={estimator}",
+                   [True])
+    if config.reward_model.enable and not config.reward_model.model.path:
+        check.fail("reward_model.model.path", "", "must name a reward model folder when reward_model.enable=true")
+    if config.actor_rollout_ref.actor.use_kl_loss and config.algorithm.use_kl_in_reward:
+        check.warnings.append("KL is applied twice: both actor.use_kl_loss and algorithm.use_kl_in_reward are on")
+    if not config.data.train_files:
+        check.warnings.append("data.train_files is empty: `hybridrl train` needs training prompts")
