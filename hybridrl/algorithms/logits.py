@@ -27,11 +27,13 @@ def log_prob_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
 def entropy_from_logits(logits: Tensor) -> Tensor:
     """Entropy of softmax(logits) over the last dim: logsumexp(x) - sum_v p_v x_v; float32 `[...]`.
 
-    Stable for any finite logits (the softmax is computed shifted by the max). Logits of -inf (a
+    Stable for any finite logits (both terms are computed relative to the row max). Logits of -inf (a
     banned token) are raised to the float minimum first, so they contribute p = 0 and 0 * x = 0
     instead of 0 * inf = NaN.
     """
     x = logits.to(_compute_dtype(logits))
     x = torch.clamp(x, min=torch.finfo(x.dtype).min)
-    probs = torch.softmax(x, dim=-1)
-    return torch.logsumexp(x, dim=-1) - (probs * x).sum(-1)
+    # Relative to the row max, log Z and E_p[x] stay O(log V): no cancellation of large terms.
+    shifted = x - x.max(dim=-1, keepdim=True).values.detach()
+    probs = torch.softmax(shifted, dim=-1)
+    return torch.logsumexp(shifted, dim=-1) - (probs * shifted).sum(-1)
