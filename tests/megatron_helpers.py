@@ -143,8 +143,14 @@ def tp_slice(full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, tp_siz
     return torch.cat(chunks[tp_rank::tp_size], dim=dim)
 
 
-def load_full_state(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> int:
-    """Copy this rank's slices of a full state into `model` (possibly DDP-wrapped); return count."""
+def load_full_state(
+    model: torch.nn.Module, full: dict[str, torch.Tensor], wrong_tp_order: bool = False
+) -> int:
+    """Copy this rank's slices of a full state into `model` (possibly DDP-wrapped); return count.
+
+    `wrong_tp_order=True` loads the shards of the mirrored TP rank: a deliberately wrong layout
+    that tests use to show their comparisons catch layout errors.
+    """
     from megatron.core import parallel_state as mps
 
     module = model.module if hasattr(model, "module") else model
@@ -152,7 +158,8 @@ def load_full_state(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> in
     loaded = 0
     with torch.no_grad():
         for name, param in module.named_parameters():
-            src = tp_slice(full[global_param_name(module, name)], param, tp_rank, tp_size)
+            rank = tp_size - 1 - tp_rank if wrong_tp_order else tp_rank
+            src = tp_slice(full[global_param_name(module, name)], param, rank, tp_size)
             if src.shape != param.shape:
                 raise ValueError(f"{name}: shard {tuple(src.shape)} != param {tuple(param.shape)}")
             param.copy_(src)
@@ -160,15 +167,18 @@ def load_full_state(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> in
     return loaded
 
 
-def gather_full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Inverse of `load_full_state` across TP (this stage's params only), for checking results."""
+def gather_full_state(model: torch.nn.Module, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Inverse of `load_full_state` across TP (this stage's params only), for checking results.
+
+    `grads=True` gathers `param.grad` instead of the values.
+    """
     from megatron.core import parallel_state as mps
 
     module = model.module if hasattr(model, "module") else model
     tp_size = mps.get_tensor_model_parallel_world_size()
     out = {}
     for name, param in module.named_parameters():
-        value = param.detach()
+        value = (param.grad if grads else param).detach()
         if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
             dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
             shards = [torch.empty_like(value) for _ in range(tp_size)]
