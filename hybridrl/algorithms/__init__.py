@@ -16,6 +16,9 @@ from typing import TYPE_CHECKING, Any
 _EXPORTS: dict[str, str] = {
     # names (torch-free)
     "ADV_ESTIMATOR_NAMES": "names",
+    "CRITIC_ADV_ESTIMATORS": "names",
+    "GROUP_ADV_ESTIMATORS": "names",
+    "GREEDY_BASELINE_ADV_ESTIMATORS": "names",
     "LOSS_AGG_MODES": "names",
     "KL_PENALTY_KINDS": "names",
     "KL_PENALTY_ALIASES": "names",
@@ -107,6 +110,9 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from hybridrl.algorithms.masking import masked_mean, masked_sum, masked_var, masked_whiten  # noqa: F401
     from hybridrl.algorithms.names import (  # noqa: F401
         ADV_ESTIMATOR_NAMES,
+        CRITIC_ADV_ESTIMATORS,
+        GREEDY_BASELINE_ADV_ESTIMATORS,
+        GROUP_ADV_ESTIMATORS,
         KL_CONTROLLER_KINDS,
         KL_PENALTY_ALIASES,
         KL_PENALTY_KINDS,

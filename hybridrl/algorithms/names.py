@@ -19,6 +19,12 @@ ADV_ESTIMATOR_NAMES: tuple[str, ...] = (
     "remax",
 )
 
+# What an estimator needs beyond rewards: a critic's values; several samples of one prompt
+# (`group_index`, so rollout.n >= 2); the score of a greedy response to the prompt (`baseline_scores`).
+CRITIC_ADV_ESTIMATORS: tuple[str, ...] = ("gae",)
+GROUP_ADV_ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "rloo")
+GREEDY_BASELINE_ADV_ESTIMATORS: tuple[str, ...] = ("remax",)
+
 LOSS_AGG_MODES: tuple[str, ...] = (
     "token-mean",
     "token-sum",
