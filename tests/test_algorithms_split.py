@@ -143,6 +143,30 @@ def test_ppo_and_value_losses_split_invariance(mode):
         assert grad_whole.abs().sum() > 0
 
 
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_context_parallel_token_split_invariance(mode):
+    """Each sequence's tokens split over 2 "CP ranks" (zig-zag columns): with normalizers and
+    per-sequence token counts of the complete sequences, the CP-rank losses sum to the whole."""
+    gen = torch.Generator().manual_seed(31)
+    loss_mat = torch.randn(BATCH, LENGTH, generator=gen, dtype=F64).requires_grad_()
+    mask = make_mask(31)
+    normalizers = global_loss_normalizers([mask])
+    seq_token_counts = mask.sum(-1)
+    whole = aggregate_loss(loss_mat, mask, mode)
+    columns = [torch.tensor([0, 1, 6, 7]), torch.tensor([2, 3, 4, 5])]
+    split = sum(
+        aggregate_loss(
+            loss_mat[:, cols], mask[:, cols], mode, norm_length=LENGTH, seq_token_counts=seq_token_counts,
+            **normalizers.as_kwargs(),
+        )
+        for cols in columns
+    )
+    torch.testing.assert_close(split, whole, rtol=1e-12, atol=1e-12)
+    (grad_whole,) = torch.autograd.grad(whole, loss_mat)
+    (grad_split,) = torch.autograd.grad(split, loss_mat)
+    torch.testing.assert_close(grad_split, grad_whole, rtol=0, atol=1e-6)
+
+
 def _normalizers_over_dp(rank: int, world_size: int, masks_per_rank):
     import torch.distributed as dist
 

@@ -18,6 +18,11 @@ micro-batches and DP ranks equals the mini-batch loss computed at once -- so do 
 `norm_length` must be the same constant everywhere (e.g. the configured max response length);
 its default, the mask's T, is only safe when every micro-batch is padded to the same T.
 
+Context parallelism splits each sequence's tokens over CP ranks. The sum over CP ranks of their
+losses is again the micro-batch loss provided (a) N and S are counted on the complete sequences
+(before the split) and (b) for `seq-mean-token-mean`, each sequence's own token count is passed
+as `seq_token_counts` (a CP rank sees only its part of the row).
+
 Scaling for workers. The target gradient is the gradient of that *sum*. Frameworks average
 instead of summing, and the worker must undo it by scaling the micro-batch loss it hands them:
   * Megatron DDP averages gradients over the data-parallel group (divides by dp_size): multiply
@@ -52,12 +57,14 @@ def aggregate_loss(
     global_tokens: Count | None = None,
     global_seqs: Count | None = None,
     norm_length: float | None = None,
+    seq_token_counts: Tensor | None = None,
 ) -> Tensor:
     """Reduce `loss_mat` `[B, T]` under `mask` (bool or float weights, `[B, T]`) by `mode`.
 
     `global_tokens` (N) and `global_seqs` (S) default to this batch's own counts; pass the
     mini-batch totals (see the module docstring) when this batch is one micro-batch of many.
     `norm_length` (T_norm for `seq-mean-token-sum-norm`) defaults to `mask.shape[-1]`.
+    `seq_token_counts` `[B]` (for `seq-mean-token-mean`) defaults to the row sums of `mask`.
     Empty input (no unmasked token) gives a loss of 0. The result has the dtype of `loss_mat`
     promoted to at least float32 (counts lose precision in bf16).
     """
@@ -78,7 +85,10 @@ def aggregate_loss(
     if mode == "seq-mean-token-sum":
         return seq_sums.sum() / seqs
     if mode == "seq-mean-token-mean":
-        seq_lengths = mask.to(loss_mat.dtype).sum(-1)
+        if seq_token_counts is None:
+            seq_lengths = mask.to(loss_mat.dtype).sum(-1)
+        else:
+            seq_lengths = seq_token_counts.to(dtype=loss_mat.dtype, device=loss_mat.device)
         return (seq_sums / nonzero_or_one(seq_lengths)).sum() / seqs
     # seq-mean-token-sum-norm
     length = mask.shape[-1] if norm_length is None else norm_length

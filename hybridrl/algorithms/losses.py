@@ -1,8 +1,8 @@
 """PPO clipped policy loss (with dual clip) and clipped value loss.
 
 Both take `[B, T]` tensors and a `response_mask`, build a per-token loss and reduce it with
-`aggregate_loss`; the `global_tokens` / `global_seqs` / `norm_length` arguments pass straight
-through to it, so the losses are split-invariant (see `hybridrl.algorithms.aggregation`).
+`aggregate_loss`; the `global_tokens` / `global_seqs` / `norm_length` / `seq_token_counts`
+arguments pass straight through to it, so the losses are split-invariant (see `hybridrl.algorithms.aggregation`).
 Metrics are detached 0-dim tensors (no device sync here), averaged over this batch's tokens.
 """
 from __future__ import annotations
@@ -30,6 +30,7 @@ def ppo_policy_loss(
     global_tokens: Count | None = None,
     global_seqs: Count | None = None,
     norm_length: float | None = None,
+    seq_token_counts: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped surrogate loss of PPO (Schulman et al. 2017) with the dual clip of Ye et al. 2020.
 
@@ -69,6 +70,7 @@ def ppo_policy_loss(
     loss = aggregate_loss(
         token_loss, response_mask, agg,
         global_tokens=global_tokens, global_seqs=global_seqs, norm_length=norm_length,
+        seq_token_counts=seq_token_counts,
     )
     with torch.no_grad():
         valid = response_mask != 0
@@ -94,6 +96,7 @@ def value_loss(
     global_tokens: Count | None = None,
     global_seqs: Count | None = None,
     norm_length: float | None = None,
+    seq_token_counts: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped value loss: per token 0.5 * max((v - R)^2, (old_v + clip(v - old_v, -clip, clip) - R)^2).
 
@@ -116,6 +119,7 @@ def value_loss(
     loss = aggregate_loss(
         token_loss, response_mask, agg,
         global_tokens=global_tokens, global_seqs=global_seqs, norm_length=norm_length,
+        seq_token_counts=seq_token_counts,
     )
     with torch.no_grad():
         valid = response_mask != 0
