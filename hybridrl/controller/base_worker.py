@@ -1,0 +1,124 @@
+"""The Ray plumbing every worker class inherits: its rank, its torch.distributed group, its mesh.
+
+Role workers (actor/rollout/ref, critic, reward model) subclass `Worker`, take the `RankContext`
+as the first constructor argument and pass it up:
+
+    class CriticWorker(Worker):
+        def __init__(self, context: RankContext, config: CriticConfig):
+            super().__init__(context)
+            ...
+
+The methods below are called by `WorkerGroup` during bring-up; role methods are called by the
+trainer through the group's dispatch helpers. After setting up megatron, a subclass overrides
+`mesh_coords()` so the controller learns each rank's (dp, tp, pp, cp) position.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, replace
+from datetime import timedelta
+
+import ray
+
+from hybridrl.controller.dispatch import MeshCoord
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """Where a worker sits: its group's role, its global rank, and its place on its node."""
+
+    role: str
+    rank: int
+    world_size: int
+    node_rank: int
+    local_rank: int
+    local_world_size: int
+    use_gpu: bool
+
+
+class Worker:
+    """Base class of all Ray worker classes: rank bookkeeping + process-group bring-up."""
+
+    def __init__(self, context: RankContext) -> None:
+        self.context = context
+        self._export_rank_env()
+
+    def _export_rank_env(self) -> None:
+        # torchrun's variable names: megatron, vLLM and torch.distributed helpers read them.
+        c = self.context
+        os.environ.update(
+            RANK=str(c.rank), WORLD_SIZE=str(c.world_size), LOCAL_RANK=str(c.local_rank),
+            LOCAL_WORLD_SIZE=str(c.local_world_size), GROUP_RANK=str(c.node_rank),
+        )
+
+    @property
+    def rank(self) -> int:
+        return self.context.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.context.world_size
+
+    # --------------------------------------------------------------- called by WorkerGroup
+    def ping(self) -> int:
+        """Liveness probe; returns the rank."""
+        return self.context.rank
+
+    def placement(self) -> tuple[str, list[str]]:
+        """(Ray node id, accelerator ids Ray assigned to this actor)."""
+        gpu_ids = [str(i) for i in ray.get_gpu_ids()] if self.context.use_gpu else []
+        return ray.get_runtime_context().get_node_id(), gpu_ids
+
+    def set_local_placement(self, local_rank: int, local_world_size: int, visible_devices: list[str]) -> None:
+        """Adopt the rank's position among the group's ranks on its physical node.
+
+        On GPU, every rank of a node sees all of the node's group GPUs, in local-rank order, so
+        device index == LOCAL_RANK as under torchrun (megatron and vLLM select devices that way).
+        Must run before CUDA is initialized in this process.
+        """
+        self.context = replace(self.context, local_rank=local_rank, local_world_size=local_world_size)
+        if visible_devices:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_devices)
+        self._export_rank_env()
+
+    def pick_master_address(self) -> tuple[str, int]:
+        """This node's address and a port free on it right now (called on rank 0)."""
+        address = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((address, 0))
+            return address, sock.getsockname()[1]
+
+    def init_process_group(self, master_addr: str, master_port: int, backend: str, timeout_s: float) -> None:
+        """Join the group's default process group; all ranks must call this concurrently.
+
+        A short timeout bounds how long peers of a dead rank stay blocked in a collective (the
+        controller kills the group sooner, but a process must never wait torch's default 30 min).
+        """
+        import torch
+        import torch.distributed as dist
+
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        if backend == "nccl":
+            torch.cuda.set_device(self.context.local_rank)
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=self.context.rank,
+            world_size=self.context.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+
+    def destroy_process_group(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ------------------------------------------------------------------ hook for subclasses
+    def mesh_coords(self) -> MeshCoord:
+        """This rank's mesh position. Default: pure data parallel (every rank its own DP index).
+
+        Model-parallel workers override this after setting up megatron's parallel state.
+        """
+        return MeshCoord(dp=self.context.rank)

@@ -1,0 +1,157 @@
+"""Fail-fast gathering: run one method on every rank and return when all finish, or fail in seconds.
+
+Why not `ray.get(refs)`: it waits on the refs in order, so a failure on rank 5 stays invisible
+while rank 0 is blocked in a collective waiting for rank 5 (with torch's default process-group
+timeout, for 30 minutes), and a blocking `ray.get` cannot be interrupted by pytest-timeout. We poll
+`ray.wait` in short slices instead, and on the first failed rank kill the whole group: its peers
+may be stuck in a gloo/NCCL collective that will never complete.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.actor import ActorHandle
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+
+from hybridrl.controller.dispatch import RankCall
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    rank: int
+    kind: str  # "exception", "actor died" or "ray error"
+    detail: str  # the remote traceback (exceptions) or Ray's account of the death
+
+
+class WorkerGroupError(RuntimeError):
+    """A worker group call failed on some rank (or hung past its timeout); the group is torn down.
+
+    `rank` and `remote_traceback` describe the first failure seen; `failures` lists all failures
+    seen at that moment; `unfinished_ranks` were still running (often blocked in a collective).
+    """
+
+    def __init__(
+        self,
+        role: str,
+        method: str,
+        failures: Sequence[RankFailure],
+        unfinished_ranks: Sequence[int],
+        torn_down: bool,
+        timeout_s: float | None = None,
+    ):
+        self.role = role
+        self.method = method
+        self.failures = list(failures)
+        self.unfinished_ranks = list(unfinished_ranks)
+        self.torn_down = torn_down
+        first = self.failures[0] if self.failures else None
+        self.rank: int | None = first.rank if first else None
+        self.remote_traceback: str = first.detail if first else ""
+        if first is not None:
+            head = f"{role} rank {first.rank} failed in {method}(): {first.kind}"
+        else:
+            head = f"{role} group did not finish {method}() within {timeout_s} s"
+        lines = [head]
+        others = [f.rank for f in self.failures[1:]]
+        if others:
+            lines.append(f"also failed at the same time: ranks {others}")
+        if self.unfinished_ranks:
+            lines.append(f"ranks still running at that moment: {self.unfinished_ranks}")
+        lines.append(
+            "worker group torn down (all its actors killed)" if torn_down else "worker group left running"
+        )
+        for failure in self.failures:
+            lines.append(f"--- {role} rank {failure.rank} ({failure.kind}) ---\n{failure.detail.rstrip()}")
+        super().__init__("\n".join(lines))
+
+
+def _classify(error: RayError) -> tuple[str, str]:
+    if isinstance(error, RayTaskError):
+        return "exception", str(error)
+    if isinstance(error, RayActorError):
+        return "actor died", str(error)
+    return "ray error", f"{type(error).__name__}: {error}"
+
+
+def kill_actors(actors: Sequence[ActorHandle]) -> None:
+    """Kill every actor now (no restart). Already-dead actors are fine."""
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - a dead actor or a lost handle: nothing left to kill
+            pass
+
+
+def submit_all(actors: Sequence[ActorHandle], method: str, calls: Sequence[RankCall]) -> list[ray.ObjectRef]:
+    """Start `method` on every rank (rank r gets calls[r]); returns one ref per rank."""
+    if len(calls) != len(actors):
+        raise ValueError(f"got {len(calls)} calls for {len(actors)} ranks")
+    return [getattr(actor, method).remote(*c.args, **c.kwargs) for actor, c in zip(actors, calls)]
+
+
+def wait_all(
+    refs: Sequence[ray.ObjectRef],
+    actors: Sequence[ActorHandle],
+    *,
+    role: str,
+    method: str,
+    timeout_s: float | None = None,
+    poll_s: float = 0.5,
+    tear_down_on_failure: bool = True,
+) -> list[Any]:
+    """Results of `refs` (one per rank) in rank order; raise WorkerGroupError on the first failure."""
+    results: list[Any] = [None] * len(refs)
+    pending: dict[ray.ObjectRef, int] = {ref: rank for rank, ref in enumerate(refs)}
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while pending:
+        slice_s = poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic()))
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=slice_s)
+        failures = []
+        for ref in ready:
+            rank = pending.pop(ref)
+            try:
+                results[rank] = ray.get(ref, timeout=0)
+            except GetTimeoutError:  # wait said ready but the value is not local yet: next slice
+                pending[ref] = rank
+            except RayError as error:
+                kind, detail = _classify(error)
+                failures.append(RankFailure(rank, kind, detail))
+        if failures:
+            failures.sort(key=lambda f: f.rank)
+            unfinished = sorted(pending.values())
+            if tear_down_on_failure:
+                kill_actors(actors)
+            raise WorkerGroupError(role, method, failures, unfinished, tear_down_on_failure)
+        if deadline is not None and pending and time.monotonic() >= deadline:
+            unfinished = sorted(pending.values())
+            if tear_down_on_failure:
+                kill_actors(actors)
+            raise WorkerGroupError(role, method, [], unfinished, tear_down_on_failure, timeout_s)
+    return results
+
+
+def execute_all(
+    actors: Sequence[ActorHandle],
+    method: str,
+    calls: Sequence[RankCall],
+    *,
+    role: str,
+    timeout_s: float | None = None,
+    poll_s: float = 0.5,
+    tear_down_on_failure: bool = True,
+) -> list[Any]:
+    """Run `method` on every rank with its call's arguments; results in rank order.
+
+    On the first exception or dead actor: kill all `actors` (unless told not to) and raise
+    WorkerGroupError with role, rank, method and the remote traceback. `timeout_s` bounds the
+    whole call (None: no bound; failures are still detected within `poll_s`).
+    """
+    refs = submit_all(actors, method, calls)
+    return wait_all(
+        refs, actors, role=role, method=method, timeout_s=timeout_s, poll_s=poll_s,
+        tear_down_on_failure=tear_down_on_failure,
+    )

@@ -1,0 +1,142 @@
+"""Resource pools: placement groups reserving the slots that worker groups run in.
+
+A pool is `nnodes` placement groups (one per node, packed onto one machine) of
+`workers_per_node` bundles each: `{"GPU": 1, "CPU": c}` on GPU clusters, `{"CPU": c}` on CPU
+(Ray rejects empty bundles, so c > 0; fractions such as 0.25 let 8 ranks share 2 cores in tests).
+Global rank r lives in bundle r % workers_per_node of node r // workers_per_node.
+
+Colocation. Several roles' worker groups may share one pool: each group places one actor per
+bundle, and every actor takes 1/max_colocated_groups of its bundle, so the groups' rank r run on
+the same GPU. (The hybrid engine - actor, rollout and reference in the *same processes* - is one
+worker group whose worker class plays all three roles; pools colocate separate processes, e.g. a
+critic next to the actor.)
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+
+class ResourcePoolError(RuntimeError):
+    """The pool could not be placed, or a group asked for more than the pool offers."""
+
+
+@dataclass(frozen=True)
+class ActorResources:
+    """What one actor of a colocated group asks Ray for, inside its bundle."""
+
+    num_cpus: float
+    num_gpus: float
+
+
+@dataclass
+class ResourcePool:
+    name: str
+    nnodes: int = 1
+    workers_per_node: int = 1
+    use_gpu: bool = False
+    cpus_per_worker: float = 1.0
+    max_colocated_groups: int = 1
+    placement_groups: list[PlacementGroup] = field(default_factory=list, init=False)
+    roles: list[str] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        if self.nnodes <= 0 or self.workers_per_node <= 0:
+            raise ValueError(f"pool {self.name!r}: nnodes and workers_per_node must be positive")
+        if self.cpus_per_worker <= 0:
+            raise ValueError(
+                f"pool {self.name!r}: cpus_per_worker must be > 0 (Ray rejects bundles without resources)"
+            )
+        if self.max_colocated_groups <= 0:
+            raise ValueError(f"pool {self.name!r}: max_colocated_groups must be positive")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.workers_per_node
+
+    @property
+    def bundle(self) -> dict[str, float]:
+        bundle = {"CPU": float(self.cpus_per_worker)}
+        if self.use_gpu:
+            bundle["GPU"] = 1.0
+        return bundle
+
+    @property
+    def started(self) -> bool:
+        return bool(self.placement_groups)
+
+    def _describe_request(self) -> str:
+        total = {k: v * self.world_size for k, v in self.bundle.items()}
+        return (
+            f"{self.nnodes} node(s) x {self.workers_per_node} bundles of {self.bundle} "
+            f"(each node's bundles on one machine; {total} in all)"
+        )
+
+    def start(self, timeout_s: float = 60.0, poll_s: float = 1.0) -> ResourcePool:
+        """Create the placement groups and wait until Ray has reserved them.
+
+        Raises ResourcePoolError naming the request and the cluster's resources when they are not
+        all ready within `timeout_s` (the pending groups are removed, so nothing stays queued).
+        """
+        if self.started:
+            return self
+        groups = [
+            placement_group([dict(self.bundle) for _ in range(self.workers_per_node)], strategy="STRICT_PACK")
+            for _ in range(self.nnodes)
+        ]
+        ready_refs = [g.ready() for g in groups]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ready, _ = ray.wait(ready_refs, num_returns=len(ready_refs),
+                                timeout=max(0.0, min(poll_s, deadline - time.monotonic())))
+            if len(ready) == len(ready_refs):
+                break
+            if time.monotonic() >= deadline:
+                for g in groups:
+                    remove_placement_group(g)
+                nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+                raise ResourcePoolError(
+                    f"resource pool {self.name!r} could not be placed within {timeout_s} s: "
+                    f"{len(ready)}/{len(groups)} node groups ready. Requested {self._describe_request()}. "
+                    f"Cluster total {ray.cluster_resources()}, available now {ray.available_resources()}, "
+                    f"alive nodes' resources {nodes}."
+                )
+        self.placement_groups = groups
+        return self
+
+    def reserve(self, role: str) -> ActorResources:
+        """Admit one more colocated worker group; returns what each of its actors should request."""
+        if not self.started:
+            raise ResourcePoolError(f"resource pool {self.name!r} is not started; call start() first")
+        if len(self.roles) >= self.max_colocated_groups:
+            raise ResourcePoolError(
+                f"resource pool {self.name!r} hosts at most {self.max_colocated_groups} colocated worker "
+                f"group(s), already {self.roles}; cannot add {role!r} (raise max_colocated_groups)"
+            )
+        self.roles.append(role)
+        share = 1.0 / self.max_colocated_groups
+        return ActorResources(num_cpus=self.cpus_per_worker * share, num_gpus=share if self.use_gpu else 0.0)
+
+    def release(self, role: str) -> None:
+        if role in self.roles:
+            self.roles.remove(role)
+
+    def locate(self, rank: int) -> tuple[PlacementGroup, int]:
+        """(placement group, bundle index) of global rank `rank`."""
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"rank {rank} outside pool {self.name!r} of {self.world_size} workers")
+        node, bundle = divmod(rank, self.workers_per_node)
+        return self.placement_groups[node], bundle
+
+    def shutdown(self) -> None:
+        """Remove the placement groups (actors still running in them are killed by Ray)."""
+        for group in self.placement_groups:
+            try:
+                remove_placement_group(group)
+            except Exception:  # noqa: BLE001 - already removed, or Ray is shutting down
+                pass
+        self.placement_groups = []
+        self.roles = []

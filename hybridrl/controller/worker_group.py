@@ -1,0 +1,215 @@
+"""Worker groups: N Ray actors of one worker class, one per bundle of a resource pool, joined in one
+torch.distributed group, driven by the controller with fail-fast calls.
+
+Bring-up, in order (each step fails fast with the role and rank that broke it):
+1. one actor per bundle (`PlacementGroupSchedulingStrategy`), constructed with its `RankContext`;
+2. local ranks from the physical node each actor landed on (and, on GPU, CUDA_VISIBLE_DEVICES =
+   the node's group GPUs, so device index == LOCAL_RANK as under torchrun);
+3. rank 0 picks a free port on its node; all ranks `init_process_group` concurrently
+   (`nccl` on GPU, `gloo` on CPU) with a short timeout.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+from ray.actor import ActorClass, ActorHandle
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from hybridrl.controller.base_worker import RankContext, Worker
+from hybridrl.controller.dispatch import (
+    RankCall,
+    RankMesh,
+    all_to_all,
+    collect_from_output_ranks,
+    dispatch_by_dp,
+    one_to_all,
+)
+from hybridrl.controller.gather import WorkerGroupError, execute_all, kill_actors
+from hybridrl.controller.resource_pool import ResourcePool
+from hybridrl.data.batch import Batch
+
+
+class WorkerGroupClosedError(RuntimeError):
+    """A call on a group that was shut down (explicitly, or after a failure tore it down)."""
+
+
+class WorkerGroup:
+    """The actors of one role. Calls go to every rank; see `call_all`, `call_per_rank`, `call_by_dp`."""
+
+    def __init__(
+        self,
+        worker_cls: type[Worker] | ActorClass,
+        pool: ResourcePool,
+        *,
+        role: str,
+        worker_args: Sequence[Any] = (),
+        worker_kwargs: dict[str, Any] | None = None,
+        init_distributed: bool = True,
+        process_group_timeout_s: float = 60.0,
+        startup_timeout_s: float = 300.0,
+        call_timeout_s: float | None = None,
+        poll_s: float = 0.5,
+    ) -> None:
+        self.role = role
+        self.pool = pool
+        self.call_timeout_s = call_timeout_s
+        self.poll_s = poll_s
+        self.mesh: RankMesh | None = None
+        self._failure: WorkerGroupError | None = None
+        self._closed = False
+        resources = pool.reserve(role)
+        try:
+            actor_cls = worker_cls if isinstance(worker_cls, ActorClass) else ray.remote(worker_cls)
+            world = pool.world_size
+            self.actors: list[ActorHandle] = []
+            for rank in range(world):
+                group, bundle = pool.locate(rank)
+                context = RankContext(
+                    role=role, rank=rank, world_size=world, node_rank=rank // pool.workers_per_node,
+                    local_rank=bundle, local_world_size=pool.workers_per_node, use_gpu=pool.use_gpu,
+                )
+                self.actors.append(
+                    actor_cls.options(
+                        num_cpus=resources.num_cpus,
+                        num_gpus=resources.num_gpus,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            placement_group=group, placement_group_bundle_index=bundle,
+                        ),
+                    ).remote(context, *worker_args, **(worker_kwargs or {}))
+                )
+            self._assign_local_ranks(startup_timeout_s)
+            if init_distributed:
+                self._init_distributed(process_group_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def world_size(self) -> int:
+        return len(self.actors)
+
+    # -------------------------------------------------------------------------- bring-up
+    def _assign_local_ranks(self, startup_timeout_s: float) -> None:
+        # The first call of every actor: a constructor exception shows up here as a dead actor.
+        placements = self._execute("placement", one_to_all(world_size=self.world_size), startup_timeout_s)
+        ranks_by_node: dict[str, list[int]] = defaultdict(list)
+        for rank, (node_id, _) in enumerate(placements):
+            ranks_by_node[node_id].append(rank)
+        calls = [RankCall()] * self.world_size
+        for ranks in ranks_by_node.values():
+            devices = [device for r in ranks for device in placements[r][1][:1]]
+            for local_rank, rank in enumerate(ranks):
+                calls[rank] = RankCall((local_rank, len(ranks), devices))
+        self._execute("set_local_placement", calls)
+
+    def _init_distributed(self, timeout_s: float) -> None:
+        backend = "nccl" if self.pool.use_gpu else "gloo"
+        master_addr, master_port = self._execute_on(0, "pick_master_address")
+        self._execute(
+            "init_process_group",
+            one_to_all(master_addr, master_port, backend, timeout_s, world_size=self.world_size),
+            timeout_s=timeout_s + 30.0,
+        )
+
+    # ---------------------------------------------------------------------------- calling
+    def _check_usable(self) -> None:
+        if self._closed:
+            reason = f" after a failure:\n{self._failure}" if self._failure else ""
+            raise WorkerGroupClosedError(f"{self.role} worker group is shut down{reason}")
+
+    def _execute(self, method: str, calls: Sequence[RankCall], timeout_s: float | None = None) -> list[Any]:
+        self._check_usable()
+        try:
+            return execute_all(
+                self.actors, method, calls, role=self.role,
+                timeout_s=timeout_s if timeout_s is not None else self.call_timeout_s, poll_s=self.poll_s,
+            )
+        except WorkerGroupError as error:
+            # execute_all already killed the actors; free the pool slot too.
+            self._failure = error
+            self.shutdown()
+            raise
+
+    def _execute_on(self, rank: int, method: str, *args: Any) -> Any:
+        """One rank only, still fail-fast (a dead rank raises WorkerGroupError)."""
+        return self._execute_subset([rank], method, RankCall(args))[0]
+
+    def _execute_subset(self, ranks: Sequence[int], method: str, call: RankCall) -> list[Any]:
+        self._check_usable()
+        try:
+            return execute_all(
+                [self.actors[r] for r in ranks], method, [call] * len(ranks), role=self.role,
+                timeout_s=self.call_timeout_s, poll_s=self.poll_s, tear_down_on_failure=False,
+            )
+        except WorkerGroupError as error:
+            kill_actors(self.actors)
+            self._failure = error
+            self.shutdown()
+            raise
+
+    def execute_all(
+        self, method: str, calls: Sequence[RankCall], timeout_s: float | None = None
+    ) -> list[Any]:
+        """`method` on every rank with calls[rank]; results in rank order. Fails fast, see gather."""
+        return self._execute(method, calls, timeout_s)
+
+    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """The same arguments to every rank (one-to-all); results in rank order."""
+        return self._execute(method, one_to_all(*args, world_size=self.world_size, **kwargs))
+
+    def call_per_rank(self, method: str, per_rank_args: Sequence[RankCall | tuple]) -> list[Any]:
+        """Arguments per rank (all-to-all); results in rank order."""
+        return self._execute(method, all_to_all(per_rank_args, self.world_size))
+
+    def call_by_dp(self, method: str, batch: Batch, *args: Any, **kwargs: Any) -> Batch:
+        """Split `batch` by DP rank, run `method(chunk, *args, **kwargs)` on every rank, and return
+        the output ranks' batches concatenated in the original row order.
+
+        A batch that does not divide by the DP size is padded by repeating rows, and the padding
+        rows are dropped from the result.
+        """
+        mesh = self.require_mesh()
+        padded, pad_count = batch.pad_to_multiple(mesh.dp_size)
+        chunk_refs = dispatch_by_dp(padded, mesh)
+        shared = one_to_all(*args, world_size=1, **kwargs)[0]
+        calls = [RankCall((ref, *shared.args), shared.kwargs) for ref in chunk_refs]
+        results = self._execute(method, calls)
+        return collect_from_output_ranks(results, mesh).unpad(pad_count)
+
+    # ------------------------------------------------------------------------------- mesh
+    def set_mesh(self, mesh: RankMesh) -> None:
+        if mesh.world_size != self.world_size:
+            raise ValueError(f"mesh has {mesh.world_size} ranks, {self.role} group has {self.world_size}")
+        self.mesh = mesh
+
+    def learn_mesh(self) -> RankMesh:
+        """Ask every rank for `mesh_coords()` (after it set up its parallel state); store the mesh."""
+        self.set_mesh(RankMesh.from_coords(self.call_all("mesh_coords")))
+        return self.mesh
+
+    def require_mesh(self) -> RankMesh:
+        if self.mesh is None:
+            raise RuntimeError(f"{self.role} group has no mesh yet: call learn_mesh() or set_mesh() first")
+        return self.mesh
+
+    # --------------------------------------------------------------------------- teardown
+    def shutdown(self) -> None:
+        """Kill the actors and give the pool slot back. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        kill_actors(getattr(self, "actors", []))
+        self.pool.release(self.role)
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed
+
+    def __enter__(self) -> WorkerGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

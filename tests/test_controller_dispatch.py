@@ -1,0 +1,193 @@
+"""Dispatch over a real 8-rank worker group (TP2 x PP2 x DP2, 0.25 CPU each) joined by gloo."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hybridrl.controller.dispatch import (
+    MeshCoord,
+    RankCall,
+    RankMesh,
+    all_to_all,
+    collect_from_output_ranks,
+    dispatch_by_dp,
+    one_to_all,
+    select_output_ranks,
+)
+from hybridrl.data.batch import Batch
+
+MESH_SIZES = {"tp": 2, "pp": 2, "dp": 2}
+
+
+# ------------------------------------------------------------------------------ mesh (no Ray)
+@pytest.mark.parametrize("sizes", [(2, 2, 2, 1), (2, 1, 2, 2), (1, 2, 4, 1), (4, 2, 1, 1), (2, 2, 1, 2)])
+def test_from_sizes_matches_megatron_rank_generator(sizes):
+    """Our coordinates agree with megatron-core 0.16.1's RankGenerator under its default order."""
+    import inspect
+
+    from megatron.core import parallel_state
+
+    default_order = inspect.signature(parallel_state.initialize_model_parallel).parameters["order"].default
+    assert default_order == "tp-cp-ep-dp-pp"
+    tp, pp, dp, cp = sizes
+    mesh = RankMesh.from_sizes(tp=tp, pp=pp, dp=dp, cp=cp)
+    generator = parallel_state.RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order=default_order)
+    for axis in ("tp", "pp", "dp", "cp"):
+        for group in generator.get_ranks(axis):
+            others = {tuple(getattr(mesh.coords[r], a) for a in ("tp", "pp", "dp", "cp") if a != axis)
+                      for r in group}
+            assert len(others) == 1, (axis, group)  # a group varies only along its own axis
+            assert [getattr(mesh.coords[r], axis) for r in group] == list(range(len(group))), (axis, group)
+
+
+def test_mesh_validation_and_output_ranks():
+    mesh = RankMesh.from_sizes(**MESH_SIZES)
+    assert mesh.world_size == 8 and mesh.dp_size == 2
+    # tp fastest, then dp, pp slowest: rank = tp + 2*dp + 4*pp; outputs are pp=1, tp=0
+    assert mesh.coords[5] == MeshCoord(dp=0, tp=1, pp=1)
+    assert mesh.output_ranks() == [4, 6]
+    assert mesh.ranks_of_dp(1) == [2, 3, 6, 7]
+    # Plain per-rank coordinates (dicts or objects with attributes) give the same mesh.
+    as_dicts = [{"dp": c.dp, "tp": c.tp, "pp": c.pp} for c in mesh.coords]
+    assert RankMesh.from_coords(as_dicts) == mesh
+    with pytest.raises(ValueError, match="same coordinates"):
+        RankMesh.from_coords([MeshCoord(dp=0), MeshCoord(dp=0)])
+    with pytest.raises(ValueError, match="missing"):
+        RankMesh.from_coords([MeshCoord(dp=0), MeshCoord(dp=1, tp=1)])
+    with pytest.raises(ValueError, match="leaves out"):
+        RankMesh.from_sizes(tp=2, pp=2, order="tp-dp")
+
+
+def test_call_builders():
+    calls = all_to_all([(1,), RankCall((2,), {"k": 3})], world_size=2)
+    assert calls == [RankCall((1,)), RankCall((2,), {"k": 3})]
+    with pytest.raises(ValueError, match="arguments for 1 ranks, the group has 2"):
+        all_to_all([(1,)], world_size=2)
+    with pytest.raises(TypeError, match="rank 0"):
+        all_to_all([1, 2], world_size=2)
+
+
+# ------------------------------------------------------------------------- a real worker group
+@pytest.fixture(scope="module")
+def echo_group(ray_cluster):
+    from hybridrl.controller.resource_pool import ResourcePool
+    from hybridrl.controller.worker_group import WorkerGroup
+    from tests.controller_workers import EchoWorker
+
+    pool = ResourcePool("dispatch", nnodes=1, workers_per_node=8, cpus_per_worker=0.25).start(timeout_s=60)
+    group = WorkerGroup(EchoWorker, pool, role="actor", worker_kwargs={"mesh_sizes": MESH_SIZES},
+                        process_group_timeout_s=60)
+    yield group
+    group.shutdown()
+    pool.shutdown()
+
+
+def make_batch(rows: int) -> Batch:
+    return Batch(
+        {"x": torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3)},
+        {"uid": [f"u{i}" for i in range(rows)], "group": np.arange(rows) // 4},
+        {"step": 7},
+    )
+
+
+def test_group_environment_and_gloo_all_reduce(echo_group):
+    env = echo_group.call_all("environment")
+    assert [int(e["RANK"]) for e in env] == list(range(8))
+    assert {e["WORLD_SIZE"] for e in env} == {"8"} and {e["backend"] for e in env} == {"gloo"}
+    assert sorted(int(e["LOCAL_RANK"]) for e in env) == list(range(8))  # one node: local == global set
+    assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in env}) == 1
+    assert len(set(echo_group.call_all("pid"))) == 8
+    sums = echo_group.call_per_rank("all_reduce", [(float(r + 1),) for r in range(8)])
+    assert sums == [36.0] * 8  # 1 + 2 + ... + 8 on every rank
+
+
+def test_learn_mesh_reads_worker_coordinates(echo_group):
+    mesh = echo_group.learn_mesh()
+    assert mesh == RankMesh.from_sizes(**MESH_SIZES)
+
+
+def test_dispatch_by_dp_chunks_replicas_and_collect_order(echo_group):
+    mesh = RankMesh.from_sizes(**MESH_SIZES)
+    echo_group.set_mesh(mesh)
+    batch = make_batch(16)
+    refs = dispatch_by_dp(batch, mesh)
+    assert len(refs) == 8 and len(set(refs)) == 2  # one object per DP chunk, shared by its peers
+    results = echo_group.execute_all("scale", [RankCall((ref, 10.0)) for ref in refs])
+
+    received = echo_group.call_all("last_received")
+    expected_chunks = batch.split(2)
+    for rank, got in enumerate(received):
+        want = expected_chunks[mesh.coords[rank].dp]
+        assert torch.equal(got["x"], want["x"]), rank
+        assert list(got["uid"]) == list(want["uid"]), rank
+        assert got.meta == {"step": 7}
+    # Every rank read its chunk zero-copy from the object store.
+    assert echo_group.call_all("shared_keys_of_last") == [["x"]] * 8
+
+    collected = collect_from_output_ranks(results, mesh)
+    assert torch.equal(collected["y"], batch["x"] * 10.0)
+    assert list(collected["uid"]) == list(batch["uid"])
+    assert list(collected["produced_by"]) == [4] * 8 + [6] * 8  # last pp stage, tp 0, by dp
+    assert [m.meta["rank"] for m in select_output_ranks(results, mesh)] == [4, 6]
+
+
+def test_call_by_dp_pads_and_unpads(echo_group):
+    echo_group.set_mesh(RankMesh.from_sizes(**MESH_SIZES))
+    batch = make_batch(5)  # not divisible by dp=2: one padding row travels and is dropped
+    out = echo_group.call_by_dp("scale", batch, 2.0)
+    assert len(out) == 5
+    assert torch.equal(out["y"], batch["x"] * 2.0)
+    assert list(out["uid"]) == list(batch["uid"])
+
+
+def test_dispatch_follows_reported_coordinates_not_rank_order(ray_cluster, echo_group):
+    """A mesh whose ranks are laid out differently (pp fastest) routes chunks by coordinates."""
+    mesh = RankMesh.from_sizes(**MESH_SIZES, order="pp-tp-dp")
+    echo_group.set_mesh(mesh)
+    batch = make_batch(8)
+    out = echo_group.call_by_dp("scale", batch, 3.0)
+    assert torch.equal(out["y"], batch["x"] * 3.0)
+    owners = mesh.output_ranks()
+    assert list(out["produced_by"]) == [owners[0]] * 4 + [owners[1]] * 4
+    assert owners == [1, 5]  # rank = pp + 2*tp + 4*dp; pp=1, tp=0
+
+
+def test_one_to_all_shares_bulky_arguments(ray_cluster):
+    import ray
+
+    batch = make_batch(4)
+    calls = one_to_all(batch, 1.5, world_size=3, note="small")
+    assert len(calls) == 3
+    assert isinstance(calls[0].args[0], ray.ObjectRef) and calls[0].args[1] == 1.5
+    assert calls[0].kwargs == {"note": "small"}
+    assert len({c.args[0] for c in calls}) == 1  # put once, shared by every rank
+
+
+def test_colocated_groups_share_a_pool(ray_cluster):
+    from hybridrl.controller.resource_pool import ResourcePool, ResourcePoolError
+    from hybridrl.controller.worker_group import WorkerGroup
+    from tests.controller_workers import EchoWorker
+
+    pool = ResourcePool("colocated", workers_per_node=2, cpus_per_worker=0.5, max_colocated_groups=2)
+    pool.start(timeout_s=60)
+    try:
+        actor = WorkerGroup(EchoWorker, pool, role="actor")
+        critic = WorkerGroup(EchoWorker, pool, role="critic")
+        with pytest.raises(ResourcePoolError, match="at most 2 colocated"):
+            pool.reserve("reward")
+        # Separate processes, separate process groups (different master ports), both working.
+        assert set(actor.call_all("pid")).isdisjoint(critic.call_all("pid"))
+        assert actor.call_all("all_reduce", 1.0) == [2.0, 2.0]
+        assert critic.call_all("all_reduce", 2.0) == [4.0, 4.0]
+        ports = {e["MASTER_PORT"] for e in actor.call_all("environment") + critic.call_all("environment")}
+        assert len(ports) == 2
+        # Both groups run inside the pool's placement group, each actor taking half of a bundle.
+        pool_group_id = pool.placement_groups[0].id.hex()
+        for group in (actor, critic):
+            assert group.call_all("placement_info") == [(pool_group_id, {"CPU": 0.25})] * 2
+        actor.shutdown()
+        critic.shutdown()
+        assert pool.roles == []
+    finally:
+        pool.shutdown()
