@@ -23,7 +23,8 @@ def vocab_parallel_log_prob(
 
     `labels` `[...]` are global vocabulary ids; every rank of `tp_group` must call this with the
     same labels (a collective). `tp_group=None` means the default group; without an initialized
-    torch.distributed, the shard is taken to be the whole vocabulary.
+    torch.distributed, the shard is taken to be the whole vocabulary. A label no rank owns (an
+    ignore index such as -100) yields -log Z, a finite placeholder: mask those positions.
     """
     return _VocabParallelLogProb.apply(logits_shard, labels, tp_group)
 
