@@ -178,7 +178,7 @@ def group_ids_from_index(group_index: GroupIndex, scores: Tensor) -> tuple[Tenso
 
 
 def _hashable(key: Any) -> Any:
-    # numpy scalars and 0-dim tensors hash by identity or value inconsistently; use plain values.
+    # A list of 0-dim tensors would hash by identity (every key its own group): use plain values.
     if hasattr(key, "item") and callable(key.item):
         return key.item()
     return key
