@@ -78,22 +78,22 @@ def _architecture_of(config: Mapping[str, Any]) -> ArchFamily:
 
 
 def _rope_theta(config: Mapping[str, Any]) -> float:
-    """RoPE base from either transformers 5 (`rope_parameters`) or 4.x (`rope_theta`, `rope_scaling`)."""
-    params = config.get("rope_parameters")
-    legacy_scaling = config.get("rope_scaling")
-    if isinstance(params, Mapping) and params:
+    """RoPE base from either transformers 5 (`rope_parameters`) or 4.x (`rope_theta`, `rope_scaling`).
+
+    Any scaling in either place is refused: megatron's built-in scaling differs from HF's.
+    """
+    theta = config.get("rope_theta", 10000.0)
+    for key in ("rope_parameters", "rope_scaling"):
+        params = config.get(key)
+        if not isinstance(params, Mapping) or not params:
+            continue
         rope_type = params.get("rope_type", params.get("type", "default"))
-        theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
-    else:
-        rope_type = "default"
-        if isinstance(legacy_scaling, Mapping) and legacy_scaling:
-            rope_type = legacy_scaling.get("rope_type", legacy_scaling.get("type", "default"))
-        theta = config.get("rope_theta", 10000.0)
-    if rope_type != "default":
-        raise UnsupportedModelError(
-            f"rope_type={rope_type!r} is not supported (only plain RoPE, rope_type='default'): "
-            "megatron's built-in scaling differs from HF's and would silently change logits"
-        )
+        if rope_type != "default":
+            raise UnsupportedModelError(
+                f"{key}.rope_type={rope_type!r} is not supported (only plain RoPE, rope_type='default'): "
+                "megatron's built-in scaling differs from HF's and would silently change logits"
+            )
+        theta = params.get("rope_theta", theta)
     return float(theta)
 
 

@@ -1,0 +1,231 @@
+"""Config mapping (torch-free ModelShape) and the pure layout math, checked against transformers and
+megatron-core's own rules without starting any process group."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hybridrl.models.arch import (
+    SUPPORTED_ARCHITECTURES,
+    ModelShape,
+    ParallelLayoutError,
+    UnsupportedModelError,
+    padded_vocab_size,
+)
+from hybridrl.models.layout import (
+    ParallelLayout,
+    chunk_tensor_plans,
+    fused_qkv_order,
+    hf_export_map,
+    hf_tensor_shapes,
+    rank_tensor_plans,
+    vocab_range_for_rank,
+)
+from tests.test_models_fixtures import ARCHS, make_hf_model, read_json
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("arch_cfg")
+    return {arch: make_hf_model(root / arch, arch) for arch in ARCHS}
+
+
+@pytest.fixture(scope="module")
+def hf_configs(hf_dirs) -> dict[str, dict]:
+    return {arch: read_json(path / "config.json") for arch, path in hf_dirs.items()}
+
+
+def test_arch_module_is_torch_free():
+    code = ("import sys, hybridrl.models.arch, hybridrl.models.layout, hybridrl.models.convert_cli; "
+            "bad = [m for m in ('torch', 'megatron', 'transformers') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_shape_matches_transformers_model(hf_dirs, hf_configs, arch):
+    import transformers
+
+    config = hf_configs[arch]
+    shape = ModelShape.from_hf_config(config)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(hf_dirs[arch]))
+    # Parameter count and every tensor shape agree with the real HF model.
+    assert shape.param_count() == sum(p.numel() for p in model.parameters())
+    state = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if shape.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    assert hf_tensor_shapes(shape) == state
+    assert shape.num_kv_heads == 2 and shape.num_attention_heads == 4
+    assert shape.head_dim == (32 if arch == "qwen3" else 16)
+    assert shape.qkv_bias == (arch == "qwen2") and shape.qk_norm == (arch == "qwen3")
+    assert shape.rms_norm_eps == config["rms_norm_eps"]
+    assert shape.rope_theta == config["rope_parameters"]["rope_theta"]
+    kwargs = shape.megatron_config_kwargs(tp=2, pp=2)
+    assert kwargs["layernorm_epsilon"] == shape.rms_norm_eps
+    assert kwargs["num_query_groups"] == 2 and kwargs["kv_channels"] == shape.head_dim
+    assert kwargs["add_qkv_bias"] == shape.qkv_bias and kwargs["qk_layernorm"] == shape.qk_norm
+    assert shape.gpt_model_kwargs(tp=2)["vocab_size"] == 256
+
+
+def test_legacy_transformers4_config_keys():
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+              "num_hidden_layers": 2, "intermediate_size": 96, "vocab_size": 100, "rope_theta": 5e5,
+              "rope_scaling": None, "torch_dtype": "bfloat16"}
+    shape = ModelShape.from_hf_config(config)
+    assert shape.rope_theta == 5e5 and shape.num_kv_heads == 4 and not shape.tie_word_embeddings
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"architectures": ["GPTNeoXForCausalLM"]}, "GPTNeoXForCausalLM"),
+    ({"architectures": ["LlamaForCausalLM", "Qwen2ForCausalLM"]}, "LlamaForCausalLM"),
+    ({"model_type": "gpt2"}, "gpt2"),
+])
+def test_unsupported_architecture_names_value_and_supported(config, message):
+    with pytest.raises(UnsupportedModelError) as info:
+        ModelShape.from_hf_config(config)
+    assert message in str(info.value)
+    for supported in SUPPORTED_ARCHITECTURES:
+        assert supported in str(info.value)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "llama3"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "linear"),
+    ({"hidden_act": "gelu"}, "gelu"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"num_key_value_heads": 3}, "num_key_value_heads=3"),
+])
+def test_unrepresentable_configs_are_refused(hf_configs, change, message):
+    config = {**hf_configs["llama"], **change}
+    with pytest.raises(UnsupportedModelError, match=message):
+        ModelShape.from_hf_config(config)
+
+
+def test_parallel_errors_are_collected(hf_configs):
+    shape = ModelShape.from_hf_config(hf_configs["llama"])
+    errors = shape.parallel_errors(tp=3, pp=3)
+    assert any("num_attention_heads=4" in e for e in errors)
+    assert any("num_hidden_layers=4" in e for e in errors)
+    assert shape.parallel_errors(tp=4, pp=2, vpp=2) == []  # tp > kv heads is supported
+    with pytest.raises(ParallelLayoutError, match="tp=8 does not divide num_attention_heads=4"):
+        shape.check_parallel(tp=8)
+    with pytest.raises(ParallelLayoutError, match="vpp=2 needs pp >= 2"):
+        shape.check_parallel(pp=1, vpp=2)
+
+
+def test_padded_vocab_follows_megatron_rule():
+    assert padded_vocab_size(200, 1) == 256
+    assert padded_vocab_size(200, 2) == 256
+    assert padded_vocab_size(200, 4) == 512
+    assert padded_vocab_size(151936, 1) == 151936  # Qwen2 vocab is already a multiple of 128
+    assert padded_vocab_size(151936, 8) == 152576
+
+
+def _megatron_offset(num_layers: int, pp: int, vpp: int | None, pp_rank: int, vp_stage: int | None) -> int:
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    config = SimpleNamespace(
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp, num_layers=num_layers,
+        pipeline_model_parallel_layout=None, num_layers_in_first_pipeline_stage=None,
+        num_layers_in_last_pipeline_stage=None, account_for_embedding_in_pipeline_split=False,
+        account_for_loss_in_pipeline_split=False,
+    )
+    return get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+
+
+@pytest.mark.parametrize("num_layers, pp, vpp", [(4, 1, None), (4, 2, None), (8, 2, 2), (12, 3, 2), (8, 4, 2)])
+def test_stage_chunks_match_megatron_layer_offsets(num_layers, pp, vpp):
+    layout = ParallelLayout(tp=1, pp=pp, vpp=vpp)
+    owned = []
+    for pp_rank in range(pp):
+        for chunk in layout.chunks(num_layers, pp_rank):
+            assert chunk.first_layer == _megatron_offset(num_layers, pp, vpp, pp_rank, chunk.vp_stage)
+            owned.extend(chunk.layers)
+    assert sorted(owned) == list(range(num_layers))
+    firsts = [c for c in layout.all_chunks(num_layers) if c.pre_process]
+    lasts = [c for c in layout.all_chunks(num_layers) if c.post_process]
+    assert len(firsts) == len(lasts) == 1 and firsts[0].first_layer == 0
+    assert lasts[0].layers[-1] == num_layers - 1
+    assert layout.owner_of_layer(num_layers, num_layers - 1)[0] == lasts[0]
+
+
+def test_uneven_pipeline_is_refused():
+    with pytest.raises(ParallelLayoutError, match="do not split evenly"):
+        ParallelLayout(pp=3).chunks(4, 0)
+
+
+def _materialize(shape: ModelShape, plan, hf: dict[str, torch.Tensor]) -> torch.Tensor:
+    parts = []
+    for seg in plan.segments:
+        if seg.hf_name is None:
+            pad = list(plan.shape)
+            pad[plan.axis or 0] = seg.length
+            parts.append(torch.zeros(pad))
+        elif plan.axis is None:
+            parts.append(hf[seg.hf_name])
+        else:
+            parts.append(hf[seg.hf_name].narrow(plan.axis, seg.start, seg.length))
+    return torch.cat(parts, dim=plan.axis or 0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_shards_cover_every_hf_element_once(hf_configs, arch, tp):
+    """Label every HF element uniquely, shard, and check each label lands exactly once (pads aside)."""
+    shape = ModelShape.from_hf_config(hf_configs[arch])
+    layout = ParallelLayout(tp=tp, pp=2)
+    offset, hf = 1, {}
+    for name, dims in hf_tensor_shapes(shape).items():
+        numel = torch.Size(dims).numel()
+        hf[name] = torch.arange(offset, offset + numel, dtype=torch.float64).reshape(dims)
+        offset += numel
+    seen: list[torch.Tensor] = []
+    for pp_rank in range(layout.pp):
+        for tp_rank in range(tp):
+            for plan in rank_tensor_plans(shape, layout, tp_rank, pp_rank).values():
+                tensor = _materialize(shape, plan, hf)
+                assert tuple(tensor.shape) == plan.shape
+                if not plan.is_copy:
+                    seen.append(tensor.flatten())
+    labels = torch.cat(seen)
+    labels = labels[labels > 0]
+    assert labels.numel() == offset - 1
+    assert torch.equal(labels.sort().values, torch.arange(1, offset, dtype=torch.float64))
+    hf_export_map(shape, layout)  # raises if any HF tensor is not covered exactly once
+
+
+def test_fused_qkv_is_grouped_and_split_contiguously(hf_configs):
+    shape = ModelShape.from_hf_config(hf_configs["llama"])  # 4 q heads, 2 kv heads, head_dim 16
+    order = fused_qkv_order(shape, 0)
+    assert [(s.hf_name.split(".")[-2], s.start, s.stop) for s in order] == [
+        ("q_proj", 0, 32), ("k_proj", 0, 16), ("v_proj", 0, 16),
+        ("q_proj", 32, 64), ("k_proj", 16, 32), ("v_proj", 16, 32),
+    ]
+    chunk = ParallelLayout(tp=2).chunks(4, 0)[0]
+    qkv = {p.mcore_name: p for p in chunk_tensor_plans(shape, ParallelLayout(tp=2), chunk, 1)}
+    rank1 = qkv["decoder.layers.0.self_attention.linear_qkv.weight"]
+    assert rank1.segments == tuple(order[3:])
+    # tp=4 > 2 KV heads: each rank holds a contiguous quarter of the fused rows (megatron gathers).
+    chunk4 = ParallelLayout(tp=4).chunks(4, 0)[0]
+    quarter = [p for p in chunk_tensor_plans(shape, ParallelLayout(tp=4), chunk4, 1)
+               if p.mcore_name.endswith("linear_qkv.weight")][0]
+    assert [(s.hf_name.split(".")[-2], s.start, s.stop) for s in quarter.segments] == [
+        ("k_proj", 0, 16), ("v_proj", 0, 16)
+    ]
+    fc1 = [p for p in chunk_tensor_plans(shape, ParallelLayout(tp=2), chunk, 1)
+           if p.mcore_name.endswith("linear_fc1.weight")][0]
+    assert [(s.hf_name.split(".")[-2], s.start, s.stop) for s in fc1.segments] == [
+        ("gate_proj", 48, 96), ("up_proj", 48, 96)
+    ]
+
+
+def test_vocab_range_for_rank(hf_configs):
+    shape = ModelShape.from_hf_config(hf_configs["llama"])  # vocab 200, padded 256 at tp 2
+    assert vocab_range_for_rank(shape, 0, 2) == (0, 128)
+    assert vocab_range_for_rank(shape, 1, 2) == (128, 200)
+    assert vocab_range_for_rank(shape, 3, 4) == (200, 200)  # all padding on the last of 4 ranks

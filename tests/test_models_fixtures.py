@@ -1,0 +1,115 @@
+"""Tiny HF models (random weights, built from configs) shared by the tests/test_models_* suites.
+
+No tests here: helpers only. Models are small enough to build in milliseconds but exercise every
+layout feature: GQA (4 query heads, 2 KV heads), a vocab (200) that megatron must pad, an explicit
+head_dim different from hidden/heads (Qwen3), q/k norms (Qwen3), qkv bias (Qwen2), tied embeddings
+(Qwen2, Qwen3) and 4 layers so PP=2 x VPP=2 splits evenly.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB = 200
+SEQ = 12
+
+_COMMON: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+)
+
+# name -> (config class name, overrides)
+ARCH_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {"rope_theta": 10000.0}),
+    "mistral": ("MistralConfig", {"sliding_window": None, "rope_theta": 20000.0}),
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": True, "rope_theta": 1000000.0, "rms_norm_eps": 1e-5}),
+    "qwen3": ("Qwen3Config", {"tie_word_embeddings": True, "head_dim": 32}),
+}
+ARCHS: tuple[str, ...] = tuple(ARCH_CONFIGS)
+
+
+def make_hf_model(out_dir: Path, arch: str, seed: int = 0, **overrides: Any) -> Path:
+    """Save a randomly initialized tiny HF model of `arch` to `out_dir` (fp32 safetensors)."""
+    import transformers
+
+    class_name, arch_overrides = ARCH_CONFIGS[arch]
+    config_cls = getattr(transformers, class_name)
+    kwargs = {**_COMMON, **arch_overrides, **overrides}
+    theta = kwargs.pop("rope_theta", None)
+    if theta is not None:
+        kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    config = config_cls(**kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        # Random norm weights (HF initializes them to 1) so a misplaced norm shows in the logits.
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            if name.endswith("bias"):
+                param.normal_(0, 0.1)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def hf_logits(hf_dir: Path, input_ids: torch.Tensor) -> torch.Tensor:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids).logits
+
+
+def sample_tokens(batch: int = 2, seq: int = SEQ, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (batch, seq), generator=gen)
+
+
+def safetensors_state(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files directly in `folder`, by name."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        for key, value in load_file(path).items():
+            assert key not in out, f"{key} stored twice"
+            out[key] = value
+    return out
+
+
+def per_file_state(folder: Path) -> dict[str, torch.Tensor]:
+    """Tensors of every safetensors file in `folder` keyed 'file:name' (megatron rank files repeat names)."""
+    from safetensors.torch import load_file
+
+    return {f"{path.name}:{key}": value for path in sorted(folder.glob("*.safetensors"))
+            for key, value in load_file(path).items()}
+
+
+def assert_same_tensors(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert a[key].dtype == b[key].dtype, key
+        assert a[key].shape == b[key].shape, key
+        assert torch.equal(a[key], b[key]), f"{key} differs"
+
+
+def tree_snapshot(folder: Path) -> dict[str, bytes]:
+    """Relative path -> bytes of every file under `folder` (to prove it was left untouched)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
