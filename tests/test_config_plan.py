@@ -1,0 +1,170 @@
+"""The Plan's derived numbers, checked against hand arithmetic (the seeds' example and others)."""
+import json
+from pathlib import Path
+
+import pytest
+
+from hybridrl.config import Plan, build_plan, load_config, plan_from_sources
+from hybridrl.config.meshes import build_reshard_groups, build_training_mesh
+
+ROOT = Path(__file__).resolve().parents[1]
+SEED = ROOT / "configs/examples/seed_6gpu_grpo.yaml"
+
+
+@pytest.fixture(scope="module")
+def seed_plan() -> Plan:
+    return plan_from_sources(SEED)
+
+
+def test_seed_example_numbers_exactly(seed_plan):
+    plan = seed_plan
+    assert plan.rollout_mesh == ((0, 1), (2, 3), (4, 5))
+    assert plan.prompts_per_rollout_replica == 20
+    assert plan.sequences_per_rollout_replica == 240
+    assert plan.sequences_per_step == 720
+    actor = plan.update("actor")
+    assert actor.sequences_per_rank_per_mini_batch == 120
+    assert (actor.grad_accum_steps, actor.micro_batch_size) == (15, 8)
+    assert actor.mini_batches_per_step == 1 and actor.optimizer_steps_per_step == 1
+    for pass_name in ("old_log_prob", "ref_log_prob"):
+        fwd = plan.forward(pass_name)
+        assert (fwd.sequences_per_rank, fwd.micro_batches_per_rank, fwd.micro_batch_size) == (120, 15, 8)
+    mesh = plan.layout("actor").mesh
+    assert (mesh.tp, mesh.pp, mesh.cp, mesh.dp) == (1, 1, 1, 6)  # DP = world / (TP*PP*CP), not #GPUs/TP
+
+
+def test_data_parallel_size_is_world_over_tp_pp_cp():
+    cfg = load_config(SEED, [
+        "trainer.n_gpus_per_node=8", "trainer.nnodes=2",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+        "actor_rollout_ref.actor.megatron.context_parallel_size=2",
+        "actor_rollout_ref.model.path=",  # no model: only the mesh arithmetic is under test
+        "data.train_batch_size=64", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+    ])
+    plan = build_plan(cfg)
+    mesh = plan.layout("actor").mesh
+    assert mesh.dp == 16 // (2 * 2 * 2) == 2
+    up = plan.update("actor")
+    # 16 prompts x 12 samples / 2 DP ranks = 96 sequences per rank; / micro 4 = 24 accumulation steps
+    assert (up.sequences_per_rank_per_mini_batch, up.grad_accum_steps) == (96, 24)
+    assert up.mini_batches_per_step == 4 and up.optimizer_steps_per_step == 4
+    assert plan.forward("old_log_prob").sequences_per_rank == 64 * 12 // 2
+
+
+def test_megatron_rank_order_tp_fastest_then_cp_dp_pp():
+    mesh = build_training_mesh(16, tp=2, pp=2, cp=2)
+    assert mesh.dp == 2
+    assert mesh.tp_groups[:2] == ((0, 1), (2, 3))
+    assert (0, 2) in mesh.cp_groups and (0, 4) in mesh.dp_groups and (0, 8) in mesh.pp_groups
+    for rank in range(16):
+        c = mesh.coord(rank)
+        assert mesh.rank_of(tp=c.tp, cp=c.cp, dp=c.dp, pp=c.pp) == rank
+    # every axis partitions the world
+    for groups in (mesh.tp_groups, mesh.pp_groups, mesh.dp_groups, mesh.cp_groups):
+        assert sorted(r for g in groups for r in g) == list(range(16))
+    assert mesh.output_ranks() == (8, 12)  # last stage, tp 0, cp 0, for dp 0 and 1
+
+
+def test_megatron_groups_match_megatron_core_rank_generator():
+    """Our mesh math must equal megatron-core's own RankGenerator for the default order."""
+    from megatron.core.parallel_state import RankGenerator
+
+    for world, tp, pp, cp in [(8, 2, 2, 1), (16, 2, 2, 2), (12, 3, 2, 1), (8, 1, 4, 2)]:
+        mesh = build_training_mesh(world, tp, pp, cp)
+        gen = RankGenerator(tp=tp, ep=1, dp=mesh.dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+        assert sorted(map(tuple, gen.get_ranks("tp"))) == list(mesh.tp_groups)
+        assert sorted(map(tuple, gen.get_ranks("pp"))) == list(mesh.pp_groups)
+        assert sorted(map(tuple, gen.get_ranks("dp"))) == list(mesh.dp_groups)
+        assert sorted(map(tuple, gen.get_ranks("cp"))) == list(mesh.cp_groups)
+
+
+def test_reshard_groups_strided_contain_training_shard():
+    # Training TP=4 on 8 ranks, inference TP=2: each TP group hosts 2 replicas at stride 2.
+    mesh = build_training_mesh(8, tp=4, pp=1)
+    groups = build_reshard_groups(mesh, 2)
+    assert groups.strategy == "strided"
+    assert groups.rollout.replicas == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert groups.micro_dp_groups == ((0, 1), (2, 3), (4, 5), (6, 7))
+    for rank in range(8):
+        tp_rank = mesh.coord(rank).tp
+        j = groups.gen_tp_index[rank]
+        # training shard [tp/4, (tp+1)/4) lies inside generation shard [j/2, (j+1)/2)
+        assert j / 2 <= tp_rank / 4 and (tp_rank + 1) / 4 <= (j + 1) / 2
+
+
+def test_reshard_groups_with_pipeline_stages():
+    mesh = build_training_mesh(4, tp=2, pp=2)  # ranks 0,1 stage 0; 2,3 stage 1
+    groups = build_reshard_groups(mesh, 1)
+    assert groups.rollout.replicas == ((0,), (1,), (2,), (3,))
+    assert groups.micro_dp_groups == ((0, 1, 2, 3),)  # each needs all layers, all of TP
+    assert groups.micro_dp_size == 4
+
+
+def test_reshard_traffic_matches_hybridflow_formula(seed_plan):
+    """Received bytes per rank = |generation shard| - |generation shard ∩ own training shard|."""
+    from hybridrl.config.estimates import reshard_traffic
+
+    shape = seed_plan.model
+    for world, tp, pp, itp in [(8, 4, 1, 2), (8, 2, 2, 2), (4, 2, 1, 1), (8, 2, 4, 2)]:
+        mesh = build_training_mesh(world, tp, pp)
+        groups = build_reshard_groups(mesh, itp)
+        if shape.num_layers % pp:
+            continue
+        traffic = reshard_traffic(shape, mesh, groups, "bf16")
+        assert traffic.bytes_received == traffic.lower_bound
+        # HybridFlow Table 2, per rank on average: (1/t_g - 1/(t*p)) * M (stages differ in size:
+        # the embedding lives on the first one, so only the mean over ranks equals it; norms,
+        # replicated on every TP rank, make the small difference)
+        model = traffic.model_bytes
+        expected = model / itp - model / (tp * pp)
+        mean = sum(traffic.bytes_received) / world
+        assert abs(mean - expected) / model < 0.01
+        assert all(n >= r for n, r in zip(traffic.naive_gather_all, traffic.bytes_received))
+
+
+def test_plan_json_round_trips(seed_plan):
+    text = seed_plan.to_json()
+    again = Plan.from_json(text)
+    assert again == seed_plan
+    assert again.to_json() == text
+    assert json.loads(text)["config"]["actor_rollout_ref"]["rollout"]["n"] == 12
+
+
+def test_plan_does_not_mutate_user_config():
+    cfg = load_config(SEED)
+    before = repr(cfg)
+    plan = build_plan(cfg)
+    assert repr(cfg) == before
+    assert plan.config is not cfg
+    # resolved defaults live in the plan, not written back into the config
+    assert cfg.actor_rollout_ref.actor.clip_ratio_low is None
+    assert plan.resolved.clip_ratio_low == cfg.actor_rollout_ref.actor.clip_ratio
+
+
+def test_memory_estimate_flags_what_cannot_fit():
+    ok = plan_from_sources(ROOT / "configs/examples/qwen2.5_7b_grpo_8gpu.yaml")
+    assert all(m.fits for m in ok.training_memory)
+    tight = plan_from_sources(ROOT / "configs/examples/qwen2.5_7b_grpo_8gpu.yaml", ["trainer.gpu_memory_gib=24"])
+    actor = next(m for m in tight.training_memory if m.role == "actor")
+    assert not actor.fits
+    assert any("actor: estimated" in w for w in tight.warnings)
+    # Params of the actor at TP=2: 7.6e9 / 2 * 2 bytes (bf16) ~ 7.1 GiB
+    assert actor.params_gib == pytest.approx(tight.model.total_params / 2 * 2 / 1024**3, rel=0.05)
+    # distributed optimizer divides Adam states by DP=4
+    assert actor.optimizer_gib == pytest.approx(actor.optimizer_gib_without_distributed / 4, rel=1e-2)
+
+
+def test_every_shipped_example_plans(tmp_path):
+    for path in sorted((ROOT / "configs/examples").glob("*.yaml")):
+        plan = plan_from_sources(path)
+        assert plan.sequences_per_step == plan.prompts_per_step * plan.config.actor_rollout_ref.rollout.n
+
+
+def test_base_config_is_generated_from_the_schema():
+    from hybridrl.config.docs import render_base_yaml
+
+    assert (ROOT / "configs/base.yaml").read_text() == render_base_yaml()
+    cfg = load_config(ROOT / "configs/base.yaml")
+    assert cfg == load_config(None)
