@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hybridrl.algorithms.names import CRITIC_ADV_ESTIMATORS
 from hybridrl.config.errors import ConfigError, ConfigIssue
 from hybridrl.config.estimates import (
     PhasePeaks,
@@ -30,10 +31,6 @@ from hybridrl.config.loader import config_from_dict, config_to_dict, load_config
 from hybridrl.config.meshes import ReshardGroups, TrainingMesh, build_reshard_groups, build_training_mesh
 from hybridrl.config.model_shape import ModelShape, UnsupportedArchitectureError
 from hybridrl.config.schema import JobConfig, MegatronConfig
-
-# Estimators that learn from a critic's values vs. from comparing samples of the same prompt.
-CRITIC_ESTIMATORS = frozenset({"gae"})
-GROUP_ESTIMATORS = frozenset({"grpo", "dr_grpo", "rloo"})
 
 
 @dataclass(frozen=True)
@@ -239,7 +236,7 @@ def _resolve(config: JobConfig) -> Resolved:
     default_dtype = "bf16" if device == "cuda" else "fp32"
     critic_enabled = (
         config.critic.enable if config.critic.enable is not None
-        else config.algorithm.adv_estimator in CRITIC_ESTIMATORS
+        else config.algorithm.adv_estimator in CRITIC_ADV_ESTIMATORS
     )
     response = rollout.response_length if rollout.response_length is not None else config.data.max_response_length
     return Resolved(

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from hybridrl.algorithms.names import (
     ADV_ESTIMATOR_NAMES,
+    CRITIC_ADV_ESTIMATORS,
+    GROUP_ADV_ESTIMATORS,
     KL_CONTROLLER_KINDS,
     KL_PENALTY_NAMES,
     LOSS_AGG_MODES,
@@ -423,13 +425,11 @@ def _check_lengths(check: _Checker, config: JobConfig, resolved: Resolved, model
 
 def _check_algorithm(check: _Checker, config: JobConfig, resolved: Resolved) -> None:
     estimator, n = config.algorithm.adv_estimator, config.actor_rollout_ref.rollout.n
-    from hybridrl.config.plan import CRITIC_ESTIMATORS, GROUP_ESTIMATORS  # noqa: PLC0415
-
-    if estimator in GROUP_ESTIMATORS and isinstance(n, int) and n < 2:
+    if estimator in GROUP_ADV_ESTIMATORS and isinstance(n, int) and n < 2:
         check.fail("actor_rollout_ref.rollout.n", n,
                    f"must be >= 2 for algorithm.adv_estimator={estimator} (it compares samples of one prompt; "
                    "a group of one has advantage 0)", [2, 4, 8, 16])
-    if estimator in CRITIC_ESTIMATORS and config.critic.enable is False:
+    if estimator in CRITIC_ADV_ESTIMATORS and config.critic.enable is False:
         check.fail("critic.enable", False, f"must be true (or null) for algorithm.adv_estimator={estimator}",
                    [True])
     if config.reward_model.enable and not config.reward_model.model.path:
