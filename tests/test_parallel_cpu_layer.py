@@ -170,6 +170,61 @@ def test_cuda_to_cpu_mode_patch():
     assert out["to_dtype"] == "torch.float16"  # non-device arguments of .to() are left alone
 
 
+def _sequence_parallel_backward(rank: int, world_size: int) -> dict:
+    from megatron.core import tensor_parallel
+
+    from hybridrl.parallel.state import initialize_model_parallel
+
+    initialize_model_parallel(tp=2)
+    # [s/tp, b, h] shard -> all-gather along the sequence; its backward reduce-scatters into a buffer
+    # allocated with device=torch.cuda.current_device() inside a custom autograd backward.
+    x = torch.full((2, 1, 3), float(rank + 1), requires_grad=True)
+    y = tensor_parallel.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True)
+    weights = torch.arange(4.0).reshape(4, 1, 1)
+    (y * weights).sum().backward()
+    x2 = torch.full((2, 1, 3), 1.0, requires_grad=True)
+    y2 = tensor_parallel.gather_from_sequence_parallel_region(x2, tensor_parallel_output_grad=True)
+    (grad,) = torch.autograd.grad((y2 * weights).sum(), [x2])
+    return {"y": y.detach(), "grad": x.grad, "autograd_grad": grad}
+
+
+def test_cuda_to_cpu_mode_covers_backward_allocations():
+    outs = run_ranks(_sequence_parallel_backward, 2, timeout_s=120)
+    for rank, o in enumerate(outs):
+        assert torch.equal(o["y"][:, 0, 0], torch.tensor([1.0, 1.0, 2.0, 2.0]))
+        # d/dx of sum(w * y) reduce-scattered over 2 identical TP ranks: 2 * w[rank's rows]
+        expected = 2 * torch.arange(4.0)[2 * rank: 2 * rank + 2].reshape(2, 1, 1).expand(2, 1, 3)
+        assert torch.equal(o["grad"], expected)
+        assert torch.equal(o["autograd_grad"], expected)
+
+
+def _other_thread(rank: int, world_size: int) -> dict:
+    import threading
+
+    cpu_layer.apply_cpu_layer()
+    out: dict = {"main_active": cpu_layer.cpu_layer_active()}
+
+    def worker() -> None:
+        out["thread_active_before"] = cpu_layer.cpu_layer_active()
+        out["thread_before"] = _raises(lambda: torch.zeros(1, device="cuda"))
+        cpu_layer.apply_cpu_layer()
+        out["thread_active_after"] = cpu_layer.cpu_layer_active()
+        out["thread_after"] = str(torch.zeros(1, device="cuda").device)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    return out
+
+
+def test_cuda_to_cpu_mode_is_per_thread():
+    out = run_ranks(_other_thread, 1, timeout_s=120)[0]
+    assert out["main_active"] is True
+    # Torch function modes are thread-local: a new thread needs its own apply_cpu_layer().
+    assert out["thread_active_before"] is False and "not compiled with CUDA" in out["thread_before"]
+    assert out["thread_active_after"] is True and out["thread_after"] == "cpu"
+
+
 # ------------------------------------------------------------------------------------------------
 # cpu_rng_tracker
 # ------------------------------------------------------------------------------------------------

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,20 +110,36 @@ def _map_device(device: Any) -> Any:
     return _CPU if _is_cuda_device(device) else device
 
 
+# Functions that run arbitrary Python (custom autograd backward, hooks) under their dispatch. A mode
+# is popped while its handler runs, so without re-entry the whole backward pass would run without
+# the mapping and megatron's backward allocations (e.g. the reduce-scatter buffer in
+# `mappings._reduce_scatter_along_first_dim`) would hit CUDA.
+_REENTRANT = frozenset({torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad})
+
+
 class CudaToCpuMode(TorchFunctionMode):
     """Rewrites cuda devices to cpu in every torch call made while the mode is on the stack."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
+        if func in _REENTRANT:
+            with self:
+                return torch.overrides.redispatch_function(func, types, args, kwargs)
         if func is torch.Tensor.cuda:
             # `t.cuda()` on CPU means "stay here": return the tensor itself, as CUDA does for a
             # tensor already on the current device.
             return args[0]
-        if "device" in kwargs:
+        if kwargs and "device" in kwargs:
+            kwargs = dict(kwargs)
             kwargs["device"] = _map_device(kwargs["device"])
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], _CPU, *args[2:])
-        return func(*args, **kwargs)
+        return func(*args, **(kwargs or {}))
+
+
+def _mode_in_this_thread() -> bool:
+    from torch.overrides import _get_current_function_mode_stack
+
+    return any(isinstance(m, CudaToCpuMode) for m in _get_current_function_mode_stack())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -237,11 +254,11 @@ class _Patch:
 @dataclass
 class _LayerState:
     patches: dict[str, _Patch] = field(default_factory=dict)
-    device_mode: CudaToCpuMode | None = None
     saved: dict[str, Any] = field(default_factory=dict)
 
 
 _state = _LayerState()
+_thread_modes = threading.local()  # the CudaToCpuMode this thread pushed, if any
 
 
 def _apply_cuda_current_device() -> None:
@@ -254,14 +271,21 @@ def _revert_cuda_current_device() -> None:
 
 
 def _apply_cuda_to_cpu_mode() -> None:
-    mode = CudaToCpuMode()
-    mode.__enter__()
-    _state.device_mode = mode
+    _push_mode_in_this_thread()
+
+
+def _push_mode_in_this_thread() -> None:
+    # Torch function modes live on a per-thread stack: each thread that runs megatron code needs its
+    # own push (apply_cpu_layer() does it for the calling thread).
+    if not _mode_in_this_thread():
+        mode = CudaToCpuMode()
+        mode.__enter__()
+        _thread_modes.mode = mode
 
 
 def _revert_cuda_to_cpu_mode() -> None:
-    mode = _state.device_mode
-    _state.device_mode = None
+    mode = getattr(_thread_modes, "mode", None)
+    _thread_modes.mode = None
     if mode is not None:
         mode.__exit__(None, None, None)
 
@@ -339,11 +363,11 @@ def apply_cpu_layer(skip: Iterable[str] = ()) -> list[str]:
 
     `skip` leaves named patches out; it exists so tests can show what each patch is needed for.
     """
-    check_megatron_version()
     skip = set(skip)
     unknown = skip - set(PATCHES)
     if unknown:
         raise ValueError(f"unknown CPU-layer patches {sorted(unknown)}; known: {list(PATCHES)}")
+    check_megatron_version()
     if not _state.patches:
         _state.patches = _build_patches()
     for name in PATCHES:
@@ -352,6 +376,8 @@ def apply_cpu_layer(skip: Iterable[str] = ()) -> list[str]:
             continue
         patch.apply()
         patch.active = True
+    if _state.patches["cuda_to_cpu_mode"].active:
+        _push_mode_in_this_thread()  # a later call from another thread covers that thread
     return active_patches()
 
 
@@ -370,8 +396,8 @@ def active_patches() -> list[str]:
 
 
 def cpu_layer_active() -> bool:
-    """True when every patch of the CPU layer is installed."""
-    return active_patches() == list(PATCHES)
+    """True when every patch of the CPU layer is installed and the mode is on this thread's stack."""
+    return active_patches() == list(PATCHES) and _mode_in_this_thread()
 
 
 def describe_patches() -> dict[str, str]:
