@@ -35,3 +35,8 @@ lint: venv
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
+
+# Every benchmark under bench/ prints its figures and writes bench/results/<name>.json.
+bench: venv
+	mkdir -p bench/results
+	for script in bench/*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
