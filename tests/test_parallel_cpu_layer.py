@@ -247,7 +247,7 @@ def _rng_streams(rank: int, world_size: int, seed: int) -> dict:
 
     from hybridrl.parallel.state import initialize_model_parallel
 
-    ctx = initialize_model_parallel(tp=2, seed=seed)
+    ctx = initialize_model_parallel(tp=2, pp=2, seed=seed)
     tracker = tensor_parallel.get_cuda_rng_tracker()
     default_1 = torch.rand(3)
     with tracker.fork():
@@ -272,34 +272,38 @@ def _rng_streams(rank: int, world_size: int, seed: int) -> dict:
     y = tensor_parallel.checkpoint(block, False, x)
     y.sum().backward()
     recompute_consistent = torch.equal(x.grad, (y.detach() != 0).float() * 4.0)
-    return dict(tp_rank=ctx.tp_rank, dp_rank=ctx.dp_rank, default=torch.cat([default_1, default_2]),
-                mp=torch.cat([mp_1, mp_2, mp_3]), nested=nested, weight=weight,
+    return dict(tp_rank=ctx.tp_rank, dp_rank=ctx.dp_rank, pp_rank=ctx.pp_rank,
+                default=torch.cat([default_1, default_2]), mp=torch.cat([mp_1, mp_2, mp_3]),
+                nested=nested, weight=weight,
                 recompute_consistent=recompute_consistent, tracker=type(tracker).__name__)
 
 
 def test_rng_tracker_streams_follow_megatron_scheme():
     seed = 11
-    outs = run_ranks(_rng_streams, 4, seed, timeout_s=120)  # TP2 x DP2
-    by_pos = {(o["tp_rank"], o["dp_rank"]): o for o in outs}
-    assert set(by_pos) == {(0, 0), (1, 0), (0, 1), (1, 1)}
+    outs = run_ranks(_rng_streams, 8, seed, timeout_s=120)  # TP2 x DP2 x PP2
+    by_pos = {(o["tp_rank"], o["dp_rank"], o["pp_rank"]): o for o in outs}
+    assert len(by_pos) == 8
     assert all(o["tracker"] == "CpuRNGStatesTracker" for o in outs)
 
-    # default stream: seeded with `seed` on every rank, untouched by forks.
-    ref_default = torch.rand(6, generator=torch.Generator().manual_seed(seed))
-    for o in outs:
-        assert torch.equal(o["default"], ref_default)
+    def draws(n: int, s: int) -> torch.Tensor:
+        return torch.rand(n, generator=torch.Generator().manual_seed(s))
 
-    # model-parallel stream: seed + 2718 + tp_rank (megatron's offset), continuous across forks.
     for o in outs:
-        expected = torch.rand(9, generator=torch.Generator().manual_seed(seed + 2718 + o["tp_rank"]))
-        assert torch.equal(o["mp"], expected)
-        # data-parallel stream: the plain seed, same on all ranks.
-        assert torch.equal(o["nested"], torch.rand(3, generator=torch.Generator().manual_seed(seed)))
-    # TP shards initialize differently; DP replicas identically.
-    assert not torch.equal(by_pos[(0, 0)]["weight"], by_pos[(1, 0)]["weight"])
-    assert torch.equal(by_pos[(0, 0)]["weight"], by_pos[(0, 1)]["weight"])
-    assert torch.equal(by_pos[(1, 0)]["weight"], by_pos[(1, 1)]["weight"])
-    assert all(o["recompute_consistent"] for o in outs)
+        stage = seed + 100 * o["pp_rank"]  # Megatron-LM's per-stage seed
+        # default stream: the stage seed on every TP/DP rank, untouched by forks.
+        assert torch.equal(o["default"], draws(6, stage))
+        # model-parallel stream: stage seed + 2718 + tp_rank (megatron's offset), continuous
+        # across forks; data-parallel stream: the stage seed.
+        assert torch.equal(o["mp"], draws(9, stage + 2718 + o["tp_rank"]))
+        assert torch.equal(o["nested"], draws(3, stage))
+        assert o["recompute_consistent"]
+    # GPU-style init: TP shards and pipeline stages differ; DP replicas are identical.
+    for pp_rank in (0, 1):
+        assert not torch.equal(by_pos[(0, 0, pp_rank)]["weight"], by_pos[(1, 0, pp_rank)]["weight"])
+        for tp_rank in (0, 1):
+            replicas = [by_pos[(tp_rank, dp_rank, pp_rank)]["weight"] for dp_rank in (0, 1)]
+            assert torch.equal(*replicas)
+    assert not torch.equal(by_pos[(0, 0, 0)]["weight"], by_pos[(0, 0, 1)]["weight"])
 
 
 # ------------------------------------------------------------------------------------------------

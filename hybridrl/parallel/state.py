@@ -151,9 +151,11 @@ def initialize_model_parallel(
     """Create megatron-core's parallel groups for (tp, pp, vpp, cp) and seed its RNG streams.
 
     torch.distributed must be initialized. On cpu the CPU layer is installed first. Seeding follows
-    megatron: the default generator gets `seed` (equal on all ranks, as megatron's data-parallel
-    stream), the tracker's model-parallel stream gets seed + 2718 + tp_rank (distinct per TP rank,
-    equal across DP), so TP shards initialize and drop out independently.
+    Megatron-LM's training setup: each pipeline stage uses `stage_seed = seed + 100 * pp_rank`
+    (so stages holding different layers do not initialize them identically); the default generator
+    gets `stage_seed` (equal across TP and DP, megatron's data-parallel stream) and the tracker's
+    model-parallel stream gets stage_seed + 2718 + tp_rank (distinct per TP rank, equal across DP),
+    so TP shards initialize and drop out independently while DP replicas stay identical.
     """
     import torch.distributed as dist
 
@@ -182,13 +184,18 @@ def initialize_model_parallel(
         context_parallel_size=cp,
         distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
     )
-    seed_model_parallel(seed, resolved)
+    seed_model_parallel(stage_seed(seed, mps.get_pipeline_model_parallel_rank()), resolved)
     _context = _build_context(resolved, seed, tp, pp, cp, dp, vpp)
     return _context
 
 
+def stage_seed(seed: int, pp_rank: int) -> int:
+    """The seed a pipeline stage uses (Megatron-LM's `seed + 100 * pp_rank`)."""
+    return seed + 100 * pp_rank
+
+
 def seed_model_parallel(seed: int, device: str) -> None:
-    """Seed torch's default generators and megatron's RNG tracker streams (see above).
+    """Seed python/numpy/torch's default generators with `seed` and megatron's tracker streams.
 
     On GPU this is megatron's `model_parallel_cuda_manual_seed`; on CPU the same function runs on
     the CPU layer's tracker, and the CPU default generator (megatron's "default" stream on GPU is the
