@@ -1,0 +1,471 @@
+"""Build megatron-core GPTModels for this rank from an HF model, load weights into them, export them.
+
+Typical use on every rank of a training group (after `hybridrl.parallel.state.initialize_model_parallel`):
+
+    source = ModelSource.from_path(hf_dir)              # or a hybridrl megatron checkpoint folder
+    models = build_gpt_models(source)                  # one GPTModel per VPP chunk of this rank
+    load_weights(models, hf_dir)                       # HF folder or megatron checkpoint, any layout
+    ...
+    save_mcore_checkpoint(models, ckpt_dir)            # collective: one file per TP x PP rank
+    export_hf(models, hf_out_dir)                      # collective: HF folder written by rank 0
+
+Loading streams: each tensor of this rank is read as the exact HF row/column ranges it needs
+(`layout.TensorPlan`, `safetensors` slices), so no rank ever materializes the full model.
+"""
+from __future__ import annotations
+
+import shutil
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridrl.models.arch import ModelShape, read_hf_config
+from hybridrl.models.checkpoint import (
+    METADATA_FILE,
+    CheckpointError,
+    HFCheckpointReader,
+    McoreCheckpointReader,
+    McoreMetadata,
+    assemble,
+    atomic_output_dir,
+    check_output_dir,
+    checkpoint_file_name,
+    mcore_metadata,
+    tensor_sha256,
+    write_hf_checkpoint,
+    write_rank_file,
+)
+from hybridrl.models.layout import (
+    ParallelLayout,
+    StageChunk,
+    chunk_tensor_plans,
+    rank_chunk_key_prefix,
+)
+
+# Transformer Engine fuses the pre-attention / pre-MLP norms into the following linear layer; the
+# checkpoint and the layout math use the local spec's names, translated here for TE models.
+_TE_NAMES: dict[str, str] = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """What a model is, independent of its weights' layout: shape, HF config, generation config."""
+
+    shape: ModelShape
+    hf_config: dict[str, Any]
+    generation_config: dict[str, Any] | None = None
+    assets_dir: Path | None = None  # tokenizer files to carry into checkpoints
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> ModelSource:
+        path = Path(path)
+        if (path / METADATA_FILE).is_file():
+            meta = McoreMetadata.read(path)
+            assets = path / "hf_assets"
+            return cls(meta.shape, meta.hf_config, meta.raw.get("generation_config"),
+                       assets if assets.is_dir() else None)
+        config = read_hf_config(path)
+        gen_path = path / "generation_config.json"
+        import json
+
+        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+        return cls(ModelShape.from_hf_config(config), config, gen, path)
+
+    @classmethod
+    def from_config(cls, hf_config: Mapping[str, Any]) -> ModelSource:
+        return cls(ModelShape.from_hf_config(hf_config), dict(hf_config))
+
+
+@dataclass
+class ChunkInfo:
+    """Bridge bookkeeping attached to each built GPTModel (`model.hybridrl`)."""
+
+    source: ModelSource
+    layout: ParallelLayout
+    chunk: StageChunk
+    tp_rank: int
+    spec_kind: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _context(ctx: Any = None) -> Any:
+    if ctx is not None:
+        return ctx
+    from hybridrl.parallel.state import get_context
+
+    return get_context()
+
+
+def _as_source(source: ModelSource | str | Path | Mapping[str, Any]) -> ModelSource:
+    if isinstance(source, ModelSource):
+        return source
+    if isinstance(source, Mapping):
+        return ModelSource.from_config(source)
+    return ModelSource.from_path(source)
+
+
+def transformer_config(
+    shape: ModelShape, tp: int, pp: int, vpp: int | None, *, device: str, dtype: torch.dtype,
+    **overrides: Any,
+) -> Any:
+    """megatron `TransformerConfig` for `shape`, with the CPU-required flags on CPU."""
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    kwargs = shape.megatron_config_kwargs(tp, pp, vpp)
+    kwargs["activation_func"] = {"silu": F.silu}[kwargs["activation_func"]]
+    kwargs.update(
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        # Weights come from a checkpoint: skip random init (and the full-size master tensors
+        # megatron's CPU init would build per parameter).
+        perform_initialization=False,
+        use_cpu_initialization=device == "cpu",
+    )
+    if device == "cpu":
+        from hybridrl.parallel.cpu_layer import CPU_CONFIG_OVERRIDES
+
+        kwargs.update(CPU_CONFIG_OVERRIDES)
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(shape: ModelShape, kind: str) -> Any:
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if kind == "te":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
+
+
+def build_gpt_models(
+    source: ModelSource | str | Path | Mapping[str, Any],
+    *,
+    ctx: Any = None,
+    dtype: torch.dtype | str | None = None,
+    config_overrides: Mapping[str, Any] | None = None,
+    spec_kind: str | None = None,
+) -> list[Any]:
+    """This rank's GPTModel chunks (one per VPP stage, megatron's model list), weights not loaded.
+
+    `ctx` is the `ParallelContext` (default: the current one). `dtype` defaults to fp32 on CPU and
+    bf16 on CUDA. The layer spec is local on CPU and TE on CUDA when Transformer Engine is installed
+    (`spec_kind` forces one).
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    from hybridrl.parallel.device import default_dtype_for, layer_spec_kind
+
+    ctx = _context(ctx)
+    src = _as_source(source)
+    shape = src.shape
+    layout = ParallelLayout(tp=ctx.tp, pp=ctx.pp, vpp=ctx.vpp)
+    shape.check_parallel(layout.tp, layout.pp, layout.vpp)
+    torch_dtype = default_dtype_for(ctx.device, dtype)
+    kind = spec_kind or layer_spec_kind(ctx.device)
+    config = transformer_config(shape, layout.tp, layout.pp, layout.vpp, device=ctx.device, dtype=torch_dtype,
+                                context_parallel_size=ctx.cp, **dict(config_overrides or {}))
+    spec = layer_spec(shape, kind)
+    models = []
+    for chunk in layout.chunks(shape.num_layers, ctx.pp_rank):
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            pre_process=chunk.pre_process,
+            post_process=chunk.post_process,
+            parallel_output=True,
+            vp_stage=chunk.vp_stage,
+            **shape.gpt_model_kwargs(layout.tp),
+        )
+        if ctx.device == "cuda":
+            model.cuda(torch.cuda.current_device())
+        first_layer = model.decoder.layers[0].layer_number - 1 if len(model.decoder.layers) else None
+        if first_layer is not None and first_layer != chunk.first_layer:
+            raise RuntimeError(f"megatron placed layer {first_layer} first in chunk {chunk}, layout math "
+                               f"expects {chunk.first_layer}")
+        model.hybridrl = ChunkInfo(src, layout, chunk, ctx.tp_rank, kind)
+        models.append(model)
+    return models
+
+
+def build_gpt_model(source: ModelSource | str | Path | Mapping[str, Any], **kwargs: Any) -> Any:
+    """The single GPTModel of this rank (no VPP); see `build_gpt_models`."""
+    models = build_gpt_models(source, **kwargs)
+    if len(models) != 1:
+        raise ValueError(f"this rank has {len(models)} VPP chunks: use build_gpt_models")
+    return models[0]
+
+
+def _info(model: Any) -> ChunkInfo:
+    info = getattr(model, "hybridrl", None)
+    if info is None:
+        module = getattr(model, "module", None)  # megatron DDP / Float16Module wrappers
+        if module is not None:
+            return _info(module)
+        raise ValueError("model was not built by hybridrl.models.bridge.build_gpt_models")
+    return info
+
+
+def _unwrap(model: Any) -> Any:
+    while getattr(model, "hybridrl", None) is None and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _model_name(local_name: str, spec_kind: str) -> str:
+    if spec_kind == "te":
+        for local_suffix, te_suffix in _TE_NAMES.items():
+            if local_name.endswith(local_suffix):
+                return local_name[: -len(local_suffix)] + te_suffix
+    return local_name
+
+
+def _model_tensors(model: Any) -> dict[str, torch.Tensor]:
+    """Parameters (and persistent non-extra-state buffers) by state_dict name."""
+    # `_extra_state` entries are TE/fp8 bookkeeping (None on the local spec), not weights.
+    return {
+        k: v for k, v in model.state_dict(keep_vars=True).items()
+        if v is not None and not k.endswith("_extra_state")
+    }
+
+
+def _check_names(model: Any, names: Sequence[str], info: ChunkInfo) -> dict[str, torch.Tensor]:
+    tensors = _model_tensors(model)
+    expected = {_model_name(n, info.spec_kind) for n in names}
+    if set(tensors) != expected:
+        raise RuntimeError(
+            f"layout math and the megatron model disagree for chunk {info.chunk}: only in model "
+            f"{sorted(set(tensors) - expected)[:5]}, only in layout {sorted(expected - set(tensors))[:5]}"
+        )
+    return tensors
+
+
+@torch.no_grad()
+def load_weights(models: Sequence[Any], path: str | Path, verify: bool = True) -> None:
+    """Load an HF folder or a hybridrl megatron checkpoint (any TP/PP layout) into this rank's chunks.
+
+    A megatron checkpoint with this rank's exact layout is read file-to-parameter with its checksums
+    verified; any other source is read range by range through the layout math.
+    """
+    models = [_unwrap(m) for m in models]
+    info0 = _info(models[0])
+    path = Path(path)
+    if (path / METADATA_FILE).is_file():
+        meta = McoreMetadata.read(path)
+        if meta.layout == info0.layout and meta.shape == info0.source.shape:
+            _load_same_layout(models, meta, verify)
+            return
+        reader: Any = McoreCheckpointReader(path, verify=verify)
+    else:
+        reader = HFCheckpointReader(path)
+    try:
+        if reader.shape != info0.source.shape:
+            raise CheckpointError(
+                f"{path} holds {reader.shape}, the model was built for {info0.source.shape}"
+            )
+        for model in models:
+            info = _info(model)
+            plans = chunk_tensor_plans(info.source.shape, info.layout, info.chunk, info.tp_rank)
+            tensors = _check_names(model, [p.mcore_name for p in plans], info)
+            for plan in plans:
+                target = tensors[_model_name(plan.mcore_name, info.spec_kind)]
+                target.copy_(assemble(reader, plan, target.dtype))
+    finally:
+        reader.close()
+
+
+def _load_same_layout(models: Sequence[Any], meta: McoreMetadata, verify: bool) -> None:
+    from safetensors import safe_open
+
+    info0 = _info(models[0])
+    fname = checkpoint_file_name(info0.tp_rank, info0.chunk.pp_rank)
+    recorded = meta.files[fname]["tensors"]
+    with safe_open(str(meta.path / fname), framework="pt") as handle:
+        file_keys = set(handle.keys())
+        for model in models:
+            info = _info(model)
+            prefix = rank_chunk_key_prefix(info.layout, info.chunk.vp_stage)
+            plans = chunk_tensor_plans(info.source.shape, info.layout, info.chunk, info.tp_rank)
+            tensors = _check_names(model, [p.mcore_name for p in plans], info)
+            for plan in plans:
+                key = prefix + plan.mcore_name
+                if key not in file_keys:
+                    raise CheckpointError(f"{meta.path / fname} lacks tensor {key}")
+                value = handle.get_tensor(key)
+                if verify and tensor_sha256(value) != recorded[key]["sha256"]:
+                    raise CheckpointError(f"checksum mismatch in {meta.path / fname}, tensor {key}: the file "
+                                          "was modified or corrupted after it was written")
+                tensors[_model_name(plan.mcore_name, info.spec_kind)].copy_(value)
+
+
+# ---- saving and export (collective over the world) -------------------------------------------------
+
+def _all_ok(ok: bool, detail: str) -> None:
+    """Raise on every rank if any rank failed (so no rank waits in a later collective)."""
+    import torch.distributed as dist
+
+    statuses: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(statuses, (ok, detail))
+    failed = [f"rank {r}: {d}" for r, (good, d) in enumerate(statuses) if not good]
+    if failed:
+        raise CheckpointError("checkpoint save failed on " + "; ".join(failed))
+
+
+def _rank_tensors(models: Sequence[Any]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for model in models:
+        info = _info(model)
+        prefix = rank_chunk_key_prefix(info.layout, info.chunk.vp_stage)
+        plans = chunk_tensor_plans(info.source.shape, info.layout, info.chunk, info.tp_rank)
+        tensors = _check_names(model, [p.mcore_name for p in plans], info)
+        for plan in plans:
+            value = tensors[_model_name(plan.mcore_name, info.spec_kind)]
+            out[prefix + plan.mcore_name] = value.detach().cpu()
+    return out
+
+
+def save_mcore_checkpoint(models: Sequence[Any], out_dir: str | Path, *, ctx: Any = None,
+                          force: bool = False) -> Path:
+    """Collective: write this model as a hybridrl megatron checkpoint (one file per TP×PP rank).
+
+    Called by every rank; DP/CP rank 0 of each model-parallel position writes its file into a
+    temporary folder next to `out_dir` (a filesystem shared by the ranks), rank 0 adds the metadata
+    and renames it into place. Readable by `load_weights` and `hybridrl convert`.
+    """
+    import torch.distributed as dist
+
+    ctx = _context(ctx)
+    models = [_unwrap(m) for m in models]
+    info = _info(models[0])
+    out_dir = Path(out_dir).absolute()
+    holder: list[Any] = [None]
+    if ctx.rank == 0:
+        try:
+            check_output_dir(out_dir, force)
+            holder[0] = str(out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}")
+            Path(holder[0]).mkdir(parents=True)
+        except Exception as exc:  # noqa: BLE001 - reported to all ranks below
+            holder[0] = exc
+    dist.broadcast_object_list(holder, src=0)
+    if isinstance(holder[0], Exception):
+        raise CheckpointError(str(holder[0]))
+    tmp = Path(holder[0])
+    entry: tuple[str, dict[str, Any]] | None = None
+    ok, detail = True, ""
+    if ctx.dp_rank == 0 and ctx.cp_rank == 0:
+        try:
+            fname = checkpoint_file_name(ctx.tp_rank, ctx.pp_rank)
+            entry = (fname, {"tp_rank": ctx.tp_rank, "pp_rank": ctx.pp_rank,
+                             "tensors": write_rank_file(tmp / fname, _rank_tensors(models))})
+        except Exception as exc:  # noqa: BLE001
+            ok, detail = False, f"{type(exc).__name__}: {exc}"
+    entries: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(entries, entry)
+    try:
+        _all_ok(ok, detail)
+    except CheckpointError:
+        if ctx.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    ok, detail = True, ""
+    if ctx.rank == 0:
+        try:
+            import json
+
+            files = dict(e for e in entries if e is not None)
+            src = info.source
+            dtype = next(iter(_model_tensors(models[0]).values())).dtype
+            assets = sorted(p for p in src.assets_dir.iterdir() if p.is_file() and _is_asset(p)) \
+                if src.assets_dir else []
+            if assets:
+                (tmp / "hf_assets").mkdir()
+                for p in assets:
+                    shutil.copy2(p, tmp / "hf_assets" / p.name)
+            meta = mcore_metadata(src.shape, info.layout, src.hf_config, dtype, files, src.generation_config,
+                                  [p.name for p in assets])
+            (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=1))
+            with atomic_output_dir(out_dir, force) as final_tmp:
+                for item in tmp.iterdir():
+                    item.rename(final_tmp / item.name)
+            shutil.rmtree(tmp, ignore_errors=True)
+        except Exception as exc:  # noqa: BLE001
+            shutil.rmtree(tmp, ignore_errors=True)
+            ok, detail = False, f"{type(exc).__name__}: {exc}"
+    _all_ok(ok, detail)
+    return out_dir
+
+
+def _is_asset(path: Path) -> bool:
+    from fnmatch import fnmatch
+
+    from hybridrl.models.checkpoint import ASSET_PATTERNS
+
+    return any(fnmatch(path.name, pattern) for pattern in ASSET_PATTERNS)
+
+
+def export_hf(
+    models: Sequence[Any], out_dir: str | Path, *, ctx: Any = None, dtype: torch.dtype | None = None,
+    max_shard_bytes: int | None = None, force: bool = False,
+) -> Path:
+    """Collective: gather the sharded model into an HF folder at `out_dir` (written by rank 0).
+
+    The shards travel through a temporary megatron checkpoint next to `out_dir` (so the ranks need
+    a shared filesystem); rank 0 then stitches HF tensors one output shard at a time.
+    """
+    import torch.distributed as dist
+
+    ctx = _context(ctx)
+    out_dir = Path(out_dir).absolute()
+    staging = out_dir.parent / f".{out_dir.name}.staging"
+    holder: list[Any] = [None]
+    if ctx.rank == 0:
+        holder[0] = f"{staging}-{uuid.uuid4().hex[:8]}"
+        try:
+            check_output_dir(out_dir, force)
+        except CheckpointError as exc:
+            holder[0] = exc
+    dist.broadcast_object_list(holder, src=0)
+    if isinstance(holder[0], Exception):
+        raise CheckpointError(str(holder[0]))
+    staging = Path(holder[0])
+    save_mcore_checkpoint(models, staging, ctx=ctx)
+    ok, detail = True, ""
+    if ctx.rank == 0:
+        try:
+            reader = McoreCheckpointReader(staging, verify=False)
+            try:
+                kwargs = {"max_shard_bytes": max_shard_bytes} if max_shard_bytes else {}
+                write_hf_checkpoint(reader, out_dir, dtype=dtype, force=force, **kwargs)
+            finally:
+                reader.close()
+        except Exception as exc:  # noqa: BLE001
+            ok, detail = False, f"{type(exc).__name__}: {exc}"
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    _all_ok(ok, detail)
+    return out_dir
+
+
+def mask_vocab_padding(logits_shard: torch.Tensor, vocab_size: int, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """Vocab-parallel logits `[..., Vp/tp]` with the padded ids (>= `vocab_size`) pushed to the dtype's min.
+
+    Megatron's output layer is padded to `Vp` rows (zeros here), so padded ids get logit 0 and would
+    take probability mass in any softmax over the vocabulary (log-probs, entropy, sampling). The
+    smallest finite value (not -inf) keeps entropy's p * log p at 0 instead of NaN.
+    """
+    per_rank = logits_shard.shape[-1]
+    start = tp_rank * per_rank
+    real = max(0, min(per_rank, vocab_size - start))
+    if real == per_rank:
+        return logits_shard
+    padded = torch.arange(per_rank, device=logits_shard.device) >= real
+    return logits_shard.masked_fill(padded, torch.finfo(logits_shard.dtype).min)

@@ -1,0 +1,244 @@
+"""Our megatron GPTModels give transformers' logits for the same weights, on real gloo process groups.
+
+Each test forks tp*pp ranks (`run_ranks`), builds this rank's chunks with `build_gpt_models`, loads
+weights through the layout math and runs megatron's own pipeline schedule (forward only); the last
+stage gathers the vocab-parallel logits. The parent compares them with HF's eager forward.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hybridrl.parallel.forked import run_ranks
+from tests.test_models_fixtures import (
+    ARCHS,
+    VOCAB,
+    assert_same_tensors,
+    hf_logits,
+    make_hf_model,
+    per_file_state,
+    safetensors_state,
+    sample_tokens,
+)
+
+TOLERANCE = 1e-5  # max abs logits difference, fp32
+TOKENS = sample_tokens(batch=2)
+
+
+# ---- rank side ---------------------------------------------------------------------------------------
+
+def _pipeline_logits(models: list[Any], tokens: torch.Tensor) -> torch.Tensor | None:
+    """Full-vocab logits from megatron's forward-only schedule; None except on the last stage."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from hybridrl.parallel.state import get_context
+
+    batch, seq = tokens.shape
+    micro = [tokens[i:i + 1] for i in range(batch)]
+
+    def forward_step(data_iterator, model):
+        ids = next(data_iterator)
+        positions = torch.arange(seq).unsqueeze(0).expand_as(ids)
+        output = model(ids, positions, None)
+
+        def collect(output_tensor, non_loss_data=False):
+            return gather_from_tensor_model_parallel_region(output_tensor)
+
+        return output, collect
+
+    for model in models:
+        model.eval()
+    with torch.no_grad():
+        store = get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=[iter(micro) for _ in models] if len(models) > 1 else iter(micro),
+            model=models if len(models) > 1 else models[0],
+            num_microbatches=len(micro),
+            seq_length=seq,
+            micro_batch_size=1,
+            forward_only=True,
+            collect_non_loss_data=True,
+        )
+    return torch.cat(store, dim=0) if get_context().is_last_pp_stage else None
+
+
+def _corrupt(models: list[Any], kind: str, hf_dir: str) -> None:
+    """Deliberately wrong layouts that a careless converter would produce."""
+    from safetensors.torch import load_file
+
+    from hybridrl.parallel.state import get_context
+
+    hf = load_file(str(Path(hf_dir) / "model.safetensors"))
+    ctx = get_context()
+    with torch.no_grad():
+        for model in models:
+            for layer in model.decoder.layers:
+                i = layer.layer_number - 1
+                if kind == "plain_qkv_concat":  # [q; k; v] instead of per-group interleaving (TP=1)
+                    qkv = torch.cat([hf[f"model.layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"])
+                    layer.self_attention.linear_qkv.weight.copy_(qkv)
+                elif kind == "split_gate_up_concat":  # contiguous TP split of [gate; up]
+                    full = torch.cat([hf[f"model.layers.{i}.mlp.{p}_proj.weight"] for p in ("gate", "up")])
+                    layer.mlp.linear_fc1.weight.copy_(full.chunk(ctx.tp)[ctx.tp_rank])
+
+
+def _logits_rank(rank: int, world_size: int, tp: int, pp: int, vpp: int | None,
+                 cases: list[tuple[str, str, str]], corrupt: str | None = None,
+                 save_to: dict[str, str] | None = None) -> dict[str, Any]:
+    """For each (name, model source, weights path): build, load, forward; optionally save/export."""
+    from hybridrl.models.bridge import build_gpt_models, export_hf, load_weights, save_mcore_checkpoint
+    from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
+
+    initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, device="cpu")
+    out: dict[str, Any] = {}
+    try:
+        for name, source, weights in cases:
+            models = build_gpt_models(source)
+            load_weights(models, weights)
+            if corrupt:
+                out[name + ":good"] = _pipeline_logits(models, TOKENS)
+                _corrupt(models, corrupt, weights)
+            out[name] = _pipeline_logits(models, TOKENS)
+            if save_to:
+                save_mcore_checkpoint(models, Path(save_to["mcore"]) / name)
+                export_hf(models, Path(save_to["hf"]) / name)
+    finally:
+        destroy_model_parallel()
+    return out
+
+
+def _log_prob_rank(rank: int, world_size: int, hf_dir: str) -> dict[str, torch.Tensor]:
+    """TP-sharded log-probs of the next tokens, with and without masking the vocab padding."""
+    from hybridrl.algorithms.vocab_parallel import vocab_parallel_log_prob
+    from hybridrl.models.bridge import build_gpt_model, load_weights, mask_vocab_padding
+    from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
+
+    ctx = initialize_model_parallel(tp=world_size, device="cpu")
+    try:
+        model = build_gpt_model(hf_dir)
+        load_weights([model], hf_dir)
+        model.eval()
+        ids, labels = TOKENS[:, :-1], TOKENS[:, 1:]
+        with torch.no_grad():
+            shard = model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
+            masked = mask_vocab_padding(shard, VOCAB, ctx.tp_rank, ctx.tp)
+            return {"masked": vocab_parallel_log_prob(masked, labels, ctx.tp_group),
+                    "unmasked": vocab_parallel_log_prob(shard, labels, ctx.tp_group)}
+    finally:
+        destroy_model_parallel()
+
+
+def _bad_build_rank(rank: int, world_size: int, source: str, weights: str) -> str:
+    """Build and load, returning the error message each rank raises (every rank must refuse)."""
+    from hybridrl.models.bridge import build_gpt_models, load_weights
+    from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
+
+    initialize_model_parallel(tp=world_size, device="cpu")
+    try:
+        load_weights(build_gpt_models(source), weights)
+    except Exception as exc:  # noqa: BLE001 - the message is what the test checks
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        destroy_model_parallel()
+    return "no error"
+
+
+def _run(tp: int, pp: int, vpp: int | None, cases, **kwargs) -> dict[str, torch.Tensor]:
+    results = run_ranks(_logits_rank, tp * pp, tp, pp, vpp, cases, timeout_s=300, **kwargs)
+    last_stage = [r for r in results if any(v is not None for v in r.values())]
+    assert len(last_stage) == tp, "every TP rank of the last stage returns logits"
+    for other in last_stage[1:]:  # TP peers gathered the same full logits
+        for key, value in other.items():
+            assert torch.equal(value, last_stage[0][key]), key
+    return last_stage[0]
+
+
+# ---- parent side -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("logits_hf")
+    return {arch: make_hf_model(root / arch, arch, seed=10 + i) for i, arch in enumerate(ARCHS)}
+
+
+@pytest.fixture(scope="module")
+def reference(hf_dirs) -> dict[str, torch.Tensor]:
+    return {arch: hf_logits(path, TOKENS) for arch, path in hf_dirs.items()}
+
+
+def _max_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    assert ours.shape[:-1] == theirs.shape[:-1] and ours.shape[-1] >= VOCAB
+    return (ours[..., :VOCAB] - theirs).abs().max().item()
+
+
+@pytest.mark.parametrize("tp, pp, vpp", [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None)])
+def test_logits_match_transformers(hf_dirs, reference, tp, pp, vpp):
+    cases = [(arch, str(hf_dirs[arch]), str(hf_dirs[arch])) for arch in ARCHS]
+    logits = _run(tp, pp, vpp, cases)
+    errors = {arch: _max_error(logits[arch], reference[arch]) for arch in ARCHS}
+    assert all(err <= TOLERANCE for err in errors.values()), errors
+
+
+def test_logits_match_with_virtual_pipeline(hf_dirs, reference):
+    cases = [(arch, str(hf_dirs[arch]), str(hf_dirs[arch])) for arch in ("llama", "qwen3")]
+    logits = _run(1, 2, 2, cases)
+    for arch in ("llama", "qwen3"):
+        assert _max_error(logits[arch], reference[arch]) <= TOLERANCE
+
+
+def test_logits_match_with_tp_above_kv_heads(hf_dirs, reference):
+    """TP=4 over 2 KV heads: each KV head is shared by two TP ranks."""
+    cases = [(arch, str(hf_dirs[arch]), str(hf_dirs[arch])) for arch in ("llama", "qwen2")]
+    logits = _run(4, 1, None, cases)
+    for arch in ("llama", "qwen2"):
+        assert logits[arch].shape[-1] == 512  # vocab 200 padded to 128 * 4
+        assert _max_error(logits[arch], reference[arch]) <= TOLERANCE
+
+
+@pytest.mark.parametrize("tp, corrupt", [(1, "plain_qkv_concat"), (2, "split_gate_up_concat")])
+def test_wrong_layout_is_caught(hf_dirs, reference, tp, corrupt):
+    logits = _run(tp, 1, None, [("llama", str(hf_dirs["llama"]), str(hf_dirs["llama"]))], corrupt=corrupt)
+    assert _max_error(logits["llama:good"], reference["llama"]) <= TOLERANCE
+    assert _max_error(logits["llama"], reference["llama"]) > 1e-2  # far outside fp32 noise
+
+
+def test_export_from_sharded_model_and_reload(hf_dirs, reference, tmp_path):
+    """A TP2xPP2 model exports HF bit-exactly and saves a checkpoint equal to the offline converter's;
+    loading that checkpoint back, in the same or another layout, gives the same logits."""
+    from hybridrl.models.convert_cli import main as convert_main
+
+    arch = "qwen3"
+    save_to = {"mcore": str(tmp_path / "mcore"), "hf": str(tmp_path / "hf")}
+    _run(2, 2, None, [(arch, str(hf_dirs[arch]), str(hf_dirs[arch]))], save_to=save_to)
+    assert_same_tensors(safetensors_state(tmp_path / "hf" / arch), safetensors_state(hf_dirs[arch]))
+    offline = tmp_path / "offline"
+    assert convert_main(["hf-to-mcore", "--hf", str(hf_dirs[arch]), "--out", str(offline),
+                         "--tp", "2", "--pp", "2", "--quiet"]) == 0
+    saved = tmp_path / "mcore" / arch
+    assert_same_tensors(per_file_state(saved), per_file_state(offline))
+
+    # Same layout (file -> parameters, checksums verified) and a different one (re-sliced).
+    same = _run(2, 2, None, [("same", str(saved), str(saved))])
+    other = _run(1, 2, None, [("other", str(saved), str(saved))])
+    assert _max_error(same["same"], reference[arch]) <= TOLERANCE
+    assert _max_error(other["other"], reference[arch]) <= TOLERANCE
+
+
+def test_vocab_padding_must_be_masked_for_log_probs(hf_dirs, reference):
+    """Padded vocab ids have logit 0: masked, the vocab-parallel log-probs equal HF's; unmasked, not."""
+    out = run_ranks(_log_prob_rank, 2, str(hf_dirs["llama"]), timeout_s=300)
+    expected = torch.log_softmax(reference["llama"][:, :-1], dim=-1).gather(-1, TOKENS[:, 1:, None])[..., 0]
+    for rank_out in out:
+        assert (rank_out["masked"] - expected).abs().max().item() <= TOLERANCE
+        assert (rank_out["unmasked"] - expected).abs().max().item() > 1e-2
+
+
+def test_live_model_refuses_bad_input(hf_dirs):
+    mismatched = run_ranks(_bad_build_rank, 2, str(hf_dirs["qwen2"]), str(hf_dirs["llama"]), timeout_s=300)
+    assert all("CheckpointError" in m and "Qwen2ForCausalLM" in m for m in mismatched), mismatched
+    too_wide = run_ranks(_bad_build_rank, 3, str(hf_dirs["llama"]), str(hf_dirs["llama"]), timeout_s=300)
+    assert all("tp=3 does not divide num_attention_heads=4" in m for m in too_wide), too_wide
