@@ -58,7 +58,9 @@ def test_hf_mcore_hf_round_trip_is_bit_exact(hf_dirs, tmp_path, arch, tp, pp, vp
         assert all(len(t["sha256"]) == 64 for t in entry["tensors"].values())
     assert convert("mcore-to-hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "hf")) == 0
     assert_same_tensors(safetensors_state(hf_dirs[arch]), safetensors_state(tmp_path / "hf"))
-    assert read_json(tmp_path / "hf" / "config.json")["architectures"] == meta["hf_config"]["architectures"]
+    assert read_json(tmp_path / "hf" / "config.json") == read_json(hf_dirs[arch] / "config.json")
+    assert read_json(tmp_path / "hf" / "generation_config.json") == read_json(
+        hf_dirs[arch] / "generation_config.json")
 
 
 def test_vocab_padding_rows_are_zero_and_stripped(hf_dirs, tmp_path):
@@ -105,6 +107,12 @@ def test_sharded_hf_export_loads_in_transformers(hf_dirs, tmp_path):
     assert (out / "generation_config.json").is_file()
     tokens = sample_tokens()
     assert torch.equal(hf_logits(out, tokens), hf_logits(hf_dirs["qwen3"], tokens))
+    # A sharded HF folder is also a valid input.
+    again = to_mcore(out, tmp_path / "again", 2, 2)
+    assert_same_tensors(per_file_state(again), per_file_state(ckpt))
+    (out / shards[-1]).unlink()
+    assert convert("hf-to-mcore", "--hf", str(out), "--out", str(tmp_path / "broken")) == 1
+    assert not (tmp_path / "broken").exists()
 
 
 def test_dtype_conversion_and_assets(hf_dirs, tmp_path):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import shutil
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -33,6 +32,7 @@ from safetensors.torch import save_file
 
 from hybridrl.models.arch import ModelShape, read_hf_config
 from hybridrl.models.layout import (
+    EMBED,
     IGNORED_HF_SUFFIXES,
     LM_HEAD,
     ParallelLayout,
@@ -105,7 +105,7 @@ class _SafetensorsFiles:
         if path not in self._handles:
             try:
                 self._handles[path] = self._stack.enter_context(safe_open(str(path), framework="pt"))
-            except (OSError, Exception) as exc:  # safetensors raises its own error type on bad headers
+            except Exception as exc:  # OSError, or safetensors' own error type for a bad header
                 raise CheckpointError(f"cannot open {path}: {exc}") from exc
         return self._handles[path]
 
@@ -314,7 +314,7 @@ class McoreCheckpointReader:
 TensorReader = HFCheckpointReader | McoreCheckpointReader
 
 
-def assemble(reader: Any, plan: TensorPlan, dtype: torch.dtype | None = None) -> torch.Tensor:
+def assemble(reader: TensorReader, plan: TensorPlan, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Build one megatron tensor from its plan: HF ranges concatenated along the axis, zero padding."""
     parts: list[torch.Tensor] = []
     for seg in plan.segments:
@@ -330,7 +330,7 @@ def assemble(reader: Any, plan: TensorPlan, dtype: torch.dtype | None = None) ->
     return out.to(dtype) if dtype is not None else out
 
 
-def read_hf_tensor(reader: Any, shape: ModelShape, hf_name: str) -> torch.Tensor:
+def read_hf_tensor(reader: TensorReader, shape: ModelShape, hf_name: str) -> torch.Tensor:
     full = hf_tensor_shapes(shape)[hf_name]
     axis = hf_tensor_axis(shape, hf_name)
     return reader.read(hf_name, axis, 0, full[axis] if axis is not None else 0)
@@ -433,9 +433,8 @@ def mcore_metadata(
     }
 
 
-def _source_dtype(reader: Any, shape: ModelShape) -> torch.dtype:
-    from hybridrl.models.layout import EMBED
-
+def _source_dtype(reader: TensorReader) -> torch.dtype:
+    """The input's dtype (that of its embedding), used when no output dtype is asked for."""
     return reader.dtype_of(EMBED)
 
 
@@ -458,14 +457,14 @@ def estimated_mcore_bytes(shape: ModelShape, layout: ParallelLayout, dtype: torc
 
 
 def write_mcore_checkpoint(
-    reader: Any, out_dir: str | Path, layout: ParallelLayout, *, dtype: torch.dtype | None = None,
+    reader: TensorReader, out_dir: str | Path, layout: ParallelLayout, *, dtype: torch.dtype | None = None,
     force: bool = False, progress: bool = False,
 ) -> Path:
     """Write `reader`'s model as a sharded megatron checkpoint for `layout` (atomically)."""
     shape: ModelShape = reader.shape
     shape.check_parallel(layout.tp, layout.pp, layout.vpp)
     out_dir = Path(out_dir)
-    dtype = dtype or _source_dtype(reader, shape)
+    dtype = dtype or _source_dtype(reader)
     check_output_dir(out_dir, force)
     check_free_space(out_dir, estimated_mcore_bytes(shape, layout, dtype))
     rank_plans = {
@@ -512,13 +511,13 @@ def generation_config_for_export(config: Mapping[str, Any], stored: Mapping[str,
 
 
 def write_hf_checkpoint(
-    reader: Any, out_dir: str | Path, *, dtype: torch.dtype | None = None,
+    reader: TensorReader, out_dir: str | Path, *, dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, force: bool = False, progress: bool = False,
 ) -> Path:
     """Write `reader`'s model as an HF folder: safetensors shards (+ index), config, generation config."""
     shape: ModelShape = reader.shape
     out_dir = Path(out_dir)
-    dtype = dtype or _source_dtype(reader, shape)
+    dtype = dtype or _source_dtype(reader)
     hf_shapes = hf_tensor_shapes(shape)
     sizes = {name: _numel(s) * _element_size(dtype) for name, s in hf_shapes.items()}
     check_output_dir(out_dir, force)
@@ -571,13 +570,3 @@ def open_reader(path: str | Path, verify: bool = True) -> TensorReader:
     if (path / METADATA_FILE).is_file():
         return McoreCheckpointReader(path, verify=verify)
     return HFCheckpointReader(path)
-
-
-def fsync_dir(path: Path) -> None:
-    """Flush a folder entry to disk (after renames) where the OS allows it."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
