@@ -23,7 +23,7 @@ from hybridrl.controller.dispatch import RankCall
 @dataclass(frozen=True)
 class RankFailure:
     rank: int
-    kind: str  # "exception", "actor died" or "ray error"
+    kind: str  # "exception", "actor died", PEER_LOST or "ray error"
     detail: str  # the remote traceback (exceptions) or Ray's account of the death
 
 
@@ -69,12 +69,33 @@ class WorkerGroupError(RuntimeError):
         super().__init__("\n".join(lines))
 
 
+# A rank whose collective broke because a peer vanished is a symptom, not the cause: gloo reports
+# "Connection closed by peer" on the survivors within milliseconds, often before Ray has noticed the
+# peer's death. These markers (torch's c10d error types and gloo/NCCL messages) identify them.
+_COLLECTIVE_ERROR_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
+_COLLECTIVE_ERROR_MARKERS = (
+    "Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted",
+)
+PEER_LOST = "collective failed (a peer is gone)"
+
+
 def _classify(error: RayError) -> tuple[str, str]:
     if isinstance(error, RayTaskError):
-        return "exception", str(error)
+        cause = getattr(error, "cause", None)
+        text = str(error)
+        peer_lost = type(cause).__name__ in _COLLECTIVE_ERROR_TYPES or any(
+            marker in text for marker in _COLLECTIVE_ERROR_MARKERS
+        )
+        if peer_lost:
+            return PEER_LOST, text
+        return "exception", text
     if isinstance(error, RayActorError):
         return "actor died", str(error)
     return "ray error", f"{type(error).__name__}: {error}"
+
+
+def _root_causes_first(failures: list[RankFailure]) -> list[RankFailure]:
+    return sorted(failures, key=lambda f: (f.kind == PEER_LOST, f.rank))
 
 
 def kill_actors(actors: Sequence[ActorHandle]) -> None:
@@ -102,15 +123,24 @@ def wait_all(
     timeout_s: float | None = None,
     poll_s: float = 0.5,
     tear_down_on_failure: bool = True,
+    root_cause_grace_s: float = 3.0,
 ) -> list[Any]:
-    """Results of `refs` (one per rank) in rank order; raise WorkerGroupError on the first failure."""
+    """Results of `refs` (one per rank) in rank order; raise WorkerGroupError on the first failure.
+
+    When the only failures so far are broken collectives (symptoms of a vanished peer), wait up to
+    `root_cause_grace_s` more for the failure that caused them, so the error names the right rank.
+    """
     results: list[Any] = [None] * len(refs)
     pending: dict[ray.ObjectRef, int] = {ref: rank for rank, ref in enumerate(refs)}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    failures: list[RankFailure] = []
+    unfinished_at_failure: list[int] = []
+    grace_deadline = None
     while pending:
         slice_s = poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic()))
+        if grace_deadline is not None:
+            slice_s = max(0.0, min(slice_s, grace_deadline - time.monotonic()))
         ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=slice_s)
-        failures = []
         for ref in ready:
             rank = pending.pop(ref)
             try:
@@ -121,8 +151,16 @@ def wait_all(
                 kind, detail = _classify(error)
                 failures.append(RankFailure(rank, kind, detail))
         if failures:
-            failures.sort(key=lambda f: f.rank)
-            unfinished = sorted(pending.values())
+            if grace_deadline is None:  # the poll that saw the first failure
+                unfinished_at_failure = sorted(pending.values())
+            only_symptoms = all(f.kind == PEER_LOST for f in failures)
+            if grace_deadline is None:
+                grace_deadline = time.monotonic() + root_cause_grace_s
+            if only_symptoms and pending and time.monotonic() < grace_deadline:
+                continue
+            failures = _root_causes_first(failures)
+            failed = {f.rank for f in failures}
+            unfinished = [r for r in unfinished_at_failure if r not in failed]
             if tear_down_on_failure:
                 kill_actors(actors)
             raise WorkerGroupError(role, method, failures, unfinished, tear_down_on_failure)
@@ -143,6 +181,7 @@ def execute_all(
     timeout_s: float | None = None,
     poll_s: float = 0.5,
     tear_down_on_failure: bool = True,
+    root_cause_grace_s: float = 3.0,
 ) -> list[Any]:
     """Run `method` on every rank with its call's arguments; results in rank order.
 
@@ -153,5 +192,5 @@ def execute_all(
     refs = submit_all(actors, method, calls)
     return wait_all(
         refs, actors, role=role, method=method, timeout_s=timeout_s, poll_s=poll_s,
-        tear_down_on_failure=tear_down_on_failure,
+        tear_down_on_failure=tear_down_on_failure, root_cause_grace_s=root_cause_grace_s,
     )

@@ -1,0 +1,144 @@
+"""Fail fast: a failing or dead rank surfaces at the controller in seconds while its peers are blocked
+in a gloo collective; the group is torn down; placement that cannot fit fails within its timeout."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from hybridrl.controller.gather import PEER_LOST, WorkerGroupError
+from hybridrl.controller.resource_pool import ResourcePool, ResourcePoolError
+from hybridrl.controller.worker_group import WorkerGroup, WorkerGroupClosedError
+
+WORLD = 3
+FAIL_RANK = 2
+# The peers' process-group timeout is far longer than what we allow the controller: the error
+# must come from the fail-fast gather, not from gloo timing out.
+PG_TIMEOUT_S = 120.0
+SURFACE_LIMIT_S = 30.0
+
+
+@pytest.fixture
+def pool(ray_cluster):
+    pool = ResourcePool("failures", workers_per_node=WORLD, cpus_per_worker=0.25).start(timeout_s=60)
+    yield pool
+    pool.shutdown()
+
+
+def make_group(pool: ResourcePool) -> WorkerGroup:
+    from tests.controller_workers import FailingWorker
+
+    group = WorkerGroup(FailingWorker, pool, role="actor", process_group_timeout_s=PG_TIMEOUT_S)
+    # The group works before we break it.
+    assert group.call_all("collective_or_fail", -1, "none", 0.0) == [float(WORLD)] * WORLD
+    return group
+
+
+def assert_peers_were_in_the_collective(error: WorkerGroupError) -> None:
+    """Every other rank was still blocked in all_reduce, or its all_reduce broke because the failed
+    rank vanished (gloo notices a dead peer at once) - and the culprit is reported first."""
+    symptoms = {f.rank for f in error.failures if f.kind == PEER_LOST}
+    assert [f.rank for f in error.failures if f.kind != PEER_LOST] == [FAIL_RANK]
+    assert sorted(set(error.unfinished_ranks) | symptoms) == [r for r in range(WORLD) if r != FAIL_RANK]
+
+
+def assert_torn_down(group: WorkerGroup, pids: list[int]) -> None:
+    import ray
+
+    assert not group.alive
+    with pytest.raises(WorkerGroupClosedError, match="actor worker group is shut down after a failure"):
+        group.call_all("pid")
+    for actor in group.actors:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.pid.remote(), timeout=30)
+
+
+@pytest.mark.parametrize("how", ["raise", "exit"])
+def test_failure_inside_rank_surfaces_with_role_rank_and_traceback(pool, how):
+    group = make_group(pool)
+    pids = group.call_all("pid")
+    start = time.monotonic()
+    with pytest.raises(WorkerGroupError) as info:
+        group.call_all("collective_or_fail", FAIL_RANK, how, 1.0)
+    elapsed = time.monotonic() - start
+    error = info.value
+    assert elapsed < SURFACE_LIMIT_S, elapsed
+    assert error.role == "actor" and error.rank == FAIL_RANK and error.method == "collective_or_fail"
+    assert_peers_were_in_the_collective(error)
+    message = str(error)
+    assert f"actor rank {FAIL_RANK} failed in collective_or_fail()" in message
+    if how == "raise":
+        assert error.failures[0].kind == "exception"
+        assert "deliberate failure on rank 2" in error.remote_traceback
+        assert "controller_workers.py" in error.remote_traceback  # the remote traceback, not ours
+    else:
+        assert error.failures[0].kind == "actor died"
+    assert pool.roles == []  # the slot is free again
+    assert_torn_down(group, pids)
+    print(f"{how}: surfaced after {elapsed:.2f} s")
+
+
+def test_actor_killed_from_outside_mid_call(pool):
+    import ray
+
+    group = make_group(pool)
+    pids = group.call_all("pid")
+    victim = group.actors[FAIL_RANK]
+    killer = threading.Timer(1.5, lambda: ray.kill(victim, no_restart=True))
+    start = time.monotonic()
+    killer.start()
+    try:
+        with pytest.raises(WorkerGroupError) as info:
+            group.call_all("collective_or_fail", FAIL_RANK, "sleep", 0.0)
+    finally:
+        killer.cancel()
+    elapsed = time.monotonic() - start
+    assert elapsed < SURFACE_LIMIT_S, elapsed
+    assert info.value.rank == FAIL_RANK and info.value.failures[0].kind == "actor died"
+    assert "killed by `ray.kill`" in info.value.remote_traceback
+    assert_peers_were_in_the_collective(info.value)
+    assert_torn_down(group, pids)
+    print(f"ray.kill: surfaced after {elapsed:.2f} s")
+
+
+def test_constructor_failure_surfaces_at_group_creation(pool):
+    from tests.controller_workers import FailingWorker
+
+    start = time.monotonic()
+    with pytest.raises(WorkerGroupError) as info:
+        WorkerGroup(FailingWorker, pool, role="critic", worker_kwargs={"fail_in_constructor": True})
+    assert time.monotonic() - start < SURFACE_LIMIT_S
+    assert info.value.rank == 1 and info.value.method == "placement"
+    assert "constructor failure on purpose" in str(info.value)
+    assert pool.roles == []
+
+
+def test_call_timeout_names_unfinished_ranks(pool):
+    group = make_group(pool)
+    group.call_timeout_s = 2.0
+    start = time.monotonic()
+    with pytest.raises(WorkerGroupError, match=r"did not finish collective_or_fail\(\) within 2.0 s") as info:
+        # Rank 2 sleeps for an hour without failing: only the timeout can end this.
+        group.call_all("collective_or_fail", FAIL_RANK, "sleep", 0.0)
+    assert time.monotonic() - start < 10.0
+    assert info.value.unfinished_ranks == [0, 1, 2] and info.value.rank is None
+    assert not group.alive
+
+
+def test_placement_group_that_cannot_fit_fails_within_its_timeout(ray_cluster):
+    import ray
+
+    pool = ResourcePool("too_big", workers_per_node=2, cpus_per_worker=1000.0)
+    start = time.monotonic()
+    with pytest.raises(ResourcePoolError) as info:
+        pool.start(timeout_s=2.0)
+    elapsed = time.monotonic() - start
+    assert 2.0 <= elapsed < 8.0, elapsed
+    message = str(info.value)
+    assert "'too_big' could not be placed within 2.0 s" in message
+    assert "{'CPU': 1000.0}" in message and "Cluster total" in message
+    assert not pool.started
+    # The pending placement group was removed, not left queued in the cluster.
+    states = [g["state"] for g in ray.util.placement_group_table().values()]
+    assert "PENDING" not in states
