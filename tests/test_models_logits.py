@@ -147,6 +147,22 @@ def _bad_build_rank(rank: int, world_size: int, source: str, weights: str) -> st
     return "no error"
 
 
+def _save_with_data_parallel_rank(rank: int, world_size: int, hf_dir: str, out: str) -> int:
+    """TP=2 x DP=2: load, then save and export collectively (only DP rank 0 of each TP rank writes)."""
+    from hybridrl.models.bridge import build_gpt_models, export_hf, load_weights, save_mcore_checkpoint
+    from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
+
+    ctx = initialize_model_parallel(tp=2, device="cpu")
+    try:
+        models = build_gpt_models(hf_dir)
+        load_weights(models, hf_dir)
+        save_mcore_checkpoint(models, Path(out) / "mcore")
+        export_hf(models, Path(out) / "hf")
+    finally:
+        destroy_model_parallel()
+    return ctx.dp
+
+
 def _run(tp: int, pp: int, vpp: int | None, cases, **kwargs) -> dict[str, torch.Tensor]:
     results = run_ranks(_logits_rank, tp * pp, tp, pp, vpp, cases, timeout_s=300, **kwargs)
     last_stage = [r for r in results if any(v is not None for v in r.values())]
@@ -242,3 +258,14 @@ def test_live_model_refuses_bad_input(hf_dirs):
     assert all("CheckpointError" in m and "Qwen2ForCausalLM" in m for m in mismatched), mismatched
     too_wide = run_ranks(_bad_build_rank, 3, str(hf_dirs["llama"]), str(hf_dirs["llama"]), timeout_s=300)
     assert all("tp=3 does not divide num_attention_heads=4" in m for m in too_wide), too_wide
+
+
+def test_save_and_export_with_data_parallel_replicas(hf_dirs, tmp_path):
+    from hybridrl.models.convert_cli import main as convert_main
+
+    assert run_ranks(_save_with_data_parallel_rank, 4, str(hf_dirs["mistral"]), str(tmp_path)) == [2] * 4
+    assert convert_main(["hf-to-mcore", "--hf", str(hf_dirs["mistral"]), "--out", str(tmp_path / "offline"),
+                         "--tp", "2", "--quiet"]) == 0
+    assert_same_tensors(per_file_state(tmp_path / "mcore"), per_file_state(tmp_path / "offline"))
+    assert_same_tensors(safetensors_state(tmp_path / "hf"), safetensors_state(hf_dirs["mistral"]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "mcore", "offline"]  # no staging left

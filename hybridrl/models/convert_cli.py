@@ -69,6 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
     from hybridrl.models.arch import ParallelLayoutError, UnsupportedModelError
     from hybridrl.models.checkpoint import (
         CheckpointError,
@@ -87,7 +89,10 @@ def run(args: argparse.Namespace) -> int:
         if args.direction == "hf-to-mcore":
             reader = HFCheckpointReader(args.hf)
         else:
-            reader = McoreCheckpointReader(args.ckpt)
+            reader = McoreCheckpointReader(args.ckpt, verify=False)
+            with tqdm(total=reader.num_tensors(), desc="verify sha256", unit="tensor", leave=False,
+                      disable=not progress) as bar:
+                reader.verify(bar.update)
         if args.direction == "mcore-to-hf":
             out = write_hf_checkpoint(reader, args.out, dtype=dtype, max_shard_bytes=args.max_shard_size,
                                       force=args.force, progress=progress)
