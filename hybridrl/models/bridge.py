@@ -14,10 +14,11 @@ Loading streams: each tensor of this rank is read as the exact HF row/column ran
 """
 from __future__ import annotations
 
+import json
 import shutil
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +26,17 @@ import torch
 
 from hybridrl.models.arch import ModelShape, read_hf_config
 from hybridrl.models.checkpoint import (
+    ASSETS_DIR,
     METADATA_FILE,
     CheckpointError,
     HFCheckpointReader,
     McoreCheckpointReader,
     McoreMetadata,
     assemble,
-    atomic_output_dir,
     check_output_dir,
     checkpoint_file_name,
+    commit_staging_dir,
+    make_staging_dir,
     mcore_metadata,
     tensor_sha256,
     write_hf_checkpoint,
@@ -68,13 +71,11 @@ class ModelSource:
         path = Path(path)
         if (path / METADATA_FILE).is_file():
             meta = McoreMetadata.read(path)
-            assets = path / "hf_assets"
+            assets = path / ASSETS_DIR
             return cls(meta.shape, meta.hf_config, meta.raw.get("generation_config"),
                        assets if assets.is_dir() else None)
         config = read_hf_config(path)
         gen_path = path / "generation_config.json"
-        import json
-
         gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
         return cls(ModelShape.from_hf_config(config), config, gen, path)
 
@@ -92,7 +93,6 @@ class ChunkInfo:
     chunk: StageChunk
     tp_rank: int
     spec_kind: str
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _context(ctx: Any = None) -> Any:
@@ -350,9 +350,7 @@ def save_mcore_checkpoint(models: Sequence[Any], out_dir: str | Path, *, ctx: An
     holder: list[Any] = [None]
     if ctx.rank == 0:
         try:
-            check_output_dir(out_dir, force)
-            holder[0] = str(out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}")
-            Path(holder[0]).mkdir(parents=True)
+            holder[0] = str(make_staging_dir(out_dir, force))
         except Exception as exc:  # noqa: BLE001 - reported to all ranks below
             holder[0] = exc
     dist.broadcast_object_list(holder, src=0)
@@ -379,24 +377,19 @@ def save_mcore_checkpoint(models: Sequence[Any], out_dir: str | Path, *, ctx: An
     ok, detail = True, ""
     if ctx.rank == 0:
         try:
-            import json
-
             files = dict(e for e in entries if e is not None)
             src = info.source
             dtype = next(iter(_model_tensors(models[0]).values())).dtype
             assets = sorted(p for p in src.assets_dir.iterdir() if p.is_file() and _is_asset(p)) \
                 if src.assets_dir else []
             if assets:
-                (tmp / "hf_assets").mkdir()
+                (tmp / ASSETS_DIR).mkdir()
                 for p in assets:
-                    shutil.copy2(p, tmp / "hf_assets" / p.name)
+                    shutil.copy2(p, tmp / ASSETS_DIR / p.name)
             meta = mcore_metadata(src.shape, info.layout, src.hf_config, dtype, files, src.generation_config,
                                   [p.name for p in assets])
             (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=1))
-            with atomic_output_dir(out_dir, force) as final_tmp:
-                for item in tmp.iterdir():
-                    item.rename(final_tmp / item.name)
-            shutil.rmtree(tmp, ignore_errors=True)
+            commit_staging_dir(tmp, out_dir)
         except Exception as exc:  # noqa: BLE001
             shutil.rmtree(tmp, ignore_errors=True)
             ok, detail = False, f"{type(exc).__name__}: {exc}"

@@ -356,30 +356,42 @@ def check_free_space(out_dir: Path, needed_bytes: int, margin: float = 1.05) -> 
                               f"{_format_bytes(needed_bytes * margin)}, {_format_bytes(free)} free")
 
 
-@contextlib.contextmanager
-def atomic_output_dir(out_dir: str | Path, force: bool = False) -> Iterator[Path]:
-    """Yield a temporary folder next to `out_dir`; rename it into place only if the body succeeds.
-
-    On any error the temporary folder is removed and `out_dir` is left exactly as it was.
-    """
+def make_staging_dir(out_dir: str | Path, force: bool = False) -> Path:
+    """Check `out_dir` may be written, then create an empty hidden staging folder next to it."""
     out_dir = Path(out_dir).absolute()
     check_output_dir(out_dir, force)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    staging = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    return staging
+
+
+def commit_staging_dir(staging: Path, out_dir: str | Path) -> None:
+    """Move a complete staging folder into place (renames only; a replaced output is deleted last)."""
+    out_dir = Path(out_dir).absolute()
+    if out_dir.is_dir():
+        if any(out_dir.iterdir()):
+            trash = out_dir.parent / f".{out_dir.name}.replaced-{uuid.uuid4().hex[:8]}"
+            out_dir.rename(trash)
+            staging.rename(out_dir)
+            shutil.rmtree(trash, ignore_errors=True)
+            return
+        out_dir.rmdir()
+    staging.rename(out_dir)
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out_dir: str | Path, force: bool = False) -> Iterator[Path]:
+    """Yield a staging folder next to `out_dir`; move it into place only if the body succeeds.
+
+    On any error the staging folder is removed and `out_dir` is left exactly as it was.
+    """
+    staging = make_staging_dir(out_dir, force)
     try:
-        yield tmp
-        if out_dir.is_dir():
-            if any(out_dir.iterdir()):
-                trash = out_dir.parent / f".{out_dir.name}.replaced-{uuid.uuid4().hex[:8]}"
-                out_dir.rename(trash)
-                tmp.rename(out_dir)
-                shutil.rmtree(trash, ignore_errors=True)
-                return
-            out_dir.rmdir()
-        tmp.rename(out_dir)
+        yield staging
+        commit_staging_dir(staging, out_dir)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
         raise
 
 
