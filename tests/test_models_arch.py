@@ -23,6 +23,8 @@ from hybridrl.models.layout import (
     fused_qkv_order,
     hf_export_map,
     hf_tensor_shapes,
+    max_rank_numel,
+    rank_numel,
     rank_tensor_plans,
     vocab_range_for_rank,
 )
@@ -229,3 +231,22 @@ def test_vocab_range_for_rank(hf_configs):
     assert vocab_range_for_rank(shape, 0, 2) == (0, 128)
     assert vocab_range_for_rank(shape, 1, 2) == (128, 200)
     assert vocab_range_for_rank(shape, 3, 4) == (200, 200)  # all padding on the last of 4 ranks
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 2), (4, 1)])
+def test_rank_numel_adds_up_to_param_count(hf_configs, arch, tp, pp):
+    shape = ModelShape.from_hf_config(hf_configs[arch])
+    layout = ParallelLayout(tp=tp, pp=pp)
+    per_rank = [rank_numel(shape, layout, t, p) for p in range(pp) for t in range(tp)]
+    padding = (shape.padded_vocab_size(tp) - shape.vocab_size) * shape.hidden_size
+    copies = 0
+    for p in range(pp):
+        for t in range(tp):
+            for plan in rank_tensor_plans(shape, layout, t, p).values():
+                if plan.is_copy:
+                    copies += torch.Size(plan.shape).numel()
+    padded_tables = 1 if shape.tie_word_embeddings else 2  # copies (replicated norms, a tied
+    # output layer on the last stage) are counted in full, padding included, in `copies`
+    assert sum(per_rank) == shape.param_count() + padded_tables * padding + copies
+    assert max_rank_numel(shape, layout) == max(per_rank)

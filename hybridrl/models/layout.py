@@ -340,3 +340,20 @@ def hf_export_map(shape: ModelShape, layout: ParallelLayout) -> dict[str, list[P
         if (axis is None and len(found) != 1) or (axis is not None and covered != expected):
             raise ParallelLayoutError(f"layout bug: {name} covered {covered}/{expected} by {found}")
     return pieces
+
+
+def rank_numel(shape: ModelShape, layout: ParallelLayout, tp_rank: int = 0, pp_rank: int = 0) -> int:
+    """Elements this rank's model chunks hold (vocab padding and tied/replicated copies included):
+    the parameter count a memory estimate for that rank needs."""
+    total = 0
+    for plan in rank_tensor_plans(shape, layout, tp_rank, pp_rank).values():
+        count = 1
+        for dim in plan.shape:
+            count *= dim
+        total += count
+    return total
+
+
+def max_rank_numel(shape: ModelShape, layout: ParallelLayout) -> int:
+    """The largest `rank_numel` over all TP x PP ranks (first/last stages carry the embeddings)."""
+    return max(rank_numel(shape, layout, t, p) for p in range(layout.pp) for t in range(layout.tp))
