@@ -4,11 +4,10 @@ Torch-free by design: `hybridrl plan` and every config error come back in well u
 """
 from hybridrl.config.errors import ConfigError, ConfigIssue
 from hybridrl.config.loader import config_from_dict, config_to_dict, load_config
-from hybridrl.config.model_shape import ModelShape, UnsupportedArchitectureError
 from hybridrl.config.plan import Plan, build_plan, plan_from_sources
 from hybridrl.config.schema import JobConfig
 
 __all__ = [
-    "ConfigError", "ConfigIssue", "JobConfig", "ModelShape", "Plan", "UnsupportedArchitectureError",
+    "ConfigError", "ConfigIssue", "JobConfig", "Plan",
     "build_plan", "plan_from_sources", "config_from_dict", "config_to_dict", "load_config",
 ]

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridrl.config.meshes import ReshardGroups, TrainingMesh, interval_overlap
-from hybridrl.config.model_shape import ModelShape
+from hybridrl.models.arch import ModelShape
 
 GIB = 1024**3
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -44,13 +44,27 @@ class RolloutMemory:
     fits: bool
 
 
+def embedding_params(shape: ModelShape) -> int:
+    return shape.vocab_size * shape.hidden_size
+
+
+def output_params(shape: ModelShape) -> int:
+    return 0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size
+
+
+def kv_bytes_per_token(shape: ModelShape, bytes_per_value: int, tp: int = 1) -> int:
+    """KV-cache bytes one token costs on one of `tp` ranks (KV heads replicate when tp > kv)."""
+    kv_heads_per_rank = max(1, shape.num_kv_heads // tp)
+    return 2 * shape.num_layers * kv_heads_per_rank * shape.head_dim * bytes_per_value
+
+
 def _stage_params(shape: ModelShape, pp: int) -> int:
     """Parameters on the heaviest pipeline stage (embedding on the first, output on the last)."""
     layers = -(-shape.num_layers // pp)
-    first = shape.embedding_params + layers * shape.layer_params
-    last = layers * shape.layer_params + shape.hidden_size + shape.output_params
+    first = embedding_params(shape) + layers * shape.params_per_layer()
+    last = layers * shape.params_per_layer() + shape.hidden_size + output_params(shape)
     if pp == 1:
-        return shape.total_params
+        return shape.param_count()
     return max(first, last)
 
 
@@ -87,10 +101,10 @@ def rollout_memory(
     sequences_per_replica: int, seq_len: int,
 ) -> RolloutMemory:
     p_bytes = DTYPE_BYTES[dtype]
-    weights = shape.total_params * p_bytes / infer_tp / GIB
+    weights = shape.param_count() * p_bytes / infer_tp / GIB
     budget = gpu_gib * gpu_memory_utilization
     kv_gib = max(0.0, budget - weights)
-    per_token = shape.kv_bytes_per_token(p_bytes, infer_tp)
+    per_token = kv_bytes_per_token(shape, p_bytes, infer_tp)
     capacity = int(kv_gib * GIB // per_token) if per_token else 0
     return RolloutMemory(
         round(weights, 3), round(kv_gib, 3), per_token, capacity, sequences_per_replica * seq_len,
@@ -150,11 +164,11 @@ def reshard_traffic(shape: ModelShape, mesh: TrainingMesh, groups: ReshardGroups
     t, t_g, p = mesh.tp, groups.rollout.infer_tp, mesh.pp
     layers_per_stage = shape.num_layers // p
     norms = 2 * shape.hidden_size
-    split_layer = shape.layer_params - norms
+    split_layer = shape.params_per_layer() - norms
     # (stage owning it, split bytes, replicated bytes) for every piece of the model
-    pieces = [(0, shape.embedding_params, 0)]
+    pieces = [(0, embedding_params(shape), 0)]
     pieces += [(layer // layers_per_stage, split_layer, norms) for layer in range(shape.num_layers)]
-    pieces.append((p - 1, shape.output_params, shape.hidden_size))
+    pieces.append((p - 1, output_params(shape), shape.hidden_size))
     model = sum(split + rep for _, split, rep in pieces) * p_bytes
 
     received, bound, naive, gen_sizes = [], [], [], []

@@ -29,8 +29,8 @@ from hybridrl.config.estimates import (
 )
 from hybridrl.config.loader import config_from_dict, config_to_dict, load_config_collecting
 from hybridrl.config.meshes import ReshardGroups, TrainingMesh, build_reshard_groups, build_training_mesh
-from hybridrl.config.model_shape import ModelShape, UnsupportedArchitectureError
 from hybridrl.config.schema import JobConfig, MegatronConfig
+from hybridrl.models.arch import ModelShape, UnsupportedModelError
 
 
 @dataclass(frozen=True)
@@ -200,8 +200,8 @@ def load_model_shape(path: str, issues: list[ConfigIssue], warnings: list[str], 
         )
         return None
     try:
-        return ModelShape.from_dir(path)
-    except UnsupportedArchitectureError as exc:
+        return ModelShape.from_hf_dir(path)
+    except UnsupportedModelError as exc:
         issues.append(ConfigIssue(field, path, str(exc)))
     except (KeyError, ValueError, json.JSONDecodeError) as exc:
         issues.append(ConfigIssue(field, path, f"config.json is unreadable or incomplete: {exc}"))

@@ -27,8 +27,8 @@ def render_plan(plan: Plan) -> str:
     out: list[str] = []
     model = plan.model
     model_line = (
-        f"{model.architecture}: {model.total_params / 1e6:,.1f}M params, {model.num_layers} layers, "
-        f"hidden {model.hidden_size}, heads {model.num_attention_heads}/{model.num_key_value_heads} (q/kv), "
+        f"{model.architecture}: {model.param_count() / 1e6:,.1f}M params, {model.num_layers} layers, "
+        f"hidden {model.hidden_size}, heads {model.num_attention_heads}/{model.num_kv_heads} (q/kv), "
         f"vocab {model.vocab_size}" if model else "unknown (no config.json at the model path)"
     )
     out += [

@@ -20,8 +20,8 @@ from hybridrl.algorithms.names import (
     LOSS_AGG_MODES,
 )
 from hybridrl.config.errors import ConfigIssue
-from hybridrl.config.model_shape import ModelShape
 from hybridrl.config.schema import JobConfig, MegatronConfig
+from hybridrl.models.arch import ModelShape
 
 if TYPE_CHECKING:
     from hybridrl.config.plan import Resolved
@@ -285,7 +285,7 @@ def _check_layout(check: _Checker, prefix: str, mc: MegatronConfig, world: int, 
         else:
             dp = world // (tp * pp * cp)
     if model is not None:
-        heads, kv = model.num_attention_heads, model.num_key_value_heads
+        heads, kv = model.num_attention_heads, model.num_kv_heads
         if heads % tp:
             check.fail(f"{prefix}.tensor_model_parallel_size", tp,
                        f"must divide the model's {heads} attention heads", divisors(heads))
@@ -315,7 +315,7 @@ def _check_rollout_layout(check: _Checker, config: JobConfig, world: int, model:
     if world and world % itp:
         ok = check.fail(field, itp, f"must divide the {world} GPUs", divisors(world))
     if model is not None:
-        heads, kv = model.num_attention_heads, model.num_key_value_heads
+        heads, kv = model.num_attention_heads, model.num_kv_heads
         padded_vocab = -(-model.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
         if heads % itp:
             ok = check.fail(field, itp, f"must divide the model's {heads} attention heads", divisors(heads))

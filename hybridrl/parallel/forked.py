@@ -116,7 +116,9 @@ def run_ranks(
                     try:
                         status, payload = pickle.loads(conn.recv_bytes())
                     except EOFError:
-                        raise RankError(rank, f"exited with code {procs[rank].exitcode} without a result")
+                        procs[rank].join(timeout=1)
+                        detail = f"exited with code {procs[rank].exitcode} without a result"
+                        raise RankError(rank, detail) from None
                     if status == "error":
                         raise RankError(rank, payload)
                     results[rank] = payload
