@@ -74,6 +74,14 @@ def test_shape_matches_transformers_model(hf_dirs, hf_configs, arch):
     assert shape.gpt_model_kwargs(tp=2)["vocab_size"] == 256
 
 
+def test_sliding_window_caps_the_exact_sequence_length(hf_configs):
+    config = {**hf_configs["mistral"], "sliding_window": 32}
+    assert ModelShape.from_hf_config(config).max_exact_sequence_length == 32
+    assert ModelShape.from_hf_config(hf_configs["mistral"]).max_exact_sequence_length == 64
+    with pytest.raises(UnsupportedModelError, match="use_sliding_window"):
+        ModelShape.from_hf_config({**hf_configs["qwen2"], "use_sliding_window": True})
+
+
 def test_legacy_transformers4_config_keys():
     config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
               "num_hidden_layers": 2, "intermediate_size": 96, "vocab_size": 100, "rope_theta": 5e5,

@@ -191,6 +191,13 @@ class ModelShape:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def max_exact_sequence_length(self) -> int:
+        """Longest sequence on which the megatron model equals HF (a sliding window caps it)."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.sliding_window, self.max_position_embeddings)
+
+    @property
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_kv_heads
 
