@@ -12,11 +12,11 @@ A = "actor_rollout_ref.actor"
 R = "actor_rollout_ref.rollout"
 
 
-def model_dir(tmp_path: Path, heads: int = 12, kv: int = 4, layers: int = 6, vocab: int = 1000) -> str:
-    folder = tmp_path / f"m_{heads}_{kv}_{layers}_{vocab}"
+def model_dir(tmp_path: Path, heads: int = 12, kv: int = 4, layers: int = 6, vocab: int = 1000, ffn: int = 256) -> str:
+    folder = tmp_path / f"m_{heads}_{kv}_{layers}_{vocab}_{ffn}"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "hidden_size": 64 * heads, "intermediate_size": 256,
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 64 * heads, "intermediate_size": ffn,
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv,
         "vocab_size": vocab, "max_position_embeddings": 4096,
     }))
@@ -120,6 +120,9 @@ SHAPE_CASES = {
     "actor tp vs kv heads": (dict(heads=12, kv=4), [f"{A}.megatron.tensor_model_parallel_size=6"],
                              f"{A}.megatron.tensor_model_parallel_size", "4 KV heads",
                              [f"{A}.megatron.tensor_model_parallel_size=2"]),
+    "actor tp vs intermediate size": (dict(heads=12, kv=12, ffn=256), [f"{A}.megatron.tensor_model_parallel_size=3"],
+                                      f"{A}.megatron.tensor_model_parallel_size", "intermediate_size=256",
+                                      [f"{A}.megatron.tensor_model_parallel_size=2"]),
     "rollout tp vs kv heads": (dict(heads=12, kv=4), [f"{R}.tensor_model_parallel_size=6"],
                                f"{R}.tensor_model_parallel_size", "4 KV heads", [f"{R}.tensor_model_parallel_size=2"]),
     "rollout tp vs padded vocab": (dict(heads=12, kv=12, vocab=1000), [f"{R}.tensor_model_parallel_size=3"],
@@ -165,6 +168,21 @@ def test_all_errors_reported_at_once_with_valid_values():
     assert any(t.startswith("algorithm.gamma=2") for t in text)
     micro = next(i for i in issues if i.field == f"{A}.ppo_micro_batch_size_per_gpu")
     assert all(120 % v == 0 for v in micro.valid) and 8 in micro.valid
+
+
+def test_sliding_window_caps_sequence_length(tmp_path):
+    folder = tmp_path / "mistral"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["MistralForCausalLM"], "hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
+        "max_position_embeddings": 32768, "sliding_window": 1024,
+    }))
+    model = f"actor_rollout_ref.model.path={folder}"
+    issues = issues_for([model, "data.max_prompt_length=512", "data.max_response_length=1024"])
+    assert any(i.field == "data.max_response_length" and "sliding_window=1024" in str(i) and i.valid == (512,)
+               for i in issues), [str(i) for i in issues]
+    plan_from_sources(SEED, [model, "data.max_prompt_length=512", "data.max_response_length=512"])
 
 
 def test_unsupported_architecture_is_an_error(tmp_path):

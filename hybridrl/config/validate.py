@@ -294,6 +294,10 @@ def _check_layout(check: _Checker, prefix: str, mc: MegatronConfig, world: int, 
                        f"must divide the model's {kv} KV heads or be a multiple of them (KV heads are "
                        f"replicated when TP > KV heads)",
                        [d for d in divisors(heads) if kv % d == 0 or d % kv == 0])
+        elif model.ffn_hidden_size % tp:
+            check.fail(f"{prefix}.tensor_model_parallel_size", tp,
+                       f"must divide the model's intermediate_size={model.ffn_hidden_size}",
+                       [d for d in divisors(heads) if model.ffn_hidden_size % d == 0])
         chunks = pp * (vpp or 1)
         if model.num_layers % chunks:
             field = "virtual_pipeline_model_parallel_size" if vpp else "pipeline_model_parallel_size"
@@ -403,11 +407,14 @@ def _check_lengths(check: _Checker, config: JobConfig, resolved: Resolved, model
             check.fail("actor_rollout_ref.rollout.response_length", rollout.response_length,
                        f"must not exceed data.max_response_length={data.max_response_length}",
                        [data.max_response_length])
-    if ok and model is not None and resolved.max_sequence_length > model.max_position_embeddings:
-        room = model.max_position_embeddings - data.max_prompt_length
+    if ok and model is not None and resolved.max_sequence_length > model.max_exact_sequence_length:
+        limit = model.max_exact_sequence_length
+        # A sliding-window model (Mistral) is only exact up to its window: megatron's layers have none.
+        what = (f"max_position_embeddings={limit}" if limit == model.max_position_embeddings
+                else f"sliding_window={limit} (longer sequences would differ from the HF model)")
+        room = limit - data.max_prompt_length
         check.fail("data.max_response_length", data.max_response_length,
-                   f"+ max_prompt_length={data.max_prompt_length} exceeds the model's "
-                   f"max_position_embeddings={model.max_position_embeddings}",
+                   f"+ max_prompt_length={data.max_prompt_length} exceeds the model's {what}",
                    [room] if room > 0 else [])
     actor = config.actor_rollout_ref.actor
     if ok and actor.use_dynamic_bsz and isinstance(actor.ppo_max_token_len_per_gpu, int) \
