@@ -37,6 +37,7 @@ def ray_cluster() -> Iterator[object]:
         pythonpath=[str(REPO_ROOT)],
         namespace="hybridrl-tests",
         log_to_driver=False,
+        preload_modules=["torch"],
     )
     try:
         yield cluster

@@ -164,12 +164,13 @@ def test_one_to_all_shares_bulky_arguments(ray_cluster):
     assert len({c.args[0] for c in calls}) == 1  # put once, shared by every rank
 
 
-def test_colocated_groups_share_a_pool(ray_cluster):
+def test_colocated_groups_share_a_two_node_pool(ray_cluster):
+    """2 'nodes' x 1 bundle (two placement groups, here on one machine), two groups colocated."""
     from hybridrl.controller.resource_pool import ResourcePool, ResourcePoolError
     from hybridrl.controller.worker_group import WorkerGroup
     from tests.controller_workers import EchoWorker
 
-    pool = ResourcePool("colocated", workers_per_node=2, cpus_per_worker=0.5, max_colocated_groups=2)
+    pool = ResourcePool("colocated", nnodes=2, workers_per_node=1, cpus_per_worker=0.5, max_colocated_groups=2)
     pool.start(timeout_s=60)
     try:
         actor = WorkerGroup(EchoWorker, pool, role="actor")
@@ -182,12 +183,37 @@ def test_colocated_groups_share_a_pool(ray_cluster):
         assert critic.call_all("all_reduce", 2.0) == [4.0, 4.0]
         ports = {e["MASTER_PORT"] for e in actor.call_all("environment") + critic.call_all("environment")}
         assert len(ports) == 2
-        # Both groups run inside the pool's placement group, each actor taking half of a bundle.
-        pool_group_id = pool.placement_groups[0].id.hex()
+        # Rank r of both groups runs in node r's placement group, each actor taking half a bundle.
+        node_groups = [g.id.hex() for g in pool.placement_groups]
         for group in (actor, critic):
-            assert group.call_all("placement_info") == [(pool_group_id, {"CPU": 0.25})] * 2
+            assert group.call_all("placement_info") == [(node_groups[0], {"CPU": 0.25}),
+                                                        (node_groups[1], {"CPU": 0.25})]
+            env = group.call_all("environment")
+            # Both "nodes" landed on this one machine: local ranks count per physical node.
+            assert [(e["RANK"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for e in env] == [
+                ("0", "0", "2"), ("1", "1", "2")]
         actor.shutdown()
         critic.shutdown()
         assert pool.roles == []
     finally:
         pool.shutdown()
+
+
+def test_init_ray_connects_to_an_existing_cluster_named_by_ray_address(ray_cluster):
+    """A second driver process joins the session's cluster through RAY_ADDRESS (multi-node path)."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "from hybridrl.controller.cluster import init_ray\n"
+        "cluster = init_ray()\n"
+        "import ray\n"
+        "assert not cluster.started_here and cluster.temp_dir is None\n"
+        "print('cpus', ray.cluster_resources()['CPU'], 'answer', ray.get(ray.remote(lambda: 42).remote()))\n"
+        "cluster.shutdown()\n"
+    )
+    env = dict(os.environ, RAY_ADDRESS=ray_cluster.address)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"cpus {float(ray_cluster.resources()['CPU'])} answer 42" in done.stdout

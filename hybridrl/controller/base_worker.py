@@ -11,6 +11,16 @@ as the first constructor argument and pass it up:
 The methods below are called by `WorkerGroup` during bring-up; role methods are called by the
 trainer through the group's dispatch helpers. After setting up megatron, a subclass overrides
 `mesh_coords()` so the controller learns each rank's (dp, tp, pp, cp) position.
+
+Rules for subclasses:
+* Don't touch CUDA or torch.distributed in `__init__`: the group sets CUDA_VISIBLE_DEVICES and
+  joins the process group after every actor is constructed. Build models in a setup method the
+  trainer calls afterwards.
+* In methods dispatched by DP, ranks that don't own the output (not the last pipeline stage, or
+  TP/CP rank > 0) should return None: their results are dropped, and a returned batch still costs
+  a transfer.
+* Batches that arrive as arguments are read-only views of shared memory (`Batch.shared_keys`):
+  replace columns freely, but call `make_writable()` before writing in place.
 """
 from __future__ import annotations
 

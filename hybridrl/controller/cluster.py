@@ -59,6 +59,7 @@ def init_ray(
     namespace: str | None = None,
     pythonpath: Sequence[str] = (),
     log_to_driver: bool = True,
+    preload_modules: Sequence[str] = (),
 ) -> RayCluster:
     """Start a private local Ray cluster, or connect to an existing one.
 
@@ -100,6 +101,7 @@ def init_ray(
         namespace=namespace,
         include_dashboard=False,
         _temp_dir=temp_dir,
+        _system_config={"preload_python_modules": list(preload_modules)} if preload_modules else None,
         **quiet,
     )
     return RayCluster(context.address_info.get("address", ""), True, temp_dir, owns_temp_dir)

@@ -7,6 +7,11 @@ Bring-up, in order (each step fails fast with the role and rank that broke it):
    the node's group GPUs, so device index == LOCAL_RANK as under torchrun);
 3. rank 0 picks a free port on its node; all ranks `init_process_group` concurrently
    (`nccl` on GPU, `gloo` on CPU) with a short timeout.
+
+The process-group timeout (default 5 min, vs torch's 30) is a backstop only: when a rank fails,
+the controller kills the whole group within seconds (see gather), so no peer waits on it. It must
+still exceed the longest legitimate wait inside a collective (e.g. peers at a barrier while rank 0
+writes a checkpoint).
 """
 from __future__ import annotations
 
@@ -48,7 +53,7 @@ class WorkerGroup:
         worker_args: Sequence[Any] = (),
         worker_kwargs: dict[str, Any] | None = None,
         init_distributed: bool = True,
-        process_group_timeout_s: float = 60.0,
+        process_group_timeout_s: float = 300.0,
         startup_timeout_s: float = 300.0,
         call_timeout_s: float | None = None,
         poll_s: float = 0.5,
