@@ -1,0 +1,113 @@
+"""Rank functions that run a real vLLM engine inside forked training-like processes.
+
+Run with `hybridrl.parallel.forked.run_ranks(fn, world_size, ...)`: torch.distributed (gloo) is
+initialized before `fn` runs, as in a colocated trainer. Each rank is a fresh process, so an
+engine's process-wide side effects (gc.freeze, the thread-count no-op, vLLM's global parallel
+state, default group creation) never leak into the pytest process.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from hybridrl.rollout.engine import RolloutEngine, RolloutEngineConfig
+from hybridrl.rollout.sampling import RolloutSampling
+
+# Small KV cache: the tiny models need a few blocks; the cache is committed memory on CPU.
+KV_CACHE_BYTES = 4 << 20
+
+
+def make_engine(model_dir: str, infer_tp: int = 1, **overrides: Any) -> RolloutEngine:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    config = RolloutEngineConfig(
+        model_path=model_dir, device="cpu", infer_tp=infer_tp, max_model_len=128,
+        kv_cache_memory_bytes=KV_CACHE_BYTES, max_num_seqs=32, **overrides,
+    )
+    return RolloutEngine(config)
+
+
+def layout_snapshot(rank: int, world_size: int, model_dir: str, infer_tp: int) -> dict[str, Any]:
+    """What vLLM's own loader put in this rank's parameters, plus checks of the process state."""
+    torch.manual_seed(1234 + rank)
+    rng_before = torch.get_rng_state()
+    engine = make_engine(model_dir, infer_tp=infer_tp, capture_loaded_weights=True)
+    rng_kept = torch.equal(torch.get_rng_state(), rng_before)
+    snapshot = engine.named_parameters_snapshot()
+    # A short greedy decode: on TP peers it must agree (same seeds, same collectives).
+    out = engine.generate_sequences([[1, 2, 3, 4]], RolloutSampling(temperature=0.0, max_tokens=4))
+    engine.close()
+    # The trainer's default group must survive vLLM's teardown.
+    probe = torch.tensor([float(rank + 1)])
+    torch.distributed.all_reduce(probe)
+    return {
+        "snapshot": snapshot,
+        "rng_kept": rng_kept,
+        "responses": out.tensors["responses"],
+        "default_group_sum": float(probe),
+        "tp_rank": engine.tp_rank,
+    }
+
+
+def generation_session(
+    rank: int, world_size: int, model_dir: str, new_weights: list[dict[str, torch.Tensor]], long_prompt: list[int]
+) -> dict[str, Any]:
+    """Everything the generation tests check, from ONE engine (building one costs seconds).
+
+    `new_weights`: HF state dicts to swap in, in order. Returns batches and snapshots by step name.
+    """
+    from hybridrl.engine.layout import hf_to_vllm_shards
+    from hybridrl.rollout.engine import _reload_on_worker
+    from hybridrl.rollout.sampling import validation_sampling
+    from tests.rollout_models import load_config, load_state_dict
+
+    engine = make_engine(model_dir, capture_loaded_weights=True)
+    config = load_config(model_dir)
+    prompts = [[5, 6, 7], [10, 11, 12, 13, 14, 15], [3], long_prompt]
+    greedy = validation_sampling(max_tokens=8)
+    results: dict[str, Any] = {"prompts": prompts}
+
+    results["greedy"] = engine.generate_sequences(prompts, greedy)
+    results["sampled"] = engine.generate_sequences(
+        prompts[:2], RolloutSampling(n=3, temperature=1.0, max_tokens=6, seed=7), uids=["a", "b"]
+    )
+    results["sampled_same_seed"] = engine.generate_sequences(
+        prompts[:2], RolloutSampling(n=3, temperature=1.0, max_tokens=6, seed=7), uids=["a", "b"]
+    )
+    unseeded = RolloutSampling(n=2, temperature=1.0, max_tokens=6)
+    results["unseeded"] = [engine.generate_sequences(prompts[:2], unseeded) for _ in range(2)]
+    results["filtered"] = engine.generate_sequences(
+        prompts[:2], RolloutSampling(n=4, temperature=0.7, top_k=5, top_p=0.9, max_tokens=6, seed=3)
+    )
+    # Stop on the first greedy token of prompt 0 that did not occur before it: the response must
+    # end right there (stop token included).
+    first_response = results["greedy"].tensors["responses"][0].tolist()
+    stop_token = next(t for i, t in enumerate(first_response) if i > 0 and t not in first_response[:i])
+    results["stop_token"] = stop_token
+    results["stopped"] = engine.generate_sequences(
+        prompts[:1], validation_sampling(max_tokens=8, stop_token_ids=(stop_token,))
+    )
+
+    # Weight swaps. The long prompt fills a KV block, so it is served from the prefix cache.
+    results["swaps"] = []
+    for i, state_dict in enumerate(new_weights):
+        weight_format = "hf" if i % 2 == 0 else "vllm_shard"
+        if weight_format == "hf":
+            engine.update_weights(state_dict.items(), weight_format="hf")
+        else:
+            engine.update_weights(hf_to_vllm_shards(state_dict, config, 1, 0).items(), weight_format="vllm_shard")
+        results["swaps"].append({
+            "format": weight_format,
+            "greedy": engine.generate_sequences(prompts, greedy),
+            "snapshot": engine.named_parameters_snapshot(),
+        })
+
+    # Negative control: reload the original weights WITHOUT resetting the prefix cache; the cached
+    # long prompt still carries K/V of the last swapped-in weights.
+    engine.generate_sequences([long_prompt], greedy)
+    engine.llm.collective_rpc(_reload_on_worker, args=(load_state_dict(model_dir).items(), True))
+    results["stale"] = engine.generate_sequences([long_prompt], greedy)
+    engine.llm.reset_prefix_cache()
+    results["fresh"] = engine.generate_sequences([long_prompt], greedy)
+    return results
