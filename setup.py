@@ -10,6 +10,8 @@ CPU_STACK = [
     "ray==2.60.0",
     "transformers>=5.16.1,<5.20",
     "pyarrow",
+    "matplotlib",
+    "tensorboard",
 ]
 # The CUDA stack for GPU clusters. megatron-core 0.16.x is the newest release for Python 3.11;
 # on Python >= 3.12 images a newer release may be used (checked at start-up, see hybridrl.parallel).
@@ -21,6 +23,8 @@ GPU_STACK = [
     "transformer-engine[pytorch]",
     "transformers",
     "pyarrow",
+    "matplotlib",
+    "tensorboard",
 ]
 DEV = ["pytest", "pytest-timeout", "ruff"]
 

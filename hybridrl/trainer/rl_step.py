@@ -1,0 +1,135 @@
+"""The controller's own math in a step, on whole batches: rewards -> KL -> advantages.
+
+Everything here is a pure function of a `Batch` (plus a KL controller), so the trainer loop stays a
+schedule of calls and each piece is tested against hand-computed numbers. Tensor math lives in
+`hybridrl.algorithms`; this module only decides which columns feed which function.
+
+Column names (the step's shared vocabulary):
+  responses, response_mask [B, R]   sampled tokens and which of them count
+  token_level_scores [B, R]         reward function / model output, on the last response token
+  token_level_rewards [B, R]        scores minus the in-reward KL penalty (if any)
+  old_log_probs, ref_log_prob [B, R], values [B, R]
+  advantages, returns [B, R]
+  uid (non-tensor)                  the prompt a sample came from: GRPO's group
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hybridrl.algorithms import compute_advantages, kl_penalty, masked_mean
+from hybridrl.algorithms.kl_control import FixedKLController
+from hybridrl.data.batch import Batch
+
+
+@dataclass(frozen=True)
+class AdvantageSettings:
+    estimator: str
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+
+
+def place_scores_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[B] sequence scores -> [B, R] token scores on each row's last unmasked token.
+
+    A row with an empty response has nowhere to put its score: it gets all zeros.
+    """
+    mask = response_mask.bool()
+    token_scores = torch.zeros(mask.shape, dtype=torch.float32)
+    lengths = mask.sum(dim=-1)
+    has_tokens = lengths > 0
+    # last True position of each row: index of the max over positions weighted by arange
+    positions = torch.arange(mask.shape[1]).expand_as(mask)
+    last = torch.where(mask, positions, torch.full_like(positions, -1)).max(dim=-1).values
+    rows = torch.nonzero(has_tokens).squeeze(-1)
+    token_scores[rows, last[rows]] = scores.float()[rows]
+    return token_scores
+
+
+def apply_kl_in_reward(batch: Batch, controller: FixedKLController, kind: str) -> dict[str, float]:
+    """token_level_rewards = token_level_scores - beta * KL(old || ref), per token; updates the controller.
+
+    Returns metrics: the batch KL (mean over sequences of the masked token mean) and beta used.
+    """
+    mask = batch["response_mask"].float()
+    kl = kl_penalty(batch["old_log_probs"], batch["ref_log_prob"], kind) * mask
+    beta = controller.value
+    batch["token_level_rewards"] = batch["token_level_scores"] - beta * kl
+    per_sequence = (kl.sum(-1) / mask.sum(-1).clamp(min=1))
+    current_kl = float(per_sequence.mean())
+    controller.update(current_kl, n_steps=len(batch))
+    return {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": float(beta)}
+
+
+def compute_batch_advantages(batch: Batch, settings: AdvantageSettings) -> None:
+    """Fill `advantages` and `returns` from `token_level_rewards` with the configured estimator."""
+    extra = {}
+    if settings.estimator == "gae":
+        extra["values"] = batch["values"]
+    if "uid" in batch:
+        extra["group_index"] = batch["uid"]
+    if "baseline_scores" in batch:
+        extra["baseline_scores"] = batch["baseline_scores"]
+    advantages, returns = compute_advantages(
+        settings.estimator, batch["token_level_rewards"], batch["response_mask"],
+        gamma=settings.gamma, lam=settings.lam, norm_by_std=settings.norm_adv_by_std_in_grpo, **extra,
+    )
+    batch["advantages"] = advantages
+    batch["returns"] = returns
+
+
+def overlong_penalty(response_lengths: torch.Tensor, max_length: int, buffer: int, factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment per sequence.
+
+    0 up to `max_length - buffer` tokens, then falling linearly to `-factor` at `max_length`
+    (and staying there beyond it). `buffer=0` is a hard cliff at `max_length`.
+    """
+    lengths = response_lengths.float()
+    start = max_length - buffer
+    if buffer <= 0:
+        return torch.where(lengths > max_length, torch.full_like(lengths, -factor), torch.zeros_like(lengths))
+    over = ((lengths - start) / buffer).clamp(min=0.0, max=1.0)
+    return -factor * over
+
+
+def groups_with_reward_spread(scores: torch.Tensor, uids: np.ndarray) -> np.ndarray:
+    """Row mask keeping only groups (same uid) whose scores are not all equal (DAPO dynamic sampling).
+
+    A group with one sample, or whose samples all scored the same, has zero advantage under GRPO
+    and only dilutes the batch.
+    """
+    scores = scores.float()
+    keep = np.zeros(len(uids), dtype=bool)
+    by_uid: dict[object, list[int]] = {}
+    for row, uid in enumerate(uids):
+        by_uid.setdefault(uid, []).append(row)
+    for rows in by_uid.values():
+        group = scores[rows]
+        if len(rows) > 1 and bool((group != group[0]).any()):
+            keep[rows] = True
+    return keep
+
+
+def response_metrics(batch: Batch) -> dict[str, float]:
+    """Scores, rewards, advantages and lengths of a step's responses (what the console table shows)."""
+    mask = batch["response_mask"].float()
+    lengths = mask.sum(-1)
+    metrics = {
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/clip_ratio": float((lengths >= batch["responses"].shape[1]).float().mean()),
+    }
+    for key, name in (("token_level_scores", "critic/score"), ("token_level_rewards", "critic/rewards")):
+        if key in batch:
+            per_seq = (batch[key] * mask).sum(-1)
+            metrics[f"{name}/mean"] = float(per_seq.mean())
+            metrics[f"{name}/max"] = float(per_seq.max())
+            metrics[f"{name}/min"] = float(per_seq.min())
+    if "advantages" in batch:
+        metrics["critic/advantages/mean"] = float(masked_mean(batch["advantages"], mask))
+    if "values" in batch:
+        metrics["critic/values/mean"] = float(masked_mean(batch["values"], mask))
+    return metrics

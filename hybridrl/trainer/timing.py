@@ -1,0 +1,43 @@
+"""Per-phase wall and CPU time of a training step, and throughput derived from them."""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class PhaseTimer:
+    """Accumulates seconds per named phase; `metrics()` gives `timing_s/<phase>` and `timing_s/step`."""
+
+    def __init__(self) -> None:
+        self.wall: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+        self._start_wall = time.perf_counter()
+        self._start_cpu = time.process_time()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            self.wall[name] = self.wall.get(name, 0.0) + time.perf_counter() - wall
+            self.cpu[name] = self.cpu.get(name, 0.0) + time.process_time() - cpu
+
+    def metrics(self) -> dict[str, float]:
+        step = time.perf_counter() - self._start_wall
+        out = {f"timing_s/{name}": seconds for name, seconds in self.wall.items()}
+        out["timing_s/step"] = step
+        out["timing_s/controller_cpu"] = time.process_time() - self._start_cpu
+        return out
+
+
+def throughput_metrics(total_tokens: int, num_sequences: int, step_seconds: float, world_size: int) -> dict[str, float]:
+    """Tokens and sequences per second for the whole job and per device."""
+    seconds = max(step_seconds, 1e-9)
+    return {
+        "perf/total_num_tokens": float(total_tokens),
+        "perf/throughput_tokens_per_s": total_tokens / seconds,
+        "perf/throughput_tokens_per_s_per_device": total_tokens / seconds / max(world_size, 1),
+        "perf/sequences_per_s": num_sequences / seconds,
+    }

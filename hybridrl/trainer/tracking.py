@@ -1,0 +1,214 @@
+"""Where a run's metrics go: console table, JSONL, TensorBoard, wandb; the end summary and plot.
+
+`Tracker.log(step, metrics)` fans one step's flat metrics dict out to every configured backend.
+Backends are chosen by name from `trainer.logger`; wandb and TensorBoard are imported only when
+asked for, so a missing optional package fails with a message naming the logger, at start-up.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+# The few numbers the per-step console line shows, in order (others go to JSONL/TensorBoard).
+CONSOLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("step", "training/global_step", "{:>5.0f}"),
+    ("score", "critic/score/mean", "{:>7.3f}"),
+    ("kl", "actor/kl_loss", "{:>8.4f}"),
+    ("entropy", "actor/entropy", "{:>7.3f}"),
+    ("pg_loss", "actor/pg_loss", "{:>8.4f}"),
+    ("resp_len", "response_length/mean", "{:>8.1f}"),
+    ("step_s", "timing_s/step", "{:>7.2f}"),
+    ("tok/s", "perf/throughput_tokens_per_s", "{:>8.0f}"),
+)
+PHASES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "sync")
+
+
+class Backend(Protocol):
+    def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
+    def close(self) -> None: ...
+
+
+class ConsoleBackend:
+    """One compact line per step under a header printed every 20 steps."""
+
+    def __init__(self, write=print, header_every: int = 20):
+        self._write = write
+        self._header_every = header_every
+        self._lines = 0
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        if self._lines % self._header_every == 0:
+            self._write("  ".join(f"{name:>{_width(fmt)}}" for name, _, fmt in CONSOLE_COLUMNS))
+        cells = []
+        for name, key, fmt in CONSOLE_COLUMNS:
+            value = step if name == "step" else metrics.get(key)
+            cells.append(fmt.format(value) if isinstance(value, (int, float)) else f"{'-':>{_width(fmt)}}")
+        self._write("  ".join(cells))
+        self._lines += 1
+
+    def close(self) -> None:
+        pass
+
+
+def _width(fmt: str) -> int:
+    return int(fmt.split(">")[1].split(".")[0])
+
+
+class JsonlBackend:
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._file = open(path, "a")
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        record = {"step": step, **{k: _json_number(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _json_number(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/Inf; keep them visible as strings
+    return value
+
+
+class TensorBoardBackend:
+    def __init__(self, log_dir: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise RuntimeError("trainer.logger has 'tensorboard' but the tensorboard package is missing") from exc
+        self._writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)):
+                self._writer.add_scalar(key, value, step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbBackend:
+    def __init__(self, project: str, name: str, config: Mapping[str, Any]):
+        try:
+            import wandb
+        except ImportError as exc:
+            raise RuntimeError(
+                "trainer.logger has 'wandb' but the wandb package is missing (pip install wandb)"
+            ) from exc
+        self._run = wandb.init(project=project, name=name, config=dict(config))
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        self._run.log(dict(metrics), step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class Tracker:
+    def __init__(self, backends: Sequence[Backend], run_dir: Path):
+        self.backends = list(backends)
+        self.run_dir = run_dir
+        self.history: list[dict[str, float]] = []
+
+    @classmethod
+    def create(cls, names: Iterable[str], run_dir: str | Path, *, project: str = "hybridrl",
+               experiment: str = "run", config: Mapping[str, Any] | None = None, write=print) -> Tracker:
+        run_dir = Path(run_dir)
+        backends: list[Backend] = []
+        for name in names:
+            if name == "console":
+                backends.append(ConsoleBackend(write))
+            elif name == "jsonl":
+                backends.append(JsonlBackend(run_dir / "metrics.jsonl"))
+            elif name == "tensorboard":
+                backends.append(TensorBoardBackend(run_dir / "tensorboard"))
+            elif name == "wandb":
+                backends.append(WandbBackend(project, experiment, config or {}))
+            else:
+                raise ValueError(f"trainer.logger: unknown logger {name!r}; valid: console, jsonl, tensorboard, wandb")
+        return cls(backends, run_dir)
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        flat = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+        self.history.append({"step": float(step), **flat})
+        for backend in self.backends:
+            backend.log(step, flat)
+
+    def close(self) -> None:
+        for backend in self.backends:
+            backend.close()
+
+
+def render_summary(history: Sequence[Mapping[str, float]], title: str = "run summary") -> str:
+    """One screen: start/end/best of the key curves and where the step time went."""
+    if not history:
+        return f"{title}: no steps ran"
+    lines = [f"== {title}: {len(history)} steps =="]
+    first, last = history[0], history[-1]
+    for label, key in (("score", "critic/score/mean"), ("kl", "actor/kl_loss"), ("entropy", "actor/entropy"),
+                       ("response length", "response_length/mean"), ("grad norm", "actor/grad_norm")):
+        values = [h[key] for h in history if key in h]
+        if values:
+            lines.append(f"{label:>16}: first {first.get(key, values[0]):9.4f}  last {last.get(key, values[-1]):9.4f}"
+                         f"  best {max(values):9.4f}")
+    step_times = [h["timing_s/step"] for h in history if "timing_s/step" in h]
+    if step_times:
+        total = sum(step_times)
+        lines.append(f"{'step time':>16}: median {statistics.median(step_times):.2f} s, total {total:.1f} s")
+        shares = []
+        for phase in PHASES:
+            spent = sum(h.get(f"timing_s/{phase}", 0.0) for h in history)
+            if spent > 0:
+                shares.append(f"{phase} {100 * spent / total:.0f}%")
+        if shares:
+            lines.append(f"{'where it went':>16}: " + ", ".join(shares))
+    tokens = [h["perf/throughput_tokens_per_s"] for h in history if "perf/throughput_tokens_per_s" in h]
+    if tokens:
+        lines.append(f"{'throughput':>16}: median {statistics.median(tokens):,.0f} tokens/s")
+    return "\n".join(lines)
+
+
+def plot_run(history: Sequence[Mapping[str, float]], path: str | Path) -> Path:
+    """PNG of reward, KL, entropy, response length and the per-phase step-time breakdown."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    steps = [h["step"] for h in history]
+    panels = [("score", "critic/score/mean"), ("KL", "actor/kl_loss"), ("entropy", "actor/entropy"),
+              ("response length", "response_length/mean")]
+    fig, axes = plt.subplots(1, 5, figsize=(22, 4))
+    for ax, (label, key) in zip(axes, panels):
+        points = [(h["step"], h[key]) for h in history if key in h]
+        if points:
+            ax.plot(*zip(*points), marker=".")
+        ax.set_title(label)
+        ax.set_xlabel("step")
+    ax = axes[-1]
+    bottom = [0.0] * len(history)
+    for phase in PHASES:
+        values = [h.get(f"timing_s/{phase}", 0.0) for h in history]
+        if any(values):
+            ax.bar(steps, values, bottom=bottom, label=phase)
+            bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_title("step time by phase (s)")
+    ax.set_xlabel("step")
+    if any(bottom):
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path

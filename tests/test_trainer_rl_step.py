@@ -1,0 +1,93 @@
+"""Controller-side step math against hand-computed numbers."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from hybridrl.algorithms.kl_control import AdaptiveKLController, FixedKLController
+from hybridrl.data.batch import Batch
+from hybridrl.trainer.rl_step import (
+    AdvantageSettings,
+    apply_kl_in_reward,
+    compute_batch_advantages,
+    groups_with_reward_spread,
+    overlong_penalty,
+    place_scores_on_last_token,
+    response_metrics,
+)
+
+
+def test_scores_land_on_last_response_token_and_empty_rows_get_nothing():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
+    out = place_scores_on_last_token(torch.tensor([2.0, -1.0, 5.0, 0.5]), mask)
+    expected = torch.tensor([[0, 0, 2.0, 0], [-1.0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0.5]])
+    assert torch.equal(out, expected)
+
+
+def test_kl_in_reward_subtracts_beta_times_k1_and_adapts():
+    old = torch.tensor([[-1.0, -2.0, -0.5]])
+    ref = torch.tensor([[-1.5, -1.0, -0.5]])
+    mask = torch.tensor([[1, 1, 0]])
+    scores = torch.tensor([[0.0, 1.0, 0.0]])
+    batch = Batch({"old_log_probs": old, "ref_log_prob": ref, "response_mask": mask, "token_level_scores": scores})
+    ctrl = FixedKLController(0.1)
+    metrics = apply_kl_in_reward(batch, ctrl, "k1")
+    # k1 = old - ref = [0.5, -1.0, (masked)]
+    assert torch.allclose(batch["token_level_rewards"], torch.tensor([[-0.05, 1.1, 0.0]]))
+    assert metrics["actor/reward_kl_penalty"] == pytest.approx((0.5 - 1.0) / 2)
+    adaptive = AdaptiveKLController(0.1, target_kl=1.0, horizon=10)
+    apply_kl_in_reward(batch, adaptive, "k1")
+    # Ziegler: error = clip(kl/target - 1, -0.2, 0.2) = clip(-1.25) = -0.2; beta *= 1 + err * n/horizon
+    assert adaptive.value == pytest.approx(0.1 * (1 - 0.2 * 1 / 10))
+
+
+def test_grpo_advantages_from_batch_match_hand_computation():
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]])
+    scores = torch.tensor([1.0, 0.0, 3.0, 5.0])
+    batch = Batch({"response_mask": mask, "token_level_rewards": place_scores_on_last_token(scores, mask)},
+                  {"uid": np.array(["a", "a", "b", "b"], dtype=object)})
+    compute_batch_advantages(batch, AdvantageSettings("grpo"))
+    # group a: mean .5, unbiased std sqrt(.5); group b: mean 4, std sqrt(2)
+    a = 0.5 / math.sqrt(0.5)
+    b = 1.0 / math.sqrt(2.0)
+    expected_seq = torch.tensor([a, -a, -b, b])
+    adv = batch["advantages"]
+    for row in range(4):
+        valid = mask[row].bool()
+        assert torch.allclose(adv[row][valid], expected_seq[row].expand(int(valid.sum())), atol=1e-5)
+        assert torch.all(adv[row][~valid] == 0)
+
+
+def test_gae_uses_values_column():
+    mask = torch.tensor([[1, 1]])
+    rewards = torch.tensor([[0.0, 1.0]])
+    values = torch.tensor([[0.5, 0.2]])
+    batch = Batch({"response_mask": mask, "token_level_rewards": rewards, "values": values})
+    compute_batch_advantages(batch, AdvantageSettings("gae", gamma=0.9, lam=0.8))
+    # delta1 = 1 - 0.2 = 0.8; delta0 = 0 + 0.9*0.2 - 0.5 = -0.32; A0 = -0.32 + 0.72*0.8 = 0.256
+    assert torch.allclose(batch["returns"], torch.tensor([[0.256 + 0.5, 0.8 + 0.2]]), atol=1e-6)
+
+
+def test_overlong_penalty_linear_in_buffer():
+    lengths = torch.tensor([10, 16, 18, 20, 25])
+    out = overlong_penalty(lengths, max_length=20, buffer=4, factor=1.0)
+    assert torch.allclose(out, torch.tensor([0.0, 0.0, -0.5, -1.0, -1.0]))
+    hard = overlong_penalty(lengths, max_length=20, buffer=0, factor=2.0)
+    assert torch.allclose(hard, torch.tensor([0.0, 0.0, 0.0, 0.0, -2.0]))
+
+
+def test_dynamic_sampling_keeps_only_groups_with_spread():
+    scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5, 3.0])
+    uids = np.array(["x", "x", "y", "y", "z", "z", "solo"], dtype=object)
+    keep = groups_with_reward_spread(scores, uids)
+    assert keep.tolist() == [False, False, True, True, False, False, False]
+
+
+def test_response_metrics():
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    batch = Batch({"response_mask": mask, "responses": torch.zeros(2, 3, dtype=torch.long),
+                   "token_level_scores": torch.tensor([[0, 1.0, 0], [0, 0, 0.0]])})
+    m = response_metrics(batch)
+    assert m["response_length/mean"] == 2.5 and m["response_length/clip_ratio"] == 0.5
+    assert m["critic/score/mean"] == 0.5 and m["critic/score/max"] == 1.0

@@ -1,0 +1,66 @@
+"""Run tracking: console lines, JSONL records, TensorBoard events, the summary and the plot."""
+import json
+import math
+import time
+
+from hybridrl.trainer.timing import PhaseTimer, throughput_metrics
+from hybridrl.trainer.tracking import Tracker, plot_run, render_summary
+
+
+def _history(steps=5):
+    return [{"critic/score/mean": 0.1 * s, "actor/kl_loss": 0.01 * s, "actor/entropy": 2.0 - 0.1 * s,
+             "response_length/mean": 10.0 + s, "timing_s/step": 2.0, "timing_s/gen": 1.5,
+             "timing_s/update_actor": 0.5, "perf/throughput_tokens_per_s": 100.0 + s} for s in range(1, steps + 1)]
+
+
+def test_tracker_fans_out_to_console_jsonl_tensorboard(tmp_path):
+    lines = []
+    tracker = Tracker.create(["console", "jsonl", "tensorboard"], tmp_path, write=lines.append)
+    for step, metrics in enumerate(_history(3), start=1):
+        tracker.log(step, {**metrics, "weird": float("nan")})
+    tracker.close()
+    assert lines[0].split()[:3] == ["step", "score", "kl"] and len(lines) == 4
+    assert lines[3].split()[0] == "3" and lines[3].split()[1] == "0.300"
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3] and records[1]["critic/score/mean"] == 0.2
+    assert records[0]["weird"] == "nan"
+    events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+
+
+def test_unknown_logger_named():
+    try:
+        Tracker.create(["console", "mlflow"], "/tmp/x")
+    except ValueError as exc:
+        assert "mlflow" in str(exc) and "tensorboard" in str(exc)
+    else:
+        raise AssertionError("an unknown logger must be refused")
+
+
+def test_summary_shows_curves_and_phase_shares():
+    history = [{"step": float(i), **m} for i, m in enumerate(_history(), start=1)]
+    text = render_summary(history)
+    assert "5 steps" in text
+    score_line = next(line for line in text.splitlines() if "score" in line)
+    assert "first    0.1000" in score_line and "last    0.5000" in score_line
+    assert "gen 75%" in text and "update_actor 25%" in text
+    assert "median 103 tokens/s" in text
+
+
+def test_plot_writes_png(tmp_path):
+    history = [{"step": float(i), **m} for i, m in enumerate(_history(), start=1)]
+    path = plot_run(history, tmp_path / "run.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_phase_timer_and_throughput():
+    timer = PhaseTimer()
+    with timer.phase("gen"):
+        time.sleep(0.05)
+    with timer.phase("gen"):
+        time.sleep(0.02)
+    metrics = timer.metrics()
+    assert 0.06 <= metrics["timing_s/gen"] < 0.5 and metrics["timing_s/step"] >= metrics["timing_s/gen"]
+    perf = throughput_metrics(total_tokens=1000, num_sequences=10, step_seconds=2.0, world_size=4)
+    assert perf["perf/throughput_tokens_per_s"] == 500 and perf["perf/throughput_tokens_per_s_per_device"] == 125
+    assert math.isclose(perf["perf/sequences_per_s"], 5.0)
