@@ -1,0 +1,365 @@
+"""`PromptDataset`: prompts from local parquet / JSONL files, tokenized once, with their reward spec.
+
+Reading goes through pyarrow (`pyarrow.parquet`, `pyarrow.json`). A row is a dict; the columns used:
+
+* ``prompt_key`` (default ``prompt``): a text prompt, or a list of chat messages
+  ``[{"role": ..., "content": ...}]``. Messages need ``apply_chat_template=True``; a text prompt with
+  the template on is sent as one user message.
+* ``reward_key`` (default ``reward_model``): the reward spec, e.g. ``{"ground_truth": "42", "style": "rule"}``
+  or a bare ground truth. ``ground_truth`` is taken from it (the dict's ``ground_truth`` entry, else
+  the value itself).
+* ``data_source`` (optional): which scorer family the row belongs to; ``extra_info`` (optional): any
+  per-row dict, carried through untouched.
+
+Every row keeps ``index``: its position in the concatenation of the files (before any filtering), so
+metrics and logs point back to the source row.
+
+Over-long prompts (more than ``max_prompt_length`` tokens after the template): dropped and counted when
+``filter_overlong_prompts`` (the log says "filtered 3 of 100 prompts longer than 512 tokens"),
+otherwise cut by ``truncation``: ``left`` keeps the last tokens (the end of a prompt is where the
+question and the generation cue are), ``right`` keeps the first, ``error`` raises.
+
+Malformed rows (prompt missing, null, empty, of the wrong type, messages without role/content):
+``on_malformed="error"`` (default) raises naming the file and the row; ``"skip"`` drops them and
+counts them in `stats` with one warning.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+TRUNCATION_MODES = ("error", "left", "right")
+MALFORMED_MODES = ("error", "skip")
+PARQUET_SUFFIXES = (".parquet", ".pq")
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+
+
+class DatasetError(ValueError):
+    """A data file or row that cannot be used; the message names the file (and row)."""
+
+
+@dataclass(frozen=True)
+class PromptItem:
+    """One usable prompt: its token ids plus everything the reward needs later."""
+
+    input_ids: tuple[int, ...]
+    prompt_text: str  # the text that was tokenized (after the chat template)
+    raw_prompt: str | list[dict[str, str]]  # the row's prompt as stored
+    reward_spec: Any  # the row's ``reward_key`` value, untouched
+    ground_truth: Any
+    data_source: str
+    index: int  # position in the concatenated files, before filtering
+    extra_info: Any = None
+    source_file: str = ""
+    truncated: bool = False
+
+
+@dataclass
+class DatasetStats:
+    """What happened to the rows of the files while building the dataset."""
+
+    total_rows: int = 0
+    kept: int = 0
+    filtered_overlong: int = 0
+    truncated: int = 0
+    skipped_malformed: int = 0
+    max_prompt_length: int = 0
+    malformed_examples: list[str] = field(default_factory=list)  # first few reasons, for the warning
+
+    def summary(self) -> str:
+        parts = [f"kept {self.kept} of {self.total_rows} prompts"]
+        if self.filtered_overlong:
+            parts.append(
+                f"filtered {self.filtered_overlong} of {self.total_rows} prompts longer than "
+                f"{self.max_prompt_length} tokens"
+            )
+        if self.truncated:
+            parts.append(f"truncated {self.truncated} prompts to {self.max_prompt_length} tokens")
+        if self.skipped_malformed:
+            parts.append(f"skipped {self.skipped_malformed} malformed rows")
+        return "; ".join(parts)
+
+
+# Stands in for a JSON line that pyarrow could not parse.
+_UNPARSEABLE = "__hybridrl_unparseable_row__"
+
+
+def _read_jsonl_lines(path: Path) -> list[dict[str, Any]]:
+    """Each non-blank line parsed on its own by pyarrow: a bad line cannot spoil its neighbours."""
+    import io
+
+    import pyarrow.json as pj
+
+    rows: list[dict[str, Any]] = []
+    for line in path.read_bytes().splitlines():
+        if not line.strip():
+            continue
+        try:
+            parsed = pj.read_json(io.BytesIO(line)).to_pylist()
+        except Exception as error:
+            rows.append({_UNPARSEABLE: str(error)})
+            continue
+        rows.extend(parsed if parsed else [{_UNPARSEABLE: "not a JSON object"}])
+    return rows
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """All rows of one parquet or JSONL file as dicts (pyarrow does the parsing).
+
+    pyarrow reads a JSONL file as one table with one type per column, so a file that mixes text and
+    chat-message prompts, or has one bad line, fails as a whole. Such a file is re-read line by line
+    (each line parsed by pyarrow on its own); lines that still fail come back as rows that
+    `PromptDataset` reports as malformed, with their row number.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"data file {str(path)!r} does not exist")
+    suffix = path.suffix.lower()
+    if suffix in PARQUET_SUFFIXES:
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.read_table(path).to_pylist()
+        except Exception as error:
+            raise DatasetError(f"{path}: cannot read as parquet: {error}") from error
+    if suffix in JSONL_SUFFIXES:
+        import pyarrow.json as pj
+
+        if path.stat().st_size == 0:
+            return []
+        try:
+            return pj.read_json(path).to_pylist()
+        except Exception:
+            return _read_jsonl_lines(path)
+    raise DatasetError(
+        f"{path}: unsupported file type {suffix!r}; use parquet ({', '.join(PARQUET_SUFFIXES)}) "
+        f"or JSON lines ({', '.join(JSONL_SUFFIXES)})"
+    )
+
+
+def _check_messages(prompt: Sequence[Any]) -> str | None:
+    """Why a chat-message list is malformed, or None when it is fine."""
+    if not prompt:
+        return "the message list is empty"
+    for i, message in enumerate(prompt):
+        if not isinstance(message, Mapping):
+            return f"message {i} is a {type(message).__name__}, not a dict with role and content"
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not role:
+            return f"message {i} has no string 'role'"
+        if not isinstance(content, str):
+            return f"message {i} has no string 'content'"
+    return None
+
+
+def _malformed_reason(row: Mapping[str, Any], prompt_key: str) -> str | None:
+    if _UNPARSEABLE in row:
+        return f"unreadable JSON line: {row[_UNPARSEABLE]}"
+    if prompt_key not in row or row[prompt_key] is None:
+        present = sorted(k for k, v in row.items() if v is not None)
+        return f"no {prompt_key!r} value (columns with values: {present})"
+    prompt = row[prompt_key]
+    if isinstance(prompt, str):
+        return "the prompt is an empty string" if not prompt.strip() else None
+    if isinstance(prompt, (list, tuple)):
+        return _check_messages(prompt)
+    return f"the prompt is a {type(prompt).__name__}; expected a string or a list of chat messages"
+
+
+def _ground_truth(reward_spec: Any) -> Any:
+    if isinstance(reward_spec, Mapping) and "ground_truth" in reward_spec:
+        return reward_spec["ground_truth"]
+    return reward_spec
+
+
+def _strip_nulls(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    # pyarrow unifies message structs across rows: keys a message lacks come back as None, and a
+    # chat template would render them ("name": None). Drop them.
+    return [{k: v for k, v in message.items() if v is not None} for message in messages]
+
+
+class PromptDataset(Sequence[PromptItem]):
+    """Tokenized prompts from local files. See the module docstring for the row format."""
+
+    def __init__(
+        self,
+        files: str | Path | Sequence[str | Path],
+        tokenizer: Any,
+        *,
+        prompt_key: str = "prompt",
+        reward_key: str = "reward_model",
+        max_prompt_length: int = 512,
+        filter_overlong_prompts: bool = True,
+        truncation: str = "error",
+        apply_chat_template: bool = False,
+        on_malformed: str = "error",
+    ) -> None:
+        if isinstance(files, (str, Path)):
+            files = [files]
+        self.files = [str(f) for f in files]
+        if not self.files:
+            raise DatasetError("no data files given (data.train_files / data.val_files is empty)")
+        if truncation not in TRUNCATION_MODES:
+            raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
+        if on_malformed not in MALFORMED_MODES:
+            raise ValueError(f"on_malformed must be one of {MALFORMED_MODES}, got {on_malformed!r}")
+        if max_prompt_length <= 0:
+            raise ValueError(f"max_prompt_length must be positive, got {max_prompt_length}")
+        if apply_chat_template and not getattr(tokenizer, "chat_template", None):
+            raise DatasetError(
+                "data.apply_chat_template is true but the tokenizer has no chat template; "
+                "set one on the tokenizer or use text prompts with apply_chat_template=false"
+            )
+        self.tokenizer = tokenizer
+        self.prompt_key = prompt_key
+        self.reward_key = reward_key
+        self.max_prompt_length = max_prompt_length
+        self.filter_overlong_prompts = filter_overlong_prompts
+        self.truncation = truncation
+        self.apply_chat_template = apply_chat_template
+        self.on_malformed = on_malformed
+        self.stats = DatasetStats(max_prompt_length=max_prompt_length)
+        self.items: list[PromptItem] = self._build()
+
+    # ------------------------------------------------------------------------------ building
+    def _prompt_text(self, prompt: str | Sequence[Mapping[str, Any]], where: str) -> tuple[str, bool]:
+        """The text to tokenize and whether the tokenizer should add its own special tokens."""
+        if self.apply_chat_template:
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _strip_nulls(prompt)
+            # tokenize=False, then encode: transformers 5 returns a BatchEncoding from tokenize=True,
+            # 4.x a list; the text is also what we keep for logs.
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return text, False  # the template already placed any BOS it wants
+        if not isinstance(prompt, str):
+            raise DatasetError(
+                f"{where}: the prompt is a list of chat messages but data.apply_chat_template is false; "
+                "turn it on (the tokenizer's chat template formats the messages) or store text prompts"
+            )
+        return prompt, True
+
+    def _build(self) -> list[PromptItem]:
+        pending: list[tuple[dict[str, Any], str, int, int]] = []  # row, file, row in file, global index
+        global_index = 0
+        for file in self.files:
+            rows = read_rows(file)
+            for row_in_file, row in enumerate(rows):
+                pending.append((row, file, row_in_file, global_index))
+                global_index += 1
+        self.stats.total_rows = global_index
+        if global_index == 0:
+            raise DatasetError(f"no rows in the data files {self.files}")
+
+        usable: list[tuple[dict[str, Any], str, int, int]] = []
+        for row, file, row_in_file, index in pending:
+            reason = _malformed_reason(row, self.prompt_key)
+            if reason is None:
+                usable.append((row, file, row_in_file, index))
+                continue
+            where = f"{file}, row {row_in_file}"
+            if self.on_malformed == "error":
+                raise DatasetError(f"{where}: {reason} (set on_malformed='skip' to drop such rows)")
+            self.stats.skipped_malformed += 1
+            if len(self.stats.malformed_examples) < 3:
+                self.stats.malformed_examples.append(f"{where}: {reason}")
+        if self.stats.skipped_malformed:
+            logger.warning(
+                "skipped %d malformed rows of %d in %s, e.g. %s",
+                self.stats.skipped_malformed, self.stats.total_rows, self.files,
+                "; ".join(self.stats.malformed_examples),
+            )
+
+        texts: list[str] = []
+        add_special: list[bool] = []
+        for row, file, row_in_file, _ in usable:
+            text, special = self._prompt_text(row[self.prompt_key], f"{file}, row {row_in_file}")
+            texts.append(text)
+            add_special.append(special)
+        token_ids = self._tokenize(texts, add_special)
+
+        items: list[PromptItem] = []
+        for (row, file, row_in_file, index), text, ids in zip(usable, texts, token_ids):
+            truncated = False
+            if len(ids) > self.max_prompt_length:
+                if self.filter_overlong_prompts:
+                    self.stats.filtered_overlong += 1
+                    continue
+                if self.truncation == "error":
+                    raise DatasetError(
+                        f"{file}, row {row_in_file}: the prompt has {len(ids)} tokens, more than "
+                        f"data.max_prompt_length={self.max_prompt_length}; set data.filter_overlong_prompts=true "
+                        "or data.truncation=left|right"
+                    )
+                ids = ids[-self.max_prompt_length:] if self.truncation == "left" else ids[: self.max_prompt_length]
+                truncated = True
+                self.stats.truncated += 1
+            if not ids:
+                raise DatasetError(f"{file}, row {row_in_file}: the prompt tokenizes to no tokens")
+            reward_spec = row.get(self.reward_key)
+            data_source = row.get("data_source")
+            items.append(
+                PromptItem(
+                    input_ids=tuple(ids),
+                    prompt_text=text,
+                    raw_prompt=row[self.prompt_key],
+                    reward_spec=reward_spec,
+                    ground_truth=_ground_truth(reward_spec),
+                    data_source=str(data_source) if data_source is not None else "unknown",
+                    index=index,
+                    extra_info=row.get("extra_info"),
+                    source_file=file,
+                    truncated=truncated,
+                )
+            )
+        self.stats.kept = len(items)
+        if self.stats.filtered_overlong:
+            logger.info(
+                "filtered %d of %d prompts longer than %d tokens",
+                self.stats.filtered_overlong, self.stats.total_rows, self.max_prompt_length,
+            )
+        if self.stats.truncated:
+            logger.info("truncated (%s) %d prompts to %d tokens", self.truncation, self.stats.truncated,
+                        self.max_prompt_length)
+        if not items:
+            raise DatasetError(f"no usable prompts in {self.files}: {self.stats.summary()}")
+        return items
+
+    def _tokenize(self, texts: list[str], add_special: list[bool]) -> list[list[int]]:
+        """Token ids per text; one batched tokenizer call per add_special_tokens value."""
+        result: list[list[int]] = [[] for _ in texts]
+        for flag in (True, False):
+            positions = [i for i, special in enumerate(add_special) if special is flag]
+            if not positions:
+                continue
+            encoded = self.tokenizer([texts[i] for i in positions], add_special_tokens=flag)["input_ids"]
+            for i, ids in zip(positions, encoded):
+                result[i] = list(ids)
+        return result
+
+    # ------------------------------------------------------------------------------ sequence
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, position: int) -> PromptItem:  # type: ignore[override]
+        return self.items[position]
+
+    def __repr__(self) -> str:
+        return f"PromptDataset({len(self)} prompts from {self.files}; {self.stats.summary()})"
+
+    @classmethod
+    def from_config(cls, data_config: Any, files: Sequence[str], tokenizer: Any, **overrides: Any) -> PromptDataset:
+        """Build from a `DataConfig` (train or val files passed explicitly)."""
+        options: dict[str, Any] = dict(
+            prompt_key=data_config.prompt_key,
+            reward_key=data_config.reward_key,
+            max_prompt_length=data_config.max_prompt_length,
+            filter_overlong_prompts=data_config.filter_overlong_prompts,
+            truncation=data_config.truncation,
+            apply_chat_template=data_config.apply_chat_template,
+        )
+        options.update(overrides)
+        return cls(files, tokenizer, **options)

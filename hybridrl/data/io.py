@@ -1,0 +1,37 @@
+"""Writing rows in the training format: JSON lines or parquet, chosen by the file suffix.
+
+Reading is `hybridrl.data.dataset.read_rows` (pyarrow). Writing JSONL needs no parser: each row is
+one `json.dumps` line.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hybridrl.data.dataset import JSONL_SUFFIXES, PARQUET_SUFFIXES
+
+
+def write_rows(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
+    """Write `rows` to `path` (.jsonl/.json/.ndjson or .parquet/.pq); parent folders are created."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if suffix in JSONL_SUFFIXES:
+        # Written to a temporary name first: a crash never leaves a half file that looks complete.
+        partial = path.with_name(path.name + ".partial")
+        with partial.open("w", encoding="utf-8") as out:
+            for row in rows:
+                out.write(json.dumps(row, ensure_ascii=False) + "\n")
+        partial.replace(path)
+        return path
+    if suffix in PARQUET_SUFFIXES:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        partial = path.with_name(path.name + ".partial")
+        pq.write_table(pa.Table.from_pylist(list(rows)), partial)
+        partial.replace(path)
+        return path
+    raise ValueError(f"{path}: unsupported suffix {suffix!r}; use .jsonl or .parquet")

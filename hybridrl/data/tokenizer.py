@@ -1,0 +1,116 @@
+"""Tokenizers: the locally built character tokenizer of the CPU demo, and one loader for all kinds.
+
+The demo must run without downloads, so its tokenizer is built here with the `tokenizers` library:
+one token per character, plus `<pad>`, `<bos>`, `<eos>`, `<unk>`; 96 tokens in all, matching
+`configs/models/tiny-demo/config.json` (vocab_size 96).
+
+Loading. transformers 5.x `AutoTokenizer` on a folder whose `config.json` names a model type (e.g.
+Qwen2) builds that model's tokenizer class and ignores a locally built `tokenizer.json` (it then
+encodes text to `[]`, see shared/notes/platform.md). `load_tokenizer` therefore loads a locally built
+tokenizer through `PreTrainedTokenizerFast` directly, and only hands real HF tokenizer folders to
+`AutoTokenizer`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+SPECIAL_TOKENS: dict[str, str] = {
+    "pad_token": "<pad>",
+    "bos_token": "<bos>",
+    "eos_token": "<eos>",
+    "unk_token": "<unk>",
+}
+# Printable ASCII is 95 characters; with newline and the 4 special tokens that is 100. These four are
+# dropped to fit the tiny model's 96-token vocabulary: no demo prompt, template or answer uses them.
+DROPPED_CHARACTERS = "`^|~"
+CHARACTERS: tuple[str, ...] = ("\n",) + tuple(
+    chr(code) for code in range(32, 127) if chr(code) not in DROPPED_CHARACTERS
+)
+CHAR_VOCAB_SIZE = len(SPECIAL_TOKENS) + len(CHARACTERS)
+
+# A minimal chat template so `data.apply_chat_template` works with the demo tokenizer too.
+CHAR_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+# Marker in tokenizer_config.json: this folder holds a tokenizer built by `build_char_tokenizer`.
+_LOCAL_MARKER = "hybridrl_char_tokenizer"
+
+
+def build_char_tokenizer() -> Any:
+    """The demo's character-level `tokenizers.Tokenizer` (special tokens first: pad=0, bos=1, eos=2, unk=3)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS.values(), *CHARACTERS])}
+    assert len(vocab) == CHAR_VOCAB_SIZE, "duplicate characters in the vocabulary"
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk_token"]))
+    # Every character (newline included) is its own pre-token; WordLevel then maps it to one id.
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    # Fuse joins the characters back without the spaces a default decode would insert.
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS.values()))
+    return tokenizer
+
+
+def char_tokenizer(chat_template: str | None = CHAR_CHAT_TEMPLATE) -> Any:
+    """The character tokenizer wrapped as a transformers `PreTrainedTokenizerFast`."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=build_char_tokenizer(), **SPECIAL_TOKENS)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def save_char_tokenizer(folder: str | Path, chat_template: str | None = CHAR_CHAT_TEMPLATE) -> Path:
+    """Write `tokenizer.json` (+ `tokenizer_config.json` with the special-token roles) into `folder`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    build_char_tokenizer().save(str(folder / "tokenizer.json"))
+    config: dict[str, Any] = {**SPECIAL_TOKENS, _LOCAL_MARKER: True, "tokenizer_class": "PreTrainedTokenizerFast"}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return folder / "tokenizer.json"
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
+    """Load a tokenizer from a `tokenizer.json` file, a locally built folder, or an HF tokenizer folder.
+
+    - a `.json` file, or a folder with `tokenizer.json` and either no `tokenizer_config.json` or one
+      written by `save_char_tokenizer`: `PreTrainedTokenizerFast(tokenizer_file=...)`, with the
+      `<pad>/<bos>/<eos>/<unk>` roles assigned when those tokens exist;
+    - any other folder: `AutoTokenizer.from_pretrained(path, local_files_only=True)` (never downloads).
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"tokenizer path {str(path)!r} does not exist")
+    tokenizer_file: Path | None = None
+    config: dict[str, Any] = {}
+    if path.is_file():
+        tokenizer_file = path
+        sibling_config = path.parent / "tokenizer_config.json"
+        if sibling_config.is_file():
+            config = json.loads(sibling_config.read_text())
+    elif (path / "tokenizer.json").is_file():
+        config_file = path / "tokenizer_config.json"
+        config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+        if not config_file.is_file() or config.get(_LOCAL_MARKER):
+            tokenizer_file = path / "tokenizer.json"
+    if tokenizer_file is None:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=trust_remote_code)
+
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(tokenizer_file)).get_vocab()
+    roles = {role: config.get(role, token) for role, token in SPECIAL_TOKENS.items()}
+    roles = {role: token for role, token in roles.items() if isinstance(token, str) and token in vocab}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), **roles)
+    if config.get("chat_template"):
+        tokenizer.chat_template = config["chat_template"]
+    return tokenizer

@@ -1,0 +1,201 @@
+"""PromptDataset: parquet and JSONL through pyarrow, chat templates, over-long prompts, bad rows."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from hybridrl.data.dataset import DatasetError, PromptDataset
+from hybridrl.data.tokenizer import CHAR_CHAT_TEMPLATE, char_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return char_tokenizer()
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def write_parquet(path: Path, rows: list[dict]) -> Path:
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def rows_with_lengths(lengths: list[int]) -> list[dict]:
+    return [
+        {"prompt": "x" * n, "reward_model": {"ground_truth": str(i)}, "data_source": "toy", "extra_info": {"i": i}}
+        for i, n in enumerate(lengths)
+    ]
+
+
+@pytest.mark.parametrize("writer", [write_jsonl, write_parquet], ids=["jsonl", "parquet"])
+def test_reads_text_prompts_with_metadata(tmp_path: Path, tokenizer, writer) -> None:
+    rows = rows_with_lengths([3, 5])
+    file = writer(tmp_path / ("data.jsonl" if writer is write_jsonl else "data.parquet"), rows)
+    dataset = PromptDataset(file, tokenizer, max_prompt_length=16)
+    assert len(dataset) == 2
+    first = dataset[0]
+    assert first.input_ids == tuple(tokenizer("xxx")["input_ids"])
+    assert tokenizer.decode(list(first.input_ids)) == "xxx"
+    assert first.ground_truth == "0"
+    assert first.reward_spec == {"ground_truth": "0"}
+    assert first.data_source == "toy"
+    assert first.extra_info == {"i": 0}
+    assert [item.index for item in dataset] == [0, 1]
+
+
+def test_several_files_keep_a_global_index(tmp_path: Path, tokenizer) -> None:
+    a = write_jsonl(tmp_path / "a.jsonl", rows_with_lengths([1, 2]))
+    b = write_parquet(tmp_path / "b.parquet", rows_with_lengths([3]))
+    dataset = PromptDataset([a, b], tokenizer, max_prompt_length=8)
+    assert [item.index for item in dataset] == [0, 1, 2]
+    assert [item.source_file for item in dataset] == [str(a), str(a), str(b)]
+
+
+def test_bare_ground_truth_and_missing_data_source(tmp_path: Path, tokenizer) -> None:
+    file = write_jsonl(tmp_path / "d.jsonl", [{"question": "hi", "answer": 42}])
+    dataset = PromptDataset(file, tokenizer, prompt_key="question", reward_key="answer")
+    assert dataset[0].ground_truth == 42
+    assert dataset[0].data_source == "unknown"
+
+
+def test_chat_template_for_messages_and_text(tmp_path: Path, tokenizer) -> None:
+    rows = [
+        {"prompt": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]},
+        {"prompt": "hello"},
+    ]
+    # JSONL and parquet both hand pyarrow's unified structs back; the template must not see None keys.
+    for file in (write_jsonl(tmp_path / "c.jsonl", rows), write_parquet(tmp_path / "c.parquet", rows[:1])):
+        dataset = PromptDataset(file, tokenizer, apply_chat_template=True)
+        assert dataset[0].prompt_text == "system: be brief\nuser: 2+2?\nassistant: "
+        assert tokenizer.decode(list(dataset[0].input_ids)) == dataset[0].prompt_text
+    assert dataset_text(tmp_path, tokenizer, rows) == "user: hello\nassistant: "
+
+
+def dataset_text(tmp_path: Path, tokenizer, rows: list[dict]) -> str:
+    dataset = PromptDataset(write_jsonl(tmp_path / "t.jsonl", rows), tokenizer, apply_chat_template=True)
+    return dataset[1].prompt_text
+
+
+def test_messages_without_chat_template_is_an_error(tmp_path: Path, tokenizer) -> None:
+    file = write_jsonl(tmp_path / "m.jsonl", [{"prompt": [{"role": "user", "content": "hi"}]}])
+    with pytest.raises(DatasetError, match="apply_chat_template is false"):
+        PromptDataset(file, tokenizer)
+
+
+def test_apply_chat_template_needs_a_template(tmp_path: Path) -> None:
+    bare = char_tokenizer(chat_template=None)
+    file = write_jsonl(tmp_path / "m.jsonl", [{"prompt": "hi"}])
+    with pytest.raises(DatasetError, match="no chat template"):
+        PromptDataset(file, bare, apply_chat_template=True)
+    bare.chat_template = CHAR_CHAT_TEMPLATE
+    assert PromptDataset(file, bare, apply_chat_template=True)[0].prompt_text.startswith("user: hi")
+
+
+def test_overlong_prompts_are_filtered_and_counted(tmp_path: Path, tokenizer, caplog) -> None:
+    lengths = [4, 9, 5, 12, 8, 6]  # 9 and 12 exceed 8
+    file = write_jsonl(tmp_path / "f.jsonl", rows_with_lengths(lengths))
+    with caplog.at_level(logging.INFO, logger="hybridrl.data.dataset"):
+        dataset = PromptDataset(file, tokenizer, max_prompt_length=8)
+    assert [len(item.input_ids) for item in dataset] == [4, 5, 8, 6]
+    assert [item.index for item in dataset] == [0, 2, 4, 5]  # indices point back to the file rows
+    assert dataset.stats.filtered_overlong == 2 and dataset.stats.kept == 4 and dataset.stats.total_rows == 6
+    assert "filtered 2 of 6 prompts longer than 8 tokens" in caplog.text
+    assert "filtered 2 of 6 prompts longer than 8 tokens" in dataset.stats.summary()
+
+
+def test_truncation_modes(tmp_path: Path, tokenizer) -> None:
+    file = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "abcdefgh"}, {"prompt": "abc"}])
+    left = PromptDataset(file, tokenizer, max_prompt_length=5, filter_overlong_prompts=False, truncation="left")
+    right = PromptDataset(file, tokenizer, max_prompt_length=5, filter_overlong_prompts=False, truncation="right")
+    assert tokenizer.decode(list(left[0].input_ids)) == "defgh"
+    assert tokenizer.decode(list(right[0].input_ids)) == "abcde"
+    assert left[0].truncated and not left[1].truncated
+    assert left.stats.truncated == 1
+    with pytest.raises(DatasetError, match=r"t\.jsonl, row 0: the prompt has 8 tokens"):
+        PromptDataset(file, tokenizer, max_prompt_length=5, filter_overlong_prompts=False, truncation="error")
+
+
+def test_all_prompts_filtered_is_an_error(tmp_path: Path, tokenizer) -> None:
+    file = write_jsonl(tmp_path / "long.jsonl", rows_with_lengths([10, 11]))
+    with pytest.raises(DatasetError, match="no usable prompts.*filtered 2 of 2"):
+        PromptDataset(file, tokenizer, max_prompt_length=4)
+
+
+@pytest.mark.parametrize(
+    ("bad_row", "reason"),
+    [
+        ({"other": "x"}, "no 'prompt' value"),
+        ({"prompt": None}, "no 'prompt' value"),
+        ({"prompt": "   "}, "empty string"),
+        ({"prompt": []}, "message list is empty"),
+        ({"prompt": [{"role": "user"}]}, "no string 'content'"),
+    ],
+)
+def test_malformed_rows_error_names_file_and_row(tmp_path: Path, tokenizer, bad_row: dict, reason: str) -> None:
+    file = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok"}, {"prompt": "fine"}, bad_row])
+    with pytest.raises(DatasetError, match=rf"bad\.jsonl, row 2: .*{reason}"):
+        PromptDataset(file, tokenizer, apply_chat_template=True)
+
+
+def test_malformed_rows_can_be_skipped_with_a_count(tmp_path: Path, tokenizer, caplog) -> None:
+    file = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok"}, {"q": "x"}, {"prompt": "fine"}, {"prompt": ""}])
+    with caplog.at_level(logging.WARNING, logger="hybridrl.data.dataset"):
+        dataset = PromptDataset(file, tokenizer, on_malformed="skip")
+    assert [item.index for item in dataset] == [0, 2]
+    assert dataset.stats.skipped_malformed == 2
+    assert "skipped 2 malformed rows of 4" in caplog.text and "row 1" in caplog.text
+
+
+def test_wrong_type_and_bad_lines_in_jsonl(tmp_path: Path, tokenizer) -> None:
+    # pyarrow reads a JSONL file as one table: a number among text prompts fails the whole file,
+    # which is then read line by line so the error can name the row.
+    file = tmp_path / "typed.jsonl"
+    file.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": 5}\nnot json\n{"prompt": "c"}\n')
+    with pytest.raises(DatasetError, match=r"typed\.jsonl, row 2: the prompt is a int"):
+        PromptDataset(file, tokenizer)
+    file.write_text('{"prompt": "a"}\n\nnot json\n')
+    with pytest.raises(DatasetError, match=r"typed\.jsonl, row 1: unreadable JSON line"):
+        PromptDataset(file, tokenizer)
+    file.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": 5}\nnot json\n{"prompt": "c"}\n')
+    dataset = PromptDataset(file, tokenizer, on_malformed="skip")
+    assert [tokenizer.decode(list(item.input_ids)) for item in dataset] == ["a", "b", "c"]
+    assert dataset.stats.skipped_malformed == 2
+
+
+def test_wrong_type_in_parquet_row(tmp_path: Path, tokenizer) -> None:
+    file = write_parquet(tmp_path / "p.parquet", [{"prompt": "a", "n": 1}, {"prompt": None, "n": 2}])
+    with pytest.raises(DatasetError, match=r"p\.parquet, row 1: no 'prompt' value"):
+        PromptDataset(file, tokenizer)
+
+
+def test_empty_and_missing_files(tmp_path: Path, tokenizer) -> None:
+    empty_jsonl = tmp_path / "empty.jsonl"
+    empty_jsonl.write_text("")
+    empty_parquet = write_parquet(tmp_path / "empty.parquet", [])  # no rows, no columns
+    with pytest.raises(DatasetError, match=r"no rows in the data files .*empty\.jsonl.*empty\.parquet"):
+        PromptDataset([empty_jsonl, empty_parquet], tokenizer)
+    with pytest.raises(DatasetError, match="does not exist"):
+        PromptDataset(tmp_path / "missing.jsonl", tokenizer)
+    with pytest.raises(DatasetError, match="no data files"):
+        PromptDataset([], tokenizer)
+    csv = tmp_path / "data.csv"
+    csv.write_text("prompt\nhi\n")
+    with pytest.raises(DatasetError, match="unsupported file type '.csv'"):
+        PromptDataset(csv, tokenizer)
+
+
+def test_from_config(tmp_path: Path, tokenizer) -> None:
+    from hybridrl.config.schema import DataConfig
+
+    file = write_jsonl(tmp_path / "c.jsonl", rows_with_lengths([3, 30]))
+    config = DataConfig(train_files=[str(file)], max_prompt_length=10)
+    dataset = PromptDataset.from_config(config, config.train_files, tokenizer)
+    assert len(dataset) == 1 and dataset.stats.filtered_overlong == 1
