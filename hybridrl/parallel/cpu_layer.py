@@ -38,6 +38,10 @@ The patches (names as in `PATCHES`):
   ``Float16OptimizerWithFloat16Params.__init__`` raise TypeError unless params are
   ``torch.cuda.{Float,Half,BFloat16}Tensor``. While those three functions run (and only then),
   ``Tensor.type()`` reports the CUDA name of a CPU tensor's dtype.
+- ``cuda_synchronize``: with ``variable_seq_lengths=True`` (micro-batches of different shapes),
+  pipeline stages first exchange activation shapes, and ``p2p_communication._communicate_shapes``
+  calls ``torch.cuda.synchronize()`` unconditionally (``batch_p2p_sync`` does not cover it). On CPU
+  there is no stream to wait for (the gloo requests were already waited on): a no-op.
 
 Not a patch, but required on CPU (`check_config_for_cpu` enforces it, `CPU_CONFIG_OVERRIDES` holds
 the values): ``batch_p2p_sync=False`` (p2p communication calls ``torch.cuda.synchronize()`` after
@@ -347,6 +351,15 @@ def _revert_cuda_type_names() -> None:
         setattr(owner, attr, original)
 
 
+def _apply_cuda_synchronize() -> None:
+    _state.saved["torch.cuda.synchronize"] = torch.cuda.synchronize
+    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
+
+
+def _revert_cuda_synchronize() -> None:
+    torch.cuda.synchronize = _state.saved.pop("torch.cuda.synchronize")  # type: ignore[assignment]
+
+
 def _build_patches() -> dict[str, _Patch]:
     specs = [
         ("cuda_current_device", "torch.cuda.current_device() asserts without CUDA; megatron allocates "
@@ -357,11 +370,15 @@ def _build_patches() -> dict[str, _Patch]:
          _apply_cpu_rng_tracker, _revert_cpu_rng_tracker),
         ("cuda_type_names", "clip_grads and the (distributed/fp16) optimizers check tensor.type() "
          "against torch.cuda.* names", _apply_cuda_type_names, _revert_cuda_type_names),
+        ("cuda_synchronize", "the pipeline's shape exchange (variable_seq_lengths) calls torch.cuda.synchronize()",
+         _apply_cuda_synchronize, _revert_cuda_synchronize),
     ]
     return {name: _Patch(name, why, apply, revert) for name, why, apply, revert in specs}
 
 
-PATCHES: tuple[str, ...] = ("cuda_current_device", "cuda_to_cpu_mode", "cpu_rng_tracker", "cuda_type_names")
+PATCHES: tuple[str, ...] = (
+    "cuda_current_device", "cuda_to_cpu_mode", "cpu_rng_tracker", "cuda_type_names", "cuda_synchronize",
+)
 
 
 def apply_cpu_layer(skip: Iterable[str] = ()) -> list[str]:
