@@ -1,0 +1,232 @@
+"""Scoring decoded responses: per-sequence scores, metrics, and token-level rewards.
+
+`RewardManager` holds one scorer (a registry name or a user function) and scores a batch of decoded
+responses with their metadata. Every result must be a finite number: a scorer that raises or
+returns NaN / inf / a non-number fails with an error naming the function and the sample (its batch
+row, prompt index and data source), or, when ``fallback_score`` is set, that sample gets the fallback
+and the event is counted in the metrics (``reward/fallbacks``) with one warning per batch.
+
+Token-level rewards put each sequence's score on its last response token (the token whose action
+completed the answer) and zeros elsewhere: ``sequence_scores(token_level_rewards, mask)`` gives the
+scores back. A response with no tokens in the mask has no token to carry a score: its row stays zero
+and is counted in ``reward/empty_responses``.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridrl.rewards.custom import RewardFunctionError, adapt_reward_function, load_reward_function
+from hybridrl.rewards.registry import ScoreResult, get_scorer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RewardOutput:
+    scores: list[float]
+    accs: list[bool | None]
+    metrics: dict[str, float]
+    details: list[Mapping[str, Any]] = field(default_factory=list)
+    fallback_rows: list[int] = field(default_factory=list)
+
+
+def _as_score_result(value: Any) -> ScoreResult | str:
+    """A ScoreResult, or the reason `value` is not a usable score."""
+    acc: bool | None = None
+    details: Mapping[str, Any] = {}
+    if isinstance(value, ScoreResult):
+        score, acc, details = value.score, value.acc, value.details
+    elif isinstance(value, Mapping):
+        if "score" not in value:
+            return f"returned a dict without a 'score' key: keys {sorted(map(str, value))}"
+        score, acc = value["score"], value.get("acc")
+        details = {k: v for k, v in value.items() if k not in ("score", "acc")}
+    else:
+        score = value
+    # bool is a Number, but True as a reward is almost always a bug (a predicate returned by mistake)
+    # and numpy scalars are Numbers too; torch 0-d tensors are not, so they are rejected clearly.
+    if isinstance(score, bool) or not isinstance(score, numbers.Real):
+        return f"returned {type(score).__name__} {score!r}, not a number"
+    score = float(score)
+    if not math.isfinite(score):
+        return f"returned a non-finite score {score}"
+    return ScoreResult(score, None if acc is None else bool(acc), details)
+
+
+class RewardManager:
+    """Scores decoded responses with one scorer; see the module docstring."""
+
+    def __init__(
+        self,
+        scorer: Callable[[str, Any, Mapping[str, Any]], Any],
+        name: str,
+        fallback_score: float | None = None,
+    ) -> None:
+        if fallback_score is not None and not math.isfinite(fallback_score):
+            raise ValueError(f"fallback_score must be a finite number, got {fallback_score}")
+        self.scorer = scorer
+        self.name = name
+        self.fallback_score = fallback_score
+
+    @classmethod
+    def from_name(cls, name: str, fallback_score: float | None = None, **options: Any) -> RewardManager:
+        return cls(get_scorer(name, **options), name, fallback_score)
+
+    @classmethod
+    def from_file(cls, path: str, function_name: str = "compute_score",
+                  fallback_score: float | None = None) -> RewardManager:
+        function = load_reward_function(path, function_name)
+        return cls(adapt_reward_function(function), f"{function_name} from {path}", fallback_score)
+
+    @classmethod
+    def from_config(cls, algorithm_config: Any, fallback_score: float | None = None) -> RewardManager:
+        """The user's function when ``custom_reward_function.path`` is set, else the ``reward_fn`` scorer."""
+        custom = algorithm_config.custom_reward_function
+        if custom.path:
+            return cls.from_file(custom.path, custom.name, fallback_score)
+        return cls.from_name(algorithm_config.reward_fn, fallback_score)
+
+    # ------------------------------------------------------------------------------ scoring
+    def score(
+        self,
+        responses: Sequence[str],
+        ground_truths: Sequence[Any],
+        extras: Sequence[Mapping[str, Any]] | None = None,
+    ) -> RewardOutput:
+        """Score each response; `extras[i]` is row i's metadata (data_source, extra_info, index, ...)."""
+        if len(ground_truths) != len(responses):
+            raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths")
+        if extras is None:
+            extras = [{} for _ in responses]
+        if len(extras) != len(responses):
+            raise ValueError(f"{len(responses)} responses but {len(extras)} metadata rows")
+        scores: list[float] = []
+        accs: list[bool | None] = []
+        details: list[Mapping[str, Any]] = []
+        fallback_rows: list[int] = []
+        first_problem = ""
+        for row, (response, ground_truth, extra) in enumerate(zip(responses, ground_truths, extras)):
+            try:
+                result = _as_score_result(self.scorer(response, ground_truth, extra))
+            except Exception as error:
+                problem = f"raised {type(error).__name__}: {error}"
+                cause: BaseException | None = error
+            else:
+                problem, cause = (result, None) if isinstance(result, str) else ("", None)
+            if problem:
+                where = self._where(row, extra)
+                if self.fallback_score is None:
+                    raise RewardFunctionError(
+                        f"reward function {self.name!r} {problem} on {where}; fix the function or set a "
+                        "fallback score"
+                    ) from cause
+                first_problem = first_problem or f"{problem} on {where}"
+                fallback_rows.append(row)
+                result = ScoreResult(self.fallback_score, None, {"fallback": problem})
+            assert isinstance(result, ScoreResult)
+            scores.append(result.score)
+            accs.append(result.acc)
+            details.append(result.details)
+        if fallback_rows:
+            logger.warning(
+                "reward function %r failed on %d of %d samples (fallback score %s), first: %s",
+                self.name, len(fallback_rows), len(responses), self.fallback_score, first_problem,
+            )
+        data_sources = [str(extra.get("data_source", "unknown")) for extra in extras]
+        metrics = reward_metrics(scores, accs, data_sources)
+        metrics["reward/fallbacks"] = float(len(fallback_rows))
+        return RewardOutput(scores, accs, metrics, details, fallback_rows)
+
+    @staticmethod
+    def _where(row: int, extra: Mapping[str, Any]) -> str:
+        context = []
+        if extra.get("index") is not None:
+            context.append(f"prompt index {extra['index']}")
+        if extra.get("data_source") is not None:
+            context.append(f"data_source {extra['data_source']!r}")
+        return f"sample {row}" + (f" ({', '.join(context)})" if context else "")
+
+    def score_batch(self, batch: Any, tokenizer: Any) -> tuple[Any, RewardOutput]:
+        """Decode ``responses`` under ``response_mask`` and score them with the batch's metadata.
+
+        Returns ``(token_level_rewards [B, R], RewardOutput)``. Metadata columns used when present:
+        ``ground_truth`` (required), ``data_source``, ``extra_info``, ``reward_spec``, ``index``,
+        ``raw_prompt`` (passed as ``extra["prompt"]``).
+        """
+        responses_ids = batch["responses"]
+        response_mask = batch["response_mask"]
+        texts = [
+            tokenizer.decode(ids[mask.bool()].tolist(), skip_special_tokens=True)
+            for ids, mask in zip(responses_ids, response_mask)
+        ]
+        rows = len(texts)
+        columns = {
+            key: batch.non_tensors[key] for key in ("data_source", "extra_info", "reward_spec", "index", "raw_prompt")
+            if key in batch.non_tensors
+        }
+        extras = [
+            {("prompt" if key == "raw_prompt" else key): _plain(values[i]) for key, values in columns.items()}
+            for i in range(rows)
+        ]
+        ground_truths = [_plain(value) for value in batch["ground_truth"]]
+        output = self.score(texts, ground_truths, extras)
+        rewards = token_level_rewards(output.scores, response_mask)
+        output.metrics["reward/empty_responses"] = float((response_mask.sum(dim=-1) == 0).sum().item())
+        return rewards, output
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars from metadata arrays as Python values (user functions expect int, not np.int64)."""
+    return value.item() if hasattr(value, "item") and getattr(value, "ndim", None) == 0 else value
+
+
+def reward_metrics(scores: Sequence[float], accs: Sequence[bool | None],
+                   data_sources: Sequence[str] | None = None) -> dict[str, float]:
+    """Mean/min/max score and accuracy (over samples that report one), overall and per data source."""
+    metrics: dict[str, float] = {}
+    if not scores:
+        return metrics
+
+    def add(prefix: str, rows: list[int]) -> None:
+        values = [scores[i] for i in rows]
+        metrics[f"{prefix}score_mean"] = sum(values) / len(values)
+        metrics[f"{prefix}score_min"] = min(values)
+        metrics[f"{prefix}score_max"] = max(values)
+        judged = [accs[i] for i in rows if accs[i] is not None]
+        if judged:
+            metrics[f"{prefix}acc"] = sum(1.0 for a in judged if a) / len(judged)
+
+    add("reward/", list(range(len(scores))))
+    if data_sources is not None and len(set(data_sources)) > 1:
+        for source in sorted(set(data_sources)):
+            add(f"reward/{source}/", [i for i, s in enumerate(data_sources) if s == source])
+    return metrics
+
+
+def token_level_rewards(scores: Sequence[float] | Any, response_mask: Any) -> Any:
+    """[B, R] float tensor: score i on row i's last response token (mask 1), zeros elsewhere.
+
+    "Last" is the last position whose mask is 1, so right-padded responses and masks with holes
+    (e.g. tool output masked out in multi-turn) both work. Rows with an empty mask stay all zero.
+    """
+    import torch
+
+    mask = torch.as_tensor(response_mask)
+    if mask.ndim != 2:
+        raise ValueError(f"response_mask must be [B, R], got shape {tuple(mask.shape)}")
+    score_tensor = torch.as_tensor(scores, dtype=torch.float32)
+    if score_tensor.shape != (mask.shape[0],):
+        raise ValueError(f"{tuple(score_tensor.shape)} scores for a response mask of {mask.shape[0]} rows")
+    valid = mask != 0
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(valid, positions, torch.full_like(positions, -1)).max(dim=1).values
+    rewards = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    has_tokens = last >= 0
+    rows = torch.nonzero(has_tokens).flatten()
+    rewards[rows, last[rows]] = score_tensor.to(mask.device)[rows]
+    return rewards

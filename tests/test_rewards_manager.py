@@ -1,0 +1,175 @@
+"""RewardManager: user reward files, failures (raise/NaN/non-number) and fallbacks, metrics,
+token-level reward placement, and scoring a decoded Batch."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridrl.algorithms.advantages import sequence_scores
+from hybridrl.config.schema import AlgorithmConfig, CustomRewardConfig
+from hybridrl.data.batch import Batch
+from hybridrl.data.tokenizer import char_tokenizer
+from hybridrl.rewards.custom import RewardFunctionError, load_reward_function
+from hybridrl.rewards.manager import RewardManager, token_level_rewards
+from hybridrl.rewards.registry import ScoreResult, UnknownScorerError
+
+USER_FILE = '''
+import math
+
+def compute_score(response, ground_truth, extra):
+    return 1.0 if response.strip() == str(ground_truth) else 0.0
+
+def as_dict(response, ground_truth, extra):
+    return {"score": len(response) / 10, "acc": response == ground_truth}
+
+def verl_style(data_source, solution_str, ground_truth, extra_info=None):
+    return float(solution_str == ground_truth) + (0.5 if data_source == "bonus" else 0.0)
+
+def explodes(response, ground_truth, extra):
+    if response == "boom":
+        raise KeyError("missing field")
+    return 1.0
+
+def not_a_number(response, ground_truth, extra):
+    return {"nan": math.nan, "inf": math.inf, "text": "1.0", "bool": True}.get(response, 0.5)
+
+NOT_CALLABLE = 3
+'''
+
+
+@pytest.fixture()
+def user_file(tmp_path: Path) -> Path:
+    path = tmp_path / "my_reward.py"
+    path.write_text(USER_FILE)
+    return path
+
+
+def test_loads_a_user_function(user_file: Path) -> None:
+    manager = RewardManager.from_file(str(user_file), "compute_score")
+    output = manager.score([" 42 ", "41"], ["42", "42"])
+    assert output.scores == [1.0, 0.0]
+    assert output.metrics["reward/score_mean"] == 0.5
+
+
+def test_dict_results_and_verl_signature(user_file: Path) -> None:
+    output = RewardManager.from_file(str(user_file), "as_dict").score(["abcde", "x"], ["abcde", "y"])
+    assert output.scores == [0.5, 0.1]
+    assert output.accs == [True, False]
+    assert output.metrics["reward/acc"] == 0.5
+    verl = RewardManager.from_file(str(user_file), "verl_style")
+    output = verl.score(["a", "a"], ["a", "b"], [{"data_source": "bonus"}, {"data_source": "plain"}])
+    assert output.scores == [1.5, 0.0]
+    assert output.metrics["reward/bonus/score_mean"] == 1.5  # per data source when there are several
+
+
+def test_missing_file_and_function_are_clear_errors(user_file: Path, tmp_path: Path) -> None:
+    with pytest.raises(RewardFunctionError, match="does not exist"):
+        load_reward_function(tmp_path / "nope.py")
+    with pytest.raises(RewardFunctionError, match=r"no function 'compute_scor'.*'compute_score'"):
+        load_reward_function(user_file, "compute_scor")
+    with pytest.raises(RewardFunctionError, match="is a int, not a function"):
+        load_reward_function(user_file, "NOT_CALLABLE")
+    broken = tmp_path / "broken.py"
+    broken.write_text("import not_a_module_anywhere\n")
+    with pytest.raises(RewardFunctionError, match="importing custom reward file .*broken.py.* failed"):
+        load_reward_function(broken)
+
+
+def test_raising_function_names_function_and_sample(user_file: Path) -> None:
+    manager = RewardManager.from_file(str(user_file), "explodes")
+    extras = [{"index": 10, "data_source": "d"}, {"index": 11, "data_source": "d"}]
+    expected = r"'explodes from .*' raised KeyError.* on sample 1 \(prompt index 11"
+    with pytest.raises(RewardFunctionError, match=expected):
+        manager.score(["fine", "boom"], ["x", "x"], extras)
+
+
+@pytest.mark.parametrize(
+    ("response", "problem"),
+    [("nan", "non-finite score nan"), ("inf", "non-finite score inf"), ("text", "str '1.0', not a number"),
+     ("bool", "bool True, not a number")],
+)
+def test_non_numbers_are_refused(user_file: Path, response: str, problem: str) -> None:
+    manager = RewardManager.from_file(str(user_file), "not_a_number")
+    with pytest.raises(RewardFunctionError, match=rf"not_a_number.*{problem}.*sample 1"):
+        manager.score(["ok", response], ["x", "x"])
+
+
+def test_fallback_score_replaces_failures_and_counts_them(user_file: Path, caplog) -> None:
+    manager = RewardManager.from_file(str(user_file), "not_a_number", fallback_score=-1.0)
+    with caplog.at_level(logging.WARNING, logger="hybridrl.rewards.manager"):
+        output = manager.score(["ok", "nan", "text", "ok"], ["x"] * 4)
+    assert output.scores == [0.5, -1.0, -1.0, 0.5]
+    assert output.fallback_rows == [1, 2]
+    assert output.metrics["reward/fallbacks"] == 2.0
+    assert "failed on 2 of 4 samples" in caplog.text
+    raising = RewardManager.from_file(str(user_file), "explodes", fallback_score=0.0)
+    assert raising.score(["boom"], ["x"]).scores == [0.0]
+    with pytest.raises(ValueError, match="finite"):
+        RewardManager(lambda *a: 1.0, "f", fallback_score=float("nan"))
+
+
+def test_from_config_picks_custom_or_registry(user_file: Path) -> None:
+    assert RewardManager.from_config(AlgorithmConfig(reward_fn="countdown")).name == "countdown"
+    custom = AlgorithmConfig(custom_reward_function=CustomRewardConfig(path=str(user_file), name="as_dict"))
+    assert RewardManager.from_config(custom).score(["abc"], ["abc"]).accs == [True]
+    with pytest.raises(UnknownScorerError, match="Did you mean 'countdown'"):
+        RewardManager.from_config(AlgorithmConfig(reward_fn="count_down"))
+
+
+def test_registry_scorer_metrics() -> None:
+    output = RewardManager.from_name("gsm8k").score(["#### 3", "#### 4", "nothing"], ["3", "3", "3"])
+    assert output.scores == [1.0, 0.0, 0.0]
+    assert output.metrics["reward/acc"] == pytest.approx(1 / 3)
+    assert output.metrics["reward/score_max"] == 1.0 and output.metrics["reward/score_min"] == 0.0
+    assert output.details[0]["answer"] == "3"
+
+
+def test_token_level_rewards_on_the_last_response_token() -> None:
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 1, 0]])
+    rewards = token_level_rewards([0.5, -1.0, 2.0, 3.0, 0.25], mask)
+    assert rewards.tolist() == [
+        [0.0, 0.0, 0.5, 0.0],
+        [-1.0, 0.0, 0.0, 0.0],
+        [0.0, 0.0, 0.0, 2.0],
+        [0.0, 0.0, 0.0, 0.0],  # empty response: no token can carry the score
+        [0.0, 0.0, 0.25, 0.0],  # a mask with a hole: the last valid token
+    ]
+    assert rewards.dtype == torch.float32
+    # the advantage code reads the sequence score back from the token rewards
+    assert sequence_scores(rewards, mask).tolist() == [0.5, -1.0, 2.0, 0.0, 0.25]
+    with pytest.raises(ValueError, match="scores for a response mask of 5 rows"):
+        token_level_rewards([1.0], mask)
+
+
+def test_score_batch_decodes_under_the_mask() -> None:
+    tokenizer = char_tokenizer()
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    rows = [ids("aaaa") + [eos, pad], ids("ab") + [eos, pad, pad, pad], ids("cccccc"), [pad] * 6]
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1], [0] * 6])
+    batch = Batch(
+        tensors={"responses": torch.tensor(rows), "response_mask": mask},
+        non_tensors={
+            "ground_truth": ["aaaa", "aaaa", "cccc", "bbbb"],
+            "data_source": ["hybridrl/repeat_letter"] * 4,
+            "index": [0, 1, 2, 3],
+        },
+    )
+    rewards, output = RewardManager.from_name("repeat_letter").score_batch(batch, tokenizer)
+    assert output.scores == [1.0, 0.25, 1.0, 0.0]
+    assert rewards[0].tolist() == [0, 0, 0, 0, 1.0, 0]  # on the EOS, the last response token
+    assert rewards[1, 2].item() == 0.25
+    assert rewards[2, 5].item() == 1.0
+    assert output.metrics["reward/empty_responses"] == 1.0
+
+
+def test_scorer_protocol_results_pass_through() -> None:
+    manager = RewardManager(lambda r, g, e: ScoreResult(0.75, True, {"why": "test"}), "inline")
+    output = manager.score(["x"], [None])
+    assert (output.scores, output.accs, output.details) == ([0.75], [True], [{"why": "test"}])
