@@ -1,0 +1,37 @@
+#!/usr/bin/env python
+"""Write the CPU demo's synthetic "repeat the letter" prompts (see hybridrl/data/demo_task.py).
+
+    python tools/make_demo_data.py                       # data/synthetic/{train,val}.jsonl
+    python tools/make_demo_data.py --out-dir DIR --train-rows 2048 --val-rows 64 --seed 1 --format parquet
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from hybridrl.data.demo_task import RepeatLetterTask
+from hybridrl.data.io import write_rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out-dir", default="data/synthetic", help="folder for train/val files")
+    parser.add_argument("--train-rows", type=int, default=4096)
+    parser.add_argument("--val-rows", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--alphabet", default=RepeatLetterTask.alphabet, help="letters the prompts use")
+    parser.add_argument("--min-length", type=int, default=RepeatLetterTask.min_length)
+    parser.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl")
+    args = parser.parse_args(argv)
+
+    task = RepeatLetterTask(alphabet=args.alphabet, min_length=args.min_length)
+    out_dir = Path(args.out_dir)
+    for split, rows in (("train", args.train_rows), ("val", args.val_rows)):
+        path = write_rows(task.make_rows(rows, args.seed, split), out_dir / f"{split}.{args.format}")
+        print(f"wrote {rows} {split} rows to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
