@@ -111,3 +111,32 @@ def generation_session(
     engine.llm.reset_prefix_cache()
     results["fresh"] = engine.generate_sequences([long_prompt], greedy)
     return results
+
+
+def tp_update_session(
+    rank: int, world_size: int, model_dir: str, new_weights: list[dict[str, torch.Tensor]], prompts: list[list[int]]
+) -> dict[str, Any]:
+    """infer_tp = world_size via external_launcher: sampling agrees across TP peers whose trainer
+    RNGs differ, and both weight-update formats land each rank's own shard."""
+    from hybridrl.engine.layout import hf_to_vllm_shards
+    from hybridrl.rollout.sampling import validation_sampling
+    from tests.rollout_models import load_config
+
+    torch.manual_seed(100 + rank)  # a trainer whose RNG differs per rank
+    engine = make_engine(model_dir, infer_tp=world_size, capture_loaded_weights=True)
+    config = load_config(model_dir)
+    results: dict[str, Any] = {
+        "sampled": engine.generate_sequences(prompts, RolloutSampling(n=2, temperature=1.0, max_tokens=6)),
+        "swaps": [],
+    }
+    for i, state_dict in enumerate(new_weights):
+        if i % 2 == 0:
+            shards = hf_to_vllm_shards(state_dict, config, world_size, engine.tp_rank)
+            engine.update_weights(shards.items(), weight_format="vllm_shard")
+        else:
+            engine.update_weights(state_dict.items(), weight_format="hf")
+        results["swaps"].append({
+            "greedy": engine.generate_sequences(prompts, validation_sampling(max_tokens=8)),
+            "snapshot": engine.named_parameters_snapshot(),
+        })
+    return results

@@ -14,6 +14,7 @@ from hybridrl.engine.layout import hf_to_vllm_shards
 from hybridrl.parallel.forked import run_ranks
 from tests import rollout_scenarios
 from tests.rollout_models import (
+    LLAMA_GQA1,
     QWEN2_TIED,
     build_tiny_model,
     load_config,
@@ -163,3 +164,28 @@ def test_prefix_cache_reset_is_what_keeps_outputs_fresh(session):
     _assert_greedy_matches_hf(fresh, original)
     gap = (stale.tensors["rollout_log_probs"] - fresh.tensors["rollout_log_probs"]).abs().max()
     assert gap > 1e-3, "stale prefix cache went unnoticed: the test would not catch a missing reset"
+
+
+@pytest.mark.slow
+def test_infer_tp2_samples_agree_and_both_update_formats_land_each_ranks_shard(tmp_path):
+    """Llama with ONE KV head at infer_tp=2 (replicated KV): the resharder's delivery path."""
+    spec = {**LLAMA_GQA1, "eos_token_id": None, "bos_token_id": None}
+    model_dir = build_tiny_model(tmp_path / "llama", spec, seed=3)
+    new_weights = [perturbed_state_dict(model_dir, seed) for seed in (4, 5)]
+    prompts = [[5, 6, 7], [9, 8, 7, 6, 5]]
+    ranks = run_ranks(rollout_scenarios.tp_update_session, 2, str(model_dir), new_weights, prompts, timeout_s=500)
+    sampled = [r["sampled"].tensors for r in ranks]
+    assert torch.equal(sampled[0]["responses"], sampled[1]["responses"])
+    assert torch.equal(sampled[0]["rollout_log_probs"], sampled[1]["rollout_log_probs"])
+    config = load_config(model_dir)
+    for i, new in enumerate(new_weights):
+        for rank, result in enumerate(ranks):
+            expected = hf_to_vllm_shards(new, config, 2, rank)
+            snapshot = result["swaps"][i]["snapshot"]
+            assert sorted(snapshot) == sorted(expected)
+            for name, tensor in expected.items():
+                assert torch.equal(snapshot[name], tensor), (i, rank, name)
+        session = {"model_dir": model_dir}
+        _assert_greedy_matches_hf(ranks[0]["swaps"][i]["greedy"], _hf_model(session, new))
+        assert torch.equal(ranks[0]["swaps"][i]["greedy"].tensors["responses"],
+                           ranks[1]["swaps"][i]["greedy"].tensors["responses"])
