@@ -1,4 +1,5 @@
 """The Plan's derived numbers, checked against hand arithmetic (the seeds' example and others)."""
+import dataclasses
 import json
 from pathlib import Path
 
@@ -106,7 +107,8 @@ def test_reshard_traffic_matches_hybridflow_formula(seed_plan):
     """Received bytes per rank = |generation shard| - |generation shard ∩ own training shard|."""
     from hybridrl.config.estimates import reshard_traffic
 
-    shape = seed_plan.model
+    # Table 2 counts every weight once: untie, so the last stage holds no copy of the embedding.
+    shape = dataclasses.replace(seed_plan.model, tie_word_embeddings=False)
     for world, tp, pp, itp in [(8, 4, 1, 2), (8, 2, 2, 2), (4, 2, 1, 1), (8, 2, 4, 2)]:
         mesh = build_training_mesh(world, tp, pp)
         groups = build_reshard_groups(mesh, itp)
@@ -122,6 +124,33 @@ def test_reshard_traffic_matches_hybridflow_formula(seed_plan):
         mean = sum(traffic.bytes_received) / world
         assert abs(mean - expected) / model < 0.01
         assert all(n >= r for n, r in zip(traffic.naive_gather_all, traffic.bytes_received))
+
+
+def test_reshard_groups_split_when_inference_tp_is_larger():
+    # Training TP=2 x PP=2, inference TP=4: generation rank j must sit on training tp rank j // 2.
+    mesh = build_training_mesh(4, tp=2, pp=2)  # rank = tp + 2 * pp
+    groups = build_reshard_groups(mesh, 4)
+    assert groups.strategy == "split"
+    assert groups.rollout.replicas == ((0, 2, 1, 3),)
+    assert groups.gen_tp_index == (0, 2, 1, 3)
+    assert groups.micro_dp_groups == ((0, 2), (1, 3))  # each exchanges with its pipeline peer only
+
+
+def test_reshard_traffic_counts_tied_copy_and_virtual_stages(seed_plan):
+    from hybridrl.config.estimates import reshard_traffic
+
+    tied = dataclasses.replace(seed_plan.model, tie_word_embeddings=True, num_layers=8)
+    untied = dataclasses.replace(tied, tie_word_embeddings=False)
+    mesh = build_training_mesh(2, tp=1, pp=2)
+    groups = build_reshard_groups(mesh, 1)
+    with_copy = reshard_traffic(tied, mesh, groups, "bf16")
+    embedding = tied.vocab_size * tied.hidden_size * 2
+    # the last stage keeps megatron's copy of the tied embedding: it does not receive it
+    untied_received = reshard_traffic(untied, mesh, groups, "bf16").bytes_received
+    assert with_copy.bytes_received[1] == untied_received[1] - embedding  # untied: it needs the embedding
+    # VPP=2 interleaves layers (stage 0: 0-1, 4-5); the same count per stage, so the same bytes
+    vpp_mesh = build_training_mesh(2, tp=1, pp=2, vpp=2)
+    assert reshard_traffic(untied, vpp_mesh, groups, "bf16") == reshard_traffic(untied, mesh, groups, "bf16")
 
 
 def test_plan_json_round_trips(seed_plan):

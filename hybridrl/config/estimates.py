@@ -158,17 +158,22 @@ def reshard_traffic(shape: ModelShape, mesh: TrainingMesh, groups: ReshardGroups
     """Per-rank traffic of a training-layout -> vLLM-layout weight sync.
 
     TP-split tensors are counted as slices of their split dimension, replicated ones (norms) whole;
-    KV-head replication when infer_tp > KV heads and vocab padding are ignored (small).
+    KV-head replication when infer_tp > KV heads and vocab padding are ignored (small). Layers sit
+    on megatron's stages (interleaved with VPP); with tied embeddings and pp > 1 the last stage
+    holds megatron's copy of the embedding, which counts as held there.
     """
     p_bytes = DTYPE_BYTES[dtype]
     t, t_g, p = mesh.tp, groups.rollout.infer_tp, mesh.pp
-    layers_per_stage = shape.num_layers // p
+    layers_per_chunk = shape.num_layers // (p * (mesh.vpp or 1))
     norms = 2 * shape.hidden_size
     split_layer = shape.params_per_layer() - norms
-    # (stage owning it, split bytes, replicated bytes) for every piece of the model
-    pieces = [(0, embedding_params(shape), 0)]
-    pieces += [(layer // layers_per_stage, split_layer, norms) for layer in range(shape.num_layers)]
-    pieces.append((p - 1, output_params(shape), shape.hidden_size))
+    embedding_holders = {0, p - 1} if shape.tie_word_embeddings else {0}
+    # (stages holding it, split bytes, replicated bytes) for every piece of the model
+    pieces = [(frozenset(embedding_holders), embedding_params(shape), 0)]
+    pieces += [
+        (frozenset({(layer // layers_per_chunk) % p}), split_layer, norms) for layer in range(shape.num_layers)
+    ]
+    pieces.append((frozenset({p - 1}), output_params(shape), shape.hidden_size))
     model = sum(split + rep for _, split, rep in pieces) * p_bytes
 
     received, bound, naive, gen_sizes = [], [], [], []
@@ -180,12 +185,12 @@ def reshard_traffic(shape: ModelShape, mesh: TrainingMesh, groups: ReshardGroups
             gen = (j / t_g, (j + 1) / t_g)
             return sum(
                 split * interval_overlap(own, gen) + rep
-                for stage, split, rep in pieces
-                if stage == stage_of_rank
+                for stages, split, rep in pieces
+                if stage_of_rank in stages
             )
 
         gen_size = sum(split / t_g + rep for _, split, rep in pieces)
-        own_size = sum(split / t + rep for stage, split, rep in pieces if stage == coord.pp)
+        own_size = sum(split / t + rep for stages, split, rep in pieces if coord.pp in stages)
         received.append(round((gen_size - held(groups.gen_tp_index[rank])) * p_bytes))
         bound.append(round((gen_size - max(held(j) for j in range(t_g))) * p_bytes))
         naive.append(round(model - own_size * p_bytes))

@@ -109,8 +109,15 @@ def build_reshard_groups(mesh: TrainingMesh, infer_tp: int) -> ReshardGroups:
     j. The ranks that share j — k consecutive TP ranks on every pipeline stage — form a micro-DP
     group of size k*pp; gathering inside it builds shard j from pieces nobody else needs.
 
-    Otherwise (t < t_g, or not a multiple) each replica is a block of consecutive ranks, so that
-    with t == 1 every rank already holds its full slice of its own stage's layers.
+    When the inference TP is a multiple of the training TP (t_g = m * t, t == 1 included), each
+    training shard splits into m generation shards: generation TP rank j must sit on a rank of
+    training tp rank j // m, so a replica takes m ranks of every training tp rank (ranks that differ
+    in pp, dp or cp), in rank order. Each rank then holds generation shard j of its own stage's
+    layers and needs the other stages' from the ranks of its pipeline group with the same tp rank.
+    (Plain consecutive replicas would put generation rank 1 on training tp rank 1 for t=2, t_g=4,
+    whose shard lies in generation shards 2-3: it would receive its whole shard.)
+
+    Otherwise (neither divides the other) each replica is a block of consecutive ranks.
     """
     world = mesh.world_size
     if infer_tp <= 0 or world % infer_tp:
@@ -138,6 +145,21 @@ def build_reshard_groups(mesh: TrainingMesh, infer_tp: int) -> ReshardGroups:
                 micro_groups.append(group)
         strategy = "strided"
         micro_dp = stride * mesh.pp
+    elif infer_tp % mesh.tp == 0:
+        split = infer_tp // mesh.tp
+        by_tp_rank = [[r for r in range(world) if mesh.coord(r).tp == t] for t in range(mesh.tp)]
+        for k in range(world // infer_tp):
+            replica = tuple(by_tp_rank[t][k * split + i] for t in range(mesh.tp) for i in range(split))
+            replicas.append(replica)
+            for j, rank in enumerate(replica):
+                gen_index[rank] = j
+        for dp, cp in product(range(mesh.dp), range(mesh.cp)):
+            for tp in range(mesh.tp):
+                micro_groups.append(
+                    tuple(sorted(mesh.rank_of(tp=tp, cp=cp, dp=dp, pp=pp) for pp in range(mesh.pp)))
+                )
+        strategy = "split"
+        micro_dp = mesh.pp
     else:
         for start in range(0, world, infer_tp):
             replica = tuple(range(start, start + infer_tp))
