@@ -1,0 +1,11 @@
+"""Prompts in, batches out.
+
+- `batch`: the `Batch` container shared by controller and workers.
+- `dataset`: `PromptDataset` (parquet/JSONL via pyarrow, chat template, over-long filtering).
+- `dataloader`: `collate_prompts` (left padding into a `Batch`) and the resumable `PromptDataLoader`.
+- `tokenizer`: the demo's locally built character tokenizer and `load_tokenizer` for any kind.
+- `demo_task`: the CPU demo's synthetic "repeat the letter" task and its scorer.
+- `gsm8k`, `io`: GSM8K conversion and row writers used by `tools/`.
+
+Nothing is imported here, so `import hybridrl.data.batch` does not pull in pyarrow or transformers.
+"""
