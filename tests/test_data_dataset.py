@@ -170,6 +170,27 @@ def test_wrong_type_and_bad_lines_in_jsonl(tmp_path: Path, tokenizer) -> None:
     assert dataset.stats.skipped_malformed == 2
 
 
+def test_date_like_text_stays_text(tmp_path: Path, tokenizer) -> None:
+    # pyarrow would infer these as timestamps; a prompt or ground truth must stay the written string.
+    rows = [
+        {"prompt": "2024-01-01", "reward_model": {"ground_truth": "2023-10-05 10:00:00"}},
+        {"prompt": "when?", "reward_model": {"ground_truth": "1999-12-31"}},
+    ]
+    dataset = PromptDataset(write_jsonl(tmp_path / "dates.jsonl", rows), tokenizer)
+    assert dataset[0].raw_prompt == "2024-01-01"
+    assert [item.ground_truth for item in dataset] == ["2023-10-05 10:00:00", "1999-12-31"]
+    # the same through the line-by-line path (a type conflict elsewhere in the file)
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [*rows, {"prompt": "x", "reward_model": {"ground_truth": 5}}])
+    assert PromptDataset(mixed, tokenizer)[1].ground_truth == "1999-12-31"
+
+
+def test_json_array_file_is_explained(tmp_path: Path, tokenizer) -> None:
+    file = tmp_path / "array.json"
+    file.write_text(json.dumps([{"prompt": "a"}]))
+    with pytest.raises(DatasetError, match="one JSON array; hybridrl reads JSON lines"):
+        PromptDataset(file, tokenizer)
+
+
 def test_wrong_type_in_parquet_row(tmp_path: Path, tokenizer) -> None:
     file = write_parquet(tmp_path / "p.parquet", [{"prompt": "a", "n": 1}, {"prompt": None, "n": 2}])
     with pytest.raises(DatasetError, match=r"p\.parquet, row 1: no 'prompt' value"):

@@ -89,18 +89,47 @@ class DatasetStats:
 _UNPARSEABLE = "__hybridrl_unparseable_row__"
 
 
-def _read_jsonl_lines(path: Path) -> list[dict[str, Any]]:
-    """Each non-blank line parsed on its own by pyarrow: a bad line cannot spoil its neighbours."""
+def _strings_for_timestamps(arrow_type: Any) -> Any:
+    """`arrow_type` with every timestamp (also nested) replaced by string."""
+    import pyarrow as pa
+
+    if pa.types.is_timestamp(arrow_type) or pa.types.is_date(arrow_type) or pa.types.is_time(arrow_type):
+        return pa.string()
+    if pa.types.is_struct(arrow_type):
+        return pa.struct([field.with_type(_strings_for_timestamps(field.type)) for field in arrow_type])
+    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
+        return pa.list_(_strings_for_timestamps(arrow_type.value_type))
+    return arrow_type
+
+
+def _read_json_table(source: Any) -> list[dict[str, Any]]:
+    """pyarrow's JSON reader, but text that looks like a date stays text.
+
+    pyarrow infers ISO-8601 strings ("2024-01-01") as timestamps, which would turn a prompt or a
+    ground truth into a datetime. When the inferred schema has any, the data is parsed again with
+    those fields declared as strings.
+    """
     import io
 
+    import pyarrow as pa
     import pyarrow.json as pj
 
+    data = source if isinstance(source, bytes) else Path(source).read_bytes()
+    table = pj.read_json(io.BytesIO(data))
+    schema = pa.schema([field.with_type(_strings_for_timestamps(field.type)) for field in table.schema])
+    if schema != table.schema:
+        table = pj.read_json(io.BytesIO(data), parse_options=pj.ParseOptions(explicit_schema=schema))
+    return table.to_pylist()
+
+
+def _read_jsonl_lines(path: Path) -> list[dict[str, Any]]:
+    """Each non-blank line parsed on its own by pyarrow: a bad line cannot spoil its neighbours."""
     rows: list[dict[str, Any]] = []
     for line in path.read_bytes().splitlines():
         if not line.strip():
             continue
         try:
-            parsed = pj.read_json(io.BytesIO(line)).to_pylist()
+            parsed = _read_json_table(line)
         except Exception as error:
             rows.append({_UNPARSEABLE: str(error)})
             continue
@@ -128,12 +157,15 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
         except Exception as error:
             raise DatasetError(f"{path}: cannot read as parquet: {error}") from error
     if suffix in JSONL_SUFFIXES:
-        import pyarrow.json as pj
-
-        if path.stat().st_size == 0:
+        head = path.read_bytes()[:4096].lstrip()
+        if not head:
             return []
+        if head.startswith(b"["):
+            raise DatasetError(
+                f"{path}: the file is one JSON array; hybridrl reads JSON lines (one object per line)"
+            )
         try:
-            return pj.read_json(path).to_pylist()
+            return _read_json_table(path)
         except Exception:
             return _read_jsonl_lines(path)
     raise DatasetError(
