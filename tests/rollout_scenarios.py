@@ -138,5 +138,6 @@ def tp_update_session(
         results["swaps"].append({
             "greedy": engine.generate_sequences(prompts, validation_sampling(max_tokens=8)),
             "snapshot": engine.named_parameters_snapshot(),
+            "digests": engine.parameter_digests(),
         })
     return results

@@ -17,6 +17,7 @@ from hybridrl.engine.layout import (
     EMBED,
     LM_HEAD,
     hf_to_vllm_shards,
+    tensor_digest,
     vllm_padded_vocab,
     vllm_param_shapes,
     vllm_shard_nbytes,
@@ -171,6 +172,30 @@ def test_wrong_hf_shapes_and_missing_tensors_are_named():
         hf_to_vllm_shards(bad, config, 1, 0)
     with pytest.raises(ValueError, match="rank=2"):
         hf_to_vllm_shards(hf, config, 2, 2)
+
+
+def test_tensor_digest_is_bit_exact_and_dtype_shape_aware():
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    assert tensor_digest(base) == tensor_digest(base.clone())
+    assert tensor_digest(base.t()) == tensor_digest(base.t().contiguous())  # layout in memory is irrelevant
+    nudged = base.clone()
+    nudged[2, 3] = torch.nextafter(nudged[2, 3], torch.tensor(100.0))
+    assert tensor_digest(nudged) != tensor_digest(base)
+    assert tensor_digest(base.reshape(4, 3)) != tensor_digest(base)
+    assert tensor_digest(base.to(torch.float64)) != tensor_digest(base)
+    assert tensor_digest(base.to(torch.bfloat16)) == tensor_digest(base.to(torch.bfloat16).clone())
+
+
+def test_layout_and_rollout_modules_do_not_import_megatron_or_vllm():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, hybridrl.engine.layout, hybridrl.rollout.engine, hybridrl.rollout.sampling; "
+        "heavy = [m for m in ('megatron', 'vllm', 'transformers') if m in sys.modules]; "
+        "assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 # ------------------------------------------------------------------------------ against real vLLM

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrl.engine.layout import hf_to_vllm_shards
+from hybridrl.engine.layout import hf_to_vllm_shards, tensor_digest
 from hybridrl.parallel.forked import run_ranks
 from tests import rollout_scenarios
 from tests.rollout_models import (
@@ -185,6 +185,7 @@ def test_infer_tp2_samples_agree_and_both_update_formats_land_each_ranks_shard(t
             assert sorted(snapshot) == sorted(expected)
             for name, tensor in expected.items():
                 assert torch.equal(snapshot[name], tensor), (i, rank, name)
+            assert result["swaps"][i]["digests"] == {n: tensor_digest(t) for n, t in expected.items()}
         session = {"model_dir": model_dir}
         _assert_greedy_matches_hf(ranks[0]["swaps"][i]["greedy"], _hf_model(session, new))
         assert torch.equal(ranks[0]["swaps"][i]["greedy"].tensors["responses"],

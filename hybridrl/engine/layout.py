@@ -23,6 +23,7 @@ loading vLLM.
 """
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -43,6 +44,19 @@ TensorSource = Callable[[str], torch.Tensor]
 
 def _shape_of(hf_config: Mapping[str, Any] | ModelShape) -> ModelShape:
     return hf_config if isinstance(hf_config, ModelShape) else ModelShape.from_hf_config(hf_config)
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """Hex digest of a tensor's dtype, shape and bytes: equal exactly when the tensors are bit-identical.
+
+    The sync check compares these between the training side (the shard it sent) and the rollout
+    side (`RolloutEngine.parameter_digests`), so a whole model is never copied to be compared.
+    """
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(f"{flat.dtype}|{tuple(tensor.shape)}|".encode())
+    digest.update(memoryview(flat.view(torch.uint8).numpy()))
+    return digest.hexdigest()
 
 
 def vllm_padded_vocab(vocab_size: int) -> int:

@@ -211,23 +211,30 @@ def _expected_shape(module: torch.nn.Module, param_name: str, param: torch.Tenso
     raise RuntimeError(f"cannot tell the shape of the repacked parameter {param_name!r} of {type(module).__name__}")
 
 
-def _snapshot_on_worker(worker: Any) -> dict[str, torch.Tensor]:
-    model = _worker_model(worker)
-    snapshot = {}
+def _loaded_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every parameter in vLLM's load layout (views, not copies)."""
     for name, param in model.named_parameters():
-        module_name, _, param_name = name.rpartition(".")
         value = param.detach()
         if value.numel() == 0:  # repacked for the CPU GEMM kernels: the loaded copy is the truth
-            module = model.get_submodule(module_name)
-            captured = vllm_patches.captured_params(module).get(param_name)
+            module_name, _, param_name = name.rpartition(".")
+            captured = vllm_patches.captured_params(model.get_submodule(module_name)).get(param_name)
             if captured is None:
                 raise RuntimeError(
                     f"{name} was repacked by vLLM and not captured: build the engine with "
                     "capture_loaded_weights=True to read its weights back"
                 )
             value = captured
-        snapshot[name] = value.to("cpu", copy=True)
-    return snapshot
+        yield name, value
+
+
+def _snapshot_on_worker(worker: Any) -> dict[str, torch.Tensor]:
+    return {name: value.to("cpu", copy=True) for name, value in _loaded_parameters(_worker_model(worker))}
+
+
+def _digests_on_worker(worker: Any) -> dict[str, str]:
+    from hybridrl.engine.layout import tensor_digest
+
+    return {name: tensor_digest(value) for name, value in _loaded_parameters(_worker_model(worker))}
 
 
 def _reprocess_tied_lm_head(model: torch.nn.Module) -> None:
@@ -497,6 +504,13 @@ class RolloutEngine:
         `capture_loaded_weights=True`.
         """
         return self.llm.collective_rpc(_snapshot_on_worker)[0]
+
+    def parameter_digests(self) -> dict[str, str]:
+        """`hybridrl.engine.layout.tensor_digest` of each parameter of this rank (no copies sent back).
+
+        Same capture requirement on CPU as `named_parameters_snapshot`.
+        """
+        return self.llm.collective_rpc(_digests_on_worker)[0]
 
     # ------------------------------------------------------------------------------ memory modes
     def sleep(self, level: int = 1) -> None:
