@@ -192,9 +192,38 @@ def build_gpt_models(
         if first_layer is not None and first_layer != chunk.first_layer:
             raise RuntimeError(f"megatron placed layer {first_layer} first in chunk {chunk}, layout math "
                                f"expects {chunk.first_layer}")
+        _mark_tensor_parallel_params(model)
         model.hybridrl = ChunkInfo(src, layout, chunk, ctx.tp_rank, kind)
         models.append(model)
     return models
+
+
+def _mark_tensor_parallel_params(model: Any) -> None:
+    """Tag TP-sharded weights with megatron's `tensor_model_parallel`/`partition_dim` attributes.
+
+    Megatron sets them only inside its weight initialization, which `perform_initialization=False`
+    skips. Without them every shard counts as a TP duplicate: the grad norm (and so clipping) only
+    sees TP rank 0's shards, and training at TP > 1 diverges from TP = 1.
+    """
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)) \
+                or getattr(module, "parallel_mode", None) == "column":
+            dims = {"weight": 0, "bias": 0}
+        elif isinstance(module, RowParallelLinear) or getattr(module, "parallel_mode", None) == "row":
+            dims = {"weight": 1}  # a row-parallel bias is whole on every rank
+        else:
+            continue
+        for name, dim in dims.items():
+            param = getattr(module, name, None)
+            if isinstance(param, torch.nn.Parameter) and not getattr(param, "tensor_model_parallel", False):
+                set_tensor_model_parallel_attributes(param, True, dim, 1)
 
 
 def build_gpt_model(source: ModelSource | str | Path | Mapping[str, Any], **kwargs: Any) -> Any:
