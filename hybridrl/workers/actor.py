@@ -1,0 +1,217 @@
+"""The policy on megatron: log-probs of response tokens (actor and reference) and the PPO update.
+
+Batch columns (per rank: this DP rank's rows, as the controller dispatches them):
+  in:  `input_ids`, `attention_mask`, `position_ids` `[B, T]`; `responses`, `response_mask` `[B, R]`
+       (see `sequences`); `meta["temperature"]` (default 1.0) divides the logits, as in sampling.
+  `compute_log_prob` out: `<output_key>` `[B, R]` (`old_log_probs` for the actor, `ref_log_probs`
+       for the reference), optionally `entropys` `[B, R]`; 0 where `response_mask` is 0.
+  `update_policy` in: also `old_log_probs`, `advantages` `[B, R]`, and `ref_log_probs` with
+       `use_kl_loss`.
+Results are returned on the output ranks (last pipeline stage, TP rank 0); other ranks return None.
+
+Log-probs never gather the vocabulary: the last stage's logits `[b, s, V/tp]` are cut to the
+columns that predict response tokens, padded vocab ids are masked (megatron pads the vocab with
+logit-0 rows), and `vocab_parallel_log_prob`/`vocab_parallel_entropy` reduce over the TP group.
+
+Loss normalization. Per mini-batch, `global_loss_normalizers` counts tokens and sequences over
+every micro-batch on every DP rank; each micro-batch's losses use those totals, so their sum over
+micro-batches and DP ranks is the mini-batch loss exactly, however the rows were cut. Megatron's
+schedule divides a returned loss by the number of micro-batches and DDP averages gradients over
+DP, so the loss handed to megatron is scaled by `num_microbatches * dp_size` (checked against a
+single-rank run in tests/test_workers_actor.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from hybridrl.algorithms.aggregation import LossNormalizers, aggregate_loss, global_loss_normalizers
+from hybridrl.algorithms.kl import kl_penalty
+from hybridrl.algorithms.losses import ppo_policy_loss
+from hybridrl.algorithms.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_prob
+from hybridrl.config.plan import Plan
+from hybridrl.data.batch import Batch
+from hybridrl.models.bridge import mask_vocab_padding
+from hybridrl.workers.megatron_role import MegatronRole
+from hybridrl.workers.metrics import StepMetrics, average_steps
+from hybridrl.workers.micro_batching import partition_rows, restore_order
+from hybridrl.workers.sequences import ModelInputs, micro_batch_inputs, take_predictions
+
+
+@dataclass(frozen=True)
+class PolicyLossSettings:
+    """The PPO loss knobs, resolved from the Plan once."""
+
+    clip_low: float
+    clip_high: float
+    dual_clip: float | None
+    agg: str
+    entropy_coeff: float
+    use_kl_loss: bool
+    kl_coef: float
+    kl_type: str
+    norm_length: int  # the constant T of seq-mean-token-sum-norm: the configured response length
+
+    @classmethod
+    def from_plan(cls, plan: Plan) -> PolicyLossSettings:
+        actor = plan.config.actor_rollout_ref.actor
+        return cls(plan.resolved.clip_ratio_low, plan.resolved.clip_ratio_high, actor.clip_ratio_c,
+                   actor.loss_agg_mode, actor.entropy_coeff, actor.use_kl_loss, actor.kl_loss_coef,
+                   actor.kl_loss_type, plan.resolved.response_length)
+
+
+@dataclass(frozen=True)
+class PolicyUpdateMetrics:
+    """Means over the optimizer steps of one `update_policy` call (per step in `per_step`)."""
+
+    pg_loss: float
+    clipfrac: float
+    clipfrac_lower: float
+    approx_kl: float
+    entropy: float
+    kl_loss: float
+    grad_norm: float
+    lr: float
+    optimizer_steps: int
+    per_step: tuple[dict[str, float], ...] = field(default=())
+
+    def as_dict(self, prefix: str = "actor/") -> dict[str, float]:
+        names = ("pg_loss", "clipfrac", "clipfrac_lower", "approx_kl", "entropy", "kl_loss", "grad_norm", "lr")
+        return {prefix + n: getattr(self, n) for n in names}
+
+
+def response_logits(engine: MegatronRole, micro: ModelInputs, logits: torch.Tensor,
+                    temperature: float) -> torch.Tensor:
+    """The vocab shard `[b, R, V/tp]` (float32) predicting each response token, padded ids masked."""
+    ctx = engine.ctx
+    picked = take_predictions(logits, micro.predict_index).float()
+    if temperature != 1.0:
+        picked = picked / temperature
+    return mask_vocab_padding(picked, engine.vocab_size, ctx.tp_rank, ctx.tp)
+
+
+class MegatronActor:
+    """Log-probs and (for a trainable engine) PPO updates of one policy role on this rank."""
+
+    def __init__(self, engine: MegatronRole, plan: Plan, *, log_prob_pass: str = "old_log_prob",
+                 output_key: str = "old_log_probs") -> None:
+        self.engine = engine
+        self.plan = plan
+        self.output_key = output_key
+        self.forward_plan = plan.forward(log_prob_pass)
+        self.loss = PolicyLossSettings.from_plan(plan)
+        actor = plan.config.actor_rollout_ref.actor
+        self.dynamic = actor.use_dynamic_bsz
+        self.max_tokens = actor.ppo_max_token_len_per_gpu
+        self.shuffle = actor.shuffle
+        self.seed = plan.config.trainer.seed
+
+    # ---------------------------------------------------------------------------- log-probs
+    def compute_log_prob(self, batch: Batch, with_entropy: bool = False) -> Batch | None:
+        engine, ctx = self.engine, self.engine.ctx
+        tensors = batch.tensors
+        temperature = float(batch.meta.get("temperature", 1.0))
+        partition = partition_rows(tensors["attention_mask"], self.forward_plan.micro_batch_size,
+                                   dynamic=self.dynamic, max_tokens=self.max_tokens, dp_group=ctx.dp_group)
+        micros = [micro_batch_inputs(tensors, rows, pad_multiple=engine.pad_multiple) for rows in partition]
+
+        def collect(micro: ModelInputs, logits: torch.Tensor) -> torch.Tensor:
+            shard = response_logits(engine, micro, logits, temperature)
+            log_prob = vocab_parallel_log_prob(shard, micro.responses, ctx.tp_group)
+            if not with_entropy:
+                return log_prob.unsqueeze(-1)
+            return torch.stack([log_prob, vocab_parallel_entropy(shard, ctx.tp_group)], dim=-1)
+
+        outputs = engine.forward_only(micros, collect)
+        if not engine.is_output_rank:
+            return None
+        stacked = restore_order(outputs, partition)
+        mask = tensors["response_mask"].to(stacked.dtype).unsqueeze(-1)
+        stacked = stacked * mask
+        out = {self.output_key: stacked[..., 0].contiguous()}
+        if with_entropy:
+            out["entropys"] = stacked[..., 1].contiguous()
+        return Batch(out)
+
+    # -------------------------------------------------------------------------------- update
+    def update_policy(self, batch: Batch) -> PolicyUpdateMetrics | None:
+        engine, ctx = self.engine, self.engine.ctx
+        update = self.plan.update("actor")
+        per_mini = update.sequences_per_rank_per_mini_batch
+        rows = len(batch)
+        if rows % per_mini:
+            raise ValueError(f"{rows} rows on this rank do not split into mini-batches of {per_mini} "
+                             f"(ppo_mini_batch_size x rollout.n / dp)")
+        extra_keys = ("old_log_probs", "advantages") + (("ref_log_probs",) if self.loss.use_kl_loss else ())
+        steps: list[dict[str, float]] = []
+        for epoch in range(update.ppo_epochs):
+            order = self._row_order(rows, epoch)
+            for start in range(0, rows, per_mini):
+                mini_rows = order[start:start + per_mini]
+                mini_mask = batch.tensors["attention_mask"].index_select(0, torch.tensor(mini_rows))
+                partition = partition_rows(mini_mask, update.micro_batch_size, dynamic=self.dynamic,
+                                           max_tokens=self.max_tokens, dp_group=ctx.dp_group)
+                micros = [micro_batch_inputs(batch.tensors, [mini_rows[r] for r in part], extra_keys=extra_keys,
+                                             pad_multiple=engine.pad_multiple) for part in partition]
+                normalizers = global_loss_normalizers([m.response_mask for m in micros], ctx.dp_group)
+                loss_fn = partial(self._policy_loss, normalizers=normalizers, scale=len(micros) * ctx.dp)
+                result = engine.train_step(micros, loss_fn)
+                step = {"grad_norm": result.grad_norm, "lr": result.lr}
+                if ctx.is_last_pp_stage:
+                    sums = StepMetrics()
+                    for metrics in result.micro_metrics:
+                        sums.add_micro(metrics)
+                    step.update(sums.reduce_over(ctx.dp_group))
+                steps.append(step)
+        if not engine.is_output_rank:
+            return None
+        mean = average_steps(steps)
+        return PolicyUpdateMetrics(
+            pg_loss=mean["pg_loss"], clipfrac=mean["clipfrac"], clipfrac_lower=mean["clipfrac_lower"],
+            approx_kl=mean["approx_kl"], entropy=mean["entropy"], kl_loss=mean.get("kl_loss", 0.0),
+            grad_norm=mean["grad_norm"], lr=mean["lr"], optimizer_steps=len(steps), per_step=tuple(steps),
+        )
+
+    def _row_order(self, rows: int, epoch: int) -> list[int]:
+        if not self.shuffle or epoch == 0:
+            return list(range(rows))
+        # Same permutation on the TP/PP peers of this DP rank: a private generator from the seed.
+        gen = torch.Generator().manual_seed(self.seed * 1000003 + epoch)
+        return torch.randperm(rows, generator=gen).tolist()
+
+    def _policy_loss(self, micro: ModelInputs, logits: torch.Tensor, *, normalizers: LossNormalizers,
+                     scale: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        ctx, cfg = self.engine.ctx, self.loss
+        shard = response_logits(self.engine, micro, logits, 1.0)
+        log_prob = vocab_parallel_log_prob(shard, micro.responses, ctx.tp_group)
+        mask = micro.response_mask.to(log_prob.dtype)
+        norm = dict(normalizers.as_kwargs(), norm_length=cfg.norm_length)
+        pg_loss, pg_metrics = ppo_policy_loss(
+            log_prob, micro.extras["old_log_probs"].to(log_prob.dtype), micro.extras["advantages"].to(log_prob.dtype),
+            mask, cfg.clip_low, cfg.clip_high, cfg.dual_clip, cfg.agg, **norm,
+        )
+        loss = pg_loss
+        if cfg.entropy_coeff != 0.0:
+            entropy = vocab_parallel_entropy(shard, ctx.tp_group)
+            loss = loss - cfg.entropy_coeff * aggregate_loss(entropy, mask, cfg.agg, **norm)
+        else:
+            with torch.no_grad():
+                entropy = vocab_parallel_entropy(shard.detach(), ctx.tp_group)
+        tokens = mask.sum()
+        metrics = {
+            "weight": tokens.detach(),
+            "total/pg_loss": pg_loss.detach().clone(),
+            "mean/clipfrac": pg_metrics["clipfrac"],
+            "mean/clipfrac_lower": pg_metrics["clipfrac_lower"],
+            "mean/approx_kl": pg_metrics["approx_kl"],
+            "mean/entropy": (entropy.detach() * mask).sum() / tokens.clamp(min=1),
+        }
+        if cfg.use_kl_loss:
+            kl = kl_penalty(log_prob, micro.extras["ref_log_probs"].to(log_prob.dtype), cfg.kl_type)
+            kl_loss = aggregate_loss(kl, mask, cfg.agg, **norm)
+            loss = loss + cfg.kl_coef * kl_loss
+            metrics["total/kl_loss"] = kl_loss.detach().clone()
+        return loss * scale, metrics
+

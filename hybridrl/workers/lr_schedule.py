@@ -1,0 +1,69 @@
+"""Learning-rate schedule of one role's optimizer: linear warmup, then constant, linear or cosine decay.
+
+Counted in optimizer steps. Step k (0-based, the k-th `optimizer.step()`) uses `lr_at(k)`:
+    warmup (k < W):  lr * (k + 1) / W           -- the first step already moves the weights
+    constant:        lr
+    linear/cosine:   from lr at k = W down to min_lr at k = total_steps, then min_lr.
+We keep our own schedule rather than megatron's `OptimizerParamScheduler`, whose warmup starts at
+`init_lr` (0 here), so its first optimizer step would be a no-op.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from hybridrl.config.schema import OptimConfig
+
+DECAY_STYLES = ("constant", "linear", "cosine")
+
+
+@dataclass
+class LRSchedule:
+    lr: float
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    decay_style: str = "constant"
+    total_steps: int | None = None
+    step_count: int = 0  # optimizer steps taken so far
+
+    def __post_init__(self) -> None:
+        if self.decay_style not in DECAY_STYLES:
+            raise ValueError(f"lr_decay_style={self.decay_style!r}; expected one of {DECAY_STYLES}")
+        if self.decay_style != "constant" and not self.total_steps:
+            raise ValueError(f"lr_decay_style={self.decay_style!r} needs the total number of optimizer steps")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+
+    @classmethod
+    def from_config(cls, optim: OptimConfig, total_steps: int | None = None) -> LRSchedule:
+        """`lr_warmup_steps` (or, when -1, `lr_warmup_steps_ratio * total_steps`) warmup steps."""
+        warmup = optim.lr_warmup_steps
+        if warmup < 0:
+            ratio = optim.lr_warmup_steps_ratio
+            if ratio and not total_steps:
+                raise ValueError("lr_warmup_steps_ratio needs the total number of optimizer steps")
+            warmup = int(ratio * (total_steps or 0))
+        return cls(optim.lr, optim.min_lr, warmup, optim.lr_decay_style, total_steps)
+
+    def lr_at(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.decay_style == "constant":
+            return self.lr
+        span = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        coeff = 1.0 - progress if self.decay_style == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.min_lr + coeff * (self.lr - self.min_lr)
+
+    @property
+    def current_lr(self) -> float:
+        """The lr the next optimizer step uses."""
+        return self.lr_at(self.step_count)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step_count": self.step_count, "lr": self.lr, "min_lr": self.min_lr,
+                "warmup_steps": self.warmup_steps, "decay_style": self.decay_style, "total_steps": self.total_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step_count = int(state["step_count"])

@@ -1,0 +1,309 @@
+"""One role's megatron engine on one rank: parallel state, model chunks, DDP, optimizer, LR schedule,
+and the two ways to run micro-batches through megatron's pipeline schedule.
+
+`MegatronRole(spec)` on every rank of the role's group:
+  1. megatron parallel state for the role's mesh (`hybridrl.parallel.state`; on CPU that installs the
+     CPU layer). Roles sharing a process (actor + ref) must share the layout: megatron's parallel
+     state is process-global.
+  2. this rank's GPTModel chunks (one per VPP stage) from the bridge, weights loaded; value models
+     (critic, reward model) get a scalar head (`value_head`).
+  3. trainable roles: megatron `DistributedDataParallel` per chunk, with `finalize_model_grads_func`
+     and `no_sync_func` set on the shared config (without them DP replicas silently drift apart),
+     `get_megatron_optimizer` (plain or distributed), grad clipping, and `LRSchedule`.
+     Frozen roles (ref, reward model): eval mode, no grads, parameters offloadable.
+
+`forward_only(micro_batches, collect)` and `train_step(micro_batches, loss_fn)` run a list of
+`ModelInputs` through `get_forward_backward_func()` (1F1B, interleaved with VPP, or no pipelining).
+Micro-batches may differ in rows and length (padding is trimmed per micro-batch), so the config
+sets `variable_seq_lengths=True`: pipeline stages exchange each activation's shape first.
+
+The loss function given to `train_step` must return the *scaled* loss (see
+`hybridrl.algorithms.aggregation`): `aggregate_loss(...) * num_microbatches * dp_size`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+from hybridrl.config.plan import Plan
+from hybridrl.config.schema import MegatronConfig, OptimConfig
+from hybridrl.workers.lr_schedule import LRSchedule
+from hybridrl.workers.sequences import ModelInputs
+
+# megatron disables clipping with clip_grad=0 and then reports no grad norm; a bound no real norm
+# reaches keeps the norm computed without ever clipping.
+NO_CLIP = 1.0e12
+
+LM_ROLES = ("actor", "ref")
+VALUE_ROLES = ("critic", "reward_model")
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """What one role's engine is built from (all read from the Plan by `role_spec`)."""
+
+    role: str
+    model_path: str
+    megatron: MegatronConfig
+    optim: OptimConfig | None  # None: frozen weights (ref, reward model)
+    value_head: bool
+    dtype: str
+    device: str
+    gradient_checkpointing: bool = False
+
+    @property
+    def trainable(self) -> bool:
+        return self.optim is not None
+
+
+def role_spec(plan: Plan, role: str) -> RoleSpec:
+    config = plan.config
+    arr = config.actor_rollout_ref
+    megatron = plan.layout(role).megatron
+    dtype = megatron.dtype or plan.resolved.train_dtype
+    device = plan.resolved.device
+    if role == "actor":
+        return RoleSpec(role, arr.model.path, megatron, arr.actor.optim, False, dtype, device,
+                        arr.model.enable_gradient_checkpointing)
+    if role == "ref":
+        return RoleSpec(role, arr.model.path, megatron, None, False, dtype, device)
+    if role == "critic":
+        return RoleSpec(role, config.critic.model.path or arr.model.path, megatron, config.critic.optim, True,
+                        dtype, device, config.critic.model.enable_gradient_checkpointing)
+    if role == "reward_model":
+        return RoleSpec(role, config.reward_model.model.path, megatron, None, True, dtype, device)
+    raise ValueError(f"unknown role {role!r}; expected one of {LM_ROLES + VALUE_ROLES}")
+
+
+def ensure_parallel_state(megatron: MegatronConfig, device: str) -> Any:
+    """The current `ParallelContext`, initializing megatron for this layout if nothing is yet."""
+    from hybridrl.parallel import state
+
+    tp, pp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size
+    cp, vpp = megatron.context_parallel_size, megatron.virtual_pipeline_model_parallel_size
+    if cp != 1:
+        raise NotImplementedError("context parallelism (cp > 1) is not supported by the workers yet")
+    vpp = vpp if vpp and vpp > 1 else None
+    if state.is_initialized():
+        ctx = state.get_context()
+        if (ctx.tp, ctx.pp, ctx.cp, ctx.vpp) != (tp, pp, cp, vpp):
+            raise ValueError(
+                f"this process already runs megatron with tp={ctx.tp} pp={ctx.pp} cp={ctx.cp} vpp={ctx.vpp}; "
+                f"a role needing tp={tp} pp={pp} cp={cp} vpp={vpp} must live in its own worker group"
+            )
+        return ctx
+    return state.initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, cp=cp, seed=megatron.seed, device=device)
+
+
+def _activate_cpu_layer(device: str) -> None:
+    # The CPU layer's torch-function mode is per thread; Ray may run a method on another thread
+    # than the one that initialized megatron.
+    if device == "cpu":
+        from hybridrl.parallel.cpu_layer import apply_cpu_layer
+
+        apply_cpu_layer()
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step: per-micro-batch metrics (last stage only; empty elsewhere), grad norm, lr."""
+
+    micro_metrics: list[dict[str, torch.Tensor]]
+    grad_norm: float
+    lr: float
+    applied: bool  # False when the optimizer skipped the step (fp16 overflow or a non-finite norm)
+
+
+class MegatronRole:
+    """A role's model on this rank, built and (when trainable) wrapped for training."""
+
+    def __init__(self, spec: RoleSpec, *, total_optimizer_steps: int | None = None) -> None:
+        from hybridrl.models.bridge import ModelSource, build_gpt_models, load_weights
+        from hybridrl.parallel.device import default_dtype_for
+        from hybridrl.workers.value_head import attach_value_head, load_value_model, value_model_source
+
+        self.spec = spec
+        self.ctx = ensure_parallel_state(spec.megatron, spec.device)
+        _activate_cpu_layer(self.ctx.device)
+        self.dtype = default_dtype_for(self.ctx.device, spec.dtype)
+        megatron = spec.megatron
+        overrides: dict[str, Any] = {
+            "variable_seq_lengths": True,
+            # Dense models route no tokens; megatron still rejects its default MoE dispatcher
+            # ("allgather") together with variable sequence lengths.
+            "moe_token_dispatcher_type": "alltoall",
+            "sequence_parallel": megatron.sequence_parallel and megatron.tensor_model_parallel_size > 1,
+        }
+        if spec.gradient_checkpointing:
+            overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        source = value_model_source(spec.model_path) if spec.value_head else ModelSource.from_path(spec.model_path)
+        self.source = source
+        chunks = build_gpt_models(source, ctx=self.ctx, dtype=self.dtype, config_overrides=overrides)
+        if spec.value_head:
+            # Seeded like the model so every rank (TP, PP, DP) builds the same initial head.
+            attach_value_head(chunks, seed=megatron.seed)
+            self.head_loaded = load_value_model(chunks, spec.model_path)
+        else:
+            load_weights(chunks, spec.model_path)
+            self.head_loaded = False
+        self.config = chunks[0].config
+        self.vocab_size = source.shape.vocab_size
+        self.optimizer: Any = None
+        self.schedule: LRSchedule | None = None
+        if spec.trainable:
+            self.models = self._wrap_for_training(chunks)
+            self.schedule = LRSchedule.from_config(spec.optim, total_optimizer_steps)
+        else:
+            for chunk in chunks:
+                chunk.eval()
+                chunk.requires_grad_(False)
+            self.models = chunks
+        self._offloaded = False
+
+    # ------------------------------------------------------------------------ construction
+    def _wrap_for_training(self, chunks: list[Any]) -> list[Any]:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        spec, optim = self.spec, self.spec.optim
+        distributed = spec.megatron.use_distributed_optimizer
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed,
+        )
+        # Megatron-LM buckets only the first chunk (the others' grads are reduced at the end anyway).
+        models = [
+            DistributedDataParallel(self.config, ddp_config, chunk, disable_bucketing=index > 0)
+            for index, chunk in enumerate(chunks)
+        ]
+        self.config.finalize_model_grads_func = finalize_model_grads
+        no_sync = [m.no_sync for m in models]
+        self.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        if optim.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"optim.optimizer={optim.optimizer!r}; expected adam or sgd")
+        opt_config = OptimizerConfig(
+            optimizer=optim.optimizer, lr=optim.lr, min_lr=optim.min_lr, weight_decay=optim.weight_decay,
+            adam_beta1=optim.betas[0], adam_beta2=optim.betas[1], adam_eps=optim.eps,
+            clip_grad=optim.clip_grad if optim.clip_grad > 0 else NO_CLIP,
+            bf16=self.dtype == torch.bfloat16, fp16=self.dtype == torch.float16, params_dtype=self.dtype,
+            use_distributed_optimizer=distributed,
+        )
+        self.optimizer = get_megatron_optimizer(opt_config, models)
+        return models
+
+    # ------------------------------------------------------------------------------ queries
+    @property
+    def chunks(self) -> list[Any]:
+        """The bare GPTModel chunks (DDP unwrapped)."""
+        return [getattr(m, "module", m) for m in self.models]
+
+    @property
+    def is_output_rank(self) -> bool:
+        """Last pipeline stage, TP rank 0: the rank whose results the controller collects."""
+        return self.ctx.is_last_pp_stage and self.ctx.tp_rank == 0 and self.ctx.cp_rank == 0
+
+    @property
+    def pad_multiple(self) -> int:
+        """Sequence lengths must divide over TP when sequence parallelism splits them."""
+        return self.ctx.tp if self.config.sequence_parallel else 1
+
+    def mesh_coords(self) -> dict[str, int]:
+        return {"dp": self.ctx.dp_rank, "tp": self.ctx.tp_rank, "pp": self.ctx.pp_rank, "cp": self.ctx.cp_rank}
+
+    # ----------------------------------------------------------------------------- running
+    def _run(self, micro_batches: Sequence[ModelInputs], step_output: Callable[..., Any], *,
+             forward_only: bool) -> list[Any]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        _activate_cpu_layer(self.ctx.device)
+        if not micro_batches:
+            raise ValueError("no micro-batches to run")
+
+        def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Callable[..., Any]]:
+            micro = next(data_iterator)
+            output = model(micro.input_ids, micro.position_ids, None)
+            return output, partial(step_output, micro)
+
+        chunks = len(self.models)
+        # Every VPP chunk consumes every micro-batch (the first for its tokens, the last for its loss).
+        iterators: Any = [iter(micro_batches) for _ in range(chunks)] if chunks > 1 else iter(micro_batches)
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators,
+            model=self.models if chunks > 1 else self.models[0],
+            num_microbatches=len(micro_batches),
+            seq_length=max(m.seq_length for m in micro_batches),
+            micro_batch_size=max(m.num_rows for m in micro_batches),
+            forward_only=forward_only,
+            collect_non_loss_data=forward_only,
+        )
+
+    @torch.no_grad()
+    def forward_only(self, micro_batches: Sequence[ModelInputs],
+                     collect: Callable[[ModelInputs, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+        """`collect(micro, output)` of every micro-batch, in order, on the last stage ([] elsewhere).
+
+        `output` is the model's `[b, s, V/tp]` logits (or `[b, s, 1]` values); `collect` runs on
+        every TP rank of the last stage (vocab-parallel reductions are collectives).
+        """
+        self.load_params()
+        was_training = [m.training for m in self.models]
+        for m in self.models:
+            m.eval()
+        try:
+            return self._run(micro_batches, lambda micro, output, non_loss_data=True: collect(micro, output),
+                             forward_only=True)
+        finally:
+            for m, mode in zip(self.models, was_training):
+                m.train(mode)
+
+    def train_step(self, micro_batches: Sequence[ModelInputs],
+                   loss_fn: Callable[[ModelInputs, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+                   ) -> StepResult:
+        """Forward/backward every micro-batch, then one optimizer step at the scheduled lr.
+
+        `loss_fn(micro, output)` returns `(scaled loss, metrics)` (see the module docstring).
+        """
+        if not self.spec.trainable:
+            raise RuntimeError(f"role {self.spec.role} is frozen: it has no optimizer")
+        self.load_params()
+        for m in self.models:
+            m.train()
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        lr = self.schedule.current_lr
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+            group["weight_decay"] = self.spec.optim.weight_decay * group.get("wd_mult", 1.0)
+        metrics = self._run(micro_batches, lambda micro, output: loss_fn(micro, output), forward_only=False)
+        applied, grad_norm, _ = self.optimizer.step()
+        if applied:
+            self.schedule.step_count += 1
+        return StepResult(list(metrics), float(grad_norm) if grad_norm is not None else float("nan"), lr,
+                          bool(applied))
+
+    # ------------------------------------------------------------------------- offloading
+    def offload_params(self) -> None:
+        """Move a frozen role's parameters to CPU between calls (a no-op when they already live there)."""
+        if self.spec.trainable:
+            raise NotImplementedError("offloading a trainable role (DDP buffers, optimizer) is not implemented")
+        if self.ctx.device == "cpu" or self._offloaded:
+            return
+        for chunk in self.chunks:
+            chunk.to("cpu")
+        self._offloaded = True
+
+    def load_params(self) -> None:
+        """Bring offloaded parameters back to the device (no-op unless `offload_params` moved them)."""
+        if not self._offloaded:
+            return
+        for chunk in self.chunks:
+            chunk.to(torch.device("cuda", torch.cuda.current_device()))
+        self._offloaded = False

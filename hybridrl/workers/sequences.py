@@ -1,0 +1,143 @@
+"""Turn rollout rows into the tensors one megatron forward takes: padding removed, responses located.
+
+Rollout rows are `[prompt (left-padded) | response (right-padded)]`, so each row's real tokens
+(`attention_mask == 1`) form one contiguous run that may start after some padding. Megatron's
+local attention only knows the causal mask, and left padding would let real tokens attend to pad
+tokens. We therefore *left-align* every row: rotate it so its real tokens start at column 0. The
+row is then right-padded only, where the causal mask alone is exact (a real token never looks at a
+later column), and no attention mask is needed. Each micro-batch is then trimmed to its longest
+real length, which removes the padding megatron would otherwise compute on.
+
+After alignment, response token j of row i sits at column `start_i + j` (`start_i` = the row's
+real prompt length), and the logits (or hidden states) that predict it are those of column
+`start_i + j - 1`: `ModelInputs.predict_index` holds those columns, clamped into the trimmed
+width. Positions past a row's response are garbage by construction and must be masked with
+`response_mask` (every consumer here does).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+# Columns the model forward needs from a rollout batch.
+MODEL_INPUT_KEYS: tuple[str, ...] = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+
+
+class SequenceLayoutError(ValueError):
+    """A batch whose rows are not `[left-padded prompt | right-padded response]`."""
+
+
+@dataclass
+class ModelInputs:
+    """One micro-batch, aligned and trimmed, ready for `model(input_ids, position_ids, None)`.
+
+    `input_ids`/`position_ids` are `[b, s]` (s = longest real row, rounded up to `pad_multiple`);
+    `predict_index` `[b, R]` is the column whose output predicts response token j;
+    `responses`/`response_mask` `[b, R]` are the labels and their mask; `last_index` `[b]` is each
+    row's last real column (the reward model's score position). `extras` carries per-row tensors
+    the loss needs (old log-probs, advantages, ...), sliced like the rows.
+    """
+
+    input_ids: Tensor
+    position_ids: Tensor
+    predict_index: Tensor
+    responses: Tensor
+    response_mask: Tensor
+    last_index: Tensor
+    extras: dict[str, Tensor] = field(default_factory=dict)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_length(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+def real_token_runs(attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(first real column, number of real tokens) per row; raise unless each row's real tokens are contiguous."""
+    mask = attention_mask != 0
+    lengths = mask.sum(-1)
+    if bool((lengths == 0).any()):
+        rows = torch.nonzero(lengths == 0).flatten().tolist()
+        raise SequenceLayoutError(f"rows {rows[:8]} have no real token (attention_mask all 0)")
+    first = mask.to(torch.int8).argmax(-1)
+    columns = torch.arange(mask.shape[1], device=mask.device).unsqueeze(0)
+    expected = (columns >= first.unsqueeze(1)) & (columns < (first + lengths).unsqueeze(1))
+    if not torch.equal(expected, mask):
+        bad = torch.nonzero((expected != mask).any(-1)).flatten().tolist()
+        raise SequenceLayoutError(
+            f"rows {bad[:8]}: attention_mask has holes; rows must be [left-padded prompt | right-padded "
+            "response] with one contiguous run of real tokens"
+        )
+    return first, lengths
+
+
+def build_model_inputs(
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    position_ids: Tensor,
+    responses: Tensor,
+    response_mask: Tensor,
+    *,
+    extras: dict[str, Tensor] | None = None,
+    pad_multiple: int = 1,
+) -> ModelInputs:
+    """Left-align rows, trim to the longest real row (rounded up to `pad_multiple`), locate responses.
+
+    `input_ids` must end with `responses` (`input_ids[:, -R:] == responses`), as the rollout lays
+    them out. Every row needs at least one real prompt token (the first response token is predicted
+    from the last prompt token).
+    """
+    rows, width = input_ids.shape
+    resp_len = responses.shape[1]
+    if resp_len > width or not torch.equal(input_ids[:, width - resp_len:], responses):
+        raise SequenceLayoutError("input_ids must end with the responses ([prompt | response] rows)")
+    first, lengths = real_token_runs(attention_mask)
+    prompt_width = width - resp_len
+    prompt_lengths = prompt_width - first
+    if bool((prompt_lengths < 1).any()):
+        raise SequenceLayoutError("every row needs at least one real prompt token")
+
+    longest = int(lengths.max())
+    trimmed = min(width, -(-longest // pad_multiple) * pad_multiple)
+    # Rotating by `first` puts the real run at column 0; whatever wraps around lands after it.
+    source = (torch.arange(trimmed, device=input_ids.device).unsqueeze(0) + first.unsqueeze(1)) % width
+    aligned_ids = torch.gather(input_ids, 1, source)
+    aligned_positions = torch.gather(position_ids, 1, source)
+
+    steps = torch.arange(resp_len, device=input_ids.device).unsqueeze(0)
+    predict_index = (prompt_lengths.unsqueeze(1) - 1 + steps).clamp(max=trimmed - 1)
+    return ModelInputs(
+        input_ids=aligned_ids.contiguous(),
+        position_ids=aligned_positions.contiguous(),
+        predict_index=predict_index,
+        responses=responses,
+        response_mask=response_mask,
+        last_index=lengths - 1,
+        extras=dict(extras or {}),
+    )
+
+
+def take_predictions(output: Tensor, index: Tensor) -> Tensor:
+    """`output` `[b, s, ...]` at columns `index` `[b, k]` per row -> `[b, k, ...]`."""
+    expand = index.reshape(*index.shape, *([1] * (output.dim() - 2))).expand(*index.shape, *output.shape[2:])
+    return torch.gather(output, 1, expand)
+
+
+def micro_batch_inputs(
+    tensors: dict[str, Tensor], rows: list[int], *, extra_keys: tuple[str, ...] = (), pad_multiple: int = 1,
+) -> ModelInputs:
+    """`build_model_inputs` for the given rows of a batch's tensors (the `MODEL_INPUT_KEYS` + `extra_keys`)."""
+    missing = [k for k in (*MODEL_INPUT_KEYS, *extra_keys) if k not in tensors]
+    if missing:
+        raise KeyError(f"batch lacks columns {missing}")
+    index = torch.tensor(rows, dtype=torch.long)
+    pick = {k: tensors[k].index_select(0, index.to(tensors[k].device)) for k in (*MODEL_INPUT_KEYS, *extra_keys)}
+    return build_model_inputs(
+        pick["input_ids"], pick["attention_mask"], pick["position_ids"], pick["responses"], pick["response_mask"],
+        extras={k: pick[k] for k in extra_keys}, pad_multiple=pad_multiple,
+    )

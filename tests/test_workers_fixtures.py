@@ -1,0 +1,113 @@
+"""Shared helpers for the tests/test_workers_* suites (no tests here).
+
+Tiny random HF models (from `test_models_fixtures`: Llama with GQA, vocab 200 that megatron pads,
+4 layers), job configs for a given layout, rollout-shaped batches (left-padded prompts,
+right-padded responses, positions as the rollout writes them) and independent references
+computed with `transformers` and plain torch.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.test_models_fixtures import VOCAB, make_hf_model
+
+PROMPT = 7
+RESPONSE = 6
+
+
+def job_config(model_path: str | Path, *, world: int, tp: int = 1, pp: int = 1, vpp: int | None = None,
+               rows: int = 8, micro: int = 2, distributed_optimizer: bool = False, **actor: Any) -> Any:
+    """A JobConfig whose step is `rows` sequences (rows/2 prompts x n=2), one mini-batch, on `world` ranks."""
+    from hybridrl.config.schema import JobConfig
+
+    c = JobConfig()
+    c.trainer.device = "cpu"
+    c.trainer.nnodes, c.trainer.n_gpus_per_node = 1, world
+    c.actor_rollout_ref.model.path = str(model_path)
+    c.data.max_prompt_length, c.data.max_response_length = PROMPT, RESPONSE
+    c.data.train_batch_size = rows // 2
+    c.actor_rollout_ref.rollout.n = 2
+    a = c.actor_rollout_ref.actor
+    a.megatron.tensor_model_parallel_size, a.megatron.pipeline_model_parallel_size = tp, pp
+    a.megatron.virtual_pipeline_model_parallel_size = vpp
+    a.megatron.use_distributed_optimizer = distributed_optimizer
+    a.ppo_mini_batch_size = rows // 2
+    a.ppo_micro_batch_size_per_gpu = micro
+    a.optim.lr = 1e-2
+    a.optim.weight_decay = 0.01
+    # Adam's first step is ~lr * g / (|g| + eps): with eps=1e-8 a weight whose gradient is ~1e-8
+    # (rare vocab rows) turns float32 summation-order noise into ~1e-5 weight differences between
+    # layouts. A larger eps keeps the layout comparison well-conditioned.
+    a.optim.eps = 1e-5
+    c.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu = micro
+    c.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu = micro
+    for key, value in actor.items():
+        setattr(a, key, value)
+    return c
+
+
+def policy_model(folder: Path, seed: int = 0) -> Path:
+    return make_hf_model(folder, "llama", seed=seed)
+
+
+def rollout_batch(rows: int = 8, seed: int = 0, vocab: int = VOCAB) -> Any:
+    """Rows `[left-padded prompt | right-padded response]` with the rollout's columns and PPO inputs."""
+    from hybridrl.data.batch import Batch
+
+    gen = torch.Generator().manual_seed(seed)
+    prompt_lengths = torch.randint(1, PROMPT + 1, (rows,), generator=gen)
+    response_lengths = torch.randint(1, RESPONSE + 1, (rows,), generator=gen)
+    prompt_lengths[0], response_lengths[0] = PROMPT, RESPONSE  # one row with no padding at all
+    pad = 0
+    prompts = torch.full((rows, PROMPT), pad, dtype=torch.long)
+    responses = torch.full((rows, RESPONSE), pad, dtype=torch.long)
+    prompt_mask = torch.zeros(rows, PROMPT, dtype=torch.long)
+    response_mask = torch.zeros(rows, RESPONSE, dtype=torch.long)
+    for i in range(rows):
+        p, r = int(prompt_lengths[i]), int(response_lengths[i])
+        prompts[i, PROMPT - p:] = torch.randint(1, vocab, (p,), generator=gen)
+        prompt_mask[i, PROMPT - p:] = 1
+        responses[i, :r] = torch.randint(1, vocab, (r,), generator=gen)
+        response_mask[i, :r] = 1
+    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    response_positions = positions[:, -1:] + 1 + torch.arange(RESPONSE).unsqueeze(0)
+    tensors = {
+        "input_ids": torch.cat([prompts, responses], 1),
+        "attention_mask": torch.cat([prompt_mask, response_mask], 1),
+        "position_ids": torch.cat([positions, response_positions], 1),
+        "responses": responses,
+        "response_mask": response_mask,
+        "advantages": torch.randn(rows, RESPONSE, generator=gen) * response_mask,
+        "old_log_probs": (-torch.rand(rows, RESPONSE, generator=gen) * 6) * response_mask,
+        "ref_log_probs": (-torch.rand(rows, RESPONSE, generator=gen) * 6) * response_mask,
+        "values": torch.randn(rows, RESPONSE, generator=gen) * response_mask,
+        "returns": torch.randn(rows, RESPONSE, generator=gen) * response_mask,
+    }
+    return Batch(tensors, {"uid": [i // 2 for i in range(rows)]})
+
+
+def hf_response_outputs(hf_dir: Path, batch: Any, model_cls: str = "AutoModelForCausalLM") -> torch.Tensor:
+    """transformers' forward on the padded rows as given (attention_mask + position_ids), eager attention."""
+    import transformers
+
+    model = getattr(transformers, model_cls).from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    position_ids=batch["position_ids"], output_hidden_states=True)
+    return out
+
+
+def hf_response_log_probs(hf_dir: Path, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, entropies) `[B, R]` of the response tokens, 0 on padding, from HF's full logits."""
+    logits = hf_response_outputs(hf_dir, batch).logits
+    width = batch["input_ids"].shape[1]
+    pred = logits[:, width - RESPONSE - 1: width - 1].float()
+    log_softmax = pred.log_softmax(-1)
+    log_probs = log_softmax.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    mask = batch["response_mask"].float()
+    return log_probs * mask, entropy * mask
