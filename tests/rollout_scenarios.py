@@ -141,3 +141,15 @@ def tp_update_session(
             "digests": engine.parameter_digests(),
         })
     return results
+
+
+def replica_groups_session(rank: int, world_size: int, model_dir: str, infer_tp: int) -> dict[str, Any]:
+    """world_size // infer_tp independent rollout replicas, each an infer_tp group, on one gloo world;
+    each replica generates its own prompts."""
+    from hybridrl.rollout.sampling import validation_sampling
+
+    engine = make_engine(model_dir, infer_tp=infer_tp)
+    replica = rank // infer_tp
+    prompts = [[3 + replica, 4, 5]] if replica == 0 else [[9, 8, 7, 6], [1, 2]]
+    out = engine.generate_sequences(prompts, validation_sampling(max_tokens=5))
+    return {"replica": replica, "tp_rank": engine.tp_rank, "prompts": prompts, "responses": out.tensors["responses"]}

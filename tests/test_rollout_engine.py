@@ -190,3 +190,19 @@ def test_infer_tp2_samples_agree_and_both_update_formats_land_each_ranks_shard(t
         _assert_greedy_matches_hf(ranks[0]["swaps"][i]["greedy"], _hf_model(session, new))
         assert torch.equal(ranks[0]["swaps"][i]["greedy"].tensors["responses"],
                            ranks[1]["swaps"][i]["greedy"].tensors["responses"])
+
+
+@pytest.mark.slow
+def test_two_replicas_of_infer_tp2_on_a_world_of_four_generate_independently(tmp_path):
+    """Rollout mesh infer_dp=2 x infer_tp=2 on 4 gloo ranks: TP groups are consecutive ranks, each
+    replica generates its own prompts (different counts: no cross-replica collective), and the
+    result equals a single-process engine's (here: HF greedy)."""
+    spec = {**LLAMA_GQA1, "eos_token_id": None, "bos_token_id": None}
+    model_dir = build_tiny_model(tmp_path / "llama", spec, seed=8)
+    ranks = run_ranks(rollout_scenarios.replica_groups_session, 4, str(model_dir), 2, timeout_s=500)
+    assert [(r["replica"], r["tp_rank"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    model = _hf_model({"model_dir": model_dir})
+    for rank in ranks:
+        assert torch.equal(rank["responses"], ranks[2 * rank["replica"]]["responses"])
+        for prompt, response in zip(rank["prompts"], rank["responses"].tolist()):
+            assert response == _hf_greedy(model, prompt, 5)

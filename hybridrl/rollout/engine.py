@@ -371,7 +371,6 @@ class RolloutEngine:
             for var in ("RANK", "LOCAL_RANK"):
                 if var not in os.environ:
                     raise RuntimeError(f"external_launcher reads {var} from the environment; it is not set")
-        self.tp_rank = torch.distributed.get_rank() % config.infer_tp if config.infer_tp > 1 else 0
 
         vllm_patches.guard_default_process_group()
         vllm_patches.capture_loaded_weights(config.capture_loaded_weights)
@@ -393,6 +392,13 @@ class RolloutEngine:
             # Every rank has mapped every peer's segment once all engines exist: drop the names.
             torch.distributed.barrier()
             _unlink_shm_segments(shm_tag)
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        # vLLM groups consecutive global ranks into TP groups ([0, 1], [2, 3], ... for infer_tp=2);
+        # this rank's position in its group decides which shard it must receive.
+        self.tp_rank = int(get_tensor_model_parallel_rank())
+        if get_tensor_model_parallel_world_size() != config.infer_tp:
+            raise RuntimeError(f"vLLM built TP={get_tensor_model_parallel_world_size()}, asked {config.infer_tp}")
         self.block_size = int(self.llm.llm_engine.vllm_config.cache_config.block_size)
         self.kv_cache_blocks = self.llm.collective_rpc(_kv_cache_blocks_on_worker)[0]
         self._calls = 0
