@@ -111,3 +111,43 @@ def hf_response_log_probs(hf_dir: Path, batch: Any) -> tuple[torch.Tensor, torch
     entropy = -(log_softmax.exp() * log_softmax).sum(-1)
     mask = batch["response_mask"].float()
     return log_probs * mask, entropy * mask
+
+
+def sequence_classifier(folder: Path, seed: int = 1) -> Path:
+    """A tiny random `LlamaForSequenceClassification` (num_labels=1, pad id 0) saved to `folder`."""
+    import transformers
+
+    from tests.test_models_fixtures import _COMMON
+
+    config = transformers.LlamaConfig(**_COMMON, num_labels=1, pad_token_id=0,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(seed)
+    model = transformers.LlamaForSequenceClassification(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(folder)
+    return folder
+
+
+def with_critic(config: Any, critic_path: str | Path, *, tp: int = 1, pp: int = 1) -> Any:
+    """Enable a critic (GAE) on the same ranks, from `critic_path`, with a plain Adam like the actor's."""
+    c = config
+    c.algorithm.adv_estimator = "gae"
+    c.critic.model.path = str(critic_path)
+    c.critic.megatron.tensor_model_parallel_size, c.critic.megatron.pipeline_model_parallel_size = tp, pp
+    c.critic.megatron.use_distributed_optimizer = False
+    c.critic.ppo_micro_batch_size_per_gpu = c.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
+    c.critic.optim.lr, c.critic.optim.eps, c.critic.optim.weight_decay = 1e-2, 1e-5, 0.0
+    c.critic.cliprange_value = 0.2
+    return c
+
+
+def with_reward_model(config: Any, rm_path: str | Path, *, tp: int = 1, pp: int = 1) -> Any:
+    c = config
+    c.reward_model.enable = True
+    c.reward_model.model.path = str(rm_path)
+    c.reward_model.megatron.tensor_model_parallel_size, c.reward_model.megatron.pipeline_model_parallel_size = tp, pp
+    c.reward_model.micro_batch_size_per_gpu = 2
+    return c

@@ -1,0 +1,126 @@
+"""The critic on megatron: per-token values and the clipped value-loss update.
+
+Batch columns (this DP rank's rows):
+  in:  the model inputs of `sequences` (`input_ids`, `attention_mask`, `position_ids`, `responses`,
+       `response_mask`).
+  `compute_values` out: `values` `[B, R]`, the value of the state before each response token
+       (the backbone's output at the column that predicts it), 0 where `response_mask` is 0.
+  `update_critic` in: also `values` (the old values, for clipping) and `returns` `[B, R]`.
+Results are returned on the output ranks (last pipeline stage, TP rank 0), None elsewhere.
+
+Normalization and scaling are the actor's (see `actor`): global normalizers per mini-batch,
+loss scaled by `num_microbatches * dp_size` for megatron's schedule and DDP.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+
+from hybridrl.algorithms.aggregation import LossNormalizers, global_loss_normalizers
+from hybridrl.algorithms.losses import value_loss
+from hybridrl.config.plan import Plan
+from hybridrl.data.batch import Batch
+from hybridrl.workers.megatron_role import MegatronRole
+from hybridrl.workers.metrics import StepMetrics, average_steps
+from hybridrl.workers.micro_batching import partition_rows, restore_order
+from hybridrl.workers.sequences import ModelInputs, micro_batch_inputs, take_predictions
+
+
+@dataclass(frozen=True)
+class CriticUpdateMetrics:
+    """Means over the optimizer steps of one `update_critic` call (per step in `per_step`)."""
+
+    vf_loss: float
+    vf_clipfrac: float
+    vpred_mean: float
+    grad_norm: float
+    lr: float
+    optimizer_steps: int
+    per_step: tuple[dict[str, float], ...] = field(default=())
+
+    def as_dict(self, prefix: str = "critic/") -> dict[str, float]:
+        names = ("vf_loss", "vf_clipfrac", "vpred_mean", "grad_norm", "lr")
+        return {prefix + n: getattr(self, n) for n in names}
+
+
+def response_values(micro: ModelInputs, output: torch.Tensor) -> torch.Tensor:
+    """`[b, R]` float32 values at the columns predicting each response token, from `[b, s, 1]`."""
+    return take_predictions(output, micro.predict_index).squeeze(-1).float()
+
+
+class MegatronCritic:
+    def __init__(self, engine: MegatronRole, plan: Plan) -> None:
+        if not engine.spec.value_head:
+            raise ValueError("the critic needs a value-head engine (role_spec(plan, 'critic'))")
+        self.engine = engine
+        self.plan = plan
+        critic = plan.config.critic
+        self.clip = critic.cliprange_value
+        self.agg = critic.loss_agg_mode
+        self.norm_length = plan.resolved.response_length
+        actor = plan.config.actor_rollout_ref.actor
+        self.dynamic = actor.use_dynamic_bsz
+        self.max_tokens = actor.ppo_max_token_len_per_gpu
+
+    def compute_values(self, batch: Batch) -> Batch | None:
+        engine, ctx = self.engine, self.engine.ctx
+        tensors = batch.tensors
+        partition = partition_rows(tensors["attention_mask"], self.plan.forward("values").micro_batch_size,
+                                   dynamic=self.dynamic, max_tokens=self.max_tokens, dp_group=ctx.dp_group)
+        micros = [micro_batch_inputs(tensors, rows, pad_multiple=engine.pad_multiple) for rows in partition]
+        outputs = engine.forward_only(micros, response_values)
+        if not engine.is_output_rank:
+            return None
+        values = restore_order(outputs, partition) * tensors["response_mask"].float()
+        return Batch({"values": values})
+
+    def update_critic(self, batch: Batch) -> CriticUpdateMetrics | None:
+        engine, ctx = self.engine, self.engine.ctx
+        update = self.plan.update("critic")
+        per_mini = update.sequences_per_rank_per_mini_batch
+        rows = len(batch)
+        if rows % per_mini:
+            raise ValueError(f"{rows} rows on this rank do not split into critic mini-batches of {per_mini}")
+        steps: list[dict[str, float]] = []
+        for _epoch in range(update.ppo_epochs):
+            for start in range(0, rows, per_mini):
+                mini_rows = list(range(start, start + per_mini))
+                partition = partition_rows(batch.tensors["attention_mask"][start:start + per_mini],
+                                           update.micro_batch_size, dynamic=self.dynamic,
+                                           max_tokens=self.max_tokens, dp_group=ctx.dp_group)
+                micros = [micro_batch_inputs(batch.tensors, [mini_rows[r] for r in part],
+                                             extra_keys=("values", "returns"), pad_multiple=engine.pad_multiple)
+                          for part in partition]
+                normalizers = global_loss_normalizers([m.response_mask for m in micros], ctx.dp_group)
+                result = engine.train_step(
+                    micros, partial(self._value_loss, normalizers=normalizers, scale=len(micros) * ctx.dp))
+                step = {"grad_norm": result.grad_norm, "lr": result.lr}
+                if ctx.is_last_pp_stage:
+                    sums = StepMetrics()
+                    for metrics in result.micro_metrics:
+                        sums.add_micro(metrics)
+                    step.update(sums.reduce_over(ctx.dp_group))
+                steps.append(step)
+        if not engine.is_output_rank:
+            return None
+        mean = average_steps(steps)
+        return CriticUpdateMetrics(mean["vf_loss"], mean["vf_clipfrac"], mean["vpred_mean"], mean["grad_norm"],
+                                   mean["lr"], len(steps), tuple(steps))
+
+    def _value_loss(self, micro: ModelInputs, output: torch.Tensor, *, normalizers: LossNormalizers,
+                    scale: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        values = response_values(micro, output)
+        mask = micro.response_mask.to(values.dtype)
+        loss, metrics = value_loss(
+            values, micro.extras["values"].to(values.dtype), micro.extras["returns"].to(values.dtype), mask,
+            self.clip, self.agg, **normalizers.as_kwargs(), norm_length=self.norm_length,
+        )
+        out = {
+            "weight": mask.sum().detach(),
+            "total/vf_loss": loss.detach().clone(),
+            "mean/vf_clipfrac": metrics["clipfrac"],
+            "mean/vpred_mean": metrics["vpred_mean"],
+        }
+        return loss * scale, out

@@ -1,0 +1,45 @@
+"""The reward model on megatron: one score per sequence from a sequence-classification checkpoint.
+
+The model is the value model of `value_head` with its head loaded from the checkpoint's
+`score.weight` (e.g. HF `LlamaForSequenceClassification` with `num_labels=1`). Like HF's
+sequence classifiers, the score is the head's output at the last real token of the row
+(prompt + response, padding excluded).
+
+Batch columns (this DP rank's rows): the model inputs of `sequences`. Output: `rm_scores` `[B]`
+float32 on the output ranks (last pipeline stage, TP rank 0), None elsewhere. Placing the score on
+the last response token (token-level rewards) is the controller's reward code's job.
+"""
+from __future__ import annotations
+
+import torch
+
+from hybridrl.config.plan import Plan
+from hybridrl.data.batch import Batch
+from hybridrl.workers.megatron_role import MegatronRole
+from hybridrl.workers.micro_batching import partition_rows, restore_order
+from hybridrl.workers.sequences import ModelInputs, micro_batch_inputs, take_predictions
+
+
+def last_token_scores(micro: ModelInputs, output: torch.Tensor) -> torch.Tensor:
+    """`[b, 1]` float32: the `[b, s, 1]` output at each row's last real column."""
+    return take_predictions(output, micro.last_index.unsqueeze(1)).reshape(-1, 1).float()
+
+
+class MegatronRewardModel:
+    def __init__(self, engine: MegatronRole, plan: Plan) -> None:
+        if not engine.spec.value_head:
+            raise ValueError("the reward model needs a value-head engine (role_spec(plan, 'reward_model'))")
+        if not engine.head_loaded and engine.ctx.is_last_pp_stage:
+            raise ValueError(f"{engine.spec.model_path} has no score.weight: not a sequence-classification checkpoint")
+        self.engine = engine
+        self.micro_batch_size = plan.forward("reward_scores").micro_batch_size
+
+    def compute_scores(self, batch: Batch) -> Batch | None:
+        engine = self.engine
+        tensors = batch.tensors
+        partition = partition_rows(tensors["attention_mask"], self.micro_batch_size)
+        micros = [micro_batch_inputs(tensors, rows, pad_multiple=engine.pad_multiple) for rows in partition]
+        outputs = engine.forward_only(micros, last_token_scores)
+        if not engine.is_output_rank:
+            return None
+        return Batch({"rm_scores": restore_order(outputs, partition).squeeze(-1)})
