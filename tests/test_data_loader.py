@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrl.data.dataloader import PromptDataLoader, collate_prompts
+from hybridrl.data.dataloader import PromptDataLoader, collate_prompts, unpadded_prompt_ids
 from hybridrl.data.dataset import PromptItem
 
 PAD = 0
@@ -34,6 +34,7 @@ def test_collate_left_pads_a_handmade_example() -> None:
     assert batch["index"].tolist() == [0, 1]
     assert list(batch["reward_spec"]) == [{"ground_truth": "a"}, {"ground_truth": "b"}]
     assert list(batch["extra_info"]) == [{"k": 0}, {"k": 1}]
+    assert unpadded_prompt_ids(batch) == [[5, 6, 7], [8]]
 
 
 def test_collate_pad_to_length_and_errors() -> None:

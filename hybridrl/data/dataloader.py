@@ -75,6 +75,12 @@ def collate_prompts(
     )
 
 
+def unpadded_prompt_ids(batch: Batch) -> list[list[int]]:
+    """Each row's prompt token ids without the left padding (what a rollout engine takes)."""
+    input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
+    return [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask)]
+
+
 @dataclass(frozen=True)
 class LoaderState:
     """Everything needed to resume: the order is recomputed from (seed, epoch)."""
