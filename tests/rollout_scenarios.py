@@ -152,4 +152,9 @@ def replica_groups_session(rank: int, world_size: int, model_dir: str, infer_tp:
     replica = rank // infer_tp
     prompts = [[3 + replica, 4, 5]] if replica == 0 else [[9, 8, 7, 6], [1, 2]]
     out = engine.generate_sequences(prompts, validation_sampling(max_tokens=5))
-    return {"replica": replica, "tp_rank": engine.tp_rank, "prompts": prompts, "responses": out.tensors["responses"]}
+    # The same prompt on every replica with engine-drawn seeds: replicas must sample independently.
+    sampled = engine.generate_sequences([[5, 6, 7]], RolloutSampling(n=2, temperature=1.0, max_tokens=6))
+    return {
+        "replica": replica, "tp_rank": engine.tp_rank, "prompts": prompts,
+        "responses": out.tensors["responses"], "sampled": sampled.tensors["responses"],
+    }

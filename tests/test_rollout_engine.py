@@ -195,8 +195,8 @@ def test_infer_tp2_samples_agree_and_both_update_formats_land_each_ranks_shard(t
 @pytest.mark.slow
 def test_two_replicas_of_infer_tp2_on_a_world_of_four_generate_independently(tmp_path):
     """Rollout mesh infer_dp=2 x infer_tp=2 on 4 gloo ranks: TP groups are consecutive ranks, each
-    replica generates its own prompts (different counts: no cross-replica collective), and the
-    result equals a single-process engine's (here: HF greedy)."""
+    replica generates its own prompts (different counts: no cross-replica collective), the result
+    equals HF greedy, and engine-drawn seeds differ between replicas but agree within one."""
     spec = {**LLAMA_GQA1, "eos_token_id": None, "bos_token_id": None}
     model_dir = build_tiny_model(tmp_path / "llama", spec, seed=8)
     ranks = run_ranks(rollout_scenarios.replica_groups_session, 4, str(model_dir), 2, timeout_s=500)
@@ -206,3 +206,6 @@ def test_two_replicas_of_infer_tp2_on_a_world_of_four_generate_independently(tmp
         assert torch.equal(rank["responses"], ranks[2 * rank["replica"]]["responses"])
         for prompt, response in zip(rank["prompts"], rank["responses"].tolist()):
             assert response == _hf_greedy(model, prompt, 5)
+    assert torch.equal(ranks[0]["sampled"], ranks[1]["sampled"])
+    assert torch.equal(ranks[2]["sampled"], ranks[3]["sampled"])
+    assert not torch.equal(ranks[0]["sampled"], ranks[2]["sampled"]), "replicas drew the same samples"

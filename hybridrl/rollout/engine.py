@@ -397,6 +397,9 @@ class RolloutEngine:
         # vLLM groups consecutive global ranks into TP groups ([0, 1], [2, 3], ... for infer_tp=2);
         # this rank's position in its group decides which shard it must receive.
         self.tp_rank = int(get_tensor_model_parallel_rank())
+        # Which rollout replica (infer-DP rank) this process serves: enters engine-drawn seeds so
+        # replicas sample independently while the TP peers of one replica agree.
+        self.replica_index = torch.distributed.get_rank() // config.infer_tp if distributed else 0
         if get_tensor_model_parallel_world_size() != config.infer_tp:
             raise RuntimeError(f"vLLM built TP={get_tensor_model_parallel_world_size()}, asked {config.infer_tp}")
         self.block_size = int(self.llm.llm_engine.vllm_config.cache_config.block_size)
@@ -445,9 +448,9 @@ class RolloutEngine:
         call = self._calls
         self._calls += 1
         seed_base = sampling.seed if sampling.seed is not None else self.config.seed
-        # With a fixed sampling seed the same prompts give the same samples on every call; otherwise
-        # each call draws fresh (but rank-independent) seeds.
-        call_key = 0 if sampling.seed is not None else call + 1
+        # With a fixed sampling seed the same prompts give the same samples on every call and every
+        # replica; otherwise each call and each replica draws fresh seeds (equal on TP peers).
+        call_key, replica_key = (0, 0) if sampling.seed is not None else (call + 1, self.replica_index)
         if not sampling.ignore_eos and self.eos_token_ids:
             stops = tuple(dict.fromkeys((*sampling.stop_token_ids, *self.eos_token_ids)))
             sampling = sampling.with_overrides(stop_token_ids=stops)
@@ -455,7 +458,7 @@ class RolloutEngine:
         for p, prompt in enumerate(prompt_token_ids):
             for s in range(sampling.n):
                 requests.append({"prompt_token_ids": [int(t) for t in prompt]})
-                params.append(sampling.to_vllm(request_seed(seed_base, call_key, p, s)))
+                params.append(sampling.to_vllm(request_seed(seed_base, call_key, replica_key, p, s)))
 
         started = time.perf_counter()
         outputs = self.llm.generate(requests, params, use_tqdm=False)
