@@ -1,0 +1,460 @@
+"""Who sends which rows of which megatron tensor to whom, so that each rank builds its vLLM shard.
+
+Pure planning (no torch, no process groups): the same inputs give the same plan on every rank, so
+the ranks agree on every message without exchanging metadata.
+
+Both sides are described as ranges of HF tensors along one axis (`models.layout.Segment`):
+- a vLLM tensor of generation TP rank j (`vllm_targets`) is a concatenation of HF ranges (or zero
+  padding), mirroring `engine.layout.hf_to_vllm_shards`;
+- a megatron tensor of a (tp, pp, vpp) rank (`models.layout.chunk_tensor_plans`) likewise.
+Intersecting them tells, for every range a rank needs, which ranks hold it. A rank takes a range from
+itself when it can, else from a holder inside its micro-DP group (`ReshardGroups`), else from any
+holder of its own DP/CP replica (each replica reshards independently, so traffic never crosses them).
+With the Plan's groups every needed range is found inside the micro-DP group: the rank receives
+exactly |generation shard| - |generation shard ∩ own training shard| (HybridFlow §5).
+
+The transfers are cut into buckets: consecutive pieces (in vLLM tensor order) such that on every rank
+the bytes it sends plus the bytes it receives within one bucket stay under `bucket_bytes` (a piece
+larger than that is split along its axis). Megatron's tied-embedding copy on the last stage counts as
+held there (it is kept bit-equal to the first stage's by megatron's embedding-group all-reduce).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from math import prod
+
+from hybridrl.config.meshes import ReshardGroups, TrainingMesh
+from hybridrl.engine.layout import (
+    EMBED,
+    FINAL_NORM,
+    LM_HEAD,
+    _kv_head_range,
+    check_infer_tp,
+    layer_param_names,
+    vllm_padded_vocab,
+    vllm_param_shapes,
+)
+from hybridrl.models.arch import ModelShape
+from hybridrl.models.layout import ParallelLayout, Segment, chunk_tensor_plans, hf_tensor_shapes
+
+
+@dataclass(frozen=True)
+class TargetTensor:
+    """One vLLM tensor of one generation TP rank: `segments` concatenated along `axis` (None: whole)."""
+
+    name: str
+    shape: tuple[int, ...]
+    axis: int | None
+    segments: tuple[Segment, ...]
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Holding:
+    """A range of an HF tensor inside one megatron tensor of one rank."""
+
+    rank: int
+    chunk: int  # index of the model chunk (VPP stage) in that rank's model list
+    mcore_name: str
+    shape: tuple[int, ...]
+    axis: int | None
+    shard_offset: int
+    hf_start: int
+    hf_stop: int
+
+
+@dataclass(frozen=True)
+class Piece:
+    """`length` positions along `axis` copied from a megatron tensor of `src` into a vLLM tensor of `dst`."""
+
+    target: str
+    dst: int
+    dst_offset: int
+    src: int
+    chunk: int
+    mcore_name: str
+    src_offset: int
+    length: int
+    axis: int | None
+    shape: tuple[int, ...]  # shape of the piece itself
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+
+@dataclass(frozen=True)
+class RankBucket:
+    """What one rank does in one bucket. Pieces are listed in the order both ends pack them."""
+
+    sends: dict[int, tuple[Piece, ...]]  # destination rank -> pieces
+    recvs: dict[int, tuple[Piece, ...]]  # source rank -> pieces
+    local: tuple[Piece, ...]
+    opens: tuple[str, ...]  # vLLM tensors first written in this bucket (allocated here)
+    completes: tuple[str, ...]  # vLLM tensors whose last piece lands here (yielded after it)
+
+    @property
+    def transient_numel(self) -> int:
+        return sum(p.numel for ps in (*self.sends.values(), *self.recvs.values()) for p in ps)
+
+
+@dataclass(frozen=True)
+class RankReshardPlan:
+    rank: int
+    gen_tp_index: int
+    infer_tp: int
+    targets: dict[str, TargetTensor]
+    buckets: tuple[RankBucket, ...]
+    micro_dp_group: tuple[int, ...]
+    peers: tuple[int, ...]  # ranks this rank sends to or receives from
+    recv_numel: int
+    send_numel: int
+    local_numel: int
+    padding_numel: int  # zero rows of vLLM's vocab padding: written, never moved
+    # min over generation indices j of the elements this rank would have to receive for shard j
+    # (the exact per-rank lower bound, vocab padding and KV layout included)
+    lower_bound_numel: int
+    naive_numel: int  # gather-everything: the whole model minus what this rank holds
+    extra: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def target_numel(self) -> int:
+        return sum(t.numel for t in self.targets.values())
+
+    @property
+    def peers_outside_micro_dp(self) -> tuple[int, ...]:
+        return tuple(p for p in self.peers if p not in self.micro_dp_group)
+
+
+# ---- the vLLM side ---------------------------------------------------------------------------------
+
+def _vocab_segments(shape: ModelShape, hf_name: str, infer_tp: int, rank: int) -> tuple[Segment, ...]:
+    rows = vllm_padded_vocab(shape.vocab_size) // infer_tp
+    start, stop = rank * rows, (rank + 1) * rows
+    real_stop = min(stop, shape.vocab_size)
+    out = []
+    if real_stop > start:
+        out.append(Segment(hf_name, start, real_stop))
+    pad = stop - max(start, real_stop)
+    if pad:
+        out.append(Segment(None, 0, pad))
+    return tuple(out)
+
+
+def vllm_targets(shape: ModelShape, infer_tp: int, rank: int) -> dict[str, TargetTensor]:
+    """Every vLLM tensor of generation TP rank `rank`, in vLLM's order, as HF ranges."""
+    check_infer_tp(shape, infer_tp, rank)
+    shapes = vllm_param_shapes(shape, infer_tp, rank)
+    d = shape.head_dim
+    q_rows = shape.num_attention_heads // infer_tp * d
+    kv_first, kv_stop = _kv_head_range(shape, infer_tp, rank)
+    ffn = shape.ffn_hidden_size // infer_tp
+    out: dict[str, TargetTensor] = {}
+
+    def add(name: str, axis: int | None, segments: tuple[Segment, ...]) -> None:
+        target = TargetTensor(name, shapes[name], axis, segments)
+        along = target.numel if axis is None else target.shape[axis]
+        if sum(s.length for s in segments) != along:
+            raise AssertionError(f"layout bug: {name} segments {segments} do not fill {target.shape}")
+        out[name] = target
+
+    add(EMBED, 0, _vocab_segments(shape, EMBED, infer_tp, rank))
+    for layer in range(shape.num_layers):
+        hp = f"model.layers.{layer}"
+        for name in layer_param_names(shape, layer):
+            if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
+                kind = name.rsplit(".", 1)[1]
+                add(name, 0, (
+                    Segment(f"{hp}.self_attn.q_proj.{kind}", rank * q_rows, (rank + 1) * q_rows),
+                    Segment(f"{hp}.self_attn.k_proj.{kind}", kv_first * d, kv_stop * d),
+                    Segment(f"{hp}.self_attn.v_proj.{kind}", kv_first * d, kv_stop * d),
+                ))
+            elif name.endswith("o_proj.weight"):
+                add(name, 1, (Segment(name, rank * q_rows, (rank + 1) * q_rows),))
+            elif name.endswith("gate_up_proj.weight"):
+                add(name, 0, (
+                    Segment(f"{hp}.mlp.gate_proj.weight", rank * ffn, (rank + 1) * ffn),
+                    Segment(f"{hp}.mlp.up_proj.weight", rank * ffn, (rank + 1) * ffn),
+                ))
+            elif name.endswith("down_proj.weight"):
+                add(name, 1, (Segment(name, rank * ffn, (rank + 1) * ffn),))
+            else:  # norms: replicated, whole
+                add(name, None, (Segment(name, 0, prod(shapes[name])),))
+    add(FINAL_NORM, None, (Segment(FINAL_NORM, 0, shape.hidden_size),))
+    if not shape.tie_word_embeddings:
+        add(LM_HEAD, 0, _vocab_segments(shape, LM_HEAD, infer_tp, rank))
+    if list(out) != list(shapes):
+        raise AssertionError("layout bug: vLLM targets and vllm_param_shapes disagree on names")
+    return out
+
+
+# ---- the megatron side -----------------------------------------------------------------------------
+
+def megatron_holdings(
+    shape: ModelShape, mesh: TrainingMesh, dp: int, cp: int, use_tied_copy: bool = True
+) -> dict[str, list[Holding]]:
+    """HF name -> every megatron range of it held by the ranks of one DP/CP replica (copies included)."""
+    layout = ParallelLayout(tp=mesh.tp, pp=mesh.pp, vpp=mesh.vpp)
+    out: dict[str, list[Holding]] = defaultdict(list)
+    for pp_rank in range(mesh.pp):
+        for tp_rank in range(mesh.tp):
+            rank = mesh.rank_of(tp=tp_rank, cp=cp, dp=dp, pp=pp_rank)
+            for index, chunk in enumerate(layout.chunks(shape.num_layers, pp_rank)):
+                for plan in chunk_tensor_plans(shape, layout, chunk, tp_rank):
+                    if plan.mcore_name == "output_layer.weight" and plan.is_copy and not use_tied_copy:
+                        continue
+                    offset = 0
+                    for seg in plan.segments:
+                        if seg.hf_name is not None:
+                            out[seg.hf_name].append(Holding(
+                                rank, index, plan.mcore_name, plan.shape, plan.axis, offset, seg.start, seg.stop,
+                            ))
+                        offset += seg.length
+    return out
+
+
+# ---- matching ----------------------------------------------------------------------------------------
+
+def _piece_shape(target: TargetTensor, length: int) -> tuple[int, ...]:
+    if target.axis is None:
+        return target.shape
+    dims = list(target.shape)
+    dims[target.axis] = length
+    return tuple(dims)
+
+
+def _choose(candidates: list[Holding], dst: int, micro_group: frozenset[int]) -> Holding:
+    """Self first, then a holder in the micro-DP group, then any; ties spread by the receiver's rank."""
+    own = [h for h in candidates if h.rank == dst]
+    if own:
+        return own[0]
+    near = [h for h in candidates if h.rank in micro_group] or candidates
+    near.sort(key=lambda h: (h.rank, h.chunk, h.mcore_name))
+    return near[dst % len(near)]
+
+
+def match_target(
+    target: TargetTensor, dst: int, holdings: dict[str, list[Holding]], micro_group: frozenset[int]
+) -> list[Piece]:
+    """Pieces that fill `target` on rank `dst` (padding excluded: it stays zero)."""
+    pieces: list[Piece] = []
+    dst_offset = 0
+    for seg in target.segments:
+        if seg.hf_name is None:
+            dst_offset += seg.length
+            continue
+        found = holdings.get(seg.hf_name, [])
+        if target.axis is None:
+            whole = [h for h in found if h.axis is None]
+            if not whole:
+                raise ValueError(f"no rank of this replica holds {seg.hf_name}")
+            h = _choose(whole, dst, micro_group)
+            pieces.append(Piece(target.name, dst, 0, h.rank, h.chunk, h.mcore_name, 0, seg.length, None,
+                                target.shape))
+            dst_offset += seg.length
+            continue
+        # Elementary intervals between every holder boundary inside the wanted range.
+        cuts = {seg.start, seg.stop}
+        for h in found:
+            for point in (h.hf_start, h.hf_stop):
+                if seg.start < point < seg.stop:
+                    cuts.add(point)
+        points = sorted(cuts)
+        for lo, hi in zip(points, points[1:]):
+            covering = [h for h in found if h.hf_start <= lo and hi <= h.hf_stop]
+            if not covering:
+                raise ValueError(f"no rank of this replica holds {seg.hf_name}[{lo}:{hi}]")
+            h = _choose(covering, dst, micro_group)
+            src_offset = h.shard_offset + lo - h.hf_start
+            at = dst_offset + lo - seg.start
+            last = pieces[-1] if pieces else None
+            if (last is not None and last.src == h.rank and last.mcore_name == h.mcore_name
+                    and last.chunk == h.chunk and last.src_offset + last.length == src_offset
+                    and last.dst_offset + last.length == at):
+                length = last.length + hi - lo
+                pieces[-1] = Piece(target.name, dst, last.dst_offset, h.rank, h.chunk, h.mcore_name,
+                                   last.src_offset, length, target.axis, _piece_shape(target, length))
+            else:
+                pieces.append(Piece(target.name, dst, at, h.rank, h.chunk, h.mcore_name, src_offset, hi - lo,
+                                    target.axis, _piece_shape(target, hi - lo)))
+        dst_offset += seg.length
+    return pieces
+
+
+def _split(piece: Piece, max_numel: int) -> list[Piece]:
+    """Cut a piece along its axis so each part has at most `max_numel` elements (at least one row)."""
+    if piece.axis is None or piece.numel <= max_numel:
+        return [piece]
+    per_position = piece.numel // piece.length
+    step = max(1, max_numel // per_position)
+    out = []
+    for start in range(0, piece.length, step):
+        length = min(step, piece.length - start)
+        dims = list(piece.shape)
+        dims[piece.axis] = length
+        out.append(Piece(piece.target, piece.dst, piece.dst_offset + start, piece.src, piece.chunk,
+                         piece.mcore_name, piece.src_offset + start, length, piece.axis, tuple(dims)))
+    return out
+
+
+def _overlap_numel(target: TargetTensor, own: dict[str, list[Holding]]) -> int:
+    """Elements of `target` a rank holding `own` already has."""
+    total = 0
+    per_position = target.numel // (target.shape[target.axis] if target.axis is not None else target.numel)
+    for seg in target.segments:
+        if seg.hf_name is None:
+            continue
+        ranges = sorted((h.hf_start, h.hf_stop) for h in own.get(seg.hf_name, ())
+                        if (h.axis is None) == (target.axis is None))
+        covered, cursor = 0, seg.start
+        for lo, hi in ranges:
+            lo, hi = max(lo, cursor), min(hi, seg.stop)
+            if hi > lo:
+                covered += hi - lo
+                cursor = hi
+        total += covered * (per_position if target.axis is not None else 1)
+    return total
+
+
+def _held_hf_numel(shape: ModelShape, own: dict[str, list[Holding]]) -> int:
+    """HF elements (each counted once) a rank holds: what a gather-everything design need not receive."""
+    hf_shapes = hf_tensor_shapes(shape)
+    total = 0
+    for name, found in own.items():
+        per_position = prod(hf_shapes[name]) // hf_shapes[name][found[0].axis or 0] if found else 0
+        ranges = sorted({(h.hf_start, h.hf_stop) for h in found})
+        cursor = 0
+        for lo, hi in ranges:
+            lo = max(lo, cursor)
+            if hi > lo:
+                total += (hi - lo) * (per_position if found[0].axis is not None else 1)
+                cursor = hi
+    return total
+
+
+def build_rank_plan(
+    shape: ModelShape,
+    mesh: TrainingMesh,
+    groups: ReshardGroups,
+    rank: int,
+    *,
+    bucket_numel: int,
+    gen_tp_index: tuple[int, ...] | None = None,
+    use_tied_copy: bool = True,
+) -> RankReshardPlan:
+    """The plan of `rank`: its buckets, computed from the whole plan of its DP/CP replica.
+
+    `gen_tp_index` overrides the groups' generation TP rank per global rank (e.g. vLLM's default
+    consecutive TP groups, rank % infer_tp) — the plan stays correct, only the traffic grows.
+    """
+    if bucket_numel < 1:
+        raise ValueError(f"bucket size must be positive, got {bucket_numel} elements")
+    infer_tp = groups.rollout.infer_tp
+    gen_index = tuple(gen_tp_index) if gen_tp_index is not None else groups.gen_tp_index
+    if len(gen_index) != mesh.world_size:
+        raise ValueError(f"gen_tp_index has {len(gen_index)} entries for {mesh.world_size} ranks")
+    coord = mesh.coord(rank)
+    replica_ranks = [mesh.rank_of(tp=t, cp=coord.cp, dp=coord.dp, pp=p) for p in range(mesh.pp) for t in range(mesh.tp)]
+    replica_ranks.sort()
+    holdings = megatron_holdings(shape, mesh, coord.dp, coord.cp, use_tied_copy)
+    micro_of = {}
+    for group in groups.micro_dp_groups:
+        for member in group:
+            micro_of[member] = frozenset(group)
+
+    # Every piece of the replica, in vLLM tensor order (then receiver, then position).
+    targets_of = {r: vllm_targets(shape, infer_tp, gen_index[r]) for r in replica_ranks}
+    names = list(targets_of[rank])
+    all_pieces: list[list[Piece]] = []  # per vLLM tensor name
+    for name in names:
+        pieces: list[Piece] = []
+        for r in replica_ranks:
+            for piece in match_target(targets_of[r][name], r, holdings, micro_of.get(r, frozenset({r}))):
+                pieces.extend(_split(piece, bucket_numel) if piece.src != piece.dst else [piece])
+        all_pieces.append(pieces)
+
+    # Greedy buckets: close one before any rank's sent + received elements would exceed the budget.
+    buckets: list[list[Piece]] = [[]]
+    load: dict[int, int] = defaultdict(int)
+    for pieces in all_pieces:
+        for piece in pieces:
+            if piece.src != piece.dst:
+                if buckets[-1] and (load[piece.src] + piece.numel > bucket_numel
+                                    or load[piece.dst] + piece.numel > bucket_numel):
+                    buckets.append([])
+                    load.clear()
+                load[piece.src] += piece.numel
+                load[piece.dst] += piece.numel
+            buckets[-1].append(piece)
+
+    # This rank's view: when each of its tensors opens and completes.
+    first_touch: dict[str, int] = {}
+    last_touch: dict[str, int] = {}
+    for index, bucket in enumerate(buckets):
+        for piece in bucket:
+            if piece.dst == rank:
+                first_touch.setdefault(piece.target, index)
+                last_touch[piece.target] = index
+    for name in names:  # a tensor made only of padding still has to be produced
+        first_touch.setdefault(name, 0)
+        last_touch.setdefault(name, 0)
+
+    rank_buckets = []
+    peers: set[int] = set()
+    recv = send = local = 0
+    for index, bucket in enumerate(buckets):
+        sends: dict[int, list[Piece]] = defaultdict(list)
+        recvs: dict[int, list[Piece]] = defaultdict(list)
+        locals_ = []
+        for piece in bucket:
+            if piece.src == rank and piece.dst == rank:
+                locals_.append(piece)
+                local += piece.numel
+            elif piece.src == rank:
+                sends[piece.dst].append(piece)
+                send += piece.numel
+                peers.add(piece.dst)
+            elif piece.dst == rank:
+                recvs[piece.src].append(piece)
+                recv += piece.numel
+                peers.add(piece.src)
+        rank_buckets.append(RankBucket(
+            sends={d: tuple(ps) for d, ps in sorted(sends.items())},
+            recvs={s: tuple(ps) for s, ps in sorted(recvs.items())},
+            local=tuple(locals_),
+            opens=tuple(n for n in names if first_touch[n] == index),
+            completes=tuple(n for n in names if last_touch[n] == index),
+        ))
+
+    targets = targets_of[rank]
+    padding = sum(
+        seg.length * (t.numel // t.shape[t.axis])
+        for t in targets.values() if t.axis is not None for seg in t.segments if seg.hf_name is None
+    )
+    own = {n: [h for h in hs if h.rank == rank] for n, hs in holdings.items()}
+    bound = min(
+        sum(t.numel - _overlap_numel(t, own) for t in vllm_targets(shape, infer_tp, j).values())
+        - sum(seg.length * (t.numel // t.shape[t.axis]) for t in vllm_targets(shape, infer_tp, j).values()
+              if t.axis is not None for seg in t.segments if seg.hf_name is None)
+        for j in range(infer_tp)
+    )
+    model_numel = sum(prod(dims) for dims in hf_tensor_shapes(shape).values())
+    return RankReshardPlan(
+        rank=rank,
+        gen_tp_index=gen_index[rank],
+        infer_tp=infer_tp,
+        targets=targets,
+        buckets=tuple(rank_buckets),
+        micro_dp_group=tuple(sorted(micro_of.get(rank, frozenset({rank})))),
+        peers=tuple(sorted(peers)),
+        recv_numel=recv,
+        send_numel=send,
+        local_numel=local,
+        padding_numel=padding,
+        lower_bound_numel=bound,
+        naive_numel=model_numel - _held_hf_numel(shape, own),
+    )

@@ -1,0 +1,335 @@
+"""The distributed resharder: megatron training shards -> this rank's vLLM generation shard.
+
+At sync time every actor rank (all TP/PP/DP/CP ranks, at the same time) does:
+
+    resharder = Resharder(models, plan.reshard.groups)        # once; models from build_gpt_models
+    ...
+    rollout.update_weights(resharder.shards(), weight_format="vllm_shard")   # each sync
+    report = resharder.last_report                             # SyncReport: bytes, time, memory, checksums
+    verify_checksums(report.checksums, shard_checksums(rollout.named_parameters_snapshot().items()), rank)
+
+`shards()` yields `(vLLM name, tensor)` for exactly `hf_to_vllm_shards(full HF state, config,
+infer_tp, gen_tp_index[rank])`, tensor by tensor as they complete, without ever holding the full model:
+- what it moves follows `engine.reshard_plan` (pure, identical on every rank): each needed range
+  comes from the rank itself, else from its micro-DP group; DP/CP replicas reshard independently;
+- movement is point-to-point (`batch_isend_irecv`, gloo on CPU, nccl on GPU), one message per
+  (sender, receiver) pair and bucket, so across pipeline stages a layer goes only to the ranks that
+  need it and inside a micro-DP group each piece goes only to the members that lack it;
+- buckets bound the transient memory: within one bucket a rank's packed sends plus receive
+  buffers stay under `bucket_bytes`; the rest is the shard being produced (tensors are handed to
+  the consumer as soon as they complete, so a consumer that writes and drops them keeps even
+  that small).
+
+It is a collective generator: every rank of the DP/CP replica must run it to the end. The rollout
+engine's lifecycle is not ours: we only produce tensors (and their checksums).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybridrl.config.estimates import ReshardTraffic, reshard_traffic
+from hybridrl.config.meshes import ReshardGroups, TrainingMesh, build_training_mesh
+from hybridrl.engine.checksums import tensor_checksum
+from hybridrl.engine.reshard_plan import Piece, RankBucket, RankReshardPlan, build_rank_plan
+from hybridrl.models.bridge import _info, _model_name, _model_tensors, _unwrap
+
+DEFAULT_BUCKET_BYTES = 512 * 1024**2
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass(frozen=True)
+class ReshardConfig:
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    # Use megatron's copy of a tied embedding on the last stage instead of receiving it (bit-equal:
+    # megatron all-reduces the two copies' gradients over the embedding group).
+    use_tied_copy: bool = True
+    checksums: bool = True
+    output_dtype: torch.dtype | None = None  # None: the training parameters' dtype
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """One rank's account of one weight sync. Byte counts are measured in the send/recv code."""
+
+    rank: int
+    gen_tp_index: int
+    infer_tp: int
+    strategy: str
+    bytes_sent: int
+    bytes_received: int
+    messages_sent: int
+    messages_received: int
+    buckets: int
+    seconds: float  # time spent inside the resharder (consumer time between yields excluded)
+    wall_seconds: float  # first tensor requested -> last tensor handed over
+    peak_buffer_bytes: int  # largest set of live send/receive buffers
+    peak_extra_bytes: int  # buffers + shard tensors allocated and not yet handed over
+    generation_shard_bytes: int
+    planned_bytes_received: int  # from the pure plan (exact: padding and KV layout included)
+    exact_lower_bound_bytes: int  # min over generation indices j of the bytes shard j would need
+    plan_bytes_received: int | None  # the Plan's estimate (`config.estimates.reshard_traffic`)
+    plan_lower_bound_bytes: int | None  # HybridFlow Table 2 bound, as the Plan computes it
+    naive_gather_bytes: int  # gather-everything: the whole model minus what this rank holds
+    peers: tuple[int, ...]
+    peers_outside_micro_dp: tuple[int, ...]
+    checksums: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ratio_to_lower_bound(self) -> float:
+        bound = self.plan_lower_bound_bytes if self.plan_lower_bound_bytes is not None else self.exact_lower_bound_bytes
+        if bound == 0:
+            return 1.0 if self.bytes_received == 0 else float("inf")
+        return self.bytes_received / bound
+
+    def as_metrics(self, prefix: str = "reshard/") -> dict[str, float]:
+        """Scalar metrics for the tracker (checksums and peer lists left out)."""
+        skip = {"checksums", "peers", "peers_outside_micro_dp", "strategy"}
+        out = {prefix + k: float(v) for k, v in asdict(self).items() if k not in skip and v is not None}
+        out[prefix + "ratio_to_lower_bound"] = self.ratio_to_lower_bound
+        return out
+
+
+class _MemoryMeter:
+    """Bytes of the buffers we allocated that are still alive, and the peak of that."""
+
+    def __init__(self) -> None:
+        self.buffers = 0
+        self.outputs = 0
+        self.peak_buffers = 0
+        self.peak_total = 0
+
+    def add(self, nbytes: int, *, output: bool = False) -> None:
+        if output:
+            self.outputs += nbytes
+        else:
+            self.buffers += nbytes
+        self.peak_buffers = max(self.peak_buffers, self.buffers)
+        self.peak_total = max(self.peak_total, self.buffers + self.outputs)
+
+    def remove(self, nbytes: int, *, output: bool = False) -> None:
+        if output:
+            self.outputs -= nbytes
+        else:
+            self.buffers -= nbytes
+
+
+class Resharder:
+    """Produces this rank's vLLM shard from its megatron model chunks; see the module docstring.
+
+    `models`: this rank's GPTModel chunks (one per VPP stage) as built by `build_gpt_models`
+    (megatron DDP wrappers are fine). `groups`: the Plan's `ReshardGroups` for the actor mesh.
+    `gen_tp_index`: override of the generation TP rank of each global rank (default: the groups').
+    """
+
+    def __init__(
+        self,
+        models: Sequence[Any],
+        groups: ReshardGroups,
+        *,
+        mesh: TrainingMesh | None = None,
+        config: ReshardConfig | None = None,
+        gen_tp_index: Sequence[int] | None = None,
+        ctx: Any = None,
+    ) -> None:
+        if ctx is None:
+            from hybridrl.parallel.state import get_context
+
+            ctx = get_context()
+        self.config = config or ReshardConfig()
+        self.groups = groups
+        self.rank = dist.get_rank()
+        self.mesh = mesh or build_training_mesh(ctx.world_size, ctx.tp, ctx.pp, ctx.cp, ctx.vpp)
+        coord = self.mesh.coord(self.rank)
+        if (coord.tp, coord.pp, coord.dp, coord.cp) != (ctx.tp_rank, ctx.pp_rank, ctx.dp_rank, ctx.cp_rank):
+            raise ValueError(f"rank {self.rank}: mesh says {coord}, megatron says tp {ctx.tp_rank} pp "
+                             f"{ctx.pp_rank} dp {ctx.dp_rank} cp {ctx.cp_rank} (rank order must be tp-cp-dp-pp)")
+        chunks = [_unwrap(m) for m in models]
+        infos = [_info(m) for m in chunks]
+        self.shape = infos[0].source.shape
+        # mcore name (local spec) -> tensor, per chunk; TE specs rename the fused norms.
+        self._tensors: list[dict[str, torch.Tensor]] = []
+        for model, info in zip(chunks, infos):
+            by_model_name = _model_tensors(model)
+            names = {n: _model_name(n, info.spec_kind) for n in _local_names(by_model_name, info.spec_kind)}
+            self._tensors.append({local: by_model_name[model_name].detach() for local, model_name in names.items()})
+        first = next(iter(self._tensors[0].values()))
+        self.dtype = first.dtype
+        self.device = first.device
+        element = first.element_size()
+        self.plan: RankReshardPlan = build_rank_plan(
+            self.shape, self.mesh, groups, self.rank,
+            bucket_numel=max(1, self.config.bucket_bytes // element),
+            gen_tp_index=tuple(gen_tp_index) if gen_tp_index is not None else None,
+            use_tied_copy=self.config.use_tied_copy,
+        )
+        self._element = element
+        self._check_sources()
+        dtype_name = _DTYPE_NAMES.get(self.dtype)
+        self.traffic: ReshardTraffic | None = (
+            reshard_traffic(self.shape, self.mesh, groups, dtype_name) if dtype_name else None
+        )
+        self.last_report: SyncReport | None = None
+
+    def _check_sources(self) -> None:
+        for bucket in self.plan.buckets:
+            for pieces in (*bucket.sends.values(), bucket.local):
+                for piece in pieces:
+                    if piece.mcore_name not in self._tensors[piece.chunk]:
+                        raise KeyError(f"rank {self.rank}: the plan reads {piece.mcore_name} of chunk "
+                                       f"{piece.chunk}, which the model does not have")
+
+    # ---- views -----------------------------------------------------------------------------------
+    def _source_view(self, piece: Piece) -> torch.Tensor:
+        tensor = self._tensors[piece.chunk][piece.mcore_name]
+        return tensor if piece.axis is None else tensor.narrow(piece.axis, piece.src_offset, piece.length)
+
+    @staticmethod
+    def _target_view(output: torch.Tensor, piece: Piece) -> torch.Tensor:
+        return output if piece.axis is None else output.narrow(piece.axis, piece.dst_offset, piece.length)
+
+    # ---- the sync ---------------------------------------------------------------------------------
+    def shards(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield this rank's vLLM tensors as they complete; `last_report` is set at the end.
+
+        Collective: every rank of the DP/CP replica must exhaust its generator. The yielded tensors
+        are new (never views of the training parameters), so the consumer may keep or modify them.
+        """
+        meter = _MemoryMeter()
+        counters = {"sent": 0, "received": 0, "msg_sent": 0, "msg_received": 0}
+        checksums: dict[str, str] = {}
+        outputs: dict[str, torch.Tensor] = {}
+        own_seconds = 0.0
+        started = time.perf_counter()
+        for bucket in self.plan.buckets:
+            resumed = time.perf_counter()
+            for name in bucket.opens:
+                target = self.plan.targets[name]
+                has_padding = any(seg.hf_name is None for seg in target.segments)
+                make = torch.zeros if has_padding else torch.empty
+                outputs[name] = make(target.shape, dtype=self.dtype, device=self.device)
+                meter.add(outputs[name].numel() * self._element, output=True)
+            self._run_bucket(bucket, outputs, meter, counters)
+            ready = []
+            for name in bucket.completes:
+                tensor = outputs.pop(name)
+                meter.remove(tensor.numel() * self._element, output=True)
+                if self.config.output_dtype is not None and tensor.dtype != self.config.output_dtype:
+                    tensor = tensor.to(self.config.output_dtype)
+                if self.config.checksums:
+                    checksums[name] = tensor_checksum(tensor)
+                ready.append((name, tensor))
+            own_seconds += time.perf_counter() - resumed
+            yield from ready
+        if outputs:
+            raise AssertionError(f"plan bug: tensors never completed: {sorted(outputs)}")
+        self.last_report = self._report(counters, meter, own_seconds, time.perf_counter() - started, checksums)
+
+    def reshard(self) -> dict[str, torch.Tensor]:
+        """All of this rank's vLLM tensors in one dict (tests and tools; `shards()` streams)."""
+        return dict(self.shards())
+
+    def _run_bucket(self, bucket: RankBucket, outputs: dict[str, torch.Tensor], meter: _MemoryMeter,
+                    counters: dict[str, int]) -> None:
+        ops: list[dist.P2POp] = []
+        packed: dict[tuple, torch.Tensor] = {}  # one packed buffer per distinct piece list (shared by receivers)
+        allocated = 0
+        for dst, pieces in bucket.sends.items():
+            key = tuple((p.chunk, p.mcore_name, p.axis, p.src_offset, p.length) for p in pieces)
+            buffer = packed.get(key)
+            if buffer is None:
+                buffer, fresh = self._pack(pieces)
+                packed[key] = buffer
+                if fresh:
+                    meter.add(buffer.numel() * self._element)
+                    allocated += buffer.numel() * self._element
+            ops.append(dist.P2POp(dist.isend, buffer, dst))
+            counters["sent"] += buffer.numel() * self._element
+            counters["msg_sent"] += 1
+        receive: dict[int, torch.Tensor] = {}
+        for src, pieces in bucket.recvs.items():
+            buffer = torch.empty(sum(p.numel for p in pieces), dtype=self.dtype, device=self.device)
+            meter.add(buffer.numel() * self._element)
+            allocated += buffer.numel() * self._element
+            receive[src] = buffer
+            ops.append(dist.P2POp(dist.irecv, buffer, src))
+        works = dist.batch_isend_irecv(ops) if ops else []
+        # Local copies overlap with the transfers in flight.
+        for piece in bucket.local:
+            self._target_view(outputs[piece.target], piece).copy_(self._source_view(piece))
+        for work in works:
+            work.wait()
+        for src, pieces in bucket.recvs.items():
+            buffer = receive[src]
+            counters["received"] += buffer.numel() * self._element
+            counters["msg_received"] += 1
+            position = 0
+            for piece in pieces:
+                part = buffer[position: position + piece.numel].view(piece.shape)
+                self._target_view(outputs[piece.target], piece).copy_(part)
+                position += piece.numel
+        meter.remove(allocated)
+
+    def _pack(self, pieces: Sequence[Piece]) -> tuple[torch.Tensor, bool]:
+        """A contiguous 1-D buffer of the pieces in order; (buffer, whether it was newly allocated)."""
+        if len(pieces) == 1:
+            view = self._source_view(pieces[0])
+            if view.is_contiguous():
+                return view.reshape(-1), False  # rows of a row-major tensor: send without a copy
+        buffer = torch.empty(sum(p.numel for p in pieces), dtype=self.dtype, device=self.device)
+        position = 0
+        for piece in pieces:
+            buffer[position: position + piece.numel].view(piece.shape).copy_(self._source_view(piece))
+            position += piece.numel
+        return buffer, True
+
+    def _report(self, counters: dict[str, int], meter: _MemoryMeter, seconds: float, wall: float,
+                checksums: dict[str, str]) -> SyncReport:
+        plan, es = self.plan, self._element
+        traffic = self.traffic
+        return SyncReport(
+            rank=self.rank,
+            gen_tp_index=plan.gen_tp_index,
+            infer_tp=plan.infer_tp,
+            strategy=self.groups.strategy,
+            bytes_sent=counters["sent"],
+            bytes_received=counters["received"],
+            messages_sent=counters["msg_sent"],
+            messages_received=counters["msg_received"],
+            buckets=len(plan.buckets),
+            seconds=seconds,
+            wall_seconds=wall,
+            peak_buffer_bytes=meter.peak_buffers,
+            peak_extra_bytes=meter.peak_total,
+            generation_shard_bytes=plan.target_numel * es,
+            planned_bytes_received=plan.recv_numel * es,
+            exact_lower_bound_bytes=plan.lower_bound_numel * es,
+            plan_bytes_received=traffic.bytes_received[self.rank] if traffic else None,
+            plan_lower_bound_bytes=traffic.lower_bound[self.rank] if traffic else None,
+            naive_gather_bytes=plan.naive_numel * es,
+            peers=plan.peers,
+            peers_outside_micro_dp=plan.peers_outside_micro_dp,
+            checksums=checksums,
+        )
+
+
+def _local_names(by_model_name: dict[str, torch.Tensor], spec_kind: str) -> list[str]:
+    """Local-spec names of a chunk's tensors (the layout math's names), whatever the spec."""
+    from hybridrl.models.bridge import _TE_NAMES
+
+    if spec_kind != "te":
+        return list(by_model_name)
+    reverse = {te: local for local, te in _TE_NAMES.items()}
+    out = []
+    for name in by_model_name:
+        for te_suffix, local_suffix in reverse.items():
+            if name.endswith(te_suffix):
+                name = name[: -len(te_suffix)] + local_suffix
+                break
+        out.append(name)
+    return out
