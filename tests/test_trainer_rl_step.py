@@ -7,22 +7,15 @@ import torch
 
 from hybridrl.algorithms.kl_control import AdaptiveKLController, FixedKLController
 from hybridrl.data.batch import Batch
+from hybridrl.rewards.manager import token_level_rewards as place_scores_on_last_token
 from hybridrl.trainer.rl_step import (
     AdvantageSettings,
     apply_kl_in_reward,
     compute_batch_advantages,
     groups_with_reward_spread,
     overlong_penalty,
-    place_scores_on_last_token,
     response_metrics,
 )
-
-
-def test_scores_land_on_last_response_token_and_empty_rows_get_nothing():
-    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
-    out = place_scores_on_last_token(torch.tensor([2.0, -1.0, 5.0, 0.5]), mask)
-    expected = torch.tensor([[0, 0, 2.0, 0], [-1.0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0.5]])
-    assert torch.equal(out, expected)
 
 
 def test_kl_in_reward_subtracts_beta_times_k1_and_adapts():

@@ -33,6 +33,7 @@ class DataConfig:
     apply_chat_template: bool = doc(False, "wrap prompts with the tokenizer's chat template")
     filter_overlong_prompts: bool = doc(True, "drop prompts longer than max_prompt_length (counted)")
     truncation: str = doc("error", "over-long prompts when not filtered: error | left | right")
+    on_malformed: str = doc("error", "rows without a usable prompt: error (name file and row) | skip (counted)")
 
 
 # ------------------------------------------------------------------------------------- models
@@ -167,6 +168,7 @@ class RewardModelConfig:
 class CustomRewardConfig:
     path: str | None = doc(None, "Python file with a reward function (trusted code)")
     name: str = doc("compute_score", "function name in that file")
+    fallback_score: float | None = doc(None, "score for a sample whose scorer raises or returns NaN; None = stop")
 
 
 @dataclass
@@ -201,7 +203,8 @@ class TrainerConfig:
     save_freq: int = doc(-1, "checkpoint every N steps; -1 = never")
     test_freq: int = doc(-1, "validate every N steps; -1 = never")
     val_before_train: bool = doc(False, "validate once before the first step")
-    default_local_dir: str = doc("checkpoints", "checkpoint root folder")
+    default_local_dir: str = doc("checkpoints", "checkpoint root folder (…/<project>/<experiment>/global_step_N)")
+    run_dir: str | None = doc(None, "logs, metrics.jsonl, TensorBoard, plot; None = runs/<project>/<experiment>")
     resume_mode: str = doc("auto", "auto | disable | <checkpoint path>")
     keep_last_n: int | None = doc(None, "keep this many newest checkpoints; None = all")
     export_hf_on_save: bool = doc(False, "also write an HF folder of the actor at each save")

@@ -35,6 +35,7 @@ STRATEGIES = ("megatron",)
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 OPTIMIZERS = ("adam", "sgd")
 TRUNCATIONS = ("error", "left", "right")
+MALFORMED_MODES = ("error", "skip")
 RESUME_MODES = ("auto", "disable")
 
 
@@ -170,6 +171,7 @@ def _check_names(check: _Checker, config: JobConfig) -> None:
     check.one_of("actor_rollout_ref.rollout.name", arr.rollout.name, ROLLOUT_ENGINES, "rollout engine")
     check.one_of("actor_rollout_ref.actor.strategy", arr.actor.strategy, STRATEGIES, "training strategy")
     check.one_of("data.truncation", config.data.truncation, TRUNCATIONS, "truncation mode")
+    check.one_of("data.on_malformed", config.data.on_malformed, MALFORMED_MODES, "malformed-row policy")
     for prefix, optim in (("actor_rollout_ref.actor.optim", arr.actor.optim), ("critic.optim", config.critic.optim)):
         check.one_of(f"{prefix}.lr_decay_style", optim.lr_decay_style, LR_DECAY_STYLES, "LR schedule")
         check.one_of(f"{prefix}.optimizer", optim.optimizer, OPTIMIZERS, "optimizer")

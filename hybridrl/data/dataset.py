@@ -392,6 +392,7 @@ class PromptDataset(Sequence[PromptItem]):
             filter_overlong_prompts=data_config.filter_overlong_prompts,
             truncation=data_config.truncation,
             apply_chat_template=data_config.apply_chat_template,
+            on_malformed=getattr(data_config, "on_malformed", "error"),
         )
         options.update(overrides)
         return cls(files, tokenizer, **options)

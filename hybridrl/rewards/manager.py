@@ -87,6 +87,8 @@ class RewardManager:
     def from_config(cls, algorithm_config: Any, fallback_score: float | None = None) -> RewardManager:
         """The user's function when ``custom_reward_function.path`` is set, else the ``reward_fn`` scorer."""
         custom = algorithm_config.custom_reward_function
+        if fallback_score is None:
+            fallback_score = getattr(custom, "fallback_score", None)
         if custom.path:
             return cls.from_file(custom.path, custom.name, fallback_score)
         return cls.from_name(algorithm_config.reward_fn, fallback_score)

@@ -32,23 +32,6 @@ class AdvantageSettings:
     norm_adv_by_std_in_grpo: bool = True
 
 
-def place_scores_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """[B] sequence scores -> [B, R] token scores on each row's last unmasked token.
-
-    A row with an empty response has nowhere to put its score: it gets all zeros.
-    """
-    mask = response_mask.bool()
-    token_scores = torch.zeros(mask.shape, dtype=torch.float32)
-    lengths = mask.sum(dim=-1)
-    has_tokens = lengths > 0
-    # last True position of each row: index of the max over positions weighted by arange
-    positions = torch.arange(mask.shape[1]).expand_as(mask)
-    last = torch.where(mask, positions, torch.full_like(positions, -1)).max(dim=-1).values
-    rows = torch.nonzero(has_tokens).squeeze(-1)
-    token_scores[rows, last[rows]] = scores.float()[rows]
-    return token_scores
-
-
 def apply_kl_in_reward(batch: Batch, controller: FixedKLController, kind: str) -> dict[str, float]:
     """token_level_rewards = token_level_scores - beta * KL(old || ref), per token; updates the controller.
 

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Join this node to a Ray head started with launch/ray_head.sh:  launch/ray_worker.sh HEAD_IP[:PORT]
+set -euo pipefail
+
+if [ "$#" -lt 1 ]; then
+  echo "usage: $0 HEAD_IP[:PORT]" >&2
+  exit 2
+fi
+head="$1"
+case "$head" in *:*) ;; *) head="$head:${RAY_PORT:-6379}" ;; esac
+num_gpus="${NUM_GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}"
+node_ip="${NODE_IP:-$(hostname -I | awk '{print $1}')}"
+
+ray start --address="$head" --node-ip-address="$node_ip" --num-gpus="$num_gpus" --disable-usage-stats
