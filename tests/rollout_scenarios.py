@@ -143,10 +143,14 @@ def tp_update_session(
     return results
 
 
-def replica_groups_session(rank: int, world_size: int, model_dir: str, infer_tp: int) -> dict[str, Any]:
+def replica_groups_session(
+    rank: int, world_size: int, model_dir: str, infer_tp: int, new_weights: dict[str, torch.Tensor]
+) -> dict[str, Any]:
     """world_size // infer_tp independent rollout replicas, each an infer_tp group, on one gloo world;
-    each replica generates its own prompts."""
+    each replica generates its own prompts. The engine is built as in production (no weight capture)."""
+    from hybridrl.engine.layout import hf_to_vllm_shards
     from hybridrl.rollout.sampling import validation_sampling
+    from tests.rollout_models import load_config
 
     engine = make_engine(model_dir, infer_tp=infer_tp)
     replica = rank // infer_tp
@@ -154,7 +158,16 @@ def replica_groups_session(rank: int, world_size: int, model_dir: str, infer_tp:
     out = engine.generate_sequences(prompts, validation_sampling(max_tokens=5))
     # The same prompt on every replica with engine-drawn seeds: replicas must sample independently.
     sampled = engine.generate_sequences([[5, 6, 7]], RolloutSampling(n=2, temperature=1.0, max_tokens=6))
+    shards = hf_to_vllm_shards(new_weights, load_config(model_dir), infer_tp, engine.tp_rank)
+    engine.update_weights(shards.items(), weight_format="vllm_shard")
+    after_update = engine.generate_sequences(prompts, validation_sampling(max_tokens=5))
+    try:
+        engine.parameter_digests()
+        digest_error = None
+    except RuntimeError as error:
+        digest_error = str(error)
     return {
         "replica": replica, "tp_rank": engine.tp_rank, "prompts": prompts,
         "responses": out.tensors["responses"], "sampled": sampled.tensors["responses"],
+        "after_update": after_update.tensors["responses"], "digest_error": digest_error,
     }

@@ -196,10 +196,12 @@ def test_infer_tp2_samples_agree_and_both_update_formats_land_each_ranks_shard(t
 def test_two_replicas_of_infer_tp2_on_a_world_of_four_generate_independently(tmp_path):
     """Rollout mesh infer_dp=2 x infer_tp=2 on 4 gloo ranks: TP groups are consecutive ranks, each
     replica generates its own prompts (different counts: no cross-replica collective), the result
-    equals HF greedy, and engine-drawn seeds differ between replicas but agree within one."""
+    equals HF greedy, and engine-drawn seeds differ between replicas but agree within one. Then each
+    rank receives its vLLM shard of new weights (engine built without weight capture)."""
     spec = {**LLAMA_GQA1, "eos_token_id": None, "bos_token_id": None}
     model_dir = build_tiny_model(tmp_path / "llama", spec, seed=8)
-    ranks = run_ranks(rollout_scenarios.replica_groups_session, 4, str(model_dir), 2, timeout_s=500)
+    new = perturbed_state_dict(model_dir, 9)
+    ranks = run_ranks(rollout_scenarios.replica_groups_session, 4, str(model_dir), 2, new, timeout_s=500)
     assert [(r["replica"], r["tp_rank"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     model = _hf_model({"model_dir": model_dir})
     for rank in ranks:
@@ -209,3 +211,9 @@ def test_two_replicas_of_infer_tp2_on_a_world_of_four_generate_independently(tmp
     assert torch.equal(ranks[0]["sampled"], ranks[1]["sampled"])
     assert torch.equal(ranks[2]["sampled"], ranks[3]["sampled"])
     assert not torch.equal(ranks[0]["sampled"], ranks[2]["sampled"]), "replicas drew the same samples"
+    # Shard delivery without weight capture (the production setting): generation follows the new weights.
+    new_model = _hf_model({"model_dir": model_dir}, new)
+    for rank in ranks:
+        for prompt, response in zip(rank["prompts"], rank["after_update"].tolist()):
+            assert response == _hf_greedy(new_model, prompt, 5)
+        assert "capture_loaded_weights=True" in rank["digest_error"]
