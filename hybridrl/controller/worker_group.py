@@ -169,14 +169,17 @@ class WorkerGroup:
         """Arguments per rank (all-to-all); results in rank order."""
         return self._execute(method, all_to_all(per_rank_args, self.world_size))
 
-    def call_by_dp(self, method: str, batch: Batch, *args: Any, **kwargs: Any) -> Batch:
+    def call_by_dp(self, method: str, batch: Batch, *args: Any, mesh: RankMesh | None = None,
+                   **kwargs: Any) -> Batch:
         """Split `batch` by DP rank, run `method(chunk, *args, **kwargs)` on every rank, and return
         the output ranks' batches concatenated in the original row order.
 
+        `mesh` defaults to the group's training mesh; the hybrid engine passes its rollout mesh
+        (DP = vLLM replicas, TP = inference TP) for generation, whose layout differs.
         A batch that does not divide by the DP size is padded by repeating rows, and the padding
         rows are dropped from the result.
         """
-        mesh = self.require_mesh()
+        mesh = mesh or self.require_mesh()
         padded, pad_count = batch.pad_to_multiple(mesh.dp_size)
         chunk_refs = dispatch_by_dp(padded, mesh)
         shared = one_to_all(*args, world_size=1, **kwargs)[0]
