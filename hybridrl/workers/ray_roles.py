@@ -1,0 +1,173 @@
+"""Ray-facing role workers: what the trainer drives through `controller.WorkerGroup`.
+
+Each class is a `controller.base_worker.Worker`: constructed with its `RankContext` and the
+`Plan` (nothing touches torch.distributed there), joined into the group's process group by the
+`WorkerGroup`, then set up by the trainer calling `init_model()` on every rank. After that,
+`mesh_coords()` reports the rank's (dp, tp, pp, cp) for the controller's DP dispatch.
+
+Methods taking a `Batch` expect this DP rank's chunk (the controller's `dispatch_by_dp`) and
+return results only on the output ranks (last pipeline stage, TP rank 0), None elsewhere.
+The trainer decides the order of calls in a step; workers only turn batches into results.
+
+    ActorRolloutRefWorker  compute_log_prob, compute_ref_log_prob, update_actor, save/load_checkpoint,
+                           export_hf; `rollout` is the seam for the vLLM engine (hybridrl.rollout),
+                           attached later with `attach_rollout` in the same processes
+    CriticWorker           compute_values, update_critic, save/load_checkpoint
+    RewardModelWorker      compute_rm_score
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hybridrl.config.plan import Plan
+from hybridrl.controller.base_worker import RankContext, Worker
+from hybridrl.data.batch import Batch
+
+
+class MegatronWorker(Worker):
+    """Common plumbing: the Plan, the rank's engines, mesh coordinates, thread count."""
+
+    def __init__(self, context: RankContext, plan: Plan, torch_threads: int | None = None) -> None:
+        super().__init__(context)
+        self.plan = plan
+        self.torch_threads = torch_threads
+        self.primary: Any = None  # the MegatronRole that defines this rank's mesh
+
+    def _prepare(self) -> None:
+        if self.torch_threads:
+            import torch
+
+            torch.set_num_threads(self.torch_threads)
+
+    def _total_optimizer_steps(self, role: str, total_training_steps: int | None) -> int | None:
+        if total_training_steps is None:
+            return None
+        return total_training_steps * self.plan.update(role).optimizer_steps_per_step
+
+    def _require(self, engine: Any, what: str) -> Any:
+        if engine is None:
+            raise RuntimeError(f"{type(self).__name__} rank {self.rank}: {what} is not set up (call init_model first)")
+        return engine
+
+    def mesh_coords(self) -> dict[str, int]:
+        return self._require(self.primary, "the model").mesh_coords()
+
+
+class ActorRolloutRefWorker(MegatronWorker):
+    """The hybrid engine's processes: policy training, reference log-probs and (later) the rollout."""
+
+    def __init__(self, context: RankContext, plan: Plan, roles: tuple[str, ...] = ("actor", "ref"),
+                 torch_threads: int | None = None) -> None:
+        super().__init__(context, plan, torch_threads)
+        unknown = set(roles) - {"actor", "ref", "rollout"}
+        if unknown:
+            raise ValueError(f"unknown roles {sorted(unknown)} for ActorRolloutRefWorker")
+        self.roles = tuple(roles)
+        self.actor: Any = None
+        self.ref: Any = None
+        # The rollout engine (hybridrl.rollout) lives in these same processes; it is attached by
+        # the trainer once it exists, and weight sync goes through the resharder (hybridrl.engine).
+        self.rollout: Any = None
+
+    def init_model(self, total_training_steps: int | None = None) -> None:
+        from hybridrl.workers.actor import MegatronActor
+        from hybridrl.workers.megatron_role import MegatronRole, role_spec
+
+        self._prepare()
+        if "actor" in self.roles:
+            engine = MegatronRole(role_spec(self.plan, "actor"),
+                                  total_optimizer_steps=self._total_optimizer_steps("actor", total_training_steps))
+            self.actor = MegatronActor(engine, self.plan)
+            self.primary = engine
+        if "ref" in self.roles and self.plan.resolved.ref_enabled:
+            # Same processes, so the same megatron layout as the actor (checked by the engine).
+            engine = MegatronRole(role_spec(self.plan, "ref"))
+            self.ref = MegatronActor(engine, self.plan, log_prob_pass="ref_log_prob", output_key="ref_log_probs")
+            engine.offload_params()
+            self.primary = self.primary or engine
+
+    def attach_rollout(self, rollout: Any) -> None:
+        """Seam for the rollout engine built in this process by `hybridrl.rollout`."""
+        self.rollout = rollout
+
+    def compute_log_prob(self, batch: Batch, with_entropy: bool = False) -> Batch | None:
+        return self._require(self.actor, "the actor").compute_log_prob(batch, with_entropy)
+
+    def compute_ref_log_prob(self, batch: Batch) -> Batch | None:
+        ref = self._require(self.ref, "the reference policy")
+        ref.engine.load_params()
+        try:
+            return ref.compute_log_prob(batch)
+        finally:
+            ref.engine.offload_params()
+
+    def update_actor(self, batch: Batch) -> Any:
+        return self._require(self.actor, "the actor").update_policy(batch)
+
+    def save_checkpoint(self, path: str) -> str:
+        from hybridrl.workers.checkpointing import save_role_checkpoint
+
+        return str(save_role_checkpoint(self._require(self.actor, "the actor").engine, Path(path) / "actor"))
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        from hybridrl.workers.checkpointing import load_role_checkpoint
+
+        return load_role_checkpoint(self._require(self.actor, "the actor").engine, Path(path) / "actor")
+
+    def export_hf(self, path: str) -> str:
+        """Collective: the current policy as an HF folder (written by rank 0)."""
+        from hybridrl.models.bridge import export_hf
+
+        engine = self._require(self.actor, "the actor").engine
+        return str(export_hf(engine.chunks, path, ctx=engine.ctx, force=True))
+
+
+class CriticWorker(MegatronWorker):
+    def __init__(self, context: RankContext, plan: Plan, torch_threads: int | None = None) -> None:
+        super().__init__(context, plan, torch_threads)
+        self.critic: Any = None
+
+    def init_model(self, total_training_steps: int | None = None) -> None:
+        from hybridrl.workers.critic import MegatronCritic
+        from hybridrl.workers.megatron_role import MegatronRole, role_spec
+
+        self._prepare()
+        engine = MegatronRole(role_spec(self.plan, "critic"),
+                              total_optimizer_steps=self._total_optimizer_steps("critic", total_training_steps))
+        self.critic = MegatronCritic(engine, self.plan)
+        self.primary = engine
+
+    def compute_values(self, batch: Batch) -> Batch | None:
+        return self._require(self.critic, "the critic").compute_values(batch)
+
+    def update_critic(self, batch: Batch) -> Any:
+        return self._require(self.critic, "the critic").update_critic(batch)
+
+    def save_checkpoint(self, path: str) -> str:
+        from hybridrl.workers.checkpointing import save_role_checkpoint
+
+        return str(save_role_checkpoint(self._require(self.critic, "the critic").engine, Path(path) / "critic"))
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        from hybridrl.workers.checkpointing import load_role_checkpoint
+
+        return load_role_checkpoint(self._require(self.critic, "the critic").engine, Path(path) / "critic")
+
+
+class RewardModelWorker(MegatronWorker):
+    def __init__(self, context: RankContext, plan: Plan, torch_threads: int | None = None) -> None:
+        super().__init__(context, plan, torch_threads)
+        self.reward_model: Any = None
+
+    def init_model(self) -> None:
+        from hybridrl.workers.megatron_role import MegatronRole, role_spec
+        from hybridrl.workers.reward_model import MegatronRewardModel
+
+        self._prepare()
+        engine = MegatronRole(role_spec(self.plan, "reward_model"))
+        self.reward_model = MegatronRewardModel(engine, self.plan)
+        self.primary = engine
+
+    def compute_rm_score(self, batch: Batch) -> Batch | None:
+        return self._require(self.reward_model, "the reward model").compute_scores(batch)

@@ -1,0 +1,146 @@
+"""The Ray-facing role workers in real worker groups (Ray actors + gloo + megatron-core).
+
+One 4-rank ActorRolloutRefWorker group (TP2 x PP2, actor + reference in the same processes) is
+shared by the tests of this module; a 2-rank critic and reward-model group check the value roles.
+References are independent: transformers on the same weights, and a single-rank forked run.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hybridrl.parallel.forked import run_ranks
+from tests.test_models_fixtures import safetensors_state
+from tests.test_workers_fixtures import (
+    hf_response_log_probs,
+    job_config,
+    policy_model,
+    rollout_batch,
+    sequence_classifier,
+    with_critic,
+    with_reward_model,
+)
+from tests.test_workers_ranks import _update_rank
+
+pytestmark = pytest.mark.slow
+TOL = 1e-5
+
+
+def _group(worker_cls: Any, name: str, world: int, plan: Any, role: str) -> tuple[Any, Any]:
+    from hybridrl.controller.resource_pool import ResourcePool
+    from hybridrl.controller.worker_group import WorkerGroup
+
+    pool = ResourcePool(name, nnodes=1, workers_per_node=world, cpus_per_worker=0.25).start(timeout_s=60)
+    group = WorkerGroup(worker_cls, pool, role=role, worker_args=(plan,), worker_kwargs={"torch_threads": 1},
+                        process_group_timeout_s=120, call_timeout_s=300)
+    return pool, group
+
+
+def _metrics_by_dp(group: Any, method: str, batch: Any) -> list[Any]:
+    """Like the trainer: DP dispatch, results from the output ranks (non-Batch results)."""
+    from hybridrl.controller.dispatch import RankCall, dispatch_by_dp, select_output_ranks
+
+    mesh = group.require_mesh()
+    refs = dispatch_by_dp(batch, mesh)
+    return select_output_ranks(group.execute_all(method, [RankCall((ref,)) for ref in refs]), mesh)
+
+
+@pytest.fixture(scope="module")
+def policy(ray_cluster, tmp_path_factory):
+    from hybridrl.config.plan import build_plan
+    from hybridrl.workers.ray_roles import ActorRolloutRefWorker
+
+    root = tmp_path_factory.mktemp("workers_ray")
+    hf = policy_model(root / "hf")
+    config = job_config(hf, world=4, tp=2, pp=2, use_kl_loss=True)
+    pool, group = _group(ActorRolloutRefWorker, "policy", 4, build_plan(config), "actor")
+    group.call_all("init_model")
+    group.learn_mesh()
+    yield {"group": group, "hf": hf, "root": root}
+    group.shutdown()
+    pool.shutdown()
+
+
+def test_mesh_of_the_policy_group(policy):
+    from hybridrl.controller.dispatch import RankMesh
+
+    assert policy["group"].require_mesh() == RankMesh.from_sizes(tp=2, pp=2, dp=1)
+
+
+def test_actor_and_reference_log_probs_equal_transformers(policy):
+    group, hf = policy["group"], policy["hf"]
+    batch = rollout_batch(8)
+    expected_lp, expected_entropy = hf_response_log_probs(hf, batch)
+    out = group.call_by_dp("compute_log_prob", batch, True)
+    assert (out["old_log_probs"] - expected_lp).abs().max() < TOL
+    assert (out["entropys"] - expected_entropy).abs().max() < TOL
+    ref = group.call_by_dp("compute_ref_log_prob", batch)
+    assert (ref["ref_log_probs"] - expected_lp).abs().max() < TOL
+
+
+def test_update_matches_single_rank_then_checkpoint_round_trip(policy, tmp_path):
+    group, hf, root = policy["group"], policy["hf"], policy["root"]
+    batch = rollout_batch(8)
+    single_dir = tmp_path / "single"
+    single = run_ranks(_update_rank, 1, job_config(hf, world=1, use_kl_loss=True), batch, str(single_dir))[0]
+    (metrics,) = _metrics_by_dp(group, "update_actor", batch)
+    assert abs(metrics.pg_loss - single["metrics"].pg_loss) < TOL
+    assert abs(metrics.grad_norm - single["metrics"].grad_norm) < TOL
+    assert abs(metrics.kl_loss - single["metrics"].kl_loss) < TOL
+
+    exported = Path(group.call_all("export_hf", str(tmp_path / "exported"))[0])
+    ours, theirs = safetensors_state(exported), safetensors_state(single_dir)
+    assert max(float((ours[n] - theirs[n]).abs().max()) for n in theirs) < TOL
+    # The updated policy's log-probs are those of the exported weights under transformers.
+    expected_lp, _ = hf_response_log_probs(exported, batch)
+    assert (group.call_by_dp("compute_log_prob", batch)["old_log_probs"] - expected_lp).abs().max() < TOL
+
+    ckpt = str(root / "ckpt")
+    group.call_all("save_checkpoint", ckpt)
+    after_save = _metrics_by_dp(group, "update_actor", rollout_batch(8, seed=5))[0]
+    group.call_all("load_checkpoint", ckpt)
+    after_load = _metrics_by_dp(group, "update_actor", rollout_batch(8, seed=5))[0]
+    assert after_load == after_save
+
+
+def test_critic_and_reward_model_groups(ray_cluster, tmp_path):
+    import transformers
+
+    from hybridrl.config.plan import build_plan
+    from hybridrl.workers.ray_roles import CriticWorker, RewardModelWorker
+
+    hf = policy_model(tmp_path / "hf")
+    scorer = sequence_classifier(tmp_path / "scorer")
+    batch = rollout_batch(8, seed=7)
+    config = with_reward_model(with_critic(job_config(hf, world=2), scorer, tp=2), scorer, tp=1)
+    plan = build_plan(config)
+    model = transformers.LlamaForSequenceClassification.from_pretrained(scorer, dtype=torch.float32,
+                                                                        attn_implementation="eager")
+    with torch.no_grad():
+        scores = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"]).logits.squeeze(-1)
+        hidden = model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                             position_ids=batch["position_ids"]).last_hidden_state
+    width, response = batch["input_ids"].shape[1], batch["responses"].shape[1]
+    values = (hidden[:, width - response - 1: width - 1] @ model.score.weight.t()).squeeze(-1)
+    values = values * batch["response_mask"]
+
+    for worker_cls, role, method, key, expected in (
+        (CriticWorker, "critic", "compute_values", "values", values),
+        (RewardModelWorker, "reward_model", "compute_rm_score", "rm_scores", scores),
+    ):
+        pool, group = _group(worker_cls, role, 2, plan, role)
+        try:
+            group.call_all("init_model")
+            group.learn_mesh()
+            out = group.call_by_dp(method, batch)
+            assert (out[key] - expected).abs().max() < TOL, role
+            if role == "critic":
+                (metrics,) = _metrics_by_dp(group, "update_critic", batch)
+                assert metrics.optimizer_steps == 1 and metrics.grad_norm > 0
+        finally:
+            group.shutdown()
+            pool.shutdown()
