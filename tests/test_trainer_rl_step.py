@@ -23,7 +23,7 @@ def test_kl_in_reward_subtracts_beta_times_k1_and_adapts():
     ref = torch.tensor([[-1.5, -1.0, -0.5]])
     mask = torch.tensor([[1, 1, 0]])
     scores = torch.tensor([[0.0, 1.0, 0.0]])
-    batch = Batch({"old_log_probs": old, "ref_log_prob": ref, "response_mask": mask, "token_level_scores": scores})
+    batch = Batch({"old_log_probs": old, "ref_log_probs": ref, "response_mask": mask, "token_level_scores": scores})
     ctrl = FixedKLController(0.1)
     metrics = apply_kl_in_reward(batch, ctrl, "k1")
     # k1 = old - ref = [0.5, -1.0, (masked)]

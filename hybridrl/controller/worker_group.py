@@ -31,6 +31,7 @@ from hybridrl.controller.dispatch import (
     collect_from_output_ranks,
     dispatch_by_dp,
     one_to_all,
+    select_output_ranks,
 )
 from hybridrl.controller.gather import WorkerGroupError, execute_all, kill_actors
 from hybridrl.controller.resource_pool import ResourcePool
@@ -186,6 +187,18 @@ class WorkerGroup:
         calls = [RankCall((ref, *shared.args), shared.kwargs) for ref in chunk_refs]
         results = self._execute(method, calls)
         return collect_from_output_ranks(results, mesh).unpad(pad_count)
+
+    def call_by_dp_outputs(self, method: str, batch: Batch, *args: Any, mesh: RankMesh | None = None,
+                           **kwargs: Any) -> list[Any]:
+        """Like `call_by_dp` for methods that return something other than a batch (e.g. metrics):
+        the output ranks' results, one per DP rank, in DP order. `batch` must divide by the DP size."""
+        mesh = mesh or self.require_mesh()
+        if len(batch) % mesh.dp_size:
+            raise ValueError(f"{method}: {len(batch)} rows do not split over {mesh.dp_size} data-parallel ranks")
+        chunk_refs = dispatch_by_dp(batch, mesh)
+        shared = one_to_all(*args, world_size=1, **kwargs)[0]
+        calls = [RankCall((ref, *shared.args), shared.kwargs) for ref in chunk_refs]
+        return select_output_ranks(self._execute(method, calls), mesh)
 
     # ------------------------------------------------------------------------------- mesh
     def set_mesh(self, mesh: RankMesh) -> None:

@@ -260,9 +260,13 @@ def _reload_on_worker(worker: Any, named_tensors: Iterable[tuple[str, torch.Tens
 def _write_shards_on_worker(
     worker: Any, named_shards: Iterable[tuple[str, torch.Tensor]], repack: bool
 ) -> list[str]:
-    """Write this rank's vLLM-layout tensors into the live parameters; returns the names written."""
+    """Write this rank's vLLM-layout tensors into the live parameters; returns the names written.
+
+    With `repack` (CPU), a layer is re-processed (repacked) as soon as all its parameters have
+    arrived, so the unpacked copies held at any time are those of one layer, not of the model.
+    """
     model = _worker_model(worker)
-    to_reprocess: dict[str, torch.nn.Module] = {}
+    waiting: dict[str, set[str]] = {}  # module -> its parameters not written yet in this update
     written = []
     with torch.no_grad():
         for name, shard in named_shards:
@@ -276,14 +280,21 @@ def _write_shards_on_worker(
             if tuple(shard.shape) != expected:
                 raise ValueError(f"{name}: shard shape {tuple(shard.shape)} != vLLM's {expected}")
             if param.numel() == 0:
-                # Repacked (CPU): give the parameter its data back; processing below repacks it.
+                # Repacked (CPU): give the parameter its data back (our own copy: the caller may
+                # reuse its buffer); the processing below repacks it and drops this copy.
                 param.data = shard.to(device=param.device, dtype=param.dtype).clone()
             else:
                 param.copy_(shard)  # in place: CUDA graphs keep pointing at the same storage
-            if repack and getattr(module, "quant_method", None) is not None:
-                to_reprocess[module_name] = module
             written.append(name)
-        for module in to_reprocess.values():
+            if repack and getattr(module, "quant_method", None) is not None:
+                missing = waiting.setdefault(module_name, {n for n, _ in module.named_parameters(recurse=False)})
+                missing.discard(param_name)
+                if not missing:
+                    module.quant_method.process_weights_after_loading(module)
+                    del waiting[module_name]
+        # Layers updated only in part still run on their new values.
+        for module_name in waiting:
+            module = model.get_submodule(module_name)
             module.quant_method.process_weights_after_loading(module)
         if repack:
             _reprocess_tied_lm_head(model)

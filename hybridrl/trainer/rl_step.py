@@ -8,7 +8,7 @@ Column names (the step's shared vocabulary):
   responses, response_mask [B, R]   sampled tokens and which of them count
   token_level_scores [B, R]         reward function / model output, on the last response token
   token_level_rewards [B, R]        scores minus the in-reward KL penalty (if any)
-  old_log_probs, ref_log_prob [B, R], values [B, R]
+  old_log_probs, ref_log_probs [B, R], values [B, R]
   advantages, returns [B, R]
   uid (non-tensor)                  the prompt a sample came from: GRPO's group
 """
@@ -38,7 +38,7 @@ def apply_kl_in_reward(batch: Batch, controller: FixedKLController, kind: str) -
     Returns metrics: the batch KL (mean over sequences of the masked token mean) and beta used.
     """
     mask = batch["response_mask"].float()
-    kl = kl_penalty(batch["old_log_probs"], batch["ref_log_prob"], kind) * mask
+    kl = kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], kind) * mask
     beta = controller.value
     batch["token_level_rewards"] = batch["token_level_scores"] - beta * kl
     per_sequence = (kl.sum(-1) / mask.sum(-1).clamp(min=1))

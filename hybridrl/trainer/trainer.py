@@ -1,0 +1,330 @@
+"""The controller loop: one process, no weights, driving every worker group through PPO/GRPO steps.
+
+One step, as data moves (see the architecture note):
+  prompts --rollout mesh--> generate (n samples, vLLM)        [gen]
+  rewards on the controller (rule scorers / user function)    [reward]
+  --train DP--> old log-probs (+entropy) | ref log-probs | values    [old_log_prob, ref, values]
+  KL in reward or as loss -> advantages (hybridrl.algorithms)  [adv]
+  --train DP--> critic update | actor update                   [update_critic, update_actor]
+  actor -> vLLM weight sync, proven by checksums + log-prob probe   [sync]
+Every phase is timed; metrics of the step go to the tracker; checkpoints at `save_freq`.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hybridrl.algorithms import masked_mean
+from hybridrl.algorithms.kl_control import kl_controller_from_config
+from hybridrl.config.plan import Plan
+from hybridrl.data.batch import Batch
+from hybridrl.trainer.checkpoints import CheckpointManager
+from hybridrl.trainer.rl_step import (
+    AdvantageSettings,
+    apply_kl_in_reward,
+    compute_batch_advantages,
+    response_metrics,
+)
+from hybridrl.trainer.timing import PhaseTimer, throughput_metrics
+from hybridrl.trainer.tracking import Tracker, plot_run, render_summary
+
+PAD_UID_PREFIX = "__pad__"
+
+
+@dataclass
+class RunResult:
+    steps: int
+    history: list[dict[str, float]] = field(default_factory=list)
+    run_dir: Path | None = None
+    summary: str = ""
+
+
+def run_dir_for(plan: Plan) -> Path:
+    trainer = plan.config.trainer
+    return Path(trainer.run_dir or Path("runs") / trainer.project_name / trainer.experiment_name)
+
+
+def checkpoint_root_for(plan: Plan) -> Path:
+    trainer = plan.config.trainer
+    return Path(trainer.default_local_dir) / trainer.project_name / trainer.experiment_name
+
+
+class Trainer:
+    """Builds the data, the reward function and the worker groups from a Plan, then runs `fit()`."""
+
+    def __init__(self, plan: Plan, *, write=print, progress: bool = True) -> None:
+        self.plan = plan
+        self.config = plan.config
+        self.write = write
+        self.progress = progress
+        self.run_dir = run_dir_for(plan)
+        self.checkpoints = CheckpointManager(checkpoint_root_for(plan), plan.config.trainer.keep_last_n)
+        self.global_step = 0
+        self.cluster = self.pool = self.actor_group = self.critic_group = None
+
+    # ------------------------------------------------------------------------------ set-up
+    def _build_data(self) -> None:
+        from hybridrl.data.dataloader import PromptDataLoader
+        from hybridrl.data.dataset import PromptDataset
+        from hybridrl.data.tokenizer import load_tokenizer
+        from hybridrl.rewards.manager import RewardManager
+
+        cfg = self.config
+        model = cfg.actor_rollout_ref.model
+        self.tokenizer = load_tokenizer(model.tokenizer_path or model.path, trust_remote_code=model.trust_remote_code)
+        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        train = PromptDataset.from_config(cfg.data, cfg.data.train_files, self.tokenizer)
+        self.write(f"train data: {train.stats.summary()}")
+        self.train_loader = PromptDataLoader(train, cfg.data.train_batch_size, self.pad_token_id,
+                                             shuffle=cfg.data.shuffle, seed=cfg.trainer.seed)
+        self.val_loader = None
+        if cfg.data.val_files:
+            val = PromptDataset.from_config(cfg.data, cfg.data.val_files, self.tokenizer)
+            self.val_loader = PromptDataLoader(val, cfg.data.val_batch_size or len(val), self.pad_token_id,
+                                               shuffle=False, drop_last=False)
+        self.reward = RewardManager.from_config(cfg.algorithm)
+        steps_per_epoch = len(self.train_loader)
+        self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * steps_per_epoch
+
+    def _build_workers(self) -> None:
+        from hybridrl.controller.cluster import init_ray
+        from hybridrl.controller.dispatch import MeshCoord, RankMesh
+        from hybridrl.controller.resource_pool import ResourcePool
+        from hybridrl.controller.worker_group import WorkerGroup
+        from hybridrl.workers.hybrid import ActorRolloutRefWorker, HybridSettings
+
+        plan, trainer = self.plan, self.config.trainer
+        world = plan.resolved.world_size
+        use_gpu = plan.resolved.device == "cuda"
+        repo_root = str(Path(__file__).resolve().parents[2])
+        self.cluster = init_ray(trainer.ray_address, num_cpus=None if use_gpu else max(4, world),
+                                pythonpath=[repo_root], preload_modules=("torch",))
+        self.pool = ResourcePool("global", nnodes=trainer.nnodes, workers_per_node=trainer.n_gpus_per_node,
+                                 use_gpu=use_gpu, cpus_per_worker=1.0 if use_gpu else 0.5,
+                                 max_colocated_groups=2 if plan.resolved.critic_enabled else 1)
+        self.pool.start(timeout_s=300)
+        optimizer_steps = self.total_steps * plan.update("actor").optimizer_steps_per_step
+        settings = HybridSettings(total_optimizer_steps=optimizer_steps,
+                                  probe_tolerance=1e-4 if plan.resolved.rollout_dtype == "fp32" else 5e-2)
+        self.actor_group = WorkerGroup(ActorRolloutRefWorker, self.pool, role="actor_rollout_ref",
+                                       worker_args=(plan, settings))
+        setup = self.actor_group.call_all("setup")
+        self.actor_group.learn_mesh()
+        coords = self.actor_group.call_all("rollout_coords")
+        self.rollout_mesh = RankMesh.from_coords([MeshCoord(**c) for c in coords])
+        infer_tp = plan.config.actor_rollout_ref.rollout.tensor_model_parallel_size
+        self.write(f"hybrid engine up in {max(s['setup_s'] for s in setup):.1f} s: rollout replicas "
+                   f"{self.rollout_mesh.dp_size} × infer_tp {infer_tp}, first sync probe gap "
+                   f"{max(s['reshard/probe_max_abs_gap'] for s in setup):.2e}")
+        if plan.resolved.critic_enabled:
+            from hybridrl.workers.critic_worker import CriticWorker
+
+            self.critic_group = WorkerGroup(CriticWorker, self.pool, role="critic",
+                                            worker_args=(plan, optimizer_steps))
+            self.critic_group.call_all("setup")
+            self.critic_group.learn_mesh()
+
+    def _sampling(self, validation: bool = False) -> Any:
+        from hybridrl.rollout.sampling import RolloutSampling, validation_sampling
+
+        rollout = self.config.actor_rollout_ref.rollout
+        max_tokens = self.plan.resolved.response_length
+        stops = tuple(rollout.stop_token_ids)
+        if validation:
+            vk = rollout.val_kwargs
+            if not vk.do_sample or vk.temperature == 0:
+                return validation_sampling(max_tokens, stop_token_ids=stops)
+            return RolloutSampling(n=vk.n, temperature=vk.temperature, top_p=vk.top_p,
+                                   top_k=vk.top_k if vk.top_k > 0 else None, max_tokens=max_tokens,
+                                   stop_token_ids=stops)
+        return RolloutSampling(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p,
+                               top_k=rollout.top_k if rollout.top_k > 0 else None, max_tokens=max_tokens,
+                               stop_token_ids=stops)
+
+    # ------------------------------------------------------------------------------ phases
+    def generate(self, prompts: Batch, sampling: Any) -> Batch:
+        """Samples for every prompt, over the rollout replicas; rows prompt-major, n per prompt."""
+        from hybridrl.data.dataloader import unpadded_prompt_ids
+
+        replicas = self.rollout_mesh.dp_size
+        padded, pad = prompts.pad_to_multiple(replicas)
+        if pad:  # padding rows repeat real prompts: give them their own uids, drop their samples after
+            uids = np.array(padded["uid"], dtype=object)
+            uids[len(prompts):] = [f"{PAD_UID_PREFIX}{i}" for i in range(pad)]
+            padded["uid"] = uids
+        padded["raw_prompt_ids"] = unpadded_prompt_ids(padded)
+        out = self.actor_group.call_by_dp("generate_sequences", padded, sampling, mesh=self.rollout_mesh)
+        if pad:
+            keep = [i for i, uid in enumerate(out["uid"]) if not str(uid).startswith(PAD_UID_PREFIX)]
+            out = out.index(keep)
+        return out
+
+    def _score(self, batch: Batch) -> dict[str, float]:
+        scores, output = self.reward.score_batch(batch, self.tokenizer)
+        batch["token_level_scores"] = scores
+        metrics = {f"reward/{k.removeprefix('reward/')}": float(v) for k, v in output.metrics.items()}
+        return metrics
+
+    def step(self, prompts: Batch) -> dict[str, float]:
+        plan, cfg = self.plan, self.config
+        timer = PhaseTimer()
+        metrics: dict[str, float] = {}
+        with timer.phase("gen"):
+            batch = self.generate(prompts, self._sampling())
+        batch.meta["temperature"] = cfg.actor_rollout_ref.rollout.temperature
+        metrics.update(batch.meta.pop("metrics", {}) or {})
+        with timer.phase("reward"):
+            metrics.update(self._score(batch))
+        with timer.phase("old_log_prob"):
+            old = self.actor_group.call_by_dp("compute_log_prob", batch)
+            batch["old_log_probs"] = old["old_log_probs"]
+            mask = batch["response_mask"].float()
+            metrics["actor/entropy"] = float(masked_mean(old["entropys"], mask))
+            # how far the rollout's own log-probs are from the trainer's: a numerics/sync health check
+            metrics["rollout/log_prob_abs_diff_max"] = float(
+                ((old["old_log_probs"] - batch["rollout_log_probs"]).abs() * mask).max())
+        if plan.resolved.ref_enabled:
+            with timer.phase("ref"):
+                batch["ref_log_probs"] = self.actor_group.call_by_dp("compute_ref_log_prob", batch)["ref_log_probs"]
+        if self.critic_group is not None:
+            with timer.phase("values"):
+                batch["values"] = self.critic_group.call_by_dp("compute_values", batch)["values"]
+        with timer.phase("adv"):
+            if cfg.algorithm.use_kl_in_reward:
+                metrics.update(apply_kl_in_reward(batch, self.kl_controller, cfg.algorithm.kl_penalty))
+            else:
+                batch["token_level_rewards"] = batch["token_level_scores"]
+            compute_batch_advantages(batch, AdvantageSettings(
+                cfg.algorithm.adv_estimator, cfg.algorithm.gamma, cfg.algorithm.lam,
+                cfg.algorithm.norm_adv_by_std_in_grpo))
+        if self.critic_group is not None:
+            with timer.phase("update_critic"):
+                outs = self.critic_group.call_by_dp_outputs("update_critic", batch)
+                metrics.update(_mean_dicts(outs))
+        with timer.phase("update_actor"):
+            outs = self.actor_group.call_by_dp_outputs("update_actor", batch)
+            metrics.update(_mean_dicts(outs))
+        with timer.phase("sync"):
+            syncs = self.actor_group.call_all("sync_weights")
+            metrics.update(_sync_metrics(syncs))
+        metrics.update(response_metrics(batch))
+        metrics.update(timer.metrics())
+        tokens = int(batch["attention_mask"].sum())
+        metrics.update(throughput_metrics(tokens, len(batch), metrics["timing_s/step"], plan.resolved.world_size))
+        return metrics
+
+    def validate(self) -> dict[str, float]:
+        if self.val_loader is None:
+            return {}
+        scores: list[float] = []
+        for prompts in self.val_loader:
+            batch = self.generate(prompts, self._sampling(validation=True))
+            _, output = self.reward.score_batch(batch, self.tokenizer)
+            scores.extend(output.scores)
+        return {"val/score/mean": float(np.mean(scores)) if scores else math.nan}
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def save(self) -> Path:
+        partial = self.checkpoints.begin(self.global_step)
+        try:
+            self.actor_group.call_all("save_checkpoint", str(partial))
+            if self.critic_group is not None:
+                self.critic_group.call_all("save_checkpoint", str(partial))
+            state = {"dataloader": self.train_loader.state_dict(), "kl_coef": float(self.kl_controller.value)}
+            return self.checkpoints.commit(partial, self.global_step, state)
+        except BaseException:
+            self.checkpoints.abort(partial)
+            raise
+
+    def resume(self) -> Path | None:
+        self.checkpoints.remove_partials()
+        path = self.checkpoints.resolve_resume(self.config.trainer.resume_mode)
+        if path is None:
+            return None
+        state = self.checkpoints.read_state(path)
+        self.actor_group.call_all("load_checkpoint", str(path))
+        if self.critic_group is not None:
+            self.critic_group.call_all("load_checkpoint", str(path))
+        self.train_loader.load_state_dict(state["dataloader"])
+        self.kl_controller.value = state.get("kl_coef", self.kl_controller.value)
+        self.global_step = int(state["global_step"])
+        self.write(f"resumed from {path} at step {self.global_step}")
+        return path
+
+    # ------------------------------------------------------------------------------ the loop
+    def fit(self) -> RunResult:
+        from tqdm import tqdm
+
+        cfg = self.config
+        started = time.perf_counter()
+        self._build_data()
+        self.kl_controller = kl_controller_from_config(cfg.algorithm.kl_ctrl)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        tracker = Tracker.create(cfg.trainer.logger, self.run_dir, project=cfg.trainer.project_name,
+                                 experiment=cfg.trainer.experiment_name, config=self.plan.to_dict()["config"],
+                                 write=tqdm.write if self.progress else self.write)
+        try:
+            self._build_workers()
+            self.resume()
+            if cfg.trainer.val_before_train and self.global_step == 0:
+                tracker.log(0, self.validate())
+            bar = tqdm(total=self.total_steps, initial=self.global_step, desc="training", unit="step",
+                       disable=not self.progress)
+            while self.global_step < self.total_steps:
+                for prompts in self.train_loader:
+                    self.global_step += 1
+                    metrics = self.step(prompts)
+                    metrics["training/global_step"] = self.global_step
+                    metrics["training/epoch"] = self.train_loader.epoch
+                    if cfg.trainer.test_freq > 0 and self.global_step % cfg.trainer.test_freq == 0:
+                        metrics.update(self.validate())
+                    tracker.log(self.global_step, metrics)
+                    bar.update(1)
+                    last = self.global_step >= self.total_steps
+                    if cfg.trainer.save_freq > 0 and (self.global_step % cfg.trainer.save_freq == 0 or last):
+                        self.save()
+                    if last:
+                        break
+            bar.close()
+        finally:
+            tracker.close()
+            self.shutdown()
+        history = tracker.history
+        summary = render_summary(history, f"{cfg.trainer.project_name}/{cfg.trainer.experiment_name}")
+        summary += f"\n{'wall time':>16}: {time.perf_counter() - started:.1f} s; run dir {self.run_dir}"
+        if history:
+            plot = plot_run(history, self.run_dir / "run.png")
+            summary += f"\n{'plot':>16}: {plot}"
+        return RunResult(self.global_step, history, self.run_dir, summary)
+
+    def shutdown(self) -> None:
+        for group in (self.critic_group, self.actor_group):
+            if group is not None:
+                group.shutdown()
+        if self.cluster is not None:
+            self.cluster.shutdown()
+
+
+def _mean_dicts(items: list[dict[str, Any] | None]) -> dict[str, float]:
+    """Mean over DP ranks of each numeric metric (ranks report equal values for global ones)."""
+    numeric: dict[str, list[float]] = {}
+    for item in items:
+        for key, value in (item or {}).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                numeric.setdefault(key, []).append(float(value))
+    return {key: float(np.mean(values)) for key, values in numeric.items()}
+
+
+def _sync_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """Per-sync figures over ranks: the worst rank for bytes, time, memory and the probe gap."""
+    out: dict[str, float] = {}
+    for key in per_rank[0]:
+        values = [r[key] for r in per_rank if isinstance(r.get(key), (int, float))]
+        if values:
+            out[key] = float(max(values))
+    return out

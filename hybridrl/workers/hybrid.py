@@ -1,0 +1,207 @@
+"""The hybrid engine's worker: actor, reference and vLLM rollout in the same process, on every rank.
+
+Per rank, in this order (vLLM after megatron: the engine joins the process group megatron uses):
+  1. megatron actor (trainable) and, when the job needs one, the frozen reference — same layout;
+  2. the vLLM `RolloutEngine` on the rollout mesh (infer_tp ranks per replica);
+  3. the `Resharder` from the actor's megatron chunks to this rank's vLLM shard, and a first sync.
+
+Every sync (after each actor update) is proven, not assumed:
+  - checksums: the resharder's digest of every shard it produced must equal the digest of what vLLM
+    holds afterwards, tensor by tensor (a mismatch stops training, naming tensor and rank);
+  - a log-prob probe: a fixed short sequence is scored by the megatron actor and by vLLM; the max
+    abs gap is a metric every step and stops training above `probe_tolerance`.
+
+Methods the controller calls (all ranks at once; batches dispatched by DP):
+  setup, generate_sequences (rollout mesh), compute_log_prob, compute_ref_log_prob, update_actor,
+  sync_weights, save_checkpoint, load_checkpoint, mesh_coords.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridrl.config.plan import Plan
+from hybridrl.controller.base_worker import RankContext, Worker
+from hybridrl.data.batch import Batch
+
+# A fixed probe sequence (token ids < every supported vocab): scored after every sync by both sides.
+PROBE_PROMPT = (1, 5, 9, 13, 17, 21, 25, 29)
+PROBE_RESPONSE = (33, 37, 41, 45, 49, 53, 57, 61)
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync that could not be proven: checksums differ or the log-prob probe drifted."""
+
+
+@dataclass(frozen=True)
+class HybridSettings:
+    total_optimizer_steps: int | None = None
+    probe_tolerance: float = 1e-4  # fp32 on CPU; bf16 on GPU needs a looser bound (set by the trainer)
+    kv_cache_memory_bytes: int = 64 << 20
+    bucket_bytes: int = 512 << 20
+
+
+def _probe_batch(pad_token_id: int) -> Batch:
+    prompt, response = torch.tensor([PROBE_PROMPT]), torch.tensor([PROBE_RESPONSE])
+    input_ids = torch.cat([prompt, response], dim=1)
+    length = input_ids.shape[1]
+    return Batch({
+        "input_ids": input_ids,
+        "attention_mask": torch.ones_like(input_ids),
+        "position_ids": torch.arange(length).unsqueeze(0),
+        "responses": response,
+        "response_mask": torch.ones_like(response),
+        "prompts": prompt,
+    }, meta={"pad_token_id": pad_token_id})
+
+
+class ActorRolloutRefWorker(Worker):
+    def __init__(self, context: RankContext, plan: Plan, settings: HybridSettings | None = None) -> None:
+        super().__init__(context)
+        self.plan = plan
+        self.settings = settings or HybridSettings()
+        self.actor = self.ref = self.rollout = self.resharder = None
+        self.syncs = 0
+
+    # ------------------------------------------------------------------------------ bring-up
+    def setup(self) -> dict[str, Any]:
+        from hybridrl.engine.resharder import ReshardConfig, Resharder
+        from hybridrl.rollout.engine import RolloutEngine, RolloutEngineConfig
+        from hybridrl.workers.actor import MegatronActor
+        from hybridrl.workers.megatron_role import MegatronRole, role_spec
+
+        plan, settings = self.plan, self.settings
+        started = time.perf_counter()
+        engine = MegatronRole(role_spec(plan, "actor"), total_optimizer_steps=settings.total_optimizer_steps)
+        self.actor = MegatronActor(engine, plan)
+        if plan.resolved.ref_enabled:
+            ref_engine = MegatronRole(role_spec(plan, "ref"))
+            self.ref = MegatronActor(ref_engine, plan, log_prob_pass="ref_log_prob", output_key="ref_log_probs")
+        arr = plan.config.actor_rollout_ref
+        model_path = arr.model.path
+        self.pad_token_id = _pad_token_id(model_path)
+        self.rollout = RolloutEngine(RolloutEngineConfig(
+            model_path=model_path,
+            device=plan.resolved.device,
+            dtype=plan.resolved.rollout_dtype,
+            infer_tp=arr.rollout.tensor_model_parallel_size,
+            max_model_len=plan.resolved.max_sequence_length,
+            seed=arr.rollout.seed + plan.config.trainer.seed,
+            pad_token_id=self.pad_token_id,
+            kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+            gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
+            max_num_seqs=arr.rollout.max_num_seqs,
+            enforce_eager=arr.rollout.enforce_eager if plan.resolved.device == "cuda" else None,
+            # On CPU vLLM repacks weights for oneDNN: keep the as-loaded copy so the sync's
+            # checksums can be read back (the probe checks the repacked weights that run).
+            capture_loaded_weights=plan.resolved.device == "cpu",
+        ))
+        # vLLM forms its TP groups itself (consecutive ranks); the shard each rank must receive is
+        # the one of the TP rank vLLM gave it, whatever grouping the plan preferred.
+        gathered: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(gathered, self.rollout.tp_rank)
+        gen_index = [int(g) for g in gathered]
+        self.resharder = Resharder(engine.chunks, plan.reshard.groups, gen_tp_index=gen_index,
+                                   config=ReshardConfig(bucket_bytes=settings.bucket_bytes))
+        sync = self.sync_weights()
+        return {"setup_s": time.perf_counter() - started, "rollout_build_s": self.rollout.build_seconds,
+                "vllm_tp_rank": self.rollout.tp_rank, **sync}
+
+    def mesh_coords(self) -> dict[str, int]:
+        return self.actor.engine.mesh_coords()
+
+    def rollout_coords(self) -> dict[str, int]:
+        """This rank's place on the rollout mesh: replica (as dp) and TP rank inside it."""
+        return {"dp": self.rollout.replica_index, "tp": self.rollout.tp_rank, "pp": 0, "cp": 0}
+
+    # ------------------------------------------------------------------------------ generation
+    def generate_sequences(self, prompts: Batch, sampling: Any) -> Batch | None:
+        """`prompts` carries `raw_prompt_ids` (object array of token lists) and `uid` per prompt."""
+        ids = [list(map(int, p)) for p in prompts["raw_prompt_ids"]]
+        uids = list(prompts["uid"]) if "uid" in prompts else None
+        out = self.rollout.generate_sequences(ids, sampling, uids=uids)
+        # Carry each prompt's metadata (ground truth, data source, ...) onto its n samples.
+        rows = out["prompt_index"]
+        for key in prompts.non_tensors:
+            if key not in ("raw_prompt_ids", "uid") and key not in out.non_tensors:
+                out[key] = prompts[key][rows]
+        return out if self.rollout.tp_rank == 0 else None
+
+    # ------------------------------------------------------------------------------ training side
+    def compute_log_prob(self, batch: Batch) -> Batch | None:
+        return self.actor.compute_log_prob(batch, with_entropy=True)
+
+    def compute_ref_log_prob(self, batch: Batch) -> Batch | None:
+        if self.ref is None:
+            raise RuntimeError("compute_ref_log_prob: this job has no reference policy (no KL in loss or reward)")
+        return self.ref.compute_log_prob(batch)
+
+    def update_actor(self, batch: Batch) -> dict[str, float] | None:
+        metrics = self.actor.update_policy(batch)
+        return None if metrics is None else metrics.as_dict()
+
+    # ------------------------------------------------------------------------------ weight sync
+    def sync_weights(self) -> dict[str, float]:
+        """Reshard the actor into vLLM, then prove it (checksums + log-prob probe)."""
+        from hybridrl.engine.checksums import verify_checksums
+
+        started = time.perf_counter()
+        self.rollout.wake_up()
+        self.rollout.update_weights(self.resharder.shards(), weight_format="vllm_shard")
+        report = self.resharder.last_report
+        held = self.rollout.parameter_digests()
+        try:
+            verify_checksums(report.checksums, held, self.rank, ignore_extra=True)
+        except Exception as exc:  # the error names tensors and rank; keep its type for the controller
+            raise WeightSyncError(f"sync {self.syncs}: {exc}") from exc
+        gap = self._probe_gap()
+        self.syncs += 1
+        if gap > self.settings.probe_tolerance:
+            raise WeightSyncError(
+                f"sync {self.syncs}: log-prob probe gap {gap:.3g} between megatron and vLLM exceeds "
+                f"{self.settings.probe_tolerance:g} (rank {self.rank})"
+            )
+        metrics = report.as_metrics()
+        metrics.update({"reshard/probe_max_abs_gap": gap, "timing_s/sync_total": time.perf_counter() - started})
+        return metrics
+
+    def _probe_gap(self) -> float:
+        """Max |megatron log-prob - vLLM log-prob| over the probe's response tokens (0 off the output ranks)."""
+        probe = _probe_batch(self.pad_token_id)
+        # every rank of the actor must run the forward (pipeline schedule is collective)
+        trained = self.actor.compute_log_prob(probe.select(list(probe.tensors)))
+        rollout = self.rollout.prompt_log_probs(list(PROBE_PROMPT + PROBE_RESPONSE))
+        if trained is None:
+            return 0.0
+        ours = trained["old_log_probs"][0]
+        theirs = torch.tensor(rollout[len(PROBE_PROMPT):], dtype=ours.dtype)
+        return float((ours - theirs).abs().max())
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, step_dir: str) -> None:
+        from hybridrl.workers.checkpointing import save_role_checkpoint
+
+        save_role_checkpoint(self.actor.engine, Path(step_dir) / "actor")
+
+    def load_checkpoint(self, step_dir: str) -> dict[str, float]:
+        from hybridrl.workers.checkpointing import load_role_checkpoint
+
+        load_role_checkpoint(self.actor.engine, Path(step_dir) / "actor")
+        return self.sync_weights()
+
+    def export_hf(self, out_dir: str) -> None:
+        from hybridrl.models.bridge import export_hf
+
+        export_hf(self.actor.engine.chunks, out_dir)
+
+
+def _pad_token_id(model_path: str) -> int:
+    import json
+
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    pad = config.get("pad_token_id")
+    return int(pad) if pad is not None else 0
