@@ -1,32 +1,26 @@
 """Per-tensor checksums of weight shards, to prove that what the rollout engine holds is what we sent.
 
-The digest is sha256 over the tensor's dtype, shape and raw bytes (C order). sha256 changes for any
-flipped bit, any permutation of rows (e.g. a wrong generation TP index or a q/k/v mix-up) and any
-dtype/shape difference; a float sum would miss permutations and can miss a flipped low mantissa
-bit. Cost: about 1-2 GB/s per core on CPU, plus a device->host copy of one tensor at a time on GPU.
+One digest for both sides: `engine.layout.tensor_digest` (blake2b-128 over dtype, shape and the raw
+bytes in C order), which `RolloutEngine.parameter_digests` computes on the rollout side, so the
+comparison never copies a model. It changes for any flipped bit, any permutation of rows (a wrong
+generation TP index, a q/k/v mix-up) and any dtype or shape difference; a float sum would miss
+permutations and can miss a flipped low mantissa bit. Cost: ~1 GB/s per core on CPU, plus a
+device->host copy of one tensor at a time on GPU.
 
-The resharder computes these on the shards it produced; the caller computes them on the rollout
-side's snapshot after the sync (`RolloutEngine.named_parameters_snapshot`) and compares with
-`compare_checksums`; any mismatch stops training with the tensor names and ranks.
+The resharder records these for the shards it produced (`SyncReport.checksums`); after delivery the
+caller compares them with the rollout side's (`verify_checksums`); any mismatch raises
+`ShardChecksumError` naming the tensors and the rank, which stops training.
 """
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 
+from hybridrl.engine.layout import tensor_digest
 
-def tensor_checksum(tensor: torch.Tensor) -> str:
-    """sha256 hex digest of (dtype, shape, bytes) of `tensor`."""
-    data = tensor.detach()
-    if data.device.type != "cpu":
-        data = data.to("cpu")
-    data = data.contiguous().reshape(-1).view(torch.uint8)
-    digest = hashlib.sha256(f"{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-    digest.update(memoryview(data.numpy()))
-    return digest.hexdigest()
+tensor_checksum = tensor_digest
 
 
 def shard_checksums(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:

@@ -3,10 +3,11 @@
 At sync time every actor rank (all TP/PP/DP/CP ranks, at the same time) does:
 
     resharder = Resharder(models, plan.reshard.groups)        # once; models from build_gpt_models
+    check_rollout_placement(resharder, rollout.tp_rank)        # once: vLLM's TP rank is the one we build
     ...
     rollout.update_weights(resharder.shards(), weight_format="vllm_shard")   # each sync
     report = resharder.last_report                             # SyncReport: bytes, time, memory, checksums
-    verify_checksums(report.checksums, shard_checksums(rollout.named_parameters_snapshot().items()), rank)
+    verify_checksums(report.checksums, rollout.parameter_digests(), rank)    # raises ShardChecksumError
 
 `shards()` yields `(vLLM name, tensor)` for exactly `hf_to_vllm_shards(full HF state, config,
 infer_tp, gen_tp_index[rank])`, tensor by tensor as they complete, without ever holding the full model:
@@ -315,6 +316,27 @@ class Resharder:
             peers=plan.peers,
             peers_outside_micro_dp=plan.peers_outside_micro_dp,
             checksums=checksums,
+        )
+
+
+class RolloutPlacementError(ValueError):
+    """The rollout engine's TP rank on this process is not the generation shard the resharder builds."""
+
+
+def check_rollout_placement(resharder: Resharder, vllm_tp_rank: int) -> None:
+    """Refuse to deliver a shard to an engine whose TP rank differs from the planned generation index.
+
+    vLLM's external_launcher builds its TP groups from consecutive ranks (vLLM TP rank = rank %
+    infer_tp); the Plan's strided groups (training TP a multiple k > 1 of inference TP) put replica
+    members k ranks apart. Until the rollout engine can build its TP groups from
+    `ReshardGroups.rollout.replicas`, build the resharder with
+    `gen_tp_index=[r % infer_tp for r in range(world)]` (correct, but more traffic: see bench/reshard.py).
+    """
+    if resharder.plan.gen_tp_index != vllm_tp_rank:
+        raise RolloutPlacementError(
+            f"rank {resharder.rank}: vLLM serves TP rank {vllm_tp_rank} of {resharder.plan.infer_tp}, the "
+            f"resharder builds generation shard {resharder.plan.gen_tp_index} ({resharder.groups.strategy} "
+            "groups); build the Resharder with gen_tp_index matching the engine's TP groups"
         )
 
 

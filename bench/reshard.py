@@ -1,0 +1,179 @@
+"""Weight-sync cost of the resharder over a grid of training -> rollout layouts (CPU, forked gloo ranks).
+
+A random Llama of ~10M parameters (vocab 8192: no vocab padding on either side, so the Plan's
+estimate is exact where the KV layout allows) is built once; for every layout the ranks build
+their megatron chunks, reshard (one warm-up, then the timed sync) and report what their send/recv
+code counted. Per layout the table shows bytes received per rank (max, mean), the HybridFlow lower
+bound (the Plan's `reshard_traffic`), their ratio (sum over ranks; goal <= 1.05), the naive
+gather-everything cost, the time inside the resharder (max over ranks), the peak extra memory
+(buffers + shard tensors not yet handed over; max over ranks) and whether every rank's shard
+checksums equal `hf_to_vllm_shards` of the HF weights.
+
+Figures, not a test: 2 shared cores, gloo over loopback; compare within one run.
+
+    python bench/reshard.py [--hidden 256] [--layers 8] [--vocab 8192] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hybridrl.config.meshes import build_reshard_groups, build_training_mesh  # noqa: E402
+from hybridrl.engine.checksums import shard_checksums  # noqa: E402
+from hybridrl.engine.layout import hf_to_vllm_shards  # noqa: E402
+from hybridrl.parallel.forked import run_ranks  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "reshard.json"
+MIB = 1024**2
+
+# (tp, pp, vpp, world, infer_tp, bucket bytes, generation TP index rule)
+# "plan": the Plan's ReshardGroups; "vllm-default": vLLM's own consecutive TP groups (rank % infer_tp),
+# what RolloutEngine builds today with external_launcher.
+GRID: list[tuple[int, int, int | None, int, int, int, str]] = [
+    (2, 1, None, 2, 1, 512 * MIB, "plan"),
+    (2, 2, None, 4, 2, 512 * MIB, "plan"),
+    (2, 2, None, 4, 1, 512 * MIB, "plan"),
+    (1, 2, None, 2, 2, 512 * MIB, "plan"),
+    (1, 2, 2, 2, 2, 512 * MIB, "plan"),
+    (4, 1, None, 4, 2, 512 * MIB, "plan"),
+    (4, 1, None, 4, 2, 512 * MIB, "vllm-default"),
+    (4, 1, None, 4, 1, 512 * MIB, "plan"),
+    (2, 2, None, 4, 4, 512 * MIB, "plan"),
+    (2, 2, None, 8, 2, 512 * MIB, "plan"),
+    (2, 4, None, 8, 2, 512 * MIB, "plan"),
+    (2, 2, None, 4, 2, 1 * MIB, "plan"),
+]
+QUICK = [GRID[1], GRID[5], GRID[6], GRID[11]]
+
+
+def build_model(directory: Path, hidden: int, layers: int, vocab: int) -> dict[str, Any]:
+    import transformers
+
+    heads = hidden // 32
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=32,
+        max_position_embeddings=256, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    return json.loads((directory / "config.json").read_text())
+
+
+def _rank(rank: int, world_size: int, hf_dir: str, tp: int, pp: int, vpp: int | None, infer_tp: int,
+          bucket_bytes: int, index_rule: str) -> dict[str, Any]:
+    from hybridrl.engine.resharder import ReshardConfig, Resharder
+    from hybridrl.models.bridge import build_gpt_models, load_weights
+    from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
+
+    initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, device="cpu")
+    try:
+        models = build_gpt_models(hf_dir)
+        load_weights(models, hf_dir)
+        groups = build_reshard_groups(build_training_mesh(world_size, tp, pp, vpp=vpp), infer_tp)
+        override = tuple(r % infer_tp for r in range(world_size)) if index_rule == "vllm-default" else None
+        resharder = Resharder(models, groups, config=ReshardConfig(bucket_bytes=bucket_bytes), gen_tp_index=override)
+        for _ in resharder.shards():  # warm-up: gloo connections, allocator
+            pass
+        for _ in resharder.shards():  # timed; tensors dropped as they come, as a streaming consumer would
+            pass
+        report = resharder.last_report
+        return {"report": report, "gen_tp_index": resharder.plan.gen_tp_index}
+    finally:
+        destroy_model_parallel()
+
+
+def run_layout(hf_dir: Path, config: dict, layout: tuple, expected: dict[tuple[int, int], dict[str, str]]) -> dict:
+    tp, pp, vpp, world, infer_tp, bucket, rule = layout
+    started = time.perf_counter()
+    results = run_ranks(_rank, world, str(hf_dir), tp, pp, vpp, infer_tp, bucket, rule, timeout_s=600)
+    elapsed = time.perf_counter() - started
+    reports = [r["report"] for r in results]
+    key = (infer_tp, 0)
+    verified = True
+    for r in results:
+        key = (infer_tp, r["gen_tp_index"])
+        if key not in expected:
+            state = expected["state"]  # type: ignore[index]
+            expected[key] = shard_checksums(hf_to_vllm_shards(state, config, infer_tp, key[1]).items())
+        verified &= r["report"].checksums == expected[key]
+    received = [r.bytes_received for r in reports]
+    bound = [r.plan_lower_bound_bytes for r in reports]
+    exact_bound = [r.exact_lower_bound_bytes for r in reports]
+    naive = [r.naive_gather_bytes for r in reports]
+    name = f"TP{tp}xPP{pp}" + (f"xVPP{vpp}" if vpp else "") + (f"xDP{world // (tp * pp)}" if world > tp * pp else "")
+    return {
+        "layout": f"{name} -> infer_tp {infer_tp}",
+        "grouping": f"{reports[0].strategy}" if rule == "plan" else "vllm-default",
+        "world": world,
+        "bucket_mib": bucket / MIB,
+        "recv_max_mib": max(received) / MIB,
+        "recv_mean_mib": sum(received) / world / MIB,
+        "bound_max_mib": max(bound) / MIB,
+        "bound_mean_mib": sum(bound) / world / MIB,
+        "exact_bound_mean_mib": sum(exact_bound) / world / MIB,
+        "plan_estimate_mean_mib": sum(r.plan_bytes_received for r in reports) / world / MIB,
+        "ratio_to_bound": sum(received) / sum(bound) if sum(bound) else (1.0 if sum(received) == 0 else float("inf")),
+        "naive_max_mib": max(naive) / MIB,
+        "naive_mean_mib": sum(naive) / world / MIB,
+        "generation_shard_mib": max(r.generation_shard_bytes for r in reports) / MIB,
+        "sync_s_max": max(r.seconds for r in reports),
+        "peak_extra_mib_max": max(r.peak_extra_bytes for r in reports) / MIB,
+        "peak_buffer_mib_max": max(r.peak_buffer_bytes for r in reports) / MIB,
+        "buckets": reports[0].buckets,
+        "messages_max": max(r.messages_received for r in reports),
+        "peers_outside_micro_dp": sum(len(r.peers_outside_micro_dp) for r in reports),
+        "checksums_equal": bool(verified),
+        "launch_s": elapsed,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--quick", action="store_true", help="4 layouts instead of the full grid")
+    args = parser.parse_args()
+    from safetensors.torch import load_file
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir = Path(tmp) / "model"
+        config = build_model(hf_dir, args.hidden, args.layers, args.vocab)
+        state = load_file(str(hf_dir / "model.safetensors"))
+        params = sum(t.numel() for t in state.values())
+        print(f"model: Llama {params / 1e6:.1f}M params ({params * 4 / MIB:.1f} MiB fp32), hidden {args.hidden}, "
+              f"{args.layers} layers, vocab {args.vocab}")
+        expected: dict = {"state": state}
+        for layout in QUICK if args.quick else GRID:
+            rows.append(run_layout(hf_dir, config, layout, expected))
+            print_row(rows[-1], header=len(rows) == 1)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"model_params": params, "hidden": args.hidden, "layers": args.layers,
+                                   "vocab": args.vocab, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+def print_row(row: dict, header: bool) -> None:
+    if header:
+        print(f"{'layout':<30}{'grouping':<14}{'recv max/mean MiB':>18}{'bound mean':>11}{'ratio':>7}"
+              f"{'naive max/mean MiB':>19}{'sync s':>8}{'peak MiB':>9}{'bkts':>5}  ok")
+    print(f"{row['layout']:<30}{row['grouping']:<14}"
+          f"{row['recv_max_mib']:>9.2f}/{row['recv_mean_mib']:<8.2f}{row['bound_mean_mib']:>11.2f}"
+          f"{row['ratio_to_bound']:>7.3f}{row['naive_max_mib']:>10.2f}/{row['naive_mean_mib']:<8.2f}"
+          f"{row['sync_s_max']:>8.3f}{row['peak_extra_mib_max']:>9.2f}{row['buckets']:>5}  "
+          f"{'yes' if row['checksums_equal'] else 'NO'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
