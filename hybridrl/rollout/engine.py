@@ -522,8 +522,10 @@ class RolloutEngine:
     ) -> None:
         """Replace the engine's weights; the prefix cache is reset afterwards.
 
-        `weight_format="hf"`: full HF-named tensors (as in the checkpoint), any subset, streamed;
-        vLLM's in-place reload path (`Worker.reload_weights`) fuses and shards them itself.
+        `weight_format="hf"`: full HF-named tensors (as in the checkpoint), streamed; vLLM's in-place
+        reload path (`Worker.reload_weights`) fuses and shards them itself. A subset is allowed only
+        in whole vLLM layers (q, k, v of a layer together; gate and up together): vLLM rebuilds a
+        layer from scratch and would leave the parts not sent uninitialized.
         `weight_format="vllm_shard"`: this TP rank's tensors in vLLM's own names and layout (what
         `hybridrl.engine.layout.hf_to_vllm_shards` gives): written straight into the parameters
         (in place on GPU; on CPU, followed by vLLM's repacking of the touched layers).
