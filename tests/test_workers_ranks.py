@@ -3,20 +3,22 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
-from hybridrl.parallel.forked import run_ranks
+from hybridrl.parallel.forked import RankError, run_ranks
+from tests.test_models_fixtures import make_hf_model
 from tests.test_workers_fixtures import hf_response_log_probs, job_config, policy_model, rollout_batch
 
 
-def _log_prob_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
+def _log_prob_rank(rank: int, world: int, config: Any, batch: Any, role: str = "actor") -> Any:
     from hybridrl.config.plan import build_plan
     from hybridrl.workers.actor import MegatronActor
     from hybridrl.workers.megatron_role import MegatronRole, role_spec
 
     plan = build_plan(config)
-    engine = MegatronRole(role_spec(plan, "actor"))
-    actor = MegatronActor(engine, plan)
+    engine = MegatronRole(role_spec(plan, role))
+    actor = MegatronActor(engine, plan, output_key="old_log_probs")
     out = actor.compute_log_prob(batch, with_entropy=True)
     return None if out is None else {k: v.clone() for k, v in out.tensors.items()}
 
@@ -25,12 +27,13 @@ def test_log_probs_tp2_pp2_equal_transformers(tmp_path):
     hf = policy_model(tmp_path / "hf")
     batch = rollout_batch(8)
     ref_lp, ref_ent = hf_response_log_probs(hf, batch)
-    for tp, pp in ((1, 1), (2, 2)):
-        results = run_ranks(_log_prob_rank, tp * pp, job_config(hf, world=tp * pp, tp=tp, pp=pp), batch)
+    # PP2 x VPP2 as the (forward-only) reference role: training refuses VPP with two stages.
+    for tp, pp, vpp, role in ((1, 1, None, "actor"), (2, 2, None, "actor"), (1, 2, 2, "ref")):
+        config = job_config(hf, world=tp * pp, tp=tp, pp=pp, vpp=vpp, use_kl_loss=True)
+        results = run_ranks(_log_prob_rank, tp * pp, config, batch, role)
         out = [r for r in results if r is not None]
         assert len(out) == 1
         lp, ent = out[0]["old_log_probs"], out[0]["entropys"]
-        print(tp, pp, (lp - ref_lp).abs().max(), (ent - ref_ent).abs().max())
         assert torch.allclose(lp, ref_lp, atol=1e-5, rtol=0)
         assert torch.allclose(ent, ref_ent, atol=1e-5, rtol=0)
 
@@ -54,16 +57,22 @@ def _update_rank(rank: int, world: int, config: Any, batch: Any, out_dir: str) -
     return {"metrics": metrics, "coords": (ctx.tp_rank, ctx.pp_rank, ctx.dp_rank), "digests": digests}
 
 
+# (tp, pp, dp, vpp, distributed optimizer); the first is the single-rank reference.
+LAYOUTS = ((1, 1, 1, None, False), (2, 2, 1, None, False), (2, 1, 2, None, True), (1, 2, 2, None, False))
+
+
 def test_ppo_update_same_across_layouts(tmp_path):
+    """Loss, grad norm and updated weights of one PPO step do not depend on the layout; DP replicas agree."""
     from tests.test_models_fixtures import safetensors_state
 
     hf = policy_model(tmp_path / "hf")
     batch = rollout_batch(8)
     runs = {}
-    for tp, pp, dp in ((1, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2)):
+    for tp, pp, dp, vpp, distributed in LAYOUTS:
         world = tp * pp * dp
-        out = tmp_path / f"out_{tp}{pp}{dp}"
-        config = job_config(hf, world=world, tp=tp, pp=pp, use_kl_loss=True, entropy_coeff=0.01)
+        out = tmp_path / f"out_{tp}{pp}{dp}{vpp}"
+        config = job_config(hf, world=world, tp=tp, pp=pp, vpp=vpp, distributed_optimizer=distributed,
+                            use_kl_loss=True, entropy_coeff=0.01)
         results = run_ranks(_update_rank, world, config, batch, str(out))
         metrics = [r["metrics"] for r in results if r["metrics"] is not None]
         assert len(metrics) == dp
@@ -72,14 +81,90 @@ def test_ppo_update_same_across_layouts(tmp_path):
             tp_rank, pp_rank, _ = r["coords"]
             by_position.setdefault((tp_rank, pp_rank), set()).add(tuple(sorted(r["digests"].items())))
         assert all(len(v) == 1 for v in by_position.values()), "DP replicas differ"
-        runs[(tp, pp, dp)] = (metrics[0], safetensors_state(out))
-    base_metrics, base_state = runs[(1, 1, 1)]
+        runs[(tp, pp, dp, vpp, distributed)] = (metrics[0], safetensors_state(out))
+    base_metrics, base_state = runs[LAYOUTS[0]]
     initial = safetensors_state(hf)
     for key, (metrics, state) in runs.items():
-        print(key, metrics.pg_loss, metrics.grad_norm, metrics.kl_loss, metrics.entropy)
-        assert abs(metrics.pg_loss - base_metrics.pg_loss) < 1e-5
+        assert abs(metrics.pg_loss - base_metrics.pg_loss) < 1e-5, key
         assert abs(metrics.grad_norm - base_metrics.grad_norm) < 1e-5
         assert abs(metrics.kl_loss - base_metrics.kl_loss) < 1e-5
         for name, value in base_state.items():
             assert (state[name] - value).abs().max() < 1e-5, (key, name)
     assert max((base_state[n] - initial[n]).abs().max() for n in initial) > 1e-3  # the update moved weights
+
+
+def test_ppo_update_is_split_invariant(tmp_path):
+    """Micro-batch size, dynamic token-budget batching and DP do not change the step (global normalizers)."""
+    from tests.test_models_fixtures import safetensors_state
+
+    hf = policy_model(tmp_path / "hf")
+    batch = rollout_batch(8, seed=4)
+    cases = {
+        "micro4_dp1": (1, dict(micro=4)),
+        "micro1_dp2": (2, dict(micro=1)),
+        "dynamic_dp2": (2, dict(micro=2, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=20)),
+        "seq_mean_dp2": (2, dict(micro=1, loss_agg_mode="seq-mean-token-mean")),
+        "seq_mean_dp1": (1, dict(micro=4, loss_agg_mode="seq-mean-token-mean")),
+    }
+    runs = {}
+    for name, (dp, kwargs) in cases.items():
+        out = tmp_path / name
+        results = run_ranks(_update_rank, dp, job_config(hf, world=dp, **kwargs), batch, str(out))
+        runs[name] = ([r["metrics"] for r in results if r["metrics"] is not None][0], safetensors_state(out))
+    for group in (("micro4_dp1", "micro1_dp2", "dynamic_dp2"), ("seq_mean_dp1", "seq_mean_dp2")):
+        base_metrics, base_state = runs[group[0]]
+        for name in group[1:]:
+            metrics, state = runs[name]
+            assert abs(metrics.pg_loss - base_metrics.pg_loss) < 1e-6, name
+            assert abs(metrics.grad_norm - base_metrics.grad_norm) < 1e-6, name
+            assert abs(metrics.clipfrac - base_metrics.clipfrac) < 1e-6, name
+            assert abs(metrics.entropy - base_metrics.entropy) < 1e-6, name
+            assert max(float((state[n] - base_state[n]).abs().max()) for n in base_state) < 1e-5, name
+    assert abs(runs["micro4_dp1"][0].pg_loss - runs["seq_mean_dp1"][0].pg_loss) > 1e-4  # the modes differ
+
+
+def _dynamic_log_prob_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
+    from hybridrl.config.plan import build_plan
+    from hybridrl.workers.actor import MegatronActor
+    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.workers.micro_batching import partition_rows
+
+    plan = build_plan(config)
+    actor = MegatronActor(MegatronRole(role_spec(plan, "actor")), plan)
+    ctx = actor.engine.ctx
+    chunk = batch.split(ctx.dp)[ctx.dp_rank]
+    parts = partition_rows(chunk["attention_mask"], 0, dynamic=True, max_tokens=actor.max_tokens,
+                           dp_group=ctx.dp_group)
+    out = actor.compute_log_prob(chunk)
+    return {"parts": parts, "log_probs": None if out is None else out["old_log_probs"].clone()}
+
+
+def test_dynamic_batching_log_probs_keep_row_order(tmp_path):
+    hf = policy_model(tmp_path / "hf")
+    batch = rollout_batch(8, seed=6)
+    expected, _ = hf_response_log_probs(hf, batch)
+    config = job_config(hf, world=2, pp=2, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=24)
+    results = run_ranks(_dynamic_log_prob_rank, 2, config, batch)
+    assert results[0]["parts"] == results[1]["parts"]  # PP peers cut the rows alike
+    assert len(results[0]["parts"]) > 1
+    assert sorted(sum(results[0]["parts"], [])) == list(range(8))
+    assert (results[1]["log_probs"] - expected).abs().max() < 1e-5
+
+
+def test_ppo_update_with_interleaved_pipeline(tmp_path):
+    """PP4 x VPP2 (8 layers, interleaved 1F1B) gives the single-rank step; PP2 x VPP2 training is refused."""
+    from tests.test_models_fixtures import safetensors_state
+
+    hf = make_hf_model(tmp_path / "hf8", "llama", num_hidden_layers=8)
+    batch = rollout_batch(8)
+    runs = {}
+    for pp, vpp in ((1, None), (4, 2)):
+        out = tmp_path / f"pp{pp}"
+        results = run_ranks(_update_rank, pp, job_config(hf, world=pp, pp=pp, vpp=vpp, micro=1), batch, str(out))
+        runs[pp] = ([r["metrics"] for r in results if r["metrics"] is not None][0], safetensors_state(out))
+    (base, base_state), (vpp_metrics, vpp_state) = runs[1], runs[4]
+    assert abs(vpp_metrics.pg_loss - base.pg_loss) < 1e-5
+    assert abs(vpp_metrics.grad_norm - base.grad_norm) < 1e-5
+    assert max(float((vpp_state[n] - base_state[n]).abs().max()) for n in base_state) < 1e-5
+    with pytest.raises(RankError, match="needs pp > 2"):
+        run_ranks(_update_rank, 2, job_config(hf, world=2, pp=2, vpp=2), batch, str(tmp_path / "refused"))

@@ -87,8 +87,8 @@ class MegatronCritic:
         for _epoch in range(update.ppo_epochs):
             for start in range(0, rows, per_mini):
                 mini_rows = list(range(start, start + per_mini))
-                partition = partition_rows(batch.tensors["attention_mask"][start:start + per_mini],
-                                           update.micro_batch_size, dynamic=self.dynamic,
+                mini_mask = batch.tensors["attention_mask"][start:start + per_mini]
+                partition = partition_rows(mini_mask, update.micro_batch_size, dynamic=self.dynamic,
                                            max_tokens=self.max_tokens, dp_group=ctx.dp_group)
                 micros = [micro_batch_inputs(batch.tensors, [mini_rows[r] for r in part],
                                              extra_keys=("values", "returns"), pad_multiple=engine.pad_multiple)

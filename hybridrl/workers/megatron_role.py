@@ -174,6 +174,12 @@ class MegatronRole:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         spec, optim = self.spec, self.spec.optim
+        if self.ctx.vpp is not None and self.ctx.pp <= 2:
+            # With two stages a rank's previous and next stage are the same peer: the interleaved
+            # schedule's batched send/recv of activations and gradients to one peer can match the
+            # wrong messages (gloo: silently swapped tensors). Megatron-LM refuses this layout too.
+            raise ValueError(f"training with virtual pipeline stages needs pp > 2 (got pp={self.ctx.pp}, "
+                             f"vpp={self.ctx.vpp}); forward-only roles may use it")
         distributed = spec.megatron.use_distributed_optimizer
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed,

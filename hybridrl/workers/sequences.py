@@ -92,20 +92,20 @@ def build_model_inputs(
     them out. Every row needs at least one real prompt token (the first response token is predicted
     from the last prompt token).
     """
-    rows, width = input_ids.shape
+    full_width = input_ids.shape[1]
     resp_len = responses.shape[1]
-    if resp_len > width or not torch.equal(input_ids[:, width - resp_len:], responses):
+    if resp_len > full_width or not torch.equal(input_ids[:, full_width - resp_len:], responses):
         raise SequenceLayoutError("input_ids must end with the responses ([prompt | response] rows)")
     first, lengths = real_token_runs(attention_mask)
-    prompt_width = width - resp_len
+    prompt_width = full_width - resp_len
     prompt_lengths = prompt_width - first
     if bool((prompt_lengths < 1).any()):
         raise SequenceLayoutError("every row needs at least one real prompt token")
 
     longest = int(lengths.max())
-    trimmed = min(width, -(-longest // pad_multiple) * pad_multiple)
+    trimmed = min(full_width, -(-longest // pad_multiple) * pad_multiple)
     # Rotating by `first` puts the real run at column 0; whatever wraps around lands after it.
-    source = (torch.arange(trimmed, device=input_ids.device).unsqueeze(0) + first.unsqueeze(1)) % width
+    source = (torch.arange(trimmed, device=input_ids.device).unsqueeze(0) + first.unsqueeze(1)) % full_width
     aligned_ids = torch.gather(input_ids, 1, source)
     aligned_positions = torch.gather(position_ids, 1, source)
 
@@ -130,6 +130,7 @@ def take_predictions(output: Tensor, index: Tensor) -> Tensor:
 
 def micro_batch_inputs(
     tensors: dict[str, Tensor], rows: list[int], *, extra_keys: tuple[str, ...] = (), pad_multiple: int = 1,
+    width: int | None = None,
 ) -> ModelInputs:
     """`build_model_inputs` for the given rows of a batch's tensors (the `MODEL_INPUT_KEYS` + `extra_keys`)."""
     missing = [k for k in (*MODEL_INPUT_KEYS, *extra_keys) if k not in tensors]
