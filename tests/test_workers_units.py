@@ -1,0 +1,113 @@
+"""Pure pieces of the workers: sequence alignment, micro-batch partitions, LR schedule, metric sums."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hybridrl.parallel.forked import run_ranks
+from hybridrl.workers.lr_schedule import LRSchedule
+from hybridrl.workers.metrics import StepMetrics, average_steps
+from hybridrl.workers.micro_batching import (
+    balanced_partition,
+    dynamic_partition,
+    fixed_partition,
+    micro_batches_needed,
+    restore_order,
+)
+from hybridrl.workers.sequences import SequenceLayoutError, build_model_inputs, take_predictions
+from tests.test_workers_fixtures import RESPONSE, rollout_batch
+
+
+# ------------------------------------------------------------------------------------ sequences
+def test_alignment_keeps_each_rows_real_tokens_and_finds_responses():
+    batch = rollout_batch(6, seed=2)
+    inputs = build_model_inputs(batch["input_ids"], batch["attention_mask"], batch["position_ids"],
+                                batch["responses"], batch["response_mask"])
+    mask = batch["attention_mask"].bool()
+    assert inputs.seq_length == int(mask.sum(-1).max())  # trimmed to the longest real row
+    for i in range(6):
+        real = batch["input_ids"][i][mask[i]]
+        n = real.numel()
+        assert torch.equal(inputs.input_ids[i, :n], real)  # left-aligned, order kept
+        assert torch.equal(inputs.position_ids[i, :n], batch["position_ids"][i][mask[i]])
+        assert int(inputs.last_index[i]) == n - 1
+        # The column predicting response token j holds the token just before it.
+        for j in range(int(batch["response_mask"][i].sum())):
+            col = int(inputs.predict_index[i, j])
+            assert inputs.input_ids[i, col + 1] == batch["responses"][i, j]
+    picked = take_predictions(inputs.input_ids.unsqueeze(-1).float(), inputs.predict_index)
+    assert picked.shape == (6, RESPONSE, 1)
+
+
+def test_alignment_rejects_bad_layouts():
+    batch = rollout_batch(2)
+    holes = batch["attention_mask"].clone()
+    holes[0, -RESPONSE - 2] = 0  # a hole inside row 0's prompt (row 0 is unpadded)
+    with pytest.raises(SequenceLayoutError, match="holes"):
+        build_model_inputs(batch["input_ids"], holes, batch["position_ids"], batch["responses"],
+                           batch["response_mask"])
+    no_prompt = batch["attention_mask"].clone()
+    no_prompt[1, :-RESPONSE] = 0
+    with pytest.raises(SequenceLayoutError, match="prompt token"):
+        build_model_inputs(batch["input_ids"], no_prompt, batch["position_ids"], batch["responses"],
+                           batch["response_mask"])
+    with pytest.raises(SequenceLayoutError, match="end with the responses"):
+        build_model_inputs(batch["input_ids"], batch["attention_mask"], batch["position_ids"],
+                           batch["responses"] + 1, batch["response_mask"])
+
+
+# ------------------------------------------------------------------------------- micro-batches
+def test_fixed_and_balanced_partitions():
+    assert fixed_partition(5, 2) == [[0, 1], [2, 3], [4]]
+    lengths = [9, 1, 8, 2, 7, 3]
+    parts = balanced_partition(lengths, 3)
+    assert sorted(sum(parts, [])) == list(range(6)) and all(parts)
+    assert sorted(sum(lengths[r] for r in p) for p in parts) == [10, 10, 10]
+    assert micro_batches_needed(lengths, 10) == 3
+    assert micro_batches_needed(lengths, 100) == 1
+    assert micro_batches_needed([50, 1], 10) == 2  # an over-long row gets a micro-batch of its own
+
+
+def test_restore_order_inverts_any_partition():
+    values = torch.arange(7.0).unsqueeze(-1) * 10
+    parts = [[5, 0], [3, 1, 6], [2, 4]]
+    outputs = [values[torch.tensor(p)] for p in parts]
+    assert torch.equal(restore_order(outputs, parts), values)
+
+
+def _agree(rank: int, world: int) -> list[list[int]]:
+    lengths = [30, 30, 30, 30] if rank == 0 else [5, 5, 5, 5]
+    return dynamic_partition(lengths, max_tokens=60, dp_group=None if world == 1 else torch.distributed.group.WORLD)
+
+
+def test_dynamic_partition_agrees_on_the_count_over_dp():
+    rank0, rank1 = run_ranks(_agree, 2)
+    assert len(rank0) == len(rank1) == 2  # rank 1 alone would need 1 micro-batch
+
+
+# ------------------------------------------------------------------------------------ schedule
+def test_lr_schedule_shapes():
+    warm = LRSchedule(lr=1.0, warmup_steps=4)
+    assert [warm.lr_at(k) for k in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    linear = LRSchedule(lr=1.0, min_lr=0.1, warmup_steps=0, decay_style="linear", total_steps=10)
+    assert linear.lr_at(0) == 1.0 and linear.lr_at(5) == pytest.approx(0.55) and linear.lr_at(20) == 0.1
+    cosine = LRSchedule(lr=1.0, warmup_steps=2, decay_style="cosine", total_steps=12)
+    assert cosine.lr_at(2) == 1.0 and cosine.lr_at(7) == pytest.approx(0.5) and cosine.lr_at(12) == 0.0
+    assert cosine.lr_at(4) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.2)))
+    with pytest.raises(ValueError, match="needs the total"):
+        LRSchedule(lr=1.0, decay_style="cosine")
+    restored = LRSchedule(lr=1.0, warmup_steps=4)
+    warm.step_count = 3
+    restored.load_state_dict(warm.state_dict())
+    assert restored.current_lr == 1.0
+
+
+# ------------------------------------------------------------------------------------- metrics
+def test_step_metrics_sum_totals_and_weight_means():
+    sums = StepMetrics()
+    sums.add_micro({"weight": torch.tensor(3.0), "total/loss": torch.tensor(0.5), "mean/clipfrac": torch.tensor(1.0)})
+    sums.add_micro({"weight": torch.tensor(1.0), "total/loss": torch.tensor(0.25), "mean/clipfrac": torch.tensor(0.0)})
+    assert sums.reduce_over(None) == {"loss": 0.75, "clipfrac": 0.75}
+    assert average_steps([{"a": 1.0, "b": 2.0}, {"a": 3.0}]) == {"a": 2.0, "b": 2.0}
