@@ -44,7 +44,8 @@ def _add_to_layer(models: list[Any], layer: int, delta: float) -> None:
 
 
 def _reshard_rank(rank: int, world_size: int, hf_dir: str, tp: int, pp: int, vpp: int | None, infer_tp: int,
-                  bucket_bytes: int, swapped: bool = False, change: bool = False) -> dict[str, Any]:
+                  bucket_bytes: int, swapped: bool = False, change: bool = False,
+                  vllm_default_groups: bool = False) -> dict[str, Any]:
     from hybridrl.engine.resharder import ReshardConfig, Resharder
     from hybridrl.models.bridge import build_gpt_models, load_weights
     from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
@@ -55,7 +56,9 @@ def _reshard_rank(rank: int, world_size: int, hf_dir: str, tp: int, pp: int, vpp
         load_weights(models, hf_dir)
         groups = build_reshard_groups(build_training_mesh(world_size, tp, pp, vpp=vpp), infer_tp)
         config = ReshardConfig(bucket_bytes=bucket_bytes)
-        resharder = Resharder(models, groups, config=config)
+        # vLLM's own TP groups are consecutive ranks (TP rank = rank % infer_tp), whatever the Plan says
+        override = [r % infer_tp for r in range(world_size)] if vllm_default_groups else None
+        resharder = Resharder(models, groups, config=config, gen_tp_index=override)
         out: dict[str, Any] = {"shards": resharder.reshard(), "report": resharder.last_report}
         if swapped:  # a deliberately wrong grouping: every rank builds its replica peer's shard
             wrong = tuple(infer_tp - 1 - j for j in groups.gen_tp_index)
@@ -179,6 +182,56 @@ def test_next_sync_carries_a_weight_change(hf_dirs):
             assert torch.equal(after[name], tensor), f"rank {rank}: {name}"
             moved = name.startswith(f"model.layers.{CHANGED_LAYER}.")
             assert moved != torch.equal(before[name], after[name]), f"rank {rank}: {name}"
+
+
+def test_kv_layout_gaps_are_exactly_the_replicated_or_regrouped_heads(hf_dirs):
+    """Where the Plan's estimate (proportional slices) and the real traffic differ, by how much and why.
+
+    Llama here: 4 query heads, 2 KV heads, head_dim 16, hidden 64, 4 layers, fp32.
+    - TP4 -> infer_tp 4: megatron splits each query group [q_2g, q_2g+1, k_g, v_g] over two TP ranks
+      (even rank: the two q heads; odd rank: k_g, v_g), vLLM rank r holds [q_r; k_r//2; v_r//2]. The
+      estimate says nothing moves; in fact even ranks receive k,v (2 heads) and odd ranks q (1 head)
+      per layer, from their neighbour — outside their (size-1) micro-DP group.
+    - TP2xPP2 -> infer_tp 4: vLLM replicates each KV head on 2 ranks, so a shard holds 3 heads of
+      qkv rows where the estimate's quarter of the fused rows is 2: one head more per received layer.
+    """
+    d, h, layers, fp32 = 16, 64, 4, 4
+    hf_dir = hf_dirs["llama"]
+    regrouped = run_ranks(_reshard_rank, 4, str(hf_dir), 4, 1, None, 4, 512 << 20, timeout_s=300)
+    for rank, result in enumerate(regrouped):
+        report = result["report"]
+        heads_missing = 2 if rank % 2 == 0 else 1
+        assert report.plan_bytes_received == 0
+        assert report.bytes_received == layers * heads_missing * d * h * fp32
+        assert report.peers_outside_micro_dp == (rank ^ 1,)
+    replicated = run_ranks(_reshard_rank, 4, str(hf_dir), 2, 2, None, 4, 512 << 20, timeout_s=300)
+    hf_state, config = safetensors_state(hf_dir), read_json(hf_dir / "config.json")
+    groups = build_reshard_groups(build_training_mesh(4, 2, 2), 4)
+    assert groups.strategy == "split"
+    for rank, result in enumerate(replicated):
+        report = result["report"]
+        expected = hf_to_vllm_shards(hf_state, config, 4, groups.gen_tp_index[rank])
+        assert all(torch.equal(result["shards"][n], t) for n, t in expected.items())
+        received_layers = layers // 2  # the other stage's
+        assert report.bytes_received - report.plan_bytes_received == received_layers * d * h * fp32
+        assert report.peers_outside_micro_dp == ()
+
+
+def test_vllm_default_groups_are_correct_but_cost_more(hf_dirs):
+    """TP4 -> infer_tp 2 reshared for vLLM's consecutive TP groups instead of the Plan's strided ones:
+    still bit-exact for each rank's vLLM TP rank, but ranks 1 and 2 hold none of their shard."""
+    hf_dir = hf_dirs["llama"]
+    results = run_ranks(_reshard_rank, 4, str(hf_dir), 4, 1, None, 2, 512 << 20, vllm_default_groups=True,
+                        timeout_s=300)
+    hf_state, config = safetensors_state(hf_dir), read_json(hf_dir / "config.json")
+    received = []
+    for rank, result in enumerate(results):
+        expected = hf_to_vllm_shards(hf_state, config, 2, rank % 2)
+        assert all(torch.equal(result["shards"][n], t) for n, t in expected.items())
+        received.append(result["report"].bytes_received)
+    bound = results[0]["report"].plan_lower_bound_bytes
+    assert received[0] == received[3] == bound  # tp 0 and 3 hold half of their shard, as planned
+    assert received[1] == received[2] > 1.5 * bound  # tp 1 holds shard-0 rows but serves vLLM TP rank 1
 
 
 # ---- delivery into a live vLLM engine ------------------------------------------------------------------

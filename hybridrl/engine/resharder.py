@@ -73,7 +73,9 @@ class SyncReport:
     peak_extra_bytes: int  # buffers + shard tensors allocated and not yet handed over
     generation_shard_bytes: int
     planned_bytes_received: int  # from the pure plan (exact: padding and KV layout included)
-    exact_lower_bound_bytes: int  # min over generation indices j of the bytes shard j would need
+    # min over generation indices j of the bytes shard j would need on this rank (vocab padding and
+    # the KV layout included); with uneven vocab shards not every rank of a replica can reach it at once
+    exact_lower_bound_bytes: int
     plan_bytes_received: int | None  # the Plan's estimate (`config.estimates.reshard_traffic`)
     plan_lower_bound_bytes: int | None  # HybridFlow Table 2 bound, as the Plan computes it
     naive_gather_bytes: int  # gather-everything: the whole model minus what this rank holds
@@ -176,6 +178,7 @@ class Resharder:
             reshard_traffic(self.shape, self.mesh, groups, dtype_name) if dtype_name else None
         )
         self.last_report: SyncReport | None = None
+        self._synced_once = False
 
     def _check_sources(self) -> None:
         for bucket in self.plan.buckets:
@@ -201,6 +204,11 @@ class Resharder:
         Collective: every rank of the DP/CP replica must exhaust its generator. The yielded tensors
         are new (never views of the training parameters), so the consumer may keep or modify them.
         """
+        if not self._synced_once and dist.get_backend() == "nccl":
+            # NCCL: a batch_isend_irecv that is a group's first collective must involve every rank
+            # of it, and ours involve only peers; one barrier makes the world group's first call global.
+            dist.barrier()
+        self._synced_once = True
         meter = _MemoryMeter()
         counters = {"sent": 0, "received": 0, "msg_sent": 0, "msg_received": 0}
         checksums: dict[str, str] = {}
