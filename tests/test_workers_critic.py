@@ -115,3 +115,28 @@ def test_reward_model_scores_equal_transformers(tmp_path):
         scores = [s for s in run_ranks(_reward_rank, tp * pp, config, batch) if s is not None]
         assert len(scores) == 1
         assert (scores[0] - expected).abs().max() < TOL, (tp, pp)
+
+
+def _critic_values_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
+    from hybridrl.config.plan import build_plan
+    from hybridrl.workers.critic import MegatronCritic
+    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+
+    plan = build_plan(config)
+    engine = MegatronRole(role_spec(plan, "critic"))
+    out = MegatronCritic(engine, plan).compute_values(batch)
+    return None if out is None else (out["values"].clone(), engine.head_loaded)
+
+
+def test_critic_from_a_causal_lm_gets_a_fresh_head_same_on_every_layout(tmp_path):
+    """No score.weight in the policy's checkpoint: the seeded head is the same at TP1 and TP2 x PP2."""
+    hf = policy_model(tmp_path / "policy")
+    batch = rollout_batch(8)
+    runs = []
+    for tp, pp in ((1, 1), (2, 2)):
+        config = with_critic(job_config(hf, world=tp * pp), hf, tp=tp, pp=pp)
+        runs.append([o for o in run_ranks(_critic_values_rank, tp * pp, config, batch) if o is not None][0])
+    (single, loaded_single), (sharded, loaded_sharded) = runs
+    assert not loaded_single and not loaded_sharded
+    assert single.abs().max() > 0
+    assert (single - sharded).abs().max() < TOL

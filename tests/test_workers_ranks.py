@@ -168,3 +168,23 @@ def test_ppo_update_with_interleaved_pipeline(tmp_path):
     assert max(float((vpp_state[n] - base_state[n]).abs().max()) for n in base_state) < 1e-5
     with pytest.raises(RankError, match="needs pp > 2"):
         run_ranks(_update_rank, 2, job_config(hf, world=2, pp=2, vpp=2), batch, str(tmp_path / "refused"))
+
+
+def test_epochs_and_mini_batches_same_across_layouts(tmp_path):
+    """2 epochs x 2 mini-batches (4 optimizer steps, warmup lr): TP2 x PP2 follows the single rank step by step."""
+    hf = policy_model(tmp_path / "hf")
+    batch = rollout_batch(8, seed=8)
+    runs = {}
+    for tp, pp in ((1, 1), (2, 2)):
+        config = job_config(hf, world=tp * pp, tp=tp, pp=pp, ppo_epochs=2, ppo_mini_batch_size=2)
+        config.actor_rollout_ref.actor.optim.lr_warmup_steps = 2
+        results = run_ranks(_update_rank, tp * pp, config, batch, str(tmp_path / f"out{tp}{pp}"))
+        runs[tp] = [r["metrics"] for r in results if r["metrics"] is not None][0]
+    base, other = runs[1], runs[2]
+    assert base.optimizer_steps == other.optimizer_steps == 4
+    assert [s["lr"] for s in base.per_step] == [5e-3, 1e-2, 1e-2, 1e-2]
+    for a, b in zip(base.per_step, other.per_step):
+        for key in ("pg_loss", "grad_norm", "clipfrac", "approx_kl"):
+            assert abs(a[key] - b[key]) < 1e-5, key
+    # Later steps see the updated policy: the ratio moves away from the first step's.
+    assert abs(base.per_step[2]["approx_kl"] - base.per_step[0]["approx_kl"]) > 1e-4
