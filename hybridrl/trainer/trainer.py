@@ -176,6 +176,8 @@ class Trainer:
         metrics: dict[str, float] = {}
         with timer.phase("gen"):
             batch = self.generate(prompts, self._sampling())
+            if cfg.actor_rollout_ref.rollout.free_cache_engine:
+                self.actor_group.call_all("release_rollout_memory")
         batch.meta["temperature"] = cfg.actor_rollout_ref.rollout.temperature
         metrics.update(batch.meta.pop("metrics", {}) or {})
         with timer.phase("reward"):

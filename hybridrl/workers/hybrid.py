@@ -124,12 +124,19 @@ class ActorRolloutRefWorker(Worker):
         ids = [list(map(int, p)) for p in prompts["raw_prompt_ids"]]
         uids = list(prompts["uid"]) if "uid" in prompts else None
         out = self.rollout.generate_sequences(ids, sampling, uids=uids)
+        # Replicas pad to their own longest prompt; the controller concatenates them, so every
+        # replica pads to the width of the batch it was cut from.
+        out = left_pad_prompts(out, prompts["input_ids"].shape[1], self.pad_token_id)
         # Carry each prompt's metadata (ground truth, data source, ...) onto its n samples.
         rows = out["prompt_index"]
         for key in prompts.non_tensors:
             if key not in ("raw_prompt_ids", "uid") and key not in out.non_tensors:
                 out[key] = prompts[key][rows]
         return out if self.rollout.tp_rank == 0 else None
+
+    def release_rollout_memory(self) -> None:
+        """After generation: vLLM sleeps (KV cache freed, weights offloaded) while training runs."""
+        self.rollout.sleep(level=1)
 
     # ------------------------------------------------------------------------------ training side
     def compute_log_prob(self, batch: Batch) -> Batch | None:
@@ -150,8 +157,11 @@ class ActorRolloutRefWorker(Worker):
         from hybridrl.engine.checksums import verify_checksums
 
         started = time.perf_counter()
-        self.rollout.wake_up()
+        # GPU with sleep mode: weights back first (the update writes into them), the KV cache only
+        # after the update so the two never need memory at once. No-ops on CPU.
+        self.rollout.wake_up(tags=["weights"])
         self.rollout.update_weights(self.resharder.shards(), weight_format="vllm_shard")
+        self.rollout.wake_up(tags=["kv_cache"])
         report = self.resharder.last_report
         held = self.rollout.parameter_digests()
         try:
@@ -197,6 +207,24 @@ class ActorRolloutRefWorker(Worker):
         from hybridrl.models.bridge import export_hf
 
         export_hf(self.actor.engine.chunks, out_dir)
+
+
+def left_pad_prompts(batch: Batch, width: int, pad_token_id: int) -> Batch:
+    """Widen the prompt part of a rollout batch to `width` columns of left padding."""
+    extra = width - batch["prompts"].shape[1]
+    if extra <= 0:
+        return batch
+    rows = len(batch)
+
+    def widen(name: str, fill: int) -> None:
+        pad = torch.full((rows, extra), fill, dtype=batch[name].dtype)
+        batch[name] = torch.cat([pad, batch[name]], dim=1)
+
+    widen("prompts", pad_token_id)
+    widen("input_ids", pad_token_id)
+    widen("attention_mask", 0)
+    widen("position_ids", 0)
+    return batch
 
 
 def _pad_token_id(model_path: str) -> int:

@@ -1,0 +1,23 @@
+"""Rollout batches from different replicas must line up column for column."""
+import torch
+
+from hybridrl.data.batch import Batch
+from hybridrl.workers.hybrid import left_pad_prompts
+
+
+def test_left_pad_prompts_widens_only_the_prompt_side():
+    batch = Batch({
+        "prompts": torch.tensor([[5, 6], [0, 7]]),
+        "responses": torch.tensor([[8, 9, 0], [8, 0, 0]]),
+        "input_ids": torch.tensor([[5, 6, 8, 9, 0], [0, 7, 8, 0, 0]]),
+        "attention_mask": torch.tensor([[1, 1, 1, 1, 0], [0, 1, 1, 0, 0]]),
+        "position_ids": torch.tensor([[0, 1, 2, 3, 4], [0, 0, 1, 2, 3]]),
+        "response_mask": torch.tensor([[1, 1, 0], [1, 0, 0]]),
+    })
+    out = left_pad_prompts(batch, 4, pad_token_id=0)
+    assert out["input_ids"].tolist() == [[0, 0, 5, 6, 8, 9, 0], [0, 0, 0, 7, 8, 0, 0]]
+    assert out["attention_mask"].tolist() == [[0, 0, 1, 1, 1, 1, 0], [0, 0, 0, 1, 1, 0, 0]]
+    assert out["position_ids"].tolist() == [[0, 0, 0, 1, 2, 3, 4], [0, 0, 0, 0, 1, 2, 3]]
+    assert out["prompts"].shape == (2, 4) and out["responses"].shape == (2, 3)
+    same = left_pad_prompts(out, 3, pad_token_id=0)
+    assert same["input_ids"].shape == (2, 7)
