@@ -308,3 +308,35 @@ def test_sync_into_live_vllm_engine(tmp_path, arch, tp, pp, world, infer_tp):
             before = torch.log_softmax(_hf_logits_of(original, prompt, response), -1)
             moved |= bool((before[torch.arange(len(response)), response] - expected).abs().max() > 1e-3)
         assert moved, "the weight change did not reach the rollout engine"
+
+
+# ---- the pure plan at a real model's scale (no ranks) -----------------------------------------------------
+
+QWEN2_7B_SHAPE = dict(
+    architectures=["Qwen2ForCausalLM"], hidden_size=3584, num_attention_heads=28, num_key_value_heads=4,
+    intermediate_size=18944, num_hidden_layers=28, vocab_size=152064, tie_word_embeddings=False,
+)
+
+
+@pytest.mark.parametrize("world,tp,pp,cp,infer_tp", [(16, 4, 2, 2, 2), (32, 4, 4, 1, 4), (8, 2, 4, 1, 1),
+                                                     (16, 4, 2, 1, 4)])
+def test_plan_at_7b_scale_meets_the_bound_in_bounded_buckets(world, tp, pp, cp, infer_tp):
+    """Qwen2-7B's shape (vocab 152064: no padding at these TPs; 4 KV heads: no replication up to infer_tp 4):
+    every rank receives exactly the Plan's estimate, only from its micro-DP group and its own DP/CP
+    replica, and no bucket makes any rank send + receive more than the bucket."""
+    from hybridrl.config.estimates import reshard_traffic
+    from hybridrl.engine.reshard_plan import build_rank_plan
+
+    shape = ModelShape.from_hf_config(QWEN2_7B_SHAPE)
+    mesh = build_training_mesh(world, tp, pp, cp)
+    groups = build_reshard_groups(mesh, infer_tp)
+    traffic = reshard_traffic(shape, mesh, groups, "bf16")
+    bucket_numel = (512 << 20) // 2
+    for rank in range(world):
+        plan = build_rank_plan(shape, mesh, groups, rank, bucket_numel=bucket_numel)
+        assert plan.recv_numel * 2 == traffic.bytes_received[rank] == traffic.lower_bound[rank]
+        assert plan.peers_outside_micro_dp == ()
+        coord = mesh.coord(rank)
+        assert all((mesh.coord(p).dp, mesh.coord(p).cp) == (coord.dp, coord.cp) for p in plan.peers)
+        assert max(b.transient_numel for b in plan.buckets) <= bucket_numel
+        assert plan.recv_numel < plan.naive_numel or infer_tp == 1
