@@ -188,3 +188,22 @@ def test_epochs_and_mini_batches_same_across_layouts(tmp_path):
             assert abs(a[key] - b[key]) < 1e-5, key
     # Later steps see the updated policy: the ratio moves away from the first step's.
     assert abs(base.per_step[2]["approx_kl"] - base.per_step[0]["approx_kl"]) > 1e-4
+
+
+@pytest.mark.slow
+def test_bf16_policy_runs_close_to_fp32(tmp_path):
+    """bf16 params (megatron's fp16/bf16 optimizer with fp32 master weights, plain and distributed)."""
+    hf = policy_model(tmp_path / "hf")
+    batch = rollout_batch(8)
+    expected, _ = hf_response_log_probs(hf, batch)
+    fp32 = run_ranks(_update_rank, 1, job_config(hf, world=1), batch, str(tmp_path / "fp32"))[0]["metrics"]
+    for distributed in (False, True):
+        config = job_config(hf, world=2, tp=2, distributed_optimizer=distributed)
+        config.actor_rollout_ref.actor.megatron.dtype = "bf16"
+        log_probs = [r for r in run_ranks(_log_prob_rank, 2, config, batch) if r is not None][0]["old_log_probs"]
+        assert log_probs.dtype == torch.float32
+        assert (log_probs - expected).abs().max() < 2e-2
+        results = run_ranks(_update_rank, 2, config, batch, str(tmp_path / f"bf16_{distributed}"))
+        metrics = [r["metrics"] for r in results if r["metrics"] is not None][0]
+        assert abs(metrics.pg_loss - fp32.pg_loss) < 1e-3
+        assert abs(metrics.grad_norm - fp32.grad_norm) < 1e-2
