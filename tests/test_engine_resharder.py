@@ -8,7 +8,8 @@ reshards, and returns the produced vLLM shard and the `SyncReport`. The parent c
   the lower bound, and are below the naive gather-everything cost;
 - every peer is inside the rank's micro-DP group, and the transient buffers stay under the bucket.
 The Llama model has vocab 512 (no padding on either side), so its estimate must match exactly;
-the Qwen2 model (q/k/v bias, tied embeddings, vocab 200) exercises both paddings and the tied copy.
+the Qwen2 model (q/k/v bias, tied embeddings, vocab 200) exercises both paddings and the tied copy;
+Qwen3 adds per-head q/k norms and a head_dim that is not hidden/heads.
 """
 from __future__ import annotations
 
@@ -81,6 +82,7 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
         # vocab 512: no padding in megatron (128 * tp for tp <= 4) nor in vLLM (64)
         "llama": make_hf_model(root / "llama", "llama", seed=3, vocab_size=512),
         "qwen2": make_hf_model(root / "qwen2", "qwen2", seed=4),
+        "qwen3": make_hf_model(root / "qwen3", "qwen3", seed=5),
     }
 
 
@@ -103,6 +105,7 @@ LAYOUTS = [
     ("llama", 4, 1, None, 4, 2, 32 << 10),
     ("qwen2", 2, 1, None, 4, 1, 8 << 10),  # DP2: two replicas reshard independently
     ("llama", 1, 2, 2, 2, 2, 16 << 10),  # VPP2: interleaved layers
+    ("qwen3", 2, 2, None, 4, 1, 16 << 10),  # per-head q/k norms, explicit head_dim, tied
 ]
 
 
