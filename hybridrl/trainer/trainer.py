@@ -96,7 +96,7 @@ class Trainer:
         from hybridrl.controller.dispatch import MeshCoord, RankMesh
         from hybridrl.controller.resource_pool import ResourcePool
         from hybridrl.controller.worker_group import WorkerGroup
-        from hybridrl.workers.hybrid import ActorRolloutRefWorker, HybridSettings
+        from hybridrl.workers.hybrid import HybridEngineWorker, HybridSettings
 
         plan, trainer = self.plan, self.config.trainer
         world = plan.resolved.world_size
@@ -108,12 +108,10 @@ class Trainer:
                                  use_gpu=use_gpu, cpus_per_worker=1.0 if use_gpu else 0.5,
                                  max_colocated_groups=2 if plan.resolved.critic_enabled else 1)
         self.pool.start(timeout_s=300)
-        optimizer_steps = self.total_steps * plan.update("actor").optimizer_steps_per_step
-        settings = HybridSettings(total_optimizer_steps=optimizer_steps,
-                                  probe_tolerance=1e-4 if plan.resolved.rollout_dtype == "fp32" else 5e-2)
-        self.actor_group = WorkerGroup(ActorRolloutRefWorker, self.pool, role="actor_rollout_ref",
+        settings = HybridSettings(probe_tolerance=1e-4 if plan.resolved.rollout_dtype == "fp32" else 5e-2)
+        self.actor_group = WorkerGroup(HybridEngineWorker, self.pool, role="actor_rollout_ref",
                                        worker_args=(plan, settings))
-        setup = self.actor_group.call_all("setup")
+        setup = self.actor_group.call_all("setup", self.total_steps)
         self.actor_group.learn_mesh()
         coords = self.actor_group.call_all("rollout_coords")
         self.rollout_mesh = RankMesh.from_coords([MeshCoord(**c) for c in coords])
@@ -122,11 +120,10 @@ class Trainer:
                    f"{self.rollout_mesh.dp_size} × infer_tp {infer_tp}, first sync probe gap "
                    f"{max(s['reshard/probe_max_abs_gap'] for s in setup):.2e}")
         if plan.resolved.critic_enabled:
-            from hybridrl.workers.critic_worker import CriticWorker
+            from hybridrl.workers.ray_roles import CriticWorker
 
-            self.critic_group = WorkerGroup(CriticWorker, self.pool, role="critic",
-                                            worker_args=(plan, optimizer_steps))
-            self.critic_group.call_all("setup")
+            self.critic_group = WorkerGroup(CriticWorker, self.pool, role="critic", worker_args=(plan,))
+            self.critic_group.call_all("init_model", self.total_steps)
             self.critic_group.learn_mesh()
 
     def _sampling(self, validation: bool = False) -> Any:
@@ -183,7 +180,7 @@ class Trainer:
         with timer.phase("reward"):
             metrics.update(self._score(batch))
         with timer.phase("old_log_prob"):
-            old = self.actor_group.call_by_dp("compute_log_prob", batch)
+            old = self.actor_group.call_by_dp("compute_log_prob", batch, with_entropy=True)
             batch["old_log_probs"] = old["old_log_probs"]
             mask = batch["response_mask"].float()
             metrics["actor/entropy"] = float(masked_mean(old["entropys"], mask))
@@ -207,7 +204,7 @@ class Trainer:
         if self.critic_group is not None:
             with timer.phase("update_critic"):
                 outs = self.critic_group.call_by_dp_outputs("update_critic", batch)
-                metrics.update(_mean_dicts(outs))
+                metrics.update(_mean_dicts([o.as_dict() if o is not None else None for o in outs]))
         with timer.phase("update_actor"):
             outs = self.actor_group.call_by_dp_outputs("update_actor", batch)
             metrics.update(_mean_dicts(outs))

@@ -11,9 +11,9 @@ Every sync (after each actor update) is proven, not assumed:
   - a log-prob probe: a fixed short sequence is scored by the megatron actor and by vLLM; the max
     abs gap is a metric every step and stops training above `probe_tolerance`.
 
-Methods the controller calls (all ranks at once; batches dispatched by DP):
-  setup, generate_sequences (rollout mesh), compute_log_prob, compute_ref_log_prob, update_actor,
-  sync_weights, save_checkpoint, load_checkpoint, mesh_coords.
+Methods the controller calls (all ranks at once; batches dispatched by DP): setup,
+generate_sequences (rollout mesh), release_rollout_memory, sync_weights, and the inherited
+compute_log_prob, compute_ref_log_prob, update_actor, save/load_checkpoint, export_hf, mesh_coords.
 """
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from hybridrl.config.plan import Plan
-from hybridrl.controller.base_worker import RankContext, Worker
+from hybridrl.controller.base_worker import RankContext
 from hybridrl.data.batch import Batch
+from hybridrl.workers.ray_roles import ActorRolloutRefWorker
 
 # A fixed probe sequence (token ids < every supported vocab): scored after every sync by both sides.
 PROBE_PROMPT = (1, 5, 9, 13, 17, 21, 25, 29)
@@ -39,7 +40,6 @@ class WeightSyncError(RuntimeError):
 
 @dataclass(frozen=True)
 class HybridSettings:
-    total_optimizer_steps: int | None = None
     probe_tolerance: float = 1e-4  # fp32 on CPU; bf16 on GPU needs a looser bound (set by the trainer)
     kv_cache_memory_bytes: int = 64 << 20
     bucket_bytes: int = 512 << 20
@@ -59,32 +59,27 @@ def _probe_batch(pad_token_id: int) -> Batch:
     }, meta={"pad_token_id": pad_token_id})
 
 
-class ActorRolloutRefWorker(Worker):
+class HybridEngineWorker(ActorRolloutRefWorker):
+    """`ActorRolloutRefWorker` (megatron actor + reference) plus the vLLM rollout and the resharder."""
+
     def __init__(self, context: RankContext, plan: Plan, settings: HybridSettings | None = None) -> None:
-        super().__init__(context)
-        self.plan = plan
+        super().__init__(context, plan)
         self.settings = settings or HybridSettings()
-        self.actor = self.ref = self.rollout = self.resharder = None
+        self.resharder = None
         self.syncs = 0
 
     # ------------------------------------------------------------------------------ bring-up
-    def setup(self) -> dict[str, Any]:
+    def setup(self, total_training_steps: int | None = None) -> dict[str, Any]:
         from hybridrl.engine.resharder import ReshardConfig, Resharder
         from hybridrl.rollout.engine import RolloutEngine, RolloutEngineConfig
-        from hybridrl.workers.actor import MegatronActor
-        from hybridrl.workers.megatron_role import MegatronRole, role_spec
 
         plan, settings = self.plan, self.settings
         started = time.perf_counter()
-        engine = MegatronRole(role_spec(plan, "actor"), total_optimizer_steps=settings.total_optimizer_steps)
-        self.actor = MegatronActor(engine, plan)
-        if plan.resolved.ref_enabled:
-            ref_engine = MegatronRole(role_spec(plan, "ref"))
-            self.ref = MegatronActor(ref_engine, plan, log_prob_pass="ref_log_prob", output_key="ref_log_probs")
+        self.init_model(total_training_steps)
         arr = plan.config.actor_rollout_ref
         model_path = arr.model.path
         self.pad_token_id = _pad_token_id(model_path)
-        self.rollout = RolloutEngine(RolloutEngineConfig(
+        self.attach_rollout(RolloutEngine(RolloutEngineConfig(
             model_path=model_path,
             device=plan.resolved.device,
             dtype=plan.resolved.rollout_dtype,
@@ -99,20 +94,17 @@ class ActorRolloutRefWorker(Worker):
             # On CPU vLLM repacks weights for oneDNN: keep the as-loaded copy so the sync's
             # checksums can be read back (the probe checks the repacked weights that run).
             capture_loaded_weights=plan.resolved.device == "cpu",
-        ))
+        )))
         # vLLM forms its TP groups itself (consecutive ranks); the shard each rank must receive is
         # the one of the TP rank vLLM gave it, whatever grouping the plan preferred.
         gathered: list[Any] = [None] * self.world_size
         torch.distributed.all_gather_object(gathered, self.rollout.tp_rank)
-        gen_index = [int(g) for g in gathered]
-        self.resharder = Resharder(engine.chunks, plan.reshard.groups, gen_tp_index=gen_index,
+        self.resharder = Resharder(self.actor.engine.chunks, plan.reshard.groups,
+                                   gen_tp_index=[int(g) for g in gathered],
                                    config=ReshardConfig(bucket_bytes=settings.bucket_bytes))
         sync = self.sync_weights()
         return {"setup_s": time.perf_counter() - started, "rollout_build_s": self.rollout.build_seconds,
                 "vllm_tp_rank": self.rollout.tp_rank, **sync}
-
-    def mesh_coords(self) -> dict[str, int]:
-        return self.actor.engine.mesh_coords()
 
     def rollout_coords(self) -> dict[str, int]:
         """This rank's place on the rollout mesh: replica (as dp) and TP rank inside it."""
@@ -138,18 +130,14 @@ class ActorRolloutRefWorker(Worker):
         """After generation: vLLM sleeps (KV cache freed, weights offloaded) while training runs."""
         self.rollout.sleep(level=1)
 
-    # ------------------------------------------------------------------------------ training side
-    def compute_log_prob(self, batch: Batch) -> Batch | None:
-        return self.actor.compute_log_prob(batch, with_entropy=True)
-
-    def compute_ref_log_prob(self, batch: Batch) -> Batch | None:
-        if self.ref is None:
-            raise RuntimeError("compute_ref_log_prob: this job has no reference policy (no KL in loss or reward)")
-        return self.ref.compute_log_prob(batch)
-
     def update_actor(self, batch: Batch) -> dict[str, float] | None:
-        metrics = self.actor.update_policy(batch)
+        metrics = super().update_actor(batch)
         return None if metrics is None else metrics.as_dict()
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        """Restore the actor, then sync the restored weights into vLLM (proven like every sync)."""
+        super().load_checkpoint(path)
+        return self.sync_weights()
 
     # ------------------------------------------------------------------------------ weight sync
     def sync_weights(self) -> dict[str, float]:
@@ -190,23 +178,6 @@ class ActorRolloutRefWorker(Worker):
         ours = trained["old_log_probs"][0]
         theirs = torch.tensor(rollout[len(PROBE_PROMPT):], dtype=ours.dtype)
         return float((ours - theirs).abs().max())
-
-    # ------------------------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, step_dir: str) -> None:
-        from hybridrl.workers.checkpointing import save_role_checkpoint
-
-        save_role_checkpoint(self.actor.engine, Path(step_dir) / "actor")
-
-    def load_checkpoint(self, step_dir: str) -> dict[str, float]:
-        from hybridrl.workers.checkpointing import load_role_checkpoint
-
-        load_role_checkpoint(self.actor.engine, Path(step_dir) / "actor")
-        return self.sync_weights()
-
-    def export_hf(self, out_dir: str) -> None:
-        from hybridrl.models.bridge import export_hf
-
-        export_hf(self.actor.engine.chunks, out_dir)
 
 
 def left_pad_prompts(batch: Batch, width: int, pad_token_id: int) -> Batch:
