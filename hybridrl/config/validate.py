@@ -126,7 +126,8 @@ def validate(
             if "actor" in dp_of:
                 dp_of["ref"] = dp_of["actor"]
             continue
-        dp = _check_layout(check, role_fields[role], role_megatron(config, role), world, model)
+        dp = _check_layout(check, role_fields[role], role_megatron(config, role), world, model,
+                           trainable=role in ("actor", "critic"))
         if dp:
             dp_of[role] = dp
     infer_dp = _check_rollout_layout(check, config, world, model)
@@ -257,7 +258,8 @@ def _check_batch_basics(check: _Checker, config: JobConfig) -> bool:
     return bool(ok)
 
 
-def _check_layout(check: _Checker, prefix: str, mc: MegatronConfig, world: int, model: ModelShape | None) -> int:
+def _check_layout(check: _Checker, prefix: str, mc: MegatronConfig, world: int, model: ModelShape | None,
+                  trainable: bool = True) -> int:
     """Training layout rules for one role; returns its data-parallel size (0 when invalid)."""
     tp, pp, cp, vpp = (mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size,
                        mc.context_parallel_size, mc.virtual_pipeline_model_parallel_size)
@@ -269,6 +271,12 @@ def _check_layout(check: _Checker, prefix: str, mc: MegatronConfig, world: int, 
         if check.is_int_at_least(f"{prefix}.virtual_pipeline_model_parallel_size", vpp, 1) and ok and pp < 2:
             ok = check.fail(f"{prefix}.virtual_pipeline_model_parallel_size", vpp,
                             f"needs pipeline_model_parallel_size > 1 (it is {pp}); use null without PP")
+        elif ok and trainable and pp == 2 and vpp > 1:
+            # With two stages the previous and next stage are one peer: the interleaved schedule's
+            # batched sends/receives to that peer can pair the wrong messages (Megatron-LM refuses it too).
+            ok = check.fail(f"{prefix}.virtual_pipeline_model_parallel_size", vpp,
+                            "needs pipeline_model_parallel_size > 2 for a trained role (it is 2); use null or PP >= 3",
+                            [1])
     if not ok:
         return 0
     if mc.sequence_parallel and tp == 1:
