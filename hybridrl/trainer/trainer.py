@@ -139,9 +139,12 @@ class Trainer:
             return RolloutSampling(n=vk.n, temperature=vk.temperature, top_p=vk.top_p,
                                    top_k=vk.top_k if vk.top_k > 0 else None, max_tokens=max_tokens,
                                    stop_token_ids=stops)
+        # A seed per step (not per engine call): a resumed run samples step k+1 exactly like the
+        # uninterrupted one, whatever the engines' call counters say.
+        step_seed = (self.config.trainer.seed * 1_000_003 + rollout.seed * 7919 + self.global_step) % (2**31)
         return RolloutSampling(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p,
                                top_k=rollout.top_k if rollout.top_k > 0 else None, max_tokens=max_tokens,
-                               stop_token_ids=stops)
+                               stop_token_ids=stops, seed=step_seed)
 
     # ------------------------------------------------------------------------------ phases
     def generate(self, prompts: Batch, sampling: Any) -> Batch:
