@@ -207,3 +207,17 @@ def test_bf16_policy_runs_close_to_fp32(tmp_path):
         metrics = [r["metrics"] for r in results if r["metrics"] is not None][0]
         assert abs(metrics.pg_loss - fp32.pg_loss) < 1e-3
         assert abs(metrics.grad_norm - fp32.grad_norm) < 1e-2
+
+
+def test_scheduled_lr_reaches_the_optimizer(tmp_path):
+    """Adam's first step moves weights by ~lr: with 1000 warmup steps that is lr / 1000, not lr."""
+    from tests.test_models_fixtures import safetensors_state
+
+    hf = policy_model(tmp_path / "hf")
+    initial = safetensors_state(hf)
+    config = job_config(hf, world=1)
+    config.actor_rollout_ref.actor.optim.lr_warmup_steps = 1000
+    (result,) = run_ranks(_update_rank, 1, config, rollout_batch(8), str(tmp_path / "out"))
+    assert result["metrics"].lr == pytest.approx(1e-5)
+    moved = max(float((v - initial[n]).abs().max()) for n, v in safetensors_state(tmp_path / "out").items())
+    assert 5e-6 < moved < 2e-5
