@@ -46,14 +46,14 @@ def _add_to_layer(models: list[Any], layer: int, delta: float) -> None:
 
 def _reshard_rank(rank: int, world_size: int, hf_dir: str, tp: int, pp: int, vpp: int | None, infer_tp: int,
                   bucket_bytes: int, swapped: bool = False, change: bool = False,
-                  vllm_default_groups: bool = False) -> dict[str, Any]:
+                  vllm_default_groups: bool = False, dtype: str | None = None) -> dict[str, Any]:
     from hybridrl.engine.resharder import ReshardConfig, Resharder
     from hybridrl.models.bridge import build_gpt_models, load_weights
     from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
 
     initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, device="cpu")
     try:
-        models = build_gpt_models(hf_dir)
+        models = build_gpt_models(hf_dir, dtype=dtype)
         load_weights(models, hf_dir)
         groups = build_reshard_groups(build_training_mesh(world_size, tp, pp, vpp=vpp), infer_tp)
         config = ReshardConfig(bucket_bytes=bucket_bytes)
@@ -146,6 +146,23 @@ def test_reshard_is_exact_and_moves_only_what_is_missing(hf_dirs, arch, tp, pp, 
     assert sum(r["report"].bytes_sent for r in results) == sum(r["report"].bytes_received for r in results)
     if bucket < 64 << 10:
         assert results[0]["report"].buckets > 1, "the small bucket should split the sync"
+
+
+def test_bf16_training_weights_reshard_bit_exactly(hf_dirs):
+    """bf16 parameters (the GPU default) through gloo p2p: shards equal the bf16-cast HF weights'."""
+    hf_dir = hf_dirs["qwen2"]
+    results = run_ranks(_reshard_rank, 4, str(hf_dir), 2, 2, None, 2, 16 << 10, dtype="bfloat16", timeout_s=300)
+    hf_state = {n: t.to(torch.bfloat16) for n, t in safetensors_state(hf_dir).items()}
+    config = read_json(hf_dir / "config.json")
+    groups = build_reshard_groups(build_training_mesh(4, 2, 2), 2)
+    for rank, result in enumerate(results):
+        expected = hf_to_vllm_shards(hf_state, config, 2, groups.gen_tp_index[rank])
+        for name, tensor in expected.items():
+            got = result["shards"][name]
+            assert got.dtype == torch.bfloat16 and torch.equal(got, tensor), f"rank {rank}: {name}"
+        report = result["report"]
+        assert abs(report.bytes_received - report.plan_bytes_received) <= _padding_gap_bytes(
+            ModelShape.from_hf_config(config), 2, element=2)
 
 
 def test_wrong_group_is_caught_by_checksums(hf_dirs):

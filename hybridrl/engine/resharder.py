@@ -51,7 +51,8 @@ class ReshardConfig:
     # megatron all-reduces the two copies' gradients over the embedding group).
     use_tied_copy: bool = True
     checksums: bool = True
-    output_dtype: torch.dtype | None = None  # None: the training parameters' dtype
+    # dtype of the transfer and of the produced shards (vLLM's model dtype); None: megatron's params_dtype
+    output_dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True)
@@ -162,9 +163,13 @@ class Resharder:
             names = {n: _model_name(n, info.spec_kind) for n in _local_names(by_model_name, info.spec_kind)}
             self._tensors.append({local: by_model_name[model_name].detach() for local, model_name in names.items()})
         first = next(iter(self._tensors[0].values()))
-        self.dtype = first.dtype
         self.device = first.device
-        element = first.element_size()
+        # One transfer dtype, known alike on every rank (the plan's bucket sizes depend on it): the
+        # requested output dtype, else megatron's params_dtype. Tensors kept in another dtype (the
+        # CPU torch norms stay fp32 in a bf16 model) are cast while packing, as vLLM holds them all
+        # in its model dtype.
+        self.dtype: torch.dtype = self.config.output_dtype or chunks[0].config.params_dtype
+        element = torch.empty((), dtype=self.dtype).element_size()
         self.plan: RankReshardPlan = build_rank_plan(
             self.shape, self.mesh, groups, self.rank,
             bucket_numel=max(1, self.config.bucket_bytes // element),
@@ -228,8 +233,6 @@ class Resharder:
             for name in bucket.completes:
                 tensor = outputs.pop(name)
                 meter.remove(tensor.numel() * self._element, output=True)
-                if self.config.output_dtype is not None and tensor.dtype != self.config.output_dtype:
-                    tensor = tensor.to(self.config.output_dtype)
                 if self.config.checksums:
                     checksums[name] = tensor_checksum(tensor)
                 ready.append((name, tensor))
@@ -288,7 +291,7 @@ class Resharder:
         """A contiguous 1-D buffer of the pieces in order; (buffer, whether it was newly allocated)."""
         if len(pieces) == 1:
             view = self._source_view(pieces[0])
-            if view.is_contiguous():
+            if view.is_contiguous() and view.dtype == self.dtype:
                 return view.reshape(-1), False  # rows of a row-major tensor: send without a copy
         buffer = torch.empty(sum(p.numel for p in pieces), dtype=self.dtype, device=self.device)
         position = 0
