@@ -221,3 +221,17 @@ def test_scheduled_lr_reaches_the_optimizer(tmp_path):
     assert result["metrics"].lr == pytest.approx(1e-5)
     moved = max(float((v - initial[n]).abs().max()) for n, v in safetensors_state(tmp_path / "out").items())
     assert 5e-6 < moved < 2e-5
+
+
+def test_activation_recomputation_gives_the_same_update(tmp_path):
+    """model.enable_gradient_checkpointing (megatron full recompute) changes memory, not results."""
+    hf = policy_model(tmp_path / "hf")
+    batch = rollout_batch(8)
+    runs = []
+    for recompute in (False, True):
+        config = job_config(hf, world=2, tp=2)
+        config.actor_rollout_ref.model.enable_gradient_checkpointing = recompute
+        results = run_ranks(_update_rank, 2, config, batch, str(tmp_path / f"out{recompute}"))
+        runs.append(next(r for r in results if r["metrics"] is not None))
+    assert runs[0]["metrics"].pg_loss == pytest.approx(runs[1]["metrics"].pg_loss, abs=1e-6)
+    assert runs[0]["metrics"].grad_norm == pytest.approx(runs[1]["metrics"].grad_norm, abs=1e-6)
