@@ -64,3 +64,25 @@ def test_phase_timer_and_throughput():
     perf = throughput_metrics(total_tokens=1000, num_sequences=10, step_seconds=2.0, world_size=4)
     assert perf["perf/throughput_tokens_per_s"] == 500 and perf["perf/throughput_tokens_per_s_per_device"] == 125
     assert math.isclose(perf["perf/sequences_per_s"], 5.0)
+
+
+def test_jsonl_fresh_run_truncates_and_resume_keeps_prefix(tmp_path):
+    from hybridrl.trainer.tracking import JsonlBackend
+
+    first = JsonlBackend(tmp_path / "m.jsonl")
+    for step in (1, 2, 3):
+        first.log(step, {"x": float(step)})
+    first.close()
+    resumed = JsonlBackend(tmp_path / "m.jsonl", resume_step=2)  # checkpoint at 2; step 3 is redone
+    resumed.log(3, {"x": 30.0})
+    resumed.close()
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["x"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    fresh = JsonlBackend(tmp_path / "m.jsonl")
+    fresh.close()
+    assert (tmp_path / "m.jsonl").read_text() == ""
+
+
+def test_summary_lists_validation_scores():
+    text = render_summary([{"step": 1.0, "val/score/mean": 0.25}, {"step": 2.0, "val/score/mean": 0.75}])
+    assert "step 1: 0.250, step 2: 0.750" in text

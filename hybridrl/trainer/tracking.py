@@ -59,10 +59,20 @@ def _width(fmt: str) -> int:
 
 
 class JsonlBackend:
-    def __init__(self, path: Path):
+    """One JSON record per step. A resumed run keeps the records up to its checkpoint's step and
+    continues after them; a fresh run starts the file anew."""
+
+    def __init__(self, path: Path, resume_step: int = 0):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._file = open(path, "a")
+        kept = []
+        if resume_step > 0 and path.is_file():
+            kept = [line for line in path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+        self._file = open(path, "w")
+        for line in kept:
+            self._file.write(line + "\n")
+        self._file.flush()
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         record = {"step": step, **{k: _json_number(v) for k, v in metrics.items()}}
@@ -122,14 +132,15 @@ class Tracker:
 
     @classmethod
     def create(cls, names: Iterable[str], run_dir: str | Path, *, project: str = "hybridrl",
-               experiment: str = "run", config: Mapping[str, Any] | None = None, write=print) -> Tracker:
+               experiment: str = "run", config: Mapping[str, Any] | None = None, write=print,
+               resume_step: int = 0) -> Tracker:
         run_dir = Path(run_dir)
         backends: list[Backend] = []
         for name in names:
             if name == "console":
                 backends.append(ConsoleBackend(write))
             elif name == "jsonl":
-                backends.append(JsonlBackend(run_dir / "metrics.jsonl"))
+                backends.append(JsonlBackend(run_dir / "metrics.jsonl", resume_step))
             elif name == "tensorboard":
                 backends.append(TensorBoardBackend(run_dir / "tensorboard"))
             elif name == "wandb":
@@ -161,6 +172,9 @@ def render_summary(history: Sequence[Mapping[str, float]], title: str = "run sum
         if values:
             lines.append(f"{label:>16}: first {first.get(key, values[0]):9.4f}  last {last.get(key, values[-1]):9.4f}"
                          f"  best {max(values):9.4f}")
+    val = [(h["step"], h["val/score/mean"]) for h in history if "val/score/mean" in h]
+    if val:
+        lines.append(f"{'validation':>16}: " + ", ".join(f"step {s:.0f}: {v:.3f}" for s, v in val[-6:]))
     step_times = [h["timing_s/step"] for h in history if "timing_s/step" in h]
     if step_times:
         total = sum(step_times)

@@ -243,11 +243,8 @@ class Trainer:
             self.checkpoints.abort(partial)
             raise
 
-    def resume(self) -> Path | None:
-        self.checkpoints.remove_partials()
-        path = self.checkpoints.resolve_resume(self.config.trainer.resume_mode)
-        if path is None:
-            return None
+    def resume(self, path: Path) -> None:
+        """Restore workers, data order and KL coefficient from a complete checkpoint."""
         state = self.checkpoints.read_state(path)
         self.actor_group.call_all("load_checkpoint", str(path))
         if self.critic_group is not None:
@@ -256,7 +253,6 @@ class Trainer:
         self.kl_controller.value = state.get("kl_coef", self.kl_controller.value)
         self.global_step = int(state["global_step"])
         self.write(f"resumed from {path} at step {self.global_step}")
-        return path
 
     # ------------------------------------------------------------------------------ the loop
     def fit(self) -> RunResult:
@@ -267,12 +263,16 @@ class Trainer:
         self._build_data()
         self.kl_controller = kl_controller_from_config(cfg.algorithm.kl_ctrl)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.checkpoints.remove_partials()
+        resume_from = self.checkpoints.resolve_resume(cfg.trainer.resume_mode)
+        resume_step = int(self.checkpoints.read_state(resume_from)["global_step"]) if resume_from else 0
         tracker = Tracker.create(cfg.trainer.logger, self.run_dir, project=cfg.trainer.project_name,
                                  experiment=cfg.trainer.experiment_name, config=self.plan.to_dict()["config"],
-                                 write=tqdm.write if self.progress else self.write)
+                                 write=tqdm.write if self.progress else self.write, resume_step=resume_step)
         try:
             self._build_workers()
-            self.resume()
+            if resume_from is not None:
+                self.resume(resume_from)
             if cfg.trainer.val_before_train and self.global_step == 0:
                 tracker.log(0, self.validate())
             bar = tqdm(total=self.total_steps, initial=self.global_step, desc="training", unit="step",
