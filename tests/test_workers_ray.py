@@ -141,6 +141,15 @@ def test_critic_and_reward_model_groups(ray_cluster, tmp_path):
             if role == "critic":
                 (metrics,) = _metrics_by_dp(group, "update_critic", batch)
                 assert metrics.optimizer_steps == 1 and metrics.grad_norm > 0
+            else:
+                # A malformed batch fails fast at the controller, naming role, rank and the cause.
+                from hybridrl.controller.gather import WorkerGroupError
+
+                bad = rollout_batch(8, seed=7)
+                bad["attention_mask"] = torch.zeros_like(bad["attention_mask"])
+                with pytest.raises(WorkerGroupError, match="reward_model rank") as failure:
+                    group.call_by_dp(method, bad)
+                assert "SequenceLayoutError" in failure.value.remote_traceback
         finally:
             group.shutdown()
             pool.shutdown()
