@@ -165,6 +165,32 @@ def test_bf16_training_weights_reshard_bit_exactly(hf_dirs):
             ModelShape.from_hf_config(config), 2, element=2)
 
 
+def _inconsistent_rank(rank: int, world_size: int, hf_dir: str) -> str:
+    """Rank 0 is configured with another bucket size: the ranks would plan different messages."""
+    from hybridrl.engine.resharder import ReshardConfig, Resharder
+    from hybridrl.models.bridge import build_gpt_models, load_weights
+    from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
+
+    initialize_model_parallel(tp=2, device="cpu")
+    try:
+        models = build_gpt_models(hf_dir)
+        load_weights(models, hf_dir)
+        groups = build_reshard_groups(build_training_mesh(world_size, 2, 1), 1)
+        resharder = Resharder(models, groups, config=ReshardConfig(bucket_bytes=(16 if rank == 0 else 32) << 10))
+        try:
+            resharder.reshard()
+        except ValueError as error:
+            return str(error)
+        return "no error"
+    finally:
+        destroy_model_parallel()
+
+
+def test_ranks_configured_differently_fail_clearly(hf_dirs):
+    messages = run_ranks(_inconsistent_rank, 2, str(hf_dirs["llama"]), timeout_s=300)
+    assert "settings differ on ranks [1]" in messages[0] and "settings differ on ranks [0]" in messages[1]
+
+
 def test_wrong_group_is_caught_by_checksums(hf_dirs):
     hf_dir = hf_dirs["llama"]
     results = run_ranks(_reshard_rank, 4, str(hf_dir), 2, 2, None, 2, 512 << 20, swapped=True, timeout_s=300)

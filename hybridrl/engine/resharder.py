@@ -177,6 +177,7 @@ class Resharder:
             use_tied_copy=self.config.use_tied_copy,
         )
         self._element = element
+        self._gen_tp_index = tuple(gen_tp_index) if gen_tp_index is not None else None
         self._check_sources()
         dtype_name = _DTYPE_NAMES.get(self.dtype)
         self.traffic: ReshardTraffic | None = (
@@ -184,6 +185,22 @@ class Resharder:
         )
         self.last_report: SyncReport | None = None
         self._synced_once = False
+
+    def _plan_inputs(self) -> tuple:
+        """Everything the plan depends on; it must be equal on every rank, or messages would not match."""
+        return (self.shape, self.mesh, self.groups, str(self.dtype), self.config.bucket_bytes,
+                self.config.use_tied_copy, self._gen_tp_index)
+
+    def _check_ranks_agree(self) -> None:
+        """First sync only: a clear error instead of a gloo size mismatch (or a hang) when ranks were
+        configured differently. Also the world group's first collective, which NCCL requires before
+        p2p batches that involve only some of its ranks."""
+        inputs: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(inputs, self._plan_inputs())
+        differing = [r for r, other in enumerate(inputs) if other != inputs[self.rank]]
+        if differing:
+            raise ValueError(f"rank {self.rank}: resharder settings differ on ranks {differing} (model shape, "
+                             "mesh, groups, dtype, bucket size, tied-copy use or generation TP indices)")
 
     def _check_sources(self) -> None:
         for bucket in self.plan.buckets:
@@ -206,13 +223,12 @@ class Resharder:
     def shards(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield this rank's vLLM tensors as they complete; `last_report` is set at the end.
 
-        Collective: every rank of the DP/CP replica must exhaust its generator. The yielded tensors
+        Collective: every rank of the DP/CP replica must exhaust its generator (and, on the first
+        sync, every rank of the world enters a check that all ranks planned alike). The yielded tensors
         are new (never views of the training parameters), so the consumer may keep or modify them.
         """
-        if not self._synced_once and dist.get_backend() == "nccl":
-            # NCCL: a batch_isend_irecv that is a group's first collective must involve every rank
-            # of it, and ours involve only peers; one barrier makes the world group's first call global.
-            dist.barrier()
+        if not self._synced_once:
+            self._check_ranks_agree()
         self._synced_once = True
         meter = _MemoryMeter()
         counters = {"sent": 0, "received": 0, "msg_sent": 0, "msg_received": 0}
