@@ -41,7 +41,9 @@ def _hybrid_rank(rank: int, world: int, model_dir: str, overrides: list[str]) ->
     batch = next(b for b in gathered if b is not None)
     batch.meta["temperature"] = 1.0
     before = worker.compute_log_prob(batch)
-    result = {"probe": setup["reshard/probe_max_abs_gap"], "tp_rank": setup["vllm_tp_rank"]}
+    result = {"probe": setup["reshard/probe_max_abs_gap"], "tp_rank": setup["vllm_tp_rank"],
+              "as_planned": setup["placement_as_planned"], "received": setup["reshard/bytes_received"],
+              "bound": setup["reshard/exact_lower_bound_bytes"], "naive": setup["reshard/naive_gather_bytes"]}
     if before is not None:
         mask = batch["response_mask"].bool()
         result["rollout_gap"] = float((before["old_log_probs"] - batch["rollout_log_probs"])[mask].abs().max())
@@ -71,19 +73,28 @@ def model_dir(tmp_path_factory):
     return str(build("configs/models/tiny-demo/config.json", tmp_path_factory.mktemp("tiny") / "model", seed=3))
 
 
-@pytest.mark.parametrize("layout", [
-    ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
-     "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
-    ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
-     "actor_rollout_ref.rollout.tensor_model_parallel_size=1"],
-], ids=["tp2-to-infer2", "tp2-to-infer1"])
-def test_hybrid_engine_syncs_and_follows_updates(model_dir, layout):
+@pytest.mark.parametrize("world,layout", [
+    (2, ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+         "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]),
+    (2, ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+         "actor_rollout_ref.rollout.tensor_model_parallel_size=1"]),
+    # HybridFlow's strided generation groups ([0,2], [1,3]) built inside vLLM: each rank's vLLM
+    # shard contains its training shard, so it receives only the other half of it
+    (4, ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4",
+         "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]),
+], ids=["tp2-to-infer2", "tp2-to-infer1", "tp4-to-infer2-strided"])
+def test_hybrid_engine_syncs_and_follows_updates(model_dir, world, layout):
     micro = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "data.train_batch_size=2",
              "actor_rollout_ref.actor.ppo_mini_batch_size=2",
              "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8"]
-    results = run_ranks(_hybrid_rank, 2, model_dir, layout + micro, timeout_s=600, preload=PRELOAD)
+    results = run_ranks(_hybrid_rank, world, model_dir, layout + micro, timeout_s=600, preload=PRELOAD)
     for r in results:
         assert r["probe"] < 1e-4 and r["probe_after_update"] < 1e-4
+        assert r["as_planned"]                       # vLLM built the Plan's TP groups
+        assert r["received"] <= 1.05 * r["bound"]    # HybridFlow's zero-redundancy bound
+        assert r["received"] <= r["naive"]
+        if world == 4:
+            assert 0 < r["bound"] < r["naive"]       # real traffic, well below gathering everything
     outputs = [r for r in results if "rollout_gap" in r]
     assert outputs, results
     for r in outputs:

@@ -80,6 +80,9 @@ class RolloutEngineConfig:
     # Token ids that end a response unless sampling.ignore_eos. None: read from the model folder.
     # (With skip_tokenizer_init, vLLM knows no EOS and would never stop on one by itself.)
     eos_token_ids: tuple[int, ...] | None = None
+    # infer_tp > 1: vLLM's TP groups as rank lists (e.g. the Plan's HybridFlow replicas); None keeps
+    # vLLM's own consecutive groups ([0, 1], [2, 3], ...).
+    tp_groups: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.infer_tp < 1:
@@ -403,7 +406,9 @@ class RolloutEngine:
         from vllm import LLM
 
         started = time.perf_counter()
-        with _preserved_process_state(self.device, config.restore_num_threads):
+        planned_groups = config.tp_groups if (distributed and config.infer_tp > 1) else None
+        with _preserved_process_state(self.device, config.restore_num_threads), \
+                vllm_patches.planned_tensor_parallel_groups(planned_groups):
             self.llm = LLM(**kwargs)
         self.build_seconds = time.perf_counter() - started
         if shm_tag is not None:
@@ -411,13 +416,21 @@ class RolloutEngine:
             torch.distributed.barrier()
             _unlink_shm_segments(shm_tag)
         from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+        from vllm.distributed.parallel_state import get_tp_group
 
-        # vLLM groups consecutive global ranks into TP groups ([0, 1], [2, 3], ... for infer_tp=2);
-        # this rank's position in its group decides which shard it must receive.
+        # This rank's position in its vLLM TP group decides which shard it must receive; the
+        # groups are consecutive ranks unless `tp_groups` planned others.
         self.tp_rank = int(get_tensor_model_parallel_rank())
-        # Which rollout replica (infer-DP rank) this process serves: enters engine-drawn seeds so
-        # replicas sample independently while the TP peers of one replica agree.
-        self.replica_index = torch.distributed.get_rank() // config.infer_tp if distributed else 0
+        # Which rollout replica this process serves, named by its TP group's lowest global rank:
+        # enters engine-drawn seeds so replicas sample independently while TP peers agree. (With
+        # infer_tp=1 the engine has a private world of one; the trainer's rank names the replica.)
+        if not distributed:
+            self.tp_group_ranks: tuple[int, ...] = (0,)
+        elif config.infer_tp == 1:
+            self.tp_group_ranks = (torch.distributed.get_rank(),)
+        else:
+            self.tp_group_ranks = tuple(int(r) for r in get_tp_group().ranks)
+        self.replica_index = min(self.tp_group_ranks)
         if get_tensor_model_parallel_world_size() != config.infer_tp:
             raise RuntimeError(f"vLLM built TP={get_tensor_model_parallel_world_size()}, asked {config.infer_tp}")
         self.block_size = int(self.llm.llm_engine.vllm_config.cache_config.block_size)

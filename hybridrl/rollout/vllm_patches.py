@@ -17,6 +17,12 @@ knob for what a colocated RL trainer needs:
    layout vLLM's loader produced is kept on the layer (attribute `CAPTURE_ATTR`) just before the
    packing, for checksums and layout tests. This runs on the first load and on every reload,
    because vLLM's reload path calls the same method. It costs one extra copy of the linear weights.
+4. `planned_tensor_parallel_groups`: external_launcher builds vLLM's TP groups from consecutive
+   ranks. The 3D-HybridEngine wants the generation TP groups HybridFlow §5 chooses (ranks at a
+   stride when training TP is a multiple of inference TP), so that each rank's generation shard
+   contains its training shard. While an engine is built inside this context, the "tp" group is
+   created from the given rank lists instead (each list sorted, so vLLM's rank-in-group equals the
+   torch group rank).
 
 Version caveat: the patched names are `vllm.distributed.parallel_state.destroy_distributed_environment`
 (+ its `_WORLD`, `_NODE_COUNT` globals), `vllm.distributed.device_communicators.cpu_communicator.
@@ -27,8 +33,10 @@ raises a clear error if its target is missing, rather than silently not guarding
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -37,6 +45,7 @@ CAPTURE_ATTR = "_hybridrl_loaded_params"
 SHM_TAG_ENV = "HYBRIDRL_VLLM_SHM_TAG"
 
 _installed: set[str] = set()
+_planned_tp_groups: list[list[int]] | None = None
 _capture_enabled = False
 _trainer_owns_default_group: bool | None = None
 
@@ -93,6 +102,40 @@ def tag_cpu_shm_names(tag: str) -> None:
 
     shm_class.make_group_name = staticmethod(tagged_group_name)
     _installed.add("shm_names")
+
+
+@contextlib.contextmanager
+def planned_tensor_parallel_groups(groups: Sequence[Sequence[int]] | None) -> Iterator[None]:
+    """Build vLLM's TP groups from `groups` (a partition of the world) while the context is open."""
+    global _planned_tp_groups
+    if groups is None:
+        yield
+        return
+    plain = [sorted(int(r) for r in g) for g in groups]
+    world = torch.distributed.get_world_size()
+    if sorted(r for g in plain for r in g) != list(range(world)) or len({len(g) for g in plain}) != 1:
+        raise ValueError(f"TP groups {plain} are not an equal-size partition of the {world} ranks")
+    if "tp_groups" not in _installed:
+        from vllm.distributed import parallel_state
+
+        original = getattr(parallel_state, "init_model_parallel_group", None)
+        if original is None:
+            raise RuntimeError("vLLM changed: parallel_state.init_model_parallel_group not found")
+
+        def planned(group_ranks: Any, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("group_name") == "tp" and _planned_tp_groups is not None:
+                if sorted(len(g) for g in group_ranks) != sorted(len(g) for g in _planned_tp_groups):
+                    raise ValueError(f"vLLM asked for TP groups {group_ranks}; planned {_planned_tp_groups}")
+                group_ranks = [list(g) for g in _planned_tp_groups]
+            return original(group_ranks, *args, **kwargs)
+
+        parallel_state.init_model_parallel_group = planned
+        _installed.add("tp_groups")
+    _planned_tp_groups = plain
+    try:
+        yield
+    finally:
+        _planned_tp_groups = None
 
 
 def capture_loaded_weights(enabled: bool = True) -> None:

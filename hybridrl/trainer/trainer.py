@@ -114,7 +114,11 @@ class Trainer:
         setup = self.actor_group.call_all("setup", self.total_steps)
         self.actor_group.learn_mesh()
         coords = self.actor_group.call_all("rollout_coords")
-        self.rollout_mesh = RankMesh.from_coords([MeshCoord(**c) for c in coords])
+        replica_ids = sorted({c["replica"] for c in coords})
+        self.rollout_mesh = RankMesh.from_coords(
+            [MeshCoord(dp=replica_ids.index(c["replica"]), tp=c["tp"]) for c in coords])
+        if not all(s["placement_as_planned"] for s in setup):
+            self.write("warning: vLLM's TP groups differ from the plan's; weight syncs move more than planned")
         infer_tp = plan.config.actor_rollout_ref.rollout.tensor_model_parallel_size
         self.write(f"hybrid engine up in {max(s['setup_s'] for s in setup):.1f} s: rollout replicas "
                    f"{self.rollout_mesh.dp_size} × infer_tp {infer_tp}, first sync probe gap "

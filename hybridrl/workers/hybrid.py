@@ -94,21 +94,26 @@ class HybridEngineWorker(ActorRolloutRefWorker):
             # On CPU vLLM repacks weights for oneDNN: keep the as-loaded copy so the sync's
             # checksums can be read back (the probe checks the repacked weights that run).
             capture_loaded_weights=plan.resolved.device == "cpu",
+            # the Plan's HybridFlow generation TP groups (strided when training TP is a multiple
+            # of inference TP), so each rank's generation shard contains its training shard
+            tp_groups=plan.reshard.groups.rollout.replicas,
         )))
-        # vLLM forms its TP groups itself (consecutive ranks); the shard each rank must receive is
-        # the one of the TP rank vLLM gave it, whatever grouping the plan preferred.
+        # The shard a rank must receive is that of the TP rank vLLM actually gave it; it equals
+        # the Plan's (checked: a difference would mean more traffic than planned, not wrong weights).
         gathered: list[Any] = [None] * self.world_size
         torch.distributed.all_gather_object(gathered, self.rollout.tp_rank)
-        self.resharder = Resharder(self.actor.engine.chunks, plan.reshard.groups,
-                                   gen_tp_index=[int(g) for g in gathered],
+        actual = [int(g) for g in gathered]
+        self.placement_as_planned = actual == list(plan.reshard.groups.gen_tp_index)
+        self.resharder = Resharder(self.actor.engine.chunks, plan.reshard.groups, gen_tp_index=actual,
                                    config=ReshardConfig(bucket_bytes=settings.bucket_bytes))
         sync = self.sync_weights()
         return {"setup_s": time.perf_counter() - started, "rollout_build_s": self.rollout.build_seconds,
-                "vllm_tp_rank": self.rollout.tp_rank, **sync}
+                "vllm_tp_rank": self.rollout.tp_rank, "placement_as_planned": self.placement_as_planned, **sync}
 
     def rollout_coords(self) -> dict[str, int]:
-        """This rank's place on the rollout mesh: replica (as dp) and TP rank inside it."""
-        return {"dp": self.rollout.replica_index, "tp": self.rollout.tp_rank, "pp": 0, "cp": 0}
+        """This rank's place on the rollout mesh: its replica (named by the replica's lowest rank;
+        the controller numbers replicas densely) and its TP rank inside it."""
+        return {"replica": self.rollout.replica_index, "tp": self.rollout.tp_rank}
 
     # ------------------------------------------------------------------------------ generation
     def generate_sequences(self, prompts: Batch, sampling: Any) -> Batch | None:
