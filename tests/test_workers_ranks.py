@@ -1,12 +1,13 @@
 """Workers on forked gloo ranks (no Ray): the actor's log-probs and PPO update against references."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
 import torch
 
-from hybridrl.parallel.forked import RankError, run_ranks
+from hybridrl.parallel.forked import run_ranks
 from tests.test_models_fixtures import make_hf_model
 from tests.test_workers_fixtures import hf_response_log_probs, job_config, policy_model, rollout_batch
 
@@ -29,7 +30,10 @@ def test_log_probs_tp2_pp2_equal_transformers(tmp_path):
     ref_lp, ref_ent = hf_response_log_probs(hf, batch)
     # PP2 x VPP2 as the (forward-only) reference role: training refuses VPP with two stages.
     for tp, pp, vpp, role in ((1, 1, None, "actor"), (2, 2, None, "actor"), (1, 2, 2, "ref")):
-        config = job_config(hf, world=tp * pp, tp=tp, pp=pp, vpp=vpp, use_kl_loss=True)
+        config = job_config(hf, world=tp * pp, tp=tp, pp=pp, use_kl_loss=True)
+        if vpp:
+            config.actor_rollout_ref.ref.megatron = dataclasses.replace(
+                config.actor_rollout_ref.actor.megatron, virtual_pipeline_model_parallel_size=vpp)
         results = run_ranks(_log_prob_rank, tp * pp, config, batch, role)
         out = [r for r in results if r is not None]
         assert len(out) == 1
@@ -153,6 +157,8 @@ def test_dynamic_batching_log_probs_keep_row_order(tmp_path):
 
 def test_ppo_update_with_interleaved_pipeline(tmp_path):
     """PP4 x VPP2 (8 layers, interleaved 1F1B) gives the single-rank step; PP2 x VPP2 training is refused."""
+    from hybridrl.config.errors import ConfigError
+    from hybridrl.config.plan import build_plan
     from tests.test_models_fixtures import safetensors_state
 
     hf = make_hf_model(tmp_path / "hf8", "llama", num_hidden_layers=8)
@@ -166,8 +172,8 @@ def test_ppo_update_with_interleaved_pipeline(tmp_path):
     assert abs(vpp_metrics.pg_loss - base.pg_loss) < 1e-5
     assert abs(vpp_metrics.grad_norm - base.grad_norm) < 1e-5
     assert max(float((vpp_state[n] - base_state[n]).abs().max()) for n in base_state) < 1e-5
-    with pytest.raises(RankError, match="needs pp > 2"):
-        run_ranks(_update_rank, 2, job_config(hf, world=2, pp=2, vpp=2), batch, str(tmp_path / "refused"))
+    with pytest.raises(ConfigError, match="needs pipeline_model_parallel_size > 2"):
+        build_plan(job_config(hf, world=2, pp=2, vpp=2))
 
 
 def test_epochs_and_mini_batches_same_across_layouts(tmp_path):
