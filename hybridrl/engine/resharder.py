@@ -69,6 +69,7 @@ class SyncReport:
     messages_received: int
     buckets: int
     seconds: float  # time spent inside the resharder (consumer time between yields excluded)
+    checksum_seconds: float  # part of `seconds` spent digesting the produced tensors
     wall_seconds: float  # first tensor requested -> last tensor handed over
     peak_buffer_bytes: int  # largest set of live send/receive buffers
     peak_extra_bytes: int  # buffers + shard tensors allocated and not yet handed over
@@ -234,7 +235,7 @@ class Resharder:
         counters = {"sent": 0, "received": 0, "msg_sent": 0, "msg_received": 0}
         checksums: dict[str, str] = {}
         outputs: dict[str, torch.Tensor] = {}
-        own_seconds = 0.0
+        own_seconds = digest_seconds = 0.0
         started = time.perf_counter()
         for bucket in self.plan.buckets:
             resumed = time.perf_counter()
@@ -250,13 +251,16 @@ class Resharder:
                 tensor = outputs.pop(name)
                 meter.remove(tensor.numel() * self._element, output=True)
                 if self.config.checksums:
+                    digest_started = time.perf_counter()
                     checksums[name] = tensor_checksum(tensor)
+                    digest_seconds += time.perf_counter() - digest_started
                 ready.append((name, tensor))
             own_seconds += time.perf_counter() - resumed
             yield from ready
         if outputs:
             raise AssertionError(f"plan bug: tensors never completed: {sorted(outputs)}")
-        self.last_report = self._report(counters, meter, own_seconds, time.perf_counter() - started, checksums)
+        self.last_report = self._report(counters, meter, own_seconds, digest_seconds, time.perf_counter() - started,
+                                        checksums)
 
     def reshard(self) -> dict[str, torch.Tensor]:
         """All of this rank's vLLM tensors in one dict (tests and tools; `shards()` streams)."""
@@ -316,8 +320,8 @@ class Resharder:
             position += piece.numel
         return buffer, True
 
-    def _report(self, counters: dict[str, int], meter: _MemoryMeter, seconds: float, wall: float,
-                checksums: dict[str, str]) -> SyncReport:
+    def _report(self, counters: dict[str, int], meter: _MemoryMeter, seconds: float, digest_seconds: float,
+                wall: float, checksums: dict[str, str]) -> SyncReport:
         plan, es = self.plan, self._element
         traffic = self.traffic
         return SyncReport(
@@ -331,6 +335,7 @@ class Resharder:
             messages_received=counters["msg_received"],
             buckets=len(plan.buckets),
             seconds=seconds,
+            checksum_seconds=digest_seconds,
             wall_seconds=wall,
             peak_buffer_bytes=meter.peak_buffers,
             peak_extra_bytes=meter.peak_total,
