@@ -116,6 +116,7 @@ class RolloutConfig:
     top_k: int = doc(-1, "top-k sampling; -1 disables")
     response_length: int | None = doc(None, "max new tokens; None = data.max_response_length")
     stop_token_ids: list[int] = doc(factory=list, text="extra token ids that end a response")
+    ignore_eos: bool = doc(False, "keep sampling past EOS (full-length responses, e.g. for benchmarks)")
     dtype: str | None = doc(None, "rollout dtype; None = bf16 on cuda, fp32 on cpu")
     gpu_memory_utilization: float = doc(0.5, "fraction of GPU memory vLLM may use (weights + KV cache)")
     enforce_eager: bool = doc(True, "no CUDA graphs (faster start, less memory)")

@@ -148,7 +148,7 @@ class Trainer:
         step_seed = (self.config.trainer.seed * 1_000_003 + rollout.seed * 7919 + self.global_step) % (2**31)
         return RolloutSampling(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p,
                                top_k=rollout.top_k if rollout.top_k > 0 else None, max_tokens=max_tokens,
-                               stop_token_ids=stops, seed=step_seed)
+                               stop_token_ids=stops, ignore_eos=rollout.ignore_eos, seed=step_seed)
 
     # ------------------------------------------------------------------------------ phases
     def generate(self, prompts: Batch, sampling: Any) -> Batch:
