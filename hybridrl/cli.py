@@ -14,6 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("hybridrl.config.plan_cli", "validate a config and print every derived number"),
     "train": ("hybridrl.trainer.train_cli", "train a PPO/GRPO job (plans first; refuses a bad config)"),
     "convert": ("hybridrl.models.convert_cli", "convert checkpoints between HF and Megatron layouts"),
+    "doctor": ("hybridrl.parallel.doctor_cli", "report the installed stack and refuse incompatible versions"),
 }
 
 

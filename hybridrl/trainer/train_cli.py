@@ -9,6 +9,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="YAML job config")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_training_steps=10")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (plain log lines)")
+    parser.add_argument("--skip-version-check", action="store_true",
+                        help="start even on a stack `hybridrl doctor` refuses (at your own risk)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -22,6 +24,20 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for warning in plan.warnings:
         print(f"warning: {warning}", file=sys.stderr)
+
+    # Refuse a known-bad stack before Ray starts: it would otherwise fail minutes later, in a worker.
+    from hybridrl.parallel.versions import check_stack, collect_versions, summary_line
+
+    versions = collect_versions()
+    print(summary_line(versions), file=sys.stderr)
+    stack = check_stack(versions, plan.resolved.device)
+    for warning in stack.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    if not stack.ok and not args.skip_version_check:
+        problems = "\n".join(f"  - {p}" for p in stack.problems)
+        print(f"hybridrl train: incompatible software stack for a {plan.resolved.device} job:\n{problems}",
+              file=sys.stderr)
+        return 2
 
     from hybridrl.trainer.trainer import Trainer
 
