@@ -106,6 +106,14 @@ CASES = {
                                  [f"{A}.megatron.pipeline_model_parallel_size=2",
                                   f"{A}.ppo_micro_batch_size_per_gpu=4", f"{R}.log_prob_micro_batch_size_per_gpu=4",
                                   "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4"]),
+    "dynamic sampling needs a group estimator": (
+        ["algorithm.filter_groups.enable=true", "algorithm.adv_estimator=reinforce_plus_plus"],
+        "algorithm.filter_groups.enable", "needs a group estimator",
+        ["algorithm.filter_groups.enable=true", "algorithm.adv_estimator=grpo"]),
+    "overlong buffer within response length": (
+        ["algorithm.overlong_buffer.enable=true", "algorithm.overlong_buffer.len=2000"],
+        "algorithm.overlong_buffer.len", "data.max_response_length=1024",
+        ["algorithm.overlong_buffer.enable=true", "algorithm.overlong_buffer.len=256"]),
     "top_p in (0,1]": ([f"{R}.top_p=0"], f"{R}.top_p", "(0, 1]", [f"{R}.top_p=0.9"]),
     "gpu memory utilization": ([f"{R}.gpu_memory_utilization=1.5"], f"{R}.gpu_memory_utilization", "(0, 1]",
                                [f"{R}.gpu_memory_utilization=0.9"]),

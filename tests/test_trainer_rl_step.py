@@ -84,3 +84,23 @@ def test_response_metrics():
     m = response_metrics(batch)
     assert m["response_length/mean"] == 2.5 and m["response_length/clip_ratio"] == 0.5
     assert m["critic/score/mean"] == 0.5 and m["critic/score/max"] == 1.0
+
+
+def _scored(uids, scores):
+    mask = torch.ones(len(uids), 2, dtype=torch.long)
+    return Batch({"response_mask": mask, "token_level_scores": place_scores_on_last_token(torch.tensor(scores), mask)},
+                 {"uid": np.array(uids, dtype=object)})
+
+
+def test_select_groups_prefers_spread_then_fills_with_zero_spread():
+    from hybridrl.trainer.rl_step import count_groups_with_spread, select_groups_with_spread
+
+    first = _scored(["a", "a", "b", "b", "c", "c"], [1.0, 0.0, 1.0, 1.0, 0.0, 0.0])   # a has spread
+    second = _scored(["d", "d", "e", "e", "f", "f"], [0.0, 0.0, 0.5, 1.0, 1.0, 0.0])  # e, f have spread
+    assert count_groups_with_spread([first, second]) == 3
+    batch, zero_used = select_groups_with_spread([first, second], 3)
+    assert list(batch["uid"]) == ["a", "a", "e", "e", "f", "f"] and zero_used == 0
+    batch, zero_used = select_groups_with_spread([first, second], 5)
+    assert list(batch["uid"]) == ["a", "a", "e", "e", "f", "f", "b", "b", "c", "c"] and zero_used == 2
+    with pytest.raises(ValueError, match="only 6 groups"):
+        select_groups_with_spread([first, second], 7)

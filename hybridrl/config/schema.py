@@ -181,6 +181,19 @@ class KLControlConfig:
 
 
 @dataclass
+class FilterGroupsConfig:
+    enable: bool = doc(False, "DAPO dynamic sampling: drop groups whose samples all scored the same")
+    max_num_gen_batches: int = doc(4, "generation rounds per step to fill the batch (then zero-spread groups)")
+
+
+@dataclass
+class OverlongBufferConfig:
+    enable: bool = doc(False, "DAPO soft overlong punishment")
+    len: int = doc(64, "tokens before max_response_length where the penalty starts")
+    penalty_factor: float = doc(1.0, "penalty at max_response_length (linear from 0 over the buffer)")
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = doc("grpo", "gae | grpo | rloo | reinforce_plus_plus | remax | ...")
     gamma: float = doc(1.0, "discount")
@@ -189,6 +202,8 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = doc(False, "subtract a KL penalty from the token rewards")
     kl_penalty: str = doc("kl", "KL estimator for the in-reward penalty")
     kl_ctrl: KLControlConfig = doc(factory=KLControlConfig, text="KL coefficient controller")
+    filter_groups: FilterGroupsConfig = doc(factory=FilterGroupsConfig, text="DAPO dynamic sampling")
+    overlong_buffer: OverlongBufferConfig = doc(factory=OverlongBufferConfig, text="DAPO overlong penalty")
     reward_fn: str = doc("gsm8k", "rule-based scorer name from the rewards registry")
     custom_reward_function: CustomRewardConfig = doc(factory=CustomRewardConfig, text="user reward code")
 

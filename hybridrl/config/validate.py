@@ -449,6 +449,17 @@ def _check_algorithm(check: _Checker, config: JobConfig, resolved: Resolved) -> 
     if estimator in CRITIC_ADV_ESTIMATORS and config.critic.enable is False:
         check.fail("critic.enable", False, f"must be true (or null) for algorithm.adv_estimator={estimator}",
                    [True])
+    ob = config.algorithm.overlong_buffer
+    if ob.enable and isinstance(ob.len, int) and isinstance(config.data.max_response_length, int) \
+            and not 0 < ob.len <= config.data.max_response_length:
+        check.fail("algorithm.overlong_buffer.len", ob.len,
+                   f"must be in (0, data.max_response_length={config.data.max_response_length}]")
+    if config.algorithm.filter_groups.enable:
+        check.is_int_at_least("algorithm.filter_groups.max_num_gen_batches",
+                              config.algorithm.filter_groups.max_num_gen_batches, 1)
+        if estimator not in GROUP_ADV_ESTIMATORS:
+            check.fail("algorithm.filter_groups.enable", True,
+                       f"needs a group estimator (grpo, dr_grpo, rloo), not adv_estimator={estimator}")
     if config.reward_model.enable and not config.reward_model.model.path:
         check.fail("reward_model.model.path", "", "must name a reward model folder when reward_model.enable=true")
     if config.actor_rollout_ref.actor.use_kl_loss and config.algorithm.use_kl_in_reward:

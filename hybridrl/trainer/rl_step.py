@@ -96,6 +96,37 @@ def groups_with_reward_spread(scores: torch.Tensor, uids: np.ndarray) -> np.ndar
     return keep
 
 
+def _sequence_scores(batch: Batch) -> torch.Tensor:
+    return (batch["token_level_scores"] * batch["response_mask"]).sum(-1)
+
+
+def count_groups_with_spread(batches: list[Batch]) -> int:
+    return sum(len(set(b["uid"][groups_with_reward_spread(_sequence_scores(b), b["uid"])])) for b in batches)
+
+
+def select_groups_with_spread(batches: list[Batch], groups_needed: int) -> tuple[Batch, int]:
+    """Exactly `groups_needed` whole groups from scored batches: groups with reward spread first
+    (in generation order), then zero-spread groups to fill. Returns the batch and how many
+    zero-spread groups were used."""
+    kept, spare = [], []
+    for batch in batches:
+        keep = groups_with_reward_spread(_sequence_scores(batch), np.asarray(batch["uid"], dtype=object))
+        kept.append(batch.index(np.nonzero(keep)[0]))
+        spare.append(batch.index(np.nonzero(~keep)[0]))
+    pool = Batch.concat([b for b in kept + spare if len(b)])
+    spread_groups = sum(len(set(b["uid"])) for b in kept)
+    order, seen = [], []
+    for row, uid in enumerate(pool["uid"]):
+        if uid not in seen:
+            if len(seen) == groups_needed:
+                continue
+            seen.append(uid)
+        order.append(row)
+    if len(seen) < groups_needed:
+        raise ValueError(f"only {len(seen)} groups were generated, {groups_needed} are needed")
+    return pool.index(order), max(0, groups_needed - spread_groups)
+
+
 def response_metrics(batch: Batch) -> dict[str, float]:
     """Scores, rewards, advantages and lengths of a step's responses (what the console table shows)."""
     mask = batch["response_mask"].float()

@@ -28,7 +28,10 @@ from hybridrl.trainer.rl_step import (
     AdvantageSettings,
     apply_kl_in_reward,
     compute_batch_advantages,
+    count_groups_with_spread,
+    overlong_penalty,
     response_metrics,
+    select_groups_with_spread,
 )
 from hybridrl.trainer.timing import PhaseTimer, throughput_metrics
 from hybridrl.trainer.tracking import Tracker, plot_run, render_summary
@@ -65,7 +68,7 @@ class Trainer:
         self.run_dir = run_dir_for(plan)
         self.checkpoints = CheckpointManager(checkpoint_root_for(plan), plan.config.trainer.keep_last_n)
         self.global_step = 0
-        self.cluster = self.pool = self.actor_group = self.critic_group = None
+        self.cluster = self.pool = self.actor_group = self.critic_group = self.rm_group = None
 
     # ------------------------------------------------------------------------------ set-up
     def _build_data(self) -> None:
@@ -104,9 +107,10 @@ class Trainer:
         repo_root = str(Path(__file__).resolve().parents[2])
         self.cluster = init_ray(trainer.ray_address, num_cpus=None if use_gpu else max(4, world),
                                 pythonpath=[repo_root], preload_modules=("torch",))
+        colocated = 1 + int(plan.resolved.critic_enabled) + int(self.config.reward_model.enable)
         self.pool = ResourcePool("global", nnodes=trainer.nnodes, workers_per_node=trainer.n_gpus_per_node,
                                  use_gpu=use_gpu, cpus_per_worker=1.0 if use_gpu else 0.5,
-                                 max_colocated_groups=2 if plan.resolved.critic_enabled else 1)
+                                 max_colocated_groups=colocated)
         self.pool.start(timeout_s=300)
         settings = HybridSettings(probe_tolerance=1e-4 if plan.resolved.rollout_dtype == "fp32" else 5e-2)
         self.actor_group = WorkerGroup(HybridEngineWorker, self.pool, role="actor_rollout_ref",
@@ -129,6 +133,12 @@ class Trainer:
             self.critic_group = WorkerGroup(CriticWorker, self.pool, role="critic", worker_args=(plan,))
             self.critic_group.call_all("init_model", self.total_steps)
             self.critic_group.learn_mesh()
+        if self.config.reward_model.enable:
+            from hybridrl.workers.ray_roles import RewardModelWorker
+
+            self.rm_group = WorkerGroup(RewardModelWorker, self.pool, role="reward_model", worker_args=(plan,))
+            self.rm_group.call_all("init_model")
+            self.rm_group.learn_mesh()
 
     def _sampling(self, validation: bool = False) -> Any:
         from hybridrl.rollout.sampling import RolloutSampling, validation_sampling
@@ -169,23 +179,62 @@ class Trainer:
         return out
 
     def _score(self, batch: Batch) -> dict[str, float]:
-        scores, output = self.reward.score_batch(batch, self.tokenizer)
-        batch["token_level_scores"] = scores
-        metrics = {f"reward/{k.removeprefix('reward/')}": float(v) for k, v in output.metrics.items()}
+        """token_level_scores: the reward model's score when enabled, else the rule/user scorer's;
+        plus DAPO's overlong penalty when enabled. All on each response's last token."""
+        from hybridrl.rewards.manager import token_level_rewards
+
+        metrics: dict[str, float] = {}
+        if self.rm_group is not None:
+            scores = self.rm_group.call_by_dp("compute_rm_score", batch)["rm_scores"]
+            metrics["reward/rm_score_mean"] = float(scores.float().mean())
+            token_scores = token_level_rewards(scores, batch["response_mask"])
+        else:
+            token_scores, output = self.reward.score_batch(batch, self.tokenizer)
+            metrics.update({f"reward/{k.removeprefix('reward/')}": float(v) for k, v in output.metrics.items()})
+        overlong = self.config.algorithm.overlong_buffer
+        if overlong.enable:
+            lengths = batch["response_mask"].sum(-1)
+            penalty = overlong_penalty(lengths, self.config.data.max_response_length, overlong.len,
+                                       overlong.penalty_factor)
+            token_scores = token_scores + token_level_rewards(penalty, batch["response_mask"])
+            metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
+        batch["token_level_scores"] = token_scores
         return metrics
+
+    def _generate_and_score(self, prompts: Batch, timer: PhaseTimer, metrics: dict[str, float]) -> Batch:
+        with timer.phase("gen"):
+            batch = self.generate(prompts, self._sampling())
+        metrics.update(batch.meta.pop("metrics", {}) or {})
+        with timer.phase("reward"):
+            metrics.update(self._score(batch))
+        return batch
+
+    def _dynamic_sampling(self, batch: Batch, timer: PhaseTimer, metrics: dict[str, float]) -> Batch:
+        """DAPO: keep groups whose samples scored differently; generate more prompts to fill the batch.
+
+        After `max_num_gen_batches` generation rounds, groups without spread fill what is missing
+        (their advantage is 0): the step's batch arithmetic needs exactly train_batch_size groups.
+        """
+        groups_needed = self.config.data.train_batch_size
+        rounds = self.config.algorithm.filter_groups.max_num_gen_batches
+        generated = [batch]
+        while len(generated) < rounds and count_groups_with_spread(generated) < groups_needed:
+            generated.append(self._generate_and_score(next(self._prompts), timer, metrics))
+        selected, zero_spread_used = select_groups_with_spread(generated, groups_needed)
+        metrics["dynamic_sampling/generation_rounds"] = float(len(generated))
+        metrics["dynamic_sampling/zero_spread_groups_used"] = float(zero_spread_used)
+        return selected
 
     def step(self, prompts: Batch) -> dict[str, float]:
         plan, cfg = self.plan, self.config
         timer = PhaseTimer()
         metrics: dict[str, float] = {}
-        with timer.phase("gen"):
-            batch = self.generate(prompts, self._sampling())
-            if cfg.actor_rollout_ref.rollout.free_cache_engine:
-                self.actor_group.call_all("release_rollout_memory")
+        batch = self._generate_and_score(prompts, timer, metrics)
+        if cfg.algorithm.filter_groups.enable:
+            batch = self._dynamic_sampling(batch, timer, metrics)
+        if cfg.actor_rollout_ref.rollout.free_cache_engine:
+            self.actor_group.call_all("release_rollout_memory")
         batch.meta["temperature"] = cfg.actor_rollout_ref.rollout.temperature
-        metrics.update(batch.meta.pop("metrics", {}) or {})
-        with timer.phase("reward"):
-            metrics.update(self._score(batch))
         with timer.phase("old_log_prob"):
             old = self.actor_group.call_by_dp("compute_log_prob", batch, with_entropy=True)
             batch["old_log_probs"] = old["old_log_probs"]
@@ -239,6 +288,8 @@ class Trainer:
         partial = self.checkpoints.begin(self.global_step)
         try:
             self.actor_group.call_all("save_checkpoint", str(partial))
+            if self.config.trainer.export_hf_on_save:
+                self.actor_group.call_all("export_hf", str(partial / "actor_hf"))
             if self.critic_group is not None:
                 self.critic_group.call_all("save_checkpoint", str(partial))
             state = {"dataloader": self.train_loader.state_dict(), "kl_coef": float(self.kl_controller.value)}
@@ -281,21 +332,20 @@ class Trainer:
                 tracker.log(0, self.validate())
             bar = tqdm(total=self.total_steps, initial=self.global_step, desc="training", unit="step",
                        disable=not self.progress)
+            self._prompts = self._prompt_stream()
             while self.global_step < self.total_steps:
-                for prompts in self.train_loader:
-                    self.global_step += 1
-                    metrics = self.step(prompts)
-                    metrics["training/global_step"] = self.global_step
-                    metrics["training/epoch"] = self.train_loader.epoch
-                    if cfg.trainer.test_freq > 0 and self.global_step % cfg.trainer.test_freq == 0:
-                        metrics.update(self.validate())
-                    tracker.log(self.global_step, metrics)
-                    bar.update(1)
-                    last = self.global_step >= self.total_steps
-                    if cfg.trainer.save_freq > 0 and (self.global_step % cfg.trainer.save_freq == 0 or last):
-                        self.save()
-                    if last:
-                        break
+                prompts = next(self._prompts)
+                self.global_step += 1
+                metrics = self.step(prompts)
+                metrics["training/global_step"] = self.global_step
+                metrics["training/epoch"] = self.train_loader.epoch
+                if cfg.trainer.test_freq > 0 and self.global_step % cfg.trainer.test_freq == 0:
+                    metrics.update(self.validate())
+                tracker.log(self.global_step, metrics)
+                bar.update(1)
+                last = self.global_step >= self.total_steps
+                if cfg.trainer.save_freq > 0 and (self.global_step % cfg.trainer.save_freq == 0 or last):
+                    self.save()
             bar.close()
         finally:
             tracker.close()
@@ -308,8 +358,13 @@ class Trainer:
             summary += f"\n{'plot':>16}: {plot}"
         return RunResult(self.global_step, history, self.run_dir, summary)
 
+    def _prompt_stream(self):
+        """Prompt batches across epochs (the loader reshuffles per epoch and resumes mid-epoch)."""
+        while True:
+            yield from self.train_loader
+
     def shutdown(self) -> None:
-        for group in (self.critic_group, self.actor_group):
+        for group in (self.rm_group, self.critic_group, self.actor_group):
             if group is not None:
                 group.shutdown()
         if self.cluster is not None:
