@@ -55,6 +55,7 @@ def _hybrid_rank(rank: int, world: int, model_dir: str, overrides: list[str]) ->
     sync = worker.sync_weights()
     after = worker.compute_log_prob(batch)
     result["probe_after_update"] = sync["reshard/probe_max_abs_gap"]
+    result["memory"] = {k: v for k, v in sync.items() if k.startswith("memory/")}
     if after is not None:
         result["moved"] = float((after["old_log_probs"] - before["old_log_probs"]).abs().max())
     return result
@@ -95,6 +96,10 @@ def test_hybrid_engine_syncs_and_follows_updates(model_dir, world, layout):
         assert r["received"] <= r["naive"]
         if world == 4:
             assert 0 < r["bound"] < r["naive"]       # real traffic, well below gathering everything
+        # memory per phase (process RSS on CPU), handed out with the sync that ends the step
+        phases = ("gen_before", "gen_after", "update_before", "update_after", "sync_before", "sync_after")
+        assert sorted(r["memory"]) == sorted(f"memory/{p}_{k}_gib" for p in phases for k in ("allocated", "reserved"))
+        assert all(0.05 < v < 64 for v in r["memory"].values())
     outputs = [r for r in results if "rollout_gap" in r]
     assert outputs, results
     for r in outputs:

@@ -14,6 +14,10 @@ Every sync (after each actor update) is proven, not assumed:
 Methods the controller calls (all ranks at once; batches dispatched by DP): setup,
 generate_sequences (rollout mesh), release_rollout_memory, sync_weights, and the inherited
 compute_log_prob, compute_ref_log_prob, update_actor, save/load_checkpoint, export_hf, mesh_coords.
+
+Memory per phase (`hybridrl.parallel.memory`): allocated/reserved before and after generation, the actor
+update and the sync are recorded on every rank and returned with the sync's metrics, which the trainer
+reduces to the worst rank: the figure that decides whether a step fits.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import torch
 from hybridrl.config.plan import Plan
 from hybridrl.controller.base_worker import RankContext
 from hybridrl.data.batch import Batch
+from hybridrl.parallel.memory import memory_metrics
 from hybridrl.workers.ray_roles import ActorRolloutRefWorker
 
 # A fixed probe sequence (token ids < every supported vocab): scored after every sync by both sides.
@@ -67,6 +72,10 @@ class HybridEngineWorker(ActorRolloutRefWorker):
         self.settings = settings or HybridSettings()
         self.resharder = None
         self.syncs = 0
+        self.phase_memory: dict[str, float] = {}  # this step's memory/* figures, handed out by sync_weights
+
+    def _record_memory(self, phase: str) -> None:
+        self.phase_memory.update(memory_metrics(phase, self.plan.resolved.device))
 
     # ------------------------------------------------------------------------------ bring-up
     def setup(self, total_training_steps: int | None = None) -> dict[str, Any]:
@@ -120,7 +129,9 @@ class HybridEngineWorker(ActorRolloutRefWorker):
         """`prompts` carries `raw_prompt_ids` (object array of token lists) and `uid` per prompt."""
         ids = [list(map(int, p)) for p in prompts["raw_prompt_ids"]]
         uids = list(prompts["uid"]) if "uid" in prompts else None
+        self._record_memory("gen_before")
         out = self.rollout.generate_sequences(ids, sampling, uids=uids)
+        self._record_memory("gen_after")
         # Replicas pad to their own longest prompt; the controller concatenates them, so every
         # replica pads to the width of the batch it was cut from.
         out = left_pad_prompts(out, prompts["input_ids"].shape[1], self.pad_token_id)
@@ -136,7 +147,9 @@ class HybridEngineWorker(ActorRolloutRefWorker):
         self.rollout.sleep(level=1)
 
     def update_actor(self, batch: Batch) -> dict[str, float] | None:
+        self._record_memory("update_before")
         metrics = super().update_actor(batch)
+        self._record_memory("update_after")
         return None if metrics is None else metrics.as_dict()
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
@@ -150,6 +163,7 @@ class HybridEngineWorker(ActorRolloutRefWorker):
         from hybridrl.engine.checksums import verify_checksums
 
         started = time.perf_counter()
+        self._record_memory("sync_before")
         # GPU with sleep mode: weights back first (the update writes into them), the KV cache only
         # after the update so the two never need memory at once. No-ops on CPU.
         self.rollout.wake_up(tags=["weights"])
@@ -170,6 +184,9 @@ class HybridEngineWorker(ActorRolloutRefWorker):
             )
         metrics = report.as_metrics()
         metrics.update({"reshard/probe_max_abs_gap": gap, "timing_s/sync_total": time.perf_counter() - started})
+        self._record_memory("sync_after")
+        metrics.update(self.phase_memory)
+        self.phase_memory = {}
         return metrics
 
     def _probe_gap(self) -> float:
