@@ -32,6 +32,7 @@ import torch
 from hybridrl.config.plan import Plan
 from hybridrl.config.schema import MegatronConfig, OptimConfig
 from hybridrl.workers.lr_schedule import LRSchedule
+from hybridrl.workers.offload import OptimizerStateOffload, offload_grad_buffers, restore_grad_buffers
 from hybridrl.workers.sequences import ModelInputs
 
 # megatron disables clipping with clip_grad=0 and then reports no grad norm; a bound no real norm
@@ -154,8 +155,18 @@ class MegatronRole:
         self.vocab_size = source.shape.vocab_size
         self.optimizer: Any = None
         self.schedule: LRSchedule | None = None
+        self.optimizer_offload: OptimizerStateOffload | None = None
+        self._grads_offloaded = False
         if spec.trainable:
+            if spec.megatron.param_offload:
+                raise ValueError(
+                    f"{spec.role}: megatron.param_offload is supported for frozen roles (ref, reward model) only; "
+                    "a trained role's parameters are read by the log-prob passes and the weight sync right after "
+                    "the update (and are views into DDP's buffers with the distributed optimizer). "
+                    "Use optimizer_offload and grad_offload to free its training state between phases.")
             self.models = self._wrap_for_training(chunks)
+            if spec.megatron.optimizer_offload:
+                self.optimizer_offload = OptimizerStateOffload(self.optimizer, store="cpu")
             self.schedule = LRSchedule.from_config(spec.optim, total_optimizer_steps)
         else:
             for chunk in chunks:
@@ -280,6 +291,7 @@ class MegatronRole:
         if not self.spec.trainable:
             raise RuntimeError(f"role {self.spec.role} is frozen: it has no optimizer")
         self.load_params()
+        self.restore_training_state()
         for m in self.models:
             m.train()
             m.zero_grad_buffer()
@@ -289,6 +301,12 @@ class MegatronRole:
             group["lr"] = lr * group.get("lr_mult", 1.0)
             group["weight_decay"] = self.spec.optim.weight_decay * group.get("wd_mult", 1.0)
         metrics = self._run(micro_batches, lambda micro, output: loss_fn(micro, output), forward_only=False)
+        from hybridrl.workers.nonfinite import step_is_finite
+
+        if not step_is_finite(self.models, metrics, self.ctx.device):
+            # megatron's fp32/bf16 optimizers would apply NaN grads (see workers.nonfinite): skip the
+            # step on every rank; the next train_step zeroes the grad buffers, the lr schedule waits.
+            return StepResult(list(metrics), float("nan"), lr, False)
         applied, grad_norm, _ = self.optimizer.step()
         if applied:
             self.schedule.step_count += 1
@@ -296,6 +314,24 @@ class MegatronRole:
                           bool(applied))
 
     # ------------------------------------------------------------------------- offloading
+    def offload_training_state(self) -> None:
+        """After an update phase: optimizer states to CPU and grad buffers freed, as configured
+        (`megatron.optimizer_offload` / `grad_offload`; see `hybridrl.workers.offload`). The next
+        `train_step` brings them back. A no-op for frozen roles and when neither option is set."""
+        if self.optimizer_offload is not None:
+            self.optimizer_offload.offload()
+        if self.spec.trainable and self.spec.megatron.grad_offload and not self._grads_offloaded:
+            offload_grad_buffers(self.models, self.ctx.device)
+            self._grads_offloaded = True
+
+    def restore_training_state(self) -> None:
+        """Undo `offload_training_state` (called by `train_step`; cheap when nothing is offloaded)."""
+        if self._grads_offloaded:
+            restore_grad_buffers(self.models, self.ctx.device)
+            self._grads_offloaded = False
+        if self.optimizer_offload is not None:
+            self.optimizer_offload.reload()
+
     def offload_params(self) -> None:
         """Move a frozen role's parameters to CPU between calls (a no-op when they already live there)."""
         if self.spec.trainable:

@@ -103,7 +103,10 @@ class ActorRolloutRefWorker(MegatronWorker):
             ref.engine.offload_params()
 
     def update_actor(self, batch: Batch) -> Any:
-        return self._require(self.actor, "the actor").update_policy(batch)
+        actor = self._require(self.actor, "the actor")
+        metrics = actor.update_policy(batch)
+        actor.engine.offload_training_state()  # idle until the next update (no-op unless configured)
+        return metrics
 
     def save_checkpoint(self, path: str) -> str:
         from hybridrl.workers.checkpointing import save_role_checkpoint

@@ -1,0 +1,101 @@
+"""Training state off the accelerator between phases (actor options `megatron.optimizer_offload`, `grad_offload`).
+
+In the hybrid engine the actor's optimizer states and gradient buffers are idle during generation,
+log-prob passes and the weight sync, yet Adam's two moments alone are 8 bytes per parameter (fp32),
+more than bf16 weights and KV cache need. Between phases they can leave the GPU:
+
+  - optimizer states (`OptimizerStateOffload`): every tensor in the inner torch optimizers' `state`
+    (Adam's exp_avg / exp_avg_sq, step counters) is replaced by a copy on the store device (CPU) after
+    the update, and by a copy on its original device before the next `step()`. This is what
+    megatron-core 0.16's own `MegatronOptimizer.offload_to_cpu` does to `state`; that method is not used
+    because it also moves `param_groups` params with `p.data = p.data.cpu()`, which for the fp32
+    optimizer are the model's own parameters (generation and log-probs would then run on CPU
+    weights), and because it is CUDA-only (`.cuda()`), so it could never be exercised on CPU. The
+    fp32 main params of the bf16 optimizers stay resident (4 bytes per parameter): in the distributed
+    optimizer some are views into the model's parameters and must not move.
+  - gradient buffers: megatron's `DistributedDataParallel.offload_grad_buffers` frees the contiguous
+    grad buffer's storage (views stay valid) and `restore_grad_buffers` reallocates it zeroed;
+    gradients are zeroed before every step anyway, so nothing is copied.
+
+Parameter offload of a trainable role is refused (`MegatronRole`): the parameters are what
+generation's weight sync and the log-prob passes read right after the update, and with the
+distributed optimizer they are views into DDP's buffers.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside a megatron optimizer (chained or single; stub parts skipped)."""
+    parts = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    return [p.optimizer for p in parts
+            if getattr(p, "optimizer", None) is not None and not getattr(p, "is_stub_optimizer", False)]
+
+
+class OptimizerStateOffload:
+    """Moves a megatron optimizer's state tensors to `store` and back to where each one lived."""
+
+    def __init__(self, optimizer: Any, store: str | torch.device = "cpu") -> None:
+        self.optimizer = optimizer
+        self.store = torch.device(store)
+        # (param, state key) -> the device the tensor lived on before offloading
+        self._homes: dict[tuple[int, str], torch.device] = {}
+        self.offloaded = False
+
+    def _entries(self) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+        return [(param, state) for inner in inner_optimizers(self.optimizer) for param, state in inner.state.items()]
+
+    def offload(self) -> int:
+        """Copy every state tensor to the store device; returns the bytes moved. Idempotent."""
+        if self.offloaded:
+            return 0
+        moved, pin = 0, False
+        for param, state in self._entries():
+            for key, value in state.items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                self._homes[(id(param), key)] = value.device
+                copy = value.to(self.store, copy=True)
+                # pinned host memory makes the copy back an async DMA instead of a staged one
+                if value.is_cuda and self.store.type == "cpu":
+                    copy, pin = copy.pin_memory(), True
+                state[key] = copy
+                moved += value.numel() * value.element_size()
+        if pin:
+            torch.cuda.empty_cache()  # return the freed blocks so vLLM's wake-up can take them
+        self.offloaded = True
+        return moved
+
+    def reload(self) -> int:
+        """Copy every offloaded state tensor back to its own device; returns the bytes moved. Idempotent.
+
+        Entries a checkpoint load replaced meanwhile (torch puts loaded state on the param's device) are
+        left as they are."""
+        if not self.offloaded:
+            return 0
+        moved = 0
+        for param, state in self._entries():
+            for key, value in state.items():
+                home = self._homes.get((id(param), key))
+                if home is None or not isinstance(value, torch.Tensor) or value.device != self.store:
+                    continue
+                state[key] = value.to(home, copy=True, non_blocking=value.is_pinned())
+                moved += value.numel() * value.element_size()
+        self._homes.clear()
+        self.offloaded = False
+        return moved
+
+
+def offload_grad_buffers(models: list[Any], device: str) -> None:
+    """Free the DDP grad buffers' storage (megatron-core's API; CUDA sync and cache release on GPUs only)."""
+    for model in models:
+        model.offload_grad_buffers(synchronize=device == "cuda", empty_cache=device == "cuda")
+
+
+def restore_grad_buffers(models: list[Any], device: str) -> None:
+    """Reallocate the DDP grad buffers (zeroed), before the next backward pass."""
+    for model in models:
+        model.restore_grad_buffers(synchronize=device == "cuda")

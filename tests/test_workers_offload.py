@@ -1,0 +1,86 @@
+"""Optimizer-state and grad-buffer offload of the actor between phases: same training, state really moved.
+
+On CPU the store device equals the home device, but every offload and reload replaces each state tensor
+by a copy and the grad buffers' storage is really freed (megatron's own resize to 0), so an optimizer
+or DDP that kept references to the old tensors would train differently here.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from hybridrl.parallel.forked import run_ranks
+from tests.test_workers_fixtures import job_config, policy_model, rollout_batch
+
+STEPS = 3
+
+
+def _train_rank(rank: int, world: int, config: Any, batches: list[Any]) -> Any:
+    from hybridrl.config.plan import build_plan
+    from hybridrl.models.checkpoint import tensor_sha256
+    from hybridrl.workers.actor import MegatronActor
+    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.workers.offload import inner_optimizers
+
+    plan = build_plan(config)
+    engine = MegatronRole(role_spec(plan, "actor"))
+    actor = MegatronActor(engine, plan)
+    ctx = engine.ctx
+    losses, observed = [], []
+    for batch in batches:
+        metrics = actor.update_policy(batch.split(ctx.dp)[ctx.dp_rank])
+        losses.append(None if metrics is None else (metrics.pg_loss, metrics.grad_norm))
+        # the tensors themselves are held (not only their ids, which Python reuses once they are freed)
+        before = [v for inner in inner_optimizers(engine.optimizer)
+                  for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        engine.offload_training_state()  # what the actor worker does after each update
+        after = [v for inner in inner_optimizers(engine.optimizer)
+                 for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        grad_storage = sum(b.grad_data.untyped_storage().size() for m in engine.models for b in m.buffers)
+        replaced = not ({id(v) for v in before} & {id(v) for v in after})
+        observed.append({"state_tensors": len(before), "replaced": replaced, "grad_storage_bytes": grad_storage})
+        # a log-prob pass between updates, as in a real step (must not need the offloaded state)
+        actor.compute_log_prob(batch.split(ctx.dp)[ctx.dp_rank])
+    digests = {f"{i}.{n}": tensor_sha256(p.detach()) for i, c in enumerate(engine.chunks)
+               for n, p in c.named_parameters()}
+    return {"losses": losses, "observed": observed, "digests": digests}
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["plain-optimizer", "distributed-optimizer"])
+def test_offload_trains_identically(tmp_path, distributed):
+    hf = policy_model(tmp_path / "hf")
+    batches = [rollout_batch(8, seed=s) for s in range(STEPS)]
+    runs = {}
+    for offload in (False, True):
+        config = job_config(hf, world=2, distributed_optimizer=distributed)
+        config.actor_rollout_ref.actor.megatron.optimizer_offload = offload
+        config.actor_rollout_ref.actor.megatron.grad_offload = offload
+        runs[offload] = run_ranks(_train_rank, 2, config, batches)
+    for plain, offloaded in zip(runs[False], runs[True]):
+        assert plain["losses"] == offloaded["losses"]          # bit-identical losses and grad norms
+        assert plain["digests"] == offloaded["digests"]        # bit-identical weights after 3 updates
+        for seen in offloaded["observed"]:
+            assert seen["state_tensors"] > 0 and seen["replaced"]
+            assert seen["grad_storage_bytes"] == 0
+        for seen in plain["observed"]:
+            assert not seen["replaced"] and seen["grad_storage_bytes"] > 0
+
+
+def _param_offload_rank(rank: int, world: int, config: Any) -> str:
+    from hybridrl.config.plan import build_plan
+    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+
+    try:
+        MegatronRole(role_spec(build_plan(config), "actor"))
+    except ValueError as exc:
+        return str(exc)
+    return "built"
+
+
+def test_param_offload_of_the_trained_actor_is_refused(tmp_path):
+    config = job_config(policy_model(tmp_path / "hf"), world=1)
+    config.actor_rollout_ref.actor.megatron.param_offload = True
+    (message,) = run_ranks(_param_offload_rank, 1, config)
+    assert "param_offload is supported for frozen roles" in message and "optimizer_offload" in message
