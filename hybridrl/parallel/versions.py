@@ -10,7 +10,7 @@ Rules (each refusal names what was found and what to do):
   - CPU jobs: megatron-core 0.16.x only, the release the CPU layer (`hybridrl.parallel.cpu_layer`) was
     written and tested against: its workarounds patch megatron internals that move between releases.
   - GPU jobs: a CUDA build of torch; megatron-core >= 0.16.1 (the optimizer/DDP offload API used
-    by `hybridrl.workers.offload`).
+    by `hybridrl.workers.offload`; another series than 0.16 is a warning: unreviewed).
   - vLLM pins torch and transformers exactly: the installed versions must satisfy the installed vLLM's
     own requirements, read from its metadata (a mismatch fails much later with undefined symbols).
 """
@@ -190,6 +190,9 @@ def check_stack(versions: Versions, device: str, *,
         if megatron is not None and megatron < MIN_GPU_MEGATRON:
             problems.append(f"megatron-core {versions['megatron-core']} is older than {MIN_GPU_MEGATRON}, "
                             "the first release with the optimizer/DDP offload API hybridrl uses")
+        elif megatron is not None and megatron.release[:2] != CPU_MEGATRON_SERIES:
+            warnings.append(f"megatron-core {versions['megatron-core']}: hybridrl's megatron code is reviewed "
+                            f"against {MIN_GPU_MEGATRON} (setup.py's gpu extra and the Dockerfile pin it)")
         if not versions.get("transformer-engine"):
             warnings.append("transformer-engine is not installed: megatron builds the local (pure torch) layer "
                             "spec, correct but slower than TE's fused kernels")
