@@ -127,11 +127,14 @@ class PhasePeaks:
 
 def phase_peaks(
     memories: tuple[TrainingMemory, ...], rollout: RolloutMemory, *, gpu_gib: float,
-    gpu_memory_utilization: float, offload_actor: bool,
+    gpu_memory_utilization: float, offload_params: bool = False, offload_grads: bool = False,
+    offload_optimizer: bool = False,
 ) -> PhasePeaks:
     by_role = {m.role: m for m in memories}
     actor = by_role["actor"]
-    resident = 0.0 if offload_actor else actor.params_gib + actor.grads_gib + actor.optimizer_gib
+    # each part the actor offloads between phases (hybridrl.workers.offload) is absent during generation
+    resident = ((0.0 if offload_params else actor.params_gib) + (0.0 if offload_grads else actor.grads_gib)
+                + (0.0 if offload_optimizer else actor.optimizer_gib))
     ref_params = by_role["ref"].params_gib if "ref" in by_role else 0.0
     generation = resident + ref_params + gpu_gib * gpu_memory_utilization
     training = actor.total_gib + ref_params

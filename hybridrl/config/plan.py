@@ -347,7 +347,8 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
         peaks = phase_peaks(
             tuple(train_mem), roll_mem, gpu_gib=config.trainer.gpu_memory_gib,
             gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
-            offload_actor=actor_mc.param_offload and actor_mc.optimizer_offload and actor_mc.grad_offload,
+            offload_params=actor_mc.param_offload, offload_grads=actor_mc.grad_offload,
+            offload_optimizer=actor_mc.optimizer_offload,
         )
         extra = [f"{m.role}: estimated {m.total_gib:.1f} GiB per GPU exceeds trainer.gpu_memory_gib="
                  f"{config.trainer.gpu_memory_gib:g}" for m in train_mem if not m.fits]
