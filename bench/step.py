@@ -86,10 +86,10 @@ def _group(proc: psutil.Process, root_pid: int) -> str:
     if proc.pid == root_pid:
         return "controller"
     try:
-        name = " ".join(proc.cmdline()[:1]) + proc.name()
+        name = " ".join(proc.cmdline()[:1])
     except psutil.Error:
         return "other"
-    return "workers" if "ray::" in name or "Worker" in name else "ray_services"
+    return "workers" if name.startswith("ray::") and "Worker" in name else "ray_services"
 
 
 class TreeCPU:
@@ -107,7 +107,7 @@ class TreeCPU:
         for proc in procs:
             try:
                 t = proc.cpu_times()
-                group = self.seen[proc.pid][0] if proc.pid in self.seen else _group(proc, self.root.pid)
+                group = _group(proc, self.root.pid)  # re-read: a Ray worker is renamed when it becomes an actor
                 self.seen[proc.pid] = (group, max(t.user + t.system, self.seen.get(proc.pid, ("", 0.0))[1]))
             except psutil.Error:
                 pass
