@@ -1,0 +1,296 @@
+"""The GPU check (issue 9): actor throughput/MFU, log-prob throughput, resharding and vLLM on one device.
+
+For each Qwen2-shaped model (random weights, built by the bridge from a config dict: no HF download):
+  - train: forward + backward of the megatron GPTModel with the per-token cross-entropy loss (the
+    actor's update path without the optimizer), tokens/s and MFU = model FLOPs / time / peak, where
+    model FLOPs per token = 6 x (non-embedding matmul params + lm_head) + 12 x layers x hidden x seq
+    (attention scores and values, forward + backward), and peak is the device's dense bf16 figure
+    (--peak-tflops; H200/H100 SXM: 989). The measured rate of a large bf16 matmul is printed beside it.
+  - logprob: forward only under no_grad through megatron's vocab-parallel cross-entropy (the
+    old/ref log-prob pass), tokens/s.
+  - reshard: the resharder on this device's tensors (world 1, infer_tp 1): buckets, bytes, time,
+    checksums of the produced vLLM shards; proves the CUDA path of bucketing and the shard layout.
+  - vllm (first model only, when vLLM is importable): the megatron weights exported to an HF folder,
+    loaded by vLLM, and generate tokens/s for a batch of random prompts.
+
+    python bench/gpu_check.py --device cuda              # on one GPU (bench/gpu_check.sh wraps it)
+    python bench/gpu_check.py --device cpu --tiny        # the same logic on a tiny model in seconds (CI)
+
+Prints one table; writes JSON to --out (default: $OUT/gpu_check.json when OUT is set).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# Public Qwen2.5 shapes (config.json numbers); the 0.5B one is shipped under configs/models.
+QWEN2_1_5B = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 1536,
+    "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
+    "max_position_embeddings": 32768, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "vocab_size": 151936,
+}
+# Small enough for two CPU cores, with a head_dim (32) that vLLM's CPU attention accepts.
+TINY = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 128,
+    "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "max_position_embeddings": 1024, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "tie_word_embeddings": False, "torch_dtype": "float32", "vocab_size": 1024,
+}
+GIB = float(1 << 30)
+
+
+def model_configs(tiny: bool) -> dict[str, dict[str, Any]]:
+    if tiny:
+        return {"tiny-qwen2": TINY}
+    half_b = json.loads((ROOT / "configs/models/qwen2.5-0.5b/config.json").read_text())
+    return {"qwen2.5-0.5b": half_b, "qwen2.5-1.5b": QWEN2_1_5B}
+
+
+def flops_per_token(config: dict[str, Any], seq: int, *, training: bool) -> float:
+    """Model FLOPs per token: 2 per matmul weight (x3 with backward) plus attention's two seq-long matmuls."""
+    h, layers = config["hidden_size"], config["num_hidden_layers"]
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim", h // heads)
+    attn = h * heads * head_dim + 2 * h * kv * head_dim + heads * head_dim * h
+    mlp = 3 * h * config["intermediate_size"]
+    matmul_params = layers * (attn + mlp) + h * config["vocab_size"]  # lm_head multiplies even when tied
+    attention = 2 * 2 * layers * seq * heads * head_dim  # QK^T and AV, 2 FLOPs per MAC
+    forward = 2 * matmul_params + attention
+    return 3 * forward if training else forward
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], Any], device: str, iters: int, warmup: int) -> float:
+    """Mean seconds per call after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    started = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    synchronize(device)
+    return (time.perf_counter() - started) / iters
+
+
+def matmul_tflops(device: str, dtype: torch.dtype, size: int) -> float:
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    seconds = timed(lambda: a @ b, device, iters=10, warmup=3)
+    return 2 * size**3 / seconds / 1e12
+
+
+def build_random_model(config: dict[str, Any], dtype: torch.dtype) -> list[Any]:
+    from hybridrl.models.bridge import build_gpt_models
+
+    models = build_gpt_models(config, dtype=dtype)
+    # The bridge builds for a checkpoint (no init); random normal weights keep the numerics finite.
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    with torch.no_grad():
+        for model in models:
+            for name, param in model.named_parameters():
+                values = torch.randn(param.shape, generator=generator) * 0.02
+                if name.endswith("layernorm.weight") or "norm" in name.split(".")[-2]:
+                    values = torch.ones(param.shape)
+                param.copy_(values.to(param.dtype))
+    return models
+
+
+def actor_figures(model: Any, config: dict[str, Any], device: str, batch: int, seq: int, iters: int,
+                  peak_tflops: float) -> dict[str, float]:
+    tokens = torch.randint(0, config["vocab_size"], (batch, seq + 1), device=device)
+    input_ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(batch, -1)
+
+    def train_step() -> None:
+        loss = model(input_ids, position_ids, None, labels=labels)  # [b, s] per-token cross-entropy
+        loss.float().mean().backward()
+
+    def log_prob_pass() -> None:
+        with torch.no_grad():
+            model(input_ids, position_ids, None, labels=labels)
+
+    model.train()
+    train_s = timed(train_step, device, iters, warmup=2)
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    logprob_s = timed(log_prob_pass, device, iters, warmup=2)
+    n_tokens = batch * seq
+    train_tflops = flops_per_token(config, seq, training=True) * n_tokens / train_s / 1e12
+    return {
+        "train_tokens_per_s": n_tokens / train_s,
+        "train_tflops": train_tflops,
+        "mfu": train_tflops / peak_tflops,
+        "logprob_tokens_per_s": n_tokens / logprob_s,
+        "logprob_tflops": flops_per_token(config, seq, training=False) * n_tokens / logprob_s / 1e12,
+    }
+
+
+def reshard_figures(models: list[Any], dtype: torch.dtype) -> dict[str, Any]:
+    from hybridrl.config.meshes import build_reshard_groups, build_training_mesh
+    from hybridrl.engine.resharder import ReshardConfig, Resharder
+
+    groups = build_reshard_groups(build_training_mesh(1, 1, 1), 1)
+    resharder = Resharder(models, groups, config=ReshardConfig(bucket_bytes=256 << 20, output_dtype=dtype))
+    for _ in resharder.shards():  # warm-up (allocator, first kernels)
+        pass
+    devices: set[str] = set()
+    shard_bytes = 0
+    for _, tensor in resharder.shards():
+        devices.add(tensor.device.type)
+        shard_bytes += tensor.numel() * tensor.element_size()
+    report = resharder.last_report
+    return {"reshard_s": report.seconds, "reshard_checksum_s": report.checksum_seconds,
+            "reshard_buckets": report.buckets, "reshard_shard_gib": shard_bytes / GIB,
+            "reshard_gbps": shard_bytes / max(report.seconds, 1e-9) / 1e9,
+            "reshard_shard_devices": ",".join(sorted(devices)), "reshard_checksums": len(report.checksums)}
+
+
+def vllm_figures(models: list[Any], config: dict[str, Any], device: str, dtype: torch.dtype, prompts: int,
+                 new_tokens: int) -> dict[str, Any]:
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        return {"vllm": f"skipped: vllm not importable ({exc.name})"}
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process, as in the hybrid engine
+    from vllm import LLM, SamplingParams
+
+    from hybridrl.models.bridge import export_hf
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = export_hf(models, Path(tmp) / "hf", dtype=dtype)
+        kwargs: dict[str, Any] = dict(model=str(folder), dtype=str(dtype).removeprefix("torch."),
+                                      skip_tokenizer_init=True, max_model_len=512, seed=0)
+        if device == "cuda":
+            kwargs.update(gpu_memory_utilization=0.3)
+        else:
+            kwargs.update(enforce_eager=True, kv_cache_memory_bytes=64 << 20, block_size=32)
+        started = time.perf_counter()
+        llm = LLM(**kwargs)
+        build_s = time.perf_counter() - started
+        generator = torch.Generator().manual_seed(1)
+        requests = [{"prompt_token_ids": torch.randint(0, config["vocab_size"], (64,), generator=generator).tolist()}
+                    for _ in range(prompts)]
+        sampling = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=1.0, seed=0, detokenize=False)
+        llm.generate(requests[:2], sampling, use_tqdm=False)  # warm-up
+        started = time.perf_counter()
+        outputs = llm.generate(requests, sampling, use_tqdm=False)
+        seconds = time.perf_counter() - started
+        generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"vllm": "ran", "vllm_build_s": build_s, "vllm_generate_tokens_per_s": generated / seconds,
+            "vllm_generated_tokens": generated}
+
+
+def memory_gib(device: str) -> float:
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / GIB
+    from hybridrl.parallel.memory import cpu_memory_bytes
+
+    return cpu_memory_bytes()[1] / GIB
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from hybridrl.parallel.device import default_dtype_for, layer_spec_kind, resolve_device
+    from hybridrl.parallel.state import destroy_model_parallel, init_distributed, initialize_model_parallel
+    from hybridrl.parallel.versions import collect_versions, summary_line
+
+    device = resolve_device(args.device)
+    dtype = default_dtype_for(device, args.dtype)
+    versions = collect_versions()
+    print(summary_line(versions))
+    init_distributed(0, 1, master_port=args.port, device=device)
+    initialize_model_parallel(device=device)
+    result: dict[str, Any] = {"device": device, "dtype": str(dtype), "versions": versions,
+                              "layer_spec": layer_spec_kind(device), "batch": args.batch, "seq": args.seq,
+                              "models": {}}
+    if device == "cuda":
+        result["gpu"] = torch.cuda.get_device_name()
+    result["matmul_tflops"] = matmul_tflops(device, dtype, args.matmul_size)
+    try:
+        for index, (name, config) in enumerate(model_configs(args.tiny).items()):
+            started = time.perf_counter()
+            models = build_random_model(config, dtype)
+            row: dict[str, Any] = {"params_m": sum(p.numel() for p in models[0].parameters()) / 1e6}
+            row.update(actor_figures(models[0], config, device, args.batch, args.seq, args.iters, args.peak_tflops))
+            row.update(reshard_figures(models, dtype))
+            if index == 0 and not args.skip_vllm:
+                row.update(vllm_figures(models, config, device, dtype, args.vllm_prompts, args.vllm_tokens))
+            row["peak_memory_gib"] = memory_gib(device)
+            row["seconds"] = time.perf_counter() - started
+            result["models"][name] = row
+            del models
+            if device == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+    finally:
+        # The default process group stays: vLLM's engine destroys its own groups at exit and needs it.
+        destroy_model_parallel()
+    return result
+
+
+def render(result: dict[str, Any]) -> str:
+    lines = [f"device {result.get('gpu', result['device'])}, {result['dtype']}, layer spec {result['layer_spec']}, "
+             f"batch {result['batch']} x seq {result['seq']}; measured matmul {result['matmul_tflops']:.3g} TFLOP/s"]
+    header = ("model", "params M", "train tok/s", "TFLOP/s", "MFU", "logprob tok/s", "reshard s", "buckets",
+              "vLLM tok/s", "peak GiB")
+    rows = [header]
+    for name, r in result["models"].items():
+        vllm = f"{r['vllm_generate_tokens_per_s']:.0f}" if r.get("vllm") == "ran" else "-"
+        rows.append((name, f"{r['params_m']:.1f}", f"{r['train_tokens_per_s']:.0f}", f"{r['train_tflops']:.3g}",
+                     f"{r['mfu']:.1%}", f"{r['logprob_tokens_per_s']:.0f}", f"{r['reshard_s']:.3f}",
+                     str(r["reshard_buckets"]), vllm, f"{r['peak_memory_gib']:.2f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines += ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines += [f"{name}: vllm {r['vllm']}" for name, r in result["models"].items()
+              if "vllm" in r and r["vllm"] != "ran"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cuda", "cpu", "auto"), default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="one tiny model, small batch (CPU logic check)")
+    parser.add_argument("--dtype", default=None, help="default: bf16 on cuda, fp32 on cpu")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per step (default 8; tiny 2)")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048; tiny 64)")
+    parser.add_argument("--iters", type=int, default=None, help="timed iterations (default 5; tiny 2)")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200 SXM)")
+    parser.add_argument("--matmul-size", type=int, default=None, help="default 8192; tiny 256")
+    parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--vllm-prompts", type=int, default=None, help="default 256; tiny 4")
+    parser.add_argument("--vllm-tokens", type=int, default=None, help="new tokens per prompt (default 256; tiny 8)")
+    parser.add_argument("--port", type=int, default=29517, help="TCP port for the world-1 process group")
+    parser.add_argument("--out", default=None, help="JSON output (default $OUT/gpu_check.json when OUT is set)")
+    args = parser.parse_args(argv)
+    defaults = {"batch": (8, 2), "seq": (2048, 64), "iters": (5, 2), "matmul_size": (8192, 256),
+                "vllm_prompts": (256, 4), "vllm_tokens": (256, 8)}
+    for key, (full, tiny) in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, tiny if args.tiny else full)
+    result = run(args)
+    print(render(result))
+    out = args.out or (str(Path(os.environ["OUT"]) / "gpu_check.json") if os.environ.get("OUT") else None)
+    if out:
+        Path(out).write_text(json.dumps(result, indent=2, default=str))
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""bench/gpu_check: its logic on CPU (tiny model, seconds), its FLOP count against a real megatron model,
+and its shell wrapper's lint."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridrl.parallel.forked import run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import gpu_check  # noqa: E402
+
+
+def _run_tiny(tmp_path: Path, *extra: str, timeout: int) -> dict:
+    out = tmp_path / "gpu_check.json"
+    result = subprocess.run([sys.executable, str(ROOT / "bench/gpu_check.py"), "--device", "cpu", "--tiny",
+                             "--out", str(out), *extra],
+                            capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "train tok/s" in result.stdout and "tiny-qwen2" in result.stdout
+    return json.loads(out.read_text())
+
+
+def test_tiny_cpu_run_measures_every_part(tmp_path):
+    data = _run_tiny(tmp_path, "--skip-vllm", "--port", "29611", timeout=90)
+    assert data["device"] == "cpu" and data["layer_spec"] == "local"
+    row = data["models"]["tiny-qwen2"]
+    assert row["train_tokens_per_s"] > 0 and row["logprob_tokens_per_s"] > 0 and 0 < row["mfu"] < 1
+    assert row["reshard_shard_devices"] == "cpu" and row["reshard_buckets"] >= 1
+    # every vLLM tensor of the tiny model came out, checksummed (embed, lm_head, final norm + 7 per layer)
+    assert row["reshard_checksums"] == 3 + 7 * gpu_check.TINY["num_hidden_layers"]
+    assert "vllm" not in row
+
+
+@pytest.mark.slow
+def test_tiny_cpu_run_with_vllm(tmp_path):
+    row = _run_tiny(tmp_path, "--port", "29612", timeout=300)["models"]["tiny-qwen2"]
+    assert row["vllm"] == "ran" and row["vllm_generated_tokens"] == 4 * 8  # ignore_eos: every token counted
+
+
+def _linear_numel(rank: int, world: int) -> dict:
+    from hybridrl.parallel.state import initialize_model_parallel
+
+    initialize_model_parallel(device="cpu")
+    (model,) = gpu_check.build_random_model(gpu_check.TINY, dtype="fp32")
+    weights = {n: p.numel() for n, p in model.named_parameters() if p.dim() == 2}
+    return {"matmul": sum(v for n, v in weights.items() if "word_embeddings" not in n)}
+
+
+def test_flop_count_matches_the_built_model():
+    (counted,) = run_ranks(_linear_numel, 1)
+    seq, config = 64, gpu_check.TINY
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    attention = 4 * config["num_hidden_layers"] * seq * config["num_attention_heads"] * head_dim
+    forward = gpu_check.flops_per_token(config, seq, training=False)
+    assert forward == 2 * counted["matmul"] + attention
+    assert gpu_check.flops_per_token(config, seq, training=True) == 3 * forward
+
+
+def test_shell_wrapper_is_shellcheck_clean():
+    shellcheck = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
+    result = subprocess.run([shellcheck, str(ROOT / "bench/gpu_check.sh")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout
