@@ -26,11 +26,11 @@ ARG TE_VERSION=2.8.0
 ARG RAY_VERSION=2.60.0
 ARG MAX_JOBS=8
 
+# PIP_CONSTRAINT: NGC images ship a pip constraint file that pins their own torch; vLLM's pin must win.
+# VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's engine runs inside the training processes (hybrid engine).
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1 \
-    # NGC images ship a pip constraint file that pins their own torch; vLLM's pin must win here.
     PIP_CONSTRAINT= \
-    # vLLM's engine in the training processes (hybrid engine): no separate engine-core process.
     VLLM_ENABLE_V1_MULTIPROCESSING=0
 
 # DL3013 (pin every pip package): pyarrow, matplotlib and tensorboard only write metrics and plots
