@@ -22,6 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
+    if len(sys.argv) == 1:  # `make bench` runs every bench/*.py: this one only serves bench/vs_trl.py
+        print("bench/trl_grpo_run.py: the TRL side of bench/vs_trl.py (run by it in the TRL venv); nothing to do")
+        return
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--data", required=True)
