@@ -224,6 +224,8 @@ class TrainerConfig:
     resume_mode: str = doc("auto", "auto | disable | <checkpoint path>")
     keep_last_n: int | None = doc(None, "keep this many newest checkpoints; None = all")
     export_hf_on_save: bool = doc(False, "also write an HF folder of the actor at each save")
+    max_consecutive_nonfinite_steps: int = doc(
+        3, "stop after this many steps in a row with a skipped (NaN/Inf loss or grads) optimizer step; 0 = never")
     logger: list[str] = doc(factory=lambda: ["console"], text="console | jsonl | tensorboard | wandb")
     project_name: str = doc("hybridrl", "project (wandb / log folder)")
     experiment_name: str = doc("default", "run name")

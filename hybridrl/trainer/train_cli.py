@@ -39,8 +39,12 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
 
-    from hybridrl.trainer.trainer import Trainer
+    from hybridrl.trainer.trainer import Trainer, TrainingFailure
 
-    result = Trainer(plan, progress=not args.no_progress).fit()
+    try:
+        result = Trainer(plan, progress=not args.no_progress).fit()
+    except TrainingFailure as exc:  # step, phase, role, rank and cause; workers already torn down
+        print(f"hybridrl train: {exc}", file=sys.stderr)
+        return 1
     print(result.summary)
     return 0

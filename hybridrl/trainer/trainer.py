@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,41 @@ from hybridrl.trainer.timing import PhaseTimer, throughput_metrics
 from hybridrl.trainer.tracking import Tracker, plot_run, render_summary
 
 PAD_UID_PREFIX = "__pad__"
+
+
+class TrainingFailure(RuntimeError):
+    """Training stopped: which step, which phase, and why (a worker's role, rank and cause when one failed).
+
+    Raised from `Trainer.fit` after the workers are torn down; the last complete checkpoint is
+    intact (a save in progress is never the latest), so `trainer.resume_mode=auto` continues from it.
+    """
+
+    def __init__(self, step: int, phase: str, cause: str) -> None:
+        self.step = step
+        self.phase = phase
+        self.cause = cause
+        super().__init__(f"training failed at step {step}, phase {phase}: {cause}")
+
+
+class NonFiniteGuard:
+    """Counts training steps in a row with a skipped optimizer step (NaN/Inf loss or gradients).
+
+    The workers skip such an optimizer step themselves (`hybridrl.workers.nonfinite`); a run whose
+    steps keep being skipped is not training, so after `limit` in a row (0 = never) it stops.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.consecutive = 0
+
+    def observe(self, metrics: dict[str, float]) -> dict[str, float]:
+        skipped = metrics.get("actor/skipped_steps", 0.0) + metrics.get("critic/skipped_steps", 0.0)
+        self.consecutive = self.consecutive + 1 if skipped > 0 else 0
+        return {"training/consecutive_nonfinite_steps": float(self.consecutive)}
+
+    @property
+    def exhausted(self) -> bool:
+        return self.limit > 0 and self.consecutive >= self.limit
 
 
 @dataclass
@@ -68,6 +105,7 @@ class Trainer:
         self.run_dir = run_dir_for(plan)
         self.checkpoints = CheckpointManager(checkpoint_root_for(plan), plan.config.trainer.keep_last_n)
         self.global_step = 0
+        self.phase = "start"  # the phase running now: named by a TrainingFailure
         self.cluster = self.pool = self.actor_group = self.critic_group = self.rm_group = None
 
     # ------------------------------------------------------------------------------ set-up
@@ -161,6 +199,13 @@ class Trainer:
                                stop_token_ids=stops, ignore_eos=rollout.ignore_eos, seed=step_seed)
 
     # ------------------------------------------------------------------------------ phases
+    @contextmanager
+    def _phase(self, timer: PhaseTimer, name: str) -> Iterator[None]:
+        """Time a phase and remember it, so a failure inside it is reported with its name."""
+        self.phase = name
+        with timer.phase(name):
+            yield
+
     def generate(self, prompts: Batch, sampling: Any) -> Batch:
         """Samples for every prompt, over the rollout replicas; rows prompt-major, n per prompt."""
         from hybridrl.data.dataloader import unpadded_prompt_ids
@@ -202,10 +247,10 @@ class Trainer:
         return metrics
 
     def _generate_and_score(self, prompts: Batch, timer: PhaseTimer, metrics: dict[str, float]) -> Batch:
-        with timer.phase("gen"):
+        with self._phase(timer, "gen"):
             batch = self.generate(prompts, self._sampling())
         metrics.update(batch.meta.pop("metrics", {}) or {})
-        with timer.phase("reward"):
+        with self._phase(timer, "reward"):
             metrics.update(self._score(batch))
         return batch
 
@@ -233,9 +278,10 @@ class Trainer:
         if cfg.algorithm.filter_groups.enable:
             batch = self._dynamic_sampling(batch, timer, metrics)
         if cfg.actor_rollout_ref.rollout.free_cache_engine:
+            self.phase = "release_rollout_memory"
             self.actor_group.call_all("release_rollout_memory")
         batch.meta["temperature"] = cfg.actor_rollout_ref.rollout.temperature
-        with timer.phase("old_log_prob"):
+        with self._phase(timer, "old_log_prob"):
             old = self.actor_group.call_by_dp("compute_log_prob", batch, with_entropy=True)
             batch["old_log_probs"] = old["old_log_probs"]
             mask = batch["response_mask"].float()
@@ -244,12 +290,12 @@ class Trainer:
             metrics["rollout/log_prob_abs_diff_max"] = float(
                 ((old["old_log_probs"] - batch["rollout_log_probs"]).abs() * mask).max())
         if plan.resolved.ref_enabled:
-            with timer.phase("ref"):
+            with self._phase(timer, "ref"):
                 batch["ref_log_probs"] = self.actor_group.call_by_dp("compute_ref_log_prob", batch)["ref_log_probs"]
         if self.critic_group is not None:
-            with timer.phase("values"):
+            with self._phase(timer, "values"):
                 batch["values"] = self.critic_group.call_by_dp("compute_values", batch)["values"]
-        with timer.phase("adv"):
+        with self._phase(timer, "adv"):
             if cfg.algorithm.use_kl_in_reward:
                 metrics.update(apply_kl_in_reward(batch, self.kl_controller, cfg.algorithm.kl_penalty))
             else:
@@ -258,13 +304,13 @@ class Trainer:
                 cfg.algorithm.adv_estimator, cfg.algorithm.gamma, cfg.algorithm.lam,
                 cfg.algorithm.norm_adv_by_std_in_grpo))
         if self.critic_group is not None:
-            with timer.phase("update_critic"):
+            with self._phase(timer, "update_critic"):
                 outs = self.critic_group.call_by_dp_outputs("update_critic", batch)
                 metrics.update(_mean_dicts([o.as_dict() if o is not None else None for o in outs]))
-        with timer.phase("update_actor"):
+        with self._phase(timer, "update_actor"):
             outs = self.actor_group.call_by_dp_outputs("update_actor", batch)
             metrics.update(_mean_dicts(outs))
-        with timer.phase("sync"):
+        with self._phase(timer, "sync"):
             syncs = self.actor_group.call_all("sync_weights")
             metrics.update(_sync_metrics(syncs))
         metrics.update(response_metrics(batch))
@@ -277,6 +323,7 @@ class Trainer:
         if self.val_loader is None:
             return {}
         scores: list[float] = []
+        self.phase = "validate"
         for prompts in self.val_loader:
             batch = self.generate(prompts, self._sampling(validation=True))
             _, output = self.reward.score_batch(batch, self.tokenizer)
@@ -285,6 +332,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
+        self.phase = "save_checkpoint"
         partial = self.checkpoints.begin(self.global_step)
         try:
             self.actor_group.call_all("save_checkpoint", str(partial))
@@ -300,6 +348,7 @@ class Trainer:
 
     def resume(self, path: Path) -> None:
         """Restore workers, data order and KL coefficient from a complete checkpoint."""
+        self.phase = "resume"
         state = self.checkpoints.read_state(path)
         self.actor_group.call_all("load_checkpoint", str(path))
         if self.critic_group is not None:
@@ -324,7 +373,11 @@ class Trainer:
         tracker = Tracker.create(cfg.trainer.logger, self.run_dir, project=cfg.trainer.project_name,
                                  experiment=cfg.trainer.experiment_name, config=self.plan.to_dict()["config"],
                                  write=tqdm.write if self.progress else self.write, resume_step=resume_step)
+        from hybridrl.controller.gather import WorkerGroupError
+
+        guard = NonFiniteGuard(cfg.trainer.max_consecutive_nonfinite_steps)
         try:
+            self.phase = "setup"
             self._build_workers()
             if resume_from is not None:
                 self.resume(resume_from)
@@ -337,16 +390,25 @@ class Trainer:
                 prompts = next(self._prompts)
                 self.global_step += 1
                 metrics = self.step(prompts)
+                metrics.update(guard.observe(metrics))
                 metrics["training/global_step"] = self.global_step
                 metrics["training/epoch"] = self.train_loader.epoch
                 if cfg.trainer.test_freq > 0 and self.global_step % cfg.trainer.test_freq == 0:
                     metrics.update(self.validate())
                 tracker.log(self.global_step, metrics)
                 bar.update(1)
+                if guard.exhausted:
+                    raise TrainingFailure(self.global_step, "update", (
+                        f"{guard.consecutive} steps in a row skipped their optimizer step for a non-finite "
+                        "loss or gradient (trainer.max_consecutive_nonfinite_steps="
+                        f"{guard.limit}); the weights are those of the last finite step"))
                 last = self.global_step >= self.total_steps
                 if cfg.trainer.save_freq > 0 and (self.global_step % cfg.trainer.save_freq == 0 or last):
                     self.save()
             bar.close()
+        except WorkerGroupError as error:
+            # The group is already torn down (fail-fast gather); name where in the step it happened.
+            raise TrainingFailure(self.global_step, self.phase, str(error)) from error
         finally:
             tracker.close()
             self.shutdown()

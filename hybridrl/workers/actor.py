@@ -76,9 +76,11 @@ class PolicyUpdateMetrics:
     lr: float
     optimizer_steps: int
     per_step: tuple[dict[str, float], ...] = field(default=())
+    skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
 
     def as_dict(self, prefix: str = "actor/") -> dict[str, float]:
-        names = ("pg_loss", "clipfrac", "clipfrac_lower", "approx_kl", "entropy", "kl_loss", "grad_norm", "lr")
+        names = ("pg_loss", "clipfrac", "clipfrac_lower", "approx_kl", "entropy", "kl_loss", "grad_norm", "lr",
+                 "skipped_steps")
         return {prefix + n: getattr(self, n) for n in names}
 
 
@@ -146,6 +148,7 @@ class MegatronActor:
                              f"(ppo_mini_batch_size x rollout.n / dp)")
         extra_keys = ("old_log_probs", "advantages") + (("ref_log_probs",) if self.loss.use_kl_loss else ())
         steps: list[dict[str, float]] = []
+        skipped = 0
         for epoch in range(update.ppo_epochs):
             order = self._row_order(rows, epoch)
             for start in range(0, rows, per_mini):
@@ -159,6 +162,7 @@ class MegatronActor:
                 loss_fn = partial(self._policy_loss, normalizers=normalizers, scale=len(micros) * ctx.dp)
                 result = engine.train_step(micros, loss_fn)
                 step = {"grad_norm": result.grad_norm, "lr": result.lr}
+                skipped += not result.applied
                 if ctx.is_last_pp_stage:
                     sums = StepMetrics()
                     for metrics in result.micro_metrics:
@@ -172,6 +176,7 @@ class MegatronActor:
             pg_loss=mean["pg_loss"], clipfrac=mean["clipfrac"], clipfrac_lower=mean["clipfrac_lower"],
             approx_kl=mean["approx_kl"], entropy=mean["entropy"], kl_loss=mean.get("kl_loss", 0.0),
             grad_norm=mean["grad_norm"], lr=mean["lr"], optimizer_steps=len(steps), per_step=tuple(steps),
+            skipped_steps=skipped,
         )
 
     def _row_order(self, rows: int, epoch: int) -> list[int]:

@@ -39,9 +39,10 @@ class CriticUpdateMetrics:
     lr: float
     optimizer_steps: int
     per_step: tuple[dict[str, float], ...] = field(default=())
+    skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
 
     def as_dict(self, prefix: str = "critic/") -> dict[str, float]:
-        names = ("vf_loss", "vf_clipfrac", "vpred_mean", "grad_norm", "lr")
+        names = ("vf_loss", "vf_clipfrac", "vpred_mean", "grad_norm", "lr", "skipped_steps")
         return {prefix + n: getattr(self, n) for n in names}
 
 
@@ -84,6 +85,7 @@ class MegatronCritic:
         if rows % per_mini:
             raise ValueError(f"{rows} rows on this rank do not split into critic mini-batches of {per_mini}")
         steps: list[dict[str, float]] = []
+        skipped = 0
         for _epoch in range(update.ppo_epochs):
             for start in range(0, rows, per_mini):
                 mini_rows = list(range(start, start + per_mini))
@@ -97,6 +99,7 @@ class MegatronCritic:
                 result = engine.train_step(
                     micros, partial(self._value_loss, normalizers=normalizers, scale=len(micros) * ctx.dp))
                 step = {"grad_norm": result.grad_norm, "lr": result.lr}
+                skipped += not result.applied
                 if ctx.is_last_pp_stage:
                     sums = StepMetrics()
                     for metrics in result.micro_metrics:
@@ -107,7 +110,7 @@ class MegatronCritic:
             return None
         mean = average_steps(steps)
         return CriticUpdateMetrics(mean["vf_loss"], mean["vf_clipfrac"], mean["vpred_mean"], mean["grad_norm"],
-                                   mean["lr"], len(steps), tuple(steps))
+                                   mean["lr"], len(steps), tuple(steps), skipped)
 
     def _value_loss(self, micro: ModelInputs, output: torch.Tensor, *, normalizers: LossNormalizers,
                     scale: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

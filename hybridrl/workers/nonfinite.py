@@ -1,0 +1,40 @@
+"""Non-finite steps: detect NaN/Inf in a step's losses or gradients before the optimizer applies them.
+
+Megatron's fp32 and bf16 optimizers step whatever the gradients hold (only fp16's loss scaler checks
+for overflow): a NaN gradient with clipping on gives a NaN clip coefficient that is silently not
+applied, and Adam then writes NaN into every weight. So `MegatronRole.train_step` asks
+`step_is_finite` first and skips the optimizer step when any rank saw a non-finite value; the
+decision is all-reduced, so every rank (TP, PP, DP) skips together and the replicas stay identical.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+
+def _local_finite(models: Iterable[Any], micro_metrics: Sequence[Mapping[str, Any]]) -> bool:
+    for metrics in micro_metrics:  # the last stage's per-micro-batch losses (empty elsewhere)
+        for value in metrics.values():
+            if isinstance(value, torch.Tensor) and value.is_floating_point() and not torch.isfinite(value).all():
+                return False
+    for model in models:
+        for param in model.parameters():
+            # DDP accumulates into `main_grad` (views of its fp32 grad buffers); plain modules use `grad`.
+            grad = getattr(param, "main_grad", None)
+            if grad is None:
+                grad = param.grad
+            if grad is not None and not torch.isfinite(grad).all():
+                return False
+    return True
+
+
+def step_is_finite(models: Iterable[Any], micro_metrics: Sequence[Mapping[str, Any]], device: str) -> bool:
+    """True when no rank of the default process group saw a non-finite loss or gradient this step."""
+    import torch.distributed as dist
+
+    bad = torch.tensor([0.0 if _local_finite(models, micro_metrics) else 1.0], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return bool(bad.item() == 0.0)
