@@ -137,4 +137,11 @@ class CheckpointManager:
 
     @staticmethod
     def read_state(path: Path) -> dict[str, Any]:
-        return json.loads((path / STATE_FILE).read_text())
+        file = Path(path) / STATE_FILE
+        try:
+            state = json.loads(file.read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"{file} is unreadable ({type(exc).__name__}: {exc})") from exc
+        if not isinstance(state, dict) or not isinstance(state.get("global_step"), int):
+            raise CheckpointError(f"{file} has no integer global_step")
+        return state

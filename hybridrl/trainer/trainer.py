@@ -25,7 +25,7 @@ from hybridrl.algorithms import masked_mean
 from hybridrl.algorithms.kl_control import kl_controller_from_config
 from hybridrl.config.plan import Plan
 from hybridrl.data.batch import Batch
-from hybridrl.trainer.checkpoints import CheckpointManager
+from hybridrl.trainer.checkpoints import CheckpointError, CheckpointManager
 from hybridrl.trainer.rl_step import (
     AdvantageSettings,
     apply_kl_in_reward,
@@ -368,8 +368,11 @@ class Trainer:
         self.kl_controller = kl_controller_from_config(cfg.algorithm.kl_ctrl)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoints.remove_partials()
-        resume_from = self.checkpoints.resolve_resume(cfg.trainer.resume_mode)
-        resume_step = int(self.checkpoints.read_state(resume_from)["global_step"]) if resume_from else 0
+        try:  # a bad trainer state is refused before Ray or any worker starts
+            resume_from = self.checkpoints.resolve_resume(cfg.trainer.resume_mode)
+            resume_step = int(self.checkpoints.read_state(resume_from)["global_step"]) if resume_from else 0
+        except CheckpointError as error:
+            raise TrainingFailure(0, "resume", str(error)) from error
         tracker = Tracker.create(cfg.trainer.logger, self.run_dir, project=cfg.trainer.project_name,
                                  experiment=cfg.trainer.experiment_name, config=self.plan.to_dict()["config"],
                                  write=tqdm.write if self.progress else self.write, resume_step=resume_step)

@@ -11,12 +11,15 @@ Folder layout (written by every rank of the role's group together: a collective)
   role_checkpoint.json  role, layout and world size, written last
 Everything is written into a hidden staging folder next to the target, which rank 0 renames into
 place once every rank has succeeded; a crash leaves the previous checkpoint untouched. Rank files
-are plain tensors and containers, loaded with `torch.load(weights_only=True)` (no pickled code).
+are plain tensors and containers, loaded with `torch.load(weights_only=True)` (no pickled code);
+each has a `rank_NNNNN.pt.sha256` next to it, checked before loading (a tampered or truncated file
+is named in the error instead of failing somewhere inside torch's unpickler).
 
 Restoring needs the same layout and world size (the optimizer state is sharded per rank).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -155,6 +158,7 @@ def save_role_checkpoint(engine: MegatronRole, out_dir: str | Path) -> Path:
         partial_file = target.with_suffix(".tmp")
         torch.save(state, partial_file)
         os.replace(partial_file, target)
+        (staging / (target.name + ".sha256")).write_text(_file_sha256(target) + "\n")
     except Exception as exc:  # noqa: BLE001
         ok, detail = False, f"{type(exc).__name__}: {exc}"
     try:
@@ -173,6 +177,29 @@ def save_role_checkpoint(engine: MegatronRole, out_dir: str | Path) -> Path:
     return out_dir
 
 
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _load_rank_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise RoleCheckpointError(f"{path} is missing (each rank of the saved layout writes one)")
+    sidecar = path.with_name(path.name + ".sha256")
+    if sidecar.is_file():  # older checkpoints have none
+        expected, actual = sidecar.read_text().strip(), _file_sha256(path)
+        if actual != expected:
+            raise RoleCheckpointError(f"{path}: sha256 {actual[:16]}... does not match the saved {expected[:16]}... "
+                                      "(the file was modified or truncated after the save)")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - re-raised naming the file
+        raise RoleCheckpointError(f"{path} is not a readable rank state file: {type(exc).__name__}: {exc}") from exc
+
+
 def load_role_checkpoint(engine: MegatronRole, ckpt_dir: str | Path) -> dict[str, Any]:
     """Restore weights, optimizer, schedule and RNG saved by `save_role_checkpoint` (same layout)."""
     from hybridrl.models.bridge import load_weights
@@ -182,13 +209,16 @@ def load_role_checkpoint(engine: MegatronRole, ckpt_dir: str | Path) -> dict[str
     meta_path = ckpt_dir / METADATA
     if not meta_path.is_file():
         raise RoleCheckpointError(f"{ckpt_dir} is not a complete role checkpoint (no {METADATA})")
-    meta = json.loads(meta_path.read_text())
+    try:
+        meta = json.loads(meta_path.read_text())
+    except ValueError as exc:
+        raise RoleCheckpointError(f"{meta_path} is not valid JSON ({exc})") from exc
     layout = {"tp": ctx.tp, "pp": ctx.pp, "cp": ctx.cp, "dp": ctx.dp, "vpp": ctx.vpp}
     if meta["role"] != engine.spec.role or meta["layout"] != layout or meta["world_size"] != ctx.world_size:
         raise RoleCheckpointError(f"{ckpt_dir} holds role {meta['role']} with layout {meta['layout']} on "
                                   f"{meta['world_size']} ranks; this is {engine.spec.role} with {layout} on "
                                   f"{ctx.world_size}")
-    state = torch.load(ckpt_dir / rank_file(ctx.rank), map_location="cpu", weights_only=True)
+    state = _load_rank_file(ckpt_dir / rank_file(ctx.rank))
     if engine.spec.value_head:
         with torch.no_grad():
             for i, chunk in enumerate(engine.chunks):
