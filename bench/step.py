@@ -8,7 +8,7 @@ thread per process. Medians over the steps after the warm-up step(s).
 
 Sizes: `tiny` (configs/models/tiny-demo, 8 prompts x 8 samples x 16 tokens, the demo) and `30m`
 (configs/models/bench-30m, 27.4M parameters, P prompts x 8 samples x 128 tokens; P = 64 with --full,
-16 by default so that `make bench` fits in its time budget on 2 cores).
+8 by default so that `make bench` fits in its time budget on 2 shared cores).
 
     python bench/step.py [--full] [--sizes tiny,30m] [--steps N] [--warmup K] [--world 2]
 
@@ -36,7 +36,7 @@ SIZES = {
     # name: model config, prompts (quick, full), response tokens, micro-batch sizes
     "tiny": {"config": "configs/models/tiny-demo/config.json", "prompts": (8, 8), "response": 16,
              "micro": 16, "log_prob_micro": 32, "lr": 1e-3},
-    "30m": {"config": "configs/models/bench-30m/config.json", "prompts": (16, 64), "response": 128,
+    "30m": {"config": "configs/models/bench-30m/config.json", "prompts": (8, 64), "response": 128,
             "micro": 16, "log_prob_micro": 32, "lr": 1e-5},
 }
 
@@ -53,7 +53,7 @@ def ensure_inputs(size: str) -> Path:
 
 
 def overrides(size: str, prompts: int, n: int, steps: int, world: int, run_dir: Path, lr: float | None = None,
-              seed: int = 0) -> list[str]:
+              seed: int = 0, dtype: str = "fp32") -> list[str]:
     spec = SIZES[size]
     model_dir = ensure_inputs(size)
     response = spec["response"]
@@ -68,6 +68,8 @@ def overrides(size: str, prompts: int, n: int, steps: int, world: int, run_dir: 
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={spec['micro']}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={spec['log_prob_micro']}",
         f"actor_rollout_ref.actor.optim.lr={lr if lr is not None else spec['lr']}",
+        f"actor_rollout_ref.actor.megatron.dtype={dtype}",
+        f"actor_rollout_ref.rollout.dtype={dtype}",
         f"trainer.n_gpus_per_node={world}",
         f"trainer.total_training_steps={steps}",
         "trainer.test_freq=-1",
@@ -118,14 +120,14 @@ class TreeCPU:
 
 
 def run_hybridrl(size: str, prompts: int, n: int, steps: int, world: int, tag: str, lr: float | None = None,
-                 seed: int = 0, timeout_s: float = 1800, log=print) -> list[dict]:
+                 seed: int = 0, dtype: str = "fp32", timeout_s: float = 1800, log=print) -> list[dict]:
     """One `hybridrl train` run; returns per-step records (trainer metrics + sampled CPU seconds)."""
     run_dir = ROOT / "runs" / "bench" / tag
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():
         metrics.unlink()
     cmd = [str(Path(sys.executable).with_name("hybridrl")), "train", "--no-progress", DEMO_CONFIG,
-           *overrides(size, prompts, n, steps, world, run_dir, lr, seed)]
+           *overrides(size, prompts, n, steps, world, run_dir, lr, seed, dtype)]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     log_path = run_dir.with_suffix(".log")
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -219,6 +221,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--world", type=int, default=2, help="ranks (gloo processes), one torch thread each")
     parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="megatron and rollout dtype")
     args = parser.parse_args()
     results: dict[str, dict] = {}
     for size in args.sizes.split(","):
@@ -228,9 +231,9 @@ def main() -> None:
         config = {"model": spec["config"], "prompts": prompts, "n": args.n, "response_tokens": spec["response"],
                   "steps": steps, "warmup": args.warmup, "world": args.world, "torch_threads_per_process": 1,
                   "ignore_eos": True, "micro_batch": spec["micro"], "log_prob_micro_batch": spec["log_prob_micro"],
-                  "lr": spec["lr"]}
+                  "lr": spec["lr"], "dtype": args.dtype}
         print(f"== {size}: {json.dumps(config)}")
-        records = run_hybridrl(size, prompts, args.n, steps, args.world, f"step_{size}")
+        records = run_hybridrl(size, prompts, args.n, steps, args.world, f"step_{size}", dtype=args.dtype)
         results[size] = {"config": config, "summary": summarize(records, args.warmup),
                          "per_step": [{k: v for k, v in r.items() if k.startswith(("timing_s/", "cpu_s/"))}
                                       for r in records]}

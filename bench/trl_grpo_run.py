@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--bf16", action="store_true", help="autocast bf16 (weights and optimizer stay fp32)")
     args = parser.parse_args()
 
     import torch
@@ -67,7 +68,7 @@ def main() -> None:
     if sequences % args.micro:
         raise SystemExit(f"prompts*n={sequences} is not a multiple of micro={args.micro}")
     config = trl.GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl_grpo_"), use_cpu=True, bf16=False, fp16=False,
+        output_dir=tempfile.mkdtemp(prefix="trl_grpo_"), use_cpu=True, bf16=args.bf16, fp16=False,
         per_device_train_batch_size=args.micro, gradient_accumulation_steps=sequences // args.micro,
         num_generations=args.n, max_completion_length=args.max_completion, temperature=1.0, top_p=1.0, top_k=0,
         generation_kwargs={"min_new_tokens": args.max_completion}, beta=0.0, num_iterations=1, epsilon=0.2,

@@ -15,7 +15,11 @@ old log-probs (TRL skips them when generation and optimizer step align) and the 
 TRL lives in its own venv (bench/.venv-trl, created on first use: torch==2.13.0 from local disk, then
 trl transformers datasets). The TRL side runs `bench/trl_grpo_run.py` with that venv's python.
 
-    python bench/vs_trl.py [--full] [--sizes tiny,30m] [--rounds R] [--world 1]
+    python bench/vs_trl.py [--full] [--cases tiny:fp32,30m:fp32,30m:bf16] [--rounds R] [--world 1]
+
+fp32 is the equal-work comparison. bf16 runs both sides in bf16 (hybridrl: megatron and vLLM weights in
+bf16; TRL: `bf16=True`, i.e. CPU autocast over fp32 weights) and is also compared against TRL's faster
+dtype at that size, since that is what a user would pick.
 
 Median step time after the warm-up step of each run, per side, and the ratio hybridrl/TRL.
 Figures, not a test: cores are shared and noisy; the two sides alternate so both see the same noise.
@@ -37,7 +41,7 @@ TRL_VENV = ROOT / "bench" / ".venv-trl"
 TRL_PY = TRL_VENV / "bin" / "python"
 DATA = ROOT / "data" / "synthetic" / "train.jsonl"
 
-QUICK = {"tiny": {"prompts": 8, "steps": 5, "rounds": 2}, "30m": {"prompts": 16, "steps": 3, "rounds": 1}}
+QUICK = {"tiny": {"prompts": 8, "steps": 5, "rounds": 2}, "30m": {"prompts": 8, "steps": 3, "rounds": 1}}
 FULL = {"tiny": {"prompts": 8, "steps": 6, "rounds": 2}, "30m": {"prompts": 64, "steps": 3, "rounds": 1}}
 
 
@@ -53,14 +57,15 @@ def ensure_trl_venv() -> None:
     subprocess.run(probe, check=True)
 
 
-def run_trl(size: str, prompts: int, n: int, steps: int, tag: str) -> dict:
+def run_trl(size: str, prompts: int, n: int, steps: int, tag: str, dtype: str = "fp32") -> dict:
     spec = SIZES[size]
     model_dir = ensure_inputs(size)
     out = ROOT / "runs" / "bench" / f"{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     cmd = [str(TRL_PY), str(ROOT / "bench" / "trl_grpo_run.py"), "--model", str(model_dir), "--data", str(DATA),
            "--prompts", str(prompts), "--n", str(n), "--max-completion", str(spec["response"]),
-           "--micro", str(spec["micro"]), "--lr", str(spec["lr"]), "--steps", str(steps), "--out", str(out)]
+           "--micro", str(spec["micro"]), "--lr", str(spec["lr"]), "--steps", str(steps), "--out", str(out),
+           *(["--bf16"] if dtype == "bf16" else [])]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     env.pop("VIRTUAL_ENV", None)
     started = time.perf_counter()
@@ -82,7 +87,8 @@ def median_after(values: list[float], warmup: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="64 prompts at 30M, as in the issue (slow on 2 cores)")
-    parser.add_argument("--sizes", default="tiny,30m")
+    parser.add_argument("--cases", default="tiny:fp32,30m:fp32,30m:bf16",
+                        help="size:dtype pairs; bf16 = megatron + vLLM in bf16 (hybridrl), autocast bf16 (TRL)")
     parser.add_argument("--rounds", type=int, default=None, help="hybridrl/TRL run pairs per size")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=1)
@@ -92,7 +98,8 @@ def main() -> None:
     ensure_trl_venv()
     sizes = FULL if args.full else QUICK
     results: dict[str, dict] = {}
-    for size in args.sizes.split(","):
+    for case in args.cases.split(","):
+        size, dtype = case.split(":")
         spec = SIZES[size]
         prompts = sizes[size]["prompts"]
         steps = args.steps or sizes[size]["steps"]
@@ -100,19 +107,19 @@ def main() -> None:
         config = {"model": spec["config"], "prompts": prompts, "n": args.n, "response_tokens": spec["response"],
                   "micro_batch": spec["micro"], "lr": spec["lr"], "steps_per_run": steps, "warmup_steps": args.warmup,
                   "rounds": rounds, "hybridrl_world": args.world, "trl_processes": 1, "torch_threads_per_process": 1,
-                  "full_length_responses": True, "kl": "none (TRL beta=0)", "dtype": "fp32"}
-        print(f"== {size}: {json.dumps(config)}")
+                  "full_length_responses": True, "kl": "none (TRL beta=0)", "dtype": dtype}
+        print(f"== {case}: {json.dumps(config)}")
         h_wall, h_cpu, h_gen, t_wall, t_cpu, t_gen, h_reward, t_reward = [], [], [], [], [], [], [], []
         for r in range(rounds):
-            records = run_hybridrl(size, prompts, args.n, steps, args.world, f"vs_trl_{size}_hybridrl_{r}",
-                                   seed=r)
+            records = run_hybridrl(size, prompts, args.n, steps, args.world, f"vs_trl_{size}_{dtype}_hybridrl_{r}",
+                                   seed=r, dtype=dtype)
             kept = records[args.warmup:] or records[-1:]
             h_wall += [rec["timing_s/step"] for rec in kept]
             h_gen += [rec["timing_s/gen"] for rec in kept]
             groups = ("controller", "workers", "ray_services")
             h_cpu += [sum(rec.get(f"cpu_s/{g}", 0.0) for g in groups) for rec in kept]
             h_reward.append(records[-1].get("reward/score_mean"))
-            trl = run_trl(size, prompts, args.n, steps, f"vs_trl_{size}_trl_{r}")
+            trl = run_trl(size, prompts, args.n, steps, f"vs_trl_{size}_{dtype}_trl_{r}", dtype)
             t_wall += trl["step_wall_s"][args.warmup:]
             t_cpu += trl["step_cpu_s"][args.warmup:]
             t_gen += trl["gen_score_wall_s"][args.warmup:]
@@ -126,12 +133,21 @@ def main() -> None:
         }
         summary["ratio_wall_hybridrl_over_trl"] = summary["hybridrl_step_wall_s"] / summary["trl_step_wall_s"]
         summary["ratio_cpu_hybridrl_over_trl"] = summary["hybridrl_step_cpu_s"] / summary["trl_step_cpu_s"]
-        results[size] = {"config": config, "summary": summary, "trl_versions": versions,
+        results[case] = {"config": config, "summary": summary, "trl_versions": versions,
                          "raw": {"hybridrl_wall": h_wall, "hybridrl_cpu": h_cpu, "trl_wall": t_wall, "trl_cpu": t_cpu,
                                  "hybridrl_last_reward": h_reward, "trl_last_reward": t_reward}}
-    print(f"{'median per step':<32}" + "".join(f"{s:>14}" for s in results))
-    for key in next(iter(results.values()))["summary"]:
-        print(f"{key:<32}" + "".join(f"{results[s]['summary'][key]:>14.3f}" for s in results))
+    # hybridrl in bf16 against TRL's faster setting at that size (TRL's CPU autocast can be slower than fp32)
+    for case, value in results.items():
+        size, dtype = case.split(":")
+        if dtype != "fp32" and f"{size}:fp32" in results:
+            best = min(results[f"{size}:fp32"]["summary"]["trl_step_wall_s"], value["summary"]["trl_step_wall_s"])
+            ratio = value["summary"]["hybridrl_step_wall_s"] / best
+            value["summary"]["ratio_wall_hybridrl_over_trl_fastest_dtype"] = ratio
+    keys = list(dict.fromkeys(k for v in results.values() for k in v["summary"]))
+    print(f"{'median per step':<44}" + "".join(f"{c:>12}" for c in results))
+    for key in keys:
+        cells = [results[c]["summary"].get(key) for c in results]
+        print(f"{key:<44}" + "".join(f"{v:>12.3f}" if v is not None else f"{'-':>12}" for v in cells))
     print(json.dumps({s: {"config": v["config"], "summary": v["summary"]} for s, v in results.items()}, indent=1))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"bench": "vs_trl", "cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
