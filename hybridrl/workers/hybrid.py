@@ -32,6 +32,7 @@ from hybridrl.config.plan import Plan
 from hybridrl.controller.base_worker import RankContext
 from hybridrl.data.batch import Batch
 from hybridrl.parallel.memory import memory_metrics
+from hybridrl.workers import faults
 from hybridrl.workers.ray_roles import ActorRolloutRefWorker
 
 # A fixed probe sequence (token ids < every supported vocab): scored after every sync by both sides.
@@ -127,6 +128,7 @@ class HybridEngineWorker(ActorRolloutRefWorker):
     # ------------------------------------------------------------------------------ generation
     def generate_sequences(self, prompts: Batch, sampling: Any) -> Batch | None:
         """`prompts` carries `raw_prompt_ids` (object array of token lists) and `uid` per prompt."""
+        faults.crash_point("generate")
         ids = [list(map(int, p)) for p in prompts["raw_prompt_ids"]]
         uids = list(prompts["uid"]) if "uid" in prompts else None
         self._record_memory("gen_before")
@@ -162,6 +164,7 @@ class HybridEngineWorker(ActorRolloutRefWorker):
         """Reshard the actor into vLLM, then prove it (checksums + log-prob probe)."""
         from hybridrl.engine.checksums import verify_checksums
 
+        faults.crash_point("sync")
         started = time.perf_counter()
         self._record_memory("sync_before")
         # GPU with sleep mode: weights back first (the update writes into them), the KV cache only

@@ -20,9 +20,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from hybridrl.config.plan import Plan
 from hybridrl.controller.base_worker import RankContext, Worker
 from hybridrl.data.batch import Batch
+from hybridrl.workers import faults
 
 
 class MegatronWorker(Worker):
@@ -92,6 +95,7 @@ class ActorRolloutRefWorker(MegatronWorker):
         self.rollout = rollout
 
     def compute_log_prob(self, batch: Batch, with_entropy: bool = False) -> Batch | None:
+        faults.crash_point("log_prob")
         return self._require(self.actor, "the actor").compute_log_prob(batch, with_entropy)
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch | None:
@@ -104,6 +108,9 @@ class ActorRolloutRefWorker(MegatronWorker):
 
     def update_actor(self, batch: Batch) -> Any:
         actor = self._require(self.actor, "the actor")
+        faults.crash_point("update")
+        if faults.triggered("nan_update"):
+            batch["advantages"] = torch.full_like(batch["advantages"], float("nan"))
         metrics = actor.update_policy(batch)
         actor.engine.offload_training_state()  # idle until the next update (no-op unless configured)
         return metrics
@@ -111,7 +118,9 @@ class ActorRolloutRefWorker(MegatronWorker):
     def save_checkpoint(self, path: str) -> str:
         from hybridrl.workers.checkpointing import save_role_checkpoint
 
-        return str(save_role_checkpoint(self._require(self.actor, "the actor").engine, Path(path) / "actor"))
+        saved = str(save_role_checkpoint(self._require(self.actor, "the actor").engine, Path(path) / "actor"))
+        faults.crash_point("checkpoint")  # files written, checkpoint not yet sealed by the trainer
+        return saved
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         from hybridrl.workers.checkpointing import load_role_checkpoint

