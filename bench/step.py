@@ -109,7 +109,10 @@ class TreeCPU:
         for proc in procs:
             try:
                 t = proc.cpu_times()
-                group = _group(proc, self.root.pid)  # re-read: a Ray worker is renamed when it becomes an actor
+                # re-read (a Ray worker is renamed when it becomes an actor), but once a worker, always a worker:
+                # vLLM retitles the process while it generates
+                known = self.seen.get(proc.pid, ("", 0.0))[0]
+                group = "workers" if known == "workers" else _group(proc, self.root.pid)
                 self.seen[proc.pid] = (group, max(t.user + t.system, self.seen.get(proc.pid, ("", 0.0))[1]))
             except psutil.Error:
                 pass
@@ -158,6 +161,7 @@ def run_hybridrl(size: str, prompts: int, n: int, steps: int, world: int, tag: s
             for key, value in cpu_marks[i].items():
                 # CPU of step i = CPU at its record minus CPU at the previous record (step 0 includes start-up)
                 rec[f"cpu_s/{key}"] = value - prev[key] if prev else math_nan()
+            rec["cpu_s/total"] = sum(cpu_marks[i].values()) - sum(prev.values()) if prev else math_nan()
     log(f"  {tag}: {len(records)} steps in {time.perf_counter() - started:.0f} s (log {log_path.relative_to(ROOT)})")
     return records
 
@@ -179,12 +183,10 @@ def summarize(records: list[dict], warmup: int) -> dict[str, float]:
         value = med(f"timing_s/{phase}")
         if value is not None:
             out[f"wall_s/{phase}"] = value
-    for group in ("controller", "workers", "ray_services"):
+    for group in ("controller", "workers", "ray_services", "total"):
         value = med(f"cpu_s/{group}")
         if value is not None:
             out[f"cpu_s/{group}"] = value
-    if "cpu_s/workers" in out:
-        out["cpu_s/total"] = sum(out.get(f"cpu_s/{g}", 0.0) for g in ("controller", "workers", "ray_services"))
     steps = [r["timing_s/step"] for r in kept]
     resp = [r.get("rollout/response_tokens", 0.0) for r in kept]
     total = [r.get("perf/total_num_tokens", 0.0) for r in kept]

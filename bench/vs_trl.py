@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -116,8 +117,7 @@ def main() -> None:
             kept = records[args.warmup:] or records[-1:]
             h_wall += [rec["timing_s/step"] for rec in kept]
             h_gen += [rec["timing_s/gen"] for rec in kept]
-            groups = ("controller", "workers", "ray_services")
-            h_cpu += [sum(rec.get(f"cpu_s/{g}", 0.0) for g in groups) for rec in kept]
+            h_cpu += [rec.get("cpu_s/total", float("nan")) for rec in kept]
             h_reward.append(records[-1].get("reward/score_mean"))
             trl = run_trl(size, prompts, args.n, steps, f"vs_trl_{size}_{dtype}_trl_{r}", dtype)
             t_wall += trl["step_wall_s"][args.warmup:]
@@ -127,7 +127,8 @@ def main() -> None:
             versions = trl["versions"]
         summary = {
             "hybridrl_step_wall_s": statistics.median(h_wall), "trl_step_wall_s": statistics.median(t_wall),
-            "hybridrl_step_cpu_s": statistics.median(h_cpu), "trl_step_cpu_s": statistics.median(t_cpu),
+            "hybridrl_step_cpu_s": statistics.median([v for v in h_cpu if v == v] or [math.nan]),
+             "trl_step_cpu_s": statistics.median(t_cpu),
             "hybridrl_gen_wall_s": statistics.median(h_gen), "trl_gen_and_score_wall_s": statistics.median(t_gen),
             "steps_measured_each": min(len(h_wall), len(t_wall)),
         }
