@@ -114,6 +114,8 @@ CASES = {
         ["algorithm.overlong_buffer.enable=true", "algorithm.overlong_buffer.len=2000"],
         "algorithm.overlong_buffer.len", "data.max_response_length=1024",
         ["algorithm.overlong_buffer.enable=true", "algorithm.overlong_buffer.len=256"]),
+    "no param offload for a trained role": ([f"{A}.megatron.param_offload=true"], f"{A}.megatron.param_offload",
+                                            "frozen roles", [f"{A}.megatron.optimizer_offload=true"]),
     "top_p in (0,1]": ([f"{R}.top_p=0"], f"{R}.top_p", "(0, 1]", [f"{R}.top_p=0.9"]),
     "gpu memory utilization": ([f"{R}.gpu_memory_utilization=1.5"], f"{R}.gpu_memory_utilization", "(0, 1]",
                                [f"{R}.gpu_memory_utilization=0.9"]),

@@ -280,6 +280,12 @@ def _check_layout(check: _Checker, prefix: str, mc: MegatronConfig, world: int, 
                             [1])
     if not ok:
         return 0
+    if trainable and mc.param_offload:
+        # A trained role updates its parameters every step; megatron's DDP buckets and (with the
+        # distributed optimizer) the fp32 master copies alias them, so they cannot leave the device.
+        check.fail(f"{prefix}.param_offload", True,
+                   "is supported for frozen roles (ref, reward model) only; for a trained role use "
+                   "optimizer_offload and grad_offload", [False])
     if mc.sequence_parallel and tp == 1:
         check.warnings.append(f"{prefix}.sequence_parallel=true has no effect with tensor_model_parallel_size=1")
     dp = 0
