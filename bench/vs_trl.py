@@ -128,7 +128,7 @@ def main() -> None:
         summary = {
             "hybridrl_step_wall_s": statistics.median(h_wall), "trl_step_wall_s": statistics.median(t_wall),
             "hybridrl_step_cpu_s": statistics.median([v for v in h_cpu if v == v] or [math.nan]),
-             "trl_step_cpu_s": statistics.median(t_cpu),
+            "trl_step_cpu_s": statistics.median(t_cpu),
             "hybridrl_gen_wall_s": statistics.median(h_gen), "trl_gen_and_score_wall_s": statistics.median(t_gen),
             "steps_measured_each": min(len(h_wall), len(t_wall)),
         }
