@@ -3,7 +3,7 @@
 #
 #   docker build -t hybridrl:gpu .
 #   docker run --gpus all --ipc=host --ulimit memlock=-1 --rm hybridrl:gpu doctor
-#   docker run --gpus all --ipc=host --ulimit memlock=-1 --rm -v "$PWD/runs:/work/runs" hybridrl:gpu \
+#   docker run --gpus all --ipc=host --ulimit memlock=-1 --rm -v "$PWD/runs:/opt/hybridrl/runs" hybridrl:gpu \
 #       train configs/examples/qwen2.5_7b_grpo_8gpu.yaml
 #
 # Why the installs are ordered as they are:
@@ -54,12 +54,13 @@ COPY bench ./bench
 RUN pip install --no-cache-dir --no-deps -e . \
     && hybridrl doctor --device cuda \
     && useradd --create-home --uid 10001 --user-group --shell /bin/bash hybridrl \
-    && mkdir -p /work/runs \
-    && chown -R 10001:10001 /work
+    && mkdir -p /opt/hybridrl/runs /opt/hybridrl/checkpoints \
+    && chown -R 10001:10001 /opt/hybridrl/runs /opt/hybridrl/checkpoints
 
 # numeric, so hosts and Kubernetes' runAsNonRoot can verify it without the image's /etc/passwd
 USER 10001:10001
-WORKDIR /work
+# configs/ and launch/ resolve relative to here; runs/ and checkpoints/ are the writable mounts
+WORKDIR /opt/hybridrl
 # The whole stack imports and its versions fit (a few seconds; torch's import dominates).
 HEALTHCHECK --interval=10m --timeout=120s --start-period=30s --retries=1 CMD ["hybridrl", "doctor"]
 ENTRYPOINT ["hybridrl"]
