@@ -205,6 +205,18 @@ def memory_gib(device: str) -> float:
     return cpu_memory_bytes()[1] / GIB
 
 
+def memory_metric_check(device: str) -> dict[str, Any]:
+    """The per-phase memory metric follows a 256 MiB allocation (CUDA allocator on GPU, RSS on CPU)."""
+    from hybridrl.parallel.memory import memory_metrics
+
+    key = "memory/check_allocated_gib"
+    before = memory_metrics("check", device)[key]
+    held = torch.ones(256 << 20, dtype=torch.uint8, device=device)  # ones: the pages are really touched
+    grown = memory_metrics("check", device)[key] - before
+    del held
+    return {"memory_metric_grew_gib": round(grown, 3), "memory_metric_ok": grown >= 0.2}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from hybridrl.parallel.device import default_dtype_for, layer_spec_kind, resolve_device
     from hybridrl.parallel.state import destroy_model_parallel, init_distributed, initialize_model_parallel
@@ -222,6 +234,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if device == "cuda":
         result["gpu"] = torch.cuda.get_device_name()
     result["matmul_tflops"] = matmul_tflops(device, dtype, args.matmul_size)
+    result.update(memory_metric_check(device))
     try:
         for index, (name, config) in enumerate(model_configs(args.tiny).items()):
             started = time.perf_counter()

@@ -29,6 +29,7 @@ def _run_tiny(tmp_path: Path, *extra: str, timeout: int) -> dict:
 def test_tiny_cpu_run_measures_every_part(tmp_path):
     data = _run_tiny(tmp_path, "--skip-vllm", "--port", "29611", timeout=90)
     assert data["device"] == "cpu" and data["layer_spec"] == "local"
+    assert data["memory_metric_ok"] and data["memory_metric_grew_gib"] >= 0.2  # the per-phase metric follows RSS
     row = data["models"]["tiny-qwen2"]
     assert row["train_tokens_per_s"] > 0 and row["logprob_tokens_per_s"] > 0 and 0 < row["mfu"] < 1
     assert row["reshard_shard_devices"] == "cpu" and row["reshard_buckets"] >= 1

@@ -99,6 +99,10 @@ def _pipeline_forward_only(
     from hybridrl.parallel.state import initialize_model_parallel
 
     initialize_model_parallel(pp=2, vpp=vpp, seed=SEED)
+    if p2p_sync:  # without the layer's cuda_synchronize patch, as on CPU before it existed
+        from hybridrl.parallel.cpu_layer import remove_cpu_layer
+
+        remove_cpu_layer(["cuda_synchronize"])
     stages = range(vpp) if vpp else [None]
     chunks = [H.tiny_gpt(vp_stage=s, batch_p2p_sync=p2p_sync) for s in stages]
     for chunk in chunks:
@@ -122,7 +126,8 @@ def test_pipeline_forward_only_matches_single_rank(reference, vpp):
 
 def test_pipeline_needs_batch_p2p_sync_off_on_cpu(reference):
     # p2p communication calls torch.cuda.synchronize() after batched send/recv when batch_p2p_sync
-    # is on: the reason CPU_CONFIG_OVERRIDES turns it off.
+    # is on: the reason CPU_CONFIG_OVERRIDES turns it off (and, since the pipeline's shape exchange
+    # calls it too, the reason for the layer's cuda_synchronize patch, taken out here).
     with pytest.raises(RankError, match="CUDA"):
         run_ranks(_pipeline_forward_only, 2, reference["full"], None, True, timeout_s=120)
 

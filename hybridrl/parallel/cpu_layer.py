@@ -404,9 +404,16 @@ def apply_cpu_layer(skip: Iterable[str] = ()) -> list[str]:
     return active_patches()
 
 
-def remove_cpu_layer() -> None:
-    """Undo every active patch, in reverse order (tests; a training process keeps the layer)."""
+def remove_cpu_layer(names: Iterable[str] | None = None) -> None:
+    """Undo the named active patches (default: all), in reverse order (tests; a training process
+    keeps the layer)."""
+    chosen = set(PATCHES if names is None else names)
+    unknown = chosen - set(PATCHES)
+    if unknown:
+        raise ValueError(f"unknown CPU-layer patches {sorted(unknown)}; known: {list(PATCHES)}")
     for name in reversed(PATCHES):
+        if name not in chosen:
+            continue
         patch = _state.patches.get(name)
         if patch is not None and patch.active:
             patch.revert()
