@@ -69,18 +69,29 @@ def test_offload_trains_identically(tmp_path, distributed):
 
 
 def _param_offload_rank(rank: int, world: int, config: Any) -> str:
+    """The worker's own guard, for a spec that did not come through the plan's validation."""
+    from dataclasses import replace
+
     from hybridrl.config.plan import build_plan
     from hybridrl.workers.megatron_role import MegatronRole, role_spec
 
+    spec = role_spec(build_plan(config), "actor")
+    spec = replace(spec, megatron=replace(spec.megatron, param_offload=True))
     try:
-        MegatronRole(role_spec(build_plan(config), "actor"))
+        MegatronRole(spec)
     except ValueError as exc:
         return str(exc)
     return "built"
 
 
 def test_param_offload_of_the_trained_actor_is_refused(tmp_path):
+    from hybridrl.config import ConfigError
+    from hybridrl.config.plan import build_plan
+
     config = job_config(policy_model(tmp_path / "hf"), world=1)
-    config.actor_rollout_ref.actor.megatron.param_offload = True
     (message,) = run_ranks(_param_offload_rank, 1, config)
     assert "param_offload is supported for frozen roles" in message and "optimizer_offload" in message
+    config.actor_rollout_ref.actor.megatron.param_offload = True
+    with pytest.raises(ConfigError) as info:  # the plan refuses it before any process starts
+        build_plan(config)
+    assert any(i.field == "actor_rollout_ref.actor.megatron.param_offload" for i in info.value.issues)
