@@ -23,11 +23,10 @@ single-rank run in tests/test_workers_actor.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
-from hybridrl.algorithms.aggregation import LossNormalizers, aggregate_loss, global_loss_normalizers
+from hybridrl.algorithms.aggregation import LossNormalizers, aggregate_loss
 from hybridrl.algorithms.kl import kl_penalty
 from hybridrl.algorithms.losses import ppo_policy_loss
 from hybridrl.algorithms.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_prob
@@ -35,8 +34,9 @@ from hybridrl.config.plan import Plan
 from hybridrl.data.batch import Batch
 from hybridrl.models.bridge import mask_vocab_padding
 from hybridrl.workers.megatron_role import MegatronRole
-from hybridrl.workers.metrics import StepMetrics, average_steps
+from hybridrl.workers.metrics import average_steps
 from hybridrl.workers.micro_batching import partition_rows, restore_order
+from hybridrl.workers.mini_batch import train_mini_batch
 from hybridrl.workers.sequences import ModelInputs, micro_batch_inputs, take_predictions
 
 
@@ -139,7 +139,7 @@ class MegatronActor:
 
     # -------------------------------------------------------------------------------- update
     def update_policy(self, batch: Batch) -> PolicyUpdateMetrics | None:
-        engine, ctx = self.engine, self.engine.ctx
+        engine = self.engine
         update = self.plan.update("actor")
         per_mini = update.sequences_per_rank_per_mini_batch
         rows = len(batch)
@@ -152,22 +152,10 @@ class MegatronActor:
         for epoch in range(update.ppo_epochs):
             order = self._row_order(rows, epoch)
             for start in range(0, rows, per_mini):
-                mini_rows = order[start:start + per_mini]
-                mini_mask = batch.tensors["attention_mask"].index_select(0, torch.tensor(mini_rows))
-                partition = partition_rows(mini_mask, update.micro_batch_size, dynamic=self.dynamic,
-                                           max_tokens=self.max_tokens, dp_group=ctx.dp_group)
-                micros = [micro_batch_inputs(batch.tensors, [mini_rows[r] for r in part], extra_keys=extra_keys,
-                                             pad_multiple=engine.pad_multiple) for part in partition]
-                normalizers = global_loss_normalizers([m.response_mask for m in micros], ctx.dp_group)
-                loss_fn = partial(self._policy_loss, normalizers=normalizers, scale=len(micros) * ctx.dp)
-                result = engine.train_step(micros, loss_fn)
-                step = {"grad_norm": result.grad_norm, "lr": result.lr}
-                skipped += not result.applied
-                if ctx.is_last_pp_stage:
-                    sums = StepMetrics()
-                    for metrics in result.micro_metrics:
-                        sums.add_micro(metrics)
-                    step.update(sums.reduce_over(ctx.dp_group))
+                step, applied = train_mini_batch(
+                    engine, batch, order[start:start + per_mini], update.micro_batch_size, self._policy_loss,
+                    extra_keys=extra_keys, dynamic=self.dynamic, max_tokens=self.max_tokens)
+                skipped += not applied
                 steps.append(step)
         if not engine.is_output_rank:
             return None

@@ -14,17 +14,17 @@ loss scaled by `num_microbatches * dp_size` for megatron's schedule and DDP.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
-from hybridrl.algorithms.aggregation import LossNormalizers, global_loss_normalizers
+from hybridrl.algorithms.aggregation import LossNormalizers
 from hybridrl.algorithms.losses import value_loss
 from hybridrl.config.plan import Plan
 from hybridrl.data.batch import Batch
 from hybridrl.workers.megatron_role import MegatronRole
-from hybridrl.workers.metrics import StepMetrics, average_steps
+from hybridrl.workers.metrics import average_steps
 from hybridrl.workers.micro_batching import partition_rows, restore_order
+from hybridrl.workers.mini_batch import train_mini_batch
 from hybridrl.workers.sequences import ModelInputs, micro_batch_inputs, take_predictions
 
 
@@ -78,7 +78,7 @@ class MegatronCritic:
         return Batch({"values": values})
 
     def update_critic(self, batch: Batch) -> CriticUpdateMetrics | None:
-        engine, ctx = self.engine, self.engine.ctx
+        engine = self.engine
         update = self.plan.update("critic")
         per_mini = update.sequences_per_rank_per_mini_batch
         rows = len(batch)
@@ -88,23 +88,10 @@ class MegatronCritic:
         skipped = 0
         for _epoch in range(update.ppo_epochs):
             for start in range(0, rows, per_mini):
-                mini_rows = list(range(start, start + per_mini))
-                mini_mask = batch.tensors["attention_mask"][start:start + per_mini]
-                partition = partition_rows(mini_mask, update.micro_batch_size, dynamic=self.dynamic,
-                                           max_tokens=self.max_tokens, dp_group=ctx.dp_group)
-                micros = [micro_batch_inputs(batch.tensors, [mini_rows[r] for r in part],
-                                             extra_keys=("values", "returns"), pad_multiple=engine.pad_multiple)
-                          for part in partition]
-                normalizers = global_loss_normalizers([m.response_mask for m in micros], ctx.dp_group)
-                result = engine.train_step(
-                    micros, partial(self._value_loss, normalizers=normalizers, scale=len(micros) * ctx.dp))
-                step = {"grad_norm": result.grad_norm, "lr": result.lr}
-                skipped += not result.applied
-                if ctx.is_last_pp_stage:
-                    sums = StepMetrics()
-                    for metrics in result.micro_metrics:
-                        sums.add_micro(metrics)
-                    step.update(sums.reduce_over(ctx.dp_group))
+                step, applied = train_mini_batch(
+                    engine, batch, range(start, start + per_mini), update.micro_batch_size, self._value_loss,
+                    extra_keys=("values", "returns"), dynamic=self.dynamic, max_tokens=self.max_tokens)
+                skipped += not applied
                 steps.append(step)
         if not engine.is_output_rank:
             return None

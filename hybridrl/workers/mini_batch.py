@@ -1,0 +1,48 @@
+"""One optimizer step over a mini-batch of this rank's rows — shared by every trained role.
+
+Cut the mini-batch into micro-batches (fixed size, or by token budget with the count agreed over
+DP), count the loss normalizers over all micro-batches of all DP ranks (so the loss does not depend
+on the cut, see `hybridrl.algorithms.aggregation`), run megatron's schedule with the loss scaled by
+`num_microbatches * dp_size` (undoing the schedule's and DDP's averaging), and reduce the
+micro-batch metrics over DP on the last pipeline stage.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import torch
+
+from hybridrl.algorithms.aggregation import global_loss_normalizers
+from hybridrl.data.batch import Batch
+from hybridrl.workers.megatron_role import MegatronRole
+from hybridrl.workers.metrics import StepMetrics
+from hybridrl.workers.micro_batching import partition_rows
+from hybridrl.workers.sequences import micro_batch_inputs
+
+
+def train_mini_batch(
+    engine: MegatronRole, batch: Batch, mini_rows: Sequence[int], micro_batch_size: int, loss: Callable[..., Any],
+    *, extra_keys: tuple[str, ...], dynamic: bool, max_tokens: int,
+) -> tuple[dict[str, float], bool]:
+    """`loss(micro, output, *, normalizers, scale)` as the roles define it.
+
+    Returns the step's metrics and whether the optimizer applied it (False: a non-finite step skipped).
+    """
+    ctx = engine.ctx
+    mini_rows = list(mini_rows)
+    mini_mask = batch.tensors["attention_mask"].index_select(0, torch.tensor(mini_rows))
+    partition = partition_rows(mini_mask, micro_batch_size, dynamic=dynamic, max_tokens=max_tokens,
+                               dp_group=ctx.dp_group)
+    micros = [micro_batch_inputs(batch.tensors, [mini_rows[r] for r in part], extra_keys=extra_keys,
+                                 pad_multiple=engine.pad_multiple) for part in partition]
+    normalizers = global_loss_normalizers([m.response_mask for m in micros], ctx.dp_group)
+    result = engine.train_step(micros, partial(loss, normalizers=normalizers, scale=len(micros) * ctx.dp))
+    step = {"grad_norm": result.grad_norm, "lr": result.lr}
+    if ctx.is_last_pp_stage:
+        sums = StepMetrics()
+        for metrics in result.micro_metrics:
+            sums.add_micro(metrics)
+        step.update(sums.reduce_over(ctx.dp_group))
+    return step, result.applied
