@@ -197,3 +197,16 @@ def test_base_config_is_generated_from_the_schema():
     assert (ROOT / "configs/base.yaml").read_text() == render_base_yaml()
     cfg = load_config(ROOT / "configs/base.yaml")
     assert cfg == load_config(None)
+
+
+@pytest.mark.parametrize("overrides, runs_pass", [
+    ([], False),  # one mini-batch, one epoch: the update's forward is the old policy
+    (["actor_rollout_ref.actor.ppo_mini_batch_size=20"], True),  # 3 optimizer steps: the 2nd and 3rd are off-policy
+    (["actor_rollout_ref.actor.ppo_epochs=2"], True),
+    (["algorithm.use_kl_in_reward=true"], True),  # the reward needs old log-probs before the update
+    (["actor_rollout_ref.actor.old_log_prob=recompute"], True),
+])
+def test_old_log_prob_pass_runs_only_when_the_update_is_off_policy(overrides, runs_pass):
+    plan = build_plan(load_config(SEED, overrides))
+    assert plan.resolved.old_log_prob_pass is runs_pass
+    assert Plan.from_dict(json.loads(plan.to_json())).resolved.old_log_prob_pass is runs_pass

@@ -87,6 +87,8 @@ CASES = {
     "lam in [0,1]": (["algorithm.lam=-0.1"], "algorithm.lam", "[0, 1]", ["algorithm.lam=0.95"]),
     "unknown estimator": (["algorithm.adv_estimator=grop"], "algorithm.adv_estimator", "did you mean 'grpo'",
                           ["algorithm.adv_estimator=rloo"]),
+    "unknown old log-prob mode": ([f"{A}.old_log_prob=always"], f"{A}.old_log_prob", "valid: auto, recompute",
+                                  [f"{A}.old_log_prob=recompute"]),
     "unknown loss agg mode": ([f"{A}.loss_agg_mode=token_mean"], f"{A}.loss_agg_mode", "did you mean 'token-mean'",
                               [f"{A}.loss_agg_mode=seq-mean-token-sum-norm"]),
     "unknown kl type": ([f"{A}.kl_loss_type=k5"], f"{A}.kl_loss_type", "KL estimator", [f"{A}.kl_loss_type=k3"]),

@@ -54,6 +54,8 @@ def test_killed_worker_stops_the_run(demo_assets, tmp_path, spec, phase, resume)
     run = tmp_path / "run"
     mark = tmp_path / "fault_time"
     common = ["trainer.total_training_steps=2", "trainer.save_freq=1"]
+    if phase == "old_log_prob":  # the demo's on-policy step skips the pass unless asked to run it
+        common.append("actor_rollout_ref.actor.old_log_prob=recompute")
     result, ended = _train_with(_overrides(demo_assets, run, *common),
                                 {faults.ENV: spec, faults.ENV + "_MARK": str(mark)})
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-4000:]

@@ -241,3 +241,71 @@ def test_activation_recomputation_gives_the_same_update(tmp_path):
         runs.append(next(r for r in results if r["metrics"] is not None))
     assert runs[0]["metrics"].pg_loss == pytest.approx(runs[1]["metrics"].pg_loss, abs=1e-6)
     assert runs[0]["metrics"].grad_norm == pytest.approx(runs[1]["metrics"].grad_norm, abs=1e-6)
+
+
+
+def _on_policy_rank(rank: int, world: int, config: Any, batch: Any, recompute: bool) -> Any:
+    from hybridrl.config.plan import build_plan
+    from hybridrl.workers.actor import MegatronActor
+    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+
+    plan = build_plan(config)
+    engine = MegatronRole(role_spec(plan, "actor"))
+    actor = MegatronActor(engine, plan)
+    chunk = batch.split(engine.ctx.dp)[engine.ctx.dp_rank]
+    if recompute:  # DP only: every rank is an output rank of its own replica
+        chunk["old_log_probs"] = actor.compute_log_prob(chunk)["old_log_probs"]
+    metrics = actor.update_policy(chunk)
+    weights = {f"{i}.{n}": p.detach().clone() for i, c in enumerate(engine.chunks) for n, p in c.named_parameters()}
+    return {"metrics": metrics, "weights": weights, "skips_pass": not plan.resolved.old_log_prob_pass}
+
+
+def test_on_policy_update_without_old_log_prob_pass_equals_recomputed(tmp_path):
+    """actor.old_log_prob=auto: the update's own forward stands in for the skipped pass exactly.
+
+    Reference: the same step with `old_log_probs` from the separate forward pass. The rollout-gap
+    metric is checked against a planted gap: rollout log-probs = transformers' log-probs, except one
+    token (on DP rank 1's rows) moved by 0.25, so the max over DP ranks must be 0.25.
+    """
+    hf = policy_model(tmp_path / "hf")
+    batch = rollout_batch(8, seed=7)
+    del batch.tensors["old_log_probs"]
+    ref_lp, _ = hf_response_log_probs(hf, batch)
+    rollout_lp = ref_lp.clone()
+    rollout_lp[6, 0] += 0.25
+    batch["rollout_log_probs"] = rollout_lp * batch["response_mask"]
+    config = job_config(hf, world=2, entropy_coeff=0.01)
+    runs = {}
+    for recompute in (False, True):
+        results = run_ranks(_on_policy_rank, 2, config, batch.select(list(batch.tensors)), recompute)
+        assert all(r["skips_pass"] for r in results)
+        runs[recompute] = results[0]
+    skipped, full = runs[False]["metrics"], runs[True]["metrics"]
+    assert skipped.clipfrac == 0.0 and abs(skipped.approx_kl) < 1e-12  # the ratio is exactly 1
+    for name in ("pg_loss", "grad_norm", "entropy", "clipfrac", "approx_kl"):
+        assert abs(getattr(skipped, name) - getattr(full, name)) < 1e-6, name
+    assert abs(skipped.rollout_log_prob_abs_diff_max - 0.25) < 1e-5
+    assert skipped.as_dict()["rollout/log_prob_abs_diff_max"] == skipped.rollout_log_prob_abs_diff_max
+    assert skipped.grad_norm > 1e-3
+    for name, value in runs[True]["weights"].items():
+        assert (runs[False]["weights"][name] - value).abs().max() < 1e-6, name
+
+
+def _off_policy_without_old_rank(rank: int, world: int, config: Any, batch: Any) -> str:
+    from hybridrl.config.plan import build_plan
+    from hybridrl.workers.actor import MegatronActor
+    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+
+    plan = build_plan(config)
+    actor = MegatronActor(MegatronRole(role_spec(plan, "actor")), plan)
+    with pytest.raises(ValueError, match="needs `old_log_probs`") as err:
+        actor.update_policy(batch)
+    return str(err.value)
+
+
+def test_update_without_old_log_probs_is_refused_when_off_policy(tmp_path):
+    hf = policy_model(tmp_path / "hf")
+    batch = rollout_batch(8, seed=7)
+    del batch.tensors["old_log_probs"]
+    config = job_config(hf, world=1, ppo_epochs=2)
+    assert "optimizer step" in run_ranks(_off_policy_without_old_rank, 1, config, batch)[0]

@@ -111,3 +111,10 @@ def test_step_metrics_sum_totals_and_weight_means():
     sums.add_micro({"weight": torch.tensor(1.0), "total/loss": torch.tensor(0.25), "mean/clipfrac": torch.tensor(0.0)})
     assert sums.reduce_over(None) == {"loss": 0.75, "clipfrac": 0.75}
     assert average_steps([{"a": 1.0, "b": 2.0}, {"a": 3.0}]) == {"a": 2.0, "b": 2.0}
+
+
+def test_step_metrics_take_the_max_of_max_metrics():
+    sums = StepMetrics()
+    for gap in (0.5, 2.0, 1.0):
+        sums.add_micro({"weight": torch.tensor(1.0), "max/gap": torch.tensor(gap)})
+    assert sums.reduce_over(None) == {"gap": 2.0}

@@ -90,6 +90,9 @@ class Resolved:
     ref_enabled: bool
     critic_mini_batch_size: int
     critic_ppo_epochs: int
+    # False: the actor's update is one optimizer step on freshly generated data, so "old" log-probs
+    # are the update's own forward (detached) and the separate pass is skipped (actor.old_log_prob=auto)
+    old_log_prob_pass: bool = True
 
 
 @dataclass(frozen=True)
@@ -239,6 +242,9 @@ def _resolve(config: JobConfig) -> Resolved:
         else config.algorithm.adv_estimator in CRITIC_ADV_ESTIMATORS
     )
     response = rollout.response_length if rollout.response_length is not None else config.data.max_response_length
+    mini = actor.ppo_mini_batch_size
+    actor_steps = (config.data.train_batch_size // mini if isinstance(mini, int) and mini > 0 else 0) * actor.ppo_epochs
+    on_policy_update = actor_steps == 1 and not config.algorithm.use_kl_in_reward
     return Resolved(
         world_size=(trainer.nnodes or 0) * (trainer.n_gpus_per_node or 0),
         device=device,
@@ -252,6 +258,7 @@ def _resolve(config: JobConfig) -> Resolved:
         ref_enabled=actor.use_kl_loss or config.algorithm.use_kl_in_reward,
         critic_mini_batch_size=config.critic.ppo_mini_batch_size or actor.ppo_mini_batch_size,
         critic_ppo_epochs=config.critic.ppo_epochs or actor.ppo_epochs,
+        old_log_prob_pass=actor.old_log_prob != "auto" or not on_policy_update,
     )
 
 

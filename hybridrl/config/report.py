@@ -74,6 +74,10 @@ def render_plan(plan: Plan) -> str:
              up.optimizer_steps_per_step],
         ]
     for fw in plan.forwards:
+        if fw.pass_name == "old_log_prob" and not plan.resolved.old_log_prob_pass:
+            rows.append([f"{fw.role}: {fw.pass_name} pass", "1 optimizer step on fresh data: the update's forward",
+                         "skipped"])
+            continue
         rows.append([f"{fw.role}: {fw.pass_name} micro-batches per GPU",
                      f"{fw.sequences_per_rank} seqs ÷ micro {fw.micro_batch_size}", fw.micro_batches_per_rank])
     out.append(table(["quantity", "from", "value"], rows))

@@ -85,6 +85,10 @@ class ActorConfig:
     use_dynamic_bsz: bool = doc(False, "form micro-batches by token count instead of sequence count")
     ppo_max_token_len_per_gpu: int = doc(16384, "token budget per micro-batch when use_dynamic_bsz")
     ppo_epochs: int = doc(1, "passes over each step's data")
+    old_log_prob: str = doc("auto", "old log-prob pass: auto = skip it when the step's update is one "
+                            "optimizer step on data the current weights generated (the ratio is then "
+                            "exactly 1 and the update's own forward gives the same log-probs); "
+                            "recompute = always run it")
     shuffle: bool = doc(False, "shuffle sequences between PPO epochs")
     clip_ratio: float = doc(0.2, "PPO clip epsilon (default for clip_ratio_low/high)")
     clip_ratio_low: float | None = doc(None, "lower clip epsilon; None = clip_ratio")

@@ -36,6 +36,7 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine")
 OPTIMIZERS = ("adam", "sgd")
 TRUNCATIONS = ("error", "left", "right")
 MALFORMED_MODES = ("error", "skip")
+OLD_LOG_PROB_MODES = ("auto", "recompute")
 RESUME_MODES = ("auto", "disable")
 
 
@@ -174,6 +175,8 @@ def _check_names(check: _Checker, config: JobConfig) -> None:
     check.one_of("actor_rollout_ref.actor.strategy", arr.actor.strategy, STRATEGIES, "training strategy")
     check.one_of("data.truncation", config.data.truncation, TRUNCATIONS, "truncation mode")
     check.one_of("data.on_malformed", config.data.on_malformed, MALFORMED_MODES, "malformed-row policy")
+    check.one_of("actor_rollout_ref.actor.old_log_prob", arr.actor.old_log_prob, OLD_LOG_PROB_MODES,
+                 "old log-prob mode")
     for prefix, optim in (("actor_rollout_ref.actor.optim", arr.actor.optim), ("critic.optim", config.critic.optim)):
         check.one_of(f"{prefix}.lr_decay_style", optim.lr_decay_style, LR_DECAY_STYLES, "LR schedule")
         check.one_of(f"{prefix}.optimizer", optim.optimizer, OPTIMIZERS, "optimizer")

@@ -281,14 +281,15 @@ class Trainer:
             self.phase = "release_rollout_memory"
             self.actor_group.call_all("release_rollout_memory")
         batch.meta["temperature"] = cfg.actor_rollout_ref.rollout.temperature
-        with self._phase(timer, "old_log_prob"):
-            old = self.actor_group.call_by_dp("compute_log_prob", batch, with_entropy=True)
-            batch["old_log_probs"] = old["old_log_probs"]
-            mask = batch["response_mask"].float()
-            metrics["actor/entropy"] = float(masked_mean(old["entropys"], mask))
-            # how far the rollout's own log-probs are from the trainer's: a numerics/sync health check
-            metrics["rollout/log_prob_abs_diff_max"] = float(
-                ((old["old_log_probs"] - batch["rollout_log_probs"]).abs() * mask).max())
+        if plan.resolved.old_log_prob_pass:  # else the update's forward is the old policy (on-policy)
+            with self._phase(timer, "old_log_prob"):
+                old = self.actor_group.call_by_dp("compute_log_prob", batch, with_entropy=True)
+                batch["old_log_probs"] = old["old_log_probs"]
+                mask = batch["response_mask"].float()
+                metrics["actor/entropy"] = float(masked_mean(old["entropys"], mask))
+                # how far the rollout's own log-probs are from the trainer's: a numerics/sync health check
+                metrics["rollout/log_prob_abs_diff_max"] = float(
+                    ((old["old_log_probs"] - batch["rollout_log_probs"]).abs() * mask).max())
         if plan.resolved.ref_enabled:
             with self._phase(timer, "ref"):
                 batch["ref_log_probs"] = self.actor_group.call_by_dp("compute_ref_log_prob", batch)["ref_log_probs"]

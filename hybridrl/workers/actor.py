@@ -77,11 +77,16 @@ class PolicyUpdateMetrics:
     optimizer_steps: int
     per_step: tuple[dict[str, float], ...] = field(default=())
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
+    # max |megatron - rollout| log-prob over the first step's response tokens (None: no rollout log-probs)
+    rollout_log_prob_abs_diff_max: float | None = None
 
     def as_dict(self, prefix: str = "actor/") -> dict[str, float]:
         names = ("pg_loss", "clipfrac", "clipfrac_lower", "approx_kl", "entropy", "kl_loss", "grad_norm", "lr",
                  "skipped_steps")
-        return {prefix + n: getattr(self, n) for n in names}
+        out = {prefix + n: getattr(self, n) for n in names}
+        if self.rollout_log_prob_abs_diff_max is not None:
+            out["rollout/log_prob_abs_diff_max"] = self.rollout_log_prob_abs_diff_max
+        return out
 
 
 def response_logits(engine: MegatronRole, micro: ModelInputs, logits: torch.Tensor,
@@ -146,7 +151,11 @@ class MegatronActor:
         if rows % per_mini:
             raise ValueError(f"{rows} rows on this rank do not split into mini-batches of {per_mini} "
                              f"(ppo_mini_batch_size x rollout.n / dp)")
-        extra_keys = ("old_log_probs", "advantages") + (("ref_log_probs",) if self.loss.use_kl_loss else ())
+        if "old_log_probs" not in batch.tensors and self.plan.resolved.old_log_prob_pass:
+            raise ValueError("update_policy needs `old_log_probs`: this plan runs more than one optimizer step per "
+                             "batch (or KL in the reward), so the update's own forward is not the old policy")
+        optional = ("old_log_probs", "rollout_log_probs") + (("ref_log_probs",) if self.loss.use_kl_loss else ())
+        extra_keys = ("advantages",) + tuple(k for k in optional if k in batch.tensors)
         steps: list[dict[str, float]] = []
         skipped = 0
         for epoch in range(update.ppo_epochs):
@@ -165,6 +174,8 @@ class MegatronActor:
             approx_kl=mean["approx_kl"], entropy=mean["entropy"], kl_loss=mean.get("kl_loss", 0.0),
             grad_norm=mean["grad_norm"], lr=mean["lr"], optimizer_steps=len(steps), per_step=tuple(steps),
             skipped_steps=skipped,
+            # the first step's forward saw the weights that generated the batch
+            rollout_log_prob_abs_diff_max=steps[0].get("rollout_log_prob_abs_diff"),
         )
 
     def _row_order(self, rows: int, epoch: int) -> list[int]:
@@ -181,8 +192,12 @@ class MegatronActor:
         log_prob = vocab_parallel_log_prob(shard, micro.responses, ctx.tp_group)
         mask = micro.response_mask.to(log_prob.dtype)
         norm = dict(normalizers.as_kwargs(), norm_length=cfg.norm_length)
+        # Without an old-log-prob pass the update is on-policy (one optimizer step on fresh data): the
+        # old policy is this very forward, detached, and the ratio is exactly 1.
+        old_log_prob = micro.extras.get("old_log_probs")
+        old_log_prob = log_prob.detach() if old_log_prob is None else old_log_prob.to(log_prob.dtype)
         pg_loss, pg_metrics = ppo_policy_loss(
-            log_prob, micro.extras["old_log_probs"].to(log_prob.dtype), micro.extras["advantages"].to(log_prob.dtype),
+            log_prob, old_log_prob, micro.extras["advantages"].to(log_prob.dtype),
             mask, cfg.clip_low, cfg.clip_high, cfg.dual_clip, cfg.agg, **norm,
         )
         loss = pg_loss
@@ -201,6 +216,9 @@ class MegatronActor:
             "mean/approx_kl": pg_metrics["approx_kl"],
             "mean/entropy": (entropy.detach() * mask).sum() / tokens.clamp(min=1),
         }
+        if "rollout_log_probs" in micro.extras:  # the rollout engine's numerics vs megatron's, per step
+            gap = (log_prob.detach() - micro.extras["rollout_log_probs"].to(log_prob.dtype)).abs() * mask
+            metrics["max/rollout_log_prob_abs_diff"] = gap.max() if gap.numel() else torch.zeros(())
         if cfg.use_kl_loss:
             kl = kl_penalty(log_prob, micro.extras["ref_log_probs"].to(log_prob.dtype), cfg.kl_type)
             kl_loss = aggregate_loss(kl, mask, cfg.agg, **norm)
