@@ -67,11 +67,8 @@ def ppo_policy_loss(
     else:
         dual_clipped = torch.zeros_like(ratio_clipped)
 
-    loss = aggregate_loss(
-        token_loss, response_mask, agg,
-        global_tokens=global_tokens, global_seqs=global_seqs, norm_length=norm_length,
-        seq_token_counts=seq_token_counts,
-    )
+    loss = aggregate_loss(token_loss, response_mask, agg, global_tokens=global_tokens, global_seqs=global_seqs,
+                          norm_length=norm_length, seq_token_counts=seq_token_counts)
     with torch.no_grad():
         valid = response_mask != 0
         metrics = {
@@ -116,11 +113,8 @@ def value_loss(
         token_loss = 0.5 * torch.maximum(unclipped, clipped)
         clipped_wins = clipped > unclipped
 
-    loss = aggregate_loss(
-        token_loss, response_mask, agg,
-        global_tokens=global_tokens, global_seqs=global_seqs, norm_length=norm_length,
-        seq_token_counts=seq_token_counts,
-    )
+    loss = aggregate_loss(token_loss, response_mask, agg, global_tokens=global_tokens, global_seqs=global_seqs,
+                          norm_length=norm_length, seq_token_counts=seq_token_counts)
     with torch.no_grad():
         valid = response_mask != 0
         metrics = {

@@ -122,58 +122,35 @@ def build_reshard_groups(mesh: TrainingMesh, infer_tp: int) -> ReshardGroups:
     world = mesh.world_size
     if infer_tp <= 0 or world % infer_tp:
         raise ValueError(f"inference TP {infer_tp} does not divide the world size {world}")
-    gen_index = [0] * world
-    replicas: list[tuple[int, ...]] = []
-    micro_groups: list[tuple[int, ...]] = []
     if mesh.tp % infer_tp == 0 and mesh.tp > 1:
         stride = mesh.tp // infer_tp
-        for tp_group in mesh.tp_groups:
-            for c in range(stride):
-                replica = tuple(tp_group[j * stride + c] for j in range(infer_tp))
-                replicas.append(replica)
-                for j, rank in enumerate(replica):
-                    gen_index[rank] = j
-        for dp, cp in product(range(mesh.dp), range(mesh.cp)):
-            for j in range(infer_tp):
-                group = tuple(
-                    sorted(
-                        mesh.rank_of(tp=j * stride + c, cp=cp, dp=dp, pp=pp)
-                        for pp in range(mesh.pp)
-                        for c in range(stride)
-                    )
-                )
-                micro_groups.append(group)
-        strategy = "strided"
-        micro_dp = stride * mesh.pp
-    elif infer_tp % mesh.tp == 0:
-        split = infer_tp // mesh.tp
-        by_tp_rank = [[r for r in range(world) if mesh.coord(r).tp == t] for t in range(mesh.tp)]
-        for k in range(world // infer_tp):
-            replica = tuple(by_tp_rank[t][k * split + i] for t in range(mesh.tp) for i in range(split))
-            replicas.append(replica)
-            for j, rank in enumerate(replica):
-                gen_index[rank] = j
-        for dp, cp in product(range(mesh.dp), range(mesh.cp)):
-            for tp in range(mesh.tp):
-                micro_groups.append(
-                    tuple(sorted(mesh.rank_of(tp=tp, cp=cp, dp=dp, pp=pp) for pp in range(mesh.pp)))
-                )
-        strategy = "split"
-        micro_dp = mesh.pp
+        replicas = [tuple(tp_group[j * stride + c] for j in range(infer_tp))
+                    for tp_group in mesh.tp_groups for c in range(stride)]
+        micro_groups = [
+            tuple(sorted(mesh.rank_of(tp=j * stride + c, cp=cp, dp=dp, pp=pp)
+                         for pp in range(mesh.pp) for c in range(stride)))
+            for dp, cp in product(range(mesh.dp), range(mesh.cp)) for j in range(infer_tp)
+        ]
+        strategy, micro_dp = "strided", stride * mesh.pp
     else:
-        for start in range(0, world, infer_tp):
-            replica = tuple(range(start, start + infer_tp))
-            replicas.append(replica)
-            for j, rank in enumerate(replica):
-                gen_index[rank] = j
-        # Each rank holds its stage's layers; the other stages' layers come from their owners.
-        for dp, cp in product(range(mesh.dp), range(mesh.cp)):
-            for tp in range(mesh.tp):
-                micro_groups.append(
-                    tuple(sorted(mesh.rank_of(tp=tp, cp=cp, dp=dp, pp=pp) for pp in range(mesh.pp)))
-                )
-        strategy = "consecutive"
+        if infer_tp % mesh.tp == 0:
+            split = infer_tp // mesh.tp
+            by_tp_rank = [[r for r in range(world) if mesh.coord(r).tp == t] for t in range(mesh.tp)]
+            replicas = [tuple(by_tp_rank[t][k * split + i] for t in range(mesh.tp) for i in range(split))
+                        for k in range(world // infer_tp)]
+            strategy = "split"
+        else:
+            replicas = [tuple(range(start, start + infer_tp)) for start in range(0, world, infer_tp)]
+            strategy = "consecutive"
+        # Each rank holds generation shards of its own stage's layers; the other stages' layers
+        # come from the ranks of its pipeline group (same tp, cp, dp).
+        micro_groups = [tuple(sorted(mesh.rank_of(tp=tp, cp=cp, dp=dp, pp=pp) for pp in range(mesh.pp)))
+                        for dp, cp in product(range(mesh.dp), range(mesh.cp)) for tp in range(mesh.tp)]
         micro_dp = mesh.pp
+    gen_index = [0] * world
+    for replica in replicas:
+        for j, rank in enumerate(replica):
+            gen_index[rank] = j
     replicas.sort()
     rollout = RolloutMesh(infer_tp, world // infer_tp, tuple(replicas))
     return ReshardGroups(rollout, micro_dp, tuple(sorted(micro_groups)), tuple(gen_index), strategy)
