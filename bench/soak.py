@@ -12,7 +12,7 @@ After the run ends: processes of its session still alive, new `/dev/shm` entries
 folders (`/tmp/hrl-ray-*`) — all should be zero. The last two are machine-wide listings: on a
 machine shared with other jobs they also show those jobs' files (check the names).
 
-    python bench/soak.py [--steps 300] [--warmup 20]
+    python bench/soak.py [--steps 300] [--warmup 20] [--out FILE]
 
 300 steps take ~15+ minutes on 2 shared cores; the default is short so `make bench` stays quick.
 Figures, not a test.
@@ -34,6 +34,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "soak.json"
 CONFIG = "configs/examples/cpu_tiny_grpo.yaml"
+DEFAULT_STEPS = 30
 
 
 def _session_processes(sid: int) -> list[psutil.Process]:
@@ -45,6 +46,17 @@ def _session_processes(sid: int) -> list[psutil.Process]:
         except (ProcessLookupError, PermissionError, psutil.Error):
             continue
     return found
+
+
+def _running(procs: list[psutil.Process]) -> list[psutil.Process]:
+    alive = []
+    for proc in procs:
+        try:
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                alive.append(proc)
+        except psutil.Error:
+            continue
+    return alive
 
 
 def _rss_by_process(sid: int, driver_pid: int) -> dict[str, float]:
@@ -70,8 +82,10 @@ def _steps_logged(metrics: Path) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="result JSON (default bench/results/soak.json, or soak_<steps>.json for other --steps)")
     args = parser.parse_args()
     if args.warmup >= args.steps:
         parser.error("--warmup must be below --steps")
@@ -107,8 +121,10 @@ def main() -> int:
         os.killpg(proc.pid, signal.SIGTERM)
         raise
     wall_s = time.monotonic() - started
-    time.sleep(3.0)  # Ray's own shutdown of its helpers
-    leftover = [f"{p.pid} {p.name()}" for p in _session_processes(sid) if p.is_running()]
+    deadline = time.monotonic() + 20.0  # Ray's own shutdown of its helpers takes a few seconds
+    while time.monotonic() < deadline and _running(_session_processes(sid)):
+        time.sleep(0.5)
+    leftover = [f"{p.pid} {p.name()}" for p in _running(_session_processes(sid))]
     shm_new = sorted((set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()) - shm_before)
     ray_new = sorted(str(p) for p in set(Path("/tmp").glob("hrl-ray-*")) - ray_before)
 
@@ -131,8 +147,9 @@ def main() -> int:
         "leftover_processes": leftover, "new_shm_entries": shm_new, "new_ray_temp_dirs": ray_new,
         "log": str(base / "train.log"),
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=1))
+    out = args.out or (RESULTS if args.steps == DEFAULT_STEPS else RESULTS.with_name(f"soak_{args.steps}.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
     return 0 if proc.returncode == 0 else 1
 

