@@ -1,8 +1,9 @@
 """Corrupted checkpoints are refused with an error naming the file, and loading them writes nothing.
 
 A real role checkpoint (one rank, megatron actor with Adam state) is saved, then damaged in the
-ways disks and people damage files: a flipped byte in a rank's optimizer/RNG file, a truncated
-file, a missing file, a tampered weight shard, an unreadable trainer state.
+ways disks and people damage files: a flipped byte in a rank's RNG/schedule file, a truncated
+file, a missing file, a tampered weight shard, a tampered optimizer-state shard, an unreadable
+trainer state.
 """
 from __future__ import annotations
 
@@ -35,6 +36,11 @@ def _damage(good: Path, where: Path, how: str) -> Path:
         rank_file.write_bytes(rank_file.read_bytes()[:1000])
     elif how == "missing":
         rank_file.unlink()
+    elif how == "tampered_state":
+        state = bad / "train_state" / "state_tp00_pp000.safetensors"
+        data = bytearray(state.read_bytes())
+        data[-5] ^= 0xFF  # inside the last tensor's data (Adam state), past the header
+        state.write_bytes(bytes(data))
     elif how == "tampered_weights":
         shard = next((bad / "model").glob("*.safetensors"))
         data = bytearray(shard.read_bytes())
@@ -54,7 +60,7 @@ def _rank(rank: int, world: int, config: Any, batch: Any, root: str) -> dict[str
     MegatronActor(engine, plan).update_policy(batch)
     good = save_role_checkpoint(engine, Path(root) / "good")
     errors = {}
-    for how in ("flipped_byte", "truncated", "missing", "tampered_weights"):
+    for how in ("flipped_byte", "truncated", "missing", "tampered_weights", "tampered_state"):
         bad = _damage(good, Path(root), how)
         before = _digests(bad)
         try:
@@ -75,6 +81,8 @@ def test_damaged_role_checkpoint_names_the_file(tmp_path):
     assert "rank_00000.pt is missing" in errors["missing"]
     assert "checksum mismatch in" in errors["tampered_weights"] and "model_tp00_pp000.safetensors" in errors[
         "tampered_weights"], errors
+    assert "checksum mismatch in" in errors["tampered_state"] and "state_tp00_pp000.safetensors" in errors[
+        "tampered_state"], errors
 
 
 @pytest.mark.parametrize("content", ["{not json", "[]", '{"global_step": "3"}'])

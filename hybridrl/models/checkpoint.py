@@ -21,7 +21,7 @@ import hashlib
 import json
 import shutil
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ from hybridrl.models.layout import (
     IGNORED_HF_SUFFIXES,
     LM_HEAD,
     ParallelLayout,
+    Piece,
     TensorPlan,
     checkpoint_file_name,
     hf_export_map,
@@ -285,17 +286,8 @@ class McoreCheckpointReader:
         return sum(len(entry["tensors"]) for entry in self.meta.files.values())
 
     def read(self, hf_name: str, axis: int | None, start: int, stop: int) -> torch.Tensor:
-        parts = []
-        for piece in self._pieces[hf_name]:
-            handle = self._files.get(self._rank_path(piece.tp_rank, piece.pp_rank))
-            if piece.axis is None:
-                return _slice(handle, piece.key, None, 0, 0)
-            lo, hi = max(start, piece.hf_start), min(stop, piece.hf_stop)
-            if lo < hi:
-                off = piece.shard_offset + lo - piece.hf_start
-                parts.append((lo, _slice(handle, piece.key, piece.axis, off, off + hi - lo)))
-        parts.sort(key=lambda item: item[0])
-        return torch.cat([t for _, t in parts], dim=axis if axis is not None else 0)
+        return read_pieces(self._pieces[hf_name], lambda tp, pp: self._files.get(self._rank_path(tp, pp)),
+                           axis, start, stop)
 
     def dtype_of(self, hf_name: str) -> torch.dtype:
         return parse_dtype(self.meta.raw["dtype"])  # type: ignore[return-value]
@@ -309,6 +301,27 @@ class McoreCheckpointReader:
 
     def close(self) -> None:
         self._files.close()
+
+
+def read_pieces(pieces: Sequence[Piece], handle_of: Callable[[int, int], Any], axis: int | None,
+                start: int, stop: int, key_prefix: str = "") -> torch.Tensor:
+    """Range [start, stop) along `axis` of one HF tensor, stitched from the rank files holding its pieces.
+
+    `pieces` is that tensor's entry of `layout.hf_export_map`; `handle_of(tp_rank, pp_rank)` opens a
+    rank's safetensors file; `key_prefix` is put before each piece's key (files that hold several
+    tensors per parameter, e.g. the optimizer states of `hybridrl.workers.checkpointing`).
+    """
+    parts = []
+    for piece in pieces:
+        handle = handle_of(piece.tp_rank, piece.pp_rank)
+        if piece.axis is None:
+            return _slice(handle, key_prefix + piece.key, None, 0, 0)
+        lo, hi = max(start, piece.hf_start), min(stop, piece.hf_stop)
+        if lo < hi:
+            off = piece.shard_offset + lo - piece.hf_start
+            parts.append((lo, _slice(handle, key_prefix + piece.key, piece.axis, off, off + hi - lo)))
+    parts.sort(key=lambda item: item[0])
+    return torch.cat([t for _, t in parts], dim=axis if axis is not None else 0)
 
 
 TensorReader = HFCheckpointReader | McoreCheckpointReader
