@@ -528,10 +528,28 @@ class _TrainState:
             self._keys[name] = keys
         return handle
 
-    def verify(self, positions: list[tuple[int, int]] | None = None) -> None:
-        """Check the files of these (tp, pp) positions (default: all) before anything is loaded."""
-        for name, recorded in self.files.items():
-            if positions is None or (recorded["tp_rank"], recorded["pp_rank"]) in positions:
+    def positions_for(self, entries: list[_Entry]) -> set[tuple[int, int]]:
+        """The saved (tp, pp) positions whose files hold a part of these (new-layout) shards."""
+        needed = set()
+        for entry in entries:
+            if entry.is_head:
+                needed.add((0, self.layout.pp - 1))
+                continue
+            for seg in entry.plan.segments:
+                if seg.hf_name is None:
+                    continue
+                for piece in self._pieces[seg.hf_name]:
+                    if piece.axis is None or (piece.hf_start < seg.stop and seg.start < piece.hf_stop):
+                        needed.add((piece.tp_rank, piece.pp_rank))
+                        if piece.axis is None:
+                            break  # a replicated tensor is read from its first holder
+        return needed
+
+    def verify(self, positions: set[tuple[int, int]]) -> None:
+        """Check the files of these (tp, pp) positions before anything is loaded (listed files only:
+        a checkpoint without optimizer state has none)."""
+        for recorded in self.files.values():
+            if (recorded["tp_rank"], recorded["pp_rank"]) in positions:
                 self.handle(recorded["tp_rank"], recorded["pp_rank"])
 
     def own(self, kind: str, key: str, tp_rank: int, pp_rank: int) -> torch.Tensor:
@@ -698,7 +716,8 @@ def load_role_checkpoint(engine: MegatronRole, ckpt_dir: str | Path) -> dict[str
     entries = _entries(engine)
     store = _TrainState(ckpt_dir / STATE_DIR, meta)
     try:
-        store.verify([(ctx.tp_rank, ctx.pp_rank)] if same else None)  # a damaged file fails before any load
+        # a damaged file fails before anything is loaded; each rank reads (and checks) only what it needs
+        store.verify({(ctx.tp_rank, ctx.pp_rank)} if same else store.positions_for(entries))
         if engine.spec.value_head:
             _load_value_weights(entries, store, same, ctx)
         else:
