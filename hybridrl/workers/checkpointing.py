@@ -24,8 +24,9 @@ Everything is written into a hidden staging folder next to the target, which ran
 place once every rank has succeeded; a crash leaves the previous checkpoint untouched. Rank files
 are plain tensors and containers, loaded with `torch.load(weights_only=True)` (no pickled code);
 each has a `rank_NNNNN.pt.sha256` next to it, checked before loading (a tampered or truncated file
-is named in the error instead of failing somewhere inside torch's unpickler). Every train_state
-file's tensors are checked against their recorded sha256 before the first read.
+is named in the error instead of failing somewhere inside torch's unpickler). A rank checks the
+tensors of every train_state file it will read against their recorded sha256 before it loads
+anything.
 
 Restoring on the saved layout reads each rank's own shards back unchanged (bit-identical next
 step). On another layout, each tensor of the new shard is assembled from the saved shards by the
