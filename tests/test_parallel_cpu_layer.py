@@ -225,6 +225,31 @@ def test_cuda_to_cpu_mode_is_per_thread():
     assert out["thread_active_after"] is True and out["thread_after"] == "cpu"
 
 
+def _suspend_mode(rank: int, world_size: int) -> dict:
+    from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+
+    class PassThrough(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    cpu_layer.apply_cpu_layer()
+    out: dict = {}
+    with cpu_layer.cuda_to_cpu_mode_suspended():
+        out["inside"] = _raises(lambda: torch.zeros(1, device="cuda"))
+        out["stack_inside"] = len(_get_current_function_mode_stack())
+    out["after"] = str(torch.zeros(1, device="cuda").device)
+    with PassThrough():  # not ours on top: the stack is left alone
+        with cpu_layer.cuda_to_cpu_mode_suspended():
+            out["under_other_mode"] = str(torch.zeros(1, device="cuda").device)
+    return out
+
+
+def test_cuda_to_cpu_mode_can_be_suspended_for_code_that_never_calls_megatron():
+    out = run_ranks(_suspend_mode, 1, timeout_s=120)[0]
+    assert "not compiled with CUDA" in out["inside"] and out["stack_inside"] == 0
+    assert out["after"] == "cpu" and out["under_other_mode"] == "cpu"
+
+
 # ------------------------------------------------------------------------------------------------
 # cpu_rng_tracker
 # ------------------------------------------------------------------------------------------------

@@ -106,3 +106,17 @@ def test_killed_run_resumes_with_identical_next_step(demo_assets, tmp_path):
     for step in (3, 4):
         for key in keys:
             assert by_step[step][key] == pytest.approx(reference[step][key], abs=1e-5), (step, key)
+
+    # The same checkpoint resumed on another layout (saved at DP2, resumed at TP2 with strided
+    # vLLM groups): the weights and Adam's state re-shard, so step 3 is the straight run's step 3.
+    relaid = tmp_path / "relaid"
+    ckpt = straight / "ckpt" / "demo" / "cpu_tiny_grpo" / "global_step_2"
+    moved = _train(config, _overrides(demo_assets, relaid, "trainer.total_training_steps=3",
+                                      f"trainer.resume_mode={ckpt}",
+                                      "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"))
+    assert moved.returncode == 0, moved.stderr[-5000:]
+    assert f"resumed from {ckpt} at step 2" in moved.stdout
+    rows = _metrics(relaid)
+    assert [r["step"] for r in rows] == [3]
+    for key in keys:
+        assert rows[0][key] == pytest.approx(reference[3][key], abs=1e-5), key

@@ -31,6 +31,7 @@ import torch
 from hybridrl.config.plan import Plan
 from hybridrl.controller.base_worker import RankContext
 from hybridrl.data.batch import Batch
+from hybridrl.parallel.cpu_layer import cuda_to_cpu_mode_suspended
 from hybridrl.parallel.memory import memory_metrics
 from hybridrl.workers import faults
 from hybridrl.workers.ray_roles import ActorRolloutRefWorker
@@ -132,7 +133,8 @@ class HybridEngineWorker(ActorRolloutRefWorker):
         ids = [list(map(int, p)) for p in prompts["raw_prompt_ids"]]
         uids = list(prompts["uid"]) if "uid" in prompts else None
         self._record_memory("gen_before")
-        out = self.rollout.generate_sequences(ids, sampling, uids=uids)
+        with cuda_to_cpu_mode_suspended():  # vLLM never needs megatron's CPU device translation
+            out = self.rollout.generate_sequences(ids, sampling, uids=uids)
         self._record_memory("gen_after")
         # Replicas pad to their own longest prompt; the controller concatenates them, so every
         # replica pads to the width of the batch it was cut from.
