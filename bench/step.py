@@ -242,9 +242,10 @@ def main() -> None:
     print_table(results)
     payload = {"bench": "step", "cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0], "results": results}
     print(json.dumps({k: {"config": v["config"], "summary": v["summary"]} for k, v in results.items()}, indent=1))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(payload, indent=1))
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    out = RESULTS.with_name("step_full.json") if args.full else RESULTS
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=1))
+    print(f"wrote {out.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":
