@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from hybridrl.parallel.forked import run_ranks
-from tests.test_workers_fixtures import job_config, policy_model, rollout_batch, sequence_classifier, with_critic
+from tests.test_workers_fixtures import (
+    job_config,
+    policy_model,
+    rollout_batch,
+    sequence_classifier,
+    trained_role,
+    with_critic,
+)
 
 
 def _rank(rank: int, world: int, config: Any, batches: list[Any], ckpt: str, mode: str, role: str) -> Any:
@@ -22,19 +29,10 @@ def _rank(rank: int, world: int, config: Any, batches: list[Any], ckpt: str, mod
     import numpy as np
     from megatron.core import tensor_parallel
 
-    from hybridrl.config.plan import build_plan
     from hybridrl.models.checkpoint import tensor_sha256
-    from hybridrl.workers.actor import MegatronActor
     from hybridrl.workers.checkpointing import load_role_checkpoint, save_role_checkpoint
-    from hybridrl.workers.critic import MegatronCritic
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
 
-    plan = build_plan(config)
-    engine = MegatronRole(role_spec(plan, role))
-    worker: Any = MegatronActor(engine, plan) if role == "actor" else MegatronCritic(engine, plan)
-    update = worker.update_policy if role == "actor" else worker.update_critic
-    ctx = engine.ctx
-    chunks = [b.split(ctx.dp)[ctx.dp_rank] for b in batches]
+    engine, update, chunks = trained_role(config, role, batches)
     if mode == "save":
         update(chunks[0])
         # Advance every RNG stream (as sampling or dropout would) so that a restore is visible.

@@ -151,3 +151,19 @@ def with_reward_model(config: Any, rm_path: str | Path, *, tp: int = 1, pp: int 
     c.reward_model.megatron.tensor_model_parallel_size, c.reward_model.megatron.pipeline_model_parallel_size = tp, pp
     c.reward_model.micro_batch_size_per_gpu = 2
     return c
+
+
+def trained_role(config: Any, role: str, batches: list[Any]) -> tuple[Any, Any, list[Any]]:
+    """In a forked rank: the role's engine, its update function and this DP rank's share of each batch."""
+    from hybridrl.config.plan import build_plan
+    from hybridrl.workers.actor import MegatronActor
+    from hybridrl.workers.critic import MegatronCritic
+    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+
+    plan = build_plan(config)
+    engine = MegatronRole(role_spec(plan, role))
+    worker: Any = MegatronActor(engine, plan) if role == "actor" else MegatronCritic(engine, plan)
+    update = worker.update_policy if role == "actor" else worker.update_critic
+    ctx = engine.ctx
+    return engine, update, [b.split(ctx.dp)[ctx.dp_rank] for b in batches]
+

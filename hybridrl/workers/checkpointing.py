@@ -633,19 +633,24 @@ def _source_rank(meta: dict[str, Any], ctx: Any) -> int:
     return 0
 
 
+def _saved_tensor(store: _TrainState, kind: str, entry: _Entry, same: bool, ctx: Any) -> torch.Tensor:
+    """This rank's `kind` tensor for `entry`: its own saved shard, the whole head, or re-sharded."""
+    if same:
+        value = store.own(kind, entry.key, ctx.tp_rank, ctx.pp_rank)
+    elif entry.is_head:
+        value = store.head(kind)
+    else:
+        value = store.assemble(kind, entry.plan)
+    if tuple(value.shape) != tuple(entry.param.shape):
+        raise RoleCheckpointError(f"{kind} of {entry.key}: saved shape {list(value.shape)}, this model "
+                                  f"{list(entry.param.shape)}")
+    return value
+
+
 @torch.no_grad()
 def _load_value_weights(entries: list[_Entry], store: _TrainState, same: bool, ctx: Any) -> None:
     for entry in entries:
-        if same:
-            value = store.own(PARAM, entry.key, ctx.tp_rank, ctx.pp_rank)
-        elif entry.is_head:
-            value = store.head(PARAM)
-        else:
-            value = store.assemble(PARAM, entry.plan)
-        if tuple(value.shape) != tuple(entry.param.shape):
-            raise RoleCheckpointError(f"{entry.key}: saved shape {list(value.shape)}, this model "
-                                      f"{list(entry.param.shape)}")
-        entry.param.copy_(value)
+        entry.param.copy_(_saved_tensor(store, PARAM, entry, same, ctx))
 
 
 @torch.no_grad()
@@ -661,16 +666,7 @@ def _load_optimizer(entries: list[_Entry], view: _OptimizerView, store: _TrainSt
             continue
 
         def full(kind: str, entry: _Entry = entry) -> torch.Tensor:
-            if same:
-                value = store.own(kind, entry.key, ctx.tp_rank, ctx.pp_rank)
-            elif entry.is_head:
-                value = store.head(kind)
-            else:
-                value = store.assemble(kind, entry.plan)
-            if tuple(value.shape) != tuple(entry.param.shape):
-                raise RoleCheckpointError(f"{kind} of {entry.key}: saved shape {list(value.shape)}, this model "
-                                          f"{list(entry.param.shape)}")
-            return value
+            return _saved_tensor(store, kind, entry, same, ctx)
 
         if _separate_master(slot, entry):
             master = full(MAIN_PARAM) if step is not None and MAIN_PARAM in kinds else entry.param.detach()
