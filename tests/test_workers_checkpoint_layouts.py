@@ -53,12 +53,12 @@ def _rank(rank: int, world: int, config: Any, batches: list[Any], ckpt: str, out
 
 def _value_model_pieces(engine: Any) -> list[tuple[str, int | None, int, torch.Tensor]]:
     """(HF name, axis, start, tensor) of every HF range this rank's shards hold, plus the head."""
-    from hybridrl.models.bridge import _info
+    from hybridrl.models.bridge import chunk_info
     from hybridrl.models.layout import chunk_tensor_plans
 
     out = []
     for chunk in engine.chunks:
-        info = _info(chunk)
+        info = chunk_info(chunk)
         tensors = chunk.state_dict(keep_vars=True)
         for plan in chunk_tensor_plans(info.source.shape, info.layout, info.chunk, info.tp_rank):
             value = tensors[plan.mcore_name].detach().clone()

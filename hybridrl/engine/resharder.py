@@ -38,7 +38,7 @@ from hybridrl.config.estimates import ReshardTraffic, reshard_traffic
 from hybridrl.config.meshes import ReshardGroups, TrainingMesh, build_training_mesh
 from hybridrl.engine.checksums import tensor_checksum
 from hybridrl.engine.reshard_plan import Piece, RankBucket, RankReshardPlan, build_rank_plan
-from hybridrl.models.bridge import _info, _model_name, _model_tensors, _unwrap
+from hybridrl.models.bridge import chunk_info, model_tensors, spec_tensor_name, unwrap_model
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -154,14 +154,14 @@ class Resharder:
         if (coord.tp, coord.pp, coord.dp, coord.cp) != (ctx.tp_rank, ctx.pp_rank, ctx.dp_rank, ctx.cp_rank):
             raise ValueError(f"rank {self.rank}: mesh says {coord}, megatron says tp {ctx.tp_rank} pp "
                              f"{ctx.pp_rank} dp {ctx.dp_rank} cp {ctx.cp_rank} (rank order must be tp-cp-dp-pp)")
-        chunks = [_unwrap(m) for m in models]
-        infos = [_info(m) for m in chunks]
+        chunks = [unwrap_model(m) for m in models]
+        infos = [chunk_info(m) for m in chunks]
         self.shape = infos[0].source.shape
         # mcore name (local spec) -> tensor, per chunk; TE specs rename the fused norms.
         self._tensors: list[dict[str, torch.Tensor]] = []
         for model, info in zip(chunks, infos):
-            by_model_name = _model_tensors(model)
-            names = {n: _model_name(n, info.spec_kind) for n in _local_names(by_model_name, info.spec_kind)}
+            by_model_name = model_tensors(model)
+            names = {n: spec_tensor_name(n, info.spec_kind) for n in _local_names(by_model_name, info.spec_kind)}
             self._tensors.append({local: by_model_name[model_name].detach() for local, model_name in names.items()})
         first = next(iter(self._tensors[0].values()))
         self.device = first.device
@@ -374,11 +374,11 @@ def check_rollout_placement(resharder: Resharder, vllm_tp_rank: int) -> None:
 
 def _local_names(by_model_name: dict[str, torch.Tensor], spec_kind: str) -> list[str]:
     """Local-spec names of a chunk's tensors (the layout math's names), whatever the spec."""
-    from hybridrl.models.bridge import _TE_NAMES
+    from hybridrl.models.bridge import TE_NAMES
 
     if spec_kind != "te":
         return list(by_model_name)
-    reverse = {te: local for local, te in _TE_NAMES.items()}
+    reverse = {te: local for local, te in TE_NAMES.items()}
     out = []
     for name in by_model_name:
         for te_suffix, local_suffix in reverse.items():

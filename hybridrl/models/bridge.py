@@ -51,7 +51,7 @@ from hybridrl.models.layout import (
 
 # Transformer Engine fuses the pre-attention / pre-MLP norms into the following linear layer; the
 # checkpoint and the layout math use the local spec's names, translated here for TE models.
-_TE_NAMES: dict[str, str] = {
+TE_NAMES: dict[str, str] = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
 }
@@ -234,31 +234,34 @@ def build_gpt_model(source: ModelSource | str | Path | Mapping[str, Any], **kwar
     return models[0]
 
 
-def _info(model: Any) -> ChunkInfo:
+def chunk_info(model: Any) -> ChunkInfo:
+    """The layout facts `build_gpt_models` attached to a chunk (looks through DDP/Float16 wrappers)."""
     info = getattr(model, "hybridrl", None)
     if info is None:
         module = getattr(model, "module", None)  # megatron DDP / Float16Module wrappers
         if module is not None:
-            return _info(module)
+            return chunk_info(module)
         raise ValueError("model was not built by hybridrl.models.bridge.build_gpt_models")
     return info
 
 
-def _unwrap(model: Any) -> Any:
+def unwrap_model(model: Any) -> Any:
+    """The GPTModel inside megatron's DDP / Float16Module wrappers."""
     while getattr(model, "hybridrl", None) is None and hasattr(model, "module"):
         model = model.module
     return model
 
 
-def _model_name(local_name: str, spec_kind: str) -> str:
+def spec_tensor_name(local_name: str, spec_kind: str) -> str:
+    """A tensor's state_dict name under the layer spec in use (local names are the layout's)."""
     if spec_kind == "te":
-        for local_suffix, te_suffix in _TE_NAMES.items():
+        for local_suffix, te_suffix in TE_NAMES.items():
             if local_name.endswith(local_suffix):
                 return local_name[: -len(local_suffix)] + te_suffix
     return local_name
 
 
-def _model_tensors(model: Any) -> dict[str, torch.Tensor]:
+def model_tensors(model: Any) -> dict[str, torch.Tensor]:
     """Parameters (and persistent non-extra-state buffers) by state_dict name."""
     # `_extra_state` entries are TE/fp8 bookkeeping (None on the local spec), not weights.
     return {
@@ -267,9 +270,10 @@ def _model_tensors(model: Any) -> dict[str, torch.Tensor]:
     }
 
 
-def _check_names(model: Any, names: Sequence[str], info: ChunkInfo) -> dict[str, torch.Tensor]:
-    tensors = _model_tensors(model)
-    expected = {_model_name(n, info.spec_kind) for n in names}
+def checked_model_tensors(model: Any, names: Sequence[str], info: ChunkInfo) -> dict[str, torch.Tensor]:
+    """`model_tensors`, after checking they are exactly the layout's `names` (else the two disagree)."""
+    tensors = model_tensors(model)
+    expected = {spec_tensor_name(n, info.spec_kind) for n in names}
     if set(tensors) != expected:
         raise RuntimeError(
             f"layout math and the megatron model disagree for chunk {info.chunk}: only in model "
@@ -285,8 +289,8 @@ def load_weights(models: Sequence[Any], path: str | Path, verify: bool = True) -
     A megatron checkpoint with this rank's exact layout is read file-to-parameter with its checksums
     verified; any other source is read range by range through the layout math.
     """
-    models = [_unwrap(m) for m in models]
-    info0 = _info(models[0])
+    models = [unwrap_model(m) for m in models]
+    info0 = chunk_info(models[0])
     path = Path(path)
     if (path / METADATA_FILE).is_file():
         meta = McoreMetadata.read(path)
@@ -302,11 +306,11 @@ def load_weights(models: Sequence[Any], path: str | Path, verify: bool = True) -
                 f"{path} holds {reader.shape}, the model was built for {info0.source.shape}"
             )
         for model in models:
-            info = _info(model)
+            info = chunk_info(model)
             plans = chunk_tensor_plans(info.source.shape, info.layout, info.chunk, info.tp_rank)
-            tensors = _check_names(model, [p.mcore_name for p in plans], info)
+            tensors = checked_model_tensors(model, [p.mcore_name for p in plans], info)
             for plan in plans:
-                target = tensors[_model_name(plan.mcore_name, info.spec_kind)]
+                target = tensors[spec_tensor_name(plan.mcore_name, info.spec_kind)]
                 target.copy_(assemble(reader, plan, target.dtype))
     finally:
         reader.close()
@@ -315,16 +319,16 @@ def load_weights(models: Sequence[Any], path: str | Path, verify: bool = True) -
 def _load_same_layout(models: Sequence[Any], meta: McoreMetadata, verify: bool) -> None:
     from safetensors import safe_open
 
-    info0 = _info(models[0])
+    info0 = chunk_info(models[0])
     fname = checkpoint_file_name(info0.tp_rank, info0.chunk.pp_rank)
     recorded = meta.files[fname]["tensors"]
     with safe_open(str(meta.path / fname), framework="pt") as handle:
         file_keys = set(handle.keys())
         for model in models:
-            info = _info(model)
+            info = chunk_info(model)
             prefix = rank_chunk_key_prefix(info.layout, info.chunk.vp_stage)
             plans = chunk_tensor_plans(info.source.shape, info.layout, info.chunk, info.tp_rank)
-            tensors = _check_names(model, [p.mcore_name for p in plans], info)
+            tensors = checked_model_tensors(model, [p.mcore_name for p in plans], info)
             for plan in plans:
                 key = prefix + plan.mcore_name
                 if key not in file_keys:
@@ -333,7 +337,7 @@ def _load_same_layout(models: Sequence[Any], meta: McoreMetadata, verify: bool) 
                 if verify and tensor_sha256(value) != recorded[key]["sha256"]:
                     raise CheckpointError(f"checksum mismatch in {meta.path / fname}, tensor {key}: the file "
                                           "was modified or corrupted after it was written")
-                tensors[_model_name(plan.mcore_name, info.spec_kind)].copy_(value)
+                tensors[spec_tensor_name(plan.mcore_name, info.spec_kind)].copy_(value)
 
 
 # ---- saving and export (collective over the world) -------------------------------------------------
@@ -352,12 +356,12 @@ def _all_ok(ok: bool, detail: str) -> None:
 def _rank_tensors(models: Sequence[Any]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for model in models:
-        info = _info(model)
+        info = chunk_info(model)
         prefix = rank_chunk_key_prefix(info.layout, info.chunk.vp_stage)
         plans = chunk_tensor_plans(info.source.shape, info.layout, info.chunk, info.tp_rank)
-        tensors = _check_names(model, [p.mcore_name for p in plans], info)
+        tensors = checked_model_tensors(model, [p.mcore_name for p in plans], info)
         for plan in plans:
-            value = tensors[_model_name(plan.mcore_name, info.spec_kind)]
+            value = tensors[spec_tensor_name(plan.mcore_name, info.spec_kind)]
             out[prefix + plan.mcore_name] = value.detach().cpu()
     return out
 
@@ -373,8 +377,8 @@ def save_mcore_checkpoint(models: Sequence[Any], out_dir: str | Path, *, ctx: An
     import torch.distributed as dist
 
     ctx = _context(ctx)
-    models = [_unwrap(m) for m in models]
-    info = _info(models[0])
+    models = [unwrap_model(m) for m in models]
+    info = chunk_info(models[0])
     out_dir = Path(out_dir).absolute()
     holder: list[Any] = [None]
     if ctx.rank == 0:
@@ -408,7 +412,7 @@ def save_mcore_checkpoint(models: Sequence[Any], out_dir: str | Path, *, ctx: An
         try:
             files = dict(e for e in entries if e is not None)
             src = info.source
-            dtype = next(iter(_model_tensors(models[0]).values())).dtype
+            dtype = next(iter(model_tensors(models[0]).values())).dtype
             assets = sorted(p for p in src.assets_dir.iterdir() if p.is_file() and _is_asset(p)) \
                 if src.assets_dir else []
             if assets:

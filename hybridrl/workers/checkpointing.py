@@ -114,25 +114,26 @@ class _Entry:
 
 
 def _entries(engine: MegatronRole) -> list[_Entry]:
-    from hybridrl.models.bridge import _check_names, _info, _model_name
+    from hybridrl.models.bridge import checked_model_tensors, chunk_info, spec_tensor_name
     from hybridrl.models.layout import chunk_tensor_plans, rank_chunk_key_prefix
 
     out = []
     for chunk in engine.chunks:
-        info = _info(chunk)
+        info = chunk_info(chunk)
         prefix = rank_chunk_key_prefix(info.layout, info.chunk.vp_stage)
         plans = chunk_tensor_plans(info.source.shape, info.layout, info.chunk, info.tp_rank)
-        tensors = _check_names(chunk, [p.mcore_name for p in plans], info)
+        tensors = checked_model_tensors(chunk, [p.mcore_name for p in plans], info)
         for plan in plans:
-            out.append(_Entry(prefix + plan.mcore_name, plan, tensors[_model_name(plan.mcore_name, info.spec_kind)],
+            param = tensors[spec_tensor_name(plan.mcore_name, info.spec_kind)]
+            out.append(_Entry(prefix + plan.mcore_name, plan, param,
                               engine.spec.value_head and plan.mcore_name == OUTPUT_LAYER))
     return out
 
 
 def _shape(engine: MegatronRole) -> Any:
-    from hybridrl.models.bridge import _info
+    from hybridrl.models.bridge import chunk_info
 
-    return _info(engine.chunks[0]).source.shape
+    return chunk_info(engine.chunks[0]).source.shape
 
 
 # ---- where each parameter's optimizer state lives -----------------------------------------------------

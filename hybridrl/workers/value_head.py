@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridrl.models.bridge import ModelSource, _model_name
+from hybridrl.models.bridge import ModelSource, spec_tensor_name
 from hybridrl.models.checkpoint import METADATA_FILE, McoreCheckpointReader, assemble
 from hybridrl.models.layout import chunk_tensor_plans
 
@@ -147,7 +147,7 @@ def load_value_model(models: Sequence[Any], path: str | Path) -> bool:
             for plan in chunk_tensor_plans(info.source.shape, info.layout, info.chunk, info.tp_rank):
                 if plan.mcore_name == OUTPUT_LAYER:
                     continue
-                target = tensors[_model_name(plan.mcore_name, info.spec_kind)]
+                target = tensors[spec_tensor_name(plan.mcore_name, info.spec_kind)]
                 target.copy_(assemble(reader, plan, target.dtype))
             if model.post_process and isinstance(reader, _HFTensors) and reader.has(SCORE_WEIGHT):
                 score = reader.read(SCORE_WEIGHT, None, 0, 0)
