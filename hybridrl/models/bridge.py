@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import shutil
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ from hybridrl.models.checkpoint import (
 from hybridrl.models.layout import (
     ParallelLayout,
     StageChunk,
+    TensorPlan,
     chunk_tensor_plans,
     rank_chunk_key_prefix,
 )
@@ -344,26 +345,29 @@ def _load_same_layout(models: Sequence[Any], meta: McoreMetadata, verify: bool) 
 
 def _all_ok(ok: bool, detail: str) -> None:
     """Raise on every rank if any rank failed (so no rank waits in a later collective)."""
-    import torch.distributed as dist
+    from hybridrl.parallel.state import failed_ranks
 
-    statuses: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(statuses, (ok, detail))
-    failed = [f"rank {r}: {d}" for r, (good, d) in enumerate(statuses) if not good]
+    failed = failed_ranks(ok, detail)
     if failed:
         raise CheckpointError("checkpoint save failed on " + "; ".join(failed))
 
 
-def _rank_tensors(models: Sequence[Any]) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
+def rank_tensor_entries(models: Sequence[Any]) -> Iterator[tuple[str, TensorPlan, torch.Tensor]]:
+    """This rank's tensors as the rank files key them: (key, its tensor plan, the model tensor).
+
+    Keys carry the VPP chunk prefix; the model's tensors are checked against the layout first.
+    """
     for model in models:
         info = chunk_info(model)
         prefix = rank_chunk_key_prefix(info.layout, info.chunk.vp_stage)
         plans = chunk_tensor_plans(info.source.shape, info.layout, info.chunk, info.tp_rank)
         tensors = checked_model_tensors(model, [p.mcore_name for p in plans], info)
         for plan in plans:
-            value = tensors[spec_tensor_name(plan.mcore_name, info.spec_kind)]
-            out[prefix + plan.mcore_name] = value.detach().cpu()
-    return out
+            yield prefix + plan.mcore_name, plan, tensors[spec_tensor_name(plan.mcore_name, info.spec_kind)]
+
+
+def _rank_tensors(models: Sequence[Any]) -> dict[str, torch.Tensor]:
+    return {key: value.detach().cpu() for key, _, value in rank_tensor_entries(models)}
 
 
 def save_mcore_checkpoint(models: Sequence[Any], out_dir: str | Path, *, ctx: Any = None,

@@ -251,6 +251,19 @@ def _build_context(
     return ctx
 
 
+def failed_ranks(ok: bool, detail: str) -> list[str]:
+    """Collective over the world: `rank R: detail` for each rank that reports not `ok` (same on every rank).
+
+    Every rank calls it after a step that may fail locally, so all of them raise together and none
+    is left waiting in a later collective.
+    """
+    import torch.distributed as dist
+
+    statuses: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(statuses, (ok, detail))
+    return [f"rank {r}: {d}" for r, (good, d) in enumerate(statuses) if not good]
+
+
 def get_context() -> ParallelContext:
     """The context made by the last `initialize_model_parallel` in this process."""
     if _context is None:

@@ -60,6 +60,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hybridrl.parallel.state import failed_ranks
 from hybridrl.workers.megatron_role import MegatronRole
 
 logger = logging.getLogger(__name__)
@@ -92,9 +93,7 @@ def state_file(tp_rank: int, pp_rank: int) -> str:
 
 
 def _all_ok(ok: bool, detail: str) -> None:
-    statuses: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(statuses, (ok, detail))
-    failed = [f"rank {r}: {d}" for r, (good, d) in enumerate(statuses) if not good]
+    failed = failed_ranks(ok, detail)
     if failed:
         raise RoleCheckpointError("role checkpoint failed on " + "; ".join(failed))
 
@@ -114,20 +113,10 @@ class _Entry:
 
 
 def _entries(engine: MegatronRole) -> list[_Entry]:
-    from hybridrl.models.bridge import checked_model_tensors, chunk_info, spec_tensor_name
-    from hybridrl.models.layout import chunk_tensor_plans, rank_chunk_key_prefix
+    from hybridrl.models.bridge import rank_tensor_entries
 
-    out = []
-    for chunk in engine.chunks:
-        info = chunk_info(chunk)
-        prefix = rank_chunk_key_prefix(info.layout, info.chunk.vp_stage)
-        plans = chunk_tensor_plans(info.source.shape, info.layout, info.chunk, info.tp_rank)
-        tensors = checked_model_tensors(chunk, [p.mcore_name for p in plans], info)
-        for plan in plans:
-            param = tensors[spec_tensor_name(plan.mcore_name, info.spec_kind)]
-            out.append(_Entry(prefix + plan.mcore_name, plan, param,
-                              engine.spec.value_head and plan.mcore_name == OUTPUT_LAYER))
-    return out
+    return [_Entry(key, plan, param, engine.spec.value_head and plan.mcore_name == OUTPUT_LAYER)
+            for key, plan, param in rank_tensor_entries(engine.chunks)]
 
 
 def _shape(engine: MegatronRole) -> Any:
