@@ -285,6 +285,7 @@ def test_on_policy_update_without_old_log_prob_pass_equals_recomputed(tmp_path):
     for name in ("pg_loss", "grad_norm", "entropy", "clipfrac", "approx_kl"):
         assert abs(getattr(skipped, name) - getattr(full, name)) < 1e-6, name
     assert abs(skipped.rollout_log_prob_abs_diff_max - 0.25) < 1e-5
+    assert full.rollout_log_prob_abs_diff_max is None  # the separate pass measures it (the trainer does)
     assert skipped.as_dict()["rollout/log_prob_abs_diff_max"] == skipped.rollout_log_prob_abs_diff_max
     assert skipped.grad_norm > 1e-3
     for name, value in runs[True]["weights"].items():

@@ -77,7 +77,8 @@ class PolicyUpdateMetrics:
     optimizer_steps: int
     per_step: tuple[dict[str, float], ...] = field(default=())
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
-    # max |megatron - rollout| log-prob over the first step's response tokens (None: no rollout log-probs)
+    # max |megatron - rollout| log-prob over the batch, when the update stood in for the old-log-prob
+    # pass (on-policy: one optimizer step); None otherwise
     rollout_log_prob_abs_diff_max: float | None = None
 
     def as_dict(self, prefix: str = "actor/") -> dict[str, float]:
@@ -154,7 +155,10 @@ class MegatronActor:
         if "old_log_probs" not in batch.tensors and self.plan.resolved.old_log_prob_pass:
             raise ValueError("update_policy needs `old_log_probs`: this plan runs more than one optimizer step per "
                              "batch (or KL in the reward), so the update's own forward is not the old policy")
-        optional = ("old_log_probs", "rollout_log_probs") + (("ref_log_probs",) if self.loss.use_kl_loss else ())
+        # Without the old-log-prob pass, the first step's forward also measures the rollout's log-prob
+        # gap (the pass measures it otherwise, over every row).
+        gap_key = "old_log_probs" if "old_log_probs" in batch.tensors else "rollout_log_probs"
+        optional = (gap_key,) + (("ref_log_probs",) if self.loss.use_kl_loss else ())
         extra_keys = ("advantages",) + tuple(k for k in optional if k in batch.tensors)
         steps: list[dict[str, float]] = []
         skipped = 0
@@ -174,7 +178,6 @@ class MegatronActor:
             approx_kl=mean["approx_kl"], entropy=mean["entropy"], kl_loss=mean.get("kl_loss", 0.0),
             grad_norm=mean["grad_norm"], lr=mean["lr"], optimizer_steps=len(steps), per_step=tuple(steps),
             skipped_steps=skipped,
-            # the first step's forward saw the weights that generated the batch
             rollout_log_prob_abs_diff_max=steps[0].get("rollout_log_prob_abs_diff"),
         )
 
