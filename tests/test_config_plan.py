@@ -210,3 +210,41 @@ def test_old_log_prob_pass_runs_only_when_the_update_is_off_policy(overrides, ru
     plan = build_plan(load_config(SEED, overrides))
     assert plan.resolved.old_log_prob_pass is runs_pass
     assert Plan.from_dict(json.loads(plan.to_json())).resolved.old_log_prob_pass is runs_pass
+
+
+CPU_TINY = ROOT / "configs/examples/cpu_tiny_grpo.yaml"
+
+
+@pytest.mark.parametrize("overrides,sequences,bytes_per_token", [
+    # tiny-demo: 4 layers x 2 KV heads x head_dim 32; 8 prompts x n=8 over 2 replicas = 32 per replica
+    ([], 32, 2 * 4 * 2 * 32 * 4),
+    (["actor_rollout_ref.rollout.dtype=bf16"], 32, 2 * 4 * 2 * 32 * 2),
+    (["trainer.n_gpus_per_node=1"], 64, 2 * 4 * 2 * 32 * 4),
+    (["actor_rollout_ref.rollout.max_num_seqs=10"], 10, 2 * 4 * 2 * 32 * 4),  # vLLM runs 10 at once
+    # infer TP 2 splits the 2 KV heads; one replica of 2 ranks takes all 64 sequences
+    (["actor_rollout_ref.rollout.tensor_model_parallel_size=2"], 64, 2 * 4 * 1 * 32 * 4),
+])
+def test_cpu_kv_cache_is_sized_for_one_wave(overrides, sequences, bytes_per_token):
+    plan = plan_from_sources(CPU_TINY, overrides)
+    memory = plan.rollout_memory
+    # 32 prompt + 16 response tokens = 2 blocks of 32, one spare block each, vLLM's null block
+    assert memory.on_cpu and memory.kv_cache_bytes == (sequences * 3 + 1) * 32 * bytes_per_token
+    assert memory.kv_bytes_per_token == bytes_per_token
+    assert memory.one_wave == (sequences == plan.sequences_per_rollout_replica)
+
+
+def test_cpu_kv_cache_set_by_hand_warns_or_refuses():
+    plan = plan_from_sources(CPU_TINY, ["actor_rollout_ref.rollout.cpu_kv_cache_gib=0.001"])
+    assert plan.rollout_memory.kv_cache_bytes == int(0.001 * 2**30)
+    assert any("cpu_kv_cache_gib=0.001" in w and "waves" in w for w in plan.warnings)
+    from hybridrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"cpu_kv_cache_gib=1e-05 holds 5 tokens, less than one 48-token"):
+        plan_from_sources(CPU_TINY, ["actor_rollout_ref.rollout.cpu_kv_cache_gib=0.00001"])
+
+
+def test_gpu_kv_cache_comes_from_memory_utilization():
+    plan = plan_from_sources(CPU_TINY, ["trainer.device=cuda"])
+    memory = plan.rollout_memory
+    assert not memory.on_cpu
+    assert memory.kv_cache_gib == pytest.approx(8 * 0.5 - memory.weights_gib, abs=2e-3)

@@ -55,6 +55,9 @@ def test_engine_kwargs_keep_device_differences_in_one_place():
     assert cpu["kv_cache_memory_bytes"] == 1 << 20 and "gpu_memory_utilization" not in cpu
     assert cpu["logprobs_mode"] == "processed_logprobs" and cpu["skip_tokenizer_init"] is True
     assert "distributed_executor_backend" not in cpu and "enable_sleep_mode" not in cpu
+    assert "max_num_batched_tokens" not in cpu  # vLLM's default unless the job sets one
+    budget = RolloutEngineConfig(model_path="/m", max_num_batched_tokens=4096)
+    assert vllm_engine_kwargs(budget, "cpu", distributed=False)["max_num_batched_tokens"] == 4096
     gpu = vllm_engine_kwargs(config, "cuda", distributed=False)
     assert gpu["dtype"] == "bfloat16" and gpu["enable_sleep_mode"] is True and gpu["enforce_eager"] is False
     assert gpu["gpu_memory_utilization"] == 0.5 and "kv_cache_memory_bytes" not in gpu

@@ -20,14 +20,21 @@ def _hybrid_rank(rank: int, world: int, model_dir: str, overrides: list[str]) ->
     from hybridrl.controller.base_worker import RankContext
     from hybridrl.data.batch import Batch
     from hybridrl.rollout.sampling import RolloutSampling
-    from hybridrl.workers.hybrid import HybridEngineWorker, HybridSettings
+    from hybridrl.workers.hybrid import HybridEngineWorker
 
     plan = plan_from_sources("configs/examples/cpu_tiny_grpo.yaml", [
         f"actor_rollout_ref.model.path={model_dir}", f"trainer.n_gpus_per_node={world}", *overrides])
     ctx = RankContext(role="actor_rollout_ref", rank=rank, world_size=world, node_rank=0, local_rank=rank,
                       local_world_size=world, use_gpu=False)
-    worker = HybridEngineWorker(ctx, plan, HybridSettings(kv_cache_memory_bytes=16 << 20))
+    worker = HybridEngineWorker(ctx, plan)  # the KV cache the Plan sizes for one wave on CPU
     setup = worker.setup(total_training_steps=4)
+    # A replica's whole step at full length (longest prompts, every response to the limit) must fit
+    # the cache vLLM actually allocated from the Plan's size: one wave, no preemption.
+    full = worker.rollout.generate_sequences(
+        [[1] + [70] * (plan.config.data.max_prompt_length - 1)] * plan.prompts_per_rollout_replica,
+        RolloutSampling(n=plan.config.actor_rollout_ref.rollout.n, max_tokens=plan.resolved.response_length,
+                        ignore_eos=True))
+    full_metrics = full.meta["metrics"]
     prompts = Batch({"input_ids": torch.zeros(2, 5, dtype=torch.long)},
                     {"raw_prompt_ids": [[1, 70, 71, 72], [1, 73, 74, 75, 76]], "uid": ["a", "b"],
                      "ground_truth": ["x", "y"]})
@@ -43,7 +50,9 @@ def _hybrid_rank(rank: int, world: int, model_dir: str, overrides: list[str]) ->
     before = worker.compute_log_prob(batch)
     result = {"probe": setup["reshard/probe_max_abs_gap"], "tp_rank": setup["vllm_tp_rank"],
               "as_planned": setup["placement_as_planned"], "received": setup["reshard/bytes_received"],
-              "bound": setup["reshard/exact_lower_bound_bytes"], "naive": setup["reshard/naive_gather_bytes"]}
+              "bound": setup["reshard/exact_lower_bound_bytes"], "naive": setup["reshard/naive_gather_bytes"],
+              "kv_usage": full_metrics["rollout/kv_cache_usage_bound"], "full_rows": len(full),
+              "replica_rows": plan.sequences_per_rollout_replica}
     if before is not None:
         mask = batch["response_mask"].bool()
         result["rollout_gap"] = float((before["old_log_probs"] - batch["rollout_log_probs"])[mask].abs().max())
@@ -94,6 +103,8 @@ def test_hybrid_engine_syncs_and_follows_updates(model_dir, world, layout):
         assert r["as_planned"]                       # vLLM built the Plan's TP groups
         assert r["received"] <= 1.05 * r["bound"]    # HybridFlow's zero-redundancy bound
         assert r["received"] <= r["naive"]
+        # the Plan's CPU KV cache holds a replica's step at full length, without waste
+        assert r["full_rows"] == r["replica_rows"] and 0.5 < r["kv_usage"] <= 1.0, r
         if world == 4:
             assert 0 < r["bound"] < r["naive"]       # real traffic, well below gathering everything
         # memory per phase (process RSS on CPU), handed out with the sync that ends the step

@@ -19,6 +19,7 @@ from hybridrl.models.arch import ModelShape
 
 GIB = 1024**3
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+CPU_KV_BLOCK_SIZE = 32  # vLLM's CPU attention kernels take KV blocks of a multiple of 32 tokens
 
 
 @dataclass(frozen=True)
@@ -36,12 +37,22 @@ class TrainingMemory:
 
 @dataclass(frozen=True)
 class RolloutMemory:
+    """One vLLM rank's weights and KV cache. On GPU the cache is what `gpu_memory_utilization`
+    leaves after the weights; on CPU it is its own allocation of `kv_cache_bytes`."""
+
     weights_gib: float
     kv_cache_gib: float
     kv_bytes_per_token: int
     kv_cache_tokens: int
     tokens_per_replica_step: int
     fits: bool
+    kv_cache_bytes: int = 0
+    on_cpu: bool = False
+
+    @property
+    def one_wave(self) -> bool:
+        """Every sequence of a replica's step fits in the cache at once (no waiting, no preemption)."""
+        return self.kv_cache_tokens >= self.tokens_per_replica_step
 
 
 def embedding_params(shape: ModelShape) -> int:
@@ -96,19 +107,34 @@ def training_memory(
     )
 
 
+def kv_cache_bytes_needed(shape: ModelShape, infer_tp: int, *, dtype: str, sequences: int, seq_len: int,
+                          block_size: int = CPU_KV_BLOCK_SIZE) -> int:
+    """KV-cache bytes on one rank for `sequences` sequences of `seq_len` tokens held at once.
+
+    Each sequence holds whole blocks; one spare block per sequence and vLLM's reserved null block
+    are the margin (prefix caching, which shares a prompt's blocks among its samples, only lowers it).
+    """
+    blocks = sequences * (-(-seq_len // block_size) + 1) + 1
+    return blocks * block_size * kv_bytes_per_token(shape, DTYPE_BYTES[dtype], infer_tp)
+
+
 def rollout_memory(
     shape: ModelShape, infer_tp: int, *, dtype: str, gpu_gib: float, gpu_memory_utilization: float,
-    sequences_per_replica: int, seq_len: int,
+    sequences_per_replica: int, seq_len: int, cpu_kv_cache_bytes: int | None = None,
 ) -> RolloutMemory:
+    """`cpu_kv_cache_bytes` set: the CPU case, where the KV cache is that allocation."""
     p_bytes = DTYPE_BYTES[dtype]
     weights = shape.param_count() * p_bytes / infer_tp / GIB
-    budget = gpu_gib * gpu_memory_utilization
-    kv_gib = max(0.0, budget - weights)
+    if cpu_kv_cache_bytes is not None:
+        kv_gib = cpu_kv_cache_bytes / GIB
+    else:
+        kv_gib = max(0.0, gpu_gib * gpu_memory_utilization - weights)
     per_token = kv_bytes_per_token(shape, p_bytes, infer_tp)
     capacity = int(kv_gib * GIB // per_token) if per_token else 0
     return RolloutMemory(
         round(weights, 3), round(kv_gib, 3), per_token, capacity, sequences_per_replica * seq_len,
-        fits=kv_gib > 0 and capacity >= seq_len,
+        fits=kv_gib > 0 and capacity >= seq_len, kv_cache_bytes=int(kv_gib * GIB),
+        on_cpu=cpu_kv_cache_bytes is not None,
     )
 
 

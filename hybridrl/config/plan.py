@@ -18,10 +18,12 @@ from typing import Any
 from hybridrl.algorithms.names import CRITIC_ADV_ESTIMATORS
 from hybridrl.config.errors import ConfigError, ConfigIssue
 from hybridrl.config.estimates import (
+    GIB,
     PhasePeaks,
     ReshardTraffic,
     RolloutMemory,
     TrainingMemory,
+    kv_cache_bytes_needed,
     phase_peaks,
     reshard_traffic,
     rollout_memory,
@@ -262,6 +264,22 @@ def _resolve(config: JobConfig) -> Resolved:
     )
 
 
+def _cpu_kv_cache_bytes(config: JobConfig, resolved: Resolved, model: ModelShape,
+                        sequences_per_replica: int) -> int | None:
+    """The KV cache each vLLM rank allocates on CPU: the configured size, or (unset) enough for
+    every sequence vLLM runs at once (a replica's step, at most max_num_seqs) at full length.
+    None on GPU, where vLLM sizes it from gpu_memory_utilization."""
+    rollout = config.actor_rollout_ref.rollout
+    if resolved.device != "cpu":
+        return None
+    if rollout.cpu_kv_cache_gib is not None:
+        return int(rollout.cpu_kv_cache_gib * GIB)
+    return kv_cache_bytes_needed(
+        model, rollout.tensor_model_parallel_size, dtype=resolved.rollout_dtype,
+        sequences=min(sequences_per_replica, rollout.max_num_seqs), seq_len=resolved.max_sequence_length,
+    )
+
+
 def role_megatron(config: JobConfig, role: str) -> MegatronConfig:
     arr = config.actor_rollout_ref
     return {
@@ -343,12 +361,14 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
                 sequence_parallel=mc.sequence_parallel and mc.tensor_model_parallel_size > 1,
                 gpu_gib=config.trainer.gpu_memory_gib,
             ))
+        sequences_per_replica = data.train_batch_size // infer_dp * n
         roll_mem = rollout_memory(
             model, arr.rollout.tensor_model_parallel_size, dtype=resolved.rollout_dtype,
             gpu_gib=config.trainer.gpu_memory_gib,
             gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
-            sequences_per_replica=data.train_batch_size // infer_dp * n,
+            sequences_per_replica=sequences_per_replica,
             seq_len=resolved.max_sequence_length,
+            cpu_kv_cache_bytes=_cpu_kv_cache_bytes(config, resolved, model, sequences_per_replica),
         )
         actor_mc = by_role["actor"].megatron
         peaks = phase_peaks(
@@ -359,6 +379,25 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
         )
         extra = [f"{m.role}: estimated {m.total_gib:.1f} GiB per GPU exceeds trainer.gpu_memory_gib="
                  f"{config.trainer.gpu_memory_gib:g}" for m in train_mem if not m.fits]
+        if roll_mem.on_cpu and not roll_mem.fits:  # vLLM would refuse to start: say so before any process
+            needed = kv_cache_bytes_needed(model, arr.rollout.tensor_model_parallel_size, dtype=resolved.rollout_dtype,
+                                           sequences=1, seq_len=resolved.max_sequence_length)
+            raise ConfigError([ConfigIssue(
+                "actor_rollout_ref.rollout.cpu_kv_cache_gib", arr.rollout.cpu_kv_cache_gib,
+                f"holds {roll_mem.kv_cache_tokens} tokens, less than one {resolved.max_sequence_length}-token "
+                f"sequence (max_prompt_length + response length); it must be at least {needed / GIB:.3g} GiB, "
+                "or unset to size it for one wave")])
+        if sequences_per_replica > arr.rollout.max_num_seqs:
+            extra.append(
+                f"rollout: actor_rollout_ref.rollout.max_num_seqs={arr.rollout.max_num_seqs} is below the "
+                f"{sequences_per_replica} sequences of one replica's step: generation runs in waves"
+            )
+        elif roll_mem.on_cpu and not roll_mem.one_wave:
+            extra.append(
+                f"rollout: actor_rollout_ref.rollout.cpu_kv_cache_gib={arr.rollout.cpu_kv_cache_gib:g} holds "
+                f"{roll_mem.kv_cache_tokens:,} tokens but one replica's step has {roll_mem.tokens_per_replica_step:,}: "
+                "generation runs in waves (slower); leave it unset to size the cache for one wave"
+            )
         if not roll_mem.fits:
             extra.append(
                 f"rollout: no room for a KV cache of one {resolved.max_sequence_length}-token sequence "

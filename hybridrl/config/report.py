@@ -93,9 +93,11 @@ def render_plan(plan: Plan) -> str:
         ))
         rm = plan.rollout_memory
         if rm:
-            waves = "fits in one wave" if rm.kv_cache_tokens >= rm.tokens_per_replica_step else "runs in waves"
+            waves = "fits in one wave" if rm.one_wave else "runs in waves"
+            cache = (f"{rm.kv_cache_bytes / 2**20:,.1f} MiB per rank (CPU: rollout.cpu_kv_cache_gib)" if rm.on_cpu
+                     else f"{rm.kv_cache_gib:.2f} GiB")
             out.append(
-                f"rollout: weights {rm.weights_gib:.2f} GiB/GPU, KV cache {rm.kv_cache_gib:.2f} GiB = "
+                f"rollout: weights {rm.weights_gib:.2f} GiB/GPU, KV cache {cache} = "
                 f"{rm.kv_cache_tokens:,} tokens ({rm.kv_bytes_per_token} B/token); one replica's step needs "
                 f"{rm.tokens_per_replica_step:,} tokens ({waves})"
             )

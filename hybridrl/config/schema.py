@@ -123,6 +123,9 @@ class RolloutConfig:
     ignore_eos: bool = doc(False, "keep sampling past EOS (full-length responses, e.g. for benchmarks)")
     dtype: str | None = doc(None, "rollout dtype; None = bf16 on cuda, fp32 on cpu")
     gpu_memory_utilization: float = doc(0.5, "fraction of GPU memory vLLM may use (weights + KV cache)")
+    cpu_kv_cache_gib: float | None = doc(
+        None, "CPU only: KV cache of each vLLM rank in GiB; None = enough for one replica's whole rollout "
+              "batch at full length (generation in one wave)")
     enforce_eager: bool = doc(True, "no CUDA graphs (faster start, less memory)")
     free_cache_engine: bool = doc(True, "sleep vLLM (free KV cache and weights) while training")
     max_num_batched_tokens: int = doc(8192, "vLLM scheduler token budget per step")

@@ -47,6 +47,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from hybridrl.config.estimates import CPU_KV_BLOCK_SIZE
 from hybridrl.data.batch import Batch
 from hybridrl.parallel.device import default_dtype_for, resolve_device
 from hybridrl.rollout import vllm_patches
@@ -71,6 +72,7 @@ class RolloutEngineConfig:
     gpu_memory_utilization: float = 0.5
     block_size: int | None = None  # None: 32 on CPU (a size its attention kernels support), vLLM's on GPU
     max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: vLLM's default
     enable_prefix_caching: bool = True
     enforce_eager: bool | None = None  # None: True on CPU (no graphs there), False on GPU
     enable_sleep_mode: bool | None = None  # None: True on GPU, False on CPU (unsupported there)
@@ -115,13 +117,15 @@ def vllm_engine_kwargs(config: RolloutEngineConfig, device: str, distributed: bo
         enable_prefix_caching=config.enable_prefix_caching,
         logprobs_mode="processed_logprobs",
     )
+    if config.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
     if config.infer_tp > 1:
         kwargs["distributed_executor_backend"] = "external_launcher"
     if device == "cpu":
         kwargs.update(
             enforce_eager=True if config.enforce_eager is None else config.enforce_eager,
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-            block_size=config.block_size or 32,
+            block_size=config.block_size or CPU_KV_BLOCK_SIZE,
         )
         if config.enable_sleep_mode:
             raise ValueError("enable_sleep_mode is not supported by vLLM on CPU")

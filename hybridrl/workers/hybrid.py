@@ -48,8 +48,17 @@ class WeightSyncError(RuntimeError):
 @dataclass(frozen=True)
 class HybridSettings:
     probe_tolerance: float = 1e-4  # fp32 on CPU; bf16 on GPU needs a looser bound (set by the trainer)
-    kv_cache_memory_bytes: int = 64 << 20
+    kv_cache_memory_bytes: int | None = None  # CPU: None = the Plan's (rollout.cpu_kv_cache_gib, sized for one wave)
     bucket_bytes: int = 512 << 20
+
+
+def _planned_kv_cache_bytes(plan: Plan) -> int:
+    from hybridrl.rollout.engine import RolloutEngineConfig
+
+    memory = plan.rollout_memory
+    if memory is not None and memory.on_cpu:
+        return memory.kv_cache_bytes
+    return RolloutEngineConfig.kv_cache_memory_bytes  # GPU (unused there) or no model shape to size it from
 
 
 def _probe_batch(pad_token_id: int) -> Batch:
@@ -98,7 +107,8 @@ class HybridEngineWorker(ActorRolloutRefWorker):
             max_model_len=plan.resolved.max_sequence_length,
             seed=arr.rollout.seed + plan.config.trainer.seed,
             pad_token_id=self.pad_token_id,
-            kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+            kv_cache_memory_bytes=settings.kv_cache_memory_bytes or _planned_kv_cache_bytes(plan),
+            max_num_batched_tokens=arr.rollout.max_num_batched_tokens,
             gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
             max_num_seqs=arr.rollout.max_num_seqs,
             enforce_eager=arr.rollout.enforce_eager if plan.resolved.device == "cuda" else None,
