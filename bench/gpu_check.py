@@ -34,6 +34,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bounds import flops_per_token  # noqa: E402  (bench/ is the script's folder)
 
 # Public Qwen2.5 shapes (config.json numbers); the 0.5B one is shipped under configs/models.
 QWEN2_1_5B = {
@@ -57,19 +58,6 @@ def model_configs(tiny: bool) -> dict[str, dict[str, Any]]:
         return {"tiny-qwen2": TINY}
     half_b = json.loads((ROOT / "configs/models/qwen2.5-0.5b/config.json").read_text())
     return {"qwen2.5-0.5b": half_b, "qwen2.5-1.5b": QWEN2_1_5B}
-
-
-def flops_per_token(config: dict[str, Any], seq: int, *, training: bool) -> float:
-    """Model FLOPs per token: 2 per matmul weight (x3 with backward) plus attention's two seq-long matmuls."""
-    h, layers = config["hidden_size"], config["num_hidden_layers"]
-    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config.get("head_dim", h // heads)
-    attn = h * heads * head_dim + 2 * h * kv * head_dim + heads * head_dim * h
-    mlp = 3 * h * config["intermediate_size"]
-    matmul_params = layers * (attn + mlp) + h * config["vocab_size"]  # lm_head multiplies even when tied
-    attention = 2 * 2 * layers * seq * heads * head_dim  # QK^T and AV, 2 FLOPs per MAC
-    forward = 2 * matmul_params + attention
-    return 3 * forward if training else forward
 
 
 def synchronize(device: str) -> None:

@@ -12,6 +12,9 @@ Sizes: `tiny` (configs/models/tiny-demo, 8 prompts x 8 samples x 16 tokens, the 
 
     python bench/step.py [--full] [--sizes tiny,30m] [--steps N] [--warmup K] [--world 2]
 
+Each size also gets the machine's lower bound per phase (bench/bounds.py) and the measured time as a
+multiple of it (`x_bound/*`).
+
 Figures, not a test: cores are shared and noisy; compare ratios measured within one run.
 """
 from __future__ import annotations
@@ -26,6 +29,7 @@ import time
 from pathlib import Path
 
 import psutil
+from bounds import bound_of_run
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "step.json"
@@ -170,8 +174,10 @@ def math_nan() -> float:
     return float("nan")
 
 
-def summarize(records: list[dict], warmup: int) -> dict[str, float]:
-    """Median over the steps after warm-up of each phase's wall time, CPU time and throughput."""
+def summarize(records: list[dict], warmup: int, response_tokens_per_step: float) -> dict[str, float]:
+    """Median over the steps after warm-up of each phase's wall time, CPU time and throughput.
+
+    `response_tokens_per_step`: every sequence at full length (the rollout's metric is per replica)."""
     kept = records[warmup:] or records[-1:]
     out: dict[str, float] = {"steps_measured": len(kept)}
 
@@ -188,7 +194,7 @@ def summarize(records: list[dict], warmup: int) -> dict[str, float]:
         if value is not None:
             out[f"cpu_s/{group}"] = value
     steps = [r["timing_s/step"] for r in kept]
-    resp = [r.get("rollout/response_tokens", 0.0) for r in kept]
+    resp = [response_tokens_per_step] * len(kept)
     total = [r.get("perf/total_num_tokens", 0.0) for r in kept]
     out["response_tokens_per_step"] = statistics.median(resp)
     out["tokens_per_step"] = statistics.median(total)
@@ -205,7 +211,9 @@ def print_table(results: dict[str, dict]) -> None:
     names = list(results)
     rows = [f"wall_s/{p}" for p in PHASES] + ["cpu_s/controller", "cpu_s/workers", "cpu_s/ray_services", "cpu_s/total",
                                                "response_tokens_per_step", "tokens_per_s", "response_tokens_per_s",
-                                               "gen_tokens_per_s", "steps_measured"]
+                                               "gen_tokens_per_s", "bound_s/gen", "bound_s/update", "bound_s/step",
+                                               "x_bound/gen", "x_bound/update", "x_bound/step", "rate/train_gflops",
+                                               "rate/decode_gflops", "rate/copy_gb_per_s", "steps_measured"]
     print(f"{'median per step':<26}" + "".join(f"{n:>16}" for n in names))
     for row in rows:
         cells = []
@@ -236,7 +244,14 @@ def main() -> None:
                   "lr": spec["lr"], "dtype": args.dtype}
         print(f"== {size}: {json.dumps(config)}")
         records = run_hybridrl(size, prompts, args.n, steps, args.world, f"step_{size}", dtype=args.dtype)
-        results[size] = {"config": config, "summary": summarize(records, args.warmup),
+        summary = summarize(records, args.warmup, float(prompts * args.n * spec["response"]))
+        bound = bound_of_run(spec["config"], dtype=args.dtype, prompts=prompts, n=args.n,
+                             response_tokens=spec["response"], ranks=args.world, micro_batch=spec["micro"],
+                             tokens_per_step=summary["tokens_per_step"])
+        summary.update(bound)
+        for phase, measured in (("gen", "wall_s/gen"), ("update", "wall_s/update_actor"), ("step", "wall_s/step")):
+            summary[f"x_bound/{phase}"] = summary[measured] / bound[f"bound_s/{phase}"]
+        results[size] = {"config": config, "summary": summary,
                          "per_step": [{k: v for k, v in r.items() if k.startswith(("timing_s/", "cpu_s/"))}
                                       for r in records]}
     print_table(results)

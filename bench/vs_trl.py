@@ -24,7 +24,10 @@ fp32 is the equal-work comparison. bf16 runs both sides in bf16 (hybridrl: megat
 bf16; TRL: `bf16=True`, i.e. CPU autocast over fp32 weights) and is also compared against TRL's faster
 dtype at that size, since that is what a user would pick.
 
-Median step time after the warm-up step of each run, per side, and the ratio hybridrl/TRL.
+Median step time after the warm-up step of each run, per side, and the ratio hybridrl/TRL. Each case
+also prints the machine's lower bound for its step (bench/bounds.py: unavoidable arithmetic and memory
+traffic at measured peak rates), each side as a multiple of it, and bound/TRL: the lowest ratio any
+implementation could show against TRL there.
 Figures, not a test: cores are shared and noisy; the two sides alternate so both see the same noise.
 """
 from __future__ import annotations
@@ -38,6 +41,7 @@ import subprocess
 import sys
 import time
 
+from bounds import bound_of_run
 from step import ROOT, SIZES, ensure_inputs, run_hybridrl
 
 RESULTS = ROOT / "bench" / "results" / "vs_trl.json"
@@ -118,7 +122,7 @@ def main() -> None:
                   "trl_torch_threads": cores,
                   "full_length_responses": True, "kl": "none (TRL beta=0)", "dtype": dtype}
         print(f"== {case}: {json.dumps(config)}")
-        h_wall, h_cpu, h_gen, t_wall, t_cpu, t_gen, h_reward, t_reward = [], [], [], [], [], [], [], []
+        h_wall, h_cpu, h_gen, t_wall, t_cpu, t_gen, h_reward, t_reward, tokens = [], [], [], [], [], [], [], [], []
         for r in range(rounds):
             tag = f"vs_trl_{size}_{dtype}_{cores}c"
             records = run_hybridrl(size, prompts, args.n, steps, world, f"{tag}_hybridrl_{r}", seed=r, dtype=dtype)
@@ -127,6 +131,7 @@ def main() -> None:
             h_gen += [rec["timing_s/gen"] for rec in kept]
             h_cpu += [rec.get("cpu_s/total", float("nan")) for rec in kept]
             h_reward.append(records[-1].get("reward/score_mean"))
+            tokens += [rec["perf/total_num_tokens"] for rec in kept]
             trl = run_trl(size, prompts, args.n, steps, f"{tag}_trl_{r}", dtype, cores)
             t_wall += trl["step_wall_s"][args.warmup:]
             t_cpu += trl["step_cpu_s"][args.warmup:]
@@ -142,6 +147,14 @@ def main() -> None:
         }
         summary["ratio_wall_hybridrl_over_trl"] = summary["hybridrl_step_wall_s"] / summary["trl_step_wall_s"]
         summary["ratio_cpu_hybridrl_over_trl"] = summary["hybridrl_step_cpu_s"] / summary["trl_step_cpu_s"]
+        # The machine's floor for this work on `cores` cores (bench/bounds.py): no implementation goes
+        # below it, so hybridrl/TRL cannot go below bound/TRL.
+        bound = bound_of_run(spec["config"], dtype=dtype, prompts=prompts, n=args.n, response_tokens=spec["response"],
+                             ranks=cores, micro_batch=spec["micro"], tokens_per_step=statistics.median(tokens))
+        summary["bound_step_s"] = bound["bound_s/step"]
+        summary["hybridrl_x_bound"] = summary["hybridrl_step_wall_s"] / bound["bound_s/step"]
+        summary["trl_x_bound"] = summary["trl_step_wall_s"] / bound["bound_s/step"]
+        summary["ratio_floor_bound_over_trl"] = bound["bound_s/step"] / summary["trl_step_wall_s"]
         results[case] = {"config": config, "summary": summary, "trl_versions": versions,
                          "raw": {"hybridrl_wall": h_wall, "hybridrl_cpu": h_cpu, "trl_wall": t_wall, "trl_cpu": t_cpu,
                                  "hybridrl_last_reward": h_reward, "trl_last_reward": t_reward}}

@@ -167,8 +167,10 @@ def initialize_model_parallel(
     dp = validate_layout(world_size, tp, pp, cp, vpp)
     if resolved == "cpu":
         from hybridrl.parallel.cpu_layer import apply_cpu_layer
+        from hybridrl.parallel.cpu_matmul import route_fp32_matmul_to_onednn
 
         apply_cpu_layer()
+        route_fp32_matmul_to_onednn()
 
     from megatron.core import parallel_state as mps
 
