@@ -19,6 +19,7 @@ def _hybrid_rank(rank: int, world: int, model_dir: str, overrides: list[str]) ->
     from hybridrl.config import plan_from_sources
     from hybridrl.controller.base_worker import RankContext
     from hybridrl.data.batch import Batch
+    from hybridrl.parallel.cpu_matmul import onednn_fp32_is_exact
     from hybridrl.rollout.sampling import RolloutSampling
     from hybridrl.workers.hybrid import HybridEngineWorker
 
@@ -52,7 +53,10 @@ def _hybrid_rank(rank: int, world: int, model_dir: str, overrides: list[str]) ->
               "as_planned": setup["placement_as_planned"], "received": setup["reshard/bytes_received"],
               "bound": setup["reshard/exact_lower_bound_bytes"], "naive": setup["reshard/naive_gather_bytes"],
               "kv_usage": full_metrics["rollout/kv_cache_usage_bound"], "full_rows": len(full),
-              "replica_rows": plan.sequences_per_rollout_replica}
+              "replica_rows": plan.sequences_per_rollout_replica,
+              # megatron's fp32 matmuls keep the oneDNN route after vLLM was built (it resets it)
+              "onednn_route_kept": torch.backends.mkldnn.matmul.fp32_precision == "bf16",
+              "onednn_exact": onednn_fp32_is_exact()}
     if before is not None:
         mask = batch["response_mask"].bool()
         result["rollout_gap"] = float((before["old_log_probs"] - batch["rollout_log_probs"])[mask].abs().max())
@@ -105,6 +109,7 @@ def test_hybrid_engine_syncs_and_follows_updates(model_dir, world, layout):
         assert r["received"] <= r["naive"]
         # the Plan's CPU KV cache holds a replica's step at full length, without waste
         assert r["full_rows"] == r["replica_rows"] and 0.5 < r["kv_usage"] <= 1.0, r
+        assert r["onednn_route_kept"] == r["onednn_exact"]
         if world == 4:
             assert 0 < r["bound"] < r["naive"]       # real traffic, well below gathering everything
         # memory per phase (process RSS on CPU), handed out with the sync that ends the step

@@ -19,6 +19,8 @@ Side effects of building a vLLM engine, and what we do about them (see ../shared
   trainer RNGs differ sample different tokens: tested).
 - The CPU worker replaces `torch.set_num_threads` by a no-op and vLLM lowers the thread count: we
   put the previous count back with `torch._C.set_num_threads` (the only setter left working).
+- vLLM sets every fp32 matmul precision to "ieee", which turns off the trainer's oneDNN route for
+  fp32 matmuls on CPU (`hybridrl.parallel.cpu_matmul`): we put the previous setting back.
 - Engine teardown destroys the default process group: `vllm_patches.guard_default_process_group`.
   Keep the engine for the life of the process; `close()` exists for tests and tools.
 - `gc.freeze()` at construction: deleting an engine frees little; don't build engines in a loop.
@@ -160,15 +162,18 @@ class _DevicePolicy:
 
 @contextmanager
 def _preserved_process_state(device: str, restore_threads: bool) -> Iterator[None]:
-    """Put back the global RNG states and the torch thread count that building vLLM changes."""
+    """Put back the global RNG states, the torch thread count and the fp32 matmul route that
+    building vLLM changes."""
     python_state = random.getstate()
     numpy_state = np.random.get_state()
     torch_state = torch.get_rng_state()
     cuda_states = torch.cuda.get_rng_state_all() if device == "cuda" else None
     threads = torch.get_num_threads()
+    onednn_fp32 = torch.backends.mkldnn.matmul.fp32_precision
     try:
         yield
     finally:
+        torch.backends.mkldnn.matmul.fp32_precision = onednn_fp32
         random.setstate(python_state)
         np.random.set_state(numpy_state)
         torch.set_rng_state(torch_state)
