@@ -67,3 +67,15 @@ def test_te_available_is_a_bool_and_matches_import():
     if not has:
         with pytest.raises(ImportError):
             import transformer_engine  # noqa: F401
+
+
+def test_torch_threads_share_the_node_cores_among_its_ranks():
+    from hybridrl.parallel.device import torch_threads_per_rank
+
+    assert torch_threads_per_rank(2, cores=2) == 1
+    assert torch_threads_per_rank(4, cores=16) == 4
+    assert torch_threads_per_rank(3, cores=16) == 5
+    assert torch_threads_per_rank(8, cores=2) == 1      # never zero
+    assert torch_threads_per_rank(1) == len(__import__("os").sched_getaffinity(0))
+    with pytest.raises(ValueError, match="ranks_on_node"):
+        torch_threads_per_rank(0)

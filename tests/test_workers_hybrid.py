@@ -20,6 +20,7 @@ def _hybrid_rank(rank: int, world: int, model_dir: str, overrides: list[str]) ->
     from hybridrl.controller.base_worker import RankContext
     from hybridrl.data.batch import Batch
     from hybridrl.parallel.cpu_matmul import onednn_fp32_is_exact
+    from hybridrl.parallel.device import torch_threads_per_rank
     from hybridrl.rollout.sampling import RolloutSampling
     from hybridrl.workers.hybrid import HybridEngineWorker
 
@@ -28,7 +29,9 @@ def _hybrid_rank(rank: int, world: int, model_dir: str, overrides: list[str]) ->
     ctx = RankContext(role="actor_rollout_ref", rank=rank, world_size=world, node_rank=0, local_rank=rank,
                       local_world_size=world, use_gpu=False)
     worker = HybridEngineWorker(ctx, plan)  # the KV cache the Plan sizes for one wave on CPU
+    torch.set_num_threads(4)  # torch's default would be every core: the worker must share them out
     setup = worker.setup(total_training_steps=4)
+    threads = torch.get_num_threads()
     # A replica's whole step at full length (longest prompts, every response to the limit) must fit
     # the cache vLLM actually allocated from the Plan's size: one wave, no preemption.
     full = worker.rollout.generate_sequences(
@@ -56,7 +59,8 @@ def _hybrid_rank(rank: int, world: int, model_dir: str, overrides: list[str]) ->
               "replica_rows": plan.sequences_per_rollout_replica,
               # megatron's fp32 matmuls keep the oneDNN route after vLLM was built (it resets it)
               "onednn_route_kept": torch.backends.mkldnn.matmul.fp32_precision == "bf16",
-              "onednn_exact": onednn_fp32_is_exact()}
+              "onednn_exact": onednn_fp32_is_exact(),
+              "threads": threads, "threads_expected": torch_threads_per_rank(world)}
     if before is not None:
         mask = batch["response_mask"].bool()
         result["rollout_gap"] = float((before["old_log_probs"] - batch["rollout_log_probs"])[mask].abs().max())
@@ -110,6 +114,7 @@ def test_hybrid_engine_syncs_and_follows_updates(model_dir, world, layout):
         # the Plan's CPU KV cache holds a replica's step at full length, without waste
         assert r["full_rows"] == r["replica_rows"] and 0.5 < r["kv_usage"] <= 1.0, r
         assert r["onednn_route_kept"] == r["onednn_exact"]
+        assert r["threads"] == r["threads_expected"]  # this node's cores shared among its ranks
         if world == 4:
             assert 0 < r["bound"] < r["naive"]       # real traffic, well below gathering everything
         # memory per phase (process RSS on CPU), handed out with the sync that ends the step

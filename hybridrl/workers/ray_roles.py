@@ -38,10 +38,12 @@ class MegatronWorker(Worker):
         self.primary: Any = None  # the MegatronRole that defines this rank's mesh
 
     def _prepare(self) -> None:
-        if self.torch_threads:
-            import torch
+        import torch
 
-            torch.set_num_threads(self.torch_threads)
+        from hybridrl.parallel.device import torch_threads_per_rank
+
+        # An explicit count, or this node's cores shared among its ranks (never torch's all-cores default).
+        torch.set_num_threads(self.torch_threads or torch_threads_per_rank(self.context.local_world_size))
 
     def _total_optimizer_steps(self, role: str, total_training_steps: int | None) -> int | None:
         if total_training_steps is None:
