@@ -19,8 +19,8 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import time
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +91,7 @@ def _gemm_rate(rows: int, hidden: int, intermediate: int, dtype: torch.dtype) ->
     return 2 * rows * hidden * intermediate / min(seconds)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def measured_rates(dtype: str, hidden: int, intermediate: int, decode_rows: int, train_rows: int) -> dict[str, float]:
     """One thread: the best GEMM FLOP/s at the update's shape ([train_rows, hidden] x [hidden, intermediate])
     and at a decode step's ([decode_rows, ...]), and copy bandwidth (bytes read + written per second)."""
