@@ -215,6 +215,11 @@ def test_old_log_prob_pass_runs_only_when_the_update_is_off_policy(overrides, ru
 CPU_TINY = ROOT / "configs/examples/cpu_tiny_grpo.yaml"
 
 
+def cpu_tiny_plan(overrides: list[str]) -> Plan:
+    """The CPU demo's config on the tiny-demo model's shape (its config.json: no weights needed)."""
+    return plan_from_sources(CPU_TINY, ["actor_rollout_ref.model.path=configs/models/tiny-demo", *overrides])
+
+
 @pytest.mark.parametrize("overrides,sequences,bytes_per_token", [
     # tiny-demo: 4 layers x 2 KV heads x head_dim 32; 8 prompts x n=8 over 2 replicas = 32 per replica
     ([], 32, 2 * 4 * 2 * 32 * 4),
@@ -225,7 +230,7 @@ CPU_TINY = ROOT / "configs/examples/cpu_tiny_grpo.yaml"
     (["actor_rollout_ref.rollout.tensor_model_parallel_size=2"], 64, 2 * 4 * 1 * 32 * 4),
 ])
 def test_cpu_kv_cache_is_sized_for_one_wave(overrides, sequences, bytes_per_token):
-    plan = plan_from_sources(CPU_TINY, overrides)
+    plan = cpu_tiny_plan(overrides)
     memory = plan.rollout_memory
     # 32 prompt + 16 response tokens = 2 blocks of 32, one spare block each, vLLM's null block
     assert memory.on_cpu and memory.kv_cache_bytes == (sequences * 3 + 1) * 32 * bytes_per_token
@@ -234,17 +239,17 @@ def test_cpu_kv_cache_is_sized_for_one_wave(overrides, sequences, bytes_per_toke
 
 
 def test_cpu_kv_cache_set_by_hand_warns_or_refuses():
-    plan = plan_from_sources(CPU_TINY, ["actor_rollout_ref.rollout.cpu_kv_cache_gib=0.001"])
+    plan = cpu_tiny_plan(["actor_rollout_ref.rollout.cpu_kv_cache_gib=0.001"])
     assert plan.rollout_memory.kv_cache_bytes == int(0.001 * 2**30)
     assert any("cpu_kv_cache_gib=0.001" in w and "waves" in w for w in plan.warnings)
     from hybridrl.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"cpu_kv_cache_gib=1e-05 holds 5 tokens, less than one 48-token"):
-        plan_from_sources(CPU_TINY, ["actor_rollout_ref.rollout.cpu_kv_cache_gib=0.00001"])
+        cpu_tiny_plan(["actor_rollout_ref.rollout.cpu_kv_cache_gib=0.00001"])
 
 
 def test_gpu_kv_cache_comes_from_memory_utilization():
-    plan = plan_from_sources(CPU_TINY, ["trainer.device=cuda"])
+    plan = cpu_tiny_plan(["trainer.device=cuda"])
     memory = plan.rollout_memory
     assert not memory.on_cpu
     assert memory.kv_cache_gib == pytest.approx(8 * 0.5 - memory.weights_gib, abs=2e-3)
