@@ -133,7 +133,8 @@ def rollout_memory(
     capacity = int(kv_gib * GIB // per_token) if per_token else 0
     return RolloutMemory(
         round(weights, 3), round(kv_gib, 3), per_token, capacity, sequences_per_replica * seq_len,
-        fits=kv_gib > 0 and capacity >= seq_len, kv_cache_bytes=int(kv_gib * GIB),
+        fits=kv_gib > 0 and capacity >= seq_len,
+        kv_cache_bytes=cpu_kv_cache_bytes if cpu_kv_cache_bytes is not None else int(kv_gib * GIB),
         on_cpu=cpu_kv_cache_bytes is not None,
     )
 

@@ -22,18 +22,18 @@ def probe_products(input_dtype: torch.dtype = torch.float32) -> list[tuple[torch
     """The matmul forms training uses (linear forward, input grad, weight grad, batched) at small
     and GEMM-sized shapes, each with the exact fp32 value every output element must have.
     `input_dtype` rounds the inputs first (bf16 shows what the probe catches)."""
-    one_plus = float(torch.tensor(1.0 + _EXACT_BIT).to(input_dtype))
+    exact = 1.0 + _EXACT_BIT
+    one_plus = float(torch.tensor(exact).to(input_dtype))
     out = []
     for rows in (1, 64, 300):
         for depth in (64, 512):
             x = torch.full((rows, depth), one_plus)
             w = torch.ones(48, depth)
-            exact = 1.0 + _EXACT_BIT
             out.append((torch.nn.functional.linear(x, w), depth * exact))       # x @ w.T
             out.append((x.t().matmul(torch.ones(rows, 40)), rows * exact))      # weight grad: x.T @ g
             out.append((torch.ones(40, rows).matmul(x), rows * exact))          # input grad: g @ w
     batched = torch.full((4, 70, 64), one_plus)
-    out.append((torch.bmm(batched, torch.ones(4, 64, 70)), 64 * (1.0 + _EXACT_BIT)))
+    out.append((torch.bmm(batched, torch.ones(4, 64, 70)), 64 * exact))
     return out
 
 

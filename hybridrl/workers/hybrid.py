@@ -48,11 +48,11 @@ class WeightSyncError(RuntimeError):
 @dataclass(frozen=True)
 class HybridSettings:
     probe_tolerance: float = 1e-4  # fp32 on CPU; bf16 on GPU needs a looser bound (set by the trainer)
-    kv_cache_memory_bytes: int | None = None  # CPU: None = the Plan's (rollout.cpu_kv_cache_gib, sized for one wave)
     bucket_bytes: int = 512 << 20
 
 
 def _planned_kv_cache_bytes(plan: Plan) -> int:
+    """CPU: the Plan's KV cache (rollout.cpu_kv_cache_gib, sized for one wave by default)."""
     from hybridrl.rollout.engine import RolloutEngineConfig
 
     memory = plan.rollout_memory
@@ -107,7 +107,7 @@ class HybridEngineWorker(ActorRolloutRefWorker):
             max_model_len=plan.resolved.max_sequence_length,
             seed=arr.rollout.seed + plan.config.trainer.seed,
             pad_token_id=self.pad_token_id,
-            kv_cache_memory_bytes=settings.kv_cache_memory_bytes or _planned_kv_cache_bytes(plan),
+            kv_cache_memory_bytes=_planned_kv_cache_bytes(plan),
             max_num_batched_tokens=arr.rollout.max_num_batched_tokens,
             gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
             max_num_seqs=arr.rollout.max_num_seqs,
