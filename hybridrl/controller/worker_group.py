@@ -218,7 +218,8 @@ class WorkerGroup:
 
     # --------------------------------------------------------------------------- teardown
     def shutdown(self) -> None:
-        """Kill the actors and give the pool slot back. Safe to call twice."""
+        """Kill the actors (Ray delivers the kills asynchronously) and give the pool slot back; later
+        calls through this group raise WorkerGroupClosedError. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
