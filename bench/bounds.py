@@ -52,10 +52,6 @@ def flops_per_token(config: dict[str, Any], seq: int, *, training: bool) -> floa
     return 3 * forward if training else forward
 
 
-def kv_bytes_per_token(config: dict[str, Any], value_bytes: int) -> int:
-    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim(config) * value_bytes
-
-
 def _timed(fn: Any, iters: int) -> float:
     fn()
     started = time.perf_counter()
@@ -129,7 +125,10 @@ def step_bound(config: dict[str, Any], *, dtype: str, sequences: int, prompt_tok
     update_s = update_flops / rates["train_flops_per_s"]
 
     # generation: prefill as compute, then one decode step per response token
-    kv_token = kv_bytes_per_token(config, value_bytes)
+    from hybridrl.config.estimates import kv_bytes_per_token
+    from hybridrl.models.arch import ModelShape
+
+    kv_token = kv_bytes_per_token(ModelShape.from_hf_config(config), value_bytes)
     prefill_s = per_rank * (2 * weights * prompt_tokens) / rates["train_flops_per_s"]
     decode_s = 0.0
     for t in range(response_tokens):

@@ -194,11 +194,10 @@ def summarize(records: list[dict], warmup: int, response_tokens_per_step: float)
         if value is not None:
             out[f"cpu_s/{group}"] = value
     steps = [r["timing_s/step"] for r in kept]
-    resp = [response_tokens_per_step] * len(kept)
     total = [r.get("perf/total_num_tokens", 0.0) for r in kept]
-    out["response_tokens_per_step"] = statistics.median(resp)
+    out["response_tokens_per_step"] = response_tokens_per_step
     out["tokens_per_step"] = statistics.median(total)
-    out["response_tokens_per_s"] = statistics.median(r / s for r, s in zip(resp, steps))
+    out["response_tokens_per_s"] = statistics.median(response_tokens_per_step / s for s in steps)
     out["tokens_per_s"] = statistics.median(t / s for t, s in zip(total, steps))
     gen = med("rollout/tokens_per_s")
     if gen is not None:
