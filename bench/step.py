@@ -75,6 +75,7 @@ def overrides(size: str, prompts: int, n: int, steps: int, world: int, run_dir: 
         f"actor_rollout_ref.actor.megatron.dtype={dtype}",
         f"actor_rollout_ref.rollout.dtype={dtype}",
         f"trainer.n_gpus_per_node={world}",
+        "trainer.torch_threads_per_rank=1",  # one thread per process, whatever the machine's cores
         f"trainer.total_training_steps={steps}",
         "trainer.test_freq=-1",
         "trainer.val_before_train=false",

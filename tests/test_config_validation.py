@@ -94,6 +94,8 @@ CASES = {
     "unknown kl type": ([f"{A}.kl_loss_type=k5"], f"{A}.kl_loss_type", "KL estimator", [f"{A}.kl_loss_type=k3"]),
     "group estimator needs n >= 2": ([f"{R}.n=1"], f"{R}.n", "must be >= 2", [f"{R}.n=4"]),
     "world size positive": (["trainer.nnodes=0"], "trainer.nnodes", ">= 1", ["trainer.nnodes=1"]),
+    "torch threads positive": (["trainer.torch_threads_per_rank=0"], "trainer.torch_threads_per_rank", ">= 1",
+                               ["trainer.torch_threads_per_rank=3"]),
     "vpp needs pp": ([f"{A}.megatron.virtual_pipeline_model_parallel_size=2"],
                      f"{A}.megatron.virtual_pipeline_model_parallel_size", "needs pipeline_model_parallel_size > 1",
                      [f"{A}.megatron.virtual_pipeline_model_parallel_size=2",

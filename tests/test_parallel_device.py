@@ -79,3 +79,28 @@ def test_torch_threads_share_the_node_cores_among_its_ranks():
     assert torch_threads_per_rank(1) == len(__import__("os").sched_getaffinity(0))
     with pytest.raises(ValueError, match="ranks_on_node"):
         torch_threads_per_rank(0)
+
+
+@pytest.mark.parametrize("setting,ranks_on_node", [(None, 2), (None, 1), (3, 2)])
+def test_worker_threads_follow_the_config_or_share_the_cores(setting, ranks_on_node):
+    """trainer.torch_threads_per_rank pins a worker's torch threads (the benchmarks' one thread per
+    process); unset, the node's cores are shared out among its ranks."""
+    import torch
+
+    from hybridrl.config import plan_from_sources
+    from hybridrl.controller.base_worker import RankContext
+    from hybridrl.parallel.device import torch_threads_per_rank
+    from hybridrl.workers.ray_roles import MegatronWorker
+
+    plan = plan_from_sources("configs/examples/cpu_tiny_grpo.yaml", [
+        "actor_rollout_ref.model.path=configs/models/tiny-demo", f"trainer.torch_threads_per_rank={setting}"
+        if setting is not None else "trainer.torch_threads_per_rank=null"])
+    context = RankContext(role="actor_rollout_ref", rank=0, world_size=ranks_on_node, node_rank=0, local_rank=0,
+                          local_world_size=ranks_on_node, use_gpu=False)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(7)  # a stale count the worker must replace
+        MegatronWorker(context, plan)._prepare()
+        assert torch.get_num_threads() == (setting or torch_threads_per_rank(ranks_on_node))
+    finally:
+        torch.set_num_threads(before)

@@ -238,6 +238,8 @@ class TrainerConfig:
     experiment_name: str = doc("default", "run name")
     seed: int = doc(42, "data order and sampling seed")
     ray_address: str | None = doc(None, "existing Ray cluster; None = RAY_ADDRESS or a local one")
+    torch_threads_per_rank: int | None = doc(
+        None, "torch intra-op threads in each worker process; None = this machine's cores ÷ its ranks")
 
 
 @dataclass

@@ -152,6 +152,8 @@ def _check_trainer(check: _Checker, config: JobConfig) -> bool:
             check.fail(f"trainer.{name}", value, "must be -1 (never) or a positive number of steps")
     if t.keep_last_n is not None:
         check.is_int_at_least("trainer.keep_last_n", t.keep_last_n, 1)
+    if t.torch_threads_per_rank is not None:
+        check.is_int_at_least("trainer.torch_threads_per_rank", t.torch_threads_per_rank, 1)
     check.is_int_at_least("trainer.max_consecutive_nonfinite_steps", t.max_consecutive_nonfinite_steps, 0)
     check.in_range("trainer.gpu_memory_gib", t.gpu_memory_gib, 0, 1e6, low_open=True)
     if t.resume_mode not in RESUME_MODES and not Path(str(t.resume_mode)).exists():

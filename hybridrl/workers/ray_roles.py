@@ -42,8 +42,10 @@ class MegatronWorker(Worker):
 
         from hybridrl.parallel.device import torch_threads_per_rank
 
-        # An explicit count, or this node's cores shared among its ranks (never torch's all-cores default).
-        torch.set_num_threads(self.torch_threads or torch_threads_per_rank(self.context.local_world_size))
+        # An explicit count (argument, then trainer.torch_threads_per_rank), or this node's cores shared
+        # among its ranks (never torch's all-cores default).
+        threads = self.torch_threads or self.plan.config.trainer.torch_threads_per_rank
+        torch.set_num_threads(threads or torch_threads_per_rank(self.context.local_world_size))
 
     def _total_optimizer_steps(self, role: str, total_training_steps: int | None) -> int | None:
         if total_training_steps is None:
