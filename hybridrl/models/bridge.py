@@ -134,8 +134,12 @@ def transformer_config(
     )
     if device == "cpu":
         from hybridrl.parallel.cpu_layer import CPU_CONFIG_OVERRIDES
+        from hybridrl.parallel.cpu_rope import install_cpu_fused_rope
 
         kwargs.update(CPU_CONFIG_OVERRIDES)
+        # megatron's fused-RoPE slot, filled with a CPU function that gives the unfused path's
+        # numbers in fewer memory passes (hybridrl/parallel/cpu_rope.py)
+        kwargs["apply_rope_fusion"] = install_cpu_fused_rope()
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 

@@ -46,7 +46,8 @@ The patches (names as in `PATCHES`):
 Not a patch, but required on CPU (`check_config_for_cpu` enforces it, `CPU_CONFIG_OVERRIDES` holds
 the values): ``batch_p2p_sync=False`` (p2p communication calls ``torch.cuda.synchronize()`` after
 batched send/recv), ``gradient_accumulation_fusion=False`` (needs Apex CUDA kernels),
-``apply_rope_fusion=False``/``bias_activation_fusion``/``masked_softmax_fusion``/
+``apply_rope_fusion=False`` (unless `hybridrl.parallel.cpu_rope` fills megatron's fused-RoPE
+slot, as the bridge does)/``bias_activation_fusion``/``masked_softmax_fusion``/
 ``bias_dropout_fusion``/``persist_layer_norm`` off (TE/Apex kernels).
 
 Written for megatron-core 0.16.x (checked on 0.16.1); `apply_cpu_layer` refuses other versions,
@@ -459,11 +460,17 @@ def describe_patches() -> dict[str, str]:
 
 
 def check_config_for_cpu(config: Any) -> None:
-    """Raise ValueError listing every megatron config flag that cannot work on CPU."""
+    """Raise ValueError listing every megatron config flag that cannot work on CPU.
+
+    `apply_rope_fusion=True` is fine once hybridrl's CPU RoPE fills megatron's fused slot
+    (`hybridrl.parallel.cpu_rope.install_cpu_fused_rope`)."""
+    from hybridrl.parallel.cpu_rope import cpu_fused_rope_installed
+
+    served = {"apply_rope_fusion"} if cpu_fused_rope_installed() else set()
     wrong = [
         f"{key}={getattr(config, key)!r} (needs {value!r})"
         for key, value in CPU_CONFIG_OVERRIDES.items()
-        if hasattr(config, key) and getattr(config, key) != value
+        if hasattr(config, key) and getattr(config, key) != value and key not in served
     ]
     if wrong:
         raise ValueError(
