@@ -172,10 +172,11 @@ def main() -> None:
         cells = [results[c]["summary"].get(key) for c in results]
         print(f"{key:<44}" + "".join(f"{v:>12.3f}" if v is not None else f"{'-':>12}" for v in cells))
     print(json.dumps({s: {"config": v["config"], "summary": v["summary"]} for s, v in results.items()}, indent=1))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"bench": "vs_trl", "cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
-                                   "results": results}, indent=1))
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    out = RESULTS.with_name("vs_trl_full.json") if args.full else RESULTS  # the quick figures stay
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"bench": "vs_trl", "size": "full" if args.full else "quick", "cpu_count": os.cpu_count(),
+                               "load_avg_1m": os.getloadavg()[0], "results": results}, indent=1))
+    print(f"wrote {out.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":
