@@ -41,9 +41,12 @@ clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
 
 # The CPU benchmarks (issue 8): each prints its figures and writes bench/results/<name>.json.
+# step.py at the issue's 30M size (64 prompts; step_full.json); vs_trl.py at its quick size (8 prompts:
+# TRL alone takes ~4 min a step at 64, so `python bench/vs_trl.py --full` is run by hand, ~19 min a case).
 # bench/gpu_check.sh is the GPU check for a lent device; here its logic runs in tiny CPU mode.
-CPU_BENCHES := step vs_trl reshard rollout batch_transfer soak
+CPU_BENCHES := vs_trl reshard rollout batch_transfer soak
 bench: venv
 	mkdir -p bench/results
+	echo "== bench/step.py --full"; $(PY) bench/step.py --full
 	for name in $(CPU_BENCHES); do echo "== bench/$$name.py"; $(PY) bench/$$name.py || exit 1; done
 	$(PY) bench/gpu_check.py --device cpu --tiny
