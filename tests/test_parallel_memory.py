@@ -1,4 +1,6 @@
 """Memory metrics per phase: names, the /proc parser, and real figures on this CPU process."""
+import mmap
+
 import pytest
 import torch
 
@@ -24,12 +26,18 @@ def test_proc_status_parser():
 def test_cpu_metrics_follow_a_real_allocation():
     before = M.memory_metrics("update_before", "cpu")
     assert set(before) == {"memory/update_before_allocated_gib", "memory/update_before_reserved_gib"}
-    held = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched so it is resident
+    # 64 MiB in a fresh anonymous mapping, touched so it is resident. Not a malloc'd tensor: after
+    # other tests the heap can hold a free, still-resident chunk that large, and malloc reuses it
+    # without the RSS moving (seen after test_parallel_cpu_matmul + test_parallel_cpu_rope).
+    region = mmap.mmap(-1, 64 << 20)
+    held = torch.frombuffer(region, dtype=torch.uint8)
+    held.fill_(1)
     after = M.memory_metrics("update_after", "cpu")
     grown = after["memory/update_after_allocated_gib"] - before["memory/update_before_allocated_gib"]
     assert grown > 48 / 1024, grown
     assert after["memory/update_after_reserved_gib"] >= after["memory/update_after_allocated_gib"]
     del held
+    region.close()
 
 
 def test_unresolved_device_is_refused():
