@@ -6,7 +6,8 @@ Engine's CUDA kernel when TE is installed, else None); without it, `_apply_rotar
 computes ``t * cos + cat(-x2, x1) * sin`` and then ``cat((t, t_pass))``. On CPU each of those
 elementwise ops is a pass over memory, and autograd adds more: the two concatenations, the
 negation and the chunk's backward concatenation took ~0.5 s of a 9 s fp32 update of the 30M
-benchmark model (torch profiler, 1 core), more than a twentieth of the step.
+benchmark model (torch profiler, 1 core, `aten::cat`). The function below saves 0.2 s of that
+update in fp32 and 0.24 s of 5.8 s in bf16 (in-process A/B, alternating).
 
 `rotary_embedding_half_split` fills the slot on CPU (TE cannot be installed there). It writes
 each half of the output in place::
