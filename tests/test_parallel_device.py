@@ -93,8 +93,8 @@ def test_worker_threads_follow_the_config_or_share_the_cores(setting, ranks_on_n
     from hybridrl.workers.ray_roles import MegatronWorker
 
     plan = plan_from_sources("configs/examples/cpu_tiny_grpo.yaml", [
-        "actor_rollout_ref.model.path=configs/models/tiny-demo", f"trainer.torch_threads_per_rank={setting}"
-        if setting is not None else "trainer.torch_threads_per_rank=null"])
+        "actor_rollout_ref.model.path=configs/models/tiny-demo",
+        f"trainer.torch_threads_per_rank={'null' if setting is None else setting}"])
     context = RankContext(role="actor_rollout_ref", rank=0, world_size=ranks_on_node, node_rank=0, local_rank=0,
                           local_world_size=ranks_on_node, use_gpu=False)
     before = torch.get_num_threads()

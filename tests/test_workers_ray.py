@@ -34,8 +34,8 @@ def _group(worker_cls: Any, name: str, world: int, plan: Any, role: str) -> tupl
     from hybridrl.controller.worker_group import WorkerGroup
 
     pool = ResourcePool(name, nnodes=1, workers_per_node=world, cpus_per_worker=0.25).start(timeout_s=60)
-    group = WorkerGroup(worker_cls, pool, role=role, worker_args=(plan,), worker_kwargs={"torch_threads": 1},
-                        process_group_timeout_s=120, call_timeout_s=300)
+    group = WorkerGroup(worker_cls, pool, role=role, worker_args=(plan,), process_group_timeout_s=120,
+                        call_timeout_s=300)
     return pool, group
 
 
@@ -56,6 +56,7 @@ def policy(ray_cluster, tmp_path_factory):
     root = tmp_path_factory.mktemp("workers_ray")
     hf = policy_model(root / "hf")
     config = job_config(hf, world=4, tp=2, pp=2, use_kl_loss=True)
+    config.trainer.torch_threads_per_rank = 1
     pool, group = _group(ActorRolloutRefWorker, "policy", 4, build_plan(config), "actor")
     group.call_all("init_model")
     group.learn_mesh()
@@ -116,6 +117,7 @@ def test_critic_and_reward_model_groups(ray_cluster, tmp_path):
     scorer = sequence_classifier(tmp_path / "scorer")
     batch = rollout_batch(8, seed=7)
     config = with_reward_model(with_critic(job_config(hf, world=2), scorer, tp=2), scorer, tp=1)
+    config.trainer.torch_threads_per_rank = 1
     plan = build_plan(config)
     model = transformers.LlamaForSequenceClassification.from_pretrained(scorer, dtype=torch.float32,
                                                                         attn_implementation="eager")

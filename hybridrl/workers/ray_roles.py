@@ -31,10 +31,9 @@ from hybridrl.workers import faults
 class MegatronWorker(Worker):
     """Common plumbing: the Plan, the rank's engines, mesh coordinates, thread count."""
 
-    def __init__(self, context: RankContext, plan: Plan, torch_threads: int | None = None) -> None:
+    def __init__(self, context: RankContext, plan: Plan) -> None:
         super().__init__(context)
         self.plan = plan
-        self.torch_threads = torch_threads
         self.primary: Any = None  # the MegatronRole that defines this rank's mesh
 
     def _prepare(self) -> None:
@@ -42,9 +41,9 @@ class MegatronWorker(Worker):
 
         from hybridrl.parallel.device import torch_threads_per_rank
 
-        # An explicit count (argument, then trainer.torch_threads_per_rank), or this node's cores shared
-        # among its ranks (never torch's all-cores default).
-        threads = self.torch_threads or self.plan.config.trainer.torch_threads_per_rank
+        # trainer.torch_threads_per_rank, or this node's cores shared among its ranks (never torch's
+        # all-cores default).
+        threads = self.plan.config.trainer.torch_threads_per_rank
         torch.set_num_threads(threads or torch_threads_per_rank(self.context.local_world_size))
 
     def _total_optimizer_steps(self, role: str, total_training_steps: int | None) -> int | None:
@@ -64,9 +63,8 @@ class MegatronWorker(Worker):
 class ActorRolloutRefWorker(MegatronWorker):
     """The hybrid engine's processes: policy training, reference log-probs and (later) the rollout."""
 
-    def __init__(self, context: RankContext, plan: Plan, roles: tuple[str, ...] = ("actor", "ref"),
-                 torch_threads: int | None = None) -> None:
-        super().__init__(context, plan, torch_threads)
+    def __init__(self, context: RankContext, plan: Plan, roles: tuple[str, ...] = ("actor", "ref")) -> None:
+        super().__init__(context, plan)
         unknown = set(roles) - {"actor", "ref", "rollout"}
         if unknown:
             raise ValueError(f"unknown roles {sorted(unknown)} for ActorRolloutRefWorker")
@@ -140,8 +138,8 @@ class ActorRolloutRefWorker(MegatronWorker):
 
 
 class CriticWorker(MegatronWorker):
-    def __init__(self, context: RankContext, plan: Plan, torch_threads: int | None = None) -> None:
-        super().__init__(context, plan, torch_threads)
+    def __init__(self, context: RankContext, plan: Plan) -> None:
+        super().__init__(context, plan)
         self.critic: Any = None
 
     def init_model(self, total_training_steps: int | None = None) -> None:
@@ -172,8 +170,8 @@ class CriticWorker(MegatronWorker):
 
 
 class RewardModelWorker(MegatronWorker):
-    def __init__(self, context: RankContext, plan: Plan, torch_threads: int | None = None) -> None:
-        super().__init__(context, plan, torch_threads)
+    def __init__(self, context: RankContext, plan: Plan) -> None:
+        super().__init__(context, plan)
         self.reward_model: Any = None
 
     def init_model(self) -> None:
