@@ -86,10 +86,11 @@ def install_cpu_fused_rope() -> bool:
 
     if rope_utils.fused_apply_rotary_pos_emb is None:
         rope_utils.fused_apply_rotary_pos_emb = rotary_embedding_half_split
-    return rope_utils.fused_apply_rotary_pos_emb is rotary_embedding_half_split
+    return cpu_fused_rope_installed()
 
 
 def cpu_fused_rope_installed() -> bool:
+    """Whether megatron's fused-RoPE slot holds `rotary_embedding_half_split`."""
     from megatron.core.models.common.embeddings import rope_utils
 
     return rope_utils.fused_apply_rotary_pos_emb is rotary_embedding_half_split
