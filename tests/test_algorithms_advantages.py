@@ -241,13 +241,24 @@ def test_registry_estimators_spread_sequence_scores_over_tokens():
     expected = torch.tensor([[-1.0, -1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]], dtype=F64)
     torch.testing.assert_close(adv, expected)
     torch.testing.assert_close(ret, expected)
-    adv, _ = compute_advantages("dr_grpo", token_rewards, mask, group_index=[0, 0, 0])
-    torch.testing.assert_close(adv, expected)  # std is 1 here, so Dr.GRPO agrees
     adv, _ = compute_advantages("rloo", token_rewards, mask, group_index=[0, 0, 0])
     torch.testing.assert_close(adv[:, 0], torch.tensor([-1.5, 1.5, 0.0], dtype=F64))
     baseline = torch.tensor([1.0, 1.0, 1.0], dtype=F64)
     adv, _ = compute_advantages("remax", token_rewards, mask, baseline_scores=baseline)
     torch.testing.assert_close(adv[:, 0], torch.tensor([0.0, 2.0, 1.0], dtype=F64))
+
+
+def test_registry_dr_grpo_skips_the_std_division_grpo_applies():
+    # Sequence scores 1, 5, 3 in one group: mean 3, unbiased std 2, so the two estimators differ
+    # by exactly that factor: GRPO (s - 3) / 2 = -1, 1, 0; Dr.GRPO s - 3 = -2, 2, 0.
+    token_rewards = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 5.0], [3.0, 0.0, 0.0]], dtype=F64)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]])
+    grpo, _ = compute_advantages("grpo", token_rewards, mask, group_index=[0, 0, 0], eps=0.0)
+    dr_grpo, dr_returns = compute_advantages("dr_grpo", token_rewards, mask, group_index=[0, 0, 0])
+    torch.testing.assert_close(grpo, torch.tensor([[-1.0, -1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]], dtype=F64))
+    expected = torch.tensor([[-2.0, -2.0, 0.0], [2.0, 2.0, 2.0], [0.0, 0.0, 0.0]], dtype=F64)
+    torch.testing.assert_close(dr_grpo, expected)
+    torch.testing.assert_close(dr_returns, expected)
 
 
 def test_registry_gae_whitens_and_reinforce_pp_matches_function():

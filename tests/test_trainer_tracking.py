@@ -3,6 +3,8 @@ import json
 import math
 import time
 
+import pytest
+
 from hybridrl.trainer.timing import PhaseTimer, throughput_metrics
 from hybridrl.trainer.tracking import Tracker, plot_run, render_summary
 
@@ -24,8 +26,24 @@ def test_tracker_fans_out_to_console_jsonl_tensorboard(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3] and records[1]["critic/score/mean"] == 0.2
     assert records[0]["weird"] == "nan"
-    events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
-    assert events and events[0].stat().st_size > 0
+    scalars = _tensorboard_scalars(tmp_path / "tensorboard")
+    assert set(scalars) == {*_history(1)[0], "weird"}
+    for key in _history(1)[0]:
+        expected = [(step, metrics[key]) for step, metrics in enumerate(_history(3), start=1)]
+        assert [step for step, _ in scalars[key]] == [step for step, _ in expected], key
+        assert [value for _, value in scalars[key]] == pytest.approx([value for _, value in expected]), key
+    assert [step for step, _ in scalars["weird"]] == [1, 2, 3]
+    assert all(math.isnan(value) for _, value in scalars["weird"])
+
+
+def _tensorboard_scalars(log_dir):
+    """{tag: [(step, value), ...]} read back from the event files with TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return {tag: [(event.step, event.value) for event in accumulator.Scalars(tag)]
+            for tag in accumulator.Tags()["scalars"]}
 
 
 def test_unknown_logger_named():
