@@ -2,12 +2,19 @@
 
 Batch columns (per rank: this DP rank's rows, as the controller dispatches them):
   in:  `input_ids`, `attention_mask`, `position_ids` `[B, T]`; `responses`, `response_mask` `[B, R]`
-       (see `sequences`); `meta["temperature"]` (default 1.0) divides the logits, as in sampling.
+       (see `sequences`); `meta["temperature"]` (default 1.0) divides the logits in every log-prob
+       this module computes — old, reference, the update's own and the probe's — as in sampling.
   `compute_log_prob` out: `<output_key>` `[B, R]` (`old_log_probs` for the actor, `ref_log_probs`
        for the reference), optionally `entropys` `[B, R]`; 0 where `response_mask` is 0.
   `update_policy` in: also `old_log_probs`, `advantages` `[B, R]`, and `ref_log_probs` with
        `use_kl_loss`.
 Results are returned on the output ranks (last pipeline stage, TP rank 0); other ranks return None.
+
+The old policy is the tempered softmax over the whole vocabulary. vLLM samples after top-k/top-p and
+reports log-probs of that truncated, renormalized distribution (`rollout_log_probs`), so with those
+filters on the rollout's log-probs sit above the trainer's by log(1 / kept mass) and
+`rollout/log_prob_abs_diff_max` measures the truncation, not a numerics error. PPO's ratio is taken
+against the trainer's old log-probs, never against the rollout's.
 
 Log-probs never gather the vocabulary: the last stage's logits `[b, s, V/tp]` are cut to the
 columns that predict response tokens, padded vocab ids are masked (megatron pads the vocab with
@@ -23,6 +30,7 @@ single-rank run in tests/test_workers_actor.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -90,6 +98,17 @@ class PolicyUpdateMetrics:
         return out
 
 
+def sampling_temperature(batch: Batch) -> float:
+    """The temperature the batch's responses were sampled at (`meta["temperature"]`, default 1).
+
+    Greedy decoding (0) scores the unscaled logits, as vLLM reports log-probs for greedy requests.
+    """
+    temperature = float(batch.meta.get("temperature", 1.0))
+    if temperature < 0:
+        raise ValueError(f"batch meta temperature={temperature} must be >= 0")
+    return temperature if temperature > 0 else 1.0
+
+
 def response_logits(engine: MegatronRole, micro: ModelInputs, logits: torch.Tensor,
                     temperature: float) -> torch.Tensor:
     """The vocab shard `[b, R, V/tp]` (float32) predicting each response token, padded ids masked."""
@@ -120,7 +139,7 @@ class MegatronActor:
     def compute_log_prob(self, batch: Batch, with_entropy: bool = False) -> Batch | None:
         engine, ctx = self.engine, self.engine.ctx
         tensors = batch.tensors
-        temperature = float(batch.meta.get("temperature", 1.0))
+        temperature = sampling_temperature(batch)
         partition = partition_rows(tensors["attention_mask"], self.forward_plan.micro_batch_size,
                                    dynamic=self.dynamic, max_tokens=self.max_tokens, dp_group=ctx.dp_group)
         micros = [micro_batch_inputs(tensors, rows, pad_multiple=engine.pad_multiple) for rows in partition]
@@ -160,13 +179,17 @@ class MegatronActor:
         gap_key = "old_log_probs" if "old_log_probs" in batch.tensors else "rollout_log_probs"
         optional = (gap_key,) + (("ref_log_probs",) if self.loss.use_kl_loss else ())
         extra_keys = ("advantages",) + tuple(k for k in optional if k in batch.tensors)
+        # The update scores the responses under the distribution they were sampled from, as the
+        # old-log-prob pass, the reference and the rollout do: at T != 1 an untempered update would
+        # make the ratio differ from 1 on the policy's own samples.
+        loss = partial(self._policy_loss, temperature=sampling_temperature(batch))
         steps: list[dict[str, float]] = []
         skipped = 0
         for epoch in range(update.ppo_epochs):
             order = self._row_order(rows, epoch)
             for start in range(0, rows, per_mini):
                 step, applied = train_mini_batch(
-                    engine, batch, order[start:start + per_mini], update.micro_batch_size, self._policy_loss,
+                    engine, batch, order[start:start + per_mini], update.micro_batch_size, loss,
                     extra_keys=extra_keys, dynamic=self.dynamic, max_tokens=self.max_tokens)
                 skipped += not applied
                 steps.append(step)
@@ -189,9 +212,9 @@ class MegatronActor:
         return torch.randperm(rows, generator=gen).tolist()
 
     def _policy_loss(self, micro: ModelInputs, logits: torch.Tensor, *, normalizers: LossNormalizers,
-                     scale: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                     scale: int, temperature: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ctx, cfg = self.engine.ctx, self.loss
-        shard = response_logits(self.engine, micro, logits, 1.0)
+        shard = response_logits(self.engine, micro, logits, temperature)
         log_prob = vocab_parallel_log_prob(shard, micro.responses, ctx.tp_group)
         mask = micro.response_mask.to(log_prob.dtype)
         norm = dict(normalizers.as_kwargs(), norm_length=cfg.norm_length)

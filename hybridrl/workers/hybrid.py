@@ -8,8 +8,15 @@ Per rank, in this order (vLLM after megatron: the engine joins the process group
 Every sync (after each actor update) is proven, not assumed:
   - checksums: the resharder's digest of every shard it produced must equal the digest of what vLLM
     holds afterwards, tensor by tensor (a mismatch stops training, naming tensor and rank);
-  - a log-prob probe: a fixed short sequence is scored by the megatron actor and by vLLM; the max
-    abs gap is a metric every step and stops training above `probe_tolerance`.
+  - a log-prob probe: a fixed short sequence is scored by the megatron actor and by every vLLM
+    replica (each replica's TP rank 0 compares its own copy with the trainer's log-probs); the max abs
+    gap over replicas is a metric every step and stops training above `probe_tolerance`.
+
+What the checksums cover. On GPU, vLLM's parameters themselves: what serves. On CPU, vLLM packs each
+linear and embedding weight for oneDNN after loading and empties the parameter, so the digest is of
+the weight as vLLM's loader laid it out, captured just before that packing (`vllm_patches`); the
+packing is vLLM's own transform of that verified input, and what the packed weights compute is
+proven by the probe on every replica.
 
 Methods the controller calls (all ranks at once; batches dispatched by DP): setup,
 generate_sequences (rollout mesh), release_rollout_memory, sync_weights, and the inherited
@@ -84,6 +91,7 @@ class HybridEngineWorker(ActorRolloutRefWorker):
         self.resharder = None
         self.syncs = 0
         self.phase_memory: dict[str, float] = {}  # this step's memory/* figures, handed out by sync_weights
+        self.replica_probe_gaps: dict[int, float] = {}  # the last sync's probe gap per replica, by its TP-0 rank
 
     def _record_memory(self, phase: str) -> None:
         self.phase_memory.update(memory_metrics(phase, self.plan.resolved.device))
@@ -190,31 +198,53 @@ class HybridEngineWorker(ActorRolloutRefWorker):
             verify_checksums(report.checksums, held, self.rank, ignore_extra=True)
         except Exception as exc:  # the error names tensors and rank; keep its type for the controller
             raise WeightSyncError(f"sync {self.syncs}: {exc}") from exc
-        gap = self._probe_gap()
         self.syncs += 1
-        if gap > self.settings.probe_tolerance:
-            raise WeightSyncError(
-                f"sync {self.syncs}: log-prob probe gap {gap:.3g} between megatron and vLLM exceeds "
-                f"{self.settings.probe_tolerance:g} (rank {self.rank})"
-            )
+        gap = self.prove_by_probe()
         metrics = report.as_metrics()
-        metrics.update({"reshard/probe_max_abs_gap": gap, "timing_s/sync_total": time.perf_counter() - started})
+        metrics.update({"reshard/probe_max_abs_gap": gap, "reshard/probe_replicas": float(len(self.replica_probe_gaps)),
+                        "timing_s/sync_total": time.perf_counter() - started})
         self._record_memory("sync_after")
         metrics.update(self.phase_memory)
         self.phase_memory = {}
         return metrics
 
     def _probe_gap(self) -> float:
-        """Max |megatron log-prob - vLLM log-prob| over the probe's response tokens (0 off the output ranks)."""
+        """Max |megatron log-prob - vLLM log-prob| over the probe's response tokens, over every replica.
+
+        The trainer's log-probs (computed on its output ranks) go to every rank; each replica's TP
+        rank 0 compares them with what its own vLLM copy computes, so every copy that serves is
+        proven, not only the one in the output rank's process. Every rank returns the same value
+        and raises naming the worst replica when it is over the tolerance.
+        """
         probe = _probe_batch(self.pad_token_id)
-        # every rank of the actor must run the forward (pipeline schedule is collective)
+        # every rank of the actor must run the forward (pipeline schedule is collective), and every
+        # TP peer of a replica must score the prompt (vLLM's TP forward is collective)
         trained = self.actor.compute_log_prob(probe.select(list(probe.tensors)))
         rollout = self.rollout.prompt_log_probs(list(PROBE_PROMPT + PROBE_RESPONSE))
-        if trained is None:
-            return 0.0
-        ours = trained["old_log_probs"][0]
-        theirs = torch.tensor(rollout[len(PROBE_PROMPT):], dtype=ours.dtype)
-        return float((ours - theirs).abs().max())
+        local = None if trained is None else trained["old_log_probs"][0].tolist()
+        everyone: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(everyone, local)
+        ours = torch.tensor(next(t for t in everyone if t is not None), dtype=torch.float64)
+        gap = None
+        if self.rollout.tp_rank == 0:
+            theirs = torch.tensor(rollout[len(PROBE_PROMPT):], dtype=torch.float64)
+            gap = float((ours - theirs).abs().max())
+        gaps: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(gaps, gap)
+        self.replica_probe_gaps = {rank: g for rank, g in enumerate(gaps) if g is not None}
+        return max(self.replica_probe_gaps.values())
+
+    def prove_by_probe(self) -> float:
+        """The probe gap over every replica; raises `WeightSyncError` naming the worst one above tolerance."""
+        gap = self._probe_gap()
+        if gap > self.settings.probe_tolerance:
+            worst = max(self.replica_probe_gaps, key=self.replica_probe_gaps.__getitem__)
+            each = ", ".join(f"rank {r}: {g:.3g}" for r, g in sorted(self.replica_probe_gaps.items()))
+            raise WeightSyncError(
+                f"sync {self.syncs}: log-prob probe gap {gap:.3g} between megatron and the vLLM replica "
+                f"led by rank {worst} exceeds {self.settings.probe_tolerance:g} (per replica: {each})"
+            )
+        return gap
 
 
 def left_pad_prompts(batch: Batch, width: int, pad_token_id: int) -> Batch:
