@@ -146,3 +146,37 @@ def test_init_distributed():
         assert "already initialized as rank" in o["other_world"]
         assert "CUDA is not available" in o["cuda"]
         assert o["fresh"] == "gloo" and o["sum"] == 3.0
+
+
+# ------------------------------------------------------------------------------------------------
+# process-group timeouts (trainer.nccl_timeout_s reaches megatron's groups)
+# ------------------------------------------------------------------------------------------------
+LAUNCHER_TIMEOUT_S = 420  # the world group's, set by run_ranks: 7 whole minutes
+
+
+CASES_S = {"world-group-default": (None, LAUNCHER_TIMEOUT_S), "explicit": (1800.0, 1800.0),
+           "rounded-up-to-minutes": (61.0, 120.0)}  # (timeout_s passed, what every megatron group gets)
+
+
+def _group_timeouts(rank: int, world_size: int) -> dict:
+    from megatron.core import parallel_state as mps
+
+    out = {"world": state.process_group_timeout_s()}
+    for case, (explicit_s, _) in CASES_S.items():
+        ctx = state.initialize_model_parallel(tp=2, pp=1, device="cpu", timeout_s=explicit_s)
+        try:
+            groups = {"tp": ctx.tp_group, "pp": ctx.pp_group, "dp": ctx.dp_group, "cp": ctx.cp_group,
+                      "model_parallel": ctx.model_parallel_group, "embedding": mps.get_embedding_group()}
+            out[case] = {name: state.process_group_timeout_s(group) for name, group in groups.items()}
+        finally:
+            state.destroy_model_parallel()
+    return out
+
+
+def test_megatron_groups_take_the_requested_timeout():
+    # megatron's own default (distributed_timeout_minutes=30) would give 1800 s to every group
+    outs = run_ranks(_group_timeouts, 2, timeout_s=LAUNCHER_TIMEOUT_S)
+    for rank, out in enumerate(outs):
+        assert out["world"] == LAUNCHER_TIMEOUT_S
+        for case, (_, expected_s) in CASES_S.items():
+            assert out[case] == dict.fromkeys(out[case], expected_s), (rank, case, out[case])

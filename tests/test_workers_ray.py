@@ -27,6 +27,7 @@ from tests.test_workers_ranks import _update_rank
 
 pytestmark = pytest.mark.slow
 TOL = 1e-5
+PG_TIMEOUT_S = 180.0  # whole minutes (megatron's unit), and not megatron's own default of 30
 
 
 def _group(worker_cls: Any, name: str, world: int, plan: Any, role: str) -> tuple[Any, Any]:
@@ -34,7 +35,7 @@ def _group(worker_cls: Any, name: str, world: int, plan: Any, role: str) -> tupl
     from hybridrl.controller.worker_group import WorkerGroup
 
     pool = ResourcePool(name, nnodes=1, workers_per_node=world, cpus_per_worker=0.25).start(timeout_s=60)
-    group = WorkerGroup(worker_cls, pool, role=role, worker_args=(plan,), process_group_timeout_s=120,
+    group = WorkerGroup(worker_cls, pool, role=role, worker_args=(plan,), process_group_timeout_s=PG_TIMEOUT_S,
                         call_timeout_s=300)
     return pool, group
 
@@ -69,6 +70,13 @@ def test_mesh_of_the_policy_group(policy):
     from hybridrl.controller.dispatch import RankMesh
 
     assert policy["group"].require_mesh() == RankMesh.from_sizes(tp=2, pp=2, dp=1)
+
+
+def test_the_group_timeout_reaches_every_process_group(policy):
+    """What the trainer passes as `trainer.nccl_timeout_s` bounds the world group and megatron's groups."""
+    for rank, timeouts in enumerate(policy["group"].call_all("process_group_timeouts")):
+        assert set(timeouts) == {"world", "tp", "pp", "dp", "cp", "dp_cp", "model_parallel"}
+        assert timeouts == dict.fromkeys(timeouts, PG_TIMEOUT_S), (rank, timeouts)
 
 
 def test_actor_and_reference_log_probs_equal_transformers(policy):

@@ -242,6 +242,9 @@ class TrainerConfig:
         None, "torch intra-op threads in each worker process; None = this machine's cores ÷ its ranks")
 
 
+    nccl_timeout_s: float = doc(
+        1800.0, "process-group timeout (nccl/gloo, megatron's groups too): the longest a rank waits in one "
+        "collective, e.g. while rank 0 saves a checkpoint or an HF export")
 @dataclass
 class JobConfig:
     data: DataConfig = doc(factory=DataConfig, text="prompts")

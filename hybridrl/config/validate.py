@@ -157,6 +157,8 @@ def _check_trainer(check: _Checker, config: JobConfig) -> bool:
     check.is_int_at_least("trainer.max_consecutive_nonfinite_steps", t.max_consecutive_nonfinite_steps, 0)
     check.in_range("trainer.gpu_memory_gib", t.gpu_memory_gib, 0, 1e6, low_open=True)
     if t.resume_mode not in RESUME_MODES and not Path(str(t.resume_mode)).exists():
+    # a week: anything longer is a unit mistake (minutes or ms), not a wait anyone wants
+    check.in_range("trainer.nccl_timeout_s", t.nccl_timeout_s, 0, 7 * 86400, low_open=True)
         check.fail("trainer.resume_mode", t.resume_mode, "must be auto, disable, or an existing checkpoint path",
                    RESUME_MODES)
     for i, name in enumerate(t.logger):

@@ -102,8 +102,9 @@ class Worker:
     def init_process_group(self, master_addr: str, master_port: int, backend: str, timeout_s: float) -> None:
         """Join the group's default process group; all ranks must call this concurrently.
 
-        A short timeout bounds how long peers of a dead rank stay blocked in a collective (the
-        controller kills the group sooner, but a process must never wait torch's default 30 min).
+        `timeout_s` (`trainer.nccl_timeout_s`) bounds every collective of the group, megatron's
+        groups included (they take the world group's); a dead rank is caught sooner by the
+        controller, which kills the whole group.
         """
         import torch
         import torch.distributed as dist
@@ -118,6 +119,18 @@ class Worker:
             world_size=self.context.world_size,
             timeout=timedelta(seconds=timeout_s),
         )
+
+    def process_group_timeouts(self) -> dict[str, float | None]:
+        """Seconds each of this rank's process groups waits in a collective: the world group's,
+        and megatron's TP/PP/DP/CP groups once its parallel state is set up."""
+        from hybridrl.parallel import state
+
+        timeouts = {"world": state.process_group_timeout_s()}
+        if state.is_initialized():
+            ctx = state.get_context()
+            for axis in ("tp", "pp", "dp", "cp", "dp_cp", "model_parallel"):
+                timeouts[axis] = state.process_group_timeout_s(getattr(ctx, f"{axis}_group"))
+        return timeouts
 
     def destroy_process_group(self) -> None:
         import torch.distributed as dist

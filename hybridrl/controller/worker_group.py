@@ -6,12 +6,12 @@ Bring-up, in order (each step fails fast with the role and rank that broke it):
 2. local ranks from the physical node each actor landed on (and, on GPU, CUDA_VISIBLE_DEVICES =
    the node's group GPUs, so device index == LOCAL_RANK as under torchrun);
 3. rank 0 picks a free port on its node; all ranks `init_process_group` concurrently
-   (`nccl` on GPU, `gloo` on CPU) with a short timeout.
+   (`nccl` on GPU, `gloo` on CPU) with `process_group_timeout_s`; megatron's groups take the same.
 
-The process-group timeout (default 5 min, vs torch's 30) is a backstop only: when a rank fails,
-the controller kills the whole group within seconds (see gather), so no peer waits on it. It must
-still exceed the longest legitimate wait inside a collective (e.g. peers at a barrier while rank 0
-writes a checkpoint).
+The process-group timeout (the trainer passes `trainer.nccl_timeout_s`, 30 min by default) is a
+backstop only: when a rank fails, the controller kills the whole group within seconds (see
+gather), so no peer waits on it. It must exceed the longest legitimate wait inside a collective
+(peers at a barrier while rank 0 alone writes a checkpoint or an HF export).
 """
 from __future__ import annotations
 

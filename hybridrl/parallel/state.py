@@ -104,13 +104,15 @@ def init_distributed(
     master_addr: str = "127.0.0.1",
     master_port: int = 29500,
     device: str = "cpu",
-    timeout_s: float = 120.0,
+    timeout_s: float = 1800.0,
 ) -> str:
     """Join the default torch.distributed group (nccl on cuda, gloo on cpu); return the backend.
 
-    The timeout is short on purpose: a rank that dies inside a collective would otherwise leave
-    its peers hanging for torch's default 30 minutes. Safe to call when the default group already
-    exists with the same rank and world size (returns its backend); a different world is an error.
+    `timeout_s` bounds every collective of the group (`trainer.nccl_timeout_s`, 30 min by default):
+    long enough for peers waiting while rank 0 alone writes a checkpoint or an HF export; a dead
+    rank is caught sooner by the controller, which kills the whole group. Safe to call when the
+    default group already exists with the same rank and world size (returns its backend); a
+    different world is an error.
     """
     import torch
     import torch.distributed as dist
@@ -146,11 +148,14 @@ def initialize_model_parallel(
     cp: int = 1,
     seed: int = 1234,
     device: str = "cpu",
-    timeout_s: float = 120.0,
+    timeout_s: float | None = None,
 ) -> ParallelContext:
     """Create megatron-core's parallel groups for (tp, pp, vpp, cp) and seed its RNG streams.
 
-    torch.distributed must be initialized. On cpu the CPU layer is installed first. Seeding follows
+    torch.distributed must be initialized. On cpu the CPU layer is installed first. The groups'
+    timeout is `timeout_s`, by default the world group's own (the worker group sets that one from
+    `trainer.nccl_timeout_s`), rounded up to whole minutes (megatron's unit); megatron's own
+    default would be 30 minutes whatever the job asked for. Seeding follows
     Megatron-LM's training setup: each pipeline stage uses `stage_seed = seed + 100 * pp_rank`
     (so stages holding different layers do not initialize them identically); the default generator
     gets `stage_seed` (equal across TP and DP, megatron's data-parallel stream) and the tracker's
@@ -165,6 +170,12 @@ def initialize_model_parallel(
     resolved = resolve_device(device)
     world_size = dist.get_world_size()
     dp = validate_layout(world_size, tp, pp, cp, vpp)
+    if timeout_s is None:
+        timeout_s = process_group_timeout_s()
+    if timeout_s is None:
+        raise RuntimeError("cannot read the default process group's timeout from this torch build: pass timeout_s")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s={timeout_s} must be a positive number of seconds")
     if resolved == "cpu":
         from hybridrl.parallel.cpu_layer import apply_cpu_layer
         from hybridrl.parallel.cpu_matmul import route_fp32_matmul_to_onednn
@@ -189,6 +200,26 @@ def initialize_model_parallel(
     seed_model_parallel(stage_seed(seed, mps.get_pipeline_model_parallel_rank()), resolved)
     _context = _build_context(resolved, seed, tp, pp, cp, dp, vpp)
     return _context
+
+
+def process_group_timeout_s(group: dist.ProcessGroup | None = None) -> float | None:
+    """The timeout a process group (default: the world group) was created with, in seconds.
+
+    Read from the group's backend options (torch keeps no public accessor); None where this torch
+    build does not expose them.
+    """
+    import torch
+    import torch.distributed as dist
+
+    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    name = str(dist.get_backend(group))
+    device = torch.device("cuda" if "nccl" in name else "cpu")
+    get_backend = getattr(group, "_get_backend", None)
+    if get_backend is None:
+        return None
+    options = getattr(get_backend(device), "options", None)
+    timeout = getattr(options, "_timeout", None)
+    return None if timeout is None else timeout.total_seconds()
 
 
 def stage_seed(seed: int, pp_rank: int) -> int:

@@ -151,8 +151,9 @@ class Trainer:
                                  max_colocated_groups=colocated)
         self.pool.start(timeout_s=300)
         settings = HybridSettings(probe_tolerance=1e-4 if plan.resolved.rollout_dtype == "fp32" else 5e-2)
+        timeout_s = trainer.nccl_timeout_s  # every group's collectives, megatron's included
         self.actor_group = WorkerGroup(HybridEngineWorker, self.pool, role="actor_rollout_ref",
-                                       worker_args=(plan, settings))
+                                       worker_args=(plan, settings), process_group_timeout_s=timeout_s)
         setup = self.actor_group.call_all("setup", self.total_steps)
         self.actor_group.learn_mesh()
         coords = self.actor_group.call_all("rollout_coords")
@@ -168,13 +169,15 @@ class Trainer:
         if plan.resolved.critic_enabled:
             from hybridrl.workers.ray_roles import CriticWorker
 
-            self.critic_group = WorkerGroup(CriticWorker, self.pool, role="critic", worker_args=(plan,))
+            self.critic_group = WorkerGroup(CriticWorker, self.pool, role="critic", worker_args=(plan,),
+                                            process_group_timeout_s=timeout_s)
             self.critic_group.call_all("init_model", self.total_steps)
             self.critic_group.learn_mesh()
         if self.config.reward_model.enable:
             from hybridrl.workers.ray_roles import RewardModelWorker
 
-            self.rm_group = WorkerGroup(RewardModelWorker, self.pool, role="reward_model", worker_args=(plan,))
+            self.rm_group = WorkerGroup(RewardModelWorker, self.pool, role="reward_model", worker_args=(plan,),
+                                        process_group_timeout_s=timeout_s)
             self.rm_group.call_all("init_model")
             self.rm_group.learn_mesh()
 
