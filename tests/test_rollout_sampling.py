@@ -61,6 +61,11 @@ def test_engine_kwargs_keep_device_differences_in_one_place():
     gpu = vllm_engine_kwargs(config, "cuda", distributed=False)
     assert gpu["dtype"] == "bfloat16" and gpu["enable_sleep_mode"] is True and gpu["enforce_eager"] is False
     assert gpu["gpu_memory_utilization"] == 0.5 and "kv_cache_memory_bytes" not in gpu
+    assert gpu["disable_custom_all_reduce"] is True and "distributed_executor_backend" not in gpu
+    # a TP1 replica inside the trainer's group takes its GPU from LOCAL_RANK, not vLLM's local rank 0
+    colocated = vllm_engine_kwargs(config, "cuda", distributed=True)
+    assert colocated["distributed_executor_backend"] == "external_launcher" and colocated["tensor_parallel_size"] == 1
+    assert "distributed_executor_backend" not in vllm_engine_kwargs(config, "cpu", distributed=True)
     tp2 = RolloutEngineConfig(model_path="/m", infer_tp=2)
     assert vllm_engine_kwargs(tp2, "cpu", distributed=True)["distributed_executor_backend"] == "external_launcher"
     with pytest.raises(RuntimeError, match="initialize torch.distributed"):

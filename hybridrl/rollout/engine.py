@@ -95,6 +95,18 @@ class RolloutEngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
 
 
+def uses_external_launcher(config: RolloutEngineConfig, device: str, distributed: bool) -> bool:
+    """Whether the trainer's processes are vLLM's ranks (`external_launcher`) rather than vLLM's own
+    single-process executor.
+
+    Always for infer_tp > 1. On cuda also for infer_tp = 1 inside a trainer process group: vLLM's
+    single-process executor takes local rank 0, so every replica of a node would build on GPU 0 and
+    move the trainer's current device there; external_launcher takes the device from LOCAL_RANK,
+    which is the trainer's own. On CPU a TP1 engine stays an independent in-process engine.
+    """
+    return config.infer_tp > 1 or (device == "cuda" and distributed)
+
+
 def vllm_engine_kwargs(config: RolloutEngineConfig, device: str, distributed: bool) -> dict[str, Any]:
     """Keyword arguments for `vllm.LLM` on a resolved device ('cpu' | 'cuda').
 
@@ -121,7 +133,7 @@ def vllm_engine_kwargs(config: RolloutEngineConfig, device: str, distributed: bo
     )
     if config.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
-    if config.infer_tp > 1:
+    if uses_external_launcher(config, device, distributed):
         kwargs["distributed_executor_backend"] = "external_launcher"
     if device == "cpu":
         kwargs.update(
@@ -136,6 +148,9 @@ def vllm_engine_kwargs(config: RolloutEngineConfig, device: str, distributed: bo
             enforce_eager=False if config.enforce_eager is None else config.enforce_eager,
             gpu_memory_utilization=config.gpu_memory_utilization,
             enable_sleep_mode=True if config.enable_sleep_mode is None else config.enable_sleep_mode,
+            # vLLM's custom all-reduce allocates its own IPC buffers and CUDA-graph state per TP group;
+            # colocated with the trainer it holds memory through sleep and can hang next to NCCL.
+            disable_custom_all_reduce=True,
         )
         if config.block_size is not None:
             kwargs["block_size"] = config.block_size
@@ -395,7 +410,7 @@ class RolloutEngine:
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
             raise RuntimeError("VLLM_ENABLE_V1_MULTIPROCESSING must be 0 (or unset) for a colocated rollout engine")
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        if config.infer_tp > 1:
+        if kwargs.get("distributed_executor_backend") == "external_launcher":
             for var in ("RANK", "LOCAL_RANK"):
                 if var not in os.environ:
                     raise RuntimeError(f"external_launcher reads {var} from the environment; it is not set")

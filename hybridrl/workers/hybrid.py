@@ -165,8 +165,12 @@ class HybridEngineWorker(ActorRolloutRefWorker):
         return out if self.rollout.tp_rank == 0 else None
 
     def release_rollout_memory(self) -> None:
-        """After generation: vLLM sleeps (KV cache freed, weights offloaded) while training runs."""
-        self.rollout.sleep(level=1)
+        """After generation: vLLM sleeps while training runs, KV cache and weights freed.
+
+        Level 2 discards the weights instead of copying them to host and back (level 1): the next
+        sync rewrites every parameter, and vLLM keeps its buffers (rotary caches) across level 2.
+        """
+        self.rollout.sleep(level=2)
 
     def update_actor(self, batch: Batch) -> dict[str, float] | None:
         self._record_memory("update_before")
