@@ -126,7 +126,9 @@ class RolloutConfig:
     cpu_kv_cache_gib: float | None = doc(
         None, "CPU only: KV cache of each vLLM rank in GiB; None = enough for one replica's whole rollout "
               "batch at full length (generation in one wave)")
-    enforce_eager: bool = doc(True, "no CUDA graphs (faster start, less memory)")
+    enforce_eager: bool | None = doc(
+        None, "None = CUDA graphs on cuda (faster decoding), eager on cpu (no graphs there); "
+              "true = no CUDA graphs (faster start, less memory)")
     free_cache_engine: bool = doc(True, "sleep vLLM (free KV cache and weights) while training")
     max_num_batched_tokens: int = doc(8192, "vLLM scheduler token budget per step")
     max_num_seqs: int = doc(1024, "vLLM scheduler sequence budget")
