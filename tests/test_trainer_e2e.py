@@ -120,3 +120,159 @@ def test_killed_run_resumes_with_identical_next_step(demo_assets, tmp_path):
     assert [r["step"] for r in rows] == [3]
     for key in keys:
         assert rows[0][key] == pytest.approx(reference[3][key], abs=1e-5), key
+
+
+def _rollouts(run: Path, step: int) -> list[dict]:
+    """The step's trained samples as `trainer.rollout_data_dir` wrote them."""
+    return [json.loads(line) for line in (run / "rollouts" / f"step_{step}.jsonl").read_text().splitlines()]
+
+
+def _groups(samples: list[dict]) -> dict[str, list[dict]]:
+    groups: dict[str, list[dict]] = {}
+    for sample in samples:
+        groups.setdefault(str(sample["uid"]), []).append(sample)
+    return groups
+
+
+# A user's reward file: constant for the letters a and b (those groups have no spread and dynamic
+# sampling must drop them), a value that differs between almost any two responses otherwise. Every
+# call is logged, so the test sees what the trainer asked for, validation included.
+REWARD_FILE = '''
+import json
+import zlib
+
+CALLS = {calls!r}
+
+
+def score_of(response, ground_truth):
+    if ground_truth[0] in "ab":
+        return 0.5
+    return (zlib.crc32(response.encode()) % 1000) / 1000
+
+
+def compute_score(response, ground_truth, extra):
+    score = score_of(response, ground_truth)
+    with open(CALLS, "a") as calls:
+        calls.write(json.dumps({{"split": extra["extra_info"]["split"], "score": score}}) + "\\n")
+    return score
+'''
+
+
+def test_custom_reward_dynamic_sampling_validation_and_old_log_prob_pass(demo_assets, tmp_path):
+    """One run for four features (one Ray/vLLM start-up): a custom reward file, dynamic sampling
+    with refill, validation before training and every `test_freq` steps, and the rollout-vs-trainer
+    log-prob gap measured by the old-log-prob pass."""
+    import importlib.util
+
+    run = tmp_path / "run"
+    calls = tmp_path / "reward_calls.jsonl"
+    reward_file = tmp_path / "my_reward.py"
+    reward_file.write_text(REWARD_FILE.format(calls=str(calls)))
+    steps, batch, n = 3, 8, 8
+    result = _train("configs/examples/cpu_tiny_grpo.yaml", _overrides(
+        demo_assets, run, f"trainer.total_training_steps={steps}", "trainer.test_freq=2",
+        "trainer.val_before_train=true", f"trainer.rollout_data_dir={run / 'rollouts'}",
+        f"algorithm.custom_reward_function.path={reward_file}", "algorithm.filter_groups.enable=true",
+        "actor_rollout_ref.actor.old_log_prob=recompute"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    rows = {r["step"]: r for r in _metrics(run)}
+    assert sorted(rows) == [0, 1, 2, 3]
+
+    # validation: before training and at step 2 only, each the mean of the reward file's scores of
+    # that validation pass (16 greedy val prompts)
+    assert [s for s in sorted(rows) if "val/score/mean" in rows[s]] == [0, 2]
+    val_scores = [c["score"] for c in map(json.loads, calls.read_text().splitlines()) if c["split"] == "val"]
+    assert len(val_scores) == 2 * 16
+    for k, step in enumerate((0, 2)):
+        assert rows[step]["val/score/mean"] == pytest.approx(sum(val_scores[16 * k:16 * (k + 1)]) / 16, abs=1e-9)
+
+    spec = importlib.util.spec_from_file_location("my_reward", reward_file)
+    my_reward = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(my_reward)
+    for step in range(1, steps + 1):
+        row, samples = rows[step], _rollouts(run, step)
+        # the logged reward is what the file computes, sample by sample and as the step's mean
+        for sample in samples:
+            assert sample["score"] == pytest.approx(my_reward.score_of(sample["response"], sample["ground_truth"]),
+                                                    abs=1e-6), sample
+        assert row["critic/score/mean"] == pytest.approx(sum(s["score"] for s in samples) / len(samples), abs=1e-6)
+
+        # dynamic sampling: zero-spread groups were generated and dropped, more prompts were
+        # generated to refill, and the trained batch is still train_batch_size groups of n
+        assert row["dynamic_sampling/generation_rounds"] >= 2, row
+        assert row["dynamic_sampling/groups_generated"] == batch * row["dynamic_sampling/generation_rounds"]
+        assert row["dynamic_sampling/groups_dropped"] == row["dynamic_sampling/groups_generated"] - batch > 0
+        assert row["dynamic_sampling/zero_spread_groups_used"] == 0, row
+        groups = _groups(samples)
+        assert len(samples) == batch * n and len(groups) == batch and all(len(g) == n for g in groups.values())
+        for group in groups.values():
+            assert group[0]["ground_truth"][0] in "cd", group[0]  # the constant-reward letters were dropped
+            assert len({s["score"] for s in group}) > 1
+
+        # the old-log-prob pass ran and measured how far vLLM's log-probs are from the trainer's
+        assert "timing_s/old_log_prob" in row
+        assert 0.0 <= row["rollout/log_prob_abs_diff_max"] <= 1e-4, row["rollout/log_prob_abs_diff_max"]
+
+
+def _reward_model(folder: Path, seed: int = 3) -> Path:
+    """A random `LlamaForSequenceClassification` of the demo's shape (its vocabulary, one label)."""
+    import torch
+    import transformers
+
+    fields = json.loads((ROOT / "configs/models/tiny-demo/config.json").read_text())
+    fields = {k: v for k, v in fields.items() if k not in ("model_type", "architectures")}
+    torch.manual_seed(seed)
+    model = transformers.LlamaForSequenceClassification(transformers.LlamaConfig(**fields, num_labels=1))
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_reward_model_overlong_buffer_and_gap_measured_by_the_update(demo_assets, tmp_path):
+    """One run for three features: the reward-model worker's scores (checked against transformers),
+    DAPO's overlong penalty on top of them (checked against the formula by hand), and the
+    rollout-vs-trainer log-prob gap taken in the update's forward when the old-log-prob pass is skipped."""
+    import torch
+    import transformers
+
+    run = tmp_path / "run"
+    rm = _reward_model(tmp_path / "rm")
+    max_length, buffer, factor = 16, 8, 0.5
+    digits = ",".join(map(str, range(21, 31)))  # '0'..'9' in the char tokenizer: stop tokens, so lengths vary
+    steps = 2
+    result = _train("configs/examples/cpu_tiny_grpo.yaml", _overrides(
+        demo_assets, run, f"trainer.total_training_steps={steps}", f"trainer.rollout_data_dir={run / 'rollouts'}",
+        "reward_model.enable=true", f"reward_model.model.path={rm}", "algorithm.overlong_buffer.enable=true",
+        f"algorithm.overlong_buffer.len={buffer}", f"algorithm.overlong_buffer.penalty_factor={factor}",
+        f"data.max_response_length={max_length}", f"actor_rollout_ref.rollout.stop_token_ids=[{digits}]"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    rows = {r["step"]: r for r in _metrics(run)}
+    assert sorted(rows) == list(range(1, steps + 1))
+
+    def dapo_penalty(length: int) -> float:
+        # DAPO (Yu et al. 2025), eq. 13: 0 up to L_max - L_cache, then ((L_max - L_cache) - |y|) / L_cache
+        # (scaled by the penalty factor); responses cannot exceed L_max here
+        start = max_length - buffer
+        return 0.0 if length <= start else (start - length) / buffer * factor
+
+    model = transformers.LlamaForSequenceClassification.from_pretrained(rm, dtype=torch.float32,
+                                                                        attn_implementation="eager").eval()
+    lengths = []
+    for step in range(1, steps + 1):
+        row, samples = rows[step], _rollouts(run, step)
+        with torch.no_grad():
+            rm_scores = [float(model(input_ids=torch.tensor([s["prompt_ids"] + s["response_ids"]])).logits[0, 0])
+                         for s in samples]
+        penalties = [dapo_penalty(s["response_length"]) for s in samples]
+        for sample, rm_score, penalty in zip(samples, rm_scores, penalties):
+            assert sample["score"] == pytest.approx(rm_score + penalty, abs=1e-4), (sample, rm_score, penalty)
+        assert row["reward/rm_score_mean"] == pytest.approx(sum(rm_scores) / len(samples), abs=1e-5)
+        assert row["reward/overlong_penalty_mean"] == pytest.approx(sum(penalties) / len(samples), abs=1e-6)
+        lengths += [s["response_length"] for s in samples]
+
+        # the old-log-prob pass was skipped (one optimizer step on fresh data): the update measured the gap
+        assert "timing_s/old_log_prob" not in row
+        assert 0.0 <= row["rollout/log_prob_abs_diff_max"] <= 1e-4, row["rollout/log_prob_abs_diff_max"]
+    # every part of the penalty was exercised: none, the linear ramp, and the full factor at L_max
+    assert min(lengths) <= max_length - buffer < max(lengths) == max_length
+    assert any(max_length - buffer < length < max_length for length in lengths)
+    assert len(set(rm_scores)) > 1

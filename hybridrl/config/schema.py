@@ -230,6 +230,8 @@ class TrainerConfig:
     val_before_train: bool = doc(False, "validate once before the first step")
     default_local_dir: str = doc("checkpoints", "checkpoint root folder (…/<project>/<experiment>/global_step_N)")
     run_dir: str | None = doc(None, "logs, metrics.jsonl, TensorBoard, plot; None = runs/<project>/<experiment>")
+    rollout_data_dir: str | None = doc(
+        None, "write each step's trained samples (text, token ids, score, reward, advantage) to step_N.jsonl here")
     resume_mode: str = doc("auto", "auto | disable | <checkpoint path>")
     keep_last_n: int | None = doc(None, "keep this many newest checkpoints; None = all")
     export_hf_on_save: bool = doc(False, "also write an HF folder of the actor at each save")

@@ -269,7 +269,10 @@ class Trainer:
         while len(generated) < rounds and count_groups_with_spread(generated) < groups_needed:
             generated.append(self._generate_and_score(next(self._prompts), timer, metrics))
         selected, zero_spread_used = select_groups_with_spread(generated, groups_needed)
+        groups_generated = sum(len(set(b["uid"])) for b in generated)
         metrics["dynamic_sampling/generation_rounds"] = float(len(generated))
+        metrics["dynamic_sampling/groups_generated"] = float(groups_generated)
+        metrics["dynamic_sampling/groups_dropped"] = float(groups_generated - len(set(selected["uid"])))
         metrics["dynamic_sampling/zero_spread_groups_used"] = float(zero_spread_used)
         return selected
 
@@ -318,10 +321,39 @@ class Trainer:
             syncs = self.actor_group.call_all("sync_weights")
             metrics.update(_sync_metrics(syncs))
         metrics.update(response_metrics(batch))
+        if cfg.trainer.rollout_data_dir:
+            self._dump_rollout(batch, Path(cfg.trainer.rollout_data_dir))
         metrics.update(timer.metrics())
         tokens = int(batch["attention_mask"].sum())
         metrics.update(throughput_metrics(tokens, len(batch), metrics["timing_s/step"], plan.resolved.world_size))
         return metrics
+
+    def _dump_rollout(self, batch: Batch, out_dir: Path) -> None:
+        """`trainer.rollout_data_dir`: one JSON line per trained sample of this step, in batch order."""
+        import json
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        prompt_width = batch["input_ids"].shape[1] - batch["responses"].shape[1]
+        response_mask = batch["response_mask"].bool()
+        prompt_mask = batch["attention_mask"][:, :prompt_width].bool()
+        per_sequence = {key: (batch[key] * response_mask).sum(-1).tolist()
+                        for key in ("token_level_scores", "token_level_rewards") if key in batch}
+        lines = []
+        for row in range(len(batch)):
+            response_ids = batch["responses"][row][response_mask[row]].tolist()
+            record = {
+                "step": self.global_step, "uid": batch["uid"][row],
+                "prompt_ids": batch["input_ids"][row, :prompt_width][prompt_mask[row]].tolist(),
+                "response_ids": response_ids, "response_length": len(response_ids),
+                "response": self.tokenizer.decode(response_ids, skip_special_tokens=True),
+                "ground_truth": batch["ground_truth"][row] if "ground_truth" in batch else None,
+                "score": per_sequence["token_level_scores"][row],
+                "reward": per_sequence.get("token_level_rewards", per_sequence["token_level_scores"])[row],
+                # outcome estimators give every response token the same advantage; GAE's first one
+                "advantage": float(batch["advantages"][row][response_mask[row]][0]) if response_ids else 0.0,
+            }
+            lines.append(json.dumps(record, default=_json_default))
+        (out_dir / f"step_{self.global_step}.jsonl").write_text("\n".join(lines) + "\n")
 
     def validate(self) -> dict[str, float]:
         if self.val_loader is None:
@@ -438,6 +470,11 @@ class Trainer:
                 group.shutdown()
         if self.cluster is not None:
             self.cluster.shutdown()
+
+
+def _json_default(value: Any) -> Any:
+    """numpy scalars and other metadata values in a rollout dump line."""
+    return value.item() if hasattr(value, "item") else str(value)
 
 
 def _mean_dicts(items: list[dict[str, Any] | None]) -> dict[str, float]:
