@@ -1,5 +1,7 @@
 """Each validation rule: a config that breaks it is refused naming the field; its fix is accepted."""
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,8 +41,9 @@ CASES = {
     "actor pp divides world/tp": ([f"{A}.megatron.pipeline_model_parallel_size=4"],
                                   f"{A}.megatron.pipeline_model_parallel_size", "must divide the 6 GPUs",
                                   [f"{A}.megatron.pipeline_model_parallel_size=3"]),
-    "cp divides world/(tp*pp)": ([f"{A}.megatron.context_parallel_size=4"], f"{A}.megatron.context_parallel_size",
-                                 "must divide", [f"{A}.megatron.context_parallel_size=2"]),
+    "cp refused until implemented": ([f"{A}.megatron.context_parallel_size=2"],
+                                     f"{A}.megatron.context_parallel_size", "only 1 is supported now",
+                                     [f"{A}.megatron.context_parallel_size=1"]),
     "update micro divides per-rank mini": ([f"{A}.ppo_micro_batch_size_per_gpu=7"],
                                            f"{A}.ppo_micro_batch_size_per_gpu", "120 sequences per GPU",
                                            [f"{A}.ppo_micro_batch_size_per_gpu=10"]),
@@ -96,13 +99,13 @@ CASES = {
     "world size positive": (["trainer.nnodes=0"], "trainer.nnodes", ">= 1", ["trainer.nnodes=1"]),
     "torch threads positive": (["trainer.torch_threads_per_rank=0"], "trainer.torch_threads_per_rank", ">= 1",
                                ["trainer.torch_threads_per_rank=3"]),
-    "vpp needs pp": ([f"{A}.megatron.virtual_pipeline_model_parallel_size=2"],
-                     f"{A}.megatron.virtual_pipeline_model_parallel_size", "needs pipeline_model_parallel_size > 1",
-                     [f"{A}.megatron.virtual_pipeline_model_parallel_size=2",
     "nccl timeout positive": (["trainer.nccl_timeout_s=0"], "trainer.nccl_timeout_s", "must be in (0, 604800]",
                               ["trainer.nccl_timeout_s=600"]),
     "nccl timeout a number": (["trainer.nccl_timeout_s=-30"], "trainer.nccl_timeout_s", "must be in (0,",
                               ["trainer.nccl_timeout_s=3600.5"]),
+    "vpp needs pp": ([f"{A}.megatron.virtual_pipeline_model_parallel_size=2"],
+                     f"{A}.megatron.virtual_pipeline_model_parallel_size", "needs pipeline_model_parallel_size > 1",
+                     [f"{A}.megatron.virtual_pipeline_model_parallel_size=2",
                       f"{A}.megatron.pipeline_model_parallel_size=3",
                       f"{A}.ppo_micro_batch_size_per_gpu=4", f"{R}.log_prob_micro_batch_size_per_gpu=4",
                       "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4"]),
@@ -223,3 +226,121 @@ def test_missing_model_folder_skips_shape_checks_with_a_warning():
     plan = plan_from_sources(SEED, ["actor_rollout_ref.model.path=/nonexistent/model"])
     assert plan.model is None and plan.training_memory == ()
     assert any("no config.json" in w for w in plan.warnings)
+
+
+# Settings the workers would not honour are refused by the plan, one message each, before any process.
+MEGATRON_SECTIONS = (f"{A}.megatron", "actor_rollout_ref.ref.megatron", "critic.megatron", "reward_model.megatron")
+
+
+def _layout_overrides(section: str, field: str, value: str) -> list[str]:
+    """`field=value` in `section`, on a TP2 layout for every role (the ref must match the actor's)."""
+    tp = [f"{section}.tensor_model_parallel_size=2"]
+    if section.startswith("actor_rollout_ref.ref"):
+        tp.append(f"{A}.megatron.tensor_model_parallel_size=2")
+    return [*tp, f"{section}.{field}={value}"]
+
+
+REFUSED_IN_EVERY_SECTION = {
+    # field: (refused value, as read, text in the rule, accepted value, extra overrides)
+    "context_parallel_size": ("2", 2, "only 1 is supported now", "1", []),
+    "make_vocab_size_divisible_by": ("64", 64, "only 128 is supported", "128", []),
+    "sequence_parallel": ("true", True, "not supported on trainer.device=cpu", "false", ["trainer.device=cpu"]),
+}
+
+
+@pytest.mark.parametrize("section", MEGATRON_SECTIONS)
+@pytest.mark.parametrize("field", sorted(REFUSED_IN_EVERY_SECTION))
+def test_unsupported_layout_setting_refused_in_every_role(section, field):
+    bad, value, fragment, good, extra = REFUSED_IN_EVERY_SECTION[field]
+    issues = issues_for([*extra, *_layout_overrides(section, field, bad)])
+    assert [i.field for i in issues] == [f"{section}.{field}"], [str(i) for i in issues]  # one mistake, one message
+    assert issues[0].value == value and fragment in issues[0].rule, str(issues[0])
+    plan_from_sources(SEED, [*extra, *_layout_overrides(section, field, good)])
+
+
+def test_sequence_parallel_is_a_warning_on_cuda():
+    """On GPUs Transformer Engine's norms run it, so it is kept, with a note of what it needs."""
+    plan = plan_from_sources(SEED, [f"{A}.megatron.tensor_model_parallel_size=2",
+                                    f"{A}.megatron.sequence_parallel=true"])
+    assert plan.layout("actor").megatron.sequence_parallel is True
+    assert any("sequence_parallel=true needs Transformer Engine" in w for w in plan.warnings)
+
+
+REF = "actor_rollout_ref.ref.megatron"
+REFUSED = {
+    # name: (bad overrides, field named, text in the rule, overrides that fix it)
+    "ref tp differs from actor": ([f"{REF}.tensor_model_parallel_size=2"], f"{REF}.tensor_model_parallel_size",
+                                  f"must equal {A}.megatron.tensor_model_parallel_size=1",
+                                  [f"{REF}.tensor_model_parallel_size=2",
+                                   f"{A}.megatron.tensor_model_parallel_size=2"]),
+    "ref pp differs from actor": ([f"{REF}.pipeline_model_parallel_size=2"], f"{REF}.pipeline_model_parallel_size",
+                                  "the reference policy runs in the actor's processes",
+                                  [f"{REF}.pipeline_model_parallel_size=1"]),
+    "ref vpp differs from actor": (
+        [f"{REF}.pipeline_model_parallel_size=3", f"{A}.megatron.pipeline_model_parallel_size=3",
+         f"{REF}.virtual_pipeline_model_parallel_size=2"],
+        f"{REF}.virtual_pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size=None",
+        [f"{REF}.pipeline_model_parallel_size=3", f"{A}.megatron.pipeline_model_parallel_size=3",
+         f"{REF}.virtual_pipeline_model_parallel_size=1"]),  # 1 and null both mean no interleaving
+    "ref seed differs from actor": ([f"{REF}.seed=7"], f"{REF}.seed", f"{A}.megatron.seed=1234",
+                                    [f"{REF}.seed=7", f"{A}.megatron.seed=7"]),
+    "ref dtype checked": ([f"{REF}.dtype=bf17"], f"{REF}.dtype", "did you mean 'bf16'", [f"{REF}.dtype=bf16"]),
+    "reward model dtype checked": (["reward_model.megatron.dtype=fp33"], "reward_model.megatron.dtype", "dtype",
+                                   ["reward_model.megatron.dtype=fp32"]),
+    "ref optimizer offload": ([f"{REF}.optimizer_offload=true"], f"{REF}.optimizer_offload",
+                              "the reference policy is frozen (no optimizer)", [f"{REF}.param_offload=true"]),
+    "reward model grad offload": (["reward_model.megatron.grad_offload=true"], "reward_model.megatron.grad_offload",
+                                  "the reward model is frozen (no gradients)",
+                                  ["reward_model.megatron.param_offload=true"]),
+    "hybrid engine off": (["actor_rollout_ref.hybrid_engine=false"], "actor_rollout_ref.hybrid_engine",
+                          "only true is supported now", ["actor_rollout_ref.hybrid_engine=true"]),
+    "rollout log-probs off": ([f"{R}.calculate_log_probs=false"], f"{R}.calculate_log_probs", "cannot be turned off",
+                              [f"{R}.calculate_log_probs=true"]),
+    "critic tokenizer": (["critic.model.tokenizer_path=/tok"], "critic.model.tokenizer_path",
+                         "uses the policy's tokenizer", ["critic.model.tokenizer_path=null"]),
+    "reward model tokenizer": (["reward_model.model.tokenizer_path=/tok"], "reward_model.model.tokenizer_path",
+                               "reads the policy's token ids", []),
+    "critic remote code": (["critic.model.trust_remote_code=true"], "critic.model.trust_remote_code",
+                           "runs no code from the model folder", []),
+    "reward model remote code": (["reward_model.model.trust_remote_code=true"], "reward_model.model.trust_remote_code",
+                                 "runs no code from the model folder", []),
+    "reward model recompute": (["reward_model.model.enable_gradient_checkpointing=true"],
+                               "reward_model.model.enable_gradient_checkpointing", "frozen",
+                               ["critic.model.enable_gradient_checkpointing=true"]),
+    "cpu kv cache on cuda": ([f"{R}.cpu_kv_cache_gib=2"], f"{R}.cpu_kv_cache_gib", "trainer.device=cpu only",
+                             ["trainer.device=cpu", f"{R}.cpu_kv_cache_gib=2"]),
+    "eager off on cpu": (["trainer.device=cpu", f"{R}.enforce_eager=false"], f"{R}.enforce_eager",
+                         "no effect on trainer.device=cpu", [f"{R}.enforce_eager=false"]),
+    "greedy validation temperature": ([f"{R}.val_kwargs.temperature=0.7"], f"{R}.val_kwargs.temperature",
+                                      "do_sample=false", [f"{R}.val_kwargs.temperature=0.7",
+                                                          f"{R}.val_kwargs.do_sample=true"]),
+    "greedy validation n": ([f"{R}.val_kwargs.n=4"], f"{R}.val_kwargs.n", "one sample per prompt",
+                            [f"{R}.val_kwargs.n=4", f"{R}.val_kwargs.do_sample=true", f"{R}.val_kwargs.temperature=1"]),
+    "greedy validation top_p": ([f"{R}.val_kwargs.top_p=0.9"], f"{R}.val_kwargs.top_p", "leave it at 1",
+                                [f"{R}.val_kwargs.top_p=1.0"]),
+    "greedy validation top_k": ([f"{R}.val_kwargs.top_k=20"], f"{R}.val_kwargs.top_k", "leave it at -1",
+                                [f"{R}.val_kwargs.top_k=-1"]),
+    "sampled validation at temperature 0": ([f"{R}.val_kwargs.do_sample=true"], f"{R}.val_kwargs.temperature",
+                                            "must be > 0", [f"{R}.val_kwargs.do_sample=false"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_unhonoured_setting_refused_and_fix_accepted(name):
+    bad, field, fragment, good = REFUSED[name]
+    issues = issues_for(bad)
+    assert [i.field for i in issues] == [field], [str(i) for i in issues]  # one mistake, one message
+    assert fragment in str(issues[0]), str(issues[0])
+    plan_from_sources(SEED, good)
+
+
+def test_refused_setting_stops_train_before_any_process():
+    """`hybridrl train` plans first: context parallelism is refused with exit 2 before Ray, torch or
+    megatron is even imported (validation is pure)."""
+    code = (f"import sys; from hybridrl.cli import main; "
+            f"rc = main(['train', {str(SEED)!r}, '{A}.megatron.context_parallel_size=2']); "
+            "heavy = [m for m in ('torch', 'ray', 'megatron', 'vllm') if m in sys.modules]; print(rc, heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.stdout.strip().splitlines()[-1] == "2 []", out.stdout[-500:] + out.stderr[-2000:]
+    assert f"{A}.megatron.context_parallel_size=2 is not supported yet" in out.stderr
+    assert "only 1 is supported now" in out.stderr

@@ -12,13 +12,18 @@ from tests.test_models_fixtures import make_hf_model
 from tests.test_workers_fixtures import hf_response_log_probs, job_config, policy_model, rollout_batch
 
 
-def _log_prob_rank(rank: int, world: int, config: Any, batch: Any, role: str = "actor") -> Any:
+def _log_prob_rank(rank: int, world: int, config: Any, batch: Any, role: str = "actor",
+                   vpp: int | None = None) -> Any:
     from hybridrl.config.plan import build_plan
     from hybridrl.workers.actor import MegatronActor
     from hybridrl.workers.megatron_role import MegatronRole, role_spec
 
     plan = build_plan(config)
-    engine = MegatronRole(role_spec(plan, role))
+    spec = role_spec(plan, role)
+    if vpp:  # a forward-only engine alone in its process: a plan refuses a ref layout unlike the actor's
+        spec = dataclasses.replace(spec, megatron=dataclasses.replace(
+            spec.megatron, virtual_pipeline_model_parallel_size=vpp))
+    engine = MegatronRole(spec)
     actor = MegatronActor(engine, plan, output_key="old_log_probs")
     out = actor.compute_log_prob(batch, with_entropy=True)
     return None if out is None else {k: v.clone() for k, v in out.tensors.items()}
@@ -31,10 +36,7 @@ def test_log_probs_tp2_pp2_equal_transformers(tmp_path):
     # PP2 x VPP2 as the (forward-only) reference role: training refuses VPP with two stages.
     for tp, pp, vpp, role in ((1, 1, None, "actor"), (2, 2, None, "actor"), (1, 2, 2, "ref")):
         config = job_config(hf, world=tp * pp, tp=tp, pp=pp, use_kl_loss=True)
-        if vpp:
-            config.actor_rollout_ref.ref.megatron = dataclasses.replace(
-                config.actor_rollout_ref.actor.megatron, virtual_pipeline_model_parallel_size=vpp)
-        results = run_ranks(_log_prob_rank, tp * pp, config, batch, role)
+        results = run_ranks(_log_prob_rank, tp * pp, config, batch, role, vpp)
         out = [r for r in results if r is not None]
         assert len(out) == 1
         lp, ent = out[0]["old_log_probs"], out[0]["entropys"]

@@ -21,7 +21,7 @@ from hybridrl.algorithms.names import (
 )
 from hybridrl.config.errors import ConfigIssue
 from hybridrl.config.schema import JobConfig, MegatronConfig
-from hybridrl.models.arch import ModelShape
+from hybridrl.models.arch import DEFAULT_VOCAB_DIVISOR, ModelShape
 
 if TYPE_CHECKING:
     from hybridrl.config.plan import Resolved
@@ -132,6 +132,7 @@ def validate(
         if dp:
             dp_of[role] = dp
     infer_dp = _check_rollout_layout(check, config, world, model)
+    _check_unsupported(check, config)
     if batch_ok:
         _check_batch_arithmetic(check, config, resolved, dp_of, infer_dp)
     _check_lengths(check, config, resolved, model)
@@ -156,9 +157,9 @@ def _check_trainer(check: _Checker, config: JobConfig) -> bool:
         check.is_int_at_least("trainer.torch_threads_per_rank", t.torch_threads_per_rank, 1)
     check.is_int_at_least("trainer.max_consecutive_nonfinite_steps", t.max_consecutive_nonfinite_steps, 0)
     check.in_range("trainer.gpu_memory_gib", t.gpu_memory_gib, 0, 1e6, low_open=True)
-    if t.resume_mode not in RESUME_MODES and not Path(str(t.resume_mode)).exists():
     # a week: anything longer is a unit mistake (minutes or ms), not a wait anyone wants
     check.in_range("trainer.nccl_timeout_s", t.nccl_timeout_s, 0, 7 * 86400, low_open=True)
+    if t.resume_mode not in RESUME_MODES and not Path(str(t.resume_mode)).exists():
         check.fail("trainer.resume_mode", t.resume_mode, "must be auto, disable, or an existing checkpoint path",
                    RESUME_MODES)
     for i, name in enumerate(t.logger):
@@ -184,9 +185,8 @@ def _check_names(check: _Checker, config: JobConfig) -> None:
     for prefix, optim in (("actor_rollout_ref.actor.optim", arr.actor.optim), ("critic.optim", config.critic.optim)):
         check.one_of(f"{prefix}.lr_decay_style", optim.lr_decay_style, LR_DECAY_STYLES, "LR schedule")
         check.one_of(f"{prefix}.optimizer", optim.optimizer, OPTIMIZERS, "optimizer")
-    for field, value in (("actor_rollout_ref.actor.megatron.dtype", arr.actor.megatron.dtype),
-                         ("actor_rollout_ref.rollout.dtype", arr.rollout.dtype),
-                         ("critic.megatron.dtype", config.critic.megatron.dtype)):
+    dtypes = [(f"{prefix}.dtype", mc.dtype) for prefix, mc in megatron_sections(config)]
+    for field, value in (*dtypes, ("actor_rollout_ref.rollout.dtype", arr.rollout.dtype)):
         if value is not None:
             check.one_of(field, value, DTYPES, "dtype")
 
@@ -242,6 +242,114 @@ def _check_numbers(check: _Checker, config: JobConfig, resolved: Resolved) -> No
     check.in_range(f"{r}.val_kwargs.top_p", vk.top_p, 0.0, 1.0, low_open=True)
 
 
+def megatron_sections(config: JobConfig) -> list[tuple[str, MegatronConfig]]:
+    """Every megatron layout the user can write, with its dotted path (ref's only when set)."""
+    arr = config.actor_rollout_ref
+    sections = [("actor_rollout_ref.actor.megatron", arr.actor.megatron)]
+    if arr.ref.megatron is not None:
+        sections.append(("actor_rollout_ref.ref.megatron", arr.ref.megatron))
+    return [*sections, ("critic.megatron", config.critic.megatron),
+            ("reward_model.megatron", config.reward_model.megatron)]
+
+
+# The reference policy is built in the actor's processes, whose megatron parallel state (and its
+# RNG) is process-global: these fields of a set `ref.megatron` cannot differ from the actor's.
+REF_SHARES_WITH_ACTOR = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                         "virtual_pipeline_model_parallel_size", "seed")
+
+
+def _check_unsupported(check: _Checker, config: JobConfig) -> None:
+    """Settings the workers would not honour: refused here, so none is silently dropped."""
+    arr = config.actor_rollout_ref
+    device = config.trainer.device
+    for prefix, mc in megatron_sections(config):
+        tp = mc.tensor_model_parallel_size
+        if mc.sequence_parallel and isinstance(tp, int) and tp > 1:
+            if device == "cpu":
+                check.fail(f"{prefix}.sequence_parallel", True,
+                           "is not supported on trainer.device=cpu: the workers build megatron's local layer spec "
+                           "there, whose norms refuse sequence parallelism; only false is supported on CPU", [False])
+            else:
+                check.warnings.append(
+                    f"{prefix}.sequence_parallel=true needs Transformer Engine on the workers (megatron's local "
+                    "layer spec, used without it, refuses sequence parallelism); the CPU test suite cannot run it")
+        cp = mc.context_parallel_size
+        if isinstance(cp, int) and not isinstance(cp, bool) and cp > 1:
+            check.fail(f"{prefix}.context_parallel_size", cp,
+                       "is not supported yet: the workers do not implement context parallelism; only 1 is "
+                       "supported now", [1])
+        if mc.make_vocab_size_divisible_by != DEFAULT_VOCAB_DIVISOR:
+            check.fail(f"{prefix}.make_vocab_size_divisible_by", mc.make_vocab_size_divisible_by,
+                       f"is fixed: the model bridge and checkpoints pad the vocabulary to a multiple of "
+                       f"{DEFAULT_VOCAB_DIVISOR} × TP; only {DEFAULT_VOCAB_DIVISOR} is supported",
+                       [DEFAULT_VOCAB_DIVISOR])
+        if prefix.startswith(("actor_rollout_ref.ref", "reward_model")):
+            role = "reference policy" if prefix.startswith("actor_rollout_ref.ref") else "reward model"
+            for name, what in (("optimizer_offload", "optimizer"), ("grad_offload", "gradients")):
+                if getattr(mc, name):
+                    check.fail(f"{prefix}.{name}", True, f"has no effect: the {role} is frozen (no {what})",
+                               [False])
+    if arr.ref.megatron is not None:
+        actor = arr.actor.megatron
+        for name in REF_SHARES_WITH_ACTOR:
+            mine, theirs = getattr(arr.ref.megatron, name), getattr(actor, name)
+            if name == "virtual_pipeline_model_parallel_size":  # 1 and null both mean no interleaving
+                mine, theirs = mine if mine != 1 else None, theirs if theirs != 1 else None
+            if mine != theirs and not (name == "context_parallel_size" and mine != 1):  # > 1: refused above
+                check.fail(f"actor_rollout_ref.ref.megatron.{name}", getattr(arr.ref.megatron, name),
+                           f"must equal actor_rollout_ref.actor.megatron.{name}={theirs}: the reference policy "
+                           "runs in the actor's processes, which hold one megatron parallel state; leave "
+                           "actor_rollout_ref.ref.megatron unset to use the actor's layout", [theirs])
+    if arr.hybrid_engine is not True:
+        check.fail("actor_rollout_ref.hybrid_engine", arr.hybrid_engine,
+                   "is not supported: only the hybrid engine (actor, rollout and reference share processes "
+                   "and GPUs) is implemented; only true is supported now", [True])
+    if arr.rollout.calculate_log_probs is not True:
+        check.fail("actor_rollout_ref.rollout.calculate_log_probs", arr.rollout.calculate_log_probs,
+                   "cannot be turned off: the rollout always returns its log-probs (the trainer measures the "
+                   "rollout-vs-trainer gap with them); only true is supported", [True])
+    for section, model in (("critic", config.critic.model), ("reward_model", config.reward_model.model)):
+        if model.tokenizer_path is not None:
+            check.fail(f"{section}.model.tokenizer_path", model.tokenizer_path,
+                       f"is not supported: the {section.replace('_', ' ')} reads the policy's token ids, so it "
+                       "uses the policy's tokenizer; leave it null", [None])
+        if model.trust_remote_code:
+            check.fail(f"{section}.model.trust_remote_code", True,
+                       f"has no effect: the {section.replace('_', ' ')} is built from config.json and safetensors "
+                       "by the model bridge, which runs no code from the model folder", [False])
+    if config.reward_model.model.enable_gradient_checkpointing:
+        check.fail("reward_model.model.enable_gradient_checkpointing", True,
+                   "has no effect: the reward model is frozen (forward only, nothing to recompute)", [False])
+    if device == "cuda" and arr.rollout.cpu_kv_cache_gib is not None:
+        check.fail("actor_rollout_ref.rollout.cpu_kv_cache_gib", arr.rollout.cpu_kv_cache_gib,
+                   "applies on trainer.device=cpu only: on cuda vLLM sizes its KV cache from "
+                   "gpu_memory_utilization; leave it null", [None])
+    if device == "cpu" and arr.rollout.enforce_eager is False:
+        check.fail("actor_rollout_ref.rollout.enforce_eager", arr.rollout.enforce_eager,
+                   "has no effect on trainer.device=cpu (CUDA graphs are a GPU feature): vLLM runs eagerly on "
+                   "CPU; leave it null (or true)", [None, True])
+    _check_validation_sampling(check, config)
+
+
+def _check_validation_sampling(check: _Checker, config: JobConfig) -> None:
+    """Greedy validation (do_sample false or temperature 0) decodes one sample per prompt, so
+    sampling knobs set next to it would be dropped."""
+    vk, r = config.actor_rollout_ref.rollout.val_kwargs, "actor_rollout_ref.rollout.val_kwargs"
+    if vk.do_sample:
+        if vk.temperature == 0:
+            check.fail(f"{r}.temperature", vk.temperature,
+                       f"must be > 0 when {r}.do_sample=true (temperature 0 decodes greedily)", [0.6, 1.0])
+        return
+    knobs = (("temperature", vk.temperature, 0.0), ("n", vk.n, 1), ("top_p", vk.top_p, 1.0))
+    for name, value, greedy in knobs:
+        if value != greedy:
+            check.fail(f"{r}.{name}", value, f"has no effect while {r}.do_sample=false (greedy, one sample per "
+                       f"prompt): set do_sample=true to sample, or leave it at {greedy:g}", [greedy])
+    if vk.top_k not in (-1, 0):
+        check.fail(f"{r}.top_k", vk.top_k, f"has no effect while {r}.do_sample=false (greedy): set "
+                   "do_sample=true to sample, or leave it at -1", [-1])
+
+
 def _check_batch_basics(check: _Checker, config: JobConfig) -> bool:
     arr = config.actor_rollout_ref
     fields = [
@@ -275,8 +383,7 @@ def _check_layout(check: _Checker, prefix: str, mc: MegatronConfig, world: int, 
                        mc.context_parallel_size, mc.virtual_pipeline_model_parallel_size)
     ok = check.is_int_at_least(f"{prefix}.tensor_model_parallel_size", tp, 1)
     ok &= check.is_int_at_least(f"{prefix}.pipeline_model_parallel_size", pp, 1)
-    ok &= check.is_int_at_least(f"{prefix}.context_parallel_size", cp, 1)
-    check.is_int_at_least(f"{prefix}.make_vocab_size_divisible_by", mc.make_vocab_size_divisible_by, 1)
+    ok &= check.is_int_at_least(f"{prefix}.context_parallel_size", cp, 1) and cp == 1  # > 1: _check_unsupported
     if vpp is not None:
         if check.is_int_at_least(f"{prefix}.virtual_pipeline_model_parallel_size", vpp, 1) and ok and pp < 2:
             ok = check.fail(f"{prefix}.virtual_pipeline_model_parallel_size", vpp,
@@ -305,9 +412,6 @@ def _check_layout(check: _Checker, prefix: str, mc: MegatronConfig, world: int, 
         elif (world // tp) % pp:
             check.fail(f"{prefix}.pipeline_model_parallel_size", pp,
                        f"× tensor_model_parallel_size={tp} must divide {gpus}", divisors(world // tp))
-        elif (world // (tp * pp)) % cp:
-            check.fail(f"{prefix}.context_parallel_size", cp,
-                       f"× TP·PP={tp * pp} must divide {gpus}", divisors(world // (tp * pp)))
         else:
             dp = world // (tp * pp * cp)
     if model is not None:
@@ -448,12 +552,6 @@ def _check_lengths(check: _Checker, config: JobConfig, resolved: Resolved, model
         check.fail("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu,
                    f"must hold one full sequence (max_prompt_length + response length = "
                    f"{resolved.max_sequence_length} tokens)", [resolved.max_sequence_length])
-    cp = config.actor_rollout_ref.actor.megatron.context_parallel_size
-    if ok and isinstance(cp, int) and cp > 1 and resolved.max_sequence_length % (2 * cp):
-        check.warnings.append(
-            f"sequences of {resolved.max_sequence_length} tokens are padded to a multiple of 2×CP={2 * cp} "
-            "for load-balanced context parallelism"
-        )
 
 
 def _check_algorithm(check: _Checker, config: JobConfig, resolved: Resolved) -> None:
