@@ -356,6 +356,47 @@ def test_sync_into_live_vllm_engine(tmp_path, arch, tp, pp, world, infer_tp):
         assert moved, "the weight change did not reach the rollout engine"
 
 
+def _mixed_dtype_sync_rank(rank: int, world_size: int, model_dir: str) -> dict[str, Any]:
+    """The hybrid worker's own set-up (megatron actor, vLLM engine, resharder, first proven sync) with
+    fp32 training and a bf16 rollout: the sync's checksums must hold for vLLM's bf16 weights."""
+    from hybridrl.config import plan_from_sources
+    from hybridrl.controller.base_worker import RankContext
+    from hybridrl.workers.hybrid import HybridEngineWorker, HybridSettings
+
+    plan = plan_from_sources("configs/examples/cpu_tiny_grpo.yaml", [
+        f"actor_rollout_ref.model.path={model_dir}", f"trainer.n_gpus_per_node={world_size}",
+        "actor_rollout_ref.actor.megatron.dtype=fp32", "actor_rollout_ref.rollout.dtype=bf16",
+        "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16"])
+    ctx = RankContext(role="actor_rollout_ref", rank=rank, world_size=world_size, node_rank=0, local_rank=rank,
+                      local_world_size=world_size, use_gpu=False)
+    # the probe's bf16 tolerance is not what this test is about: only the checksums may stop the sync
+    worker = HybridEngineWorker(ctx, plan, HybridSettings(probe_tolerance=1.0))
+    setup = worker.setup(total_training_steps=1)
+    return {"sent": worker.resharder.last_report.checksums, "held": worker.rollout.parameter_digests(),
+            "train_dtype": str(worker.actor.engine.chunks[0].config.params_dtype),
+            "probe": setup["reshard/probe_max_abs_gap"]}
+
+
+@pytest.mark.slow
+def test_bf16_rollout_from_fp32_training_syncs_with_matching_digests(tmp_path):
+    from tools.make_demo_model import build
+
+    model_dir = build("configs/models/tiny-demo/config.json", tmp_path / "model", seed=3)
+    (result,) = run_ranks(_mixed_dtype_sync_rank, 1, str(model_dir), timeout_s=600,
+                          preload=("torch", "megatron.core", "vllm", "hybridrl.workers.hybrid"))
+    assert result["train_dtype"] == "torch.float32"
+    hf_state, config = safetensors_state(model_dir), read_json(model_dir / "config.json")
+    # independent reference: the HF weights cast to bf16, in vLLM's layout, digested
+    bf16 = shard_checksums(hf_to_vllm_shards({n: t.to(torch.bfloat16) for n, t in hf_state.items()},
+                                             config, 1, 0).items())
+    fp32 = shard_checksums(hf_to_vllm_shards(hf_state, config, 1, 0).items())
+    assert result["sent"] == bf16
+    assert not set(result["sent"].values()) & set(fp32.values())  # what fp32 digests would have claimed
+    verify_checksums(result["sent"], {n: result["held"][n] for n in result["sent"]}, 0)
+    assert result["probe"] < 0.5  # bf16 vLLM serves the synced weights (a wrong sync gives O(1) gaps)
+
+
 # ---- the pure plan at a real model's scale (no ranks) -----------------------------------------------------
 
 QWEN2_7B_SHAPE = dict(

@@ -10,6 +10,10 @@ device->host copy of one tensor at a time on GPU.
 The resharder records these for the shards it produced (`SyncReport.checksums`); after delivery the
 caller compares them with the rollout side's (`verify_checksums`); any mismatch raises
 `ShardChecksumError` naming the tensors and the rank, which stops training.
+
+The digest covers the dtype, so both sides must digest the same dtype: with a rollout dtype other
+than the training one (bf16 vLLM from fp32 training), the resharder produces, and digests, its
+shards already cast to the rollout dtype (`ReshardConfig.output_dtype`, which the hybrid worker sets).
 """
 from __future__ import annotations
 

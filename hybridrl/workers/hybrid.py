@@ -39,6 +39,7 @@ from hybridrl.config.plan import Plan
 from hybridrl.controller.base_worker import RankContext
 from hybridrl.data.batch import Batch
 from hybridrl.parallel.cpu_layer import cuda_to_cpu_mode_suspended
+from hybridrl.parallel.device import default_dtype_for
 from hybridrl.parallel.memory import memory_metrics
 from hybridrl.workers import faults
 from hybridrl.workers.ray_roles import ActorRolloutRefWorker
@@ -133,8 +134,11 @@ class HybridEngineWorker(ActorRolloutRefWorker):
         torch.distributed.all_gather_object(gathered, self.rollout.tp_rank)
         actual = [int(g) for g in gathered]
         self.placement_as_planned = actual == list(plan.reshard.groups.gen_tp_index)
+        # Shards travel and are digested in vLLM's dtype (bf16 rollout from fp32 training: the cast
+        # vLLM's loader would do, done before the digest), so the digests compare like with like.
+        rollout_dtype = default_dtype_for(plan.resolved.device, plan.resolved.rollout_dtype)
         self.resharder = Resharder(self.actor.engine.chunks, plan.reshard.groups, gen_tp_index=actual,
-                                   config=ReshardConfig(bucket_bytes=settings.bucket_bytes))
+                                   config=ReshardConfig(bucket_bytes=settings.bucket_bytes, output_dtype=rollout_dtype))
         sync = self.sync_weights()
         return {"setup_s": time.perf_counter() - started, "rollout_build_s": self.rollout.build_seconds,
                 "vllm_tp_rank": self.rollout.tp_rank, "placement_as_planned": self.placement_as_planned, **sync}
