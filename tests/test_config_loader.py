@@ -1,12 +1,18 @@
 """YAML loading, dotted overrides with type checking, unknown keys, and the `hybridrl plan` CLI."""
+import dataclasses
 import json
 import subprocess
 import sys
+import typing
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
-from hybridrl.config import ConfigError, config_from_dict, config_to_dict, load_config
+from hybridrl.config import ConfigError, config_from_dict, config_to_dict, load_config, plan_from_sources
+from hybridrl.config.loader import megatron_field_aliases
+from hybridrl.config.schema import MegatronConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = ROOT / "configs/examples/seed_6gpu_grpo.yaml"
@@ -126,3 +132,148 @@ def test_cli_plan_stays_light():
             "print(rc, heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.stdout.strip().splitlines()[-1] == "0 []", out.stdout[-500:] + out.stderr[-2000:]
+
+
+# Two spellings of one field: a role's layout field on the role or under `megatron`.
+ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model")  # every role with a layout
+ALIASED = [(role, f.name) for role in ROLES for f in dataclasses.fields(MegatronConfig)]
+
+
+def _two_values(name: str) -> tuple[Any, Any]:
+    """Two different valid values of a MegatronConfig field, from its type."""
+    hint = typing.get_type_hints(MegatronConfig)[name]
+    if hint is bool:
+        return True, False
+    if hint is int or hint == (int | None):
+        return 2, 3
+    assert hint == (str | None), hint
+    return "bf16", "fp16"
+
+
+def _spelled(role: str, name: str, spelling: str) -> str:
+    return f"{role}.megatron.{name}" if spelling == "megatron" else f"{role}.{name}"
+
+
+def _nested(dotted: str, value: Any) -> dict[str, Any]:
+    tree: Any = value
+    for part in reversed(dotted.split(".")):
+        tree = {part: tree}
+    return tree
+
+
+def _megatron_of(cfg: Any, role: str) -> Any:
+    node = cfg
+    for part in role.split("."):
+        node = getattr(node, part)
+    return node.megatron
+
+
+def _write(tmp_path: Path, *dotted_values: tuple[str, Any]) -> Path:
+    tree: dict[str, Any] = {}
+    for dotted, value in dotted_values:
+        node = tree
+        parts = dotted.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def _yaml(value: Any) -> str:
+    return yaml.safe_dump(value).removesuffix("\n...\n").strip()
+
+
+def test_alias_table_is_every_layout_field_on_every_role():
+    assert megatron_field_aliases() == {f"{role}.{name}": f"{role}.megatron.{name}" for role, name in ALIASED}
+
+
+@pytest.mark.parametrize("file_spelling, cli_spelling", [("megatron", "role"), ("role", "megatron")])
+@pytest.mark.parametrize("role, name", ALIASED)
+def test_command_line_beats_the_file_whichever_spelling(tmp_path, role, name, file_spelling, cli_spelling):
+    in_file, on_cli = _two_values(name)
+    keep = ("seed", 77) if name != "seed" else ("param_offload", True)  # another field of the file's section
+    path = _write(tmp_path, (_spelled(role, name, file_spelling), in_file),
+                  (_spelled(role, keep[0], file_spelling), keep[1]))
+    cfg = load_config(path, [f"{_spelled(role, name, cli_spelling)}={_yaml(on_cli)}"])
+    assert getattr(_megatron_of(cfg, role), name) == on_cli
+    assert getattr(_megatron_of(cfg, role), keep[0]) == keep[1]  # the override replaces one field, not the section
+    assert getattr(_megatron_of(load_config(path), role), name) == in_file  # the file alone is read as written
+
+
+@pytest.mark.parametrize("role, name", ALIASED)
+def test_two_spellings_in_one_file_must_agree(tmp_path, role, name):
+    first, second = _two_values(name)
+    role_level, nested = _spelled(role, name, "role"), _spelled(role, name, "megatron")
+    path = _write(tmp_path, (nested, first), (role_level, second))
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    (issue,) = info.value.issues
+    text = str(issue)
+    assert f"{nested}={first}" in text and f"{role_level}={second}" in text and str(path) in text, text
+    same = _write(tmp_path, (nested, first), (role_level, first))
+    assert getattr(_megatron_of(load_config(same), role), name) == first
+
+
+@pytest.mark.parametrize("role, name", ALIASED)
+def test_two_spellings_on_one_command_line_must_agree(role, name):
+    first, second = _two_values(name)
+    role_level, nested = _spelled(role, name, "role"), _spelled(role, name, "megatron")
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"{role_level}={_yaml(first)}", f"{nested}={_yaml(second)}"])
+    (issue,) = info.value.issues
+    assert f"{role_level}={first}" in str(issue) and f"{nested}={second}" in str(issue)
+    assert "the command line" in str(issue)
+    cfg = load_config(None, [f"{role_level}={_yaml(first)}", f"{nested}={_yaml(first)}"])
+    assert getattr(_megatron_of(cfg, role), name) == first
+    # one spelling written twice is an ordinary re-override: the last one wins
+    cfg = load_config(None, [f"{nested}={_yaml(first)}", f"{nested}={_yaml(second)}"])
+    assert getattr(_megatron_of(cfg, role), name) == second
+
+
+def test_the_reported_override_plans_the_users_tp():
+    """The issue's reproduction: the file's `actor.megatron.tensor_model_parallel_size: 1` no longer
+    wins over the command line's role-level spelling."""
+    plan = plan_from_sources(SEED, ["actor_rollout_ref.actor.tensor_model_parallel_size=2",
+                                    "actor_rollout_ref.actor.pipeline_model_parallel_size=3"])
+    mesh = plan.layout("actor").mesh
+    assert (mesh.tp, mesh.pp, mesh.dp) == (2, 3, 1)
+    with pytest.raises(ConfigError) as info:  # TP 4 does not divide 6 GPUs: refused, not replaced by the file's 1
+        plan_from_sources(SEED, ["actor_rollout_ref.actor.tensor_model_parallel_size=4"])
+    assert any(str(i).startswith("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4 must divide")
+               for i in info.value.issues)
+
+
+def test_mapping_override_merges_into_the_files_section():
+    cfg = load_config(SEED, ["actor_rollout_ref.actor={ppo_micro_batch_size_per_gpu: 4, "
+                             "tensor_model_parallel_size: 2}"])
+    actor = cfg.actor_rollout_ref.actor
+    assert actor.ppo_micro_batch_size_per_gpu == 4 and actor.megatron.tensor_model_parallel_size == 2
+    assert actor.ppo_mini_batch_size == 60 and actor.use_kl_loss is True  # the file's other settings stay
+
+
+def test_null_layout_beside_its_fields_keeps_the_fields(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("actor_rollout_ref:\n  ref:\n    tensor_model_parallel_size: 2\n    megatron: null\n")
+    assert load_config(path).actor_rollout_ref.ref.megatron.tensor_model_parallel_size == 2
+    cfg = load_config(path, ["actor_rollout_ref.ref.megatron=null"])  # the command line's null: the actor's layout
+    assert cfg.actor_rollout_ref.ref.megatron is None
+
+
+def test_role_level_typo_suggests_the_layout_field():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["critic.tensor_model_paralel_size=2"])
+    assert "did you mean 'tensor_model_parallel_size'" in str(info.value)
+
+
+def test_cli_json_round_trip_of_a_role_level_override():
+    js = _cli(str(SEED), "actor_rollout_ref.actor.tensor_model_parallel_size=2", "--format", "json")
+    assert js.returncode == 0, js.stderr
+    data = json.loads(js.stdout)
+    assert data["config"]["actor_rollout_ref"]["actor"]["megatron"]["tensor_model_parallel_size"] == 2
+    assert "tensor_model_parallel_size" not in data["config"]["actor_rollout_ref"]["actor"]
+    assert data["layouts"][0]["mesh"]["tp"] == 2
+    from hybridrl.config import Plan
+
+    assert Plan.from_dict(data).to_dict() == data

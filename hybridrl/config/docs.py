@@ -16,6 +16,12 @@ HEADER = """\
 # hybridrl base config: every field with its default and meaning.
 # Generated from hybridrl/config/schema.py by `python -m hybridrl.config.docs > configs/base.yaml`.
 # A job config names only what it changes; `hybridrl plan CONFIG` shows every derived number.
+# Overrides (`a.b.c=value`) beat the file; a mapping (`section={a: 1}`) sets only the fields it names.
+# A role's megatron fields may also be written on the role itself (actor_rollout_ref.actor.
+# tensor_model_parallel_size is actor_rollout_ref.actor.megatron.tensor_model_parallel_size): the
+# command line beats the file whichever spelling either uses; two different values for the two
+# spellings within one source (the file, or the command line) are an error naming both.
+# Settings the workers cannot honour yet (context_parallel_size > 1, ...) are refused by the plan.
 """
 
 

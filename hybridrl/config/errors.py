@@ -14,9 +14,9 @@ class ConfigIssue:
     valid: Sequence[Any] = field(default_factory=tuple)
 
     def __str__(self) -> str:
-        text = f"{self.field}={_show(self.value)} {self.rule}"
+        text = f"{self.field}={show_value(self.value)} {self.rule}"
         if self.valid:
-            text += f"; valid: {', '.join(_show(v) for v in self.valid)}"
+            text += f"; valid: {', '.join(show_value(v) for v in self.valid)}"
         return text
 
     def to_dict(self) -> dict[str, Any]:
@@ -32,7 +32,8 @@ class ConfigError(ValueError):
         super().__init__(f"{len(self.issues)} config error(s):\n{lines}")
 
 
-def _show(value: Any) -> str:
+def show_value(value: Any) -> str:
+    """A value as config messages print it (strings bare unless empty or spaced, floats short)."""
     if isinstance(value, str):
         return value if value and " " not in value else repr(value)
     if isinstance(value, float):

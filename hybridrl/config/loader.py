@@ -15,12 +15,52 @@ from typing import Any
 
 import yaml
 
-from hybridrl.config.errors import ConfigError, ConfigIssue
+from hybridrl.config.errors import ConfigError, ConfigIssue, show_value
 from hybridrl.config.schema import JobConfig, MegatronConfig
 
 # Fields users of other trainers write directly on a role: accepted there and moved into the
 # role's `megatron` section, so `actor_rollout_ref.actor.tensor_model_parallel_size=2` works too.
 _MEGATRON_FIELDS = frozenset(f.name for f in dataclasses.fields(MegatronConfig))
+COMMAND_LINE = "the command line"
+
+
+def _role_sections(cls: type = JobConfig, prefix: tuple[str, ...] = ()) -> frozenset[tuple[str, ...]]:
+    """Paths of the sections that carry a `megatron` layout (the roles), read off the schema."""
+    found: set[tuple[str, ...]] = set()
+    names = {f.name for f in dataclasses.fields(cls)}
+    if "megatron" in names and prefix:
+        found.add(prefix)
+    for name, hint in typing.get_type_hints(cls).items():
+        section = _section_type(hint)
+        if section is not None and name != "megatron":
+            found |= _role_sections(section, (*prefix, name))
+    return frozenset(found)
+
+
+def _section_type(hint: Any) -> type | None:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = options[0] if len(options) == 1 else None
+    return hint if dataclasses.is_dataclass(hint) else None
+
+
+ROLE_SECTIONS = _role_sections()
+
+
+def megatron_field_aliases() -> dict[str, str]:
+    """Every field accepted under two spellings: the role-level path -> the `.megatron.` path."""
+    return {
+        ".".join((*role, name)): ".".join((*role, "megatron", name))
+        for role in sorted(ROLE_SECTIONS) for name in sorted(_MEGATRON_FIELDS)
+    }
+
+
+def canonical_path(parts: tuple[str, ...]) -> tuple[str, ...]:
+    """The one spelling of a dotted path: a role-level megatron field moves into `megatron`."""
+    for depth in range(1, len(parts)):
+        if parts[:depth] in ROLE_SECTIONS and parts[depth] in _MEGATRON_FIELDS:
+            return (*parts[:depth], "megatron", *parts[depth:])
+    return parts
 
 
 def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> JobConfig:
@@ -42,16 +82,22 @@ def load_config_collecting(
     issues: list[ConfigIssue] = []
     raw: dict[str, Any] = {}
     if path is not None:
-        raw = _read_yaml(Path(path), issues)
+        _merge_source(raw, _leaves(_read_yaml(Path(path), issues)), str(path), issues)
+    assignments = []
     for override in overrides:
-        _apply_override(raw, override, issues)
+        parsed = _parse_override(override, issues)
+        if parsed is not None:
+            assignments.extend(parsed)
+    _merge_source(raw, assignments, COMMAND_LINE, issues)
     return _build(JobConfig, raw, "", issues), issues
 
 
 def config_from_dict(raw: Mapping[str, Any]) -> JobConfig:
     """Build a `JobConfig` from a plain nested dict (e.g. `config_to_dict` output)."""
     issues: list[ConfigIssue] = []
-    config = _build(JobConfig, dict(raw), "", issues)
+    tree: dict[str, Any] = {}
+    _merge_source(tree, _leaves(dict(raw)), "the given dict", issues)
+    config = _build(JobConfig, tree, "", issues)
     if issues:
         raise ConfigError(issues)
     return config
@@ -79,28 +125,72 @@ def _read_yaml(path: Path, issues: list[ConfigIssue]) -> dict[str, Any]:
     return loaded
 
 
-def _apply_override(raw: dict[str, Any], override: str, issues: list[ConfigIssue]) -> None:
+def _parse_override(override: str, issues: list[ConfigIssue]) -> list[tuple[tuple[str, ...], Any]] | None:
+    """`a.b.c=value` as leaf assignments (a mapping value sets each of its fields, merging)."""
     key, sep, text = override.partition("=")
     key = key.strip().lstrip("+")
     if not sep or not key or any(not part for part in key.split(".")):
         issues.append(ConfigIssue("<override>", override, "expected the form section.field=value"))
-        return
+        return None
     try:
         value = yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError:
         value = text  # not YAML: take it as a plain string, the type check decides
+    parts = tuple(key.split("."))
+    if isinstance(value, dict):
+        return list(_leaves(value, parts))
+    # Overrides are typed as YAML; keep the user's raw text for string fields (e.g. a path "007").
+    return [(parts, _RawOverride(value, text))]
+
+
+def _leaves(tree: Any, prefix: tuple[str, ...] = ()) -> typing.Iterator[tuple[tuple[str, ...], Any]]:
+    """Every (path, value) a nested mapping sets; an empty mapping sets its section to defaults."""
+    if isinstance(tree, dict) and (tree or not prefix):
+        for key, value in tree.items():
+            yield from _leaves(value, (*prefix, str(key)))
+    else:
+        yield prefix, tree
+
+
+def _merge_source(raw: dict[str, Any], assignments: Iterable[tuple[tuple[str, ...], Any]], source: str,
+                  issues: list[ConfigIssue]) -> None:
+    """Write one source's assignments (the file, or the command line) into `raw`, each at its
+    canonical path, so a later source replaces an earlier one whichever spelling either used.
+    Within the source the same path written twice keeps the last value; two spellings of one
+    field with different values are an error naming both."""
+    written: dict[tuple[str, ...], tuple[str, Any]] = {}
+    for parts, value in assignments:
+        where = canonical_path(parts)
+        spelling = ".".join(parts)
+        earlier = written.get(where)
+        if earlier is not None and earlier[0] != spelling and _plain(earlier[1]) != _plain(value):
+            issues.append(ConfigIssue(
+                earlier[0], _plain(earlier[1]),
+                f"conflicts with {spelling}={show_value(_plain(value))} in {source} (two spellings of one "
+                "field); write it once, or give both the same value"))
+            continue
+        if _plain(value) is None and any(len(path) > len(where) and path[: len(where)] == where for path in written):
+            continue  # `section: null` beside fields of that section in one source: the fields win
+        written[where] = (spelling, value)
+        _assign(raw, where, value, issues)
+
+
+def _assign(raw: dict[str, Any], parts: tuple[str, ...], value: Any, issues: list[ConfigIssue]) -> None:
     node = raw
-    parts = key.split(".")
     for depth, part in enumerate(parts[:-1]):
         child = node.get(part)
-        if child is None:
-            child = node[part] = {}
+        if child is None or _plain(child) is None:
+            child = node[part] = {}  # null section = defaults: the fields written under it fill it
         if not isinstance(child, dict):
-            issues.append(ConfigIssue(".".join(parts[: depth + 1]), child, "is a value, not a section"))
+            issues.append(ConfigIssue(".".join(parts[: depth + 1]), _plain(child), "is a value, not a section"))
             return
         node = child
-    # Overrides are typed as YAML; keep the user's raw text for string fields (e.g. a path "007").
-    node[parts[-1]] = _RawOverride(value, text)
+    last = parts[-1]
+    if isinstance(_plain(value), dict):  # an empty mapping: the section exists, fields keep what they have
+        if not isinstance(node.get(last), dict):
+            node[last] = {}
+        return
+    node[last] = value
 
 
 _INVALID = object()  # a value that failed its type check: the field keeps its default
@@ -126,12 +216,12 @@ def _build(cls: type, raw: Any, prefix: str, issues: list[ConfigIssue]) -> Any:
         return cls()
     raw = dict(raw)
     names = [f.name for f in dataclasses.fields(cls)]
-    if "megatron" in names:
-        _move_megatron_aliases(raw)
+    # a role also accepts its layout's fields (moved into `megatron` before building)
+    candidates = [*names, *sorted(_MEGATRON_FIELDS)] if "megatron" in names else names
     for key in raw:
         if key not in names:
             where = f"{prefix}.{key}" if prefix else str(key)
-            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+            close = difflib.get_close_matches(str(key), candidates, n=1, cutoff=0.6)
             hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
             issues.append(ConfigIssue(where, _plain(raw[key]), f"unknown key{hint}"))
     hints = _hints(cls)
@@ -143,17 +233,6 @@ def _build(cls: type, raw: Any, prefix: str, issues: list[ConfigIssue]) -> Any:
             if value is not _INVALID:
                 values[name] = value
     return cls(**values)
-
-
-def _move_megatron_aliases(raw: dict[str, Any]) -> None:
-    aliases = [key for key in raw if key in _MEGATRON_FIELDS]
-    if not aliases:
-        return
-    section = raw.get("megatron")
-    section = dict(section.value if isinstance(section, _RawOverride) else (section or {}))
-    for key in aliases:
-        section.setdefault(key, raw.pop(key))
-    raw["megatron"] = section
 
 
 def _plain(value: Any) -> Any:
