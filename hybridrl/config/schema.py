@@ -129,6 +129,9 @@ class RolloutConfig:
     enforce_eager: bool | None = doc(
         None, "None = CUDA graphs on cuda (faster decoding), eager on cpu (no graphs there); "
               "true = no CUDA graphs (faster start, less memory)")
+    probe_tolerance: float | None = doc(
+        None, "the sync's log-prob probe (trainer vs every vLLM replica) stops training above this max abs gap; "
+              "None = 1e-4 when training and rollout are fp32, else 0.5 (bf16 round-off ~0.1, a wrong layout >= 2)")
     free_cache_engine: bool = doc(True, "sleep vLLM (free KV cache and weights) while training")
     max_num_batched_tokens: int = doc(8192, "vLLM scheduler token budget per step")
     max_num_seqs: int = doc(1024, "vLLM scheduler sequence budget")
@@ -244,11 +247,11 @@ class TrainerConfig:
     ray_address: str | None = doc(None, "existing Ray cluster; None = RAY_ADDRESS or a local one")
     torch_threads_per_rank: int | None = doc(
         None, "torch intra-op threads in each worker process; None = this machine's cores ÷ its ranks")
-
-
     nccl_timeout_s: float = doc(
         1800.0, "process-group timeout (nccl/gloo, megatron's groups too): the longest a rank waits in one "
         "collective, e.g. while rank 0 saves a checkpoint or an HF export")
+
+
 @dataclass
 class JobConfig:
     data: DataConfig = doc(factory=DataConfig, text="prompts")

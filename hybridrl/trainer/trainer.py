@@ -150,7 +150,7 @@ class Trainer:
                                  use_gpu=use_gpu, cpus_per_worker=1.0 if use_gpu else 0.5,
                                  max_colocated_groups=colocated)
         self.pool.start(timeout_s=300)
-        settings = HybridSettings(probe_tolerance=1e-4 if plan.resolved.rollout_dtype == "fp32" else 5e-2)
+        settings = HybridSettings(probe_tolerance=plan.resolved.probe_tolerance)
         timeout_s = trainer.nccl_timeout_s  # every group's collectives, megatron's included
         self.actor_group = WorkerGroup(HybridEngineWorker, self.pool, role="actor_rollout_ref",
                                        worker_args=(plan, settings), process_group_timeout_s=timeout_s)
