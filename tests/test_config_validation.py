@@ -77,7 +77,7 @@ CASES = {
     "prompt length positive": (["data.max_prompt_length=0"], "data.max_prompt_length", ">= 1",
                                ["data.max_prompt_length=16"]),
     "lengths within max positions": (["data.max_response_length=40000"], "data.max_response_length",
-                                     "max_position_embeddings=32768", ["data.max_response_length=30000"]),
+                                     "max_position_embeddings=32768", ["data.max_response_length=3000"]),
     "rollout response within data limit": ([f"{R}.response_length=2048"], f"{R}.response_length",
                                            "must not exceed", [f"{R}.response_length=512"]),
     "lr in range": ([f"{A}.optim.lr=0"], f"{A}.optim.lr", "must be in (0, 1)", [f"{A}.optim.lr=3e-6"]),

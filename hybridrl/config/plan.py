@@ -282,6 +282,40 @@ def _probe_tolerance(configured: float | None, train_dtype: str, rollout_dtype: 
     return PROBE_TOLERANCE_FP32 if train_dtype == rollout_dtype == "fp32" else PROBE_TOLERANCE_HALF
 
 
+def _ways_to_fit(config: JobConfig, memories: tuple[TrainingMemory, ...], rollout: RolloutMemory) -> str:
+    """The single changes that would bring the hybrid engine's peak under the GPU, with their peaks."""
+    arr = config.actor_rollout_ref
+    gpu, utilization = config.trainer.gpu_memory_gib, arr.rollout.gpu_memory_utilization
+    mc = arr.actor.megatron
+    ways = []
+    offload_choices = [("actor.megatron.optimizer_offload=true", True, mc.grad_offload),
+                       ("actor.megatron.optimizer_offload=true and grad_offload=true", True, True)]
+    for label, optimizer, grads in offload_choices:
+        if (optimizer, grads) == (mc.optimizer_offload, mc.grad_offload):
+            continue  # already what the job does
+        peaks = phase_peaks(memories, rollout, gpu_gib=gpu, gpu_memory_utilization=utilization,
+                            offload_params=mc.param_offload, offload_grads=grads, offload_optimizer=optimizer)
+        if peaks.fits:
+            ways.append(f"{label} (peak {max(peaks.generation_gib, peaks.training_gib):.1f} GiB)")
+    # The largest utilization (in steps of 0.05) whose generation peak fits, if it still holds
+    # vLLM's weights and one sequence's KV cache.
+    for step in range(int(utilization * 20) - 1, 0, -1):
+        lower = step / 20
+        peaks = phase_peaks(memories, rollout, gpu_gib=gpu, gpu_memory_utilization=lower,
+                            offload_params=mc.param_offload, offload_grads=mc.grad_offload,
+                            offload_optimizer=mc.optimizer_offload)
+        room = gpu * lower - rollout.weights_gib
+        if peaks.fits and room * GIB >= rollout.kv_bytes_per_token * config.data.max_prompt_length:
+            ways.append(f"rollout.gpu_memory_utilization={lower:g} (KV cache {room:.1f} GiB)")
+            break
+    actor = next(m for m in memories if m.role == "actor")
+    if actor.activations_gib_in_flight > 0.25 * gpu:
+        ways.append(f"a smaller actor.ppo_micro_batch_size_per_gpu={arr.actor.ppo_micro_batch_size_per_gpu} "
+                    f"(activations in flight {actor.activations_gib_in_flight:.1f} GiB scale with it)")
+    ways.append("more TP/PP for the actor (each doubling halves its params, grads and optimizer per GPU)")
+    return "would fit with (under actor_rollout_ref.): " + "; or ".join(ways)
+
+
 def _cpu_kv_cache_bytes(config: JobConfig, resolved: Resolved, model: ModelShape,
                         sequences_per_replica: int) -> int | None:
     """The KV cache each vLLM rank allocates on CPU: the configured size, or (unset) enough for
@@ -423,13 +457,17 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
                 f"{arr.rollout.gpu_memory_utilization:g})"
             )
         if arr.hybrid_engine and not peaks.fits:
-            extra.append(
-                "hybrid engine: actor + ref + rollout on one GPU peak at "
-                f"{max(peaks.generation_gib, peaks.training_gib):.1f} GiB (generation "
-                f"{peaks.generation_gib:.1f}, training {peaks.training_gib:.1f}) > "
-                f"trainer.gpu_memory_gib={config.trainer.gpu_memory_gib:g}; lower rollout.gpu_memory_utilization, "
-                "offload, or add TP/PP"
-            )
+            peak = (f"{max(peaks.generation_gib, peaks.training_gib):.1f} GiB (generation "
+                    f"{peaks.generation_gib:.1f}: the actor's resident state and the ref next to vLLM's "
+                    f"gpu_memory_utilization share; training {peaks.training_gib:.1f})")
+            if resolved.device == "cuda":  # it would run out of memory after minutes of start-up: refuse now
+                raise ConfigError([ConfigIssue(
+                    "trainer.gpu_memory_gib", config.trainer.gpu_memory_gib,
+                    f"is below the hybrid engine's per-GPU peak of {peak}; "
+                    + _ways_to_fit(config, tuple(train_mem), roll_mem))])
+            extra.append(f"hybrid engine: actor + ref + rollout on one GPU peak at {peak} > trainer.gpu_memory_gib="
+                         f"{config.trainer.gpu_memory_gib:g}; lower rollout.gpu_memory_utilization, offload, or add "
+                         "TP/PP")
         warnings = warnings + tuple(extra)
 
     return Plan(
