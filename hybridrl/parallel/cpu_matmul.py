@@ -10,8 +10,14 @@ On a CPU where oneDNN would use bf16 math the probe fails and matmuls stay on MK
 
 Numerics: fp32 either way; only the summation order inside a GEMM differs (results move by a few
 fp32 ulps). The megatron workers on CPU enable it (`hybridrl.parallel.state.initialize_model_parallel`).
+
+The setting (`torch.backends.mkldnn.matmul.fp32_precision`) exists from torch 2.9 on; with an older
+torch (the GPU stack pins whatever vLLM pins) there is nothing to route or preserve, and fp32
+matmuls stay on MKL: read it through `onednn_matmul_setting()`.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -41,9 +47,19 @@ def all_exact(products: list[tuple[torch.Tensor, float]]) -> bool:
     return all(bool((result == expected).all()) for result, expected in products)
 
 
+def onednn_matmul_setting() -> Any | None:
+    """`torch.backends.mkldnn.matmul` (its `fp32_precision` chooses the oneDNN route), None on a torch
+    without it (before 2.9)."""
+    setting = getattr(torch.backends.mkldnn, "matmul", None)
+    return setting if setting is not None and hasattr(setting, "fp32_precision") else None
+
+
 def onednn_fp32_is_exact() -> bool:
-    """Whether fp32 matmuls keep fp32 arithmetic with the oneDNN route enabled (restores the setting)."""
-    setting = torch.backends.mkldnn.matmul
+    """Whether fp32 matmuls keep fp32 arithmetic with the oneDNN route enabled (restores the setting);
+    False where torch has no such route."""
+    setting = onednn_matmul_setting()
+    if setting is None:
+        return False
     previous = setting.fp32_precision
     try:
         setting.fp32_precision = "bf16"
@@ -55,9 +71,11 @@ def onednn_fp32_is_exact() -> bool:
 def route_fp32_matmul_to_onednn() -> bool:
     """Send this process's fp32 matmuls to oneDNN when the probe shows it keeps fp32 arithmetic.
 
-    Returns whether the route is on. Process-wide (torch's global context); a no-op without mkldnn.
+    Returns whether the route is on. Process-wide (torch's global context); a no-op without mkldnn
+    or on a torch without the setting (fp32 matmuls then stay on MKL: correct, slower).
     """
-    if not torch.backends.mkldnn.is_available() or not onednn_fp32_is_exact():
+    setting = onednn_matmul_setting()
+    if setting is None or not torch.backends.mkldnn.is_available() or not onednn_fp32_is_exact():
         return False
-    torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+    setting.fp32_precision = "bf16"
     return True

