@@ -120,6 +120,8 @@ def transformer_config(
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
+    from hybridrl.parallel.device import megatron_cpu_initialization
+
     kwargs = shape.megatron_config_kwargs(tp, pp, vpp)
     kwargs["activation_func"] = {"silu": F.silu}[kwargs["activation_func"]]
     kwargs.update(
@@ -130,7 +132,7 @@ def transformer_config(
         # Weights come from a checkpoint: skip random init (and the full-size master tensors
         # megatron's CPU init would build per parameter).
         perform_initialization=False,
-        use_cpu_initialization=device == "cpu",
+        use_cpu_initialization=megatron_cpu_initialization(device),
     )
     if device == "cpu":
         from hybridrl.parallel.cpu_layer import CPU_CONFIG_OVERRIDES

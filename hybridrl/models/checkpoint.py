@@ -80,8 +80,9 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
 
 
 def tensor_sha256(tensor: torch.Tensor) -> str:
-    """sha256 of the tensor's raw bytes as stored (dtype-exact, layout-independent)."""
-    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+    """sha256 of the tensor's raw bytes as stored (dtype-exact, layout-independent); GPU tensors are
+    read through a host copy (numpy cannot see device memory)."""
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
 
 

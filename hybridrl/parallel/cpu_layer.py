@@ -52,6 +52,10 @@ slot, as the bridge does)/``bias_activation_fusion``/``masked_softmax_fusion``/
 
 Written for megatron-core 0.16.x (checked on 0.16.1); `apply_cpu_layer` refuses other versions,
 because each patch names private megatron functions whose behaviour is only known for that line.
+Strict-device mode (`hybridrl.parallel.strict_device`, ``HYBRIDRL_STRICT_DEVICE=1``) replaces the
+mapping mode with one that also remembers which tensors would live on the GPU and raises where
+CUDA would (a CPU batch fed to a model on the device, a CPU tensor in an NCCL collective): the CPU
+test suite's guard for the GPU path.
 The mode adds Python dispatch to every torch call on the thread (measured ~1 us per op here, next to
 ~1.4 us for an 8x8 add: it matters only for tiny tensors): apply it only in processes that train on
 CPU (`hybridrl.parallel.state.initialize_model_parallel(device='cpu')` does that).
@@ -289,7 +293,9 @@ def _push_mode_in_this_thread() -> None:
     # Torch function modes live on a per-thread stack: each thread that runs megatron code needs its
     # own push (apply_cpu_layer() does it for the calling thread).
     if not _mode_in_this_thread():
-        mode = CudaToCpuMode()
+        from hybridrl.parallel.strict_device import mode_class
+
+        mode = mode_class()()
         mode.__enter__()
         _thread_modes.mode = mode
 
@@ -414,6 +420,10 @@ def apply_cpu_layer(skip: Iterable[str] = ()) -> list[str]:
     if unknown:
         raise ValueError(f"unknown CPU-layer patches {sorted(unknown)}; known: {list(PATCHES)}")
     check_megatron_version()
+    from hybridrl.parallel.strict_device import enable_strict_device, strict_device_requested
+
+    if strict_device_requested():
+        enable_strict_device()  # before megatron creates its groups: they are classified at creation
     if not _state.patches:
         _state.patches = _build_patches()
     for name in PATCHES:

@@ -88,6 +88,62 @@ def default_dtype_for(device: str, requested: str | torch.dtype | None = None) -
     raise ValueError(f"default_dtype_for expects a resolved device 'cuda' or 'cpu', got {device!r}")
 
 
+def rank_device(device: str) -> torch.device:
+    """The torch device a rank's model lives on: where micro-batches and collective buffers go.
+
+    cuda: this process's current GPU. cpu: the CPU, or, under strict-device mode
+    (`hybridrl.parallel.strict_device`), "cuda", which the CPU layer maps to the CPU while marking
+    the tensor as one that would be on the GPU, so a forgotten move fails in CPU tests as on GPUs.
+    """
+    import torch
+
+    if device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    if device == "cpu":
+        from hybridrl.parallel.strict_device import cpu_rank_device
+
+        return cpu_rank_device()
+    raise ValueError(f"rank_device expects a resolved device 'cuda' or 'cpu', got {device!r}")
+
+
+def to_rank_device(tensor: torch.Tensor, device: str) -> torch.Tensor:
+    """`tensor` on the rank's device (`rank_device`); from host memory through a pinned staging copy
+    with a non-blocking transfer on cuda, so copies of several micro-batches overlap."""
+    target = rank_device(device)
+    if device == "cuda" and tensor.device.type == "cpu":
+        if not tensor.is_pinned():
+            tensor = tensor.pin_memory()
+        return tensor.to(target, non_blocking=True)
+    return tensor.to(target)
+
+
+def collective_device(group: object = None) -> torch.device:
+    """The device a tensor must be on to enter a collective on `group` (None: the default group).
+
+    NCCL takes only CUDA tensors (on this process's GPU); gloo takes CPU tensors. Under strict-device
+    mode a CPU rank answers as for the NCCL group the group would be on GPUs (see `rank_device`).
+    """
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    from hybridrl.parallel.strict_device import cpu_collective_device
+
+    return cpu_collective_device(group)
+
+
+def megatron_cpu_initialization(device: str) -> bool:
+    """megatron's `use_cpu_initialization`: on cpu parameters are allocated on the host, except under
+    strict-device mode, where a CPU rank allocates them "on the device" as the GPU path does (so the
+    mode sees the model where a GPU run has it)."""
+    if device != "cpu":
+        return False
+    from hybridrl.parallel.strict_device import strict_device_active
+
+    return not strict_device_active()
+
+
 def te_available() -> bool:
     """Whether transformer_engine is importable (found without importing it: the import is slow)."""
     try:

@@ -45,7 +45,7 @@ from hybridrl.workers.megatron_role import MegatronRole
 from hybridrl.workers.metrics import average_steps
 from hybridrl.workers.micro_batching import partition_rows, restore_order
 from hybridrl.workers.mini_batch import train_mini_batch
-from hybridrl.workers.sequences import ModelInputs, micro_batch_inputs, take_predictions
+from hybridrl.workers.sequences import ModelInputs, take_predictions
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ class MegatronActor:
         temperature = sampling_temperature(batch)
         partition = partition_rows(tensors["attention_mask"], self.forward_plan.micro_batch_size,
                                    dynamic=self.dynamic, max_tokens=self.max_tokens, dp_group=ctx.dp_group)
-        micros = [micro_batch_inputs(tensors, rows, pad_multiple=engine.pad_multiple) for rows in partition]
+        micros = engine.micro_batches(tensors, partition)
 
         def collect(micro: ModelInputs, logits: torch.Tensor) -> torch.Tensor:
             shard = response_logits(engine, micro, logits, temperature)
@@ -154,7 +154,7 @@ class MegatronActor:
         outputs = engine.forward_only(micros, collect)
         if not engine.is_output_rank:
             return None
-        stacked = restore_order(outputs, partition)
+        stacked = restore_order(outputs, partition).cpu()  # results go back to the controller
         mask = tensors["response_mask"].to(stacked.dtype).unsqueeze(-1)
         stacked = stacked * mask
         out = {self.output_key: stacked[..., 0].contiguous()}

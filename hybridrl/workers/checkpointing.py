@@ -60,6 +60,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hybridrl.parallel.device import collective_device
 from hybridrl.parallel.state import failed_ranks
 from hybridrl.workers.megatron_role import MegatronRole
 
@@ -295,7 +296,7 @@ def _gather_sharded(entries: list[_Entry], local: dict[int, dict[str, torch.Tens
     problems: list[str] = []
     for part in view.distributed:
         group = getattr(part, "data_parallel_group_gloo", None) or part.data_parallel_group
-        device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+        device = collective_device(group)
         size, is_dst, dst = dist.get_world_size(group), dist.get_rank(group) == 0, dist.get_global_rank(group, 0)
         members = [i for i, e in enumerate(entries) if view.sharded_by(e.param) is part]
         slots = {i: view.slot(entries[i]) for i in members}

@@ -25,7 +25,7 @@ from hybridrl.workers.megatron_role import MegatronRole
 from hybridrl.workers.metrics import average_steps
 from hybridrl.workers.micro_batching import partition_rows, restore_order
 from hybridrl.workers.mini_batch import train_mini_batch
-from hybridrl.workers.sequences import ModelInputs, micro_batch_inputs, take_predictions
+from hybridrl.workers.sequences import ModelInputs, take_predictions
 
 
 @dataclass(frozen=True)
@@ -70,11 +70,11 @@ class MegatronCritic:
         tensors = batch.tensors
         partition = partition_rows(tensors["attention_mask"], self.plan.forward("values").micro_batch_size,
                                    dynamic=self.dynamic, max_tokens=self.max_tokens, dp_group=ctx.dp_group)
-        micros = [micro_batch_inputs(tensors, rows, pad_multiple=engine.pad_multiple) for rows in partition]
+        micros = engine.micro_batches(tensors, partition)
         outputs = engine.forward_only(micros, response_values)
         if not engine.is_output_rank:
             return None
-        values = restore_order(outputs, partition) * tensors["response_mask"].float()
+        values = restore_order(outputs, partition).cpu() * tensors["response_mask"].float()
         return Batch({"values": values})
 
     def update_critic(self, batch: Batch) -> CriticUpdateMetrics | None:

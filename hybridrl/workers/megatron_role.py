@@ -33,7 +33,7 @@ from hybridrl.config.plan import Plan
 from hybridrl.config.schema import MegatronConfig, OptimConfig
 from hybridrl.workers.lr_schedule import LRSchedule
 from hybridrl.workers.offload import OptimizerStateOffload, offload_grad_buffers, restore_grad_buffers
-from hybridrl.workers.sequences import ModelInputs
+from hybridrl.workers.sequences import ModelInputs, micro_batch_inputs
 
 # megatron disables clipping with clip_grad=0 and then reports no grad norm; a bound no real norm
 # reaches keeps the norm computed without ever clipping.
@@ -231,6 +231,21 @@ class MegatronRole:
         """Sequence lengths must divide over TP when sequence parallelism splits them."""
         return self.ctx.tp if self.config.sequence_parallel else 1
 
+    def micro_batches(self, tensors: dict[str, torch.Tensor], partition: Sequence[Sequence[int]], *,
+                      extra_keys: tuple[str, ...] = ()) -> list[ModelInputs]:
+        """The model inputs of each part of `partition` (row lists of `tensors`), on this rank's device.
+
+        The one place where batch rows enter the model's device: rows are cut and aligned where the
+        batch lives (the host, as the controller sends it), then every tensor of every micro-batch
+        (inputs and extras) moves to the rank's device, from pinned memory without blocking on cuda.
+        """
+        from hybridrl.parallel.device import to_rank_device
+
+        device = self.ctx.device
+        cut = [micro_batch_inputs(tensors, list(rows), extra_keys=extra_keys, pad_multiple=self.pad_multiple)
+               for rows in partition]
+        return [micro.map_tensors(lambda t: to_rank_device(t, device)) for micro in cut]
+
     def mesh_coords(self) -> dict[str, int]:
         return {"dp": self.ctx.dp_rank, "tp": self.ctx.tp_rank, "pp": self.ctx.pp_rank, "cp": self.ctx.cp_rank}
 
@@ -242,6 +257,9 @@ class MegatronRole:
         _activate_cpu_layer(self.ctx.device)
         if not micro_batches:
             raise ValueError("no micro-batches to run")
+        if self.ctx.device == "cuda" and micro_batches[0].input_ids.device.type != "cuda":
+            raise ValueError(f"{self.spec.role}: micro-batches are on {micro_batches[0].input_ids.device}, the model "
+                             "on cuda; build them with MegatronRole.micro_batches")
 
         def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Callable[..., Any]]:
             micro = next(data_iterator)
@@ -303,7 +321,7 @@ class MegatronRole:
         metrics = self._run(micro_batches, lambda micro, output: loss_fn(micro, output), forward_only=False)
         from hybridrl.workers.nonfinite import step_is_finite
 
-        if not step_is_finite(self.models, metrics, self.ctx.device):
+        if not step_is_finite(self.models, metrics):
             # megatron's fp32/bf16 optimizers would apply NaN grads (see workers.nonfinite): skip the
             # step on every rank; the next train_step zeroes the grad buffers, the lr schedule waits.
             return StepResult(list(metrics), float("nan"), lr, False)

@@ -19,6 +19,8 @@ from collections.abc import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
+from hybridrl.parallel.device import collective_device
+
 
 class StepMetrics:
     """Accumulates one optimizer step's micro-batch metrics on this rank."""
@@ -61,6 +63,7 @@ class StepMetrics:
             dtype=torch.float64,
         )
         if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1 and packed.numel():
+            packed = packed.to(collective_device(group))
             dist.all_reduce(packed, group=group)
         values = packed.tolist()
         out = dict(zip(total_names, values[: len(total_names)]))
@@ -71,6 +74,7 @@ class StepMetrics:
         if max_names:
             maxima = torch.tensor([self._maxima[n] for n in max_names], dtype=torch.float64)
             if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+                maxima = maxima.to(collective_device(group))
                 dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
             out.update(zip(max_names, maxima.tolist()))
         return out

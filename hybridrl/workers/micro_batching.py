@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from hybridrl.parallel.device import collective_device
+
 Partition = list[list[int]]
 
 
@@ -74,7 +76,7 @@ def dynamic_partition(
     values = [int(n) for n in (lengths.tolist() if isinstance(lengths, Tensor) else lengths)]
     count = max(min_parts, micro_batches_needed(values, max_tokens))
     if dp_group is not None and dist.is_initialized() and dist.get_world_size(dp_group) > 1:
-        agreed = torch.tensor([count], dtype=torch.int64)
+        agreed = torch.tensor([count], dtype=torch.int64, device=collective_device(dp_group))
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=dp_group)
         count = int(agreed.item())
     if count > len(values):

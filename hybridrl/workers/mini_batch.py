@@ -19,7 +19,6 @@ from hybridrl.data.batch import Batch
 from hybridrl.workers.megatron_role import MegatronRole
 from hybridrl.workers.metrics import StepMetrics
 from hybridrl.workers.micro_batching import partition_rows
-from hybridrl.workers.sequences import micro_batch_inputs
 
 
 def train_mini_batch(
@@ -35,8 +34,8 @@ def train_mini_batch(
     mini_mask = batch.tensors["attention_mask"].index_select(0, torch.tensor(mini_rows))
     partition = partition_rows(mini_mask, micro_batch_size, dynamic=dynamic, max_tokens=max_tokens,
                                dp_group=ctx.dp_group)
-    micros = [micro_batch_inputs(batch.tensors, [mini_rows[r] for r in part], extra_keys=extra_keys,
-                                 pad_multiple=engine.pad_multiple) for part in partition]
+    micros = engine.micro_batches(batch.tensors, [[mini_rows[r] for r in part] for part in partition],
+                                  extra_keys=extra_keys)
     normalizers = global_loss_normalizers([m.response_mask for m in micros], ctx.dp_group)
     result = engine.train_step(micros, partial(loss, normalizers=normalizers, scale=len(micros) * ctx.dp))
     step = {"grad_norm": result.grad_norm, "lr": result.lr}

@@ -30,11 +30,15 @@ def _local_finite(models: Iterable[Any], micro_metrics: Sequence[Mapping[str, An
     return True
 
 
-def step_is_finite(models: Iterable[Any], micro_metrics: Sequence[Mapping[str, Any]], device: str) -> bool:
+def step_is_finite(models: Iterable[Any], micro_metrics: Sequence[Mapping[str, Any]]) -> bool:
     """True when no rank of the default process group saw a non-finite loss or gradient this step."""
     import torch.distributed as dist
 
-    bad = torch.tensor([0.0 if _local_finite(models, micro_metrics) else 1.0], device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    from hybridrl.parallel.device import collective_device
+
+    finite = _local_finite(models, micro_metrics)
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return finite
+    bad = torch.tensor([0.0 if finite else 1.0], device=collective_device())
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
     return bool(bad.item() == 0.0)

@@ -17,7 +17,7 @@ from hybridrl.config.plan import Plan
 from hybridrl.data.batch import Batch
 from hybridrl.workers.megatron_role import MegatronRole
 from hybridrl.workers.micro_batching import partition_rows, restore_order
-from hybridrl.workers.sequences import ModelInputs, micro_batch_inputs, take_predictions
+from hybridrl.workers.sequences import ModelInputs, take_predictions
 
 
 def last_token_scores(micro: ModelInputs, output: torch.Tensor) -> torch.Tensor:
@@ -38,8 +38,8 @@ class MegatronRewardModel:
         engine = self.engine
         tensors = batch.tensors
         partition = partition_rows(tensors["attention_mask"], self.micro_batch_size)
-        micros = [micro_batch_inputs(tensors, rows, pad_multiple=engine.pad_multiple) for rows in partition]
+        micros = engine.micro_batches(tensors, partition)
         outputs = engine.forward_only(micros, last_token_scores)
         if not engine.is_output_rank:
             return None
-        return Batch({"rm_scores": restore_order(outputs, partition).squeeze(-1)})
+        return Batch({"rm_scores": restore_order(outputs, partition).squeeze(-1).cpu()})

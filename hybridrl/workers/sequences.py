@@ -16,6 +16,7 @@ width. Positions past a row's response are garbage by construction and must be m
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +48,14 @@ class ModelInputs:
     response_mask: Tensor
     last_index: Tensor
     extras: dict[str, Tensor] = field(default_factory=dict)
+
+    def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> ModelInputs:
+        """The same micro-batch with `fn` applied to every tensor (inputs and extras), e.g. a device move."""
+        return ModelInputs(
+            input_ids=fn(self.input_ids), position_ids=fn(self.position_ids), predict_index=fn(self.predict_index),
+            responses=fn(self.responses), response_mask=fn(self.response_mask), last_index=fn(self.last_index),
+            extras={k: fn(v) for k, v in self.extras.items()},
+        )
 
     @property
     def num_rows(self) -> int:

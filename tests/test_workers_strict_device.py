@@ -1,0 +1,234 @@
+"""The CPU guard for the GPU path: the workers' real data path under strict-device mode.
+
+Strict-device mode (`hybridrl.parallel.strict_device`) makes the CPU layer remember which tensors
+would live on the GPU (what megatron and our code put "on cuda") and raise where CUDA would: a
+host batch fed to a model on the device, a host tensor in a collective on a group that is NCCL on
+GPUs. The batches here arrive as the controller sends them (a `Batch` pickled through numpy:
+host tensors), so every worker entry point must move its micro-batches to the rank's device and
+bring its results back. The numbers are checked against the same references as the plain tests
+(transformers, plain torch, a single-rank run without strict mode).
+
+`HYBRIDRL_STRICT_DEVICE=1` in pytest's environment runs any other worker test under the same mode.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridrl.parallel import strict_device
+from hybridrl.parallel.forked import run_ranks
+from tests.test_workers_critic import _critic_rank, _reference_critic, _reward_rank
+from tests.test_workers_fixtures import (
+    hf_response_log_probs,
+    job_config,
+    policy_model,
+    rollout_batch,
+    sequence_classifier,
+    with_critic,
+    with_reward_model,
+)
+from tests.test_workers_ranks import _update_rank
+
+TOL = 1e-5
+
+
+def _strict_rank(rank: int, world: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(rank, world, *args)` with strict-device mode on from the start (before megatron's groups)."""
+    strict_device.enable_strict_device()
+    result = fn(rank, world, *args)
+    _assert_on_host(result)
+    return result
+
+
+def _assert_on_host(value: Any) -> None:
+    """What a worker hands back to the controller must be host memory (a CPU-only driver reads it)."""
+    if isinstance(value, torch.Tensor):
+        assert strict_device.placement(value) != "device", "a result for the controller was left on the device"
+    elif isinstance(value, dict):
+        for item in value.values():
+            _assert_on_host(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _assert_on_host(item)
+
+
+@pytest.fixture
+def strict_mode():
+    strict_device.enable_strict_device()
+    try:
+        with strict_device.StrictDeviceMode():
+            yield
+    finally:
+        strict_device.disable_strict_device()
+
+
+# ------------------------------------------------------------------------------- the mode itself
+def test_strict_mode_raises_where_cuda_would(strict_mode):
+    weight = torch.nn.Parameter(torch.randn(10, 4, device="cuda"))  # as megatron allocates
+    ids = torch.from_numpy(np.array([[1, 2, 3]]))  # as a Batch arrives from the controller
+    assert strict_device.placement(weight) == "device" and strict_device.placement(ids) == "host"
+    with pytest.raises(strict_device.DeviceMismatch, match="embedding"):
+        F.embedding(ids, weight)
+    on_device = ids.to("cuda")
+    assert strict_device.placement(ids) == "host"  # the move made a new tensor; the source stays
+    out = F.embedding(on_device, weight)
+    assert strict_device.placement(out) == "device"
+    assert torch.equal(out, weight[ids[0]].unsqueeze(0))  # the numbers are those of the plain op
+    scaled = out * torch.tensor(2.0)  # 0-dim CPU tensors are fine next to CUDA ones
+    assert strict_device.placement(scaled) == "device"
+    with pytest.raises(strict_device.DeviceMismatch, match="mul"):
+        out * torch.ones(1, 3, 4)
+    with pytest.raises(strict_device.DeviceMismatch, match="numpy"):
+        out.numpy()
+    back = out.cpu()
+    assert strict_device.placement(back) == "host" and torch.equal(back, out.cpu())
+    assert strict_device.placement(out[torch.tensor([0])]) == "device"  # host indices are fine
+    out.sum().backward()
+    assert weight.grad is not None  # autograd's tensors are never judged (unknown), so no false alarm
+
+
+def _collective_rank(rank: int, world: int) -> dict[str, str]:
+    import torch.distributed as dist
+
+    from hybridrl.parallel.device import collective_device
+
+    strict_device.enable_strict_device()
+    host_group = dist.new_group([0, 1], backend="gloo")  # megatron's CPU-side groups are made like this
+    nccl_like = dist.new_group([0, 1])
+    outcome = {}
+    with strict_device.StrictDeviceMode():
+        for name, group in (("default", None), ("new_group", nccl_like), ("gloo", host_group)):
+            try:
+                dist.all_reduce(torch.ones(2), group=group)
+                outcome[name] = "ok"
+            except strict_device.DeviceMismatch as error:
+                outcome[name] = str(error)
+        total = torch.full((2,), float(rank + 1), device=collective_device(nccl_like))
+        dist.all_reduce(total, group=nccl_like)
+        outcome["collective_device"] = str(total.tolist())
+        ops = [dist.P2POp(dist.isend, torch.ones(3), 1 - rank), dist.P2POp(dist.irecv, torch.empty(3), 1 - rank)]
+        try:
+            dist.batch_isend_irecv(ops)
+            outcome["p2p"] = "ok"
+        except strict_device.DeviceMismatch as error:
+            outcome["p2p"] = str(error)
+    return outcome
+
+
+def test_collectives_refuse_host_tensors_on_nccl_groups():
+    for outcome in run_ranks(_collective_rank, 2):
+        assert "all_reduce" in outcome["default"] and "NCCL" in outcome["default"]
+        assert "all_reduce" in outcome["new_group"]
+        assert outcome["gloo"] == "ok"
+        assert outcome["collective_device"] == "[3.0, 3.0]"
+        assert "batch_isend_irecv" in outcome["p2p"]
+
+
+# ------------------------------------------------------------------------ the workers' data path
+def _actor_log_prob_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
+    from hybridrl.config.plan import build_plan
+    from hybridrl.engine.resharder import Resharder
+    from hybridrl.workers.actor import MegatronActor
+    from hybridrl.workers.hybrid import _probe_batch
+    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+
+    strict_device.enable_strict_device()
+    plan = build_plan(config)
+    engine = MegatronRole(role_spec(plan, "actor"))
+    actor = MegatronActor(engine, plan, output_key="old_log_probs")
+    out = actor.compute_log_prob(batch, with_entropy=True)
+    probe = actor.compute_log_prob(_probe_batch(0))  # the sync's log-prob probe, trainer side
+    shards = Resharder(engine.chunks, plan.reshard.groups).reshard()
+    if out is not None:
+        assert all(strict_device.placement(t) != "device" for t in (*out.tensors.values(), *probe.tensors.values())), \
+            "results for the controller must come back to the host"
+    strict_device.disable_strict_device()
+    plain = Resharder(engine.chunks, plan.reshard.groups).reshard()
+    same_shards = sorted(shards) == sorted(plain) and all(torch.equal(shards[k], plain[k]) for k in plain)
+    result = None if out is None else {k: v.clone() for k, v in out.tensors.items()}
+    return {"out": result, "probe": None if probe is None else probe["old_log_probs"].clone(),
+            "same_shards": same_shards, "shards": len(shards)}
+
+
+def _probe_reference(hf_dir: Any) -> torch.Tensor:
+    """transformers' log-probs of the sync probe's response (one unpadded row)."""
+    import transformers
+
+    from hybridrl.workers.hybrid import PROBE_PROMPT, PROBE_RESPONSE
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
+                                                              attn_implementation="eager")
+    ids = torch.tensor([PROBE_PROMPT + PROBE_RESPONSE])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(PROBE_PROMPT) - 1: -1]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(PROBE_RESPONSE).unsqueeze(-1)).T
+
+
+def test_actor_log_probs_probe_and_resharder_under_strict_device(tmp_path):
+
+    hf = policy_model(tmp_path / "hf")
+    batch = rollout_batch(8)
+    ref_lp, ref_ent = hf_response_log_probs(hf, batch)
+    probe_ref = _probe_reference(hf)
+    # TP2: vocab-parallel log-probs and entropy reduce over the TP group; the resharder gathers the
+    # TP shards into the rollout's single-GPU layout with point-to-point messages.
+    results = run_ranks(_actor_log_prob_rank, 2, job_config(hf, world=2, tp=2), batch)
+    outs = [r for r in results if r["out"] is not None]
+    assert len(outs) == 1
+    assert torch.allclose(outs[0]["out"]["old_log_probs"], ref_lp, atol=TOL, rtol=0)
+    assert torch.allclose(outs[0]["out"]["entropys"], ref_ent, atol=TOL, rtol=0)
+    assert torch.allclose(outs[0]["probe"], probe_ref, atol=TOL, rtol=0)
+    assert all(r["same_shards"] and r["shards"] > 0 for r in results)
+
+
+def test_ppo_update_under_strict_device_equals_a_plain_single_rank_run(tmp_path):
+    """DP2 with megatron's distributed optimizer and token-budget micro-batches (their count agreed
+    over DP), KL and entropy terms: every DP collective of the update runs on device tensors."""
+    from tests.test_models_fixtures import safetensors_state
+
+    hf = policy_model(tmp_path / "hf")
+    batch = rollout_batch(8)
+    knobs = dict(use_kl_loss=True, entropy_coeff=0.01, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=20)
+    strict = run_ranks(_strict_rank, 2, _update_rank, job_config(hf, world=2, distributed_optimizer=True, **knobs),
+                       batch, str(tmp_path / "strict"))
+    (plain,) = run_ranks(_update_rank, 1, job_config(hf, world=1, **knobs), batch, str(tmp_path / "plain"))
+    metrics = [r["metrics"] for r in strict if r["metrics"] is not None]
+    assert len(metrics) == 2
+    for name in ("pg_loss", "grad_norm", "kl_loss", "entropy", "clipfrac"):
+        assert abs(getattr(metrics[0], name) - getattr(plain["metrics"], name)) < TOL, name
+    state, reference = safetensors_state(tmp_path / "strict"), safetensors_state(tmp_path / "plain")
+    assert max((state[n] - reference[n]).abs().max() for n in reference) < TOL
+    initial = safetensors_state(hf)
+    assert max((reference[n] - initial[n]).abs().max() for n in initial) > 1e-3  # the step moved weights
+
+
+def test_critic_and_reward_model_under_strict_device(tmp_path):
+    import transformers
+
+    rm = sequence_classifier(tmp_path / "rm")
+    hf = policy_model(tmp_path / "policy")
+    batch = rollout_batch(8)
+    ref = _reference_critic(rm, batch)
+    # DP2: values, the update's normalizers and metric sums all reduce over the DP group.
+    config = with_critic(job_config(hf, world=2), rm)
+    outs = [o for o in run_ranks(_strict_rank, 2, _critic_rank, config, batch) if o is not None]
+    assert len(outs) == 2
+    assert (torch.cat([o["before"] for o in outs]) - ref["before"]).abs().max() < TOL
+    assert abs(outs[0]["metrics"].vf_loss - ref["loss"]) < TOL
+    assert abs(outs[0]["metrics"].grad_norm - ref["grad_norm"]) < TOL
+    assert (torch.cat([o["after"] for o in outs]) - ref["after"]).abs().max() < TOL
+
+    model = transformers.LlamaForSequenceClassification.from_pretrained(rm, dtype=torch.float32,
+                                                                        attn_implementation="eager")
+    with torch.no_grad():
+        expected = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         position_ids=batch["position_ids"]).logits.squeeze(-1)
+    config = with_reward_model(job_config(hf, world=2), rm, tp=2)
+    scores = [s for s in run_ranks(_strict_rank, 2, _reward_rank, config, batch) if s is not None]
+    assert len(scores) == 1
+    assert (scores[0] - expected).abs().max() < TOL
