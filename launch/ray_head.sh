@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Start the Ray head on this node. Then, on every other node: launch/ray_worker.sh HEAD_IP
 # and run the job anywhere with RAY_ADDRESS=HEAD_IP:PORT launch/train_grpo.sh CONFIG.
+#   launch/ray_head.sh [extra `ray start` flags, e.g. --block to stay in the foreground]
 #
 # The head listens on the node's address so workers can join: run it inside the cluster's private
 # network only (Ray's ports have no authentication by default; see the README's security notes).
+# Export NCCL/InfiniBand variables before running this: Ray's worker processes (the training
+# actors) inherit the environment of this `ray start`, not changes made after it.
 set -euo pipefail
 
 port="${RAY_PORT:-6379}"
 num_gpus="${NUM_GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}"
 node_ip="${NODE_IP:-$(hostname -I | awk '{print $1}')}"
 
-ray start --head --node-ip-address="$node_ip" --port="$port" --num-gpus="$num_gpus" \
-  --dashboard-host=127.0.0.1 --disable-usage-stats
 echo "RAY_ADDRESS=$node_ip:$port"
+ray start --head --node-ip-address="$node_ip" --port="$port" --num-gpus="$num_gpus" \
+  --dashboard-host=127.0.0.1 --disable-usage-stats "$@"

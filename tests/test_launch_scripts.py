@@ -1,6 +1,9 @@
 """The cluster launch scripts: shellcheck-clean, and they refuse bad input before touching Ray."""
+import os
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -37,3 +40,67 @@ def test_train_script_refuses_a_bad_config_before_training(tmp_path):
 def test_worker_script_needs_the_head_address():
     result = subprocess.run(["bash", str(ROOT / "launch/ray_worker.sh")], capture_output=True, text=True)
     assert result.returncode == 2 and "usage" in result.stderr
+
+
+# ---- the SLURM example, run with stand-ins for the cluster's commands ------------------------------------
+# srun/scontrol/ray/hybridrl cannot run here (no Slurm, no GPUs): these stand-ins log what the
+# script asks of them and with which environment. srun forwards SIGTERM to its step, as Slurm does.
+STUBS = {
+    "scontrol": 'printf "node-a\\nnode-b\\n"\n',
+    "hostname": 'echo 10.0.0.1\n',
+    "srun": ('while [ "$#" -gt 0 ]; do case "$1" in -w) shift 2 ;; -*) shift ;; *) break ;; esac; done\n'
+             '"$@" &\nchild=$!\ntrap \'pkill -TERM -P "$child"; kill -TERM "$child"\' TERM\nwait "$child"\n'),
+    "ray": ('case "$1" in\n'
+            '  start) echo "ray $* | NCCL_DEBUG=${NCCL_DEBUG:-} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-}'
+            ' TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-}" >> "$STUB_DIR/log"\n'
+            '    case " $* " in *" --block "*) echo "$$" >> "$STUB_DIR/blocking"; exec sleep 60 ;; esac ;;\n'
+            '  status) grep -q -- "--head" "$STUB_DIR/log" 2>/dev/null ;;\n'
+            'esac\n'),
+    "hybridrl": ('alive=0\nfor pid in $(cat "$STUB_DIR/blocking" 2>/dev/null); do '
+                 'if kill -0 "$pid" 2>/dev/null; then alive=$((alive + 1)); fi; done\n'
+                 'echo "hybridrl $1 ${*: -1} | RAY_ADDRESS=${RAY_ADDRESS:-} ray_nodes_alive=$alive" \\\n'
+                 '  >> "$STUB_DIR/log"\n'),
+}
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, already dead, counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_slurm_script_exports_nccl_before_ray_and_keeps_its_nodes_alive(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in STUBS.items():
+        (bin_dir / name).write_text("#!/usr/bin/env bash\n" + body)
+        (bin_dir / name).chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "STUB_DIR": str(tmp_path), "SLURM_JOB_NODELIST": "node-[a-b]",
+           "NUM_GPUS": "8", "NCCL_SOCKET_IFNAME": "ib0", "RUN_DIR": str(tmp_path / "run")}
+    try:
+        result = subprocess.run(["bash", str(ROOT / "launch/slurm_grpo.sbatch"), "configs/examples/x.yaml"],
+                                capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+        assert result.returncode == 0, result.stdout + result.stderr
+        log = (tmp_path / "log").read_text().splitlines()
+        starts = [line for line in log if line.startswith("ray start")]
+        assert len(starts) == 2 and "--head" in starts[0] and "--address=10.0.0.1:6379" in starts[1]
+        nccl = "NCCL_DEBUG=WARN NCCL_SOCKET_IFNAME=ib0 TORCH_NCCL_ASYNC_ERROR_HANDLING=1"
+        for line in starts:  # every Ray node starts blocking, with the NCCL settings in its environment
+            command, environment = line.split(" | ")
+            assert command.endswith("--block") and environment == nccl, line
+        trains = [line for line in log if line.startswith("hybridrl train")]
+        # the job ran while both Ray nodes were still up, on the cluster the script started
+        assert trains == ["hybridrl train trainer.nnodes=2 | RAY_ADDRESS=10.0.0.1:6379 ray_nodes_alive=2"]
+        blocking = [int(pid) for pid in (tmp_path / "blocking").read_text().split()]
+        assert len(blocking) == 2
+        deadline = time.monotonic() + 10  # signals are delivered asynchronously
+        while any(map(_alive, blocking)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in blocking if _alive(pid)], "the script's exit stops its Ray steps"
+    finally:
+        for pid in (int(p) for p in (tmp_path / "blocking").read_text().split()) \
+                if (tmp_path / "blocking").exists() else ():
+            if _alive(pid):
+                os.kill(pid, signal.SIGTERM)
