@@ -56,8 +56,11 @@ STUBS = {
             '    case " $* " in *" --block "*) echo "$$" >> "$STUB_DIR/blocking"; exec sleep 60 ;; esac ;;\n'
             '  status) grep -q -- "--head" "$STUB_DIR/log" 2>/dev/null ;;\n'
             'esac\n'),
-    "hybridrl": ('alive=0\nfor pid in $(cat "$STUB_DIR/blocking" 2>/dev/null); do '
+    # like the trainer, which waits (placement groups) until every node's GPUs have joined
+    "hybridrl": ('for _ in $(seq 1 100); do alive=0\n'
+                 '  for pid in $(cat "$STUB_DIR/blocking" 2>/dev/null); do '
                  'if kill -0 "$pid" 2>/dev/null; then alive=$((alive + 1)); fi; done\n'
+                 '  if [ "$alive" -ge 2 ]; then break; fi; sleep 0.1\ndone\n'
                  'echo "hybridrl $1 ${*: -1} | RAY_ADDRESS=${RAY_ADDRESS:-} ray_nodes_alive=$alive" \\\n'
                  '  >> "$STUB_DIR/log"\n'),
 }
