@@ -64,7 +64,7 @@ def _gemm_rate(rows: int, hidden: int, intermediate: int, dtype: torch.dtype) ->
     """The fastest FLOP/s of a [rows, hidden] x [hidden, intermediate] product this machine offers in
     `dtype`: torch's default route, torch's oneDNN route (fp32: where it stays fp32, see
     hybridrl.parallel.cpu_matmul), and vLLM's prepacked oneDNN GEMM when vLLM is installed."""
-    from hybridrl.parallel.cpu_matmul import onednn_fp32_is_exact
+    from hybridrl.parallel.cpu_matmul import onednn_fp32_is_exact, onednn_matmul_setting
 
     a, b = torch.randn(rows, hidden, dtype=dtype), torch.randn(intermediate, hidden, dtype=dtype)
     iters = max(3, int(2e9 / (2 * rows * hidden * intermediate)))  # ~2 GFLOP per candidate
@@ -77,7 +77,7 @@ def _gemm_rate(rows: int, hidden: int, intermediate: int, dtype: torch.dtype) ->
     except Exception:  # vLLM absent or built without its CPU ops: torch's routes only
         pass
     seconds = [_timed(fn, iters) for fn in candidates]
-    setting = torch.backends.mkldnn.matmul
+    setting = onednn_matmul_setting()  # None before torch 2.9, where onednn_fp32_is_exact() is False
     if dtype == torch.float32 and onednn_fp32_is_exact():
         previous, setting.fp32_precision = setting.fp32_precision, "bf16"
         try:
