@@ -101,7 +101,7 @@ CASES = {
                                ["trainer.torch_threads_per_rank=3"]),
     "nccl timeout positive": (["trainer.nccl_timeout_s=0"], "trainer.nccl_timeout_s", "must be in (0, 604800]",
                               ["trainer.nccl_timeout_s=600"]),
-    "nccl timeout a number": (["trainer.nccl_timeout_s=-30"], "trainer.nccl_timeout_s", "must be in (0,",
+    "nccl timeout not negative": (["trainer.nccl_timeout_s=-30"], "trainer.nccl_timeout_s", "must be in (0,",
                               ["trainer.nccl_timeout_s=3600.5"]),
     "vpp needs pp": ([f"{A}.megatron.virtual_pipeline_model_parallel_size=2"],
                      f"{A}.megatron.virtual_pipeline_model_parallel_size", "needs pipeline_model_parallel_size > 1",
