@@ -186,6 +186,16 @@ def test_custom_reward_dynamic_sampling_validation_and_old_log_prob_pass(demo_as
     for k, step in enumerate((0, 2)):
         assert rows[step]["val/score/mean"] == pytest.approx(sum(val_scores[16 * k:16 * (k + 1)]) / 16, abs=1e-9)
 
+    # reward/* covers every sample the file scored in the step's generation rounds, dropped ones included
+    train_scores = [c["score"] for c in map(json.loads, calls.read_text().splitlines()) if c["split"] == "train"]
+    rounds = [int(rows[step]["dynamic_sampling/generation_rounds"]) for step in range(1, steps + 1)]
+    assert len(train_scores) == sum(rounds) * batch * n
+    for step in range(1, steps + 1):
+        start = sum(rounds[:step - 1]) * batch * n
+        scored = train_scores[start:start + rounds[step - 1] * batch * n]
+        assert rows[step]["reward/score_mean"] == pytest.approx(sum(scored) / len(scored), abs=1e-9)
+        assert (rows[step]["reward/score_min"], rows[step]["reward/score_max"]) == (min(scored), max(scored))
+
     spec = importlib.util.spec_from_file_location("my_reward", reward_file)
     my_reward = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(my_reward)

@@ -104,3 +104,22 @@ def test_select_groups_prefers_spread_then_fills_with_zero_spread():
     assert list(batch["uid"]) == ["a", "a", "e", "e", "f", "f", "b", "b", "c", "c"] and zero_used == 2
     with pytest.raises(ValueError, match="only 6 groups"):
         select_groups_with_spread([first, second], 7)
+
+
+def test_merge_round_metrics_weights_means_sums_counts_and_takes_extremes():
+    from hybridrl.trainer.trainer import merge_round_metrics
+
+    rounds = [
+        {"reward/score_mean": 0.5, "reward/score_min": 0.1, "reward/score_max": 0.8, "reward/fallbacks": 1.0,
+         "rollout/generate_s": 2.0, "rollout/response_tokens": 100.0, "rollout/tokens_per_s": 50.0,
+         "rollout/kv_cache_usage_bound": 0.25},
+        {"reward/score_mean": 0.2, "reward/score_min": 0.0, "reward/score_max": 0.9, "reward/fallbacks": 2.0,
+         "rollout/generate_s": 3.0, "rollout/response_tokens": 200.0, "rollout/tokens_per_s": 66.0,
+         "rollout/kv_cache_usage_bound": 0.5},
+    ]
+    merged = merge_round_metrics(rounds, [64, 32])
+    assert merged == pytest.approx({
+        "reward/score_mean": (0.5 * 64 + 0.2 * 32) / 96, "reward/score_min": 0.0, "reward/score_max": 0.9,
+        "reward/fallbacks": 3.0, "rollout/generate_s": 5.0, "rollout/response_tokens": 300.0,
+        "rollout/tokens_per_s": 300.0 / 5.0, "rollout/kv_cache_usage_bound": 0.5,
+    })

@@ -239,6 +239,7 @@ class Trainer:
         else:
             token_scores, output = self.reward.score_batch(batch, self.tokenizer)
             metrics.update({f"reward/{k.removeprefix('reward/')}": float(v) for k, v in output.metrics.items()})
+            batch.meta["reward_output"] = output  # dynamic sampling's metrics over all rounds read it
         overlong = self.config.algorithm.overlong_buffer
         if overlong.enable:
             lengths = batch["response_mask"].sum(-1)
@@ -257,17 +258,30 @@ class Trainer:
             metrics.update(self._score(batch))
         return batch
 
-    def _dynamic_sampling(self, batch: Batch, timer: PhaseTimer, metrics: dict[str, float]) -> Batch:
+    def _dynamic_sampling(self, batch: Batch, first_round: dict[str, float], timer: PhaseTimer,
+                          metrics: dict[str, float]) -> Batch:
         """DAPO: keep groups whose samples scored differently; generate more prompts to fill the batch.
 
         After `max_num_gen_batches` generation rounds, groups without spread fill what is missing
         (their advantage is 0): the step's batch arithmetic needs exactly train_batch_size groups.
+        The generation and reward metrics cover every round (`merge_round_metrics`).
         """
+        from hybridrl.rewards.manager import reward_metrics
+
         groups_needed = self.config.data.train_batch_size
         rounds = self.config.algorithm.filter_groups.max_num_gen_batches
-        generated = [batch]
+        generated, round_metrics = [batch], [first_round]
         while len(generated) < rounds and count_groups_with_spread(generated) < groups_needed:
-            generated.append(self._generate_and_score(next(self._prompts), timer, metrics))
+            round_metrics.append({})
+            generated.append(self._generate_and_score(next(self._prompts), timer, round_metrics[-1]))
+        merged = merge_round_metrics(round_metrics, [len(b) for b in generated])
+        outputs = [b.meta.pop("reward_output", None) for b in generated]
+        if all(output is not None for output in outputs):  # the scorer's figures over every sample it scored
+            sources = [str(source) for b in generated
+                       for source in (b["data_source"] if "data_source" in b else ["unknown"] * len(b))]
+            merged.update(reward_metrics([x for o in outputs for x in o.scores],
+                                         [a for o in outputs for a in o.accs], sources))
+        metrics.update(merged)
         selected, zero_spread_used = select_groups_with_spread(generated, groups_needed)
         groups_generated = sum(len(set(b["uid"])) for b in generated)
         metrics["dynamic_sampling/generation_rounds"] = float(len(generated))
@@ -280,9 +294,13 @@ class Trainer:
         plan, cfg = self.plan, self.config
         timer = PhaseTimer()
         metrics: dict[str, float] = {}
-        batch = self._generate_and_score(prompts, timer, metrics)
+        generation_metrics: dict[str, float] = {}
+        batch = self._generate_and_score(prompts, timer, generation_metrics)
         if cfg.algorithm.filter_groups.enable:
-            batch = self._dynamic_sampling(batch, timer, metrics)
+            batch = self._dynamic_sampling(batch, generation_metrics, timer, metrics)
+        else:
+            metrics.update(generation_metrics)
+        batch.meta.pop("reward_output", None)  # the controller's; the workers need none of it
         if cfg.actor_rollout_ref.rollout.free_cache_engine:
             self.phase = "release_rollout_memory"
             self.actor_group.call_all("release_rollout_memory")
@@ -470,6 +488,34 @@ class Trainer:
                 group.shutdown()
         if self.cluster is not None:
             self.cluster.shutdown()
+
+
+def merge_round_metrics(rounds: list[dict[str, float]], rows: list[int]) -> dict[str, float]:
+    """One step's generation and reward metrics from several generation rounds of `rows` samples each.
+
+    Means are weighted by the rounds' sample counts, minima and maxima taken over all rounds,
+    counts, tokens and seconds summed; the rollout's tokens/s is recomputed from the sums; any other
+    figure (e.g. the KV-cache size) is its largest. (A per-data-source mean is weighted by all of a
+    round's samples: `_dynamic_sampling` recomputes the scorer's figures from its per-sample scores.)
+    """
+    def column(key: str) -> list[tuple[float, int]]:
+        return [(round_[key], n) for round_, n in zip(rounds, rows) if key in round_]
+
+    summed = ("fallbacks", "empty_responses", "generate_s", "response_tokens", "prompt_tokens")
+    merged: dict[str, float] = {}
+    for key in dict.fromkeys(k for round_ in rounds for k in round_):
+        values = column(key)
+        if key.endswith(("_mean", "acc")):
+            merged[key] = sum(v * n for v, n in values) / max(sum(n for _, n in values), 1)
+        elif key.endswith("_min"):
+            merged[key] = min(v for v, _ in values)
+        elif key.endswith(summed):
+            merged[key] = sum(v for v, _ in values)
+        else:
+            merged[key] = max(v for v, _ in values)
+    if "rollout/tokens_per_s" in merged and merged.get("rollout/generate_s", 0) > 0:
+        merged["rollout/tokens_per_s"] = merged["rollout/response_tokens"] / merged["rollout/generate_s"]
+    return merged
 
 
 def _json_default(value: Any) -> Any:
