@@ -138,8 +138,10 @@ def _actor_log_prob_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
     from hybridrl.workers.megatron_role import MegatronRole, role_spec
 
     strict_device.enable_strict_device()
+    assert strict_device.placement(batch["input_ids"]) == "host"  # as it arrives from the controller
     plan = build_plan(config)
     engine = MegatronRole(role_spec(plan, "actor"))
+    assert all(strict_device.placement(p) == "device" for c in engine.chunks for p in c.parameters())
     actor = MegatronActor(engine, plan, output_key="old_log_probs")
     out = actor.compute_log_prob(batch, with_entropy=True)
     probe = actor.compute_log_prob(_probe_batch(0))  # the sync's log-prob probe, trainer side

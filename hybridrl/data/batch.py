@@ -63,9 +63,7 @@ def _tensor_to_numpy(name: str, tensor: torch.Tensor) -> tuple[np.ndarray, str]:
     if tensor.ndim == 0:
         raise ValueError(f"tensor {name!r} is 0-d; batch tensors need a row axis")
     dtype_name = str(tensor.dtype).removeprefix("torch.")
-    tensor = tensor.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
+    tensor = tensor.detach().cpu()  # free for CPU tensors
     # Out-of-band pickling needs a contiguous buffer; contiguous() is free when it already is.
     tensor = tensor.contiguous()
     substitute = _NUMPY_SUBSTITUTES.get(tensor.dtype)
@@ -299,6 +297,11 @@ class Batch:
         """Rebuild from `to_transport()` output without copying; read-only arrays -> shared_keys."""
         arrays: dict[str, np.ndarray] = payload["arrays"]
         tensors = {k: _tensor_from_numpy(a, payload["dtypes"][k]) for k, a in arrays.items()}
+        # A batch that crossed a process boundary is host memory, on GPU clusters too: strict-device
+        # mode (the CPU test suite's guard for the GPU path) must see it that way.
+        from hybridrl.parallel.strict_device import mark_host
+
+        mark_host(tensors)
         shared = frozenset(k for k, a in arrays.items() if not a.flags.writeable)
         return cls(tensors, dict(payload["non_tensors"]), dict(payload["meta"]), shared)
 

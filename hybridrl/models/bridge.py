@@ -170,7 +170,7 @@ def build_gpt_models(
     """
     from megatron.core.models.gpt import GPTModel
 
-    from hybridrl.parallel.device import default_dtype_for, layer_spec_kind
+    from hybridrl.parallel.device import default_dtype_for, layer_spec_kind, rank_device
 
     ctx = _context(ctx)
     src = _as_source(source)
@@ -193,8 +193,8 @@ def build_gpt_models(
             vp_stage=chunk.vp_stage,
             **shape.gpt_model_kwargs(layout.tp),
         )
-        if ctx.device == "cuda":
-            model.cuda(torch.cuda.current_device())
+        # Layers megatron builds without a device (the torch norms of the local spec) join the rest.
+        model.to(rank_device(ctx.device))
         first_layer = model.decoder.layers[0].layer_number - 1 if len(model.decoder.layers) else None
         if first_layer is not None and first_layer != chunk.first_layer:
             raise RuntimeError(f"megatron placed layer {first_layer} first in chunk {chunk}, layout math "
