@@ -200,10 +200,38 @@ def main() -> None:
         for layout in QUICK if args.quick else GRID:
             rows.append(run_layout(hf_dir, config, layout, expected))
             print_row(rows[-1], header=len(rows) == 1)
+    digest_rates = digest_seconds_per_gib()
+    print("sync checksum (engine.layout.tensor_digest, 1 thread): "
+          + ", ".join(f"{dtype} {seconds:.2f} s/GiB" for dtype, seconds in digest_rates.items()))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"model_params": params, "hidden": args.hidden, "layers": args.layers,
-                                   "vocab": args.vocab, "rows": rows}, indent=2) + "\n")
+                                   "vocab": args.vocab, "rows": rows, "digest_s_per_gib": digest_rates},
+                                  indent=2) + "\n")
     print(f"wrote {RESULTS}")
+
+
+def digest_seconds_per_gib(mib: int = 256) -> dict[str, float]:
+    """Seconds one thread takes to digest a GiB of weights (a `mib`-MiB tensor, best of 3)."""
+    from hybridrl.engine.layout import tensor_digest
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rates = {}
+        for dtype in (torch.float32, torch.bfloat16):
+            tensor = torch.randn(mib * MIB // torch.tensor([], dtype=dtype).element_size()).to(dtype)
+            tensor_digest(tensor)  # builds the position weights once
+            best = min(_timed(tensor_digest, tensor) for _ in range(3))
+            rates[str(dtype).removeprefix("torch.")] = round(best * 1024 / mib, 3)
+        return rates
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _timed(fn, *args) -> float:
+    started = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - started
 
 
 def print_row(row: dict, header: bool) -> None:

@@ -186,6 +186,62 @@ def test_tensor_digest_is_bit_exact_and_dtype_shape_aware():
     assert tensor_digest(base.to(torch.bfloat16)) == tensor_digest(base.to(torch.bfloat16).clone())
 
 
+def _reference_sums(tensor: torch.Tensor) -> list[int]:
+    """The digest's two lane sums, in plain Python integers mod 2**64 (the documented construction)."""
+    import struct
+
+    mask = (1 << 64) - 1
+
+    def mix(z: int) -> int:  # splitmix64's finalizer
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    from hybridrl.engine.layout import DIGEST_CHUNK
+
+    raw = tensor.contiguous().reshape(-1).view(torch.int32).tolist()
+    sums = [0, 0]
+    for position, word in enumerate(raw):
+        chunk, offset = divmod(position, DIGEST_CHUNK)
+        salt = mix((chunk * 0x9E3779B97F4A7C15 + 3) & mask) & ~1
+        for lane in (0, 1):
+            weight = (mix((offset * 0x9E3779B97F4A7C15 + lane + 1) & mask) | 1) ^ salt ^ (2 * lane)
+            sums[lane] = (sums[lane] + word * weight) & mask
+    return [struct.unpack("<q", struct.pack("<Q", v))[0] for v in sums]
+
+
+def test_tensor_digest_sums_are_the_documented_construction(monkeypatch):
+    import hashlib
+
+    from hybridrl.engine import layout
+
+    monkeypatch.setattr(layout, "DIGEST_CHUNK", 5)  # several chunks from a small tensor
+    monkeypatch.setattr(layout, "_lane_weights", {})
+    base = torch.randn(3, 4)
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(f"{base.dtype}|{tuple(base.shape)}|".encode())
+    digest.update(torch.tensor(_reference_sums(base), dtype=torch.int64).numpy().tobytes())
+    assert layout.tensor_digest(base) == digest.hexdigest()
+
+
+def test_tensor_digest_sees_every_single_change_and_swaps_across_chunks():
+    from hybridrl.engine.layout import DIGEST_CHUNK
+
+    base = torch.randn(DIGEST_CHUNK + 1000)
+    reference = tensor_digest(base)
+    for position in (0, 1, 999, DIGEST_CHUNK - 1, DIGEST_CHUNK, DIGEST_CHUNK + 999):
+        flipped = base.clone()
+        flipped.view(torch.int32)[position] ^= 1  # the lowest mantissa bit
+        assert tensor_digest(flipped) != reference, position
+    swapped = base.clone()
+    swapped[[7, DIGEST_CHUNK + 7]] = base[[DIGEST_CHUNK + 7, 7]]  # same offset, different chunks
+    assert tensor_digest(swapped) != reference
+    signed = torch.zeros(4)
+    negative = signed.clone()
+    negative[2] = -0.0  # equal as floats, different bits
+    assert tensor_digest(negative) != tensor_digest(signed)
+
+
 def test_layout_and_rollout_modules_do_not_import_megatron_or_vllm():
     import subprocess
     import sys

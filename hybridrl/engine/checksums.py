@@ -1,11 +1,12 @@
 """Per-tensor checksums of weight shards, to prove that what the rollout engine holds is what we sent.
 
-One digest for both sides: `engine.layout.tensor_digest` (blake2b-128 over dtype, shape and the raw
-bytes in C order), which `RolloutEngine.parameter_digests` computes on the rollout side, so the
-comparison never copies a model. It changes for any flipped bit, any permutation of rows (a wrong
-generation TP index, a q/k/v mix-up) and any dtype or shape difference; a float sum would miss
-permutations and can miss a flipped low mantissa bit. Cost: ~1 GB/s per core on CPU, plus a
-device->host copy of one tensor at a time on GPU.
+One digest for both sides: `engine.layout.tensor_digest` (two 64-bit lanes of position-weighted
+integer sums of the tensor's bits, computed on the tensor's own device, plus a blake2b header of
+dtype and shape), which `RolloutEngine.parameter_digests` computes on the rollout side, so the
+comparison never copies a model, and on GPU never copies a weight to the host. It changes for any
+single changed element (always), any permutation of rows (a wrong generation TP index, a q/k/v
+mix-up) and any dtype or shape difference; a float sum would miss permutations and can miss a
+flipped low mantissa bit. Cost per GiB: `bench/reshard.py` (CPU) and `bench/gpu_check.py` (CUDA).
 
 The resharder records these for the shards it produced (`SyncReport.checksums`); after delivery the
 caller compares them with the rollout side's (`verify_checksums`); any mismatch raises
