@@ -182,3 +182,10 @@ def torch_threads_per_rank(ranks_on_node: int, cores: int | None = None) -> int:
         raise ValueError(f"ranks_on_node must be >= 1, got {ranks_on_node}")
     available = cores if cores is not None else len(os.sched_getaffinity(0))
     return max(1, available // ranks_on_node)
+
+
+def release_cached_blocks(device: str) -> None:
+    """Hand the caching allocator's free blocks back to the driver (cuda), so another allocator in
+    this process — vLLM's sleep-mode pool waking its KV cache — can map them. No-op on CPU."""
+    if device == "cuda":
+        torch.cuda.empty_cache()

@@ -39,7 +39,7 @@ from hybridrl.config.plan import Plan
 from hybridrl.controller.base_worker import RankContext
 from hybridrl.data.batch import Batch
 from hybridrl.parallel.cpu_layer import cuda_to_cpu_mode_suspended
-from hybridrl.parallel.device import default_dtype_for
+from hybridrl.parallel.device import default_dtype_for, release_cached_blocks
 from hybridrl.parallel.memory import memory_metrics
 from hybridrl.workers import faults
 from hybridrl.workers.ray_roles import ActorRolloutRefWorker
@@ -195,10 +195,12 @@ class HybridEngineWorker(ActorRolloutRefWorker):
         faults.crash_point("sync")
         started = time.perf_counter()
         self._record_memory("sync_before")
-        # GPU with sleep mode: weights back first (the update writes into them), the KV cache only
-        # after the update so the two never need memory at once. No-ops on CPU.
+        # GPU with sleep mode, in the order that frees memory first (the actor's grads and Adam states
+        # left at the end of its update, when offloaded): weights back (the sync writes into them),
+        # the resharder's buckets returned to the driver, then the KV cache. No-ops on CPU.
         self.rollout.wake_up(tags=["weights"])
         self.rollout.update_weights(self.resharder.shards(), weight_format="vllm_shard")
+        release_cached_blocks(self.plan.resolved.device)
         self.rollout.wake_up(tags=["kv_cache"])
         report = self.resharder.last_report
         held = self.rollout.parameter_digests()
