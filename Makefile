@@ -44,7 +44,7 @@ clean:
 # step.py at the issue's 30M size (64 prompts; step_full.json); vs_trl.py at its quick size (8 prompts:
 # TRL alone takes ~4 min a step at 64, so `python bench/vs_trl.py --full` is run by hand, ~19 min a case).
 # bench/gpu_check.sh is the GPU check for a lent device; here its logic runs in tiny CPU mode.
-CPU_BENCHES := vs_trl reshard rollout batch_transfer soak
+CPU_BENCHES := vs_trl reshard rollout batch_transfer soak probe_gap
 bench: venv
 	mkdir -p bench/results
 	echo "== bench/step.py --full"; $(PY) bench/step.py --full
