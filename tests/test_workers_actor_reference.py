@@ -1,0 +1,254 @@
+"""The megatron actor's PPO step against an independent reference: transformers + plain torch, written here.
+
+Every other actor-update test compares the megatron actor with itself on another layout, and after
+an Adam step the weights are ~lr * sign(g): blind to a wrong gradient scale. Here one update is
+recomputed from the HF model with the objective spelled out below (nothing from
+`hybridrl.algorithms`): log-probs and entropy at a sampling temperature != 1, PPO's clipped
+surrogate with asymmetric clip bounds and the dual clip, an entropy bonus, a KL loss (k1 or k3)
+and each `loss_agg_mode`. The comparison is of the loss terms, the metrics, the grad norm and every
+HF tensor's gradient before the optimizer step: megatron DDP's reduced `main_grad` buffers,
+gathered over TP (and over DP for the distributed optimizer's shards) and mapped back to HF names
+by the bridge's export. Layouts: TP2 x PP2 (4 ranks) and DP2 with the distributed optimizer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridrl.parallel.forked import run_ranks
+from tests.rollout_models import build_tiny_model
+from tests.test_models_fixtures import safetensors_state
+from tests.test_workers_fixtures import RESPONSE, job_config, rollout_batch
+
+TEMPERATURE = 0.7
+CLIP_LOW, CLIP_HIGH = 0.2, 0.28  # DAPO's clip-higher: asymmetric on purpose
+DUAL_CLIP = 2.0  # low enough that some negative-advantage tokens exceed it
+ENTROPY_COEFF = 0.05
+KL_COEF = 0.3
+# Llama with GQA, vocab 200 (megatron pads it), untied; weights with a wider spread than HF's init
+# (rollout_models.randomize) so the logits are far from uniform and the temperature matters.
+POLICY = dict(family="llama", vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+# fp32; megatron's log-probs equal transformers' to ~1e-6, the gradients to ~1e-6 of their size
+GRAD_RTOL = 1e-5
+SCALAR_RTOL = 1e-5  # of the value, or absolute below 1 (token-sum losses are sums)
+
+
+@dataclass(frozen=True)
+class Case:
+    loss_agg_mode: str
+    kl_loss_type: str  # the config's spelling; k1 = "kl", k3 = "low_var_kl"
+
+    @property
+    def kl_kind(self) -> str:
+        return {"kl": "k1", "k1": "k1", "low_var_kl": "k3", "k3": "k3"}[self.kl_loss_type]
+
+
+# Every aggregation mode, each KL estimator under several of them.
+CASES = (
+    Case("token-mean", "low_var_kl"),
+    Case("token-sum", "kl"),
+    Case("seq-mean-token-sum", "k3"),
+    Case("seq-mean-token-mean", "kl"),
+    Case("seq-mean-token-sum-norm", "low_var_kl"),
+)
+
+
+# ---- the reference, in plain torch ------------------------------------------------------------------
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """Reduce a `[B, R]` loss over the whole mini-batch (T_norm of Dr.GRPO: the max response length)."""
+    lengths = mask.sum(-1)
+    has_tokens = lengths > 0
+    seq_sums = (per_token * mask).sum(-1)[has_tokens]
+    if mode == "token-mean":
+        return (per_token * mask).sum() / mask.sum()
+    if mode == "token-sum":
+        return (per_token * mask).sum()
+    if mode == "seq-mean-token-sum":
+        return seq_sums.mean()
+    if mode == "seq-mean-token-mean":
+        return (seq_sums / lengths[has_tokens]).mean()
+    if mode == "seq-mean-token-sum-norm":
+        return seq_sums.mean() / RESPONSE
+    raise AssertionError(mode)
+
+
+def reference_step(hf_dir: Path, batch: Any, case: Case) -> dict[str, Any]:
+    """Loss terms, metrics and per-tensor gradients of one PPO step, from transformers' forward."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
+                                                              attn_implementation="eager")
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"]).logits
+    width = batch["input_ids"].shape[1]
+    log_softmax = (logits[:, width - RESPONSE - 1: width - 1] / TEMPERATURE).log_softmax(-1)
+    log_prob = log_softmax.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    mask = batch["response_mask"].float()
+    valid = mask.bool()
+    adv, old, ref = batch["advantages"], batch["old_log_probs"], batch["ref_log_probs"]
+
+    ratio = torch.exp(log_prob - old)
+    surrogate = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH))
+    token_loss = torch.where(adv < 0, torch.minimum(surrogate, -adv * DUAL_CLIP), surrogate)
+    clipped = ((adv > 0) & (ratio > 1 + CLIP_HIGH)) | ((adv < 0) & (ratio < 1 - CLIP_LOW))
+    dual_clipped = (adv < 0) & (ratio > DUAL_CLIP)
+
+    log_ratio = log_prob - ref  # log pi / pi_ref on the policy's samples
+    kl = log_ratio if case.kl_kind == "k1" else torch.exp(-log_ratio) + log_ratio - 1
+
+    mode = case.loss_agg_mode
+    pg_loss = aggregate(token_loss, mask, mode)
+    kl_loss = aggregate(kl, mask, mode)
+    loss = pg_loss - ENTROPY_COEFF * aggregate(entropy, mask, mode) + KL_COEF * kl_loss
+    loss.backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    with torch.no_grad():
+        return {
+            "pg_loss": float(pg_loss), "kl_loss": float(kl_loss), "loss": float(loss),
+            "clipfrac": float(clipped[valid].float().mean()),
+            "clipfrac_lower": float(dual_clipped[valid].float().mean()),
+            "approx_kl": float((old - log_prob)[valid].mean()),
+            "entropy": float(entropy[valid].mean()),
+            "grad_norm": float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values()))),
+            "grads": grads,
+        }
+
+
+def ppo_batch(hf_dir: Path, rows: int = 8, seed: int = 11) -> Any:
+    """Rollout-shaped rows whose old and reference log-probs are the tempered policy's, perturbed.
+
+    The perturbation (uniform in [-1, 1] nats) puts ratios in [0.37, 2.7]: both clip bounds and the
+    dual clip are crossed. Advantages have both signs.
+    """
+    batch = rollout_batch(rows, seed=seed)
+    with torch.no_grad():
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
+                                                                  attn_implementation="eager")
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"]).logits
+    width = batch["input_ids"].shape[1]
+    log_softmax = (logits[:, width - RESPONSE - 1: width - 1] / TEMPERATURE).log_softmax(-1)
+    policy = log_softmax.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+    gen = torch.Generator().manual_seed(seed + 1)
+    mask = batch["response_mask"].float()
+    shape = policy.shape
+    batch["old_log_probs"] = (policy + 2 * torch.rand(shape, generator=gen) - 1) * mask
+    batch["ref_log_probs"] = (policy + 0.6 * torch.rand(shape, generator=gen) - 0.3) * mask
+    batch["advantages"] = torch.randn(shape, generator=gen) * mask
+    batch.meta["temperature"] = TEMPERATURE
+    return batch
+
+
+# ---- megatron, on forked ranks ----------------------------------------------------------------------
+def gradients_into_params(engine: Any) -> None:
+    """Overwrite every parameter with its reduced gradient (DDP's `main_grad`), for the bridge's export.
+
+    With the distributed optimizer each DP rank holds only its shard of each bucket reduced: gather
+    the shards first.
+    """
+    import torch.distributed as dist
+
+    for model in engine.models:
+        if model.ddp_config.use_distributed_optimizer:
+            for group in model.bucket_groups:
+                size = group.intra_distributed_optimizer_instance_size
+                rank = group.intra_distributed_optimizer_instance_rank
+                for bucket in group.buckets:
+                    shard = bucket.grad_data.numel() // size
+                    mine = bucket.grad_data[rank * shard:(rank + 1) * shard].clone()
+                    parts = [torch.empty_like(mine) for _ in range(size)]
+                    dist.all_gather(parts, mine, group=group.intra_distributed_optimizer_instance_group)
+                    bucket.grad_data.copy_(torch.cat(parts))
+        with torch.no_grad():
+            for param in model.module.parameters():
+                param.copy_(param.main_grad)
+
+
+def _actor_step_rank(rank: int, world: int, configs: list[Any], batch: Any, out_dirs: list[str]) -> list[Any]:
+    from hybridrl.config.plan import build_plan
+    from hybridrl.models.bridge import export_hf
+    from hybridrl.workers.actor import MegatronActor
+    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+
+    results = []
+    for config, out_dir in zip(configs, out_dirs):
+        plan = build_plan(config)
+        engine = MegatronRole(role_spec(plan, "actor"))
+        actor = MegatronActor(engine, plan)
+        metrics = actor.update_policy(batch.split(engine.ctx.dp)[engine.ctx.dp_rank])
+        gradients_into_params(engine)
+        export_hf(engine.chunks, out_dir, force=True)
+        results.append(metrics)
+    return results
+
+
+def actor_config(hf: Path, case: Case, *, tp: int = 1, pp: int = 1, dp: int = 1,
+                 distributed_optimizer: bool = False) -> Any:
+    """The job whose actor objective `reference_step` recomputes, on a TP x PP x DP layout."""
+    config = job_config(hf, world=tp * pp * dp, tp=tp, pp=pp, distributed_optimizer=distributed_optimizer,
+                        loss_agg_mode=case.loss_agg_mode, use_kl_loss=True, kl_loss_coef=KL_COEF,
+                        kl_loss_type=case.kl_loss_type, entropy_coeff=ENTROPY_COEFF,
+                        clip_ratio_low=CLIP_LOW, clip_ratio_high=CLIP_HIGH, clip_ratio_c=DUAL_CLIP)
+    config.actor_rollout_ref.actor.optim.clip_grad = 0.0  # the buffers must hold the unclipped gradient
+    config.actor_rollout_ref.rollout.temperature = TEMPERATURE
+    return config
+
+
+def _megatron_steps(tmp_path: Path, hf: Path, batch: Any, *, tp: int, pp: int, dp: int,
+                    distributed_optimizer: bool) -> list[tuple[Any, dict[str, torch.Tensor]]]:
+    configs = [actor_config(hf, case, tp=tp, pp=pp, dp=dp, distributed_optimizer=distributed_optimizer)
+               for case in CASES]
+    out_dirs = [str(tmp_path / f"grads_{tp}{pp}{dp}_{i}") for i in range(len(CASES))]
+    results = run_ranks(_actor_step_rank, tp * pp * dp, configs, batch, out_dirs)
+    per_case = list(zip(*results))  # [case][rank]
+    out = []
+    for metrics_by_rank, out_dir in zip(per_case, out_dirs):
+        metrics = [m for m in metrics_by_rank if m is not None]
+        assert len(metrics) == dp  # one output rank per DP replica
+        out.append((metrics[0], safetensors_state(Path(out_dir))))
+    return out
+
+
+def assert_matches_reference(expected: dict[str, Any], metrics: Any, grads: dict[str, torch.Tensor],
+                              label: str) -> None:
+    for name in ("pg_loss", "kl_loss", "clipfrac", "clipfrac_lower", "approx_kl", "entropy"):
+        value, ref = getattr(metrics, name), expected[name]
+        assert abs(value - ref) <= SCALAR_RTOL * max(1.0, abs(ref)), (label, name, value, ref)
+    assert abs(metrics.grad_norm - expected["grad_norm"]) <= GRAD_RTOL * expected["grad_norm"], (
+        label, metrics.grad_norm, expected["grad_norm"])
+    assert sorted(grads) == sorted(expected["grads"]), label
+    for name, ref in expected["grads"].items():
+        err = float((grads[name] - ref).abs().max())
+        scale = float(ref.abs().max())
+        assert scale > 0, (label, name)  # every tensor gets a gradient
+        assert err <= GRAD_RTOL * scale, (label, name, err, scale)
+
+
+def _check_layout(tmp_path: Path, **layout: Any) -> None:
+    hf = build_tiny_model(tmp_path / "hf", POLICY)
+    batch = ppo_batch(hf)
+    references = [reference_step(hf, batch, case) for case in CASES]
+    # the reference exercises what it claims to: both clips active, terms that matter
+    for ref in references:
+        assert 0 < ref["clipfrac"] < 0.9 and ref["clipfrac_lower"] > 0
+        assert ref["grad_norm"] > 1e-2
+    losses = [ref["loss"] for ref in references]
+    assert len({round(v, 4) for v in losses}) == len(CASES)  # the modes give different objectives
+    runs = _megatron_steps(tmp_path, hf, batch, **layout)
+    for case, ref, (metrics, grads) in zip(CASES, references, runs):
+        assert_matches_reference(ref, metrics, grads, f"{layout} {case}")
+
+
+def test_actor_update_equals_reference_at_tp2_pp2(tmp_path):
+    _check_layout(tmp_path, tp=2, pp=2, dp=1, distributed_optimizer=False)
+
+
+def test_actor_update_equals_reference_at_dp2_distributed_optimizer(tmp_path):
+    _check_layout(tmp_path, tp=1, pp=1, dp=2, distributed_optimizer=True)
