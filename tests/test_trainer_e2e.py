@@ -277,6 +277,9 @@ def test_reward_model_overlong_buffer_and_gap_measured_by_the_update(demo_assets
             assert sample["score"] == pytest.approx(rm_score + penalty, abs=1e-4), (sample, rm_score, penalty)
         assert row["reward/rm_score_mean"] == pytest.approx(sum(rm_scores) / len(samples), abs=1e-5)
         assert row["reward/overlong_penalty_mean"] == pytest.approx(sum(penalties) / len(samples), abs=1e-6)
+        # the rollout's counts cover both vLLM replicas' samples
+        assert row["rollout/response_tokens"] == sum(s["response_length"] for s in samples)
+        assert row["rollout/prompt_tokens"] == sum(len(s["prompt_ids"]) for s in samples)
         lengths += [s["response_length"] for s in samples]
 
         # the old-log-prob pass was skipped (one optimizer step on fresh data): the update measured the gap

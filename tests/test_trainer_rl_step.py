@@ -106,8 +106,8 @@ def test_select_groups_prefers_spread_then_fills_with_zero_spread():
         select_groups_with_spread([first, second], 7)
 
 
-def test_merge_round_metrics_weights_means_sums_counts_and_takes_extremes():
-    from hybridrl.trainer.trainer import merge_round_metrics
+def test_merge_part_metrics_weights_means_sums_counts_and_takes_extremes():
+    from hybridrl.trainer.trainer import merge_part_metrics
 
     rounds = [
         {"reward/score_mean": 0.5, "reward/score_min": 0.1, "reward/score_max": 0.8, "reward/fallbacks": 1.0,
@@ -117,9 +117,13 @@ def test_merge_round_metrics_weights_means_sums_counts_and_takes_extremes():
          "rollout/generate_s": 3.0, "rollout/response_tokens": 200.0, "rollout/tokens_per_s": 66.0,
          "rollout/kv_cache_usage_bound": 0.5},
     ]
-    merged = merge_round_metrics(rounds, [64, 32])
+    merged = merge_part_metrics(rounds, [64, 32])
     assert merged == pytest.approx({
         "reward/score_mean": (0.5 * 64 + 0.2 * 32) / 96, "reward/score_min": 0.0, "reward/score_max": 0.9,
         "reward/fallbacks": 3.0, "rollout/generate_s": 5.0, "rollout/response_tokens": 300.0,
         "rollout/tokens_per_s": 300.0 / 5.0, "rollout/kv_cache_usage_bound": 0.5,
     })
+    # replicas generate at the same time: the step waited for the slower one
+    concurrent = merge_part_metrics(rounds, [64, 32], concurrent=True)
+    assert concurrent["rollout/generate_s"] == 3.0 and concurrent["rollout/tokens_per_s"] == pytest.approx(100.0)
+    assert concurrent["rollout/response_tokens"] == 300.0 and concurrent["reward/fallbacks"] == 3.0

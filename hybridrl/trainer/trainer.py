@@ -220,7 +220,12 @@ class Trainer:
             uids[len(prompts):] = [f"{PAD_UID_PREFIX}{i}" for i in range(pad)]
             padded["uid"] = uids
         padded["raw_prompt_ids"] = unpadded_prompt_ids(padded)
-        out = self.actor_group.call_by_dp("generate_sequences", padded, sampling, mesh=self.rollout_mesh)
+        per_replica = self.actor_group.call_by_dp_outputs("generate_sequences", padded, sampling,
+                                                          mesh=self.rollout_mesh)
+        # each replica measured its own share; the replicas generate at the same time
+        replica_metrics = [replica.meta.pop("metrics", None) or {} for replica in per_replica]
+        out = Batch.concat(per_replica)
+        out.meta["metrics"] = merge_part_metrics(replica_metrics, [len(r) for r in per_replica], concurrent=True)
         if pad:
             keep = [i for i, uid in enumerate(out["uid"]) if not str(uid).startswith(PAD_UID_PREFIX)]
             out = out.index(keep)
@@ -264,7 +269,7 @@ class Trainer:
 
         After `max_num_gen_batches` generation rounds, groups without spread fill what is missing
         (their advantage is 0): the step's batch arithmetic needs exactly train_batch_size groups.
-        The generation and reward metrics cover every round (`merge_round_metrics`).
+        The generation and reward metrics cover every round (`merge_part_metrics`).
         """
         from hybridrl.rewards.manager import reward_metrics
 
@@ -274,7 +279,7 @@ class Trainer:
         while len(generated) < rounds and count_groups_with_spread(generated) < groups_needed:
             round_metrics.append({})
             generated.append(self._generate_and_score(next(self._prompts), timer, round_metrics[-1]))
-        merged = merge_round_metrics(round_metrics, [len(b) for b in generated])
+        merged = merge_part_metrics(round_metrics, [len(b) for b in generated])
         outputs = [b.meta.pop("reward_output", None) for b in generated]
         if all(output is not None for output in outputs):  # the scorer's figures over every sample it scored
             sources = [str(source) for b in generated
@@ -490,13 +495,15 @@ class Trainer:
             self.cluster.shutdown()
 
 
-def merge_round_metrics(rounds: list[dict[str, float]], rows: list[int]) -> dict[str, float]:
-    """One step's generation and reward metrics from several generation rounds of `rows` samples each.
+def merge_part_metrics(rounds: list[dict[str, float]], rows: list[int], concurrent: bool = False) -> dict[str, float]:
+    """One set of generation and reward metrics from several parts of `rows` samples each: the
+    generation rounds of a step, or (`concurrent`) the rollout replicas of one round.
 
-    Means are weighted by the rounds' sample counts, minima and maxima taken over all rounds,
-    counts, tokens and seconds summed; the rollout's tokens/s is recomputed from the sums; any other
-    figure (e.g. the KV-cache size) is its largest. (A per-data-source mean is weighted by all of a
-    round's samples: `_dynamic_sampling` recomputes the scorer's figures from its per-sample scores.)
+    Means are weighted by the parts' sample counts, minima and maxima taken over all parts, counts,
+    tokens and seconds summed (seconds of concurrent parts: the longest); the rollout's tokens/s is
+    recomputed from those; any other figure (e.g. the KV-cache size) is its largest. (A
+    per-data-source mean is weighted by all of a part's samples: `_dynamic_sampling` recomputes the
+    scorer's figures from its per-sample scores.)
     """
     def column(key: str) -> list[tuple[float, int]]:
         return [(round_[key], n) for round_, n in zip(rounds, rows) if key in round_]
@@ -509,7 +516,7 @@ def merge_round_metrics(rounds: list[dict[str, float]], rows: list[int]) -> dict
             merged[key] = sum(v * n for v, n in values) / max(sum(n for _, n in values), 1)
         elif key.endswith("_min"):
             merged[key] = min(v for v, _ in values)
-        elif key.endswith(summed):
+        elif key.endswith(summed) and not (concurrent and key.endswith("_s")):
             merged[key] = sum(v for v, _ in values)
         else:
             merged[key] = max(v for v, _ in values)
