@@ -12,11 +12,17 @@ For each Qwen2-shaped model (random weights, built by the bridge from a config d
     checksums of the produced vLLM shards; proves the CUDA path of bucketing and the shard layout.
   - vllm (first model only, when vLLM is importable): the megatron weights exported to an HF folder,
     loaded by vLLM, and generate tokens/s for a batch of random prompts.
+  - workers (first, on the tiny shape in fp32): the workers' own data path on a *CPU-resident* batch,
+    as the controller sends it: `MegatronActor.compute_log_prob` (checked against transformers on
+    the same device), one `update_policy` step through megatron DDP + the distributed optimizer, and
+    `MegatronCritic.compute_values`. The other parts build their inputs on the device; this one
+    proves the batch reaches it.
 
     python bench/gpu_check.py --device cuda              # on one GPU (bench/gpu_check.sh wraps it)
     python bench/gpu_check.py --device cpu --tiny        # the same logic on a tiny model in seconds (CI)
 
-Prints one table; writes JSON to --out (default: $OUT/gpu_check.json when OUT is set).
+Prints one table; writes JSON to --out (default: $OUT/gpu_check.json when OUT is set), rewritten after
+every part, so a run cut short by a timeout still leaves the figures it had.
 """
 from __future__ import annotations
 
@@ -185,6 +191,117 @@ def vllm_figures(models: list[Any], config: dict[str, Any], device: str, dtype: 
             "vllm_generated_tokens": generated}
 
 
+WORKER_PROMPT, WORKER_RESPONSE, WORKER_ROWS = 12, 8, 8
+
+
+def worker_batch(vocab: int, seed: int = 0) -> Any:
+    """A rollout-shaped `Batch` on the host: left-padded prompts, right-padded responses, PPO inputs."""
+    from hybridrl.data.batch import Batch
+
+    gen = torch.Generator().manual_seed(seed)
+    rows, prompt, response = WORKER_ROWS, WORKER_PROMPT, WORKER_RESPONSE
+    prompts = torch.zeros(rows, prompt, dtype=torch.long)
+    responses = torch.zeros(rows, response, dtype=torch.long)
+    prompt_mask = torch.zeros(rows, prompt, dtype=torch.long)
+    response_mask = torch.zeros(rows, response, dtype=torch.long)
+    for i in range(rows):
+        p = prompt if i == 0 else int(torch.randint(1, prompt + 1, (1,), generator=gen))
+        r = response if i == 0 else int(torch.randint(1, response + 1, (1,), generator=gen))
+        prompts[i, prompt - p:] = torch.randint(1, vocab, (p,), generator=gen)
+        prompt_mask[i, prompt - p:] = 1
+        responses[i, :r] = torch.randint(1, vocab, (r,), generator=gen)
+        response_mask[i, :r] = 1
+    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+    mask = response_mask.float()
+    return Batch({
+        "input_ids": torch.cat([prompts, responses], 1),
+        "attention_mask": torch.cat([prompt_mask, response_mask], 1),
+        "position_ids": torch.cat([positions, positions[:, -1:] + 1 + torch.arange(response).unsqueeze(0)], 1),
+        "responses": responses,
+        "response_mask": response_mask,
+        "advantages": torch.randn(rows, response, generator=gen) * mask,
+    }, {"uid": [i // 2 for i in range(rows)]})
+
+
+def worker_config(model_dir: Path, device: str) -> Any:
+    """One rank, one PPO mini-batch of the whole batch in micro-batches of 2, distributed optimizer, GAE critic."""
+    from hybridrl.config.schema import JobConfig
+
+    c = JobConfig()
+    c.trainer.device = device
+    c.trainer.nnodes, c.trainer.n_gpus_per_node = 1, 1
+    c.actor_rollout_ref.model.path = str(model_dir)
+    c.data.max_prompt_length, c.data.max_response_length = WORKER_PROMPT, WORKER_RESPONSE
+    c.data.train_batch_size = WORKER_ROWS // 2
+    c.actor_rollout_ref.rollout.n = 2
+    actor = c.actor_rollout_ref.actor
+    actor.megatron.dtype = "fp32"
+    actor.megatron.use_distributed_optimizer = True
+    actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu = WORKER_ROWS // 2, 2
+    actor.optim.lr = 1e-2
+    c.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu = 2
+    c.algorithm.adv_estimator = "gae"
+    c.critic.model.path = str(model_dir)
+    c.critic.megatron.dtype = "fp32"
+    c.critic.ppo_micro_batch_size_per_gpu = 2
+    return c
+
+
+def reference_log_probs(model_dir: Path, batch: Any, device: str) -> torch.Tensor:
+    """transformers' log-probs of the response tokens, computed on `device` (fp32)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                              attn_implementation="eager").to(device)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
+                       position_ids=batch["position_ids"].to(device)).logits.float()
+    width = batch["input_ids"].shape[1]
+    picked = logits[:, width - WORKER_RESPONSE - 1: width - 1].log_softmax(-1)
+    log_probs = picked.gather(-1, batch["responses"].to(device).unsqueeze(-1)).squeeze(-1).cpu()
+    return log_probs * batch["response_mask"]
+
+
+def worker_figures(config: dict[str, Any], device: str) -> dict[str, Any]:
+    """The workers' data path on a host batch (see the module docstring); fp32, one rank."""
+    from hybridrl.config.plan import build_plan
+    from hybridrl.models.bridge import export_hf
+    from hybridrl.workers.actor import MegatronActor
+    from hybridrl.workers.critic import MegatronCritic
+    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+
+    batch = worker_batch(config["vocab_size"])
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = export_hf(build_random_model(config, torch.float32), Path(tmp) / "hf", dtype=torch.float32)
+        reference = reference_log_probs(folder, batch, device)
+        plan = build_plan(worker_config(folder, device))
+        started = time.perf_counter()
+        actor = MegatronActor(MegatronRole(role_spec(plan, "actor")), plan)
+        critic = MegatronCritic(MegatronRole(role_spec(plan, "critic")), plan)
+        build_s = time.perf_counter() - started
+    started = time.perf_counter()
+    before = actor.compute_log_prob(batch)["old_log_probs"]
+    log_prob_s = time.perf_counter() - started
+    batch["old_log_probs"] = before
+    started = time.perf_counter()
+    update = actor.update_policy(batch)
+    update_s = time.perf_counter() - started
+    after = actor.compute_log_prob(batch)["old_log_probs"]
+    values = critic.compute_values(batch)["values"]
+    mask = batch["response_mask"].bool()
+    return {
+        "workers_build_s": build_s, "workers_log_prob_s": log_prob_s, "workers_update_s": update_s,
+        "workers_result_devices": ",".join(sorted({t.device.type for t in (before, after, values)})),
+        "workers_log_prob_max_abs_diff_vs_hf": float((before - reference).abs().max()),
+        "workers_update_steps": update.optimizer_steps, "workers_update_skipped": update.skipped_steps,
+        "workers_update_grad_norm": update.grad_norm,
+        "workers_update_log_prob_change": float((after - before).abs().max()),
+        "workers_values_finite": bool(torch.isfinite(values).all()),
+        "workers_values_zero_off_mask": bool((values[~mask] == 0).all()),
+        "workers_values_abs_mean": float(values[mask].abs().mean()),
+    }
+
+
 def memory_gib(device: str) -> float:
     if device == "cuda":
         return torch.cuda.max_memory_allocated() / GIB
@@ -205,7 +322,13 @@ def memory_metric_check(device: str) -> dict[str, Any]:
     return {"memory_metric_grew_gib": round(grown, 3), "memory_metric_ok": grown >= 0.2}
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def save(result: dict[str, Any], out: str | None) -> None:
+    """Write the figures so far (every part rewrites the file: a timeout keeps what was measured)."""
+    if out:
+        Path(out).write_text(json.dumps(result, indent=2, default=str))
+
+
+def run(args: argparse.Namespace, out: str | None = None) -> dict[str, Any]:
     from hybridrl.parallel.device import default_dtype_for, layer_spec_kind, resolve_device
     from hybridrl.parallel.state import destroy_model_parallel, init_distributed, initialize_model_parallel
     from hybridrl.parallel.versions import collect_versions, summary_line
@@ -221,9 +344,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "models": {}}
     if device == "cuda":
         result["gpu"] = torch.cuda.get_device_name()
-    result["matmul_tflops"] = matmul_tflops(device, dtype, args.matmul_size)
-    result.update(memory_metric_check(device))
+    save(result, out)
     try:
+        if not args.skip_workers:
+            # First: the one part whose inputs start on the host, as the controller's batches do.
+            result["workers"] = worker_figures(TINY, device)
+            save(result, out)
+        result["matmul_tflops"] = matmul_tflops(device, dtype, args.matmul_size)
+        result.update(memory_metric_check(device))
+        save(result, out)
         for index, (name, config) in enumerate(model_configs(args.tiny).items()):
             started = time.perf_counter()
             models = build_random_model(config, dtype)
@@ -235,6 +364,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             row["peak_memory_gib"] = memory_gib(device)
             row["seconds"] = time.perf_counter() - started
             result["models"][name] = row
+            save(result, out)
             del models
             if device == "cuda":
                 torch.cuda.empty_cache()
@@ -248,6 +378,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def render(result: dict[str, Any]) -> str:
     lines = [f"device {result.get('gpu', result['device'])}, {result['dtype']}, layer spec {result['layer_spec']}, "
              f"batch {result['batch']} x seq {result['seq']}; measured matmul {result['matmul_tflops']:.3g} TFLOP/s"]
+    workers = result.get("workers")
+    if workers:
+        lines.append(f"workers on a host batch: results on {workers['workers_result_devices']}, log-prob gap vs HF "
+                     f"{workers['workers_log_prob_max_abs_diff_vs_hf']:.2e}, update grad norm "
+                     f"{workers['workers_update_grad_norm']:.3g} ({workers['workers_update_steps']} step, "
+                     f"{workers['workers_update_skipped']} skipped), values finite {workers['workers_values_finite']}")
     header = ("model", "params M", "train tok/s", "TFLOP/s", "MFU", "logprob tok/s", "reshard s", "buckets",
               "vLLM tok/s", "peak GiB")
     rows = [header]
@@ -274,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak (H100/H200 SXM)")
     parser.add_argument("--matmul-size", type=int, default=None, help="default 8192; tiny 256")
     parser.add_argument("--skip-vllm", action="store_true")
+    parser.add_argument("--skip-workers", action="store_true", help="skip the workers' data path on a host batch")
     parser.add_argument("--vllm-prompts", type=int, default=None, help="default 256; tiny 4")
     parser.add_argument("--vllm-tokens", type=int, default=None, help="new tokens per prompt (default 256; tiny 8)")
     parser.add_argument("--port", type=int, default=29517, help="TCP port for the world-1 process group")
@@ -284,11 +421,11 @@ def main(argv: list[str] | None = None) -> int:
     for key, (full, tiny) in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, tiny if args.tiny else full)
-    result = run(args)
-    print(render(result))
     out = args.out or (str(Path(os.environ["OUT"]) / "gpu_check.json") if os.environ.get("OUT") else None)
+    result = run(args, out)
+    print(render(result))
+    save(result, out)
     if out:
-        Path(out).write_text(json.dumps(result, indent=2, default=str))
         print(f"wrote {out}")
     return 0
 

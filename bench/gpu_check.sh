@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check (issue 9) on one lent GPU, offline, in well under 8 minutes:
-# actor forward/backward throughput and MFU (bf16) for Qwen2-shaped 0.5B and 1.5B models with random
-# weights, log-prob throughput, the resharder on CUDA tensors, and vLLM generation if vLLM is there.
+# the workers' own data path on a CPU-resident batch (log-probs vs transformers, one PPO update with
+# megatron DDP + the distributed optimizer, critic values), actor forward/backward throughput and MFU
+# (bf16) for Qwen2-shaped 0.5B and 1.5B models with random weights, log-prob throughput, the
+# resharder on CUDA tensors, and vLLM generation if vLLM is there. The JSON is rewritten after each part.
 #
 # Installs nothing from the network. The lent H200 image has torch, transformers, safetensors, pyyaml
 # and psutil but no megatron-core (and no vLLM or TransformerEngine: the check then uses megatron's

@@ -36,6 +36,38 @@ def test_tiny_cpu_run_measures_every_part(tmp_path):
     # every vLLM tensor of the tiny model came out, checksummed (embed, lm_head, final norm + 7 per layer)
     assert row["reshard_checksums"] == 3 + 7 * gpu_check.TINY["num_hidden_layers"]
     assert "vllm" not in row
+    # the workers' own data path, fed a host batch as the controller sends it
+    workers = data["workers"]
+    assert workers["workers_result_devices"] == "cpu"
+    assert workers["workers_log_prob_max_abs_diff_vs_hf"] < 1e-4
+    assert workers["workers_update_steps"] == 1 and workers["workers_update_skipped"] == 0
+    assert workers["workers_update_log_prob_change"] > 1e-3  # the PPO step moved the policy
+    assert workers["workers_values_finite"] and workers["workers_values_zero_off_mask"]
+    assert workers["workers_values_abs_mean"] > 0
+
+
+def _cut_short_run(rank: int, world: int, out: str) -> str:
+    import argparse
+
+    def cut_short(*args, **kwargs):
+        raise RuntimeError("cut short")
+
+    gpu_check.reshard_figures = cut_short  # the run stops inside the first model's figures
+    args = argparse.Namespace(device="cpu", dtype=None, tiny=True, batch=2, seq=16, iters=1, matmul_size=64,
+                              skip_vllm=True, skip_workers=False, peak_tflops=989.0, port=0)
+    try:
+        gpu_check.run(args, out)
+    except RuntimeError as error:
+        return str(error)
+    return "finished"
+
+
+def test_json_keeps_the_figures_of_a_run_cut_short(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    assert run_ranks(_cut_short_run, 1, str(out)) == ["cut short"]
+    data = json.loads(out.read_text())
+    assert data["workers"]["workers_update_steps"] == 1 and data["matmul_tflops"] > 0
+    assert data["models"] == {}  # the interrupted model's row was never written
 
 
 @pytest.mark.slow
