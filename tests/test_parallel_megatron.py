@@ -173,7 +173,7 @@ def test_tp2_pp2_dp2_training_matches_single_rank(reference, distributed_optimiz
 
 
 def test_without_finalize_model_grads_dp_replicas_drift(reference):
-    # The pitfall from the platform notes: nothing errors, but replicas silently diverge.
+    # The pitfall in docs/platform.md: nothing errors, but replicas silently diverge.
     outs = run_ranks(_train, 2, reference["full"], 1, 1, False, False, timeout_s=120)
     assert _max_diff(outs[0]["trained"], outs[1]["trained"]) > 10 * TRAINED_ATOL
 

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.set_num_threads(1)  # stable timing on shared cores (shared/notes/platform.md)
+    torch.set_num_threads(1)  # stable timing on shared cores (docs/platform.md)
     torch.manual_seed(args.seed)
     tokenizer = char_tokenizer()
     task = RepeatLetterTask(alphabet=args.alphabet)

@@ -1,6 +1,6 @@
 """Ray bring-up: a private local cluster (tests, one node) or a connection to an existing cluster.
 
-Local clusters here are shared machines' good citizens (see the Ray section of the platform notes):
+Local clusters here are shared machines' good citizens (see the Ray section of docs/platform.md):
 bound to 127.0.0.1, token auth off (no ~/.ray/auth_token), a private short temp dir (Ray's unix
 socket paths must stay short), no dashboard, warnings-only logging. Never `ray stop`: it kills
 every Ray process on the machine by name, including other users' clusters.

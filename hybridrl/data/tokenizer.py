@@ -6,7 +6,7 @@ one token per character, plus `<pad>`, `<bos>`, `<eos>`, `<unk>`; 96 tokens in a
 
 Loading. transformers 5.x `AutoTokenizer` on a folder whose `config.json` names a model type (e.g.
 Qwen2) builds that model's tokenizer class and ignores a locally built `tokenizer.json` (it then
-encodes text to `[]`, see shared/notes/platform.md). `load_tokenizer` therefore loads a locally built
+encodes text to `[]`, see docs/platform.md). `load_tokenizer` therefore loads a locally built
 tokenizer through `PreTrainedTokenizerFast` directly, and only hands real HF tokenizer folders to
 `AutoTokenizer`.
 """

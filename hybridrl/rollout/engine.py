@@ -12,7 +12,7 @@ Building the engine is then a collective over the whole world (every rank builds
 TP peers of a replica must call `generate_sequences` with the same prompts at the same time;
 different replicas generate different prompts independently (tested on 2 x infer_tp=2).
 
-Side effects of building a vLLM engine, and what we do about them (see ../shared/notes/platform.md):
+Side effects of building a vLLM engine, and what we do about them (docs/platform.md):
 - vLLM reseeds the global RNGs identically on every rank: we save and restore the torch (CPU and
   CUDA), numpy and python RNG states around construction, and give every request an explicit seed
   derived from (seed, call, replica, prompt, sample), equal on TP peers (without them TP peers whose

@@ -1,6 +1,6 @@
 """The controller loop: one process, no weights, driving every worker group through PPO/GRPO steps.
 
-One step, as data moves (see the architecture note):
+One step, as data moves (docs/architecture.md):
   prompts --rollout mesh--> generate (n samples, vLLM)        [gen]
   rewards on the controller (rule scorers / user function)    [reward]
   --train DP--> old log-probs (+entropy) | ref log-probs | values    [old_log_prob, ref, values]
