@@ -43,12 +43,11 @@ def _rank(rank: int, world: int, config: Any, good: Any, bad: Any) -> dict[str, 
     from functools import partial
 
     from hybridrl.algorithms.aggregation import global_loss_normalizers
-    from hybridrl.workers.sequences import micro_batch_inputs
-
     mine = bad.split(ctx.dp)[ctx.dp_rank]
-    micros = [micro_batch_inputs(mine.tensors, list(range(len(mine))), extra_keys=("old_log_probs", "advantages"))]
+    micros = engine.micro_batches(mine.tensors, [list(range(len(mine)))], extra_keys=("old_log_probs", "advantages"))
     normalizers = global_loss_normalizers([m.response_mask for m in micros], ctx.dp_group)
-    engine._run(micros, partial(actor._policy_loss, normalizers=normalizers, scale=ctx.dp), forward_only=False)
+    engine._run(micros, partial(actor._policy_loss, normalizers=normalizers, scale=ctx.dp, temperature=1.0),
+                forward_only=False)
     engine.optimizer.step()
     poisoned = any(not torch.isfinite(p).all() for p in _params(engine).values())
     return {"unchanged": unchanged, "moved": moved, "finite": finite, "poisoned": poisoned,
