@@ -92,6 +92,28 @@ def test_strict_mode_raises_where_cuda_would(strict_mode):
     assert weight.grad is not None  # autograd's tensors are never judged (unknown), so no false alarm
 
 
+def test_placement_helpers_answer_for_the_gpu_under_strict_mode():
+    from hybridrl.parallel.device import megatron_cpu_initialization, rank_device, to_rank_device
+
+    assert rank_device("cpu") == torch.device("cpu") and megatron_cpu_initialization("cpu")
+    assert not megatron_cpu_initialization("cuda")
+    with pytest.raises(ValueError, match="'gpu'"):
+        rank_device("gpu")
+    strict_device.enable_strict_device()
+    try:
+        with strict_device.StrictDeviceMode():
+            # "cuda", which the CPU layer maps to the CPU while tagging the tensor as a device tensor
+            assert rank_device("cpu") == torch.device("cuda", 0)
+            assert not megatron_cpu_initialization("cpu")  # parameters are allocated "on the device"
+            host = torch.arange(4)
+            moved = to_rank_device(host, "cpu")
+            assert moved.device.type == "cpu" and torch.equal(moved.cpu(), host)
+            assert strict_device.placement(moved) == "device" and strict_device.placement(host) == "host"
+    finally:
+        strict_device.disable_strict_device()
+    assert rank_device("cpu") == torch.device("cpu")
+
+
 def _collective_rank(rank: int, world: int) -> dict[str, str]:
     import torch.distributed as dist
 
