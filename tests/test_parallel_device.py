@@ -104,3 +104,10 @@ def test_worker_threads_follow_the_config_or_share_the_cores(setting, ranks_on_n
         assert torch.get_num_threads() == (setting or torch_threads_per_rank(ranks_on_node))
     finally:
         torch.set_num_threads(before)
+
+
+def test_release_cached_blocks_runs_on_both_devices():
+    # On this CPU build torch.cuda.empty_cache() is a no-op, so the cuda branch runs for real here:
+    # the sync calls it on every GPU step (a missing import once broke exactly this call).
+    D.release_cached_blocks("cuda")
+    D.release_cached_blocks("cpu")

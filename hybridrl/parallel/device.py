@@ -188,4 +188,6 @@ def release_cached_blocks(device: str) -> None:
     """Hand the caching allocator's free blocks back to the driver (cuda), so another allocator in
     this process — vLLM's sleep-mode pool waking its KV cache — can map them. No-op on CPU."""
     if device == "cuda":
+        import torch
+
         torch.cuda.empty_cache()
