@@ -289,3 +289,46 @@ def test_reward_model_overlong_buffer_and_gap_measured_by_the_update(demo_assets
     assert min(lengths) <= max_length - buffer < max(lengths) == max_length
     assert any(max_length - buffer < length < max_length for length in lengths)
     assert len(set(rm_scores)) > 1
+
+
+REMAX_REWARD_FILE = '''
+import json
+import zlib
+
+CALLS = {calls!r}
+
+
+def compute_score(response, ground_truth, extra):
+    score = (zlib.crc32(response.encode()) % 1000) / 1000  # differs between almost any two responses
+    with open(CALLS, "a") as calls:
+        calls.write(json.dumps({{"split": extra["extra_info"]["split"], "response": response,
+                                 "score": score}}) + "\\n")
+    return score
+'''
+
+
+def test_remax_baseline_is_the_score_of_each_prompts_greedy_response(demo_assets, tmp_path):
+    """ReMax: after the n samples of a step, one greedy response per prompt is generated and scored by
+    the same reward; every sample's advantage is its score minus its prompt's greedy score."""
+    run, calls = tmp_path / "run", tmp_path / "reward_calls.jsonl"
+    reward_file = tmp_path / "my_reward.py"
+    reward_file.write_text(REMAX_REWARD_FILE.format(calls=str(calls)))
+    steps, batch, n = 2, 8, 8
+    result = _train("configs/examples/cpu_tiny_grpo.yaml", _overrides(
+        demo_assets, run, f"trainer.total_training_steps={steps}", "algorithm.adv_estimator=remax",
+        f"algorithm.custom_reward_function.path={reward_file}", f"trainer.rollout_data_dir={run / 'rollouts'}"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    rows = {r["step"]: r for r in _metrics(run)}
+    logged = [c for c in map(json.loads, calls.read_text().splitlines()) if c["split"] == "train"]
+    assert len(logged) == steps * (batch * n + batch)  # per step: the samples, then one greedy per prompt
+    for step in range(1, steps + 1):
+        start = (step - 1) * (batch * n + batch)
+        greedy = [c["score"] for c in logged[start + batch * n:start + batch * n + batch]]
+        groups = list(_groups(_rollouts(run, step)).values())  # in prompt order, as generated
+        assert [len(g) for g in groups] == [n] * batch
+        for group, greedy_score in zip(groups, greedy):
+            for sample in group:
+                assert sample["baseline"] == pytest.approx(greedy_score, abs=1e-6), (sample, greedy_score)
+                assert sample["advantage"] == pytest.approx(sample["score"] - greedy_score, abs=1e-5), sample
+        assert rows[step]["reward/greedy_baseline_mean"] == pytest.approx(sum(greedy) / batch, abs=1e-6)
+        assert "timing_s/gen_baseline" in rows[step]

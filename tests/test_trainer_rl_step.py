@@ -127,3 +127,13 @@ def test_merge_part_metrics_weights_means_sums_counts_and_takes_extremes():
     concurrent = merge_part_metrics(rounds, [64, 32], concurrent=True)
     assert concurrent["rollout/generate_s"] == 3.0 and concurrent["rollout/tokens_per_s"] == pytest.approx(100.0)
     assert concurrent["rollout/response_tokens"] == 300.0 and concurrent["reward/fallbacks"] == 3.0
+
+
+def test_baseline_per_row_follows_each_rows_prompt():
+    from hybridrl.trainer.rl_step import baseline_per_row
+
+    rows = np.array(["b", "a", "b", "c", "a"], dtype=object)
+    baseline = baseline_per_row(rows, ["a", "b", "c"], torch.tensor([0.5, 1.0, -2.0]))
+    assert baseline.tolist() == [1.0, 0.5, 1.0, -2.0, 0.5]
+    with pytest.raises(ValueError, match=r"no baseline response for prompt uid\(s\) \['d'\]"):
+        baseline_per_row(np.array(["a", "d"], dtype=object), ["a"], torch.tensor([0.0]))

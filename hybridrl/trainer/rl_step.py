@@ -14,7 +14,9 @@ Column names (the step's shared vocabulary):
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -62,6 +64,15 @@ def compute_batch_advantages(batch: Batch, settings: AdvantageSettings) -> None:
     )
     batch["advantages"] = advantages
     batch["returns"] = returns
+
+
+def baseline_per_row(row_uids: Sequence[Any], prompt_uids: Sequence[Any], prompt_scores: torch.Tensor) -> torch.Tensor:
+    """Each row's baseline: the score of its prompt (matched by uid), e.g. ReMax's greedy response."""
+    by_uid = {uid: i for i, uid in enumerate(prompt_uids)}
+    missing = sorted({str(u) for u in row_uids if u not in by_uid})
+    if missing:
+        raise ValueError(f"no baseline response for prompt uid(s) {missing[:5]}")
+    return prompt_scores.float()[torch.tensor([by_uid[u] for u in row_uids], dtype=torch.long)]
 
 
 def overlong_penalty(response_lengths: torch.Tensor, max_length: int, buffer: int, factor: float) -> torch.Tensor:

@@ -23,12 +23,14 @@ import numpy as np
 
 from hybridrl.algorithms import masked_mean
 from hybridrl.algorithms.kl_control import kl_controller_from_config
+from hybridrl.algorithms.names import GREEDY_BASELINE_ADV_ESTIMATORS
 from hybridrl.config.plan import Plan
 from hybridrl.data.batch import Batch
 from hybridrl.trainer.checkpoints import CheckpointError, CheckpointManager
 from hybridrl.trainer.rl_step import (
     AdvantageSettings,
     apply_kl_in_reward,
+    baseline_per_row,
     compute_batch_advantages,
     count_groups_with_spread,
     overlong_penalty,
@@ -261,7 +263,24 @@ class Trainer:
         metrics.update(batch.meta.pop("metrics", {}) or {})
         with self._phase(timer, "reward"):
             metrics.update(self._score(batch))
+        if self.config.algorithm.adv_estimator in GREEDY_BASELINE_ADV_ESTIMATORS:
+            metrics.update(self._greedy_baseline(prompts, batch, timer))
         return batch
+
+    def _greedy_baseline(self, prompts: Batch, batch: Batch, timer: PhaseTimer) -> dict[str, float]:
+        """ReMax: one greedy response per prompt, scored by the same reward as the samples (scorer or
+        reward model, overlong penalty); its score is the baseline of every sample of that prompt."""
+        from hybridrl.rollout.sampling import validation_sampling
+
+        rollout = self.config.actor_rollout_ref.rollout
+        with self._phase(timer, "gen_baseline"):
+            greedy = self.generate(prompts, validation_sampling(
+                self.plan.resolved.response_length, stop_token_ids=tuple(rollout.stop_token_ids)))
+        with self._phase(timer, "reward_baseline"):
+            self._score(greedy)
+        greedy_scores = greedy["token_level_scores"].sum(-1)
+        batch["baseline_scores"] = baseline_per_row(batch["uid"], greedy["uid"], greedy_scores)
+        return {"reward/greedy_baseline_mean": float(greedy_scores.float().mean())}
 
     def _dynamic_sampling(self, batch: Batch, first_round: dict[str, float], timer: PhaseTimer,
                           metrics: dict[str, float]) -> Batch:
@@ -375,6 +394,8 @@ class Trainer:
                 # outcome estimators give every response token the same advantage; GAE's first one
                 "advantage": float(batch["advantages"][row][response_mask[row]][0]) if response_ids else 0.0,
             }
+            if "baseline_scores" in batch:  # ReMax: the score of the prompt's greedy response
+                record["baseline"] = float(batch["baseline_scores"][row])
             lines.append(json.dumps(record, default=_json_default))
         (out_dir / f"step_{self.global_step}.jsonl").write_text("\n".join(lines) + "\n")
 
