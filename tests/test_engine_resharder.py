@@ -359,19 +359,14 @@ def test_sync_into_live_vllm_engine(tmp_path, arch, tp, pp, world, infer_tp):
 def _mixed_dtype_sync_rank(rank: int, world_size: int, model_dir: str) -> dict[str, Any]:
     """The hybrid worker's own set-up (megatron actor, vLLM engine, resharder, first proven sync) with
     fp32 training and a bf16 rollout: the sync's checksums must hold for vLLM's bf16 weights."""
-    from hybridrl.config import plan_from_sources
-    from hybridrl.controller.base_worker import RankContext
-    from hybridrl.workers.hybrid import HybridEngineWorker, HybridSettings
+    from hybridrl.workers.hybrid import HybridSettings
+    from tests.hybrid_workers import hybrid_worker
 
-    plan = plan_from_sources("configs/examples/cpu_tiny_grpo.yaml", [
-        f"actor_rollout_ref.model.path={model_dir}", f"trainer.n_gpus_per_node={world_size}",
+    # the probe's bf16 tolerance is not what this test is about: only the checksums may stop the sync
+    worker = hybrid_worker(rank, world_size, model_dir, [
         "actor_rollout_ref.actor.megatron.dtype=fp32", "actor_rollout_ref.rollout.dtype=bf16",
         "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16"])
-    ctx = RankContext(role="actor_rollout_ref", rank=rank, world_size=world_size, node_rank=0, local_rank=rank,
-                      local_world_size=world_size, use_gpu=False)
-    # the probe's bf16 tolerance is not what this test is about: only the checksums may stop the sync
-    worker = HybridEngineWorker(ctx, plan, HybridSettings(probe_tolerance=1.0))
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16"], HybridSettings(probe_tolerance=1.0))
     setup = worker.setup(total_training_steps=1)
     return {"sent": worker.resharder.last_report.checksums, "held": worker.rollout.parameter_digests(),
             "train_dtype": str(worker.actor.engine.chunks[0].config.params_dtype),

@@ -21,29 +21,19 @@ PRELOAD = ("torch", "megatron.core", "vllm", "hybridrl.workers.hybrid")
 TEMPERATURES = (0.6, 1.0, 1.3)
 
 
-def _gather_first(value, world):
-    items = [None] * world
-    torch.distributed.all_gather_object(items, value)
-    return next(i for i in items if i is not None)
-
-
 def _sampling_rank(rank: int, world: int, model_dir: str) -> dict:
-    from hybridrl.config import plan_from_sources
-    from hybridrl.controller.base_worker import RankContext
     from hybridrl.data.batch import Batch
     from hybridrl.rollout.sampling import RolloutSampling
-    from hybridrl.workers.hybrid import HybridEngineWorker, WeightSyncError
+    from hybridrl.workers.hybrid import WeightSyncError
+    from tests.hybrid_workers import gather_first, hybrid_worker
 
-    plan = plan_from_sources("configs/examples/cpu_tiny_grpo.yaml", [
-        f"actor_rollout_ref.model.path={model_dir}", f"trainer.n_gpus_per_node={world}",
+    worker = hybrid_worker(rank, world, model_dir, [
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "actor_rollout_ref.actor.old_log_prob=recompute",
         "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4"])
-    ctx = RankContext(role="actor_rollout_ref", rank=rank, world_size=world, node_rank=0, local_rank=rank,
-                      local_world_size=world, use_gpu=False)
-    worker = HybridEngineWorker(ctx, plan)
+    plan = worker.plan
     setup = worker.setup(total_training_steps=len(TEMPERATURES))
     result: dict = {"setup_replica_gaps": dict(worker.replica_probe_gaps),
                     "setup_replicas": setup["reshard/probe_replicas"], "per_temperature": {}}
@@ -53,15 +43,15 @@ def _sampling_rank(rank: int, world: int, model_dir: str) -> dict:
                         {"raw_prompt_ids": [[1, 70, 71, 72], [1, 73, 74, 75, 76]], "uid": ["a", "b"]})
         sampling = RolloutSampling(n=n, max_tokens=8, temperature=temperature, seed=step)
         # rank 0's replica samples the step's batch (TP1 engines generate alone); both TP ranks train on it
-        batch = _gather_first(worker.generate_sequences(prompts, sampling) if rank == 0 else None, world)
+        batch = gather_first(worker.generate_sequences(prompts, sampling) if rank == 0 else None, world)
         batch.meta["temperature"] = temperature
-        old = _gather_first(worker.compute_log_prob(batch), world)
+        old = gather_first(worker.compute_log_prob(batch), world)
         mask = batch["response_mask"].bool()
         gap = float((old["old_log_probs"] - batch["rollout_log_probs"])[mask].abs().max())
         batch["old_log_probs"] = old["old_log_probs"]
         advantages = torch.tensor(np.linspace(-1.0, 1.0, len(batch)), dtype=torch.float32)
         batch["advantages"] = advantages[:, None] * batch["response_mask"].float()
-        update = _gather_first(worker.update_actor(batch), world)
+        update = gather_first(worker.update_actor(batch), world)
         sync = worker.sync_weights()
         result["per_temperature"][temperature] = {
             "rollout_gap": gap, "clipfrac": update["actor/clipfrac"], "approx_kl": update["actor/approx_kl"],

@@ -24,32 +24,21 @@ SEQUENCE = [1, 70, 71, 72, 9, 33, 101, 5, 64, 17, 120, 2]  # ids < QWEN2_TIED's 
 STEPS = 2
 
 
-def _gather_first(value, world):
-    items = [None] * world
-    torch.distributed.all_gather_object(items, value)
-    return next(i for i in items if i is not None)
-
-
 def _tied_pp2_rank(rank: int, world: int, model_dir: str, export_dir: str) -> dict:
-    from hybridrl.config import plan_from_sources
-    from hybridrl.controller.base_worker import RankContext
     from hybridrl.data.batch import Batch
     from hybridrl.models.bridge import export_hf
     from hybridrl.rollout.sampling import RolloutSampling
-    from hybridrl.workers.hybrid import HybridEngineWorker
+    from tests.hybrid_workers import gather_first, hybrid_worker
     from tests.test_workers_actor_models import tied_copies
 
-    plan = plan_from_sources("configs/examples/cpu_tiny_grpo.yaml", [
-        f"actor_rollout_ref.model.path={model_dir}", f"trainer.n_gpus_per_node={world}",
+    worker = hybrid_worker(rank, world, model_dir, [
         "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "actor_rollout_ref.actor.old_log_prob=recompute",
         "actor_rollout_ref.actor.optim.lr=1e-2",
         "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4"])
-    ctx = RankContext(role="actor_rollout_ref", rank=rank, world_size=world, node_rank=0, local_rank=rank,
-                      local_world_size=world, use_gpu=False)
-    worker = HybridEngineWorker(ctx, plan)
+    plan = worker.plan
     worker.setup(total_training_steps=STEPS)
     n = plan.config.actor_rollout_ref.rollout.n
     probes, grad_norms = [], []
@@ -58,12 +47,12 @@ def _tied_pp2_rank(rank: int, world: int, model_dir: str, export_dir: str) -> di
                         {"raw_prompt_ids": [[1, 70, 71, 72], [1, 73, 74, 75, 76]], "uid": ["a", "b"]})
         sampling = RolloutSampling(n=n, max_tokens=8, temperature=1.0, seed=step)
         # rank 0's replica samples the step's batch (TP1 engines generate alone); both stages train on it
-        batch = _gather_first(worker.generate_sequences(prompts, sampling) if rank == 0 else None, world)
+        batch = gather_first(worker.generate_sequences(prompts, sampling) if rank == 0 else None, world)
         batch.meta["temperature"] = 1.0
-        batch["old_log_probs"] = _gather_first(worker.compute_log_prob(batch), world)["old_log_probs"]
+        batch["old_log_probs"] = gather_first(worker.compute_log_prob(batch), world)["old_log_probs"]
         advantages = torch.tensor(np.linspace(-1.0, 1.0, len(batch)), dtype=torch.float32)
         batch["advantages"] = advantages[:, None] * batch["response_mask"].float()
-        grad_norms.append(_gather_first(worker.update_actor(batch), world)["actor/grad_norm"])
+        grad_norms.append(gather_first(worker.update_actor(batch), world)["actor/grad_norm"])
         probes.append(worker.sync_weights()["reshard/probe_max_abs_gap"])
     export_hf(worker.actor.engine.chunks, export_dir, force=True)
     return {"copies": tied_copies(worker.actor.engine), "probes": probes, "grad_norms": grad_norms,
