@@ -282,30 +282,33 @@ def _probe_tolerance(configured: float | None, train_dtype: str, rollout_dtype: 
     return PROBE_TOLERANCE_FP32 if train_dtype == rollout_dtype == "fp32" else PROBE_TOLERANCE_HALF
 
 
-def _ways_to_fit(config: JobConfig, memories: tuple[TrainingMemory, ...], rollout: RolloutMemory) -> str:
+def _ways_to_fit(config: JobConfig, memories: tuple[TrainingMemory, ...], rollout: RolloutMemory,
+                 seq_len: int) -> str:
     """The single changes that would bring the hybrid engine's peak under the GPU, with their peaks."""
     arr = config.actor_rollout_ref
     gpu, utilization = config.trainer.gpu_memory_gib, arr.rollout.gpu_memory_utilization
     mc = arr.actor.megatron
+
+    def peaks_with(utilization: float = utilization, grads: bool = mc.grad_offload,
+                   optimizer: bool = mc.optimizer_offload) -> PhasePeaks:
+        return phase_peaks(memories, rollout, gpu_gib=gpu, gpu_memory_utilization=utilization,
+                           offload_params=mc.param_offload, offload_grads=grads, offload_optimizer=optimizer)
+
     ways = []
     offload_choices = [("actor.megatron.optimizer_offload=true", True, mc.grad_offload),
                        ("actor.megatron.optimizer_offload=true and grad_offload=true", True, True)]
     for label, optimizer, grads in offload_choices:
         if (optimizer, grads) == (mc.optimizer_offload, mc.grad_offload):
             continue  # already what the job does
-        peaks = phase_peaks(memories, rollout, gpu_gib=gpu, gpu_memory_utilization=utilization,
-                            offload_params=mc.param_offload, offload_grads=grads, offload_optimizer=optimizer)
+        peaks = peaks_with(grads=grads, optimizer=optimizer)
         if peaks.fits:
             ways.append(f"{label} (peak {max(peaks.generation_gib, peaks.training_gib):.1f} GiB)")
     # The largest utilization (in steps of 0.05) whose generation peak fits, if it still holds
-    # vLLM's weights and one sequence's KV cache.
+    # vLLM's weights and one full sequence's KV cache.
     for step in range(int(utilization * 20) - 1, 0, -1):
         lower = step / 20
-        peaks = phase_peaks(memories, rollout, gpu_gib=gpu, gpu_memory_utilization=lower,
-                            offload_params=mc.param_offload, offload_grads=mc.grad_offload,
-                            offload_optimizer=mc.optimizer_offload)
         room = gpu * lower - rollout.weights_gib
-        if peaks.fits and room * GIB >= rollout.kv_bytes_per_token * config.data.max_prompt_length:
+        if peaks_with(utilization=lower).fits and room * GIB >= rollout.kv_bytes_per_token * seq_len:
             ways.append(f"rollout.gpu_memory_utilization={lower:g} (KV cache {room:.1f} GiB)")
             break
     actor = next(m for m in memories if m.role == "actor")
@@ -464,7 +467,7 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
                 raise ConfigError([ConfigIssue(
                     "trainer.gpu_memory_gib", config.trainer.gpu_memory_gib,
                     f"is below the hybrid engine's per-GPU peak of {peak}; "
-                    + _ways_to_fit(config, tuple(train_mem), roll_mem))])
+                    + _ways_to_fit(config, tuple(train_mem), roll_mem, resolved.max_sequence_length))])
             extra.append(f"hybrid engine: actor + ref + rollout on one GPU peak at {peak} > trainer.gpu_memory_gib="
                          f"{config.trainer.gpu_memory_gib:g}; lower rollout.gpu_memory_utilization, offload, or add "
                          "TP/PP")
