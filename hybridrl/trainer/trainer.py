@@ -183,8 +183,15 @@ class Trainer:
             self.rm_group.call_all("init_model")
             self.rm_group.learn_mesh()
 
+    def _greedy_sampling(self) -> Any:
+        """One greedy response per prompt (validation by default, ReMax's baseline)."""
+        from hybridrl.rollout.sampling import validation_sampling
+
+        return validation_sampling(self.plan.resolved.response_length,
+                                   stop_token_ids=tuple(self.config.actor_rollout_ref.rollout.stop_token_ids))
+
     def _sampling(self, validation: bool = False) -> Any:
-        from hybridrl.rollout.sampling import RolloutSampling, validation_sampling
+        from hybridrl.rollout.sampling import RolloutSampling
 
         rollout = self.config.actor_rollout_ref.rollout
         max_tokens = self.plan.resolved.response_length
@@ -192,7 +199,7 @@ class Trainer:
         if validation:
             vk = rollout.val_kwargs
             if not vk.do_sample or vk.temperature == 0:
-                return validation_sampling(max_tokens, stop_token_ids=stops)
+                return self._greedy_sampling()
             return RolloutSampling(n=vk.n, temperature=vk.temperature, top_p=vk.top_p,
                                    top_k=vk.top_k if vk.top_k > 0 else None, max_tokens=max_tokens,
                                    stop_token_ids=stops)
@@ -270,12 +277,8 @@ class Trainer:
     def _greedy_baseline(self, prompts: Batch, batch: Batch, timer: PhaseTimer) -> dict[str, float]:
         """ReMax: one greedy response per prompt, scored by the same reward as the samples (scorer or
         reward model, overlong penalty); its score is the baseline of every sample of that prompt."""
-        from hybridrl.rollout.sampling import validation_sampling
-
-        rollout = self.config.actor_rollout_ref.rollout
         with self._phase(timer, "gen_baseline"):
-            greedy = self.generate(prompts, validation_sampling(
-                self.plan.resolved.response_length, stop_token_ids=tuple(rollout.stop_token_ids)))
+            greedy = self.generate(prompts, self._greedy_sampling())
         with self._phase(timer, "reward_baseline"):
             self._score(greedy)
         greedy_scores = greedy["token_level_scores"].sum(-1)
