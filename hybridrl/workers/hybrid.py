@@ -223,8 +223,8 @@ class HybridEngineWorker(ActorRolloutRefWorker):
 
         The trainer's log-probs (computed on its output ranks) go to every rank; each replica's TP
         rank 0 compares them with what its own vLLM copy computes, so every copy that serves is
-        proven, not only the one in the output rank's process. Every rank returns the same value
-        and raises naming the worst replica when it is over the tolerance.
+        proven, not only the one in the output rank's process. Every rank returns the same value;
+        the per-replica gaps stay in `replica_probe_gaps` (`prove_by_probe` judges them).
         """
         probe = _probe_batch(self.pad_token_id)
         # every rank of the actor must run the forward (pipeline schedule is collective), and every
