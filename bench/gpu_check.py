@@ -151,6 +151,7 @@ def reshard_figures(models: list[Any], dtype: torch.dtype) -> dict[str, Any]:
         shard_bytes += tensor.numel() * tensor.element_size()
     report = resharder.last_report
     return {"reshard_s": report.seconds, "reshard_checksum_s": report.checksum_seconds,
+            "reshard_checksum_s_per_gib": report.checksum_seconds / max(shard_bytes / GIB, 1e-12),
             "reshard_buckets": report.buckets, "reshard_shard_gib": shard_bytes / GIB,
             "reshard_gbps": shard_bytes / max(report.seconds, 1e-9) / 1e9,
             "reshard_shard_devices": ",".join(sorted(devices)), "reshard_checksums": len(report.checksums)}
