@@ -76,8 +76,8 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.T
     raise AssertionError(mode)
 
 
-def reference_step(hf_dir: Path, batch: Any, case: Case) -> dict[str, Any]:
-    """Loss terms, metrics and per-tensor gradients of one PPO step, from transformers' forward."""
+def response_log_softmax(hf_dir: Path, batch: Any) -> tuple[Any, torch.Tensor]:
+    """The transformers model and its tempered log-softmax `[B, R, V]` at each response position."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
@@ -85,7 +85,12 @@ def reference_step(hf_dir: Path, batch: Any, case: Case) -> dict[str, Any]:
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                    position_ids=batch["position_ids"]).logits
     width = batch["input_ids"].shape[1]
-    log_softmax = (logits[:, width - RESPONSE - 1: width - 1] / TEMPERATURE).log_softmax(-1)
+    return model, (logits[:, width - RESPONSE - 1: width - 1] / TEMPERATURE).log_softmax(-1)
+
+
+def reference_step(hf_dir: Path, batch: Any, case: Case) -> dict[str, Any]:
+    """Loss terms, metrics and per-tensor gradients of one PPO step, from transformers' forward."""
+    model, log_softmax = response_log_softmax(hf_dir, batch)
     log_prob = log_softmax.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
     entropy = -(log_softmax.exp() * log_softmax).sum(-1)
     mask = batch["response_mask"].float()
@@ -127,14 +132,7 @@ def ppo_batch(hf_dir: Path, rows: int = 8, seed: int = 11) -> Any:
     """
     batch = rollout_batch(rows, seed=seed)
     with torch.no_grad():
-        import transformers
-
-        model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
-                                                                  attn_implementation="eager")
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       position_ids=batch["position_ids"]).logits
-    width = batch["input_ids"].shape[1]
-    log_softmax = (logits[:, width - RESPONSE - 1: width - 1] / TEMPERATURE).log_softmax(-1)
+        _, log_softmax = response_log_softmax(hf_dir, batch)
     policy = log_softmax.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
     gen = torch.Generator().manual_seed(seed + 1)
     mask = batch["response_mask"].float()
