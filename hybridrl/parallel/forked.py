@@ -35,7 +35,8 @@ class RankError(RuntimeError):
 
 
 def free_port() -> int:
-    """A TCP port on the loopback interface that is free right now."""
+    """A TCP port on the loopback interface that is free right now (another process may take it
+    before the caller binds it: `run_ranks` does not rely on it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -60,10 +61,9 @@ def _rank_main(conn, fn, rank: int, world_size: int, port: int, timeout_s: float
         WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
     )
     try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}",
-            timeout=timedelta(seconds=timeout_s),
-        )
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
         result = fn(rank, world_size, *args, **kwargs)
         conn.send_bytes(pickle.dumps(("ok", result)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent with its traceback
@@ -90,8 +90,14 @@ def run_ranks(
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
+    import torch.distributed as dist
+
     ctx = _forkserver(preload)
-    port = free_port()
+    # The parent serves the ranks' rendezvous store on a port it keeps bound until they finish: a
+    # port picked free and bound later by rank 0 can be taken in between by a concurrent run.
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s))
+    port = store.port
     procs, conns = [], []
     for rank in range(world_size):
         parent_conn, child_conn = ctx.Pipe(duplex=False)
@@ -134,4 +140,5 @@ def run_ranks(
             proc.join(timeout=5)
         for conn in conns:
             conn.close()
+        del store
     return results
