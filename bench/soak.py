@@ -8,9 +8,11 @@ Ray after the actor class, e.g. `ray::HybridEngineWorker`). Growth is measured f
 sample after `--warmup` steps to the last one, per process, and reported for the driver and the
 worst worker (the issue's bar: below 5 % over 300 steps).
 
-After the run ends: processes of its session still alive, new `/dev/shm` entries, new Ray temp
-folders (`/tmp/hrl-ray-*`) — all should be zero. The last two are machine-wide listings: on a
-machine shared with other jobs they also show those jobs' files (check the names).
+After the run ends: processes of its session still alive, and the `/dev/shm` entries and Ray temp
+folders (`/tmp/hrl-ray-*`) the run's processes used that still exist — all should be zero. "Used"
+is seen while the run goes: a session process has the entry mapped or open, or names the folder
+on its command line (Ray's daemons do). Other jobs' entries on a shared machine (a parallel test
+run) are therefore not counted; the machine-wide new entries are reported beside them.
 
     python bench/soak.py [--steps 300] [--warmup 20] [--out FILE]
 
@@ -76,6 +78,32 @@ def _rss_by_process(sid: int, driver_pid: int) -> dict[str, float]:
     return out
 
 
+def _resources_used(sid: int) -> tuple[set[str], set[str]]:
+    """The `/dev/shm` entries the run's processes have mapped or open, and the Ray temp folders
+    (`/tmp/hrl-ray-*`) named on their command lines."""
+    shm: set[str] = set()
+    ray_dirs: set[str] = set()
+    for proc in _session_processes(sid):
+        try:
+            for arg in proc.cmdline():
+                if "/tmp/hrl-ray-" in arg:
+                    tail = arg[arg.index("/tmp/hrl-ray-"):]
+                    ray_dirs.add("/".join(tail.split("/")[:3]))
+            pid_dir = Path(f"/proc/{proc.pid}")
+            mapped = [line.rsplit(None, 1)[-1] for line in (pid_dir / "maps").read_text().splitlines()
+                      if "/dev/shm/" in line]
+            opened = []
+            for fd in (pid_dir / "fd").iterdir():
+                try:
+                    opened.append(os.readlink(fd))
+                except OSError:
+                    continue
+            shm.update(path.split("/dev/shm/", 1)[1].split()[0] for path in mapped + opened if "/dev/shm/" in path)
+        except (OSError, psutil.Error):
+            continue
+    return shm, ray_dirs
+
+
 def _steps_logged(metrics: Path) -> int:
     return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
 
@@ -109,6 +137,8 @@ def main() -> int:
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     sid = proc.pid  # start_new_session: the driver leads its own session; Ray's processes inherit it
     samples: list[tuple[int, dict[str, float]]] = []
+    shm_used: set[str] = set()
+    ray_used: set[str] = set()
     seen = 0
     try:
         while proc.poll() is None:
@@ -116,6 +146,9 @@ def main() -> int:
             if logged > seen:
                 seen = logged
                 samples.append((logged, _rss_by_process(sid, proc.pid)))
+            shm, ray_dirs = _resources_used(sid)
+            shm_used |= shm
+            ray_used |= ray_dirs
             time.sleep(0.5)
     except KeyboardInterrupt:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -127,6 +160,8 @@ def main() -> int:
     leftover = [f"{p.pid} {p.name()}" for p in _running(_session_processes(sid))]
     shm_new = sorted((set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()) - shm_before)
     ray_new = sorted(str(p) for p in set(Path("/tmp").glob("hrl-ray-*")) - ray_before)
+    shm_left = sorted(name for name in shm_new if name in shm_used)
+    ray_left = sorted(path for path in ray_new if path in ray_used)
 
     after = [(step, rss) for step, rss in samples if step >= args.warmup]
     growth: dict[str, float] = {}
@@ -144,7 +179,9 @@ def main() -> int:
         "rss_growth_pct_driver": round(growth.get("driver", float("nan")), 2),
         "rss_growth_pct_worst_worker": round(max(workers.values()), 2) if workers else None,
         "rss_mib_after_warmup": first_seen, "rss_mib_last": last_seen,
-        "leftover_processes": leftover, "new_shm_entries": shm_new, "new_ray_temp_dirs": ray_new,
+        "leftover_processes": leftover, "shm_entries_left": shm_left, "ray_temp_dirs_left": ray_left,
+        "ray_temp_dirs_used": sorted(ray_used),
+        "machine_new_shm_entries": shm_new, "machine_new_ray_temp_dirs": ray_new,
         "log": str(base / "train.log"),
     }
     out = args.out or (RESULTS if args.steps == DEFAULT_STEPS else RESULTS.with_name(f"soak_{args.steps}.json"))

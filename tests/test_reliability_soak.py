@@ -31,5 +31,6 @@ def test_short_soak_keeps_memory_flat_and_leaves_nothing(tmp_path):
     assert "driver" in growth
     assert max(growth.values()) < 5.0, growth
     assert result["leftover_processes"] == []
-    assert result["new_shm_entries"] == []
-    assert result["new_ray_temp_dirs"] == []
+    assert result["ray_temp_dirs_used"], result  # the run's own Ray folder was seen, so the check below means something
+    assert result["shm_entries_left"] == []
+    assert result["ray_temp_dirs_left"] == []
