@@ -138,7 +138,7 @@ def actor_figures(model: Any, config: dict[str, Any], device: str, batch: int, s
 
 def reshard_figures(models: list[Any], dtype: torch.dtype) -> dict[str, Any]:
     from hybridrl.config.meshes import build_reshard_groups, build_training_mesh
-    from hybridrl.engine.resharder import ReshardConfig, Resharder
+    from hybridrl.reshard.resharder import ReshardConfig, Resharder
 
     groups = build_reshard_groups(build_training_mesh(1, 1, 1), 1)
     resharder = Resharder(models, groups, config=ReshardConfig(bucket_bytes=256 << 20, output_dtype=dtype))
@@ -267,9 +267,9 @@ def worker_figures(config: dict[str, Any], device: str) -> dict[str, Any]:
     """The workers' data path on a host batch (see the module docstring); fp32, one rank."""
     from hybridrl.config.plan import build_plan
     from hybridrl.models.bridge import export_hf
-    from hybridrl.workers.actor import MegatronActor
-    from hybridrl.workers.critic import MegatronCritic
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.critic import MegatronCritic
+    from hybridrl.training.megatron_role import MegatronRole, role_spec
 
     batch = worker_batch(config["vocab_size"])
     with tempfile.TemporaryDirectory() as tmp:

@@ -16,7 +16,7 @@ import pytest
 
 from hybridrl.parallel.forked import run_ranks
 from hybridrl.trainer.checkpoints import STATE_FILE, CheckpointError, CheckpointManager
-from tests.test_workers_fixtures import job_config, policy_model, rollout_batch
+from tests.test_training_fixtures import job_config, policy_model, rollout_batch
 
 
 def _digests(folder: Path) -> dict[str, str]:
@@ -51,9 +51,9 @@ def _damage(good: Path, where: Path, how: str) -> Path:
 
 def _rank(rank: int, world: int, config: Any, batch: Any, root: str) -> dict[str, str]:
     from hybridrl.config.plan import build_plan
-    from hybridrl.workers.actor import MegatronActor
-    from hybridrl.workers.checkpointing import load_role_checkpoint, save_role_checkpoint
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.checkpointing import load_role_checkpoint, save_role_checkpoint
+    from hybridrl.training.megatron_role import MegatronRole, role_spec
 
     plan = build_plan(config)
     engine = MegatronRole(role_spec(plan, "actor"))

@@ -14,7 +14,7 @@ import torch
 
 from hybridrl.parallel.forked import run_ranks
 from tests.test_models_fixtures import safetensors_state
-from tests.test_workers_fixtures import (
+from tests.test_training_fixtures import (
     hf_response_log_probs,
     job_config,
     policy_model,
@@ -23,7 +23,7 @@ from tests.test_workers_fixtures import (
     with_critic,
     with_reward_model,
 )
-from tests.test_workers_ranks import _update_rank
+from tests.test_training_ranks import _update_rank
 
 pytestmark = pytest.mark.slow
 TOL = 1e-5

@@ -159,7 +159,7 @@ def phase_peaks(
 ) -> PhasePeaks:
     by_role = {m.role: m for m in memories}
     actor = by_role["actor"]
-    # each part the actor offloads between phases (hybridrl.workers.offload) is absent during generation
+    # each part the actor offloads between phases (hybridrl.training.offload) is absent during generation
     resident = ((0.0 if offload_params else actor.params_gib) + (0.0 if offload_grads else actor.grads_gib)
                 + (0.0 if offload_optimizer else actor.optimizer_gib))
     ref_params = by_role["ref"].params_gib if "ref" in by_role else 0.0

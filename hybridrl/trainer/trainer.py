@@ -60,7 +60,7 @@ class TrainingFailure(RuntimeError):
 class NonFiniteGuard:
     """Counts training steps in a row with a skipped optimizer step (NaN/Inf loss or gradients).
 
-    The workers skip such an optimizer step themselves (`hybridrl.workers.nonfinite`); a run whose
+    The workers skip such an optimizer step themselves (`hybridrl.training.nonfinite`); a run whose
     steps keep being skipped is not training, so after `limit` in a row (0 = never) it stops.
     """
 

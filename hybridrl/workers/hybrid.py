@@ -99,7 +99,7 @@ class HybridEngineWorker(ActorRolloutRefWorker):
 
     # ------------------------------------------------------------------------------ bring-up
     def setup(self, total_training_steps: int | None = None) -> dict[str, Any]:
-        from hybridrl.engine.resharder import ReshardConfig, Resharder
+        from hybridrl.reshard.resharder import ReshardConfig, Resharder
         from hybridrl.rollout.engine import RolloutEngine, RolloutEngineConfig
 
         plan, settings = self.plan, self.settings
@@ -190,7 +190,7 @@ class HybridEngineWorker(ActorRolloutRefWorker):
     # ------------------------------------------------------------------------------ weight sync
     def sync_weights(self) -> dict[str, float]:
         """Reshard the actor into vLLM, then prove it (checksums + log-prob probe)."""
-        from hybridrl.engine.checksums import verify_checksums
+        from hybridrl.reshard.checksums import verify_checksums
 
         faults.crash_point("sync")
         started = time.perf_counter()

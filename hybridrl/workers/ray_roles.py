@@ -72,12 +72,12 @@ class ActorRolloutRefWorker(MegatronWorker):
         self.actor: Any = None
         self.ref: Any = None
         # The rollout engine (hybridrl.rollout) lives in these same processes; it is attached by
-        # the trainer once it exists, and weight sync goes through the resharder (hybridrl.engine).
+        # the trainer once it exists, and weight sync goes through the resharder (hybridrl.reshard).
         self.rollout: Any = None
 
     def init_model(self, total_training_steps: int | None = None) -> None:
-        from hybridrl.workers.actor import MegatronActor
-        from hybridrl.workers.megatron_role import MegatronRole, role_spec
+        from hybridrl.training.actor import MegatronActor
+        from hybridrl.training.megatron_role import MegatronRole, role_spec
 
         self._prepare()
         if "actor" in self.roles:
@@ -118,14 +118,14 @@ class ActorRolloutRefWorker(MegatronWorker):
         return metrics
 
     def save_checkpoint(self, path: str) -> str:
-        from hybridrl.workers.checkpointing import save_role_checkpoint
+        from hybridrl.training.checkpointing import save_role_checkpoint
 
         saved = str(save_role_checkpoint(self._require(self.actor, "the actor").engine, Path(path) / "actor"))
         faults.crash_point("checkpoint")  # files written, checkpoint not yet sealed by the trainer
         return saved
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
-        from hybridrl.workers.checkpointing import load_role_checkpoint
+        from hybridrl.training.checkpointing import load_role_checkpoint
 
         return load_role_checkpoint(self._require(self.actor, "the actor").engine, Path(path) / "actor")
 
@@ -143,8 +143,8 @@ class CriticWorker(MegatronWorker):
         self.critic: Any = None
 
     def init_model(self, total_training_steps: int | None = None) -> None:
-        from hybridrl.workers.critic import MegatronCritic
-        from hybridrl.workers.megatron_role import MegatronRole, role_spec
+        from hybridrl.training.critic import MegatronCritic
+        from hybridrl.training.megatron_role import MegatronRole, role_spec
 
         self._prepare()
         engine = MegatronRole(role_spec(self.plan, "critic"),
@@ -159,12 +159,12 @@ class CriticWorker(MegatronWorker):
         return self._require(self.critic, "the critic").update_critic(batch)
 
     def save_checkpoint(self, path: str) -> str:
-        from hybridrl.workers.checkpointing import save_role_checkpoint
+        from hybridrl.training.checkpointing import save_role_checkpoint
 
         return str(save_role_checkpoint(self._require(self.critic, "the critic").engine, Path(path) / "critic"))
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
-        from hybridrl.workers.checkpointing import load_role_checkpoint
+        from hybridrl.training.checkpointing import load_role_checkpoint
 
         return load_role_checkpoint(self._require(self.critic, "the critic").engine, Path(path) / "critic")
 
@@ -175,8 +175,8 @@ class RewardModelWorker(MegatronWorker):
         self.reward_model: Any = None
 
     def init_model(self) -> None:
-        from hybridrl.workers.megatron_role import MegatronRole, role_spec
-        from hybridrl.workers.reward_model import MegatronRewardModel
+        from hybridrl.training.megatron_role import MegatronRole, role_spec
+        from hybridrl.training.reward_model import MegatronRewardModel
 
         self._prepare()
         engine = MegatronRole(role_spec(self.plan, "reward_model"))

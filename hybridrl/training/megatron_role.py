@@ -31,9 +31,9 @@ import torch
 
 from hybridrl.config.plan import Plan
 from hybridrl.config.schema import MegatronConfig, OptimConfig
-from hybridrl.workers.lr_schedule import LRSchedule
-from hybridrl.workers.offload import OptimizerStateOffload, offload_grad_buffers, restore_grad_buffers
-from hybridrl.workers.sequences import ModelInputs, micro_batch_inputs
+from hybridrl.training.lr_schedule import LRSchedule
+from hybridrl.training.offload import OptimizerStateOffload, offload_grad_buffers, restore_grad_buffers
+from hybridrl.training.sequences import ModelInputs, micro_batch_inputs
 
 # megatron disables clipping with clip_grad=0 and then reports no grad norm; a bound no real norm
 # reaches keeps the norm computed without ever clipping.
@@ -125,7 +125,7 @@ class MegatronRole:
     def __init__(self, spec: RoleSpec, *, total_optimizer_steps: int | None = None) -> None:
         from hybridrl.models.bridge import ModelSource, build_gpt_models, load_weights
         from hybridrl.parallel.device import default_dtype_for
-        from hybridrl.workers.value_head import attach_value_head, load_value_model, value_model_source
+        from hybridrl.training.value_head import attach_value_head, load_value_model, value_model_source
 
         self.spec = spec
         self.ctx = ensure_parallel_state(spec.megatron, spec.device)
@@ -319,10 +319,10 @@ class MegatronRole:
             group["lr"] = lr * group.get("lr_mult", 1.0)
             group["weight_decay"] = self.spec.optim.weight_decay * group.get("wd_mult", 1.0)
         metrics = self._run(micro_batches, lambda micro, output: loss_fn(micro, output), forward_only=False)
-        from hybridrl.workers.nonfinite import step_is_finite
+        from hybridrl.training.nonfinite import step_is_finite
 
         if not step_is_finite(self.models, metrics):
-            # megatron's fp32/bf16 optimizers would apply NaN grads (see workers.nonfinite): skip the
+            # megatron's fp32/bf16 optimizers would apply NaN grads (see training.nonfinite): skip the
             # step on every rank; the next train_step zeroes the grad buffers, the lr schedule waits.
             return StepResult(list(metrics), float("nan"), lr, False)
         applied, grad_norm, _ = self.optimizer.step()
@@ -334,7 +334,7 @@ class MegatronRole:
     # ------------------------------------------------------------------------- offloading
     def offload_training_state(self) -> None:
         """After an update phase: optimizer states to CPU and grad buffers freed, as configured
-        (`megatron.optimizer_offload` / `grad_offload`; see `hybridrl.workers.offload`). The next
+        (`megatron.optimizer_offload` / `grad_offload`; see `hybridrl.training.offload`). The next
         `train_step` brings them back. A no-op for frozen roles and when neither option is set."""
         if self.optimizer_offload is not None:
             self.optimizer_offload.offload()

@@ -15,9 +15,9 @@ import torch
 
 from hybridrl.config.plan import Plan
 from hybridrl.data.batch import Batch
-from hybridrl.workers.megatron_role import MegatronRole
-from hybridrl.workers.micro_batching import partition_rows, restore_order
-from hybridrl.workers.sequences import ModelInputs, take_predictions
+from hybridrl.training.megatron_role import MegatronRole
+from hybridrl.training.micro_batching import partition_rows, restore_order
+from hybridrl.training.sequences import ModelInputs, take_predictions
 
 
 def last_token_scores(micro: ModelInputs, output: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 
 from hybridrl.parallel.forked import run_ranks
 from tests.test_models_fixtures import make_hf_model, safetensors_state
-from tests.test_workers_fixtures import (
+from tests.test_training_fixtures import (
     job_config,
     policy_model,
     rollout_batch,
@@ -29,7 +29,7 @@ from tests.test_workers_fixtures import (
 def _rank(rank: int, world: int, config: Any, batches: list[Any], ckpt: str, out: str, mode: str,
           role: str = "actor") -> Any:
     from hybridrl.models.bridge import export_hf, load_weights
-    from hybridrl.workers.checkpointing import load_role_checkpoint, save_role_checkpoint
+    from hybridrl.training.checkpointing import load_role_checkpoint, save_role_checkpoint
 
     engine, update, chunks = trained_role(config, role, batches)
     if mode == "save":
@@ -180,8 +180,8 @@ def test_critic_checkpoint_resumes_on_another_layout(tmp_path):
 
 def _load_rank(rank: int, world: int, config: Any, ckpt: str) -> str:
     from hybridrl.config.plan import build_plan
-    from hybridrl.workers.checkpointing import load_role_checkpoint
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.checkpointing import load_role_checkpoint
+    from hybridrl.training.megatron_role import MegatronRole, role_spec
 
     engine = MegatronRole(role_spec(build_plan(config), "actor"))
     try:
@@ -201,8 +201,8 @@ def test_another_model_is_refused_on_a_layout_change(tp2_pp2_checkpoint, tmp_pat
 
 def _resave_rank(rank: int, world: int, config: Any, ckpt: str, out: str) -> None:
     from hybridrl.config.plan import build_plan
-    from hybridrl.workers.checkpointing import load_role_checkpoint, save_role_checkpoint
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.checkpointing import load_role_checkpoint, save_role_checkpoint
+    from hybridrl.training.megatron_role import MegatronRole, role_spec
 
     engine = MegatronRole(role_spec(build_plan(config), "actor"))
     load_role_checkpoint(engine, ckpt)
@@ -213,7 +213,7 @@ def _hf_state(ckpt: Path) -> tuple[dict[str, Any], dict[tuple[str, str], torch.T
     """A role checkpoint's optimizer description and every state kind as whole HF-named tensors."""
     from hybridrl.models.checkpoint import read_hf_tensor
     from hybridrl.models.layout import hf_tensor_shapes
-    from hybridrl.workers.checkpointing import STATE_DIR, _KindReader, _read_meta, _TrainState
+    from hybridrl.training.checkpointing import STATE_DIR, _KindReader, _read_meta, _TrainState
 
     meta = _read_meta(ckpt)
     store = _TrainState(ckpt / STATE_DIR, meta)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hybridrl.parallel.forked import run_ranks
-from tests.test_workers_fixtures import (
+from tests.test_training_fixtures import (
     job_config,
     policy_model,
     rollout_batch,
@@ -30,7 +30,7 @@ def _rank(rank: int, world: int, config: Any, batches: list[Any], ckpt: str, mod
     from megatron.core import tensor_parallel
 
     from hybridrl.models.checkpoint import tensor_sha256
-    from hybridrl.workers.checkpointing import load_role_checkpoint, save_role_checkpoint
+    from hybridrl.training.checkpointing import load_role_checkpoint, save_role_checkpoint
 
     engine, update, chunks = trained_role(config, role, batches)
     if mode == "save":

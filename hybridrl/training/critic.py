@@ -21,11 +21,11 @@ from hybridrl.algorithms.aggregation import LossNormalizers
 from hybridrl.algorithms.losses import value_loss
 from hybridrl.config.plan import Plan
 from hybridrl.data.batch import Batch
-from hybridrl.workers.megatron_role import MegatronRole
-from hybridrl.workers.metrics import average_steps
-from hybridrl.workers.micro_batching import partition_rows, restore_order
-from hybridrl.workers.mini_batch import train_mini_batch
-from hybridrl.workers.sequences import ModelInputs, take_predictions
+from hybridrl.training.megatron_role import MegatronRole
+from hybridrl.training.metrics import average_steps
+from hybridrl.training.micro_batching import partition_rows, restore_order
+from hybridrl.training.mini_batch import train_mini_batch
+from hybridrl.training.sequences import ModelInputs, take_predictions
 
 
 @dataclass(frozen=True)

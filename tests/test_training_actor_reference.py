@@ -21,7 +21,7 @@ import torch
 from hybridrl.parallel.forked import run_ranks
 from tests.rollout_models import build_tiny_model
 from tests.test_models_fixtures import safetensors_state
-from tests.test_workers_fixtures import RESPONSE, job_config, rollout_batch
+from tests.test_training_fixtures import RESPONSE, job_config, rollout_batch
 
 TEMPERATURE = 0.7
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28  # DAPO's clip-higher: asymmetric on purpose
@@ -172,8 +172,8 @@ def gradients_into_params(engine: Any) -> None:
 def _actor_step_rank(rank: int, world: int, configs: list[Any], batch: Any, out_dirs: list[str]) -> list[Any]:
     from hybridrl.config.plan import build_plan
     from hybridrl.models.bridge import export_hf
-    from hybridrl.workers.actor import MegatronActor
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.megatron_role import MegatronRole, role_spec
 
     results = []
     for config, out_dir in zip(configs, out_dirs):

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from hybridrl.parallel.forked import run_ranks
-from tests.test_workers_fixtures import job_config, policy_model, rollout_batch
+from tests.test_training_fixtures import job_config, policy_model, rollout_batch
 
 
 def _params(engine: Any) -> dict[str, torch.Tensor]:
@@ -20,8 +20,8 @@ def _params(engine: Any) -> dict[str, torch.Tensor]:
 
 def _rank(rank: int, world: int, config: Any, good: Any, bad: Any) -> dict[str, Any]:
     from hybridrl.config.plan import build_plan
-    from hybridrl.workers.actor import MegatronActor
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.megatron_role import MegatronRole, role_spec
 
     plan = build_plan(config)
     engine = MegatronRole(role_spec(plan, "actor"))

@@ -25,8 +25,8 @@ every micro-batch on every DP rank; each micro-batch's losses use those totals, 
 micro-batches and DP ranks is the mini-batch loss exactly, however the rows were cut. Megatron's
 schedule divides a returned loss by the number of micro-batches and DDP averages gradients over
 DP, so the loss handed to megatron is scaled by `num_microbatches * dp_size` (checked against a
-single-rank run in tests/test_workers_ranks.py, and gradient by gradient against the objective
-recomputed from transformers in tests/test_workers_actor_reference.py).
+single-rank run in tests/test_training_ranks.py, and gradient by gradient against the objective
+recomputed from transformers in tests/test_training_actor_reference.py).
 """
 from __future__ import annotations
 
@@ -42,11 +42,11 @@ from hybridrl.algorithms.vocab_parallel import vocab_parallel_entropy, vocab_par
 from hybridrl.config.plan import Plan
 from hybridrl.data.batch import Batch
 from hybridrl.models.bridge import mask_vocab_padding
-from hybridrl.workers.megatron_role import MegatronRole
-from hybridrl.workers.metrics import average_steps
-from hybridrl.workers.micro_batching import partition_rows, restore_order
-from hybridrl.workers.mini_batch import train_mini_batch
-from hybridrl.workers.sequences import ModelInputs, take_predictions
+from hybridrl.training.megatron_role import MegatronRole
+from hybridrl.training.metrics import average_steps
+from hybridrl.training.micro_batching import partition_rows, restore_order
+from hybridrl.training.mini_batch import train_mini_batch
+from hybridrl.training.sequences import ModelInputs, take_predictions
 
 
 @dataclass(frozen=True)

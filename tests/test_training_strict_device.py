@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from hybridrl.parallel import strict_device
 from hybridrl.parallel.forked import run_ranks
-from tests.test_workers_critic import _critic_rank, _reference_critic, _reward_rank
-from tests.test_workers_fixtures import (
+from tests.test_training_critic import _critic_rank, _reference_critic, _reward_rank
+from tests.test_training_fixtures import (
     hf_response_log_probs,
     job_config,
     policy_model,
@@ -32,7 +32,7 @@ from tests.test_workers_fixtures import (
     with_critic,
     with_reward_model,
 )
-from tests.test_workers_ranks import _update_rank
+from tests.test_training_ranks import _update_rank
 
 TOL = 1e-5
 
@@ -154,10 +154,10 @@ def test_collectives_refuse_host_tensors_on_nccl_groups():
 # ------------------------------------------------------------------------ the workers' data path
 def _actor_log_prob_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
     from hybridrl.config.plan import build_plan
-    from hybridrl.engine.resharder import Resharder
-    from hybridrl.workers.actor import MegatronActor
+    from hybridrl.reshard.resharder import Resharder
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.megatron_role import MegatronRole, role_spec
     from hybridrl.workers.hybrid import _probe_batch
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
 
     strict_device.enable_strict_device()
     assert strict_device.placement(batch["input_ids"]) == "host"  # as it arrives from the controller

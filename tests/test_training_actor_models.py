@@ -2,7 +2,7 @@
 
 One PPO update of each family at TP2, and of a tied-embedding model at PP2 (and TP2 x PP2), against
 two references: the single-rank update (every HF tensor after the optimizer step, <= 1e-5 fp32) and
-the objective recomputed from transformers in `test_workers_actor_reference` (loss terms, grad norm
+the objective recomputed from transformers in `test_training_actor_reference` (loss terms, grad norm
 and every gradient before the step). With tied embeddings at PP > 1 the first stage's embedding and
 the last stage's output layer are two copies of one HF tensor: after the step they must be equal,
 bit for bit, and equal to the exported `embed_tokens`. That vLLM then serves the trained copies is
@@ -17,7 +17,7 @@ import torch
 
 from hybridrl.parallel.forked import run_ranks
 from tests.test_models_fixtures import make_hf_model, read_json, safetensors_state
-from tests.test_workers_actor_reference import (
+from tests.test_training_actor_reference import (
     Case,
     actor_config,
     assert_matches_reference,
@@ -52,8 +52,8 @@ def tied_copies(engine: Any) -> dict[str, torch.Tensor]:
 def _train_rank(rank: int, world: int, config: Any, batch: Any, weights_dir: str, grads_dir: str) -> dict:
     from hybridrl.config.plan import build_plan
     from hybridrl.models.bridge import export_hf
-    from hybridrl.workers.actor import MegatronActor
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.megatron_role import MegatronRole, role_spec
 
     plan = build_plan(config)
     engine = MegatronRole(role_spec(plan, "actor"))

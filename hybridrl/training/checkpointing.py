@@ -62,7 +62,7 @@ import torch.distributed as dist
 
 from hybridrl.parallel.device import collective_device
 from hybridrl.parallel.state import failed_ranks
-from hybridrl.workers.megatron_role import MegatronRole
+from hybridrl.training.megatron_role import MegatronRole
 
 logger = logging.getLogger(__name__)
 

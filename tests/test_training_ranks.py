@@ -9,14 +9,14 @@ import torch
 
 from hybridrl.parallel.forked import run_ranks
 from tests.test_models_fixtures import make_hf_model
-from tests.test_workers_fixtures import hf_response_log_probs, job_config, policy_model, rollout_batch
+from tests.test_training_fixtures import hf_response_log_probs, job_config, policy_model, rollout_batch
 
 
 def _log_prob_rank(rank: int, world: int, config: Any, batch: Any, role: str = "actor",
                    vpp: int | None = None) -> Any:
     from hybridrl.config.plan import build_plan
-    from hybridrl.workers.actor import MegatronActor
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.megatron_role import MegatronRole, role_spec
 
     plan = build_plan(config)
     spec = role_spec(plan, role)
@@ -48,8 +48,8 @@ def _update_rank(rank: int, world: int, config: Any, batch: Any, out_dir: str) -
     from hybridrl.config.plan import build_plan
     from hybridrl.models.bridge import export_hf
     from hybridrl.models.checkpoint import tensor_sha256
-    from hybridrl.workers.actor import MegatronActor
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.megatron_role import MegatronRole, role_spec
 
     plan = build_plan(config)
     engine = MegatronRole(role_spec(plan, "actor"))
@@ -131,9 +131,9 @@ def test_ppo_update_is_split_invariant(tmp_path):
 
 def _dynamic_log_prob_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
     from hybridrl.config.plan import build_plan
-    from hybridrl.workers.actor import MegatronActor
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
-    from hybridrl.workers.micro_batching import partition_rows
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.micro_batching import partition_rows
 
     plan = build_plan(config)
     actor = MegatronActor(MegatronRole(role_spec(plan, "actor")), plan)
@@ -248,8 +248,8 @@ def test_activation_recomputation_gives_the_same_update(tmp_path):
 
 def _on_policy_rank(rank: int, world: int, config: Any, batch: Any, recompute: bool) -> Any:
     from hybridrl.config.plan import build_plan
-    from hybridrl.workers.actor import MegatronActor
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.megatron_role import MegatronRole, role_spec
 
     plan = build_plan(config)
     engine = MegatronRole(role_spec(plan, "actor"))
@@ -296,8 +296,8 @@ def test_on_policy_update_without_old_log_prob_pass_equals_recomputed(tmp_path):
 
 def _off_policy_without_old_rank(rank: int, world: int, config: Any, batch: Any) -> str:
     from hybridrl.config.plan import build_plan
-    from hybridrl.workers.actor import MegatronActor
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.megatron_role import MegatronRole, role_spec
 
     plan = build_plan(config)
     actor = MegatronActor(MegatronRole(role_spec(plan, "actor")), plan)

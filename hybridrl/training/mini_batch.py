@@ -16,9 +16,9 @@ import torch
 
 from hybridrl.algorithms.aggregation import global_loss_normalizers
 from hybridrl.data.batch import Batch
-from hybridrl.workers.megatron_role import MegatronRole
-from hybridrl.workers.metrics import StepMetrics
-from hybridrl.workers.micro_batching import partition_rows
+from hybridrl.training.megatron_role import MegatronRole
+from hybridrl.training.metrics import StepMetrics
+from hybridrl.training.micro_batching import partition_rows
 
 
 def train_mini_batch(

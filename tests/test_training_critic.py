@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from hybridrl.parallel.forked import run_ranks
-from tests.test_workers_fixtures import (
+from tests.test_training_fixtures import (
     RESPONSE,
     job_config,
     policy_model,
@@ -26,8 +26,8 @@ TOL = 1e-5
 
 def _critic_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
     from hybridrl.config.plan import build_plan
-    from hybridrl.workers.critic import MegatronCritic
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.critic import MegatronCritic
+    from hybridrl.training.megatron_role import MegatronRole, role_spec
 
     plan = build_plan(config)
     critic = MegatronCritic(MegatronRole(role_spec(plan, "critic")), plan)
@@ -90,8 +90,8 @@ def test_critic_values_and_update_equal_torch(tmp_path):
 
 def _reward_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
     from hybridrl.config.plan import build_plan
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
-    from hybridrl.workers.reward_model import MegatronRewardModel
+    from hybridrl.training.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.reward_model import MegatronRewardModel
 
     plan = build_plan(config)
     rm = MegatronRewardModel(MegatronRole(role_spec(plan, "reward_model")), plan)
@@ -119,8 +119,8 @@ def test_reward_model_scores_equal_transformers(tmp_path):
 
 def _critic_values_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
     from hybridrl.config.plan import build_plan
-    from hybridrl.workers.critic import MegatronCritic
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.critic import MegatronCritic
+    from hybridrl.training.megatron_role import MegatronRole, role_spec
 
     plan = build_plan(config)
     engine = MegatronRole(role_spec(plan, "critic"))

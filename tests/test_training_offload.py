@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hybridrl.parallel.forked import run_ranks
-from tests.test_workers_fixtures import job_config, policy_model, rollout_batch
+from tests.test_training_fixtures import job_config, policy_model, rollout_batch
 
 STEPS = 3
 
@@ -20,9 +20,9 @@ STEPS = 3
 def _train_rank(rank: int, world: int, config: Any, batches: list[Any]) -> Any:
     from hybridrl.config.plan import build_plan
     from hybridrl.models.checkpoint import tensor_sha256
-    from hybridrl.workers.actor import MegatronActor
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
-    from hybridrl.workers.offload import inner_optimizers
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.offload import inner_optimizers
 
     plan = build_plan(config)
     engine = MegatronRole(role_spec(plan, "actor"))
@@ -73,7 +73,7 @@ def _param_offload_rank(rank: int, world: int, config: Any) -> str:
     from dataclasses import replace
 
     from hybridrl.config.plan import build_plan
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.megatron_role import MegatronRole, role_spec
 
     spec = role_spec(build_plan(config), "actor")
     spec = replace(spec, megatron=replace(spec.megatron, param_offload=True))
