@@ -268,8 +268,8 @@ def worker_figures(config: dict[str, Any], device: str) -> dict[str, Any]:
     from hybridrl.config.plan import build_plan
     from hybridrl.models.bridge import export_hf
     from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.backend import MegatronBackend, role_spec
     from hybridrl.training.critic import MegatronCritic
-    from hybridrl.training.megatron_role import MegatronRole, role_spec
 
     batch = worker_batch(config["vocab_size"])
     with tempfile.TemporaryDirectory() as tmp:
@@ -277,8 +277,8 @@ def worker_figures(config: dict[str, Any], device: str) -> dict[str, Any]:
         reference = reference_log_probs(folder, batch, device)
         plan = build_plan(worker_config(folder, device))
         started = time.perf_counter()
-        actor = MegatronActor(MegatronRole(role_spec(plan, "actor")), plan)
-        critic = MegatronCritic(MegatronRole(role_spec(plan, "critic")), plan)
+        actor = MegatronActor(MegatronBackend(role_spec(plan, "actor")), plan)
+        critic = MegatronCritic(MegatronBackend(role_spec(plan, "critic")), plan)
         build_s = time.perf_counter() - started
     started = time.perf_counter()
     before = actor.compute_log_prob(batch)["old_log_probs"]

@@ -369,7 +369,7 @@ def _mixed_dtype_sync_rank(rank: int, world_size: int, model_dir: str) -> dict[s
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16"], HybridSettings(probe_tolerance=1.0))
     setup = worker.setup(total_training_steps=1)
     return {"sent": worker.resharder.last_report.checksums, "held": worker.rollout.parameter_digests(),
-            "train_dtype": str(worker.actor.engine.chunks[0].config.params_dtype),
+            "train_dtype": str(worker.actor.backend.chunks[0].config.params_dtype),
             "probe": setup["reshard/probe_max_abs_gap"]}
 
 

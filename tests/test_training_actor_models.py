@@ -30,13 +30,13 @@ CASE = Case("token-mean", "low_var_kl")
 WEIGHT_ATOL = 1e-5
 
 
-def tied_copies(engine: Any) -> dict[str, torch.Tensor]:
+def tied_copies(backend: Any) -> dict[str, torch.Tensor]:
     """This stage's copies of the tied embedding (full vocab rows, TP shards gathered), by role."""
     import torch.distributed as dist
 
-    ctx = engine.ctx
+    ctx = backend.ctx
     found = {}
-    for chunk in engine.chunks:
+    for chunk in backend.chunks:
         if chunk.pre_process:
             found["embedding"] = chunk.embedding.word_embeddings.weight
         if chunk.post_process and chunk.output_layer.weight is not None:  # None when PP=1 shares one tensor
@@ -53,15 +53,15 @@ def _train_rank(rank: int, world: int, config: Any, batch: Any, weights_dir: str
     from hybridrl.config.plan import build_plan
     from hybridrl.models.bridge import export_hf
     from hybridrl.training.actor import MegatronActor
-    from hybridrl.training.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.backend import MegatronBackend, role_spec
 
     plan = build_plan(config)
-    engine = MegatronRole(role_spec(plan, "actor"))
-    metrics = MegatronActor(engine, plan).update_policy(batch.split(engine.ctx.dp)[engine.ctx.dp_rank])
-    export_hf(engine.chunks, weights_dir, force=True)
-    copies = tied_copies(engine)  # a TP collective: every rank gathers
-    gradients_into_params(engine)
-    export_hf(engine.chunks, grads_dir, force=True)
+    backend = MegatronBackend(role_spec(plan, "actor"))
+    metrics = MegatronActor(backend, plan).update_policy(batch.split(backend.ctx.dp)[backend.ctx.dp_rank])
+    export_hf(backend.chunks, weights_dir, force=True)
+    copies = tied_copies(backend)  # a TP collective: every rank gathers
+    gradients_into_params(backend)
+    export_hf(backend.chunks, grads_dir, force=True)
     return {"metrics": metrics, "copies": copies}
 
 

@@ -137,7 +137,7 @@ class HybridEngineWorker(ActorRolloutRefWorker):
         # Shards travel and are digested in vLLM's dtype (bf16 rollout from fp32 training: the cast
         # vLLM's loader would do, done before the digest), so the digests compare like with like.
         rollout_dtype = default_dtype_for(plan.resolved.device, plan.resolved.rollout_dtype)
-        self.resharder = Resharder(self.actor.engine.chunks, plan.reshard.groups, gen_tp_index=actual,
+        self.resharder = Resharder(self.actor.backend.chunks, plan.reshard.groups, gen_tp_index=actual,
                                    config=ReshardConfig(bucket_bytes=settings.bucket_bytes, output_dtype=rollout_dtype))
         sync = self.sync_weights()
         return {"setup_s": time.perf_counter() - started, "rollout_build_s": self.rollout.build_seconds,

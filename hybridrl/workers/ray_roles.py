@@ -29,12 +29,12 @@ from hybridrl.workers import faults
 
 
 class MegatronWorker(Worker):
-    """Common plumbing: the Plan, the rank's engines, mesh coordinates, thread count."""
+    """Common plumbing: the Plan, the rank's megatron backends, mesh coordinates, thread count."""
 
     def __init__(self, context: RankContext, plan: Plan) -> None:
         super().__init__(context)
         self.plan = plan
-        self.primary: Any = None  # the MegatronRole that defines this rank's mesh
+        self.primary: Any = None  # the MegatronBackend that defines this rank's mesh
 
     def _prepare(self) -> None:
         import torch
@@ -51,10 +51,10 @@ class MegatronWorker(Worker):
             return None
         return total_training_steps * self.plan.update(role).optimizer_steps_per_step
 
-    def _require(self, engine: Any, what: str) -> Any:
-        if engine is None:
+    def _require(self, part: Any, what: str) -> Any:
+        if part is None:
             raise RuntimeError(f"{type(self).__name__} rank {self.rank}: {what} is not set up (call init_model first)")
-        return engine
+        return part
 
     def mesh_coords(self) -> dict[str, int]:
         return self._require(self.primary, "the model").mesh_coords()
@@ -77,20 +77,20 @@ class ActorRolloutRefWorker(MegatronWorker):
 
     def init_model(self, total_training_steps: int | None = None) -> None:
         from hybridrl.training.actor import MegatronActor
-        from hybridrl.training.megatron_role import MegatronRole, role_spec
+        from hybridrl.training.backend import MegatronBackend, role_spec
 
         self._prepare()
         if "actor" in self.roles:
-            engine = MegatronRole(role_spec(self.plan, "actor"),
+            backend = MegatronBackend(role_spec(self.plan, "actor"),
                                   total_optimizer_steps=self._total_optimizer_steps("actor", total_training_steps))
-            self.actor = MegatronActor(engine, self.plan)
-            self.primary = engine
+            self.actor = MegatronActor(backend, self.plan)
+            self.primary = backend
         if "ref" in self.roles and self.plan.resolved.ref_enabled:
-            # Same processes, so the same megatron layout as the actor (checked by the engine).
-            engine = MegatronRole(role_spec(self.plan, "ref"))
-            self.ref = MegatronActor(engine, self.plan, log_prob_pass="ref_log_prob", output_key="ref_log_probs")
-            engine.offload_params()
-            self.primary = self.primary or engine
+            # Same processes, so the same megatron layout as the actor (checked by the backend).
+            backend = MegatronBackend(role_spec(self.plan, "ref"))
+            self.ref = MegatronActor(backend, self.plan, log_prob_pass="ref_log_prob", output_key="ref_log_probs")
+            backend.offload_params()
+            self.primary = self.primary or backend
 
     def attach_rollout(self, rollout: Any) -> None:
         """Seam for the rollout engine built in this process by `hybridrl.rollout`."""
@@ -102,11 +102,11 @@ class ActorRolloutRefWorker(MegatronWorker):
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch | None:
         ref = self._require(self.ref, "the reference policy")
-        ref.engine.load_params()
+        ref.backend.load_params()
         try:
             return ref.compute_log_prob(batch)
         finally:
-            ref.engine.offload_params()
+            ref.backend.offload_params()
 
     def update_actor(self, batch: Batch) -> Any:
         actor = self._require(self.actor, "the actor")
@@ -114,27 +114,27 @@ class ActorRolloutRefWorker(MegatronWorker):
         if faults.triggered("nan_update"):
             batch["advantages"] = torch.full_like(batch["advantages"], float("nan"))
         metrics = actor.update_policy(batch)
-        actor.engine.offload_training_state()  # idle until the next update (no-op unless configured)
+        actor.backend.offload_training_state()  # idle until the next update (no-op unless configured)
         return metrics
 
     def save_checkpoint(self, path: str) -> str:
         from hybridrl.training.checkpointing import save_role_checkpoint
 
-        saved = str(save_role_checkpoint(self._require(self.actor, "the actor").engine, Path(path) / "actor"))
+        saved = str(save_role_checkpoint(self._require(self.actor, "the actor").backend, Path(path) / "actor"))
         faults.crash_point("checkpoint")  # files written, checkpoint not yet sealed by the trainer
         return saved
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         from hybridrl.training.checkpointing import load_role_checkpoint
 
-        return load_role_checkpoint(self._require(self.actor, "the actor").engine, Path(path) / "actor")
+        return load_role_checkpoint(self._require(self.actor, "the actor").backend, Path(path) / "actor")
 
     def export_hf(self, path: str) -> str:
         """Collective: the current policy as an HF folder (written by rank 0)."""
         from hybridrl.models.bridge import export_hf
 
-        engine = self._require(self.actor, "the actor").engine
-        return str(export_hf(engine.chunks, path, ctx=engine.ctx, force=True))
+        backend = self._require(self.actor, "the actor").backend
+        return str(export_hf(backend.chunks, path, ctx=backend.ctx, force=True))
 
 
 class CriticWorker(MegatronWorker):
@@ -143,14 +143,14 @@ class CriticWorker(MegatronWorker):
         self.critic: Any = None
 
     def init_model(self, total_training_steps: int | None = None) -> None:
+        from hybridrl.training.backend import MegatronBackend, role_spec
         from hybridrl.training.critic import MegatronCritic
-        from hybridrl.training.megatron_role import MegatronRole, role_spec
 
         self._prepare()
-        engine = MegatronRole(role_spec(self.plan, "critic"),
+        backend = MegatronBackend(role_spec(self.plan, "critic"),
                               total_optimizer_steps=self._total_optimizer_steps("critic", total_training_steps))
-        self.critic = MegatronCritic(engine, self.plan)
-        self.primary = engine
+        self.critic = MegatronCritic(backend, self.plan)
+        self.primary = backend
 
     def compute_values(self, batch: Batch) -> Batch | None:
         return self._require(self.critic, "the critic").compute_values(batch)
@@ -161,12 +161,12 @@ class CriticWorker(MegatronWorker):
     def save_checkpoint(self, path: str) -> str:
         from hybridrl.training.checkpointing import save_role_checkpoint
 
-        return str(save_role_checkpoint(self._require(self.critic, "the critic").engine, Path(path) / "critic"))
+        return str(save_role_checkpoint(self._require(self.critic, "the critic").backend, Path(path) / "critic"))
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         from hybridrl.training.checkpointing import load_role_checkpoint
 
-        return load_role_checkpoint(self._require(self.critic, "the critic").engine, Path(path) / "critic")
+        return load_role_checkpoint(self._require(self.critic, "the critic").backend, Path(path) / "critic")
 
 
 class RewardModelWorker(MegatronWorker):
@@ -175,13 +175,13 @@ class RewardModelWorker(MegatronWorker):
         self.reward_model: Any = None
 
     def init_model(self) -> None:
-        from hybridrl.training.megatron_role import MegatronRole, role_spec
+        from hybridrl.training.backend import MegatronBackend, role_spec
         from hybridrl.training.reward_model import MegatronRewardModel
 
         self._prepare()
-        engine = MegatronRole(role_spec(self.plan, "reward_model"))
-        self.reward_model = MegatronRewardModel(engine, self.plan)
-        self.primary = engine
+        backend = MegatronBackend(role_spec(self.plan, "reward_model"))
+        self.reward_model = MegatronRewardModel(backend, self.plan)
+        self.primary = backend
 
     def compute_rm_score(self, batch: Batch) -> Batch | None:
         return self._require(self.reward_model, "the reward model").compute_scores(batch)

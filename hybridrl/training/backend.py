@@ -1,7 +1,7 @@
-"""One role's megatron engine on one rank: parallel state, model chunks, DDP, optimizer, LR schedule,
+"""One role's megatron backend on one rank: parallel state, model chunks, DDP, optimizer, LR schedule,
 and the two ways to run micro-batches through megatron's pipeline schedule.
 
-`MegatronRole(spec)` on every rank of the role's group:
+`MegatronBackend(spec)` on every rank of the role's group:
   1. megatron parallel state for the role's mesh (`hybridrl.parallel.state`; on CPU that installs the
      CPU layer). Roles sharing a process (actor + ref) must share the layout: megatron's parallel
      state is process-global.
@@ -45,7 +45,7 @@ VALUE_ROLES = ("critic", "reward_model")
 
 @dataclass(frozen=True)
 class RoleSpec:
-    """What one role's engine is built from (all read from the Plan by `role_spec`)."""
+    """What one role's backend is built from (all read from the Plan by `role_spec`)."""
 
     role: str
     model_path: str
@@ -119,7 +119,7 @@ class StepResult:
     applied: bool  # False when the optimizer skipped the step (fp16 overflow or a non-finite norm)
 
 
-class MegatronRole:
+class MegatronBackend:
     """A role's model on this rank, built and (when trainable) wrapped for training."""
 
     def __init__(self, spec: RoleSpec, *, total_optimizer_steps: int | None = None) -> None:
@@ -259,7 +259,7 @@ class MegatronRole:
             raise ValueError("no micro-batches to run")
         if self.ctx.device == "cuda" and micro_batches[0].input_ids.device.type != "cuda":
             raise ValueError(f"{self.spec.role}: micro-batches are on {micro_batches[0].input_ids.device}, the model "
-                             "on cuda; build them with MegatronRole.micro_batches")
+                             "on cuda; build them with MegatronBackend.micro_batches")
 
         def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Callable[..., Any]]:
             micro = next(data_iterator)
