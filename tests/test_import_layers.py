@@ -4,7 +4,8 @@ Every `import hybridrl.X...` and `from hybridrl.X... import ...` in `hybridrl/**
 a file or inside a function, is an edge from the importing package to package X. `ALLOWED` is the
 rule (docs/architecture.md, "What each package owns", says the same): a package imports only the
 packages listed for it, each of which sits below it, so the data flows trainer -> controller ->
-workers -> training / rollout / reshard -> models / parallel and never back. A new package, or a
+workers -> training / rollout / reshard -> models / parallel and never back; `hybridrl.names`
+(torch-free, importing nothing) is below them all. A new package, or a
 new edge, is a decision: add it here and to the architecture document in the same commit.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ PACKAGE = ROOT / "hybridrl"
 # package -> the hybridrl packages it may import (top-level modules `cli` and `__init__` count as
 # packages of their own). Bottom first.
 ALLOWED: dict[str, set[str]] = {
+    "names": set(),  # the shared StrEnums (Phase, Role, GroupName): every package may import it
     "parallel": set(),  # megatron's parallel state and the device policy: knows nothing about RL
     "algorithms": set(),  # pure torch functions
     "rewards": set(),  # rule scorers and their registry
@@ -113,7 +115,7 @@ def test_packages_import_only_the_packages_below_them():
         f"{source} -> {target} ({', '.join(where)})"
         for source, targets in package_imports().items()
         for target, where in sorted(targets.items())
-        if target not in ALLOWED.get(source, set())
+        if target not in ALLOWED.get(source, set()) | {"names"}
     ]
     assert not forbidden, "imports against tests/test_import_layers.py ALLOWED:\n" + "\n".join(forbidden)
 

@@ -42,6 +42,7 @@ from hybridrl.algorithms.vocab_parallel import vocab_parallel_entropy, vocab_par
 from hybridrl.config.plan import Plan
 from hybridrl.data.batch import Batch
 from hybridrl.models.bridge import mask_vocab_padding
+from hybridrl.names import Role
 from hybridrl.training.backend import MegatronBackend
 from hybridrl.training.metrics import average_steps
 from hybridrl.training.micro_batching import partition_rows, restore_order
@@ -166,7 +167,7 @@ class MegatronActor:
     # -------------------------------------------------------------------------------- update
     def update_policy(self, batch: Batch) -> PolicyUpdateMetrics | None:
         backend = self.backend
-        update = self.plan.update("actor")
+        update = self.plan.update(Role.ACTOR)
         per_mini = update.sequences_per_rank_per_mini_batch
         rows = len(batch)
         if rows % per_mini:

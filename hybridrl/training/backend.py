@@ -31,6 +31,7 @@ import torch
 
 from hybridrl.config.plan import Plan
 from hybridrl.config.schema import MegatronConfig, OptimConfig
+from hybridrl.names import Role
 from hybridrl.training.lr_schedule import LRSchedule
 from hybridrl.training.offload import OptimizerStateOffload, offload_grad_buffers, restore_grad_buffers
 from hybridrl.training.sequences import ModelInputs, micro_batch_inputs
@@ -39,15 +40,15 @@ from hybridrl.training.sequences import ModelInputs, micro_batch_inputs
 # reaches keeps the norm computed without ever clipping.
 NO_CLIP = 1.0e12
 
-LM_ROLES = ("actor", "ref")
-VALUE_ROLES = ("critic", "reward_model")
+LM_ROLES = (Role.ACTOR, Role.REF)
+VALUE_ROLES = (Role.CRITIC, Role.REWARD_MODEL)
 
 
 @dataclass(frozen=True)
 class RoleSpec:
     """What one role's backend is built from (all read from the Plan by `role_spec`)."""
 
-    role: str
+    role: Role
     model_path: str
     megatron: MegatronConfig
     optim: OptimConfig | None  # None: frozen weights (ref, reward model)
@@ -61,23 +62,27 @@ class RoleSpec:
         return self.optim is not None
 
 
-def role_spec(plan: Plan, role: str) -> RoleSpec:
+def role_spec(plan: Plan, role: Role | str) -> RoleSpec:
+    try:
+        role = Role(role)
+    except ValueError:
+        raise ValueError(f"unknown role {role!r}; expected one of {[str(r) for r in Role]}") from None
     config = plan.config
     arr = config.actor_rollout_ref
     megatron = plan.layout(role).megatron
     dtype = megatron.dtype or plan.resolved.train_dtype
     device = plan.resolved.device
-    if role == "actor":
+    if role == Role.ACTOR:
         return RoleSpec(role, arr.model.path, megatron, arr.actor.optim, False, dtype, device,
                         arr.model.enable_gradient_checkpointing)
-    if role == "ref":
+    if role == Role.REF:
         return RoleSpec(role, arr.model.path, megatron, None, False, dtype, device)
-    if role == "critic":
+    if role == Role.CRITIC:
         return RoleSpec(role, config.critic.model.path or arr.model.path, megatron, config.critic.optim, True,
                         dtype, device, config.critic.model.enable_gradient_checkpointing)
-    if role == "reward_model":
+    if role == Role.REWARD_MODEL:
         return RoleSpec(role, config.reward_model.model.path, megatron, None, True, dtype, device)
-    raise ValueError(f"unknown role {role!r}; expected one of {LM_ROLES + VALUE_ROLES}")
+    raise AssertionError(role)  # every Role is handled above
 
 
 def ensure_parallel_state(megatron: MegatronConfig, device: str) -> Any:

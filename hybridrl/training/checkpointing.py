@@ -417,7 +417,7 @@ def save_role_checkpoint(backend: MegatronBackend, out_dir: str | Path) -> Path:
             entry = (name, {"tp_rank": ctx.tp_rank, "pp_rank": ctx.pp_rank,
                             "tensors": write_rank_file(folder / name, tensors)})
         state: dict[str, Any] = {
-            "role": backend.spec.role, "rank": ctx.rank,
+            "role": str(backend.spec.role), "rank": ctx.rank,
             "rng": rng_state(ctx.device),
             "optimizer": _rank_optimizer_meta(view),
             "schedule": backend.schedule.state_dict() if backend.schedule is not None else None,
@@ -436,7 +436,7 @@ def save_role_checkpoint(backend: MegatronBackend, out_dir: str | Path) -> Path:
         coords: list[Any] = [None] * ctx.world_size
         dist.all_gather_object(coords, {"tp": ctx.tp_rank, "pp": ctx.pp_rank, "dp": ctx.dp_rank, "cp": ctx.cp_rank})
         if ctx.rank == 0:
-            meta = {"format": FORMAT, "version": VERSION, "role": backend.spec.role, "world_size": ctx.world_size,
+            meta = {"format": FORMAT, "version": VERSION, "role": str(backend.spec.role), "world_size": ctx.world_size,
                     "layout": _layout(ctx), "value_head": backend.spec.value_head,
                     "shape": _shape(backend).to_dict(), "ranks": coords, "optimizer": optimizer,
                     "optimizer_steps": backend.schedule.step_count if backend.schedule is not None else 0,
@@ -600,7 +600,7 @@ def _read_meta(ckpt_dir: Path) -> dict[str, Any]:
 
 def _check_model(backend: MegatronBackend, meta: dict[str, Any], ckpt_dir: Path) -> None:
     if meta["role"] != backend.spec.role:
-        raise RoleCheckpointError(f"{ckpt_dir} holds role {meta['role']!r}, this is {backend.spec.role!r}")
+        raise RoleCheckpointError(f"{ckpt_dir} holds role {meta['role']!r}, this is {str(backend.spec.role)!r}")
     if bool(meta.get("value_head")) != backend.spec.value_head:
         raise RoleCheckpointError(f"{ckpt_dir}: value_head={meta.get('value_head')} in the checkpoint, "
                                   f"{backend.spec.value_head} for this role")

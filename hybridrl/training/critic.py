@@ -21,6 +21,7 @@ from hybridrl.algorithms.aggregation import LossNormalizers
 from hybridrl.algorithms.losses import value_loss
 from hybridrl.config.plan import Plan
 from hybridrl.data.batch import Batch
+from hybridrl.names import Role
 from hybridrl.training.backend import MegatronBackend
 from hybridrl.training.metrics import average_steps
 from hybridrl.training.micro_batching import partition_rows, restore_order
@@ -79,7 +80,7 @@ class MegatronCritic:
 
     def update_critic(self, batch: Batch) -> CriticUpdateMetrics | None:
         backend = self.backend
-        update = self.plan.update("critic")
+        update = self.plan.update(Role.CRITIC)
         per_mini = update.sequences_per_rank_per_mini_batch
         rows = len(batch)
         if rows % per_mini:

@@ -38,6 +38,7 @@ import torch
 from hybridrl.config.plan import Plan
 from hybridrl.controller.base_worker import RankContext
 from hybridrl.data.batch import Batch
+from hybridrl.names import Phase
 from hybridrl.parallel.cpu_layer import cuda_to_cpu_mode_suspended
 from hybridrl.parallel.device import default_dtype_for, release_cached_blocks
 from hybridrl.parallel.memory import memory_metrics
@@ -151,7 +152,7 @@ class HybridEngineWorker(ActorRolloutRefWorker):
     # ------------------------------------------------------------------------------ generation
     def generate_sequences(self, prompts: Batch, sampling: Any) -> Batch | None:
         """`prompts` carries `raw_prompt_ids` (object array of token lists) and `uid` per prompt."""
-        faults.crash_point("generate")
+        faults.crash_point(Phase.GEN)
         ids = [list(map(int, p)) for p in prompts["raw_prompt_ids"]]
         uids = list(prompts["uid"]) if "uid" in prompts else None
         self._record_memory("gen_before")
@@ -192,7 +193,7 @@ class HybridEngineWorker(ActorRolloutRefWorker):
         """Reshard the actor into vLLM, then prove it (checksums + log-prob probe)."""
         from hybridrl.reshard.checksums import verify_checksums
 
-        faults.crash_point("sync")
+        faults.crash_point(Phase.SYNC)
         started = time.perf_counter()
         self._record_memory("sync_before")
         # GPU with sleep mode, in the order that frees memory first (the actor's grads and Adam states

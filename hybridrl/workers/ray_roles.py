@@ -25,6 +25,7 @@ import torch
 from hybridrl.config.plan import Plan
 from hybridrl.controller.base_worker import RankContext, Worker
 from hybridrl.data.batch import Batch
+from hybridrl.names import Phase, Role
 from hybridrl.workers import faults
 
 
@@ -63,9 +64,9 @@ class MegatronWorker(Worker):
 class ActorRolloutRefWorker(MegatronWorker):
     """The hybrid engine's processes: policy training, reference log-probs and (later) the rollout."""
 
-    def __init__(self, context: RankContext, plan: Plan, roles: tuple[str, ...] = ("actor", "ref")) -> None:
+    def __init__(self, context: RankContext, plan: Plan, roles: tuple[str, ...] = (Role.ACTOR, Role.REF)) -> None:
         super().__init__(context, plan)
-        unknown = set(roles) - {"actor", "ref", "rollout"}
+        unknown = set(roles) - {Role.ACTOR, Role.REF, "rollout"}
         if unknown:
             raise ValueError(f"unknown roles {sorted(unknown)} for ActorRolloutRefWorker")
         self.roles = tuple(roles)
@@ -80,14 +81,14 @@ class ActorRolloutRefWorker(MegatronWorker):
         from hybridrl.training.backend import MegatronBackend, role_spec
 
         self._prepare()
-        if "actor" in self.roles:
-            backend = MegatronBackend(role_spec(self.plan, "actor"),
-                                  total_optimizer_steps=self._total_optimizer_steps("actor", total_training_steps))
+        if Role.ACTOR in self.roles:
+            backend = MegatronBackend(role_spec(self.plan, Role.ACTOR),
+                                  total_optimizer_steps=self._total_optimizer_steps(Role.ACTOR, total_training_steps))
             self.actor = MegatronActor(backend, self.plan)
             self.primary = backend
-        if "ref" in self.roles and self.plan.resolved.ref_enabled:
+        if Role.REF in self.roles and self.plan.resolved.ref_enabled:
             # Same processes, so the same megatron layout as the actor (checked by the backend).
-            backend = MegatronBackend(role_spec(self.plan, "ref"))
+            backend = MegatronBackend(role_spec(self.plan, Role.REF))
             self.ref = MegatronActor(backend, self.plan, log_prob_pass="ref_log_prob", output_key="ref_log_probs")
             backend.offload_params()
             self.primary = self.primary or backend
@@ -97,7 +98,7 @@ class ActorRolloutRefWorker(MegatronWorker):
         self.rollout = rollout
 
     def compute_log_prob(self, batch: Batch, with_entropy: bool = False) -> Batch | None:
-        faults.crash_point("log_prob")
+        faults.crash_point(Phase.OLD_LOG_PROB)
         return self._require(self.actor, "the actor").compute_log_prob(batch, with_entropy)
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch | None:
@@ -110,8 +111,8 @@ class ActorRolloutRefWorker(MegatronWorker):
 
     def update_actor(self, batch: Batch) -> Any:
         actor = self._require(self.actor, "the actor")
-        faults.crash_point("update")
-        if faults.triggered("nan_update"):
+        faults.crash_point(Phase.UPDATE_ACTOR)
+        if faults.triggered(faults.NAN_UPDATE_ACTOR):
             batch["advantages"] = torch.full_like(batch["advantages"], float("nan"))
         metrics = actor.update_policy(batch)
         actor.backend.offload_training_state()  # idle until the next update (no-op unless configured)
@@ -120,14 +121,14 @@ class ActorRolloutRefWorker(MegatronWorker):
     def save_checkpoint(self, path: str) -> str:
         from hybridrl.training.checkpointing import save_role_checkpoint
 
-        saved = str(save_role_checkpoint(self._require(self.actor, "the actor").backend, Path(path) / "actor"))
-        faults.crash_point("checkpoint")  # files written, checkpoint not yet sealed by the trainer
+        saved = str(save_role_checkpoint(self._require(self.actor, "the actor").backend, Path(path) / Role.ACTOR))
+        faults.crash_point(Phase.SAVE_CHECKPOINT)  # files written, checkpoint not yet sealed by the trainer
         return saved
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         from hybridrl.training.checkpointing import load_role_checkpoint
 
-        return load_role_checkpoint(self._require(self.actor, "the actor").backend, Path(path) / "actor")
+        return load_role_checkpoint(self._require(self.actor, "the actor").backend, Path(path) / Role.ACTOR)
 
     def export_hf(self, path: str) -> str:
         """Collective: the current policy as an HF folder (written by rank 0)."""
@@ -147,8 +148,8 @@ class CriticWorker(MegatronWorker):
         from hybridrl.training.critic import MegatronCritic
 
         self._prepare()
-        backend = MegatronBackend(role_spec(self.plan, "critic"),
-                              total_optimizer_steps=self._total_optimizer_steps("critic", total_training_steps))
+        backend = MegatronBackend(role_spec(self.plan, Role.CRITIC),
+                              total_optimizer_steps=self._total_optimizer_steps(Role.CRITIC, total_training_steps))
         self.critic = MegatronCritic(backend, self.plan)
         self.primary = backend
 
@@ -161,12 +162,12 @@ class CriticWorker(MegatronWorker):
     def save_checkpoint(self, path: str) -> str:
         from hybridrl.training.checkpointing import save_role_checkpoint
 
-        return str(save_role_checkpoint(self._require(self.critic, "the critic").backend, Path(path) / "critic"))
+        return str(save_role_checkpoint(self._require(self.critic, "the critic").backend, Path(path) / Role.CRITIC))
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         from hybridrl.training.checkpointing import load_role_checkpoint
 
-        return load_role_checkpoint(self._require(self.critic, "the critic").backend, Path(path) / "critic")
+        return load_role_checkpoint(self._require(self.critic, "the critic").backend, Path(path) / Role.CRITIC)
 
 
 class RewardModelWorker(MegatronWorker):
@@ -179,7 +180,7 @@ class RewardModelWorker(MegatronWorker):
         from hybridrl.training.reward_model import MegatronRewardModel
 
         self._prepare()
-        backend = MegatronBackend(role_spec(self.plan, "reward_model"))
+        backend = MegatronBackend(role_spec(self.plan, Role.REWARD_MODEL))
         self.reward_model = MegatronRewardModel(backend, self.plan)
         self.primary = backend
 
