@@ -157,9 +157,9 @@ class Trainer:
         timeout_s = trainer.nccl_timeout_s  # every group's collectives, megatron's included
         self.actor_group = WorkerGroup(HybridEngineWorker, self.pool, role=GroupName.ACTOR_ROLLOUT_REF,
                                        worker_args=(plan, settings), process_group_timeout_s=timeout_s)
-        setup = self.actor_group.call_all("setup", self.total_steps)
+        setup = self.actor_group.call_all(HybridEngineWorker.setup, self.total_steps)
         self.actor_group.learn_mesh()
-        coords = self.actor_group.call_all("rollout_coords")
+        coords = self.actor_group.call_all(HybridEngineWorker.rollout_coords)
         replica_ids = sorted({c["replica"] for c in coords})
         self.rollout_mesh = RankMesh.from_coords(
             [MeshCoord(dp=replica_ids.index(c["replica"]), tp=c["tp"]) for c in coords])
@@ -174,14 +174,14 @@ class Trainer:
 
             self.critic_group = WorkerGroup(CriticWorker, self.pool, role=GroupName.CRITIC, worker_args=(plan,),
                                             process_group_timeout_s=timeout_s)
-            self.critic_group.call_all("init_model", self.total_steps)
+            self.critic_group.call_all(CriticWorker.init_model, self.total_steps)
             self.critic_group.learn_mesh()
         if self.config.reward_model.enable:
             from hybridrl.workers.ray_roles import RewardModelWorker
 
             self.rm_group = WorkerGroup(RewardModelWorker, self.pool, role=GroupName.REWARD_MODEL, worker_args=(plan,),
                                         process_group_timeout_s=timeout_s)
-            self.rm_group.call_all("init_model")
+            self.rm_group.call_all(RewardModelWorker.init_model)
             self.rm_group.learn_mesh()
 
     def _greedy_sampling(self) -> Any:
@@ -222,6 +222,7 @@ class Trainer:
     def generate(self, prompts: Batch, sampling: Any) -> Batch:
         """Samples for every prompt, over the rollout replicas; rows prompt-major, n per prompt."""
         from hybridrl.data.dataloader import unpadded_prompt_ids
+        from hybridrl.workers.hybrid import HybridEngineWorker
 
         replicas = self.rollout_mesh.dp_size
         padded, pad = prompts.pad_to_multiple(replicas)
@@ -230,7 +231,7 @@ class Trainer:
             uids[len(prompts):] = [f"{PAD_UID_PREFIX}{i}" for i in range(pad)]
             padded["uid"] = uids
         padded["raw_prompt_ids"] = unpadded_prompt_ids(padded)
-        per_replica = self.actor_group.call_by_dp_outputs("generate_sequences", padded, sampling,
+        per_replica = self.actor_group.call_by_dp_outputs(HybridEngineWorker.generate_sequences, padded, sampling,
                                                           mesh=self.rollout_mesh)
         # each replica measured its own share; the replicas generate at the same time
         replica_metrics = [replica.meta.pop("metrics", None) or {} for replica in per_replica]
@@ -245,10 +246,11 @@ class Trainer:
         """token_level_scores: the reward model's score when enabled, else the rule/user scorer's;
         plus DAPO's overlong penalty when enabled. All on each response's last token."""
         from hybridrl.rewards.manager import token_level_rewards
+        from hybridrl.workers.ray_roles import RewardModelWorker
 
         metrics: dict[str, float] = {}
         if self.rm_group is not None:
-            scores = self.rm_group.call_by_dp("compute_rm_score", batch)["rm_scores"]
+            scores = self.rm_group.call_by_dp(RewardModelWorker.compute_rm_score, batch)["rm_scores"]
             metrics["reward/rm_score_mean"] = float(scores.float().mean())
             token_scores = token_level_rewards(scores, batch["response_mask"])
         else:
@@ -319,6 +321,9 @@ class Trainer:
         return selected
 
     def step(self, prompts: Batch) -> dict[str, float]:
+        from hybridrl.workers.hybrid import HybridEngineWorker
+        from hybridrl.workers.ray_roles import CriticWorker
+
         plan, cfg = self.plan, self.config
         timer = PhaseTimer()
         metrics: dict[str, float] = {}
@@ -331,11 +336,11 @@ class Trainer:
         batch.meta.pop("reward_output", None)  # the controller's; the workers need none of it
         if cfg.actor_rollout_ref.rollout.free_cache_engine:
             self.phase = Phase.RELEASE_ROLLOUT_MEMORY
-            self.actor_group.call_all("release_rollout_memory")
+            self.actor_group.call_all(HybridEngineWorker.release_rollout_memory)
         batch.meta["temperature"] = cfg.actor_rollout_ref.rollout.temperature
         if plan.resolved.old_log_prob_pass:  # else the update's forward is the old policy (on-policy)
             with self._phase(timer, Phase.OLD_LOG_PROB):
-                old = self.actor_group.call_by_dp("compute_log_prob", batch, with_entropy=True)
+                old = self.actor_group.call_by_dp(HybridEngineWorker.compute_log_prob, batch, with_entropy=True)
                 batch["old_log_probs"] = old["old_log_probs"]
                 mask = batch["response_mask"].float()
                 metrics["actor/entropy"] = float(masked_mean(old["entropys"], mask))
@@ -344,10 +349,11 @@ class Trainer:
                     ((old["old_log_probs"] - batch["rollout_log_probs"]).abs() * mask).max())
         if plan.resolved.ref_enabled:
             with self._phase(timer, Phase.REF):
-                batch["ref_log_probs"] = self.actor_group.call_by_dp("compute_ref_log_prob", batch)["ref_log_probs"]
+                ref = self.actor_group.call_by_dp(HybridEngineWorker.compute_ref_log_prob, batch)
+                batch["ref_log_probs"] = ref["ref_log_probs"]
         if self.critic_group is not None:
             with self._phase(timer, Phase.VALUES):
-                batch["values"] = self.critic_group.call_by_dp("compute_values", batch)["values"]
+                batch["values"] = self.critic_group.call_by_dp(CriticWorker.compute_values, batch)["values"]
         with self._phase(timer, Phase.ADV):
             if cfg.algorithm.use_kl_in_reward:
                 metrics.update(apply_kl_in_reward(batch, self.kl_controller, cfg.algorithm.kl_penalty))
@@ -358,13 +364,13 @@ class Trainer:
                 cfg.algorithm.norm_adv_by_std_in_grpo))
         if self.critic_group is not None:
             with self._phase(timer, Phase.UPDATE_CRITIC):
-                outs = self.critic_group.call_by_dp_outputs("update_critic", batch)
+                outs = self.critic_group.call_by_dp_outputs(CriticWorker.update_critic, batch)
                 metrics.update(_mean_dicts([o.as_dict() if o is not None else None for o in outs]))
         with self._phase(timer, Phase.UPDATE_ACTOR):
-            outs = self.actor_group.call_by_dp_outputs("update_actor", batch)
+            outs = self.actor_group.call_by_dp_outputs(HybridEngineWorker.update_actor, batch)
             metrics.update(_mean_dicts(outs))
         with self._phase(timer, Phase.SYNC):
-            syncs = self.actor_group.call_all("sync_weights")
+            syncs = self.actor_group.call_all(HybridEngineWorker.sync_weights)
             metrics.update(_sync_metrics(syncs))
         metrics.update(response_metrics(batch))
         if cfg.trainer.rollout_data_dir:
@@ -416,14 +422,17 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
+        from hybridrl.workers.hybrid import HybridEngineWorker
+        from hybridrl.workers.ray_roles import CriticWorker
+
         self.phase = Phase.SAVE_CHECKPOINT
         partial = self.checkpoints.begin(self.global_step)
         try:
-            self.actor_group.call_all("save_checkpoint", str(partial))
+            self.actor_group.call_all(HybridEngineWorker.save_checkpoint, str(partial))
             if self.config.trainer.export_hf_on_save:
-                self.actor_group.call_all("export_hf", str(partial / "actor_hf"))
+                self.actor_group.call_all(HybridEngineWorker.export_hf, str(partial / "actor_hf"))
             if self.critic_group is not None:
-                self.critic_group.call_all("save_checkpoint", str(partial))
+                self.critic_group.call_all(CriticWorker.save_checkpoint, str(partial))
             state = {"dataloader": self.train_loader.state_dict(), "kl_coef": float(self.kl_controller.value)}
             return self.checkpoints.commit(partial, self.global_step, state)
         except BaseException:
@@ -432,11 +441,14 @@ class Trainer:
 
     def resume(self, path: Path) -> None:
         """Restore workers, data order and KL coefficient from a complete checkpoint."""
+        from hybridrl.workers.hybrid import HybridEngineWorker
+        from hybridrl.workers.ray_roles import CriticWorker
+
         self.phase = Phase.RESUME
         state = self.checkpoints.read_state(path)
-        self.actor_group.call_all("load_checkpoint", str(path))
+        self.actor_group.call_all(HybridEngineWorker.load_checkpoint, str(path))
         if self.critic_group is not None:
-            self.critic_group.call_all("load_checkpoint", str(path))
+            self.critic_group.call_all(CriticWorker.load_checkpoint, str(path))
         self.train_loader.load_state_dict(state["dataloader"])
         self.kl_controller.value = state.get("kl_coef", self.kl_controller.value)
         self.global_step = int(state["global_step"])
