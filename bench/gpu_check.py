@@ -138,7 +138,7 @@ def actor_figures(model: Any, config: dict[str, Any], device: str, batch: int, s
 
 def reshard_figures(models: list[Any], dtype: torch.dtype) -> dict[str, Any]:
     from hybridrl.config.meshes import build_reshard_groups, build_training_mesh
-    from hybridrl.engine.resharder import ReshardConfig, Resharder
+    from hybridrl.reshard.resharder import ReshardConfig, Resharder
 
     groups = build_reshard_groups(build_training_mesh(1, 1, 1), 1)
     resharder = Resharder(models, groups, config=ReshardConfig(bucket_bytes=256 << 20, output_dtype=dtype))
@@ -267,9 +267,9 @@ def worker_figures(config: dict[str, Any], device: str) -> dict[str, Any]:
     """The workers' data path on a host batch (see the module docstring); fp32, one rank."""
     from hybridrl.config.plan import build_plan
     from hybridrl.models.bridge import export_hf
-    from hybridrl.workers.actor import MegatronActor
-    from hybridrl.workers.critic import MegatronCritic
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.backend import MegatronBackend, role_spec
+    from hybridrl.training.critic import MegatronCritic
 
     batch = worker_batch(config["vocab_size"])
     with tempfile.TemporaryDirectory() as tmp:
@@ -277,8 +277,8 @@ def worker_figures(config: dict[str, Any], device: str) -> dict[str, Any]:
         reference = reference_log_probs(folder, batch, device)
         plan = build_plan(worker_config(folder, device))
         started = time.perf_counter()
-        actor = MegatronActor(MegatronRole(role_spec(plan, "actor")), plan)
-        critic = MegatronCritic(MegatronRole(role_spec(plan, "critic")), plan)
+        actor = MegatronActor(MegatronBackend(role_spec(plan, "actor")), plan)
+        critic = MegatronCritic(MegatronBackend(role_spec(plan, "critic")), plan)
         build_s = time.perf_counter() - started
     started = time.perf_counter()
     before = actor.compute_log_prob(batch)["old_log_probs"]

@@ -31,9 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybridrl.config.meshes import build_reshard_groups, build_training_mesh  # noqa: E402
-from hybridrl.engine.checksums import shard_checksums  # noqa: E402
-from hybridrl.engine.layout import hf_to_vllm_shards  # noqa: E402
 from hybridrl.parallel.forked import run_ranks  # noqa: E402
+from hybridrl.reshard.checksums import shard_checksums  # noqa: E402
+from hybridrl.reshard.layout import hf_to_vllm_shards  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "reshard.json"
 MIB = 1024**2
@@ -74,9 +74,9 @@ def build_model(directory: Path, hidden: int, layers: int, vocab: int) -> dict[s
 
 def _rank(rank: int, world_size: int, hf_dir: str, tp: int, pp: int, vpp: int | None, infer_tp: int,
           bucket_bytes: int, index_rule: str) -> dict[str, Any]:
-    from hybridrl.engine.resharder import ReshardConfig, Resharder
     from hybridrl.models.bridge import build_gpt_models, load_weights
     from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
+    from hybridrl.reshard.resharder import ReshardConfig, Resharder
 
     initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, device="cpu")
     try:
@@ -201,7 +201,7 @@ def main() -> None:
             rows.append(run_layout(hf_dir, config, layout, expected))
             print_row(rows[-1], header=len(rows) == 1)
     digest_rates = digest_seconds_per_gib()
-    print("sync checksum (engine.layout.tensor_digest, 1 thread): "
+    print("sync checksum (parallel.digest.tensor_digest, 1 thread): "
           + ", ".join(f"{dtype} {seconds:.2f} s/GiB" for dtype, seconds in digest_rates.items()))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"model_params": params, "hidden": args.hidden, "layers": args.layers,
@@ -212,7 +212,7 @@ def main() -> None:
 
 def digest_seconds_per_gib(mib: int = 256) -> dict[str, float]:
     """Seconds one thread takes to digest a GiB of weights (a `mib`-MiB tensor, best of 3)."""
-    from hybridrl.engine.layout import tensor_digest
+    from hybridrl.parallel.digest import tensor_digest
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from hybridrl.engine.layout import hf_to_vllm_shards, vllm_shard_nbytes
+from hybridrl.reshard.layout import hf_to_vllm_shards, vllm_shard_nbytes
 from hybridrl.rollout.engine import RolloutEngine, RolloutEngineConfig
 from hybridrl.rollout.sampling import RolloutSampling
 

@@ -57,7 +57,7 @@ def generation_session(
 
     `new_weights`: HF state dicts to swap in, in order. Returns batches and snapshots by step name.
     """
-    from hybridrl.engine.layout import hf_to_vllm_shards
+    from hybridrl.reshard.layout import hf_to_vllm_shards
     from hybridrl.rollout.engine import _reload_on_worker
     from hybridrl.rollout.sampling import validation_sampling
     from tests.rollout_models import load_config, load_state_dict
@@ -118,7 +118,7 @@ def tp_update_session(
 ) -> dict[str, Any]:
     """infer_tp = world_size via external_launcher: sampling agrees across TP peers whose trainer
     RNGs differ, and both weight-update formats land each rank's own shard."""
-    from hybridrl.engine.layout import hf_to_vllm_shards
+    from hybridrl.reshard.layout import hf_to_vllm_shards
     from hybridrl.rollout.sampling import validation_sampling
     from tests.rollout_models import load_config
 
@@ -148,7 +148,7 @@ def replica_groups_session(
 ) -> dict[str, Any]:
     """world_size // infer_tp independent rollout replicas, each an infer_tp group, on one gloo world;
     each replica generates its own prompts. The engine is built as in production (no weight capture)."""
-    from hybridrl.engine.layout import hf_to_vllm_shards
+    from hybridrl.reshard.layout import hf_to_vllm_shards
     from hybridrl.rollout.sampling import validation_sampling
     from tests.rollout_models import load_config
 

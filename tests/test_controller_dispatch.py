@@ -16,6 +16,7 @@ from hybridrl.controller.dispatch import (
     select_output_ranks,
 )
 from hybridrl.data.batch import Batch
+from tests.controller_workers import EchoWorker, FailingWorker
 
 MESH_SIZES = {"tp": 2, "pp": 2, "dp": 2}
 
@@ -68,12 +69,25 @@ def test_call_builders():
         all_to_all([1, 2], world_size=2)
 
 
+def test_a_worker_call_names_a_method_of_the_group_class():
+    from hybridrl.controller.worker_group import worker_method_name
+
+    assert worker_method_name(EchoWorker, EchoWorker.scale, "actor") == "scale"
+    assert worker_method_name(EchoWorker, EchoWorker.ping, "actor") == "ping"  # inherited from Worker
+    # the same name on another worker class is another function: refused, naming both classes
+    with pytest.raises(TypeError, match=r"FailingWorker\.pid is a method of FailingWorker, not of EchoWorker"):
+        worker_method_name(EchoWorker, FailingWorker.pid, "actor")
+    with pytest.raises(TypeError, match=r"actor group: pass the worker method itself \(EchoWorker\.scale\)"):
+        worker_method_name(EchoWorker, "scale", "actor")
+    with pytest.raises(TypeError, match="42 is not a method of EchoWorker"):
+        worker_method_name(EchoWorker, 42, "actor")
+
+
 # ------------------------------------------------------------------------- a real worker group
 @pytest.fixture(scope="module")
 def echo_group(ray_cluster):
     from hybridrl.controller.resource_pool import ResourcePool
     from hybridrl.controller.worker_group import WorkerGroup
-    from tests.controller_workers import EchoWorker
 
     pool = ResourcePool("dispatch", nnodes=1, workers_per_node=8, cpus_per_worker=0.25).start(timeout_s=60)
     group = WorkerGroup(EchoWorker, pool, role="actor", worker_kwargs={"mesh_sizes": MESH_SIZES},
@@ -92,14 +106,22 @@ def make_batch(rows: int) -> Batch:
 
 
 def test_group_environment_and_gloo_all_reduce(echo_group):
-    env = echo_group.call_all("environment")
+    env = echo_group.call_all(EchoWorker.environment)
     assert [int(e["RANK"]) for e in env] == list(range(8))
     assert {e["WORLD_SIZE"] for e in env} == {"8"} and {e["backend"] for e in env} == {"gloo"}
     assert sorted(int(e["LOCAL_RANK"]) for e in env) == list(range(8))  # one node: local == global set
     assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in env}) == 1
-    assert len(set(echo_group.call_all("pid"))) == 8
-    sums = echo_group.call_per_rank("all_reduce", [(float(r + 1),) for r in range(8)])
+    assert len(set(echo_group.call_all(EchoWorker.pid))) == 8
+    sums = echo_group.call_per_rank(EchoWorker.all_reduce, [(float(r + 1),) for r in range(8)])
     assert sums == [36.0] * 8  # 1 + 2 + ... + 8 on every rank
+
+
+def test_the_group_refuses_a_foreign_method_before_calling_any_rank(echo_group):
+    with pytest.raises(TypeError, match="not of EchoWorker"):
+        echo_group.call_all(FailingWorker.pid)
+    with pytest.raises(TypeError, match="not its name"):
+        echo_group.call_by_dp("scale", make_batch(4), 2.0)
+    assert echo_group.alive and len(echo_group.call_all(EchoWorker.pid)) == 8  # nothing was torn down
 
 
 def test_learn_mesh_reads_worker_coordinates(echo_group):
@@ -113,9 +135,9 @@ def test_dispatch_by_dp_chunks_replicas_and_collect_order(echo_group):
     batch = make_batch(16)
     refs = dispatch_by_dp(batch, mesh)
     assert len(refs) == 8 and len(set(refs)) == 2  # one object per DP chunk, shared by its peers
-    results = echo_group.execute_all("scale", [RankCall((ref, 10.0)) for ref in refs])
+    results = echo_group.execute_all(EchoWorker.scale, [RankCall((ref, 10.0)) for ref in refs])
 
-    received = echo_group.call_all("last_received")
+    received = echo_group.call_all(EchoWorker.last_received)
     expected_chunks = batch.split(2)
     for rank, got in enumerate(received):
         want = expected_chunks[mesh.coords[rank].dp]
@@ -123,7 +145,7 @@ def test_dispatch_by_dp_chunks_replicas_and_collect_order(echo_group):
         assert list(got["uid"]) == list(want["uid"]), rank
         assert got.meta == {"step": 7}
     # Every rank read its chunk zero-copy from the object store.
-    assert echo_group.call_all("shared_keys_of_last") == [["x"]] * 8
+    assert echo_group.call_all(EchoWorker.shared_keys_of_last) == [["x"]] * 8
 
     collected = collect_from_output_ranks(results, mesh)
     assert torch.equal(collected["y"], batch["x"] * 10.0)
@@ -135,7 +157,7 @@ def test_dispatch_by_dp_chunks_replicas_and_collect_order(echo_group):
 def test_call_by_dp_pads_and_unpads(echo_group):
     echo_group.set_mesh(RankMesh.from_sizes(**MESH_SIZES))
     batch = make_batch(5)  # not divisible by dp=2: one padding row travels and is dropped
-    out = echo_group.call_by_dp("scale", batch, 2.0)
+    out = echo_group.call_by_dp(EchoWorker.scale, batch, 2.0)
     assert len(out) == 5
     assert torch.equal(out["y"], batch["x"] * 2.0)
     assert list(out["uid"]) == list(batch["uid"])
@@ -146,7 +168,7 @@ def test_dispatch_follows_reported_coordinates_not_rank_order(ray_cluster, echo_
     mesh = RankMesh.from_sizes(**MESH_SIZES, order="pp-tp-dp")
     echo_group.set_mesh(mesh)
     batch = make_batch(8)
-    out = echo_group.call_by_dp("scale", batch, 3.0)
+    out = echo_group.call_by_dp(EchoWorker.scale, batch, 3.0)
     assert torch.equal(out["y"], batch["x"] * 3.0)
     owners = mesh.output_ranks()
     assert list(out["produced_by"]) == [owners[0]] * 4 + [owners[1]] * 4
@@ -168,7 +190,6 @@ def test_colocated_groups_share_a_two_node_pool(ray_cluster):
     """2 'nodes' x 1 bundle (two placement groups, here on one machine), two groups colocated."""
     from hybridrl.controller.resource_pool import ResourcePool, ResourcePoolError
     from hybridrl.controller.worker_group import WorkerGroup
-    from tests.controller_workers import EchoWorker
 
     pool = ResourcePool("colocated", nnodes=2, workers_per_node=1, cpus_per_worker=0.5, max_colocated_groups=2)
     pool.start(timeout_s=60)
@@ -178,17 +199,18 @@ def test_colocated_groups_share_a_two_node_pool(ray_cluster):
         with pytest.raises(ResourcePoolError, match="at most 2 colocated"):
             pool.reserve("reward")
         # Separate processes, separate process groups (different master ports), both working.
-        assert set(actor.call_all("pid")).isdisjoint(critic.call_all("pid"))
-        assert actor.call_all("all_reduce", 1.0) == [2.0, 2.0]
-        assert critic.call_all("all_reduce", 2.0) == [4.0, 4.0]
-        ports = {e["MASTER_PORT"] for e in actor.call_all("environment") + critic.call_all("environment")}
+        assert set(actor.call_all(EchoWorker.pid)).isdisjoint(critic.call_all(EchoWorker.pid))
+        assert actor.call_all(EchoWorker.all_reduce, 1.0) == [2.0, 2.0]
+        assert critic.call_all(EchoWorker.all_reduce, 2.0) == [4.0, 4.0]
+        environments = actor.call_all(EchoWorker.environment) + critic.call_all(EchoWorker.environment)
+        ports = {e["MASTER_PORT"] for e in environments}
         assert len(ports) == 2
         # Rank r of both groups runs in node r's placement group, each actor taking half a bundle.
         node_groups = [g.id.hex() for g in pool.placement_groups]
         for group in (actor, critic):
-            assert group.call_all("placement_info") == [(node_groups[0], {"CPU": 0.25}),
+            assert group.call_all(EchoWorker.placement_info) == [(node_groups[0], {"CPU": 0.25}),
                                                         (node_groups[1], {"CPU": 0.25})]
-            env = group.call_all("environment")
+            env = group.call_all(EchoWorker.environment)
             # Both "nodes" landed on this one machine: local ranks count per physical node.
             assert [(e["RANK"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for e in env] == [
                 ("0", "0", "2"), ("1", "1", "2")]

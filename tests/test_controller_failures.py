@@ -10,6 +10,7 @@ import pytest
 from hybridrl.controller.gather import PEER_LOST, WorkerGroupError
 from hybridrl.controller.resource_pool import ResourcePool, ResourcePoolError
 from hybridrl.controller.worker_group import WorkerGroup, WorkerGroupClosedError
+from tests.controller_workers import FailingWorker
 
 WORLD = 3
 FAIL_RANK = 2
@@ -27,11 +28,10 @@ def pool(ray_cluster):
 
 
 def make_group(pool: ResourcePool) -> WorkerGroup:
-    from tests.controller_workers import FailingWorker
 
     group = WorkerGroup(FailingWorker, pool, role="actor", process_group_timeout_s=PG_TIMEOUT_S)
     # The group works before we break it.
-    assert group.call_all("collective_or_fail", -1, "none", 0.0) == [float(WORLD)] * WORLD
+    assert group.call_all(FailingWorker.collective_or_fail, -1, "none", 0.0) == [float(WORLD)] * WORLD
     return group
 
 
@@ -48,7 +48,7 @@ def assert_torn_down(group: WorkerGroup, pids: list[int]) -> None:
 
     assert not group.alive
     with pytest.raises(WorkerGroupClosedError, match="actor worker group is shut down after a failure"):
-        group.call_all("pid")
+        group.call_all(FailingWorker.pid)
     # ray.kill is asynchronous: a call sent right after it may still be served before the kill
     # lands. Every actor must be dead within 30 s of the shutdown.
     deadline = time.monotonic() + 30
@@ -65,10 +65,10 @@ def assert_torn_down(group: WorkerGroup, pids: list[int]) -> None:
 @pytest.mark.parametrize("how", ["raise", "exit"])
 def test_failure_inside_rank_surfaces_with_role_rank_and_traceback(pool, how):
     group = make_group(pool)
-    pids = group.call_all("pid")
+    pids = group.call_all(FailingWorker.pid)
     start = time.monotonic()
     with pytest.raises(WorkerGroupError) as info:
-        group.call_all("collective_or_fail", FAIL_RANK, how, 1.0)
+        group.call_all(FailingWorker.collective_or_fail, FAIL_RANK, how, 1.0)
     elapsed = time.monotonic() - start
     error = info.value
     assert elapsed < SURFACE_LIMIT_S, elapsed
@@ -91,14 +91,14 @@ def test_actor_killed_from_outside_mid_call(pool):
     import ray
 
     group = make_group(pool)
-    pids = group.call_all("pid")
+    pids = group.call_all(FailingWorker.pid)
     victim = group.actors[FAIL_RANK]
     killer = threading.Timer(1.5, lambda: ray.kill(victim, no_restart=True))
     start = time.monotonic()
     killer.start()
     try:
         with pytest.raises(WorkerGroupError) as info:
-            group.call_all("collective_or_fail", FAIL_RANK, "sleep", 0.0)
+            group.call_all(FailingWorker.collective_or_fail, FAIL_RANK, "sleep", 0.0)
     finally:
         killer.cancel()
     elapsed = time.monotonic() - start
@@ -111,7 +111,6 @@ def test_actor_killed_from_outside_mid_call(pool):
 
 
 def test_constructor_failure_surfaces_at_group_creation(pool):
-    from tests.controller_workers import FailingWorker
 
     start = time.monotonic()
     with pytest.raises(WorkerGroupError) as info:
@@ -128,7 +127,7 @@ def test_call_timeout_names_unfinished_ranks(pool):
     start = time.monotonic()
     with pytest.raises(WorkerGroupError, match=r"did not finish collective_or_fail\(\) within 2.0 s") as info:
         # Rank 2 sleeps for an hour without failing: only the timeout can end this.
-        group.call_all("collective_or_fail", FAIL_RANK, "sleep", 0.0)
+        group.call_all(FailingWorker.collective_or_fail, FAIL_RANK, "sleep", 0.0)
     assert time.monotonic() - start < 10.0
     assert info.value.unfinished_ranks == [0, 1, 2] and info.value.rank is None
     assert not group.alive

@@ -16,7 +16,7 @@ import pytest
 
 from hybridrl.parallel.forked import run_ranks
 from hybridrl.trainer.checkpoints import STATE_FILE, CheckpointError, CheckpointManager
-from tests.test_workers_fixtures import job_config, policy_model, rollout_batch
+from tests.test_training_fixtures import job_config, policy_model, rollout_batch
 
 
 def _digests(folder: Path) -> dict[str, str]:
@@ -51,25 +51,25 @@ def _damage(good: Path, where: Path, how: str) -> Path:
 
 def _rank(rank: int, world: int, config: Any, batch: Any, root: str) -> dict[str, str]:
     from hybridrl.config.plan import build_plan
-    from hybridrl.workers.actor import MegatronActor
-    from hybridrl.workers.checkpointing import load_role_checkpoint, save_role_checkpoint
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.backend import MegatronBackend, role_spec
+    from hybridrl.training.checkpointing import load_role_checkpoint, save_role_checkpoint
 
     plan = build_plan(config)
-    engine = MegatronRole(role_spec(plan, "actor"))
-    MegatronActor(engine, plan).update_policy(batch)
-    good = save_role_checkpoint(engine, Path(root) / "good")
+    backend = MegatronBackend(role_spec(plan, "actor"))
+    MegatronActor(backend, plan).update_policy(batch)
+    good = save_role_checkpoint(backend, Path(root) / "good")
     errors = {}
     for how in ("flipped_byte", "truncated", "missing", "tampered_weights", "tampered_state"):
         bad = _damage(good, Path(root), how)
         before = _digests(bad)
         try:
-            load_role_checkpoint(engine, bad)
+            load_role_checkpoint(backend, bad)
             errors[how] = "loaded"
         except Exception as exc:  # noqa: BLE001 - the message is what is checked
             errors[how] = f"{type(exc).__name__}: {exc}"
         assert _digests(bad) == before, f"loading {how} changed files on disk"
-    load_role_checkpoint(engine, good)  # the intact one still loads
+    load_role_checkpoint(backend, good)  # the intact one still loads
     return errors
 
 

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrl.engine.layout import hf_to_vllm_shards, tensor_digest
+from hybridrl.parallel.digest import tensor_digest
 from hybridrl.parallel.forked import run_ranks
+from hybridrl.reshard.layout import hf_to_vllm_shards
 from tests import rollout_scenarios
 from tests.rollout_models import (
     LLAMA_GQA1,

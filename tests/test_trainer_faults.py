@@ -32,19 +32,21 @@ def _train_with(overrides: list[str], env: dict[str, str], timeout: int = 600) -
 
 
 def test_fault_spec_parsing():
-    assert faults.parse("update:2:1, sync:1:0") == [("update", 2, 1), ("sync", 1, 0)]
-    for bad in ("update:2", "explode:1:0", "update:x:0"):
+    assert faults.parse("update_actor:2:1, sync:1:0") == [("update_actor", 2, 1), ("sync", 1, 0)]
+    assert faults.parse("nan_update_actor:1:0") == [("nan_update_actor", 1, 0)]
+    # the old fault names are gone: one vocabulary, the phase names
+    for bad in ("update_actor:2", "explode:1:0", "update_actor:x:0", "update:2:1", "generate:1:0"):
         with pytest.raises(ValueError, match="HYBRIDRL_FAULT"):
             faults.parse(bad)
 
 
 # The `<call>` of each spec is step 2's entry into that phase (the first sync runs at set-up).
 PHASE_FAULTS = [
-    ("generate:2:1", "gen"),
+    ("gen:2:1", "gen"),
     ("sync:3:1", "sync"),
-    ("log_prob:2:0", "old_log_prob"),
-    ("update:2:1", "update_actor"),        # inside the megatron update (DP all-reduce peers wait)
-    ("checkpoint:2:0", "save_checkpoint"),  # after writing its files, before the checkpoint is sealed
+    ("old_log_prob:2:0", "old_log_prob"),
+    ("update_actor:2:1", "update_actor"),        # inside the megatron update (DP all-reduce peers wait)
+    ("save_checkpoint:2:0", "save_checkpoint"),  # after writing its files, before the checkpoint is sealed
 ]
 
 
@@ -80,9 +82,9 @@ def test_consecutive_nonfinite_steps_stop_the_run(demo_assets, tmp_path):
     # step 1 finite; steps 2 and 3 poisoned on rank 1 only (the skip is decided over all ranks)
     result, _ = _train_with(_overrides(demo_assets, run, "trainer.total_training_steps=4",
                                        "trainer.max_consecutive_nonfinite_steps=2"),
-                            {faults.ENV: "nan_update:2:1,nan_update:3:1"})
+                            {faults.ENV: "nan_update_actor:2:1,nan_update_actor:3:1"})
     assert result.returncode == 1, result.stderr[-4000:]
-    assert "training failed at step 3, phase update: 2 steps in a row skipped" in result.stderr
+    assert "training failed at step 3, phase update_actor: 2 steps in a row skipped" in result.stderr
     rows = _metrics(run)
     assert [r["actor/skipped_steps"] for r in rows] == [0, 1, 1]
     assert [r["training/consecutive_nonfinite_steps"] for r in rows] == [0, 1, 2]

@@ -29,7 +29,7 @@ def _tied_pp2_rank(rank: int, world: int, model_dir: str, export_dir: str) -> di
     from hybridrl.models.bridge import export_hf
     from hybridrl.rollout.sampling import RolloutSampling
     from tests.hybrid_workers import gather_first, hybrid_worker
-    from tests.test_workers_actor_models import tied_copies
+    from tests.test_training_actor_models import tied_copies
 
     worker = hybrid_worker(rank, world, model_dir, [
         "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
@@ -54,8 +54,8 @@ def _tied_pp2_rank(rank: int, world: int, model_dir: str, export_dir: str) -> di
         batch["advantages"] = advantages[:, None] * batch["response_mask"].float()
         grad_norms.append(gather_first(worker.update_actor(batch), world)["actor/grad_norm"])
         probes.append(worker.sync_weights()["reshard/probe_max_abs_gap"])
-    export_hf(worker.actor.engine.chunks, export_dir, force=True)
-    return {"copies": tied_copies(worker.actor.engine), "probes": probes, "grad_norms": grad_norms,
+    export_hf(worker.actor.backend.chunks, export_dir, force=True)
+    return {"copies": tied_copies(worker.actor.backend), "probes": probes, "grad_norms": grad_norms,
             "vllm_log_probs": worker.rollout.prompt_log_probs(SEQUENCE)[1:]}
 
 

@@ -14,7 +14,7 @@ import torch
 
 from hybridrl.parallel.forked import run_ranks
 from tests.test_models_fixtures import safetensors_state
-from tests.test_workers_fixtures import (
+from tests.test_training_fixtures import (
     hf_response_log_probs,
     job_config,
     policy_model,
@@ -23,7 +23,7 @@ from tests.test_workers_fixtures import (
     with_critic,
     with_reward_model,
 )
-from tests.test_workers_ranks import _update_rank
+from tests.test_training_ranks import _update_rank
 
 pytestmark = pytest.mark.slow
 TOL = 1e-5
@@ -40,13 +40,33 @@ def _group(worker_cls: Any, name: str, world: int, plan: Any, role: str) -> tupl
     return pool, group
 
 
-def _metrics_by_dp(group: Any, method: str, batch: Any) -> list[Any]:
+def _metrics_by_dp(group: Any, method: Any, batch: Any) -> list[Any]:
     """Like the trainer: DP dispatch, results from the output ranks (non-Batch results)."""
     from hybridrl.controller.dispatch import RankCall, dispatch_by_dp, select_output_ranks
 
     mesh = group.require_mesh()
     refs = dispatch_by_dp(batch, mesh)
     return select_output_ranks(group.execute_all(method, [RankCall((ref,)) for ref in refs]), mesh)
+
+
+def test_worker_calls_refuse_a_method_of_another_role_worker():
+    from hybridrl.controller.worker_group import worker_method_name
+    from hybridrl.workers.hybrid import HybridEngineWorker
+    from hybridrl.workers.ray_roles import ActorRolloutRefWorker, CriticWorker
+
+    # inherited: the hybrid worker runs ActorRolloutRefWorker's compute_log_prob itself
+    assert worker_method_name(HybridEngineWorker, ActorRolloutRefWorker.compute_log_prob, "actor_rollout_ref") == \
+        "compute_log_prob"
+    # overridden: the hybrid worker would run its own update_actor, not the one named
+    with pytest.raises(TypeError, match=r"not of HybridEngineWorker .*: HybridEngineWorker has its own update_actor, "
+                                        r"call HybridEngineWorker\.update_actor"):
+        worker_method_name(HybridEngineWorker, ActorRolloutRefWorker.update_actor, "actor_rollout_ref")
+    with pytest.raises(TypeError, match=r"CriticWorker\.save_checkpoint is a method of CriticWorker, "
+                                        r"not of HybridEngineWorker \(the actor_rollout_ref group's"):
+        worker_method_name(HybridEngineWorker, CriticWorker.save_checkpoint, "actor_rollout_ref")
+    with pytest.raises(TypeError, match="CriticWorker.update_critic is a method of CriticWorker, not of "
+                                        "HybridEngineWorker"):
+        worker_method_name(HybridEngineWorker, CriticWorker.update_critic, "actor_rollout_ref")
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +79,7 @@ def policy(ray_cluster, tmp_path_factory):
     config = job_config(hf, world=4, tp=2, pp=2, use_kl_loss=True)
     config.trainer.torch_threads_per_rank = 1
     pool, group = _group(ActorRolloutRefWorker, "policy", 4, build_plan(config), "actor")
-    group.call_all("init_model")
+    group.call_all(ActorRolloutRefWorker.init_model)
     group.learn_mesh()
     yield {"group": group, "hf": hf, "root": root}
     group.shutdown()
@@ -74,44 +94,51 @@ def test_mesh_of_the_policy_group(policy):
 
 def test_the_group_timeout_reaches_every_process_group(policy):
     """What the trainer passes as `trainer.nccl_timeout_s` bounds the world group and megatron's groups."""
-    for rank, timeouts in enumerate(policy["group"].call_all("process_group_timeouts")):
+    from hybridrl.workers.ray_roles import ActorRolloutRefWorker
+
+    for rank, timeouts in enumerate(policy["group"].call_all(ActorRolloutRefWorker.process_group_timeouts)):
         assert set(timeouts) == {"world", "tp", "pp", "dp", "cp", "dp_cp", "model_parallel"}
         assert timeouts == dict.fromkeys(timeouts, PG_TIMEOUT_S), (rank, timeouts)
 
 
 def test_actor_and_reference_log_probs_equal_transformers(policy):
+    from hybridrl.workers.ray_roles import ActorRolloutRefWorker
+
     group, hf = policy["group"], policy["hf"]
     batch = rollout_batch(8)
     expected_lp, expected_entropy = hf_response_log_probs(hf, batch)
-    out = group.call_by_dp("compute_log_prob", batch, True)
+    out = group.call_by_dp(ActorRolloutRefWorker.compute_log_prob, batch, True)
     assert (out["old_log_probs"] - expected_lp).abs().max() < TOL
     assert (out["entropys"] - expected_entropy).abs().max() < TOL
-    ref = group.call_by_dp("compute_ref_log_prob", batch)
+    ref = group.call_by_dp(ActorRolloutRefWorker.compute_ref_log_prob, batch)
     assert (ref["ref_log_probs"] - expected_lp).abs().max() < TOL
 
 
 def test_update_matches_single_rank_then_checkpoint_round_trip(policy, tmp_path):
+    from hybridrl.workers.ray_roles import ActorRolloutRefWorker
+
     group, hf, root = policy["group"], policy["hf"], policy["root"]
     batch = rollout_batch(8)
     single_dir = tmp_path / "single"
     single = run_ranks(_update_rank, 1, job_config(hf, world=1, use_kl_loss=True), batch, str(single_dir))[0]
-    (metrics,) = _metrics_by_dp(group, "update_actor", batch)
+    (metrics,) = _metrics_by_dp(group, ActorRolloutRefWorker.update_actor, batch)
     assert abs(metrics.pg_loss - single["metrics"].pg_loss) < TOL
     assert abs(metrics.grad_norm - single["metrics"].grad_norm) < TOL
     assert abs(metrics.kl_loss - single["metrics"].kl_loss) < TOL
 
-    exported = Path(group.call_all("export_hf", str(tmp_path / "exported"))[0])
+    exported = Path(group.call_all(ActorRolloutRefWorker.export_hf, str(tmp_path / "exported"))[0])
     ours, theirs = safetensors_state(exported), safetensors_state(single_dir)
     assert max(float((ours[n] - theirs[n]).abs().max()) for n in theirs) < TOL
     # The updated policy's log-probs are those of the exported weights under transformers.
     expected_lp, _ = hf_response_log_probs(exported, batch)
-    assert (group.call_by_dp("compute_log_prob", batch)["old_log_probs"] - expected_lp).abs().max() < TOL
+    updated = group.call_by_dp(ActorRolloutRefWorker.compute_log_prob, batch)["old_log_probs"]
+    assert (updated - expected_lp).abs().max() < TOL
 
     ckpt = str(root / "ckpt")
-    group.call_all("save_checkpoint", ckpt)
-    after_save = _metrics_by_dp(group, "update_actor", rollout_batch(8, seed=5))[0]
-    group.call_all("load_checkpoint", ckpt)
-    after_load = _metrics_by_dp(group, "update_actor", rollout_batch(8, seed=5))[0]
+    group.call_all(ActorRolloutRefWorker.save_checkpoint, ckpt)
+    after_save = _metrics_by_dp(group, ActorRolloutRefWorker.update_actor, rollout_batch(8, seed=5))[0]
+    group.call_all(ActorRolloutRefWorker.load_checkpoint, ckpt)
+    after_load = _metrics_by_dp(group, ActorRolloutRefWorker.update_actor, rollout_batch(8, seed=5))[0]
     assert after_load == after_save
 
 
@@ -139,17 +166,17 @@ def test_critic_and_reward_model_groups(ray_cluster, tmp_path):
     values = values * batch["response_mask"]
 
     for worker_cls, role, method, key, expected in (
-        (CriticWorker, "critic", "compute_values", "values", values),
-        (RewardModelWorker, "reward_model", "compute_rm_score", "rm_scores", scores),
+        (CriticWorker, "critic", CriticWorker.compute_values, "values", values),
+        (RewardModelWorker, "reward_model", RewardModelWorker.compute_rm_score, "rm_scores", scores),
     ):
         pool, group = _group(worker_cls, role, 2, plan, role)
         try:
-            group.call_all("init_model")
+            group.call_all(worker_cls.init_model)
             group.learn_mesh()
             out = group.call_by_dp(method, batch)
             assert (out[key] - expected).abs().max() < TOL, role
             if role == "critic":
-                (metrics,) = _metrics_by_dp(group, "update_critic", batch)
+                (metrics,) = _metrics_by_dp(group, CriticWorker.update_critic, batch)
                 assert metrics.optimizer_steps == 1 and metrics.grad_norm > 0
             else:
                 # A malformed batch fails fast at the controller, naming role, rank and the cause.

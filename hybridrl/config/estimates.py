@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from hybridrl.config.meshes import ReshardGroups, TrainingMesh, interval_overlap
 from hybridrl.models.arch import ModelShape
+from hybridrl.names import Role
 
 GIB = 1024**3
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -158,11 +159,11 @@ def phase_peaks(
     offload_optimizer: bool = False,
 ) -> PhasePeaks:
     by_role = {m.role: m for m in memories}
-    actor = by_role["actor"]
-    # each part the actor offloads between phases (hybridrl.workers.offload) is absent during generation
+    actor = by_role[Role.ACTOR]
+    # each part the actor offloads between phases (hybridrl.training.offload) is absent during generation
     resident = ((0.0 if offload_params else actor.params_gib) + (0.0 if offload_grads else actor.grads_gib)
                 + (0.0 if offload_optimizer else actor.optimizer_gib))
-    ref_params = by_role["ref"].params_gib if "ref" in by_role else 0.0
+    ref_params = by_role[Role.REF].params_gib if Role.REF in by_role else 0.0
     generation = resident + ref_params + gpu_gib * gpu_memory_utilization
     training = actor.total_gib + ref_params
     return PhasePeaks(round(generation, 3), round(training, 3), max(generation, training) <= gpu_gib)

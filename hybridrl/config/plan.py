@@ -33,6 +33,7 @@ from hybridrl.config.loader import config_from_dict, config_to_dict, load_config
 from hybridrl.config.meshes import ReshardGroups, TrainingMesh, build_reshard_groups, build_training_mesh
 from hybridrl.config.schema import JobConfig, MegatronConfig
 from hybridrl.models.arch import ModelShape, UnsupportedModelError
+from hybridrl.names import Role
 
 
 @dataclass(frozen=True)
@@ -311,7 +312,7 @@ def _ways_to_fit(config: JobConfig, memories: tuple[TrainingMemory, ...], rollou
         if peaks_with(utilization=lower).fits and room * GIB >= rollout.kv_bytes_per_token * seq_len:
             ways.append(f"rollout.gpu_memory_utilization={lower:g} (KV cache {room:.1f} GiB)")
             break
-    actor = next(m for m in memories if m.role == "actor")
+    actor = next(m for m in memories if m.role == Role.ACTOR)
     if actor.activations_gib_in_flight > 0.25 * gpu:
         ways.append(f"a smaller actor.ppo_micro_batch_size_per_gpu={arr.actor.ppo_micro_batch_size_per_gpu} "
                     f"(activations in flight {actor.activations_gib_in_flight:.1f} GiB scale with it)")
@@ -338,21 +339,21 @@ def _cpu_kv_cache_bytes(config: JobConfig, resolved: Resolved, model: ModelShape
 def role_megatron(config: JobConfig, role: str) -> MegatronConfig:
     arr = config.actor_rollout_ref
     return {
-        "actor": arr.actor.megatron,
-        "ref": arr.ref.megatron or arr.actor.megatron,
-        "critic": config.critic.megatron,
-        "reward_model": config.reward_model.megatron,
+        Role.ACTOR: arr.actor.megatron,
+        Role.REF: arr.ref.megatron or arr.actor.megatron,
+        Role.CRITIC: config.critic.megatron,
+        Role.REWARD_MODEL: config.reward_model.megatron,
     }[role]
 
 
 def active_roles(config: JobConfig, resolved: Resolved) -> list[str]:
-    roles = ["actor"]
+    roles = [Role.ACTOR]
     if resolved.ref_enabled:
-        roles.append("ref")
+        roles.append(Role.REF)
     if resolved.critic_enabled:
-        roles.append("critic")
+        roles.append(Role.CRITIC)
     if config.reward_model.enable:
-        roles.append("reward_model")
+        roles.append(Role.REWARD_MODEL)
     return roles
 
 
@@ -383,20 +384,20 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
         return ForwardPlan(role, pass_name, per_rank, micro, -(-per_rank // micro))
 
     actor = arr.actor
-    updates = [update("actor", actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu,
+    updates = [update(Role.ACTOR, actor.ppo_mini_batch_size, actor.ppo_micro_batch_size_per_gpu,
                       actor.ppo_epochs, actor.use_dynamic_bsz)]
-    forwards = [forward("actor", "old_log_prob", arr.rollout.log_prob_micro_batch_size_per_gpu)]
-    if "ref" in by_role:
-        forwards.append(forward("ref", "ref_log_prob", arr.ref.log_prob_micro_batch_size_per_gpu))
-    if "critic" in by_role:
+    forwards = [forward(Role.ACTOR, "old_log_prob", arr.rollout.log_prob_micro_batch_size_per_gpu)]
+    if Role.REF in by_role:
+        forwards.append(forward(Role.REF, "ref_log_prob", arr.ref.log_prob_micro_batch_size_per_gpu))
+    if Role.CRITIC in by_role:
         critic = config.critic
-        updates.append(update("critic", resolved.critic_mini_batch_size, critic.ppo_micro_batch_size_per_gpu,
+        updates.append(update(Role.CRITIC, resolved.critic_mini_batch_size, critic.ppo_micro_batch_size_per_gpu,
                               resolved.critic_ppo_epochs, actor.use_dynamic_bsz))
-        forwards.append(forward("critic", "values", critic.ppo_micro_batch_size_per_gpu))
-    if "reward_model" in by_role:
-        forwards.append(forward("reward_model", "reward_scores", config.reward_model.micro_batch_size_per_gpu))
+        forwards.append(forward(Role.CRITIC, "values", critic.ppo_micro_batch_size_per_gpu))
+    if Role.REWARD_MODEL in by_role:
+        forwards.append(forward(Role.REWARD_MODEL, "reward_scores", config.reward_model.micro_batch_size_per_gpu))
 
-    actor_mesh = by_role["actor"].mesh
+    actor_mesh = by_role[Role.ACTOR].mesh
     groups = build_reshard_groups(actor_mesh, arr.rollout.tensor_model_parallel_size)
     traffic = reshard_traffic(model, actor_mesh, groups, resolved.rollout_dtype) if model else None
     infer_dp = groups.rollout.infer_dp
@@ -406,7 +407,7 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
     if model is not None:
         for layout in layouts:
             mc = layout.megatron
-            trainable = layout.role in ("actor", "critic")
+            trainable = layout.role in (Role.ACTOR, Role.CRITIC)
             micro = next((u.micro_batch_size for u in updates if u.role == layout.role),
                          next(f.micro_batch_size for f in forwards if f.role == layout.role))
             train_mem.append(training_memory(
@@ -425,7 +426,7 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
             seq_len=resolved.max_sequence_length,
             cpu_kv_cache_bytes=_cpu_kv_cache_bytes(config, resolved, model, sequences_per_replica),
         )
-        actor_mc = by_role["actor"].megatron
+        actor_mc = by_role[Role.ACTOR].megatron
         peaks = phase_peaks(
             tuple(train_mem), roll_mem, gpu_gib=config.trainer.gpu_memory_gib,
             gpu_memory_utilization=arr.rollout.gpu_memory_utilization,

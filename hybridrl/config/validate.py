@@ -22,6 +22,7 @@ from hybridrl.algorithms.names import (
 from hybridrl.config.errors import ConfigIssue
 from hybridrl.config.schema import JobConfig, MegatronConfig
 from hybridrl.models.arch import DEFAULT_VOCAB_DIVISOR, ModelShape
+from hybridrl.names import Role
 
 if TYPE_CHECKING:
     from hybridrl.config.plan import Resolved
@@ -115,20 +116,20 @@ def validate(
     from hybridrl.config.plan import active_roles, role_megatron  # noqa: PLC0415 - avoids an import cycle
 
     role_fields = {
-        "actor": "actor_rollout_ref.actor.megatron",
-        "ref": "actor_rollout_ref.ref.megatron" if config.actor_rollout_ref.ref.megatron
+        Role.ACTOR: "actor_rollout_ref.actor.megatron",
+        Role.REF: "actor_rollout_ref.ref.megatron" if config.actor_rollout_ref.ref.megatron
         else "actor_rollout_ref.actor.megatron",
-        "critic": "critic.megatron",
-        "reward_model": "reward_model.megatron",
+        Role.CRITIC: "critic.megatron",
+        Role.REWARD_MODEL: "reward_model.megatron",
     }
     dp_of: dict[str, int] = {}
     for role in active_roles(config, resolved):
-        if role == "ref" and config.actor_rollout_ref.ref.megatron is None:
-            if "actor" in dp_of:
-                dp_of["ref"] = dp_of["actor"]
+        if role == Role.REF and config.actor_rollout_ref.ref.megatron is None:
+            if Role.ACTOR in dp_of:
+                dp_of[Role.REF] = dp_of[Role.ACTOR]
             continue
         dp = _check_layout(check, role_fields[role], role_megatron(config, role), world, model,
-                           trainable=role in ("actor", "critic"))
+                           trainable=role in (Role.ACTOR, Role.CRITIC))
         if dp:
             dp_of[role] = dp
     infer_dp = _check_rollout_layout(check, config, world, model)
@@ -509,24 +510,24 @@ def _check_batch_arithmetic(
                        f"must divide the {per_rank} sequences per GPU (train_batch_size={batch} × n={n} ÷ DP={dp})",
                        nearest(micro, divisors(per_rank)))
 
-    actor_dp = dp_of.get("actor", 0)
+    actor_dp = dp_of.get(Role.ACTOR, 0)
     check_updates("actor_rollout_ref.actor", arr.actor.ppo_mini_batch_size, arr.actor.ppo_micro_batch_size_per_gpu,
                   actor_dp, "actor_rollout_ref.actor.ppo_mini_batch_size")
     check_forward("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
                   arr.rollout.log_prob_micro_batch_size_per_gpu, actor_dp)
-    if "ref" in dp_of:
+    if Role.REF in dp_of:
         check_forward("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-                      arr.ref.log_prob_micro_batch_size_per_gpu, dp_of["ref"])
-    if "critic" in dp_of:
+                      arr.ref.log_prob_micro_batch_size_per_gpu, dp_of[Role.REF])
+    if Role.CRITIC in dp_of:
         mini_field = ("critic.ppo_mini_batch_size" if config.critic.ppo_mini_batch_size is not None
                       else "actor_rollout_ref.actor.ppo_mini_batch_size")
         check_updates("critic", resolved.critic_mini_batch_size, config.critic.ppo_micro_batch_size_per_gpu,
-                      dp_of["critic"], mini_field)
+                      dp_of[Role.CRITIC], mini_field)
         check_forward("critic.ppo_micro_batch_size_per_gpu", config.critic.ppo_micro_batch_size_per_gpu,
-                      dp_of["critic"])
-    if "reward_model" in dp_of:
+                      dp_of[Role.CRITIC])
+    if Role.REWARD_MODEL in dp_of:
         check_forward("reward_model.micro_batch_size_per_gpu", config.reward_model.micro_batch_size_per_gpu,
-                      dp_of["reward_model"])
+                      dp_of[Role.REWARD_MODEL])
 
 
 def _check_lengths(check: _Checker, config: JobConfig, resolved: Resolved, model: ModelShape | None) -> None:

@@ -12,11 +12,16 @@ The process-group timeout (the trainer passes `trainer.nccl_timeout_s`, 30 min b
 backstop only: when a rank fails, the controller kills the whole group within seconds (see
 gather), so no peer waits on it. It must exceed the longest legitimate wait inside a collective
 (peers at a barrier while rank 0 alone writes a checkpoint or an HF export).
+
+Calls name the worker method itself, not its name: `group.call_all(HybridEngineWorker.setup, steps)`,
+`group.call_by_dp(ActorRolloutRefWorker.compute_log_prob, batch)`. The group checks that its worker
+class has that very function (inherited counts), so a method of another worker class, a typo or a
+string is refused with a TypeError before any rank is called.
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -42,6 +47,29 @@ class WorkerGroupClosedError(RuntimeError):
     """A call on a group that was shut down (explicitly, or after a failure tore it down)."""
 
 
+WorkerMethod = Callable[..., Any]  # a function of the group's worker class, e.g. `CriticWorker.update_critic`
+
+
+def worker_method_name(worker_cls: type, method: WorkerMethod, role: str) -> str:
+    """`method.__name__`, when `worker_cls` has that very function (its own or inherited); else TypeError.
+
+    Refused: a name string, a method of another worker class (`CriticWorker.update_critic` on the
+    actor group), anything that is not a function of the class. Nothing is sent to a rank then.
+    """
+    cls = worker_cls.__name__
+    if isinstance(method, str):
+        raise TypeError(f"{role} group: pass the worker method itself ({cls}.{method}), not its name")
+    name = getattr(method, "__name__", None)
+    if not callable(method) or not isinstance(name, str):
+        raise TypeError(f"{role} group: {method!r} is not a method of {cls}")
+    if getattr(worker_cls, name, None) is not method:
+        qualname = getattr(method, "__qualname__", name)
+        owner = qualname.rpartition(".")[0] or getattr(method, "__module__", "?")
+        hint = f": {cls} has its own {name}, call {cls}.{name}" if hasattr(worker_cls, name) else ""
+        raise TypeError(f"{qualname} is a method of {owner}, not of {cls} (the {role} group's worker class){hint}")
+    return name
+
+
 class WorkerGroup:
     """The actors of one role. Calls go to every rank; see `call_all`, `call_per_rank`, `call_by_dp`."""
 
@@ -60,6 +88,8 @@ class WorkerGroup:
         poll_s: float = 0.5,
     ) -> None:
         self.role = role
+        self.worker_cls: type = (worker_cls.__ray_metadata__.modified_class.__ray_actor_class__
+                                 if isinstance(worker_cls, ActorClass) else worker_cls)
         self.pool = pool
         self.call_timeout_s = call_timeout_s
         self.poll_s = poll_s
@@ -121,6 +151,10 @@ class WorkerGroup:
         )
 
     # ---------------------------------------------------------------------------- calling
+    def method_name(self, method: WorkerMethod) -> str:
+        """The name to call `method` by on the actors, once it is known to be the worker class's own."""
+        return worker_method_name(self.worker_cls, method, self.role)
+
     def _check_usable(self) -> None:
         if self._closed:
             reason = f" after a failure:\n{self._failure}" if self._failure else ""
@@ -157,20 +191,20 @@ class WorkerGroup:
             raise
 
     def execute_all(
-        self, method: str, calls: Sequence[RankCall], timeout_s: float | None = None
+        self, method: WorkerMethod, calls: Sequence[RankCall], timeout_s: float | None = None
     ) -> list[Any]:
         """`method` on every rank with calls[rank]; results in rank order. Fails fast, see gather."""
-        return self._execute(method, calls, timeout_s)
+        return self._execute(self.method_name(method), calls, timeout_s)
 
-    def call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+    def call_all(self, method: WorkerMethod, *args: Any, **kwargs: Any) -> list[Any]:
         """The same arguments to every rank (one-to-all); results in rank order."""
-        return self._execute(method, one_to_all(*args, world_size=self.world_size, **kwargs))
+        return self._execute(self.method_name(method), one_to_all(*args, world_size=self.world_size, **kwargs))
 
-    def call_per_rank(self, method: str, per_rank_args: Sequence[RankCall | tuple]) -> list[Any]:
+    def call_per_rank(self, method: WorkerMethod, per_rank_args: Sequence[RankCall | tuple]) -> list[Any]:
         """Arguments per rank (all-to-all); results in rank order."""
-        return self._execute(method, all_to_all(per_rank_args, self.world_size))
+        return self._execute(self.method_name(method), all_to_all(per_rank_args, self.world_size))
 
-    def call_by_dp(self, method: str, batch: Batch, *args: Any, mesh: RankMesh | None = None,
+    def call_by_dp(self, method: WorkerMethod, batch: Batch, *args: Any, mesh: RankMesh | None = None,
                    **kwargs: Any) -> Batch:
         """Split `batch` by DP rank, run `method(chunk, *args, **kwargs)` on every rank, and return
         the output ranks' batches concatenated in the original row order.
@@ -180,25 +214,27 @@ class WorkerGroup:
         A batch that does not divide by the DP size is padded by repeating rows, and the padding
         rows are dropped from the result.
         """
+        name = self.method_name(method)
         mesh = mesh or self.require_mesh()
         padded, pad_count = batch.pad_to_multiple(mesh.dp_size)
         chunk_refs = dispatch_by_dp(padded, mesh)
         shared = one_to_all(*args, world_size=1, **kwargs)[0]
         calls = [RankCall((ref, *shared.args), shared.kwargs) for ref in chunk_refs]
-        results = self._execute(method, calls)
+        results = self._execute(name, calls)
         return collect_from_output_ranks(results, mesh).unpad(pad_count)
 
-    def call_by_dp_outputs(self, method: str, batch: Batch, *args: Any, mesh: RankMesh | None = None,
+    def call_by_dp_outputs(self, method: WorkerMethod, batch: Batch, *args: Any, mesh: RankMesh | None = None,
                            **kwargs: Any) -> list[Any]:
         """Like `call_by_dp` for methods that return something other than a batch (e.g. metrics):
         the output ranks' results, one per DP rank, in DP order. `batch` must divide by the DP size."""
+        name = self.method_name(method)
         mesh = mesh or self.require_mesh()
         if len(batch) % mesh.dp_size:
-            raise ValueError(f"{method}: {len(batch)} rows do not split over {mesh.dp_size} data-parallel ranks")
+            raise ValueError(f"{name}: {len(batch)} rows do not split over {mesh.dp_size} data-parallel ranks")
         chunk_refs = dispatch_by_dp(batch, mesh)
         shared = one_to_all(*args, world_size=1, **kwargs)[0]
         calls = [RankCall((ref, *shared.args), shared.kwargs) for ref in chunk_refs]
-        return select_output_ranks(self._execute(method, calls), mesh)
+        return select_output_ranks(self._execute(name, calls), mesh)
 
     # ------------------------------------------------------------------------------- mesh
     def set_mesh(self, mesh: RankMesh) -> None:
@@ -208,7 +244,7 @@ class WorkerGroup:
 
     def learn_mesh(self) -> RankMesh:
         """Ask every rank for `mesh_coords()` (after it set up its parallel state); store the mesh."""
-        self.set_mesh(RankMesh.from_coords(self.call_all("mesh_coords")))
+        self.set_mesh(RankMesh.from_coords(self._execute("mesh_coords", one_to_all(world_size=self.world_size))))
         return self.mesh
 
     def require_mesh(self) -> RankMesh:

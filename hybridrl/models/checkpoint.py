@@ -310,7 +310,7 @@ def read_pieces(pieces: Sequence[Piece], handle_of: Callable[[int, int], Any], a
 
     `pieces` is that tensor's entry of `layout.hf_export_map`; `handle_of(tp_rank, pp_rank)` opens a
     rank's safetensors file; `key_prefix` is put before each piece's key (files that hold several
-    tensors per parameter, e.g. the optimizer states of `hybridrl.workers.checkpointing`).
+    tensors per parameter, e.g. the optimizer states of `hybridrl.training.checkpointing`).
     """
     parts = []
     for piece in pieces:

@@ -10,7 +10,7 @@ Rules (each refusal names what was found and what to do):
   - CPU jobs: megatron-core 0.16.x only, the release the CPU layer (`hybridrl.parallel.cpu_layer`) was
     written and tested against: its workarounds patch megatron internals that move between releases.
   - GPU jobs: a CUDA build of torch; megatron-core >= 0.16.1 (the optimizer/DDP offload API used
-    by `hybridrl.workers.offload`; another series than 0.16 is a warning: unreviewed).
+    by `hybridrl.training.offload`; another series than 0.16 is a warning: unreviewed).
   - vLLM pins torch and transformers exactly: the installed versions must satisfy the installed vLLM's
     own requirements, read from its metadata (a mismatch fails much later with undefined symbols).
   - TransformerEngine must be inside the range the installed megatron-core declares for it (its

@@ -267,7 +267,7 @@ def _snapshot_on_worker(worker: Any) -> dict[str, torch.Tensor]:
 
 
 def _digests_on_worker(worker: Any) -> dict[str, str]:
-    from hybridrl.engine.layout import tensor_digest
+    from hybridrl.parallel.digest import tensor_digest
 
     return {name: tensor_digest(value) for name, value in _loaded_parameters(_worker_model(worker))}
 
@@ -587,7 +587,7 @@ class RolloutEngine:
         in whole vLLM layers (q, k, v of a layer together; gate and up together): vLLM rebuilds a
         layer from scratch and would leave the parts not sent uninitialized.
         `weight_format="vllm_shard"`: this TP rank's tensors in vLLM's own names and layout (what
-        `hybridrl.engine.layout.hf_to_vllm_shards` gives): written straight into the parameters
+        `hybridrl.reshard.layout.hf_to_vllm_shards` gives): written straight into the parameters
         (in place on GPU; on CPU, followed by vLLM's repacking of the touched layers).
         On GPU with sleep mode, call `wake_up(tags=["weights"])` before updating.
         """
@@ -611,7 +611,7 @@ class RolloutEngine:
         return self.llm.collective_rpc(_snapshot_on_worker)[0]
 
     def parameter_digests(self) -> dict[str, str]:
-        """`hybridrl.engine.layout.tensor_digest` of each parameter of this rank (no copies sent back).
+        """`hybridrl.parallel.digest.tensor_digest` of each parameter of this rank (no copies sent back).
 
         Same capture requirement on CPU as `named_parameters_snapshot`.
         """

@@ -13,6 +13,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from hybridrl.names import TIMED_PHASES
+
 # The few numbers the per-step console line shows, in order (others go to JSONL/TensorBoard).
 CONSOLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("step", "training/global_step", "{:>5.0f}"),
@@ -24,7 +26,7 @@ CONSOLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("step_s", "timing_s/step", "{:>7.2f}"),
     ("tok/s", "perf/throughput_tokens_per_s", "{:>8.0f}"),
 )
-PHASES = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor", "sync")
+PHASES = TIMED_PHASES
 
 
 class Backend(Protocol):

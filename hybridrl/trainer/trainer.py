@@ -26,6 +26,7 @@ from hybridrl.algorithms.kl_control import kl_controller_from_config
 from hybridrl.algorithms.names import GREEDY_BASELINE_ADV_ESTIMATORS
 from hybridrl.config.plan import Plan
 from hybridrl.data.batch import Batch
+from hybridrl.names import GroupName, Phase
 from hybridrl.trainer.checkpoints import CheckpointError, CheckpointManager
 from hybridrl.trainer.rl_step import (
     AdvantageSettings,
@@ -50,7 +51,7 @@ class TrainingFailure(RuntimeError):
     intact (a save in progress is never the latest), so `trainer.resume_mode=auto` continues from it.
     """
 
-    def __init__(self, step: int, phase: str, cause: str) -> None:
+    def __init__(self, step: int, phase: Phase, cause: str) -> None:
         self.step = step
         self.phase = phase
         self.cause = cause
@@ -60,7 +61,7 @@ class TrainingFailure(RuntimeError):
 class NonFiniteGuard:
     """Counts training steps in a row with a skipped optimizer step (NaN/Inf loss or gradients).
 
-    The workers skip such an optimizer step themselves (`hybridrl.workers.nonfinite`); a run whose
+    The workers skip such an optimizer step themselves (`hybridrl.training.nonfinite`); a run whose
     steps keep being skipped is not training, so after `limit` in a row (0 = never) it stops.
     """
 
@@ -107,7 +108,7 @@ class Trainer:
         self.run_dir = run_dir_for(plan)
         self.checkpoints = CheckpointManager(checkpoint_root_for(plan), plan.config.trainer.keep_last_n)
         self.global_step = 0
-        self.phase = "start"  # the phase running now: named by a TrainingFailure
+        self.phase = Phase.START  # the phase running now: named by a TrainingFailure
         self.cluster = self.pool = self.actor_group = self.critic_group = self.rm_group = None
 
     # ------------------------------------------------------------------------------ set-up
@@ -154,11 +155,11 @@ class Trainer:
         self.pool.start(timeout_s=300)
         settings = HybridSettings(probe_tolerance=plan.resolved.probe_tolerance)
         timeout_s = trainer.nccl_timeout_s  # every group's collectives, megatron's included
-        self.actor_group = WorkerGroup(HybridEngineWorker, self.pool, role="actor_rollout_ref",
+        self.actor_group = WorkerGroup(HybridEngineWorker, self.pool, role=GroupName.ACTOR_ROLLOUT_REF,
                                        worker_args=(plan, settings), process_group_timeout_s=timeout_s)
-        setup = self.actor_group.call_all("setup", self.total_steps)
+        setup = self.actor_group.call_all(HybridEngineWorker.setup, self.total_steps)
         self.actor_group.learn_mesh()
-        coords = self.actor_group.call_all("rollout_coords")
+        coords = self.actor_group.call_all(HybridEngineWorker.rollout_coords)
         replica_ids = sorted({c["replica"] for c in coords})
         self.rollout_mesh = RankMesh.from_coords(
             [MeshCoord(dp=replica_ids.index(c["replica"]), tp=c["tp"]) for c in coords])
@@ -171,16 +172,16 @@ class Trainer:
         if plan.resolved.critic_enabled:
             from hybridrl.workers.ray_roles import CriticWorker
 
-            self.critic_group = WorkerGroup(CriticWorker, self.pool, role="critic", worker_args=(plan,),
+            self.critic_group = WorkerGroup(CriticWorker, self.pool, role=GroupName.CRITIC, worker_args=(plan,),
                                             process_group_timeout_s=timeout_s)
-            self.critic_group.call_all("init_model", self.total_steps)
+            self.critic_group.call_all(CriticWorker.init_model, self.total_steps)
             self.critic_group.learn_mesh()
         if self.config.reward_model.enable:
             from hybridrl.workers.ray_roles import RewardModelWorker
 
-            self.rm_group = WorkerGroup(RewardModelWorker, self.pool, role="reward_model", worker_args=(plan,),
+            self.rm_group = WorkerGroup(RewardModelWorker, self.pool, role=GroupName.REWARD_MODEL, worker_args=(plan,),
                                         process_group_timeout_s=timeout_s)
-            self.rm_group.call_all("init_model")
+            self.rm_group.call_all(RewardModelWorker.init_model)
             self.rm_group.learn_mesh()
 
     def _greedy_sampling(self) -> Any:
@@ -212,7 +213,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ phases
     @contextmanager
-    def _phase(self, timer: PhaseTimer, name: str) -> Iterator[None]:
+    def _phase(self, timer: PhaseTimer, name: Phase) -> Iterator[None]:
         """Time a phase and remember it, so a failure inside it is reported with its name."""
         self.phase = name
         with timer.phase(name):
@@ -221,6 +222,7 @@ class Trainer:
     def generate(self, prompts: Batch, sampling: Any) -> Batch:
         """Samples for every prompt, over the rollout replicas; rows prompt-major, n per prompt."""
         from hybridrl.data.dataloader import unpadded_prompt_ids
+        from hybridrl.workers.hybrid import HybridEngineWorker
 
         replicas = self.rollout_mesh.dp_size
         padded, pad = prompts.pad_to_multiple(replicas)
@@ -229,7 +231,7 @@ class Trainer:
             uids[len(prompts):] = [f"{PAD_UID_PREFIX}{i}" for i in range(pad)]
             padded["uid"] = uids
         padded["raw_prompt_ids"] = unpadded_prompt_ids(padded)
-        per_replica = self.actor_group.call_by_dp_outputs("generate_sequences", padded, sampling,
+        per_replica = self.actor_group.call_by_dp_outputs(HybridEngineWorker.generate_sequences, padded, sampling,
                                                           mesh=self.rollout_mesh)
         # each replica measured its own share; the replicas generate at the same time
         replica_metrics = [replica.meta.pop("metrics", None) or {} for replica in per_replica]
@@ -244,10 +246,11 @@ class Trainer:
         """token_level_scores: the reward model's score when enabled, else the rule/user scorer's;
         plus DAPO's overlong penalty when enabled. All on each response's last token."""
         from hybridrl.rewards.manager import token_level_rewards
+        from hybridrl.workers.ray_roles import RewardModelWorker
 
         metrics: dict[str, float] = {}
         if self.rm_group is not None:
-            scores = self.rm_group.call_by_dp("compute_rm_score", batch)["rm_scores"]
+            scores = self.rm_group.call_by_dp(RewardModelWorker.compute_rm_score, batch)["rm_scores"]
             metrics["reward/rm_score_mean"] = float(scores.float().mean())
             token_scores = token_level_rewards(scores, batch["response_mask"])
         else:
@@ -265,10 +268,10 @@ class Trainer:
         return metrics
 
     def _generate_and_score(self, prompts: Batch, timer: PhaseTimer, metrics: dict[str, float]) -> Batch:
-        with self._phase(timer, "gen"):
+        with self._phase(timer, Phase.GEN):
             batch = self.generate(prompts, self._sampling())
         metrics.update(batch.meta.pop("metrics", {}) or {})
-        with self._phase(timer, "reward"):
+        with self._phase(timer, Phase.REWARD):
             metrics.update(self._score(batch))
         if self.config.algorithm.adv_estimator in GREEDY_BASELINE_ADV_ESTIMATORS:
             metrics.update(self._greedy_baseline(prompts, batch, timer))
@@ -277,9 +280,9 @@ class Trainer:
     def _greedy_baseline(self, prompts: Batch, batch: Batch, timer: PhaseTimer) -> dict[str, float]:
         """ReMax: one greedy response per prompt, scored by the same reward as the samples (scorer or
         reward model, overlong penalty); its score is the baseline of every sample of that prompt."""
-        with self._phase(timer, "gen_baseline"):
+        with self._phase(timer, Phase.GEN_BASELINE):
             greedy = self.generate(prompts, self._greedy_sampling())
-        with self._phase(timer, "reward_baseline"):
+        with self._phase(timer, Phase.REWARD_BASELINE):
             self._score(greedy)
         greedy_scores = greedy["token_level_scores"].sum(-1)
         batch["baseline_scores"] = baseline_per_row(batch["uid"], greedy["uid"], greedy_scores)
@@ -318,6 +321,9 @@ class Trainer:
         return selected
 
     def step(self, prompts: Batch) -> dict[str, float]:
+        from hybridrl.workers.hybrid import HybridEngineWorker
+        from hybridrl.workers.ray_roles import CriticWorker
+
         plan, cfg = self.plan, self.config
         timer = PhaseTimer()
         metrics: dict[str, float] = {}
@@ -329,12 +335,12 @@ class Trainer:
             metrics.update(generation_metrics)
         batch.meta.pop("reward_output", None)  # the controller's; the workers need none of it
         if cfg.actor_rollout_ref.rollout.free_cache_engine:
-            self.phase = "release_rollout_memory"
-            self.actor_group.call_all("release_rollout_memory")
+            self.phase = Phase.RELEASE_ROLLOUT_MEMORY
+            self.actor_group.call_all(HybridEngineWorker.release_rollout_memory)
         batch.meta["temperature"] = cfg.actor_rollout_ref.rollout.temperature
         if plan.resolved.old_log_prob_pass:  # else the update's forward is the old policy (on-policy)
-            with self._phase(timer, "old_log_prob"):
-                old = self.actor_group.call_by_dp("compute_log_prob", batch, with_entropy=True)
+            with self._phase(timer, Phase.OLD_LOG_PROB):
+                old = self.actor_group.call_by_dp(HybridEngineWorker.compute_log_prob, batch, with_entropy=True)
                 batch["old_log_probs"] = old["old_log_probs"]
                 mask = batch["response_mask"].float()
                 metrics["actor/entropy"] = float(masked_mean(old["entropys"], mask))
@@ -342,12 +348,13 @@ class Trainer:
                 metrics["rollout/log_prob_abs_diff_max"] = float(
                     ((old["old_log_probs"] - batch["rollout_log_probs"]).abs() * mask).max())
         if plan.resolved.ref_enabled:
-            with self._phase(timer, "ref"):
-                batch["ref_log_probs"] = self.actor_group.call_by_dp("compute_ref_log_prob", batch)["ref_log_probs"]
+            with self._phase(timer, Phase.REF):
+                ref = self.actor_group.call_by_dp(HybridEngineWorker.compute_ref_log_prob, batch)
+                batch["ref_log_probs"] = ref["ref_log_probs"]
         if self.critic_group is not None:
-            with self._phase(timer, "values"):
-                batch["values"] = self.critic_group.call_by_dp("compute_values", batch)["values"]
-        with self._phase(timer, "adv"):
+            with self._phase(timer, Phase.VALUES):
+                batch["values"] = self.critic_group.call_by_dp(CriticWorker.compute_values, batch)["values"]
+        with self._phase(timer, Phase.ADV):
             if cfg.algorithm.use_kl_in_reward:
                 metrics.update(apply_kl_in_reward(batch, self.kl_controller, cfg.algorithm.kl_penalty))
             else:
@@ -356,14 +363,14 @@ class Trainer:
                 cfg.algorithm.adv_estimator, cfg.algorithm.gamma, cfg.algorithm.lam,
                 cfg.algorithm.norm_adv_by_std_in_grpo))
         if self.critic_group is not None:
-            with self._phase(timer, "update_critic"):
-                outs = self.critic_group.call_by_dp_outputs("update_critic", batch)
+            with self._phase(timer, Phase.UPDATE_CRITIC):
+                outs = self.critic_group.call_by_dp_outputs(CriticWorker.update_critic, batch)
                 metrics.update(_mean_dicts([o.as_dict() if o is not None else None for o in outs]))
-        with self._phase(timer, "update_actor"):
-            outs = self.actor_group.call_by_dp_outputs("update_actor", batch)
+        with self._phase(timer, Phase.UPDATE_ACTOR):
+            outs = self.actor_group.call_by_dp_outputs(HybridEngineWorker.update_actor, batch)
             metrics.update(_mean_dicts(outs))
-        with self._phase(timer, "sync"):
-            syncs = self.actor_group.call_all("sync_weights")
+        with self._phase(timer, Phase.SYNC):
+            syncs = self.actor_group.call_all(HybridEngineWorker.sync_weights)
             metrics.update(_sync_metrics(syncs))
         metrics.update(response_metrics(batch))
         if cfg.trainer.rollout_data_dir:
@@ -406,7 +413,7 @@ class Trainer:
         if self.val_loader is None:
             return {}
         scores: list[float] = []
-        self.phase = "validate"
+        self.phase = Phase.VALIDATE
         for prompts in self.val_loader:
             batch = self.generate(prompts, self._sampling(validation=True))
             _, output = self.reward.score_batch(batch, self.tokenizer)
@@ -415,14 +422,17 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
-        self.phase = "save_checkpoint"
+        from hybridrl.workers.hybrid import HybridEngineWorker
+        from hybridrl.workers.ray_roles import CriticWorker
+
+        self.phase = Phase.SAVE_CHECKPOINT
         partial = self.checkpoints.begin(self.global_step)
         try:
-            self.actor_group.call_all("save_checkpoint", str(partial))
+            self.actor_group.call_all(HybridEngineWorker.save_checkpoint, str(partial))
             if self.config.trainer.export_hf_on_save:
-                self.actor_group.call_all("export_hf", str(partial / "actor_hf"))
+                self.actor_group.call_all(HybridEngineWorker.export_hf, str(partial / "actor_hf"))
             if self.critic_group is not None:
-                self.critic_group.call_all("save_checkpoint", str(partial))
+                self.critic_group.call_all(CriticWorker.save_checkpoint, str(partial))
             state = {"dataloader": self.train_loader.state_dict(), "kl_coef": float(self.kl_controller.value)}
             return self.checkpoints.commit(partial, self.global_step, state)
         except BaseException:
@@ -431,11 +441,14 @@ class Trainer:
 
     def resume(self, path: Path) -> None:
         """Restore workers, data order and KL coefficient from a complete checkpoint."""
-        self.phase = "resume"
+        from hybridrl.workers.hybrid import HybridEngineWorker
+        from hybridrl.workers.ray_roles import CriticWorker
+
+        self.phase = Phase.RESUME
         state = self.checkpoints.read_state(path)
-        self.actor_group.call_all("load_checkpoint", str(path))
+        self.actor_group.call_all(HybridEngineWorker.load_checkpoint, str(path))
         if self.critic_group is not None:
-            self.critic_group.call_all("load_checkpoint", str(path))
+            self.critic_group.call_all(CriticWorker.load_checkpoint, str(path))
         self.train_loader.load_state_dict(state["dataloader"])
         self.kl_controller.value = state.get("kl_coef", self.kl_controller.value)
         self.global_step = int(state["global_step"])
@@ -455,7 +468,7 @@ class Trainer:
             resume_from = self.checkpoints.resolve_resume(cfg.trainer.resume_mode)
             resume_step = int(self.checkpoints.read_state(resume_from)["global_step"]) if resume_from else 0
         except CheckpointError as error:
-            raise TrainingFailure(0, "resume", str(error)) from error
+            raise TrainingFailure(0, Phase.RESUME, str(error)) from error
         tracker = Tracker.create(cfg.trainer.logger, self.run_dir, project=cfg.trainer.project_name,
                                  experiment=cfg.trainer.experiment_name, config=self.plan.to_dict()["config"],
                                  write=tqdm.write if self.progress else self.write, resume_step=resume_step)
@@ -463,7 +476,7 @@ class Trainer:
 
         guard = NonFiniteGuard(cfg.trainer.max_consecutive_nonfinite_steps)
         try:
-            self.phase = "setup"
+            self.phase = Phase.SETUP
             self._build_workers()
             if resume_from is not None:
                 self.resume(resume_from)
@@ -484,7 +497,7 @@ class Trainer:
                 tracker.log(self.global_step, metrics)
                 bar.update(1)
                 if guard.exhausted:
-                    raise TrainingFailure(self.global_step, "update", (
+                    raise TrainingFailure(self.global_step, Phase.UPDATE_ACTOR, (
                         f"{guard.consecutive} steps in a row skipped their optimizer step for a non-finite "
                         "loss or gradient (trainer.max_consecutive_nonfinite_steps="
                         f"{guard.limit}); the weights are those of the last finite step"))

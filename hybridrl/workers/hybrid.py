@@ -38,6 +38,7 @@ import torch
 from hybridrl.config.plan import Plan
 from hybridrl.controller.base_worker import RankContext
 from hybridrl.data.batch import Batch
+from hybridrl.names import Phase
 from hybridrl.parallel.cpu_layer import cuda_to_cpu_mode_suspended
 from hybridrl.parallel.device import default_dtype_for, release_cached_blocks
 from hybridrl.parallel.memory import memory_metrics
@@ -99,7 +100,7 @@ class HybridEngineWorker(ActorRolloutRefWorker):
 
     # ------------------------------------------------------------------------------ bring-up
     def setup(self, total_training_steps: int | None = None) -> dict[str, Any]:
-        from hybridrl.engine.resharder import ReshardConfig, Resharder
+        from hybridrl.reshard.resharder import ReshardConfig, Resharder
         from hybridrl.rollout.engine import RolloutEngine, RolloutEngineConfig
 
         plan, settings = self.plan, self.settings
@@ -137,7 +138,7 @@ class HybridEngineWorker(ActorRolloutRefWorker):
         # Shards travel and are digested in vLLM's dtype (bf16 rollout from fp32 training: the cast
         # vLLM's loader would do, done before the digest), so the digests compare like with like.
         rollout_dtype = default_dtype_for(plan.resolved.device, plan.resolved.rollout_dtype)
-        self.resharder = Resharder(self.actor.engine.chunks, plan.reshard.groups, gen_tp_index=actual,
+        self.resharder = Resharder(self.actor.backend.chunks, plan.reshard.groups, gen_tp_index=actual,
                                    config=ReshardConfig(bucket_bytes=settings.bucket_bytes, output_dtype=rollout_dtype))
         sync = self.sync_weights()
         return {"setup_s": time.perf_counter() - started, "rollout_build_s": self.rollout.build_seconds,
@@ -151,7 +152,7 @@ class HybridEngineWorker(ActorRolloutRefWorker):
     # ------------------------------------------------------------------------------ generation
     def generate_sequences(self, prompts: Batch, sampling: Any) -> Batch | None:
         """`prompts` carries `raw_prompt_ids` (object array of token lists) and `uid` per prompt."""
-        faults.crash_point("generate")
+        faults.crash_point(Phase.GEN)
         ids = [list(map(int, p)) for p in prompts["raw_prompt_ids"]]
         uids = list(prompts["uid"]) if "uid" in prompts else None
         self._record_memory("gen_before")
@@ -190,9 +191,9 @@ class HybridEngineWorker(ActorRolloutRefWorker):
     # ------------------------------------------------------------------------------ weight sync
     def sync_weights(self) -> dict[str, float]:
         """Reshard the actor into vLLM, then prove it (checksums + log-prob probe)."""
-        from hybridrl.engine.checksums import verify_checksums
+        from hybridrl.reshard.checksums import verify_checksums
 
-        faults.crash_point("sync")
+        faults.crash_point(Phase.SYNC)
         started = time.perf_counter()
         self._record_memory("sync_before")
         # GPU with sleep mode, in the order that frees memory first (the actor's grads and Adam states

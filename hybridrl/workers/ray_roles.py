@@ -25,16 +25,17 @@ import torch
 from hybridrl.config.plan import Plan
 from hybridrl.controller.base_worker import RankContext, Worker
 from hybridrl.data.batch import Batch
+from hybridrl.names import Phase, Role
 from hybridrl.workers import faults
 
 
 class MegatronWorker(Worker):
-    """Common plumbing: the Plan, the rank's engines, mesh coordinates, thread count."""
+    """Common plumbing: the Plan, the rank's megatron backends, mesh coordinates, thread count."""
 
     def __init__(self, context: RankContext, plan: Plan) -> None:
         super().__init__(context)
         self.plan = plan
-        self.primary: Any = None  # the MegatronRole that defines this rank's mesh
+        self.primary: Any = None  # the MegatronBackend that defines this rank's mesh
 
     def _prepare(self) -> None:
         import torch
@@ -51,10 +52,10 @@ class MegatronWorker(Worker):
             return None
         return total_training_steps * self.plan.update(role).optimizer_steps_per_step
 
-    def _require(self, engine: Any, what: str) -> Any:
-        if engine is None:
+    def _require(self, part: Any, what: str) -> Any:
+        if part is None:
             raise RuntimeError(f"{type(self).__name__} rank {self.rank}: {what} is not set up (call init_model first)")
-        return engine
+        return part
 
     def mesh_coords(self) -> dict[str, int]:
         return self._require(self.primary, "the model").mesh_coords()
@@ -63,78 +64,78 @@ class MegatronWorker(Worker):
 class ActorRolloutRefWorker(MegatronWorker):
     """The hybrid engine's processes: policy training, reference log-probs and (later) the rollout."""
 
-    def __init__(self, context: RankContext, plan: Plan, roles: tuple[str, ...] = ("actor", "ref")) -> None:
+    def __init__(self, context: RankContext, plan: Plan, roles: tuple[str, ...] = (Role.ACTOR, Role.REF)) -> None:
         super().__init__(context, plan)
-        unknown = set(roles) - {"actor", "ref", "rollout"}
+        unknown = set(roles) - {Role.ACTOR, Role.REF, "rollout"}
         if unknown:
             raise ValueError(f"unknown roles {sorted(unknown)} for ActorRolloutRefWorker")
         self.roles = tuple(roles)
         self.actor: Any = None
         self.ref: Any = None
         # The rollout engine (hybridrl.rollout) lives in these same processes; it is attached by
-        # the trainer once it exists, and weight sync goes through the resharder (hybridrl.engine).
+        # the trainer once it exists, and weight sync goes through the resharder (hybridrl.reshard).
         self.rollout: Any = None
 
     def init_model(self, total_training_steps: int | None = None) -> None:
-        from hybridrl.workers.actor import MegatronActor
-        from hybridrl.workers.megatron_role import MegatronRole, role_spec
+        from hybridrl.training.actor import MegatronActor
+        from hybridrl.training.backend import MegatronBackend, role_spec
 
         self._prepare()
-        if "actor" in self.roles:
-            engine = MegatronRole(role_spec(self.plan, "actor"),
-                                  total_optimizer_steps=self._total_optimizer_steps("actor", total_training_steps))
-            self.actor = MegatronActor(engine, self.plan)
-            self.primary = engine
-        if "ref" in self.roles and self.plan.resolved.ref_enabled:
-            # Same processes, so the same megatron layout as the actor (checked by the engine).
-            engine = MegatronRole(role_spec(self.plan, "ref"))
-            self.ref = MegatronActor(engine, self.plan, log_prob_pass="ref_log_prob", output_key="ref_log_probs")
-            engine.offload_params()
-            self.primary = self.primary or engine
+        if Role.ACTOR in self.roles:
+            backend = MegatronBackend(role_spec(self.plan, Role.ACTOR),
+                                  total_optimizer_steps=self._total_optimizer_steps(Role.ACTOR, total_training_steps))
+            self.actor = MegatronActor(backend, self.plan)
+            self.primary = backend
+        if Role.REF in self.roles and self.plan.resolved.ref_enabled:
+            # Same processes, so the same megatron layout as the actor (checked by the backend).
+            backend = MegatronBackend(role_spec(self.plan, Role.REF))
+            self.ref = MegatronActor(backend, self.plan, log_prob_pass="ref_log_prob", output_key="ref_log_probs")
+            backend.offload_params()
+            self.primary = self.primary or backend
 
     def attach_rollout(self, rollout: Any) -> None:
         """Seam for the rollout engine built in this process by `hybridrl.rollout`."""
         self.rollout = rollout
 
     def compute_log_prob(self, batch: Batch, with_entropy: bool = False) -> Batch | None:
-        faults.crash_point("log_prob")
+        faults.crash_point(Phase.OLD_LOG_PROB)
         return self._require(self.actor, "the actor").compute_log_prob(batch, with_entropy)
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch | None:
         ref = self._require(self.ref, "the reference policy")
-        ref.engine.load_params()
+        ref.backend.load_params()
         try:
             return ref.compute_log_prob(batch)
         finally:
-            ref.engine.offload_params()
+            ref.backend.offload_params()
 
     def update_actor(self, batch: Batch) -> Any:
         actor = self._require(self.actor, "the actor")
-        faults.crash_point("update")
-        if faults.triggered("nan_update"):
+        faults.crash_point(Phase.UPDATE_ACTOR)
+        if faults.triggered(faults.NAN_UPDATE_ACTOR):
             batch["advantages"] = torch.full_like(batch["advantages"], float("nan"))
         metrics = actor.update_policy(batch)
-        actor.engine.offload_training_state()  # idle until the next update (no-op unless configured)
+        actor.backend.offload_training_state()  # idle until the next update (no-op unless configured)
         return metrics
 
     def save_checkpoint(self, path: str) -> str:
-        from hybridrl.workers.checkpointing import save_role_checkpoint
+        from hybridrl.training.checkpointing import save_role_checkpoint
 
-        saved = str(save_role_checkpoint(self._require(self.actor, "the actor").engine, Path(path) / "actor"))
-        faults.crash_point("checkpoint")  # files written, checkpoint not yet sealed by the trainer
+        saved = str(save_role_checkpoint(self._require(self.actor, "the actor").backend, Path(path) / Role.ACTOR))
+        faults.crash_point(Phase.SAVE_CHECKPOINT)  # files written, checkpoint not yet sealed by the trainer
         return saved
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
-        from hybridrl.workers.checkpointing import load_role_checkpoint
+        from hybridrl.training.checkpointing import load_role_checkpoint
 
-        return load_role_checkpoint(self._require(self.actor, "the actor").engine, Path(path) / "actor")
+        return load_role_checkpoint(self._require(self.actor, "the actor").backend, Path(path) / Role.ACTOR)
 
     def export_hf(self, path: str) -> str:
         """Collective: the current policy as an HF folder (written by rank 0)."""
         from hybridrl.models.bridge import export_hf
 
-        engine = self._require(self.actor, "the actor").engine
-        return str(export_hf(engine.chunks, path, ctx=engine.ctx, force=True))
+        backend = self._require(self.actor, "the actor").backend
+        return str(export_hf(backend.chunks, path, ctx=backend.ctx, force=True))
 
 
 class CriticWorker(MegatronWorker):
@@ -143,14 +144,14 @@ class CriticWorker(MegatronWorker):
         self.critic: Any = None
 
     def init_model(self, total_training_steps: int | None = None) -> None:
-        from hybridrl.workers.critic import MegatronCritic
-        from hybridrl.workers.megatron_role import MegatronRole, role_spec
+        from hybridrl.training.backend import MegatronBackend, role_spec
+        from hybridrl.training.critic import MegatronCritic
 
         self._prepare()
-        engine = MegatronRole(role_spec(self.plan, "critic"),
-                              total_optimizer_steps=self._total_optimizer_steps("critic", total_training_steps))
-        self.critic = MegatronCritic(engine, self.plan)
-        self.primary = engine
+        backend = MegatronBackend(role_spec(self.plan, Role.CRITIC),
+                              total_optimizer_steps=self._total_optimizer_steps(Role.CRITIC, total_training_steps))
+        self.critic = MegatronCritic(backend, self.plan)
+        self.primary = backend
 
     def compute_values(self, batch: Batch) -> Batch | None:
         return self._require(self.critic, "the critic").compute_values(batch)
@@ -159,14 +160,14 @@ class CriticWorker(MegatronWorker):
         return self._require(self.critic, "the critic").update_critic(batch)
 
     def save_checkpoint(self, path: str) -> str:
-        from hybridrl.workers.checkpointing import save_role_checkpoint
+        from hybridrl.training.checkpointing import save_role_checkpoint
 
-        return str(save_role_checkpoint(self._require(self.critic, "the critic").engine, Path(path) / "critic"))
+        return str(save_role_checkpoint(self._require(self.critic, "the critic").backend, Path(path) / Role.CRITIC))
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
-        from hybridrl.workers.checkpointing import load_role_checkpoint
+        from hybridrl.training.checkpointing import load_role_checkpoint
 
-        return load_role_checkpoint(self._require(self.critic, "the critic").engine, Path(path) / "critic")
+        return load_role_checkpoint(self._require(self.critic, "the critic").backend, Path(path) / Role.CRITIC)
 
 
 class RewardModelWorker(MegatronWorker):
@@ -175,13 +176,13 @@ class RewardModelWorker(MegatronWorker):
         self.reward_model: Any = None
 
     def init_model(self) -> None:
-        from hybridrl.workers.megatron_role import MegatronRole, role_spec
-        from hybridrl.workers.reward_model import MegatronRewardModel
+        from hybridrl.training.backend import MegatronBackend, role_spec
+        from hybridrl.training.reward_model import MegatronRewardModel
 
         self._prepare()
-        engine = MegatronRole(role_spec(self.plan, "reward_model"))
-        self.reward_model = MegatronRewardModel(engine, self.plan)
-        self.primary = engine
+        backend = MegatronBackend(role_spec(self.plan, Role.REWARD_MODEL))
+        self.reward_model = MegatronRewardModel(backend, self.plan)
+        self.primary = backend
 
     def compute_rm_score(self, batch: Batch) -> Batch | None:
         return self._require(self.reward_model, "the reward model").compute_scores(batch)

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from hybridrl.parallel import strict_device
 from hybridrl.parallel.forked import run_ranks
-from tests.test_workers_critic import _critic_rank, _reference_critic, _reward_rank
-from tests.test_workers_fixtures import (
+from tests.test_training_critic import _critic_rank, _reference_critic, _reward_rank
+from tests.test_training_fixtures import (
     hf_response_log_probs,
     job_config,
     policy_model,
@@ -32,7 +32,7 @@ from tests.test_workers_fixtures import (
     with_critic,
     with_reward_model,
 )
-from tests.test_workers_ranks import _update_rank
+from tests.test_training_ranks import _update_rank
 
 TOL = 1e-5
 
@@ -154,25 +154,25 @@ def test_collectives_refuse_host_tensors_on_nccl_groups():
 # ------------------------------------------------------------------------ the workers' data path
 def _actor_log_prob_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
     from hybridrl.config.plan import build_plan
-    from hybridrl.engine.resharder import Resharder
-    from hybridrl.workers.actor import MegatronActor
+    from hybridrl.reshard.resharder import Resharder
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.backend import MegatronBackend, role_spec
     from hybridrl.workers.hybrid import _probe_batch
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
 
     strict_device.enable_strict_device()
     assert strict_device.placement(batch["input_ids"]) == "host"  # as it arrives from the controller
     plan = build_plan(config)
-    engine = MegatronRole(role_spec(plan, "actor"))
-    assert all(strict_device.placement(p) == "device" for c in engine.chunks for p in c.parameters())
-    actor = MegatronActor(engine, plan, output_key="old_log_probs")
+    backend = MegatronBackend(role_spec(plan, "actor"))
+    assert all(strict_device.placement(p) == "device" for c in backend.chunks for p in c.parameters())
+    actor = MegatronActor(backend, plan, output_key="old_log_probs")
     out = actor.compute_log_prob(batch, with_entropy=True)
     probe = actor.compute_log_prob(_probe_batch(0))  # the sync's log-prob probe, trainer side
-    shards = Resharder(engine.chunks, plan.reshard.groups).reshard()
+    shards = Resharder(backend.chunks, plan.reshard.groups).reshard()
     if out is not None:
         assert all(strict_device.placement(t) != "device" for t in (*out.tensors.values(), *probe.tensors.values())), \
             "results for the controller must come back to the host"
     strict_device.disable_strict_device()
-    plain = Resharder(engine.chunks, plan.reshard.groups).reshard()
+    plain = Resharder(backend.chunks, plan.reshard.groups).reshard()
     same_shards = sorted(shards) == sorted(plain) and all(torch.equal(shards[k], plain[k]) for k in plain)
     result = None if out is None else {k: v.clone() for k, v in out.tensors.items()}
     return {"out": result, "probe": None if probe is None else probe["old_log_probs"].clone(),

@@ -1,4 +1,4 @@
-"""`hybridrl.engine.layout`: the HF -> vLLM per-rank layout, as pure math and against real vLLM.
+"""`hybridrl.reshard.layout`: the HF -> vLLM per-rank layout, as pure math and against real vLLM.
 
 The vLLM tests build engines in forked ranks (infer_tp=2 through external_launcher inside a gloo
 group, as in a colocated trainer) and read back what vLLM's own loader put in its parameters. On CPU
@@ -13,17 +13,17 @@ import math
 import pytest
 import torch
 
-from hybridrl.engine.layout import (
+from hybridrl.models.arch import ModelShape
+from hybridrl.parallel.digest import tensor_digest
+from hybridrl.parallel.forked import run_ranks
+from hybridrl.reshard.layout import (
     EMBED,
     LM_HEAD,
     hf_to_vllm_shards,
-    tensor_digest,
     vllm_padded_vocab,
     vllm_param_shapes,
     vllm_shard_nbytes,
 )
-from hybridrl.models.arch import ModelShape
-from hybridrl.parallel.forked import run_ranks
 from tests import rollout_scenarios
 from tests.rollout_models import LLAMA_GQA1, QWEN2_TIED, build_tiny_model, load_config, load_state_dict
 
@@ -197,7 +197,7 @@ def _reference_sums(tensor: torch.Tensor) -> list[int]:
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
         return z ^ (z >> 31)
 
-    from hybridrl.engine.layout import DIGEST_CHUNK
+    from hybridrl.parallel.digest import DIGEST_CHUNK
 
     raw = tensor.contiguous().reshape(-1).view(torch.int32).tolist()
     sums = [0, 0]
@@ -213,19 +213,19 @@ def _reference_sums(tensor: torch.Tensor) -> list[int]:
 def test_tensor_digest_sums_are_the_documented_construction(monkeypatch):
     import hashlib
 
-    from hybridrl.engine import layout
+    from hybridrl.parallel import digest as digest_module
 
-    monkeypatch.setattr(layout, "DIGEST_CHUNK", 5)  # several chunks from a small tensor
-    monkeypatch.setattr(layout, "_lane_weights", {})
+    monkeypatch.setattr(digest_module, "DIGEST_CHUNK", 5)  # several chunks from a small tensor
+    monkeypatch.setattr(digest_module, "_lane_weights", {})
     base = torch.randn(3, 4)
     digest = hashlib.blake2b(digest_size=16)
     digest.update(f"{base.dtype}|{tuple(base.shape)}|".encode())
     digest.update(torch.tensor(_reference_sums(base), dtype=torch.int64).numpy().tobytes())
-    assert layout.tensor_digest(base) == digest.hexdigest()
+    assert digest_module.tensor_digest(base) == digest.hexdigest()
 
 
 def test_tensor_digest_sees_every_single_change_and_swaps_across_chunks():
-    from hybridrl.engine.layout import DIGEST_CHUNK
+    from hybridrl.parallel.digest import DIGEST_CHUNK
 
     base = torch.randn(DIGEST_CHUNK + 1000)
     reference = tensor_digest(base)
@@ -247,7 +247,7 @@ def test_layout_and_rollout_modules_do_not_import_megatron_or_vllm():
     import sys
 
     code = (
-        "import sys, hybridrl.engine.layout, hybridrl.rollout.engine, hybridrl.rollout.sampling; "
+        "import sys, hybridrl.reshard.layout, hybridrl.rollout.engine, hybridrl.rollout.sampling; "
         "heavy = [m for m in ('megatron', 'vllm', 'transformers') if m in sys.modules]; "
         "assert not heavy, heavy"
     )

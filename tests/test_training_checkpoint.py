@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hybridrl.parallel.forked import run_ranks
-from tests.test_workers_fixtures import (
+from tests.test_training_fixtures import (
     job_config,
     policy_model,
     rollout_batch,
@@ -30,24 +30,24 @@ def _rank(rank: int, world: int, config: Any, batches: list[Any], ckpt: str, mod
     from megatron.core import tensor_parallel
 
     from hybridrl.models.checkpoint import tensor_sha256
-    from hybridrl.workers.checkpointing import load_role_checkpoint, save_role_checkpoint
+    from hybridrl.training.checkpointing import load_role_checkpoint, save_role_checkpoint
 
-    engine, update, chunks = trained_role(config, role, batches)
+    backend, update, chunks = trained_role(config, role, batches)
     if mode == "save":
         update(chunks[0])
         # Advance every RNG stream (as sampling or dropout would) so that a restore is visible.
         torch.rand(7), random.random(), np.random.rand()
         with tensor_parallel.get_cuda_rng_tracker().fork():
             torch.rand(7)
-        save_role_checkpoint(engine, ckpt)
+        save_role_checkpoint(backend, ckpt)
     else:
-        load_role_checkpoint(engine, ckpt)
+        load_role_checkpoint(backend, ckpt)
     with tensor_parallel.get_cuda_rng_tracker().fork():
         tracker_draw = torch.rand(3)
     draws = (torch.rand(3), tracker_draw, torch.tensor([random.random(), np.random.rand()]))
     metrics = update(chunks[1])
-    digests = {n: tensor_sha256(p.detach()) for c in engine.chunks for n, p in c.named_parameters()}
-    return {"metrics": metrics, "draws": draws, "digests": digests, "lr": engine.schedule.current_lr}
+    digests = {n: tensor_sha256(p.detach()) for c in backend.chunks for n, p in c.named_parameters()}
+    return {"metrics": metrics, "draws": draws, "digests": digests, "lr": backend.schedule.current_lr}
 
 
 @pytest.mark.parametrize("role", ["actor", "critic"])

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from hybridrl.parallel.forked import run_ranks
-from tests.test_workers_fixtures import (
+from tests.test_training_fixtures import (
     RESPONSE,
     job_config,
     policy_model,
@@ -26,12 +26,12 @@ TOL = 1e-5
 
 def _critic_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
     from hybridrl.config.plan import build_plan
-    from hybridrl.workers.critic import MegatronCritic
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.backend import MegatronBackend, role_spec
+    from hybridrl.training.critic import MegatronCritic
 
     plan = build_plan(config)
-    critic = MegatronCritic(MegatronRole(role_spec(plan, "critic")), plan)
-    ctx = critic.engine.ctx
+    critic = MegatronCritic(MegatronBackend(role_spec(plan, "critic")), plan)
+    ctx = critic.backend.ctx
     chunk = batch.split(ctx.dp)[ctx.dp_rank]
     before = critic.compute_values(chunk)
     metrics = critic.update_critic(chunk)
@@ -90,11 +90,11 @@ def test_critic_values_and_update_equal_torch(tmp_path):
 
 def _reward_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
     from hybridrl.config.plan import build_plan
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
-    from hybridrl.workers.reward_model import MegatronRewardModel
+    from hybridrl.training.backend import MegatronBackend, role_spec
+    from hybridrl.training.reward_model import MegatronRewardModel
 
     plan = build_plan(config)
-    rm = MegatronRewardModel(MegatronRole(role_spec(plan, "reward_model")), plan)
+    rm = MegatronRewardModel(MegatronBackend(role_spec(plan, "reward_model")), plan)
     out = rm.compute_scores(batch)
     return None if out is None else out["rm_scores"].clone()
 
@@ -119,13 +119,13 @@ def test_reward_model_scores_equal_transformers(tmp_path):
 
 def _critic_values_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
     from hybridrl.config.plan import build_plan
-    from hybridrl.workers.critic import MegatronCritic
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.backend import MegatronBackend, role_spec
+    from hybridrl.training.critic import MegatronCritic
 
     plan = build_plan(config)
-    engine = MegatronRole(role_spec(plan, "critic"))
-    out = MegatronCritic(engine, plan).compute_values(batch)
-    return None if out is None else (out["values"].clone(), engine.head_loaded)
+    backend = MegatronBackend(role_spec(plan, "critic"))
+    out = MegatronCritic(backend, plan).compute_values(batch)
+    return None if out is None else (out["values"].clone(), backend.head_loaded)
 
 
 def test_critic_from_a_causal_lm_gets_a_fresh_head_same_on_every_layout(tmp_path):

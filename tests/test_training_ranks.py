@@ -9,22 +9,22 @@ import torch
 
 from hybridrl.parallel.forked import run_ranks
 from tests.test_models_fixtures import make_hf_model
-from tests.test_workers_fixtures import hf_response_log_probs, job_config, policy_model, rollout_batch
+from tests.test_training_fixtures import hf_response_log_probs, job_config, policy_model, rollout_batch
 
 
 def _log_prob_rank(rank: int, world: int, config: Any, batch: Any, role: str = "actor",
                    vpp: int | None = None) -> Any:
     from hybridrl.config.plan import build_plan
-    from hybridrl.workers.actor import MegatronActor
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.backend import MegatronBackend, role_spec
 
     plan = build_plan(config)
     spec = role_spec(plan, role)
-    if vpp:  # a forward-only engine alone in its process: a plan refuses a ref layout unlike the actor's
+    if vpp:  # a forward-only backend alone in its process: a plan refuses a ref layout unlike the actor's
         spec = dataclasses.replace(spec, megatron=dataclasses.replace(
             spec.megatron, virtual_pipeline_model_parallel_size=vpp))
-    engine = MegatronRole(spec)
-    actor = MegatronActor(engine, plan, output_key="old_log_probs")
+    backend = MegatronBackend(spec)
+    actor = MegatronActor(backend, plan, output_key="old_log_probs")
     out = actor.compute_log_prob(batch, with_entropy=True)
     return None if out is None else {k: v.clone() for k, v in out.tensors.items()}
 
@@ -48,18 +48,18 @@ def _update_rank(rank: int, world: int, config: Any, batch: Any, out_dir: str) -
     from hybridrl.config.plan import build_plan
     from hybridrl.models.bridge import export_hf
     from hybridrl.models.checkpoint import tensor_sha256
-    from hybridrl.workers.actor import MegatronActor
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.backend import MegatronBackend, role_spec
 
     plan = build_plan(config)
-    engine = MegatronRole(role_spec(plan, "actor"))
-    actor = MegatronActor(engine, plan)
-    ctx = engine.ctx
+    backend = MegatronBackend(role_spec(plan, "actor"))
+    actor = MegatronActor(backend, plan)
+    ctx = backend.ctx
     chunk = batch.split(ctx.dp)[ctx.dp_rank]
     metrics = actor.update_policy(chunk)
-    export_hf(engine.chunks, out_dir, force=True)
+    export_hf(backend.chunks, out_dir, force=True)
     digests = {f"{i}.{n}": tensor_sha256(p.detach())
-               for i, c in enumerate(engine.chunks) for n, p in c.named_parameters()}
+               for i, c in enumerate(backend.chunks) for n, p in c.named_parameters()}
     return {"metrics": metrics, "coords": (ctx.tp_rank, ctx.pp_rank, ctx.dp_rank), "digests": digests}
 
 
@@ -131,13 +131,13 @@ def test_ppo_update_is_split_invariant(tmp_path):
 
 def _dynamic_log_prob_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
     from hybridrl.config.plan import build_plan
-    from hybridrl.workers.actor import MegatronActor
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
-    from hybridrl.workers.micro_batching import partition_rows
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.backend import MegatronBackend, role_spec
+    from hybridrl.training.micro_batching import partition_rows
 
     plan = build_plan(config)
-    actor = MegatronActor(MegatronRole(role_spec(plan, "actor")), plan)
-    ctx = actor.engine.ctx
+    actor = MegatronActor(MegatronBackend(role_spec(plan, "actor")), plan)
+    ctx = actor.backend.ctx
     chunk = batch.split(ctx.dp)[ctx.dp_rank]
     parts = partition_rows(chunk["attention_mask"], 0, dynamic=True, max_tokens=actor.max_tokens,
                            dp_group=ctx.dp_group)
@@ -248,17 +248,17 @@ def test_activation_recomputation_gives_the_same_update(tmp_path):
 
 def _on_policy_rank(rank: int, world: int, config: Any, batch: Any, recompute: bool) -> Any:
     from hybridrl.config.plan import build_plan
-    from hybridrl.workers.actor import MegatronActor
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.backend import MegatronBackend, role_spec
 
     plan = build_plan(config)
-    engine = MegatronRole(role_spec(plan, "actor"))
-    actor = MegatronActor(engine, plan)
-    chunk = batch.split(engine.ctx.dp)[engine.ctx.dp_rank]
+    backend = MegatronBackend(role_spec(plan, "actor"))
+    actor = MegatronActor(backend, plan)
+    chunk = batch.split(backend.ctx.dp)[backend.ctx.dp_rank]
     if recompute:  # DP only: every rank is an output rank of its own replica
         chunk["old_log_probs"] = actor.compute_log_prob(chunk)["old_log_probs"]
     metrics = actor.update_policy(chunk)
-    weights = {f"{i}.{n}": p.detach().clone() for i, c in enumerate(engine.chunks) for n, p in c.named_parameters()}
+    weights = {f"{i}.{n}": p.detach().clone() for i, c in enumerate(backend.chunks) for n, p in c.named_parameters()}
     return {"metrics": metrics, "weights": weights, "skips_pass": not plan.resolved.old_log_prob_pass}
 
 
@@ -296,11 +296,11 @@ def test_on_policy_update_without_old_log_prob_pass_equals_recomputed(tmp_path):
 
 def _off_policy_without_old_rank(rank: int, world: int, config: Any, batch: Any) -> str:
     from hybridrl.config.plan import build_plan
-    from hybridrl.workers.actor import MegatronActor
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.backend import MegatronBackend, role_spec
 
     plan = build_plan(config)
-    actor = MegatronActor(MegatronRole(role_spec(plan, "actor")), plan)
+    actor = MegatronActor(MegatronBackend(role_spec(plan, "actor")), plan)
     with pytest.raises(ValueError, match="needs `old_log_probs`") as err:
         actor.update_policy(batch)
     return str(err.value)

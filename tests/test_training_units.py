@@ -7,17 +7,17 @@ import pytest
 import torch
 
 from hybridrl.parallel.forked import run_ranks
-from hybridrl.workers.lr_schedule import LRSchedule
-from hybridrl.workers.metrics import StepMetrics, average_steps
-from hybridrl.workers.micro_batching import (
+from hybridrl.training.lr_schedule import LRSchedule
+from hybridrl.training.metrics import StepMetrics, average_steps
+from hybridrl.training.micro_batching import (
     balanced_partition,
     dynamic_partition,
     fixed_partition,
     micro_batches_needed,
     restore_order,
 )
-from hybridrl.workers.sequences import SequenceLayoutError, build_model_inputs, take_predictions
-from tests.test_workers_fixtures import RESPONSE, rollout_batch
+from hybridrl.training.sequences import SequenceLayoutError, build_model_inputs, take_predictions
+from tests.test_training_fixtures import RESPONSE, rollout_batch
 
 
 # ------------------------------------------------------------------------------------ sequences

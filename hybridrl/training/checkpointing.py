@@ -62,7 +62,7 @@ import torch.distributed as dist
 
 from hybridrl.parallel.device import collective_device
 from hybridrl.parallel.state import failed_ranks
-from hybridrl.workers.megatron_role import MegatronRole
+from hybridrl.training.backend import MegatronBackend
 
 logger = logging.getLogger(__name__)
 
@@ -113,17 +113,17 @@ class _Entry:
     is_head: bool  # a value model's scalar head: replicated over TP, outside the layout math
 
 
-def _entries(engine: MegatronRole) -> list[_Entry]:
+def _entries(backend: MegatronBackend) -> list[_Entry]:
     from hybridrl.models.bridge import rank_tensor_entries
 
-    return [_Entry(key, plan, param, engine.spec.value_head and plan.mcore_name == OUTPUT_LAYER)
-            for key, plan, param in rank_tensor_entries(engine.chunks)]
+    return [_Entry(key, plan, param, backend.spec.value_head and plan.mcore_name == OUTPUT_LAYER)
+            for key, plan, param in rank_tensor_entries(backend.chunks)]
 
 
-def _shape(engine: MegatronRole) -> Any:
+def _shape(backend: MegatronBackend) -> Any:
     from hybridrl.models.bridge import chunk_info
 
-    return chunk_info(engine.chunks[0]).source.shape
+    return chunk_info(backend.chunks[0]).source.shape
 
 
 # ---- where each parameter's optimizer state lives -----------------------------------------------------
@@ -330,15 +330,15 @@ def _gather_sharded(entries: list[_Entry], local: dict[int, dict[str, torch.Tens
     return {i: {k: t.reshape(entries[i].param.shape) for k, t in by_kind.items()} for i, by_kind in full.items()}
 
 
-def _state_tensors(engine: MegatronRole) -> tuple[dict[str, torch.Tensor], dict[str, Any], _OptimizerView | None]:
+def _state_tensors(backend: MegatronBackend) -> tuple[dict[str, torch.Tensor], dict[str, Any], _OptimizerView | None]:
     """Collective: the train_state tensors this rank writes (DP rank 0 of each TP x PP position), the
     optimizer description (same on every rank) and the optimizer view. Local failures are agreed on
     before any further collective, so every rank raises together."""
-    ctx = engine.ctx
+    ctx = backend.ctx
     error, summary = None, None
     try:
-        entries = _entries(engine)
-        view = _OptimizerView(engine.optimizer) if engine.optimizer is not None else None
+        entries = _entries(backend)
+        view = _OptimizerView(backend.optimizer) if backend.optimizer is not None else None
         local, summary = _local_optimizer_state(entries, view) if view is not None else ({}, None)
     except Exception as exc:  # noqa: BLE001 - shared with every rank below
         error = f"{type(exc).__name__}: {exc}"
@@ -349,7 +349,7 @@ def _state_tensors(engine: MegatronRole) -> tuple[dict[str, torch.Tensor], dict[
         raise RoleCheckpointError("; ".join(failed))
     out: dict[str, torch.Tensor] = {}
     writer = ctx.dp_rank == 0 and ctx.cp_rank == 0
-    if engine.spec.value_head and writer:
+    if backend.spec.value_head and writer:
         for entry in entries:
             out[f"{PARAM}/{entry.key}"] = entry.param.detach().cpu()
     if view is None:
@@ -386,12 +386,12 @@ def _rank_optimizer_meta(view: _OptimizerView | None) -> dict[str, Any] | None:
     return {"parts": parts}
 
 
-def save_role_checkpoint(engine: MegatronRole, out_dir: str | Path) -> Path:
+def save_role_checkpoint(backend: MegatronBackend, out_dir: str | Path) -> Path:
     """Collective over the role's group: write the role's state into `out_dir` (replaced if present)."""
     from hybridrl.models.bridge import save_mcore_checkpoint
     from hybridrl.models.checkpoint import commit_staging_dir, make_staging_dir, write_rank_file
 
-    ctx = engine.ctx
+    ctx = backend.ctx
     out_dir = Path(out_dir).absolute()
     holder: list[Any] = [None]
     if ctx.rank == 0:
@@ -407,9 +407,9 @@ def save_role_checkpoint(engine: MegatronRole, out_dir: str | Path) -> Path:
     optimizer: dict[str, Any] = {}
     entry: tuple[str, dict[str, Any]] | None = None
     try:
-        if not engine.spec.value_head:
-            save_mcore_checkpoint(engine.chunks, staging / MODEL_DIR, ctx=ctx)
-        tensors, optimizer, view = _state_tensors(engine)
+        if not backend.spec.value_head:
+            save_mcore_checkpoint(backend.chunks, staging / MODEL_DIR, ctx=ctx)
+        tensors, optimizer, view = _state_tensors(backend)
         if tensors:
             folder = staging / STATE_DIR
             folder.mkdir(exist_ok=True)
@@ -417,10 +417,10 @@ def save_role_checkpoint(engine: MegatronRole, out_dir: str | Path) -> Path:
             entry = (name, {"tp_rank": ctx.tp_rank, "pp_rank": ctx.pp_rank,
                             "tensors": write_rank_file(folder / name, tensors)})
         state: dict[str, Any] = {
-            "role": engine.spec.role, "rank": ctx.rank,
+            "role": str(backend.spec.role), "rank": ctx.rank,
             "rng": rng_state(ctx.device),
             "optimizer": _rank_optimizer_meta(view),
-            "schedule": engine.schedule.state_dict() if engine.schedule is not None else None,
+            "schedule": backend.schedule.state_dict() if backend.schedule is not None else None,
         }
         target = staging / rank_file(ctx.rank)
         partial_file = target.with_suffix(".tmp")
@@ -436,10 +436,10 @@ def save_role_checkpoint(engine: MegatronRole, out_dir: str | Path) -> Path:
         coords: list[Any] = [None] * ctx.world_size
         dist.all_gather_object(coords, {"tp": ctx.tp_rank, "pp": ctx.pp_rank, "dp": ctx.dp_rank, "cp": ctx.cp_rank})
         if ctx.rank == 0:
-            meta = {"format": FORMAT, "version": VERSION, "role": engine.spec.role, "world_size": ctx.world_size,
-                    "layout": _layout(ctx), "value_head": engine.spec.value_head,
-                    "shape": _shape(engine).to_dict(), "ranks": coords, "optimizer": optimizer,
-                    "optimizer_steps": engine.schedule.step_count if engine.schedule is not None else 0,
+            meta = {"format": FORMAT, "version": VERSION, "role": str(backend.spec.role), "world_size": ctx.world_size,
+                    "layout": _layout(ctx), "value_head": backend.spec.value_head,
+                    "shape": _shape(backend).to_dict(), "ranks": coords, "optimizer": optimizer,
+                    "optimizer_steps": backend.schedule.step_count if backend.schedule is not None else 0,
                     "train_state": dict(e for e in files if e is not None)}
             (staging / METADATA).write_text(json.dumps(meta, indent=1))
             commit_staging_dir(staging, out_dir)
@@ -598,13 +598,13 @@ def _read_meta(ckpt_dir: Path) -> dict[str, Any]:
     return meta
 
 
-def _check_model(engine: MegatronRole, meta: dict[str, Any], ckpt_dir: Path) -> None:
-    if meta["role"] != engine.spec.role:
-        raise RoleCheckpointError(f"{ckpt_dir} holds role {meta['role']!r}, this is {engine.spec.role!r}")
-    if bool(meta.get("value_head")) != engine.spec.value_head:
+def _check_model(backend: MegatronBackend, meta: dict[str, Any], ckpt_dir: Path) -> None:
+    if meta["role"] != backend.spec.role:
+        raise RoleCheckpointError(f"{ckpt_dir} holds role {meta['role']!r}, this is {str(backend.spec.role)!r}")
+    if bool(meta.get("value_head")) != backend.spec.value_head:
         raise RoleCheckpointError(f"{ckpt_dir}: value_head={meta.get('value_head')} in the checkpoint, "
-                                  f"{engine.spec.value_head} for this role")
-    own = json.loads(json.dumps(_shape(engine).to_dict()))
+                                  f"{backend.spec.value_head} for this role")
+    own = json.loads(json.dumps(_shape(backend).to_dict()))
     saved = meta["shape"]
     differ = [f"{k}={saved.get(k)!r} (this model: {own.get(k)!r})" for k in sorted(set(own) | set(saved))
               if own.get(k) != saved.get(k)]
@@ -686,35 +686,35 @@ def _load_group_settings(view: _OptimizerView, saved: dict[str, Any] | None) -> 
             scaler.load_state_dict(saved_part["grad_scaler"])
 
 
-def load_role_checkpoint(engine: MegatronRole, ckpt_dir: str | Path) -> dict[str, Any]:
+def load_role_checkpoint(backend: MegatronBackend, ckpt_dir: str | Path) -> dict[str, Any]:
     """Restore weights, optimizer state, LR schedule and RNG saved by `save_role_checkpoint`, on the saved
     layout or another one (see the module docstring). Returns the checkpoint's metadata plus `resharded`
     and `rng_source_rank`."""
     from hybridrl.models.bridge import load_weights
 
-    ctx = engine.ctx
+    ctx = backend.ctx
     ckpt_dir = Path(ckpt_dir)
     meta = _read_meta(ckpt_dir)
-    _check_model(engine, meta, ckpt_dir)
+    _check_model(backend, meta, ckpt_dir)
     same = meta["layout"] == _layout(ctx) and meta["world_size"] == ctx.world_size
     source = ctx.rank if same else _source_rank(meta, ctx)
     state = _load_rank_file(ckpt_dir / rank_file(source))
-    if engine.optimizer is not None and state.get("optimizer") is None:
+    if backend.optimizer is not None and state.get("optimizer") is None:
         raise RoleCheckpointError(f"{ckpt_dir} holds no optimizer state (saved from a frozen role?)")
-    entries = _entries(engine)
+    entries = _entries(backend)
     store = _TrainState(ckpt_dir / STATE_DIR, meta)
     try:
         # a damaged file fails before anything is loaded; each rank reads (and checks) only what it needs
         store.verify({(ctx.tp_rank, ctx.pp_rank)} if same else store.positions_for(entries))
-        if engine.spec.value_head:
+        if backend.spec.value_head:
             _load_value_weights(entries, store, same, ctx)
         else:
-            load_weights(engine.chunks, ckpt_dir / MODEL_DIR)
-        if engine.optimizer is not None:
-            view = _OptimizerView(engine.optimizer)
+            load_weights(backend.chunks, ckpt_dir / MODEL_DIR)
+        if backend.optimizer is not None:
+            view = _OptimizerView(backend.optimizer)
             _load_optimizer(entries, view, store, meta, same, ctx)
             _load_group_settings(view, state["optimizer"])
-            engine.schedule.load_state_dict(state["schedule"])
+            backend.schedule.load_state_dict(state["schedule"])
     finally:
         store.close()
     load_rng_state(state["rng"], ctx.device)

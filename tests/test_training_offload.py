@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hybridrl.parallel.forked import run_ranks
-from tests.test_workers_fixtures import job_config, policy_model, rollout_batch
+from tests.test_training_fixtures import job_config, policy_model, rollout_batch
 
 STEPS = 3
 
@@ -20,30 +20,30 @@ STEPS = 3
 def _train_rank(rank: int, world: int, config: Any, batches: list[Any]) -> Any:
     from hybridrl.config.plan import build_plan
     from hybridrl.models.checkpoint import tensor_sha256
-    from hybridrl.workers.actor import MegatronActor
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
-    from hybridrl.workers.offload import inner_optimizers
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.backend import MegatronBackend, role_spec
+    from hybridrl.training.offload import inner_optimizers
 
     plan = build_plan(config)
-    engine = MegatronRole(role_spec(plan, "actor"))
-    actor = MegatronActor(engine, plan)
-    ctx = engine.ctx
+    backend = MegatronBackend(role_spec(plan, "actor"))
+    actor = MegatronActor(backend, plan)
+    ctx = backend.ctx
     losses, observed = [], []
     for batch in batches:
         metrics = actor.update_policy(batch.split(ctx.dp)[ctx.dp_rank])
         losses.append(None if metrics is None else (metrics.pg_loss, metrics.grad_norm))
         # the tensors themselves are held (not only their ids, which Python reuses once they are freed)
-        before = [v for inner in inner_optimizers(engine.optimizer)
+        before = [v for inner in inner_optimizers(backend.optimizer)
                   for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-        engine.offload_training_state()  # what the actor worker does after each update
-        after = [v for inner in inner_optimizers(engine.optimizer)
+        backend.offload_training_state()  # what the actor worker does after each update
+        after = [v for inner in inner_optimizers(backend.optimizer)
                  for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-        grad_storage = sum(b.grad_data.untyped_storage().size() for m in engine.models for b in m.buffers)
+        grad_storage = sum(b.grad_data.untyped_storage().size() for m in backend.models for b in m.buffers)
         replaced = not ({id(v) for v in before} & {id(v) for v in after})
         observed.append({"state_tensors": len(before), "replaced": replaced, "grad_storage_bytes": grad_storage})
         # a log-prob pass between updates, as in a real step (must not need the offloaded state)
         actor.compute_log_prob(batch.split(ctx.dp)[ctx.dp_rank])
-    digests = {f"{i}.{n}": tensor_sha256(p.detach()) for i, c in enumerate(engine.chunks)
+    digests = {f"{i}.{n}": tensor_sha256(p.detach()) for i, c in enumerate(backend.chunks)
                for n, p in c.named_parameters()}
     return {"losses": losses, "observed": observed, "digests": digests}
 
@@ -73,12 +73,12 @@ def _param_offload_rank(rank: int, world: int, config: Any) -> str:
     from dataclasses import replace
 
     from hybridrl.config.plan import build_plan
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.backend import MegatronBackend, role_spec
 
     spec = role_spec(build_plan(config), "actor")
     spec = replace(spec, megatron=replace(spec.megatron, param_offload=True))
     try:
-        MegatronRole(spec)
+        MegatronBackend(spec)
     except ValueError as exc:
         return str(exc)
     return "built"

@@ -2,7 +2,7 @@
 
 One PPO update of each family at TP2, and of a tied-embedding model at PP2 (and TP2 x PP2), against
 two references: the single-rank update (every HF tensor after the optimizer step, <= 1e-5 fp32) and
-the objective recomputed from transformers in `test_workers_actor_reference` (loss terms, grad norm
+the objective recomputed from transformers in `test_training_actor_reference` (loss terms, grad norm
 and every gradient before the step). With tied embeddings at PP > 1 the first stage's embedding and
 the last stage's output layer are two copies of one HF tensor: after the step they must be equal,
 bit for bit, and equal to the exported `embed_tokens`. That vLLM then serves the trained copies is
@@ -17,7 +17,7 @@ import torch
 
 from hybridrl.parallel.forked import run_ranks
 from tests.test_models_fixtures import make_hf_model, read_json, safetensors_state
-from tests.test_workers_actor_reference import (
+from tests.test_training_actor_reference import (
     Case,
     actor_config,
     assert_matches_reference,
@@ -30,13 +30,13 @@ CASE = Case("token-mean", "low_var_kl")
 WEIGHT_ATOL = 1e-5
 
 
-def tied_copies(engine: Any) -> dict[str, torch.Tensor]:
+def tied_copies(backend: Any) -> dict[str, torch.Tensor]:
     """This stage's copies of the tied embedding (full vocab rows, TP shards gathered), by role."""
     import torch.distributed as dist
 
-    ctx = engine.ctx
+    ctx = backend.ctx
     found = {}
-    for chunk in engine.chunks:
+    for chunk in backend.chunks:
         if chunk.pre_process:
             found["embedding"] = chunk.embedding.word_embeddings.weight
         if chunk.post_process and chunk.output_layer.weight is not None:  # None when PP=1 shares one tensor
@@ -52,16 +52,16 @@ def tied_copies(engine: Any) -> dict[str, torch.Tensor]:
 def _train_rank(rank: int, world: int, config: Any, batch: Any, weights_dir: str, grads_dir: str) -> dict:
     from hybridrl.config.plan import build_plan
     from hybridrl.models.bridge import export_hf
-    from hybridrl.workers.actor import MegatronActor
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.backend import MegatronBackend, role_spec
 
     plan = build_plan(config)
-    engine = MegatronRole(role_spec(plan, "actor"))
-    metrics = MegatronActor(engine, plan).update_policy(batch.split(engine.ctx.dp)[engine.ctx.dp_rank])
-    export_hf(engine.chunks, weights_dir, force=True)
-    copies = tied_copies(engine)  # a TP collective: every rank gathers
-    gradients_into_params(engine)
-    export_hf(engine.chunks, grads_dir, force=True)
+    backend = MegatronBackend(role_spec(plan, "actor"))
+    metrics = MegatronActor(backend, plan).update_policy(batch.split(backend.ctx.dp)[backend.ctx.dp_rank])
+    export_hf(backend.chunks, weights_dir, force=True)
+    copies = tied_copies(backend)  # a TP collective: every rank gathers
+    gradients_into_params(backend)
+    export_hf(backend.chunks, grads_dir, force=True)
     return {"metrics": metrics, "copies": copies}
 
 

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from hybridrl.config.meshes import build_reshard_groups, build_training_mesh
-from hybridrl.engine.checksums import ShardChecksumError, shard_checksums, verify_checksums
-from hybridrl.engine.layout import hf_to_vllm_shards, vllm_padded_vocab
 from hybridrl.models.arch import ModelShape
 from hybridrl.parallel.forked import run_ranks
+from hybridrl.reshard.checksums import ShardChecksumError, shard_checksums, verify_checksums
+from hybridrl.reshard.layout import hf_to_vllm_shards, vllm_padded_vocab
 from tests.test_models_fixtures import make_hf_model, read_json, safetensors_state
 
 CHANGED_LAYER = 1
@@ -47,9 +47,9 @@ def _add_to_layer(models: list[Any], layer: int, delta: float) -> None:
 def _reshard_rank(rank: int, world_size: int, hf_dir: str, tp: int, pp: int, vpp: int | None, infer_tp: int,
                   bucket_bytes: int, swapped: bool = False, change: bool = False,
                   vllm_default_groups: bool = False, dtype: str | None = None) -> dict[str, Any]:
-    from hybridrl.engine.resharder import ReshardConfig, Resharder
     from hybridrl.models.bridge import build_gpt_models, load_weights
     from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
+    from hybridrl.reshard.resharder import ReshardConfig, Resharder
 
     initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, device="cpu")
     try:
@@ -167,9 +167,9 @@ def test_bf16_training_weights_reshard_bit_exactly(hf_dirs):
 
 def _inconsistent_rank(rank: int, world_size: int, hf_dir: str) -> str:
     """Rank 0 is configured with another bucket size: the ranks would plan different messages."""
-    from hybridrl.engine.resharder import ReshardConfig, Resharder
     from hybridrl.models.bridge import build_gpt_models, load_weights
     from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
+    from hybridrl.reshard.resharder import ReshardConfig, Resharder
 
     initialize_model_parallel(tp=2, device="cpu")
     try:
@@ -290,10 +290,10 @@ LOGPROB_TOLERANCE = 1e-4  # fp32 on CPU
 def _deliver_rank(rank: int, world_size: int, hf_dir: str, tp: int, pp: int, infer_tp: int) -> dict[str, Any]:
     """Colocated as in the actor: megatron first, then the engine; a 'training step' changes layer 0;
     the resharder's stream goes straight into the engine (vLLM shard format); digests are compared."""
-    from hybridrl.engine.checksums import compare_checksums
-    from hybridrl.engine.resharder import Resharder, check_rollout_placement
     from hybridrl.models.bridge import build_gpt_models, load_weights
     from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
+    from hybridrl.reshard.checksums import compare_checksums
+    from hybridrl.reshard.resharder import Resharder, check_rollout_placement
     from hybridrl.rollout.sampling import validation_sampling
     from tests.rollout_scenarios import make_engine
 
@@ -369,7 +369,7 @@ def _mixed_dtype_sync_rank(rank: int, world_size: int, model_dir: str) -> dict[s
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16"], HybridSettings(probe_tolerance=1.0))
     setup = worker.setup(total_training_steps=1)
     return {"sent": worker.resharder.last_report.checksums, "held": worker.rollout.parameter_digests(),
-            "train_dtype": str(worker.actor.engine.chunks[0].config.params_dtype),
+            "train_dtype": str(worker.actor.backend.chunks[0].config.params_dtype),
             "probe": setup["reshard/probe_max_abs_gap"]}
 
 
@@ -407,7 +407,7 @@ def test_plan_at_7b_scale_meets_the_bound_in_bounded_buckets(world, tp, pp, cp, 
     every rank receives exactly the Plan's estimate, only from its micro-DP group and its own DP/CP
     replica, and no bucket makes any rank send + receive more than the bucket."""
     from hybridrl.config.estimates import reshard_traffic
-    from hybridrl.engine.reshard_plan import build_rank_plan
+    from hybridrl.reshard.reshard_plan import build_rank_plan
 
     shape = ModelShape.from_hf_config(QWEN2_7B_SHAPE)
     mesh = build_training_mesh(world, tp, pp, cp)

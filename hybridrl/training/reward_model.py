@@ -15,9 +15,9 @@ import torch
 
 from hybridrl.config.plan import Plan
 from hybridrl.data.batch import Batch
-from hybridrl.workers.megatron_role import MegatronRole
-from hybridrl.workers.micro_batching import partition_rows, restore_order
-from hybridrl.workers.sequences import ModelInputs, take_predictions
+from hybridrl.training.backend import MegatronBackend
+from hybridrl.training.micro_batching import partition_rows, restore_order
+from hybridrl.training.sequences import ModelInputs, take_predictions
 
 
 def last_token_scores(micro: ModelInputs, output: torch.Tensor) -> torch.Tensor:
@@ -26,20 +26,20 @@ def last_token_scores(micro: ModelInputs, output: torch.Tensor) -> torch.Tensor:
 
 
 class MegatronRewardModel:
-    def __init__(self, engine: MegatronRole, plan: Plan) -> None:
-        if not engine.spec.value_head:
-            raise ValueError("the reward model needs a value-head engine (role_spec(plan, 'reward_model'))")
-        if not engine.head_loaded and engine.ctx.is_last_pp_stage:
-            raise ValueError(f"{engine.spec.model_path} has no score.weight: not a sequence-classification checkpoint")
-        self.engine = engine
+    def __init__(self, backend: MegatronBackend, plan: Plan) -> None:
+        if not backend.spec.value_head:
+            raise ValueError("the reward model needs a value-head backend (role_spec(plan, 'reward_model'))")
+        if not backend.head_loaded and backend.ctx.is_last_pp_stage:
+            raise ValueError(f"{backend.spec.model_path} has no score.weight: not a sequence-classification checkpoint")
+        self.backend = backend
         self.micro_batch_size = plan.forward("reward_scores").micro_batch_size
 
     def compute_scores(self, batch: Batch) -> Batch | None:
-        engine = self.engine
+        backend = self.backend
         tensors = batch.tensors
         partition = partition_rows(tensors["attention_mask"], self.micro_batch_size)
-        micros = engine.micro_batches(tensors, partition)
-        outputs = engine.forward_only(micros, last_token_scores)
-        if not engine.is_output_rank:
+        micros = backend.micro_batches(tensors, partition)
+        outputs = backend.forward_only(micros, last_token_scores)
+        if not backend.is_output_rank:
             return None
         return Batch({"rm_scores": restore_order(outputs, partition).squeeze(-1).cpu()})

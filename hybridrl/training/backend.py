@@ -1,7 +1,7 @@
-"""One role's megatron engine on one rank: parallel state, model chunks, DDP, optimizer, LR schedule,
+"""One role's megatron backend on one rank: parallel state, model chunks, DDP, optimizer, LR schedule,
 and the two ways to run micro-batches through megatron's pipeline schedule.
 
-`MegatronRole(spec)` on every rank of the role's group:
+`MegatronBackend(spec)` on every rank of the role's group:
   1. megatron parallel state for the role's mesh (`hybridrl.parallel.state`; on CPU that installs the
      CPU layer). Roles sharing a process (actor + ref) must share the layout: megatron's parallel
      state is process-global.
@@ -31,23 +31,24 @@ import torch
 
 from hybridrl.config.plan import Plan
 from hybridrl.config.schema import MegatronConfig, OptimConfig
-from hybridrl.workers.lr_schedule import LRSchedule
-from hybridrl.workers.offload import OptimizerStateOffload, offload_grad_buffers, restore_grad_buffers
-from hybridrl.workers.sequences import ModelInputs, micro_batch_inputs
+from hybridrl.names import Role
+from hybridrl.training.lr_schedule import LRSchedule
+from hybridrl.training.offload import OptimizerStateOffload, offload_grad_buffers, restore_grad_buffers
+from hybridrl.training.sequences import ModelInputs, micro_batch_inputs
 
 # megatron disables clipping with clip_grad=0 and then reports no grad norm; a bound no real norm
 # reaches keeps the norm computed without ever clipping.
 NO_CLIP = 1.0e12
 
-LM_ROLES = ("actor", "ref")
-VALUE_ROLES = ("critic", "reward_model")
+LM_ROLES = (Role.ACTOR, Role.REF)
+VALUE_ROLES = (Role.CRITIC, Role.REWARD_MODEL)
 
 
 @dataclass(frozen=True)
 class RoleSpec:
-    """What one role's engine is built from (all read from the Plan by `role_spec`)."""
+    """What one role's backend is built from (all read from the Plan by `role_spec`)."""
 
-    role: str
+    role: Role
     model_path: str
     megatron: MegatronConfig
     optim: OptimConfig | None  # None: frozen weights (ref, reward model)
@@ -61,23 +62,27 @@ class RoleSpec:
         return self.optim is not None
 
 
-def role_spec(plan: Plan, role: str) -> RoleSpec:
+def role_spec(plan: Plan, role: Role | str) -> RoleSpec:
+    try:
+        role = Role(role)
+    except ValueError:
+        raise ValueError(f"unknown role {role!r}; expected one of {[str(r) for r in Role]}") from None
     config = plan.config
     arr = config.actor_rollout_ref
     megatron = plan.layout(role).megatron
     dtype = megatron.dtype or plan.resolved.train_dtype
     device = plan.resolved.device
-    if role == "actor":
+    if role == Role.ACTOR:
         return RoleSpec(role, arr.model.path, megatron, arr.actor.optim, False, dtype, device,
                         arr.model.enable_gradient_checkpointing)
-    if role == "ref":
+    if role == Role.REF:
         return RoleSpec(role, arr.model.path, megatron, None, False, dtype, device)
-    if role == "critic":
+    if role == Role.CRITIC:
         return RoleSpec(role, config.critic.model.path or arr.model.path, megatron, config.critic.optim, True,
                         dtype, device, config.critic.model.enable_gradient_checkpointing)
-    if role == "reward_model":
+    if role == Role.REWARD_MODEL:
         return RoleSpec(role, config.reward_model.model.path, megatron, None, True, dtype, device)
-    raise ValueError(f"unknown role {role!r}; expected one of {LM_ROLES + VALUE_ROLES}")
+    raise AssertionError(role)  # every Role is handled above
 
 
 def ensure_parallel_state(megatron: MegatronConfig, device: str) -> Any:
@@ -119,13 +124,13 @@ class StepResult:
     applied: bool  # False when the optimizer skipped the step (fp16 overflow or a non-finite norm)
 
 
-class MegatronRole:
+class MegatronBackend:
     """A role's model on this rank, built and (when trainable) wrapped for training."""
 
     def __init__(self, spec: RoleSpec, *, total_optimizer_steps: int | None = None) -> None:
         from hybridrl.models.bridge import ModelSource, build_gpt_models, load_weights
         from hybridrl.parallel.device import default_dtype_for
-        from hybridrl.workers.value_head import attach_value_head, load_value_model, value_model_source
+        from hybridrl.training.value_head import attach_value_head, load_value_model, value_model_source
 
         self.spec = spec
         self.ctx = ensure_parallel_state(spec.megatron, spec.device)
@@ -259,7 +264,7 @@ class MegatronRole:
             raise ValueError("no micro-batches to run")
         if self.ctx.device == "cuda" and micro_batches[0].input_ids.device.type != "cuda":
             raise ValueError(f"{self.spec.role}: micro-batches are on {micro_batches[0].input_ids.device}, the model "
-                             "on cuda; build them with MegatronRole.micro_batches")
+                             "on cuda; build them with MegatronBackend.micro_batches")
 
         def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Callable[..., Any]]:
             micro = next(data_iterator)
@@ -319,10 +324,10 @@ class MegatronRole:
             group["lr"] = lr * group.get("lr_mult", 1.0)
             group["weight_decay"] = self.spec.optim.weight_decay * group.get("wd_mult", 1.0)
         metrics = self._run(micro_batches, lambda micro, output: loss_fn(micro, output), forward_only=False)
-        from hybridrl.workers.nonfinite import step_is_finite
+        from hybridrl.training.nonfinite import step_is_finite
 
         if not step_is_finite(self.models, metrics):
-            # megatron's fp32/bf16 optimizers would apply NaN grads (see workers.nonfinite): skip the
+            # megatron's fp32/bf16 optimizers would apply NaN grads (see training.nonfinite): skip the
             # step on every rank; the next train_step zeroes the grad buffers, the lr schedule waits.
             return StepResult(list(metrics), float("nan"), lr, False)
         applied, grad_norm, _ = self.optimizer.step()
@@ -334,7 +339,7 @@ class MegatronRole:
     # ------------------------------------------------------------------------- offloading
     def offload_training_state(self) -> None:
         """After an update phase: optimizer states to CPU and grad buffers freed, as configured
-        (`megatron.optimizer_offload` / `grad_offload`; see `hybridrl.workers.offload`). The next
+        (`megatron.optimizer_offload` / `grad_offload`; see `hybridrl.training.offload`). The next
         `train_step` brings them back. A no-op for frozen roles and when neither option is set."""
         if self.optimizer_offload is not None:
             self.optimizer_offload.offload()

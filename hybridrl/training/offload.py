@@ -17,7 +17,7 @@ more than bf16 weights and KV cache need. Between phases they can leave the GPU:
     grad buffer's storage (views stay valid) and `restore_grad_buffers` reallocates it zeroed;
     gradients are zeroed before every step anyway, so nothing is copied.
 
-Parameter offload of a trainable role is refused (`MegatronRole`): the parameters are what
+Parameter offload of a trainable role is refused (`MegatronBackend`): the parameters are what
 generation's weight sync and the log-prob passes read right after the update, and with the
 distributed optimizer they are views into DDP's buffers.
 """

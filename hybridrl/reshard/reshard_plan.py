@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from math import prod
 
 from hybridrl.config.meshes import ReshardGroups, TrainingMesh
-from hybridrl.engine.layout import (
+from hybridrl.models.arch import ModelShape
+from hybridrl.models.layout import ParallelLayout, Segment, chunk_tensor_plans, hf_tensor_shapes
+from hybridrl.reshard.layout import (
     EMBED,
     FINAL_NORM,
     LM_HEAD,
@@ -35,8 +37,6 @@ from hybridrl.engine.layout import (
     vllm_padded_vocab,
     vllm_param_shapes,
 )
-from hybridrl.models.arch import ModelShape
-from hybridrl.models.layout import ParallelLayout, Segment, chunk_tensor_plans, hf_tensor_shapes
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Megatron's fp32 and bf16 optimizers step whatever the gradients hold (only fp16's loss scaler checks
 for overflow): a NaN gradient with clipping on gives a NaN clip coefficient that is silently not
-applied, and Adam then writes NaN into every weight. So `MegatronRole.train_step` asks
+applied, and Adam then writes NaN into every weight. So `MegatronBackend.train_step` asks
 `step_is_finite` first and skips the optimizer step when any rank saw a non-finite value; the
 decision is all-reduced, so every rank (TP, PP, DP) skips together and the replicas stay identical.
 """

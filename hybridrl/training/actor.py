@@ -25,8 +25,8 @@ every micro-batch on every DP rank; each micro-batch's losses use those totals, 
 micro-batches and DP ranks is the mini-batch loss exactly, however the rows were cut. Megatron's
 schedule divides a returned loss by the number of micro-batches and DDP averages gradients over
 DP, so the loss handed to megatron is scaled by `num_microbatches * dp_size` (checked against a
-single-rank run in tests/test_workers_ranks.py, and gradient by gradient against the objective
-recomputed from transformers in tests/test_workers_actor_reference.py).
+single-rank run in tests/test_training_ranks.py, and gradient by gradient against the objective
+recomputed from transformers in tests/test_training_actor_reference.py).
 """
 from __future__ import annotations
 
@@ -42,11 +42,12 @@ from hybridrl.algorithms.vocab_parallel import vocab_parallel_entropy, vocab_par
 from hybridrl.config.plan import Plan
 from hybridrl.data.batch import Batch
 from hybridrl.models.bridge import mask_vocab_padding
-from hybridrl.workers.megatron_role import MegatronRole
-from hybridrl.workers.metrics import average_steps
-from hybridrl.workers.micro_batching import partition_rows, restore_order
-from hybridrl.workers.mini_batch import train_mini_batch
-from hybridrl.workers.sequences import ModelInputs, take_predictions
+from hybridrl.names import Role
+from hybridrl.training.backend import MegatronBackend
+from hybridrl.training.metrics import average_steps
+from hybridrl.training.micro_batching import partition_rows, restore_order
+from hybridrl.training.mini_batch import train_mini_batch
+from hybridrl.training.sequences import ModelInputs, take_predictions
 
 
 @dataclass(frozen=True)
@@ -110,22 +111,22 @@ def sampling_temperature(batch: Batch) -> float:
     return temperature if temperature > 0 else 1.0
 
 
-def response_logits(engine: MegatronRole, micro: ModelInputs, logits: torch.Tensor,
+def response_logits(backend: MegatronBackend, micro: ModelInputs, logits: torch.Tensor,
                     temperature: float) -> torch.Tensor:
     """The vocab shard `[b, R, V/tp]` (float32) predicting each response token, padded ids masked."""
-    ctx = engine.ctx
+    ctx = backend.ctx
     picked = take_predictions(logits, micro.predict_index).float()
     if temperature != 1.0:
         picked = picked / temperature
-    return mask_vocab_padding(picked, engine.vocab_size, ctx.tp_rank, ctx.tp)
+    return mask_vocab_padding(picked, backend.vocab_size, ctx.tp_rank, ctx.tp)
 
 
 class MegatronActor:
-    """Log-probs and (for a trainable engine) PPO updates of one policy role on this rank."""
+    """Log-probs and (for a trainable backend) PPO updates of one policy role on this rank."""
 
-    def __init__(self, engine: MegatronRole, plan: Plan, *, log_prob_pass: str = "old_log_prob",
+    def __init__(self, backend: MegatronBackend, plan: Plan, *, log_prob_pass: str = "old_log_prob",
                  output_key: str = "old_log_probs") -> None:
-        self.engine = engine
+        self.backend = backend
         self.plan = plan
         self.output_key = output_key
         self.forward_plan = plan.forward(log_prob_pass)
@@ -138,22 +139,22 @@ class MegatronActor:
 
     # ---------------------------------------------------------------------------- log-probs
     def compute_log_prob(self, batch: Batch, with_entropy: bool = False) -> Batch | None:
-        engine, ctx = self.engine, self.engine.ctx
+        backend, ctx = self.backend, self.backend.ctx
         tensors = batch.tensors
         temperature = sampling_temperature(batch)
         partition = partition_rows(tensors["attention_mask"], self.forward_plan.micro_batch_size,
                                    dynamic=self.dynamic, max_tokens=self.max_tokens, dp_group=ctx.dp_group)
-        micros = engine.micro_batches(tensors, partition)
+        micros = backend.micro_batches(tensors, partition)
 
         def collect(micro: ModelInputs, logits: torch.Tensor) -> torch.Tensor:
-            shard = response_logits(engine, micro, logits, temperature)
+            shard = response_logits(backend, micro, logits, temperature)
             log_prob = vocab_parallel_log_prob(shard, micro.responses, ctx.tp_group)
             if not with_entropy:
                 return log_prob.unsqueeze(-1)
             return torch.stack([log_prob, vocab_parallel_entropy(shard, ctx.tp_group)], dim=-1)
 
-        outputs = engine.forward_only(micros, collect)
-        if not engine.is_output_rank:
+        outputs = backend.forward_only(micros, collect)
+        if not backend.is_output_rank:
             return None
         stacked = restore_order(outputs, partition).cpu()  # results go back to the controller
         mask = tensors["response_mask"].to(stacked.dtype).unsqueeze(-1)
@@ -165,8 +166,8 @@ class MegatronActor:
 
     # -------------------------------------------------------------------------------- update
     def update_policy(self, batch: Batch) -> PolicyUpdateMetrics | None:
-        engine = self.engine
-        update = self.plan.update("actor")
+        backend = self.backend
+        update = self.plan.update(Role.ACTOR)
         per_mini = update.sequences_per_rank_per_mini_batch
         rows = len(batch)
         if rows % per_mini:
@@ -190,11 +191,11 @@ class MegatronActor:
             order = self._row_order(rows, epoch)
             for start in range(0, rows, per_mini):
                 step, applied = train_mini_batch(
-                    engine, batch, order[start:start + per_mini], update.micro_batch_size, loss,
+                    backend, batch, order[start:start + per_mini], update.micro_batch_size, loss,
                     extra_keys=extra_keys, dynamic=self.dynamic, max_tokens=self.max_tokens)
                 skipped += not applied
                 steps.append(step)
-        if not engine.is_output_rank:
+        if not backend.is_output_rank:
             return None
         mean = average_steps(steps)
         return PolicyUpdateMetrics(
@@ -214,8 +215,8 @@ class MegatronActor:
 
     def _policy_loss(self, micro: ModelInputs, logits: torch.Tensor, *, normalizers: LossNormalizers,
                      scale: int, temperature: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        ctx, cfg = self.engine.ctx, self.loss
-        shard = response_logits(self.engine, micro, logits, temperature)
+        ctx, cfg = self.backend.ctx, self.loss
+        shard = response_logits(self.backend, micro, logits, temperature)
         log_prob = vocab_parallel_log_prob(shard, micro.responses, ctx.tp_group)
         mask = micro.response_mask.to(log_prob.dtype)
         norm = dict(normalizers.as_kwargs(), norm_length=cfg.norm_length)

@@ -1,6 +1,6 @@
 """Per-tensor checksums of weight shards, to prove that what the rollout engine holds is what we sent.
 
-One digest for both sides: `engine.layout.tensor_digest` (two 64-bit lanes of position-weighted
+One digest for both sides: `hybridrl.parallel.digest.tensor_digest` (two 64-bit lanes of position-weighted
 integer sums of the tensor's bits, computed on the tensor's own device, plus a blake2b header of
 dtype and shape), which `RolloutEngine.parameter_digests` computes on the rollout side, so the
 comparison never copies a model, and on GPU never copies a weight to the host. It changes for any
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridrl.engine.layout import tensor_digest
+from hybridrl.parallel.digest import tensor_digest
 
 tensor_checksum = tensor_digest
 

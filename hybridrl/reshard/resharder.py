@@ -36,9 +36,9 @@ import torch.distributed as dist
 
 from hybridrl.config.estimates import ReshardTraffic, reshard_traffic
 from hybridrl.config.meshes import ReshardGroups, TrainingMesh, build_training_mesh
-from hybridrl.engine.checksums import tensor_checksum
-from hybridrl.engine.reshard_plan import Piece, RankBucket, RankReshardPlan, build_rank_plan
 from hybridrl.models.bridge import chunk_info, model_tensors, spec_tensor_name, unwrap_model
+from hybridrl.reshard.checksums import tensor_checksum
+from hybridrl.reshard.reshard_plan import Piece, RankBucket, RankReshardPlan, build_rank_plan
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}

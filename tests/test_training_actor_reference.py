@@ -21,7 +21,7 @@ import torch
 from hybridrl.parallel.forked import run_ranks
 from tests.rollout_models import build_tiny_model
 from tests.test_models_fixtures import safetensors_state
-from tests.test_workers_fixtures import RESPONSE, job_config, rollout_batch
+from tests.test_training_fixtures import RESPONSE, job_config, rollout_batch
 
 TEMPERATURE = 0.7
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28  # DAPO's clip-higher: asymmetric on purpose
@@ -145,7 +145,7 @@ def ppo_batch(hf_dir: Path, rows: int = 8, seed: int = 11) -> Any:
 
 
 # ---- megatron, on forked ranks ----------------------------------------------------------------------
-def gradients_into_params(engine: Any) -> None:
+def gradients_into_params(backend: Any) -> None:
     """Overwrite every parameter with its reduced gradient (DDP's `main_grad`), for the bridge's export.
 
     With the distributed optimizer each DP rank holds only its shard of each bucket reduced: gather
@@ -153,7 +153,7 @@ def gradients_into_params(engine: Any) -> None:
     """
     import torch.distributed as dist
 
-    for model in engine.models:
+    for model in backend.models:
         if model.ddp_config.use_distributed_optimizer:
             for group in model.bucket_groups:
                 size = group.intra_distributed_optimizer_instance_size
@@ -172,17 +172,17 @@ def gradients_into_params(engine: Any) -> None:
 def _actor_step_rank(rank: int, world: int, configs: list[Any], batch: Any, out_dirs: list[str]) -> list[Any]:
     from hybridrl.config.plan import build_plan
     from hybridrl.models.bridge import export_hf
-    from hybridrl.workers.actor import MegatronActor
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.backend import MegatronBackend, role_spec
 
     results = []
     for config, out_dir in zip(configs, out_dirs):
         plan = build_plan(config)
-        engine = MegatronRole(role_spec(plan, "actor"))
-        actor = MegatronActor(engine, plan)
-        metrics = actor.update_policy(batch.split(engine.ctx.dp)[engine.ctx.dp_rank])
-        gradients_into_params(engine)
-        export_hf(engine.chunks, out_dir, force=True)
+        backend = MegatronBackend(role_spec(plan, "actor"))
+        actor = MegatronActor(backend, plan)
+        metrics = actor.update_policy(batch.split(backend.ctx.dp)[backend.ctx.dp_rank])
+        gradients_into_params(backend)
+        export_hf(backend.chunks, out_dir, force=True)
         results.append(metrics)
     return results
 

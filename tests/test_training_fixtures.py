@@ -1,4 +1,4 @@
-"""Shared helpers for the tests/test_workers_* suites (no tests here).
+"""Shared helpers for the tests/test_training_* and tests/test_workers_* suites (no tests here).
 
 Tiny random HF models (from `test_models_fixtures`: Llama with GQA, vocab 200 that megatron pads,
 4 layers), job configs for a given layout, rollout-shaped batches (left-padded prompts,
@@ -154,16 +154,16 @@ def with_reward_model(config: Any, rm_path: str | Path, *, tp: int = 1, pp: int 
 
 
 def trained_role(config: Any, role: str, batches: list[Any]) -> tuple[Any, Any, list[Any]]:
-    """In a forked rank: the role's engine, its update function and this DP rank's share of each batch."""
+    """In a forked rank: the role's backend, its update function and this DP rank's share of each batch."""
     from hybridrl.config.plan import build_plan
-    from hybridrl.workers.actor import MegatronActor
-    from hybridrl.workers.critic import MegatronCritic
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.backend import MegatronBackend, role_spec
+    from hybridrl.training.critic import MegatronCritic
 
     plan = build_plan(config)
-    engine = MegatronRole(role_spec(plan, role))
-    worker: Any = MegatronActor(engine, plan) if role == "actor" else MegatronCritic(engine, plan)
+    backend = MegatronBackend(role_spec(plan, role))
+    worker: Any = MegatronActor(backend, plan) if role == "actor" else MegatronCritic(backend, plan)
     update = worker.update_policy if role == "actor" else worker.update_critic
-    ctx = engine.ctx
-    return engine, update, [b.split(ctx.dp)[ctx.dp_rank] for b in batches]
+    ctx = backend.ctx
+    return backend, update, [b.split(ctx.dp)[ctx.dp_rank] for b in batches]
 

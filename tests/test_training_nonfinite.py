@@ -11,45 +11,45 @@ from typing import Any
 import torch
 
 from hybridrl.parallel.forked import run_ranks
-from tests.test_workers_fixtures import job_config, policy_model, rollout_batch
+from tests.test_training_fixtures import job_config, policy_model, rollout_batch
 
 
-def _params(engine: Any) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for c in engine.chunks for n, p in c.named_parameters()}
+def _params(backend: Any) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for c in backend.chunks for n, p in c.named_parameters()}
 
 
 def _rank(rank: int, world: int, config: Any, good: Any, bad: Any) -> dict[str, Any]:
     from hybridrl.config.plan import build_plan
-    from hybridrl.workers.actor import MegatronActor
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.backend import MegatronBackend, role_spec
 
     plan = build_plan(config)
-    engine = MegatronRole(role_spec(plan, "actor"))
-    actor = MegatronActor(engine, plan)
-    ctx = engine.ctx
-    before = _params(engine)
+    backend = MegatronBackend(role_spec(plan, "actor"))
+    actor = MegatronActor(backend, plan)
+    ctx = backend.ctx
+    before = _params(backend)
     skipped = actor.update_policy(bad.split(ctx.dp)[ctx.dp_rank])
-    after_skip = _params(engine)
+    after_skip = _params(backend)
     unchanged = all(torch.equal(before[n], after_skip[n]) for n in before)
-    steps_after_skip = engine.schedule.step_count
+    steps_after_skip = backend.schedule.step_count
     applied = actor.update_policy(good.split(ctx.dp)[ctx.dp_rank])
-    after_good = _params(engine)
+    after_good = _params(backend)
     moved = any(not torch.equal(after_skip[n], after_good[n]) for n in before)
     finite = all(torch.isfinite(p).all() for p in after_good.values())
     # Control: the same NaN batch again, then megatron's optimizer step directly (no guard).
-    for m in engine.models:
+    for m in backend.models:
         m.zero_grad_buffer()
-    engine.optimizer.zero_grad()
+    backend.optimizer.zero_grad()
     from functools import partial
 
     from hybridrl.algorithms.aggregation import global_loss_normalizers
     mine = bad.split(ctx.dp)[ctx.dp_rank]
-    micros = engine.micro_batches(mine.tensors, [list(range(len(mine)))], extra_keys=("old_log_probs", "advantages"))
+    micros = backend.micro_batches(mine.tensors, [list(range(len(mine)))], extra_keys=("old_log_probs", "advantages"))
     normalizers = global_loss_normalizers([m.response_mask for m in micros], ctx.dp_group)
-    engine._run(micros, partial(actor._policy_loss, normalizers=normalizers, scale=ctx.dp, temperature=1.0),
+    backend._run(micros, partial(actor._policy_loss, normalizers=normalizers, scale=ctx.dp, temperature=1.0),
                 forward_only=False)
-    engine.optimizer.step()
-    poisoned = any(not torch.isfinite(p).all() for p in _params(engine).values())
+    backend.optimizer.step()
+    poisoned = any(not torch.isfinite(p).all() for p in _params(backend).values())
     return {"unchanged": unchanged, "moved": moved, "finite": finite, "poisoned": poisoned,
             "steps_after_skip": steps_after_skip, "skipped": skipped, "applied": applied}
 

@@ -16,7 +16,7 @@ import torch
 
 from hybridrl.parallel.forked import run_ranks
 from tests.test_models_fixtures import make_hf_model, safetensors_state
-from tests.test_workers_fixtures import (
+from tests.test_training_fixtures import (
     job_config,
     policy_model,
     rollout_batch,
@@ -29,35 +29,35 @@ from tests.test_workers_fixtures import (
 def _rank(rank: int, world: int, config: Any, batches: list[Any], ckpt: str, out: str, mode: str,
           role: str = "actor") -> Any:
     from hybridrl.models.bridge import export_hf, load_weights
-    from hybridrl.workers.checkpointing import load_role_checkpoint, save_role_checkpoint
+    from hybridrl.training.checkpointing import load_role_checkpoint, save_role_checkpoint
 
-    engine, update, chunks = trained_role(config, role, batches)
+    backend, update, chunks = trained_role(config, role, batches)
     if mode == "save":
         update(chunks[0])
-        save_role_checkpoint(engine, ckpt)
+        save_role_checkpoint(backend, ckpt)
         return None
     info = None
     if mode == "resume":
-        info = load_role_checkpoint(engine, ckpt)
+        info = load_role_checkpoint(backend, ckpt)
     else:  # weights only: what a resume without the optimizer state would do
-        load_weights(engine.chunks, Path(ckpt) / "model")
+        load_weights(backend.chunks, Path(ckpt) / "model")
     metrics = update(chunks[1])
     if role == "actor":
-        export_hf(engine.chunks, out, force=True)
+        export_hf(backend.chunks, out, force=True)
         weights = None
     else:  # value model: its weights as HF ranges, stitched in the parent
-        weights = _value_model_pieces(engine)
-    return {"metrics": metrics, "lr": engine.schedule.current_lr, "weights": weights,
+        weights = _value_model_pieces(backend)
+    return {"metrics": metrics, "lr": backend.schedule.current_lr, "weights": weights,
             "resharded": None if info is None else info["resharded"]}
 
 
-def _value_model_pieces(engine: Any) -> list[tuple[str, int | None, int, torch.Tensor]]:
+def _value_model_pieces(backend: Any) -> list[tuple[str, int | None, int, torch.Tensor]]:
     """(HF name, axis, start, tensor) of every HF range this rank's shards hold, plus the head."""
     from hybridrl.models.bridge import chunk_info
     from hybridrl.models.layout import chunk_tensor_plans
 
     out = []
-    for chunk in engine.chunks:
+    for chunk in backend.chunks:
         info = chunk_info(chunk)
         tensors = chunk.state_dict(keep_vars=True)
         for plan in chunk_tensor_plans(info.source.shape, info.layout, info.chunk, info.tp_rank):
@@ -180,12 +180,12 @@ def test_critic_checkpoint_resumes_on_another_layout(tmp_path):
 
 def _load_rank(rank: int, world: int, config: Any, ckpt: str) -> str:
     from hybridrl.config.plan import build_plan
-    from hybridrl.workers.checkpointing import load_role_checkpoint
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.backend import MegatronBackend, role_spec
+    from hybridrl.training.checkpointing import load_role_checkpoint
 
-    engine = MegatronRole(role_spec(build_plan(config), "actor"))
+    backend = MegatronBackend(role_spec(build_plan(config), "actor"))
     try:
-        load_role_checkpoint(engine, ckpt)
+        load_role_checkpoint(backend, ckpt)
     except Exception as exc:  # noqa: BLE001 - the message is what is checked
         return f"{type(exc).__name__}: {exc}"
     return "loaded"
@@ -201,19 +201,19 @@ def test_another_model_is_refused_on_a_layout_change(tp2_pp2_checkpoint, tmp_pat
 
 def _resave_rank(rank: int, world: int, config: Any, ckpt: str, out: str) -> None:
     from hybridrl.config.plan import build_plan
-    from hybridrl.workers.checkpointing import load_role_checkpoint, save_role_checkpoint
-    from hybridrl.workers.megatron_role import MegatronRole, role_spec
+    from hybridrl.training.backend import MegatronBackend, role_spec
+    from hybridrl.training.checkpointing import load_role_checkpoint, save_role_checkpoint
 
-    engine = MegatronRole(role_spec(build_plan(config), "actor"))
-    load_role_checkpoint(engine, ckpt)
-    save_role_checkpoint(engine, out)
+    backend = MegatronBackend(role_spec(build_plan(config), "actor"))
+    load_role_checkpoint(backend, ckpt)
+    save_role_checkpoint(backend, out)
 
 
 def _hf_state(ckpt: Path) -> tuple[dict[str, Any], dict[tuple[str, str], torch.Tensor]]:
     """A role checkpoint's optimizer description and every state kind as whole HF-named tensors."""
     from hybridrl.models.checkpoint import read_hf_tensor
     from hybridrl.models.layout import hf_tensor_shapes
-    from hybridrl.workers.checkpointing import STATE_DIR, _KindReader, _read_meta, _TrainState
+    from hybridrl.training.checkpointing import STATE_DIR, _KindReader, _read_meta, _TrainState
 
     meta = _read_meta(ckpt)
     store = _TrainState(ckpt / STATE_DIR, meta)

@@ -21,11 +21,12 @@ from hybridrl.algorithms.aggregation import LossNormalizers
 from hybridrl.algorithms.losses import value_loss
 from hybridrl.config.plan import Plan
 from hybridrl.data.batch import Batch
-from hybridrl.workers.megatron_role import MegatronRole
-from hybridrl.workers.metrics import average_steps
-from hybridrl.workers.micro_batching import partition_rows, restore_order
-from hybridrl.workers.mini_batch import train_mini_batch
-from hybridrl.workers.sequences import ModelInputs, take_predictions
+from hybridrl.names import Role
+from hybridrl.training.backend import MegatronBackend
+from hybridrl.training.metrics import average_steps
+from hybridrl.training.micro_batching import partition_rows, restore_order
+from hybridrl.training.mini_batch import train_mini_batch
+from hybridrl.training.sequences import ModelInputs, take_predictions
 
 
 @dataclass(frozen=True)
@@ -52,10 +53,10 @@ def response_values(micro: ModelInputs, output: torch.Tensor) -> torch.Tensor:
 
 
 class MegatronCritic:
-    def __init__(self, engine: MegatronRole, plan: Plan) -> None:
-        if not engine.spec.value_head:
-            raise ValueError("the critic needs a value-head engine (role_spec(plan, 'critic'))")
-        self.engine = engine
+    def __init__(self, backend: MegatronBackend, plan: Plan) -> None:
+        if not backend.spec.value_head:
+            raise ValueError("the critic needs a value-head backend (role_spec(plan, 'critic'))")
+        self.backend = backend
         self.plan = plan
         critic = plan.config.critic
         self.clip = critic.cliprange_value
@@ -66,20 +67,20 @@ class MegatronCritic:
         self.max_tokens = actor.ppo_max_token_len_per_gpu
 
     def compute_values(self, batch: Batch) -> Batch | None:
-        engine, ctx = self.engine, self.engine.ctx
+        backend, ctx = self.backend, self.backend.ctx
         tensors = batch.tensors
         partition = partition_rows(tensors["attention_mask"], self.plan.forward("values").micro_batch_size,
                                    dynamic=self.dynamic, max_tokens=self.max_tokens, dp_group=ctx.dp_group)
-        micros = engine.micro_batches(tensors, partition)
-        outputs = engine.forward_only(micros, response_values)
-        if not engine.is_output_rank:
+        micros = backend.micro_batches(tensors, partition)
+        outputs = backend.forward_only(micros, response_values)
+        if not backend.is_output_rank:
             return None
         values = restore_order(outputs, partition).cpu() * tensors["response_mask"].float()
         return Batch({"values": values})
 
     def update_critic(self, batch: Batch) -> CriticUpdateMetrics | None:
-        engine = self.engine
-        update = self.plan.update("critic")
+        backend = self.backend
+        update = self.plan.update(Role.CRITIC)
         per_mini = update.sequences_per_rank_per_mini_batch
         rows = len(batch)
         if rows % per_mini:
@@ -89,11 +90,11 @@ class MegatronCritic:
         for _epoch in range(update.ppo_epochs):
             for start in range(0, rows, per_mini):
                 step, applied = train_mini_batch(
-                    engine, batch, range(start, start + per_mini), update.micro_batch_size, self._value_loss,
+                    backend, batch, range(start, start + per_mini), update.micro_batch_size, self._value_loss,
                     extra_keys=("values", "returns"), dynamic=self.dynamic, max_tokens=self.max_tokens)
                 skipped += not applied
                 steps.append(step)
-        if not engine.is_output_rank:
+        if not backend.is_output_rank:
             return None
         mean = average_steps(steps)
         return CriticUpdateMetrics(mean["vf_loss"], mean["vf_clipfrac"], mean["vpred_mean"], mean["grad_norm"],

@@ -16,28 +16,28 @@ import torch
 
 from hybridrl.algorithms.aggregation import global_loss_normalizers
 from hybridrl.data.batch import Batch
-from hybridrl.workers.megatron_role import MegatronRole
-from hybridrl.workers.metrics import StepMetrics
-from hybridrl.workers.micro_batching import partition_rows
+from hybridrl.training.backend import MegatronBackend
+from hybridrl.training.metrics import StepMetrics
+from hybridrl.training.micro_batching import partition_rows
 
 
 def train_mini_batch(
-    engine: MegatronRole, batch: Batch, mini_rows: Sequence[int], micro_batch_size: int, loss: Callable[..., Any],
+    backend: MegatronBackend, batch: Batch, mini_rows: Sequence[int], micro_batch_size: int, loss: Callable[..., Any],
     *, extra_keys: tuple[str, ...], dynamic: bool, max_tokens: int,
 ) -> tuple[dict[str, float], bool]:
     """`loss(micro, output, *, normalizers, scale)` as the roles define it.
 
     Returns the step's metrics and whether the optimizer applied it (False: a non-finite step skipped).
     """
-    ctx = engine.ctx
+    ctx = backend.ctx
     mini_rows = list(mini_rows)
     mini_mask = batch.tensors["attention_mask"].index_select(0, torch.tensor(mini_rows))
     partition = partition_rows(mini_mask, micro_batch_size, dynamic=dynamic, max_tokens=max_tokens,
                                dp_group=ctx.dp_group)
-    micros = engine.micro_batches(batch.tensors, [[mini_rows[r] for r in part] for part in partition],
+    micros = backend.micro_batches(batch.tensors, [[mini_rows[r] for r in part] for part in partition],
                                   extra_keys=extra_keys)
     normalizers = global_loss_normalizers([m.response_mask for m in micros], ctx.dp_group)
-    result = engine.train_step(micros, partial(loss, normalizers=normalizers, scale=len(micros) * ctx.dp))
+    result = backend.train_step(micros, partial(loss, normalizers=normalizers, scale=len(micros) * ctx.dp))
     step = {"grad_norm": result.grad_norm, "lr": result.lr}
     if ctx.is_last_pp_stage:
         sums = StepMetrics()

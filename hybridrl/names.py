@@ -1,0 +1,55 @@
+"""Names shared by the config, the trainer and the workers: one vocabulary each (no torch, no imports).
+
+`Phase`: the phases of a training run. One name is used by the trainer's timers (metric
+`timing_s/<phase>`), by `Trainer.phase` and `TrainingFailure` (which phase a failure stopped) and by
+the test-only fault points (`HYBRIDRL_FAULT=<phase>:<call>:<rank>`, `hybridrl.workers.faults`).
+
+`Role`: the named job a model does (`role_spec(plan, role)`, `plan.layout(role)`,
+`plan.update(role)`, role checkpoints). `GroupName`: the worker groups the trainer builds
+(`WorkerGroup(role=...)`, named in a failing worker's message); the hybrid engine's group holds the
+actor, the reference and the rollout in the same processes.
+
+Both are `StrEnum`s: a member equals, hashes and formats as its value, so `timing_s/{phase}`, a
+dict keyed by role strings and a JSON Plan read the same as before.
+"""
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class Phase(StrEnum):
+    START = "start"  # before set-up
+    SETUP = "setup"  # worker groups, models, vLLM, the first proven sync
+    RESUME = "resume"  # loading a checkpoint
+    GEN = "gen"  # generation (the fault point: `HybridEngineWorker.generate_sequences`)
+    REWARD = "reward"  # scoring, on the controller or the reward model
+    GEN_BASELINE = "gen_baseline"  # ReMax: one greedy response per prompt
+    REWARD_BASELINE = "reward_baseline"
+    RELEASE_ROLLOUT_MEMORY = "release_rollout_memory"  # vLLM sleeps before training
+    OLD_LOG_PROB = "old_log_prob"  # the actor's old-log-prob pass (fault point: `compute_log_prob`)
+    REF = "ref"  # the reference's log-probs
+    VALUES = "values"  # the critic's values
+    ADV = "adv"  # advantages on the controller
+    UPDATE_CRITIC = "update_critic"
+    UPDATE_ACTOR = "update_actor"  # also where a run of non-finite steps stops training
+    SYNC = "sync"  # weight sync into vLLM, proven
+    VALIDATE = "validate"
+    SAVE_CHECKPOINT = "save_checkpoint"
+
+
+# The timed phases of a step, in the order summaries and plots show them.
+TIMED_PHASES = (Phase.GEN, Phase.REWARD, Phase.OLD_LOG_PROB, Phase.REF, Phase.VALUES, Phase.ADV,
+                Phase.UPDATE_CRITIC, Phase.UPDATE_ACTOR, Phase.SYNC)
+
+
+class Role(StrEnum):
+    ACTOR = "actor"
+    REF = "ref"
+    CRITIC = "critic"
+    REWARD_MODEL = "reward_model"
+
+
+class GroupName(StrEnum):
+    ACTOR_ROLLOUT_REF = "actor_rollout_ref"  # HybridEngineWorker: actor + reference + vLLM
+    CRITIC = "critic"
+    REWARD_MODEL = "reward_model"

@@ -1,0 +1,151 @@
+"""The packages of hybridrl import one another in one direction only (read from the source, no imports).
+
+Every `import hybridrl.X...` and `from hybridrl.X... import ...` in `hybridrl/**/*.py`, at the top of
+a file or inside a function, is an edge from the importing package to package X. `ALLOWED` is the
+rule (docs/architecture.md, "What each package owns", says the same): a package imports only the
+packages listed for it, each of which sits below it, so the data flows trainer -> controller ->
+workers -> training / rollout / reshard -> models / parallel and never back; `hybridrl.names`
+(torch-free, importing nothing) is below them all. A new package, or a
+new edge, is a decision: add it here and to the architecture document in the same commit.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "hybridrl"
+
+# package -> the hybridrl packages it may import (top-level modules `cli` and `__init__` count as
+# packages of their own). Bottom first.
+ALLOWED: dict[str, set[str]] = {
+    "names": set(),  # the shared StrEnums (Phase, Role, GroupName): every package may import it
+    "parallel": set(),  # megatron's parallel state and the device policy: knows nothing about RL
+    "algorithms": set(),  # pure torch functions
+    "rewards": set(),  # rule scorers and their registry
+    "models": {"parallel"},
+    "data": {"parallel", "rewards"},  # the demo and GSM8K datasets register / reuse their scorers
+    "config": {"algorithms", "models"},  # torch-free: algorithm names, `ModelShape`, tensor plans
+    "controller": {"config", "data", "parallel"},
+    "reshard": {"config", "models", "parallel"},
+    "rollout": {"config", "data", "parallel"},
+    "training": {"algorithms", "config", "data", "models", "parallel"},
+    "workers": {"algorithms", "config", "controller", "data", "models", "parallel", "reshard", "rollout",
+                "training"},
+    "trainer": {"algorithms", "config", "controller", "data", "models", "parallel", "rewards", "rollout",
+                "workers"},
+    "cli": set(),  # names its subcommands' modules as strings (imported only when one runs)
+    "__init__": set(),
+}
+
+
+def _package_of(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return parts[0]
+
+
+def _imported_modules(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """(line, dotted name) of every absolute hybridrl import in a module, function-local ones included."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module == "hybridrl":
+                for alias in node.names:
+                    yield node.lineno, f"hybridrl.{alias.name}"
+            else:
+                yield node.lineno, node.module
+
+
+@functools.cache
+def package_imports(root: Path = PACKAGE) -> dict[str, dict[str, list[str]]]:
+    """package -> imported package -> ["file:line", ...] (edges to itself left out)."""
+    edges: dict[str, dict[str, list[str]]] = {}
+    for path in sorted(root.rglob("*.py")):
+        source = _package_of(path)
+        edges.setdefault(source, {})
+        for line, name in _imported_modules(ast.parse(path.read_text(), filename=str(path))):
+            parts = name.split(".")
+            if parts[0] != "hybridrl" or len(parts) < 2 or parts[1] == source:
+                continue
+            edges[source].setdefault(parts[1], []).append(f"{path.relative_to(ROOT)}:{line}")
+    return edges
+
+
+def find_cycle(graph: Mapping[str, set[str]]) -> list[str] | None:
+    """One cycle of a directed graph as [a, b, ..., a], or None when it has none."""
+    state: dict[str, str] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = "open"
+        stack.append(node)
+        for successor in sorted(graph.get(node, ())):
+            if state.get(successor) == "open":
+                return stack[stack.index(successor):] + [successor]
+            if successor not in state and (cycle := visit(successor)):
+                return cycle
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_every_package_has_a_place_in_the_rule():
+    packages = {_package_of(path) for path in PACKAGE.rglob("*.py")}
+    assert packages == set(ALLOWED), (
+        f"unplaced: {sorted(packages - set(ALLOWED))}; gone: {sorted(set(ALLOWED) - packages)}")
+
+
+def test_the_rule_is_a_layering():
+    assert find_cycle(ALLOWED) is None
+    assert all(target in ALLOWED for targets in ALLOWED.values() for target in targets)
+
+
+def test_packages_import_only_the_packages_below_them():
+    forbidden = [
+        f"{source} -> {target} ({', '.join(where)})"
+        for source, targets in package_imports().items()
+        for target, where in sorted(targets.items())
+        if target not in ALLOWED.get(source, set()) | {"names"}
+    ]
+    assert not forbidden, "imports against tests/test_import_layers.py ALLOWED:\n" + "\n".join(forbidden)
+
+
+def test_no_import_cycle_between_packages():
+    graph = {source: set(targets) for source, targets in package_imports().items()}
+    assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph) or [])}"
+
+
+def test_find_cycle_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _module_exists(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+_IMPORT = re.compile(r"^\s*(?:from|import)\s+(hybridrl(?:\.\w+)*)", re.MULTILINE)
+
+
+def test_every_hybridrl_import_names_an_existing_module():
+    """A moved module leaves no stale import behind, not even inside a function nobody ran."""
+    missing = []
+    for folder in ("hybridrl", "tests", "bench", "tools"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            text = path.read_text()
+            for match in _IMPORT.finditer(text):
+                if not _module_exists(match.group(1)):
+                    line = text.count("\n", 0, match.start()) + 1
+                    missing.append(f"{path.relative_to(ROOT)}:{line}: {match.group(1)}")
+    assert not missing, "\n".join(missing)
