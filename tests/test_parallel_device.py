@@ -34,10 +34,10 @@ def test_resolve_unknown_device():
 
 
 def test_backend_for():
-    assert D.backend_for("cuda") == "nccl"
-    assert D.backend_for("cpu") == "gloo"
+    assert D.dist_backend_for("cuda") == "nccl"
+    assert D.dist_backend_for("cpu") == "gloo"
     with pytest.raises(ValueError, match="resolved device"):
-        D.backend_for("auto")
+        D.dist_backend_for("auto")
 
 
 def test_default_dtype_for():

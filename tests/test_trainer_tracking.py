@@ -85,18 +85,18 @@ def test_phase_timer_and_throughput():
 
 
 def test_jsonl_fresh_run_truncates_and_resume_keeps_prefix(tmp_path):
-    from hybridrl.trainer.tracking import JsonlBackend
+    from hybridrl.trainer.tracking import JsonlSink
 
-    first = JsonlBackend(tmp_path / "m.jsonl")
+    first = JsonlSink(tmp_path / "m.jsonl")
     for step in (1, 2, 3):
         first.log(step, {"x": float(step)})
     first.close()
-    resumed = JsonlBackend(tmp_path / "m.jsonl", resume_step=2)  # checkpoint at 2; step 3 is redone
+    resumed = JsonlSink(tmp_path / "m.jsonl", resume_step=2)  # checkpoint at 2; step 3 is redone
     resumed.log(3, {"x": 30.0})
     resumed.close()
     rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [(r["step"], r["x"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 30.0)]
-    fresh = JsonlBackend(tmp_path / "m.jsonl")
+    fresh = JsonlSink(tmp_path / "m.jsonl")
     fresh.close()
     assert (tmp_path / "m.jsonl").read_text() == ""
 

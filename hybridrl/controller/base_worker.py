@@ -99,7 +99,7 @@ class Worker:
             sock.bind((address, 0))
             return address, sock.getsockname()[1]
 
-    def init_process_group(self, master_addr: str, master_port: int, backend: str, timeout_s: float) -> None:
+    def init_process_group(self, master_addr: str, master_port: int, dist_backend: str, timeout_s: float) -> None:
         """Join the group's default process group; all ranks must call this concurrently.
 
         `timeout_s` (`trainer.nccl_timeout_s`) bounds every collective of the group, megatron's
@@ -110,10 +110,10 @@ class Worker:
         import torch.distributed as dist
 
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        if backend == "nccl":
+        if dist_backend == "nccl":
             torch.cuda.set_device(self.context.local_rank)
         dist.init_process_group(
-            backend=backend,
+            backend=dist_backend,
             init_method=f"tcp://{master_addr}:{master_port}",
             rank=self.context.rank,
             world_size=self.context.world_size,

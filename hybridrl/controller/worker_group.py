@@ -142,11 +142,11 @@ class WorkerGroup:
         self._execute("set_local_placement", calls)
 
     def _init_distributed(self, timeout_s: float) -> None:
-        backend = "nccl" if self.pool.use_gpu else "gloo"
+        dist_backend = "nccl" if self.pool.use_gpu else "gloo"
         master_addr, master_port = self._execute_on(0, "pick_master_address")
         self._execute(
             "init_process_group",
-            one_to_all(master_addr, master_port, backend, timeout_s, world_size=self.world_size),
+            one_to_all(master_addr, master_port, dist_backend, timeout_s, world_size=self.world_size),
             timeout_s=timeout_s + 30.0,
         )
 

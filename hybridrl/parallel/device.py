@@ -57,13 +57,13 @@ def resolve_device(requested: str, *, cuda_is_available: bool | None = None) -> 
     return "cuda" if base == "cuda" else "cpu"
 
 
-def backend_for(device: str) -> Backend:
+def dist_backend_for(device: str) -> Backend:
     """torch.distributed backend for a resolved device: nccl on GPUs, gloo on CPUs."""
     if device == "cuda":
         return "nccl"
     if device == "cpu":
         return "gloo"
-    raise ValueError(f"backend_for expects a resolved device 'cuda' or 'cpu', got {device!r}")
+    raise ValueError(f"dist_backend_for expects a resolved device 'cuda' or 'cpu', got {device!r}")
 
 
 def default_dtype_for(device: str, requested: str | torch.dtype | None = None) -> torch.dtype:

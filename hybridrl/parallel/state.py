@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from hybridrl.parallel.device import backend_for, resolve_device
+from hybridrl.parallel.device import dist_backend_for, resolve_device
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -118,7 +118,7 @@ def init_distributed(
     import torch.distributed as dist
 
     resolved = resolve_device(device)
-    backend = backend_for(resolved)
+    dist_backend = dist_backend_for(resolved)
     if dist.is_initialized():
         have = (dist.get_rank(), dist.get_world_size())
         if have != (rank, world_size):
@@ -132,13 +132,13 @@ def init_distributed(
         local_rank = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
         torch.cuda.set_device(local_rank)
     dist.init_process_group(
-        backend,
+        dist_backend,
         rank=rank,
         world_size=world_size,
         init_method=f"tcp://{master_addr}:{master_port}",
         timeout=timedelta(seconds=timeout_s),
     )
-    return backend
+    return dist_backend
 
 
 def initialize_model_parallel(

@@ -1,7 +1,7 @@
 """Where a run's metrics go: console table, JSONL, TensorBoard, wandb; the end summary and plot.
 
-`Tracker.log(step, metrics)` fans one step's flat metrics dict out to every configured backend.
-Backends are chosen by name from `trainer.logger`; wandb and TensorBoard are imported only when
+`Tracker.log(step, metrics)` fans one step's flat metrics dict out to every configured sink.
+Sinks are chosen by name from `trainer.logger`; wandb and TensorBoard are imported only when
 asked for, so a missing optional package fails with a message naming the logger, at start-up.
 """
 from __future__ import annotations
@@ -29,12 +29,12 @@ CONSOLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
 PHASES = TIMED_PHASES
 
 
-class Backend(Protocol):
+class MetricSink(Protocol):
     def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
     def close(self) -> None: ...
 
 
-class ConsoleBackend:
+class ConsoleSink:
     """One compact line per step under a header printed every 20 steps."""
 
     def __init__(self, write=print, header_every: int = 20):
@@ -60,7 +60,7 @@ def _width(fmt: str) -> int:
     return int(fmt.split(">")[1].split(".")[0])
 
 
-class JsonlBackend:
+class JsonlSink:
     """One JSON record per step. A resumed run keeps the records up to its checkpoint's step and
     continues after them; a fresh run starts the file anew."""
 
@@ -91,7 +91,7 @@ def _json_number(value: Any) -> Any:
     return value
 
 
-class TensorBoardBackend:
+class TensorBoardSink:
     def __init__(self, log_dir: Path):
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -109,7 +109,7 @@ class TensorBoardBackend:
         self._writer.close()
 
 
-class WandbBackend:
+class WandbSink:
     def __init__(self, project: str, name: str, config: Mapping[str, Any]):
         try:
             import wandb
@@ -127,8 +127,8 @@ class WandbBackend:
 
 
 class Tracker:
-    def __init__(self, backends: Sequence[Backend], run_dir: Path):
-        self.backends = list(backends)
+    def __init__(self, sinks: Sequence[MetricSink], run_dir: Path):
+        self.sinks = list(sinks)
         self.run_dir = run_dir
         self.history: list[dict[str, float]] = []
 
@@ -137,29 +137,29 @@ class Tracker:
                experiment: str = "run", config: Mapping[str, Any] | None = None, write=print,
                resume_step: int = 0) -> Tracker:
         run_dir = Path(run_dir)
-        backends: list[Backend] = []
+        sinks: list[MetricSink] = []
         for name in names:
             if name == "console":
-                backends.append(ConsoleBackend(write))
+                sinks.append(ConsoleSink(write))
             elif name == "jsonl":
-                backends.append(JsonlBackend(run_dir / "metrics.jsonl", resume_step))
+                sinks.append(JsonlSink(run_dir / "metrics.jsonl", resume_step))
             elif name == "tensorboard":
-                backends.append(TensorBoardBackend(run_dir / "tensorboard"))
+                sinks.append(TensorBoardSink(run_dir / "tensorboard"))
             elif name == "wandb":
-                backends.append(WandbBackend(project, experiment, config or {}))
+                sinks.append(WandbSink(project, experiment, config or {}))
             else:
                 raise ValueError(f"trainer.logger: unknown logger {name!r}; valid: console, jsonl, tensorboard, wandb")
-        return cls(backends, run_dir)
+        return cls(sinks, run_dir)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         flat = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
         self.history.append({"step": float(step), **flat})
-        for backend in self.backends:
-            backend.log(step, flat)
+        for sink in self.sinks:
+            sink.log(step, flat)
 
     def close(self) -> None:
-        for backend in self.backends:
-            backend.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 def render_summary(history: Sequence[Mapping[str, float]], title: str = "run summary") -> str:
