@@ -149,3 +149,32 @@ def test_every_hybridrl_import_names_an_existing_module():
                     line = text.count("\n", 0, match.start()) + 1
                     missing.append(f"{path.relative_to(ROOT)}:{line}: {match.group(1)}")
     assert not missing, "\n".join(missing)
+
+
+# Inside `hybridrl.config` the modules import in one line: each may import only those before it
+# (`errors`, `meshes` and `estimates` are helpers below `resolve`; `docs` and `plan_cli` sit on top).
+CONFIG_LINE = ("errors", "schema", "loader", "meshes", "estimates", "resolve", "validate", "plan", "report",
+               "docs", "plan_cli", "__init__")
+
+
+def config_module_imports(root: Path = PACKAGE / "config") -> dict[str, dict[str, list[str]]]:
+    """config module -> the config modules it imports -> ["file:line", ...]."""
+    edges: dict[str, dict[str, list[str]]] = {}
+    for path in sorted(root.glob("*.py")):
+        for line, name in _imported_modules(ast.parse(path.read_text(), filename=str(path))):
+            parts = name.split(".")
+            if parts[:2] == ["hybridrl", "config"] and len(parts) > 2:
+                edges.setdefault(path.stem, {}).setdefault(parts[2], []).append(f"{path.name}:{line}")
+    return edges
+
+
+def test_config_modules_import_in_a_line():
+    modules = {path.stem for path in (PACKAGE / "config").glob("*.py")}
+    assert modules == set(CONFIG_LINE), f"place {sorted(modules - set(CONFIG_LINE))} in CONFIG_LINE"
+    backwards = [
+        f"{source} -> {target} ({', '.join(where)})"
+        for source, targets in config_module_imports().items()
+        for target, where in sorted(targets.items())
+        if CONFIG_LINE.index(target) >= CONFIG_LINE.index(source)
+    ]
+    assert not backwards, "config imports against CONFIG_LINE:\n" + "\n".join(backwards)

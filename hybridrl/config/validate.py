@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hybridrl.algorithms.names import (
     ADV_ESTIMATOR_NAMES,
@@ -20,12 +20,10 @@ from hybridrl.algorithms.names import (
     LOSS_AGG_MODES,
 )
 from hybridrl.config.errors import ConfigIssue
+from hybridrl.config.resolve import Resolved, active_roles, role_megatron
 from hybridrl.config.schema import JobConfig, MegatronConfig
 from hybridrl.models.arch import DEFAULT_VOCAB_DIVISOR, ModelShape
 from hybridrl.names import Role
-
-if TYPE_CHECKING:
-    from hybridrl.config.plan import Resolved
 
 VLLM_VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of 64, then splits it evenly over TP
 DEVICES = ("cuda", "cpu")
@@ -113,7 +111,6 @@ def validate(
     _check_numbers(check, config, resolved)
     batch_ok = _check_batch_basics(check, config)
 
-    from hybridrl.config.plan import active_roles, role_megatron  # noqa: PLC0415 - avoids an import cycle
 
     role_fields = {
         Role.ACTOR: "actor_rollout_ref.actor.megatron",

