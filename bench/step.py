@@ -31,10 +31,13 @@ from pathlib import Path
 import psutil
 from bounds import bound_of_run
 
+from hybridrl.names import TIMED_PHASES, Phase
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "step.json"
 DEMO_CONFIG = "configs/examples/cpu_tiny_grpo.yaml"
-PHASES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "sync", "step")
+# The GRPO demo's timed phases (it has no critic), then the whole step.
+PHASES = tuple(str(p) for p in TIMED_PHASES if p not in (Phase.VALUES, Phase.UPDATE_CRITIC)) + ("step",)
 
 SIZES = {
     # name: model config, prompts (quick, full), response tokens, micro-batch sizes
