@@ -12,7 +12,7 @@ import yaml
 
 from hybridrl.config import ConfigError, config_from_dict, config_to_dict, load_config, plan_from_sources
 from hybridrl.config.loader import megatron_field_aliases
-from hybridrl.config.schema import MegatronConfig
+from hybridrl.config.schema import MegatronConfig, choices_of
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = ROOT / "configs/examples/seed_6gpu_grpo.yaml"
@@ -146,8 +146,9 @@ def _two_values(name: str) -> tuple[Any, Any]:
         return True, False
     if hint is int or hint == (int | None):
         return 2, 3
-    assert hint == (str | None), hint
-    return "bf16", "fp16"
+    found = choices_of(hint)  # a closed vocabulary (dtype): two of its values
+    assert found is not None, hint
+    return typing.get_args(found[0])[:2]
 
 
 def _spelled(role: str, name: str, spelling: str) -> str:

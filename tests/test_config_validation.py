@@ -344,3 +344,37 @@ def test_refused_setting_stops_train_before_any_process():
     assert out.stdout.strip().splitlines()[-1] == "2 []", out.stdout[-500:] + out.stderr[-2000:]
     assert f"{A}.megatron.context_parallel_size=2 is not supported yet" in out.stderr
     assert "only 1 is supported now" in out.stderr
+
+
+def _closed_vocabulary_fields() -> list[tuple[str, tuple[str, ...]]]:
+    import typing
+
+    from hybridrl.config.schema import JobConfig, choice_fields
+
+    # every Literal-typed field (an unset dtype shown as its first value), list items as path[0]
+    config = JobConfig()
+    for section in (config.actor_rollout_ref.actor.megatron, config.critic.megatron, config.reward_model.megatron):
+        section.dtype = "fp32"
+    config.actor_rollout_ref.rollout.dtype = "fp32"
+    return [(path, typing.get_args(literal)) for path, literal, _ in choice_fields(config)]
+
+
+CLOSED = _closed_vocabulary_fields()
+
+
+def test_every_closed_vocabulary_field_is_covered():
+    """The schema's Literal fields, found by walking it: a new one is checked without a new rule."""
+    paths = {path for path, _ in CLOSED}
+    assert {"trainer.device", "trainer.logger[0]", "algorithm.adv_estimator", "data.truncation",
+            "actor_rollout_ref.actor.megatron.dtype", "actor_rollout_ref.rollout.dtype", "critic.optim.optimizer",
+            "algorithm.kl_ctrl.type", "actor_rollout_ref.actor.old_log_prob"} <= paths, sorted(paths)
+
+
+@pytest.mark.parametrize("path,valid", CLOSED, ids=[p for p, _ in CLOSED])
+def test_a_value_outside_a_closed_vocabulary_is_refused_naming_the_valid_ones(path, valid):
+    bogus = valid[0] + "x"  # close to a valid value: a did-you-mean is offered
+    override = f"trainer.logger=[{bogus}]" if path == "trainer.logger[0]" else f"{path}={bogus}"
+    issues = [i for i in issues_for([override]) if i.field == path]
+    assert len(issues) == 1, issues_for([override])
+    assert issues[0].value == bogus and tuple(issues[0].valid) == valid
+    assert f"did you mean '{valid[0]}'" in str(issues[0]), str(issues[0])

@@ -10,7 +10,7 @@ import typing
 
 import yaml
 
-from hybridrl.config.schema import JobConfig
+from hybridrl.config.schema import JobConfig, choices_of
 
 HEADER = """\
 # hybridrl base config: every field with its default and meaning.
@@ -36,9 +36,13 @@ def render_base_yaml(root: typing.Any = None) -> str:
 
     def walk(obj: typing.Any, indent: int) -> None:
         pad = "  " * indent
+        hints = typing.get_type_hints(type(obj))
         for field in dataclasses.fields(obj):
             value = getattr(obj, field.name)
             comment = field.metadata.get("doc", "")
+            found = choices_of(hints[field.name])
+            if found is not None:  # the closed vocabulary, from the same Literal validation checks
+                comment = f"{comment} [{' | '.join(typing.get_args(found[0]))}]"
             if dataclasses.is_dataclass(value):
                 lines.append(f"{pad}{field.name}:{f'  # {comment}' if comment else ''}")
                 walk(value, indent + 1)

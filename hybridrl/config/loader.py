@@ -257,6 +257,9 @@ def _coerce(tp: Any, value: Any, where: str, issues: list[ConfigIssue]) -> Any:
         return _coerce(inner, _RawOverride(value, raw_text) if raw_text is not None else value, where, issues)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, where, issues)
+    if origin is typing.Literal:  # read as its values' type; validation names the valid values
+        (kind,) = {type(choice) for choice in typing.get_args(tp)}
+        return _coerce(kind, _RawOverride(value, raw_text) if raw_text is not None else value, where, issues)
     if origin is list:
         (item_type,) = typing.get_args(tp)
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):

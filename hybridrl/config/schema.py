@@ -7,8 +7,73 @@ checking; derived numbers never live here: they are computed once into the immut
 """
 from __future__ import annotations
 
+import dataclasses
+import types
+import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+from hybridrl.algorithms.names import ADV_ESTIMATOR_NAMES, KL_CONTROLLER_KINDS, KL_PENALTY_NAMES, LOSS_AGG_MODES
+
+# Closed vocabularies. A field typed with one of these takes exactly its values: the loader reads
+# them as strings, validation refuses anything else (naming the valid values, with a did-you-mean)
+# and `configs/base.yaml` lists them, so the three cannot disagree. The second name is the word
+# an error uses ("is not a known <what>").
+Device = Literal["cuda", "cpu"]
+Dtype = Literal["bf16", "fp16", "fp32"]
+LoggerName = Literal["console", "jsonl", "tensorboard", "wandb"]
+RolloutEngineName = Literal["vllm"]
+Strategy = Literal["megatron"]
+OptimizerName = Literal["adam", "sgd"]
+LrDecayStyle = Literal["constant", "linear", "cosine"]
+Truncation = Literal["error", "left", "right"]
+MalformedMode = Literal["error", "skip"]
+OldLogProbMode = Literal["auto", "recompute"]
+AdvEstimator = Literal[ADV_ESTIMATOR_NAMES]
+LossAggMode = Literal[LOSS_AGG_MODES]
+KlEstimator = Literal[KL_PENALTY_NAMES]
+KlControllerKind = Literal[KL_CONTROLLER_KINDS]
+
+CHOICE_NAMES: dict[Any, str] = {
+    Device: "device", Dtype: "dtype", LoggerName: "logger", RolloutEngineName: "rollout engine",
+    Strategy: "training strategy", OptimizerName: "optimizer", LrDecayStyle: "LR schedule",
+    Truncation: "truncation mode", MalformedMode: "malformed-row policy", OldLogProbMode: "old log-prob mode",
+    AdvEstimator: "advantage estimator", LossAggMode: "loss aggregation mode", KlEstimator: "KL estimator",
+    KlControllerKind: "KL controller",
+}
+
+
+def choices_of(hint: Any) -> tuple[Any, bool] | None:
+    """(the Literal, whether the field is a list of it) for a field typed with a closed vocabulary
+    (optionally `| None` or `list[...]`); None for any other field."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        hint = options[0] if len(options) == 1 else None
+    is_list = typing.get_origin(hint) is list
+    if is_list:
+        (hint,) = typing.get_args(hint)
+    return (hint, is_list) if typing.get_origin(hint) is Literal else None
+
+
+def choice_fields(root: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted path, Literal, value) of every closed-vocabulary field in a config tree, list items
+    as `path[i]`; sections that are None (e.g. an unset ref layout) have no fields."""
+    out: list[tuple[str, Any, Any]] = []
+    hints = typing.get_type_hints(type(root))
+    for f in dataclasses.fields(root):
+        value, path = getattr(root, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            out += choice_fields(value, f"{path}.")
+            continue
+        found = choices_of(hints[f.name])
+        if found is None or value is None:
+            continue
+        literal, is_list = found
+        if is_list and isinstance(value, list):
+            out += [(f"{path}[{i}]", literal, item) for i, item in enumerate(value)]
+        else:
+            out.append((path, literal, value))
+    return out
 
 
 def doc(default: Any = None, text: str = "", *, factory: Any = None) -> Any:
@@ -32,8 +97,8 @@ class DataConfig:
     shuffle: bool = doc(True, "shuffle the training prompts each epoch (deterministic from the seed)")
     apply_chat_template: bool = doc(False, "wrap prompts with the tokenizer's chat template")
     filter_overlong_prompts: bool = doc(True, "drop prompts longer than max_prompt_length (counted)")
-    truncation: str = doc("error", "over-long prompts when not filtered: error | left | right")
-    on_malformed: str = doc("error", "rows without a usable prompt: error (name file and row) | skip (counted)")
+    truncation: Truncation = doc("error", "over-long prompts when not filtered: refuse, or cut on the left/right")
+    on_malformed: MalformedMode = doc("error", "rows without a usable prompt: error names file, row; skip counts")
 
 
 # ------------------------------------------------------------------------------------- models
@@ -57,18 +122,18 @@ class MegatronConfig:
     param_offload: bool = doc(False, "keep parameters on CPU between phases")
     optimizer_offload: bool = doc(False, "keep optimizer states on CPU between phases")
     grad_offload: bool = doc(False, "keep gradients on CPU between phases")
-    dtype: str | None = doc(None, "compute dtype: bf16 | fp16 | fp32; None = bf16 on cuda, fp32 on cpu")
+    dtype: Dtype | None = doc(None, "compute dtype; None = bf16 on cuda, fp32 on cpu")
     seed: int = doc(1234, "model-parallel RNG seed")
 
 
 @dataclass
 class OptimConfig:
-    optimizer: str = doc("adam", "adam | sgd")
+    optimizer: OptimizerName = doc("adam", "optimizer")
     lr: float = doc(1e-6, "peak learning rate")
     min_lr: float = doc(0.0, "floor of the decay schedule")
     lr_warmup_steps: int = doc(-1, "linear warmup optimizer steps; -1 = use lr_warmup_steps_ratio")
     lr_warmup_steps_ratio: float = doc(0.0, "warmup as a fraction of all optimizer steps")
-    lr_decay_style: str = doc("constant", "constant | linear | cosine")
+    lr_decay_style: LrDecayStyle = doc("constant", "LR decay after warmup")
     weight_decay: float = doc(0.01, "decoupled weight decay (AdamW)")
     betas: list[float] = doc(factory=lambda: [0.9, 0.999], text="Adam betas")
     eps: float = doc(1e-8, "Adam epsilon")
@@ -77,7 +142,7 @@ class OptimConfig:
 
 @dataclass
 class ActorConfig:
-    strategy: str = doc("megatron", "training backend (megatron)")
+    strategy: Strategy = doc("megatron", "training backend")
     megatron: MegatronConfig = doc(factory=MegatronConfig, text="training layout")
     optim: OptimConfig = doc(factory=OptimConfig, text="optimizer and LR schedule")
     ppo_mini_batch_size: int = doc(256, "prompts per optimizer step (× rollout.n sequences)")
@@ -85,7 +150,7 @@ class ActorConfig:
     use_dynamic_bsz: bool = doc(False, "form micro-batches by token count instead of sequence count")
     ppo_max_token_len_per_gpu: int = doc(16384, "token budget per micro-batch when use_dynamic_bsz")
     ppo_epochs: int = doc(1, "passes over each step's data")
-    old_log_prob: str = doc("auto", "old log-prob pass: auto = skip it when the step's update is one "
+    old_log_prob: OldLogProbMode = doc("auto", "old log-prob pass: auto = skip it when the step's update is one "
                             "optimizer step on data the current weights generated (the ratio is then "
                             "exactly 1 and the update's own forward gives the same log-probs); "
                             "recompute = always run it")
@@ -94,11 +159,11 @@ class ActorConfig:
     clip_ratio_low: float | None = doc(None, "lower clip epsilon; None = clip_ratio")
     clip_ratio_high: float | None = doc(None, "upper clip epsilon (DAPO clip-higher); None = clip_ratio")
     clip_ratio_c: float | None = doc(3.0, "dual-clip bound for negative advantages (> 1); None disables")
-    loss_agg_mode: str = doc("token-mean", "how token losses become one number (see algorithms)")
+    loss_agg_mode: LossAggMode = doc("token-mean", "how token losses become one number (see algorithms)")
     entropy_coeff: float = doc(0.0, "entropy bonus coefficient")
     use_kl_loss: bool = doc(False, "add KL(actor || ref) to the loss (GRPO style)")
     kl_loss_coef: float = doc(0.001, "coefficient of the KL loss")
-    kl_loss_type: str = doc("low_var_kl", "k1 | k2 | k3 | abs (aliases kl, mse, low_var_kl)")
+    kl_loss_type: KlEstimator = doc("low_var_kl", "KL estimator (kl = k1, mse = k2, low_var_kl = k3)")
 
 
 @dataclass
@@ -112,7 +177,7 @@ class SamplingConfig:
 
 @dataclass
 class RolloutConfig:
-    name: str = doc("vllm", "rollout engine (vllm)")
+    name: RolloutEngineName = doc("vllm", "rollout engine")
     tensor_model_parallel_size: int = doc(1, "inference TP: GPUs per vLLM replica")
     n: int = doc(1, "samples per prompt (GRPO group size)")
     temperature: float = doc(1.0, "sampling temperature")
@@ -121,7 +186,7 @@ class RolloutConfig:
     response_length: int | None = doc(None, "max new tokens; None = data.max_response_length")
     stop_token_ids: list[int] = doc(factory=list, text="extra token ids that end a response")
     ignore_eos: bool = doc(False, "keep sampling past EOS (full-length responses, e.g. for benchmarks)")
-    dtype: str | None = doc(None, "rollout dtype; None = bf16 on cuda, fp32 on cpu")
+    dtype: Dtype | None = doc(None, "rollout dtype; None = bf16 on cuda, fp32 on cpu")
     gpu_memory_utilization: float = doc(0.5, "fraction of GPU memory vLLM may use (weights + KV cache)")
     cpu_kv_cache_gib: float | None = doc(
         None, "CPU only: KV cache of each vLLM rank in GiB; None = enough for one replica's whole rollout "
@@ -166,7 +231,7 @@ class CriticConfig:
     ppo_micro_batch_size_per_gpu: int = doc(4, "sequences per critic forward/backward on one GPU")
     ppo_epochs: int | None = doc(None, "critic passes per step; None = actor's")
     cliprange_value: float = doc(0.5, "value clip range around the old values")
-    loss_agg_mode: str = doc("token-mean", "aggregation of the value loss")
+    loss_agg_mode: LossAggMode = doc("token-mean", "aggregation of the value loss")
 
 
 @dataclass
@@ -186,7 +251,7 @@ class CustomRewardConfig:
 
 @dataclass
 class KLControlConfig:
-    type: str = doc("fixed", "fixed | adaptive")
+    type: KlControllerKind = doc("fixed", "KL coefficient: fixed, or adapted towards target_kl")
     kl_coef: float = doc(0.001, "initial KL coefficient")
     target_kl: float = doc(0.1, "adaptive: the KL to steer towards")
     horizon: int = doc(10000, "adaptive: steps over which the coefficient adapts")
@@ -207,12 +272,12 @@ class OverlongBufferConfig:
 
 @dataclass
 class AlgorithmConfig:
-    adv_estimator: str = doc("grpo", "gae | grpo | rloo | reinforce_plus_plus | remax | ...")
+    adv_estimator: AdvEstimator = doc("grpo", "advantage estimator (gae needs a critic)")
     gamma: float = doc(1.0, "discount")
     lam: float = doc(1.0, "GAE lambda")
     norm_adv_by_std_in_grpo: bool = doc(True, "divide by the group std (False = Dr.GRPO)")
     use_kl_in_reward: bool = doc(False, "subtract a KL penalty from the token rewards")
-    kl_penalty: str = doc("kl", "KL estimator for the in-reward penalty")
+    kl_penalty: KlEstimator = doc("kl", "KL estimator for the in-reward penalty")
     kl_ctrl: KLControlConfig = doc(factory=KLControlConfig, text="KL coefficient controller")
     filter_groups: FilterGroupsConfig = doc(factory=FilterGroupsConfig, text="DAPO dynamic sampling")
     overlong_buffer: OverlongBufferConfig = doc(factory=OverlongBufferConfig, text="DAPO overlong penalty")
@@ -224,7 +289,7 @@ class AlgorithmConfig:
 class TrainerConfig:
     nnodes: int = doc(1, "machines")
     n_gpus_per_node: int = doc(8, "GPUs per machine (on cpu: ranks per machine)")
-    device: str = doc("cuda", "cuda | cpu")
+    device: Device = doc("cuda", "where the ranks run")
     gpu_memory_gib: float = doc(80.0, "memory per GPU, for the plan's fit check")
     total_epochs: int = doc(1, "passes over the training prompts")
     total_training_steps: int | None = doc(None, "stop after this many steps; None = epochs × batches")
@@ -240,7 +305,7 @@ class TrainerConfig:
     export_hf_on_save: bool = doc(False, "also write an HF folder of the actor at each save")
     max_consecutive_nonfinite_steps: int = doc(
         3, "stop after this many steps in a row with a skipped (NaN/Inf loss or grads) optimizer step; 0 = never")
-    logger: list[str] = doc(factory=lambda: ["console"], text="console | jsonl | tensorboard | wandb")
+    logger: list[LoggerName] = doc(factory=lambda: ["console"], text="where metrics go")
     project_name: str = doc("hybridrl", "project (wandb / log folder)")
     experiment_name: str = doc("default", "run name")
     seed: int = doc(42, "data order and sampling seed")

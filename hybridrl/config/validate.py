@@ -7,35 +7,22 @@ failed one are skipped, so one mistake yields one message, not a cascade.
 from __future__ import annotations
 
 import difflib
+import typing
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from hybridrl.algorithms.names import (
-    ADV_ESTIMATOR_NAMES,
     CRITIC_ADV_ESTIMATORS,
     GROUP_ADV_ESTIMATORS,
-    KL_CONTROLLER_KINDS,
-    KL_PENALTY_NAMES,
-    LOSS_AGG_MODES,
 )
 from hybridrl.config.errors import ConfigIssue
 from hybridrl.config.resolve import Resolved, active_roles, role_megatron
-from hybridrl.config.schema import JobConfig, MegatronConfig
+from hybridrl.config.schema import CHOICE_NAMES, JobConfig, MegatronConfig, choice_fields
 from hybridrl.models.arch import DEFAULT_VOCAB_DIVISOR, ModelShape
 from hybridrl.names import Role
 
 VLLM_VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of 64, then splits it evenly over TP
-DEVICES = ("cuda", "cpu")
-DTYPES = ("bf16", "fp16", "fp32")
-LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
-ROLLOUT_ENGINES = ("vllm",)
-STRATEGIES = ("megatron",)
-LR_DECAY_STYLES = ("constant", "linear", "cosine")
-OPTIMIZERS = ("adam", "sgd")
-TRUNCATIONS = ("error", "left", "right")
-MALFORMED_MODES = ("error", "skip")
-OLD_LOG_PROB_MODES = ("auto", "recompute")
 RESUME_MODES = ("auto", "disable")
 
 
@@ -141,7 +128,6 @@ def _check_trainer(check: _Checker, config: JobConfig) -> bool:
     t = config.trainer
     ok = check.is_int_at_least("trainer.nnodes", t.nnodes, 1)
     ok &= check.is_int_at_least("trainer.n_gpus_per_node", t.n_gpus_per_node, 1)
-    check.one_of("trainer.device", t.device, DEVICES, "device")
     check.is_int_at_least("trainer.total_epochs", t.total_epochs, 1)
     if t.total_training_steps is not None:
         check.is_int_at_least("trainer.total_training_steps", t.total_training_steps, 1)
@@ -160,33 +146,13 @@ def _check_trainer(check: _Checker, config: JobConfig) -> bool:
     if t.resume_mode not in RESUME_MODES and not Path(str(t.resume_mode)).exists():
         check.fail("trainer.resume_mode", t.resume_mode, "must be auto, disable, or an existing checkpoint path",
                    RESUME_MODES)
-    for i, name in enumerate(t.logger):
-        check.one_of(f"trainer.logger[{i}]", name, LOGGERS, "logger")
     return bool(ok)
 
 
 def _check_names(check: _Checker, config: JobConfig) -> None:
-    arr, alg = config.actor_rollout_ref, config.algorithm
-    check.one_of("algorithm.adv_estimator", alg.adv_estimator, ADV_ESTIMATOR_NAMES, "advantage estimator")
-    check.one_of("actor_rollout_ref.actor.loss_agg_mode", arr.actor.loss_agg_mode, LOSS_AGG_MODES,
-                 "loss aggregation mode")
-    check.one_of("critic.loss_agg_mode", config.critic.loss_agg_mode, LOSS_AGG_MODES, "loss aggregation mode")
-    check.one_of("actor_rollout_ref.actor.kl_loss_type", arr.actor.kl_loss_type, KL_PENALTY_NAMES, "KL estimator")
-    check.one_of("algorithm.kl_penalty", alg.kl_penalty, KL_PENALTY_NAMES, "KL estimator")
-    check.one_of("algorithm.kl_ctrl.type", alg.kl_ctrl.type, KL_CONTROLLER_KINDS, "KL controller")
-    check.one_of("actor_rollout_ref.rollout.name", arr.rollout.name, ROLLOUT_ENGINES, "rollout engine")
-    check.one_of("actor_rollout_ref.actor.strategy", arr.actor.strategy, STRATEGIES, "training strategy")
-    check.one_of("data.truncation", config.data.truncation, TRUNCATIONS, "truncation mode")
-    check.one_of("data.on_malformed", config.data.on_malformed, MALFORMED_MODES, "malformed-row policy")
-    check.one_of("actor_rollout_ref.actor.old_log_prob", arr.actor.old_log_prob, OLD_LOG_PROB_MODES,
-                 "old log-prob mode")
-    for prefix, optim in (("actor_rollout_ref.actor.optim", arr.actor.optim), ("critic.optim", config.critic.optim)):
-        check.one_of(f"{prefix}.lr_decay_style", optim.lr_decay_style, LR_DECAY_STYLES, "LR schedule")
-        check.one_of(f"{prefix}.optimizer", optim.optimizer, OPTIMIZERS, "optimizer")
-    dtypes = [(f"{prefix}.dtype", mc.dtype) for prefix, mc in megatron_sections(config)]
-    for field, value in (*dtypes, ("actor_rollout_ref.rollout.dtype", arr.rollout.dtype)):
-        if value is not None:
-            check.one_of(field, value, DTYPES, "dtype")
+    """Every closed-vocabulary field (typed with a `Literal` in the schema) holds one of its values."""
+    for path, literal, value in choice_fields(config):
+        check.one_of(path, value, typing.get_args(literal), CHOICE_NAMES.get(literal, "value"))
 
 
 def _check_numbers(check: _Checker, config: JobConfig, resolved: Resolved) -> None:
