@@ -153,9 +153,9 @@ def _architecture_for(config: dict[str, Any], path: Path) -> str:
     return types[model_type]
 
 
-def load_gguf_model(path: str | Path, progress: bool = False) -> tuple[Any, Any]:
-    """transformers' own load of the file: (dequantized fp32 model, tokenizer). The model keeps its
-    `quantization_config` (transformers refuses to save it); `convert_gguf_to_hf` makes it plain."""
+def load_gguf_model(path: str | Path, progress: bool = False, tokenizer: bool = True) -> tuple[Any, Any]:
+    """transformers' own load of the file: (dequantized fp32 model, tokenizer or None). The model keeps
+    its `quantization_config` (transformers refuses to save it); `convert_gguf_to_hf` makes it plain."""
     import torch
     import transformers
 
@@ -164,9 +164,10 @@ def load_gguf_model(path: str | Path, progress: bool = False) -> tuple[Any, Any]
         read_gguf_config(path)
         model = transformers.AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, dtype=torch.float32)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        loaded_tokenizer = (transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+                            if tokenizer else None)
     model.eval()
-    return model, tokenizer
+    return model, loaded_tokenizer
 
 
 def plain_config_dict(model: Any, dtype: Any) -> dict[str, Any]:
