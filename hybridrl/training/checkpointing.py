@@ -20,8 +20,9 @@ Folder layout (written by every rank of the role's group together: a collective)
   role_checkpoint.json  role, format version, layout, world size, model shape, each rank's mesh
                         coordinates, the optimizer's step count and state kinds, and the sha256 of
                         every tensor in train_state/; written last
-Everything is written into a hidden staging folder next to the target, which rank 0 renames into
-place once every rank has succeeded; a crash leaves the previous checkpoint untouched. Rank files
+Everything is written into a hidden staging folder next to the target (`hybridrl.persistence`),
+which rank 0 renames into place once every rank has succeeded; a crash leaves the previous
+checkpoint untouched. Rank files
 are plain tensors and containers, loaded with `torch.load(weights_only=True)` (no pickled code);
 each has a `rank_NNNNN.pt.sha256` next to it, checked before loading (a tampered or truncated file
 is named in the error instead of failing somewhere inside torch's unpickler). A rank checks the
@@ -49,9 +50,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import random
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +61,7 @@ import torch.distributed as dist
 
 from hybridrl.parallel.device import collective_device
 from hybridrl.parallel.state import failed_ranks
+from hybridrl.persistence import CheckpointError, atomic_file, commit_staging_dir, discard_staging_dir
 from hybridrl.training.backend import MegatronBackend
 
 logger = logging.getLogger(__name__)
@@ -81,8 +81,9 @@ _GROUP_SWITCHES = frozenset({"params", "foreach", "fused", "capturable", "differ
 _GROUP_IDENTITY = ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
 
 
-class RoleCheckpointError(RuntimeError):
-    """A role checkpoint is missing, incomplete, damaged, or was written for another model or role."""
+class RoleCheckpointError(CheckpointError):
+    """A role checkpoint is missing, incomplete, damaged, or was written for another model or role (a
+    `CheckpointError`, like the trainer's and the converter's)."""
 
 
 def rank_file(rank: int) -> str:
@@ -388,21 +389,15 @@ def _rank_optimizer_meta(view: _OptimizerView | None) -> dict[str, Any] | None:
 
 def save_role_checkpoint(backend: MegatronBackend, out_dir: str | Path) -> Path:
     """Collective over the role's group: write the role's state into `out_dir` (replaced if present)."""
-    from hybridrl.models.bridge import save_mcore_checkpoint
-    from hybridrl.models.checkpoint import commit_staging_dir, make_staging_dir, write_rank_file
+    from hybridrl.models.bridge import save_mcore_checkpoint, shared_staging_dir
+    from hybridrl.models.checkpoint import write_rank_file
 
     ctx = backend.ctx
     out_dir = Path(out_dir).absolute()
-    holder: list[Any] = [None]
-    if ctx.rank == 0:
-        try:
-            holder[0] = str(make_staging_dir(out_dir, force=True))
-        except Exception as exc:  # noqa: BLE001 - reported to every rank
-            holder[0] = exc
-    dist.broadcast_object_list(holder, src=0)
-    if isinstance(holder[0], Exception):
-        raise RoleCheckpointError(str(holder[0]))
-    staging = Path(holder[0])
+    try:
+        staging = shared_staging_dir(out_dir, True, ctx)
+    except CheckpointError as exc:  # the same error on every rank
+        raise RoleCheckpointError(str(exc)) from exc
     ok, detail = True, ""
     optimizer: dict[str, Any] = {}
     entry: tuple[str, dict[str, Any]] | None = None
@@ -423,9 +418,8 @@ def save_role_checkpoint(backend: MegatronBackend, out_dir: str | Path) -> Path:
             "schedule": backend.schedule.state_dict() if backend.schedule is not None else None,
         }
         target = staging / rank_file(ctx.rank)
-        partial_file = target.with_suffix(".tmp")
-        torch.save(state, partial_file)
-        os.replace(partial_file, target)
+        with atomic_file(target) as partial_file:
+            torch.save(state, partial_file)
         (staging / (target.name + ".sha256")).write_text(_file_sha256(target) + "\n")
     except Exception as exc:  # noqa: BLE001
         ok, detail = False, f"{type(exc).__name__}: {exc}"
@@ -446,7 +440,7 @@ def save_role_checkpoint(backend: MegatronBackend, out_dir: str | Path) -> Path:
         dist.barrier()
     except BaseException:
         if ctx.rank == 0:
-            shutil.rmtree(staging, ignore_errors=True)
+            discard_staging_dir(staging)
         raise
     return out_dir
 
@@ -495,7 +489,7 @@ class _TrainState:
         self._pieces = hf_export_map(self.shape, self.layout)
 
     def handle(self, tp_rank: int, pp_rank: int) -> Any:
-        from hybridrl.models.checkpoint import CheckpointError, tensor_sha256
+        from hybridrl.models.checkpoint import tensor_sha256
 
         name = state_file(tp_rank, pp_rank)
         path = self.folder / name
