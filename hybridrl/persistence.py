@@ -5,7 +5,8 @@ it: the trainer's step checkpoints (`trainer/checkpoints.py`), the role checkpoi
 (`training/checkpointing.py`), the converter and the bridge's save and HF export (`models/`).
 
 - `CheckpointError`: the one error of a checkpoint or export that is missing, incomplete,
-  inconsistent or damaged; the role checkpoints' `RoleCheckpointError` subclasses it.
+  inconsistent or damaged (the trainer's and the converter's); the role checkpoints'
+  `RoleCheckpointError` subclasses it.
 - `atomic_file` / `write_atomic`: a file written under a partial name, fsynced, then renamed over
   the target, so a reader sees the old file or the whole new one.
 - `make_staging_dir` / `commit_staging_dir` / `atomic_dir`: a folder written as a hidden staging
@@ -34,6 +35,11 @@ PARTIAL_PREFIX = ".partial-"
 
 class CheckpointError(RuntimeError):
     """A checkpoint or export is missing, incomplete, inconsistent with its config, or corrupted."""
+
+
+class RoleCheckpointError(CheckpointError):
+    """A role checkpoint (`hybridrl.training.checkpointing`) is missing, incomplete, damaged, or was
+    written for another model or role."""
 
 
 # ---- names ------------------------------------------------------------------------------------------
