@@ -12,6 +12,7 @@ import torch
 
 from hybridrl.models.checkpoint import METADATA_FILE
 from hybridrl.models.convert_cli import main as convert_main
+from hybridrl.persistence import is_partial
 from tests.test_models_fixtures import (
     ARCHS,
     assert_same_tensors,
@@ -141,7 +142,7 @@ def guarded_out(tmp_path):
 
 def assert_untouched(out: Path) -> None:
     assert tree_snapshot(out) == {"keep.txt": b"precious"}
-    leftovers = [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
+    leftovers = [p.name for p in out.parent.iterdir() if is_partial(p)]
     assert leftovers == []
 
 
@@ -235,10 +236,10 @@ def test_tp_that_does_not_divide_heads(hf_dirs, guarded_out, capsys):
 def test_not_enough_disk_space(hf_dirs, guarded_out, capsys, monkeypatch):
     import shutil as real_shutil
 
-    from hybridrl.models import checkpoint
+    from hybridrl import persistence
 
     usage = real_shutil.disk_usage(guarded_out)
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage._replace(free=1000))
+    monkeypatch.setattr(persistence.shutil, "disk_usage", lambda path: usage._replace(free=1000))
     err = _fails(capsys, "hf-to-mcore", "--hf", str(hf_dirs["llama"]), "--out", str(guarded_out))
     assert "not enough free disk space" in err
     assert_untouched(guarded_out)

@@ -1,6 +1,7 @@
 """Checkpoint folders: atomic commit, pruning, resume resolution, interrupted saves never resumed."""
 import pytest
 
+from hybridrl.persistence import is_partial
 from hybridrl.trainer.checkpoints import LATEST_FILE, CheckpointError, CheckpointManager
 
 
@@ -60,7 +61,7 @@ def test_resaving_a_step_replaces_it_whole(tmp_path):
     _save(manager, 2, payload="old")
     path = _save(manager, 2, payload="new")
     assert (path / "actor" / "weights.bin").read_text() == "new"
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".partial")] == []
+    assert [p.name for p in tmp_path.iterdir() if is_partial(p)] == []
 
 
 def test_stale_latest_pointer_falls_back_to_scan(tmp_path):

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from hybridrl.persistence import is_partial
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,7 +127,7 @@ def test_killed_run_resumes_with_identical_next_step(demo_assets, tmp_path):
     assert "training failed at step 0, phase resume:" in refused.stderr, refused.stderr[-4000:]
     assert "rank_00001.pt: sha256" in refused.stderr, refused.stderr[-4000:]
     assert max(r["step"] for r in _metrics(killed)) == 4
-    assert not [p for p in ckpt.iterdir() if p.name.startswith(".partial-")]
+    assert not [p for p in ckpt.iterdir() if is_partial(p)]
 
 
 def _rollouts(run: Path, step: int) -> list[dict]:

@@ -213,16 +213,17 @@ def _hf_state(ckpt: Path) -> tuple[dict[str, Any], dict[tuple[str, str], torch.T
     """A role checkpoint's optimizer description and every state kind as whole HF-named tensors."""
     from hybridrl.models.checkpoint import read_hf_tensor
     from hybridrl.models.layout import hf_tensor_shapes
-    from hybridrl.training.checkpointing import STATE_DIR, _KindReader, _read_meta, _TrainState
+    from hybridrl.training.checkpointing import _read_meta
+    from hybridrl.training.train_state import STATE_DIR, KindReader, TrainState
 
     meta = _read_meta(ckpt)
-    store = _TrainState(ckpt / STATE_DIR, meta)
+    store = TrainState(ckpt / STATE_DIR, meta)
     tensors = {}
     try:
         for kind in meta["optimizer"]["kinds"]:
             for name in hf_tensor_shapes(store.shape):
                 try:
-                    tensors[(kind, name)] = read_hf_tensor(_KindReader(store, kind), store.shape, name)
+                    tensors[(kind, name)] = read_hf_tensor(KindReader(store, kind), store.shape, name)
                 except Exception:  # noqa: BLE001 - fp32 params (norms) of a bf16 model have no separate master
                     assert kind == "main_param" and "norm" in name, (kind, name)
     finally:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.data.dataset import JSONL_SUFFIXES, PARQUET_SUFFIXES
+from hybridrl.persistence import atomic_file
 
 
 def write_rows(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
@@ -19,19 +20,16 @@ def write_rows(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
     suffix = path.suffix.lower()
     path.parent.mkdir(parents=True, exist_ok=True)
     if suffix in JSONL_SUFFIXES:
-        # Written to a temporary name first: a crash never leaves a half file that looks complete.
-        partial = path.with_name(path.name + ".partial")
-        with partial.open("w", encoding="utf-8") as out:
+        # Written to a partial name first: a crash never leaves a half file that looks complete.
+        with atomic_file(path) as partial, partial.open("w", encoding="utf-8") as out:
             for row in rows:
                 out.write(json.dumps(row, ensure_ascii=False) + "\n")
-        partial.replace(path)
         return path
     if suffix in PARQUET_SUFFIXES:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        partial = path.with_name(path.name + ".partial")
-        pq.write_table(pa.Table.from_pylist(list(rows)), partial)
-        partial.replace(path)
+        with atomic_file(path) as partial:
+            pq.write_table(pa.Table.from_pylist(list(rows)), partial)
         return path
     raise ValueError(f"{path}: unsupported suffix {suffix!r}; use .jsonl or .parquet")

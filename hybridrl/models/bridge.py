@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,26 +27,31 @@ from hybridrl.models.arch import ModelShape, read_hf_config
 from hybridrl.models.checkpoint import (
     ASSETS_DIR,
     METADATA_FILE,
-    CheckpointError,
     HFCheckpointReader,
     McoreCheckpointReader,
     McoreMetadata,
     assemble,
-    check_output_dir,
     checkpoint_file_name,
-    commit_staging_dir,
-    make_staging_dir,
+    estimated_hf_bytes,
     mcore_metadata,
     tensor_sha256,
-    write_hf_checkpoint,
+    write_hf_files,
     write_rank_file,
 )
 from hybridrl.models.layout import (
+    EMBED,
     ParallelLayout,
     StageChunk,
     TensorPlan,
     chunk_tensor_plans,
     rank_chunk_key_prefix,
+)
+from hybridrl.persistence import (
+    CheckpointError,
+    check_free_space,
+    commit_staging_dir,
+    discard_staging_dir,
+    make_staging_dir,
 )
 
 # Transformer Engine fuses the pre-attention / pre-MLP norms into the following linear layer; the
@@ -349,6 +353,8 @@ def _load_same_layout(models: Sequence[Any], meta: McoreMetadata, verify: bool) 
 
 # ---- saving and export (collective over the world) -------------------------------------------------
 
+_EXPORT_SHARDS = ".megatron-shards"  # inside an HF export's staging folder only; deleted before the rename
+
 def _all_ok(ok: bool, detail: str) -> None:
     """Raise on every rank if any rank failed (so no rank waits in a later collective)."""
     from hybridrl.parallel.state import failed_ranks
@@ -356,6 +362,23 @@ def _all_ok(ok: bool, detail: str) -> None:
     failed = failed_ranks(ok, detail)
     if failed:
         raise CheckpointError("checkpoint save failed on " + "; ".join(failed))
+
+
+def shared_staging_dir(out_dir: Path, force: bool, ctx: Any) -> Path:
+    """Collective: rank 0 checks `out_dir` and makes its staging folder (`hybridrl.persistence`); every
+    rank gets its path, or the same `CheckpointError` when rank 0 could not (no rank left waiting)."""
+    import torch.distributed as dist
+
+    holder: list[Any] = [None]
+    if ctx.rank == 0:
+        try:
+            holder[0] = str(make_staging_dir(out_dir, force))
+        except Exception as exc:  # noqa: BLE001 - reported to every rank below
+            holder[0] = exc
+    dist.broadcast_object_list(holder, src=0)
+    if isinstance(holder[0], Exception):
+        raise CheckpointError(str(holder[0]))
+    return Path(holder[0])
 
 
 def rank_tensor_entries(models: Sequence[Any]) -> Iterator[tuple[str, TensorPlan, torch.Tensor]]:
@@ -390,16 +413,7 @@ def save_mcore_checkpoint(models: Sequence[Any], out_dir: str | Path, *, ctx: An
     models = [unwrap_model(m) for m in models]
     info = chunk_info(models[0])
     out_dir = Path(out_dir).absolute()
-    holder: list[Any] = [None]
-    if ctx.rank == 0:
-        try:
-            holder[0] = str(make_staging_dir(out_dir, force))
-        except Exception as exc:  # noqa: BLE001 - reported to all ranks below
-            holder[0] = exc
-    dist.broadcast_object_list(holder, src=0)
-    if isinstance(holder[0], Exception):
-        raise CheckpointError(str(holder[0]))
-    tmp = Path(holder[0])
+    tmp = shared_staging_dir(out_dir, force, ctx)
     entry: tuple[str, dict[str, Any]] | None = None
     ok, detail = True, ""
     if ctx.dp_rank == 0 and ctx.cp_rank == 0:
@@ -415,7 +429,7 @@ def save_mcore_checkpoint(models: Sequence[Any], out_dir: str | Path, *, ctx: An
         _all_ok(ok, detail)
     except CheckpointError:
         if ctx.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            discard_staging_dir(tmp)
         raise
     ok, detail = True, ""
     if ctx.rank == 0:
@@ -434,7 +448,7 @@ def save_mcore_checkpoint(models: Sequence[Any], out_dir: str | Path, *, ctx: An
             (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=1))
             commit_staging_dir(tmp, out_dir)
         except Exception as exc:  # noqa: BLE001
-            shutil.rmtree(tmp, ignore_errors=True)
+            discard_staging_dir(tmp)
             ok, detail = False, f"{type(exc).__name__}: {exc}"
     _all_ok(ok, detail)
     return out_dir
@@ -454,39 +468,35 @@ def export_hf(
 ) -> Path:
     """Collective: gather the sharded model into an HF folder at `out_dir` (written by rank 0).
 
-    The shards travel through a temporary megatron checkpoint next to `out_dir` (so the ranks need
-    a shared filesystem); rank 0 then stitches HF tensors one output shard at a time.
+    Written into one staging folder next to `out_dir` (so the ranks need a shared filesystem): the
+    shards first travel as a megatron checkpoint inside it, from which rank 0 stitches HF tensors one
+    output shard at a time; the megatron copy is then deleted and the folder renamed into place.
     """
-    import torch.distributed as dist
-
     ctx = _context(ctx)
     out_dir = Path(out_dir).absolute()
-    staging = out_dir.parent / f".{out_dir.name}.staging"
-    holder: list[Any] = [None]
-    if ctx.rank == 0:
-        holder[0] = f"{staging}-{uuid.uuid4().hex[:8]}"
-        try:
-            check_output_dir(out_dir, force)
-        except CheckpointError as exc:
-            holder[0] = exc
-    dist.broadcast_object_list(holder, src=0)
-    if isinstance(holder[0], Exception):
-        raise CheckpointError(str(holder[0]))
-    staging = Path(holder[0])
-    save_mcore_checkpoint(models, staging, ctx=ctx)
+    staging = shared_staging_dir(out_dir, force, ctx)
+    shards = staging / _EXPORT_SHARDS
+    try:
+        save_mcore_checkpoint(models, shards, ctx=ctx)
+    except BaseException:
+        if ctx.rank == 0:
+            discard_staging_dir(staging)
+        raise
     ok, detail = True, ""
     if ctx.rank == 0:
         try:
-            reader = McoreCheckpointReader(staging, verify=False)
+            reader = McoreCheckpointReader(shards, verify=False)
             try:
+                check_free_space(out_dir, estimated_hf_bytes(reader.shape, dtype or reader.dtype_of(EMBED)))
                 kwargs = {"max_shard_bytes": max_shard_bytes} if max_shard_bytes else {}
-                write_hf_checkpoint(reader, out_dir, dtype=dtype, force=force, **kwargs)
+                write_hf_files(reader, staging, dtype=dtype, **kwargs)
             finally:
                 reader.close()
+            shutil.rmtree(shards)
+            commit_staging_dir(staging, out_dir)
         except Exception as exc:  # noqa: BLE001
+            discard_staging_dir(staging)
             ok, detail = False, f"{type(exc).__name__}: {exc}"
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
     _all_ok(ok, detail)
     return out_dir
 

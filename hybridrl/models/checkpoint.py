@@ -13,6 +13,9 @@ Sharded megatron checkpoint (`hybridrl convert hf-to-mcore`, or `bridge.save_mco
   hybridrl_checkpoint.json               format, layout, architecture, HF config, dtype, padded
                                          vocab, and shape/dtype/sha256 of every tensor
   hf_assets/                             tokenizer and other small files copied from the HF folder
+
+Every writer checks its output and the free disk space first and writes into a staging folder that
+is renamed into place at the end (`hybridrl.persistence`): on any error the output is left as it was.
 """
 from __future__ import annotations
 
@@ -20,8 +23,7 @@ import contextlib
 import hashlib
 import json
 import shutil
-import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,7 @@ from hybridrl.models.layout import (
     hf_tensor_shapes,
     rank_tensor_plans,
 )
+from hybridrl.persistence import CheckpointError, atomic_dir, check_free_space, check_output_dir
 
 METADATA_FILE = "hybridrl_checkpoint.json"
 CHECKPOINT_FORMAT = "hybridrl-mcore"
@@ -65,10 +68,6 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
 }
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, inconsistent with its config, or corrupted."""
-
-
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     if name is None or isinstance(name, torch.dtype):
         return name
@@ -84,14 +83,6 @@ def tensor_sha256(tensor: torch.Tensor) -> str:
     read through a host copy (numpy cannot see device memory)."""
     flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
-
-
-def _format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 # ---- readers ----------------------------------------------------------------------------------------
@@ -350,65 +341,6 @@ def read_hf_tensor(reader: TensorReader, shape: ModelShape, hf_name: str) -> tor
     return reader.read(hf_name, axis, 0, full[axis] if axis is not None else 0)
 
 
-# ---- output folders ---------------------------------------------------------------------------------
-
-def check_output_dir(out_dir: Path, force: bool) -> None:
-    """Refuse an output that exists as a file, or a non-empty folder without `force` (checked up front)."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise CheckpointError(f"output {out_dir} exists and is not a folder")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
-        raise CheckpointError(f"output folder {out_dir} is not empty (pass --force to replace it)")
-
-
-def check_free_space(out_dir: Path, needed_bytes: int, margin: float = 1.05) -> None:
-    parent = out_dir.parent
-    while not parent.exists():
-        parent = parent.parent
-    free = shutil.disk_usage(parent).free
-    if needed_bytes * margin > free:
-        raise CheckpointError(f"not enough free disk space for {out_dir}: need about "
-                              f"{_format_bytes(needed_bytes * margin)}, {_format_bytes(free)} free")
-
-
-def make_staging_dir(out_dir: str | Path, force: bool = False) -> Path:
-    """Check `out_dir` may be written, then create an empty hidden staging folder next to it."""
-    out_dir = Path(out_dir).absolute()
-    check_output_dir(out_dir, force)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = out_dir.parent / f".{out_dir.name}.partial-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
-    return staging
-
-
-def commit_staging_dir(staging: Path, out_dir: str | Path) -> None:
-    """Move a complete staging folder into place (renames only; a replaced output is deleted last)."""
-    out_dir = Path(out_dir).absolute()
-    if out_dir.is_dir():
-        if any(out_dir.iterdir()):
-            trash = out_dir.parent / f".{out_dir.name}.replaced-{uuid.uuid4().hex[:8]}"
-            out_dir.rename(trash)
-            staging.rename(out_dir)
-            shutil.rmtree(trash, ignore_errors=True)
-            return
-        out_dir.rmdir()
-    staging.rename(out_dir)
-
-
-@contextlib.contextmanager
-def atomic_output_dir(out_dir: str | Path, force: bool = False) -> Iterator[Path]:
-    """Yield a staging folder next to `out_dir`; move it into place only if the body succeeds.
-
-    On any error the staging folder is removed and `out_dir` is left exactly as it was.
-    """
-    staging = make_staging_dir(out_dir, force)
-    try:
-        yield staging
-        commit_staging_dir(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
 def _copy_assets(assets: list[Path], dest: Path) -> None:
     if assets:
         dest.mkdir(exist_ok=True)
@@ -500,7 +432,7 @@ def write_mcore_checkpoint(
     total = sum(len(p) for p in rank_plans.values())
     files: dict[str, dict[str, Any]] = {}
     assets = reader.assets()
-    with atomic_output_dir(out_dir, force) as tmp, _progress_bar(total, "hf-to-mcore", progress) as bar:
+    with atomic_dir(out_dir, force) as tmp, _progress_bar(total, "hf-to-mcore", progress) as bar:
         for (tp_rank, pp_rank), plans in rank_plans.items():
             tensors = {}
             for key, plan in plans.items():
@@ -540,14 +472,30 @@ def write_hf_checkpoint(
     reader: TensorReader, out_dir: str | Path, *, dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, force: bool = False, progress: bool = False,
 ) -> Path:
-    """Write `reader`'s model as an HF folder: safetensors shards (+ index), config, generation config."""
-    shape: ModelShape = reader.shape
+    """Write `reader`'s model as an HF folder: safetensors shards (+ index), config, generation config
+    (the output checked up front, written into a staging folder renamed into place)."""
     out_dir = Path(out_dir)
+    dtype = dtype or _source_dtype(reader)
+    check_output_dir(out_dir, force)
+    check_free_space(out_dir, estimated_hf_bytes(reader.shape, dtype))
+    with atomic_dir(out_dir, force) as tmp:
+        write_hf_files(reader, tmp, dtype=dtype, max_shard_bytes=max_shard_bytes, progress=progress)
+    return out_dir
+
+
+def estimated_hf_bytes(shape: ModelShape, dtype: torch.dtype) -> int:
+    return sum(_numel(s) * _element_size(dtype) for s in hf_tensor_shapes(shape).values())
+
+
+def write_hf_files(
+    reader: TensorReader, folder: Path, *, dtype: torch.dtype | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = False,
+) -> None:
+    """The HF folder's files written into `folder` (an existing, empty staging folder)."""
+    shape: ModelShape = reader.shape
     dtype = dtype or _source_dtype(reader)
     hf_shapes = hf_tensor_shapes(shape)
     sizes = {name: _numel(s) * _element_size(dtype) for name, s in hf_shapes.items()}
-    check_output_dir(out_dir, force)
-    check_free_space(out_dir, sum(sizes.values()))
     # Plan shards first (HF's greedy rule: start a new shard when the next tensor would overflow).
     shards: list[list[str]] = [[]]
     used = 0
@@ -561,7 +509,7 @@ def write_hf_checkpoint(
     names = (["model.safetensors"] if n == 1
              else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)])
     assets = reader.assets()
-    with atomic_output_dir(out_dir, force) as tmp, _progress_bar(len(hf_shapes), "to-hf", progress) as bar:
+    with _progress_bar(len(hf_shapes), "to-hf", progress) as bar:
         weight_map: dict[str, str] = {}
         for fname, members in zip(names, shards):
             tensors = {}
@@ -569,18 +517,17 @@ def write_hf_checkpoint(
                 tensors[name] = read_hf_tensor(reader, shape, name).to(dtype).contiguous()
                 weight_map[name] = fname
                 bar.update(1)
-            save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            save_file(tensors, str(folder / fname), metadata={"format": "pt"})
             del tensors
         if n > 1:
             index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
-            (tmp / HF_INDEX_FILE).write_text(json.dumps(index, indent=2))
+            (folder / HF_INDEX_FILE).write_text(json.dumps(index, indent=2))
         config = hf_config_for_export(reader.config, dtype)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        (folder / "config.json").write_text(json.dumps(config, indent=2))
         gen = generation_config_for_export(config, reader.generation_config())
-        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        (folder / "generation_config.json").write_text(json.dumps(gen, indent=2))
         for path in assets:
-            shutil.copy2(path, tmp / path.name)
-    return out_dir
+            shutil.copy2(path, folder / path.name)
 
 
 def _numel(dims: tuple[int, ...]) -> int:

@@ -6,17 +6,19 @@
   hybridrl convert gguf-to-hf    --gguf FILE --out DIR [--dtype float32|bfloat16]
 
 Every command validates its input fully before writing, checks free disk space, writes into a
-temporary folder next to `--out` and renames it into place at the end: on any error `--out` is
-left as it was. Megatron checkpoints are verified against their sha256 sums when read.
+staging folder next to `--out` and renames it into place at the end (`hybridrl.persistence`): on
+any error `--out` is left as it was. Megatron checkpoints are verified against their sha256 sums when read.
 
-Module-level imports stay light (argparse only): torch is imported inside `run`, so building the
-`hybridrl` parser costs nothing.
+Module-level imports stay light (argparse and the torch-free `hybridrl.persistence`): torch is
+imported inside `run`, so building the `hybridrl` parser costs nothing.
 """
 from __future__ import annotations
 
 import argparse
 import re
 import sys
+
+from hybridrl.persistence import CheckpointError
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -101,7 +103,6 @@ def run(args: argparse.Namespace) -> int:
 
     from hybridrl.models.arch import ParallelLayoutError, UnsupportedModelError
     from hybridrl.models.checkpoint import (
-        CheckpointError,
         HFCheckpointReader,
         McoreCheckpointReader,
         parse_dtype,

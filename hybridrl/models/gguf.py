@@ -221,12 +221,7 @@ def convert_gguf_to_hf(
     import transformers
     from tqdm import tqdm
 
-    from hybridrl.models.checkpoint import (
-        CheckpointError,
-        atomic_output_dir,
-        check_free_space,
-        check_output_dir,
-    )
+    from hybridrl.persistence import CheckpointError, atomic_dir, check_free_space, check_output_dir
 
     check_dependencies()
     path = check_gguf_file(gguf_path)
@@ -269,7 +264,7 @@ def convert_gguf_to_hf(
 
         bar.set_postfix_str(stages[3])
         tokenizer.model_max_length = config.max_position_embeddings  # GGUF leaves it unbounded
-        with atomic_output_dir(out_dir, force) as tmp:
+        with atomic_dir(out_dir, force) as tmp:
             plain.save_pretrained(str(tmp))
             tokenizer.save_pretrained(str(tmp))
             bar.update(1)

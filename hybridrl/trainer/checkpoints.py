@@ -3,37 +3,34 @@
 Layout under `root` (= trainer.default_local_dir/project/experiment):
   global_step_<N>/             one complete checkpoint: worker folders (actor/, critic/) + trainer_state.json
   latest_checkpointed_iteration.txt   N of the newest complete checkpoint
-  .partial-global_step_<N>-<pid>/     a checkpoint being written (never read; removed on start)
+  .partial-global_step_<N>-<token>/   a checkpoint being written (never read; removed on start)
 
 A checkpoint becomes visible only by a rename after every writer finished and `trainer_state.json`
 was written last inside it, so a crash at any point leaves the previous checkpoint as the latest.
+The staging folder, the rename and the partial names are `hybridrl.persistence`'s.
 """
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
+
+from hybridrl.persistence import (
+    CheckpointError,
+    commit_staging_dir,
+    delete_dir,
+    discard_staging_dir,
+    make_staging_dir,
+    remove_partials,
+    write_atomic,
+)
+
+__all__ = ["LATEST_FILE", "STATE_FILE", "CheckpointError", "CheckpointManager", "is_complete"]
 
 STATE_FILE = "trainer_state.json"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
-_PARTIAL_PREFIX = ".partial-"
-
-
-class CheckpointError(RuntimeError):
-    pass
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 def is_complete(path: Path) -> bool:
@@ -47,32 +44,21 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ writing
     def begin(self, step: int) -> Path:
-        """A fresh private folder for step `step`'s writers (removed if it exists from a crash)."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        partial = self.root / f"{_PARTIAL_PREFIX}global_step_{step}-{os.getpid()}"
-        if partial.exists():
-            shutil.rmtree(partial)
-        partial.mkdir()
-        return partial
+        """A fresh staging folder next to step `step`'s folder, for its writers."""
+        return make_staging_dir(self.step_dir(step), force=True)
 
     def commit(self, partial: Path, step: int, trainer_state: dict[str, Any]) -> Path:
         """Seal a checkpoint: write the trainer state last, rename into place, point `latest` at it."""
         state = {"global_step": step, **trainer_state}
-        _write_atomic(partial / STATE_FILE, json.dumps(state, indent=2, sort_keys=True))
+        write_atomic(partial / STATE_FILE, json.dumps(state, indent=2, sort_keys=True))
         final = self.step_dir(step)
-        if final.exists():  # re-saving a step (e.g. after resume): replace the old copy whole
-            old = self.root / f"{_PARTIAL_PREFIX}old-global_step_{step}-{os.getpid()}"
-            os.replace(final, old)
-            os.replace(partial, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(partial, final)
-        _write_atomic(self.root / LATEST_FILE, f"{step}\n")
+        commit_staging_dir(partial, final)  # re-saving a step (e.g. after resume) replaces it whole
+        write_atomic(self.root / LATEST_FILE, f"{step}\n")
         self.prune()
         return final
 
     def abort(self, partial: Path) -> None:
-        shutil.rmtree(partial, ignore_errors=True)
+        discard_staging_dir(partial)
 
     def prune(self) -> list[Path]:
         """Delete complete checkpoints beyond the newest `keep_last_n`; returns what was removed."""
@@ -82,18 +68,13 @@ class CheckpointManager:
         removed = []
         for step in steps[: max(0, len(steps) - self.keep_last_n)]:
             path = self.step_dir(step)
-            shutil.rmtree(path, ignore_errors=True)
+            delete_dir(path)  # renamed aside first: a crash mid-delete leaves no half checkpoint
             removed.append(path)
         return removed
 
     def remove_partials(self) -> list[Path]:
         """Remove leftovers of interrupted saves (called at start-up, before anything resumes)."""
-        if not self.root.is_dir():
-            return []
-        leftovers = [p for p in self.root.iterdir() if p.name.startswith(_PARTIAL_PREFIX)]
-        for path in leftovers:
-            shutil.rmtree(path, ignore_errors=True)
-        return leftovers
+        return remove_partials(self.root)
 
     # ------------------------------------------------------------------ reading
     def step_dir(self, step: int) -> Path:

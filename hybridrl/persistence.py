@@ -1,0 +1,198 @@
+"""Writing to disk so that nothing half-written is ever read: one helper for every checkpoint and export.
+
+Torch-free and importing no other hybridrl module (like `hybridrl.names`), so every package may use
+it: the trainer's step checkpoints (`trainer/checkpoints.py`), the role checkpoints
+(`training/checkpointing.py`), the converter and the bridge's save and HF export (`models/`).
+
+- `CheckpointError`: the one error of a checkpoint or export that is missing, incomplete,
+  inconsistent or damaged (the trainer's and the converter's); the role checkpoints'
+  `RoleCheckpointError` subclasses it.
+- `atomic_file` / `write_atomic`: a file written under a partial name, fsynced, then renamed over
+  the target, so a reader sees the old file or the whole new one.
+- `make_staging_dir` / `commit_staging_dir` / `atomic_dir`: a folder written as a hidden staging
+  folder next to its target and renamed into place once complete; an existing target is replaced
+  whole (moved aside under a partial name, the new folder renamed in, the old one deleted last).
+- The partial-name convention: everything in progress (a staging folder, a replaced target awaiting
+  deletion, a file being written) is named `.partial-<target name>-<token>` next to its target;
+  `is_partial` tells such leftovers apart and `remove_partials` clears a folder of them at start-up.
+- `delete_dir`: a complete folder renamed to a partial name before it is removed.
+- `check_output_dir`, `check_free_space`: refuse an output before anything is written.
+
+The one window left: between moving a replaced target aside and renaming the new folder in (two
+renames in the same folder), a crash leaves the target missing; both copies are then partials.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+PARTIAL_PREFIX = ".partial-"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint or export is missing, incomplete, inconsistent with its config, or corrupted."""
+
+
+class RoleCheckpointError(CheckpointError):
+    """A role checkpoint (`hybridrl.training.checkpointing`) is missing, incomplete, damaged, or was
+    written for another model or role."""
+
+
+# ---- names ------------------------------------------------------------------------------------------
+
+def partial_path(target: str | Path, token: str | None = None) -> Path:
+    """A fresh in-progress name next to `target`: `.partial-<name>-<token>` (random token by default)."""
+    target = Path(target)
+    return target.parent / f"{PARTIAL_PREFIX}{target.name}-{token or uuid.uuid4().hex[:8]}"
+
+
+def is_partial(path: str | Path) -> bool:
+    """Whether `path` is named as something in progress (never to be read as a result)."""
+    return Path(path).name.startswith(PARTIAL_PREFIX)
+
+
+def remove_partials(folder: str | Path) -> list[Path]:
+    """Delete the leftovers of interrupted writes directly inside `folder`; returns what was removed."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    leftovers = sorted(p for p in folder.iterdir() if is_partial(p))
+    for path in leftovers:
+        _remove(path)
+    return leftovers
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename inside `folder` durable (the rename is in the folder's entry table)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---- files ------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def atomic_file(path: str | Path) -> Iterator[Path]:
+    """Yield a partial path next to `path` to write; on success fsync it and rename it over `path`.
+
+    On any error the partial file is removed and `path` is left as it was.
+    """
+    path = Path(path)
+    tmp = partial_path(path, f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        yield tmp
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def write_atomic(path: str | Path, data: str | bytes) -> None:
+    """Write `data` (text as UTF-8) to `path` through `atomic_file`."""
+    with atomic_file(path) as tmp:
+        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+
+
+# ---- folders ----------------------------------------------------------------------------------------
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def check_output_dir(out_dir: str | Path, force: bool) -> None:
+    """Refuse an output that exists as a file, or a non-empty folder without `force` (checked up front)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"output {out_dir} exists and is not a folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
+        raise CheckpointError(f"output folder {out_dir} is not empty (pass --force to replace it)")
+
+
+def check_free_space(out_dir: str | Path, needed_bytes: int, margin: float = 1.05) -> None:
+    """Refuse to start writing `needed_bytes` (times `margin`) where the disk has less free."""
+    out_dir = Path(out_dir)
+    parent = out_dir.parent
+    while not parent.exists():
+        parent = parent.parent
+    free = shutil.disk_usage(parent).free
+    if needed_bytes * margin > free:
+        raise CheckpointError(f"not enough free disk space for {out_dir}: need about "
+                              f"{format_bytes(needed_bytes * margin)}, {format_bytes(free)} free")
+
+
+def make_staging_dir(target: str | Path, force: bool = False) -> Path:
+    """Check `target` may be written (`check_output_dir`), then create an empty staging folder next to it."""
+    target = Path(target).absolute()
+    check_output_dir(target, force)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = partial_path(target)
+    staging.mkdir()
+    return staging
+
+
+def commit_staging_dir(staging: str | Path, target: str | Path) -> Path:
+    """Rename a complete staging folder into place; an existing `target` is replaced whole (deleted last)."""
+    staging, target = Path(staging), Path(target).absolute()
+    trash = None
+    if target.is_dir():
+        if any(target.iterdir()):
+            trash = partial_path(target)
+            os.rename(target, trash)
+        else:
+            target.rmdir()
+    os.rename(staging, target)
+    _fsync_dir(target.parent)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+    return target
+
+
+def delete_dir(path: str | Path) -> None:
+    """Delete a complete folder so that no half-deleted copy can be read: renamed to a partial name
+    first (one step), then removed (a crash in between leaves a leftover for `remove_partials`)."""
+    path = Path(path)
+    if not path.is_dir():
+        return
+    trash = partial_path(path)
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def discard_staging_dir(staging: str | Path) -> None:
+    """Delete a staging folder that will not be committed (nothing else is touched)."""
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_dir(target: str | Path, force: bool = False) -> Iterator[Path]:
+    """Yield a staging folder next to `target`; rename it into place only if the body succeeds.
+
+    On any error the staging folder is removed and `target` is left exactly as it was.
+    """
+    staging = make_staging_dir(target, force)
+    try:
+        yield staging
+        commit_staging_dir(staging, target)
+    except BaseException:
+        discard_staging_dir(staging)
+        raise

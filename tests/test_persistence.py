@@ -1,0 +1,136 @@
+"""`hybridrl.persistence` on hand-made folders: nothing half-written is ever visible under a target's name."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridrl import persistence
+from hybridrl.persistence import (
+    CheckpointError,
+    atomic_dir,
+    atomic_file,
+    check_free_space,
+    check_output_dir,
+    commit_staging_dir,
+    delete_dir,
+    is_partial,
+    make_staging_dir,
+    partial_path,
+    remove_partials,
+    write_atomic,
+)
+
+
+def _tree(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): p.read_text() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _target(tmp_path: Path) -> Path:
+    target = tmp_path / "out"
+    (target / "sub").mkdir(parents=True)
+    (target / "old.txt").write_text("old")
+    (target / "sub" / "deep.txt").write_text("deep")
+    return target
+
+
+def test_a_failing_body_leaves_the_target_untouched_and_no_staging(tmp_path):
+    target = _target(tmp_path)
+    before = _tree(target)
+    with pytest.raises(ValueError, match="writer died"), atomic_dir(target, force=True) as staging:
+        assert is_partial(staging) and staging.parent == target.parent
+        (staging / "new.txt").write_text("half")
+        raise ValueError("writer died")
+    assert _tree(target) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_replaced_target_is_swapped_whole(tmp_path):
+    target = _target(tmp_path)
+    with atomic_dir(target, force=True) as staging:
+        (staging / "new.txt").write_text("new")
+        assert _tree(target)["old.txt"] == "old"  # the old copy stays readable until the commit
+    assert _tree(target) == {"new.txt": "new"}  # nothing of the old copy is left inside
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nor beside it (trash deleted)
+
+
+def test_commit_into_a_missing_or_empty_target(tmp_path):
+    for target in (tmp_path / "a" / "missing", tmp_path / "empty"):
+        if target.name == "empty":
+            target.mkdir()
+        staging = make_staging_dir(target)
+        (staging / "x").write_text("1")
+        assert commit_staging_dir(staging, target) == target.absolute()
+        assert _tree(target) == {"x": "1"} and not staging.exists()
+
+
+def test_a_non_empty_target_needs_force_and_a_file_is_refused(tmp_path):
+    target = _target(tmp_path)
+    with pytest.raises(CheckpointError, match=f"output folder {target} is not empty .pass --force"):
+        make_staging_dir(target)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="exists and is not a folder"):
+        check_output_dir(tmp_path / "file", force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "out"]
+
+
+def test_is_partial_and_remove_partials(tmp_path):
+    target = tmp_path / "global_step_3"
+    staging = partial_path(target)
+    assert staging.name.startswith(".partial-global_step_3-") and is_partial(staging)
+    assert partial_path(target, "1234").name == ".partial-global_step_3-1234"
+    assert partial_path(target) != partial_path(target)
+    for name in ("global_step_3", ".hidden", "partial-x", "x.partial-y"):
+        assert not is_partial(tmp_path / name)
+    staging.mkdir()
+    (staging / "f").write_text("x")
+    (tmp_path / ".partial-latest.txt-77").write_text("half")  # a file caught mid-write
+    target.mkdir()
+    assert remove_partials(tmp_path) == sorted([staging, tmp_path / ".partial-latest.txt-77"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step_3"]
+    assert remove_partials(tmp_path / "nowhere") == []
+
+
+def test_atomic_file_replaces_or_keeps_the_old_file(tmp_path):
+    path = tmp_path / "state.json"
+    write_atomic(path, "one")
+    write_atomic(path, b"two")
+    assert path.read_text() == "two"
+    with pytest.raises(RuntimeError), atomic_file(path) as tmp:
+        assert is_partial(tmp) and tmp.parent == tmp_path
+        tmp.write_text("half")
+        raise RuntimeError
+    assert path.read_text() == "two" and [p.name for p in tmp_path.iterdir()] == ["state.json"]
+
+
+def test_delete_dir_renames_before_removing(tmp_path):
+    target = _target(tmp_path)
+    delete_dir(target)
+    delete_dir(target)  # already gone: nothing to do
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_free_space_is_checked_before_writing(tmp_path, monkeypatch):
+    usage = persistence.shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(persistence.shutil, "disk_usage", lambda path: usage._replace(free=1000))
+    with pytest.raises(CheckpointError, match=r"not enough free disk space for .*need about 1\.0 KiB, 1000\.0 B free"):
+        check_free_space(tmp_path / "new" / "out", 1000)
+    check_free_space(tmp_path / "out", 900)
+
+
+def test_every_checkpoint_error_is_one_class():
+    from hybridrl.models.checkpoint import CheckpointError as converter_error
+    from hybridrl.trainer.checkpoints import CheckpointError as trainer_error
+    from hybridrl.training.checkpointing import RoleCheckpointError
+
+    assert converter_error is trainer_error is CheckpointError
+    assert issubclass(RoleCheckpointError, CheckpointError)
+
+
+def test_importing_it_imports_no_torch():
+    code = "import sys, hybridrl.persistence; assert 'torch' not in sys.modules, 'torch imported'"
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
+    assert result.returncode == 0, result.stderr
