@@ -49,6 +49,7 @@ from hybridrl.models.layout import (
     chunk_tensor_plans,
     rank_chunk_key_prefix,
 )
+from hybridrl.parallel.device_policy import DevicePolicy
 
 # Transformer Engine fuses the pre-attention / pre-MLP norms into the following linear layer; the
 # checkpoint and the layout math use the local spec's names, translated here for TE models.
@@ -116,7 +117,8 @@ def transformer_config(
     shape: ModelShape, tp: int, pp: int, vpp: int | None, *, device: str, dtype: torch.dtype,
     **overrides: Any,
 ) -> Any:
-    """megatron `TransformerConfig` for `shape`, with the CPU-required flags on CPU."""
+    """megatron `TransformerConfig` for `shape` on a resolved `device`, with the CPU layer's flags
+    where the device policy runs megatron through it (CPU)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -134,7 +136,7 @@ def transformer_config(
         perform_initialization=False,
         use_cpu_initialization=megatron_cpu_initialization(device),
     )
-    if device == "cpu":
+    if DevicePolicy.for_device(device).megatron_cpu_layer:
         from hybridrl.parallel.cpu_layer import CPU_CONFIG_OVERRIDES
         from hybridrl.parallel.cpu_rope import install_cpu_fused_rope
 
