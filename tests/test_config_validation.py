@@ -378,3 +378,12 @@ def test_a_value_outside_a_closed_vocabulary_is_refused_naming_the_valid_ones(pa
     assert len(issues) == 1, issues_for([override])
     assert issues[0].value == bogus and tuple(issues[0].valid) == valid
     assert f"did you mean '{valid[0]}'" in str(issues[0]), str(issues[0])
+
+
+def test_the_device_vocabulary_is_the_device_policies():
+    import typing
+
+    from hybridrl.config.schema import Device
+    from hybridrl.parallel.device_policy import DEVICE_POLICIES
+
+    assert typing.get_args(Device) == tuple(DEVICE_POLICIES)

@@ -29,7 +29,8 @@ ALLOWED: dict[str, set[str]] = {
     "rewards": set(),  # rule scorers and their registry
     "models": {"parallel"},
     "data": {"parallel", "rewards"},  # the demo and GSM8K datasets register / reuse their scorers
-    "config": {"algorithms", "models"},  # torch-free: algorithm names, `ModelShape`, tensor plans
+    # torch-free: algorithm names, `ModelShape`, tensor plans, the `DevicePolicy` (parallel/device_policy.py)
+    "config": {"algorithms", "models", "parallel"},
     "controller": {"config", "data", "parallel"},
     "reshard": {"config", "models", "parallel"},
     "rollout": {"config", "data", "parallel"},

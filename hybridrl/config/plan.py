@@ -35,6 +35,7 @@ from hybridrl.config.schema import JobConfig, MegatronConfig
 from hybridrl.config.validate import validate
 from hybridrl.models.arch import ModelShape, UnsupportedModelError
 from hybridrl.names import Role
+from hybridrl.parallel.device_policy import DevicePolicy
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,8 @@ class ReshardPlan:
 class Plan:
     config: JobConfig
     resolved: Resolved
+    # every cuda/cpu difference of the run, for `resolved.device` (code reads its fields, never the name)
+    device_policy: DevicePolicy
     model: ModelShape | None
     layouts: tuple[RoleLayout, ...]
     prompts_per_step: int
@@ -95,6 +98,12 @@ class Plan:
     rollout_memory: RolloutMemory | None
     phase_peaks: PhasePeaks | None
     warnings: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        # A Plan read back from JSON could pair one device's policy with another's resolved values.
+        if self.device_policy.name != self.resolved.device:
+            raise ValueError(f"Plan.device_policy is the {self.device_policy.name!r} policy but "
+                             f"resolved.device={self.resolved.device!r}; they must name the same device")
 
     # Convenience lookups -----------------------------------------------------------------
     def layout(self, role: str) -> RoleLayout:
@@ -250,13 +259,13 @@ def _ways_to_fit(config: JobConfig, memories: tuple[TrainingMemory, ...], rollou
     return "would fit with (under actor_rollout_ref.): " + "; or ".join(ways)
 
 
-def _cpu_kv_cache_bytes(config: JobConfig, resolved: Resolved, model: ModelShape,
+def _cpu_kv_cache_bytes(config: JobConfig, resolved: Resolved, policy: DevicePolicy, model: ModelShape,
                         sequences_per_replica: int) -> int | None:
     """The KV cache each vLLM rank allocates on CPU: the configured size, or (unset) enough for
     every sequence vLLM runs at once (a replica's step, at most max_num_seqs) at full length.
     None on GPU, where vLLM sizes it from gpu_memory_utilization."""
     rollout = config.actor_rollout_ref.rollout
-    if resolved.device != "cpu":
+    if not policy.vllm_kv_cache_from_plan:
         return None
     if rollout.cpu_kv_cache_gib is not None:
         return int(rollout.cpu_kv_cache_gib * GIB)
@@ -270,6 +279,7 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
     arr, data = config.actor_rollout_ref, config.data
     n = arr.rollout.n
     world = resolved.world_size
+    policy = DevicePolicy.for_device(resolved.device)  # validated: a known device
     layouts = []
     for role in active_roles(config, resolved):
         mc = role_megatron(config, role)
@@ -333,7 +343,7 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
             gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
             sequences_per_replica=sequences_per_replica,
             seq_len=resolved.max_sequence_length,
-            cpu_kv_cache_bytes=_cpu_kv_cache_bytes(config, resolved, model, sequences_per_replica),
+            cpu_kv_cache_bytes=_cpu_kv_cache_bytes(config, resolved, policy, model, sequences_per_replica),
         )
         actor_mc = by_role[Role.ACTOR].megatron
         peaks = phase_peaks(
@@ -373,7 +383,7 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
             peak = (f"{max(peaks.generation_gib, peaks.training_gib):.1f} GiB (generation "
                     f"{peaks.generation_gib:.1f}: the actor's resident state and the ref next to vLLM's "
                     f"gpu_memory_utilization share; training {peaks.training_gib:.1f})")
-            if resolved.device == "cuda":  # it would run out of memory after minutes of start-up: refuse now
+            if policy.gpu_memory_budget_binding:  # it would run out of memory after minutes of start-up: refuse now
                 raise ConfigError([ConfigIssue(
                     "trainer.gpu_memory_gib", config.trainer.gpu_memory_gib,
                     f"is below the hybrid engine's per-GPU peak of {peak}; "
@@ -386,6 +396,7 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
     return Plan(
         config=config,
         resolved=resolved,
+        device_policy=policy,
         model=model,
         layouts=tuple(layouts),
         prompts_per_step=data.train_batch_size,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from hybridrl.algorithms.names import CRITIC_ADV_ESTIMATORS
 from hybridrl.config.schema import JobConfig, MegatronConfig
 from hybridrl.names import Role
+from hybridrl.parallel.device_policy import CPU, DEVICE_POLICIES
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,8 @@ def resolve(config: JobConfig) -> Resolved:
     trainer, actor = config.trainer, config.actor_rollout_ref.actor
     rollout = config.actor_rollout_ref.rollout
     device = trainer.device
-    default_dtype = "bf16" if device == "cuda" else "fp32"
+    # An unknown device is reported by validation; until then the CPU defaults stand in for it.
+    policy = DEVICE_POLICIES.get(device, CPU)
     critic_enabled = (
         config.critic.enable if config.critic.enable is not None
         else config.algorithm.adv_estimator in CRITIC_ADV_ESTIMATORS
@@ -53,8 +55,8 @@ def resolve(config: JobConfig) -> Resolved:
     return Resolved(
         world_size=(trainer.nnodes or 0) * (trainer.n_gpus_per_node or 0),
         device=device,
-        train_dtype=actor.megatron.dtype or default_dtype,
-        rollout_dtype=rollout.dtype or default_dtype,
+        train_dtype=actor.megatron.dtype or policy.default_train_dtype,
+        rollout_dtype=rollout.dtype or policy.default_rollout_dtype,
         response_length=response,
         max_sequence_length=(config.data.max_prompt_length or 0) + (response or 0),
         clip_ratio_low=actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio,
@@ -64,8 +66,8 @@ def resolve(config: JobConfig) -> Resolved:
         critic_mini_batch_size=config.critic.ppo_mini_batch_size or actor.ppo_mini_batch_size,
         critic_ppo_epochs=config.critic.ppo_epochs or actor.ppo_epochs,
         old_log_prob_pass=actor.old_log_prob != "auto" or not on_policy_update,
-        probe_tolerance=probe_tolerance(rollout.probe_tolerance, actor.megatron.dtype or default_dtype,
-                                         rollout.dtype or default_dtype),
+        probe_tolerance=probe_tolerance(rollout.probe_tolerance, actor.megatron.dtype or policy.default_train_dtype,
+                                         rollout.dtype or policy.default_rollout_dtype),
     )
 
 

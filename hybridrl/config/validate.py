@@ -21,6 +21,7 @@ from hybridrl.config.resolve import Resolved, active_roles, role_megatron
 from hybridrl.config.schema import CHOICE_NAMES, JobConfig, MegatronConfig, choice_fields
 from hybridrl.models.arch import DEFAULT_VOCAB_DIVISOR, ModelShape
 from hybridrl.names import Role
+from hybridrl.parallel.device_policy import DEVICE_POLICIES
 
 VLLM_VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of 64, then splits it evenly over TP
 RESUME_MODES = ("auto", "disable")
@@ -227,11 +228,12 @@ REF_SHARES_WITH_ACTOR = ("tensor_model_parallel_size", "pipeline_model_parallel_
 def _check_unsupported(check: _Checker, config: JobConfig) -> None:
     """Settings the workers would not honour: refused here, so none is silently dropped."""
     arr = config.actor_rollout_ref
-    device = config.trainer.device
+    # None for an unknown trainer.device (reported by _check_trainer): the device checks are skipped
+    policy = DEVICE_POLICIES.get(config.trainer.device)
     for prefix, mc in megatron_sections(config):
         tp = mc.tensor_model_parallel_size
         if mc.sequence_parallel and isinstance(tp, int) and tp > 1:
-            if device == "cpu":
+            if policy is not None and not policy.transformer_engine_possible:
                 check.fail(f"{prefix}.sequence_parallel", True,
                            "is not supported on trainer.device=cpu: the workers build megatron's local layer spec "
                            "there, whose norms refuse sequence parallelism; only false is supported on CPU", [False])
@@ -286,11 +288,11 @@ def _check_unsupported(check: _Checker, config: JobConfig) -> None:
     if config.reward_model.model.enable_gradient_checkpointing:
         check.fail("reward_model.model.enable_gradient_checkpointing", True,
                    "has no effect: the reward model is frozen (forward only, nothing to recompute)", [False])
-    if device == "cuda" and arr.rollout.cpu_kv_cache_gib is not None:
+    if policy is not None and not policy.vllm_kv_cache_from_plan and arr.rollout.cpu_kv_cache_gib is not None:
         check.fail("actor_rollout_ref.rollout.cpu_kv_cache_gib", arr.rollout.cpu_kv_cache_gib,
                    "applies on trainer.device=cpu only: on cuda vLLM sizes its KV cache from "
                    "gpu_memory_utilization; leave it null", [None])
-    if device == "cpu" and arr.rollout.enforce_eager is False:
+    if policy is not None and not policy.vllm_honours_enforce_eager and arr.rollout.enforce_eager is False:
         check.fail("actor_rollout_ref.rollout.enforce_eager", arr.rollout.enforce_eager,
                    "has no effect on trainer.device=cpu (CUDA graphs are a GPU feature): vLLM runs eagerly on "
                    "CPU; leave it null (or true)", [None, True])

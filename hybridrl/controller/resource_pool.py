@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
+from hybridrl.parallel.device_policy import CPU, DevicePolicy
+
 
 class ResourcePoolError(RuntimeError):
     """The pool could not be placed, or a group asked for more than the pool offers."""
@@ -37,7 +39,8 @@ class ResourcePool:
     name: str
     nnodes: int = 1
     workers_per_node: int = 1
-    use_gpu: bool = False
+    # the run's device policy: whether bundles hold a GPU, and the groups' torch.distributed backend
+    device_policy: DevicePolicy = CPU
     cpus_per_worker: float = 1.0
     max_colocated_groups: int = 1
     placement_groups: list[PlacementGroup] = field(default_factory=list, init=False)
@@ -56,6 +59,11 @@ class ResourcePool:
     @property
     def world_size(self) -> int:
         return self.nnodes * self.workers_per_node
+
+    @property
+    def use_gpu(self) -> bool:
+        """Each bundle holds one GPU (and each worker is pinned to its bundle's GPU)."""
+        return self.device_policy.ray_use_gpu
 
     @property
     def bundle(self) -> dict[str, float]:

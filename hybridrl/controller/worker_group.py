@@ -142,7 +142,7 @@ class WorkerGroup:
         self._execute("set_local_placement", calls)
 
     def _init_distributed(self, timeout_s: float) -> None:
-        dist_backend = "nccl" if self.pool.use_gpu else "gloo"
+        dist_backend = self.pool.device_policy.dist_backend
         master_addr, master_port = self._execute_on(0, "pick_master_address")
         self._execute(
             "init_process_group",

@@ -46,6 +46,7 @@ from hybridrl.models.layout import (
     chunk_tensor_plans,
     rank_chunk_key_prefix,
 )
+from hybridrl.parallel.device_policy import DevicePolicy
 from hybridrl.persistence import (
     CheckpointError,
     check_free_space,
@@ -120,7 +121,8 @@ def transformer_config(
     shape: ModelShape, tp: int, pp: int, vpp: int | None, *, device: str, dtype: torch.dtype,
     **overrides: Any,
 ) -> Any:
-    """megatron `TransformerConfig` for `shape`, with the CPU-required flags on CPU."""
+    """megatron `TransformerConfig` for `shape` on a resolved `device`, with the CPU layer's flags
+    where the device policy runs megatron through it (CPU)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -138,7 +140,7 @@ def transformer_config(
         perform_initialization=False,
         use_cpu_initialization=megatron_cpu_initialization(device),
     )
-    if device == "cpu":
+    if DevicePolicy.for_device(device).megatron_cpu_layer:
         from hybridrl.parallel.cpu_layer import CPU_CONFIG_OVERRIDES
         from hybridrl.parallel.cpu_rope import install_cpu_fused_rope
 

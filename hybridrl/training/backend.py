@@ -32,6 +32,7 @@ import torch
 from hybridrl.config.plan import Plan
 from hybridrl.config.schema import MegatronConfig, OptimConfig
 from hybridrl.names import Role
+from hybridrl.parallel.device_policy import DevicePolicy
 from hybridrl.training.lr_schedule import LRSchedule
 from hybridrl.training.offload import OptimizerStateOffload, offload_grad_buffers, restore_grad_buffers
 from hybridrl.training.sequences import ModelInputs, micro_batch_inputs
@@ -54,7 +55,7 @@ class RoleSpec:
     optim: OptimConfig | None  # None: frozen weights (ref, reward model)
     value_head: bool
     dtype: str
-    device: str
+    device_policy: DevicePolicy  # the Plan's (its name is the resolved device)
     gradient_checkpointing: bool = False
 
     @property
@@ -71,17 +72,17 @@ def role_spec(plan: Plan, role: Role | str) -> RoleSpec:
     arr = config.actor_rollout_ref
     megatron = plan.layout(role).megatron
     dtype = megatron.dtype or plan.resolved.train_dtype
-    device = plan.resolved.device
+    policy = plan.device_policy
     if role == Role.ACTOR:
-        return RoleSpec(role, arr.model.path, megatron, arr.actor.optim, False, dtype, device,
+        return RoleSpec(role, arr.model.path, megatron, arr.actor.optim, False, dtype, policy,
                         arr.model.enable_gradient_checkpointing)
     if role == Role.REF:
-        return RoleSpec(role, arr.model.path, megatron, None, False, dtype, device)
+        return RoleSpec(role, arr.model.path, megatron, None, False, dtype, policy)
     if role == Role.CRITIC:
         return RoleSpec(role, config.critic.model.path or arr.model.path, megatron, config.critic.optim, True,
-                        dtype, device, config.critic.model.enable_gradient_checkpointing)
+                        dtype, policy, config.critic.model.enable_gradient_checkpointing)
     if role == Role.REWARD_MODEL:
-        return RoleSpec(role, config.reward_model.model.path, megatron, None, True, dtype, device)
+        return RoleSpec(role, config.reward_model.model.path, megatron, None, True, dtype, policy)
     raise AssertionError(role)  # every Role is handled above
 
 
@@ -105,10 +106,10 @@ def ensure_parallel_state(megatron: MegatronConfig, device: str) -> Any:
     return state.initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, cp=cp, seed=megatron.seed, device=device)
 
 
-def _activate_cpu_layer(device: str) -> None:
+def _activate_cpu_layer(policy: DevicePolicy) -> None:
     # The CPU layer's torch-function mode is per thread; Ray may run a method on another thread
     # than the one that initialized megatron.
-    if device == "cpu":
+    if policy.megatron_cpu_layer:
         from hybridrl.parallel.cpu_layer import apply_cpu_layer
 
         apply_cpu_layer()
@@ -133,8 +134,9 @@ class MegatronBackend:
         from hybridrl.training.value_head import attach_value_head, load_value_model, value_model_source
 
         self.spec = spec
-        self.ctx = ensure_parallel_state(spec.megatron, spec.device)
-        _activate_cpu_layer(self.ctx.device)
+        self.device_policy = spec.device_policy
+        self.ctx = ensure_parallel_state(spec.megatron, spec.device_policy.name)
+        _activate_cpu_layer(self.device_policy)
         self.dtype = default_dtype_for(self.ctx.device, spec.dtype)
         megatron = spec.megatron
         overrides: dict[str, Any] = {
@@ -259,10 +261,10 @@ class MegatronBackend:
              forward_only: bool) -> list[Any]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        _activate_cpu_layer(self.ctx.device)
+        _activate_cpu_layer(self.device_policy)
         if not micro_batches:
             raise ValueError("no micro-batches to run")
-        if self.ctx.device == "cuda" and micro_batches[0].input_ids.device.type != "cuda":
+        if not self.device_policy.params_on_host and micro_batches[0].input_ids.device.type != "cuda":
             raise ValueError(f"{self.spec.role}: micro-batches are on {micro_batches[0].input_ids.device}, the model "
                              "on cuda; build them with MegatronBackend.micro_batches")
 
@@ -344,13 +346,13 @@ class MegatronBackend:
         if self.optimizer_offload is not None:
             self.optimizer_offload.offload()
         if self.spec.trainable and self.spec.megatron.grad_offload and not self._grads_offloaded:
-            offload_grad_buffers(self.models, self.ctx.device)
+            offload_grad_buffers(self.models, self.device_policy)
             self._grads_offloaded = True
 
     def restore_training_state(self) -> None:
         """Undo `offload_training_state` (called by `train_step`; cheap when nothing is offloaded)."""
         if self._grads_offloaded:
-            restore_grad_buffers(self.models, self.ctx.device)
+            restore_grad_buffers(self.models, self.device_policy)
             self._grads_offloaded = False
         if self.optimizer_offload is not None:
             self.optimizer_offload.reload()
@@ -359,7 +361,7 @@ class MegatronBackend:
         """Move a frozen role's parameters to CPU between calls (a no-op when they already live there)."""
         if self.spec.trainable:
             raise NotImplementedError("offloading a trainable role (DDP buffers, optimizer) is not implemented")
-        if self.ctx.device == "cpu" or self._offloaded:
+        if self.device_policy.params_on_host or self._offloaded:
             return
         for chunk in self.chunks:
             chunk.to("cpu")

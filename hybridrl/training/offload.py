@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from hybridrl.parallel.device_policy import DevicePolicy
+
 
 def inner_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     """The torch optimizers inside a megatron optimizer (chained or single; stub parts skipped)."""
@@ -89,13 +91,15 @@ class OptimizerStateOffload:
         return moved
 
 
-def offload_grad_buffers(models: list[Any], device: str) -> None:
-    """Free the DDP grad buffers' storage (megatron-core's API; CUDA sync and cache release on GPUs only)."""
+def offload_grad_buffers(models: list[Any], policy: DevicePolicy) -> None:
+    """Free the DDP grad buffers' storage (megatron-core's API; device sync and cache release as the
+    device policy says: on GPUs only)."""
     for model in models:
-        model.offload_grad_buffers(synchronize=device == "cuda", empty_cache=device == "cuda")
+        model.offload_grad_buffers(synchronize=policy.synchronize_on_offload,
+                                   empty_cache=policy.empty_cache_on_offload)
 
 
-def restore_grad_buffers(models: list[Any], device: str) -> None:
+def restore_grad_buffers(models: list[Any], policy: DevicePolicy) -> None:
     """Reallocate the DDP grad buffers (zeroed), before the next backward pass."""
     for model in models:
-        model.restore_grad_buffers(synchronize=device == "cuda")
+        model.restore_grad_buffers(synchronize=policy.synchronize_on_offload)

@@ -121,10 +121,10 @@ class HybridEngineWorker(ActorRolloutRefWorker):
             max_num_batched_tokens=arr.rollout.max_num_batched_tokens,
             gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
             max_num_seqs=arr.rollout.max_num_seqs,
-            enforce_eager=arr.rollout.enforce_eager if plan.resolved.device == "cuda" else None,
-            # On CPU vLLM repacks weights for oneDNN: keep the as-loaded copy so the sync's
+            enforce_eager=arr.rollout.enforce_eager if plan.device_policy.vllm_honours_enforce_eager else None,
+            # Where vLLM repacks weights (oneDNN, on CPU): keep the as-loaded copy so the sync's
             # checksums can be read back (the probe checks the repacked weights that run).
-            capture_loaded_weights=plan.resolved.device == "cpu",
+            capture_loaded_weights=plan.device_policy.vllm_repacks_weights,
             # the Plan's HybridFlow generation TP groups (strided when training TP is a multiple
             # of inference TP), so each rank's generation shard contains its training shard
             tp_groups=plan.reshard.groups.rollout.replicas,

@@ -1,0 +1,108 @@
+"""Every difference between a GPU (cuda) and a CPU run, as named fields: `DevicePolicy`.
+
+One frozen value per resolved device (`DevicePolicy.for_device("cuda" | "cpu")`), built into the
+Plan as `Plan.device_policy`. Code outside `hybridrl.parallel` and `hybridrl.rollout` reads its
+fields instead of comparing device strings, so a device difference is written once, here, with
+the reason for it, and adding a device path is one new constructor.
+
+Torch-free (the config package builds the Plan without torch); the functions that need torch for
+a device (`rank_device`, `default_dtype_for`, ...) stay in `hybridrl.parallel.device`.
+"""
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+DeviceName = Literal["cuda", "cpu"]
+DistBackend = Literal["nccl", "gloo"]
+
+
+@dataclass(frozen=True)
+class DevicePolicy:
+    """What a resolved device changes in a run; one instance per device (see `for_device`)."""
+
+    name: DeviceName
+    # torch.distributed backend of every worker group: NCCL takes only CUDA tensors, gloo CPU ones.
+    dist_backend: DistBackend
+    # Config dtype names used when actor.megatron.dtype / rollout.dtype are unset: bf16 on GPUs;
+    # fp32 on CPU, whose runs are the correctness checks against HF (bit-exact or ~1e-6).
+    default_train_dtype: str
+    default_rollout_dtype: str
+    # Ray: whether each worker's bundle holds a GPU (and the worker is pinned to it).
+    ray_use_gpu: bool
+    # Ray CPUs per worker bundle: a whole one next to a GPU; half on CPU, so a 2-core host fits
+    # the actor, critic and reward-model groups colocated on the same ranks.
+    ray_cpus_per_worker: float
+    # None: Ray counts the node's CPUs. Else Ray is told max(this, world size) logical CPUs: on CPU
+    # they are scheduling tokens (torch threads are capped per rank by `torch_threads_per_rank`),
+    # and a small host must still admit one bundle per rank and group.
+    ray_min_cluster_cpus: int | None
+    # megatron runs through hybridrl's CPU layer (parallel/cpu_layer.py: the TransformerConfig
+    # overrides, the CPU fused RoPE, the per-thread torch-function mode).
+    megatron_cpu_layer: bool
+    # Transformer Engine can exist here (its kernels are CUDA-only); without it megatron's local
+    # layer spec is built, whose norms refuse sequence parallelism.
+    transformer_engine_possible: bool
+    # Parameters live in host memory: offloading a frozen role's parameters is a no-op, and
+    # micro-batches need not be moved to an accelerator.
+    params_on_host: bool
+    # Offloading / restoring megatron's DDP grad buffers: wait for the device's queued kernels
+    # before freeing storage they may read, and hand the cached blocks back to the driver so vLLM
+    # can map them. Both are CUDA-only notions.
+    synchronize_on_offload: bool
+    empty_cache_on_offload: bool
+    # The per-GPU memory estimate (trainer.gpu_memory_gib) is a hard limit: a hybrid engine over
+    # it would run out of memory minutes after start-up, so the Plan refuses it. On CPU the
+    # estimate only warns (host memory is not what the budget describes).
+    gpu_memory_budget_binding: bool
+    # vLLM: rollout.enforce_eager is passed through (CUDA graphs exist); on CPU vLLM always runs
+    # eagerly and the setting is not honoured.
+    vllm_honours_enforce_eager: bool
+    # vLLM repacks linear weights (oneDNN) after loading: a direct write into a parameter must be
+    # followed by the layer's post-load processing, and the as-loaded copy is kept
+    # (`capture_loaded_weights`) so the sync's checksums can be read back.
+    vllm_repacks_weights: bool
+    # vLLM's KV cache is sized by the Plan in bytes (rollout.cpu_kv_cache_gib, or enough for one
+    # wave); on GPUs vLLM sizes it itself from rollout.gpu_memory_utilization.
+    vllm_kv_cache_from_plan: bool
+    # vLLM's sleep mode (free the KV cache, offload weights during training) exists.
+    vllm_sleep_mode: bool
+
+    @classmethod
+    def for_device(cls, name: str) -> DevicePolicy:
+        """The policy of a resolved device ('cuda' or 'cpu'; 'auto' is resolved before this)."""
+        try:
+            return DEVICE_POLICIES[name]
+        except KeyError:
+            raise ValueError(f"no device policy for device {name!r}: expected one of "
+                             f"{', '.join(DEVICE_POLICIES)} (a resolved device)") from None
+
+    def ray_cluster_cpus(self, world_size: int) -> int | None:
+        """The CPUs to declare to Ray for `world_size` ranks (None: let Ray count the node's)."""
+        if self.ray_min_cluster_cpus is None:
+            return None
+        return max(self.ray_min_cluster_cpus, world_size)
+
+
+CUDA = DevicePolicy(
+    name="cuda", dist_backend="nccl", default_train_dtype="bf16", default_rollout_dtype="bf16",
+    ray_use_gpu=True, ray_cpus_per_worker=1.0, ray_min_cluster_cpus=None,
+    megatron_cpu_layer=False, transformer_engine_possible=True, params_on_host=False,
+    synchronize_on_offload=True, empty_cache_on_offload=True, gpu_memory_budget_binding=True,
+    vllm_honours_enforce_eager=True, vllm_repacks_weights=False, vllm_kv_cache_from_plan=False,
+    vllm_sleep_mode=True,
+)
+
+CPU = DevicePolicy(
+    name="cpu", dist_backend="gloo", default_train_dtype="fp32", default_rollout_dtype="fp32",
+    ray_use_gpu=False, ray_cpus_per_worker=0.5, ray_min_cluster_cpus=4,
+    megatron_cpu_layer=True, transformer_engine_possible=False, params_on_host=True,
+    synchronize_on_offload=False, empty_cache_on_offload=False, gpu_memory_budget_binding=False,
+    vllm_honours_enforce_eager=False, vllm_repacks_weights=True, vllm_kv_cache_from_plan=True,
+    vllm_sleep_mode=False,
+)
+
+# resolved device name -> its policy (read-only); also the list of valid trainer.device values
+DEVICE_POLICIES: Mapping[str, DevicePolicy] = types.MappingProxyType({p.name: p for p in (CUDA, CPU)})
