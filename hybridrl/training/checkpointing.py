@@ -188,7 +188,7 @@ def save_role_checkpoint(backend: MegatronBackend, out_dir: str | Path) -> Path:
                             "tensors": write_rank_file(folder / name, tensors)})
         state: dict[str, Any] = {
             "role": str(backend.spec.role), "rank": ctx.rank,
-            "rng": rng_state(ctx.device),
+            "rng": rng_state(backend.spec.device_policy),
             "optimizer": rank_optimizer_meta(view),
             "schedule": backend.schedule.state_dict() if backend.schedule is not None else None,
         }
@@ -327,5 +327,5 @@ def load_role_checkpoint(backend: MegatronBackend, ckpt_dir: str | Path) -> dict
             backend.schedule.load_state_dict(state["schedule"])
     finally:
         store.close()
-    load_rng_state(state["rng"], ctx.device)
+    load_rng_state(state["rng"], backend.spec.device_policy)
     return {**meta, "resharded": not same, "rng_source_rank": source}

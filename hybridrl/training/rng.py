@@ -12,8 +12,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybridrl.parallel.device_policy import DevicePolicy
 
-def rng_state(device: str) -> dict[str, Any]:
+
+def rng_state(policy: DevicePolicy) -> dict[str, Any]:
     from megatron.core import tensor_parallel
 
     kind, keys, pos, has_gauss, cached = np.random.get_state()
@@ -24,12 +26,12 @@ def rng_state(device: str) -> dict[str, Any]:
                   "has_gauss": int(has_gauss), "cached": float(cached)},
         "tracker": {k: v.clone() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()},
     }
-    if device == "cuda":
+    if policy.device_rng:
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def load_rng_state(state: dict[str, Any], device: str) -> None:
+def load_rng_state(state: dict[str, Any], policy: DevicePolicy) -> None:
     from megatron.core import tensor_parallel
 
     torch.set_rng_state(state["torch"])
@@ -38,5 +40,5 @@ def load_rng_state(state: dict[str, Any], device: str) -> None:
     n = state["numpy"]
     np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
-    if device == "cuda" and "cuda" in state:
+    if policy.device_rng and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"])
