@@ -292,3 +292,20 @@ def test_probe_tolerance_follows_the_dtypes_unless_set(overrides, expected):
 def test_probe_tolerance_must_be_positive(value):
     with pytest.raises(ConfigError, match=r"actor_rollout_ref\.rollout\.probe_tolerance="):
         plan_from_sources("configs/examples/cpu_tiny_grpo.yaml", [f"actor_rollout_ref.rollout.probe_tolerance={value}"])
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    ([], 512 << 20),
+    (["actor_rollout_ref.rollout.update_weights_bucket_megabytes=64"], 64 << 20),
+])
+def test_the_sync_bucket_is_in_the_plan(overrides, expected):
+    plan = plan_from_sources("configs/examples/cpu_tiny_grpo.yaml", overrides)
+    assert plan.resolved.sync_bucket_bytes == expected
+    assert Plan.from_json(plan.to_json()).resolved.sync_bucket_bytes == expected
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "1.5", "true"])
+def test_the_sync_bucket_must_be_a_positive_number_of_mib(value):
+    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.rollout\.update_weights_bucket_megabytes="):
+        plan_from_sources("configs/examples/cpu_tiny_grpo.yaml",
+                          [f"actor_rollout_ref.rollout.update_weights_bucket_megabytes={value}"])

@@ -37,9 +37,11 @@ def _tied_pp2_rank(rank: int, world: int, model_dir: str, export_dir: str) -> di
         "actor_rollout_ref.actor.optim.lr=1e-2",
         "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4"])
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+        "actor_rollout_ref.rollout.update_weights_bucket_megabytes=64"])
     plan = worker.plan
     worker.setup(total_training_steps=STEPS)
+    assert worker.resharder.config.bucket_bytes == 64 << 20  # the Plan's sync bucket reaches the resharder
     n = plan.config.actor_rollout_ref.rollout.n
     probes, grad_norms = [], []
     for step in range(STEPS):

@@ -35,6 +35,8 @@ class Resolved:
     old_log_prob_pass: bool = True
     # The sync's log-prob probe stops training above this gap (rollout.probe_tolerance, or by dtype).
     probe_tolerance: float = 1e-4
+    # The weight sync's bucket (rollout.update_weights_bucket_megabytes, in bytes).
+    sync_bucket_bytes: int = 512 << 20
 
 
 def resolve(config: JobConfig) -> Resolved:
@@ -66,6 +68,8 @@ def resolve(config: JobConfig) -> Resolved:
         critic_mini_batch_size=config.critic.ppo_mini_batch_size or actor.ppo_mini_batch_size,
         critic_ppo_epochs=config.critic.ppo_epochs or actor.ppo_epochs,
         old_log_prob_pass=actor.old_log_prob != "auto" or not on_policy_update,
+        sync_bucket_bytes=int(rollout.update_weights_bucket_megabytes) << 20
+        if isinstance(rollout.update_weights_bucket_megabytes, int) else 0,
         probe_tolerance=probe_tolerance(rollout.probe_tolerance, actor.megatron.dtype or policy.default_train_dtype,
                                          rollout.dtype or policy.default_rollout_dtype),
     )

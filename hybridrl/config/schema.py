@@ -197,6 +197,8 @@ class RolloutConfig:
     probe_tolerance: float | None = doc(
         None, "the sync's log-prob probe (trainer vs every vLLM replica) stops training above this max abs gap; "
               "None = 1e-4 when training and rollout are fp32, else 0.5 (bf16 round-off ~0.1, a wrong layout >= 2)")
+    update_weights_bucket_megabytes: int = doc(
+        512, "weight sync: MiB of shards gathered and handed to vLLM at a time (bounds the sync's extra memory)")
     free_cache_engine: bool = doc(True, "sleep vLLM (free KV cache and weights) while training")
     max_num_batched_tokens: int = doc(8192, "vLLM scheduler token budget per step")
     max_num_seqs: int = doc(1024, "vLLM scheduler sequence budget")

@@ -199,6 +199,7 @@ def _check_numbers(check: _Checker, config: JobConfig, resolved: Resolved) -> No
     check.in_range(f"{r}.gpu_memory_utilization", rollout.gpu_memory_utilization, 0.0, 1.0, low_open=True)
     if rollout.cpu_kv_cache_gib is not None:
         check.in_range(f"{r}.cpu_kv_cache_gib", rollout.cpu_kv_cache_gib, 0.0, 4096.0, low_open=True)
+    check.is_int_at_least(f"{r}.update_weights_bucket_megabytes", rollout.update_weights_bucket_megabytes, 1)
     if rollout.probe_tolerance is not None:
         check.in_range(f"{r}.probe_tolerance", rollout.probe_tolerance, 0.0, 100.0, low_open=True)
     check.is_int_at_least(f"{r}.max_num_batched_tokens", rollout.max_num_batched_tokens, 1)

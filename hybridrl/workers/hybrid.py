@@ -57,7 +57,6 @@ class WeightSyncError(RuntimeError):
 @dataclass(frozen=True)
 class HybridSettings:
     probe_tolerance: float = 1e-4  # fp32 on CPU; bf16 on GPU needs a looser bound (set by the trainer)
-    bucket_bytes: int = 512 << 20
 
 
 def _planned_kv_cache_bytes(plan: Plan) -> int:
@@ -103,7 +102,7 @@ class HybridEngineWorker(ActorRolloutRefWorker):
         from hybridrl.reshard.resharder import ReshardConfig, Resharder
         from hybridrl.rollout.engine import RolloutEngine, RolloutEngineConfig
 
-        plan, settings = self.plan, self.settings
+        plan = self.plan
         started = time.perf_counter()
         self.init_model(total_training_steps)
         arr = plan.config.actor_rollout_ref
@@ -139,7 +138,8 @@ class HybridEngineWorker(ActorRolloutRefWorker):
         # vLLM's loader would do, done before the digest), so the digests compare like with like.
         rollout_dtype = default_dtype_for(plan.resolved.device, plan.resolved.rollout_dtype)
         self.resharder = Resharder(self.actor.backend.chunks, plan.reshard.groups, gen_tp_index=actual,
-                                   config=ReshardConfig(bucket_bytes=settings.bucket_bytes, output_dtype=rollout_dtype))
+                                   config=ReshardConfig(bucket_bytes=plan.resolved.sync_bucket_bytes,
+                                                        output_dtype=rollout_dtype))
         sync = self.sync_weights()
         return {"setup_s": time.perf_counter() - started, "rollout_build_s": self.rollout.build_seconds,
                 "vllm_tp_rank": self.rollout.tp_rank, "placement_as_planned": self.placement_as_planned, **sync}
