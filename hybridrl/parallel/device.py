@@ -1,9 +1,10 @@
-"""Device differences (cuda vs cpu) in one place.
+"""The device functions that need torch (or the machine): resolving 'auto', the rank's torch device,
+dtypes, the layer spec, cached-block release.
 
-Everything that depends on whether we train on GPUs or on CPUs is decided here: the device string,
-the torch.distributed backend, the default parameter dtype and which megatron layer spec to build.
-The rest of hybridrl asks these functions instead of testing `torch.cuda.is_available()` itself,
-so the GPU-only branches are plain logic that the CPU test suite covers (issue 9).
+The differences between a cuda and a cpu run are the fields of `DevicePolicy`
+(`hybridrl.parallel.device_policy`); the functions here read them rather than restating them. The
+rest of hybridrl asks these functions instead of testing `torch.cuda.is_available()` itself, so the
+GPU-only branches are plain logic that the CPU test suite covers (issue 9).
 
 Importing this module is cheap: torch is imported lazily inside the functions that need it.
 """
@@ -13,11 +14,13 @@ import importlib.util
 import os
 from typing import TYPE_CHECKING, Literal
 
+from hybridrl.parallel.device_policy import DeviceName as Device
+from hybridrl.parallel.device_policy import DevicePolicy
+from hybridrl.parallel.device_policy import DistBackend as Backend
+
 if TYPE_CHECKING:
     import torch
 
-Device = Literal["cuda", "cpu"]
-Backend = Literal["nccl", "gloo"]
 LayerSpecKind = Literal["te", "local"]
 
 _DEVICES: tuple[str, ...] = ("auto", "cuda", "cpu")
@@ -58,34 +61,27 @@ def resolve_device(requested: str, *, cuda_is_available: bool | None = None) -> 
 
 
 def dist_backend_for(device: str) -> Backend:
-    """torch.distributed backend for a resolved device: nccl on GPUs, gloo on CPUs."""
-    if device == "cuda":
-        return "nccl"
-    if device == "cpu":
-        return "gloo"
-    raise ValueError(f"dist_backend_for expects a resolved device 'cuda' or 'cpu', got {device!r}")
+    """torch.distributed backend for a resolved device (its `DevicePolicy.dist_backend`)."""
+    return DevicePolicy.for_device(device).dist_backend
 
 
 def default_dtype_for(device: str, requested: str | torch.dtype | None = None) -> torch.dtype:
-    """Parameter/compute dtype: the requested one if given, else bf16 on cuda and fp32 on cpu.
+    """Parameter/compute dtype: the requested one if given, else the device's
+    (`DevicePolicy.default_train_dtype`: bf16 on cuda, fp32 on cpu).
 
     fp32 is the CPU default because the CPU path is used for correctness checks against HF (bit-exact
     or ~1e-6); bf16 on CPU is faster on AVX512-BF16 machines but must be asked for explicitly.
     """
     import torch
 
-    if requested is not None:
-        if isinstance(requested, torch.dtype):
-            return requested
-        key = requested.strip().lower().removeprefix("torch.")
-        if key not in _DTYPE_NAMES:
-            raise ValueError(f"unknown dtype {requested!r}: expected one of {sorted(_DTYPE_NAMES)}")
-        return getattr(torch, _DTYPE_NAMES[key])
-    if device == "cuda":
-        return torch.bfloat16
-    if device == "cpu":
-        return torch.float32
-    raise ValueError(f"default_dtype_for expects a resolved device 'cuda' or 'cpu', got {device!r}")
+    if requested is None:
+        requested = DevicePolicy.for_device(device).default_train_dtype
+    if isinstance(requested, torch.dtype):
+        return requested
+    key = requested.strip().lower().removeprefix("torch.")
+    if key not in _DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {requested!r}: expected one of {sorted(_DTYPE_NAMES)}")
+    return getattr(torch, _DTYPE_NAMES[key])
 
 
 def rank_device(device: str) -> torch.device:
