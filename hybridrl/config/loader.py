@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from hybridrl.config.errors import ConfigError, ConfigIssue, show_value
-from hybridrl.config.schema import JobConfig, MegatronConfig
+from hybridrl.config.schema import JobConfig, MegatronConfig, without_none
 
 # Fields users of other trainers write directly on a role: accepted there and moved into the
 # role's `megatron` section, so `actor_rollout_ref.actor.tensor_model_parallel_size=2` works too.
@@ -38,9 +38,7 @@ def _role_sections(cls: type = JobConfig, prefix: tuple[str, ...] = ()) -> froze
 
 
 def _section_type(hint: Any) -> type | None:
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        options = [a for a in typing.get_args(hint) if a is not type(None)]
-        hint = options[0] if len(options) == 1 else None
+    hint = without_none(hint)
     return hint if dataclasses.is_dataclass(hint) else None
 
 

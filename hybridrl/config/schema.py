@@ -43,12 +43,19 @@ CHOICE_NAMES: dict[Any, str] = {
 }
 
 
+def without_none(hint: Any) -> Any:
+    """The type of a field typed `X | None` (X); the hint itself when it is no union; None for a
+    union of several types."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        return options[0] if len(options) == 1 else None
+    return hint
+
+
 def choices_of(hint: Any) -> tuple[Any, bool] | None:
     """(the Literal, whether the field is a list of it) for a field typed with a closed vocabulary
     (optionally `| None` or `list[...]`); None for any other field."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        options = [a for a in typing.get_args(hint) if a is not type(None)]
-        hint = options[0] if len(options) == 1 else None
+    hint = without_none(hint)
     is_list = typing.get_origin(hint) is list
     if is_list:
         (hint,) = typing.get_args(hint)
