@@ -11,6 +11,7 @@ from hybridrl.algorithms import (
     vocab_parallel_entropy,
     vocab_parallel_log_prob,
 )
+from hybridrl.algorithms.vocab_parallel import vocab_parallel_log_prob_and_entropy
 from hybridrl.parallel.forked import run_ranks
 
 F64 = torch.float64
@@ -82,6 +83,17 @@ def _shard_results(rank: int, world_size: int, logits: torch.Tensor, labels: tor
         (grad_log_prob,) = torch.autograd.grad((log_prob * weights).sum(), shard)
         (grad_entropy,) = torch.autograd.grad((entropy * weights).sum(), shard)
         results[str(dtype)] = (log_prob.detach(), entropy.detach(), grad_log_prob, grad_entropy)
+        # the fused pass: both values, both gradients (entropy_grad) or the log-prob's alone
+        fused_log_prob, fused_entropy = vocab_parallel_log_prob_and_entropy(shard, labels)
+        (fused_grad_log_prob,) = torch.autograd.grad((fused_log_prob * weights).sum(), shard, retain_graph=True)
+        (fused_grad_entropy,) = torch.autograd.grad((fused_entropy * weights).sum(), shard)
+        metric_log_prob, metric_entropy = vocab_parallel_log_prob_and_entropy(shard, labels, entropy_grad=False)
+        assert not metric_entropy.requires_grad
+        (metric_grad_log_prob,) = torch.autograd.grad((metric_log_prob * weights).sum(), shard)
+        results["fused " + str(dtype)] = (fused_log_prob.detach(), fused_entropy.detach(), fused_grad_log_prob,
+                                          fused_grad_entropy)
+        results["metric " + str(dtype)] = (metric_log_prob.detach(), metric_entropy, metric_grad_log_prob,
+                                           grad_entropy)  # no entropy gradient: the separate one stands in
     return results
 
 
@@ -101,8 +113,8 @@ def test_vocab_parallel_matches_full_vocab_on_two_gloo_ranks():
         probs = torch.softmax(full.detach(), dim=-1)
         ref_grad_log_prob = weights[..., None] * (torch.nn.functional.one_hot(labels, vocab) - probs)
         (ref_grad_entropy,) = torch.autograd.grad((ref_entropy * weights).sum(), full)
-        for rank, results in enumerate(per_rank):
-            log_prob, entropy, grad_log_prob, grad_entropy = results[str(dtype)]
+        for rank, results, kind in [(r, res, k) for r, res in enumerate(per_rank) for k in ("", "fused ", "metric ")]:
+            log_prob, entropy, grad_log_prob, grad_entropy = results[kind + str(dtype)]
             assert log_prob.dtype == entropy.dtype == (F64 if dtype == F64 else torch.float32)
             assert grad_log_prob.dtype == dtype
             shard = slice(rank * vocab // world_size, (rank + 1) * vocab // world_size)
@@ -110,3 +122,47 @@ def test_vocab_parallel_matches_full_vocab_on_two_gloo_ranks():
             torch.testing.assert_close(entropy.to(F64), ref_entropy.detach(), rtol=tol, atol=tol)
             for grad, ref_grad in ((grad_log_prob, ref_grad_log_prob), (grad_entropy, ref_grad_entropy)):
                 torch.testing.assert_close(grad.to(F64), ref_grad[..., shard], rtol=tol, atol=tol)
+
+
+def test_fused_log_prob_and_entropy_gradients_against_finite_differences():
+    logits = torch.randn(2, 3, 7, dtype=F64, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    labels = torch.tensor([[0, 6, 3], [2, 2, 5]])
+    weights = torch.tensor([[1.0, -2.0, 0.5], [0.0, 3.0, -1.0]], dtype=F64)
+
+    def both(x: torch.Tensor) -> torch.Tensor:
+        log_prob, entropy = vocab_parallel_log_prob_and_entropy(x, labels)
+        return log_prob * weights + 0.3 * entropy
+
+    def log_prob_only(x: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_log_prob_and_entropy(x, labels, entropy_grad=False)[0] * weights
+
+    assert torch.autograd.gradcheck(both, (logits,))
+    assert torch.autograd.gradcheck(log_prob_only, (logits,))
+
+
+def test_fused_log_prob_and_entropy_equal_the_separate_ones_on_a_large_vocab_in_float32():
+    # the real model's vocabulary size and the update's fp32: the fused sums and dot product may add in
+    # another order, which must stay far below the 1e-5 the layouts are held to
+    gen = torch.Generator().manual_seed(7)
+    logits = (4 * torch.randn(3, 5, 49152, generator=gen)).requires_grad_()
+    labels = torch.randint(0, 49152, (3, 5), generator=gen)
+    log_prob, entropy = vocab_parallel_log_prob_and_entropy(logits, labels)
+    ref = logits.detach().double().log_softmax(-1)
+    torch.testing.assert_close(log_prob.double(), ref.gather(-1, labels.unsqueeze(-1)).squeeze(-1),
+                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy.double(), -(ref.exp() * ref).sum(-1), rtol=0, atol=1e-5)
+    (grad,) = torch.autograd.grad((log_prob - 0.1 * entropy).sum(), logits)
+    full = logits.detach().double().requires_grad_()
+    lsm = full.log_softmax(-1)
+    ref_objective = lsm.gather(-1, labels.unsqueeze(-1)).sum() + 0.1 * (lsm.exp() * lsm).sum()
+    (ref_grad,) = torch.autograd.grad(ref_objective, full)
+    torch.testing.assert_close(grad.double(), ref_grad, rtol=0, atol=1e-7)
+
+
+def test_fused_log_prob_and_entropy_with_banned_tokens():
+    logits = torch.tensor([[2.0, 0.0, -math.inf, 1.0]], requires_grad=True)
+    log_prob, entropy = vocab_parallel_log_prob_and_entropy(logits, torch.tensor([3]))
+    assert entropy.item() == pytest.approx(naive_entropy([2.0, 0.0, -math.inf, 1.0]), rel=1e-6)
+    assert log_prob.item() == pytest.approx(naive_log_softmax([2.0, 0.0, -math.inf, 1.0])[3], rel=1e-6)
+    (log_prob + entropy).sum().backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad[0, 2] == 0

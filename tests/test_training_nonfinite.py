@@ -47,7 +47,7 @@ def _rank(rank: int, world: int, config: Any, good: Any, bad: Any) -> dict[str, 
     micros = backend.micro_batches(mine.tensors, [list(range(len(mine)))], extra_keys=("old_log_probs", "advantages"))
     normalizers = global_loss_normalizers([m.response_mask for m in micros], ctx.dp_group)
     backend._run(micros, partial(actor._policy_loss, normalizers=normalizers, scale=ctx.dp, temperature=1.0),
-                forward_only=False)
+                forward_only=False, response_tokens_only=True)  # the actor's loss reads response-token logits
     backend.optimizer.step()
     poisoned = any(not torch.isfinite(p).all() for p in _params(backend).values())
     return {"unchanged": unchanged, "moved": moved, "finite": finite, "poisoned": poisoned,

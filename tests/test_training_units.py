@@ -41,6 +41,28 @@ def test_alignment_keeps_each_rows_real_tokens_and_finds_responses():
     assert picked.shape == (6, RESPONSE, 1)
 
 
+def test_response_token_positions_and_scatter_back():
+    batch = rollout_batch(6, seed=2)
+    inputs = build_model_inputs(batch["input_ids"], batch["attention_mask"], batch["position_ids"],
+                                batch["responses"], batch["response_mask"])
+    rows, cols = inputs.response_token_positions()
+    mask = batch["response_mask"]
+    assert rows.numel() == int(mask.sum())  # every real response token once, no padding
+    expected = [(i, j) for i in range(6) for j in range(mask.shape[1]) if mask[i, j]]  # row-major
+    assert list(zip(rows.tolist(), cols.tolist())) == expected
+    values = torch.arange(1, rows.numel() + 1, dtype=torch.float32, requires_grad=True)
+    full = inputs.scatter_response_tokens(values)
+    assert full.shape == mask.shape and bool((full[mask == 0] == 0).all())
+    assert [float(full[i, j]) for i, j in expected] == values.tolist()
+    full.sum().backward()  # differentiable: each token's gradient reaches its value once
+    assert torch.equal(values.grad, torch.ones_like(values))
+    # no real response token at all: one masked position, so a forward still has a column
+    empty = build_model_inputs(batch["input_ids"], batch["attention_mask"], batch["position_ids"],
+                               batch["responses"], torch.zeros_like(mask))
+    rows, cols = empty.response_token_positions()
+    assert rows.tolist() == [0] and cols.tolist() == [0]
+
+
 def test_alignment_rejects_bad_layouts():
     batch = rollout_batch(2)
     holes = batch["attention_mask"].clone()

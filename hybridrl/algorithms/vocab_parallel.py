@@ -34,6 +34,20 @@ def vocab_parallel_entropy(logits_shard: Tensor, tp_group: dist.ProcessGroup | N
     return _VocabParallelEntropy.apply(logits_shard, tp_group)
 
 
+def vocab_parallel_log_prob_and_entropy(
+    logits_shard: Tensor, labels: Tensor, tp_group: dist.ProcessGroup | None = None, *, entropy_grad: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """`(vocab_parallel_log_prob, vocab_parallel_entropy)` of the same logits, from one pass over the shard.
+
+    The two share the max, `exp(x - max)` and the normalizer: on a large vocabulary the separate
+    functions read and write `[..., V/tp]` tensors about twice as often (each one's forward, and each
+    one's backward recomputing the softmax). With `entropy_grad=False` the entropy is a metric only
+    (not differentiable) and backward reuses the saved `exp(x - max)` instead of recomputing it.
+    Logits of -inf are raised to the float minimum, as in `vocab_parallel_entropy`.
+    """
+    return _VocabParallelLogProbEntropy.apply(logits_shard, labels, tp_group, entropy_grad)
+
+
 def _rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if not dist.is_available() or not dist.is_initialized():
         return 0, 1
@@ -109,3 +123,56 @@ class _VocabParallelEntropy(torch.autograd.Function):
         probs = torch.exp(shifted) / normalizer.unsqueeze(-1)
         grad_x = -probs * (shifted - mean_shifted.unsqueeze(-1)) * grad_output.to(x.dtype).unsqueeze(-1)
         return grad_x.to(logits_shard.dtype), None
+
+
+class _VocabParallelLogProbEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_shard: Tensor, labels: Tensor, group: dist.ProcessGroup | None,
+                entropy_grad: bool) -> tuple[Tensor, Tensor]:
+        x = _as_compute(logits_shard)
+        rank, _ = _rank_and_size(group)
+        shard_size = x.shape[-1]
+        local_labels = labels.long() - rank * shard_size
+        in_shard = (local_labels >= 0) & (local_labels < shard_size)
+        local_index = torch.where(in_shard, local_labels, torch.zeros_like(local_labels))
+
+        global_max = _all_reduce(x.max(dim=-1).values, dist.ReduceOp.MAX, group)
+        shifted = x - global_max.unsqueeze(-1)
+        # -inf logits: exp gives 0 and 0 * float-min gives 0 in the entropy's sum (0 * -inf is NaN)
+        shifted.clamp_(min=torch.finfo(shifted.dtype).min)
+        exp = torch.exp(shifted)
+        # the two [...]-sized sums travel in one all-reduce
+        sums = _all_reduce(torch.stack([exp.sum(-1), torch.linalg.vecdot(exp, shifted)]), dist.ReduceOp.SUM, group)
+        normalizer, weighted = sums[0], sums[1]
+        picked = torch.gather(shifted, -1, local_index.unsqueeze(-1)).squeeze(-1)
+        picked = _all_reduce(torch.where(in_shard, picked, torch.zeros_like(picked)), dist.ReduceOp.SUM, group)
+        log_normalizer = torch.log(normalizer)
+        mean_shifted = weighted / normalizer  # E_p[x] - max
+        ctx.entropy_grad = entropy_grad
+        ctx.logits_dtype = logits_shard.dtype
+        # entropy's gradient needs x - max; without it, only p = exp / normalizer
+        ctx.save_for_backward(shifted if entropy_grad else exp, normalizer, mean_shifted, local_index, in_shard)
+        entropy = log_normalizer - mean_shifted
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
+        return picked - log_normalizer, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_prob: Tensor, grad_entropy: Tensor | None):
+        saved, normalizer, mean_shifted, local_index, in_shard = ctx.saved_tensors
+        dtype = normalizer.dtype
+        g = grad_log_prob.to(dtype)
+        if ctx.entropy_grad:
+            shifted = saved
+            probs = torch.exp(shifted).div_(normalizer.unsqueeze(-1))
+            # d log p_label = onehot - p; d H = -p * (x - E_p[x])
+            coeff = shifted.sub(mean_shifted.unsqueeze(-1))
+            if grad_entropy is not None:
+                coeff.mul_(grad_entropy.to(dtype).unsqueeze(-1))
+            else:
+                coeff.zero_()
+            grad_x = probs.mul_(coeff.add_(g.unsqueeze(-1))).neg_()
+        else:
+            grad_x = saved * (-g / normalizer).unsqueeze(-1)
+        grad_x.scatter_add_(-1, local_index.unsqueeze(-1), (g * in_shard.to(dtype)).unsqueeze(-1))
+        return grad_x.to(ctx.logits_dtype), None, None, None

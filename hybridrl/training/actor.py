@@ -16,9 +16,11 @@ filters on the rollout's log-probs sit above the trainer's by log(1 / kept mass)
 `rollout/log_prob_abs_diff_max` measures the truncation, not a numerics error. PPO's ratio is taken
 against the trainer's old log-probs, never against the rollout's.
 
-Log-probs never gather the vocabulary: the last stage's logits `[b, s, V/tp]` are cut to the
-columns that predict response tokens, padded vocab ids are masked (megatron pads the vocab with
-logit-0 rows), and `vocab_parallel_log_prob`/`vocab_parallel_entropy` reduce over the TP group.
+Log-probs never gather the vocabulary, and the vocabulary head sees only the columns that predict
+response tokens (the last stage's hidden states are cut to the N real ones before the output layer,
+see `MegatronBackend.forward_only`'s `response_tokens_only`): the logits are `[N, V/tp]`, padded vocab
+ids are masked (megatron pads the vocab with logit-0 rows), and `vocab_parallel_log_prob` (alone or
+`_and_entropy`, one pass for both) reduces over the TP group.
 
 Loss normalization. Per mini-batch, `global_loss_normalizers` counts tokens and sequences over
 every micro-batch on every DP rank; each micro-batch's losses use those totals, so their sum over
@@ -38,7 +40,7 @@ import torch
 from hybridrl.algorithms.aggregation import LossNormalizers, aggregate_loss
 from hybridrl.algorithms.kl import kl_penalty
 from hybridrl.algorithms.losses import ppo_policy_loss
-from hybridrl.algorithms.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_prob
+from hybridrl.algorithms.vocab_parallel import vocab_parallel_log_prob, vocab_parallel_log_prob_and_entropy
 from hybridrl.config.plan import Plan
 from hybridrl.data.batch import Batch
 from hybridrl.models.bridge import mask_vocab_padding
@@ -47,7 +49,7 @@ from hybridrl.training.backend import MegatronBackend
 from hybridrl.training.metrics import average_steps
 from hybridrl.training.micro_batching import partition_rows, restore_order
 from hybridrl.training.mini_batch import train_mini_batch
-from hybridrl.training.sequences import ModelInputs, take_predictions
+from hybridrl.training.sequences import ModelInputs
 
 
 @dataclass(frozen=True)
@@ -113,9 +115,12 @@ def sampling_temperature(batch: Batch) -> float:
 
 def response_logits(backend: MegatronBackend, micro: ModelInputs, logits: torch.Tensor,
                     temperature: float) -> torch.Tensor:
-    """The vocab shard `[b, R, V/tp]` (float32) predicting each response token, padded ids masked."""
+    """The vocab shard `[N, V/tp]` (float32) predicting each of the N real response tokens, padded ids masked.
+
+    `logits` `[1, N, V/tp]` are the model's output of a `response_tokens_only` run.
+    """
     ctx = backend.ctx
-    picked = take_predictions(logits, micro.predict_index).float()
+    picked = logits.squeeze(0).float()
     if temperature != 1.0:
         picked = picked / temperature
     return mask_vocab_padding(picked, backend.vocab_size, ctx.tp_rank, ctx.tp)
@@ -148,12 +153,14 @@ class MegatronActor:
 
         def collect(micro: ModelInputs, logits: torch.Tensor) -> torch.Tensor:
             shard = response_logits(backend, micro, logits, temperature)
-            log_prob = vocab_parallel_log_prob(shard, micro.responses, ctx.tp_group)
+            labels = micro.responses[micro.response_token_positions()]
             if not with_entropy:
-                return log_prob.unsqueeze(-1)
-            return torch.stack([log_prob, vocab_parallel_entropy(shard, ctx.tp_group)], dim=-1)
+                per_token = vocab_parallel_log_prob(shard, labels, ctx.tp_group).unsqueeze(-1)
+            else:
+                per_token = torch.stack(vocab_parallel_log_prob_and_entropy(shard, labels, ctx.tp_group), dim=-1)
+            return micro.scatter_response_tokens(per_token)
 
-        outputs = backend.forward_only(micros, collect)
+        outputs = backend.forward_only(micros, collect, response_tokens_only=True)
         if not backend.is_output_rank:
             return None
         stacked = restore_order(outputs, partition).cpu()  # results go back to the controller
@@ -192,7 +199,8 @@ class MegatronActor:
             for start in range(0, rows, per_mini):
                 step, applied = train_mini_batch(
                     backend, batch, order[start:start + per_mini], update.micro_batch_size, loss,
-                    extra_keys=extra_keys, dynamic=self.dynamic, max_tokens=self.max_tokens)
+                    extra_keys=extra_keys, dynamic=self.dynamic, max_tokens=self.max_tokens,
+                    response_tokens_only=True)
                 skipped += not applied
                 steps.append(step)
         if not backend.is_output_rank:
@@ -217,7 +225,10 @@ class MegatronActor:
                      scale: int, temperature: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ctx, cfg = self.backend.ctx, self.loss
         shard = response_logits(self.backend, micro, logits, temperature)
-        log_prob = vocab_parallel_log_prob(shard, micro.responses, ctx.tp_group)
+        # one pass over the vocabulary for both; the entropy is differentiated only when it is in the loss
+        per_token = vocab_parallel_log_prob_and_entropy(shard, micro.responses[micro.response_token_positions()],
+                                                        ctx.tp_group, entropy_grad=cfg.entropy_coeff != 0.0)
+        log_prob, entropy = (micro.scatter_response_tokens(t) for t in per_token)  # [b, R], 0 on padding
         mask = micro.response_mask.to(log_prob.dtype)
         norm = dict(normalizers.as_kwargs(), norm_length=cfg.norm_length)
         # Without an old-log-prob pass the update is on-policy (one optimizer step on fresh data): the
@@ -230,11 +241,7 @@ class MegatronActor:
         )
         loss = pg_loss
         if cfg.entropy_coeff != 0.0:
-            entropy = vocab_parallel_entropy(shard, ctx.tp_group)
             loss = loss - cfg.entropy_coeff * aggregate_loss(entropy, mask, cfg.agg, **norm)
-        else:
-            with torch.no_grad():
-                entropy = vocab_parallel_entropy(shard.detach(), ctx.tp_group)
         tokens = mask.sum()
         metrics = {
             "weight": tokens.detach(),

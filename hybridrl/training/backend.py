@@ -115,6 +115,37 @@ def _activate_cpu_layer(policy: DevicePolicy) -> None:
         apply_cpu_layer()
 
 
+def _response_tokens_forward(model: Any, micro: ModelInputs) -> torch.Tensor:
+    """The model's output `[1, N, ...]` at the N real response tokens' predicting columns only
+    (`micro.response_token_positions()`, row-major).
+
+    On the last stage the decoder's hidden states `[s, b, h]` are cut to those N columns before the
+    output layer: prompt positions and response padding carry no loss, and on a large vocabulary the
+    head (its matmul, its weight gradient and the logits every later step reads) is a large part of
+    the update. The decoder ends with the final norm, which is per token, so the cut commutes with
+    it: the logits are the same numbers as the full output's. With sequence parallelism the hidden
+    states are split over TP along s, so the full output is computed and then cut.
+    """
+    gpt = model
+    while not hasattr(gpt, "decoder") and hasattr(gpt, "module"):
+        gpt = gpt.module  # DDP (and Float16Module) wrappers
+    if not getattr(gpt, "post_process", False):  # not the last stage: activations go on whole
+        return model(micro.input_ids, micro.position_ids, None)
+    rows, cols = micro.response_token_positions()
+    columns = micro.predict_index[rows, cols]
+    if gpt.config.sequence_parallel:
+        return model(micro.input_ids, micro.position_ids, None)[rows, columns].unsqueeze(0)
+
+    def cut(_module: Any, _args: Any, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden[columns, rows].unsqueeze(1)  # [N, 1, h]: one "sequence" of N tokens
+
+    handle = gpt.decoder.register_forward_hook(cut)
+    try:
+        return model(micro.input_ids, micro.position_ids, None)
+    finally:
+        handle.remove()
+
+
 @dataclass(frozen=True)
 class StepResult:
     """One optimizer step: per-micro-batch metrics (last stage only; empty elsewhere), grad norm, lr."""
@@ -258,7 +289,7 @@ class MegatronBackend:
 
     # ----------------------------------------------------------------------------- running
     def _run(self, micro_batches: Sequence[ModelInputs], step_output: Callable[..., Any], *,
-             forward_only: bool) -> list[Any]:
+             forward_only: bool, response_tokens_only: bool = False) -> list[Any]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         _activate_cpu_layer(self.device_policy)
@@ -270,7 +301,10 @@ class MegatronBackend:
 
         def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Callable[..., Any]]:
             micro = next(data_iterator)
-            output = model(micro.input_ids, micro.position_ids, None)
+            if response_tokens_only:
+                output = _response_tokens_forward(model, micro)
+            else:
+                output = model(micro.input_ids, micro.position_ids, None)
             return output, partial(step_output, micro)
 
         chunks = len(self.models)
@@ -289,11 +323,15 @@ class MegatronBackend:
 
     @torch.no_grad()
     def forward_only(self, micro_batches: Sequence[ModelInputs],
-                     collect: Callable[[ModelInputs, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+                     collect: Callable[[ModelInputs, torch.Tensor], torch.Tensor], *,
+                     response_tokens_only: bool = False) -> list[torch.Tensor]:
         """`collect(micro, output)` of every micro-batch, in order, on the last stage ([] elsewhere).
 
         `output` is the model's `[b, s, V/tp]` logits (or `[b, s, 1]` values); `collect` runs on
-        every TP rank of the last stage (vocab-parallel reductions are collectives).
+        every TP rank of the last stage (vocab-parallel reductions are collectives). With
+        `response_tokens_only`, `output` is `[1, N, ...]`: only the columns predicting the micro-batch's
+        N real response tokens go through the output layer (see `_response_tokens_forward`;
+        `micro.scatter_response_tokens` puts per-token results back in `[b, R]`).
         """
         self.load_params()
         was_training = [m.training for m in self.models]
@@ -301,17 +339,18 @@ class MegatronBackend:
             m.eval()
         try:
             return self._run(micro_batches, lambda micro, output, non_loss_data=True: collect(micro, output),
-                             forward_only=True)
+                             forward_only=True, response_tokens_only=response_tokens_only)
         finally:
             for m, mode in zip(self.models, was_training):
                 m.train(mode)
 
     def train_step(self, micro_batches: Sequence[ModelInputs],
                    loss_fn: Callable[[ModelInputs, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]],
-                   ) -> StepResult:
+                   *, response_tokens_only: bool = False) -> StepResult:
         """Forward/backward every micro-batch, then one optimizer step at the scheduled lr.
 
-        `loss_fn(micro, output)` returns `(scaled loss, metrics)` (see the module docstring).
+        `loss_fn(micro, output)` returns `(scaled loss, metrics)` (see the module docstring);
+        `response_tokens_only` as in `forward_only`.
         """
         if not self.spec.trainable:
             raise RuntimeError(f"role {self.spec.role} is frozen: it has no optimizer")
@@ -325,7 +364,8 @@ class MegatronBackend:
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_mult", 1.0)
             group["weight_decay"] = self.spec.optim.weight_decay * group.get("wd_mult", 1.0)
-        metrics = self._run(micro_batches, lambda micro, output: loss_fn(micro, output), forward_only=False)
+        metrics = self._run(micro_batches, lambda micro, output: loss_fn(micro, output), forward_only=False,
+                            response_tokens_only=response_tokens_only)
         from hybridrl.training.nonfinite import step_is_finite
 
         if not step_is_finite(self.models, metrics):

@@ -23,9 +23,10 @@ from hybridrl.training.micro_batching import partition_rows
 
 def train_mini_batch(
     backend: MegatronBackend, batch: Batch, mini_rows: Sequence[int], micro_batch_size: int, loss: Callable[..., Any],
-    *, extra_keys: tuple[str, ...], dynamic: bool, max_tokens: int,
+    *, extra_keys: tuple[str, ...], dynamic: bool, max_tokens: int, response_tokens_only: bool = False,
 ) -> tuple[dict[str, float], bool]:
-    """`loss(micro, output, *, normalizers, scale)` as the roles define it.
+    """`loss(micro, output, *, normalizers, scale)` as the roles define it (`response_tokens_only`: see
+    `MegatronBackend.train_step`).
 
     Returns the step's metrics and whether the optimizer applied it (False: a non-finite step skipped).
     """
@@ -37,7 +38,8 @@ def train_mini_batch(
     micros = backend.micro_batches(batch.tensors, [[mini_rows[r] for r in part] for part in partition],
                                   extra_keys=extra_keys)
     normalizers = global_loss_normalizers([m.response_mask for m in micros], ctx.dp_group)
-    result = backend.train_step(micros, partial(loss, normalizers=normalizers, scale=len(micros) * ctx.dp))
+    result = backend.train_step(micros, partial(loss, normalizers=normalizers, scale=len(micros) * ctx.dp),
+                                response_tokens_only=response_tokens_only)
     step = {"grad_norm": result.grad_norm, "lr": result.lr}
     if ctx.is_last_pp_stage:
         sums = StepMetrics()

@@ -57,6 +57,23 @@ class ModelInputs:
             extras={k: fn(v) for k, v in self.extras.items()},
         )
 
+    def response_token_positions(self) -> tuple[Tensor, Tensor]:
+        """(row, response column) of every real response token (`response_mask != 0`), row-major.
+
+        A micro-batch without any real response token yields (0, 0) alone, a masked position: a
+        forward and its backward need at least one column.
+        """
+        rows, cols = torch.nonzero(self.response_mask != 0, as_tuple=True)
+        if rows.numel() == 0:
+            rows = cols = torch.zeros(1, dtype=torch.long, device=self.response_mask.device)
+        return rows, cols
+
+    def scatter_response_tokens(self, values: Tensor) -> Tensor:
+        """Per-token `values` `[N, ...]` (in `response_token_positions` order) as `[b, R, ...]`, 0 elsewhere."""
+        rows, cols = self.response_token_positions()
+        out = values.new_zeros((*self.response_mask.shape, *values.shape[1:]))
+        return out.index_put((rows, cols), values)
+
     @property
     def num_rows(self) -> int:
         return int(self.input_ids.shape[0])
