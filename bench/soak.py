@@ -34,6 +34,10 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tools.demo_assets import build_demo_assets, demo_overrides  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results" / "soak.json"
 CONFIG = "configs/examples/cpu_tiny_grpo.yaml"
 DEFAULT_STEPS = 30
@@ -118,20 +122,14 @@ def main() -> int:
     if args.warmup >= args.steps:
         parser.error("--warmup must be below --steps")
 
-    base = Path(tempfile.mkdtemp(prefix="hrl-soak-"))
+    base = build_demo_assets(Path(tempfile.mkdtemp(prefix="hrl-soak-")))
     py = sys.executable
-    subprocess.run([py, "tools/make_demo_model.py", "--out", str(base / "model")], cwd=ROOT, check=True,
-                   capture_output=True)
-    subprocess.run([py, "tools/make_demo_data.py", "--out-dir", str(base / "data"), "--train-rows", "512",
-                    "--val-rows", "16"], cwd=ROOT, check=True, capture_output=True)
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     ray_before = set(Path("/tmp").glob("hrl-ray-*"))
     run = base / "run"
     cmd = [py, "-m", "hybridrl.cli", "train", CONFIG,
-           f"actor_rollout_ref.model.path={base / 'model'}", f"data.train_files=[{base / 'data' / 'train.jsonl'}]",
-           f"data.val_files=[{base / 'data' / 'val.jsonl'}]", f"trainer.run_dir={run}",
-           f"trainer.default_local_dir={base / 'ckpt'}", f"trainer.total_training_steps={args.steps}",
-           "trainer.test_freq=-1", "trainer.save_freq=-1", "--no-progress"]
+           *demo_overrides(base, run, f"trainer.total_training_steps={args.steps}", "trainer.save_freq=-1"),
+           "--no-progress"]
     log = open(base / "train.log", "w")
     started = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

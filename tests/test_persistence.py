@@ -56,6 +56,57 @@ def test_a_replaced_target_is_swapped_whole(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nor beside it (trash deleted)
 
 
+def test_a_crash_during_a_replace_never_leaves_the_target_missing(tmp_path, monkeypatch):
+    """The writer dies inside the commit — after one rename (moving the old copy aside), or while
+    deleting the old copy: the target holds the old or the new folder whole; the rest is partials."""
+    real_rename = persistence.os.rename
+    renames = []
+
+    def rename_then_die(*args, **kwargs):
+        renames.append(args)
+        if len(renames) > 1:
+            raise KeyboardInterrupt("killed between two renames")
+        real_rename(*args, **kwargs)
+
+    def die(*args, **kwargs):
+        raise KeyboardInterrupt("killed while deleting the old copy")
+
+    for step in ("second rename", "rmtree"):
+        target = _target(tmp_path / step.replace(" ", "_"))
+        before = _tree(target)
+        staging = make_staging_dir(target, force=True)
+        (staging / "new.txt").write_text("new")
+        renames.clear()
+        if step == "second rename":
+            monkeypatch.setattr(persistence.os, "rename", rename_then_die)
+        else:
+            monkeypatch.setattr(persistence.shutil, "rmtree", die)
+        try:
+            commit_staging_dir(staging, target)
+        except KeyboardInterrupt:
+            pass
+        monkeypatch.undo()
+        assert target.is_dir() and _tree(target) in (before, {"new.txt": "new"}), step
+        assert all(is_partial(p) for p in target.parent.iterdir() if p != target), step
+        remove_partials(target.parent)
+        assert sorted(p.name for p in target.parent.iterdir()) == ["out"]
+
+
+def test_exchange_swaps_two_folders_and_a_commit_without_it_still_replaces(tmp_path, monkeypatch):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    (a / "x").write_text("from a")
+    (b / "y").write_text("from b")
+    assert persistence.exchange_paths(a, b)  # Linux and a file system that supports it, as here
+    assert _tree(a) == {"y": "from b"} and _tree(b) == {"x": "from a"}
+    monkeypatch.setattr(persistence, "exchange_paths", lambda *paths: False)  # e.g. not Linux
+    target = _target(tmp_path / "fallback")
+    with atomic_dir(target, force=True) as staging:
+        (staging / "new.txt").write_text("new")
+    assert _tree(target) == {"new.txt": "new"}
+    assert sorted(p.name for p in target.parent.iterdir()) == ["out"]
+
+
 def test_commit_into_a_missing_or_empty_target(tmp_path):
     for target in (tmp_path / "a" / "missing", tmp_path / "empty"):
         if target.name == "empty":

@@ -14,18 +14,14 @@ import pytest
 import torch
 
 from hybridrl.models.arch import ModelShape
+from hybridrl.models.vllm_layout import vllm_padded_vocab, vllm_param_shapes
 from hybridrl.parallel.digest import tensor_digest
 from hybridrl.parallel.forked import run_ranks
-from hybridrl.reshard.layout import (
-    EMBED,
-    LM_HEAD,
-    hf_to_vllm_shards,
-    vllm_padded_vocab,
-    vllm_param_shapes,
-    vllm_shard_nbytes,
-)
+from hybridrl.reshard.layout import hf_to_vllm_shards, vllm_shard_nbytes
 from tests import rollout_scenarios
-from tests.rollout_models import LLAMA_GQA1, QWEN2_TIED, build_tiny_model, load_config, load_state_dict
+from tests.rollout_models import LLAMA_GQA1, QWEN2_TIED, QWEN3_QK_NORM, build_tiny_model, load_config, load_state_dict
+
+EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"  # HF's names, written here independently
 
 
 def _config(**overrides) -> dict:
@@ -256,11 +252,13 @@ def test_layout_and_rollout_modules_do_not_import_megatron_or_vllm():
 
 # ------------------------------------------------------------------------------ against real vLLM
 @pytest.mark.slow
-@pytest.mark.parametrize("infer_tp", [1, 2])
-@pytest.mark.parametrize("spec", [LLAMA_GQA1, QWEN2_TIED], ids=["llama_kv1", "qwen2_tied_bias"])
+@pytest.mark.parametrize("spec, infer_tp", [
+    (LLAMA_GQA1, 1), (LLAMA_GQA1, 2), (QWEN2_TIED, 1), (QWEN2_TIED, 2), (QWEN3_QK_NORM, 2),
+], ids=["llama_kv1-1", "llama_kv1-2", "qwen2_tied_bias-1", "qwen2_tied_bias-2", "qwen3_qk_norm-2"])
 def test_layout_equals_what_vllm_loads(tmp_path, spec, infer_tp):
-    """vLLM's own loader, on each infer-TP rank, holds exactly `hf_to_vllm_shards` (llama_kv1 at
-    infer_tp=2 replicates its single KV head). Also: RNG kept, TP peers agree, default group survives."""
+    """vLLM's own loader, on each infer-TP rank, holds exactly `hf_to_vllm_shards`, i.e. the family
+    weight table's vLLM side (llama_kv1 at infer_tp=2 replicates its single KV head; qwen3 has the
+    per-head q/k norms). Also: RNG kept, TP peers agree, default group survives."""
     model_dir = build_tiny_model(tmp_path / "model", spec, seed=11)
     results = run_ranks(rollout_scenarios.layout_snapshot, infer_tp, str(model_dir), infer_tp, timeout_s=500)
     hf, config = load_state_dict(model_dir), load_config(model_dir)

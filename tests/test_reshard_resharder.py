@@ -21,9 +21,10 @@ import torch
 
 from hybridrl.config.meshes import build_reshard_groups, build_training_mesh
 from hybridrl.models.arch import ModelShape
+from hybridrl.models.vllm_layout import vllm_padded_vocab
 from hybridrl.parallel.forked import run_ranks
 from hybridrl.reshard.checksums import ShardChecksumError, shard_checksums, verify_checksums
-from hybridrl.reshard.layout import hf_to_vllm_shards, vllm_padded_vocab
+from hybridrl.reshard.layout import hf_to_vllm_shards
 from tests.test_models_fixtures import make_hf_model, read_json, safetensors_state
 
 CHANGED_LAYER = 1

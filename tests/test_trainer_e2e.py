@@ -14,20 +14,11 @@ from pathlib import Path
 import pytest
 
 from hybridrl.persistence import is_partial
+from tools.demo_assets import demo_overrides
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _overrides(assets: Path, run: Path, *extra: str) -> list[str]:
-    return [
-        f"actor_rollout_ref.model.path={assets / 'model'}",
-        f"data.train_files=[{assets / 'data' / 'train.jsonl'}]",
-        f"data.val_files=[{assets / 'data' / 'val.jsonl'}]",
-        f"trainer.run_dir={run}", f"trainer.default_local_dir={run / 'ckpt'}",
-        "trainer.test_freq=-1", *extra,
-    ]
 
 
 def _train(config: str, overrides: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
@@ -54,7 +45,7 @@ def _mean(rows: list[dict], key: str) -> float:
 def test_reward_rises(demo_assets, tmp_path, name, config, layout):
     run = tmp_path / name
     steps = 16  # measured: the last 4 steps' mean is 0.12-0.14 above the first 4's at 16 (0.05 asked)
-    result = _train(config, _overrides(demo_assets, run, f"trainer.total_training_steps={steps}",
+    result = _train(config, demo_overrides(demo_assets, run, f"trainer.total_training_steps={steps}",
                                        "actor_rollout_ref.actor.optim.lr=2e-3", *layout))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     rows = _metrics(run)
@@ -72,11 +63,11 @@ def test_killed_run_resumes_with_identical_next_step(demo_assets, tmp_path):
     config = "configs/examples/cpu_tiny_grpo.yaml"
     common = ["trainer.total_training_steps=4", "trainer.save_freq=1"]
     straight = tmp_path / "straight"
-    result = _train(config, _overrides(demo_assets, straight, *common))
+    result = _train(config, demo_overrides(demo_assets, straight, *common))
     assert result.returncode == 0, result.stderr[-5000:]
 
     killed = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "hybridrl.cli", "train", config, *_overrides(demo_assets, killed, *common),
+    cmd = [sys.executable, "-m", "hybridrl.cli", "train", config, *demo_overrides(demo_assets, killed, *common),
            "--no-progress"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -89,7 +80,7 @@ def test_killed_run_resumes_with_identical_next_step(demo_assets, tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)  # the whole session: driver, Ray and its workers
     proc.wait(timeout=60)
 
-    resumed = _train(config, _overrides(demo_assets, killed, *common, "trainer.resume_mode=auto"))
+    resumed = _train(config, demo_overrides(demo_assets, killed, *common, "trainer.resume_mode=auto"))
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     assert "resumed from" in resumed.stdout
     by_step = {}
@@ -105,7 +96,7 @@ def test_killed_run_resumes_with_identical_next_step(demo_assets, tmp_path):
     # vLLM groups): the weights and Adam's state re-shard, so step 3 is the straight run's step 3.
     relaid = tmp_path / "relaid"
     ckpt = straight / "ckpt" / "demo" / "cpu_tiny_grpo" / "global_step_2"
-    moved = _train(config, _overrides(demo_assets, relaid, "trainer.total_training_steps=3",
+    moved = _train(config, demo_overrides(demo_assets, relaid, "trainer.total_training_steps=3",
                                       f"trainer.resume_mode={ckpt}",
                                       "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"))
     assert moved.returncode == 0, moved.stderr[-5000:]
@@ -121,8 +112,8 @@ def test_killed_run_resumes_with_identical_next_step(demo_assets, tmp_path):
     data = bytearray(rank_file.read_bytes())
     data[len(data) // 2] ^= 0xFF
     rank_file.write_bytes(bytes(data))
-    refused = _train(config, _overrides(demo_assets, killed, "trainer.total_training_steps=5", "trainer.save_freq=1",
-                                        "trainer.resume_mode=auto"))
+    refused = _train(config, demo_overrides(demo_assets, killed, "trainer.total_training_steps=5",
+                                            "trainer.save_freq=1", "trainer.resume_mode=auto"))
     assert refused.returncode == 1
     assert "training failed at step 0, phase resume:" in refused.stderr, refused.stderr[-4000:]
     assert "rank_00001.pt: sha256" in refused.stderr, refused.stderr[-4000:]
@@ -177,7 +168,7 @@ def test_custom_reward_dynamic_sampling_validation_and_old_log_prob_pass(demo_as
     reward_file = tmp_path / "my_reward.py"
     reward_file.write_text(REWARD_FILE.format(calls=str(calls)))
     steps, batch, n = 3, 8, 8
-    result = _train("configs/examples/cpu_tiny_grpo.yaml", _overrides(
+    result = _train("configs/examples/cpu_tiny_grpo.yaml", demo_overrides(
         demo_assets, run, f"trainer.total_training_steps={steps}", "trainer.test_freq=2",
         "trainer.val_before_train=true", f"trainer.rollout_data_dir={run / 'rollouts'}",
         f"algorithm.custom_reward_function.path={reward_file}", "algorithm.filter_groups.enable=true",
@@ -257,7 +248,7 @@ def test_reward_model_overlong_buffer_and_gap_measured_by_the_update(demo_assets
     max_length, buffer, factor = 16, 8, 0.5
     digits = ",".join(map(str, range(21, 31)))  # '0'..'9' in the char tokenizer: stop tokens, so lengths vary
     steps = 2
-    result = _train("configs/examples/cpu_tiny_grpo.yaml", _overrides(
+    result = _train("configs/examples/cpu_tiny_grpo.yaml", demo_overrides(
         demo_assets, run, f"trainer.total_training_steps={steps}", f"trainer.rollout_data_dir={run / 'rollouts'}",
         "reward_model.enable=true", f"reward_model.model.path={rm}", "algorithm.overlong_buffer.enable=true",
         f"algorithm.overlong_buffer.len={buffer}", f"algorithm.overlong_buffer.penalty_factor={factor}",
@@ -322,7 +313,7 @@ def test_remax_baseline_is_the_score_of_each_prompts_greedy_response(demo_assets
     reward_file = tmp_path / "my_reward.py"
     reward_file.write_text(REMAX_REWARD_FILE.format(calls=str(calls)))
     steps, batch, n = 2, 8, 8
-    result = _train("configs/examples/cpu_tiny_grpo.yaml", _overrides(
+    result = _train("configs/examples/cpu_tiny_grpo.yaml", demo_overrides(
         demo_assets, run, f"trainer.total_training_steps={steps}", "algorithm.adv_estimator=remax",
         f"algorithm.custom_reward_function.path={reward_file}", f"trainer.rollout_data_dir={run / 'rollouts'}"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from hybridrl.workers import faults
-from tests.test_trainer_e2e import ROOT, _metrics, _overrides
+from tests.test_trainer_e2e import ROOT, _metrics
+from tools.demo_assets import demo_overrides
 
 CONFIG = "configs/examples/cpu_tiny_grpo.yaml"
 CKPT = Path("ckpt") / "demo" / "cpu_tiny_grpo"
@@ -58,7 +59,7 @@ def test_killed_worker_stops_the_run(demo_assets, tmp_path, spec, phase):
     common = ["trainer.total_training_steps=2", "trainer.save_freq=1"]
     if phase == "old_log_prob":  # the demo's on-policy step skips the pass unless asked to run it
         common.append("actor_rollout_ref.actor.old_log_prob=recompute")
-    result, ended = _train_with(_overrides(demo_assets, run, *common),
+    result, ended = _train_with(demo_overrides(demo_assets, run, *common),
                                 {faults.ENV: spec, faults.ENV + "_MARK": str(mark)})
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-4000:]
     rank = spec.split(":")[2]
@@ -80,7 +81,7 @@ def test_killed_worker_stops_the_run(demo_assets, tmp_path, spec, phase):
 def test_consecutive_nonfinite_steps_stop_the_run(demo_assets, tmp_path):
     run = tmp_path / "run"
     # step 1 finite; steps 2 and 3 poisoned on rank 1 only (the skip is decided over all ranks)
-    result, _ = _train_with(_overrides(demo_assets, run, "trainer.total_training_steps=4",
+    result, _ = _train_with(demo_overrides(demo_assets, run, "trainer.total_training_steps=4",
                                        "trainer.max_consecutive_nonfinite_steps=2"),
                             {faults.ENV: "nan_update_actor:2:1,nan_update_actor:3:1"})
     assert result.returncode == 1, result.stderr[-4000:]

@@ -124,13 +124,13 @@ def reference_step(hf_dir: Path, batch: Any, case: Case) -> dict[str, Any]:
         }
 
 
-def ppo_batch(hf_dir: Path, rows: int = 8, seed: int = 11) -> Any:
+def ppo_batch(hf_dir: Path, rows: int = 8, seed: int = 11, vocab: int = POLICY["vocab_size"]) -> Any:
     """Rollout-shaped rows whose old and reference log-probs are the tempered policy's, perturbed.
 
     The perturbation (uniform in [-1, 1] nats) puts ratios in [0.37, 2.7]: both clip bounds and the
     dual clip are crossed. Advantages have both signs.
     """
-    batch = rollout_batch(rows, seed=seed)
+    batch = rollout_batch(rows, seed=seed, vocab=vocab)
     with torch.no_grad():
         _, log_softmax = response_log_softmax(hf_dir, batch)
     policy = log_softmax.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
@@ -199,11 +199,13 @@ def actor_config(hf: Path, case: Case, *, tp: int = 1, pp: int = 1, dp: int = 1,
     return config
 
 
-def _megatron_steps(tmp_path: Path, hf: Path, batch: Any, *, tp: int, pp: int, dp: int,
-                    distributed_optimizer: bool) -> list[tuple[Any, dict[str, torch.Tensor]]]:
+def megatron_steps(tmp_path: Path, hf: Path, batch: Any, *, tp: int, pp: int, dp: int,
+                   distributed_optimizer: bool, cases: tuple[Case, ...] = CASES
+                   ) -> list[tuple[Any, dict[str, torch.Tensor]]]:
+    """(metrics, HF-named gradients) of one megatron actor step per case, on a TP x PP x DP layout."""
     configs = [actor_config(hf, case, tp=tp, pp=pp, dp=dp, distributed_optimizer=distributed_optimizer)
-               for case in CASES]
-    out_dirs = [str(tmp_path / f"grads_{tp}{pp}{dp}_{i}") for i in range(len(CASES))]
+               for case in cases]
+    out_dirs = [str(tmp_path / f"grads_{tp}{pp}{dp}_{i}") for i in range(len(cases))]
     results = run_ranks(_actor_step_rank, tp * pp * dp, configs, batch, out_dirs)
     per_case = list(zip(*results))  # [case][rank]
     out = []
@@ -239,7 +241,7 @@ def _check_layout(tmp_path: Path, **layout: Any) -> None:
         assert ref["grad_norm"] > 1e-2
     losses = [ref["loss"] for ref in references]
     assert len({round(v, 4) for v in losses}) == len(CASES)  # the modes give different objectives
-    runs = _megatron_steps(tmp_path, hf, batch, **layout)
+    runs = megatron_steps(tmp_path, hf, batch, **layout)
     for case, ref, (metrics, grads) in zip(CASES, references, runs):
         assert_matches_reference(ref, metrics, grads, f"{layout} {case}")
 

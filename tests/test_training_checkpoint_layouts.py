@@ -61,8 +61,8 @@ def _value_model_pieces(backend: Any) -> list[tuple[str, int | None, int, torch.
         info = chunk_info(chunk)
         tensors = chunk.state_dict(keep_vars=True)
         for plan in chunk_tensor_plans(info.source.shape, info.layout, info.chunk, info.tp_rank):
-            value = tensors[plan.mcore_name].detach().clone()
-            if plan.mcore_name == "output_layer.weight":  # the value head
+            value = tensors[plan.name].detach().clone()
+            if plan.name == "output_layer.weight":  # the value head
                 out.append(("score.weight", None, 0, value))
                 continue
             offset = 0

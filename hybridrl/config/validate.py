@@ -20,10 +20,10 @@ from hybridrl.config.errors import ConfigIssue
 from hybridrl.config.resolve import Resolved, active_roles, role_megatron
 from hybridrl.config.schema import CHOICE_NAMES, JobConfig, MegatronConfig, choice_fields
 from hybridrl.models.arch import DEFAULT_VOCAB_DIVISOR, ModelShape
+from hybridrl.models.vllm_layout import vllm_padded_vocab
 from hybridrl.names import Role
 from hybridrl.parallel.device_policy import DEVICE_POLICIES
 
-VLLM_VOCAB_PADDING = 64  # vLLM pads the vocabulary to a multiple of 64, then splits it evenly over TP
 RESUME_MODES = ("auto", "disable")
 
 
@@ -419,7 +419,7 @@ def _check_rollout_layout(check: _Checker, config: JobConfig, world: int, model:
         ok = check.fail(field, itp, f"must divide the {world} GPUs", divisors(world))
     if model is not None:
         heads, kv = model.num_attention_heads, model.num_kv_heads
-        padded_vocab = -(-model.vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+        padded_vocab = vllm_padded_vocab(model.vocab_size)
         if heads % itp:
             ok = check.fail(field, itp, f"must divide the model's {heads} attention heads", divisors(heads))
         elif kv % itp and itp % kv:

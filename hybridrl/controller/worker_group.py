@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
-from ray.actor import ActorClass, ActorHandle
+from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from hybridrl.controller.base_worker import RankContext, Worker
@@ -75,7 +75,7 @@ class WorkerGroup:
 
     def __init__(
         self,
-        worker_cls: type[Worker] | ActorClass,
+        worker_cls: type[Worker],
         pool: ResourcePool,
         *,
         role: str,
@@ -87,9 +87,12 @@ class WorkerGroup:
         call_timeout_s: float | None = None,
         poll_s: float = 0.5,
     ) -> None:
+        if not isinstance(worker_cls, type) or not issubclass(worker_cls, Worker):
+            # A `ray.remote` class hides the methods calls are checked against (worker_method_name).
+            raise TypeError(f"{role} group: worker_cls must be a plain Worker subclass (WorkerGroup makes it a "
+                            f"Ray actor itself), got {worker_cls!r}")
         self.role = role
-        self.worker_cls: type = (worker_cls.__ray_metadata__.modified_class.__ray_actor_class__
-                                 if isinstance(worker_cls, ActorClass) else worker_cls)
+        self.worker_cls: type[Worker] = worker_cls
         self.pool = pool
         self.call_timeout_s = call_timeout_s
         self.poll_s = poll_s
@@ -98,7 +101,7 @@ class WorkerGroup:
         self._closed = False
         resources = pool.reserve(role)
         try:
-            actor_cls = worker_cls if isinstance(worker_cls, ActorClass) else ray.remote(worker_cls)
+            actor_cls = ray.remote(worker_cls)
             world = pool.world_size
             self.actors: list[ActorHandle] = []
             for rank in range(world):

@@ -5,9 +5,8 @@ run and estimate memory without paying for `import torch` / `import megatron`. E
 works on the config read as a plain dict; `hybridrl.models.bridge` turns the result into real
 megatron objects.
 
-Supported families share the Llama block (RMSNorm, RoPE, SwiGLU MLP, optional GQA) and differ in
-small switches: Qwen2 adds biases on q/k/v, Qwen3 adds an RMSNorm on each query/key head
-(megatron's `qk_layernorm`) and sets `head_dim` explicitly.
+The families themselves (their switches, defaults and weight tables) are one file each under
+`hybridrl/models/families/`; this module reads a config.json against them.
 """
 from __future__ import annotations
 
@@ -17,6 +16,9 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from hybridrl.models.families import SUPPORTED_ARCHITECTURES
+from hybridrl.models.family import ArchFamily, DecoderWeights, HFTensor
 
 # Megatron pads the vocabulary to a multiple of this times TP (its `make_vocab_size_divisible_by`
 # default) so that every TP rank holds an equal, aligned slice of the embedding and output layer.
@@ -29,33 +31,6 @@ class UnsupportedModelError(ValueError):
 
 class ParallelLayoutError(ValueError):
     """The requested TP/PP/VPP sizes do not fit the model's shape."""
-
-
-@dataclass(frozen=True)
-class ArchFamily:
-    """Per-architecture switches and the HF class defaults used when config.json omits a key."""
-
-    architecture: str
-    model_type: str
-    qkv_bias: bool
-    qk_norm: bool
-    default_max_positions: int
-    # None: hidden_size // num_attention_heads (the HF default for all but Qwen3).
-    default_head_dim: int | None = None
-    default_tie_word_embeddings: bool = False
-
-
-SUPPORTED_ARCHITECTURES: dict[str, ArchFamily] = {
-    family.architecture: family
-    for family in (
-        ArchFamily("LlamaForCausalLM", "llama", qkv_bias=False, qk_norm=False, default_max_positions=2048),
-        ArchFamily("MistralForCausalLM", "mistral", qkv_bias=False, qk_norm=False,
-                   default_max_positions=131072),
-        ArchFamily("Qwen2ForCausalLM", "qwen2", qkv_bias=True, qk_norm=False, default_max_positions=32768),
-        ArchFamily("Qwen3ForCausalLM", "qwen3", qkv_bias=False, qk_norm=True, default_max_positions=32768,
-                   default_head_dim=128),
-    )
-}
 
 
 def _architecture_of(config: Mapping[str, Any]) -> ArchFamily:
@@ -201,19 +176,28 @@ class ModelShape:
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_kv_heads
 
+    @property
+    def weights(self) -> DecoderWeights:
+        """The family's weight table (`hybridrl/models/families/`)."""
+        return SUPPORTED_ARCHITECTURES[self.architecture].weights
+
+    def dim(self, name: str) -> int:
+        """A named dimension of the weight tables (`HFTensor.dims`)."""
+        sizes = {"hidden": self.hidden_size, "q": self.q_size, "kv": self.kv_size, "head_dim": self.head_dim,
+                 "ffn": self.ffn_hidden_size, "vocab": self.vocab_size}
+        return sizes[name]
+
+    def hf_numel(self, tensor: HFTensor) -> int:
+        return math.prod(self.dim(d) for d in tensor.dims)
+
     def params_per_layer(self) -> int:
-        attention = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
-        if self.qkv_bias:
-            attention += self.q_size + 2 * self.kv_size
-        if self.qk_norm:
-            attention += 2 * self.head_dim
-        mlp = 3 * self.hidden_size * self.ffn_hidden_size
-        return attention + mlp + 2 * self.hidden_size
+        return sum(self.hf_numel(t) for spec in self.weights.layer if spec.exists(self) for t in spec.hf)
 
     def param_count(self) -> int:
         """Parameters of the HF model (unpadded vocab; a tied output layer counted once)."""
-        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return embeddings + self.num_layers * self.params_per_layer() + self.hidden_size
+        table = self.weights
+        outer = [table.embedding, table.final_norm] + ([] if self.tie_word_embeddings else [table.lm_head])
+        return sum(self.hf_numel(t) for spec in outer for t in spec.hf) + self.num_layers * self.params_per_layer()
 
     def padded_vocab_size(self, tp: int, divisor: int = DEFAULT_VOCAB_DIVISOR) -> int:
         return padded_vocab_size(self.vocab_size, tp, divisor)

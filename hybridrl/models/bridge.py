@@ -34,12 +34,12 @@ from hybridrl.models.checkpoint import (
     checkpoint_file_name,
     estimated_hf_bytes,
     mcore_metadata,
+    source_dtype,
     tensor_sha256,
     write_hf_files,
     write_rank_file,
 )
 from hybridrl.models.layout import (
-    EMBED,
     ParallelLayout,
     StageChunk,
     TensorPlan,
@@ -321,9 +321,9 @@ def load_weights(models: Sequence[Any], path: str | Path, verify: bool = True) -
         for model in models:
             info = chunk_info(model)
             plans = chunk_tensor_plans(info.source.shape, info.layout, info.chunk, info.tp_rank)
-            tensors = checked_model_tensors(model, [p.mcore_name for p in plans], info)
+            tensors = checked_model_tensors(model, [p.name for p in plans], info)
             for plan in plans:
-                target = tensors[spec_tensor_name(plan.mcore_name, info.spec_kind)]
+                target = tensors[spec_tensor_name(plan.name, info.spec_kind)]
                 target.copy_(assemble(reader, plan, target.dtype))
     finally:
         reader.close()
@@ -341,16 +341,16 @@ def _load_same_layout(models: Sequence[Any], meta: McoreMetadata, verify: bool) 
             info = chunk_info(model)
             prefix = rank_chunk_key_prefix(info.layout, info.chunk.vp_stage)
             plans = chunk_tensor_plans(info.source.shape, info.layout, info.chunk, info.tp_rank)
-            tensors = checked_model_tensors(model, [p.mcore_name for p in plans], info)
+            tensors = checked_model_tensors(model, [p.name for p in plans], info)
             for plan in plans:
-                key = prefix + plan.mcore_name
+                key = prefix + plan.name
                 if key not in file_keys:
                     raise CheckpointError(f"{meta.path / fname} lacks tensor {key}")
                 value = handle.get_tensor(key)
                 if verify and tensor_sha256(value) != recorded[key]["sha256"]:
                     raise CheckpointError(f"checksum mismatch in {meta.path / fname}, tensor {key}: the file "
                                           "was modified or corrupted after it was written")
-                tensors[spec_tensor_name(plan.mcore_name, info.spec_kind)].copy_(value)
+                tensors[spec_tensor_name(plan.name, info.spec_kind)].copy_(value)
 
 
 # ---- saving and export (collective over the world) -------------------------------------------------
@@ -392,9 +392,9 @@ def rank_tensor_entries(models: Sequence[Any]) -> Iterator[tuple[str, TensorPlan
         info = chunk_info(model)
         prefix = rank_chunk_key_prefix(info.layout, info.chunk.vp_stage)
         plans = chunk_tensor_plans(info.source.shape, info.layout, info.chunk, info.tp_rank)
-        tensors = checked_model_tensors(model, [p.mcore_name for p in plans], info)
+        tensors = checked_model_tensors(model, [p.name for p in plans], info)
         for plan in plans:
-            yield prefix + plan.mcore_name, plan, tensors[spec_tensor_name(plan.mcore_name, info.spec_kind)]
+            yield prefix + plan.name, plan, tensors[spec_tensor_name(plan.name, info.spec_kind)]
 
 
 def _rank_tensors(models: Sequence[Any]) -> dict[str, torch.Tensor]:
@@ -489,7 +489,7 @@ def export_hf(
         try:
             reader = McoreCheckpointReader(shards, verify=False)
             try:
-                check_free_space(out_dir, estimated_hf_bytes(reader.shape, dtype or reader.dtype_of(EMBED)))
+                check_free_space(out_dir, estimated_hf_bytes(reader.shape, dtype or source_dtype(reader)))
                 kwargs = {"max_shard_bytes": max_shard_bytes} if max_shard_bytes else {}
                 write_hf_files(reader, staging, dtype=dtype, **kwargs)
             finally:

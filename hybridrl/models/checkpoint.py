@@ -34,11 +34,9 @@ from safetensors.torch import save_file
 
 from hybridrl.models.arch import ModelShape, read_hf_config
 from hybridrl.models.layout import (
-    EMBED,
     IGNORED_HF_SUFFIXES,
-    LM_HEAD,
     ParallelLayout,
-    Piece,
+    ShardRange,
     TensorPlan,
     checkpoint_file_name,
     hf_export_map,
@@ -161,7 +159,7 @@ class HFCheckpointReader:
                 if got != expected[name]:
                     problems.append(f"{name} in {path.name} has shape {list(got)}, config implies "
                                     f"{list(expected[name])}")
-            elif name == LM_HEAD and self.shape.tie_word_embeddings:
+            elif self.shape.tie_word_embeddings and name == self.shape.weights.lm_head.hf_name:
                 continue  # some tied checkpoints still store lm_head; HF ignores it too
             elif not name.endswith(IGNORED_HF_SUFFIXES):
                 problems.append(f"unexpected tensor {name} in {path.name}")
@@ -295,7 +293,7 @@ class McoreCheckpointReader:
         self._files.close()
 
 
-def read_pieces(pieces: Sequence[Piece], handle_of: Callable[[int, int], Any], axis: int | None,
+def read_pieces(pieces: Sequence[ShardRange], handle_of: Callable[[int, int], Any], axis: int | None,
                 start: int, stop: int, key_prefix: str = "") -> torch.Tensor:
     """Range [start, stop) along `axis` of one HF tensor, stitched from the rank files holding its pieces.
 
@@ -331,7 +329,7 @@ def assemble(reader: TensorReader, plan: TensorPlan, dtype: torch.dtype | None =
             parts.append(reader.read(seg.hf_name, plan.axis, seg.start, seg.stop))
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=plan.axis or 0)
     if tuple(out.shape) != plan.shape:
-        raise CheckpointError(f"{plan.mcore_name}: assembled shape {list(out.shape)} != {list(plan.shape)}")
+        raise CheckpointError(f"{plan.name}: assembled shape {list(out.shape)} != {list(plan.shape)}")
     return out.to(dtype) if dtype is not None else out
 
 
@@ -391,9 +389,9 @@ def mcore_metadata(
     }
 
 
-def _source_dtype(reader: TensorReader) -> torch.dtype:
+def source_dtype(reader: TensorReader) -> torch.dtype:
     """The input's dtype (that of its embedding), used when no output dtype is asked for."""
-    return reader.dtype_of(EMBED)
+    return reader.dtype_of(reader.shape.weights.embedding.hf_name)
 
 
 def _progress_bar(total: int, desc: str, enabled: bool) -> Any:
@@ -422,7 +420,7 @@ def write_mcore_checkpoint(
     shape: ModelShape = reader.shape
     shape.check_parallel(layout.tp, layout.pp, layout.vpp)
     out_dir = Path(out_dir)
-    dtype = dtype or _source_dtype(reader)
+    dtype = dtype or source_dtype(reader)
     check_output_dir(out_dir, force)
     check_free_space(out_dir, estimated_mcore_bytes(shape, layout, dtype))
     rank_plans = {
@@ -475,7 +473,7 @@ def write_hf_checkpoint(
     """Write `reader`'s model as an HF folder: safetensors shards (+ index), config, generation config
     (the output checked up front, written into a staging folder renamed into place)."""
     out_dir = Path(out_dir)
-    dtype = dtype or _source_dtype(reader)
+    dtype = dtype or source_dtype(reader)
     check_output_dir(out_dir, force)
     check_free_space(out_dir, estimated_hf_bytes(reader.shape, dtype))
     with atomic_dir(out_dir, force) as tmp:
@@ -493,7 +491,7 @@ def write_hf_files(
 ) -> None:
     """The HF folder's files written into `folder` (an existing, empty staging folder)."""
     shape: ModelShape = reader.shape
-    dtype = dtype or _source_dtype(reader)
+    dtype = dtype or source_dtype(reader)
     hf_shapes = hf_tensor_shapes(shape)
     sizes = {name: _numel(s) * _element_size(dtype) for name, s in hf_shapes.items()}
     # Plan shards first (HF's greedy rule: start a new shard when the next tensor would overflow).

@@ -1,5 +1,8 @@
 """HF ⇄ megatron weight layout as pure data: which HF rows/columns make each megatron shard.
 
+Derived from the family's weight table (`hybridrl/models/families/`, vocabulary in
+`models/family.py`): this module holds the megatron rule for each `Split` kind, nothing per family.
+
 No torch here. Every megatron tensor of a (TP rank, PP stage, VPP chunk) is described as a
 `TensorPlan`: an ordered list of `Segment`s, each a contiguous range of one HF tensor along the
 plan's `axis` (or zero padding), concatenated in order. Loading reads exactly those ranges
@@ -18,13 +21,13 @@ Megatron layouts encoded here (megatron-core 0.16.1, local and TE GPT layer spec
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import lru_cache
+from math import prod
 
 from hybridrl.models.arch import ModelShape, ParallelLayoutError
-
-EMBED = "model.embed_tokens.weight"
-FINAL_NORM = "model.norm.weight"
-LM_HEAD = "lm_head.weight"
+from hybridrl.models.family import HFTensor, Split, WeightSpec
 
 
 @dataclass(frozen=True)
@@ -42,9 +45,10 @@ class Segment:
 
 @dataclass(frozen=True)
 class TensorPlan:
-    """One megatron tensor of one rank: `segments` concatenated along `axis` (None: a whole copy)."""
+    """One tensor of one rank (a megatron shard, or a vLLM parameter in `models.vllm_layout`):
+    `segments` concatenated along `axis` (None: a whole copy)."""
 
-    mcore_name: str
+    name: str
     shape: tuple[int, ...]
     axis: int | None
     segments: tuple[Segment, ...]
@@ -55,6 +59,18 @@ class TensorPlan:
     @property
     def hf_names(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(s.hf_name for s in self.segments if s.hf_name is not None))
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+    @property
+    def padding_numel(self) -> int:
+        """Elements of zero padding (vocab rows): written, never moved."""
+        if self.axis is None:
+            return 0
+        per_position = self.numel // self.shape[self.axis]
+        return sum(seg.length for seg in self.segments if seg.hf_name is None) * per_position
 
 
 @dataclass(frozen=True)
@@ -162,14 +178,18 @@ def _tp_chunk(full: list[Segment], tp_rank: int, tp_size: int) -> tuple[Segment,
 
 def fused_qkv_order(shape: ModelShape, layer: int, kind: str = "weight") -> list[Segment]:
     """Megatron's full (unsharded) fused qkv rows: per query group [q heads; k head; v head]."""
-    prefix = f"model.layers.{layer}.self_attn"
+    spec = next(s for s in shape.weights.layer if s.split is Split.QKV and s.hf[0].name.endswith(kind))
+    return _grouped_qkv(shape, *(t.at(layer) for t in spec.hf))
+
+
+def _grouped_qkv(shape: ModelShape, q: str, k: str, v: str) -> list[Segment]:
     q_rows = shape.heads_per_group * shape.head_dim
     d = shape.head_dim
     order: list[Segment] = []
     for g in range(shape.num_kv_heads):
-        order.append(Segment(f"{prefix}.q_proj.{kind}", g * q_rows, (g + 1) * q_rows))
-        order.append(Segment(f"{prefix}.k_proj.{kind}", g * d, (g + 1) * d))
-        order.append(Segment(f"{prefix}.v_proj.{kind}", g * d, (g + 1) * d))
+        order.append(Segment(q, g * q_rows, (g + 1) * q_rows))
+        order.append(Segment(k, g * d, (g + 1) * d))
+        order.append(Segment(v, g * d, (g + 1) * d))
     return order
 
 
@@ -192,50 +212,86 @@ def vocab_range_for_rank(shape: ModelShape, tp_rank: int, tp_size: int) -> tuple
     return min(lo, shape.vocab_size), min(lo + per_rank, shape.vocab_size)
 
 
+# ---- the weight table, walked -----------------------------------------------------------------
+
+def table_specs(shape: ModelShape) -> Iterator[tuple[WeightSpec, int | None]]:
+    """Every logical weight this model has, with its global layer (None outside the layers), in order."""
+    table = shape.weights
+    yield table.embedding, None
+    for layer in range(shape.num_layers):
+        for spec in table.layer:
+            if spec.exists(shape):
+                yield spec, layer
+    yield table.final_norm, None
+    if not shape.tie_word_embeddings:
+        yield table.lm_head, None
+
+
+def hf_dims(shape: ModelShape, tensor: HFTensor) -> tuple[int, ...]:
+    return tuple(shape.dim(d) for d in tensor.dims)
+
+
+def split_axis(split: Split) -> int | None:
+    """The axis a split kind cuts (None: replicated), the same on the megatron and vLLM side."""
+    return {Split.REPLICATED: None, Split.ROW: 1}.get(split, 0)
+
+
 # ---- the HF side ----------------------------------------------------------------------------------
 
 def hf_tensor_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     """Every tensor an HF checkpoint of this model holds, with its shape, in HF's usual order."""
-    h, d = shape.hidden_size, shape.head_dim
-    out: dict[str, tuple[int, ...]] = {EMBED: (shape.vocab_size, h)}
-    for i in range(shape.num_layers):
-        p = f"model.layers.{i}"
-        out[f"{p}.input_layernorm.weight"] = (h,)
-        out[f"{p}.self_attn.q_proj.weight"] = (shape.q_size, h)
-        out[f"{p}.self_attn.k_proj.weight"] = (shape.kv_size, h)
-        out[f"{p}.self_attn.v_proj.weight"] = (shape.kv_size, h)
-        if shape.qkv_bias:
-            out[f"{p}.self_attn.q_proj.bias"] = (shape.q_size,)
-            out[f"{p}.self_attn.k_proj.bias"] = (shape.kv_size,)
-            out[f"{p}.self_attn.v_proj.bias"] = (shape.kv_size,)
-        if shape.qk_norm:
-            out[f"{p}.self_attn.q_norm.weight"] = (d,)
-            out[f"{p}.self_attn.k_norm.weight"] = (d,)
-        out[f"{p}.self_attn.o_proj.weight"] = (h, shape.q_size)
-        out[f"{p}.post_attention_layernorm.weight"] = (h,)
-        out[f"{p}.mlp.gate_proj.weight"] = (shape.ffn_hidden_size, h)
-        out[f"{p}.mlp.up_proj.weight"] = (shape.ffn_hidden_size, h)
-        out[f"{p}.mlp.down_proj.weight"] = (h, shape.ffn_hidden_size)
-    out[FINAL_NORM] = (h,)
-    if not shape.tie_word_embeddings:
-        out[LM_HEAD] = (shape.vocab_size, h)
-    return out
+    return {t.at(layer): hf_dims(shape, t) for spec, layer in table_specs(shape) for t in spec.hf}
 
 
 # Tensors an HF checkpoint may carry that hold no weights (buffers saved by old transformers).
 IGNORED_HF_SUFFIXES: tuple[str, ...] = (".rotary_emb.inv_freq",)
 
 
+@lru_cache(maxsize=64)
+def _hf_axes(shape: ModelShape) -> dict[str, int | None]:
+    return {t.at(layer): split_axis(spec.split) for spec, layer in table_specs(shape) for t in spec.hf}
+
+
 def hf_tensor_axis(shape: ModelShape, hf_name: str) -> int | None:
     """The axis along which megatron splits this HF tensor (None: replicated), for slice reads."""
-    if hf_name.endswith(("o_proj.weight", "down_proj.weight")):
-        return 1
-    if hf_name.endswith(("layernorm.weight", "norm.weight")):
-        return None
-    return 0
+    try:
+        return _hf_axes(shape)[hf_name]
+    except KeyError:
+        raise KeyError(f"{hf_name!r} is not a weight of this {shape.architecture}") from None
 
 
 # ---- the megatron side ----------------------------------------------------------------------------
+
+def _megatron_full_order(shape: ModelShape, spec: WeightSpec, layer: int | None, tp: int) -> list[Segment]:
+    """The unsharded megatron parameter along its split axis (FUSED_COLUMN is split per tensor instead)."""
+    names = [t.at(layer) for t in spec.hf]
+    if spec.split is Split.QKV:
+        return _grouped_qkv(shape, *names)
+    if spec.split is Split.VOCAB:
+        return vocab_order(shape, names[0], tp)
+    axis = split_axis(spec.split) or 0
+    return [Segment(name, 0, hf_dims(shape, t)[axis]) for name, t in zip(names, spec.hf)]
+
+
+def megatron_tensor_plan(
+    shape: ModelShape, spec: WeightSpec, layer: int | None, local_name: str, tp: int, tp_rank: int
+) -> TensorPlan:
+    """The megatron parameter of one logical weight on TP rank `tp_rank`."""
+    dims = hf_dims(shape, spec.hf[0])
+    if spec.split is Split.REPLICATED:
+        return TensorPlan(local_name, dims, None, (Segment(spec.hf[0].at(layer), 0, prod(dims)),),
+                          is_copy=tp_rank > 0)
+    axis = split_axis(spec.split)
+    assert axis is not None
+    if spec.split is Split.FUSED_COLUMN:  # [part r of each tensor], not a split of their concatenation
+        segs = tuple(seg for t in spec.hf
+                     for seg in _tp_chunk([Segment(t.at(layer), 0, hf_dims(shape, t)[0])], tp_rank, tp))
+    else:
+        segs = _tp_chunk(_megatron_full_order(shape, spec, layer, tp), tp_rank, tp)
+    shard = list(dims)
+    shard[axis] = sum(s.length for s in segs)
+    return TensorPlan(local_name, tuple(shard), axis, segs)
+
 
 def chunk_tensor_plans(
     shape: ModelShape, layout: ParallelLayout, chunk: StageChunk, tp_rank: int
@@ -244,51 +300,26 @@ def chunk_tensor_plans(
     tp = layout.tp
     if not 0 <= tp_rank < tp:
         raise ParallelLayoutError(f"tp_rank={tp_rank} outside tp={tp}")
-    h, f, d = shape.hidden_size, shape.ffn_hidden_size, shape.head_dim
+    table = shape.weights
     plans: list[TensorPlan] = []
 
-    def split(name: str, axis: int, full: list[Segment], other: int) -> None:
-        segs = _tp_chunk(full, tp_rank, tp)
-        rows = sum(s.length for s in segs)
-        shp = (rows, other) if axis == 0 else (other, rows)
-        plans.append(TensorPlan(name, shp, axis, segs))
-
-    def vector(name: str, full: list[Segment]) -> None:
-        segs = _tp_chunk(full, tp_rank, tp)
-        plans.append(TensorPlan(name, (sum(s.length for s in segs),), 0, segs))
-
-    def whole(name: str, hf_name: str, size: int) -> None:
-        plans.append(TensorPlan(name, (size,), None, (Segment(hf_name, 0, size),), is_copy=tp_rank > 0))
+    def add(spec: WeightSpec, layer: int | None, local_name: str) -> None:
+        plans.append(megatron_tensor_plan(shape, spec, layer, local_name, tp, tp_rank))
 
     if chunk.pre_process:
-        split("embedding.word_embeddings.weight", 0, vocab_order(shape, EMBED, tp), h)
+        add(table.embedding, None, table.embedding.megatron)
     for local, layer in enumerate(chunk.layers):
-        p, hp = f"decoder.layers.{local}", f"model.layers.{layer}"
-        whole(f"{p}.input_layernorm.weight", f"{hp}.input_layernorm.weight", h)
-        split(f"{p}.self_attention.linear_qkv.weight", 0, fused_qkv_order(shape, layer), h)
-        if shape.qkv_bias:
-            vector(f"{p}.self_attention.linear_qkv.bias", fused_qkv_order(shape, layer, "bias"))
-        if shape.qk_norm:
-            whole(f"{p}.self_attention.q_layernorm.weight", f"{hp}.self_attn.q_norm.weight", d)
-            whole(f"{p}.self_attention.k_layernorm.weight", f"{hp}.self_attn.k_norm.weight", d)
-        split(f"{p}.self_attention.linear_proj.weight", 1,
-              [Segment(f"{hp}.self_attn.o_proj.weight", 0, shape.q_size)], h)
-        whole(f"{p}.pre_mlp_layernorm.weight", f"{hp}.post_attention_layernorm.weight", h)
-        # fc1 rank r = [gate shard r; up shard r]: two per-rank ranges, not a split of [gate; up].
-        part = f // tp
-        fc1 = (Segment(f"{hp}.mlp.gate_proj.weight", tp_rank * part, (tp_rank + 1) * part),
-               Segment(f"{hp}.mlp.up_proj.weight", tp_rank * part, (tp_rank + 1) * part))
-        plans.append(TensorPlan(f"{p}.mlp.linear_fc1.weight", (2 * part, h), 0, fc1))
-        split(f"{p}.mlp.linear_fc2.weight", 1, [Segment(f"{hp}.mlp.down_proj.weight", 0, f)], h)
+        for spec in table.layer:
+            if spec.exists(shape):
+                add(spec, layer, spec.megatron.format(i=local))
     if chunk.post_process:
-        whole("decoder.final_layernorm.weight", FINAL_NORM, h)
+        add(table.final_norm, None, table.final_norm.megatron)
         if not shape.tie_word_embeddings:
-            split("output_layer.weight", 0, vocab_order(shape, LM_HEAD, tp), h)
+            add(table.lm_head, None, table.lm_head.megatron)
         elif not chunk.pre_process:
             # Tied and on another stage than the embedding: megatron keeps a synchronized copy here.
-            segs = _tp_chunk(vocab_order(shape, EMBED, tp), tp_rank, tp)
-            plans.append(TensorPlan("output_layer.weight", (sum(s.length for s in segs), h), 0, segs,
-                                    is_copy=True))
+            copy = megatron_tensor_plan(shape, table.embedding, None, table.lm_head.megatron, tp, tp_rank)
+            plans.append(TensorPlan(copy.name, copy.shape, copy.axis, copy.segments, is_copy=True))
     return plans
 
 
@@ -300,38 +331,51 @@ def rank_tensor_plans(
     for chunk in layout.chunks(shape.num_layers, pp_rank):
         prefix = rank_chunk_key_prefix(layout, chunk.vp_stage)
         for plan in chunk_tensor_plans(shape, layout, chunk, tp_rank):
-            out[prefix + plan.mcore_name] = plan
+            out[prefix + plan.name] = plan
     return out
 
 
 @dataclass(frozen=True)
-class Piece:
-    """Where part of an HF tensor lives in a sharded checkpoint: for `hf_export_map`."""
+class ShardRange:
+    """Rows [hf_start, hf_stop) of HF tensor `hf_name` inside one megatron tensor of one (TP, PP) rank,
+    starting at `shard_offset` along `axis` (None: the whole tensor)."""
 
+    hf_name: str
     tp_rank: int
     pp_rank: int
-    key: str  # key in that rank's file
+    chunk: int  # index of the model chunk (VPP stage) in that rank's model list
+    key: str  # key in that rank's checkpoint file (VPP chunks prefixed)
+    mcore_name: str  # name inside the chunk's state_dict
+    shape: tuple[int, ...]  # shape of the megatron tensor
     axis: int | None
-    shard_offset: int  # start along `axis` inside the megatron tensor
+    shard_offset: int
     hf_start: int
     hf_stop: int
+    is_copy: bool  # a replicated copy or the tied output layer's copy of the embedding
 
 
-def hf_export_map(shape: ModelShape, layout: ParallelLayout) -> dict[str, list[Piece]]:
-    """For each HF tensor, the megatron pieces that rebuild it exactly once (copies and padding skipped)."""
-    pieces: dict[str, list[Piece]] = {name: [] for name in hf_tensor_shapes(shape)}
+def shard_ranges(shape: ModelShape, layout: ParallelLayout) -> dict[str, list[ShardRange]]:
+    """HF name -> every megatron range of it over all TP x PP ranks of one replica (copies included)."""
+    out: dict[str, list[ShardRange]] = {name: [] for name in hf_tensor_shapes(shape)}
     for pp_rank in range(layout.pp):
         for tp_rank in range(layout.tp):
-            for key, plan in rank_tensor_plans(shape, layout, tp_rank, pp_rank).items():
-                if plan.is_copy:
-                    continue
-                offset = 0
-                for seg in plan.segments:
-                    if seg.hf_name is not None:
-                        pieces[seg.hf_name].append(
-                            Piece(tp_rank, pp_rank, key, plan.axis, offset, seg.start, seg.stop)
-                        )
-                    offset += seg.length
+            for index, chunk in enumerate(layout.chunks(shape.num_layers, pp_rank)):
+                prefix = rank_chunk_key_prefix(layout, chunk.vp_stage)
+                for plan in chunk_tensor_plans(shape, layout, chunk, tp_rank):
+                    offset = 0
+                    for seg in plan.segments:
+                        if seg.hf_name is not None:
+                            out[seg.hf_name].append(ShardRange(
+                                seg.hf_name, tp_rank, pp_rank, index, prefix + plan.name, plan.name,
+                                plan.shape, plan.axis, offset, seg.start, seg.stop, plan.is_copy,
+                            ))
+                        offset += seg.length
+    return out
+
+
+def hf_export_map(shape: ModelShape, layout: ParallelLayout) -> dict[str, list[ShardRange]]:
+    """For each HF tensor, the megatron ranges that rebuild it exactly once (copies and padding skipped)."""
+    pieces = {name: [r for r in found if not r.is_copy] for name, found in shard_ranges(shape, layout).items()}
     hf_shapes = hf_tensor_shapes(shape)
     for name, found in pieces.items():
         axis = hf_tensor_axis(shape, name)

@@ -4,9 +4,10 @@ Pure planning (no torch, no process groups): the same inputs give the same plan 
 the ranks agree on every message without exchanging metadata.
 
 Both sides are described as ranges of HF tensors along one axis (`models.layout.Segment`):
-- a vLLM tensor of generation TP rank j (`vllm_targets`) is a concatenation of HF ranges (or zero
-  padding), mirroring `engine.layout.hf_to_vllm_shards`;
-- a megatron tensor of a (tp, pp, vpp) rank (`models.layout.chunk_tensor_plans`) likewise.
+- a vLLM tensor of generation TP rank j (`models.vllm_layout.vllm_targets`) is a concatenation of
+  HF ranges (or zero padding), the layout `reshard.layout.hf_to_vllm_shards` materializes;
+- a megatron tensor of a (tp, pp, vpp) rank (`models.layout.shard_ranges`) likewise.
+Both come from the family's one weight table (`hybridrl/models/families/`).
 Intersecting them tells, for every range a rank needs, which ranks hold it. A rank takes a range from
 itself when it can, else from a holder inside its micro-DP group (`ReshardGroups`), else from any
 holder of its own DP/CP replica (each replica reshards independently, so traffic never crosses them).
@@ -26,45 +27,16 @@ from math import prod
 
 from hybridrl.config.meshes import ReshardGroups, TrainingMesh
 from hybridrl.models.arch import ModelShape
-from hybridrl.models.layout import ParallelLayout, Segment, chunk_tensor_plans, hf_tensor_shapes
-from hybridrl.reshard.layout import (
-    EMBED,
-    FINAL_NORM,
-    LM_HEAD,
-    _kv_head_range,
-    check_infer_tp,
-    layer_param_names,
-    vllm_padded_vocab,
-    vllm_param_shapes,
-)
-
-
-@dataclass(frozen=True)
-class TargetTensor:
-    """One vLLM tensor of one generation TP rank: `segments` concatenated along `axis` (None: whole)."""
-
-    name: str
-    shape: tuple[int, ...]
-    axis: int | None
-    segments: tuple[Segment, ...]
-
-    @property
-    def numel(self) -> int:
-        return prod(self.shape)
+from hybridrl.models.layout import ParallelLayout, ShardRange, TensorPlan, hf_tensor_shapes, shard_ranges
+from hybridrl.models.vllm_layout import vllm_targets
 
 
 @dataclass(frozen=True)
 class Holding:
-    """A range of an HF tensor inside one megatron tensor of one rank."""
+    """A megatron range of an HF tensor (`ShardRange`) on global rank `rank` of one DP/CP replica."""
 
     rank: int
-    chunk: int  # index of the model chunk (VPP stage) in that rank's model list
-    mcore_name: str
-    shape: tuple[int, ...]
-    axis: int | None
-    shard_offset: int
-    hf_start: int
-    hf_stop: int
+    held: ShardRange
 
 
 @dataclass(frozen=True)
@@ -107,7 +79,7 @@ class RankReshardPlan:
     rank: int
     gen_tp_index: int
     infer_tp: int
-    targets: dict[str, TargetTensor]
+    targets: dict[str, TensorPlan]
     buckets: tuple[RankBucket, ...]
     micro_dp_group: tuple[int, ...]
     peers: tuple[int, ...]  # ranks this rank sends to or receives from
@@ -130,68 +102,6 @@ class RankReshardPlan:
         return tuple(p for p in self.peers if p not in self.micro_dp_group)
 
 
-# ---- the vLLM side ---------------------------------------------------------------------------------
-
-def _vocab_segments(shape: ModelShape, hf_name: str, infer_tp: int, rank: int) -> tuple[Segment, ...]:
-    rows = vllm_padded_vocab(shape.vocab_size) // infer_tp
-    start, stop = rank * rows, (rank + 1) * rows
-    real_stop = min(stop, shape.vocab_size)
-    out = []
-    if real_stop > start:
-        out.append(Segment(hf_name, start, real_stop))
-    pad = stop - max(start, real_stop)
-    if pad:
-        out.append(Segment(None, 0, pad))
-    return tuple(out)
-
-
-def vllm_targets(shape: ModelShape, infer_tp: int, rank: int) -> dict[str, TargetTensor]:
-    """Every vLLM tensor of generation TP rank `rank`, in vLLM's order, as HF ranges."""
-    check_infer_tp(shape, infer_tp, rank)
-    shapes = vllm_param_shapes(shape, infer_tp, rank)
-    d = shape.head_dim
-    q_rows = shape.num_attention_heads // infer_tp * d
-    kv_first, kv_stop = _kv_head_range(shape, infer_tp, rank)
-    ffn = shape.ffn_hidden_size // infer_tp
-    out: dict[str, TargetTensor] = {}
-
-    def add(name: str, axis: int | None, segments: tuple[Segment, ...]) -> None:
-        target = TargetTensor(name, shapes[name], axis, segments)
-        along = target.numel if axis is None else target.shape[axis]
-        if sum(s.length for s in segments) != along:
-            raise AssertionError(f"layout bug: {name} segments {segments} do not fill {target.shape}")
-        out[name] = target
-
-    add(EMBED, 0, _vocab_segments(shape, EMBED, infer_tp, rank))
-    for layer in range(shape.num_layers):
-        hp = f"model.layers.{layer}"
-        for name in layer_param_names(shape, layer):
-            if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
-                kind = name.rsplit(".", 1)[1]
-                add(name, 0, (
-                    Segment(f"{hp}.self_attn.q_proj.{kind}", rank * q_rows, (rank + 1) * q_rows),
-                    Segment(f"{hp}.self_attn.k_proj.{kind}", kv_first * d, kv_stop * d),
-                    Segment(f"{hp}.self_attn.v_proj.{kind}", kv_first * d, kv_stop * d),
-                ))
-            elif name.endswith("o_proj.weight"):
-                add(name, 1, (Segment(name, rank * q_rows, (rank + 1) * q_rows),))
-            elif name.endswith("gate_up_proj.weight"):
-                add(name, 0, (
-                    Segment(f"{hp}.mlp.gate_proj.weight", rank * ffn, (rank + 1) * ffn),
-                    Segment(f"{hp}.mlp.up_proj.weight", rank * ffn, (rank + 1) * ffn),
-                ))
-            elif name.endswith("down_proj.weight"):
-                add(name, 1, (Segment(name, rank * ffn, (rank + 1) * ffn),))
-            else:  # norms: replicated, whole
-                add(name, None, (Segment(name, 0, prod(shapes[name])),))
-    add(FINAL_NORM, None, (Segment(FINAL_NORM, 0, shape.hidden_size),))
-    if not shape.tie_word_embeddings:
-        add(LM_HEAD, 0, _vocab_segments(shape, LM_HEAD, infer_tp, rank))
-    if list(out) != list(shapes):
-        raise AssertionError("layout bug: vLLM targets and vllm_param_shapes disagree on names")
-    return out
-
-
 # ---- the megatron side -----------------------------------------------------------------------------
 
 def megatron_holdings(
@@ -199,27 +109,20 @@ def megatron_holdings(
 ) -> dict[str, list[Holding]]:
     """HF name -> every megatron range of it held by the ranks of one DP/CP replica (copies included)."""
     layout = ParallelLayout(tp=mesh.tp, pp=mesh.pp, vpp=mesh.vpp)
+    tied_output = shape.weights.lm_head.megatron
     out: dict[str, list[Holding]] = defaultdict(list)
-    for pp_rank in range(mesh.pp):
-        for tp_rank in range(mesh.tp):
-            rank = mesh.rank_of(tp=tp_rank, cp=cp, dp=dp, pp=pp_rank)
-            for index, chunk in enumerate(layout.chunks(shape.num_layers, pp_rank)):
-                for plan in chunk_tensor_plans(shape, layout, chunk, tp_rank):
-                    if plan.mcore_name == "output_layer.weight" and plan.is_copy and not use_tied_copy:
-                        continue
-                    offset = 0
-                    for seg in plan.segments:
-                        if seg.hf_name is not None:
-                            out[seg.hf_name].append(Holding(
-                                rank, index, plan.mcore_name, plan.shape, plan.axis, offset, seg.start, seg.stop,
-                            ))
-                        offset += seg.length
+    for hf_name, ranges in shard_ranges(shape, layout).items():
+        for held in ranges:
+            if held.mcore_name == tied_output and held.is_copy and not use_tied_copy:
+                continue
+            rank = mesh.rank_of(tp=held.tp_rank, cp=cp, dp=dp, pp=held.pp_rank)
+            out[hf_name].append(Holding(rank, held))
     return out
 
 
 # ---- matching ----------------------------------------------------------------------------------------
 
-def _piece_shape(target: TargetTensor, length: int) -> tuple[int, ...]:
+def _piece_shape(target: TensorPlan, length: int) -> tuple[int, ...]:
     if target.axis is None:
         return target.shape
     dims = list(target.shape)
@@ -233,12 +136,12 @@ def _choose(candidates: list[Holding], dst: int, micro_group: frozenset[int]) ->
     if own:
         return own[0]
     near = [h for h in candidates if h.rank in micro_group] or candidates
-    near.sort(key=lambda h: (h.rank, h.chunk, h.mcore_name))
+    near.sort(key=lambda h: (h.rank, h.held.chunk, h.held.mcore_name))
     return near[dst % len(near)]
 
 
 def match_target(
-    target: TargetTensor, dst: int, holdings: dict[str, list[Holding]], micro_group: frozenset[int]
+    target: TensorPlan, dst: int, holdings: dict[str, list[Holding]], micro_group: frozenset[int]
 ) -> list[Piece]:
     """Pieces that fill `target` on rank `dst` (padding excluded: it stays zero)."""
     pieces: list[Piece] = []
@@ -249,37 +152,37 @@ def match_target(
             continue
         found = holdings.get(seg.hf_name, [])
         if target.axis is None:
-            whole = [h for h in found if h.axis is None]
+            whole = [h for h in found if h.held.axis is None]
             if not whole:
                 raise ValueError(f"no rank of this replica holds {seg.hf_name}")
             h = _choose(whole, dst, micro_group)
-            pieces.append(Piece(target.name, dst, 0, h.rank, h.chunk, h.mcore_name, 0, seg.length, None,
+            pieces.append(Piece(target.name, dst, 0, h.rank, h.held.chunk, h.held.mcore_name, 0, seg.length, None,
                                 target.shape))
             dst_offset += seg.length
             continue
         # Elementary intervals between every holder boundary inside the wanted range.
         cuts = {seg.start, seg.stop}
         for h in found:
-            for point in (h.hf_start, h.hf_stop):
+            for point in (h.held.hf_start, h.held.hf_stop):
                 if seg.start < point < seg.stop:
                     cuts.add(point)
         points = sorted(cuts)
         for lo, hi in zip(points, points[1:]):
-            covering = [h for h in found if h.hf_start <= lo and hi <= h.hf_stop]
+            covering = [h for h in found if h.held.hf_start <= lo and hi <= h.held.hf_stop]
             if not covering:
                 raise ValueError(f"no rank of this replica holds {seg.hf_name}[{lo}:{hi}]")
             h = _choose(covering, dst, micro_group)
-            src_offset = h.shard_offset + lo - h.hf_start
+            src_offset = h.held.shard_offset + lo - h.held.hf_start
             at = dst_offset + lo - seg.start
             last = pieces[-1] if pieces else None
-            if (last is not None and last.src == h.rank and last.mcore_name == h.mcore_name
-                    and last.chunk == h.chunk and last.src_offset + last.length == src_offset
+            if (last is not None and last.src == h.rank and last.mcore_name == h.held.mcore_name
+                    and last.chunk == h.held.chunk and last.src_offset + last.length == src_offset
                     and last.dst_offset + last.length == at):
                 length = last.length + hi - lo
-                pieces[-1] = Piece(target.name, dst, last.dst_offset, h.rank, h.chunk, h.mcore_name,
+                pieces[-1] = Piece(target.name, dst, last.dst_offset, h.rank, h.held.chunk, h.held.mcore_name,
                                    last.src_offset, length, target.axis, _piece_shape(target, length))
             else:
-                pieces.append(Piece(target.name, dst, at, h.rank, h.chunk, h.mcore_name, src_offset, hi - lo,
+                pieces.append(Piece(target.name, dst, at, h.rank, h.held.chunk, h.held.mcore_name, src_offset, hi - lo,
                                     target.axis, _piece_shape(target, hi - lo)))
         dst_offset += seg.length
     return pieces
@@ -301,15 +204,15 @@ def _split(piece: Piece, max_numel: int) -> list[Piece]:
     return out
 
 
-def _overlap_numel(target: TargetTensor, own: dict[str, list[Holding]]) -> int:
+def _overlap_numel(target: TensorPlan, own: dict[str, list[Holding]]) -> int:
     """Elements of `target` a rank holding `own` already has."""
     total = 0
     per_position = target.numel // (target.shape[target.axis] if target.axis is not None else target.numel)
     for seg in target.segments:
         if seg.hf_name is None:
             continue
-        ranges = sorted((h.hf_start, h.hf_stop) for h in own.get(seg.hf_name, ())
-                        if (h.axis is None) == (target.axis is None))
+        ranges = sorted((h.held.hf_start, h.held.hf_stop) for h in own.get(seg.hf_name, ())
+                        if (h.held.axis is None) == (target.axis is None))
         covered, cursor = 0, seg.start
         for lo, hi in ranges:
             lo, hi = max(lo, cursor), min(hi, seg.stop)
@@ -325,13 +228,13 @@ def _held_hf_numel(shape: ModelShape, own: dict[str, list[Holding]]) -> int:
     hf_shapes = hf_tensor_shapes(shape)
     total = 0
     for name, found in own.items():
-        per_position = prod(hf_shapes[name]) // hf_shapes[name][found[0].axis or 0] if found else 0
-        ranges = sorted({(h.hf_start, h.hf_stop) for h in found})
+        per_position = prod(hf_shapes[name]) // hf_shapes[name][found[0].held.axis or 0] if found else 0
+        ranges = sorted({(h.held.hf_start, h.held.hf_stop) for h in found})
         cursor = 0
         for lo, hi in ranges:
             lo = max(lo, cursor)
             if hi > lo:
-                total += (hi - lo) * (per_position if found[0].axis is not None else 1)
+                total += (hi - lo) * (per_position if found[0].held.axis is not None else 1)
                 cursor = hi
     return total
 
@@ -431,15 +334,10 @@ def build_rank_plan(
         ))
 
     targets = targets_of[rank]
-    padding = sum(
-        seg.length * (t.numel // t.shape[t.axis])
-        for t in targets.values() if t.axis is not None for seg in t.segments if seg.hf_name is None
-    )
+    padding = sum(t.padding_numel for t in targets.values())
     own = {n: [h for h in hs if h.rank == rank] for n, hs in holdings.items()}
     bound = min(
-        sum(t.numel - _overlap_numel(t, own) for t in vllm_targets(shape, infer_tp, j).values())
-        - sum(seg.length * (t.numel // t.shape[t.axis]) for t in vllm_targets(shape, infer_tp, j).values()
-              if t.axis is not None for seg in t.segments if seg.hf_name is None)
+        sum(t.numel - _overlap_numel(t, own) - t.padding_numel for t in vllm_targets(shape, infer_tp, j).values())
         for j in range(infer_tp)
     )
     model_numel = sum(prod(dims) for dims in hf_tensor_shapes(shape).values())

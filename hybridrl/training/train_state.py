@@ -48,7 +48,7 @@ class StateEntry:
 def state_entries(backend: MegatronBackend) -> list[StateEntry]:
     from hybridrl.models.bridge import rank_tensor_entries
 
-    return [StateEntry(key, plan, param, backend.spec.value_head and plan.mcore_name == OUTPUT_LAYER)
+    return [StateEntry(key, plan, param, backend.spec.value_head and plan.name == OUTPUT_LAYER)
             for key, plan, param in rank_tensor_entries(backend.chunks)]
 
 

@@ -145,9 +145,9 @@ def load_value_model(models: Sequence[Any], path: str | Path) -> bool:
             info = model.hybridrl
             tensors = {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
             for plan in chunk_tensor_plans(info.source.shape, info.layout, info.chunk, info.tp_rank):
-                if plan.mcore_name == OUTPUT_LAYER:
+                if plan.name == OUTPUT_LAYER:
                     continue
-                target = tensors[spec_tensor_name(plan.mcore_name, info.spec_kind)]
+                target = tensors[spec_tensor_name(plan.name, info.spec_kind)]
                 target.copy_(assemble(reader, plan, target.dtype))
             if model.post_process and isinstance(reader, _HFTensors) and reader.has(SCORE_WEIGHT):
                 score = reader.read(SCORE_WEIGHT, None, 0, 0)

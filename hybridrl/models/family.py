@@ -1,0 +1,96 @@
+"""The vocabulary a model family's weight table is written in (pure data, no torch).
+
+A family file under `hybridrl/models/families/` lists its logical weights once: for each, the HF
+tensor(s) it is made of, the megatron parameter and the vLLM parameter it becomes, and how tensor
+parallelism splits it (`Split`). `models/layout.py` derives the HF and megatron-shard plans from
+that table and `models/vllm_layout.py` the vLLM-shard plans, so the three cannot disagree and a new
+family is one new file.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class Split(StrEnum):
+    """How TP splits a logical weight; each side (megatron, vLLM) applies its own rule per kind."""
+
+    REPLICATED = "replicated"  # a whole copy on every TP rank (norms)
+    ROW = "row"  # row-parallel linear: split on dim 1
+    COLUMN = "column"  # column-parallel linear: split on dim 0
+    # Several HF tensors fused into one column-parallel parameter, rank r holding
+    # [part r of the first; part r of the second; ...] (gate_up / linear_fc1).
+    FUSED_COLUMN = "fused_column"
+    # q, k, v fused. Megatron orders rows per query group [q heads of g; k_g; v_g] and splits that
+    # whole order in TP chunks; vLLM gives rank r [q heads of r; k heads of r; v heads of r] and, when
+    # TP > KV heads, replicates each KV head on TP / KV consecutive ranks.
+    QKV = "qkv"
+    # Vocabulary rows padded with zeros and split on dim 0: megatron pads to a multiple of
+    # 128 * TP, vLLM to a multiple of 64.
+    VOCAB = "vocab"
+
+
+@dataclass(frozen=True)
+class HFTensor:
+    """One HF tensor: its name (`{i}` = the global layer index) and its dims by name (`ModelShape.dim`)."""
+
+    name: str
+    dims: tuple[str, ...]
+
+    def at(self, layer: int | None) -> str:
+        return self.name if layer is None else self.name.format(i=layer)
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """One logical weight: HF tensors → one megatron parameter and one vLLM parameter.
+
+    `megatron` uses the local layer spec's names (`{i}` = the layer's index inside its chunk);
+    `vllm` uses vLLM's parameter names (`{i}` = the global layer index). `when` names a boolean
+    `ModelShape` switch (e.g. "qkv_bias") without which the weight does not exist.
+    """
+
+    hf: tuple[HFTensor, ...]
+    megatron: str
+    vllm: str
+    split: Split
+    when: str | None = None
+
+    @property
+    def hf_name(self) -> str:
+        """The HF tensor of an unfused weight outside the layers (embedding, final norm, LM head)."""
+        (tensor,) = self.hf
+        return tensor.name
+
+    def exists(self, shape: object) -> bool:
+        return self.when is None or bool(getattr(shape, self.when))
+
+
+@dataclass(frozen=True)
+class DecoderWeights:
+    """A decoder-only model's weight table: embedding, one layer's weights, final norm, LM head.
+
+    With tied embeddings the LM head does not exist on the HF and vLLM side; megatron keeps a
+    synchronized copy of the embedding as its output layer on the last pipeline stage.
+    """
+
+    embedding: WeightSpec
+    layer: tuple[WeightSpec, ...]
+    final_norm: WeightSpec
+    lm_head: WeightSpec
+
+
+@dataclass(frozen=True)
+class ArchFamily:
+    """An HF architecture: its switches, the HF class defaults used when config.json omits a key,
+    and its weight table."""
+
+    architecture: str
+    model_type: str
+    qkv_bias: bool
+    qk_norm: bool
+    default_max_positions: int
+    weights: DecoderWeights
+    # None: hidden_size // num_attention_heads (the HF default for all but Qwen3).
+    default_head_dim: int | None = None
+    default_tie_word_embeddings: bool = False
