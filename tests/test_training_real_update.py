@@ -18,7 +18,6 @@ import torch
 
 from hybridrl.parallel.forked import run_ranks
 from tests.test_models_fixtures import safetensors_state
-from tests.test_models_real import real_model  # noqa: F401  (the session fixture that builds the folder)
 from tests.test_training_actor_reference import gradients_into_params
 from tests.test_training_fixtures import RESPONSE, job_config, rollout_batch
 
@@ -63,7 +62,7 @@ def _real_rank(rank: int, world: int, config: Any, batch: Any, out_dir: str) -> 
 
 
 @pytest.mark.slow
-def test_real_model_log_probs_and_update_gradients_at_pp2(real_model, tmp_path):  # noqa: F811
+def test_real_model_log_probs_and_update_gradients_at_pp2(real_model, tmp_path):
     import transformers
 
     batch = rollout_batch(4, seed=3, vocab=VOCAB)
