@@ -71,15 +71,19 @@ def _global_max_and_normalizer(x: Tensor, group: dist.ProcessGroup | None) -> tu
     return global_max, normalizer
 
 
+def _local_labels(labels: Tensor, shard_size: int, group: dist.ProcessGroup | None) -> tuple[Tensor, Tensor]:
+    """(index into this rank's vocab shard, whether the label is in it); labels elsewhere index 0."""
+    rank, _ = _rank_and_size(group)
+    local_labels = labels.long() - rank * shard_size
+    in_shard = (local_labels >= 0) & (local_labels < shard_size)
+    return torch.where(in_shard, local_labels, torch.zeros_like(local_labels)), in_shard
+
+
 class _VocabParallelLogProb(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_shard: Tensor, labels: Tensor, group: dist.ProcessGroup | None) -> Tensor:
         x = _as_compute(logits_shard)
-        rank, _ = _rank_and_size(group)
-        shard_size = x.shape[-1]
-        local_labels = labels.long() - rank * shard_size
-        in_shard = (local_labels >= 0) & (local_labels < shard_size)
-        local_index = torch.where(in_shard, local_labels, torch.zeros_like(local_labels))
+        local_index, in_shard = _local_labels(labels, x.shape[-1], group)
 
         global_max, normalizer = _global_max_and_normalizer(x, group)
         # Exactly one rank owns each label; the others contribute 0 to the sum.
@@ -130,11 +134,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
     def forward(ctx, logits_shard: Tensor, labels: Tensor, group: dist.ProcessGroup | None,
                 entropy_grad: bool) -> tuple[Tensor, Tensor]:
         x = _as_compute(logits_shard)
-        rank, _ = _rank_and_size(group)
-        shard_size = x.shape[-1]
-        local_labels = labels.long() - rank * shard_size
-        in_shard = (local_labels >= 0) & (local_labels < shard_size)
-        local_index = torch.where(in_shard, local_labels, torch.zeros_like(local_labels))
+        local_index, in_shard = _local_labels(labels, x.shape[-1], group)
 
         global_max = _all_reduce(x.max(dim=-1).values, dist.ReduceOp.MAX, group)
         shifted = x - global_max.unsqueeze(-1)
