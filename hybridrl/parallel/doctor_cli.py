@@ -13,7 +13,6 @@ import argparse
 import sys
 
 from hybridrl.parallel.device import resolve_device
-from hybridrl.parallel.versions import IMPORTS, PACKAGES, check_stack, collect_versions, import_problems
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,6 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # lazy: versions loads importlib.metadata and packaging (~70 ms), and every `hybridrl` command
+    # (`--help` included) imports this module to build its parser.
+    from hybridrl.parallel.versions import IMPORTS, PACKAGES, check_stack, collect_versions, import_problems
+
     versions = collect_versions()
     if args.device == "auto" and versions.get("torch"):
         device = resolve_device("auto")
