@@ -1,6 +1,8 @@
 """The torch-free name module, the lazy package API, and their agreement with the implementations."""
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,6 +56,15 @@ def test_lazy_public_api_resolves_every_name():
     assert set(dir(algorithms)) >= set(algorithms.__all__)
     with pytest.raises(AttributeError):
         algorithms.no_such_function  # noqa: B018
+
+
+def test_type_checking_imports_match_the_lazy_table():
+    """The `if TYPE_CHECKING:` re-exports (what static analysers see) name the same modules as `_EXPORTS`."""
+    tree = ast.parse(Path(algorithms.__file__).read_text())
+    block = next(node for node in tree.body
+                 if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING")
+    static = {alias.name: node.module.rsplit(".", 1)[1] for node in block.body for alias in node.names}
+    assert static == algorithms._EXPORTS
 
 
 def test_unknown_name_message():

@@ -1,8 +1,10 @@
 """RL algorithms core: advantages, policy/value losses, KL, loss aggregation, KL controllers.
 
 Pure torch functions (plus the KL controllers' coefficient). The public names below are loaded
-lazily (PEP 562) so that `import hybridrl.algorithms.names` -- which the torch-free config
-validator does -- does not import torch through this package's `__init__`.
+lazily (PEP 562 `__getattr__`, from the `_EXPORTS` table) because importing any submodule runs this
+`__init__` first: `import hybridrl.algorithms.names` -- which the torch-free config package does, so
+`hybridrl plan` too -- must not import torch through eager re-exports here. The `TYPE_CHECKING`
+block repeats the table for static analysers only (tests/test_algorithms_names.py keeps the two equal).
 
 Conventions (details in each module): token tensors are `[B, T]` with a `response_mask` (bool or
 float weights) of the same shape; per-sequence tensors are `[B]`; masked positions are never read
@@ -126,3 +128,4 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
         get_adv_estimator,
         register_adv_estimator,
     )
+    from hybridrl.algorithms.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_prob  # noqa: F401

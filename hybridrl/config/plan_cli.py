@@ -10,6 +10,8 @@ import json
 import sys
 
 from hybridrl.config.errors import ConfigError
+from hybridrl.config.plan import plan_from_sources
+from hybridrl.config.report import render_plan
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,9 +21,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hybridrl.config.plan import plan_from_sources
-    from hybridrl.config.report import render_plan
-
     config_path, overrides = args.config, list(args.overrides)
     if config_path and "=" in config_path and not config_path.endswith((".yaml", ".yml")):
         config_path, overrides = None, [config_path, *overrides]  # only overrides were given

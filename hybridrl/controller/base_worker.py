@@ -32,6 +32,7 @@ from datetime import timedelta
 import ray
 
 from hybridrl.controller.dispatch import MeshCoord
+from hybridrl.parallel import state
 
 
 @dataclass(frozen=True)
@@ -123,8 +124,6 @@ class Worker:
     def process_group_timeouts(self) -> dict[str, float | None]:
         """Seconds each of this rank's process groups waits in a collective: the world group's,
         and megatron's TP/PP/DP/CP groups once its parallel state is set up."""
-        from hybridrl.parallel import state
-
         timeouts = {"world": state.process_group_timeout_s()}
         if state.is_initialized():
             ctx = state.get_context()

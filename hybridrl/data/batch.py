@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybridrl.parallel.strict_device import mark_host
+
 # numpy has no bfloat16 / float8: such tensors travel as same-width integers and are viewed back.
 _NUMPY_SUBSTITUTES: dict[torch.dtype, torch.dtype] = {
     torch.bfloat16: torch.int16,
@@ -299,8 +301,6 @@ class Batch:
         tensors = {k: _tensor_from_numpy(a, payload["dtypes"][k]) for k, a in arrays.items()}
         # A batch that crossed a process boundary is host memory, on GPU clusters too: strict-device
         # mode (the CPU test suite's guard for the GPU path) must see it that way.
-        from hybridrl.parallel.strict_device import mark_host
-
         mark_host(tensors)
         shared = frozenset(k for k, a in arrays.items() if not a.flags.writeable)
         return cls(tensors, dict(payload["non_tensors"]), dict(payload["meta"]), shared)

@@ -11,6 +11,9 @@ Typical use on every rank of a training group (after `hybridrl.parallel.state.in
 
 Loading streams: each tensor of this rank is read as the exact HF row/column ranges it needs
 (`layout.TensorPlan`, `safetensors` slices), so no rank ever materializes the full model.
+
+megatron is imported inside the functions that need it: the Ray driver imports this module (through
+the resharder and the workers) and must not import megatron.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import torch
 
 from hybridrl.models.arch import ModelShape, read_hf_config
 from hybridrl.models.checkpoint import (
+    ASSET_PATTERNS,
     ASSETS_DIR,
     METADATA_FILE,
     HFCheckpointReader,
@@ -46,7 +50,11 @@ from hybridrl.models.layout import (
     chunk_tensor_plans,
     rank_chunk_key_prefix,
 )
+from hybridrl.parallel.cpu_layer import CPU_CONFIG_OVERRIDES
+from hybridrl.parallel.cpu_rope import install_cpu_fused_rope
+from hybridrl.parallel.device import default_dtype_for, layer_spec_kind, megatron_cpu_initialization, rank_device
 from hybridrl.parallel.device_policy import DevicePolicy
+from hybridrl.parallel.state import failed_ranks, get_context
 from hybridrl.persistence import (
     CheckpointError,
     check_free_space,
@@ -104,8 +112,6 @@ class ChunkInfo:
 def _context(ctx: Any = None) -> Any:
     if ctx is not None:
         return ctx
-    from hybridrl.parallel.state import get_context
-
     return get_context()
 
 
@@ -126,8 +132,6 @@ def transformer_config(
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
-    from hybridrl.parallel.device import megatron_cpu_initialization
-
     kwargs = shape.megatron_config_kwargs(tp, pp, vpp)
     kwargs["activation_func"] = {"silu": F.silu}[kwargs["activation_func"]]
     kwargs.update(
@@ -141,9 +145,6 @@ def transformer_config(
         use_cpu_initialization=megatron_cpu_initialization(device),
     )
     if DevicePolicy.for_device(device).megatron_cpu_layer:
-        from hybridrl.parallel.cpu_layer import CPU_CONFIG_OVERRIDES
-        from hybridrl.parallel.cpu_rope import install_cpu_fused_rope
-
         kwargs.update(CPU_CONFIG_OVERRIDES)
         # megatron's fused-RoPE slot, filled with a CPU function that gives the unfused path's
         # numbers in fewer memory passes (hybridrl/parallel/cpu_rope.py)
@@ -175,8 +176,6 @@ def build_gpt_models(
     (`spec_kind` forces one).
     """
     from megatron.core.models.gpt import GPTModel
-
-    from hybridrl.parallel.device import default_dtype_for, layer_spec_kind, rank_device
 
     ctx = _context(ctx)
     src = _as_source(source)
@@ -359,8 +358,6 @@ _EXPORT_SHARDS = ".megatron-shards"  # inside an HF export's staging folder only
 
 def _all_ok(ok: bool, detail: str) -> None:
     """Raise on every rank if any rank failed (so no rank waits in a later collective)."""
-    from hybridrl.parallel.state import failed_ranks
-
     failed = failed_ranks(ok, detail)
     if failed:
         raise CheckpointError("checkpoint save failed on " + "; ".join(failed))
@@ -458,8 +455,6 @@ def save_mcore_checkpoint(models: Sequence[Any], out_dir: str | Path, *, ctx: An
 
 def _is_asset(path: Path) -> bool:
     from fnmatch import fnmatch
-
-    from hybridrl.models.checkpoint import ASSET_PATTERNS
 
     return any(fnmatch(path.name, pattern) for pattern in ASSET_PATTERNS)
 

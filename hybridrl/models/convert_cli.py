@@ -9,8 +9,9 @@ Every command validates its input fully before writing, checks free disk space, 
 staging folder next to `--out` and renames it into place at the end (`hybridrl.persistence`): on
 any error `--out` is left as it was. Megatron checkpoints are verified against their sha256 sums when read.
 
-Module-level imports stay light (argparse and the torch-free `hybridrl.persistence`): torch is
-imported inside `run`, so building the `hybridrl` parser costs nothing.
+Module-level imports stay light (argparse and torch-free hybridrl modules): torch and
+`hybridrl.models.checkpoint` (which imports it) are imported inside `run`, so building the `hybridrl`
+parser costs nothing.
 """
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ import argparse
 import re
 import sys
 
+from hybridrl.models.arch import ParallelLayoutError, UnsupportedModelError
+from hybridrl.models.gguf import GGUFError, MissingGGUFDependencyError, convert_gguf_to_hf
+from hybridrl.models.layout import ParallelLayout
 from hybridrl.persistence import CheckpointError
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -81,9 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_gguf_to_hf(args: argparse.Namespace) -> int:
-    from hybridrl.models.arch import UnsupportedModelError
-    from hybridrl.models.checkpoint import CheckpointError, parse_dtype
-    from hybridrl.models.gguf import GGUFError, MissingGGUFDependencyError, convert_gguf_to_hf
+    from hybridrl.models.checkpoint import parse_dtype
 
     try:
         out = convert_gguf_to_hf(args.gguf, args.out, dtype=parse_dtype(args.dtype), force=args.force,
@@ -101,7 +103,6 @@ def run(args: argparse.Namespace) -> int:
         return _run_gguf_to_hf(args)
     from tqdm import tqdm
 
-    from hybridrl.models.arch import ParallelLayoutError, UnsupportedModelError
     from hybridrl.models.checkpoint import (
         HFCheckpointReader,
         McoreCheckpointReader,
@@ -109,7 +110,6 @@ def run(args: argparse.Namespace) -> int:
         write_hf_checkpoint,
         write_mcore_checkpoint,
     )
-    from hybridrl.models.layout import ParallelLayout
 
     progress = not args.quiet
     dtype = parse_dtype(args.dtype)

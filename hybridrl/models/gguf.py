@@ -11,6 +11,9 @@ saves that with the tokenizer, so the result is an ordinary HF folder every part
 
 The dequantized weights are the quantized model's, exactly (Q4_1 blocks -> fp32); they are not
 the original full-precision checkpoint's.
+
+torch, transformers and `hybridrl.models.checkpoint` (which imports torch) are imported inside the
+functions: `hybridrl convert`'s parser imports this module and stays torch-free.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.models.arch import SUPPORTED_ARCHITECTURES, ModelShape, UnsupportedModelError
+from hybridrl.persistence import CheckpointError, atomic_dir, check_free_space, check_output_dir
 
 # The versions measured with transformers 5.19 (setup.py's `dev` extra pins the same).
 REQUIRED_PACKAGES = {"gguf": "0.19.0", "accelerate": "1.15.0"}
@@ -221,8 +225,6 @@ def convert_gguf_to_hf(
     import transformers
     from tqdm import tqdm
 
-    from hybridrl.persistence import CheckpointError, atomic_dir, check_free_space, check_output_dir
-
     check_dependencies()
     path = check_gguf_file(gguf_path)
     out_dir = Path(out_dir)
@@ -277,8 +279,6 @@ def convert_gguf_to_hf(
 def check_hf_folder(folder: str | Path) -> None:
     """What a converted folder must be: plain config the bridge supports, weights, tokenizer with a
     chat template, generation config."""
-    from hybridrl.models.checkpoint import CheckpointError
-
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
     if "quantization_config" in config:

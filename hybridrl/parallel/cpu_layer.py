@@ -72,6 +72,11 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from hybridrl.parallel.cpu_rope import cpu_fused_rope_installed
+
+# lazy: hybridrl.parallel.strict_device imports this module at its top (it subclasses CudaToCpuMode),
+# so the two imports of strict_device below stay inside their functions.
+
 SUPPORTED_MEGATRON_PREFIX = "0.16."
 
 # ModelParallelConfig/TransformerConfig values that must hold on CPU (see module docstring).
@@ -474,8 +479,6 @@ def check_config_for_cpu(config: Any) -> None:
 
     `apply_rope_fusion=True` is fine once hybridrl's CPU RoPE fills megatron's fused slot
     (`hybridrl.parallel.cpu_rope.install_cpu_fused_rope`)."""
-    from hybridrl.parallel.cpu_rope import cpu_fused_rope_installed
-
     served = {"apply_rope_fusion"} if cpu_fused_rope_installed() else set()
     wrong = [
         f"{key}={getattr(config, key)!r} (needs {value!r})"

@@ -6,7 +6,8 @@ The differences between a cuda and a cpu run are the fields of `DevicePolicy`
 rest of hybridrl asks these functions instead of testing `torch.cuda.is_available()` itself, so the
 GPU-only branches are plain logic that the CPU test suite covers (issue 9).
 
-Importing this module is cheap: torch is imported lazily inside the functions that need it.
+Importing this module is cheap: torch, and `hybridrl.parallel.strict_device` (which imports torch),
+are imported lazily inside the functions that need them.
 """
 from __future__ import annotations
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hybridrl.parallel.device import resolve_device
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
@@ -22,12 +24,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # lazy: versions loads importlib.metadata and packaging (~70 ms), and every `hybridrl` command
+    # (`--help` included) imports this module to build its parser.
     from hybridrl.parallel.versions import IMPORTS, PACKAGES, check_stack, collect_versions, import_problems
 
     versions = collect_versions()
     if args.device == "auto" and versions.get("torch"):
-        from hybridrl.parallel.device import resolve_device
-
         device = resolve_device("auto")
     else:
         device = "cpu" if args.device == "auto" else args.device

@@ -11,8 +11,8 @@ Call order on every rank of a worker group:
 cpu, so megatron-core runs unchanged on gloo. It returns a frozen `ParallelContext`; `get_context()`
 returns the current one.
 
-This module is preloaded by the forked-rank launcher's server: keep its import cheap (megatron and
-the CPU layer are imported inside the functions).
+This module is preloaded by the forked-rank launcher's server: keep its import cheap (torch, megatron
+and the CPU layer, `cpu_layer` and `cpu_matmul`, which import torch, are imported inside the functions).
 """
 from __future__ import annotations
 

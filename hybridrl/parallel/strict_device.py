@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import _get_current_function_mode_stack
 
+from hybridrl.parallel import cpu_layer
 from hybridrl.parallel.cpu_layer import _REENTRANT, CudaToCpuMode, _is_cuda_device, _map_device
 
 ENV_SWITCH = "HYBRIDRL_STRICT_DEVICE"
@@ -410,8 +411,6 @@ def disable_strict_device() -> None:
 
 
 def _swap_thread_mode(strict: bool) -> None:
-    from hybridrl.parallel import cpu_layer
-
     mode = getattr(cpu_layer._thread_modes, "mode", None)
     if mode is None or isinstance(mode, StrictDeviceMode) == strict:
         return

@@ -36,7 +36,8 @@ import torch.distributed as dist
 
 from hybridrl.config.estimates import ReshardTraffic, reshard_traffic
 from hybridrl.config.meshes import ReshardGroups, TrainingMesh, build_training_mesh
-from hybridrl.models.bridge import chunk_info, model_tensors, spec_tensor_name, unwrap_model
+from hybridrl.models.bridge import TE_NAMES, chunk_info, model_tensors, spec_tensor_name, unwrap_model
+from hybridrl.parallel.state import get_context
 from hybridrl.reshard.checksums import tensor_checksum
 from hybridrl.reshard.reshard_plan import Piece, RankBucket, RankReshardPlan, build_rank_plan
 
@@ -143,8 +144,6 @@ class Resharder:
         ctx: Any = None,
     ) -> None:
         if ctx is None:
-            from hybridrl.parallel.state import get_context
-
             ctx = get_context()
         self.config = config or ReshardConfig()
         self.groups = groups
@@ -374,8 +373,6 @@ def check_rollout_placement(resharder: Resharder, vllm_tp_rank: int) -> None:
 
 def _local_names(by_model_name: dict[str, torch.Tensor], spec_kind: str) -> list[str]:
     """Local-spec names of a chunk's tensors (the layout math's names), whatever the spec."""
-    from hybridrl.models.bridge import TE_NAMES
-
     if spec_kind != "te":
         return list(by_model_name)
     reverse = {te: local for local, te in TE_NAMES.items()}

@@ -32,6 +32,9 @@ for a sampled token is taken from the distribution it was sampled from (after te
 top-p; filtered tokens have -inf). That is the behaviour policy PPO's importance ratio needs. For
 greedy requests vLLM reports the log-softmax of the unscaled logits. (vLLM's default,
 "raw_logprobs", would report log-softmax of the unscaled logits for every request.)
+
+vLLM is imported inside the functions that build or drive the engine: the Ray driver imports this
+module (through the hybrid worker) and must not import vLLM.
 """
 from __future__ import annotations
 
@@ -55,6 +58,7 @@ from hybridrl.data.batch import Batch
 from hybridrl.parallel.cpu_matmul import onednn_matmul_setting
 from hybridrl.parallel.device import default_dtype_for, resolve_device
 from hybridrl.parallel.device_policy import DevicePolicy
+from hybridrl.parallel.digest import tensor_digest
 from hybridrl.rollout import vllm_patches
 from hybridrl.rollout.sampling import SEED_RANGE, RolloutSampling
 
@@ -253,8 +257,6 @@ def _snapshot_on_worker(worker: Any) -> dict[str, torch.Tensor]:
 
 
 def _digests_on_worker(worker: Any) -> dict[str, str]:
-    from hybridrl.parallel.digest import tensor_digest
-
     return {name: tensor_digest(value) for name, value in _loaded_parameters(_worker_model(worker))}
 
 

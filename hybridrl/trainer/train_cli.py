@@ -4,6 +4,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hybridrl.config.errors import ConfigError
+from hybridrl.config.plan import plan_from_sources
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="YAML job config")
@@ -14,9 +17,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hybridrl.config.errors import ConfigError
-    from hybridrl.config.plan import plan_from_sources
-
     try:
         plan = plan_from_sources(args.config, list(args.overrides))
     except ConfigError as exc:
@@ -26,6 +26,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: {warning}", file=sys.stderr)
 
     # Refuse a known-bad stack before Ray starts: it would otherwise fail minutes later, in a worker.
+    # lazy: versions loads importlib.metadata and packaging (~70 ms), and every `hybridrl` command
+    # (`--help` included) imports this module to build its parser.
     from hybridrl.parallel.versions import check_stack, collect_versions, summary_line
 
     versions = collect_versions()
@@ -39,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
 
+    # lazy: the trainer imports torch and Ray; a refused config or stack answers without either.
     from hybridrl.trainer.trainer import Trainer, TrainingFailure
 
     try:

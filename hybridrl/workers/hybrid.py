@@ -42,6 +42,9 @@ from hybridrl.names import Phase
 from hybridrl.parallel.cpu_layer import cuda_to_cpu_mode_suspended
 from hybridrl.parallel.device import default_dtype_for, release_cached_blocks
 from hybridrl.parallel.memory import memory_metrics
+from hybridrl.reshard.checksums import verify_checksums
+from hybridrl.reshard.resharder import ReshardConfig, Resharder
+from hybridrl.rollout.engine import RolloutEngine, RolloutEngineConfig
 from hybridrl.workers import faults
 from hybridrl.workers.ray_roles import ActorRolloutRefWorker
 
@@ -61,8 +64,6 @@ class HybridSettings:
 
 def _planned_kv_cache_bytes(plan: Plan) -> int:
     """CPU: the Plan's KV cache (rollout.cpu_kv_cache_gib, sized for one wave by default)."""
-    from hybridrl.rollout.engine import RolloutEngineConfig
-
     memory = plan.rollout_memory
     if memory is not None and memory.on_cpu:
         return memory.kv_cache_bytes
@@ -99,9 +100,6 @@ class HybridEngineWorker(ActorRolloutRefWorker):
 
     # ------------------------------------------------------------------------------ bring-up
     def setup(self, total_training_steps: int | None = None) -> dict[str, Any]:
-        from hybridrl.reshard.resharder import ReshardConfig, Resharder
-        from hybridrl.rollout.engine import RolloutEngine, RolloutEngineConfig
-
         plan = self.plan
         started = time.perf_counter()
         self.init_model(total_training_steps)
@@ -191,8 +189,6 @@ class HybridEngineWorker(ActorRolloutRefWorker):
     # ------------------------------------------------------------------------------ weight sync
     def sync_weights(self) -> dict[str, float]:
         """Reshard the actor into vLLM, then prove it (checksums + log-prob probe)."""
-        from hybridrl.reshard.checksums import verify_checksums
-
         faults.crash_point(Phase.SYNC)
         started = time.perf_counter()
         self._record_memory("sync_before")

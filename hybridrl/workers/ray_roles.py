@@ -25,7 +25,14 @@ import torch
 from hybridrl.config.plan import Plan
 from hybridrl.controller.base_worker import RankContext, Worker
 from hybridrl.data.batch import Batch
+from hybridrl.models.bridge import export_hf
 from hybridrl.names import Phase, Role
+from hybridrl.parallel.device import torch_threads_per_rank
+from hybridrl.training.actor import MegatronActor
+from hybridrl.training.backend import MegatronBackend, role_spec
+from hybridrl.training.checkpointing import load_role_checkpoint, save_role_checkpoint
+from hybridrl.training.critic import MegatronCritic
+from hybridrl.training.reward_model import MegatronRewardModel
 from hybridrl.workers import faults
 
 
@@ -38,10 +45,6 @@ class MegatronWorker(Worker):
         self.primary: Any = None  # the MegatronBackend that defines this rank's mesh
 
     def _prepare(self) -> None:
-        import torch
-
-        from hybridrl.parallel.device import torch_threads_per_rank
-
         # trainer.torch_threads_per_rank, or this node's cores shared among its ranks (never torch's
         # all-cores default).
         threads = self.plan.config.trainer.torch_threads_per_rank
@@ -77,9 +80,6 @@ class ActorRolloutRefWorker(MegatronWorker):
         self.rollout: Any = None
 
     def init_model(self, total_training_steps: int | None = None) -> None:
-        from hybridrl.training.actor import MegatronActor
-        from hybridrl.training.backend import MegatronBackend, role_spec
-
         self._prepare()
         if Role.ACTOR in self.roles:
             backend = MegatronBackend(role_spec(self.plan, Role.ACTOR),
@@ -119,21 +119,15 @@ class ActorRolloutRefWorker(MegatronWorker):
         return metrics
 
     def save_checkpoint(self, path: str) -> str:
-        from hybridrl.training.checkpointing import save_role_checkpoint
-
         saved = str(save_role_checkpoint(self._require(self.actor, "the actor").backend, Path(path) / Role.ACTOR))
         faults.crash_point(Phase.SAVE_CHECKPOINT)  # files written, checkpoint not yet sealed by the trainer
         return saved
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
-        from hybridrl.training.checkpointing import load_role_checkpoint
-
         return load_role_checkpoint(self._require(self.actor, "the actor").backend, Path(path) / Role.ACTOR)
 
     def export_hf(self, path: str) -> str:
         """Collective: the current policy as an HF folder (written by rank 0)."""
-        from hybridrl.models.bridge import export_hf
-
         backend = self._require(self.actor, "the actor").backend
         return str(export_hf(backend.chunks, path, ctx=backend.ctx, force=True))
 
@@ -144,9 +138,6 @@ class CriticWorker(MegatronWorker):
         self.critic: Any = None
 
     def init_model(self, total_training_steps: int | None = None) -> None:
-        from hybridrl.training.backend import MegatronBackend, role_spec
-        from hybridrl.training.critic import MegatronCritic
-
         self._prepare()
         backend = MegatronBackend(role_spec(self.plan, Role.CRITIC),
                               total_optimizer_steps=self._total_optimizer_steps(Role.CRITIC, total_training_steps))
@@ -160,13 +151,9 @@ class CriticWorker(MegatronWorker):
         return self._require(self.critic, "the critic").update_critic(batch)
 
     def save_checkpoint(self, path: str) -> str:
-        from hybridrl.training.checkpointing import save_role_checkpoint
-
         return str(save_role_checkpoint(self._require(self.critic, "the critic").backend, Path(path) / Role.CRITIC))
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
-        from hybridrl.training.checkpointing import load_role_checkpoint
-
         return load_role_checkpoint(self._require(self.critic, "the critic").backend, Path(path) / Role.CRITIC)
 
 
@@ -176,9 +163,6 @@ class RewardModelWorker(MegatronWorker):
         self.reward_model: Any = None
 
     def init_model(self) -> None:
-        from hybridrl.training.backend import MegatronBackend, role_spec
-        from hybridrl.training.reward_model import MegatronRewardModel
-
         self._prepare()
         backend = MegatronBackend(role_spec(self.plan, Role.REWARD_MODEL))
         self.reward_model = MegatronRewardModel(backend, self.plan)
