@@ -282,7 +282,13 @@ def left_pad_prompts(batch: Batch, width: int, pad_token_id: int) -> Batch:
 
 def _pad_token_id(model: Any) -> int:
     """The trainer's resolution (`resolve_pad_token_id`) for a worker built without it."""
+    from pathlib import Path
+
     from hybridrl.data.tokenizer import load_tokenizer, resolve_pad_token_id
 
-    tokenizer = load_tokenizer(model.tokenizer_path or model.path, trust_remote_code=model.trust_remote_code)
+    source = Path(model.tokenizer_path or model.path)
+    # Weight-only folders (tests, benchmarks) have no tokenizer: their config files decide.
+    has_tokenizer = source.is_file() or any(
+        (source / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    tokenizer = load_tokenizer(source, trust_remote_code=model.trust_remote_code) if has_tokenizer else None
     return resolve_pad_token_id(tokenizer, model.path)
