@@ -130,6 +130,7 @@ class Trainer:
         self.val_loader = None
         if cfg.data.val_files:
             val = PromptDataset.from_config(cfg.data, cfg.data.val_files, self.tokenizer)
+            self.write(f"val data: {val.stats.summary()}")  # over-long prompts are counted there too
             self.val_loader = PromptDataLoader(val, cfg.data.val_batch_size or len(val), self.pad_token_id,
                                                shuffle=False, drop_last=False)
         self.reward = RewardManager.from_config(cfg.algorithm)
