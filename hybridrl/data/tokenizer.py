@@ -114,3 +114,35 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
     if config.get("chat_template"):
         tokenizer.chat_template = config["chat_template"]
     return tokenizer
+
+
+def _json_field(path: Path, key: str) -> Any:
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text()).get(key)
+
+
+def resolve_pad_token_id(tokenizer: Any, model_path: str | Path) -> int:
+    """The one pad id of a run: prompts are left-padded, responses right-padded and the sync probe's
+    rows filled with it (trainer, rollout engine and workers all take it from here, resolved once).
+
+    Order: the tokenizer's pad token (what the tokenizer files say, and what the data pads with), else
+    the model folder's ``config.json`` / ``generation_config.json`` ``pad_token_id``, else the first EOS
+    id, else 0. The value never decides what is trained or scored: every padded position is cut by the
+    attention and response masks, so a pad equal to EOS (SmolLM2: both ``<|im_end|>``) leaves the
+    response's final EOS in the response mask.
+    """
+    pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+    folder = Path(model_path)
+    for file_name in ("config.json", "generation_config.json"):
+        if pad is None:
+            pad = _json_field(folder / file_name, "pad_token_id")
+    if pad is None:
+        eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        for file_name in ("generation_config.json", "config.json"):
+            if eos is None:
+                eos = _json_field(folder / file_name, "eos_token_id")
+        pad = eos[0] if isinstance(eos, list) and eos else eos
+    if isinstance(pad, list):  # a config may list several; padding needs one
+        pad = pad[0] if pad else None
+    return int(pad) if pad is not None else 0

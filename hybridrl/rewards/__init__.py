@@ -4,7 +4,7 @@
     manager = RewardManager.from_config(config.algorithm)          # reward_fn or custom_reward_function
     token_level_rewards, output = manager.score_batch(batch, tokenizer)
 
-Built-in scorers (see `available_scorers()`): gsm8k, math, format, countdown, repeat_letter.
+Built-in scorers (see `available_scorers()`): gsm8k, math, format, countdown, repeat_letter, arith_word.
 """
 from hybridrl.rewards.custom import RewardFunctionError, load_reward_function
 from hybridrl.rewards.manager import RewardManager, RewardOutput, reward_metrics, token_level_rewards

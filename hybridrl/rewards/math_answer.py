@@ -7,6 +7,8 @@ deliberately small (no symbolic algebra): it removes ``$``, ``\\left``/``\\right
 and adds the braces LaTeX lets one omit (``\\frac12``).
 
 Score: 1.0 right; ``format_score`` when a boxed answer was found but is wrong; 0.0 when none was.
+With ``unboxed="last_number"`` a response without a box is judged by the last number it writes (for
+small models that answer "7 + 5 = 12" and never learned the box); the default ``"none"`` scores it 0.
 """
 from __future__ import annotations
 
@@ -14,10 +16,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from hybridrl.rewards.answers import numbers_equal
+from hybridrl.rewards.answers import last_number, numbers_equal
 from hybridrl.rewards.registry import ScoreResult, register_scorer
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
+UNBOXED_MODES = ("none", "last_number")
 
 
 def _braced_content(text: str, open_index: int) -> str | None:
@@ -102,10 +105,18 @@ def math_score(
     extra: Mapping[str, Any] | None = None,
     *,
     format_score: float = 0.0,
+    unboxed: str = "none",
 ) -> ScoreResult:
+    if unboxed not in UNBOXED_MODES:
+        raise ValueError(f"math scorer option unboxed={unboxed!r} is not one of {UNBOXED_MODES}")
     answer = extract_boxed(response)
+    boxed = answer is not None
+    if answer is None and unboxed == "last_number":
+        answer = last_number(response)
     reference = reference_answer(ground_truth)
     if answer is None:
-        return ScoreResult(0.0, False, {"answer": None, "reference": reference})
+        return ScoreResult(0.0, False, {"answer": None, "reference": reference, "boxed": False})
     correct = math_answers_equal(answer, reference)
-    return ScoreResult(1.0 if correct else format_score, correct, {"answer": answer, "reference": reference})
+    # format_score rewards the format the scorer asks for: a box, not any number in the text.
+    score = 1.0 if correct else (format_score if boxed else 0.0)
+    return ScoreResult(score, correct, {"answer": answer, "reference": reference, "boxed": boxed})

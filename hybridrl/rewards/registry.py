@@ -52,6 +52,7 @@ _BUILTIN_MODULES = (
     "hybridrl.rewards.format_check",
     "hybridrl.rewards.countdown",
     "hybridrl.data.demo_task",
+    "hybridrl.data.arith_task",
 )
 _builtins_loaded = False
 

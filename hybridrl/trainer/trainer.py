@@ -115,13 +115,14 @@ class Trainer:
     def _build_data(self) -> None:
         from hybridrl.data.dataloader import PromptDataLoader
         from hybridrl.data.dataset import PromptDataset
-        from hybridrl.data.tokenizer import load_tokenizer
+        from hybridrl.data.tokenizer import load_tokenizer, resolve_pad_token_id
         from hybridrl.rewards.manager import RewardManager
 
         cfg = self.config
         model = cfg.actor_rollout_ref.model
         self.tokenizer = load_tokenizer(model.tokenizer_path or model.path, trust_remote_code=model.trust_remote_code)
-        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        # Resolved once here and handed to the workers: prompts, responses and probe rows pad alike.
+        self.pad_token_id = resolve_pad_token_id(self.tokenizer, model.path)
         train = PromptDataset.from_config(cfg.data, cfg.data.train_files, self.tokenizer)
         self.write(f"train data: {train.stats.summary()}")
         self.train_loader = PromptDataLoader(train, cfg.data.train_batch_size, self.pad_token_id,
@@ -129,6 +130,7 @@ class Trainer:
         self.val_loader = None
         if cfg.data.val_files:
             val = PromptDataset.from_config(cfg.data, cfg.data.val_files, self.tokenizer)
+            self.write(f"val data: {val.stats.summary()}")  # over-long prompts are counted there too
             self.val_loader = PromptDataLoader(val, cfg.data.val_batch_size or len(val), self.pad_token_id,
                                                shuffle=False, drop_last=False)
         self.reward = RewardManager.from_config(cfg.algorithm)
@@ -153,7 +155,7 @@ class Trainer:
                                  device_policy=policy, cpus_per_worker=policy.ray_cpus_per_worker,
                                  max_colocated_groups=colocated)
         self.pool.start(timeout_s=300)
-        settings = HybridSettings(probe_tolerance=plan.resolved.probe_tolerance)
+        settings = HybridSettings(probe_tolerance=plan.resolved.probe_tolerance, pad_token_id=self.pad_token_id)
         timeout_s = trainer.nccl_timeout_s  # every group's collectives, megatron's included
         self.actor_group = WorkerGroup(HybridEngineWorker, self.pool, role=GroupName.ACTOR_ROLLOUT_REF,
                                        worker_args=(plan, settings), process_group_timeout_s=timeout_s)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,6 +59,9 @@ class WeightSyncError(RuntimeError):
 @dataclass(frozen=True)
 class HybridSettings:
     probe_tolerance: float = 1e-4  # fp32 on CPU; bf16 on GPU needs a looser bound (set by the trainer)
+    # The run's pad id as the trainer resolved it (`hybridrl.data.tokenizer.resolve_pad_token_id`), so
+    # prompts, responses and probe rows pad alike; None (a worker built alone) resolves it the same way.
+    pad_token_id: int | None = None
 
 
 def _planned_kv_cache_bytes(plan: Plan) -> int:
@@ -105,7 +107,9 @@ class HybridEngineWorker(ActorRolloutRefWorker):
         self.init_model(total_training_steps)
         arr = plan.config.actor_rollout_ref
         model_path = arr.model.path
-        self.pad_token_id = _pad_token_id(model_path)
+        self.pad_token_id = self.settings.pad_token_id
+        if self.pad_token_id is None:
+            self.pad_token_id = _pad_token_id(arr.model)
         self.attach_rollout(RolloutEngine(RolloutEngineConfig(
             model_path=model_path,
             device=plan.resolved.device,
@@ -272,9 +276,15 @@ def left_pad_prompts(batch: Batch, width: int, pad_token_id: int) -> Batch:
     return batch
 
 
-def _pad_token_id(model_path: str) -> int:
-    import json
+def _pad_token_id(model: Any) -> int:
+    """The trainer's resolution (`resolve_pad_token_id`) for a worker built without it."""
+    from pathlib import Path
 
-    config = json.loads((Path(model_path) / "config.json").read_text())
-    pad = config.get("pad_token_id")
-    return int(pad) if pad is not None else 0
+    from hybridrl.data.tokenizer import load_tokenizer, resolve_pad_token_id
+
+    source = Path(model.tokenizer_path or model.path)
+    # Weight-only folders (tests, benchmarks) have no tokenizer: their config files decide.
+    has_tokenizer = source.is_file() or any(
+        (source / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    tokenizer = load_tokenizer(source, trust_remote_code=model.trust_remote_code) if has_tokenizer else None
+    return resolve_pad_token_id(tokenizer, model.path)
