@@ -33,8 +33,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # bundles (e.g. 8 ranks x 0.25 CPU) and several groups can coexist.
 TEST_CLUSTER_CPUS = 8
 
-# Modules whose tests each run `hybridrl train` (tens of seconds to minutes): scheduled first.
-LONGEST_FIRST = ("test_trainer_e2e.py", "test_trainer_faults.py", "test_reliability_soak.py")
+# Modules whose tests each run `hybridrl train` or the real model (tens of seconds to minutes): first.
+LONGEST_FIRST = ("test_trainer_e2e.py", "test_trainer_faults.py", "test_reliability_soak.py",
+                 "test_trainer_real_model.py", "test_training_real_layouts.py", "test_rollout_stop_and_pad.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
