@@ -76,26 +76,30 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.T
     raise AssertionError(mode)
 
 
-def response_log_softmax(hf_dir: Path, batch: Any) -> tuple[Any, torch.Tensor]:
-    """The transformers model and its tempered log-softmax `[B, R, V]` at each response position."""
+def response_log_softmax(hf_dir: Path, batch: Any, dtype: torch.dtype = torch.float32,
+                         attention: str = "eager") -> tuple[Any, torch.Tensor]:
+    """The transformers model and its tempered log-softmax `[B, R, V]` at each response position.
+
+    (In float64, eager attention turns fully masked padding rows into NaN: use "sdpa" there.)
+    """
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
-                                                              attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, attn_implementation=attention)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                    position_ids=batch["position_ids"]).logits
     width = batch["input_ids"].shape[1]
     return model, (logits[:, width - RESPONSE - 1: width - 1] / TEMPERATURE).log_softmax(-1)
 
 
-def reference_step(hf_dir: Path, batch: Any, case: Case) -> dict[str, Any]:
+def reference_step(hf_dir: Path, batch: Any, case: Case, dtype: torch.dtype = torch.float32,
+                   attention: str = "eager") -> dict[str, Any]:
     """Loss terms, metrics and per-tensor gradients of one PPO step, from transformers' forward."""
-    model, log_softmax = response_log_softmax(hf_dir, batch)
+    model, log_softmax = response_log_softmax(hf_dir, batch, dtype, attention)
     log_prob = log_softmax.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
     entropy = -(log_softmax.exp() * log_softmax).sum(-1)
-    mask = batch["response_mask"].float()
+    mask = batch["response_mask"].to(dtype)
     valid = mask.bool()
-    adv, old, ref = batch["advantages"], batch["old_log_probs"], batch["ref_log_probs"]
+    adv, old, ref = (batch[key].to(dtype) for key in ("advantages", "old_log_probs", "ref_log_probs"))
 
     ratio = torch.exp(log_prob - old)
     surrogate = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH))
@@ -188,9 +192,9 @@ def _actor_step_rank(rank: int, world: int, configs: list[Any], batch: Any, out_
 
 
 def actor_config(hf: Path, case: Case, *, tp: int = 1, pp: int = 1, dp: int = 1,
-                 distributed_optimizer: bool = False) -> Any:
+                 distributed_optimizer: bool = False, rows: int = 8) -> Any:
     """The job whose actor objective `reference_step` recomputes, on a TP x PP x DP layout."""
-    config = job_config(hf, world=tp * pp * dp, tp=tp, pp=pp, distributed_optimizer=distributed_optimizer,
+    config = job_config(hf, world=tp * pp * dp, tp=tp, pp=pp, distributed_optimizer=distributed_optimizer, rows=rows,
                         loss_agg_mode=case.loss_agg_mode, use_kl_loss=True, kl_loss_coef=KL_COEF,
                         kl_loss_type=case.kl_loss_type, entropy_coeff=ENTROPY_COEFF,
                         clip_ratio_low=CLIP_LOW, clip_ratio_high=CLIP_HIGH, clip_ratio_c=DUAL_CLIP)
@@ -203,8 +207,8 @@ def megatron_steps(tmp_path: Path, hf: Path, batch: Any, *, tp: int, pp: int, dp
                    distributed_optimizer: bool, cases: tuple[Case, ...] = CASES
                    ) -> list[tuple[Any, dict[str, torch.Tensor]]]:
     """(metrics, HF-named gradients) of one megatron actor step per case, on a TP x PP x DP layout."""
-    configs = [actor_config(hf, case, tp=tp, pp=pp, dp=dp, distributed_optimizer=distributed_optimizer)
-               for case in cases]
+    configs = [actor_config(hf, case, tp=tp, pp=pp, dp=dp, distributed_optimizer=distributed_optimizer,
+                            rows=len(batch)) for case in cases]
     out_dirs = [str(tmp_path / f"grads_{tp}{pp}{dp}_{i}") for i in range(len(cases))]
     results = run_ranks(_actor_step_rank, tp * pp * dp, configs, batch, out_dirs)
     per_case = list(zip(*results))  # [case][rank]
