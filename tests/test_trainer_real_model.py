@@ -25,6 +25,7 @@ def test_three_grpo_steps_on_the_real_model_prove_every_sync(real_model, demo_as
                            "data.max_response_length=8", "data.train_batch_size=2",
                            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
                            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+                           "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
                            "actor_rollout_ref.actor.optim.lr=1e-5",
                            "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
                            "actor_rollout_ref.rollout.n=4", "trainer.total_training_steps=3",
