@@ -25,8 +25,18 @@ from hybridrl.algorithms import masked_mean
 from hybridrl.algorithms.kl_control import kl_controller_from_config
 from hybridrl.algorithms.names import GREEDY_BASELINE_ADV_ESTIMATORS
 from hybridrl.config.plan import Plan
+from hybridrl.controller.cluster import init_ray
+from hybridrl.controller.dispatch import MeshCoord, RankMesh
+from hybridrl.controller.gather import WorkerGroupError
+from hybridrl.controller.resource_pool import ResourcePool
+from hybridrl.controller.worker_group import WorkerGroup
 from hybridrl.data.batch import Batch
+from hybridrl.data.dataloader import PromptDataLoader, unpadded_prompt_ids
+from hybridrl.data.dataset import PromptDataset
+from hybridrl.data.tokenizer import load_tokenizer, resolve_pad_token_id
 from hybridrl.names import GroupName, Phase
+from hybridrl.rewards.manager import RewardManager, reward_metrics, token_level_rewards
+from hybridrl.rollout.sampling import RolloutSampling, validation_sampling
 from hybridrl.trainer.checkpoints import CheckpointError, CheckpointManager
 from hybridrl.trainer.rl_step import (
     AdvantageSettings,
@@ -40,6 +50,8 @@ from hybridrl.trainer.rl_step import (
 )
 from hybridrl.trainer.timing import PhaseTimer, throughput_metrics
 from hybridrl.trainer.tracking import Tracker, plot_run, render_summary
+from hybridrl.workers.hybrid import HybridEngineWorker, HybridSettings
+from hybridrl.workers.ray_roles import CriticWorker, RewardModelWorker
 
 PAD_UID_PREFIX = "__pad__"
 
@@ -113,10 +125,6 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ set-up
     def _build_data(self) -> None:
-        from hybridrl.data.dataloader import PromptDataLoader
-        from hybridrl.data.dataset import PromptDataset
-        from hybridrl.data.tokenizer import load_tokenizer, resolve_pad_token_id
-        from hybridrl.rewards.manager import RewardManager
 
         cfg = self.config
         model = cfg.actor_rollout_ref.model
@@ -138,11 +146,6 @@ class Trainer:
         self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * steps_per_epoch
 
     def _build_workers(self) -> None:
-        from hybridrl.controller.cluster import init_ray
-        from hybridrl.controller.dispatch import MeshCoord, RankMesh
-        from hybridrl.controller.resource_pool import ResourcePool
-        from hybridrl.controller.worker_group import WorkerGroup
-        from hybridrl.workers.hybrid import HybridEngineWorker, HybridSettings
 
         plan, trainer = self.plan, self.config.trainer
         world = plan.resolved.world_size
@@ -172,14 +175,12 @@ class Trainer:
                    f"{self.rollout_mesh.dp_size} × infer_tp {infer_tp}, first sync probe gap "
                    f"{max(s['reshard/probe_max_abs_gap'] for s in setup):.2e}")
         if plan.resolved.critic_enabled:
-            from hybridrl.workers.ray_roles import CriticWorker
 
             self.critic_group = WorkerGroup(CriticWorker, self.pool, role=GroupName.CRITIC, worker_args=(plan,),
                                             process_group_timeout_s=timeout_s)
             self.critic_group.call_all(CriticWorker.init_model, self.total_steps)
             self.critic_group.learn_mesh()
         if self.config.reward_model.enable:
-            from hybridrl.workers.ray_roles import RewardModelWorker
 
             self.rm_group = WorkerGroup(RewardModelWorker, self.pool, role=GroupName.REWARD_MODEL, worker_args=(plan,),
                                         process_group_timeout_s=timeout_s)
@@ -188,13 +189,11 @@ class Trainer:
 
     def _greedy_sampling(self) -> Any:
         """One greedy response per prompt (validation by default, ReMax's baseline)."""
-        from hybridrl.rollout.sampling import validation_sampling
 
         return validation_sampling(self.plan.resolved.response_length,
                                    stop_token_ids=tuple(self.config.actor_rollout_ref.rollout.stop_token_ids))
 
     def _sampling(self, validation: bool = False) -> Any:
-        from hybridrl.rollout.sampling import RolloutSampling
 
         rollout = self.config.actor_rollout_ref.rollout
         max_tokens = self.plan.resolved.response_length
@@ -223,8 +222,6 @@ class Trainer:
 
     def generate(self, prompts: Batch, sampling: Any) -> Batch:
         """Samples for every prompt, over the rollout replicas; rows prompt-major, n per prompt."""
-        from hybridrl.data.dataloader import unpadded_prompt_ids
-        from hybridrl.workers.hybrid import HybridEngineWorker
 
         replicas = self.rollout_mesh.dp_size
         padded, pad = prompts.pad_to_multiple(replicas)
@@ -247,8 +244,6 @@ class Trainer:
     def _score(self, batch: Batch) -> dict[str, float]:
         """token_level_scores: the reward model's score when enabled, else the rule/user scorer's;
         plus DAPO's overlong penalty when enabled. All on each response's last token."""
-        from hybridrl.rewards.manager import token_level_rewards
-        from hybridrl.workers.ray_roles import RewardModelWorker
 
         metrics: dict[str, float] = {}
         if self.rm_group is not None:
@@ -298,7 +293,6 @@ class Trainer:
         (their advantage is 0): the step's batch arithmetic needs exactly train_batch_size groups.
         The generation and reward metrics cover every round (`merge_part_metrics`).
         """
-        from hybridrl.rewards.manager import reward_metrics
 
         groups_needed = self.config.data.train_batch_size
         rounds = self.config.algorithm.filter_groups.max_num_gen_batches
@@ -323,8 +317,6 @@ class Trainer:
         return selected
 
     def step(self, prompts: Batch) -> dict[str, float]:
-        from hybridrl.workers.hybrid import HybridEngineWorker
-        from hybridrl.workers.ray_roles import CriticWorker
 
         plan, cfg = self.plan, self.config
         timer = PhaseTimer()
@@ -424,8 +416,6 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
-        from hybridrl.workers.hybrid import HybridEngineWorker
-        from hybridrl.workers.ray_roles import CriticWorker
 
         self.phase = Phase.SAVE_CHECKPOINT
         partial = self.checkpoints.begin(self.global_step)
@@ -443,8 +433,6 @@ class Trainer:
 
     def resume(self, path: Path) -> None:
         """Restore workers, data order and KL coefficient from a complete checkpoint."""
-        from hybridrl.workers.hybrid import HybridEngineWorker
-        from hybridrl.workers.ray_roles import CriticWorker
 
         self.phase = Phase.RESUME
         state = self.checkpoints.read_state(path)
@@ -474,7 +462,6 @@ class Trainer:
         tracker = Tracker.create(cfg.trainer.logger, self.run_dir, project=cfg.trainer.project_name,
                                  experiment=cfg.trainer.experiment_name, config=self.plan.to_dict()["config"],
                                  write=tqdm.write if self.progress else self.write, resume_step=resume_step)
-        from hybridrl.controller.gather import WorkerGroupError
 
         guard = NonFiniteGuard(cfg.trainer.max_consecutive_nonfinite_steps)
         try:

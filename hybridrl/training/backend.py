@@ -31,11 +31,17 @@ import torch
 
 from hybridrl.config.plan import Plan
 from hybridrl.config.schema import MegatronConfig, OptimConfig
+from hybridrl.models.bridge import ModelSource, build_gpt_models, load_weights
 from hybridrl.names import Role
+from hybridrl.parallel import state
+from hybridrl.parallel.cpu_layer import apply_cpu_layer
+from hybridrl.parallel.device import default_dtype_for, to_rank_device
 from hybridrl.parallel.device_policy import DevicePolicy
 from hybridrl.training.lr_schedule import LRSchedule
+from hybridrl.training.nonfinite import step_is_finite
 from hybridrl.training.offload import OptimizerStateOffload, offload_grad_buffers, restore_grad_buffers
 from hybridrl.training.sequences import ModelInputs, micro_batch_inputs
+from hybridrl.training.value_head import attach_value_head, load_value_model, value_model_source
 
 # megatron disables clipping with clip_grad=0 and then reports no grad norm; a bound no real norm
 # reaches keeps the norm computed without ever clipping.
@@ -88,7 +94,6 @@ def role_spec(plan: Plan, role: Role | str) -> RoleSpec:
 
 def ensure_parallel_state(megatron: MegatronConfig, device: str) -> Any:
     """The current `ParallelContext`, initializing megatron for this layout if nothing is yet."""
-    from hybridrl.parallel import state
 
     tp, pp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size
     cp, vpp = megatron.context_parallel_size, megatron.virtual_pipeline_model_parallel_size
@@ -110,7 +115,6 @@ def _activate_cpu_layer(policy: DevicePolicy) -> None:
     # The CPU layer's torch-function mode is per thread; Ray may run a method on another thread
     # than the one that initialized megatron.
     if policy.megatron_cpu_layer:
-        from hybridrl.parallel.cpu_layer import apply_cpu_layer
 
         apply_cpu_layer()
 
@@ -160,10 +164,6 @@ class MegatronBackend:
     """A role's model on this rank, built and (when trainable) wrapped for training."""
 
     def __init__(self, spec: RoleSpec, *, total_optimizer_steps: int | None = None) -> None:
-        from hybridrl.models.bridge import ModelSource, build_gpt_models, load_weights
-        from hybridrl.parallel.device import default_dtype_for
-        from hybridrl.training.value_head import attach_value_head, load_value_model, value_model_source
-
         self.spec = spec
         self.device_policy = spec.device_policy
         self.ctx = ensure_parallel_state(spec.megatron, spec.device_policy.name)
@@ -277,7 +277,6 @@ class MegatronBackend:
         batch lives (the host, as the controller sends it), then every tensor of every micro-batch
         (inputs and extras) moves to the rank's device, from pinned memory without blocking on cuda.
         """
-        from hybridrl.parallel.device import to_rank_device
 
         device = self.ctx.device
         cut = [micro_batch_inputs(tensors, list(rows), extra_keys=extra_keys, pad_multiple=self.pad_multiple)
@@ -366,7 +365,6 @@ class MegatronBackend:
             group["weight_decay"] = self.spec.optim.weight_decay * group.get("wd_mult", 1.0)
         metrics = self._run(micro_batches, lambda micro, output: loss_fn(micro, output), forward_only=False,
                             response_tokens_only=response_tokens_only)
-        from hybridrl.training.nonfinite import step_is_finite
 
         if not step_is_finite(self.models, metrics):
             # megatron's fp32/bf16 optimizers would apply NaN grads (see training.nonfinite): skip the

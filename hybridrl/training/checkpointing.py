@@ -61,6 +61,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybridrl.models.bridge import chunk_info, load_weights, save_mcore_checkpoint, shared_staging_dir
+from hybridrl.models.checkpoint import write_rank_file
 from hybridrl.parallel.state import failed_ranks
 from hybridrl.persistence import (
     CheckpointError,
@@ -113,8 +115,6 @@ def _layout(ctx: Any) -> dict[str, Any]:
 
 
 def _shape(backend: MegatronBackend) -> Any:
-    from hybridrl.models.bridge import chunk_info
-
     return chunk_info(backend.chunks[0]).source.shape
 
 
@@ -164,8 +164,6 @@ def _state_tensors(backend: MegatronBackend) -> tuple[dict[str, torch.Tensor], d
 
 def save_role_checkpoint(backend: MegatronBackend, out_dir: str | Path) -> Path:
     """Collective over the role's group: write the role's state into `out_dir` (replaced if present)."""
-    from hybridrl.models.bridge import save_mcore_checkpoint, shared_staging_dir
-    from hybridrl.models.checkpoint import write_rank_file
 
     ctx = backend.ctx
     out_dir = Path(out_dir).absolute()
@@ -299,7 +297,6 @@ def load_role_checkpoint(backend: MegatronBackend, ckpt_dir: str | Path) -> dict
     """Restore weights, optimizer state, LR schedule and RNG saved by `save_role_checkpoint`, on the saved
     layout or another one (see the module docstring). Returns the checkpoint's metadata plus `resharded`
     and `rng_source_rank`."""
-    from hybridrl.models.bridge import load_weights
 
     ctx = backend.ctx
     ckpt_dir = Path(ckpt_dir)

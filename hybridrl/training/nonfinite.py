@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from hybridrl.parallel.device import collective_device
+
 
 def _local_finite(models: Iterable[Any], micro_metrics: Sequence[Mapping[str, Any]]) -> bool:
     for metrics in micro_metrics:  # the last stage's per-micro-batch losses (empty elsewhere)
@@ -33,8 +35,6 @@ def _local_finite(models: Iterable[Any], micro_metrics: Sequence[Mapping[str, An
 def step_is_finite(models: Iterable[Any], micro_metrics: Sequence[Mapping[str, Any]]) -> bool:
     """True when no rank of the default process group saw a non-finite loss or gradient this step."""
     import torch.distributed as dist
-
-    from hybridrl.parallel.device import collective_device
 
     finite = _local_finite(models, micro_metrics)
     if not (dist.is_initialized() and dist.get_world_size() > 1):

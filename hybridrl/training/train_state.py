@@ -21,6 +21,10 @@ from typing import Any
 
 import torch
 
+from hybridrl.models.arch import ModelShape
+from hybridrl.models.bridge import rank_tensor_entries
+from hybridrl.models.checkpoint import _SafetensorsFiles, assemble, read_pieces, tensor_sha256
+from hybridrl.models.layout import ParallelLayout, hf_export_map, rank_chunk_key_prefix
 from hybridrl.persistence import CheckpointError, RoleCheckpointError
 from hybridrl.training.backend import MegatronBackend
 
@@ -46,8 +50,6 @@ class StateEntry:
 
 
 def state_entries(backend: MegatronBackend) -> list[StateEntry]:
-    from hybridrl.models.bridge import rank_tensor_entries
-
     return [StateEntry(key, plan, param, backend.spec.value_head and plan.name == OUTPUT_LAYER)
             for key, plan, param in rank_tensor_entries(backend.chunks)]
 
@@ -59,10 +61,6 @@ class TrainState:
     assembled from them through the layout math. Each file is verified (per-tensor sha256) on first use."""
 
     def __init__(self, folder: Path, meta: dict[str, Any]) -> None:
-        from hybridrl.models.arch import ModelShape
-        from hybridrl.models.checkpoint import _SafetensorsFiles
-        from hybridrl.models.layout import ParallelLayout, hf_export_map
-
         self.folder = folder
         self.files: dict[str, Any] = meta.get("train_state", {})
         saved = meta["layout"]
@@ -73,8 +71,6 @@ class TrainState:
         self._pieces = hf_export_map(self.shape, self.layout)
 
     def handle(self, tp_rank: int, pp_rank: int) -> Any:
-        from hybridrl.models.checkpoint import tensor_sha256
-
         name = state_file(tp_rank, pp_rank)
         path = self.folder / name
         recorded = self.files.get(name)
@@ -131,15 +127,12 @@ class TrainState:
 
     def head(self, kind: str) -> torch.Tensor:
         """A value model's head (replicated over TP): as saved by the last stage's TP rank 0."""
-        from hybridrl.models.layout import rank_chunk_key_prefix
 
         last = self.layout.num_chunks_per_stage - 1
         key = rank_chunk_key_prefix(self.layout, last if self.layout.vpp else None) + OUTPUT_LAYER
         return self.own(kind, key, 0, self.layout.pp - 1)
 
     def assemble(self, kind: str, plan: Any) -> torch.Tensor:
-        from hybridrl.models.checkpoint import assemble
-
         return assemble(KindReader(self, kind), plan)
 
     def close(self) -> None:
@@ -153,8 +146,6 @@ class KindReader:
         self.store, self.prefix = store, f"{kind}/"
 
     def read(self, hf_name: str, axis: int | None, start: int, stop: int) -> torch.Tensor:
-        from hybridrl.models.checkpoint import read_pieces
-
         return read_pieces(self.store._pieces[hf_name], self.store.handle, axis, start, stop, self.prefix)
 
 
