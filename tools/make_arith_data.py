@@ -15,7 +15,7 @@ if str(REPO) not in sys.path:  # `python tools/...` resolves hybridrl to this ch
     sys.path.insert(0, str(REPO))
 
 from hybridrl.data.arith_task import ArithWordTask  # noqa: E402 (after the path fix above)
-from hybridrl.data.io import write_rows  # noqa: E402
+from hybridrl.data.io import write_task_splits  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,10 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         task = ArithWordTask(steps=tuple(args.steps), max_start=args.max_start, max_change=args.max_change)
     except ValueError as error:
         parser.error(str(error))
-    out_dir = Path(args.out_dir)
-    for split, rows in (("train", args.train_rows), ("val", args.val_rows)):
-        path = write_rows(task.make_rows(rows, args.seed, split), out_dir / f"{split}.{args.format}")
-        print(f"wrote {rows} {split} rows to {path}")
+    write_task_splits(task, args.out_dir, {"train": args.train_rows, "val": args.val_rows}, args.seed, args.format)
     return 0
 
 

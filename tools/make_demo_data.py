@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from hybridrl.data.demo_task import RepeatLetterTask
-from hybridrl.data.io import write_rows
+from hybridrl.data.io import write_task_splits
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,10 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     task = RepeatLetterTask(alphabet=args.alphabet, min_length=args.min_length)
-    out_dir = Path(args.out_dir)
-    for split, rows in (("train", args.train_rows), ("val", args.val_rows)):
-        path = write_rows(task.make_rows(rows, args.seed, split), out_dir / f"{split}.{args.format}")
-        print(f"wrote {rows} {split} rows to {path}")
+    write_task_splits(task, args.out_dir, {"train": args.train_rows, "val": args.val_rows}, args.seed, args.format)
     return 0
 
 

@@ -33,3 +33,15 @@ def write_rows(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
             pq.write_table(pa.Table.from_pylist(list(rows)), partial)
         return path
     raise ValueError(f"{path}: unsupported suffix {suffix!r}; use .jsonl or .parquet")
+
+
+def write_task_splits(task: Any, out_dir: str | Path, rows_per_split: dict[str, int], seed: int,
+                      file_format: str = "jsonl") -> list[Path]:
+    """A synthetic task's splits (`task.make_rows(rows, seed, split)`) as `<out_dir>/<split>.<format>`,
+    each reported on stdout: what the data tools in `tools/` write."""
+    written = []
+    for split, rows in rows_per_split.items():
+        path = write_rows(task.make_rows(rows, seed, split), Path(out_dir) / f"{split}.{file_format}")
+        print(f"wrote {rows} {split} rows to {path}")
+        written.append(path)
+    return written
