@@ -48,6 +48,9 @@ class ModelInputs:
     response_mask: Tensor
     last_index: Tensor
     extras: dict[str, Tensor] = field(default_factory=dict)
+    # `response_token_positions`, computed once: a forward, its loss and the scatters back all read it,
+    # and `nonzero` waits for the device each time it runs.
+    _response_positions: tuple[Tensor, Tensor] | None = field(default=None, init=False, repr=False, compare=False)
 
     def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> ModelInputs:
         """The same micro-batch with `fn` applied to every tensor (inputs and extras), e.g. a device move."""
@@ -63,10 +66,12 @@ class ModelInputs:
         A micro-batch without any real response token yields (0, 0) alone, a masked position: a
         forward and its backward need at least one column.
         """
-        rows, cols = torch.nonzero(self.response_mask != 0, as_tuple=True)
-        if rows.numel() == 0:
-            rows = cols = torch.zeros(1, dtype=torch.long, device=self.response_mask.device)
-        return rows, cols
+        if self._response_positions is None:
+            rows, cols = torch.nonzero(self.response_mask != 0, as_tuple=True)
+            if rows.numel() == 0:
+                rows = cols = torch.zeros(1, dtype=torch.long, device=self.response_mask.device)
+            self._response_positions = (rows, cols)
+        return self._response_positions
 
     def scatter_response_tokens(self, values: Tensor) -> Tensor:
         """Per-token `values` `[N, ...]` (in `response_token_positions` order) as `[b, R, ...]`, 0 elsewhere."""
