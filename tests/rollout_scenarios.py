@@ -19,6 +19,9 @@ from hybridrl.rollout.sampling import RolloutSampling
 KV_CACHE_BYTES = 4 << 20
 
 
+OVER_BUDGET_STEP_TOKENS = 160
+
+
 def make_engine(model_dir: str, infer_tp: int = 1, **overrides: Any) -> RolloutEngine:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     config = RolloutEngineConfig(
@@ -62,7 +65,9 @@ def generation_session(
     from hybridrl.rollout.sampling import validation_sampling
     from tests.rollout_models import load_config, load_state_dict
 
-    engine = make_engine(model_dir, capture_loaded_weights=True)
+    # A scheduler step holds at most 160 tokens, so a batch of long prompts spans several steps (see
+    # "over_budget" below); the other scenarios fit in one.
+    engine = make_engine(model_dir, capture_loaded_weights=True, max_num_batched_tokens=OVER_BUDGET_STEP_TOKENS)
     config = load_config(model_dir)
     prompts = [[5, 6, 7], [10, 11, 12, 13, 14, 15], [3], long_prompt]
     greedy = validation_sampling(max_tokens=8)
@@ -82,6 +87,12 @@ def generation_session(
     )
     # Stop on the first greedy token of prompt 0 that did not occur before it: the response must
     # end right there (stop token included).
+    # Seeded samples of prompts whose tokens exceed a step's budget: a prompt split over steps (vLLM's
+    # chunked prefill) makes vLLM rewind the request's generator, which a CPU generator cannot.
+    over_budget = [[(13 * p + 7 * i) % 120 + 3 for i in range(90)] for p in range(4)]
+    results["over_budget"] = engine.generate_sequences(
+        over_budget, RolloutSampling(n=2, temperature=1.0, max_tokens=6, seed=11)
+    )
     first_response = results["greedy"].tensors["responses"][0].tolist()
     stop_token = next(t for i, t in enumerate(first_response) if i > 0 and t not in first_response[:i])
     results["stop_token"] = stop_token

@@ -309,6 +309,12 @@ REFUSED = {
                                ["critic.model.enable_gradient_checkpointing=true"]),
     "cpu kv cache on cuda": ([f"{R}.cpu_kv_cache_gib=2"], f"{R}.cpu_kv_cache_gib", "trainer.device=cpu only",
                              ["trainer.device=cpu", f"{R}.cpu_kv_cache_gib=2"]),
+    "cpu step budget under a sequence": (
+        ["trainer.device=cpu", "data.max_prompt_length=512", "data.max_response_length=512",
+         f"{R}.max_num_batched_tokens=1000"], f"{R}.max_num_batched_tokens", "at least data.max_prompt_length + "
+        "data.max_response_length = 1024",
+        ["trainer.device=cpu", "data.max_prompt_length=512", "data.max_response_length=512",
+         f"{R}.max_num_batched_tokens=1024"]),
     "eager off on cpu": (["trainer.device=cpu", f"{R}.enforce_eager=false"], f"{R}.enforce_eager",
                          "no effect on trainer.device=cpu", [f"{R}.enforce_eager=false"]),
     "greedy validation temperature": ([f"{R}.val_kwargs.temperature=0.7"], f"{R}.val_kwargs.temperature",

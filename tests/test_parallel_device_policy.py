@@ -19,6 +19,7 @@ CUDA_FIELDS = {
     "synchronize_on_offload": True, "empty_cache_on_offload": True, "gpu_memory_budget_binding": True,
     "vllm_honours_enforce_eager": True, "vllm_repacks_weights": False, "vllm_kv_cache_from_plan": False,
     "vllm_sleep_mode": True,
+    "vllm_chunked_prefill": True,
     "device_rng": True,
 }
 CPU_FIELDS = {
@@ -28,6 +29,7 @@ CPU_FIELDS = {
     "synchronize_on_offload": False, "empty_cache_on_offload": False, "gpu_memory_budget_binding": False,
     "vllm_honours_enforce_eager": False, "vllm_repacks_weights": True, "vllm_kv_cache_from_plan": True,
     "vllm_sleep_mode": False,
+    "vllm_chunked_prefill": False,
     "device_rng": False,
 }
 

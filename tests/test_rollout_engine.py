@@ -93,6 +93,13 @@ def test_sampled_logprobs_are_those_of_the_sampling_distribution(session):
     for prompt, response, log_probs in _rows(session["sampled"]):
         hf = torch.log_softmax(_hf_logits_of(model, prompt, response), -1)
         assert (log_probs.double() - hf[torch.arange(len(response)), response]).abs().max() <= LOGPROB_TOLERANCE
+    # Prompts over one scheduler step's token budget (each prefilled whole, one or so per step).
+    over_budget = list(_rows(session["over_budget"]))
+    assert len(over_budget) == 8 and all(len(prompt) == 90 and len(response) == 6
+                                         for prompt, response, _ in over_budget)
+    for prompt, response, log_probs in over_budget:
+        hf = torch.log_softmax(_hf_logits_of(model, prompt, response), -1)
+        assert (log_probs.double() - hf[torch.arange(len(response)), response]).abs().max() <= LOGPROB_TOLERANCE
     # temperature 0.7, top-k 5, top-p 0.9: log-probs of the filtered, renormalized distribution.
     for prompt, response, log_probs in _rows(session["filtered"]):
         logits = _hf_logits_of(model, prompt, response) / 0.7

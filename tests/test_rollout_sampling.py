@@ -58,8 +58,16 @@ def test_engine_kwargs_keep_device_differences_in_one_place():
     assert "max_num_batched_tokens" not in cpu  # vLLM's default unless the job sets one
     budget = RolloutEngineConfig(model_path="/m", max_num_batched_tokens=4096)
     assert vllm_engine_kwargs(budget, "cpu", distributed=False)["max_num_batched_tokens"] == 4096
+    # CPU generators cannot rewind after a partial prefill: whole-prompt prefill, whose budget must
+    # hold a whole sequence (GPU keeps vLLM's chunked prefill).
+    assert cpu["enable_chunked_prefill"] is False
+    short = RolloutEngineConfig(model_path="/m", max_model_len=256, max_num_batched_tokens=255)
+    with pytest.raises(ValueError, match="max_num_batched_tokens=255 is below max_model_len=256"):
+        vllm_engine_kwargs(short, "cpu", distributed=False)
+    assert vllm_engine_kwargs(short, "cuda", distributed=False)["max_num_batched_tokens"] == 255
     gpu = vllm_engine_kwargs(config, "cuda", distributed=False)
     assert gpu["dtype"] == "bfloat16" and gpu["enable_sleep_mode"] is True and gpu["enforce_eager"] is False
+    assert "enable_chunked_prefill" not in gpu
     assert gpu["gpu_memory_utilization"] == 0.5 and "kv_cache_memory_bytes" not in gpu
     assert gpu["disable_custom_all_reduce"] is True and "distributed_executor_backend" not in gpu
     # a TP1 replica inside the trainer's group takes its GPU from LOCAL_RANK, not vLLM's local rank 0

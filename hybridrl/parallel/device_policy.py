@@ -69,6 +69,11 @@ class DevicePolicy:
     vllm_kv_cache_from_plan: bool
     # vLLM's sleep mode (free the KV cache, offload weights during training) exists.
     vllm_sleep_mode: bool
+    # vLLM may prefill a prompt in chunks over several scheduler steps. It rewinds a seeded request's
+    # generator after each partial step, which torch's CPU generator cannot ("CPU Generator does not
+    # use offset"), so on CPU each prompt is prefilled in one step and a step's token budget
+    # (rollout.max_num_batched_tokens) must hold a whole sequence.
+    vllm_chunked_prefill: bool
     # The device has its own random generator (torch.cuda's), saved and restored with a role
     # checkpoint beside torch's, python's, numpy's and megatron's tracker's streams.
     device_rng: bool
@@ -95,7 +100,7 @@ CUDA = DevicePolicy(
     megatron_cpu_layer=False, transformer_engine_possible=True, params_on_host=False,
     synchronize_on_offload=True, empty_cache_on_offload=True, gpu_memory_budget_binding=True,
     vllm_honours_enforce_eager=True, vllm_repacks_weights=False, vllm_kv_cache_from_plan=False,
-    vllm_sleep_mode=True, device_rng=True,
+    vllm_sleep_mode=True, vllm_chunked_prefill=True, device_rng=True,
 )
 
 CPU = DevicePolicy(
@@ -104,7 +109,7 @@ CPU = DevicePolicy(
     megatron_cpu_layer=True, transformer_engine_possible=False, params_on_host=True,
     synchronize_on_offload=False, empty_cache_on_offload=False, gpu_memory_budget_binding=False,
     vllm_honours_enforce_eager=False, vllm_repacks_weights=True, vllm_kv_cache_from_plan=True,
-    vllm_sleep_mode=False, device_rng=False,
+    vllm_sleep_mode=False, vllm_chunked_prefill=False, device_rng=False,
 )
 
 # resolved device name -> its policy (read-only); also the list of valid trainer.device values

@@ -140,6 +140,16 @@ def vllm_engine_kwargs(config: RolloutEngineConfig, device: str, distributed: bo
     )
     if config.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
+    if not DevicePolicy.for_device(device).vllm_chunked_prefill:
+        # Every request carries a seed, and vLLM rewinds a seeded request's generator after each
+        # partial prefill step, which this device's generator cannot (see DevicePolicy).
+        kwargs["enable_chunked_prefill"] = False
+        budget = config.max_num_batched_tokens
+        if budget is not None and budget < config.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={budget} is below max_model_len={config.max_model_len}: on {device} "
+                "vLLM prefills each prompt in one step, so the step budget must hold a whole sequence"
+            )
     if uses_external_launcher(config, device, distributed):
         kwargs["distributed_executor_backend"] = "external_launcher"
     if device == "cpu":
