@@ -298,9 +298,10 @@ def _check_unsupported(check: _Checker, config: JobConfig) -> None:
                    "has no effect on trainer.device=cpu (CUDA graphs are a GPU feature): vLLM runs eagerly on "
                    "CPU; leave it null (or true)", [None, True])
     if policy is not None and not policy.vllm_chunked_prefill:
-        budget, data = arr.rollout.max_num_batched_tokens, config.data
-        sequence = data.max_prompt_length + data.max_response_length
-        if isinstance(budget, int) and isinstance(sequence, int) and budget < sequence:
+        budget, lengths = arr.rollout.max_num_batched_tokens, (config.data.max_prompt_length,
+                                                               config.data.max_response_length)
+        sequence = sum(lengths) if all(type(n) is int for n in lengths) else None  # bad lengths: reported above
+        if type(budget) is int and sequence is not None and budget < sequence:
             check.fail("actor_rollout_ref.rollout.max_num_batched_tokens", budget,
                        f"must hold a whole sequence on trainer.device={config.trainer.device}, where vLLM prefills "
                        f"each prompt in one step: at least data.max_prompt_length + data.max_response_length = "
