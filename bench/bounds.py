@@ -1,11 +1,13 @@
 """Lower bounds on a GRPO step's time on this machine: the arithmetic and memory traffic no
 implementation can avoid, divided by rates measured here (one core per rank).
 
-- update (forward + backward over every token): 3 x (2 FLOPs per matmul weight per token + causal
-  attention's two s^2/2 matmuls), at the GEMM rate measured at the update's shapes;
+- update (forward + backward): 3 x (2 FLOPs per layer weight per token + causal attention's two
+  s^2/2 matmuls + 2 FLOPs per lm_head weight per response token: the loss needs the logits of the
+  response tokens only), at the GEMM rate measured at the update's shapes;
 - generation: every decode step multiplies each running sequence through the weights (at the GEMM
   rate of an M = sequences matmul) and must read the weights once and every sequence's KV cache
-  (at the measured copy bandwidth); a step costs the larger of the two. Prefill is counted as compute.
+  (at the measured copy bandwidth); a step costs the larger of the two. Prefill is counted as compute
+  (the lm_head at the last prompt position only).
 
 Embedding lookups, norms, activations, softmax, sampling and the optimizer count as free, and the
 rates are peaks of single large operations, so the bound is below what any implementation reaches.
@@ -35,13 +37,23 @@ def head_dim(config: dict[str, Any]) -> int:
     return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
 
 
-def matmul_params(config: dict[str, Any]) -> int:
-    """Weights a token is multiplied by: attention and MLP projections of every layer, and the lm_head."""
+def body_params(config: dict[str, Any]) -> int:
+    """Weights every token is multiplied by: the attention and MLP projections of every layer."""
     h, layers, d = config["hidden_size"], config["num_hidden_layers"], head_dim(config)
     heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
     attn = h * heads * d + 2 * h * kv * d + heads * d * h
     mlp = 3 * h * config["intermediate_size"]
-    return layers * (attn + mlp) + h * config["vocab_size"]  # lm_head multiplies even when tied
+    return layers * (attn + mlp)
+
+
+def head_params(config: dict[str, Any]) -> int:
+    """The lm_head's weights (it multiplies even when tied to the embedding)."""
+    return config["hidden_size"] * config["vocab_size"]
+
+
+def matmul_params(config: dict[str, Any]) -> int:
+    """Weights a token whose next-token logits are needed is multiplied by: the layers and the lm_head."""
+    return body_params(config) + head_params(config)
 
 
 def flops_per_token(config: dict[str, Any], seq: int, *, training: bool) -> float:
@@ -116,12 +128,13 @@ def step_bound(config: dict[str, Any], *, dtype: str, sequences: int, prompt_tok
     per_rank = sequences / ranks
     rates = rates or measured_rates(dtype, config["hidden_size"], config["intermediate_size"],
                                     max(1, round(per_rank)), max(1, round(micro_batch * seq)))
-    weights = matmul_params(config)
+    weights, body, head = matmul_params(config), body_params(config), head_params(config)
     layers, heads, d = config["num_hidden_layers"], config["num_attention_heads"], head_dim(config)
 
-    # update: forward + backward; causal attention needs only the lower half of each s x s product
+    # update: forward + backward; causal attention needs only the lower half of each s x s product,
+    # the loss only the response tokens' logits
     attention = 2 * 2 * layers * heads * d * seq * seq / 2
-    update_flops = 3 * per_rank * (2 * weights * seq + attention)
+    update_flops = 3 * per_rank * (2 * body * seq + 2 * head * response_tokens + attention)
     update_s = update_flops / rates["train_flops_per_s"]
 
     # generation: prefill as compute, then one decode step per response token
@@ -129,7 +142,7 @@ def step_bound(config: dict[str, Any], *, dtype: str, sequences: int, prompt_tok
     from hybridrl.models.arch import ModelShape
 
     kv_token = kv_bytes_per_token(ModelShape.from_hf_config(config), value_bytes)
-    prefill_s = per_rank * (2 * weights * prompt_tokens) / rates["train_flops_per_s"]
+    prefill_s = per_rank * (2 * body * prompt_tokens + 2 * head) / rates["train_flops_per_s"]
     decode_s = 0.0
     for t in range(response_tokens):
         context = prompt_tokens + t

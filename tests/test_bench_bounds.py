@@ -16,16 +16,18 @@ RATES = {"train_flops_per_s": 1e11, "decode_flops_per_s": 5e10, "copy_bytes_per_
 def test_update_and_generation_bounds_by_hand():
     config = json.loads((ROOT / "configs/models/bench-30m/config.json").read_text())
     # 8 layers of q,k,v,o (4 x 512 x 512) + gate,up,down (3 x 512 x 1536), plus the lm_head (96 x 512)
-    weights = 8 * (4 * 512 * 512 + 3 * 512 * 1536) + 96 * 512
+    body, head = 8 * (4 * 512 * 512 + 3 * 512 * 1536), 96 * 512
+    weights = body + head
     assert bounds.matmul_params(config) == weights
     out = bounds.step_bound(config, dtype="bf16", sequences=64, prompt_tokens=16, response_tokens=4, ranks=2,
                             rates=RATES)
     per_rank, seq = 32, 20
     attention = 2 * 2 * 8 * 8 * 64 * seq * seq / 2            # QK^T and AV over the causal half
-    update = 3 * per_rank * (2 * weights * seq + attention) / 1e11
+    # the layers over all 20 tokens, the lm_head over the 4 response tokens only
+    update = 3 * per_rank * (2 * body * seq + 2 * head * 4 + attention) / 1e11
     assert out["bound_s/update"] == pytest.approx(update)
     kv_token = 2 * 8 * 8 * 64 * 2                                # K and V, 8 layers, 8 heads x 64, bf16
-    gen = per_rank * 2 * weights * 16 / 1e11                     # prefill
+    gen = per_rank * (2 * body * 16 + 2 * head) / 1e11            # prefill: the lm_head at the last position
     for t in range(4):
         context = 16 + t
         flops = per_rank * (2 * weights + 4 * 8 * 8 * 64 * context) / 5e10
