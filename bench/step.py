@@ -132,13 +132,21 @@ class TreeCPU:
 
 def run_hybridrl(size: str, prompts: int, n: int, steps: int, world: int, tag: str, lr: float | None = None,
                  seed: int = 0, dtype: str = "fp32", timeout_s: float = 1800, log=print) -> list[dict]:
-    """One `hybridrl train` run; returns per-step records (trainer metrics + sampled CPU seconds)."""
+    """One `hybridrl train` run of the demo config at `size`; returns per-step records."""
     run_dir = ROOT / "runs" / "bench" / tag
+    return run_train(DEMO_CONFIG, overrides(size, prompts, n, steps, world, run_dir, lr, seed, dtype), run_dir,
+                     timeout_s=timeout_s, log=log)
+
+
+def run_train(config: str, job_overrides: list[str], run_dir: Path, *, timeout_s: float = 1800,
+              log=print) -> list[dict]:
+    """One `hybridrl train CONFIG overrides` run whose `trainer.run_dir` is `run_dir`; returns per-step
+    records (trainer metrics + sampled CPU seconds)."""
+    tag = run_dir.name
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists():
         metrics.unlink()
-    cmd = [str(Path(sys.executable).with_name("hybridrl")), "train", "--no-progress", DEMO_CONFIG,
-           *overrides(size, prompts, n, steps, world, run_dir, lr, seed, dtype)]
+    cmd = [str(Path(sys.executable).with_name("hybridrl")), "train", "--no-progress", config, *job_overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     log_path = run_dir.with_suffix(".log")
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,10 @@ repo), n samples per prompt, full-length responses (EOS suppressed with min_new_
 step per generation batch, constant learning rate, no KL (beta=0), HF generate (no vLLM), fp32, one
 torch thread. Writes per-step wall/CPU times (and generation+scoring time) as JSON.
 
+`--task arith_word` (bench/vs_trl.py --model real): the real model's folder with its own tokenizer and
+chat template (TRL applies it to the conversational prompts), the `arith_word` scorer, responses that
+stop at the model's EOS, sampled at `--temperature`.
+
     bench/.venv-trl/bin/python bench/trl_grpo_run.py --model DIR --data FILE --prompts P --n N \
         --max-completion L --micro M --lr LR --steps S --out FILE.json
 """
@@ -38,6 +42,10 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--bf16", action="store_true", help="autocast bf16 (weights and optimizer stay fp32)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (cores given to TRL)")
+    parser.add_argument("--task", choices=("repeat_letter", "arith_word"), default="repeat_letter",
+                        help="arith_word: the real model's task (chat-template prompts, the model folder's own "
+                             "tokenizer, stop at EOS, sampled at --temperature)")
+    parser.add_argument("--temperature", type=float, default=1.0)
     args = parser.parse_args()
 
     import torch
@@ -50,18 +58,26 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from hybridrl.rewards import get_scorer  # pure Python: the scorer hybridrl uses
 
-    scorer = get_scorer("repeat_letter")
+    if args.task == "arith_word":
+        import hybridrl.data.arith_task  # noqa: F401  (registers the arith_word scorer)
+    scorer = get_scorer(args.task)
 
-    def repeat_letter(completions: list[str], ground_truth: list[str], **_: object) -> list[float]:
-        return [scorer(text, truth).score for text, truth in zip(completions, ground_truth)]
+    def reward(completions: list, ground_truth: list[str], **_: object) -> list[float]:
+        # conversational prompts give completions as [{"role": "assistant", "content": ...}]
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [scorer(text, truth).score for text, truth in zip(texts, ground_truth)]
 
+    reward.__name__ = args.task
     rows = [json.loads(line) for line in Path(args.data).read_text().splitlines() if line.strip()]
     rows = rows[: args.prompts * args.steps * 2]
     dataset = datasets.Dataset.from_list(
         [{"prompt": r["prompt"], "ground_truth": r["reward_model"]["ground_truth"]} for r in rows])
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_file=str(Path(args.model) / "tokenizer.json"), pad_token="<pad>", bos_token="<bos>",
-        eos_token="<eos>", unk_token="<unk>")
+    if args.task == "arith_word":  # a real model: its own tokenizer and chat template (TRL applies it)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
+    else:
+        tokenizer = transformers.PreTrainedTokenizerFast(
+            tokenizer_file=str(Path(args.model) / "tokenizer.json"), pad_token="<pad>", bos_token="<bos>",
+            eos_token="<eos>", unk_token="<unk>")
     tokenizer.padding_side = "left"
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
 
@@ -71,8 +87,11 @@ def main() -> None:
     config = trl.GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl_grpo_"), use_cpu=True, bf16=args.bf16, fp16=False,
         per_device_train_batch_size=args.micro, gradient_accumulation_steps=sequences // args.micro,
-        num_generations=args.n, max_completion_length=args.max_completion, temperature=1.0, top_p=1.0, top_k=0,
-        generation_kwargs={"min_new_tokens": args.max_completion}, beta=0.0, num_iterations=1, epsilon=0.2,
+        num_generations=args.n, max_completion_length=args.max_completion, temperature=args.temperature,
+        top_p=1.0, top_k=0,
+        # the synthetic task: full-length responses, as hybridrl's ignore_eos; the real one stops at EOS
+        generation_kwargs={"min_new_tokens": args.max_completion} if args.task == "repeat_letter" else None,
+        beta=0.0, num_iterations=1, epsilon=0.2,
         learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, max_steps=args.steps, logging_steps=1,
         save_strategy="no", report_to=[], seed=args.seed, dataloader_num_workers=0, disable_tqdm=True,
@@ -98,7 +117,7 @@ def main() -> None:
                 marks["gen_wall"].append(time.perf_counter() - wall)
                 marks["gen_cpu"].append(time.process_time() - cpu)
 
-    trainer = TimedGRPOTrainer(model=model, reward_funcs=repeat_letter, args=config, train_dataset=dataset,
+    trainer = TimedGRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=dataset,
                                processing_class=tokenizer, callbacks=[StepClock()])
     trainer.train()
     wall0, cpu0 = marks["begin"]

@@ -19,6 +19,14 @@ TRL lives in its own venv (bench/.venv-trl, created on first use: torch==2.13.0 
 trl transformers datasets). The TRL side runs `bench/trl_grpo_run.py` with that venv's python.
 
     python bench/vs_trl.py [--full] [--cases tiny:fp32,30m:fp32,30m:bf16,30m:bf16:2] [--rounds R] [--world 1]
+    python bench/vs_trl.py --model real [--layouts pp2,dp2] [--prompts 16] [--steps 4] [--rounds 1]
+
+`--model real`: SmolLM2-135M-Instruct (`make real-model`) on the arithmetic word problems
+(`configs/examples/smollm2_arith_grpo.yaml`, data from tools/make_arith_data.py): the same chat-template
+prompts, `arith_word` scorer, n, temperature 0.7, responses that stop at the model's EOS (at most 40
+tokens), micro-batch, lr and steps on both sides, on 2 cores: hybridrl at PP2 or DP2 (two ranks of one
+thread, one vLLM replica each), TRL one process with 2 torch threads. Mean response lengths are printed
+beside the times, as they follow each side's own samples.
 
 fp32 is the equal-work comparison. bf16 runs both sides in bf16 (hybridrl: megatron and vLLM weights in
 bf16; TRL: `bf16=True`, i.e. CPU autocast over fp32 weights) and is also compared against TRL's faster
@@ -40,9 +48,10 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-from bounds import bound_of_run
-from step import ROOT, SIZES, ensure_inputs, run_hybridrl
+from bounds import bound_of_run, step_bound
+from step import ROOT, SIZES, ensure_inputs, run_hybridrl, run_train
 
 RESULTS = ROOT / "bench" / "results" / "vs_trl.json"
 TRL_VENV = ROOT / "bench" / ".venv-trl"
@@ -68,12 +77,16 @@ def ensure_trl_venv() -> None:
 def run_trl(size: str, prompts: int, n: int, steps: int, tag: str, dtype: str = "fp32", cores: int = 1) -> dict:
     spec = SIZES[size]
     model_dir = ensure_inputs(size)
+    return _run_trl_side(["--model", str(model_dir), "--data", str(DATA), "--prompts", str(prompts), "--n", str(n),
+                          "--max-completion", str(spec["response"]), "--micro", str(spec["micro"]),
+                          "--lr", str(spec["lr"]), "--steps", str(steps), "--threads", str(cores),
+                          *(["--bf16"] if dtype == "bf16" else [])], tag, cores)
+
+
+def _run_trl_side(trl_args: list[str], tag: str, cores: int) -> dict:
     out = ROOT / "runs" / "bench" / f"{tag}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [str(TRL_PY), str(ROOT / "bench" / "trl_grpo_run.py"), "--model", str(model_dir), "--data", str(DATA),
-           "--prompts", str(prompts), "--n", str(n), "--max-completion", str(spec["response"]),
-           "--micro", str(spec["micro"]), "--lr", str(spec["lr"]), "--steps", str(steps), "--out", str(out),
-           "--threads", str(cores), *(["--bf16"] if dtype == "bf16" else [])]
+    cmd = [str(TRL_PY), str(ROOT / "bench" / "trl_grpo_run.py"), *trl_args, "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS=str(cores), MKL_NUM_THREADS=str(cores), TOKENIZERS_PARALLELISM="false")
     env.pop("VIRTUAL_ENV", None)
     started = time.perf_counter()
@@ -92,6 +105,107 @@ def median_after(values: list[float], warmup: int) -> float:
     return statistics.median(kept)
 
 
+REAL_MODEL = ROOT / "data" / "models" / "smollm2-135m-instruct"
+REAL_CONFIG = "configs/examples/smollm2_arith_grpo.yaml"
+ARITH_DATA = ROOT / "data" / "arith" / "train.jsonl"
+# The real case's shared settings (the example config's, one optimizer step per step on both sides).
+REAL = {"n": 4, "response": 40, "micro": 4, "lr": 2e-5, "temperature": 0.7}
+REAL_LAYOUTS = {  # hybridrl's layout on the 2 cores
+    "pp2": ["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"],
+    "dp2": ["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1"],
+}
+
+
+def ensure_real_inputs() -> None:
+    if not (REAL_MODEL / "config.json").exists():
+        subprocess.run(["make", "real-model"], cwd=ROOT, check=True)
+    if not ARITH_DATA.exists():
+        subprocess.run([sys.executable, "tools/make_arith_data.py", "--out-dir", "data/arith", "--val-rows", "32"],
+                       cwd=ROOT, check=True)
+
+
+def real_overrides(layout: str, prompts: int, steps: int, run_dir: Path, seed: int) -> list[str]:
+    a = "actor_rollout_ref.actor"
+    return [
+        *REAL_LAYOUTS[layout],
+        f"data.train_batch_size={prompts}", f"{a}.ppo_mini_batch_size={prompts}",
+        f"{a}.ppo_micro_batch_size_per_gpu={REAL['micro']}", f"{a}.optim.lr={REAL['lr']}",
+        f"actor_rollout_ref.rollout.n={REAL['n']}", f"actor_rollout_ref.rollout.temperature={REAL['temperature']}",
+        f"data.max_response_length={REAL['response']}",
+        "trainer.torch_threads_per_rank=1", f"trainer.total_training_steps={steps}", "trainer.test_freq=-1",
+        "trainer.val_before_train=false", "trainer.save_freq=-1", "trainer.resume_mode=disable",
+        "trainer.logger=[jsonl]", f"trainer.seed={seed}", f"trainer.run_dir={run_dir}",
+        "trainer.project_name=bench", f"trainer.experiment_name={run_dir.name}",
+    ]
+
+
+def run_real(args: argparse.Namespace) -> None:
+    """hybridrl (PP2 / DP2) against TRL (2 threads) on the real model and task, alternating runs."""
+    ensure_real_inputs()
+    model_config = json.loads((REAL_MODEL / "config.json").read_text())
+    steps, rounds, prompts = args.steps or 4, args.rounds or 1, args.prompts
+    sequences = prompts * REAL["n"]
+    results: dict[str, dict] = {}
+    trl_runs: list[dict] = []
+    for layout in args.layouts.split(","):
+        if layout not in REAL_LAYOUTS:
+            raise SystemExit(f"--layouts: {layout!r} is not one of {', '.join(REAL_LAYOUTS)}")
+        h_wall, h_cpu, h_update, h_gen, h_len, h_reward = [], [], [], [], [], []
+        for r in range(rounds):
+            run_dir = ROOT / "runs" / "bench" / f"vs_trl_real_{layout}_hybridrl_{r}"
+            records = run_train(REAL_CONFIG, real_overrides(layout, prompts, steps, run_dir, seed=r), run_dir)
+            kept = records[args.warmup:] or records[-1:]
+            h_wall += [rec["timing_s/step"] for rec in kept]
+            h_cpu += [rec.get("cpu_s/total", math.nan) for rec in kept]
+            h_update += [rec["timing_s/update_actor"] for rec in kept]
+            h_gen += [rec["timing_s/gen"] for rec in kept]
+            h_len += [rec["response_length/mean"] for rec in kept]
+            h_reward += [rec["reward/score_mean"] for rec in records]
+            if len(trl_runs) <= r:  # one TRL run per round serves every layout (TRL has one layout)
+                trl_runs.append(_run_trl_side(
+                    ["--task", "arith_word", "--model", str(REAL_MODEL), "--data", str(ARITH_DATA),
+                     "--prompts", str(prompts), "--n", str(REAL["n"]), "--max-completion", str(REAL["response"]),
+                     "--micro", str(REAL["micro"]), "--lr", str(REAL["lr"]), "--temperature", str(REAL["temperature"]),
+                     "--steps", str(steps), "--threads", "2", "--seed", str(r)], f"vs_trl_real_trl_{r}", cores=2))
+        t_wall = [w for run in trl_runs for w in run["step_wall_s"][args.warmup:]]
+        t_cpu = [c for run in trl_runs for c in run["step_cpu_s"][args.warmup:]]
+        t_len = [x for run in trl_runs for x in run["completion_mean_length"][args.warmup:] if x is not None]
+        mean_len = statistics.mean(h_len)
+        tokens = statistics.mean(rec["perf/total_num_tokens"] for rec in kept)  # every real token of a step
+        prompt_tokens = max(1.0, tokens / sequences - mean_len)
+        bound = step_bound(model_config, dtype="fp32", sequences=sequences, prompt_tokens=prompt_tokens,
+                           response_tokens=max(1, round(mean_len)), ranks=2, micro_batch=REAL["micro"])
+        summary = {
+            "hybridrl_step_wall_s": statistics.median(h_wall), "trl_step_wall_s": statistics.median(t_wall),
+            "ratio_wall_hybridrl_over_trl": statistics.median(h_wall) / statistics.median(t_wall),
+            "hybridrl_step_cpu_s": statistics.median([v for v in h_cpu if v == v] or [math.nan]),
+            "trl_step_cpu_s": statistics.median(t_cpu),
+            "hybridrl_update_wall_s": statistics.median(h_update), "hybridrl_gen_wall_s": statistics.median(h_gen),
+            "trl_gen_and_score_wall_s": statistics.median(
+                [g for run in trl_runs for g in run["gen_score_wall_s"][args.warmup:]]),
+            "hybridrl_response_tokens_mean": mean_len, "trl_response_tokens_mean": statistics.mean(t_len or [math.nan]),
+            "bound_update_s": bound["bound_s/update"], "bound_step_s": bound["bound_s/step"],
+            "hybridrl_update_x_bound": statistics.median(h_update) / bound["bound_s/update"],
+            "steps_measured_each": min(len(h_wall), len(t_wall)),
+        }
+        results[layout] = {"summary": summary, "raw": {
+            "hybridrl_wall": h_wall, "hybridrl_reward": h_reward, "trl_wall": t_wall,
+            "trl_reward": [x for run in trl_runs for x in run["reward"]]}}
+        print(f"== real {layout}: " + json.dumps(summary))
+    keys = list(dict.fromkeys(k for v in results.values() for k in v["summary"]))
+    print(f"{'median per step (real model)':<36}" + "".join(f"{c:>12}" for c in results))
+    for key in keys:
+        print(f"{key:<36}" + "".join(f"{results[c]['summary'][key]:>12.3f}" for c in results))
+    config = {"model": str(REAL_MODEL.relative_to(ROOT)), "config": REAL_CONFIG, "prompts": prompts,
+              "sequences": sequences, "steps_per_run": steps, "warmup_steps": args.warmup, "rounds": rounds, **REAL,
+              "trl_versions": trl_runs[0]["versions"] if trl_runs else None}
+    out = RESULTS.with_name("vs_trl_real.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"bench": "vs_trl", "model": "real", "config": config, "cpu_count": os.cpu_count(),
+                               "load_avg_1m": os.getloadavg()[0], "results": results}, indent=1))
+    print(f"wrote {out.relative_to(ROOT)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="64 prompts at 30M, as in the issue (slow on 2 cores)")
@@ -104,8 +218,15 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=1, help="hybridrl ranks of cases without a cores field "
                         "(TRL: one process, one thread)")
     parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--model", choices=("random", "real"), default="random",
+                        help="real: SmolLM2-135M-Instruct on the arithmetic task (see above)")
+    parser.add_argument("--layouts", default="pp2,dp2", help="--model real: hybridrl's layouts")
+    parser.add_argument("--prompts", type=int, default=16, help="--model real: prompts per step (x n=4 samples)")
     args = parser.parse_args()
     ensure_trl_venv()
+    if args.model == "real":
+        run_real(args)
+        return
     sizes = FULL if args.full else QUICK
     results: dict[str, dict] = {}
     for case in args.cases.split(","):

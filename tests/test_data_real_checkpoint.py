@@ -17,7 +17,7 @@ import pytest
 from hybridrl.data.arith_task import ArithWordTask
 from hybridrl.data.dataset import DatasetError, PromptDataset
 from hybridrl.data.io import write_rows
-from hybridrl.data.tokenizer import char_tokenizer, load_tokenizer, resolve_pad_token_id
+from hybridrl.data.tokenizer import char_tokenizer, load_tokenizer, model_folder_pad_token_id, resolve_pad_token_id
 from hybridrl.rollout.engine import model_eos_token_ids
 
 
@@ -132,16 +132,14 @@ def test_the_demo_real_data_fits_its_config(tokenizer, tmp_path) -> None:
 
 
 def test_a_worker_built_alone_resolves_the_same_pad(real_model, tokenizer, tmp_path) -> None:
-    from hybridrl.config.schema import ModelConfig
-    from hybridrl.workers.hybrid import _pad_token_id
-
-    assert _pad_token_id(ModelConfig(path=str(real_model))) == resolve_pad_token_id(tokenizer, real_model) == 2
+    # what a hybrid worker built without the trainer's id resolves (`model_folder_pad_token_id`)
+    assert model_folder_pad_token_id(real_model) == resolve_pad_token_id(tokenizer, real_model) == 2
     # a weights-only folder (no tokenizer files): its config decides, then its EOS
     weights_only = tmp_path / "weights"
     weights_only.mkdir()
     (weights_only / "config.json").write_text(json.dumps({"pad_token_id": 5, "eos_token_id": 3}))
-    assert _pad_token_id(ModelConfig(path=str(weights_only))) == 5
+    assert model_folder_pad_token_id(weights_only) == 5
     (weights_only / "config.json").write_text(json.dumps({"eos_token_id": [3, 4]}))
-    assert _pad_token_id(ModelConfig(path=str(weights_only))) == 3
+    assert model_folder_pad_token_id(weights_only) == 3
     # a separate tokenizer folder wins over the model folder's config
-    assert _pad_token_id(ModelConfig(path=str(weights_only), tokenizer_path=str(real_model))) == 2
+    assert model_folder_pad_token_id(weights_only, tokenizer_path=real_model) == 2

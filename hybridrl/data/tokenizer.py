@@ -146,3 +146,14 @@ def resolve_pad_token_id(tokenizer: Any, model_path: str | Path) -> int:
     if isinstance(pad, list):  # a config may list several; padding needs one
         pad = pad[0] if pad else None
     return int(pad) if pad is not None else 0
+
+
+def model_folder_pad_token_id(model_path: str | Path, tokenizer_path: str | Path | None = None,
+                              trust_remote_code: bool = False) -> int:
+    """`resolve_pad_token_id` for a model section (path, tokenizer path) when no tokenizer is loaded
+    yet: weight-only folders (tests, benchmarks) have no tokenizer files, so their config files decide."""
+    source = Path(tokenizer_path or model_path)
+    has_tokenizer = source.is_file() or any(
+        (source / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    tokenizer = load_tokenizer(source, trust_remote_code=trust_remote_code) if has_tokenizer else None
+    return resolve_pad_token_id(tokenizer, model_path)

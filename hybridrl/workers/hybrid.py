@@ -37,6 +37,7 @@ import torch
 from hybridrl.config.plan import Plan
 from hybridrl.controller.base_worker import RankContext
 from hybridrl.data.batch import Batch
+from hybridrl.data.tokenizer import model_folder_pad_token_id
 from hybridrl.names import Phase
 from hybridrl.parallel.cpu_layer import cuda_to_cpu_mode_suspended
 from hybridrl.parallel.device import default_dtype_for, release_cached_blocks
@@ -109,7 +110,8 @@ class HybridEngineWorker(ActorRolloutRefWorker):
         model_path = arr.model.path
         self.pad_token_id = self.settings.pad_token_id
         if self.pad_token_id is None:
-            self.pad_token_id = _pad_token_id(arr.model)
+            self.pad_token_id = model_folder_pad_token_id(arr.model.path, arr.model.tokenizer_path,
+                                                          arr.model.trust_remote_code)
         self.attach_rollout(RolloutEngine(RolloutEngineConfig(
             model_path=model_path,
             device=plan.resolved.device,
@@ -276,15 +278,3 @@ def left_pad_prompts(batch: Batch, width: int, pad_token_id: int) -> Batch:
     return batch
 
 
-def _pad_token_id(model: Any) -> int:
-    """The trainer's resolution (`resolve_pad_token_id`) for a worker built without it."""
-    from pathlib import Path
-
-    from hybridrl.data.tokenizer import load_tokenizer, resolve_pad_token_id
-
-    source = Path(model.tokenizer_path or model.path)
-    # Weight-only folders (tests, benchmarks) have no tokenizer: their config files decide.
-    has_tokenizer = source.is_file() or any(
-        (source / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-    tokenizer = load_tokenizer(source, trust_remote_code=model.trust_remote_code) if has_tokenizer else None
-    return resolve_pad_token_id(tokenizer, model.path)
