@@ -251,30 +251,37 @@ def _update_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
 
     plan = build_plan(config)
     backend = MegatronBackend(role_spec(plan, "actor"))
-    metrics = MegatronActor(backend, plan).update_policy(batch)
+    metrics = MegatronActor(backend, plan).update_policy(batch.split(backend.ctx.dp)[backend.ctx.dp_rank])
     weights = {f"{i}.{n}": p.detach().clone() for i, c in enumerate(backend.chunks) for n, p in c.named_parameters()}
     return {"metrics": metrics, "weights": weights, "coords": (backend.ctx.tp_rank, backend.ctx.pp_rank)}
 
 
 def test_packed_update_equals_padded(tmp_path):
-    """One PPO step (KL loss, entropy bonus): loss, grad norm and every updated weight, TP1/TP2/PP2."""
+    """One PPO step (KL loss, entropy bonus): loss, grad norm and every updated weight, TP1/TP2/PP2/DP2."""
     hf = policy_model(tmp_path / "hf")
     batch = rollout_batch(8, seed=10)
-    for tp, pp in LAYOUTS:
+    # perf/padding_ratio by hand: micro-batches of rows 0-3 and 4-7, each padded to its longest row
+    lengths = batch["attention_mask"].sum(-1)
+    computed = sum(4 * int(lengths[i:i + 4].max()) for i in (0, 4))
+    padding_ratio = 1 - int(lengths.sum()) / computed
+    assert padding_ratio > 0.1
+    for tp, pp, dp in ((1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2)):
         runs = {}
         for on in (False, True):
-            config = packed(job_config(hf, world=tp * pp, tp=tp, pp=pp, micro=4, use_kl_loss=True,
+            config = packed(job_config(hf, world=tp * pp * dp, tp=tp, pp=pp, micro=4, use_kl_loss=True,
                                        entropy_coeff=0.01), on)
-            results = run_ranks(_update_rank, tp * pp, config, batch)
+            results = run_ranks(_update_rank, tp * pp * dp, config, batch)
             runs[on] = ([r["metrics"] for r in results if r["metrics"] is not None][0],
-                        {r["coords"]: r["weights"] for r in results})
+                        {r["coords"]: r["weights"] for r in results})  # DP replicas: one of them
         (pad_m, pad_w), (pack_m, pack_w) = runs[False], runs[True]
         for name in ("pg_loss", "grad_norm", "kl_loss", "entropy", "approx_kl", "clipfrac"):
-            assert abs(getattr(pack_m, name) - getattr(pad_m, name)) <= TOL, (tp, pp, name)
+            assert abs(getattr(pack_m, name) - getattr(pad_m, name)) <= TOL, (tp, pp, dp, name)
         assert pad_m.grad_norm > 1e-2
+        assert pad_m.padding_ratio == pytest.approx(padding_ratio, abs=1e-12) and pack_m.padding_ratio == 0.0
+        assert pad_m.as_dict()["perf/padding_ratio"] == pad_m.padding_ratio
         for coord, weights in pad_w.items():
             for name, value in weights.items():
-                assert (pack_w[coord][name] - value).abs().max() <= TOL, (tp, pp, coord, name)
+                assert (pack_w[coord][name] - value).abs().max() <= TOL, (tp, pp, dp, coord, name)
 
 
 def test_packed_critic_and_reward_model_equal_torch_and_transformers(tmp_path):

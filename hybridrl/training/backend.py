@@ -35,7 +35,7 @@ from hybridrl.models.bridge import ModelSource, build_gpt_models, load_weights
 from hybridrl.names import Role
 from hybridrl.parallel import state
 from hybridrl.parallel.cpu_layer import apply_cpu_layer
-from hybridrl.parallel.device import default_dtype_for, layer_spec_kind, to_rank_device
+from hybridrl.parallel.device import collective_device, default_dtype_for, layer_spec_kind, to_rank_device
 from hybridrl.parallel.device_policy import DevicePolicy
 from hybridrl.training.lr_schedule import LRSchedule
 from hybridrl.training.nonfinite import step_is_finite
@@ -181,8 +181,17 @@ class TokenCounts:
         self.real += sum(m.real_tokens for m in micros)
         self.computed += sum(m.computed_tokens for m in micros)
 
-    def padding_ratio(self) -> float:
-        return (self.computed - self.real) / self.computed if self.computed else 0.0
+    def padding_ratio(self, group: Any = None) -> float:
+        """Padding columns / computed columns; with `group` (the DP group: every rank calls it), over the
+        group's micro-batches together."""
+        real, computed = self.real, self.computed
+        if group is not None:
+            import torch.distributed as dist
+
+            counts = torch.tensor([real, computed], dtype=torch.int64, device=collective_device(group))
+            dist.all_reduce(counts, group=group)
+            real, computed = (int(v) for v in counts.tolist())
+        return (computed - real) / computed if computed else 0.0
 
     def reset(self) -> None:
         self.real = self.computed = 0
