@@ -284,6 +284,24 @@ def test_packed_update_equals_padded(tmp_path):
                 assert (pack_w[coord][name] - value).abs().max() <= TOL, (tp, pp, dp, coord, name)
 
 
+def test_packed_token_budget_micro_batches_give_the_padded_step(tmp_path):
+    """use_dynamic_bsz (micro-batches cut by a token budget, agreed over DP2) packed = padded fixed micro-batches."""
+    hf = policy_model(tmp_path / "hf")
+    batch = rollout_batch(8, seed=4)
+    (base_run,) = run_ranks(_update_rank, 1, job_config(hf, world=1, micro=4), batch)
+    base = base_run["metrics"]
+    config = packed(job_config(hf, world=2, micro=2, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=20))
+    results = run_ranks(_update_rank, 2, config, batch)
+    metrics = [r["metrics"] for r in results][0]
+    for name in ("pg_loss", "grad_norm", "entropy", "clipfrac"):
+        assert abs(getattr(metrics, name) - getattr(base, name)) <= 1e-6, name
+    assert metrics.padding_ratio == 0.0 and base.padding_ratio > 0.0
+    assert results[0]["weights"].keys() == results[1]["weights"].keys()
+    for name, value in results[0]["weights"].items():
+        assert torch.equal(results[1]["weights"][name], value), name  # DP replicas agree
+        assert (value - base_run["weights"][name]).abs().max() <= 1e-5, name
+
+
 def test_packed_critic_and_reward_model_equal_torch_and_transformers(tmp_path):
     """Values, the value update (plain torch reference) and reward scores (transformers) when packed."""
     import transformers
@@ -351,3 +369,13 @@ def test_use_remove_padding_is_a_checked_model_field():
     with pytest.raises(ConfigError, match="actor_rollout_ref.model.use_remove_padding") as err:
         load_config(None, ["actor_rollout_ref.model.use_remove_padding=sometimes"])
     assert "sometimes" in str(err.value)
+
+
+def test_use_remove_padding_on_cuda_plans_with_a_note_of_what_it_needs():
+    from tests.test_config_validation import SEED, plan_from_sources
+
+    plan = plan_from_sources(SEED, ["actor_rollout_ref.model.use_remove_padding=true"])
+    assert plan.config.actor_rollout_ref.model.use_remove_padding is True  # kept, not dropped
+    notes = [w for w in plan.warnings if "use_remove_padding=true needs Transformer Engine" in w]
+    assert len(notes) == 1 and notes[0].startswith("actor_rollout_ref.model.")
+    assert not any("use_remove_padding" in w for w in plan_from_sources(SEED, []).warnings)
