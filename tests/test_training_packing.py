@@ -302,6 +302,21 @@ def test_packed_token_budget_micro_batches_give_the_padded_step(tmp_path):
         assert (value - base_run["weights"][name]).abs().max() <= 1e-5, name
 
 
+def test_packed_update_with_activation_recomputation_equals_padded(tmp_path):
+    """model.enable_gradient_checkpointing: megatron's full recompute re-runs the packed forward."""
+    hf = policy_model(tmp_path / "hf")
+    batch = rollout_batch(8, seed=12)
+    runs = {}
+    for on in (False, True):
+        config = packed(job_config(hf, world=1, micro=4), on)
+        config.actor_rollout_ref.model.enable_gradient_checkpointing = True
+        (runs[on],) = run_ranks(_update_rank, 1, config, batch)
+    for name in ("pg_loss", "grad_norm", "entropy"):
+        assert abs(getattr(runs[True]["metrics"], name) - getattr(runs[False]["metrics"], name)) <= TOL, name
+    for name, value in runs[False]["weights"].items():
+        assert (runs[True]["weights"][name] - value).abs().max() <= TOL, name
+
+
 def test_packed_critic_and_reward_model_equal_torch_and_transformers(tmp_path):
     """Values, the value update (plain torch reference) and reward scores (transformers) when packed."""
     import transformers
