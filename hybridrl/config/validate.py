@@ -231,6 +231,14 @@ def _check_unsupported(check: _Checker, config: JobConfig) -> None:
     arr = config.actor_rollout_ref
     # None for an unknown trainer.device (reported by _check_trainer): the device checks are skipped
     policy = DEVICE_POLICIES.get(config.trainer.device)
+    if policy is not None and policy.transformer_engine_possible:
+        for prefix, model in (("actor_rollout_ref.model", arr.model), ("critic.model", config.critic.model),
+                              ("reward_model.model", config.reward_model.model)):
+            if model.use_remove_padding:
+                check.warnings.append(
+                    f"{prefix}.use_remove_padding=true needs Transformer Engine on the workers (its attention "
+                    "reads cu_seqlens; megatron's local attention refuses packed sequences and the workers stop "
+                    "at start-up without TE); the CPU suite runs packing through its own attention stand-in")
     for prefix, mc in megatron_sections(config):
         tp = mc.tensor_model_parallel_size
         if mc.sequence_parallel and isinstance(tp, int) and tp > 1:

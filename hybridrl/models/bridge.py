@@ -50,6 +50,7 @@ from hybridrl.models.layout import (
     chunk_tensor_plans,
     rank_chunk_key_prefix,
 )
+from hybridrl.parallel.cpu_attention import install_cpu_packed_rope, with_cpu_packed_attention
 from hybridrl.parallel.cpu_layer import CPU_CONFIG_OVERRIDES
 from hybridrl.parallel.cpu_rope import install_cpu_fused_rope
 from hybridrl.parallel.device import default_dtype_for, layer_spec_kind, megatron_cpu_initialization, rank_device
@@ -149,16 +150,23 @@ def transformer_config(
         # megatron's fused-RoPE slot, filled with a CPU function that gives the unfused path's
         # numbers in fewer memory passes (hybridrl/parallel/cpu_rope.py)
         kwargs["apply_rope_fusion"] = install_cpu_fused_rope()
+        if kwargs["apply_rope_fusion"] and not install_cpu_packed_rope():
+            # packed (THD) sequences call the packed slot: without our function there, keep the
+            # unfused path for both (the numbers are the same)
+            kwargs["apply_rope_fusion"] = False
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(shape: ModelShape, kind: str) -> Any:
+def layer_spec(shape: ModelShape, kind: str, *, cpu_layer: bool = False) -> Any:
+    """megatron's GPT layer spec of `kind`; with `cpu_layer` (the device policy's `megatron_cpu_layer`)
+    the local spec's core attention is the CPU layer's stand-in that also serves packed sequences."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if kind == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
+    return with_cpu_packed_attention(spec) if cpu_layer else spec
 
 
 def build_gpt_models(
@@ -186,7 +194,7 @@ def build_gpt_models(
     kind = spec_kind or layer_spec_kind(ctx.device)
     config = transformer_config(shape, layout.tp, layout.pp, layout.vpp, device=ctx.device, dtype=torch_dtype,
                                 context_parallel_size=ctx.cp, **dict(config_overrides or {}))
-    spec = layer_spec(shape, kind)
+    spec = layer_spec(shape, kind, cpu_layer=DevicePolicy.for_device(ctx.device).megatron_cpu_layer)
     models = []
     for chunk in layout.chunks(shape.num_layers, ctx.pp_rank):
         model = GPTModel(

@@ -43,6 +43,10 @@ The patches (names as in `PATCHES`):
   calls ``torch.cuda.synchronize()`` unconditionally (``batch_p2p_sync`` does not cover it). On CPU
   there is no stream to wait for (the gloo requests were already waited on): a no-op.
 
+Not patches: the CPU stand-ins for TE kernels are their own modules, installed by the bridge where
+it builds models (`hybridrl.parallel.cpu_rope`: fused RoPE; `hybridrl.parallel.cpu_attention`: core
+attention that also serves packed THD sequences, which megatron's local attention refuses).
+
 Not a patch, but required on CPU (`check_config_for_cpu` enforces it, `CPU_CONFIG_OVERRIDES` holds
 the values): ``batch_p2p_sync=False`` (p2p communication calls ``torch.cuda.synchronize()`` after
 batched send/recv), ``gradient_accumulation_fusion=False`` (needs Apex CUDA kernels),

@@ -92,11 +92,14 @@ class PolicyUpdateMetrics:
     # max |megatron - rollout| log-prob over the batch, when the update stood in for the old-log-prob
     # pass (on-policy: one optimizer step); None otherwise
     rollout_log_prob_abs_diff_max: float | None = None
+    # padding columns / computed columns of the update's micro-batches, over the DP group
+    padding_ratio: float = 0.0
 
     def as_dict(self, prefix: str = "actor/") -> dict[str, float]:
         names = ("pg_loss", "clipfrac", "clipfrac_lower", "approx_kl", "entropy", "kl_loss", "grad_norm", "lr",
                  "skipped_steps")
         out = {prefix + n: getattr(self, n) for n in names}
+        out["perf/padding_ratio"] = self.padding_ratio
         if self.rollout_log_prob_abs_diff_max is not None:
             out["rollout/log_prob_abs_diff_max"] = self.rollout_log_prob_abs_diff_max
         return out
@@ -194,6 +197,7 @@ class MegatronActor:
         loss = partial(self._policy_loss, temperature=sampling_temperature(batch))
         steps: list[dict[str, float]] = []
         skipped = 0
+        backend.tokens_seen.reset()
         for epoch in range(update.ppo_epochs):
             order = self._row_order(rows, epoch)
             for start in range(0, rows, per_mini):
@@ -203,6 +207,7 @@ class MegatronActor:
                     response_tokens_only=True)
                 skipped += not applied
                 steps.append(step)
+        padding_ratio = backend.tokens_seen.padding_ratio(backend.ctx.dp_group)
         if not backend.is_output_rank:
             return None
         mean = average_steps(steps)
@@ -212,6 +217,7 @@ class MegatronActor:
             grad_norm=mean["grad_norm"], lr=mean["lr"], optimizer_steps=len(steps), per_step=tuple(steps),
             skipped_steps=skipped,
             rollout_log_prob_abs_diff_max=steps[0].get("rollout_log_prob_abs_diff"),
+            padding_ratio=padding_ratio,
         )
 
     def _row_order(self, rows: int, epoch: int) -> list[int]:

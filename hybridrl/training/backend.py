@@ -35,7 +35,7 @@ from hybridrl.models.bridge import ModelSource, build_gpt_models, load_weights
 from hybridrl.names import Role
 from hybridrl.parallel import state
 from hybridrl.parallel.cpu_layer import apply_cpu_layer
-from hybridrl.parallel.device import default_dtype_for, to_rank_device
+from hybridrl.parallel.device import collective_device, default_dtype_for, layer_spec_kind, to_rank_device
 from hybridrl.parallel.device_policy import DevicePolicy
 from hybridrl.training.lr_schedule import LRSchedule
 from hybridrl.training.nonfinite import step_is_finite
@@ -63,6 +63,7 @@ class RoleSpec:
     dtype: str
     device_policy: DevicePolicy  # the Plan's (its name is the resolved device)
     gradient_checkpointing: bool = False
+    packed: bool = False  # the model config's use_remove_padding: micro-batches as packed (THD) sequences
 
     @property
     def trainable(self) -> bool:
@@ -81,14 +82,17 @@ def role_spec(plan: Plan, role: Role | str) -> RoleSpec:
     policy = plan.device_policy
     if role == Role.ACTOR:
         return RoleSpec(role, arr.model.path, megatron, arr.actor.optim, False, dtype, policy,
-                        arr.model.enable_gradient_checkpointing)
+                        arr.model.enable_gradient_checkpointing, arr.model.use_remove_padding)
     if role == Role.REF:
-        return RoleSpec(role, arr.model.path, megatron, None, False, dtype, policy)
+        return RoleSpec(role, arr.model.path, megatron, None, False, dtype, policy,
+                        packed=arr.model.use_remove_padding)
     if role == Role.CRITIC:
         return RoleSpec(role, config.critic.model.path or arr.model.path, megatron, config.critic.optim, True,
-                        dtype, policy, config.critic.model.enable_gradient_checkpointing)
+                        dtype, policy, config.critic.model.enable_gradient_checkpointing,
+                        config.critic.model.use_remove_padding)
     if role == Role.REWARD_MODEL:
-        return RoleSpec(role, config.reward_model.model.path, megatron, None, True, dtype, policy)
+        return RoleSpec(role, config.reward_model.model.path, megatron, None, True, dtype, policy,
+                        packed=config.reward_model.model.use_remove_padding)
     raise AssertionError(role)  # every Role is handled above
 
 
@@ -119,6 +123,20 @@ def _activate_cpu_layer(policy: DevicePolicy) -> None:
         apply_cpu_layer()
 
 
+def packed_seq_params(micro: ModelInputs) -> Any:
+    """megatron's `PackedSeqParams` (THD) of a packed micro-batch, None for a padded one."""
+    if not micro.is_packed:
+        return None
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=micro.cu_seqlens, cu_seqlens_kv=micro.cu_seqlens,
+                           max_seqlen_q=micro.max_seqlen, max_seqlen_kv=micro.max_seqlen)
+
+
+def _model_forward(model: Any, micro: ModelInputs) -> torch.Tensor:
+    return model(micro.input_ids, micro.position_ids, None, packed_seq_params=packed_seq_params(micro))
+
+
 def _response_tokens_forward(model: Any, micro: ModelInputs) -> torch.Tensor:
     """The model's output `[1, N, ...]` at the N real response tokens' predicting columns only
     (`micro.response_token_positions()`, row-major).
@@ -134,20 +152,49 @@ def _response_tokens_forward(model: Any, micro: ModelInputs) -> torch.Tensor:
     while not hasattr(gpt, "decoder") and hasattr(gpt, "module"):
         gpt = gpt.module  # DDP (and Float16Module) wrappers
     if not getattr(gpt, "post_process", False):  # not the last stage: activations go on whole
-        return model(micro.input_ids, micro.position_ids, None)
+        return _model_forward(model, micro)
     rows, cols = micro.response_token_positions()
-    columns = micro.predict_index[rows, cols]
+    # where each predicting column sits in the model's [b, s] input (packed: b = 1, s = the pack)
+    batch_index, seq_index = micro.token_index(rows, micro.predict_index[rows, cols])
     if gpt.config.sequence_parallel:
-        return model(micro.input_ids, micro.position_ids, None)[rows, columns].unsqueeze(0)
+        return _model_forward(model, micro)[batch_index, seq_index].unsqueeze(0)
 
     def cut(_module: Any, _args: Any, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden[columns, rows].unsqueeze(1)  # [N, 1, h]: one "sequence" of N tokens
+        return hidden[seq_index, batch_index].unsqueeze(1)  # [N, 1, h]: one "sequence" of N tokens
 
     handle = gpt.decoder.register_forward_hook(cut)
     try:
-        return model(micro.input_ids, micro.position_ids, None)
+        return _model_forward(model, micro)
     finally:
         handle.remove()
+
+
+@dataclass
+class TokenCounts:
+    """Real tokens and computed columns of the micro-batches a backend built since the last `reset`
+    (`perf/padding_ratio` = the share of computed columns that were padding)."""
+
+    real: int = 0
+    computed: int = 0
+
+    def add(self, micros: Sequence[ModelInputs]) -> None:
+        self.real += sum(m.real_tokens for m in micros)
+        self.computed += sum(m.computed_tokens for m in micros)
+
+    def padding_ratio(self, group: Any = None) -> float:
+        """Padding columns / computed columns; with `group` (the DP group: every rank calls it), over the
+        group's micro-batches together."""
+        real, computed = self.real, self.computed
+        if group is not None:
+            import torch.distributed as dist
+
+            counts = torch.tensor([real, computed], dtype=torch.int64, device=collective_device(group))
+            dist.all_reduce(counts, group=group)
+            real, computed = (int(v) for v in counts.tolist())
+        return (computed - real) / computed if computed else 0.0
+
+    def reset(self) -> None:
+        self.real = self.computed = 0
 
 
 @dataclass(frozen=True)
@@ -170,6 +217,13 @@ class MegatronBackend:
         _activate_cpu_layer(self.device_policy)
         self.dtype = default_dtype_for(self.ctx.device, spec.dtype)
         megatron = spec.megatron
+        if spec.packed and not self.device_policy.megatron_cpu_layer and layer_spec_kind(self.ctx.device) != "te":
+            # megatron's local DotProductAttention asserts packed_seq_params is None; on CPU the CPU
+            # layer's stand-in serves it (hybridrl/parallel/cpu_attention.py), on GPUs TE's attention does.
+            raise ValueError(f"{spec.role}: use_remove_padding=true on cuda needs TransformerEngine (its attention "
+                             "honours cu_seqlens; megatron's local attention does not); install it or set "
+                             "use_remove_padding=false")
+        self.tokens_seen = TokenCounts()
         overrides: dict[str, Any] = {
             "variable_seq_lengths": True,
             # Dense models route no tokens; megatron still rejects its default MoE dispatcher
@@ -279,8 +333,10 @@ class MegatronBackend:
         """
 
         device = self.ctx.device
-        cut = [micro_batch_inputs(tensors, list(rows), extra_keys=extra_keys, pad_multiple=self.pad_multiple)
+        cut = [micro_batch_inputs(tensors, list(rows), extra_keys=extra_keys, pad_multiple=self.pad_multiple,
+                                  packed=self.spec.packed)
                for rows in partition]
+        self.tokens_seen.add(cut)
         return [micro.map_tensors(lambda t: to_rank_device(t, device)) for micro in cut]
 
     def mesh_coords(self) -> dict[str, int]:
@@ -303,7 +359,7 @@ class MegatronBackend:
             if response_tokens_only:
                 output = _response_tokens_forward(model, micro)
             else:
-                output = model(micro.input_ids, micro.position_ids, None)
+                output = _model_forward(model, micro)
             return output, partial(step_output, micro)
 
         chunks = len(self.models)
@@ -315,7 +371,7 @@ class MegatronBackend:
             model=self.models if chunks > 1 else self.models[0],
             num_microbatches=len(micro_batches),
             seq_length=max(m.seq_length for m in micro_batches),
-            micro_batch_size=max(m.num_rows for m in micro_batches),
+            micro_batch_size=max(m.model_batch_size for m in micro_batches),
             forward_only=forward_only,
             collect_non_loss_data=forward_only,
         )

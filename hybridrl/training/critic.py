@@ -26,7 +26,7 @@ from hybridrl.training.backend import MegatronBackend
 from hybridrl.training.metrics import average_steps
 from hybridrl.training.micro_batching import partition_rows, restore_order
 from hybridrl.training.mini_batch import train_mini_batch
-from hybridrl.training.sequences import ModelInputs, take_predictions
+from hybridrl.training.sequences import ModelInputs
 
 
 @dataclass(frozen=True)
@@ -48,8 +48,9 @@ class CriticUpdateMetrics:
 
 
 def response_values(micro: ModelInputs, output: torch.Tensor) -> torch.Tensor:
-    """`[b, R]` float32 values at the columns predicting each response token, from `[b, s, 1]`."""
-    return take_predictions(output, micro.predict_index).squeeze(-1).float()
+    """`[b, R]` float32 values at the columns predicting each response token, from `[b, s, 1]`
+    (`[1, t, 1]` packed)."""
+    return micro.take(output, micro.predict_index).squeeze(-1).float()
 
 
 class MegatronCritic:

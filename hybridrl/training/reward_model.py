@@ -17,12 +17,12 @@ from hybridrl.config.plan import Plan
 from hybridrl.data.batch import Batch
 from hybridrl.training.backend import MegatronBackend
 from hybridrl.training.micro_batching import partition_rows, restore_order
-from hybridrl.training.sequences import ModelInputs, take_predictions
+from hybridrl.training.sequences import ModelInputs
 
 
 def last_token_scores(micro: ModelInputs, output: torch.Tensor) -> torch.Tensor:
-    """`[b, 1]` float32: the `[b, s, 1]` output at each row's last real column."""
-    return take_predictions(output, micro.last_index.unsqueeze(1)).reshape(-1, 1).float()
+    """`[b, 1]` float32: the `[b, s, 1]` (packed: `[1, t, 1]`) output at each row's last real column."""
+    return micro.take(output, micro.last_index.unsqueeze(1)).reshape(-1, 1).float()
 
 
 class MegatronRewardModel:

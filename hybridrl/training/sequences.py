@@ -13,6 +13,14 @@ real prompt length), and the logits (or hidden states) that predict it are those
 `start_i + j - 1`: `ModelInputs.predict_index` holds those columns, clamped into the trimmed
 width. Positions past a row's response are garbage by construction and must be masked with
 `response_mask` (every consumer here does).
+
+Packed micro-batches (`packed=True`, the model config's `use_remove_padding`): the aligned rows'
+real tokens are concatenated into one sequence `[1, t]` (t = the real tokens of all rows, rounded
+up to `pad_multiple` by a trailing padding segment) and `cu_seqlens` marks where each row starts,
+so attention stays within a row (megatron's THD format, `PackedSeqParams`) and no column is spent
+on padding. `predict_index` and `last_index` keep their per-row meaning (a column of the row);
+`row_starts` puts a row's column into the packed sequence, and `token_index`/`take` read the model's
+output in either layout, so the consumers (log-probs, values, scores) do not depend on the choice.
 """
 from __future__ import annotations
 
@@ -48,6 +56,16 @@ class ModelInputs:
     response_mask: Tensor
     last_index: Tensor
     extras: dict[str, Tensor] = field(default_factory=dict)
+    # Packed layout only (see the module docstring): int32 `[segments + 1]` boundaries of the rows in
+    # the packed sequence (a trailing padding segment when `pad_multiple` needed one), the longest
+    # segment, and each row's first column `[b]`.
+    cu_seqlens: Tensor | None = None
+    max_seqlen: int = 0
+    row_starts: Tensor | None = None
+    # Real tokens of the micro-batch and the columns the model computes for it (padding included):
+    # counted where the batch is cut (the host), so reading them costs no device sync.
+    real_tokens: int = 0
+    computed_tokens: int = 0
     # `response_token_positions`, computed once: a forward, its loss and the scatters back all read it,
     # and `nonzero` waits for the device each time it runs.
     _response_positions: tuple[Tensor, Tensor] | None = field(default=None, init=False, repr=False, compare=False)
@@ -58,7 +76,27 @@ class ModelInputs:
             input_ids=fn(self.input_ids), position_ids=fn(self.position_ids), predict_index=fn(self.predict_index),
             responses=fn(self.responses), response_mask=fn(self.response_mask), last_index=fn(self.last_index),
             extras={k: fn(v) for k, v in self.extras.items()},
+            cu_seqlens=None if self.cu_seqlens is None else fn(self.cu_seqlens), max_seqlen=self.max_seqlen,
+            row_starts=None if self.row_starts is None else fn(self.row_starts),
+            real_tokens=self.real_tokens, computed_tokens=self.computed_tokens,
         )
+
+    @property
+    def is_packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+    def token_index(self, rows: Tensor, columns: Tensor) -> tuple[Tensor, Tensor]:
+        """(batch index, sequence index) in the model's `[b, s]` input of column `columns` of row `rows`."""
+        if self.row_starts is None:
+            return rows, columns
+        return torch.zeros_like(rows), self.row_starts[rows] + columns
+
+    def take(self, output: Tensor, index: Tensor) -> Tensor:
+        """The model's `output` `[b, s, ...]` (or `[1, t, ...]` packed) at columns `index` `[rows, k]` of
+        each row -> `[rows, k, ...]`."""
+        if self.row_starts is None:
+            return take_predictions(output, index)
+        return output[0][self.row_starts.unsqueeze(1) + index]
 
     def response_token_positions(self) -> tuple[Tensor, Tensor]:
         """(row, response column) of every real response token (`response_mask != 0`), row-major.
@@ -81,6 +119,12 @@ class ModelInputs:
 
     @property
     def num_rows(self) -> int:
+        """Rows of the micro-batch (sequences), whatever the layout."""
+        return int(self.responses.shape[0])
+
+    @property
+    def model_batch_size(self) -> int:
+        """The batch dimension of the model's input: the rows, or 1 when packed."""
         return int(self.input_ids.shape[0])
 
     @property
@@ -116,8 +160,10 @@ def build_model_inputs(
     *,
     extras: dict[str, Tensor] | None = None,
     pad_multiple: int = 1,
+    packed: bool = False,
 ) -> ModelInputs:
-    """Left-align rows, trim to the longest real row (rounded up to `pad_multiple`), locate responses.
+    """Left-align rows, trim to the longest real row (rounded up to `pad_multiple`), locate responses;
+    with `packed`, concatenate the rows' real tokens instead (see the module docstring).
 
     `input_ids` must end with `responses` (`input_ids[:, -R:] == responses`), as the rollout lays
     them out. Every row needs at least one real prompt token (the first response token is predicted
@@ -134,22 +180,54 @@ def build_model_inputs(
         raise SequenceLayoutError("every row needs at least one real prompt token")
 
     longest = int(lengths.max())
-    trimmed = min(full_width, -(-longest // pad_multiple) * pad_multiple)
+    trimmed = longest if packed else min(full_width, -(-longest // pad_multiple) * pad_multiple)
     # Rotating by `first` puts the real run at column 0; whatever wraps around lands after it.
     source = (torch.arange(trimmed, device=input_ids.device).unsqueeze(0) + first.unsqueeze(1)) % full_width
     aligned_ids = torch.gather(input_ids, 1, source)
     aligned_positions = torch.gather(position_ids, 1, source)
 
     steps = torch.arange(resp_len, device=input_ids.device).unsqueeze(0)
-    predict_index = (prompt_lengths.unsqueeze(1) - 1 + steps).clamp(max=trimmed - 1)
+    # A row's columns stop at its own last real token when packed (the next column is another row's).
+    limit = (lengths - 1).unsqueeze(1) if packed else trimmed - 1
+    predict_index = torch.minimum(prompt_lengths.unsqueeze(1) - 1 + steps, torch.as_tensor(limit))
+    real_tokens = int(lengths.sum())
+    if not packed:
+        return ModelInputs(
+            input_ids=aligned_ids.contiguous(),
+            position_ids=aligned_positions.contiguous(),
+            predict_index=predict_index,
+            responses=responses,
+            response_mask=response_mask,
+            last_index=lengths - 1,
+            extras=dict(extras or {}),
+            real_tokens=real_tokens,
+            computed_tokens=int(aligned_ids.numel()),
+        )
+    real = torch.arange(trimmed, device=input_ids.device).unsqueeze(0) < lengths.unsqueeze(1)
+    flat_ids, flat_positions = aligned_ids[real], aligned_positions[real]  # row-major: row 0's run, row 1's, ...
+    total = -(-real_tokens // pad_multiple) * pad_multiple
+    segments = lengths
+    if total > real_tokens:
+        # Padding columns form their own segment: they attend only to each other, never to a row.
+        pad = total - real_tokens
+        flat_ids = torch.cat([flat_ids, flat_ids.new_zeros(pad)])
+        flat_positions = torch.cat([flat_positions, torch.arange(pad, dtype=flat_positions.dtype,
+                                                                 device=flat_positions.device)])
+        segments = torch.cat([lengths, lengths.new_tensor([pad])])
+    cu_seqlens = torch.cat([segments.new_zeros(1), segments.cumsum(0)]).to(torch.int32)
     return ModelInputs(
-        input_ids=aligned_ids.contiguous(),
-        position_ids=aligned_positions.contiguous(),
+        input_ids=flat_ids.unsqueeze(0).contiguous(),
+        position_ids=flat_positions.unsqueeze(0).contiguous(),
         predict_index=predict_index,
         responses=responses,
         response_mask=response_mask,
         last_index=lengths - 1,
         extras=dict(extras or {}),
+        cu_seqlens=cu_seqlens,
+        max_seqlen=int(segments.max()),
+        row_starts=cu_seqlens[:-1][: lengths.shape[0]].to(torch.long),
+        real_tokens=real_tokens,
+        computed_tokens=total,
     )
 
 
@@ -161,7 +239,7 @@ def take_predictions(output: Tensor, index: Tensor) -> Tensor:
 
 def micro_batch_inputs(
     tensors: dict[str, Tensor], rows: list[int], *, extra_keys: tuple[str, ...] = (), pad_multiple: int = 1,
-    width: int | None = None,
+    width: int | None = None, packed: bool = False,
 ) -> ModelInputs:
     """`build_model_inputs` for the given rows of a batch's tensors (the `MODEL_INPUT_KEYS` + `extra_keys`)."""
     missing = [k for k in (*MODEL_INPUT_KEYS, *extra_keys) if k not in tensors]
@@ -171,5 +249,5 @@ def micro_batch_inputs(
     pick = {k: tensors[k].index_select(0, index.to(tensors[k].device)) for k in (*MODEL_INPUT_KEYS, *extra_keys)}
     return build_model_inputs(
         pick["input_ids"], pick["attention_mask"], pick["position_ids"], pick["responses"], pick["response_mask"],
-        extras={k: pick[k] for k in extra_keys}, pad_multiple=pad_multiple,
+        extras={k: pick[k] for k in extra_keys}, pad_multiple=pad_multiple, packed=packed,
     )

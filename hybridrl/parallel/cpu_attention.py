@@ -1,0 +1,118 @@
+"""A CPU stand-in for megatron's core attention on packed (THD) sequences.
+
+megatron-core 0.16's local layer spec (the only one on CPU: TransformerEngine cannot be installed
+there) uses `DotProductAttention`, which asserts ``packed_seq_params is None``: only TE's attention
+honours `cu_seqlens`. `CpuPackedDotProductAttention` takes its place in the local spec wherever the
+device policy runs megatron through the CPU layer (`hybridrl.models.bridge.layer_spec`):
+
+- unpacked input (`packed_seq_params` None) goes to megatron's own forward, unchanged;
+- packed input (``qkv_format == "thd"``: query `[t, heads, d]`, key and value `[t, kv heads, d]`,
+  `cu_seqlens_q == cu_seqlens_kv`) is cut at the segment boundaries and each segment runs through
+  megatron's own forward as a batch of one, causal within itself. So a packed row sees exactly the
+  numbers it would see alone (GQA's key/value repetition, the softmax scale, the causal mask and the
+  attention dropout stream are megatron's), and no score is computed between rows: the cost is the
+  sum of the segments' squared lengths, not the pack's.
+
+The output is `[t, 1, heads * d]`; megatron's attention reshapes it as it does TE's `[t, heads * d]`.
+The loop reads the boundaries on the host (`cu_seqlens.tolist()`), which is free on CPU, and is the
+reason this stays a CPU stand-in: on GPUs TE's fused kernel does it without a device sync.
+
+`fused_rope_thd` fills megatron's packed-RoPE slot the same way `cpu_rope` fills the unpacked one:
+with `apply_rope_fusion=True` megatron calls `fused_apply_rotary_pos_emb_thd`, which is TE's and
+None here. Each token's angle is that of its position within its own segment (megatron's unfused
+THD formula), then `cpu_rope.rotary_embedding_half_split` rotates.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hybridrl.parallel.cpu_rope import rotary_embedding_half_split
+
+
+def segment_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Each of the `total` packed tokens' position within its segment (0 at every boundary)."""
+    starts = cu_seqlens[:-1].to(torch.long)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.long)
+    token_start = torch.repeat_interleave(starts, lengths, output_size=total)
+    return torch.arange(total, device=cu_seqlens.device) - token_start
+
+
+def fused_rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_size: int = 1,
+                   cp_rank: int = 0) -> torch.Tensor:
+    """megatron's packed fused-RoPE slot signature (TE's): `t` `[t, h, d]`, `freqs` `[max_s, 1, 1, rot_dim]`."""
+    if cp_size != 1:
+        raise NotImplementedError("the CPU packed RoPE serves context_parallel_size = 1 only")
+    total = t.shape[0]
+    if int(cu_seqlens[-1]) != total:
+        raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])}, the packed tensor has {total} tokens")
+    packed_freqs = freqs[segment_positions(cu_seqlens, total)]  # [t, 1, 1, rot_dim]
+    return rotary_embedding_half_split(t.unsqueeze(1), packed_freqs).squeeze(1)
+
+
+def install_cpu_packed_rope() -> bool:
+    """Put `fused_rope_thd` in megatron's empty packed fused-RoPE slot (idempotent); True when it is there."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if rope_utils.fused_apply_rotary_pos_emb_thd is None:
+        rope_utils.fused_apply_rotary_pos_emb_thd = fused_rope_thd
+    return rope_utils.fused_apply_rotary_pos_emb_thd is fused_rope_thd
+
+
+def _packed_attention_class() -> type:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class CpuPackedDotProductAttention(DotProductAttention):
+        """megatron's `DotProductAttention`, plus packed (THD) input run segment by segment (module docstring)."""
+
+        def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, attn_mask_type: Any = None,
+                    attention_bias: torch.Tensor | None = None, packed_seq_params: Any = None) -> torch.Tensor:
+            if packed_seq_params is None:
+                return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                       attention_bias=attention_bias)
+            if packed_seq_params.qkv_format != "thd":
+                raise ValueError(f"packed sequences in format {packed_seq_params.qkv_format!r}; this stand-in "
+                                 "serves 'thd'")
+            cu_q, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
+            if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_q, cu_kv):
+                raise ValueError("cu_seqlens_q and cu_seqlens_kv differ: only self-attention is served")
+            if attention_mask is not None:
+                raise ValueError("packed sequences take no attention mask: cu_seqlens and causality define it")
+            bounds = cu_q.tolist()
+            if bounds[0] != 0 or bounds[-1] != query.shape[0]:
+                raise ValueError(f"cu_seqlens {bounds[:4]}...{bounds[-1:]} does not cover the {query.shape[0]} "
+                                 "packed tokens")
+            outputs = [
+                super(CpuPackedDotProductAttention, self).forward(
+                    query[a:b].unsqueeze(1), key[a:b].unsqueeze(1), value[a:b].unsqueeze(1), None,
+                    attn_mask_type=attn_mask_type, attention_bias=attention_bias)
+                for a, b in zip(bounds[:-1], bounds[1:]) if b > a
+            ]
+            return torch.cat(outputs, dim=0)  # [t, 1, heads * d]
+
+    return CpuPackedDotProductAttention
+
+
+_CLASS: type | None = None
+
+
+def cpu_packed_attention_class() -> type:
+    """The `CpuPackedDotProductAttention` class (built once: it subclasses a megatron class, imported lazily)."""
+    global _CLASS
+    if _CLASS is None:
+        _CLASS = _packed_attention_class()
+    return _CLASS
+
+
+def with_cpu_packed_attention(spec: Any) -> Any:
+    """The local GPT layer `spec` with its core attention replaced by the stand-in (in place; returned)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    attention = spec.submodules.self_attention.submodules
+    if attention.core_attention is not DotProductAttention:
+        raise ValueError(f"expected megatron's local DotProductAttention in the layer spec, found "
+                         f"{attention.core_attention!r}")
+    attention.core_attention = cpu_packed_attention_class()
+    return spec
