@@ -35,7 +35,6 @@ from hybridrl.models.checkpoint import (
     McoreCheckpointReader,
     McoreMetadata,
     assemble,
-    checkpoint_file_name,
     estimated_hf_bytes,
     mcore_metadata,
     source_dtype,
@@ -49,6 +48,7 @@ from hybridrl.models.layout import (
     TensorPlan,
     chunk_tensor_plans,
     rank_chunk_key_prefix,
+    rank_file_name,
 )
 from hybridrl.parallel.cpu_layer import CPU_CONFIG_OVERRIDES
 from hybridrl.parallel.cpu_rope import install_cpu_fused_rope
@@ -107,6 +107,11 @@ class ChunkInfo:
     chunk: StageChunk
     tp_rank: int
     spec_kind: str
+    ep_rank: int = 0
+
+    def tensor_plans(self) -> list[TensorPlan]:
+        """This chunk's tensors as the layout math describes them."""
+        return chunk_tensor_plans(self.source.shape, self.layout, self.chunk, self.tp_rank, self.ep_rank)
 
 
 def _context(ctx: Any = None) -> Any:
@@ -125,14 +130,14 @@ def _as_source(source: ModelSource | str | Path | Mapping[str, Any]) -> ModelSou
 
 def transformer_config(
     shape: ModelShape, tp: int, pp: int, vpp: int | None, *, device: str, dtype: torch.dtype,
-    **overrides: Any,
+    ep: int = 1, **overrides: Any,
 ) -> Any:
     """megatron `TransformerConfig` for `shape` on a resolved `device`, with the CPU layer's flags
     where the device policy runs megatron through it (CPU)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
-    kwargs = shape.megatron_config_kwargs(tp, pp, vpp)
+    kwargs = shape.megatron_config_kwargs(tp, pp, vpp, ep)
     kwargs["activation_func"] = {"silu": F.silu}[kwargs["activation_func"]]
     kwargs.update(
         params_dtype=dtype,
@@ -153,12 +158,31 @@ def transformer_config(
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(shape: ModelShape, kind: str) -> Any:
+def layer_spec(shape: ModelShape, kind: str, config: Any = None, chunk: StageChunk | None = None) -> Any:
+    """The GPT layer spec (dense), or for an MoE model this chunk's block spec: megatron's per-layer
+    choice between the MoE and the dense layer (`moe_layer_freq`) for the layers `chunk` holds."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    if shape.is_moe:
+        if config is None or chunk is None:
+            raise ValueError("an MoE model's layer spec needs its TransformerConfig and chunk")
+        _define_missing_te_gemm()
+        return gpt_layer_specs.get_gpt_decoder_block_spec(
+            config, use_transformer_engine=kind == "te", normalization="RMSNorm",
+            vp_stage=chunk.vp_stage, pp_rank=chunk.pp_rank)
     if kind == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
     return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
+
+
+def _define_missing_te_gemm() -> None:
+    """megatron-core 0.16.1's router linear (`moe_utils.RouterGatingLinearFunction`) tests
+    `te_general_gemm is not None`, a name bound only when Transformer Engine imports: without TE it
+    raises NameError. None is what the test means by "no TE" (it then uses torch.mm)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def build_gpt_models(
@@ -180,18 +204,18 @@ def build_gpt_models(
     ctx = _context(ctx)
     src = _as_source(source)
     shape = src.shape
-    layout = ParallelLayout(tp=ctx.tp, pp=ctx.pp, vpp=ctx.vpp)
-    shape.check_parallel(layout.tp, layout.pp, layout.vpp)
+    ep = getattr(ctx, "ep", 1)
+    layout = ParallelLayout(tp=ctx.tp, pp=ctx.pp, vpp=ctx.vpp, ep=ep)
+    shape.check_parallel(layout.tp, layout.pp, layout.vpp, layout.ep)
     torch_dtype = default_dtype_for(ctx.device, dtype)
     kind = spec_kind or layer_spec_kind(ctx.device)
     config = transformer_config(shape, layout.tp, layout.pp, layout.vpp, device=ctx.device, dtype=torch_dtype,
-                                context_parallel_size=ctx.cp, **dict(config_overrides or {}))
-    spec = layer_spec(shape, kind)
+                                ep=ep, context_parallel_size=ctx.cp, **dict(config_overrides or {}))
     models = []
     for chunk in layout.chunks(shape.num_layers, ctx.pp_rank):
         model = GPTModel(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=layer_spec(shape, kind, config, chunk),
             pre_process=chunk.pre_process,
             post_process=chunk.post_process,
             parallel_output=True,
@@ -205,7 +229,7 @@ def build_gpt_models(
             raise RuntimeError(f"megatron placed layer {first_layer} first in chunk {chunk}, layout math "
                                f"expects {chunk.first_layer}")
         _mark_tensor_parallel_params(model)
-        model.hybridrl = ChunkInfo(src, layout, chunk, ctx.tp_rank, kind)
+        model.hybridrl = ChunkInfo(src, layout, chunk, ctx.tp_rank, kind, getattr(ctx, "ep_rank", 0))
         models.append(model)
     return models
 
@@ -319,7 +343,7 @@ def load_weights(models: Sequence[Any], path: str | Path, verify: bool = True) -
             )
         for model in models:
             info = chunk_info(model)
-            plans = chunk_tensor_plans(info.source.shape, info.layout, info.chunk, info.tp_rank)
+            plans = info.tensor_plans()
             tensors = checked_model_tensors(model, [p.name for p in plans], info)
             for plan in plans:
                 target = tensors[spec_tensor_name(plan.name, info.spec_kind)]
@@ -332,14 +356,14 @@ def _load_same_layout(models: Sequence[Any], meta: McoreMetadata, verify: bool) 
     from safetensors import safe_open
 
     info0 = chunk_info(models[0])
-    fname = checkpoint_file_name(info0.tp_rank, info0.chunk.pp_rank)
+    fname = rank_file_name(info0.layout, info0.tp_rank, info0.chunk.pp_rank, info0.ep_rank)
     recorded = meta.files[fname]["tensors"]
     with safe_open(str(meta.path / fname), framework="pt") as handle:
         file_keys = set(handle.keys())
         for model in models:
             info = chunk_info(model)
             prefix = rank_chunk_key_prefix(info.layout, info.chunk.vp_stage)
-            plans = chunk_tensor_plans(info.source.shape, info.layout, info.chunk, info.tp_rank)
+            plans = info.tensor_plans()
             tensors = checked_model_tensors(model, [p.name for p in plans], info)
             for plan in plans:
                 key = prefix + plan.name
@@ -388,7 +412,7 @@ def rank_tensor_entries(models: Sequence[Any]) -> Iterator[tuple[str, TensorPlan
     for model in models:
         info = chunk_info(model)
         prefix = rank_chunk_key_prefix(info.layout, info.chunk.vp_stage)
-        plans = chunk_tensor_plans(info.source.shape, info.layout, info.chunk, info.tp_rank)
+        plans = info.tensor_plans()
         tensors = checked_model_tensors(model, [p.name for p in plans], info)
         for plan in plans:
             yield prefix + plan.name, plan, tensors[spec_tensor_name(plan.name, info.spec_kind)]
@@ -402,7 +426,8 @@ def save_mcore_checkpoint(models: Sequence[Any], out_dir: str | Path, *, ctx: An
                           force: bool = False) -> Path:
     """Collective: write this model as a hybridrl megatron checkpoint (one file per TP×PP rank).
 
-    Called by every rank; DP/CP rank 0 of each model-parallel position writes its file into a
+    Called by every rank; DP/CP rank 0 of each model-parallel position (expert-DP rank 0 of each
+    TP x PP x EP position for an expert-parallel model) writes its file into a
     temporary folder next to `out_dir` (a filesystem shared by the ranks), rank 0 adds the metadata
     and renames it into place. Readable by `load_weights` and `hybridrl convert`.
     """
@@ -415,11 +440,16 @@ def save_mcore_checkpoint(models: Sequence[Any], out_dir: str | Path, *, ctx: An
     tmp = shared_staging_dir(out_dir, force, ctx)
     entry: tuple[str, dict[str, Any]] | None = None
     ok, detail = True, ""
-    if ctx.dp_rank == 0 and ctx.cp_rank == 0:
+    # The ranks holding each file's tensors once: with EP > 1 the EP ranks of a TP x PP position
+    # hold different experts and span DP x CP, so their own replicas (expert DP) pick the writer.
+    writer = ctx.expert_dp_rank == 0 if info.layout.ep > 1 else ctx.dp_rank == 0 and ctx.cp_rank == 0
+    if writer:
         try:
-            fname = checkpoint_file_name(ctx.tp_rank, ctx.pp_rank)
+            fname = rank_file_name(info.layout, ctx.tp_rank, ctx.pp_rank, info.ep_rank)
             entry = (fname, {"tp_rank": ctx.tp_rank, "pp_rank": ctx.pp_rank,
                              "tensors": write_rank_file(tmp / fname, _rank_tensors(models))})
+            if info.layout.ep > 1:
+                entry[1]["ep_rank"] = info.ep_rank
         except Exception as exc:  # noqa: BLE001
             ok, detail = False, f"{type(exc).__name__}: {exc}"
     entries: list[Any] = [None] * ctx.world_size
