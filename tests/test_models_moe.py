@@ -87,7 +87,7 @@ def _max_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return (ours[..., :VOCAB] - theirs).abs().max().item()
 
 
-@pytest.mark.parametrize("tp, pp, ep", [(1, 1, 1), (1, 1, 2)])
+@pytest.mark.parametrize("tp, pp, ep", [(1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2)])
 def test_moe_logits_match_transformers(hf_dirs, reference, tp, pp, ep):
     cases = [(arch, str(hf_dirs[arch])) for arch in MOE_ARCHS]
     results = _run(tp, pp, ep, cases)
@@ -119,21 +119,25 @@ def test_moe_logits_wrong_expert_placement_is_caught(hf_dirs, reference, tmp_pat
     assert _max_error(logits, reference["qwen3_moe"]) > 1e-2
 
 
-def test_moe_round_trip_at_ep2_is_bit_exact(hf_dirs, tmp_path):
+@pytest.mark.parametrize("tp, pp, ep, world", [(1, 1, 2, 2), (1, 1, 2, 4), (2, 1, 2, 4), (1, 2, 2, 4)])
+def test_moe_round_trip_at_ep2_is_bit_exact(hf_dirs, reference, tmp_path, tp, pp, ep, world):
     """HF -> megatron (EP2, live ranks) -> HF gives back the very tensors; the live ranks' checkpoint
-    equals the offline converter's, and converting it back offline gives the HF tensors again."""
+    equals the offline converter's, and converting it back offline gives the HF tensors again.
+    At world 4 with TP1 x EP2 each EP rank's experts have two replicas (expert DP 2): one writes."""
     from hybridrl.models.convert_cli import main as convert_main
 
     cases = [(arch, str(hf_dirs[arch])) for arch in MOE_ARCHS]
-    _run(1, 1, 2, cases, save_to=str(tmp_path))
+    results = _run(tp, pp, ep, cases, world=world, save_to=str(tmp_path))
     for arch in MOE_ARCHS:
+        assert _max_error(_last_stage_logits(results, arch), reference[arch]) <= TOLERANCE, arch
         assert_same_tensors(safetensors_state(tmp_path / "hf" / arch), safetensors_state(hf_dirs[arch]))
         saved = tmp_path / "mcore" / arch
-        assert sorted(p.name for p in saved.glob("*.safetensors")) == [
-            "model_tp00_pp000_ep000.safetensors", "model_tp00_pp000_ep001.safetensors"]
+        assert sorted(p.name for p in saved.glob("*.safetensors")) == sorted(
+            f"model_tp{t:02d}_pp{p:03d}_ep{e:03d}.safetensors"
+            for t in range(tp) for p in range(pp) for e in range(ep))
         offline = tmp_path / "offline" / arch
-        assert convert_main(["hf-to-mcore", "--hf", str(hf_dirs[arch]), "--out", str(offline),
-                             "--ep", "2", "--quiet"]) == 0
+        assert convert_main(["hf-to-mcore", "--hf", str(hf_dirs[arch]), "--out", str(offline), "--tp", str(tp),
+                             "--pp", str(pp), "--ep", str(ep), "--quiet"]) == 0
         assert_same_tensors(per_file_state(saved), per_file_state(offline))
         back = tmp_path / "back" / arch
         assert convert_main(["mcore-to-hf", "--ckpt", str(saved), "--out", str(back), "--quiet"]) == 0
