@@ -34,8 +34,9 @@ TOKENS = sample_tokens(batch=2)
 # ---- rank side ---------------------------------------------------------------------------------------
 
 def _moe_rank(rank: int, world_size: int, tp: int, pp: int, ep: int, cases: list[tuple[str, str]],
-              save_to: str | None = None) -> dict[str, Any]:
-    """For each (name, HF folder): build, load, forward; optionally save and export collectively."""
+              save_to: str | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """For each (name, HF folder): build (with `overrides[name]` on the TransformerConfig), load,
+    forward; optionally save and export collectively."""
     from hybridrl.models.bridge import build_gpt_models, export_hf, load_weights, save_mcore_checkpoint
     from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
 
@@ -43,7 +44,7 @@ def _moe_rank(rank: int, world_size: int, tp: int, pp: int, ep: int, cases: list
     out: dict[str, Any] = {"ep_rank": ctx.ep_rank, "experts": {}}
     try:
         for name, hf_dir in cases:
-            models = build_gpt_models(hf_dir)
+            models = build_gpt_models(hf_dir, config_overrides=(overrides or {}).get(name))
             load_weights(models, hf_dir)
             out["experts"][name] = sorted(
                 key for model in models for key in model.state_dict() if "local_experts" in key)
@@ -117,6 +118,16 @@ def test_moe_logits_wrong_expert_placement_is_caught(hf_dirs, reference, tmp_pat
     save_file(state, str(bad / "model.safetensors"), metadata={"format": "pt"})
     logits = _last_stage_logits(_run(1, 1, 2, [("bad", str(bad))]), "bad")
     assert _max_error(logits, reference["qwen3_moe"]) > 1e-2
+
+
+def test_moe_router_rule_matters(hf_dirs, reference):
+    """The other router rule (renormalizing the top-k where HF does not, and the reverse) moves the
+    logits far outside fp32 noise: the logits test can see a router mismatch."""
+    cases = [("qwen3_moe", str(hf_dirs["qwen3_moe"])), ("qwen3_moe_unnormed", str(hf_dirs["qwen3_moe_unnormed"]))]
+    flipped = {"qwen3_moe": {"moe_router_pre_softmax": True}, "qwen3_moe_unnormed": {"moe_router_pre_softmax": False}}
+    results = _run(1, 1, 2, cases, overrides=flipped)
+    for arch, _ in cases:
+        assert _max_error(_last_stage_logits(results, arch), reference[arch]) > 1e-3, arch
 
 
 @pytest.mark.parametrize("tp, pp, ep, world", [(1, 1, 2, 2), (1, 1, 2, 4), (2, 1, 2, 4), (1, 2, 2, 4)])
