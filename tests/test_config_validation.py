@@ -409,15 +409,20 @@ EP = f"{A}.megatron.expert_model_parallel_size"
 # (model arguments, bad overrides, field, text in the rule, overrides that fix it); on 6 GPUs, DP = 6 / TP
 MOE_CASES = {
     "ep divides the experts": ({}, [f"{EP}=3"], EP, "must divide the model's 8 experts", [f"{EP}=2"]),
-    "ep within dp x cp x tp": (dict(experts=12), [f"{A}.megatron.tensor_model_parallel_size=2", f"{EP}=4"], EP,
-                               "must divide DP × CP × TP = 3×1×2", [f"{A}.megatron.tensor_model_parallel_size=2",
+    "ep within dp x cp x tp": (dict(experts=12), [f"{A}.megatron.pipeline_model_parallel_size=2", f"{EP}=2"], EP,
+                               "must divide DP × CP × TP = 3×1×1", [f"{A}.megatron.pipeline_model_parallel_size=2",
                                                                    f"{EP}=3"]),
     "etp is tp": ({}, [f"{A}.megatron.expert_tensor_parallel_size=2"], f"{A}.megatron.expert_tensor_parallel_size",
                   "must equal tensor_model_parallel_size=1", [f"{A}.megatron.expert_tensor_parallel_size=1"]),
-    "tp divides the experts' width": (dict(moe_ffn=100), [f"{A}.megatron.tensor_model_parallel_size=3"],
+    "tp divides the experts' width": (dict(moe_ffn=100), [f"{A}.megatron.tensor_model_parallel_size=3",
+                                                          f"{A}.megatron.sequence_parallel=true"],
                                       f"{A}.megatron.tensor_model_parallel_size",
                                       "must divide the experts' intermediate size 100",
-                                      [f"{A}.megatron.tensor_model_parallel_size=2"]),
+                                      [f"{A}.megatron.tensor_model_parallel_size=1"]),
+    "moe training at tp > 1 needs sp": ({}, [f"{A}.megatron.tensor_model_parallel_size=2", "trainer.device=cuda"],
+                                        f"{A}.megatron.sequence_parallel", "megatron's MoE layer refuses TP",
+                                        [f"{A}.megatron.tensor_model_parallel_size=2", "trainer.device=cuda",
+                                         f"{A}.megatron.sequence_parallel=true"]),
 }
 
 

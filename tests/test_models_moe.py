@@ -57,6 +57,32 @@ def _moe_rank(rank: int, world_size: int, tp: int, pp: int, ep: int, cases: list
     return out
 
 
+def _grads_rank(rank: int, world_size: int, tp: int, hf_dir: str, weights: torch.Tensor, out: str) -> None:
+    """Backward of sum(logits * weights) at TP=world_size, EP=1; the gradients saved as a checkpoint
+    in place of the weights, so the layout math maps them back to HF names."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from hybridrl.models.bridge import build_gpt_model, load_weights, save_mcore_checkpoint
+    from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
+
+    ctx = initialize_model_parallel(tp=tp, device="cpu")
+    try:
+        model = build_gpt_model(hf_dir)
+        load_weights([model], hf_dir)
+        logits = gather_from_tensor_model_parallel_region(
+            model(TOKENS, torch.arange(TOKENS.shape[1]).expand_as(TOKENS), None))
+        (logits[..., :VOCAB] * weights).sum().backward()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                # each TP rank normalizes only its own heads: finalize_model_grads sums these over TP
+                if "q_layernorm" in name or "k_layernorm" in name:
+                    torch.distributed.all_reduce(param.grad, group=ctx.tp_group)
+                param.copy_(param.grad)
+        save_mcore_checkpoint([model], out)
+    finally:
+        destroy_model_parallel()
+
+
 def _run(tp: int, pp: int, ep: int, cases: list[tuple[str, str]], world: int | None = None,
          **kwargs: Any) -> list[dict[str, Any]]:
     return run_ranks(_moe_rank, world or tp * pp * ep, tp, pp, ep, cases, timeout_s=400, **kwargs)
@@ -120,6 +146,50 @@ def test_moe_logits_wrong_expert_placement_is_caught(hf_dirs, reference, tmp_pat
     assert _max_error(logits, reference["qwen3_moe"]) > 1e-2
 
 
+@pytest.mark.parametrize("tp", [1])
+def test_moe_gradients_match_transformers(hf_dirs, tmp_path, tp):
+    """Training sees the same model: every weight gradient (router and each expert included) equals
+    HF's, mapped back by the layout math. (TP > 1: megatron's MoE layer refuses to train without
+    sequence parallelism, which the local spec of CPU runs refuses: see docs/platform.md.)"""
+    import transformers
+
+    from hybridrl.models.convert_cli import main as convert_main
+
+    weights = torch.randn(*TOKENS.shape, VOCAB, generator=torch.Generator().manual_seed(3))
+    for arch in ("qwen3_moe", "mixtral"):
+        grads = tmp_path / arch / "grads"
+        run_ranks(_grads_rank, tp, tp, str(hf_dirs[arch]), weights, str(grads), timeout_s=300)
+        assert convert_main(["mcore-to-hf", "--ckpt", str(grads), "--out", str(tmp_path / arch / "hf"),
+                             "--quiet"]) == 0
+        ours = safetensors_state(tmp_path / arch / "hf")
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            hf_dirs[arch], dtype=torch.float32, attn_implementation="eager")
+        (model(TOKENS).logits * weights).sum().backward()
+        theirs = {}
+        for name, p in model.named_parameters():  # transformers 5 holds experts fused: [E, ...]
+            if name.endswith("experts.gate_up_proj"):
+                gate, up = p.grad.chunk(2, dim=1)
+                base = name.removesuffix("gate_up_proj").replace("mlp.experts", _moe_module(arch) + ".experts")
+                names = ("gate_proj", "up_proj") if arch != "mixtral" else ("w1", "w3")
+                for e in range(p.shape[0]):
+                    theirs[f"{base}{e}.{names[0]}.weight"], theirs[f"{base}{e}.{names[1]}.weight"] = gate[e], up[e]
+            elif name.endswith("experts.down_proj"):
+                base = name.removesuffix("down_proj").replace("mlp.experts", _moe_module(arch) + ".experts")
+                for e in range(p.shape[0]):
+                    theirs[f"{base}{e}.{'w2' if arch == 'mixtral' else 'down_proj'}.weight"] = p.grad[e]
+            else:
+                theirs[name.replace("mlp.gate.", _moe_module(arch) + ".gate.")] = p.grad
+        assert sorted(ours) == sorted(theirs), arch
+        for name, grad in theirs.items():
+            scale = grad.abs().max().item()
+            assert (ours[name] - grad).abs().max().item() <= 1e-5 * max(scale, 1.0), (arch, name)
+
+
+def _moe_module(arch: str) -> str:
+    """The HF module name of an MoE layer in saved checkpoints."""
+    return "block_sparse_moe" if arch == "mixtral" else "mlp"
+
+
 def test_moe_router_rule_matters(hf_dirs, reference):
     """The other router rule (renormalizing the top-k where HF does not, and the reverse) moves the
     logits far outside fp32 noise: the logits test can see a router mismatch."""
@@ -153,3 +223,61 @@ def test_moe_round_trip_at_ep2_is_bit_exact(hf_dirs, reference, tmp_path, tp, pp
         back = tmp_path / "back" / arch
         assert convert_main(["mcore-to-hf", "--ckpt", str(saved), "--out", str(back), "--quiet"]) == 0
         assert_same_tensors(safetensors_state(back), safetensors_state(hf_dirs[arch]))
+
+
+# ---- the layout math alone (no ranks) ----------------------------------------------------------------
+
+def test_moe_shape_reads_the_config(hf_dirs):
+    """ModelShape's MoE fields against transformers' own model of each config."""
+    import transformers
+
+    from hybridrl.models.arch import ModelShape
+
+    for arch, path in hf_dirs.items():
+        shape = ModelShape.from_hf_dir(path)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path)
+        sparse = tuple(i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts"))
+        assert shape.moe_layers == sparse, arch
+        assert shape.param_count() == model.num_parameters(), arch
+    qwen = ModelShape.from_hf_dir(hf_dirs["qwen3_moe"])
+    assert (qwen.num_experts, qwen.moe_top_k, qwen.moe_ffn_hidden_size, qwen.moe_norm_topk_prob) == (8, 2, 48, True)
+    assert qwen.moe_layers == (0, 1, 3)  # mlp_only_layers=[2]
+
+
+def test_experts_are_placed_by_global_index(hf_dirs):
+    """Expert e of a layer is local expert e - ep_rank * (experts / ep) on EP rank e // (experts / ep);
+    everything else is a copy on EP ranks > 0, and the export map takes each HF tensor once."""
+    from hybridrl.models.arch import ModelShape
+    from hybridrl.models.layout import ParallelLayout, hf_export_map, rank_file_name, rank_tensor_plans
+
+    shape = ModelShape.from_hf_dir(hf_dirs["qwen3_moe"])
+    layout = ParallelLayout(tp=2, pp=2, ep=4)
+    for ep_rank in range(4):
+        plans = rank_tensor_plans(shape, layout, 1, 1, ep_rank)  # layers 2, 3: layer 2 is dense
+        experts = {k: p for k, p in plans.items() if "local_experts" in k}
+        assert sorted(experts) == sorted(f"decoder.layers.1.mlp.experts.local_experts.{le}.linear_fc{n}.weight"
+                                         for le in range(2) for n in (1, 2))
+        for local in range(2):
+            fc1 = experts[f"decoder.layers.1.mlp.experts.local_experts.{local}.linear_fc1.weight"]
+            e = ep_rank * 2 + local
+            assert fc1.hf_names == (f"model.layers.3.mlp.experts.{e}.gate_proj.weight",
+                                    f"model.layers.3.mlp.experts.{e}.up_proj.weight")
+            assert fc1.shape == (48, 64) and not fc1.is_copy  # [gate half r; up half r] at TP rank 1
+        assert "decoder.layers.0.mlp.linear_fc1.weight" in plans  # layer 2's dense MLP
+        others = [p for k, p in plans.items() if "local_experts" not in k]
+        assert all(p.is_copy for p in others) == (ep_rank > 0)
+    assert rank_file_name(layout, 1, 1, 3) == "model_tp01_pp001_ep003.safetensors"
+    assert rank_file_name(ParallelLayout(tp=2), 1, 0) == "model_tp01_pp000.safetensors"
+    pieces = hf_export_map(shape, layout)
+    assert [(p.ep_rank, p.tp_rank) for p in pieces["model.layers.3.mlp.experts.5.down_proj.weight"]] == [(2, 0), (2, 1)]
+    assert [(p.ep_rank, p.tp_rank) for p in pieces["model.layers.3.mlp.gate.weight"]] == [(0, 0)]
+
+
+def test_moe_parallel_errors_name_the_rule(hf_dirs):
+    from hybridrl.models.arch import ModelShape
+
+    shape = ModelShape.from_hf_dir(hf_dirs["qwen3_moe"])
+    assert shape.parallel_errors(ep=3) == ["ep=3 does not divide num_experts=8"]
+    assert shape.parallel_errors(tp=4, ep=2) == []  # 48 / 4, 4 heads / 4, 2 KV heads shared
+    assert "the experts' intermediate size 32" in " ".join(
+        ModelShape.from_hf_dir(hf_dirs["qwen3_moe_unnormed"]).parallel_errors(tp=3))

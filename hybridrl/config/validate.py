@@ -403,6 +403,12 @@ def _check_layout(check: _Checker, prefix: str, mc: MegatronConfig, world: int, 
             check.fail(f"{prefix}.tensor_model_parallel_size", tp,
                        f"must divide the model's intermediate_size={model.ffn_hidden_size}",
                        [d for d in divisors(heads) if model.ffn_hidden_size % d == 0])
+        if model.is_moe and trainable and tp > 1 and not mc.sequence_parallel:
+            # megatron-core 0.16.1 MoELayer.forward raises in training with TP > 1 and no SP
+            check.fail(f"{prefix}.sequence_parallel", False,
+                       f"must be true to train a mixture-of-experts model at tensor_model_parallel_size={tp}: "
+                       "megatron's MoE layer refuses TP without sequence parallelism in training (on CPU, "
+                       "where sequence parallelism is refused too, train MoE models at TP 1)", [True])
         if model.is_moe and model.moe_ffn_hidden_size % tp:
             check.fail(f"{prefix}.tensor_model_parallel_size", tp,
                        f"must divide the experts' intermediate size {model.moe_ffn_hidden_size} (each expert is "
