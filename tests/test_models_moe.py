@@ -281,3 +281,22 @@ def test_moe_parallel_errors_name_the_rule(hf_dirs):
     assert shape.parallel_errors(tp=4, ep=2) == []  # 48 / 4, 4 heads / 4, 2 KV heads shared
     assert "the experts' intermediate size 32" in " ".join(
         ModelShape.from_hf_dir(hf_dirs["qwen3_moe_unnormed"]).parallel_errors(tp=3))
+
+
+def test_te_names_keep_an_moe_layers_own_pre_mlp_norm(hf_dirs):
+    """megatron's TE spec fuses the pre-MLP norm into fc1 in dense layers only; an MoE layer keeps
+    `pre_mlp_layernorm` (its experts have no fused norm). The GPU path's names follow that."""
+    from hybridrl.models.bridge import ChunkInfo, ModelSource, spec_tensor_name
+    from hybridrl.models.layout import ParallelLayout
+
+    source = ModelSource.from_path(hf_dirs["qwen3_moe"])  # layers 0, 1, 3 MoE; 2 dense
+    layout = ParallelLayout(pp=2)
+    info = ChunkInfo(source, layout, layout.chunks(4, 1)[0], 0, "te")  # layers 2 and 3
+    assert spec_tensor_name("decoder.layers.0.pre_mlp_layernorm.weight", "te", info) == \
+        "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"
+    assert spec_tensor_name("decoder.layers.1.pre_mlp_layernorm.weight", "te", info) == \
+        "decoder.layers.1.pre_mlp_layernorm.weight"
+    assert spec_tensor_name("decoder.layers.1.input_layernorm.weight", "te", info) == \
+        "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight"
+    assert spec_tensor_name("decoder.layers.1.pre_mlp_layernorm.weight", "local", info) == \
+        "decoder.layers.1.pre_mlp_layernorm.weight"

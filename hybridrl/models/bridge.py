@@ -288,13 +288,27 @@ def unwrap_model(model: Any) -> Any:
     return model
 
 
-def spec_tensor_name(local_name: str, spec_kind: str) -> str:
-    """A tensor's state_dict name under the layer spec in use (local names are the layout's)."""
+def spec_tensor_name(local_name: str, spec_kind: str, info: ChunkInfo | None = None) -> str:
+    """A tensor's state_dict name under the layer spec in use (local names are the layout's).
+
+    megatron's TE spec fuses the pre-MLP norm into the dense MLP's fc1 only: an MoE layer keeps it
+    as its own `pre_mlp_layernorm` (`get_gpt_layer_with_transformer_engine_spec`), which `info`
+    (the chunk, to tell which of its layers are MoE) decides.
+    """
     if spec_kind == "te":
         for local_suffix, te_suffix in TE_NAMES.items():
             if local_name.endswith(local_suffix):
+                if local_suffix.startswith("pre_mlp") and info is not None and _in_moe_layer(local_name, info):
+                    return local_name
                 return local_name[: -len(local_suffix)] + te_suffix
     return local_name
+
+
+def _in_moe_layer(local_name: str, info: ChunkInfo) -> bool:
+    parts = local_name.split(".")
+    if parts[:2] != ["decoder", "layers"]:
+        return False
+    return info.source.shape.layer_is_moe(info.chunk.first_layer + int(parts[2]))
 
 
 def model_tensors(model: Any) -> dict[str, torch.Tensor]:
@@ -309,7 +323,7 @@ def model_tensors(model: Any) -> dict[str, torch.Tensor]:
 def checked_model_tensors(model: Any, names: Sequence[str], info: ChunkInfo) -> dict[str, torch.Tensor]:
     """`model_tensors`, after checking they are exactly the layout's `names` (else the two disagree)."""
     tensors = model_tensors(model)
-    expected = {spec_tensor_name(n, info.spec_kind) for n in names}
+    expected = {spec_tensor_name(n, info.spec_kind, info) for n in names}
     if set(tensors) != expected:
         raise RuntimeError(
             f"layout math and the megatron model disagree for chunk {info.chunk}: only in model "
@@ -346,7 +360,7 @@ def load_weights(models: Sequence[Any], path: str | Path, verify: bool = True) -
             plans = info.tensor_plans()
             tensors = checked_model_tensors(model, [p.name for p in plans], info)
             for plan in plans:
-                target = tensors[spec_tensor_name(plan.name, info.spec_kind)]
+                target = tensors[spec_tensor_name(plan.name, info.spec_kind, info)]
                 target.copy_(assemble(reader, plan, target.dtype))
     finally:
         reader.close()
@@ -373,7 +387,7 @@ def _load_same_layout(models: Sequence[Any], meta: McoreMetadata, verify: bool) 
                 if verify and tensor_sha256(value) != recorded[key]["sha256"]:
                     raise CheckpointError(f"checksum mismatch in {meta.path / fname}, tensor {key}: the file "
                                           "was modified or corrupted after it was written")
-                tensors[spec_tensor_name(plan.name, info.spec_kind)].copy_(value)
+                tensors[spec_tensor_name(plan.name, info.spec_kind, info)].copy_(value)
 
 
 # ---- saving and export (collective over the world) -------------------------------------------------
@@ -415,7 +429,7 @@ def rank_tensor_entries(models: Sequence[Any]) -> Iterator[tuple[str, TensorPlan
         plans = info.tensor_plans()
         tensors = checked_model_tensors(model, [p.name for p in plans], info)
         for plan in plans:
-            yield prefix + plan.name, plan, tensors[spec_tensor_name(plan.name, info.spec_kind)]
+            yield prefix + plan.name, plan, tensors[spec_tensor_name(plan.name, info.spec_kind, info)]
 
 
 def _rank_tensors(models: Sequence[Any]) -> dict[str, torch.Tensor]:
