@@ -300,3 +300,26 @@ def test_te_names_keep_an_moe_layers_own_pre_mlp_norm(hf_dirs):
         "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight"
     assert spec_tensor_name("decoder.layers.1.pre_mlp_layernorm.weight", "local", info) == \
         "decoder.layers.1.pre_mlp_layernorm.weight"
+
+
+def test_moe_checkpoint_changes_expert_layout_offline(hf_dirs, tmp_path):
+    """hybridrl convert re-shards experts between EP layouts (EP2 -> TP2 x PP2 x EP4 -> HF), bit-exact."""
+    from hybridrl.models.convert_cli import main as convert_main
+
+    src = hf_dirs["qwen3_moe"]
+    assert convert_main(["hf-to-mcore", "--hf", str(src), "--out", str(tmp_path / "ep2"), "--ep", "2",
+                         "--quiet"]) == 0
+    assert convert_main(["mcore-to-mcore", "--ckpt", str(tmp_path / "ep2"), "--out", str(tmp_path / "ep4"),
+                         "--tp", "2", "--pp", "2", "--ep", "4", "--quiet"]) == 0
+    assert len(list((tmp_path / "ep4").glob("model_tp*_pp*_ep*.safetensors"))) == 16
+    direct = tmp_path / "direct"
+    assert convert_main(["hf-to-mcore", "--hf", str(src), "--out", str(direct), "--tp", "2", "--pp", "2",
+                         "--ep", "4", "--quiet"]) == 0
+    assert_same_tensors(per_file_state(tmp_path / "ep4"), per_file_state(direct))
+    assert convert_main(["mcore-to-hf", "--ckpt", str(tmp_path / "ep4"), "--out", str(tmp_path / "hf"),
+                         "--quiet"]) == 0
+    assert_same_tensors(safetensors_state(tmp_path / "hf"), safetensors_state(src))
+    # an EP the experts do not split into is refused before anything is written
+    assert convert_main(["hf-to-mcore", "--hf", str(src), "--out", str(tmp_path / "bad"), "--ep", "3",
+                         "--quiet"]) != 0
+    assert not (tmp_path / "bad").exists()
