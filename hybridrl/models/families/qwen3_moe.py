@@ -4,7 +4,10 @@ of the router's softmax, renormalized when `norm_topk_prob`. Layers listed in `m
 (or off the `decoder_sparse_step` grid) keep the dense MLP of `intermediate_size`.
 
 Megatron names are the local spec's MoE layer (`mlp.router`, `mlp.experts.local_experts.{e}` with
-SequentialMLP); the vLLM names are its fused MoE parameters (all experts of a layer stacked).
+SequentialMLP), checked against megatron-core 0.16.1 by tests/test_models_moe.py. The vLLM names
+are vLLM 0.32's fused MoE parameters (`experts.w13_weight` [E, 2I, H], `experts.w2_weight`
+[E, H, I], router `gate.weight`), read from its qwen3_moe.py / mixtral.py and not yet checked by a
+test: no vLLM plan uses them until experts are resharded (`vllm_layout.check_infer_tp` refuses MoE).
 """
 from __future__ import annotations
 
