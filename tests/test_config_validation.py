@@ -393,3 +393,73 @@ def test_the_device_vocabulary_is_the_device_policies():
     from hybridrl.parallel.device_policy import DEVICE_POLICIES
 
     assert typing.get_args(Device) == tuple(DEVICE_POLICIES)
+
+
+# ---- mixture-of-experts layouts ----------------------------------------------------------------------
+
+def moe_model_dir(tmp_path: Path, experts: int = 8, top_k: int = 2, moe_ffn: int = 128) -> str:
+    folder = tmp_path / f"moe_{experts}_{top_k}_{moe_ffn}"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 768, "intermediate_size": 256,
+        "num_hidden_layers": 6, "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 64,
+        "vocab_size": 1000, "max_position_embeddings": 4096, "num_experts": experts,
+        "num_experts_per_tok": top_k, "moe_intermediate_size": moe_ffn, "norm_topk_prob": True,
+    }))
+    return f"actor_rollout_ref.model.path={folder}"
+
+
+MOE_NOT_YET = "the trainer cannot run it yet"
+EP = f"{A}.megatron.expert_model_parallel_size"
+
+# (model arguments, bad overrides, field, text in the rule, overrides that fix it); on 6 GPUs, DP = 6 / TP
+MOE_CASES = {
+    "ep divides the experts": ({}, [f"{EP}=3"], EP, "must divide the model's 8 experts", [f"{EP}=2"]),
+    "ep within dp x cp x tp": (dict(experts=12), [f"{A}.megatron.pipeline_model_parallel_size=2", f"{EP}=2"], EP,
+                               "must divide DP × CP × TP = 3×1×1", [f"{A}.megatron.pipeline_model_parallel_size=2",
+                                                                   f"{EP}=3"]),
+    "etp is tp": ({}, [f"{A}.megatron.expert_tensor_parallel_size=2"], f"{A}.megatron.expert_tensor_parallel_size",
+                  "must equal tensor_model_parallel_size=1", [f"{A}.megatron.expert_tensor_parallel_size=1"]),
+    "tp divides the experts' width": (dict(moe_ffn=100), [f"{A}.megatron.tensor_model_parallel_size=3",
+                                                          f"{A}.megatron.sequence_parallel=true"],
+                                      f"{A}.megatron.tensor_model_parallel_size",
+                                      "must divide the experts' intermediate size 100",
+                                      [f"{A}.megatron.tensor_model_parallel_size=1"]),
+    "moe training at tp > 1 needs sp": ({}, [f"{A}.megatron.tensor_model_parallel_size=2", "trainer.device=cuda"],
+                                        f"{A}.megatron.sequence_parallel", "megatron's MoE layer refuses TP",
+                                        [f"{A}.megatron.tensor_model_parallel_size=2", "trainer.device=cuda",
+                                         f"{A}.megatron.sequence_parallel=true"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MOE_CASES))
+def test_moe_layout_rule_refuses_bad_and_accepts_fix(name, tmp_path):
+    """Each expert-parallel rule names its field; with the fix only the refusal of MoE training as a
+    whole (resharding experts into vLLM is not built yet) is left."""
+    shape, bad, field, fragment, good = MOE_CASES[name]
+    model = moe_model_dir(tmp_path, **shape)
+    issues = issues_for([model, *bad])
+    named = [i for i in issues if i.field == field]
+    assert named and any(fragment in str(i) for i in named), [str(i) for i in issues]
+    fixed = issues_for([model, *good])
+    assert [i.field for i in fixed] == ["actor_rollout_ref.model.path"] and MOE_NOT_YET in str(fixed[0]), \
+        [str(i) for i in fixed]
+
+
+def test_expert_parallelism_with_a_dense_model_is_refused():
+    issues = issues_for([f"{EP}=2"])
+    assert any(i.field == EP and "needs a mixture-of-experts model" in str(i) and i.valid == (1,)
+               for i in issues), [str(i) for i in issues]
+    plan_from_sources(SEED, [f"{EP}=1"])
+
+
+def test_moe_top_k_above_the_experts_is_refused(tmp_path):
+    issues = issues_for([moe_model_dir(tmp_path, experts=4, top_k=6)])
+    assert any(i.field == "actor_rollout_ref.model.path" and "num_experts_per_tok=6 must be in 1..4" in str(i)
+               for i in issues), [str(i) for i in issues]
+
+
+def test_reference_expert_layout_must_equal_the_actors():
+    issues = issues_for(["actor_rollout_ref.ref.megatron.expert_model_parallel_size=2"])
+    assert any(i.field == "actor_rollout_ref.ref.megatron.expert_model_parallel_size" and "must equal" in str(i)
+               for i in issues), [str(i) for i in issues]

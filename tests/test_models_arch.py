@@ -270,13 +270,16 @@ def test_every_family_file_is_registered_and_names_each_weight_once():
 
     modules = {info.name for info in pkgutil.iter_modules(families.__path__)}
     registered = {family.model_type for family in SUPPORTED_ARCHITECTURES.values()}
-    assert modules == registered == {"llama", "mistral", "qwen2", "qwen3"}
+    assert modules == registered == {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"}
     for arch, family in SUPPORTED_ARCHITECTURES.items():
         config = dict(architectures=[arch], hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=96, num_hidden_layers=2, vocab_size=100, tie_word_embeddings=False)
+                      intermediate_size=96, num_hidden_layers=2, vocab_size=100, tie_word_embeddings=False,
+                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1])
         shape = ModelShape.from_hf_config(config)
         specs = list(table_specs(shape))
-        hf = [t.at(layer) for spec, layer in specs for t in spec.hf]
-        vllm = [spec.vllm.format(i=layer) for spec, layer in specs]
+        hf = [t.at(layer, expert) for spec, layer, expert in specs for t in spec.hf]
+        # vLLM stacks a layer's experts in one parameter: one name per (weight, layer)
+        vllm = [spec.vllm.format(i=layer) for spec, layer, expert in specs if not expert]
         assert len(hf) == len(set(hf)) and len(vllm) == len(set(vllm)), arch
+        assert shape.is_moe == family.moe, arch
         assert shape.weights is family.weights

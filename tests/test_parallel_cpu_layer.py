@@ -402,3 +402,43 @@ def test_check_config_for_cpu_lists_every_bad_flag():
                              "gradient_accumulation_fusion": True})
     with pytest.raises(ValueError, match="batch_p2p_sync=True.*gradient_accumulation_fusion=True"):
         cpu_layer.check_config_for_cpu(bad)
+
+
+# ------------------------------------------------------------------------------------------------
+# moe_alltoall_streams
+# ------------------------------------------------------------------------------------------------
+def _moe_build(rank: int, world_size: int, hf_dir: str, skip: list[str]) -> dict:
+    from hybridrl.models.bridge import build_gpt_models, load_weights
+    from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
+
+    initialize_model_parallel(ep=world_size, seed=1)
+    try:
+        cpu_layer.remove_cpu_layer()
+        cpu_layer.apply_cpu_layer(skip=skip)
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(1)
+        models: list = []
+        out = {"build": _raises(lambda: models.extend(build_gpt_models(hf_dir)))}
+        if models:
+            load_weights(models, hf_dir)
+            tokens = torch.arange(8).unsqueeze(0)
+            with torch.no_grad():
+                out["logits"] = models[0](tokens, torch.arange(8).unsqueeze(0), None)
+        return out
+    finally:
+        cpu_layer.apply_cpu_layer()
+        destroy_model_parallel()
+
+
+def test_moe_alltoall_streams_patch(tmp_path):
+    from tests.test_models_fixtures import make_hf_model
+
+    hf_dir = str(make_hf_model(tmp_path / "moe", "mixtral", seed=1))
+    without = run_ranks(_moe_build, 2, hf_dir, ["moe_alltoall_streams"], timeout_s=200)
+    # megatron's alltoall dispatcher makes a CUDA stream in __init__
+    assert all("torch.cuda.Stream requires CUDA" in out["build"] for out in without), without
+    with_patch = run_ranks(_moe_build, 2, hf_dir, [], timeout_s=200)
+    assert all(out["build"] == "" for out in with_patch)
+    # EP2 over gloo's all_to_all: both ranks computed the same logits from the same tokens
+    assert torch.equal(with_patch[0]["logits"], with_patch[1]["logits"])

@@ -126,6 +126,11 @@ class MegatronConfig:
     pipeline_model_parallel_size: int = doc(1, "PP: layers split into this many stages")
     virtual_pipeline_model_parallel_size: int | None = doc(None, "VPP: model chunks per stage (interleaved 1F1B)")
     context_parallel_size: int = doc(1, "CP: each sequence split over this many GPUs")
+    expert_model_parallel_size: int = doc(1, "EP (MoE models): each MoE layer's experts split over this many "
+                                          "GPUs, inside the DP × CP span")
+    expert_tensor_parallel_size: int | None = doc(None, "ETP (MoE models): each expert's matrices split over this "
+                                                  "many GPUs; None = tensor_model_parallel_size (the only value "
+                                                  "supported now)")
     sequence_parallel: bool = doc(False, "shard norms/dropout activations over TP (needs TP > 1)")
     use_distributed_optimizer: bool = doc(True, "shard optimizer states over data-parallel ranks (ZeRO-1)")
     make_vocab_size_divisible_by: int = doc(128, "vocab padded to a multiple of this × TP, as megatron does")

@@ -118,7 +118,7 @@ def validate(
         if dp:
             dp_of[role] = dp
     infer_dp = _check_rollout_layout(check, config, world, model)
-    _check_unsupported(check, config)
+    _check_unsupported(check, config, model)
     if batch_ok:
         _check_batch_arithmetic(check, config, resolved, dp_of, infer_dp)
     _check_lengths(check, config, resolved, model)
@@ -223,10 +223,11 @@ def megatron_sections(config: JobConfig) -> list[tuple[str, MegatronConfig]]:
 # The reference policy is built in the actor's processes, whose megatron parallel state (and its
 # RNG) is process-global: these fields of a set `ref.megatron` cannot differ from the actor's.
 REF_SHARES_WITH_ACTOR = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                         "virtual_pipeline_model_parallel_size", "seed")
+                         "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
+                         "expert_tensor_parallel_size", "seed")
 
 
-def _check_unsupported(check: _Checker, config: JobConfig) -> None:
+def _check_unsupported(check: _Checker, config: JobConfig, model: ModelShape | None = None) -> None:
     """Settings the workers would not honour: refused here, so none is silently dropped."""
     arr = config.actor_rollout_ref
     # None for an unknown trainer.device (reported by _check_trainer): the device checks are skipped
@@ -277,6 +278,11 @@ def _check_unsupported(check: _Checker, config: JobConfig) -> None:
                            f"must equal actor_rollout_ref.actor.megatron.{name}={theirs}: the reference policy "
                            "runs in the actor's processes, which hold one megatron parallel state; leave "
                            "actor_rollout_ref.ref.megatron unset to use the actor's layout", [theirs])
+    if model is not None and model.is_moe:
+        check.fail("actor_rollout_ref.model.path", arr.model.path,
+                   f"is a mixture-of-experts model ({model.architecture}): the trainer cannot run it yet "
+                   "(resharding experts into vLLM, router losses and routing replay are still to be built, "
+                   "issue 20); its megatron layout is supported by `hybridrl convert` and the model bridge")
     if arr.hybrid_engine is not True:
         check.fail("actor_rollout_ref.hybrid_engine", arr.hybrid_engine,
                    "is not supported: only the hybrid engine (actor, rollout and reference share processes "
@@ -414,6 +420,17 @@ def _check_layout(check: _Checker, prefix: str, mc: MegatronConfig, world: int, 
             check.fail(f"{prefix}.tensor_model_parallel_size", tp,
                        f"must divide the model's intermediate_size={model.ffn_hidden_size}",
                        [d for d in divisors(heads) if model.ffn_hidden_size % d == 0])
+        if model.is_moe and trainable and tp > 1 and not mc.sequence_parallel:
+            # megatron-core 0.16.1 MoELayer.forward raises in training with TP > 1 and no SP
+            check.fail(f"{prefix}.sequence_parallel", False,
+                       f"must be true to train a mixture-of-experts model at tensor_model_parallel_size={tp}: "
+                       "megatron's MoE layer refuses TP without sequence parallelism in training (on CPU, "
+                       "where sequence parallelism is refused too, train MoE models at TP 1)", [True])
+        if model.is_moe and model.moe_ffn_hidden_size % tp:
+            check.fail(f"{prefix}.tensor_model_parallel_size", tp,
+                       f"must divide the experts' intermediate size {model.moe_ffn_hidden_size} (each expert is "
+                       "split over TP like the dense MLP)", [d for d in divisors(heads)
+                                                             if model.moe_ffn_hidden_size % d == 0])
         chunks = pp * (vpp or 1)
         if model.num_layers % chunks:
             field = "virtual_pipeline_model_parallel_size" if vpp else "pipeline_model_parallel_size"
@@ -422,7 +439,39 @@ def _check_layout(check: _Checker, prefix: str, mc: MegatronConfig, world: int, 
                      if vpp and model.num_layers % pp == 0 else divisors(model.num_layers))
             check.fail(f"{prefix}.{field}", value,
                        f"(PP×VPP={chunks}) must divide the model's {model.num_layers} layers", valid)
+    if not _check_experts(check, prefix, mc, tp, cp, dp, model):
+        return 0
     return dp
+
+
+def _check_experts(check: _Checker, prefix: str, mc: MegatronConfig, tp: int, cp: int, dp: int,
+                   model: ModelShape | None) -> bool:
+    """Expert-parallel rules (MoE models): EP splits the experts inside DP × CP, ETP is TP."""
+    ep, etp = mc.expert_model_parallel_size, mc.expert_tensor_parallel_size
+    ok = check.is_int_at_least(f"{prefix}.expert_model_parallel_size", ep, 1)
+    if etp is not None:
+        if not check.is_int_at_least(f"{prefix}.expert_tensor_parallel_size", etp, 1):
+            ok = False
+        elif etp != tp:
+            ok = check.fail(f"{prefix}.expert_tensor_parallel_size", etp,
+                            f"must equal tensor_model_parallel_size={tp} (or be null): the model bridge splits "
+                            "each expert over TP like the dense MLP; other expert TP sizes are not supported yet",
+                            [None, tp])
+    if not ok:
+        return False
+    if model is not None and ep > 1 and not model.is_moe:
+        return check.fail(f"{prefix}.expert_model_parallel_size", ep,
+                          f"needs a mixture-of-experts model; {model.architecture} is dense: use 1", [1])
+    if model is not None and model.is_moe and model.num_experts % ep:
+        ok = check.fail(f"{prefix}.expert_model_parallel_size", ep,
+                        f"must divide the model's {model.num_experts} experts", divisors(model.num_experts))
+    # megatron's expert mesh (etp-ep-edp-pp) must tile the same ranks as the dense one: EP x ETP
+    # within DP x CP x TP, i.e. with ETP = TP, EP dividing DP x CP.
+    if dp and (dp * cp) % ep:
+        ok = check.fail(f"{prefix}.expert_model_parallel_size", ep,
+                        f"× expert_tensor_parallel_size={tp} must divide DP × CP × TP = {dp}×{cp}×{tp} "
+                        f"(the experts are split inside the data-parallel ranks)", divisors(dp * cp))
+    return ok
 
 
 def _check_rollout_layout(check: _Checker, config: JobConfig, world: int, model: ModelShape | None) -> int:

@@ -94,6 +94,19 @@ class ModelShape:
     # Attention window of Mistral-style models; None means full causal attention. Megatron's local
     # spec has no sliding window, so sequences longer than this would diverge from HF.
     sliding_window: int | None = None
+    # Mixture of experts (0 experts: a dense model). `moe_layers` lists the decoder layers whose MLP
+    # is the routed experts (the others keep the dense MLP of `ffn_hidden_size`); each token goes to
+    # `moe_top_k` experts of `moe_ffn_hidden_size`, weighted by the router's softmax over all experts,
+    # renormalized over the chosen ones when `moe_norm_topk_prob`.
+    num_experts: int = 0
+    moe_top_k: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        # A shape read back from JSON (Plan.from_json) carries a list: keep the shape hashable.
+        object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
 
     # ---- construction -------------------------------------------------------------------------
     @classmethod
@@ -126,11 +139,12 @@ class ModelShape:
                 f"{name}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
             )
         sliding_window = None
-        if family.model_type == "mistral":
+        if family.model_type in ("mistral", "mixtral"):
             sliding_window = config.get("sliding_window")
         elif config.get("use_sliding_window"):
             raise UnsupportedModelError(f"{name}: use_sliding_window=True is not supported")
         tie = config.get("tie_word_embeddings")
+        moe = _moe_fields(family, config, int(need("num_hidden_layers")), need) if family.moe else {}
         return cls(
             architecture=name,
             model_type=family.model_type,
@@ -150,6 +164,7 @@ class ModelShape:
             qkv_bias=family.qkv_bias,
             qk_norm=family.qk_norm,
             sliding_window=int(sliding_window) if sliding_window else None,
+            **moe,
         )
 
     @classmethod
@@ -173,6 +188,17 @@ class ModelShape:
         return min(self.sliding_window, self.max_position_embeddings)
 
     @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def layer_is_moe(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (global index) routes its tokens to experts."""
+        return layer in self.moe_layers
+
+    def experts_per_rank(self, ep: int) -> int:
+        return self.num_experts // ep if self.is_moe else 0
+
+    @property
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_kv_heads
 
@@ -184,20 +210,29 @@ class ModelShape:
     def dim(self, name: str) -> int:
         """A named dimension of the weight tables (`HFTensor.dims`)."""
         sizes = {"hidden": self.hidden_size, "q": self.q_size, "kv": self.kv_size, "head_dim": self.head_dim,
-                 "ffn": self.ffn_hidden_size, "vocab": self.vocab_size}
+                 "ffn": self.ffn_hidden_size, "vocab": self.vocab_size, "experts": self.num_experts,
+                 "moe_ffn": self.moe_ffn_hidden_size}
         return sizes[name]
 
     def hf_numel(self, tensor: HFTensor) -> int:
         return math.prod(self.dim(d) for d in tensor.dims)
 
+    def params_of_layer(self, layer: int) -> int:
+        """Parameters of decoder layer `layer` (every expert counted)."""
+        return sum(self.hf_numel(t) * (self.num_experts if spec.expert else 1)
+                   for spec in self.weights.layer if spec.exists(self, layer) for t in spec.hf)
+
     def params_per_layer(self) -> int:
-        return sum(self.hf_numel(t) for spec in self.weights.layer if spec.exists(self) for t in spec.hf)
+        """The largest layer's parameters (all layers alike in a dense model; an MoE layer with every
+        expert counted in an MoE model: an upper bound for a rank's share until EP is estimated)."""
+        return max(self.params_of_layer(layer) for layer in range(self.num_layers))
 
     def param_count(self) -> int:
         """Parameters of the HF model (unpadded vocab; a tied output layer counted once)."""
         table = self.weights
         outer = [table.embedding, table.final_norm] + ([] if self.tie_word_embeddings else [table.lm_head])
-        return sum(self.hf_numel(t) for spec in outer for t in spec.hf) + self.num_layers * self.params_per_layer()
+        return sum(self.hf_numel(t) for spec in outer for t in spec.hf) \
+            + sum(self.params_of_layer(layer) for layer in range(self.num_layers))
 
     def padded_vocab_size(self, tp: int, divisor: int = DEFAULT_VOCAB_DIVISOR) -> int:
         return padded_vocab_size(self.vocab_size, tp, divisor)
@@ -206,10 +241,10 @@ class ModelShape:
         return asdict(self)
 
     # ---- parallel fit ----------------------------------------------------------------------------
-    def parallel_errors(self, tp: int = 1, pp: int = 1, vpp: int | None = None) -> list[str]:
-        """Every reason TP/PP/VPP cannot shard this model (empty when it can), for all-at-once reports."""
+    def parallel_errors(self, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1) -> list[str]:
+        """Every reason TP/PP/VPP/EP cannot shard this model (empty when it can), for all-at-once reports."""
         errors: list[str] = []
-        for label, value in (("tp", tp), ("pp", pp)):
+        for label, value in (("tp", tp), ("pp", pp), ("ep", ep)):
             if value < 1:
                 errors.append(f"{label}={value} must be >= 1")
         if vpp is not None and vpp < 1:
@@ -228,8 +263,16 @@ class ModelShape:
         qkv_rows = self.q_size + 2 * self.kv_size
         if qkv_rows % tp:
             errors.append(f"tp={tp} does not divide the fused qkv size {qkv_rows}")
-        if self.ffn_hidden_size % tp:
+        if self.ffn_hidden_size % tp and (not self.is_moe or len(self.moe_layers) < self.num_layers):
             errors.append(f"tp={tp} does not divide intermediate_size={self.ffn_hidden_size}")
+        if ep > 1 and not self.is_moe:
+            errors.append(f"ep={ep} needs a mixture-of-experts model ({self.architecture} is dense): use ep=1")
+        if self.is_moe:
+            if self.num_experts % ep:
+                errors.append(f"ep={ep} does not divide num_experts={self.num_experts}")
+            # the expert tensor-parallel size is tp: each expert's fc1/fc2 is split like a dense MLP
+            if self.moe_ffn_hidden_size % tp:
+                errors.append(f"tp={tp} does not divide the experts' intermediate size {self.moe_ffn_hidden_size}")
         chunks = pp * (vpp or 1)
         if vpp is not None and vpp > 1 and pp < 2:
             errors.append(f"vpp={vpp} needs pp >= 2 (got pp={pp})")
@@ -240,15 +283,16 @@ class ModelShape:
             )
         return errors
 
-    def check_parallel(self, tp: int = 1, pp: int = 1, vpp: int | None = None) -> None:
-        errors = self.parallel_errors(tp, pp, vpp)
+    def check_parallel(self, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1) -> None:
+        errors = self.parallel_errors(tp, pp, vpp, ep)
         if errors:
             raise ParallelLayoutError(f"{self.architecture}: " + "; ".join(errors))
 
     # ---- megatron configuration (plain values; bridge.py makes the objects) ---------------------
-    def megatron_config_kwargs(self, tp: int = 1, pp: int = 1, vpp: int | None = None) -> dict[str, Any]:
+    def megatron_config_kwargs(self, tp: int = 1, pp: int = 1, vpp: int | None = None,
+                               ep: int = 1) -> dict[str, Any]:
         """`TransformerConfig` keyword arguments, with `activation_func` given by name ('silu')."""
-        self.check_parallel(tp, pp, vpp)
+        self.check_parallel(tp, pp, vpp, ep)
         return dict(
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
@@ -269,6 +313,31 @@ class ModelShape:
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+            **self._moe_config_kwargs(tp, ep),
+        )
+
+    def _moe_config_kwargs(self, tp: int, ep: int) -> dict[str, Any]:
+        if not self.is_moe:
+            return {}
+        return dict(
+            num_moe_experts=self.num_experts,
+            moe_router_topk=self.moe_top_k,
+            moe_ffn_hidden_size=self.moe_ffn_hidden_size,
+            # 1 = this layer's MLP is the experts, 0 = the dense MLP (megatron's per-layer pattern).
+            moe_layer_freq=[int(self.layer_is_moe(i)) for i in range(self.num_layers)],
+            # HF: softmax over all experts (in fp32), top-k, renormalized if norm_topk_prob. megatron
+            # without pre-softmax takes the top-k logits and softmaxes those: the renormalized top-k
+            # of the full softmax exactly; with pre-softmax it softmaxes all and keeps the top-k as is.
+            moe_router_score_function="softmax",
+            moe_router_pre_softmax=not self.moe_norm_topk_prob,
+            moe_router_dtype="fp32",
+            moe_grouped_gemm=False,
+            moe_token_dispatcher_type="alltoall",
+            # Router losses are the training slice's (issue 20); off here, so the forward is HF's.
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=tp,
         )
 
     def gpt_model_kwargs(self, tp: int = 1) -> dict[str, Any]:
@@ -281,6 +350,32 @@ class ModelShape:
             rotary_percent=1.0,
             share_embeddings_and_output_weights=self.tie_word_embeddings,
         )
+
+
+def _moe_fields(family: ArchFamily, config: Mapping[str, Any], num_layers: int, need: Any) -> dict[str, Any]:
+    """ModelShape's MoE fields from an MoE family's config.json (Qwen3-MoE or Mixtral keys)."""
+    name = family.architecture
+    # Qwen3-MoE's own key is num_experts; transformers 5 writes num_local_experts (Mixtral's) for both.
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if not experts:
+        raise UnsupportedModelError(f"{name} config.json lacks num_experts / num_local_experts")
+    top_k = int(need("num_experts_per_tok"))
+    if not 1 <= top_k <= int(experts):
+        raise UnsupportedModelError(f"{name}: num_experts_per_tok={top_k} must be in 1..{experts} (num_experts)")
+    if family.model_type == "mixtral":
+        if config.get("router_jitter_noise"):
+            raise UnsupportedModelError(f"{name}: router_jitter_noise={config['router_jitter_noise']} is not "
+                                        "supported (megatron's input jitter differs): use 0")
+        return dict(num_experts=int(experts), moe_top_k=top_k, moe_ffn_hidden_size=int(need("intermediate_size")),
+                    moe_norm_topk_prob=True, moe_layers=tuple(range(num_layers)))
+    if config.get("shared_expert_intermediate_size"):
+        raise UnsupportedModelError(f"{name}: shared experts are not supported")
+    step = int(config.get("decoder_sparse_step") or 1)
+    dense = set(config.get("mlp_only_layers") or ())
+    # transformers' Qwen3MoeDecoderLayer: experts where (i + 1) % decoder_sparse_step == 0, outside mlp_only_layers
+    layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    return dict(num_experts=int(experts), moe_top_k=top_k, moe_ffn_hidden_size=int(need("moe_intermediate_size")),
+                moe_norm_topk_prob=bool(config.get("norm_topk_prob", False)), moe_layers=layers)
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisor: int = DEFAULT_VOCAB_DIVISOR) -> int:

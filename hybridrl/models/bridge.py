@@ -35,7 +35,6 @@ from hybridrl.models.checkpoint import (
     McoreCheckpointReader,
     McoreMetadata,
     assemble,
-    checkpoint_file_name,
     estimated_hf_bytes,
     mcore_metadata,
     source_dtype,
@@ -49,6 +48,7 @@ from hybridrl.models.layout import (
     TensorPlan,
     chunk_tensor_plans,
     rank_chunk_key_prefix,
+    rank_file_name,
 )
 from hybridrl.parallel.cpu_attention import install_cpu_packed_rope, with_cpu_packed_attention
 from hybridrl.parallel.cpu_layer import CPU_CONFIG_OVERRIDES
@@ -108,6 +108,11 @@ class ChunkInfo:
     chunk: StageChunk
     tp_rank: int
     spec_kind: str
+    ep_rank: int = 0
+
+    def tensor_plans(self) -> list[TensorPlan]:
+        """This chunk's tensors as the layout math describes them."""
+        return chunk_tensor_plans(self.source.shape, self.layout, self.chunk, self.tp_rank, self.ep_rank)
 
 
 def _context(ctx: Any = None) -> Any:
@@ -126,14 +131,14 @@ def _as_source(source: ModelSource | str | Path | Mapping[str, Any]) -> ModelSou
 
 def transformer_config(
     shape: ModelShape, tp: int, pp: int, vpp: int | None, *, device: str, dtype: torch.dtype,
-    **overrides: Any,
+    ep: int = 1, **overrides: Any,
 ) -> Any:
     """megatron `TransformerConfig` for `shape` on a resolved `device`, with the CPU layer's flags
     where the device policy runs megatron through it (CPU)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
-    kwargs = shape.megatron_config_kwargs(tp, pp, vpp)
+    kwargs = shape.megatron_config_kwargs(tp, pp, vpp, ep)
     kwargs["activation_func"] = {"silu": F.silu}[kwargs["activation_func"]]
     kwargs.update(
         params_dtype=dtype,
@@ -158,15 +163,35 @@ def transformer_config(
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(shape: ModelShape, kind: str, *, cpu_layer: bool = False) -> Any:
-    """megatron's GPT layer spec of `kind`; with `cpu_layer` (the device policy's `megatron_cpu_layer`)
-    the local spec's core attention is the CPU layer's stand-in that also serves packed sequences."""
+def layer_spec(shape: ModelShape, kind: str, config: Any = None, chunk: StageChunk | None = None, *,
+               cpu_layer: bool = False) -> Any:
+    """The GPT layer spec (dense), or for an MoE model this chunk's block spec: megatron's per-layer
+    choice between the MoE and the dense layer (`moe_layer_freq`) for the layers `chunk` holds. With
+    `cpu_layer` (the device policy's `megatron_cpu_layer`) a dense local spec's core attention is the
+    CPU layer's stand-in that also serves packed sequences."""
     from megatron.core.models.gpt import gpt_layer_specs
 
+    if shape.is_moe:
+        if config is None or chunk is None:
+            raise ValueError("an MoE model's layer spec needs its TransformerConfig and chunk")
+        _define_missing_te_gemm()
+        return gpt_layer_specs.get_gpt_decoder_block_spec(
+            config, use_transformer_engine=kind == "te", normalization="RMSNorm",
+            vp_stage=chunk.vp_stage, pp_rank=chunk.pp_rank)
     if kind == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
     return with_cpu_packed_attention(spec) if cpu_layer else spec
+
+
+def _define_missing_te_gemm() -> None:
+    """megatron-core 0.16.1's router linear (`moe_utils.RouterGatingLinearFunction`) tests
+    `te_general_gemm is not None`, a name bound only when Transformer Engine imports: without TE it
+    raises NameError. None is what the test means by "no TE" (it then uses torch.mm)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def build_gpt_models(
@@ -188,18 +213,19 @@ def build_gpt_models(
     ctx = _context(ctx)
     src = _as_source(source)
     shape = src.shape
-    layout = ParallelLayout(tp=ctx.tp, pp=ctx.pp, vpp=ctx.vpp)
-    shape.check_parallel(layout.tp, layout.pp, layout.vpp)
+    ep = getattr(ctx, "ep", 1)
+    layout = ParallelLayout(tp=ctx.tp, pp=ctx.pp, vpp=ctx.vpp, ep=ep)
+    shape.check_parallel(layout.tp, layout.pp, layout.vpp, layout.ep)
     torch_dtype = default_dtype_for(ctx.device, dtype)
     kind = spec_kind or layer_spec_kind(ctx.device)
     config = transformer_config(shape, layout.tp, layout.pp, layout.vpp, device=ctx.device, dtype=torch_dtype,
-                                context_parallel_size=ctx.cp, **dict(config_overrides or {}))
-    spec = layer_spec(shape, kind, cpu_layer=DevicePolicy.for_device(ctx.device).megatron_cpu_layer)
+                                ep=ep, context_parallel_size=ctx.cp, **dict(config_overrides or {}))
+    cpu_layer = DevicePolicy.for_device(ctx.device).megatron_cpu_layer
     models = []
     for chunk in layout.chunks(shape.num_layers, ctx.pp_rank):
         model = GPTModel(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=layer_spec(shape, kind, config, chunk, cpu_layer=cpu_layer),
             pre_process=chunk.pre_process,
             post_process=chunk.post_process,
             parallel_output=True,
@@ -213,7 +239,7 @@ def build_gpt_models(
             raise RuntimeError(f"megatron placed layer {first_layer} first in chunk {chunk}, layout math "
                                f"expects {chunk.first_layer}")
         _mark_tensor_parallel_params(model)
-        model.hybridrl = ChunkInfo(src, layout, chunk, ctx.tp_rank, kind)
+        model.hybridrl = ChunkInfo(src, layout, chunk, ctx.tp_rank, kind, getattr(ctx, "ep_rank", 0))
         models.append(model)
     return models
 
@@ -272,13 +298,27 @@ def unwrap_model(model: Any) -> Any:
     return model
 
 
-def spec_tensor_name(local_name: str, spec_kind: str) -> str:
-    """A tensor's state_dict name under the layer spec in use (local names are the layout's)."""
+def spec_tensor_name(local_name: str, spec_kind: str, info: ChunkInfo | None = None) -> str:
+    """A tensor's state_dict name under the layer spec in use (local names are the layout's).
+
+    megatron's TE spec fuses the pre-MLP norm into the dense MLP's fc1 only: an MoE layer keeps it
+    as its own `pre_mlp_layernorm` (`get_gpt_layer_with_transformer_engine_spec`), which `info`
+    (the chunk, to tell which of its layers are MoE) decides.
+    """
     if spec_kind == "te":
         for local_suffix, te_suffix in TE_NAMES.items():
             if local_name.endswith(local_suffix):
+                if local_suffix.startswith("pre_mlp") and info is not None and _in_moe_layer(local_name, info):
+                    return local_name
                 return local_name[: -len(local_suffix)] + te_suffix
     return local_name
+
+
+def _in_moe_layer(local_name: str, info: ChunkInfo) -> bool:
+    parts = local_name.split(".")
+    if parts[:2] != ["decoder", "layers"]:
+        return False
+    return info.source.shape.layer_is_moe(info.chunk.first_layer + int(parts[2]))
 
 
 def model_tensors(model: Any) -> dict[str, torch.Tensor]:
@@ -293,7 +333,7 @@ def model_tensors(model: Any) -> dict[str, torch.Tensor]:
 def checked_model_tensors(model: Any, names: Sequence[str], info: ChunkInfo) -> dict[str, torch.Tensor]:
     """`model_tensors`, after checking they are exactly the layout's `names` (else the two disagree)."""
     tensors = model_tensors(model)
-    expected = {spec_tensor_name(n, info.spec_kind) for n in names}
+    expected = {spec_tensor_name(n, info.spec_kind, info) for n in names}
     if set(tensors) != expected:
         raise RuntimeError(
             f"layout math and the megatron model disagree for chunk {info.chunk}: only in model "
@@ -327,10 +367,10 @@ def load_weights(models: Sequence[Any], path: str | Path, verify: bool = True) -
             )
         for model in models:
             info = chunk_info(model)
-            plans = chunk_tensor_plans(info.source.shape, info.layout, info.chunk, info.tp_rank)
+            plans = info.tensor_plans()
             tensors = checked_model_tensors(model, [p.name for p in plans], info)
             for plan in plans:
-                target = tensors[spec_tensor_name(plan.name, info.spec_kind)]
+                target = tensors[spec_tensor_name(plan.name, info.spec_kind, info)]
                 target.copy_(assemble(reader, plan, target.dtype))
     finally:
         reader.close()
@@ -340,14 +380,14 @@ def _load_same_layout(models: Sequence[Any], meta: McoreMetadata, verify: bool) 
     from safetensors import safe_open
 
     info0 = chunk_info(models[0])
-    fname = checkpoint_file_name(info0.tp_rank, info0.chunk.pp_rank)
+    fname = rank_file_name(info0.layout, info0.tp_rank, info0.chunk.pp_rank, info0.ep_rank)
     recorded = meta.files[fname]["tensors"]
     with safe_open(str(meta.path / fname), framework="pt") as handle:
         file_keys = set(handle.keys())
         for model in models:
             info = chunk_info(model)
             prefix = rank_chunk_key_prefix(info.layout, info.chunk.vp_stage)
-            plans = chunk_tensor_plans(info.source.shape, info.layout, info.chunk, info.tp_rank)
+            plans = info.tensor_plans()
             tensors = checked_model_tensors(model, [p.name for p in plans], info)
             for plan in plans:
                 key = prefix + plan.name
@@ -357,7 +397,7 @@ def _load_same_layout(models: Sequence[Any], meta: McoreMetadata, verify: bool) 
                 if verify and tensor_sha256(value) != recorded[key]["sha256"]:
                     raise CheckpointError(f"checksum mismatch in {meta.path / fname}, tensor {key}: the file "
                                           "was modified or corrupted after it was written")
-                tensors[spec_tensor_name(plan.name, info.spec_kind)].copy_(value)
+                tensors[spec_tensor_name(plan.name, info.spec_kind, info)].copy_(value)
 
 
 # ---- saving and export (collective over the world) -------------------------------------------------
@@ -396,10 +436,10 @@ def rank_tensor_entries(models: Sequence[Any]) -> Iterator[tuple[str, TensorPlan
     for model in models:
         info = chunk_info(model)
         prefix = rank_chunk_key_prefix(info.layout, info.chunk.vp_stage)
-        plans = chunk_tensor_plans(info.source.shape, info.layout, info.chunk, info.tp_rank)
+        plans = info.tensor_plans()
         tensors = checked_model_tensors(model, [p.name for p in plans], info)
         for plan in plans:
-            yield prefix + plan.name, plan, tensors[spec_tensor_name(plan.name, info.spec_kind)]
+            yield prefix + plan.name, plan, tensors[spec_tensor_name(plan.name, info.spec_kind, info)]
 
 
 def _rank_tensors(models: Sequence[Any]) -> dict[str, torch.Tensor]:
@@ -410,7 +450,8 @@ def save_mcore_checkpoint(models: Sequence[Any], out_dir: str | Path, *, ctx: An
                           force: bool = False) -> Path:
     """Collective: write this model as a hybridrl megatron checkpoint (one file per TP×PP rank).
 
-    Called by every rank; DP/CP rank 0 of each model-parallel position writes its file into a
+    Called by every rank; DP/CP rank 0 of each model-parallel position (expert-DP rank 0 of each
+    TP x PP x EP position for an expert-parallel model) writes its file into a
     temporary folder next to `out_dir` (a filesystem shared by the ranks), rank 0 adds the metadata
     and renames it into place. Readable by `load_weights` and `hybridrl convert`.
     """
@@ -423,11 +464,16 @@ def save_mcore_checkpoint(models: Sequence[Any], out_dir: str | Path, *, ctx: An
     tmp = shared_staging_dir(out_dir, force, ctx)
     entry: tuple[str, dict[str, Any]] | None = None
     ok, detail = True, ""
-    if ctx.dp_rank == 0 and ctx.cp_rank == 0:
+    # The ranks holding each file's tensors once: with EP > 1 the EP ranks of a TP x PP position
+    # hold different experts and span DP x CP, so their own replicas (expert DP) pick the writer.
+    writer = ctx.expert_dp_rank == 0 if info.layout.ep > 1 else ctx.dp_rank == 0 and ctx.cp_rank == 0
+    if writer:
         try:
-            fname = checkpoint_file_name(ctx.tp_rank, ctx.pp_rank)
+            fname = rank_file_name(info.layout, ctx.tp_rank, ctx.pp_rank, info.ep_rank)
             entry = (fname, {"tp_rank": ctx.tp_rank, "pp_rank": ctx.pp_rank,
                              "tensors": write_rank_file(tmp / fname, _rank_tensors(models))})
+            if info.layout.ep > 1:
+                entry[1]["ep_rank"] = info.ep_rank
         except Exception as exc:  # noqa: BLE001
             ok, detail = False, f"{type(exc).__name__}: {exc}"
     entries: list[Any] = [None] * ctx.world_size

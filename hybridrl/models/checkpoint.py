@@ -8,7 +8,7 @@ mcore→mcore re-sharding are the same code, and no step holds more than one ran
 (mcore) or one output shard (HF).
 
 Sharded megatron checkpoint (`hybridrl convert hf-to-mcore`, or `bridge.save_mcore_checkpoint`):
-  model_tp{T:02d}_pp{P:03d}.safetensors  one per TP×PP rank; keys = GPTModel.state_dict() keys
+  model_tp{T:02d}_pp{P:03d}[_ep{E:03d}].safetensors  one per TP×PP(×EP) rank; keys = GPTModel.state_dict() keys
                                          (local-spec names), prefixed `model{v}.` per VPP chunk
   hybridrl_checkpoint.json               format, layout, architecture, HF config, dtype, padded
                                          vocab, and shape/dtype/sha256 of every tensor
@@ -38,10 +38,10 @@ from hybridrl.models.layout import (
     ParallelLayout,
     ShardRange,
     TensorPlan,
-    checkpoint_file_name,
     hf_export_map,
     hf_tensor_axis,
     hf_tensor_shapes,
+    rank_file_name,
     rank_tensor_plans,
 )
 from hybridrl.persistence import CheckpointError, atomic_dir, check_free_space, check_output_dir
@@ -234,30 +234,29 @@ class McoreCheckpointReader:
             self.verify(progress)
         self._pieces = hf_export_map(self.shape, self.layout)
 
-    def _rank_path(self, tp_rank: int, pp_rank: int) -> Path:
-        return self.dir / checkpoint_file_name(tp_rank, pp_rank)
+    def _rank_path(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> Path:
+        return self.dir / rank_file_name(self.layout, tp_rank, pp_rank, ep_rank)
 
     def _check_structure(self) -> None:
         """Every rank file exists and holds exactly the tensors its layout implies, with their shapes."""
-        for pp_rank in range(self.layout.pp):
-            for tp_rank in range(self.layout.tp):
-                fname = checkpoint_file_name(tp_rank, pp_rank)
-                path = self.dir / fname
-                if not path.is_file():
-                    raise CheckpointError(f"checkpoint {self.dir} is incomplete: {fname} is missing")
-                plans = rank_tensor_plans(self.shape, self.layout, tp_rank, pp_rank)
-                recorded = self.meta.files.get(fname, {}).get("tensors", {})
-                handle = self._files.get(path)
-                keys = set(handle.keys())
-                if keys != set(plans) or set(recorded) != set(plans):
-                    diff = sorted(set(plans) ^ keys) or sorted(set(plans) ^ set(recorded))
-                    raise CheckpointError(f"{fname} does not match the checkpoint layout; "
-                                          f"differing tensors: {', '.join(diff[:6])}")
-                for key, plan in plans.items():
-                    got = tuple(handle.get_slice(key).get_shape())
-                    if got != plan.shape:
-                        raise CheckpointError(f"{fname} tensor {key} has shape {list(got)}, layout "
-                                              f"implies {list(plan.shape)}")
+        for tp_rank, pp_rank, ep_rank in self.layout.model_ranks():
+            fname = rank_file_name(self.layout, tp_rank, pp_rank, ep_rank)
+            path = self.dir / fname
+            if not path.is_file():
+                raise CheckpointError(f"checkpoint {self.dir} is incomplete: {fname} is missing")
+            plans = rank_tensor_plans(self.shape, self.layout, tp_rank, pp_rank, ep_rank)
+            recorded = self.meta.files.get(fname, {}).get("tensors", {})
+            handle = self._files.get(path)
+            keys = set(handle.keys())
+            if keys != set(plans) or set(recorded) != set(plans):
+                diff = sorted(set(plans) ^ keys) or sorted(set(plans) ^ set(recorded))
+                raise CheckpointError(f"{fname} does not match the checkpoint layout; "
+                                      f"differing tensors: {', '.join(diff[:6])}")
+            for key, plan in plans.items():
+                got = tuple(handle.get_slice(key).get_shape())
+                if got != plan.shape:
+                    raise CheckpointError(f"{fname} tensor {key} has shape {list(got)}, layout "
+                                          f"implies {list(plan.shape)}")
 
     def verify(self, progress: Callable[[int], Any] | None = None) -> None:
         """Recompute every tensor's sha256 against the metadata; name the file and tensor on mismatch."""
@@ -276,7 +275,7 @@ class McoreCheckpointReader:
         return sum(len(entry["tensors"]) for entry in self.meta.files.values())
 
     def read(self, hf_name: str, axis: int | None, start: int, stop: int) -> torch.Tensor:
-        return read_pieces(self._pieces[hf_name], lambda tp, pp: self._files.get(self._rank_path(tp, pp)),
+        return read_pieces(self._pieces[hf_name], lambda tp, pp, ep: self._files.get(self._rank_path(tp, pp, ep)),
                            axis, start, stop)
 
     def dtype_of(self, hf_name: str) -> torch.dtype:
@@ -293,17 +292,17 @@ class McoreCheckpointReader:
         self._files.close()
 
 
-def read_pieces(pieces: Sequence[ShardRange], handle_of: Callable[[int, int], Any], axis: int | None,
+def read_pieces(pieces: Sequence[ShardRange], handle_of: Callable[[int, int, int], Any], axis: int | None,
                 start: int, stop: int, key_prefix: str = "") -> torch.Tensor:
     """Range [start, stop) along `axis` of one HF tensor, stitched from the rank files holding its pieces.
 
-    `pieces` is that tensor's entry of `layout.hf_export_map`; `handle_of(tp_rank, pp_rank)` opens a
+    `pieces` is that tensor's entry of `layout.hf_export_map`; `handle_of(tp_rank, pp_rank, ep_rank)` opens a
     rank's safetensors file; `key_prefix` is put before each piece's key (files that hold several
     tensors per parameter, e.g. the optimizer states of `hybridrl.training.checkpointing`).
     """
     parts = []
     for piece in pieces:
-        handle = handle_of(piece.tp_rank, piece.pp_rank)
+        handle = handle_of(piece.tp_rank, piece.pp_rank, piece.ep_rank)
         if piece.axis is None:
             return _slice(handle, key_prefix + piece.key, None, 0, 0)
         lo, hi = max(start, piece.hf_start), min(stop, piece.hf_stop)
@@ -402,13 +401,12 @@ def _progress_bar(total: int, desc: str, enabled: bool) -> Any:
 
 def estimated_mcore_bytes(shape: ModelShape, layout: ParallelLayout, dtype: torch.dtype) -> int:
     numel = 0
-    for pp_rank in range(layout.pp):
-        for tp_rank in range(layout.tp):
-            for plan in rank_tensor_plans(shape, layout, tp_rank, pp_rank).values():
-                count = 1
-                for dim in plan.shape:
-                    count *= dim
-                numel += count
+    for tp_rank, pp_rank, ep_rank in layout.model_ranks():
+        for plan in rank_tensor_plans(shape, layout, tp_rank, pp_rank, ep_rank).values():
+            count = 1
+            for dim in plan.shape:
+                count *= dim
+            numel += count
     return numel * _element_size(dtype)
 
 
@@ -418,27 +416,27 @@ def write_mcore_checkpoint(
 ) -> Path:
     """Write `reader`'s model as a sharded megatron checkpoint for `layout` (atomically)."""
     shape: ModelShape = reader.shape
-    shape.check_parallel(layout.tp, layout.pp, layout.vpp)
+    shape.check_parallel(layout.tp, layout.pp, layout.vpp, layout.ep)
     out_dir = Path(out_dir)
     dtype = dtype or source_dtype(reader)
     check_output_dir(out_dir, force)
     check_free_space(out_dir, estimated_mcore_bytes(shape, layout, dtype))
     rank_plans = {
-        (tp_rank, pp_rank): rank_tensor_plans(shape, layout, tp_rank, pp_rank)
-        for pp_rank in range(layout.pp) for tp_rank in range(layout.tp)
+        ranks: rank_tensor_plans(shape, layout, *ranks) for ranks in layout.model_ranks()
     }
     total = sum(len(p) for p in rank_plans.values())
     files: dict[str, dict[str, Any]] = {}
     assets = reader.assets()
     with atomic_dir(out_dir, force) as tmp, _progress_bar(total, "hf-to-mcore", progress) as bar:
-        for (tp_rank, pp_rank), plans in rank_plans.items():
+        for (tp_rank, pp_rank, ep_rank), plans in rank_plans.items():
             tensors = {}
             for key, plan in plans.items():
                 tensors[key] = assemble(reader, plan, dtype)
                 bar.update(1)
-            fname = checkpoint_file_name(tp_rank, pp_rank)
-            files[fname] = {"tp_rank": tp_rank, "pp_rank": pp_rank,
-                            "tensors": write_rank_file(tmp / fname, tensors)}
+            fname = rank_file_name(layout, tp_rank, pp_rank, ep_rank)
+            files[fname] = {"tp_rank": tp_rank, "pp_rank": pp_rank, "tensors": write_rank_file(tmp / fname, tensors)}
+            if layout.ep > 1:
+                files[fname]["ep_rank"] = ep_rank
             del tensors
         _copy_assets(assets, tmp / ASSETS_DIR)
         meta = mcore_metadata(shape, layout, reader.config, dtype, files, reader.generation_config(),

@@ -32,13 +32,24 @@ class Split(StrEnum):
 
 @dataclass(frozen=True)
 class HFTensor:
-    """One HF tensor: its name (`{i}` = the global layer index) and its dims by name (`ModelShape.dim`)."""
+    """One HF tensor: its name (`{i}` = the global layer index, `{e}` = the global expert index of
+    an MoE expert's weight) and its dims by name (`ModelShape.dim`)."""
 
     name: str
     dims: tuple[str, ...]
 
-    def at(self, layer: int | None) -> str:
-        return self.name if layer is None else self.name.format(i=layer)
+    def at(self, layer: int | None, expert: int | None = None) -> str:
+        if layer is None:
+            return self.name
+        return self.name.format(i=layer) if expert is None else self.name.format(i=layer, e=expert)
+
+
+class MLPKind(StrEnum):
+    """Which kind of MLP a layer of an MoE model has (`ModelShape.layer_is_moe`); a weight marked
+    with one exists only in the layers of that kind."""
+
+    DENSE = "dense"
+    MOE = "moe"
 
 
 @dataclass(frozen=True)
@@ -47,7 +58,14 @@ class WeightSpec:
 
     `megatron` uses the local layer spec's names (`{i}` = the layer's index inside its chunk);
     `vllm` uses vLLM's parameter names (`{i}` = the global layer index). `when` names a boolean
-    `ModelShape` switch (e.g. "qkv_bias") without which the weight does not exist.
+    `ModelShape` switch (e.g. "qkv_bias") without which the weight does not exist; `mlp` limits it
+    to the layers with that kind of MLP (a dense MLP inside an MoE model, the router).
+
+    `expert=True`: one such weight per routed expert. HF names carry `{e}`, the global expert
+    index; the megatron name carries `{e}`, the index among this expert-parallel rank's local
+    experts (global = ep_rank * experts_per_rank + local); TP splits each expert like `split` says
+    (the expert tensor-parallel size is TP). vLLM stacks all experts of a layer in one parameter
+    (`vllm` names it); resharding into it is not built yet.
     """
 
     hf: tuple[HFTensor, ...]
@@ -55,6 +73,8 @@ class WeightSpec:
     vllm: str
     split: Split
     when: str | None = None
+    mlp: MLPKind | None = None
+    expert: bool = False
 
     @property
     def hf_name(self) -> str:
@@ -62,8 +82,14 @@ class WeightSpec:
         (tensor,) = self.hf
         return tensor.name
 
-    def exists(self, shape: object) -> bool:
-        return self.when is None or bool(getattr(shape, self.when))
+    def exists(self, shape: object, layer: int | None = None) -> bool:
+        """Whether this model has the weight (in decoder layer `layer`, for a layer weight)."""
+        if self.when is not None and not getattr(shape, self.when):
+            return False
+        if self.mlp is None or layer is None:
+            return True
+        is_moe = shape.layer_is_moe(layer)  # type: ignore[attr-defined]
+        return is_moe == (self.mlp is MLPKind.MOE)
 
 
 @dataclass(frozen=True)
@@ -94,3 +120,5 @@ class ArchFamily:
     # None: hidden_size // num_attention_heads (the HF default for all but Qwen3).
     default_head_dim: int | None = None
     default_tie_word_embeddings: bool = False
+    # Mixture of experts: `ModelShape` reads the expert count, top-k and MoE layers from config.json.
+    moe: bool = False

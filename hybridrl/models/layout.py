@@ -18,6 +18,10 @@ Megatron layouts encoded here (megatron-core 0.16.1, local and TE GPT layer spec
 - `linear_proj`, `linear_fc2` (row-parallel): split on dim 1.
 - embedding / output layer: vocab padded to `divisor * tp` rows with zeros, split on dim 0.
 - norms (and Qwen3's per-head q/k norms): replicated on every TP rank.
+- MoE (local spec, SequentialMLP): the router `mlp.router.weight` whole on every rank; expert e of
+  a layer lives on EP rank e // (experts / ep) as `mlp.experts.local_experts.{e mod experts/ep}`,
+  its fc1/fc2 TP-split like the dense MLP's (the expert TP size is TP). A rank file is per
+  (TP, PP, EP) rank; outside the experts an EP rank > 0 holds copies of EP rank 0's tensors.
 """
 from __future__ import annotations
 
@@ -91,15 +95,23 @@ class StageChunk:
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """TP/PP/VPP sizes of a sharded model, with megatron's even layer split."""
+    """TP/PP/VPP/EP sizes of a sharded model, with megatron's even layer split (EP: MoE experts)."""
 
     tp: int = 1
     pp: int = 1
     vpp: int | None = None
+    ep: int = 1
 
     def __post_init__(self) -> None:
         if self.vpp == 1:
             object.__setattr__(self, "vpp", None)
+
+    def model_ranks(self) -> Iterator[tuple[int, int, int]]:
+        """Every (tp_rank, pp_rank, ep_rank) holding a distinct set of tensors of one replica."""
+        for pp_rank in range(self.pp):
+            for ep_rank in range(self.ep):
+                for tp_rank in range(self.tp):
+                    yield tp_rank, pp_rank, ep_rank
 
     @property
     def num_chunks_per_stage(self) -> int:
@@ -140,7 +152,8 @@ class ParallelLayout:
         raise ParallelLayoutError(f"layer {layer} outside 0..{num_layers - 1}")
 
     def to_dict(self) -> dict[str, int | None]:
-        return {"tp": self.tp, "pp": self.pp, "vpp": self.vpp}
+        # ep only when used: a dense checkpoint's metadata stays what it was before MoE
+        return {"tp": self.tp, "pp": self.pp, "vpp": self.vpp} | ({"ep": self.ep} if self.ep > 1 else {})
 
 
 def rank_chunk_key_prefix(layout: ParallelLayout, vp_stage: int | None) -> str:
@@ -148,8 +161,14 @@ def rank_chunk_key_prefix(layout: ParallelLayout, vp_stage: int | None) -> str:
     return "" if vp_stage is None or layout.vpp is None else f"model{vp_stage}."
 
 
-def checkpoint_file_name(tp_rank: int, pp_rank: int) -> str:
-    return f"model_tp{tp_rank:02d}_pp{pp_rank:03d}.safetensors"
+def checkpoint_file_name(tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> str:
+    """A rank file's name; `ep_rank` only for a layout with ep > 1 (`rank_file_name`)."""
+    ep = "" if ep_rank is None else f"_ep{ep_rank:03d}"
+    return f"model_tp{tp_rank:02d}_pp{pp_rank:03d}{ep}.safetensors"
+
+
+def rank_file_name(layout: ParallelLayout, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> str:
+    return checkpoint_file_name(tp_rank, pp_rank, ep_rank if layout.ep > 1 else None)
 
 
 # ---- segment arithmetic ---------------------------------------------------------------------------
@@ -214,17 +233,23 @@ def vocab_range_for_rank(shape: ModelShape, tp_rank: int, tp_size: int) -> tuple
 
 # ---- the weight table, walked -----------------------------------------------------------------
 
-def table_specs(shape: ModelShape) -> Iterator[tuple[WeightSpec, int | None]]:
-    """Every logical weight this model has, with its global layer (None outside the layers), in order."""
+def table_specs(shape: ModelShape) -> Iterator[tuple[WeightSpec, int | None, int | None]]:
+    """Every logical weight this model has, in order, with its global layer (None outside the
+    layers) and, for an MoE expert's weight, its global expert index (else None)."""
     table = shape.weights
-    yield table.embedding, None
+    yield table.embedding, None, None
     for layer in range(shape.num_layers):
         for spec in table.layer:
-            if spec.exists(shape):
-                yield spec, layer
-    yield table.final_norm, None
+            if not spec.exists(shape, layer):
+                continue
+            if spec.expert:
+                for expert in range(shape.num_experts):
+                    yield spec, layer, expert
+            else:
+                yield spec, layer, None
+    yield table.final_norm, None, None
     if not shape.tie_word_embeddings:
-        yield table.lm_head, None
+        yield table.lm_head, None, None
 
 
 def hf_dims(shape: ModelShape, tensor: HFTensor) -> tuple[int, ...]:
@@ -240,7 +265,7 @@ def split_axis(split: Split) -> int | None:
 
 def hf_tensor_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     """Every tensor an HF checkpoint of this model holds, with its shape, in HF's usual order."""
-    return {t.at(layer): hf_dims(shape, t) for spec, layer in table_specs(shape) for t in spec.hf}
+    return {t.at(layer, expert): hf_dims(shape, t) for spec, layer, expert in table_specs(shape) for t in spec.hf}
 
 
 # Tensors an HF checkpoint may carry that hold no weights (buffers saved by old transformers).
@@ -249,7 +274,8 @@ IGNORED_HF_SUFFIXES: tuple[str, ...] = (".rotary_emb.inv_freq",)
 
 @lru_cache(maxsize=64)
 def _hf_axes(shape: ModelShape) -> dict[str, int | None]:
-    return {t.at(layer): split_axis(spec.split) for spec, layer in table_specs(shape) for t in spec.hf}
+    return {t.at(layer, expert): split_axis(spec.split)
+            for spec, layer, expert in table_specs(shape) for t in spec.hf}
 
 
 def hf_tensor_axis(shape: ModelShape, hf_name: str) -> int | None:
@@ -262,9 +288,10 @@ def hf_tensor_axis(shape: ModelShape, hf_name: str) -> int | None:
 
 # ---- the megatron side ----------------------------------------------------------------------------
 
-def _megatron_full_order(shape: ModelShape, spec: WeightSpec, layer: int | None, tp: int) -> list[Segment]:
+def _megatron_full_order(shape: ModelShape, spec: WeightSpec, layer: int | None, tp: int,
+                         expert: int | None = None) -> list[Segment]:
     """The unsharded megatron parameter along its split axis (FUSED_COLUMN is split per tensor instead)."""
-    names = [t.at(layer) for t in spec.hf]
+    names = [t.at(layer, expert) for t in spec.hf]
     if spec.split is Split.QKV:
         return _grouped_qkv(shape, *names)
     if spec.split is Split.VOCAB:
@@ -274,43 +301,58 @@ def _megatron_full_order(shape: ModelShape, spec: WeightSpec, layer: int | None,
 
 
 def megatron_tensor_plan(
-    shape: ModelShape, spec: WeightSpec, layer: int | None, local_name: str, tp: int, tp_rank: int
+    shape: ModelShape, spec: WeightSpec, layer: int | None, local_name: str, tp: int, tp_rank: int,
+    expert: int | None = None,
 ) -> TensorPlan:
-    """The megatron parameter of one logical weight on TP rank `tp_rank`."""
+    """The megatron parameter of one logical weight on TP rank `tp_rank` (of expert `expert`, global
+    index, for an expert's weight)."""
     dims = hf_dims(shape, spec.hf[0])
     if spec.split is Split.REPLICATED:
-        return TensorPlan(local_name, dims, None, (Segment(spec.hf[0].at(layer), 0, prod(dims)),),
+        return TensorPlan(local_name, dims, None, (Segment(spec.hf[0].at(layer, expert), 0, prod(dims)),),
                           is_copy=tp_rank > 0)
     axis = split_axis(spec.split)
     assert axis is not None
     if spec.split is Split.FUSED_COLUMN:  # [part r of each tensor], not a split of their concatenation
         segs = tuple(seg for t in spec.hf
-                     for seg in _tp_chunk([Segment(t.at(layer), 0, hf_dims(shape, t)[0])], tp_rank, tp))
+                     for seg in _tp_chunk([Segment(t.at(layer, expert), 0, hf_dims(shape, t)[0])], tp_rank, tp))
     else:
-        segs = _tp_chunk(_megatron_full_order(shape, spec, layer, tp), tp_rank, tp)
+        segs = _tp_chunk(_megatron_full_order(shape, spec, layer, tp, expert), tp_rank, tp)
     shard = list(dims)
     shard[axis] = sum(s.length for s in segs)
     return TensorPlan(local_name, tuple(shard), axis, segs)
 
 
 def chunk_tensor_plans(
-    shape: ModelShape, layout: ParallelLayout, chunk: StageChunk, tp_rank: int
+    shape: ModelShape, layout: ParallelLayout, chunk: StageChunk, tp_rank: int, ep_rank: int = 0
 ) -> list[TensorPlan]:
-    """Plans for every tensor in the `state_dict()` of one GPTModel chunk (local spec names)."""
+    """Plans for every tensor in the `state_dict()` of one GPTModel chunk (local spec names) on
+    TP rank `tp_rank` and expert-parallel rank `ep_rank`."""
     tp = layout.tp
     if not 0 <= tp_rank < tp:
         raise ParallelLayoutError(f"tp_rank={tp_rank} outside tp={tp}")
+    if not 0 <= ep_rank < layout.ep:
+        raise ParallelLayoutError(f"ep_rank={ep_rank} outside ep={layout.ep}")
     table = shape.weights
     plans: list[TensorPlan] = []
+    per_rank = shape.experts_per_rank(layout.ep)
 
-    def add(spec: WeightSpec, layer: int | None, local_name: str) -> None:
-        plans.append(megatron_tensor_plan(shape, spec, layer, local_name, tp, tp_rank))
+    def add(spec: WeightSpec, layer: int | None, local_name: str, expert: int | None = None) -> None:
+        plan = megatron_tensor_plan(shape, spec, layer, local_name, tp, tp_rank, expert)
+        if ep_rank > 0 and not spec.expert:  # every EP rank holds the same non-expert tensors
+            plan = TensorPlan(plan.name, plan.shape, plan.axis, plan.segments, is_copy=True)
+        plans.append(plan)
 
     if chunk.pre_process:
         add(table.embedding, None, table.embedding.megatron)
     for local, layer in enumerate(chunk.layers):
         for spec in table.layer:
-            if spec.exists(shape):
+            if not spec.exists(shape, layer):
+                continue
+            if spec.expert:
+                for local_expert in range(per_rank):
+                    add(spec, layer, spec.megatron.format(i=local, e=local_expert),
+                        ep_rank * per_rank + local_expert)
+            else:
                 add(spec, layer, spec.megatron.format(i=local))
     if chunk.post_process:
         add(table.final_norm, None, table.final_norm.megatron)
@@ -324,13 +366,13 @@ def chunk_tensor_plans(
 
 
 def rank_tensor_plans(
-    shape: ModelShape, layout: ParallelLayout, tp_rank: int, pp_rank: int
+    shape: ModelShape, layout: ParallelLayout, tp_rank: int, pp_rank: int, ep_rank: int = 0
 ) -> dict[str, TensorPlan]:
-    """All tensors of one (TP, PP) rank keyed as in its checkpoint file (VPP chunks prefixed)."""
+    """All tensors of one (TP, PP, EP) rank keyed as in its checkpoint file (VPP chunks prefixed)."""
     out: dict[str, TensorPlan] = {}
     for chunk in layout.chunks(shape.num_layers, pp_rank):
         prefix = rank_chunk_key_prefix(layout, chunk.vp_stage)
-        for plan in chunk_tensor_plans(shape, layout, chunk, tp_rank):
+        for plan in chunk_tensor_plans(shape, layout, chunk, tp_rank, ep_rank):
             out[prefix + plan.name] = plan
     return out
 
@@ -352,24 +394,24 @@ class ShardRange:
     hf_start: int
     hf_stop: int
     is_copy: bool  # a replicated copy or the tied output layer's copy of the embedding
+    ep_rank: int = 0  # the expert-parallel rank (0 for a dense layout)
 
 
 def shard_ranges(shape: ModelShape, layout: ParallelLayout) -> dict[str, list[ShardRange]]:
-    """HF name -> every megatron range of it over all TP x PP ranks of one replica (copies included)."""
+    """HF name -> every megatron range of it over all TP x PP x EP ranks of one replica (copies included)."""
     out: dict[str, list[ShardRange]] = {name: [] for name in hf_tensor_shapes(shape)}
-    for pp_rank in range(layout.pp):
-        for tp_rank in range(layout.tp):
-            for index, chunk in enumerate(layout.chunks(shape.num_layers, pp_rank)):
-                prefix = rank_chunk_key_prefix(layout, chunk.vp_stage)
-                for plan in chunk_tensor_plans(shape, layout, chunk, tp_rank):
-                    offset = 0
-                    for seg in plan.segments:
-                        if seg.hf_name is not None:
-                            out[seg.hf_name].append(ShardRange(
-                                seg.hf_name, tp_rank, pp_rank, index, prefix + plan.name, plan.name,
-                                plan.shape, plan.axis, offset, seg.start, seg.stop, plan.is_copy,
-                            ))
-                        offset += seg.length
+    for tp_rank, pp_rank, ep_rank in layout.model_ranks():
+        for index, chunk in enumerate(layout.chunks(shape.num_layers, pp_rank)):
+            prefix = rank_chunk_key_prefix(layout, chunk.vp_stage)
+            for plan in chunk_tensor_plans(shape, layout, chunk, tp_rank, ep_rank):
+                offset = 0
+                for seg in plan.segments:
+                    if seg.hf_name is not None:
+                        out[seg.hf_name].append(ShardRange(
+                            seg.hf_name, tp_rank, pp_rank, index, prefix + plan.name, plan.name,
+                            plan.shape, plan.axis, offset, seg.start, seg.stop, plan.is_copy, ep_rank,
+                        ))
+                    offset += seg.length
     return out
 
 
@@ -386,11 +428,12 @@ def hf_export_map(shape: ModelShape, layout: ParallelLayout) -> dict[str, list[S
     return pieces
 
 
-def rank_numel(shape: ModelShape, layout: ParallelLayout, tp_rank: int = 0, pp_rank: int = 0) -> int:
+def rank_numel(shape: ModelShape, layout: ParallelLayout, tp_rank: int = 0, pp_rank: int = 0,
+               ep_rank: int = 0) -> int:
     """Elements this rank's model chunks hold (vocab padding and tied/replicated copies included):
     the parameter count a memory estimate for that rank needs."""
     total = 0
-    for plan in rank_tensor_plans(shape, layout, tp_rank, pp_rank).values():
+    for plan in rank_tensor_plans(shape, layout, tp_rank, pp_rank, ep_rank).values():
         count = 1
         for dim in plan.shape:
             count *= dim
@@ -399,5 +442,5 @@ def rank_numel(shape: ModelShape, layout: ParallelLayout, tp_rank: int = 0, pp_r
 
 
 def max_rank_numel(shape: ModelShape, layout: ParallelLayout) -> int:
-    """The largest `rank_numel` over all TP x PP ranks (first/last stages carry the embeddings)."""
-    return max(rank_numel(shape, layout, t, p) for p in range(layout.pp) for t in range(layout.tp))
+    """The largest `rank_numel` over all TP x PP x EP ranks (first/last stages carry the embeddings)."""
+    return max(rank_numel(shape, layout, t, p, e) for t, p, e in layout.model_ranks())

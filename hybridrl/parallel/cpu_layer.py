@@ -42,6 +42,10 @@ The patches (names as in `PATCHES`):
   pipeline stages first exchange activation shapes, and ``p2p_communication._communicate_shapes``
   calls ``torch.cuda.synchronize()`` unconditionally (``batch_p2p_sync`` does not cover it). On CPU
   there is no stream to wait for (the gloo requests were already waited on): a no-op.
+- ``moe_alltoall_streams``: the MoE alltoall token dispatcher (``MoEAlltoAllTokenDispatcher``)
+  creates a ``torch.cuda.Stream()`` in its ``__init__`` and copies its all-to-all split sizes to
+  the host on it (``_maybe_dtoh_and_synchronize``). On CPU the stream is never made and only the
+  split sizes' conversion to numpy (what the GPU path hands the all-to-all) is kept.
 
 Not patches: the CPU stand-ins for TE kernels are their own modules, installed by the bridge where
 it builds models (`hybridrl.parallel.cpu_rope`: fused RoPE; `hybridrl.parallel.cpu_attention`: core
@@ -398,6 +402,40 @@ def _revert_cuda_synchronize() -> None:
     torch.cuda.synchronize = _state.saved.pop("torch.cuda.synchronize")  # type: ignore[assignment]
 
 
+def _cpu_dtoh_and_synchronize(self: Any, point: str, tokens_per_expert: Any = None) -> Any:
+    """`MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize` without CUDA streams.
+
+    On GPU it copies the split sizes to the host on a side stream (as numpy arrays) at
+    `cuda_dtoh_point` and waits for that copy at `cuda_sync_point`. On CPU there is nothing to copy
+    or wait for: only the numpy conversion is kept, so the all-to-all receives the same kind of
+    split sizes as on GPU.
+    """
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        for attr in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, attr)
+            if torch.is_tensor(value):
+                setattr(self, attr, value.numpy())
+    return tokens_per_expert
+
+
+def _apply_moe_alltoall_streams() -> None:
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as dispatcher
+
+    _state.saved["moe_alltoall"] = (dispatcher.__dict__.get("cuda_dtoh_stream"),
+                                    dispatcher._maybe_dtoh_and_synchronize)
+    # Not None: the dispatcher's __init__ creates a torch.cuda.Stream() only while this is None.
+    dispatcher.cuda_dtoh_stream = "cpu: no streams"
+    dispatcher._maybe_dtoh_and_synchronize = _cpu_dtoh_and_synchronize
+
+
+def _revert_moe_alltoall_streams() -> None:
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as dispatcher
+
+    stream, method = _state.saved.pop("moe_alltoall")
+    dispatcher.cuda_dtoh_stream = stream
+    dispatcher._maybe_dtoh_and_synchronize = method
+
+
 def _build_patches() -> dict[str, _Patch]:
     specs = [
         ("cuda_current_device", "torch.cuda.current_device() asserts without CUDA; megatron allocates "
@@ -410,12 +448,15 @@ def _build_patches() -> dict[str, _Patch]:
          "against torch.cuda.* names", _apply_cuda_type_names, _revert_cuda_type_names),
         ("cuda_synchronize", "the pipeline's shape exchange (variable_seq_lengths) calls torch.cuda.synchronize()",
          _apply_cuda_synchronize, _revert_cuda_synchronize),
+        ("moe_alltoall_streams", "the MoE alltoall token dispatcher makes a torch.cuda.Stream and copies "
+         "its split sizes to the host on it", _apply_moe_alltoall_streams, _revert_moe_alltoall_streams),
     ]
     return {name: _Patch(name, why, apply, revert) for name, why, apply, revert in specs}
 
 
 PATCHES: tuple[str, ...] = (
     "cuda_current_device", "cuda_to_cpu_mode", "cpu_rng_tracker", "cuda_type_names", "cuda_synchronize",
+    "moe_alltoall_streams",
 )
 
 

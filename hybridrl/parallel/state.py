@@ -58,6 +58,13 @@ class ParallelContext:
     # DP x CP: the group megatron's DDP reduces gradients over when CP > 1.
     dp_cp_group: dist.ProcessGroup
     model_parallel_group: dist.ProcessGroup
+    # Expert parallelism (MoE): megatron's expert rank generator lays the expert mesh out
+    # etp-ep-edp-pp (etp fastest) over the same ranks; experts are split over the `ep` ranks of an
+    # EP group, and `expert_dp_rank` numbers the replicas of one EP rank's experts.
+    ep: int = 1
+    ep_rank: int = 0
+    expert_dp_rank: int = 0
+    ep_group: dist.ProcessGroup | None = None
 
     @property
     def is_first_pp_stage(self) -> bool:
@@ -75,13 +82,15 @@ class ParallelContext:
         )
 
 
-def validate_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, vpp: int | None = None) -> int:
+def validate_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, vpp: int | None = None,
+                    ep: int = 1) -> int:
     """Check a parallel layout against the world size; return the data-parallel size.
 
-    Raises ValueError naming the values when a size is not positive or when
-    world_size is not divisible by tp * pp * cp.
+    Raises ValueError naming the values when a size is not positive, when world_size is not
+    divisible by tp * pp * cp, or when ep does not divide the data-parallel x context-parallel span
+    (megatron splits experts inside it, the expert TP size being tp).
     """
-    sizes = {"world_size": world_size, "tp": tp, "pp": pp, "cp": cp}
+    sizes = {"world_size": world_size, "tp": tp, "pp": pp, "cp": cp, "ep": ep}
     bad = [f"{name}={value}" for name, value in sizes.items() if not isinstance(value, int) or value < 1]
     if bad:
         raise ValueError(f"parallel sizes must be positive integers: {', '.join(bad)}")
@@ -90,6 +99,9 @@ def validate_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, vpp:
         raise ValueError(
             f"world_size={world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {model_parallel}"
         )
+    if (world_size // model_parallel * cp) % ep:
+        raise ValueError(f"ep={ep} does not divide dp*cp = {world_size // model_parallel * cp} "
+                         f"(world_size={world_size}, tp={tp}, pp={pp})")
     if vpp is not None:
         if not isinstance(vpp, int) or vpp < 1:
             raise ValueError(f"vpp={vpp} must be None or a positive integer")
@@ -149,8 +161,12 @@ def initialize_model_parallel(
     seed: int = 1234,
     device: str = "cpu",
     timeout_s: float | None = None,
+    ep: int = 1,
 ) -> ParallelContext:
-    """Create megatron-core's parallel groups for (tp, pp, vpp, cp) and seed its RNG streams.
+    """Create megatron-core's parallel groups for (tp, pp, vpp, cp, ep) and seed its RNG streams.
+
+    `ep` is the expert-parallel size of an MoE model; the expert tensor-parallel size is tp
+    (megatron's default, the only one the bridge's layout supports so far).
 
     torch.distributed must be initialized. On cpu the CPU layer is installed first. The groups'
     timeout is `timeout_s`, by default the world group's own (the worker group sets that one from
@@ -169,7 +185,7 @@ def initialize_model_parallel(
         raise RuntimeError("torch.distributed is not initialized: call init_distributed() first")
     resolved = resolve_device(device)
     world_size = dist.get_world_size()
-    dp = validate_layout(world_size, tp, pp, cp, vpp)
+    dp = validate_layout(world_size, tp, pp, cp, vpp, ep)
     if timeout_s is None:
         timeout_s = process_group_timeout_s()
     if timeout_s is None:
@@ -195,10 +211,12 @@ def initialize_model_parallel(
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=tp,
         distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
     )
     seed_model_parallel(stage_seed(seed, mps.get_pipeline_model_parallel_rank()), resolved)
-    _context = _build_context(resolved, seed, tp, pp, cp, dp, vpp)
+    _context = _build_context(resolved, seed, tp, pp, cp, dp, vpp, ep)
     return _context
 
 
@@ -252,7 +270,7 @@ def seed_model_parallel(seed: int, device: str) -> None:
 
 
 def _build_context(
-    device: str, seed: int, tp: int, pp: int, cp: int, dp: int, vpp: int | None
+    device: str, seed: int, tp: int, pp: int, cp: int, dp: int, vpp: int | None, ep: int = 1
 ) -> ParallelContext:
     import torch.distributed as dist
     from megatron.core import parallel_state as mps
@@ -273,14 +291,19 @@ def _build_context(
         dp_group=mps.get_data_parallel_group(),
         dp_cp_group=mps.get_data_parallel_group(with_context_parallel=True),
         model_parallel_group=mps.get_model_parallel_group(),
+        ep=ep,
+        ep_rank=mps.get_expert_model_parallel_rank(),
+        expert_dp_rank=mps.get_expert_data_parallel_rank(),
+        ep_group=mps.get_expert_model_parallel_group(),
     )
     # Megatron's own bookkeeping must agree with the layout we asked for.
     sizes = (
         mps.get_tensor_model_parallel_world_size(), mps.get_pipeline_model_parallel_world_size(),
         mps.get_context_parallel_world_size(), mps.get_data_parallel_world_size(),
+        mps.get_expert_model_parallel_world_size(),
     )
-    if sizes != (tp, pp, cp, dp):
-        raise RuntimeError(f"megatron reports (tp, pp, cp, dp) = {sizes}, expected {(tp, pp, cp, dp)}")
+    if sizes != (tp, pp, cp, dp, ep):
+        raise RuntimeError(f"megatron reports (tp, pp, cp, dp, ep) = {sizes}, expected {(tp, pp, cp, dp, ep)}")
     return ctx
 
 
@@ -322,5 +345,5 @@ def destroy_model_parallel() -> None:
 
 def context_as_dict(ctx: ParallelContext) -> dict[str, Any]:
     """The picklable part of a context (sizes and ranks), e.g. to return from a worker."""
-    groups = {"tp_group", "pp_group", "cp_group", "dp_group", "dp_cp_group", "model_parallel_group"}
+    groups = {"tp_group", "pp_group", "cp_group", "dp_group", "dp_cp_group", "model_parallel_group", "ep_group"}
     return {k: getattr(ctx, k) for k in ParallelContext.__dataclass_fields__ if k not in groups}

@@ -104,15 +104,17 @@ def ensure_parallel_state(megatron: MegatronConfig, device: str) -> Any:
     if cp != 1:
         raise NotImplementedError("context parallelism (cp > 1) is not supported by the workers yet")
     vpp = vpp if vpp and vpp > 1 else None
+    ep = megatron.expert_model_parallel_size
     if state.is_initialized():
         ctx = state.get_context()
-        if (ctx.tp, ctx.pp, ctx.cp, ctx.vpp) != (tp, pp, cp, vpp):
+        if (ctx.tp, ctx.pp, ctx.cp, ctx.vpp, ctx.ep) != (tp, pp, cp, vpp, ep):
             raise ValueError(
-                f"this process already runs megatron with tp={ctx.tp} pp={ctx.pp} cp={ctx.cp} vpp={ctx.vpp}; "
-                f"a role needing tp={tp} pp={pp} cp={cp} vpp={vpp} must live in its own worker group"
+                f"this process already runs megatron with tp={ctx.tp} pp={ctx.pp} cp={ctx.cp} vpp={ctx.vpp} "
+                f"ep={ctx.ep}; a role needing tp={tp} pp={pp} cp={cp} vpp={vpp} ep={ep} must live in its own "
+                "worker group"
             )
         return ctx
-    return state.initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, cp=cp, seed=megatron.seed, device=device)
+    return state.initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, cp=cp, seed=megatron.seed, device=device, ep=ep)
 
 
 def _activate_cpu_layer(policy: DevicePolicy) -> None:

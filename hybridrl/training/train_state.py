@@ -70,7 +70,9 @@ class TrainState:
         self._keys: dict[str, set[str]] = {}
         self._pieces = hf_export_map(self.shape, self.layout)
 
-    def handle(self, tp_rank: int, pp_rank: int) -> Any:
+    def handle(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> Any:
+        if ep_rank:
+            raise RoleCheckpointError("role checkpoints of expert-parallel (ep > 1) models are not supported yet")
         name = state_file(tp_rank, pp_rank)
         path = self.folder / name
         recorded = self.files.get(name)

@@ -1,0 +1,325 @@
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral) through the bridge at TP/PP/EP, on real gloo groups.
+
+Each test forks tp*pp*dp ranks, builds megatron's MoE GPTModel chunks (local spec, SequentialMLP
+experts, alltoall token dispatcher) with `build_gpt_models`, loads HF weights through the layout
+math (expert e on EP rank e // (experts / ep)) and runs megatron's forward-only pipeline schedule.
+The parent compares the logits with transformers' eager forward, and HF -> megatron -> HF round
+trips with the original files, bit for bit.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hybridrl.parallel.forked import run_ranks
+from tests.test_models_fixtures import (
+    MOE_ARCHS,
+    VOCAB,
+    assert_same_tensors,
+    hf_logits,
+    make_hf_model,
+    per_file_state,
+    safetensors_state,
+    sample_tokens,
+)
+from tests.test_models_logits import _pipeline_logits
+
+TOLERANCE = 1e-5  # max abs logits difference, fp32
+TOKENS = sample_tokens(batch=2)
+
+
+# ---- rank side ---------------------------------------------------------------------------------------
+
+def _moe_rank(rank: int, world_size: int, tp: int, pp: int, ep: int, cases: list[tuple[str, str]],
+              save_to: str | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """For each (name, HF folder): build (with `overrides[name]` on the TransformerConfig), load,
+    forward; optionally save and export collectively."""
+    from hybridrl.models.bridge import build_gpt_models, export_hf, load_weights, save_mcore_checkpoint
+    from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
+
+    ctx = initialize_model_parallel(tp=tp, pp=pp, ep=ep, device="cpu")
+    out: dict[str, Any] = {"ep_rank": ctx.ep_rank, "experts": {}}
+    try:
+        for name, hf_dir in cases:
+            models = build_gpt_models(hf_dir, config_overrides=(overrides or {}).get(name))
+            load_weights(models, hf_dir)
+            out["experts"][name] = sorted(
+                key for model in models for key in model.state_dict() if "local_experts" in key)
+            out[name] = _pipeline_logits(models, TOKENS)
+            if save_to:
+                save_mcore_checkpoint(models, Path(save_to) / "mcore" / name)
+                export_hf(models, Path(save_to) / "hf" / name)
+    finally:
+        destroy_model_parallel()
+    return out
+
+
+def _grads_rank(rank: int, world_size: int, tp: int, hf_dir: str, weights: torch.Tensor, out: str) -> None:
+    """Backward of sum(logits * weights) at TP=world_size, EP=1; the gradients saved as a checkpoint
+    in place of the weights, so the layout math maps them back to HF names."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from hybridrl.models.bridge import build_gpt_model, load_weights, save_mcore_checkpoint
+    from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
+
+    ctx = initialize_model_parallel(tp=tp, device="cpu")
+    try:
+        model = build_gpt_model(hf_dir)
+        load_weights([model], hf_dir)
+        logits = gather_from_tensor_model_parallel_region(
+            model(TOKENS, torch.arange(TOKENS.shape[1]).expand_as(TOKENS), None))
+        (logits[..., :VOCAB] * weights).sum().backward()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                # each TP rank normalizes only its own heads: finalize_model_grads sums these over TP
+                if "q_layernorm" in name or "k_layernorm" in name:
+                    torch.distributed.all_reduce(param.grad, group=ctx.tp_group)
+                param.copy_(param.grad)
+        save_mcore_checkpoint([model], out)
+    finally:
+        destroy_model_parallel()
+
+
+def _run(tp: int, pp: int, ep: int, cases: list[tuple[str, str]], world: int | None = None,
+         **kwargs: Any) -> list[dict[str, Any]]:
+    return run_ranks(_moe_rank, world or tp * pp * ep, tp, pp, ep, cases, timeout_s=400, **kwargs)
+
+
+def _last_stage_logits(results: list[dict[str, Any]], name: str) -> torch.Tensor:
+    found = [r[name] for r in results if r[name] is not None]
+    assert found, "the last stage returns logits"
+    for other in found[1:]:  # TP peers and EP/DP replicas computed the same full logits
+        assert torch.equal(other, found[0]), name
+    return found[0]
+
+
+# ---- parent side -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("moe_hf")
+    return {arch: make_hf_model(root / arch, arch, seed=30 + i) for i, arch in enumerate(MOE_ARCHS)}
+
+
+@pytest.fixture(scope="module")
+def reference(hf_dirs) -> dict[str, torch.Tensor]:
+    return {arch: hf_logits(path, TOKENS) for arch, path in hf_dirs.items()}
+
+
+def _max_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    assert ours.shape[:-1] == theirs.shape[:-1] and ours.shape[-1] >= VOCAB
+    return (ours[..., :VOCAB] - theirs).abs().max().item()
+
+
+@pytest.mark.parametrize("tp, pp, ep", [(1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2)])
+def test_moe_logits_match_transformers(hf_dirs, reference, tp, pp, ep):
+    cases = [(arch, str(hf_dirs[arch])) for arch in MOE_ARCHS]
+    results = _run(tp, pp, ep, cases)
+    errors = {arch: _max_error(_last_stage_logits(results, arch), reference[arch]) for arch in MOE_ARCHS}
+    assert all(err <= TOLERANCE for err in errors.values()), errors
+    # Each EP rank holds its share of the experts: 8 experts over EP2 -> 4 local experts a layer.
+    per_rank = {r["ep_rank"]: r["experts"]["qwen3_moe"] for r in results}
+    assert sorted(per_rank) == list(range(ep))
+    assert {k.split(".local_experts.")[1].split(".")[0] for k in per_rank[0]} == {str(e) for e in range(8 // ep)}
+
+
+def test_moe_logits_wrong_expert_placement_is_caught(hf_dirs, reference, tmp_path):
+    """Swapping two experts' weights (what a converter mixing up local and global expert indices
+    does) moves the logits far outside fp32 noise: the logits test can see an expert layout error."""
+    from safetensors.torch import load_file, save_file
+
+    src = hf_dirs["qwen3_moe"]
+    bad = tmp_path / "swapped"
+    bad.mkdir()
+    for p in src.iterdir():
+        if p.name != "model.safetensors":
+            (bad / p.name).write_bytes(p.read_bytes())
+    state = load_file(str(src / "model.safetensors"))
+    for part in ("gate_proj", "up_proj", "down_proj"):
+        a, b = (f"model.layers.0.mlp.experts.{e}.{part}.weight" for e in (0, 5))
+        state[a], state[b] = state[b], state[a]
+    save_file(state, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    logits = _last_stage_logits(_run(1, 1, 2, [("bad", str(bad))]), "bad")
+    assert _max_error(logits, reference["qwen3_moe"]) > 1e-2
+
+
+@pytest.mark.parametrize("tp", [1])
+def test_moe_gradients_match_transformers(hf_dirs, tmp_path, tp):
+    """Training sees the same model: every weight gradient (router and each expert included) equals
+    HF's, mapped back by the layout math. (TP > 1: megatron's MoE layer refuses to train without
+    sequence parallelism, which the local spec of CPU runs refuses: see docs/platform.md.)"""
+    import transformers
+
+    from hybridrl.models.convert_cli import main as convert_main
+
+    weights = torch.randn(*TOKENS.shape, VOCAB, generator=torch.Generator().manual_seed(3))
+    for arch in ("qwen3_moe", "mixtral"):
+        grads = tmp_path / arch / "grads"
+        run_ranks(_grads_rank, tp, tp, str(hf_dirs[arch]), weights, str(grads), timeout_s=300)
+        assert convert_main(["mcore-to-hf", "--ckpt", str(grads), "--out", str(tmp_path / arch / "hf"),
+                             "--quiet"]) == 0
+        ours = safetensors_state(tmp_path / arch / "hf")
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            hf_dirs[arch], dtype=torch.float32, attn_implementation="eager")
+        (model(TOKENS).logits * weights).sum().backward()
+        theirs = {}
+        for name, p in model.named_parameters():  # transformers 5 holds experts fused: [E, ...]
+            if name.endswith("experts.gate_up_proj"):
+                gate, up = p.grad.chunk(2, dim=1)
+                base = name.removesuffix("gate_up_proj").replace("mlp.experts", _moe_module(arch) + ".experts")
+                names = ("gate_proj", "up_proj") if arch != "mixtral" else ("w1", "w3")
+                for e in range(p.shape[0]):
+                    theirs[f"{base}{e}.{names[0]}.weight"], theirs[f"{base}{e}.{names[1]}.weight"] = gate[e], up[e]
+            elif name.endswith("experts.down_proj"):
+                base = name.removesuffix("down_proj").replace("mlp.experts", _moe_module(arch) + ".experts")
+                for e in range(p.shape[0]):
+                    theirs[f"{base}{e}.{'w2' if arch == 'mixtral' else 'down_proj'}.weight"] = p.grad[e]
+            else:
+                theirs[name.replace("mlp.gate.", _moe_module(arch) + ".gate.")] = p.grad
+        assert sorted(ours) == sorted(theirs), arch
+        for name, grad in theirs.items():
+            scale = grad.abs().max().item()
+            assert (ours[name] - grad).abs().max().item() <= 1e-5 * max(scale, 1.0), (arch, name)
+
+
+def _moe_module(arch: str) -> str:
+    """The HF module name of an MoE layer in saved checkpoints."""
+    return "block_sparse_moe" if arch == "mixtral" else "mlp"
+
+
+def test_moe_router_rule_matters(hf_dirs, reference):
+    """The other router rule (renormalizing the top-k where HF does not, and the reverse) moves the
+    logits far outside fp32 noise: the logits test can see a router mismatch."""
+    cases = [("qwen3_moe", str(hf_dirs["qwen3_moe"])), ("qwen3_moe_unnormed", str(hf_dirs["qwen3_moe_unnormed"]))]
+    flipped = {"qwen3_moe": {"moe_router_pre_softmax": True}, "qwen3_moe_unnormed": {"moe_router_pre_softmax": False}}
+    results = _run(1, 1, 2, cases, overrides=flipped)
+    for arch, _ in cases:
+        assert _max_error(_last_stage_logits(results, arch), reference[arch]) > 1e-3, arch
+
+
+@pytest.mark.parametrize("tp, pp, ep, world", [(1, 1, 2, 2), (1, 1, 2, 4), (2, 1, 2, 4), (1, 2, 2, 4)])
+def test_moe_round_trip_at_ep2_is_bit_exact(hf_dirs, reference, tmp_path, tp, pp, ep, world):
+    """HF -> megatron (EP2, live ranks) -> HF gives back the very tensors; the live ranks' checkpoint
+    equals the offline converter's, and converting it back offline gives the HF tensors again.
+    At world 4 with TP1 x EP2 each EP rank's experts have two replicas (expert DP 2): one writes."""
+    from hybridrl.models.convert_cli import main as convert_main
+
+    cases = [(arch, str(hf_dirs[arch])) for arch in MOE_ARCHS]
+    results = _run(tp, pp, ep, cases, world=world, save_to=str(tmp_path))
+    for arch in MOE_ARCHS:
+        assert _max_error(_last_stage_logits(results, arch), reference[arch]) <= TOLERANCE, arch
+        assert_same_tensors(safetensors_state(tmp_path / "hf" / arch), safetensors_state(hf_dirs[arch]))
+        saved = tmp_path / "mcore" / arch
+        assert sorted(p.name for p in saved.glob("*.safetensors")) == sorted(
+            f"model_tp{t:02d}_pp{p:03d}_ep{e:03d}.safetensors"
+            for t in range(tp) for p in range(pp) for e in range(ep))
+        offline = tmp_path / "offline" / arch
+        assert convert_main(["hf-to-mcore", "--hf", str(hf_dirs[arch]), "--out", str(offline), "--tp", str(tp),
+                             "--pp", str(pp), "--ep", str(ep), "--quiet"]) == 0
+        assert_same_tensors(per_file_state(saved), per_file_state(offline))
+        back = tmp_path / "back" / arch
+        assert convert_main(["mcore-to-hf", "--ckpt", str(saved), "--out", str(back), "--quiet"]) == 0
+        assert_same_tensors(safetensors_state(back), safetensors_state(hf_dirs[arch]))
+
+
+# ---- the layout math alone (no ranks) ----------------------------------------------------------------
+
+def test_moe_shape_reads_the_config(hf_dirs):
+    """ModelShape's MoE fields against transformers' own model of each config."""
+    import transformers
+
+    from hybridrl.models.arch import ModelShape
+
+    for arch, path in hf_dirs.items():
+        shape = ModelShape.from_hf_dir(path)
+        model = transformers.AutoModelForCausalLM.from_pretrained(path)
+        sparse = tuple(i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts"))
+        assert shape.moe_layers == sparse, arch
+        assert shape.param_count() == model.num_parameters(), arch
+    qwen = ModelShape.from_hf_dir(hf_dirs["qwen3_moe"])
+    assert (qwen.num_experts, qwen.moe_top_k, qwen.moe_ffn_hidden_size, qwen.moe_norm_topk_prob) == (8, 2, 48, True)
+    assert qwen.moe_layers == (0, 1, 3)  # mlp_only_layers=[2]
+
+
+def test_experts_are_placed_by_global_index(hf_dirs):
+    """Expert e of a layer is local expert e - ep_rank * (experts / ep) on EP rank e // (experts / ep);
+    everything else is a copy on EP ranks > 0, and the export map takes each HF tensor once."""
+    from hybridrl.models.arch import ModelShape
+    from hybridrl.models.layout import ParallelLayout, hf_export_map, rank_file_name, rank_tensor_plans
+
+    shape = ModelShape.from_hf_dir(hf_dirs["qwen3_moe"])
+    layout = ParallelLayout(tp=2, pp=2, ep=4)
+    for ep_rank in range(4):
+        plans = rank_tensor_plans(shape, layout, 1, 1, ep_rank)  # layers 2, 3: layer 2 is dense
+        experts = {k: p for k, p in plans.items() if "local_experts" in k}
+        assert sorted(experts) == sorted(f"decoder.layers.1.mlp.experts.local_experts.{le}.linear_fc{n}.weight"
+                                         for le in range(2) for n in (1, 2))
+        for local in range(2):
+            fc1 = experts[f"decoder.layers.1.mlp.experts.local_experts.{local}.linear_fc1.weight"]
+            e = ep_rank * 2 + local
+            assert fc1.hf_names == (f"model.layers.3.mlp.experts.{e}.gate_proj.weight",
+                                    f"model.layers.3.mlp.experts.{e}.up_proj.weight")
+            assert fc1.shape == (48, 64) and not fc1.is_copy  # [gate half r; up half r] at TP rank 1
+        assert "decoder.layers.0.mlp.linear_fc1.weight" in plans  # layer 2's dense MLP
+        others = [p for k, p in plans.items() if "local_experts" not in k]
+        assert all(p.is_copy for p in others) == (ep_rank > 0)
+    assert rank_file_name(layout, 1, 1, 3) == "model_tp01_pp001_ep003.safetensors"
+    assert rank_file_name(ParallelLayout(tp=2), 1, 0) == "model_tp01_pp000.safetensors"
+    pieces = hf_export_map(shape, layout)
+    assert [(p.ep_rank, p.tp_rank) for p in pieces["model.layers.3.mlp.experts.5.down_proj.weight"]] == [(2, 0), (2, 1)]
+    assert [(p.ep_rank, p.tp_rank) for p in pieces["model.layers.3.mlp.gate.weight"]] == [(0, 0)]
+
+
+def test_moe_parallel_errors_name_the_rule(hf_dirs):
+    from hybridrl.models.arch import ModelShape
+
+    shape = ModelShape.from_hf_dir(hf_dirs["qwen3_moe"])
+    assert shape.parallel_errors(ep=3) == ["ep=3 does not divide num_experts=8"]
+    assert shape.parallel_errors(tp=4, ep=2) == []  # 48 / 4, 4 heads / 4, 2 KV heads shared
+    assert "the experts' intermediate size 32" in " ".join(
+        ModelShape.from_hf_dir(hf_dirs["qwen3_moe_unnormed"]).parallel_errors(tp=3))
+
+
+def test_te_names_keep_an_moe_layers_own_pre_mlp_norm(hf_dirs):
+    """megatron's TE spec fuses the pre-MLP norm into fc1 in dense layers only; an MoE layer keeps
+    `pre_mlp_layernorm` (its experts have no fused norm). The GPU path's names follow that."""
+    from hybridrl.models.bridge import ChunkInfo, ModelSource, spec_tensor_name
+    from hybridrl.models.layout import ParallelLayout
+
+    source = ModelSource.from_path(hf_dirs["qwen3_moe"])  # layers 0, 1, 3 MoE; 2 dense
+    layout = ParallelLayout(pp=2)
+    info = ChunkInfo(source, layout, layout.chunks(4, 1)[0], 0, "te")  # layers 2 and 3
+    assert spec_tensor_name("decoder.layers.0.pre_mlp_layernorm.weight", "te", info) == \
+        "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"
+    assert spec_tensor_name("decoder.layers.1.pre_mlp_layernorm.weight", "te", info) == \
+        "decoder.layers.1.pre_mlp_layernorm.weight"
+    assert spec_tensor_name("decoder.layers.1.input_layernorm.weight", "te", info) == \
+        "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight"
+    assert spec_tensor_name("decoder.layers.1.pre_mlp_layernorm.weight", "local", info) == \
+        "decoder.layers.1.pre_mlp_layernorm.weight"
+
+
+def test_moe_checkpoint_changes_expert_layout_offline(hf_dirs, tmp_path):
+    """hybridrl convert re-shards experts between EP layouts (EP2 -> TP2 x PP2 x EP4 -> HF), bit-exact."""
+    from hybridrl.models.convert_cli import main as convert_main
+
+    src = hf_dirs["qwen3_moe"]
+    assert convert_main(["hf-to-mcore", "--hf", str(src), "--out", str(tmp_path / "ep2"), "--ep", "2",
+                         "--quiet"]) == 0
+    assert convert_main(["mcore-to-mcore", "--ckpt", str(tmp_path / "ep2"), "--out", str(tmp_path / "ep4"),
+                         "--tp", "2", "--pp", "2", "--ep", "4", "--quiet"]) == 0
+    assert len(list((tmp_path / "ep4").glob("model_tp*_pp*_ep*.safetensors"))) == 16
+    direct = tmp_path / "direct"
+    assert convert_main(["hf-to-mcore", "--hf", str(src), "--out", str(direct), "--tp", "2", "--pp", "2",
+                         "--ep", "4", "--quiet"]) == 0
+    assert_same_tensors(per_file_state(tmp_path / "ep4"), per_file_state(direct))
+    assert convert_main(["mcore-to-hf", "--ckpt", str(tmp_path / "ep4"), "--out", str(tmp_path / "hf"),
+                         "--quiet"]) == 0
+    assert_same_tensors(safetensors_state(tmp_path / "hf"), safetensors_state(src))
+    # an EP the experts do not split into is refused before anything is written
+    assert convert_main(["hf-to-mcore", "--hf", str(src), "--out", str(tmp_path / "bad"), "--ep", "3",
+                         "--quiet"]) != 0
+    assert not (tmp_path / "bad").exists()
