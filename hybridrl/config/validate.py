@@ -233,9 +233,9 @@ def _check_unsupported(check: _Checker, config: JobConfig, model: ModelShape | N
     # None for an unknown trainer.device (reported by _check_trainer): the device checks are skipped
     policy = DEVICE_POLICIES.get(config.trainer.device)
     if policy is not None and policy.transformer_engine_possible:
-        for prefix, model in (("actor_rollout_ref.model", arr.model), ("critic.model", config.critic.model),
-                              ("reward_model.model", config.reward_model.model)):
-            if model.use_remove_padding:
+        for prefix, section in (("actor_rollout_ref.model", arr.model), ("critic.model", config.critic.model),
+                                ("reward_model.model", config.reward_model.model)):
+            if section.use_remove_padding:
                 check.warnings.append(
                     f"{prefix}.use_remove_padding=true needs Transformer Engine on the workers (its attention "
                     "reads cu_seqlens; megatron's local attention refuses packed sequences and the workers stop "
@@ -291,12 +291,12 @@ def _check_unsupported(check: _Checker, config: JobConfig, model: ModelShape | N
         check.fail("actor_rollout_ref.rollout.calculate_log_probs", arr.rollout.calculate_log_probs,
                    "cannot be turned off: the rollout always returns its log-probs (the trainer measures the "
                    "rollout-vs-trainer gap with them); only true is supported", [True])
-    for section, model in (("critic", config.critic.model), ("reward_model", config.reward_model.model)):
-        if model.tokenizer_path is not None:
-            check.fail(f"{section}.model.tokenizer_path", model.tokenizer_path,
+    for section, role_model in (("critic", config.critic.model), ("reward_model", config.reward_model.model)):
+        if role_model.tokenizer_path is not None:
+            check.fail(f"{section}.model.tokenizer_path", role_model.tokenizer_path,
                        f"is not supported: the {section.replace('_', ' ')} reads the policy's token ids, so it "
                        "uses the policy's tokenizer; leave it null", [None])
-        if model.trust_remote_code:
+        if role_model.trust_remote_code:
             check.fail(f"{section}.model.trust_remote_code", True,
                        f"has no effect: the {section.replace('_', ' ')} is built from config.json and safetensors "
                        "by the model bridge, which runs no code from the model folder", [False])
