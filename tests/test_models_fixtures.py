@@ -8,7 +8,7 @@ head_dim different from hidden/heads (Qwen3), q/k norms (Qwen3), qkv bias (Qwen2
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +90,17 @@ def hf_logits(hf_dir: Path, input_ids: torch.Tensor) -> torch.Tensor:
     model.eval()
     with torch.no_grad():
         return model(input_ids).logits
+
+
+def hf_model_dirs(root: Path, archs: Sequence[str], first_seed: int) -> dict[str, Path]:
+    """One random HF model folder per architecture (seeds first_seed, first_seed + 1, ...)."""
+    return {arch: make_hf_model(root / arch, arch, seed=first_seed + i) for i, arch in enumerate(archs)}
+
+
+def max_logit_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    """Largest gap between megatron's (vocabulary-padded) logits and transformers'."""
+    assert ours.shape[:-1] == theirs.shape[:-1] and ours.shape[-1] >= VOCAB
+    return (ours[..., :VOCAB] - theirs).abs().max().item()
 
 
 def sample_tokens(batch: int = 2, seq: int = SEQ, seed: int = 0) -> torch.Tensor:

@@ -18,7 +18,8 @@ from tests.test_models_fixtures import (
     VOCAB,
     assert_same_tensors,
     hf_logits,
-    make_hf_model,
+    hf_model_dirs,
+    max_logit_error,
     per_file_state,
     safetensors_state,
     sample_tokens,
@@ -204,8 +205,7 @@ def _run(tp: int, pp: int, vpp: int | None, cases, **kwargs) -> dict[str, torch.
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("logits_hf")
-    return {arch: make_hf_model(root / arch, arch, seed=10 + i) for i, arch in enumerate(ARCHS)}
+    return hf_model_dirs(tmp_path_factory.mktemp("logits_hf"), ARCHS, first_seed=10)
 
 
 @pytest.fixture(scope="module")
@@ -213,16 +213,13 @@ def reference(hf_dirs) -> dict[str, torch.Tensor]:
     return {arch: hf_logits(path, TOKENS) for arch, path in hf_dirs.items()}
 
 
-def _max_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
-    assert ours.shape[:-1] == theirs.shape[:-1] and ours.shape[-1] >= VOCAB
-    return (ours[..., :VOCAB] - theirs).abs().max().item()
 
 
 @pytest.mark.parametrize("tp, pp, vpp", [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None)])
 def test_logits_match_transformers(hf_dirs, reference, tp, pp, vpp):
     cases = [(arch, str(hf_dirs[arch]), str(hf_dirs[arch])) for arch in ARCHS]
     logits = _run(tp, pp, vpp, cases)
-    errors = {arch: _max_error(logits[arch], reference[arch]) for arch in ARCHS}
+    errors = {arch: max_logit_error(logits[arch], reference[arch]) for arch in ARCHS}
     assert all(err <= TOLERANCE for err in errors.values()), errors
 
 
@@ -230,7 +227,7 @@ def test_logits_match_with_virtual_pipeline(hf_dirs, reference):
     cases = [(arch, str(hf_dirs[arch]), str(hf_dirs[arch])) for arch in ("llama", "qwen3")]
     logits = _run(1, 2, 2, cases)
     for arch in ("llama", "qwen3"):
-        assert _max_error(logits[arch], reference[arch]) <= TOLERANCE
+        assert max_logit_error(logits[arch], reference[arch]) <= TOLERANCE
 
 
 def test_logits_match_with_tp_above_kv_heads(hf_dirs, reference):
@@ -239,14 +236,14 @@ def test_logits_match_with_tp_above_kv_heads(hf_dirs, reference):
     logits = _run(4, 1, None, cases)
     for arch in ("llama", "qwen2"):
         assert logits[arch].shape[-1] == 512  # vocab 200 padded to 128 * 4
-        assert _max_error(logits[arch], reference[arch]) <= TOLERANCE
+        assert max_logit_error(logits[arch], reference[arch]) <= TOLERANCE
 
 
 @pytest.mark.parametrize("tp, corrupt", [(1, "plain_qkv_concat"), (2, "split_gate_up_concat")])
 def test_wrong_layout_is_caught(hf_dirs, reference, tp, corrupt):
     logits = _run(tp, 1, None, [("llama", str(hf_dirs["llama"]), str(hf_dirs["llama"]))], corrupt=corrupt)
-    assert _max_error(logits["llama:good"], reference["llama"]) <= TOLERANCE
-    assert _max_error(logits["llama"], reference["llama"]) > 1e-2  # far outside fp32 noise
+    assert max_logit_error(logits["llama:good"], reference["llama"]) <= TOLERANCE
+    assert max_logit_error(logits["llama"], reference["llama"]) > 1e-2  # far outside fp32 noise
 
 
 def test_export_from_sharded_model_and_reload(hf_dirs, reference, tmp_path):
@@ -267,8 +264,8 @@ def test_export_from_sharded_model_and_reload(hf_dirs, reference, tmp_path):
     # Same layout (file -> parameters, checksums verified) and a different one (re-sliced).
     same = _run(2, 2, None, [("same", str(saved), str(saved))])
     other = _run(1, 2, None, [("other", str(saved), str(saved))])
-    assert _max_error(same["same"], reference[arch]) <= TOLERANCE
-    assert _max_error(other["other"], reference[arch]) <= TOLERANCE
+    assert max_logit_error(same["same"], reference[arch]) <= TOLERANCE
+    assert max_logit_error(other["other"], reference[arch]) <= TOLERANCE
 
 
 def test_vocab_padding_must_be_masked_for_log_probs(hf_dirs, reference):

@@ -20,7 +20,8 @@ from tests.test_models_fixtures import (
     VOCAB,
     assert_same_tensors,
     hf_logits,
-    make_hf_model,
+    hf_model_dirs,
+    max_logit_error,
     per_file_state,
     safetensors_state,
     sample_tokens,
@@ -100,8 +101,7 @@ def _last_stage_logits(results: list[dict[str, Any]], name: str) -> torch.Tensor
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("moe_hf")
-    return {arch: make_hf_model(root / arch, arch, seed=30 + i) for i, arch in enumerate(MOE_ARCHS)}
+    return hf_model_dirs(tmp_path_factory.mktemp("moe_hf"), MOE_ARCHS, first_seed=30)
 
 
 @pytest.fixture(scope="module")
@@ -109,16 +109,13 @@ def reference(hf_dirs) -> dict[str, torch.Tensor]:
     return {arch: hf_logits(path, TOKENS) for arch, path in hf_dirs.items()}
 
 
-def _max_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
-    assert ours.shape[:-1] == theirs.shape[:-1] and ours.shape[-1] >= VOCAB
-    return (ours[..., :VOCAB] - theirs).abs().max().item()
 
 
 @pytest.mark.parametrize("tp, pp, ep", [(1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2)])
 def test_moe_logits_match_transformers(hf_dirs, reference, tp, pp, ep):
     cases = [(arch, str(hf_dirs[arch])) for arch in MOE_ARCHS]
     results = _run(tp, pp, ep, cases)
-    errors = {arch: _max_error(_last_stage_logits(results, arch), reference[arch]) for arch in MOE_ARCHS}
+    errors = {arch: max_logit_error(_last_stage_logits(results, arch), reference[arch]) for arch in MOE_ARCHS}
     assert all(err <= TOLERANCE for err in errors.values()), errors
     # Each EP rank holds its share of the experts: 8 experts over EP2 -> 4 local experts a layer.
     per_rank = {r["ep_rank"]: r["experts"]["qwen3_moe"] for r in results}
@@ -143,7 +140,7 @@ def test_moe_logits_wrong_expert_placement_is_caught(hf_dirs, reference, tmp_pat
         state[a], state[b] = state[b], state[a]
     save_file(state, str(bad / "model.safetensors"), metadata={"format": "pt"})
     logits = _last_stage_logits(_run(1, 1, 2, [("bad", str(bad))]), "bad")
-    assert _max_error(logits, reference["qwen3_moe"]) > 1e-2
+    assert max_logit_error(logits, reference["qwen3_moe"]) > 1e-2
 
 
 @pytest.mark.parametrize("tp", [1])
@@ -197,7 +194,7 @@ def test_moe_router_rule_matters(hf_dirs, reference):
     flipped = {"qwen3_moe": {"moe_router_pre_softmax": True}, "qwen3_moe_unnormed": {"moe_router_pre_softmax": False}}
     results = _run(1, 1, 2, cases, overrides=flipped)
     for arch, _ in cases:
-        assert _max_error(_last_stage_logits(results, arch), reference[arch]) > 1e-3, arch
+        assert max_logit_error(_last_stage_logits(results, arch), reference[arch]) > 1e-3, arch
 
 
 @pytest.mark.parametrize("tp, pp, ep, world", [(1, 1, 2, 2), (1, 1, 2, 4), (2, 1, 2, 4), (1, 2, 2, 4)])
@@ -210,7 +207,7 @@ def test_moe_round_trip_at_ep2_is_bit_exact(hf_dirs, reference, tmp_path, tp, pp
     cases = [(arch, str(hf_dirs[arch])) for arch in MOE_ARCHS]
     results = _run(tp, pp, ep, cases, world=world, save_to=str(tmp_path))
     for arch in MOE_ARCHS:
-        assert _max_error(_last_stage_logits(results, arch), reference[arch]) <= TOLERANCE, arch
+        assert max_logit_error(_last_stage_logits(results, arch), reference[arch]) <= TOLERANCE, arch
         assert_same_tensors(safetensors_state(tmp_path / "hf" / arch), safetensors_state(hf_dirs[arch]))
         saved = tmp_path / "mcore" / arch
         assert sorted(p.name for p in saved.glob("*.safetensors")) == sorted(
