@@ -49,7 +49,7 @@ real-model: venv
 # The second way in: GRPO on the real model (above) on arithmetic word problems through its chat
 # template, 2 CPU ranks at PP2, greedy validation before and after (configs/examples/smollm2_arith_grpo.yaml).
 demo-real: real-model
-	$(PY) tools/make_arith_data.py --out-dir data/arith --val-rows 32
+	$(PY) tools/make_arith_data.py --out-dir data/arith --val-rows 64
 	$(VENV)/bin/hybridrl plan configs/examples/smollm2_arith_grpo.yaml > /dev/null
 	$(VENV)/bin/hybridrl train configs/examples/smollm2_arith_grpo.yaml
 

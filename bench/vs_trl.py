@@ -19,12 +19,12 @@ TRL lives in its own venv (bench/.venv-trl, created on first use: torch==2.13.0 
 trl transformers datasets). The TRL side runs `bench/trl_grpo_run.py` with that venv's python.
 
     python bench/vs_trl.py [--full] [--cases tiny:fp32,30m:fp32,30m:bf16,30m:bf16:2] [--rounds R] [--world 1]
-    python bench/vs_trl.py --model real [--layouts pp2,dp2] [--prompts 16] [--steps 4] [--rounds 1]
+    python bench/vs_trl.py --model real [--layouts pp2,dp2] [--prompts 8] [--steps 4] [--rounds 1]
 
 `--model real`: SmolLM2-135M-Instruct (`make real-model`) on the arithmetic word problems
 (`configs/examples/smollm2_arith_grpo.yaml`, data from tools/make_arith_data.py): the same chat-template
-prompts, `arith_word` scorer, n, temperature 0.7, responses that stop at the model's EOS (at most 40
-tokens), micro-batch, lr and steps on both sides, on 2 cores: hybridrl at PP2 or DP2 (two ranks of one
+prompts, `arith_word` scorer, n = 8, temperature 0.7, responses that stop at the model's EOS (at most
+32 tokens), micro-batch, lr and steps on both sides, on 2 cores: hybridrl at PP2 or DP2 (two ranks of one
 thread, one vLLM replica each), TRL one process with 2 torch threads. Mean response lengths are printed
 beside the times, as they follow each side's own samples.
 
@@ -109,7 +109,7 @@ REAL_MODEL = ROOT / "data" / "models" / "smollm2-135m-instruct"
 REAL_CONFIG = "configs/examples/smollm2_arith_grpo.yaml"
 ARITH_DATA = ROOT / "data" / "arith" / "train.jsonl"
 # The real case's shared settings (the example config's, one optimizer step per step on both sides).
-REAL = {"n": 4, "response": 40, "micro": 4, "lr": 2e-5, "temperature": 0.7}
+REAL = {"n": 8, "response": 32, "micro": 8, "lr": 3e-5, "temperature": 0.7}
 REAL_LAYOUTS = {  # hybridrl's layout on the 2 cores
     "pp2": ["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"],
     "dp2": ["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=1"],
@@ -221,7 +221,7 @@ def main() -> None:
     parser.add_argument("--model", choices=("random", "real"), default="random",
                         help="real: SmolLM2-135M-Instruct on the arithmetic task (see above)")
     parser.add_argument("--layouts", default="pp2,dp2", help="--model real: hybridrl's layouts")
-    parser.add_argument("--prompts", type=int, default=16, help="--model real: prompts per step (x n=4 samples)")
+    parser.add_argument("--prompts", type=int, default=8, help="--model real: prompts per step (x n=8 samples)")
     args = parser.parse_args()
     ensure_trl_venv()
     if args.model == "real":

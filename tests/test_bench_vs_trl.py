@@ -17,12 +17,12 @@ from hybridrl.config.plan import plan_from_sources  # noqa: E402
 def test_real_case_overrides_plan_the_shared_settings(real_model, tmp_path, monkeypatch, layout, pp, dp):
     monkeypatch.chdir(ROOT)  # the example config's paths are relative to the repository
     run_dir = tmp_path / "run"
-    plan = plan_from_sources(ROOT / vs_trl.REAL_CONFIG, vs_trl.real_overrides(layout, 16, 3, run_dir, seed=0))
+    plan = plan_from_sources(ROOT / vs_trl.REAL_CONFIG, vs_trl.real_overrides(layout, 8, 3, run_dir, seed=0))
     config = plan.config
     actor, rollout = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout
     assert (actor.megatron.pipeline_model_parallel_size, plan.layout("actor").mesh.dp) == (pp, dp)
-    # one optimizer step per step on 16 prompts x n, as TRL's one generation batch
-    assert config.data.train_batch_size == actor.ppo_mini_batch_size == 16
+    # one optimizer step per step on 8 prompts x n, as TRL's one generation batch
+    assert config.data.train_batch_size == actor.ppo_mini_batch_size == 8
     assert (rollout.n, rollout.temperature, config.data.max_response_length) == (
         vs_trl.REAL["n"], vs_trl.REAL["temperature"], vs_trl.REAL["response"])
     assert (actor.ppo_micro_batch_size_per_gpu, actor.optim.lr) == (vs_trl.REAL["micro"], vs_trl.REAL["lr"])
