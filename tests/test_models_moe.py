@@ -26,7 +26,7 @@ from tests.test_models_fixtures import (
     safetensors_state,
     sample_tokens,
 )
-from tests.test_models_logits import _pipeline_logits
+from tests.test_models_logits import _grads_rank, _pipeline_logits
 
 TOLERANCE = 1e-5  # max abs logits difference, fp32
 TOKENS = sample_tokens(batch=2)
@@ -56,32 +56,6 @@ def _moe_rank(rank: int, world_size: int, tp: int, pp: int, ep: int, cases: list
     finally:
         destroy_model_parallel()
     return out
-
-
-def _grads_rank(rank: int, world_size: int, tp: int, hf_dir: str, weights: torch.Tensor, out: str) -> None:
-    """Backward of sum(logits * weights) at TP=world_size, EP=1; the gradients saved as a checkpoint
-    in place of the weights, so the layout math maps them back to HF names."""
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    from hybridrl.models.bridge import build_gpt_model, load_weights, save_mcore_checkpoint
-    from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
-
-    ctx = initialize_model_parallel(tp=tp, device="cpu")
-    try:
-        model = build_gpt_model(hf_dir)
-        load_weights([model], hf_dir)
-        logits = gather_from_tensor_model_parallel_region(
-            model(TOKENS, torch.arange(TOKENS.shape[1]).expand_as(TOKENS), None))
-        (logits[..., :VOCAB] * weights).sum().backward()
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                # each TP rank normalizes only its own heads: finalize_model_grads sums these over TP
-                if "q_layernorm" in name or "k_layernorm" in name:
-                    torch.distributed.all_reduce(param.grad, group=ctx.tp_group)
-                param.copy_(param.grad)
-        save_mcore_checkpoint([model], out)
-    finally:
-        destroy_model_parallel()
 
 
 def _run(tp: int, pp: int, ep: int, cases: list[tuple[str, str]], world: int | None = None,
@@ -155,7 +129,8 @@ def test_moe_gradients_match_transformers(hf_dirs, tmp_path, tp):
     weights = torch.randn(*TOKENS.shape, VOCAB, generator=torch.Generator().manual_seed(3))
     for arch in ("qwen3_moe", "mixtral"):
         grads = tmp_path / arch / "grads"
-        run_ranks(_grads_rank, tp, tp, str(hf_dirs[arch]), weights, str(grads), timeout_s=300)
+        # the dense test's rank function: TP = world size, EP = 1
+        run_ranks(_grads_rank, tp, str(hf_dirs[arch]), weights, str(grads), timeout_s=300)
         assert convert_main(["mcore-to-hf", "--ckpt", str(grads), "--out", str(tmp_path / arch / "hf"),
                              "--quiet"]) == 0
         ours = safetensors_state(tmp_path / arch / "hf")
