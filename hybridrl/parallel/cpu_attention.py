@@ -24,6 +24,7 @@ THD formula), then `cpu_rope.rotary_embedding_half_split` rotates.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -95,15 +96,10 @@ def _packed_attention_class() -> type:
     return CpuPackedDotProductAttention
 
 
-_CLASS: type | None = None
-
-
+@functools.cache
 def cpu_packed_attention_class() -> type:
     """The `CpuPackedDotProductAttention` class (built once: it subclasses a megatron class, imported lazily)."""
-    global _CLASS
-    if _CLASS is None:
-        _CLASS = _packed_attention_class()
-    return _CLASS
+    return _packed_attention_class()
 
 
 def with_cpu_packed_attention(spec: Any) -> Any:
