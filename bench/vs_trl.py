@@ -150,7 +150,7 @@ def run_real(args: argparse.Namespace) -> None:
     for layout in args.layouts.split(","):
         if layout not in REAL_LAYOUTS:
             raise SystemExit(f"--layouts: {layout!r} is not one of {', '.join(REAL_LAYOUTS)}")
-        h_wall, h_cpu, h_update, h_gen, h_len, h_reward = [], [], [], [], [], []
+        h_wall, h_cpu, h_update, h_gen, h_len, h_tokens, h_reward = [], [], [], [], [], [], []
         for r in range(rounds):
             run_dir = ROOT / "runs" / "bench" / f"vs_trl_real_{layout}_hybridrl_{r}"
             records = run_train(REAL_CONFIG, real_overrides(layout, prompts, steps, run_dir, seed=r), run_dir)
@@ -160,6 +160,7 @@ def run_real(args: argparse.Namespace) -> None:
             h_update += [rec["timing_s/update_actor"] for rec in kept]
             h_gen += [rec["timing_s/gen"] for rec in kept]
             h_len += [rec["response_length/mean"] for rec in kept]
+            h_tokens += [rec["perf/total_num_tokens"] for rec in kept]  # every real token of a step
             h_reward += [rec["reward/score_mean"] for rec in records]
             if len(trl_runs) <= r:  # one TRL run per round serves every layout (TRL has one layout)
                 trl_runs.append(_run_trl_side(
@@ -171,8 +172,7 @@ def run_real(args: argparse.Namespace) -> None:
         t_cpu = [c for run in trl_runs for c in run["step_cpu_s"][args.warmup:]]
         t_len = [x for run in trl_runs for x in run["completion_mean_length"][args.warmup:] if x is not None]
         mean_len = statistics.mean(h_len)
-        tokens = statistics.mean(rec["perf/total_num_tokens"] for rec in kept)  # every real token of a step
-        prompt_tokens = max(1.0, tokens / sequences - mean_len)
+        prompt_tokens = max(1.0, statistics.mean(h_tokens) / sequences - mean_len)
         bound = step_bound(model_config, dtype="fp32", sequences=sequences, prompt_tokens=prompt_tokens,
                            response_tokens=max(1, round(mean_len)), ranks=2, micro_batch=REAL["micro"])
         summary = {
