@@ -116,11 +116,11 @@ def _step_rows(run: Path) -> dict[int, dict]:
 
 @pytest.mark.slow
 def test_failed_worker_restarts_in_place(demo_assets, tmp_path):
-    """trainer.max_restarts: a worker killed at step 3 of 5 (checkpoints every step) is restarted in the
-    same invocation from step 2's checkpoint, and steps 3-5 equal an uninterrupted run's. Before any
+    """trainer.max_restarts: a worker killed at step 3 of 6 (checkpoints every step) is restarted in the
+    same invocation from step 2's checkpoint, and steps 3-6 equal an uninterrupted run's. Before any
     checkpoint a restart begins at step 0 and reproduces steps 1-2; a failure beyond the limit stops
     the run naming both failures."""
-    steps = ["trainer.total_training_steps=5"]
+    steps = ["trainer.total_training_steps=6"]
     straight = tmp_path / "straight"
     result, _ = _train_with(demo_overrides(demo_assets, straight, *steps), {})
     assert result.returncode == 0, result.stderr[-4000:]
@@ -133,15 +133,15 @@ def test_failed_worker_restarts_in_place(demo_assets, tmp_path):
     assert "restart 1/1 in place: training failed at step 3, phase update_actor:" in result.stdout
     assert f"resuming from {restarted / CKPT / 'global_step_2'} at step 2" in result.stdout
     rows = _step_rows(restarted)
-    assert sorted(rows) == [1, 2, 3, 4, 5]
-    for step in (3, 4, 5):
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6]
+    for step in (3, 4, 5, 6):
         for key in RESTART_KEYS:
             assert rows[step][key] == pytest.approx(reference[step][key], abs=1e-5), (step, key)
     (event,) = [r for r in _metrics(restarted) if r.get("event") == "restart"]
     assert (event["step"], event["phase"], event["role"], event["rank"], event["resume_step"]) == (
         3, "update_actor", "actor_rollout_ref", 1, 2)
     assert "restarts" in result.stdout and "failure cost" in result.stdout  # the end summary
-    assert (restarted / CKPT / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+    assert (restarted / CKPT / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
 
     # No checkpoint yet (save_freq=-1): the restart begins at step 0 and its steps 1-2 equal the
     # straight run's; its own failure at step 3 is the second, beyond max_restarts=1.
