@@ -101,6 +101,41 @@ def test_jsonl_fresh_run_truncates_and_resume_keeps_prefix(tmp_path):
     assert (tmp_path / "m.jsonl").read_text() == ""
 
 
+def test_rewind_forgets_later_steps_and_keeps_events(tmp_path):
+    """An in-place restart goes back to its checkpoint's step: the steps after it are run again, so the
+    history and metrics.jsonl drop them; the restart's own record stays."""
+    tracker = Tracker.create(["jsonl"], tmp_path)
+    for step in (1, 2, 3):
+        tracker.log(step, {"x": float(step)})
+    tracker.event(3, {"event": "restart", "restart": 1, "cause": "rank 1 died"})
+    tracker.rewind(1)
+    for step in (2, 3, 4):
+        tracker.log(step, {"x": 10.0 * step})
+    tracker.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r.get("x"), r.get("event")) for r in rows] == [
+        (1, 1.0, None), (3, None, "restart"), (2, 20.0, None), (3, 30.0, None), (4, 40.0, None)]
+    assert rows[1]["cause"] == "rank 1 died"
+    assert [(h["step"], h["x"]) for h in tracker.history] == [(1, 1.0), (2, 20.0), (3, 30.0), (4, 40.0)]
+    # a later resume from step 3's checkpoint keeps the event and the steps up to 3
+    resumed = Tracker.create(["jsonl"], tmp_path, resume_step=3)
+    resumed.close()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 3, 2, 3]
+
+
+def test_failure_cost_at_the_checkpoint_cadence():
+    from hybridrl.config.report import failure_cost_lines
+
+    (line,) = failure_cost_lines(save_freq=10, max_restarts=2, step_s=30.0)
+    assert "restart in place" in line and "max_restarts=2" in line
+    assert "on average save_freq/2 = 5 steps ≈ 150 s, at most 10 ≈ 300 s" in line
+    (line,) = failure_cost_lines(save_freq=3, max_restarts=0)
+    assert "the run stops" in line and "1.5 steps, at most 3." in line
+    (line,) = failure_cost_lines(save_freq=-1, max_restarts=1)
+    assert "every step since the start" in line
+
+
 def test_summary_lists_validation_scores():
     text = render_summary([{"step": 1.0, "val/score/mean": 0.25}, {"step": 2.0, "val/score/mean": 0.75}])
     assert "step 1: 0.250, step 2: 0.750" in text

@@ -125,6 +125,26 @@ def render_plan(plan: Plan) -> str:
             f"(×{traffic.ratio_to_lower_bound:.2f} the lower bound) vs naive {total_naive / MIB:,.1f} MiB; "
             f"model {traffic.model_bytes / MIB:,.1f} MiB in {plan.reshard.dtype}"
         )
+    out += ["", *failure_cost_lines(cfg.trainer.save_freq, cfg.trainer.max_restarts)]
     if plan.warnings:
         out += ["", "Warnings:"] + [f"  - {w}" for w in plan.warnings]
     return "\n".join(out)
+
+
+def failure_cost_lines(save_freq: int, max_restarts: int, step_s: float | None = None) -> list[str]:
+    """What a worker failure costs at this checkpoint cadence: the steps since the last checkpoint are
+    run again, S/2 on average and S at most for trainer.save_freq = S (a failure strikes anywhere
+    between two checkpoints); `step_s` (a measured step time) turns steps into seconds."""
+    def seconds(steps: float) -> str:
+        return f" ≈ {steps * step_s:,.0f} s" if step_s else ""
+
+    then = (f"the workers restart in place from the last checkpoint (trainer.max_restarts={max_restarts})"
+            if max_restarts else "the run stops; `trainer.resume_mode=auto` continues from the last checkpoint "
+            "(trainer.max_restarts=0)")
+    if save_freq > 0:
+        cost = (f"a failure re-runs the steps since the last checkpoint: on average save_freq/2 = "
+                f"{save_freq / 2:g} steps{seconds(save_freq / 2)}, at most {save_freq}{seconds(save_freq)}")
+    else:
+        cost = "a failure loses every step since the start (trainer.save_freq=-1: no checkpoints)"
+    return [f"On a worker failure {then}; {cost}."]
+

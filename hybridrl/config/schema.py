@@ -322,6 +322,12 @@ class TrainerConfig:
     export_hf_on_save: bool = doc(False, "also write an HF folder of the actor at each save")
     max_consecutive_nonfinite_steps: int = doc(
         3, "stop after this many steps in a row with a skipped (NaN/Inf loss or grads) optimizer step; 0 = never")
+    max_restarts: int = doc(
+        0, "on a worker failure, restart the workers in place this many times, each from the last checkpoint "
+        "(step 0 before the first); 0 = stop at the first failure")
+    restart_wait_s: float = doc(
+        600.0, "how long a restart waits for the cluster to offer the workers' resources again (a replaced "
+        "node joining), in seconds")
     logger: list[LoggerName] = doc(factory=lambda: ["console"], text="where metrics go")
     project_name: str = doc("hybridrl", "project (wandb / log folder)")
     experiment_name: str = doc("default", "run name")

@@ -141,6 +141,8 @@ def _check_trainer(check: _Checker, config: JobConfig) -> bool:
     if t.torch_threads_per_rank is not None:
         check.is_int_at_least("trainer.torch_threads_per_rank", t.torch_threads_per_rank, 1)
     check.is_int_at_least("trainer.max_consecutive_nonfinite_steps", t.max_consecutive_nonfinite_steps, 0)
+    check.is_int_at_least("trainer.max_restarts", t.max_restarts, 0)
+    check.in_range("trainer.restart_wait_s", t.restart_wait_s, 0, 7 * 86400, low_open=True)
     check.in_range("trainer.gpu_memory_gib", t.gpu_memory_gib, 0, 1e6, low_open=True)
     # a week: anything longer is a unit mistake (minutes or ms), not a wait anyone wants
     check.in_range("trainer.nccl_timeout_s", t.nccl_timeout_s, 0, 7 * 86400, low_open=True)

@@ -34,6 +34,10 @@ import ray
 from hybridrl.controller.dispatch import MeshCoord
 from hybridrl.parallel import state
 
+# The worker's `RankContext.restart`, in its environment: what a process-global reader (the fault
+# hook) sees of it.
+RESTART_ENV = "HYBRIDRL_RESTART"
+
 
 @dataclass(frozen=True)
 class RankContext:
@@ -46,6 +50,9 @@ class RankContext:
     local_rank: int
     local_world_size: int
     use_gpu: bool
+    # How many times the run has restarted its workers in place before this one started
+    # (`trainer.max_restarts`): 0 for the workers of the run's first start.
+    restart: int = 0
 
 
 class Worker:
@@ -62,6 +69,7 @@ class Worker:
             RANK=str(c.rank), WORLD_SIZE=str(c.world_size), LOCAL_RANK=str(c.local_rank),
             LOCAL_WORLD_SIZE=str(c.local_world_size), GROUP_RANK=str(c.node_rank),
         )
+        os.environ[RESTART_ENV] = str(c.restart)
 
     @property
     def rank(self) -> int:

@@ -86,6 +86,7 @@ class WorkerGroup:
         startup_timeout_s: float = 300.0,
         call_timeout_s: float | None = None,
         poll_s: float = 0.5,
+        restart: int = 0,
     ) -> None:
         if not isinstance(worker_cls, type) or not issubclass(worker_cls, Worker):
             # A `ray.remote` class hides the methods calls are checked against (worker_method_name).
@@ -109,6 +110,7 @@ class WorkerGroup:
                 context = RankContext(
                     role=role, rank=rank, world_size=world, node_rank=rank // pool.workers_per_node,
                     local_rank=bundle, local_world_size=pool.workers_per_node, use_gpu=pool.use_gpu,
+                    restart=restart,
                 )
                 self.actors.append(
                     actor_cls.options(

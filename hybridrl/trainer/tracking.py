@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from hybridrl.names import TIMED_PHASES
+from hybridrl.persistence import write_atomic
 
 # The few numbers the per-step console line shows, in order (others go to JSONL/TensorBoard).
 CONSOLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -31,6 +32,8 @@ PHASES = TIMED_PHASES
 
 class MetricSink(Protocol):
     def log(self, step: int, metrics: Mapping[str, float]) -> None: ...
+    def event(self, step: int, record: Mapping[str, Any]) -> None: ...
+    def rewind(self, step: int) -> None: ...
     def close(self) -> None: ...
 
 
@@ -52,6 +55,13 @@ class ConsoleSink:
         self._write("  ".join(cells))
         self._lines += 1
 
+    def event(self, step: int, record: Mapping[str, Any]) -> None:
+        # the trainer writes an event's sentence to the console itself, whatever the loggers are
+        self._lines = 0  # the next step line gets a header again
+
+    def rewind(self, step: int) -> None:
+        pass  # lines already printed stay: the console is a log of what happened
+
     def close(self) -> None:
         pass
 
@@ -61,25 +71,39 @@ def _width(fmt: str) -> int:
 
 
 class JsonlSink:
-    """One JSON record per step. A resumed run keeps the records up to its checkpoint's step and
-    continues after them; a fresh run starts the file anew."""
+    """One JSON record per step, and one per event (a record with an "event" key, e.g. an in-place
+    restart). A resumed run keeps the records up to its checkpoint's step and continues after them; a
+    fresh run starts the file anew."""
 
     def __init__(self, path: Path, resume_step: int = 0):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        kept = []
+        self._file = None
         if resume_step > 0 and path.is_file():
-            kept = [line for line in path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-        self._file = open(path, "w")
-        for line in kept:
-            self._file.write(line + "\n")
-        self._file.flush()
+            self._reopen(resume_step)
+        else:
+            self._file = open(path, "w")
+
+    def _reopen(self, step: int) -> None:
+        """Keep the step records up to `step` (and every event record), drop later ones, append after."""
+        if self._file is not None:
+            self._file.close()
+        kept = [line for line in self.path.read_text().splitlines() if line.strip()
+                and ("event" in (record := json.loads(line)) or record.get("step", 0) <= step)]
+        write_atomic(self.path, "".join(line + "\n" for line in kept))
+        self._file = open(self.path, "a")
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         record = {"step": step, **{k: _json_number(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+
+    def event(self, step: int, record: Mapping[str, Any]) -> None:
+        self._file.write(json.dumps({"step": step, **record}, default=str) + "\n")
+        self._file.flush()
+
+    def rewind(self, step: int) -> None:
+        self._reopen(step)
 
     def close(self) -> None:
         self._file.close()
@@ -105,6 +129,13 @@ class TensorBoardSink:
                 self._writer.add_scalar(key, value, step)
         self._writer.flush()
 
+    def event(self, step: int, record: Mapping[str, Any]) -> None:
+        self._writer.add_text("events", json.dumps(dict(record), default=str), step)
+        self._writer.flush()
+
+    def rewind(self, step: int) -> None:
+        pass  # TensorBoard keeps both values of a step logged twice; it shows the newest
+
     def close(self) -> None:
         self._writer.close()
 
@@ -121,6 +152,12 @@ class WandbSink:
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self._run.log(dict(metrics), step=step)
+
+    def event(self, step: int, record: Mapping[str, Any]) -> None:
+        self._run.alert(title=str(record.get("event", "event")), text=json.dumps(dict(record), default=str))
+
+    def rewind(self, step: int) -> None:
+        pass  # wandb cannot take steps back: it ignores steps at or below the last one it logged
 
     def close(self) -> None:
         self._run.finish()
@@ -156,6 +193,17 @@ class Tracker:
         self.history.append({"step": float(step), **flat})
         for sink in self.sinks:
             sink.log(step, flat)
+
+    def event(self, step: int, record: Mapping[str, Any]) -> None:
+        """Something that happened to the run (not a step's metrics): every sink records it."""
+        for sink in self.sinks:
+            sink.event(step, record)
+
+    def rewind(self, step: int) -> None:
+        """Forget the steps after `step`: the run goes back to its checkpoint of `step` and runs them again."""
+        self.history = [h for h in self.history if h["step"] <= step]
+        for sink in self.sinks:
+            sink.rewind(step)
 
     def close(self) -> None:
         for sink in self.sinks:

@@ -25,10 +25,11 @@ from hybridrl.algorithms import masked_mean
 from hybridrl.algorithms.kl_control import kl_controller_from_config
 from hybridrl.algorithms.names import GREEDY_BASELINE_ADV_ESTIMATORS
 from hybridrl.config.plan import Plan
+from hybridrl.config.report import failure_cost_lines
 from hybridrl.controller.cluster import init_ray
 from hybridrl.controller.dispatch import MeshCoord, RankMesh
 from hybridrl.controller.gather import WorkerGroupError
-from hybridrl.controller.resource_pool import ResourcePool
+from hybridrl.controller.resource_pool import ResourcePool, ResourcePoolError
 from hybridrl.controller.worker_group import WorkerGroup
 from hybridrl.data.batch import Batch
 from hybridrl.data.dataloader import PromptDataLoader, unpadded_prompt_ids
@@ -145,23 +146,25 @@ class Trainer:
         steps_per_epoch = len(self.train_loader)
         self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * steps_per_epoch
 
-    def _build_workers(self) -> None:
+    def _build_workers(self, restart: int = 0) -> None:
 
         plan, trainer = self.plan, self.config.trainer
         world = plan.resolved.world_size
         policy = plan.device_policy
         repo_root = str(Path(__file__).resolve().parents[2])
-        self.cluster = init_ray(trainer.ray_address, num_cpus=policy.ray_cluster_cpus(world),
-                                pythonpath=[repo_root], preload_modules=("torch",))
+        if self.cluster is None:  # a restart keeps the run's Ray cluster
+            self.cluster = init_ray(trainer.ray_address, num_cpus=policy.ray_cluster_cpus(world),
+                                    pythonpath=[repo_root], preload_modules=("torch",))
         colocated = 1 + int(plan.resolved.critic_enabled) + int(self.config.reward_model.enable)
         self.pool = ResourcePool("global", nnodes=trainer.nnodes, workers_per_node=trainer.n_gpus_per_node,
                                  device_policy=policy, cpus_per_worker=policy.ray_cpus_per_worker,
                                  max_colocated_groups=colocated)
-        self.pool.start(timeout_s=300)
+        # a restart waits for the resources of a failed node to come back (a replacement joining)
+        self.pool.start(timeout_s=trainer.restart_wait_s if restart else 300)
         settings = HybridSettings(probe_tolerance=plan.resolved.probe_tolerance, pad_token_id=self.pad_token_id)
         timeout_s = trainer.nccl_timeout_s  # every group's collectives, megatron's included
         self.actor_group = WorkerGroup(HybridEngineWorker, self.pool, role=GroupName.ACTOR_ROLLOUT_REF,
-                                       worker_args=(plan, settings), process_group_timeout_s=timeout_s)
+                                       worker_args=(plan, settings), process_group_timeout_s=timeout_s, restart=restart)
         setup = self.actor_group.call_all(HybridEngineWorker.setup, self.total_steps)
         self.actor_group.learn_mesh()
         coords = self.actor_group.call_all(HybridEngineWorker.rollout_coords)
@@ -177,13 +180,13 @@ class Trainer:
         if plan.resolved.critic_enabled:
 
             self.critic_group = WorkerGroup(CriticWorker, self.pool, role=GroupName.CRITIC, worker_args=(plan,),
-                                            process_group_timeout_s=timeout_s)
+                                            process_group_timeout_s=timeout_s, restart=restart)
             self.critic_group.call_all(CriticWorker.init_model, self.total_steps)
             self.critic_group.learn_mesh()
         if self.config.reward_model.enable:
 
             self.rm_group = WorkerGroup(RewardModelWorker, self.pool, role=GroupName.REWARD_MODEL, worker_args=(plan,),
-                                        process_group_timeout_s=timeout_s)
+                                        process_group_timeout_s=timeout_s, restart=restart)
             self.rm_group.call_all(RewardModelWorker.init_model)
             self.rm_group.learn_mesh()
 
@@ -446,12 +449,16 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ the loop
     def fit(self) -> RunResult:
+        """Run the job to `total_steps`. A worker failure stops it (`TrainingFailure`), or, with
+        `trainer.max_restarts`, restarts the workers in place from the last checkpoint this run wrote or
+        resumed from (step 0 before any) and goes on, up to that many times."""
         from tqdm import tqdm
 
         cfg = self.config
         started = time.perf_counter()
         self._build_data()
         self.kl_controller = kl_controller_from_config(cfg.algorithm.kl_ctrl)
+        self._fresh_loader_state = self.train_loader.state_dict()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoints.remove_partials()
         try:  # a bad trainer state is refused before Ray or any worker starts
@@ -459,66 +466,137 @@ class Trainer:
             resume_step = int(self.checkpoints.read_state(resume_from)["global_step"]) if resume_from else 0
         except CheckpointError as error:
             raise TrainingFailure(0, Phase.RESUME, str(error)) from error
+        self.last_checkpoint = resume_from  # what a restart resumes from: this run's newest sealed checkpoint
         tracker = Tracker.create(cfg.trainer.logger, self.run_dir, project=cfg.trainer.project_name,
                                  experiment=cfg.trainer.experiment_name, config=self.plan.to_dict()["config"],
                                  write=tqdm.write if self.progress else self.write, resume_step=resume_step)
-
-        guard = NonFiniteGuard(cfg.trainer.max_consecutive_nonfinite_steps)
+        failures: list[TrainingFailure] = []
         try:
-            self.phase = Phase.SETUP
-            self._build_workers()
-            if resume_from is not None:
-                self.resume(resume_from)
-            if cfg.trainer.val_before_train and self.global_step == 0:
-                tracker.log(0, self.validate())
-            bar = tqdm(total=self.total_steps, initial=self.global_step, desc="training", unit="step",
-                       disable=not self.progress)
-            self._prompts = self._prompt_stream()
-            while self.global_step < self.total_steps:
-                prompts = next(self._prompts)
-                self.global_step += 1
-                metrics = self.step(prompts)
-                metrics.update(guard.observe(metrics))
-                metrics["training/global_step"] = self.global_step
-                metrics["training/epoch"] = self.train_loader.epoch
-                if cfg.trainer.test_freq > 0 and self.global_step % cfg.trainer.test_freq == 0:
-                    metrics.update(self.validate())
-                tracker.log(self.global_step, metrics)
-                bar.update(1)
-                if guard.exhausted:
-                    raise TrainingFailure(self.global_step, Phase.UPDATE_ACTOR, (
-                        f"{guard.consecutive} steps in a row skipped their optimizer step for a non-finite "
-                        "loss or gradient (trainer.max_consecutive_nonfinite_steps="
-                        f"{guard.limit}); the weights are those of the last finite step"))
-                last = self.global_step >= self.total_steps
-                if cfg.trainer.save_freq > 0 and (self.global_step % cfg.trainer.save_freq == 0 or last):
-                    self.save()
-            bar.close()
-        except WorkerGroupError as error:
-            # The group is already torn down (fail-fast gather); name where in the step it happened.
-            raise TrainingFailure(self.global_step, self.phase, str(error)) from error
+            while True:
+                try:
+                    self._run_steps(tracker, restart=len(failures))
+                    break
+                except ResourcePoolError as error:
+                    if not failures:
+                        raise
+                    failures.append(TrainingFailure(self.global_step, Phase.SETUP,
+                                                    f"restart {len(failures)} found no resources: {error}"))
+                    raise _final_failure(failures, cfg.trainer.max_restarts) from error
+                except WorkerGroupError as error:
+                    # The group is already torn down (fail-fast gather); name where in the step it happened.
+                    failure = TrainingFailure(self.global_step, self.phase, str(error))
+                    failures.append(failure)
+                    if len(failures) > cfg.trainer.max_restarts:
+                        raise _final_failure(failures, cfg.trainer.max_restarts) from error
+                    self._restart_in_place(tracker, failure, error, len(failures))
         finally:
             tracker.close()
             self.shutdown()
         history = tracker.history
         summary = render_summary(history, f"{cfg.trainer.project_name}/{cfg.trainer.experiment_name}")
+        if failures:
+            summary += f"\n{'restarts':>16}: " + "; ".join(
+                f"step {f.step} ({f.phase}): {f.cause.splitlines()[0]}" for f in failures)
+        step_times = [h["timing_s/step"] for h in history if "timing_s/step" in h]
+        if step_times:
+            cost = failure_cost_lines(cfg.trainer.save_freq, cfg.trainer.max_restarts, float(np.median(step_times)))
+            summary += f"\n{'failure cost':>16}: {cost[0]}"
         summary += f"\n{'wall time':>16}: {time.perf_counter() - started:.1f} s; run dir {self.run_dir}"
         if history:
             plot = plot_run(history, self.run_dir / "run.png")
             summary += f"\n{'plot':>16}: {plot}"
         return RunResult(self.global_step, history, self.run_dir, summary)
 
+    def _run_steps(self, tracker: Tracker, restart: int = 0) -> None:
+        """Start the workers (the `restart`-th time), resume from `last_checkpoint`, and train to the end."""
+        from tqdm import tqdm
+
+        cfg = self.config
+        guard = NonFiniteGuard(cfg.trainer.max_consecutive_nonfinite_steps)
+        self.phase = Phase.SETUP
+        self._build_workers(restart)
+        if self.last_checkpoint is not None:
+            self.resume(self.last_checkpoint)
+        if cfg.trainer.val_before_train and self.global_step == 0:
+            tracker.log(0, self.validate())
+        bar = tqdm(total=self.total_steps, initial=self.global_step, desc="training", unit="step",
+                   disable=not self.progress)
+        self._prompts = self._prompt_stream()
+        while self.global_step < self.total_steps:
+            prompts = next(self._prompts)
+            self.global_step += 1
+            metrics = self.step(prompts)
+            metrics.update(guard.observe(metrics))
+            metrics["training/global_step"] = self.global_step
+            metrics["training/epoch"] = self.train_loader.epoch
+            if cfg.trainer.test_freq > 0 and self.global_step % cfg.trainer.test_freq == 0:
+                metrics.update(self.validate())
+            tracker.log(self.global_step, metrics)
+            bar.update(1)
+            if guard.exhausted:
+                raise TrainingFailure(self.global_step, Phase.UPDATE_ACTOR, (
+                    f"{guard.consecutive} steps in a row skipped their optimizer step for a non-finite "
+                    "loss or gradient (trainer.max_consecutive_nonfinite_steps="
+                    f"{guard.limit}); the weights are those of the last finite step"))
+            last = self.global_step >= self.total_steps
+            if cfg.trainer.save_freq > 0 and (self.global_step % cfg.trainer.save_freq == 0 or last):
+                self.last_checkpoint = self.save()
+        bar.close()
+
+    def _restart_in_place(self, tracker: Tracker, failure: TrainingFailure, error: WorkerGroupError,
+                          restart: int) -> None:
+        """Tear every group down, go back to `last_checkpoint` (or step 0), and log why."""
+        self._shutdown_workers()
+        self.checkpoints.remove_partials()  # a save the failure interrupted
+        if self.last_checkpoint is not None:
+            resume_step = int(self.checkpoints.read_state(self.last_checkpoint)["global_step"])
+        else:  # no checkpoint yet: step 0, with the data order and KL state of a fresh start
+            resume_step = 0
+            self.global_step = 0
+            self.train_loader.load_state_dict(self._fresh_loader_state)
+            self.kl_controller = kl_controller_from_config(self.config.algorithm.kl_ctrl)
+        tracker.rewind(resume_step)
+        where = f"from {self.last_checkpoint}" if self.last_checkpoint is not None else "from the start"
+        self.write(f"restart {restart}/{self.config.trainer.max_restarts} in place: {failure}; "
+                   f"resuming {where} at step {resume_step}")
+        tracker.event(failure.step, {
+            "event": "restart", "restart": restart, "max_restarts": self.config.trainer.max_restarts,
+            "phase": str(failure.phase), "role": error.role, "rank": error.rank,
+            "cause": str(error).splitlines()[0], "resume_step": resume_step,
+            "resume_from": str(self.last_checkpoint) if self.last_checkpoint is not None else None,
+        })
+
     def _prompt_stream(self):
         """Prompt batches across epochs (the loader reshuffles per epoch and resumes mid-epoch)."""
         while True:
             yield from self.train_loader
 
-    def shutdown(self) -> None:
+    def _shutdown_workers(self) -> None:
+        """Kill every group's actors and give the pool's resources back (the Ray cluster stays)."""
         for group in (self.rm_group, self.critic_group, self.actor_group):
             if group is not None:
                 group.shutdown()
+        if self.pool is not None:
+            self.pool.shutdown()
+        self.pool = self.actor_group = self.critic_group = self.rm_group = None
+
+    def shutdown(self) -> None:
+        self._shutdown_workers()
         if self.cluster is not None:
             self.cluster.shutdown()
+            self.cluster = None
+
+
+def _final_failure(failures: list[TrainingFailure], max_restarts: int) -> TrainingFailure:
+    """The failure that stops the run; with restarts, it names every failure before it too."""
+    last = failures[-1]
+    if len(failures) == 1:
+        return last
+    earlier = "; ".join(f"{i}) step {f.step}, phase {f.phase}: {f.cause.splitlines()[0]}"
+                        for i, f in enumerate(failures[:-1], 1))
+    return TrainingFailure(last.step, last.phase, (
+        f"{last.cause}\n(the run's failure {len(failures)}, with trainer.max_restarts={max_restarts}; it had "
+        f"restarted in place after: {earlier})"))
 
 
 def merge_part_metrics(rounds: list[dict[str, float]], rows: list[int], concurrent: bool = False) -> dict[str, float]:

@@ -157,6 +157,7 @@ class HybridEngineWorker(ActorRolloutRefWorker):
     def generate_sequences(self, prompts: Batch, sampling: Any) -> Batch | None:
         """`prompts` carries `raw_prompt_ids` (object array of token lists) and `uid` per prompt."""
         faults.crash_point(Phase.GEN)
+        faults.arm_vllm_collective_crash()
         ids = [list(map(int, p)) for p in prompts["raw_prompt_ids"]]
         uids = list(prompts["uid"]) if "uid" in prompts else None
         self._record_memory("gen_before")
