@@ -14,11 +14,15 @@ few near `--max-response`; the longest is >= 8x the shortest). Modes:
   `ppo_max_token_len_per_gpu=--max-tokens`).
 
 Tokens/s counts the batch's real tokens (prompt + response) over the slowest rank's wall time of
-one pass (median of `--repeats` after a warm-up); padding ratio = padding columns / computed columns
-of the pass's micro-batches (`perf/padding_ratio`); DP imbalance = heaviest rank's real tokens / the
-mean (`perf/dp_token_imbalance`). Prints a table and writes `bench/results/packing.json`.
+one pass (median of `--repeats` after a warm-up, then the median over `--rounds` rounds that run
+the modes in turn, so a change in the machine's load reaches every mode); CPU-s is the ranks'
+process time summed (what other load on shared cores inflates least; a rank waiting for a slower
+one in a collective spends wall time, not CPU time, so it does not show the balance); padding
+ratio = padding columns / computed columns of the pass's micro-batches (`perf/padding_ratio`); DP
+imbalance = heaviest rank's real tokens / the mean (`perf/dp_token_imbalance`). Prints a table and
+writes `bench/results/packing.json`.
 
-    python bench/packing.py [--rows 64] [--max-response 512] [--repeats 2]
+    python bench/packing.py [--rows 64] [--max-response 512] [--repeats 2] [--rounds 2]
 
 Figures, not a test: cores may be shared; the machine's load is printed first.
 """
@@ -145,38 +149,51 @@ def _rank(rank: int, world: int, config: Any, batch: Any, order: np.ndarray | No
     ctx = backend.ctx
     chunk = (batch if order is None else batch.reorder(order)).split(ctx.dp)[ctx.dp_rank]
 
+    cpu: list[float] = []
+
     def timed(fn: Any) -> tuple[float, Any]:
         torch.distributed.barrier()
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         out = fn(chunk)
+        cpu.append(time.process_time() - cpu_started)
         return time.perf_counter() - started, out
 
     timed(actor.compute_log_prob)  # warm-up: allocations, first-call paths
     timed(actor.update_policy)
     result: dict[str, Any] = {"dp": ctx.dp_rank, "rows": len(chunk),
                               "chunk_tokens": int(chunk.tensors["attention_mask"].sum()),
-                              "log_prob_s": [], "update_s": []}
+                              "log_prob_s": [], "update_s": [], "log_prob_cpu_s": [], "update_cpu_s": []}
     for _ in range(repeats):
         wall, out = timed(actor.compute_log_prob)
         result["log_prob_s"].append(wall)
+        result["log_prob_cpu_s"].append(cpu[-1])
         result["log_prob_padding_ratio"] = out.meta["padding_ratio"]
         result["log_prob_tokens"] = (backend.tokens_seen.real, backend.tokens_seen.computed)
         wall, metrics = timed(actor.update_policy)
         result["update_s"].append(wall)
+        result["update_cpu_s"].append(cpu[-1])
         result["update_padding_ratio"] = metrics.padding_ratio
         result["update_tokens"] = (backend.tokens_seen.real, backend.tokens_seen.computed)
     return result
 
 
-def summarize(mode: str, results: list[dict[str, Any]], tokens: int, imbalance: float) -> dict[str, Any]:
-    """One row of the table from the ranks' results: the slowest rank's wall per repeat, then the median."""
-    repeats = len(results[0]["update_s"])
+def summarize(mode: str, rounds: list[list[dict[str, Any]]], tokens: int, imbalance: float) -> dict[str, Any]:
+    """One row of the table from each round's ranks' results: per round, the median over repeats of
+    the slowest rank's wall (and of the ranks' CPU seconds summed); then the median over rounds."""
+    results = rounds[-1]
     row: dict[str, Any] = {"mode": mode, "tokens": tokens, "dp_token_imbalance": imbalance}
     for name in ("update", "log_prob"):
-        wall = statistics.median(max(r[f"{name}_s"][i] for r in results) for i in range(repeats))
+        walls, cpus = [], []
+        for ranks in rounds:
+            repeats = range(len(ranks[0][f"{name}_s"]))
+            walls.append(statistics.median(max(r[f"{name}_s"][i] for r in ranks) for i in repeats))
+            cpus.append(statistics.median(sum(r[f"{name}_cpu_s"][i] for r in ranks) for i in repeats))
+        wall = statistics.median(walls)
         real = sum(r[f"{name}_tokens"][0] for r in results)
         computed = sum(r[f"{name}_tokens"][1] for r in results)
         row[f"{name}_s"] = wall
+        row[f"{name}_s_by_round"] = walls
+        row[f"{name}_cpu_s"] = statistics.median(cpus)
         row[f"{name}_tokens_per_s"] = tokens / wall
         row[f"{name}_real_tokens"] = real
         row[f"{name}_computed_tokens"] = computed
@@ -203,15 +220,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              "mean": float(lengths.float().mean()), "max": int(lengths.max())},
         "padded_width": args.max_prompt + args.max_response, "modes": [],
     }
-    for mode in args.modes.split(","):
-        if mode not in MODES:
-            raise SystemExit(f"--modes: unknown mode {mode!r}; known: {', '.join(MODES)}")
-        config = job_config(model, mode, dp=args.dp, rows=args.rows, micro=args.micro, max_prompt=args.max_prompt,
-                            max_response=args.max_response, max_tokens=args.max_tokens)
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise SystemExit(f"--modes: unknown mode(s) {unknown}; known: {', '.join(MODES)}")
+    runs: dict[str, list[list[dict[str, Any]]]] = {mode: [] for mode in modes}
+    for _ in range(args.rounds):  # modes interleaved, so that a change in the machine's load hits them all
+        for mode in modes:
+            config = job_config(model, mode, dp=args.dp, rows=args.rows, micro=args.micro,
+                                max_prompt=args.max_prompt, max_response=args.max_response, max_tokens=args.max_tokens)
+            runs[mode].append(run_ranks(_rank, args.dp, config, batch, dispatch_order(batch, mode, args.dp),
+                                        args.repeats, timeout_s=3600))
+    for mode in modes:
         order = dispatch_order(batch, mode, args.dp)
-        results = run_ranks(_rank, args.dp, config, batch, order, args.repeats, timeout_s=3600)
-        row = summarize(mode, results, tokens, dp_token_imbalance(row_tokens(batch), args.dp, 1, order))
-        row["ranks"] = results
+        row = summarize(mode, runs[mode], tokens, dp_token_imbalance(row_tokens(batch), args.dp, 1, order))
+        row["ranks"] = runs[mode][-1]
         report["modes"].append(row)
     report["load_avg_after"] = os.getloadavg()
     base = next((r for r in report["modes"] if r["mode"] == "padded"), None)
@@ -225,11 +248,11 @@ def table(report: dict[str, Any]) -> str:
     def speed(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}x"
 
-    lines = ["| mode | update tokens/s | vs padded | log-prob tokens/s | vs padded | padding ratio (update / "
-             "log-prob) | DP imbalance |", "|---|---|---|---|---|---|---|"]
+    lines = ["| mode | update tokens/s | vs padded | update CPU-s | log-prob tokens/s | vs padded | padding ratio "
+             "(update / log-prob) | DP imbalance |", "|---|---|---|---|---|---|---|---|"]
     for r in report["modes"]:
         lines.append(f"| {r['mode']} | {r['update_tokens_per_s']:.0f} | {speed(r['update_speedup'])} | "
-                     f"{r['log_prob_tokens_per_s']:.0f} | {speed(r['log_prob_speedup'])} | "
+                     f"{r['update_cpu_s']:.1f} | {r['log_prob_tokens_per_s']:.0f} | {speed(r['log_prob_speedup'])} | "
                      f"{100 * r['update_padding_ratio']:.1f} % / {100 * r['log_prob_padding_ratio']:.1f} % | "
                      f"{r['dp_token_imbalance']:.3f} |")
     return "\n".join(lines)
@@ -246,7 +269,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--median", type=int, default=32, help="median response length")
     parser.add_argument("--sigma", type=float, default=0.9, help="lognormal spread of the response lengths")
     parser.add_argument("--long-rows", type=int, default=3, help="rows at 90-100 %% of --max-response")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2, help="timed passes of each kind per round")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds over the modes (interleaved)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--toy", action="store_true", help="a 2-layer width-64 model (tests)")

@@ -13,7 +13,7 @@ import packing  # noqa: E402
 
 pytestmark = pytest.mark.slow
 ARGS = ["--toy", "--rows", "16", "--max-prompt", "8", "--max-response", "64", "--median", "8", "--long-rows", "1",
-        "--micro", "2", "--max-tokens", "128", "--repeats", "1"]
+        "--micro", "2", "--max-tokens", "128", "--repeats", "1", "--rounds", "1"]
 
 
 def test_ragged_batch_is_long_tailed():
