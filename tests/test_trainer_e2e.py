@@ -57,6 +57,36 @@ def test_reward_rises(demo_assets, tmp_path, name, config, layout):
     assert "== demo/" in result.stdout and (run / "run.png").is_file()
 
 
+def test_packed_balanced_grpo_raises_the_reward(demo_assets, tmp_path):
+    """GRPO at DP2 with every pass packed (`use_remove_padding`) and the DP dispatch balanced (the
+    default `trainer.balance_batch`), two mini-batches a step, old and reference log-prob passes on."""
+    from hybridrl.controller.dispatch import balanced_dp_order, dp_token_imbalance
+
+    run = tmp_path / "packed"
+    steps = 16
+    result = _train("configs/examples/cpu_tiny_grpo.yaml", demo_overrides(
+        demo_assets, run, f"trainer.total_training_steps={steps}", "actor_rollout_ref.actor.optim.lr=2e-3",
+        "actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.001",
+        f"trainer.rollout_data_dir={run / 'rollouts'}"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    first, last = _mean(rows[:4], "critic/score/mean"), _mean(rows[-4:], "critic/score/mean")
+    assert last > first + 0.05, (first, last)
+    for r in rows:
+        # packed: no padding computed in the update nor in either log-prob pass
+        assert r["perf/padding_ratio"] == r["perf/padding_ratio_old_log_prob"] == 0.0
+        assert r["perf/padding_ratio_ref_log_prob"] == 0.0
+        # results came back in the batch's order: vLLM's log-probs of each row match the trainer's
+        assert r["rollout/log_prob_abs_diff_max"] < 1e-4
+    for step in (1, steps):  # the metric, from the trained samples' token counts (the batch's order)
+        tokens = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in _rollouts(run, step)]
+        expected = dp_token_imbalance(tokens, 2, 2, balanced_dp_order(tokens, 2, 2))
+        assert rows[step - 1]["perf/dp_token_imbalance"] == pytest.approx(expected, abs=1e-9)
+        assert expected <= dp_token_imbalance(tokens, 2, 2)
+
+
 def test_killed_run_resumes_with_identical_next_step(demo_assets, tmp_path):
     """Killed whole (driver, Ray, workers) after a checkpoint: resumed, the next steps equal the
     uninterrupted run's, on the same layout and another; a tampered checkpoint is then refused."""

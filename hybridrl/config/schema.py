@@ -320,6 +320,9 @@ class TrainerConfig:
     resume_mode: str = doc("auto", "auto | disable | <checkpoint path>")
     keep_last_n: int | None = doc(None, "keep this many newest checkpoints; None = all")
     export_hf_on_save: bool = doc(False, "also write an HF folder of the actor at each save")
+    balance_batch: bool = doc(
+        True, "dispatch each training pass's rows so every data-parallel rank gets the same number of rows and "
+              "balanced real tokens (each mini-batch keeps its rows; results come back in the batch's order)")
     max_consecutive_nonfinite_steps: int = doc(
         3, "stop after this many steps in a row with a skipped (NaN/Inf loss or grads) optimizer step; 0 = never")
     max_restarts: int = doc(

@@ -7,6 +7,10 @@ them; a reader can follow one step's data movement without decorators or registe
   CP peers of a DP rank receive the same chunk (one `ray.put` per chunk, peers share the object).
 * `collect_from_output_ranks(results, mesh)`: keep the results of the ranks that own an output
   (last pipeline stage, TP rank 0, CP rank 0) and concatenate them in DP order.
+* `balanced_dp_order(tokens, dp_size, mini_batches)`: a row order under which the even split
+  gives every DP rank the same number of rows and nearly the same number of real tokens
+  (`trainer.balance_batch`); `WorkerGroup.call_by_dp` dispatches in that order and puts the results
+  back in the batch's own order. `dp_token_imbalance` measures a split (`perf/dp_token_imbalance`).
 * `one_to_all(...)`: the same arguments to every rank. `all_to_all(...)`: one set per rank.
 """
 from __future__ import annotations
@@ -19,6 +23,7 @@ import numpy as np
 import ray
 import torch
 
+from hybridrl.data.balance import balanced_partition
 from hybridrl.data.batch import Batch
 
 MESH_AXES = ("tp", "cp", "dp", "pp")
@@ -154,6 +159,63 @@ def dispatch_by_dp(batch: Batch, mesh: RankMesh) -> list[ray.ObjectRef]:
     chunks = batch.split(mesh.dp_size)
     chunk_refs = [ray.put(chunk) for chunk in chunks]
     return [chunk_refs[coord.dp] for coord in mesh.coords]
+
+
+def row_tokens(batch: Batch) -> np.ndarray:
+    """Real tokens (prompt + response) of each row: what a packed or trimmed pass of the row costs."""
+    return (batch["attention_mask"] != 0).sum(-1).numpy().astype(np.int64)
+
+
+def _dp_groups(rows: int, dp_size: int, mini_batches: int) -> list[list[int]]:
+    """The rows of each global mini-batch under the plain split: rank d's chunk is rows
+    [d*C, (d+1)*C) and its k-th mini-batch the k-th of `mini_batches` equal slices of that."""
+    if dp_size < 1 or mini_batches < 1:
+        raise ValueError(f"dp_size and mini_batches must be >= 1, got {dp_size} and {mini_batches}")
+    if rows % (dp_size * mini_batches):
+        raise ValueError(f"{rows} rows do not split into {dp_size} DP chunks of {mini_batches} equal mini-batches")
+    chunk, per_mini = rows // dp_size, rows // (dp_size * mini_batches)
+    return [[d * chunk + k * per_mini + j for d in range(dp_size) for j in range(per_mini)]
+            for k in range(mini_batches)]
+
+
+def balanced_dp_order(tokens: Sequence[int] | np.ndarray, dp_size: int, mini_batches: int = 1) -> np.ndarray:
+    """A permutation `order` (row i of the dispatched batch is row order[i]) whose even split over
+    `dp_size` ranks gives each rank the same row count and balanced real tokens.
+
+    Each global mini-batch keeps its rows (the update's optimizer steps see the same samples as with
+    the plain split; only which rank holds which of them changes): mini-batch k's rows are split
+    into `dp_size` equal-size groups by `balanced_partition(..., equal_size=True)`, and the groups
+    go heaviest first to the ranks that hold the fewest tokens so far, so the whole chunks stay
+    balanced too. Rows keep their relative order inside a rank's mini-batch.
+    """
+    values = np.asarray(tokens, dtype=np.int64)
+    per_rank: list[list[int]] = [[] for _ in range(dp_size)]
+    loads = [0] * dp_size
+    for group in _dp_groups(len(values), dp_size, mini_batches):
+        parts = balanced_partition(values[group].tolist(), dp_size, equal_size=True)  # heaviest first
+        free = sorted(range(dp_size), key=lambda d: (loads[d], d))
+        for rank, part in zip(free, parts):
+            rows = [group[i] for i in part]
+            per_rank[rank].extend(rows)
+            loads[rank] += int(values[rows].sum())
+    return np.asarray([row for rows in per_rank for row in rows], dtype=np.int64)
+
+
+def dp_token_imbalance(tokens: Sequence[int] | np.ndarray, dp_size: int, mini_batches: int = 1,
+                       order: Sequence[int] | np.ndarray | None = None) -> float:
+    """How long the DP group runs against a perfect balance: the sum over mini-batches of the heaviest
+    rank's tokens over the sum of their means (max rank tokens / mean rank tokens with one
+    mini-batch). 1.0 is perfect; `order` is the dispatch order (None: the plain split)."""
+    values = np.asarray(tokens, dtype=np.int64)
+    if order is not None:
+        values = values[np.asarray(order, dtype=np.int64)]
+    per_mini = len(values) // (dp_size * mini_batches)
+    worst = mean = 0.0
+    for group in _dp_groups(len(values), dp_size, mini_batches):
+        loads = values[group].reshape(dp_size, per_mini).sum(-1)
+        worst += float(loads.max())
+        mean += float(loads.mean())
+    return worst / mean if mean else 1.0
 
 
 def select_output_ranks(results: Sequence[Any], mesh: RankMesh) -> list[Any]:

@@ -24,6 +24,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import ray
 from ray.actor import ActorHandle
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -33,9 +34,11 @@ from hybridrl.controller.dispatch import (
     RankCall,
     RankMesh,
     all_to_all,
+    balanced_dp_order,
     collect_from_output_ranks,
     dispatch_by_dp,
     one_to_all,
+    row_tokens,
     select_output_ranks,
 )
 from hybridrl.controller.gather import WorkerGroupError, execute_all, kill_actors
@@ -210,32 +213,40 @@ class WorkerGroup:
         return self._execute(self.method_name(method), all_to_all(per_rank_args, self.world_size))
 
     def call_by_dp(self, method: WorkerMethod, batch: Batch, *args: Any, mesh: RankMesh | None = None,
-                   **kwargs: Any) -> Batch:
+                   balance_mini_batches: int | None = None, **kwargs: Any) -> Batch:
         """Split `batch` by DP rank, run `method(chunk, *args, **kwargs)` on every rank, and return
         the output ranks' batches concatenated in the original row order.
 
         `mesh` defaults to the group's training mesh; the hybrid engine passes its rollout mesh
         (DP = vLLM replicas, TP = inference TP) for generation, whose layout differs.
         A batch that does not divide by the DP size is padded by repeating rows, and the padding
-        rows are dropped from the result.
+        rows are dropped from the result. `balance_mini_batches=k` dispatches the rows in
+        `balanced_dp_order(tokens, dp, k)` (equal rows and balanced real tokens per rank, each of k
+        mini-batches keeping its rows; `trainer.balance_batch`); the result is still in `batch`'s order.
         """
         name = self.method_name(method)
         mesh = mesh or self.require_mesh()
         padded, pad_count = batch.pad_to_multiple(mesh.dp_size)
-        chunk_refs = dispatch_by_dp(padded, mesh)
+        order = None if balance_mini_batches is None else balanced_dp_order(
+            row_tokens(padded), mesh.dp_size, balance_mini_batches)
+        chunk_refs = dispatch_by_dp(padded if order is None else padded.reorder(order), mesh)
         shared = one_to_all(*args, world_size=1, **kwargs)[0]
         calls = [RankCall((ref, *shared.args), shared.kwargs) for ref in chunk_refs]
-        results = self._execute(name, calls)
-        return collect_from_output_ranks(results, mesh).unpad(pad_count)
+        results = collect_from_output_ranks(self._execute(name, calls), mesh)
+        if order is not None:  # row order[i] came back at position i
+            results = results.reorder(np.argsort(order, kind="stable"))
+        return results.unpad(pad_count)
 
     def call_by_dp_outputs(self, method: WorkerMethod, batch: Batch, *args: Any, mesh: RankMesh | None = None,
-                           **kwargs: Any) -> list[Any]:
+                           balance_mini_batches: int | None = None, **kwargs: Any) -> list[Any]:
         """Like `call_by_dp` for methods that return something other than a batch (e.g. metrics):
         the output ranks' results, one per DP rank, in DP order. `batch` must divide by the DP size."""
         name = self.method_name(method)
         mesh = mesh or self.require_mesh()
         if len(batch) % mesh.dp_size:
             raise ValueError(f"{name}: {len(batch)} rows do not split over {mesh.dp_size} data-parallel ranks")
+        if balance_mini_batches is not None:
+            batch = batch.reorder(balanced_dp_order(row_tokens(batch), mesh.dp_size, balance_mini_batches))
         chunk_refs = dispatch_by_dp(batch, mesh)
         shared = one_to_all(*args, world_size=1, **kwargs)[0]
         calls = [RankCall((ref, *shared.args), shared.kwargs) for ref in chunk_refs]

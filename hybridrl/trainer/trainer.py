@@ -27,7 +27,7 @@ from hybridrl.algorithms.names import GREEDY_BASELINE_ADV_ESTIMATORS
 from hybridrl.config.plan import Plan
 from hybridrl.config.report import failure_cost_lines
 from hybridrl.controller.cluster import init_ray
-from hybridrl.controller.dispatch import MeshCoord, RankMesh
+from hybridrl.controller.dispatch import MeshCoord, RankMesh, balanced_dp_order, dp_token_imbalance, row_tokens
 from hybridrl.controller.gather import WorkerGroupError
 from hybridrl.controller.resource_pool import ResourcePool, ResourcePoolError
 from hybridrl.controller.worker_group import WorkerGroup
@@ -35,7 +35,7 @@ from hybridrl.data.batch import Batch
 from hybridrl.data.dataloader import PromptDataLoader, unpadded_prompt_ids
 from hybridrl.data.dataset import PromptDataset
 from hybridrl.data.tokenizer import load_tokenizer, resolve_pad_token_id
-from hybridrl.names import GroupName, Phase
+from hybridrl.names import GroupName, Phase, Role
 from hybridrl.rewards.manager import RewardManager, reward_metrics, token_level_rewards
 from hybridrl.rollout.sampling import RolloutSampling, validation_sampling
 from hybridrl.trainer.checkpoints import CheckpointError, CheckpointManager
@@ -250,7 +250,8 @@ class Trainer:
 
         metrics: dict[str, float] = {}
         if self.rm_group is not None:
-            scores = self.rm_group.call_by_dp(RewardModelWorker.compute_rm_score, batch)["rm_scores"]
+            scores = self.rm_group.call_by_dp(RewardModelWorker.compute_rm_score, batch,
+                                              balance_mini_batches=self._balance())["rm_scores"]
             metrics["reward/rm_score_mean"] = float(scores.float().mean())
             token_scores = token_level_rewards(scores, batch["response_mask"])
         else:
@@ -337,8 +338,10 @@ class Trainer:
         batch.meta["temperature"] = cfg.actor_rollout_ref.rollout.temperature
         if plan.resolved.old_log_prob_pass:  # else the update's forward is the old policy (on-policy)
             with self._phase(timer, Phase.OLD_LOG_PROB):
-                old = self.actor_group.call_by_dp(HybridEngineWorker.compute_log_prob, batch, with_entropy=True)
+                old = self.actor_group.call_by_dp(HybridEngineWorker.compute_log_prob, batch, with_entropy=True,
+                                                  balance_mini_batches=self._balance())
                 batch["old_log_probs"] = old["old_log_probs"]
+                metrics["perf/padding_ratio_old_log_prob"] = float(old.meta.get("padding_ratio", 0.0))
                 mask = batch["response_mask"].float()
                 metrics["actor/entropy"] = float(masked_mean(old["entropys"], mask))
                 # how far the rollout's own log-probs are from the trainer's: a numerics/sync health check
@@ -346,11 +349,14 @@ class Trainer:
                     ((old["old_log_probs"] - batch["rollout_log_probs"]).abs() * mask).max())
         if plan.resolved.ref_enabled:
             with self._phase(timer, Phase.REF):
-                ref = self.actor_group.call_by_dp(HybridEngineWorker.compute_ref_log_prob, batch)
+                ref = self.actor_group.call_by_dp(HybridEngineWorker.compute_ref_log_prob, batch,
+                                                  balance_mini_batches=self._balance())
                 batch["ref_log_probs"] = ref["ref_log_probs"]
+                metrics["perf/padding_ratio_ref_log_prob"] = float(ref.meta.get("padding_ratio", 0.0))
         if self.critic_group is not None:
             with self._phase(timer, Phase.VALUES):
-                batch["values"] = self.critic_group.call_by_dp(CriticWorker.compute_values, batch)["values"]
+                batch["values"] = self.critic_group.call_by_dp(
+                    CriticWorker.compute_values, batch, balance_mini_batches=self._balance())["values"]
         with self._phase(timer, Phase.ADV):
             if cfg.algorithm.use_kl_in_reward:
                 metrics.update(apply_kl_in_reward(batch, self.kl_controller, cfg.algorithm.kl_penalty))
@@ -361,11 +367,16 @@ class Trainer:
                 cfg.algorithm.norm_adv_by_std_in_grpo))
         if self.critic_group is not None:
             with self._phase(timer, Phase.UPDATE_CRITIC):
-                outs = self.critic_group.call_by_dp_outputs(CriticWorker.update_critic, batch)
+                outs = self.critic_group.call_by_dp_outputs(
+                    CriticWorker.update_critic, batch,
+                    balance_mini_batches=self._balance(batch, Role.CRITIC))
                 metrics.update(_mean_dicts([o.as_dict() if o is not None else None for o in outs]))
         with self._phase(timer, Phase.UPDATE_ACTOR):
-            outs = self.actor_group.call_by_dp_outputs(HybridEngineWorker.update_actor, batch)
+            balance = self._balance(batch, Role.ACTOR)
+            outs = self.actor_group.call_by_dp_outputs(HybridEngineWorker.update_actor, batch,
+                                                       balance_mini_batches=balance)
             metrics.update(_mean_dicts(outs))
+            metrics["perf/dp_token_imbalance"] = self._dp_imbalance(Role.ACTOR, batch, balance)
         with self._phase(timer, Phase.SYNC):
             syncs = self.actor_group.call_all(HybridEngineWorker.sync_weights)
             metrics.update(_sync_metrics(syncs))
@@ -376,6 +387,27 @@ class Trainer:
         tokens = int(batch["attention_mask"].sum())
         metrics.update(throughput_metrics(tokens, len(batch), metrics["timing_s/step"], plan.resolved.world_size))
         return metrics
+
+    def _update_mini_batches(self, role: str, batch: Batch) -> int:
+        """The global mini-batches of one epoch of `role`'s update on `batch` (each rank cuts its chunk
+        into this many)."""
+        per_rank = self.plan.update(role).sequences_per_rank_per_mini_batch
+        return max(1, len(batch) // (per_rank * self.plan.layout(role).mesh.dp))
+
+    def _balance(self, batch: Batch | None = None, update_role: str | None = None) -> int | None:
+        """`balance_mini_batches` for a DP call (None: the plain split, `trainer.balance_batch` off). A
+        forward pass balances the whole batch; `update_role`'s update each of its mini-batches."""
+        if not self.config.trainer.balance_batch:
+            return None
+        return 1 if update_role is None else self._update_mini_batches(update_role, batch)
+
+    def _dp_imbalance(self, role: str, batch: Batch, balance: int | None) -> float:
+        """`perf/dp_token_imbalance` of `role`'s update dispatch: heaviest rank's real tokens / the mean,
+        summed over the mini-batches (1.0 = even)."""
+        dp, minis = self.plan.layout(role).mesh.dp, self._update_mini_batches(role, batch)
+        tokens = row_tokens(batch)
+        order = None if balance is None else balanced_dp_order(tokens, dp, balance)
+        return dp_token_imbalance(tokens, dp, minis, order)
 
     def _dump_rollout(self, batch: Batch, out_dir: Path) -> None:
         """`trainer.rollout_data_dir`: one JSON line per trained sample of this step, in batch order."""

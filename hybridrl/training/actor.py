@@ -152,7 +152,9 @@ class MegatronActor:
         temperature = sampling_temperature(batch)
         partition = partition_rows(tensors["attention_mask"], self.forward_plan.micro_batch_size,
                                    dynamic=self.dynamic, max_tokens=self.max_tokens, dp_group=ctx.dp_group)
+        backend.tokens_seen.reset()
         micros = backend.micro_batches(tensors, partition)
+        padding_ratio = backend.tokens_seen.padding_ratio(ctx.dp_group)  # every rank: a DP collective
 
         def collect(micro: ModelInputs, logits: torch.Tensor) -> torch.Tensor:
             shard = response_logits(backend, micro, logits, temperature)
@@ -172,7 +174,8 @@ class MegatronActor:
         out = {self.output_key: stacked[..., 0].contiguous()}
         if with_entropy:
             out["entropys"] = stacked[..., 1].contiguous()
-        return Batch(out)
+        # padding columns / computed columns of this pass's micro-batches over the DP group
+        return Batch(out, meta={"padding_ratio": padding_ratio})
 
     # -------------------------------------------------------------------------------- update
     def update_policy(self, batch: Batch) -> PolicyUpdateMetrics | None:

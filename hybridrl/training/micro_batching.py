@@ -5,11 +5,11 @@ micro-batch outputs and put rows back in their original order with `restore_orde
 
 Dynamic batching (`use_dynamic_bsz`): rows are grouped so that every micro-batch's real tokens
 (the sum of its rows' lengths, which is what a trimmed micro-batch costs) stay within the budget,
-with the load balanced across micro-batches (longest rows placed first, each into the lightest
-micro-batch). Megatron's pipeline schedule runs `num_microbatches` steps in lock-step on all
-stages, and DP ranks must agree too (the trainer's step and the loss scaling assume one count),
-so the count is agreed on over the DP group (the max of what each rank needs) before the rows are
-placed.
+with the load balanced across micro-batches (`hybridrl.data.balance.balanced_partition`: longest
+rows placed first, each into the lightest micro-batch). Megatron's pipeline schedule runs
+`num_microbatches` steps in lock-step on all stages, and DP ranks must agree too (the trainer's step
+and the loss scaling assume one count), so the count is agreed on over the DP group (the max of what
+each rank needs) before the rows are placed.
 """
 from __future__ import annotations
 
@@ -19,9 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from hybridrl.data.balance import Partition, balanced_partition
 from hybridrl.parallel.device import collective_device
 
-Partition = list[list[int]]
+__all__ = ["Partition", "balanced_partition", "dynamic_partition", "fixed_partition", "micro_batches_needed",
+           "partition_rows", "restore_order"]
 
 
 def fixed_partition(num_rows: int, micro_batch_size: int) -> Partition:
@@ -30,24 +32,6 @@ def fixed_partition(num_rows: int, micro_batch_size: int) -> Partition:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
     return [list(range(start, min(start + micro_batch_size, num_rows)))
             for start in range(0, num_rows, micro_batch_size)]
-
-
-def balanced_partition(lengths: Sequence[int], num_parts: int) -> Partition:
-    """`num_parts` non-empty groups of row indices with token sums as even as greedy LPT makes them.
-
-    Rows go longest first into the currently lightest group (ties: fewer rows, then lower index),
-    so every group gets at least one row when `num_parts <= len(lengths)`. Indices inside a
-    group are sorted (rows keep their relative order).
-    """
-    if not 1 <= num_parts <= len(lengths):
-        raise ValueError(f"cannot make {num_parts} non-empty micro-batches from {len(lengths)} rows")
-    loads = [0] * num_parts
-    parts: Partition = [[] for _ in range(num_parts)]
-    for row in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):
-        target = min(range(num_parts), key=lambda p: (loads[p], len(parts[p]), p))
-        parts[target].append(row)
-        loads[target] += int(lengths[row])
-    return [sorted(p) for p in parts]
 
 
 def micro_batches_needed(lengths: Sequence[int], max_tokens: int) -> int:
