@@ -409,7 +409,6 @@ def moe_model_dir(tmp_path: Path, experts: int = 8, top_k: int = 2, moe_ffn: int
     return f"actor_rollout_ref.model.path={folder}"
 
 
-MOE_NOT_YET = "the trainer cannot run it yet"
 EP = f"{A}.megatron.expert_model_parallel_size"
 
 # (model arguments, bad overrides, field, text in the rule, overrides that fix it); on 6 GPUs, DP = 6 / TP
@@ -434,16 +433,14 @@ MOE_CASES = {
 
 @pytest.mark.parametrize("name", sorted(MOE_CASES))
 def test_moe_layout_rule_refuses_bad_and_accepts_fix(name, tmp_path):
-    """Each expert-parallel rule names its field; with the fix only the refusal of MoE training as a
-    whole (resharding experts into vLLM is not built yet) is left."""
+    """Each expert-parallel rule names its field; with the fix the job plans."""
     shape, bad, field, fragment, good = MOE_CASES[name]
     model = moe_model_dir(tmp_path, **shape)
     issues = issues_for([model, *bad])
     named = [i for i in issues if i.field == field]
     assert named and any(fragment in str(i) for i in named), [str(i) for i in issues]
-    fixed = issues_for([model, *good])
-    assert [i.field for i in fixed] == ["actor_rollout_ref.model.path"] and MOE_NOT_YET in str(fixed[0]), \
-        [str(i) for i in fixed]
+    plan = plan_from_sources(SEED, [model, *good])
+    assert plan.model is not None and plan.model.num_experts == shape.get("experts", 8)
 
 
 def test_expert_parallelism_with_a_dense_model_is_refused():

@@ -278,11 +278,6 @@ def _check_unsupported(check: _Checker, config: JobConfig, model: ModelShape | N
                            f"must equal actor_rollout_ref.actor.megatron.{name}={theirs}: the reference policy "
                            "runs in the actor's processes, which hold one megatron parallel state; leave "
                            "actor_rollout_ref.ref.megatron unset to use the actor's layout", [theirs])
-    if model is not None and model.is_moe:
-        check.fail("actor_rollout_ref.model.path", arr.model.path,
-                   f"is a mixture-of-experts model ({model.architecture}): the trainer cannot run it yet "
-                   "(resharding experts into vLLM, router losses and routing replay are still to be built, "
-                   "issue 20); its megatron layout is supported by `hybridrl convert` and the model bridge")
     if arr.hybrid_engine is not True:
         check.fail("actor_rollout_ref.hybrid_engine", arr.hybrid_engine,
                    "is not supported: only the hybrid engine (actor, rollout and reference share processes "
