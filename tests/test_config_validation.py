@@ -460,3 +460,16 @@ def test_reference_expert_layout_must_equal_the_actors():
     issues = issues_for(["actor_rollout_ref.ref.megatron.expert_model_parallel_size=2"])
     assert any(i.field == "actor_rollout_ref.ref.megatron.expert_model_parallel_size" and "must equal" in str(i)
                for i in issues), [str(i) for i in issues]
+
+
+def test_moe_router_loss_settings_are_checked(tmp_path):
+    model = moe_model_dir(tmp_path)
+    issues = issues_for([model, f"{A}.megatron.moe_aux_loss_coeff=-0.1"])
+    assert any(i.field == f"{A}.megatron.moe_aux_loss_coeff" and "-0.1" in str(i) for i in issues), \
+        [str(i) for i in issues]
+    issues = issues_for([model, f"{A}.megatron.moe_aux_loss_coeff=0.01",
+                         f"{A}.megatron.moe_router_load_balancing_type=none"])
+    assert any(i.field == f"{A}.megatron.moe_aux_loss_coeff" and "has no effect" in str(i) for i in issues), \
+        [str(i) for i in issues]
+    plan = plan_from_sources(SEED, [model, f"{A}.megatron.moe_aux_loss_coeff=0.01"])
+    assert plan.config.actor_rollout_ref.actor.megatron.moe_aux_loss_coeff == 0.01

@@ -443,6 +443,13 @@ def _check_experts(check: _Checker, prefix: str, mc: MegatronConfig, tp: int, cp
                    model: ModelShape | None) -> bool:
     """Expert-parallel rules (MoE models): EP splits the experts inside DP × CP, ETP is TP."""
     ep, etp = mc.expert_model_parallel_size, mc.expert_tensor_parallel_size
+    check.in_range(f"{prefix}.moe_aux_loss_coeff", mc.moe_aux_loss_coeff, 0.0, 1e3)
+    if mc.moe_z_loss_coeff is not None:
+        check.in_range(f"{prefix}.moe_z_loss_coeff", mc.moe_z_loss_coeff, 0.0, 1e3)
+    if mc.moe_aux_loss_coeff and mc.moe_router_load_balancing_type == "none":
+        check.fail(f"{prefix}.moe_aux_loss_coeff", mc.moe_aux_loss_coeff,
+                   "has no effect with moe_router_load_balancing_type=none: set the type to aux_loss or "
+                   "seq_aux_loss, or the coefficient to 0", [0.0])
     ok = check.is_int_at_least(f"{prefix}.expert_model_parallel_size", ep, 1)
     if etp is not None:
         if not check.is_int_at_least(f"{prefix}.expert_tensor_parallel_size", etp, 1):
