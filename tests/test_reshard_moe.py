@@ -159,6 +159,8 @@ def test_resharded_experts_equal_vllms_own_loader(hf_dirs, vllm_loaded, arch, tp
         # dense weights: every rank holds them whole (tp 1); experts: only the missing slices move
         assert report.bytes_received == report.planned_bytes_received == _expert_bytes_missing(shape, ep, infer_tp)
         assert report.bytes_received == report.exact_lower_bound_bytes
+        # the Plan's estimate (`reshard_traffic`, what `hybridrl plan` shows) counts the experts alike
+        assert report.plan_bytes_received == report.plan_lower_bound_bytes == report.bytes_received
         domain = {mesh.rank_of(tp=t, cp=c, dp=d, pp=0) for d, c in expert_domain(mesh, ep, coord.dp, coord.cp)
                   for t in range(tp)}
         assert set(report.peers) <= domain - {rank}

@@ -189,10 +189,8 @@ class Resharder:
         self._gen_tp_index = tuple(gen_tp_index) if gen_tp_index is not None else None
         self._check_sources()
         dtype_name = _DTYPE_NAMES.get(self.dtype)
-        # The Plan's estimate counts dense layers only; for an MoE model the exact plan is the figure.
         self.traffic: ReshardTraffic | None = (
-            reshard_traffic(self.shape, self.mesh, groups, dtype_name) if dtype_name and not self.shape.is_moe
-            else None
+            reshard_traffic(self.shape, self.mesh, groups, dtype_name, ep=self.ep) if dtype_name else None
         )
         self.last_report: SyncReport | None = None
         self._synced_once = False
