@@ -497,6 +497,11 @@ def _check_rollout_layout(check: _Checker, config: JobConfig, world: int, model:
             ok = check.fail(field, itp,
                             f"must divide the vocabulary as vLLM pads it ({model.vocab_size} -> {padded_vocab})",
                             [d for d in divisors(heads) if padded_vocab % d == 0])
+        elif model.is_moe and model.moe_ffn_hidden_size % itp:
+            # vLLM splits each expert's width over its TP ranks (no expert parallelism in vLLM here)
+            ok = check.fail(field, itp, f"must divide the experts' intermediate size {model.moe_ffn_hidden_size}: "
+                            "vLLM splits each expert over its TP ranks",
+                            [d for d in divisors(heads) if model.moe_ffn_hidden_size % d == 0])
     return world // itp if (ok and world) else 0
 
 
