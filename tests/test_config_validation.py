@@ -477,3 +477,9 @@ def test_moe_router_loss_settings_are_checked(tmp_path):
         [str(i) for i in issues]
     plan = plan_from_sources(SEED, [model, f"{A}.megatron.moe_aux_loss_coeff=0.01"])
     assert plan.config.actor_rollout_ref.actor.megatron.moe_aux_loss_coeff == 0.01
+
+
+def test_an_moe_actor_without_a_dense_critic_is_refused_for_gae(tmp_path):
+    issues = issues_for([moe_model_dir(tmp_path), "algorithm.adv_estimator=gae"])
+    assert any(i.field == "critic.model.path" and "not supported as a critic yet" in str(i) for i in issues), \
+        [str(i) for i in issues]

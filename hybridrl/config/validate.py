@@ -119,6 +119,12 @@ def validate(
             dp_of[role] = dp
     infer_dp = _check_rollout_layout(check, config, world, model)
     _check_unsupported(check, config, model)
+    if model is not None and model.is_moe and resolved.critic_enabled and not config.critic.model.path:
+        # A value head on an MoE backbone (router losses, expert-parallel critic) is not built or tested.
+        check.fail("critic.model.path", config.critic.model.path,
+                   f"is empty, so the critic would be the actor's mixture-of-experts model "
+                   f"({model.architecture}), which is not supported as a critic yet: name a dense critic model, "
+                   "or use a critic-free estimator (algorithm.adv_estimator=grpo)")
     if batch_ok:
         _check_batch_arithmetic(check, config, resolved, dp_of, infer_dp)
     _check_lengths(check, config, resolved, model)
