@@ -34,6 +34,11 @@ def test_moe_update_at_ep2_equals_ep1(tmp_path):
         results = run_ranks(_update_rank, world, config, batch, str(out), timeout_s=400)
         metrics = [r["metrics"] for r in results if r["metrics"] is not None]
         assert len(metrics) == world  # one output rank per DP replica
+        if ep > 1:  # the ranks hold different experts (same local names) and the same dense weights
+            mine, theirs = results[0]["digests"], results[1]["digests"]
+            experts = [n for n in mine if "local_experts" in n]
+            assert experts and all(mine[n] != theirs[n] for n in experts)
+            assert all(mine[n] == theirs[n] for n in mine if "local_experts" not in n)
         runs[world, ep] = (metrics[0], safetensors_state(out))
     base_metrics, base_state = runs[MOE_LAYOUTS[0]]
     initial = safetensors_state(hf)
