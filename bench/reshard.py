@@ -14,7 +14,10 @@ checksums equal `hf_to_vllm_shards` of the HF weights.
 Figures, not a test: 2 shared cores, gloo over loopback (bytes cost little there, so times are
 dominated by copies and by other processes on the cores); the byte columns are the result.
 
-    python bench/reshard.py [--hidden 256] [--layers 8] [--vocab 8192] [--quick]
+    python bench/reshard.py [--hidden 256] [--layers 8] [--vocab 8192] [--quick] [--moe]
+
+`--moe`: a random Qwen3-MoE instead (8 experts of width 3 * hidden / 4, top-2, every layer MoE) over
+expert-parallel layouts (`MOE_GRID`); results in `results/reshard_moe.json`.
 """
 from __future__ import annotations
 
@@ -56,12 +59,30 @@ GRID: list[tuple[int, int, int | None, int, int, int, str]] = [
     (2, 2, None, 4, 2, 1 * MIB, "plan"),
 ]
 QUICK = [GRID[1], GRID[5], GRID[6], GRID[11]]
+# (tp, pp, vpp, world, infer_tp, bucket bytes, rule, ep): MoE at EP2 / EP4 (tp 1: on CPU megatron's MoE
+# layer trains at TP 1 only; the resharder itself would take any TP)
+MOE_GRID: list[tuple] = [
+    (1, 1, None, 2, 1, 512 * MIB, "plan", 2),
+    (1, 1, None, 2, 2, 512 * MIB, "plan", 2),
+    (1, 1, None, 4, 2, 512 * MIB, "plan", 4),
+    (1, 2, None, 4, 2, 512 * MIB, "plan", 2),
+]
 
 
-def build_model(directory: Path, hidden: int, layers: int, vocab: int) -> dict[str, Any]:
+def build_model(directory: Path, hidden: int, layers: int, vocab: int, moe: bool = False) -> dict[str, Any]:
     import transformers
 
     heads = hidden // 32
+    if moe:
+        config = transformers.Qwen3MoeConfig(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=32,
+            max_position_embeddings=256, tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=3 * hidden // 4, norm_topk_prob=True, mlp_only_layers=[], decoder_sparse_step=1,
+        )
+        torch.manual_seed(0)
+        transformers.Qwen3MoeForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+        return json.loads((directory / "config.json").read_text())
     config = transformers.LlamaConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), head_dim=32,
@@ -73,12 +94,12 @@ def build_model(directory: Path, hidden: int, layers: int, vocab: int) -> dict[s
 
 
 def _rank(rank: int, world_size: int, hf_dir: str, tp: int, pp: int, vpp: int | None, infer_tp: int,
-          bucket_bytes: int, index_rule: str) -> dict[str, Any]:
+          bucket_bytes: int, index_rule: str, ep: int = 1) -> dict[str, Any]:
     from hybridrl.models.bridge import build_gpt_models, load_weights
     from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
     from hybridrl.reshard.resharder import ReshardConfig, Resharder
 
-    initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, device="cpu")
+    initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, device="cpu", ep=ep)
     try:
         models = build_gpt_models(hf_dir)
         load_weights(models, hf_dir)
@@ -90,24 +111,24 @@ def _rank(rank: int, world_size: int, hf_dir: str, tp: int, pp: int, vpp: int | 
         for _ in resharder.shards():  # timed; tensors dropped as they come, as a streaming consumer would
             pass
         report = resharder.last_report
-        naive_s, naive_bytes = naive_gather_everything(models, world_size, tp, pp, vpp)
+        naive_s, naive_bytes = naive_gather_everything(models, world_size, tp, pp, vpp, ep)
         return {"report": report, "gen_tp_index": resharder.plan.gen_tp_index, "naive_s": naive_s,
                 "naive_bytes": naive_bytes}
     finally:
         destroy_model_parallel()
 
 
-def naive_gather_everything(models: list[Any], world_size: int, tp: int, pp: int, vpp: int | None
-                            ) -> tuple[float, int]:
+def naive_gather_everything(models: list[Any], world_size: int, tp: int, pp: int, vpp: int | None,
+                            ep: int = 1) -> tuple[float, int]:
     """The design the resharder replaces, measured: every megatron tensor (DP/CP rank 0's copy) is
     broadcast to every rank, so each holds the whole model before slicing its vLLM shard (slicing not
-    timed). Returns (seconds, bytes this rank received)."""
+    timed; with EP, each expert from the DP rank of its EP rank). Returns (seconds, bytes this rank received)."""
     import torch.distributed as dist
 
     from hybridrl.models.layout import ParallelLayout, rank_chunk_key_prefix, rank_tensor_plans
 
     shape = models[0].hybridrl.source.shape
-    layout = ParallelLayout(tp=tp, pp=pp, vpp=vpp)
+    layout = ParallelLayout(tp=tp, pp=pp, vpp=vpp, ep=ep)
     mesh = build_training_mesh(world_size, tp, pp, vpp=vpp)
     me = dist.get_rank()
     own = {}
@@ -119,9 +140,10 @@ def naive_gather_everything(models: list[Any], world_size: int, tp: int, pp: int
     dist.barrier()
     started = time.perf_counter()
     for pp_rank in range(pp):
-        for tp_rank in range(tp):
-            src = mesh.rank_of(tp=tp_rank, cp=0, dp=0, pp=pp_rank)
-            for key, plan in rank_tensor_plans(shape, layout, tp_rank, pp_rank).items():
+        for tp_rank, ep_rank in ((t, e) for e in range(ep) for t in range(tp)):
+            # cp 1: the EP rank of DP rank d is d mod ep (megatron's expert mesh)
+            src = mesh.rank_of(tp=tp_rank, cp=0, dp=ep_rank, pp=pp_rank)
+            for key, plan in rank_tensor_plans(shape, layout, tp_rank, pp_rank, ep_rank).items():
                 if plan.is_copy:
                     continue
                 tensor = own[key].detach() if me == src else torch.empty(plan.shape, dtype=torch.float32)
@@ -132,9 +154,10 @@ def naive_gather_everything(models: list[Any], world_size: int, tp: int, pp: int
 
 
 def run_layout(hf_dir: Path, config: dict, layout: tuple, expected: dict[tuple[int, int], dict[str, str]]) -> dict:
-    tp, pp, vpp, world, infer_tp, bucket, rule = layout
+    tp, pp, vpp, world, infer_tp, bucket, rule, *rest = layout
+    ep = rest[0] if rest else 1
     started = time.perf_counter()
-    results = run_ranks(_rank, world, str(hf_dir), tp, pp, vpp, infer_tp, bucket, rule, timeout_s=600)
+    results = run_ranks(_rank, world, str(hf_dir), tp, pp, vpp, infer_tp, bucket, rule, ep, timeout_s=600)
     elapsed = time.perf_counter() - started
     reports = [r["report"] for r in results]
     key = (infer_tp, 0)
@@ -150,6 +173,7 @@ def run_layout(hf_dir: Path, config: dict, layout: tuple, expected: dict[tuple[i
     exact_bound = [r.exact_lower_bound_bytes for r in reports]
     naive = [r.naive_gather_bytes for r in reports]
     name = f"TP{tp}xPP{pp}" + (f"xVPP{vpp}" if vpp else "") + (f"xDP{world // (tp * pp)}" if world > tp * pp else "")
+    name += f"xEP{ep}" if ep > 1 else ""
     return {
         "layout": f"{name} -> infer_tp {infer_tp}",
         "grouping": f"{reports[0].strategy}" if rule == "plan" else "vllm-default",
@@ -185,29 +209,32 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--quick", action="store_true", help="4 layouts instead of the full grid")
+    parser.add_argument("--moe", action="store_true", help="a Qwen3-MoE over expert-parallel layouts")
     args = parser.parse_args()
     from safetensors.torch import load_file
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = Path(tmp) / "model"
-        config = build_model(hf_dir, args.hidden, args.layers, args.vocab)
+        config = build_model(hf_dir, args.hidden, args.layers, args.vocab, moe=args.moe)
         state = load_file(str(hf_dir / "model.safetensors"))
         params = sum(t.numel() for t in state.values())
-        print(f"model: Llama {params / 1e6:.1f}M params ({params * 4 / MIB:.1f} MiB fp32), hidden {args.hidden}, "
-              f"{args.layers} layers, vocab {args.vocab}")
+        family = "Qwen3-MoE" if args.moe else "Llama"
+        print(f"model: {family} {params / 1e6:.1f}M params ({params * 4 / MIB:.1f} MiB fp32), "
+              f"hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}")
         expected: dict = {"state": state}
-        for layout in QUICK if args.quick else GRID:
+        for layout in MOE_GRID if args.moe else QUICK if args.quick else GRID:
             rows.append(run_layout(hf_dir, config, layout, expected))
             print_row(rows[-1], header=len(rows) == 1)
     digest_rates = digest_seconds_per_gib()
     print("sync checksum (parallel.digest.tensor_digest, 1 thread): "
           + ", ".join(f"{dtype} {seconds:.2f} s/GiB" for dtype, seconds in digest_rates.items()))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"model_params": params, "hidden": args.hidden, "layers": args.layers,
+    results = RESULTS.with_name("reshard_moe.json") if args.moe else RESULTS
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps({"model_params": params, "hidden": args.hidden, "layers": args.layers,
                                    "vocab": args.vocab, "rows": rows, "digest_s_per_gib": digest_rates},
                                   indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    print(f"wrote {results}")
 
 
 def digest_seconds_per_gib(mib: int = 256) -> dict[str, float]:

@@ -146,6 +146,8 @@ def _two_values(name: str) -> tuple[Any, Any]:
         return True, False
     if hint is int or hint == (int | None):
         return 2, 3
+    if hint is float or hint == (float | None):
+        return 0.5, 0.25
     found = choices_of(hint)  # a closed vocabulary (dtype): two of its values
     assert found is not None, hint
     return typing.get_args(found[0])[:2]

@@ -413,7 +413,6 @@ def moe_model_dir(tmp_path: Path, experts: int = 8, top_k: int = 2, moe_ffn: int
     return f"actor_rollout_ref.model.path={folder}"
 
 
-MOE_NOT_YET = "the trainer cannot run it yet"
 EP = f"{A}.megatron.expert_model_parallel_size"
 
 # (model arguments, bad overrides, field, text in the rule, overrides that fix it); on 6 GPUs, DP = 6 / TP
@@ -429,6 +428,10 @@ MOE_CASES = {
                                       f"{A}.megatron.tensor_model_parallel_size",
                                       "must divide the experts' intermediate size 100",
                                       [f"{A}.megatron.tensor_model_parallel_size=1"]),
+    "infer tp divides the experts' width": (dict(moe_ffn=99), [f"{R}.tensor_model_parallel_size=2"],
+                                            f"{R}.tensor_model_parallel_size",
+                                            "must divide the experts' intermediate size 99",
+                                            [f"{R}.tensor_model_parallel_size=1"]),
     "moe training at tp > 1 needs sp": ({}, [f"{A}.megatron.tensor_model_parallel_size=2", "trainer.device=cuda"],
                                         f"{A}.megatron.sequence_parallel", "megatron's MoE layer refuses TP",
                                         [f"{A}.megatron.tensor_model_parallel_size=2", "trainer.device=cuda",
@@ -438,16 +441,14 @@ MOE_CASES = {
 
 @pytest.mark.parametrize("name", sorted(MOE_CASES))
 def test_moe_layout_rule_refuses_bad_and_accepts_fix(name, tmp_path):
-    """Each expert-parallel rule names its field; with the fix only the refusal of MoE training as a
-    whole (resharding experts into vLLM is not built yet) is left."""
+    """Each expert-parallel rule names its field; with the fix the job plans."""
     shape, bad, field, fragment, good = MOE_CASES[name]
     model = moe_model_dir(tmp_path, **shape)
     issues = issues_for([model, *bad])
     named = [i for i in issues if i.field == field]
     assert named and any(fragment in str(i) for i in named), [str(i) for i in issues]
-    fixed = issues_for([model, *good])
-    assert [i.field for i in fixed] == ["actor_rollout_ref.model.path"] and MOE_NOT_YET in str(fixed[0]), \
-        [str(i) for i in fixed]
+    plan = plan_from_sources(SEED, [model, *good])
+    assert plan.model is not None and plan.model.num_experts == shape.get("experts", 8)
 
 
 def test_expert_parallelism_with_a_dense_model_is_refused():
@@ -467,3 +468,22 @@ def test_reference_expert_layout_must_equal_the_actors():
     issues = issues_for(["actor_rollout_ref.ref.megatron.expert_model_parallel_size=2"])
     assert any(i.field == "actor_rollout_ref.ref.megatron.expert_model_parallel_size" and "must equal" in str(i)
                for i in issues), [str(i) for i in issues]
+
+
+def test_moe_router_loss_settings_are_checked(tmp_path):
+    model = moe_model_dir(tmp_path)
+    issues = issues_for([model, f"{A}.megatron.moe_aux_loss_coeff=-0.1"])
+    assert any(i.field == f"{A}.megatron.moe_aux_loss_coeff" and "-0.1" in str(i) for i in issues), \
+        [str(i) for i in issues]
+    issues = issues_for([model, f"{A}.megatron.moe_aux_loss_coeff=0.01",
+                         f"{A}.megatron.moe_router_load_balancing_type=none"])
+    assert any(i.field == f"{A}.megatron.moe_aux_loss_coeff" and "has no effect" in str(i) for i in issues), \
+        [str(i) for i in issues]
+    plan = plan_from_sources(SEED, [model, f"{A}.megatron.moe_aux_loss_coeff=0.01"])
+    assert plan.config.actor_rollout_ref.actor.megatron.moe_aux_loss_coeff == 0.01
+
+
+def test_an_moe_actor_without_a_dense_critic_is_refused_for_gae(tmp_path):
+    issues = issues_for([moe_model_dir(tmp_path), "algorithm.adv_estimator=gae"])
+    assert any(i.field == "critic.model.path" and "not supported as a critic yet" in str(i) for i in issues), \
+        [str(i) for i in issues]

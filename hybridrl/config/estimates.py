@@ -185,27 +185,36 @@ class ReshardTraffic:
         return sum(self.bytes_received) / bound if bound else 1.0
 
 
-def reshard_traffic(shape: ModelShape, mesh: TrainingMesh, groups: ReshardGroups, dtype: str) -> ReshardTraffic:
+def reshard_traffic(shape: ModelShape, mesh: TrainingMesh, groups: ReshardGroups, dtype: str,
+                    ep: int = 1) -> ReshardTraffic:
     """Per-rank traffic of a training-layout -> vLLM-layout weight sync.
 
     TP-split tensors are counted as slices of their split dimension, replicated ones (norms) whole;
     KV-head replication when infer_tp > KV heads and vocab padding are ignored (small). Layers sit
     on megatron's stages (interleaved with VPP); with tied embeddings and pp > 1 the last stage
-    holds megatron's copy of the embedding, which counts as held there.
+    holds megatron's copy of the embedding, which counts as held there. MoE experts: a rank holds
+    1 / ep of them (its EP rank's), each TP-split like a dense MLP, while every vLLM rank needs all
+    experts (TP over each expert's width); the router is counted with the layer's TP-split part.
     """
     p_bytes = DTYPE_BYTES[dtype]
     t, t_g, p = mesh.tp, groups.rollout.infer_tp, mesh.pp
     layers_per_chunk = shape.num_layers // (p * (mesh.vpp or 1))
     norms = 2 * shape.hidden_size
-    split_layer = shape.params_per_layer() - norms
     embedding_holders = {0, p - 1} if shape.tie_word_embeddings else {0}
-    # (stages holding it, split bytes, replicated bytes) for every piece of the model
-    pieces = [(frozenset(embedding_holders), embedding_params(shape), 0)]
+
+    def expert_params(layer: int) -> int:
+        return sum(shape.hf_numel(tensor) * shape.num_experts for spec in shape.weights.layer
+                   if spec.expert and spec.exists(shape, layer) for tensor in spec.hf)
+
+    # (stages holding it, split params, replicated params, split params of experts) per piece
+    pieces = [(frozenset(embedding_holders), embedding_params(shape), 0, 0)]
     pieces += [
-        (frozenset({(layer // layers_per_chunk) % p}), split_layer, norms) for layer in range(shape.num_layers)
+        (frozenset({(layer // layers_per_chunk) % p}), shape.params_of_layer(layer) - norms - expert_params(layer),
+         norms, expert_params(layer))
+        for layer in range(shape.num_layers)
     ]
-    pieces.append((frozenset({p - 1}), output_params(shape), shape.hidden_size))
-    model = sum(split + rep for _, split, rep in pieces) * p_bytes
+    pieces.append((frozenset({p - 1}), output_params(shape), shape.hidden_size, 0))
+    model = sum(split + rep + experts for _, split, rep, experts in pieces) * p_bytes
 
     received, bound, naive, gen_sizes = [], [], [], []
     for rank in range(mesh.world_size):
@@ -215,13 +224,14 @@ def reshard_traffic(shape: ModelShape, mesh: TrainingMesh, groups: ReshardGroups
         def held(j: int, own: tuple[float, float] = own, stage_of_rank: int = coord.pp) -> float:
             gen = (j / t_g, (j + 1) / t_g)
             return sum(
-                split * interval_overlap(own, gen) + rep
-                for stages, split, rep in pieces
+                (split + experts / ep) * interval_overlap(own, gen) + rep
+                for stages, split, rep, experts in pieces
                 if stage_of_rank in stages
             )
 
-        gen_size = sum(split / t_g + rep for _, split, rep in pieces)
-        own_size = sum(split / t + rep for stages, split, rep in pieces if coord.pp in stages)
+        gen_size = sum((split + experts) / t_g + rep for _, split, rep, experts in pieces)
+        own_size = sum((split + experts / ep) / t + rep for stages, split, rep, experts in pieces
+                       if coord.pp in stages)
         received.append(round((gen_size - held(groups.gen_tp_index[rank])) * p_bytes))
         bound.append(round((gen_size - max(held(j) for j in range(t_g))) * p_bytes))
         naive.append(round(model - own_size * p_bytes))

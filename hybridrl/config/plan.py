@@ -318,7 +318,8 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
 
     actor_mesh = by_role[Role.ACTOR].mesh
     groups = build_reshard_groups(actor_mesh, arr.rollout.tensor_model_parallel_size)
-    traffic = reshard_traffic(model, actor_mesh, groups, resolved.rollout_dtype) if model else None
+    traffic = (reshard_traffic(model, actor_mesh, groups, resolved.rollout_dtype,
+                               ep=arr.actor.megatron.expert_model_parallel_size) if model else None)
     infer_dp = groups.rollout.infer_dp
 
     train_mem: list[TrainingMemory] = []

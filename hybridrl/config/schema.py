@@ -29,6 +29,8 @@ LrDecayStyle = Literal["constant", "linear", "cosine"]
 Truncation = Literal["error", "left", "right"]
 MalformedMode = Literal["error", "skip"]
 OldLogProbMode = Literal["auto", "recompute"]
+# megatron's moe_router_load_balancing_type values that need no more than the local spec
+MoELoadBalancing = Literal["aux_loss", "seq_aux_loss", "none"]
 AdvEstimator = Literal[ADV_ESTIMATOR_NAMES]
 LossAggMode = Literal[LOSS_AGG_MODES]
 KlEstimator = Literal[KL_PENALTY_NAMES]
@@ -131,6 +133,12 @@ class MegatronConfig:
     expert_tensor_parallel_size: int | None = doc(None, "ETP (MoE models): each expert's matrices split over this "
                                                   "many GPUs; None = tensor_model_parallel_size (the only value "
                                                   "supported now)")
+    moe_router_load_balancing_type: MoELoadBalancing = doc(
+        "aux_loss", "MoE models: megatron's router load-balancing loss (aux_loss: over each micro-batch, "
+        "seq_aux_loss: per sequence, none); it acts only with moe_aux_loss_coeff > 0")
+    moe_aux_loss_coeff: float = doc(0.0, "MoE models: weight of the load-balancing loss (0 = off; "
+                                    "actor/moe_aux_loss is logged when it is on)")
+    moe_z_loss_coeff: float | None = doc(None, "MoE models: weight of the router z-loss (None = off)")
     sequence_parallel: bool = doc(False, "shard norms/dropout activations over TP (needs TP > 1)")
     use_distributed_optimizer: bool = doc(True, "shard optimizer states over data-parallel ranks (ZeRO-1)")
     make_vocab_size_divisible_by: int = doc(128, "vocab padded to a multiple of this × TP, as megatron does")

@@ -119,6 +119,12 @@ def validate(
             dp_of[role] = dp
     infer_dp = _check_rollout_layout(check, config, world, model)
     _check_unsupported(check, config, model)
+    if model is not None and model.is_moe and resolved.critic_enabled and not config.critic.model.path:
+        # A value head on an MoE backbone (router losses, expert-parallel critic) is not built or tested.
+        check.fail("critic.model.path", config.critic.model.path,
+                   f"is empty, so the critic would be the actor's mixture-of-experts model "
+                   f"({model.architecture}), which is not supported as a critic yet: name a dense critic model, "
+                   "or use a critic-free estimator (algorithm.adv_estimator=grpo)")
     if batch_ok:
         _check_batch_arithmetic(check, config, resolved, dp_of, infer_dp)
     _check_lengths(check, config, resolved, model)
@@ -280,11 +286,6 @@ def _check_unsupported(check: _Checker, config: JobConfig, model: ModelShape | N
                            f"must equal actor_rollout_ref.actor.megatron.{name}={theirs}: the reference policy "
                            "runs in the actor's processes, which hold one megatron parallel state; leave "
                            "actor_rollout_ref.ref.megatron unset to use the actor's layout", [theirs])
-    if model is not None and model.is_moe:
-        check.fail("actor_rollout_ref.model.path", arr.model.path,
-                   f"is a mixture-of-experts model ({model.architecture}): the trainer cannot run it yet "
-                   "(resharding experts into vLLM, router losses and routing replay are still to be built, "
-                   "issue 20); its megatron layout is supported by `hybridrl convert` and the model bridge")
     if arr.hybrid_engine is not True:
         check.fail("actor_rollout_ref.hybrid_engine", arr.hybrid_engine,
                    "is not supported: only the hybrid engine (actor, rollout and reference share processes "
@@ -450,6 +451,13 @@ def _check_experts(check: _Checker, prefix: str, mc: MegatronConfig, tp: int, cp
                    model: ModelShape | None) -> bool:
     """Expert-parallel rules (MoE models): EP splits the experts inside DP × CP, ETP is TP."""
     ep, etp = mc.expert_model_parallel_size, mc.expert_tensor_parallel_size
+    check.in_range(f"{prefix}.moe_aux_loss_coeff", mc.moe_aux_loss_coeff, 0.0, 1e3)
+    if mc.moe_z_loss_coeff is not None:
+        check.in_range(f"{prefix}.moe_z_loss_coeff", mc.moe_z_loss_coeff, 0.0, 1e3)
+    if mc.moe_aux_loss_coeff and mc.moe_router_load_balancing_type == "none":
+        check.fail(f"{prefix}.moe_aux_loss_coeff", mc.moe_aux_loss_coeff,
+                   "has no effect with moe_router_load_balancing_type=none: set the type to aux_loss or "
+                   "seq_aux_loss, or the coefficient to 0", [0.0])
     ok = check.is_int_at_least(f"{prefix}.expert_model_parallel_size", ep, 1)
     if etp is not None:
         if not check.is_int_at_least(f"{prefix}.expert_tensor_parallel_size", etp, 1):
@@ -497,6 +505,11 @@ def _check_rollout_layout(check: _Checker, config: JobConfig, world: int, model:
             ok = check.fail(field, itp,
                             f"must divide the vocabulary as vLLM pads it ({model.vocab_size} -> {padded_vocab})",
                             [d for d in divisors(heads) if padded_vocab % d == 0])
+        elif model.is_moe and model.moe_ffn_hidden_size % itp:
+            # vLLM splits each expert's width over its TP ranks (no expert parallelism in vLLM here)
+            ok = check.fail(field, itp, f"must divide the experts' intermediate size {model.moe_ffn_hidden_size}: "
+                            "vLLM splits each expert over its TP ranks",
+                            [d for d in divisors(heads) if model.moe_ffn_hidden_size % d == 0])
     return world // itp if (ok and world) else 0
 
 

@@ -65,7 +65,7 @@ class WeightSpec:
     index; the megatron name carries `{e}`, the index among this expert-parallel rank's local
     experts (global = ep_rank * experts_per_rank + local); TP splits each expert like `split` says
     (the expert tensor-parallel size is TP). vLLM stacks all experts of a layer in one parameter
-    (`vllm` names it); resharding into it is not built yet.
+    (`vllm` names it), each expert one slot split by the same `split` (`models.vllm_layout`).
     """
 
     hf: tuple[HFTensor, ...]

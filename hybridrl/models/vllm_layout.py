@@ -14,9 +14,19 @@ vLLM 0.32 rules (`vllm/model_executor/layers/linear.py`, `vocab_parallel_embeddi
   head index `r // (infer_tp // num_kv_heads)`.
 - ROW: split on dim 1; COLUMN: split on dim 0; FUSED_COLUMN: `[part r of each tensor]`.
 - REPLICATED: a whole copy on every rank.
+- MoE experts (`WeightSpec(expert=True)`; vLLM's default for TP, no `enable_expert_parallel`): every
+  rank holds all experts of a layer stacked in one parameter, `experts.routed_experts.w13_weight`
+  [E, 2 * I / tp, H] and `w2_weight` [E, H, I / tp] (`fused_moe/unquantized_fused_moe_method.py`,
+  loaded by `routed_experts.py`'s `_load_w13` / `_load_w2`); each expert's slot follows the dense
+  rule of its `Split` (w13: `[gate part r; up part r]`, w2: columns part r). Such a parameter is
+  planned as one `TensorPlan` per expert slot, named `stacked_slot_name(param, e)`; the slots
+  stacked on a new dim 0 are the parameter (`stacked_params`). On CPU vLLM pads the per-rank
+  width to its kernel's alignment and prepacks both only after loading (the loaded layout is what
+  is planned and compared, as for the repacked linear weights).
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from math import prod
 from typing import Any
@@ -41,10 +51,6 @@ def shape_of(hf_config: Mapping[str, Any] | ModelShape) -> ModelShape:
 def check_infer_tp(shape: ModelShape, infer_tp: int, rank: int | None = None) -> None:
     """Raise ValueError when vLLM could not shard this model `infer_tp` ways."""
     problems = []
-    if shape.is_moe:
-        # vLLM stacks a layer's experts in one fused parameter; the plan for it is not built yet.
-        problems.append(f"{shape.architecture} is a mixture-of-experts model: resharding its experts into "
-                        "vLLM is not supported yet")
     if infer_tp < 1:
         problems.append(f"infer_tp={infer_tp} must be >= 1")
     else:
@@ -53,7 +59,11 @@ def check_infer_tp(shape: ModelShape, infer_tp: int, rank: int | None = None) ->
         kv = shape.num_kv_heads
         if (kv >= infer_tp and kv % infer_tp) or (kv < infer_tp and infer_tp % kv):
             problems.append(f"num_key_value_heads={kv} and infer_tp={infer_tp}: one must divide the other")
-        if shape.ffn_hidden_size % infer_tp:
+        if shape.is_moe and shape.moe_ffn_hidden_size % infer_tp:
+            problems.append(f"the experts' intermediate size {shape.moe_ffn_hidden_size} is not divisible by "
+                            f"infer_tp={infer_tp}")
+        dense_mlp = not shape.is_moe or len(shape.moe_layers) < shape.num_layers
+        if dense_mlp and shape.ffn_hidden_size % infer_tp:
             problems.append(f"intermediate_size={shape.ffn_hidden_size} is not divisible by infer_tp={infer_tp}")
         if vllm_padded_vocab(shape.vocab_size) % infer_tp:
             padded = vllm_padded_vocab(shape.vocab_size)
@@ -93,9 +103,9 @@ def _vocab_segments(shape: ModelShape, hf_name: str, infer_tp: int, rank: int) -
     return tuple(out)
 
 
-def _vllm_segments(shape: ModelShape, spec: WeightSpec, layer: int | None, infer_tp: int, rank: int
-                   ) -> tuple[Segment, ...]:
-    names = [t.at(layer) for t in spec.hf]
+def _vllm_segments(shape: ModelShape, spec: WeightSpec, layer: int | None, infer_tp: int, rank: int,
+                   expert: int | None = None) -> tuple[Segment, ...]:
+    names = [t.at(layer, expert) for t in spec.hf]
     if spec.split is Split.REPLICATED:
         return (Segment(names[0], 0, prod(hf_dims(shape, spec.hf[0]))),)
     if spec.split is Split.VOCAB:
@@ -116,9 +126,11 @@ def vllm_targets(hf_config: Mapping[str, Any] | ModelShape, infer_tp: int, rank:
     shape = shape_of(hf_config)
     check_infer_tp(shape, infer_tp, rank)
     out: dict[str, TensorPlan] = {}
-    for spec, layer, _expert in table_specs(shape):  # dense only: check_infer_tp refuses MoE
+    for spec, layer, expert in table_specs(shape):
         name = spec.vllm if layer is None else spec.vllm.format(i=layer)
-        segments = _vllm_segments(shape, spec, layer, infer_tp, rank)
+        if expert is not None:  # one slot of the layer's stacked expert parameter
+            name = stacked_slot_name(name, expert)
+        segments = _vllm_segments(shape, spec, layer, infer_tp, rank, expert)
         axis = split_axis(spec.split)
         dims = list(hf_dims(shape, spec.hf[0]))
         if axis is not None:
@@ -127,8 +139,36 @@ def vllm_targets(hf_config: Mapping[str, Any] | ModelShape, infer_tp: int, rank:
     return out
 
 
+_SLOT = re.compile(r"^(?P<param>.+)\[(?P<slot>\d+)\]$")
+
+
+def stacked_slot_name(param: str, slot: int) -> str:
+    """The planning name of slot `slot` (an expert) of the stacked vLLM parameter `param`."""
+    return f"{param}[{slot}]"
+
+
+def split_slot_name(name: str) -> tuple[str, int | None]:
+    """(vLLM parameter, slot) of a planning name; slot None for a parameter planned whole."""
+    found = _SLOT.match(name)
+    return (name, None) if found is None else (found["param"], int(found["slot"]))
+
+
+def stacked_params(names: Any) -> dict[str, list[str]]:
+    """vLLM parameter -> its planning names in order (one name for an unstacked parameter)."""
+    out: dict[str, list[str]] = {}
+    for name in names:
+        out.setdefault(split_slot_name(name)[0], []).append(name)
+    return out
+
+
 def vllm_param_shapes(
     hf_config: Mapping[str, Any] | ModelShape, infer_tp: int, rank: int = 0
 ) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every parameter vLLM holds on `rank` (same for every rank of a TP group)."""
-    return {name: target.shape for name, target in vllm_targets(hf_config, infer_tp, rank).items()}
+    """Name -> shape of every parameter vLLM holds on `rank` (same for every rank of a TP group);
+    a stacked expert parameter is [experts, *slot shape]."""
+    targets = vllm_targets(hf_config, infer_tp, rank)
+    out = {}
+    for param, names in stacked_params(targets).items():
+        first = targets[names[0]].shape
+        out[param] = first if split_slot_name(names[0])[1] is None else (len(names), *first)
+    return out

@@ -13,7 +13,7 @@ import torch
 
 from hybridrl.models.arch import ModelShape
 from hybridrl.models.layout import TensorPlan, hf_tensor_shapes
-from hybridrl.models.vllm_layout import shape_of, vllm_targets
+from hybridrl.models.vllm_layout import shape_of, split_slot_name, stacked_params, vllm_targets
 
 
 def vllm_shard_nbytes(
@@ -68,4 +68,9 @@ def hf_to_vllm_shards(
     if wrong:
         raise ValueError(f"HF tensors have unexpected shapes for this config (got, expected): {wrong}")
     like = tensor_of(shape.weights.embedding.hf_name)
-    return {name: _materialize(target, tensor_of, like) for name, target in targets.items()}
+    out = {}
+    for param, names in stacked_params(targets).items():
+        parts = [_materialize(targets[name], tensor_of, like) for name in names]
+        # an MoE expert parameter: its experts' slots stacked on a new dim 0, as vLLM holds them
+        out[param] = parts[0] if split_slot_name(names[0])[1] is None else torch.stack(parts)
+    return out

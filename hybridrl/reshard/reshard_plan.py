@@ -18,6 +18,13 @@ The transfers are cut into buckets: consecutive pieces (in vLLM tensor order) su
 the bytes it sends plus the bytes it receives within one bucket stay under `bucket_bytes` (a piece
 larger than that is split along its axis). Megatron's tied-embedding copy on the last stage counts as
 held there (it is kept bit-equal to the first stage's by megatron's embedding-group all-reduce).
+
+Mixture of experts with expert parallelism `ep`: a DP/CP replica holds only its EP rank's experts
+(megatron's expert mesh: EP rank = (cp + CP * dp) mod ep, `expert_rank_of`), while vLLM (TP over
+each expert's width) needs every expert on every rank. The unit that resharding stays inside is then
+the `ep` consecutive replicas that hold all experts between them (`expert_domain`): the plan covers
+all ranks of that domain, and a rank takes each expert range from itself, else its micro-DP group,
+else the domain's rank that holds that expert.
 """
 from __future__ import annotations
 
@@ -104,19 +111,40 @@ class RankReshardPlan:
 
 # ---- the megatron side -----------------------------------------------------------------------------
 
+def expert_rank_of(mesh: TrainingMesh, ep: int, dp: int, cp: int) -> int:
+    """The EP rank of DP/CP replica (dp, cp): megatron's expert mesh (etp-ep-edp-pp, ETP = TP)
+    numbers the ranks of one TP × PP position by cp + CP * dp, EP fastest."""
+    return (cp + mesh.cp * dp) % ep
+
+
+def expert_domain(mesh: TrainingMesh, ep: int, dp: int, cp: int) -> list[tuple[int, int]]:
+    """The (dp, cp) replicas that hold every expert between them, (dp, cp)'s included; with ep = 1,
+    the replica itself."""
+    if ep < 1 or (mesh.dp * mesh.cp) % ep:
+        raise ValueError(f"ep={ep} does not divide dp*cp = {mesh.dp}*{mesh.cp}")
+    block = (cp + mesh.cp * dp) // ep
+    return [(index // mesh.cp, index % mesh.cp) for index in range(block * ep, (block + 1) * ep)]
+
+
 def megatron_holdings(
-    shape: ModelShape, mesh: TrainingMesh, dp: int, cp: int, use_tied_copy: bool = True
+    shape: ModelShape, mesh: TrainingMesh, dp: int, cp: int, use_tied_copy: bool = True, ep: int = 1
 ) -> dict[str, list[Holding]]:
-    """HF name -> every megatron range of it held by the ranks of one DP/CP replica (copies included)."""
-    layout = ParallelLayout(tp=mesh.tp, pp=mesh.pp, vpp=mesh.vpp)
+    """HF name -> every megatron range of it held by the ranks of (dp, cp)'s expert domain (its
+    DP/CP replica when ep = 1), copies included."""
+    layout = ParallelLayout(tp=mesh.tp, pp=mesh.pp, vpp=mesh.vpp, ep=ep)
     tied_output = shape.weights.lm_head.megatron
     out: dict[str, list[Holding]] = defaultdict(list)
-    for hf_name, ranges in shard_ranges(shape, layout).items():
-        for held in ranges:
-            if held.mcore_name == tied_output and held.is_copy and not use_tied_copy:
-                continue
-            rank = mesh.rank_of(tp=held.tp_rank, cp=cp, dp=dp, pp=held.pp_rank)
-            out[hf_name].append(Holding(rank, held))
+    ranges = shard_ranges(shape, layout)
+    for replica_dp, replica_cp in expert_domain(mesh, ep, dp, cp):
+        ep_rank = expert_rank_of(mesh, ep, replica_dp, replica_cp)
+        for hf_name, found in ranges.items():
+            for held in found:
+                if held.ep_rank != ep_rank:
+                    continue
+                if held.mcore_name == tied_output and held.is_copy and not use_tied_copy:
+                    continue
+                rank = mesh.rank_of(tp=held.tp_rank, cp=replica_cp, dp=replica_dp, pp=held.pp_rank)
+                out[hf_name].append(Holding(rank, held))
     return out
 
 
@@ -248,8 +276,10 @@ def build_rank_plan(
     bucket_numel: int,
     gen_tp_index: tuple[int, ...] | None = None,
     use_tied_copy: bool = True,
+    ep: int = 1,
 ) -> RankReshardPlan:
-    """The plan of `rank`: its buckets, computed from the whole plan of its DP/CP replica.
+    """The plan of `rank`: its buckets, computed from the whole plan of its DP/CP replica (of its
+    expert domain with ep > 1: see the module docstring).
 
     `gen_tp_index` overrides the groups' generation TP rank per global rank (e.g. vLLM's default
     consecutive TP groups, rank % infer_tp) — the plan stays correct, only the traffic grows.
@@ -261,9 +291,10 @@ def build_rank_plan(
     if len(gen_index) != mesh.world_size:
         raise ValueError(f"gen_tp_index has {len(gen_index)} entries for {mesh.world_size} ranks")
     coord = mesh.coord(rank)
-    replica_ranks = [mesh.rank_of(tp=t, cp=coord.cp, dp=coord.dp, pp=p) for p in range(mesh.pp) for t in range(mesh.tp)]
+    replica_ranks = [mesh.rank_of(tp=t, cp=c, dp=d, pp=p) for d, c in expert_domain(mesh, ep, coord.dp, coord.cp)
+                     for p in range(mesh.pp) for t in range(mesh.tp)]
     replica_ranks.sort()
-    holdings = megatron_holdings(shape, mesh, coord.dp, coord.cp, use_tied_copy)
+    holdings = megatron_holdings(shape, mesh, coord.dp, coord.cp, use_tied_copy, ep)
     micro_of = {}
     for group in groups.micro_dp_groups:
         for member in group:

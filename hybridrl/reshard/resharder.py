@@ -37,9 +37,10 @@ import torch.distributed as dist
 from hybridrl.config.estimates import ReshardTraffic, reshard_traffic
 from hybridrl.config.meshes import ReshardGroups, TrainingMesh, build_training_mesh
 from hybridrl.models.bridge import TE_NAMES, chunk_info, model_tensors, spec_tensor_name, unwrap_model
+from hybridrl.models.vllm_layout import split_slot_name, stacked_params
 from hybridrl.parallel.state import get_context
 from hybridrl.reshard.checksums import tensor_checksum
-from hybridrl.reshard.reshard_plan import Piece, RankBucket, RankReshardPlan, build_rank_plan
+from hybridrl.reshard.reshard_plan import Piece, RankBucket, RankReshardPlan, build_rank_plan, expert_rank_of
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -170,18 +171,26 @@ class Resharder:
         # in its model dtype.
         self.dtype: torch.dtype = self.config.output_dtype or chunks[0].config.params_dtype
         element = torch.empty((), dtype=self.dtype).element_size()
+        self.ep = getattr(ctx, "ep", 1)
+        if self.ep > 1 and getattr(ctx, "ep_rank", 0) != expert_rank_of(self.mesh, self.ep, coord.dp, coord.cp):
+            raise ValueError(f"rank {self.rank}: megatron says EP rank {ctx.ep_rank}, the resharder's expert "
+                             f"mesh says {expert_rank_of(self.mesh, self.ep, coord.dp, coord.cp)}")
         self.plan: RankReshardPlan = build_rank_plan(
             self.shape, self.mesh, groups, self.rank,
             bucket_numel=max(1, self.config.bucket_bytes // element),
             gen_tp_index=tuple(gen_tp_index) if gen_tp_index is not None else None,
             use_tied_copy=self.config.use_tied_copy,
+            ep=self.ep,
         )
+        # stacked vLLM parameters (MoE experts) -> their slots' planning names, in slot order
+        self._stacked = {param: names for param, names in stacked_params(self.plan.targets).items()
+                         if split_slot_name(names[0])[1] is not None}
         self._element = element
         self._gen_tp_index = tuple(gen_tp_index) if gen_tp_index is not None else None
         self._check_sources()
         dtype_name = _DTYPE_NAMES.get(self.dtype)
         self.traffic: ReshardTraffic | None = (
-            reshard_traffic(self.shape, self.mesh, groups, dtype_name) if dtype_name else None
+            reshard_traffic(self.shape, self.mesh, groups, dtype_name, ep=self.ep) if dtype_name else None
         )
         self.last_report: SyncReport | None = None
         self._synced_once = False
@@ -189,7 +198,7 @@ class Resharder:
     def _plan_inputs(self) -> tuple:
         """Everything the plan depends on; it must be equal on every rank, or messages would not match."""
         return (self.shape, self.mesh, self.groups, str(self.dtype), self.config.bucket_bytes,
-                self.config.use_tied_copy, self._gen_tp_index)
+                self.config.use_tied_copy, self._gen_tp_index, self.ep)
 
     def _check_ranks_agree(self) -> None:
         """First sync only: a clear error instead of a gloo size mismatch (or a hang) when ranks were
@@ -236,18 +245,34 @@ class Resharder:
         outputs: dict[str, torch.Tensor] = {}
         own_seconds = digest_seconds = 0.0
         started = time.perf_counter()
+        stacks: dict[str, torch.Tensor] = {}  # stacked expert parameters being filled, slot by slot
+        waiting = {param: len(names) for param, names in self._stacked.items()}
         for bucket in self.plan.buckets:
             resumed = time.perf_counter()
             for name in bucket.opens:
                 target = self.plan.targets[name]
                 has_padding = any(seg.hf_name is None for seg in target.segments)
                 make = torch.zeros if has_padding else torch.empty
-                outputs[name] = make(target.shape, dtype=self.dtype, device=self.device)
-                meter.add(outputs[name].numel() * self._element, output=True)
+                param, slot = split_slot_name(name)
+                if slot is None:
+                    outputs[name] = make(target.shape, dtype=self.dtype, device=self.device)
+                    meter.add(outputs[name].numel() * self._element, output=True)
+                    continue
+                if param not in stacks:  # one allocation for all experts; each slot is a view of it
+                    stacks[param] = make((len(self._stacked[param]), *target.shape), dtype=self.dtype,
+                                         device=self.device)
+                    meter.add(stacks[param].numel() * self._element, output=True)
+                outputs[name] = stacks[param][self._stacked[param].index(name)]
             self._run_bucket(bucket, outputs, meter, counters)
             ready = []
             for name in bucket.completes:
                 tensor = outputs.pop(name)
+                param, slot = split_slot_name(name)
+                if slot is not None:
+                    waiting[param] -= 1
+                    if waiting[param]:
+                        continue
+                    name, tensor = param, stacks.pop(param)
                 meter.remove(tensor.numel() * self._element, output=True)
                 if self.config.checksums:
                     digest_started = time.perf_counter()
@@ -256,8 +281,8 @@ class Resharder:
                 ready.append((name, tensor))
             own_seconds += time.perf_counter() - resumed
             yield from ready
-        if outputs:
-            raise AssertionError(f"plan bug: tensors never completed: {sorted(outputs)}")
+        if outputs or stacks:
+            raise AssertionError(f"plan bug: tensors never completed: {sorted(outputs) + sorted(stacks)}")
         self.last_report = self._report(counters, meter, own_seconds, digest_seconds, time.perf_counter() - started,
                                         checksums)
 

@@ -235,8 +235,14 @@ def _worker_model(worker: Any) -> torch.nn.Module:
     return worker.get_model()
 
 
+def _repacked(module: torch.nn.Module, param: torch.Tensor) -> bool:
+    """Whether vLLM replaced this parameter's loaded layout for its CPU kernels (emptied it, or, for
+    MoE experts, padded and prepacked it)."""
+    return param.numel() == 0 or vllm_patches.capture_supersedes(module)
+
+
 def _expected_shape(module: torch.nn.Module, param_name: str, param: torch.Tensor) -> tuple[int, ...]:
-    if param.numel() > 0:
+    if not _repacked(module, param):
         return tuple(param.shape)
     captured = vllm_patches.captured_params(module).get(param_name)
     if captured is not None:
@@ -250,9 +256,10 @@ def _loaded_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tens
     """(name, tensor) of every parameter in vLLM's load layout (views, not copies)."""
     for name, param in model.named_parameters():
         value = param.detach()
-        if value.numel() == 0:  # repacked for the CPU GEMM kernels: the loaded copy is the truth
-            module_name, _, param_name = name.rpartition(".")
-            captured = vllm_patches.captured_params(model.get_submodule(module_name)).get(param_name)
+        module_name, _, param_name = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if _repacked(module, value):  # repacked for the CPU GEMM kernels: the loaded copy is the truth
+            captured = vllm_patches.captured_params(module).get(param_name)
             if captured is None:
                 raise RuntimeError(
                     f"{name} was repacked by vLLM and not captured: build the engine with "
@@ -327,7 +334,7 @@ def _write_shards_on_worker(
             expected = _expected_shape(module, param_name, param)
             if tuple(shard.shape) != expected:
                 raise ValueError(f"{name}: shard shape {tuple(shard.shape)} != vLLM's {expected}")
-            if param.numel() == 0:
+            if _repacked(module, param):
                 # Repacked (CPU): give the parameter its data back (our own copy: the caller may
                 # reuse its buffer); the processing below repacks it and drops this copy.
                 param.data = shard.to(device=param.device, dtype=param.dtype).clone()
@@ -338,15 +345,22 @@ def _write_shards_on_worker(
                 missing = waiting.setdefault(module_name, {n for n, _ in module.named_parameters(recurse=False)})
                 missing.discard(param_name)
                 if not missing:
-                    module.quant_method.process_weights_after_loading(module)
+                    _process_after_write(module)
                     del waiting[module_name]
         # Layers updated only in part still run on their new values.
         for module_name in waiting:
-            module = model.get_submodule(module_name)
-            module.quant_method.process_weights_after_loading(module)
+            _process_after_write(model.get_submodule(module_name))
         if repack:
             _reprocess_tied_lm_head(model)
     return written
+
+
+def _process_after_write(module: torch.nn.Module) -> None:
+    """vLLM's post-load step of a layer whose parameters were just written (CPU repacking)."""
+    if vllm_patches.capture_supersedes(module):  # MoE experts: the kernel's own step too
+        vllm_patches.reprocess_experts(module)
+    else:
+        module.quant_method.process_weights_after_loading(module)
 
 
 def _kv_cache_blocks_on_worker(worker: Any) -> int:

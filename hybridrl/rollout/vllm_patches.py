@@ -17,6 +17,10 @@ knob for what a colocated RL trainer needs:
    layout vLLM's loader produced is kept on the layer (attribute `CAPTURE_ATTR`) just before the
    packing, for checksums and layout tests. This runs on the first load and on every reload,
    because vLLM's reload path calls the same method. It costs one extra copy of the linear weights.
+   MoE experts (`UnquantizedFusedMoEMethod`): on CPU the post-load step pads each expert's width
+   to the kernel's alignment and prepacks `w13_weight` / `w2_weight` in place of the parameters,
+   which keep a (possibly padded) shape but no longer the loaded layout: the copy is taken before
+   that step and marked as superseding the parameter (`CAPTURE_SUPERSEDES_ATTR`).
 4. `planned_tensor_parallel_groups`: external_launcher builds vLLM's TP groups from consecutive
    ranks. The 3D-HybridEngine wants the generation TP groups HybridFlow §5 chooses (ranks at a
    stride when training TP is a multiple of inference TP), so that each rank's generation shard
@@ -27,9 +31,11 @@ knob for what a colocated RL trainer needs:
 Version caveat: the patched names are `vllm.distributed.parallel_state.destroy_distributed_environment`
 (+ its `_WORLD`, `_NODE_COUNT` globals), `vllm.distributed.device_communicators.cpu_communicator.
 _CPUSHMDistributed.make_group_name`, and `process_weights_after_loading` of
-`vllm.model_executor.layers.linear.UnquantizedLinearMethod` and
-`vllm.model_executor.layers.vocab_parallel_embedding.UnquantizedEmbeddingMethod`. Each installer
-raises a clear error if its target is missing, rather than silently not guarding.
+`vllm.model_executor.layers.linear.UnquantizedLinearMethod`,
+`vllm.model_executor.layers.vocab_parallel_embedding.UnquantizedEmbeddingMethod` and
+`vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method.UnquantizedFusedMoEMethod`
+(+ on a weight update, its `moe_kernel.fused_experts.process_weights_after_loading`:
+`reprocess_experts`). Each installer raises a clear error if its target is missing, rather than silently not guarding.
 """
 from __future__ import annotations
 
@@ -42,6 +48,9 @@ from typing import Any
 import torch
 
 CAPTURE_ATTR = "_hybridrl_loaded_params"
+# Set on a layer whose captured copy is the truth even though its parameters are not empty (MoE
+# experts, padded and prepacked on CPU).
+CAPTURE_SUPERSEDES_ATTR = "_hybridrl_capture_supersedes"
 SHM_TAG_ENV = "HYBRIDRL_VLLM_SHM_TAG"
 
 _installed: set[str] = set()
@@ -161,8 +170,38 @@ def capture_loaded_weights(enabled: bool = True) -> None:
             _original(self, layer)
 
         method_class.process_weights_after_loading = capturing
+
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    moe_original = UnquantizedFusedMoEMethod.process_weights_after_loading
+
+    def capturing_experts(self: Any, layer: torch.nn.Module, _original: Any = moe_original) -> None:
+        if _capture_enabled and not layer.w13_weight.is_meta:
+            setattr(layer, CAPTURE_ATTR, {name: getattr(layer, name).detach().clone()
+                                          for name in ("w13_weight", "w2_weight", "w13_bias", "w2_bias")
+                                          if isinstance(getattr(layer, name, None), torch.Tensor)})
+            setattr(layer, CAPTURE_SUPERSEDES_ATTR, True)
+        _original(self, layer)
+
+    UnquantizedFusedMoEMethod.process_weights_after_loading = capturing_experts
     _installed.add("capture")
 
 
 def captured_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return getattr(module, CAPTURE_ATTR, {})
+
+
+def capture_supersedes(module: torch.nn.Module) -> bool:
+    """Whether this layer's captured copy, not its parameters, is the loaded layout (see module docstring)."""
+    return bool(getattr(module, CAPTURE_SUPERSEDES_ATTR, False))
+
+
+def reprocess_experts(module: torch.nn.Module) -> None:
+    """After new expert weights were written into an MoE layer whose kernel exists: vLLM's post-load
+    step. On a weight update `UnquantizedFusedMoEMethod` skips its kernel's own step (CPU: pad and
+    prepack), which the freshly written loaded-layout weights need: run it here."""
+    method = module.quant_method
+    updating = getattr(method, "moe_kernel", None) is not None
+    method.process_weights_after_loading(module)
+    if updating:
+        method.moe_kernel.fused_experts.process_weights_after_loading(module)

@@ -45,10 +45,12 @@ from hybridrl.config.plan import Plan
 from hybridrl.data.batch import Batch
 from hybridrl.models.bridge import mask_vocab_padding
 from hybridrl.names import Role
+from hybridrl.parallel.device import collective_device
 from hybridrl.training.backend import MegatronBackend
 from hybridrl.training.metrics import average_steps
 from hybridrl.training.micro_batching import partition_rows, restore_order
 from hybridrl.training.mini_batch import train_mini_batch
+from hybridrl.training.moe_metrics import MoERouterMetrics
 from hybridrl.training.sequences import ModelInputs
 
 
@@ -94,6 +96,8 @@ class PolicyUpdateMetrics:
     rollout_log_prob_abs_diff_max: float | None = None
     # padding columns / computed columns of the update's micro-batches, over the DP group
     padding_ratio: float = 0.0
+    # MoE models: `actor/moe_aux_loss`, `actor/moe_expert_imbalance` (`training/moe_metrics.py`)
+    moe: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self, prefix: str = "actor/") -> dict[str, float]:
         names = ("pg_loss", "clipfrac", "clipfrac_lower", "approx_kl", "entropy", "kl_loss", "grad_norm", "lr",
@@ -102,6 +106,7 @@ class PolicyUpdateMetrics:
         out["perf/padding_ratio"] = self.padding_ratio
         if self.rollout_log_prob_abs_diff_max is not None:
             out["rollout/log_prob_abs_diff_max"] = self.rollout_log_prob_abs_diff_max
+        out.update(self.moe)
         return out
 
 
@@ -144,6 +149,9 @@ class MegatronActor:
         self.max_tokens = actor.ppo_max_token_len_per_gpu
         self.shuffle = actor.shuffle
         self.seed = plan.config.trainer.seed
+        shape = backend.source.shape
+        self.moe_metrics = (MoERouterMetrics(backend.chunks, shape.num_layers, shape.num_experts)
+                            if shape.is_moe else None)
 
     # ---------------------------------------------------------------------------- log-probs
     def compute_log_prob(self, batch: Batch, with_entropy: bool = False) -> Batch | None:
@@ -201,6 +209,8 @@ class MegatronActor:
         steps: list[dict[str, float]] = []
         skipped = 0
         backend.tokens_seen.reset()
+        if self.moe_metrics is not None:
+            self.moe_metrics.reset()
         for epoch in range(update.ppo_epochs):
             order = self._row_order(rows, epoch)
             for start in range(0, rows, per_mini):
@@ -211,6 +221,8 @@ class MegatronActor:
                 skipped += not applied
                 steps.append(step)
         padding_ratio = backend.tokens_seen.padding_ratio(backend.ctx.dp_group)
+        moe = ({} if self.moe_metrics is None else
+               self.moe_metrics.collect(backend.ctx, collective_device(), bool(backend.config.sequence_parallel)))
         if not backend.is_output_rank:
             return None
         mean = average_steps(steps)
@@ -220,7 +232,7 @@ class MegatronActor:
             grad_norm=mean["grad_norm"], lr=mean["lr"], optimizer_steps=len(steps), per_step=tuple(steps),
             skipped_steps=skipped,
             rollout_log_prob_abs_diff_max=steps[0].get("rollout_log_prob_abs_diff"),
-            padding_ratio=padding_ratio,
+            padding_ratio=padding_ratio, moe=moe,
         )
 
     def _row_order(self, rows: int, epoch: int) -> list[int]:

@@ -236,6 +236,12 @@ class MegatronBackend:
         if spec.gradient_checkpointing:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         source = value_model_source(spec.model_path) if spec.value_head else ModelSource.from_path(spec.model_path)
+        if source.shape.is_moe:
+            # The router losses act only in a training forward with gradients (megatron's router), so
+            # a frozen role's forward is unchanged by them.
+            overrides.update(moe_router_load_balancing_type=megatron.moe_router_load_balancing_type,
+                             moe_aux_loss_coeff=megatron.moe_aux_loss_coeff,
+                             moe_z_loss_coeff=megatron.moe_z_loss_coeff)
         self.source = source
         chunks = build_gpt_models(source, ctx=self.ctx, dtype=self.dtype, config_overrides=overrides)
         if spec.value_head:

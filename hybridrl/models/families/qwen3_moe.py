@@ -5,9 +5,10 @@ of the router's softmax, renormalized when `norm_topk_prob`. Layers listed in `m
 
 Megatron names are the local spec's MoE layer (`mlp.router`, `mlp.experts.local_experts.{e}` with
 SequentialMLP), checked against megatron-core 0.16.1 by tests/test_models_moe.py. The vLLM names
-are vLLM 0.32's fused MoE parameters (`experts.w13_weight` [E, 2I, H], `experts.w2_weight`
-[E, H, I], router `gate.weight`), read from its qwen3_moe.py / mixtral.py and not yet checked by a
-test: no vLLM plan uses them until experts are resharded (`vllm_layout.check_infer_tp` refuses MoE).
+are vLLM 0.32's fused MoE parameters (`experts.routed_experts.w13_weight` [E, 2I/tp, H],
+`experts.routed_experts.w2_weight` [E, H, I/tp], router `gate.weight`), each expert one slot of the
+stacked parameter (`models.vllm_layout`), checked against vLLM's own loader by
+tests/test_reshard_moe.py.
 """
 from __future__ import annotations
 
@@ -25,16 +26,17 @@ def moe_weights(hf_moe: str, vllm_moe: str, gate: str, up: str, down: str) -> tu
     (`mlp`, Mixtral's `block_sparse_moe`) and whose experts are `{hf_moe}.experts.{e}.{gate|up|down}`."""
     expert = f"{_HF}.{hf_moe}.experts.{{e}}"
     local = f"{_MC}.mlp.experts.local_experts.{{e}}"
+    stacked = f"{_HF}.{vllm_moe}.experts.routed_experts"  # vLLM: every expert of the layer, stacked
     return (
         WeightSpec((HFTensor(f"{_HF}.{hf_moe}.gate.weight", ("experts", "hidden")),),
                    f"{_MC}.mlp.router.weight", f"{_HF}.{vllm_moe}.gate.weight", Split.REPLICATED,
                    mlp=MLPKind.MOE),
         WeightSpec((HFTensor(f"{expert}.{gate}.weight", ("moe_ffn", "hidden")),
                     HFTensor(f"{expert}.{up}.weight", ("moe_ffn", "hidden"))),
-                   f"{local}.linear_fc1.weight", f"{_HF}.{vllm_moe}.experts.w13_weight", Split.FUSED_COLUMN,
+                   f"{local}.linear_fc1.weight", f"{stacked}.w13_weight", Split.FUSED_COLUMN,
                    mlp=MLPKind.MOE, expert=True),
         WeightSpec((HFTensor(f"{expert}.{down}.weight", ("hidden", "moe_ffn")),),
-                   f"{local}.linear_fc2.weight", f"{_HF}.{vllm_moe}.experts.w2_weight", Split.ROW,
+                   f"{local}.linear_fc2.weight", f"{stacked}.w2_weight", Split.ROW,
                    mlp=MLPKind.MOE, expert=True),
     )
 

@@ -1,0 +1,85 @@
+"""Per-update router figures of a mixture-of-experts actor: the load-balancing loss megatron applied
+and how unevenly the router spread the tokens over the experts.
+
+- `actor/moe_aux_loss`: megatron's load-balancing loss without its coefficient, as its router records
+  it per layer and micro-batch (`moe_utils.save_to_aux_losses_tracker`, name
+  "load_balancing_loss"), averaged over the MoE layers and the update's micro-batches of every DP
+  rank. Logged only while the loss is on (`moe_aux_loss_coeff > 0`, type aux_loss).
+- `actor/moe_expert_imbalance`: per MoE layer, the tokens routed to its busiest expert over the mean
+  per expert (1 = even, top-k = every token to the same experts), from the routing map of every
+  training forward of the update, counted over all DP/CP ranks; the mean over the layers. Padding
+  positions of a padded micro-batch are routed too and count.
+
+Counted by forward hooks on megatron's `TopKRouter` modules (the routing map is its output).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+TRACKER_NAME = "load_balancing_loss"
+
+
+class MoERouterMetrics:
+    """Hooks on this rank's routers; `reset()` before an update, `collect()` (collective over the
+    world group) after it."""
+
+    def __init__(self, chunks: Sequence[Any], num_layers: int, num_experts: int) -> None:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.num_layers, self.num_experts = num_layers, num_experts
+        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+        self.calls = torch.zeros(num_layers, dtype=torch.float64)
+        self._handles = []
+        for chunk in chunks:
+            for module in chunk.modules():
+                if isinstance(module, TopKRouter):
+                    self._handles.append(module.register_forward_hook(self._hook))
+
+    def _hook(self, module: Any, _inputs: Any, output: Any) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return  # log-prob passes and the reference: not the update's routing
+        _probs, routing_map = output
+        layer = module.layer_number - 1  # megatron's layer_number is global and 1-based
+        self.counts[layer] += routing_map.detach().sum(dim=0).to("cpu", torch.float64)
+        self.calls[layer] += 1
+
+    def reset(self) -> None:
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+        self.counts.zero_()
+        self.calls.zero_()
+        clear_aux_losses_tracker()
+
+    def collect(self, ctx: Any, device: torch.device, sequence_parallel: bool) -> dict[str, float]:
+        """The figures of the update since `reset()`, the same on every rank (all-reduced over the
+        world group: every rank must call it)."""
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        tracked = get_moe_layer_wise_logging_tracker().get(TRACKER_NAME)
+        losses = torch.zeros(self.num_layers, dtype=torch.float64)
+        if tracked is not None:
+            losses += tracked["values"].detach().to("cpu", torch.float64)
+        # Without sequence parallelism TP peers route the same tokens: TP rank 0 counts them. The
+        # micro-batches are counted once per DP rank (TP and CP rank 0). Every rank adds its part
+        # of the loss: megatron's router splits each micro-batch's loss so that its parts over the
+        # TP x CP group sum to it (`get_tokens_per_expert_and_token_count` over tp_cp_group).
+        zero = torch.zeros_like
+        counts = self.counts if sequence_parallel or ctx.tp_rank == 0 else zero(self.counts)
+        calls = self.calls if ctx.tp_rank == 0 and ctx.cp_rank == 0 else zero(self.calls)
+        packed = torch.cat([counts.reshape(-1), calls, losses]).to(device)
+        dist.all_reduce(packed)
+        packed = packed.cpu()
+        e, n = self.num_experts, self.num_layers
+        counts, calls, losses = packed[: n * e].view(n, e), packed[n * e: n * e + n], packed[n * e + n:]
+        routed = calls > 0
+        out: dict[str, float] = {}
+        if routed.any():
+            per_layer = counts[routed]
+            out["actor/moe_expert_imbalance"] = float((per_layer.max(dim=1).values / per_layer.mean(dim=1)).mean())
+            if tracked is not None:
+                out["actor/moe_aux_loss"] = float((losses[routed] / calls[routed]).mean())
+        return out

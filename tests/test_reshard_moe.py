@@ -1,0 +1,176 @@
+"""MoE experts resharded from megatron's EP layout into vLLM's stacked expert parameters.
+
+vLLM 0.32 (TP over each expert's width, its default) holds a layer's experts as
+`experts.routed_experts.w13_weight` [E, 2 I / tp, H] (gate rows of rank r, then up rows) and
+`w2_weight` [E, H, I / tp]. The tests compare, bit for bit:
+- `hf_to_vllm_shards` with slices written here from the HF per-expert tensors;
+- vLLM's own loader (engines in forked ranks; on CPU the copy taken before the pad-and-prepack step,
+  `vllm_patches.capture_loaded_weights`) with the resharder's output, at training EP1 and EP2;
+- the bytes each rank received with the expert slices it lacked, counted here.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hybridrl.config.meshes import build_reshard_groups, build_training_mesh
+from hybridrl.models.arch import ModelShape
+from hybridrl.models.vllm_layout import vllm_param_shapes
+from hybridrl.parallel.forked import run_ranks
+from hybridrl.reshard.checksums import shard_checksums, verify_checksums
+from hybridrl.reshard.layout import hf_to_vllm_shards
+from hybridrl.reshard.reshard_plan import expert_domain, expert_rank_of
+from tests import rollout_scenarios
+from tests.test_models_fixtures import make_hf_model, read_json, safetensors_state
+
+# HF module of the experts and the names of gate / up / down, written here independently of the tables
+MOE_NAMES = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+             "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("moe_reshard")
+    # max_position_embeddings: the vLLM test engines run 128-token contexts; vLLM's CPU attention
+    # has no kernel for Mixtral's default head_dim here (hidden / heads = 16)
+    extra = {"mixtral": {"head_dim": 32}}
+    return {arch: make_hf_model(root / arch, arch, seed=40 + i, max_position_embeddings=128, **extra.get(arch, {}))
+            for i, arch in enumerate(MOE_NAMES)}
+
+
+def _expected_experts(hf: dict[str, torch.Tensor], arch: str, shape: ModelShape, infer_tp: int, rank: int,
+                      layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    module, gate, up, down = MOE_NAMES[arch]
+    width = shape.moe_ffn_hidden_size // infer_tp
+    part = slice(rank * width, (rank + 1) * width)
+    prefix = f"model.layers.{layer}.{module}.experts"
+    w13 = torch.stack([torch.cat([hf[f"{prefix}.{e}.{gate}.weight"][part], hf[f"{prefix}.{e}.{up}.weight"][part]])
+                       for e in range(shape.num_experts)])
+    w2 = torch.stack([hf[f"{prefix}.{e}.{down}.weight"][:, part] for e in range(shape.num_experts)])
+    return w13, w2
+
+
+@pytest.mark.parametrize("arch", list(MOE_NAMES))
+@pytest.mark.parametrize("infer_tp", [1, 2])
+def test_expert_layout_stacks_each_experts_slice(hf_dirs, arch, infer_tp):
+    hf, config = safetensors_state(hf_dirs[arch]), read_json(hf_dirs[arch] / "config.json")
+    shape = ModelShape.from_hf_config(config)
+    module = MOE_NAMES[arch][0]
+    for rank in range(infer_tp):
+        out = hf_to_vllm_shards(hf, config, infer_tp, rank)
+        assert {n: tuple(t.shape) for n, t in out.items()} == vllm_param_shapes(config, infer_tp, rank)
+        for layer in range(shape.num_layers):
+            prefix = f"model.layers.{layer}.{module}"
+            if not shape.layer_is_moe(layer):
+                assert f"{prefix}.experts.routed_experts.w13_weight" not in out
+                continue
+            w13, w2 = _expected_experts(hf, arch, shape, infer_tp, rank, layer)
+            assert torch.equal(out[f"{prefix}.experts.routed_experts.w13_weight"], w13), (rank, layer)
+            assert torch.equal(out[f"{prefix}.experts.routed_experts.w2_weight"], w2), (rank, layer)
+            assert torch.equal(out[f"{prefix}.gate.weight"], hf[f"{prefix}.gate.weight"])  # router: whole
+
+
+def test_expert_domain_follows_megatrons_expert_mesh():
+    mesh = build_training_mesh(8, 1, 1, cp=2)  # dp 4, cp 2: EP counts cp fastest, then dp
+    assert [expert_rank_of(mesh, 4, dp, cp) for dp in range(4) for cp in range(2)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert expert_domain(mesh, 4, 3, 0) == [(2, 0), (2, 1), (3, 0), (3, 1)]
+    assert expert_domain(mesh, 1, 1, 1) == [(1, 1)]
+    with pytest.raises(ValueError, match="ep=3 does not divide"):
+        expert_domain(mesh, 3, 0, 0)
+
+
+# ---- against real megatron and real vLLM -------------------------------------------------------------
+
+def _moe_reshard_rank(rank: int, world_size: int, hf_dir: str, tp: int, ep: int, infer_tp: int,
+                      bucket_bytes: int) -> dict[str, Any]:
+    from hybridrl.models.bridge import build_gpt_models, load_weights
+    from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
+    from hybridrl.reshard.resharder import ReshardConfig, Resharder
+
+    ctx = initialize_model_parallel(tp=tp, ep=ep, device="cpu")
+    try:
+        models = build_gpt_models(hf_dir)
+        load_weights(models, hf_dir)
+        groups = build_reshard_groups(build_training_mesh(world_size, tp, 1), infer_tp)
+        resharder = Resharder(models, groups, config=ReshardConfig(bucket_bytes=bucket_bytes))
+        return {"shards": resharder.reshard(), "report": resharder.last_report, "ep_rank": ctx.ep_rank}
+    finally:
+        destroy_model_parallel()
+
+
+@pytest.fixture(scope="module")
+def vllm_loaded(hf_dirs):
+    """What vLLM's own loader holds, per (arch, infer_tp), per TP rank (engines built on demand)."""
+    cache: dict[tuple[str, int], list[dict[str, torch.Tensor]]] = {}
+
+    def get(arch: str, infer_tp: int) -> list[dict[str, torch.Tensor]]:
+        if (arch, infer_tp) not in cache:
+            results = run_ranks(rollout_scenarios.layout_snapshot, infer_tp, str(hf_dirs[arch]), infer_tp,
+                                timeout_s=500)
+            cache[arch, infer_tp] = [r["snapshot"] for r in results]
+        return cache[arch, infer_tp]
+
+    return get
+
+
+def _expert_bytes_missing(shape: ModelShape, ep: int, infer_tp: int, element: int = 4) -> int:
+    """What a rank must receive: of each MoE layer's experts it does not hold (all but E / ep), the
+    w13 and w2 slices of its vLLM rank (3 * I / infer_tp * H elements each); the rest it holds."""
+    foreign = shape.num_experts - shape.num_experts // ep
+    per_expert = 3 * shape.moe_ffn_hidden_size // infer_tp * shape.hidden_size
+    return len(shape.moe_layers) * foreign * per_expert * element
+
+
+# (arch, tp, ep, world, infer_tp, bucket bytes)
+MOE_LAYOUTS = [
+    ("qwen3_moe", 1, 2, 2, 1, 16 << 10),
+    ("qwen3_moe", 1, 2, 2, 2, 512 << 20),
+    ("qwen3_moe", 1, 1, 2, 2, 512 << 20),
+    ("qwen3_moe", 1, 1, 1, 1, 512 << 20),
+    ("qwen3_moe", 2, 2, 4, 2, 16 << 10),  # TP2 x EP2: each expert TP-split on the megatron side
+    ("qwen3_moe", 2, 2, 4, 1, 512 << 20),
+    ("mixtral", 1, 2, 2, 2, 16 << 10),
+    ("mixtral", 1, 2, 2, 1, 512 << 20),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,tp,ep,world,infer_tp,bucket", MOE_LAYOUTS,
+                         ids=[f"{a}-tp{t}ep{e}w{w}-itp{i}" for a, t, e, w, i, _ in MOE_LAYOUTS])
+def test_resharded_experts_equal_vllms_own_loader(hf_dirs, vllm_loaded, arch, tp, ep, world, infer_tp, bucket):
+    hf_dir = hf_dirs[arch]
+    results = run_ranks(_moe_reshard_rank, world, str(hf_dir), tp, ep, infer_tp, bucket, timeout_s=400)
+    loaded = vllm_loaded(arch, infer_tp)
+    hf_state, config = safetensors_state(hf_dir), read_json(hf_dir / "config.json")
+    shape = ModelShape.from_hf_config(config)
+    mesh = build_training_mesh(world, tp, 1)
+    groups = build_reshard_groups(mesh, infer_tp)
+    for rank, result in enumerate(results):
+        coord = mesh.coord(rank)
+        assert result["ep_rank"] == expert_rank_of(mesh, ep, coord.dp, coord.cp)
+        shards, report = result["shards"], result["report"]
+        held = loaded[groups.gen_tp_index[rank]]
+        assert sorted(shards) == sorted(held), f"rank {rank}: names differ from vLLM's"
+        for name, tensor in held.items():
+            assert shards[name].dtype == tensor.dtype and torch.equal(shards[name], tensor), f"rank {rank}: {name}"
+        expected = hf_to_vllm_shards(hf_state, config, infer_tp, groups.gen_tp_index[rank])
+        verify_checksums(report.checksums, shard_checksums(expected.items()), rank)
+        assert report.bytes_received == report.planned_bytes_received == report.exact_lower_bound_bytes
+        if tp in (1, infer_tp):
+            # dense weights: each rank already holds its vLLM shard of them (whole at tp 1, the same
+            # TP part at tp = infer_tp); experts: only the other EP ranks' slices move
+            assert report.bytes_received == _expert_bytes_missing(shape, ep, infer_tp)
+            # the Plan's estimate (`reshard_traffic`, what `hybridrl plan` shows) counts the experts alike
+            assert report.plan_bytes_received == report.plan_lower_bound_bytes == report.bytes_received
+        else:  # tp 2 -> infer_tp 1: the other TP half of everything too, vocab padding aside
+            assert report.bytes_received > _expert_bytes_missing(shape, ep, infer_tp)
+        domain = {mesh.rank_of(tp=t, cp=c, dp=d, pp=0) for d, c in expert_domain(mesh, ep, coord.dp, coord.cp)
+                  for t in range(tp)}
+        assert set(report.peers) <= domain - {rank}
+        assert report.peak_buffer_bytes <= bucket
+    assert sum(r["report"].bytes_sent for r in results) == sum(r["report"].bytes_received for r in results)
+    if bucket < 64 << 10 and ep > 1:
+        assert results[0]["report"].buckets > 1, "the small bucket should split the sync"

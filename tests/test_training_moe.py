@@ -1,0 +1,122 @@
+"""A mixture-of-experts actor update on forked gloo ranks (no Ray): expert parallelism changes
+where the experts live and how their gradients are reduced, not the step.
+
+At EP2 each rank holds half the experts and megatron's alltoall dispatcher sends it the tokens of
+both DP ranks routed to them; the expert gradients then reduce over the expert-data-parallel group
+(size 1 here) while the dense ones reduce over DP. Loss, grad norm and the updated weights must equal
+the single-rank step's and the EP1 step's at the same DP.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from hybridrl.parallel.forked import run_ranks
+from tests.test_models_fixtures import make_hf_model, safetensors_state
+from tests.test_training_fixtures import job_config, rollout_batch
+from tests.test_training_ranks import _update_rank
+
+# (world, ep); the first is the single-rank reference
+MOE_LAYOUTS = ((1, 1), (2, 1), (2, 2))
+
+
+@pytest.mark.slow
+def test_moe_update_at_ep2_equals_ep1(tmp_path):
+    hf = make_hf_model(tmp_path / "hf", "qwen3_moe", seed=7)
+    batch = rollout_batch(8)
+    runs: dict[tuple[int, int], tuple[Any, dict]] = {}
+    for world, ep in MOE_LAYOUTS:
+        out = tmp_path / f"out_w{world}ep{ep}"
+        config = job_config(hf, world=world, use_kl_loss=True, entropy_coeff=0.01)
+        config.actor_rollout_ref.actor.megatron.expert_model_parallel_size = ep
+        results = run_ranks(_update_rank, world, config, batch, str(out), timeout_s=400)
+        metrics = [r["metrics"] for r in results if r["metrics"] is not None]
+        assert len(metrics) == world  # one output rank per DP replica
+        if ep > 1:  # the ranks hold different experts (same local names) and the same dense weights
+            mine, theirs = results[0]["digests"], results[1]["digests"]
+            experts = [n for n in mine if "local_experts" in n]
+            assert experts and all(mine[n] != theirs[n] for n in experts)
+            assert all(mine[n] == theirs[n] for n in mine if "local_experts" not in n)
+        runs[world, ep] = (metrics[0], safetensors_state(out))
+    base_metrics, base_state = runs[MOE_LAYOUTS[0]]
+    initial = safetensors_state(hf)
+    for key, (metrics, state) in runs.items():
+        assert abs(metrics.pg_loss - base_metrics.pg_loss) < 1e-5, key
+        assert abs(metrics.grad_norm - base_metrics.grad_norm) < 1e-5, key
+        assert abs(metrics.kl_loss - base_metrics.kl_loss) < 1e-5, key
+        assert sorted(state) == sorted(base_state)
+        for name, value in base_state.items():
+            assert (state[name] - value).abs().max() <= 1e-5, (key, name)
+    experts = [n for n in initial if ".experts." in n]
+    assert experts and max((base_state[n] - initial[n]).abs().max() for n in experts) > 1e-3  # experts moved
+
+
+def _router_update_rank(rank: int, world: int, config: Any, batch: Any) -> dict[str, Any]:
+    """One update with every training router call's input and weight recorded (plain hooks)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from hybridrl.config.plan import build_plan
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.backend import MegatronBackend, role_spec
+
+    plan = build_plan(config)
+    backend = MegatronBackend(role_spec(plan, "actor"))
+    actor = MegatronActor(backend, plan)
+    calls: list[tuple[int, Any, Any]] = []
+
+    def record(module: Any, args: tuple, kwargs: dict) -> None:
+        if module.training and torch.is_grad_enabled():
+            assert kwargs.get("padding_mask") is None  # every position is routed and counted
+            calls.append((module.layer_number, args[0].detach().clone(), module.weight.detach().clone()))
+
+    for chunk in backend.chunks:
+        for module in chunk.modules():
+            if isinstance(module, TopKRouter):
+                module.register_forward_pre_hook(record, with_kwargs=True)
+    chunk = batch.split(backend.ctx.dp)[backend.ctx.dp_rank]
+    return {"metrics": actor.update_policy(chunk), "calls": calls}
+
+
+def _reference_router_figures(calls: list[tuple[int, Any, Any]], top_k: int) -> tuple[float, float]:
+    """megatron's load-balancing loss (Switch: E / (k T^2) * sum_e P_e N_e per micro-batch, P_e the
+    summed softmax over all experts, N_e the tokens whose top-k holds e), averaged over calls and
+    layers; and the mean over layers of max/mean tokens per expert, in float64 from the router's
+    input and weight."""
+    losses: dict[int, list[float]] = {}
+    counts: dict[int, Any] = {}
+    for layer, hidden, weight in calls:
+        logits = hidden.reshape(-1, hidden.shape[-1]).double() @ weight.double().t()
+        probs = torch.softmax(logits, dim=-1)
+        chosen = torch.zeros_like(probs).scatter_(1, probs.topk(top_k, dim=-1).indices, 1.0)
+        tokens, experts = probs.shape
+        loss = experts / (top_k * tokens**2) * (probs.sum(0) * chosen.sum(0)).sum()
+        losses.setdefault(layer, []).append(float(loss))
+        counts[layer] = counts.get(layer, 0) + chosen.sum(0)
+    aux = sum(sum(v) / len(v) for v in losses.values()) / len(losses)
+    imbalance = sum(float(c.max() / c.mean()) for c in counts.values()) / len(counts)
+    return aux, imbalance
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,ep", [(1, 1), (2, 2)])
+def test_router_aux_loss_and_imbalance_are_megatrons(tmp_path, world, ep):
+
+    hf = make_hf_model(tmp_path / "hf", "qwen3_moe", seed=8)
+    batch = rollout_batch(8)
+    config = job_config(hf, world=world)
+    mc = config.actor_rollout_ref.actor.megatron
+    mc.expert_model_parallel_size, mc.moe_aux_loss_coeff = ep, 0.01
+    results = run_ranks(_router_update_rank, world, config, batch, timeout_s=400)
+    top_k = 2
+    calls = [c for r in results for c in r["calls"]]
+    assert len({c[0] for c in calls}) == 3  # the MoE layers 0, 1, 3 (layer 2 is dense)
+    # the DP ranks' micro-batches are separate loss terms: the metric averages them all
+    aux, imbalance = _reference_router_figures(calls, top_k)
+    for result in results:
+        metrics = result["metrics"].as_dict()
+        assert metrics["actor/moe_aux_loss"] == pytest.approx(aux, rel=1e-5)
+        assert metrics["actor/moe_expert_imbalance"] == pytest.approx(imbalance, rel=1e-9)
+        assert 1.0 <= imbalance <= 8 / top_k
+    assert 0 < aux < 10  # Switch's loss is top_k-normalized: 1 when perfectly balanced
