@@ -73,6 +73,15 @@ def _attention_rank(rank: int, world: int, seq: int, batch: int) -> dict[str, An
         DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
     except AssertionError as err:
         refused = str(err)
+    # the backend's split of a [b, s] batch is megatron-core's own helper's, on the real CP group
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from hybridrl.parallel.context_parallel import split_for_cp_rank
+
+    ids = torch.arange(batch * seq).reshape(batch, seq)
+    megatron_split = get_batch_on_this_cp_rank({"tokens": ids.clone()},
+                                               parallel_state.get_context_parallel_group())["tokens"]
     with torch.no_grad():  # the local queries against the local keys only: the test can tell the gather
         alone = super(type(stand_in), stand_in).forward(*(t.detach() for t in local), None,
                                                          attn_mask_type=AttnMaskType.causal)
@@ -83,6 +92,7 @@ def _attention_rank(rank: int, world: int, seq: int, batch: int) -> dict[str, An
         "grad_scale": min(float(a.grad.abs().max()) for a in local),
         "local_only_gap": float((alone - ref[columns].detach()).abs().max()),
         "megatron_refuses": refused,
+        "split_is_megatrons": torch.equal(split_for_cp_rank(ids, 1, world, ctx.cp_rank), megatron_split),
     }
 
 
@@ -95,3 +105,121 @@ def test_cpu_attention_stand_in_under_cp2_equals_plain_torch():
         assert max(r["grad_vs_torch"]) < 1e-5 and r["grad_scale"] > 1e-2, r
         assert r["local_only_gap"] > 1e-2
         assert r["megatron_refuses"] is not None and "Context parallelism" in r["megatron_refuses"]
+        assert r["split_is_megatrons"]
+
+
+# ---- the training backend: CP2 = CP1 = transformers --------------------------------------------------
+TOL = 1e-5
+
+
+def with_cp(config: Any, cp: int) -> Any:
+    config.actor_rollout_ref.actor.megatron.context_parallel_size = cp
+    config.critic.megatron.context_parallel_size = cp
+    return config
+
+
+def _log_prob_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
+    from hybridrl.config.plan import build_plan
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.backend import MegatronBackend, role_spec
+
+    plan = build_plan(config)
+    backend = MegatronBackend(role_spec(plan, "actor"))
+    out = MegatronActor(backend, plan).compute_log_prob(batch, with_entropy=True)
+    micro = backend.micro_batches(batch.tensors, [[0, 1, 2, 3]])[0]
+    return {"out": None if out is None else {k: v.clone() for k, v in out.tensors.items()},
+            "cp": (backend.ctx.cp, backend.ctx.cp_rank), "width": micro.seq_length}
+
+
+def test_cp2_log_probs_and_entropy_equal_cp1_and_transformers(tmp_path):
+    """Rows 0-3 hold a full row (13 columns): at CP2 the micro-batch is padded to 16 = 4 chunks of 4."""
+    from tests.test_training_fixtures import hf_response_log_probs, job_config, policy_model, rollout_batch
+
+    hf = policy_model(tmp_path / "hf")
+    batch = rollout_batch(8, seed=9)
+    ref_lp, ref_ent = hf_response_log_probs(hf, batch)
+    runs = {}
+    for cp in (1, 2):
+        results = run_ranks(_log_prob_rank, cp, with_cp(job_config(hf, world=cp, micro=4), cp), batch)
+        assert sorted(r["cp"] for r in results) == [(cp, r) for r in range(cp)]
+        assert all(r["width"] == (13 if cp == 1 else 16) for r in results)
+        outs = [r["out"] for r in results if r["out"] is not None]
+        assert len(outs) == 1  # CP rank 0 answers
+        runs[cp] = outs[0]
+    for key, ref in (("old_log_probs", ref_lp), ("entropys", ref_ent)):
+        assert (runs[2][key] - runs[1][key]).abs().max() <= TOL, key
+        assert (runs[2][key] - ref).abs().max() <= TOL, key
+        assert runs[2][key].abs().max() > 1e-2
+
+
+def _update_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
+    from hybridrl.config.plan import build_plan
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.backend import MegatronBackend, role_spec
+
+    plan = build_plan(config)
+    backend = MegatronBackend(role_spec(plan, "actor"))
+
+    def weights() -> dict[str, torch.Tensor]:
+        return {f"{i}.{n}": p.detach().clone() for i, c in enumerate(backend.chunks) for n, p in c.named_parameters()}
+
+    before = weights()
+    metrics = MegatronActor(backend, plan).update_policy(batch.split(backend.ctx.dp)[backend.ctx.dp_rank])
+    return {"metrics": metrics, "weights": weights(), "before": before}
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_cp2_update_equals_cp1(tmp_path, dp):
+    """One PPO step (KL loss, entropy bonus) at CP2 (and DP2 × CP2): loss, grad norm and every weight of
+    every rank equal CP1's at the same DP."""
+    from tests.test_training_fixtures import job_config, policy_model, rollout_batch
+
+    hf = policy_model(tmp_path / "hf")
+    batch = rollout_batch(8, seed=10)
+    runs = {}
+    for cp in (1, 2):
+        config = with_cp(job_config(hf, world=dp * cp, micro=2, use_kl_loss=True, entropy_coeff=0.01), cp)
+        results = run_ranks(_update_rank, dp * cp, config, batch)
+        metrics = [r["metrics"] for r in results if r["metrics"] is not None]
+        assert len(metrics) == dp  # CP rank 0 of each DP rank answers
+        runs[cp] = (metrics[0], [r["weights"] for r in results])
+        before = results[0]["before"]
+    (m1, w1), (m2, w2) = runs[1], runs[2]
+    for name in ("pg_loss", "grad_norm", "kl_loss", "entropy", "approx_kl", "clipfrac"):
+        assert abs(getattr(m2, name) - getattr(m1, name)) <= TOL, name
+    assert m1.grad_norm > 1e-2
+    moved = max(float((w1[0][n] - p).abs().max()) for n, p in before.items())
+    assert moved > 1e-3  # the step moved the weights: equal weights are a finding
+    for weights in w2:  # every CP and DP rank holds CP1's updated weights
+        for name, value in w1[0].items():
+            assert (weights[name] - value).abs().max() <= TOL, name
+
+
+def _critic_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
+    from hybridrl.config.plan import build_plan
+    from hybridrl.training.backend import MegatronBackend, role_spec
+    from hybridrl.training.critic import MegatronCritic
+
+    plan = build_plan(config)
+    critic = MegatronCritic(MegatronBackend(role_spec(plan, "critic")), plan)
+    values = critic.compute_values(batch)
+    metrics = critic.update_critic(batch)
+    return {"values": None if values is None else values["values"].clone(), "metrics": metrics}
+
+
+def test_cp2_critic_values_and_update_equal_cp1(tmp_path):
+    from tests.test_training_fixtures import job_config, policy_model, rollout_batch, sequence_classifier, with_critic
+
+    hf = policy_model(tmp_path / "hf")
+    critic = sequence_classifier(tmp_path / "critic")
+    batch = rollout_batch(8, seed=3)
+    runs = {}
+    for cp in (1, 2):
+        config = with_cp(with_critic(job_config(hf, world=cp, micro=4), critic), cp)
+        results = [r for r in run_ranks(_critic_rank, cp, config, batch) if r["values"] is not None]
+        assert len(results) == 1
+        runs[cp] = results[0]
+    assert (runs[2]["values"] - runs[1]["values"]).abs().max() <= TOL
+    assert runs[1]["values"].abs().max() > 1e-2
+    for name in ("vf_loss", "grad_norm", "vpred_mean"):
+        assert abs(getattr(runs[2]["metrics"], name) - getattr(runs[1]["metrics"], name)) <= TOL, name
