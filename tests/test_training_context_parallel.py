@@ -131,8 +131,10 @@ def _log_prob_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
             "cp": (backend.ctx.cp, backend.ctx.cp_rank), "width": micro.seq_length}
 
 
-def test_cp2_log_probs_and_entropy_equal_cp1_and_transformers(tmp_path):
-    """Rows 0-3 hold a full row (13 columns): at CP2 the micro-batch is padded to 16 = 4 chunks of 4."""
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+def test_cp2_log_probs_and_entropy_equal_cp1_and_transformers(tmp_path, tp, pp):
+    """Rows 0-3 hold a full row (13 columns): at CP2 the micro-batch is padded to 16 = 4 chunks of 4.
+    With TP2 (vocab-parallel log-probs) and PP2 (the last stage gathers, activations go on local)."""
     from tests.test_training_fixtures import hf_response_log_probs, job_config, policy_model, rollout_batch
 
     hf = policy_model(tmp_path / "hf")
@@ -140,8 +142,10 @@ def test_cp2_log_probs_and_entropy_equal_cp1_and_transformers(tmp_path):
     ref_lp, ref_ent = hf_response_log_probs(hf, batch)
     runs = {}
     for cp in (1, 2):
-        results = run_ranks(_log_prob_rank, cp, with_cp(job_config(hf, world=cp, micro=4), cp), batch)
-        assert sorted(r["cp"] for r in results) == [(cp, r) for r in range(cp)]
+        world = tp * pp * cp
+        config = with_cp(job_config(hf, world=world, tp=tp, pp=pp, micro=4), cp)
+        results = run_ranks(_log_prob_rank, world, config, batch)
+        assert sorted(r["cp"] for r in results) == sorted((cp, r % cp) for r in range(world))
         assert all(r["width"] == (13 if cp == 1 else 16) for r in results)
         outs = [r["out"] for r in results if r["out"] is not None]
         assert len(outs) == 1  # CP rank 0 answers
@@ -165,7 +169,8 @@ def _update_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
 
     before = weights()
     metrics = MegatronActor(backend, plan).update_policy(batch.split(backend.ctx.dp)[backend.ctx.dp_rank])
-    return {"metrics": metrics, "weights": weights(), "before": before}
+    return {"metrics": metrics, "weights": weights(), "before": before,
+            "coords": (backend.ctx.tp_rank, backend.ctx.pp_rank)}
 
 
 @pytest.mark.parametrize("dp", [1, 2])
@@ -193,6 +198,32 @@ def test_cp2_update_equals_cp1(tmp_path, dp):
     for weights in w2:  # every CP and DP rank holds CP1's updated weights
         for name, value in w1[0].items():
             assert (weights[name] - value).abs().max() <= TOL, name
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_cp2_update_with_tp2_or_pp2_equals_cp1(tmp_path, tp, pp):
+    """TP2 × CP2 and PP2 × CP2 (4 ranks) against CP1 on the same TP/PP: loss, grad norm, each shard's weights."""
+    from tests.test_training_fixtures import job_config, policy_model, rollout_batch
+
+    hf = policy_model(tmp_path / "hf")
+    batch = rollout_batch(8, seed=12)
+    runs = {}
+    for cp in (1, 2):
+        world = tp * pp * cp
+        config = with_cp(job_config(hf, world=world, tp=tp, pp=pp, micro=2, use_kl_loss=True), cp)
+        results = run_ranks(_update_rank, world, config, batch)
+        metrics = [r["metrics"] for r in results if r["metrics"] is not None]
+        assert len(metrics) == 1
+        runs[cp] = (metrics[0], [(r["coords"], r["weights"]) for r in results])
+    (m1, w1), (m2, w2) = runs[1], runs[2]
+    for name in ("pg_loss", "grad_norm", "kl_loss", "entropy"):
+        assert abs(getattr(m2, name) - getattr(m1, name)) <= TOL, name
+    assert m1.grad_norm > 1e-2
+    cp1 = dict(w1)
+    assert sorted(cp1) == sorted({c for c, _ in w2})
+    for coords, weights in w2:
+        for name, value in cp1[coords].items():
+            assert (weights[name] - value).abs().max() <= TOL, (coords, name)
 
 
 def _critic_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
@@ -223,3 +254,29 @@ def test_cp2_critic_values_and_update_equal_cp1(tmp_path):
     assert runs[1]["values"].abs().max() > 1e-2
     for name in ("vf_loss", "grad_norm", "vpred_mean"):
         assert abs(getattr(runs[2]["metrics"], name) - getattr(runs[1]["metrics"], name)) <= TOL, name
+
+
+# ---- checkpoints resume across CP sizes ---------------------------------------------------------------
+def test_cp2_checkpoint_resumes_on_cp1_and_back(tmp_path):
+    """An actor step at CP2 (distributed optimizer: Adam state sharded over DP × CP) saved, resumed at
+    CP1 and at CP2: the next step (loss, grad norm, lr, every weight) is the same; a CP1 checkpoint
+    resumed at CP2 gives it too. The optimizer state and the weights are CP-invariant."""
+    from tests.test_training_checkpoint_layouts import _assert_same_next_step, _config, _rank, _run
+    from tests.test_training_fixtures import policy_model, rollout_batch
+
+    hf = policy_model(tmp_path / "hf")
+    batches = [rollout_batch(8, seed=5), rollout_batch(8, seed=6)]
+
+    def config(cp: int) -> Any:
+        return with_cp(_config(hf, tp=1, pp=1, dp=cp, distributed=True), cp)  # world = cp: DP 1
+
+    ckpt2, ckpt1 = tmp_path / "cp2", tmp_path / "cp1"
+    run_ranks(_rank, 2, config(2), batches, str(ckpt2), "", "save")
+    run_ranks(_rank, 1, config(1), batches, str(ckpt1), "", "save")
+    reference = _run(config(2), 2, batches, ckpt2, tmp_path / "ref", "resume")
+    assert reference["resharded"] is False
+    on_cp1 = _run(config(1), 1, batches, ckpt2, tmp_path / "on_cp1", "resume")
+    assert on_cp1["resharded"] is True
+    _assert_same_next_step(on_cp1, reference, "cp2 -> cp1")
+    from_cp1 = _run(config(2), 2, batches, ckpt1, tmp_path / "from_cp1", "resume")
+    _assert_same_next_step(from_cp1, reference, "cp1 -> cp2")
