@@ -58,12 +58,14 @@ def _attention_rank(rank: int, world: int, seq: int, batch: int) -> dict[str, An
     v = torch.randn(seq, batch, KV_HEADS, HEAD_DIM, generator=gen)
     weight = torch.randn(seq, batch, HEADS * HEAD_DIM, generator=gen)
     columns = cp_columns(seq, world, ctx.cp_rank)
-    local = [t[columns].clone().requires_grad_(True) for t in (q, k, v)]
+    # `.cuda()`: where megatron's activations live (a no-op under the CPU layer; strict-device mode tags
+    # them as device tensors, so the gathers are checked as NCCL would check them)
+    local = [t[columns].cuda().clone().requires_grad_(True) for t in (q, k, v)]
     stand_in = cpu_packed_attention_class()(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
                                             attention_type="self")
     out = stand_in(*local, None, attn_mask_type=AttnMaskType.causal)
     # the CP ranks' losses add up to the whole sequence's: the gradient of a key sums over every rank's queries
-    (out * weight[columns]).sum().backward()
+    (out * weight[columns].cuda()).sum().backward()
 
     full = [t.clone().requires_grad_(True) for t in (q, k, v)]
     ref = torch.stack([torch_causal_attention(*(t[:, i] for t in full)) for i in range(batch)], dim=1)
@@ -85,11 +87,12 @@ def _attention_rank(rank: int, world: int, seq: int, batch: int) -> dict[str, An
     with torch.no_grad():  # the local queries against the local keys only: the test can tell the gather
         alone = super(type(stand_in), stand_in).forward(*(t.detach() for t in local), None,
                                                          attn_mask_type=AttnMaskType.causal)
+    out, alone, grads = out.cpu(), alone.cpu(), [a.grad.cpu() for a in local]
     return {
         "shape": tuple(out.shape),
         "out_vs_torch": float((out - ref[columns]).abs().max()),
-        "grad_vs_torch": [float((a.grad - b.grad[columns]).abs().max()) for a, b in zip(local, full)],
-        "grad_scale": min(float(a.grad.abs().max()) for a in local),
+        "grad_vs_torch": [float((g - b.grad[columns]).abs().max()) for g, b in zip(grads, full)],
+        "grad_scale": min(float(g.abs().max()) for g in grads),
         "local_only_gap": float((alone - ref[columns].detach()).abs().max()),
         "megatron_refuses": refused,
         "split_is_megatrons": torch.equal(split_for_cp_rank(ids, 1, world, ctx.cp_rank), megatron_split),
