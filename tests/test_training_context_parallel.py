@@ -283,3 +283,31 @@ def test_cp2_checkpoint_resumes_on_cp1_and_back(tmp_path):
     _assert_same_next_step(on_cp1, reference, "cp2 -> cp1")
     from_cp1 = _run(config(2), 2, batches, ckpt1, tmp_path / "from_cp1", "resume")
     _assert_same_next_step(from_cp1, reference, "cp1 -> cp2")
+
+
+def test_cp2_reward_model_scores_equal_transformers(tmp_path):
+    """The reward model at CP2 reads each row's last real column from the gathered sequence."""
+    import transformers
+
+    from tests.test_training_critic import _reward_rank
+    from tests.test_training_fixtures import (
+        job_config,
+        policy_model,
+        rollout_batch,
+        sequence_classifier,
+        with_reward_model,
+    )
+
+    rm = sequence_classifier(tmp_path / "rm")
+    hf = policy_model(tmp_path / "policy")
+    batch = rollout_batch(8, seed=3)
+    model = transformers.LlamaForSequenceClassification.from_pretrained(rm, dtype=torch.float32,
+                                                                        attn_implementation="eager")
+    with torch.no_grad():
+        expected = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         position_ids=batch["position_ids"]).logits.squeeze(-1)
+    config = with_reward_model(job_config(hf, world=2), rm)
+    config.reward_model.megatron.context_parallel_size = 2
+    scores = [s for s in run_ranks(_reward_rank, 2, config, batch) if s is not None]
+    assert len(scores) == 1
+    assert (scores[0] - expected).abs().max() < TOL and expected.abs().max() > 1e-2
