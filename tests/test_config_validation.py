@@ -31,6 +31,8 @@ def issues_for(overrides):
     return info.value.issues
 
 
+CPU_CP2 = ("trainer.device=cpu", f"{A}.megatron.context_parallel_size=2")
+
 # (bad overrides, field that must be named, text in the rule, overrides that fix it)
 CASES = {
     "rollout tp divides world": ([f"{R}.tensor_model_parallel_size=4"], f"{R}.tensor_model_parallel_size",
@@ -41,9 +43,25 @@ CASES = {
     "actor pp divides world/tp": ([f"{A}.megatron.pipeline_model_parallel_size=4"],
                                   f"{A}.megatron.pipeline_model_parallel_size", "must divide the 6 GPUs",
                                   [f"{A}.megatron.pipeline_model_parallel_size=3"]),
-    "cp refused until implemented": ([f"{A}.megatron.context_parallel_size=2"],
-                                     f"{A}.megatron.context_parallel_size", "only 1 is supported now",
-                                     [f"{A}.megatron.context_parallel_size=1"]),
+    "cp on cuda refused until wired": ([f"{A}.megatron.context_parallel_size=2"],
+                                       f"{A}.megatron.context_parallel_size", "trainer.device=cpu only so far",
+                                       [f"{A}.megatron.context_parallel_size=1"]),
+    "cp x tp x pp divides world": (["trainer.device=cpu", f"{A}.megatron.context_parallel_size=4"],
+                                   f"{A}.megatron.context_parallel_size", "CP × TP × PP × DP = world",
+                                   ["trainer.device=cpu", f"{A}.megatron.context_parallel_size=2"]),
+    "cp with packing refused": (
+        [*CPU_CP2, "actor_rollout_ref.model.use_remove_padding=true"],
+        f"{A}.megatron.context_parallel_size", "use_remove_padding=true is not implemented yet",
+        [*CPU_CP2, "actor_rollout_ref.model.use_remove_padding=false"]),
+    "cp of the critic with its packing refused": (
+        ["trainer.device=cpu", "critic.megatron.context_parallel_size=2", "critic.model.use_remove_padding=true"],
+        "critic.megatron.context_parallel_size", "critic.model.use_remove_padding=true",
+        ["trainer.device=cpu", "critic.megatron.context_parallel_size=2"]),
+    "ref cp differs from actor": (["trainer.device=cpu", "actor_rollout_ref.ref.megatron.context_parallel_size=2"],
+                                  "actor_rollout_ref.ref.megatron.context_parallel_size",
+                                  f"must equal {A}.megatron.context_parallel_size=1",
+                                  ["trainer.device=cpu", "actor_rollout_ref.ref.megatron.context_parallel_size=2",
+                                   f"{A}.megatron.context_parallel_size=2"]),
     "update micro divides per-rank mini": ([f"{A}.ppo_micro_batch_size_per_gpu=7"],
                                            f"{A}.ppo_micro_batch_size_per_gpu", "120 sequences per GPU",
                                            [f"{A}.ppo_micro_batch_size_per_gpu=10"]),
@@ -246,7 +264,6 @@ def _layout_overrides(section: str, field: str, value: str) -> list[str]:
 
 REFUSED_IN_EVERY_SECTION = {
     # field: (refused value, as read, text in the rule, accepted value, extra overrides)
-    "context_parallel_size": ("2", 2, "only 1 is supported now", "1", []),
     "make_vocab_size_divisible_by": ("64", 64, "only 128 is supported", "128", []),
     "sequence_parallel": ("true", True, "not supported on trainer.device=cpu", "false", ["trainer.device=cpu"]),
 }
@@ -260,6 +277,15 @@ def test_unsupported_layout_setting_refused_in_every_role(section, field):
     assert [i.field for i in issues] == [f"{section}.{field}"], [str(i) for i in issues]  # one mistake, one message
     assert issues[0].value == value and fragment in issues[0].rule, str(issues[0])
     plan_from_sources(SEED, [*extra, *_layout_overrides(section, field, good)])
+
+
+@pytest.mark.parametrize("section", MEGATRON_SECTIONS)
+def test_context_parallel_refused_on_cuda_in_every_role(section):
+    issues = issues_for([f"{section}.context_parallel_size=2"])
+    assert [i.field for i in issues] == [f"{section}.context_parallel_size"], [str(i) for i in issues]
+    assert issues[0].value == 2 and "trainer.device=cpu only so far" in issues[0].rule, str(issues[0])
+    ref_too = [f"{A}.megatron.context_parallel_size=2"] if section.startswith("actor_rollout_ref.ref") else []
+    plan_from_sources(SEED, ["trainer.device=cpu", *ref_too, f"{section}.context_parallel_size=2"])
 
 
 def test_sequence_parallel_is_a_warning_on_cuda():
@@ -344,16 +370,38 @@ def test_unhonoured_setting_refused_and_fix_accepted(name):
     plan_from_sources(SEED, good)
 
 
+def test_cp2_on_cpu_plans_with_activations_divided_by_cp():
+    """CP2 on CPU is planned: DP = world ÷ (TP·PP·CP), the ref shares the actor's CP, and the estimate's
+    per-layer activations halve while the logits (computed whole on every CP rank) do not."""
+    from hybridrl.config.estimates import training_memory
+
+    cpu = ["trainer.device=cpu"]
+    one, two = plan_from_sources(SEED, cpu), plan_from_sources(SEED, [*cpu, f"{A}.megatron.context_parallel_size=2"])
+    assert (two.layout("actor").mesh.cp, two.layout("actor").mesh.dp) == (2, 3)
+    assert (two.layout("ref").mesh.cp, two.layout("ref").mesh.dp) == (2, 3)
+    assert one.layout("actor").mesh.dp == 6
+    shape = two.model
+    kwargs = dict(dtype="fp32", distributed_optimizer=False, trainable=True, micro_batch=4, seq_len=1024,
+                  sequence_parallel=False, gpu_gib=80.0)
+    act = {cp: training_memory("actor", shape, lay.mesh, **kwargs).activations_gib_per_micro_batch
+           for cp, lay in ((1, one.layout("actor")), (2, two.layout("actor")))}
+    layers = shape.num_layers
+    per_layer_cp1 = 34 * 4 * 1024 * shape.hidden_size * 4 / 2 * (10 + 24) / 34  # tp 1, no SP
+    logits = 4 * 1024 * shape.vocab_size * 4 * 2
+    gib = 1024 ** 3
+    assert act[1] == pytest.approx((layers * per_layer_cp1 + logits) / gib, abs=2e-3)
+    assert act[2] == pytest.approx((layers * per_layer_cp1 / 2 + logits) / gib, abs=2e-3)
+
+
 def test_refused_setting_stops_train_before_any_process():
-    """`hybridrl train` plans first: context parallelism is refused with exit 2 before Ray, torch or
-    megatron is even imported (validation is pure)."""
+    """`hybridrl train` plans first: context parallelism on cuda is refused with exit 2 before Ray,
+    torch or megatron is even imported (validation is pure)."""
     code = (f"import sys; from hybridrl.cli import main; "
             f"rc = main(['train', {str(SEED)!r}, '{A}.megatron.context_parallel_size=2']); "
             "heavy = [m for m in ('torch', 'ray', 'megatron', 'vllm') if m in sys.modules]; print(rc, heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.stdout.strip().splitlines()[-1] == "2 []", out.stdout[-500:] + out.stderr[-2000:]
-    assert f"{A}.megatron.context_parallel_size=2 is not supported yet" in out.stderr
-    assert "only 1 is supported now" in out.stderr
+    assert f"{A}.megatron.context_parallel_size=2 is implemented on trainer.device=cpu only so far" in out.stderr
 
 
 def _closed_vocabulary_fields() -> list[tuple[str, tuple[str, ...]]]:

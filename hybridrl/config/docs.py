@@ -21,7 +21,7 @@ HEADER = """\
 # tensor_model_parallel_size is actor_rollout_ref.actor.megatron.tensor_model_parallel_size): the
 # command line beats the file whichever spelling either uses; two different values for the two
 # spellings within one source (the file, or the command line) are an error naming both.
-# Settings the workers cannot honour yet (context_parallel_size > 1, ...) are refused by the plan.
+# Settings the workers cannot honour yet (context_parallel_size > 1 on cuda, ...) are refused by the plan.
 """
 
 

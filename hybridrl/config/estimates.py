@@ -96,7 +96,9 @@ def training_memory(
     tokens = micro_batch * seq_len / mesh.cp
     per_layer = 34 * tokens * shape.hidden_size * p_bytes / 2  # 34 sbh counts 2-byte activations
     per_layer = per_layer / mesh.tp if sequence_parallel else per_layer * (10 + 24 / mesh.tp) / 34
-    logits = tokens * (shape.vocab_size / mesh.tp) * 4 * 2  # fp32 logits + their gradient
+    # fp32 logits + their gradient. Not divided by CP: each CP rank gathers the last stage's hidden
+    # states over CP and computes the whole micro-batch's output layer (training/backend.py).
+    logits = micro_batch * seq_len * (shape.vocab_size / mesh.tp) * 4 * 2
     act = (layers * per_layer + logits) / GIB
     if not trainable:
         act = (per_layer + logits) / GIB  # forward only: one layer's working set

@@ -235,6 +235,37 @@ REF_SHARES_WITH_ACTOR = ("tensor_model_parallel_size", "pipeline_model_parallel_
                          "expert_tensor_parallel_size", "seed")
 
 
+def _model_section(config: JobConfig, megatron_prefix: str) -> tuple[str, Any]:
+    """The model section (dotted path, section) whose weights a megatron section lays out."""
+    if megatron_prefix.startswith("critic"):
+        return "critic.model", config.critic.model
+    if megatron_prefix.startswith("reward_model"):
+        return "reward_model.model", config.reward_model.model
+    return "actor_rollout_ref.model", config.actor_rollout_ref.model
+
+
+def _check_context_parallel(check: _Checker, config: JobConfig, prefix: str, mc: MegatronConfig, cp: int,
+                            policy: Any) -> None:
+    """context_parallel_size > 1: what the workers serve so far (padded micro-batches, CPU), the rest refused.
+
+    Sequence lengths need no rule: the training backend pads each micro-batch to a multiple of 2 × CP
+    (megatron's load-balanced split), and the memory estimate divides activations by CP."""
+    field = f"{prefix}.context_parallel_size"
+    model_prefix, model_section = _model_section(config, prefix)
+    # one message per field: the first rule that fails
+    if policy is not None and not policy.megatron_cpu_layer:
+        check.fail(field, cp, f"is implemented on trainer.device=cpu only so far (the CPU attention stand-in "
+                   f"all-gathers keys and values); on {config.trainer.device} TransformerEngine's ring attention "
+                   "is not wired yet; use 1", [1])
+    elif model_section.use_remove_padding:
+        check.fail(field, cp, f"with {model_prefix}.use_remove_padding=true is not implemented yet (packed "
+                   "sequences would need a per-segment CP split); set use_remove_padding=false, or use 1", [1])
+    elif mc.sequence_parallel and mc.tensor_model_parallel_size != 1:
+        # unreachable while CP runs on CPU only (no SP there); kept for when the GPU path is wired
+        check.fail(field, cp, "with sequence_parallel=true is not implemented yet (the last stage gathers "
+                   "hidden states over CP along the sequence, which SP splits over TP); use 1", [1])
+
+
 def _check_unsupported(check: _Checker, config: JobConfig, model: ModelShape | None = None) -> None:
     """Settings the workers would not honour: refused here, so none is silently dropped."""
     arr = config.actor_rollout_ref
@@ -261,9 +292,7 @@ def _check_unsupported(check: _Checker, config: JobConfig, model: ModelShape | N
                     "layer spec, used without it, refuses sequence parallelism); the CPU test suite cannot run it")
         cp = mc.context_parallel_size
         if isinstance(cp, int) and not isinstance(cp, bool) and cp > 1:
-            check.fail(f"{prefix}.context_parallel_size", cp,
-                       "is not supported yet: the workers do not implement context parallelism; only 1 is "
-                       "supported now", [1])
+            _check_context_parallel(check, config, prefix, mc, cp, policy)
         if mc.make_vocab_size_divisible_by != DEFAULT_VOCAB_DIVISOR:
             check.fail(f"{prefix}.make_vocab_size_divisible_by", mc.make_vocab_size_divisible_by,
                        f"is fixed: the model bridge and checkpoints pad the vocabulary to a multiple of "
@@ -281,7 +310,10 @@ def _check_unsupported(check: _Checker, config: JobConfig, model: ModelShape | N
             mine, theirs = getattr(arr.ref.megatron, name), getattr(actor, name)
             if name == "virtual_pipeline_model_parallel_size":  # 1 and null both mean no interleaving
                 mine, theirs = mine if mine != 1 else None, theirs if theirs != 1 else None
-            if mine != theirs and not (name == "context_parallel_size" and mine != 1):  # > 1: refused above
+            # a ref CP > 1 refused above (device, packing) is one mistake, one message
+            reported = name == "context_parallel_size" and any(
+                i.field == f"actor_rollout_ref.ref.megatron.{name}" for i in check.issues)
+            if mine != theirs and not reported:
                 check.fail(f"actor_rollout_ref.ref.megatron.{name}", getattr(arr.ref.megatron, name),
                            f"must equal actor_rollout_ref.actor.megatron.{name}={theirs}: the reference policy "
                            "runs in the actor's processes, which hold one megatron parallel state; leave "
@@ -378,7 +410,7 @@ def _check_layout(check: _Checker, prefix: str, mc: MegatronConfig, world: int, 
                        mc.context_parallel_size, mc.virtual_pipeline_model_parallel_size)
     ok = check.is_int_at_least(f"{prefix}.tensor_model_parallel_size", tp, 1)
     ok &= check.is_int_at_least(f"{prefix}.pipeline_model_parallel_size", pp, 1)
-    ok &= check.is_int_at_least(f"{prefix}.context_parallel_size", cp, 1) and cp == 1  # > 1: _check_unsupported
+    ok &= check.is_int_at_least(f"{prefix}.context_parallel_size", cp, 1)  # what CP > 1 serves: _check_unsupported
     if vpp is not None:
         if check.is_int_at_least(f"{prefix}.virtual_pipeline_model_parallel_size", vpp, 1) and ok and pp < 2:
             ok = check.fail(f"{prefix}.virtual_pipeline_model_parallel_size", vpp,
@@ -407,6 +439,10 @@ def _check_layout(check: _Checker, prefix: str, mc: MegatronConfig, world: int, 
         elif (world // tp) % pp:
             check.fail(f"{prefix}.pipeline_model_parallel_size", pp,
                        f"× tensor_model_parallel_size={tp} must divide {gpus}", divisors(world // tp))
+        elif (world // (tp * pp)) % cp:
+            check.fail(f"{prefix}.context_parallel_size", cp,
+                       f"× tensor_model_parallel_size={tp} × pipeline_model_parallel_size={pp} must divide {gpus} "
+                       "(CP × TP × PP × DP = world)", divisors(world // (tp * pp)))
         else:
             dp = world // (tp * pp * cp)
     if model is not None:

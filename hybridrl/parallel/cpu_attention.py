@@ -14,6 +14,16 @@ device policy runs megatron through the CPU layer (`hybridrl.models.bridge.layer
   sum of the segments' squared lengths, not the pack's.
 
 The output is `[t, 1, heads * d]`; megatron's attention reshapes it as it does TE's `[t, heads * d]`.
+
+Context parallelism (`context_parallel_size` > 1; megatron's local attention asserts CP = 1, TE's
+ring attention serves it on GPUs): each CP rank holds its columns of every sequence in megatron's
+load-balanced order (`hybridrl.parallel.context_parallel`). The stand-in all-gathers the keys and
+values over the CP group (`gather_from_cp`: backward = reduce-scatter of their gradients), and runs
+megatron's own forward for its local queries against the whole sequence's keys, with the causal mask
+built from the queries' global columns (key column > query column is masked, with megatron's own
+mask function, so the numbers are those of CP = 1). This is all-gather KV, not a ring: each rank
+holds the whole sequence's keys and values for one layer at a time, which is what a CPU stand-in
+can afford. Packed input under CP (a per-segment CP split) is not served yet.
 The loop reads the boundaries on the host (`cu_seqlens.tolist()`), which is free on CPU, and is the
 reason this stays a CPU stand-in: on GPUs TE's fused kernel does it without a device sync.
 
@@ -24,11 +34,13 @@ THD formula), then `cpu_rope.rotary_embedding_half_split` rotates.
 """
 from __future__ import annotations
 
+import copy
 import functools
 from typing import Any
 
 import torch
 
+from hybridrl.parallel.context_parallel import cp_columns, gather_from_cp
 from hybridrl.parallel.cpu_rope import rotary_embedding_half_split
 
 
@@ -44,6 +56,8 @@ def fused_rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tenso
                    cp_rank: int = 0) -> torch.Tensor:
     """megatron's packed fused-RoPE slot signature (TE's): `t` `[t, h, d]`, `freqs` `[max_s, 1, 1, rot_dim]`."""
     if cp_size != 1:
+        # Under CP a packed rank holds two chunks of every segment; the attention stand-in refuses that
+        # layout too (and the training backend refuses packing with CP before either is reached).
         raise NotImplementedError("the CPU packed RoPE serves context_parallel_size = 1 only")
     total = t.shape[0]
     if int(cu_seqlens[-1]) != total:
@@ -65,14 +79,32 @@ def _packed_attention_class() -> type:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class CpuPackedDotProductAttention(DotProductAttention):
-        """megatron's `DotProductAttention`, plus packed (THD) input run segment by segment (module docstring)."""
+        """megatron's `DotProductAttention`, plus packed (THD) input run segment by segment and context
+        parallelism by all-gathered keys and values (module docstring)."""
+
+        def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
+            # megatron asserts CP = 1 here (only TE's attention implements CP); nothing else in its
+            # __init__ reads the CP size, so it is built from a copy that says 1 and keeps the real config.
+            built_with = config
+            if config.context_parallel_size > 1:
+                built_with = copy.copy(config)
+                built_with.context_parallel_size = 1
+            super().__init__(built_with, *args, **kwargs)
+            self.config = config
 
         def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, attn_mask_type: Any = None,
                     attention_bias: torch.Tensor | None = None, packed_seq_params: Any = None) -> torch.Tensor:
+            cp = self.config.context_parallel_size
+            if packed_seq_params is None and cp > 1:
+                return self._context_parallel_forward(query, key, value, attention_mask, attn_mask_type,
+                                                      attention_bias)
             if packed_seq_params is None:
                 return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                        attention_bias=attention_bias)
+            if cp > 1:
+                raise NotImplementedError("packed (THD) sequences with context_parallel_size > 1 are not served by "
+                                          "the CPU attention stand-in")
             if packed_seq_params.qkv_format != "thd":
                 raise ValueError(f"packed sequences in format {packed_seq_params.qkv_format!r}; this stand-in "
                                  "serves 'thd'")
@@ -92,6 +124,24 @@ def _packed_attention_class() -> type:
                 for a, b in zip(bounds[:-1], bounds[1:]) if b > a
             ]
             return torch.cat(outputs, dim=0)  # [t, 1, heads * d]
+
+        def _context_parallel_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                      attention_mask: torch.Tensor | None, attn_mask_type: Any,
+                                      attention_bias: torch.Tensor | None) -> torch.Tensor:
+            from megatron.core import parallel_state
+
+            if attention_mask is not None:
+                raise ValueError("context parallelism takes no attention mask here: causality over the global "
+                                 "columns defines it")
+            group = parallel_state.get_context_parallel_group()
+            cp, rank = group.size(), group.rank()
+            local = query.shape[0]  # [s/cp, b, heads, d]
+            full_key, full_value = gather_from_cp(key, 0, group), gather_from_cp(value, 0, group)
+            q_columns = cp_columns(local * cp, cp, rank, query.device)
+            k_columns = torch.arange(local * cp, device=query.device)
+            masked = k_columns.unsqueeze(0) > q_columns.unsqueeze(1)  # [sq, sk], True = not attended
+            return super().forward(query, full_key, full_value, masked, attn_mask_type=attn_mask_type,
+                                   attention_bias=attention_bias)
 
     return CpuPackedDotProductAttention
 

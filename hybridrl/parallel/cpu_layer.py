@@ -12,18 +12,21 @@ The patches (names as in `PATCHES`):
   parallel layers and mappings, rotary embedding, attention, GPT model, p2p communication,
   distributed optimizer buffers). On a CPU-only torch that call asserts "Torch not compiled with
   CUDA enabled". We make it return device index 0; ``cuda_to_cpu_mode`` turns that into cpu.
-- ``cuda_to_cpu_mode``: a `TorchFunctionMode` that rewrites cuda devices (``"cuda"``,
-  ``"cuda:N"``, ``torch.device("cuda")``, bare indices) to cpu in every torch call, and makes
-  ``Tensor.cuda()`` a no-op. Covers the hard-coded ``device="cuda"`` of the default causal mask
-  (``transformer.utils.get_default_causal_mask``), the token counters of the pipeline schedules
-  (``pipeline_parallel.schedules``), the optimizer's ``found_inf``/scale tensors
-  (``optimizer.optimizer``) and grad-norm/clipping buffers (``optimizer.clip_grads``), and the
-  index-0 allocations above. Two properties of torch function modes shape it: a mode is popped
-  while its handler runs, so ``Tensor.backward``/``torch.autograd.backward``/``grad`` are
-  re-dispatched with the mode pushed again (megatron's custom backward functions allocate too,
-  e.g. the sequence-parallel reduce-scatter buffer in ``mappings._reduce_scatter_along_first_dim``);
-  and the mode stack is per thread, so a thread other than the one that applied the layer must call
-  `apply_cpu_layer()` itself before running megatron code (`cpu_layer_active()` answers per thread).
+- ``cuda_to_cpu_mode``: a `TorchFunctionMode` that rewrites cuda devices (``"cuda"``, ``"cuda:N"``,
+  ``torch.device("cuda")``, bare indices) to cpu in every torch call, and makes ``Tensor.cuda()`` a
+  no-op, and drops ``pin_memory=True`` (page-locked host memory exists for CUDA copies only; a
+  CPU-only torch raises on it: context parallelism's rotary table split,
+  ``rope_utils.get_pos_emb_on_this_cp_rank``, builds its index that way). Covers the hard-coded
+  ``device="cuda"`` of the default causal mask (``transformer.utils.get_default_causal_mask``), the
+  token counters of the pipeline schedules (``pipeline_parallel.schedules``), the optimizer's
+  ``found_inf``/scale tensors (``optimizer.optimizer``) and grad-norm/clipping buffers
+  (``optimizer.clip_grads``), and the index-0 allocations above. Two properties of torch function
+  modes shape it: a mode is popped while its handler runs, so ``Tensor.backward``/
+  ``torch.autograd.backward``/``grad`` are re-dispatched with the mode pushed again (megatron's
+  custom backward functions allocate too, e.g. the sequence-parallel reduce-scatter buffer in
+  ``mappings._reduce_scatter_along_first_dim``); and the mode stack is per thread, so a thread other
+  than the one that applied the layer must call `apply_cpu_layer()` itself before running megatron
+  code (`cpu_layer_active()` answers per thread).
 - ``cpu_rng_tracker``: megatron keeps its model-parallel RNG streams in ``CudaRNGStatesTracker``,
   which stores and swaps the *CUDA* generator state (``torch.cuda.get_rng_state``); attention
   dropout and weight init fork it (``get_cuda_rng_tracker().fork()``). We substitute a subclass that
@@ -159,6 +162,9 @@ class CudaToCpuMode(TorchFunctionMode):
         if kwargs and "device" in kwargs:
             kwargs = dict(kwargs)
             kwargs["device"] = _map_device(kwargs["device"])
+        if kwargs and kwargs.get("pin_memory"):
+            kwargs = dict(kwargs)
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], _CPU, *args[2:])
         return func(*args, **(kwargs or {}))

@@ -158,6 +158,9 @@ class StrictDeviceMode(CudaToCpuMode):
         if func is torch.Tensor.numpy and args and placement(args[0]) == DEVICE:
             raise DeviceMismatch(f"strict-device: .numpy() of a {_describe(args[0])}: CUDA refuses it "
                                  "(\"can't convert cuda:0 device type tensor to numpy\"); call .cpu() first")
+        if kwargs.get("pin_memory"):  # as the CPU layer's mode: pinned memory needs CUDA, the host tag stays
+            kwargs = dict(kwargs)
+            kwargs["pin_memory"] = False
         forced: Any = _MISSING
         if "device" in kwargs:
             requested = kwargs["device"]

@@ -243,7 +243,7 @@ class MegatronActor:
         return torch.randperm(rows, generator=gen).tolist()
 
     def _policy_loss(self, micro: ModelInputs, logits: torch.Tensor, *, normalizers: LossNormalizers,
-                     scale: int, temperature: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                     scale: float, temperature: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         ctx, cfg = self.backend.ctx, self.loss
         shard = response_logits(self.backend, micro, logits, temperature)
         # one pass over the vocabulary for both; the entropy is differentiated only when it is in the loss

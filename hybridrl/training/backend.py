@@ -22,6 +22,7 @@ The loss function given to `train_step` must return the *scaled* loss (see
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -34,6 +35,7 @@ from hybridrl.config.schema import MegatronConfig, OptimConfig
 from hybridrl.models.bridge import ModelSource, build_gpt_models, load_weights
 from hybridrl.names import Role
 from hybridrl.parallel import state
+from hybridrl.parallel.context_parallel import gather_from_cp, split_for_cp_rank
 from hybridrl.parallel.cpu_layer import apply_cpu_layer
 from hybridrl.parallel.device import collective_device, default_dtype_for, layer_spec_kind, to_rank_device
 from hybridrl.parallel.device_policy import DevicePolicy
@@ -101,8 +103,6 @@ def ensure_parallel_state(megatron: MegatronConfig, device: str) -> Any:
 
     tp, pp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size
     cp, vpp = megatron.context_parallel_size, megatron.virtual_pipeline_model_parallel_size
-    if cp != 1:
-        raise NotImplementedError("context parallelism (cp > 1) is not supported by the workers yet")
     vpp = vpp if vpp and vpp > 1 else None
     ep = megatron.expert_model_parallel_size
     if state.is_initialized():
@@ -135,8 +135,52 @@ def packed_seq_params(micro: ModelInputs) -> Any:
                            max_seqlen_q=micro.max_seqlen, max_seqlen_kv=micro.max_seqlen)
 
 
-def _model_forward(model: Any, micro: ModelInputs) -> torch.Tensor:
-    return model(micro.input_ids, micro.position_ids, None, packed_seq_params=packed_seq_params(micro))
+def _unwrapped(model: Any) -> Any:
+    gpt = model
+    while not hasattr(gpt, "decoder") and hasattr(gpt, "module"):
+        gpt = gpt.module  # DDP (and Float16Module) wrappers
+    return gpt
+
+
+def _model_forward(model: Any, micro: ModelInputs,
+                   hidden_hook: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """The model's output for `micro`; `hidden_hook` (last stage) rewrites the decoder's final hidden
+    states `[s, b, h]` before the output layer.
+
+    Context parallelism (CP > 1): the model sees this CP rank's columns of the micro-batch
+    (megatron's load-balanced order, `hybridrl.parallel.context_parallel`), and on the last stage the
+    decoder's output is all-gathered over CP back into the whole sequence before `hidden_hook` and the
+    output layer. So the output and everything computed from it (log-probs, entropy, values, the loss)
+    are those of CP = 1 on every CP rank; the gather's backward sums their gradients over CP, which
+    `train_mini_batch`'s loss scale accounts for.
+    """
+    gpt = _unwrapped(model)
+    input_ids, position_ids = micro.input_ids, micro.position_ids
+    cp = gpt.config.context_parallel_size
+    hooks: list[Callable[[torch.Tensor], torch.Tensor]] = []
+    if cp > 1:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_context_parallel_group()
+        rank = group.rank()
+        input_ids = split_for_cp_rank(input_ids, 1, cp, rank)
+        position_ids = split_for_cp_rank(position_ids, 1, cp, rank)
+        hooks.append(lambda hidden: gather_from_cp(hidden, 0, group))
+    if hidden_hook is not None:
+        hooks.append(hidden_hook)
+    if not hooks or not getattr(gpt, "post_process", False):
+        return model(input_ids, position_ids, None, packed_seq_params=packed_seq_params(micro))
+
+    def rewrite(_module: Any, _args: Any, hidden: torch.Tensor) -> torch.Tensor:
+        for hook in hooks:
+            hidden = hook(hidden)
+        return hidden
+
+    handle = gpt.decoder.register_forward_hook(rewrite)
+    try:
+        return model(input_ids, position_ids, None, packed_seq_params=packed_seq_params(micro))
+    finally:
+        handle.remove()
 
 
 def _response_tokens_forward(model: Any, micro: ModelInputs) -> torch.Tensor:
@@ -150,9 +194,7 @@ def _response_tokens_forward(model: Any, micro: ModelInputs) -> torch.Tensor:
     it: the logits are the same numbers as the full output's. With sequence parallelism the hidden
     states are split over TP along s, so the full output is computed and then cut.
     """
-    gpt = model
-    while not hasattr(gpt, "decoder") and hasattr(gpt, "module"):
-        gpt = gpt.module  # DDP (and Float16Module) wrappers
+    gpt = _unwrapped(model)
     if not getattr(gpt, "post_process", False):  # not the last stage: activations go on whole
         return _model_forward(model, micro)
     rows, cols = micro.response_token_positions()
@@ -160,15 +202,8 @@ def _response_tokens_forward(model: Any, micro: ModelInputs) -> torch.Tensor:
     batch_index, seq_index = micro.token_index(rows, micro.predict_index[rows, cols])
     if gpt.config.sequence_parallel:
         return _model_forward(model, micro)[batch_index, seq_index].unsqueeze(0)
-
-    def cut(_module: Any, _args: Any, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden[seq_index, batch_index].unsqueeze(1)  # [N, 1, h]: one "sequence" of N tokens
-
-    handle = gpt.decoder.register_forward_hook(cut)
-    try:
-        return _model_forward(model, micro)
-    finally:
-        handle.remove()
+    # [N, 1, h]: one "sequence" of N tokens (under CP, cut from the gathered whole sequence)
+    return _model_forward(model, micro, lambda hidden: hidden[seq_index, batch_index].unsqueeze(1))
 
 
 @dataclass
@@ -225,6 +260,8 @@ class MegatronBackend:
             raise ValueError(f"{spec.role}: use_remove_padding=true on cuda needs TransformerEngine (its attention "
                              "honours cu_seqlens; megatron's local attention does not); install it or set "
                              "use_remove_padding=false")
+        if megatron.context_parallel_size > 1:
+            self._check_context_parallel(spec)
         self.tokens_seen = TokenCounts()
         overrides: dict[str, Any] = {
             "variable_seq_lengths": True,
@@ -276,6 +313,21 @@ class MegatronBackend:
         self._offloaded = False
 
     # ------------------------------------------------------------------------ construction
+    def _check_context_parallel(self, spec: RoleSpec) -> None:
+        """What context parallelism serves today (the plan refuses the rest first, `config/validate.py`)."""
+        cp = spec.megatron.context_parallel_size
+        if spec.packed:
+            raise ValueError(f"{spec.role}: context_parallel_size={cp} with use_remove_padding=true is not "
+                             "implemented yet (packed sequences would need a per-segment CP split); set "
+                             "use_remove_padding=false or context_parallel_size=1")
+        if spec.megatron.sequence_parallel and spec.megatron.tensor_model_parallel_size > 1:
+            # The last stage's hidden states are gathered over CP along s, where SP splits them over TP too.
+            raise ValueError(f"{spec.role}: context_parallel_size={cp} with sequence_parallel=true is not "
+                             "implemented yet; set sequence_parallel=false")
+        if not self.device_policy.megatron_cpu_layer:
+            raise ValueError(f"{spec.role}: context_parallel_size={cp} runs on CPU only so far (the CPU "
+                             "attention stand-in); TransformerEngine's ring attention on GPUs is not wired yet")
+
     def _wrap_for_training(self, chunks: list[Any]) -> list[Any]:
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -328,8 +380,12 @@ class MegatronBackend:
 
     @property
     def pad_multiple(self) -> int:
-        """Sequence lengths must divide over TP when sequence parallelism splits them."""
-        return self.ctx.tp if self.config.sequence_parallel else 1
+        """Sequence lengths must divide over TP when sequence parallelism splits them, and into 2 × CP
+        chunks under context parallelism (megatron's load-balanced split)."""
+        multiple = self.ctx.tp if self.config.sequence_parallel else 1
+        if self.ctx.cp > 1:
+            multiple = math.lcm(multiple, 2 * self.ctx.cp)
+        return multiple
 
     def micro_batches(self, tensors: dict[str, torch.Tensor], partition: Sequence[Sequence[int]], *,
                       extra_keys: tuple[str, ...] = ()) -> list[ModelInputs]:

@@ -102,7 +102,7 @@ class MegatronCritic:
                                    mean["lr"], len(steps), tuple(steps), skipped)
 
     def _value_loss(self, micro: ModelInputs, output: torch.Tensor, *, normalizers: LossNormalizers,
-                    scale: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                    scale: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         values = response_values(micro, output)
         mask = micro.response_mask.to(values.dtype)
         loss, metrics = value_loss(

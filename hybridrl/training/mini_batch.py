@@ -3,7 +3,8 @@
 Cut the mini-batch into micro-batches (fixed size, or by token budget with the count agreed over
 DP), count the loss normalizers over all micro-batches of all DP ranks (so the loss does not depend
 on the cut, see `hybridrl.algorithms.aggregation`), run megatron's schedule with the loss scaled by
-`num_microbatches * dp_size` (undoing the schedule's and DDP's averaging), and reduce the
+`num_microbatches * dp_size` (undoing the schedule's and DDP's averaging; `/ cp` under context
+parallelism, see `loss_scale`), and reduce the
 micro-batch metrics over DP on the last pipeline stage.
 """
 from __future__ import annotations
@@ -19,6 +20,19 @@ from hybridrl.data.batch import Batch
 from hybridrl.training.backend import MegatronBackend
 from hybridrl.training.metrics import StepMetrics
 from hybridrl.training.micro_batching import partition_rows
+
+
+def loss_scale(num_microbatches: int, ctx: Any) -> float:
+    """The factor on a micro-batch's share of the mini-batch loss that makes megatron's update its gradient.
+
+    megatron's schedule divides a returned loss by the number of micro-batches and multiplies it by
+    CP; DDP averages gradients over DP × CP. Under CP every CP rank computes the whole micro-batch's
+    loss (`hybridrl.training.backend._model_forward`) and the CP gathers' backward sums the CP ranks'
+    gradients, i.e. the gradient of CP × the loss. Hence num_microbatches × DP / CP: the update
+    equals CP = 1's (`tests/test_training_context_parallel.py`).
+    """
+    scale = num_microbatches * ctx.dp
+    return scale / ctx.cp if ctx.cp > 1 else scale
 
 
 def train_mini_batch(
@@ -38,7 +52,7 @@ def train_mini_batch(
     micros = backend.micro_batches(batch.tensors, [[mini_rows[r] for r in part] for part in partition],
                                   extra_keys=extra_keys)
     normalizers = global_loss_normalizers([m.response_mask for m in micros], ctx.dp_group)
-    result = backend.train_step(micros, partial(loss, normalizers=normalizers, scale=len(micros) * ctx.dp),
+    result = backend.train_step(micros, partial(loss, normalizers=normalizers, scale=loss_scale(len(micros), ctx)),
                                 response_tokens_only=response_tokens_only)
     step = {"grad_norm": result.grad_norm, "lr": result.lr}
     if ctx.is_last_pp_stage:

@@ -180,7 +180,9 @@ def build_model_inputs(
         raise SequenceLayoutError("every row needs at least one real prompt token")
 
     longest = int(lengths.max())
-    trimmed = longest if packed else min(full_width, -(-longest // pad_multiple) * pad_multiple)
+    # Rounding up may pass the rollout's width (e.g. 2 × CP chunks of a full row): the columns past it
+    # wrap around like the others after a row's real run, and nothing real ever reads them.
+    trimmed = longest if packed else -(-longest // pad_multiple) * pad_multiple
     # Rotating by `first` puts the real run at column 0; whatever wraps around lands after it.
     source = (torch.arange(trimmed, device=input_ids.device).unsqueeze(0) + first.unsqueeze(1)) % full_width
     aligned_ids = torch.gather(input_ids, 1, source)
