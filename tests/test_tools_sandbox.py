@@ -82,10 +82,26 @@ def test_cannot_open_a_socket(action):
     assert "PermissionError: sandbox: no network (socket.__new__)" in run.stderr
 
 
-def test_cannot_start_a_process():
-    run = run_python("import subprocess\nsubprocess.run(['true'])", FAST)
+@pytest.mark.parametrize("code, error", [
+    ("import os\nos.fork()", "PermissionError: sandbox: no processes started or signalled (os.fork)"),
+    ("import os\nos.execv('/bin/true', ['true'])",
+     "PermissionError: sandbox: no processes started or signalled (os.exec)"),
+    ("import os\nos.system('true')", "PermissionError: sandbox: no processes started or signalled (os.system)"),
+    ("import os\nos.kill(os.getppid(), 9)", "PermissionError: sandbox: no processes started or signalled (os.kill)"),
+    # the C module under subprocess starts processes without an audit event of its own
+    ("import subprocess", "ImportError: sandbox: module _posixsubprocess is not available"),
+    ("import ctypes", "ImportError: sandbox: module ctypes is not available"),
+])
+def test_cannot_start_a_process_or_load_native_code(code, error):
+    run = run_python(code, FAST)
     assert run.status is ToolStatus.TOOL_ERROR
-    assert "sandbox: no new processes" in run.stderr
+    assert run.stderr.strip().splitlines()[-1] == error
+
+
+def test_ordinary_libraries_still_work():
+    run = run_python("import numpy as np, json, fractions\n"
+                     "print(int(np.arange(10).sum()), json.dumps([fractions.Fraction(1, 3) * 3 == 1]))", FAST)
+    assert (run.status, run.stdout) == (ToolStatus.OK, "45 [true]\n")
 
 
 def test_cannot_read_the_trainers_secrets(monkeypatch):

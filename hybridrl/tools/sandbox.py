@@ -12,8 +12,8 @@ What the sandbox guarantees, for code that stays in Python (the model's code as 
   * an audit hook (``sys.addaudithook``), installed before the model's code runs, that refuses every
     ``socket.*`` event (no connect, bind, DNS lookup), opening a file for writing and removing,
     renaming, linking or changing files outside its directory, starting processes (fork, exec,
-    spawn, subprocess, os.system) and reading other processes' /proc entries (the trainer's
-    environment among them).
+    spawn, subprocess, os.system, and importing ``_posixsubprocess``), importing ``ctypes``, and reading
+    other processes' /proc entries (the trainer's environment among them).
 
 What it does NOT guarantee: it is not a security boundary against hostile native code. Code that
 loads a C extension or uses ctypes can bypass an audit hook, and a process running as root may raise
@@ -82,11 +82,19 @@ def inside(path):
     full = realpath(fspath(path) if not isinstance_(path, bytes_) else fspath(path).decode(errors="replace"))
     return full == root or full.startswith(root + "/")
 
+# Modules that reach processes or native memory without an audit event of their own; an ImportError
+# (not PermissionError) so libraries that treat them as optional still import.
+NO_IMPORT = ("_posixsubprocess", "ctypes", "_ctypes")
+
 def hook(event, args):
+    if event == "import":
+        if args[0] in NO_IMPORT or args[0].startswith("ctypes."):
+            raise ImportError(f"sandbox: module {args[0]} is not available")
+        return
     if event.startswith("socket."):
         raise PermissionError(f"sandbox: no network ({event})")
     if event in PROCESS:
-        raise PermissionError(f"sandbox: no new processes ({event})")
+        raise PermissionError(f"sandbox: no processes started or signalled ({event})")
     if event == "open":
         path, mode, flags = args
         if path is None or isinstance_(path, int):
