@@ -38,8 +38,8 @@ def _slow(seconds: float) -> str:
 
 @pytest.fixture
 def registry():
-    registry = build_registry(["calculator", "python"], sandbox=SandboxLimits(wall_time_s=1, max_output_bytes=100_000),
-                              max_observation_chars=200)
+    limits = SandboxLimits(wall_time_s=10, cpu_time_s=1, max_output_bytes=100_000)
+    registry = build_registry(["calculator", "python"], sandbox=limits, max_observation_chars=200)
     registry.register(Tool(_schema("boom", {"x": {"type": "integer"}}, ["x"]), _boom))
     registry.register(Tool(_schema("slow", {"seconds": {"type": "number"}}, ["seconds"]), _slow, timeout_s=0.2))
     return registry
@@ -83,7 +83,7 @@ def test_each_failure_kind_is_its_own_observation(registry):
                         "+ - * / // % ** and parentheses")
     assert texts[7] == "Error: slow ran past its 0.2 s limit"
     assert texts[8] == "y" * 200 + "\n[output truncated: 1001 characters, the first 200 shown]"
-    assert texts[9] == "\n[timeout: wall-time limit of 1 s]"
+    assert texts[9] in ("\n[timeout: CPU-time limit of 1 s]", "\n[timeout: wall-time limit of 10 s]")
 
 
 def test_an_argument_the_function_does_not_take_is_bad_arguments(registry):

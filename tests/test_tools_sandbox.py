@@ -10,7 +10,8 @@ import pytest
 
 from hybridrl.tools import SandboxLimits, ToolStatus, run_python
 
-FAST = SandboxLimits(wall_time_s=5, cpu_time_s=2, memory_mb=256, max_output_bytes=1000)
+# generous wall time: the machine is shared, and only the tests of the wall limit itself need it short
+FAST = SandboxLimits(wall_time_s=30, cpu_time_s=2, memory_mb=256, max_output_bytes=1000)
 
 
 def test_prints_the_result():
@@ -43,6 +44,13 @@ def test_memory_limit():
     assert "MemoryError" in run.stderr and run.stdout == ""
 
 
+def test_file_size_limit():
+    run = run_python("open('small', 'wb').write(b'x' * 1000)\nopen('big', 'wb').write(b'x' * (3 << 20))",
+                     SandboxLimits(wall_time_s=30, max_file_mb=1))
+    assert run.status is ToolStatus.TOOL_ERROR and run.reason == "file-size limit of 1 MB"
+    assert run.stderr.strip().splitlines()[-1] == "OSError: [Errno 27] File too large"
+
+
 def test_output_truncated():
     run = run_python("print('x' * 100_000)\nprint('tail')", FAST)
     assert run.status is ToolStatus.OUTPUT_TRUNCATED and run.stdout == "x" * 1000
@@ -67,19 +75,26 @@ def test_cannot_write_outside_its_directory(tmp_path):
     assert not target.exists() and (tmp_path / "keep").read_text() == "keep"
 
 
-@pytest.mark.parametrize("action", ["s.connect(('127.0.0.1', port))", "s.bind(('127.0.0.1', 0))"])
-def test_cannot_open_a_socket(action):
+@pytest.mark.parametrize("action, event", [
+    ("socket.socket().connect(('127.0.0.1', port))", "socket.__new__"),
+    ("socket.socket().bind(('127.0.0.1', 0))", "socket.__new__"),
+    ("socket.create_connection(('127.0.0.1', port))", "socket.getaddrinfo"),
+    ("socket.getaddrinfo('localhost', port)", "socket.getaddrinfo"),
+])
+def test_cannot_open_a_socket(action, event):
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
+    listener.setblocking(False)
     port = listener.getsockname()[1]
     try:
-        code = f"import socket\nport = {port}\ns = socket.socket()\n{action}\nprint('networked')"
-        run = run_python(code, FAST)
+        run = run_python(f"import socket\nport = {port}\n{action}\nprint('networked')", FAST)
+        with pytest.raises(BlockingIOError):  # nobody connected to the listener
+            listener.accept()
     finally:
         listener.close()
     assert run.status is ToolStatus.TOOL_ERROR and "networked" not in run.stdout
-    assert "PermissionError: sandbox: no network (socket.__new__)" in run.stderr
+    assert run.stderr.strip().splitlines()[-1] == f"PermissionError: sandbox: no network ({event})"
 
 
 @pytest.mark.parametrize("code, error", [

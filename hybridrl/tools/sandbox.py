@@ -189,7 +189,9 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxRun:
         return SandboxRun(out, err, code_, ToolStatus.TOOL_ERROR, f"file-size limit of {limits.max_file_mb} MB",
                           seconds)
     if code_ != 0:
+        # Python ignores SIGXFSZ, so the file-size limit surfaces as EFBIG in the child's traceback.
         reason = (f"memory limit of {limits.memory_mb} MB" if "MemoryError" in err
+                  else f"file-size limit of {limits.max_file_mb} MB" if "[Errno 27] File too large" in err
                   else f"exit status {code_}")
         return SandboxRun(out, err, code_, ToolStatus.TOOL_ERROR, reason, seconds)
     if truncated:
