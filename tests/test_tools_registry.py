@@ -179,3 +179,16 @@ def test_user_tool_file_errors(tmp_path):
 def test_a_call_object_is_executed_directly(registry):
     observation = registry.execute(ToolCall("calculator", {"expression": "2 ** 8"}, 0))
     assert (observation.text, observation.status, observation.ok) == ("256", ToolStatus.OK, True)
+
+
+def test_the_config_defaults_are_the_tools_defaults():
+    """The next slice builds the tools from `rollout.multi_turn`: its defaults must mean what the tools' mean."""
+    import dataclasses
+
+    from hybridrl.config.schema import MultiTurnConfig, SandboxConfig
+    from hybridrl.tools import available_parsers
+
+    assert dataclasses.asdict(SandboxConfig()) == dataclasses.asdict(SandboxLimits())
+    config = MultiTurnConfig()
+    assert config.tool_parser in available_parsers()
+    assert config.max_observation_chars == build_registry([]).max_observation_chars
