@@ -27,6 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "parallel": set(),  # megatron's parallel state and the device policy: knows nothing about RL
     "algorithms": set(),  # pure torch functions
     "rewards": set(),  # rule scorers and their registry
+    "tools": set(),  # tool-call parsing, tool schemas, the calculator and the python sandbox: pure Python
     "models": {"parallel"},
     "data": {"parallel", "rewards"},  # the demo and GSM8K datasets register / reuse their scorers
     # torch-free: algorithm names, `ModelShape`, tensor plans, the `DevicePolicy` (parallel/device_policy.py)

@@ -199,6 +199,27 @@ class SamplingConfig:
 
 
 @dataclass
+class SandboxConfig:
+    wall_time_s: float = doc(10.0, "python tool: wall-time limit of one run (the process group is killed)")
+    cpu_time_s: int = doc(5, "python tool: CPU-time limit of one run (RLIMIT_CPU)")
+    memory_mb: int = doc(512, "python tool: address-space limit in MiB (RLIMIT_AS)")
+    max_file_mb: int = doc(16, "python tool: largest file it may write, MiB (RLIMIT_FSIZE)")
+    max_output_bytes: int = doc(8192, "python tool: stdout and stderr each cut to this many bytes")
+
+
+@dataclass
+class MultiTurnConfig:
+    enable: bool = doc(False, "multi-turn tool-calling rollouts (the agent loop is not built yet: true is refused)")
+    max_turns: int = doc(5, "model turns per sample before the rollout stops")
+    tools: list[str] = doc(factory=list, text="tools offered to the model: built in (calculator, python) or "
+                                              "defined in tools_file")
+    tool_parser: str = doc("hermes", "how tool calls are read from a model turn (hybridrl.tools parsers)")
+    tools_file: str | None = doc(None, "Python file defining TOOL_SCHEMAS and their functions (trusted code)")
+    max_observation_chars: int = doc(4096, "a tool's answer is cut to this many characters")
+    sandbox: SandboxConfig = doc(factory=SandboxConfig, text="limits of the python tool's sandbox")
+
+
+@dataclass
 class RolloutConfig:
     name: RolloutEngineName = doc("vllm", "rollout engine")
     tensor_model_parallel_size: int = doc(1, "inference TP: GPUs per vLLM replica")
@@ -229,6 +250,7 @@ class RolloutConfig:
     calculate_log_probs: bool = doc(True, "return the rollout's own per-token log-probs")
     val_kwargs: SamplingConfig = doc(factory=SamplingConfig, text="sampling for validation (greedy by default)")
     seed: int = doc(0, "base seed of sampling requests")
+    multi_turn: MultiTurnConfig = doc(factory=MultiTurnConfig, text="tool-calling conversations (agent loop)")
 
 
 @dataclass

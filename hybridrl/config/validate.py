@@ -322,6 +322,10 @@ def _check_unsupported(check: _Checker, config: JobConfig, model: ModelShape | N
         check.fail("actor_rollout_ref.hybrid_engine", arr.hybrid_engine,
                    "is not supported: only the hybrid engine (actor, rollout and reference share processes "
                    "and GPUs) is implemented; only true is supported now", [True])
+    if arr.rollout.multi_turn.enable:
+        check.fail("actor_rollout_ref.rollout.multi_turn.enable", arr.rollout.multi_turn.enable,
+                   "is not supported yet: the tools (hybridrl.tools) are built, the agent loop that runs them "
+                   "in the rollout (issue 23) is not; only false is supported now", [False])
     if arr.rollout.calculate_log_probs is not True:
         check.fail("actor_rollout_ref.rollout.calculate_log_probs", arr.rollout.calculate_log_probs,
                    "cannot be turned off: the rollout always returns its log-probs (the trainer measures the "

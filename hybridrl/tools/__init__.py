@@ -1,0 +1,65 @@
+"""Tools for multi-turn rollouts: parsing a model's tool calls, the tools themselves, running a call.
+
+    from hybridrl.tools import build_registry, get_parser
+    registry = build_registry(["calculator", "python"])        # + tools_file= for user tools
+    turn = get_parser("hermes").parse(model_text)               # calls and per-call parse errors
+    observations = registry.execute_turn(turn)                  # never raises for the model's mistakes
+    chat_template(..., tools=registry.schemas())
+
+Pure Python: imports nothing of hybridrl but its own modules (the rollout package builds on it).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from hybridrl.tools import calculator as _calculator
+from hybridrl.tools import sandbox as _sandbox
+from hybridrl.tools.calculator import CalculatorError, evaluate
+from hybridrl.tools.parsing import (
+    HermesToolCallParser,
+    ParsedTurn,
+    ToolCall,
+    ToolCallError,
+    UnknownParserError,
+    available_parsers,
+    get_parser,
+    register_parser,
+)
+from hybridrl.tools.registry import Observation, Tool, ToolMetrics, ToolRegistry, ToolResult, ToolStatus
+from hybridrl.tools.sandbox import SandboxLimits, SandboxRun, run_python
+from hybridrl.tools.schema import ToolSchemaError, argument_errors, check_tool_schema
+from hybridrl.tools.user_tools import ToolFileError, load_user_tools
+
+BUILTIN_TOOLS = ("calculator", "python")
+
+
+def builtin_tool(name: str, sandbox: SandboxLimits | None = None) -> Tool:
+    """A built-in tool by name; the python sandbox runs under `sandbox` limits."""
+    if name == "calculator":
+        return Tool(_calculator.SCHEMA, _calculator.calculator)
+    if name == "python":
+        return Tool(_sandbox.SCHEMA, _sandbox.python_tool(sandbox))
+    raise ToolFileError(f"unknown built-in tool {name!r}; built-in tools: {', '.join(BUILTIN_TOOLS)} "
+                        "(other tools come from a tools file)")
+
+
+def build_registry(names: Iterable[str], tools_file: str | Path | None = None,
+                   sandbox: SandboxLimits | None = None, max_observation_chars: int = 4096) -> ToolRegistry:
+    """The registry of `names`: built-in ones by name, the others from `tools_file`."""
+    names = list(names)
+    user = [n for n in names if n not in BUILTIN_TOOLS]
+    if user and tools_file is None:
+        raise ToolFileError(f"tools {user} are not built in ({', '.join(BUILTIN_TOOLS)}) and no tools file is set")
+    loaded = {t.name: t for t in load_user_tools(tools_file, user)} if user else {}
+    tools = [loaded[n] if n in loaded else builtin_tool(n, sandbox) for n in names]
+    return ToolRegistry(tools, max_observation_chars=max_observation_chars)
+
+
+__all__ = [
+    "BUILTIN_TOOLS", "CalculatorError", "HermesToolCallParser", "Observation", "ParsedTurn", "SandboxLimits",
+    "SandboxRun", "Tool", "ToolCall", "ToolCallError", "ToolFileError", "ToolMetrics", "ToolRegistry",
+    "ToolResult", "ToolSchemaError", "ToolStatus", "UnknownParserError", "argument_errors", "available_parsers",
+    "build_registry", "builtin_tool", "check_tool_schema", "evaluate", "get_parser", "load_user_tools",
+    "register_parser", "run_python",
+]

@@ -1,0 +1,194 @@
+"""Executing calls: every failure kind is its own status and observation; metrics; user tools from a file."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from hybridrl.tools import (
+    SandboxLimits,
+    Tool,
+    ToolCall,
+    ToolFileError,
+    ToolMetrics,
+    ToolSchemaError,
+    ToolStatus,
+    build_registry,
+    builtin_tool,
+    get_parser,
+    load_user_tools,
+)
+
+
+def _schema(name: str, properties: dict, required: list[str]) -> dict:
+    return {"type": "function", "function": {"name": name, "description": f"the {name} tool",
+                                             "parameters": {"type": "object", "properties": properties,
+                                                            "required": required}}}
+
+
+def _boom(x: int) -> str:
+    raise RuntimeError(f"boom {x}")
+
+
+def _slow(seconds: float) -> str:
+    time.sleep(seconds)
+    return "done"
+
+
+@pytest.fixture
+def registry():
+    limits = SandboxLimits(wall_time_s=10, cpu_time_s=1, max_output_bytes=100_000)
+    registry = build_registry(["calculator", "python"], sandbox=limits, max_observation_chars=200)
+    registry.register(Tool(_schema("boom", {"x": {"type": "integer"}}, ["x"]), _boom))
+    registry.register(Tool(_schema("slow", {"seconds": {"type": "number"}}, ["seconds"]), _slow, timeout_s=0.2))
+    return registry
+
+
+def _run(registry, text):
+    return [(o.status, o.text, o.name, o.index) for o in registry.execute_turn(get_parser("hermes").parse(text))]
+
+
+def _call(name, **arguments):
+    return f'<tool_call>{{"name": "{name}", "arguments": {json.dumps(arguments)}}}</tool_call>'
+
+
+def test_each_failure_kind_is_its_own_observation(registry):
+    text = "".join([
+        _call("calculator", expression="6 * 7"),
+        "<tool_call>{not json}</tool_call>",
+        _call("search", query="x"),
+        _call("calculator", expr="1"),
+        _call("calculator", expression=5),
+        _call("boom", x=3),
+        _call("calculator", expression="x + 1"),
+        _call("slow", seconds=2),
+        _call("python", code="print('y' * 1000)"),
+        _call("python", code="while True: pass"),
+    ])
+    got = _run(registry, text)
+    assert [status for status, *_ in got] == [
+        ToolStatus.OK, ToolStatus.PARSE_ERROR, ToolStatus.UNKNOWN_TOOL, ToolStatus.BAD_ARGUMENTS,
+        ToolStatus.BAD_ARGUMENTS, ToolStatus.TOOL_ERROR, ToolStatus.TOOL_ERROR, ToolStatus.TIMEOUT,
+        ToolStatus.OUTPUT_TRUNCATED, ToolStatus.TIMEOUT]
+    assert [index for *_, index in got] == list(range(10))
+    texts = [t for _, t, _, _ in got]
+    assert texts[0] == "42"
+    assert texts[1].startswith("Error: tool call 1 is not valid JSON: Expecting property name")
+    assert texts[2] == "Error: unknown tool 'search'; available tools: boom, calculator, python, slow"
+    assert texts[3] == ("Error: bad arguments for calculator: arguments: missing required 'expression'")
+    assert texts[4] == "Error: bad arguments for calculator: arguments.expression: expected string, got int 5"
+    assert texts[5] == "Error: boom raised RuntimeError: boom 3"
+    assert texts[6] == ("Error: calculator raised CalculatorError: names are not allowed; only numbers, "
+                        "+ - * / // % ** and parentheses")
+    assert texts[7] == "Error: slow ran past its 0.2 s limit"
+    assert texts[8] == "y" * 200 + "\n[output truncated: 1001 characters, the first 200 shown]"
+    assert texts[9] in ("\n[timeout: CPU-time limit of 1 s]", "\n[timeout: wall-time limit of 10 s]")
+
+
+def test_an_argument_the_function_does_not_take_is_bad_arguments(registry):
+    [(status, text, _, _)] = _run(registry, _call("calculator", expression="1", precision=3))
+    assert status is ToolStatus.BAD_ARGUMENTS
+    assert text == "Error: bad arguments for calculator: got an unexpected keyword argument 'precision'"
+
+
+def test_metrics_count_calls_errors_and_time(registry):
+    metrics = ToolMetrics()
+    metrics.add(registry.execute_turn(get_parser("hermes").parse(
+        _call("calculator", expression="1+1") + _call("nope") + "<tool_call>[</tool_call>" +
+        _call("slow", seconds=0.05))))
+    got = metrics.as_metrics()
+    assert {k: v for k, v in got.items() if not k.startswith("tools/time")} == {
+        "tools/calls": 4.0, "tools/errors": 2.0, "tools/errors/parse_error": 1.0, "tools/errors/unknown_tool": 1.0,
+        "tools/errors/bad_arguments": 0.0, "tools/errors/tool_error": 0.0, "tools/errors/timeout": 0.0,
+        "tools/errors/output_truncated": 0.0}
+    assert 0.05 <= got["tools/time_s_max"] <= got["tools/time_s"] < 1.0
+
+
+def test_schemas_are_what_a_chat_template_takes(registry):
+    assert [s["function"]["name"] for s in registry.schemas()] == ["calculator", "python", "boom", "slow"]
+    # what a chat template's tools= takes: plain JSON, the same after a round trip
+    assert json.loads(json.dumps(registry.schemas())) == registry.schemas()
+
+
+def test_schema_and_function_must_agree():
+    with pytest.raises(ToolSchemaError, match=r"schema properties \['y'\] are not parameters of '_boom'"):
+        Tool(_schema("boom", {"x": {"type": "integer"}, "y": {"type": "integer"}}, ["x"]), _boom)
+    with pytest.raises(ToolSchemaError, match=r"parameters \['x'\] have no default"):
+        Tool(_schema("boom", {"x": {"type": "integer"}}, []), _boom)
+    with pytest.raises(ToolFileError, match="unknown built-in tool 'search'"):
+        builtin_tool("search")
+
+
+GOOD = '''
+TOOL_SCHEMAS = [
+    {"type": "function", "function": {"name": "lookup", "description": "look a key up",
+     "parameters": {"type": "object", "properties": {"key": {"type": "string"}}, "required": ["key"]}}},
+    {"type": "function", "function": {"name": "add", "description": "add two integers",
+     "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                    "required": ["a", "b"]}}},
+]
+TABLE = {"pi": "3.14159"}
+
+def lookup(key):
+    return TABLE[key]
+
+def add(a, b):
+    return {"sum": a + b}
+'''
+
+
+def test_user_tools_from_a_file(tmp_path):
+    path = tmp_path / "tools.py"
+    path.write_text(GOOD)
+    registry = build_registry(["add", "calculator", "lookup"], tools_file=path)
+    assert registry.names == ["add", "calculator", "lookup"]
+    got = _run(registry, _call("add", a=2, b=3) + _call("lookup", key="pi") + _call("lookup", key="e"))
+    assert got == [(ToolStatus.OK, '{"sum": 5}', "add", 0), (ToolStatus.OK, "3.14159", "lookup", 1),
+                   (ToolStatus.TOOL_ERROR, "Error: lookup raised KeyError: 'e'", "lookup", 2)]
+    assert [t.name for t in load_user_tools(path)] == ["lookup", "add"]
+
+
+def test_user_tool_file_errors(tmp_path):
+    with pytest.raises(ToolFileError, match=r"tools file '.*missing.py' does not exist"):
+        load_user_tools(tmp_path / "missing.py")
+    path = tmp_path / "tools.py"
+    path.write_text(GOOD)
+    with pytest.raises(ToolFileError, match=r"has no tool\(s\) \['search'\]; tools defined there: \['add', 'lookup'\]"):
+        load_user_tools(path, ["lookup", "search"])
+    with pytest.raises(ToolFileError, match=r"tools \['search'\] are not built in .* and no tools file is set"):
+        build_registry(["search"])
+    (tmp_path / "none.py").write_text("def lookup(key): return key\n")
+    with pytest.raises(ToolFileError, match="must define TOOL_SCHEMAS, a list of tool schemas; got nothing"):
+        load_user_tools(tmp_path / "none.py")
+    (tmp_path / "nofn.py").write_text(GOOD.replace("def add(a, b)", "def plus(a, b)"))
+    with pytest.raises(ToolFileError, match=r"TOOL_SCHEMAS\[1\] names tool 'add' but the file defines no function"):
+        load_user_tools(tmp_path / "nofn.py")
+    (tmp_path / "bad.py").write_text(GOOD.replace('"b": {"type": "integer"}', '"b": {"type": "int"}'))
+    with pytest.raises(ToolFileError, match=r"bad.py: TOOL_SCHEMAS\[1\]\.function\.parameters\.properties\.b\.type: "
+                                            r"'int' is not a JSON type"):
+        load_user_tools(tmp_path / "bad.py")
+    (tmp_path / "raises.py").write_text("raise ImportError('no such lib')\n")
+    with pytest.raises(ToolFileError, match=r"importing tools file '.*raises.py' failed: ImportError\('no such lib'\)"):
+        load_user_tools(tmp_path / "raises.py")
+    (tmp_path / "sig.py").write_text(GOOD.replace("def add(a, b)", "def add(a)"))
+    with pytest.raises(ToolFileError, match=r"schema properties \['b'\] are not parameters of 'add'"):
+        load_user_tools(tmp_path / "sig.py")
+
+
+def test_a_call_object_is_executed_directly(registry):
+    observation = registry.execute(ToolCall("calculator", {"expression": "2 ** 8"}, 0))
+    assert (observation.text, observation.status, observation.ok) == ("256", ToolStatus.OK, True)
+
+
+def test_the_config_defaults_are_the_tools_defaults():
+    """The next slice builds the tools from `rollout.multi_turn`: its defaults must mean what the tools' mean."""
+    import dataclasses
+
+    from hybridrl.config.schema import MultiTurnConfig, SandboxConfig
+    from hybridrl.tools import available_parsers
+
+    assert dataclasses.asdict(SandboxConfig()) == dataclasses.asdict(SandboxLimits())
+    config = MultiTurnConfig()
+    assert config.tool_parser in available_parsers()
+    assert config.max_observation_chars == build_registry([]).max_observation_chars
