@@ -43,6 +43,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from update_profile import batch_of_lengths  # noqa: E402  (bench/ is on the path when run as a script)
+
 RESULTS = ROOT / "bench" / "results" / "packing.json"
 MODES = ("padded", "packed", "packed_balanced", "packed_balanced_dynamic")
 MODEL = {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -78,30 +80,11 @@ def response_lengths(rows: int, max_response: int, *, median: int, sigma: float,
 def ragged_batch(rows: int, vocab: int, *, max_prompt: int, max_response: int, median: int, sigma: float,
                  long_rows: int, seed: int = 0) -> Any:
     """Rows `[left-padded prompt | right-padded response]` as the rollout writes them, with advantages."""
-    from hybridrl.data.batch import Batch
-
     gen = torch.Generator().manual_seed(seed)
     prompt_lengths = torch.randint(max(1, max_prompt // 2), max_prompt + 1, (rows,), generator=gen)
     responses_len = response_lengths(rows, max_response, median=median, sigma=sigma, long_rows=long_rows, seed=seed)
-    prompts = torch.zeros(rows, max_prompt, dtype=torch.long)
-    responses = torch.zeros(rows, max_response, dtype=torch.long)
-    prompt_mask = torch.zeros(rows, max_prompt, dtype=torch.long)
-    response_mask = torch.zeros(rows, max_response, dtype=torch.long)
-    for i in range(rows):
-        p, r = int(prompt_lengths[i]), int(responses_len[i])
-        prompts[i, max_prompt - p:] = torch.randint(3, vocab, (p,), generator=gen)
-        prompt_mask[i, max_prompt - p:] = 1
-        responses[i, :r] = torch.randint(3, vocab, (r,), generator=gen)
-        response_mask[i, :r] = 1
-    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
-    response_positions = positions[:, -1:] + 1 + torch.arange(max_response).unsqueeze(0)
-    advantages = torch.randn(rows, 1, generator=gen) * response_mask  # GRPO: one per sequence
-    return Batch({
-        "input_ids": torch.cat([prompts, responses], 1),
-        "attention_mask": torch.cat([prompt_mask, response_mask], 1),
-        "position_ids": torch.cat([positions, response_positions], 1),
-        "responses": responses, "response_mask": response_mask, "advantages": advantages,
-    }, {"uid": [i // 8 for i in range(rows)]}, {"temperature": 1.0})
+    return batch_of_lengths(prompt_lengths, torch.as_tensor(responses_len), vocab, max_prompt=max_prompt,
+                            max_response=max_response, gen=gen, meta={"temperature": 1.0})
 
 
 def job_config(model: str, mode: str, *, dp: int, rows: int, micro: int, max_prompt: int, max_response: int,

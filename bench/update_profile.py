@@ -44,14 +44,21 @@ LAYOUTS = {"pp2": (1, 2, 1), "dp2": (1, 1, 2), "pp1": (1, 1, 1)}  # name: (tp, p
 def grpo_batch(rows: int, vocab: int, *, prompt: int, max_prompt: int, response: int, max_response: int,
                seed: int = 0) -> Any:
     """Rows `[left-padded prompt | right-padded response]` as the rollout writes them, with advantages."""
-    from hybridrl.data.batch import Batch
-
     gen = torch.Generator().manual_seed(seed)
     spread_p, spread_r = max(1, prompt // 5), max(1, response // 3)
     prompt_lengths = torch.randint(prompt - spread_p, prompt + spread_p + 1, (rows,), generator=gen)
     response_lengths = torch.randint(response - spread_r, response + spread_r + 1, (rows,), generator=gen)
-    prompt_lengths = prompt_lengths.clamp(1, max_prompt)
-    response_lengths = response_lengths.clamp(1, max_response)
+    return batch_of_lengths(prompt_lengths.clamp(1, max_prompt), response_lengths.clamp(1, max_response), vocab,
+                            max_prompt=max_prompt, max_response=max_response, gen=gen)
+
+
+def batch_of_lengths(prompt_lengths: torch.Tensor, response_lengths: torch.Tensor, vocab: int, *, max_prompt: int,
+                     max_response: int, gen: torch.Generator, meta: dict[str, Any] | None = None) -> Any:
+    """A GRPO batch of random tokens with these prompt and response lengths, laid out as the rollout
+    writes rows (`[left-padded prompt | right-padded response]`), groups of 8 rows, one advantage each."""
+    from hybridrl.data.batch import Batch
+
+    rows = len(prompt_lengths)
     prompts = torch.zeros(rows, max_prompt, dtype=torch.long)
     responses = torch.zeros(rows, max_response, dtype=torch.long)
     prompt_mask = torch.zeros(rows, max_prompt, dtype=torch.long)
@@ -71,7 +78,7 @@ def grpo_batch(rows: int, vocab: int, *, prompt: int, max_prompt: int, response:
         "attention_mask": torch.cat([prompt_mask, response_mask], 1),
         "position_ids": torch.cat([positions, response_positions], 1),
         "responses": responses, "response_mask": response_mask, "advantages": advantages,
-    }, {"uid": [i // 8 for i in range(rows)]})
+    }, {"uid": [i // 8 for i in range(rows)]}, meta or {})
 
 
 def job_config(model: str, *, tp: int, pp: int, dp: int, rows: int, micro: int, max_prompt: int,

@@ -26,3 +26,40 @@ def test_generation_peak_drops_by_what_is_offloaded():
     assert gen[(False, False)] > 80
     with pytest.raises(ConfigError, match="optimizer_offload=true"):
         plan_from_sources(CONFIG, [f"{MC}.optimizer_offload=false", f"{MC}.grad_offload=false"])
+
+
+def test_expert_parallelism_splits_the_experts_in_the_memory_estimate():
+    """An MoE rank holds experts / EP of every layer's experts; the distributed optimizer shards the
+    experts' state over DP x CP / EP replicas and the dense weights' over DP. Hand-counted for
+    Qwen3-30B-A3B: a layer is attention 2048 x (4096 + 512 + 512) + 4096 x 2048, q/k norms 2 x 128,
+    two layer norms 2 x 2048, a router 128 x 2048 (dense), and 128 experts of 3 x 2048 x 768; the
+    embedding and the output layer are 151936 x 2048 each, the final norm 2048."""
+    from hybridrl.config.estimates import GIB, training_memory
+    from hybridrl.config.meshes import build_training_mesh
+    from hybridrl.models.arch import ModelShape
+
+    shape = ModelShape.from_hf_dir(ROOT / "configs/models/qwen3-30b-a3b")
+    dense_layer = 2048 * (4096 + 512 + 512) + 4096 * 2048 + 2 * 128 + 2 * 2048 + 128 * 2048
+    expert_layer = 128 * 3 * 2048 * 768
+    vocab = 151936 * 2048
+    assert shape.param_count() == 48 * (dense_layer + expert_layer) + 2 * vocab + 2048  # 30.5B
+
+    def estimate(ep: int):  # the example's layout: PP2 x DP16 on 32 GPUs, TP1
+        return training_memory("actor", shape, build_training_mesh(32, tp=1, pp=2), dtype="bf16",
+                               distributed_optimizer=True, trainable=True, micro_batch=1, seq_len=8,
+                               sequence_parallel=False, gpu_gib=80, ep=ep)
+
+    # a stage holds 24 layers; the last one's output layer + final norm outweigh the first's embedding
+    dense, experts = 24 * dense_layer + vocab + 2048, 24 * expert_layer // 8
+    m = estimate(8)
+    assert m.params_gib == pytest.approx((dense + experts) * 2 / GIB, rel=1e-3)  # 4.81 GiB
+    assert m.grads_gib == pytest.approx((dense + experts) * 4 / GIB, rel=1e-3)
+    assert m.optimizer_gib == pytest.approx((dense / 16 + experts / 2) * 12 / GIB, rel=1e-3)  # 10.66 GiB
+    # EP1 keeps every expert on every rank (and shards their state over all 16 DP ranks)
+    whole = estimate(1)
+    assert whole.params_gib == pytest.approx((dense + 8 * experts) * 2 / GIB, rel=1e-3)
+    assert whole.optimizer_gib == pytest.approx((dense + 8 * experts) / 16 * 12 / GIB, rel=1e-3)
+    # the shipped example plans and fits its 80 GB GPUs at EP8
+    plan = plan_from_sources(str(ROOT / "configs/examples/qwen3_30b_a3b_grpo_4x8.yaml"))
+    assert plan.phase_peaks.fits and next(m for m in plan.training_memory if m.role == "actor").params_gib == \
+        pytest.approx(m.params_gib, rel=1e-3)

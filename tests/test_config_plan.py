@@ -7,6 +7,7 @@ import pytest
 
 from hybridrl.config import ConfigError, Plan, build_plan, load_config, plan_from_sources
 from hybridrl.config.meshes import build_reshard_groups, build_training_mesh
+from hybridrl.config.report import render_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = ROOT / "configs/examples/seed_6gpu_grpo.yaml"
@@ -80,6 +81,27 @@ def test_megatron_groups_match_megatron_core_rank_generator():
         assert sorted(map(tuple, gen.get_ranks("pp"))) == list(mesh.pp_groups)
         assert sorted(map(tuple, gen.get_ranks("dp"))) == list(mesh.dp_groups)
         assert sorted(map(tuple, gen.get_ranks("cp"))) == list(mesh.cp_groups)
+
+
+def test_expert_groups_match_megatron_core_expert_rank_generator():
+    """The EP and expert-DP groups `hybridrl plan` prints equal megatron-core's expert RankGenerator's
+    (what `initialize_model_parallel` builds), and the plan shows them."""
+    from megatron.core.parallel_state import RankGenerator
+
+    from hybridrl.config.meshes import expert_groups
+
+    for world, tp, pp, cp, ep in [(8, 1, 1, 1, 2), (16, 2, 2, 1, 4), (16, 1, 2, 2, 4), (32, 1, 2, 1, 8),
+                                  (12, 1, 3, 1, 2)]:
+        mesh = build_training_mesh(world, tp, pp, cp)
+        gen = RankGenerator(tp=tp, ep=ep, dp=world // (tp * ep * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+        ep_groups, edp_groups = expert_groups(mesh, ep)
+        assert list(ep_groups) == sorted(map(tuple, gen.get_ranks("ep"))), (world, tp, pp, cp, ep)
+        assert list(edp_groups) == sorted(map(tuple, gen.get_ranks("dp"))), (world, tp, pp, cp, ep)
+    with pytest.raises(ValueError, match="ep=3 does not divide dp"):
+        expert_groups(build_training_mesh(8, 1, 1), 3)
+    report = render_plan(plan_from_sources(ROOT / "configs/examples/qwen3_30b_a3b_grpo_4x8.yaml"))
+    assert "actor experts (megatron order etp-ep-edp-pp, expert TP = TP): EP 8 × expert-DP 2; EP groups " \
+           "[[0,1,2,3,4,5,6,7], [8,9,10,11,12,13,14,15]" in report
 
 
 def test_reshard_groups_strided_contain_training_shard():

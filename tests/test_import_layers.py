@@ -24,6 +24,7 @@ PACKAGE = ROOT / "hybridrl"
 ALLOWED: dict[str, set[str]] = {
     "names": set(),  # the shared StrEnums (Phase, Role, GroupName): every package may import it
     "persistence": set(),  # atomic files and folders, CheckpointError: every package may import it
+    "user_code": set(),  # importing a user's trusted Python file: every package may import it
     "parallel": set(),  # megatron's parallel state and the device policy: knows nothing about RL
     "algorithms": set(),  # pure torch functions
     "rewards": set(),  # rule scorers and their registry
@@ -46,7 +47,7 @@ ALLOWED: dict[str, set[str]] = {
 
 
 # The modules every package may import; they themselves import no other hybridrl module.
-BOTTOM = {"names", "persistence"}
+BOTTOM = {"names", "persistence", "user_code"}
 
 
 def _package_of(path: Path) -> str:

@@ -6,7 +6,6 @@ The references are independent of the code under test: plain torch attention ove
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 
 from hybridrl.parallel.context_parallel import cp_columns
 from hybridrl.parallel.forked import run_ranks
+from tests.test_training_packing import torch_causal_attention
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
 
@@ -26,16 +26,6 @@ def test_cp_columns_are_megatrons_load_balanced_chunks():
     assert [cp_columns(8, 4, r).tolist() for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
     with pytest.raises(ValueError, match="2 × CP = 4"):
         cp_columns(10, 2, 0)
-
-
-def torch_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Plain causal attention of one sequence: q `[s, h, d]`, k/v `[s, kv, d]` -> `[s, h * d]`."""
-    repeat = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
-    causal = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool).tril()
-    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-    return torch.einsum("hqk,khd->qhd", probs, v).reshape(q.shape[0], -1)
 
 
 def _attention_rank(rank: int, world: int, seq: int, batch: int) -> dict[str, Any]:

@@ -70,28 +70,41 @@ def kv_bytes_per_token(shape: ModelShape, bytes_per_value: int, tp: int = 1) -> 
     return 2 * shape.num_layers * kv_heads_per_rank * shape.head_dim * bytes_per_value
 
 
-def _stage_params(shape: ModelShape, pp: int) -> int:
-    """Parameters on the heaviest pipeline stage (embedding on the first, output on the last)."""
+def _stage_params(shape: ModelShape, pp: int, tp: int = 1, ep: int = 1) -> tuple[float, float]:
+    """(dense, expert) parameters one GPU of the heaviest pipeline stage holds (embedding on the first
+    stage, output layer on the last): dense weights split over TP, an MoE layer's experts over EP and the
+    expert TP (= TP), so that rank holds experts / EP of them, each split over TP."""
     layers = -(-shape.num_layers // pp)
-    first = embedding_params(shape) + layers * shape.params_per_layer()
-    last = layers * shape.params_per_layer() + shape.hidden_size + output_params(shape)
+    # the largest layer's parts, per GPU
+    per_layer = max(
+        ((shape.params_of_layer(i) - shape.expert_params_of_layer(i)) / tp, shape.expert_params_of_layer(i) / (ep * tp))
+        for i in range(shape.num_layers))
+    dense_layers, expert_layers = layers * per_layer[0], layers * per_layer[1]
     if pp == 1:
-        return shape.param_count()
-    return max(first, last)
+        outer = embedding_params(shape) + shape.hidden_size + output_params(shape)
+        return dense_layers + outer / tp, expert_layers
+    first = embedding_params(shape)
+    last = shape.hidden_size + output_params(shape)
+    return dense_layers + max(first, last) / tp, expert_layers
 
 
 def training_memory(
     role: str, shape: ModelShape, mesh: TrainingMesh, *, dtype: str, distributed_optimizer: bool,
-    trainable: bool, micro_batch: int, seq_len: int, sequence_parallel: bool, gpu_gib: float,
+    trainable: bool, micro_batch: int, seq_len: int, sequence_parallel: bool, gpu_gib: float, ep: int = 1,
 ) -> TrainingMemory:
-    params = _stage_params(shape, mesh.pp) / mesh.tp
+    """`ep`: expert parallelism of an MoE model (expert TP = TP); the distributed optimizer shards dense
+    weights' state over DP and the experts' over the expert-data-parallel ranks, DP x CP / EP."""
+    dense, experts = _stage_params(shape, mesh.pp, mesh.tp, ep)
+    params = dense + experts
     p_bytes = DTYPE_BYTES[dtype]
     params_gib = params * p_bytes / GIB
     grads_gib = params * 4 / GIB if trainable else 0.0
     # fp32 master copy only when compute is in 16-bit; Adam m and v are always fp32.
     opt_bytes = (4 if p_bytes < 4 else 0) + 8
     opt_full = params * opt_bytes / GIB if trainable else 0.0
-    opt = opt_full / mesh.dp if (distributed_optimizer and trainable) else opt_full
+    expert_dp = max(1, mesh.dp * mesh.cp // ep)
+    opt = ((dense / mesh.dp + experts / expert_dp) * opt_bytes / GIB
+           if (distributed_optimizer and trainable) else opt_full)
     layers = -(-shape.num_layers // mesh.pp)
     tokens = micro_batch * seq_len / mesh.cp
     per_layer = 34 * tokens * shape.hidden_size * p_bytes / 2  # 34 sbh counts 2-byte activations

@@ -75,6 +75,25 @@ def build_training_mesh(world_size: int, tp: int, pp: int, cp: int = 1, vpp: int
     return TrainingMesh(tp, pp, cp, dp, vpp, groups("tp"), groups("pp"), groups("dp"), groups("cp"))
 
 
+def expert_groups(mesh: TrainingMesh, ep: int) -> tuple[Groups, Groups]:
+    """(EP groups, expert-data-parallel groups) of an MoE model's experts on `mesh`: megatron's expert
+    rank generator orders the same ranks etp-ep-edp-pp (expert TP = TP, no CP axis), so
+    rank = tp + TP*(ep_rank + EP*(expert_dp + EDP*pp)) with EDP = DP*CP / EP. An EP group splits a
+    layer's experts between its ranks; an expert-DP group holds copies of the same experts."""
+    if ep < 1 or (mesh.dp * mesh.cp) % ep:
+        raise ValueError(f"ep={ep} does not divide dp*cp = {mesh.dp}*{mesh.cp}")
+    edp = mesh.dp * mesh.cp // ep
+
+    def rank(t: int, e: int, d: int, p: int) -> int:
+        return t + mesh.tp * (e + ep * (d + edp * p))
+
+    ep_groups = tuple(sorted(tuple(rank(t, e, d, p) for e in range(ep))
+                             for t, d, p in product(range(mesh.tp), range(edp), range(mesh.pp))))
+    edp_groups = tuple(sorted(tuple(rank(t, e, d, p) for d in range(edp))
+                              for t, e, p in product(range(mesh.tp), range(ep), range(mesh.pp))))
+    return ep_groups, edp_groups
+
+
 @dataclass(frozen=True)
 class RolloutMesh:
     """vLLM replicas: `replicas[i]` are the ranks of replica i in vLLM TP-rank order."""

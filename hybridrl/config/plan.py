@@ -335,7 +335,7 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
                 distributed_optimizer=mc.use_distributed_optimizer, trainable=trainable,
                 micro_batch=micro, seq_len=resolved.max_sequence_length,
                 sequence_parallel=mc.sequence_parallel and mc.tensor_model_parallel_size > 1,
-                gpu_gib=config.trainer.gpu_memory_gib,
+                gpu_gib=config.trainer.gpu_memory_gib, ep=mc.expert_model_parallel_size,
             ))
         sequences_per_replica = data.train_batch_size // infer_dp * n
         roll_mem = rollout_memory(

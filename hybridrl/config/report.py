@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from hybridrl.config.meshes import expert_groups
 from hybridrl.config.plan import Plan
 
 MIB = 1024**2
@@ -46,6 +47,13 @@ def render_plan(plan: Plan) -> str:
           _groups(lay.mesh.tp_groups, 3), _groups(lay.mesh.pp_groups, 3), _groups(lay.mesh.dp_groups, 3)]
          for lay in plan.layouts],
     ))
+    for lay in plan.layouts:
+        ep = lay.megatron.expert_model_parallel_size
+        if isinstance(ep, int) and ep > 1:
+            ep_groups, edp_groups = expert_groups(lay.mesh, ep)
+            out.append(f"{lay.role} experts (megatron order etp-ep-edp-pp, expert TP = TP): EP {ep} × expert-DP "
+                       f"{len(edp_groups[0])}; EP groups {_groups(ep_groups, 4)}; expert-DP groups "
+                       f"{_groups(edp_groups, 4)}")
     rollout = plan.reshard.groups.rollout
     out += ["", f"Rollout mesh (vLLM): {rollout.infer_dp} replicas × infer_tp {rollout.infer_tp}: "
                 f"{_groups(rollout.replicas, 12)}", ""]

@@ -222,6 +222,11 @@ class ModelShape:
         return sum(self.hf_numel(t) * (self.num_experts if spec.expert else 1)
                    for spec in self.weights.layer if spec.exists(self, layer) for t in spec.hf)
 
+    def expert_params_of_layer(self, layer: int) -> int:
+        """The routed experts' share of `params_of_layer(layer)` (every expert counted; 0 in a dense layer)."""
+        return sum(self.hf_numel(t) * self.num_experts
+                   for spec in self.weights.layer if spec.expert and spec.exists(self, layer) for t in spec.hf)
+
     def params_per_layer(self) -> int:
         """The largest layer's parameters (all layers alike in a dense model; an MoE layer with every
         expert counted in an MoE model: an upper bound for a rank's share until EP is estimated)."""

@@ -13,14 +13,13 @@ The function may return a number, a `ScoreResult`, or a dict with ``score`` (and
 """
 from __future__ import annotations
 
-import importlib.util
 import inspect
-import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from hybridrl.rewards.registry import ScoreResult
+from hybridrl.user_code import import_user_file
 
 
 class RewardFunctionError(RuntimeError):
@@ -29,21 +28,8 @@ class RewardFunctionError(RuntimeError):
 
 def load_reward_function(path: str | Path, name: str = "compute_score") -> Callable[..., Any]:
     """The function `name` defined in the Python file `path` (trusted code: it is executed)."""
-    path = Path(path)
-    if not path.is_file():
-        raise RewardFunctionError(f"custom reward file {str(path)!r} does not exist")
-    module_name = f"hybridrl_custom_reward_{abs(hash(str(path.resolve())))}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise RewardFunctionError(f"cannot import {str(path)!r} as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    # Registered before executing so dataclasses/pickling inside the file can find their module.
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as error:
-        sys.modules.pop(module_name, None)
-        raise RewardFunctionError(f"importing custom reward file {str(path)!r} failed: {error!r}") from error
+    module = import_user_file(path, what="custom reward file", prefix="hybridrl_custom_reward_",
+                              error=RewardFunctionError)
     function = getattr(module, name, None)
     if function is None:
         defined = sorted(

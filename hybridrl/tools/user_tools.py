@@ -14,14 +14,13 @@ returning text (or anything JSON-serializable)::
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType
 
 from hybridrl.tools.registry import Tool
 from hybridrl.tools.schema import ToolSchemaError, check_tool_schema
+from hybridrl.user_code import import_user_file
 
 
 class ToolFileError(RuntimeError):
@@ -29,21 +28,7 @@ class ToolFileError(RuntimeError):
 
 
 def _import(path: Path) -> ModuleType:
-    if not path.is_file():
-        raise ToolFileError(f"tools file {str(path)!r} does not exist")
-    module_name = f"hybridrl_user_tools_{abs(hash(str(path.resolve())))}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise ToolFileError(f"cannot import {str(path)!r} as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    # Registered before executing so dataclasses/pickling inside the file can find their module.
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as error:
-        sys.modules.pop(module_name, None)
-        raise ToolFileError(f"importing tools file {str(path)!r} failed: {error!r}") from error
-    return module
+    return import_user_file(path, what="tools file", prefix="hybridrl_user_tools_", error=ToolFileError)
 
 
 def load_user_tools(path: str | Path, names: Iterable[str] | None = None) -> list[Tool]:

@@ -1,0 +1,33 @@
+"""Import a user's Python file (a reward function, a tools file): trusted code, executed as it loads.
+
+One loader for every place a config names a file of the user's code, so each fails the same way:
+the caller's error class, with the file and what went wrong. Torch-free, imports nothing of hybridrl.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+
+def import_user_file(path: str | Path, *, what: str, prefix: str, error: type[Exception]) -> ModuleType:
+    """The module of the file `path` (`what` names it in errors, e.g. "custom reward file"), registered in
+    `sys.modules` under `prefix` + a hash of its resolved path; `error` is raised for a missing file, a file
+    that is not a module, or one whose import fails."""
+    path = Path(path)
+    if not path.is_file():
+        raise error(f"{what} {str(path)!r} does not exist")
+    module_name = f"{prefix}{abs(hash(str(path.resolve())))}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise error(f"cannot import {str(path)!r} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    # Registered before executing so dataclasses/pickling inside the file can find their module.
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        sys.modules.pop(module_name, None)
+        raise error(f"importing {what} {str(path)!r} failed: {exc!r}") from exc
+    return module
