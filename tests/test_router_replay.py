@@ -137,3 +137,17 @@ def test_column_order_is_megatrons_token_order(replay_run):
     assert all(torch.equal(a, b) for a, b in zip(back, r["recorded"]))
     with pytest.raises(ValueError, match="rows, seq, moe_layers, top_k"):
         to_router_order(column[0])
+
+
+def test_vllm_cpu_cannot_capture_routed_experts(tmp_path):
+    """The platform fact behind refusing `router_replay: rollout` on CPU (docs/platform.md): vLLM 0.32
+    refuses its routed-experts capture without Model Runner V2, and that runner without Triton. When
+    this starts failing, vllm-cpu can capture and the rollout side of routing replay can be built here."""
+    import vllm
+
+    from hybridrl.rollout.engine import RolloutEngineConfig, vllm_engine_kwargs
+
+    hf = make_hf_model(tmp_path / "qwen3_moe", "qwen3_moe", seed=11, max_position_embeddings=128)
+    kwargs = vllm_engine_kwargs(RolloutEngineConfig(model_path=str(hf), max_model_len=128), "cpu", distributed=False)
+    with pytest.raises(Exception, match="requires Model Runner V2"):
+        vllm.LLM(**kwargs, enable_return_routed_experts=True)
