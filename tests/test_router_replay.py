@@ -24,7 +24,7 @@ from hybridrl.training.router_replay import from_router_order, to_router_order
 from tests.test_models_fixtures import make_hf_model, sample_tokens
 
 ROWS, SEQ = 3, 16
-NOISE = 0.3  # router weights are N(0, 1) in the fixture: a 0.3 std noise flips a few top-k choices
+NOISE = 0.05  # router weights are N(0, 1) in the fixture: a 5% noise still flips a few top-k choices
 
 
 def _topk_sets(routing_map: torch.Tensor) -> list[frozenset[int]]:
@@ -119,12 +119,13 @@ def test_replay_forces_the_recorded_routing(replay_run):
     assert all(g > 0 for g in r["router_grads"])  # the replayed routing weights still train the router
     assert torch.equal(r["logits_self_replay"], r["logits_ref"])
     ref = _next_token_logprobs(r["logits_ref"], r["tokens"])
-    gap_free = (_next_token_logprobs(r["logits_free"], r["tokens"]) - ref).abs().max().item()
-    gap_replay = (_next_token_logprobs(r["logits_replay"], r["tokens"]) - ref).abs().max().item()
+    diff_free = (_next_token_logprobs(r["logits_free"], r["tokens"]) - ref).abs()
+    diff_replay = (_next_token_logprobs(r["logits_replay"], r["tokens"]) - ref).abs()
     total = sum(len(layer) for layer in expected)
-    print(f"router noise {NOISE}: {flipped}/{total} token-layer routings flipped; "
-          f"log-prob max |diff| without replay {gap_free:.4g}, with replay {gap_replay:.4g}")
-    assert gap_replay < gap_free
+    print(f"router noise {NOISE}: {flipped}/{total} token-layer routings flipped; log-prob |diff| max / mean "
+          f"without replay {diff_free.max():.4g} / {diff_free.mean():.4g}, "
+          f"with replay {diff_replay.max():.4g} / {diff_replay.mean():.4g}")
+    assert diff_replay.mean() < diff_free.mean()
 
 
 def test_column_order_is_megatrons_token_order(replay_run):
