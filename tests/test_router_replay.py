@@ -10,6 +10,8 @@ routing map every router returns (a plain forward hook, not RouterReplay's own b
   training forward + backward (the router still gets a gradient);
 - replaying a model's own routing changes nothing (logits bit-equal);
 - the [rows, seq, layers, top_k] column order: row r's routing equals a forward of row r alone.
+At EP1 on one rank and at EP2 on two (each DP rank its own rows, the experts split and the tokens
+traded by the alltoall dispatcher; routing is decided before the dispatch, on each rank's tokens).
 The log-prob gap to the unperturbed copy with and without replay is printed (README figures).
 """
 from __future__ import annotations
@@ -31,14 +33,16 @@ def _topk_sets(routing_map: torch.Tensor) -> list[frozenset[int]]:
     return [frozenset(row.nonzero().flatten().tolist()) for row in routing_map]
 
 
-def _replay_rank(rank: int, world: int, hf_dir: str, tokens: torch.Tensor) -> dict[str, Any]:
+def _replay_rank(rank: int, world: int, hf_dir: str, all_tokens: torch.Tensor, ep: int) -> dict[str, Any]:
     from megatron.core.transformer.moe.router import TopKRouter
 
     from hybridrl.models.bridge import build_gpt_models, load_weights
     from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
     from hybridrl.training.router_replay import moe_routers, recording, replaying
 
-    initialize_model_parallel(tp=1, pp=1, ep=1, device="cpu")
+    # at EP2 each DP rank routes its own rows and the alltoall dispatcher trades tokens between them
+    initialize_model_parallel(tp=1, pp=1, ep=ep, device="cpu")
+    tokens = all_tokens[rank]
     try:
         models = build_gpt_models(hf_dir, config_overrides={"moe_enable_routing_replay": True})
         load_weights(models, hf_dir)
@@ -95,17 +99,23 @@ def _next_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Te
     return logp.gather(-1, tokens[:, 1:, None].clamp(max=vocab - 1)).squeeze(-1)
 
 
-@pytest.fixture(scope="module")
-def replay_run(tmp_path_factory) -> dict[str, Any]:
+@pytest.fixture(scope="module", params=[(1, 1), (2, 2)], ids=["ep1", "ep2"])
+def replay_runs(request, tmp_path_factory) -> list[dict[str, Any]]:
+    world, ep = request.param
     hf = make_hf_model(tmp_path_factory.mktemp("replay") / "qwen3_moe", "qwen3_moe", seed=11)
-    tokens = sample_tokens(batch=ROWS, seq=SEQ, seed=3)
-    (result,) = run_ranks(_replay_rank, 1, str(hf), tokens, timeout_s=400)
-    result["tokens"] = tokens
-    return result
+    tokens = torch.stack([sample_tokens(batch=ROWS, seq=SEQ, seed=3 + rank) for rank in range(world)])
+    results = run_ranks(_replay_rank, world, str(hf), tokens, ep, timeout_s=400)
+    for rank, result in enumerate(results):
+        result["tokens"] = tokens[rank]
+    return results
 
 
-def test_replay_forces_the_recorded_routing(replay_run):
-    r = replay_run
+def test_replay_forces_the_recorded_routing(replay_runs):
+    for rank, r in enumerate(replay_runs):
+        _check_replay(rank, r)
+
+
+def _check_replay(rank: int, r: dict[str, Any]) -> None:
     assert r["layers"] and len(r["recorded"]) == len(r["layers"])
     expected = [[frozenset(row.tolist()) for row in layer] for layer in r["recorded"]]
     assert all(len(s) == r["top_k"] for layer in expected for s in layer)
@@ -122,14 +132,19 @@ def test_replay_forces_the_recorded_routing(replay_run):
     diff_free = (_next_token_logprobs(r["logits_free"], r["tokens"]) - ref).abs()
     diff_replay = (_next_token_logprobs(r["logits_replay"], r["tokens"]) - ref).abs()
     total = sum(len(layer) for layer in expected)
-    print(f"router noise {NOISE}: {flipped}/{total} token-layer routings flipped; log-prob |diff| max / mean "
+    print(f"rank {rank}, router noise {NOISE}: {flipped}/{total} token-layer routings flipped; "
+          "log-prob |diff| max / mean "
           f"without replay {diff_free.max():.4g} / {diff_free.mean():.4g}, "
           f"with replay {diff_replay.max():.4g} / {diff_replay.mean():.4g}")
     assert diff_replay.mean() < diff_free.mean()
 
 
-def test_column_order_is_megatrons_token_order(replay_run):
-    r = replay_run
+def test_column_order_is_megatrons_token_order(replay_runs):
+    for r in replay_runs:
+        _check_order(r)
+
+
+def _check_order(r: dict[str, Any]) -> None:
     column = from_router_order(r["recorded"], rows=ROWS)
     assert column.shape == (ROWS, SEQ, len(r["layers"]), r["top_k"])
     for row, alone in enumerate(r["rows_alone"]):  # row r forwarded by itself: [seq, top_k] per layer
