@@ -277,25 +277,10 @@ def test_cp2_checkpoint_resumes_on_cp1_and_back(tmp_path):
 
 def test_cp2_reward_model_scores_equal_transformers(tmp_path):
     """The reward model at CP2 reads each row's last real column from the gathered sequence."""
-    import transformers
+    from tests.test_training_critic import _reward_rank, reward_model_case
+    from tests.test_training_fixtures import job_config, with_reward_model
 
-    from tests.test_training_critic import _reward_rank
-    from tests.test_training_fixtures import (
-        job_config,
-        policy_model,
-        rollout_batch,
-        sequence_classifier,
-        with_reward_model,
-    )
-
-    rm = sequence_classifier(tmp_path / "rm")
-    hf = policy_model(tmp_path / "policy")
-    batch = rollout_batch(8, seed=3)
-    model = transformers.LlamaForSequenceClassification.from_pretrained(rm, dtype=torch.float32,
-                                                                        attn_implementation="eager")
-    with torch.no_grad():
-        expected = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                         position_ids=batch["position_ids"]).logits.squeeze(-1)
+    rm, hf, batch, expected = reward_model_case(tmp_path)
     config = with_reward_model(job_config(hf, world=2), rm)
     config.reward_model.megatron.context_parallel_size = 2
     scores = [s for s in run_ranks(_reward_rank, 2, config, batch) if s is not None]

@@ -99,7 +99,8 @@ def _reward_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
     return None if out is None else out["rm_scores"].clone()
 
 
-def test_reward_model_scores_equal_transformers(tmp_path):
+def reward_model_case(tmp_path: Any) -> tuple[Any, Any, Any, torch.Tensor]:
+    """(reward model folder, policy folder, batch, transformers' scores of the batch): the reference."""
     import transformers
 
     rm = sequence_classifier(tmp_path / "rm")
@@ -110,6 +111,11 @@ def test_reward_model_scores_equal_transformers(tmp_path):
     with torch.no_grad():
         expected = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                          position_ids=batch["position_ids"]).logits.squeeze(-1)
+    return rm, hf, batch, expected
+
+
+def test_reward_model_scores_equal_transformers(tmp_path):
+    rm, hf, batch, expected = reward_model_case(tmp_path)
     for tp, pp in ((1, 1), (2, 2)):
         config = with_reward_model(job_config(hf, world=tp * pp), rm, tp=tp, pp=pp)
         scores = [s for s in run_ranks(_reward_rank, tp * pp, config, batch) if s is not None]
