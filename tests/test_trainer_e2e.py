@@ -14,16 +14,20 @@ from pathlib import Path
 import pytest
 
 from hybridrl.persistence import is_partial
+from hybridrl.workers import faults
 from tools.demo_assets import demo_overrides
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
+CKPT = Path("ckpt") / "demo" / "cpu_tiny_grpo"  # under a run folder: demo_overrides' checkpoint root
 
 
-def _train(config: str, overrides: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
+def _train(config: str, overrides: list[str], timeout: int = 900,
+           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "hybridrl.cli", "train", config, *overrides, "--no-progress"]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
 
 
 def _metrics(run: Path) -> list[dict]:
@@ -89,11 +93,13 @@ def test_packed_balanced_grpo_raises_the_reward(demo_assets, tmp_path):
 
 def test_killed_run_resumes_with_identical_next_step(demo_assets, tmp_path):
     """Killed whole (driver, Ray, workers) after a checkpoint: resumed, the next steps equal the
-    uninterrupted run's, on the same layout and another; a tampered checkpoint is then refused."""
+    uninterrupted run's, on the same layout and another; a tampered checkpoint is then refused; a
+    worker killed mid-run restarts in place (trainer.max_restarts) and reproduces it too."""
     config = "configs/examples/cpu_tiny_grpo.yaml"
     common = ["trainer.total_training_steps=4", "trainer.save_freq=1"]
-    straight = tmp_path / "straight"
-    result = _train(config, demo_overrides(demo_assets, straight, *common))
+    straight = tmp_path / "straight"  # 6 steps: the in-place restart below runs 6 (the lr is constant)
+    result = _train(config, demo_overrides(demo_assets, straight, "trainer.total_training_steps=6",
+                                           "trainer.save_freq=1"))
     assert result.returncode == 0, result.stderr[-5000:]
 
     killed = tmp_path / "killed"
@@ -148,6 +154,9 @@ def test_killed_run_resumes_with_identical_next_step(demo_assets, tmp_path):
     assert "training failed at step 0, phase resume:" in refused.stderr, refused.stderr[-4000:]
     assert "rank_00001.pt: sha256" in refused.stderr, refused.stderr[-4000:]
     assert max(r["step"] for r in _metrics(killed)) == 4
+
+    # In place (trainer.max_restarts): the same comparisons within one invocation.
+    _check_restarts_in_place(demo_assets, tmp_path, {r["step"]: r for r in _metrics(straight)})
     assert not [p for p in ckpt.iterdir() if is_partial(p)]
 
 
@@ -387,3 +396,58 @@ def test_moe_grpo_at_ep2_reward_rises(demo_assets, tmp_path):
     assert {r["reshard/bytes_received"] for r in rows} == {4 * 2 * 3 * 64 * 128 * 4}
     for r in rows:
         assert 0 < r["actor/moe_aux_loss"] < 4 and 1 <= r["actor/moe_expert_imbalance"] <= 2, r
+
+
+RESTART_KEYS = ["critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean"]
+
+
+def _step_rows(run: Path) -> dict[int, dict]:
+    rows = [r for r in _metrics(run) if "event" not in r]
+    steps = [r["step"] for r in rows]
+    assert len(steps) == len(set(steps)), f"a step logged twice: {steps}"
+    return {r["step"]: r for r in rows}
+
+
+def _check_restarts_in_place(demo_assets, tmp_path, reference: dict[int, dict]) -> None:
+    """trainer.max_restarts: a worker killed at step 3 of 6 (checkpoints every step) is restarted in the
+    same invocation from step 2's checkpoint, and steps 3-6 equal an uninterrupted run's. Before any
+    checkpoint a restart begins at step 0 and reproduces steps 1-2; a failure beyond the limit stops
+    the run naming both failures."""
+    steps = ["trainer.total_training_steps=6"]
+
+    restarted = tmp_path / "restarted"
+    config = "configs/examples/cpu_tiny_grpo.yaml"
+    result = _train(config, demo_overrides(demo_assets, restarted, *steps, "trainer.save_freq=1",
+                                           "trainer.max_restarts=1"), env={faults.ENV: "update_actor:3:1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
+    assert "restart 1/1 in place: training failed at step 3, phase update_actor:" in result.stdout
+    assert f"resuming from {restarted / CKPT / 'global_step_2'} at step 2" in result.stdout
+    rows = _step_rows(restarted)
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6]
+    for step in (3, 4, 5, 6):
+        for key in RESTART_KEYS:
+            assert rows[step][key] == pytest.approx(reference[step][key], abs=1e-5), (step, key)
+    (event,) = [r for r in _metrics(restarted) if r.get("event") == "restart"]
+    assert (event["step"], event["phase"], event["role"], event["rank"], event["resume_step"]) == (
+        3, "update_actor", "actor_rollout_ref", 1, 2)
+    assert "restarts" in result.stdout and "failure cost" in result.stdout  # the end summary
+    assert (restarted / CKPT / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
+
+    # No checkpoint yet (save_freq=-1): the restart begins at step 0 and its steps 1-2 equal the
+    # straight run's; its own failure at step 3 is the second, beyond max_restarts=1.
+    twice = tmp_path / "twice"
+    result = _train(config, demo_overrides(demo_assets, twice, *steps, "trainer.max_restarts=1"),
+                    env={faults.ENV: "update_actor:2:0,update_actor:3:1:1"})
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-4000:]
+    assert "resuming from the start at step 0" in result.stdout
+    message = result.stderr
+    assert "training failed at step 3, phase update_actor: actor_rollout_ref rank 1 failed in" in message, \
+        message[-4000:]
+    assert "the run's failure 2, with trainer.max_restarts=1" in message, message[-4000:]
+    assert "1) step 2, phase update_actor: actor_rollout_ref rank 0 failed in" in message, message[-4000:]
+    rows = _step_rows(twice)
+    assert sorted(rows) == [1, 2]
+    for step in (1, 2):
+        for key in RESTART_KEYS:
+            assert rows[step][key] == pytest.approx(reference[step][key], abs=1e-5), (step, key)
+
