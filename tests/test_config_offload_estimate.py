@@ -63,3 +63,21 @@ def test_expert_parallelism_splits_the_experts_in_the_memory_estimate():
     plan = plan_from_sources(str(ROOT / "configs/examples/qwen3_30b_a3b_grpo_4x8.yaml"))
     assert plan.phase_peaks.fits and next(m for m in plan.training_memory if m.role == "actor").params_gib == \
         pytest.approx(m.params_gib, rel=1e-3)
+
+
+def test_memory_estimate_sums_each_stages_own_layers_when_moe_and_dense_layers_mix():
+    """With `mlp_only_layers` a dense layer (a wide dense MLP, no experts) sits among MoE layers: each
+    stage's parameters are its own layers', hand-counted on the tiny Qwen3-MoE with layer 0 dense
+    (intermediate 4096): layer 0 = 49,152 attention + 320 norms + 3 x 128 x 4096; an MoE layer = 49,984
+    dense + 98,304 expert params; embedding and output 96 x 128 each, final norm 128."""
+    from hybridrl.config.estimates import _stage_params
+    from hybridrl.models.arch import ModelShape, read_hf_config
+
+    config = read_hf_config(ROOT / "configs/models/tiny-demo-moe")
+    config.update(mlp_only_layers=[0], intermediate_size=4096)
+    shape = ModelShape.from_hf_config(config)
+    dense_layer, moe_dense, moe_experts, vocab = 49_152 + 320 + 3 * 128 * 4096, 49_984, 98_304, 96 * 128
+    # PP1 at EP2: every layer on one stage, half of each MoE layer's experts
+    assert _stage_params(shape, pp=1, ep=2) == (dense_layer + 3 * moe_dense + 2 * vocab + 128, 3 * moe_experts / 2)
+    # PP2 at EP2: the first stage (the dense layer, an MoE layer, the embedding) is the heaviest
+    assert _stage_params(shape, pp=2, ep=2) == (dense_layer + moe_dense + vocab, moe_experts / 2)

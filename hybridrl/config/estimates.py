@@ -72,20 +72,21 @@ def kv_bytes_per_token(shape: ModelShape, bytes_per_value: int, tp: int = 1) -> 
 
 def _stage_params(shape: ModelShape, pp: int, tp: int = 1, ep: int = 1) -> tuple[float, float]:
     """(dense, expert) parameters one GPU of the heaviest pipeline stage holds (embedding on the first
-    stage, output layer on the last): dense weights split over TP, an MoE layer's experts over EP and the
-    expert TP (= TP), so that rank holds experts / EP of them, each split over TP."""
-    layers = -(-shape.num_layers // pp)
-    # the largest layer's parts, per GPU
-    per_layer = max(
-        ((shape.params_of_layer(i) - shape.expert_params_of_layer(i)) / tp, shape.expert_params_of_layer(i) / (ep * tp))
-        for i in range(shape.num_layers))
-    dense_layers, expert_layers = layers * per_layer[0], layers * per_layer[1]
-    if pp == 1:
-        outer = embedding_params(shape) + shape.hidden_size + output_params(shape)
-        return dense_layers + outer / tp, expert_layers
-    first = embedding_params(shape)
-    last = shape.hidden_size + output_params(shape)
-    return dense_layers + max(first, last) / tp, expert_layers
+    stage, output layer on the last; layers split evenly, VPP's interleave ignored): dense weights split
+    over TP, an MoE layer's experts over EP and the expert TP (= TP), so that rank holds experts / EP
+    of them, each split over TP. Each stage sums its own layers (MoE and dense ones may differ)."""
+    per_stage = -(-shape.num_layers // pp)
+    stages = []
+    for stage in range(pp):
+        layers = range(stage * per_stage, min((stage + 1) * per_stage, shape.num_layers))
+        experts = sum(shape.expert_params_of_layer(i) for i in layers)
+        dense = sum(shape.params_of_layer(i) for i in layers) - experts
+        if stage == 0:
+            dense += embedding_params(shape)
+        if stage == pp - 1:
+            dense += shape.hidden_size + output_params(shape)
+        stages.append((dense / tp, experts / (ep * tp)))
+    return max(stages, key=sum)
 
 
 def training_memory(
