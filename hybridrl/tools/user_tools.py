@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from types import ModuleType
 
 from hybridrl.tools.registry import Tool
 from hybridrl.tools.schema import ToolSchemaError, check_tool_schema
@@ -27,14 +26,10 @@ class ToolFileError(RuntimeError):
     """A tools file that cannot be loaded or does not define the tools asked for; the message says which."""
 
 
-def _import(path: Path) -> ModuleType:
-    return import_user_file(path, what="tools file", prefix="hybridrl_user_tools_", error=ToolFileError)
-
-
 def load_user_tools(path: str | Path, names: Iterable[str] | None = None) -> list[Tool]:
     """The tools `names` (all when None) defined in the file `path` (trusted code: it is executed)."""
     path = Path(path)
-    module = _import(path)
+    module = import_user_file(path, what="tools file", prefix="hybridrl_user_tools_", error=ToolFileError)
     schemas = getattr(module, "TOOL_SCHEMAS", None)
     if not isinstance(schemas, (list, tuple)):
         raise ToolFileError(f"tools file {str(path)!r} must define TOOL_SCHEMAS, a list of tool schemas; "
