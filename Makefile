@@ -19,12 +19,13 @@ $(STAMP): setup.py
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
 	touch $(STAMP)
 
-# Two xdist workers handing out one test at a time, longest first (tests/conftest.py): on 2 cores the
+# Two xdist workers handing out one test at a time (a module marked `xdist_group` whole, so its
+# module fixtures are built once), longest first (tests/conftest.py): on 2 cores the
 # suite takes ~3/4 of its one-process time, because a test's ranks leave a core idle about a quarter
 # of the time (rendezvous, Ray start-up, waits on peers). Each worker is its own pytest session with
 # its own Ray cluster. TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
-XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist load --maxschedchunk 1)
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --maxschedchunk 1)
 
 # pytest exits 5 when it collected nothing: that is a failure here, not a pass.
 test: venv

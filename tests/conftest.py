@@ -4,7 +4,9 @@
 xdist worker) for every test that runs `hybridrl train` on them.
 
 Order: `make test` runs the suite on two xdist workers handing out one test at a time
-(`--dist load --maxschedchunk 1`). Tests are scheduled longest first (the modules in
+(`--dist loadgroup --maxschedchunk 1`); a module whose module-scoped fixture is expensive (a
+real-model reference, a Ray group, a vLLM session) marks itself `xdist_group` so that one worker
+runs all its tests and builds the fixture once. Tests are scheduled longest first (the modules in
 `LONGEST_FIRST`: whole `hybridrl train` runs) so that the last minutes are not one worker alone on a
 long run while the other idles.
 

@@ -125,11 +125,12 @@ def _expert_bytes_missing(shape: ModelShape, ep: int, infer_tp: int, element: in
 
 
 # (arch, tp, ep, world, infer_tp, bucket bytes)
+# One xdist worker for the module: vLLM's own loader output (`vllm_loaded`) is built once per layout.
+pytestmark = pytest.mark.xdist_group("reshard_moe")
+
 MOE_LAYOUTS = [
     ("qwen3_moe", 1, 2, 2, 1, 16 << 10),
     ("qwen3_moe", 1, 2, 2, 2, 512 << 20),
-    ("qwen3_moe", 1, 1, 2, 2, 512 << 20),
-    ("qwen3_moe", 1, 1, 1, 1, 512 << 20),
     ("qwen3_moe", 2, 2, 4, 2, 16 << 10),  # TP2 x EP2: each expert TP-split on the megatron side
     ("qwen3_moe", 2, 2, 4, 1, 512 << 20),
     ("mixtral", 1, 2, 2, 2, 16 << 10),

@@ -23,6 +23,9 @@ from tests.rollout_models import (
     perturbed_state_dict,
 )
 
+# One xdist worker for the module: its vLLM generation session is run once.
+pytestmark = pytest.mark.xdist_group("rollout_engine")
+
 LOGPROB_TOLERANCE = 1e-4
 LONG_PROMPT = [(7 * i) % 120 + 3 for i in range(40)]  # > one 32-token KV block: prefix-cached
 

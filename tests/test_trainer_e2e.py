@@ -38,10 +38,9 @@ def _mean(rows: list[dict], key: str) -> float:
     return sum(r[key] for r in rows) / len(rows)
 
 
+# One learning run per algorithm family here; GRPO learns at DP2 in the packed, MoE and resume runs
+# below, and a TP2 step equals the DP2 one exactly (the resume test's re-laid run, tests/test_training_ranks.py).
 @pytest.mark.parametrize("name,config,layout", [
-    ("grpo-tp2", "configs/examples/cpu_tiny_grpo.yaml",
-     ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
-      "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]),
     ("ppo-pp2", "configs/examples/cpu_tiny_ppo.yaml",
      ["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
       "critic.megatron.pipeline_model_parallel_size=2"]),
@@ -97,9 +96,8 @@ def test_killed_run_resumes_with_identical_next_step(demo_assets, tmp_path):
     worker killed mid-run restarts in place (trainer.max_restarts) and reproduces it too."""
     config = "configs/examples/cpu_tiny_grpo.yaml"
     common = ["trainer.total_training_steps=4", "trainer.save_freq=1"]
-    straight = tmp_path / "straight"  # 6 steps: the in-place restart below runs 6 (the lr is constant)
-    result = _train(config, demo_overrides(demo_assets, straight, "trainer.total_training_steps=6",
-                                           "trainer.save_freq=1"))
+    straight = tmp_path / "straight"
+    result = _train(config, demo_overrides(demo_assets, straight, *common))
     assert result.returncode == 0, result.stderr[-5000:]
 
     killed = tmp_path / "killed"
@@ -409,45 +407,34 @@ def _step_rows(run: Path) -> dict[int, dict]:
 
 
 def _check_restarts_in_place(demo_assets, tmp_path, reference: dict[int, dict]) -> None:
-    """trainer.max_restarts: a worker killed at step 3 of 6 (checkpoints every step) is restarted in the
-    same invocation from step 2's checkpoint, and steps 3-6 equal an uninterrupted run's. Before any
-    checkpoint a restart begins at step 0 and reproduces steps 1-2; a failure beyond the limit stops
-    the run naming both failures."""
-    steps = ["trainer.total_training_steps=6"]
-
-    restarted = tmp_path / "restarted"
+    """trainer.max_restarts=2, checkpoints every 2 steps, three faults in one invocation: a worker killed
+    in step 2 (no checkpoint yet) restarts the run from step 0; the restarted workers' own failure in
+    step 3 restarts it from step 2's checkpoint; those workers' failure in step 4 is the third, beyond
+    the limit, and stops the run naming all three. Every step that completed equals the uninterrupted
+    run's. (`<call>` counts a worker's own entries: restart 1 runs steps 1-3, restart 2 steps 3-4.)"""
+    run = tmp_path / "restarted"
     config = "configs/examples/cpu_tiny_grpo.yaml"
-    result = _train(config, demo_overrides(demo_assets, restarted, *steps, "trainer.save_freq=1",
-                                           "trainer.max_restarts=1"), env={faults.ENV: "update_actor:3:1"})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-4000:]
-    assert "restart 1/1 in place: training failed at step 3, phase update_actor:" in result.stdout
-    assert f"resuming from {restarted / CKPT / 'global_step_2'} at step 2" in result.stdout
-    rows = _step_rows(restarted)
-    assert sorted(rows) == [1, 2, 3, 4, 5, 6]
-    for step in (3, 4, 5, 6):
-        for key in RESTART_KEYS:
-            assert rows[step][key] == pytest.approx(reference[step][key], abs=1e-5), (step, key)
-    (event,) = [r for r in _metrics(restarted) if r.get("event") == "restart"]
-    assert (event["step"], event["phase"], event["role"], event["rank"], event["resume_step"]) == (
-        3, "update_actor", "actor_rollout_ref", 1, 2)
-    assert "restarts" in result.stdout and "failure cost" in result.stdout  # the end summary
-    assert (restarted / CKPT / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
-
-    # No checkpoint yet (save_freq=-1): the restart begins at step 0 and its steps 1-2 equal the
-    # straight run's; its own failure at step 3 is the second, beyond max_restarts=1.
-    twice = tmp_path / "twice"
-    result = _train(config, demo_overrides(demo_assets, twice, *steps, "trainer.max_restarts=1"),
-                    env={faults.ENV: "update_actor:2:0,update_actor:3:1:1"})
+    faults_spec = "update_actor:2:0,update_actor:3:1:1,update_actor:2:0:2"
+    result = _train(config, demo_overrides(demo_assets, run, "trainer.total_training_steps=4", "trainer.save_freq=2",
+                                           "trainer.max_restarts=2"), env={faults.ENV: faults_spec})
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-4000:]
+    assert "restart 1/2 in place: training failed at step 2, phase update_actor:" in result.stdout
     assert "resuming from the start at step 0" in result.stdout
+    assert "restart 2/2 in place: training failed at step 3, phase update_actor:" in result.stdout
+    assert f"resuming from {run / CKPT / 'global_step_2'} at step 2" in result.stdout
     message = result.stderr
-    assert "training failed at step 3, phase update_actor: actor_rollout_ref rank 1 failed in" in message, \
+    assert "training failed at step 4, phase update_actor: actor_rollout_ref rank 0 failed in" in message, \
         message[-4000:]
-    assert "the run's failure 2, with trainer.max_restarts=1" in message, message[-4000:]
+    assert "the run's failure 3, with trainer.max_restarts=2" in message, message[-4000:]
     assert "1) step 2, phase update_actor: actor_rollout_ref rank 0 failed in" in message, message[-4000:]
-    rows = _step_rows(twice)
-    assert sorted(rows) == [1, 2]
-    for step in (1, 2):
+    assert "2) step 3, phase update_actor: actor_rollout_ref rank 1 failed in" in message, message[-4000:]
+    rows = _step_rows(run)  # each re-run step logged once (Tracker.rewind)
+    assert sorted(rows) == [1, 2, 3]
+    for step in (1, 2, 3):
         for key in RESTART_KEYS:
             assert rows[step][key] == pytest.approx(reference[step][key], abs=1e-5), (step, key)
-
+    events = [r for r in _metrics(run) if r.get("event") == "restart"]
+    assert [(e["step"], e["phase"], e["role"], e["rank"], e["resume_step"]) for e in events] == [
+        (2, "update_actor", "actor_rollout_ref", 0, 0), (3, "update_actor", "actor_rollout_ref", 1, 2)]
+    # the failed step 4 never sealed a checkpoint: step 2's is the latest
+    assert (run / CKPT / "latest_checkpointed_iteration.txt").read_text().strip() == "2"

@@ -43,14 +43,15 @@ def test_fault_spec_parsing():
             faults.parse(bad)
 
 
-# The `<call>` of each spec is step 2's entry into that phase (the first sync runs at set-up).
+# The `<call>` of each spec is step 2's entry into that phase (the first sync runs at set-up). A rank
+# killed inside the megatron update (its DP all-reduce peers left waiting) is the in-place restart
+# run's fault, three times (tests/test_trainer_e2e.py::_check_restarts_in_place).
 PHASE_FAULTS = [
     # rank 1 exits as it enters vLLM's TP all-reduce (infer_tp 2: its TP peer is left inside vLLM's
     # collective); the point only fires in an all-reduce that reaches vLLM's communicator
     ("gen_collective:2:1", "gen"),
     ("sync:3:1", "sync"),
     ("old_log_prob:2:0", "old_log_prob"),
-    ("update_actor:2:1", "update_actor"),        # inside the megatron update (DP all-reduce peers wait)
     ("save_checkpoint:2:0", "save_checkpoint"),  # after writing its files, before the checkpoint is sealed
 ]
 
@@ -107,3 +108,18 @@ def test_faults_fire_for_their_restart_only(monkeypatch):
     monkeypatch.setenv(faults.RESTART_ENV, "1")
     assert [faults.triggered("update_actor") for _ in range(3)] == [True, False, False]
 
+
+
+def test_final_failure_names_every_failure_before_it():
+    from hybridrl.names import Phase
+    from hybridrl.trainer.trainer import TrainingFailure, _final_failure
+
+    only = TrainingFailure(3, Phase.SYNC, "actor_rollout_ref rank 1 failed in sync")
+    assert _final_failure([only], 0) is only  # no restarts: the failure itself
+    failures = [TrainingFailure(2, Phase.UPDATE_ACTOR, "actor_rollout_ref rank 0 failed in update_actor\ntraceback"),
+                TrainingFailure(5, Phase.GEN, "actor_rollout_ref rank 1 exited")]
+    final = _final_failure(failures, 1)
+    assert (final.step, final.phase) == (5, Phase.GEN)
+    assert str(final) == ("training failed at step 5, phase gen: actor_rollout_ref rank 1 exited\n"
+                          "(the run's failure 2, with trainer.max_restarts=1; it had restarted in place after: "
+                          "1) step 2, phase update_actor: actor_rollout_ref rank 0 failed in update_actor)")

@@ -22,7 +22,8 @@ import torch
 
 from tests.test_training_actor_reference import Case, megatron_steps, ppo_batch, reference_step
 
-pytestmark = pytest.mark.slow
+# One xdist worker for the module: its transformers references (three real-model steps) are built once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("real_layouts")]
 
 REAL_VOCAB = 49152
 CASE = Case("token-mean", "low_var_kl")

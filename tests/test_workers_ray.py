@@ -25,7 +25,8 @@ from tests.test_training_fixtures import (
 )
 from tests.test_training_ranks import _update_rank
 
-pytestmark = pytest.mark.slow
+# One xdist worker for the module: its policy group (Ray actors, megatron, vLLM) is started once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("workers_ray")]
 TOL = 1e-5
 PG_TIMEOUT_S = 180.0  # whole minutes (megatron's unit), and not megatron's own default of 30
 
