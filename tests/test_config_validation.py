@@ -388,9 +388,14 @@ def test_unhonoured_setting_refused_and_fix_accepted(name):
 
 
 def test_rollout_correction_under_top_p_warns_that_the_ratio_holds_the_truncation():
+    from hybridrl.config.report import render_plan
+
     plan = plan_from_sources(SEED, [f"{RC}.is_level=token", f"{R}.top_p=0.9"])
     assert any(f"{RC} with {R}.top_p=0.9" in w and "kept probability mass" in w for w in plan.warnings), plan.warnings
-    assert not any(RC in w for w in plan_from_sources(SEED, [f"{RC}.is_level=token"]).warnings)
+    assert "+ rollout correction (token TIS, cap 2)" in render_plan(plan)
+    plain = plan_from_sources(SEED, [f"{RC}.is_level=token"])
+    assert not any(RC in w for w in plain.warnings)
+    assert "rollout correction" not in render_plan(plan_from_sources(SEED, []))
 
 
 def test_cp2_on_cpu_plans_with_activations_divided_by_cp():
