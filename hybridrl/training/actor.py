@@ -295,7 +295,7 @@ class MegatronActor:
         old_log_prob = micro.extras.get("old_log_probs")
         old_log_prob = log_prob.detach() if old_log_prob is None else old_log_prob.to(log_prob.dtype)
         token_weight, correction = None, {}
-        if cfg.rollout_correction.enabled:  # update_policy checked that the rollout's log-probs came
+        if cfg.rollout_correction.enabled:  # update_policy refused a batch without the rollout log-probs
             result = rollout_correction_weights(old_log_prob, micro.extras["rollout_log_probs"], mask,
                                                 cfg.rollout_correction)
             token_weight = result.token_weight
