@@ -372,6 +372,10 @@ REFUSED = {
                             "is_level=none", [f"{RC}.is_cap=3", f"{RC}.is_level=sequence"]),
     "mis band without mis": ([f"{RC}.mask_high=3"], f"{RC}.mask_high", "has no effect while algorithm."
                              "rollout_correction.mask_level=none", [f"{RC}.mask_high=3", f"{RC}.mask_level=token"]),
+    "correction of a top-p rollout": ([f"{RC}.is_level=token", f"{R}.top_p=0.9"], f"{RC}.is_level",
+                                      "kept mass", [f"{RC}.is_level=token", f"{R}.top_p=1.0"]),
+    "correction of a top-k rollout": ([f"{RC}.mask_level=token", f"{R}.top_k=4"], f"{RC}.mask_level",
+                                      "top_k=4", [f"{RC}.mask_level=token", f"{R}.top_k=-1"]),
     "truncation-matched ratio not built": ([f"{RC}.is_level=token", f"{RC}.match_truncation=true"],
                                            f"{RC}.match_truncation", "is not available yet",
                                            [f"{RC}.is_level=token", f"{RC}.match_truncation=false"]),
@@ -387,14 +391,12 @@ def test_unhonoured_setting_refused_and_fix_accepted(name):
     plan_from_sources(SEED, good)
 
 
-def test_rollout_correction_under_top_p_warns_that_the_ratio_holds_the_truncation():
+def test_rollout_correction_plan_line_and_no_warning():
     from hybridrl.config.report import render_plan
 
-    plan = plan_from_sources(SEED, [f"{RC}.is_level=token", f"{R}.top_p=0.9"])
-    assert any(f"{RC} with {R}.top_p=0.9" in w and "kept probability mass" in w for w in plan.warnings), plan.warnings
+    plan = plan_from_sources(SEED, [f"{RC}.is_level=token"])
     assert "+ rollout correction (token TIS, cap 2)" in render_plan(plan)
-    plain = plan_from_sources(SEED, [f"{RC}.is_level=token"])
-    assert not any(RC in w for w in plain.warnings)
+    assert not any(RC in w for w in plan.warnings)
     assert "rollout correction" not in render_plan(plan_from_sources(SEED, []))
 
 
