@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SEED = ROOT / "configs/examples/seed_6gpu_grpo.yaml"  # Qwen2.5-0.5B shape: 14 heads, 2 KV, 24 layers
 A = "actor_rollout_ref.actor"
 R = "actor_rollout_ref.rollout"
+RC = "algorithm.rollout_correction"
 
 
 def model_dir(tmp_path: Path, heads: int = 12, kv: int = 4, layers: int = 6, vocab: int = 1000, ffn: int = 256) -> str:
@@ -149,6 +150,12 @@ CASES = {
         ["algorithm.overlong_buffer.enable=true", "algorithm.overlong_buffer.len=256"]),
     "no param offload for a trained role": ([f"{A}.megatron.param_offload=true"], f"{A}.megatron.param_offload",
                                             "frozen roles", [f"{A}.megatron.optimizer_offload=true"]),
+    "tis cap at least 1": ([f"{RC}.is_level=token", f"{RC}.is_cap=0.5"], f"{RC}.is_cap", "must be in [1, 1e+06]",
+                           [f"{RC}.is_level=token", f"{RC}.is_cap=1.5"]),
+    "mis band low below 1": ([f"{RC}.mask_level=token", f"{RC}.mask_low=1.2"], f"{RC}.mask_low", "must be in [0, 1)",
+                             [f"{RC}.mask_level=token", f"{RC}.mask_low=0"]),
+    "mis band high above 1": ([f"{RC}.mask_level=geometric", f"{RC}.mask_high=0.9"], f"{RC}.mask_high",
+                              "must be in (1, 1e+06]", [f"{RC}.mask_level=geometric", f"{RC}.mask_high=1.1"]),
     "top_p in (0,1]": ([f"{R}.top_p=0"], f"{R}.top_p", "(0, 1]", [f"{R}.top_p=0.9"]),
     "gpu memory utilization": ([f"{R}.gpu_memory_utilization=1.5"], f"{R}.gpu_memory_utilization", "(0, 1]",
                                [f"{R}.gpu_memory_utilization=0.9"]),
@@ -361,6 +368,17 @@ REFUSED = {
                                 [f"{R}.val_kwargs.top_k=-1"]),
     "sampled validation at temperature 0": ([f"{R}.val_kwargs.do_sample=true"], f"{R}.val_kwargs.temperature",
                                             "must be > 0", [f"{R}.val_kwargs.do_sample=false"]),
+    "tis cap without tis": ([f"{RC}.is_cap=3"], f"{RC}.is_cap", "has no effect while algorithm.rollout_correction."
+                            "is_level=none", [f"{RC}.is_cap=3", f"{RC}.is_level=sequence"]),
+    "mis band without mis": ([f"{RC}.mask_high=3"], f"{RC}.mask_high", "has no effect while algorithm."
+                             "rollout_correction.mask_level=none", [f"{RC}.mask_high=3", f"{RC}.mask_level=token"]),
+    "correction of a top-p rollout": ([f"{RC}.is_level=token", f"{R}.top_p=0.9"], f"{RC}.is_level",
+                                      "kept mass", [f"{RC}.is_level=token", f"{R}.top_p=1.0"]),
+    "correction of a top-k rollout": ([f"{RC}.mask_level=token", f"{R}.top_k=4"], f"{RC}.mask_level",
+                                      "top_k=4", [f"{RC}.mask_level=token", f"{R}.top_k=-1"]),
+    "truncation-matched ratio not built": ([f"{RC}.is_level=token", f"{RC}.match_truncation=true"],
+                                           f"{RC}.match_truncation", "is not available yet",
+                                           [f"{RC}.is_level=token", f"{RC}.match_truncation=false"]),
 }
 
 
@@ -371,6 +389,15 @@ def test_unhonoured_setting_refused_and_fix_accepted(name):
     assert [i.field for i in issues] == [field], [str(i) for i in issues]  # one mistake, one message
     assert fragment in str(issues[0]), str(issues[0])
     plan_from_sources(SEED, good)
+
+
+def test_rollout_correction_plan_line_and_no_warning():
+    from hybridrl.config.report import render_plan
+
+    plan = plan_from_sources(SEED, [f"{RC}.is_level=token"])
+    assert "+ rollout correction (token TIS, cap 2)" in render_plan(plan)
+    assert not any(RC in w for w in plan.warnings)
+    assert "rollout correction" not in render_plan(plan_from_sources(SEED, []))
 
 
 def test_cp2_on_cpu_plans_with_activations_divided_by_cp():

@@ -5,14 +5,16 @@ an Adam step the weights are ~lr * sign(g): blind to a wrong gradient scale. Her
 recomputed from the HF model with the objective spelled out below (nothing from
 `hybridrl.algorithms`): log-probs and entropy at a sampling temperature != 1, PPO's clipped
 surrogate with asymmetric clip bounds and the dual clip, an entropy bonus, a KL loss (k1 or k3)
-and each `loss_agg_mode`. The comparison is of the loss terms, the metrics, the grad norm and every
-HF tensor's gradient before the optimizer step: megatron DDP's reduced `main_grad` buffers,
-gathered over TP (and over DP for the distributed optimizer's shards) and mapped back to HF names
-by the bridge's export. Layouts: TP2 x PP2 (4 ranks) and DP2 with the distributed optimizer.
+and each `loss_agg_mode`; at DP2 two of the cases also correct the rollout mismatch
+(`algorithm.rollout_correction`: token TIS with token MIS, sequence TIS with the geometric mask),
+the weights recomputed here from `rollout_log_probs`. The comparison is of the loss terms, the
+metrics, the grad norm and every HF tensor's gradient before the optimizer step: megatron DDP's
+reduced `main_grad` buffers, gathered over TP (and over DP for the distributed optimizer's shards)
+and mapped back to HF names by the bridge's export. Layouts: TP2 x PP2 (4 ranks) and DP2 with the distributed optimizer.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +43,12 @@ SCALAR_RTOL = 1e-5  # of the value, or absolute below 1 (token-sum losses are su
 class Case:
     loss_agg_mode: str
     kl_loss_type: str  # the config's spelling; k1 = "kl", k3 = "low_var_kl"
+    # algorithm.rollout_correction (off by default)
+    is_level: str = "none"
+    is_cap: float = 2.0
+    mask_level: str = "none"
+    mask_low: float = 0.5
+    mask_high: float = 2.0
 
     @property
     def kl_kind(self) -> str:
@@ -58,6 +66,24 @@ CASES = (
 
 
 # ---- the reference, in plain torch ------------------------------------------------------------------
+def correction_weight(batch: Any, case: Case, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rollout-mismatch correction of each token's PG loss: (IS weight, keep) `[B, R]`. The weight
+    is min(rho, C) of the token's rho = pi_old / mu or of the product over its sequence (1 without
+    IS); keep is whether the token's rho, its sequence's product or their geometric mean lies in
+    [low, high] (all True without a mask)."""
+    mask = batch["response_mask"].to(dtype)
+    log_rho = (batch["old_log_probs"].to(dtype) - batch["rollout_log_probs"].to(dtype)) * mask
+    seq_log = log_rho.sum(-1, keepdim=True)
+    levels = {"token": log_rho.exp(), "sequence": seq_log.exp().expand_as(log_rho),
+              "geometric": (seq_log / mask.sum(-1, keepdim=True).clamp(min=1)).exp().expand_as(log_rho)}
+    weight = torch.ones_like(log_rho) if case.is_level == "none" else levels[case.is_level].clamp(max=case.is_cap)
+    keep = torch.ones_like(mask, dtype=torch.bool)
+    if case.mask_level != "none":
+        level = levels[case.mask_level]
+        keep = (level >= case.mask_low) & (level <= case.mask_high)
+    return weight, keep
+
+
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
     """Reduce a `[B, R]` loss over the whole mini-batch (T_norm of Dr.GRPO: the max response length)."""
     lengths = mask.sum(-1)
@@ -104,6 +130,8 @@ def reference_step(hf_dir: Path, batch: Any, case: Case, dtype: torch.dtype = to
     ratio = torch.exp(log_prob - old)
     surrogate = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH))
     token_loss = torch.where(adv < 0, torch.minimum(surrogate, -adv * DUAL_CLIP), surrogate)
+    is_weight, keep = correction_weight(batch, case, dtype)
+    token_loss = token_loss * is_weight * keep  # masked tokens stay in the denominators of `aggregate`
     clipped = ((adv > 0) & (ratio > 1 + CLIP_HIGH)) | ((adv < 0) & (ratio < 1 - CLIP_LOW))
     dual_clipped = (adv < 0) & (ratio > DUAL_CLIP)
 
@@ -117,8 +145,23 @@ def reference_step(hf_dir: Path, batch: Any, case: Case, dtype: torch.dtype = to
     loss.backward()
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
     with torch.no_grad():
+        masked = valid & ~keep
+        log_rho = old - batch["rollout_log_probs"].to(dtype)
+        corrected = {
+            "rollout_correction/log_ratio_abs_max": float(log_rho[valid].abs().max()),
+            "rollout_correction/is_weight_mean": float(is_weight[valid].mean()),
+            "rollout_correction/is_weight_max": float(is_weight[valid].max()),
+            "rollout_correction/masked_token_fraction": float(masked.sum() / valid.sum()),
+            "rollout_correction/masked_seq_fraction": float(masked.any(-1).sum() / valid.any(-1).sum()),
+        }
+        names = ["log_ratio_abs_max"] * (case.is_level != "none" or case.mask_level != "none")
+        names += ["is_weight_mean", "is_weight_max"] * (case.is_level != "none")
+        names += ["masked_token_fraction", "masked_seq_fraction"] * (case.mask_level != "none")
         return {
             "pg_loss": float(pg_loss), "kl_loss": float(kl_loss), "loss": float(loss),
+            "is_capped": float((is_weight[valid] == case.is_cap).float().mean()) if case.is_level != "none" else 0.0,
+            "masked": float(masked.sum()),
+            "rollout_correction": {f"rollout_correction/{n}": corrected[f"rollout_correction/{n}"] for n in names},
             "clipfrac": float(clipped[valid].float().mean()),
             "clipfrac_lower": float(dual_clipped[valid].float().mean()),
             "approx_kl": float((old - log_prob)[valid].mean()),
@@ -144,6 +187,8 @@ def ppo_batch(hf_dir: Path, rows: int = 8, seed: int = 11, vocab: int = POLICY["
     batch["old_log_probs"] = (policy + 2 * torch.rand(shape, generator=gen) - 1) * mask
     batch["ref_log_probs"] = (policy + 0.6 * torch.rand(shape, generator=gen) - 0.3) * mask
     batch["advantages"] = torch.randn(shape, generator=gen) * mask
+    # the behaviour policy: the old one perturbed by up to 1 nat, so rho spans [0.37, 2.7]
+    batch["rollout_log_probs"] = (batch["old_log_probs"] + 2 * torch.rand(shape, generator=gen) - 1) * mask
     batch.meta["temperature"] = TEMPERATURE
     return batch
 
@@ -200,6 +245,9 @@ def actor_config(hf: Path, case: Case, *, tp: int = 1, pp: int = 1, dp: int = 1,
                         clip_ratio_low=CLIP_LOW, clip_ratio_high=CLIP_HIGH, clip_ratio_c=DUAL_CLIP)
     config.actor_rollout_ref.actor.optim.clip_grad = 0.0  # the buffers must hold the unclipped gradient
     config.actor_rollout_ref.rollout.temperature = TEMPERATURE
+    rc = config.algorithm.rollout_correction
+    rc.is_level, rc.is_cap, rc.mask_level = case.is_level, case.is_cap, case.mask_level
+    rc.mask_low, rc.mask_high = case.mask_low, case.mask_high
     return config
 
 
@@ -233,26 +281,44 @@ def assert_matches_reference(expected: dict[str, Any], metrics: Any, grads: dict
         scale = float(ref.abs().max())
         assert scale > 0, (label, name)  # every tensor gets a gradient
         assert err <= GRAD_RTOL * scale, (label, name, err, scale)
+    expected_correction = expected.get("rollout_correction")
+    if expected_correction is not None and hasattr(metrics, "rollout_correction"):
+        assert sorted(metrics.rollout_correction) == sorted(expected_correction), (label, metrics.rollout_correction)
+        for key, ref in expected_correction.items():
+            value = metrics.rollout_correction[key]
+            assert abs(value - ref) <= SCALAR_RTOL * max(1.0, abs(ref)), (label, key, value, ref)
 
 
-def _check_layout(tmp_path: Path, **layout: Any) -> None:
+def _check_layout(tmp_path: Path, cases: tuple[Case, ...] = CASES, **layout: Any) -> list[dict[str, Any]]:
     hf = build_tiny_model(tmp_path / "hf", POLICY)
     batch = ppo_batch(hf)
-    references = [reference_step(hf, batch, case) for case in CASES]
+    references = [reference_step(hf, batch, case) for case in cases]
     # the reference exercises what it claims to: both clips active, terms that matter
     for ref in references:
         assert 0 < ref["clipfrac"] < 0.9 and ref["clipfrac_lower"] > 0
         assert ref["grad_norm"] > 1e-2
     losses = [ref["loss"] for ref in references]
-    assert len({round(v, 4) for v in losses}) == len(CASES)  # the modes give different objectives
-    runs = megatron_steps(tmp_path, hf, batch, **layout)
-    for case, ref, (metrics, grads) in zip(CASES, references, runs):
+    assert len({round(v, 4) for v in losses}) == len(cases)  # the modes give different objectives
+    runs = megatron_steps(tmp_path, hf, batch, cases=cases, **layout)
+    for case, ref, (metrics, grads) in zip(cases, references, runs):
         assert_matches_reference(ref, metrics, grads, f"{layout} {case}")
+    return references
 
 
 def test_actor_update_equals_reference_at_tp2_pp2(tmp_path):
     _check_layout(tmp_path, tp=2, pp=2, dp=1, distributed_optimizer=False)
 
 
+# Two of the cases with the rollout-mismatch correction on (same cost: the same number of updates).
+TOKEN_TIS_MIS = dict(is_level="token", is_cap=1.5, mask_level="token", mask_low=0.5, mask_high=2.2)
+SEQUENCE_TIS_GEOMETRIC_MIS = dict(is_level="sequence", is_cap=2.0, mask_level="geometric", mask_low=0.8,
+                                  mask_high=1.25)
+CORRECTED_CASES = (replace(CASES[0], **TOKEN_TIS_MIS), *CASES[1:3], replace(CASES[3], **SEQUENCE_TIS_GEOMETRIC_MIS),
+                   CASES[4])
+
+
 def test_actor_update_equals_reference_at_dp2_distributed_optimizer(tmp_path):
-    _check_layout(tmp_path, tp=1, pp=1, dp=2, distributed_optimizer=True)
+    references = _check_layout(tmp_path, CORRECTED_CASES, tp=1, pp=1, dp=2, distributed_optimizer=True)
+    # the corrections act: some weights capped, some tokens masked, in each corrected case
+    for i in (0, 3):
+        assert 0 < references[i]["is_capped"] < 1 and references[i]["masked"] > 0, references[i]["rollout_correction"]

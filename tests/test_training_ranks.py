@@ -268,6 +268,10 @@ def test_on_policy_update_without_old_log_prob_pass_equals_recomputed(tmp_path):
     Reference: the same step with `old_log_probs` from the separate forward pass. The rollout-gap
     metric is checked against a planted gap: rollout log-probs = transformers' log-probs, except one
     token (on DP rank 1's rows) moved by 0.25, so the max over DP ranks must be 0.25.
+    With the rollout-mismatch correction on, the target of its ratio is the update's own detached
+    forward: token TIS capped at 1.1 and a token mask [0.8, 1.25] must act the same as against the
+    separate pass (a second planted token, -0.2 on rank 0's rows: rho = e^0.2 = 1.22 is capped; the
+    first's rho = e^-0.25 = 0.78 is masked).
     """
     hf = policy_model(tmp_path / "hf")
     batch = rollout_batch(8, seed=7)
@@ -275,8 +279,11 @@ def test_on_policy_update_without_old_log_prob_pass_equals_recomputed(tmp_path):
     ref_lp, _ = hf_response_log_probs(hf, batch)
     rollout_lp = ref_lp.clone()
     rollout_lp[6, 0] += 0.25
+    rollout_lp[1, 0] -= 0.2
     batch["rollout_log_probs"] = rollout_lp * batch["response_mask"]
     config = job_config(hf, world=2, entropy_coeff=0.01)
+    rc = config.algorithm.rollout_correction
+    rc.is_level, rc.is_cap, rc.mask_level, rc.mask_low, rc.mask_high = "token", 1.1, "token", 0.8, 1.25
     runs = {}
     for recompute in (False, True):
         results = run_ranks(_on_policy_rank, 2, config, batch.select(list(batch.tensors)), recompute)
@@ -290,6 +297,14 @@ def test_on_policy_update_without_old_log_prob_pass_equals_recomputed(tmp_path):
     assert full.rollout_log_prob_abs_diff_max is None  # the separate pass measures it (the trainer does)
     assert skipped.as_dict()["rollout/log_prob_abs_diff_max"] == skipped.rollout_log_prob_abs_diff_max
     assert skipped.grad_norm > 1e-3
+    tokens = int(batch["response_mask"].sum())
+    for corrected in (skipped.rollout_correction, full.rollout_correction):
+        assert corrected["rollout_correction/is_weight_max"] == pytest.approx(1.1, abs=1e-6)
+        assert corrected["rollout_correction/log_ratio_abs_max"] == pytest.approx(0.25, abs=1e-5)
+        assert corrected["rollout_correction/masked_token_fraction"] == pytest.approx(1 / tokens, abs=1e-9)
+        assert corrected["rollout_correction/masked_seq_fraction"] == pytest.approx(1 / 8, abs=1e-9)
+    assert skipped.rollout_correction["rollout_correction/is_weight_mean"] == pytest.approx(
+        full.rollout_correction["rollout_correction/is_weight_mean"], abs=1e-6)
     for name, value in runs[True]["weights"].items():
         assert (runs[False]["weights"][name] - value).abs().max() < 1e-6, name
 

@@ -1,4 +1,5 @@
-"""RL algorithms core: advantages, policy/value losses, KL, loss aggregation, KL controllers.
+"""RL algorithms core: advantages, policy/value losses, KL, loss aggregation, KL controllers,
+rollout-mismatch correction (TIS / MIS weights).
 
 Pure torch functions (plus the KL controllers' coefficient). The public names below are loaded
 lazily (PEP 562 `__getattr__`, from the `_EXPORTS` table) because importing any submodule runs this
@@ -26,6 +27,8 @@ _EXPORTS: dict[str, str] = {
     "KL_PENALTY_ALIASES": "names",
     "KL_PENALTY_NAMES": "names",
     "KL_CONTROLLER_KINDS": "names",
+    "ROLLOUT_IS_LEVELS": "names",
+    "ROLLOUT_MASK_LEVELS": "names",
     # masked reductions
     "masked_mean": "masking",
     "masked_sum": "masking",
@@ -60,6 +63,10 @@ _EXPORTS: dict[str, str] = {
     "LossNormalizers": "aggregation",
     "count_loss_normalizers": "aggregation",
     "global_loss_normalizers": "aggregation",
+    # rollout-mismatch correction
+    "RolloutCorrection": "rollout_correction",
+    "rollout_correction_weights": "rollout_correction",
+    "correction_metrics": "rollout_correction",
     # logits
     "entropy_from_logits": "logits",
     "log_prob_from_logits": "logits",
@@ -120,6 +127,8 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
         KL_PENALTY_KINDS,
         KL_PENALTY_NAMES,
         LOSS_AGG_MODES,
+        ROLLOUT_IS_LEVELS,
+        ROLLOUT_MASK_LEVELS,
     )
     from hybridrl.algorithms.registry import (  # noqa: F401
         ADV_ESTIMATORS,
@@ -127,5 +136,10 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
         compute_advantages,
         get_adv_estimator,
         register_adv_estimator,
+    )
+    from hybridrl.algorithms.rollout_correction import (  # noqa: F401
+        RolloutCorrection,
+        correction_metrics,
+        rollout_correction_weights,
     )
     from hybridrl.algorithms.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_prob  # noqa: F401

@@ -31,6 +31,7 @@ def ppo_policy_loss(
     global_seqs: Count | None = None,
     norm_length: float | None = None,
     seq_token_counts: Tensor | None = None,
+    token_weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped surrogate loss of PPO (Schulman et al. 2017) with the dual clip of Ye et al. 2020.
 
@@ -41,6 +42,10 @@ def ppo_policy_loss(
     Asymmetric `clip_high` > `clip_low` is DAPO's clip-higher. The dual clip bounds the loss of a
     token whose ratio exploded while its advantage is negative. The log-ratio is clamped to
     [-20, 20] before exp, so extreme inputs give finite losses and gradients.
+
+    `token_weight` `[B, T]` (optional, detached) multiplies each token's loss after the clips and
+    before aggregation, with the normalizers unchanged: the rollout-mismatch correction's TIS
+    weights and MIS mask (`hybridrl.algorithms.rollout_correction`). The metrics ignore it.
 
     Args: `log_prob` (with grad), `old_log_prob`, `advantages`, `response_mask` are `[B, T]`.
     Returns: `(loss, metrics)`; metrics: `clipfrac` (share of tokens where the ratio clip is
@@ -67,6 +72,11 @@ def ppo_policy_loss(
     else:
         dual_clipped = torch.zeros_like(ratio_clipped)
 
+    if token_weight is not None:
+        if token_weight.shape != token_loss.shape:
+            raise ValueError(f"token_weight {tuple(token_weight.shape)} must have the loss's shape "
+                             f"{tuple(token_loss.shape)}")
+        token_loss = token_loss * token_weight.detach().to(token_loss.dtype)
     loss = aggregate_loss(token_loss, response_mask, agg, global_tokens=global_tokens, global_seqs=global_seqs,
                           norm_length=norm_length, seq_token_counts=seq_token_counts)
     with torch.no_grad():

@@ -40,6 +40,12 @@ KL_PENALTY_NAMES: tuple[str, ...] = KL_PENALTY_KINDS + tuple(KL_PENALTY_ALIASES)
 
 KL_CONTROLLER_KINDS: tuple[str, ...] = ("fixed", "adaptive")
 
+# Rollout-mismatch correction (`hybridrl.algorithms.rollout_correction`): at which level the
+# truncated importance weight is taken, and at which level tokens leaving the band are masked
+# (geometric: a sequence's mean per-token log-ratio, i.e. the geometric mean of its ratios).
+ROLLOUT_IS_LEVELS: tuple[str, ...] = ("none", "token", "sequence")
+ROLLOUT_MASK_LEVELS: tuple[str, ...] = ("none", "token", "sequence", "geometric")
+
 
 def unknown_name_message(what: str, name: object, valid: Iterable[str]) -> str:
     """The error text for an unknown `name`: the valid choices and, when one is close, a guess.

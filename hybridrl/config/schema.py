@@ -13,7 +13,14 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from hybridrl.algorithms.names import ADV_ESTIMATOR_NAMES, KL_CONTROLLER_KINDS, KL_PENALTY_NAMES, LOSS_AGG_MODES
+from hybridrl.algorithms.names import (
+    ADV_ESTIMATOR_NAMES,
+    KL_CONTROLLER_KINDS,
+    KL_PENALTY_NAMES,
+    LOSS_AGG_MODES,
+    ROLLOUT_IS_LEVELS,
+    ROLLOUT_MASK_LEVELS,
+)
 
 # Closed vocabularies. A field typed with one of these takes exactly its values: the loader reads
 # them as strings, validation refuses anything else (naming the valid values, with a did-you-mean)
@@ -36,6 +43,8 @@ AdvEstimator = Literal[ADV_ESTIMATOR_NAMES]
 LossAggMode = Literal[LOSS_AGG_MODES]
 KlEstimator = Literal[KL_PENALTY_NAMES]
 KlControllerKind = Literal[KL_CONTROLLER_KINDS]
+RolloutIsLevel = Literal[ROLLOUT_IS_LEVELS]
+RolloutMaskLevel = Literal[ROLLOUT_MASK_LEVELS]
 
 CHOICE_NAMES: dict[Any, str] = {
     Device: "device", Dtype: "dtype", LoggerName: "logger", RolloutEngineName: "rollout engine",
@@ -43,7 +52,7 @@ CHOICE_NAMES: dict[Any, str] = {
     Truncation: "truncation mode", MalformedMode: "malformed-row policy", OldLogProbMode: "old log-prob mode",
     RouterReplayMode: "router replay mode",
     AdvEstimator: "advantage estimator", LossAggMode: "loss aggregation mode", KlEstimator: "KL estimator",
-    KlControllerKind: "KL controller",
+    KlControllerKind: "KL controller", RolloutIsLevel: "rollout IS level", RolloutMaskLevel: "rollout mask level",
 }
 
 
@@ -323,6 +332,31 @@ class OverlongBufferConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """Rollout-mismatch correction of the PPO/GRPO policy loss (`hybridrl.algorithms.rollout_correction`).
+
+    The ratio is rho = pi_old / mu per response token: mu the rollout engine's own log-prob of the
+    sampled token (`rollout_log_probs`, the behaviour policy), pi_old the trainer's old policy (the
+    old-log-prob pass; without that pass the update's own forward, detached, which is the old policy
+    exactly). Off by default.
+    """
+
+    is_level: RolloutIsLevel = doc(
+        "none", "truncated importance sampling (TIS): each token's policy-gradient loss times min(rho, is_cap); "
+                "token = the token's own ratio, sequence = the product of the sequence's ratios; none = off")
+    is_cap: float = doc(2.0, "TIS cap C (>= 1): the weight is min(rho, C)")
+    mask_level: RolloutMaskLevel = doc(
+        "none", "masked IS (MIS): no policy gradient where rho leaves [mask_low, mask_high]: token = that token, "
+                "sequence = the whole sequence by the product of its ratios, geometric = by their geometric "
+                "mean; masked tokens still count in the loss's token/sequence normalizers; none = off")
+    mask_low: float = doc(0.5, "MIS: lowest kept ratio, in [0, 1)")
+    mask_high: float = doc(2.0, "MIS: highest kept ratio, > 1")
+    match_truncation: bool = doc(
+        False, "compute pi_old under the rollout's top-k/top-p truncation, as vLLM's log-probs are (not "
+               "available yet: true is refused)")
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: AdvEstimator = doc("grpo", "advantage estimator (gae needs a critic)")
     gamma: float = doc(1.0, "discount")
@@ -333,6 +367,8 @@ class AlgorithmConfig:
     kl_ctrl: KLControlConfig = doc(factory=KLControlConfig, text="KL coefficient controller")
     filter_groups: FilterGroupsConfig = doc(factory=FilterGroupsConfig, text="DAPO dynamic sampling")
     overlong_buffer: OverlongBufferConfig = doc(factory=OverlongBufferConfig, text="DAPO overlong penalty")
+    rollout_correction: RolloutCorrectionConfig = doc(
+        factory=RolloutCorrectionConfig, text="rollout/trainer mismatch correction of the policy loss (TIS, MIS)")
     reward_fn: str = doc("gsm8k", "rule-based scorer name from the rewards registry")
     custom_reward_function: CustomRewardConfig = doc(factory=CustomRewardConfig, text="user reward code")
 

@@ -16,6 +16,19 @@ filters on the rollout's log-probs sit above the trainer's by log(1 / kept mass)
 `rollout/log_prob_abs_diff_max` measures the truncation, not a numerics error. PPO's ratio is taken
 against the trainer's old log-probs, never against the rollout's.
 
+Rollout-mismatch correction (`algorithm.rollout_correction`, off by default): the rollout's log-probs
+are the behaviour policy and the old policy the target, rho = exp(old - rollout) per token;
+`hybridrl.algorithms.rollout_correction` turns it into a detached factor on each token's
+policy-gradient loss (TIS weight min(rho, C), token or sequence level; MIS mask, token, sequence or
+geometric level). Without the old-log-prob pass the target is the update's own forward, detached:
+that pass is skipped only when it would give the same numbers (one optimizer step on data the
+current weights generated). The factor touches the PG term only: the entropy bonus and the KL loss
+regularize the current policy at every sampled state and keep every token. Masked tokens still count
+in `global_loss_normalizers` (the loss keeps its scale and its split invariance).
+`rollout_correction/*` metrics: `is_weight_mean` (token-weighted mean over the update's micro-batches,
+averaged over optimizer steps), `is_weight_max` and `log_ratio_abs_max` (max over every step),
+`masked_token_fraction`, `masked_seq_fraction` (per mini-batch, averaged over steps).
+
 Log-probs never gather the vocabulary, and the vocabulary head sees only the columns that predict
 response tokens (the last stage's hidden states are cut to the N real ones before the output layer,
 see `MegatronBackend.forward_only`'s `response_tokens_only`): the logits are `[N, V/tp]`, padded vocab
@@ -40,6 +53,7 @@ import torch
 from hybridrl.algorithms.aggregation import LossNormalizers, aggregate_loss
 from hybridrl.algorithms.kl import kl_penalty
 from hybridrl.algorithms.losses import ppo_policy_loss
+from hybridrl.algorithms.rollout_correction import RolloutCorrection, correction_metrics, rollout_correction_weights
 from hybridrl.algorithms.vocab_parallel import vocab_parallel_log_prob, vocab_parallel_log_prob_and_entropy
 from hybridrl.config.plan import Plan
 from hybridrl.data.batch import Batch
@@ -67,13 +81,16 @@ class PolicyLossSettings:
     kl_coef: float
     kl_type: str
     norm_length: int  # the constant T of seq-mean-token-sum-norm: the configured response length
+    rollout_correction: RolloutCorrection = field(default_factory=RolloutCorrection)
 
     @classmethod
     def from_plan(cls, plan: Plan) -> PolicyLossSettings:
         actor = plan.config.actor_rollout_ref.actor
+        rc = plan.config.algorithm.rollout_correction
+        correction = RolloutCorrection(rc.is_level, rc.is_cap, rc.mask_level, rc.mask_low, rc.mask_high)
         return cls(plan.resolved.clip_ratio_low, plan.resolved.clip_ratio_high, actor.clip_ratio_c,
                    actor.loss_agg_mode, actor.entropy_coeff, actor.use_kl_loss, actor.kl_loss_coef,
-                   actor.kl_loss_type, plan.resolved.response_length)
+                   actor.kl_loss_type, plan.resolved.response_length, correction)
 
 
 @dataclass(frozen=True)
@@ -98,6 +115,8 @@ class PolicyUpdateMetrics:
     padding_ratio: float = 0.0
     # MoE models: `actor/moe_aux_loss`, `actor/moe_expert_imbalance` (`training/moe_metrics.py`)
     moe: dict[str, float] = field(default_factory=dict)
+    # algorithm.rollout_correction on: `rollout_correction/<name>` (see the module docstring)
+    rollout_correction: dict[str, float] = field(default_factory=dict)
 
     def as_dict(self, prefix: str = "actor/") -> dict[str, float]:
         names = ("pg_loss", "clipfrac", "clipfrac_lower", "approx_kl", "entropy", "kl_loss", "grad_norm", "lr",
@@ -107,6 +126,7 @@ class PolicyUpdateMetrics:
         if self.rollout_log_prob_abs_diff_max is not None:
             out["rollout/log_prob_abs_diff_max"] = self.rollout_log_prob_abs_diff_max
         out.update(self.moe)
+        out.update(self.rollout_correction)
         return out
 
 
@@ -119,6 +139,19 @@ def sampling_temperature(batch: Batch) -> float:
     if temperature < 0:
         raise ValueError(f"batch meta temperature={temperature} must be >= 0")
     return temperature if temperature > 0 else 1.0
+
+
+def require_rollout_log_probs(batch: Batch, correction: RolloutCorrection) -> bool:
+    """Whether the update needs the rollout's log-probs (the correction is on); raises when they are missing."""
+    if not correction.enabled:
+        return False
+    if "rollout_log_probs" not in batch.tensors:
+        raise ValueError(
+            f"algorithm.rollout_correction (is_level={correction.is_level}, mask_level={correction.mask_level}) "
+            "needs the rollout's log-probs (`rollout_log_probs`, the behaviour policy) in the batch; this batch "
+            "has none: generate it with the rollout engine (it always returns them), or set "
+            "algorithm.rollout_correction.is_level and mask_level to none")
+    return True
 
 
 def response_logits(backend: MegatronBackend, micro: ModelInputs, logits: torch.Tensor,
@@ -201,6 +234,8 @@ class MegatronActor:
         # gap (the pass measures it otherwise, over every row).
         gap_key = "old_log_probs" if "old_log_probs" in batch.tensors else "rollout_log_probs"
         optional = (gap_key,) + (("ref_log_probs",) if self.loss.use_kl_loss else ())
+        if require_rollout_log_probs(batch, self.loss.rollout_correction) and gap_key != "rollout_log_probs":
+            optional += ("rollout_log_probs",)
         extra_keys = ("advantages",) + tuple(k for k in optional if k in batch.tensors)
         # The update scores the responses under the distribution they were sampled from, as the
         # old-log-prob pass, the reference and the rollout do: at T != 1 an untempered update would
@@ -226,13 +261,16 @@ class MegatronActor:
         if not backend.is_output_rank:
             return None
         mean = average_steps(steps)
+        # maxima over every optimizer step; fractions and means averaged over them
+        corrections = {key: (max(s[key] for s in steps if key in s) if key.endswith("_max") else value)
+                       for key, value in mean.items() if key.startswith("rollout_correction/")}
         return PolicyUpdateMetrics(
             pg_loss=mean["pg_loss"], clipfrac=mean["clipfrac"], clipfrac_lower=mean["clipfrac_lower"],
             approx_kl=mean["approx_kl"], entropy=mean["entropy"], kl_loss=mean.get("kl_loss", 0.0),
             grad_norm=mean["grad_norm"], lr=mean["lr"], optimizer_steps=len(steps), per_step=tuple(steps),
             skipped_steps=skipped,
             rollout_log_prob_abs_diff_max=steps[0].get("rollout_log_prob_abs_diff"),
-            padding_ratio=padding_ratio, moe=moe,
+            padding_ratio=padding_ratio, moe=moe, rollout_correction=corrections,
         )
 
     def _row_order(self, rows: int, epoch: int) -> list[int]:
@@ -256,9 +294,16 @@ class MegatronActor:
         # old policy is this very forward, detached, and the ratio is exactly 1.
         old_log_prob = micro.extras.get("old_log_probs")
         old_log_prob = log_prob.detach() if old_log_prob is None else old_log_prob.to(log_prob.dtype)
+        token_weight, correction = None, {}
+        if cfg.rollout_correction.enabled:  # update_policy refused a batch without the rollout log-probs
+            result = rollout_correction_weights(old_log_prob, micro.extras["rollout_log_probs"], mask,
+                                                cfg.rollout_correction)
+            token_weight = result.token_weight
+            correction = correction_metrics(result, mask, cfg.rollout_correction, normalizers.tokens,
+                                            normalizers.seqs)
         pg_loss, pg_metrics = ppo_policy_loss(
             log_prob, old_log_prob, micro.extras["advantages"].to(log_prob.dtype),
-            mask, cfg.clip_low, cfg.clip_high, cfg.dual_clip, cfg.agg, **norm,
+            mask, cfg.clip_low, cfg.clip_high, cfg.dual_clip, cfg.agg, **norm, token_weight=token_weight,
         )
         loss = pg_loss
         if cfg.entropy_coeff != 0.0:
@@ -271,8 +316,10 @@ class MegatronActor:
             "mean/clipfrac_lower": pg_metrics["clipfrac_lower"],
             "mean/approx_kl": pg_metrics["approx_kl"],
             "mean/entropy": (entropy.detach() * mask).sum() / tokens.clamp(min=1),
+            **correction,
         }
-        if "rollout_log_probs" in micro.extras:  # the rollout engine's numerics vs megatron's, per step
+        # the rollout engine's numerics vs megatron's, per step, when no old-log-prob pass measured it
+        if "rollout_log_probs" in micro.extras and "old_log_probs" not in micro.extras:
             gap = (log_prob.detach() - micro.extras["rollout_log_probs"].to(log_prob.dtype)).abs() * mask
             metrics["max/rollout_log_prob_abs_diff"] = gap.max() if gap.numel() else torch.zeros(())
         if cfg.use_kl_loss:
