@@ -35,7 +35,7 @@ ALLOWED: dict[str, set[str]] = {
     "config": {"algorithms", "models", "parallel"},
     "controller": {"config", "data", "parallel"},
     "reshard": {"config", "models", "parallel"},
-    "rollout": {"config", "data", "parallel"},
+    "rollout": {"config", "data", "parallel", "tools"},  # the agent loop runs the tools
     "training": {"algorithms", "config", "data", "models", "parallel"},
     "workers": {"algorithms", "config", "controller", "data", "models", "parallel", "reshard", "rollout",
                 "training"},

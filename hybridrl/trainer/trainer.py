@@ -636,7 +636,8 @@ def merge_part_metrics(rounds: list[dict[str, float]], rows: list[int], concurre
     generation rounds of a step, or (`concurrent`) the rollout replicas of one round.
 
     Means are weighted by the parts' sample counts, minima and maxima taken over all parts, counts,
-    tokens and seconds summed (seconds of concurrent parts: the longest); the rollout's tokens/s is
+    tokens and seconds summed (seconds of concurrent parts: the longest; `tools/` counts and call
+    time are always summed); the rollout's tokens/s is
     recomputed from those; any other figure (e.g. the KV-cache size) is its largest. (A
     per-data-source mean is weighted by all of a part's samples: `_dynamic_sampling` recomputes the
     scorer's figures from its per-sample scores.)
@@ -644,7 +645,8 @@ def merge_part_metrics(rounds: list[dict[str, float]], rows: list[int], concurre
     def column(key: str) -> list[tuple[float, int]]:
         return [(round_[key], n) for round_, n in zip(rounds, rows) if key in round_]
 
-    summed = ("fallbacks", "empty_responses", "generate_s", "response_tokens", "prompt_tokens")
+    summed = ("fallbacks", "empty_responses", "generate_s", "response_tokens", "prompt_tokens", "model_tokens",
+              "observation_tokens")
     merged: dict[str, float] = {}
     for key in dict.fromkeys(k for round_ in rounds for k in round_):
         values = column(key)
@@ -654,6 +656,8 @@ def merge_part_metrics(rounds: list[dict[str, float]], rows: list[int], concurre
             merged[key] = min(v for v, _ in values)
         elif key.endswith(summed) and not (concurrent and key.endswith("_s")):
             merged[key] = sum(v for v, _ in values)
+        elif key.startswith("tools/") and not key.endswith("_max"):
+            merged[key] = sum(v for v, _ in values)  # call counts, and tool time summed over calls
         else:
             merged[key] = max(v for v, _ in values)
     if "rollout/tokens_per_s" in merged and merged.get("rollout/generate_s", 0) > 0:
