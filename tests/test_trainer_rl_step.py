@@ -80,10 +80,23 @@ def test_dynamic_sampling_keeps_only_groups_with_spread():
 def test_response_metrics():
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     batch = Batch({"response_mask": mask, "responses": torch.zeros(2, 3, dtype=torch.long),
+                   "attention_mask": torch.cat([torch.ones(2, 1, dtype=torch.long), mask], 1),
                    "token_level_scores": torch.tensor([[0, 1.0, 0], [0, 0, 0.0]])})
     m = response_metrics(batch)
     assert m["response_length/mean"] == 2.5 and m["response_length/clip_ratio"] == 0.5
     assert m["critic/score/mean"] == 0.5 and m["critic/score/max"] == 1.0
+    assert "response_length/model_tokens_mean" not in m
+
+
+def test_response_metrics_of_multi_turn_rows_count_observation_tokens_in_the_length():
+    # row 0: model, observation, observation, model (4 of 4 columns: at the budget); row 1: one model token
+    mask = torch.tensor([[1, 0, 0, 1], [1, 0, 0, 0]])
+    attended = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]])
+    batch = Batch({"response_mask": mask, "responses": torch.zeros(2, 4, dtype=torch.long),
+                   "attention_mask": torch.cat([torch.ones(2, 2, dtype=torch.long), attended], 1)})
+    m = response_metrics(batch)
+    assert m["response_length/mean"] == 2.5 and m["response_length/max"] == 4
+    assert m["response_length/clip_ratio"] == 0.5 and m["response_length/model_tokens_mean"] == 1.5
 
 
 def _scored(uids, scores):

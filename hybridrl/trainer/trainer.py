@@ -46,6 +46,7 @@ from hybridrl.trainer.rl_step import (
     compute_batch_advantages,
     count_groups_with_spread,
     overlong_penalty,
+    response_lengths,
     response_metrics,
     select_groups_with_spread,
 )
@@ -260,7 +261,7 @@ class Trainer:
             batch.meta["reward_output"] = output  # dynamic sampling's metrics over all rounds read it
         overlong = self.config.algorithm.overlong_buffer
         if overlong.enable:
-            lengths = batch["response_mask"].sum(-1)
+            lengths = response_lengths(batch)  # the whole response: observation tokens fill the budget too
             penalty = overlong_penalty(lengths, self.config.data.max_response_length, overlong.len,
                                        overlong.penalty_factor)
             token_scores = token_scores + token_level_rewards(penalty, batch["response_mask"])
@@ -417,11 +418,14 @@ class Trainer:
         prompt_width = batch["input_ids"].shape[1] - batch["responses"].shape[1]
         response_mask = batch["response_mask"].bool()
         prompt_mask = batch["attention_mask"][:, :prompt_width].bool()
+        # every token after the prompt: a multi-turn conversation's observations too (not trained)
+        attended = batch["attention_mask"][:, prompt_width:].bool()
         per_sequence = {key: (batch[key] * response_mask).sum(-1).tolist()
                         for key in ("token_level_scores", "token_level_rewards") if key in batch}
         lines = []
         for row in range(len(batch)):
-            response_ids = batch["responses"][row][response_mask[row]].tolist()
+            response_ids = batch["responses"][row][attended[row]].tolist()
+            trained = response_mask[row][attended[row]]
             record = {
                 "step": self.global_step, "uid": batch["uid"][row],
                 "prompt_ids": batch["input_ids"][row, :prompt_width][prompt_mask[row]].tolist(),
@@ -431,8 +435,11 @@ class Trainer:
                 "score": per_sequence["token_level_scores"][row],
                 "reward": per_sequence.get("token_level_rewards", per_sequence["token_level_scores"])[row],
                 # outcome estimators give every response token the same advantage; GAE's first one
-                "advantage": float(batch["advantages"][row][response_mask[row]][0]) if response_ids else 0.0,
+                "advantage": float(batch["advantages"][row][response_mask[row]][0]) if bool(trained.any()) else 0.0,
             }
+            if "num_turns" in batch:  # multi-turn: which tokens the model wrote, its turns and tool calls
+                record.update(model_token_mask=trained.int().tolist(), num_turns=batch["num_turns"][row],
+                              tool_calls=batch["tool_calls"][row], tool_errors=batch["tool_errors"][row])
             if "baseline_scores" in batch:  # ReMax: the score of the prompt's greedy response
                 record["baseline"] = float(batch["baseline_scores"][row])
             lines.append(json.dumps(record, default=_json_default))
