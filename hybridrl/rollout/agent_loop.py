@@ -250,3 +250,18 @@ class AgentLoop:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def build_agent_loop(multi_turn: Any, tokenizer: Any, end_of_turn_ids: Sequence[int]) -> AgentLoop:
+    """The loop a job's `actor_rollout_ref.rollout.multi_turn` section asks for (tools, parser, limits);
+    `end_of_turn_ids`: the tokens that end a model turn (the engine's EOS and stop ids)."""
+    from hybridrl.tools import SandboxLimits, build_registry, get_parser
+
+    sandbox = multi_turn.sandbox
+    limits = SandboxLimits(wall_time_s=sandbox.wall_time_s, cpu_time_s=sandbox.cpu_time_s,
+                           memory_mb=sandbox.memory_mb, max_file_mb=sandbox.max_file_mb,
+                           max_output_bytes=sandbox.max_output_bytes)
+    registry = build_registry(multi_turn.tools, tools_file=multi_turn.tools_file, sandbox=limits,
+                              max_observation_chars=multi_turn.max_observation_chars)
+    return AgentLoop(registry, get_parser(multi_turn.tool_parser), ObservationRenderer(tokenizer, end_of_turn_ids),
+                     AgentLoopSettings(max_turns=multi_turn.max_turns))

@@ -38,6 +38,7 @@ from hybridrl.data.tokenizer import load_tokenizer, resolve_pad_token_id
 from hybridrl.names import GroupName, Phase, Role
 from hybridrl.rewards.manager import RewardManager, reward_metrics, token_level_rewards
 from hybridrl.rollout.sampling import RolloutSampling, validation_sampling
+from hybridrl.tools import build_registry
 from hybridrl.trainer.checkpoints import CheckpointError, CheckpointManager
 from hybridrl.trainer.rl_step import (
     AdvantageSettings,
@@ -133,13 +134,18 @@ class Trainer:
         self.tokenizer = load_tokenizer(model.tokenizer_path or model.path, trust_remote_code=model.trust_remote_code)
         # Resolved once here and handed to the workers: prompts, responses and probe rows pad alike.
         self.pad_token_id = resolve_pad_token_id(self.tokenizer, model.path)
-        train = PromptDataset.from_config(cfg.data, cfg.data.train_files, self.tokenizer)
+        extra: dict[str, Any] = {}
+        multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+        if multi_turn.enable:
+            # The chat template shows the model its tools (templates without a tools section ignore them).
+            extra["tools"] = build_registry(multi_turn.tools, tools_file=multi_turn.tools_file).schemas()
+        train = PromptDataset.from_config(cfg.data, cfg.data.train_files, self.tokenizer, **extra)
         self.write(f"train data: {train.stats.summary()}")
         self.train_loader = PromptDataLoader(train, cfg.data.train_batch_size, self.pad_token_id,
                                              shuffle=cfg.data.shuffle, seed=cfg.trainer.seed)
         self.val_loader = None
         if cfg.data.val_files:
-            val = PromptDataset.from_config(cfg.data, cfg.data.val_files, self.tokenizer)
+            val = PromptDataset.from_config(cfg.data, cfg.data.val_files, self.tokenizer, **extra)
             self.write(f"val data: {val.stats.summary()}")  # over-long prompts are counted there too
             self.val_loader = PromptDataLoader(val, cfg.data.val_batch_size or len(val), self.pad_token_id,
                                                shuffle=False, drop_last=False)
