@@ -24,7 +24,8 @@ without a model.
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -188,12 +189,9 @@ class AgentLoop:
         self._pool = concurrent.futures.ThreadPoolExecutor(self.settings.tool_workers,
                                                            thread_name_prefix="hybridrl-agent-tool")
 
-    def run(self, prompts: Sequence[Sequence[int]], budget: int, generate: TurnGenerator,
-            clock: Callable[[], float] | None = None) -> tuple[list[Trajectory], AgentLoopMetrics]:
+    def run(self, prompts: Sequence[Sequence[int]], budget: int,
+            generate: TurnGenerator) -> tuple[list[Trajectory], AgentLoopMetrics]:
         """One conversation per prompt (repeat a prompt for n samples); `budget` = most tokens after it."""
-        import time
-
-        clock = clock or time.perf_counter
         if budget < 1:
             raise ValueError(f"budget={budget} must be >= 1 token")
         trajectories = [Trajectory() for _ in prompts]
@@ -222,9 +220,9 @@ class AgentLoop:
                     trajectory.finish_reason = "max_turns"  # no model turn left to read the answer
                 else:
                     calling.append((i, parsed))
-            started = clock()
+            started = time.perf_counter()
             results = list(self._pool.map(lambda item: self.registry.execute_turn(item[1]), calling))
-            metrics.tool_wall_s += clock() - started if calling else 0.0
+            metrics.tool_wall_s += time.perf_counter() - started if calling else 0.0
             next_live = []
             for (i, _), observations in zip(calling, results):
                 trajectory = trajectories[i]
