@@ -150,3 +150,24 @@ def test_baseline_per_row_follows_each_rows_prompt():
     assert baseline.tolist() == [1.0, 0.5, 1.0, -2.0, 0.5]
     with pytest.raises(ValueError, match=r"no baseline response for prompt uid\(s\) \['d'\]"):
         baseline_per_row(np.array(["a", "d"], dtype=object), ["a"], torch.tensor([0.0]))
+
+
+def test_merge_part_metrics_of_multi_turn_replicas():
+    """Two rollout replicas' agent-loop figures: tool counts and call time add up, per-sample rates are
+    weighted by the replicas' samples, maxima stay maxima, the tool rounds' wall time is the slower one."""
+    from hybridrl.trainer.trainer import merge_part_metrics
+
+    replicas = [
+        {"tools/calls": 6.0, "tools/errors/timeout": 1.0, "tools/time_s": 0.5, "tools/time_s_max": 0.2,
+         "multi_turn/turns_mean": 2.0, "multi_turn/tool_use_mean": 0.75, "multi_turn/turns_max": 3.0,
+         "multi_turn/model_tokens": 300.0, "multi_turn/observation_tokens": 80.0, "multi_turn/tool_wall_s": 0.3},
+        {"tools/calls": 2.0, "tools/errors/timeout": 0.0, "tools/time_s": 0.25, "tools/time_s_max": 0.4,
+         "multi_turn/turns_mean": 1.0, "multi_turn/tool_use_mean": 0.25, "multi_turn/turns_max": 2.0,
+         "multi_turn/model_tokens": 100.0, "multi_turn/observation_tokens": 20.0, "multi_turn/tool_wall_s": 0.6},
+    ]
+    merged = merge_part_metrics(replicas, [8, 8], concurrent=True)
+    assert merged == pytest.approx({
+        "tools/calls": 8.0, "tools/errors/timeout": 1.0, "tools/time_s": 0.75, "tools/time_s_max": 0.4,
+        "multi_turn/turns_mean": 1.5, "multi_turn/tool_use_mean": 0.5, "multi_turn/turns_max": 3.0,
+        "multi_turn/model_tokens": 400.0, "multi_turn/observation_tokens": 100.0, "multi_turn/tool_wall_s": 0.6,
+    })
