@@ -121,7 +121,43 @@ def generation_session(
     results["stale"] = engine.generate_sequences([long_prompt], greedy)
     engine.llm.reset_prefix_cache()
     results["fresh"] = engine.generate_sequences([long_prompt], greedy)
+    # The original weights again: multi-turn conversations through the agent loop.
+    results["multi_turn"] = multi_turn_conversations(engine)
     return results
+
+
+# ---- multi-turn: the agent loop on the real engine ------------------------------------------------
+MULTI_TURN_PROMPTS = [[5, 6, 7], [10, 11, 12, 13]]
+MULTI_TURN_STOPS = tuple(range(40, 60))  # a random model stops a turn on one of these every ~6 tokens
+MULTI_TURN_BUDGET = 90
+ECHO_ANSWER = "ok"
+ECHO_SCHEMA = {"type": "function", "function": {"name": "echo", "description": "answers ok", "parameters": {
+    "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
+
+
+class EveryTurnCallsEcho:
+    """A tool-call parser for a random model, which never writes a real tool call: every turn calls
+    `echo` (so every turn but the last is followed by an observation)."""
+
+    def parse(self, text: str) -> Any:
+        from hybridrl.tools import ParsedTurn, ToolCall
+
+        return ParsedTurn("", [ToolCall("echo", {"text": text[:3]}, 0)])
+
+
+def multi_turn_conversations(engine: RolloutEngine) -> Any:
+    from hybridrl.data.tokenizer import char_tokenizer
+    from hybridrl.rollout.agent_loop import AgentLoop, AgentLoopSettings, ObservationRenderer
+    from hybridrl.tools import Tool, ToolRegistry, get_parser, register_parser
+
+    register_parser("test_every_turn_calls_echo")(EveryTurnCallsEcho)
+    tokenizer = char_tokenizer()  # its chat template renders the tool messages; ids >= 96 decode to ""
+    registry = ToolRegistry([Tool(ECHO_SCHEMA, lambda text: ECHO_ANSWER)])
+    agent = AgentLoop(registry, get_parser("test_every_turn_calls_echo"),
+                      ObservationRenderer(tokenizer, engine.eos_token_ids), AgentLoopSettings(max_turns=3))
+    sampling = RolloutSampling(n=2, temperature=1.0, max_tokens=MULTI_TURN_BUDGET, seed=5,
+                               stop_token_ids=MULTI_TURN_STOPS)
+    return engine.generate_multi_turn(MULTI_TURN_PROMPTS, sampling, agent, uids=["a", "b"])
 
 
 def tp_update_session(

@@ -33,6 +33,8 @@ def issues_for(overrides):
 
 
 CPU_CP2 = ("trainer.device=cpu", f"{A}.megatron.context_parallel_size=2")
+# multi-turn on (the seed config generates at inference TP 2, which multi-turn refuses for now)
+MT = (f"{R}.multi_turn.enable=true", f"{R}.tensor_model_parallel_size=1")
 
 # (bad overrides, field that must be named, text in the rule, overrides that fix it)
 CASES = {
@@ -333,9 +335,31 @@ REFUSED = {
                           "only true is supported now", ["actor_rollout_ref.hybrid_engine=true"]),
     "rollout log-probs off": ([f"{R}.calculate_log_probs=false"], f"{R}.calculate_log_probs", "cannot be turned off",
                               [f"{R}.calculate_log_probs=true"]),
-    "multi-turn until the agent loop exists": ([f"{R}.multi_turn.enable=true", f"{R}.multi_turn.tools=[calculator]"],
-                                               f"{R}.multi_turn.enable", "the agent loop that runs them",
-                                               [f"{R}.multi_turn.enable=false"]),
+    "multi-turn without tools": ([*MT], f"{R}.multi_turn.tools", "at least one tool",
+                                 [*MT, f"{R}.multi_turn.tools=[calculator]"]),
+    "multi-turn user tool without a file": ([*MT, f"{R}.multi_turn.tools=[lookup]"],
+                                            f"{R}.multi_turn.tools", "set actor_rollout_ref.rollout.multi_turn."
+                                            "tools_file", [*MT,
+                                                           f"{R}.multi_turn.tools=[python]"]),
+    "multi-turn missing tools file": ([*MT, f"{R}.multi_turn.tools=[calculator]",
+                                       f"{R}.multi_turn.tools_file=/no/such/tools.py"], f"{R}.multi_turn.tools_file",
+                                      "is not a file", [*MT,
+                                                        f"{R}.multi_turn.tools=[calculator]"]),
+    "multi-turn parser": ([*MT, f"{R}.multi_turn.tools=[calculator]",
+                           f"{R}.multi_turn.tool_parser=hermess"], f"{R}.multi_turn.tool_parser",
+                          "registered tool-call parser", [*MT,
+                                                          f"{R}.multi_turn.tools=[calculator]"]),
+    "multi-turn max turns": ([*MT, f"{R}.multi_turn.tools=[calculator]",
+                              f"{R}.multi_turn.max_turns=0"], f"{R}.multi_turn.max_turns", ">= 1",
+                             [*MT, f"{R}.multi_turn.tools=[calculator]",
+                              f"{R}.multi_turn.max_turns=1"]),
+    "multi-turn sandbox limit": ([*MT, f"{R}.multi_turn.tools=[python]",
+                                  f"{R}.multi_turn.sandbox.memory_mb=0"], f"{R}.multi_turn.sandbox.memory_mb",
+                                 "positive", [*MT, f"{R}.multi_turn.tools=[python]"]),
+    "multi-turn at inference TP 2": ([*MT, f"{R}.multi_turn.tools=[calculator]",
+                                      f"{R}.tensor_model_parallel_size=2"], f"{R}.tensor_model_parallel_size",
+                                     "not broadcast", [*MT,
+                                                       f"{R}.multi_turn.tools=[calculator]"]),
     "critic tokenizer": (["critic.model.tokenizer_path=/tok"], "critic.model.tokenizer_path",
                          "uses the policy's tokenizer", ["critic.model.tokenizer_path=null"]),
     "reward model tokenizer": (["reward_model.model.tokenizer_path=/tok"], "reward_model.model.tokenizer_path",

@@ -79,6 +79,18 @@ def test_chat_template_for_messages_and_text(tmp_path: Path, tokenizer) -> None:
     assert dataset_text(tmp_path, tokenizer, rows) == "user: hello\nassistant: "
 
 
+def test_tool_schemas_reach_the_chat_template(tmp_path: Path) -> None:
+    """rollout.multi_turn: the trainer hands the tools' schemas to the template, which shows them."""
+    template = ("{% if tools %}tools: {% for t in tools %}{{ t['function']['name'] }} {% endfor %}. {% endif %}"
+                + CHAR_CHAT_TEMPLATE)
+    tok = char_tokenizer(chat_template=template)
+    schema = {"type": "function", "function": {"name": "calculator", "description": "d", "parameters": {}}}
+    file = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "2+2?"}])
+    with_tools = PromptDataset(file, tok, apply_chat_template=True, tools=[schema])
+    assert with_tools[0].prompt_text == "tools: calculator . user: 2+2?\nassistant: "
+    assert PromptDataset(file, tok, apply_chat_template=True)[0].prompt_text == "user: 2+2?\nassistant: "
+
+
 def dataset_text(tmp_path: Path, tokenizer, rows: list[dict]) -> str:
     dataset = PromptDataset(write_jsonl(tmp_path / "t.jsonl", rows), tokenizer, apply_chat_template=True)
     return dataset[1].prompt_text

@@ -32,15 +32,15 @@ ALLOWED: dict[str, set[str]] = {
     "models": {"parallel"},
     "data": {"parallel", "rewards"},  # the demo and GSM8K datasets register / reuse their scorers
     # torch-free: algorithm names, `ModelShape`, tensor plans, the `DevicePolicy` (parallel/device_policy.py)
-    "config": {"algorithms", "models", "parallel"},
+    "config": {"algorithms", "models", "parallel", "tools"},  # tools: built-in tool and parser names
     "controller": {"config", "data", "parallel"},
     "reshard": {"config", "models", "parallel"},
-    "rollout": {"config", "data", "parallel"},
+    "rollout": {"config", "data", "parallel", "tools"},  # the agent loop runs the tools
     "training": {"algorithms", "config", "data", "models", "parallel"},
     "workers": {"algorithms", "config", "controller", "data", "models", "parallel", "reshard", "rollout",
                 "training"},
     "trainer": {"algorithms", "config", "controller", "data", "models", "parallel", "rewards", "rollout",
-                "workers"},
+                "tools", "workers"},
     "cli": set(),  # names its subcommands' modules as strings (imported only when one runs)
     "__init__": set(),
 }

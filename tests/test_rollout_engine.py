@@ -228,3 +228,49 @@ def test_two_replicas_of_infer_tp2_on_a_world_of_four_generate_independently(tmp
         for prompt, response in zip(rank["prompts"], rank["after_update"].tolist()):
             assert response == _hf_greedy(new_model, prompt, 5)
         assert "capture_loaded_weights=True" in rank["digest_error"]
+
+
+def test_multi_turn_conversations_continue_from_token_ids_and_mask_the_observations(session):
+    """The agent loop on the real engine: each turn continues from the conversation's token ids (vLLM's
+    log-probs of every model token equal ONE transformers forward over the whole conversation), the
+    observations are the chat template's tool-message tokens, masked out, with log-prob 0."""
+    from hybridrl.data.tokenizer import char_tokenizer
+
+    batch = session["multi_turn"]
+    t = batch.tensors
+    observation = char_tokenizer().encode(f"\ntool: {rollout_scenarios.ECHO_ANSWER}\nassistant: ",
+                                          add_special_tokens=False)
+    model = _hf_model(session)
+    width_p = t["prompts"].shape[1]
+    assert len(batch) == 4 and list(batch["uid"]) == ["a", "a", "b", "b"]
+    observation_rows = 0
+    for row in range(len(batch)):
+        length = int(t["response_lengths"][row])
+        tokens, mask = t["responses"][row, :length].tolist(), t["response_mask"][row, :length].tolist()
+        assert length <= rollout_scenarios.MULTI_TURN_BUDGET and t["response_mask"][row, length:].sum() == 0
+        # split into runs: model turns (mask 1) and observations (mask 0)
+        runs, start = [], 0
+        for k in range(1, length + 1):
+            if k == length or mask[k] != mask[start]:
+                runs.append((mask[start], tokens[start:k]))
+                start = k
+        turns = [r for m, r in runs if m == 1]
+        observations = [r for m, r in runs if m == 0]
+        assert int(batch["num_turns"][row]) == len(turns) and runs[0][0] == 1
+        for k, run in enumerate(observations):
+            cut = k == len(observations) - 1 and length == rollout_scenarios.MULTI_TURN_BUDGET
+            assert run == (observation[:len(run)] if cut else observation)
+        for run in turns[:-1]:  # every turn followed by an observation ended on a stop token
+            assert run[-1] in rollout_scenarios.MULTI_TURN_STOPS
+        observation_rows += bool(observations)
+        prompt = t["prompts"][row][t["attention_mask"][row, :width_p].bool()].tolist()
+        hf = torch.log_softmax(_hf_logits_of(model, prompt, tokens), -1)[torch.arange(length), tokens]
+        logged = t["rollout_log_probs"][row, :length].double()
+        model_positions = torch.tensor(mask).bool()
+        assert float((logged - hf).abs()[model_positions].max()) <= LOGPROB_TOLERANCE
+        assert bool((logged[~model_positions] == 0).all())
+    assert observation_rows >= 3  # most conversations had several turns
+    metrics = batch.meta["metrics"]
+    assert metrics["tools/calls"] == sum(int(c) for c in batch["tool_calls"]) > 0
+    assert metrics["tools/errors"] == 0
+    assert metrics["multi_turn/turns_max"] == max(int(n) for n in batch["num_turns"]) <= 3

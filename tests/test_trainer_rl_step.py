@@ -80,10 +80,23 @@ def test_dynamic_sampling_keeps_only_groups_with_spread():
 def test_response_metrics():
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     batch = Batch({"response_mask": mask, "responses": torch.zeros(2, 3, dtype=torch.long),
+                   "attention_mask": torch.cat([torch.ones(2, 1, dtype=torch.long), mask], 1),
                    "token_level_scores": torch.tensor([[0, 1.0, 0], [0, 0, 0.0]])})
     m = response_metrics(batch)
     assert m["response_length/mean"] == 2.5 and m["response_length/clip_ratio"] == 0.5
     assert m["critic/score/mean"] == 0.5 and m["critic/score/max"] == 1.0
+    assert "response_length/model_tokens_mean" not in m
+
+
+def test_response_metrics_of_multi_turn_rows_count_observation_tokens_in_the_length():
+    # row 0: model, observation, observation, model (4 of 4 columns: at the budget); row 1: one model token
+    mask = torch.tensor([[1, 0, 0, 1], [1, 0, 0, 0]])
+    attended = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]])
+    batch = Batch({"response_mask": mask, "responses": torch.zeros(2, 4, dtype=torch.long),
+                   "attention_mask": torch.cat([torch.ones(2, 2, dtype=torch.long), attended], 1)})
+    m = response_metrics(batch)
+    assert m["response_length/mean"] == 2.5 and m["response_length/max"] == 4
+    assert m["response_length/clip_ratio"] == 0.5 and m["response_length/model_tokens_mean"] == 1.5
 
 
 def _scored(uids, scores):
@@ -137,3 +150,24 @@ def test_baseline_per_row_follows_each_rows_prompt():
     assert baseline.tolist() == [1.0, 0.5, 1.0, -2.0, 0.5]
     with pytest.raises(ValueError, match=r"no baseline response for prompt uid\(s\) \['d'\]"):
         baseline_per_row(np.array(["a", "d"], dtype=object), ["a"], torch.tensor([0.0]))
+
+
+def test_merge_part_metrics_of_multi_turn_replicas():
+    """Two rollout replicas' agent-loop figures: tool counts and call time add up, per-sample rates are
+    weighted by the replicas' samples, maxima stay maxima, the tool rounds' wall time is the slower one."""
+    from hybridrl.trainer.trainer import merge_part_metrics
+
+    replicas = [
+        {"tools/calls": 6.0, "tools/errors/timeout": 1.0, "tools/time_s": 0.5, "tools/time_s_max": 0.2,
+         "multi_turn/turns_mean": 2.0, "multi_turn/tool_use_mean": 0.75, "multi_turn/turns_max": 3.0,
+         "multi_turn/model_tokens": 300.0, "multi_turn/observation_tokens": 80.0, "multi_turn/tool_wall_s": 0.3},
+        {"tools/calls": 2.0, "tools/errors/timeout": 0.0, "tools/time_s": 0.25, "tools/time_s_max": 0.4,
+         "multi_turn/turns_mean": 1.0, "multi_turn/tool_use_mean": 0.25, "multi_turn/turns_max": 2.0,
+         "multi_turn/model_tokens": 100.0, "multi_turn/observation_tokens": 20.0, "multi_turn/tool_wall_s": 0.6},
+    ]
+    merged = merge_part_metrics(replicas, [8, 8], concurrent=True)
+    assert merged == pytest.approx({
+        "tools/calls": 8.0, "tools/errors/timeout": 1.0, "tools/time_s": 0.75, "tools/time_s_max": 0.4,
+        "multi_turn/turns_mean": 1.5, "multi_turn/tool_use_mean": 0.5, "multi_turn/turns_max": 3.0,
+        "multi_turn/model_tokens": 400.0, "multi_turn/observation_tokens": 100.0, "multi_turn/tool_wall_s": 0.6,
+    })

@@ -223,7 +223,8 @@ class SandboxConfig:
 
 @dataclass
 class MultiTurnConfig:
-    enable: bool = doc(False, "multi-turn tool-calling rollouts (the agent loop is not built yet: true is refused)")
+    enable: bool = doc(False, "multi-turn tool-calling rollouts (hybridrl/rollout/agent_loop.py); the response "
+                              "is the whole conversation (response_length tokens), observation tokens untrained")
     max_turns: int = doc(5, "model turns per sample before the rollout stops")
     tools: list[str] = doc(factory=list, text="tools offered to the model: built in (calculator, python) or "
                                               "defined in tools_file")

@@ -340,10 +340,11 @@ def _check_unsupported(check: _Checker, config: JobConfig, model: ModelShape | N
         check.fail("actor_rollout_ref.hybrid_engine", arr.hybrid_engine,
                    "is not supported: only the hybrid engine (actor, rollout and reference share processes "
                    "and GPUs) is implemented; only true is supported now", [True])
-    if arr.rollout.multi_turn.enable:
-        check.fail("actor_rollout_ref.rollout.multi_turn.enable", arr.rollout.multi_turn.enable,
-                   "is not supported yet: the tools (hybridrl.tools) are built, the agent loop that runs them "
-                   "in the rollout (issue 23) is not; only false is supported now", [False])
+    if arr.rollout.multi_turn.enable is True:
+        _check_multi_turn(check, config)
+    elif arr.rollout.multi_turn.enable is not False:
+        check.fail("actor_rollout_ref.rollout.multi_turn.enable", arr.rollout.multi_turn.enable, "must be a boolean",
+                   [True, False])
     if arr.rollout.calculate_log_probs is not True:
         check.fail("actor_rollout_ref.rollout.calculate_log_probs", arr.rollout.calculate_log_probs,
                    "cannot be turned off: the rollout always returns its log-probs (the trainer measures the "
@@ -378,6 +379,42 @@ def _check_unsupported(check: _Checker, config: JobConfig, model: ModelShape | N
                        f"each prompt in one step: at least data.max_prompt_length + data.max_response_length = "
                        f"{sequence}")
     _check_validation_sampling(check, config)
+
+
+def _check_multi_turn(check: _Checker, config: JobConfig) -> None:
+    """`rollout.multi_turn` when enabled: tools that exist, a known parser, limits that are positive."""
+    from hybridrl.tools import BUILTIN_TOOLS, available_parsers
+
+    rollout = config.actor_rollout_ref.rollout
+    mt, prefix = rollout.multi_turn, "actor_rollout_ref.rollout.multi_turn"
+    check.is_int_at_least(f"{prefix}.max_turns", mt.max_turns, 1)
+    check.is_int_at_least(f"{prefix}.max_observation_chars", mt.max_observation_chars, 1)
+    tools = mt.tools if isinstance(mt.tools, list) else None
+    if not tools or not all(isinstance(t, str) and t for t in tools):
+        check.fail(f"{prefix}.tools", mt.tools, "must list at least one tool name (the model has nothing to call "
+                   f"otherwise): built in {list(BUILTIN_TOOLS)} or defined in tools_file", list(BUILTIN_TOOLS))
+    elif len(set(tools)) != len(tools):
+        check.fail(f"{prefix}.tools", mt.tools, "names a tool twice")
+    else:
+        user = [t for t in tools if t not in BUILTIN_TOOLS]
+        if mt.tools_file is None and user:
+            check.fail(f"{prefix}.tools", mt.tools, f"names {user}, which are not built in; set {prefix}.tools_file "
+                       "to the Python file that defines them", list(BUILTIN_TOOLS))
+    if mt.tools_file is not None and not Path(str(mt.tools_file)).is_file():
+        check.fail(f"{prefix}.tools_file", mt.tools_file, "is not a file (a Python file defining TOOL_SCHEMAS and "
+                   "their functions)")
+    if mt.tool_parser not in available_parsers():
+        check.fail(f"{prefix}.tool_parser", mt.tool_parser, "is not a registered tool-call parser",
+                   available_parsers())
+    for name in ("wall_time_s", "cpu_time_s", "memory_mb", "max_file_mb", "max_output_bytes"):
+        value = getattr(mt.sandbox, name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            check.fail(f"{prefix}.sandbox.{name}", value, "must be a positive number")
+    if rollout.tensor_model_parallel_size != 1:
+        check.fail("actor_rollout_ref.rollout.tensor_model_parallel_size", rollout.tensor_model_parallel_size,
+                   f"must be 1 with {prefix}.enable=true for now: the TP ranks of a replica would each run the "
+                   "tools, and a tool whose answer differs between them (time, randomness) would make their "
+                   "conversations diverge; tool answers are not broadcast from the replica's TP rank 0 yet", [1])
 
 
 def _check_validation_sampling(check: _Checker, config: JobConfig) -> None:

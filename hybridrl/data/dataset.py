@@ -230,6 +230,7 @@ class PromptDataset(Sequence[PromptItem]):
         truncation: str = "error",
         apply_chat_template: bool = False,
         on_malformed: str = "error",
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         if isinstance(files, (str, Path)):
             files = [files]
@@ -255,6 +256,7 @@ class PromptDataset(Sequence[PromptItem]):
         self.truncation = truncation
         self.apply_chat_template = apply_chat_template
         self.on_malformed = on_malformed
+        self.tools = list(tools) if tools else None  # tool schemas for the chat template (multi-turn)
         self.stats = DatasetStats(max_prompt_length=max_prompt_length)
         self.items: list[PromptItem] = self._build()
 
@@ -265,7 +267,8 @@ class PromptDataset(Sequence[PromptItem]):
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _strip_nulls(prompt)
             # tokenize=False, then encode: transformers 5 returns a BatchEncoding from tokenize=True,
             # 4.x a list; the text is also what we keep for logs.
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            options = {"tools": self.tools} if self.tools else {}
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **options)
             return text, False  # the template already placed any BOS it wants
         if not isinstance(prompt, str):
             raise DatasetError(

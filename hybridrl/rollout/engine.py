@@ -60,6 +60,7 @@ from hybridrl.parallel.device import default_dtype_for, resolve_device
 from hybridrl.parallel.device_policy import DevicePolicy
 from hybridrl.parallel.digest import tensor_digest
 from hybridrl.rollout import vllm_patches
+from hybridrl.rollout.agent_loop import AgentLoop, TurnOutput
 from hybridrl.rollout.sampling import SEED_RANGE, RolloutSampling
 
 WeightFormat = Literal["hf", "vllm_shard"]
@@ -386,37 +387,73 @@ def assemble_rollout_batch(
 
     See `RolloutEngine.generate_sequences` for the columns.
     """
-    rows = len(outputs)
-    if rows != len(prompt_token_ids) * sampling.n:
-        raise ValueError(f"{rows} outputs for {len(prompt_token_ids)} prompts x n={sampling.n}")
+    rows = []
+    for row, output in enumerate(outputs):
+        completion = output.outputs[0]
+        tokens = list(completion.token_ids)[: sampling.max_tokens]
+        log_probs = [0.0] * len(tokens)
+        if sampling.logprobs:
+            if completion.logprobs is None or len(completion.logprobs) < len(tokens):
+                raise RuntimeError(f"vLLM returned no log-prob for some tokens of row {row}")
+            log_probs = [completion.logprobs[i][tok].logprob for i, tok in enumerate(tokens)]
+        rows.append(ResponseRow(tokens, [1] * len(tokens), log_probs, str(completion.finish_reason)))
+    return assemble_response_rows(prompt_token_ids, rows, sampling.n, sampling.max_tokens, pad_token_id, uids)
+
+
+@dataclass(frozen=True)
+class ResponseRow:
+    """One sample after its prompt: tokens, which of them the model wrote (1) and its log-probs."""
+
+    tokens: Sequence[int]
+    mask: Sequence[int]
+    log_probs: Sequence[float]
+    finish_reason: str
+
+
+def assemble_response_rows(
+    prompt_token_ids: Sequence[Sequence[int]],
+    rows_in: Sequence[ResponseRow],
+    n: int,
+    width_r: int,
+    pad_token_id: int,
+    uids: Sequence[Any] | None = None,
+) -> Batch:
+    """The padded rollout `Batch` of `rows_in` (n per prompt, prompt-major), `width_r` response columns.
+
+    `attention_mask` is 1 over every token of a response (a multi-turn response's observation tokens
+    included: the model reads them), `response_mask` only where the row's mask is 1 (the tokens that
+    are trained), `response_lengths` counts every response token.
+    """
+    rows = len(rows_in)
+    if rows != len(prompt_token_ids) * n:
+        raise ValueError(f"{rows} outputs for {len(prompt_token_ids)} prompts x n={n}")
     width_p = max(len(p) for p in prompt_token_ids)
-    width_r = sampling.max_tokens
     pad = pad_token_id
     prompts = torch.full((rows, width_p), pad, dtype=torch.long)
     responses = torch.full((rows, width_r), pad, dtype=torch.long)
     prompt_mask = torch.zeros((rows, width_p), dtype=torch.long)
+    response_attention = torch.zeros((rows, width_r), dtype=torch.long)
     response_mask = torch.zeros((rows, width_r), dtype=torch.long)
     log_probs = torch.zeros((rows, width_r), dtype=torch.float32)
     prompt_index, sample_index, finish = [], [], []
-    for row, output in enumerate(outputs):
-        p, s = divmod(row, sampling.n)
+    for row, item in enumerate(rows_in):
+        p, s = divmod(row, n)
         prompt = prompt_token_ids[p]
         prompts[row, width_p - len(prompt):] = torch.as_tensor(list(prompt), dtype=torch.long)
         prompt_mask[row, width_p - len(prompt):] = 1
-        completion = output.outputs[0]
-        tokens = list(completion.token_ids)[:width_r]
-        responses[row, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
-        response_mask[row, : len(tokens)] = 1
-        if sampling.logprobs:
-            if completion.logprobs is None or len(completion.logprobs) < len(tokens):
-                raise RuntimeError(f"vLLM returned no log-prob for some tokens of row {row}")
-            log_probs[row, : len(tokens)] = torch.tensor(
-                [completion.logprobs[i][tok].logprob for i, tok in enumerate(tokens)], dtype=torch.float32
-            )
+        if not len(item.tokens) == len(item.mask) == len(item.log_probs):
+            raise ValueError(f"row {row}: {len(item.tokens)} tokens, {len(item.mask)} mask values and "
+                             f"{len(item.log_probs)} log-probs")
+        length = min(len(item.tokens), width_r)
+        responses[row, :length] = torch.as_tensor(list(item.tokens[:length]), dtype=torch.long)
+        response_attention[row, :length] = 1
+        response_mask[row, :length] = torch.as_tensor(list(item.mask[:length]), dtype=torch.long)
+        log_probs[row, :length] = torch.as_tensor(list(item.log_probs[:length]), dtype=torch.float32)
         prompt_index.append(p)
         sample_index.append(s)
-        finish.append(str(completion.finish_reason))
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+        finish.append(item.finish_reason)
+    log_probs = log_probs * response_mask  # observation tokens were not sampled: 0, like padding
+    attention_mask = torch.cat([prompt_mask, response_attention], dim=1)
     prompt_positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
     last_prompt_position = prompt_positions[:, -1:]
     response_positions = last_prompt_position + 1 + torch.arange(width_r).unsqueeze(0)
@@ -428,7 +465,7 @@ def assemble_rollout_batch(
         "response_mask": response_mask,
         "position_ids": torch.cat([prompt_positions, response_positions], dim=1),
         "rollout_log_probs": log_probs,
-        "response_lengths": response_mask.sum(-1),
+        "response_lengths": response_attention.sum(-1),
     }
     uid_values = [uids[p] if uids is not None else p for p in prompt_index]
     non_tensors = {
@@ -437,7 +474,7 @@ def assemble_rollout_batch(
         "sample_index": np.asarray(sample_index, dtype=np.int64),
         "finish_reason": np.asarray(finish),
     }
-    return Batch(tensors, non_tensors, {"pad_token_id": pad, "n": sampling.n})
+    return Batch(tensors, non_tensors, {"pad_token_id": pad, "n": n})
 
 
 class RolloutEngine:
@@ -531,6 +568,38 @@ class RolloutEngine:
         Non-tensors: `uid` (the prompt's uid: GRPO's group key; default the prompt's index in this
         call), `prompt_index`, `sample_index`, `finish_reason`. `meta["metrics"]`: rollout metrics.
         """
+        sampling, seed_of = self._prepare(prompt_token_ids, sampling, uids)
+        requests, params = [], []
+        for p, prompt in enumerate(prompt_token_ids):
+            for s in range(sampling.n):
+                requests.append({"prompt_token_ids": [int(t) for t in prompt]})
+                params.append(sampling.to_vllm(seed_of(p, s)))
+
+        started = time.perf_counter()
+        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        seconds = time.perf_counter() - started
+
+        batch = assemble_rollout_batch(prompt_token_ids, outputs, sampling, self.config.pad_token_id, uids)
+        lengths = batch.tensors["response_lengths"]
+        prompt_lengths = batch.tensors["attention_mask"][:, : batch.tensors["prompts"].shape[1]].sum(-1)
+        generated = int(lengths.sum())
+        blocks_needed = int(sum(math.ceil(int(n) / self.block_size) for n in (prompt_lengths + lengths)))
+        batch.meta["metrics"] = {
+            "rollout/generate_s": seconds,
+            "rollout/response_tokens": generated,
+            "rollout/prompt_tokens": int(prompt_lengths.sum()),
+            "rollout/tokens_per_s": generated / seconds if seconds > 0 else float("inf"),
+            "rollout/response_length_mean": float(lengths.float().mean()),
+            "rollout/kv_cache_blocks": self.kv_cache_blocks,
+            # Blocks all sequences of this call would hold at once, as a fraction of the cache; an
+            # upper bound on peak use (prefix caching shares prompt blocks of the n samples).
+            "rollout/kv_cache_usage_bound": blocks_needed / self.kv_cache_blocks if self.kv_cache_blocks else 0.0,
+        }
+        return batch
+
+    def _prepare(self, prompt_token_ids: Sequence[Sequence[int]], sampling: RolloutSampling,
+                 uids: Sequence[Any] | None) -> tuple[RolloutSampling, Any]:
+        """Check a call's prompts; the sampling with the EOS stops, and the per-request seed function."""
         if self._sleeping:
             raise RuntimeError("the rollout engine is asleep: call wake_up() first")
         if not prompt_token_ids:
@@ -554,31 +623,73 @@ class RolloutEngine:
         if not sampling.ignore_eos and self.eos_token_ids:
             stops = tuple(dict.fromkeys((*sampling.stop_token_ids, *self.eos_token_ids)))
             sampling = sampling.with_overrides(stop_token_ids=stops)
-        requests, params = [], []
-        for p, prompt in enumerate(prompt_token_ids):
-            for s in range(sampling.n):
-                requests.append({"prompt_token_ids": [int(t) for t in prompt]})
-                params.append(sampling.to_vllm(request_seed(seed_base, call_key, replica_key, p, s)))
+
+        def seed_of(*indices: int) -> int:
+            return request_seed(seed_base, call_key, replica_key, *indices)
+
+        return sampling, seed_of
+
+    def generate_multi_turn(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        sampling: RolloutSampling,
+        agent: AgentLoop,
+        uids: Sequence[Any] | None = None,
+    ) -> Batch:
+        """`sampling.n` conversations per prompt through the agent loop (`hybridrl.rollout.agent_loop`).
+
+        The batch has `generate_sequences`' columns; a response is the whole conversation after the
+        prompt (at most `sampling.max_tokens` tokens), `response_mask` is 1 on the model's tokens and
+        0 on observation tokens, `rollout_log_probs` 0 on observation tokens. Each turn of every live
+        conversation is one vLLM generate call, continuing from the conversation's token ids; its
+        seed is derived from (prompt, sample, turn). `meta["metrics"]` adds the loop's `tools/` and
+        `multi_turn/` metrics.
+        """
+        sampling, seed_of = self._prepare(prompt_token_ids, sampling, uids)
+        n = sampling.n
+        conversations = [list(map(int, prompt)) for prompt in prompt_token_ids for _ in range(n)]
+        generate_seconds = 0.0
+
+        def generate(contexts: Sequence[Sequence[int]], max_tokens: Sequence[int],
+                     keys: Sequence[tuple[int, int]]) -> list[TurnOutput]:
+            nonlocal generate_seconds
+            requests = [{"prompt_token_ids": [int(t) for t in context]} for context in contexts]
+            params = [sampling.with_overrides(max_tokens=int(m)).to_vllm(seed_of(*divmod(i, n), turn))
+                      for m, (i, turn) in zip(max_tokens, keys)]
+            started = time.perf_counter()
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            generate_seconds += time.perf_counter() - started
+            turns = []
+            for output in outputs:
+                completion = output.outputs[0]
+                tokens = list(completion.token_ids)
+                log_probs = [0.0] * len(tokens)
+                if sampling.logprobs:
+                    if completion.logprobs is None or len(completion.logprobs) < len(tokens):
+                        raise RuntimeError("vLLM returned no log-prob for some tokens of a model turn")
+                    log_probs = [completion.logprobs[i][tok].logprob for i, tok in enumerate(tokens)]
+                turns.append(TurnOutput(tokens, log_probs, str(completion.finish_reason)))
+            return turns
 
         started = time.perf_counter()
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        trajectories, loop_metrics = agent.run(conversations, sampling.max_tokens, generate)
         seconds = time.perf_counter() - started
-
-        batch = assemble_rollout_batch(prompt_token_ids, outputs, sampling, self.config.pad_token_id, uids)
-        lengths = batch.tensors["response_lengths"]
-        prompt_lengths = batch.tensors["attention_mask"][:, : batch.tensors["prompts"].shape[1]].sum(-1)
-        generated = int(lengths.sum())
-        blocks_needed = int(sum(math.ceil(int(n) / self.block_size) for n in (prompt_lengths + lengths)))
+        rows = [ResponseRow(t.tokens, t.mask, t.log_probs, t.finish_reason) for t in trajectories]
+        batch = assemble_response_rows(prompt_token_ids, rows, n, sampling.max_tokens, self.config.pad_token_id, uids)
+        batch["num_turns"] = np.asarray([t.turns for t in trajectories], dtype=np.int64)
+        batch["tool_calls"] = np.asarray([t.tool_calls for t in trajectories], dtype=np.int64)
+        batch["tool_errors"] = np.asarray([sum(not o.ok for o in t.observations) for t in trajectories],
+                                          dtype=np.int64)
+        generated = int(batch.tensors["response_mask"].sum())
         batch.meta["metrics"] = {
             "rollout/generate_s": seconds,
+            "rollout/vllm_generate_s": generate_seconds,
             "rollout/response_tokens": generated,
-            "rollout/prompt_tokens": int(prompt_lengths.sum()),
-            "rollout/tokens_per_s": generated / seconds if seconds > 0 else float("inf"),
-            "rollout/response_length_mean": float(lengths.float().mean()),
+            "rollout/prompt_tokens": int(sum(len(p) for p in prompt_token_ids) * n),
+            "rollout/tokens_per_s": generated / generate_seconds if generate_seconds > 0 else float("inf"),
+            "rollout/response_length_mean": float(batch.tensors["response_lengths"].float().mean()),
             "rollout/kv_cache_blocks": self.kv_cache_blocks,
-            # Blocks all sequences of this call would hold at once, as a fraction of the cache; an
-            # upper bound on peak use (prefix caching shares prompt blocks of the n samples).
-            "rollout/kv_cache_usage_bound": blocks_needed / self.kv_cache_blocks if self.kv_cache_blocks else 0.0,
+            **loop_metrics.as_metrics(),
         }
         return batch
 

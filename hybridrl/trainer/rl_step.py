@@ -138,15 +138,25 @@ def select_groups_with_spread(batches: list[Batch], groups_needed: int) -> tuple
     return pool.index(order), max(0, groups_needed - spread_groups)
 
 
+def response_lengths(batch: Batch) -> torch.Tensor:
+    """Tokens of each response `[B]`: every token after the prompt, a multi-turn conversation's
+    observation tokens included (the budget counts them; `response_mask` marks only the model's)."""
+    width = batch["responses"].shape[1]
+    return batch["attention_mask"][:, -width:].sum(-1)
+
+
 def response_metrics(batch: Batch) -> dict[str, float]:
     """Scores, rewards, advantages and lengths of a step's responses (what the console table shows)."""
     mask = batch["response_mask"].float()
-    lengths = mask.sum(-1)
+    lengths = response_lengths(batch).float()
     metrics = {
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         "response_length/clip_ratio": float((lengths >= batch["responses"].shape[1]).float().mean()),
     }
+    model_tokens = mask.sum(-1)
+    if not torch.equal(model_tokens, lengths):  # multi-turn: the model wrote only part of each response
+        metrics["response_length/model_tokens_mean"] = float(model_tokens.mean())
     for key, name in (("token_level_scores", "critic/score"), ("token_level_rewards", "critic/rewards")):
         if key in batch:
             per_seq = (batch[key] * mask).sum(-1)

@@ -38,6 +38,7 @@ from hybridrl.data.tokenizer import load_tokenizer, resolve_pad_token_id
 from hybridrl.names import GroupName, Phase, Role
 from hybridrl.rewards.manager import RewardManager, reward_metrics, token_level_rewards
 from hybridrl.rollout.sampling import RolloutSampling, validation_sampling
+from hybridrl.tools import build_registry
 from hybridrl.trainer.checkpoints import CheckpointError, CheckpointManager
 from hybridrl.trainer.rl_step import (
     AdvantageSettings,
@@ -46,6 +47,7 @@ from hybridrl.trainer.rl_step import (
     compute_batch_advantages,
     count_groups_with_spread,
     overlong_penalty,
+    response_lengths,
     response_metrics,
     select_groups_with_spread,
 )
@@ -132,13 +134,18 @@ class Trainer:
         self.tokenizer = load_tokenizer(model.tokenizer_path or model.path, trust_remote_code=model.trust_remote_code)
         # Resolved once here and handed to the workers: prompts, responses and probe rows pad alike.
         self.pad_token_id = resolve_pad_token_id(self.tokenizer, model.path)
-        train = PromptDataset.from_config(cfg.data, cfg.data.train_files, self.tokenizer)
+        extra: dict[str, Any] = {}
+        multi_turn = cfg.actor_rollout_ref.rollout.multi_turn
+        if multi_turn.enable:
+            # The chat template shows the model its tools (templates without a tools section ignore them).
+            extra["tools"] = build_registry(multi_turn.tools, tools_file=multi_turn.tools_file).schemas()
+        train = PromptDataset.from_config(cfg.data, cfg.data.train_files, self.tokenizer, **extra)
         self.write(f"train data: {train.stats.summary()}")
         self.train_loader = PromptDataLoader(train, cfg.data.train_batch_size, self.pad_token_id,
                                              shuffle=cfg.data.shuffle, seed=cfg.trainer.seed)
         self.val_loader = None
         if cfg.data.val_files:
-            val = PromptDataset.from_config(cfg.data, cfg.data.val_files, self.tokenizer)
+            val = PromptDataset.from_config(cfg.data, cfg.data.val_files, self.tokenizer, **extra)
             self.write(f"val data: {val.stats.summary()}")  # over-long prompts are counted there too
             self.val_loader = PromptDataLoader(val, cfg.data.val_batch_size or len(val), self.pad_token_id,
                                                shuffle=False, drop_last=False)
@@ -260,7 +267,7 @@ class Trainer:
             batch.meta["reward_output"] = output  # dynamic sampling's metrics over all rounds read it
         overlong = self.config.algorithm.overlong_buffer
         if overlong.enable:
-            lengths = batch["response_mask"].sum(-1)
+            lengths = response_lengths(batch)  # the whole response: observation tokens fill the budget too
             penalty = overlong_penalty(lengths, self.config.data.max_response_length, overlong.len,
                                        overlong.penalty_factor)
             token_scores = token_scores + token_level_rewards(penalty, batch["response_mask"])
@@ -417,11 +424,14 @@ class Trainer:
         prompt_width = batch["input_ids"].shape[1] - batch["responses"].shape[1]
         response_mask = batch["response_mask"].bool()
         prompt_mask = batch["attention_mask"][:, :prompt_width].bool()
+        # every token after the prompt: a multi-turn conversation's observations too (not trained)
+        attended = batch["attention_mask"][:, prompt_width:].bool()
         per_sequence = {key: (batch[key] * response_mask).sum(-1).tolist()
                         for key in ("token_level_scores", "token_level_rewards") if key in batch}
         lines = []
         for row in range(len(batch)):
-            response_ids = batch["responses"][row][response_mask[row]].tolist()
+            response_ids = batch["responses"][row][attended[row]].tolist()
+            trained = response_mask[row][attended[row]]
             record = {
                 "step": self.global_step, "uid": batch["uid"][row],
                 "prompt_ids": batch["input_ids"][row, :prompt_width][prompt_mask[row]].tolist(),
@@ -431,8 +441,11 @@ class Trainer:
                 "score": per_sequence["token_level_scores"][row],
                 "reward": per_sequence.get("token_level_rewards", per_sequence["token_level_scores"])[row],
                 # outcome estimators give every response token the same advantage; GAE's first one
-                "advantage": float(batch["advantages"][row][response_mask[row]][0]) if response_ids else 0.0,
+                "advantage": float(batch["advantages"][row][response_mask[row]][0]) if bool(trained.any()) else 0.0,
             }
+            if "num_turns" in batch:  # multi-turn: which tokens the model wrote, its turns and tool calls
+                record.update(model_token_mask=trained.int().tolist(), num_turns=batch["num_turns"][row],
+                              tool_calls=batch["tool_calls"][row], tool_errors=batch["tool_errors"][row])
             if "baseline_scores" in batch:  # ReMax: the score of the prompt's greedy response
                 record["baseline"] = float(batch["baseline_scores"][row])
             lines.append(json.dumps(record, default=_json_default))
@@ -636,7 +649,8 @@ def merge_part_metrics(rounds: list[dict[str, float]], rows: list[int], concurre
     generation rounds of a step, or (`concurrent`) the rollout replicas of one round.
 
     Means are weighted by the parts' sample counts, minima and maxima taken over all parts, counts,
-    tokens and seconds summed (seconds of concurrent parts: the longest); the rollout's tokens/s is
+    tokens and seconds summed (seconds of concurrent parts: the longest; `tools/` counts and call
+    time are always summed); the rollout's tokens/s is
     recomputed from those; any other figure (e.g. the KV-cache size) is its largest. (A
     per-data-source mean is weighted by all of a part's samples: `_dynamic_sampling` recomputes the
     scorer's figures from its per-sample scores.)
@@ -644,7 +658,8 @@ def merge_part_metrics(rounds: list[dict[str, float]], rows: list[int], concurre
     def column(key: str) -> list[tuple[float, int]]:
         return [(round_[key], n) for round_, n in zip(rounds, rows) if key in round_]
 
-    summed = ("fallbacks", "empty_responses", "generate_s", "response_tokens", "prompt_tokens")
+    summed = ("fallbacks", "empty_responses", "generate_s", "response_tokens", "prompt_tokens", "model_tokens",
+              "observation_tokens")
     merged: dict[str, float] = {}
     for key in dict.fromkeys(k for round_ in rounds for k in round_):
         values = column(key)
@@ -654,6 +669,8 @@ def merge_part_metrics(rounds: list[dict[str, float]], rows: list[int], concurre
             merged[key] = min(v for v, _ in values)
         elif key.endswith(summed) and not (concurrent and key.endswith("_s")):
             merged[key] = sum(v for v, _ in values)
+        elif key.startswith("tools/") and not key.endswith("_max"):
+            merged[key] = sum(v for v, _ in values)  # call counts, and tool time summed over calls
         else:
             merged[key] = max(v for v, _ in values)
     if "rollout/tokens_per_s" in merged and merged.get("rollout/generate_s", 0) > 0:

@@ -37,13 +37,14 @@ import torch
 from hybridrl.config.plan import Plan
 from hybridrl.controller.base_worker import RankContext
 from hybridrl.data.batch import Batch
-from hybridrl.data.tokenizer import model_folder_pad_token_id
+from hybridrl.data.tokenizer import load_tokenizer, model_folder_pad_token_id
 from hybridrl.names import Phase
 from hybridrl.parallel.cpu_layer import cuda_to_cpu_mode_suspended
 from hybridrl.parallel.device import default_dtype_for, release_cached_blocks
 from hybridrl.parallel.memory import memory_metrics
 from hybridrl.reshard.checksums import verify_checksums
 from hybridrl.reshard.resharder import ReshardConfig, Resharder
+from hybridrl.rollout.agent_loop import build_agent_loop
 from hybridrl.rollout.engine import RolloutEngine, RolloutEngineConfig
 from hybridrl.workers import faults
 from hybridrl.workers.ray_roles import ActorRolloutRefWorker
@@ -97,6 +98,7 @@ class HybridEngineWorker(ActorRolloutRefWorker):
         self.syncs = 0
         self.phase_memory: dict[str, float] = {}  # this step's memory/* figures, handed out by sync_weights
         self.replica_probe_gaps: dict[int, float] = {}  # the last sync's probe gap per replica, by its TP-0 rank
+        self.agent = None  # the agent loop, when rollout.multi_turn is enabled (built in setup)
 
     def _record_memory(self, phase: str) -> None:
         self.phase_memory.update(memory_metrics(phase, self.plan.resolved.device))
@@ -144,6 +146,12 @@ class HybridEngineWorker(ActorRolloutRefWorker):
         self.resharder = Resharder(self.actor.backend.chunks, plan.reshard.groups, gen_tp_index=actual,
                                    config=ReshardConfig(bucket_bytes=plan.resolved.sync_bucket_bytes,
                                                         output_dtype=rollout_dtype))
+        multi_turn = arr.rollout.multi_turn
+        if multi_turn.enable:
+            # Observations are tokens of the policy's chat template; the tools run in this process.
+            tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path, arr.model.trust_remote_code)
+            self.agent = build_agent_loop(multi_turn, tokenizer,
+                                          (*self.rollout.eos_token_ids, *arr.rollout.stop_token_ids))
         sync = self.sync_weights()
         return {"setup_s": time.perf_counter() - started, "rollout_build_s": self.rollout.build_seconds,
                 "vllm_tp_rank": self.rollout.tp_rank, "placement_as_planned": self.placement_as_planned, **sync}
@@ -162,7 +170,10 @@ class HybridEngineWorker(ActorRolloutRefWorker):
         uids = list(prompts["uid"]) if "uid" in prompts else None
         self._record_memory("gen_before")
         with cuda_to_cpu_mode_suspended():  # vLLM never needs megatron's CPU device translation
-            out = self.rollout.generate_sequences(ids, sampling, uids=uids)
+            if self.agent is not None:  # rollout.multi_turn: conversations with tool calls
+                out = self.rollout.generate_multi_turn(ids, sampling, self.agent, uids=uids)
+            else:
+                out = self.rollout.generate_sequences(ids, sampling, uids=uids)
         self._record_memory("gen_after")
         # Replicas pad to their own longest prompt; the controller concatenates them, so every
         # replica pads to the width of the batch it was cut from.
