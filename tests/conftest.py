@@ -40,12 +40,26 @@ LONGEST_FIRST = ("test_trainer_e2e.py", "test_trainer_faults.py", "test_reliabil
                  "test_trainer_real_model.py", "test_training_real_layouts.py", "test_rollout_stop_and_pad.py")
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Longest first; and on an xdist worker under `--dist loadgroup`, each `xdist_group` test's node id
+    suffixed `@<group>`, which is what the controller's scheduler groups by.
+
+    pytest-xdist 3.8 writes that suffix to `item._nodeid`, which pytest 9 no longer reads (node ids live
+    in `item._id`): its grouping silently did nothing (checked: a group's tests ran on both workers).
+    Where xdist's own suffix took, the id already holds `@` and is left alone."""
     def rank(item: pytest.Item) -> int:
         name = item.path.name
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: the order inside each group is pytest's
+    if getattr(config.option, "loadgroup", False):  # set on xdist workers only
+        from _pytest.nodeid import coerce_node_id
+
+        for item in items:
+            mark = item.get_closest_marker("xdist_group")
+            if mark is not None and "@" not in item.nodeid:
+                item._id = coerce_node_id(f"{item.nodeid}@{mark.args[0] if mark.args else 'default'}")
 
 
 @pytest.fixture(scope="session")

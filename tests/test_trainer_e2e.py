@@ -92,8 +92,8 @@ def test_packed_balanced_grpo_raises_the_reward(demo_assets, tmp_path):
 
 def test_killed_run_resumes_with_identical_next_step(demo_assets, tmp_path):
     """Killed whole (driver, Ray, workers) after a checkpoint: resumed, the next steps equal the
-    uninterrupted run's, on the same layout and another; a tampered checkpoint is then refused; a
-    worker killed mid-run restarts in place (trainer.max_restarts) and reproduces it too."""
+    uninterrupted run's, on the same layout and another; a worker killed mid-run restarts in place
+    (trainer.max_restarts) and reproduces it too."""
     config = "configs/examples/cpu_tiny_grpo.yaml"
     common = ["trainer.total_training_steps=4", "trainer.save_freq=1"]
     straight = tmp_path / "straight"
@@ -140,18 +140,9 @@ def test_killed_run_resumes_with_identical_next_step(demo_assets, tmp_path):
     for key in keys:
         assert rows[0][key] == pytest.approx(reference[3][key], abs=1e-5), key
 
-    # A tampered checkpoint: refused at resume, naming the file, before any step runs.
-    ckpt = killed / "ckpt" / "demo" / "cpu_tiny_grpo"
-    rank_file = ckpt / "global_step_4" / "actor" / "rank_00001.pt"
-    data = bytearray(rank_file.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    rank_file.write_bytes(bytes(data))
-    refused = _train(config, demo_overrides(demo_assets, killed, "trainer.total_training_steps=5",
-                                            "trainer.save_freq=1", "trainer.resume_mode=auto"))
-    assert refused.returncode == 1
-    assert "training failed at step 0, phase resume:" in refused.stderr, refused.stderr[-4000:]
-    assert "rank_00001.pt: sha256" in refused.stderr, refused.stderr[-4000:]
-    assert max(r["step"] for r in _metrics(killed)) == 4
+    # A tampered checkpoint is refused at load, naming the file, with nothing on disk changed
+    # (tests/test_reliability_checkpoints.py: a flipped byte, truncation, a missing rank file, tampered
+    # weights or optimizer state).
 
     # In place (trainer.max_restarts): the same comparisons within one invocation.
     _check_restarts_in_place(demo_assets, tmp_path, {r["step"]: r for r in _metrics(straight)})

@@ -28,10 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from hybridrl.algorithms.losses import LOG_RATIO_BOUND  # the same bound as PPO's log-ratio
 from hybridrl.algorithms.names import ROLLOUT_IS_LEVELS, ROLLOUT_MASK_LEVELS, unknown_name_message
-
-# the same bound as PPO's log-ratio (hybridrl.algorithms.losses.LOG_RATIO_BOUND)
-LOG_RATIO_BOUND = 20.0
 
 
 @dataclass(frozen=True)
