@@ -391,13 +391,18 @@ def assemble_rollout_batch(
     for row, output in enumerate(outputs):
         completion = output.outputs[0]
         tokens = list(completion.token_ids)[: sampling.max_tokens]
-        log_probs = [0.0] * len(tokens)
-        if sampling.logprobs:
-            if completion.logprobs is None or len(completion.logprobs) < len(tokens):
-                raise RuntimeError(f"vLLM returned no log-prob for some tokens of row {row}")
-            log_probs = [completion.logprobs[i][tok].logprob for i, tok in enumerate(tokens)]
+        log_probs = sampled_log_probs(completion, tokens, sampling.logprobs, f"row {row}")
         rows.append(ResponseRow(tokens, [1] * len(tokens), log_probs, str(completion.finish_reason)))
     return assemble_response_rows(prompt_token_ids, rows, sampling.n, sampling.max_tokens, pad_token_id, uids)
+
+
+def sampled_log_probs(completion: Any, tokens: Sequence[int], wanted: bool, where: str) -> list[float]:
+    """vLLM's log-prob of each sampled token of `completion` (0.0 each when the request asked for none)."""
+    if not wanted:
+        return [0.0] * len(tokens)
+    if completion.logprobs is None or len(completion.logprobs) < len(tokens):
+        raise RuntimeError(f"vLLM returned no log-prob for some tokens of {where}")
+    return [completion.logprobs[i][tok].logprob for i, tok in enumerate(tokens)]
 
 
 @dataclass(frozen=True)
@@ -663,11 +668,7 @@ class RolloutEngine:
             for output in outputs:
                 completion = output.outputs[0]
                 tokens = list(completion.token_ids)
-                log_probs = [0.0] * len(tokens)
-                if sampling.logprobs:
-                    if completion.logprobs is None or len(completion.logprobs) < len(tokens):
-                        raise RuntimeError("vLLM returned no log-prob for some tokens of a model turn")
-                    log_probs = [completion.logprobs[i][tok].logprob for i, tok in enumerate(tokens)]
+                log_probs = sampled_log_probs(completion, tokens, sampling.logprobs, "a model turn")
                 turns.append(TurnOutput(tokens, log_probs, str(completion.finish_reason)))
             return turns
 
