@@ -413,6 +413,10 @@ def _check_restarts_in_place(demo_assets, tmp_path, reference: dict[int, dict]) 
     assert "resuming from the start at step 0" in result.stdout
     assert "restart 2/2 in place: training failed at step 3, phase update_actor:" in result.stdout
     assert f"resuming from {run / CKPT / 'global_step_2'} at step 2" in result.stdout
+    # each restart's headline is one console line; the workers' reports follow it
+    headlines = [line for line in result.stdout.splitlines() if line.startswith("restart ")]
+    assert [line.rsplit("; resuming ", 1)[-1] for line in headlines] == [
+        "from the start at step 0", f"from {run / CKPT / 'global_step_2'} at step 2"], headlines
     message = result.stderr
     assert "training failed at step 4, phase update_actor: actor_rollout_ref rank 0 failed in" in message, \
         message[-4000:]

@@ -602,8 +602,10 @@ class Trainer:
             self.kl_controller = kl_controller_from_config(self.config.algorithm.kl_ctrl)
         tracker.rewind(resume_step)
         where = f"from {self.last_checkpoint}" if self.last_checkpoint is not None else "from the start"
-        self.write(f"restart {restart}/{self.config.trainer.max_restarts} in place: {failure}; "
-                   f"resuming {where} at step {resume_step}")
+        # the headline on one line (what failed, where it goes on from), the workers' reports after it
+        headline, _, details = str(failure).partition("\n")
+        self.write(f"restart {restart}/{self.config.trainer.max_restarts} in place: {headline}; "
+                   f"resuming {where} at step {resume_step}" + (f"\n{details}" if details else ""))
         tracker.event(failure.step, {
             "event": "restart", "restart": restart, "max_restarts": self.config.trainer.max_restarts,
             "phase": str(failure.phase), "role": error.role, "rank": error.rank,
