@@ -145,14 +145,14 @@ class EveryTurnCallsEcho:
         return ParsedTurn("", [ToolCall("echo", {"text": text[:3]}, 0)])
 
 
-def multi_turn_conversations(engine: RolloutEngine) -> Any:
+def multi_turn_conversations(engine: RolloutEngine, answer: str = ECHO_ANSWER) -> Any:
     from hybridrl.data.tokenizer import char_tokenizer
     from hybridrl.rollout.agent_loop import AgentLoop, AgentLoopSettings, ObservationRenderer
     from hybridrl.tools import Tool, ToolRegistry, get_parser, register_parser
 
     register_parser("test_every_turn_calls_echo")(EveryTurnCallsEcho)
     tokenizer = char_tokenizer()  # its chat template renders the tool messages; ids >= 96 decode to ""
-    registry = ToolRegistry([Tool(ECHO_SCHEMA, lambda text: ECHO_ANSWER)])
+    registry = ToolRegistry([Tool(ECHO_SCHEMA, lambda text: answer)])
     agent = AgentLoop(registry, get_parser("test_every_turn_calls_echo"),
                       ObservationRenderer(tokenizer, engine.eos_token_ids), AgentLoopSettings(max_turns=3))
     sampling = RolloutSampling(n=2, temperature=1.0, max_tokens=MULTI_TURN_BUDGET, seed=5,
@@ -187,6 +187,10 @@ def tp_update_session(
             "snapshot": engine.named_parameters_snapshot(),
             "digests": engine.parameter_digests(),
         })
+    # The agent loop with a tool whose answer differs per rank ("a" on TP rank 0, "b" on 1; one
+    # character each, so a split would not even change the token counts): TP rank 0's answers are
+    # what every rank's conversation continues from.
+    results["multi_turn"] = multi_turn_conversations(engine, answer="ab"[engine.tp_rank])
     return results
 
 

@@ -33,8 +33,7 @@ def issues_for(overrides):
 
 
 CPU_CP2 = ("trainer.device=cpu", f"{A}.megatron.context_parallel_size=2")
-# multi-turn on (the seed config generates at inference TP 2, which multi-turn refuses for now)
-MT = (f"{R}.multi_turn.enable=true", f"{R}.tensor_model_parallel_size=1")
+MT = (f"{R}.multi_turn.enable=true",)  # multi-turn on (the seed config generates at inference TP 2)
 
 # (bad overrides, field that must be named, text in the rule, overrides that fix it)
 CASES = {
@@ -219,6 +218,13 @@ def test_shape_rule_refuses_bad_and_accepts_fix(name, tmp_path):
     plan_from_sources(SEED, [model, *good])
 
 
+def test_multi_turn_plans_at_inference_tp2():
+    """The seed config's replicas are infer_tp 2: their TP rank 0 runs the tools and broadcasts the
+    answers (tests/test_rollout_engine.py), so the agent loop is not refused there."""
+    plan = plan_from_sources(SEED, [*MT, f"{R}.multi_turn.tools=[calculator]"])
+    assert plan.config.actor_rollout_ref.rollout.tensor_model_parallel_size == 2
+
+
 def test_all_errors_reported_at_once_with_valid_values():
     issues = issues_for([f"{R}.tensor_model_parallel_size=4", f"{A}.ppo_micro_batch_size_per_gpu=7",
                          "algorithm.gamma=2", "data.train_batch_sze=3"])
@@ -356,10 +362,6 @@ REFUSED = {
     "multi-turn sandbox limit": ([*MT, f"{R}.multi_turn.tools=[python]",
                                   f"{R}.multi_turn.sandbox.memory_mb=0"], f"{R}.multi_turn.sandbox.memory_mb",
                                  "positive", [*MT, f"{R}.multi_turn.tools=[python]"]),
-    "multi-turn at inference TP 2": ([*MT, f"{R}.multi_turn.tools=[calculator]",
-                                      f"{R}.tensor_model_parallel_size=2"], f"{R}.tensor_model_parallel_size",
-                                     "not broadcast", [*MT,
-                                                       f"{R}.multi_turn.tools=[calculator]"]),
     "critic tokenizer": (["critic.model.tokenizer_path=/tok"], "critic.model.tokenizer_path",
                          "uses the policy's tokenizer", ["critic.model.tokenizer_path=null"]),
     "reward model tokenizer": (["reward_model.model.tokenizer_path=/tok"], "reward_model.model.tokenizer_path",

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from hybridrl.data.tokenizer import char_tokenizer
 from hybridrl.parallel.digest import tensor_digest
 from hybridrl.parallel.forked import run_ranks
 from hybridrl.reshard.layout import hf_to_vllm_shards
@@ -201,6 +202,33 @@ def test_infer_tp2_samples_agree_and_both_update_formats_land_each_ranks_shard(t
         _assert_greedy_matches_hf(ranks[0]["swaps"][i]["greedy"], _hf_model(session, new))
         assert torch.equal(ranks[0]["swaps"][i]["greedy"].tensors["responses"],
                            ranks[1]["swaps"][i]["greedy"].tensors["responses"])
+    # Tools at infer_tp 2: the tool answers "a" on TP rank 0 and "b" on rank 1; both ranks' conversations
+    # are token-identical and read rank 0's answer only (the broadcast from the replica's TP rank 0).
+    conversations = [r["multi_turn"].tensors for r in ranks]
+    for key in ("responses", "response_mask", "rollout_log_probs", "attention_mask"):
+        assert torch.equal(conversations[0][key], conversations[1][key]), key
+    observation = char_tokenizer().encode("\ntool: a\nassistant: ", add_special_tokens=False)
+    seen = 0
+    for row in range(len(ranks[0]["multi_turn"])):
+        length = int(conversations[0]["response_lengths"][row])
+        _, observations = _turns_and_observations(conversations[0]["responses"][row, :length].tolist(),
+                                                  conversations[0]["response_mask"][row, :length].tolist())
+        for run in observations:
+            assert run == observation[:len(run)], run
+            seen += len(run) == len(observation)
+    assert seen >= 2, "too few whole observations for the check to mean anything"
+
+
+def _turns_and_observations(tokens: list[int], mask: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+    """A conversation's runs of model tokens (mask 1) and of observation tokens (mask 0), in order."""
+    runs, start = [], 0
+    for k in range(1, len(tokens) + 1):
+        if k == len(tokens) or mask[k] != mask[start]:
+            runs.append((mask[start], tokens[start:k]))
+            start = k
+    if runs and runs[0][0] != 1:
+        raise AssertionError("a conversation starts with an observation")
+    return [r for m, r in runs if m == 1], [r for m, r in runs if m == 0]
 
 
 @pytest.mark.slow
@@ -234,7 +262,6 @@ def test_multi_turn_conversations_continue_from_token_ids_and_mask_the_observati
     """The agent loop on the real engine: each turn continues from the conversation's token ids (vLLM's
     log-probs of every model token equal ONE transformers forward over the whole conversation), the
     observations are the chat template's tool-message tokens, masked out, with log-prob 0."""
-    from hybridrl.data.tokenizer import char_tokenizer
 
     batch = session["multi_turn"]
     t = batch.tensors
@@ -248,15 +275,8 @@ def test_multi_turn_conversations_continue_from_token_ids_and_mask_the_observati
         length = int(t["response_lengths"][row])
         tokens, mask = t["responses"][row, :length].tolist(), t["response_mask"][row, :length].tolist()
         assert length <= rollout_scenarios.MULTI_TURN_BUDGET and t["response_mask"][row, length:].sum() == 0
-        # split into runs: model turns (mask 1) and observations (mask 0)
-        runs, start = [], 0
-        for k in range(1, length + 1):
-            if k == length or mask[k] != mask[start]:
-                runs.append((mask[start], tokens[start:k]))
-                start = k
-        turns = [r for m, r in runs if m == 1]
-        observations = [r for m, r in runs if m == 0]
-        assert int(batch["num_turns"][row]) == len(turns) and runs[0][0] == 1
+        turns, observations = _turns_and_observations(tokens, mask)
+        assert int(batch["num_turns"][row]) == len(turns)
         for k, run in enumerate(observations):
             cut = k == len(observations) - 1 and length == rollout_scenarios.MULTI_TURN_BUDGET
             assert run == (observation[:len(run)] if cut else observation)

@@ -410,11 +410,6 @@ def _check_multi_turn(check: _Checker, config: JobConfig) -> None:
         value = getattr(mt.sandbox, name)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
             check.fail(f"{prefix}.sandbox.{name}", value, "must be a positive number")
-    if rollout.tensor_model_parallel_size != 1:
-        check.fail("actor_rollout_ref.rollout.tensor_model_parallel_size", rollout.tensor_model_parallel_size,
-                   f"must be 1 with {prefix}.enable=true for now: the TP ranks of a replica would each run the "
-                   "tools, and a tool whose answer differs between them (time, randomness) would make their "
-                   "conversations diverge; tool answers are not broadcast from the replica's TP rank 0 yet", [1])
 
 
 def _check_validation_sampling(check: _Checker, config: JobConfig) -> None:

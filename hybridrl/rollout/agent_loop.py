@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -42,6 +42,12 @@ class TurnOutput:
     token_ids: Sequence[int]
     log_probs: Sequence[float]
     finish_reason: str  # vLLM's: "stop" (EOS / stop token) or "length" (max_tokens reached)
+
+
+ToolRound = Callable[[], list[list[Observation]]]  # runs one round's tool calls: observations per calling sample
+# How a round's observations are obtained: `run_round(execute)` calls `execute` (here) or receives what a
+# peer's `execute` returned (the TP ranks of one vLLM replica share their TP rank 0's tool answers).
+RoundRunner = Callable[[ToolRound], list[list[Observation]]]
 
 
 class TurnGenerator(Protocol):
@@ -189,9 +195,10 @@ class AgentLoop:
         self._pool = concurrent.futures.ThreadPoolExecutor(self.settings.tool_workers,
                                                            thread_name_prefix="hybridrl-agent-tool")
 
-    def run(self, prompts: Sequence[Sequence[int]], budget: int,
-            generate: TurnGenerator) -> tuple[list[Trajectory], AgentLoopMetrics]:
-        """One conversation per prompt (repeat a prompt for n samples); `budget` = most tokens after it."""
+    def run(self, prompts: Sequence[Sequence[int]], budget: int, generate: TurnGenerator,
+            run_round: RoundRunner | None = None) -> tuple[list[Trajectory], AgentLoopMetrics]:
+        """One conversation per prompt (repeat a prompt for n samples); `budget` = most tokens after it.
+        `run_round`: how each round's tool calls are executed (default: here, on the thread pool)."""
         if budget < 1:
             raise ValueError(f"budget={budget} must be >= 1 token")
         trajectories = [Trajectory() for _ in prompts]
@@ -221,7 +228,12 @@ class AgentLoop:
                 else:
                     calling.append((i, parsed))
             started = time.perf_counter()
-            results = list(self._pool.map(lambda item: self.registry.execute_turn(item[1]), calling))
+            def execute(calling: list[tuple[int, Any]] = calling) -> list[list[Observation]]:
+                return list(self._pool.map(lambda item: self.registry.execute_turn(item[1]), calling))
+
+            results = run_round(execute) if run_round is not None else execute()
+            if len(results) != len(calling):
+                raise RuntimeError(f"a tool round returned {len(results)} results for {len(calling)} calling samples")
             metrics.tool_wall_s += time.perf_counter() - started if calling else 0.0
             next_live = []
             for (i, _), observations in zip(calling, results):

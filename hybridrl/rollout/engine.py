@@ -60,8 +60,9 @@ from hybridrl.parallel.device import default_dtype_for, resolve_device
 from hybridrl.parallel.device_policy import DevicePolicy
 from hybridrl.parallel.digest import tensor_digest
 from hybridrl.rollout import vllm_patches
-from hybridrl.rollout.agent_loop import AgentLoop, TurnOutput
+from hybridrl.rollout.agent_loop import AgentLoop, RoundRunner, ToolRound, TurnOutput
 from hybridrl.rollout.sampling import SEED_RANGE, RolloutSampling
+from hybridrl.tools import Observation
 
 WeightFormat = Literal["hf", "vllm_shard"]
 
@@ -673,7 +674,7 @@ class RolloutEngine:
             return turns
 
         started = time.perf_counter()
-        trajectories, loop_metrics = agent.run(conversations, sampling.max_tokens, generate)
+        trajectories, loop_metrics = agent.run(conversations, sampling.max_tokens, generate, self._tool_round_runner())
         seconds = time.perf_counter() - started
         rows = [ResponseRow(t.tokens, t.mask, t.log_probs, t.finish_reason) for t in trajectories]
         batch = assemble_response_rows(prompt_token_ids, rows, n, sampling.max_tokens, self.config.pad_token_id, uids)
@@ -693,6 +694,24 @@ class RolloutEngine:
             **loop_metrics.as_metrics(),
         }
         return batch
+
+    def _tool_round_runner(self) -> RoundRunner | None:
+        """At infer_tp > 1 every TP rank of a replica runs the same conversations, and they must stay
+        token-identical (each vLLM step is a TP collective over the same tokens): only TP rank 0 runs
+        the tools, and its observations are broadcast over the replica's TP group. A tool whose answer
+        varies (time, randomness, a flaky service) would otherwise split the replica's conversations."""
+        if self.config.infer_tp == 1:
+            return None
+        from vllm.distributed.parallel_state import get_tp_group
+
+        group, source = get_tp_group().cpu_group, self.tp_group_ranks[0]
+
+        def run_round(execute: ToolRound) -> list[list[Observation]]:
+            box = [execute() if self.tp_rank == 0 else None]
+            torch.distributed.broadcast_object_list(box, src=source, group=group)
+            return box[0]
+
+        return run_round
 
     def prompt_log_probs(self, token_ids: Sequence[int]) -> list[float]:
         """Log-prob of each token given its prefix under the current weights (0.0 for the first).
