@@ -209,3 +209,18 @@ def test_batch_of_a_conversation_masks_observations_and_keeps_the_trajectory_att
     assert t["response_lengths"].tolist() == [5, 1]
     assert torch.equal(t["rollout_log_probs"][0], torch.tensor([-0.1, -0.2, 0.0, 0.0, -0.3, 0.0]))
     assert t["position_ids"][0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8]
+
+
+def test_each_conversations_tools_read_its_own_row():
+    """`samples[i]` reaches the tools conversation i calls (the rows differ, so a mix-up shows)."""
+    tok = char_tokenizer()
+    schema = {"type": "function", "function": {"name": "calculator", "description": "the row's answer",
+              "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                             "required": ["expression"]}}}
+    loop = _loop(tok, ToolRegistry([Tool(schema, lambda expression, sample: f"{sample['ground_truth']}")]))
+    rows = [{"ground_truth": f"g{i}", "sample": i % 2} for i in range(4)]
+    script = Script(tok, [[call("1"), "a"], ["b"], [call("1"), "c"], [call("1"), "d"]], tok.eos_token_id)
+    trajectories, _ = loop.run([[5, 6]] * 4, budget=200, generate=script, samples=rows)
+    assert [[o.text for o in t.observations] for t in trajectories] == [["g0"], [], ["g2"], ["g3"]]
+    with pytest.raises(ValueError, match="3 sample rows for 4 conversations"):
+        loop.run([[5, 6]] * 4, budget=200, generate=script, samples=rows[:3])

@@ -12,6 +12,7 @@ from hybridrl.tools import (
     ToolCall,
     ToolFileError,
     ToolMetrics,
+    ToolRegistry,
     ToolSchemaError,
     ToolStatus,
     build_registry,
@@ -192,3 +193,57 @@ def test_the_config_defaults_are_the_tools_defaults():
     config = MultiTurnConfig()
     assert config.tool_parser in available_parsers()
     assert config.max_observation_chars == build_registry([]).max_observation_chars
+
+
+def test_a_tool_reads_its_calling_samples_row_which_the_model_cannot_set():
+    seen = []
+
+    def answer(key: str, sample) -> str:
+        seen.append(dict(sample))
+        return f"{key}={sample['ground_truth']}"
+
+    tool = Tool(_schema("answer", {"key": {"type": "string"}}, ["key"]), answer)
+    assert tool.reads_sample
+    registry = ToolRegistry([tool])
+    row = {"index": 7, "ground_truth": "42", "sample": 1}
+    observation = registry.execute(ToolCall("answer", {"key": "x"}, 0), sample=row)
+    assert (observation.status, observation.text) == (ToolStatus.OK, "x=42") and seen == [row]
+    # the model writing `sample` itself is a bad call, whatever it wrote
+    forged = registry.execute(ToolCall("answer", {"key": "x", "sample": {"ground_truth": "1"}}, 0), sample=row)
+    assert forged.status is ToolStatus.BAD_ARGUMENTS and "'sample'" in forged.text and len(seen) == 1
+    # a row is read-only for the tool
+    registry = ToolRegistry([Tool(_schema("poke", {}, []), lambda sample: sample.__setitem__("x", 1))])
+    assert registry.execute(ToolCall("poke", {}, 0), sample=row).status is ToolStatus.TOOL_ERROR and "x" not in row
+    with pytest.raises(ToolSchemaError, match="'sample' is reserved"):
+        Tool(_schema("bad", {"sample": {"type": "string"}}, []), lambda sample: "")
+
+
+PARSER_FILE = '''
+from hybridrl.tools import ParsedTurn, ToolCall
+
+TOOL_SCHEMAS = []
+class BangParser:
+    def parse(self, text):
+        return ParsedTurn(text, [ToolCall("calculator", {"expression": "6*7"}, 0)] if "!" in text else [])
+TOOL_PARSERS = {"bang": BangParser}
+'''
+
+
+def test_a_tools_file_defines_a_tool_call_parser(tmp_path):
+    from hybridrl.tools.parsing import available_parsers
+
+    path = tmp_path / "parsers.py"
+    path.write_text(PARSER_FILE)
+    build_registry(["calculator"], tools_file=path)  # only built-in tools: the file is still loaded
+    assert "bang" in available_parsers()
+    assert [c.arguments for c in get_parser("bang").parse("ab!").calls] == [{"expression": "6*7"}]
+    assert get_parser("bang").parse("ab").calls == []
+    build_registry(["calculator"], tools_file=path)  # loading the same file again replaces its own parser
+    clash = tmp_path / "clash.py"
+    clash.write_text(PARSER_FILE.replace('{"bang"', '{"hermes"'))
+    with pytest.raises(ToolFileError, match="'hermes', which is already the parser HermesToolCallParser"):
+        build_registry(["calculator"], tools_file=clash)
+    bad = tmp_path / "bad_parsers.py"
+    bad.write_text("TOOL_SCHEMAS = []\nTOOL_PARSERS = ['bang']\n")
+    with pytest.raises(ToolFileError, match="TOOL_PARSERS must be a dict"):
+        build_registry(["calculator"], tools_file=bad)

@@ -403,7 +403,9 @@ def _check_multi_turn(check: _Checker, config: JobConfig) -> None:
     if mt.tools_file is not None and not Path(str(mt.tools_file)).is_file():
         check.fail(f"{prefix}.tools_file", mt.tools_file, "is not a file (a Python file defining TOOL_SCHEMAS and "
                    "their functions)")
-    if mt.tool_parser not in available_parsers():
+    # a tools file may define the parser (its TOOL_PARSERS): checked when the trainer loads the file,
+    # before any worker starts
+    if mt.tool_parser not in available_parsers() and mt.tools_file is None:
         check.fail(f"{prefix}.tool_parser", mt.tool_parser, "is not a registered tool-call parser",
                    available_parsers())
     for name in ("wall_time_s", "cpu_time_s", "memory_mb", "max_file_mb", "max_output_bytes"):

@@ -196,11 +196,15 @@ class AgentLoop:
                                                            thread_name_prefix="hybridrl-agent-tool")
 
     def run(self, prompts: Sequence[Sequence[int]], budget: int, generate: TurnGenerator,
-            run_round: RoundRunner | None = None) -> tuple[list[Trajectory], AgentLoopMetrics]:
+            run_round: RoundRunner | None = None,
+            samples: Sequence[Mapping[str, Any]] | None = None) -> tuple[list[Trajectory], AgentLoopMetrics]:
         """One conversation per prompt (repeat a prompt for n samples); `budget` = most tokens after it.
-        `run_round`: how each round's tool calls are executed (default: here, on the thread pool)."""
+        `run_round`: how each round's tool calls are executed (default: here, on the thread pool).
+        `samples[i]`: conversation i's row, for the tools that read it (`hybridrl.tools.SAMPLE_PARAMETER`)."""
         if budget < 1:
             raise ValueError(f"budget={budget} must be >= 1 token")
+        if samples is not None and len(samples) != len(prompts):
+            raise ValueError(f"{len(samples)} sample rows for {len(prompts)} conversations")
         trajectories = [Trajectory() for _ in prompts]
         metrics = AgentLoopMetrics()
         live = list(range(len(prompts)))
@@ -229,7 +233,8 @@ class AgentLoop:
                     calling.append((i, parsed))
             started = time.perf_counter()
             def execute(calling: list[tuple[int, Any]] = calling) -> list[list[Observation]]:
-                return list(self._pool.map(lambda item: self.registry.execute_turn(item[1]), calling))
+                return list(self._pool.map(
+                    lambda item: self.registry.execute_turn(item[1], samples[item[0]] if samples else None), calling))
 
             results = run_round(execute) if run_round is not None else execute()
             if len(results) != len(calling):

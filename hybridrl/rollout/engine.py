@@ -44,7 +44,7 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -641,6 +641,7 @@ class RolloutEngine:
         sampling: RolloutSampling,
         agent: AgentLoop,
         uids: Sequence[Any] | None = None,
+        rows: Sequence[Mapping[str, Any]] | None = None,
     ) -> Batch:
         """`sampling.n` conversations per prompt through the agent loop (`hybridrl.rollout.agent_loop`).
 
@@ -649,11 +650,15 @@ class RolloutEngine:
         0 on observation tokens, `rollout_log_probs` 0 on observation tokens. Each turn of every live
         conversation is one vLLM generate call, continuing from the conversation's token ids; its
         seed is derived from (prompt, sample, turn). `meta["metrics"]` adds the loop's `tools/` and
-        `multi_turn/` metrics.
+        `multi_turn/` metrics. `rows[p]`: prompt p's data row (ground truth, extra info, ...), which the
+        tools that read the calling sample get, with `sample` = which of its n conversations it is.
         """
         sampling, seed_of = self._prepare(prompt_token_ids, sampling, uids)
         n = sampling.n
         conversations = [list(map(int, prompt)) for prompt in prompt_token_ids for _ in range(n)]
+        if rows is not None and len(rows) != len(prompt_token_ids):
+            raise ValueError(f"{len(rows)} data rows for {len(prompt_token_ids)} prompts")
+        samples = None if rows is None else [{**rows[p], "sample": k} for p in range(len(rows)) for k in range(n)]
         generate_seconds = 0.0
 
         def generate(contexts: Sequence[Sequence[int]], max_tokens: Sequence[int],
@@ -674,7 +679,8 @@ class RolloutEngine:
             return turns
 
         started = time.perf_counter()
-        trajectories, loop_metrics = agent.run(conversations, sampling.max_tokens, generate, self._tool_round_runner())
+        trajectories, loop_metrics = agent.run(conversations, sampling.max_tokens, generate, self._tool_round_runner(),
+                                               samples)
         seconds = time.perf_counter() - started
         rows = [ResponseRow(t.tokens, t.mask, t.log_probs, t.finish_reason) for t in trajectories]
         batch = assemble_response_rows(prompt_token_ids, rows, n, sampling.max_tokens, self.config.pad_token_id, uids)

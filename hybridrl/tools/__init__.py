@@ -51,7 +51,8 @@ def build_registry(names: Iterable[str], tools_file: str | Path | None = None,
     user = [n for n in names if n not in BUILTIN_TOOLS]
     if user and tools_file is None:
         raise ToolFileError(f"tools {user} are not built in ({', '.join(BUILTIN_TOOLS)}) and no tools file is set")
-    loaded = {t.name: t for t in load_user_tools(tools_file, user)} if user else {}
+    # the file is loaded even when every tool is built in: it may define the job's tool-call parser
+    loaded = {t.name: t for t in load_user_tools(tools_file, user)} if tools_file is not None else {}
     tools = [loaded[n] if n in loaded else builtin_tool(n, sandbox) for n in names]
     return ToolRegistry(tools, max_observation_chars=max_observation_chars)
 

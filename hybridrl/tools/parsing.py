@@ -70,6 +70,15 @@ def register_parser(name: str) -> Callable[[Callable[[], ToolCallParser]], Calla
     return decorate
 
 
+def registered_parser(name: str) -> Callable[[], ToolCallParser] | None:
+    return _PARSERS.get(name)
+
+
+def replace_parser(name: str, factory: Callable[[], ToolCallParser]) -> None:
+    """Register `factory` as `name`, replacing what was there (a tools file imported again)."""
+    _PARSERS[name] = factory
+
+
 def available_parsers() -> list[str]:
     return sorted(_PARSERS)
 

@@ -17,6 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from hybridrl.tools.parsing import ParsedTurn, ToolCall, ToolCallError
@@ -83,6 +84,13 @@ class ToolMetrics:
         return metrics
 
 
+# A tool function's keyword parameter of this name receives the calling sample's row (a read-only
+# mapping: `index`, `uid`, `sample` (which of the prompt's n), `data_source`, `ground_truth`,
+# `extra_info`): a tool that answers per problem (a lookup in the problem's documents, a checker of
+# the problem's answer) reads it there. The model never sets it: it is not in the schema.
+SAMPLE_PARAMETER = "sample"
+
+
 @dataclass(frozen=True)
 class Tool:
     schema: Mapping[str, Any]
@@ -100,6 +108,11 @@ class Tool:
         check_signature(self.schema["function"].get("parameters", {}), self.function, f"tool {name!r}")
 
     @property
+    def reads_sample(self) -> bool:
+        """The function takes the calling sample's row (a parameter named `SAMPLE_PARAMETER`)."""
+        return SAMPLE_PARAMETER in inspect.signature(self.function).parameters
+
+    @property
     def parameters(self) -> Mapping[str, Any]:
         return self.schema["function"].get("parameters", {"type": "object", "properties": {}})
 
@@ -111,8 +124,13 @@ def check_signature(parameters: Mapping[str, Any], function: Callable[..., Any],
         raise ToolSchemaError(f"{where}: {type(function).__name__} is not callable")
     signature = inspect.signature(function)
     takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
-    named = {n for n, p in signature.parameters.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    named = {n for n, p in signature.parameters.items()
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and n != SAMPLE_PARAMETER}
     properties = set(parameters.get("properties", {}))
+    if SAMPLE_PARAMETER in properties:
+        raise ToolSchemaError(f"{where}: the schema property {SAMPLE_PARAMETER!r} is reserved (a function's "
+                              f"{SAMPLE_PARAMETER!r} parameter receives the calling sample's row, which the model "
+                              "does not write); rename the property")
     if not takes_kwargs and properties - named:
         raise ToolSchemaError(f"{where}: schema properties {sorted(properties - named)} are not parameters of "
                               f"{getattr(function, '__name__', function)!r} (its parameters: {sorted(named)})")
@@ -155,18 +173,24 @@ class ToolRegistry:
         """What the chat template's ``tools=`` takes, in registration order."""
         return [tool.schema for tool in self._tools.values()]
 
-    def execute(self, call: ToolCall | ToolCallError) -> Observation:
-        """Run one parsed call; every model-caused problem comes back as an error observation."""
+    def execute(self, call: ToolCall | ToolCallError, sample: Mapping[str, Any] | None = None) -> Observation:
+        """Run one parsed call; every model-caused problem comes back as an error observation.
+        `sample`: the calling sample's row, for a tool that reads it (`SAMPLE_PARAMETER`)."""
         if isinstance(call, ToolCallError):
             return Observation(f"Error: {call.message}", ToolStatus.PARSE_ERROR, None, call.index)
         tool = self._tools.get(call.name)
         if tool is None:
             return Observation(f"Error: unknown tool {call.name!r}; available tools: {', '.join(self.names)}",
                                ToolStatus.UNKNOWN_TOOL, call.name, call.index)
-        problems = argument_errors(tool.parameters, dict(call.arguments))
+        arguments = dict(call.arguments)
+        problems = argument_errors(tool.parameters, arguments)
+        if SAMPLE_PARAMETER in arguments:  # the model cannot set the row a tool reads
+            problems.append(f"{SAMPLE_PARAMETER!r} is not an argument of {call.name}")
+        if tool.reads_sample:
+            arguments[SAMPLE_PARAMETER] = MappingProxyType(dict(sample or {}))
         if not problems:
             try:
-                inspect.signature(tool.function).bind(**call.arguments)
+                inspect.signature(tool.function).bind(**arguments)
             except TypeError as error:
                 problems = [str(error)]
         if problems:
@@ -174,7 +198,7 @@ class ToolRegistry:
                                ToolStatus.BAD_ARGUMENTS, call.name, call.index)
         start = time.perf_counter()
         try:
-            result = self._call(tool, call.arguments)
+            result = self._call(tool, arguments)
         except concurrent.futures.TimeoutError:
             return Observation(f"Error: {call.name} ran past its {tool.timeout_s} s limit", ToolStatus.TIMEOUT,
                                call.name, call.index, time.perf_counter() - start)
@@ -198,7 +222,7 @@ class ToolRegistry:
             self._pool = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="hybridrl-tool")
         return self._pool.submit(tool.function, **arguments).result(timeout=tool.timeout_s)
 
-    def execute_turn(self, turn: ParsedTurn) -> list[Observation]:
+    def execute_turn(self, turn: ParsedTurn, sample: Mapping[str, Any] | None = None) -> list[Observation]:
         """Every call of a model turn, in the order the model wrote them (parse errors included)."""
         ordered = sorted([*turn.calls, *turn.errors], key=lambda c: c.index)
-        return [self.execute(call) for call in ordered]
+        return [self.execute(call, sample) for call in ordered]

@@ -11,12 +11,20 @@ returning text (or anything JSON-serializable)::
                                     "required": ["key"]}}}]
 
     def lookup(key: str) -> str: ...
+
+A function may also take a parameter named ``sample`` (not in its schema): it receives the calling
+sample's data row (``ground_truth``, ``extra_info``, ...; `hybridrl.tools.registry.SAMPLE_PARAMETER`).
+The file may define ``TOOL_PARSERS``, a dict of tool-call parser names to parser classes (no-argument
+classes with ``parse(text) -> ParsedTurn``), for models that write calls in their own format;
+``multi_turn.tool_parser`` can then name one.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from types import ModuleType
 
+from hybridrl.tools.parsing import registered_parser, replace_parser
 from hybridrl.tools.registry import Tool
 from hybridrl.tools.schema import ToolSchemaError, check_tool_schema
 from hybridrl.user_code import import_user_file
@@ -27,9 +35,11 @@ class ToolFileError(RuntimeError):
 
 
 def load_user_tools(path: str | Path, names: Iterable[str] | None = None) -> list[Tool]:
-    """The tools `names` (all when None) defined in the file `path` (trusted code: it is executed)."""
+    """The tools `names` (all when None) defined in the file `path` (trusted code: it is executed); the
+    file's `TOOL_PARSERS` are registered as tool-call parsers on the way."""
     path = Path(path)
     module = import_user_file(path, what="tools file", prefix="hybridrl_user_tools_", error=ToolFileError)
+    _register_file_parsers(path, module)
     schemas = getattr(module, "TOOL_SCHEMAS", None)
     if not isinstance(schemas, (list, tuple)):
         raise ToolFileError(f"tools file {str(path)!r} must define TOOL_SCHEMAS, a list of tool schemas; "
@@ -56,3 +66,18 @@ def load_user_tools(path: str | Path, names: Iterable[str] | None = None) -> lis
         raise ToolFileError(f"tools file {str(path)!r} has no tool(s) {missing}; tools defined there: "
                             f"{sorted(by_name)}")
     return [by_name[n] for n in wanted]
+
+
+def _register_file_parsers(path: Path, module: ModuleType) -> None:
+    parsers = getattr(module, "TOOL_PARSERS", {})
+    valid = isinstance(parsers, Mapping) and all(isinstance(n, str) and n and callable(f) for n, f in parsers.items())
+    if not valid:
+        raise ToolFileError(f"tools file {str(path)!r}: TOOL_PARSERS must be a dict of parser names to parser "
+                            f"classes; got {parsers!r}")
+    for name, factory in parsers.items():
+        owner = registered_parser(name)
+        # the same file imported again (each import makes new classes) replaces its own parsers only
+        if owner is not None and getattr(owner, "__module__", None) != module.__name__:
+            raise ToolFileError(f"tools file {str(path)!r}: TOOL_PARSERS names {name!r}, which is already the "
+                                f"parser {owner.__qualname__}; choose another name")
+        replace_parser(name, factory)

@@ -49,5 +49,8 @@ def run(args: argparse.Namespace) -> int:
     except TrainingFailure as exc:  # step, phase, role, rank and cause; workers already torn down
         print(f"hybridrl train: {exc}", file=sys.stderr)
         return 1
+    except ConfigError as exc:  # what only loading the user's files shows (a tools file's parsers), before Ray
+        print(f"hybridrl train: {exc}", file=sys.stderr)
+        return 2
     print(result.summary)
     return 0

@@ -24,6 +24,7 @@ import numpy as np
 from hybridrl.algorithms import masked_mean
 from hybridrl.algorithms.kl_control import kl_controller_from_config
 from hybridrl.algorithms.names import GREEDY_BASELINE_ADV_ESTIMATORS
+from hybridrl.config.errors import ConfigError, ConfigIssue
 from hybridrl.config.plan import Plan
 from hybridrl.config.report import failure_cost_lines
 from hybridrl.controller.cluster import init_ray
@@ -38,7 +39,7 @@ from hybridrl.data.tokenizer import load_tokenizer, resolve_pad_token_id
 from hybridrl.names import GroupName, Phase, Role
 from hybridrl.rewards.manager import RewardManager, reward_metrics, token_level_rewards
 from hybridrl.rollout.sampling import RolloutSampling, validation_sampling
-from hybridrl.tools import build_registry
+from hybridrl.tools import available_parsers, build_registry
 from hybridrl.trainer.checkpoints import CheckpointError, CheckpointManager
 from hybridrl.trainer.rl_step import (
     AdvantageSettings,
@@ -139,6 +140,10 @@ class Trainer:
         if multi_turn.enable:
             # The chat template shows the model its tools (templates without a tools section ignore them).
             extra["tools"] = build_registry(multi_turn.tools, tools_file=multi_turn.tools_file).schemas()
+            if multi_turn.tool_parser not in available_parsers():  # none built in, none in the tools file
+                raise ConfigError([ConfigIssue(
+                    "actor_rollout_ref.rollout.multi_turn.tool_parser", multi_turn.tool_parser,
+                    f"is neither built in nor in the TOOL_PARSERS of {multi_turn.tools_file}", available_parsers())])
         train = PromptDataset.from_config(cfg.data, cfg.data.train_files, self.tokenizer, **extra)
         self.write(f"train data: {train.stats.summary()}")
         self.train_loader = PromptDataLoader(train, cfg.data.train_batch_size, self.pad_token_id,

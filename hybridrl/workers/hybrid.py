@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from hybridrl.config.plan import Plan
@@ -171,7 +172,8 @@ class HybridEngineWorker(ActorRolloutRefWorker):
         self._record_memory("gen_before")
         with cuda_to_cpu_mode_suspended():  # vLLM never needs megatron's CPU device translation
             if self.agent is not None:  # rollout.multi_turn: conversations with tool calls
-                out = self.rollout.generate_multi_turn(ids, sampling, self.agent, uids=uids)
+                out = self.rollout.generate_multi_turn(ids, sampling, self.agent, uids=uids,
+                                                       rows=tool_sample_rows(prompts))
             else:
                 out = self.rollout.generate_sequences(ids, sampling, uids=uids)
         self._record_memory("gen_after")
@@ -290,3 +292,14 @@ def left_pad_prompts(batch: Batch, width: int, pad_token_id: int) -> Batch:
     return batch
 
 
+# The prompt columns a tool that reads its calling sample gets (`hybridrl.tools.SAMPLE_PARAMETER`).
+TOOL_SAMPLE_COLUMNS = ("index", "uid", "data_source", "ground_truth", "extra_info")
+
+
+def tool_sample_rows(prompts: Batch) -> list[dict[str, Any]]:
+    """Per prompt, its data row for the tools: the `TOOL_SAMPLE_COLUMNS` the batch carries."""
+    columns = [c for c in TOOL_SAMPLE_COLUMNS if c in prompts.non_tensors]
+    def plain(value: Any) -> Any:  # numpy scalars as Python values: tools are user code
+        return value.item() if isinstance(value, np.generic) else value
+
+    return [{c: plain(prompts[c][i]) for c in columns} for i in range(len(prompts))]
