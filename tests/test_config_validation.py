@@ -602,9 +602,27 @@ def test_router_replay_is_refused_for_a_dense_model_naming_the_field():
     assert issues[0].value == "rollout" and tuple(issues[0].valid) == ("none",)
 
 
-def test_router_replay_rollout_is_refused_until_the_rollout_returns_routing(tmp_path):
-    issues = [i for i in issues_for([moe_model_dir(tmp_path), f"{RR}=rollout"]) if i.field == RR]
-    assert len(issues) == 1 and "not available yet" in str(issues[0]), [str(i) for i in issues]
+def test_router_replay_rollout_plans_for_an_moe_model_and_refuses_what_it_cannot_replay(tmp_path):
+    model = moe_model_dir(tmp_path)
+    itp1 = "actor_rollout_ref.rollout.tensor_model_parallel_size=1"
+    plan = plan_from_sources(SEED, [model, f"{RR}=rollout", itp1])
+    assert plan.config.actor_rollout_ref.actor.router_replay == "rollout"
+    # each setting the replay cannot follow exactly is one issue naming its own field and value
+    refused = {
+        "actor_rollout_ref.rollout.multi_turn.enable": ("true", True),
+        f"{A}.megatron.context_parallel_size": ("2", 2),
+        "actor_rollout_ref.model.enable_gradient_checkpointing": ("true", True),
+        "actor_rollout_ref.rollout.tensor_model_parallel_size": ("2", 2),
+    }
+    for field, (text, value) in refused.items():
+        issues = [i for i in issues_for([model, itp1, f"{RR}=rollout", f"{field}={text}"]) if i.field == field
+                  and f"{RR}=rollout" in str(i)]
+        assert len(issues) == 1 and issues[0].value == value, (field, [str(i) for i in issues])
+        try:  # without replay the setting is fine or refused for its own reasons, never the replay's
+            without = plan_from_sources(SEED, [model, itp1, f"{field}={text}"]).config and []
+        except ConfigError as error:
+            without = [i for i in error.issues if f"{RR}=rollout" in str(i)]
+        assert not without, field
     # the default plans, unchanged from a config that does not name the field
     (tmp_path / "b").mkdir()
     model = moe_model_dir(tmp_path / "b")

@@ -80,12 +80,15 @@ def test_engine_kwargs_keep_device_differences_in_one_place():
         vllm_engine_kwargs(tp2, "cpu", distributed=False)
     with pytest.raises(ValueError, match="sleep"):
         vllm_engine_kwargs(RolloutEngineConfig(model_path="/m", enable_sleep_mode=True), "cpu", distributed=False)
-    # routed-experts capture (routing replay): asked for only when on, refused on CPU (no Model Runner V2)
+    # routed-experts capture (routing replay): asked for only when on; on GPU vLLM's own output (Model
+    # Runner V2), on CPU hybridrl's runner hook, which sees only computed tokens: no prefix caching
     assert "enable_return_routed_experts" not in cpu and "enable_return_routed_experts" not in gpu
+    assert cpu["enable_prefix_caching"] is True and gpu["enable_prefix_caching"] is True
     capture = RolloutEngineConfig(model_path="/m", return_routed_experts=True)
-    assert vllm_engine_kwargs(capture, "cuda", distributed=False)["enable_return_routed_experts"] is True
-    with pytest.raises(ValueError, match="return_routed_experts is not supported by vLLM on CPU"):
-        vllm_engine_kwargs(capture, "cpu", distributed=False)
+    on_gpu = vllm_engine_kwargs(capture, "cuda", distributed=False)
+    assert on_gpu["enable_return_routed_experts"] is True and on_gpu["enable_prefix_caching"] is True
+    on_cpu = vllm_engine_kwargs(capture, "cpu", distributed=False)
+    assert "enable_return_routed_experts" not in on_cpu and on_cpu["enable_prefix_caching"] is False
 
 
 def test_eos_ids_come_from_generation_config_then_config(tmp_path):

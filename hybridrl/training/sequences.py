@@ -66,6 +66,9 @@ class ModelInputs:
     # counted where the batch is cut (the host), so reading them costs no device sync.
     real_tokens: int = 0
     computed_tokens: int = 0
+    # Routing replay (actor.router_replay: rollout): the rollout's `routed_experts` aligned like
+    # `input_ids` ([b, s, moe_layers, top_k], or [1, t, ...] packed; -1 where vLLM routed nothing).
+    routed_experts: Tensor | None = None
     # `response_token_positions`, computed once: a forward, its loss and the scatters back all read it,
     # and `nonzero` waits for the device each time it runs.
     _response_positions: tuple[Tensor, Tensor] | None = field(default=None, init=False, repr=False, compare=False)
@@ -79,6 +82,7 @@ class ModelInputs:
             cu_seqlens=None if self.cu_seqlens is None else fn(self.cu_seqlens), max_seqlen=self.max_seqlen,
             row_starts=None if self.row_starts is None else fn(self.row_starts),
             real_tokens=self.real_tokens, computed_tokens=self.computed_tokens,
+            routed_experts=None if self.routed_experts is None else fn(self.routed_experts),
         )
 
     @property
@@ -161,6 +165,7 @@ def build_model_inputs(
     extras: dict[str, Tensor] | None = None,
     pad_multiple: int = 1,
     packed: bool = False,
+    routed_experts: Tensor | None = None,
 ) -> ModelInputs:
     """Left-align rows, trim to the longest real row (rounded up to `pad_multiple`), locate responses;
     with `packed`, concatenate the rows' real tokens instead (see the module docstring).
@@ -187,6 +192,16 @@ def build_model_inputs(
     source = (torch.arange(trimmed, device=input_ids.device).unsqueeze(0) + first.unsqueeze(1)) % full_width
     aligned_ids = torch.gather(input_ids, 1, source)
     aligned_positions = torch.gather(position_ids, 1, source)
+    aligned_routing = None
+    if routed_experts is not None:
+        if routed_experts.shape[:2] != input_ids.shape:
+            raise SequenceLayoutError(f"routed_experts {tuple(routed_experts.shape)} is not aligned with "
+                                      f"input_ids {tuple(input_ids.shape)}")
+        # the same rotation as the tokens; columns that wrap around are padding (-1)
+        routing_source = source.reshape(*source.shape, 1, 1).expand(*source.shape, *routed_experts.shape[2:])
+        aligned_routing = torch.gather(routed_experts, 1, routing_source)
+        past = torch.arange(trimmed, device=input_ids.device).unsqueeze(0) >= lengths.unsqueeze(1)
+        aligned_routing = aligned_routing.masked_fill(past.reshape(*past.shape, 1, 1), -1)
 
     steps = torch.arange(resp_len, device=input_ids.device).unsqueeze(0)
     # A row's columns stop at its own last real token when packed (the next column is another row's).
@@ -204,14 +219,18 @@ def build_model_inputs(
             extras=dict(extras or {}),
             real_tokens=real_tokens,
             computed_tokens=int(aligned_ids.numel()),
+            routed_experts=aligned_routing,
         )
     real = torch.arange(trimmed, device=input_ids.device).unsqueeze(0) < lengths.unsqueeze(1)
     flat_ids, flat_positions = aligned_ids[real], aligned_positions[real]  # row-major: row 0's run, row 1's, ...
+    flat_routing = None if aligned_routing is None else aligned_routing[real]
     total = -(-real_tokens // pad_multiple) * pad_multiple
     segments = lengths
     if total > real_tokens:
         # Padding columns form their own segment: they attend only to each other, never to a row.
         pad = total - real_tokens
+        if flat_routing is not None:
+            flat_routing = torch.cat([flat_routing, flat_routing.new_full((pad, *flat_routing.shape[1:]), -1)])
         flat_ids = torch.cat([flat_ids, flat_ids.new_zeros(pad)])
         flat_positions = torch.cat([flat_positions, torch.arange(pad, dtype=flat_positions.dtype,
                                                                  device=flat_positions.device)])
@@ -230,6 +249,7 @@ def build_model_inputs(
         row_starts=cu_seqlens[:-1][: lengths.shape[0]].to(torch.long),
         real_tokens=real_tokens,
         computed_tokens=total,
+        routed_experts=None if flat_routing is None else flat_routing.unsqueeze(0).contiguous(),
     )
 
 
@@ -241,15 +261,18 @@ def take_predictions(output: Tensor, index: Tensor) -> Tensor:
 
 def micro_batch_inputs(
     tensors: dict[str, Tensor], rows: list[int], *, extra_keys: tuple[str, ...] = (), pad_multiple: int = 1,
-    width: int | None = None, packed: bool = False,
+    width: int | None = None, packed: bool = False, routed_experts: bool = False,
 ) -> ModelInputs:
-    """`build_model_inputs` for the given rows of a batch's tensors (the `MODEL_INPUT_KEYS` + `extra_keys`)."""
-    missing = [k for k in (*MODEL_INPUT_KEYS, *extra_keys) if k not in tensors]
+    """`build_model_inputs` for the given rows of a batch's tensors (the `MODEL_INPUT_KEYS` + `extra_keys`,
+    and with `routed_experts` the rollout's `routed_experts` column, aligned like the tokens)."""
+    keys = (*MODEL_INPUT_KEYS, *extra_keys, *(("routed_experts",) if routed_experts else ()))
+    missing = [k for k in keys if k not in tensors]
     if missing:
         raise KeyError(f"batch lacks columns {missing}")
     index = torch.tensor(rows, dtype=torch.long)
-    pick = {k: tensors[k].index_select(0, index.to(tensors[k].device)) for k in (*MODEL_INPUT_KEYS, *extra_keys)}
+    pick = {k: tensors[k].index_select(0, index.to(tensors[k].device)) for k in keys}
     return build_model_inputs(
         pick["input_ids"], pick["attention_mask"], pick["position_ids"], pick["responses"], pick["response_mask"],
         extras={k: pick[k] for k in extra_keys}, pad_multiple=pad_multiple, packed=packed,
+        routed_experts=pick.get("routed_experts"),
     )

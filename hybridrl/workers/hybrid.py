@@ -134,6 +134,8 @@ class HybridEngineWorker(ActorRolloutRefWorker):
             # the Plan's HybridFlow generation TP groups (strided when training TP is a multiple
             # of inference TP), so each rank's generation shard contains its training shard
             tp_groups=plan.reshard.groups.rollout.replicas,
+            # routing replay: each row carries the experts vLLM routed its tokens to (`routed_experts`)
+            return_routed_experts=arr.actor.router_replay == "rollout",
         )))
         # The shard a rank must receive is that of the TP rank vLLM actually gave it; it equals
         # the Plan's (checked: a difference would mean more traffic than planned, not wrong weights).
