@@ -72,12 +72,19 @@ def test_memory_estimate_sums_each_stages_own_layers_when_moe_and_dense_layers_m
     dense + 98,304 expert params; embedding and output 96 x 128 each, final norm 128."""
     from hybridrl.config.estimates import _stage_params
     from hybridrl.models.arch import ModelShape, read_hf_config
+    from hybridrl.models.layout import ParallelLayout
 
     config = read_hf_config(ROOT / "configs/models/tiny-demo-moe")
     config.update(mlp_only_layers=[0], intermediate_size=4096)
     shape = ModelShape.from_hf_config(config)
     dense_layer, moe_dense, moe_experts, vocab = 49_152 + 320 + 3 * 128 * 4096, 49_984, 98_304, 96 * 128
     # PP1 at EP2: every layer on one stage, half of each MoE layer's experts
-    assert _stage_params(shape, pp=1, ep=2) == (dense_layer + 3 * moe_dense + 2 * vocab + 128, 3 * moe_experts / 2)
-    # PP2 at EP2: the first stage (the dense layer, an MoE layer, the embedding) is the heaviest
-    assert _stage_params(shape, pp=2, ep=2) == (dense_layer + moe_dense + vocab, moe_experts / 2)
+    assert _stage_params(shape, ParallelLayout(pp=1, ep=2)) == [
+        (dense_layer + 3 * moe_dense + 2 * vocab + 128, 3 * moe_experts / 2)]
+    # PP2 at EP2: the first stage holds the dense layer, an MoE layer and the embedding; the last two
+    # MoE layers, the final norm and the output layer
+    assert _stage_params(shape, ParallelLayout(pp=2, ep=2)) == [
+        (dense_layer + moe_dense + vocab, moe_experts / 2), (2 * moe_dense + vocab + 128, moe_experts)]
+    # uneven PP2 (1 + 3 layers): the first stage keeps only the dense layer and the embedding
+    assert _stage_params(shape, ParallelLayout(pp=2, ep=2, first_stage_layers=1)) == [
+        (dense_layer + vocab, 0), (3 * moe_dense + vocab + 128, 3 * moe_experts / 2)]

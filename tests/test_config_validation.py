@@ -35,6 +35,12 @@ def issues_for(overrides):
 CPU_CP2 = ("trainer.device=cpu", f"{A}.megatron.context_parallel_size=2")
 MT = (f"{R}.multi_turn.enable=true",)  # multi-turn on (the seed config generates at inference TP 2)
 
+# two pipeline stages on the seed's 6 GPUs (DP 3: micro-batches that divide its rows)
+PP2 = (f"{A}.megatron.pipeline_model_parallel_size=2", f"{A}.ppo_micro_batch_size_per_gpu=4",
+       f"{R}.log_prob_micro_batch_size_per_gpu=4", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4")
+
+PP3 = (f"{A}.megatron.pipeline_model_parallel_size=3", *PP2[1:])
+
 # (bad overrides, field that must be named, text in the rule, overrides that fix it)
 CASES = {
     "rollout tp divides world": ([f"{R}.tensor_model_parallel_size=4"], f"{R}.tensor_model_parallel_size",
@@ -141,6 +147,13 @@ CASES = {
                                  [f"{A}.megatron.pipeline_model_parallel_size=2",
                                   f"{A}.ppo_micro_batch_size_per_gpu=4", f"{R}.log_prob_micro_batch_size_per_gpu=4",
                                   "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4"]),
+    "uneven stages need pp": ([f"{A}.megatron.num_layers_in_last_pipeline_stage=3"],
+                              f"{A}.megatron.num_layers_in_last_pipeline_stage",
+                              "needs pipeline_model_parallel_size > 1 (it is 1)",
+                              [f"{A}.megatron.num_layers_in_last_pipeline_stage=3", *PP2]),
+    "uneven stage at least one layer": ([f"{A}.megatron.num_layers_in_first_pipeline_stage=0", *PP2],
+                                        f"{A}.megatron.num_layers_in_first_pipeline_stage", "integer >= 1",
+                                        [f"{A}.megatron.num_layers_in_first_pipeline_stage=1", *PP2]),
     "dynamic sampling needs a group estimator": (
         ["algorithm.filter_groups.enable=true", "algorithm.adv_estimator=reinforce_plus_plus"],
         "algorithm.filter_groups.enable", "needs a group estimator",
@@ -205,6 +218,22 @@ SHAPE_CASES = {
                             f"{A}.megatron.virtual_pipeline_model_parallel_size=2",
                             f"{A}.ppo_micro_batch_size_per_gpu=4", f"{R}.log_prob_micro_batch_size_per_gpu=4",
                             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4"]),
+    # uneven stages (megatron's num_layers_in_first/last_pipeline_stage) against the model's layers
+    "uneven stages add up at pp 2": (dict(layers=6), [f"{A}.megatron.num_layers_in_first_pipeline_stage=2",
+                                                      f"{A}.megatron.num_layers_in_last_pipeline_stage=2", *PP2],
+                                     f"{A}.megatron.num_layers_in_first_pipeline_stage",
+                                     "must add up to the 6 layers at pp=2; valid: 4",
+                                     [f"{A}.megatron.num_layers_in_first_pipeline_stage=4",
+                                      f"{A}.megatron.num_layers_in_last_pipeline_stage=2", *PP2]),
+    "uneven stages leave a layer per stage": (
+        dict(layers=6), [f"{A}.megatron.num_layers_in_last_pipeline_stage=6", *PP2],
+        f"{A}.megatron.num_layers_in_last_pipeline_stage", "every stage needs at least 1; valid: 1, 2, 3, 4, 5",
+        [f"{A}.megatron.num_layers_in_last_pipeline_stage=5", *PP2]),
+    "uneven stages divide the middle": (
+        dict(layers=6), [f"{A}.megatron.num_layers_in_last_pipeline_stage=1", *PP3],
+        f"{A}.megatron.num_layers_in_last_pipeline_stage",
+        "leave 5 layers, not divisible by the other 2 stage(s); valid: 2, 4",
+        [f"{A}.megatron.num_layers_in_last_pipeline_stage=2", *PP3]),
 }
 
 
@@ -327,6 +356,12 @@ REFUSED = {
         f"{REF}.virtual_pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size=None",
         [f"{REF}.pipeline_model_parallel_size=3", f"{A}.megatron.pipeline_model_parallel_size=3",
          f"{REF}.virtual_pipeline_model_parallel_size=1"]),  # 1 and null both mean no interleaving
+    "ref stage split differs from actor": (
+        [*PP2, f"{REF}.pipeline_model_parallel_size=2", f"{REF}.num_layers_in_first_pipeline_stage=20"],
+        f"{REF}.num_layers_in_first_pipeline_stage",
+        f"must equal {A}.megatron.num_layers_in_first_pipeline_stage=None",
+        [*PP2, f"{REF}.pipeline_model_parallel_size=2", f"{REF}.num_layers_in_first_pipeline_stage=20",
+         f"{A}.megatron.num_layers_in_first_pipeline_stage=20"]),
     "ref seed differs from actor": ([f"{REF}.seed=7"], f"{REF}.seed", f"{A}.megatron.seed=1234",
                                     [f"{REF}.seed=7", f"{A}.megatron.seed=7"]),
     "ref dtype checked": ([f"{REF}.dtype=bf17"], f"{REF}.dtype", "did you mean 'bf16'", [f"{REF}.dtype=bf16"]),

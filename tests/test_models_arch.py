@@ -2,6 +2,7 @@
 megatron-core's own rules without starting any process group."""
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -136,25 +137,39 @@ def test_padded_vocab_follows_megatron_rule():
     assert padded_vocab_size(151936, 8) == 152576
 
 
-def _megatron_offset(num_layers: int, pp: int, vpp: int | None, pp_rank: int, vp_stage: int | None) -> int:
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    config = SimpleNamespace(
+def _megatron_config(num_layers: int, pp: int, vpp: int | None, first: int | None = None,
+                     last: int | None = None) -> SimpleNamespace:
+    return SimpleNamespace(
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp, num_layers=num_layers,
-        pipeline_model_parallel_layout=None, num_layers_in_first_pipeline_stage=None,
-        num_layers_in_last_pipeline_stage=None, account_for_embedding_in_pipeline_split=False,
+        pipeline_model_parallel_layout=None, num_layers_in_first_pipeline_stage=first,
+        num_layers_in_last_pipeline_stage=last, account_for_embedding_in_pipeline_split=False,
         account_for_loss_in_pipeline_split=False,
     )
-    return get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
 
 
-@pytest.mark.parametrize("num_layers, pp, vpp", [(4, 1, None), (4, 2, None), (8, 2, 2), (12, 3, 2), (8, 4, 2)])
-def test_stage_chunks_match_megatron_layer_offsets(num_layers, pp, vpp):
-    layout = ParallelLayout(tp=1, pp=pp, vpp=vpp)
+def _megatron_chunk(config: object, pp_rank: int, vp_stage: int | None) -> tuple[int, int]:
+    """(first layer, layers) megatron builds in that chunk."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return (get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank),
+            get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank))
+
+
+@pytest.mark.parametrize("num_layers, pp, vpp, first, last", [
+    (4, 1, None, None, None), (4, 2, None, None, None), (8, 2, 2, None, None), (12, 3, 2, None, None),
+    (8, 4, 2, None, None),
+    # uneven: megatron's num_layers_in_first/last_pipeline_stage
+    (4, 2, None, 1, 3), (4, 2, None, 3, 1), (4, 2, None, 1, None), (4, 2, None, None, 3),
+    (30, 2, None, 16, None), (10, 4, None, 1, 3), (12, 3, 2, 4, None), (14, 4, 2, 2, 4),
+])
+def test_stage_chunks_match_megatron_layer_offsets(num_layers, pp, vpp, first, last):
+    layout = ParallelLayout(tp=1, pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last)
+    config = _megatron_config(num_layers, pp, vpp, first, last)
     owned = []
     for pp_rank in range(pp):
         for chunk in layout.chunks(num_layers, pp_rank):
-            assert chunk.first_layer == _megatron_offset(num_layers, pp, vpp, pp_rank, chunk.vp_stage)
+            assert (chunk.first_layer, chunk.num_layers) == _megatron_chunk(config, pp_rank, chunk.vp_stage)
             owned.extend(chunk.layers)
     assert sorted(owned) == list(range(num_layers))
     firsts = [c for c in layout.all_chunks(num_layers) if c.pre_process]
@@ -164,9 +179,59 @@ def test_stage_chunks_match_megatron_layer_offsets(num_layers, pp, vpp):
     assert layout.owner_of_layer(num_layers, num_layers - 1)[0] == lasts[0]
 
 
-def test_uneven_pipeline_is_refused():
-    with pytest.raises(ParallelLayoutError, match="do not split evenly"):
+def test_indivisible_even_pipeline_is_refused():
+    with pytest.raises(ParallelLayoutError, match="num_hidden_layers=4 is not divisible by pp\\*vpp=3"):
         ParallelLayout(pp=3).chunks(4, 0)
+
+
+def test_stage_split_rule_is_megatrons():
+    """`split_errors` accepts exactly the splits megatron-core builds: its TransformerConfig accepts
+    them and its offset and layer-count functions give every chunk >= 1 layer (megatron itself lets
+    first + last exceed the layers at PP >= 3, building negative counts; and divides by zero with VPP
+    and no middle stage: both refused here)."""
+    from megatron.core.transformer import TransformerConfig
+
+    cases = 0
+    for num_layers, pp, vpp in [(4, 2, None), (6, 3, None), (8, 4, 2), (12, 3, 2), (8, 2, 2), (5, 2, None)]:
+        for first, last in itertools.product([None, 0, 1, 2, 3, 4, 6], repeat=2):
+            try:
+                config = TransformerConfig(
+                    num_layers=num_layers, hidden_size=8, num_attention_heads=2, pipeline_model_parallel_size=pp,
+                    virtual_pipeline_model_parallel_size=vpp, num_layers_in_first_pipeline_stage=first,
+                    num_layers_in_last_pipeline_stage=last, pipeline_dtype=torch.float32)
+                built = [_megatron_chunk(config, p, v) for p in range(pp) for v in range(vpp or 1)]
+                megatron_ok = all(count >= 1 for _, count in built)
+            except (ValueError, AssertionError, ZeroDivisionError):
+                megatron_ok = False
+            layout = ParallelLayout(pp=pp, vpp=vpp, first_stage_layers=first, last_stage_layers=last)
+            errors = layout.split_errors(num_layers)
+            assert megatron_ok == (not errors), (num_layers, pp, vpp, first, last, errors)
+            if megatron_ok:
+                mine = [(c.first_layer, c.num_layers) for p in range(pp) for c in layout.chunks(num_layers, p)]
+                assert mine == built
+                cases += 1
+            else:
+                with pytest.raises(ParallelLayoutError):
+                    layout.chunks(num_layers, 0)
+    assert cases > 20  # the grid holds enough accepted splits to compare
+
+
+def test_stage_split_errors_name_the_rule():
+    assert ParallelLayout(pp=1, first_stage_layers=2).split_errors(4) == [
+        "first_stage_layers / last_stage_layers need pp >= 2 (got pp=1)"]
+    assert ParallelLayout(pp=2, first_stage_layers=1, last_stage_layers=2).split_errors(4) == [
+        "first_stage_layers=1, last_stage_layers=2 must add up to the 4 layers at pp=2"]
+    assert ParallelLayout(pp=2, first_stage_layers=4).split_errors(4) == [
+        "first_stage_layers=4, last_stage_layers=None leave 0 of the 4 layers for 1 more stage(s): every "
+        "stage needs at least 1"]
+    assert ParallelLayout(pp=3, vpp=2, first_stage_layers=3).split_errors(12) == ["first_stage_layers=3 is not "
+                                                                                   "divisible by vpp=2"]
+    assert ParallelLayout(pp=2, vpp=2, first_stage_layers=2, last_stage_layers=2).split_errors(4) == [
+        "first_stage_layers=2, last_stage_layers=2 with vpp=2 needs a middle stage (pp >= 3), or only one of "
+        "them set"]
+    assert ParallelLayout(pp=2, first_stage_layers=1).stage_layers(4) == (1, 3)
+    assert ParallelLayout(pp=4, last_stage_layers=1).stage_layers(10) == (3, 3, 3, 1)
+    assert ParallelLayout(pp=4).stage_layers(8) == (2, 2, 2, 2)
 
 
 def _materialize(shape: ModelShape, plan, hf: dict[str, torch.Tensor]) -> torch.Tensor:

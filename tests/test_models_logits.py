@@ -89,12 +89,15 @@ def _corrupt(models: list[Any], kind: str, hf_dir: str) -> None:
 
 def _logits_rank(rank: int, world_size: int, tp: int, pp: int, vpp: int | None,
                  cases: list[tuple[str, str, str]], corrupt: str | None = None,
-                 save_to: dict[str, str] | None = None) -> dict[str, Any]:
-    """For each (name, model source, weights path): build, load, forward; optionally save/export."""
+                 save_to: dict[str, str] | None = None,
+                 split: tuple[int | None, int | None] = (None, None)) -> dict[str, Any]:
+    """For each (name, model source, weights path): build, load, forward; optionally save/export.
+    `split`: layers on the (first, last) pipeline stage, None = even."""
     from hybridrl.models.bridge import build_gpt_models, export_hf, load_weights, save_mcore_checkpoint
     from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
 
-    initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, device="cpu")
+    initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, device="cpu", first_stage_layers=split[0],
+                              last_stage_layers=split[1])
     out: dict[str, Any] = {}
     try:
         for name, source, weights in cases:
@@ -215,10 +218,14 @@ def reference(hf_dirs) -> dict[str, torch.Tensor]:
 
 
 
-@pytest.mark.parametrize("tp, pp, vpp", [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None)])
-def test_logits_match_transformers(hf_dirs, reference, tp, pp, vpp):
+@pytest.mark.parametrize("tp, pp, vpp, split", [
+    (1, 1, None, (None, None)), (2, 1, None, (None, None)), (1, 2, None, (None, None)), (2, 2, None, (None, None)),
+    # uneven stages of the 4-layer models: 1 + 3 and 3 + 1 layers
+    (1, 2, None, (1, None)), (1, 2, None, (None, 1)),
+])
+def test_logits_match_transformers(hf_dirs, reference, tp, pp, vpp, split):
     cases = [(arch, str(hf_dirs[arch]), str(hf_dirs[arch])) for arch in ARCHS]
-    logits = _run(tp, pp, vpp, cases)
+    logits = _run(tp, pp, vpp, cases, split=split)
     errors = {arch: max_logit_error(logits[arch], reference[arch]) for arch in ARCHS}
     assert all(err <= TOLERANCE for err in errors.values()), errors
 
@@ -266,6 +273,39 @@ def test_export_from_sharded_model_and_reload(hf_dirs, reference, tmp_path):
     other = _run(1, 2, None, [("other", str(saved), str(saved))])
     assert max_logit_error(same["same"], reference[arch]) <= TOLERANCE
     assert max_logit_error(other["other"], reference[arch]) <= TOLERANCE
+
+
+def test_uneven_stages_save_export_and_resume_on_any_layout(hf_dirs, reference, tmp_path):
+    """At uneven PP2 (1 + 3 layers) a model exports HF bit-exactly and saves what the offline converter
+    writes for that layout; the checkpoint loads at PP1 and at even PP2 with HF's logits, and the
+    converter re-shards it offline to PP1 and back to HF exactly."""
+    from hybridrl.models.checkpoint import McoreMetadata
+    from hybridrl.models.convert_cli import main as convert_main
+
+    arch = "qwen3"  # tied embeddings: the last stage's copy of the embedding is on a 3-layer stage
+    save_to = {"mcore": str(tmp_path / "mcore"), "hf": str(tmp_path / "hf")}
+    _run(1, 2, None, [(arch, str(hf_dirs[arch]), str(hf_dirs[arch]))], save_to=save_to, split=(1, None))
+    assert_same_tensors(safetensors_state(tmp_path / "hf" / arch), safetensors_state(hf_dirs[arch]))
+    saved = tmp_path / "mcore" / arch
+    meta = McoreMetadata.read(saved)
+    assert meta.layout.first_stage_layers == 1
+    assert [(c["pp_rank"], c["first_layer"], c["num_layers"]) for c in meta.raw["layer_chunks"]] == [
+        (0, 0, 1), (1, 1, 3)]
+    offline = tmp_path / "offline"
+    assert convert_main(["hf-to-mcore", "--hf", str(hf_dirs[arch]), "--out", str(offline), "--pp", "2",
+                         "--first-stage-layers", "1", "--quiet"]) == 0
+    assert_same_tensors(per_file_state(saved), per_file_state(offline))
+
+    pp1 = _run(1, 1, None, [("pp1", str(saved), str(saved))])
+    even = _run(1, 2, None, [("even", str(saved), str(saved))])
+    assert max_logit_error(pp1["pp1"], reference[arch]) <= TOLERANCE
+    assert max_logit_error(even["even"], reference[arch]) <= TOLERANCE
+
+    assert convert_main(["mcore-to-mcore", "--ckpt", str(saved), "--out", str(tmp_path / "to_pp1"), "--quiet"]) == 0
+    assert convert_main(["hf-to-mcore", "--hf", str(hf_dirs[arch]), "--out", str(tmp_path / "pp1"), "--quiet"]) == 0
+    assert_same_tensors(per_file_state(tmp_path / "to_pp1"), per_file_state(tmp_path / "pp1"))
+    assert convert_main(["mcore-to-hf", "--ckpt", str(saved), "--out", str(tmp_path / "back"), "--quiet"]) == 0
+    assert_same_tensors(safetensors_state(tmp_path / "back"), safetensors_state(hf_dirs[arch]))
 
 
 def test_vocab_padding_must_be_masked_for_log_probs(hf_dirs, reference):

@@ -47,12 +47,16 @@ def _add_to_layer(models: list[Any], layer: int, delta: float) -> None:
 
 def _reshard_rank(rank: int, world_size: int, hf_dir: str, tp: int, pp: int, vpp: int | None, infer_tp: int,
                   bucket_bytes: int, swapped: bool = False, change: bool = False,
-                  vllm_default_groups: bool = False, dtype: str | None = None) -> dict[str, Any]:
+                  vllm_default_groups: bool = False, dtype: str | None = None,
+                  split: tuple[int | None, int | None] = (None, None)) -> dict[str, Any]:
     from hybridrl.models.bridge import build_gpt_models, load_weights
     from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
     from hybridrl.reshard.resharder import ReshardConfig, Resharder
 
-    initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, device="cpu")
+    # split: layers on the (first, last) pipeline stage, None = even; the resharder's mesh takes it
+    # from the parallel context
+    initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, device="cpu", first_stage_layers=split[0],
+                              last_stage_layers=split[1])
     try:
         models = build_gpt_models(hf_dir, dtype=dtype)
         load_weights(models, hf_dir)
@@ -110,13 +114,22 @@ LAYOUTS = [
 ]
 
 
-LAYOUT_IDS = [f"{a}-tp{t}pp{p}{'vpp' + str(v) if v else ''}w{w}-itp{i}" for a, t, p, v, w, i, _ in LAYOUTS]
+LAYOUTS = [(*layout, (None, None)) for layout in LAYOUTS] + [
+    # uneven stages, (first, last) layers: 1 + 3, the tied copy of the embedding on the 3-layer stage
+    ("qwen2", 1, 2, None, 2, 2, 16 << 10, (1, None)),
+]
 
 
-@pytest.mark.parametrize("arch,tp,pp,vpp,world,infer_tp,bucket", LAYOUTS, ids=LAYOUT_IDS)
-def test_reshard_is_exact_and_moves_only_what_is_missing(hf_dirs, arch, tp, pp, vpp, world, infer_tp, bucket):
+LAYOUT_IDS = [f"{a}-tp{t}pp{p}{'vpp' + str(v) if v else ''}{'-first' + str(s[0]) if s[0] else ''}w{w}-itp{i}"
+              for a, t, p, v, w, i, _, s in LAYOUTS]
+
+
+@pytest.mark.parametrize("arch,tp,pp,vpp,world,infer_tp,bucket,split", LAYOUTS, ids=LAYOUT_IDS)
+def test_reshard_is_exact_and_moves_only_what_is_missing(hf_dirs, arch, tp, pp, vpp, world, infer_tp, bucket,
+                                                         split):
     hf_dir = hf_dirs[arch]
-    results = run_ranks(_reshard_rank, world, str(hf_dir), tp, pp, vpp, infer_tp, bucket, timeout_s=300)
+    results = run_ranks(_reshard_rank, world, str(hf_dir), tp, pp, vpp, infer_tp, bucket, split=split,
+                        timeout_s=300)
     hf_state, config = safetensors_state(hf_dir), read_json(hf_dir / "config.json")
     shape = ModelShape.from_hf_config(config)
     groups = build_reshard_groups(build_training_mesh(world, tp, pp, vpp=vpp), infer_tp)

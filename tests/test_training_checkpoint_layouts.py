@@ -107,9 +107,11 @@ def _assert_same_next_step(run: dict[str, Any], reference: dict[str, Any], label
     assert gap <= 1e-5, (label, gap)
 
 
-def _config(hf: Path, *, tp: int, pp: int, dp: int = 1, distributed: bool = False) -> Any:
+def _config(hf: Path, *, tp: int, pp: int, dp: int = 1, distributed: bool = False,
+            first_stage_layers: int | None = None) -> Any:
     config = job_config(hf, world=tp * pp * dp, tp=tp, pp=pp, distributed_optimizer=distributed)
     config.actor_rollout_ref.actor.optim.lr_warmup_steps = 4
+    config.actor_rollout_ref.actor.megatron.num_layers_in_first_pipeline_stage = first_stage_layers
     return config
 
 
@@ -129,10 +131,12 @@ def test_tp2_pp2_checkpoint_resumes_on_tp1_pp2_and_tp2_pp1(tp2_pp2_checkpoint, t
     reference = _run(_config(hf, tp=2, pp=2), 4, batches, ckpt, tmp_path / "ref", "resume")
     assert reference["resharded"] is False
     assert reference["step"]["lr"] == pytest.approx(1e-2 * 2 / 4)  # the second step of the warmup
-    for tp, pp in ((1, 2), (2, 1)):
-        run = _run(_config(hf, tp=tp, pp=pp), tp * pp, batches, ckpt, tmp_path / f"tp{tp}pp{pp}", "resume")
+    # (tp, pp, layers on the first stage: None = even; 3 = uneven stages of 3 + 5 layers)
+    for tp, pp, first in ((1, 2, None), (2, 1, None), (1, 2, 3)):
+        run = _run(_config(hf, tp=tp, pp=pp, first_stage_layers=first), tp * pp, batches, ckpt,
+                   tmp_path / f"tp{tp}pp{pp}first{first}", "resume")
         assert run["resharded"] is True
-        _assert_same_next_step(run, reference, f"tp{tp} pp{pp}")
+        _assert_same_next_step(run, reference, f"tp{tp} pp{pp} first stage {first}")
     # Without the optimizer state and schedule the next step differs: the comparison above sees them.
     fresh = _run(_config(hf, tp=1, pp=1), 1, batches, ckpt, tmp_path / "fresh", "weights_only")
     gap = max(float((fresh["weights"][n] - w).abs().max()) for n, w in reference["weights"].items())
@@ -274,3 +278,21 @@ def test_tp2_pp2_checkpoint_reshards_exactly_into_virtual_pipeline_chunks(tp2_pp
     assert readers[1].layout.vpp == 2
     for name in hf_tensor_shapes(readers[0].shape):
         assert torch.equal(*(read_hf_tensor(r, r.shape, name) for r in readers)), name
+
+
+def test_uneven_stage_checkpoint_reshards_exactly_both_ways(tp2_pp2_checkpoint, tmp_path):
+    """TP2 x PP2 loaded at uneven PP2 (3 + 5 layers) and saved, then that loaded at PP1 and saved: the
+    weights and every optimizer state tensor, by HF name, stay bit-identical; the uneven checkpoint
+    records its split."""
+    from hybridrl.training.checkpointing import _read_meta
+
+    hf, _, ckpt = tp2_pp2_checkpoint
+    uneven, flat = tmp_path / "uneven", tmp_path / "pp1"
+    run_ranks(_resave_rank, 2, _config(hf, tp=1, pp=2, first_stage_layers=3), str(ckpt), str(uneven))
+    run_ranks(_resave_rank, 1, _config(hf, tp=1, pp=1), str(uneven), str(flat))
+    assert _read_meta(uneven)["layout"]["first_stage_layers"] == 3
+    described, saved = _hf_state(ckpt)
+    for again in (uneven, flat):
+        described_again, resaved = _hf_state(again)
+        assert described == described_again and saved.keys() == resaved.keys()
+        assert all(torch.equal(saved[k], resaved[k]) for k in saved), again.name

@@ -5,8 +5,9 @@ show what the hybrid engine's resharding costs against the naive design. Formula
 - weights/grads/optimizer: megatron mixed precision keeps bf16 params, fp32 main grads and fp32
   master params + Adam m, v (12 B/param), the last sharded over DP by the distributed optimizer;
 - activations per micro-batch per layer ~ 34 * s * b * h bytes / TP (Korthikanti et al. 2022, flash
-  attention so no s^2 term; with sequence parallel everything shards over TP), and 1F1B keeps
-  up to PP micro-batches in flight on the first stage;
+  attention so no s^2 term; with sequence parallel everything shards over TP), per pipeline stage
+  (its own layers, the logits on the last; `ParallelLayout.stage_layers`, even or uneven), and 1F1B
+  keeps PP - s micro-batches in flight on stage s;
 - resharding: a rank must receive every byte of its generation shard it does not already hold
   (HybridFlow §5, Table 2); the naive design all-gathers the whole model on every rank.
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 from hybridrl.config.meshes import ReshardGroups, TrainingMesh, interval_overlap
 from hybridrl.models.arch import ModelShape
+from hybridrl.models.layout import ParallelLayout
 from hybridrl.names import Role
 
 GIB = 1024**3
@@ -24,7 +26,19 @@ CPU_KV_BLOCK_SIZE = 32  # vLLM's CPU attention kernels take KV blocks of a multi
 
 
 @dataclass(frozen=True)
+class StageMemory:
+    """One pipeline stage's GPU: its decoder layers, parameters and estimated total."""
+
+    stage: int
+    layers: int
+    params_gib: float
+    total_gib: float
+
+
+@dataclass(frozen=True)
 class TrainingMemory:
+    """The heaviest pipeline stage's GPU of one role; `stages` holds every stage's."""
+
     role: str
     params_gib: float
     grads_gib: float
@@ -34,6 +48,7 @@ class TrainingMemory:
     activations_gib_in_flight: float
     total_gib: float
     fits: bool
+    stages: tuple[StageMemory, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -70,15 +85,15 @@ def kv_bytes_per_token(shape: ModelShape, bytes_per_value: int, tp: int = 1) -> 
     return 2 * shape.num_layers * kv_heads_per_rank * shape.head_dim * bytes_per_value
 
 
-def _stage_params(shape: ModelShape, pp: int, tp: int = 1, ep: int = 1) -> tuple[float, float]:
-    """(dense, expert) parameters one GPU of the heaviest pipeline stage holds (embedding on the first
-    stage, output layer on the last; layers split evenly, VPP's interleave ignored): dense weights split
-    over TP, an MoE layer's experts over EP and the expert TP (= TP), so that rank holds experts / EP
-    of them, each split over TP. Each stage sums its own layers (MoE and dense ones may differ)."""
-    per_stage = -(-shape.num_layers // pp)
+def _stage_params(shape: ModelShape, layout: ParallelLayout) -> list[tuple[float, float]]:
+    """(dense, expert) parameters one GPU of each pipeline stage holds, in stage order (embedding on the
+    first stage, output layer on the last; each stage's own layers, VPP chunks included, as
+    `ParallelLayout.chunks` places them): dense weights split over TP, an MoE layer's experts over EP
+    and the expert TP (= TP), so that rank holds experts / EP of them, each split over TP."""
+    tp, ep, pp = layout.tp, layout.ep, layout.pp
     stages = []
     for stage in range(pp):
-        layers = range(stage * per_stage, min((stage + 1) * per_stage, shape.num_layers))
+        layers = [i for chunk in layout.chunks(shape.num_layers, stage) for i in chunk.layers]
         experts = sum(shape.expert_params_of_layer(i) for i in layers)
         dense = sum(shape.params_of_layer(i) for i in layers) - experts
         if stage == 0:
@@ -86,41 +101,49 @@ def _stage_params(shape: ModelShape, pp: int, tp: int = 1, ep: int = 1) -> tuple
         if stage == pp - 1:
             dense += shape.hidden_size + output_params(shape)
         stages.append((dense / tp, experts / (ep * tp)))
-    return max(stages, key=sum)
+    return stages
 
 
 def training_memory(
     role: str, shape: ModelShape, mesh: TrainingMesh, *, dtype: str, distributed_optimizer: bool,
     trainable: bool, micro_batch: int, seq_len: int, sequence_parallel: bool, gpu_gib: float, ep: int = 1,
 ) -> TrainingMemory:
-    """`ep`: expert parallelism of an MoE model (expert TP = TP); the distributed optimizer shards dense
-    weights' state over DP and the experts' over the expert-data-parallel ranks, DP x CP / EP."""
-    dense, experts = _stage_params(shape, mesh.pp, mesh.tp, ep)
-    params = dense + experts
+    """The heaviest pipeline stage's GPU (its figures; `stages` has every stage's). `ep`: expert
+    parallelism of an MoE model (expert TP = TP); the distributed optimizer shards dense weights'
+    state over DP and the experts' over the expert-data-parallel ranks, DP x CP / EP. Activations: a
+    stage's own layers; the fp32 logits on the last stage only; 1F1B keeps pp - s micro-batches in
+    flight on stage s (the first stage the most)."""
+    layout = mesh.layout(ep)
     p_bytes = DTYPE_BYTES[dtype]
-    params_gib = params * p_bytes / GIB
-    grads_gib = params * 4 / GIB if trainable else 0.0
     # fp32 master copy only when compute is in 16-bit; Adam m and v are always fp32.
     opt_bytes = (4 if p_bytes < 4 else 0) + 8
-    opt_full = params * opt_bytes / GIB if trainable else 0.0
     expert_dp = max(1, mesh.dp * mesh.cp // ep)
-    opt = ((dense / mesh.dp + experts / expert_dp) * opt_bytes / GIB
-           if (distributed_optimizer and trainable) else opt_full)
-    layers = -(-shape.num_layers // mesh.pp)
     tokens = micro_batch * seq_len / mesh.cp
     per_layer = 34 * tokens * shape.hidden_size * p_bytes / 2  # 34 sbh counts 2-byte activations
     per_layer = per_layer / mesh.tp if sequence_parallel else per_layer * (10 + 24 / mesh.tp) / 34
     # fp32 logits + their gradient. Not divided by CP: each CP rank gathers the last stage's hidden
     # states over CP and computes the whole micro-batch's output layer (training/backend.py).
     logits = micro_batch * seq_len * (shape.vocab_size / mesh.tp) * 4 * 2
-    act = (layers * per_layer + logits) / GIB
-    if not trainable:
-        act = (per_layer + logits) / GIB  # forward only: one layer's working set
-    in_flight = act * (mesh.pp if trainable else 1)
-    total = params_gib + grads_gib + opt + in_flight
+    stage_layers = layout.stage_layers(shape.num_layers)
+    memories = []
+    for stage, (dense, experts) in enumerate(_stage_params(shape, layout)):
+        params = dense + experts
+        params_gib = params * p_bytes / GIB
+        grads_gib = params * 4 / GIB if trainable else 0.0
+        opt_full = params * opt_bytes / GIB if trainable else 0.0
+        opt = ((dense / mesh.dp + experts / expert_dp) * opt_bytes / GIB
+               if (distributed_optimizer and trainable) else opt_full)
+        head = logits if stage == mesh.pp - 1 else 0.0
+        # forward only: one layer's working set
+        act = ((stage_layers[stage] if trainable else 1) * per_layer + head) / GIB
+        in_flight = act * ((mesh.pp - stage) if trainable else 1)
+        total = params_gib + grads_gib + opt + in_flight
+        memories.append((stage_layers[stage], params_gib, grads_gib, opt, opt_full, act, in_flight, total))
+    _, params_gib, grads_gib, opt, opt_full, act, in_flight, total = max(memories, key=lambda m: m[-1])
+    stages = tuple(StageMemory(stage, m[0], round(m[1], 3), round(m[-1], 3)) for stage, m in enumerate(memories))
     return TrainingMemory(
         role, round(params_gib, 3), round(grads_gib, 3), round(opt, 3), round(opt_full, 3),
-        round(act, 3), round(in_flight, 3), round(total, 3), total <= gpu_gib,
+        round(act, 3), round(in_flight, 3), round(total, 3), total <= gpu_gib, stages,
     )
 
 
@@ -207,14 +230,16 @@ def reshard_traffic(shape: ModelShape, mesh: TrainingMesh, groups: ReshardGroups
 
     TP-split tensors are counted as slices of their split dimension, replicated ones (norms) whole;
     KV-head replication when infer_tp > KV heads and vocab padding are ignored (small). Layers sit
-    on megatron's stages (interleaved with VPP); with tied embeddings and pp > 1 the last stage
-    holds megatron's copy of the embedding, which counts as held there. MoE experts: a rank holds
+    on megatron's stages (interleaved with VPP, even or uneven: `ParallelLayout.all_chunks`); with
+    tied embeddings and pp > 1 the last stage holds megatron's copy of the embedding, which counts
+    as held there. MoE experts: a rank holds
     1 / ep of them (its EP rank's), each TP-split like a dense MLP, while every vLLM rank needs all
     experts (TP over each expert's width); the router is counted with the layer's TP-split part.
     """
     p_bytes = DTYPE_BYTES[dtype]
     t, t_g, p = mesh.tp, groups.rollout.infer_tp, mesh.pp
-    layers_per_chunk = shape.num_layers // (p * (mesh.vpp or 1))
+    stage_of = {layer: chunk.pp_rank for chunk in mesh.layout(ep).all_chunks(shape.num_layers)
+                for layer in chunk.layers}
     norms = 2 * shape.hidden_size
     embedding_holders = {0, p - 1} if shape.tie_word_embeddings else {0}
 
@@ -225,7 +250,7 @@ def reshard_traffic(shape: ModelShape, mesh: TrainingMesh, groups: ReshardGroups
     # (stages holding it, split params, replicated params, split params of experts) per piece
     pieces = [(frozenset(embedding_holders), embedding_params(shape), 0, 0)]
     pieces += [
-        (frozenset({(layer // layers_per_chunk) % p}), shape.params_of_layer(layer) - norms - expert_params(layer),
+        (frozenset({stage_of[layer]}), shape.params_of_layer(layer) - norms - expert_params(layer),
          norms, expert_params(layer))
         for layer in range(shape.num_layers)
     ]

@@ -1,7 +1,8 @@
 """Which global ranks form each parallel group: training meshes, rollout mesh, resharding groups.
 
 Pure integer math, shared by the planner (to show and check it) and by the runtime (to build
-process groups and the resharder), so what `hybridrl plan` prints is what runs.
+process groups and the resharder), so what `hybridrl plan` prints is what runs. Where the layers
+sit is `hybridrl.models.layout`'s rule, through `TrainingMesh.layout`.
 
 Training ranks follow megatron-core's default order "tp-cp-ep-dp-pp" (tp varies fastest, pp
 slowest; expert parallelism is 1 here):  rank = tp + TP*(cp + CP*(dp + DP*pp)).
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import product
+
+from hybridrl.models.layout import ParallelLayout
 
 Groups = tuple[tuple[int, ...], ...]
 
@@ -36,6 +39,14 @@ class TrainingMesh:
     pp_groups: Groups
     dp_groups: Groups
     cp_groups: Groups
+    # megatron's num_layers_in_first/last_pipeline_stage (None: even split)
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+
+    def layout(self, ep: int = 1) -> ParallelLayout:
+        """The model layout on this mesh: where every layer and tensor sits (`hybridrl.models.layout`)."""
+        return ParallelLayout(tp=self.tp, pp=self.pp, vpp=self.vpp, ep=ep,
+                              first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers)
 
     @property
     def world_size(self) -> int:
@@ -56,7 +67,9 @@ class TrainingMesh:
         return tuple(self.rank_of(tp=0, cp=0, dp=d, pp=self.pp - 1) for d in range(self.dp))
 
 
-def build_training_mesh(world_size: int, tp: int, pp: int, cp: int = 1, vpp: int | None = None) -> TrainingMesh:
+def build_training_mesh(world_size: int, tp: int, pp: int, cp: int = 1, vpp: int | None = None, *,
+                        first_stage_layers: int | None = None,
+                        last_stage_layers: int | None = None) -> TrainingMesh:
     model_size = tp * pp * cp
     if model_size <= 0 or world_size % model_size:
         raise ValueError(f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
@@ -72,7 +85,8 @@ def build_training_mesh(world_size: int, tp: int, pp: int, cp: int = 1, vpp: int
             out.append(tuple(mesh.rank_of(**{**base, vary: i}) for i in range(sizes[vary])))
         return tuple(sorted(out))
 
-    return TrainingMesh(tp, pp, cp, dp, vpp, groups("tp"), groups("pp"), groups("dp"), groups("cp"))
+    return TrainingMesh(tp, pp, cp, dp, vpp, groups("tp"), groups("pp"), groups("dp"), groups("cp"),
+                        first_stage_layers, last_stage_layers)
 
 
 def expert_groups(mesh: TrainingMesh, ep: int) -> tuple[Groups, Groups]:

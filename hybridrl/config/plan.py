@@ -286,6 +286,8 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
         mesh = build_training_mesh(
             world, mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size,
             mc.context_parallel_size, mc.virtual_pipeline_model_parallel_size,
+            first_stage_layers=mc.num_layers_in_first_pipeline_stage,
+            last_stage_layers=mc.num_layers_in_last_pipeline_stage,
         )
         layouts.append(RoleLayout(role, mc, mesh))
     by_role = {layout.role: layout for layout in layouts}

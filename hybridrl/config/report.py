@@ -4,8 +4,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hybridrl.config.meshes import expert_groups
+from hybridrl.config.meshes import TrainingMesh, expert_groups
 from hybridrl.config.plan import Plan
+from hybridrl.models.arch import ModelShape
 
 MIB = 1024**2
 
@@ -20,6 +21,13 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 def _groups(groups: Sequence[Sequence[int]], limit: int = 8) -> str:
     shown = ", ".join("[" + ",".join(map(str, g)) + "]" for g in groups[:limit])
     return f"[{shown}{', …' if len(groups) > limit else ''}]"
+
+
+def _stage_layers(mesh: TrainingMesh, model: ModelShape | None) -> str:
+    """Decoder layers of each PP stage, first to last ("15+15"; "-" without a model)."""
+    if model is None:
+        return "-"
+    return "+".join(map(str, mesh.layout().stage_layers(model.num_layers)))
 
 
 def _correction(rc: Any) -> str:
@@ -50,8 +58,9 @@ def render_plan(plan: Plan) -> str:
         "Training meshes (megatron order tp-cp-dp-pp; DP = world ÷ (TP·PP·CP))",
     ]
     out.append(table(
-        ["role", "TP", "PP", "VPP", "CP", "DP", "TP groups", "PP groups", "DP groups"],
+        ["role", "TP", "PP", "VPP", "CP", "DP", "layers per stage", "TP groups", "PP groups", "DP groups"],
         [[lay.role, lay.mesh.tp, lay.mesh.pp, lay.mesh.vpp or "-", lay.mesh.cp, lay.mesh.dp,
+          _stage_layers(lay.mesh, model),
           _groups(lay.mesh.tp_groups, 3), _groups(lay.mesh.pp_groups, 3), _groups(lay.mesh.dp_groups, 3)]
          for lay in plan.layouts],
     ))
@@ -107,6 +116,10 @@ def render_plan(plan: Plan) -> str:
               f"{m.activations_gib_in_flight:.2f}", f"{m.total_gib:.2f}", "yes" if m.fits else "NO"]
              for m in plan.training_memory],
         ))
+        for m in plan.training_memory:
+            if len(m.stages) > 1:  # the row above is the heaviest stage's GPU
+                out.append(f"{m.role} per pipeline stage (layers: params / total GiB): " + ", ".join(
+                    f"stage {s.stage} ({s.layers}): {s.params_gib:.2f} / {s.total_gib:.2f}" for s in m.stages))
         rm = plan.rollout_memory
         if rm:
             waves = "fits in one wave" if rm.one_wave else "runs in waves"

@@ -138,6 +138,12 @@ class MegatronConfig:
     tensor_model_parallel_size: int = doc(1, "TP: each layer's matrices split over this many GPUs")
     pipeline_model_parallel_size: int = doc(1, "PP: layers split into this many stages")
     virtual_pipeline_model_parallel_size: int | None = doc(None, "VPP: model chunks per stage (interleaved 1F1B)")
+    num_layers_in_first_pipeline_stage: int | None = doc(
+        None, "uneven PP (megatron's field): decoder layers on the first stage; null = the even share of the "
+              "layers the set first/last stages leave (e.g. fewer layers on the last stage, which also holds "
+              "the output layer)")
+    num_layers_in_last_pipeline_stage: int | None = doc(
+        None, "uneven PP: decoder layers on the last stage; null = the even share, as for the first stage")
     context_parallel_size: int = doc(1, "CP: each sequence split over this many GPUs")
     expert_model_parallel_size: int = doc(1, "EP (MoE models): each MoE layer's experts split over this many "
                                           "GPUs, inside the DP × CP span")

@@ -20,6 +20,7 @@ from hybridrl.config.errors import ConfigIssue
 from hybridrl.config.resolve import Resolved, active_roles, role_megatron
 from hybridrl.config.schema import CHOICE_NAMES, JobConfig, MegatronConfig, RolloutCorrectionConfig, choice_fields
 from hybridrl.models.arch import DEFAULT_VOCAB_DIVISOR, ModelShape
+from hybridrl.models.layout import ParallelLayout
 from hybridrl.models.vllm_layout import vllm_padded_vocab
 from hybridrl.names import Role
 from hybridrl.parallel.device_policy import DEVICE_POLICIES
@@ -231,7 +232,8 @@ def megatron_sections(config: JobConfig) -> list[tuple[str, MegatronConfig]]:
 # The reference policy is built in the actor's processes, whose megatron parallel state (and its
 # RNG) is process-global: these fields of a set `ref.megatron` cannot differ from the actor's.
 REF_SHARES_WITH_ACTOR = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                         "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
+                         "virtual_pipeline_model_parallel_size", "num_layers_in_first_pipeline_stage",
+                         "num_layers_in_last_pipeline_stage", "expert_model_parallel_size",
                          "expert_tensor_parallel_size", "seed")
 
 
@@ -505,6 +507,17 @@ def _check_layout(check: _Checker, prefix: str, mc: MegatronConfig, world: int, 
             ok = check.fail(f"{prefix}.virtual_pipeline_model_parallel_size", vpp,
                             "needs pipeline_model_parallel_size > 2 for a trained role (it is 2); use null or PP >= 3",
                             [1])
+    sizes_ok = ok
+    for name in STAGE_SPLIT_FIELDS:
+        value = getattr(mc, name)
+        if value is None:
+            continue
+        if not check.is_int_at_least(f"{prefix}.{name}", value, 1):
+            ok = False
+        elif sizes_ok and pp < 2:
+            ok = check.fail(f"{prefix}.{name}", value,
+                            f"needs pipeline_model_parallel_size > 1 (it is {pp}): it sets an uneven split of the "
+                            "layers over pipeline stages; use null without PP", [None])
     if not ok:
         return 0
     if trainable and mc.param_offload:
@@ -555,7 +568,10 @@ def _check_layout(check: _Checker, prefix: str, mc: MegatronConfig, world: int, 
                        "split over TP like the dense MLP)", [d for d in divisors(heads)
                                                              if model.moe_ffn_hidden_size % d == 0])
         chunks = pp * (vpp or 1)
-        if model.num_layers % chunks:
+        uneven = mc.num_layers_in_first_pipeline_stage is not None or mc.num_layers_in_last_pipeline_stage is not None
+        if uneven:
+            _check_stage_split(check, prefix, mc, model)
+        elif model.num_layers % chunks:
             field = "virtual_pipeline_model_parallel_size" if vpp else "pipeline_model_parallel_size"
             value = vpp if vpp else pp
             valid = ([v for v in divisors(model.num_layers // pp) if model.num_layers % (pp * v) == 0]
@@ -565,6 +581,35 @@ def _check_layout(check: _Checker, prefix: str, mc: MegatronConfig, world: int, 
     if not _check_experts(check, prefix, mc, tp, cp, dp, model):
         return 0
     return dp
+
+
+STAGE_SPLIT_FIELDS = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
+
+
+def _check_stage_split(check: _Checker, prefix: str, mc: MegatronConfig, model: ModelShape) -> None:
+    """An uneven pipeline split (sizes already checked: PP > 1, each set count >= 1) against the model's
+    layers, by the layout's own rule (`ParallelLayout.split_errors`, megatron's). The issue names the
+    first stage's field when it is set (else the last's), with the values that work given the other."""
+    first, last = mc.num_layers_in_first_pipeline_stage, mc.num_layers_in_last_pipeline_stage
+    vpp = mc.virtual_pipeline_model_parallel_size
+
+    def errors(f: int | None, la: int | None) -> list[str]:
+        return ParallelLayout(pp=mc.pipeline_model_parallel_size, vpp=vpp, first_stage_layers=f,
+                              last_stage_layers=la).split_errors(model.num_layers, STAGE_SPLIT_FIELDS)
+
+    found = errors(first, last)
+    if not found:
+        return
+    if first is not None:
+        name, value = STAGE_SPLIT_FIELDS[0], first
+        valid = [n for n in range(1, model.num_layers) if not errors(n, last)]
+    else:
+        name, value = STAGE_SPLIT_FIELDS[1], last
+        valid = [n for n in range(1, model.num_layers) if not errors(first, n)]
+    check.fail(f"{prefix}.{name}", value,
+               f"does not split the model's {model.num_layers} layers over pipeline_model_parallel_size="
+               f"{mc.pipeline_model_parallel_size} stages: " + "; ".join(found),
+               valid if len(valid) <= 16 else nearest(value, valid, 8))
 
 
 def _check_experts(check: _Checker, prefix: str, mc: MegatronConfig, tp: int, cp: int, dp: int,

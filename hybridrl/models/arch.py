@@ -246,8 +246,10 @@ class ModelShape:
         return asdict(self)
 
     # ---- parallel fit ----------------------------------------------------------------------------
-    def parallel_errors(self, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1) -> list[str]:
-        """Every reason TP/PP/VPP/EP cannot shard this model (empty when it can), for all-at-once reports."""
+    def parallel_errors(self, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1, *,
+                        first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> list[str]:
+        """Every reason TP/PP/VPP/EP and the stage split cannot shard this model (empty when it can),
+        for all-at-once reports (the arguments are `ParallelLayout.sizes()`)."""
         errors: list[str] = []
         for label, value in (("tp", tp), ("pp", pp), ("ep", ep)):
             if value < 1:
@@ -278,26 +280,30 @@ class ModelShape:
             # the expert tensor-parallel size is tp: each expert's fc1/fc2 is split like a dense MLP
             if self.moe_ffn_hidden_size % tp:
                 errors.append(f"tp={tp} does not divide the experts' intermediate size {self.moe_ffn_hidden_size}")
-        chunks = pp * (vpp or 1)
         if vpp is not None and vpp > 1 and pp < 2:
             errors.append(f"vpp={vpp} needs pp >= 2 (got pp={pp})")
-        if self.num_layers % chunks:
-            errors.append(
-                f"num_hidden_layers={self.num_layers} is not divisible by pp*vpp={chunks} "
-                "(only even pipeline splits are supported)"
-            )
+        else:
+            # the one stage-split rule (layout.py imports this module, hence the late import)
+            from hybridrl.models.layout import ParallelLayout
+
+            errors += ParallelLayout(tp, pp, vpp, ep, first_stage_layers, last_stage_layers).split_errors(
+                self.num_layers)
         return errors
 
-    def check_parallel(self, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1) -> None:
-        errors = self.parallel_errors(tp, pp, vpp, ep)
+    def check_parallel(self, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1, *,
+                       first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> None:
+        errors = self.parallel_errors(tp, pp, vpp, ep, first_stage_layers=first_stage_layers,
+                                      last_stage_layers=last_stage_layers)
         if errors:
             raise ParallelLayoutError(f"{self.architecture}: " + "; ".join(errors))
 
     # ---- megatron configuration (plain values; bridge.py makes the objects) ---------------------
     def megatron_config_kwargs(self, tp: int = 1, pp: int = 1, vpp: int | None = None,
-                               ep: int = 1) -> dict[str, Any]:
+                               ep: int = 1, *, first_stage_layers: int | None = None,
+                               last_stage_layers: int | None = None) -> dict[str, Any]:
         """`TransformerConfig` keyword arguments, with `activation_func` given by name ('silu')."""
-        self.check_parallel(tp, pp, vpp, ep)
+        self.check_parallel(tp, pp, vpp, ep, first_stage_layers=first_stage_layers,
+                            last_stage_layers=last_stage_layers)
         return dict(
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
@@ -318,6 +324,9 @@ class ModelShape:
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=vpp if vpp and vpp > 1 else None,
+            # megatron places the layers by these (get_transformer_layer_offset); None = even
+            num_layers_in_first_pipeline_stage=first_stage_layers,
+            num_layers_in_last_pipeline_stage=last_stage_layers,
             **self._moe_config_kwargs(tp, ep),
         )
 

@@ -131,14 +131,16 @@ def _as_source(source: ModelSource | str | Path | Mapping[str, Any]) -> ModelSou
 
 def transformer_config(
     shape: ModelShape, tp: int, pp: int, vpp: int | None, *, device: str, dtype: torch.dtype,
-    ep: int = 1, **overrides: Any,
+    ep: int = 1, first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+    **overrides: Any,
 ) -> Any:
     """megatron `TransformerConfig` for `shape` on a resolved `device`, with the CPU layer's flags
     where the device policy runs megatron through it (CPU)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
-    kwargs = shape.megatron_config_kwargs(tp, pp, vpp, ep)
+    kwargs = shape.megatron_config_kwargs(tp, pp, vpp, ep, first_stage_layers=first_stage_layers,
+                                          last_stage_layers=last_stage_layers)
     kwargs["activation_func"] = {"silu": F.silu}[kwargs["activation_func"]]
     kwargs.update(
         params_dtype=dtype,
@@ -213,13 +215,14 @@ def build_gpt_models(
     ctx = _context(ctx)
     src = _as_source(source)
     shape = src.shape
-    ep = getattr(ctx, "ep", 1)
-    layout = ParallelLayout(tp=ctx.tp, pp=ctx.pp, vpp=ctx.vpp, ep=ep)
-    shape.check_parallel(layout.tp, layout.pp, layout.vpp, layout.ep)
+    layout = ParallelLayout.of_context(ctx)
+    shape.check_parallel(**layout.sizes())
     torch_dtype = default_dtype_for(ctx.device, dtype)
     kind = spec_kind or layer_spec_kind(ctx.device)
     config = transformer_config(shape, layout.tp, layout.pp, layout.vpp, device=ctx.device, dtype=torch_dtype,
-                                ep=ep, context_parallel_size=ctx.cp, **dict(config_overrides or {}))
+                                ep=layout.ep, first_stage_layers=layout.first_stage_layers,
+                                last_stage_layers=layout.last_stage_layers, context_parallel_size=ctx.cp,
+                                **dict(config_overrides or {}))
     cpu_layer = DevicePolicy.for_device(ctx.device).megatron_cpu_layer
     models = []
     for chunk in layout.chunks(shape.num_layers, ctx.pp_rank):
@@ -235,9 +238,10 @@ def build_gpt_models(
         # Layers megatron builds without a device (the torch norms of the local spec) join the rest.
         model.to(rank_device(ctx.device))
         first_layer = model.decoder.layers[0].layer_number - 1 if len(model.decoder.layers) else None
-        if first_layer is not None and first_layer != chunk.first_layer:
-            raise RuntimeError(f"megatron placed layer {first_layer} first in chunk {chunk}, layout math "
-                               f"expects {chunk.first_layer}")
+        built = len(model.decoder.layers)
+        if (first_layer is not None and first_layer != chunk.first_layer) or built != chunk.num_layers:
+            raise RuntimeError(f"megatron placed {built} layers from layer {first_layer} in "
+                               f"chunk {chunk}, layout math expects {chunk.num_layers} from {chunk.first_layer}")
         _mark_tensor_parallel_params(model)
         model.hybridrl = ChunkInfo(src, layout, chunk, ctx.tp_rank, kind, getattr(ctx, "ep_rank", 0))
         models.append(model)

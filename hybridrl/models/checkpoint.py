@@ -416,7 +416,7 @@ def write_mcore_checkpoint(
 ) -> Path:
     """Write `reader`'s model as a sharded megatron checkpoint for `layout` (atomically)."""
     shape: ModelShape = reader.shape
-    shape.check_parallel(layout.tp, layout.pp, layout.vpp, layout.ep)
+    shape.check_parallel(**layout.sizes())
     out_dir = Path(out_dir)
     dtype = dtype or source_dtype(reader)
     check_output_dir(out_dir, force)

@@ -1,8 +1,10 @@
 """`hybridrl convert`: HF ⇄ sharded megatron checkpoints, offline, on CPU, without torch.distributed.
 
   hybridrl convert hf-to-mcore   --hf DIR   --out DIR --tp N --pp M [--vpp K] [--ep E] [--dtype bf16]
+                                 [--first-stage-layers F] [--last-stage-layers L]
   hybridrl convert mcore-to-hf   --ckpt DIR --out DIR [--dtype bf16] [--max-shard-size 5GB]
   hybridrl convert mcore-to-mcore --ckpt DIR --out DIR --tp N --pp M [--vpp K] [--ep E]
+                                 [--first-stage-layers F] [--last-stage-layers L]
   hybridrl convert gguf-to-hf    --gguf FILE --out DIR [--dtype float32|bfloat16]
 
 Every command validates its input fully before writing, checks free disk space, writes into a
@@ -58,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--pp", type=_positive, default=1, help="pipeline-parallel size")
         p.add_argument("--vpp", type=_positive, default=None, help="virtual pipeline chunks per stage")
         p.add_argument("--ep", type=_positive, default=1, help="expert-parallel size (MoE models)")
+        p.add_argument("--first-stage-layers", type=_positive, default=None,
+                       help="uneven PP: decoder layers on the first stage (default: the even share)")
+        p.add_argument("--last-stage-layers", type=_positive, default=None,
+                       help="uneven PP: decoder layers on the last stage (default: the even share)")
 
     to_mcore = sub.add_parser("hf-to-mcore", help="HF folder -> sharded megatron checkpoint")
     to_mcore.add_argument("--hf", required=True, help="HF folder with config.json and safetensors")
@@ -127,7 +133,9 @@ def run(args: argparse.Namespace) -> int:
             out = write_hf_checkpoint(reader, args.out, dtype=dtype, max_shard_bytes=args.max_shard_size,
                                       force=args.force, progress=progress)
         else:
-            layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep)
+            layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
+                                    first_stage_layers=args.first_stage_layers,
+                                    last_stage_layers=args.last_stage_layers)
             out = write_mcore_checkpoint(reader, args.out, layout, dtype=dtype, force=args.force,
                                          progress=progress)
     except (CheckpointError, UnsupportedModelError, ParallelLayoutError, FileNotFoundError) as exc:

@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from math import prod
+from typing import Any
 
 from hybridrl.models.arch import ModelShape, ParallelLayoutError
 from hybridrl.models.family import HFTensor, Split, WeightSpec
@@ -95,16 +96,25 @@ class StageChunk:
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """TP/PP/VPP/EP sizes of a sharded model, with megatron's even layer split (EP: MoE experts)."""
+    """TP/PP/VPP/EP sizes of a sharded model and how its layers split over the PP stages (EP: MoE
+    experts). `first_stage_layers` / `last_stage_layers` are megatron's
+    `num_layers_in_first_pipeline_stage` / `num_layers_in_last_pipeline_stage`: None gives that stage
+    the even share of what the set ones leave; both None is megatron's even split."""
 
     tp: int = 1
     pp: int = 1
     vpp: int | None = None
     ep: int = 1
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.vpp == 1:
             object.__setattr__(self, "vpp", None)
+
+    @property
+    def uneven(self) -> bool:
+        return self.first_stage_layers is not None or self.last_stage_layers is not None
 
     def model_ranks(self) -> Iterator[tuple[int, int, int]]:
         """Every (tp_rank, pp_rank, ep_rank) holding a distinct set of tensors of one replica."""
@@ -117,25 +127,77 @@ class ParallelLayout:
     def num_chunks_per_stage(self) -> int:
         return self.vpp or 1
 
+    def split_errors(self, num_layers: int,
+                     names: tuple[str, str] = ("first_stage_layers", "last_stage_layers")) -> list[str]:
+        """Every reason `num_layers` cannot be split over the PP stages this way (megatron-core 0.16.1's
+        TransformerConfig rules; empty when it can). `names`: what the messages call the two counts
+        (the config says num_layers_in_first_pipeline_stage / ..._last_...)."""
+        vpp = self.num_chunks_per_stage
+        if not self.uneven:
+            if num_layers % (self.pp * vpp):
+                return [f"num_hidden_layers={num_layers} is not divisible by pp*vpp={self.pp * vpp} "
+                        "(an even split; first_stage_layers / last_stage_layers set an uneven one)"]
+            return []
+        if self.pp < 2:
+            return [f"{names[0]} / {names[1]} need pp >= 2 (got pp={self.pp})"]
+        errors = []
+        middle_layers, middle_stages = num_layers, self.pp
+        for label, count in zip(names, (self.first_stage_layers, self.last_stage_layers)):
+            if count is None:
+                continue
+            middle_layers, middle_stages = middle_layers - count, middle_stages - 1
+            if count < 1:
+                errors.append(f"{label}={count} must be >= 1")
+            elif count % vpp:
+                errors.append(f"{label}={count} is not divisible by vpp={vpp}")
+        if errors:
+            return errors
+        split = f"{names[0]}={self.first_stage_layers}, {names[1]}={self.last_stage_layers}"
+        if middle_stages == 0:
+            if middle_layers:
+                errors.append(f"{split} must add up to the {num_layers} layers at pp={self.pp}")
+            elif self.vpp:
+                # megatron-core 0.16.1 get_transformer_layer_offset divides by the middle stage count
+                errors.append(f"{split} with vpp={self.vpp} needs a middle stage (pp >= 3), or only one of them set")
+        elif middle_layers < middle_stages:
+            errors.append(f"{split} leave {middle_layers} of the {num_layers} layers for {middle_stages} more "
+                          "stage(s): every stage needs at least 1")
+        elif middle_layers % (middle_stages * vpp):
+            errors.append(f"{split} leave {middle_layers} layers, not divisible by the other {middle_stages} "
+                          f"stage(s)" + (f" × vpp={vpp}" if self.vpp else ""))
+        return errors
+
+    def stage_layers(self, num_layers: int) -> tuple[int, ...]:
+        """Decoder layers of each PP stage, in stage order (all its VPP chunks together)."""
+        errors = self.split_errors(num_layers)
+        if errors:
+            raise ParallelLayoutError("; ".join(errors))
+        first, last = self.first_stage_layers, self.last_stage_layers
+        set_ = [c for c in (first, last) if c is not None]
+        middle_stages = self.pp - len(set_)
+        per_stage = (num_layers - sum(set_)) // middle_stages if middle_stages else 0
+        counts = [per_stage] * self.pp
+        if first is not None:
+            counts[0] = first
+        if last is not None:
+            counts[-1] = last
+        return tuple(counts)
+
     def chunks(self, num_layers: int, pp_rank: int) -> list[StageChunk]:
-        """The chunks `pp_rank` owns, in vp_stage order (megatron's even offset rule)."""
+        """The chunks `pp_rank` owns, in vp_stage order: megatron's `get_transformer_layer_offset` and
+        `get_num_layers_to_build`, even or uneven. Each VPP round v holds num_layers / vpp layers, a
+        stage's chunk in it is that stage's layers / vpp, after the earlier stages' chunks."""
         if not 0 <= pp_rank < self.pp:
             raise ParallelLayoutError(f"pp_rank={pp_rank} outside pp={self.pp}")
         vpp = self.num_chunks_per_stage
-        if num_layers % (self.pp * vpp):
-            raise ParallelLayoutError(
-                f"{num_layers} layers do not split evenly over pp={self.pp} x vpp={vpp}"
-            )
-        per_chunk = num_layers // (self.pp * vpp)
+        per_chunk = [count // vpp for count in self.stage_layers(num_layers)]
         out = []
         for v in range(vpp):
-            # megatron: offset = vp_stage * (layers / vpp) + pp_rank * (layers / (pp * vpp))
-            first = v * (num_layers // vpp) + pp_rank * per_chunk
             out.append(StageChunk(
                 pp_rank=pp_rank,
                 vp_stage=v if self.vpp else None,
-                first_layer=first,
-                num_layers=per_chunk,
+                first_layer=v * (num_layers // vpp) + sum(per_chunk[:pp_rank]),
+                num_layers=per_chunk[pp_rank],
                 pre_process=pp_rank == 0 and v == 0,
                 post_process=pp_rank == self.pp - 1 and v == vpp - 1,
             ))
@@ -151,9 +213,23 @@ class ParallelLayout:
                 return chunk, layer - chunk.first_layer
         raise ParallelLayoutError(f"layer {layer} outside 0..{num_layers - 1}")
 
+    def sizes(self) -> dict[str, int | None]:
+        """Every field, as keyword arguments (`ModelShape.check_parallel(**layout.sizes())`)."""
+        return {"tp": self.tp, "pp": self.pp, "vpp": self.vpp, "ep": self.ep,
+                "first_stage_layers": self.first_stage_layers, "last_stage_layers": self.last_stage_layers}
+
     def to_dict(self) -> dict[str, int | None]:
-        # ep only when used: a dense checkpoint's metadata stays what it was before MoE
-        return {"tp": self.tp, "pp": self.pp, "vpp": self.vpp} | ({"ep": self.ep} if self.ep > 1 else {})
+        # ep and an uneven split only when used: other checkpoints' metadata stays what it was
+        uneven = {"first_stage_layers": self.first_stage_layers, "last_stage_layers": self.last_stage_layers}
+        return ({"tp": self.tp, "pp": self.pp, "vpp": self.vpp} | ({"ep": self.ep} if self.ep > 1 else {})
+                | {k: v for k, v in uneven.items() if v is not None})
+
+    @classmethod
+    def of_context(cls, ctx: Any) -> ParallelLayout:
+        """The layout of a `ParallelContext` (megatron's parallel state plus the stage split)."""
+        return cls(tp=ctx.tp, pp=ctx.pp, vpp=ctx.vpp, ep=getattr(ctx, "ep", 1),
+                   first_stage_layers=getattr(ctx, "first_stage_layers", None),
+                   last_stage_layers=getattr(ctx, "last_stage_layers", None))
 
 
 def rank_chunk_key_prefix(layout: ParallelLayout, vp_stage: int | None) -> str:

@@ -16,6 +16,7 @@ and the CPU layer, `cpu_layer` and `cpu_matmul`, which import torch, are importe
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -65,6 +66,11 @@ class ParallelContext:
     ep_rank: int = 0
     expert_dp_rank: int = 0
     ep_group: dist.ProcessGroup | None = None
+    # megatron's num_layers_in_first/last_pipeline_stage (None: even). Not parallel state to megatron
+    # (TransformerConfig carries them), but where this rank's layers sit: the bridge builds the
+    # models' layout from them (`ParallelLayout.of_context`), the resharder its mesh.
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
     @property
     def is_first_pp_stage(self) -> bool:
@@ -79,6 +85,8 @@ class ParallelContext:
             f"rank {self.rank}/{self.world_size} on {self.device}: tp {self.tp_rank}/{self.tp}, "
             f"pp {self.pp_rank}/{self.pp}, cp {self.cp_rank}/{self.cp}, dp {self.dp_rank}/{self.dp}"
             + (f", vpp {self.vpp}" if self.vpp else "")
+            + (f", stage layers first {self.first_stage_layers} last {self.last_stage_layers}"
+               if self.first_stage_layers is not None or self.last_stage_layers is not None else "")
         )
 
 
@@ -162,8 +170,14 @@ def initialize_model_parallel(
     device: str = "cpu",
     timeout_s: float | None = None,
     ep: int = 1,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
 ) -> ParallelContext:
     """Create megatron-core's parallel groups for (tp, pp, vpp, cp, ep) and seed its RNG streams.
+
+    `first_stage_layers` / `last_stage_layers` (an uneven pipeline split, megatron's
+    num_layers_in_first/last_pipeline_stage) are only recorded in the context; the model's layer
+    count checks them when models are built.
 
     `ep` is the expert-parallel size of an MoE model; the expert tensor-parallel size is tp
     (megatron's default, the only one the bridge's layout supports so far).
@@ -216,7 +230,8 @@ def initialize_model_parallel(
         distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
     )
     seed_model_parallel(stage_seed(seed, mps.get_pipeline_model_parallel_rank()), resolved)
-    _context = _build_context(resolved, seed, tp, pp, cp, dp, vpp, ep)
+    _context = dataclasses.replace(_build_context(resolved, seed, tp, pp, cp, dp, vpp, ep),
+                                   first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
     return _context
 
 

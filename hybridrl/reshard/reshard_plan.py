@@ -34,7 +34,7 @@ from math import prod
 
 from hybridrl.config.meshes import ReshardGroups, TrainingMesh
 from hybridrl.models.arch import ModelShape
-from hybridrl.models.layout import ParallelLayout, ShardRange, TensorPlan, hf_tensor_shapes, shard_ranges
+from hybridrl.models.layout import ShardRange, TensorPlan, hf_tensor_shapes, shard_ranges
 from hybridrl.models.vllm_layout import vllm_targets
 
 
@@ -131,7 +131,7 @@ def megatron_holdings(
 ) -> dict[str, list[Holding]]:
     """HF name -> every megatron range of it held by the ranks of (dp, cp)'s expert domain (its
     DP/CP replica when ep = 1), copies included."""
-    layout = ParallelLayout(tp=mesh.tp, pp=mesh.pp, vpp=mesh.vpp, ep=ep)
+    layout = mesh.layout(ep)
     tied_output = shape.weights.lm_head.megatron
     out: dict[str, list[Holding]] = defaultdict(list)
     ranges = shard_ranges(shape, layout)

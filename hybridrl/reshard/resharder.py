@@ -149,7 +149,10 @@ class Resharder:
         self.config = config or ReshardConfig()
         self.groups = groups
         self.rank = dist.get_rank()
-        self.mesh = mesh or build_training_mesh(ctx.world_size, ctx.tp, ctx.pp, ctx.cp, ctx.vpp)
+        self.mesh = mesh or build_training_mesh(
+            ctx.world_size, ctx.tp, ctx.pp, ctx.cp, ctx.vpp,
+            first_stage_layers=getattr(ctx, "first_stage_layers", None),
+            last_stage_layers=getattr(ctx, "last_stage_layers", None))
         coord = self.mesh.coord(self.rank)
         if (coord.tp, coord.pp, coord.dp, coord.cp) != (ctx.tp_rank, ctx.pp_rank, ctx.dp_rank, ctx.cp_rank):
             raise ValueError(f"rank {self.rank}: mesh says {coord}, megatron says tp {ctx.tp_rank} pp "
@@ -157,6 +160,10 @@ class Resharder:
         chunks = [unwrap_model(m) for m in models]
         infos = [chunk_info(m) for m in chunks]
         self.shape = infos[0].source.shape
+        # the plan places layers by the mesh's split, the models were built by theirs: one layout
+        if self.mesh.layout(infos[0].layout.ep) != infos[0].layout:
+            raise ValueError(f"rank {self.rank}: the resharder's mesh lays the model out as "
+                             f"{self.mesh.layout(infos[0].layout.ep)}, its models were built as {infos[0].layout}")
         # mcore name (local spec) -> tensor, per chunk; TE specs rename the fused norms.
         self._tensors: list[dict[str, torch.Tensor]] = []
         for model, info in zip(chunks, infos):

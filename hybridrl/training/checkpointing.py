@@ -111,7 +111,10 @@ def _all_ok(ok: bool, detail: str) -> None:
 
 
 def _layout(ctx: Any) -> dict[str, Any]:
-    return {"tp": ctx.tp, "pp": ctx.pp, "cp": ctx.cp, "dp": ctx.dp, "vpp": ctx.vpp}
+    # an uneven stage split only when set: even checkpoints' metadata stays as it was
+    uneven = {"first_stage_layers": ctx.first_stage_layers, "last_stage_layers": ctx.last_stage_layers}
+    return {"tp": ctx.tp, "pp": ctx.pp, "cp": ctx.cp, "dp": ctx.dp, "vpp": ctx.vpp} | {
+        k: v for k, v in uneven.items() if v is not None}
 
 
 def _shape(backend: MegatronBackend) -> Any:

@@ -64,7 +64,9 @@ class TrainState:
         self.folder = folder
         self.files: dict[str, Any] = meta.get("train_state", {})
         saved = meta["layout"]
-        self.layout = ParallelLayout(tp=saved["tp"], pp=saved["pp"], vpp=saved["vpp"])
+        self.layout = ParallelLayout(tp=saved["tp"], pp=saved["pp"], vpp=saved["vpp"],
+                                     first_stage_layers=saved.get("first_stage_layers"),
+                                     last_stage_layers=saved.get("last_stage_layers"))
         self.shape = ModelShape(**meta["shape"])
         self._open = _SafetensorsFiles()
         self._keys: dict[str, set[str]] = {}
