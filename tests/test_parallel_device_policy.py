@@ -20,6 +20,7 @@ CUDA_FIELDS = {
     "vllm_honours_enforce_eager": True, "vllm_repacks_weights": False, "vllm_kv_cache_from_plan": False,
     "vllm_sleep_mode": True,
     "vllm_chunked_prefill": True,
+    "vllm_top_k_keeps_ties": False,
     "device_rng": True,
 }
 CPU_FIELDS = {
@@ -30,6 +31,7 @@ CPU_FIELDS = {
     "vllm_honours_enforce_eager": False, "vllm_repacks_weights": True, "vllm_kv_cache_from_plan": True,
     "vllm_sleep_mode": False,
     "vllm_chunked_prefill": False,
+    "vllm_top_k_keeps_ties": True,
     "device_rng": False,
 }
 
