@@ -24,7 +24,12 @@ geometric level). Without the old-log-prob pass the target is the update's own f
 that pass is skipped only when it would give the same numbers (one optimizer step on data the
 current weights generated). The factor touches the PG term only: the entropy bonus and the KL loss
 regularize the current policy at every sampled state and keep every token. Masked tokens still count
-in `global_loss_normalizers` (the loss keeps its scale and its split invariance).
+in `global_loss_normalizers` (the loss keeps its scale and its split invariance). With
+`match_truncation` the target is the old policy under the rollout's top-k/top-p
+(`hybridrl.algorithms.truncation`): `compute_log_prob` (the actor's, not the reference's) also writes
+`old_log_probs_truncated` and `old_log_probs_outside`, or, without the pass, the update computes it from
+its own forward (`truncation_outside_fraction` then comes from the update); PPO's ratio keeps the
+whole-vocabulary old log-probs.
 `rollout_correction/*` metrics: `is_weight_mean` (token-weighted mean over the update's micro-batches,
 averaged over optimizer steps), `is_weight_max` and `log_ratio_abs_max` (max over every step),
 `masked_token_fraction`, `masked_seq_fraction` (per mini-batch, averaged over steps).
