@@ -85,6 +85,12 @@ def generation_session(
     results["filtered"] = engine.generate_sequences(
         prompts[:2], RolloutSampling(n=4, temperature=0.7, top_k=5, top_p=0.9, max_tokens=6, seed=3)
     )
+    results["filtered_top_p"] = engine.generate_sequences(
+        prompts[:2], RolloutSampling(n=4, temperature=1.3, top_p=0.6, max_tokens=6, seed=5)
+    )
+    # vLLM's own sampler filter on fixed logits: the reference of the trainer-side truncation (vLLM is
+    # imported here already; importing it in the pytest process would cost ~10 s)
+    results["truncation_cases"] = vllm_truncation_cases()
     # Stop on the first greedy token of prompt 0 that did not occur before it: the response must
     # end right there (stop token included).
     # Seeded samples of prompts whose tokens exceed a step's budget: a prompt split over steps (vLLM's
@@ -124,6 +130,44 @@ def generation_session(
     # The original weights again: multi-turn conversations through the agent loop.
     results["multi_turn"] = multi_turn_conversations(engine)
     return results
+
+
+# ---- the trainer-side truncation's reference: vLLM's top-k/top-p filter --------------------------
+TRUNCATION_VOCAB = 512
+
+
+def truncation_case_logits() -> dict[str, tuple[torch.Tensor, float, int | None, float | None]]:
+    """name -> (logits [rows, V], temperature, top_k, top_p). "ties" rows are rounded to halves, so
+    many logits are equal, at the top-k and top-p boundaries too."""
+    gen = torch.Generator().manual_seed(22)
+    plain = 3 * torch.randn(16, TRUNCATION_VOCAB, generator=gen)
+    ties = (2 * 3 * torch.randn(16, TRUNCATION_VOCAB, generator=gen)).round() / 2
+    ties[0, :12] = ties[0].max() + 1  # 12 tokens tied at the top: top_k=10 cuts through them
+    return {
+        "top_k": (plain, 0.7, 7, None),
+        "top_k_1": (plain, 1.0, 1, None),
+        "top_p": (plain, 1.3, None, 0.8),
+        "top_p_keeps_one": (plain, 0.5, None, 0.01),
+        "top_k_top_p": (plain, 0.7, 50, 0.9),
+        "ties_top_k": (ties, 1.0, 10, None),
+        "ties_top_p": (ties, 0.9, None, 0.6),
+        "ties_top_k_top_p": (ties, 1.3, 20, 0.7),
+    }
+
+
+def vllm_truncation_cases() -> dict[str, Any]:
+    """name -> vLLM's log-softmax of each case's logits as its sampler builds it: float32, divided by
+    the temperature, `apply_top_k_top_p` (dropped logits -inf), log-softmax (processed_logprobs)."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+
+    out = {}
+    for name, (logits, temperature, top_k, top_p) in truncation_case_logits().items():
+        rows = logits.shape[0]
+        x = logits.float() / temperature
+        k = None if top_k is None else torch.full((rows,), top_k, dtype=torch.int32)
+        p = None if top_p is None else torch.full((rows,), top_p, dtype=torch.float32)
+        out[name] = apply_top_k_top_p(x.clone(), k, p).log_softmax(dim=-1, dtype=torch.float32)
+    return out
 
 
 # ---- multi-turn: the agent loop on the real engine ------------------------------------------------

@@ -437,9 +437,19 @@ REFUSED = {
                                       "kept mass", [f"{RC}.is_level=token", f"{R}.top_p=1.0"]),
     "correction of a top-k rollout": ([f"{RC}.mask_level=token", f"{R}.top_k=4"], f"{RC}.mask_level",
                                       "top_k=4", [f"{RC}.mask_level=token", f"{R}.top_k=-1"]),
-    "truncation-matched ratio not built": ([f"{RC}.is_level=token", f"{RC}.match_truncation=true"],
-                                           f"{RC}.match_truncation", "is not available yet",
-                                           [f"{RC}.is_level=token", f"{RC}.match_truncation=false"]),
+    "correction of a truncated rollout, matched": ([f"{RC}.is_level=sequence", f"{R}.top_p=0.9", f"{R}.top_k=20"],
+                                                   f"{RC}.is_level", f"set {RC}.match_truncation=true",
+                                                   [f"{RC}.is_level=sequence", f"{R}.top_p=0.9", f"{R}.top_k=20",
+                                                    f"{RC}.match_truncation=true"]),
+    "truncation matched without a correction": ([f"{RC}.match_truncation=true", f"{R}.top_k=4"],
+                                                f"{RC}.match_truncation", "has no effect while algorithm."
+                                                "rollout_correction.is_level and mask_level are none",
+                                                [f"{RC}.match_truncation=true", f"{R}.top_k=4",
+                                                 f"{RC}.mask_level=token"]),
+    "truncation matched without a truncation": ([f"{RC}.is_level=token", f"{RC}.match_truncation=true"],
+                                                f"{RC}.match_truncation", "samples without truncation "
+                                                f"({R}.top_p=1.0, top_k=-1)",
+                                                [f"{RC}.is_level=token", f"{RC}.match_truncation=false"]),
 }
 
 
@@ -459,6 +469,8 @@ def test_rollout_correction_plan_line_and_no_warning():
     assert "+ rollout correction (token TIS, cap 2)" in render_plan(plan)
     assert not any(RC in w for w in plan.warnings)
     assert "rollout correction" not in render_plan(plan_from_sources(SEED, []))
+    matched = plan_from_sources(SEED, [f"{RC}.is_level=token", f"{R}.top_k=20", f"{RC}.match_truncation=true"])
+    assert "+ rollout correction (token TIS, cap 2; target under top-k 20, top-p 1)" in render_plan(matched)
 
 
 def test_cp2_on_cpu_plans_with_activations_divided_by_cp():

@@ -21,6 +21,7 @@ CUDA_FIELDS = {
     "vllm_sleep_mode": True,
     "vllm_chunked_prefill": True,
     "vllm_routed_experts": "aux_output",
+    "vllm_top_k_keeps_ties": False,
     "device_rng": True,
 }
 CPU_FIELDS = {
@@ -32,6 +33,7 @@ CPU_FIELDS = {
     "vllm_sleep_mode": False,
     "vllm_chunked_prefill": False,
     "vllm_routed_experts": "runner_hook",
+    "vllm_top_k_keeps_ties": True,
     "device_rng": False,
 }
 

@@ -294,3 +294,59 @@ def test_multi_turn_conversations_continue_from_token_ids_and_mask_the_observati
     assert metrics["tools/calls"] == sum(int(c) for c in batch["tool_calls"]) > 0
     assert metrics["tools/errors"] == 0
     assert metrics["multi_turn/turns_max"] == max(int(n) for n in batch["num_turns"]) <= 3
+
+
+@pytest.mark.slow
+def test_trainer_side_truncation_equals_vllms_filter_on_fixed_logits(session):
+    """`hybridrl.algorithms.truncation` against vLLM's own `apply_top_k_top_p` + log-softmax (run in
+    the engine's rank): top-k, top-p, both, k=1, a p that keeps one token, ties at both boundaries,
+    temperatures != 1. Every token of the vocabulary is scored as a label."""
+    from hybridrl.algorithms.truncation import Truncation, truncated_log_prob
+
+    for name, (logits, temperature, top_k, top_p) in rollout_scenarios.truncation_case_logits().items():
+        vllm = session["truncation_cases"][name]
+        rows, vocab = logits.shape
+        x = logits.float() / temperature
+        every = truncated_log_prob(x.unsqueeze(1).expand(rows, vocab, vocab), torch.arange(vocab).expand(rows, vocab),
+                                   Truncation(top_k, 1.0 if top_p is None else top_p))
+        kept = torch.isfinite(vllm)
+        inside = ~every.outside
+        assert 1 <= int(kept.sum(-1).min()) and int(kept.sum(-1).max()) < vocab, name  # the filter acts
+        # the tokens vLLM keeps: the same log-prob (float32 both)
+        assert (every.log_prob[kept] - vllm[kept]).abs().max() <= 1e-5, name
+        # inside = vLLM's set; with ties, also the other copies of the boundary value (vLLM keeps some
+        # of them by an unstable sort order, with the same normalizer whichever it keeps)
+        boundary = torch.where(kept, x, torch.inf).min(-1, keepdim=True).values
+        assert (kept <= inside).all(), name
+        assert ((inside & ~kept) <= (x == boundary)).all(), name
+        if not name.startswith("ties"):
+            assert torch.equal(inside, kept), name
+        # a dropped label: the log-prob of the kept set extended by it
+        kept_lse = torch.where(kept, x, -torch.inf).logsumexp(-1, keepdim=True)
+        extended = x - torch.logaddexp(kept_lse, x)
+        assert (every.log_prob[~inside] - extended[~inside]).abs().max() <= 1e-5, name
+    ties = session["truncation_cases"]["ties_top_k"]
+    assert int(torch.isfinite(ties[0]).sum()) == 12  # the 12 tied at the top all survive top_k=10
+
+
+@pytest.mark.slow
+def test_trainer_side_truncation_matches_the_rollouts_log_probs(session):
+    """vLLM's sampled log-probs under top-k/top-p = the trainer-side truncated log-probs of HF's logits
+    (<= 1e-4, so log rho ~ 0); against the whole vocabulary log rho is the log of the kept mass."""
+    from hybridrl.algorithms.truncation import Truncation, truncated_log_prob
+
+    model = _hf_model(session)
+    runs = {"filtered": (0.7, Truncation(5, 0.9)), "filtered_top_p": (1.3, Truncation(None, 0.6))}
+    for name, (temperature, truncation) in runs.items():
+        matched, unmatched = [], []
+        for prompt, response, log_probs in _rows(session[name]):
+            logits = _hf_logits_of(model, prompt, response) / temperature
+            target = truncated_log_prob(logits, torch.tensor(response), truncation)
+            assert not target.outside.any(), name  # every sampled token is in the trainer's kept set
+            matched.append(target.log_prob - log_probs.double())
+            unmatched.append(torch.log_softmax(logits, -1)[torch.arange(len(response)), response] - log_probs.double())
+        matched, unmatched = torch.cat(matched), torch.cat(unmatched)
+        # measured: |log rho| <= 1.9e-6 matched; unmatched, log rho in [-1.47, -0.58] (mean -1.06) at
+        # top_k 5 + top_p 0.9, and [-0.51, -0.50] (mean -0.50) at top_p 0.6: the log of the kept mass
+        assert matched.abs().max() <= LOGPROB_TOLERANCE, name
+        assert unmatched.max() < -0.4, (name, float(unmatched.max()))

@@ -327,3 +327,73 @@ def test_update_without_old_log_probs_is_refused_when_off_policy(tmp_path):
     del batch.tensors["old_log_probs"]
     config = job_config(hf, world=1, ppo_epochs=2)
     assert "optimizer step" in run_ranks(_off_policy_without_old_rank, 1, config, batch)[0]
+
+
+def _matched_truncation_rank(rank: int, world: int, config: Any, batch: Any) -> dict[str, Any]:
+    from hybridrl.config.plan import build_plan
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.backend import MegatronBackend, role_spec
+
+    plan = build_plan(config)
+    actor = MegatronActor(MegatronBackend(role_spec(plan, "actor")), plan)
+    old = actor.compute_log_prob(batch, with_entropy=True)
+    # no old-log-prob pass: the correction's target is the truncation of the update's own forward
+    no_pass = actor.update_policy(batch)
+    # with the pass's columns (the initial weights'; the update above moved the weights, which the
+    # correction must not read: its target is the column)
+    passed = batch.select(list(batch.tensors))
+    for key in ("old_log_probs", "old_log_probs_truncated"):
+        passed[key] = old[key]
+    with_pass = actor.update_policy(passed)
+    return {"old": {k: v.clone() for k, v in old.tensors.items()}, "no_pass": no_pass, "with_pass": with_pass}
+
+
+def test_matched_truncation_is_the_corrections_target_with_and_without_the_pass(tmp_path):
+    """algorithm.rollout_correction.match_truncation at top_k 120, top_p 0.8, temperature 0.7: the
+    actor's `old_log_probs_truncated` = transformers' logits under a plain-torch truncation (a sampled
+    token outside the kept set: the set extended by it), and the correction's ratio is taken against
+    it in both places (the update's forward, the pass's column): rollout log-probs = that target
+    except two planted tokens (+0.25, -0.2) give exactly the planted TIS cap, mask and max |log rho|
+    (against the whole vocabulary, log rho would be the log of the kept mass on every token)."""
+    from tests.test_algorithms_truncation import sorted_reference
+    from tests.test_training_fixtures import RESPONSE, hf_response_outputs
+
+    hf = policy_model(tmp_path / "hf")
+    batch = rollout_batch(8, seed=7)
+    del batch.tensors["old_log_probs"]
+    batch.meta["temperature"] = 0.7
+    width = batch["input_ids"].shape[1]
+    logits = hf_response_outputs(hf, batch).logits[:, width - RESPONSE - 1: width - 1].float() / 0.7
+    flat = logits.reshape(-1, logits.shape[-1])
+    kept = sorted_reference(flat, 120, 0.8, exactly_k=False).reshape(logits.shape)
+    labels = batch["responses"].unsqueeze(-1)
+    mask = batch["response_mask"].bool()
+    kept_or_label = kept | torch.zeros_like(kept).scatter(-1, labels, True)
+    target = torch.where(kept_or_label, logits, -torch.inf).log_softmax(-1).gather(-1, labels).squeeze(-1)
+    outside = ~kept.gather(-1, labels).squeeze(-1) & mask
+    target = target * mask
+    assert 0 < int(outside.sum()) < int(mask.sum())  # sampled tokens inside and outside the kept set
+    rollout_lp = target.clone()
+    rollout_lp[6, 0] += 0.25
+    rollout_lp[1, 0] -= 0.2
+    batch["rollout_log_probs"] = rollout_lp * mask
+    config = job_config(hf, world=1, entropy_coeff=0.01)
+    config.actor_rollout_ref.rollout.top_k, config.actor_rollout_ref.rollout.top_p = 120, 0.8
+    rc = config.algorithm.rollout_correction
+    rc.is_level, rc.is_cap, rc.mask_level, rc.mask_low, rc.mask_high = "token", 1.1, "token", 0.8, 1.25
+    rc.match_truncation = True
+    result = run_ranks(_matched_truncation_rank, 1, config, batch)[0]
+    old = result["old"]
+    assert (old["old_log_probs_truncated"] - target).abs().max() < 1e-5
+    assert torch.equal(old["old_log_probs_outside"], outside)
+    full = logits.log_softmax(-1).gather(-1, labels).squeeze(-1) * mask
+    assert (old["old_log_probs"] - full).abs().max() < 1e-5  # PPO's old policy: the whole vocabulary
+    tokens = int(mask.sum())
+    for metrics in (result["no_pass"], result["with_pass"]):
+        corrected = metrics.rollout_correction
+        assert corrected["rollout_correction/is_weight_max"] == pytest.approx(1.1, abs=1e-6)
+        assert corrected["rollout_correction/log_ratio_abs_max"] == pytest.approx(0.25, abs=1e-5)
+        assert corrected["rollout_correction/masked_token_fraction"] == pytest.approx(1 / tokens, abs=1e-9)
+        assert corrected["rollout_correction/masked_seq_fraction"] == pytest.approx(1 / 8, abs=1e-9)
+    assert result["no_pass"].rollout_correction["rollout_correction/truncation_outside_fraction"] == pytest.approx(
+        int(outside.sum()) / tokens, abs=1e-9)

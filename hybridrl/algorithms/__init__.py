@@ -67,6 +67,8 @@ _EXPORTS: dict[str, str] = {
     "RolloutCorrection": "rollout_correction",
     "rollout_correction_weights": "rollout_correction",
     "correction_metrics": "rollout_correction",
+    "Truncation": "truncation",
+    "truncated_log_prob": "truncation",
     # logits
     "entropy_from_logits": "logits",
     "log_prob_from_logits": "logits",
@@ -142,4 +144,5 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
         correction_metrics,
         rollout_correction_weights,
     )
+    from hybridrl.algorithms.truncation import Truncation, truncated_log_prob  # noqa: F401
     from hybridrl.algorithms.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_prob  # noqa: F401

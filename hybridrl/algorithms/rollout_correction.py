@@ -17,6 +17,10 @@ tokens still count in the loss normalizers (N tokens, S sequences of `aggregate_
 keeps its scale whatever share is masked, and the mini-batch constants (and so split invariance) are
 those of the uncorrected loss.
 
+With top-k/top-p sampling the target must be computed under the same truncation
+(`hybridrl.algorithms.truncation`, `algorithm.rollout_correction.match_truncation`): vLLM's log-probs
+are of the truncated, renormalized distribution.
+
 Log-ratios are clamped to [-20, 20] per token before they are summed (as PPO's ratio is), so a
 token vLLM scored -inf cannot make the weights NaN. Padding positions carry weight 0.
 """

@@ -30,10 +30,12 @@ def _stage_layers(mesh: TrainingMesh, model: ModelShape | None) -> str:
     return "+".join(map(str, mesh.layout().stage_layers(model.num_layers)))
 
 
-def _correction(rc: Any) -> str:
+def _correction(rc: Any, rollout: Any) -> str:
     """The plan's words for `algorithm.rollout_correction` ("" when off)."""
     parts = ([f"{rc.is_level} TIS, cap {rc.is_cap:g}"] if rc.is_level != "none" else []) + (
         [f"{rc.mask_level} MIS, band [{rc.mask_low:g}, {rc.mask_high:g}]"] if rc.mask_level != "none" else [])
+    if parts and rc.match_truncation:
+        parts.append(f"target under top-k {rollout.top_k if rollout.top_k > 0 else 'off'}, top-p {rollout.top_p:g}")
     return f" + rollout correction ({'; '.join(parts)})" if parts else ""
 
 
@@ -53,7 +55,7 @@ def render_plan(plan: Plan) -> str:
         f"  cluster: {cfg.trainer.nnodes} node(s) × {cfg.trainer.n_gpus_per_node} {cfg.trainer.device} "
         f"devices = world size {res.world_size}; algorithm {cfg.algorithm.adv_estimator}"
         f"{' + critic' if res.critic_enabled else ''}{' + ref' if res.ref_enabled else ''}"
-        f"{_correction(cfg.algorithm.rollout_correction)}",
+        f"{_correction(cfg.algorithm.rollout_correction, arr.rollout)}",
         "",
         "Training meshes (megatron order tp-cp-dp-pp; DP = world ÷ (TP·PP·CP))",
     ]

@@ -346,7 +346,7 @@ class RolloutCorrectionConfig:
     The ratio is rho = pi_old / mu per response token: mu the rollout engine's own log-prob of the
     sampled token (`rollout_log_probs`, the behaviour policy), pi_old the trainer's old policy (the
     old-log-prob pass; without that pass the update's own forward, detached, which is the old policy
-    exactly). Off by default.
+    exactly), under the rollout's top-k/top-p truncation with `match_truncation`. Off by default.
     """
 
     is_level: RolloutIsLevel = doc(
@@ -360,8 +360,9 @@ class RolloutCorrectionConfig:
     mask_low: float = doc(0.5, "MIS: lowest kept ratio, in [0, 1)")
     mask_high: float = doc(2.0, "MIS: highest kept ratio, > 1")
     match_truncation: bool = doc(
-        False, "compute pi_old under the rollout's top-k/top-p truncation, as vLLM's log-probs are (not "
-               "available yet: true is refused)")
+        False, "with rollout.top_k/top_p set: rho's pi_old is taken under the same truncation as vLLM's log-probs "
+               "(top-k, then top-p, renormalized; hybridrl.algorithms.truncation); PPO's ratio keeps the whole "
+               "vocabulary. Needed to correct a truncated rollout: false refuses is_level/mask_level there")
 
 
 @dataclass

@@ -800,7 +800,8 @@ def _check_algorithm(check: _Checker, config: JobConfig, resolved: Resolved) -> 
 
 def _check_rollout_correction(check: _Checker, config: JobConfig) -> None:
     """`algorithm.rollout_correction`: the numbers of an active level in range; a knob of a level that
-    is off, or the unbuilt `match_truncation`, refused rather than dropped."""
+    is off, or `match_truncation` without a correction or a truncation, refused rather than dropped; a
+    correction of a top-k/top-p rollout refused unless the target is computed under that truncation."""
     rc, f = config.algorithm.rollout_correction, "algorithm.rollout_correction"
     default = RolloutCorrectionConfig()
     if rc.is_level != "none":
@@ -817,23 +818,27 @@ def _check_rollout_correction(check: _Checker, config: JobConfig) -> None:
             if value != fallback:
                 check.fail(f"{f}.{name}", value, f"has no effect while {f}.mask_level=none: set mask_level to "
                            f"token, sequence or geometric, or leave it at {fallback:g}", [fallback])
-    if rc.match_truncation is not False:
-        check.fail(f"{f}.match_truncation", rc.match_truncation,
-                   "is not available yet: the trainer's log-probs are of the whole tempered vocabulary (the "
-                   "top-k/top-p truncation vLLM samples under is not recomputed on the trainer side); only false "
-                   "is supported", [False])
-        return
     rollout = config.actor_rollout_ref.rollout
     truncated = (isinstance(rollout.top_p, (int, float)) and rollout.top_p < 1.0) or \
         (isinstance(rollout.top_k, int) and rollout.top_k > 0)
-    if (rc.is_level != "none" or rc.mask_level != "none") and truncated:
+    correcting = rc.is_level != "none" or rc.mask_level != "none"
+    sampling = f"actor_rollout_ref.rollout.top_p={rollout.top_p}, top_k={rollout.top_k}"
+    if rc.match_truncation:
+        if not correcting:
+            check.fail(f"{f}.match_truncation", True, f"has no effect while {f}.is_level and mask_level are none: "
+                       "set one of them, or leave it at false", [False])
+        elif not truncated:
+            check.fail(f"{f}.match_truncation", True, f"has no effect: the rollout samples without truncation "
+                       f"({sampling}), so the trainer's old log-probs already are of vLLM's distribution; "
+                       "leave it at false", [False])
+    elif correcting and truncated:
         # Refused, not warned: vLLM's log-probs are of the truncated, renormalized distribution and the
         # trainer's of the whole vocabulary, so every ratio sits below 1 by the kept mass; measured at
         # top_k=4 on the demo, the IS weight mean was 0.065 and the mask dropped every token (no learning).
         level = f"{f}.is_level" if rc.is_level != "none" else f"{f}.mask_level"
         check.fail(level, getattr(rc, level.rsplit(".", 1)[1]),
-                   f"cannot correct a rollout sampled with actor_rollout_ref.rollout.top_p={rollout.top_p}, "
-                   f"top_k={rollout.top_k}: vLLM's log-probs are of the truncated, renormalized distribution and "
-                   "the trainer's of the whole vocabulary, so every ratio pi_old / rollout sits below 1 by the kept "
-                   "mass (match_truncation, which would compare like with like, is not available yet); sample with "
-                   "top_p=1 and top_k=-1, or set is_level and mask_level to none", ["none"])
+                   f"cannot correct a rollout sampled with {sampling} against the trainer's whole-vocabulary "
+                   "log-probs: vLLM's log-probs are of the truncated, renormalized distribution, so every ratio "
+                   f"pi_old / rollout sits below 1 by the kept mass; set {f}.match_truncation=true (the target "
+                   "computed under the same truncation), sample with top_p=1 and top_k=-1, or set is_level and "
+                   "mask_level to none", ["none"])

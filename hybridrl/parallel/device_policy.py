@@ -81,6 +81,10 @@ class DevicePolicy:
     # binds vLLM's capturer itself and maps its rows to requests (`vllm_patches.record_routed_experts`);
     # it sees only tokens vLLM computes, so the engine runs without prefix caching.
     vllm_routed_experts: RoutedExpertsCapture
+    # vLLM's top-k keeps every logit equal to the k-th largest (its PyTorch path, CPU) rather than
+    # exactly k tokens (its Triton kernel, CUDA: ties at the k-th taken in vocabulary order); the
+    # trainer's truncated log-probs (`algorithm.rollout_correction.match_truncation`) follow suit.
+    vllm_top_k_keeps_ties: bool
     # The device has its own random generator (torch.cuda's), saved and restored with a role
     # checkpoint beside torch's, python's, numpy's and megatron's tracker's streams.
     device_rng: bool
@@ -107,7 +111,8 @@ CUDA = DevicePolicy(
     megatron_cpu_layer=False, transformer_engine_possible=True, params_on_host=False,
     synchronize_on_offload=True, empty_cache_on_offload=True, gpu_memory_budget_binding=True,
     vllm_honours_enforce_eager=True, vllm_repacks_weights=False, vllm_kv_cache_from_plan=False,
-    vllm_sleep_mode=True, vllm_chunked_prefill=True, vllm_routed_experts="aux_output", device_rng=True,
+    vllm_sleep_mode=True, vllm_chunked_prefill=True, vllm_routed_experts="aux_output",
+    vllm_top_k_keeps_ties=False, device_rng=True,
 )
 
 CPU = DevicePolicy(
@@ -116,7 +121,8 @@ CPU = DevicePolicy(
     megatron_cpu_layer=True, transformer_engine_possible=False, params_on_host=True,
     synchronize_on_offload=False, empty_cache_on_offload=False, gpu_memory_budget_binding=False,
     vllm_honours_enforce_eager=False, vllm_repacks_weights=True, vllm_kv_cache_from_plan=True,
-    vllm_sleep_mode=False, vllm_chunked_prefill=False, vllm_routed_experts="runner_hook", device_rng=False,
+    vllm_sleep_mode=False, vllm_chunked_prefill=False, vllm_routed_experts="runner_hook",
+    vllm_top_k_keeps_ties=True, device_rng=False,
 )
 
 # resolved device name -> its policy (read-only); also the list of valid trainer.device values

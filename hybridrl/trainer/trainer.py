@@ -357,6 +357,11 @@ class Trainer:
                 if "router_replay_mismatch" in old.meta:  # actor.router_replay: rollout
                     metrics["actor/router_replay_mismatch_old_log_prob"] = float(old.meta["router_replay_mismatch"])
                 mask = batch["response_mask"].float()
+                if "old_log_probs_truncated" in old.tensors:  # rollout_correction.match_truncation
+                    batch["old_log_probs_truncated"] = old["old_log_probs_truncated"]
+                    # sampled tokens the trainer's own top-k/top-p drops (boundary disagreements)
+                    metrics["rollout_correction/truncation_outside_fraction"] = float(
+                        (old["old_log_probs_outside"].float() * mask).sum() / mask.sum().clamp(min=1))
                 metrics["actor/entropy"] = float(masked_mean(old["entropys"], mask))
                 # how far the rollout's own log-probs are from the trainer's: a numerics/sync health check
                 metrics["rollout/log_prob_abs_diff_max"] = float(

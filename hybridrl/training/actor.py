@@ -24,7 +24,12 @@ geometric level). Without the old-log-prob pass the target is the update's own f
 that pass is skipped only when it would give the same numbers (one optimizer step on data the
 current weights generated). The factor touches the PG term only: the entropy bonus and the KL loss
 regularize the current policy at every sampled state and keep every token. Masked tokens still count
-in `global_loss_normalizers` (the loss keeps its scale and its split invariance).
+in `global_loss_normalizers` (the loss keeps its scale and its split invariance). With
+`match_truncation` the target is the old policy under the rollout's top-k/top-p
+(`hybridrl.algorithms.truncation`): `compute_log_prob` (the actor's, not the reference's) also writes
+`old_log_probs_truncated` and `old_log_probs_outside`, or, without the pass, the update computes it from
+its own forward (`truncation_outside_fraction` then comes from the update); PPO's ratio keeps the
+whole-vocabulary old log-probs.
 `rollout_correction/*` metrics: `is_weight_mean` (token-weighted mean over the update's micro-batches,
 averaged over optimizer steps), `is_weight_max` and `log_ratio_abs_max` (max over every step),
 `masked_token_fraction`, `masked_seq_fraction` (per mini-batch, averaged over steps).
@@ -54,6 +59,7 @@ from hybridrl.algorithms.aggregation import LossNormalizers, aggregate_loss
 from hybridrl.algorithms.kl import kl_penalty
 from hybridrl.algorithms.losses import ppo_policy_loss
 from hybridrl.algorithms.rollout_correction import RolloutCorrection, correction_metrics, rollout_correction_weights
+from hybridrl.algorithms.truncation import Truncation, truncated_log_prob
 from hybridrl.algorithms.vocab_parallel import vocab_parallel_log_prob, vocab_parallel_log_prob_and_entropy
 from hybridrl.config.plan import Plan
 from hybridrl.data.batch import Batch
@@ -83,15 +89,22 @@ class PolicyLossSettings:
     kl_type: str
     norm_length: int  # the constant T of seq-mean-token-sum-norm: the configured response length
     rollout_correction: RolloutCorrection = field(default_factory=RolloutCorrection)
+    # match_truncation: the rollout's top-k/top-p, under which the correction's target is computed
+    truncation: Truncation | None = None
 
     @classmethod
     def from_plan(cls, plan: Plan) -> PolicyLossSettings:
         actor = plan.config.actor_rollout_ref.actor
         rc = plan.config.algorithm.rollout_correction
         correction = RolloutCorrection(rc.is_level, rc.is_cap, rc.mask_level, rc.mask_low, rc.mask_high)
+        truncation = None
+        if rc.match_truncation and correction.enabled:
+            rollout = plan.config.actor_rollout_ref.rollout
+            truncation = Truncation(rollout.top_k if rollout.top_k > 0 else None, rollout.top_p,
+                                    plan.device_policy.vllm_top_k_keeps_ties)
         return cls(plan.resolved.clip_ratio_low, plan.resolved.clip_ratio_high, actor.clip_ratio_c,
                    actor.loss_agg_mode, actor.entropy_coeff, actor.use_kl_loss, actor.kl_loss_coef,
-                   actor.kl_loss_type, plan.resolved.response_length, correction)
+                   actor.kl_loss_type, plan.resolved.response_length, correction, truncation)
 
 
 @dataclass(frozen=True)
@@ -199,14 +212,20 @@ class MegatronActor:
         micros = backend.micro_batches(tensors, partition)
         padding_ratio = backend.tokens_seen.padding_ratio(ctx.dp_group)  # every rank: a DP collective
 
+        # the actor's old policy under the rollout's truncation too (the correction's target); never the reference's
+        truncation = self.loss.truncation if self.output_key == "old_log_probs" else None
+
         def collect(micro: ModelInputs, logits: torch.Tensor) -> torch.Tensor:
             shard = response_logits(backend, micro, logits, temperature)
             labels = micro.responses[micro.response_token_positions()]
             if not with_entropy:
-                per_token = vocab_parallel_log_prob(shard, labels, ctx.tp_group).unsqueeze(-1)
+                columns = [vocab_parallel_log_prob(shard, labels, ctx.tp_group)]
             else:
-                per_token = torch.stack(vocab_parallel_log_prob_and_entropy(shard, labels, ctx.tp_group), dim=-1)
-            return micro.scatter_response_tokens(per_token)
+                columns = list(vocab_parallel_log_prob_and_entropy(shard, labels, ctx.tp_group))
+            if truncation is not None:
+                target = truncated_log_prob(shard, labels, truncation, ctx.tp_group)
+                columns += [target.log_prob, target.outside.to(target.log_prob.dtype)]
+            return micro.scatter_response_tokens(torch.stack(columns, dim=-1))
 
         outputs = backend.forward_only(micros, collect, response_tokens_only=True)
         mismatch = self._replay_mismatch()  # every rank: a world collective
@@ -218,6 +237,9 @@ class MegatronActor:
         out = {self.output_key: stacked[..., 0].contiguous()}
         if with_entropy:
             out["entropys"] = stacked[..., 1].contiguous()
+        if truncation is not None:
+            out["old_log_probs_truncated"] = stacked[..., -2].contiguous()
+            out["old_log_probs_outside"] = stacked[..., -1] != 0  # masked positions scattered as 0: False
         # padding columns / computed columns of this pass's micro-batches over the DP group
         meta = {"padding_ratio": padding_ratio}
         if mismatch is not None:
@@ -242,6 +264,11 @@ class MegatronActor:
         optional = (gap_key,) + (("ref_log_probs",) if self.loss.use_kl_loss else ())
         if require_rollout_log_probs(batch, self.loss.rollout_correction) and gap_key != "rollout_log_probs":
             optional += ("rollout_log_probs",)
+        if self.loss.truncation is not None and "old_log_probs" in batch.tensors:
+            if "old_log_probs_truncated" not in batch.tensors:
+                raise ValueError("algorithm.rollout_correction.match_truncation needs `old_log_probs_truncated` "
+                                 "next to `old_log_probs`: the actor's compute_log_prob writes both")
+            optional += ("old_log_probs_truncated",)
         extra_keys = ("advantages",) + tuple(k for k in optional if k in batch.tensors)
         # The update scores the responses under the distribution they were sampled from, as the
         # old-log-prob pass, the reference and the rollout do: at T != 1 an untempered update would
@@ -320,11 +347,24 @@ class MegatronActor:
         old_log_prob = log_prob.detach() if old_log_prob is None else old_log_prob.to(log_prob.dtype)
         token_weight, correction = None, {}
         if cfg.rollout_correction.enabled:  # update_policy refused a batch without the rollout log-probs
-            result = rollout_correction_weights(old_log_prob, micro.extras["rollout_log_probs"], mask,
+            # The correction's target: the old policy, under vLLM's truncation with match_truncation
+            # (PPO's ratio below keeps the whole vocabulary: it is the policy being optimised).
+            target = old_log_prob
+            if cfg.truncation is not None:
+                target = micro.extras.get("old_log_probs_truncated")
+                if target is None:  # no old-log-prob pass: this forward is the old policy
+                    labels = micro.responses[micro.response_token_positions()]
+                    truncated = truncated_log_prob(shard, labels, cfg.truncation, ctx.tp_group)
+                    target, outside = (micro.scatter_response_tokens(t) for t in
+                                       (truncated.log_prob, truncated.outside.to(log_prob.dtype)))
+                    correction["total/rollout_correction/truncation_outside_fraction"] = (
+                        (outside * mask).sum() / normalizers.tokens.clamp(min=1))
+                target = target.to(log_prob.dtype)
+            result = rollout_correction_weights(target, micro.extras["rollout_log_probs"], mask,
                                                 cfg.rollout_correction)
             token_weight = result.token_weight
-            correction = correction_metrics(result, mask, cfg.rollout_correction, normalizers.tokens,
-                                            normalizers.seqs)
+            correction.update(correction_metrics(result, mask, cfg.rollout_correction, normalizers.tokens,
+                                                 normalizers.seqs))
         pg_loss, pg_metrics = ppo_policy_loss(
             log_prob, old_log_prob, micro.extras["advantages"].to(log_prob.dtype),
             mask, cfg.clip_low, cfg.clip_high, cfg.dual_clip, cfg.agg, **norm, token_weight=token_weight,
