@@ -38,7 +38,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 RESULTS = ROOT / "bench" / "results" / "update_profile.json"
-LAYOUTS = {"pp2": (1, 2, 1), "dp2": (1, 1, 2), "pp1": (1, 1, 1)}  # name: (tp, pp, dp)
+# name: (tp, pp, dp, layers on the first stage: None = even). The uneven ones move layers off the
+# last stage, which also holds the vocab head (SmolLM2-135M: 30 layers, 15 + 15 even).
+LAYOUTS = {"pp2": (1, 2, 1, None), "dp2": (1, 1, 2, None), "pp1": (1, 1, 1, None),
+           "pp2-16+14": (1, 2, 1, 16), "pp2-17+13": (1, 2, 1, 17)}
 
 
 def grpo_batch(rows: int, vocab: int, *, prompt: int, max_prompt: int, response: int, max_response: int,
@@ -253,9 +256,10 @@ def main() -> None:
     report: dict[str, Any] = {"tag": args.tag, "load_avg": load, "rows": args.rows, "tokens": tokens,
                               "micro": args.micro, "layouts": {}}
     for name in args.layouts.split(","):
-        tp, pp, dp = LAYOUTS[name]
+        tp, pp, dp, first = LAYOUTS[name]
         config = job_config(model, tp=tp, pp=pp, dp=dp, rows=args.rows, micro=args.micro,
                             max_prompt=args.max_prompt, max_response=args.max_response)
+        config.actor_rollout_ref.actor.megatron.num_layers_in_first_pipeline_stage = first
         started = time.perf_counter()
         world = tp * pp * dp
         gemm_rows = args.micro * (tokens // args.rows)
