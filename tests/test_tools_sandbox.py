@@ -132,14 +132,18 @@ def test_cannot_read_the_trainers_secrets(monkeypatch):
     assert "HYBRIDRL_TEST_SECRET" not in lines[1] and "PATH" in lines[1]
 
 
-def test_the_temp_dir_is_its_cwd_and_is_removed():
+def test_the_temp_dir_is_its_cwd_and_is_removed(monkeypatch, tmp_path):
+    # A private temp root: another xdist worker's tools make their own sandboxes under /tmp meanwhile.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     before = set(glob.glob(os.path.join(tempfile.gettempdir(), "hybridrl-sandbox-*")))
+    assert before == set()
     run = run_python("import os\nprint(os.getcwd())\nopen('f', 'w').write('x')", FAST)
     workdir = run.stdout.strip()
     assert os.path.basename(workdir).startswith("hybridrl-sandbox-")
     assert not os.path.exists(workdir)
     timed = run_python("import os\nprint(os.getcwd(), flush=True)\nwhile True: pass", SandboxLimits(wall_time_s=1))
     assert timed.status is ToolStatus.TIMEOUT and not os.path.exists(timed.stdout.strip())
+    assert os.path.dirname(workdir) == str(tmp_path)
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "hybridrl-sandbox-*"))) == before
 
 
