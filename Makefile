@@ -27,9 +27,10 @@ $(STAMP): setup.py
 TEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --maxschedchunk 1)
 
-# pytest exits 5 when it collected nothing: that is a failure here, not a pass.
+# pytest exits 5 when it collected nothing: that is a failure here, not a pass. The slowest tests
+# are listed at the end so that CI's log shows where its time went.
 test: venv
-	$(PY) -m pytest -q $(XDIST); rc=$$?; [ $$rc -ne 5 ] || echo "pytest collected no tests"; [ $$rc -eq 0 ]
+	$(PY) -m pytest -q $(XDIST) --durations=30; rc=$$?; [ $$rc -ne 5 ] || echo "pytest collected no tests"; [ $$rc -eq 0 ]
 
 test-fast: venv
 	$(PY) -m pytest -q $(XDIST) -m "not slow"
