@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hybridrl.parallel.forked import run_ranks  # noqa: E402
+from hybridrl.parallel.forked import DEFAULT_PRELOAD, VLLM_PRELOAD, run_ranks  # noqa: E402
 
 LAYER = 1
 
@@ -96,7 +96,7 @@ def main() -> int:
         results = {}
         for dtype in ("fp32", "bf16"):
             (results[dtype],) = run_ranks(_probe_rank, 1, model_dir, dtype, timeout_s=600,
-                                          preload=("torch", "megatron.core", "vllm", "hybridrl.workers.hybrid"))
+                                          preload=(*DEFAULT_PRELOAD, *VLLM_PRELOAD, "hybridrl.workers.hybrid"))
     labels = list(results["fp32"])
     print(f"{'probe max |megatron - vLLM| log-prob':<40}{'fp32':>12}{'bf16':>12}")
     for label in labels:

@@ -29,6 +29,12 @@ import pytest
 # module imports ray.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
+from hybridrl.parallel import forked  # noqa: E402 - after the Ray setting above
+
+# One rank server per xdist worker, for every `run_ranks` of the session: about 30 tests build vLLM
+# engines in forked ranks, so the server imports vLLM once (~8 s) instead of each test's ranks.
+forked.set_server_preload((*forked.DEFAULT_PRELOAD, *forked.VLLM_PRELOAD, "hybridrl.workers.hybrid"))
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # Logical CPUs of the test cluster. The machine may have only 2 cores: tests ask for fractional

@@ -15,8 +15,6 @@ from hybridrl.algorithms.vocab_parallel import vocab_parallel_log_prob_and_entro
 from hybridrl.parallel.forked import run_ranks
 
 F64 = torch.float64
-# The ranks need torch only; skipping the launcher's default megatron preload saves seconds.
-RANK_PRELOAD = ("torch", "hybridrl.algorithms.vocab_parallel", "hybridrl.algorithms.aggregation")
 
 
 def naive_log_softmax(row):
@@ -102,7 +100,7 @@ def test_vocab_parallel_matches_full_vocab_on_two_gloo_ranks():
     logits, labels = sample_logits(2, vocab)
     weights = torch.randn(2, 3, generator=torch.Generator().manual_seed(3), dtype=F64)
     per_rank = run_ranks(
-        _shard_results, world_size, logits, labels, weights, timeout_s=120, preload=RANK_PRELOAD
+        _shard_results, world_size, logits, labels, weights, timeout_s=120
     )
 
     for dtype, tol in ((F64, 1e-10), (torch.bfloat16, 2e-2)):

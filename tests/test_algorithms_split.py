@@ -16,8 +16,6 @@ from hybridrl.algorithms import (
 from hybridrl.parallel.forked import run_ranks
 
 F64 = torch.float64
-# The ranks need torch only; skipping the launcher's default megatron preload saves seconds.
-RANK_PRELOAD = ("torch", "hybridrl.algorithms.vocab_parallel", "hybridrl.algorithms.aggregation")
 BATCH, LENGTH = 11, 8
 
 
@@ -179,5 +177,5 @@ def test_global_loss_normalizers_all_reduce_over_two_gloo_ranks():
     masks_per_rank = [[mask[:3], mask[3:5]], [mask[5:]]]
     expected = (float(mask.sum()), float((mask.sum(-1) > 0).sum()))  # 9 non-empty rows of 11
     assert expected[1] == 9
-    results = run_ranks(_normalizers_over_dp, 2, masks_per_rank, timeout_s=120, preload=RANK_PRELOAD)
+    results = run_ranks(_normalizers_over_dp, 2, masks_per_rank, timeout_s=120)
     assert results == [expected, expected]

@@ -12,7 +12,6 @@ from hybridrl.algorithms import truncation as truncation_module
 from hybridrl.algorithms.truncation import Truncation, truncated_log_prob
 from hybridrl.parallel.forked import run_ranks
 
-RANK_PRELOAD = ("torch", "hybridrl.algorithms.truncation")
 VOCAB = 64
 
 
@@ -107,7 +106,7 @@ def test_vocab_parallel_tp2_equals_one_rank():
     labels[:8] = logits[:8].argmax(-1)  # the top tokens: kept by every case
     single = [truncated_log_prob(logits, labels, Truncation(k, p, ties)) for k, p, ties in TP_CASES]
     # 7 rows of 32 shard elements per chunk: six chunks, the last a partial one
-    ranks = run_ranks(_tp_rank, 2, logits, labels, 7 * (VOCAB // 2), preload=RANK_PRELOAD)
+    ranks = run_ranks(_tp_rank, 2, logits, labels, 7 * (VOCAB // 2))
     for case, expected in zip(TP_CASES, single):
         assert expected.outside.any() and not expected.outside.all(), case  # both kinds of label
         for got in (r[TP_CASES.index(case)] for r in ranks):

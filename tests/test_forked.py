@@ -43,3 +43,22 @@ def test_rendezvous_survives_a_port_taken_by_another_process(monkeypatch):
         squatter.listen()
         monkeypatch.setattr(forked, "free_port", lambda: squatter.getsockname()[1])
         assert run_ranks(_all_reduce_rank, 2, 1.0, timeout_s=60) == [3.0, 3.0]
+
+
+def _preloaded(rank: int, world_size: int, modules: list[str]) -> dict[str, bool]:
+    import sys
+
+    return {name: name in sys.modules for name in modules}
+
+
+def test_the_session_rank_server_preloads_vllm_once_and_keeps_its_preload():
+    """tests/conftest.py chose the server's preload: the ranks start with vLLM's engine modules already
+    imported (each test's ranks would pay ~8 s otherwise), and no later call can change it."""
+    from hybridrl.parallel import forked
+
+    modules = [*forked.VLLM_PRELOAD, "megatron.core", "hybridrl.workers.hybrid"]
+    assert run_ranks(_preloaded, 1, modules + ["transformer_engine"]) == [
+        {**dict.fromkeys(modules, True), "transformer_engine": False}]
+    with pytest.raises(RuntimeError, match=r"the rank server already runs with preload .* must come before"):
+        forked.set_server_preload(("torch",))
+    forked.set_server_preload(forked._server_preload)  # the same choice again is no change

@@ -392,8 +392,7 @@ def test_bf16_rollout_from_fp32_training_syncs_with_matching_digests(tmp_path):
     from tools.make_demo_model import build
 
     model_dir = build("configs/models/tiny-demo/config.json", tmp_path / "model", seed=3)
-    (result,) = run_ranks(_mixed_dtype_sync_rank, 1, str(model_dir), timeout_s=600,
-                          preload=("torch", "megatron.core", "vllm", "hybridrl.workers.hybrid"))
+    (result,) = run_ranks(_mixed_dtype_sync_rank, 1, str(model_dir), timeout_s=600)
     assert result["train_dtype"] == "torch.float32"
     hf_state, config = safetensors_state(model_dir), read_json(model_dir / "config.json")
     # independent reference: the HF weights cast to bf16, in vLLM's layout, digested

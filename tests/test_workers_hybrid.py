@@ -12,7 +12,6 @@ from hybridrl.parallel.forked import run_ranks
 
 pytestmark = pytest.mark.slow
 
-PRELOAD = ("torch", "megatron.core", "vllm", "hybridrl.workers.hybrid")
 
 
 def _hybrid_rank(rank: int, world: int, model_dir: str, overrides: list[str]) -> dict:
@@ -105,7 +104,7 @@ def test_hybrid_engine_syncs_and_follows_updates(model_dir, world, layout):
     micro = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "data.train_batch_size=2",
              "actor_rollout_ref.actor.ppo_mini_batch_size=2",
              "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8"]
-    results = run_ranks(_hybrid_rank, world, model_dir, layout + micro, timeout_s=600, preload=PRELOAD)
+    results = run_ranks(_hybrid_rank, world, model_dir, layout + micro, timeout_s=600)
     for r in results:
         assert r["probe"] < 1e-4 and r["probe_after_update"] < 1e-4
         assert r["as_planned"]                       # vLLM built the Plan's TP groups

@@ -17,7 +17,6 @@ from hybridrl.parallel.forked import run_ranks
 
 pytestmark = pytest.mark.slow
 
-PRELOAD = ("torch", "megatron.core", "vllm", "hybridrl.workers.hybrid")
 TEMPERATURES = (0.6, 1.0, 1.3)
 
 
@@ -79,7 +78,7 @@ def model_dir(tmp_path_factory):
 
 
 def test_any_temperature_is_on_policy_and_every_replica_is_probed(model_dir):
-    results = run_ranks(_sampling_rank, 2, model_dir, timeout_s=600, preload=PRELOAD)
+    results = run_ranks(_sampling_rank, 2, model_dir, timeout_s=600)
     for r in results:
         assert r["setup_replicas"] == 2 and sorted(r["setup_replica_gaps"]) == [0, 1]
         assert max(r["setup_replica_gaps"].values()) < 1e-4

@@ -19,7 +19,6 @@ from tests.test_models_fixtures import safetensors_state
 
 pytestmark = pytest.mark.slow
 
-PRELOAD = ("torch", "megatron.core", "vllm", "hybridrl.workers.hybrid")
 SEQUENCE = [1, 70, 71, 72, 9, 33, 101, 5, 64, 17, 120, 2]  # ids < QWEN2_TIED's vocab (130)
 STEPS = 2
 
@@ -73,7 +72,7 @@ def _hf_log_probs(model_dir: Path) -> torch.Tensor:
 def test_tied_model_trained_at_pp2_reaches_every_vllm_replica(tmp_path):
     model_dir = build_tiny_model(tmp_path / "model", QWEN2_TIED, seed=5)
     export_dir = tmp_path / "trained"
-    results = run_ranks(_tied_pp2_rank, 2, str(model_dir), str(export_dir), timeout_s=600, preload=PRELOAD)
+    results = run_ranks(_tied_pp2_rank, 2, str(model_dir), str(export_dir), timeout_s=600)
     trained = safetensors_state(export_dir)
     assert "lm_head.weight" not in trained  # tied: one HF tensor
     embedding = trained["model.embed_tokens.weight"]

@@ -22,7 +22,11 @@ from datetime import timedelta
 from typing import Any
 
 DEFAULT_PRELOAD: tuple[str, ...] = ("torch", "megatron.core", "hybridrl.parallel.state")
+# What a vLLM engine in a rank imports (~8 s on 2 cores; `import vllm` alone is lazy and costs nothing):
+# a process whose ranks build engines again and again (the test session) preloads it once.
+VLLM_PRELOAD: tuple[str, ...] = ("vllm.entrypoints.llm", "vllm.v1.worker.cpu_worker")
 _context: Any = None
+_server_preload: tuple[str, ...] | None = None  # chosen by set_server_preload, or the first call's
 
 
 class RankError(RuntimeError):
@@ -42,11 +46,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def set_server_preload(modules: Sequence[str]) -> None:
+    """Choose what the rank server imports, once, before it forks any rank. The server is one per
+    process and starts at the first `run_ranks`; after that its preload cannot change."""
+    global _server_preload
+    modules = tuple(modules)
+    if _context is not None and modules != _server_preload:
+        raise RuntimeError(f"the rank server already runs with preload {_server_preload}; "
+                           f"set_server_preload({modules}) must come before the first run_ranks")
+    _server_preload = modules
+
+
 def _forkserver(preload: Sequence[str]) -> Any:
-    global _context
+    """The process's one forkserver, started with `set_server_preload`'s modules, else `preload`. A later
+    call's other modules are not preloaded: its ranks import them themselves (seconds, not an error)."""
+    global _context, _server_preload
     if _context is None:
+        if _server_preload is None:
+            _server_preload = tuple(preload)
         _context = mp.get_context("forkserver")
-        _context.set_forkserver_preload(list(preload))
+        _context.set_forkserver_preload(list(_server_preload))
     return _context
 
 
@@ -85,8 +104,10 @@ def run_ranks(
     """Call `fn(rank, world_size, *args, **kwargs)` on `world_size` forked ranks; return per-rank results.
 
     torch.distributed is initialized (gloo, loopback) before `fn` runs. `fn` must be importable by
-    module path (a module-level function). The first rank to fail kills the others and raises
-    `RankError` with its traceback; a rank that does not answer within `timeout_s` does the same.
+    module path (a module-level function). `preload` is what the rank server imports if this call
+    starts it (the process's first; `set_server_preload` chooses it for every call instead). The
+    first rank to fail kills the others and raises `RankError` with its traceback; a rank that does
+    not answer within `timeout_s` does the same.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
