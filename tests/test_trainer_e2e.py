@@ -90,15 +90,26 @@ def test_packed_balanced_grpo_raises_the_reward(demo_assets, tmp_path):
         assert expected <= dp_token_imbalance(tokens, 2, 2)
 
 
-def test_killed_run_resumes_with_identical_next_step(demo_assets, tmp_path):
-    """Killed whole (driver, Ray, workers) after a checkpoint: resumed, the next steps equal the
-    uninterrupted run's, on the same layout and another; a worker killed mid-run restarts in place
-    (trainer.max_restarts) and reproduces it too."""
-    config = "configs/examples/cpu_tiny_grpo.yaml"
-    common = ["trainer.total_training_steps=4", "trainer.save_freq=1"]
-    straight = tmp_path / "straight"
-    result = _train(config, demo_overrides(demo_assets, straight, *common))
+RESUME_COMMON = ["trainer.total_training_steps=4", "trainer.save_freq=1"]
+
+
+@pytest.fixture(scope="module")
+def straight_run(demo_assets, tmp_path_factory) -> Path:
+    """The uninterrupted 4-step GRPO run (a checkpoint every step) the resume and restart tests
+    compare against; one per worker, the two tests share an xdist group."""
+    straight = tmp_path_factory.mktemp("straight")
+    result = _train("configs/examples/cpu_tiny_grpo.yaml", demo_overrides(demo_assets, straight, *RESUME_COMMON))
     assert result.returncode == 0, result.stderr[-5000:]
+    return straight
+
+
+@pytest.mark.xdist_group("resume")
+def test_killed_run_resumes_with_identical_next_step(demo_assets, straight_run, tmp_path):
+    """Killed whole (driver, Ray, workers) after a checkpoint: resumed, the next steps equal the
+    uninterrupted run's, on the same layout and another."""
+    config = "configs/examples/cpu_tiny_grpo.yaml"
+    common = RESUME_COMMON
+    straight = straight_run
 
     killed = tmp_path / "killed"
     cmd = [sys.executable, "-m", "hybridrl.cli", "train", config, *demo_overrides(demo_assets, killed, *common),
@@ -144,8 +155,6 @@ def test_killed_run_resumes_with_identical_next_step(demo_assets, tmp_path):
     # (tests/test_reliability_checkpoints.py: a flipped byte, truncation, a missing rank file, tampered
     # weights or optimizer state).
 
-    # In place (trainer.max_restarts): the same comparisons within one invocation.
-    _check_restarts_in_place(demo_assets, tmp_path, {r["step"]: r for r in _metrics(straight)})
     assert not [p for p in ckpt.iterdir() if is_partial(p)]
 
 
@@ -397,39 +406,62 @@ def _step_rows(run: Path) -> dict[int, dict]:
     return {r["step"]: r for r in rows}
 
 
-def _check_restarts_in_place(demo_assets, tmp_path, reference: dict[int, dict]) -> None:
-    """trainer.max_restarts=2, checkpoints every 2 steps, three faults in one invocation: a worker killed
-    in step 2 (no checkpoint yet) restarts the run from step 0; the restarted workers' own failure in
-    step 3 restarts it from step 2's checkpoint; those workers' failure in step 4 is the third, beyond
-    the limit, and stops the run naming all three. Every step that completed equals the uninterrupted
-    run's. (`<call>` counts a worker's own entries: restart 1 runs steps 1-3, restart 2 steps 3-4.)"""
+# (fault spec, step, phase, rank): each start of the workers fails once more (the spec's 4th field names
+# the start; `<call>` counts that start's own entries into the phase: the syncs of its set-up and of
+# its resume come before step 3's).
+RESTART_FAULTS = [
+    ("update_actor:1:0", 1, "update_actor", 0),        # no checkpoint yet: from the start
+    ("save_checkpoint:2:0:1", 2, "save_checkpoint", 0),  # step 2's files written, never sealed
+    ("sync:4:1:2", 3, "sync", 1),
+    ("update_actor:2:1:3", 4, "update_actor", 1),      # the 4th failure: beyond trainer.max_restarts=3
+]
+
+
+@pytest.mark.xdist_group("resume")
+def test_worker_failures_restart_in_place(demo_assets, straight_run, tmp_path):
+    """trainer.max_restarts=3, a checkpoint every step, one invocation failing in a different phase at
+    each start of its workers: the update before any checkpoint (the run starts again from step 0),
+    the save of step 2 after its files were written (step 2's partial checkpoint is not resumed: step
+    1's is), the weight sync of step 3 (from step 2), and a 4th failure beyond the limit, which stops
+    the run naming all four. Each restart surfaces within 30 s of its crash; every step that completed
+    equals the uninterrupted run's; each re-run step is logged once."""
     run = tmp_path / "restarted"
-    config = "configs/examples/cpu_tiny_grpo.yaml"
-    faults_spec = "update_actor:2:0,update_actor:3:1:1,update_actor:2:0:2"
-    result = _train(config, demo_overrides(demo_assets, run, "trainer.total_training_steps=4", "trainer.save_freq=2",
-                                           "trainer.max_restarts=2"), env={faults.ENV: faults_spec})
+    mark = tmp_path / "fault_times"
+    reference = {r["step"]: r for r in _metrics(straight_run)}
+    result = _train("configs/examples/cpu_tiny_grpo.yaml",
+                    demo_overrides(demo_assets, run, *RESUME_COMMON, "trainer.max_restarts=3"),
+                    env={faults.ENV: ",".join(f[0] for f in RESTART_FAULTS), faults.ENV + "_MARK": str(mark)})
+    ended = time.time()
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-4000:]
-    assert "restart 1/2 in place: training failed at step 2, phase update_actor:" in result.stdout
-    assert "resuming from the start at step 0" in result.stdout
-    assert "restart 2/2 in place: training failed at step 3, phase update_actor:" in result.stdout
-    assert f"resuming from {run / CKPT / 'global_step_2'} at step 2" in result.stdout
-    # each restart's headline is one console line; the workers' reports follow it
+    resumes = ["from the start at step 0", f"from {run / CKPT / 'global_step_1'} at step 1",
+               f"from {run / CKPT / 'global_step_2'} at step 2"]
+    # each restart's headline is one console line naming step and phase; the workers' reports follow it
     headlines = [line for line in result.stdout.splitlines() if line.startswith("restart ")]
-    assert [line.rsplit("; resuming ", 1)[-1] for line in headlines] == [
-        "from the start at step 0", f"from {run / CKPT / 'global_step_2'} at step 2"], headlines
+    assert len(headlines) == 3, result.stdout[-3000:]
+    for k, (line, (_, step, phase, _), resume) in enumerate(zip(headlines, RESTART_FAULTS, resumes), 1):
+        assert line.startswith(f"restart {k}/3 in place: training failed at step {step}, phase {phase}:"), line
+        assert line.endswith(f"; resuming {resume}"), line
     message = result.stderr
-    assert "training failed at step 4, phase update_actor: actor_rollout_ref rank 0 failed in" in message, \
+    assert "training failed at step 4, phase update_actor: actor_rollout_ref rank 1 failed in" in message, \
         message[-4000:]
-    assert "the run's failure 3, with trainer.max_restarts=2" in message, message[-4000:]
-    assert "1) step 2, phase update_actor: actor_rollout_ref rank 0 failed in" in message, message[-4000:]
-    assert "2) step 3, phase update_actor: actor_rollout_ref rank 1 failed in" in message, message[-4000:]
-    rows = _step_rows(run)  # each re-run step logged once (Tracker.rewind)
+    assert "the run's failure 4, with trainer.max_restarts=3" in message, message[-4000:]
+    for k, (_, step, phase, rank) in enumerate(RESTART_FAULTS[:3], 1):
+        assert f"{k}) step {step}, phase {phase}: actor_rollout_ref rank {rank} failed in" in message, \
+            message[-4000:]
+    rows = _step_rows(run)  # each re-run step logged once (Tracker.rewind): step 2 was logged before its save
     assert sorted(rows) == [1, 2, 3]
     for step in (1, 2, 3):
         for key in RESTART_KEYS:
             assert rows[step][key] == pytest.approx(reference[step][key], abs=1e-5), (step, key)
     events = [r for r in _metrics(run) if r.get("event") == "restart"]
     assert [(e["step"], e["phase"], e["role"], e["rank"], e["resume_step"]) for e in events] == [
-        (2, "update_actor", "actor_rollout_ref", 0, 0), (3, "update_actor", "actor_rollout_ref", 1, 2)]
-    # the failed step 4 never sealed a checkpoint: step 2's is the latest
-    assert (run / CKPT / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+        (step, phase, "actor_rollout_ref", rank, resume) for (_, step, phase, rank), resume
+        in zip(RESTART_FAULTS, (0, 1, 2))]
+    crashed = [float(line) for line in mark.read_text().split()]
+    assert len(crashed) == 4
+    surfaced = [e["detected_at"] - t for e, t in zip(events, crashed)] + [ended - crashed[3]]
+    print(f"restarts: each failure surfaced {', '.join(f'{s:.1f}' for s in surfaced)} s after its crash")
+    assert all(0 < s < 30.0 for s in surfaced), surfaced
+    # the failed step 4 never sealed a checkpoint, and no partial one is left: step 3's is the latest
+    assert (run / CKPT / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert not [p for p in (run / CKPT).iterdir() if is_partial(p)]

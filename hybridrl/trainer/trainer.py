@@ -541,11 +541,12 @@ class Trainer:
                     raise _final_failure(failures, cfg.trainer.max_restarts) from error
                 except WorkerGroupError as error:
                     # The group is already torn down (fail-fast gather); name where in the step it happened.
+                    detected_at = time.time()
                     failure = TrainingFailure(self.global_step, self.phase, str(error))
                     failures.append(failure)
                     if len(failures) > cfg.trainer.max_restarts:
                         raise _final_failure(failures, cfg.trainer.max_restarts) from error
-                    self._restart_in_place(tracker, failure, error, len(failures))
+                    self._restart_in_place(tracker, failure, error, len(failures), detected_at)
         finally:
             tracker.close()
             self.shutdown()
@@ -601,8 +602,9 @@ class Trainer:
         bar.close()
 
     def _restart_in_place(self, tracker: Tracker, failure: TrainingFailure, error: WorkerGroupError,
-                          restart: int) -> None:
-        """Tear every group down, go back to `last_checkpoint` (or step 0), and log why."""
+                          restart: int, detected_at: float) -> None:
+        """Tear every group down, go back to `last_checkpoint` (or step 0), and log why (and when the
+        failure was detected: `detected_at`, wall-clock seconds)."""
         self._shutdown_workers()
         self.checkpoints.remove_partials()  # a save the failure interrupted
         if self.last_checkpoint is not None:
@@ -621,7 +623,7 @@ class Trainer:
         tracker.event(failure.step, {
             "event": "restart", "restart": restart, "max_restarts": self.config.trainer.max_restarts,
             "phase": str(failure.phase), "role": error.role, "rank": error.rank,
-            "cause": str(error).splitlines()[0], "resume_step": resume_step,
+            "cause": str(error).splitlines()[0], "detected_at": detected_at, "resume_step": resume_step,
             "resume_from": str(self.last_checkpoint) if self.last_checkpoint is not None else None,
         })
 

@@ -13,8 +13,8 @@ An optional fourth field `:<restart>` names the start of the workers the fault i
 is the run's first start, k its k-th in-place restart (`trainer.max_restarts`), so a fault fires once
 per run and a test can fail a restarted run again. Several faults: separate them with commas. Unset
 (the normal case) every hook is a dict lookup.
-`HYBRIDRL_FAULT_MARK=<file>`: a crashing rank first writes the wall-clock time into that file, so a
-test can measure how long the controller takes to surface the failure.
+`HYBRIDRL_FAULT_MARK=<file>`: a crashing rank first appends the wall-clock time to that file (a line
+a crash), so a test can measure how long the controller takes to surface each failure.
 Nothing else reads this variable; it exists so the reliability tests can inject real failures.
 """
 from __future__ import annotations
@@ -64,7 +64,7 @@ def triggered(phase: Phase | str) -> bool:
 def _crash() -> None:
     mark = os.environ.get(ENV + "_MARK")
     if mark:
-        with open(mark, "w") as handle:
+        with open(mark, "a") as handle:
             handle.write(f"{time.time()}\n")
     os._exit(1)
 
