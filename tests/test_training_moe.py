@@ -68,8 +68,9 @@ def _router_update_rank(rank: int, world: int, config: Any, batch: Any) -> dict[
 
     def record(module: Any, args: tuple, kwargs: dict) -> None:
         if module.training and torch.is_grad_enabled():
-            assert kwargs.get("padding_mask") is None  # every position is routed and counted
-            calls.append((module.layer_number, args[0].detach().clone(), module.weight.detach().clone()))
+            padding = args[1] if len(args) > 1 else kwargs.get("padding_mask")
+            calls.append((module.layer_number, args[0].detach().clone(), module.weight.detach().clone(),
+                          padding.detach().clone()))
 
     for chunk in backend.chunks:
         for module in chunk.modules():
@@ -79,24 +80,36 @@ def _router_update_rank(rank: int, world: int, config: Any, batch: Any) -> dict[
     return {"metrics": actor.update_policy(chunk), "calls": calls}
 
 
-def _reference_router_figures(calls: list[tuple[int, Any, Any]], top_k: int) -> tuple[float, float]:
+def _reference_router_figures(calls: list[tuple[int, Any, Any, Any]], top_k: int,
+                              micro_rows: list[Any]) -> tuple[float, float, float]:
     """megatron's load-balancing loss (Switch: E / (k T^2) * sum_e P_e N_e per micro-batch, P_e the
     summed softmax over all experts, N_e the tokens whose top-k holds e), averaged over calls and
-    layers; and the mean over layers of max/mean tokens per expert, in float64 from the router's
-    input and weight."""
+    layers; the z-loss (mean over tokens of logsumexp(logits)^2), averaged the same way; and the mean
+    over layers of max/mean tokens per expert: in float64 from the router's input and weight, over the
+    real tokens only. Which tokens are real comes from the rows (`micro_rows`: each call's micro-batch
+    attention masks, the layers of a micro-batch in order), not from the mask megatron was given,
+    which must equal it."""
     losses: dict[int, list[float]] = {}
+    z_losses: dict[int, list[float]] = {}
     counts: dict[int, Any] = {}
-    for layer, hidden, weight in calls:
-        logits = hidden.reshape(-1, hidden.shape[-1]).double() @ weight.double().t()
+    for (layer, hidden, weight, padding), real_mask in zip(calls, micro_rows):
+        lengths = real_mask.sum(dim=1)
+        width = hidden.shape[0]  # [s, b, h]
+        expected = torch.arange(width).unsqueeze(0) >= lengths.unsqueeze(1)  # [b, s]: after the real run
+        assert torch.equal(padding.cpu().t(), expected), (layer, padding, lengths)  # the router's is [s, b]
+        real = ~expected.t().reshape(-1)  # the routing order: s-major
+        logits = (hidden.reshape(-1, hidden.shape[-1]).double() @ weight.double().t())[real]
         probs = torch.softmax(logits, dim=-1)
         chosen = torch.zeros_like(probs).scatter_(1, probs.topk(top_k, dim=-1).indices, 1.0)
         tokens, experts = probs.shape
         loss = experts / (top_k * tokens**2) * (probs.sum(0) * chosen.sum(0)).sum()
         losses.setdefault(layer, []).append(float(loss))
+        z_losses.setdefault(layer, []).append(float(torch.logsumexp(logits, dim=-1).square().mean()))
         counts[layer] = counts.get(layer, 0) + chosen.sum(0)
     aux = sum(sum(v) / len(v) for v in losses.values()) / len(losses)
+    z = sum(sum(v) / len(v) for v in z_losses.values()) / len(z_losses)
     imbalance = sum(float(c.max() / c.mean()) for c in counts.values()) / len(counts)
-    return aux, imbalance
+    return aux, z, imbalance
 
 
 @pytest.mark.slow
@@ -107,16 +120,29 @@ def test_router_aux_loss_and_imbalance_are_megatrons(tmp_path, world, ep):
     batch = rollout_batch(8)
     config = job_config(hf, world=world)
     mc = config.actor_rollout_ref.actor.megatron
-    mc.expert_model_parallel_size, mc.moe_aux_loss_coeff = ep, 0.01
+    mc.expert_model_parallel_size, mc.moe_aux_loss_coeff, mc.moe_z_loss_coeff = ep, 0.01, 0.001
     results = run_ranks(_router_update_rank, world, config, batch, timeout_s=400)
-    top_k = 2
-    calls = [c for r in results for c in r["calls"]]
-    assert len({c[0] for c in calls}) == 3  # the MoE layers 0, 1, 3 (layer 2 is dense)
+    top_k, moe_layers = 2, 3  # the MoE layers 0, 1, 3 (layer 2 is dense)
+    micro = config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
+    calls, micro_rows = [], []
+    for rank, result in enumerate(results):
+        assert len({c[0] for c in result["calls"]}) == moe_layers
+        # this DP rank's rows, micro-batch by micro-batch (the update keeps their order here), each
+        # row's real tokens in the model's aligned layout: prompt then response, from column 0
+        rows = batch.split(world)[rank]
+        real = rows.tensors["attention_mask"].bool()
+        for start in range(0, real.shape[0], micro):
+            lengths = real[start:start + micro].sum(dim=1)
+            aligned = torch.arange(int(lengths.max())).unsqueeze(0) < lengths.unsqueeze(1)
+            micro_rows += [aligned] * moe_layers
+        calls += result["calls"]
+    assert any(not m.all() for m in micro_rows)  # some micro-batch holds padding
     # the DP ranks' micro-batches are separate loss terms: the metric averages them all
-    aux, imbalance = _reference_router_figures(calls, top_k)
+    aux, z, imbalance = _reference_router_figures(calls, top_k, micro_rows)
     for result in results:
         metrics = result["metrics"].as_dict()
         assert metrics["actor/moe_aux_loss"] == pytest.approx(aux, rel=1e-5)
+        assert metrics["actor/moe_z_loss"] == pytest.approx(z, rel=1e-5)
         assert metrics["actor/moe_expert_imbalance"] == pytest.approx(imbalance, rel=1e-9)
         assert 1.0 <= imbalance <= 8 / top_k
     assert 0 < aux < 10  # Switch's loss is top_k-normalized: 1 when perfectly balanced

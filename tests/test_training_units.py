@@ -41,6 +41,24 @@ def test_alignment_keeps_each_rows_real_tokens_and_finds_responses():
     assert picked.shape == (6, RESPONSE, 1)
 
 
+@pytest.mark.parametrize("packed,pad_multiple", [(False, 1), (False, 4), (True, 4)])
+def test_padding_mask_marks_exactly_the_columns_without_a_real_token(packed, pad_multiple):
+    batch = rollout_batch(6, seed=2)
+    inputs = build_model_inputs(batch["input_ids"], batch["attention_mask"], batch["position_ids"],
+                                batch["responses"], batch["response_mask"], packed=packed, pad_multiple=pad_multiple)
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    mask = inputs.padding_mask()
+    assert mask.shape == inputs.input_ids.shape and mask.dtype == torch.bool
+    if packed:  # one row of every real token, then the padding segment up to the multiple of 4
+        total = sum(lengths)
+        assert mask.shape[1] == -(-total // 4) * 4 > total
+        assert mask[0].tolist() == [False] * total + [True] * (mask.shape[1] - total)
+    else:
+        for i, n in enumerate(lengths):
+            assert mask[i].tolist() == [False] * n + [True] * (mask.shape[1] - n), i
+        assert int((~mask).sum()) == sum(lengths) and mask.any()
+
+
 def test_response_token_positions_and_scatter_back():
     batch = rollout_batch(6, seed=2)
     inputs = build_model_inputs(batch["input_ids"], batch["attention_mask"], batch["position_ids"],

@@ -127,7 +127,7 @@ class PolicyUpdateMetrics:
     rollout_log_prob_abs_diff_max: float | None = None
     # padding columns / computed columns of the update's micro-batches, over the DP group
     padding_ratio: float = 0.0
-    # MoE models: `actor/moe_aux_loss`, `actor/moe_expert_imbalance` (`training/moe_metrics.py`)
+    # MoE models: `actor/moe_aux_loss`, `actor/moe_z_loss`, `actor/moe_expert_imbalance` (`training/moe_metrics.py`)
     moe: dict[str, float] = field(default_factory=dict)
     # algorithm.rollout_correction on: `rollout_correction/<name>` (see the module docstring)
     rollout_correction: dict[str, float] = field(default_factory=dict)

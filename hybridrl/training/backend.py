@@ -167,6 +167,10 @@ def _model_forward(model: Any, micro: ModelInputs,
     gpt = _unwrapped(model)
     input_ids, position_ids = micro.input_ids, micro.position_ids
     cp = gpt.config.context_parallel_size
+    kwargs: dict[str, Any] = {"packed_seq_params": packed_seq_params(micro)}
+    # MoE: padding columns are routed (the dispatch is dense) but left out of the router's losses and
+    # counts, as transformers' load-balancing loss leaves out masked tokens.
+    padding_mask = micro.padding_mask() if gpt.config.num_moe_experts else None
     hooks: list[Callable[[torch.Tensor], torch.Tensor]] = []
     if cp > 1:
         from megatron.core import parallel_state
@@ -175,11 +179,20 @@ def _model_forward(model: Any, micro: ModelInputs,
         rank = group.rank()
         input_ids = split_for_cp_rank(input_ids, 1, cp, rank)
         position_ids = split_for_cp_rank(position_ids, 1, cp, rank)
+        if padding_mask is not None:
+            padding_mask = split_for_cp_rank(padding_mask, 1, cp, rank)
         hooks.append(lambda hidden: gather_from_cp(hidden, 0, group))
+    if padding_mask is not None:
+        if gpt.config.sequence_parallel and not gpt.pre_process:
+            # megatron scatters the mask over the sequence-parallel ranks only on the stage that embeds
+            from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+            padding_mask = scatter_to_sequence_parallel_region(padding_mask.t().contiguous()).t().contiguous()
+        kwargs["padding_mask"] = padding_mask
     if hidden_hook is not None:
         hooks.append(hidden_hook)
     if not hooks or not getattr(gpt, "post_process", False):
-        return model(input_ids, position_ids, None, packed_seq_params=packed_seq_params(micro))
+        return model(input_ids, position_ids, None, **kwargs)
 
     def rewrite(_module: Any, _args: Any, hidden: torch.Tensor) -> torch.Tensor:
         for hook in hooks:
@@ -188,7 +201,7 @@ def _model_forward(model: Any, micro: ModelInputs,
 
     handle = gpt.decoder.register_forward_hook(rewrite)
     try:
-        return model(input_ids, position_ids, None, packed_seq_params=packed_seq_params(micro))
+        return model(input_ids, position_ids, None, **kwargs)
     finally:
         handle.remove()
 

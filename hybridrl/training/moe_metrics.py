@@ -5,10 +5,13 @@ and how unevenly the router spread the tokens over the experts.
   it per layer and micro-batch (`moe_utils.save_to_aux_losses_tracker`, name
   "load_balancing_loss"), averaged over the MoE layers and the update's micro-batches of every DP
   rank. Logged only while the loss is on (`moe_aux_loss_coeff > 0`, type aux_loss).
+  The per-sequence loss (type seq_aux_loss) is logged under the same name.
+- `actor/moe_z_loss`: megatron's router z-loss without its coefficient (the mean squared logsumexp of
+  the router logits), averaged like the aux loss; logged while `moe_z_loss_coeff` is set.
 - `actor/moe_expert_imbalance`: per MoE layer, the tokens routed to its busiest expert over the mean
   per expert (1 = even, top-k = every token to the same experts), from the routing map of every
-  training forward of the update, counted over all DP/CP ranks; the mean over the layers. Padding
-  positions of a padded micro-batch are routed too and count.
+  training forward of the update, counted over all DP/CP ranks; the mean over the layers.
+All three leave out padding (megatron's `padding_mask`, which the actor passes for MoE models).
 
 Counted by forward hooks on megatron's `TopKRouter` modules (the routing map is its output).
 """
@@ -20,7 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-TRACKER_NAME = "load_balancing_loss"
+# megatron's tracker names: the load-balancing loss of type aux_loss or seq_aux_loss, the z-loss
+AUX_LOSS_NAMES = ("load_balancing_loss", "seq_load_balancing_loss")
+Z_LOSS_NAME = "z_loss"
 
 
 class MoERouterMetrics:
@@ -37,14 +42,18 @@ class MoERouterMetrics:
         for chunk in chunks:
             for module in chunk.modules():
                 if isinstance(module, TopKRouter):
-                    self._handles.append(module.register_forward_hook(self._hook))
+                    self._handles.append(module.register_forward_hook(self._hook, with_kwargs=True))
 
-    def _hook(self, module: Any, _inputs: Any, output: Any) -> None:
+    def _hook(self, module: Any, args: tuple, kwargs: dict, output: Any) -> None:
         if not (module.training and torch.is_grad_enabled()):
             return  # log-prob passes and the reference: not the update's routing
         _probs, routing_map = output
+        padding = args[1] if len(args) > 1 else kwargs.get("padding_mask")
+        routed = routing_map.detach()
+        if padding is not None:  # [s, b] in the routing map's token order (MoELayer transposed it)
+            routed = routed & ~padding.reshape(-1, 1)
         layer = module.layer_number - 1  # megatron's layer_number is global and 1-based
-        self.counts[layer] += routing_map.detach().sum(dim=0).to("cpu", torch.float64)
+        self.counts[layer] += routed.sum(dim=0).to("cpu", torch.float64)
         self.calls[layer] += 1
 
     def reset(self) -> None:
@@ -59,27 +68,40 @@ class MoERouterMetrics:
         world group: every rank must call it)."""
         from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
-        tracked = get_moe_layer_wise_logging_tracker().get(TRACKER_NAME)
+        tracker = get_moe_layer_wise_logging_tracker()
+        tracked = [tracker[name] for name in AUX_LOSS_NAMES if name in tracker]
         losses = torch.zeros(self.num_layers, dtype=torch.float64)
-        if tracked is not None:
-            losses += tracked["values"].detach().to("cpu", torch.float64)
+        for entry in tracked:
+            losses += entry["values"].detach().to("cpu", torch.float64)
+        z_tracked = tracker.get(Z_LOSS_NAME)
+        z_losses = torch.zeros(self.num_layers, dtype=torch.float64)
+        if z_tracked is not None:
+            z_losses += z_tracked["values"].detach().to("cpu", torch.float64)
         # Without sequence parallelism TP peers route the same tokens: TP rank 0 counts them. The
         # micro-batches are counted once per DP rank (TP and CP rank 0). Every rank adds its part
         # of the loss: megatron's router splits each micro-batch's loss so that its parts over the
         # TP x CP group sum to it (`get_tokens_per_expert_and_token_count` over tp_cp_group).
+        # The z-loss is each rank's mean over its own tokens: the ranks that hold distinct tokens (TP
+        # rank 0, or every TP rank under sequence parallelism; every CP rank) each add theirs and
+        # count their calls, so the figure is the mean over those (rank, micro-batch) terms.
         zero = torch.zeros_like
-        counts = self.counts if sequence_parallel or ctx.tp_rank == 0 else zero(self.counts)
+        distinct = sequence_parallel or ctx.tp_rank == 0
+        counts = self.counts if distinct else zero(self.counts)
         calls = self.calls if ctx.tp_rank == 0 and ctx.cp_rank == 0 else zero(self.calls)
-        packed = torch.cat([counts.reshape(-1), calls, losses]).to(device)
+        z_losses, z_calls = (z_losses, self.calls.clone()) if distinct else (zero(z_losses), zero(self.calls))
+        packed = torch.cat([counts.reshape(-1), calls, losses, z_losses, z_calls]).to(device)
         dist.all_reduce(packed)
         packed = packed.cpu()
         e, n = self.num_experts, self.num_layers
-        counts, calls, losses = packed[: n * e].view(n, e), packed[n * e: n * e + n], packed[n * e + n:]
+        counts = packed[: n * e].view(n, e)
+        calls, losses, z_losses, z_calls = packed[n * e:].view(4, n)
         routed = calls > 0
         out: dict[str, float] = {}
         if routed.any():
             per_layer = counts[routed]
             out["actor/moe_expert_imbalance"] = float((per_layer.max(dim=1).values / per_layer.mean(dim=1)).mean())
-            if tracked is not None:
+            if tracked:
                 out["actor/moe_aux_loss"] = float((losses[routed] / calls[routed]).mean())
+            if z_tracked is not None:
+                out["actor/moe_z_loss"] = float((z_losses[routed] / z_calls[routed]).mean())
         return out

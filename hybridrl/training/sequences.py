@@ -89,6 +89,15 @@ class ModelInputs:
     def is_packed(self) -> bool:
         return self.cu_seqlens is not None
 
+    def padding_mask(self) -> Tensor:
+        """`[b, s]` bool, True at the columns that hold no token of a row (after each row's real run;
+        packed: the trailing padding segment): megatron's MoE `padding_mask`, which keeps them out of
+        the router's aux and z-losses and its token counts."""
+        columns = torch.arange(self.input_ids.shape[1], device=self.input_ids.device).unsqueeze(0)
+        if self.is_packed:
+            return columns >= self.real_tokens
+        return columns > self.last_index.unsqueeze(1)
+
     def token_index(self, rows: Tensor, columns: Tensor) -> tuple[Tensor, Tensor]:
         """(batch index, sequence index) in the model's `[b, s]` input of column `columns` of row `rows`."""
         if self.row_starts is None:
