@@ -23,8 +23,10 @@ from typing import Any
 
 DEFAULT_PRELOAD: tuple[str, ...] = ("torch", "megatron.core", "hybridrl.parallel.state")
 # What a vLLM engine in a rank imports (~8 s on 2 cores; `import vllm` alone is lazy and costs nothing):
-# a process whose ranks build engines again and again (the test session) preloads it once.
-VLLM_PRELOAD: tuple[str, ...] = ("vllm.entrypoints.llm", "vllm.v1.worker.cpu_worker")
+# a process whose ranks build engines again and again (the test session) preloads it once. Not vLLM's
+# CPU worker: importing it replaces `torch.cuda.Stream` with a placeholder in the whole process, which
+# would hide from every rank the CUDA calls the CPU layer exists to catch.
+VLLM_PRELOAD: tuple[str, ...] = ("vllm.entrypoints.llm",)
 _context: Any = None
 _server_preload: tuple[str, ...] | None = None  # chosen by set_server_preload, or the first call's
 
