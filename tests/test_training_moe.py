@@ -81,19 +81,18 @@ def _router_update_rank(rank: int, world: int, config: Any, batch: Any) -> dict[
 
 
 def _reference_router_figures(calls: list[tuple[int, Any, Any, Any]], top_k: int,
-                              micro_rows: list[Any]) -> tuple[float, float, float]:
+                              micro_lengths: list[Any]) -> tuple[float, float, float]:
     """megatron's load-balancing loss (Switch: E / (k T^2) * sum_e P_e N_e per micro-batch, P_e the
     summed softmax over all experts, N_e the tokens whose top-k holds e), averaged over calls and
     layers; the z-loss (mean over tokens of logsumexp(logits)^2), averaged the same way; and the mean
     over layers of max/mean tokens per expert: in float64 from the router's input and weight, over the
-    real tokens only. Which tokens are real comes from the rows (`micro_rows`: each call's micro-batch
-    attention masks, the layers of a micro-batch in order), not from the mask megatron was given,
-    which must equal it."""
+    real tokens only. Which tokens are real comes from the rows (`micro_lengths`: each call's micro-batch
+    row lengths, the layers of a micro-batch in order), not from the mask megatron was given, which
+    must equal it."""
     losses: dict[int, list[float]] = {}
     z_losses: dict[int, list[float]] = {}
     counts: dict[int, Any] = {}
-    for (layer, hidden, weight, padding), real_mask in zip(calls, micro_rows):
-        lengths = real_mask.sum(dim=1)
+    for (layer, hidden, weight, padding), lengths in zip(calls, micro_lengths):
         width = hidden.shape[0]  # [s, b, h]
         expected = torch.arange(width).unsqueeze(0) >= lengths.unsqueeze(1)  # [b, s]: after the real run
         assert torch.equal(padding.cpu().t(), expected), (layer, padding, lengths)  # the router's is [s, b]
@@ -124,21 +123,18 @@ def test_router_aux_loss_and_imbalance_are_megatrons(tmp_path, world, ep):
     results = run_ranks(_router_update_rank, world, config, batch, timeout_s=400)
     top_k, moe_layers = 2, 3  # the MoE layers 0, 1, 3 (layer 2 is dense)
     micro = config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu
-    calls, micro_rows = [], []
+    calls, micro_lengths = [], []
     for rank, result in enumerate(results):
         assert len({c[0] for c in result["calls"]}) == moe_layers
-        # this DP rank's rows, micro-batch by micro-batch (the update keeps their order here), each
-        # row's real tokens in the model's aligned layout: prompt then response, from column 0
-        rows = batch.split(world)[rank]
-        real = rows.tensors["attention_mask"].bool()
-        for start in range(0, real.shape[0], micro):
-            lengths = real[start:start + micro].sum(dim=1)
-            aligned = torch.arange(int(lengths.max())).unsqueeze(0) < lengths.unsqueeze(1)
-            micro_rows += [aligned] * moe_layers
+        # this DP rank's rows, micro-batch by micro-batch (the update keeps their order here): each
+        # row's real tokens, prompt then response, sit from column 0 in the model's aligned layout
+        lengths = batch.split(world)[rank].tensors["attention_mask"].sum(dim=1)
+        for start in range(0, lengths.shape[0], micro):
+            micro_lengths += [lengths[start:start + micro]] * moe_layers
         calls += result["calls"]
-    assert any(not m.all() for m in micro_rows)  # some micro-batch holds padding
+    assert any(m.min() < m.max() for m in micro_lengths)  # some micro-batch holds padding
     # the DP ranks' micro-batches are separate loss terms: the metric averages them all
-    aux, z, imbalance = _reference_router_figures(calls, top_k, micro_rows)
+    aux, z, imbalance = _reference_router_figures(calls, top_k, micro_lengths)
     for result in results:
         metrics = result["metrics"].as_dict()
         assert metrics["actor/moe_aux_loss"] == pytest.approx(aux, rel=1e-5)

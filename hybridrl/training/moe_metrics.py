@@ -69,14 +69,16 @@ class MoERouterMetrics:
         from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
         tracker = get_moe_layer_wise_logging_tracker()
-        tracked = [tracker[name] for name in AUX_LOSS_NAMES if name in tracker]
-        losses = torch.zeros(self.num_layers, dtype=torch.float64)
-        for entry in tracked:
-            losses += entry["values"].detach().to("cpu", torch.float64)
-        z_tracked = tracker.get(Z_LOSS_NAME)
-        z_losses = torch.zeros(self.num_layers, dtype=torch.float64)
-        if z_tracked is not None:
-            z_losses += z_tracked["values"].detach().to("cpu", torch.float64)
+
+        def tracked(names: Sequence[str]) -> torch.Tensor | None:
+            """The per-layer sum of megatron's tracked values under `names`, None if none is tracked."""
+            entries = [tracker[name]["values"] for name in names if name in tracker]
+            if not entries:
+                return None
+            return sum(entry.detach().to("cpu", torch.float64) for entry in entries)
+
+        aux_losses, z_losses = tracked(AUX_LOSS_NAMES), tracked((Z_LOSS_NAME,))
+        losses = torch.zeros(self.num_layers, dtype=torch.float64) if aux_losses is None else aux_losses
         # Without sequence parallelism TP peers route the same tokens: TP rank 0 counts them. The
         # micro-batches are counted once per DP rank (TP and CP rank 0). Every rank adds its part
         # of the loss: megatron's router splits each micro-batch's loss so that its parts over the
@@ -84,24 +86,23 @@ class MoERouterMetrics:
         # The z-loss is each rank's mean over its own tokens: the ranks that hold distinct tokens (TP
         # rank 0, or every TP rank under sequence parallelism; every CP rank) each add theirs and
         # count their calls, so the figure is the mean over those (rank, micro-batch) terms.
-        zero = torch.zeros_like
-        distinct = sequence_parallel or ctx.tp_rank == 0
-        counts = self.counts if distinct else zero(self.counts)
-        calls = self.calls if ctx.tp_rank == 0 and ctx.cp_rank == 0 else zero(self.calls)
-        z_losses, z_calls = (z_losses, self.calls.clone()) if distinct else (zero(z_losses), zero(self.calls))
-        packed = torch.cat([counts.reshape(-1), calls, losses, z_losses, z_calls]).to(device)
+        distinct = 1.0 if sequence_parallel or ctx.tp_rank == 0 else 0.0
+        counts = self.counts * distinct
+        calls = self.calls * float(ctx.tp_rank == 0 and ctx.cp_rank == 0)
+        z_sum = torch.zeros_like(losses) if z_losses is None else z_losses * distinct
+        packed = torch.cat([counts.reshape(-1), calls, losses, z_sum, self.calls * distinct]).to(device)
         dist.all_reduce(packed)
         packed = packed.cpu()
         e, n = self.num_experts, self.num_layers
         counts = packed[: n * e].view(n, e)
-        calls, losses, z_losses, z_calls = packed[n * e:].view(4, n)
+        calls, losses, z_sum, z_calls = packed[n * e:].view(4, n)
         routed = calls > 0
         out: dict[str, float] = {}
         if routed.any():
             per_layer = counts[routed]
             out["actor/moe_expert_imbalance"] = float((per_layer.max(dim=1).values / per_layer.mean(dim=1)).mean())
-            if tracked:
+            if aux_losses is not None:
                 out["actor/moe_aux_loss"] = float((losses[routed] / calls[routed]).mean())
-            if z_tracked is not None:
-                out["actor/moe_z_loss"] = float((z_losses[routed] / z_calls[routed]).mean())
+            if z_losses is not None:
+                out["actor/moe_z_loss"] = float((z_sum[routed] / z_calls[routed]).mean())
         return out
