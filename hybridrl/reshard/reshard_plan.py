@@ -29,6 +29,7 @@ else the domain's rank that holds that expert.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from math import prod
 
@@ -168,10 +169,19 @@ def _choose(candidates: list[Holding], dst: int, micro_group: frozenset[int]) ->
     return near[dst % len(near)]
 
 
+Chooser = Callable[[list[Holding], int], Holding]  # (holders of a range, its elements) -> the sender
+
+
+def colocated_chooser(dst: int, micro_group: frozenset[int]) -> Chooser:
+    """The hybrid engine's rule for receiver `dst`: itself, then its micro-DP group (`_choose`)."""
+    return lambda candidates, _numel: _choose(candidates, dst, micro_group)
+
+
 def match_target(
-    target: TensorPlan, dst: int, holdings: dict[str, list[Holding]], micro_group: frozenset[int]
+    target: TensorPlan, dst: int, holdings: dict[str, list[Holding]], choose: Chooser
 ) -> list[Piece]:
-    """Pieces that fill `target` on rank `dst` (padding excluded: it stays zero)."""
+    """Pieces that fill `target` on rank `dst` (padding excluded: it stays zero); `choose` picks the
+    sender of each range among the ranks holding it."""
     pieces: list[Piece] = []
     dst_offset = 0
     for seg in target.segments:
@@ -183,7 +193,7 @@ def match_target(
             whole = [h for h in found if h.held.axis is None]
             if not whole:
                 raise ValueError(f"no rank of this replica holds {seg.hf_name}")
-            h = _choose(whole, dst, micro_group)
+            h = choose(whole, target.numel)
             pieces.append(Piece(target.name, dst, 0, h.rank, h.held.chunk, h.held.mcore_name, 0, seg.length, None,
                                 target.shape))
             dst_offset += seg.length
@@ -199,7 +209,7 @@ def match_target(
             covering = [h for h in found if h.held.hf_start <= lo and hi <= h.held.hf_stop]
             if not covering:
                 raise ValueError(f"no rank of this replica holds {seg.hf_name}[{lo}:{hi}]")
-            h = _choose(covering, dst, micro_group)
+            h = choose(covering, (hi - lo) * (target.numel // target.shape[target.axis]))
             src_offset = h.held.shard_offset + lo - h.held.hf_start
             at = dst_offset + lo - seg.start
             last = pieces[-1] if pieces else None
@@ -216,7 +226,7 @@ def match_target(
     return pieces
 
 
-def _split(piece: Piece, max_numel: int) -> list[Piece]:
+def split_piece(piece: Piece, max_numel: int) -> list[Piece]:
     """Cut a piece along its axis so each part has at most `max_numel` elements (at least one row)."""
     if piece.axis is None or piece.numel <= max_numel:
         return [piece]
@@ -307,11 +317,42 @@ def build_rank_plan(
     for name in names:
         pieces: list[Piece] = []
         for r in replica_ranks:
-            for piece in match_target(targets_of[r][name], r, holdings, micro_of.get(r, frozenset({r}))):
-                pieces.extend(_split(piece, bucket_numel) if piece.src != piece.dst else [piece])
+            choose = colocated_chooser(r, micro_of.get(r, frozenset({r})))
+            for piece in match_target(targets_of[r][name], r, holdings, choose):
+                pieces.extend(split_piece(piece, bucket_numel) if piece.src != piece.dst else [piece])
         all_pieces.append(pieces)
 
-    # Greedy buckets: close one before any rank's sent + received elements would exceed the budget.
+    buckets = bucketize(all_pieces, bucket_numel)
+    rank_buckets, peers, (recv, send, local) = rank_view(buckets, names, rank)
+
+    targets = targets_of[rank]
+    padding = sum(t.padding_numel for t in targets.values())
+    own = {n: [h for h in hs if h.rank == rank] for n, hs in holdings.items()}
+    bound = min(
+        sum(t.numel - _overlap_numel(t, own) - t.padding_numel for t in vllm_targets(shape, infer_tp, j).values())
+        for j in range(infer_tp)
+    )
+    model_numel = sum(prod(dims) for dims in hf_tensor_shapes(shape).values())
+    return RankReshardPlan(
+        rank=rank,
+        gen_tp_index=gen_index[rank],
+        infer_tp=infer_tp,
+        targets=targets,
+        buckets=tuple(rank_buckets),
+        micro_dp_group=tuple(sorted(micro_of.get(rank, frozenset({rank})))),
+        peers=peers,
+        recv_numel=recv,
+        send_numel=send,
+        local_numel=local,
+        padding_numel=padding,
+        lower_bound_numel=bound,
+        naive_numel=model_numel - _held_hf_numel(shape, own),
+    )
+
+
+def bucketize(all_pieces: Sequence[Sequence[Piece]], bucket_numel: int) -> list[list[Piece]]:
+    """Greedy buckets over every rank's pieces in order: a bucket closes before any rank's sent +
+    received elements in it would exceed `bucket_numel` (local copies cost no budget)."""
     buckets: list[list[Piece]] = [[]]
     load: dict[int, int] = defaultdict(int)
     for pieces in all_pieces:
@@ -324,8 +365,13 @@ def build_rank_plan(
                 load[piece.src] += piece.numel
                 load[piece.dst] += piece.numel
             buckets[-1].append(piece)
+    return buckets
 
-    # This rank's view: when each of its tensors opens and completes.
+
+def rank_view(buckets: Sequence[Sequence[Piece]], names: Sequence[str],
+              rank: int) -> tuple[list[RankBucket], tuple[int, ...], tuple[int, int, int]]:
+    """`rank`'s part of the buckets (`names`: the tensors it produces, in order): its buckets, its
+    peers, and the (received, sent, local) elements."""
     first_touch: dict[str, int] = {}
     last_touch: dict[str, int] = {}
     for index, bucket in enumerate(buckets):
@@ -363,27 +409,4 @@ def build_rank_plan(
             opens=tuple(n for n in names if first_touch[n] == index),
             completes=tuple(n for n in names if last_touch[n] == index),
         ))
-
-    targets = targets_of[rank]
-    padding = sum(t.padding_numel for t in targets.values())
-    own = {n: [h for h in hs if h.rank == rank] for n, hs in holdings.items()}
-    bound = min(
-        sum(t.numel - _overlap_numel(t, own) - t.padding_numel for t in vllm_targets(shape, infer_tp, j).values())
-        for j in range(infer_tp)
-    )
-    model_numel = sum(prod(dims) for dims in hf_tensor_shapes(shape).values())
-    return RankReshardPlan(
-        rank=rank,
-        gen_tp_index=gen_index[rank],
-        infer_tp=infer_tp,
-        targets=targets,
-        buckets=tuple(rank_buckets),
-        micro_dp_group=tuple(sorted(micro_of.get(rank, frozenset({rank})))),
-        peers=tuple(sorted(peers)),
-        recv_numel=recv,
-        send_numel=send,
-        local_numel=local,
-        padding_numel=padding,
-        lower_bound_numel=bound,
-        naive_numel=model_numel - _held_hf_numel(shape, own),
-    )
+    return rank_buckets, tuple(sorted(peers)), (recv, send, local)
