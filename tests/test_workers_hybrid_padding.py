@@ -2,7 +2,7 @@
 import torch
 
 from hybridrl.data.batch import Batch
-from hybridrl.workers.hybrid import left_pad_prompts
+from hybridrl.workers.generation import left_pad_prompts
 
 
 def test_left_pad_prompts_widens_only_the_prompt_side():

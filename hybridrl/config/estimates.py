@@ -278,3 +278,35 @@ def reshard_traffic(shape: ModelShape, mesh: TrainingMesh, groups: ReshardGroups
         naive.append(round(model - own_size * p_bytes))
         gen_sizes.append(round(gen_size * p_bytes))
     return ReshardTraffic(tuple(received), tuple(bound), tuple(naive), tuple(gen_sizes), model)
+
+
+@dataclass(frozen=True)
+class CrossPoolTraffic:
+    """Bytes of one weight sync from the trainer pool to a disaggregated rollout pool.
+
+    A rollout rank holds no weights, so it must receive its whole generation shard, and receives
+    exactly that once (`reshard.cross_pool_plan`). The sending is spread over the training ranks,
+    each sending only ranges it holds; `bytes_sent_even` is the even split of the total.
+    """
+
+    bytes_received: tuple[int, ...]  # per rollout rank (= its generation shard)
+    bytes_sent_even: int  # per training rank, the total spread evenly
+    model_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_received)
+
+
+def cross_pool_traffic(shape: ModelShape, trainer_world: int, rollout_world: int, infer_tp: int,
+                       dtype: str) -> CrossPoolTraffic:
+    """Per-rank traffic of a cross-pool sync (KV-head replication and vocab padding ignored, as in
+    `reshard_traffic`). Every replica of the rollout pool takes the whole model."""
+    p_bytes = DTYPE_BYTES[dtype]
+    norms = 2 * shape.hidden_size
+    replicated = norms * shape.num_layers + shape.hidden_size  # the layers' norms and the final norm
+    split = embedding_params(shape) + output_params(shape) + sum(
+        shape.params_of_layer(layer) - norms for layer in range(shape.num_layers))
+    shard = round((split / infer_tp + replicated) * p_bytes)
+    received = tuple(shard for _ in range(rollout_world))
+    return CrossPoolTraffic(received, -(-sum(received) // max(trainer_world, 1)), (split + replicated) * p_bytes)

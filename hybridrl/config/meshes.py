@@ -189,5 +189,16 @@ def build_reshard_groups(mesh: TrainingMesh, infer_tp: int) -> ReshardGroups:
     return ReshardGroups(rollout, micro_dp, tuple(sorted(micro_groups)), tuple(gen_index), strategy)
 
 
+def build_pool_groups(rollout_world: int, infer_tp: int) -> ReshardGroups:
+    """A disaggregated rollout pool's replicas: blocks of consecutive ranks of the pool (vLLM's own TP
+    groups), numbered within the pool. No micro-DP groups: the pool holds no training shard, so each
+    rank receives its whole generation shard from the trainer pool (`reshard.cross_pool_plan`)."""
+    if infer_tp <= 0 or rollout_world % infer_tp:
+        raise ValueError(f"inference TP {infer_tp} does not divide the rollout pool's {rollout_world} ranks")
+    replicas = tuple(tuple(range(start, start + infer_tp)) for start in range(0, rollout_world, infer_tp))
+    rollout = RolloutMesh(infer_tp, rollout_world // infer_tp, replicas)
+    return ReshardGroups(rollout, 0, (), tuple(r % infer_tp for r in range(rollout_world)), "cross_pool")
+
+
 def interval_overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
     return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))

@@ -74,8 +74,18 @@ def render_plan(plan: Plan) -> str:
                        f"{len(edp_groups[0])}; EP groups {_groups(ep_groups, 4)}; expert-DP groups "
                        f"{_groups(edp_groups, 4)}")
     rollout = plan.reshard.groups.rollout
-    out += ["", f"Rollout mesh (vLLM): {rollout.infer_dp} replicas × infer_tp {rollout.infer_tp}: "
-                f"{_groups(rollout.replicas, 12)}", ""]
+    res = plan.resolved
+    if res.disaggregated:
+        r = arr.rollout
+        out += ["", f"Rollout pool (vLLM, disaggregated): {r.nnodes} node(s) × {r.n_gpus_per_node} = "
+                    f"{res.rollout_world} ranks of its own beside the trainer's {res.world_size}; "
+                    f"{rollout.infer_dp} replicas × infer_tp {rollout.infer_tp}: {_groups(rollout.replicas, 12)} "
+                    "(pool ranks)"]
+        out.append(_async_line(res))
+        out.append("")
+    else:
+        out += ["", f"Rollout mesh (vLLM): {rollout.infer_dp} replicas × infer_tp {rollout.infer_tp}: "
+                    f"{_groups(rollout.replicas, 12)}", ""]
     n = arr.rollout.n
     out.append("Batch arithmetic per step")
     rows = [
@@ -134,13 +144,23 @@ def render_plan(plan: Plan) -> str:
             )
 
         pk = plan.phase_peaks
-        if pk and cfg.actor_rollout_ref.hybrid_engine:
+        if pk and not plan.resolved.disaggregated:
             out.append(f"hybrid engine peak per GPU: generation {pk.generation_gib:.2f} GiB, training "
                        f"{pk.training_gib:.2f} GiB — {'fits' if pk.fits else 'DOES NOT FIT'}")
 
     groups = plan.reshard.groups
-    out += ["", f"Resharding (HybridFlow §5, {groups.strategy} generation TP groups): micro-DP size "
-                f"{groups.micro_dp_size}, groups {_groups(groups.micro_dp_groups, 6)}"]
+    cross = plan.reshard.cross_pool
+    if plan.resolved.disaggregated:
+        out += ["", "Weight sync across the pools (a group spanning both; every vLLM rank receives its shard once, "
+                    "straight from training ranks that hold each range; the least-loaded holder sends)"]
+        if cross:
+            out.append(f"each rollout rank receives {cross.bytes_received[0] / MIB:,.1f} MiB (its whole shard: it "
+                       f"holds nothing); the trainer ranks send {cross.total_bytes / MIB:,.1f} MiB in all, "
+                       f"{cross.bytes_sent_even / MIB:,.1f} MiB each if spread evenly; model "
+                       f"{cross.model_bytes / MIB:,.1f} MiB in {plan.reshard.dtype}")
+    else:
+        out += ["", f"Resharding (HybridFlow §5, {groups.strategy} generation TP groups): micro-DP size "
+                    f"{groups.micro_dp_size}, groups {_groups(groups.micro_dp_groups, 6)}"]
     traffic = plan.reshard.traffic
     if traffic:
         rows = [[r, f"{traffic.bytes_received[r] / MIB:,.1f}", f"{traffic.lower_bound[r] / MIB:,.1f}",
@@ -160,6 +180,20 @@ def render_plan(plan: Plan) -> str:
     if plan.warnings:
         out += ["", "Warnings:"] + [f"  - {w}" for w in plan.warnings]
     return "\n".join(out)
+
+
+def _async_line(res: Any) -> str:
+    """What rollout.async_mode does in this plan, in one line."""
+    if res.async_mode == "one_step_off":
+        return ("async: one_step_off — the pool generates step k+1's samples while step k trains; each batch is "
+                "one weight version old when trained (the rollout's log-probs are its behaviour policy)")
+    if res.async_mode == "fully_async":
+        partial = ("requests in flight at a sync pause and continue under the new weights, each token tagged with "
+                   "its version" if res.partial_rollout else "requests in flight finish on the old weights first")
+        return (f"async: fully_async — the pool generates continuously into a buffer; a sample more than "
+                f"{res.max_staleness} version(s) behind when trained is "
+                f"{'dropped' if res.stale_samples == 'drop' else 'kept'} (counted); {partial}")
+    return "async: sync — generate, then train, then sync (the pools take turns)"
 
 
 def failure_cost_lines(save_freq: int, max_restarts: int, step_s: float | None = None) -> list[str]:

@@ -37,6 +37,12 @@ Truncation = Literal["error", "left", "right"]
 MalformedMode = Literal["error", "skip"]
 OldLogProbMode = Literal["auto", "recompute"]
 RouterReplayMode = Literal["none", "rollout"]
+# Where vLLM runs: in the training processes (the hybrid engine) or on ranks of its own.
+RolloutMode = Literal["colocated", "disaggregated"]
+# How far generation runs ahead of training (disaggregated only): not at all, one step, continuously.
+AsyncMode = Literal["sync", "one_step_off", "fully_async"]
+# fully_async: what happens to a sample older than rollout.max_staleness when the trainer reaches it.
+StaleSamples = Literal["drop", "keep"]
 # megatron's moe_router_load_balancing_type values that need no more than the local spec
 MoELoadBalancing = Literal["aux_loss", "seq_aux_loss", "none"]
 AdvEstimator = Literal[ADV_ESTIMATOR_NAMES]
@@ -50,7 +56,8 @@ CHOICE_NAMES: dict[Any, str] = {
     Device: "device", Dtype: "dtype", LoggerName: "logger", RolloutEngineName: "rollout engine",
     Strategy: "training strategy", OptimizerName: "optimizer", LrDecayStyle: "LR schedule",
     Truncation: "truncation mode", MalformedMode: "malformed-row policy", OldLogProbMode: "old log-prob mode",
-    RouterReplayMode: "router replay mode",
+    RouterReplayMode: "router replay mode", RolloutMode: "rollout mode", AsyncMode: "async mode",
+    StaleSamples: "stale-sample policy",
     AdvEstimator: "advantage estimator", LossAggMode: "loss aggregation mode", KlEstimator: "KL estimator",
     KlControllerKind: "KL controller", RolloutIsLevel: "rollout IS level", RolloutMaskLevel: "rollout mask level",
 }
@@ -265,7 +272,9 @@ class RolloutConfig:
               "None = 1e-4 when training and rollout are fp32, else 0.5 (bf16 round-off ~0.1, a wrong layout >= 2)")
     update_weights_bucket_megabytes: int = doc(
         512, "weight sync: MiB of shards gathered and handed to vLLM at a time (bounds the sync's extra memory)")
-    free_cache_engine: bool = doc(True, "sleep vLLM (free KV cache and weights) while training")
+    free_cache_engine: bool | None = doc(
+        None, "colocated: sleep vLLM (free KV cache and weights) while training; None = true colocated (a "
+              "disaggregated rollout has its GPUs to itself: setting it there is refused)")
     max_num_batched_tokens: int = doc(8192, "vLLM scheduler token budget per step")
     max_num_seqs: int = doc(1024, "vLLM scheduler sequence budget")
     log_prob_micro_batch_size_per_gpu: int = doc(8, "sequences per old-log-prob forward on one GPU")
@@ -273,6 +282,24 @@ class RolloutConfig:
     val_kwargs: SamplingConfig = doc(factory=SamplingConfig, text="sampling for validation (greedy by default)")
     seed: int = doc(0, "base seed of sampling requests")
     multi_turn: MultiTurnConfig = doc(factory=MultiTurnConfig, text="tool-calling conversations (agent loop)")
+    mode: RolloutMode = doc("colocated", "colocated = vLLM in the training processes (hybrid engine, weights "
+                                         "resharded in place); disaggregated = vLLM on its own ranks (nnodes × "
+                                         "n_gpus_per_node), weights sent across the pools after each update")
+    nnodes: int = doc(1, "disaggregated: machines of the rollout pool")
+    n_gpus_per_node: int | None = doc(None, "disaggregated: rollout ranks per machine (required there)")
+    async_mode: AsyncMode = doc(
+        "sync", "disaggregated only: sync = generate, then train; one_step_off = generate step k+1 while step k "
+                "trains (samples one weight version old); fully_async = the rollout pool generates continuously "
+                "into a buffer the trainer draws from (max_staleness bounds how old)")
+    max_staleness: int | None = doc(
+        None, "fully_async: a sample whose oldest token is more than this many weight versions behind the "
+              "policy it is trained on is stale; None = 1")
+    stale_samples: StaleSamples | None = doc(
+        None, "fully_async: drop stale samples (counted) or keep them (counted); None = drop")
+    partial_rollout: bool | None = doc(
+        None, "fully_async: at a weight sync, requests in flight are paused and continue under the new "
+              "weights (each token tagged with its version); false = finish them on the old weights first; "
+              "None = true")
 
 
 @dataclass

@@ -14,6 +14,7 @@ from typing import Any
 
 from hybridrl.algorithms.names import (
     CRITIC_ADV_ESTIMATORS,
+    GREEDY_BASELINE_ADV_ESTIMATORS,
     GROUP_ADV_ESTIMATORS,
 )
 from hybridrl.config.errors import ConfigIssue
@@ -118,7 +119,8 @@ def validate(
                            trainable=role in (Role.ACTOR, Role.CRITIC))
         if dp:
             dp_of[role] = dp
-    infer_dp = _check_rollout_layout(check, config, world, model)
+    rollout_world = _check_rollout_placement(check, config, resolved, world)
+    infer_dp = _check_rollout_layout(check, config, rollout_world, model, pool=resolved.disaggregated)
     _check_unsupported(check, config, model)
     if model is not None and model.is_moe and resolved.critic_enabled and not config.critic.model.path:
         # A value head on an MoE backbone (router losses, expert-parallel critic) is not built or tested.
@@ -649,15 +651,75 @@ def _check_experts(check: _Checker, prefix: str, mc: MegatronConfig, tp: int, cp
     return ok
 
 
-def _check_rollout_layout(check: _Checker, config: JobConfig, world: int, model: ModelShape | None) -> int:
-    """vLLM layout rules; returns the number of rollout replicas (0 when invalid)."""
+def _check_rollout_placement(check: _Checker, config: JobConfig, resolved: Resolved, world: int) -> int:
+    """rollout.mode, its pool and rollout.async_mode; returns the ranks vLLM runs on (0 when invalid)."""
+    arr = config.actor_rollout_ref
+    rollout = arr.rollout
+    r = "actor_rollout_ref.rollout"
+    fully_async_fields = {"max_staleness": rollout.max_staleness, "stale_samples": rollout.stale_samples,
+                          "partial_rollout": rollout.partial_rollout}
+    if rollout.async_mode in ("sync", "one_step_off"):  # an unknown mode: reported by _check_names
+        for name, value in fully_async_fields.items():
+            if value is not None:
+                check.fail(f"{r}.{name}", value, f"applies to {r}.async_mode=fully_async only (it is "
+                           f"{rollout.async_mode}); remove it", [])
+    elif rollout.max_staleness is not None:
+        check.is_int_at_least(f"{r}.max_staleness", rollout.max_staleness, 1)
+    if rollout.mode != "disaggregated":
+        if rollout.mode != "colocated":
+            return 0  # an unknown mode: reported by _check_names
+        for name, value, default in (("nnodes", rollout.nnodes, 1), ("n_gpus_per_node", rollout.n_gpus_per_node, None)):
+            if value != default:
+                check.fail(f"{r}.{name}", value, f"sizes a disaggregated rollout pool; with {r}.mode=colocated vLLM "
+                           "runs on the training ranks (trainer.nnodes × trainer.n_gpus_per_node): remove it, or set "
+                           "mode=disaggregated", [default])
+        if rollout.async_mode in ("one_step_off", "fully_async"):
+            check.fail(f"{r}.async_mode", rollout.async_mode, f"needs {r}.mode=disaggregated: colocated, generation "
+                       "and training take turns on the same GPUs, so neither can run ahead", ["sync"])
+        return world
+    ok = check.is_int_at_least(f"{r}.nnodes", rollout.nnodes, 1)
+    if rollout.n_gpus_per_node is None:
+        ok = check.fail(f"{r}.n_gpus_per_node", None, f"is required with {r}.mode=disaggregated: the rollout "
+                        "pool's ranks per machine (vLLM's GPUs, apart from the trainer's)")
+    else:
+        ok &= check.is_int_at_least(f"{r}.n_gpus_per_node", rollout.n_gpus_per_node, 1)
+    if rollout.free_cache_engine is not None:
+        check.fail(f"{r}.free_cache_engine", rollout.free_cache_engine, f"applies to {r}.mode=colocated only: a "
+                   "disaggregated rollout has its GPUs to itself and never sleeps; remove it", [])
+    if rollout.async_mode in ("one_step_off", "fully_async"):
+        behind = f"with {r}.async_mode={rollout.async_mode}"
+        alg = config.algorithm
+        if alg.adv_estimator in GREEDY_BASELINE_ADV_ESTIMATORS:
+            check.fail("algorithm.adv_estimator", alg.adv_estimator, f"{behind}: its greedy baseline would be a "
+                       "second generation of the step's prompts while the rollout pool runs ahead (not built); use "
+                       "grpo, rloo, reinforce_plus_plus or gae, or async_mode=sync", ["grpo", "rloo"])
+        if alg.filter_groups.enable:
+            check.fail("algorithm.filter_groups.enable", True, f"{behind}: dynamic sampling's extra generation "
+                       "rounds are not built for a rollout that runs ahead; use async_mode=sync", [False])
+    if rollout.async_mode == "fully_async":
+        behind = f"with {r}.async_mode=fully_async"
+        if rollout.multi_turn.enable is True:
+            check.fail(f"{r}.multi_turn.enable", True, f"{behind}: a conversation paused at a weight sync would "
+                       "have to resume mid-turn (not built); use async_mode=one_step_off or sync", [False])
+        if arr.actor.router_replay == "rollout":
+            check.fail("actor_rollout_ref.actor.router_replay", "rollout", f"{behind}: a partial rollout re-reads "
+                       "its prefix under new weights, whose routing would not be the one the tokens were sampled "
+                       "with; use async_mode=one_step_off or sync", ["none"])
+    return resolved.rollout_world if ok else 0
+
+
+def _check_rollout_layout(check: _Checker, config: JobConfig, world: int, model: ModelShape | None,
+                          pool: bool = False) -> int:
+    """vLLM layout rules on its `world` ranks (`pool`: a disaggregated rollout pool's); returns the number
+    of rollout replicas (0 when invalid)."""
     field = "actor_rollout_ref.rollout.tensor_model_parallel_size"
     itp = config.actor_rollout_ref.rollout.tensor_model_parallel_size
     if not check.is_int_at_least(field, itp, 1):
         return 0
     ok = True
     if world and world % itp:
-        ok = check.fail(field, itp, f"must divide the {world} GPUs", divisors(world))
+        where = "rollout pool's " if pool else ""
+        ok = check.fail(field, itp, f"must divide the {where}{world} GPUs", divisors(world))
     if model is not None:
         heads, kv = model.num_attention_heads, model.num_kv_heads
         padded_vocab = vllm_padded_vocab(model.vocab_size)
