@@ -201,7 +201,11 @@ class MegatronActor:
                             if shape.is_moe else None)
 
     # ---------------------------------------------------------------------------- log-probs
-    def compute_log_prob(self, batch: Batch, with_entropy: bool = False) -> Batch | None:
+    def compute_log_prob(self, batch: Batch, with_entropy: bool = False, *,
+                         free_routing: bool = False) -> Batch | None:
+        """Log-probs of the batch's responses (module docstring). With routing replay the forward
+        routes as the rollout did, unless `free_routing` (the weight sync's probe: a fixed sequence
+        no rollout generated, scored with the routers' own choice on both sides)."""
         backend, ctx = self.backend, self.backend.ctx
         tensors = batch.tensors
         temperature = sampling_temperature(batch)
@@ -209,7 +213,7 @@ class MegatronActor:
                                    dynamic=self.dynamic, max_tokens=self.max_tokens, dp_group=ctx.dp_group)
         backend.tokens_seen.reset()
         backend.replay_mismatch = ReplayMismatch()
-        micros = backend.micro_batches(tensors, partition)
+        micros = backend.micro_batches(tensors, partition, free_routing=free_routing)
         padding_ratio = backend.tokens_seen.padding_ratio(ctx.dp_group)  # every rank: a DP collective
 
         # the actor's old policy under the rollout's truncation too (the correction's target); never the reference's
@@ -228,7 +232,7 @@ class MegatronActor:
             return micro.scatter_response_tokens(torch.stack(columns, dim=-1))
 
         outputs = backend.forward_only(micros, collect, response_tokens_only=True)
-        mismatch = self._replay_mismatch()  # every rank: a world collective
+        mismatch = None if free_routing else self._replay_mismatch()  # every rank: a world collective
         if not backend.is_output_rank:
             return None
         stacked = restore_order(outputs, partition).cpu()  # results go back to the controller

@@ -248,7 +248,9 @@ class HybridEngineWorker(ActorRolloutRefWorker):
         probe = _probe_batch(self.pad_token_id)
         # every rank of the actor must run the forward (pipeline schedule is collective), and every
         # TP peer of a replica must score the prompt (vLLM's TP forward is collective)
-        trained = self.actor.compute_log_prob(probe.select(list(probe.tensors)))
+        # With routing replay the probe still routes freely: it proves the weights (router included)
+        # on a sequence no rollout generated, so there is no vLLM routing to replay.
+        trained = self.actor.compute_log_prob(probe.select(list(probe.tensors)), free_routing=True)
         rollout = self.rollout.prompt_log_probs(list(PROBE_PROMPT + PROBE_RESPONSE))
         local = None if trained is None else trained["old_log_probs"][0].tolist()
         everyone: list[Any] = [None] * self.world_size
@@ -284,13 +286,16 @@ def left_pad_prompts(batch: Batch, width: int, pad_token_id: int) -> Batch:
     rows = len(batch)
 
     def widen(name: str, fill: int) -> None:
-        pad = torch.full((rows, extra), fill, dtype=batch[name].dtype)
-        batch[name] = torch.cat([pad, batch[name]], dim=1)
+        column = batch[name]
+        pad = torch.full((rows, extra, *column.shape[2:]), fill, dtype=column.dtype)
+        batch[name] = torch.cat([pad, column], dim=1)
 
     widen("prompts", pad_token_id)
     widen("input_ids", pad_token_id)
     widen("attention_mask", 0)
     widen("position_ids", 0)
+    if "routed_experts" in batch.tensors:  # routing replay: aligned with input_ids, -1 = routed nothing
+        widen("routed_experts", -1)
     return batch
 
 
