@@ -122,9 +122,10 @@ class PolicyUpdateMetrics:
     optimizer_steps: int
     per_step: tuple[dict[str, float], ...] = field(default=())
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
-    # max |megatron - rollout| log-prob over the batch, when the update stood in for the old-log-prob
-    # pass (on-policy: one optimizer step); None otherwise
+    # max and token mean of |megatron - rollout| log-prob over the batch, when the update stood in for
+    # the old-log-prob pass (on-policy: one optimizer step); None otherwise
     rollout_log_prob_abs_diff_max: float | None = None
+    rollout_log_prob_abs_diff_mean: float | None = None
     # padding columns / computed columns of the update's micro-batches, over the DP group
     padding_ratio: float = 0.0
     # MoE models: `actor/moe_aux_loss`, `actor/moe_z_loss`, `actor/moe_expert_imbalance` (`training/moe_metrics.py`)
@@ -139,6 +140,8 @@ class PolicyUpdateMetrics:
         out["perf/padding_ratio"] = self.padding_ratio
         if self.rollout_log_prob_abs_diff_max is not None:
             out["rollout/log_prob_abs_diff_max"] = self.rollout_log_prob_abs_diff_max
+        if self.rollout_log_prob_abs_diff_mean is not None:
+            out["rollout/log_prob_abs_diff_mean"] = self.rollout_log_prob_abs_diff_mean
         out.update(self.moe)
         out.update(self.rollout_correction)
         return out
@@ -310,7 +313,8 @@ class MegatronActor:
             approx_kl=mean["approx_kl"], entropy=mean["entropy"], kl_loss=mean.get("kl_loss", 0.0),
             grad_norm=mean["grad_norm"], lr=mean["lr"], optimizer_steps=len(steps), per_step=tuple(steps),
             skipped_steps=skipped,
-            rollout_log_prob_abs_diff_max=steps[0].get("rollout_log_prob_abs_diff"),
+            rollout_log_prob_abs_diff_max=steps[0].get("rollout_log_prob_abs_diff_max"),
+            rollout_log_prob_abs_diff_mean=steps[0].get("rollout_log_prob_abs_diff_mean"),
             padding_ratio=padding_ratio, moe=moe, rollout_correction=corrections,
         )
 
@@ -389,7 +393,8 @@ class MegatronActor:
         # the rollout engine's numerics vs megatron's, per step, when no old-log-prob pass measured it
         if "rollout_log_probs" in micro.extras and "old_log_probs" not in micro.extras:
             gap = (log_prob.detach() - micro.extras["rollout_log_probs"].to(log_prob.dtype)).abs() * mask
-            metrics["max/rollout_log_prob_abs_diff"] = gap.max() if gap.numel() else torch.zeros(())
+            metrics["max/rollout_log_prob_abs_diff_max"] = gap.max() if gap.numel() else torch.zeros(())
+            metrics["mean/rollout_log_prob_abs_diff_mean"] = gap.sum() / tokens.clamp(min=1)
         if cfg.use_kl_loss:
             kl = kl_penalty(log_prob, micro.extras["ref_log_probs"].to(log_prob.dtype), cfg.kl_type)
             kl_loss = aggregate_loss(kl, mask, cfg.agg, **norm)
