@@ -654,12 +654,14 @@ def test_router_replay_rollout_plans_for_an_moe_model_and_refuses_what_it_cannot
     itp1 = "actor_rollout_ref.rollout.tensor_model_parallel_size=1"
     plan = plan_from_sources(SEED, [model, f"{RR}=rollout", itp1])
     assert plan.config.actor_rollout_ref.actor.router_replay == "rollout"
+    # inference TP 2 replays exactly (tests/test_router_replay.py::test_routing_vllm_reports_at_infer_tp2_...)
+    itp2 = plan_from_sources(SEED, [model, f"{RR}=rollout", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
+    assert itp2.config.actor_rollout_ref.rollout.tensor_model_parallel_size == 2
     # each setting the replay cannot follow exactly is one issue naming its own field and value
     refused = {
         "actor_rollout_ref.rollout.multi_turn.enable": ("true", True),
         f"{A}.megatron.context_parallel_size": ("2", 2),
         "actor_rollout_ref.model.enable_gradient_checkpointing": ("true", True),
-        "actor_rollout_ref.rollout.tensor_model_parallel_size": ("2", 2),
     }
     for field, (text, value) in refused.items():
         issues = [i for i in issues_for([model, itp1, f"{RR}=rollout", f"{field}={text}"]) if i.field == field

@@ -203,8 +203,9 @@ class ActorConfig:
                             "recompute = always run it")
     router_replay: RouterReplayMode = doc("none", "MoE routing in the training forward: none = megatron's "
                                   "routers choose; rollout = the old-log-prob and update forwards route each token to "
-                                  "the experts vLLM routed it to in the rollout (single-turn, inference TP 1, no "
-                                  "sequence/context parallelism or activation recompute)")
+                                  "the experts vLLM routed it to in the rollout (the sync's probe routes freely); "
+                                  "single-turn, any inference TP, no sequence/context parallelism or activation "
+                                  "recompute")
     shuffle: bool = doc(False, "shuffle sequences between PPO epochs")
     clip_ratio: float = doc(0.2, "PPO clip epsilon (default for clip_ratio_low/high)")
     clip_ratio_low: float | None = doc(None, "lower clip epsilon; None = clip_ratio")

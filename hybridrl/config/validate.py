@@ -303,10 +303,6 @@ def _check_router_replay(check: _Checker, config: JobConfig, model: ModelShape |
         check.fail("actor_rollout_ref.model.enable_gradient_checkpointing", True,
                    fail + "cannot replay with activation recompute: the recomputed forward runs in the backward, "
                    "outside the replayed forward, and would route afresh", [False])
-    itp = arr.rollout.tensor_model_parallel_size
-    if isinstance(itp, int) and itp > 1:
-        check.fail("actor_rollout_ref.rollout.tensor_model_parallel_size", itp,
-                   fail + "measured at inference TP 1 only (the capture on vLLM's TP ranks is not tested)", [1])
     policy = DEVICE_POLICIES.get(config.trainer.device)
     if policy is not None and policy.vllm_routed_experts == "aux_output":
         check.warnings.append(

@@ -50,6 +50,7 @@ from hybridrl.trainer.rl_step import (
     overlong_penalty,
     response_lengths,
     response_metrics,
+    rollout_log_prob_gap,
     select_groups_with_spread,
 )
 from hybridrl.trainer.timing import PhaseTimer, throughput_metrics
@@ -364,8 +365,7 @@ class Trainer:
                         (old["old_log_probs_outside"].float() * mask).sum() / mask.sum().clamp(min=1))
                 metrics["actor/entropy"] = float(masked_mean(old["entropys"], mask))
                 # how far the rollout's own log-probs are from the trainer's: a numerics/sync health check
-                metrics["rollout/log_prob_abs_diff_max"] = float(
-                    ((old["old_log_probs"] - batch["rollout_log_probs"]).abs() * mask).max())
+                metrics.update(rollout_log_prob_gap(old["old_log_probs"], batch["rollout_log_probs"], mask))
         if plan.resolved.ref_enabled:
             with self._phase(timer, Phase.REF):
                 ref = self.actor_group.call_by_dp(HybridEngineWorker.compute_ref_log_prob, batch,

@@ -431,20 +431,24 @@ class MegatronBackend:
         return multiple
 
     def micro_batches(self, tensors: dict[str, torch.Tensor], partition: Sequence[Sequence[int]], *,
-                      extra_keys: tuple[str, ...] = ()) -> list[ModelInputs]:
+                      extra_keys: tuple[str, ...] = (), free_routing: bool = False) -> list[ModelInputs]:
         """The model inputs of each part of `partition` (row lists of `tensors`), on this rank's device.
 
         The one place where batch rows enter the model's device: rows are cut and aligned where the
         batch lives (the host, as the controller sends it), then every tensor of every micro-batch
         (inputs and extras) moves to the rank's device, from pinned memory without blocking on cuda.
+        With routing replay (`spec.router_replay`) the micro-batches carry the batch's `routed_experts`
+        and every forward of them replays it; `free_routing` lets the routers choose for themselves
+        (rows no rollout routed: the sync's probe sequence).
         """
 
         device = self.ctx.device
-        if self.spec.router_replay and "routed_experts" not in tensors:
+        replay = self.spec.router_replay and not free_routing
+        if replay and "routed_experts" not in tensors:
             raise ValueError(f"{self.spec.role}: router_replay=rollout needs the rollout's `routed_experts` column; "
                              "this batch has none (generate it with rollout routing on)")
         cut = [micro_batch_inputs(tensors, list(rows), extra_keys=extra_keys, pad_multiple=self.pad_multiple,
-                                  packed=self.spec.packed, routed_experts=self.spec.router_replay)
+                                  packed=self.spec.packed, routed_experts=replay)
                for rows in partition]
         self.tokens_seen.add(cut)
         return [micro.map_tensors(lambda t: to_rank_device(t, device)) for micro in cut]

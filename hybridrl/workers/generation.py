@@ -108,17 +108,16 @@ def left_pad_prompts(batch: Batch, width: int, pad_token_id: int) -> Batch:
     rows = len(batch)
 
     def widen(name: str, fill: int) -> None:
-        pad = torch.full((rows, extra), fill, dtype=batch[name].dtype)
-        batch[name] = torch.cat([pad, batch[name]], dim=1)
+        column = batch[name]
+        pad = torch.full((rows, extra, *column.shape[2:]), fill, dtype=column.dtype)
+        batch[name] = torch.cat([pad, column], dim=1)
 
     widen("prompts", pad_token_id)
     widen("input_ids", pad_token_id)
     widen("attention_mask", 0)
     widen("position_ids", 0)
-    if "routed_experts" in batch.tensors:
-        routed = batch["routed_experts"]
-        pad = torch.full((rows, extra, *routed.shape[2:]), -1, dtype=routed.dtype)
-        batch["routed_experts"] = torch.cat([pad, routed], dim=1)
+    if "routed_experts" in batch.tensors:  # routing replay: aligned with input_ids, -1 = routed nothing
+        widen("routed_experts", -1)
     return batch
 
 

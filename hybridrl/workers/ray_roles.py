@@ -124,7 +124,10 @@ class ActorRolloutRefWorker(MegatronWorker):
         """The actor's log-probs of the weight probe's response (`workers.probe`), on every rank.
         Collective over the actor's ranks (the pipeline schedule is)."""
         probe = probe_batch(self.pad_token_id)
-        trained = self._require(self.actor, "the actor").compute_log_prob(probe.select(list(probe.tensors)))
+        # With routing replay the probe still routes freely: it proves the weights (router included)
+        # on a sequence no rollout generated, so there is no vLLM routing to replay.
+        trained = self._require(self.actor, "the actor").compute_log_prob(probe.select(list(probe.tensors)),
+                                                                          free_routing=True)
         local = None if trained is None else trained["old_log_probs"][0].tolist()
         everyone: list[Any] = [None] * self.world_size
         torch.distributed.all_gather_object(everyone, local)
