@@ -63,7 +63,8 @@ def run_mode(assets: Path, out: Path, mode: str, args: argparse.Namespace) -> di
     times = [r["timing_s/step"] for r in rows[args.warmup:]]
     lengths = sorted(r["response_length/mean"] for r in rows[:1])
     return {
-        "mode": mode, "wall_s": wall, "step_s_median": statistics.median(times), "steps_per_s": 1 / statistics.median(times),
+        "mode": mode, "wall_s": wall, "step_s_median": statistics.median(times),
+        "steps_per_s": 1 / statistics.median(times),
         "scores": [r["critic/score/mean"] for r in rows],
         "response_length_max_first": rows[0].get("response_length/max"), "response_length_mean_first": lengths[0],
         "staleness_mean": statistics.mean(r.get("async/staleness_mean", 0.0) for r in rows),
