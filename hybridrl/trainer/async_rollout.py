@@ -271,7 +271,6 @@ class RolloutDriver:
     def _run_fully_async(self) -> None:
         trainer = self.trainer
         group = trainer.rollout_group
-        sampling = trainer._sampling(step=self._first_batch_index + 1)
         in_flight_batches = 0  # admitted prompt batches whose groups are not all generated yet
         generated: dict[int, int] = {}
         while True:
@@ -295,6 +294,8 @@ class RolloutDriver:
                 padded = prompts
                 padded["raw_prompt_ids"] = unpadded_prompt_ids(padded)
                 padded["prompt_batch"] = np.full(len(padded), index, dtype=np.int64)
+                # the seeds of the step this batch is meant for (a resumed run draws the same ones)
+                sampling = trainer._sampling(step=self._first_batch_index + index + 1)
                 group.call_by_dp_outputs(RolloutWorker.stream_submit, padded, sampling, mesh=trainer.rollout_mesh)
                 in_flight_batches += 1
                 generated[index] = 0
