@@ -176,15 +176,19 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_rule_refuses_bad_and_accepts_fix(name):
-    bad, field, fragment, good = CASES[name]
+def assert_refused_then_fixed(bad: list[str], field: str, fragment: str, good: list[str]) -> None:
+    """`bad` is refused naming `field` with `fragment` in the rule; `good` plans."""
     issues = issues_for(bad)
     named = [i for i in issues if i.field == field]
     assert named, f"no issue names {field}: {[str(i) for i in issues]}"
     assert any(fragment in str(i) for i in named), [str(i) for i in named]
     plan = plan_from_sources(SEED, good)  # the fix is accepted
     assert plan.sequences_per_step > 0
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_rule_refuses_bad_and_accepts_fix(name):
+    assert_refused_then_fixed(*CASES[name])
 
 
 # Model-shape rules on custom shapes (heads, KV heads, layers, vocab).
@@ -731,12 +735,7 @@ PLACEMENT_CASES = {
 
 @pytest.mark.parametrize("name", sorted(PLACEMENT_CASES))
 def test_rollout_placement_rules(name):
-    bad, field, fragment, good = PLACEMENT_CASES[name]
-    issues = issues_for(bad)
-    named = [i for i in issues if i.field == field]
-    assert named, f"no issue names {field}: {[str(i) for i in issues]}"
-    assert any(fragment in str(i) for i in named), [str(i) for i in named]
-    plan_from_sources(SEED, good)  # the fix is accepted
+    assert_refused_then_fixed(*PLACEMENT_CASES[name])
 
 
 def test_a_disaggregated_plan_has_two_pools_and_the_cross_pool_traffic():
