@@ -750,6 +750,8 @@ def test_a_disaggregated_plan_has_two_pools_and_the_cross_pool_traffic():
     # vLLM's replicas are the pool's ranks, consecutive (its own TP groups), numbered within the pool
     assert plan.reshard.groups.rollout.replicas == ((0, 1), (2, 3))
     assert plan.prompts_per_rollout_replica == 30 and plan.phase_peaks is not None
+    # a replica holds up to max_staleness + 1 batches in flight: its KV cache estimate counts them all
+    assert plan.rollout_memory.tokens_per_replica_step == 3 * 30 * 12 * (512 + 1024)
     # every rollout rank receives its whole TP-2 shard; the 6 trainer ranks share the sending
     cross = plan.reshard.cross_pool
     model = plan.model
