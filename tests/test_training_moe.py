@@ -118,6 +118,9 @@ def test_router_aux_loss_and_imbalance_are_megatrons(tmp_path, world, ep):
     hf = make_hf_model(tmp_path / "hf", "qwen3_moe", seed=8)
     batch = rollout_batch(8)
     config = job_config(hf, world=world)
+    # padded micro-batches: the subject is the mask over each row's padding columns ([b, s] after its
+    # real run), which the packed layout (the CPU default) has almost none of
+    config.actor_rollout_ref.model.use_remove_padding = False
     mc = config.actor_rollout_ref.actor.megatron
     mc.expert_model_parallel_size, mc.moe_aux_loss_coeff, mc.moe_z_loss_coeff = ep, 0.01, 0.001
     results = run_ranks(_router_update_rank, world, config, batch, timeout_s=400)

