@@ -288,7 +288,7 @@ def test_packed_token_budget_micro_batches_give_the_padded_step(tmp_path):
     """use_dynamic_bsz (micro-batches cut by a token budget, agreed over DP2) packed = padded fixed micro-batches."""
     hf = policy_model(tmp_path / "hf")
     batch = rollout_batch(8, seed=4)
-    (base_run,) = run_ranks(_update_rank, 1, job_config(hf, world=1, micro=4), batch)
+    (base_run,) = run_ranks(_update_rank, 1, packed(job_config(hf, world=1, micro=4), False), batch)
     base = base_run["metrics"]
     config = packed(job_config(hf, world=2, micro=2, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=20))
     results = run_ranks(_update_rank, 2, config, batch)
