@@ -47,7 +47,7 @@ PACKED_ATTENTION = {
 }
 
 
-def _packing(plan: Plan) -> str:
+def packing_line(plan: Plan) -> str:
     """Which roles run packed (THD) micro-batches, and whether the user or the device default chose it."""
     sections = (("actor_rollout_ref.model", (Role.ACTOR, Role.REF), plan.config.actor_rollout_ref.model),
                 ("critic.model", (Role.CRITIC,), plan.config.critic.model),
@@ -99,7 +99,7 @@ def render_plan(plan: Plan) -> str:
             out.append(f"{lay.role} experts (megatron order etp-ep-edp-pp, expert TP = TP): EP {ep} × expert-DP "
                        f"{len(edp_groups[0])}; EP groups {_groups(ep_groups, 4)}; expert-DP groups "
                        f"{_groups(edp_groups, 4)}")
-    out.append(_packing(plan))
+    out.append(packing_line(plan))
     rollout = plan.reshard.groups.rollout
     out += ["", f"Rollout mesh (vLLM): {rollout.infer_dp} replicas × infer_tp {rollout.infer_tp}: "
                 f"{_groups(rollout.replicas, 12)}", ""]
