@@ -103,16 +103,19 @@ def _packed_attention_class() -> type:
                     attention_mask: torch.Tensor | None, attn_mask_type: Any = None,
                     attention_bias: torch.Tensor | None = None, packed_seq_params: Any = None) -> torch.Tensor:
             cp = self.config.context_parallel_size
-            if packed_seq_params is None and cp > 1:
-                return self._context_parallel_forward(query, key, value, attention_mask, attn_mask_type,
-                                                      attention_bias)
-            if packed_seq_params is None:
+            if packed_seq_params is None and cp == 1:
                 return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                        attention_bias=attention_bias)
+            if packed_seq_params is None:  # [s / cp, b, heads, d]: every row one segment of s
+                if attention_mask is not None:
+                    raise ValueError("context parallelism takes no attention mask here: causality over the "
+                                     "global columns defines it")
+                return self._context_parallel_forward(query, key, value, [0, query.shape[0] * cp],
+                                                      attn_mask_type, attention_bias)
             bounds = self._packed_bounds(query, packed_seq_params, attention_mask, cp)
-            if cp > 1:
-                return self._packed_context_parallel_forward(query, key, value, bounds, attn_mask_type,
-                                                             attention_bias)
+            if cp > 1:  # [t / cp, heads, d] -> one row: [t / cp, 1, heads, d]
+                return self._context_parallel_forward(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1),
+                                                      bounds, attn_mask_type, attention_bias)
             outputs = [
                 super(CpuPackedDotProductAttention, self).forward(
                     query[a:b].unsqueeze(1), key[a:b].unsqueeze(1), value[a:b].unsqueeze(1), None,
@@ -144,10 +147,11 @@ def _packed_attention_class() -> type:
                                  f"packed tokens" + (f" of each of {cp} CP ranks" if cp > 1 else ""))
             return bounds
 
-        def _packed_context_parallel_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                                             bounds: list[int], attn_mask_type: Any,
-                                             attention_bias: torch.Tensor | None) -> torch.Tensor:
-            """This rank's chunks of every segment (`[t / cp, heads, d]`) against the segment's gathered keys."""
+        def _context_parallel_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                      bounds: list[int], attn_mask_type: Any,
+                                      attention_bias: torch.Tensor | None) -> torch.Tensor:
+            """This rank's chunks of every segment (`[s / cp, b, heads, d]`, segments at the global `bounds`)
+            against the segment's keys and values, all-gathered over CP: `[s / cp, b, heads * d]`."""
             from megatron.core import parallel_state
 
             group = parallel_state.get_context_parallel_group()
@@ -159,28 +163,9 @@ def _packed_attention_class() -> type:
                 la, lb = a // cp, b // cp  # the segment's local tokens: its two chunks, one after the other
                 keys = torch.arange(a, b, device=query.device)
                 masked = keys.unsqueeze(0) > q_columns[la:lb].unsqueeze(1)  # [sq, sk], True = not attended
-                outputs.append(super().forward(
-                    query[la:lb].unsqueeze(1), full_key[a:b].unsqueeze(1), full_value[a:b].unsqueeze(1), masked,
-                    attn_mask_type=attn_mask_type, attention_bias=attention_bias))
-            return torch.cat(outputs, dim=0)  # [t / cp, 1, heads * d]
-
-        def _context_parallel_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                                      attention_mask: torch.Tensor | None, attn_mask_type: Any,
-                                      attention_bias: torch.Tensor | None) -> torch.Tensor:
-            from megatron.core import parallel_state
-
-            if attention_mask is not None:
-                raise ValueError("context parallelism takes no attention mask here: causality over the global "
-                                 "columns defines it")
-            group = parallel_state.get_context_parallel_group()
-            cp, rank = group.size(), group.rank()
-            local = query.shape[0]  # [s/cp, b, heads, d]
-            full_key, full_value = gather_from_cp(key, 0, group), gather_from_cp(value, 0, group)
-            q_columns = cp_columns([0, local * cp], cp, rank, query.device)
-            k_columns = torch.arange(local * cp, device=query.device)
-            masked = k_columns.unsqueeze(0) > q_columns.unsqueeze(1)  # [sq, sk], True = not attended
-            return super().forward(query, full_key, full_value, masked, attn_mask_type=attn_mask_type,
-                                   attention_bias=attention_bias)
+                outputs.append(super().forward(query[la:lb], full_key[a:b], full_value[a:b], masked,
+                                               attn_mask_type=attn_mask_type, attention_bias=attention_bias))
+            return torch.cat(outputs, dim=0)
 
     return CpuPackedDotProductAttention
 
