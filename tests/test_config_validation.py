@@ -57,14 +57,6 @@ CASES = {
     "cp x tp x pp divides world": (["trainer.device=cpu", f"{A}.megatron.context_parallel_size=4"],
                                    f"{A}.megatron.context_parallel_size", "CP × TP × PP × DP = world",
                                    ["trainer.device=cpu", f"{A}.megatron.context_parallel_size=2"]),
-    "cp with packing refused": (
-        [*CPU_CP2, "actor_rollout_ref.model.use_remove_padding=true"],
-        f"{A}.megatron.context_parallel_size", "use_remove_padding=true is not implemented yet",
-        [*CPU_CP2, "actor_rollout_ref.model.use_remove_padding=false"]),
-    "cp of the critic with its packing refused": (
-        ["trainer.device=cpu", "critic.megatron.context_parallel_size=2", "critic.model.use_remove_padding=true"],
-        "critic.megatron.context_parallel_size", "critic.model.use_remove_padding=true",
-        ["trainer.device=cpu", "critic.megatron.context_parallel_size=2"]),
     "ref cp differs from actor": (["trainer.device=cpu", "actor_rollout_ref.ref.megatron.context_parallel_size=2"],
                                   "actor_rollout_ref.ref.megatron.context_parallel_size",
                                   f"must equal {A}.megatron.context_parallel_size=1",
@@ -498,6 +490,16 @@ def test_cp2_on_cpu_plans_with_activations_divided_by_cp():
     gib = 1024 ** 3
     assert act[1] == pytest.approx((layers * per_layer_cp1 + logits) / gib, abs=2e-3)
     assert act[2] == pytest.approx((layers * per_layer_cp1 / 2 + logits) / gib, abs=2e-3)
+
+
+def test_cp2_with_packing_plans_on_cpu():
+    """CP > 1 with packed micro-batches (each row's segment cut into 2 × CP chunks) is no longer
+    refused: explicitly on for the actor and the critic, and by the CPU default."""
+    gae = ["algorithm.adv_estimator=gae", "critic.megatron.context_parallel_size=2"]
+    for packing in ([], ["actor_rollout_ref.model.use_remove_padding=true", "critic.model.use_remove_padding=true"]):
+        plan = plan_from_sources(SEED, [*CPU_CP2, *gae, *packing])
+        for role in ("actor", "ref", "critic"):
+            assert plan.layout(role).mesh.cp == 2 and plan.resolved.packed(role), (role, packing)
 
 
 def test_refused_setting_stops_train_before_any_process():

@@ -312,12 +312,13 @@ def _expected_in_router_order(batch: Any, moe_layers: tuple[int, ...], micro: in
 
 
 def test_actor_forward_routes_every_token_as_vllm_did(rollout_replay):
+    """The actor runs packed micro-batches (the CPU default), so its routers see the rows' real tokens
+    one after another."""
     batch, moe_layers = rollout_replay["batch"], rollout_replay["moe_layers"]
-    expected = _expected_in_router_order(batch, moe_layers)
+    expected = _expected_in_router_order(batch, moe_layers, packed=True)
     differing = {}
     for run in ("replay", "free"):
         _, _, calls = rollout_replay[run]
-        expected = _expected_in_router_order(batch, moe_layers, packed=run == "packed")
         flips = 0
         for axis, layer in enumerate(moe_layers):
             got = _router_sets(calls, layer)
@@ -328,7 +329,6 @@ def test_actor_forward_routes_every_token_as_vllm_did(rollout_replay):
         differing[run] = flips
     assert differing["free"] > 0, "the router noise changed no routing: the replay check proves nothing"
     assert differing["replay"] == 0
-    expected = _expected_in_router_order(batch, moe_layers)
     # the metric: megatron's own top-k (plain torch, from each replayed call's input and weight) vs vLLM's
     own_differs = own_total = 0
     micro_of_layer: dict[int, int] = {}

@@ -118,6 +118,9 @@ def test_router_aux_loss_and_imbalance_are_megatrons(tmp_path, world, ep):
     hf = make_hf_model(tmp_path / "hf", "qwen3_moe", seed=8)
     batch = rollout_batch(8)
     config = job_config(hf, world=world)
+    # padded micro-batches: the subject is the mask over each row's padding columns ([b, s] after its
+    # real run), which the packed layout (the CPU default) has almost none of
+    config.actor_rollout_ref.model.use_remove_padding = False
     mc = config.actor_rollout_ref.actor.megatron
     mc.expert_model_parallel_size, mc.moe_aux_loss_coeff, mc.moe_z_loss_coeff = ep, 0.01, 0.001
     results = run_ranks(_router_update_rank, world, config, batch, timeout_s=400)
@@ -142,3 +145,32 @@ def test_router_aux_loss_and_imbalance_are_megatrons(tmp_path, world, ep):
         assert metrics["actor/moe_expert_imbalance"] == pytest.approx(imbalance, rel=1e-9)
         assert 1.0 <= imbalance <= 8 / top_k
     assert 0 < aux < 10  # Switch's loss is top_k-normalized: 1 when perfectly balanced
+
+
+def test_moe_at_cp2_packed_equals_transformers_and_cp1(tmp_path):
+    """An MoE model at CP2 on packed micro-batches (the CPU default): its dense and MoE layers' core
+    attention is the CPU stand-in too, so the log-probs equal transformers' and one update with the
+    load-balancing loss on equals padded CP1's (loss, grad norm, aux loss, every weight)."""
+    from tests.test_training_context_parallel import _log_prob_rank, _update_rank, with_cp
+    from tests.test_training_fixtures import hf_response_log_probs
+
+    hf = make_hf_model(tmp_path / "hf", "qwen3_moe", seed=7)
+    batch = rollout_batch(8, seed=9)
+    ref_lp, _ = hf_response_log_probs(hf, batch)
+    config = with_cp(job_config(hf, world=2, micro=4), 2, packed=True)
+    (log_probs,) = [r["out"]["old_log_probs"] for r in run_ranks(_log_prob_rank, 2, config, batch)
+                    if r["out"] is not None]
+    assert (log_probs - ref_lp).abs().max() <= 1e-5 and ref_lp.abs().max() > 1e-2
+    runs = {}
+    for cp, packed in ((1, False), (2, True)):
+        config = with_cp(job_config(hf, world=cp, micro=2, use_kl_loss=True), cp, packed)
+        config.actor_rollout_ref.actor.megatron.moe_aux_loss_coeff = 0.01
+        (runs[cp],) = [r for r in run_ranks(_update_rank, cp, config, batch) if r["metrics"] is not None]
+    m1, m2 = runs[1]["metrics"], runs[2]["metrics"]
+    for name in ("pg_loss", "grad_norm", "kl_loss"):
+        assert abs(getattr(m2, name) - getattr(m1, name)) <= 1e-5, name
+    assert m2.as_dict()["actor/moe_aux_loss"] == pytest.approx(m1.as_dict()["actor/moe_aux_loss"], rel=1e-5)
+    # Adam at lr 1e-2 turns fp32 summation-order noise in small expert gradients into ~1e-5 weight
+    # differences (measured: 9.6e-6 at most); a wrong layout moves weights by ~1e-2
+    for name, value in runs[1]["weights"].items():
+        assert (runs[2]["weights"][name] - value).abs().max() <= 3e-5, name

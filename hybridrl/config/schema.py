@@ -135,9 +135,11 @@ class ModelConfig:
     tokenizer_path: str | None = doc(None, "tokenizer folder; None = model path")
     trust_remote_code: bool = doc(False, "allow custom modelling code from the model folder")
     enable_gradient_checkpointing: bool = doc(False, "recompute activations in backward (full recompute)")
-    use_remove_padding: bool = doc(
-        False, "pack each micro-batch's rows into one sequence without padding (megatron THD, cu_seqlens) in "
-               "every training and log-prob/value pass of the roles built from this model")
+    use_remove_padding: bool | None = doc(
+        None, "pack each micro-batch's rows into one sequence without padding (megatron THD, cu_seqlens) in "
+              "every training and log-prob/value pass of the roles built from this model; null = on where the "
+              "device serves packed attention (cpu: the CPU layer's stand-in; cuda: TransformerEngine's, which "
+              "the gpu extra installs), false = padded micro-batches")
 
 
 @dataclass

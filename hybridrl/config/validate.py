@@ -250,20 +250,17 @@ def _model_section(config: JobConfig, megatron_prefix: str) -> tuple[str, Any]:
 
 def _check_context_parallel(check: _Checker, config: JobConfig, prefix: str, mc: MegatronConfig, cp: int,
                             policy: Any) -> None:
-    """context_parallel_size > 1: what the workers serve so far (padded micro-batches, CPU), the rest refused.
+    """context_parallel_size > 1: what the workers serve so far (CPU, padded or packed), the rest refused.
 
-    Sequence lengths need no rule: the training backend pads each micro-batch to a multiple of 2 × CP
-    (megatron's load-balanced split), and the memory estimate divides activations by CP."""
+    Sequence lengths need no rule: the training backend pads each micro-batch (packed: each row's
+    segment) to a multiple of 2 × CP (megatron's load-balanced split), and the memory estimate divides
+    activations by CP."""
     field = f"{prefix}.context_parallel_size"
-    model_prefix, model_section = _model_section(config, prefix)
     # one message per field: the first rule that fails
     if policy is not None and not policy.megatron_cpu_layer:
         check.fail(field, cp, f"is implemented on trainer.device=cpu only so far (the CPU attention stand-in "
                    f"all-gathers keys and values); on {config.trainer.device} TransformerEngine's ring attention "
                    "is not wired yet; use 1", [1])
-    elif model_section.use_remove_padding:
-        check.fail(field, cp, f"with {model_prefix}.use_remove_padding=true is not implemented yet (packed "
-                   "sequences would need a per-segment CP split); set use_remove_padding=false, or use 1", [1])
     elif mc.sequence_parallel and mc.tensor_model_parallel_size != 1:
         # unreachable while CP runs on CPU only (no SP there); kept for when the GPU path is wired
         check.fail(field, cp, "with sequence_parallel=true is not implemented yet (the last stage gathers "
@@ -316,14 +313,6 @@ def _check_unsupported(check: _Checker, config: JobConfig, model: ModelShape | N
     arr = config.actor_rollout_ref
     # None for an unknown trainer.device (reported by _check_trainer): the device checks are skipped
     policy = DEVICE_POLICIES.get(config.trainer.device)
-    if policy is not None and policy.transformer_engine_possible:
-        for prefix, section in (("actor_rollout_ref.model", arr.model), ("critic.model", config.critic.model),
-                                ("reward_model.model", config.reward_model.model)):
-            if section.use_remove_padding:
-                check.warnings.append(
-                    f"{prefix}.use_remove_padding=true needs Transformer Engine on the workers (its attention "
-                    "reads cu_seqlens; megatron's local attention refuses packed sequences and the workers stop "
-                    "at start-up without TE); the CPU suite runs packing through its own attention stand-in")
     _check_router_replay(check, config, model)
     for prefix, mc in megatron_sections(config):
         tp = mc.tensor_model_parallel_size

@@ -169,17 +169,18 @@ def layer_spec(shape: ModelShape, kind: str, config: Any = None, chunk: StageChu
                cpu_layer: bool = False) -> Any:
     """The GPT layer spec (dense), or for an MoE model this chunk's block spec: megatron's per-layer
     choice between the MoE and the dense layer (`moe_layer_freq`) for the layers `chunk` holds. With
-    `cpu_layer` (the device policy's `megatron_cpu_layer`) a dense local spec's core attention is the
-    CPU layer's stand-in that also serves packed sequences."""
+    `cpu_layer` (the device policy's `megatron_cpu_layer`) every local layer's core attention is the
+    CPU layer's stand-in that also serves packed sequences and context parallelism."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if shape.is_moe:
         if config is None or chunk is None:
             raise ValueError("an MoE model's layer spec needs its TransformerConfig and chunk")
         _define_missing_te_gemm()
-        return gpt_layer_specs.get_gpt_decoder_block_spec(
+        block = gpt_layer_specs.get_gpt_decoder_block_spec(
             config, use_transformer_engine=kind == "te", normalization="RMSNorm",
             vp_stage=chunk.vp_stage, pp_rank=chunk.pp_rank)
+        return with_cpu_packed_attention(block) if cpu_layer else block
     if kind == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")

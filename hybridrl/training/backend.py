@@ -67,7 +67,7 @@ class RoleSpec:
     dtype: str
     device_policy: DevicePolicy  # the Plan's (its name is the resolved device)
     gradient_checkpointing: bool = False
-    packed: bool = False  # the model config's use_remove_padding: micro-batches as packed (THD) sequences
+    packed: bool = False  # the model section's resolved use_remove_padding: micro-batches as packed (THD) sequences
     # actor.router_replay == "rollout" (actor only): every forward routes as the rollout's vLLM did,
     # from the batch's `routed_experts` column (`hybridrl.training.router_replay`)
     router_replay: bool = False
@@ -89,18 +89,18 @@ def role_spec(plan: Plan, role: Role | str) -> RoleSpec:
     policy = plan.device_policy
     if role == Role.ACTOR:
         return RoleSpec(role, arr.model.path, megatron, arr.actor.optim, False, dtype, policy,
-                        arr.model.enable_gradient_checkpointing, arr.model.use_remove_padding,
+                        arr.model.enable_gradient_checkpointing, plan.resolved.packed(role),
                         router_replay=arr.actor.router_replay == "rollout")
     if role == Role.REF:
         return RoleSpec(role, arr.model.path, megatron, None, False, dtype, policy,
-                        packed=arr.model.use_remove_padding)
+                        packed=plan.resolved.packed(role))
     if role == Role.CRITIC:
         return RoleSpec(role, config.critic.model.path or arr.model.path, megatron, config.critic.optim, True,
                         dtype, policy, config.critic.model.enable_gradient_checkpointing,
-                        config.critic.model.use_remove_padding)
+                        plan.resolved.packed(role))
     if role == Role.REWARD_MODEL:
         return RoleSpec(role, config.reward_model.model.path, megatron, None, True, dtype, policy,
-                        packed=config.reward_model.model.use_remove_padding)
+                        packed=plan.resolved.packed(role))
     raise AssertionError(role)  # every Role is handled above
 
 
@@ -135,13 +135,19 @@ def _activate_cpu_layer(policy: DevicePolicy) -> None:
         apply_cpu_layer()
 
 
-def packed_seq_params(micro: ModelInputs) -> Any:
-    """megatron's `PackedSeqParams` (THD) of a packed micro-batch, None for a padded one."""
+def packed_seq_params(micro: ModelInputs, cp: int = 1) -> Any:
+    """megatron's `PackedSeqParams` (THD) of a packed micro-batch, None for a padded one.
+
+    Under context parallelism (`cp` > 1) the segments are padded to 2 × CP chunks and `cu_seqlens`
+    bounds the padded segments: they are given as the padded boundaries too, as megatron's
+    `get_thd_batch_on_this_cp_rank` does, so the rotary split and TE's THD CP read the same layout."""
     if not micro.is_packed:
         return None
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    padded = micro.cu_seqlens if cp > 1 else None
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=micro.cu_seqlens, cu_seqlens_kv=micro.cu_seqlens,
+                           cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
                            max_seqlen_q=micro.max_seqlen, max_seqlen_kv=micro.max_seqlen)
 
 
@@ -158,16 +164,16 @@ def _model_forward(model: Any, micro: ModelInputs,
     states `[s, b, h]` before the output layer.
 
     Context parallelism (CP > 1): the model sees this CP rank's columns of the micro-batch
-    (megatron's load-balanced order, `hybridrl.parallel.context_parallel`), and on the last stage the
-    decoder's output is all-gathered over CP back into the whole sequence before `hidden_hook` and the
-    output layer. So the output and everything computed from it (log-probs, entropy, values, the loss)
-    are those of CP = 1 on every CP rank; the gather's backward sums their gradients over CP, which
-    `train_mini_batch`'s loss scale accounts for.
+    (megatron's load-balanced order, `hybridrl.parallel.context_parallel`; packed: chunks of every
+    segment, TE's THD order), and on the last stage the decoder's output is all-gathered over CP back
+    into the whole sequence before `hidden_hook` and the output layer. So the output and everything
+    computed from it (log-probs, entropy, values, the loss) are those of CP = 1 on every CP rank; the
+    gather's backward sums their gradients over CP, which `train_mini_batch`'s loss scale accounts for.
     """
     gpt = _unwrapped(model)
     input_ids, position_ids = micro.input_ids, micro.position_ids
     cp = gpt.config.context_parallel_size
-    kwargs: dict[str, Any] = {"packed_seq_params": packed_seq_params(micro)}
+    kwargs: dict[str, Any] = {"packed_seq_params": packed_seq_params(micro, cp)}
     # MoE: padding columns are routed (the dispatch is dense) but left out of the router's losses and
     # counts, as transformers' load-balancing loss leaves out masked tokens.
     padding_mask = micro.padding_mask() if gpt.config.num_moe_experts else None
@@ -176,12 +182,12 @@ def _model_forward(model: Any, micro: ModelInputs,
         from megatron.core import parallel_state
 
         group = parallel_state.get_context_parallel_group()
-        rank = group.rank()
-        input_ids = split_for_cp_rank(input_ids, 1, cp, rank)
-        position_ids = split_for_cp_rank(position_ids, 1, cp, rank)
+        rank, bounds = group.rank(), micro.segment_bounds
+        input_ids = split_for_cp_rank(input_ids, 1, cp, rank, bounds)
+        position_ids = split_for_cp_rank(position_ids, 1, cp, rank, bounds)
         if padding_mask is not None:
-            padding_mask = split_for_cp_rank(padding_mask, 1, cp, rank)
-        hooks.append(lambda hidden: gather_from_cp(hidden, 0, group))
+            padding_mask = split_for_cp_rank(padding_mask, 1, cp, rank, bounds)
+        hooks.append(lambda hidden: gather_from_cp(hidden, 0, group, bounds))
     if padding_mask is not None:
         if gpt.config.sequence_parallel and not gpt.pre_process:
             # megatron scatters the mask over the sequence-parallel ranks only on the stage that embeds
@@ -280,8 +286,9 @@ class MegatronBackend:
         if spec.packed and not self.device_policy.megatron_cpu_layer and layer_spec_kind(self.ctx.device) != "te":
             # megatron's local DotProductAttention asserts packed_seq_params is None; on CPU the CPU
             # layer's stand-in serves it (hybridrl/parallel/cpu_attention.py), on GPUs TE's attention does.
-            raise ValueError(f"{spec.role}: use_remove_padding=true on cuda needs TransformerEngine (its attention "
-                             "honours cu_seqlens; megatron's local attention does not); install it or set "
+            raise ValueError(f"{spec.role}: packed sequences (model.use_remove_padding: true, and the default on cuda) "
+                             "need TransformerEngine on the workers (its attention honours cu_seqlens; megatron's "
+                             "local attention does not); install it (the gpu extra does) or set "
                              "use_remove_padding=false")
         if megatron.context_parallel_size > 1:
             self._check_context_parallel(spec)
@@ -343,10 +350,6 @@ class MegatronBackend:
     def _check_context_parallel(self, spec: RoleSpec) -> None:
         """What context parallelism serves today (the plan refuses the rest first, `config/validate.py`)."""
         cp = spec.megatron.context_parallel_size
-        if spec.packed:
-            raise ValueError(f"{spec.role}: context_parallel_size={cp} with use_remove_padding=true is not "
-                             "implemented yet (packed sequences would need a per-segment CP split); set "
-                             "use_remove_padding=false or context_parallel_size=1")
         if spec.megatron.sequence_parallel and spec.megatron.tensor_model_parallel_size > 1:
             # The last stage's hidden states are gathered over CP along s, where SP splits them over TP too.
             raise ValueError(f"{spec.role}: context_parallel_size={cp} with sequence_parallel=true is not "
@@ -430,6 +433,11 @@ class MegatronBackend:
             multiple = math.lcm(multiple, 2 * self.ctx.cp)
         return multiple
 
+    @property
+    def segment_multiple(self) -> int:
+        """Packed micro-batches under context parallelism: each row's segment cuts into 2 × CP chunks."""
+        return 2 * self.ctx.cp if self.spec.packed and self.ctx.cp > 1 else 1
+
     def micro_batches(self, tensors: dict[str, torch.Tensor], partition: Sequence[Sequence[int]], *,
                       extra_keys: tuple[str, ...] = (), free_routing: bool = False) -> list[ModelInputs]:
         """The model inputs of each part of `partition` (row lists of `tensors`), on this rank's device.
@@ -448,7 +456,8 @@ class MegatronBackend:
             raise ValueError(f"{self.spec.role}: router_replay=rollout needs the rollout's `routed_experts` column; "
                              "this batch has none (generate it with rollout routing on)")
         cut = [micro_batch_inputs(tensors, list(rows), extra_keys=extra_keys, pad_multiple=self.pad_multiple,
-                                  packed=self.spec.packed, routed_experts=replay)
+                                  packed=self.spec.packed, segment_multiple=self.segment_multiple,
+                                  routed_experts=replay)
                for rows in partition]
         self.tokens_seen.add(cut)
         return [micro.map_tensors(lambda t: to_rank_device(t, device)) for micro in cut]
