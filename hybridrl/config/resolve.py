@@ -37,7 +37,6 @@ class Resolved:
     probe_tolerance: float = 1e-4
     # The weight sync's bucket (rollout.update_weights_bucket_megabytes, in bytes).
     sync_bucket_bytes: int = 512 << 20
-<<<<<<< HEAD
     # rollout.mode: disaggregated puts vLLM on a pool of its own, `rollout_world` ranks (colocated: the
     # training world's ranks are vLLM's too).
     disaggregated: bool = False
@@ -49,7 +48,6 @@ class Resolved:
     max_staleness: int = 1
     stale_samples: str = "drop"
     partial_rollout: bool = True
-=======
     # model.use_remove_padding of the policy (actor and reference), the critic and the reward model:
     # the user's value, or where unset whether the device serves packed attention (DevicePolicy).
     packed_policy: bool = False
@@ -60,7 +58,6 @@ class Resolved:
         """Whether `role` runs packed (THD) micro-batches (its model section's resolved use_remove_padding)."""
         return {Role.ACTOR: self.packed_policy, Role.REF: self.packed_policy, Role.CRITIC: self.packed_critic,
                 Role.REWARD_MODEL: self.packed_reward_model}[Role(role)]
->>>>>>> cp-pack-21
 
 
 def resolve(config: JobConfig) -> Resolved:
@@ -101,7 +98,6 @@ def resolve(config: JobConfig) -> Resolved:
         if isinstance(rollout.update_weights_bucket_megabytes, int) else 0,
         probe_tolerance=probe_tolerance(rollout.probe_tolerance, actor.megatron.dtype or policy.default_train_dtype,
                                          rollout.dtype or policy.default_rollout_dtype),
-<<<<<<< HEAD
         disaggregated=disaggregated,
         rollout_world=rollout_world,
         free_cache_engine=not disaggregated if rollout.free_cache_engine is None else bool(rollout.free_cache_engine),
@@ -109,11 +105,9 @@ def resolve(config: JobConfig) -> Resolved:
         max_staleness=1 if rollout.max_staleness is None else rollout.max_staleness,
         stale_samples=rollout.stale_samples or "drop",
         partial_rollout=True if rollout.partial_rollout is None else bool(rollout.partial_rollout),
-=======
         packed_policy=remove_padding(config.actor_rollout_ref.model.use_remove_padding, policy),
         packed_critic=remove_padding(config.critic.model.use_remove_padding, policy),
         packed_reward_model=remove_padding(config.reward_model.model.use_remove_padding, policy),
->>>>>>> cp-pack-21
     )
 
 
