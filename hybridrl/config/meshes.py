@@ -108,6 +108,13 @@ def expert_groups(mesh: TrainingMesh, ep: int) -> tuple[Groups, Groups]:
     return ep_groups, edp_groups
 
 
+def expert_group_spans_replicas(tp: int, cp: int, ep: int, etp: int | None = None) -> bool:
+    """Whether megatron's expert TP x EP group (the `etp * ep` consecutive ranks of a pipeline stage
+    in its expert rank generator's order) holds ranks of different DP replicas (each `tp * cp`
+    consecutive ranks), which feed it micro-batches of their own rows. `etp` None: TP."""
+    return (tp * cp) % ((etp or tp) * ep) != 0
+
+
 @dataclass(frozen=True)
 class RolloutMesh:
     """vLLM replicas: `replicas[i]` are the ranks of replica i in vLLM TP-rank order."""
