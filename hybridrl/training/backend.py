@@ -113,20 +113,22 @@ def ensure_parallel_state(megatron: MegatronConfig, device: str) -> Any:
     cp, vpp = megatron.context_parallel_size, megatron.virtual_pipeline_model_parallel_size
     vpp = vpp if vpp and vpp > 1 else None
     ep = megatron.expert_model_parallel_size
+    etp = megatron.expert_tensor_parallel_size or tp
     first, last = megatron.num_layers_in_first_pipeline_stage, megatron.num_layers_in_last_pipeline_stage
     if state.is_initialized():
         ctx = state.get_context()
-        have = (ctx.tp, ctx.pp, ctx.cp, ctx.vpp, ctx.ep, ctx.first_stage_layers, ctx.last_stage_layers)
-        if have != (tp, pp, cp, vpp, ep, first, last):
+        have = (ctx.tp, ctx.pp, ctx.cp, ctx.vpp, ctx.ep, ctx.etp or ctx.tp, ctx.first_stage_layers,
+                ctx.last_stage_layers)
+        if have != (tp, pp, cp, vpp, ep, etp, first, last):
             raise ValueError(
                 f"this process already runs megatron with tp={ctx.tp} pp={ctx.pp} cp={ctx.cp} vpp={ctx.vpp} "
-                f"ep={ctx.ep} stage layers first={ctx.first_stage_layers} last={ctx.last_stage_layers}; a role "
-                f"needing tp={tp} pp={pp} cp={cp} vpp={vpp} ep={ep} first={first} last={last} must live in its "
-                "own worker group"
+                f"ep={ctx.ep} etp={ctx.etp or ctx.tp} stage layers first={ctx.first_stage_layers} "
+                f"last={ctx.last_stage_layers}; a role needing tp={tp} pp={pp} cp={cp} vpp={vpp} ep={ep} etp={etp} "
+                f"first={first} last={last} must live in its own worker group"
             )
         return ctx
     return state.initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, cp=cp, seed=megatron.seed, device=device, ep=ep,
-                                           first_stage_layers=first, last_stage_layers=last)
+                                           first_stage_layers=first, last_stage_layers=last, etp=etp)
 
 
 def _activate_cpu_layer(policy: DevicePolicy) -> None:

@@ -72,8 +72,8 @@ class TrainState:
         self._keys: dict[str, set[str]] = {}
         self._pieces = hf_export_map(self.shape, self.layout)
 
-    def handle(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> Any:
-        if ep_rank:
+    def handle(self, tp_rank: int, pp_rank: int, ep_rank: int = 0, etp_rank: int | None = None) -> Any:
+        if ep_rank or etp_rank not in (None, tp_rank):
             raise RoleCheckpointError("role checkpoints of expert-parallel (ep > 1) models are not supported yet")
         name = state_file(tp_rank, pp_rank)
         path = self.folder / name
@@ -150,7 +150,8 @@ class KindReader:
         self.store, self.prefix = store, f"{kind}/"
 
     def read(self, hf_name: str, axis: int | None, start: int, stop: int) -> torch.Tensor:
-        return read_pieces(self.store._pieces[hf_name], self.store.handle, axis, start, stop, self.prefix)
+        return read_pieces(self.store._pieces[hf_name], lambda rank: self.store.handle(*rank), axis, start, stop,
+                           self.prefix)
 
 
 def saved_tensor(store: TrainState, kind: str, entry: StateEntry, same: bool, ctx: Any) -> torch.Tensor:
