@@ -565,6 +565,7 @@ def moe_model_dir(tmp_path: Path, experts: int = 8, top_k: int = 2, moe_ffn: int
 
 
 EP = f"{A}.megatron.expert_model_parallel_size"
+ETP = f"{A}.megatron.expert_tensor_parallel_size"
 CAP = f"{A}.megatron.moe_expert_capacity_factor"
 DISPATCH = f"{A}.megatron.moe_token_dispatcher_type"
 
@@ -574,8 +575,22 @@ MOE_CASES = {
     "ep within dp x cp x tp": (dict(experts=12), [f"{A}.megatron.pipeline_model_parallel_size=2", f"{EP}=2"], EP,
                                "must divide DP × CP × TP = 3×1×1", [f"{A}.megatron.pipeline_model_parallel_size=2",
                                                                    f"{EP}=3"]),
-    "etp is tp": ({}, [f"{A}.megatron.expert_tensor_parallel_size=2"], f"{A}.megatron.expert_tensor_parallel_size",
-                  "must equal tensor_model_parallel_size=1", [f"{A}.megatron.expert_tensor_parallel_size=1"]),
+    "etp other than tp needs tp 1": ({}, [f"{A}.megatron.tensor_model_parallel_size=2", f"{ETP}=1",
+                                          f"{A}.megatron.sequence_parallel=true", "trainer.device=cuda"], ETP,
+                                     "is built and tested with tensor_model_parallel_size=1 only",
+                                     [f"{A}.megatron.tensor_model_parallel_size=2", f"{ETP}=2",
+                                      f"{A}.megatron.sequence_parallel=true", "trainer.device=cuda"]),
+    "etp divides the experts' width": (dict(moe_ffn=100), [f"{ETP}=3"], ETP, "must divide the experts' intermediate "
+                                       "size 100", [f"{ETP}=2"]),
+    "ep x etp within dp x cp x tp": (dict(experts=12), [f"{EP}=2", f"{ETP}=4"], EP,
+                                     "× expert_tensor_parallel_size=4 must divide DP × CP × TP = 6×1×1",
+                                     [f"{EP}=3", f"{ETP}=2"]),
+    "etp with routing replay": ({}, [f"{ETP}=2", f"{A}.router_replay=rollout"], ETP,
+                                "with actor_rollout_ref.actor.router_replay=rollout has not been tested",
+                                [f"{A}.router_replay=rollout"]),
+    "etp with a disaggregated rollout": ({}, [f"{ETP}=2", f"{R}.mode=disaggregated", f"{R}.nnodes=1",
+                                              f"{R}.n_gpus_per_node=2"], ETP, "the cross-pool weight sync",
+                                         [f"{R}.mode=disaggregated", f"{R}.nnodes=1", f"{R}.n_gpus_per_node=2"]),
     "tp divides the experts' width": (dict(moe_ffn=100), [f"{A}.megatron.tensor_model_parallel_size=3",
                                                           f"{A}.megatron.sequence_parallel=true"],
                                       f"{A}.megatron.tensor_model_parallel_size",

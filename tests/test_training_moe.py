@@ -18,8 +18,9 @@ from tests.test_models_fixtures import make_hf_model, safetensors_state
 from tests.test_training_fixtures import job_config, rollout_batch
 from tests.test_training_ranks import _update_rank
 
-# (world, ep, token dispatcher); the first is the single-rank reference
-MOE_LAYOUTS = ((1, 1, "alltoall"), (2, 1, "alltoall"), (2, 2, "alltoall"), (2, 2, "allgather"))
+# (world, ep, expert TP, token dispatcher); the first is the single-rank reference
+MOE_LAYOUTS = ((1, 1, None, "alltoall"), (2, 1, None, "alltoall"), (2, 2, None, "alltoall"),
+               (2, 2, None, "allgather"), (2, 1, 2, "alltoall"), (2, 1, 2, "allgather"))
 
 
 def micro_widths(batch: Any, dp: int, micro: int) -> list[list[int]]:
@@ -33,29 +34,31 @@ def micro_widths(batch: Any, dp: int, micro: int) -> list[list[int]]:
 
 @pytest.mark.slow
 def test_moe_update_at_ep2_equals_ep1(tmp_path):
-    """EP2 equals EP1 and one rank, with either of megatron's token dispatchers. The allgather one
-    gathers equal shares over the EP group, whose two ranks cut different rows here: their
+    """EP2 and TP1 x ETP2 (each expert split over the two DP ranks, which then see both ranks' tokens)
+    equal EP1 and one rank, with either of megatron's token dispatchers. The allgather one gathers
+    equal shares over the expert TP x EP group, whose two ranks cut different rows here: their
     micro-batches differ in width (checked), so it runs only because the backend pads them to the
     batch's width (without that its all-gather fails on the unequal shapes)."""
     hf = make_hf_model(tmp_path / "hf", "qwen3_moe", seed=7)
     batch = rollout_batch(8)
     widths = micro_widths(batch, 2, 2)
     assert widths[0] != widths[1], widths
-    runs: dict[tuple[int, int, str], tuple[Any, dict]] = {}
-    for world, ep, dispatcher in MOE_LAYOUTS:
-        out = tmp_path / f"out_w{world}ep{ep}{dispatcher}"
+    runs: dict[tuple[int, int, int | None, str], tuple[Any, dict]] = {}
+    for world, ep, etp, dispatcher in MOE_LAYOUTS:
+        out = tmp_path / f"out_w{world}ep{ep}etp{etp}{dispatcher}"
         config = job_config(hf, world=world, use_kl_loss=True, entropy_coeff=0.01)
-        config.actor_rollout_ref.actor.megatron.expert_model_parallel_size = ep
-        config.actor_rollout_ref.actor.megatron.moe_token_dispatcher_type = dispatcher
+        mc = config.actor_rollout_ref.actor.megatron
+        mc.expert_model_parallel_size, mc.expert_tensor_parallel_size = ep, etp
+        mc.moe_token_dispatcher_type = dispatcher
         results = run_ranks(_update_rank, world, config, batch, str(out), timeout_s=400)
         metrics = [r["metrics"] for r in results if r["metrics"] is not None]
         assert len(metrics) == world  # one output rank per DP replica
-        if ep > 1:  # the ranks hold different experts (same local names) and the same dense weights
+        if ep > 1 or etp:  # different experts or expert halves (same local names), the same dense weights
             mine, theirs = results[0]["digests"], results[1]["digests"]
             experts = [n for n in mine if "local_experts" in n]
             assert experts and all(mine[n] != theirs[n] for n in experts)
             assert all(mine[n] == theirs[n] for n in mine if "local_experts" not in n)
-        runs[world, ep, dispatcher] = (metrics[0], safetensors_state(out))
+        runs[world, ep, etp, dispatcher] = (metrics[0], safetensors_state(out))
     base_metrics, base_state = runs[MOE_LAYOUTS[0]]
     initial = safetensors_state(hf)
     for key, (metrics, state) in runs.items():

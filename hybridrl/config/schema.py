@@ -160,8 +160,8 @@ class MegatronConfig:
     expert_model_parallel_size: int = doc(1, "EP (MoE models): each MoE layer's experts split over this many "
                                           "GPUs, inside the DP × CP span")
     expert_tensor_parallel_size: int | None = doc(None, "ETP (MoE models): each expert's matrices split over this "
-                                                  "many GPUs; None = tensor_model_parallel_size (the only value "
-                                                  "supported now)")
+                                                  "many GPUs (megatron's expert mesh: EP × ETP within DP × CP × TP); "
+                                                  "None = tensor_model_parallel_size; another value needs TP 1 so far")
     moe_router_load_balancing_type: MoELoadBalancing = doc(
         "aux_loss", "MoE models: megatron's router load-balancing loss (aux_loss: over each micro-batch, "
         "seq_aux_loss: per sequence, none); it acts only with moe_aux_loss_coeff > 0")

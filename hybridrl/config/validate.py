@@ -132,6 +132,7 @@ def validate(
     infer_dp = _check_rollout_layout(check, config, rollout_world, model, pool=resolved.disaggregated)
     _check_unsupported(check, config, model)
     _check_moe_dispatch(check, config, model)
+    _check_expert_tp_uses(check, config)
     if model is not None and model.is_moe and resolved.critic_enabled and not config.critic.model.path:
         # A value head on an MoE backbone (router losses, expert-parallel critic) is not built or tested.
         check.fail("critic.model.path", config.critic.model.path,
@@ -570,7 +571,7 @@ def _check_layout(check: _Checker, prefix: str, mc: MegatronConfig, world: int, 
                        f"must be true to train a mixture-of-experts model at tensor_model_parallel_size={tp}: "
                        "megatron's MoE layer refuses TP without sequence parallelism in training (on CPU, "
                        "where sequence parallelism is refused too, train MoE models at TP 1)", [True])
-        if model.is_moe and model.moe_ffn_hidden_size % tp:
+        if model.is_moe and mc.expert_tensor_parallel_size in (None, tp) and model.moe_ffn_hidden_size % tp:
             check.fail(f"{prefix}.tensor_model_parallel_size", tp,
                        f"must divide the experts' intermediate size {model.moe_ffn_hidden_size} (each expert is "
                        "split over TP like the dense MLP)", [d for d in divisors(heads)
@@ -622,7 +623,8 @@ def _check_stage_split(check: _Checker, prefix: str, mc: MegatronConfig, model: 
 
 def _check_experts(check: _Checker, prefix: str, mc: MegatronConfig, tp: int, cp: int, dp: int,
                    model: ModelShape | None) -> bool:
-    """Expert-parallel rules (MoE models): EP splits the experts inside DP × CP, ETP is TP."""
+    """Expert-parallel rules (MoE models): megatron's expert mesh, EP × expert TP, tiles the DP × CP × TP
+    ranks of a pipeline stage; an expert TP other than TP is built and tested at TP 1."""
     ep, etp = mc.expert_model_parallel_size, mc.expert_tensor_parallel_size
     check.in_range(f"{prefix}.moe_aux_loss_coeff", mc.moe_aux_loss_coeff, 0.0, 1e3)
     if mc.moe_z_loss_coeff is not None:
@@ -632,28 +634,39 @@ def _check_experts(check: _Checker, prefix: str, mc: MegatronConfig, tp: int, cp
                    "has no effect with moe_router_load_balancing_type=none: set the type to aux_loss or "
                    "seq_aux_loss, or the coefficient to 0", [0.0])
     ok = check.is_int_at_least(f"{prefix}.expert_model_parallel_size", ep, 1)
-    if etp is not None:
-        if not check.is_int_at_least(f"{prefix}.expert_tensor_parallel_size", etp, 1):
-            ok = False
-        elif etp != tp:
-            ok = check.fail(f"{prefix}.expert_tensor_parallel_size", etp,
-                            f"must equal tensor_model_parallel_size={tp} (or be null): the model bridge splits "
-                            "each expert over TP like the dense MLP; other expert TP sizes are not supported yet",
-                            [None, tp])
+    field = f"{prefix}.expert_tensor_parallel_size"
+    if etp is not None and not check.is_int_at_least(field, etp, 1):
+        ok = False
     if not ok:
         return False
     if model is not None and ep > 1 and not model.is_moe:
         return check.fail(f"{prefix}.expert_model_parallel_size", ep,
                           f"needs a mixture-of-experts model; {model.architecture} is dense: use 1", [1])
+    if etp is not None and etp != tp:
+        if model is not None and not model.is_moe:
+            return check.fail(field, etp, f"needs a mixture-of-experts model; {model.architecture} is dense: use null",
+                              [None])
+        if tp != 1:
+            # logits and conversion are tested at TP2 x ETP1 too, but a trained MoE role at TP > 1 needs
+            # sequence parallelism (GPU only), where no ETP layout has run yet
+            return check.fail(field, etp, f"other than tensor_model_parallel_size={tp} is built and tested with "
+                              "tensor_model_parallel_size=1 only so far (each expert split over expert-TP ranks that "
+                              "are DP ranks of the dense layers); use null or TP 1", [None, tp])
+        if model is not None and model.moe_ffn_hidden_size % etp:
+            ok = check.fail(field, etp, f"must divide the experts' intermediate size {model.moe_ffn_hidden_size} "
+                            "(each expert is split over the expert TP ranks like the dense MLP over TP)",
+                            [d for d in divisors(model.moe_ffn_hidden_size) if d <= 64])
     if model is not None and model.is_moe and model.num_experts % ep:
         ok = check.fail(f"{prefix}.expert_model_parallel_size", ep,
                         f"must divide the model's {model.num_experts} experts", divisors(model.num_experts))
     # megatron's expert mesh (etp-ep-edp-pp) must tile the same ranks as the dense one: EP x ETP
-    # within DP x CP x TP, i.e. with ETP = TP, EP dividing DP x CP.
-    if dp and (dp * cp) % ep:
+    # within DP x CP x TP (with ETP = TP: EP dividing DP x CP).
+    x = tp if etp is None else etp
+    if dp and (dp * cp * tp) % (ep * x):
+        valid = divisors(dp * cp * tp // x) if (dp * cp * tp) % x == 0 else []
         ok = check.fail(f"{prefix}.expert_model_parallel_size", ep,
-                        f"× expert_tensor_parallel_size={tp} must divide DP × CP × TP = {dp}×{cp}×{tp} "
-                        f"(the experts are split inside the data-parallel ranks)", divisors(dp * cp))
+                        f"× expert_tensor_parallel_size={x} must divide DP × CP × TP = {dp}×{cp}×{tp} "
+                        f"(megatron's expert mesh tiles a pipeline stage's ranks)", valid)
     return ok
 
 
@@ -731,6 +744,24 @@ def _check_moe_dispatch(check: _Checker, config: JobConfig, model: ModelShape | 
             "(old log-probs, reference, update), vLLM never does, so the trainer's log-probs differ from the "
             "rollout's where tokens drop (rollout/log_prob_abs_diff_*, actor/moe_dropped_token_fraction); the "
             "weight sync's probe runs without capacity")
+
+
+def _check_expert_tp_uses(check: _Checker, config: JobConfig) -> None:
+    """What an actor whose expert TP differs from its TP cannot do yet (not built, or never run)."""
+    arr = config.actor_rollout_ref
+    mc = arr.actor.megatron
+    etp = mc.expert_tensor_parallel_size
+    if etp is None or etp == mc.tensor_model_parallel_size:
+        return
+    field = "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size"
+    if arr.actor.router_replay == "rollout":
+        check.fail(field, etp, f"other than tensor_model_parallel_size={mc.tensor_model_parallel_size} with "
+                   "actor_rollout_ref.actor.router_replay=rollout has not been tested yet; use null, or router_replay "
+                   "none", [None])
+    if arr.rollout.mode == "disaggregated":
+        check.fail(field, etp, f"other than tensor_model_parallel_size={mc.tensor_model_parallel_size} with "
+                   "actor_rollout_ref.rollout.mode=disaggregated is not built yet (the cross-pool weight sync places "
+                   "experts by EP alone); use null, or mode colocated", [None])
 
 
 def _check_rollout_placement(check: _Checker, config: JobConfig, resolved: Resolved, world: int) -> int:

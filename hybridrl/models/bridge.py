@@ -261,6 +261,7 @@ def build_gpt_models(
             raise RuntimeError(f"megatron placed {built} layers from layer {first_layer} in "
                                f"chunk {chunk}, layout math expects {chunk.num_layers} from {chunk.first_layer}")
         _mark_tensor_parallel_params(model)
+        _mark_expert_params(model, layout)
         model.hybridrl = ChunkInfo(src, layout, chunk, ctx.tp_rank, kind, getattr(ctx, "ep_rank", 0),
                                    getattr(ctx, "etp_rank", None) if shape.is_moe else None)
         models.append(model)
@@ -293,6 +294,25 @@ def _mark_tensor_parallel_params(model: Any) -> None:
             param = getattr(module, name, None)
             if isinstance(param, torch.nn.Parameter) and not getattr(param, "tensor_model_parallel", False):
                 set_tensor_model_parallel_attributes(param, True, dim, 1)
+
+
+def _mark_expert_params(model: Any, layout: ParallelLayout) -> None:
+    """Give the routed experts' weights megatron's `allreduce=False` (an expert-parallel parameter)
+    wherever their replicas are not the dense DP replicas: EP > 1, or an expert TP other than TP.
+
+    megatron-core 0.16.1 sets `allreduce = not (is_expert and expert_model_parallel_size > 1)`
+    (`ColumnParallelLinear` / `RowParallelLinear`). At EP 1 with ETP = 2 > TP = 1 the two DP ranks
+    hold different halves of each expert, so DDP's all-reduce over DP would add one half's gradient
+    to the other's (measured: expert updates at cos 0.48 with the ETP1 run's). As expert-parallel
+    parameters they are reduced over the expert-DP group instead and stepped by the expert optimizer
+    (megatron's `allreduce` flag decides both).
+    """
+    if layout.ep == 1 and layout.etp is None:
+        return  # experts replicated like the dense weights: megatron's own flag is right
+    for module in model.modules():
+        if getattr(module, "is_expert", False):
+            for param in module.parameters(recurse=False):
+                param.allreduce = False
 
 
 def build_gpt_model(source: ModelSource | str | Path | Mapping[str, Any], **kwargs: Any) -> Any:
