@@ -31,6 +31,7 @@ Megatron layouts encoded here (megatron-core 0.16.1, local and TE GPT layer spec
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -67,6 +68,8 @@ class TensorPlan:
     # A replicated tensor (norm) or the duplicate of a tied embedding on the last stage: exports
     # take the value from one holder, so these copies are skipped when reassembling HF tensors.
     is_copy: bool = False
+    # A routed expert's weight (split over the expert TP ranks, placed by EP) rather than a dense one.
+    expert: bool = False
 
     @property
     def hf_names(self) -> tuple[str, ...]:
@@ -303,6 +306,13 @@ def rank_file_name(layout: ParallelLayout, tp_rank: int, pp_rank: int, ep_rank: 
     return checkpoint_file_name(tp_rank, pp_rank, ep_rank if layout.ep > 1 else None)
 
 
+def holder_slot(layout: ParallelLayout, slot: int, expert: bool) -> int:
+    """The slot whose rank file holds, not as a copy, the tensors slot `slot` holds: a dense tensor's
+    first holder with the same TP rank (slot % tp), an expert's with the same EP and expert TP rank
+    (slot % (etp * ep)). Replicated norms and a tied output layer stay copies there too."""
+    return slot % (layout.expert_tp * layout.ep if expert else layout.tp)
+
+
 def rank_file_fields(layout: ParallelLayout, rank: ModelRank) -> dict[str, int]:
     """What a checkpoint's metadata records about a rank file's position (EP, ETP only when used)."""
     return ({"tp_rank": rank.tp_rank, "pp_rank": rank.pp_rank}
@@ -482,9 +492,7 @@ def chunk_tensor_plans(
         else:  # split over TP; slots from tp on repeat earlier ones (e.g. every EP rank's router)
             plan = megatron_tensor_plan(shape, spec, layer, local_name, tp, tp_rank, expert)
             copy = slot >= tp
-        if copy and not plan.is_copy:
-            plan = TensorPlan(plan.name, plan.shape, plan.axis, plan.segments, is_copy=True)
-        plans.append(plan)
+        plans.append(dataclasses.replace(plan, is_copy=plan.is_copy or copy, expert=spec.expert))
 
     if chunk.pre_process:
         add(table.embedding, None, table.embedding.megatron)
