@@ -176,15 +176,19 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_rule_refuses_bad_and_accepts_fix(name):
-    bad, field, fragment, good = CASES[name]
+def assert_refused_then_fixed(bad: list[str], field: str, fragment: str, good: list[str]) -> None:
+    """`bad` is refused naming `field` with `fragment` in the rule; `good` plans."""
     issues = issues_for(bad)
     named = [i for i in issues if i.field == field]
     assert named, f"no issue names {field}: {[str(i) for i in issues]}"
     assert any(fragment in str(i) for i in named), [str(i) for i in named]
     plan = plan_from_sources(SEED, good)  # the fix is accepted
     assert plan.sequences_per_step > 0
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_rule_refuses_bad_and_accepts_fix(name):
+    assert_refused_then_fixed(*CASES[name])
 
 
 # Model-shape rules on custom shapes (heads, KV heads, layers, vocab).
@@ -736,3 +740,95 @@ def test_router_replay_rollout_plans_for_an_moe_model_and_refuses_what_it_cannot
     named, unnamed = plan_from_sources(SEED, [model, f"{RR}=none"]), plan_from_sources(SEED, [model])
     assert named.config.actor_rollout_ref.actor.router_replay == "none"
     assert named.config == unnamed.config
+
+
+# ---- rollout placement and async modes (rollout.mode, async_mode) -----------------------------------
+DIS = (f"{R}.mode=disaggregated", f"{R}.n_gpus_per_node=4")  # the seed's 6 trainer GPUs + 4 for vLLM
+
+PLACEMENT_CASES = {
+    "disaggregated needs its pool size": (
+        [f"{R}.mode=disaggregated"], f"{R}.n_gpus_per_node", "is required with", [*DIS]),
+    "pool size only when disaggregated": (
+        [f"{R}.n_gpus_per_node=4"], f"{R}.n_gpus_per_node", "sizes a disaggregated rollout pool", []),
+    "pool machines only when disaggregated": (
+        [f"{R}.nnodes=2"], f"{R}.nnodes", "sizes a disaggregated rollout pool", []),
+    "rollout tp divides the pool, not the trainer": (
+        [*DIS[:1], f"{R}.n_gpus_per_node=3"], f"{R}.tensor_model_parallel_size",
+        "must divide the rollout pool's 3 GPUs", [*DIS]),
+    "batch splits over the pool's replicas": (
+        [*DIS[:1], f"{R}.n_gpus_per_node=16"], "data.train_batch_size", "8 rollout replicas",
+        [*DIS[:1], f"{R}.n_gpus_per_node=12"]),
+    "async needs a pool of its own": (
+        [f"{R}.async_mode=one_step_off"], f"{R}.async_mode", "needs actor_rollout_ref.rollout.mode=disaggregated",
+        [*DIS, f"{R}.async_mode=one_step_off"]),
+    "staleness only with fully_async": (
+        [*DIS, f"{R}.async_mode=one_step_off", f"{R}.max_staleness=2"], f"{R}.max_staleness",
+        "applies to actor_rollout_ref.rollout.async_mode=fully_async only", [*DIS, f"{R}.async_mode=fully_async",
+                                                                           f"{R}.max_staleness=2"]),
+    "staleness of at least one version": (
+        [*DIS, f"{R}.async_mode=fully_async", f"{R}.max_staleness=0"], f"{R}.max_staleness", "integer >= 1",
+        [*DIS, f"{R}.async_mode=fully_async", f"{R}.max_staleness=1"]),
+    "partial rollouts only with fully_async": (
+        [*DIS, f"{R}.partial_rollout=false"], f"{R}.partial_rollout", "fully_async only",
+        [*DIS, f"{R}.async_mode=fully_async", f"{R}.partial_rollout=false"]),
+    "stale-sample policy is a known one": (
+        [*DIS, f"{R}.async_mode=fully_async", f"{R}.stale_samples=skip"], f"{R}.stale_samples",
+        "is not a known stale-sample policy", [*DIS, f"{R}.async_mode=fully_async", f"{R}.stale_samples=keep"]),
+    "a disaggregated rollout never sleeps": (
+        [*DIS, f"{R}.free_cache_engine=true"], f"{R}.free_cache_engine", "applies to actor_rollout_ref.rollout."
+        "mode=colocated only", [*DIS]),
+    "remax's greedy baseline is not built ahead": (
+        [*DIS, f"{R}.async_mode=one_step_off", "algorithm.adv_estimator=remax"], "algorithm.adv_estimator",
+        "greedy baseline", [*DIS, f"{R}.async_mode=one_step_off"]),
+    "dynamic sampling is not built ahead": (
+        [*DIS, f"{R}.async_mode=fully_async", "algorithm.filter_groups.enable=true"],
+        "algorithm.filter_groups.enable", "not built for a rollout that runs ahead",
+        [*DIS, f"{R}.async_mode=sync", "algorithm.filter_groups.enable=true"]),
+    "multi-turn is not paused mid-turn": (
+        [*DIS, f"{R}.async_mode=fully_async", *MT, f"{R}.multi_turn.tools=[calculator]"],
+        f"{R}.multi_turn.enable", "resume mid-turn",
+        [*DIS, f"{R}.async_mode=one_step_off", *MT, f"{R}.multi_turn.tools=[calculator]"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLACEMENT_CASES))
+def test_rollout_placement_rules(name):
+    assert_refused_then_fixed(*PLACEMENT_CASES[name])
+
+
+def test_a_disaggregated_plan_has_two_pools_and_the_cross_pool_traffic():
+    from hybridrl.config.report import render_plan
+
+    plan = plan_from_sources(SEED, [*DIS, f"{R}.async_mode=fully_async", f"{R}.max_staleness=2"])
+    res = plan.resolved
+    assert (res.world_size, res.rollout_world, res.disaggregated) == (6, 4, True)
+    assert (res.async_mode, res.max_staleness, res.stale_samples, res.partial_rollout) == ("fully_async", 2, "drop",
+                                                                                            True)
+    assert res.free_cache_engine is False  # nothing to sleep for on a pool of its own
+    # vLLM's replicas are the pool's ranks, consecutive (its own TP groups), numbered within the pool
+    assert plan.reshard.groups.rollout.replicas == ((0, 1), (2, 3))
+    assert plan.prompts_per_rollout_replica == 30 and plan.phase_peaks is not None
+    # a replica holds up to max_staleness + 1 batches in flight: its KV cache estimate counts them all
+    assert plan.rollout_memory.tokens_per_replica_step == 3 * 30 * 12 * (512 + 1024)
+    # every rollout rank receives its whole TP-2 shard; the 6 trainer ranks share the sending
+    cross = plan.reshard.cross_pool
+    model = plan.model
+    shard = (model.param_count() - model.num_layers * 2 * model.hidden_size - model.hidden_size) / 2 \
+        + model.num_layers * 2 * model.hidden_size + model.hidden_size
+    assert cross.bytes_received == (round(shard * 2),) * 4  # bf16
+    assert cross.bytes_sent_even == -(-4 * round(shard * 2) // 6)
+    assert plan.reshard.traffic is None
+    text = render_plan(plan)
+    assert "Rollout pool (vLLM, disaggregated): 1 node(s) × 4 = 4 ranks" in text
+    assert "fully_async" in text and "2 version(s)" in text and "Weight sync across the pools" in text
+    # the JSON plan round-trips with the new fields
+    from hybridrl.config.plan import Plan
+
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_colocated_plans_are_unchanged_by_the_new_fields():
+    plan = plan_from_sources(SEED)
+    res = plan.resolved
+    assert (res.disaggregated, res.rollout_world, res.async_mode, res.free_cache_engine) == (False, 6, "sync", True)
+    assert plan.reshard.cross_pool is None and plan.reshard.traffic is not None

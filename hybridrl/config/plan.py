@@ -360,6 +360,8 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
                 etp=mc.expert_tensor_parallel_size,
             ))
         sequences_per_replica = data.train_batch_size // infer_dp * n
+        if resolved.async_mode == "fully_async":  # up to max_staleness + 1 batches in flight at once
+            sequences_per_replica *= resolved.max_staleness + 1
         roll_mem = rollout_memory(
             model, arr.rollout.tensor_model_parallel_size, dtype=resolved.rollout_dtype,
             gpu_gib=config.trainer.gpu_memory_gib,

@@ -114,8 +114,9 @@ def render_plan(plan: Plan) -> str:
         ]
     for fw in plan.forwards:
         if fw.pass_name == "old_log_prob" and not plan.resolved.old_log_prob_pass:
-            rows.append([f"{fw.role}: {fw.pass_name} pass", "1 optimizer step on fresh data: the update's forward",
-                         "skipped"])
+            why = ("1 optimizer step on fresh data: the update's forward" if plan.resolved.async_mode == "sync" else
+                   "1 optimizer step: the update's forward is the proximal policy (vLLM's log-probs: the behaviour)")
+            rows.append([f"{fw.role}: {fw.pass_name} pass", why, "skipped"])
             continue
         rows.append([f"{fw.role}: {fw.pass_name} micro-batches per GPU",
                      f"{fw.sequences_per_rank} seqs ÷ micro {fw.micro_batch_size}", fw.micro_batches_per_rank])

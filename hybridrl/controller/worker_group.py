@@ -116,6 +116,27 @@ def worker_method_name(worker_cls: type, method: WorkerMethod, role: str) -> str
     return name
 
 
+def wait_together(calls: Sequence[PendingCall], poll_s: float = 0.5) -> list[Any]:
+    """The results of calls running at once on different groups (two pools in one collective, e.g. a
+    weight sync across them). Fail-fast across the groups: when one group's call fails, its error is
+    raised and every other group of `calls` is torn down too (its ranks may be stuck in a collective
+    with the failed ones)."""
+    try:
+        while not all(call.done() for call in calls):
+            for call in calls:
+                if call.failed():
+                    call.result()  # raises WorkerGroupError, its group torn down
+            refs = [ref for call in calls if not call.done() for ref in call.refs]
+            if refs:  # wake when one more rank finishes (or fails), or after poll_s
+                finished, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+                ray.wait(refs, num_returns=min(len(finished) + 1, len(refs)), timeout=poll_s)
+        return [call.result() for call in calls]
+    except BaseException:
+        for call in calls:
+            call.group.shutdown()
+        raise
+
+
 class WorkerGroup:
     """The actors of one role. Calls go to every rank; see `call_all`, `call_per_rank`, `call_by_dp`."""
 

@@ -37,21 +37,15 @@ import torch
 from hybridrl.config.plan import Plan
 from hybridrl.controller.base_worker import RankContext
 from hybridrl.data.batch import Batch
-from hybridrl.data.tokenizer import model_folder_pad_token_id
 from hybridrl.names import Phase
 from hybridrl.parallel.device import default_dtype_for, release_cached_blocks
-from hybridrl.parallel.memory import memory_metrics
 from hybridrl.reshard.checksums import verify_checksums
 from hybridrl.reshard.resharder import ReshardConfig, Resharder
 from hybridrl.rollout.engine import RolloutEngine
 from hybridrl.workers import faults
 from hybridrl.workers.generation import agent_loop_for, engine_config, generate_rows
-from hybridrl.workers.probe import probe_gap_of
-from hybridrl.workers.ray_roles import ActorRolloutRefWorker
-
-
-class WeightSyncError(RuntimeError):
-    """A weight sync that could not be proven: checksums differ or the log-prob probe drifted."""
+from hybridrl.workers.policy import PolicyWorker
+from hybridrl.workers.probe import WeightSyncError, probe_gap_of
 
 
 @dataclass(frozen=True)
@@ -62,31 +56,24 @@ class HybridSettings:
     pad_token_id: int | None = None
 
 
-class HybridEngineWorker(ActorRolloutRefWorker):
-    """`ActorRolloutRefWorker` (megatron actor + reference) plus the vLLM rollout and the resharder."""
+class HybridEngineWorker(PolicyWorker):
+    """`PolicyWorker` (megatron actor + reference) plus the vLLM rollout and the resharder."""
 
     def __init__(self, context: RankContext, plan: Plan, settings: HybridSettings | None = None) -> None:
-        super().__init__(context, plan)
-        self.settings = settings or HybridSettings()
+        settings = settings or HybridSettings()
+        super().__init__(context, plan, settings.pad_token_id)
+        self.settings = settings
         self.resharder = None
         self.syncs = 0
-        self.phase_memory: dict[str, float] = {}  # this step's memory/* figures, handed out by sync_weights
         self.replica_probe_gaps: dict[int, float] = {}  # the last sync's probe gap per replica, by its TP-0 rank
         self.agent = None  # the agent loop, when rollout.multi_turn is enabled (built in setup)
-
-    def _record_memory(self, phase: str) -> None:
-        self.phase_memory.update(memory_metrics(phase, self.plan.resolved.device))
 
     # ------------------------------------------------------------------------------ bring-up
     def setup(self, total_training_steps: int | None = None) -> dict[str, Any]:
         plan = self.plan
         started = time.perf_counter()
         self.init_model(total_training_steps)
-        arr = plan.config.actor_rollout_ref
-        self.pad_token_id = self.settings.pad_token_id
-        if self.pad_token_id is None:
-            self.pad_token_id = model_folder_pad_token_id(arr.model.path, arr.model.tokenizer_path,
-                                                          arr.model.trust_remote_code)
+        self._resolve_pad_token_id()
         self.attach_rollout(RolloutEngine(engine_config(plan, self.pad_token_id)))
         # The shard a rank must receive is that of the TP rank vLLM actually gave it; it equals
         # the Plan's (checked: a difference would mean more traffic than planned, not wrong weights).
@@ -124,12 +111,6 @@ class HybridEngineWorker(ActorRolloutRefWorker):
         """
         self.rollout.sleep(level=2)
 
-    def update_actor(self, batch: Batch) -> dict[str, float] | None:
-        self._record_memory("update_before")
-        metrics = super().update_actor(batch)
-        self._record_memory("update_after")
-        return None if metrics is None else metrics.as_dict()
-
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Restore the actor, then sync the restored weights into vLLM (proven like every sync)."""
         super().load_checkpoint(path)
@@ -160,8 +141,7 @@ class HybridEngineWorker(ActorRolloutRefWorker):
         metrics.update({"reshard/probe_max_abs_gap": gap, "reshard/probe_replicas": float(len(self.replica_probe_gaps)),
                         "timing_s/sync_total": time.perf_counter() - started})
         self._record_memory("sync_after")
-        metrics.update(self.phase_memory)
-        self.phase_memory = {}
+        metrics.update(self.take_phase_memory())
         return metrics
 
     def _probe_gap(self) -> float:

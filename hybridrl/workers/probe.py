@@ -10,6 +10,11 @@ import torch
 
 from hybridrl.data.batch import Batch
 
+
+class WeightSyncError(RuntimeError):
+    """A weight sync that could not be proven: checksums differ or the log-prob probe drifted."""
+
+
 # A fixed probe sequence (token ids < every supported vocab): scored after every sync by both sides.
 PROBE_PROMPT = (1, 5, 9, 13, 17, 21, 25, 29)
 PROBE_RESPONSE = (33, 37, 41, 45, 49, 53, 57, 61)

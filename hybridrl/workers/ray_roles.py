@@ -34,7 +34,6 @@ from hybridrl.training.checkpointing import load_role_checkpoint, save_role_chec
 from hybridrl.training.critic import MegatronCritic
 from hybridrl.training.reward_model import MegatronRewardModel
 from hybridrl.workers import faults
-from hybridrl.workers.probe import probe_batch
 
 
 class MegatronWorker(Worker):
@@ -74,7 +73,6 @@ class ActorRolloutRefWorker(MegatronWorker):
         if unknown:
             raise ValueError(f"unknown roles {sorted(unknown)} for ActorRolloutRefWorker")
         self.roles = tuple(roles)
-        self.pad_token_id = 0  # the run's pad id, set by the subclass's setup (probe rows pad with it)
         self.actor: Any = None
         self.ref: Any = None
         # The rollout engine (hybridrl.rollout) lives in these same processes; it is attached by
@@ -119,19 +117,6 @@ class ActorRolloutRefWorker(MegatronWorker):
         metrics = actor.update_policy(batch)
         actor.backend.offload_training_state()  # idle until the next update (no-op unless configured)
         return metrics
-
-    def probe_log_probs(self) -> list[float]:
-        """The actor's log-probs of the weight probe's response (`workers.probe`), on every rank.
-        Collective over the actor's ranks (the pipeline schedule is)."""
-        probe = probe_batch(self.pad_token_id)
-        # With routing replay the probe still routes freely: it proves the weights (router included)
-        # on a sequence no rollout generated, so there is no vLLM routing to replay.
-        trained = self._require(self.actor, "the actor").compute_log_prob(probe.select(list(probe.tensors)),
-                                                                          free_routing=True)
-        local = None if trained is None else trained["old_log_probs"][0].tolist()
-        everyone: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(everyone, local)
-        return next(t for t in everyone if t is not None)
 
     def save_checkpoint(self, path: str) -> str:
         saved = str(save_role_checkpoint(self._require(self.actor, "the actor").backend, Path(path) / Role.ACTOR))

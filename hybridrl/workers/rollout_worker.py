@@ -32,11 +32,7 @@ from hybridrl.rollout.continuous import ContinuousGeneration
 from hybridrl.rollout.engine import RolloutEngine
 from hybridrl.workers import faults
 from hybridrl.workers.generation import agent_loop_for, carry_prompt_columns, engine_config, generate_rows
-from hybridrl.workers.probe import probe_gap_of
-
-
-class WeightSyncError(RuntimeError):
-    """A weight sync that could not be proven: checksums differ or the log-prob probe drifted."""
+from hybridrl.workers.probe import WeightSyncError, probe_gap_of
 
 
 def cross_pool_layout(plan: Plan) -> CrossPoolLayout:
@@ -57,6 +53,7 @@ class RolloutWorker(Worker):
         self.rollout: Any = None
         self.agent: Any = None
         self.receiver: CrossPoolReceiver | None = None
+        self._loader_digests: dict[str, str] | None = None
         self.stream: ContinuousGeneration | None = None
         self.version = 0  # the policy version vLLM serves (0: the model folder's weights)
         self.phase_memory: dict[str, float] = {}
@@ -68,6 +65,9 @@ class RolloutWorker(Worker):
         self.rollout = RolloutEngine(engine_config(self.plan, self.pad_token_id))
         self.agent = agent_loop_for(self.plan, self.rollout)
         self.stream = ContinuousGeneration(self.rollout)
+        # what vLLM's own loader made of the model folder: the first sync (the trainer's weights as
+        # loaded from the same folder) must equal it tensor by tensor
+        self._loader_digests = self.rollout.parameter_digests()
         return {"setup_s": time.perf_counter() - started, "rollout_build_s": self.rollout.build_seconds,
                 "vllm_tp_rank": self.rollout.tp_rank}
 
@@ -99,15 +99,23 @@ class RolloutWorker(Worker):
         self.rollout.wake_up(tags=["kv_cache"])
         report = self.receiver.last_report
         try:
+            if self._loader_digests is not None:  # the first sync: the folder's weights, laid out by us
+                verify_checksums(report.checksums, self._loader_digests, self.rank, ignore_extra=True)
+                self._loader_digests = None
             verify_checksums(report.checksums, self.rollout.parameter_digests(), self.rank, ignore_extra=True)
         except Exception as exc:  # the error names tensors and rank; keep its type for the controller
             raise WeightSyncError(f"sync to version {version}: {exc}") from exc
         self.version = version
         return {**report.as_metrics("reshard/rollout_"), "timing_s/sync_receive": time.perf_counter() - started}
 
-    def probe_gap(self, trainer_log_probs: list[float]) -> float | None:
-        """This replica's probe gap against the trainer's log-probs (TP rank 0; None elsewhere)."""
-        return probe_gap_of(self.rollout, trainer_log_probs)
+    def probe_gap(self, trainer_log_probs: list[float], tolerance: float) -> float | None:
+        """This replica's probe gap against the trainer's log-probs (TP rank 0; None elsewhere); raises
+        `WeightSyncError` above `tolerance`."""
+        gap = probe_gap_of(self.rollout, trainer_log_probs)
+        if gap is not None and gap > tolerance:
+            raise WeightSyncError(f"version {self.version}: log-prob probe gap {gap:.3g} between megatron and the "
+                                  f"vLLM replica led by rollout rank {self.rank} exceeds {tolerance:g}")
+        return gap
 
     # ------------------------------------------------------------------------------ generation
     def generate_sequences(self, prompts: Batch, sampling: Any) -> Batch | None:
