@@ -571,6 +571,9 @@ def moe_model_dir(tmp_path: Path, experts: int = 8, top_k: int = 2, moe_ffn: int
 
 
 EP = f"{A}.megatron.expert_model_parallel_size"
+ETP = f"{A}.megatron.expert_tensor_parallel_size"
+CAP = f"{A}.megatron.moe_expert_capacity_factor"
+DISPATCH = f"{A}.megatron.moe_token_dispatcher_type"
 
 # (model arguments, bad overrides, field, text in the rule, overrides that fix it); on 6 GPUs, DP = 6 / TP
 MOE_CASES = {
@@ -578,8 +581,22 @@ MOE_CASES = {
     "ep within dp x cp x tp": (dict(experts=12), [f"{A}.megatron.pipeline_model_parallel_size=2", f"{EP}=2"], EP,
                                "must divide DP × CP × TP = 3×1×1", [f"{A}.megatron.pipeline_model_parallel_size=2",
                                                                    f"{EP}=3"]),
-    "etp is tp": ({}, [f"{A}.megatron.expert_tensor_parallel_size=2"], f"{A}.megatron.expert_tensor_parallel_size",
-                  "must equal tensor_model_parallel_size=1", [f"{A}.megatron.expert_tensor_parallel_size=1"]),
+    "etp other than tp needs tp 1": ({}, [f"{A}.megatron.tensor_model_parallel_size=2", f"{ETP}=1",
+                                          f"{A}.megatron.sequence_parallel=true", "trainer.device=cuda"], ETP,
+                                     "is built and tested with tensor_model_parallel_size=1 only",
+                                     [f"{A}.megatron.tensor_model_parallel_size=2", f"{ETP}=2",
+                                      f"{A}.megatron.sequence_parallel=true", "trainer.device=cuda"]),
+    "etp divides the experts' width": (dict(moe_ffn=100), [f"{ETP}=3"], ETP, "must divide the experts' intermediate "
+                                       "size 100", [f"{ETP}=2"]),
+    "ep x etp within dp x cp x tp": (dict(experts=12), [f"{EP}=2", f"{ETP}=4"], EP,
+                                     "× expert_tensor_parallel_size=4 must divide DP × CP × TP = 6×1×1",
+                                     [f"{EP}=3", f"{ETP}=2"]),
+    "etp with routing replay": ({}, [f"{ETP}=2", f"{A}.router_replay=rollout"], ETP,
+                                "with actor_rollout_ref.actor.router_replay=rollout has not been tested",
+                                [f"{A}.router_replay=rollout"]),
+    "etp with a disaggregated rollout": ({}, [f"{ETP}=2", f"{R}.mode=disaggregated", f"{R}.nnodes=1",
+                                              f"{R}.n_gpus_per_node=2"], ETP, "the cross-pool weight sync",
+                                         [f"{R}.mode=disaggregated", f"{R}.nnodes=1", f"{R}.n_gpus_per_node=2"]),
     "tp divides the experts' width": (dict(moe_ffn=100), [f"{A}.megatron.tensor_model_parallel_size=3",
                                                           f"{A}.megatron.sequence_parallel=true"],
                                       f"{A}.megatron.tensor_model_parallel_size",
@@ -593,6 +610,31 @@ MOE_CASES = {
                                         f"{A}.megatron.sequence_parallel", "megatron's MoE layer refuses TP",
                                         [f"{A}.megatron.tensor_model_parallel_size=2", "trainer.device=cuda",
                                          f"{A}.megatron.sequence_parallel=true"]),
+    "capacity factor is positive": ({}, [f"{CAP}=-1"], CAP, "must be in (0, 1000]", [f"{CAP}=1.25"]),
+    "padding to capacity needs one": ({}, [f"{A}.megatron.moe_pad_expert_input_to_capacity=true"],
+                                      f"{A}.megatron.moe_pad_expert_input_to_capacity",
+                                      "needs actor_rollout_ref.actor.megatron.moe_expert_capacity_factor",
+                                      [f"{A}.megatron.moe_pad_expert_input_to_capacity=true", f"{CAP}=1.0"]),
+    "a drop policy needs a capacity": ({}, [f"{A}.megatron.moe_token_drop_policy=position"],
+                                       f"{A}.megatron.moe_token_drop_policy", "no token is dropped",
+                                       [f"{A}.megatron.moe_token_drop_policy=position", f"{CAP}=1.0"]),
+    "a drop policy is a known one": ({}, [f"{A}.megatron.moe_token_drop_policy=random"],
+                                     f"{A}.megatron.moe_token_drop_policy", "is not a known MoE token drop policy",
+                                     [f"{A}.megatron.moe_token_drop_policy=probs"]),
+    "allgather needs pp 1": ({}, [f"{DISPATCH}=allgather", f"{A}.megatron.pipeline_model_parallel_size=2"], DISPATCH,
+                             "refuses variable_seq_lengths", [f"{DISPATCH}=alltoall",
+                                                              f"{A}.megatron.pipeline_model_parallel_size=2"]),
+    "allgather over dp ranks needs fixed micro-batches": (
+        {}, [f"{DISPATCH}=allgather", f"{EP}=2", f"{A}.use_dynamic_bsz=true"], f"{A}.use_dynamic_bsz",
+        "token-budget micro-batches differ in rows", [f"{DISPATCH}=allgather", f"{EP}=2"]),
+    "padding to capacity over dp ranks needs padded micro-batches": (
+        {}, [f"{CAP}=1.0", f"{A}.megatron.moe_pad_expert_input_to_capacity=true", f"{EP}=2",
+             "actor_rollout_ref.model.use_remove_padding=true"], "actor_rollout_ref.model.use_remove_padding",
+        "packed micro-batches differ in length", [f"{CAP}=1.0", f"{A}.megatron.moe_pad_expert_input_to_capacity=true",
+                                                  f"{EP}=2"]),
+    "capacity with routing replay": ({}, [f"{CAP}=1.0", f"{A}.router_replay=rollout"], CAP,
+                                     "the replayed routing would still lose the tokens",
+                                     [f"{A}.router_replay=rollout"]),
 }
 
 
@@ -613,6 +655,22 @@ def test_expert_parallelism_with_a_dense_model_is_refused():
     assert any(i.field == EP and "needs a mixture-of-experts model" in str(i) and i.valid == (1,)
                for i in issues), [str(i) for i in issues]
     plan_from_sources(SEED, [f"{EP}=1"])
+
+
+def test_moe_dispatch_settings_with_a_dense_model_are_refused():
+    settings = {DISPATCH: "allgather", CAP: 1.0, f"{A}.megatron.moe_pad_expert_input_to_capacity": True,
+                f"{A}.megatron.moe_token_drop_policy": "position"}
+    issues = issues_for([f"{k}={v}" for k, v in settings.items()])
+    for field in settings:
+        assert any(i.field == field and "acts on mixture-of-experts models only" in str(i) for i in issues), \
+            (field, [str(i) for i in issues])
+
+
+def test_a_capacity_factor_warns_of_the_rollout_gap(tmp_path):
+    model = moe_model_dir(tmp_path)
+    plan = plan_from_sources(SEED, [model, f"{CAP}=1.5"])
+    assert any(w.startswith(f"{CAP}=1.5: megatron drops the tokens") for w in plan.warnings), plan.warnings
+    assert not any(CAP in w for w in plan_from_sources(SEED, [model]).warnings)
 
 
 def test_moe_top_k_above_the_experts_is_refused(tmp_path):

@@ -339,7 +339,8 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
     else:
         groups = build_reshard_groups(actor_mesh, infer_tp)
         traffic = (reshard_traffic(model, actor_mesh, groups, resolved.rollout_dtype,
-                                   ep=arr.actor.megatron.expert_model_parallel_size) if model else None)
+                                   ep=arr.actor.megatron.expert_model_parallel_size,
+                                   etp=arr.actor.megatron.expert_tensor_parallel_size) if model else None)
     infer_dp = groups.rollout.infer_dp
 
     train_mem: list[TrainingMemory] = []
@@ -356,6 +357,7 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
                 micro_batch=micro, seq_len=resolved.max_sequence_length,
                 sequence_parallel=mc.sequence_parallel and mc.tensor_model_parallel_size > 1,
                 gpu_gib=config.trainer.gpu_memory_gib, ep=mc.expert_model_parallel_size,
+                etp=mc.expert_tensor_parallel_size,
             ))
         sequences_per_replica = data.train_batch_size // infer_dp * n
         if resolved.async_mode == "fully_async":  # up to max_staleness + 1 batches in flight at once

@@ -93,10 +93,12 @@ def render_plan(plan: Plan) -> str:
          for lay in plan.layouts],
     ))
     for lay in plan.layouts:
-        ep = lay.megatron.expert_model_parallel_size
-        if isinstance(ep, int) and ep > 1:
-            ep_groups, edp_groups = expert_groups(lay.mesh, ep)
-            out.append(f"{lay.role} experts (megatron order etp-ep-edp-pp, expert TP = TP): EP {ep} × expert-DP "
+        ep, etp = lay.megatron.expert_model_parallel_size, lay.megatron.expert_tensor_parallel_size
+        etp = lay.mesh.tp if etp is None else etp
+        if isinstance(ep, int) and (ep > 1 or etp != lay.mesh.tp):
+            ep_groups, edp_groups = expert_groups(lay.mesh, ep, etp)
+            expert_tp = "expert TP = TP" if etp == lay.mesh.tp else f"expert TP {etp}"
+            out.append(f"{lay.role} experts (megatron order etp-ep-edp-pp, {expert_tp}): EP {ep} × expert-DP "
                        f"{len(edp_groups[0])}; EP groups {_groups(ep_groups, 4)}; expert-DP groups "
                        f"{_groups(edp_groups, 4)}")
     out.append(packing_line(plan))

@@ -45,6 +45,10 @@ AsyncMode = Literal["sync", "one_step_off", "fully_async"]
 StaleSamples = Literal["drop", "keep"]
 # megatron's moe_router_load_balancing_type values that need no more than the local spec
 MoELoadBalancing = Literal["aux_loss", "seq_aux_loss", "none"]
+# megatron's MoE token dispatchers that run on the local spec (its "flex" one needs DeepEP / HybridEP)
+MoEDispatcher = Literal["alltoall", "allgather"]
+# which tokens an expert over its capacity drops: the lowest routing probabilities, or the latest positions
+MoEDropPolicy = Literal["probs", "position"]
 AdvEstimator = Literal[ADV_ESTIMATOR_NAMES]
 LossAggMode = Literal[LOSS_AGG_MODES]
 KlEstimator = Literal[KL_PENALTY_NAMES]
@@ -60,6 +64,7 @@ CHOICE_NAMES: dict[Any, str] = {
     StaleSamples: "stale-sample policy",
     AdvEstimator: "advantage estimator", LossAggMode: "loss aggregation mode", KlEstimator: "KL estimator",
     KlControllerKind: "KL controller", RolloutIsLevel: "rollout IS level", RolloutMaskLevel: "rollout mask level",
+    MoEDispatcher: "MoE token dispatcher", MoEDropPolicy: "MoE token drop policy",
 }
 
 
@@ -157,14 +162,30 @@ class MegatronConfig:
     expert_model_parallel_size: int = doc(1, "EP (MoE models): each MoE layer's experts split over this many "
                                           "GPUs, inside the DP × CP span")
     expert_tensor_parallel_size: int | None = doc(None, "ETP (MoE models): each expert's matrices split over this "
-                                                  "many GPUs; None = tensor_model_parallel_size (the only value "
-                                                  "supported now)")
+                                                  "many GPUs (megatron's expert mesh: EP × ETP within DP × CP × TP); "
+                                                  "None = tensor_model_parallel_size; another value needs TP 1 so far")
     moe_router_load_balancing_type: MoELoadBalancing = doc(
         "aux_loss", "MoE models: megatron's router load-balancing loss (aux_loss: over each micro-batch, "
         "seq_aux_loss: per sequence, none); it acts only with moe_aux_loss_coeff > 0")
     moe_aux_loss_coeff: float = doc(0.0, "MoE models: weight of the load-balancing loss (0 = off; "
                                     "actor/moe_aux_loss is logged when it is on)")
     moe_z_loss_coeff: float | None = doc(None, "MoE models: weight of the router z-loss (None = off)")
+    moe_token_dispatcher_type: MoEDispatcher = doc(
+        "alltoall", "MoE models: megatron's token dispatcher (alltoall: all-to-all over EP, variable sizes; "
+        "allgather: every rank gathers the TP x EP group's tokens, the fallback; it needs equal micro-batch "
+        "shapes across that group, so micro-batches are padded to the batch's full width where the group spans "
+        "DP ranks, and it refuses PP > 1)")
+    moe_expert_capacity_factor: float | None = doc(
+        None, "MoE models: megatron's expert capacity, as a factor of an even share (each expert takes at most "
+        "ceil(tokens x top-k / experts x factor) tokens of a micro-batch, padding included; the rest are dropped: "
+        "actor/moe_dropped_token_fraction); None = no capacity, no token dropped. vLLM never drops, so the "
+        "trainer's log-probs then differ from the rollout's where tokens drop (the sync's probe runs without it)")
+    moe_token_drop_policy: MoEDropPolicy = doc(
+        "probs", "MoE models with a capacity factor: an expert over its capacity keeps the tokens with the highest "
+        "routing probabilities (probs) or the earliest positions (position)")
+    moe_pad_expert_input_to_capacity: bool = doc(
+        False, "MoE models with a capacity factor: pad every expert's input to its capacity (static shapes; the "
+        "same numbers as without the padding)")
     sequence_parallel: bool = doc(False, "shard norms/dropout activations over TP (needs TP > 1)")
     use_distributed_optimizer: bool = doc(True, "shard optimizer states over data-parallel ranks (ZeRO-1)")
     make_vocab_size_divisible_by: int = doc(128, "vocab padded to a multiple of this × TP, as megatron does")

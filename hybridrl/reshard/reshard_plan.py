@@ -19,12 +19,15 @@ the bytes it sends plus the bytes it receives within one bucket stay under `buck
 larger than that is split along its axis). Megatron's tied-embedding copy on the last stage counts as
 held there (it is kept bit-equal to the first stage's by megatron's embedding-group all-reduce).
 
-Mixture of experts with expert parallelism `ep`: a DP/CP replica holds only its EP rank's experts
-(megatron's expert mesh: EP rank = (cp + CP * dp) mod ep, `expert_rank_of`), while vLLM (TP over
-each expert's width) needs every expert on every rank. The unit that resharding stays inside is then
-the `ep` consecutive replicas that hold all experts between them (`expert_domain`): the plan covers
-all ranks of that domain, and a rank takes each expert range from itself, else its micro-DP group,
-else the domain's rank that holds that expert.
+Mixture of experts with expert parallelism `ep` and expert TP `etp`: megatron's expert mesh puts EP
+rank (i // etp) % ep and expert TP rank i % etp on local rank i of a stage (with ETP = TP a whole
+DP/CP replica shares its EP rank, (cp + CP * dp) mod ep, `expert_rank_of`), so a rank holds its EP
+rank's experts, each cut to its expert TP rank's part, while vLLM (TP over each expert's width) needs
+every expert on every rank. The unit that resharding stays inside is then the consecutive replicas
+that hold every tensor between them: a stage's rank files repeat every `ParallelLayout.slots` local
+ranks, i.e. every slots / tp replicas (`expert_domain`; `ep` replicas with ETP = TP). The plan covers
+all ranks of that domain, and a rank takes each range from itself, else its micro-DP group, else the
+domain's rank that holds it.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ from math import prod
 
 from hybridrl.config.meshes import ReshardGroups, TrainingMesh
 from hybridrl.models.arch import ModelShape
-from hybridrl.models.layout import ShardRange, TensorPlan, hf_tensor_shapes, shard_ranges
+from hybridrl.models.layout import ModelRank, ShardRange, TensorPlan, hf_tensor_shapes, shard_ranges
 from hybridrl.models.vllm_layout import vllm_targets
 
 
@@ -113,39 +116,50 @@ class RankReshardPlan:
 # ---- the megatron side -----------------------------------------------------------------------------
 
 def expert_rank_of(mesh: TrainingMesh, ep: int, dp: int, cp: int) -> int:
-    """The EP rank of DP/CP replica (dp, cp): megatron's expert mesh (etp-ep-edp-pp, ETP = TP)
+    """The EP rank of DP/CP replica (dp, cp) with ETP = TP: megatron's expert mesh (etp-ep-edp-pp)
     numbers the ranks of one TP × PP position by cp + CP * dp, EP fastest."""
     return (cp + mesh.cp * dp) % ep
 
 
-def expert_domain(mesh: TrainingMesh, ep: int, dp: int, cp: int) -> list[tuple[int, int]]:
-    """The (dp, cp) replicas that hold every expert between them, (dp, cp)'s included; with ep = 1,
-    the replica itself."""
-    if ep < 1 or (mesh.dp * mesh.cp) % ep:
-        raise ValueError(f"ep={ep} does not divide dp*cp = {mesh.dp}*{mesh.cp}")
-    block = (cp + mesh.cp * dp) // ep
-    return [(index // mesh.cp, index % mesh.cp) for index in range(block * ep, (block + 1) * ep)]
+def model_rank_of(mesh: TrainingMesh, rank: int, ep: int = 1, etp: int | None = None) -> ModelRank:
+    """The rank file position (`layout.ModelRank`: TP, PP, EP and expert TP rank) whose tensors global
+    `rank` holds: its stage's slot (`ParallelLayout.slot_ranks` of its local rank)."""
+    tp_rank, ep_rank, etp_rank = mesh.layout(ep, etp).slot_ranks(mesh.local_rank(rank))
+    return ModelRank(tp_rank, mesh.coord(rank).pp, ep_rank, etp_rank)
+
+
+def expert_domain(mesh: TrainingMesh, ep: int, dp: int, cp: int, etp: int | None = None) -> list[tuple[int, int]]:
+    """The (dp, cp) replicas that hold every tensor between them, (dp, cp)'s included: the slots / tp
+    consecutive replicas of its block (with ETP = TP, ep of them; with ep = 1 as well, the replica itself)."""
+    layout = mesh.layout(ep, etp)
+    stage = mesh.world_size // mesh.pp
+    if ep < 1 or stage % (ep * layout.expert_tp):
+        raise ValueError(f"ep={ep} does not divide dp*cp = {mesh.dp}*{mesh.cp}" if etp in (None, mesh.tp) else
+                         f"ep*etp = {ep}*{etp} does not divide a stage's tp*cp*dp = {stage} ranks")
+    size = layout.slots // mesh.tp
+    block = (cp + mesh.cp * dp) // size
+    return [(index // mesh.cp, index % mesh.cp) for index in range(block * size, (block + 1) * size)]
 
 
 def megatron_holdings(
-    shape: ModelShape, mesh: TrainingMesh, dp: int, cp: int, use_tied_copy: bool = True, ep: int = 1
+    shape: ModelShape, mesh: TrainingMesh, dp: int, cp: int, use_tied_copy: bool = True, ep: int = 1,
+    etp: int | None = None,
 ) -> dict[str, list[Holding]]:
     """HF name -> every megatron range of it held by the ranks of (dp, cp)'s expert domain (its
-    DP/CP replica when ep = 1), copies included."""
-    layout = mesh.layout(ep)
+    DP/CP replica when ep = 1 and ETP = TP), copies included."""
     tied_output = shape.weights.lm_head.megatron
+    by_rank: dict[ModelRank, list[ShardRange]] = defaultdict(list)
+    for found in shard_ranges(shape, mesh.layout(ep, etp)).values():
+        for held in found:
+            if not (held.mcore_name == tied_output and held.is_copy and not use_tied_copy):
+                by_rank[held.rank].append(held)
     out: dict[str, list[Holding]] = defaultdict(list)
-    ranges = shard_ranges(shape, layout)
-    for replica_dp, replica_cp in expert_domain(mesh, ep, dp, cp):
-        ep_rank = expert_rank_of(mesh, ep, replica_dp, replica_cp)
-        for hf_name, found in ranges.items():
-            for held in found:
-                if held.ep_rank != ep_rank:
-                    continue
-                if held.mcore_name == tied_output and held.is_copy and not use_tied_copy:
-                    continue
-                rank = mesh.rank_of(tp=held.tp_rank, cp=replica_cp, dp=replica_dp, pp=held.pp_rank)
-                out[hf_name].append(Holding(rank, held))
+    for replica_dp, replica_cp in expert_domain(mesh, ep, dp, cp, etp):
+        for pp in range(mesh.pp):
+            for tp in range(mesh.tp):
+                rank = mesh.rank_of(tp=tp, cp=replica_cp, dp=replica_dp, pp=pp)
+                for held in by_rank[model_rank_of(mesh, rank, ep, etp)]:
+                    out[held.hf_name].append(Holding(rank, held))
     return out
 
 
@@ -287,9 +301,10 @@ def build_rank_plan(
     gen_tp_index: tuple[int, ...] | None = None,
     use_tied_copy: bool = True,
     ep: int = 1,
+    etp: int | None = None,
 ) -> RankReshardPlan:
     """The plan of `rank`: its buckets, computed from the whole plan of its DP/CP replica (of its
-    expert domain with ep > 1: see the module docstring).
+    expert domain with ep > 1 or an expert TP other than TP: see the module docstring).
 
     `gen_tp_index` overrides the groups' generation TP rank per global rank (e.g. vLLM's default
     consecutive TP groups, rank % infer_tp) — the plan stays correct, only the traffic grows.
@@ -301,10 +316,11 @@ def build_rank_plan(
     if len(gen_index) != mesh.world_size:
         raise ValueError(f"gen_tp_index has {len(gen_index)} entries for {mesh.world_size} ranks")
     coord = mesh.coord(rank)
-    replica_ranks = [mesh.rank_of(tp=t, cp=c, dp=d, pp=p) for d, c in expert_domain(mesh, ep, coord.dp, coord.cp)
+    replica_ranks = [mesh.rank_of(tp=t, cp=c, dp=d, pp=p)
+                     for d, c in expert_domain(mesh, ep, coord.dp, coord.cp, etp)
                      for p in range(mesh.pp) for t in range(mesh.tp)]
     replica_ranks.sort()
-    holdings = megatron_holdings(shape, mesh, coord.dp, coord.cp, use_tied_copy, ep)
+    holdings = megatron_holdings(shape, mesh, coord.dp, coord.cp, use_tied_copy, ep, etp)
     micro_of = {}
     for group in groups.micro_dp_groups:
         for member in group:

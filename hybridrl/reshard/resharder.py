@@ -38,7 +38,7 @@ from hybridrl.config.meshes import ReshardGroups, TrainingMesh, build_training_m
 from hybridrl.models.bridge import TE_NAMES, chunk_info, model_tensors, spec_tensor_name, unwrap_model
 from hybridrl.parallel.state import get_context
 from hybridrl.reshard.exchange import ExchangeStats, WorldTransport, exchange
-from hybridrl.reshard.reshard_plan import RankReshardPlan, build_rank_plan, expert_rank_of
+from hybridrl.reshard.reshard_plan import RankReshardPlan, build_rank_plan, model_rank_of
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -140,22 +140,27 @@ class Resharder:
         self.dtype: torch.dtype = self.config.output_dtype or sources.params_dtype
         element = torch.empty((), dtype=self.dtype).element_size()
         self.ep = getattr(ctx, "ep", 1)
-        if self.ep > 1 and getattr(ctx, "ep_rank", 0) != expert_rank_of(self.mesh, self.ep, coord.dp, coord.cp):
-            raise ValueError(f"rank {self.rank}: megatron says EP rank {ctx.ep_rank}, the resharder's expert "
-                             f"mesh says {expert_rank_of(self.mesh, self.ep, coord.dp, coord.cp)}")
+        # None when the expert TP is TP (plans and messages stay as they were)
+        self.etp = sources.etp
+        placed = model_rank_of(self.mesh, self.rank, self.ep, self.etp)
+        megatron_says = (getattr(ctx, "ep_rank", 0), getattr(ctx, "etp_rank", placed.etp_rank))
+        if (self.ep > 1 or self.etp is not None) and megatron_says != (placed.ep_rank, placed.etp_rank):
+            raise ValueError(f"rank {self.rank}: megatron says (EP rank, expert TP rank) {megatron_says}, the "
+                             f"resharder's expert mesh says {(placed.ep_rank, placed.etp_rank)}")
         self.plan: RankReshardPlan = build_rank_plan(
             self.shape, self.mesh, groups, self.rank,
             bucket_numel=max(1, self.config.bucket_bytes // element),
             gen_tp_index=tuple(gen_tp_index) if gen_tp_index is not None else None,
             use_tied_copy=self.config.use_tied_copy,
             ep=self.ep,
+            etp=self.etp,
         )
         self._element = element
         self._gen_tp_index = tuple(gen_tp_index) if gen_tp_index is not None else None
         self._check_sources()
         dtype_name = _DTYPE_NAMES.get(self.dtype)
         self.traffic: ReshardTraffic | None = (
-            reshard_traffic(self.shape, self.mesh, groups, dtype_name, ep=self.ep) if dtype_name else None
+            reshard_traffic(self.shape, self.mesh, groups, dtype_name, ep=self.ep, etp=self.etp) if dtype_name else None
         )
         self.last_report: SyncReport | None = None
         self._synced_once = False
@@ -163,7 +168,7 @@ class Resharder:
     def _plan_inputs(self) -> tuple:
         """Everything the plan depends on; it must be equal on every rank, or messages would not match."""
         return (self.shape, self.mesh, self.groups, str(self.dtype), self.config.bucket_bytes,
-                self.config.use_tied_copy, self._gen_tp_index, self.ep)
+                self.config.use_tied_copy, self._gen_tp_index, self.ep, self.etp)
 
     def _check_ranks_agree(self) -> None:
         """First sync only: a clear error instead of a gloo size mismatch (or a hang) when ranks were
@@ -243,6 +248,7 @@ class TrainingSources:
     device: torch.device
     params_dtype: torch.dtype
     ep: int
+    etp: int | None = None  # the expert TP when it differs from TP
 
 
 def training_sources(models: Sequence[Any], mesh: TrainingMesh, rank: int) -> TrainingSources:
@@ -251,9 +257,10 @@ def training_sources(models: Sequence[Any], mesh: TrainingMesh, rank: int) -> Tr
     chunks = [unwrap_model(m) for m in models]
     infos = [chunk_info(m) for m in chunks]
     # the plan places layers by the mesh's split, the models were built by theirs: one layout
-    if mesh.layout(infos[0].layout.ep) != infos[0].layout:
+    built = infos[0].layout
+    if mesh.layout(built.ep, built.etp) != built:
         raise ValueError(f"rank {rank}: the resharder's mesh lays the model out as "
-                         f"{mesh.layout(infos[0].layout.ep)}, its models were built as {infos[0].layout}")
+                         f"{mesh.layout(built.ep, built.etp)}, its models were built as {built}")
     # mcore name (local spec) -> tensor, per chunk; TE specs rename the fused norms.
     tensors: list[dict[str, torch.Tensor]] = []
     for model, info in zip(chunks, infos):
@@ -262,7 +269,7 @@ def training_sources(models: Sequence[Any], mesh: TrainingMesh, rank: int) -> Tr
         tensors.append({local: by_model_name[model_name].detach() for local, model_name in names.items()})
     first = next(iter(tensors[0].values()))
     return TrainingSources(infos[0].source.shape, tensors, first.device, chunks[0].config.params_dtype,
-                           infos[0].layout.ep)
+                           built.ep, built.etp)
 
 
 class RolloutPlacementError(ValueError):

@@ -50,6 +50,7 @@ recomputed from transformers in tests/test_training_actor_reference.py).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -128,7 +129,8 @@ class PolicyUpdateMetrics:
     rollout_log_prob_abs_diff_mean: float | None = None
     # padding columns / computed columns of the update's micro-batches, over the DP group
     padding_ratio: float = 0.0
-    # MoE models: `actor/moe_aux_loss`, `actor/moe_z_loss`, `actor/moe_expert_imbalance` (`training/moe_metrics.py`)
+    # MoE models: `actor/moe_aux_loss`, `actor/moe_z_loss`, `actor/moe_expert_imbalance`,
+    # `actor/moe_dropped_token_fraction` (`training/moe_metrics.py`)
     moe: dict[str, float] = field(default_factory=dict)
     # algorithm.rollout_correction on: `rollout_correction/<name>` (see the module docstring)
     rollout_correction: dict[str, float] = field(default_factory=dict)
@@ -200,7 +202,7 @@ class MegatronActor:
         self.shuffle = actor.shuffle
         self.seed = plan.config.trainer.seed
         shape = backend.source.shape
-        self.moe_metrics = (MoERouterMetrics(backend.chunks, shape.num_layers, shape.num_experts)
+        self.moe_metrics = (MoERouterMetrics(backend.chunks, shape.num_layers, shape.num_experts, shape.moe_top_k)
                             if shape.is_moe else None)
 
     # ---------------------------------------------------------------------------- log-probs
@@ -208,7 +210,8 @@ class MegatronActor:
                          free_routing: bool = False) -> Batch | None:
         """Log-probs of the batch's responses (module docstring). With routing replay the forward
         routes as the rollout did, unless `free_routing` (the weight sync's probe: a fixed sequence
-        no rollout generated, scored with the routers' own choice on both sides)."""
+        no rollout generated, scored with the routers' own choice on both sides, and with every token
+        kept: no expert capacity, as in vLLM)."""
         backend, ctx = self.backend, self.backend.ctx
         tensors = batch.tensors
         temperature = sampling_temperature(batch)
@@ -234,7 +237,9 @@ class MegatronActor:
                 columns += [target.log_prob, target.outside.to(target.log_prob.dtype)]
             return micro.scatter_response_tokens(torch.stack(columns, dim=-1))
 
-        outputs = backend.forward_only(micros, collect, response_tokens_only=True)
+        # free routing is also dropless: the probe proves the weights against vLLM, which has no capacity
+        with backend.without_capacity() if free_routing else contextlib.nullcontext():
+            outputs = backend.forward_only(micros, collect, response_tokens_only=True)
         mismatch = None if free_routing else self._replay_mismatch()  # every rank: a world collective
         if not backend.is_output_rank:
             return None

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from hybridrl.config.meshes import expert_group_spans_replicas
 from hybridrl.config.plan import Plan
 from hybridrl.config.schema import MegatronConfig, OptimConfig
 from hybridrl.models.bridge import ModelSource, build_gpt_models, load_weights
@@ -41,6 +42,7 @@ from hybridrl.parallel.cpu_layer import apply_cpu_layer
 from hybridrl.parallel.device import collective_device, default_dtype_for, layer_spec_kind, to_rank_device
 from hybridrl.parallel.device_policy import DevicePolicy
 from hybridrl.training.lr_schedule import LRSchedule
+from hybridrl.training.moe_capacity import without_capacity
 from hybridrl.training.nonfinite import step_is_finite
 from hybridrl.training.offload import OptimizerStateOffload, offload_grad_buffers, restore_grad_buffers
 from hybridrl.training.router_replay import ReplayMismatch, chunk_routing, moe_routers, replaying
@@ -111,20 +113,22 @@ def ensure_parallel_state(megatron: MegatronConfig, device: str) -> Any:
     cp, vpp = megatron.context_parallel_size, megatron.virtual_pipeline_model_parallel_size
     vpp = vpp if vpp and vpp > 1 else None
     ep = megatron.expert_model_parallel_size
+    etp = megatron.expert_tensor_parallel_size or tp
     first, last = megatron.num_layers_in_first_pipeline_stage, megatron.num_layers_in_last_pipeline_stage
     if state.is_initialized():
         ctx = state.get_context()
-        have = (ctx.tp, ctx.pp, ctx.cp, ctx.vpp, ctx.ep, ctx.first_stage_layers, ctx.last_stage_layers)
-        if have != (tp, pp, cp, vpp, ep, first, last):
+        have = (ctx.tp, ctx.pp, ctx.cp, ctx.vpp, ctx.ep, ctx.etp or ctx.tp, ctx.first_stage_layers,
+                ctx.last_stage_layers)
+        if have != (tp, pp, cp, vpp, ep, etp, first, last):
             raise ValueError(
                 f"this process already runs megatron with tp={ctx.tp} pp={ctx.pp} cp={ctx.cp} vpp={ctx.vpp} "
-                f"ep={ctx.ep} stage layers first={ctx.first_stage_layers} last={ctx.last_stage_layers}; a role "
-                f"needing tp={tp} pp={pp} cp={cp} vpp={vpp} ep={ep} first={first} last={last} must live in its "
-                "own worker group"
+                f"ep={ctx.ep} etp={ctx.etp or ctx.tp} stage layers first={ctx.first_stage_layers} "
+                f"last={ctx.last_stage_layers}; a role needing tp={tp} pp={pp} cp={cp} vpp={vpp} ep={ep} etp={etp} "
+                f"first={first} last={last} must live in its own worker group"
             )
         return ctx
     return state.initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, cp=cp, seed=megatron.seed, device=device, ep=ep,
-                                           first_stage_layers=first, last_stage_layers=last)
+                                           first_stage_layers=first, last_stage_layers=last, etp=etp)
 
 
 def _activate_cpu_layer(policy: DevicePolicy) -> None:
@@ -303,12 +307,22 @@ class MegatronBackend:
         if spec.gradient_checkpointing:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         source = value_model_source(spec.model_path) if spec.value_head else ModelSource.from_path(spec.model_path)
+        self.uniform_width = False
         if source.shape.is_moe:
             # The router losses act only in a training forward with gradients (megatron's router), so
             # a frozen role's forward is unchanged by them.
             overrides.update(moe_router_load_balancing_type=megatron.moe_router_load_balancing_type,
                              moe_aux_loss_coeff=megatron.moe_aux_loss_coeff,
-                             moe_z_loss_coeff=megatron.moe_z_loss_coeff)
+                             moe_z_loss_coeff=megatron.moe_z_loss_coeff,
+                             moe_token_dispatcher_type=megatron.moe_token_dispatcher_type,
+                             moe_expert_capacity_factor=megatron.moe_expert_capacity_factor,
+                             moe_token_drop_policy=megatron.moe_token_drop_policy,
+                             moe_pad_expert_input_to_capacity=megatron.moe_pad_expert_input_to_capacity)
+            self.uniform_width = self._check_moe_dispatch(spec)
+            if megatron.moe_token_dispatcher_type == "allgather":
+                # megatron refuses the allgather dispatcher with variable lengths; at PP 1 (checked) no
+                # pipeline stage exchanges activation shapes, so nothing else reads the flag
+                overrides["variable_seq_lengths"] = False
         if spec.router_replay:
             self._check_router_replay(spec, source)
             overrides["moe_enable_routing_replay"] = True
@@ -357,6 +371,27 @@ class MegatronBackend:
         if not self.device_policy.megatron_cpu_layer:
             raise ValueError(f"{spec.role}: context_parallel_size={cp} runs on CPU only so far (the CPU "
                              "attention stand-in); TransformerEngine's ring attention on GPUs is not wired yet")
+
+    @staticmethod
+    def _check_moe_dispatch(spec: RoleSpec) -> bool:
+        """What the MoE dispatcher needs from the micro-batches (the plan refuses the rest first,
+        `config/validate.py`); True when every micro-batch must take the batch's full width."""
+        m = spec.megatron
+        allgather = m.moe_token_dispatcher_type == "allgather"
+        if allgather and m.pipeline_model_parallel_size > 1:
+            raise ValueError(f"{spec.role}: moe_token_dispatcher_type=allgather needs pipeline_model_parallel_size=1 "
+                             "(megatron's allgather dispatcher refuses variable_seq_lengths)")
+        padded = m.moe_expert_capacity_factor is not None and m.moe_pad_expert_input_to_capacity
+        # Equal token counts across megatron's expert TP x EP group: the allgather dispatcher gathers
+        # equal shares, drop-and-pad sizes its all-to-all by its own count. Where that group spans DP
+        # replicas (whose rows differ) every micro-batch takes the batch's full width, the same on all.
+        uniform = (allgather or padded) and expert_group_spans_replicas(
+            m.tensor_model_parallel_size, m.context_parallel_size, m.expert_model_parallel_size,
+            m.expert_tensor_parallel_size)
+        if uniform and spec.packed:
+            raise ValueError(f"{spec.role}: use_remove_padding=true with the allgather dispatcher or drop-and-pad "
+                             "across DP ranks is not supported (packed micro-batches differ in length)")
+        return uniform
 
     @staticmethod
     def _check_router_replay(spec: RoleSpec, source: ModelSource) -> None:
@@ -455,8 +490,10 @@ class MegatronBackend:
         if replay and "routed_experts" not in tensors:
             raise ValueError(f"{self.spec.role}: router_replay=rollout needs the rollout's `routed_experts` column; "
                              "this batch has none (generate it with rollout routing on)")
+        # the batch's full width is the same on every DP rank (their rows are cut from one batch)
+        width = tensors["input_ids"].shape[1] if self.uniform_width else None
         cut = [micro_batch_inputs(tensors, list(rows), extra_keys=extra_keys, pad_multiple=self.pad_multiple,
-                                  packed=self.spec.packed, segment_multiple=self.segment_multiple,
+                                  min_width=width, packed=self.spec.packed, segment_multiple=self.segment_multiple,
                                   routed_experts=replay)
                for rows in partition]
         self.tokens_seen.add(cut)
@@ -510,6 +547,11 @@ class MegatronBackend:
             return contextlib.nullcontext()
         per_layer, valid = chunk_routing(micro.routed_experts, routers, self.source.shape.moe_layers)
         return replaying([model], per_layer, mismatch=self.replay_mismatch, valid=valid)
+
+    def without_capacity(self) -> Any:
+        """While active, every MoE layer routes dropless (no expert capacity), as vLLM does
+        (`hybridrl.training.moe_capacity`); a no-op without a capacity factor."""
+        return without_capacity(self.chunks, self.config)
 
     @torch.no_grad()
     def forward_only(self, micro_batches: Sequence[ModelInputs],

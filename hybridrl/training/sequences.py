@@ -188,10 +188,12 @@ def build_model_inputs(
     packed: bool = False,
     segment_multiple: int = 1,
     routed_experts: Tensor | None = None,
+    min_width: int | None = None,
 ) -> ModelInputs:
     """Left-align rows, trim to the longest real row (rounded up to `pad_multiple`), locate responses;
     with `packed`, concatenate the rows' real tokens instead, each row's segment padded to
-    `segment_multiple` and the whole to `pad_multiple` (see the module docstring).
+    `segment_multiple` and the whole to `pad_multiple` (see the module docstring). `min_width`
+    (padded only): at least this many columns, e.g. the same width on ranks whose rows differ.
 
     `input_ids` must end with `responses` (`input_ids[:, -R:] == responses`), as the rollout lays
     them out. Every row needs at least one real prompt token (the first response token is predicted
@@ -208,9 +210,11 @@ def build_model_inputs(
         raise SequenceLayoutError("every row needs at least one real prompt token")
 
     longest = int(lengths.max())
+    if packed and min_width is not None:
+        raise ValueError("min_width applies to padded micro-batches, not packed ones")
     # Rounding up may pass the rollout's width (e.g. 2 × CP chunks of a full row): the columns past it
     # wrap around like the others after a row's real run, and nothing real ever reads them.
-    trimmed = longest if packed else -(-longest // pad_multiple) * pad_multiple
+    trimmed = longest if packed else -(-max(longest, min_width or 0) // pad_multiple) * pad_multiple
     # Rotating by `first` puts the real run at column 0; whatever wraps around lands after it.
     source = (torch.arange(trimmed, device=input_ids.device).unsqueeze(0) + first.unsqueeze(1)) % full_width
     aligned_ids = torch.gather(input_ids, 1, source)
@@ -297,7 +301,7 @@ def take_predictions(output: Tensor, index: Tensor) -> Tensor:
 
 def micro_batch_inputs(
     tensors: dict[str, Tensor], rows: list[int], *, extra_keys: tuple[str, ...] = (), pad_multiple: int = 1,
-    width: int | None = None, packed: bool = False, segment_multiple: int = 1, routed_experts: bool = False,
+    min_width: int | None = None, packed: bool = False, segment_multiple: int = 1, routed_experts: bool = False,
 ) -> ModelInputs:
     """`build_model_inputs` for the given rows of a batch's tensors (the `MODEL_INPUT_KEYS` + `extra_keys`,
     and with `routed_experts` the rollout's `routed_experts` column, aligned like the tokens)."""
@@ -310,5 +314,5 @@ def micro_batch_inputs(
     return build_model_inputs(
         pick["input_ids"], pick["attention_mask"], pick["position_ids"], pick["responses"], pick["response_mask"],
         extras={k: pick[k] for k in extra_keys}, pad_multiple=pad_multiple, packed=packed,
-        segment_multiple=segment_multiple, routed_experts=pick.get("routed_experts"),
+        segment_multiple=segment_multiple, routed_experts=pick.get("routed_experts"), min_width=min_width,
     )
