@@ -7,11 +7,12 @@ device policy runs megatron through the CPU layer (`hybridrl.models.bridge.layer
 
 - unpacked input (`packed_seq_params` None) goes to megatron's own forward, unchanged;
 - packed input (``qkv_format == "thd"``: query `[t, heads, d]`, key and value `[t, kv heads, d]`,
-  `cu_seqlens_q == cu_seqlens_kv`) is cut at the segment boundaries and each segment runs through
-  megatron's own forward as a batch of one, causal within itself. So a packed row sees exactly the
-  numbers it would see alone (GQA's key/value repetition, the softmax scale, the causal mask and the
-  attention dropout stream are megatron's), and no score is computed between rows: the cost is the
-  sum of the segments' squared lengths, not the pack's.
+  `cu_seqlens_q == cu_seqlens_kv`) is cut at the segment boundaries into the rows of one batch padded
+  to the longest segment, and runs through megatron's own forward once, causal within each row with
+  the padding masked as keys. So a packed row sees exactly the numbers it would see alone (GQA's
+  key/value repetition, the softmax scale, the causal mask and the attention dropout stream are
+  megatron's), and no score is computed between rows: the cost is rows × the longest segment squared
+  (only attention pads; the projections and the MLP around it run on the packed tokens).
 
 The output is `[t, 1, heads * d]`; megatron's attention reshapes it as it does TE's `[t, heads * d]`.
 
@@ -116,13 +117,36 @@ def _packed_attention_class() -> type:
             if cp > 1:  # [t / cp, heads, d] -> one row: [t / cp, 1, heads, d]
                 return self._context_parallel_forward(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1),
                                                       bounds, attn_mask_type, attention_bias)
-            outputs = [
-                super(CpuPackedDotProductAttention, self).forward(
-                    query[a:b].unsqueeze(1), key[a:b].unsqueeze(1), value[a:b].unsqueeze(1), None,
-                    attn_mask_type=attn_mask_type, attention_bias=attention_bias)
-                for a, b in zip(bounds[:-1], bounds[1:]) if b > a
-            ]
-            return torch.cat(outputs, dim=0)  # [t, 1, heads * d]
+            return self._packed_forward(query, key, value, bounds, attn_mask_type, attention_bias)
+
+        def _packed_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int],
+                            attn_mask_type: Any, attention_bias: torch.Tensor | None) -> torch.Tensor:
+            """Every segment as one row of a batch padded to the longest segment, in one call of megatron's
+            forward: causal within the row, the padding masked as keys (its query rows are dropped), so
+            each segment's numbers are those it would get alone. `[t, heads, d]` -> `[t, 1, heads * d]`."""
+            starts = torch.tensor([a for a, b in zip(bounds[:-1], bounds[1:]) if b > a], dtype=torch.long)
+            lengths = torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:]) if b > a], dtype=torch.long)
+            longest, rows = int(lengths.max()), len(lengths)
+            column = torch.arange(longest)
+            real = column.unsqueeze(0) < lengths.unsqueeze(1)  # [rows, longest]
+            # packed index of each (column, row) cell; padding cells read token 0 and are never used
+            source = torch.where(real, starts.unsqueeze(1) + column.unsqueeze(0),
+                                 torch.zeros_like(real, dtype=torch.long))
+            index = source.t().reshape(-1).to(query.device)  # [longest * rows], column-major like [s, b]
+
+            def to_rows(x: torch.Tensor) -> torch.Tensor:  # [t, h, d] -> [longest, rows, h, d]
+                return x.index_select(0, index).view(longest, rows, *x.shape[1:])
+
+            causal = column.unsqueeze(0) > column.unsqueeze(1)  # [sq, sk]: a later key
+            padded_key = ~real  # [rows, sk]
+            masked = (causal.unsqueeze(0) | padded_key.unsqueeze(1)).unsqueeze(1).to(query.device)
+            out = super().forward(to_rows(query), to_rows(key), to_rows(value), masked, attn_mask_type=attn_mask_type,
+                                  attention_bias=attention_bias)  # [longest, rows, heads * d]
+            keep = real.t().reshape(-1).to(query.device)  # the cells that are tokens, in the same order
+            flat = out.reshape(longest * rows, -1)[keep]  # column-major: token j of every row, then j + 1
+            order = source.t().reshape(-1)[real.t().reshape(-1)].to(query.device)  # their packed positions
+            packed = torch.empty_like(flat).index_copy(0, order, flat)
+            return packed.unsqueeze(1)  # [t, 1, heads * d]
 
         @staticmethod
         def _packed_bounds(query: torch.Tensor, params: Any, attention_mask: torch.Tensor | None,
