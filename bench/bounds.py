@@ -119,10 +119,12 @@ def measured_rates(dtype: str, hidden: int, intermediate: int, decode_rows: int,
 
 def step_bound(config: dict[str, Any], *, dtype: str, sequences: int, prompt_tokens: float,
                response_tokens: int, ranks: int = 1, micro_batch: int = 16,
-               rates: dict[str, float] | None = None) -> dict[str, float]:
+               rates: dict[str, float] | None = None, prompt_group: int = 1) -> dict[str, float]:
     """Lower bounds (seconds) of one GRPO step of `sequences` sequences (mean prompt length
     `prompt_tokens`, `response_tokens` generated each) over `ranks` data-parallel ranks of one core.
-    `rates` (keys as `measured_rates`'): measured here when not given."""
+    `rates` (keys as `measured_rates`'): measured here when not given. `prompt_group`: rows whose update
+    computes their prompt once (`model.shared_prefix`: a prompt's layers once per group, its self-attention
+    once, each response attending to it); 1 = every row its own prompt."""
     value_bytes = 2 if dtype == "bf16" else 4
     seq = prompt_tokens + response_tokens
     per_rank = sequences / ranks
@@ -131,10 +133,12 @@ def step_bound(config: dict[str, Any], *, dtype: str, sequences: int, prompt_tok
     weights, body, head = matmul_params(config), body_params(config), head_params(config)
     layers, heads, d = config["num_hidden_layers"], config["num_attention_heads"], head_dim(config)
 
-    # update: forward + backward; causal attention needs only the lower half of each s x s product,
+    # update: forward + backward; causal attention needs only the lower half of each s x s product (a
+    # row: (P + R)^2 / 2 = P^2 / 2 + P R + R^2 / 2; with a shared prompt its P^2 / 2 once per group),
     # the loss only the response tokens' logits
-    attention = 2 * 2 * layers * heads * d * seq * seq / 2
-    update_flops = 3 * per_rank * (2 * body * seq + 2 * head * response_tokens + attention)
+    p, r = prompt_tokens, response_tokens
+    attention = 2 * 2 * layers * heads * d * (p * p / 2 / prompt_group + p * r + r * r / 2)
+    update_flops = 3 * per_rank * (2 * body * (p / prompt_group + r) + 2 * head * r + attention)
     update_s = update_flops / rates["train_flops_per_s"]
 
     # generation: prefill as compute, then one decode step per response token

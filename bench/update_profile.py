@@ -1,14 +1,18 @@
 """Where the actor update's time goes on a real model: the project's own megatron actor (`MegatronBackend`
 + `MegatronActor.update_policy`) on forked gloo ranks, one torch thread each, on a GRPO-shaped batch.
 
-The batch is what the trainer hands the update: `--rows` sequences, prompts left-padded to
-`--max-prompt` (real lengths uniform around `--prompt`), responses right-padded to `--max-response`
-(real lengths uniform around `--response`), one mini-batch (one optimizer step, on-policy: the update's
-own forward is the old policy), micro-batches of `--micro` rows per rank.
+The batch is what the trainer hands the update: `--rows` sequences in groups of `--group` sampled
+from one prompt (GRPO's n), prompts left-padded to `--max-prompt` (real lengths uniform around
+`--prompt`), responses right-padded to `--max-response` (real lengths uniform around `--response`),
+one mini-batch (one optimizer step, on-policy: the update's own forward is the old policy),
+micro-batches of `--micro` rows per rank. `--modes` runs the update on padded micro-batches, packed
+ones (`model.use_remove_padding`) and packed ones holding each group's prompt once
+(`model.shared_prefix`), one after the other on each layout.
 
-Prints, per layout (`--layouts pp2,dp2`): the median update wall time over `--repeats` updates,
+Prints, per layout (`--layouts pp2,dp2`) and mode: the median update wall time over `--repeats` updates,
 real tokens/s, the CPU seconds of all ranks, and the matmul-FLOP bound: the update's matmul FLOPs
-(bench/bounds.py's count over the real tokens) at the single-core GEMM rate each rank measures on its
+(bench/bounds.py's count over the real tokens of every row, and with `shared` also the count with each
+group's prompt once) at the single-core GEMM rate each rank measures on its
 own matmul route (per CPU-second, so that other load on shared cores does not deflate it), spread
 over the ranks' cores. The update's multiple of it is given by wall time and by CPU time (the
 latter is what to compare on a loaded machine). Then, from one more update under torch.profiler,
@@ -45,20 +49,24 @@ LAYOUTS = {"pp2": (1, 2, 1, None), "dp2": (1, 1, 2, None), "pp1": (1, 1, 1, None
 
 
 def grpo_batch(rows: int, vocab: int, *, prompt: int, max_prompt: int, response: int, max_response: int,
-               seed: int = 0) -> Any:
-    """Rows `[left-padded prompt | right-padded response]` as the rollout writes them, with advantages."""
+               seed: int = 0, group: int = 1) -> Any:
+    """Rows `[left-padded prompt | right-padded response]` as the rollout writes them, with advantages;
+    each `group` consecutive rows sampled from one prompt."""
     gen = torch.Generator().manual_seed(seed)
     spread_p, spread_r = max(1, prompt // 5), max(1, response // 3)
     prompt_lengths = torch.randint(prompt - spread_p, prompt + spread_p + 1, (rows,), generator=gen)
+    prompt_lengths = prompt_lengths[torch.arange(rows) // group * group]  # a group's rows: its first row's
     response_lengths = torch.randint(response - spread_r, response + spread_r + 1, (rows,), generator=gen)
     return batch_of_lengths(prompt_lengths.clamp(1, max_prompt), response_lengths.clamp(1, max_response), vocab,
-                            max_prompt=max_prompt, max_response=max_response, gen=gen)
+                            max_prompt=max_prompt, max_response=max_response, gen=gen, group=group)
 
 
 def batch_of_lengths(prompt_lengths: torch.Tensor, response_lengths: torch.Tensor, vocab: int, *, max_prompt: int,
-                     max_response: int, gen: torch.Generator, meta: dict[str, Any] | None = None) -> Any:
+                     max_response: int, gen: torch.Generator, meta: dict[str, Any] | None = None,
+                     group: int = 1) -> Any:
     """A GRPO batch of random tokens with these prompt and response lengths, laid out as the rollout
-    writes rows (`[left-padded prompt | right-padded response]`), groups of 8 rows, one advantage each."""
+    writes rows (`[left-padded prompt | right-padded response]`), groups of 8 rows (uid), one advantage
+    each; each `group` consecutive rows share their first row's prompt tokens."""
     from hybridrl.data.batch import Batch
 
     rows = len(prompt_lengths)
@@ -69,6 +77,8 @@ def batch_of_lengths(prompt_lengths: torch.Tensor, response_lengths: torch.Tenso
     for i in range(rows):
         p, r = int(prompt_lengths[i]), int(response_lengths[i])
         prompts[i, max_prompt - p:] = torch.randint(3, vocab, (p,), generator=gen)
+        if i % group:
+            prompts[i] = prompts[i - i % group]
         prompt_mask[i, max_prompt - p:] = 1
         responses[i, :r] = torch.randint(3, vocab, (r,), generator=gen)
         response_mask[i, :r] = 1
@@ -84,8 +94,11 @@ def batch_of_lengths(prompt_lengths: torch.Tensor, response_lengths: torch.Tenso
     }, {"uid": [i // 8 for i in range(rows)]}, meta or {})
 
 
+MODES = ("padded", "packed", "shared")  # micro-batches: padded rows, packed rows, packed with shared prompts
+
+
 def job_config(model: str, *, tp: int, pp: int, dp: int, rows: int, micro: int, max_prompt: int,
-               max_response: int) -> Any:
+               max_response: int, mode: str = "padded") -> Any:
     from hybridrl.config.schema import JobConfig
 
     c = JobConfig()
@@ -93,9 +106,10 @@ def job_config(model: str, *, tp: int, pp: int, dp: int, rows: int, micro: int, 
     c.trainer.nnodes, c.trainer.n_gpus_per_node = 1, tp * pp * dp
     c.trainer.torch_threads_per_rank = 1
     c.actor_rollout_ref.model.path = model
-    # padded micro-batches, as the README's figures were measured (before packing became the CPU
-    # default); bench/packing.py compares the packed update with this one
-    c.actor_rollout_ref.model.use_remove_padding = False
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: expected one of {MODES}")
+    c.actor_rollout_ref.model.use_remove_padding = mode != "padded"
+    c.actor_rollout_ref.model.shared_prefix = mode == "shared"
     c.data.max_prompt_length, c.data.max_response_length = max_prompt, max_response
     c.data.train_batch_size = rows // 8
     c.actor_rollout_ref.rollout.n = 8
@@ -215,9 +229,10 @@ def _rank(rank: int, world: int, config: Any, batch: Any, repeats: int, profile:
     return result
 
 
-def update_flops(model: str, batch: Any) -> float:
+def update_flops(model: str, batch: Any, prompt_group: int = 1) -> float:
     """The update's matmul FLOPs over all its real tokens (bench/bounds.py's count: forward + backward,
-    causal attention's half of each s x s product), whatever the layout."""
+    causal attention's half of each s x s product), whatever the layout; `prompt_group`: each group's
+    prompt counted once (shared prompts)."""
     from bounds import step_bound
 
     config = json.loads((Path(model) / "config.json").read_text())
@@ -227,7 +242,8 @@ def update_flops(model: str, batch: Any) -> float:
     prompt = float(real.mean()) - response
     unit = {"train_flops_per_s": 1.0, "decode_flops_per_s": 1.0, "copy_bytes_per_s": 1.0}
     return step_bound(config, dtype="fp32", sequences=rows, prompt_tokens=prompt,
-                      response_tokens=max(1, round(response)), ranks=1, rates=unit)["bound_s/update"]
+                      response_tokens=max(1, round(response)), ranks=1, rates=unit,
+                      prompt_group=prompt_group)["bound_s/update"]
 
 
 def main() -> None:
@@ -240,6 +256,8 @@ def main() -> None:
     parser.add_argument("--max-prompt", type=int, default=64)
     parser.add_argument("--response", type=int, default=50)
     parser.add_argument("--max-response", type=int, default=64)
+    parser.add_argument("--group", type=int, default=8, help="rows sampled from one prompt (GRPO's n)")
+    parser.add_argument("--modes", default="padded,packed,shared", help=f"micro-batch modes, of {','.join(MODES)}")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--tag", default="", help="a label stored with the results (e.g. before/after)")
@@ -249,19 +267,20 @@ def main() -> None:
     model = str((ROOT / args.model) if not Path(args.model).is_absolute() else Path(args.model))
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     batch = grpo_batch(args.rows, vocab, prompt=args.prompt, max_prompt=args.max_prompt, response=args.response,
-                       max_response=args.max_response)
+                       max_response=args.max_response, group=args.group)
     tokens = int(batch.tensors["attention_mask"].sum())
     load = os.getloadavg()
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} cores; "
           f"{args.rows} rows, {tokens} real tokens ({tokens / args.rows:.1f}/row, "
           f"{int(batch.tensors['response_mask'].sum()) / args.rows:.1f} response), padded width "
-          f"{args.max_prompt + args.max_response}")
+          f"{args.max_prompt + args.max_response}, groups of {args.group} rows sharing a prompt")
     report: dict[str, Any] = {"tag": args.tag, "load_avg": load, "rows": args.rows, "tokens": tokens,
-                              "micro": args.micro, "layouts": {}}
-    for name in args.layouts.split(","):
+                              "micro": args.micro, "group": args.group, "layouts": {}}
+    runs = [(name, mode) for name in args.layouts.split(",") for mode in args.modes.split(",")]
+    for name, mode in runs:
         tp, pp, dp, first = LAYOUTS[name]
         config = job_config(model, tp=tp, pp=pp, dp=dp, rows=args.rows, micro=args.micro,
-                            max_prompt=args.max_prompt, max_response=args.max_response)
+                            max_prompt=args.max_prompt, max_response=args.max_response, mode=mode)
         config.actor_rollout_ref.actor.megatron.num_layers_in_first_pipeline_stage = first
         started = time.perf_counter()
         world = tp * pp * dp
@@ -274,17 +293,23 @@ def main() -> None:
         flops = update_flops(model, batch)
         # the bound: every matmul FLOP at this machine's single-core GEMM rate, the work spread over
         # the `world` cores the ranks have; wall time on shared cores is inflated by other load, CPU
-        # time much less, so both ratios are printed
+        # time much less, so both ratios are printed. With shared prompts also the bound of the
+        # arithmetic left (each group's prompt once).
         bound = flops / rate / world
-        entry = {"update_s": wall, "tokens_per_s": tokens / wall, "cpu_s_all_ranks": cpu, "flops": flops,
-                 "gemm_gflops_per_cpu_s": rate / 1e9, "bound_s": bound, "x_bound_wall": wall / bound,
-                 "x_bound_cpu": cpu / (bound * world), "ranks": results, "total_s": time.perf_counter() - started}
-        report["layouts"][name] = entry
-        print(f"\n== {name} (tp{tp} pp{pp} dp{dp}): update {wall:.2f} s wall (runs "
+        shared_bound = update_flops(model, batch, args.group) / rate / world if mode == "shared" else bound
+        entry = {"mode": mode, "update_s": wall, "tokens_per_s": tokens / wall, "cpu_s_all_ranks": cpu,
+                 "flops": flops, "gemm_gflops_per_cpu_s": rate / 1e9, "bound_s": bound, "x_bound_wall": wall / bound,
+                 "x_bound_cpu": cpu / (bound * world), "shared_bound_s": shared_bound,
+                 "x_shared_bound_wall": wall / shared_bound, "x_shared_bound_cpu": cpu / (shared_bound * world),
+                 "ranks": results, "total_s": time.perf_counter() - started}
+        report["layouts"][f"{name}-{mode}"] = entry
+        print(f"\n== {name} (tp{tp} pp{pp} dp{dp}) {mode}: update {wall:.2f} s wall (runs "
               f"{[round(max(r['wall_s'][i] for r in results), 2) for i in range(args.repeats)]}), "
               f"{tokens / wall:.0f} tokens/s, {cpu:.1f} CPU-s over the ranks; {flops / 1e12:.2f} TFLOP at "
               f"{rate / 1e9:.0f} GFLOP/CPU-s -> bound {bound:.2f} s on {world} cores: "
-              f"{wall / bound:.2f}x bound (wall), {cpu / (bound * world):.2f}x (CPU time)")
+              f"{wall / bound:.2f}x bound (wall), {cpu / (bound * world):.2f}x (CPU time)"
+              + (f"; with each prompt once: bound {shared_bound:.2f} s, {wall / shared_bound:.2f}x (wall), "
+                 f"{cpu / (shared_bound * world):.2f}x (CPU time)" if mode == "shared" else ""))
         for r in results:
             c = r["coords"]
             optimizer = statistics.median(r["optimizer_s"] or [0.0])

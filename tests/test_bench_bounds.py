@@ -37,6 +37,24 @@ def test_update_and_generation_bounds_by_hand():
     assert out["bound_s/step"] == pytest.approx(gen + update)
 
 
+def test_update_bound_with_a_prompt_shared_by_its_group_by_hand():
+    """prompt_group=8 (`model.shared_prefix`): a group of 8 rows computes its 16 prompt tokens once."""
+    config = json.loads((ROOT / "configs/models/bench-30m/config.json").read_text())
+    body, head = 8 * (4 * 512 * 512 + 3 * 512 * 1536), 96 * 512
+    out = bounds.step_bound(config, dtype="bf16", sequences=64, prompt_tokens=16, response_tokens=4, ranks=2,
+                            rates=RATES, prompt_group=8)
+    per_rank = 32
+    # per group: the prompt's 16 tokens once (its causal self-attention 16^2 / 2 once), then each of the 8
+    # responses' 4 tokens attending to the 16 prompt tokens and causally to themselves (4^2 / 2)
+    group_attention = 2 * 2 * 8 * 8 * 64 * (16 * 16 / 2 + 8 * (16 * 4 + 4 * 4 / 2))
+    group = 2 * body * (16 + 8 * 4) + 8 * 2 * head * 4 + group_attention
+    assert out["bound_s/update"] == pytest.approx(3 * (per_rank / 8) * group / 1e11)
+    alone = bounds.step_bound(config, dtype="bf16", sequences=64, prompt_tokens=16, response_tokens=4, ranks=2,
+                              rates=RATES)
+    assert out["bound_s/update"] < 0.5 * alone["bound_s/update"]
+    assert out["bound_s/gen"] == alone["bound_s/gen"]  # generation is unchanged
+
+
 def test_bound_of_run_takes_the_mean_prompt_from_the_token_count():
     run = bounds.bound_of_run("configs/models/bench-30m/config.json", dtype="fp32", prompts=2, n=4,
                               response_tokens=10, ranks=1, micro_batch=4, tokens_per_step=8 * 10 + 8 * 12)

@@ -437,6 +437,17 @@ REFUSED = {
                                                    f"{RC}.is_level", f"set {RC}.match_truncation=true",
                                                    [f"{RC}.is_level=sequence", f"{R}.top_p=0.9", f"{R}.top_k=20",
                                                     f"{RC}.match_truncation=true"]),
+    "shared prompts where the attention has no tree mask": (
+        ["actor_rollout_ref.model.shared_prefix=true"], "actor_rollout_ref.model.shared_prefix",
+        "is served by the CPU layer's attention stand-in only", ["actor_rollout_ref.model.shared_prefix=false"]),
+    "shared prompts without packing": (
+        ["trainer.device=cpu", "critic.model.use_remove_padding=false", "critic.model.shared_prefix=true"],
+        "critic.model.shared_prefix", "needs packed micro-batches",
+        ["trainer.device=cpu", "critic.model.use_remove_padding=false"]),
+    "shared prompts with context parallelism": (
+        ["trainer.device=cpu", f"{A}.megatron.context_parallel_size=2", "actor_rollout_ref.model.shared_prefix=true"],
+        "actor_rollout_ref.model.shared_prefix", "with context_parallel_size=2 is not served",
+        ["trainer.device=cpu", f"{A}.megatron.context_parallel_size=2"]),
     "truncation matched without a correction": ([f"{RC}.match_truncation=true", f"{R}.top_k=4"],
                                                 f"{RC}.match_truncation", "has no effect while algorithm."
                                                 "rollout_correction.is_level and mask_level are none",
@@ -632,6 +643,9 @@ MOE_CASES = {
              "actor_rollout_ref.model.use_remove_padding=true"], "actor_rollout_ref.model.use_remove_padding",
         "packed micro-batches differ in length", [f"{CAP}=1.0", f"{A}.megatron.moe_pad_expert_input_to_capacity=true",
                                                   f"{EP}=2"]),
+    "shared prompts need a dense model": ({}, ["trainer.device=cpu", "actor_rollout_ref.model.shared_prefix=true"],
+                                          "actor_rollout_ref.model.shared_prefix", "with a mixture-of-experts model",
+                                          ["trainer.device=cpu"]),
     "capacity with routing replay": ({}, [f"{CAP}=1.0", f"{A}.router_replay=rollout"], CAP,
                                      "the replayed routing would still lose the tokens",
                                      [f"{A}.router_replay=rollout"]),

@@ -127,6 +127,32 @@ def test_imbalance_metric_against_hand_computed_loads():
     assert dp_token_imbalance([5, 1, 1, 1], 2, 1, order=balanced_dp_order([5, 1, 1, 1], 2, 1)) == pytest.approx(6 / 4)
 
 
+def test_dispatch_order_deals_prompt_groups_whole_costing_each_prompt_once():
+    """`groups` (rows sharing a prompt, `model.shared_prefix`): each rank gets whole groups, balanced by
+    prompt + responses; a mini-batch whose groups cannot be dealt whole goes row by row."""
+    # four groups of 2 rows: prompts of 10, 10, 1, 1 tokens, every response 1 token
+    labels = ["a", "a", "b", "b", "c", "c", "d", "d"]
+    prompts = [10, 10, 10, 10, 1, 1, 1, 1]
+    tokens = [p + 1 for p in prompts]
+    order = balanced_dp_order(tokens, 2, 1, groups=labels, prompt_tokens=prompts).tolist()
+    halves = [order[:4], order[4:]]
+    # whole groups, next to each other: a long-prompt group and a short one on each rank (12 + 3 shared
+    # tokens each), not {a, b} against {c, d}
+    for h in halves:
+        assert sorted(prompts[r] for r in h) == [1, 1, 10, 10]
+        assert labels[h[0]] == labels[h[1]] and labels[h[2]] == labels[h[3]]
+    # by row tokens alone (no groups) the same batch may split a group: it balances 11+11+2+2 per rank
+    rows_only = balanced_dp_order(tokens, 2, 1).tolist()
+    assert sorted(tokens[r] for r in rows_only[:4]) == [2, 2, 11, 11]
+    # groups of unequal size cannot be dealt in equal row counts: row by row, as without groups
+    uneven = ["a", "a", "a", "b", "c", "c", "d", "d"]
+    assert balanced_dp_order(tokens, 2, 1, groups=uneven, prompt_tokens=prompts).tolist() == rows_only
+    # groups of 2 in mini-batches of 1 row per rank: row by row too
+    assert sorted(balanced_dp_order(tokens, 2, 4, groups=labels, prompt_tokens=prompts).tolist()) == list(range(8))
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        balanced_dp_order(tokens, 2, 1, groups=labels)
+
+
 def test_balance_batch_setting_is_checked():
     from hybridrl.config.errors import ConfigError
     from hybridrl.config.loader import load_config

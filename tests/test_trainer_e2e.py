@@ -62,7 +62,11 @@ def test_reward_rises(demo_assets, tmp_path, name, config, layout):
 
 def test_packed_balanced_grpo_raises_the_reward(demo_assets, tmp_path):
     """GRPO at DP2 with every pass packed (`use_remove_padding`) and the DP dispatch balanced (the
-    default `trainer.balance_batch`), two mini-batches a step, old and reference log-prob passes on."""
+    default `trainer.balance_batch`), two mini-batches a step, old and reference log-prob passes on; each
+    prompt's 8 samples computed with their prompt once (`model.shared_prefix`, the CPU default), the
+    dispatch dealing the groups whole."""
+    from collections import Counter
+
     from hybridrl.controller.dispatch import balanced_dp_order, dp_token_imbalance
 
     run = tmp_path / "packed"
@@ -83,11 +87,32 @@ def test_packed_balanced_grpo_raises_the_reward(demo_assets, tmp_path):
         assert r["perf/padding_ratio_ref_log_prob"] == 0.0
         # results came back in the batch's order: vLLM's log-probs of each row match the trainer's
         assert r["rollout/log_prob_abs_diff_max"] < 1e-4
-    for step in (1, steps):  # the metric, from the trained samples' token counts (the batch's order)
-        tokens = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in _rollouts(run, step)]
-        expected = dp_token_imbalance(tokens, 2, 2, balanced_dp_order(tokens, 2, 2))
+    assert "actor/ref packed (actor_rollout_ref.model.use_remove_padding set) with shared prompts " \
+           "(actor_rollout_ref.model.shared_prefix default on cpu)" in result.stderr
+    for step in (1, steps):  # the metrics, from the trained samples (the batch's order)
+        samples = _rollouts(run, step)
+        tokens = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in samples]
+        uids = [str(s["uid"]) for s in samples]
+        prompts = [len(s["prompt_ids"]) for s in samples]
+        dealt = {minis: balanced_dp_order(tokens, 2, minis, groups=uids, prompt_tokens=prompts)
+                 for minis in (1, 2)}
+        expected = dp_token_imbalance(tokens, 2, 2, dealt[2])
         assert rows[step - 1]["perf/dp_token_imbalance"] == pytest.approx(expected, abs=1e-9)
         assert expected <= dp_token_imbalance(tokens, 2, 2)
+        # shared prompt tokens: micro-batches of 16 rows in the update (each mini-batch's 16 rows of a rank),
+        # 32 in the old-log-prob pass (a rank's 32), 8 in the reference's (its default), each holding whole
+        # groups of 8 dealt next to each other; equal prompts of two groups in one micro-batch share too
+        for key, order, micro in (("perf/shared_prefix_ratio", dealt[2], 16),
+                                  ("perf/shared_prefix_ratio_old_log_prob", dealt[1], 32),
+                                  ("perf/shared_prefix_ratio_ref_log_prob", dealt[1], 8)):
+            saved = 0
+            for start in range(0, len(order), micro):
+                part = [int(r) for r in order[start:start + micro]]
+                assert all(Counter(uids[r] for r in part)[uids[r]] == 8 for r in part)  # whole groups
+                counts = Counter(tuple(samples[r]["prompt_ids"]) for r in part)
+                saved += sum((c - 1) * len(p) for p, c in counts.items())
+            assert rows[step - 1][key] == pytest.approx(saved / sum(tokens), abs=1e-12), key
+            assert rows[step - 1][key] > 0.3
 
 
 def test_cp2_packed_grpo_raises_the_reward(demo_assets, tmp_path):

@@ -171,13 +171,14 @@ def reference_step(hf_dir: Path, batch: Any, case: Case, dtype: torch.dtype = to
         }
 
 
-def ppo_batch(hf_dir: Path, rows: int = 8, seed: int = 11, vocab: int = POLICY["vocab_size"]) -> Any:
+def ppo_batch(hf_dir: Path, rows: int = 8, seed: int = 11, vocab: int = POLICY["vocab_size"],
+              groups: list[int] | None = None) -> Any:
     """Rollout-shaped rows whose old and reference log-probs are the tempered policy's, perturbed.
 
     The perturbation (uniform in [-1, 1] nats) puts ratios in [0.37, 2.7]: both clip bounds and the
-    dual clip are crossed. Advantages have both signs.
+    dual clip are crossed. Advantages have both signs. `groups`: rows sharing prompts (`rollout_batch`).
     """
-    batch = rollout_batch(rows, seed=seed, vocab=vocab)
+    batch = rollout_batch(rows, seed=seed, vocab=vocab, groups=groups)
     with torch.no_grad():
         _, log_softmax = response_log_softmax(hf_dir, batch)
     policy = log_softmax.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)

@@ -53,22 +53,35 @@ def policy_model(folder: Path, seed: int = 0) -> Path:
     return make_hf_model(folder, "llama", seed=seed)
 
 
-def rollout_batch(rows: int = 8, seed: int = 0, vocab: int = VOCAB) -> Any:
-    """Rows `[left-padded prompt | right-padded response]` with the rollout's columns and PPO inputs."""
+def rollout_batch(rows: int = 8, seed: int = 0, vocab: int = VOCAB, groups: list[int] | None = None) -> Any:
+    """Rows `[left-padded prompt | right-padded response]` with the rollout's columns and PPO inputs.
+
+    `groups` (sizes summing to `rows`): consecutive rows of a group share their first row's prompt and uid,
+    as GRPO's samples of one prompt; default: every row its own prompt, uid i // 2."""
     from hybridrl.data.batch import Batch
 
     gen = torch.Generator().manual_seed(seed)
     prompt_lengths = torch.randint(1, PROMPT + 1, (rows,), generator=gen)
     response_lengths = torch.randint(1, RESPONSE + 1, (rows,), generator=gen)
     prompt_lengths[0], response_lengths[0] = PROMPT, RESPONSE  # one row with no padding at all
+    group_of = [i // 2 for i in range(rows)]
+    if groups is not None:
+        if sum(groups) != rows:
+            raise ValueError(f"groups {groups} do not add up to {rows} rows")
+        group_of = [g for g, size in enumerate(groups) for _ in range(size)]
+    first = {g: group_of.index(g) for g in set(group_of)}
     pad = 0
     prompts = torch.full((rows, PROMPT), pad, dtype=torch.long)
     responses = torch.full((rows, RESPONSE), pad, dtype=torch.long)
     prompt_mask = torch.zeros(rows, PROMPT, dtype=torch.long)
     response_mask = torch.zeros(rows, RESPONSE, dtype=torch.long)
     for i in range(rows):
+        if groups is not None and first[group_of[i]] != i:
+            prompt_lengths[i] = prompt_lengths[first[group_of[i]]]
         p, r = int(prompt_lengths[i]), int(response_lengths[i])
         prompts[i, PROMPT - p:] = torch.randint(1, vocab, (p,), generator=gen)
+        if groups is not None and first[group_of[i]] != i:
+            prompts[i] = prompts[first[group_of[i]]]
         prompt_mask[i, PROMPT - p:] = 1
         responses[i, :r] = torch.randint(1, vocab, (r,), generator=gen)
         response_mask[i, :r] = 1
@@ -86,7 +99,7 @@ def rollout_batch(rows: int = 8, seed: int = 0, vocab: int = VOCAB) -> Any:
         "values": torch.randn(rows, RESPONSE, generator=gen) * response_mask,
         "returns": torch.randn(rows, RESPONSE, generator=gen) * response_mask,
     }
-    return Batch(tensors, {"uid": [i // 2 for i in range(rows)]})
+    return Batch(tensors, {"uid": group_of})
 
 
 def hf_response_outputs(hf_dir: Path, batch: Any, model_cls: str = "AutoModelForCausalLM") -> torch.Tensor:

@@ -403,11 +403,15 @@ def test_use_remove_padding_defaults_on_where_the_device_serves_packed_attention
     assert plan.config.actor_rollout_ref.model.use_remove_padding is None  # the user's config is not rewritten
     assert role_spec(plan, "actor").packed and role_spec(plan, "critic").packed
     line = [w for w in render_plan(plan).splitlines() if w.startswith("Sequence packing:")]
+    # cpu: the stand-in also holds a shared prompt once (model.shared_prefix, tests/test_training_shared_prefix.py)
+    shared = (lambda section: f" with shared prompts ({section}.shared_prefix default on cpu)" if device == "cpu"
+              else "")
     assert line == [f"Sequence packing: actor/ref packed (actor_rollout_ref.model.use_remove_padding default on "
-                    f"{device}), critic packed (critic.model.use_remove_padding default on {device}), reward_model "
-                    f"packed (reward_model.model.use_remove_padding default on {device}); packed attention: "
-                    f"{served}" + (" (the gpu extra installs it; the workers stop at start-up without it)"
-                                   if device == "cuda" else "")]
+                    f"{device}){shared('actor_rollout_ref.model')}, critic packed (critic.model.use_remove_padding "
+                    f"default on {device}){shared('critic.model')}, reward_model packed "
+                    f"(reward_model.model.use_remove_padding default on {device}){shared('reward_model.model')}; "
+                    f"packed attention: {served}" + (" (the gpu extra installs it; the workers stop at start-up "
+                                                     "without it)" if device == "cuda" else "")]
     off = plan_from_sources(SEED, [*base, "critic.model.use_remove_padding=false"])
     assert not off.resolved.packed("critic") and off.resolved.packed("actor")
     assert not role_spec(off, "critic").packed

@@ -15,6 +15,7 @@ from hybridrl.training.micro_batching import (
     fixed_partition,
     micro_batches_needed,
     restore_order,
+    shared_dynamic_partition,
 )
 from hybridrl.training.sequences import SequenceLayoutError, build_model_inputs, take_predictions
 from tests.test_training_fixtures import RESPONSE, rollout_batch
@@ -125,6 +126,21 @@ def _agree(rank: int, world: int) -> list[list[int]]:
 def test_dynamic_partition_agrees_on_the_count_over_dp():
     rank0, rank1 = run_ranks(_agree, 2)
     assert len(rank0) == len(rank1) == 2  # rank 1 alone would need 1 micro-batch
+
+
+def test_shared_token_budget_counts_a_prompt_once_and_keeps_its_rows_together():
+    # two prompt groups: prompt 10 with responses 2, 3, 4 (rows 0-2), prompt 5 with responses 1, 1 (rows 3-4)
+    prompts = [10, 10, 10, 5, 5]
+    lengths = [12, 13, 14, 6, 6]
+    groups = [[0, 1, 2], [3, 4]]
+    # shared: 10 + 9 = 19 and 5 + 2 = 7 tokens, one micro-batch of 26 fits a budget of 30 (rows alone: 51)
+    assert shared_dynamic_partition(lengths, prompts, groups, 30) == [[0, 1, 2, 3, 4]]
+    assert len(dynamic_partition(lengths, 30)) == 2
+    # a budget of 20: the groups go to separate micro-batches, each whole (19 and 7)
+    assert shared_dynamic_partition(lengths, prompts, groups, 20) == [[0, 1, 2], [3, 4]]
+    # a budget of 16: the first group is cut where its prompt plus responses pass it: 10+2+3 = 15, then
+    # 10+4 = 14; with the second group's 7 that is 36 tokens, 3 micro-batches
+    assert sorted(shared_dynamic_partition(lengths, prompts, groups, 16)) == [[0, 1], [2], [3, 4]]
 
 
 # ------------------------------------------------------------------------------------ schedule

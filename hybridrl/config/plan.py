@@ -226,7 +226,7 @@ def build_plan(config: JobConfig, prior_issues: list[ConfigIssue] | tuple[Config
     issues: list[ConfigIssue] = list(prior_issues)
     warnings: list[str] = []
     model = load_model_shape(config.actor_rollout_ref.model.path, issues, warnings, "actor_rollout_ref.model.path")
-    resolved = resolve(config)
+    resolved = resolve(config, model)
     validate(config, resolved, model, issues, warnings)
     if issues:
         raise ConfigError(issues)

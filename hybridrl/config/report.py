@@ -48,7 +48,8 @@ PACKED_ATTENTION = {
 
 
 def packing_line(plan: Plan) -> str:
-    """Which roles run packed (THD) micro-batches, and whether the user or the device default chose it."""
+    """Which roles run packed (THD) micro-batches and which of those hold a shared prompt once, and whether the
+    user or the device default chose it."""
     sections = (("actor_rollout_ref.model", (Role.ACTOR, Role.REF), plan.config.actor_rollout_ref.model),
                 ("critic.model", (Role.CRITIC,), plan.config.critic.model),
                 ("reward_model.model", (Role.REWARD_MODEL,), plan.config.reward_model.model))
@@ -61,6 +62,10 @@ def packing_line(plan: Plan) -> str:
         on = plan.resolved.packed(roles[0])
         why = "set" if section.use_remove_padding is not None else f"default on {plan.resolved.device}"
         parts.append(f"{'/'.join(mine)} {'packed' if on else 'padded'} ({prefix}.use_remove_padding {why})")
+        shared = plan.resolved.shared_prefix(roles[0])
+        if on and (shared or section.shared_prefix is not None):  # unset and not served: nothing to say
+            how = "set" if section.shared_prefix is not None else f"default on {plan.resolved.device}"
+            parts[-1] += f" with {'shared' if shared else 'per-row'} prompts ({prefix}.shared_prefix {how})"
     served = PACKED_ATTENTION.get(plan.device_policy.packed_attention or "", "nothing on this device")
     return f"Sequence packing: {', '.join(parts)}; packed attention: {served}"
 

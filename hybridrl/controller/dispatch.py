@@ -166,6 +166,24 @@ def row_tokens(batch: Batch) -> np.ndarray:
     return (batch["attention_mask"] != 0).sum(-1).numpy().astype(np.int64)
 
 
+def row_prompt_tokens(batch: Batch) -> np.ndarray:
+    """Real prompt tokens of each row (the columns before the responses)."""
+    width = batch["input_ids"].shape[1] - batch["responses"].shape[1]
+    return (batch["attention_mask"][:, :width] != 0).sum(-1).numpy().astype(np.int64)
+
+
+def _whole_groups(rows: list[int], labels: Sequence[Any], per_rank: int) -> list[list[int]] | None:
+    """`rows` (one global mini-batch) as its groups of equal `labels`, in the order of each group's first
+    row, when they can be dealt whole: every group has the same size and it divides `per_rank`; else None."""
+    groups: dict[Any, list[int]] = {}
+    for row in rows:
+        groups.setdefault(labels[row], []).append(row)
+    sizes = {len(g) for g in groups.values()}
+    if len(sizes) != 1 or per_rank % next(iter(sizes)):
+        return None
+    return list(groups.values())
+
+
 def _dp_groups(rows: int, dp_size: int, mini_batches: int) -> list[list[int]]:
     """The rows of each global mini-batch under the plain split: rank d's chunk is rows
     [d*C, (d+1)*C) and its k-th mini-batch the k-th of `mini_batches` equal slices of that."""
@@ -178,7 +196,9 @@ def _dp_groups(rows: int, dp_size: int, mini_batches: int) -> list[list[int]]:
             for k in range(mini_batches)]
 
 
-def balanced_dp_order(tokens: Sequence[int] | np.ndarray, dp_size: int, mini_batches: int = 1) -> np.ndarray:
+def balanced_dp_order(tokens: Sequence[int] | np.ndarray, dp_size: int, mini_batches: int = 1,
+                      groups: Sequence[Any] | None = None,
+                      prompt_tokens: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
     """A permutation `order` (row i of the dispatched batch is row order[i]) whose even split over
     `dp_size` ranks gives each rank the same row count and balanced real tokens.
 
@@ -187,18 +207,42 @@ def balanced_dp_order(tokens: Sequence[int] | np.ndarray, dp_size: int, mini_bat
     into `dp_size` equal-size groups by `balanced_partition(..., equal_size=True)`, and the groups
     go heaviest first to the ranks that hold the fewest tokens so far, so the whole chunks stay
     balanced too. Rows keep their relative order inside a rank's mini-batch.
+
+    `groups` (a label per row, e.g. `uid`: rows sharing a prompt, which a worker with
+    `model.shared_prefix` computes once for those of them in one micro-batch) and `prompt_tokens`: a
+    mini-batch whose groups all have the same size, dividing a rank's share, is dealt in whole groups,
+    each costing its prompt once plus its rows' responses, and a group's rows stay next to each other;
+    another mini-batch is dealt row by row as without.
     """
     values = np.asarray(tokens, dtype=np.int64)
+    prompts = None if prompt_tokens is None else np.asarray(prompt_tokens, dtype=np.int64)
+    if groups is not None and (prompts is None or len(groups) != len(values) or len(prompts) != len(values)):
+        raise ValueError("groups needs prompt_tokens, and both one entry per row")
     per_rank: list[list[int]] = [[] for _ in range(dp_size)]
     loads = [0] * dp_size
     for group in _dp_groups(len(values), dp_size, mini_batches):
-        parts = balanced_partition(values[group].tolist(), dp_size, equal_size=True)  # heaviest first
+        units = None if groups is None else _whole_groups(group, groups, len(group) // dp_size)
+        if units is None:
+            units = [[row] for row in group]
+            costs = values[group].tolist()
+        else:
+            costs = [int(values[u].sum() - (len(u) - 1) * prompts[u[0]]) for u in units]
+        parts = balanced_partition(costs, dp_size, equal_size=True)  # heaviest first
         free = sorted(range(dp_size), key=lambda d: (loads[d], d))
         for rank, part in zip(free, parts):
-            rows = [group[i] for i in part]
-            per_rank[rank].extend(rows)
-            loads[rank] += int(values[rows].sum())
+            per_rank[rank].extend(row for i in part for row in units[i])
+            loads[rank] += sum(costs[i] for i in part)
     return np.asarray([row for rows in per_rank for row in rows], dtype=np.int64)
+
+
+def dispatch_order(batch: Batch, dp_size: int, mini_batches: int, keep_together: str | None = None) -> np.ndarray:
+    """`balanced_dp_order` of `batch`'s rows; with `keep_together` (a non-tensor column, e.g. `uid`) its
+    equal values as `groups`, costed with each row's prompt tokens (a missing column: row by row)."""
+    labels = batch.non_tensors.get(keep_together) if keep_together else None
+    if labels is None:
+        return balanced_dp_order(row_tokens(batch), dp_size, mini_batches)
+    return balanced_dp_order(row_tokens(batch), dp_size, mini_batches, groups=labels.tolist(),
+                             prompt_tokens=row_prompt_tokens(batch))
 
 
 def dp_token_imbalance(tokens: Sequence[int] | np.ndarray, dp_size: int, mini_batches: int = 1,

@@ -34,11 +34,10 @@ from hybridrl.controller.dispatch import (
     RankCall,
     RankMesh,
     all_to_all,
-    balanced_dp_order,
     collect_from_output_ranks,
     dispatch_by_dp,
+    dispatch_order,
     one_to_all,
-    row_tokens,
     select_output_ranks,
 )
 from hybridrl.controller.gather import WorkerGroupError, execute_all, kill_actors, submit_all, wait_all
@@ -285,7 +284,7 @@ class WorkerGroup:
         return self.submit_per_rank(method, per_rank_args).result()
 
     def call_by_dp(self, method: WorkerMethod, batch: Batch, *args: Any, mesh: RankMesh | None = None,
-                   balance_mini_batches: int | None = None, **kwargs: Any) -> Batch:
+                   balance_mini_batches: int | None = None, keep_together: str | None = None, **kwargs: Any) -> Batch:
         """Split `batch` by DP rank, run `method(chunk, *args, **kwargs)` on every rank, and return
         the output ranks' batches concatenated in the original row order.
 
@@ -295,16 +294,19 @@ class WorkerGroup:
         rows are dropped from the result. `balance_mini_batches=k` dispatches the rows in
         `balanced_dp_order(tokens, dp, k)` (equal rows and balanced real tokens per rank, each of k
         mini-batches keeping its rows; `trainer.balance_batch`); the result is still in `batch`'s order.
+        `keep_together` names a non-tensor column (`uid`) whose equal values the balanced order deals in whole
+        groups where it can (`balanced_dp_order`'s `groups`: rows sharing a prompt, `model.shared_prefix`).
         """
         return self.submit_by_dp(method, batch, *args, mesh=mesh, balance_mini_batches=balance_mini_batches,
-                                 **kwargs).result()
+                                 keep_together=keep_together, **kwargs).result()
 
     def call_by_dp_outputs(self, method: WorkerMethod, batch: Batch, *args: Any, mesh: RankMesh | None = None,
-                           balance_mini_batches: int | None = None, **kwargs: Any) -> list[Any]:
+                           balance_mini_batches: int | None = None, keep_together: str | None = None,
+                           **kwargs: Any) -> list[Any]:
         """Like `call_by_dp` for methods that return something other than a batch (e.g. metrics):
         the output ranks' results, one per DP rank, in DP order. `batch` must divide by the DP size."""
         return self.submit_by_dp_outputs(method, batch, *args, mesh=mesh, balance_mini_batches=balance_mini_batches,
-                                         **kwargs).result()
+                                         keep_together=keep_together, **kwargs).result()
 
     # --------------------------------------------------------------------------- non-blocking
     # The calls above are these, waited for: `submit_*` starts the ranks and returns a `PendingCall`
@@ -322,13 +324,14 @@ class WorkerGroup:
         return PendingCall(self, name, refs, lambda results: results)
 
     def submit_by_dp(self, method: WorkerMethod, batch: Batch, *args: Any, mesh: RankMesh | None = None,
-                     balance_mini_batches: int | None = None, **kwargs: Any) -> PendingCall:
+                     balance_mini_batches: int | None = None, keep_together: str | None = None,
+                     **kwargs: Any) -> PendingCall:
         name = self.method_name(method)
         self._check_usable()
         mesh = mesh or self.require_mesh()
         padded, pad_count = batch.pad_to_multiple(mesh.dp_size)
-        order = None if balance_mini_batches is None else balanced_dp_order(
-            row_tokens(padded), mesh.dp_size, balance_mini_batches)
+        order = None if balance_mini_batches is None else dispatch_order(
+            padded, mesh.dp_size, balance_mini_batches, keep_together)
         refs = self._submit_chunks(name, padded if order is None else padded.reorder(order), mesh, args, kwargs)
 
         def finish(results: list[Any]) -> Batch:
@@ -340,14 +343,15 @@ class WorkerGroup:
         return PendingCall(self, name, refs, finish)
 
     def submit_by_dp_outputs(self, method: WorkerMethod, batch: Batch, *args: Any, mesh: RankMesh | None = None,
-                             balance_mini_batches: int | None = None, **kwargs: Any) -> PendingCall:
+                             balance_mini_batches: int | None = None, keep_together: str | None = None,
+                             **kwargs: Any) -> PendingCall:
         name = self.method_name(method)
         self._check_usable()
         mesh = mesh or self.require_mesh()
         if len(batch) % mesh.dp_size:
             raise ValueError(f"{name}: {len(batch)} rows do not split over {mesh.dp_size} data-parallel ranks")
         if balance_mini_batches is not None:
-            batch = batch.reorder(balanced_dp_order(row_tokens(batch), mesh.dp_size, balance_mini_batches))
+            batch = batch.reorder(dispatch_order(batch, mesh.dp_size, balance_mini_batches, keep_together))
         refs = self._submit_chunks(name, batch, mesh, args, kwargs)
         return PendingCall(self, name, refs, lambda results: select_output_ranks(results, mesh))
 

@@ -37,17 +37,133 @@ with `apply_rope_fusion=True` megatron calls `fused_apply_rotary_pos_emb_thd`, w
 None here. Each token's angle is that of its position within its own segment (megatron's unfused
 THD formula; under CP the position of the global column the rank's token is), then
 `cpu_rope.rotary_embedding_half_split` rotates.
+
+Shared prompts (the training layer's `shared_prefix`; CPU only: TE's attention has no such mask). A
+segment may hold one prompt and the responses sampled from it, `[prompt, response_1, ..., response_k]`
+(`hybridrl.training.sequences`): each response attends to the prompt and causally to itself, never to
+another response, and every token is rotated by its position in its own row (the prompt 0..P-1, each
+response from P), not by its column in the segment. `shared_prefix_seq_params` builds the
+`PackedSeqParams` of such a pack: its `cu_seqlens` tensor carries a `SharedPrefixPack` (each token's
+position and the attention rows below) as an attribute, the way megatron tags tensors with
+attributes, because megatron hands the RoPE slot nothing but that tensor. The attention then runs in
+rows again: one row per segment's prompt (its queries against its own keys, causal) and one per
+response (its queries against the prompt's keys followed by its own, causal from the prompt's end):
+`AttentionRows`, whose plain case (every segment one row, queries = keys) is exactly the unshared
+packed attention above. A prompt's keys and values are gathered into each of its responses' rows, so
+their gradients sum over the responses in the backward.
 """
 from __future__ import annotations
 
 import copy
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from hybridrl.parallel.context_parallel import cp_columns, gather_from_cp
 from hybridrl.parallel.cpu_rope import rotary_embedding_half_split
+
+# The attribute of a shared-prefix pack's `cu_seqlens` tensor that holds its `SharedPrefixPack`.
+SHARED_PREFIX_ATTRIBUTE = "hybridrl_shared_prefix"
+
+
+@dataclass(frozen=True)
+class AttentionRows:
+    """Packed attention as one batch of rows, each row a set of queries and the keys they may see.
+
+    `key_index` `[rows, k]`: the packed tokens that are row u's keys, in order (padding cells: token 0,
+    `key_real` False); row u's queries are its keys from `query_offset[u]` on (`query_index` `[rows, q]`,
+    `query_real`), and query j sees keys 0 .. query_offset[u] + j (`masked` `[rows, 1, q, k]`, True = not
+    attended, padded keys included). Every packed token is the query of exactly one row.
+    """
+
+    key_index: torch.Tensor
+    query_index: torch.Tensor
+    query_real: torch.Tensor
+    masked: torch.Tensor
+
+
+def attention_rows(bounds: list[int], branches: list[int] | None = None) -> AttentionRows:
+    """The rows of a pack with segments at `bounds`: one per segment; with `branches` (each token's
+    branch in its segment, 0 = the shared prompt), a segment's prompt is one row and each response
+    another, whose keys are the prompt's followed by its own (queries from the prompt's end)."""
+    rows: list[tuple[list[int], int]] = []  # (key tokens, query offset)
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if b == a:
+            continue
+        if branches is None or not any(branches[a:b]):
+            rows.append((list(range(a, b)), 0))
+            continue
+        prompt = a
+        while prompt < b and branches[prompt] == 0:
+            prompt += 1
+        keys = list(range(a, prompt))
+        if prompt > a:
+            rows.append((keys, 0))
+        start = prompt
+        while start < b:
+            end = start
+            while end < b and branches[end] == branches[start]:
+                end += 1
+            if branches[start] == 0:
+                raise ValueError(f"segment [{a}, {b}): branch 0 (the shared prompt) must come first, found it at "
+                                 f"{start}")
+            rows.append((keys + list(range(start, end)), len(keys)))
+            start = end
+    longest_keys = max(len(k) for k, _ in rows)
+    longest_queries = max(len(k) - o for k, o in rows)
+    count = len(rows)
+    key_index = torch.zeros(count, longest_keys, dtype=torch.long)
+    key_real = torch.zeros(count, longest_keys, dtype=torch.bool)
+    query_index = torch.zeros(count, longest_queries, dtype=torch.long)
+    query_real = torch.zeros(count, longest_queries, dtype=torch.bool)
+    offsets = torch.zeros(count, dtype=torch.long)
+    for u, (keys, offset) in enumerate(rows):
+        key_index[u, :len(keys)] = torch.tensor(keys)
+        key_real[u, :len(keys)] = True
+        query_index[u, :len(keys) - offset] = torch.tensor(keys[offset:])
+        query_real[u, :len(keys) - offset] = True
+        offsets[u] = offset
+    later = (torch.arange(longest_keys).view(1, 1, -1)
+             > (offsets.view(-1, 1, 1) + torch.arange(longest_queries).view(1, -1, 1)))  # [rows, q, k]
+    masked = (later | ~key_real.unsqueeze(1)).unsqueeze(1)
+    return AttentionRows(key_index, query_index, query_real, masked)
+
+
+@dataclass(frozen=True)
+class SharedPrefixPack:
+    """What a shared-prefix pack's `cu_seqlens` carries: each packed token's position in its own row `[t]`
+    (the RoPE slot) and the attention's rows (module docstring)."""
+
+    positions: torch.Tensor
+    rows: AttentionRows
+
+
+def shared_prefix_seq_params(cu_seqlens: torch.Tensor, max_seqlen: int, positions: torch.Tensor,
+                             branches: torch.Tensor) -> Any:
+    """megatron's `PackedSeqParams` of a pack whose segments may share a prompt (`branches` `[t]`: each
+    token's branch in its segment, 0 = the prompt; `positions` `[t]`: its position in its row). CPU only:
+    the tree is read by this module's attention stand-in and RoPE slot."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    bounds = [int(b) for b in cu_seqlens.tolist()]
+    if positions.shape != branches.shape or positions.shape[0] != bounds[-1]:
+        raise ValueError(f"positions {tuple(positions.shape)} and branches {tuple(branches.shape)} must both cover "
+                         f"the {bounds[-1]} packed tokens")
+    if int(positions.max()) >= max_seqlen:
+        raise ValueError(f"a token at position {int(positions.max())} is past max_seqlen={max_seqlen}: megatron "
+                         "computes RoPE angles for positions below it only")
+    pack = SharedPrefixPack(positions.to(torch.long), attention_rows(bounds, [int(b) for b in branches.tolist()]))
+    tagged = cu_seqlens.clone()  # our own tensor to carry the tree: megatron passes it on untouched
+    setattr(tagged, SHARED_PREFIX_ATTRIBUTE, pack)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=tagged, cu_seqlens_kv=tagged,
+                           max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
+
+
+def shared_prefix_pack(cu_seqlens: torch.Tensor | None) -> SharedPrefixPack | None:
+    """The `SharedPrefixPack` a pack's `cu_seqlens` carries, None for an ordinary pack."""
+    return getattr(cu_seqlens, SHARED_PREFIX_ATTRIBUTE, None)
 
 
 def segment_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -67,6 +183,11 @@ def fused_rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tenso
     if total != local * cp_size:
         raise ValueError(f"cu_seqlens ends at {total}, the packed tensor has {local} tokens"
                          + (f" on each of {cp_size} CP ranks" if cp_size > 1 else ""))
+    shared = shared_prefix_pack(cu_seqlens)
+    if shared is not None:  # each token at its position in its own row (a response continues its prompt)
+        if cp_size > 1:
+            raise ValueError("a shared-prefix pack under context parallelism is not served")
+        return rotary_embedding_half_split(t.unsqueeze(1), freqs[shared.positions.to(t.device)]).squeeze(1)
     positions = segment_positions(cu_seqlens, total)  # every global column's position in its segment
     if cp_size > 1:
         positions = positions[cp_columns(cu_seqlens.tolist(), cp_size, cp_rank, positions.device)]
@@ -114,37 +235,36 @@ def _packed_attention_class() -> type:
                 return self._context_parallel_forward(query, key, value, [0, query.shape[0] * cp],
                                                       attn_mask_type, attention_bias)
             bounds = self._packed_bounds(query, packed_seq_params, attention_mask, cp)
+            shared = shared_prefix_pack(packed_seq_params.cu_seqlens_q)
             if cp > 1:  # [t / cp, heads, d] -> one row: [t / cp, 1, heads, d]
+                if shared is not None:
+                    raise ValueError("a shared-prefix pack under context parallelism is not served")
                 return self._context_parallel_forward(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1),
                                                       bounds, attn_mask_type, attention_bias)
-            return self._packed_forward(query, key, value, bounds, attn_mask_type, attention_bias)
+            rows = attention_rows(bounds) if shared is None else shared.rows
+            return self._packed_forward(query, key, value, rows, attn_mask_type, attention_bias)
 
-        def _packed_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int],
+        def _packed_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: AttentionRows,
                             attn_mask_type: Any, attention_bias: torch.Tensor | None) -> torch.Tensor:
-            """Every segment as one row of a batch padded to the longest segment, in one call of megatron's
-            forward: causal within the row, the padding masked as keys (its query rows are dropped), so
+            """The pack's attention rows (`AttentionRows`: every segment, or a shared segment's prompt and each
+            of its responses) as one batch padded to the longest, in one call of megatron's forward: each
+            query row sees its keys causally, the padding masked as keys (its query cells are dropped), so
             each segment's numbers are those it would get alone. `[t, heads, d]` -> `[t, 1, heads * d]`."""
-            starts = torch.tensor([a for a, b in zip(bounds[:-1], bounds[1:]) if b > a], dtype=torch.long)
-            lengths = torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:]) if b > a], dtype=torch.long)
-            longest, rows = int(lengths.max()), len(lengths)
-            column = torch.arange(longest)
-            real = column.unsqueeze(0) < lengths.unsqueeze(1)  # [rows, longest]
-            # packed index of each (column, row) cell; padding cells read token 0 and are never used
-            source = torch.where(real, starts.unsqueeze(1) + column.unsqueeze(0),
-                                 torch.zeros_like(real, dtype=torch.long))
-            index = source.t().reshape(-1).to(query.device)  # [longest * rows], column-major like [s, b]
+            device = query.device
+            count, longest_queries = rows.query_index.shape
+            longest_keys = rows.key_index.shape[1]
 
-            def to_rows(x: torch.Tensor) -> torch.Tensor:  # [t, h, d] -> [longest, rows, h, d]
-                return x.index_select(0, index).view(longest, rows, *x.shape[1:])
+            def to_rows(x: torch.Tensor, index: torch.Tensor, length: int) -> torch.Tensor:
+                # [t, h, d] -> [length, rows, h, d], column-major like megatron's [s, b]
+                return x.index_select(0, index.t().reshape(-1).to(device)).view(length, count, *x.shape[1:])
 
-            causal = column.unsqueeze(0) > column.unsqueeze(1)  # [sq, sk]: a later key
-            padded_key = ~real  # [rows, sk]
-            masked = (causal.unsqueeze(0) | padded_key.unsqueeze(1)).unsqueeze(1).to(query.device)
-            out = super().forward(to_rows(query), to_rows(key), to_rows(value), masked, attn_mask_type=attn_mask_type,
-                                  attention_bias=attention_bias)  # [longest, rows, heads * d]
-            keep = real.t().reshape(-1).to(query.device)  # the cells that are tokens, in the same order
-            flat = out.reshape(longest * rows, -1)[keep]  # column-major: token j of every row, then j + 1
-            order = source.t().reshape(-1)[real.t().reshape(-1)].to(query.device)  # their packed positions
+            out = super().forward(to_rows(query, rows.query_index, longest_queries),
+                                  to_rows(key, rows.key_index, longest_keys),
+                                  to_rows(value, rows.key_index, longest_keys), rows.masked.to(device),
+                                  attn_mask_type=attn_mask_type, attention_bias=attention_bias)  # [q, rows, h * d]
+            keep = rows.query_real.t().reshape(-1).to(device)  # the cells that are tokens, in the same order
+            flat = out.reshape(longest_queries * count, -1)[keep]  # column-major: query j of every row, then j + 1
+            order = rows.query_index.t().reshape(-1).to(device)[keep]  # their packed positions
             packed = torch.empty_like(flat).index_copy(0, order, flat)
             return packed.unsqueeze(1)  # [t, 1, heads * d]
 

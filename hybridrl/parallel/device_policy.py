@@ -52,6 +52,11 @@ class DevicePolicy:
     # it), the CPU layer's stand-in on CPU (`hybridrl/parallel/cpu_attention.py`). None: nothing does,
     # and `model.use_remove_padding` left unset resolves to false. Set, it resolves to true.
     packed_attention: PackedAttention | None
+    # Packed attention that also honours a shared prompt's tree (one segment [prompt, response_1, ...],
+    # each response seeing the prompt and itself; `model.shared_prefix`): the CPU layer's stand-in does,
+    # TE's fused attention has no such mask. False: `model.shared_prefix` left unset resolves to false,
+    # and true is refused.
+    shared_prefix_attention: bool
     # Parameters live in host memory: offloading a frozen role's parameters is a no-op, and
     # micro-batches need not be moved to an accelerator.
     params_on_host: bool
@@ -115,7 +120,7 @@ CUDA = DevicePolicy(
     name="cuda", dist_backend="nccl", default_train_dtype="bf16", default_rollout_dtype="bf16",
     ray_use_gpu=True, ray_cpus_per_worker=1.0, ray_min_cluster_cpus=None,
     megatron_cpu_layer=False, transformer_engine_possible=True, packed_attention="transformer_engine",
-    params_on_host=False,
+    shared_prefix_attention=False, params_on_host=False,
     synchronize_on_offload=True, empty_cache_on_offload=True, gpu_memory_budget_binding=True,
     vllm_honours_enforce_eager=True, vllm_repacks_weights=False, vllm_kv_cache_from_plan=False,
     vllm_sleep_mode=True, vllm_chunked_prefill=True, vllm_routed_experts="aux_output",
@@ -126,7 +131,7 @@ CPU = DevicePolicy(
     name="cpu", dist_backend="gloo", default_train_dtype="fp32", default_rollout_dtype="fp32",
     ray_use_gpu=False, ray_cpus_per_worker=0.5, ray_min_cluster_cpus=4,
     megatron_cpu_layer=True, transformer_engine_possible=False, packed_attention="cpu_stand_in",
-    params_on_host=True,
+    shared_prefix_attention=True, params_on_host=True,
     synchronize_on_offload=False, empty_cache_on_offload=False, gpu_memory_budget_binding=False,
     vllm_honours_enforce_eager=False, vllm_repacks_weights=True, vllm_kv_cache_from_plan=True,
     vllm_sleep_mode=False, vllm_chunked_prefill=False, vllm_routed_experts="runner_hook",

@@ -28,7 +28,7 @@ from hybridrl.config.errors import ConfigError, ConfigIssue
 from hybridrl.config.plan import Plan
 from hybridrl.config.report import failure_cost_lines
 from hybridrl.controller.cluster import init_ray
-from hybridrl.controller.dispatch import MeshCoord, RankMesh, balanced_dp_order, dp_token_imbalance, row_tokens
+from hybridrl.controller.dispatch import MeshCoord, RankMesh, dispatch_order, dp_token_imbalance, row_tokens
 from hybridrl.controller.gather import WorkerGroupError
 from hybridrl.controller.resource_pool import ResourcePool, ResourcePoolError
 from hybridrl.controller.worker_group import WorkerGroup, wait_together
@@ -336,7 +336,8 @@ class Trainer:
         metrics: dict[str, float] = {}
         if self.rm_group is not None:
             scores = self.rm_group.call_by_dp(RewardModelWorker.compute_rm_score, batch,
-                                              balance_mini_batches=self._balance())["rm_scores"]
+                                              balance_mini_batches=self._balance(),
+                                              keep_together=self._keep_together(Role.REWARD_MODEL))["rm_scores"]
             metrics["reward/rm_score_mean"] = float(scores.float().mean())
             token_scores = token_level_rewards(scores, batch["response_mask"])
         else:
@@ -435,9 +436,11 @@ class Trainer:
         if plan.resolved.old_log_prob_pass:  # else the update's forward is the old policy (on-policy)
             with self._phase(timer, Phase.OLD_LOG_PROB):
                 old = self.actor_group.call_by_dp(PolicyWorker.compute_log_prob, batch, with_entropy=True,
-                                                  balance_mini_batches=self._balance())
+                                                  balance_mini_batches=self._balance(),
+                                                  keep_together=self._keep_together(Role.ACTOR))
                 batch["old_log_probs"] = old["old_log_probs"]
                 metrics["perf/padding_ratio_old_log_prob"] = float(old.meta.get("padding_ratio", 0.0))
+                metrics["perf/shared_prefix_ratio_old_log_prob"] = float(old.meta.get("shared_prefix_ratio", 0.0))
                 if "router_replay_mismatch" in old.meta:  # actor.router_replay: rollout
                     metrics["actor/router_replay_mismatch_old_log_prob"] = float(old.meta["router_replay_mismatch"])
                 mask = batch["response_mask"].float()
@@ -452,13 +455,16 @@ class Trainer:
         if plan.resolved.ref_enabled:
             with self._phase(timer, Phase.REF):
                 ref = self.actor_group.call_by_dp(PolicyWorker.compute_ref_log_prob, batch,
-                                                  balance_mini_batches=self._balance())
+                                                  balance_mini_batches=self._balance(),
+                                                  keep_together=self._keep_together(Role.REF))
                 batch["ref_log_probs"] = ref["ref_log_probs"]
                 metrics["perf/padding_ratio_ref_log_prob"] = float(ref.meta.get("padding_ratio", 0.0))
+                metrics["perf/shared_prefix_ratio_ref_log_prob"] = float(ref.meta.get("shared_prefix_ratio", 0.0))
         if self.critic_group is not None:
             with self._phase(timer, Phase.VALUES):
                 batch["values"] = self.critic_group.call_by_dp(
-                    CriticWorker.compute_values, batch, balance_mini_batches=self._balance())["values"]
+                    CriticWorker.compute_values, batch, balance_mini_batches=self._balance(),
+                    keep_together=self._keep_together(Role.CRITIC))["values"]
         with self._phase(timer, Phase.ADV):
             if cfg.algorithm.use_kl_in_reward:
                 metrics.update(apply_kl_in_reward(batch, self.kl_controller, cfg.algorithm.kl_penalty))
@@ -471,12 +477,14 @@ class Trainer:
             with self._phase(timer, Phase.UPDATE_CRITIC):
                 outs = self.critic_group.call_by_dp_outputs(
                     CriticWorker.update_critic, batch,
-                    balance_mini_batches=self._balance(batch, Role.CRITIC))
+                    balance_mini_batches=self._balance(batch, Role.CRITIC),
+                    keep_together=self._keep_together(Role.CRITIC))
                 metrics.update(_mean_dicts([o.as_dict() if o is not None else None for o in outs]))
         with self._phase(timer, Phase.UPDATE_ACTOR):
             balance = self._balance(batch, Role.ACTOR)
             outs = self.actor_group.call_by_dp_outputs(PolicyWorker.update_actor, batch,
-                                                       balance_mini_batches=balance)
+                                                       balance_mini_batches=balance,
+                                                       keep_together=self._keep_together(Role.ACTOR))
             metrics.update(_mean_dicts(outs))
             metrics["perf/dp_token_imbalance"] = self._dp_imbalance(Role.ACTOR, batch, balance)
         with self._phase(timer, Phase.SYNC):
@@ -503,13 +511,17 @@ class Trainer:
             return None
         return 1 if update_role is None else self._update_mini_batches(update_role, batch)
 
+    def _keep_together(self, role: str) -> str | None:
+        """`keep_together` for a DP call of `role`: `uid` where its workers compute a shared prompt once
+        (`model.shared_prefix`), so the balanced dispatch deals GRPO's groups whole; else None."""
+        return "uid" if self.plan.resolved.shared_prefix(role) else None
+
     def _dp_imbalance(self, role: str, batch: Batch, balance: int | None) -> float:
         """`perf/dp_token_imbalance` of `role`'s update dispatch: heaviest rank's real tokens / the mean,
         summed over the mini-batches (1.0 = even)."""
         dp, minis = self.plan.layout(role).mesh.dp, self._update_mini_batches(role, batch)
-        tokens = row_tokens(batch)
-        order = None if balance is None else balanced_dp_order(tokens, dp, balance)
-        return dp_token_imbalance(tokens, dp, minis, order)
+        order = None if balance is None else dispatch_order(batch, dp, balance, self._keep_together(role))
+        return dp_token_imbalance(row_tokens(batch), dp, minis, order)
 
     def _dump_rollout(self, batch: Batch, out_dir: Path) -> None:
         """`trainer.rollout_data_dir`: one JSON line per trained sample of this step, in batch order."""

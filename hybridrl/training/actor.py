@@ -69,7 +69,7 @@ from hybridrl.names import Role
 from hybridrl.parallel.device import collective_device
 from hybridrl.training.backend import MegatronBackend
 from hybridrl.training.metrics import average_steps
-from hybridrl.training.micro_batching import partition_rows, restore_order
+from hybridrl.training.micro_batching import restore_order
 from hybridrl.training.mini_batch import train_mini_batch
 from hybridrl.training.moe_metrics import MoERouterMetrics
 from hybridrl.training.router_replay import ReplayMismatch
@@ -129,6 +129,8 @@ class PolicyUpdateMetrics:
     rollout_log_prob_abs_diff_mean: float | None = None
     # padding columns / computed columns of the update's micro-batches, over the DP group
     padding_ratio: float = 0.0
+    # the share of the update's row tokens not computed because rows shared their prompt (shared_prefix)
+    shared_prefix_ratio: float = 0.0
     # MoE models: `actor/moe_aux_loss`, `actor/moe_z_loss`, `actor/moe_expert_imbalance`,
     # `actor/moe_dropped_token_fraction` (`training/moe_metrics.py`)
     moe: dict[str, float] = field(default_factory=dict)
@@ -140,6 +142,7 @@ class PolicyUpdateMetrics:
                  "skipped_steps")
         out = {prefix + n: getattr(self, n) for n in names}
         out["perf/padding_ratio"] = self.padding_ratio
+        out["perf/shared_prefix_ratio"] = self.shared_prefix_ratio
         if self.rollout_log_prob_abs_diff_max is not None:
             out["rollout/log_prob_abs_diff_max"] = self.rollout_log_prob_abs_diff_max
         if self.rollout_log_prob_abs_diff_mean is not None:
@@ -215,12 +218,12 @@ class MegatronActor:
         backend, ctx = self.backend, self.backend.ctx
         tensors = batch.tensors
         temperature = sampling_temperature(batch)
-        partition = partition_rows(tensors["attention_mask"], self.forward_plan.micro_batch_size,
-                                   dynamic=self.dynamic, max_tokens=self.max_tokens, dp_group=ctx.dp_group)
+        partition = backend.partition(tensors, self.forward_plan.micro_batch_size, dynamic=self.dynamic,
+                                      max_tokens=self.max_tokens)
         backend.tokens_seen.reset()
         backend.replay_mismatch = ReplayMismatch()
         micros = backend.micro_batches(tensors, partition, free_routing=free_routing)
-        padding_ratio = backend.tokens_seen.padding_ratio(ctx.dp_group)  # every rank: a DP collective
+        padding_ratio, shared_ratio = backend.tokens_seen.ratios(ctx.dp_group)  # every rank: a DP collective
 
         # the actor's old policy under the rollout's truncation too (the correction's target); never the reference's
         truncation = self.loss.truncation if self.output_key == "old_log_probs" else None
@@ -253,7 +256,7 @@ class MegatronActor:
             out["old_log_probs_truncated"] = stacked[..., -2].contiguous()
             out["old_log_probs_outside"] = stacked[..., -1] != 0  # masked positions scattered as 0: False
         # padding columns / computed columns of this pass's micro-batches over the DP group
-        meta = {"padding_ratio": padding_ratio}
+        meta = {"padding_ratio": padding_ratio, "shared_prefix_ratio": shared_ratio}
         if mismatch is not None:
             meta["router_replay_mismatch"] = mismatch
         return Batch(out, meta=meta)
@@ -293,7 +296,7 @@ class MegatronActor:
         if self.moe_metrics is not None:
             self.moe_metrics.reset()
         for epoch in range(update.ppo_epochs):
-            order = self._row_order(rows, epoch)
+            order = self._row_order(batch, epoch)
             for start in range(0, rows, per_mini):
                 step, applied = train_mini_batch(
                     backend, batch, order[start:start + per_mini], update.micro_batch_size, loss,
@@ -301,7 +304,7 @@ class MegatronActor:
                     response_tokens_only=True)
                 skipped += not applied
                 steps.append(step)
-        padding_ratio = backend.tokens_seen.padding_ratio(backend.ctx.dp_group)
+        padding_ratio, shared_ratio = backend.tokens_seen.ratios(backend.ctx.dp_group)
         moe = ({} if self.moe_metrics is None else
                self.moe_metrics.collect(backend.ctx, collective_device(), bool(backend.config.sequence_parallel)))
         mismatch = self._replay_mismatch()
@@ -320,7 +323,7 @@ class MegatronActor:
             skipped_steps=skipped,
             rollout_log_prob_abs_diff_max=steps[0].get("rollout_log_prob_abs_diff_max"),
             rollout_log_prob_abs_diff_mean=steps[0].get("rollout_log_prob_abs_diff_mean"),
-            padding_ratio=padding_ratio, moe=moe, rollout_correction=corrections,
+            padding_ratio=padding_ratio, shared_prefix_ratio=shared_ratio, moe=moe, rollout_correction=corrections,
         )
 
     def _replay_mismatch(self) -> float | None:
@@ -337,12 +340,18 @@ class MegatronActor:
         differing, tokens = packed.tolist()
         return differing / tokens if tokens else 0.0
 
-    def _row_order(self, rows: int, epoch: int) -> list[int]:
+    def _row_order(self, batch: Batch, epoch: int) -> list[int]:
+        rows = len(batch)
         if not self.shuffle or epoch == 0:
             return list(range(rows))
         # Same permutation on the TP/PP peers of this DP rank: a private generator from the seed.
         gen = torch.Generator().manual_seed(self.seed * 1000003 + epoch)
-        return torch.randperm(rows, generator=gen).tolist()
+        if not self.backend.spec.shared_prefix:
+            return torch.randperm(rows, generator=gen).tolist()
+        # rows sharing a prompt stay next to each other (their micro-batch computes it once): whole
+        # prompt groups are shuffled
+        groups = self.backend.prompt_groups(batch.tensors)
+        return [row for g in torch.randperm(len(groups), generator=gen).tolist() for row in groups[g]]
 
     def _policy_loss(self, micro: ModelInputs, logits: torch.Tensor, *, normalizers: LossNormalizers,
                      scale: float, temperature: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

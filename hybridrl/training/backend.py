@@ -38,15 +38,17 @@ from hybridrl.models.bridge import ModelSource, build_gpt_models, load_weights
 from hybridrl.names import Role
 from hybridrl.parallel import state
 from hybridrl.parallel.context_parallel import gather_from_cp, split_for_cp_rank
+from hybridrl.parallel.cpu_attention import shared_prefix_seq_params
 from hybridrl.parallel.cpu_layer import apply_cpu_layer
 from hybridrl.parallel.device import collective_device, default_dtype_for, layer_spec_kind, to_rank_device
 from hybridrl.parallel.device_policy import DevicePolicy
 from hybridrl.training.lr_schedule import LRSchedule
+from hybridrl.training.micro_batching import Partition, partition_rows
 from hybridrl.training.moe_capacity import without_capacity
 from hybridrl.training.nonfinite import step_is_finite
 from hybridrl.training.offload import OptimizerStateOffload, offload_grad_buffers, restore_grad_buffers
 from hybridrl.training.router_replay import ReplayMismatch, chunk_routing, moe_routers, replaying
-from hybridrl.training.sequences import ModelInputs, micro_batch_inputs
+from hybridrl.training.sequences import ModelInputs, micro_batch_inputs, prompt_groups
 from hybridrl.training.value_head import attach_value_head, load_value_model, value_model_source
 
 # megatron disables clipping with clip_grad=0 and then reports no grad norm; a bound no real norm
@@ -70,6 +72,9 @@ class RoleSpec:
     device_policy: DevicePolicy  # the Plan's (its name is the resolved device)
     gradient_checkpointing: bool = False
     packed: bool = False  # the model section's resolved use_remove_padding: micro-batches as packed (THD) sequences
+    # the model section's resolved shared_prefix: rows of a micro-batch with the same prompt hold it once
+    # (`hybridrl.training.sequences`; served by the CPU layer's attention stand-in)
+    shared_prefix: bool = False
     # actor.router_replay == "rollout" (actor only): every forward routes as the rollout's vLLM did,
     # from the batch's `routed_experts` column (`hybridrl.training.router_replay`)
     router_replay: bool = False
@@ -89,20 +94,21 @@ def role_spec(plan: Plan, role: Role | str) -> RoleSpec:
     megatron = plan.layout(role).megatron
     dtype = megatron.dtype or plan.resolved.train_dtype
     policy = plan.device_policy
+    shared = plan.resolved.shared_prefix(role)
     if role == Role.ACTOR:
         return RoleSpec(role, arr.model.path, megatron, arr.actor.optim, False, dtype, policy,
-                        arr.model.enable_gradient_checkpointing, plan.resolved.packed(role),
+                        arr.model.enable_gradient_checkpointing, plan.resolved.packed(role), shared,
                         router_replay=arr.actor.router_replay == "rollout")
     if role == Role.REF:
         return RoleSpec(role, arr.model.path, megatron, None, False, dtype, policy,
-                        packed=plan.resolved.packed(role))
+                        packed=plan.resolved.packed(role), shared_prefix=shared)
     if role == Role.CRITIC:
         return RoleSpec(role, config.critic.model.path or arr.model.path, megatron, config.critic.optim, True,
                         dtype, policy, config.critic.model.enable_gradient_checkpointing,
-                        plan.resolved.packed(role))
+                        plan.resolved.packed(role), shared)
     if role == Role.REWARD_MODEL:
         return RoleSpec(role, config.reward_model.model.path, megatron, None, True, dtype, policy,
-                        packed=plan.resolved.packed(role))
+                        packed=plan.resolved.packed(role), shared_prefix=shared)
     raise AssertionError(role)  # every Role is handled above
 
 
@@ -147,6 +153,9 @@ def packed_seq_params(micro: ModelInputs, cp: int = 1) -> Any:
     `get_thd_batch_on_this_cp_rank` does, so the rotary split and TE's THD CP read the same layout."""
     if not micro.is_packed:
         return None
+    if micro.prefix_branches is not None:  # rows sharing a prompt: the CPU layer's stand-in reads the tree
+        return shared_prefix_seq_params(micro.cu_seqlens, micro.max_seqlen, micro.position_ids[0],
+                                        micro.prefix_branches)
     from megatron.core.packed_seq_params import PackedSeqParams
 
     padded = micro.cu_seqlens if cp > 1 else None
@@ -246,25 +255,32 @@ class TokenCounts:
 
     real: int = 0
     computed: int = 0
+    rows: int = 0  # the rows' real tokens: a prompt shared by k rows counts k times here, once in `real`
 
     def add(self, micros: Sequence[ModelInputs]) -> None:
         self.real += sum(m.real_tokens for m in micros)
         self.computed += sum(m.computed_tokens for m in micros)
+        self.rows += sum(m.row_tokens for m in micros)
 
-    def padding_ratio(self, group: Any = None) -> float:
-        """Padding columns / computed columns; with `group` (the DP group: every rank calls it), over the
-        group's micro-batches together."""
-        real, computed = self.real, self.computed
+    def ratios(self, group: Any = None) -> tuple[float, float]:
+        """(padding columns / computed columns, the share of the rows' real tokens not computed because
+        their prompt was shared); with `group` (the DP group: every rank calls it), over the group's
+        micro-batches together."""
+        real, computed, rows = self.real, self.computed, self.rows
         if group is not None:
             import torch.distributed as dist
 
-            counts = torch.tensor([real, computed], dtype=torch.int64, device=collective_device(group))
+            counts = torch.tensor([real, computed, rows], dtype=torch.int64, device=collective_device(group))
             dist.all_reduce(counts, group=group)
-            real, computed = (int(v) for v in counts.tolist())
-        return (computed - real) / computed if computed else 0.0
+            real, computed, rows = (int(v) for v in counts.tolist())
+        return ((computed - real) / computed if computed else 0.0, (rows - real) / rows if rows else 0.0)
+
+    def padding_ratio(self, group: Any = None) -> float:
+        """Padding columns / computed columns (`ratios`' first)."""
+        return self.ratios(group)[0]
 
     def reset(self) -> None:
-        self.real = self.computed = 0
+        self.real = self.computed = self.rows = 0
 
 
 @dataclass(frozen=True)
@@ -296,6 +312,8 @@ class MegatronBackend:
                              "use_remove_padding=false")
         if megatron.context_parallel_size > 1:
             self._check_context_parallel(spec)
+        if spec.shared_prefix:
+            self._check_shared_prefix(spec)
         self.tokens_seen = TokenCounts()
         overrides: dict[str, Any] = {
             "variable_seq_lengths": True,
@@ -323,6 +341,11 @@ class MegatronBackend:
                 # megatron refuses the allgather dispatcher with variable lengths; at PP 1 (checked) no
                 # pipeline stage exchanges activation shapes, so nothing else reads the flag
                 overrides["variable_seq_lengths"] = False
+        if spec.shared_prefix and source.shape.is_moe:
+            # the router's losses, token counts and capacity see each token of a micro-batch once
+            raise ValueError(f"{spec.role}: model.shared_prefix=true with a mixture-of-experts model is not served "
+                             "(the router's load-balancing loss, token counts and expert capacity would count a "
+                             "shared prompt once instead of once per row); set shared_prefix=false")
         if spec.router_replay:
             self._check_router_replay(spec, source)
             overrides["moe_enable_routing_replay"] = True
@@ -392,6 +415,19 @@ class MegatronBackend:
             raise ValueError(f"{spec.role}: use_remove_padding=true with the allgather dispatcher or drop-and-pad "
                              "across DP ranks is not supported (packed micro-batches differ in length)")
         return uniform
+
+    def _check_shared_prefix(self, spec: RoleSpec) -> None:
+        """What shared prompts need (the plan refuses the rest first, `config/validate.py`): packed
+        micro-batches, the CPU layer's attention stand-in (TE's attention has no tree mask), CP 1."""
+        if not spec.packed:
+            raise ValueError(f"{spec.role}: model.shared_prefix=true needs packed micro-batches "
+                             "(model.use_remove_padding=true)")
+        if self.device_policy.packed_attention != "cpu_stand_in":
+            raise ValueError(f"{spec.role}: model.shared_prefix=true is served by the CPU layer's attention stand-in "
+                             f"only; on {self.device_policy.name} set it to false")
+        if self.ctx.cp > 1:
+            raise ValueError(f"{spec.role}: model.shared_prefix=true with context_parallel_size={self.ctx.cp} is not "
+                             "served (a shared segment is not a causal run CP could cut into chunks)")
 
     @staticmethod
     def _check_router_replay(spec: RoleSpec, source: ModelSource) -> None:
@@ -473,6 +509,31 @@ class MegatronBackend:
         """Packed micro-batches under context parallelism: each row's segment cuts into 2 × CP chunks."""
         return 2 * self.ctx.cp if self.spec.packed and self.ctx.cp > 1 else 1
 
+    def prompt_groups(self, tensors: dict[str, torch.Tensor], rows: Sequence[int] | None = None) -> list[list[int]]:
+        """The rows (positions in `rows`, default all) whose prompts are the same tokens, grouped in the order
+        of each group's first row: what a micro-batch computes once with `shared_prefix`."""
+        pick = {k: tensors[k] for k in ("input_ids", "attention_mask", "position_ids")}
+        if rows is not None:
+            index = torch.tensor(list(rows), dtype=torch.long)
+            pick = {k: v.index_select(0, index) for k, v in pick.items()}
+        width = tensors["input_ids"].shape[1] - tensors["responses"].shape[1]
+        return prompt_groups(pick["input_ids"], pick["attention_mask"], pick["position_ids"], width)
+
+    def partition(self, tensors: dict[str, torch.Tensor], micro_batch_size: int, *, rows: Sequence[int] | None = None,
+                  dynamic: bool = False, max_tokens: int = 0) -> Partition:
+        """`rows` of `tensors` (default all) cut into micro-batches, as positions in `rows`: fixed size, or
+        (`dynamic`) by token budget agreed over DP (a collective), where with `shared_prefix` a prompt
+        group's prompt counts once (`hybridrl.training.micro_batching`)."""
+        mask = tensors["attention_mask"]
+        if rows is not None:
+            mask = mask.index_select(0, torch.tensor(list(rows), dtype=torch.long))
+        if not (dynamic and self.spec.shared_prefix):
+            return partition_rows(mask, micro_batch_size, dynamic=dynamic, max_tokens=max_tokens,
+                                  dp_group=self.ctx.dp_group)
+        return partition_rows(mask, micro_batch_size, dynamic=True, max_tokens=max_tokens, dp_group=self.ctx.dp_group,
+                              prompt_groups=self.prompt_groups(tensors, rows),
+                              prompt_width=tensors["input_ids"].shape[1] - tensors["responses"].shape[1])
+
     def micro_batches(self, tensors: dict[str, torch.Tensor], partition: Sequence[Sequence[int]], *,
                       extra_keys: tuple[str, ...] = (), free_routing: bool = False) -> list[ModelInputs]:
         """The model inputs of each part of `partition` (row lists of `tensors`), on this rank's device.
@@ -494,7 +555,7 @@ class MegatronBackend:
         width = tensors["input_ids"].shape[1] if self.uniform_width else None
         cut = [micro_batch_inputs(tensors, list(rows), extra_keys=extra_keys, pad_multiple=self.pad_multiple,
                                   min_width=width, packed=self.spec.packed, segment_multiple=self.segment_multiple,
-                                  routed_experts=replay)
+                                  routed_experts=replay, shared_prefix=self.spec.shared_prefix)
                for rows in partition]
         self.tokens_seen.add(cut)
         return [micro.map_tensors(lambda t: to_rank_device(t, device)) for micro in cut]

@@ -24,7 +24,7 @@ from hybridrl.data.batch import Batch
 from hybridrl.names import Role
 from hybridrl.training.backend import MegatronBackend
 from hybridrl.training.metrics import average_steps
-from hybridrl.training.micro_batching import partition_rows, restore_order
+from hybridrl.training.micro_batching import restore_order
 from hybridrl.training.mini_batch import train_mini_batch
 from hybridrl.training.sequences import ModelInputs
 
@@ -68,10 +68,10 @@ class MegatronCritic:
         self.max_tokens = actor.ppo_max_token_len_per_gpu
 
     def compute_values(self, batch: Batch) -> Batch | None:
-        backend, ctx = self.backend, self.backend.ctx
+        backend = self.backend
         tensors = batch.tensors
-        partition = partition_rows(tensors["attention_mask"], self.plan.forward("values").micro_batch_size,
-                                   dynamic=self.dynamic, max_tokens=self.max_tokens, dp_group=ctx.dp_group)
+        partition = backend.partition(tensors, self.plan.forward("values").micro_batch_size, dynamic=self.dynamic,
+                                      max_tokens=self.max_tokens)
         micros = backend.micro_batches(tensors, partition)
         outputs = backend.forward_only(micros, response_values)
         if not backend.is_output_rank:

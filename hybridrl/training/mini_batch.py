@@ -13,13 +13,10 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
-import torch
-
 from hybridrl.algorithms.aggregation import global_loss_normalizers
 from hybridrl.data.batch import Batch
 from hybridrl.training.backend import MegatronBackend
 from hybridrl.training.metrics import StepMetrics
-from hybridrl.training.micro_batching import partition_rows
 
 
 def loss_scale(num_microbatches: int, ctx: Any) -> float:
@@ -46,9 +43,8 @@ def train_mini_batch(
     """
     ctx = backend.ctx
     mini_rows = list(mini_rows)
-    mini_mask = batch.tensors["attention_mask"].index_select(0, torch.tensor(mini_rows))
-    partition = partition_rows(mini_mask, micro_batch_size, dynamic=dynamic, max_tokens=max_tokens,
-                               dp_group=ctx.dp_group)
+    partition = backend.partition(batch.tensors, micro_batch_size, rows=mini_rows, dynamic=dynamic,
+                                  max_tokens=max_tokens)
     micros = backend.micro_batches(batch.tensors, [[mini_rows[r] for r in part] for part in partition],
                                   extra_keys=extra_keys)
     normalizers = global_loss_normalizers([m.response_mask for m in micros], ctx.dp_group)

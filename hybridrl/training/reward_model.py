@@ -16,7 +16,7 @@ import torch
 from hybridrl.config.plan import Plan
 from hybridrl.data.batch import Batch
 from hybridrl.training.backend import MegatronBackend
-from hybridrl.training.micro_batching import partition_rows, restore_order
+from hybridrl.training.micro_batching import restore_order
 from hybridrl.training.sequences import ModelInputs
 
 
@@ -37,7 +37,7 @@ class MegatronRewardModel:
     def compute_scores(self, batch: Batch) -> Batch | None:
         backend = self.backend
         tensors = batch.tensors
-        partition = partition_rows(tensors["attention_mask"], self.micro_batch_size)
+        partition = backend.partition(tensors, self.micro_batch_size)
         micros = backend.micro_batches(tensors, partition)
         outputs = backend.forward_only(micros, last_token_scores)
         if not backend.is_output_rank:
