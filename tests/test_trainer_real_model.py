@@ -3,7 +3,8 @@
 Two GRPO steps at PP2 (the tied embedding split across the stages: the first holds the embedding,
 the last megatron's copy as the output layer), prompts through the model's chat template. What the
 tiny random models cannot prove: a real checkpoint's 30 layers, vocab 49152 and BPE tokenizer go
-through conversion, training, resharding and vLLM with every weight sync proven (probe ≤ 1e-4).
+through conversion, training, resharding and vLLM with every weight sync proven (probe ≤ 1e-4), and
+the update's shared prompts give vLLM's log-probs.
 """
 from __future__ import annotations
 
@@ -48,3 +49,16 @@ def test_grpo_steps_on_the_real_model_prove_every_sync(real_model, demo_assets, 
     assert len(samples) == 2 * 2 * 4
     assert all(tuple(sample["prompt_ids"]) in templated for sample in samples)
     assert all(r["response_length/mean"] > 0 for r in rows)
+    # The update ran on one micro-batch of the step's 8 rows holding each templated prompt once
+    # (model.shared_prefix, the CPU default): the tokens it saved, from the dumped samples, and its
+    # forward (the old policy: one optimizer step) against vLLM's own log-probs of the sampled tokens,
+    # a wrong tree or position moves by ~1e-1 (tests/test_training_shared_prefix.py).
+    for step, r in zip((1, 2), rows):
+        mine = samples[(step - 1) * 8: step * 8]
+        prompts: dict[tuple[int, ...], int] = {}
+        for sample in mine:
+            prompts[tuple(sample["prompt_ids"])] = prompts.get(tuple(sample["prompt_ids"]), 0) + 1
+        saved = sum((count - 1) * len(p) for p, count in prompts.items())
+        total = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in mine)
+        assert saved > 0 and r["perf/shared_prefix_ratio"] == pytest.approx(saved / total, abs=1e-12)
+        assert r["rollout/log_prob_abs_diff_max"] < 1e-3, r["rollout/log_prob_abs_diff_max"]
