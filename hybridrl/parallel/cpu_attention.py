@@ -88,11 +88,19 @@ def attention_rows(bounds: list[int], branches: list[int] | None = None) -> Atte
     """The rows of a pack with segments at `bounds`: one per segment; with `branches` (each token's
     branch in its segment, 0 = the shared prompt), a segment's prompt is one row and each response
     another, whose keys are the prompt's followed by its own (queries from the prompt's end)."""
+    if branches is None or not any(branches):  # every segment one row, queries = keys: vectorized
+        starts = torch.tensor([a for a, b in zip(bounds[:-1], bounds[1:]) if b > a], dtype=torch.long)
+        lengths = torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:]) if b > a], dtype=torch.long)
+        column = torch.arange(int(lengths.max()))
+        real = column.unsqueeze(0) < lengths.unsqueeze(1)  # [rows, longest]
+        index = torch.where(real, starts.unsqueeze(1) + column.unsqueeze(0), 0)
+        later = column.view(1, 1, -1) > column.view(1, -1, 1)  # [1, q, k]: a later key
+        return AttentionRows(index, index, real, (later | ~real.unsqueeze(1)).unsqueeze(1))
     rows: list[tuple[list[int], int]] = []  # (key tokens, query offset)
     for a, b in zip(bounds[:-1], bounds[1:]):
         if b == a:
             continue
-        if branches is None or not any(branches[a:b]):
+        if not any(branches[a:b]):
             rows.append((list(range(a, b)), 0))
             continue
         prompt = a
