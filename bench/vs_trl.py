@@ -26,7 +26,10 @@ trl transformers datasets). The TRL side runs `bench/trl_grpo_run.py` with that 
 prompts, `arith_word` scorer, n = 8, temperature 0.7, responses that stop at the model's EOS (at most
 32 tokens), micro-batch, lr and steps on both sides, on 2 cores: hybridrl at PP2 or DP2 (two ranks of one
 thread, one vLLM replica each), TRL one process with 2 torch threads. Mean response lengths are printed
-beside the times, as they follow each side's own samples.
+beside the times, as they follow each side's own samples. hybridrl's update holds each prompt once for
+its 8 samples (`model.shared_prefix`, the CPU default; micro-batches of 8 rows = one prompt group): its
+bound is printed for both counts, every row's tokens and each prompt once (`perf/shared_prefix_ratio`
+is the share of the rows' tokens saved).
 
 fp32 is the equal-work comparison. bf16 runs both sides in bf16 (hybridrl: megatron and vLLM weights in
 bf16; TRL: `bf16=True`, i.e. CPU autocast over fp32 weights) and is also compared against TRL's faster
@@ -151,6 +154,7 @@ def run_real(args: argparse.Namespace) -> None:
         if layout not in REAL_LAYOUTS:
             raise SystemExit(f"--layouts: {layout!r} is not one of {', '.join(REAL_LAYOUTS)}")
         h_wall, h_cpu, h_update, h_gen, h_len, h_tokens, h_reward = [], [], [], [], [], [], []
+        h_shared = []
         for r in range(rounds):
             run_dir = ROOT / "runs" / "bench" / f"vs_trl_real_{layout}_hybridrl_{r}"
             records = run_train(REAL_CONFIG, real_overrides(layout, prompts, steps, run_dir, seed=r), run_dir)
@@ -161,6 +165,8 @@ def run_real(args: argparse.Namespace) -> None:
             h_gen += [rec["timing_s/gen"] for rec in kept]
             h_len += [rec["response_length/mean"] for rec in kept]
             h_tokens += [rec["perf/total_num_tokens"] for rec in kept]  # every real token of a step
+            # the share of them the update did not compute (model.shared_prefix: each prompt once per group)
+            h_shared += [rec.get("perf/shared_prefix_ratio", 0.0) for rec in kept]
             h_reward += [rec["reward/score_mean"] for rec in records]
             if len(trl_runs) <= r:  # one TRL run per round serves every layout (TRL has one layout)
                 trl_runs.append(_run_trl_side(
@@ -175,6 +181,14 @@ def run_real(args: argparse.Namespace) -> None:
         prompt_tokens = max(1.0, statistics.mean(h_tokens) / sequences - mean_len)
         bound = step_bound(model_config, dtype="fp32", sequences=sequences, prompt_tokens=prompt_tokens,
                            response_tokens=max(1, round(mean_len)), ranks=2, micro_batch=REAL["micro"])
+        shared = statistics.median(h_shared)
+        # the bound of the arithmetic the update does with each prompt once per group (the same rates)
+        shared_bound = (step_bound(model_config, dtype="fp32", sequences=sequences, prompt_tokens=prompt_tokens,
+                                   response_tokens=max(1, round(mean_len)), ranks=2, micro_batch=REAL["micro"],
+                                   rates={"train_flops_per_s": bound["rate/train_gflops"] * 1e9,
+                                          "decode_flops_per_s": bound["rate/decode_gflops"] * 1e9,
+                                          "copy_bytes_per_s": bound["rate/copy_gb_per_s"] * 1e9},
+                                   prompt_group=REAL["n"]) if shared > 0 else bound)
         summary = {
             "hybridrl_step_wall_s": statistics.median(h_wall), "trl_step_wall_s": statistics.median(t_wall),
             "ratio_wall_hybridrl_over_trl": statistics.median(h_wall) / statistics.median(t_wall),
@@ -186,6 +200,9 @@ def run_real(args: argparse.Namespace) -> None:
             "hybridrl_response_tokens_mean": mean_len, "trl_response_tokens_mean": statistics.mean(t_len or [math.nan]),
             "bound_update_s": bound["bound_s/update"], "bound_step_s": bound["bound_s/step"],
             "hybridrl_update_x_bound": statistics.median(h_update) / bound["bound_s/update"],
+            "hybridrl_shared_prefix_ratio": shared,
+            "bound_update_shared_s": shared_bound["bound_s/update"],
+            "hybridrl_update_x_shared_bound": statistics.median(h_update) / shared_bound["bound_s/update"],
             "steps_measured_each": min(len(h_wall), len(t_wall)),
         }
         results[layout] = {"summary": summary, "raw": {

@@ -28,3 +28,6 @@ def test_real_case_overrides_plan_the_shared_settings(real_model, tmp_path, monk
     assert (actor.ppo_micro_batch_size_per_gpu, actor.optim.lr) == (vs_trl.REAL["micro"], vs_trl.REAL["lr"])
     assert config.trainer.total_training_steps == 3 and config.trainer.run_dir == str(run_dir)
     assert not actor.use_kl_loss and not config.algorithm.use_kl_in_reward  # TRL runs at beta=0
+    # hybridrl's update holds each prompt once for its n samples (the CPU default), whose micro-batches
+    # are whole groups: n rows each
+    assert plan.resolved.shared_prefix("actor") and actor.ppo_micro_batch_size_per_gpu % rollout.n == 0
