@@ -283,6 +283,40 @@ def test_shared_prompts_give_the_unshared_passes_and_transformers(tmp_path, tp, 
 GROUP_OF = [g for g, size in enumerate(GROUPS) for _ in range(size)]
 
 
+def _shuffled_rank(rank: int, world: int, config: Any, batch: Any) -> dict[str, Any]:
+    from hybridrl.config.plan import build_plan
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.backend import MegatronBackend, role_spec
+
+    plan = build_plan(config)
+    out: dict[str, Any] = {}
+    for shared in (False, True):
+        backend = MegatronBackend(dataclasses.replace(role_spec(plan, "actor"), shared_prefix=shared))
+        actor = MegatronActor(backend, plan)
+        out[shared] = {"order": actor._row_order(batch, 1), "metrics": actor.update_policy(batch),
+                       "weights": {n: p.detach().clone() for n, p in backend.chunks[0].named_parameters()}}
+    return out
+
+
+def test_shuffled_epochs_move_whole_prompt_groups(tmp_path):
+    """actor.shuffle with ppo_epochs 2: with shared prompts the second epoch's order permutes whole groups;
+    both epochs' updates equal the unshared row shuffle's (each epoch one mini-batch of every row)."""
+    hf = policy_model(tmp_path / "hf")
+    batch = grouped_batch()
+    config = job_config(hf, world=1, micro=4, ppo_epochs=2, shuffle=True)
+    config.actor_rollout_ref.model.use_remove_padding = True
+    (out,) = run_ranks(_shuffled_rank, 1, config, batch)
+    order = out[True]["order"]
+    assert sorted(order) == list(range(len(batch))) and order != list(range(len(batch)))
+    runs = [GROUP_OF[r] for i, r in enumerate(order) if i == 0 or GROUP_OF[r] != GROUP_OF[order[i - 1]]]
+    assert sorted(runs) == list(range(len(GROUPS)))  # each group one run: its rows next to each other
+    assert out[True]["metrics"].optimizer_steps == 2 and out[True]["metrics"].shared_prefix_ratio > 0
+    for name in ("pg_loss", "grad_norm", "entropy"):
+        assert abs(getattr(out[True]["metrics"], name) - getattr(out[False]["metrics"], name)) <= TOL, name
+    for name, value in out[False]["weights"].items():
+        assert (out[True]["weights"][name] - value).abs().max() <= TOL, name
+
+
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_shared_prompts_update_equals_the_transformers_objective(tmp_path, tp, pp):
     """The whole PPO objective (clips, dual clip, entropy, KL) and every gradient against transformers row

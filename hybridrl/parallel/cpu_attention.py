@@ -72,10 +72,11 @@ SHARED_PREFIX_ATTRIBUTE = "hybridrl_shared_prefix"
 class AttentionRows:
     """Packed attention as one batch of rows, each row a set of queries and the keys they may see.
 
-    `key_index` `[rows, k]`: the packed tokens that are row u's keys, in order (padding cells: token 0,
-    `key_real` False); row u's queries are its keys from `query_offset[u]` on (`query_index` `[rows, q]`,
-    `query_real`), and query j sees keys 0 .. query_offset[u] + j (`masked` `[rows, 1, q, k]`, True = not
-    attended, padded keys included). Every packed token is the query of exactly one row.
+    `key_index` `[rows, k]`: the packed tokens that are each row's keys, in order (padding cells: token 0);
+    `query_index` `[rows, q]`: its queries, the trailing run of its keys (a response's row: its keys after
+    the prompt's), `query_real` marking the real cells; `masked` `[rows, 1, q, k]` (True = not attended):
+    a query sees its row's keys up to itself, never a padding cell. Every packed token is the query of
+    exactly one row.
     """
 
     key_index: torch.Tensor
