@@ -758,8 +758,10 @@ def _check_lengths(check: _Checker, config: JobConfig, resolved: Resolved, model
         what = (f"max_position_embeddings={limit}" if limit == model.max_position_embeddings
                 else f"sliding_window={limit} (longer sequences would differ from the HF model)")
         room = limit - data.max_prompt_length
+        turns = (" (with multi-turn rollouts the response holds every model turn and tool answer)"
+                 if rollout.multi_turn.enable is True else "")
         check.fail("data.max_response_length", data.max_response_length,
-                   f"+ max_prompt_length={data.max_prompt_length} exceeds the model's {what}",
+                   f"+ max_prompt_length={data.max_prompt_length} exceeds the model's {what}{turns}",
                    [room] if room > 0 else [])
     actor = config.actor_rollout_ref.actor
     if ok and actor.use_dynamic_bsz and isinstance(actor.ppo_max_token_len_per_gpu, int) \
