@@ -7,6 +7,7 @@ failed one are skipped, so one mistake yields one message, not a cascade.
 from __future__ import annotations
 
 import difflib
+import math
 import typing
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -375,6 +376,14 @@ def _check_unsupported(check: _Checker, config: JobConfig, model: ModelShape | N
     elif arr.rollout.multi_turn.enable is not False:
         check.fail("actor_rollout_ref.rollout.multi_turn.enable", arr.rollout.multi_turn.enable, "must be a boolean",
                    [True, False])
+    else:
+        tr = arr.rollout.multi_turn.turn_reward
+        for name, value, default in (("tool_error_penalty", tr.tool_error_penalty, 0.0), ("path", tr.path, None)):
+            if value != default:  # per-turn rewards exist only in multi-turn rollouts: never dropped silently
+                check.fail(f"actor_rollout_ref.rollout.multi_turn.turn_reward.{name}", value,
+                           "has no effect while actor_rollout_ref.rollout.multi_turn.enable=false (per-turn rewards "
+                           "are given to the turns of multi-turn rollouts); enable multi_turn or leave it unset",
+                           [default])
     if arr.rollout.calculate_log_probs is not True:
         check.fail("actor_rollout_ref.rollout.calculate_log_probs", arr.rollout.calculate_log_probs,
                    "cannot be turned off: the rollout always returns its log-probs (the trainer measures the "
@@ -442,6 +451,16 @@ def _check_multi_turn(check: _Checker, config: JobConfig) -> None:
         value = getattr(mt.sandbox, name)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
             check.fail(f"{prefix}.sandbox.{name}", value, "must be a positive number")
+    tr = mt.turn_reward
+    penalty = tr.tool_error_penalty
+    if not isinstance(penalty, (int, float)) or isinstance(penalty, bool) or not math.isfinite(penalty) or penalty < 0:
+        check.fail(f"{prefix}.turn_reward.tool_error_penalty", penalty,
+                   "must be a finite number >= 0 (it is subtracted per failed tool call)", [0.0, 0.1])
+    if tr.path is not None and not Path(str(tr.path)).is_file():
+        check.fail(f"{prefix}.turn_reward.path", tr.path, "is not a file (a Python file defining the per-turn "
+                   f"reward function {tr.name!r})")
+    if not isinstance(tr.name, str) or not tr.name.isidentifier():
+        check.fail(f"{prefix}.turn_reward.name", tr.name, "must be a Python function name")
 
 
 def _check_validation_sampling(check: _Checker, config: JobConfig) -> None:
