@@ -477,12 +477,22 @@ class Trainer:
         if self.val_loader is None:
             return {}
         scores: list[float] = []
+        turn_parts: list[dict[str, float]] = []  # multi-turn: how the validation conversations went
+        samples: list[int] = []
         self.phase = Phase.VALIDATE
         for prompts in self.val_loader:
             batch = self.generate(prompts, self._sampling(validation=True))
             _, output = self.reward.score_batch(batch, self.tokenizer)
             scores.extend(output.scores)
-        return {"val/score/mean": float(np.mean(scores)) if scores else math.nan}
+            generated = batch.meta.get("metrics") or {}
+            turn_parts.append({k: v for k, v in generated.items()
+                               if k.startswith("multi_turn/") and k.endswith("_mean")})
+            samples.append(len(batch))
+        metrics = {"val/score/mean": float(np.mean(scores)) if scores else math.nan}
+        if any(turn_parts):
+            merged = merge_part_metrics(turn_parts, samples)
+            metrics.update({f"val/{k}": v for k, v in merged.items()})
+        return metrics
 
     # ------------------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
