@@ -7,8 +7,10 @@ token: `TurnRewarder` gives each model turn
     - tool_error_penalty * (the turn's tool calls that failed: any status but ok)
     + function(turn)                      (a user function from a trusted file, when set)
 
-The agent loop calls it once per model turn after the turn's tool calls ran (`ModelTurn` holds what the
-turn wrote and what its calls answered), and the rollout batch carries the values as `turn_scores`
+The agent loop calls it once per model turn after the conversation ended (`ModelTurn` holds what the
+turn wrote and what its calls answered). At inference TP > 1 every TP rank of a replica runs the loop
+and only TP rank 0's batch is kept, so a user function should be a pure function of the turn (no side
+effects that must happen once). The rollout batch carries the values as `turn_scores`
 [B, R], zero except on each model turn's last response position. The trainer adds them to
 `token_level_scores` (`hybridrl.trainer.rl_step.add_turn_scores`), so they compose with every estimator
 the way any token-level reward does: the outcome estimators (grpo, dr_grpo, rloo, remax) see a
