@@ -245,6 +245,11 @@ def worker_config(model_dir: Path, device: str) -> Any:
     c.critic.model.path = str(model_dir)
     c.critic.megatron.dtype = "fp32"
     c.critic.ppo_micro_batch_size_per_gpu = 2
+    from hybridrl.parallel.device import layer_spec_kind
+
+    if layer_spec_kind(device) == "local" and device != "cpu":
+        # packed sequences (the default) need TE's attention on cuda; the lent image has no TE
+        c.actor_rollout_ref.model.use_remove_padding = c.critic.model.use_remove_padding = False
     return c
 
 
@@ -291,6 +296,7 @@ def worker_figures(config: dict[str, Any], device: str) -> dict[str, Any]:
     values = critic.compute_values(batch)["values"]
     mask = batch["response_mask"].bool()
     return {
+        "workers_packed": plan.resolved.packed("actor"),
         "workers_build_s": build_s, "workers_log_prob_s": log_prob_s, "workers_update_s": update_s,
         "workers_result_devices": ",".join(sorted({t.device.type for t in (before, after, values)})),
         "workers_log_prob_max_abs_diff_vs_hf": float((before - reference).abs().max()),

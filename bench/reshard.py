@@ -18,6 +18,13 @@ dominated by copies and by other processes on the cores); the byte columns are t
 
 `--moe`: a random Qwen3-MoE instead (8 experts of width 3 * hidden / 4, top-2, every layer MoE) over
 expert-parallel layouts (`MOE_GRID`); results in `results/reshard_moe.json`.
+
+`--cross-pool`: the disaggregated rollout's sync (`reshard.cross_pool`) over `CROSS_GRID`: the trainer
+pool and the rollout pool as two gloo worlds started at once, joined by the cross-pool group. Per layout:
+bytes each rollout rank received against its shard (it holds nothing: the bound), the heaviest
+trainer rank's bytes sent against the even share of the total (the Plan's `cross_pool_traffic`
+estimates both), the sync's time (max over members), and whether every rollout rank's digests equal
+`hf_to_vllm_shards`. Results in `results/reshard_cross_pool.json`.
 """
 from __future__ import annotations
 
@@ -66,6 +73,17 @@ MOE_GRID: list[tuple] = [
     (1, 1, None, 2, 2, 512 * MIB, "plan", 2),
     (1, 1, None, 4, 2, 512 * MIB, "plan", 4),
     (1, 2, None, 4, 2, 512 * MIB, "plan", 2),
+]
+
+
+# (trainer tp, pp, trainer world, rollout world, infer_tp)
+CROSS_GRID: list[tuple[int, int, int, int, int]] = [
+    (1, 1, 1, 1, 1),
+    (2, 1, 2, 2, 2),
+    (1, 2, 2, 1, 1),
+    (2, 2, 4, 2, 1),
+    (1, 1, 2, 4, 2),
+    (2, 1, 4, 2, 2),
 ]
 
 
@@ -203,6 +221,101 @@ def run_layout(hf_dir: Path, config: dict, layout: tuple, expected: dict[tuple[i
     }
 
 
+def _cross_trainer(rank: int, world: int, hf_dir: str, tp: int, pp: int, rollout_world: int, infer_tp: int,
+                   port: int) -> dict[str, Any]:
+    from hybridrl.models.bridge import build_gpt_models, load_weights
+    from hybridrl.parallel.cross_group import CrossGroup, CrossGroupAddress, open_store
+    from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
+    from hybridrl.reshard.cross_pool import CrossPoolSender
+    from hybridrl.reshard.cross_pool_plan import CrossPoolLayout
+
+    address = CrossGroupAddress("127.0.0.1", port, world, rollout_world)
+    store = open_store("127.0.0.1", address.size, 600, port=port) if rank == 0 else None
+    initialize_model_parallel(tp=tp, pp=pp, device="cpu")
+    try:
+        models = build_gpt_models(hf_dir)
+        load_weights(models, hf_dir)
+        layout = CrossPoolLayout(build_training_mesh(world, tp, pp), rollout_world, infer_tp)
+        sender = CrossPoolSender(models, layout, CrossGroup(address, rank, "gloo", 600, store=store), rank=rank)
+        sender.send()  # warm-up: connections, allocator
+        started = time.perf_counter()
+        report = sender.send()
+        return {"report": report, "seconds": time.perf_counter() - started}
+    finally:
+        destroy_model_parallel()
+
+
+def _cross_rollout(rank: int, world: int, hf_dir: str, tp: int, pp: int, trainer_world: int, infer_tp: int,
+                   port: int) -> dict[str, Any]:
+    from hybridrl.models.arch import ModelShape
+    from hybridrl.parallel.cross_group import CrossGroup, CrossGroupAddress
+    from hybridrl.reshard.cross_pool import CrossPoolReceiver
+    from hybridrl.reshard.cross_pool_plan import CrossPoolLayout
+
+    address = CrossGroupAddress("127.0.0.1", port, trainer_world, world)
+    layout = CrossPoolLayout(build_training_mesh(trainer_world, tp, pp), world, infer_tp)
+    receiver = CrossPoolReceiver(ModelShape.from_hf_dir(hf_dir), layout,
+                                 CrossGroup(address, address.member_of_rollout(rank), "gloo", 600),
+                                 rollout_rank=rank, dtype=torch.float32, device="cpu")
+    for _ in receiver.shards():
+        pass
+    started = time.perf_counter()
+    for _ in receiver.shards():  # timed; tensors dropped as they come, as vLLM's writer would
+        pass
+    return {"report": receiver.last_report, "seconds": time.perf_counter() - started}
+
+
+def run_cross_pool(hf_dir: Path, config: dict, layout: tuple, state: dict) -> dict:
+    import threading
+
+    from hybridrl.config.estimates import cross_pool_traffic
+    from hybridrl.models.arch import ModelShape
+    from hybridrl.parallel.forked import free_port
+
+    tp, pp, trainer_world, rollout_world, infer_tp = layout
+    port = free_port()
+    results: dict[str, Any] = {}
+
+    def run(name: str, fn: Any, world: int, *args: Any) -> None:
+        results[name] = run_ranks(fn, world, *args, timeout_s=900)
+
+    threads = [threading.Thread(target=run, args=("trainer", _cross_trainer, trainer_world, str(hf_dir), tp, pp,
+                                                  rollout_world, infer_tp, port)),
+               threading.Thread(target=run, args=("rollout", _cross_rollout, rollout_world, str(hf_dir), tp, pp,
+                                                  trainer_world, infer_tp, port))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    trainers, rollouts = results["trainer"], results["rollout"]
+    expected = {j: shard_checksums(hf_to_vllm_shards(state, config, infer_tp, j).items()) for j in range(infer_tp)}
+    verified = all(r["report"].checksums == expected[q % infer_tp] for q, r in enumerate(rollouts))
+    estimate = cross_pool_traffic(ModelShape.from_hf_config(config), trainer_world, rollout_world, infer_tp, "fp32")
+    received = [r["report"].bytes_received for r in rollouts]
+    bounds = [r["report"].lower_bound_bytes for r in rollouts]
+    sent = [r["report"].bytes_sent for r in trainers]
+    even = -(-sum(received) // trainer_world)
+    return {
+        "layout": f"tp{tp}pp{pp}w{trainer_world} -> {rollout_world // infer_tp}x tp{infer_tp}",
+        "recv_max_mib": max(received) / MIB, "recv_bound_mib": max(bounds) / MIB,
+        "recv_ratio": sum(received) / sum(bounds), "recv_plan_mib": max(estimate.bytes_received) / MIB,
+        "sent_max_mib": max(sent) / MIB, "sent_even_mib": even / MIB,
+        "sent_plan_even_mib": estimate.bytes_sent_even / MIB,
+        "send_balance": max(sent) / even, "sync_s_max": max(r["seconds"] for r in trainers + rollouts),
+        "checksums_equal": bool(verified),
+    }
+
+
+def print_cross_row(row: dict, header: bool) -> None:
+    if header:
+        print(f"{'layout':<26}{'recv/rank MiB':>14}{'bound':>8}{'ratio':>7}{'plan':>8}"
+              f"{'sent max MiB':>13}{'even':>8}{'max/even':>9}{'plan':>8}{'sync s':>8}  ok")
+    print(f"{row['layout']:<26}{row['recv_max_mib']:>14.2f}{row['recv_bound_mib']:>8.2f}{row['recv_ratio']:>7.3f}"
+          f"{row['recv_plan_mib']:>8.2f}{row['sent_max_mib']:>13.2f}{row['sent_even_mib']:>8.2f}"
+          f"{row['send_balance']:>9.3f}{row['sent_plan_even_mib']:>8.2f}{row['sync_s_max']:>8.3f}  "
+          f"{'yes' if row['checksums_equal'] else 'NO'}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=256)
@@ -210,6 +323,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--quick", action="store_true", help="4 layouts instead of the full grid")
     parser.add_argument("--moe", action="store_true", help="a Qwen3-MoE over expert-parallel layouts")
+    parser.add_argument("--cross-pool", action="store_true", help="the disaggregated rollout's sync (CROSS_GRID)")
     args = parser.parse_args()
     from safetensors.torch import load_file
 
@@ -223,6 +337,15 @@ def main() -> None:
         print(f"model: {family} {params / 1e6:.1f}M params ({params * 4 / MIB:.1f} MiB fp32), "
               f"hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}")
         expected: dict = {"state": state}
+        if args.cross_pool:
+            for layout in CROSS_GRID:
+                rows.append(run_cross_pool(hf_dir, config, layout, state))
+                print_cross_row(rows[-1], header=len(rows) == 1)
+            results = RESULTS.with_name("reshard_cross_pool.json")
+            results.parent.mkdir(parents=True, exist_ok=True)
+            results.write_text(json.dumps({"model_params": params, "rows": rows}, indent=2) + "\n")
+            print(f"wrote {results}")
+            return
         for layout in MOE_GRID if args.moe else QUICK if args.quick else GRID:
             rows.append(run_layout(hf_dir, config, layout, expected))
             print_row(rows[-1], header=len(rows) == 1)

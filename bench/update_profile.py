@@ -93,6 +93,9 @@ def job_config(model: str, *, tp: int, pp: int, dp: int, rows: int, micro: int, 
     c.trainer.nnodes, c.trainer.n_gpus_per_node = 1, tp * pp * dp
     c.trainer.torch_threads_per_rank = 1
     c.actor_rollout_ref.model.path = model
+    # padded micro-batches, as the README's figures were measured (before packing became the CPU
+    # default); bench/packing.py compares the packed update with this one
+    c.actor_rollout_ref.model.use_remove_padding = False
     c.data.max_prompt_length, c.data.max_response_length = max_prompt, max_response
     c.data.train_batch_size = rows // 8
     c.actor_rollout_ref.rollout.n = 8

@@ -33,12 +33,13 @@ class Phase(StrEnum):
     UPDATE_CRITIC = "update_critic"
     UPDATE_ACTOR = "update_actor"  # also where a run of non-finite steps stops training
     SYNC = "sync"  # weight sync into vLLM, proven
+    WAIT_ROLLOUT = "wait_rollout"  # async rollout: the trainer waiting for the pool's next batch
     VALIDATE = "validate"
     SAVE_CHECKPOINT = "save_checkpoint"
 
 
 # The timed phases of a step, in the order summaries and plots show them.
-TIMED_PHASES = (Phase.GEN, Phase.REWARD, Phase.OLD_LOG_PROB, Phase.REF, Phase.VALUES, Phase.ADV,
+TIMED_PHASES = (Phase.WAIT_ROLLOUT, Phase.GEN, Phase.REWARD, Phase.OLD_LOG_PROB, Phase.REF, Phase.VALUES, Phase.ADV,
                 Phase.UPDATE_CRITIC, Phase.UPDATE_ACTOR, Phase.SYNC)
 
 
@@ -50,6 +51,8 @@ class Role(StrEnum):
 
 
 class GroupName(StrEnum):
-    ACTOR_ROLLOUT_REF = "actor_rollout_ref"  # HybridEngineWorker: actor + reference + vLLM
+    ACTOR_ROLLOUT_REF = "actor_rollout_ref"  # HybridEngineWorker: actor + reference + vLLM (disaggregated:
+    #                                          DisaggregatedPolicyWorker, actor + reference on the trainer pool)
+    ROLLOUT = "rollout"  # RolloutWorker: vLLM on the disaggregated rollout pool
     CRITIC = "critic"
     REWARD_MODEL = "reward_model"

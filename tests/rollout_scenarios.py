@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import numpy as np
 import torch
 
 from hybridrl.rollout.engine import RolloutEngine, RolloutEngineConfig
@@ -129,7 +130,31 @@ def generation_session(
     results["fresh"] = engine.generate_sequences([long_prompt], greedy)
     # The original weights again: multi-turn conversations through the agent loop.
     results["multi_turn"] = multi_turn_conversations(engine)
+    results["stream"] = partial_rollout_across_a_swap(engine, new_weights[0])
     return results
+
+
+STREAM_STEPS_BEFORE_SWAP = 3
+
+
+def partial_rollout_across_a_swap(engine: RolloutEngine, new_weights: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """fully_async's partial rollout: samples start under the engine's weights (version 0), are paused
+    after a few engine steps, the weights are swapped (version 1), and they finish under the new ones."""
+    from hybridrl.data.batch import Batch
+    from hybridrl.rollout.continuous import ContinuousGeneration
+
+    stream = ContinuousGeneration(engine)
+    prompts = [[5, 6, 7], [10, 11, 12, 13]]
+    rows = Batch({"input_ids": torch.zeros(2, 4, dtype=torch.long)}, {"uid": np.array(["p0", "p1"], dtype=object)})
+    stream.submit(prompts, ["p0", "p1"], RolloutSampling(n=3, temperature=1.0, max_tokens=8, seed=9,
+                                                         ignore_eos=True), rows)
+    early = stream.advance(0, min_groups=2, max_steps=STREAM_STEPS_BEFORE_SWAP)
+    paused = stream.pause()
+    engine.update_weights(new_weights.items(), weight_format="hf")
+    resumed = stream.resume()
+    finished = stream.advance(1, min_groups=2, max_steps=100)
+    return {"early": len(early), "paused": paused, "resumed": resumed, "prompts": prompts,
+            "groups": [batch for batch, _ in finished], "in_flight_after": stream.in_flight}
 
 
 # ---- the trainer-side truncation's reference: vLLM's top-k/top-p filter --------------------------

@@ -39,6 +39,7 @@ def test_tiny_cpu_run_measures_every_part(tmp_path):
     # the workers' own data path, fed a host batch as the controller sends it
     workers = data["workers"]
     assert workers["workers_result_devices"] == "cpu"
+    assert workers["workers_packed"] is True  # the CPU default: the attention stand-in
     assert workers["workers_log_prob_max_abs_diff_vs_hf"] < 1e-4
     assert workers["workers_update_steps"] == 1 and workers["workers_update_skipped"] == 0
     assert workers["workers_update_log_prob_change"] > 1e-3  # the PPO step moved the policy

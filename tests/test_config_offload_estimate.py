@@ -44,10 +44,10 @@ def test_expert_parallelism_splits_the_experts_in_the_memory_estimate():
     vocab = 151936 * 2048
     assert shape.param_count() == 48 * (dense_layer + expert_layer) + 2 * vocab + 2048  # 30.5B
 
-    def estimate(ep: int):  # the example's layout: PP2 x DP16 on 32 GPUs, TP1
+    def estimate(ep: int, etp: int | None = None):  # the example's layout: PP2 x DP16 on 32 GPUs, TP1
         return training_memory("actor", shape, build_training_mesh(32, tp=1, pp=2), dtype="bf16",
                                distributed_optimizer=True, trainable=True, micro_batch=1, seq_len=8,
-                               sequence_parallel=False, gpu_gib=80, ep=ep)
+                               sequence_parallel=False, gpu_gib=80, ep=ep, etp=etp)
 
     # a stage holds 24 layers; the last one's output layer + final norm outweigh the first's embedding
     dense, experts = 24 * dense_layer + vocab + 2048, 24 * expert_layer // 8
@@ -55,6 +55,10 @@ def test_expert_parallelism_splits_the_experts_in_the_memory_estimate():
     assert m.params_gib == pytest.approx((dense + experts) * 2 / GIB, rel=1e-3)  # 4.81 GiB
     assert m.grads_gib == pytest.approx((dense + experts) * 4 / GIB, rel=1e-3)
     assert m.optimizer_gib == pytest.approx((dense / 16 + experts / 2) * 12 / GIB, rel=1e-3)  # 10.66 GiB
+    # expert TP 2 at EP8: half of each of those experts, their state over 16 / (8 x 2) = 1 replica
+    split = estimate(8, 2)
+    assert split.params_gib == pytest.approx((dense + experts / 2) * 2 / GIB, rel=1e-3)
+    assert split.optimizer_gib == pytest.approx((dense / 16 + experts / 2) * 12 / GIB, rel=1e-3)
     # EP1 keeps every expert on every rank (and shards their state over all 16 DP ranks)
     whole = estimate(1)
     assert whole.params_gib == pytest.approx((dense + 8 * experts) * 2 / GIB, rel=1e-3)

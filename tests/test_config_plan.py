@@ -90,18 +90,24 @@ def test_expert_groups_match_megatron_core_expert_rank_generator():
 
     from hybridrl.config.meshes import expert_groups
 
-    for world, tp, pp, cp, ep in [(8, 1, 1, 1, 2), (16, 2, 2, 1, 4), (16, 1, 2, 2, 4), (32, 1, 2, 1, 8),
-                                  (12, 1, 3, 1, 2)]:
+    for world, tp, pp, cp, ep, etp in [(8, 1, 1, 1, 2, 1), (16, 2, 2, 1, 4, 2), (16, 1, 2, 2, 4, 1),
+                                       (32, 1, 2, 1, 8, 1), (12, 1, 3, 1, 2, 1), (4, 1, 1, 1, 1, 2),
+                                       (8, 1, 1, 1, 2, 2), (16, 2, 2, 1, 2, 1), (16, 1, 2, 2, 2, 4)]:
         mesh = build_training_mesh(world, tp, pp, cp)
-        gen = RankGenerator(tp=tp, ep=ep, dp=world // (tp * ep * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
-        ep_groups, edp_groups = expert_groups(mesh, ep)
-        assert list(ep_groups) == sorted(map(tuple, gen.get_ranks("ep"))), (world, tp, pp, cp, ep)
-        assert list(edp_groups) == sorted(map(tuple, gen.get_ranks("dp"))), (world, tp, pp, cp, ep)
+        gen = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+        ep_groups, edp_groups = expert_groups(mesh, ep, etp)
+        assert list(ep_groups) == sorted(map(tuple, gen.get_ranks("ep"))), (world, tp, pp, cp, ep, etp)
+        assert list(edp_groups) == sorted(map(tuple, gen.get_ranks("dp"))), (world, tp, pp, cp, ep, etp)
     with pytest.raises(ValueError, match="ep=3 does not divide dp"):
         expert_groups(build_training_mesh(8, 1, 1), 3)
-    report = render_plan(plan_from_sources(ROOT / "configs/examples/qwen3_30b_a3b_grpo_4x8.yaml"))
+    example = ROOT / "configs/examples/qwen3_30b_a3b_grpo_4x8.yaml"
+    report = render_plan(plan_from_sources(example))
     assert "actor experts (megatron order etp-ep-edp-pp, expert TP = TP): EP 8 × expert-DP 2; EP groups " \
            "[[0,1,2,3,4,5,6,7], [8,9,10,11,12,13,14,15]" in report
+    report = render_plan(plan_from_sources(example, ["actor_rollout_ref.actor.megatron.expert_model_parallel_size=4",
+                                                     "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=2"]))
+    assert "actor experts (megatron order etp-ep-edp-pp, expert TP 2): EP 4 × expert-DP 2; EP groups " \
+           "[[0,2,4,6], [1,3,5,7]" in report
 
 
 def test_reshard_groups_strided_contain_training_shard():

@@ -57,14 +57,6 @@ CASES = {
     "cp x tp x pp divides world": (["trainer.device=cpu", f"{A}.megatron.context_parallel_size=4"],
                                    f"{A}.megatron.context_parallel_size", "CP × TP × PP × DP = world",
                                    ["trainer.device=cpu", f"{A}.megatron.context_parallel_size=2"]),
-    "cp with packing refused": (
-        [*CPU_CP2, "actor_rollout_ref.model.use_remove_padding=true"],
-        f"{A}.megatron.context_parallel_size", "use_remove_padding=true is not implemented yet",
-        [*CPU_CP2, "actor_rollout_ref.model.use_remove_padding=false"]),
-    "cp of the critic with its packing refused": (
-        ["trainer.device=cpu", "critic.megatron.context_parallel_size=2", "critic.model.use_remove_padding=true"],
-        "critic.megatron.context_parallel_size", "critic.model.use_remove_padding=true",
-        ["trainer.device=cpu", "critic.megatron.context_parallel_size=2"]),
     "ref cp differs from actor": (["trainer.device=cpu", "actor_rollout_ref.ref.megatron.context_parallel_size=2"],
                                   "actor_rollout_ref.ref.megatron.context_parallel_size",
                                   f"must equal {A}.megatron.context_parallel_size=1",
@@ -176,15 +168,19 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_rule_refuses_bad_and_accepts_fix(name):
-    bad, field, fragment, good = CASES[name]
+def assert_refused_then_fixed(bad: list[str], field: str, fragment: str, good: list[str]) -> None:
+    """`bad` is refused naming `field` with `fragment` in the rule; `good` plans."""
     issues = issues_for(bad)
     named = [i for i in issues if i.field == field]
     assert named, f"no issue names {field}: {[str(i) for i in issues]}"
     assert any(fragment in str(i) for i in named), [str(i) for i in named]
     plan = plan_from_sources(SEED, good)  # the fix is accepted
     assert plan.sequences_per_step > 0
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_rule_refuses_bad_and_accepts_fix(name):
+    assert_refused_then_fixed(*CASES[name])
 
 
 # Model-shape rules on custom shapes (heads, KV heads, layers, vocab).
@@ -510,6 +506,16 @@ def test_cp2_on_cpu_plans_with_activations_divided_by_cp():
     assert act[2] == pytest.approx((layers * per_layer_cp1 / 2 + logits) / gib, abs=2e-3)
 
 
+def test_cp2_with_packing_plans_on_cpu():
+    """CP > 1 with packed micro-batches (each row's segment cut into 2 × CP chunks) is no longer
+    refused: explicitly on for the actor and the critic, and by the CPU default."""
+    gae = ["algorithm.adv_estimator=gae", "critic.megatron.context_parallel_size=2"]
+    for packing in ([], ["actor_rollout_ref.model.use_remove_padding=true", "critic.model.use_remove_padding=true"]):
+        plan = plan_from_sources(SEED, [*CPU_CP2, *gae, *packing])
+        for role in ("actor", "ref", "critic"):
+            assert plan.layout(role).mesh.cp == 2 and plan.resolved.packed(role), (role, packing)
+
+
 def test_refused_setting_stops_train_before_any_process():
     """`hybridrl train` plans first: context parallelism on cuda is refused with exit 2 before Ray,
     torch or megatron is even imported (validation is pure)."""
@@ -579,6 +585,9 @@ def moe_model_dir(tmp_path: Path, experts: int = 8, top_k: int = 2, moe_ffn: int
 
 
 EP = f"{A}.megatron.expert_model_parallel_size"
+ETP = f"{A}.megatron.expert_tensor_parallel_size"
+CAP = f"{A}.megatron.moe_expert_capacity_factor"
+DISPATCH = f"{A}.megatron.moe_token_dispatcher_type"
 
 # (model arguments, bad overrides, field, text in the rule, overrides that fix it); on 6 GPUs, DP = 6 / TP
 MOE_CASES = {
@@ -586,8 +595,22 @@ MOE_CASES = {
     "ep within dp x cp x tp": (dict(experts=12), [f"{A}.megatron.pipeline_model_parallel_size=2", f"{EP}=2"], EP,
                                "must divide DP × CP × TP = 3×1×1", [f"{A}.megatron.pipeline_model_parallel_size=2",
                                                                    f"{EP}=3"]),
-    "etp is tp": ({}, [f"{A}.megatron.expert_tensor_parallel_size=2"], f"{A}.megatron.expert_tensor_parallel_size",
-                  "must equal tensor_model_parallel_size=1", [f"{A}.megatron.expert_tensor_parallel_size=1"]),
+    "etp other than tp needs tp 1": ({}, [f"{A}.megatron.tensor_model_parallel_size=2", f"{ETP}=1",
+                                          f"{A}.megatron.sequence_parallel=true", "trainer.device=cuda"], ETP,
+                                     "is built and tested with tensor_model_parallel_size=1 only",
+                                     [f"{A}.megatron.tensor_model_parallel_size=2", f"{ETP}=2",
+                                      f"{A}.megatron.sequence_parallel=true", "trainer.device=cuda"]),
+    "etp divides the experts' width": (dict(moe_ffn=100), [f"{ETP}=3"], ETP, "must divide the experts' intermediate "
+                                       "size 100", [f"{ETP}=2"]),
+    "ep x etp within dp x cp x tp": (dict(experts=12), [f"{EP}=2", f"{ETP}=4"], EP,
+                                     "× expert_tensor_parallel_size=4 must divide DP × CP × TP = 6×1×1",
+                                     [f"{EP}=3", f"{ETP}=2"]),
+    "etp with routing replay": ({}, [f"{ETP}=2", f"{A}.router_replay=rollout"], ETP,
+                                "with actor_rollout_ref.actor.router_replay=rollout has not been tested",
+                                [f"{A}.router_replay=rollout"]),
+    "etp with a disaggregated rollout": ({}, [f"{ETP}=2", f"{R}.mode=disaggregated", f"{R}.nnodes=1",
+                                              f"{R}.n_gpus_per_node=2"], ETP, "the cross-pool weight sync",
+                                         [f"{R}.mode=disaggregated", f"{R}.nnodes=1", f"{R}.n_gpus_per_node=2"]),
     "tp divides the experts' width": (dict(moe_ffn=100), [f"{A}.megatron.tensor_model_parallel_size=3",
                                                           f"{A}.megatron.sequence_parallel=true"],
                                       f"{A}.megatron.tensor_model_parallel_size",
@@ -601,6 +624,31 @@ MOE_CASES = {
                                         f"{A}.megatron.sequence_parallel", "megatron's MoE layer refuses TP",
                                         [f"{A}.megatron.tensor_model_parallel_size=2", "trainer.device=cuda",
                                          f"{A}.megatron.sequence_parallel=true"]),
+    "capacity factor is positive": ({}, [f"{CAP}=-1"], CAP, "must be in (0, 1000]", [f"{CAP}=1.25"]),
+    "padding to capacity needs one": ({}, [f"{A}.megatron.moe_pad_expert_input_to_capacity=true"],
+                                      f"{A}.megatron.moe_pad_expert_input_to_capacity",
+                                      "needs actor_rollout_ref.actor.megatron.moe_expert_capacity_factor",
+                                      [f"{A}.megatron.moe_pad_expert_input_to_capacity=true", f"{CAP}=1.0"]),
+    "a drop policy needs a capacity": ({}, [f"{A}.megatron.moe_token_drop_policy=position"],
+                                       f"{A}.megatron.moe_token_drop_policy", "no token is dropped",
+                                       [f"{A}.megatron.moe_token_drop_policy=position", f"{CAP}=1.0"]),
+    "a drop policy is a known one": ({}, [f"{A}.megatron.moe_token_drop_policy=random"],
+                                     f"{A}.megatron.moe_token_drop_policy", "is not a known MoE token drop policy",
+                                     [f"{A}.megatron.moe_token_drop_policy=probs"]),
+    "allgather needs pp 1": ({}, [f"{DISPATCH}=allgather", f"{A}.megatron.pipeline_model_parallel_size=2"], DISPATCH,
+                             "refuses variable_seq_lengths", [f"{DISPATCH}=alltoall",
+                                                              f"{A}.megatron.pipeline_model_parallel_size=2"]),
+    "allgather over dp ranks needs fixed micro-batches": (
+        {}, [f"{DISPATCH}=allgather", f"{EP}=2", f"{A}.use_dynamic_bsz=true"], f"{A}.use_dynamic_bsz",
+        "token-budget micro-batches differ in rows", [f"{DISPATCH}=allgather", f"{EP}=2"]),
+    "padding to capacity over dp ranks needs padded micro-batches": (
+        {}, [f"{CAP}=1.0", f"{A}.megatron.moe_pad_expert_input_to_capacity=true", f"{EP}=2",
+             "actor_rollout_ref.model.use_remove_padding=true"], "actor_rollout_ref.model.use_remove_padding",
+        "packed micro-batches differ in length", [f"{CAP}=1.0", f"{A}.megatron.moe_pad_expert_input_to_capacity=true",
+                                                  f"{EP}=2"]),
+    "capacity with routing replay": ({}, [f"{CAP}=1.0", f"{A}.router_replay=rollout"], CAP,
+                                     "the replayed routing would still lose the tokens",
+                                     [f"{A}.router_replay=rollout"]),
 }
 
 
@@ -621,6 +669,22 @@ def test_expert_parallelism_with_a_dense_model_is_refused():
     assert any(i.field == EP and "needs a mixture-of-experts model" in str(i) and i.valid == (1,)
                for i in issues), [str(i) for i in issues]
     plan_from_sources(SEED, [f"{EP}=1"])
+
+
+def test_moe_dispatch_settings_with_a_dense_model_are_refused():
+    settings = {DISPATCH: "allgather", CAP: 1.0, f"{A}.megatron.moe_pad_expert_input_to_capacity": True,
+                f"{A}.megatron.moe_token_drop_policy": "position"}
+    issues = issues_for([f"{k}={v}" for k, v in settings.items()])
+    for field in settings:
+        assert any(i.field == field and "acts on mixture-of-experts models only" in str(i) for i in issues), \
+            (field, [str(i) for i in issues])
+
+
+def test_a_capacity_factor_warns_of_the_rollout_gap(tmp_path):
+    model = moe_model_dir(tmp_path)
+    plan = plan_from_sources(SEED, [model, f"{CAP}=1.5"])
+    assert any(w.startswith(f"{CAP}=1.5: megatron drops the tokens") for w in plan.warnings), plan.warnings
+    assert not any(CAP in w for w in plan_from_sources(SEED, [model]).warnings)
 
 
 def test_moe_top_k_above_the_experts_is_refused(tmp_path):
@@ -668,12 +732,14 @@ def test_router_replay_rollout_plans_for_an_moe_model_and_refuses_what_it_cannot
     itp1 = "actor_rollout_ref.rollout.tensor_model_parallel_size=1"
     plan = plan_from_sources(SEED, [model, f"{RR}=rollout", itp1])
     assert plan.config.actor_rollout_ref.actor.router_replay == "rollout"
+    # inference TP 2 replays exactly (tests/test_router_replay.py::test_routing_vllm_reports_at_infer_tp2_...)
+    itp2 = plan_from_sources(SEED, [model, f"{RR}=rollout", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
+    assert itp2.config.actor_rollout_ref.rollout.tensor_model_parallel_size == 2
     # each setting the replay cannot follow exactly is one issue naming its own field and value
     refused = {
         "actor_rollout_ref.rollout.multi_turn.enable": ("true", True),
         f"{A}.megatron.context_parallel_size": ("2", 2),
         "actor_rollout_ref.model.enable_gradient_checkpointing": ("true", True),
-        "actor_rollout_ref.rollout.tensor_model_parallel_size": ("2", 2),
     }
     for field, (text, value) in refused.items():
         issues = [i for i in issues_for([model, itp1, f"{RR}=rollout", f"{field}={text}"]) if i.field == field
@@ -690,3 +756,95 @@ def test_router_replay_rollout_plans_for_an_moe_model_and_refuses_what_it_cannot
     named, unnamed = plan_from_sources(SEED, [model, f"{RR}=none"]), plan_from_sources(SEED, [model])
     assert named.config.actor_rollout_ref.actor.router_replay == "none"
     assert named.config == unnamed.config
+
+
+# ---- rollout placement and async modes (rollout.mode, async_mode) -----------------------------------
+DIS = (f"{R}.mode=disaggregated", f"{R}.n_gpus_per_node=4")  # the seed's 6 trainer GPUs + 4 for vLLM
+
+PLACEMENT_CASES = {
+    "disaggregated needs its pool size": (
+        [f"{R}.mode=disaggregated"], f"{R}.n_gpus_per_node", "is required with", [*DIS]),
+    "pool size only when disaggregated": (
+        [f"{R}.n_gpus_per_node=4"], f"{R}.n_gpus_per_node", "sizes a disaggregated rollout pool", []),
+    "pool machines only when disaggregated": (
+        [f"{R}.nnodes=2"], f"{R}.nnodes", "sizes a disaggregated rollout pool", []),
+    "rollout tp divides the pool, not the trainer": (
+        [*DIS[:1], f"{R}.n_gpus_per_node=3"], f"{R}.tensor_model_parallel_size",
+        "must divide the rollout pool's 3 GPUs", [*DIS]),
+    "batch splits over the pool's replicas": (
+        [*DIS[:1], f"{R}.n_gpus_per_node=16"], "data.train_batch_size", "8 rollout replicas",
+        [*DIS[:1], f"{R}.n_gpus_per_node=12"]),
+    "async needs a pool of its own": (
+        [f"{R}.async_mode=one_step_off"], f"{R}.async_mode", "needs actor_rollout_ref.rollout.mode=disaggregated",
+        [*DIS, f"{R}.async_mode=one_step_off"]),
+    "staleness only with fully_async": (
+        [*DIS, f"{R}.async_mode=one_step_off", f"{R}.max_staleness=2"], f"{R}.max_staleness",
+        "applies to actor_rollout_ref.rollout.async_mode=fully_async only", [*DIS, f"{R}.async_mode=fully_async",
+                                                                           f"{R}.max_staleness=2"]),
+    "staleness of at least one version": (
+        [*DIS, f"{R}.async_mode=fully_async", f"{R}.max_staleness=0"], f"{R}.max_staleness", "integer >= 1",
+        [*DIS, f"{R}.async_mode=fully_async", f"{R}.max_staleness=1"]),
+    "partial rollouts only with fully_async": (
+        [*DIS, f"{R}.partial_rollout=false"], f"{R}.partial_rollout", "fully_async only",
+        [*DIS, f"{R}.async_mode=fully_async", f"{R}.partial_rollout=false"]),
+    "stale-sample policy is a known one": (
+        [*DIS, f"{R}.async_mode=fully_async", f"{R}.stale_samples=skip"], f"{R}.stale_samples",
+        "is not a known stale-sample policy", [*DIS, f"{R}.async_mode=fully_async", f"{R}.stale_samples=keep"]),
+    "a disaggregated rollout never sleeps": (
+        [*DIS, f"{R}.free_cache_engine=true"], f"{R}.free_cache_engine", "applies to actor_rollout_ref.rollout."
+        "mode=colocated only", [*DIS]),
+    "remax's greedy baseline is not built ahead": (
+        [*DIS, f"{R}.async_mode=one_step_off", "algorithm.adv_estimator=remax"], "algorithm.adv_estimator",
+        "greedy baseline", [*DIS, f"{R}.async_mode=one_step_off"]),
+    "dynamic sampling is not built ahead": (
+        [*DIS, f"{R}.async_mode=fully_async", "algorithm.filter_groups.enable=true"],
+        "algorithm.filter_groups.enable", "not built for a rollout that runs ahead",
+        [*DIS, f"{R}.async_mode=sync", "algorithm.filter_groups.enable=true"]),
+    "multi-turn is not paused mid-turn": (
+        [*DIS, f"{R}.async_mode=fully_async", *MT, f"{R}.multi_turn.tools=[calculator]"],
+        f"{R}.multi_turn.enable", "resume mid-turn",
+        [*DIS, f"{R}.async_mode=one_step_off", *MT, f"{R}.multi_turn.tools=[calculator]"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLACEMENT_CASES))
+def test_rollout_placement_rules(name):
+    assert_refused_then_fixed(*PLACEMENT_CASES[name])
+
+
+def test_a_disaggregated_plan_has_two_pools_and_the_cross_pool_traffic():
+    from hybridrl.config.report import render_plan
+
+    plan = plan_from_sources(SEED, [*DIS, f"{R}.async_mode=fully_async", f"{R}.max_staleness=2"])
+    res = plan.resolved
+    assert (res.world_size, res.rollout_world, res.disaggregated) == (6, 4, True)
+    assert (res.async_mode, res.max_staleness, res.stale_samples, res.partial_rollout) == ("fully_async", 2, "drop",
+                                                                                            True)
+    assert res.free_cache_engine is False  # nothing to sleep for on a pool of its own
+    # vLLM's replicas are the pool's ranks, consecutive (its own TP groups), numbered within the pool
+    assert plan.reshard.groups.rollout.replicas == ((0, 1), (2, 3))
+    assert plan.prompts_per_rollout_replica == 30 and plan.phase_peaks is not None
+    # a replica holds up to max_staleness + 1 batches in flight: its KV cache estimate counts them all
+    assert plan.rollout_memory.tokens_per_replica_step == 3 * 30 * 12 * (512 + 1024)
+    # every rollout rank receives its whole TP-2 shard; the 6 trainer ranks share the sending
+    cross = plan.reshard.cross_pool
+    model = plan.model
+    shard = (model.param_count() - model.num_layers * 2 * model.hidden_size - model.hidden_size) / 2 \
+        + model.num_layers * 2 * model.hidden_size + model.hidden_size
+    assert cross.bytes_received == (round(shard * 2),) * 4  # bf16
+    assert cross.bytes_sent_even == -(-4 * round(shard * 2) // 6)
+    assert plan.reshard.traffic is None
+    text = render_plan(plan)
+    assert "Rollout pool (vLLM, disaggregated): 1 node(s) × 4 = 4 ranks" in text
+    assert "fully_async" in text and "2 version(s)" in text and "Weight sync across the pools" in text
+    # the JSON plan round-trips with the new fields
+    from hybridrl.config.plan import Plan
+
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_colocated_plans_are_unchanged_by_the_new_fields():
+    plan = plan_from_sources(SEED)
+    res = plan.resolved
+    assert (res.disaggregated, res.rollout_world, res.async_mode, res.free_cache_engine) == (False, 6, "sync", True)
+    assert plan.reshard.cross_pool is None and plan.reshard.traffic is not None

@@ -35,20 +35,24 @@ TOKENS = sample_tokens(batch=2)
 # ---- rank side ---------------------------------------------------------------------------------------
 
 def _moe_rank(rank: int, world_size: int, tp: int, pp: int, ep: int, cases: list[tuple[str, str]],
-              save_to: str | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+              save_to: str | None = None, overrides: dict[str, dict[str, Any]] | None = None,
+              etp: int | None = None) -> dict[str, Any]:
     """For each (name, HF folder): build (with `overrides[name]` on the TransformerConfig), load,
     forward; optionally save and export collectively."""
     from hybridrl.models.bridge import build_gpt_models, export_hf, load_weights, save_mcore_checkpoint
     from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
 
-    ctx = initialize_model_parallel(tp=tp, pp=pp, ep=ep, device="cpu")
-    out: dict[str, Any] = {"ep_rank": ctx.ep_rank, "experts": {}}
+    ctx = initialize_model_parallel(tp=tp, pp=pp, ep=ep, device="cpu", etp=etp)
+    out: dict[str, Any] = {"ep_rank": ctx.ep_rank, "etp_rank": ctx.etp_rank, "experts": {}, "shapes": {}}
     try:
         for name, hf_dir in cases:
             models = build_gpt_models(hf_dir, config_overrides=(overrides or {}).get(name))
             load_weights(models, hf_dir)
             out["experts"][name] = sorted(
                 key for model in models for key in model.state_dict() if "local_experts" in key)
+            out["shapes"][name] = {key: tuple(value.shape) for model in models
+                                   for key, value in model.state_dict().items()
+                                   if "local_experts" in key and value is not None}
             out[name] = _pipeline_logits(models, TOKENS)
             if save_to:
                 save_mcore_checkpoint(models, Path(save_to) / "mcore" / name)
@@ -63,11 +67,47 @@ def _run(tp: int, pp: int, ep: int, cases: list[tuple[str, str]], world: int | N
     return run_ranks(_moe_rank, world or tp * pp * ep, tp, pp, ep, cases, timeout_s=400, **kwargs)
 
 
-def _last_stage_logits(results: list[dict[str, Any]], name: str) -> torch.Tensor:
+# (tp, pp, ep, etp, world): an expert TP other than TP; TP1 x ETP2 splits each expert over the two DP
+# ranks, TP2 x ETP1 x EP2 keeps experts whole with the TP ranks on different EP ranks
+ETP_LAYOUTS = [(1, 1, 1, 2, 2), (2, 1, 2, 1, 4), (1, 2, 1, 2, 4)]
+
+
+@pytest.mark.parametrize("tp, pp, ep, etp, world", ETP_LAYOUTS)
+def test_moe_logits_at_expert_tp_other_than_tp(hf_dirs, reference, tmp_path, tp, pp, ep, etp, world):
+    """Each expert split over the expert TP ranks (megatron's expert mesh: expert TP rank i % etp, EP rank
+    (i // etp) % ep on a stage's local rank i), the dense layers over TP: logits equal transformers';
+    HF -> megatron -> HF through the live ranks' save and export is bit-exact, and the live checkpoint
+    equals the offline converter's at that layout (rank files per slot)."""
+    from hybridrl.models.convert_cli import main as convert_main
+
+    cases = [(arch, str(hf_dirs[arch])) for arch in MOE_ARCHS]
+    results = _run(tp, pp, ep, cases, world=world, etp=etp, save_to=str(tmp_path))
+    for arch in MOE_ARCHS:
+        assert max_logit_error(_last_stage_logits(results, arch), reference[arch]) <= TOLERANCE, arch
+        assert_same_tensors(safetensors_state(tmp_path / "hf" / arch), safetensors_state(hf_dirs[arch]))
+        offline = tmp_path / "offline" / arch
+        assert convert_main(["hf-to-mcore", "--hf", str(hf_dirs[arch]), "--out", str(offline), "--tp", str(tp),
+                             "--pp", str(pp), "--ep", str(ep), "--etp", str(etp), "--quiet"]) == 0
+        assert_same_tensors(per_file_state(tmp_path / "mcore" / arch), per_file_state(offline))
+        back = tmp_path / "back" / arch
+        assert convert_main(["mcore-to-hf", "--ckpt", str(offline), "--out", str(back), "--quiet"]) == 0
+        assert_same_tensors(safetensors_state(back), safetensors_state(hf_dirs[arch]))
+    experts, width = 8 // ep, 48 // etp  # qwen3_moe: 8 experts of width 48
+    for r in results:
+        shapes = r["shapes"]["qwen3_moe"]
+        fc1 = {k: v for k, v in shapes.items() if k.endswith("linear_fc1.weight")}
+        assert fc1 and len(fc1) % experts == 0 and set(fc1.values()) == {(2 * width, 64)}  # [gate; up] halves
+    placed = {(r["ep_rank"], r["etp_rank"]) for r in results}
+    assert placed == {(e, x) for e in range(ep) for x in range(etp)}
+
+
+def _last_stage_logits(results: list[dict[str, Any]], name: str, exact: bool = True) -> torch.Tensor:
+    """The logits every last-stage rank computed, the same on each (`exact`: bit for bit; else to fp32
+    rounding: allgather's reduce-scatter adds the ranks' expert outputs in an order of its own per rank)."""
     found = [r[name] for r in results if r[name] is not None]
     assert found, "the last stage returns logits"
     for other in found[1:]:  # TP peers and EP/DP replicas computed the same full logits
-        assert torch.equal(other, found[0]), name
+        assert torch.equal(other, found[0]) if exact else (other - found[0]).abs().max() <= 1e-6, name
     return found[0]
 
 
@@ -85,11 +125,17 @@ def reference(hf_dirs) -> dict[str, torch.Tensor]:
 
 
 
-@pytest.mark.parametrize("tp, pp, ep", [(1, 1, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2)])
-def test_moe_logits_match_transformers(hf_dirs, reference, tp, pp, ep):
+@pytest.mark.parametrize("tp, pp, ep, dispatcher", [(1, 1, 1, "alltoall"), (1, 1, 2, "alltoall"), (2, 1, 2, "alltoall"),
+                                                    (1, 2, 2, "alltoall"), (1, 1, 2, "allgather"),
+                                                    (2, 1, 2, "allgather")])
+def test_moe_logits_match_transformers(hf_dirs, reference, tp, pp, ep, dispatcher):
+    """Either of megatron's token dispatchers (allgather: every rank gathers the TP x EP group's tokens
+    and keeps its experts' share; alltoall: all-to-all over EP) gives transformers' logits."""
     cases = [(arch, str(hf_dirs[arch])) for arch in MOE_ARCHS]
-    results = _run(tp, pp, ep, cases)
-    errors = {arch: max_logit_error(_last_stage_logits(results, arch), reference[arch]) for arch in MOE_ARCHS}
+    overrides = {arch: {"moe_token_dispatcher_type": dispatcher} for arch in MOE_ARCHS}
+    results = _run(tp, pp, ep, cases, overrides=overrides)
+    exact = dispatcher == "alltoall"
+    errors = {arch: max_logit_error(_last_stage_logits(results, arch, exact), reference[arch]) for arch in MOE_ARCHS}
     assert all(err <= TOLERANCE for err in errors.values()), errors
     # Each EP rank holds its share of the experts: 8 experts over EP2 -> 4 local experts a layer.
     per_rank = {r["ep_rank"]: r["experts"]["qwen3_moe"] for r in results}
@@ -243,6 +289,66 @@ def test_experts_are_placed_by_global_index(hf_dirs):
     pieces = hf_export_map(shape, layout)
     assert [(p.ep_rank, p.tp_rank) for p in pieces["model.layers.3.mlp.experts.5.down_proj.weight"]] == [(2, 0), (2, 1)]
     assert [(p.ep_rank, p.tp_rank) for p in pieces["model.layers.3.mlp.gate.weight"]] == [(0, 0)]
+
+
+@pytest.mark.parametrize("tp, cp, dp, ep, etp", [(1, 1, 2, 1, 2), (2, 1, 2, 2, 1), (2, 1, 4, 2, 4), (4, 1, 2, 4, 2),
+                                                  (2, 2, 2, 4, 1), (2, 1, 3, 3, 2), (1, 1, 4, 2, 2)])
+def test_slots_are_megatrons_two_meshes(tp, cp, dp, ep, etp):
+    """The layout's slot rule (local rank i of a stage: TP rank i % tp, expert TP rank i % etp, EP rank
+    (i // etp) % ep, repeating every lcm(tp, etp * ep)) against megatron-core's own rank generators
+    (`parallel_state.RankGenerator`, order tp-cp-ep-dp-pp, its expert mesh without CP), and each
+    tensor of a slot is a copy exactly when an earlier slot holds it."""
+    from megatron.core.parallel_state import RankGenerator
+
+    from hybridrl.models.layout import ParallelLayout
+
+    world = tp * cp * dp
+    dense = RankGenerator(tp=tp, ep=1, dp=dp, pp=1, cp=cp, order="tp-cp-ep-dp-pp")
+    expert = RankGenerator(tp=etp, ep=ep, dp=world // (etp * ep), pp=1, cp=1, order="tp-cp-ep-dp-pp")
+
+    def rank_in(groups: list[list[int]]) -> dict[int, int]:
+        return {rank: group.index(rank) for group in groups for rank in group}
+
+    tp_rank, etp_rank, ep_rank = rank_in(dense.get_ranks("tp")), rank_in(expert.get_ranks("tp")), \
+        rank_in(expert.get_ranks("ep"))
+    layout = ParallelLayout(tp=tp, ep=ep, etp=etp)
+    assert {layout.slot_ranks(i) for i in range(world)} == {layout.slot_ranks(s) for s in range(layout.slots)}
+    for i in range(world):
+        assert layout.slot_ranks(i) == (tp_rank[i], ep_rank[i], etp_rank[i]), i
+        assert layout.slot_of(*layout.slot_ranks(i)) == i % layout.slots
+
+
+def test_expert_tp_slots_hold_each_tensor_once(hf_dirs):
+    """TP1 x ETP2: two rank files per stage; the dense tensors are copies in the second, each holds half
+    of every expert's fc1 ([gate half; up half]) and fc2 (columns); the export map takes each HF tensor
+    once. TP2 x ETP1 x EP2: two slots, (tp0, ep0) and (tp1, ep1), whole experts."""
+    from hybridrl.models.arch import ModelShape
+    from hybridrl.models.layout import ParallelLayout, hf_export_map, rank_file_name, rank_tensor_plans
+
+    shape = ModelShape.from_hf_dir(hf_dirs["qwen3_moe"])
+    layout = ParallelLayout(tp=1, etp=2)
+    assert [tuple(r) for r in layout.model_ranks()] == [(0, 0, 0, 0), (0, 0, 0, 1)]
+    assert [rank_file_name(layout, *r) for r in layout.model_ranks()] == [
+        "model_tp00_pp000_ep000_etp00.safetensors", "model_tp00_pp000_ep000_etp01.safetensors"]
+    for etp_rank in range(2):
+        plans = rank_tensor_plans(shape, layout, 0, 0, 0, etp_rank)
+        fc1 = plans["decoder.layers.0.mlp.experts.local_experts.5.linear_fc1.weight"]
+        gate, up = (f"model.layers.0.mlp.experts.5.{n}_proj.weight" for n in ("gate", "up"))
+        assert [(seg.hf_name, seg.start, seg.stop) for seg in fc1.segments] == [
+            (gate, 24 * etp_rank, 24 * etp_rank + 24), (up, 24 * etp_rank, 24 * etp_rank + 24)]
+        fc2 = plans["decoder.layers.0.mlp.experts.local_experts.5.linear_fc2.weight"]
+        assert fc2.shape == (64, 24) and fc2.axis == 1 and not fc1.is_copy and not fc2.is_copy
+        dense = [p for k, p in plans.items() if "local_experts" not in k]
+        assert all(p.is_copy for p in dense) == (etp_rank == 1)
+    pieces = hf_export_map(shape, layout)
+    assert [(p.etp_rank, p.hf_start) for p in pieces["model.layers.0.mlp.experts.5.down_proj.weight"]] == [
+        (0, 0), (1, 24)]
+    assert [p.etp_rank for p in pieces["model.layers.0.mlp.gate.weight"]] == [0]
+    mixed = ParallelLayout(tp=2, ep=2, etp=1)
+    assert [tuple(r) for r in mixed.model_ranks()] == [(0, 0, 0, 0), (1, 0, 1, 0)]
+    with pytest.raises(ValueError, match="no rank holds tp_rank=1 with ep_rank=0"):
+        mixed.slot_of(1, 0, 0)
+    assert ParallelLayout(tp=2, etp=2) == ParallelLayout(tp=2)  # one spelling of ETP = TP
 
 
 def test_moe_parallel_errors_name_the_rule(hf_dirs):

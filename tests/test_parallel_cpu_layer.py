@@ -442,3 +442,51 @@ def test_moe_alltoall_streams_patch(tmp_path):
     assert all(out["build"] == "" for out in with_patch)
     # EP2 over gloo's all_to_all: both ranks computed the same logits from the same tokens
     assert torch.equal(with_patch[0]["logits"], with_patch[1]["logits"])
+
+
+# ------------------------------------------------------------------------------------------------
+# uneven_gather_scatter
+# ------------------------------------------------------------------------------------------------
+SPLITS = [3, 5]  # rows rank 0 and rank 1 bring (the MoE dispatcher's tokens per expert-TP rank)
+
+
+def _uneven(rank: int, world_size: int, skip: list[str]) -> dict:
+    from megatron.core import parallel_state as mps
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+    _init_megatron_groups(tp=world_size)
+    try:
+        cpu_layer.remove_cpu_layer()
+        cpu_layer.apply_cpu_layer(skip=skip)
+        group = mps.get_tensor_model_parallel_group()
+        mine = torch.full((SPLITS[rank], 4), float(rank + 1), requires_grad=True)
+        out: dict = {}
+        try:
+            gathered = gather_from_sequence_parallel_region(mine, group=group, output_split_sizes=SPLITS)
+            # backward: megatron's reduce-scatter with the same split sizes
+            (gathered * torch.arange(sum(SPLITS), dtype=torch.float32).unsqueeze(1) * (rank + 1)).sum().backward()
+            out["gathered"], out["grad"] = gathered.detach(), mine.grad
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            out["error"] = f"{type(exc).__name__}: {exc}"
+        return out
+    finally:
+        cpu_layer.apply_cpu_layer()
+        mps.destroy_model_parallel()
+
+
+def test_uneven_gather_scatter_patch():
+    """megatron's gather / reduce-scatter with per-rank split sizes (the MoE alltoall dispatcher over an
+    expert TP group whose ranks route different tokens): gloo refuses unequal parts; with the patch the
+    gather is the ranks' rows in order and its backward (the reduce-scatter) each rank's rows of the
+    summed gradient, as plain torch computes them here."""
+    without = run_ranks(_uneven, 2, ["uneven_gather_scatter"], timeout_s=200)
+    assert all("invalid tensor size" in out.get("error", "") for out in without), without
+    results = run_ranks(_uneven, 2, [], timeout_s=200)
+    expected = torch.cat([torch.full((n, 4), float(r + 1)) for r, n in enumerate(SPLITS)])
+    # d/d(gathered) summed over ranks: arange(8) * (1 + 2); rank r keeps its own rows of it
+    grad = (torch.arange(sum(SPLITS), dtype=torch.float32).unsqueeze(1) * 3).expand(-1, 4)
+    starts = [0, SPLITS[0]]
+    for rank, out in enumerate(results):
+        assert "error" not in out, out
+        assert torch.equal(out["gathered"], expected)
+        assert torch.equal(out["grad"], grad[starts[rank]: starts[rank] + SPLITS[rank]])

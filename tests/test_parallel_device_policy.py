@@ -15,7 +15,8 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "configs" / "examples"
 CUDA_FIELDS = {
     "name": "cuda", "dist_backend": "nccl", "default_train_dtype": "bf16", "default_rollout_dtype": "bf16",
     "ray_use_gpu": True, "ray_cpus_per_worker": 1.0, "ray_min_cluster_cpus": None,
-    "megatron_cpu_layer": False, "transformer_engine_possible": True, "params_on_host": False,
+    "megatron_cpu_layer": False, "transformer_engine_possible": True, "packed_attention": "transformer_engine",
+    "params_on_host": False,
     "synchronize_on_offload": True, "empty_cache_on_offload": True, "gpu_memory_budget_binding": True,
     "vllm_honours_enforce_eager": True, "vllm_repacks_weights": False, "vllm_kv_cache_from_plan": False,
     "vllm_sleep_mode": True,
@@ -27,7 +28,8 @@ CUDA_FIELDS = {
 CPU_FIELDS = {
     "name": "cpu", "dist_backend": "gloo", "default_train_dtype": "fp32", "default_rollout_dtype": "fp32",
     "ray_use_gpu": False, "ray_cpus_per_worker": 0.5, "ray_min_cluster_cpus": 4,
-    "megatron_cpu_layer": True, "transformer_engine_possible": False, "params_on_host": True,
+    "megatron_cpu_layer": True, "transformer_engine_possible": False, "packed_attention": "cpu_stand_in",
+    "params_on_host": True,
     "synchronize_on_offload": False, "empty_cache_on_offload": False, "gpu_memory_budget_binding": False,
     "vllm_honours_enforce_eager": False, "vllm_repacks_weights": True, "vllm_kv_cache_from_plan": True,
     "vllm_sleep_mode": False,

@@ -80,23 +80,27 @@ def test_expert_domain_follows_megatrons_expert_mesh():
     assert expert_domain(mesh, 1, 1, 1) == [(1, 1)]
     with pytest.raises(ValueError, match="ep=3 does not divide"):
         expert_domain(mesh, 3, 0, 0)
+    # TP1 x ETP2 x EP2 on 8 ranks: a stage's ranks repeat every lcm(1, 2 * 2) = 4, i.e. 4 replicas
+    assert expert_domain(mesh, 2, 3, 1, etp=2) == [(2, 0), (2, 1), (3, 0), (3, 1)]
+    assert expert_domain(build_training_mesh(4, 2, 1), 1, 1, 0, etp=1) == [(1, 0)]  # TP2 x ETP1: whole experts
 
 
 # ---- against real megatron and real vLLM -------------------------------------------------------------
 
 def _moe_reshard_rank(rank: int, world_size: int, hf_dir: str, tp: int, ep: int, infer_tp: int,
-                      bucket_bytes: int) -> dict[str, Any]:
+                      bucket_bytes: int, etp: int | None = None) -> dict[str, Any]:
     from hybridrl.models.bridge import build_gpt_models, load_weights
     from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
     from hybridrl.reshard.resharder import ReshardConfig, Resharder
 
-    ctx = initialize_model_parallel(tp=tp, ep=ep, device="cpu")
+    ctx = initialize_model_parallel(tp=tp, ep=ep, device="cpu", etp=etp)
     try:
         models = build_gpt_models(hf_dir)
         load_weights(models, hf_dir)
         groups = build_reshard_groups(build_training_mesh(world_size, tp, 1), infer_tp)
         resharder = Resharder(models, groups, config=ReshardConfig(bucket_bytes=bucket_bytes))
-        return {"shards": resharder.reshard(), "report": resharder.last_report, "ep_rank": ctx.ep_rank}
+        return {"shards": resharder.reshard(), "report": resharder.last_report, "ep_rank": ctx.ep_rank,
+                "etp_rank": ctx.etp_rank}
     finally:
         destroy_model_parallel()
 
@@ -116,34 +120,48 @@ def vllm_loaded(hf_dirs):
     return get
 
 
-def _expert_bytes_missing(shape: ModelShape, ep: int, infer_tp: int, element: int = 4) -> int:
-    """What a rank must receive: of each MoE layer's experts it does not hold (all but E / ep), the
-    w13 and w2 slices of its vLLM rank (3 * I / infer_tp * H elements each); the rest it holds."""
-    foreign = shape.num_experts - shape.num_experts // ep
-    per_expert = 3 * shape.moe_ffn_hidden_size // infer_tp * shape.hidden_size
-    return len(shape.moe_layers) * foreign * per_expert * element
+def _expert_bytes_missing(shape: ModelShape, ep: int, infer_tp: int, gen_rank: int, etp: int, etp_rank: int,
+                          element: int = 4) -> int:
+    """What a rank must receive for the experts: the w13 and w2 slices of its vLLM rank `gen_rank`
+    (3 * H elements per column of [gen_rank * I / infer_tp, ...)) of each MoE layer's experts, less
+    the columns it holds: of its EP rank's E / ep experts, those of its expert TP part
+    [etp_rank * I / etp, ...); of the others none."""
+    width = shape.moe_ffn_hidden_size
+    want = (gen_rank * width // infer_tp, (gen_rank + 1) * width // infer_tp)
+    have = (etp_rank * width // etp, (etp_rank + 1) * width // etp)
+    held = max(0, min(want[1], have[1]) - max(want[0], have[0]))
+    own = shape.num_experts // ep
+    columns = own * (want[1] - want[0] - held) + (shape.num_experts - own) * (want[1] - want[0])
+    return len(shape.moe_layers) * columns * 3 * shape.hidden_size * element
 
 
-# (arch, tp, ep, world, infer_tp, bucket bytes)
+# (arch, tp, ep, expert TP (None: TP), world, infer_tp, bucket bytes)
 # One xdist worker for the module: vLLM's own loader output (`vllm_loaded`) is built once per layout.
 pytestmark = pytest.mark.xdist_group("reshard_moe")
 
 MOE_LAYOUTS = [
-    ("qwen3_moe", 1, 2, 2, 1, 16 << 10),
-    ("qwen3_moe", 1, 2, 2, 2, 512 << 20),
-    ("qwen3_moe", 2, 2, 4, 2, 16 << 10),  # TP2 x EP2: each expert TP-split on the megatron side
-    ("qwen3_moe", 2, 2, 4, 1, 512 << 20),
-    ("mixtral", 1, 2, 2, 2, 16 << 10),
-    ("mixtral", 1, 2, 2, 1, 512 << 20),
+    ("qwen3_moe", 1, 2, None, 2, 1, 16 << 10),
+    ("qwen3_moe", 1, 2, None, 2, 2, 512 << 20),
+    ("qwen3_moe", 2, 2, None, 4, 2, 16 << 10),  # TP2 x EP2: each expert TP-split on the megatron side
+    ("qwen3_moe", 2, 2, None, 4, 1, 512 << 20),
+    ("mixtral", 1, 2, None, 2, 2, 16 << 10),
+    ("mixtral", 1, 2, None, 2, 1, 512 << 20),
+    # TP1 x ETP2: each expert split over the two DP ranks, which then hold different halves
+    ("qwen3_moe", 1, 1, 2, 2, 1, 16 << 10),
+    ("qwen3_moe", 1, 1, 2, 2, 2, 512 << 20),  # each rank's half is its vLLM shard: nothing moves
+    ("mixtral", 1, 1, 2, 2, 1, 512 << 20),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,tp,ep,world,infer_tp,bucket", MOE_LAYOUTS,
-                         ids=[f"{a}-tp{t}ep{e}w{w}-itp{i}" for a, t, e, w, i, _ in MOE_LAYOUTS])
-def test_resharded_experts_equal_vllms_own_loader(hf_dirs, vllm_loaded, arch, tp, ep, world, infer_tp, bucket):
+@pytest.mark.parametrize("arch,tp,ep,etp,world,infer_tp,bucket", MOE_LAYOUTS,
+                         ids=[f"{a}-tp{t}ep{e}" + (f"etp{x}" if x else "") + f"w{w}-itp{i}"
+                              for a, t, e, x, w, i, _ in MOE_LAYOUTS])
+def test_resharded_experts_equal_vllms_own_loader(hf_dirs, vllm_loaded, arch, tp, ep, etp, world, infer_tp, bucket):
+    from hybridrl.reshard.reshard_plan import model_rank_of
+
     hf_dir = hf_dirs[arch]
-    results = run_ranks(_moe_reshard_rank, world, str(hf_dir), tp, ep, infer_tp, bucket, timeout_s=400)
+    results = run_ranks(_moe_reshard_rank, world, str(hf_dir), tp, ep, infer_tp, bucket, etp, timeout_s=400)
     loaded = vllm_loaded(arch, infer_tp)
     hf_state, config = safetensors_state(hf_dir), read_json(hf_dir / "config.json")
     shape = ModelShape.from_hf_config(config)
@@ -151,7 +169,10 @@ def test_resharded_experts_equal_vllms_own_loader(hf_dirs, vllm_loaded, arch, tp
     groups = build_reshard_groups(mesh, infer_tp)
     for rank, result in enumerate(results):
         coord = mesh.coord(rank)
-        assert result["ep_rank"] == expert_rank_of(mesh, ep, coord.dp, coord.cp)
+        if etp is None:
+            assert result["ep_rank"] == expert_rank_of(mesh, ep, coord.dp, coord.cp)
+        placed = model_rank_of(mesh, rank, ep, etp)
+        assert (result["ep_rank"], result["etp_rank"]) == (placed.ep_rank, placed.etp_rank)
         shards, report = result["shards"], result["report"]
         held = loaded[groups.gen_tp_index[rank]]
         assert sorted(shards) == sorted(held), f"rank {rank}: names differ from vLLM's"
@@ -160,18 +181,20 @@ def test_resharded_experts_equal_vllms_own_loader(hf_dirs, vllm_loaded, arch, tp
         expected = hf_to_vllm_shards(hf_state, config, infer_tp, groups.gen_tp_index[rank])
         verify_checksums(report.checksums, shard_checksums(expected.items()), rank)
         assert report.bytes_received == report.planned_bytes_received == report.exact_lower_bound_bytes
+        missing = _expert_bytes_missing(shape, ep, infer_tp, groups.gen_tp_index[rank], etp or tp,
+                                        result["etp_rank"])
         if tp in (1, infer_tp):
             # dense weights: each rank already holds its vLLM shard of them (whole at tp 1, the same
-            # TP part at tp = infer_tp); experts: only the other EP ranks' slices move
-            assert report.bytes_received == _expert_bytes_missing(shape, ep, infer_tp)
+            # TP part at tp = infer_tp); experts: only the slices it lacks move
+            assert report.bytes_received == missing
             # the Plan's estimate (`reshard_traffic`, what `hybridrl plan` shows) counts the experts alike
             assert report.plan_bytes_received == report.plan_lower_bound_bytes == report.bytes_received
         else:  # tp 2 -> infer_tp 1: the other TP half of everything too, vocab padding aside
-            assert report.bytes_received > _expert_bytes_missing(shape, ep, infer_tp)
-        domain = {mesh.rank_of(tp=t, cp=c, dp=d, pp=0) for d, c in expert_domain(mesh, ep, coord.dp, coord.cp)
+            assert report.bytes_received > missing
+        domain = {mesh.rank_of(tp=t, cp=c, dp=d, pp=0) for d, c in expert_domain(mesh, ep, coord.dp, coord.cp, etp)
                   for t in range(tp)}
         assert set(report.peers) <= domain - {rank}
         assert report.peak_buffer_bytes <= bucket
     assert sum(r["report"].bytes_sent for r in results) == sum(r["report"].bytes_received for r in results)
-    if bucket < 64 << 10 and ep > 1:
+    if bucket < 64 << 10 and (ep > 1 or etp):
         assert results[0]["report"].buckets > 1, "the small bucket should split the sync"

@@ -350,3 +350,36 @@ def test_trainer_side_truncation_matches_the_rollouts_log_probs(session):
         # top_k 5 + top_p 0.9, and [-0.51, -0.50] (mean -0.50) at top_p 0.6: the log of the kept mass
         assert matched.abs().max() <= LOGPROB_TOLERANCE, name
         assert unmatched.max() < -0.4, (name, float(unmatched.max()))
+
+
+def test_a_partial_rollout_carries_each_tokens_version_and_that_versions_log_probs(session):
+    """fully_async: samples paused mid-response at a weight swap and resumed under the new weights.
+    Every token is tagged with the version that produced it, and its rollout log-prob is that version's
+    policy given the token's whole prefix (HF with that version's weights, here) - not a mixture."""
+    from tests.rollout_scenarios import STREAM_STEPS_BEFORE_SWAP
+
+    stream = session["stream"]
+    assert stream["early"] == 0 and stream["paused"] == 6 and stream["resumed"] == 6
+    assert stream["in_flight_after"] == 0 and len(stream["groups"]) == 2
+    models = {0: _hf_model(session), 1: _hf_model(session, session["new_weights"][0])}
+    for group, prompt in zip(stream["groups"], stream["prompts"]):
+        assert list(group["uid"]) == [f"p{stream['prompts'].index(prompt)}"] * 3
+        assert group["resumed"].tolist() == [1, 1, 1]
+        for row in range(3):
+            length = int(group["response_lengths"][row])
+            assert length == 8
+            response = group["responses"][row, :length].tolist()
+            versions = group["token_versions"][row, :length].tolist()
+            # the swap came after a few engine steps: the first tokens are version 0, the rest version 1
+            assert versions == [0] * STREAM_STEPS_BEFORE_SWAP + [1] * (length - STREAM_STEPS_BEFORE_SWAP)
+            assert group["token_versions"][row, length:].eq(-1).all()
+            for version, model in models.items():
+                logits = _hf_logits_of(model, prompt, response)
+                expected = torch.log_softmax(logits, -1)[torch.arange(length), response]
+                mine = [i for i, v in enumerate(versions) if v == version]
+                gap = (group["rollout_log_probs"][row, mine].double() - expected[mine]).abs().max()
+                assert gap <= LOGPROB_TOLERANCE, (version, row, float(gap))
+            # the other version's policy is measurably different on the same tokens (the check can fail)
+            other = torch.log_softmax(_hf_logits_of(models[0], prompt, response), -1)[torch.arange(length), response]
+            late = [i for i, v in enumerate(versions) if v == 1]
+            assert (group["rollout_log_probs"][row, late].double() - other[late]).abs().max() > 100 * LOGPROB_TOLERANCE

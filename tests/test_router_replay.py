@@ -312,12 +312,13 @@ def _expected_in_router_order(batch: Any, moe_layers: tuple[int, ...], micro: in
 
 
 def test_actor_forward_routes_every_token_as_vllm_did(rollout_replay):
+    """The actor runs packed micro-batches (the CPU default), so its routers see the rows' real tokens
+    one after another."""
     batch, moe_layers = rollout_replay["batch"], rollout_replay["moe_layers"]
-    expected = _expected_in_router_order(batch, moe_layers)
+    expected = _expected_in_router_order(batch, moe_layers, packed=True)
     differing = {}
     for run in ("replay", "free"):
         _, _, calls = rollout_replay[run]
-        expected = _expected_in_router_order(batch, moe_layers, packed=run == "packed")
         flips = 0
         for axis, layer in enumerate(moe_layers):
             got = _router_sets(calls, layer)
@@ -328,7 +329,6 @@ def test_actor_forward_routes_every_token_as_vllm_did(rollout_replay):
         differing[run] = flips
     assert differing["free"] > 0, "the router noise changed no routing: the replay check proves nothing"
     assert differing["replay"] == 0
-    expected = _expected_in_router_order(batch, moe_layers)
     # the metric: megatron's own top-k (plain torch, from each replayed call's input and weight) vs vLLM's
     own_differs = own_total = 0
     micro_of_layer: dict[int, int] = {}
@@ -404,3 +404,112 @@ def test_chunk_routing_picks_the_chunks_layers_and_fills_what_vllm_did_not_route
                 assert bool(valid[i][token]) == ((b, s) != (1, 2))
     with pytest.raises(ValueError, match="not in the routed experts' layers"):
         chunk_routing(column, [3], moe_layers=(0, 1, 3))  # megatron's layer 3 = decoder layer 2: dense
+
+
+# ------------------------------------------ inference TP 2: the routing of a TP-split vLLM, replayed
+TP2_PROMPTS = [[5, 17, 3, 90, 42], [7, 8], [60, 4, 61], [33, 2, 50, 9]]  # the demo vocabulary: < 96
+
+
+def _replay_at_infer_tp2_rank(rank: int, world: int, model_dir: str) -> dict[str, Any]:
+    """The hybrid engine at world 2: the actor at EP2 (DP2), vLLM one replica at TP 2 (each expert's
+    width split over both ranks), routing captured on both TP ranks. Each DP rank takes its half of the
+    rows, as the controller would cut them, and computes old log-probs replaying vLLM's routing, then,
+    its router weights perturbed, with replay and routing freely. Every router call's routing map is
+    recorded by a plain forward hook."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from hybridrl.rollout.sampling import RolloutSampling
+    from tests.hybrid_workers import gather_first, hybrid_worker
+
+    worker = hybrid_worker(rank, world, model_dir, [
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+        "actor_rollout_ref.actor.router_replay=rollout",
+        "data.train_batch_size=4", "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2"])
+    setup = worker.setup(total_training_steps=1)  # its sync's probe routes freely (no rollout routed it)
+    # the engine itself on both TP ranks (the worker hands out TP rank 0's rows only)
+    batch = worker.rollout.generate_sequences(TP2_PROMPTS, RolloutSampling(n=2, max_tokens=6, seed=7,
+                                                                           ignore_eos=True))
+    columns = [None] * world
+    torch.distributed.all_gather_object(columns, batch.tensors["routed_experts"])
+    batch = gather_first(batch if worker.rollout.tp_rank == 0 else None, world)
+    batch.meta["temperature"] = 1.0
+    half = len(batch) // world  # the controller's DP split: contiguous chunks
+    mine = batch.select(list(batch.tensors)).slice(rank * half, (rank + 1) * half)
+    routers = [m for m in worker.actor.backend.chunks[0].modules() if isinstance(m, TopKRouter)]
+    calls: list[tuple[int, torch.Tensor]] = []
+    for router in routers:
+        router.register_forward_hook(lambda mod, args, out: calls.append((mod.layer_number, out[1].detach().clone())))
+    runs: dict[str, Any] = {}
+
+    def run(name: str, **kwargs: Any) -> None:
+        calls.clear()
+        out = worker.actor.compute_log_prob(mine, **kwargs)
+        runs[name] = (out["old_log_probs"], out.meta.get("router_replay_mismatch"), list(calls))
+
+    run("replay")
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for router in routers:
+            router.weight.add_(0.5 * router.weight.std() * torch.randn(router.weight.shape, generator=gen))
+    run("perturbed_replay")
+    run("perturbed_free", free_routing=True)
+    return {"probe": setup["reshard/probe_max_abs_gap"], "tp_rank": worker.rollout.tp_rank,
+            "columns": columns, "batch": mine, "moe_layers": worker.rollout.moe_layer_ids, "runs": runs}
+
+
+@pytest.fixture(scope="module")
+def replay_infer_tp2(tmp_path_factory) -> dict[str, Any]:
+    from tools.make_demo_model import build
+
+    model = build("configs/models/tiny-demo-moe/config.json", tmp_path_factory.mktemp("replay_tp2") / "model", seed=3)
+    return {"model": model, "ranks": run_ranks(_replay_at_infer_tp2_rank, 2, str(model), timeout_s=600)}
+
+
+def test_routing_vllm_reports_at_infer_tp2_replays_exactly(replay_infer_tp2):
+    import transformers
+
+    ranks = replay_infer_tp2["ranks"]
+    assert sorted(r["tp_rank"] for r in ranks) == [0, 1]
+    assert all(r["probe"] <= 1e-4 for r in ranks)  # each sync's probe, routing freely, passed
+    # both TP ranks routed every token alike (their router inputs are the all-reduced hidden states)
+    columns = ranks[0]["columns"]
+    assert torch.equal(columns[0], columns[1])
+    model = transformers.AutoModelForCausalLM.from_pretrained(replay_infer_tp2["model"], dtype=torch.float32,
+                                                              attn_implementation="eager")
+    top_k = model.config.num_experts_per_tok
+    summary = []
+    for rank, r in enumerate(ranks):
+        batch, moe_layers = r["batch"], r["moe_layers"]
+        assert list(moe_layers) == [0, 1, 2, 3]  # the demo MoE model: every layer sparse
+        mask, column = batch.tensors["attention_mask"], batch.tensors["routed_experts"]
+        # the rows' routing is what transformers' routers choose (an independent reference)
+        for row in range(len(batch)):
+            real = mask[row].nonzero().flatten()
+            reference = _hf_routing(model, batch.tensors["input_ids"][row, real].tolist()[:-1], top_k)
+            for axis, layer in enumerate(moe_layers):
+                assert [frozenset(ids.tolist()) for ids in column[row, real[:-1], axis]] == reference[layer]
+        expected = _expected_in_router_order(batch, moe_layers)
+        flips = {}
+        for name, (_, _, calls) in r["runs"].items():
+            flips[name] = 0
+            for axis, layer in enumerate(moe_layers):
+                got = _router_sets([(n, None, None, m) for n, m in calls], layer)
+                assert len(got) == len(expected)
+                for micro_got, micro_expected in zip(got, expected):
+                    flips[name] += sum(micro_got[t] != sets[axis] for t, sets in micro_expected.items())
+        assert flips["perturbed_free"] > 0, "the router noise changed no routing: the replay check proves nothing"
+        assert flips["replay"] == 0 and flips["perturbed_replay"] == 0, flips
+        replay_lp, mismatch, _ = r["runs"]["replay"]
+        assert mismatch == 0.0  # megatron's own routers agree with vLLM's on every token
+        assert r["runs"]["perturbed_replay"][1] > 0  # ... and the metric sees the perturbed ones disagree
+        assert r["runs"]["perturbed_free"][1] is None  # a free pass reports no replay metric
+        response = batch.tensors["response_mask"].bool()
+        gap = (replay_lp - batch.tensors["rollout_log_probs"])[response].abs()
+        assert gap.max() <= 1e-4
+        summary.append(f"rank {rank}: |old - rollout| max {gap.max():.3g}, "
+                       f"perturbed: {flips['perturbed_free']} routings flipped freely, "
+                       f"mismatch metric {r['runs']['perturbed_replay'][1]:.3f}")
+    print("; ".join(summary))

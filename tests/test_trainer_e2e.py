@@ -90,6 +90,29 @@ def test_packed_balanced_grpo_raises_the_reward(demo_assets, tmp_path):
         assert expected <= dp_token_imbalance(tokens, 2, 2)
 
 
+def test_cp2_packed_grpo_raises_the_reward(demo_assets, tmp_path):
+    """GRPO at CP2 (DP1 × CP2 on the demo's 2 ranks) on packed micro-batches, the CPU default: each
+    row's segment is padded to 2 × CP = 4 columns and split over the two CP ranks in every pass."""
+    run = tmp_path / "cp2"
+    steps = 20  # measured: the first 4 steps' mean 0.016, the last 4's 0.172 (at 16 steps only 0.104)
+    result = _train("configs/examples/cpu_tiny_grpo.yaml", demo_overrides(
+        demo_assets, run, f"trainer.total_training_steps={steps}", "actor_rollout_ref.actor.optim.lr=2e-3",
+        "actor_rollout_ref.actor.megatron.context_parallel_size=2", f"trainer.rollout_data_dir={run / 'rollouts'}"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert "actor packed (actor_rollout_ref.model.use_remove_padding default on cpu)" in result.stderr
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    first, last = _mean(rows[:4], "critic/score/mean"), _mean(rows[-4:], "critic/score/mean")
+    assert last > first + 0.05, (first, last)
+    assert max(r["reshard/probe_max_abs_gap"] for r in rows) < 1e-4
+    for r in rows:  # the update's forward measured vLLM's log-probs against CP2's, row by row
+        assert r["rollout/log_prob_abs_diff_max"] < 1e-4
+    for step in (1, steps):  # the only padding: each row's segment rounded up to 4 (whatever the micro-batches)
+        tokens = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in _rollouts(run, step)]
+        computed = sum(-(-n // 4) * 4 for n in tokens)
+        assert rows[step - 1]["perf/padding_ratio"] == pytest.approx(1 - sum(tokens) / computed, abs=1e-12)
+
+
 RESUME_COMMON = ["trainer.total_training_steps=4", "trainer.save_freq=1"]
 
 
@@ -370,10 +393,13 @@ def test_remax_baseline_is_the_score_of_each_prompts_greedy_response(demo_assets
         assert "timing_s/gen_baseline" in rows[step]
 
 
-def test_moe_grpo_at_ep2_reward_rises(demo_assets, tmp_path):
+def test_moe_grpo_at_ep2_with_routing_replay_reward_rises(demo_assets, tmp_path):
     """A tiny Qwen3-MoE (4 experts, top-2, every layer MoE) at EP2 on 2 ranks: each rank trains half
     the experts, every sync reshards the other half into its vLLM copy, the router's load-balancing
-    loss is on; the reward rises and every sync is proven."""
+    loss is on, and the update routes every token as the rollout's vLLM did (`router_replay: rollout`;
+    two vLLM replicas, each returning its own rows' routing); the reward rises and every sync is proven
+    (its probe routes freely). The train/rollout log-prob gap is logged with replay; the same run
+    without replay, and with a bf16 rollout, are measured in README ("Routing replay")."""
     model = tmp_path / "moe_model"
     subprocess.run([sys.executable, "tools/make_demo_model.py", "--config", "configs/models/tiny-demo-moe/config.json",
                     "--out", str(model)], cwd=ROOT, check=True, capture_output=True)
@@ -383,7 +409,7 @@ def test_moe_grpo_at_ep2_reward_rises(demo_assets, tmp_path):
         demo_assets, run, f"trainer.total_training_steps={steps}", "actor_rollout_ref.actor.optim.lr=2e-3",
         f"actor_rollout_ref.model.path={model}",
         "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
-        "actor_rollout_ref.actor.megatron.moe_aux_loss_coeff=0.01"))
+        "actor_rollout_ref.actor.megatron.moe_aux_loss_coeff=0.01", "actor_rollout_ref.actor.router_replay=rollout"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     rows = _metrics(run)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
@@ -394,6 +420,10 @@ def test_moe_grpo_at_ep2_reward_rises(demo_assets, tmp_path):
     assert {r["reshard/bytes_received"] for r in rows} == {4 * 2 * 3 * 64 * 128 * 4}
     for r in rows:
         assert 0 < r["actor/moe_aux_loss"] < 4 and 1 <= r["actor/moe_expert_imbalance"] <= 2, r
+        # replayed: the update's forward (the old policy, on-policy) is at fp32 round-off from vLLM's
+        # log-probs; measured, megatron's own routers would have chosen as vLLM did on every token
+        assert 0 <= r["rollout/log_prob_abs_diff_mean"] <= r["rollout/log_prob_abs_diff_max"] <= 1e-4, r
+        assert 0 <= r["actor/router_replay_mismatch"] < 0.01, r
 
 
 RESTART_KEYS = ["critic/score/mean", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "response_length/mean"]

@@ -89,6 +89,16 @@ def test_response_metrics():
     assert "response_length/model_tokens_mean" not in m
 
 
+def test_rollout_log_prob_gap_is_over_response_tokens_only():
+    from hybridrl.trainer.rl_step import rollout_log_prob_gap
+
+    old = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.25, 9.0]])
+    rollout = torch.tensor([[-1.5, -2.0, 0.0], [-0.5, -0.5, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])  # the 3 and 9 gaps sit on padding
+    gap = rollout_log_prob_gap(old, rollout, mask)
+    assert gap == {"rollout/log_prob_abs_diff_max": 0.5, "rollout/log_prob_abs_diff_mean": 0.75 / 4}
+
+
 def test_response_metrics_of_multi_turn_rows_count_observation_tokens_in_the_length():
     # row 0: model, observation, observation, model (4 of 4 columns: at the budget); row 1: one model token
     mask = torch.tensor([[1, 0, 0, 1], [1, 0, 0, 0]])

@@ -18,28 +18,47 @@ from tests.test_models_fixtures import make_hf_model, safetensors_state
 from tests.test_training_fixtures import job_config, rollout_batch
 from tests.test_training_ranks import _update_rank
 
-# (world, ep); the first is the single-rank reference
-MOE_LAYOUTS = ((1, 1), (2, 1), (2, 2))
+# (world, ep, expert TP, token dispatcher); the first is the single-rank reference
+MOE_LAYOUTS = ((1, 1, None, "alltoall"), (2, 1, None, "alltoall"), (2, 2, None, "alltoall"),
+               (2, 2, None, "allgather"), (2, 1, 2, "alltoall"), (2, 1, 2, "allgather"))
+
+
+def micro_widths(batch: Any, dp: int, micro: int) -> list[list[int]]:
+    """Each DP rank's micro-batch widths (longest real row) as the actor cuts them (fixed size)."""
+    widths = []
+    for chunk in batch.split(dp):
+        lengths = chunk.tensors["attention_mask"].sum(dim=1)
+        widths.append([int(lengths[i:i + micro].max()) for i in range(0, lengths.shape[0], micro)])
+    return widths
 
 
 @pytest.mark.slow
 def test_moe_update_at_ep2_equals_ep1(tmp_path):
+    """EP2 and TP1 x ETP2 (each expert split over the two DP ranks, which then see both ranks' tokens)
+    equal EP1 and one rank, with either of megatron's token dispatchers. The allgather one gathers
+    equal shares over the expert TP x EP group, whose two ranks cut different rows here: their
+    micro-batches differ in width (checked), so it runs only because the backend pads them to the
+    batch's width (without that its all-gather fails on the unequal shapes)."""
     hf = make_hf_model(tmp_path / "hf", "qwen3_moe", seed=7)
     batch = rollout_batch(8)
-    runs: dict[tuple[int, int], tuple[Any, dict]] = {}
-    for world, ep in MOE_LAYOUTS:
-        out = tmp_path / f"out_w{world}ep{ep}"
+    widths = micro_widths(batch, 2, 2)
+    assert widths[0] != widths[1], widths
+    runs: dict[tuple[int, int, int | None, str], tuple[Any, dict]] = {}
+    for world, ep, etp, dispatcher in MOE_LAYOUTS:
+        out = tmp_path / f"out_w{world}ep{ep}etp{etp}{dispatcher}"
         config = job_config(hf, world=world, use_kl_loss=True, entropy_coeff=0.01)
-        config.actor_rollout_ref.actor.megatron.expert_model_parallel_size = ep
+        mc = config.actor_rollout_ref.actor.megatron
+        mc.expert_model_parallel_size, mc.expert_tensor_parallel_size = ep, etp
+        mc.moe_token_dispatcher_type = dispatcher
         results = run_ranks(_update_rank, world, config, batch, str(out), timeout_s=400)
         metrics = [r["metrics"] for r in results if r["metrics"] is not None]
         assert len(metrics) == world  # one output rank per DP replica
-        if ep > 1:  # the ranks hold different experts (same local names) and the same dense weights
+        if ep > 1 or etp:  # different experts or expert halves (same local names), the same dense weights
             mine, theirs = results[0]["digests"], results[1]["digests"]
             experts = [n for n in mine if "local_experts" in n]
             assert experts and all(mine[n] != theirs[n] for n in experts)
             assert all(mine[n] == theirs[n] for n in mine if "local_experts" not in n)
-        runs[world, ep] = (metrics[0], safetensors_state(out))
+        runs[world, ep, etp, dispatcher] = (metrics[0], safetensors_state(out))
     base_metrics, base_state = runs[MOE_LAYOUTS[0]]
     initial = safetensors_state(hf)
     for key, (metrics, state) in runs.items():
@@ -118,6 +137,9 @@ def test_router_aux_loss_and_imbalance_are_megatrons(tmp_path, world, ep):
     hf = make_hf_model(tmp_path / "hf", "qwen3_moe", seed=8)
     batch = rollout_batch(8)
     config = job_config(hf, world=world)
+    # padded micro-batches: the subject is the mask over each row's padding columns ([b, s] after its
+    # real run), which the packed layout (the CPU default) has almost none of
+    config.actor_rollout_ref.model.use_remove_padding = False
     mc = config.actor_rollout_ref.actor.megatron
     mc.expert_model_parallel_size, mc.moe_aux_loss_coeff, mc.moe_z_loss_coeff = ep, 0.01, 0.001
     results = run_ranks(_router_update_rank, world, config, batch, timeout_s=400)
@@ -141,4 +163,149 @@ def test_router_aux_loss_and_imbalance_are_megatrons(tmp_path, world, ep):
         assert metrics["actor/moe_z_loss"] == pytest.approx(z, rel=1e-5)
         assert metrics["actor/moe_expert_imbalance"] == pytest.approx(imbalance, rel=1e-9)
         assert 1.0 <= imbalance <= 8 / top_k
+        assert metrics["actor/moe_dropped_token_fraction"] == 0.0  # no capacity: every routing kept
     assert 0 < aux < 10  # Switch's loss is top_k-normalized: 1 when perfectly balanced
+
+
+def test_moe_at_cp2_packed_equals_transformers_and_cp1(tmp_path):
+    """An MoE model at CP2 on packed micro-batches (the CPU default): its dense and MoE layers' core
+    attention is the CPU stand-in too, so the log-probs equal transformers' and one update with the
+    load-balancing loss on equals padded CP1's (loss, grad norm, aux loss, every weight)."""
+    from tests.test_training_context_parallel import _log_prob_rank, _update_rank, with_cp
+    from tests.test_training_fixtures import hf_response_log_probs
+
+    hf = make_hf_model(tmp_path / "hf", "qwen3_moe", seed=7)
+    batch = rollout_batch(8, seed=9)
+    ref_lp, _ = hf_response_log_probs(hf, batch)
+    config = with_cp(job_config(hf, world=2, micro=4), 2, packed=True)
+    (log_probs,) = [r["out"]["old_log_probs"] for r in run_ranks(_log_prob_rank, 2, config, batch)
+                    if r["out"] is not None]
+    assert (log_probs - ref_lp).abs().max() <= 1e-5 and ref_lp.abs().max() > 1e-2
+    runs = {}
+    for cp, packed in ((1, False), (2, True)):
+        config = with_cp(job_config(hf, world=cp, micro=2, use_kl_loss=True), cp, packed)
+        config.actor_rollout_ref.actor.megatron.moe_aux_loss_coeff = 0.01
+        (runs[cp],) = [r for r in run_ranks(_update_rank, cp, config, batch) if r["metrics"] is not None]
+    m1, m2 = runs[1]["metrics"], runs[2]["metrics"]
+    for name in ("pg_loss", "grad_norm", "kl_loss"):
+        assert abs(getattr(m2, name) - getattr(m1, name)) <= 1e-5, name
+    assert m2.as_dict()["actor/moe_aux_loss"] == pytest.approx(m1.as_dict()["actor/moe_aux_loss"], rel=1e-5)
+    # Adam at lr 1e-2 turns fp32 summation-order noise in small expert gradients into ~1e-5 weight
+    # differences (measured: 9.6e-6 at most); a wrong layout moves weights by ~1e-2
+    for name, value in runs[1]["weights"].items():
+        assert (runs[2]["weights"][name] - value).abs().max() <= 3e-5, name
+
+
+def _capacity_update_rank(rank: int, world: int, config: Any, batch: Any) -> dict[str, Any]:
+    """One update with every training router call's input, weight, padding and output map recorded."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from hybridrl.config.plan import build_plan
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.backend import MegatronBackend, role_spec
+
+    plan = build_plan(config)
+    backend = MegatronBackend(role_spec(plan, "actor"))
+    actor = MegatronActor(backend, plan)
+    calls: list[dict[str, Any]] = []
+
+    def record(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
+        if module.training and torch.is_grad_enabled():
+            padding = args[1] if len(args) > 1 else kwargs.get("padding_mask")
+            calls.append({"layer": module.layer_number, "hidden": args[0].detach().clone(),
+                          "weight": module.weight.detach().clone(), "padding": padding.detach().clone(),
+                          "map": output[1].detach().clone()})
+
+    for chunk in backend.chunks:
+        for module in chunk.modules():
+            if isinstance(module, TopKRouter):
+                module.register_forward_hook(record, with_kwargs=True)
+    chunk = batch.split(backend.ctx.dp)[backend.ctx.dp_rank]
+    return {"metrics": actor.update_policy(chunk), "calls": calls}
+
+
+def _reference_routing(call: dict[str, Any], top_k: int) -> tuple[Any, Any]:
+    """(top-k map, routing probabilities) of one router call in float64 from its input and weight,
+    before any capacity: Qwen3-MoE with norm_topk_prob renormalizes the softmax over the chosen experts."""
+    hidden, weight = call["hidden"], call["weight"]
+    logits = hidden.reshape(-1, hidden.shape[-1]).double() @ weight.double().t()
+    top = logits.topk(top_k, dim=-1)
+    chosen = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, top.indices, True)
+    probs = torch.zeros_like(logits).scatter_(1, top.indices, torch.softmax(top.values, dim=-1))
+    return chosen, probs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy,pad", [("probs", False), ("position", True)])
+def test_capacity_drops_are_counted(tmp_path, policy, pad):
+    """With an expert capacity small enough to drop, megatron keeps at most `capacity` of each expert's
+    routed tokens (padding columns included, as megatron counts them), and
+    actor/moe_dropped_token_fraction is the share of the real tokens' top-k assignments it dropped:
+    counted here from float64 routing recomputed from each router call's input (EP2: the ranks route
+    their own rows; the second case pads expert inputs to capacity, with the batch's full width on
+    both ranks, and drops by position)."""
+    import math
+
+    hf = make_hf_model(tmp_path / "hf", "qwen3_moe", seed=8)
+    batch = rollout_batch(8)
+    config = job_config(hf, world=2)
+    mc = config.actor_rollout_ref.actor.megatron
+    mc.expert_model_parallel_size, mc.moe_expert_capacity_factor = 2, 0.5
+    mc.moe_token_drop_policy, mc.moe_pad_expert_input_to_capacity = policy, pad
+    results = run_ranks(_capacity_update_rank, 2, config, batch, timeout_s=400)
+    top_k, experts = 2, 8
+    assigned = dropped = 0
+    for result in results:
+        for call in result["calls"]:
+            chosen, probs = _reference_routing(call, top_k)
+            tokens = chosen.shape[0]  # every column, padding included: megatron's capacity counts them
+            capacity = math.ceil(tokens * top_k / experts * 0.5)
+            kept = call["map"].cpu() & chosen  # with padding to capacity the map also marks empty slots
+            assert capacity < tokens
+            assert torch.equal(kept.sum(0), chosen.sum(0).clamp(max=capacity)), (call["layer"], capacity)
+            if policy == "probs":  # each expert keeps its `capacity` most probable tokens
+                by_probs = probs.topk(capacity, dim=0).indices
+                expected = chosen & torch.zeros_like(chosen).scatter_(0, by_probs, True)
+                assert torch.equal(kept, expected), call["layer"]
+            real = ~call["padding"].cpu().reshape(-1)  # [s, b] in the router's token order
+            assigned += top_k * int(real.sum())
+            dropped += top_k * int(real.sum()) - int(kept[real].sum())
+    assert 0 < dropped < assigned
+    for result in results:
+        fraction = result["metrics"].as_dict()["actor/moe_dropped_token_fraction"]
+        assert fraction == pytest.approx(dropped / assigned, rel=1e-12)
+
+
+def _log_probs_rank(rank: int, world: int, config: Any, batch: Any) -> dict[str, Any]:
+    """The actor's log-probs of `batch`: routed as configured, freely (the sync's probe), and again."""
+    from hybridrl.config.plan import build_plan
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.backend import MegatronBackend, role_spec
+
+    plan = build_plan(config)
+    actor = MegatronActor(MegatronBackend(role_spec(plan, "actor")), plan)
+    capped = actor.compute_log_prob(batch)["old_log_probs"]
+    free = actor.compute_log_prob(batch, free_routing=True)["old_log_probs"]
+    again = actor.compute_log_prob(batch)["old_log_probs"]
+    return {"capped": capped, "free": free, "again": again}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pad", [False, True])
+def test_probe_forward_keeps_every_token(tmp_path, pad):
+    """The weight sync's probe (free routing) runs without the expert capacity, as vLLM does: its
+    log-probs equal transformers' while the configured (capped) forward's do not, and the capacity is
+    back for the next forward (with padding to capacity, the alltoall dispatcher's own drop-and-pad
+    mode is switched off and on too)."""
+    from tests.test_training_fixtures import hf_response_log_probs
+
+    hf = make_hf_model(tmp_path / "hf", "qwen3_moe", seed=8)
+    batch = rollout_batch(8)
+    config = job_config(hf, world=1)
+    mc = config.actor_rollout_ref.actor.megatron
+    mc.moe_expert_capacity_factor, mc.moe_pad_expert_input_to_capacity = 0.5, pad
+    (result,) = run_ranks(_log_probs_rank, 1, config, batch, timeout_s=300)
+    reference, _ = hf_response_log_probs(hf, batch)
+    assert (result["free"] - reference).abs().max() <= 1e-5
+    assert (result["capped"] - reference).abs().max() > 1e-3  # tokens were dropped
+    assert torch.equal(result["again"], result["capped"])

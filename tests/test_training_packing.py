@@ -288,7 +288,7 @@ def test_packed_token_budget_micro_batches_give_the_padded_step(tmp_path):
     """use_dynamic_bsz (micro-batches cut by a token budget, agreed over DP2) packed = padded fixed micro-batches."""
     hf = policy_model(tmp_path / "hf")
     batch = rollout_batch(8, seed=4)
-    (base_run,) = run_ranks(_update_rank, 1, job_config(hf, world=1, micro=4), batch)
+    (base_run,) = run_ranks(_update_rank, 1, packed(job_config(hf, world=1, micro=4), False), batch)
     base = base_run["metrics"]
     config = packed(job_config(hf, world=2, micro=2, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=20))
     results = run_ranks(_update_rank, 2, config, batch)
@@ -378,19 +378,37 @@ def test_use_remove_padding_is_a_checked_model_field():
     from hybridrl.config.loader import load_config
 
     config = load_config(None, ["actor_rollout_ref.model.use_remove_padding=true",
-                                "critic.model.use_remove_padding=true"])
-    assert config.actor_rollout_ref.model.use_remove_padding and config.critic.model.use_remove_padding
-    assert not config.reward_model.model.use_remove_padding  # default: off
+                                "critic.model.use_remove_padding=false"])
+    assert config.actor_rollout_ref.model.use_remove_padding is True
+    assert config.critic.model.use_remove_padding is False
+    assert config.reward_model.model.use_remove_padding is None  # unset: resolved by the plan
     with pytest.raises(ConfigError, match="actor_rollout_ref.model.use_remove_padding") as err:
         load_config(None, ["actor_rollout_ref.model.use_remove_padding=sometimes"])
     assert "sometimes" in str(err.value)
 
 
-def test_use_remove_padding_on_cuda_plans_with_a_note_of_what_it_needs():
+@pytest.mark.parametrize("device,served", [("cpu", "the CPU layer's attention stand-in"),
+                                           ("cuda", "TransformerEngine's attention")])
+def test_use_remove_padding_defaults_on_where_the_device_serves_packed_attention(device, served):
+    """Unset, every role packs (cpu: the stand-in; cuda: TE, which the gpu extra installs); a user's
+    false is kept; `hybridrl plan` says which roles pack, whether by default, and what serves it."""
+    from hybridrl.config.report import render_plan
+    from hybridrl.training.backend import role_spec
     from tests.test_config_validation import SEED, plan_from_sources
 
-    plan = plan_from_sources(SEED, ["actor_rollout_ref.model.use_remove_padding=true"])
-    assert plan.config.actor_rollout_ref.model.use_remove_padding is True  # kept, not dropped
-    notes = [w for w in plan.warnings if "use_remove_padding=true needs Transformer Engine" in w]
-    assert len(notes) == 1 and notes[0].startswith("actor_rollout_ref.model.")
-    assert not any("use_remove_padding" in w for w in plan_from_sources(SEED, []).warnings)
+    base = [f"trainer.device={device}", "algorithm.adv_estimator=gae", "reward_model.enable=true",
+            "reward_model.model.path=" + str(SEED.parents[2] / "configs/models/tiny-demo")]
+    plan = plan_from_sources(SEED, base)
+    assert all(plan.resolved.packed(role) for role in ("actor", "ref", "critic", "reward_model"))
+    assert plan.config.actor_rollout_ref.model.use_remove_padding is None  # the user's config is not rewritten
+    assert role_spec(plan, "actor").packed and role_spec(plan, "critic").packed
+    line = [w for w in render_plan(plan).splitlines() if w.startswith("Sequence packing:")]
+    assert line == [f"Sequence packing: actor/ref packed (actor_rollout_ref.model.use_remove_padding default on "
+                    f"{device}), critic packed (critic.model.use_remove_padding default on {device}), reward_model "
+                    f"packed (reward_model.model.use_remove_padding default on {device}); packed attention: "
+                    f"{served}" + (" (the gpu extra installs it; the workers stop at start-up without it)"
+                                   if device == "cuda" else "")]
+    off = plan_from_sources(SEED, [*base, "critic.model.use_remove_padding=false"])
+    assert not off.resolved.packed("critic") and off.resolved.packed("actor")
+    assert not role_spec(off, "critic").packed
+    assert "critic padded (critic.model.use_remove_padding set)" in render_plan(off)

@@ -294,8 +294,12 @@ def test_on_policy_update_without_old_log_prob_pass_equals_recomputed(tmp_path):
     for name in ("pg_loss", "grad_norm", "entropy", "clipfrac", "approx_kl"):
         assert abs(getattr(skipped, name) - getattr(full, name)) < 1e-6, name
     assert abs(skipped.rollout_log_prob_abs_diff_max - 0.25) < 1e-5
+    # the token mean over both DP ranks: the two planted gaps over every response token
+    assert abs(skipped.rollout_log_prob_abs_diff_mean - 0.45 / int(batch["response_mask"].sum())) < 1e-6
     assert full.rollout_log_prob_abs_diff_max is None  # the separate pass measures it (the trainer does)
+    assert full.rollout_log_prob_abs_diff_mean is None
     assert skipped.as_dict()["rollout/log_prob_abs_diff_max"] == skipped.rollout_log_prob_abs_diff_max
+    assert skipped.as_dict()["rollout/log_prob_abs_diff_mean"] == skipped.rollout_log_prob_abs_diff_mean
     assert skipped.grad_norm > 1e-3
     tokens = int(batch["response_mask"].sum())
     for corrected in (skipped.rollout_correction, full.rollout_correction):

@@ -157,7 +157,7 @@ def _actor_log_prob_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
     from hybridrl.reshard.resharder import Resharder
     from hybridrl.training.actor import MegatronActor
     from hybridrl.training.backend import MegatronBackend, role_spec
-    from hybridrl.workers.hybrid import _probe_batch
+    from hybridrl.workers.probe import probe_batch
 
     strict_device.enable_strict_device()
     assert strict_device.placement(batch["input_ids"]) == "host"  # as it arrives from the controller
@@ -166,7 +166,7 @@ def _actor_log_prob_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
     assert all(strict_device.placement(p) == "device" for c in backend.chunks for p in c.parameters())
     actor = MegatronActor(backend, plan, output_key="old_log_probs")
     out = actor.compute_log_prob(batch, with_entropy=True)
-    probe = actor.compute_log_prob(_probe_batch(0))  # the sync's log-prob probe, trainer side
+    probe = actor.compute_log_prob(probe_batch(0))  # the sync's log-prob probe, trainer side
     shards = Resharder(backend.chunks, plan.reshard.groups).reshard()
     if out is not None:
         assert all(strict_device.placement(t) != "device" for t in (*out.tensors.values(), *probe.tensors.values())), \
@@ -183,7 +183,7 @@ def _probe_reference(hf_dir: Any) -> torch.Tensor:
     """transformers' log-probs of the sync probe's response (one unpadded row)."""
     import transformers
 
-    from hybridrl.workers.hybrid import PROBE_PROMPT, PROBE_RESPONSE
+    from hybridrl.workers.probe import PROBE_PROMPT, PROBE_RESPONSE
 
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
                                                               attn_implementation="eager")

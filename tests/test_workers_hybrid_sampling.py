@@ -23,7 +23,7 @@ TEMPERATURES = (0.6, 1.0, 1.3)
 def _sampling_rank(rank: int, world: int, model_dir: str) -> dict:
     from hybridrl.data.batch import Batch
     from hybridrl.rollout.sampling import RolloutSampling
-    from hybridrl.workers.hybrid import WeightSyncError
+    from hybridrl.workers.probe import WeightSyncError
     from tests.hybrid_workers import gather_first, hybrid_worker
 
     worker = hybrid_worker(rank, world, model_dir, [

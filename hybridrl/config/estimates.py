@@ -89,7 +89,7 @@ def _stage_params(shape: ModelShape, layout: ParallelLayout) -> list[tuple[float
     """(dense, expert) parameters one GPU of each pipeline stage holds, in stage order (embedding on the
     first stage, output layer on the last; each stage's own layers, VPP chunks included, as
     `ParallelLayout.chunks` places them): dense weights split over TP, an MoE layer's experts over EP
-    and the expert TP (= TP), so that rank holds experts / EP of them, each split over TP."""
+    and the expert TP, so that rank holds experts / EP of them, each split over the expert TP."""
     tp, ep, pp = layout.tp, layout.ep, layout.pp
     stages = []
     for stage in range(pp):
@@ -100,24 +100,25 @@ def _stage_params(shape: ModelShape, layout: ParallelLayout) -> list[tuple[float
             dense += embedding_params(shape)
         if stage == pp - 1:
             dense += shape.hidden_size + output_params(shape)
-        stages.append((dense / tp, experts / (ep * tp)))
+        stages.append((dense / tp, experts / (ep * layout.expert_tp)))
     return stages
 
 
 def training_memory(
     role: str, shape: ModelShape, mesh: TrainingMesh, *, dtype: str, distributed_optimizer: bool,
     trainable: bool, micro_batch: int, seq_len: int, sequence_parallel: bool, gpu_gib: float, ep: int = 1,
+    etp: int | None = None,
 ) -> TrainingMemory:
-    """The heaviest pipeline stage's GPU (its figures; `stages` has every stage's). `ep`: expert
-    parallelism of an MoE model (expert TP = TP); the distributed optimizer shards dense weights'
-    state over DP and the experts' over the expert-data-parallel ranks, DP x CP / EP. Activations: a
-    stage's own layers; the fp32 logits on the last stage only; 1F1B keeps pp - s micro-batches in
-    flight on stage s (the first stage the most)."""
-    layout = mesh.layout(ep)
+    """The heaviest pipeline stage's GPU (its figures; `stages` has every stage's). `ep`, `etp`: expert
+    parallelism and expert TP of an MoE model (`etp` None: TP); the distributed optimizer shards
+    dense weights' state over DP and the experts' over the expert-data-parallel ranks,
+    TP x CP x DP / (EP x ETP). Activations: a stage's own layers; the fp32 logits on the last stage
+    only; 1F1B keeps pp - s micro-batches in flight on stage s (the first stage the most)."""
+    layout = mesh.layout(ep, etp)
     p_bytes = DTYPE_BYTES[dtype]
     # fp32 master copy only when compute is in 16-bit; Adam m and v are always fp32.
     opt_bytes = (4 if p_bytes < 4 else 0) + 8
-    expert_dp = max(1, mesh.dp * mesh.cp // ep)
+    expert_dp = max(1, mesh.tp * mesh.dp * mesh.cp // (ep * layout.expert_tp))
     tokens = micro_batch * seq_len / mesh.cp
     per_layer = 34 * tokens * shape.hidden_size * p_bytes / 2  # 34 sbh counts 2-byte activations
     per_layer = per_layer / mesh.tp if sequence_parallel else per_layer * (10 + 24 / mesh.tp) / 34
@@ -225,7 +226,7 @@ class ReshardTraffic:
 
 
 def reshard_traffic(shape: ModelShape, mesh: TrainingMesh, groups: ReshardGroups, dtype: str,
-                    ep: int = 1) -> ReshardTraffic:
+                    ep: int = 1, etp: int | None = None) -> ReshardTraffic:
     """Per-rank traffic of a training-layout -> vLLM-layout weight sync.
 
     TP-split tensors are counted as slices of their split dimension, replicated ones (norms) whole;
@@ -233,13 +234,15 @@ def reshard_traffic(shape: ModelShape, mesh: TrainingMesh, groups: ReshardGroups
     on megatron's stages (interleaved with VPP, even or uneven: `ParallelLayout.all_chunks`); with
     tied embeddings and pp > 1 the last stage holds megatron's copy of the embedding, which counts
     as held there. MoE experts: a rank holds
-    1 / ep of them (its EP rank's), each TP-split like a dense MLP, while every vLLM rank needs all
-    experts (TP over each expert's width); the router is counted with the layer's TP-split part.
+    1 / ep of them (its EP rank's), each split over the expert TP (`etp`, None: TP) like a dense MLP
+    over TP, while every vLLM rank needs all experts (TP over each expert's width); the router is
+    counted with the layer's TP-split part.
     """
     p_bytes = DTYPE_BYTES[dtype]
     t, t_g, p = mesh.tp, groups.rollout.infer_tp, mesh.pp
-    stage_of = {layer: chunk.pp_rank for chunk in mesh.layout(ep).all_chunks(shape.num_layers)
-                for layer in chunk.layers}
+    layout = mesh.layout(ep, etp)
+    x = layout.expert_tp
+    stage_of = {layer: chunk.pp_rank for chunk in layout.all_chunks(shape.num_layers) for layer in chunk.layers}
     norms = 2 * shape.hidden_size
     embedding_holders = {0, p - 1} if shape.tie_word_embeddings else {0}
 
@@ -261,20 +264,55 @@ def reshard_traffic(shape: ModelShape, mesh: TrainingMesh, groups: ReshardGroups
     for rank in range(mesh.world_size):
         coord = mesh.coord(rank)
         own = (coord.tp / t, (coord.tp + 1) / t)
+        etp_rank = layout.slot_ranks(mesh.local_rank(rank))[2]
+        own_experts = (etp_rank / x, (etp_rank + 1) / x)
 
-        def held(j: int, own: tuple[float, float] = own, stage_of_rank: int = coord.pp) -> float:
+        def held(j: int, own: tuple[float, float] = own, own_experts: tuple[float, float] = own_experts,
+                 stage_of_rank: int = coord.pp) -> float:
             gen = (j / t_g, (j + 1) / t_g)
             return sum(
-                (split + experts / ep) * interval_overlap(own, gen) + rep
+                split * interval_overlap(own, gen) + experts / ep * interval_overlap(own_experts, gen) + rep
                 for stages, split, rep, experts in pieces
                 if stage_of_rank in stages
             )
 
         gen_size = sum((split + experts) / t_g + rep for _, split, rep, experts in pieces)
-        own_size = sum((split + experts / ep) / t + rep for stages, split, rep, experts in pieces
+        own_size = sum(split / t + experts / (ep * x) + rep for stages, split, rep, experts in pieces
                        if coord.pp in stages)
         received.append(round((gen_size - held(groups.gen_tp_index[rank])) * p_bytes))
         bound.append(round((gen_size - max(held(j) for j in range(t_g))) * p_bytes))
         naive.append(round(model - own_size * p_bytes))
         gen_sizes.append(round(gen_size * p_bytes))
     return ReshardTraffic(tuple(received), tuple(bound), tuple(naive), tuple(gen_sizes), model)
+
+
+@dataclass(frozen=True)
+class CrossPoolTraffic:
+    """Bytes of one weight sync from the trainer pool to a disaggregated rollout pool.
+
+    A rollout rank holds no weights, so it must receive its whole generation shard, and receives
+    exactly that once (`reshard.cross_pool_plan`). The sending is spread over the training ranks,
+    each sending only ranges it holds; `bytes_sent_even` is the even split of the total.
+    """
+
+    bytes_received: tuple[int, ...]  # per rollout rank (= its generation shard)
+    bytes_sent_even: int  # per training rank, the total spread evenly
+    model_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_received)
+
+
+def cross_pool_traffic(shape: ModelShape, trainer_world: int, rollout_world: int, infer_tp: int,
+                       dtype: str) -> CrossPoolTraffic:
+    """Per-rank traffic of a cross-pool sync (KV-head replication and vocab padding ignored, as in
+    `reshard_traffic`). Every replica of the rollout pool takes the whole model."""
+    p_bytes = DTYPE_BYTES[dtype]
+    norms = 2 * shape.hidden_size
+    replicated = norms * shape.num_layers + shape.hidden_size  # the layers' norms and the final norm
+    split = embedding_params(shape) + output_params(shape) + sum(
+        shape.params_of_layer(layer) - norms for layer in range(shape.num_layers))
+    shard = round((split / infer_tp + replicated) * p_bytes)
+    received = tuple(shard for _ in range(rollout_world))
+    return CrossPoolTraffic(received, -(-sum(received) // max(trainer_world, 1)), (split + replicated) * p_bytes)

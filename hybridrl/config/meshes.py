@@ -5,7 +5,7 @@ process groups and the resharder), so what `hybridrl plan` prints is what runs. 
 sit is `hybridrl.models.layout`'s rule, through `TrainingMesh.layout`.
 
 Training ranks follow megatron-core's default order "tp-cp-ep-dp-pp" (tp varies fastest, pp
-slowest; expert parallelism is 1 here):  rank = tp + TP*(cp + CP*(dp + DP*pp)).
+slowest; expert parallelism has a mesh of its own, `expert_groups`):  rank = tp + TP*(cp + CP*(dp + DP*pp)).
 """
 from __future__ import annotations
 
@@ -43,10 +43,17 @@ class TrainingMesh:
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
 
-    def layout(self, ep: int = 1) -> ParallelLayout:
-        """The model layout on this mesh: where every layer and tensor sits (`hybridrl.models.layout`)."""
+    def layout(self, ep: int = 1, etp: int | None = None) -> ParallelLayout:
+        """The model layout on this mesh: where every layer and tensor sits (`hybridrl.models.layout`);
+        `ep`, `etp` (None: TP) place an MoE model's experts."""
         return ParallelLayout(tp=self.tp, pp=self.pp, vpp=self.vpp, ep=ep,
-                              first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers)
+                              first_stage_layers=self.first_stage_layers, last_stage_layers=self.last_stage_layers,
+                              etp=etp)
+
+    def local_rank(self, rank: int) -> int:
+        """`rank`'s index inside its pipeline stage (pp is the slowest axis): megatron's expert mesh
+        places expert TP and EP ranks by it (`ParallelLayout.slot_ranks`)."""
+        return rank % (self.world_size // self.pp)
 
     @property
     def world_size(self) -> int:
@@ -89,23 +96,34 @@ def build_training_mesh(world_size: int, tp: int, pp: int, cp: int = 1, vpp: int
                         first_stage_layers, last_stage_layers)
 
 
-def expert_groups(mesh: TrainingMesh, ep: int) -> tuple[Groups, Groups]:
+def expert_groups(mesh: TrainingMesh, ep: int, etp: int | None = None) -> tuple[Groups, Groups]:
     """(EP groups, expert-data-parallel groups) of an MoE model's experts on `mesh`: megatron's expert
-    rank generator orders the same ranks etp-ep-edp-pp (expert TP = TP, no CP axis), so
-    rank = tp + TP*(ep_rank + EP*(expert_dp + EDP*pp)) with EDP = DP*CP / EP. An EP group splits a
-    layer's experts between its ranks; an expert-DP group holds copies of the same experts."""
-    if ep < 1 or (mesh.dp * mesh.cp) % ep:
-        raise ValueError(f"ep={ep} does not divide dp*cp = {mesh.dp}*{mesh.cp}")
-    edp = mesh.dp * mesh.cp // ep
+    rank generator orders the same ranks etp-ep-edp-pp (no CP axis; `etp` None: TP), so
+    rank = x + ETP*(ep_rank + EP*(expert_dp + EDP*pp)) for expert TP rank x, with
+    EDP = TP*CP*DP / (ETP*EP). An EP group splits a layer's experts between its ranks; an expert-DP
+    group holds copies of the same experts."""
+    etp = mesh.tp if etp is None else etp
+    stage = mesh.world_size // mesh.pp
+    if ep < 1 or etp < 1 or stage % (ep * etp):
+        raise ValueError(f"ep={ep} does not divide dp*cp = {mesh.dp}*{mesh.cp}" if etp == mesh.tp else
+                         f"ep*etp = {ep}*{etp} does not divide a stage's tp*cp*dp = {stage} ranks")
+    edp = stage // (ep * etp)
 
-    def rank(t: int, e: int, d: int, p: int) -> int:
-        return t + mesh.tp * (e + ep * (d + edp * p))
+    def rank(x: int, e: int, d: int, p: int) -> int:
+        return x + etp * (e + ep * (d + edp * p))
 
-    ep_groups = tuple(sorted(tuple(rank(t, e, d, p) for e in range(ep))
-                             for t, d, p in product(range(mesh.tp), range(edp), range(mesh.pp))))
-    edp_groups = tuple(sorted(tuple(rank(t, e, d, p) for d in range(edp))
-                              for t, e, p in product(range(mesh.tp), range(ep), range(mesh.pp))))
+    ep_groups = tuple(sorted(tuple(rank(x, e, d, p) for e in range(ep))
+                             for x, d, p in product(range(etp), range(edp), range(mesh.pp))))
+    edp_groups = tuple(sorted(tuple(rank(x, e, d, p) for d in range(edp))
+                              for x, e, p in product(range(etp), range(ep), range(mesh.pp))))
     return ep_groups, edp_groups
+
+
+def expert_group_spans_replicas(tp: int, cp: int, ep: int, etp: int | None = None) -> bool:
+    """Whether megatron's expert TP x EP group (the `etp * ep` consecutive ranks of a pipeline stage
+    in its expert rank generator's order) holds ranks of different DP replicas (each `tp * cp`
+    consecutive ranks), which feed it micro-batches of their own rows. `etp` None: TP."""
+    return (tp * cp) % ((etp or tp) * ep) != 0
 
 
 @dataclass(frozen=True)
@@ -187,6 +205,17 @@ def build_reshard_groups(mesh: TrainingMesh, infer_tp: int) -> ReshardGroups:
     replicas.sort()
     rollout = RolloutMesh(infer_tp, world // infer_tp, tuple(replicas))
     return ReshardGroups(rollout, micro_dp, tuple(sorted(micro_groups)), tuple(gen_index), strategy)
+
+
+def build_pool_groups(rollout_world: int, infer_tp: int) -> ReshardGroups:
+    """A disaggregated rollout pool's replicas: blocks of consecutive ranks of the pool (vLLM's own TP
+    groups), numbered within the pool. No micro-DP groups: the pool holds no training shard, so each
+    rank receives its whole generation shard from the trainer pool (`reshard.cross_pool_plan`)."""
+    if infer_tp <= 0 or rollout_world % infer_tp:
+        raise ValueError(f"inference TP {infer_tp} does not divide the rollout pool's {rollout_world} ranks")
+    replicas = tuple(tuple(range(start, start + infer_tp)) for start in range(0, rollout_world, infer_tp))
+    rollout = RolloutMesh(infer_tp, rollout_world // infer_tp, replicas)
+    return ReshardGroups(rollout, 0, (), tuple(r % infer_tp for r in range(rollout_world)), "cross_pool")
 
 
 def interval_overlap(a: tuple[float, float], b: tuple[float, float]) -> float:

@@ -18,10 +18,12 @@ from typing import Any
 from hybridrl.config.errors import ConfigError, ConfigIssue
 from hybridrl.config.estimates import (
     GIB,
+    CrossPoolTraffic,
     PhasePeaks,
     ReshardTraffic,
     RolloutMemory,
     TrainingMemory,
+    cross_pool_traffic,
     kv_cache_bytes_needed,
     phase_peaks,
     reshard_traffic,
@@ -29,7 +31,13 @@ from hybridrl.config.estimates import (
     training_memory,
 )
 from hybridrl.config.loader import config_from_dict, config_to_dict, load_config_collecting
-from hybridrl.config.meshes import ReshardGroups, TrainingMesh, build_reshard_groups, build_training_mesh
+from hybridrl.config.meshes import (
+    ReshardGroups,
+    TrainingMesh,
+    build_pool_groups,
+    build_reshard_groups,
+    build_training_mesh,
+)
 from hybridrl.config.resolve import Resolved, active_roles, resolve, role_megatron
 from hybridrl.config.schema import JobConfig, MegatronConfig
 from hybridrl.config.validate import validate
@@ -106,9 +114,12 @@ class RoleLayout:
 
 @dataclass(frozen=True)
 class ReshardPlan:
+    # colocated: the HybridFlow groups over the training ranks; disaggregated: the rollout pool's replicas
+    # (ranks numbered within the pool, strategy "cross_pool")
     groups: ReshardGroups
-    traffic: ReshardTraffic | None
+    traffic: ReshardTraffic | None  # colocated
     dtype: str
+    cross_pool: CrossPoolTraffic | None = None  # disaggregated
 
 
 @dataclass(frozen=True)
@@ -352,9 +363,17 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
         forwards.append(forward(Role.REWARD_MODEL, "reward_scores", config.reward_model.micro_batch_size_per_gpu))
 
     actor_mesh = by_role[Role.ACTOR].mesh
-    groups = build_reshard_groups(actor_mesh, arr.rollout.tensor_model_parallel_size)
-    traffic = (reshard_traffic(model, actor_mesh, groups, resolved.rollout_dtype,
-                               ep=arr.actor.megatron.expert_model_parallel_size) if model else None)
+    infer_tp = arr.rollout.tensor_model_parallel_size
+    cross = traffic = None
+    if resolved.disaggregated:
+        groups = build_pool_groups(resolved.rollout_world, infer_tp)
+        if model:
+            cross = cross_pool_traffic(model, world, resolved.rollout_world, infer_tp, resolved.rollout_dtype)
+    else:
+        groups = build_reshard_groups(actor_mesh, infer_tp)
+        traffic = (reshard_traffic(model, actor_mesh, groups, resolved.rollout_dtype,
+                                   ep=arr.actor.megatron.expert_model_parallel_size,
+                                   etp=arr.actor.megatron.expert_tensor_parallel_size) if model else None)
     infer_dp = groups.rollout.infer_dp
 
     train_mem: list[TrainingMemory] = []
@@ -371,8 +390,11 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
                 micro_batch=micro, seq_len=resolved.max_sequence_length,
                 sequence_parallel=mc.sequence_parallel and mc.tensor_model_parallel_size > 1,
                 gpu_gib=config.trainer.gpu_memory_gib, ep=mc.expert_model_parallel_size,
+                etp=mc.expert_tensor_parallel_size,
             ))
         sequences_per_replica = data.train_batch_size // infer_dp * n
+        if resolved.async_mode == "fully_async":  # up to max_staleness + 1 batches in flight at once
+            sequences_per_replica *= resolved.max_staleness + 1
         roll_mem = rollout_memory(
             model, arr.rollout.tensor_model_parallel_size, dtype=resolved.rollout_dtype,
             gpu_gib=config.trainer.gpu_memory_gib,
@@ -415,7 +437,7 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
                 f"(weights {roll_mem.weights_gib:.1f} GiB per GPU at gpu_memory_utilization="
                 f"{arr.rollout.gpu_memory_utilization:g})"
             )
-        if arr.hybrid_engine and not peaks.fits:
+        if not resolved.disaggregated and not peaks.fits:
             peak = (f"{max(peaks.generation_gib, peaks.training_gib):.1f} GiB (generation "
                     f"{peaks.generation_gib:.1f}: the actor's resident state and the ref next to vLLM's "
                     f"gpu_memory_utilization share; training {peaks.training_gib:.1f})")
@@ -441,7 +463,7 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
         sequences_per_rollout_replica=data.train_batch_size // infer_dp * n,
         updates=tuple(updates),
         forwards=tuple(forwards),
-        reshard=ReshardPlan(groups, traffic, resolved.rollout_dtype),
+        reshard=ReshardPlan(groups, traffic, resolved.rollout_dtype, cross),
         training_memory=tuple(train_mem),
         rollout_memory=roll_mem,
         phase_peaks=peaks,

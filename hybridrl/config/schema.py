@@ -37,8 +37,18 @@ Truncation = Literal["error", "left", "right"]
 MalformedMode = Literal["error", "skip"]
 OldLogProbMode = Literal["auto", "recompute"]
 RouterReplayMode = Literal["none", "rollout"]
+# Where vLLM runs: in the training processes (the hybrid engine) or on ranks of its own.
+RolloutMode = Literal["colocated", "disaggregated"]
+# How far generation runs ahead of training (disaggregated only): not at all, one step, continuously.
+AsyncMode = Literal["sync", "one_step_off", "fully_async"]
+# fully_async: what happens to a sample older than rollout.max_staleness when the trainer reaches it.
+StaleSamples = Literal["drop", "keep"]
 # megatron's moe_router_load_balancing_type values that need no more than the local spec
 MoELoadBalancing = Literal["aux_loss", "seq_aux_loss", "none"]
+# megatron's MoE token dispatchers that run on the local spec (its "flex" one needs DeepEP / HybridEP)
+MoEDispatcher = Literal["alltoall", "allgather"]
+# which tokens an expert over its capacity drops: the lowest routing probabilities, or the latest positions
+MoEDropPolicy = Literal["probs", "position"]
 AdvEstimator = Literal[ADV_ESTIMATOR_NAMES]
 LossAggMode = Literal[LOSS_AGG_MODES]
 KlEstimator = Literal[KL_PENALTY_NAMES]
@@ -50,9 +60,11 @@ CHOICE_NAMES: dict[Any, str] = {
     Device: "device", Dtype: "dtype", LoggerName: "logger", RolloutEngineName: "rollout engine",
     Strategy: "training strategy", OptimizerName: "optimizer", LrDecayStyle: "LR schedule",
     Truncation: "truncation mode", MalformedMode: "malformed-row policy", OldLogProbMode: "old log-prob mode",
-    RouterReplayMode: "router replay mode",
+    RouterReplayMode: "router replay mode", RolloutMode: "rollout mode", AsyncMode: "async mode",
+    StaleSamples: "stale-sample policy",
     AdvEstimator: "advantage estimator", LossAggMode: "loss aggregation mode", KlEstimator: "KL estimator",
     KlControllerKind: "KL controller", RolloutIsLevel: "rollout IS level", RolloutMaskLevel: "rollout mask level",
+    MoEDispatcher: "MoE token dispatcher", MoEDropPolicy: "MoE token drop policy",
 }
 
 
@@ -128,9 +140,11 @@ class ModelConfig:
     tokenizer_path: str | None = doc(None, "tokenizer folder; None = model path")
     trust_remote_code: bool = doc(False, "allow custom modelling code from the model folder")
     enable_gradient_checkpointing: bool = doc(False, "recompute activations in backward (full recompute)")
-    use_remove_padding: bool = doc(
-        False, "pack each micro-batch's rows into one sequence without padding (megatron THD, cu_seqlens) in "
-               "every training and log-prob/value pass of the roles built from this model")
+    use_remove_padding: bool | None = doc(
+        None, "pack each micro-batch's rows into one sequence without padding (megatron THD, cu_seqlens) in "
+              "every training and log-prob/value pass of the roles built from this model; null = on where the "
+              "device serves packed attention (cpu: the CPU layer's stand-in; cuda: TransformerEngine's, which "
+              "the gpu extra installs), false = padded micro-batches")
 
 
 @dataclass
@@ -148,14 +162,30 @@ class MegatronConfig:
     expert_model_parallel_size: int = doc(1, "EP (MoE models): each MoE layer's experts split over this many "
                                           "GPUs, inside the DP × CP span")
     expert_tensor_parallel_size: int | None = doc(None, "ETP (MoE models): each expert's matrices split over this "
-                                                  "many GPUs; None = tensor_model_parallel_size (the only value "
-                                                  "supported now)")
+                                                  "many GPUs (megatron's expert mesh: EP × ETP within DP × CP × TP); "
+                                                  "None = tensor_model_parallel_size; another value needs TP 1 so far")
     moe_router_load_balancing_type: MoELoadBalancing = doc(
         "aux_loss", "MoE models: megatron's router load-balancing loss (aux_loss: over each micro-batch, "
         "seq_aux_loss: per sequence, none); it acts only with moe_aux_loss_coeff > 0")
     moe_aux_loss_coeff: float = doc(0.0, "MoE models: weight of the load-balancing loss (0 = off; "
                                     "actor/moe_aux_loss is logged when it is on)")
     moe_z_loss_coeff: float | None = doc(None, "MoE models: weight of the router z-loss (None = off)")
+    moe_token_dispatcher_type: MoEDispatcher = doc(
+        "alltoall", "MoE models: megatron's token dispatcher (alltoall: all-to-all over EP, variable sizes; "
+        "allgather: every rank gathers the TP x EP group's tokens, the fallback; it needs equal micro-batch "
+        "shapes across that group, so micro-batches are padded to the batch's full width where the group spans "
+        "DP ranks, and it refuses PP > 1)")
+    moe_expert_capacity_factor: float | None = doc(
+        None, "MoE models: megatron's expert capacity, as a factor of an even share (each expert takes at most "
+        "ceil(tokens x top-k / experts x factor) tokens of a micro-batch, padding included; the rest are dropped: "
+        "actor/moe_dropped_token_fraction); None = no capacity, no token dropped. vLLM never drops, so the "
+        "trainer's log-probs then differ from the rollout's where tokens drop (the sync's probe runs without it)")
+    moe_token_drop_policy: MoEDropPolicy = doc(
+        "probs", "MoE models with a capacity factor: an expert over its capacity keeps the tokens with the highest "
+        "routing probabilities (probs) or the earliest positions (position)")
+    moe_pad_expert_input_to_capacity: bool = doc(
+        False, "MoE models with a capacity factor: pad every expert's input to its capacity (static shapes; the "
+        "same numbers as without the padding)")
     sequence_parallel: bool = doc(False, "shard norms/dropout activations over TP (needs TP > 1)")
     use_distributed_optimizer: bool = doc(True, "shard optimizer states over data-parallel ranks (ZeRO-1)")
     make_vocab_size_divisible_by: int = doc(128, "vocab padded to a multiple of this × TP, as megatron does")
@@ -196,8 +226,9 @@ class ActorConfig:
                             "recompute = always run it")
     router_replay: RouterReplayMode = doc("none", "MoE routing in the training forward: none = megatron's "
                                   "routers choose; rollout = the old-log-prob and update forwards route each token to "
-                                  "the experts vLLM routed it to in the rollout (single-turn, inference TP 1, no "
-                                  "sequence/context parallelism or activation recompute)")
+                                  "the experts vLLM routed it to in the rollout (the sync's probe routes freely); "
+                                  "single-turn, any inference TP, no sequence/context parallelism or activation "
+                                  "recompute")
     shuffle: bool = doc(False, "shuffle sequences between PPO epochs")
     clip_ratio: float = doc(0.2, "PPO clip epsilon (default for clip_ratio_low/high)")
     clip_ratio_low: float | None = doc(None, "lower clip epsilon; None = clip_ratio")
@@ -276,7 +307,9 @@ class RolloutConfig:
               "None = 1e-4 when training and rollout are fp32, else 0.5 (bf16 round-off ~0.1, a wrong layout >= 2)")
     update_weights_bucket_megabytes: int = doc(
         512, "weight sync: MiB of shards gathered and handed to vLLM at a time (bounds the sync's extra memory)")
-    free_cache_engine: bool = doc(True, "sleep vLLM (free KV cache and weights) while training")
+    free_cache_engine: bool | None = doc(
+        None, "colocated: sleep vLLM (free KV cache and weights) while training; None = true colocated (a "
+              "disaggregated rollout has its GPUs to itself: setting it there is refused)")
     max_num_batched_tokens: int = doc(8192, "vLLM scheduler token budget per step")
     max_num_seqs: int = doc(1024, "vLLM scheduler sequence budget")
     log_prob_micro_batch_size_per_gpu: int = doc(8, "sequences per old-log-prob forward on one GPU")
@@ -284,6 +317,24 @@ class RolloutConfig:
     val_kwargs: SamplingConfig = doc(factory=SamplingConfig, text="sampling for validation (greedy by default)")
     seed: int = doc(0, "base seed of sampling requests")
     multi_turn: MultiTurnConfig = doc(factory=MultiTurnConfig, text="tool-calling conversations (agent loop)")
+    mode: RolloutMode = doc("colocated", "colocated = vLLM in the training processes (hybrid engine, weights "
+                                         "resharded in place); disaggregated = vLLM on its own ranks (nnodes × "
+                                         "n_gpus_per_node), weights sent across the pools after each update")
+    nnodes: int = doc(1, "disaggregated: machines of the rollout pool")
+    n_gpus_per_node: int | None = doc(None, "disaggregated: rollout ranks per machine (required there)")
+    async_mode: AsyncMode = doc(
+        "sync", "disaggregated only: sync = generate, then train; one_step_off = generate step k+1 while step k "
+                "trains (samples one weight version old); fully_async = the rollout pool generates continuously "
+                "into a buffer the trainer draws from (max_staleness bounds how old)")
+    max_staleness: int | None = doc(
+        None, "fully_async: a sample whose oldest token is more than this many weight versions behind the "
+              "policy it is trained on is stale; None = 1")
+    stale_samples: StaleSamples | None = doc(
+        None, "fully_async: drop stale samples (counted) or keep them (counted); None = drop")
+    partial_rollout: bool | None = doc(
+        None, "fully_async: at a weight sync, requests in flight are paused and continue under the new "
+              "weights (each token tagged with its version); false = finish them on the old weights first; "
+              "None = true")
 
 
 @dataclass

@@ -15,11 +15,21 @@ from typing import Any
 
 from hybridrl.algorithms.names import (
     CRITIC_ADV_ESTIMATORS,
+    GREEDY_BASELINE_ADV_ESTIMATORS,
     GROUP_ADV_ESTIMATORS,
 )
 from hybridrl.config.errors import ConfigIssue
+from hybridrl.config.meshes import expert_group_spans_replicas
 from hybridrl.config.resolve import Resolved, active_roles, role_megatron
-from hybridrl.config.schema import CHOICE_NAMES, JobConfig, MegatronConfig, RolloutCorrectionConfig, choice_fields
+from hybridrl.config.schema import (
+    CHOICE_NAMES,
+    JobConfig,
+    MegatronConfig,
+    MoEDispatcher,
+    MoEDropPolicy,
+    RolloutCorrectionConfig,
+    choice_fields,
+)
 from hybridrl.models.arch import DEFAULT_VOCAB_DIVISOR, ModelShape
 from hybridrl.models.layout import ParallelLayout
 from hybridrl.models.vllm_layout import vllm_padded_vocab
@@ -119,8 +129,11 @@ def validate(
                            trainable=role in (Role.ACTOR, Role.CRITIC))
         if dp:
             dp_of[role] = dp
-    infer_dp = _check_rollout_layout(check, config, world, model)
+    rollout_world = _check_rollout_placement(check, config, resolved, world)
+    infer_dp = _check_rollout_layout(check, config, rollout_world, model, pool=resolved.disaggregated)
     _check_unsupported(check, config, model)
+    _check_moe_dispatch(check, config, model)
+    _check_expert_tp_uses(check, config)
     if model is not None and model.is_moe and resolved.critic_enabled and not config.critic.model.path:
         # A value head on an MoE backbone (router losses, expert-parallel critic) is not built or tested.
         check.fail("critic.model.path", config.critic.model.path,
@@ -249,20 +262,17 @@ def _model_section(config: JobConfig, megatron_prefix: str) -> tuple[str, Any]:
 
 def _check_context_parallel(check: _Checker, config: JobConfig, prefix: str, mc: MegatronConfig, cp: int,
                             policy: Any) -> None:
-    """context_parallel_size > 1: what the workers serve so far (padded micro-batches, CPU), the rest refused.
+    """context_parallel_size > 1: what the workers serve so far (CPU, padded or packed), the rest refused.
 
-    Sequence lengths need no rule: the training backend pads each micro-batch to a multiple of 2 × CP
-    (megatron's load-balanced split), and the memory estimate divides activations by CP."""
+    Sequence lengths need no rule: the training backend pads each micro-batch (packed: each row's
+    segment) to a multiple of 2 × CP (megatron's load-balanced split), and the memory estimate divides
+    activations by CP."""
     field = f"{prefix}.context_parallel_size"
-    model_prefix, model_section = _model_section(config, prefix)
     # one message per field: the first rule that fails
     if policy is not None and not policy.megatron_cpu_layer:
         check.fail(field, cp, f"is implemented on trainer.device=cpu only so far (the CPU attention stand-in "
                    f"all-gathers keys and values); on {config.trainer.device} TransformerEngine's ring attention "
                    "is not wired yet; use 1", [1])
-    elif model_section.use_remove_padding:
-        check.fail(field, cp, f"with {model_prefix}.use_remove_padding=true is not implemented yet (packed "
-                   "sequences would need a per-segment CP split); set use_remove_padding=false, or use 1", [1])
     elif mc.sequence_parallel and mc.tensor_model_parallel_size != 1:
         # unreachable while CP runs on CPU only (no SP there); kept for when the GPU path is wired
         check.fail(field, cp, "with sequence_parallel=true is not implemented yet (the last stage gathers "
@@ -302,10 +312,6 @@ def _check_router_replay(check: _Checker, config: JobConfig, model: ModelShape |
         check.fail("actor_rollout_ref.model.enable_gradient_checkpointing", True,
                    fail + "cannot replay with activation recompute: the recomputed forward runs in the backward, "
                    "outside the replayed forward, and would route afresh", [False])
-    itp = arr.rollout.tensor_model_parallel_size
-    if isinstance(itp, int) and itp > 1:
-        check.fail("actor_rollout_ref.rollout.tensor_model_parallel_size", itp,
-                   fail + "measured at inference TP 1 only (the capture on vLLM's TP ranks is not tested)", [1])
     policy = DEVICE_POLICIES.get(config.trainer.device)
     if policy is not None and policy.vllm_routed_experts == "aux_output":
         check.warnings.append(
@@ -319,14 +325,6 @@ def _check_unsupported(check: _Checker, config: JobConfig, model: ModelShape | N
     arr = config.actor_rollout_ref
     # None for an unknown trainer.device (reported by _check_trainer): the device checks are skipped
     policy = DEVICE_POLICIES.get(config.trainer.device)
-    if policy is not None and policy.transformer_engine_possible:
-        for prefix, section in (("actor_rollout_ref.model", arr.model), ("critic.model", config.critic.model),
-                                ("reward_model.model", config.reward_model.model)):
-            if section.use_remove_padding:
-                check.warnings.append(
-                    f"{prefix}.use_remove_padding=true needs Transformer Engine on the workers (its attention "
-                    "reads cu_seqlens; megatron's local attention refuses packed sequences and the workers stop "
-                    "at start-up without TE); the CPU suite runs packing through its own attention stand-in")
     _check_router_replay(check, config, model)
     for prefix, mc in megatron_sections(config):
         tp = mc.tensor_model_parallel_size
@@ -581,7 +579,7 @@ def _check_layout(check: _Checker, prefix: str, mc: MegatronConfig, world: int, 
                        f"must be true to train a mixture-of-experts model at tensor_model_parallel_size={tp}: "
                        "megatron's MoE layer refuses TP without sequence parallelism in training (on CPU, "
                        "where sequence parallelism is refused too, train MoE models at TP 1)", [True])
-        if model.is_moe and model.moe_ffn_hidden_size % tp:
+        if model.is_moe and mc.expert_tensor_parallel_size in (None, tp) and model.moe_ffn_hidden_size % tp:
             check.fail(f"{prefix}.tensor_model_parallel_size", tp,
                        f"must divide the experts' intermediate size {model.moe_ffn_hidden_size} (each expert is "
                        "split over TP like the dense MLP)", [d for d in divisors(heads)
@@ -633,7 +631,8 @@ def _check_stage_split(check: _Checker, prefix: str, mc: MegatronConfig, model: 
 
 def _check_experts(check: _Checker, prefix: str, mc: MegatronConfig, tp: int, cp: int, dp: int,
                    model: ModelShape | None) -> bool:
-    """Expert-parallel rules (MoE models): EP splits the experts inside DP × CP, ETP is TP."""
+    """Expert-parallel rules (MoE models): megatron's expert mesh, EP × expert TP, tiles the DP × CP × TP
+    ranks of a pipeline stage; an expert TP other than TP is built and tested at TP 1."""
     ep, etp = mc.expert_model_parallel_size, mc.expert_tensor_parallel_size
     check.in_range(f"{prefix}.moe_aux_loss_coeff", mc.moe_aux_loss_coeff, 0.0, 1e3)
     if mc.moe_z_loss_coeff is not None:
@@ -643,40 +642,205 @@ def _check_experts(check: _Checker, prefix: str, mc: MegatronConfig, tp: int, cp
                    "has no effect with moe_router_load_balancing_type=none: set the type to aux_loss or "
                    "seq_aux_loss, or the coefficient to 0", [0.0])
     ok = check.is_int_at_least(f"{prefix}.expert_model_parallel_size", ep, 1)
-    if etp is not None:
-        if not check.is_int_at_least(f"{prefix}.expert_tensor_parallel_size", etp, 1):
-            ok = False
-        elif etp != tp:
-            ok = check.fail(f"{prefix}.expert_tensor_parallel_size", etp,
-                            f"must equal tensor_model_parallel_size={tp} (or be null): the model bridge splits "
-                            "each expert over TP like the dense MLP; other expert TP sizes are not supported yet",
-                            [None, tp])
+    field = f"{prefix}.expert_tensor_parallel_size"
+    if etp is not None and not check.is_int_at_least(field, etp, 1):
+        ok = False
     if not ok:
         return False
     if model is not None and ep > 1 and not model.is_moe:
         return check.fail(f"{prefix}.expert_model_parallel_size", ep,
                           f"needs a mixture-of-experts model; {model.architecture} is dense: use 1", [1])
+    if etp is not None and etp != tp:
+        if model is not None and not model.is_moe:
+            return check.fail(field, etp, f"needs a mixture-of-experts model; {model.architecture} is dense: use null",
+                              [None])
+        if tp != 1:
+            # logits and conversion are tested at TP2 x ETP1 too, but a trained MoE role at TP > 1 needs
+            # sequence parallelism (GPU only), where no ETP layout has run yet
+            return check.fail(field, etp, f"other than tensor_model_parallel_size={tp} is built and tested with "
+                              "tensor_model_parallel_size=1 only so far (each expert split over expert-TP ranks that "
+                              "are DP ranks of the dense layers); use null or TP 1", [None, tp])
+        if model is not None and model.moe_ffn_hidden_size % etp:
+            ok = check.fail(field, etp, f"must divide the experts' intermediate size {model.moe_ffn_hidden_size} "
+                            "(each expert is split over the expert TP ranks like the dense MLP over TP)",
+                            [d for d in divisors(model.moe_ffn_hidden_size) if d <= 64])
     if model is not None and model.is_moe and model.num_experts % ep:
         ok = check.fail(f"{prefix}.expert_model_parallel_size", ep,
                         f"must divide the model's {model.num_experts} experts", divisors(model.num_experts))
     # megatron's expert mesh (etp-ep-edp-pp) must tile the same ranks as the dense one: EP x ETP
-    # within DP x CP x TP, i.e. with ETP = TP, EP dividing DP x CP.
-    if dp and (dp * cp) % ep:
+    # within DP x CP x TP (with ETP = TP: EP dividing DP x CP).
+    x = tp if etp is None else etp
+    if dp and (dp * cp * tp) % (ep * x):
+        valid = divisors(dp * cp * tp // x) if (dp * cp * tp) % x == 0 else []
         ok = check.fail(f"{prefix}.expert_model_parallel_size", ep,
-                        f"× expert_tensor_parallel_size={tp} must divide DP × CP × TP = {dp}×{cp}×{tp} "
-                        f"(the experts are split inside the data-parallel ranks)", divisors(dp * cp))
+                        f"× expert_tensor_parallel_size={x} must divide DP × CP × TP = {dp}×{cp}×{tp} "
+                        f"(megatron's expert mesh tiles a pipeline stage's ranks)", valid)
     return ok
 
 
-def _check_rollout_layout(check: _Checker, config: JobConfig, world: int, model: ModelShape | None) -> int:
-    """vLLM layout rules; returns the number of rollout replicas (0 when invalid)."""
+# the MoE dispatch fields of a megatron section and their defaults (each acts on MoE models only)
+MOE_DISPATCH_DEFAULTS = {"moe_token_dispatcher_type": "alltoall", "moe_expert_capacity_factor": None,
+                         "moe_token_drop_policy": "probs", "moe_pad_expert_input_to_capacity": False}
+
+
+def _check_moe_dispatch(check: _Checker, config: JobConfig, model: ModelShape | None) -> None:
+    """The token dispatcher and the expert capacity of each megatron section (megatron-core 0.16.1's
+    rules first, then what the workers can feed them)."""
+    for prefix, mc in megatron_sections(config):
+        known = (mc.moe_token_dispatcher_type in typing.get_args(MoEDispatcher)
+                 and mc.moe_token_drop_policy in typing.get_args(MoEDropPolicy))
+        if not known:
+            continue  # an unknown name: reported by _check_names
+        changed = {name: getattr(mc, name) for name, default in MOE_DISPATCH_DEFAULTS.items()
+                   if getattr(mc, name) != default}
+        if model is not None and not model.is_moe:
+            for name, value in changed.items():
+                check.fail(f"{prefix}.{name}", value, f"acts on mixture-of-experts models only; {model.architecture} "
+                           "is dense: remove it", [MOE_DISPATCH_DEFAULTS[name]])
+            continue
+        capacity = mc.moe_expert_capacity_factor
+        if capacity is not None:
+            # megatron turns a negative factor into "no capacity" without a word: refused here instead
+            check.in_range(f"{prefix}.moe_expert_capacity_factor", capacity, 0.0, 1e3, low_open=True)
+        else:
+            for name in ("moe_token_drop_policy", "moe_pad_expert_input_to_capacity"):
+                if name in changed:
+                    check.fail(f"{prefix}.{name}", changed[name], f"needs {prefix}.moe_expert_capacity_factor (it "
+                               "is null: no expert has a capacity, so no token is dropped or padded); set the factor "
+                               "or remove this", [MOE_DISPATCH_DEFAULTS[name]])
+        allgather = mc.moe_token_dispatcher_type == "allgather"
+        tp, pp, cp = mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size, mc.context_parallel_size
+        ep, etp = mc.expert_model_parallel_size, mc.expert_tensor_parallel_size
+        if allgather and isinstance(pp, int) and pp > 1:
+            check.fail(f"{prefix}.moe_token_dispatcher_type", "allgather",
+                       f"needs pipeline_model_parallel_size=1 (it is {pp}): megatron's allgather dispatcher refuses "
+                       "variable_seq_lengths, which pipeline stages need to pass micro-batches of different shapes; "
+                       "use alltoall", ["alltoall"])
+        sizes = (tp, cp, ep, etp if etp is not None else tp)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sizes):
+            continue  # reported by the layout's own rules
+        uniform = allgather or (capacity is not None and mc.moe_pad_expert_input_to_capacity)
+        if not (uniform and expert_group_spans_replicas(tp, cp, ep, etp)):
+            continue
+        # every rank of megatron's expert TP x EP group must bring the same number of tokens (allgather
+        # gathers equal shares; drop-and-pad sizes its all-to-all from its own token count)
+        field, value = ((f"{prefix}.moe_token_dispatcher_type", "allgather") if allgather
+                        else (f"{prefix}.moe_pad_expert_input_to_capacity", True))
+        why = (f"{field}={value} with expert_model_parallel_size={ep} × expert TP {etp or tp} spanning DP ranks "
+               "needs the same micro-batch shape on every rank of megatron's expert TP × EP group")
+        if config.actor_rollout_ref.actor.use_dynamic_bsz:
+            check.fail("actor_rollout_ref.actor.use_dynamic_bsz", True,
+                       f"{why}; token-budget micro-batches differ in rows between DP ranks: use false, or "
+                       "moe_token_dispatcher_type=alltoall without moe_pad_expert_input_to_capacity", [False])
+        model_prefix, model_section = _model_section(config, prefix)
+        if model_section.use_remove_padding:
+            check.fail(f"{model_prefix}.use_remove_padding", True,
+                       f"{why}; packed micro-batches differ in length between DP ranks: use false, or "
+                       "moe_token_dispatcher_type=alltoall without moe_pad_expert_input_to_capacity", [False])
+    mc = config.actor_rollout_ref.actor.megatron
+    capacity = mc.moe_expert_capacity_factor
+    if capacity is None or (model is not None and not model.is_moe):
+        return
+    field = "actor_rollout_ref.actor.megatron.moe_expert_capacity_factor"
+    if config.actor_rollout_ref.actor.router_replay == "rollout":
+        check.fail(field, capacity, "with actor_rollout_ref.actor.router_replay=rollout: the replayed routing would "
+                   "still lose the tokens over an expert's capacity, which vLLM (no capacity) kept; use null, or "
+                   "router_replay none", [None])
+    else:
+        check.warnings.append(
+            f"{field}={capacity:g}: megatron drops the tokens over an expert's capacity in every trainer forward "
+            "(old log-probs, reference, update), vLLM never does, so the trainer's log-probs differ from the "
+            "rollout's where tokens drop (rollout/log_prob_abs_diff_*, actor/moe_dropped_token_fraction); the "
+            "weight sync's probe runs without capacity")
+
+
+def _check_expert_tp_uses(check: _Checker, config: JobConfig) -> None:
+    """What an actor whose expert TP differs from its TP cannot do yet (not built, or never run)."""
+    arr = config.actor_rollout_ref
+    mc = arr.actor.megatron
+    etp = mc.expert_tensor_parallel_size
+    if etp is None or etp == mc.tensor_model_parallel_size:
+        return
+    field = "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size"
+    if arr.actor.router_replay == "rollout":
+        check.fail(field, etp, f"other than tensor_model_parallel_size={mc.tensor_model_parallel_size} with "
+                   "actor_rollout_ref.actor.router_replay=rollout has not been tested yet; use null, or router_replay "
+                   "none", [None])
+    if arr.rollout.mode == "disaggregated":
+        check.fail(field, etp, f"other than tensor_model_parallel_size={mc.tensor_model_parallel_size} with "
+                   "actor_rollout_ref.rollout.mode=disaggregated is not built yet (the cross-pool weight sync places "
+                   "experts by EP alone); use null, or mode colocated", [None])
+
+
+def _check_rollout_placement(check: _Checker, config: JobConfig, resolved: Resolved, world: int) -> int:
+    """rollout.mode, its pool and rollout.async_mode; returns the ranks vLLM runs on (0 when invalid)."""
+    arr = config.actor_rollout_ref
+    rollout = arr.rollout
+    r = "actor_rollout_ref.rollout"
+    fully_async_fields = {"max_staleness": rollout.max_staleness, "stale_samples": rollout.stale_samples,
+                          "partial_rollout": rollout.partial_rollout}
+    if rollout.async_mode in ("sync", "one_step_off"):  # an unknown mode: reported by _check_names
+        for name, value in fully_async_fields.items():
+            if value is not None:
+                check.fail(f"{r}.{name}", value, f"applies to {r}.async_mode=fully_async only (it is "
+                           f"{rollout.async_mode}); remove it", [])
+    elif rollout.max_staleness is not None:
+        check.is_int_at_least(f"{r}.max_staleness", rollout.max_staleness, 1)
+    if rollout.mode != "disaggregated":
+        if rollout.mode != "colocated":
+            return 0  # an unknown mode: reported by _check_names
+        for name, value, default in (("nnodes", rollout.nnodes, 1), ("n_gpus_per_node", rollout.n_gpus_per_node, None)):
+            if value != default:
+                check.fail(f"{r}.{name}", value, f"sizes a disaggregated rollout pool; with {r}.mode=colocated vLLM "
+                           "runs on the training ranks (trainer.nnodes × trainer.n_gpus_per_node): remove it, or set "
+                           "mode=disaggregated", [default])
+        if rollout.async_mode in ("one_step_off", "fully_async"):
+            check.fail(f"{r}.async_mode", rollout.async_mode, f"needs {r}.mode=disaggregated: colocated, generation "
+                       "and training take turns on the same GPUs, so neither can run ahead", ["sync"])
+        return world
+    ok = check.is_int_at_least(f"{r}.nnodes", rollout.nnodes, 1)
+    if rollout.n_gpus_per_node is None:
+        ok = check.fail(f"{r}.n_gpus_per_node", None, f"is required with {r}.mode=disaggregated: the rollout "
+                        "pool's ranks per machine (vLLM's GPUs, apart from the trainer's)")
+    else:
+        ok &= check.is_int_at_least(f"{r}.n_gpus_per_node", rollout.n_gpus_per_node, 1)
+    if rollout.free_cache_engine is not None:
+        check.fail(f"{r}.free_cache_engine", rollout.free_cache_engine, f"applies to {r}.mode=colocated only: a "
+                   "disaggregated rollout has its GPUs to itself and never sleeps; remove it", [])
+    if rollout.async_mode in ("one_step_off", "fully_async"):
+        behind = f"with {r}.async_mode={rollout.async_mode}"
+        alg = config.algorithm
+        if alg.adv_estimator in GREEDY_BASELINE_ADV_ESTIMATORS:
+            check.fail("algorithm.adv_estimator", alg.adv_estimator, f"{behind}: its greedy baseline would be a "
+                       "second generation of the step's prompts while the rollout pool runs ahead (not built); use "
+                       "grpo, rloo, reinforce_plus_plus or gae, or async_mode=sync", ["grpo", "rloo"])
+        if alg.filter_groups.enable:
+            check.fail("algorithm.filter_groups.enable", True, f"{behind}: dynamic sampling's extra generation "
+                       "rounds are not built for a rollout that runs ahead; use async_mode=sync", [False])
+    if rollout.async_mode == "fully_async":
+        behind = f"with {r}.async_mode=fully_async"
+        if rollout.multi_turn.enable is True:
+            check.fail(f"{r}.multi_turn.enable", True, f"{behind}: a conversation paused at a weight sync would "
+                       "have to resume mid-turn (not built); use async_mode=one_step_off or sync", [False])
+        if arr.actor.router_replay == "rollout":
+            check.fail("actor_rollout_ref.actor.router_replay", "rollout", f"{behind}: a partial rollout re-reads "
+                       "its prefix under new weights, whose routing would not be the one the tokens were sampled "
+                       "with; use async_mode=one_step_off or sync", ["none"])
+    return resolved.rollout_world if ok else 0
+
+
+def _check_rollout_layout(check: _Checker, config: JobConfig, world: int, model: ModelShape | None,
+                          pool: bool = False) -> int:
+    """vLLM layout rules on its `world` ranks (`pool`: a disaggregated rollout pool's); returns the number
+    of rollout replicas (0 when invalid)."""
     field = "actor_rollout_ref.rollout.tensor_model_parallel_size"
     itp = config.actor_rollout_ref.rollout.tensor_model_parallel_size
     if not check.is_int_at_least(field, itp, 1):
         return 0
     ok = True
     if world and world % itp:
-        ok = check.fail(field, itp, f"must divide the {world} GPUs", divisors(world))
+        where = "rollout pool's " if pool else ""
+        ok = check.fail(field, itp, f"must divide the {where}{world} GPUs", divisors(world))
     if model is not None:
         heads, kv = model.num_attention_heads, model.num_kv_heads
         padded_vocab = vllm_padded_vocab(model.vocab_size)

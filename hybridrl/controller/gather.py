@@ -9,7 +9,7 @@ may be stuck in a gloo/NCCL collective that will never complete.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,11 +124,14 @@ def wait_all(
     poll_s: float = 0.5,
     tear_down_on_failure: bool = True,
     root_cause_grace_s: float = 3.0,
+    on_poll: Callable[[], None] | None = None,
 ) -> list[Any]:
     """Results of `refs` (one per rank) in rank order; raise WorkerGroupError on the first failure.
 
     When the only failures so far are broken collectives (symptoms of a vanished peer), wait up to
     `root_cause_grace_s` more for the failure that caused them, so the error names the right rank.
+    `on_poll` runs after every poll slice: a caller waiting on two groups at once (a rollout pool
+    running ahead of the trainer) raises from it when the other group has failed.
     """
     results: list[Any] = [None] * len(refs)
     pending: dict[ray.ObjectRef, int] = {ref: rank for rank, ref in enumerate(refs)}
@@ -164,6 +167,8 @@ def wait_all(
             if tear_down_on_failure:
                 kill_actors(actors)
             raise WorkerGroupError(role, method, failures, unfinished, tear_down_on_failure)
+        if on_poll is not None and pending:
+            on_poll()
         if deadline is not None and pending and time.monotonic() >= deadline:
             unfinished = sorted(pending.values())
             if tear_down_on_failure:

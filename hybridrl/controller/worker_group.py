@@ -41,7 +41,7 @@ from hybridrl.controller.dispatch import (
     row_tokens,
     select_output_ranks,
 )
-from hybridrl.controller.gather import WorkerGroupError, execute_all, kill_actors
+from hybridrl.controller.gather import WorkerGroupError, execute_all, kill_actors, submit_all, wait_all
 from hybridrl.controller.resource_pool import ResourcePool
 from hybridrl.data.batch import Batch
 
@@ -51,6 +51,49 @@ class WorkerGroupClosedError(RuntimeError):
 
 
 WorkerMethod = Callable[..., Any]  # a function of the group's worker class, e.g. `CriticWorker.update_critic`
+
+
+class PendingCall:
+    """A group call started with `WorkerGroup.submit_*`: the ranks run it while the controller goes on.
+
+    `result()` waits for it fail-fast, like a blocking call (a failure tears the group down and raises
+    `WorkerGroupError`); `done()` asks without waiting. A group runs one call at a time per rank (Ray
+    actors are sequential), so later calls on the group queue behind this one.
+    """
+
+    def __init__(self, group: WorkerGroup, method: str, refs: list[Any], finish: Callable[[list[Any]], Any]) -> None:
+        self.group = group
+        self.method = method
+        self.refs = refs
+        self._finish = finish
+        self._value: Any = None
+        self._collected = False
+
+    def done(self) -> bool:
+        if self._collected:
+            return True
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return len(ready) == len(self.refs)
+
+    def failed(self) -> bool:
+        """Whether some rank already failed (without waiting for the others)."""
+        if self._collected:
+            return False
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        for ref in ready:
+            try:
+                ray.get(ref, timeout=0)
+            except ray.exceptions.RayError:
+                return True
+            except Exception:  # noqa: BLE001 - not ready after all: no failure seen
+                continue
+        return False
+
+    def result(self) -> Any:
+        if not self._collected:
+            self._value = self._finish(self.group._wait(self.method, self.refs))
+            self._collected = True
+        return self._value
 
 
 def worker_method_name(worker_cls: type, method: WorkerMethod, role: str) -> str:
@@ -71,6 +114,27 @@ def worker_method_name(worker_cls: type, method: WorkerMethod, role: str) -> str
         hint = f": {cls} has its own {name}, call {cls}.{name}" if hasattr(worker_cls, name) else ""
         raise TypeError(f"{qualname} is a method of {owner}, not of {cls} (the {role} group's worker class){hint}")
     return name
+
+
+def wait_together(calls: Sequence[PendingCall], poll_s: float = 0.5) -> list[Any]:
+    """The results of calls running at once on different groups (two pools in one collective, e.g. a
+    weight sync across them). Fail-fast across the groups: when one group's call fails, its error is
+    raised and every other group of `calls` is torn down too (its ranks may be stuck in a collective
+    with the failed ones)."""
+    try:
+        while not all(call.done() for call in calls):
+            for call in calls:
+                if call.failed():
+                    call.result()  # raises WorkerGroupError, its group torn down
+            refs = [ref for call in calls if not call.done() for ref in call.refs]
+            if refs:  # wake when one more rank finishes (or fails), or after poll_s
+                finished, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+                ray.wait(refs, num_returns=min(len(finished) + 1, len(refs)), timeout=poll_s)
+        return [call.result() for call in calls]
+    except BaseException:
+        for call in calls:
+            call.group.shutdown()
+        raise
 
 
 class WorkerGroup:
@@ -103,6 +167,9 @@ class WorkerGroup:
         self.mesh: RankMesh | None = None
         self._failure: WorkerGroupError | None = None
         self._closed = False
+        # Called in every poll slice of this group's waits: the controller sets it to raise when another
+        # group it drives at the same time has failed (a disaggregated rollout pool running ahead).
+        self.watchdog: Callable[[], None] | None = None
         resources = pool.reserve(role)
         try:
             actor_cls = ray.remote(worker_cls)
@@ -170,13 +237,18 @@ class WorkerGroup:
 
     def _execute(self, method: str, calls: Sequence[RankCall], timeout_s: float | None = None) -> list[Any]:
         self._check_usable()
+        return self._wait(method, submit_all(self.actors, method, calls), timeout_s)
+
+    def _wait(self, method: str, refs: list[Any], timeout_s: float | None = None) -> list[Any]:
+        self._check_usable()
         try:
-            return execute_all(
-                self.actors, method, calls, role=self.role,
+            return wait_all(
+                refs, self.actors, role=self.role, method=method,
                 timeout_s=timeout_s if timeout_s is not None else self.call_timeout_s, poll_s=self.poll_s,
+                on_poll=self.watchdog,
             )
         except WorkerGroupError as error:
-            # execute_all already killed the actors; free the pool slot too.
+            # wait_all already killed the actors; free the pool slot too.
             self._failure = error
             self.shutdown()
             raise
@@ -206,11 +278,11 @@ class WorkerGroup:
 
     def call_all(self, method: WorkerMethod, *args: Any, **kwargs: Any) -> list[Any]:
         """The same arguments to every rank (one-to-all); results in rank order."""
-        return self._execute(self.method_name(method), one_to_all(*args, world_size=self.world_size, **kwargs))
+        return self.submit_all(method, *args, **kwargs).result()
 
     def call_per_rank(self, method: WorkerMethod, per_rank_args: Sequence[RankCall | tuple]) -> list[Any]:
         """Arguments per rank (all-to-all); results in rank order."""
-        return self._execute(self.method_name(method), all_to_all(per_rank_args, self.world_size))
+        return self.submit_per_rank(method, per_rank_args).result()
 
     def call_by_dp(self, method: WorkerMethod, batch: Batch, *args: Any, mesh: RankMesh | None = None,
                    balance_mini_batches: int | None = None, **kwargs: Any) -> Batch:
@@ -224,33 +296,66 @@ class WorkerGroup:
         `balanced_dp_order(tokens, dp, k)` (equal rows and balanced real tokens per rank, each of k
         mini-batches keeping its rows; `trainer.balance_batch`); the result is still in `batch`'s order.
         """
-        name = self.method_name(method)
-        mesh = mesh or self.require_mesh()
-        padded, pad_count = batch.pad_to_multiple(mesh.dp_size)
-        order = None if balance_mini_batches is None else balanced_dp_order(
-            row_tokens(padded), mesh.dp_size, balance_mini_batches)
-        chunk_refs = dispatch_by_dp(padded if order is None else padded.reorder(order), mesh)
-        shared = one_to_all(*args, world_size=1, **kwargs)[0]
-        calls = [RankCall((ref, *shared.args), shared.kwargs) for ref in chunk_refs]
-        results = collect_from_output_ranks(self._execute(name, calls), mesh)
-        if order is not None:  # row order[i] came back at position i
-            results = results.reorder(np.argsort(order, kind="stable"))
-        return results.unpad(pad_count)
+        return self.submit_by_dp(method, batch, *args, mesh=mesh, balance_mini_batches=balance_mini_batches,
+                                 **kwargs).result()
 
     def call_by_dp_outputs(self, method: WorkerMethod, batch: Batch, *args: Any, mesh: RankMesh | None = None,
                            balance_mini_batches: int | None = None, **kwargs: Any) -> list[Any]:
         """Like `call_by_dp` for methods that return something other than a batch (e.g. metrics):
         the output ranks' results, one per DP rank, in DP order. `batch` must divide by the DP size."""
+        return self.submit_by_dp_outputs(method, batch, *args, mesh=mesh, balance_mini_batches=balance_mini_batches,
+                                         **kwargs).result()
+
+    # --------------------------------------------------------------------------- non-blocking
+    # The calls above are these, waited for: `submit_*` starts the ranks and returns a `PendingCall`
+    # at once, so the controller can drive two groups at the same time (a disaggregated rollout).
+    def submit_all(self, method: WorkerMethod, *args: Any, **kwargs: Any) -> PendingCall:
         name = self.method_name(method)
+        self._check_usable()
+        refs = submit_all(self.actors, name, one_to_all(*args, world_size=self.world_size, **kwargs))
+        return PendingCall(self, name, refs, lambda results: results)
+
+    def submit_per_rank(self, method: WorkerMethod, per_rank_args: Sequence[RankCall | tuple]) -> PendingCall:
+        name = self.method_name(method)
+        self._check_usable()
+        refs = submit_all(self.actors, name, all_to_all(per_rank_args, self.world_size))
+        return PendingCall(self, name, refs, lambda results: results)
+
+    def submit_by_dp(self, method: WorkerMethod, batch: Batch, *args: Any, mesh: RankMesh | None = None,
+                     balance_mini_batches: int | None = None, **kwargs: Any) -> PendingCall:
+        name = self.method_name(method)
+        self._check_usable()
+        mesh = mesh or self.require_mesh()
+        padded, pad_count = batch.pad_to_multiple(mesh.dp_size)
+        order = None if balance_mini_batches is None else balanced_dp_order(
+            row_tokens(padded), mesh.dp_size, balance_mini_batches)
+        refs = self._submit_chunks(name, padded if order is None else padded.reorder(order), mesh, args, kwargs)
+
+        def finish(results: list[Any]) -> Batch:
+            rows = collect_from_output_ranks(results, mesh)
+            if order is not None:  # row order[i] came back at position i
+                rows = rows.reorder(np.argsort(order, kind="stable"))
+            return rows.unpad(pad_count)
+
+        return PendingCall(self, name, refs, finish)
+
+    def submit_by_dp_outputs(self, method: WorkerMethod, batch: Batch, *args: Any, mesh: RankMesh | None = None,
+                             balance_mini_batches: int | None = None, **kwargs: Any) -> PendingCall:
+        name = self.method_name(method)
+        self._check_usable()
         mesh = mesh or self.require_mesh()
         if len(batch) % mesh.dp_size:
             raise ValueError(f"{name}: {len(batch)} rows do not split over {mesh.dp_size} data-parallel ranks")
         if balance_mini_batches is not None:
             batch = batch.reorder(balanced_dp_order(row_tokens(batch), mesh.dp_size, balance_mini_batches))
-        chunk_refs = dispatch_by_dp(batch, mesh)
+        refs = self._submit_chunks(name, batch, mesh, args, kwargs)
+        return PendingCall(self, name, refs, lambda results: select_output_ranks(results, mesh))
+
+    def _submit_chunks(self, name: str, batch: Batch, mesh: RankMesh, args: tuple, kwargs: dict) -> list[Any]:
+        """Start `name(chunk, *args, **kwargs)` on every rank, the chunk of its DP rank."""
         shared = one_to_all(*args, world_size=1, **kwargs)[0]
-        calls = [RankCall((ref, *shared.args), shared.kwargs) for ref in chunk_refs]
-        return select_output_ranks(self._execute(name, calls), mesh)
+        calls = [RankCall((ref, *shared.args), shared.kwargs) for ref in dispatch_by_dp(batch, mesh)]
+        return submit_all(self.actors, name, calls)
 
     # ------------------------------------------------------------------------------- mesh
     def set_mesh(self, mesh: RankMesh) -> None:

@@ -247,11 +247,12 @@ class ModelShape:
 
     # ---- parallel fit ----------------------------------------------------------------------------
     def parallel_errors(self, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1, *,
-                        first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> list[str]:
-        """Every reason TP/PP/VPP/EP and the stage split cannot shard this model (empty when it can),
-        for all-at-once reports (the arguments are `ParallelLayout.sizes()`)."""
+                        first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+                        etp: int | None = None) -> list[str]:
+        """Every reason TP/PP/VPP/EP/ETP and the stage split cannot shard this model (empty when it
+        can), for all-at-once reports (the arguments are `ParallelLayout.sizes()`; `etp` None: TP)."""
         errors: list[str] = []
-        for label, value in (("tp", tp), ("pp", pp), ("ep", ep)):
+        for label, value in (("tp", tp), ("pp", pp), ("ep", ep), ("etp", etp or tp)):
             if value < 1:
                 errors.append(f"{label}={value} must be >= 1")
         if vpp is not None and vpp < 1:
@@ -274,12 +275,16 @@ class ModelShape:
             errors.append(f"tp={tp} does not divide intermediate_size={self.ffn_hidden_size}")
         if ep > 1 and not self.is_moe:
             errors.append(f"ep={ep} needs a mixture-of-experts model ({self.architecture} is dense): use ep=1")
+        if etp is not None and etp != tp and not self.is_moe:
+            errors.append(f"etp={etp} needs a mixture-of-experts model ({self.architecture} is dense): use etp=tp")
         if self.is_moe:
             if self.num_experts % ep:
                 errors.append(f"ep={ep} does not divide num_experts={self.num_experts}")
-            # the expert tensor-parallel size is tp: each expert's fc1/fc2 is split like a dense MLP
-            if self.moe_ffn_hidden_size % tp:
-                errors.append(f"tp={tp} does not divide the experts' intermediate size {self.moe_ffn_hidden_size}")
+            # each expert's fc1/fc2 is split over the expert TP ranks like a dense MLP over TP
+            label = "tp" if etp is None or etp == tp else "etp"
+            if self.moe_ffn_hidden_size % (etp or tp):
+                errors.append(f"{label}={etp or tp} does not divide the experts' intermediate size "
+                              f"{self.moe_ffn_hidden_size}")
         if vpp is not None and vpp > 1 and pp < 2:
             errors.append(f"vpp={vpp} needs pp >= 2 (got pp={pp})")
         else:
@@ -291,19 +296,20 @@ class ModelShape:
         return errors
 
     def check_parallel(self, tp: int = 1, pp: int = 1, vpp: int | None = None, ep: int = 1, *,
-                       first_stage_layers: int | None = None, last_stage_layers: int | None = None) -> None:
+                       first_stage_layers: int | None = None, last_stage_layers: int | None = None,
+                       etp: int | None = None) -> None:
         errors = self.parallel_errors(tp, pp, vpp, ep, first_stage_layers=first_stage_layers,
-                                      last_stage_layers=last_stage_layers)
+                                      last_stage_layers=last_stage_layers, etp=etp)
         if errors:
             raise ParallelLayoutError(f"{self.architecture}: " + "; ".join(errors))
 
     # ---- megatron configuration (plain values; bridge.py makes the objects) ---------------------
     def megatron_config_kwargs(self, tp: int = 1, pp: int = 1, vpp: int | None = None,
                                ep: int = 1, *, first_stage_layers: int | None = None,
-                               last_stage_layers: int | None = None) -> dict[str, Any]:
+                               last_stage_layers: int | None = None, etp: int | None = None) -> dict[str, Any]:
         """`TransformerConfig` keyword arguments, with `activation_func` given by name ('silu')."""
         self.check_parallel(tp, pp, vpp, ep, first_stage_layers=first_stage_layers,
-                            last_stage_layers=last_stage_layers)
+                            last_stage_layers=last_stage_layers, etp=etp)
         return dict(
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
@@ -327,10 +333,10 @@ class ModelShape:
             # megatron places the layers by these (get_transformer_layer_offset); None = even
             num_layers_in_first_pipeline_stage=first_stage_layers,
             num_layers_in_last_pipeline_stage=last_stage_layers,
-            **self._moe_config_kwargs(tp, ep),
+            **self._moe_config_kwargs(etp or tp, ep),
         )
 
-    def _moe_config_kwargs(self, tp: int, ep: int) -> dict[str, Any]:
+    def _moe_config_kwargs(self, etp: int, ep: int) -> dict[str, Any]:
         if not self.is_moe:
             return {}
         return dict(
@@ -351,7 +357,7 @@ class ModelShape:
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
             expert_model_parallel_size=ep,
-            expert_tensor_parallel_size=tp,
+            expert_tensor_parallel_size=etp,
         )
 
     def gpt_model_kwargs(self, tp: int = 1) -> dict[str, Any]:

@@ -6,7 +6,7 @@ Typical use on every rank of a training group (after `hybridrl.parallel.state.in
     models = build_gpt_models(source)                  # one GPTModel per VPP chunk of this rank
     load_weights(models, hf_dir)                       # HF folder or megatron checkpoint, any layout
     ...
-    save_mcore_checkpoint(models, ckpt_dir)            # collective: one file per TP x PP rank
+    save_mcore_checkpoint(models, ckpt_dir)            # collective: one file per rank file position
     export_hf(models, hf_out_dir)                      # collective: HF folder written by rank 0
 
 Loading streams: each tensor of this rank is read as the exact HF row/column ranges it needs
@@ -43,11 +43,13 @@ from hybridrl.models.checkpoint import (
     write_rank_file,
 )
 from hybridrl.models.layout import (
+    ModelRank,
     ParallelLayout,
     StageChunk,
     TensorPlan,
     chunk_tensor_plans,
     rank_chunk_key_prefix,
+    rank_file_fields,
     rank_file_name,
 )
 from hybridrl.parallel.cpu_attention import install_cpu_packed_rope, with_cpu_packed_attention
@@ -109,10 +111,19 @@ class ChunkInfo:
     tp_rank: int
     spec_kind: str
     ep_rank: int = 0
+    etp_rank: int | None = None  # None: tp_rank % the expert TP size (tp_rank when ETP = TP)
 
     def tensor_plans(self) -> list[TensorPlan]:
         """This chunk's tensors as the layout math describes them."""
-        return chunk_tensor_plans(self.source.shape, self.layout, self.chunk, self.tp_rank, self.ep_rank)
+        return chunk_tensor_plans(self.source.shape, self.layout, self.chunk, self.tp_rank, self.ep_rank,
+                                  self.etp_rank)
+
+    @property
+    def rank(self) -> ModelRank:
+        """The rank file position of this rank's tensors (`layout.ModelRank`)."""
+        slot = self.layout.slot_of(self.tp_rank, self.ep_rank, self.etp_rank)
+        tp_rank, ep_rank, etp_rank = self.layout.slot_ranks(slot)
+        return ModelRank(tp_rank, self.chunk.pp_rank, ep_rank, etp_rank)
 
 
 def _context(ctx: Any = None) -> Any:
@@ -132,7 +143,7 @@ def _as_source(source: ModelSource | str | Path | Mapping[str, Any]) -> ModelSou
 def transformer_config(
     shape: ModelShape, tp: int, pp: int, vpp: int | None, *, device: str, dtype: torch.dtype,
     ep: int = 1, first_stage_layers: int | None = None, last_stage_layers: int | None = None,
-    **overrides: Any,
+    etp: int | None = None, **overrides: Any,
 ) -> Any:
     """megatron `TransformerConfig` for `shape` on a resolved `device`, with the CPU layer's flags
     where the device policy runs megatron through it (CPU)."""
@@ -140,7 +151,7 @@ def transformer_config(
     from megatron.core.transformer import TransformerConfig
 
     kwargs = shape.megatron_config_kwargs(tp, pp, vpp, ep, first_stage_layers=first_stage_layers,
-                                          last_stage_layers=last_stage_layers)
+                                          last_stage_layers=last_stage_layers, etp=etp)
     kwargs["activation_func"] = {"silu": F.silu}[kwargs["activation_func"]]
     kwargs.update(
         params_dtype=dtype,
@@ -169,17 +180,18 @@ def layer_spec(shape: ModelShape, kind: str, config: Any = None, chunk: StageChu
                cpu_layer: bool = False) -> Any:
     """The GPT layer spec (dense), or for an MoE model this chunk's block spec: megatron's per-layer
     choice between the MoE and the dense layer (`moe_layer_freq`) for the layers `chunk` holds. With
-    `cpu_layer` (the device policy's `megatron_cpu_layer`) a dense local spec's core attention is the
-    CPU layer's stand-in that also serves packed sequences."""
+    `cpu_layer` (the device policy's `megatron_cpu_layer`) every local layer's core attention is the
+    CPU layer's stand-in that also serves packed sequences and context parallelism."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if shape.is_moe:
         if config is None or chunk is None:
             raise ValueError("an MoE model's layer spec needs its TransformerConfig and chunk")
         _define_missing_te_gemm()
-        return gpt_layer_specs.get_gpt_decoder_block_spec(
+        block = gpt_layer_specs.get_gpt_decoder_block_spec(
             config, use_transformer_engine=kind == "te", normalization="RMSNorm",
             vp_stage=chunk.vp_stage, pp_rank=chunk.pp_rank)
+        return with_cpu_packed_attention(block) if cpu_layer else block
     if kind == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
     spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
@@ -221,8 +233,15 @@ def build_gpt_models(
     kind = spec_kind or layer_spec_kind(ctx.device)
     config = transformer_config(shape, layout.tp, layout.pp, layout.vpp, device=ctx.device, dtype=torch_dtype,
                                 ep=layout.ep, first_stage_layers=layout.first_stage_layers,
-                                last_stage_layers=layout.last_stage_layers, context_parallel_size=ctx.cp,
-                                **dict(config_overrides or {}))
+                                last_stage_layers=layout.last_stage_layers, etp=layout.etp,
+                                context_parallel_size=ctx.cp, **dict(config_overrides or {}))
+    # The layout's slots must be megatron's two meshes: the dense one's TP rank and the expert one's
+    # EP and expert TP ranks of this rank (its local index in its pipeline stage, tp fastest).
+    local = ctx.rank % (ctx.world_size // ctx.pp)
+    ranks = (ctx.tp_rank, getattr(ctx, "ep_rank", 0), getattr(ctx, "etp_rank", ctx.tp_rank))
+    if shape.is_moe and layout.slot_ranks(local) != ranks:
+        raise RuntimeError(f"rank {ctx.rank}: megatron placed (tp, ep, etp) ranks {ranks}, the layout's slot "
+                           f"{local % layout.slots} says {layout.slot_ranks(local)}")
     cpu_layer = DevicePolicy.for_device(ctx.device).megatron_cpu_layer
     models = []
     for chunk in layout.chunks(shape.num_layers, ctx.pp_rank):
@@ -243,7 +262,9 @@ def build_gpt_models(
             raise RuntimeError(f"megatron placed {built} layers from layer {first_layer} in "
                                f"chunk {chunk}, layout math expects {chunk.num_layers} from {chunk.first_layer}")
         _mark_tensor_parallel_params(model)
-        model.hybridrl = ChunkInfo(src, layout, chunk, ctx.tp_rank, kind, getattr(ctx, "ep_rank", 0))
+        _mark_expert_params(model, layout)
+        model.hybridrl = ChunkInfo(src, layout, chunk, ctx.tp_rank, kind, getattr(ctx, "ep_rank", 0),
+                                   getattr(ctx, "etp_rank", None) if shape.is_moe else None)
         models.append(model)
     return models
 
@@ -274,6 +295,25 @@ def _mark_tensor_parallel_params(model: Any) -> None:
             param = getattr(module, name, None)
             if isinstance(param, torch.nn.Parameter) and not getattr(param, "tensor_model_parallel", False):
                 set_tensor_model_parallel_attributes(param, True, dim, 1)
+
+
+def _mark_expert_params(model: Any, layout: ParallelLayout) -> None:
+    """Give the routed experts' weights megatron's `allreduce=False` (an expert-parallel parameter)
+    wherever their replicas are not the dense DP replicas: EP > 1, or an expert TP other than TP.
+
+    megatron-core 0.16.1 sets `allreduce = not (is_expert and expert_model_parallel_size > 1)`
+    (`ColumnParallelLinear` / `RowParallelLinear`). At EP 1 with ETP = 2 > TP = 1 the two DP ranks
+    hold different halves of each expert, so DDP's all-reduce over DP would add one half's gradient
+    to the other's (measured: expert updates at cos 0.48 with the ETP1 run's). As expert-parallel
+    parameters they are reduced over the expert-DP group instead and stepped by the expert optimizer
+    (megatron's `allreduce` flag decides both).
+    """
+    if layout.ep == 1 and layout.etp is None:
+        return  # experts replicated like the dense weights: megatron's own flag is right
+    for module in model.modules():
+        if getattr(module, "is_expert", False):
+            for param in module.parameters(recurse=False):
+                param.allreduce = False
 
 
 def build_gpt_model(source: ModelSource | str | Path | Mapping[str, Any], **kwargs: Any) -> Any:
@@ -384,7 +424,7 @@ def _load_same_layout(models: Sequence[Any], meta: McoreMetadata, verify: bool) 
     from safetensors import safe_open
 
     info0 = chunk_info(models[0])
-    fname = rank_file_name(info0.layout, info0.tp_rank, info0.chunk.pp_rank, info0.ep_rank)
+    fname = rank_file_name(info0.layout, *info0.rank)
     recorded = meta.files[fname]["tensors"]
     with safe_open(str(meta.path / fname), framework="pt") as handle:
         file_keys = set(handle.keys())
@@ -452,12 +492,14 @@ def _rank_tensors(models: Sequence[Any]) -> dict[str, torch.Tensor]:
 
 def save_mcore_checkpoint(models: Sequence[Any], out_dir: str | Path, *, ctx: Any = None,
                           force: bool = False) -> Path:
-    """Collective: write this model as a hybridrl megatron checkpoint (one file per TP×PP rank).
+    """Collective: write this model as a hybridrl megatron checkpoint (one file per rank file position:
+    TP×PP, ×EP for expert-parallel models, per slot of TP and expert TP×EP when they differ).
 
-    Called by every rank; DP/CP rank 0 of each model-parallel position (expert-DP rank 0 of each
-    TP x PP x EP position for an expert-parallel model) writes its file into a
-    temporary folder next to `out_dir` (a filesystem shared by the ranks), rank 0 adds the metadata
-    and renames it into place. Readable by `load_weights` and `hybridrl convert`.
+    Called by every rank; the first rank of each position, the one whose local index in its pipeline
+    stage is below the layout's slots (DP/CP rank 0 of a TP x PP position for a dense model, expert-DP
+    rank 0 with ETP = TP), writes its file into a temporary folder next to `out_dir` (a filesystem
+    shared by the ranks), rank 0 adds the metadata and renames it into place. Readable by
+    `load_weights` and `hybridrl convert`.
     """
     import torch.distributed as dist
 
@@ -468,16 +510,13 @@ def save_mcore_checkpoint(models: Sequence[Any], out_dir: str | Path, *, ctx: An
     tmp = shared_staging_dir(out_dir, force, ctx)
     entry: tuple[str, dict[str, Any]] | None = None
     ok, detail = True, ""
-    # The ranks holding each file's tensors once: with EP > 1 the EP ranks of a TP x PP position
-    # hold different experts and span DP x CP, so their own replicas (expert DP) pick the writer.
-    writer = ctx.expert_dp_rank == 0 if info.layout.ep > 1 else ctx.dp_rank == 0 and ctx.cp_rank == 0
-    if writer:
+    # The slots of a stage repeat every `slots` local ranks (`layout.ParallelLayout.slots`): the
+    # first repetition writes.
+    if ctx.rank % (ctx.world_size // ctx.pp) < info.layout.slots:
         try:
-            fname = rank_file_name(info.layout, ctx.tp_rank, ctx.pp_rank, info.ep_rank)
-            entry = (fname, {"tp_rank": ctx.tp_rank, "pp_rank": ctx.pp_rank,
-                             "tensors": write_rank_file(tmp / fname, _rank_tensors(models))})
-            if info.layout.ep > 1:
-                entry[1]["ep_rank"] = info.ep_rank
+            fname = rank_file_name(info.layout, *info.rank)
+            entry = (fname, rank_file_fields(info.layout, info.rank)
+                     | {"tensors": write_rank_file(tmp / fname, _rank_tensors(models))})
         except Exception as exc:  # noqa: BLE001
             ok, detail = False, f"{type(exc).__name__}: {exc}"
     entries: list[Any] = [None] * ctx.world_size

@@ -8,8 +8,11 @@ mcore→mcore re-sharding are the same code, and no step holds more than one ran
 (mcore) or one output shard (HF).
 
 Sharded megatron checkpoint (`hybridrl convert hf-to-mcore`, or `bridge.save_mcore_checkpoint`):
-  model_tp{T:02d}_pp{P:03d}[_ep{E:03d}].safetensors  one per TP×PP(×EP) rank; keys = GPTModel.state_dict() keys
-                                         (local-spec names), prefixed `model{v}.` per VPP chunk
+  model_tp{T:02d}_pp{P:03d}[_ep{E:03d}[_etp{X:02d}]].safetensors  one per rank file position
+                                         (`layout.ParallelLayout.model_ranks`: TP×PP(×EP), or per
+                                         slot of TP and expert TP×EP when they differ); keys =
+                                         GPTModel.state_dict() keys (local-spec names), prefixed
+                                         `model{v}.` per VPP chunk
   hybridrl_checkpoint.json               format, layout, architecture, HF config, dtype, padded
                                          vocab, and shape/dtype/sha256 of every tensor
   hf_assets/                             tokenizer and other small files copied from the HF folder
@@ -35,12 +38,14 @@ from safetensors.torch import save_file
 from hybridrl.models.arch import ModelShape, read_hf_config
 from hybridrl.models.layout import (
     IGNORED_HF_SUFFIXES,
+    ModelRank,
     ParallelLayout,
     ShardRange,
     TensorPlan,
     hf_export_map,
     hf_tensor_axis,
     hf_tensor_shapes,
+    rank_file_fields,
     rank_file_name,
     rank_tensor_plans,
 )
@@ -234,17 +239,17 @@ class McoreCheckpointReader:
             self.verify(progress)
         self._pieces = hf_export_map(self.shape, self.layout)
 
-    def _rank_path(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> Path:
-        return self.dir / rank_file_name(self.layout, tp_rank, pp_rank, ep_rank)
+    def _rank_path(self, tp_rank: int, pp_rank: int, ep_rank: int = 0, etp_rank: int | None = None) -> Path:
+        return self.dir / rank_file_name(self.layout, tp_rank, pp_rank, ep_rank, etp_rank)
 
     def _check_structure(self) -> None:
         """Every rank file exists and holds exactly the tensors its layout implies, with their shapes."""
-        for tp_rank, pp_rank, ep_rank in self.layout.model_ranks():
-            fname = rank_file_name(self.layout, tp_rank, pp_rank, ep_rank)
+        for rank in self.layout.model_ranks():
+            fname = rank_file_name(self.layout, *rank)
             path = self.dir / fname
             if not path.is_file():
                 raise CheckpointError(f"checkpoint {self.dir} is incomplete: {fname} is missing")
-            plans = rank_tensor_plans(self.shape, self.layout, tp_rank, pp_rank, ep_rank)
+            plans = rank_tensor_plans(self.shape, self.layout, *rank)
             recorded = self.meta.files.get(fname, {}).get("tensors", {})
             handle = self._files.get(path)
             keys = set(handle.keys())
@@ -275,7 +280,7 @@ class McoreCheckpointReader:
         return sum(len(entry["tensors"]) for entry in self.meta.files.values())
 
     def read(self, hf_name: str, axis: int | None, start: int, stop: int) -> torch.Tensor:
-        return read_pieces(self._pieces[hf_name], lambda tp, pp, ep: self._files.get(self._rank_path(tp, pp, ep)),
+        return read_pieces(self._pieces[hf_name], lambda rank: self._files.get(self._rank_path(*rank)),
                            axis, start, stop)
 
     def dtype_of(self, hf_name: str) -> torch.dtype:
@@ -292,17 +297,18 @@ class McoreCheckpointReader:
         self._files.close()
 
 
-def read_pieces(pieces: Sequence[ShardRange], handle_of: Callable[[int, int, int], Any], axis: int | None,
+def read_pieces(pieces: Sequence[ShardRange], handle_of: Callable[[ModelRank], Any], axis: int | None,
                 start: int, stop: int, key_prefix: str = "") -> torch.Tensor:
     """Range [start, stop) along `axis` of one HF tensor, stitched from the rank files holding its pieces.
 
-    `pieces` is that tensor's entry of `layout.hf_export_map`; `handle_of(tp_rank, pp_rank, ep_rank)` opens a
-    rank's safetensors file; `key_prefix` is put before each piece's key (files that hold several
-    tensors per parameter, e.g. the optimizer states of `hybridrl.training.checkpointing`).
+    `pieces` is that tensor's entry of `layout.hf_export_map`; `handle_of(rank)` opens the
+    safetensors file of a rank file position (`layout.ModelRank`); `key_prefix` is put before each
+    piece's key (files that hold several tensors per parameter, e.g. the optimizer states of
+    `hybridrl.training.checkpointing`).
     """
     parts = []
     for piece in pieces:
-        handle = handle_of(piece.tp_rank, piece.pp_rank, piece.ep_rank)
+        handle = handle_of(piece.rank)
         if piece.axis is None:
             return _slice(handle, key_prefix + piece.key, None, 0, 0)
         lo, hi = max(start, piece.hf_start), min(stop, piece.hf_stop)
@@ -401,8 +407,8 @@ def _progress_bar(total: int, desc: str, enabled: bool) -> Any:
 
 def estimated_mcore_bytes(shape: ModelShape, layout: ParallelLayout, dtype: torch.dtype) -> int:
     numel = 0
-    for tp_rank, pp_rank, ep_rank in layout.model_ranks():
-        for plan in rank_tensor_plans(shape, layout, tp_rank, pp_rank, ep_rank).values():
+    for rank in layout.model_ranks():
+        for plan in rank_tensor_plans(shape, layout, *rank).values():
             count = 1
             for dim in plan.shape:
                 count *= dim
@@ -428,15 +434,13 @@ def write_mcore_checkpoint(
     files: dict[str, dict[str, Any]] = {}
     assets = reader.assets()
     with atomic_dir(out_dir, force) as tmp, _progress_bar(total, "hf-to-mcore", progress) as bar:
-        for (tp_rank, pp_rank, ep_rank), plans in rank_plans.items():
+        for rank, plans in rank_plans.items():
             tensors = {}
             for key, plan in plans.items():
                 tensors[key] = assemble(reader, plan, dtype)
                 bar.update(1)
-            fname = rank_file_name(layout, tp_rank, pp_rank, ep_rank)
-            files[fname] = {"tp_rank": tp_rank, "pp_rank": pp_rank, "tensors": write_rank_file(tmp / fname, tensors)}
-            if layout.ep > 1:
-                files[fname]["ep_rank"] = ep_rank
+            fname = rank_file_name(layout, *rank)
+            files[fname] = rank_file_fields(layout, rank) | {"tensors": write_rank_file(tmp / fname, tensors)}
             del tensors
         _copy_assets(assets, tmp / ASSETS_DIR)
         meta = mcore_metadata(shape, layout, reader.config, dtype, files, reader.generation_config(),

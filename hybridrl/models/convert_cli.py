@@ -1,9 +1,9 @@
 """`hybridrl convert`: HF ⇄ sharded megatron checkpoints, offline, on CPU, without torch.distributed.
 
-  hybridrl convert hf-to-mcore   --hf DIR   --out DIR --tp N --pp M [--vpp K] [--ep E] [--dtype bf16]
+  hybridrl convert hf-to-mcore   --hf DIR   --out DIR --tp N --pp M [--vpp K] [--ep E] [--etp X] [--dtype bf16]
                                  [--first-stage-layers F] [--last-stage-layers L]
   hybridrl convert mcore-to-hf   --ckpt DIR --out DIR [--dtype bf16] [--max-shard-size 5GB]
-  hybridrl convert mcore-to-mcore --ckpt DIR --out DIR --tp N --pp M [--vpp K] [--ep E]
+  hybridrl convert mcore-to-mcore --ckpt DIR --out DIR --tp N --pp M [--vpp K] [--ep E] [--etp X]
                                  [--first-stage-layers F] [--last-stage-layers L]
   hybridrl convert gguf-to-hf    --gguf FILE --out DIR [--dtype float32|bfloat16]
 
@@ -60,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--pp", type=_positive, default=1, help="pipeline-parallel size")
         p.add_argument("--vpp", type=_positive, default=None, help="virtual pipeline chunks per stage")
         p.add_argument("--ep", type=_positive, default=1, help="expert-parallel size (MoE models)")
+        p.add_argument("--etp", type=_positive, default=None,
+                       help="expert tensor-parallel size (MoE models; default: --tp)")
         p.add_argument("--first-stage-layers", type=_positive, default=None,
                        help="uneven PP: decoder layers on the first stage (default: the even share)")
         p.add_argument("--last-stage-layers", type=_positive, default=None,
@@ -135,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
                                     first_stage_layers=args.first_stage_layers,
-                                    last_stage_layers=args.last_stage_layers)
+                                    last_stage_layers=args.last_stage_layers, etp=args.etp)
             out = write_mcore_checkpoint(reader, args.out, layout, dtype=dtype, force=args.force,
                                          progress=progress)
     except (CheckpointError, UnsupportedModelError, ParallelLayoutError, FileNotFoundError) as exc:

@@ -20,16 +20,24 @@ Megatron layouts encoded here (megatron-core 0.16.1, local and TE GPT layer spec
 - norms (and Qwen3's per-head q/k norms): replicated on every TP rank.
 - MoE (local spec, SequentialMLP): the router `mlp.router.weight` whole on every rank; expert e of
   a layer lives on EP rank e // (experts / ep) as `mlp.experts.local_experts.{e mod experts/ep}`,
-  its fc1/fc2 TP-split like the dense MLP's (the expert TP size is TP). A rank file is per
-  (TP, PP, EP) rank; outside the experts an EP rank > 0 holds copies of EP rank 0's tensors.
+  its fc1/fc2 split over the expert TP size (`etp`, TP by default) like the dense MLP's over TP.
+  megatron lays two meshes over the same ranks: on local rank i of a pipeline stage the dense one
+  puts TP rank i % tp, the expert one (its expert rank generator, etp-ep-edp) expert TP rank i % etp
+  and EP rank (i // etp) % ep. The pair repeats every lcm(tp, etp * ep) ranks, so a stage has that
+  many distinct tensor sets, its slots (`ParallelLayout.slots`); a rank file is per slot and PP
+  stage: (TP, PP, EP) with ETP = TP, (TP, PP, EP, ETP) otherwise. Slot s holds dense tensors of TP
+  rank s % tp, copies from slot tp on, and experts of (s % etp, (s // etp) % ep), copies from slot
+  etp * ep on.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from math import prod
-from typing import Any
+from typing import Any, NamedTuple
 
 from hybridrl.models.arch import ModelShape, ParallelLayoutError
 from hybridrl.models.family import HFTensor, Split, WeightSpec
@@ -60,6 +68,8 @@ class TensorPlan:
     # A replicated tensor (norm) or the duplicate of a tied embedding on the last stage: exports
     # take the value from one holder, so these copies are skipped when reassembling HF tensors.
     is_copy: bool = False
+    # A routed expert's weight (split over the expert TP ranks, placed by EP) rather than a dense one.
+    expert: bool = False
 
     @property
     def hf_names(self) -> tuple[str, ...]:
@@ -94,10 +104,19 @@ class StageChunk:
         return range(self.first_layer, self.first_layer + self.num_layers)
 
 
+class ModelRank(NamedTuple):
+    """A rank file's position: one slot of one pipeline stage (`ParallelLayout.model_ranks`)."""
+
+    tp_rank: int
+    pp_rank: int
+    ep_rank: int
+    etp_rank: int
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
-    """TP/PP/VPP/EP sizes of a sharded model and how its layers split over the PP stages (EP: MoE
-    experts). `first_stage_layers` / `last_stage_layers` are megatron's
+    """TP/PP/VPP/EP/ETP sizes of a sharded model and how its layers split over the PP stages (EP, ETP:
+    MoE experts; `etp` None is TP). `first_stage_layers` / `last_stage_layers` are megatron's
     `num_layers_in_first_pipeline_stage` / `num_layers_in_last_pipeline_stage`: None gives that stage
     the even share of what the set ones leave; both None is megatron's even split."""
 
@@ -107,21 +126,51 @@ class ParallelLayout:
     ep: int = 1
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
+    etp: int | None = None
 
     def __post_init__(self) -> None:
         if self.vpp == 1:
             object.__setattr__(self, "vpp", None)
+        if self.etp == self.tp:  # one spelling per layout: equal layouts compare equal
+            object.__setattr__(self, "etp", None)
 
     @property
     def uneven(self) -> bool:
         return self.first_stage_layers is not None or self.last_stage_layers is not None
 
-    def model_ranks(self) -> Iterator[tuple[int, int, int]]:
-        """Every (tp_rank, pp_rank, ep_rank) holding a distinct set of tensors of one replica."""
+    @property
+    def expert_tp(self) -> int:
+        """The expert tensor-parallel size: each expert's fc1/fc2 split over this many ranks."""
+        return self.etp or self.tp
+
+    @property
+    def slots(self) -> int:
+        """Distinct tensor sets of one pipeline stage (the module docstring): lcm(tp, etp * ep)."""
+        return math.lcm(self.tp, self.expert_tp * self.ep)
+
+    def slot_ranks(self, slot: int) -> tuple[int, int, int]:
+        """(tp_rank, ep_rank, etp_rank) of local rank `slot` of a stage (any local rank: mod slots)."""
+        return slot % self.tp, (slot // self.expert_tp) % self.ep, slot % self.expert_tp
+
+    def slot_of(self, tp_rank: int, ep_rank: int = 0, etp_rank: int | None = None) -> int:
+        """The slot of a stage holding TP rank `tp_rank`, EP rank `ep_rank` and expert TP rank `etp_rank`
+        (None: tp_rank % etp, which is tp_rank when ETP = TP); an error for a combination no rank has."""
+        if not (0 <= tp_rank < self.tp and 0 <= ep_rank < self.ep):
+            raise ParallelLayoutError(f"tp_rank={tp_rank}, ep_rank={ep_rank} outside tp={self.tp}, ep={self.ep}")
+        etp_rank = tp_rank % self.expert_tp if etp_rank is None else etp_rank
+        for slot in range(self.slots):
+            if self.slot_ranks(slot) == (tp_rank, ep_rank, etp_rank):
+                return slot
+        raise ParallelLayoutError(f"no rank holds tp_rank={tp_rank} with ep_rank={ep_rank}, etp_rank={etp_rank} "
+                                  f"(tp={self.tp}, ep={self.ep}, etp={self.expert_tp}: megatron's expert mesh "
+                                  "places them on different ranks)")
+
+    def model_ranks(self) -> Iterator[ModelRank]:
+        """Every rank file's position: each slot of each stage (with ETP = TP, (tp, ep) with tp fastest)."""
         for pp_rank in range(self.pp):
-            for ep_rank in range(self.ep):
-                for tp_rank in range(self.tp):
-                    yield tp_rank, pp_rank, ep_rank
+            for slot in range(self.slots):
+                tp_rank, ep_rank, etp_rank = self.slot_ranks(slot)
+                yield ModelRank(tp_rank, pp_rank, ep_rank, etp_rank)
 
     @property
     def num_chunks_per_stage(self) -> int:
@@ -216,20 +265,22 @@ class ParallelLayout:
     def sizes(self) -> dict[str, int | None]:
         """Every field, as keyword arguments (`ModelShape.check_parallel(**layout.sizes())`)."""
         return {"tp": self.tp, "pp": self.pp, "vpp": self.vpp, "ep": self.ep,
-                "first_stage_layers": self.first_stage_layers, "last_stage_layers": self.last_stage_layers}
+                "first_stage_layers": self.first_stage_layers, "last_stage_layers": self.last_stage_layers,
+                "etp": self.etp}
 
     def to_dict(self) -> dict[str, int | None]:
-        # ep and an uneven split only when used: other checkpoints' metadata stays what it was
-        uneven = {"first_stage_layers": self.first_stage_layers, "last_stage_layers": self.last_stage_layers}
+        # ep, etp and an uneven split only when used: other checkpoints' metadata stays what it was
+        optional = {"first_stage_layers": self.first_stage_layers, "last_stage_layers": self.last_stage_layers,
+                    "etp": self.etp}
         return ({"tp": self.tp, "pp": self.pp, "vpp": self.vpp} | ({"ep": self.ep} if self.ep > 1 else {})
-                | {k: v for k, v in uneven.items() if v is not None})
+                | {k: v for k, v in optional.items() if v is not None})
 
     @classmethod
     def of_context(cls, ctx: Any) -> ParallelLayout:
         """The layout of a `ParallelContext` (megatron's parallel state plus the stage split)."""
         return cls(tp=ctx.tp, pp=ctx.pp, vpp=ctx.vpp, ep=getattr(ctx, "ep", 1),
                    first_stage_layers=getattr(ctx, "first_stage_layers", None),
-                   last_stage_layers=getattr(ctx, "last_stage_layers", None))
+                   last_stage_layers=getattr(ctx, "last_stage_layers", None), etp=getattr(ctx, "etp", None))
 
 
 def rank_chunk_key_prefix(layout: ParallelLayout, vp_stage: int | None) -> str:
@@ -237,14 +288,36 @@ def rank_chunk_key_prefix(layout: ParallelLayout, vp_stage: int | None) -> str:
     return "" if vp_stage is None or layout.vpp is None else f"model{vp_stage}."
 
 
-def checkpoint_file_name(tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> str:
-    """A rank file's name; `ep_rank` only for a layout with ep > 1 (`rank_file_name`)."""
+def checkpoint_file_name(tp_rank: int, pp_rank: int, ep_rank: int | None = None, etp_rank: int | None = None) -> str:
+    """A rank file's name; `ep_rank` only for a layout with ep > 1 or an expert TP other than TP,
+    `etp_rank` only for the latter (`rank_file_name`)."""
     ep = "" if ep_rank is None else f"_ep{ep_rank:03d}"
-    return f"model_tp{tp_rank:02d}_pp{pp_rank:03d}{ep}.safetensors"
+    etp = "" if etp_rank is None else f"_etp{etp_rank:02d}"
+    return f"model_tp{tp_rank:02d}_pp{pp_rank:03d}{ep}{etp}.safetensors"
 
 
-def rank_file_name(layout: ParallelLayout, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> str:
+def rank_file_name(layout: ParallelLayout, tp_rank: int, pp_rank: int, ep_rank: int = 0,
+                   etp_rank: int | None = None) -> str:
+    """The rank file of that slot (`etp_rank` None: tp_rank % etp); validated against the layout."""
+    slot = layout.slot_of(tp_rank, ep_rank, etp_rank)
+    _, _, etp_rank = layout.slot_ranks(slot)
+    if layout.etp is not None:
+        return checkpoint_file_name(tp_rank, pp_rank, ep_rank, etp_rank)
     return checkpoint_file_name(tp_rank, pp_rank, ep_rank if layout.ep > 1 else None)
+
+
+def holder_slot(layout: ParallelLayout, slot: int, expert: bool) -> int:
+    """The slot whose rank file holds, not as a copy, the tensors slot `slot` holds: a dense tensor's
+    first holder with the same TP rank (slot % tp), an expert's with the same EP and expert TP rank
+    (slot % (etp * ep)). Replicated norms and a tied output layer stay copies there too."""
+    return slot % (layout.expert_tp * layout.ep if expert else layout.tp)
+
+
+def rank_file_fields(layout: ParallelLayout, rank: ModelRank) -> dict[str, int]:
+    """What a checkpoint's metadata records about a rank file's position (EP, ETP only when used)."""
+    return ({"tp_rank": rank.tp_rank, "pp_rank": rank.pp_rank}
+            | ({"ep_rank": rank.ep_rank} if layout.ep > 1 else {})
+            | ({"etp_rank": rank.etp_rank} if layout.etp is not None else {}))
 
 
 # ---- segment arithmetic ---------------------------------------------------------------------------
@@ -399,24 +472,27 @@ def megatron_tensor_plan(
 
 
 def chunk_tensor_plans(
-    shape: ModelShape, layout: ParallelLayout, chunk: StageChunk, tp_rank: int, ep_rank: int = 0
+    shape: ModelShape, layout: ParallelLayout, chunk: StageChunk, tp_rank: int, ep_rank: int = 0,
+    etp_rank: int | None = None,
 ) -> list[TensorPlan]:
     """Plans for every tensor in the `state_dict()` of one GPTModel chunk (local spec names) on
-    TP rank `tp_rank` and expert-parallel rank `ep_rank`."""
+    TP rank `tp_rank`, expert-parallel rank `ep_rank` and expert TP rank `etp_rank` (None:
+    tp_rank % etp). Tensors another slot of the stage holds too are copies (module docstring)."""
     tp = layout.tp
-    if not 0 <= tp_rank < tp:
-        raise ParallelLayoutError(f"tp_rank={tp_rank} outside tp={tp}")
-    if not 0 <= ep_rank < layout.ep:
-        raise ParallelLayoutError(f"ep_rank={ep_rank} outside ep={layout.ep}")
+    slot = layout.slot_of(tp_rank, ep_rank, etp_rank)
+    _, _, etp_rank = layout.slot_ranks(slot)
     table = shape.weights
     plans: list[TensorPlan] = []
     per_rank = shape.experts_per_rank(layout.ep)
 
     def add(spec: WeightSpec, layer: int | None, local_name: str, expert: int | None = None) -> None:
-        plan = megatron_tensor_plan(shape, spec, layer, local_name, tp, tp_rank, expert)
-        if ep_rank > 0 and not spec.expert:  # every EP rank holds the same non-expert tensors
-            plan = TensorPlan(plan.name, plan.shape, plan.axis, plan.segments, is_copy=True)
-        plans.append(plan)
+        if spec.expert:  # split over the expert TP ranks; slots from etp * ep on repeat earlier ones
+            plan = megatron_tensor_plan(shape, spec, layer, local_name, layout.expert_tp, etp_rank, expert)
+            copy = slot >= layout.expert_tp * layout.ep
+        else:  # split over TP; slots from tp on repeat earlier ones (e.g. every EP rank's router)
+            plan = megatron_tensor_plan(shape, spec, layer, local_name, tp, tp_rank, expert)
+            copy = slot >= tp
+        plans.append(dataclasses.replace(plan, is_copy=plan.is_copy or copy, expert=spec.expert))
 
     if chunk.pre_process:
         add(table.embedding, None, table.embedding.megatron)
@@ -442,13 +518,14 @@ def chunk_tensor_plans(
 
 
 def rank_tensor_plans(
-    shape: ModelShape, layout: ParallelLayout, tp_rank: int, pp_rank: int, ep_rank: int = 0
+    shape: ModelShape, layout: ParallelLayout, tp_rank: int, pp_rank: int, ep_rank: int = 0,
+    etp_rank: int | None = None,
 ) -> dict[str, TensorPlan]:
-    """All tensors of one (TP, PP, EP) rank keyed as in its checkpoint file (VPP chunks prefixed)."""
+    """All tensors of one (TP, PP, EP, ETP) rank keyed as in its checkpoint file (VPP chunks prefixed)."""
     out: dict[str, TensorPlan] = {}
     for chunk in layout.chunks(shape.num_layers, pp_rank):
         prefix = rank_chunk_key_prefix(layout, chunk.vp_stage)
-        for plan in chunk_tensor_plans(shape, layout, chunk, tp_rank, ep_rank):
+        for plan in chunk_tensor_plans(shape, layout, chunk, tp_rank, ep_rank, etp_rank):
             out[prefix + plan.name] = plan
     return out
 
@@ -471,21 +548,27 @@ class ShardRange:
     hf_stop: int
     is_copy: bool  # a replicated copy or the tied output layer's copy of the embedding
     ep_rank: int = 0  # the expert-parallel rank (0 for a dense layout)
+    etp_rank: int = 0  # the expert TP rank (tp_rank % etp; tp_rank when ETP = TP)
+
+    @property
+    def rank(self) -> ModelRank:
+        """The rank file holding it."""
+        return ModelRank(self.tp_rank, self.pp_rank, self.ep_rank, self.etp_rank)
 
 
 def shard_ranges(shape: ModelShape, layout: ParallelLayout) -> dict[str, list[ShardRange]]:
-    """HF name -> every megatron range of it over all TP x PP x EP ranks of one replica (copies included)."""
+    """HF name -> every megatron range of it over all slots of every stage of one replica (copies included)."""
     out: dict[str, list[ShardRange]] = {name: [] for name in hf_tensor_shapes(shape)}
-    for tp_rank, pp_rank, ep_rank in layout.model_ranks():
+    for tp_rank, pp_rank, ep_rank, etp_rank in layout.model_ranks():
         for index, chunk in enumerate(layout.chunks(shape.num_layers, pp_rank)):
             prefix = rank_chunk_key_prefix(layout, chunk.vp_stage)
-            for plan in chunk_tensor_plans(shape, layout, chunk, tp_rank, ep_rank):
+            for plan in chunk_tensor_plans(shape, layout, chunk, tp_rank, ep_rank, etp_rank):
                 offset = 0
                 for seg in plan.segments:
                     if seg.hf_name is not None:
                         out[seg.hf_name].append(ShardRange(
                             seg.hf_name, tp_rank, pp_rank, index, prefix + plan.name, plan.name,
-                            plan.shape, plan.axis, offset, seg.start, seg.stop, plan.is_copy, ep_rank,
+                            plan.shape, plan.axis, offset, seg.start, seg.stop, plan.is_copy, ep_rank, etp_rank,
                         ))
                     offset += seg.length
     return out
@@ -505,11 +588,11 @@ def hf_export_map(shape: ModelShape, layout: ParallelLayout) -> dict[str, list[S
 
 
 def rank_numel(shape: ModelShape, layout: ParallelLayout, tp_rank: int = 0, pp_rank: int = 0,
-               ep_rank: int = 0) -> int:
+               ep_rank: int = 0, etp_rank: int | None = None) -> int:
     """Elements this rank's model chunks hold (vocab padding and tied/replicated copies included):
     the parameter count a memory estimate for that rank needs."""
     total = 0
-    for plan in rank_tensor_plans(shape, layout, tp_rank, pp_rank, ep_rank).values():
+    for plan in rank_tensor_plans(shape, layout, tp_rank, pp_rank, ep_rank, etp_rank).values():
         count = 1
         for dim in plan.shape:
             count *= dim
@@ -518,5 +601,5 @@ def rank_numel(shape: ModelShape, layout: ParallelLayout, tp_rank: int = 0, pp_r
 
 
 def max_rank_numel(shape: ModelShape, layout: ParallelLayout) -> int:
-    """The largest `rank_numel` over all TP x PP x EP ranks (first/last stages carry the embeddings)."""
-    return max(rank_numel(shape, layout, t, p, e) for t, p, e in layout.model_ranks())
+    """The largest `rank_numel` over all rank files (first/last stages carry the embeddings)."""
+    return max(rank_numel(shape, layout, *rank) for rank in layout.model_ranks())

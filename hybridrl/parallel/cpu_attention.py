@@ -7,11 +7,12 @@ device policy runs megatron through the CPU layer (`hybridrl.models.bridge.layer
 
 - unpacked input (`packed_seq_params` None) goes to megatron's own forward, unchanged;
 - packed input (``qkv_format == "thd"``: query `[t, heads, d]`, key and value `[t, kv heads, d]`,
-  `cu_seqlens_q == cu_seqlens_kv`) is cut at the segment boundaries and each segment runs through
-  megatron's own forward as a batch of one, causal within itself. So a packed row sees exactly the
-  numbers it would see alone (GQA's key/value repetition, the softmax scale, the causal mask and the
-  attention dropout stream are megatron's), and no score is computed between rows: the cost is the
-  sum of the segments' squared lengths, not the pack's.
+  `cu_seqlens_q == cu_seqlens_kv`) is cut at the segment boundaries into the rows of one batch padded
+  to the longest segment, and runs through megatron's own forward once, causal within each row with
+  the padding masked as keys. So a packed row sees exactly the numbers it would see alone (GQA's
+  key/value repetition, the softmax scale, the causal mask and the attention dropout stream are
+  megatron's), and no score is computed between rows: the cost is rows × the longest segment squared
+  (only attention pads; the projections and the MLP around it run on the packed tokens).
 
 The output is `[t, 1, heads * d]`; megatron's attention reshapes it as it does TE's `[t, heads * d]`.
 
@@ -23,14 +24,19 @@ megatron's own forward for its local queries against the whole sequence's keys, 
 built from the queries' global columns (key column > query column is masked, with megatron's own
 mask function, so the numbers are those of CP = 1). This is all-gather KV, not a ring: each rank
 holds the whole sequence's keys and values for one layer at a time, which is what a CPU stand-in
-can afford. Packed input under CP (a per-segment CP split) is not served yet.
+can afford. Packed input under CP is TE's THD layout: `cu_seqlens` are the global boundaries of
+segments padded to a multiple of 2 × CP, and the rank holds chunks r and 2CP−1−r of each segment
+(its `[t / CP, heads, d]` query). The gathered keys are put back in global order with the same
+boundaries, and each segment's local queries attend to that segment's keys, masked by position
+within the segment.
 The loop reads the boundaries on the host (`cu_seqlens.tolist()`), which is free on CPU, and is the
 reason this stays a CPU stand-in: on GPUs TE's fused kernel does it without a device sync.
 
 `fused_rope_thd` fills megatron's packed-RoPE slot the same way `cpu_rope` fills the unpacked one:
 with `apply_rope_fusion=True` megatron calls `fused_apply_rotary_pos_emb_thd`, which is TE's and
 None here. Each token's angle is that of its position within its own segment (megatron's unfused
-THD formula), then `cpu_rope.rotary_embedding_half_split` rotates.
+THD formula; under CP the position of the global column the rank's token is), then
+`cpu_rope.rotary_embedding_half_split` rotates.
 """
 from __future__ import annotations
 
@@ -54,15 +60,17 @@ def segment_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 
 def fused_rope_thd(t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, cp_size: int = 1,
                    cp_rank: int = 0) -> torch.Tensor:
-    """megatron's packed fused-RoPE slot signature (TE's): `t` `[t, h, d]`, `freqs` `[max_s, 1, 1, rot_dim]`."""
-    if cp_size != 1:
-        # Under CP a packed rank holds two chunks of every segment; the attention stand-in refuses that
-        # layout too (and the training backend refuses packing with CP before either is reached).
-        raise NotImplementedError("the CPU packed RoPE serves context_parallel_size = 1 only")
-    total = t.shape[0]
-    if int(cu_seqlens[-1]) != total:
-        raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])}, the packed tensor has {total} tokens")
-    packed_freqs = freqs[segment_positions(cu_seqlens, total)]  # [t, 1, 1, rot_dim]
+    """megatron's packed fused-RoPE slot signature (TE's): `t` `[t, h, d]` (this CP rank's tokens),
+    `cu_seqlens` the global segment boundaries, `freqs` `[max_s, 1, 1, rot_dim]`."""
+    local = t.shape[0]
+    total = int(cu_seqlens[-1])
+    if total != local * cp_size:
+        raise ValueError(f"cu_seqlens ends at {total}, the packed tensor has {local} tokens"
+                         + (f" on each of {cp_size} CP ranks" if cp_size > 1 else ""))
+    positions = segment_positions(cu_seqlens, total)  # every global column's position in its segment
+    if cp_size > 1:
+        positions = positions[cp_columns(cu_seqlens.tolist(), cp_size, cp_rank, positions.device)]
+    packed_freqs = freqs[positions]  # [t, 1, 1, rot_dim]
     return rotary_embedding_half_split(t.unsqueeze(1), packed_freqs).squeeze(1)
 
 
@@ -96,52 +104,92 @@ def _packed_attention_class() -> type:
                     attention_mask: torch.Tensor | None, attn_mask_type: Any = None,
                     attention_bias: torch.Tensor | None = None, packed_seq_params: Any = None) -> torch.Tensor:
             cp = self.config.context_parallel_size
-            if packed_seq_params is None and cp > 1:
-                return self._context_parallel_forward(query, key, value, attention_mask, attn_mask_type,
-                                                      attention_bias)
-            if packed_seq_params is None:
+            if packed_seq_params is None and cp == 1:
                 return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                        attention_bias=attention_bias)
-            if cp > 1:
-                raise NotImplementedError("packed (THD) sequences with context_parallel_size > 1 are not served by "
-                                          "the CPU attention stand-in")
-            if packed_seq_params.qkv_format != "thd":
-                raise ValueError(f"packed sequences in format {packed_seq_params.qkv_format!r}; this stand-in "
-                                 "serves 'thd'")
-            cu_q, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
+            if packed_seq_params is None:  # [s / cp, b, heads, d]: every row one segment of s
+                if attention_mask is not None:
+                    raise ValueError("context parallelism takes no attention mask here: causality over the "
+                                     "global columns defines it")
+                return self._context_parallel_forward(query, key, value, [0, query.shape[0] * cp],
+                                                      attn_mask_type, attention_bias)
+            bounds = self._packed_bounds(query, packed_seq_params, attention_mask, cp)
+            if cp > 1:  # [t / cp, heads, d] -> one row: [t / cp, 1, heads, d]
+                return self._context_parallel_forward(query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1),
+                                                      bounds, attn_mask_type, attention_bias)
+            return self._packed_forward(query, key, value, bounds, attn_mask_type, attention_bias)
+
+        def _packed_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int],
+                            attn_mask_type: Any, attention_bias: torch.Tensor | None) -> torch.Tensor:
+            """Every segment as one row of a batch padded to the longest segment, in one call of megatron's
+            forward: causal within the row, the padding masked as keys (its query rows are dropped), so
+            each segment's numbers are those it would get alone. `[t, heads, d]` -> `[t, 1, heads * d]`."""
+            starts = torch.tensor([a for a, b in zip(bounds[:-1], bounds[1:]) if b > a], dtype=torch.long)
+            lengths = torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:]) if b > a], dtype=torch.long)
+            longest, rows = int(lengths.max()), len(lengths)
+            column = torch.arange(longest)
+            real = column.unsqueeze(0) < lengths.unsqueeze(1)  # [rows, longest]
+            # packed index of each (column, row) cell; padding cells read token 0 and are never used
+            source = torch.where(real, starts.unsqueeze(1) + column.unsqueeze(0),
+                                 torch.zeros_like(real, dtype=torch.long))
+            index = source.t().reshape(-1).to(query.device)  # [longest * rows], column-major like [s, b]
+
+            def to_rows(x: torch.Tensor) -> torch.Tensor:  # [t, h, d] -> [longest, rows, h, d]
+                return x.index_select(0, index).view(longest, rows, *x.shape[1:])
+
+            causal = column.unsqueeze(0) > column.unsqueeze(1)  # [sq, sk]: a later key
+            padded_key = ~real  # [rows, sk]
+            masked = (causal.unsqueeze(0) | padded_key.unsqueeze(1)).unsqueeze(1).to(query.device)
+            out = super().forward(to_rows(query), to_rows(key), to_rows(value), masked, attn_mask_type=attn_mask_type,
+                                  attention_bias=attention_bias)  # [longest, rows, heads * d]
+            keep = real.t().reshape(-1).to(query.device)  # the cells that are tokens, in the same order
+            flat = out.reshape(longest * rows, -1)[keep]  # column-major: token j of every row, then j + 1
+            order = source.t().reshape(-1)[real.t().reshape(-1)].to(query.device)  # their packed positions
+            packed = torch.empty_like(flat).index_copy(0, order, flat)
+            return packed.unsqueeze(1)  # [t, 1, heads * d]
+
+        @staticmethod
+        def _packed_bounds(query: torch.Tensor, params: Any, attention_mask: torch.Tensor | None,
+                           cp: int) -> list[int]:
+            """The segments' global boundaries (`cu_seqlens`), checked against what this stand-in serves."""
+            if params.qkv_format != "thd":
+                raise ValueError(f"packed sequences in format {params.qkv_format!r}; this stand-in serves 'thd'")
+            cu_q, cu_kv = params.cu_seqlens_q, params.cu_seqlens_kv
             if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_q, cu_kv):
                 raise ValueError("cu_seqlens_q and cu_seqlens_kv differ: only self-attention is served")
+            for padded in (params.cu_seqlens_q_padded, params.cu_seqlens_kv_padded):
+                # TE reads real lengths from cu_seqlens and offsets from the padded ones; here the
+                # segments are the padded ones, given in cu_seqlens (their padding is causal-masked junk)
+                if padded is not None and padded is not cu_q and not torch.equal(padded, cu_q):
+                    raise ValueError("cu_seqlens_q_padded differs from cu_seqlens_q: this stand-in takes the "
+                                     "padded segments as cu_seqlens_q")
             if attention_mask is not None:
                 raise ValueError("packed sequences take no attention mask: cu_seqlens and causality define it")
             bounds = cu_q.tolist()
-            if bounds[0] != 0 or bounds[-1] != query.shape[0]:
+            if bounds[0] != 0 or bounds[-1] != query.shape[0] * cp:
                 raise ValueError(f"cu_seqlens {bounds[:4]}...{bounds[-1:]} does not cover the {query.shape[0]} "
-                                 "packed tokens")
-            outputs = [
-                super(CpuPackedDotProductAttention, self).forward(
-                    query[a:b].unsqueeze(1), key[a:b].unsqueeze(1), value[a:b].unsqueeze(1), None,
-                    attn_mask_type=attn_mask_type, attention_bias=attention_bias)
-                for a, b in zip(bounds[:-1], bounds[1:]) if b > a
-            ]
-            return torch.cat(outputs, dim=0)  # [t, 1, heads * d]
+                                 f"packed tokens" + (f" of each of {cp} CP ranks" if cp > 1 else ""))
+            return bounds
 
         def _context_parallel_forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                                      attention_mask: torch.Tensor | None, attn_mask_type: Any,
+                                      bounds: list[int], attn_mask_type: Any,
                                       attention_bias: torch.Tensor | None) -> torch.Tensor:
+            """This rank's chunks of every segment (`[s / cp, b, heads, d]`, segments at the global `bounds`)
+            against the segment's keys and values, all-gathered over CP: `[s / cp, b, heads * d]`."""
             from megatron.core import parallel_state
 
-            if attention_mask is not None:
-                raise ValueError("context parallelism takes no attention mask here: causality over the global "
-                                 "columns defines it")
             group = parallel_state.get_context_parallel_group()
             cp, rank = group.size(), group.rank()
-            local = query.shape[0]  # [s/cp, b, heads, d]
-            full_key, full_value = gather_from_cp(key, 0, group), gather_from_cp(value, 0, group)
-            q_columns = cp_columns(local * cp, cp, rank, query.device)
-            k_columns = torch.arange(local * cp, device=query.device)
-            masked = k_columns.unsqueeze(0) > q_columns.unsqueeze(1)  # [sq, sk], True = not attended
-            return super().forward(query, full_key, full_value, masked, attn_mask_type=attn_mask_type,
-                                   attention_bias=attention_bias)
+            full_key, full_value = gather_from_cp(key, 0, group, bounds), gather_from_cp(value, 0, group, bounds)
+            q_columns = cp_columns(bounds, cp, rank, query.device)
+            outputs = []
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                la, lb = a // cp, b // cp  # the segment's local tokens: its two chunks, one after the other
+                keys = torch.arange(a, b, device=query.device)
+                masked = keys.unsqueeze(0) > q_columns[la:lb].unsqueeze(1)  # [sq, sk], True = not attended
+                outputs.append(super().forward(query[la:lb], full_key[a:b], full_value[a:b], masked,
+                                               attn_mask_type=attn_mask_type, attention_bias=attention_bias))
+            return torch.cat(outputs, dim=0)
 
     return CpuPackedDotProductAttention
 
@@ -153,12 +201,17 @@ def cpu_packed_attention_class() -> type:
 
 
 def with_cpu_packed_attention(spec: Any) -> Any:
-    """The local GPT layer `spec` with its core attention replaced by the stand-in (in place; returned)."""
+    """The local GPT layer `spec`, or every layer of a block spec (MoE models: `layer_specs`, dense and
+    MoE layers), with its core attention replaced by the stand-in (in place; returned)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    attention = spec.submodules.self_attention.submodules
-    if attention.core_attention is not DotProductAttention:
-        raise ValueError(f"expected megatron's local DotProductAttention in the layer spec, found "
-                         f"{attention.core_attention!r}")
-    attention.core_attention = cpu_packed_attention_class()
+    stand_in = cpu_packed_attention_class()
+    for layer in getattr(spec, "layer_specs", None) or [spec]:
+        attention = layer.submodules.self_attention.submodules
+        if attention.core_attention is stand_in:  # block specs share one spec object between layers
+            continue
+        if attention.core_attention is not DotProductAttention:
+            raise ValueError(f"expected megatron's local DotProductAttention in the layer spec, found "
+                             f"{attention.core_attention!r}")
+        attention.core_attention = stand_in
     return spec

@@ -49,6 +49,15 @@ The patches (names as in `PATCHES`):
   creates a ``torch.cuda.Stream()`` in its ``__init__`` and copies its all-to-all split sizes to
   the host on it (``_maybe_dtoh_and_synchronize``). On CPU the stream is never made and only the
   split sizes' conversion to numpy (what the GPU path hands the all-to-all) is kept.
+- ``uneven_gather_scatter``: with an expert TP group whose ranks route different tokens (expert TP
+  other than TP, or sequence parallelism), that dispatcher all-gathers its tokens over the expert TP
+  group and reduce-scatters the outputs back with per-rank split sizes
+  (``tensor_parallel.mappings._gather_along_first_dim`` / ``_reduce_scatter_along_first_dim`` with
+  ``output_split_sizes`` / ``input_split_sizes``: ``torch.distributed.all_gather`` of a list of
+  unequal tensors and ``reduce_scatter`` of one). NCCL serves unequal sizes; gloo refuses them
+  ("ProcessGroupGloo::allgather: invalid tensor size"). With split sizes, each rank's part is padded
+  to the largest with zeros and the equal-size collective runs instead; the padding is cut off again
+  (a gather copies, a reduce-scatter sums zeros there), so the results are the same numbers.
 
 Not patches: the CPU stand-ins for TE kernels are their own modules, installed by the bridge where
 it builds models (`hybridrl.parallel.cpu_rope`: fused RoPE; `hybridrl.parallel.cpu_attention`: core
@@ -442,6 +451,59 @@ def _revert_moe_alltoall_streams() -> None:
     dispatcher._maybe_dtoh_and_synchronize = method
 
 
+def _cpu_gather_along_first_dim(input_: torch.Tensor, group: Any, output_split_sizes: Any = None,
+                                use_global_buffer: bool = False) -> torch.Tensor:
+    """`mappings._gather_along_first_dim` whose split sizes gloo can serve: every rank's part padded to
+    the largest, gathered equally, the padding cut off."""
+    from megatron.core.tensor_parallel import mappings
+
+    original = _state.saved["uneven_gather"]
+    if output_split_sizes is None or group.size() == 1:
+        return original(input_, group, output_split_sizes, use_global_buffer)
+    sizes = [int(n) for n in output_split_sizes]
+    width = max(sizes)
+    padded = input_.new_zeros((width, *input_.shape[1:]))
+    padded[: input_.shape[0]] = input_
+    gathered = torch.empty((width * group.size(), *input_.shape[1:]), dtype=input_.dtype, device=input_.device)
+    mappings.dist_all_gather_func(gathered, padded, group=group)
+    return torch.cat([gathered[r * width: r * width + n] for r, n in enumerate(sizes)])
+
+
+def _cpu_reduce_scatter_along_first_dim(input_: torch.Tensor, group: Any, input_split_sizes: Any = None,
+                                        use_global_buffer: bool = False) -> torch.Tensor:
+    """`mappings._reduce_scatter_along_first_dim` whose split sizes gloo can serve: each destination's
+    part padded to the largest, reduce-scattered equally, this rank's part cut to its size."""
+    from megatron.core.tensor_parallel import mappings
+
+    original = _state.saved["uneven_reduce_scatter"]
+    if input_split_sizes is None or group.size() == 1:
+        return original(input_, group, input_split_sizes, use_global_buffer)
+    sizes = [int(n) for n in input_split_sizes]
+    width = max(sizes)
+    padded = input_.new_zeros((width * group.size(), *input_.shape[1:]))
+    for r, part in enumerate(torch.split(input_, sizes, dim=0)):
+        padded[r * width: r * width + part.shape[0]] = part
+    out = torch.empty((width, *input_.shape[1:]), dtype=input_.dtype, device=input_.device)
+    mappings.dist_reduce_scatter_func(out, padded, group=group)
+    return out[: sizes[group.rank()]]
+
+
+def _apply_uneven_gather_scatter() -> None:
+    from megatron.core.tensor_parallel import mappings
+
+    _state.saved["uneven_gather"] = mappings._gather_along_first_dim
+    _state.saved["uneven_reduce_scatter"] = mappings._reduce_scatter_along_first_dim
+    mappings._gather_along_first_dim = _cpu_gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = _cpu_reduce_scatter_along_first_dim
+
+
+def _revert_uneven_gather_scatter() -> None:
+    from megatron.core.tensor_parallel import mappings
+
+    mappings._gather_along_first_dim = _state.saved.pop("uneven_gather")
+    mappings._reduce_scatter_along_first_dim = _state.saved.pop("uneven_reduce_scatter")
+
+
 def _build_patches() -> dict[str, _Patch]:
     specs = [
         ("cuda_current_device", "torch.cuda.current_device() asserts without CUDA; megatron allocates "
@@ -456,13 +518,15 @@ def _build_patches() -> dict[str, _Patch]:
          _apply_cuda_synchronize, _revert_cuda_synchronize),
         ("moe_alltoall_streams", "the MoE alltoall token dispatcher makes a torch.cuda.Stream and copies "
          "its split sizes to the host on it", _apply_moe_alltoall_streams, _revert_moe_alltoall_streams),
+        ("uneven_gather_scatter", "the MoE alltoall dispatcher gathers and reduce-scatters unequal parts over the "
+         "expert TP group, which gloo refuses", _apply_uneven_gather_scatter, _revert_uneven_gather_scatter),
     ]
     return {name: _Patch(name, why, apply, revert) for name, why, apply, revert in specs}
 
 
 PATCHES: tuple[str, ...] = (
     "cuda_current_device", "cuda_to_cpu_mode", "cpu_rng_tracker", "cuda_type_names", "cuda_synchronize",
-    "moe_alltoall_streams",
+    "moe_alltoall_streams", "uneven_gather_scatter",
 )
 
 

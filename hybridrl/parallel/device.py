@@ -103,6 +103,18 @@ def rank_device(device: str) -> torch.device:
     raise ValueError(f"rank_device expects a resolved device 'cuda' or 'cpu', got {device!r}")
 
 
+def vllm_device(device: str) -> torch.device:
+    """Where a vLLM engine in this process keeps its weights: this process's current GPU, or the CPU
+    (vLLM's CPU tensors are plain host tensors; the strict-device marking is megatron's business)."""
+    import torch
+
+    if device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    if device == "cpu":
+        return torch.device("cpu")
+    raise ValueError(f"vllm_device expects a resolved device 'cuda' or 'cpu', got {device!r}")
+
+
 def to_rank_device(tensor: torch.Tensor, device: str) -> torch.Tensor:
     """`tensor` on the rank's device (`rank_device`); from host memory through a pinned staging copy
     with a non-blocking transfer on cuda, so copies of several micro-batches overlap."""

@@ -18,6 +18,7 @@ from typing import Literal
 DeviceName = Literal["cuda", "cpu"]
 DistBackend = Literal["nccl", "gloo"]
 RoutedExpertsCapture = Literal["aux_output", "runner_hook"]
+PackedAttention = Literal["cpu_stand_in", "transformer_engine"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,11 @@ class DevicePolicy:
     # Transformer Engine can exist here (its kernels are CUDA-only); without it megatron's local
     # layer spec is built, whose norms refuse sequence parallelism.
     transformer_engine_possible: bool
+    # What runs attention over packed (THD) sequences, which megatron's local attention refuses:
+    # TE's fused attention on GPUs (the gpu extra installs TE; the workers stop at start-up without
+    # it), the CPU layer's stand-in on CPU (`hybridrl/parallel/cpu_attention.py`). None: nothing does,
+    # and `model.use_remove_padding` left unset resolves to false. Set, it resolves to true.
+    packed_attention: PackedAttention | None
     # Parameters live in host memory: offloading a frozen role's parameters is a no-op, and
     # micro-batches need not be moved to an accelerator.
     params_on_host: bool
@@ -108,7 +114,8 @@ class DevicePolicy:
 CUDA = DevicePolicy(
     name="cuda", dist_backend="nccl", default_train_dtype="bf16", default_rollout_dtype="bf16",
     ray_use_gpu=True, ray_cpus_per_worker=1.0, ray_min_cluster_cpus=None,
-    megatron_cpu_layer=False, transformer_engine_possible=True, params_on_host=False,
+    megatron_cpu_layer=False, transformer_engine_possible=True, packed_attention="transformer_engine",
+    params_on_host=False,
     synchronize_on_offload=True, empty_cache_on_offload=True, gpu_memory_budget_binding=True,
     vllm_honours_enforce_eager=True, vllm_repacks_weights=False, vllm_kv_cache_from_plan=False,
     vllm_sleep_mode=True, vllm_chunked_prefill=True, vllm_routed_experts="aux_output",
@@ -118,7 +125,8 @@ CUDA = DevicePolicy(
 CPU = DevicePolicy(
     name="cpu", dist_backend="gloo", default_train_dtype="fp32", default_rollout_dtype="fp32",
     ray_use_gpu=False, ray_cpus_per_worker=0.5, ray_min_cluster_cpus=4,
-    megatron_cpu_layer=True, transformer_engine_possible=False, params_on_host=True,
+    megatron_cpu_layer=True, transformer_engine_possible=False, packed_attention="cpu_stand_in",
+    params_on_host=True,
     synchronize_on_offload=False, empty_cache_on_offload=False, gpu_memory_budget_binding=False,
     vllm_honours_enforce_eager=False, vllm_repacks_weights=True, vllm_kv_cache_from_plan=True,
     vllm_sleep_mode=False, vllm_chunked_prefill=False, vllm_routed_experts="runner_hook",

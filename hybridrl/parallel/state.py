@@ -66,6 +66,9 @@ class ParallelContext:
     ep_rank: int = 0
     expert_dp_rank: int = 0
     ep_group: dist.ProcessGroup | None = None
+    # expert tensor parallelism: each expert split over `etp` ranks (None: tp), this rank's part `etp_rank`
+    etp: int | None = None
+    etp_rank: int = 0
     # megatron's num_layers_in_first/last_pipeline_stage (None: even). Not parallel state to megatron
     # (TransformerConfig carries them), but where this rank's layers sit: the bridge builds the
     # models' layout from them (`ParallelLayout.of_context`), the resharder its mesh.
@@ -85,20 +88,22 @@ class ParallelContext:
             f"rank {self.rank}/{self.world_size} on {self.device}: tp {self.tp_rank}/{self.tp}, "
             f"pp {self.pp_rank}/{self.pp}, cp {self.cp_rank}/{self.cp}, dp {self.dp_rank}/{self.dp}"
             + (f", vpp {self.vpp}" if self.vpp else "")
+            + (f", ep {self.ep_rank}/{self.ep}" if self.ep > 1 else "")
+            + (f", etp {self.etp_rank}/{self.etp}" if self.etp not in (None, self.tp) else "")
             + (f", stage layers first {self.first_stage_layers} last {self.last_stage_layers}"
                if self.first_stage_layers is not None or self.last_stage_layers is not None else "")
         )
 
 
 def validate_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, vpp: int | None = None,
-                    ep: int = 1) -> int:
+                    ep: int = 1, etp: int | None = None) -> int:
     """Check a parallel layout against the world size; return the data-parallel size.
 
     Raises ValueError naming the values when a size is not positive, when world_size is not
-    divisible by tp * pp * cp, or when ep does not divide the data-parallel x context-parallel span
-    (megatron splits experts inside it, the expert TP size being tp).
+    divisible by tp * pp * cp, or when megatron's expert mesh (ep x etp, `etp` None: tp) does not
+    tile a pipeline stage's tp * cp * dp ranks (with etp = tp: ep divides dp * cp).
     """
-    sizes = {"world_size": world_size, "tp": tp, "pp": pp, "cp": cp, "ep": ep}
+    sizes = {"world_size": world_size, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": tp if etp is None else etp}
     bad = [f"{name}={value}" for name, value in sizes.items() if not isinstance(value, int) or value < 1]
     if bad:
         raise ValueError(f"parallel sizes must be positive integers: {', '.join(bad)}")
@@ -107,9 +112,13 @@ def validate_layout(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, vpp:
         raise ValueError(
             f"world_size={world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {model_parallel}"
         )
-    if (world_size // model_parallel * cp) % ep:
-        raise ValueError(f"ep={ep} does not divide dp*cp = {world_size // model_parallel * cp} "
-                         f"(world_size={world_size}, tp={tp}, pp={pp})")
+    if etp is None or etp == tp:
+        if (world_size // model_parallel * cp) % ep:
+            raise ValueError(f"ep={ep} does not divide dp*cp = {world_size // model_parallel * cp} "
+                             f"(world_size={world_size}, tp={tp}, pp={pp})")
+    elif (world_size // pp) % (ep * etp):
+        raise ValueError(f"ep*etp = {ep}*{etp} does not divide a pipeline stage's tp*cp*dp = {world_size // pp} "
+                         f"ranks (world_size={world_size}, pp={pp})")
     if vpp is not None:
         if not isinstance(vpp, int) or vpp < 1:
             raise ValueError(f"vpp={vpp} must be None or a positive integer")
@@ -172,15 +181,16 @@ def initialize_model_parallel(
     ep: int = 1,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    etp: int | None = None,
 ) -> ParallelContext:
-    """Create megatron-core's parallel groups for (tp, pp, vpp, cp, ep) and seed its RNG streams.
+    """Create megatron-core's parallel groups for (tp, pp, vpp, cp, ep, etp) and seed its RNG streams.
 
     `first_stage_layers` / `last_stage_layers` (an uneven pipeline split, megatron's
     num_layers_in_first/last_pipeline_stage) are only recorded in the context; the model's layer
     count checks them when models are built.
 
-    `ep` is the expert-parallel size of an MoE model; the expert tensor-parallel size is tp
-    (megatron's default, the only one the bridge's layout supports so far).
+    `ep` is the expert-parallel size of an MoE model, `etp` its expert tensor-parallel size (None:
+    tp, megatron's default); megatron's expert rank generator lays them out etp-ep-edp-pp.
 
     torch.distributed must be initialized. On cpu the CPU layer is installed first. The groups'
     timeout is `timeout_s`, by default the world group's own (the worker group sets that one from
@@ -199,7 +209,8 @@ def initialize_model_parallel(
         raise RuntimeError("torch.distributed is not initialized: call init_distributed() first")
     resolved = resolve_device(device)
     world_size = dist.get_world_size()
-    dp = validate_layout(world_size, tp, pp, cp, vpp, ep)
+    dp = validate_layout(world_size, tp, pp, cp, vpp, ep, etp)
+    etp = tp if etp is None else etp
     if timeout_s is None:
         timeout_s = process_group_timeout_s()
     if timeout_s is None:
@@ -226,11 +237,11 @@ def initialize_model_parallel(
         virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=cp,
         expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=tp,
+        expert_tensor_parallel_size=etp,
         distributed_timeout_minutes=max(1, math.ceil(timeout_s / 60)),
     )
     seed_model_parallel(stage_seed(seed, mps.get_pipeline_model_parallel_rank()), resolved)
-    _context = dataclasses.replace(_build_context(resolved, seed, tp, pp, cp, dp, vpp, ep),
+    _context = dataclasses.replace(_build_context(resolved, seed, tp, pp, cp, dp, vpp, ep, etp),
                                    first_stage_layers=first_stage_layers, last_stage_layers=last_stage_layers)
     return _context
 
@@ -285,7 +296,7 @@ def seed_model_parallel(seed: int, device: str) -> None:
 
 
 def _build_context(
-    device: str, seed: int, tp: int, pp: int, cp: int, dp: int, vpp: int | None, ep: int = 1
+    device: str, seed: int, tp: int, pp: int, cp: int, dp: int, vpp: int | None, ep: int = 1, etp: int | None = None
 ) -> ParallelContext:
     import torch.distributed as dist
     from megatron.core import parallel_state as mps
@@ -310,15 +321,18 @@ def _build_context(
         ep_rank=mps.get_expert_model_parallel_rank(),
         expert_dp_rank=mps.get_expert_data_parallel_rank(),
         ep_group=mps.get_expert_model_parallel_group(),
+        etp=tp if etp is None else etp,
+        etp_rank=mps.get_expert_tensor_parallel_rank(),
     )
     # Megatron's own bookkeeping must agree with the layout we asked for.
     sizes = (
         mps.get_tensor_model_parallel_world_size(), mps.get_pipeline_model_parallel_world_size(),
         mps.get_context_parallel_world_size(), mps.get_data_parallel_world_size(),
-        mps.get_expert_model_parallel_world_size(),
+        mps.get_expert_model_parallel_world_size(), mps.get_expert_tensor_parallel_world_size(),
     )
-    if sizes != (tp, pp, cp, dp, ep):
-        raise RuntimeError(f"megatron reports (tp, pp, cp, dp, ep) = {sizes}, expected {(tp, pp, cp, dp, ep)}")
+    wanted = (tp, pp, cp, dp, ep, ctx.etp)
+    if sizes != wanted:
+        raise RuntimeError(f"megatron reports (tp, pp, cp, dp, ep, etp) = {sizes}, expected {wanted}")
     return ctx
 
 

@@ -19,22 +19,26 @@ the bytes it sends plus the bytes it receives within one bucket stay under `buck
 larger than that is split along its axis). Megatron's tied-embedding copy on the last stage counts as
 held there (it is kept bit-equal to the first stage's by megatron's embedding-group all-reduce).
 
-Mixture of experts with expert parallelism `ep`: a DP/CP replica holds only its EP rank's experts
-(megatron's expert mesh: EP rank = (cp + CP * dp) mod ep, `expert_rank_of`), while vLLM (TP over
-each expert's width) needs every expert on every rank. The unit that resharding stays inside is then
-the `ep` consecutive replicas that hold all experts between them (`expert_domain`): the plan covers
-all ranks of that domain, and a rank takes each expert range from itself, else its micro-DP group,
-else the domain's rank that holds that expert.
+Mixture of experts with expert parallelism `ep` and expert TP `etp`: megatron's expert mesh puts EP
+rank (i // etp) % ep and expert TP rank i % etp on local rank i of a stage (with ETP = TP a whole
+DP/CP replica shares its EP rank, (cp + CP * dp) mod ep, `expert_rank_of`), so a rank holds its EP
+rank's experts, each cut to its expert TP rank's part, while vLLM (TP over each expert's width) needs
+every expert on every rank. The unit that resharding stays inside is then the consecutive replicas
+that hold every tensor between them: a stage's rank files repeat every `ParallelLayout.slots` local
+ranks, i.e. every slots / tp replicas (`expert_domain`; `ep` replicas with ETP = TP). The plan covers
+all ranks of that domain, and a rank takes each range from itself, else its micro-DP group, else the
+domain's rank that holds it.
 """
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from math import prod
 
 from hybridrl.config.meshes import ReshardGroups, TrainingMesh
 from hybridrl.models.arch import ModelShape
-from hybridrl.models.layout import ShardRange, TensorPlan, hf_tensor_shapes, shard_ranges
+from hybridrl.models.layout import ModelRank, ShardRange, TensorPlan, hf_tensor_shapes, shard_ranges
 from hybridrl.models.vllm_layout import vllm_targets
 
 
@@ -112,39 +116,50 @@ class RankReshardPlan:
 # ---- the megatron side -----------------------------------------------------------------------------
 
 def expert_rank_of(mesh: TrainingMesh, ep: int, dp: int, cp: int) -> int:
-    """The EP rank of DP/CP replica (dp, cp): megatron's expert mesh (etp-ep-edp-pp, ETP = TP)
+    """The EP rank of DP/CP replica (dp, cp) with ETP = TP: megatron's expert mesh (etp-ep-edp-pp)
     numbers the ranks of one TP × PP position by cp + CP * dp, EP fastest."""
     return (cp + mesh.cp * dp) % ep
 
 
-def expert_domain(mesh: TrainingMesh, ep: int, dp: int, cp: int) -> list[tuple[int, int]]:
-    """The (dp, cp) replicas that hold every expert between them, (dp, cp)'s included; with ep = 1,
-    the replica itself."""
-    if ep < 1 or (mesh.dp * mesh.cp) % ep:
-        raise ValueError(f"ep={ep} does not divide dp*cp = {mesh.dp}*{mesh.cp}")
-    block = (cp + mesh.cp * dp) // ep
-    return [(index // mesh.cp, index % mesh.cp) for index in range(block * ep, (block + 1) * ep)]
+def model_rank_of(mesh: TrainingMesh, rank: int, ep: int = 1, etp: int | None = None) -> ModelRank:
+    """The rank file position (`layout.ModelRank`: TP, PP, EP and expert TP rank) whose tensors global
+    `rank` holds: its stage's slot (`ParallelLayout.slot_ranks` of its local rank)."""
+    tp_rank, ep_rank, etp_rank = mesh.layout(ep, etp).slot_ranks(mesh.local_rank(rank))
+    return ModelRank(tp_rank, mesh.coord(rank).pp, ep_rank, etp_rank)
+
+
+def expert_domain(mesh: TrainingMesh, ep: int, dp: int, cp: int, etp: int | None = None) -> list[tuple[int, int]]:
+    """The (dp, cp) replicas that hold every tensor between them, (dp, cp)'s included: the slots / tp
+    consecutive replicas of its block (with ETP = TP, ep of them; with ep = 1 as well, the replica itself)."""
+    layout = mesh.layout(ep, etp)
+    stage = mesh.world_size // mesh.pp
+    if ep < 1 or stage % (ep * layout.expert_tp):
+        raise ValueError(f"ep={ep} does not divide dp*cp = {mesh.dp}*{mesh.cp}" if etp in (None, mesh.tp) else
+                         f"ep*etp = {ep}*{etp} does not divide a stage's tp*cp*dp = {stage} ranks")
+    size = layout.slots // mesh.tp
+    block = (cp + mesh.cp * dp) // size
+    return [(index // mesh.cp, index % mesh.cp) for index in range(block * size, (block + 1) * size)]
 
 
 def megatron_holdings(
-    shape: ModelShape, mesh: TrainingMesh, dp: int, cp: int, use_tied_copy: bool = True, ep: int = 1
+    shape: ModelShape, mesh: TrainingMesh, dp: int, cp: int, use_tied_copy: bool = True, ep: int = 1,
+    etp: int | None = None,
 ) -> dict[str, list[Holding]]:
     """HF name -> every megatron range of it held by the ranks of (dp, cp)'s expert domain (its
-    DP/CP replica when ep = 1), copies included."""
-    layout = mesh.layout(ep)
+    DP/CP replica when ep = 1 and ETP = TP), copies included."""
     tied_output = shape.weights.lm_head.megatron
+    by_rank: dict[ModelRank, list[ShardRange]] = defaultdict(list)
+    for found in shard_ranges(shape, mesh.layout(ep, etp)).values():
+        for held in found:
+            if not (held.mcore_name == tied_output and held.is_copy and not use_tied_copy):
+                by_rank[held.rank].append(held)
     out: dict[str, list[Holding]] = defaultdict(list)
-    ranges = shard_ranges(shape, layout)
-    for replica_dp, replica_cp in expert_domain(mesh, ep, dp, cp):
-        ep_rank = expert_rank_of(mesh, ep, replica_dp, replica_cp)
-        for hf_name, found in ranges.items():
-            for held in found:
-                if held.ep_rank != ep_rank:
-                    continue
-                if held.mcore_name == tied_output and held.is_copy and not use_tied_copy:
-                    continue
-                rank = mesh.rank_of(tp=held.tp_rank, cp=replica_cp, dp=replica_dp, pp=held.pp_rank)
-                out[hf_name].append(Holding(rank, held))
+    for replica_dp, replica_cp in expert_domain(mesh, ep, dp, cp, etp):
+        for pp in range(mesh.pp):
+            for tp in range(mesh.tp):
+                rank = mesh.rank_of(tp=tp, cp=replica_cp, dp=replica_dp, pp=pp)
+                for held in by_rank[model_rank_of(mesh, rank, ep, etp)]:
+                    out[held.hf_name].append(Holding(rank, held))
     return out
 
 
@@ -168,10 +183,19 @@ def _choose(candidates: list[Holding], dst: int, micro_group: frozenset[int]) ->
     return near[dst % len(near)]
 
 
+Chooser = Callable[[list[Holding], int], Holding]  # (holders of a range, its elements) -> the sender
+
+
+def colocated_chooser(dst: int, micro_group: frozenset[int]) -> Chooser:
+    """The hybrid engine's rule for receiver `dst`: itself, then its micro-DP group (`_choose`)."""
+    return lambda candidates, _numel: _choose(candidates, dst, micro_group)
+
+
 def match_target(
-    target: TensorPlan, dst: int, holdings: dict[str, list[Holding]], micro_group: frozenset[int]
+    target: TensorPlan, dst: int, holdings: dict[str, list[Holding]], choose: Chooser
 ) -> list[Piece]:
-    """Pieces that fill `target` on rank `dst` (padding excluded: it stays zero)."""
+    """Pieces that fill `target` on rank `dst` (padding excluded: it stays zero); `choose` picks the
+    sender of each range among the ranks holding it."""
     pieces: list[Piece] = []
     dst_offset = 0
     for seg in target.segments:
@@ -183,7 +207,7 @@ def match_target(
             whole = [h for h in found if h.held.axis is None]
             if not whole:
                 raise ValueError(f"no rank of this replica holds {seg.hf_name}")
-            h = _choose(whole, dst, micro_group)
+            h = choose(whole, target.numel)
             pieces.append(Piece(target.name, dst, 0, h.rank, h.held.chunk, h.held.mcore_name, 0, seg.length, None,
                                 target.shape))
             dst_offset += seg.length
@@ -199,7 +223,7 @@ def match_target(
             covering = [h for h in found if h.held.hf_start <= lo and hi <= h.held.hf_stop]
             if not covering:
                 raise ValueError(f"no rank of this replica holds {seg.hf_name}[{lo}:{hi}]")
-            h = _choose(covering, dst, micro_group)
+            h = choose(covering, (hi - lo) * (target.numel // target.shape[target.axis]))
             src_offset = h.held.shard_offset + lo - h.held.hf_start
             at = dst_offset + lo - seg.start
             last = pieces[-1] if pieces else None
@@ -216,7 +240,7 @@ def match_target(
     return pieces
 
 
-def _split(piece: Piece, max_numel: int) -> list[Piece]:
+def split_piece(piece: Piece, max_numel: int) -> list[Piece]:
     """Cut a piece along its axis so each part has at most `max_numel` elements (at least one row)."""
     if piece.axis is None or piece.numel <= max_numel:
         return [piece]
@@ -277,9 +301,10 @@ def build_rank_plan(
     gen_tp_index: tuple[int, ...] | None = None,
     use_tied_copy: bool = True,
     ep: int = 1,
+    etp: int | None = None,
 ) -> RankReshardPlan:
     """The plan of `rank`: its buckets, computed from the whole plan of its DP/CP replica (of its
-    expert domain with ep > 1: see the module docstring).
+    expert domain with ep > 1 or an expert TP other than TP: see the module docstring).
 
     `gen_tp_index` overrides the groups' generation TP rank per global rank (e.g. vLLM's default
     consecutive TP groups, rank % infer_tp) — the plan stays correct, only the traffic grows.
@@ -291,10 +316,11 @@ def build_rank_plan(
     if len(gen_index) != mesh.world_size:
         raise ValueError(f"gen_tp_index has {len(gen_index)} entries for {mesh.world_size} ranks")
     coord = mesh.coord(rank)
-    replica_ranks = [mesh.rank_of(tp=t, cp=c, dp=d, pp=p) for d, c in expert_domain(mesh, ep, coord.dp, coord.cp)
+    replica_ranks = [mesh.rank_of(tp=t, cp=c, dp=d, pp=p)
+                     for d, c in expert_domain(mesh, ep, coord.dp, coord.cp, etp)
                      for p in range(mesh.pp) for t in range(mesh.tp)]
     replica_ranks.sort()
-    holdings = megatron_holdings(shape, mesh, coord.dp, coord.cp, use_tied_copy, ep)
+    holdings = megatron_holdings(shape, mesh, coord.dp, coord.cp, use_tied_copy, ep, etp)
     micro_of = {}
     for group in groups.micro_dp_groups:
         for member in group:
@@ -307,11 +333,42 @@ def build_rank_plan(
     for name in names:
         pieces: list[Piece] = []
         for r in replica_ranks:
-            for piece in match_target(targets_of[r][name], r, holdings, micro_of.get(r, frozenset({r}))):
-                pieces.extend(_split(piece, bucket_numel) if piece.src != piece.dst else [piece])
+            choose = colocated_chooser(r, micro_of.get(r, frozenset({r})))
+            for piece in match_target(targets_of[r][name], r, holdings, choose):
+                pieces.extend(split_piece(piece, bucket_numel) if piece.src != piece.dst else [piece])
         all_pieces.append(pieces)
 
-    # Greedy buckets: close one before any rank's sent + received elements would exceed the budget.
+    buckets = bucketize(all_pieces, bucket_numel)
+    rank_buckets, peers, (recv, send, local) = rank_view(buckets, names, rank)
+
+    targets = targets_of[rank]
+    padding = sum(t.padding_numel for t in targets.values())
+    own = {n: [h for h in hs if h.rank == rank] for n, hs in holdings.items()}
+    bound = min(
+        sum(t.numel - _overlap_numel(t, own) - t.padding_numel for t in vllm_targets(shape, infer_tp, j).values())
+        for j in range(infer_tp)
+    )
+    model_numel = sum(prod(dims) for dims in hf_tensor_shapes(shape).values())
+    return RankReshardPlan(
+        rank=rank,
+        gen_tp_index=gen_index[rank],
+        infer_tp=infer_tp,
+        targets=targets,
+        buckets=tuple(rank_buckets),
+        micro_dp_group=tuple(sorted(micro_of.get(rank, frozenset({rank})))),
+        peers=peers,
+        recv_numel=recv,
+        send_numel=send,
+        local_numel=local,
+        padding_numel=padding,
+        lower_bound_numel=bound,
+        naive_numel=model_numel - _held_hf_numel(shape, own),
+    )
+
+
+def bucketize(all_pieces: Sequence[Sequence[Piece]], bucket_numel: int) -> list[list[Piece]]:
+    """Greedy buckets over every rank's pieces in order: a bucket closes before any rank's sent +
+    received elements in it would exceed `bucket_numel` (local copies cost no budget)."""
     buckets: list[list[Piece]] = [[]]
     load: dict[int, int] = defaultdict(int)
     for pieces in all_pieces:
@@ -324,8 +381,13 @@ def build_rank_plan(
                 load[piece.src] += piece.numel
                 load[piece.dst] += piece.numel
             buckets[-1].append(piece)
+    return buckets
 
-    # This rank's view: when each of its tensors opens and completes.
+
+def rank_view(buckets: Sequence[Sequence[Piece]], names: Sequence[str],
+              rank: int) -> tuple[list[RankBucket], tuple[int, ...], tuple[int, int, int]]:
+    """`rank`'s part of the buckets (`names`: the tensors it produces, in order): its buckets, its
+    peers, and the (received, sent, local) elements."""
     first_touch: dict[str, int] = {}
     last_touch: dict[str, int] = {}
     for index, bucket in enumerate(buckets):
@@ -363,27 +425,4 @@ def build_rank_plan(
             opens=tuple(n for n in names if first_touch[n] == index),
             completes=tuple(n for n in names if last_touch[n] == index),
         ))
-
-    targets = targets_of[rank]
-    padding = sum(t.padding_numel for t in targets.values())
-    own = {n: [h for h in hs if h.rank == rank] for n, hs in holdings.items()}
-    bound = min(
-        sum(t.numel - _overlap_numel(t, own) - t.padding_numel for t in vllm_targets(shape, infer_tp, j).values())
-        for j in range(infer_tp)
-    )
-    model_numel = sum(prod(dims) for dims in hf_tensor_shapes(shape).values())
-    return RankReshardPlan(
-        rank=rank,
-        gen_tp_index=gen_index[rank],
-        infer_tp=infer_tp,
-        targets=targets,
-        buckets=tuple(rank_buckets),
-        micro_dp_group=tuple(sorted(micro_of.get(rank, frozenset({rank})))),
-        peers=tuple(sorted(peers)),
-        recv_numel=recv,
-        send_numel=send,
-        local_numel=local,
-        padding_numel=padding,
-        lower_bound_numel=bound,
-        naive_numel=model_numel - _held_hf_numel(shape, own),
-    )
+    return rank_buckets, tuple(sorted(peers)), (recv, send, local)

@@ -26,7 +26,6 @@ engine's lifecycle is not ours: we only produce tensors (and their checksums).
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -37,10 +36,9 @@ import torch.distributed as dist
 from hybridrl.config.estimates import ReshardTraffic, reshard_traffic
 from hybridrl.config.meshes import ReshardGroups, TrainingMesh, build_training_mesh
 from hybridrl.models.bridge import TE_NAMES, chunk_info, model_tensors, spec_tensor_name, unwrap_model
-from hybridrl.models.vllm_layout import split_slot_name, stacked_params
 from hybridrl.parallel.state import get_context
-from hybridrl.reshard.checksums import tensor_checksum
-from hybridrl.reshard.reshard_plan import Piece, RankBucket, RankReshardPlan, build_rank_plan, expert_rank_of
+from hybridrl.reshard.exchange import ExchangeStats, WorldTransport, exchange
+from hybridrl.reshard.reshard_plan import RankReshardPlan, build_rank_plan, model_rank_of
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -102,30 +100,6 @@ class SyncReport:
         return out
 
 
-class _MemoryMeter:
-    """Bytes of the buffers we allocated that are still alive, and the peak of that."""
-
-    def __init__(self) -> None:
-        self.buffers = 0
-        self.outputs = 0
-        self.peak_buffers = 0
-        self.peak_total = 0
-
-    def add(self, nbytes: int, *, output: bool = False) -> None:
-        if output:
-            self.outputs += nbytes
-        else:
-            self.buffers += nbytes
-        self.peak_buffers = max(self.peak_buffers, self.buffers)
-        self.peak_total = max(self.peak_total, self.buffers + self.outputs)
-
-    def remove(self, nbytes: int, *, output: bool = False) -> None:
-        if output:
-            self.outputs -= nbytes
-        else:
-            self.buffers -= nbytes
-
-
 class Resharder:
     """Produces this rank's vLLM shard from its megatron model chunks; see the module docstring.
 
@@ -157,47 +131,36 @@ class Resharder:
         if (coord.tp, coord.pp, coord.dp, coord.cp) != (ctx.tp_rank, ctx.pp_rank, ctx.dp_rank, ctx.cp_rank):
             raise ValueError(f"rank {self.rank}: mesh says {coord}, megatron says tp {ctx.tp_rank} pp "
                              f"{ctx.pp_rank} dp {ctx.dp_rank} cp {ctx.cp_rank} (rank order must be tp-cp-dp-pp)")
-        chunks = [unwrap_model(m) for m in models]
-        infos = [chunk_info(m) for m in chunks]
-        self.shape = infos[0].source.shape
-        # the plan places layers by the mesh's split, the models were built by theirs: one layout
-        if self.mesh.layout(infos[0].layout.ep) != infos[0].layout:
-            raise ValueError(f"rank {self.rank}: the resharder's mesh lays the model out as "
-                             f"{self.mesh.layout(infos[0].layout.ep)}, its models were built as {infos[0].layout}")
-        # mcore name (local spec) -> tensor, per chunk; TE specs rename the fused norms.
-        self._tensors: list[dict[str, torch.Tensor]] = []
-        for model, info in zip(chunks, infos):
-            by_model_name = model_tensors(model)
-            names = {n: spec_tensor_name(n, info.spec_kind) for n in _local_names(by_model_name, info.spec_kind)}
-            self._tensors.append({local: by_model_name[model_name].detach() for local, model_name in names.items()})
-        first = next(iter(self._tensors[0].values()))
-        self.device = first.device
+        sources = training_sources(models, self.mesh, self.rank)
+        self.shape, self._tensors, self.device = sources.shape, sources.tensors, sources.device
         # One transfer dtype, known alike on every rank (the plan's bucket sizes depend on it): the
         # requested output dtype, else megatron's params_dtype. Tensors kept in another dtype (the
         # CPU torch norms stay fp32 in a bf16 model) are cast while packing, as vLLM holds them all
         # in its model dtype.
-        self.dtype: torch.dtype = self.config.output_dtype or chunks[0].config.params_dtype
+        self.dtype: torch.dtype = self.config.output_dtype or sources.params_dtype
         element = torch.empty((), dtype=self.dtype).element_size()
         self.ep = getattr(ctx, "ep", 1)
-        if self.ep > 1 and getattr(ctx, "ep_rank", 0) != expert_rank_of(self.mesh, self.ep, coord.dp, coord.cp):
-            raise ValueError(f"rank {self.rank}: megatron says EP rank {ctx.ep_rank}, the resharder's expert "
-                             f"mesh says {expert_rank_of(self.mesh, self.ep, coord.dp, coord.cp)}")
+        # None when the expert TP is TP (plans and messages stay as they were)
+        self.etp = sources.etp
+        placed = model_rank_of(self.mesh, self.rank, self.ep, self.etp)
+        megatron_says = (getattr(ctx, "ep_rank", 0), getattr(ctx, "etp_rank", placed.etp_rank))
+        if (self.ep > 1 or self.etp is not None) and megatron_says != (placed.ep_rank, placed.etp_rank):
+            raise ValueError(f"rank {self.rank}: megatron says (EP rank, expert TP rank) {megatron_says}, the "
+                             f"resharder's expert mesh says {(placed.ep_rank, placed.etp_rank)}")
         self.plan: RankReshardPlan = build_rank_plan(
             self.shape, self.mesh, groups, self.rank,
             bucket_numel=max(1, self.config.bucket_bytes // element),
             gen_tp_index=tuple(gen_tp_index) if gen_tp_index is not None else None,
             use_tied_copy=self.config.use_tied_copy,
             ep=self.ep,
+            etp=self.etp,
         )
-        # stacked vLLM parameters (MoE experts) -> their slots' planning names, in slot order
-        self._stacked = {param: names for param, names in stacked_params(self.plan.targets).items()
-                         if split_slot_name(names[0])[1] is not None}
         self._element = element
         self._gen_tp_index = tuple(gen_tp_index) if gen_tp_index is not None else None
         self._check_sources()
         dtype_name = _DTYPE_NAMES.get(self.dtype)
         self.traffic: ReshardTraffic | None = (
-            reshard_traffic(self.shape, self.mesh, groups, dtype_name, ep=self.ep) if dtype_name else None
+            reshard_traffic(self.shape, self.mesh, groups, dtype_name, ep=self.ep, etp=self.etp) if dtype_name else None
         )
         self.last_report: SyncReport | None = None
         self._synced_once = False
@@ -205,7 +168,7 @@ class Resharder:
     def _plan_inputs(self) -> tuple:
         """Everything the plan depends on; it must be equal on every rank, or messages would not match."""
         return (self.shape, self.mesh, self.groups, str(self.dtype), self.config.bucket_bytes,
-                self.config.use_tied_copy, self._gen_tp_index, self.ep)
+                self.config.use_tied_copy, self._gen_tp_index, self.ep, self.etp)
 
     def _check_ranks_agree(self) -> None:
         """First sync only: a clear error instead of a gloo size mismatch (or a hang) when ranks were
@@ -226,15 +189,6 @@ class Resharder:
                         raise KeyError(f"rank {self.rank}: the plan reads {piece.mcore_name} of chunk "
                                        f"{piece.chunk}, which the model does not have")
 
-    # ---- views -----------------------------------------------------------------------------------
-    def _source_view(self, piece: Piece) -> torch.Tensor:
-        tensor = self._tensors[piece.chunk][piece.mcore_name]
-        return tensor if piece.axis is None else tensor.narrow(piece.axis, piece.src_offset, piece.length)
-
-    @staticmethod
-    def _target_view(output: torch.Tensor, piece: Piece) -> torch.Tensor:
-        return output if piece.axis is None else output.narrow(piece.axis, piece.dst_offset, piece.length)
-
     # ---- the sync ---------------------------------------------------------------------------------
     def shards(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield this rank's vLLM tensors as they complete; `last_report` is set at the end.
@@ -246,113 +200,16 @@ class Resharder:
         if not self._synced_once:
             self._check_ranks_agree()
         self._synced_once = True
-        meter = _MemoryMeter()
-        counters = {"sent": 0, "received": 0, "msg_sent": 0, "msg_received": 0}
-        checksums: dict[str, str] = {}
-        outputs: dict[str, torch.Tensor] = {}
-        own_seconds = digest_seconds = 0.0
-        started = time.perf_counter()
-        stacks: dict[str, torch.Tensor] = {}  # stacked expert parameters being filled, slot by slot
-        waiting = {param: len(names) for param, names in self._stacked.items()}
-        for bucket in self.plan.buckets:
-            resumed = time.perf_counter()
-            for name in bucket.opens:
-                target = self.plan.targets[name]
-                has_padding = any(seg.hf_name is None for seg in target.segments)
-                make = torch.zeros if has_padding else torch.empty
-                param, slot = split_slot_name(name)
-                if slot is None:
-                    outputs[name] = make(target.shape, dtype=self.dtype, device=self.device)
-                    meter.add(outputs[name].numel() * self._element, output=True)
-                    continue
-                if param not in stacks:  # one allocation for all experts; each slot is a view of it
-                    stacks[param] = make((len(self._stacked[param]), *target.shape), dtype=self.dtype,
-                                         device=self.device)
-                    meter.add(stacks[param].numel() * self._element, output=True)
-                outputs[name] = stacks[param][self._stacked[param].index(name)]
-            self._run_bucket(bucket, outputs, meter, counters)
-            ready = []
-            for name in bucket.completes:
-                tensor = outputs.pop(name)
-                param, slot = split_slot_name(name)
-                if slot is not None:
-                    waiting[param] -= 1
-                    if waiting[param]:
-                        continue
-                    name, tensor = param, stacks.pop(param)
-                meter.remove(tensor.numel() * self._element, output=True)
-                if self.config.checksums:
-                    digest_started = time.perf_counter()
-                    checksums[name] = tensor_checksum(tensor)
-                    digest_seconds += time.perf_counter() - digest_started
-                ready.append((name, tensor))
-            own_seconds += time.perf_counter() - resumed
-            yield from ready
-        if outputs or stacks:
-            raise AssertionError(f"plan bug: tensors never completed: {sorted(outputs) + sorted(stacks)}")
-        self.last_report = self._report(counters, meter, own_seconds, digest_seconds, time.perf_counter() - started,
-                                        checksums)
+        stats = ExchangeStats()
+        yield from exchange(self.plan, self._tensors, WorldTransport(), dtype=self.dtype, device=self.device,
+                            stats=stats, checksums=self.config.checksums)
+        self.last_report = self._report(stats)
 
     def reshard(self) -> dict[str, torch.Tensor]:
         """All of this rank's vLLM tensors in one dict (tests and tools; `shards()` streams)."""
         return dict(self.shards())
 
-    def _run_bucket(self, bucket: RankBucket, outputs: dict[str, torch.Tensor], meter: _MemoryMeter,
-                    counters: dict[str, int]) -> None:
-        ops: list[dist.P2POp] = []
-        packed: dict[tuple, torch.Tensor] = {}  # one packed buffer per distinct piece list (shared by receivers)
-        allocated = 0
-        for dst, pieces in bucket.sends.items():
-            key = tuple((p.chunk, p.mcore_name, p.axis, p.src_offset, p.length) for p in pieces)
-            buffer = packed.get(key)
-            if buffer is None:
-                buffer, fresh = self._pack(pieces)
-                packed[key] = buffer
-                if fresh:
-                    meter.add(buffer.numel() * self._element)
-                    allocated += buffer.numel() * self._element
-            ops.append(dist.P2POp(dist.isend, buffer, dst))
-            counters["sent"] += buffer.numel() * self._element
-            counters["msg_sent"] += 1
-        receive: dict[int, torch.Tensor] = {}
-        for src, pieces in bucket.recvs.items():
-            buffer = torch.empty(sum(p.numel for p in pieces), dtype=self.dtype, device=self.device)
-            meter.add(buffer.numel() * self._element)
-            allocated += buffer.numel() * self._element
-            receive[src] = buffer
-            ops.append(dist.P2POp(dist.irecv, buffer, src))
-        works = dist.batch_isend_irecv(ops) if ops else []
-        # Local copies overlap with the transfers in flight.
-        for piece in bucket.local:
-            self._target_view(outputs[piece.target], piece).copy_(self._source_view(piece))
-        for work in works:
-            work.wait()
-        for src, pieces in bucket.recvs.items():
-            buffer = receive[src]
-            counters["received"] += buffer.numel() * self._element
-            counters["msg_received"] += 1
-            position = 0
-            for piece in pieces:
-                part = buffer[position: position + piece.numel].view(piece.shape)
-                self._target_view(outputs[piece.target], piece).copy_(part)
-                position += piece.numel
-        meter.remove(allocated)
-
-    def _pack(self, pieces: Sequence[Piece]) -> tuple[torch.Tensor, bool]:
-        """A contiguous 1-D buffer of the pieces in order; (buffer, whether it was newly allocated)."""
-        if len(pieces) == 1:
-            view = self._source_view(pieces[0])
-            if view.is_contiguous() and view.dtype == self.dtype:
-                return view.reshape(-1), False  # rows of a row-major tensor: send without a copy
-        buffer = torch.empty(sum(p.numel for p in pieces), dtype=self.dtype, device=self.device)
-        position = 0
-        for piece in pieces:
-            buffer[position: position + piece.numel].view(piece.shape).copy_(self._source_view(piece))
-            position += piece.numel
-        return buffer, True
-
-    def _report(self, counters: dict[str, int], meter: _MemoryMeter, seconds: float, digest_seconds: float,
-                wall: float, checksums: dict[str, str]) -> SyncReport:
+    def _report(self, stats: ExchangeStats) -> SyncReport:
         plan, es = self.plan, self._element
         traffic = self.traffic
         return SyncReport(
@@ -360,16 +217,16 @@ class Resharder:
             gen_tp_index=plan.gen_tp_index,
             infer_tp=plan.infer_tp,
             strategy=self.groups.strategy,
-            bytes_sent=counters["sent"],
-            bytes_received=counters["received"],
-            messages_sent=counters["msg_sent"],
-            messages_received=counters["msg_received"],
+            bytes_sent=stats.bytes_sent,
+            bytes_received=stats.bytes_received,
+            messages_sent=stats.messages_sent,
+            messages_received=stats.messages_received,
             buckets=len(plan.buckets),
-            seconds=seconds,
-            checksum_seconds=digest_seconds,
-            wall_seconds=wall,
-            peak_buffer_bytes=meter.peak_buffers,
-            peak_extra_bytes=meter.peak_total,
+            seconds=stats.seconds,
+            checksum_seconds=stats.checksum_seconds,
+            wall_seconds=stats.wall_seconds,
+            peak_buffer_bytes=stats.meter.peak_buffers,
+            peak_extra_bytes=stats.meter.peak_total,
             generation_shard_bytes=plan.target_numel * es,
             planned_bytes_received=plan.recv_numel * es,
             exact_lower_bound_bytes=plan.lower_bound_numel * es,
@@ -378,8 +235,41 @@ class Resharder:
             naive_gather_bytes=plan.naive_numel * es,
             peers=plan.peers,
             peers_outside_micro_dp=plan.peers_outside_micro_dp,
-            checksums=checksums,
+            checksums=stats.checksums,
         )
+
+
+@dataclass(frozen=True)
+class TrainingSources:
+    """What a training rank sends from: its chunks' tensors by local-spec megatron name (per chunk)."""
+
+    shape: Any  # the model's ModelShape
+    tensors: list[dict[str, torch.Tensor]]
+    device: torch.device
+    params_dtype: torch.dtype
+    ep: int
+    etp: int | None = None  # the expert TP when it differs from TP
+
+
+def training_sources(models: Sequence[Any], mesh: TrainingMesh, rank: int) -> TrainingSources:
+    """This rank's megatron chunks as the tensors a plan reads (`Piece.mcore_name` of `Piece.chunk`),
+    checked against the mesh the plan lays the model out by."""
+    chunks = [unwrap_model(m) for m in models]
+    infos = [chunk_info(m) for m in chunks]
+    # the plan places layers by the mesh's split, the models were built by theirs: one layout
+    built = infos[0].layout
+    if mesh.layout(built.ep, built.etp) != built:
+        raise ValueError(f"rank {rank}: the resharder's mesh lays the model out as "
+                         f"{mesh.layout(built.ep, built.etp)}, its models were built as {built}")
+    # mcore name (local spec) -> tensor, per chunk; TE specs rename the fused norms.
+    tensors: list[dict[str, torch.Tensor]] = []
+    for model, info in zip(chunks, infos):
+        by_model_name = model_tensors(model)
+        names = {n: spec_tensor_name(n, info.spec_kind) for n in _local_names(by_model_name, info.spec_kind)}
+        tensors.append({local: by_model_name[model_name].detach() for local, model_name in names.items()})
+    first = next(iter(tensors[0].values()))
+    return TrainingSources(infos[0].source.shape, tensors, first.device, chunks[0].config.params_dtype,
+                           built.ep, built.etp)
 
 
 class RolloutPlacementError(ValueError):

@@ -160,6 +160,16 @@ def response_lengths(batch: Batch) -> torch.Tensor:
     return batch["attention_mask"][:, -width:].sum(-1)
 
 
+def rollout_log_prob_gap(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor,
+                         response_mask: torch.Tensor) -> dict[str, float]:
+    """`rollout/log_prob_abs_diff_{max,mean}`: |trainer - rollout| log-prob over the response tokens
+    (max and token mean): a numerics and sync health check, and with MoE what routing replay closes."""
+    mask = response_mask.to(torch.float64)
+    gap = (old_log_probs.to(torch.float64) - rollout_log_probs.to(torch.float64)).abs() * mask
+    return {"rollout/log_prob_abs_diff_max": float(gap.max()),
+            "rollout/log_prob_abs_diff_mean": float(gap.sum() / mask.sum().clamp(min=1))}
+
+
 def response_metrics(batch: Batch) -> dict[str, float]:
     """Scores, rewards, advantages and lengths of a step's responses (what the console table shows)."""
     mask = batch["response_mask"].float()

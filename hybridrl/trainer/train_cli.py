@@ -6,6 +6,7 @@ import sys
 
 from hybridrl.config.errors import ConfigError
 from hybridrl.config.plan import plan_from_sources
+from hybridrl.config.report import packing_line
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +25,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     for warning in plan.warnings:
         print(f"warning: {warning}", file=sys.stderr)
+    # a default that depends on the device: say what it resolved to
+    print(packing_line(plan), file=sys.stderr)
 
     # Refuse a known-bad stack before Ray starts: it would otherwise fail minutes later, in a worker.
     # lazy: versions loads importlib.metadata and packaging (~70 ms), and every `hybridrl` command

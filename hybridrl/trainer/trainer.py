@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,16 +31,18 @@ from hybridrl.controller.cluster import init_ray
 from hybridrl.controller.dispatch import MeshCoord, RankMesh, balanced_dp_order, dp_token_imbalance, row_tokens
 from hybridrl.controller.gather import WorkerGroupError
 from hybridrl.controller.resource_pool import ResourcePool, ResourcePoolError
-from hybridrl.controller.worker_group import WorkerGroup
+from hybridrl.controller.worker_group import WorkerGroup, wait_together
 from hybridrl.data.batch import Batch
 from hybridrl.data.dataloader import PromptDataLoader, unpadded_prompt_ids
 from hybridrl.data.dataset import PromptDataset
 from hybridrl.data.tokenizer import load_tokenizer, resolve_pad_token_id
 from hybridrl.names import GroupName, Phase, Role
+from hybridrl.parallel.cross_group import CrossGroupAddress
 from hybridrl.rewards.manager import RewardManager, reward_metrics, token_level_rewards
 from hybridrl.rollout.sampling import RolloutSampling, validation_sampling
 from hybridrl.rollout.turn_rewards import TurnRewardError, turn_rewarder_from_config
 from hybridrl.tools import available_parsers, build_registry
+from hybridrl.trainer.async_rollout import RolloutDriver
 from hybridrl.trainer.checkpoints import CheckpointError, CheckpointManager
 from hybridrl.trainer.rl_step import (
     AdvantageSettings,
@@ -52,12 +54,15 @@ from hybridrl.trainer.rl_step import (
     overlong_penalty,
     response_lengths,
     response_metrics,
+    rollout_log_prob_gap,
     select_groups_with_spread,
 )
 from hybridrl.trainer.timing import PhaseTimer, throughput_metrics
 from hybridrl.trainer.tracking import Tracker, plot_run, render_summary
 from hybridrl.workers.hybrid import HybridEngineWorker, HybridSettings
+from hybridrl.workers.policy import DisaggregatedPolicyWorker, PolicyWorker
 from hybridrl.workers.ray_roles import CriticWorker, RewardModelWorker
+from hybridrl.workers.rollout_worker import RolloutWorker
 
 PAD_UID_PREFIX = "__pad__"
 
@@ -128,6 +133,9 @@ class Trainer:
         self.global_step = 0
         self.phase = Phase.START  # the phase running now: named by a TrainingFailure
         self.cluster = self.pool = self.actor_group = self.critic_group = self.rm_group = None
+        # disaggregated: vLLM's own pool and group (colocated: rollout_group is the actor group)
+        self.rollout_pool = self.rollout_group = None
+        self.driver: RolloutDriver | None = None  # rollout.async_mode one_step_off / fully_async
 
     # ------------------------------------------------------------------------------ set-up
     def _build_data(self) -> None:
@@ -168,35 +176,26 @@ class Trainer:
     def _build_workers(self, restart: int = 0) -> None:
 
         plan, trainer = self.plan, self.config.trainer
-        world = plan.resolved.world_size
+        res = plan.resolved
         policy = plan.device_policy
         repo_root = str(Path(__file__).resolve().parents[2])
         if self.cluster is None:  # a restart keeps the run's Ray cluster
-            self.cluster = init_ray(trainer.ray_address, num_cpus=policy.ray_cluster_cpus(world),
+            ranks = res.world_size + (res.rollout_world if res.disaggregated else 0)
+            self.cluster = init_ray(trainer.ray_address, num_cpus=policy.ray_cluster_cpus(ranks),
                                     pythonpath=[repo_root], preload_modules=("torch",))
-        colocated = 1 + int(plan.resolved.critic_enabled) + int(self.config.reward_model.enable)
-        self.pool = ResourcePool("global", nnodes=trainer.nnodes, workers_per_node=trainer.n_gpus_per_node,
-                                 device_policy=policy, cpus_per_worker=policy.ray_cpus_per_worker,
-                                 max_colocated_groups=colocated)
+        colocated = 1 + int(res.critic_enabled) + int(self.config.reward_model.enable)
+        self.pool = ResourcePool("global" if not res.disaggregated else "trainer", nnodes=trainer.nnodes,
+                                 workers_per_node=trainer.n_gpus_per_node, device_policy=policy,
+                                 cpus_per_worker=policy.ray_cpus_per_worker, max_colocated_groups=colocated)
         # a restart waits for the resources of a failed node to come back (a replacement joining)
-        self.pool.start(timeout_s=trainer.restart_wait_s if restart else 300)
-        settings = HybridSettings(probe_tolerance=plan.resolved.probe_tolerance, pad_token_id=self.pad_token_id)
+        wait_s = trainer.restart_wait_s if restart else 300
+        self.pool.start(timeout_s=wait_s)
         timeout_s = trainer.nccl_timeout_s  # every group's collectives, megatron's included
-        self.actor_group = WorkerGroup(HybridEngineWorker, self.pool, role=GroupName.ACTOR_ROLLOUT_REF,
-                                       worker_args=(plan, settings), process_group_timeout_s=timeout_s, restart=restart)
-        setup = self.actor_group.call_all(HybridEngineWorker.setup, self.total_steps)
-        self.actor_group.learn_mesh()
-        coords = self.actor_group.call_all(HybridEngineWorker.rollout_coords)
-        replica_ids = sorted({c["replica"] for c in coords})
-        self.rollout_mesh = RankMesh.from_coords(
-            [MeshCoord(dp=replica_ids.index(c["replica"]), tp=c["tp"]) for c in coords])
-        if not all(s["placement_as_planned"] for s in setup):
-            self.write("warning: vLLM's TP groups differ from the plan's; weight syncs move more than planned")
-        infer_tp = plan.config.actor_rollout_ref.rollout.tensor_model_parallel_size
-        self.write(f"hybrid engine up in {max(s['setup_s'] for s in setup):.1f} s: rollout replicas "
-                   f"{self.rollout_mesh.dp_size} × infer_tp {infer_tp}, first sync probe gap "
-                   f"{max(s['reshard/probe_max_abs_gap'] for s in setup):.2e}")
-        if plan.resolved.critic_enabled:
+        if res.disaggregated:
+            self._build_disaggregated(restart, wait_s, timeout_s)
+        else:
+            self._build_hybrid_engine(restart, timeout_s)
+        if res.critic_enabled:
 
             self.critic_group = WorkerGroup(CriticWorker, self.pool, role=GroupName.CRITIC, worker_args=(plan,),
                                             process_group_timeout_s=timeout_s, restart=restart)
@@ -209,13 +208,86 @@ class Trainer:
             self.rm_group.call_all(RewardModelWorker.init_model)
             self.rm_group.learn_mesh()
 
+    def _build_hybrid_engine(self, restart: int, timeout_s: float) -> None:
+        """Colocated: actor, reference and vLLM in the same processes; the first proven sync."""
+        plan = self.plan
+        settings = HybridSettings(probe_tolerance=plan.resolved.probe_tolerance, pad_token_id=self.pad_token_id)
+        self.actor_group = WorkerGroup(HybridEngineWorker, self.pool, role=GroupName.ACTOR_ROLLOUT_REF,
+                                       worker_args=(plan, settings), process_group_timeout_s=timeout_s, restart=restart)
+        self.rollout_group = self.actor_group
+        self._generate_method = HybridEngineWorker.generate_sequences
+        setup = self.actor_group.call_all(HybridEngineWorker.setup, self.total_steps)
+        self.actor_group.learn_mesh()
+        self._learn_rollout_mesh(HybridEngineWorker.rollout_coords)
+        if not all(s["placement_as_planned"] for s in setup):
+            self.write("warning: vLLM's TP groups differ from the plan's; weight syncs move more than planned")
+        infer_tp = plan.config.actor_rollout_ref.rollout.tensor_model_parallel_size
+        self.write(f"hybrid engine up in {max(s['setup_s'] for s in setup):.1f} s: rollout replicas "
+                   f"{self.rollout_mesh.dp_size} × infer_tp {infer_tp}, first sync probe gap "
+                   f"{max(s['reshard/probe_max_abs_gap'] for s in setup):.2e}")
+
+    def _build_disaggregated(self, restart: int, wait_s: float, timeout_s: float) -> None:
+        """rollout.mode=disaggregated: the policy on the trainer pool, vLLM on a pool of its own, one
+        group spanning both for the weight syncs; the first sync (version 0) proven like every other."""
+        plan, arr = self.plan, self.config.actor_rollout_ref
+        res, policy = plan.resolved, plan.device_policy
+        self.rollout_pool = ResourcePool("rollout", nnodes=arr.rollout.nnodes,
+                                         workers_per_node=arr.rollout.n_gpus_per_node, device_policy=policy,
+                                         cpus_per_worker=policy.ray_cpus_per_worker, max_colocated_groups=1)
+        self.rollout_pool.start(timeout_s=wait_s)
+        started = time.perf_counter()
+        self.actor_group = WorkerGroup(DisaggregatedPolicyWorker, self.pool, role=GroupName.ACTOR_ROLLOUT_REF,
+                                       worker_args=(plan, self.pad_token_id), process_group_timeout_s=timeout_s,
+                                       restart=restart)
+        self.rollout_group = WorkerGroup(RolloutWorker, self.rollout_pool, role=GroupName.ROLLOUT,
+                                         worker_args=(plan, self.pad_token_id), process_group_timeout_s=timeout_s,
+                                         restart=restart)
+        self._generate_method = RolloutWorker.generate_sequences
+        # both pools build at once (megatron on one, vLLM on the other)
+        wait_together([self.actor_group.submit_all(DisaggregatedPolicyWorker.setup, self.total_steps),
+                       self.rollout_group.submit_all(RolloutWorker.setup)])
+        self.actor_group.learn_mesh()
+        self._learn_rollout_mesh(RolloutWorker.rollout_coords)
+        host, port = self.actor_group.call_all(DisaggregatedPolicyWorker.open_weight_sync)[0]
+        address = CrossGroupAddress(host, port, res.world_size, res.rollout_world)
+        wait_together([self.actor_group.submit_all(DisaggregatedPolicyWorker.join_weight_sync, address),
+                       self.rollout_group.submit_all(RolloutWorker.join_weight_sync, address)])
+        first = self.sync_weights(version=0)
+        self.write(f"disaggregated rollout up in {time.perf_counter() - started:.1f} s: trainer pool "
+                   f"{res.world_size} ranks, rollout pool {res.rollout_world} ranks ({self.rollout_mesh.dp_size} "
+                   f"replicas × infer_tp {arr.rollout.tensor_model_parallel_size}), first sync probe gap "
+                   f"{first['reshard/probe_max_abs_gap']:.2e}")
+
+    def _learn_rollout_mesh(self, coords_method: Any) -> None:
+        coords = self.rollout_group.call_all(coords_method)
+        replica_ids = sorted({c["replica"] for c in coords})
+        self.rollout_mesh = RankMesh.from_coords(
+            [MeshCoord(dp=replica_ids.index(c["replica"]), tp=c["tp"]) for c in coords])
+
+    def sync_weights(self, version: int | None = None) -> dict[str, float]:
+        """The actor's weights into every vLLM replica, proven (checksums + the probe on each replica);
+        the sync's figures, the worst rank's each. `version`: the policy version being served after it."""
+        version = self.global_step if version is None else version
+        if not self.plan.resolved.disaggregated:
+            return _sync_metrics(self.actor_group.call_all(HybridEngineWorker.sync_weights))
+        sends, receives = wait_together([
+            self.actor_group.submit_all(DisaggregatedPolicyWorker.send_weights, version),
+            self.rollout_group.submit_all(RolloutWorker.receive_weights, version)])
+        probe = sends[0]["probe"]
+        gaps = [g for g in self.rollout_group.call_all(RolloutWorker.probe_gap, probe,
+                                                       self.plan.resolved.probe_tolerance) if g is not None]
+        metrics = _sync_metrics([s["metrics"] for s in sends] + list(receives))
+        metrics.update({"reshard/probe_max_abs_gap": max(gaps), "reshard/probe_replicas": float(len(gaps)),
+                        "reshard/version": float(version)})
+        return metrics
+
     def _greedy_sampling(self) -> Any:
         """One greedy response per prompt (validation by default, ReMax's baseline)."""
 
         return validation_sampling(self.plan.resolved.response_length,
                                    stop_token_ids=tuple(self.config.actor_rollout_ref.rollout.stop_token_ids))
 
-    def _sampling(self, validation: bool = False) -> Any:
+    def _sampling(self, validation: bool = False, step: int | None = None) -> Any:
 
         rollout = self.config.actor_rollout_ref.rollout
         max_tokens = self.plan.resolved.response_length
@@ -229,7 +301,8 @@ class Trainer:
                                    stop_token_ids=stops)
         # A seed per step (not per engine call): a resumed run samples step k+1 exactly like the
         # uninterrupted one, whatever the engines' call counters say.
-        step_seed = (self.config.trainer.seed * 1_000_003 + rollout.seed * 7919 + self.global_step) % (2**31)
+        step = self.global_step if step is None else step  # an async rollout draws ahead of the trainer
+        step_seed = (self.config.trainer.seed * 1_000_003 + rollout.seed * 7919 + step) % (2**31)
         return RolloutSampling(n=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p,
                                top_k=rollout.top_k if rollout.top_k > 0 else None, max_tokens=max_tokens,
                                stop_token_ids=stops, ignore_eos=rollout.ignore_eos, seed=step_seed)
@@ -252,8 +325,8 @@ class Trainer:
             uids[len(prompts):] = [f"{PAD_UID_PREFIX}{i}" for i in range(pad)]
             padded["uid"] = uids
         padded["raw_prompt_ids"] = unpadded_prompt_ids(padded)
-        per_replica = self.actor_group.call_by_dp_outputs(HybridEngineWorker.generate_sequences, padded, sampling,
-                                                          mesh=self.rollout_mesh)
+        per_replica = self.rollout_group.call_by_dp_outputs(self._generate_method, padded, sampling,
+                                                            mesh=self.rollout_mesh)
         # each replica measured its own share; the replicas generate at the same time
         replica_metrics = [replica.meta.pop("metrics", None) or {} for replica in per_replica]
         out = Batch.concat(per_replica)
@@ -343,24 +416,35 @@ class Trainer:
         return selected
 
     def step(self, prompts: Batch) -> dict[str, float]:
-
-        plan, cfg = self.plan, self.config
+        """One synchronous step: generate and score `prompts`' samples, then train on them and sync."""
         timer = PhaseTimer()
         metrics: dict[str, float] = {}
+        batch = self.sampled_batch(prompts, timer, metrics)
+        return self.train_on(batch, timer, metrics, self.sync_weights)
+
+    def sampled_batch(self, prompts: Batch, timer: PhaseTimer, metrics: dict[str, float]) -> Batch:
+        """The scored samples of `prompts` (with dynamic sampling, of as many more prompts as it takes)."""
         generation_metrics: dict[str, float] = {}
         batch = self._generate_and_score(prompts, timer, generation_metrics)
-        if cfg.algorithm.filter_groups.enable:
+        if self.config.algorithm.filter_groups.enable:
             batch = self._dynamic_sampling(batch, generation_metrics, timer, metrics)
         else:
             metrics.update(generation_metrics)
         batch.meta.pop("reward_output", None)  # the controller's; the workers need none of it
-        if cfg.actor_rollout_ref.rollout.free_cache_engine:
+        return batch
+
+    def train_on(self, batch: Batch, timer: PhaseTimer, metrics: dict[str, float],
+                 sync: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """Old/ref log-probs, values, advantages and the updates on a scored batch, then `sync` (the
+        weights into the rollout); the step's metrics."""
+        plan, cfg = self.plan, self.config
+        if plan.resolved.free_cache_engine:
             self.phase = Phase.RELEASE_ROLLOUT_MEMORY
             self.actor_group.call_all(HybridEngineWorker.release_rollout_memory)
         batch.meta["temperature"] = cfg.actor_rollout_ref.rollout.temperature
         if plan.resolved.old_log_prob_pass:  # else the update's forward is the old policy (on-policy)
             with self._phase(timer, Phase.OLD_LOG_PROB):
-                old = self.actor_group.call_by_dp(HybridEngineWorker.compute_log_prob, batch, with_entropy=True,
+                old = self.actor_group.call_by_dp(PolicyWorker.compute_log_prob, batch, with_entropy=True,
                                                   balance_mini_batches=self._balance())
                 batch["old_log_probs"] = old["old_log_probs"]
                 metrics["perf/padding_ratio_old_log_prob"] = float(old.meta.get("padding_ratio", 0.0))
@@ -374,11 +458,10 @@ class Trainer:
                         (old["old_log_probs_outside"].float() * mask).sum() / mask.sum().clamp(min=1))
                 metrics["actor/entropy"] = float(masked_mean(old["entropys"], mask))
                 # how far the rollout's own log-probs are from the trainer's: a numerics/sync health check
-                metrics["rollout/log_prob_abs_diff_max"] = float(
-                    ((old["old_log_probs"] - batch["rollout_log_probs"]).abs() * mask).max())
+                metrics.update(rollout_log_prob_gap(old["old_log_probs"], batch["rollout_log_probs"], mask))
         if plan.resolved.ref_enabled:
             with self._phase(timer, Phase.REF):
-                ref = self.actor_group.call_by_dp(HybridEngineWorker.compute_ref_log_prob, batch,
+                ref = self.actor_group.call_by_dp(PolicyWorker.compute_ref_log_prob, batch,
                                                   balance_mini_batches=self._balance())
                 batch["ref_log_probs"] = ref["ref_log_probs"]
                 metrics["perf/padding_ratio_ref_log_prob"] = float(ref.meta.get("padding_ratio", 0.0))
@@ -402,19 +485,19 @@ class Trainer:
                 metrics.update(_mean_dicts([o.as_dict() if o is not None else None for o in outs]))
         with self._phase(timer, Phase.UPDATE_ACTOR):
             balance = self._balance(batch, Role.ACTOR)
-            outs = self.actor_group.call_by_dp_outputs(HybridEngineWorker.update_actor, batch,
+            outs = self.actor_group.call_by_dp_outputs(PolicyWorker.update_actor, batch,
                                                        balance_mini_batches=balance)
             metrics.update(_mean_dicts(outs))
             metrics["perf/dp_token_imbalance"] = self._dp_imbalance(Role.ACTOR, batch, balance)
         with self._phase(timer, Phase.SYNC):
-            syncs = self.actor_group.call_all(HybridEngineWorker.sync_weights)
-            metrics.update(_sync_metrics(syncs))
+            metrics.update(sync())
         metrics.update(response_metrics(batch))
         if cfg.trainer.rollout_data_dir:
             self._dump_rollout(batch, Path(cfg.trainer.rollout_data_dir))
         metrics.update(timer.metrics())
         tokens = int(batch["attention_mask"].sum())
-        metrics.update(throughput_metrics(tokens, len(batch), metrics["timing_s/step"], plan.resolved.world_size))
+        gpus = plan.resolved.world_size + (plan.resolved.rollout_world if plan.resolved.disaggregated else 0)
+        metrics.update(throughput_metrics(tokens, len(batch), metrics["timing_s/step"], gpus))
         return metrics
 
     def _update_mini_batches(self, role: str, batch: Batch) -> int:
@@ -476,6 +559,12 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         if self.val_loader is None:
             return {}
+        if self.driver is not None:  # the rollout pool runs ahead: validate while it is parked
+            with self.driver.hold():
+                return self._validate()
+        return self._validate()
+
+    def _validate(self) -> dict[str, float]:
         scores: list[float] = []
         turn_parts: list[dict[str, float]] = []  # multi-turn: how the validation conversations went
         samples: list[int] = []
@@ -500,12 +589,14 @@ class Trainer:
         self.phase = Phase.SAVE_CHECKPOINT
         partial = self.checkpoints.begin(self.global_step)
         try:
-            self.actor_group.call_all(HybridEngineWorker.save_checkpoint, str(partial))
+            self.actor_group.call_all(PolicyWorker.save_checkpoint, str(partial))
             if self.config.trainer.export_hf_on_save:
-                self.actor_group.call_all(HybridEngineWorker.export_hf, str(partial / "actor_hf"))
+                self.actor_group.call_all(PolicyWorker.export_hf, str(partial / "actor_hf"))
             if self.critic_group is not None:
                 self.critic_group.call_all(CriticWorker.save_checkpoint, str(partial))
-            state = {"dataloader": self.train_loader.state_dict(), "kl_coef": float(self.kl_controller.value)}
+            # an async rollout has drawn prompts the trainer has not trained on yet: resume before them
+            loader = self.driver.loader_state() if self.driver is not None else self.train_loader.state_dict()
+            state = {"dataloader": loader, "kl_coef": float(self.kl_controller.value)}
             return self.checkpoints.commit(partial, self.global_step, state)
         except BaseException:
             self.checkpoints.abort(partial)
@@ -516,7 +607,11 @@ class Trainer:
 
         self.phase = Phase.RESUME
         state = self.checkpoints.read_state(path)
-        self.actor_group.call_all(HybridEngineWorker.load_checkpoint, str(path))
+        if self.plan.resolved.disaggregated:  # restore the trainer pool, then serve its weights
+            self.actor_group.call_all(DisaggregatedPolicyWorker.load_checkpoint, str(path))
+            self.sync_weights(version=int(state["global_step"]))
+        else:  # the hybrid engine restores the actor and syncs vLLM itself
+            self.actor_group.call_all(HybridEngineWorker.load_checkpoint, str(path))
         if self.critic_group is not None:
             self.critic_group.call_all(CriticWorker.load_checkpoint, str(path))
         self.train_loader.load_state_dict(state["dataloader"])
@@ -600,10 +695,24 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="training", unit="step",
                    disable=not self.progress)
         self._prompts = self._prompt_stream()
+        if self.plan.resolved.async_mode != "sync":  # the rollout pool runs ahead in a thread
+            self.driver = RolloutDriver(self)
+            for group in (self.actor_group, self.critic_group, self.rm_group):
+                if group is not None:
+                    group.watchdog = self.driver.raise_if_failed
+            self.driver.start()
+        try:
+            self._train_loop(tracker, guard, bar)
+        finally:
+            if self.driver is not None:
+                self.driver.stop()
+                self.driver = None
+
+    def _train_loop(self, tracker: Tracker, guard: NonFiniteGuard, bar: Any) -> None:
+        cfg = self.config
         while self.global_step < self.total_steps:
-            prompts = next(self._prompts)
             self.global_step += 1
-            metrics = self.step(prompts)
+            metrics = self.step(next(self._prompts)) if self.driver is None else self._async_step()
             metrics.update(guard.observe(metrics))
             metrics["training/global_step"] = self.global_step
             metrics["training/epoch"] = self.train_loader.epoch
@@ -620,6 +729,19 @@ class Trainer:
             if cfg.trainer.save_freq > 0 and (self.global_step % cfg.trainer.save_freq == 0 or last):
                 self.last_checkpoint = self.save()
         bar.close()
+
+    def _async_step(self) -> dict[str, float]:
+        """One training step on the rollout pool's next batch (generated ahead, one or more versions old),
+        then the sync of the new weights with the driver held at a boundary."""
+        timer = PhaseTimer()
+        with self._phase(timer, Phase.WAIT_ROLLOUT):
+            batch, metrics = self.driver.next_batch(self.global_step)
+
+        def sync() -> dict[str, float]:
+            with self.driver.hold(version=self.global_step):
+                return self.sync_weights(version=self.global_step)
+
+        return self.train_on(batch, timer, metrics, sync)
 
     def _restart_in_place(self, tracker: Tracker, failure: TrainingFailure, error: WorkerGroupError,
                           restart: int, detected_at: float) -> None:
@@ -653,13 +775,15 @@ class Trainer:
             yield from self.train_loader
 
     def _shutdown_workers(self) -> None:
-        """Kill every group's actors and give the pool's resources back (the Ray cluster stays)."""
-        for group in (self.rm_group, self.critic_group, self.actor_group):
+        """Kill every group's actors and give the pools' resources back (the Ray cluster stays)."""
+        for group in (self.rm_group, self.critic_group, self.rollout_group, self.actor_group):
             if group is not None:
                 group.shutdown()
-        if self.pool is not None:
-            self.pool.shutdown()
+        for pool in (self.pool, self.rollout_pool):
+            if pool is not None:
+                pool.shutdown()
         self.pool = self.actor_group = self.critic_group = self.rm_group = None
+        self.rollout_pool = self.rollout_group = None
 
     def shutdown(self) -> None:
         self._shutdown_workers()
@@ -732,7 +856,7 @@ def _mean_dicts(items: list[dict[str, Any] | None]) -> dict[str, float]:
 def _sync_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     """Per-sync figures over ranks: the worst rank for bytes, time, memory and the probe gap."""
     out: dict[str, float] = {}
-    for key in per_rank[0]:
+    for key in dict.fromkeys(k for r in per_rank for k in r):  # ranks of two pools report different keys
         values = [r[key] for r in per_rank if isinstance(r.get(key), (int, float))]
         if values:
             out[key] = float(max(values))

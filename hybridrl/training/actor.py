@@ -50,6 +50,7 @@ recomputed from transformers in tests/test_training_actor_reference.py).
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -122,12 +123,14 @@ class PolicyUpdateMetrics:
     optimizer_steps: int
     per_step: tuple[dict[str, float], ...] = field(default=())
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
-    # max |megatron - rollout| log-prob over the batch, when the update stood in for the old-log-prob
-    # pass (on-policy: one optimizer step); None otherwise
+    # max and token mean of |megatron - rollout| log-prob over the batch, when the update stood in for
+    # the old-log-prob pass (on-policy: one optimizer step); None otherwise
     rollout_log_prob_abs_diff_max: float | None = None
+    rollout_log_prob_abs_diff_mean: float | None = None
     # padding columns / computed columns of the update's micro-batches, over the DP group
     padding_ratio: float = 0.0
-    # MoE models: `actor/moe_aux_loss`, `actor/moe_z_loss`, `actor/moe_expert_imbalance` (`training/moe_metrics.py`)
+    # MoE models: `actor/moe_aux_loss`, `actor/moe_z_loss`, `actor/moe_expert_imbalance`,
+    # `actor/moe_dropped_token_fraction` (`training/moe_metrics.py`)
     moe: dict[str, float] = field(default_factory=dict)
     # algorithm.rollout_correction on: `rollout_correction/<name>` (see the module docstring)
     rollout_correction: dict[str, float] = field(default_factory=dict)
@@ -139,6 +142,8 @@ class PolicyUpdateMetrics:
         out["perf/padding_ratio"] = self.padding_ratio
         if self.rollout_log_prob_abs_diff_max is not None:
             out["rollout/log_prob_abs_diff_max"] = self.rollout_log_prob_abs_diff_max
+        if self.rollout_log_prob_abs_diff_mean is not None:
+            out["rollout/log_prob_abs_diff_mean"] = self.rollout_log_prob_abs_diff_mean
         out.update(self.moe)
         out.update(self.rollout_correction)
         return out
@@ -197,11 +202,16 @@ class MegatronActor:
         self.shuffle = actor.shuffle
         self.seed = plan.config.trainer.seed
         shape = backend.source.shape
-        self.moe_metrics = (MoERouterMetrics(backend.chunks, shape.num_layers, shape.num_experts)
+        self.moe_metrics = (MoERouterMetrics(backend.chunks, shape.num_layers, shape.num_experts, shape.moe_top_k)
                             if shape.is_moe else None)
 
     # ---------------------------------------------------------------------------- log-probs
-    def compute_log_prob(self, batch: Batch, with_entropy: bool = False) -> Batch | None:
+    def compute_log_prob(self, batch: Batch, with_entropy: bool = False, *,
+                         free_routing: bool = False) -> Batch | None:
+        """Log-probs of the batch's responses (module docstring). With routing replay the forward
+        routes as the rollout did, unless `free_routing` (the weight sync's probe: a fixed sequence
+        no rollout generated, scored with the routers' own choice on both sides, and with every token
+        kept: no expert capacity, as in vLLM)."""
         backend, ctx = self.backend, self.backend.ctx
         tensors = batch.tensors
         temperature = sampling_temperature(batch)
@@ -209,7 +219,7 @@ class MegatronActor:
                                    dynamic=self.dynamic, max_tokens=self.max_tokens, dp_group=ctx.dp_group)
         backend.tokens_seen.reset()
         backend.replay_mismatch = ReplayMismatch()
-        micros = backend.micro_batches(tensors, partition)
+        micros = backend.micro_batches(tensors, partition, free_routing=free_routing)
         padding_ratio = backend.tokens_seen.padding_ratio(ctx.dp_group)  # every rank: a DP collective
 
         # the actor's old policy under the rollout's truncation too (the correction's target); never the reference's
@@ -227,8 +237,10 @@ class MegatronActor:
                 columns += [target.log_prob, target.outside.to(target.log_prob.dtype)]
             return micro.scatter_response_tokens(torch.stack(columns, dim=-1))
 
-        outputs = backend.forward_only(micros, collect, response_tokens_only=True)
-        mismatch = self._replay_mismatch()  # every rank: a world collective
+        # free routing is also dropless: the probe proves the weights against vLLM, which has no capacity
+        with backend.without_capacity() if free_routing else contextlib.nullcontext():
+            outputs = backend.forward_only(micros, collect, response_tokens_only=True)
+        mismatch = None if free_routing else self._replay_mismatch()  # every rank: a world collective
         if not backend.is_output_rank:
             return None
         stacked = restore_order(outputs, partition).cpu()  # results go back to the controller
@@ -306,7 +318,8 @@ class MegatronActor:
             approx_kl=mean["approx_kl"], entropy=mean["entropy"], kl_loss=mean.get("kl_loss", 0.0),
             grad_norm=mean["grad_norm"], lr=mean["lr"], optimizer_steps=len(steps), per_step=tuple(steps),
             skipped_steps=skipped,
-            rollout_log_prob_abs_diff_max=steps[0].get("rollout_log_prob_abs_diff"),
+            rollout_log_prob_abs_diff_max=steps[0].get("rollout_log_prob_abs_diff_max"),
+            rollout_log_prob_abs_diff_mean=steps[0].get("rollout_log_prob_abs_diff_mean"),
             padding_ratio=padding_ratio, moe=moe, rollout_correction=corrections,
         )
 
@@ -385,7 +398,8 @@ class MegatronActor:
         # the rollout engine's numerics vs megatron's, per step, when no old-log-prob pass measured it
         if "rollout_log_probs" in micro.extras and "old_log_probs" not in micro.extras:
             gap = (log_prob.detach() - micro.extras["rollout_log_probs"].to(log_prob.dtype)).abs() * mask
-            metrics["max/rollout_log_prob_abs_diff"] = gap.max() if gap.numel() else torch.zeros(())
+            metrics["max/rollout_log_prob_abs_diff_max"] = gap.max() if gap.numel() else torch.zeros(())
+            metrics["mean/rollout_log_prob_abs_diff_mean"] = gap.sum() / tokens.clamp(min=1)
         if cfg.use_kl_loss:
             kl = kl_penalty(log_prob, micro.extras["ref_log_probs"].to(log_prob.dtype), cfg.kl_type)
             kl_loss = aggregate_loss(kl, mask, cfg.agg, **norm)

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from hybridrl.config.meshes import expert_group_spans_replicas
 from hybridrl.config.plan import Plan
 from hybridrl.config.schema import MegatronConfig, OptimConfig
 from hybridrl.models.bridge import ModelSource, build_gpt_models, load_weights
@@ -41,6 +42,7 @@ from hybridrl.parallel.cpu_layer import apply_cpu_layer
 from hybridrl.parallel.device import collective_device, default_dtype_for, layer_spec_kind, to_rank_device
 from hybridrl.parallel.device_policy import DevicePolicy
 from hybridrl.training.lr_schedule import LRSchedule
+from hybridrl.training.moe_capacity import without_capacity
 from hybridrl.training.nonfinite import step_is_finite
 from hybridrl.training.offload import OptimizerStateOffload, offload_grad_buffers, restore_grad_buffers
 from hybridrl.training.router_replay import ReplayMismatch, chunk_routing, moe_routers, replaying
@@ -67,7 +69,7 @@ class RoleSpec:
     dtype: str
     device_policy: DevicePolicy  # the Plan's (its name is the resolved device)
     gradient_checkpointing: bool = False
-    packed: bool = False  # the model config's use_remove_padding: micro-batches as packed (THD) sequences
+    packed: bool = False  # the model section's resolved use_remove_padding: micro-batches as packed (THD) sequences
     # actor.router_replay == "rollout" (actor only): every forward routes as the rollout's vLLM did,
     # from the batch's `routed_experts` column (`hybridrl.training.router_replay`)
     router_replay: bool = False
@@ -89,18 +91,18 @@ def role_spec(plan: Plan, role: Role | str) -> RoleSpec:
     policy = plan.device_policy
     if role == Role.ACTOR:
         return RoleSpec(role, arr.model.path, megatron, arr.actor.optim, False, dtype, policy,
-                        arr.model.enable_gradient_checkpointing, arr.model.use_remove_padding,
+                        arr.model.enable_gradient_checkpointing, plan.resolved.packed(role),
                         router_replay=arr.actor.router_replay == "rollout")
     if role == Role.REF:
         return RoleSpec(role, arr.model.path, megatron, None, False, dtype, policy,
-                        packed=arr.model.use_remove_padding)
+                        packed=plan.resolved.packed(role))
     if role == Role.CRITIC:
         return RoleSpec(role, config.critic.model.path or arr.model.path, megatron, config.critic.optim, True,
                         dtype, policy, config.critic.model.enable_gradient_checkpointing,
-                        config.critic.model.use_remove_padding)
+                        plan.resolved.packed(role))
     if role == Role.REWARD_MODEL:
         return RoleSpec(role, config.reward_model.model.path, megatron, None, True, dtype, policy,
-                        packed=config.reward_model.model.use_remove_padding)
+                        packed=plan.resolved.packed(role))
     raise AssertionError(role)  # every Role is handled above
 
 
@@ -111,20 +113,22 @@ def ensure_parallel_state(megatron: MegatronConfig, device: str) -> Any:
     cp, vpp = megatron.context_parallel_size, megatron.virtual_pipeline_model_parallel_size
     vpp = vpp if vpp and vpp > 1 else None
     ep = megatron.expert_model_parallel_size
+    etp = megatron.expert_tensor_parallel_size or tp
     first, last = megatron.num_layers_in_first_pipeline_stage, megatron.num_layers_in_last_pipeline_stage
     if state.is_initialized():
         ctx = state.get_context()
-        have = (ctx.tp, ctx.pp, ctx.cp, ctx.vpp, ctx.ep, ctx.first_stage_layers, ctx.last_stage_layers)
-        if have != (tp, pp, cp, vpp, ep, first, last):
+        have = (ctx.tp, ctx.pp, ctx.cp, ctx.vpp, ctx.ep, ctx.etp or ctx.tp, ctx.first_stage_layers,
+                ctx.last_stage_layers)
+        if have != (tp, pp, cp, vpp, ep, etp, first, last):
             raise ValueError(
                 f"this process already runs megatron with tp={ctx.tp} pp={ctx.pp} cp={ctx.cp} vpp={ctx.vpp} "
-                f"ep={ctx.ep} stage layers first={ctx.first_stage_layers} last={ctx.last_stage_layers}; a role "
-                f"needing tp={tp} pp={pp} cp={cp} vpp={vpp} ep={ep} first={first} last={last} must live in its "
-                "own worker group"
+                f"ep={ctx.ep} etp={ctx.etp or ctx.tp} stage layers first={ctx.first_stage_layers} "
+                f"last={ctx.last_stage_layers}; a role needing tp={tp} pp={pp} cp={cp} vpp={vpp} ep={ep} etp={etp} "
+                f"first={first} last={last} must live in its own worker group"
             )
         return ctx
     return state.initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, cp=cp, seed=megatron.seed, device=device, ep=ep,
-                                           first_stage_layers=first, last_stage_layers=last)
+                                           first_stage_layers=first, last_stage_layers=last, etp=etp)
 
 
 def _activate_cpu_layer(policy: DevicePolicy) -> None:
@@ -135,13 +139,19 @@ def _activate_cpu_layer(policy: DevicePolicy) -> None:
         apply_cpu_layer()
 
 
-def packed_seq_params(micro: ModelInputs) -> Any:
-    """megatron's `PackedSeqParams` (THD) of a packed micro-batch, None for a padded one."""
+def packed_seq_params(micro: ModelInputs, cp: int = 1) -> Any:
+    """megatron's `PackedSeqParams` (THD) of a packed micro-batch, None for a padded one.
+
+    Under context parallelism (`cp` > 1) the segments are padded to 2 × CP chunks and `cu_seqlens`
+    bounds the padded segments: they are given as the padded boundaries too, as megatron's
+    `get_thd_batch_on_this_cp_rank` does, so the rotary split and TE's THD CP read the same layout."""
     if not micro.is_packed:
         return None
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    padded = micro.cu_seqlens if cp > 1 else None
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=micro.cu_seqlens, cu_seqlens_kv=micro.cu_seqlens,
+                           cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded,
                            max_seqlen_q=micro.max_seqlen, max_seqlen_kv=micro.max_seqlen)
 
 
@@ -158,16 +168,16 @@ def _model_forward(model: Any, micro: ModelInputs,
     states `[s, b, h]` before the output layer.
 
     Context parallelism (CP > 1): the model sees this CP rank's columns of the micro-batch
-    (megatron's load-balanced order, `hybridrl.parallel.context_parallel`), and on the last stage the
-    decoder's output is all-gathered over CP back into the whole sequence before `hidden_hook` and the
-    output layer. So the output and everything computed from it (log-probs, entropy, values, the loss)
-    are those of CP = 1 on every CP rank; the gather's backward sums their gradients over CP, which
-    `train_mini_batch`'s loss scale accounts for.
+    (megatron's load-balanced order, `hybridrl.parallel.context_parallel`; packed: chunks of every
+    segment, TE's THD order), and on the last stage the decoder's output is all-gathered over CP back
+    into the whole sequence before `hidden_hook` and the output layer. So the output and everything
+    computed from it (log-probs, entropy, values, the loss) are those of CP = 1 on every CP rank; the
+    gather's backward sums their gradients over CP, which `train_mini_batch`'s loss scale accounts for.
     """
     gpt = _unwrapped(model)
     input_ids, position_ids = micro.input_ids, micro.position_ids
     cp = gpt.config.context_parallel_size
-    kwargs: dict[str, Any] = {"packed_seq_params": packed_seq_params(micro)}
+    kwargs: dict[str, Any] = {"packed_seq_params": packed_seq_params(micro, cp)}
     # MoE: padding columns are routed (the dispatch is dense) but left out of the router's losses and
     # counts, as transformers' load-balancing loss leaves out masked tokens.
     padding_mask = micro.padding_mask() if gpt.config.num_moe_experts else None
@@ -176,12 +186,12 @@ def _model_forward(model: Any, micro: ModelInputs,
         from megatron.core import parallel_state
 
         group = parallel_state.get_context_parallel_group()
-        rank = group.rank()
-        input_ids = split_for_cp_rank(input_ids, 1, cp, rank)
-        position_ids = split_for_cp_rank(position_ids, 1, cp, rank)
+        rank, bounds = group.rank(), micro.segment_bounds
+        input_ids = split_for_cp_rank(input_ids, 1, cp, rank, bounds)
+        position_ids = split_for_cp_rank(position_ids, 1, cp, rank, bounds)
         if padding_mask is not None:
-            padding_mask = split_for_cp_rank(padding_mask, 1, cp, rank)
-        hooks.append(lambda hidden: gather_from_cp(hidden, 0, group))
+            padding_mask = split_for_cp_rank(padding_mask, 1, cp, rank, bounds)
+        hooks.append(lambda hidden: gather_from_cp(hidden, 0, group, bounds))
     if padding_mask is not None:
         if gpt.config.sequence_parallel and not gpt.pre_process:
             # megatron scatters the mask over the sequence-parallel ranks only on the stage that embeds
@@ -280,8 +290,9 @@ class MegatronBackend:
         if spec.packed and not self.device_policy.megatron_cpu_layer and layer_spec_kind(self.ctx.device) != "te":
             # megatron's local DotProductAttention asserts packed_seq_params is None; on CPU the CPU
             # layer's stand-in serves it (hybridrl/parallel/cpu_attention.py), on GPUs TE's attention does.
-            raise ValueError(f"{spec.role}: use_remove_padding=true on cuda needs TransformerEngine (its attention "
-                             "honours cu_seqlens; megatron's local attention does not); install it or set "
+            raise ValueError(f"{spec.role}: packed sequences (model.use_remove_padding: true, and the default on cuda) "
+                             "need TransformerEngine on the workers (its attention honours cu_seqlens; megatron's "
+                             "local attention does not); install it (the gpu extra does) or set "
                              "use_remove_padding=false")
         if megatron.context_parallel_size > 1:
             self._check_context_parallel(spec)
@@ -296,12 +307,22 @@ class MegatronBackend:
         if spec.gradient_checkpointing:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         source = value_model_source(spec.model_path) if spec.value_head else ModelSource.from_path(spec.model_path)
+        self.uniform_width = False
         if source.shape.is_moe:
             # The router losses act only in a training forward with gradients (megatron's router), so
             # a frozen role's forward is unchanged by them.
             overrides.update(moe_router_load_balancing_type=megatron.moe_router_load_balancing_type,
                              moe_aux_loss_coeff=megatron.moe_aux_loss_coeff,
-                             moe_z_loss_coeff=megatron.moe_z_loss_coeff)
+                             moe_z_loss_coeff=megatron.moe_z_loss_coeff,
+                             moe_token_dispatcher_type=megatron.moe_token_dispatcher_type,
+                             moe_expert_capacity_factor=megatron.moe_expert_capacity_factor,
+                             moe_token_drop_policy=megatron.moe_token_drop_policy,
+                             moe_pad_expert_input_to_capacity=megatron.moe_pad_expert_input_to_capacity)
+            self.uniform_width = self._check_moe_dispatch(spec)
+            if megatron.moe_token_dispatcher_type == "allgather":
+                # megatron refuses the allgather dispatcher with variable lengths; at PP 1 (checked) no
+                # pipeline stage exchanges activation shapes, so nothing else reads the flag
+                overrides["variable_seq_lengths"] = False
         if spec.router_replay:
             self._check_router_replay(spec, source)
             overrides["moe_enable_routing_replay"] = True
@@ -343,10 +364,6 @@ class MegatronBackend:
     def _check_context_parallel(self, spec: RoleSpec) -> None:
         """What context parallelism serves today (the plan refuses the rest first, `config/validate.py`)."""
         cp = spec.megatron.context_parallel_size
-        if spec.packed:
-            raise ValueError(f"{spec.role}: context_parallel_size={cp} with use_remove_padding=true is not "
-                             "implemented yet (packed sequences would need a per-segment CP split); set "
-                             "use_remove_padding=false or context_parallel_size=1")
         if spec.megatron.sequence_parallel and spec.megatron.tensor_model_parallel_size > 1:
             # The last stage's hidden states are gathered over CP along s, where SP splits them over TP too.
             raise ValueError(f"{spec.role}: context_parallel_size={cp} with sequence_parallel=true is not "
@@ -354,6 +371,27 @@ class MegatronBackend:
         if not self.device_policy.megatron_cpu_layer:
             raise ValueError(f"{spec.role}: context_parallel_size={cp} runs on CPU only so far (the CPU "
                              "attention stand-in); TransformerEngine's ring attention on GPUs is not wired yet")
+
+    @staticmethod
+    def _check_moe_dispatch(spec: RoleSpec) -> bool:
+        """What the MoE dispatcher needs from the micro-batches (the plan refuses the rest first,
+        `config/validate.py`); True when every micro-batch must take the batch's full width."""
+        m = spec.megatron
+        allgather = m.moe_token_dispatcher_type == "allgather"
+        if allgather and m.pipeline_model_parallel_size > 1:
+            raise ValueError(f"{spec.role}: moe_token_dispatcher_type=allgather needs pipeline_model_parallel_size=1 "
+                             "(megatron's allgather dispatcher refuses variable_seq_lengths)")
+        padded = m.moe_expert_capacity_factor is not None and m.moe_pad_expert_input_to_capacity
+        # Equal token counts across megatron's expert TP x EP group: the allgather dispatcher gathers
+        # equal shares, drop-and-pad sizes its all-to-all by its own count. Where that group spans DP
+        # replicas (whose rows differ) every micro-batch takes the batch's full width, the same on all.
+        uniform = (allgather or padded) and expert_group_spans_replicas(
+            m.tensor_model_parallel_size, m.context_parallel_size, m.expert_model_parallel_size,
+            m.expert_tensor_parallel_size)
+        if uniform and spec.packed:
+            raise ValueError(f"{spec.role}: use_remove_padding=true with the allgather dispatcher or drop-and-pad "
+                             "across DP ranks is not supported (packed micro-batches differ in length)")
+        return uniform
 
     @staticmethod
     def _check_router_replay(spec: RoleSpec, source: ModelSource) -> None:
@@ -430,21 +468,33 @@ class MegatronBackend:
             multiple = math.lcm(multiple, 2 * self.ctx.cp)
         return multiple
 
+    @property
+    def segment_multiple(self) -> int:
+        """Packed micro-batches under context parallelism: each row's segment cuts into 2 × CP chunks."""
+        return 2 * self.ctx.cp if self.spec.packed and self.ctx.cp > 1 else 1
+
     def micro_batches(self, tensors: dict[str, torch.Tensor], partition: Sequence[Sequence[int]], *,
-                      extra_keys: tuple[str, ...] = ()) -> list[ModelInputs]:
+                      extra_keys: tuple[str, ...] = (), free_routing: bool = False) -> list[ModelInputs]:
         """The model inputs of each part of `partition` (row lists of `tensors`), on this rank's device.
 
         The one place where batch rows enter the model's device: rows are cut and aligned where the
         batch lives (the host, as the controller sends it), then every tensor of every micro-batch
         (inputs and extras) moves to the rank's device, from pinned memory without blocking on cuda.
+        With routing replay (`spec.router_replay`) the micro-batches carry the batch's `routed_experts`
+        and every forward of them replays it; `free_routing` lets the routers choose for themselves
+        (rows no rollout routed: the sync's probe sequence).
         """
 
         device = self.ctx.device
-        if self.spec.router_replay and "routed_experts" not in tensors:
+        replay = self.spec.router_replay and not free_routing
+        if replay and "routed_experts" not in tensors:
             raise ValueError(f"{self.spec.role}: router_replay=rollout needs the rollout's `routed_experts` column; "
                              "this batch has none (generate it with rollout routing on)")
+        # the batch's full width is the same on every DP rank (their rows are cut from one batch)
+        width = tensors["input_ids"].shape[1] if self.uniform_width else None
         cut = [micro_batch_inputs(tensors, list(rows), extra_keys=extra_keys, pad_multiple=self.pad_multiple,
-                                  packed=self.spec.packed, routed_experts=self.spec.router_replay)
+                                  min_width=width, packed=self.spec.packed, segment_multiple=self.segment_multiple,
+                                  routed_experts=replay)
                for rows in partition]
         self.tokens_seen.add(cut)
         return [micro.map_tensors(lambda t: to_rank_device(t, device)) for micro in cut]
@@ -497,6 +547,11 @@ class MegatronBackend:
             return contextlib.nullcontext()
         per_layer, valid = chunk_routing(micro.routed_experts, routers, self.source.shape.moe_layers)
         return replaying([model], per_layer, mismatch=self.replay_mismatch, valid=valid)
+
+    def without_capacity(self) -> Any:
+        """While active, every MoE layer routes dropless (no expert capacity), as vLLM does
+        (`hybridrl.training.moe_capacity`); a no-op without a capacity factor."""
+        return without_capacity(self.chunks, self.config)
 
     @torch.no_grad()
     def forward_only(self, micro_batches: Sequence[ModelInputs],

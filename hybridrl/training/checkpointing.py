@@ -9,18 +9,20 @@ optimizer state lives, gathered whole and put back as a rank's part), `rng.py` (
 
 Folder layout (written by every rank of the role's group together: a collective):
   model/                the bridge's megatron checkpoint (policy roles): one safetensors file per
-                        TP x PP rank, per-tensor sha256, readable by `load_weights` (any layout) and
-                        `hybridrl convert`
-  train_state/          the rest of the tensor state in model space, one safetensors file per TP x PP
-                        rank (`state_tp00_pp000.safetensors`), written by DP rank 0 of that position,
-                        with exactly the keys and shards of the model's files, prefixed by what they
-                        hold:
+                        rank file position (TP x PP; per stage slot for expert-parallel models),
+                        per-tensor sha256, readable by `load_weights` (any layout) and `hybridrl convert`
+  train_state/          the rest of the tensor state in model space, one safetensors file per rank
+                        file position (`state_tp00_pp000.safetensors`; `..._ep001[_etp00]` for an
+                        expert-parallel model), written by its first rank (DP rank 0 of a TP x PP
+                        position), with the keys and shards of the model's files that position is the
+                        first holder of (`train_state.py`), prefixed by what they hold:
                           param/<key>       the weights of value models (critic: the bridge format has
                                             no place for the scalar head)
                           main_param/<key>  the optimizer's fp32 master copy, when it differs from the
                                             model parameter (bf16/fp16 training)
                           exp_avg/<key>, exp_avg_sq/<key>   Adam's moments (momentum_buffer/<key>: SGD)
-                        The distributed optimizer's DP shards are gathered to DP rank 0 for the save.
+                        The distributed optimizer's DP shards are gathered to DP rank 0 for the save
+                        (an expert's to expert-DP rank 0).
   rank_00003.pt         per rank: RNG streams (torch, python, numpy, megatron's tracker, CUDA), LR
                         schedule, the optimizer's param-group hyper-parameters and grad scaler
   role_checkpoint.json  role, format version, layout, world size, model shape, each rank's mesh
@@ -63,6 +65,7 @@ import torch.distributed as dist
 
 from hybridrl.models.bridge import chunk_info, load_weights, save_mcore_checkpoint, shared_staging_dir
 from hybridrl.models.checkpoint import write_rank_file
+from hybridrl.models.layout import holder_slot, rank_file_fields
 from hybridrl.parallel.state import failed_ranks
 from hybridrl.persistence import (
     CheckpointError,
@@ -88,6 +91,7 @@ from hybridrl.training.train_state import (
     STATE_DIR,
     StateEntry,
     TrainState,
+    holder_rank,
     saved_tensor,
     state_entries,
     state_file,
@@ -111,10 +115,12 @@ def _all_ok(ok: bool, detail: str) -> None:
 
 
 def _layout(ctx: Any) -> dict[str, Any]:
-    # an uneven stage split only when set: even checkpoints' metadata stays as it was
-    uneven = {"first_stage_layers": ctx.first_stage_layers, "last_stage_layers": ctx.last_stage_layers}
+    # an uneven stage split, EP and an expert TP other than TP only when used: other checkpoints'
+    # metadata stays as it was
+    optional = {"first_stage_layers": ctx.first_stage_layers, "last_stage_layers": ctx.last_stage_layers,
+                "ep": ctx.ep if ctx.ep > 1 else None, "etp": ctx.etp if ctx.etp not in (None, ctx.tp) else None}
     return {"tp": ctx.tp, "pp": ctx.pp, "cp": ctx.cp, "dp": ctx.dp, "vpp": ctx.vpp} | {
-        k: v for k, v in uneven.items() if v is not None}
+        k: v for k, v in optional.items() if v is not None}
 
 
 def _shape(backend: MegatronBackend) -> Any:
@@ -124,15 +130,16 @@ def _shape(backend: MegatronBackend) -> Any:
 # ---- saving -------------------------------------------------------------------------------------------
 
 def _state_tensors(backend: MegatronBackend) -> tuple[dict[str, torch.Tensor], dict[str, Any], OptimizerView | None]:
-    """Collective: the train_state tensors this rank writes (DP rank 0 of each TP x PP position), the
-    optimizer description (same on every rank) and the optimizer view. Local failures are agreed on
-    before any further collective, so every rank raises together."""
+    """Collective: the train_state tensors this rank writes (the first holder of each tensor: DP rank 0
+    of each TP x PP position, for experts expert-DP rank 0), the optimizer description (same on every
+    rank) and the optimizer view. Local failures are agreed on before any further collective, so every
+    rank raises together."""
     ctx = backend.ctx
     error, summary = None, None
     try:
         entries = state_entries(backend)
         view = OptimizerView(backend.optimizer) if backend.optimizer is not None else None
-        local, summary = local_optimizer_state(entries, view) if view is not None else ({}, None)
+        local_state, summary = local_optimizer_state(entries, view) if view is not None else ({}, None)
     except Exception as exc:  # noqa: BLE001 - shared with every rank below
         error = f"{type(exc).__name__}: {exc}"
     summaries: list[Any] = [None] * ctx.world_size
@@ -141,25 +148,30 @@ def _state_tensors(backend: MegatronBackend) -> tuple[dict[str, torch.Tensor], d
     if failed:
         raise RoleCheckpointError("; ".join(failed))
     out: dict[str, torch.Tensor] = {}
-    writer = ctx.dp_rank == 0 and ctx.cp_rank == 0
-    if backend.spec.value_head and writer:
-        for entry in entries:
-            out[f"{PARAM}/{entry.key}"] = entry.param.detach().cpu()
+    # This rank writes the entries whose first holder its slot is (dense: DP/CP rank 0; experts:
+    # expert-DP rank 0), which are also the ranks a distributed optimizer gathers their state to.
+    layout = chunk_info(backend.chunks[0]).layout
+    local = ctx.rank % (ctx.world_size // ctx.pp)
+    writes = [local < layout.slots and holder_slot(layout, local, e.plan.expert) == local for e in entries]
+    if backend.spec.value_head:
+        for entry, write in zip(entries, writes):
+            if write:
+                out[f"{PARAM}/{entry.key}"] = entry.param.detach().cpu()
     if view is None:
         return out, {"kinds": {}, "step": None, "step_dtype": None}, None
     optimizer = optimizer_summary([s for _, s in summaries])
     if optimizer["step"] is None:  # never stepped: the master copies equal the weights, nothing else to keep
         return out, optimizer, view
-    gathered = gather_sharded(entries, local, view, optimizer["kinds"])
-    if writer:
-        for index, entry in enumerate(entries):
+    gathered = gather_sharded(entries, local_state, view, optimizer["kinds"])
+    for index, (entry, write) in enumerate(zip(entries, writes)):
+        if write:
             if view.sharded_by(entry.param) is not None:
                 tensors = gathered.get(index)
                 if tensors is None:
                     raise RoleCheckpointError(f"DP rank 0 of the distributed optimizer is not this position's "
                                               f"writer (no gathered state for {entry.key})")
             else:
-                tensors = local[index]
+                tensors = local_state[index]
             for kind, value in tensors.items():
                 out[f"{kind}/{entry.key}"] = value.detach().reshape(entry.param.shape).cpu()
     return out, optimizer, view
@@ -184,9 +196,10 @@ def save_role_checkpoint(backend: MegatronBackend, out_dir: str | Path) -> Path:
         if tensors:
             folder = staging / STATE_DIR
             folder.mkdir(exist_ok=True)
-            name = state_file(ctx.tp_rank, ctx.pp_rank)
-            entry = (name, {"tp_rank": ctx.tp_rank, "pp_rank": ctx.pp_rank,
-                            "tensors": write_rank_file(folder / name, tensors)})
+            info = chunk_info(backend.chunks[0])
+            name = state_file(info.layout, info.rank)
+            entry = (name, rank_file_fields(info.layout, info.rank)
+                     | {"tensors": write_rank_file(folder / name, tensors)})
         state: dict[str, Any] = {
             "role": str(backend.spec.role), "rank": ctx.rank,
             "rng": rng_state(backend.spec.device_policy),
@@ -314,7 +327,8 @@ def load_role_checkpoint(backend: MegatronBackend, ckpt_dir: str | Path) -> dict
     store = TrainState(ckpt_dir / STATE_DIR, meta)
     try:
         # a damaged file fails before anything is loaded; each rank reads (and checks) only what it needs
-        store.verify({(ctx.tp_rank, ctx.pp_rank)} if same else store.positions_for(entries))
+        store.verify({holder_rank(store.layout, entry, ctx) for entry in entries} if same
+                     else store.positions_for(entries))
         if backend.spec.value_head:
             _load_value_weights(entries, store, same, ctx)
         else:

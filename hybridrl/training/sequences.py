@@ -18,7 +18,10 @@ Packed micro-batches (`packed=True`, the model config's `use_remove_padding`): t
 real tokens are concatenated into one sequence `[1, t]` (t = the real tokens of all rows, rounded
 up to `pad_multiple` by a trailing padding segment) and `cu_seqlens` marks where each row starts,
 so attention stays within a row (megatron's THD format, `PackedSeqParams`) and no column is spent
-on padding. `predict_index` and `last_index` keep their per-row meaning (a column of the row);
+on padding. Under context parallelism each row's segment is itself padded to `segment_multiple`
+(2 × CP: TE's THD layout cuts every segment into 2 × CP chunks); `cu_seqlens` then bounds the padded
+segments, and a segment's padding columns follow its real tokens, where causality keeps them out of
+every real token's attention. `predict_index` and `last_index` keep their per-row meaning (a column of the row);
 `row_starts` puts a row's column into the packed sequence, and `token_index`/`take` read the model's
 output in either layout, so the consumers (log-probs, values, scores) do not depend on the choice.
 """
@@ -57,8 +60,8 @@ class ModelInputs:
     last_index: Tensor
     extras: dict[str, Tensor] = field(default_factory=dict)
     # Packed layout only (see the module docstring): int32 `[segments + 1]` boundaries of the rows in
-    # the packed sequence (a trailing padding segment when `pad_multiple` needed one), the longest
-    # segment, and each row's first column `[b]`.
+    # the packed sequence (each row's segment padded to `segment_multiple`, and a trailing padding
+    # segment when `pad_multiple` needed one), the longest segment, and each row's first column `[b]`.
     cu_seqlens: Tensor | None = None
     max_seqlen: int = 0
     row_starts: Tensor | None = None
@@ -91,11 +94,11 @@ class ModelInputs:
 
     def padding_mask(self) -> Tensor:
         """`[b, s]` bool, True at the columns that hold no token of a row (after each row's real run;
-        packed: the trailing padding segment): megatron's MoE `padding_mask`, which keeps them out of
-        the router's aux and z-losses and its token counts."""
+        packed: after each row's real run in its segment, and the trailing padding segment): megatron's
+        MoE `padding_mask`, which keeps them out of the router's aux and z-losses and its token counts."""
         columns = torch.arange(self.input_ids.shape[1], device=self.input_ids.device).unsqueeze(0)
         if self.is_packed:
-            return columns >= self.real_tokens
+            return ~_row_columns_mask(self.row_starts, self.last_index + 1, self.input_ids.shape[1]).unsqueeze(0)
         return columns > self.last_index.unsqueeze(1)
 
     def token_index(self, rows: Tensor, columns: Tensor) -> tuple[Tensor, Tensor]:
@@ -129,6 +132,15 @@ class ModelInputs:
         rows, cols = self.response_token_positions()
         out = values.new_zeros((*self.response_mask.shape, *values.shape[1:]))
         return out.index_put((rows, cols), values)
+
+    @property
+    def segment_bounds(self) -> list[int]:
+        """The model input's segments along its sequence, as host ints: a packed micro-batch's
+        `cu_seqlens`, else `[0, s]` (every row one segment of the trimmed width). Context parallelism
+        cuts each segment into 2 × CP chunks (`hybridrl.parallel.context_parallel`)."""
+        if self.cu_seqlens is None:
+            return [0, self.seq_length]
+        return [int(b) for b in self.cu_seqlens.tolist()]
 
     @property
     def num_rows(self) -> int:
@@ -174,10 +186,14 @@ def build_model_inputs(
     extras: dict[str, Tensor] | None = None,
     pad_multiple: int = 1,
     packed: bool = False,
+    segment_multiple: int = 1,
     routed_experts: Tensor | None = None,
+    min_width: int | None = None,
 ) -> ModelInputs:
     """Left-align rows, trim to the longest real row (rounded up to `pad_multiple`), locate responses;
-    with `packed`, concatenate the rows' real tokens instead (see the module docstring).
+    with `packed`, concatenate the rows' real tokens instead, each row's segment padded to
+    `segment_multiple` and the whole to `pad_multiple` (see the module docstring). `min_width`
+    (padded only): at least this many columns, e.g. the same width on ranks whose rows differ.
 
     `input_ids` must end with `responses` (`input_ids[:, -R:] == responses`), as the rollout lays
     them out. Every row needs at least one real prompt token (the first response token is predicted
@@ -194,9 +210,11 @@ def build_model_inputs(
         raise SequenceLayoutError("every row needs at least one real prompt token")
 
     longest = int(lengths.max())
+    if packed and min_width is not None:
+        raise ValueError("min_width applies to padded micro-batches, not packed ones")
     # Rounding up may pass the rollout's width (e.g. 2 × CP chunks of a full row): the columns past it
     # wrap around like the others after a row's real run, and nothing real ever reads them.
-    trimmed = longest if packed else -(-longest // pad_multiple) * pad_multiple
+    trimmed = longest if packed else -(-max(longest, min_width or 0) // pad_multiple) * pad_multiple
     # Rotating by `first` puts the real run at column 0; whatever wraps around lands after it.
     source = (torch.arange(trimmed, device=input_ids.device).unsqueeze(0) + first.unsqueeze(1)) % full_width
     aligned_ids = torch.gather(input_ids, 1, source)
@@ -230,21 +248,26 @@ def build_model_inputs(
             computed_tokens=int(aligned_ids.numel()),
             routed_experts=aligned_routing,
         )
-    real = torch.arange(trimmed, device=input_ids.device).unsqueeze(0) < lengths.unsqueeze(1)
-    flat_ids, flat_positions = aligned_ids[real], aligned_positions[real]  # row-major: row 0's run, row 1's, ...
-    flat_routing = None if aligned_routing is None else aligned_routing[real]
-    total = -(-real_tokens // pad_multiple) * pad_multiple
-    segments = lengths
-    if total > real_tokens:
+    segments = -(-lengths // segment_multiple) * segment_multiple  # each row's segment, its padding after it
+    rows_total = int(segments.sum())
+    total = -(-rows_total // pad_multiple) * pad_multiple
+    if total > rows_total:
         # Padding columns form their own segment: they attend only to each other, never to a row.
-        pad = total - real_tokens
-        if flat_routing is not None:
-            flat_routing = torch.cat([flat_routing, flat_routing.new_full((pad, *flat_routing.shape[1:]), -1)])
-        flat_ids = torch.cat([flat_ids, flat_ids.new_zeros(pad)])
-        flat_positions = torch.cat([flat_positions, torch.arange(pad, dtype=flat_positions.dtype,
-                                                                 device=flat_positions.device)])
-        segments = torch.cat([lengths, lengths.new_tensor([pad])])
+        segments = torch.cat([segments, segments.new_tensor([total - rows_total])])
     cu_seqlens = torch.cat([segments.new_zeros(1), segments.cumsum(0)]).to(torch.int32)
+    row_starts = cu_seqlens[:-1][: lengths.shape[0]].to(torch.long)
+    # Every padding column is token 0 at its position within its segment; the rows' real tokens
+    # (row-major: row 0's run, row 1's, ...) go to their segments' first columns.
+    real = torch.arange(trimmed, device=input_ids.device).unsqueeze(0) < lengths.unsqueeze(1)
+    dest = (row_starts.unsqueeze(1) + torch.arange(trimmed, device=input_ids.device).unsqueeze(0))[real]
+    segment_starts = torch.repeat_interleave(cu_seqlens[:-1].to(torch.long), segments, output_size=total)
+    flat_ids = aligned_ids.new_zeros(total).index_put_((dest,), aligned_ids[real])
+    flat_positions = (torch.arange(total, device=input_ids.device) - segment_starts).to(aligned_positions.dtype)
+    flat_positions = flat_positions.index_put_((dest,), aligned_positions[real])
+    flat_routing = None
+    if aligned_routing is not None:
+        flat_routing = aligned_routing.new_full((total, *aligned_routing.shape[2:]), -1)
+        flat_routing = flat_routing.index_put_((dest,), aligned_routing[real])
     return ModelInputs(
         input_ids=flat_ids.unsqueeze(0).contiguous(),
         position_ids=flat_positions.unsqueeze(0).contiguous(),
@@ -255,11 +278,19 @@ def build_model_inputs(
         extras=dict(extras or {}),
         cu_seqlens=cu_seqlens,
         max_seqlen=int(segments.max()),
-        row_starts=cu_seqlens[:-1][: lengths.shape[0]].to(torch.long),
+        row_starts=row_starts,
         real_tokens=real_tokens,
         computed_tokens=total,
         routed_experts=None if flat_routing is None else flat_routing.unsqueeze(0).contiguous(),
     )
+
+
+def _row_columns_mask(row_starts: Tensor, lengths: Tensor, total: int) -> Tensor:
+    """`[total]` bool: True at the packed columns that hold a row's real token (`lengths` from each start)."""
+    offsets = torch.arange(int(lengths.sum()), device=lengths.device) - torch.repeat_interleave(
+        lengths.cumsum(0) - lengths, lengths)
+    columns = torch.repeat_interleave(row_starts, lengths) + offsets
+    return torch.zeros(total, dtype=torch.bool, device=lengths.device).index_fill_(0, columns, True)
 
 
 def take_predictions(output: Tensor, index: Tensor) -> Tensor:
@@ -270,7 +301,7 @@ def take_predictions(output: Tensor, index: Tensor) -> Tensor:
 
 def micro_batch_inputs(
     tensors: dict[str, Tensor], rows: list[int], *, extra_keys: tuple[str, ...] = (), pad_multiple: int = 1,
-    width: int | None = None, packed: bool = False, routed_experts: bool = False,
+    min_width: int | None = None, packed: bool = False, segment_multiple: int = 1, routed_experts: bool = False,
 ) -> ModelInputs:
     """`build_model_inputs` for the given rows of a batch's tensors (the `MODEL_INPUT_KEYS` + `extra_keys`,
     and with `routed_experts` the rollout's `routed_experts` column, aligned like the tokens)."""
@@ -283,5 +314,5 @@ def micro_batch_inputs(
     return build_model_inputs(
         pick["input_ids"], pick["attention_mask"], pick["position_ids"], pick["responses"], pick["response_mask"],
         extras={k: pick[k] for k in extra_keys}, pad_multiple=pad_multiple, packed=packed,
-        routed_experts=pick.get("routed_experts"),
+        segment_multiple=segment_multiple, routed_experts=pick.get("routed_experts"), min_width=min_width,
     )

@@ -1,8 +1,13 @@
 """The train_state/ folder of a role checkpoint: a role's tensor state in model space, and reading it back.
 
-One safetensors file per TP x PP rank (`state_tp00_pp000.safetensors`), written by DP rank 0 of
-that position, with exactly the keys and shards of the model's files (`StateEntry`: one per tensor
-of this rank, keyed as in the bridge's rank files), prefixed by what they hold:
+One safetensors file per rank file position of the bridge's checkpoint (`layout.ModelRank`: TP x PP,
+`state_tp00_pp000.safetensors`; for an expert-parallel model one per slot of a stage,
+`state_tp00_pp000_ep001[_etp00].safetensors`), written by the first rank of that slot, with the keys
+and shards of the model's files (`StateEntry`: one per tensor of this rank, keyed as in the bridge's
+rank files). A slot's file holds its dense tensors only when it is their first holder (slot < TP,
+i.e. DP/CP rank 0) and its experts only when it is theirs (slot < expert TP x EP, expert-DP rank 0):
+those are the ranks a distributed optimizer gathers each kind's state to. A rank reads each tensor
+from that holder's file (`layout.holder_slot`). Each key is prefixed by what it holds:
   param/<key>       the weights of value models (critic: the bridge format has no place for the
                     scalar head)
   main_param/<key>  the optimizer's fp32 master copy, when it differs from the model parameter
@@ -24,7 +29,14 @@ import torch
 from hybridrl.models.arch import ModelShape
 from hybridrl.models.bridge import rank_tensor_entries
 from hybridrl.models.checkpoint import _SafetensorsFiles, assemble, read_pieces, tensor_sha256
-from hybridrl.models.layout import ParallelLayout, hf_export_map, rank_chunk_key_prefix
+from hybridrl.models.layout import (
+    ModelRank,
+    ParallelLayout,
+    hf_export_map,
+    holder_slot,
+    rank_chunk_key_prefix,
+    rank_file_name,
+)
 from hybridrl.persistence import CheckpointError, RoleCheckpointError
 from hybridrl.training.backend import MegatronBackend
 
@@ -35,8 +47,24 @@ OUTPUT_LAYER = "output_layer.weight"
 METADATA = "role_checkpoint.json"
 
 
-def state_file(tp_rank: int, pp_rank: int) -> str:
-    return f"state_tp{tp_rank:02d}_pp{pp_rank:03d}.safetensors"
+def state_file(layout: ParallelLayout, rank: ModelRank) -> str:
+    """The train_state file of a rank file position: named like the bridge's rank file."""
+    return "state_" + rank_file_name(layout, *rank).removeprefix("model_")
+
+
+def holder_rank(layout: ParallelLayout, entry: StateEntry, ctx: Any) -> ModelRank:
+    """The rank file position whose train_state file holds `entry` of this rank (same layout)."""
+    local = ctx.rank % (ctx.world_size // ctx.pp)
+    tp_rank, ep_rank, etp_rank = layout.slot_ranks(holder_slot(layout, local % layout.slots, entry.plan.expert))
+    return ModelRank(tp_rank, ctx.pp_rank, ep_rank, etp_rank)
+
+
+def saved_layout(meta: dict[str, Any]) -> ParallelLayout:
+    """The model layout a role checkpoint's metadata records (`checkpointing._layout`)."""
+    saved = meta["layout"]
+    return ParallelLayout(tp=saved["tp"], pp=saved["pp"], vpp=saved["vpp"], ep=saved.get("ep", 1),
+                          first_stage_layers=saved.get("first_stage_layers"),
+                          last_stage_layers=saved.get("last_stage_layers"), etp=saved.get("etp"))
 
 
 # ---- the model's tensors, keyed as in the bridge's rank files -----------------------------------------
@@ -63,25 +91,20 @@ class TrainState:
     def __init__(self, folder: Path, meta: dict[str, Any]) -> None:
         self.folder = folder
         self.files: dict[str, Any] = meta.get("train_state", {})
-        saved = meta["layout"]
-        self.layout = ParallelLayout(tp=saved["tp"], pp=saved["pp"], vpp=saved["vpp"],
-                                     first_stage_layers=saved.get("first_stage_layers"),
-                                     last_stage_layers=saved.get("last_stage_layers"))
+        self.layout = saved_layout(meta)
         self.shape = ModelShape(**meta["shape"])
         self._open = _SafetensorsFiles()
         self._keys: dict[str, set[str]] = {}
         self._pieces = hf_export_map(self.shape, self.layout)
 
-    def handle(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> Any:
-        if ep_rank:
-            raise RoleCheckpointError("role checkpoints of expert-parallel (ep > 1) models are not supported yet")
-        name = state_file(tp_rank, pp_rank)
+    def handle(self, rank: ModelRank) -> Any:
+        name = state_file(self.layout, rank)
         path = self.folder / name
         recorded = self.files.get(name)
         if recorded is None:
             raise RoleCheckpointError(f"{path} is not listed in the checkpoint's {METADATA}")
         if not path.is_file():
-            raise RoleCheckpointError(f"{path} is missing (DP rank 0 of each TP x PP position writes one)")
+            raise RoleCheckpointError(f"{path} is missing (the first rank of each rank file position writes one)")
         try:
             handle = self._open.get(path)
         except CheckpointError as exc:
@@ -98,35 +121,46 @@ class TrainState:
             self._keys[name] = keys
         return handle
 
-    def positions_for(self, entries: list[StateEntry]) -> set[tuple[int, int]]:
-        """The saved (tp, pp) positions whose files hold a part of these (new-layout) shards."""
+    def head_rank(self) -> ModelRank:
+        """Where a value model's head (replicated over TP) is read from: the last stage's first slot."""
+        return ModelRank(0, self.layout.pp - 1, 0, 0)
+
+    def positions_for(self, entries: list[StateEntry]) -> set[ModelRank]:
+        """The saved rank file positions whose files hold a part of these (new-layout) shards."""
         needed = set()
         for entry in entries:
             if entry.is_head:
-                needed.add((0, self.layout.pp - 1))
+                needed.add(self.head_rank())
                 continue
             for seg in entry.plan.segments:
                 if seg.hf_name is None:
                     continue
                 for piece in self._pieces[seg.hf_name]:
                     if piece.axis is None or (piece.hf_start < seg.stop and seg.start < piece.hf_stop):
-                        needed.add((piece.tp_rank, piece.pp_rank))
+                        needed.add(piece.rank)
                         if piece.axis is None:
                             break  # a replicated tensor is read from its first holder
         return needed
 
-    def verify(self, positions: set[tuple[int, int]]) -> None:
-        """Check the files of these (tp, pp) positions before anything is loaded (listed files only:
-        a checkpoint without optimizer state has none)."""
+    def verify(self, positions: set[ModelRank]) -> None:
+        """Check the files of these positions before anything is loaded (listed files only: a
+        checkpoint without optimizer state has none)."""
         for recorded in self.files.values():
-            if (recorded["tp_rank"], recorded["pp_rank"]) in positions:
-                self.handle(recorded["tp_rank"], recorded["pp_rank"])
+            rank = self.layout_rank(recorded)
+            if rank in positions:
+                self.handle(rank)
 
-    def own(self, kind: str, key: str, tp_rank: int, pp_rank: int) -> torch.Tensor:
-        handle = self.handle(tp_rank, pp_rank)
+    def layout_rank(self, recorded: dict[str, Any]) -> ModelRank:
+        """The position a file's metadata entry records (EP, expert TP ranks only when used)."""
+        tp_rank, pp_rank = recorded["tp_rank"], recorded["pp_rank"]
+        ep_rank = recorded.get("ep_rank", 0)
+        return ModelRank(tp_rank, pp_rank, ep_rank, recorded.get("etp_rank", tp_rank % self.layout.expert_tp))
+
+    def own(self, kind: str, key: str, rank: ModelRank) -> torch.Tensor:
+        handle = self.handle(rank)
         name = f"{kind}/{key}"
-        if name not in self._keys[state_file(tp_rank, pp_rank)]:
-            raise RoleCheckpointError(f"{self.folder / state_file(tp_rank, pp_rank)} lacks tensor {name}")
+        if name not in self._keys[state_file(self.layout, rank)]:
+            raise RoleCheckpointError(f"{self.folder / state_file(self.layout, rank)} lacks tensor {name}")
         return handle.get_tensor(name)
 
     def head(self, kind: str) -> torch.Tensor:
@@ -134,7 +168,7 @@ class TrainState:
 
         last = self.layout.num_chunks_per_stage - 1
         key = rank_chunk_key_prefix(self.layout, last if self.layout.vpp else None) + OUTPUT_LAYER
-        return self.own(kind, key, 0, self.layout.pp - 1)
+        return self.own(kind, key, self.head_rank())
 
     def assemble(self, kind: str, plan: Any) -> torch.Tensor:
         return assemble(KindReader(self, kind), plan)
@@ -156,7 +190,7 @@ class KindReader:
 def saved_tensor(store: TrainState, kind: str, entry: StateEntry, same: bool, ctx: Any) -> torch.Tensor:
     """This rank's `kind` tensor for `entry`: its own saved shard, the whole head, or re-sharded."""
     if same:
-        value = store.own(kind, entry.key, ctx.tp_rank, ctx.pp_rank)
+        value = store.own(kind, entry.key, holder_rank(store.layout, entry, ctx))
     elif entry.is_head:
         value = store.head(kind)
     else:

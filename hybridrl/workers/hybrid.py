@@ -32,31 +32,20 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from hybridrl.config.plan import Plan
 from hybridrl.controller.base_worker import RankContext
 from hybridrl.data.batch import Batch
-from hybridrl.data.tokenizer import load_tokenizer, model_folder_pad_token_id
 from hybridrl.names import Phase
-from hybridrl.parallel.cpu_layer import cuda_to_cpu_mode_suspended
 from hybridrl.parallel.device import default_dtype_for, release_cached_blocks
-from hybridrl.parallel.memory import memory_metrics
 from hybridrl.reshard.checksums import verify_checksums
 from hybridrl.reshard.resharder import ReshardConfig, Resharder
-from hybridrl.rollout.agent_loop import build_agent_loop
-from hybridrl.rollout.engine import RolloutEngine, RolloutEngineConfig
+from hybridrl.rollout.engine import RolloutEngine
 from hybridrl.workers import faults
-from hybridrl.workers.ray_roles import ActorRolloutRefWorker
-
-# A fixed probe sequence (token ids < every supported vocab): scored after every sync by both sides.
-PROBE_PROMPT = (1, 5, 9, 13, 17, 21, 25, 29)
-PROBE_RESPONSE = (33, 37, 41, 45, 49, 53, 57, 61)
-
-
-class WeightSyncError(RuntimeError):
-    """A weight sync that could not be proven: checksums differ or the log-prob probe drifted."""
+from hybridrl.workers.generation import agent_loop_for, engine_config, generate_rows
+from hybridrl.workers.policy import PolicyWorker
+from hybridrl.workers.probe import WeightSyncError, probe_gap_of
 
 
 @dataclass(frozen=True)
@@ -67,76 +56,25 @@ class HybridSettings:
     pad_token_id: int | None = None
 
 
-def _planned_kv_cache_bytes(plan: Plan) -> int:
-    """CPU: the Plan's KV cache (rollout.cpu_kv_cache_gib, sized for one wave by default)."""
-    memory = plan.rollout_memory
-    if memory is not None and memory.on_cpu:
-        return memory.kv_cache_bytes
-    return RolloutEngineConfig.kv_cache_memory_bytes  # GPU (unused there) or no model shape to size it from
-
-
-def _probe_batch(pad_token_id: int) -> Batch:
-    prompt, response = torch.tensor([PROBE_PROMPT]), torch.tensor([PROBE_RESPONSE])
-    input_ids = torch.cat([prompt, response], dim=1)
-    length = input_ids.shape[1]
-    return Batch({
-        "input_ids": input_ids,
-        "attention_mask": torch.ones_like(input_ids),
-        "position_ids": torch.arange(length).unsqueeze(0),
-        "responses": response,
-        "response_mask": torch.ones_like(response),
-        "prompts": prompt,
-    }, meta={"pad_token_id": pad_token_id})
-
-
-class HybridEngineWorker(ActorRolloutRefWorker):
-    """`ActorRolloutRefWorker` (megatron actor + reference) plus the vLLM rollout and the resharder."""
+class HybridEngineWorker(PolicyWorker):
+    """`PolicyWorker` (megatron actor + reference) plus the vLLM rollout and the resharder."""
 
     def __init__(self, context: RankContext, plan: Plan, settings: HybridSettings | None = None) -> None:
-        super().__init__(context, plan)
-        self.settings = settings or HybridSettings()
+        settings = settings or HybridSettings()
+        super().__init__(context, plan, settings.pad_token_id)
+        self.settings = settings
         self.resharder = None
         self.syncs = 0
-        self.phase_memory: dict[str, float] = {}  # this step's memory/* figures, handed out by sync_weights
         self.replica_probe_gaps: dict[int, float] = {}  # the last sync's probe gap per replica, by its TP-0 rank
         self.agent = None  # the agent loop, when rollout.multi_turn is enabled (built in setup)
-
-    def _record_memory(self, phase: str) -> None:
-        self.phase_memory.update(memory_metrics(phase, self.plan.resolved.device))
 
     # ------------------------------------------------------------------------------ bring-up
     def setup(self, total_training_steps: int | None = None) -> dict[str, Any]:
         plan = self.plan
         started = time.perf_counter()
         self.init_model(total_training_steps)
-        arr = plan.config.actor_rollout_ref
-        model_path = arr.model.path
-        self.pad_token_id = self.settings.pad_token_id
-        if self.pad_token_id is None:
-            self.pad_token_id = model_folder_pad_token_id(arr.model.path, arr.model.tokenizer_path,
-                                                          arr.model.trust_remote_code)
-        self.attach_rollout(RolloutEngine(RolloutEngineConfig(
-            model_path=model_path,
-            device=plan.resolved.device,
-            dtype=plan.resolved.rollout_dtype,
-            infer_tp=arr.rollout.tensor_model_parallel_size,
-            max_model_len=plan.resolved.max_sequence_length,
-            seed=arr.rollout.seed + plan.config.trainer.seed,
-            pad_token_id=self.pad_token_id,
-            kv_cache_memory_bytes=_planned_kv_cache_bytes(plan),
-            max_num_batched_tokens=arr.rollout.max_num_batched_tokens,
-            gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
-            max_num_seqs=arr.rollout.max_num_seqs,
-            enforce_eager=arr.rollout.enforce_eager if plan.device_policy.vllm_honours_enforce_eager else None,
-            # Where vLLM repacks weights (oneDNN, on CPU): keep the as-loaded copy so the sync's
-            # checksums can be read back (the probe checks the repacked weights that run).
-            capture_loaded_weights=plan.device_policy.vllm_repacks_weights,
-            # the Plan's HybridFlow generation TP groups (strided when training TP is a multiple
-            # of inference TP), so each rank's generation shard contains its training shard
-            tp_groups=plan.reshard.groups.rollout.replicas,
-            # routing replay: each row carries the experts vLLM routed its tokens to (`routed_experts`)
-            return_routed_experts=arr.actor.router_replay == "rollout",
-        )))
+        self._resolve_pad_token_id()
+        self.attach_rollout(RolloutEngine(engine_config(plan, self.pad_token_id)))
         # The shard a rank must receive is that of the TP rank vLLM actually gave it; it equals
         # the Plan's (checked: a difference would mean more traffic than planned, not wrong weights).
         gathered: list[Any] = [None] * self.world_size
@@ -149,12 +87,7 @@ class HybridEngineWorker(ActorRolloutRefWorker):
         self.resharder = Resharder(self.actor.backend.chunks, plan.reshard.groups, gen_tp_index=actual,
                                    config=ReshardConfig(bucket_bytes=plan.resolved.sync_bucket_bytes,
                                                         output_dtype=rollout_dtype))
-        multi_turn = arr.rollout.multi_turn
-        if multi_turn.enable:
-            # Observations are tokens of the policy's chat template; the tools run in this process.
-            tokenizer = load_tokenizer(arr.model.tokenizer_path or arr.model.path, arr.model.trust_remote_code)
-            self.agent = build_agent_loop(multi_turn, tokenizer,
-                                          (*self.rollout.eos_token_ids, *arr.rollout.stop_token_ids))
+        self.agent = agent_loop_for(plan, self.rollout)
         sync = self.sync_weights()
         return {"setup_s": time.perf_counter() - started, "rollout_build_s": self.rollout.build_seconds,
                 "vllm_tp_rank": self.rollout.tp_rank, "placement_as_planned": self.placement_as_planned, **sync}
@@ -167,27 +100,8 @@ class HybridEngineWorker(ActorRolloutRefWorker):
     # ------------------------------------------------------------------------------ generation
     def generate_sequences(self, prompts: Batch, sampling: Any) -> Batch | None:
         """`prompts` carries `raw_prompt_ids` (object array of token lists) and `uid` per prompt."""
-        faults.crash_point(Phase.GEN)
-        faults.arm_vllm_collective_crash()
-        ids = [list(map(int, p)) for p in prompts["raw_prompt_ids"]]
-        uids = list(prompts["uid"]) if "uid" in prompts else None
-        self._record_memory("gen_before")
-        with cuda_to_cpu_mode_suspended():  # vLLM never needs megatron's CPU device translation
-            if self.agent is not None:  # rollout.multi_turn: conversations with tool calls
-                out = self.rollout.generate_multi_turn(ids, sampling, self.agent, uids=uids,
-                                                       rows=tool_sample_rows(prompts))
-            else:
-                out = self.rollout.generate_sequences(ids, sampling, uids=uids)
-        self._record_memory("gen_after")
-        # Replicas pad to their own longest prompt; the controller concatenates them, so every
-        # replica pads to the width of the batch it was cut from.
-        out = left_pad_prompts(out, prompts["input_ids"].shape[1], self.pad_token_id)
-        # Carry each prompt's metadata (ground truth, data source, ...) onto its n samples.
-        rows = out["prompt_index"]
-        for key in prompts.non_tensors:
-            if key not in ("raw_prompt_ids", "uid") and key not in out.non_tensors:
-                out[key] = prompts[key][rows]
-        return out if self.rollout.tp_rank == 0 else None
+        return generate_rows(self.rollout, self.agent, prompts, sampling, self.pad_token_id,
+                             self.plan.resolved.device, self.phase_memory)
 
     def release_rollout_memory(self) -> None:
         """After generation: vLLM sleeps while training runs, KV cache and weights freed.
@@ -196,12 +110,6 @@ class HybridEngineWorker(ActorRolloutRefWorker):
         sync rewrites every parameter, and vLLM keeps its buffers (rotary caches) across level 2.
         """
         self.rollout.sleep(level=2)
-
-    def update_actor(self, batch: Batch) -> dict[str, float] | None:
-        self._record_memory("update_before")
-        metrics = super().update_actor(batch)
-        self._record_memory("update_after")
-        return None if metrics is None else metrics.as_dict()
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Restore the actor, then sync the restored weights into vLLM (proven like every sync)."""
@@ -233,8 +141,7 @@ class HybridEngineWorker(ActorRolloutRefWorker):
         metrics.update({"reshard/probe_max_abs_gap": gap, "reshard/probe_replicas": float(len(self.replica_probe_gaps)),
                         "timing_s/sync_total": time.perf_counter() - started})
         self._record_memory("sync_after")
-        metrics.update(self.phase_memory)
-        self.phase_memory = {}
+        metrics.update(self.take_phase_memory())
         return metrics
 
     def _probe_gap(self) -> float:
@@ -245,19 +152,9 @@ class HybridEngineWorker(ActorRolloutRefWorker):
         proven, not only the one in the output rank's process. Every rank returns the same value;
         the per-replica gaps stay in `replica_probe_gaps` (`prove_by_probe` judges them).
         """
-        probe = _probe_batch(self.pad_token_id)
         # every rank of the actor must run the forward (pipeline schedule is collective), and every
         # TP peer of a replica must score the prompt (vLLM's TP forward is collective)
-        trained = self.actor.compute_log_prob(probe.select(list(probe.tensors)))
-        rollout = self.rollout.prompt_log_probs(list(PROBE_PROMPT + PROBE_RESPONSE))
-        local = None if trained is None else trained["old_log_probs"][0].tolist()
-        everyone: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(everyone, local)
-        ours = torch.tensor(next(t for t in everyone if t is not None), dtype=torch.float64)
-        gap = None
-        if self.rollout.tp_rank == 0:
-            theirs = torch.tensor(rollout[len(PROBE_PROMPT):], dtype=torch.float64)
-            gap = float((ours - theirs).abs().max())
+        gap = probe_gap_of(self.rollout, self.probe_log_probs())
         gaps: list[Any] = [None] * self.world_size
         torch.distributed.all_gather_object(gaps, gap)
         self.replica_probe_gaps = {rank: g for rank, g in enumerate(gaps) if g is not None}
@@ -274,34 +171,3 @@ class HybridEngineWorker(ActorRolloutRefWorker):
                 f"led by rank {worst} exceeds {self.settings.probe_tolerance:g} (per replica: {each})"
             )
         return gap
-
-
-def left_pad_prompts(batch: Batch, width: int, pad_token_id: int) -> Batch:
-    """Widen the prompt part of a rollout batch to `width` columns of left padding."""
-    extra = width - batch["prompts"].shape[1]
-    if extra <= 0:
-        return batch
-    rows = len(batch)
-
-    def widen(name: str, fill: int) -> None:
-        pad = torch.full((rows, extra), fill, dtype=batch[name].dtype)
-        batch[name] = torch.cat([pad, batch[name]], dim=1)
-
-    widen("prompts", pad_token_id)
-    widen("input_ids", pad_token_id)
-    widen("attention_mask", 0)
-    widen("position_ids", 0)
-    return batch
-
-
-# The prompt columns a tool that reads its calling sample gets (`hybridrl.tools.SAMPLE_PARAMETER`).
-TOOL_SAMPLE_COLUMNS = ("index", "uid", "data_source", "ground_truth", "extra_info")
-
-
-def tool_sample_rows(prompts: Batch) -> list[dict[str, Any]]:
-    """Per prompt, its data row for the tools: the `TOOL_SAMPLE_COLUMNS` the batch carries."""
-    columns = [c for c in TOOL_SAMPLE_COLUMNS if c in prompts.non_tensors]
-    def plain(value: Any) -> Any:  # numpy scalars as Python values: tools are user code
-        return value.item() if isinstance(value, np.generic) else value
-
-    return [{c: plain(prompts[c][i]) for c in columns} for i in range(len(prompts))]

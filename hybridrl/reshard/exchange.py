@@ -1,0 +1,217 @@
+"""Carrying out one rank's part of a weight-sync plan: pack, send, receive, assemble, digest.
+
+A `RankReshardPlan` (from `reshard_plan.build_rank_plan`, the hybrid engine's, or
+`cross_pool_plan.build_cross_pool_plan`, the disaggregated rollout's) says, bucket by bucket, which
+pieces this rank sends to whom, receives from whom and copies locally, and when each of its vLLM
+tensors opens and completes. `exchange` runs it and yields each tensor as soon as its last piece
+lands; how messages travel is the `Transport`'s business:
+
+- `WorldTransport`: the default process group's `batch_isend_irecv` (the hybrid engine: every rank
+  both sends and receives, so the batched form is what keeps it deadlock-free on NCCL);
+- `CrossGroupTransport`: a `parallel.cross_group.CrossGroup` between two pools (one-way traffic).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from hybridrl.models.vllm_layout import split_slot_name, stacked_params
+from hybridrl.reshard.checksums import tensor_checksum
+from hybridrl.reshard.reshard_plan import Piece, RankBucket, RankReshardPlan
+
+
+class Transport(Protocol):
+    def post(self, sends: Sequence[tuple[int, torch.Tensor]],
+             recvs: Sequence[tuple[int, torch.Tensor]]) -> list[Any]:
+        """Start every send and receive of one bucket; return the works to wait on."""
+
+
+class WorldTransport:
+    """Point-to-point over the default process group, peers by global rank."""
+
+    def post(self, sends: Sequence[tuple[int, torch.Tensor]],
+             recvs: Sequence[tuple[int, torch.Tensor]]) -> list[Any]:
+        ops = [dist.P2POp(dist.isend, tensor, peer) for peer, tensor in sends]
+        ops += [dist.P2POp(dist.irecv, tensor, peer) for peer, tensor in recvs]
+        return dist.batch_isend_irecv(ops) if ops else []
+
+
+class CrossGroupTransport:
+    """Point-to-point over a cross-pool group, peers by member index."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def post(self, sends: Sequence[tuple[int, torch.Tensor]],
+             recvs: Sequence[tuple[int, torch.Tensor]]) -> list[Any]:
+        works = [self.group.recv(tensor, peer) for peer, tensor in recvs]
+        works += [self.group.send(tensor, peer) for peer, tensor in sends]
+        return works
+
+
+class MemoryMeter:
+    """Bytes of the buffers we allocated that are still alive, and the peak of that."""
+
+    def __init__(self) -> None:
+        self.buffers = 0
+        self.outputs = 0
+        self.peak_buffers = 0
+        self.peak_total = 0
+
+    def add(self, nbytes: int, *, output: bool = False) -> None:
+        if output:
+            self.outputs += nbytes
+        else:
+            self.buffers += nbytes
+        self.peak_buffers = max(self.peak_buffers, self.buffers)
+        self.peak_total = max(self.peak_total, self.buffers + self.outputs)
+
+    def remove(self, nbytes: int, *, output: bool = False) -> None:
+        if output:
+            self.outputs -= nbytes
+        else:
+            self.buffers -= nbytes
+
+
+@dataclass
+class ExchangeStats:
+    """What one run of a plan measured on this rank (filled while the generator runs)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages_sent: int = 0
+    messages_received: int = 0
+    seconds: float = 0.0  # inside the exchange (the consumer's time between yields excluded)
+    checksum_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    meter: MemoryMeter = field(default_factory=MemoryMeter)
+    checksums: dict[str, str] = field(default_factory=dict)
+
+
+def stacked_slots(plan: RankReshardPlan) -> dict[str, list[str]]:
+    """Stacked vLLM parameters (MoE experts) -> their slots' planning names, in slot order."""
+    return {param: names for param, names in stacked_params(plan.targets).items()
+            if split_slot_name(names[0])[1] is not None}
+
+
+def exchange(plan: RankReshardPlan, sources: Sequence[dict[str, torch.Tensor]], transport: Transport, *,
+             dtype: torch.dtype, device: torch.device, stats: ExchangeStats,
+             checksums: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Run `plan` on this rank; yield `(vLLM name, tensor)` as each completes (new tensors, never views
+    of `sources`). `sources[chunk][mcore name]` are the tensors this rank sends from (empty on a rank
+    that only receives). Collective: every rank of the plan must exhaust its generator."""
+    element = torch.empty((), dtype=dtype).element_size()
+    stacked = stacked_slots(plan)
+    outputs: dict[str, torch.Tensor] = {}
+    stacks: dict[str, torch.Tensor] = {}  # stacked expert parameters being filled, slot by slot
+    waiting = {param: len(names) for param, names in stacked.items()}
+    meter = stats.meter
+    started = time.perf_counter()
+    for bucket in plan.buckets:
+        resumed = time.perf_counter()
+        for name in bucket.opens:
+            target = plan.targets[name]
+            has_padding = any(seg.hf_name is None for seg in target.segments)
+            make = torch.zeros if has_padding else torch.empty
+            param, slot = split_slot_name(name)
+            if slot is None:
+                outputs[name] = make(target.shape, dtype=dtype, device=device)
+                meter.add(outputs[name].numel() * element, output=True)
+                continue
+            if param not in stacks:  # one allocation for all experts; each slot is a view of it
+                stacks[param] = make((len(stacked[param]), *target.shape), dtype=dtype, device=device)
+                meter.add(stacks[param].numel() * element, output=True)
+            outputs[name] = stacks[param][stacked[param].index(name)]
+        _run_bucket(bucket, sources, outputs, transport, dtype, device, element, stats)
+        ready = []
+        for name in bucket.completes:
+            tensor = outputs.pop(name)
+            param, slot = split_slot_name(name)
+            if slot is not None:
+                waiting[param] -= 1
+                if waiting[param]:
+                    continue
+                name, tensor = param, stacks.pop(param)
+            meter.remove(tensor.numel() * element, output=True)
+            if checksums:
+                digest_started = time.perf_counter()
+                stats.checksums[name] = tensor_checksum(tensor)
+                stats.checksum_seconds += time.perf_counter() - digest_started
+            ready.append((name, tensor))
+        stats.seconds += time.perf_counter() - resumed
+        yield from ready
+    if outputs or stacks:
+        raise AssertionError(f"plan bug: tensors never completed: {sorted(outputs) + sorted(stacks)}")
+    stats.wall_seconds = time.perf_counter() - started
+
+
+def _source_view(sources: Sequence[dict[str, torch.Tensor]], piece: Piece) -> torch.Tensor:
+    tensor = sources[piece.chunk][piece.mcore_name]
+    return tensor if piece.axis is None else tensor.narrow(piece.axis, piece.src_offset, piece.length)
+
+
+def _target_view(output: torch.Tensor, piece: Piece) -> torch.Tensor:
+    return output if piece.axis is None else output.narrow(piece.axis, piece.dst_offset, piece.length)
+
+
+def _pack(sources: Sequence[dict[str, torch.Tensor]], pieces: Sequence[Piece], dtype: torch.dtype,
+          device: torch.device) -> tuple[torch.Tensor, bool]:
+    """A contiguous 1-D buffer of the pieces in order; (buffer, whether it was newly allocated)."""
+    if len(pieces) == 1:
+        view = _source_view(sources, pieces[0])
+        if view.is_contiguous() and view.dtype == dtype:
+            return view.reshape(-1), False  # rows of a row-major tensor: send without a copy
+    buffer = torch.empty(sum(p.numel for p in pieces), dtype=dtype, device=device)
+    position = 0
+    for piece in pieces:
+        buffer[position: position + piece.numel].view(piece.shape).copy_(_source_view(sources, piece))
+        position += piece.numel
+    return buffer, True
+
+
+def _run_bucket(bucket: RankBucket, sources: Sequence[dict[str, torch.Tensor]], outputs: dict[str, torch.Tensor],
+                transport: Transport, dtype: torch.dtype, device: torch.device, element: int,
+                stats: ExchangeStats) -> None:
+    meter = stats.meter
+    sends: list[tuple[int, torch.Tensor]] = []
+    packed: dict[tuple, torch.Tensor] = {}  # one packed buffer per distinct piece list (shared by receivers)
+    allocated = 0
+    for dst, pieces in bucket.sends.items():
+        key = tuple((p.chunk, p.mcore_name, p.axis, p.src_offset, p.length) for p in pieces)
+        buffer = packed.get(key)
+        if buffer is None:
+            buffer, fresh = _pack(sources, pieces, dtype, device)
+            packed[key] = buffer
+            if fresh:
+                meter.add(buffer.numel() * element)
+                allocated += buffer.numel() * element
+        sends.append((dst, buffer))
+        stats.bytes_sent += buffer.numel() * element
+        stats.messages_sent += 1
+    receive: dict[int, torch.Tensor] = {}
+    for src, pieces in bucket.recvs.items():
+        buffer = torch.empty(sum(p.numel for p in pieces), dtype=dtype, device=device)
+        meter.add(buffer.numel() * element)
+        allocated += buffer.numel() * element
+        receive[src] = buffer
+    works = transport.post(sends, list(receive.items()))
+    # Local copies overlap with the transfers in flight.
+    for piece in bucket.local:
+        _target_view(outputs[piece.target], piece).copy_(_source_view(sources, piece))
+    for work in works:
+        work.wait()
+    for src, pieces in bucket.recvs.items():
+        buffer = receive[src]
+        stats.bytes_received += buffer.numel() * element
+        stats.messages_received += 1
+        position = 0
+        for piece in pieces:
+            part = buffer[position: position + piece.numel].view(piece.shape)
+            _target_view(outputs[piece.target], piece).copy_(part)
+            position += piece.numel
+    meter.remove(allocated)

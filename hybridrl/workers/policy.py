@@ -1,0 +1,125 @@
+"""The policy's training processes as the trainer drives them, whichever way the rollout is placed.
+
+    PolicyWorker               actor + reference (`ActorRolloutRefWorker`), plus what every step needs of
+                               them beside the math: memory per phase, the update's metrics as a dict, the
+                               weight probe's trainer-side log-probs
+    DisaggregatedPolicyWorker  a PolicyWorker on the trainer pool of `rollout.mode: disaggregated`: it
+                               sends its weights across the pools (`reshard.cross_pool`) to the
+                               `RolloutWorker`s after each update
+
+`HybridEngineWorker` (`workers/hybrid.py`) is the other PolicyWorker: vLLM in the same processes.
+The trainer calls the training methods through `PolicyWorker` (`PolicyWorker.update_actor`), which
+both groups' classes inherit unchanged.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import ray
+import torch
+
+from hybridrl.config.plan import Plan
+from hybridrl.controller.base_worker import RankContext
+from hybridrl.data.batch import Batch
+from hybridrl.data.tokenizer import model_folder_pad_token_id
+from hybridrl.names import Phase
+from hybridrl.parallel.cross_group import CrossGroup, CrossGroupAddress, open_store
+from hybridrl.parallel.device import default_dtype_for
+from hybridrl.parallel.memory import memory_metrics
+from hybridrl.reshard.cross_pool import CrossPoolSender
+from hybridrl.workers import faults
+from hybridrl.workers.probe import probe_batch
+from hybridrl.workers.ray_roles import ActorRolloutRefWorker
+from hybridrl.workers.rollout_worker import cross_pool_layout
+
+
+class PolicyWorker(ActorRolloutRefWorker):
+    """Actor + reference with per-phase memory figures and the probe's trainer side."""
+
+    def __init__(self, context: RankContext, plan: Plan, pad_token_id: int | None = None) -> None:
+        super().__init__(context, plan)
+        self.pad_token_id = pad_token_id  # the run's pad id (None: resolved from the model folder at set-up)
+        self.phase_memory: dict[str, float] = {}  # this step's memory/* figures, handed out with the sync's
+
+    def _resolve_pad_token_id(self) -> None:
+        if self.pad_token_id is None:
+            model = self.plan.config.actor_rollout_ref.model
+            self.pad_token_id = model_folder_pad_token_id(model.path, model.tokenizer_path, model.trust_remote_code)
+
+    def _record_memory(self, phase: str) -> None:
+        self.phase_memory.update(memory_metrics(phase, self.plan.resolved.device))
+
+    def take_phase_memory(self) -> dict[str, float]:
+        figures, self.phase_memory = self.phase_memory, {}
+        return figures
+
+    def update_actor(self, batch: Batch) -> dict[str, float] | None:
+        self._record_memory("update_before")
+        metrics = super().update_actor(batch)
+        self._record_memory("update_after")
+        return None if metrics is None else metrics.as_dict()
+
+    def probe_log_probs(self) -> list[float]:
+        """The actor's log-probs of the weight probe's response (`workers.probe`), on every rank.
+        Collective over the actor's ranks (the pipeline schedule is)."""
+        probe = probe_batch(self.pad_token_id)
+        # With routing replay the probe still routes freely: it proves the weights (router included)
+        # on a sequence no rollout generated, so there is no vLLM routing to replay.
+        trained = self._require(self.actor, "the actor").compute_log_prob(probe.select(list(probe.tensors)),
+                                                                          free_routing=True)
+        local = None if trained is None else trained["old_log_probs"][0].tolist()
+        everyone: list[Any] = [None] * self.world_size
+        torch.distributed.all_gather_object(everyone, local)
+        return next(t for t in everyone if t is not None)
+
+
+class DisaggregatedPolicyWorker(PolicyWorker):
+    """The trainer pool's policy rank: trains, and sends its weights to the rollout pool."""
+
+    def __init__(self, context: RankContext, plan: Plan, pad_token_id: int | None = None) -> None:
+        super().__init__(context, plan, pad_token_id)
+        self.sender: CrossPoolSender | None = None
+        self._store: Any = None
+        self.version = 0  # weight versions sent so far (0: the model folder's)
+
+    def setup(self, total_training_steps: int | None = None) -> dict[str, Any]:
+        started = time.perf_counter()
+        self.init_model(total_training_steps)
+        self._resolve_pad_token_id()
+        return {"setup_s": time.perf_counter() - started}
+
+    def open_weight_sync(self) -> tuple[str, int] | None:
+        """Rank 0: open the cross-pool group's store on a free port of this node; (host, port)."""
+        if self.rank != 0:
+            return None
+        host = ray.util.get_node_ip_address()
+        size = self.world_size + self.plan.resolved.rollout_world
+        self._store = open_store(host, size, self.plan.config.trainer.nccl_timeout_s)
+        return host, int(self._store.port)
+
+    def join_weight_sync(self, address: CrossGroupAddress) -> None:
+        """Join the cross-pool group (with every rollout rank at once) and plan this rank's sends."""
+        group = CrossGroup(address, address.member_of_trainer(self.rank), self.plan.device_policy.dist_backend,
+                           self.plan.config.trainer.nccl_timeout_s, store=self._store)
+        plan = self.plan
+        self.sender = CrossPoolSender(
+            self.actor.backend.chunks, cross_pool_layout(plan), group, rank=self.rank,
+            dtype=default_dtype_for(plan.resolved.device, plan.resolved.rollout_dtype),
+            bucket_bytes=plan.resolved.sync_bucket_bytes)
+
+    def send_weights(self, version: int) -> dict[str, Any]:
+        """Send this rank's share of the weights (collective with every rollout rank's
+        `receive_weights`), then score the probe; the sync's figures, memory, and the probe's log-probs."""
+        faults.crash_point(Phase.SYNC)
+        if self.sender is None:
+            raise RuntimeError(f"trainer rank {self.rank}: join_weight_sync was not called")
+        started = time.perf_counter()
+        self._record_memory("sync_before")
+        report = self.sender.send()
+        self.version = version
+        metrics = {**report.as_metrics("reshard/trainer_"), "timing_s/sync_send": time.perf_counter() - started}
+        probe = self.probe_log_probs()
+        self._record_memory("sync_after")
+        metrics.update(self.take_phase_memory())
+        return {"metrics": metrics, "probe": probe}

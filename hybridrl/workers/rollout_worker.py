@@ -1,0 +1,155 @@
+"""The disaggregated rollout's worker: a vLLM engine on a rank of the rollout pool, nothing else.
+
+`rollout.mode: disaggregated` puts vLLM on ranks of its own (`rollout.nnodes` × `n_gpus_per_node`),
+apart from the trainer's. Each rank of this group holds one vLLM TP shard (the pool's replicas are
+consecutive ranks, `config.meshes.build_pool_groups`) and no megatron model. Weights arrive over the
+cross-pool group (`parallel.cross_group`) from the training ranks that hold them
+(`reshard.cross_pool`), and every sync is proven as in the hybrid engine: the digest of each tensor
+received must equal what vLLM then holds, and each replica's log-probs of the weight probe must match
+the trainer's (`workers.probe`).
+
+Methods the controller calls (all ranks at once): setup, rollout_coords, join_weight_sync,
+receive_weights, probe_gap, generate_sequences (rollout mesh), and the streaming calls of
+`rollout.async_mode: fully_async` (stream_submit, stream_advance, stream_pause, stream_resume).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from hybridrl.config.plan import Plan
+from hybridrl.controller.base_worker import RankContext, Worker
+from hybridrl.data.batch import Batch
+from hybridrl.names import Phase, Role
+from hybridrl.parallel.cross_group import CrossGroup, CrossGroupAddress
+from hybridrl.parallel.device import default_dtype_for, release_cached_blocks, torch_threads_per_rank, vllm_device
+from hybridrl.reshard.checksums import verify_checksums
+from hybridrl.reshard.cross_pool import CrossPoolReceiver
+from hybridrl.reshard.cross_pool_plan import CrossPoolLayout
+from hybridrl.rollout.continuous import ContinuousGeneration
+from hybridrl.rollout.engine import RolloutEngine
+from hybridrl.workers import faults
+from hybridrl.workers.generation import agent_loop_for, carry_prompt_columns, engine_config, generate_rows
+from hybridrl.workers.probe import WeightSyncError, probe_gap_of
+
+
+def cross_pool_layout(plan: Plan) -> CrossPoolLayout:
+    """Both pools of this run as the cross-pool plan sees them (the same on every member)."""
+    actor = plan.layout(Role.ACTOR)
+    return CrossPoolLayout(actor.mesh, plan.resolved.rollout_world,
+                           plan.config.actor_rollout_ref.rollout.tensor_model_parallel_size,
+                           ep=actor.megatron.expert_model_parallel_size)
+
+
+class RolloutWorker(Worker):
+    """One rank of the rollout pool: its vLLM engine, its side of the weight sync, its generation."""
+
+    def __init__(self, context: RankContext, plan: Plan, pad_token_id: int) -> None:
+        super().__init__(context)
+        self.plan = plan
+        self.pad_token_id = pad_token_id
+        self.rollout: Any = None
+        self.agent: Any = None
+        self.receiver: CrossPoolReceiver | None = None
+        self._loader_digests: dict[str, str] | None = None
+        self.stream: ContinuousGeneration | None = None
+        self.version = 0  # the policy version vLLM serves (0: the model folder's weights)
+        self.phase_memory: dict[str, float] = {}
+
+    def setup(self) -> dict[str, Any]:
+        started = time.perf_counter()
+        threads = self.plan.config.trainer.torch_threads_per_rank
+        torch.set_num_threads(threads or torch_threads_per_rank(self.context.local_world_size))
+        self.rollout = RolloutEngine(engine_config(self.plan, self.pad_token_id))
+        self.agent = agent_loop_for(self.plan, self.rollout)
+        self.stream = ContinuousGeneration(self.rollout)
+        # what vLLM's own loader made of the model folder: the first sync (the trainer's weights as
+        # loaded from the same folder) must equal it tensor by tensor
+        self._loader_digests = self.rollout.parameter_digests()
+        return {"setup_s": time.perf_counter() - started, "rollout_build_s": self.rollout.build_seconds,
+                "vllm_tp_rank": self.rollout.tp_rank}
+
+    def rollout_coords(self) -> dict[str, int]:
+        """This rank's replica (named by its lowest pool rank) and its TP rank inside it."""
+        return {"replica": self.rollout.replica_index, "tp": self.rollout.tp_rank}
+
+    # ------------------------------------------------------------------------------ weight sync
+    def join_weight_sync(self, address: CrossGroupAddress) -> None:
+        """Join the cross-pool group (all members at once) and plan this rank's side of every sync."""
+        group = CrossGroup(address, address.member_of_rollout(self.rank), self.plan.device_policy.dist_backend,
+                           self.plan.config.trainer.nccl_timeout_s)
+        self.receiver = CrossPoolReceiver(
+            self.plan.model, cross_pool_layout(self.plan), group, rollout_rank=self.rank,
+            dtype=default_dtype_for(self.plan.resolved.device, self.plan.resolved.rollout_dtype),
+            device=vllm_device(self.plan.resolved.device),
+            bucket_bytes=self.plan.resolved.sync_bucket_bytes)
+
+    def receive_weights(self, version: int) -> dict[str, float]:
+        """This rank's vLLM shard from the training ranks, written into vLLM and checked tensor by
+        tensor (collective with the trainer pool's `send_weights`)."""
+        faults.crash_point(Phase.SYNC)
+        if self.receiver is None:
+            raise RuntimeError(f"rollout rank {self.rank}: join_weight_sync was not called")
+        started = time.perf_counter()
+        self.rollout.wake_up(tags=["weights"])
+        self.rollout.update_weights(self.receiver.shards(), weight_format="vllm_shard")
+        release_cached_blocks(self.plan.resolved.device)
+        self.rollout.wake_up(tags=["kv_cache"])
+        report = self.receiver.last_report
+        try:
+            if self._loader_digests is not None:  # the first sync: the folder's weights, laid out by us
+                verify_checksums(report.checksums, self._loader_digests, self.rank, ignore_extra=True)
+                self._loader_digests = None
+            verify_checksums(report.checksums, self.rollout.parameter_digests(), self.rank, ignore_extra=True)
+        except Exception as exc:  # the error names tensors and rank; keep its type for the controller
+            raise WeightSyncError(f"sync to version {version}: {exc}") from exc
+        self.version = version
+        return {**report.as_metrics("reshard/rollout_"), "timing_s/sync_receive": time.perf_counter() - started}
+
+    def probe_gap(self, trainer_log_probs: list[float], tolerance: float) -> float | None:
+        """This replica's probe gap against the trainer's log-probs (TP rank 0; None elsewhere); raises
+        `WeightSyncError` above `tolerance`."""
+        gap = probe_gap_of(self.rollout, trainer_log_probs)
+        if gap is not None and gap > tolerance:
+            raise WeightSyncError(f"version {self.version}: log-prob probe gap {gap:.3g} between megatron and the "
+                                  f"vLLM replica led by rollout rank {self.rank} exceeds {tolerance:g}")
+        return gap
+
+    # ------------------------------------------------------------------------------ generation
+    def generate_sequences(self, prompts: Batch, sampling: Any) -> Batch | None:
+        """Whole-batch generation of this replica's chunk (as the hybrid engine's)."""
+        out = generate_rows(self.rollout, self.agent, prompts, sampling, self.pad_token_id,
+                            self.plan.resolved.device, self.phase_memory)
+        if out is not None:
+            out["policy_version"] = torch.full((len(out),), self.version, dtype=torch.long)
+        return out
+
+    # ------------------------------------------------------------------------- fully_async streaming
+    def stream_submit(self, prompts: Batch, sampling: Any) -> int:
+        """Start `sampling.n` samples of each prompt of this replica's chunk; returns the samples in flight."""
+        ids = [list(map(int, p)) for p in prompts["raw_prompt_ids"]]
+        self.stream.submit(ids, list(prompts["uid"]), sampling, prompts)
+        return self.stream.in_flight
+
+    def stream_advance(self, min_groups: int, max_steps: int) -> Batch | None:
+        """Run vLLM until `min_groups` prompts have all their samples (or `max_steps` engine steps, or
+        nothing is left in flight); the finished groups' rows (TP rank 0; None elsewhere)."""
+        faults.crash_point(Phase.GEN)
+        groups = self.stream.advance(self.version, min_groups=min_groups, max_steps=max_steps)
+        if self.rollout.tp_rank != 0 or not groups:
+            return None
+        rows = [carry_prompt_columns(batch, prompts, self.pad_token_id) for batch, prompts in groups]
+        return Batch.concat(rows) if len(rows) > 1 else rows[0]
+
+    def stream_pause(self) -> int:
+        """Stop every request in flight, keeping what it generated (a partial rollout); returns how many."""
+        return self.stream.pause()
+
+    def stream_resume(self) -> int:
+        """Continue the paused requests under the weights now served; returns how many."""
+        return self.stream.resume()
+
+    def stream_state(self) -> dict[str, int]:
+        return {"in_flight": self.stream.in_flight, "paused": self.stream.paused, "version": self.version}

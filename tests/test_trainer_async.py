@@ -1,0 +1,99 @@
+"""End to end: a disaggregated rollout running ahead of the trainer (`rollout.async_mode`).
+
+Each run is `hybridrl train` on the demo task with one trainer rank and a rollout pool of one rank
+(the 2 cores split between the pools, as `bench/async.py` compares against the colocated hybrid
+engine). What must hold, from the run's own metrics:
+- the reward rises, in each mode;
+- every weight sync crosses the pools proven: the probe on every replica <= 1e-4, each rollout rank
+  receives exactly its shard's bytes (the least it can), and the first sync equals what vLLM's own
+  loader made of the model folder (checked by the rollout workers at set-up; a difference stops the run);
+- staleness: one_step_off trains step 1 on version-0 samples and every later step on samples exactly
+  one version old; fully_async never trains on a sample older than `max_staleness`;
+- a rollout rank that dies stops the run within seconds, naming it.
+"""
+from __future__ import annotations
+
+import pytest
+
+from hybridrl.workers import faults
+from tests.test_trainer_e2e import _mean, _metrics, _train
+from tools.demo_assets import demo_overrides
+
+pytestmark = pytest.mark.slow
+
+CONFIG = "configs/examples/cpu_tiny_grpo.yaml"
+DISAGGREGATED = ["actor_rollout_ref.rollout.mode=disaggregated", "actor_rollout_ref.rollout.n_gpus_per_node=1",
+                 "trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.optim.lr=2e-3"]
+STEPS = 16
+
+
+def _check_syncs(rows: list[dict]) -> None:
+    for step, row in enumerate(rows, start=1):
+        assert row["reshard/version"] == step  # the weights of step k serve from the sync after it
+        assert row["reshard/probe_max_abs_gap"] < 1e-4 and row["reshard/probe_replicas"] == 1
+        received = row["reshard/rollout_bytes_received"]
+        assert received == row["reshard/rollout_lower_bound_bytes"] == row["reshard/rollout_planned_bytes_received"]
+        assert row["reshard/trainer_bytes_sent"] == received  # one trainer rank sends all of it
+        hist = sum(row[f"async/staleness_{k}"] for k in ("0", "1", "2", "3+"))
+        assert hist == pytest.approx(1.0)
+
+
+def test_one_step_off_grpo_raises_the_reward_on_samples_one_version_old(demo_assets, tmp_path):
+    run = tmp_path / "one_step_off"
+    result = _train(CONFIG, demo_overrides(demo_assets, run, f"trainer.total_training_steps={STEPS}", *DISAGGREGATED,
+                                           "actor_rollout_ref.rollout.async_mode=one_step_off",
+                                           "trainer.test_freq=8"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    rows = [r for r in _metrics(run) if "critic/score/mean" in r]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    first, last = _mean(rows[:4], "critic/score/mean"), _mean(rows[-4:], "critic/score/mean")
+    assert last > first + 0.05, (first, last)
+    _check_syncs(rows)
+    assert rows[0]["async/staleness_max"] == 0  # the first batch is generated before anything trains
+    for row in rows[1:]:  # then generation of step k+1 overlaps step k: exactly one version behind
+        assert row["async/staleness_mean"] == row["async/staleness_max"] == 1.0
+    # validation ran with the rollout parked (after steps 8 and 16)
+    assert [r["step"] for r in rows if "val/score/mean" in r] == [8, 16]
+
+
+def test_fully_async_grpo_raises_the_reward_within_the_staleness_bound(demo_assets, tmp_path):
+    run = tmp_path / "fully_async"
+    result = _train(CONFIG, demo_overrides(demo_assets, run, f"trainer.total_training_steps={STEPS}", *DISAGGREGATED,
+                                           "actor_rollout_ref.rollout.async_mode=fully_async",
+                                           "actor_rollout_ref.rollout.max_staleness=1",
+                                           "actor_rollout_ref.rollout.stale_samples=keep"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    first, last = _mean(rows[:4], "critic/score/mean"), _mean(rows[-4:], "critic/score/mean")
+    assert last > first + 0.05, (first, last)
+    _check_syncs(rows)
+    # with stale samples kept (and counted), none was needed: admission keeps within the bound
+    assert max(r["async/staleness_max"] for r in rows) <= 1
+    assert sum(r["async/stale_groups"] for r in rows) == 0
+    print("partial-sample fraction per step:", [round(r["async/partial_sample_fraction"], 3) for r in rows])
+
+
+def test_a_rollout_rank_that_dies_stops_the_run_naming_it_and_the_run_resumes(demo_assets, tmp_path):
+    import time
+
+    run = tmp_path / "fault"
+    mark = tmp_path / "fault_time"
+    common = demo_overrides(demo_assets, run, "trainer.total_training_steps=6", "trainer.save_freq=1",
+                            *DISAGGREGATED, "actor_rollout_ref.rollout.async_mode=fully_async")
+    # rollout rank 0 exits inside its 6th streaming call; the trainer may be updating at that moment
+    result = _train(CONFIG, common, env={faults.ENV: "gen:6:0", faults.ENV + "_MARK": str(mark)}, timeout=600)
+    ended = time.time()
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-4000:]
+    assert "rollout rank 0 failed in stream_advance()" in result.stderr, result.stderr[-4000:]
+    surfaced_s = ended - float(mark.read_text())
+    print(f"surfaced and exited {surfaced_s:.1f} s after the crash")
+    assert surfaced_s < 30.0
+    trained = [r["step"] for r in _metrics(run)]
+    # resumed (trainer.resume_mode=auto): the pool serves the checkpoint's weights (version = its step),
+    # the prompts drawn ahead but not trained are drawn again, and the run ends at step 6
+    resumed = _train(CONFIG, common, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-4000:]
+    rows = _metrics(run)
+    assert [r["step"] for r in rows] == list(range(1, 7)), (trained, [r["step"] for r in rows])
+    _check_syncs(rows)
