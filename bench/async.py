@@ -4,6 +4,7 @@ The same GRPO job three ways on the same 2 cores, through `hybridrl train`:
   colocated      2 ranks, each trains (DP2) and generates (2 vLLM replicas): generate, then train
   one_step_off   1 trainer rank + a rollout pool of 1 rank: step k+1 generates while step k trains
   fully_async    1 + 1: the pool generates continuously; max_staleness 1, partial rollouts
+  fully_async_s2 the same with max_staleness 2 (three batches in flight)
 on a task whose response lengths are long-tailed: the demo's tiny model (random weights) with answers
 of up to `--max-response` tokens that end at its EOS, which it samples about once in 96 tokens, so
 lengths are roughly geometric with a tail cut at the limit (printed: quantiles of the first step's
@@ -43,6 +44,11 @@ MODES = {
     "fully_async": ["trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.mode=disaggregated",
                     "actor_rollout_ref.rollout.n_gpus_per_node=1",
                     "actor_rollout_ref.rollout.async_mode=fully_async", "actor_rollout_ref.rollout.max_staleness=1"],
+    # more in flight: vLLM's step costs about the same with more sequences on this model, so a deeper
+    # buffer is more throughput for one more version of staleness
+    "fully_async_s2": ["trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.mode=disaggregated",
+                       "actor_rollout_ref.rollout.n_gpus_per_node=1",
+                       "actor_rollout_ref.rollout.async_mode=fully_async", "actor_rollout_ref.rollout.max_staleness=2"],
 }
 
 
