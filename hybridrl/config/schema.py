@@ -144,7 +144,8 @@ class ModelConfig:
         None, "pack each micro-batch's rows into one sequence without padding (megatron THD, cu_seqlens) in "
               "every training and log-prob/value pass of the roles built from this model; null = on where the "
               "device serves packed attention (cpu: the CPU layer's stand-in; cuda: TransformerEngine's, which "
-              "the gpu extra installs), false = padded micro-batches")
+              "the gpu extra installs) unless a MoE layout's allgather or drop-and-pad dispatch spans DP ranks "
+              "(it needs equal-width micro-batches), false = padded micro-batches")
 
 
 @dataclass

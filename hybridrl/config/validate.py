@@ -19,8 +19,7 @@ from hybridrl.algorithms.names import (
     GROUP_ADV_ESTIMATORS,
 )
 from hybridrl.config.errors import ConfigIssue
-from hybridrl.config.meshes import expert_group_spans_replicas
-from hybridrl.config.resolve import Resolved, active_roles, role_megatron
+from hybridrl.config.resolve import Resolved, active_roles, needs_uniform_micro_batches, role_megatron
 from hybridrl.config.schema import (
     CHOICE_NAMES,
     JobConfig,
@@ -709,19 +708,15 @@ def _check_moe_dispatch(check: _Checker, config: JobConfig, model: ModelShape | 
                                "is null: no expert has a capacity, so no token is dropped or padded); set the factor "
                                "or remove this", [MOE_DISPATCH_DEFAULTS[name]])
         allgather = mc.moe_token_dispatcher_type == "allgather"
-        tp, pp, cp = mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size, mc.context_parallel_size
+        tp, pp = mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size
         ep, etp = mc.expert_model_parallel_size, mc.expert_tensor_parallel_size
         if allgather and isinstance(pp, int) and pp > 1:
             check.fail(f"{prefix}.moe_token_dispatcher_type", "allgather",
                        f"needs pipeline_model_parallel_size=1 (it is {pp}): megatron's allgather dispatcher refuses "
                        "variable_seq_lengths, which pipeline stages need to pass micro-batches of different shapes; "
                        "use alltoall", ["alltoall"])
-        sizes = (tp, cp, ep, etp if etp is not None else tp)
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sizes):
-            continue  # reported by the layout's own rules
-        uniform = allgather or (capacity is not None and mc.moe_pad_expert_input_to_capacity)
-        if not (uniform and expert_group_spans_replicas(tp, cp, ep, etp)):
-            continue
+        if not needs_uniform_micro_batches(mc):
+            continue  # (invalid sizes are reported by the layout's own rules)
         # every rank of megatron's expert TP x EP group must bring the same number of tokens (allgather
         # gathers equal shares; drop-and-pad sizes its all-to-all from its own token count)
         field, value = ((f"{prefix}.moe_token_dispatcher_type", "allgather") if allgather
