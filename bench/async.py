@@ -4,6 +4,8 @@ The same GRPO job three ways on the same 2 cores, through `hybridrl train`:
   colocated      2 ranks, each trains (DP2) and generates (2 vLLM replicas): generate, then train
   one_step_off   1 trainer rank + a rollout pool of 1 rank: step k+1 generates while step k trains
   fully_async    1 + 1: the pool generates continuously; max_staleness 1, partial rollouts
+  fully_async_drain  fully_async without partial rollouts (requests in flight finish before a sync)
+  fully_async_s2 the same with max_staleness 2 (three batches in flight)
 on a task whose response lengths are long-tailed: the demo's tiny model (random weights) with answers
 of up to `--max-response` tokens that end at its EOS, which it samples about once in 96 tokens, so
 lengths are roughly geometric with a tail cut at the limit (printed: quantiles of the first step's
@@ -43,6 +45,17 @@ MODES = {
     "fully_async": ["trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.mode=disaggregated",
                     "actor_rollout_ref.rollout.n_gpus_per_node=1",
                     "actor_rollout_ref.rollout.async_mode=fully_async", "actor_rollout_ref.rollout.max_staleness=1"],
+    # no partial rollouts: a sync lets the requests in flight finish on the old weights (no re-prefill)
+    "fully_async_drain": ["trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.mode=disaggregated",
+                          "actor_rollout_ref.rollout.n_gpus_per_node=1",
+                          "actor_rollout_ref.rollout.async_mode=fully_async",
+                          "actor_rollout_ref.rollout.max_staleness=1",
+                          "actor_rollout_ref.rollout.partial_rollout=false"],
+    # more in flight: vLLM's step costs about the same with more sequences on this model, so a deeper
+    # buffer is more throughput for one more version of staleness
+    "fully_async_s2": ["trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.mode=disaggregated",
+                       "actor_rollout_ref.rollout.n_gpus_per_node=1",
+                       "actor_rollout_ref.rollout.async_mode=fully_async", "actor_rollout_ref.rollout.max_staleness=2"],
 }
 
 
@@ -86,6 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     modes = args.modes.split(",")
     assets = build_demo_assets(args.out / "assets")
+    load_start = os.getloadavg()[0]
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for round_ in range(args.rounds):
         for mode in modes:
@@ -93,6 +107,9 @@ def main(argv: list[str] | None = None) -> dict:
             runs[mode].append(run_mode(assets, args.out / f"r{round_}", mode, args))
     summary = {}
     base = statistics.median(r["steps_per_s"] for r in runs["colocated"]) if "colocated" in runs else None
+    # per round, each mode against the colocated run of the same round (the load it saw is the closest)
+    per_round = {m: [r["steps_per_s"] / c["steps_per_s"] for r, c in zip(results, runs["colocated"])]
+                 for m, results in runs.items()} if base else {}
     print(f"\n{'mode':<14}{'step s':>8}{'steps/s':>9}{'vs colocated':>14}{'staleness':>11}{'partial':>9}"
           f"{'  score first4 -> last4'}")
     for mode, results in runs.items():
@@ -101,17 +118,21 @@ def main(argv: list[str] | None = None) -> dict:
         first, last = statistics.mean(scores[:4]), statistics.mean(scores[-4:])
         ratio = steps_per_s / base if base else float("nan")
         summary[mode] = {"steps_per_s": steps_per_s, "vs_colocated": ratio, "score_first4": first, "score_last4": last,
-                         "runs": results}
+                         "vs_colocated_by_round": per_round.get(mode), "runs": results}
         print(f"{mode:<14}{1 / steps_per_s:>8.2f}{steps_per_s:>9.3f}{ratio:>13.2f}x"
               f"{results[0]['staleness_mean']:>11.2f}{results[0]['partial_fraction']:>9.2f}"
               f"  {first:.3f} -> {last:.3f}")
+    for mode, ratios in per_round.items():
+        print(f"{mode} vs colocated, by round: " + ", ".join(f"{r:.2f}x" for r in ratios))
     for mode, results in runs.items():
         print(f"{mode} scores: " + " ".join(f"{s:.2f}" for s in results[0]["scores"]))
         print(f"{mode} median phases (s): " + ", ".join(f"{k} {v:.2f}" for k, v in results[0]["phases"].items()))
     first = next(iter(runs.values()))[0]
     print(f"first step's response length: mean {first['response_length_mean_first']:.1f}, "
           f"max {first['response_length_max_first']}")
+    print(f"load average at the end: {os.getloadavg()[0]:.1f} (start: {load_start:.1f})")
     report = {"command": "python bench/async.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "load_avg": [load_start, os.getloadavg()[0]],
               "args": {k: str(v) for k, v in vars(args).items()}, "summary": summary}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(report, indent=2))

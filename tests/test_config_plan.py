@@ -337,3 +337,46 @@ def test_the_sync_bucket_must_be_a_positive_number_of_mib(value):
     with pytest.raises(ConfigError, match=r"actor_rollout_ref\.rollout\.update_weights_bucket_megabytes="):
         plan_from_sources("configs/examples/cpu_tiny_grpo.yaml",
                           [f"actor_rollout_ref.rollout.update_weights_bucket_megabytes={value}"])
+
+
+MULTI_TURN = ["actor_rollout_ref.rollout.multi_turn.enable=true",
+              "actor_rollout_ref.rollout.multi_turn.tools=[calculator]"]
+
+
+def test_multi_turn_token_budget_counts_the_model_turns_and_the_observations_in_the_response():
+    """A multi-turn job: the response budget holds every model turn and tool answer; the sequence
+    (prompt + all turns) is what the KV cache and the estimates are sized for; the report says so."""
+    plan = cpu_tiny_plan([*MULTI_TURN, "actor_rollout_ref.rollout.multi_turn.max_turns=3",
+                          "actor_rollout_ref.rollout.multi_turn.max_observation_chars=100",
+                          "data.max_response_length=48", "actor_rollout_ref.rollout.response_length=40"])
+    budget = plan.token_budget
+    # prompts of 32 tokens; the rollout's 40 of data.max_response_length 48 after them
+    assert (budget.prompt_tokens, budget.response_tokens, budget.sequence_tokens) == (32, 40, 72)
+    assert budget.multi_turn and (budget.max_turns, budget.max_tool_rounds) == (3, 2)
+    assert (budget.max_model_tokens, budget.max_observation_tokens, budget.max_observation_chars) == (40, 39, 100)
+    # one replica's rollout step is 32 sequences of the whole 72 tokens, prompt and every turn
+    assert plan.rollout_memory.tokens_per_replica_step == 32 * 72
+    assert Plan.from_dict(json.loads(plan.to_json())).token_budget == budget
+    report = render_plan(plan)
+    for line in ("response (model turns + tool observations)", "actor_rollout_ref.rollout.response_length",
+                 "tool answers per sample, at most", "observation tokens per sample, at most",
+                 "40 - 1 (a model turn writes >= 1 token)", "share the 40-token response budget"):
+        assert line in report, line
+    assert [row.split()[-1] for row in report.splitlines() if row.startswith(("sequence ", "one tool answer"))] == \
+        ["72", "100"]
+
+    single = cpu_tiny_plan([]).token_budget  # single-turn: the response is the answer alone
+    assert (single.multi_turn, single.max_turns, single.max_tool_rounds) == (False, 1, 0)
+    assert (single.max_observation_tokens, single.max_observation_chars, single.sequence_tokens) == (0, 0, 48)
+    assert "tool answers" not in render_plan(cpu_tiny_plan([]))
+    # one model turn: no tool answer can be read, so no observation token
+    one = cpu_tiny_plan([*MULTI_TURN, "actor_rollout_ref.rollout.multi_turn.max_turns=1"]).token_budget
+    assert (one.max_tool_rounds, one.max_observation_tokens) == (0, 0)
+
+
+def test_a_multi_turn_conversation_longer_than_the_model_is_refused_naming_the_turns():
+    with pytest.raises(ConfigError) as info:
+        cpu_tiny_plan([*MULTI_TURN, "data.max_response_length=500"])
+    [issue] = [i for i in info.value.issues if i.field == "data.max_response_length"]
+    assert "max_position_embeddings=512" in str(issue) and "every model turn and tool answer" in str(issue)
+    assert list(issue.valid) == [480]

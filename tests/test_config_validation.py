@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from hybridrl.config import ConfigError, plan_from_sources
+from hybridrl.config.report import render_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = ROOT / "configs/examples/seed_6gpu_grpo.yaml"  # Qwen2.5-0.5B shape: 14 heads, 2 KV, 24 layers
@@ -393,6 +394,20 @@ REFUSED = {
     "multi-turn sandbox limit": ([*MT, f"{R}.multi_turn.tools=[python]",
                                   f"{R}.multi_turn.sandbox.memory_mb=0"], f"{R}.multi_turn.sandbox.memory_mb",
                                  "positive", [*MT, f"{R}.multi_turn.tools=[python]"]),
+    "turn reward penalty below 0": ([*MT, f"{R}.multi_turn.tools=[python]",
+                                     f"{R}.multi_turn.turn_reward.tool_error_penalty=-0.1"],
+                                    f"{R}.multi_turn.turn_reward.tool_error_penalty", ">= 0",
+                                    [*MT, f"{R}.multi_turn.tools=[python]",
+                                     f"{R}.multi_turn.turn_reward.tool_error_penalty=0.1"]),
+    "turn reward file missing": ([*MT, f"{R}.multi_turn.tools=[python]",
+                                  f"{R}.multi_turn.turn_reward.path=/no/such/turns.py"],
+                                 f"{R}.multi_turn.turn_reward.path", "is not a file",
+                                 [*MT, f"{R}.multi_turn.tools=[python]"]),
+    "turn reward without multi-turn": ([f"{R}.multi_turn.turn_reward.tool_error_penalty=0.1"],
+                                       f"{R}.multi_turn.turn_reward.tool_error_penalty",
+                                       "no effect while actor_rollout_ref.rollout.multi_turn.enable=false",
+                                       [*MT, f"{R}.multi_turn.tools=[python]",
+                                        f"{R}.multi_turn.turn_reward.tool_error_penalty=0.1"]),
     "critic tokenizer": (["critic.model.tokenizer_path=/tok"], "critic.model.tokenizer_path",
                          "uses the policy's tokenizer", ["critic.model.tokenizer_path=null"]),
     "reward model tokenizer": (["reward_model.model.tokenizer_path=/tok"], "reward_model.model.tokenizer_path",
@@ -662,6 +677,20 @@ def test_moe_layout_rule_refuses_bad_and_accepts_fix(name, tmp_path):
     assert named and any(fragment in str(i) for i in named), [str(i) for i in issues]
     plan = plan_from_sources(SEED, [model, *good])
     assert plan.model is not None and plan.model.num_experts == shape.get("experts", 8)
+
+
+@pytest.mark.parametrize("dispatch", [[f"{DISPATCH}=allgather"],
+                                      [f"{CAP}=1.0", f"{A}.megatron.moe_pad_expert_input_to_capacity=true"]])
+def test_packing_left_unset_resolves_off_where_the_dispatcher_needs_equal_widths(dispatch, tmp_path):
+    """On CPU packing defaults on; an expert group spanning DP ranks with equal-share dispatch turns
+    the default off (the explicit true is refused above), and the plan says why. EP1 keeps it on."""
+    model = moe_model_dir(tmp_path)
+    spanning = plan_from_sources(SEED, [model, *dispatch, f"{EP}=2"])
+    assert not spanning.resolved.packed("actor") and not spanning.resolved.packed("ref")
+    assert "the MoE dispatcher needs equal-width micro-batches" in render_plan(spanning)
+    within = plan_from_sources(SEED, [model, *dispatch, f"{EP}=1"])
+    assert within.resolved.packed("actor")
+    assert plan_from_sources(SEED, [model, f"{EP}=2"]).resolved.packed("actor")  # alltoall: any width
 
 
 def test_expert_parallelism_with_a_dense_model_is_refused():

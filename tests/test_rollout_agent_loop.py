@@ -22,6 +22,7 @@ from hybridrl.rollout.agent_loop import (
     TurnOutput,
 )
 from hybridrl.rollout.engine import ResponseRow, assemble_response_rows
+from hybridrl.rollout.turn_rewards import ModelTurn, TurnRewarder, TurnRewardError, turn_scores_row
 from hybridrl.tools import Tool, ToolRegistry, build_registry, get_parser
 
 
@@ -224,3 +225,86 @@ def test_each_conversations_tools_read_its_own_row():
     assert [[o.text for o in t.observations] for t in trajectories] == [["g0"], [], ["g2"], ["g3"]]
     with pytest.raises(ValueError, match="3 sample rows for 4 conversations"):
         loop.run([[5, 6]] * 4, budget=200, generate=script, samples=rows[:3])
+
+
+def test_per_turn_rewards_land_on_each_model_turns_last_token():
+    """Each model turn's reward: -penalty per failed call of the turn + the user function's value, computed
+    after the turn's calls ran, placed on the turn's last token (`turn_scores_row`); hand-computed."""
+    tok = char_tokenizer()
+    prompt = tok.encode("user: go\nassistant: ", add_special_tokens=False)
+    turns = [
+        ["<tool_call>{bad</tool_call>" + call("1+1"), call("2+2"), "four"],  # 1 failed + 1 ok call, 1 ok, answer
+        ["plain answer"],                                                    # no call
+        [call("9*9"), "x" * 700],                                            # cut by the budget in its 2nd turn
+    ]
+    seen = []
+
+    def reward(turn: ModelTurn) -> float:
+        seen.append(turn)
+        return 0.5 * turn.index + (1.0 if turn.final and turn.text == "four" else 0.0)
+
+    rewarder = TurnRewarder(tool_error_penalty=0.25, function=reward)
+    loop = AgentLoop(build_registry(["calculator"]), get_parser("hermes"),
+                     ObservationRenderer(tok, end_of_turn_ids=[tok.eos_token_id]), AgentLoopSettings(max_turns=3),
+                     rewarder=rewarder)
+    rows = [{"uid": "a", "ground_truth": "4"}, {"uid": "b"}, {"uid": "c"}]
+    trajectories, metrics = loop.run([prompt] * 3, budget=600, generate=Script(tok, turns, tok.eos_token_id),
+                                     samples=rows)
+    calls, plain, cut = trajectories
+
+    def ends(texts: list[str], observation_lengths: list[int]) -> list[int]:
+        """Each model turn's last index: its tokens (+ EOS), then its observation's tokens."""
+        out, position = [], 0
+        for k, text in enumerate(texts):
+            position += len(tok.encode(text, add_special_tokens=False)) + 1
+            out.append(position - 1)
+            position += observation_lengths[k] if k < len(observation_lengths) else 0
+        return out
+
+    observation_spans = [len(t) for t in _observation_spans(calls)]
+    assert calls.turn_ends == ends(turns[0], observation_spans)
+    assert calls.turn_rewards == [-0.25, 0.5, 1.0 + 1.0]  # one failed call; turn 1; the final right answer
+    assert plain.turn_ends == [len(tok.encode("plain answer", add_special_tokens=False))]
+    assert plain.turn_rewards == [0.0]
+    assert cut.finish_reason == "length" and cut.turn_ends == [cut.turn_ends[0], 599] and cut.turn_rewards == [0.0, 0.5]
+    # what the function saw: the turn's own text, its calls' answers, the sample's row (read-only), the end
+    first = seen[0]
+    assert first.text == turns[0][0] and [o.status.value for o in first.observations] == ["parse_error", "ok"]
+    assert first.sample["ground_truth"] == "4" and not first.final and first.finish_reason == "stop"
+    with pytest.raises(TypeError):
+        first.sample["ground_truth"] = "5"
+    assert [t.index for t in seen] == [0, 1, 2, 0, 0, 1]
+    assert metrics.as_metrics()["multi_turn/turn_reward_mean"] == pytest.approx((-0.25 + 0.5 + 2.0 + 0.0 + 0.5) / 3)
+
+    width = 600
+    row = turn_scores_row(calls.turn_ends, calls.turn_rewards, width)
+    expected = [0.0] * width
+    for end, value in zip(calls.turn_ends, [-0.25, 0.5, 2.0]):
+        expected[end] = value
+    assert row == expected and all(calls.mask[end] == 1 for end in calls.turn_ends)
+
+
+def _observation_spans(trajectory) -> list[list[int]]:
+    """The runs of observation tokens (mask 0) of a trajectory, in order."""
+    spans, current = [], []
+    for token, model in zip(trajectory.tokens, trajectory.mask):
+        if model:
+            if current:
+                spans.append(current)
+            current = []
+        else:
+            current.append(token)
+    return spans + ([current] if current else [])
+
+
+def test_a_turn_reward_function_that_fails_names_itself_and_the_turn():
+    tok = char_tokenizer()
+    renderer = ObservationRenderer(tok, end_of_turn_ids=[tok.eos_token_id])
+    for function, message in ((lambda turn: 1 / 0, "raised ZeroDivisionError"), (lambda turn: float("nan"), "nan"),
+                              (lambda turn: True, "True")):
+        loop = AgentLoop(build_registry(["calculator"]), get_parser("hermes"), renderer,
+                         rewarder=TurnRewarder(function=function, name="my_reward"))
+        with pytest.raises(TurnRewardError, match=f"my_reward .*{message}.*model turn 0 of sample s1"):
+            loop.run([[5, 6]], budget=50, generate=Script(tok, [["hi"]], tok.eos_token_id), samples=[{"uid": "s1"}])
+    with pytest.raises(ValueError, match="tool_error_penalty"):
+        TurnRewarder(tool_error_penalty=-1.0)

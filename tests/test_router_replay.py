@@ -457,7 +457,8 @@ def _replay_at_infer_tp2_rank(rank: int, world: int, model_dir: str) -> dict[str
     run("perturbed_replay")
     run("perturbed_free", free_routing=True)
     return {"probe": setup["reshard/probe_max_abs_gap"], "tp_rank": worker.rollout.tp_rank,
-            "columns": columns, "batch": mine, "moe_layers": worker.rollout.moe_layer_ids, "runs": runs}
+            "columns": columns, "batch": mine, "moe_layers": worker.rollout.moe_layer_ids, "runs": runs,
+            "packed": worker.actor.backend.spec.packed}
 
 
 @pytest.fixture(scope="module")
@@ -491,7 +492,7 @@ def test_routing_vllm_reports_at_infer_tp2_replays_exactly(replay_infer_tp2):
             reference = _hf_routing(model, batch.tensors["input_ids"][row, real].tolist()[:-1], top_k)
             for axis, layer in enumerate(moe_layers):
                 assert [frozenset(ids.tolist()) for ids in column[row, real[:-1], axis]] == reference[layer]
-        expected = _expected_in_router_order(batch, moe_layers)
+        expected = _expected_in_router_order(batch, moe_layers, packed=r["packed"])
         flips = {}
         for name, (_, _, calls) in r["runs"].items():
             flips[name] = 0

@@ -229,9 +229,12 @@ TOOL_PARSERS = {"bang": BangParser}
 '''
 
 
-def test_a_tools_file_defines_a_tool_call_parser(tmp_path):
+def test_a_tools_file_defines_a_tool_call_parser(tmp_path, monkeypatch):
+    from hybridrl.tools import parsing
     from hybridrl.tools.parsing import available_parsers
 
+    # the file's parsers go into a copy of the registry: other tests in this process list the built-in ones
+    monkeypatch.setattr(parsing, "_PARSERS", dict(parsing._PARSERS))
     path = tmp_path / "parsers.py"
     path.write_text(PARSER_FILE)
     build_registry(["calculator"], tools_file=path)  # only built-in tools: the file is still loaded

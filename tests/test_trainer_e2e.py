@@ -520,3 +520,90 @@ def test_worker_failures_restart_in_place(demo_assets, straight_run, tmp_path):
     # the failed step 4 never sealed a checkpoint, and no partial one is left: step 3's is the latest
     assert (run / CKPT / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
     assert not [p for p in (run / CKPT).iterdir() if is_partial(p)]
+
+
+TURN_REWARD_FILE = '''
+def turn_reward(turn):
+    return -0.01  # a small price per model turn: a call costs a turn
+'''
+
+
+def test_multi_turn_grpo_learns_to_call_the_tool(tmp_path):
+    """The tool-use demo (`make demo-tools`, configs/examples/cpu_tiny_tool_grpo.yaml), short: the tiny
+    model (copy warm-up, tool chat template) on the secret-letter task, whose answer only the `secret`
+    tool knows. Multi-turn GRPO raises both the reward and the share of samples that call the tool; the
+    reward is the final answer's (re-scored here from the model's own tokens), plus a per-turn reward on
+    each turn (-0.01 from a turn reward file); the tool answered each call from its sample's row."""
+    import torch
+    import transformers
+
+    from hybridrl.data.tokenizer import load_tokenizer
+
+    model, data, run = tmp_path / "model", tmp_path / "data", tmp_path / "run"
+    subprocess.run([sys.executable, "tools/make_demo_model.py", "--chat-template", "tool", "--copy-warmup", "300",
+                    "--out", str(model)], cwd=ROOT, check=True, capture_output=True)
+    subprocess.run([sys.executable, "tools/make_demo_data.py", "--task", "secret", "--out-dir", str(data),
+                    "--train-rows", "512", "--val-rows", "16"], cwd=ROOT, check=True, capture_output=True)
+    tok = load_tokenizer(model)
+    # what the warm-up gave the model, before RL: it continues a letter it has read, and calls ('?', id
+    # 36) no more than a random policy would
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        copies = [float(torch.softmax(reference(input_ids=torch.tensor(
+            [tok.encode(f"user: secret\nassistant: k?\n{x * 4}", add_special_tokens=False)])).logits[0, -1], -1)[
+            tok.convert_tokens_to_ids(x)]) for x in "aeiou"]
+        first = torch.softmax(reference(input_ids=torch.tensor(
+            [tok.encode("user: secret\nassistant: ", add_special_tokens=False)])).logits[0, -1], -1)
+    assert min(copies) > 0.5 and float(first[36]) < 2 / 96, (copies, float(first[36]))
+
+    turn_file = tmp_path / "turns.py"
+    turn_file.write_text(TURN_REWARD_FILE)
+    steps = 30
+    result = _train("configs/examples/cpu_tiny_tool_grpo.yaml", [
+        f"actor_rollout_ref.model.path={model}", f"data.train_files=[{data / 'train.jsonl'}]",
+        f"data.val_files=[{data / 'val.jsonl'}]", f"trainer.run_dir={run}", f"trainer.default_local_dir={run / 'ckpt'}",
+        f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}",
+        f"trainer.rollout_data_dir={run / 'rollouts'}",
+        f"actor_rollout_ref.rollout.multi_turn.turn_reward.path={turn_file}"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    rows = {r["step"]: r for r in _metrics(run)}
+    assert sorted(rows) == list(range(0, steps + 1))
+    train = [rows[s] for s in range(1, steps + 1)]
+    first_use, last_use = _mean(train[:5], "multi_turn/tool_use_mean"), _mean(train[-5:], "multi_turn/tool_use_mean")
+    first_score, last_score = _mean(train[:5], "critic/score/mean"), _mean(train[-5:], "critic/score/mean")
+    assert last_use > first_use + 0.3 and last_score > first_score + 0.2, (first_use, last_use, first_score, last_score)
+    # greedy validation before the first step and after the last
+    assert rows[steps]["val/score/mean"] > rows[0]["val/score/mean"] + 0.3, (rows[0], rows[steps])
+    assert rows[steps]["val/multi_turn/tool_use_mean"] > rows[0]["val/multi_turn/tool_use_mean"]
+    assert max(r["reshard/probe_max_abs_gap"] for r in train) < 1e-4
+
+    calls = 0
+    for step in (1, steps):
+        for sample in _rollouts(run, step):
+            mask, ids, letter = sample["model_token_mask"], sample["response_ids"], sample["ground_truth"][0]
+            runs = _runs(ids, mask)  # [(is_model, ids)]: the model's turns and the observations, in order
+            model_turns = [t for is_model, t in runs if is_model]
+            assert len(model_turns) == sample["num_turns"] and sample["tool_errors"] == 0
+            # the reward reads the last model turn only (its first 4 characters, the call mark and EOS not
+            # part of it) and adds -0.01 per model turn
+            answer = tok.decode([t for t in model_turns[-1] if t not in (36, tok.eos_token_id)])[:4]
+            expected = answer.count(letter) / 4 - 0.01 * len(model_turns)
+            assert sample["score"] == pytest.approx(expected, abs=1e-6), (sample, expected)
+            observations = [t for is_model, t in runs if not is_model]
+            if sample["tool_calls"] and len(model_turns) == 2:  # the tool answered from this sample's row
+                calls += 1
+                assert tok.decode(observations[0]) == "\n" + sample["ground_truth"], sample
+        assert rows[step]["reward/turn_score_mean"] == pytest.approx(-0.01 * rows[step]["multi_turn/turns_mean"],
+                                                                    abs=1e-6)
+    assert calls > 0
+
+
+def _runs(ids: list[int], mask: list[int]) -> list[tuple[bool, list[int]]]:
+    """A response's maximal runs of model tokens (mask 1) and observation tokens (mask 0)."""
+    runs: list[tuple[bool, list[int]]] = []
+    for token, model in zip(ids, mask):
+        if runs and runs[-1][0] == bool(model):
+            runs[-1][1].append(token)
+        else:
+            runs.append((bool(model), [token]))
+    return runs

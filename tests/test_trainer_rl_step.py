@@ -10,6 +10,7 @@ from hybridrl.data.batch import Batch
 from hybridrl.rewards.manager import token_level_rewards as place_scores_on_last_token
 from hybridrl.trainer.rl_step import (
     AdvantageSettings,
+    add_turn_scores,
     apply_kl_in_reward,
     compute_batch_advantages,
     groups_with_reward_spread,
@@ -181,3 +182,53 @@ def test_merge_part_metrics_of_multi_turn_replicas():
         "multi_turn/turns_mean": 1.5, "multi_turn/tool_use_mean": 0.5, "multi_turn/turns_max": 3.0,
         "multi_turn/model_tokens": 400.0, "multi_turn/observation_tokens": 100.0, "multi_turn/tool_wall_s": 0.6,
     })
+
+
+def test_per_turn_rewards_join_the_trajectory_score_and_compose_with_the_estimators():
+    """Multi-turn rows: model turns (mask 1) with observations between them (mask 0). The trajectory score
+    lands on the last model token, each turn's reward on that turn's last token (`turn_scores`); GRPO
+    sees each sequence's total, REINFORCE++ the returns-to-go over model tokens. All hand-computed."""
+    #              turn 0    obs   turn 1   pad
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0],
+                         [1, 1, 1, 0, 0, 0, 0],   # one turn, no call
+                         [1, 0, 0, 1, 0, 0, 0],   # turn 0 is one token
+                         [1, 1, 0, 1, 1, 1, 0]])
+    turn_scores = torch.zeros(4, 7)
+    turn_scores[0, 1], turn_scores[0, 5] = -0.5, 0.25   # a failed call in turn 0; a bonus on the final turn
+    turn_scores[2, 0], turn_scores[2, 3] = 1.0, 0.0
+    turn_scores[3, 1] = 2.0
+    turn_scores[1, 6] = 7.0                             # on padding: never counted
+    scores = torch.tensor([1.0, 0.0, 3.0, 5.0])
+    batch = Batch({"response_mask": mask, "turn_scores": turn_scores},
+                  {"uid": np.array(["a", "a", "b", "b"], dtype=object)})
+    token_scores, metrics = add_turn_scores(place_scores_on_last_token(scores, mask), batch)
+    expected = torch.tensor([[0.0, -0.5, 0, 0, 0.0, 1.0 + 0.25, 0],
+                             [0.0, 0.0, 0.0, 0, 0, 0, 0],
+                             [1.0, 0, 0, 3.0, 0, 0, 0],
+                             [0.0, 2.0, 0, 0.0, 0.0, 5.0, 0]])
+    assert torch.equal(token_scores, expected)
+    assert metrics == {"reward/turn_score_mean": pytest.approx((-0.25 + 0.0 + 1.0 + 2.0) / 4)}
+    # no turn_scores column: the scores are left as they are, no metric
+    plain = Batch({"response_mask": mask})
+    assert add_turn_scores(expected, plain) == (expected, {})
+
+    # GRPO: one advantage per sequence from its total (final score + its turn rewards)
+    batch["token_level_rewards"] = token_scores
+    compute_batch_advantages(batch, AdvantageSettings("grpo"))
+    totals = torch.tensor([0.75, 0.0, 4.0, 7.0])     # a: 0.75 vs 0; b: 4 vs 7
+    a, b = 0.375 / math.sqrt(0.75 ** 2 / 2), 1.5 / math.sqrt(4.5)
+    assert totals.tolist() == [float(token_scores[r].sum()) for r in range(4)]
+    for row, value in enumerate([a, -a, -b, b]):
+        valid = mask[row].bool()
+        assert torch.allclose(batch["advantages"][row][valid], torch.full((int(valid.sum()),), value), atol=1e-5)
+        assert torch.all(batch["advantages"][row][~valid] == 0)
+
+    # REINFORCE++ (gamma 0.5): returns-to-go over model tokens (observations skipped), then whitened
+    compute_batch_advantages(batch, AdvantageSettings("reinforce_plus_plus", gamma=0.5))
+    returns = torch.tensor([[0.5 * (-0.5 + 0.5 * (0.5 * 1.25)), -0.5 + 0.5 * (0.5 * 1.25), 0, 0, 0.5 * 1.25, 1.25, 0],
+                            [0.0, 0.0, 0.0, 0, 0, 0, 0],
+                            [1.0 + 0.5 * 3.0, 0, 0, 3.0, 0, 0, 0],
+                            [0.5 * (2.0 + 0.5 * 0.25 * 5.0), 2.0 + 0.5 * 0.25 * 5.0, 0, 0.25 * 5.0, 0.5 * 5.0, 5.0, 0]])
+    valid = mask.bool()
+    whitened = (returns - returns[valid].mean()) / returns[valid].std()
+    assert torch.allclose(batch["advantages"][valid], whitened[valid], atol=1e-5)

@@ -74,6 +74,38 @@ class ForwardPlan:
 
 
 @dataclass(frozen=True)
+class TokenBudget:
+    """What bounds one sequence's tokens. The response is everything after the prompt: with multi-turn
+    rollouts (`rollout.multi_turn`) that is the whole conversation, the model's turns and the tool
+    observations between them, so `sequence_tokens` (prompt + every turn) is what the model's length,
+    the KV cache, every training pass and the memory estimates cover. Observation tokens are computed in
+    every pass like the model's own and carry `response_mask` 0 (no loss, KL or entropy)."""
+
+    prompt_tokens: int            # data.max_prompt_length
+    response_tokens: int          # rollout.response_length, else data.max_response_length
+    sequence_tokens: int          # prompt_tokens + response_tokens
+    multi_turn: bool
+    max_turns: int                # model turns per sample (1 without multi-turn)
+    max_tool_rounds: int          # tool answers a sample can read: max_turns - 1 (the last turn's calls are not run)
+    max_model_tokens: int         # the whole response (a sample that calls no tool)
+    max_observation_tokens: int   # response_tokens - 1 (a model turn writes >= 1 token); 0 without tool rounds
+    max_observation_chars: int    # one tool answer is cut to this many characters (0 without multi-turn)
+
+
+def token_budget(config: JobConfig, resolved: Resolved) -> TokenBudget:
+    """The `TokenBudget` of a validated config."""
+    multi_turn = config.actor_rollout_ref.rollout.multi_turn
+    turns = multi_turn.max_turns if multi_turn.enable else 1
+    response = resolved.response_length
+    rounds = turns - 1
+    return TokenBudget(
+        prompt_tokens=config.data.max_prompt_length, response_tokens=response,
+        sequence_tokens=resolved.max_sequence_length, multi_turn=bool(multi_turn.enable), max_turns=turns,
+        max_tool_rounds=rounds, max_model_tokens=response, max_observation_tokens=response - 1 if rounds else 0,
+        max_observation_chars=multi_turn.max_observation_chars if multi_turn.enable else 0)
+
+
+@dataclass(frozen=True)
 class RoleLayout:
     role: str
     megatron: MegatronConfig
@@ -108,6 +140,7 @@ class Plan:
     training_memory: tuple[TrainingMemory, ...]
     rollout_memory: RolloutMemory | None
     phase_peaks: PhasePeaks | None
+    token_budget: TokenBudget
     warnings: tuple[str, ...]
 
     def __post_init__(self) -> None:
@@ -434,5 +467,6 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
         training_memory=tuple(train_mem),
         rollout_memory=roll_mem,
         phase_peaks=peaks,
+        token_budget=token_budget(config, resolved),
         warnings=warnings,
     )

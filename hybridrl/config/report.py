@@ -61,6 +61,8 @@ def packing_line(plan: Plan) -> str:
             continue
         on = plan.resolved.packed(roles[0])
         why = "set" if section.use_remove_padding is not None else f"default on {plan.resolved.device}"
+        if not on and section.use_remove_padding is None and plan.device_policy.packed_attention is not None:
+            why += ", off: the MoE dispatcher needs equal-width micro-batches across DP ranks"
         parts.append(f"{'/'.join(mine)} {'packed' if on else 'padded'} ({prefix}.use_remove_padding {why})")
         shared = plan.resolved.shared_prefix(roles[0])
         if on and (shared or section.shared_prefix is not None):  # unset and not served: nothing to say
@@ -153,6 +155,7 @@ def render_plan(plan: Plan) -> str:
         rows.append([f"{fw.role}: {fw.pass_name} micro-batches per GPU",
                      f"{fw.sequences_per_rank} seqs ÷ micro {fw.micro_batch_size}", fw.micro_batches_per_rank])
     out.append(table(["quantity", "from", "value"], rows))
+    out += ["", *token_budget_lines(plan)]
 
     if plan.training_memory:
         out += ["", f"Memory per GPU, estimated (GiB; fits in trainer.gpu_memory_gib={cfg.trainer.gpu_memory_gib:g}?)"]
@@ -215,6 +218,47 @@ def render_plan(plan: Plan) -> str:
     if plan.warnings:
         out += ["", "Warnings:"] + [f"  - {w}" for w in plan.warnings]
     return "\n".join(out)
+
+
+def token_budget_lines(plan: Plan) -> list[str]:
+    """The plan's `TokenBudget`: the sequence's parts and, with multi-turn rollouts, how the response
+    splits into the model's turns and tool observations."""
+    tb, cfg = plan.token_budget, plan.config
+    response_from = ("actor_rollout_ref.rollout.response_length" if cfg.actor_rollout_ref.rollout.response_length
+                     is not None else "data.max_response_length")
+    what = "model turns + tool observations" if tb.multi_turn else "the model's answer"
+    rows: list[list[Any]] = [
+        ["prompt", "data.max_prompt_length", tb.prompt_tokens],
+        [f"response ({what})", response_from, tb.response_tokens],
+        ["sequence", f"{tb.prompt_tokens} + {tb.response_tokens}", tb.sequence_tokens],
+    ]
+    lines = ["Tokens per sequence (the model's length, the KV cache, every training pass and the memory "
+             "estimate cover the whole sequence)"]
+    if tb.multi_turn:
+        mt = "actor_rollout_ref.rollout.multi_turn"
+        rows += [
+            ["model turns per sample, at most", f"{mt}.max_turns", tb.max_turns],
+            ["tool answers per sample, at most", f"max_turns {tb.max_turns} - 1 (the last turn's calls are not run)",
+             tb.max_tool_rounds],
+            ["model tokens per sample, at most", "the whole response (no tool call)", tb.max_model_tokens],
+            ["observation tokens per sample, at most",
+             f"{tb.response_tokens} - 1 (a model turn writes >= 1 token)" if tb.max_tool_rounds else "no tool round",
+             tb.max_observation_tokens],
+            ["one tool answer, at most (characters)", f"{mt}.max_observation_chars, + a truncation note",
+             tb.max_observation_chars],
+        ]
+    lines.append(table(["quantity", "from", "value"], rows))
+    if tb.multi_turn:
+        lines += [
+            f"Observation tokens (the chat template's tool messages) share the {tb.response_tokens}-token response "
+            "budget with the model's turns:",
+            "a conversation that reaches it ends (multi_turn/finish_length_mean). Every training pass computes them "
+            "like the model's tokens;",
+            "the loss, KL and entropy leave them out (response_mask 0). In tokens, a tool answer of N characters is N "
+            "with a character",
+            "tokenizer and usually fewer with BPE (more for non-ASCII text with byte-level BPE).",
+        ]
+    return lines
 
 
 def _async_line(res: Any) -> str:

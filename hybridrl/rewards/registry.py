@@ -53,6 +53,7 @@ _BUILTIN_MODULES = (
     "hybridrl.rewards.countdown",
     "hybridrl.data.demo_task",
     "hybridrl.data.arith_task",
+    "hybridrl.data.secret_task",
 )
 _builtins_loaded = False
 

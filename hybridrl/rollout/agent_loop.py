@@ -15,7 +15,8 @@ response length).
 
 The trajectory after the prompt is the sample's "response": `response_mask` is 1 on the model's tokens
 and 0 on the observation tokens (no loss, no KL, no entropy on them), `rollout_log_probs` holds vLLM's
-log-probs of the model's tokens and 0 on the observations.
+log-probs of the model's tokens and 0 on the observations. With a `TurnRewarder`
+(`hybridrl.rollout.turn_rewards`) each model turn also gets a reward, for its last token.
 
 The loop itself knows nothing of vLLM: it drives a `TurnGenerator` (the rollout engine's
 `generate_turns`; tests can script one), so its bookkeeping is exact by construction and testable
@@ -27,8 +28,10 @@ import concurrent.futures
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Protocol
 
+from hybridrl.rollout.turn_rewards import ModelTurn, TurnRewarder
 from hybridrl.tools import Observation, ToolMetrics, ToolRegistry, ToolStatus
 from hybridrl.tools.parsing import ToolCallParser
 
@@ -68,6 +71,8 @@ class Trajectory:
     turns: int = 0  # model turns
     observations: list[Observation] = field(default_factory=list)
     finish_reason: FinishReason = ""
+    turn_ends: list[int] = field(default_factory=list)  # each model turn's last token, as an index into `tokens`
+    turn_rewards: list[float] = field(default_factory=list)  # each model turn's reward (with a TurnRewarder)
 
     def add(self, tokens: Sequence[int], model: bool, log_probs: Sequence[float] | None = None) -> None:
         self.tokens.extend(int(t) for t in tokens)
@@ -163,6 +168,7 @@ class AgentLoopMetrics:
     model_tokens: int = 0
     observation_tokens: int = 0
     tool_wall_s: float = 0.0  # wall time of the concurrent tool rounds (the sum of calls is tools/time_s)
+    turn_rewards: list[float] | None = None  # per sample, the sum of its turns' rewards (with a TurnRewarder)
 
     def as_metrics(self) -> dict[str, float]:
         """Per-sample rates end in ``_mean`` (the trainer weights them by samples when it merges the
@@ -180,6 +186,8 @@ class AgentLoopMetrics:
         })
         for reason in ("stop", "max_turns", "length"):
             metrics[f"multi_turn/finish_{reason}_mean"] = self.finish.get(reason, 0) / samples
+        if self.turn_rewards is not None:
+            metrics["multi_turn/turn_reward_mean"] = sum(self.turn_rewards) / samples
         return metrics
 
 
@@ -187,11 +195,12 @@ class AgentLoop:
     """Runs conversations for a batch of prompts; see the module docstring."""
 
     def __init__(self, registry: ToolRegistry, parser: ToolCallParser, renderer: ObservationRenderer,
-                 settings: AgentLoopSettings | None = None) -> None:
+                 settings: AgentLoopSettings | None = None, rewarder: TurnRewarder | None = None) -> None:
         self.registry = registry
         self.parser = parser
         self.renderer = renderer
         self.settings = settings or AgentLoopSettings()
+        self.rewarder = rewarder  # per-turn rewards; None: none
         self._pool = concurrent.futures.ThreadPoolExecutor(self.settings.tool_workers,
                                                            thread_name_prefix="hybridrl-agent-tool")
 
@@ -206,6 +215,7 @@ class AgentLoop:
         if samples is not None and len(samples) != len(prompts):
             raise ValueError(f"{len(samples)} sample rows for {len(prompts)} conversations")
         trajectories = [Trajectory() for _ in prompts]
+        turn_records: list[list[tuple[str, tuple[int, ...], tuple[Observation, ...]]]] = [[] for _ in prompts]
         metrics = AgentLoopMetrics()
         live = list(range(len(prompts)))
         tokenizer = self.renderer.tokenizer
@@ -222,7 +232,10 @@ class AgentLoop:
                 trajectory = trajectories[i]
                 trajectory.add(output.token_ids, model=True, log_probs=output.log_probs)
                 trajectory.turns += 1
-                parsed = self.parser.parse(tokenizer.decode(list(output.token_ids), skip_special_tokens=True))
+                trajectory.turn_ends.append(len(trajectory.tokens) - 1)
+                text = tokenizer.decode(list(output.token_ids), skip_special_tokens=True)
+                turn_records[i].append((text, tuple(int(t) for t in output.token_ids), ()))
+                parsed = self.parser.parse(text)
                 if len(trajectory.tokens) >= budget:
                     trajectory.finish_reason = "length"
                 elif not parsed.has_tool_calls:
@@ -244,6 +257,7 @@ class AgentLoop:
             for (i, _), observations in zip(calling, results):
                 trajectory = trajectories[i]
                 trajectory.observations.extend(observations)
+                turn_records[i][-1] = (*turn_records[i][-1][:2], tuple(observations))
                 metrics.tools.add(observations)
                 last = trajectory.tokens[-1] if trajectory.tokens else None
                 tokens = self.renderer.tokens(observations, last)
@@ -255,6 +269,9 @@ class AgentLoop:
                 trajectory.add(tokens, model=False)
                 next_live.append(i)
             live = next_live
+        if self.rewarder is not None:
+            self._reward_turns(trajectories, turn_records, samples)
+            metrics.turn_rewards = [sum(t.turn_rewards) for t in trajectories]
         for trajectory in trajectories:
             metrics.turns.append(trajectory.turns)
             metrics.finish[trajectory.finish_reason] = metrics.finish.get(trajectory.finish_reason, 0) + 1
@@ -263,6 +280,19 @@ class AgentLoop:
             metrics.observation_tokens += len(trajectory.mask) - sum(trajectory.mask)
         return trajectories, metrics
 
+    def _reward_turns(self, trajectories: Sequence[Trajectory],
+                      turn_records: Sequence[Sequence[tuple[str, tuple[int, ...], tuple[Observation, ...]]]],
+                      samples: Sequence[Mapping[str, Any]] | None) -> None:
+        """Each model turn's reward (`self.rewarder`), once the conversations have ended."""
+        assert self.rewarder is not None
+        for i, (trajectory, records) in enumerate(zip(trajectories, turn_records)):
+            row = MappingProxyType(dict(samples[i])) if samples is not None else MappingProxyType({})
+            last = len(records) - 1
+            trajectory.turn_rewards = [
+                self.rewarder(ModelTurn(k, text, token_ids, observations, k == last,
+                                        trajectory.finish_reason, row))
+                for k, (text, token_ids, observations) in enumerate(records)]
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -270,6 +300,7 @@ class AgentLoop:
 def build_agent_loop(multi_turn: Any, tokenizer: Any, end_of_turn_ids: Sequence[int]) -> AgentLoop:
     """The loop a job's `actor_rollout_ref.rollout.multi_turn` section asks for (tools, parser, limits);
     `end_of_turn_ids`: the tokens that end a model turn (the engine's EOS and stop ids)."""
+    from hybridrl.rollout.turn_rewards import turn_rewarder_from_config
     from hybridrl.tools import SandboxLimits, build_registry, get_parser
 
     sandbox = multi_turn.sandbox
@@ -279,4 +310,5 @@ def build_agent_loop(multi_turn: Any, tokenizer: Any, end_of_turn_ids: Sequence[
     registry = build_registry(multi_turn.tools, tools_file=multi_turn.tools_file, sandbox=limits,
                               max_observation_chars=multi_turn.max_observation_chars)
     return AgentLoop(registry, get_parser(multi_turn.tool_parser), ObservationRenderer(tokenizer, end_of_turn_ids),
-                     AgentLoopSettings(max_turns=multi_turn.max_turns))
+                     AgentLoopSettings(max_turns=multi_turn.max_turns),
+                     rewarder=turn_rewarder_from_config(multi_turn.turn_reward))

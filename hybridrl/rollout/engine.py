@@ -62,6 +62,7 @@ from hybridrl.parallel.digest import tensor_digest
 from hybridrl.rollout import vllm_patches
 from hybridrl.rollout.agent_loop import AgentLoop, RoundRunner, ToolRound, TurnOutput
 from hybridrl.rollout.sampling import SEED_RANGE, RolloutSampling
+from hybridrl.rollout.turn_rewards import turn_scores_row
 from hybridrl.tools import Observation
 
 WeightFormat = Literal["hf", "vllm_shard"]
@@ -726,6 +727,8 @@ class RolloutEngine:
         seed is derived from (prompt, sample, turn). `meta["metrics"]` adds the loop's `tools/` and
         `multi_turn/` metrics. `rows[p]`: prompt p's data row (ground truth, extra info, ...), which the
         tools that read the calling sample get, with `sample` = which of its n conversations it is.
+        With the agent's per-turn rewards (`agent.rewarder`), `turn_scores` [B, R] holds each model turn's
+        reward on its last token and 0 elsewhere.
         """
         if self.config.return_routed_experts:
             # a conversation's routing would be its turns' pieces joined; not built (the plan refuses it)
@@ -765,6 +768,10 @@ class RolloutEngine:
         batch["tool_calls"] = np.asarray([t.tool_calls for t in trajectories], dtype=np.int64)
         batch["tool_errors"] = np.asarray([sum(not o.ok for o in t.observations) for t in trajectories],
                                           dtype=np.int64)
+        if agent.rewarder is not None:  # per-turn rewards, on each model turn's last token (turn_rewards.py)
+            width = batch.tensors["responses"].shape[1]
+            batch["turn_scores"] = torch.tensor([turn_scores_row(t.turn_ends, t.turn_rewards, width)
+                                                 for t in trajectories], dtype=torch.float32)
         generated = int(batch.tensors["response_mask"].sum())
         batch.meta["metrics"] = {
             "rollout/generate_s": seconds,

@@ -7,6 +7,8 @@ schedule of calls and each piece is tested against hand-computed numbers. Tensor
 Column names (the step's shared vocabulary):
   responses, response_mask [B, R]   sampled tokens and which of them count
   token_level_scores [B, R]         reward function / model output, on the last response token
+                                    (+ multi-turn per-turn rewards on each model turn's last token)
+  turn_scores [B, R]                the rollout's per-turn rewards (multi_turn.turn_reward), when set
   token_level_rewards [B, R]        scores minus the in-reward KL penalty (if any)
   old_log_probs, ref_log_probs [B, R], values [B, R]
   advantages, returns [B, R]
@@ -24,6 +26,19 @@ import torch
 from hybridrl.algorithms import compute_advantages, kl_penalty, masked_mean
 from hybridrl.algorithms.kl_control import FixedKLController
 from hybridrl.data.batch import Batch
+
+
+def add_turn_scores(token_scores: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    """`token_scores` (the trajectory's reward on its last model token) plus the rollout's per-turn rewards
+    (`turn_scores`, on each model turn's last token; `hybridrl.rollout.turn_rewards`), when the batch has
+    them; and the `reward/turn_score_mean` metric (per sample, the sum of its turns' rewards)."""
+    if "turn_scores" not in batch:
+        return token_scores, {}
+    turn_scores = batch["turn_scores"].to(token_scores.dtype) * (batch["response_mask"] != 0)
+    if turn_scores.shape != token_scores.shape:
+        raise ValueError(f"turn_scores {tuple(turn_scores.shape)} and token scores {tuple(token_scores.shape)} "
+                         "differ in shape")
+    return token_scores + turn_scores, {"reward/turn_score_mean": float(turn_scores.sum(-1).mean())}
 
 
 @dataclass(frozen=True)

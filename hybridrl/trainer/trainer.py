@@ -40,11 +40,13 @@ from hybridrl.names import GroupName, Phase, Role
 from hybridrl.parallel.cross_group import CrossGroupAddress
 from hybridrl.rewards.manager import RewardManager, reward_metrics, token_level_rewards
 from hybridrl.rollout.sampling import RolloutSampling, validation_sampling
+from hybridrl.rollout.turn_rewards import TurnRewardError, turn_rewarder_from_config
 from hybridrl.tools import available_parsers, build_registry
 from hybridrl.trainer.async_rollout import RolloutDriver
 from hybridrl.trainer.checkpoints import CheckpointError, CheckpointManager
 from hybridrl.trainer.rl_step import (
     AdvantageSettings,
+    add_turn_scores,
     apply_kl_in_reward,
     baseline_per_row,
     compute_batch_advantages,
@@ -152,6 +154,11 @@ class Trainer:
                 raise ConfigError([ConfigIssue(
                     "actor_rollout_ref.rollout.multi_turn.tool_parser", multi_turn.tool_parser,
                     f"is neither built in nor in the TOOL_PARSERS of {multi_turn.tools_file}", available_parsers())])
+            try:  # the per-turn reward function is loaded by every worker; a missing one is refused here first
+                turn_rewarder_from_config(multi_turn.turn_reward)
+            except TurnRewardError as error:
+                raise ConfigError([ConfigIssue("actor_rollout_ref.rollout.multi_turn.turn_reward.name",
+                                               multi_turn.turn_reward.name, str(error))]) from None
         train = PromptDataset.from_config(cfg.data, cfg.data.train_files, self.tokenizer, **extra)
         self.write(f"train data: {train.stats.summary()}")
         self.train_loader = PromptDataLoader(train, cfg.data.train_batch_size, self.pad_token_id,
@@ -331,7 +338,8 @@ class Trainer:
 
     def _score(self, batch: Batch) -> dict[str, float]:
         """token_level_scores: the reward model's score when enabled, else the rule/user scorer's;
-        plus DAPO's overlong penalty when enabled. All on each response's last token."""
+        plus DAPO's overlong penalty when enabled, all on each response's last token; plus, with
+        multi-turn per-turn rewards, each model turn's reward on that turn's last token."""
 
         metrics: dict[str, float] = {}
         if self.rm_group is not None:
@@ -351,6 +359,8 @@ class Trainer:
                                        overlong.penalty_factor)
             token_scores = token_scores + token_level_rewards(penalty, batch["response_mask"])
             metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
+        token_scores, turn_metrics = add_turn_scores(token_scores, batch)  # multi-turn per-turn rewards
+        metrics.update(turn_metrics)
         batch["token_level_scores"] = token_scores
         return metrics
 
@@ -568,12 +578,22 @@ class Trainer:
 
     def _validate(self) -> dict[str, float]:
         scores: list[float] = []
+        turn_parts: list[dict[str, float]] = []  # multi-turn: how the validation conversations went
+        samples: list[int] = []
         self.phase = Phase.VALIDATE
         for prompts in self.val_loader:
             batch = self.generate(prompts, self._sampling(validation=True))
             _, output = self.reward.score_batch(batch, self.tokenizer)
             scores.extend(output.scores)
-        return {"val/score/mean": float(np.mean(scores)) if scores else math.nan}
+            generated = batch.meta.get("metrics") or {}
+            turn_parts.append({k: v for k, v in generated.items()
+                               if k.startswith("multi_turn/") and k.endswith("_mean")})
+            samples.append(len(batch))
+        metrics = {"val/score/mean": float(np.mean(scores)) if scores else math.nan}
+        if any(turn_parts):
+            merged = merge_part_metrics(turn_parts, samples)
+            metrics.update({f"val/{k}": v for k, v in merged.items()})
+        return metrics
 
     # ------------------------------------------------------------------------------ checkpoints
     def save(self) -> Path:

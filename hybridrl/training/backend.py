@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from hybridrl.config.meshes import expert_group_spans_replicas
 from hybridrl.config.plan import Plan
+from hybridrl.config.resolve import needs_uniform_micro_batches
 from hybridrl.config.schema import MegatronConfig, OptimConfig
 from hybridrl.models.bridge import ModelSource, build_gpt_models, load_weights
 from hybridrl.names import Role
@@ -404,13 +404,7 @@ class MegatronBackend:
         if allgather and m.pipeline_model_parallel_size > 1:
             raise ValueError(f"{spec.role}: moe_token_dispatcher_type=allgather needs pipeline_model_parallel_size=1 "
                              "(megatron's allgather dispatcher refuses variable_seq_lengths)")
-        padded = m.moe_expert_capacity_factor is not None and m.moe_pad_expert_input_to_capacity
-        # Equal token counts across megatron's expert TP x EP group: the allgather dispatcher gathers
-        # equal shares, drop-and-pad sizes its all-to-all by its own count. Where that group spans DP
-        # replicas (whose rows differ) every micro-batch takes the batch's full width, the same on all.
-        uniform = (allgather or padded) and expert_group_spans_replicas(
-            m.tensor_model_parallel_size, m.context_parallel_size, m.expert_model_parallel_size,
-            m.expert_tensor_parallel_size)
+        uniform = needs_uniform_micro_batches(m)
         if uniform and spec.packed:
             raise ValueError(f"{spec.role}: use_remove_padding=true with the allgather dispatcher or drop-and-pad "
                              "across DP ranks is not supported (packed micro-batches differ in length)")
