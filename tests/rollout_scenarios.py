@@ -278,6 +278,9 @@ def replica_groups_session(
     out = engine.generate_sequences(prompts, validation_sampling(max_tokens=5))
     # The same prompt on every replica with engine-drawn seeds: replicas must sample independently.
     sampled = engine.generate_sequences([[5, 6, 7]], RolloutSampling(n=2, temperature=1.0, max_tokens=6))
+    # ... and with a fixed seed (the trainer's per-step seed): reproducible on a replica, apart across them
+    fixed = [engine.generate_sequences([[5, 6, 7]], RolloutSampling(n=2, temperature=1.0, max_tokens=6, seed=7))
+             .tensors["responses"] for _ in range(2)]
     shards = hf_to_vllm_shards(new_weights, load_config(model_dir), infer_tp, engine.tp_rank)
     engine.update_weights(shards.items(), weight_format="vllm_shard")
     after_update = engine.generate_sequences(prompts, validation_sampling(max_tokens=5))
@@ -288,6 +291,6 @@ def replica_groups_session(
         digest_error = str(error)
     return {
         "replica": replica, "tp_rank": engine.tp_rank, "prompts": prompts,
-        "responses": out.tensors["responses"], "sampled": sampled.tensors["responses"],
+        "responses": out.tensors["responses"], "sampled": sampled.tensors["responses"], "fixed": fixed,
         "after_update": after_update.tensors["responses"], "digest_error": digest_error,
     }

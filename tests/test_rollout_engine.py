@@ -250,6 +250,10 @@ def test_two_replicas_of_infer_tp2_on_a_world_of_four_generate_independently(tmp
     assert torch.equal(ranks[0]["sampled"], ranks[1]["sampled"])
     assert torch.equal(ranks[2]["sampled"], ranks[3]["sampled"])
     assert not torch.equal(ranks[0]["sampled"], ranks[2]["sampled"]), "replicas drew the same samples"
+    for rank in ranks:  # a fixed seed: the same samples on a replica's repeated call and on its TP peer
+        assert torch.equal(rank["fixed"][0], rank["fixed"][1])
+        assert torch.equal(rank["fixed"][0], ranks[2 * rank["replica"]]["fixed"][0])
+    assert not torch.equal(ranks[0]["fixed"][0], ranks[2]["fixed"][0]), "a fixed seed gave both replicas one draw"
     # Shard delivery without weight capture (the production setting): generation follows the new weights.
     new_model = _hf_model({"model_dir": model_dir}, new)
     for rank in ranks:

@@ -698,9 +698,12 @@ class RolloutEngine:
         call = self._calls
         self._calls += 1
         seed_base = sampling.seed if sampling.seed is not None else self.config.seed
-        # With a fixed sampling seed the same prompts give the same samples on every call and every
-        # replica; otherwise each call and each replica draws fresh seeds (equal on TP peers).
-        call_key, replica_key = (0, 0) if sampling.seed is not None else (call + 1, self.replica_index)
+        # With a fixed sampling seed the same prompts give the same samples on every call of this
+        # replica (a resumed run redraws its step); otherwise each call draws fresh seeds. Either
+        # way replicas draw apart (TP peers alike): a prompt that lands on two replicas, or the
+        # same slot of two DP chunks, must not get the same samples.
+        call_key = 0 if sampling.seed is not None else call + 1
+        replica_key = self.replica_index
         if not sampling.ignore_eos and self.eos_token_ids:
             stops = tuple(dict.fromkeys((*sampling.stop_token_ids, *self.eos_token_ids)))
             sampling = sampling.with_overrides(stop_token_ids=stops)

@@ -22,7 +22,8 @@ class RolloutSampling:
     `top_k=None` and `top_p=1.0` disable those filters. `temperature=0` is greedy decoding (then
     `n` must be 1: n greedy samples would be identical). `seed=None` lets the engine derive the
     per-request seeds from its own seed and call counter (still explicit and equal on TP peers);
-    a fixed `seed` makes every call with the same prompts reproducible.
+    a fixed `seed` makes every call with the same prompts on the same replica reproducible (replicas
+    still draw apart).
     `logprobs=True` returns the log-prob of each sampled token (see `RolloutEngine` for which
     distribution that is).
     """
