@@ -6,8 +6,8 @@ from typing import Any
 
 from hybridrl.config.meshes import TrainingMesh, expert_groups
 from hybridrl.config.plan import Plan
+from hybridrl.config.resolve import MODEL_SECTIONS
 from hybridrl.models.arch import ModelShape
-from hybridrl.names import Role
 
 MIB = 1024**2
 
@@ -50,15 +50,13 @@ PACKED_ATTENTION = {
 def packing_line(plan: Plan) -> str:
     """Which roles run packed (THD) micro-batches and which of those hold a shared prompt once, and whether the
     user or the device default chose it."""
-    sections = (("actor_rollout_ref.model", (Role.ACTOR, Role.REF), plan.config.actor_rollout_ref.model),
-                ("critic.model", (Role.CRITIC,), plan.config.critic.model),
-                ("reward_model.model", (Role.REWARD_MODEL,), plan.config.reward_model.model))
     active = {lay.role for lay in plan.layouts}
     parts = []
-    for prefix, roles, section in sections:
+    for name, roles in MODEL_SECTIONS.items():
         mine = [str(r) for r in roles if r in active]
         if not mine:
             continue
+        prefix, section = f"{name}.model", getattr(plan.config, name).model
         on = plan.resolved.packed(roles[0])
         why = "set" if section.use_remove_padding is not None else f"default on {plan.resolved.device}"
         if not on and section.use_remove_padding is None and plan.device_policy.packed_attention is not None:

@@ -50,26 +50,34 @@ class Resolved:
     max_staleness: int = 1
     stale_samples: str = "drop"
     partial_rollout: bool = True
-    # model.use_remove_padding of the policy (actor and reference), the critic and the reward model:
-    # the user's value, or where unset whether the device serves packed attention (DevicePolicy).
-    packed_policy: bool = False
-    packed_critic: bool = False
-    packed_reward_model: bool = False
-    # model.shared_prefix of the same three sections: the user's value, or where unset whether a packed
-    # role's rows sharing a prompt can hold it once here (`shared_prefix_served`).
-    shared_prefix_policy: bool = False
-    shared_prefix_critic: bool = False
-    shared_prefix_reward_model: bool = False
+    # The model sections (`MODEL_SECTIONS`) whose model.use_remove_padding resolves to true: the user's
+    # value, or where unset whether the device serves packed attention (`remove_padding`).
+    packed_sections: tuple[str, ...] = ()
+    # ... and whose model.shared_prefix does: the user's value, or where unset whether a packed role's
+    # rows sharing a prompt can hold it once here (`shared_prefix`).
+    shared_prefix_sections: tuple[str, ...] = ()
 
     def packed(self, role: str) -> bool:
         """Whether `role` runs packed (THD) micro-batches (its model section's resolved use_remove_padding)."""
-        return {Role.ACTOR: self.packed_policy, Role.REF: self.packed_policy, Role.CRITIC: self.packed_critic,
-                Role.REWARD_MODEL: self.packed_reward_model}[Role(role)]
+        return model_section_of(role) in self.packed_sections
 
     def shared_prefix(self, role: str) -> bool:
         """Whether `role`'s packed micro-batches hold a shared prompt once (its section's resolved shared_prefix)."""
-        return {Role.ACTOR: self.shared_prefix_policy, Role.REF: self.shared_prefix_policy,
-                Role.CRITIC: self.shared_prefix_critic, Role.REWARD_MODEL: self.shared_prefix_reward_model}[Role(role)]
+        return model_section_of(role) in self.shared_prefix_sections
+
+
+# The config sections with a `model` of their own, and the roles built from each (the reference is
+# built from the policy's model).
+MODEL_SECTIONS: dict[str, tuple[Role, ...]] = {
+    "actor_rollout_ref": (Role.ACTOR, Role.REF),
+    "critic": (Role.CRITIC,),
+    "reward_model": (Role.REWARD_MODEL,),
+}
+
+
+def model_section_of(role: str) -> str:
+    """The config section whose `model` `role` is built from."""
+    return next(section for section, roles in MODEL_SECTIONS.items() if Role(role) in roles)
 
 
 def resolve(config: JobConfig, model: ModelShape | None = None) -> Resolved:
@@ -90,19 +98,23 @@ def resolve(config: JobConfig, model: ModelShape | None = None) -> Resolved:
     on_policy_update = actor_steps == 1 and not config.algorithm.use_kl_in_reward
     world_size = (trainer.nnodes or 0) * (trainer.n_gpus_per_node or 0)
     disaggregated = rollout.mode == "disaggregated"
-    packed = {section: remove_padding(getattr(config, section).model.use_remove_padding, policy, *layouts)
-              for section, layouts in (("actor_rollout_ref", (actor.megatron, config.actor_rollout_ref.ref.megatron)),
-                                       ("critic", (config.critic.megatron,)),
-                                       ("reward_model", (config.reward_model.megatron,)))}
-    # A dense actor: an MoE router's losses and counts would see a shared prompt once (the plan refuses
-    # true for an MoE actor; the critic's and reward model's own shapes are checked by their workers).
-    dense = model is None or not model.is_moe
-    shared = {section: shared_prefix(getattr(config, section).model.shared_prefix, packed[section], policy,
-                                     getattr(config, section).megatron.context_parallel_size, True)
-              for section in ("critic", "reward_model")}
-    shared["actor_rollout_ref"] = shared_prefix(config.actor_rollout_ref.model.shared_prefix,
-                                                packed["actor_rollout_ref"], policy,
-                                                config.actor_rollout_ref.actor.megatron.context_parallel_size, dense)
+    # Per model section: the megatron layouts that run it (the first is its training layout), and whether
+    # it is dense. Only the actor's shape is known here: an MoE router's losses and counts would see a
+    # shared prompt once (the plan refuses true for an MoE actor; the critic's and reward model's own
+    # shapes are checked by their workers).
+    sections = {"actor_rollout_ref": ((actor.megatron, config.actor_rollout_ref.ref.megatron),
+                                      model is None or not model.is_moe),
+                "critic": ((config.critic.megatron,), True),
+                "reward_model": ((config.reward_model.megatron,), True)}
+    packed: list[str] = []
+    shared: list[str] = []
+    for section, (layouts, dense) in sections.items():
+        model_section = getattr(config, section).model
+        if remove_padding(model_section.use_remove_padding, policy, *layouts):
+            packed.append(section)
+        if shared_prefix(model_section.shared_prefix, section in packed, policy, layouts[0].context_parallel_size,
+                         dense):
+            shared.append(section)
     rollout_world = ((rollout.nnodes or 0) * (rollout.n_gpus_per_node or 0)
                      if disaggregated and isinstance(rollout.n_gpus_per_node, int) else 0 if disaggregated
                      else world_size)
@@ -131,12 +143,8 @@ def resolve(config: JobConfig, model: ModelShape | None = None) -> Resolved:
         max_staleness=1 if rollout.max_staleness is None else rollout.max_staleness,
         stale_samples=rollout.stale_samples or "drop",
         partial_rollout=True if rollout.partial_rollout is None else bool(rollout.partial_rollout),
-        packed_policy=packed["actor_rollout_ref"],
-        packed_critic=packed["critic"],
-        packed_reward_model=packed["reward_model"],
-        shared_prefix_policy=shared["actor_rollout_ref"],
-        shared_prefix_critic=shared["critic"],
-        shared_prefix_reward_model=shared["reward_model"],
+        packed_sections=tuple(packed),
+        shared_prefix_sections=tuple(shared),
     )
 
 
@@ -150,19 +158,14 @@ def remove_padding(configured: bool | None, policy: DevicePolicy, *layouts: Mega
     return policy.packed_attention is not None
 
 
-def shared_prefix_served(packed: bool, policy: DevicePolicy, context_parallel_size: object, dense: bool) -> bool:
-    """Whether a role's rows sharing a prompt can hold it once: packed micro-batches, attention that honours
-    the prompt's tree (the CPU stand-in; TE's has no such mask), no context parallelism, a dense model."""
-    return packed and policy.shared_prefix_attention and context_parallel_size == 1 and dense
-
-
 def shared_prefix(configured: bool | None, packed: bool, policy: DevicePolicy, context_parallel_size: object,
                   dense: bool) -> bool:
     """A model section's shared_prefix: as set (validation refuses true where it is not served), or (unset)
-    on where served."""
+    on where served: packed micro-batches, attention that honours the prompt's tree (the CPU stand-in;
+    TE's has no such mask), no context parallelism, a dense model."""
     if configured is not None:
         return bool(configured)
-    return shared_prefix_served(packed, policy, context_parallel_size, dense)
+    return packed and policy.shared_prefix_attention and context_parallel_size == 1 and dense
 
 
 def needs_uniform_micro_batches(mc: MegatronConfig) -> bool:

@@ -19,7 +19,13 @@ from hybridrl.algorithms.names import (
     GROUP_ADV_ESTIMATORS,
 )
 from hybridrl.config.errors import ConfigIssue
-from hybridrl.config.resolve import Resolved, active_roles, needs_uniform_micro_batches, role_megatron
+from hybridrl.config.resolve import (
+    MODEL_SECTIONS,
+    Resolved,
+    active_roles,
+    needs_uniform_micro_batches,
+    role_megatron,
+)
 from hybridrl.config.schema import (
     CHOICE_NAMES,
     JobConfig,
@@ -323,14 +329,12 @@ def _check_router_replay(check: _Checker, config: JobConfig, model: ModelShape |
 def _check_shared_prefix(check: _Checker, config: JobConfig, resolved: Resolved, model: ModelShape | None) -> None:
     """`model.shared_prefix: true` where a shared prompt's tree cannot be honoured: refused, never ignored."""
     policy = DEVICE_POLICIES.get(config.trainer.device)
-    sections = (("actor_rollout_ref", config.actor_rollout_ref.actor.megatron, Role.ACTOR),
-                ("critic", config.critic.megatron, Role.CRITIC),
-                ("reward_model", config.reward_model.megatron, Role.REWARD_MODEL))
-    for section, mc, role in sections:
+    for section, roles in MODEL_SECTIONS.items():
         if getattr(config, section).model.shared_prefix is not True:
             continue
+        role = roles[0]
         field = f"{section}.model.shared_prefix"
-        cp = mc.context_parallel_size
+        cp = role_megatron(config, role).context_parallel_size
         if not resolved.packed(role):
             check.fail(field, True, f"needs packed micro-batches, and {section}.model.use_remove_padding resolves to "
                        "false: a padded row holds its own prompt; set use_remove_padding true or this false", [False])
