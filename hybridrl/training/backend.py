@@ -145,6 +145,11 @@ def _activate_cpu_layer(policy: DevicePolicy) -> None:
         apply_cpu_layer()
 
 
+def _prompt_width(tensors: dict[str, torch.Tensor]) -> int:
+    """The prompt columns of a rollout batch's `[prompt | response]` rows."""
+    return tensors["input_ids"].shape[1] - tensors["responses"].shape[1]
+
+
 def packed_seq_params(micro: ModelInputs, cp: int = 1) -> Any:
     """megatron's `PackedSeqParams` (THD) of a packed micro-batch, None for a padded one.
 
@@ -416,7 +421,7 @@ class MegatronBackend:
         if not spec.packed:
             raise ValueError(f"{spec.role}: model.shared_prefix=true needs packed micro-batches "
                              "(model.use_remove_padding=true)")
-        if self.device_policy.packed_attention != "cpu_stand_in":
+        if not self.device_policy.shared_prefix_attention:
             raise ValueError(f"{spec.role}: model.shared_prefix=true is served by the CPU layer's attention stand-in "
                              f"only; on {self.device_policy.name} set it to false")
         if self.ctx.cp > 1:
@@ -510,8 +515,7 @@ class MegatronBackend:
         if rows is not None:
             index = torch.tensor(list(rows), dtype=torch.long)
             pick = {k: v.index_select(0, index) for k, v in pick.items()}
-        width = tensors["input_ids"].shape[1] - tensors["responses"].shape[1]
-        return prompt_groups(pick["input_ids"], pick["attention_mask"], pick["position_ids"], width)
+        return prompt_groups(pick["input_ids"], pick["attention_mask"], pick["position_ids"], _prompt_width(tensors))
 
     def partition(self, tensors: dict[str, torch.Tensor], micro_batch_size: int, *, rows: Sequence[int] | None = None,
                   dynamic: bool = False, max_tokens: int = 0) -> Partition:
@@ -521,12 +525,11 @@ class MegatronBackend:
         mask = tensors["attention_mask"]
         if rows is not None:
             mask = mask.index_select(0, torch.tensor(list(rows), dtype=torch.long))
-        if not (dynamic and self.spec.shared_prefix):
-            return partition_rows(mask, micro_batch_size, dynamic=dynamic, max_tokens=max_tokens,
-                                  dp_group=self.ctx.dp_group)
-        return partition_rows(mask, micro_batch_size, dynamic=True, max_tokens=max_tokens, dp_group=self.ctx.dp_group,
-                              prompt_groups=self.prompt_groups(tensors, rows),
-                              prompt_width=tensors["input_ids"].shape[1] - tensors["responses"].shape[1])
+        shared = dynamic and self.spec.shared_prefix  # fixed sizes need not know the groups
+        return partition_rows(mask, micro_batch_size, dynamic=dynamic, max_tokens=max_tokens,
+                              dp_group=self.ctx.dp_group,
+                              prompt_groups=self.prompt_groups(tensors, rows) if shared else None,
+                              prompt_width=_prompt_width(tensors) if shared else 0)
 
     def micro_batches(self, tensors: dict[str, torch.Tensor], partition: Sequence[Sequence[int]], *,
                       extra_keys: tuple[str, ...] = (), free_routing: bool = False) -> list[ModelInputs]:
