@@ -57,6 +57,11 @@ class Resolved:
     # rows sharing a prompt can hold it once here (`shared_prefix`).
     shared_prefix_sections: tuple[str, ...] = ()
 
+    @property
+    def total_ranks(self) -> int:
+        """Every rank the job holds: the training world, and a disaggregated rollout's pool on top."""
+        return self.world_size + (self.rollout_world if self.disaggregated else 0)
+
     def packed(self, role: str) -> bool:
         """Whether `role` runs packed (THD) micro-batches (its model section's resolved use_remove_padding)."""
         return model_section_of(role) in self.packed_sections

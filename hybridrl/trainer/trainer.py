@@ -180,8 +180,7 @@ class Trainer:
         policy = plan.device_policy
         repo_root = str(Path(__file__).resolve().parents[2])
         if self.cluster is None:  # a restart keeps the run's Ray cluster
-            ranks = res.world_size + (res.rollout_world if res.disaggregated else 0)
-            self.cluster = init_ray(trainer.ray_address, num_cpus=policy.ray_cluster_cpus(ranks),
+            self.cluster = init_ray(trainer.ray_address, num_cpus=policy.ray_cluster_cpus(res.total_ranks),
                                     pythonpath=[repo_root], preload_modules=("torch",))
         colocated = 1 + int(res.critic_enabled) + int(self.config.reward_model.enable)
         self.pool = ResourcePool("global" if not res.disaggregated else "trainer", nnodes=trainer.nnodes,
@@ -504,8 +503,7 @@ class Trainer:
             self._dump_rollout(batch, Path(cfg.trainer.rollout_data_dir))
         metrics.update(timer.metrics())
         tokens = int(batch["attention_mask"].sum())
-        gpus = plan.resolved.world_size + (plan.resolved.rollout_world if plan.resolved.disaggregated else 0)
-        metrics.update(throughput_metrics(tokens, len(batch), metrics["timing_s/step"], gpus))
+        metrics.update(throughput_metrics(tokens, len(batch), metrics["timing_s/step"], plan.resolved.total_ranks))
         return metrics
 
     def _update_mini_batches(self, role: str, batch: Batch) -> int:

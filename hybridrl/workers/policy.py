@@ -94,7 +94,7 @@ class DisaggregatedPolicyWorker(PolicyWorker):
         if self.rank != 0:
             return None
         host = ray.util.get_node_ip_address()
-        size = self.world_size + self.plan.resolved.rollout_world
+        size = self.plan.resolved.total_ranks  # the cross-pool group: every trainer and rollout rank
         self._store = open_store(host, size, self.plan.config.trainer.nccl_timeout_s)
         return host, int(self._store.port)
 
