@@ -56,6 +56,21 @@ class EchoWorker(Worker):
     def pid(self) -> int:
         return os.getpid()
 
+    def malloc_env(self) -> dict[str, str]:
+        return {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+
+    def resident_mib_after_freeing_a_64mib_tensor(self) -> float:
+        """How much of a freed 64 MiB tensor stays resident: ~64 when glibc keeps freed memory in its
+        heap (no mmap'ed blocks, no trimming), ~0 when it returns the block to the kernel."""
+        def resident_mib() -> float:
+            with open("/proc/self/statm") as statm:
+                return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+        tensor = torch.ones(16 * 2**20)  # written: every page resident
+        held = resident_mib()
+        del tensor
+        return 64.0 - (held - resident_mib())
+
     def placement_info(self) -> tuple[str, dict[str, float]]:
         """(id of the placement group this actor runs in, the resources it was assigned)."""
         import ray

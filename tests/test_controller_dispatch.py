@@ -128,6 +128,26 @@ def test_group_environment_and_gloo_all_reduce(echo_group):
     assert sums == [36.0] * 8  # 1 + 2 + ... + 8 on every rank
 
 
+def test_cpu_workers_keep_freed_memory_in_their_heap(echo_group):
+    # DevicePolicy.worker_env on CPU: glibc must not hand big freed blocks back to the kernel, or
+    # every step page-faults its logits and grads again. The workers' own allocator shows it.
+    from hybridrl.parallel.device_policy import CPU
+
+    assert echo_group.call_all(EchoWorker.malloc_env)[0] == dict(CPU.worker_env)
+    kept = echo_group.call_all(EchoWorker.resident_mib_after_freeing_a_64mib_tensor)
+    assert min(kept) > 60, kept
+
+
+def test_worker_env_keeps_the_users_own_values(monkeypatch):
+    from hybridrl.controller.worker_group import worker_process_env
+    from hybridrl.parallel.device_policy import CPU, CUDA
+
+    monkeypatch.delenv("MALLOC_MMAP_MAX_", raising=False)
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "123")
+    assert worker_process_env(CPU) == {"MALLOC_MMAP_MAX_": "0"}
+    assert worker_process_env(CUDA) == {}
+
+
 def test_the_group_refuses_a_foreign_method_before_calling_any_rank(echo_group):
     with pytest.raises(TypeError, match="not of EchoWorker"):
         echo_group.call_all(FailingWorker.pid)

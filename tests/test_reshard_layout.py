@@ -3,7 +3,7 @@
 The vLLM tests build engines in forked ranks (infer_tp=2 through external_launcher inside a gloo
 group, as in a colocated trainer) and read back what vLLM's own loader put in its parameters. On CPU
 vLLM repacks linear weights for oneDNN right after loading and empties the parameters; the engine's
-`capture_loaded_weights=True` keeps a copy taken inside `process_weights_after_loading` just before
+`capture_loaded_weights=True` keeps the loaded tensors, held inside `process_weights_after_loading` just before
 the repacking (see `hybridrl/rollout/vllm_patches.py`), which is what we compare with, bit for bit.
 """
 from __future__ import annotations
@@ -199,19 +199,21 @@ def _reference_sums(tensor: torch.Tensor) -> list[int]:
     sums = [0, 0]
     for position, word in enumerate(raw):
         chunk, offset = divmod(position, DIGEST_CHUNK)
-        salt = mix((chunk * 0x9E3779B97F4A7C15 + 3) & mask) & ~1
         for lane in (0, 1):
-            weight = (mix((offset * 0x9E3779B97F4A7C15 + lane + 1) & mask) | 1) ^ salt ^ (2 * lane)
-            sums[lane] = (sums[lane] + word * weight) & mask
+            multiplier = mix((chunk * 0x9E3779B97F4A7C15 + 3 + lane) & mask) | 1
+            weight = mix((offset * 0x9E3779B97F4A7C15 + lane + 1) & mask) | 1
+            sums[lane] = (sums[lane] + word * weight * multiplier) & mask
     return [struct.unpack("<q", struct.pack("<Q", v))[0] for v in sums]
 
 
-def test_tensor_digest_sums_are_the_documented_construction(monkeypatch):
+@pytest.mark.parametrize("matrix_vector", [True, False], ids=["cpu_mv", "elementwise_as_on_cuda"])
+def test_tensor_digest_sums_are_the_documented_construction(monkeypatch, matrix_vector):
     import hashlib
 
     from hybridrl.parallel import digest as digest_module
 
     monkeypatch.setattr(digest_module, "DIGEST_CHUNK", 5)  # several chunks from a small tensor
+    monkeypatch.setattr(digest_module, "MATRIX_VECTOR_DEVICES", frozenset({"cpu"} if matrix_vector else ()))
     monkeypatch.setattr(digest_module, "_lane_weights", {})
     base = torch.randn(3, 4)
     digest = hashlib.blake2b(digest_size=16)

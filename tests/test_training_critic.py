@@ -38,7 +38,9 @@ def _critic_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
     after = critic.compute_values(chunk)
     if before is None:
         return None
-    return {"before": before["values"].clone(), "after": after["values"].clone(), "metrics": metrics}
+    torch_adam = critic.backend.optimizer.optimizer  # megatron's fallback to torch's AdamW (no TE/apex)
+    return {"before": before["values"].clone(), "after": after["values"].clone(), "metrics": metrics,
+            "fused": [group["fused"] for group in torch_adam.param_groups]}
 
 
 def _reference_critic(path: Any, batch: Any) -> dict[str, Any]:
@@ -81,6 +83,7 @@ def test_critic_values_and_update_equal_torch(tmp_path):
         before = torch.cat([o["before"] for o in outs])
         after = torch.cat([o["after"] for o in outs])
         metrics = outs[0]["metrics"]
+        assert all(all(o["fused"]) for o in outs)  # torch's fused AdamW ran (fuse_torch_adam), equal to plain AdamW
         assert (before - ref["before"]).abs().max() < TOL, (tp, pp, dp)
         assert abs(metrics.vf_loss - ref["loss"]) < TOL, (tp, pp, dp, metrics.vf_loss, ref["loss"])
         assert abs(metrics.grad_norm - ref["grad_norm"]) < TOL, (tp, pp, dp, metrics.grad_norm, ref["grad_norm"])

@@ -74,3 +74,20 @@ def test_nan_advantage_skips_the_step_on_every_rank(tmp_path):
     for r in outputs:
         assert r["skipped"].skipped_steps == 1 and r["skipped"].as_dict()["actor/skipped_steps"] == 1
         assert r["applied"].skipped_steps == 0
+
+
+def test_all_finite_reads_a_sum_and_still_tells_overflow_from_non_finite():
+    from hybridrl.training.nonfinite import _all_finite
+
+    grad = torch.randn(1000)
+    assert _all_finite(grad)
+    for position in (0, 517, 999):
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            broken = grad.clone()
+            broken[position] = bad
+            assert not _all_finite(broken), (position, bad)
+    both = grad.clone()
+    both[[3, 4]] = torch.tensor([float("inf"), float("-inf")])  # a NaN sum: still non-finite
+    assert not _all_finite(both)
+    huge = torch.full((4,), 3e38)  # every element finite, the sum overflows to inf
+    assert not torch.isfinite(huge.sum()) and _all_finite(huge)

@@ -20,6 +20,7 @@ string is refused with a TypeError before any rank is called.
 """
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,6 +44,7 @@ from hybridrl.controller.dispatch import (
 from hybridrl.controller.gather import WorkerGroupError, execute_all, kill_actors, submit_all, wait_all
 from hybridrl.controller.resource_pool import ResourcePool
 from hybridrl.data.batch import Batch
+from hybridrl.parallel.device_policy import DevicePolicy
 
 
 class WorkerGroupClosedError(RuntimeError):
@@ -136,6 +138,12 @@ def wait_together(calls: Sequence[PendingCall], poll_s: float = 0.5) -> list[Any
         raise
 
 
+def worker_process_env(policy: DevicePolicy) -> dict[str, str]:
+    """The device's environment for worker processes (`DevicePolicy.worker_env`), less the variables
+    the user has set: the workers of a local cluster inherit the user's own values."""
+    return {name: value for name, value in policy.worker_env.items() if name not in os.environ}
+
+
 class WorkerGroup:
     """The actors of one role. Calls go to every rank; see `call_all`, `call_per_rank`, `call_by_dp`."""
 
@@ -173,6 +181,7 @@ class WorkerGroup:
         try:
             actor_cls = ray.remote(worker_cls)
             world = pool.world_size
+            process_env = worker_process_env(pool.device_policy)
             self.actors: list[ActorHandle] = []
             for rank in range(world):
                 group, bundle = pool.locate(rank)
@@ -185,6 +194,7 @@ class WorkerGroup:
                     actor_cls.options(
                         num_cpus=resources.num_cpus,
                         num_gpus=resources.num_gpus,
+                        runtime_env={"env_vars": process_env} if process_env else None,
                         scheduling_strategy=PlacementGroupSchedulingStrategy(
                             placement_group=group, placement_group_bundle_index=bundle,
                         ),

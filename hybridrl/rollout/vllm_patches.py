@@ -13,10 +13,12 @@ knob for what a colocated RL trainer needs:
    errno: 17". We prefix a job tag agreed on by all ranks (see `RolloutEngine`).
 3. `capture_loaded_weights`: on CPU, `UnquantizedLinearMethod.process_weights_after_loading` packs
    each linear weight for oneDNN and replaces the parameter with an empty tensor, so vLLM's own
-   parameters can no longer be read back. When capture is enabled, a copy of each weight in the
-   layout vLLM's loader produced is kept on the layer (attribute `CAPTURE_ATTR`) just before the
-   packing, for checksums and layout tests. This runs on the first load and on every reload,
-   because vLLM's reload path calls the same method. It costs one extra copy of the linear weights.
+   parameters can no longer be read back. When capture is enabled, the weight tensor in the layout
+   vLLM's loader produced is kept on the layer (attribute `CAPTURE_ATTR`) just before the packing,
+   for checksums and layout tests. This runs on the first load and on every reload, because vLLM's
+   reload path calls the same method. The packing reads the loaded tensor and replaces the
+   parameter (none of its CPU paths writes into it), so the loaded tensor itself is kept, not a
+   copy: it costs the memory of the linear weights (the loader's tensors stay alive), no copying.
    MoE experts (`UnquantizedFusedMoEMethod`): on CPU the post-load step pads each expert's width
    to the kernel's alignment and prepacks `w13_weight` / `w2_weight` in place of the parameters,
    which keep a (possibly padded) shape but no longer the loaded layout: the copy is taken before
@@ -176,11 +178,12 @@ def capture_loaded_weights(enabled: bool = True) -> None:
 
         def capturing(self: Any, layer: torch.nn.Module, _original: Any = original) -> None:
             if _capture_enabled and not layer.weight.is_meta and layer.weight.numel() > 0:
-                captured = {"weight": layer.weight.detach().clone()}
-                # The sgl-kernel path may convert the bias in place: capture it as loaded too.
+                # The loaded tensors themselves: the packing only reads them, then rebinds the
+                # parameters (the sgl-kernel path gives the bias new float32 data the same way).
+                captured = {"weight": layer.weight.detach()}
                 bias = getattr(layer, "bias", None)
                 if isinstance(bias, torch.Tensor):
-                    captured["bias"] = bias.detach().clone()
+                    captured["bias"] = bias.detach()
                 setattr(layer, CAPTURE_ATTR, captured)
             _original(self, layer)
 

@@ -27,9 +27,17 @@ def _local_finite(models: Iterable[Any], micro_metrics: Sequence[Mapping[str, An
             grad = getattr(param, "main_grad", None)
             if grad is None:
                 grad = param.grad
-            if grad is not None and not torch.isfinite(grad).all():
+            if grad is not None and not _all_finite(grad):
                 return False
     return True
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every element is finite. A sum with a NaN or an Inf term is never finite, so a finite sum
+    proves it in one read of the tensor, without an elementwise mask as large as the tensor (a
+    135M-parameter model's grads: ~0.5 s of page faults a step on CPU); only a non-finite sum, which
+    finite values can also give by overflowing, is looked at element by element."""
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
 def step_is_finite(models: Iterable[Any], micro_metrics: Sequence[Mapping[str, Any]]) -> bool:
