@@ -229,6 +229,8 @@ def _rank(rank: int, world: int, config: Any, batch: Any, repeats: int, profile:
         for name, _, us in events:
             by_name[name] += us / 1e6
         result["top_ops_s"] = sorted(by_name.items(), key=lambda kv: -kv[1])[:12]
+        result["top_op_shapes_s"] = [(name, shapes, us / 1e6) for name, shapes, us in
+                                     sorted(events, key=lambda e: -e[2])[:16]]
     return result
 
 
@@ -324,6 +326,8 @@ def main() -> None:
                 print(f"    profiled update {r['profiled_wall_s']:.2f} s; self-CPU by category: "
                       + ", ".join(f"{k} {v:.2f} ({100 * v / total:.0f}%)" for k, v in cats))
                 print("    top ops: " + ", ".join(f"{k} {v:.2f}" for k, v in r["top_ops_s"]))
+                print("    top ops by input shapes: " + "; ".join(
+                    f"{k} {shapes} {v:.2f}" for k, shapes, v in r["top_op_shapes_s"]))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     previous = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     previous[args.tag or "latest"] = report

@@ -87,13 +87,20 @@ def test_context_cp2_and_vpp():
     assert [o["vpp"] for o in outs] == [2, 2] and [o["megatron_vpp"] for o in outs] == [2, 2]
 
 
+def _subnormal_product() -> float:
+    import torch
+
+    return float(torch.tensor([1e-30]) * 1e-10)  # 1e-40: below fp32's smallest normal (1.18e-38)
+
+
 def _lifecycle(rank: int, world_size: int) -> dict:
-    out = {}
+    out = {"subnormal_before": _subnormal_product()}
     try:
         state.initialize_model_parallel(tp=3)
     except ValueError as exc:
         out["bad_tp"] = str(exc)
     ctx = state.initialize_model_parallel(tp=2)
+    out["subnormal_after"] = _subnormal_product()  # CPU policy: flushed to zero (DevicePolicy.flush_denormals)
     try:
         state.initialize_model_parallel(tp=2)
     except RuntimeError as exc:
@@ -114,6 +121,7 @@ def test_lifecycle_errors_and_reinit():
         assert o["after_destroy"] is False
         assert o["first"] == (2, 1, 2)
         assert o["second"] == (1, 2, 2, rank // 2)
+        assert o["subnormal_before"] > 0 and o["subnormal_after"] == 0.0
 
 
 def _init_distributed_cases(rank: int, world_size: int, port: int) -> dict:

@@ -48,7 +48,7 @@ def _add_to_layer(models: list[Any], layer: int, delta: float) -> None:
 def _reshard_rank(rank: int, world_size: int, hf_dir: str, tp: int, pp: int, vpp: int | None, infer_tp: int,
                   bucket_bytes: int, swapped: bool = False, change: bool = False,
                   vllm_default_groups: bool = False, dtype: str | None = None,
-                  split: tuple[int | None, int | None] = (None, None)) -> dict[str, Any]:
+                  split: tuple[int | None, int | None] = (None, None), keep_buffers: bool = False) -> dict[str, Any]:
     from hybridrl.models.bridge import build_gpt_models, load_weights
     from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
     from hybridrl.reshard.resharder import ReshardConfig, Resharder
@@ -61,7 +61,7 @@ def _reshard_rank(rank: int, world_size: int, hf_dir: str, tp: int, pp: int, vpp
         models = build_gpt_models(hf_dir, dtype=dtype)
         load_weights(models, hf_dir)
         groups = build_reshard_groups(build_training_mesh(world_size, tp, pp, vpp=vpp), infer_tp)
-        config = ReshardConfig(bucket_bytes=bucket_bytes)
+        config = ReshardConfig(bucket_bytes=bucket_bytes, keep_buffers=keep_buffers)
         # vLLM's own TP groups are consecutive ranks (TP rank = rank % infer_tp), whatever the Plan says
         override = [r % infer_tp for r in range(world_size)] if vllm_default_groups else None
         resharder = Resharder(models, groups, config=config, gen_tp_index=override)
@@ -73,6 +73,11 @@ def _reshard_rank(rank: int, world_size: int, hf_dir: str, tp: int, pp: int, vpp
         if change:
             _add_to_layer(models, CHANGED_LAYER, DELTA)
             out["changed_shards"] = resharder.reshard()  # the same resharder: it reads the live parameters
+        if resharder._scratch is not None:  # the kept buffers: held, and never what a shard is made of
+            kept = {t.untyped_storage().data_ptr() for t in resharder._scratch._flat.values()}
+            out["kept_bytes"] = resharder._scratch.held_bytes
+            produced = [(n, t) for key in ("shards", "changed_shards") for n, t in out.get(key, {}).items()]
+            out["shards_in_kept_buffers"] = [n for n, t in produced if t.untyped_storage().data_ptr() in kept]
         return out
     finally:
         destroy_model_parallel()
@@ -226,9 +231,11 @@ def test_wrong_group_is_caught_by_checksums(hf_dirs):
         assert report.peers_outside_micro_dp != ()
 
 
-def test_next_sync_carries_a_weight_change(hf_dirs):
+@pytest.mark.parametrize("keep_buffers", [False, True], ids=["fresh_buffers", "kept_buffers"])
+def test_next_sync_carries_a_weight_change(hf_dirs, keep_buffers):
     hf_dir = hf_dirs["qwen2"]
-    results = run_ranks(_reshard_rank, 4, str(hf_dir), 2, 2, None, 2, 16 << 10, change=True, timeout_s=300)
+    results = run_ranks(_reshard_rank, 4, str(hf_dir), 2, 2, None, 2, 16 << 10, change=True,
+                        keep_buffers=keep_buffers, timeout_s=300)
     hf_state, config = safetensors_state(hf_dir), read_json(hf_dir / "config.json")
     changed_state = {
         name: tensor + DELTA if name.startswith(f"model.layers.{CHANGED_LAYER}.") else tensor
@@ -242,6 +249,10 @@ def test_next_sync_carries_a_weight_change(hf_dirs):
             assert torch.equal(after[name], tensor), f"rank {rank}: {name}"
             moved = name.startswith(f"model.layers.{CHANGED_LAYER}.")
             assert moved != torch.equal(before[name], after[name]), f"rank {rank}: {name}"
+        if keep_buffers:  # PP2 x TP2 -> infer TP2: every rank receives, so buffers were kept
+            assert result["kept_bytes"] > 0 and result["shards_in_kept_buffers"] == []
+        else:
+            assert "kept_bytes" not in result
 
 
 def test_kv_layout_gaps_are_exactly_the_replicated_or_regrouped_heads(hf_dirs):

@@ -141,7 +141,7 @@ def wait_together(calls: Sequence[PendingCall], poll_s: float = 0.5) -> list[Any
 def worker_process_env(policy: DevicePolicy) -> dict[str, str]:
     """The device's environment for worker processes (`DevicePolicy.worker_env`), less the variables
     the user has set: the workers of a local cluster inherit the user's own values."""
-    return {name: value for name, value in policy.worker_env.items() if name not in os.environ}
+    return {name: value for name, value in policy.worker_env if name not in os.environ}
 
 
 class WorkerGroup:

@@ -105,7 +105,17 @@ class DevicePolicy:
     # are page-faulted and zeroed again on their next allocation (measured here: an elementwise op
     # over a 50 MB tensor 4-7x slower, the embedding's grad zeroing 10x). No mmap'ed blocks and no
     # trimming keep freed memory in the heap for reuse; the process keeps its peak size.
-    worker_env: Mapping[str, str]
+    worker_env: tuple[tuple[str, str], ...]  # (name, value) pairs: the policy pickles and prints as JSON
+    # Flush subnormal floats to zero in the worker's compute thread (`torch.set_flush_denormal`). On
+    # CPU, a vocab head's grad holds millions of values near 1e-38 (the softmax of tokens the model
+    # all but rules out): clip-scaling SmolLM2-135M's tied embedding grad took 1.65 s with subnormal
+    # results and 0.014 s flushed. Values below 1.2e-38 change; no tolerance this project checks does.
+    flush_denormals: bool
+    # The weight sync keeps its send/receive buffers from one sync to the next
+    # (`hybridrl.reshard.exchange.ScratchBuffers`): a fresh host buffer is faulted in page by page
+    # (PP2 on SmolLM2-135M: a 212 MB receive took 1.5-6.6 s in the trainer, ~0.1 s kept); a GPU's
+    # memory is handed back to training between syncs instead.
+    reshard_keeps_buffers: bool
 
     @classmethod
     def for_device(cls, name: str) -> DevicePolicy:
@@ -131,7 +141,8 @@ CUDA = DevicePolicy(
     synchronize_on_offload=True, empty_cache_on_offload=True, gpu_memory_budget_binding=True,
     vllm_honours_enforce_eager=True, vllm_repacks_weights=False, vllm_kv_cache_from_plan=False,
     vllm_sleep_mode=True, vllm_chunked_prefill=True, vllm_routed_experts="aux_output",
-    vllm_top_k_keeps_ties=False, device_rng=True, worker_env=types.MappingProxyType({}),
+    vllm_top_k_keeps_ties=False, device_rng=True, worker_env=(), flush_denormals=False,
+    reshard_keeps_buffers=False,
 )
 
 CPU = DevicePolicy(
@@ -143,7 +154,8 @@ CPU = DevicePolicy(
     vllm_honours_enforce_eager=False, vllm_repacks_weights=True, vllm_kv_cache_from_plan=True,
     vllm_sleep_mode=False, vllm_chunked_prefill=False, vllm_routed_experts="runner_hook",
     vllm_top_k_keeps_ties=True, device_rng=False,
-    worker_env=types.MappingProxyType({"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}),
+    worker_env=(("MALLOC_MMAP_MAX_", "0"), ("MALLOC_TRIM_THRESHOLD_", str(1 << 40))),
+    flush_denormals=True, reshard_keeps_buffers=True,
 )
 
 # resolved device name -> its policy (read-only); also the list of valid trainer.device values

@@ -24,6 +24,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from hybridrl.parallel.device import dist_backend_for, resolve_device
+from hybridrl.parallel.device_policy import DevicePolicy
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -223,6 +224,10 @@ def initialize_model_parallel(
 
         apply_cpu_layer()
         route_fp32_matmul_to_onednn()
+    if DevicePolicy.for_device(resolved).flush_denormals:
+        import torch
+
+        torch.set_flush_denormal(True)
 
     from megatron.core import parallel_state as mps
 
@@ -363,7 +368,8 @@ def is_initialized() -> bool:
 def destroy_model_parallel() -> None:
     """Tear down megatron's groups and forget the context (torch.distributed stays up).
 
-    The CPU layer stays installed: it is process-wide and harmless between initializations.
+    The CPU layer stays installed and subnormals stay flushed: both are process-wide and harmless
+    between initializations.
     """
     global _context
     from megatron.core import parallel_state as mps

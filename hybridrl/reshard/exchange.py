@@ -88,9 +88,42 @@ class ExchangeStats:
     messages_received: int = 0
     seconds: float = 0.0  # inside the exchange (the consumer's time between yields excluded)
     checksum_seconds: float = 0.0
+    wait_seconds: float = 0.0  # part of `seconds` blocked on transfers (peers not ready, or the wire)
     wall_seconds: float = 0.0
     meter: MemoryMeter = field(default_factory=MemoryMeter)
     checksums: dict[str, str] = field(default_factory=dict)
+
+
+class ScratchBuffers:
+    """The send and receive buffers of a bucket carved from one flat tensor kept between syncs.
+
+    Where freshly allocated memory is dear (host memory: every page of a new buffer is faulted in
+    and zeroed, ~40 us a page on this project's VMs, so a 212 MB receive took seconds in the
+    trainer), the resharder keeps the largest bucket's buffers for the next sync instead of
+    allocating them anew (`DevicePolicy.reshard_keeps_buffers`). On GPUs the memory is given back
+    to training, as HybridFlow does."""
+
+    def __init__(self) -> None:
+        self._flat: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._flat.values())
+
+    def carve(self, numels: Sequence[int], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+        """Disjoint 1-D views of `numels` elements each (contents undefined), from the kept tensor,
+        grown when a bucket needs more than any before."""
+        key = (dtype, torch.device(device))
+        flat = self._flat.get(key)
+        total = sum(numels)
+        if flat is None or flat.numel() < total:
+            self._flat.pop(key, None)  # the old one is freed before the larger one is taken
+            flat = self._flat[key] = torch.empty(total, dtype=dtype, device=device)
+        views, start = [], 0
+        for numel in numels:
+            views.append(flat[start:start + numel])
+            start += numel
+        return views
 
 
 def stacked_slots(plan: RankReshardPlan) -> dict[str, list[str]]:
@@ -101,10 +134,11 @@ def stacked_slots(plan: RankReshardPlan) -> dict[str, list[str]]:
 
 def exchange(plan: RankReshardPlan, sources: Sequence[dict[str, torch.Tensor]], transport: Transport, *,
              dtype: torch.dtype, device: torch.device, stats: ExchangeStats,
-             checksums: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+             checksums: bool = True, scratch: ScratchBuffers | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Run `plan` on this rank; yield `(vLLM name, tensor)` as each completes (new tensors, never views
     of `sources`). `sources[chunk][mcore name]` are the tensors this rank sends from (empty on a rank
-    that only receives). Collective: every rank of the plan must exhaust its generator."""
+    that only receives). `scratch`: where send/receive buffers come from (None: allocated per bucket).
+    Collective: every rank of the plan must exhaust its generator."""
     element = torch.empty((), dtype=dtype).element_size()
     stacked = stacked_slots(plan)
     outputs: dict[str, torch.Tensor] = {}
@@ -127,7 +161,7 @@ def exchange(plan: RankReshardPlan, sources: Sequence[dict[str, torch.Tensor]], 
                 stacks[param] = make((len(stacked[param]), *target.shape), dtype=dtype, device=device)
                 meter.add(stacks[param].numel() * element, output=True)
             outputs[name] = stacks[param][stacked[param].index(name)]
-        _run_bucket(bucket, sources, outputs, transport, dtype, device, element, stats)
+        _run_bucket(bucket, sources, outputs, transport, dtype, device, element, stats, scratch)
         ready = []
         for name in bucket.completes:
             tensor = outputs.pop(name)
@@ -159,52 +193,66 @@ def _target_view(output: torch.Tensor, piece: Piece) -> torch.Tensor:
     return output if piece.axis is None else output.narrow(piece.axis, piece.dst_offset, piece.length)
 
 
-def _pack(sources: Sequence[dict[str, torch.Tensor]], pieces: Sequence[Piece], dtype: torch.dtype,
-          device: torch.device) -> tuple[torch.Tensor, bool]:
-    """A contiguous 1-D buffer of the pieces in order; (buffer, whether it was newly allocated)."""
+def _sendable_as_is(sources: Sequence[dict[str, torch.Tensor]], pieces: Sequence[Piece],
+                    dtype: torch.dtype) -> torch.Tensor | None:
+    """The one piece's source view as a flat tensor when it can be sent without a copy (rows of a
+    row-major tensor in the transfer dtype), else None."""
     if len(pieces) == 1:
         view = _source_view(sources, pieces[0])
         if view.is_contiguous() and view.dtype == dtype:
-            return view.reshape(-1), False  # rows of a row-major tensor: send without a copy
-    buffer = torch.empty(sum(p.numel for p in pieces), dtype=dtype, device=device)
+            return view.reshape(-1)
+    return None
+
+
+def _piece_key(pieces: Sequence[Piece]) -> tuple:
+    return tuple((p.chunk, p.mcore_name, p.axis, p.src_offset, p.length) for p in pieces)
+
+
+def _pack_into(buffer: torch.Tensor, sources: Sequence[dict[str, torch.Tensor]], pieces: Sequence[Piece]) -> None:
+    """The pieces in order into the contiguous 1-D `buffer`."""
     position = 0
     for piece in pieces:
         buffer[position: position + piece.numel].view(piece.shape).copy_(_source_view(sources, piece))
         position += piece.numel
-    return buffer, True
 
 
 def _run_bucket(bucket: RankBucket, sources: Sequence[dict[str, torch.Tensor]], outputs: dict[str, torch.Tensor],
                 transport: Transport, dtype: torch.dtype, device: torch.device, element: int,
-                stats: ExchangeStats) -> None:
+                stats: ExchangeStats, scratch: ScratchBuffers | None = None) -> None:
     meter = stats.meter
+    # one packed buffer per distinct piece list (shared by receivers); a lone contiguous piece is sent as is
+    packed: dict[tuple, torch.Tensor | None] = {}
+    pieces_of: dict[tuple, Sequence[Piece]] = {}
+    for pieces in bucket.sends.values():
+        key = _piece_key(pieces)
+        if key not in packed:
+            packed[key] = _sendable_as_is(sources, pieces, dtype)
+            pieces_of[key] = pieces
+    to_pack = [key for key, view in packed.items() if view is None]
+    numels = [sum(p.numel for p in pieces_of[key]) for key in to_pack]
+    numels += [sum(p.numel for p in pieces) for pieces in bucket.recvs.values()]
+    buffers = (scratch.carve(numels, dtype, device) if scratch is not None
+               else [torch.empty(n, dtype=dtype, device=device) for n in numels])
+    allocated = sum(numels) * element
+    meter.add(allocated)
+    for key, buffer in zip(to_pack, buffers):
+        _pack_into(buffer, sources, pieces_of[key])
+        packed[key] = buffer
     sends: list[tuple[int, torch.Tensor]] = []
-    packed: dict[tuple, torch.Tensor] = {}  # one packed buffer per distinct piece list (shared by receivers)
-    allocated = 0
     for dst, pieces in bucket.sends.items():
-        key = tuple((p.chunk, p.mcore_name, p.axis, p.src_offset, p.length) for p in pieces)
-        buffer = packed.get(key)
-        if buffer is None:
-            buffer, fresh = _pack(sources, pieces, dtype, device)
-            packed[key] = buffer
-            if fresh:
-                meter.add(buffer.numel() * element)
-                allocated += buffer.numel() * element
+        buffer = packed[_piece_key(pieces)]
         sends.append((dst, buffer))
         stats.bytes_sent += buffer.numel() * element
         stats.messages_sent += 1
-    receive: dict[int, torch.Tensor] = {}
-    for src, pieces in bucket.recvs.items():
-        buffer = torch.empty(sum(p.numel for p in pieces), dtype=dtype, device=device)
-        meter.add(buffer.numel() * element)
-        allocated += buffer.numel() * element
-        receive[src] = buffer
+    receive = dict(zip(bucket.recvs, buffers[len(to_pack):]))
     works = transport.post(sends, list(receive.items()))
     # Local copies overlap with the transfers in flight.
     for piece in bucket.local:
         _target_view(outputs[piece.target], piece).copy_(_source_view(sources, piece))
+    waiting = time.perf_counter()
     for work in works:
         work.wait()
+    stats.wait_seconds += time.perf_counter() - waiting
     for src, pieces in bucket.recvs.items():
         buffer = receive[src]
         stats.bytes_received += buffer.numel() * element

@@ -37,7 +37,7 @@ from hybridrl.config.estimates import ReshardTraffic, reshard_traffic
 from hybridrl.config.meshes import ReshardGroups, TrainingMesh, build_training_mesh
 from hybridrl.models.bridge import TE_NAMES, chunk_info, model_tensors, spec_tensor_name, unwrap_model
 from hybridrl.parallel.state import get_context
-from hybridrl.reshard.exchange import ExchangeStats, WorldTransport, exchange
+from hybridrl.reshard.exchange import ExchangeStats, ScratchBuffers, WorldTransport, exchange
 from hybridrl.reshard.reshard_plan import RankReshardPlan, build_rank_plan, model_rank_of
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
@@ -53,6 +53,9 @@ class ReshardConfig:
     checksums: bool = True
     # dtype of the transfer and of the produced shards (vLLM's model dtype); None: megatron's params_dtype
     output_dtype: torch.dtype | None = None
+    # Keep the largest bucket's send/receive buffers between syncs (`exchange.ScratchBuffers`); the
+    # workers take it from `DevicePolicy.reshard_keeps_buffers`.
+    keep_buffers: bool = False
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class SyncReport:
     buckets: int
     seconds: float  # time spent inside the resharder (consumer time between yields excluded)
     checksum_seconds: float  # part of `seconds` spent digesting the produced tensors
+    wait_seconds: float  # part of `seconds` blocked on transfers (peers not ready, or the wire)
     wall_seconds: float  # first tensor requested -> last tensor handed over
     peak_buffer_bytes: int  # largest set of live send/receive buffers
     peak_extra_bytes: int  # buffers + shard tensors allocated and not yet handed over
@@ -121,6 +125,7 @@ class Resharder:
         if ctx is None:
             ctx = get_context()
         self.config = config or ReshardConfig()
+        self._scratch = ScratchBuffers() if self.config.keep_buffers else None
         self.groups = groups
         self.rank = dist.get_rank()
         self.mesh = mesh or build_training_mesh(
@@ -202,7 +207,7 @@ class Resharder:
         self._synced_once = True
         stats = ExchangeStats()
         yield from exchange(self.plan, self._tensors, WorldTransport(), dtype=self.dtype, device=self.device,
-                            stats=stats, checksums=self.config.checksums)
+                            stats=stats, checksums=self.config.checksums, scratch=self._scratch)
         self.last_report = self._report(stats)
 
     def reshard(self) -> dict[str, torch.Tensor]:
@@ -224,6 +229,7 @@ class Resharder:
             buckets=len(plan.buckets),
             seconds=stats.seconds,
             checksum_seconds=stats.checksum_seconds,
+            wait_seconds=stats.wait_seconds,
             wall_seconds=stats.wall_seconds,
             peak_buffer_bytes=stats.meter.peak_buffers,
             peak_extra_bytes=stats.meter.peak_total,

@@ -350,8 +350,8 @@ def _write_shards_on_worker(
                 raise ValueError(f"{name}: shard shape {tuple(shard.shape)} != vLLM's {expected}")
             if _repacked(module, param):
                 # Repacked (CPU): give the parameter its data back (our own copy: the caller may
-                # reuse its buffer); the processing below repacks it and drops this copy.
-                param.data = shard.to(device=param.device, dtype=param.dtype).clone()
+                # reuse its buffer); the processing below repacks it and keeps it as the capture.
+                param.data = _own_copy(module, param_name, param, shard)
             else:
                 param.copy_(shard)  # in place: CUDA graphs keep pointing at the same storage
             written.append(name)
@@ -367,6 +367,17 @@ def _write_shards_on_worker(
         if repack:
             _reprocess_tied_lm_head(model)
     return written
+
+
+def _own_copy(module: torch.nn.Module, param_name: str, param: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    """`shard` in a tensor of the engine's own for a repacked parameter: the loaded tensor the last
+    load left as the capture (vLLM's CPU packing only read it, and repacks from the new values right
+    after), written in place, so a sync does not fault in a fresh copy of the model; a new copy where
+    there is none or it differs (MoE experts, whose post-load step writes into its parameters)."""
+    kept = None if vllm_patches.capture_supersedes(module) else vllm_patches.captured_params(module).get(param_name)
+    if kept is not None and kept.shape == shard.shape and kept.dtype == param.dtype and kept.device == param.device:
+        return kept.copy_(shard)
+    return shard.to(device=param.device, dtype=param.dtype).clone()
 
 
 def _process_after_write(module: torch.nn.Module) -> None:

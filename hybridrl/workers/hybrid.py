@@ -86,7 +86,8 @@ class HybridEngineWorker(PolicyWorker):
         rollout_dtype = default_dtype_for(plan.resolved.device, plan.resolved.rollout_dtype)
         self.resharder = Resharder(self.actor.backend.chunks, plan.reshard.groups, gen_tp_index=actual,
                                    config=ReshardConfig(bucket_bytes=plan.resolved.sync_bucket_bytes,
-                                                        output_dtype=rollout_dtype))
+                                                        output_dtype=rollout_dtype,
+                                                        keep_buffers=plan.device_policy.reshard_keeps_buffers))
         self.agent = agent_loop_for(plan, self.rollout)
         sync = self.sync_weights()
         return {"setup_s": time.perf_counter() - started, "rollout_build_s": self.rollout.build_seconds,
