@@ -251,6 +251,17 @@ def update_flops(model: str, batch: Any, prompt_group: int = 1) -> float:
                       prompt_group=prompt_group)["bound_s/update"]
 
 
+def run_with_worker_env() -> None:
+    """Re-run this process with the CPU workers' environment (`DevicePolicy.worker_env`: the allocator
+    settings the trainer's workers start with) when it is missing, so the forked ranks measure what
+    the workers do."""
+    from hybridrl.parallel.device_policy import CPU
+
+    missing = {name: value for name, value in CPU.worker_env if name not in os.environ}
+    if missing:
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **missing})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="data/models/smollm2-135m-instruct")
@@ -267,6 +278,7 @@ def main() -> None:
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--tag", default="", help="a label stored with the results (e.g. before/after)")
     args = parser.parse_args()
+    run_with_worker_env()
     from hybridrl.parallel.forked import run_ranks
 
     model = str((ROOT / args.model) if not Path(args.model).is_absolute() else Path(args.model))
