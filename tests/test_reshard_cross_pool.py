@@ -38,7 +38,7 @@ def _layout(hf_dir: str, tp: int, pp: int, trainer_world: int, rollout_world: in
 
 
 def _trainer_rank(rank: int, world: int, hf_dir: str, tp: int, pp: int, rollout_world: int, infer_tp: int,
-                  port: int, bucket_bytes: int, ep: int = 1) -> Any:
+                  port: int, bucket_bytes: int, ep: int = 1, keep_buffers: bool = False) -> Any:
     from hybridrl.models.bridge import build_gpt_models, load_weights
     from hybridrl.parallel.cross_group import CrossGroup, CrossGroupAddress, open_store
     from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
@@ -52,7 +52,7 @@ def _trainer_rank(rank: int, world: int, hf_dir: str, tp: int, pp: int, rollout_
         models = build_gpt_models(hf_dir)
         load_weights(models, hf_dir)
         group = CrossGroup(address, rank, "gloo", TIMEOUT_S, store=store)
-        sender = CrossPoolSender(models, layout, group, rank=rank, bucket_bytes=bucket_bytes)
+        sender = CrossPoolSender(models, layout, group, rank=rank, bucket_bytes=bucket_bytes, keep_buffers=keep_buffers)
         reports = [sender.send(), sender.send()]  # a second sync over the same plan
         group.close()
         return reports
@@ -61,7 +61,7 @@ def _trainer_rank(rank: int, world: int, hf_dir: str, tp: int, pp: int, rollout_
 
 
 def _rollout_rank(rank: int, world: int, hf_dir: str, tp: int, pp: int, trainer_world: int, infer_tp: int,
-                  port: int, bucket_bytes: int, ep: int = 1) -> Any:
+                  port: int, bucket_bytes: int, ep: int = 1, keep_buffers: bool = False) -> Any:
     from hybridrl.parallel.cross_group import CrossGroup, CrossGroupAddress
     from hybridrl.reshard.cross_pool import CrossPoolReceiver
 
@@ -69,7 +69,7 @@ def _rollout_rank(rank: int, world: int, hf_dir: str, tp: int, pp: int, trainer_
     address = CrossGroupAddress("127.0.0.1", port, trainer_world, world)
     group = CrossGroup(address, address.member_of_rollout(rank), "gloo", TIMEOUT_S)
     receiver = CrossPoolReceiver(shape, layout, group, rollout_rank=rank, dtype=torch.float32, device="cpu",
-                                 bucket_bytes=bucket_bytes)
+                                 bucket_bytes=bucket_bytes, keep_buffers=keep_buffers)
     first = dict(receiver.shards())
     report = receiver.last_report
     second = dict(receiver.shards())
@@ -78,7 +78,8 @@ def _rollout_rank(rank: int, world: int, hf_dir: str, tp: int, pp: int, trainer_
 
 
 def run_both_pools(hf_dir: Path, tp: int, pp: int, trainer_world: int, rollout_world: int, infer_tp: int,
-                   bucket_bytes: int, rollout_bucket_bytes: int | None = None, ep: int = 1) -> tuple[list, list]:
+                   bucket_bytes: int, rollout_bucket_bytes: int | None = None, ep: int = 1,
+                   keep_buffers: bool = False) -> tuple[list, list]:
     """Both worlds at once (threads), joined by one cross-pool group; per-rank results of each."""
     port = free_port()
     results: dict[str, Any] = {}
@@ -91,9 +92,10 @@ def run_both_pools(hf_dir: Path, tp: int, pp: int, trainer_world: int, rollout_w
 
     threads = [
         threading.Thread(target=run, args=("trainer", _trainer_rank, trainer_world, str(hf_dir), tp, pp,
-                                           rollout_world, infer_tp, port, bucket_bytes, ep)),
+                                           rollout_world, infer_tp, port, bucket_bytes, ep, keep_buffers)),
         threading.Thread(target=run, args=("rollout", _rollout_rank, rollout_world, str(hf_dir), tp, pp,
-                                           trainer_world, infer_tp, port, rollout_bucket_bytes or bucket_bytes, ep)),
+                                           trainer_world, infer_tp, port, rollout_bucket_bytes or bucket_bytes, ep,
+                                           keep_buffers)),
     ]
     for thread in threads:
         thread.start()
@@ -113,21 +115,23 @@ def hf_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 LAYOUTS = [
-    # (model, trainer TP, PP, trainer world, rollout world, infer_tp, bucket bytes, EP)
-    ("llama", 2, 1, 2, 1, 1, 16 << 10, 1),   # TP2 -> one TP1 replica
-    ("qwen2", 1, 2, 2, 2, 2, 16 << 10, 1),   # PP2 (tied copy on the last stage) -> one TP2 replica
-    ("llama", 1, 1, 2, 2, 1, 512 << 20, 1),  # DP2 -> two replicas: the sending is spread over both copies
-    ("qwen2", 2, 1, 4, 2, 2, 16 << 10, 1),   # TP2 x DP2 -> one TP2 replica
-    ("qwen3_moe", 1, 1, 2, 2, 2, 16 << 10, 2),  # EP2: each expert from the rank that holds it
+    # (model, trainer TP, PP, trainer world, rollout world, infer_tp, bucket bytes, EP, buffers kept between
+    # syncs: DevicePolicy.reshard_keeps_buffers, CPU's; the second sync runs on the first's buffers)
+    ("llama", 2, 1, 2, 1, 1, 16 << 10, 1, False),   # TP2 -> one TP1 replica
+    ("qwen2", 1, 2, 2, 2, 2, 16 << 10, 1, True),   # PP2 (tied copy on the last stage) -> one TP2 replica
+    ("llama", 1, 1, 2, 2, 1, 512 << 20, 1, True),  # DP2 -> two replicas: the sending is spread over both copies
+    ("qwen2", 2, 1, 4, 2, 2, 16 << 10, 1, False),   # TP2 x DP2 -> one TP2 replica
+    ("qwen3_moe", 1, 1, 2, 2, 2, 16 << 10, 2, True),  # EP2: each expert from the rank that holds it
 ]
-IDS = [f"{m}-tp{t}pp{p}w{w}-ep{e}-to-{r}x{i}" for m, t, p, w, r, i, _, e in LAYOUTS]
+IDS = [f"{m}-tp{t}pp{p}w{w}-ep{e}-to-{r}x{i}{'-kept' if k else ''}" for m, t, p, w, r, i, _, e, k in LAYOUTS]
 
 
-@pytest.mark.parametrize("arch,tp,pp,trainer_world,rollout_world,infer_tp,bucket,ep", LAYOUTS, ids=IDS)
+@pytest.mark.parametrize("arch,tp,pp,trainer_world,rollout_world,infer_tp,bucket,ep,keep", LAYOUTS, ids=IDS)
 def test_cross_pool_sync_is_exact_and_each_rank_moves_its_bound(hf_dirs, arch, tp, pp, trainer_world, rollout_world,
-                                                                infer_tp, bucket, ep):
+                                                                infer_tp, bucket, ep, keep):
     hf_dir = hf_dirs[arch]
-    trainers, rollouts = run_both_pools(hf_dir, tp, pp, trainer_world, rollout_world, infer_tp, bucket, ep=ep)
+    trainers, rollouts = run_both_pools(hf_dir, tp, pp, trainer_world, rollout_world, infer_tp, bucket, ep=ep,
+                                        keep_buffers=keep)
     for side in (trainers, rollouts):
         if isinstance(side, BaseException):
             raise side

@@ -24,7 +24,7 @@ import torch
 
 from hybridrl.models.arch import ModelShape
 from hybridrl.reshard.cross_pool_plan import CrossPoolLayout, build_cross_pool_plan
-from hybridrl.reshard.exchange import CrossGroupTransport, ExchangeStats, exchange
+from hybridrl.reshard.exchange import CrossGroupTransport, ExchangeStats, ScratchBuffers, exchange
 from hybridrl.reshard.resharder import DEFAULT_BUCKET_BYTES, training_sources
 
 
@@ -67,8 +67,10 @@ def _fingerprint(*parts: Any) -> int:
 
 class _Member:
     def __init__(self, shape: ModelShape, layout: CrossPoolLayout, group: Any, member: int, dtype: torch.dtype,
-                 bucket_bytes: int) -> None:
+                 bucket_bytes: int, keep_buffers: bool = False) -> None:
         self.layout = layout
+        # send/receive buffers kept from one sync to the next (`DevicePolicy.reshard_keeps_buffers`)
+        self._scratch = ScratchBuffers() if keep_buffers else None
         self.group = group
         self.member = member
         self.dtype = dtype
@@ -103,11 +105,12 @@ class CrossPoolSender(_Member):
     """A training rank's side: sends the ranges of its megatron chunks the plan gives it."""
 
     def __init__(self, models: Sequence[Any], layout: CrossPoolLayout, group: Any, *, rank: int,
-                 dtype: torch.dtype | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 dtype: torch.dtype | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 keep_buffers: bool = False) -> None:
         sources = training_sources(models, layout.mesh, rank)
         if sources.ep != layout.ep:
             raise ValueError(f"rank {rank}: the model was built at EP {sources.ep}, the layout says {layout.ep}")
-        super().__init__(sources.shape, layout, group, rank, dtype or sources.params_dtype, bucket_bytes)
+        super().__init__(sources.shape, layout, group, rank, dtype or sources.params_dtype, bucket_bytes, keep_buffers)
         self._sources = sources
         missing = [p.mcore_name for b in self.plan.buckets for ps in b.sends.values() for p in ps
                    if p.mcore_name not in sources.tensors[p.chunk]]
@@ -119,7 +122,7 @@ class CrossPoolSender(_Member):
         self._check_agreement()
         stats = ExchangeStats()
         for _ in exchange(self.plan, self._sources.tensors, CrossGroupTransport(self.group), dtype=self.dtype,
-                          device=self._sources.device, stats=stats, checksums=False):
+                          device=self._sources.device, stats=stats, checksums=False, scratch=self._scratch):
             raise AssertionError("a training member of the cross-pool plan produced a vLLM tensor")
         self.last_report = self._report("trainer", stats)
         return self.last_report
@@ -130,8 +133,8 @@ class CrossPoolReceiver(_Member):
 
     def __init__(self, shape: ModelShape, layout: CrossPoolLayout, group: Any, *, rollout_rank: int,
                  dtype: torch.dtype, device: torch.device | str,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-        super().__init__(shape, layout, group, layout.rollout_member(rollout_rank), dtype, bucket_bytes)
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, keep_buffers: bool = False) -> None:
+        super().__init__(shape, layout, group, layout.rollout_member(rollout_rank), dtype, bucket_bytes, keep_buffers)
         self.device = torch.device(device)
 
     def shards(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -139,5 +142,5 @@ class CrossPoolReceiver(_Member):
         self._check_agreement()
         stats = ExchangeStats()
         yield from exchange(self.plan, [], CrossGroupTransport(self.group), dtype=self.dtype, device=self.device,
-                            stats=stats, checksums=True)
+                            stats=stats, checksums=True, scratch=self._scratch)
         self.last_report = self._report("rollout", stats)

@@ -106,7 +106,7 @@ class DisaggregatedPolicyWorker(PolicyWorker):
         self.sender = CrossPoolSender(
             self.actor.backend.chunks, cross_pool_layout(plan), group, rank=self.rank,
             dtype=default_dtype_for(plan.resolved.device, plan.resolved.rollout_dtype),
-            bucket_bytes=plan.resolved.sync_bucket_bytes)
+            bucket_bytes=plan.resolved.sync_bucket_bytes, keep_buffers=plan.device_policy.reshard_keeps_buffers)
 
     def send_weights(self, version: int) -> dict[str, Any]:
         """Send this rank's share of the weights (collective with every rollout rank's

@@ -84,7 +84,8 @@ class RolloutWorker(Worker):
             self.plan.model, cross_pool_layout(self.plan), group, rollout_rank=self.rank,
             dtype=default_dtype_for(self.plan.resolved.device, self.plan.resolved.rollout_dtype),
             device=vllm_device(self.plan.resolved.device),
-            bucket_bytes=self.plan.resolved.sync_bucket_bytes)
+            bucket_bytes=self.plan.resolved.sync_bucket_bytes,
+            keep_buffers=self.plan.device_policy.reshard_keeps_buffers)
 
     def receive_weights(self, version: int) -> dict[str, float]:
         """This rank's vLLM shard from the training ranks, written into vLLM and checked tensor by
