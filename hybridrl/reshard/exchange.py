@@ -223,8 +223,10 @@ def _run_bucket(bucket: RankBucket, sources: Sequence[dict[str, torch.Tensor]], 
     # one packed buffer per distinct piece list (shared by receivers); a lone contiguous piece is sent as is
     packed: dict[tuple, torch.Tensor | None] = {}
     pieces_of: dict[tuple, Sequence[Piece]] = {}
-    for pieces in bucket.sends.values():
+    send_keys: list[tuple[int, tuple]] = []
+    for dst, pieces in bucket.sends.items():
         key = _piece_key(pieces)
+        send_keys.append((dst, key))
         if key not in packed:
             packed[key] = _sendable_as_is(sources, pieces, dtype)
             pieces_of[key] = pieces
@@ -239,8 +241,8 @@ def _run_bucket(bucket: RankBucket, sources: Sequence[dict[str, torch.Tensor]], 
         _pack_into(buffer, sources, pieces_of[key])
         packed[key] = buffer
     sends: list[tuple[int, torch.Tensor]] = []
-    for dst, pieces in bucket.sends.items():
-        buffer = packed[_piece_key(pieces)]
+    for dst, key in send_keys:
+        buffer = packed[key]
         sends.append((dst, buffer))
         stats.bytes_sent += buffer.numel() * element
         stats.messages_sent += 1
