@@ -183,7 +183,8 @@ def test_tensor_digest_is_bit_exact_and_dtype_shape_aware():
 
 
 def _reference_sums(tensor: torch.Tensor) -> list[int]:
-    """The digest's two lane sums, in plain Python integers mod 2**64 (the documented construction)."""
+    """The digest's two lane sums, in plain Python integers mod 2**64 (the documented construction:
+    the bytes zero-padded to whole little-endian int64 words)."""
     import struct
 
     mask = (1 << 64) - 1
@@ -195,9 +196,11 @@ def _reference_sums(tensor: torch.Tensor) -> list[int]:
 
     from hybridrl.parallel.digest import DIGEST_CHUNK
 
-    raw = tensor.contiguous().reshape(-1).view(torch.int32).tolist()
+    raw = bytes(tensor.contiguous().reshape(-1).view(torch.uint8).tolist())
+    raw += bytes(-len(raw) % 8)
+    words = struct.unpack(f"<{len(raw) // 8}q", raw)
     sums = [0, 0]
-    for position, word in enumerate(raw):
+    for position, word in enumerate(words):
         chunk, offset = divmod(position, DIGEST_CHUNK)
         for lane in (0, 1):
             multiplier = mix((chunk * 0x9E3779B97F4A7C15 + 3 + lane) & mask) | 1
@@ -215,11 +218,23 @@ def test_tensor_digest_sums_are_the_documented_construction(monkeypatch, matrix_
     monkeypatch.setattr(digest_module, "DIGEST_CHUNK", 5)  # several chunks from a small tensor
     monkeypatch.setattr(digest_module, "MATRIX_VECTOR_DEVICES", frozenset({"cpu"} if matrix_vector else ()))
     monkeypatch.setattr(digest_module, "_lane_weights", {})
-    base = torch.randn(3, 4)
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(f"{base.dtype}|{tuple(base.shape)}|".encode())
-    digest.update(torch.tensor(_reference_sums(base), dtype=torch.int64).numpy().tobytes())
-    assert digest_module.tensor_digest(base) == digest.hexdigest()
+    gen = torch.Generator().manual_seed(0)
+    whole = torch.randn(64, generator=gen)
+    cases = {
+        "fp32 3x4 (whole words, several chunks)": torch.randn(3, 4, generator=gen),
+        "fp32 odd count (a padded last word)": torch.randn(7, generator=gen),
+        "bf16 5 (2-byte elements, padded)": torch.randn(5, generator=gen).to(torch.bfloat16),
+        "int8 13": torch.randint(-128, 128, (13,), generator=gen, dtype=torch.int8),
+        "fp64 9": torch.randn(9, generator=gen, dtype=torch.float64),
+        "bool 11": torch.rand(11, generator=gen) > 0.5,
+        "fp32 view off a word boundary": whole[1:25],
+        "fp32 transposed (not contiguous)": torch.randn(4, 6, generator=gen).t(),
+    }
+    for name, tensor in cases.items():
+        digest = hashlib.blake2b(digest_size=16)
+        digest.update(f"{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(torch.tensor(_reference_sums(tensor), dtype=torch.int64).numpy().tobytes())
+        assert digest_module.tensor_digest(tensor) == digest.hexdigest(), name
 
 
 def test_tensor_digest_sees_every_single_change_and_swaps_across_chunks():
@@ -234,6 +249,11 @@ def test_tensor_digest_sees_every_single_change_and_swaps_across_chunks():
     swapped = base.clone()
     swapped[[7, DIGEST_CHUNK + 7]] = base[[DIGEST_CHUNK + 7, 7]]  # same offset, different chunks
     assert tensor_digest(swapped) != reference
+    for small in (torch.randn(13).to(torch.bfloat16), torch.randint(0, 200, (13,), dtype=torch.uint8)):
+        for position in (0, 3, 4, 12):  # inside a word, at a word's start, in the padded last word
+            changed = small.clone()
+            changed.view(torch.uint8)[position * small.element_size()] ^= 1
+            assert tensor_digest(changed) != tensor_digest(small), (small.dtype, position)
     signed = torch.zeros(4)
     negative = signed.clone()
     negative[2] = -0.0  # equal as floats, different bits
