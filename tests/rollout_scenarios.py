@@ -121,6 +121,9 @@ def generation_session(
             "snapshot": engine.named_parameters_snapshot(),
         })
 
+    results["repack_release"] = engine.llm.collective_rpc(
+        repack_sees_previous_packing, args=(hf_to_vllm_shards(new_weights[-1], config, 1, 0),))[0]
+
     # Negative control: reload the original weights WITHOUT resetting the prefix cache; the cached
     # long prompt still carries K/V of the last swapped-in weights.
     engine.generate_sequences([long_prompt], greedy)
@@ -132,6 +135,38 @@ def generation_session(
     results["multi_turn"] = multi_turn_conversations(engine)
     results["stream"] = partial_rollout_across_a_swap(engine, new_weights[0])
     return results
+
+
+def repack_sees_previous_packing(worker: Any, shards: dict[str, torch.Tensor]) -> dict[str, bool]:
+    """A `vllm_shard` update on this worker, recording for each CPU layer vLLM repacks whether the GEMM
+    closure of its previous packing (which holds oneDNN's packed copy of the weights) was still alive
+    when the new packing was made: {layer: alive}."""
+    import weakref
+
+    from vllm.model_executor.layers import utils as vllm_layer_utils
+
+    from hybridrl.rollout import vllm_patches
+    from hybridrl.rollout.engine import _worker_model, _write_shards_on_worker
+
+    model = _worker_model(worker)
+    previous = {name: weakref.ref(getattr(module, vllm_patches.CPU_GEMM_ATTR))
+                for name, module in model.named_modules() if hasattr(module, vllm_patches.CPU_GEMM_ATTR)}
+    names = {module: name for name, module in model.named_modules()}
+    alive: dict[str, bool] = {}
+    dispatch = vllm_layer_utils.dispatch_cpu_unquantized_gemm
+
+    def recording(layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        name = names[layer]
+        if name in previous:
+            alive[name] = previous[name]() is not None
+        return dispatch(layer, *args, **kwargs)
+
+    vllm_layer_utils.dispatch_cpu_unquantized_gemm = recording
+    try:
+        _write_shards_on_worker(worker, shards.items(), True)
+    finally:
+        vllm_layer_utils.dispatch_cpu_unquantized_gemm = dispatch
+    return alive
 
 
 STREAM_STEPS_BEFORE_SWAP = 3

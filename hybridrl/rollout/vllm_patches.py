@@ -164,6 +164,9 @@ def planned_tensor_parallel_groups(groups: Sequence[Sequence[int]] | None) -> It
         _planned_tp_groups = None
 
 
+CPU_GEMM_ATTR = "cpu_linear"  # vLLM's CPU linear layers: the GEMM closure `dispatch_cpu_unquantized_gemm` packs
+
+
 def capture_loaded_weights(enabled: bool = True) -> None:
     """Keep a copy of each layer's weights as loaded, before CPU repacking (see module docstring)."""
     global _capture_enabled
@@ -185,6 +188,10 @@ def capture_loaded_weights(enabled: bool = True) -> None:
                 if isinstance(bias, torch.Tensor):
                     captured["bias"] = bias.detach()
                 setattr(layer, CAPTURE_ATTR, captured)
+            # A repack after a weight update: the last packing (the GEMM closure over its packed copy)
+            # goes first, so the new copy, the same size, reuses its memory instead of growing the
+            # heap into fresh pages (dear on CPU VMs) and leaving the old copy's hole to fragment it.
+            layer.__dict__.pop(CPU_GEMM_ATTR, None)
             _original(self, layer)
 
         method_class.process_weights_after_loading = capturing
