@@ -31,6 +31,9 @@ def _critic_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
 
     plan = build_plan(config)
     critic = MegatronCritic(MegatronBackend(role_spec(plan, "critic")), plan)
+    torch_adam = critic.backend.optimizer.optimizer  # megatron's fallback to torch's AdamW (no TE/apex)
+    # CPU (`DevicePolicy.optimizer_state_at_setup`): Adam's moments exist before the first step
+    state_at_setup = all(torch_adam.state[p] for group in torch_adam.param_groups for p in group["params"])
     ctx = critic.backend.ctx
     chunk = batch.split(ctx.dp)[ctx.dp_rank]
     before = critic.compute_values(chunk)
@@ -38,9 +41,8 @@ def _critic_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
     after = critic.compute_values(chunk)
     if before is None:
         return None
-    torch_adam = critic.backend.optimizer.optimizer  # megatron's fallback to torch's AdamW (no TE/apex)
     return {"before": before["values"].clone(), "after": after["values"].clone(), "metrics": metrics,
-            "fused": [group["fused"] for group in torch_adam.param_groups]}
+            "fused": [group["fused"] for group in torch_adam.param_groups], "state_at_setup": state_at_setup}
 
 
 def _reference_critic(path: Any, batch: Any) -> dict[str, Any]:
@@ -84,6 +86,7 @@ def test_critic_values_and_update_equal_torch(tmp_path):
         after = torch.cat([o["after"] for o in outs])
         metrics = outs[0]["metrics"]
         assert all(all(o["fused"]) for o in outs)  # torch's fused AdamW ran (fuse_torch_adam), equal to plain AdamW
+        assert all(o["state_at_setup"] for o in outs)  # ... from state made at setup, equal to lazy AdamW
         assert (before - ref["before"]).abs().max() < TOL, (tp, pp, dp)
         assert abs(metrics.vf_loss - ref["loss"]) < TOL, (tp, pp, dp, metrics.vf_loss, ref["loss"])
         assert abs(metrics.grad_norm - ref["grad_norm"]) < TOL, (tp, pp, dp, metrics.grad_norm, ref["grad_norm"])

@@ -174,3 +174,45 @@ def test_step_metrics_take_the_max_of_max_metrics():
     for gap in (0.5, 2.0, 1.0):
         sums.add_micro({"weight": torch.tensor(1.0), "max/gap": torch.tensor(gap)})
     assert sums.reduce_over(None) == {"gap": 2.0}
+
+
+# ------------------------------------------------------------------------------------ optimizer
+@pytest.mark.parametrize("make", [
+    lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True),
+    lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, foreach=False),
+    lambda params: torch.optim.Adam(params, lr=1e-2, amsgrad=True, foreach=False),
+], ids=["adamw_fused", "adamw_single_tensor", "adam_amsgrad"])
+def test_adam_state_made_at_setup_steps_exactly_as_torchs_lazy_state(make):
+    """`materialize_adam_state` (`DevicePolicy.optimizer_state_at_setup`) against torch's own lazy
+    initialization: the same state entries, and three steps give bit-identical weights and moments."""
+    from types import SimpleNamespace
+
+    from hybridrl.training.backend import materialize_adam_state
+
+    gen = torch.Generator().manual_seed(0)
+    initial = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen), torch.randn(2, generator=gen)]
+    grads = [[torch.randn(t.shape, generator=gen) for t in initial[:2]] for _ in range(3)]
+
+    def params() -> list[torch.nn.Parameter]:
+        made = [torch.nn.Parameter(t.clone()) for t in initial]
+        made[2].requires_grad_(False)  # frozen: no state either way
+        return made
+
+    lazy_params, eager_params = params(), params()
+    lazy, eager = make(lazy_params), make(eager_params)
+    assert materialize_adam_state(SimpleNamespace(optimizer=eager)) == 2
+    assert not lazy.state and set(eager.state) == set(eager_params[:2])
+    for step_grads in grads:
+        for ps in (lazy_params, eager_params):
+            for p, g in zip(ps[:2], step_grads):
+                p.grad = g.clone()
+        lazy.step()
+        eager.step()
+    for p_lazy, p_eager in zip(lazy_params, eager_params):
+        assert torch.equal(p_lazy, p_eager)
+        assert set(lazy.state[p_lazy]) == set(eager.state[p_eager])
+        for name, value in lazy.state[p_lazy].items():
+            other = eager.state[p_eager][name]
+            assert (value.dtype, value.device) == (other.dtype, other.device), name
+            assert torch.equal(value, other), name
+    assert not torch.equal(lazy_params[0], initial[0])  # the steps moved the weights

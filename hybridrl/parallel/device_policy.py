@@ -116,6 +116,12 @@ class DevicePolicy:
     # (PP2 on SmolLM2-135M: a 212 MB receive took 1.5-6.6 s in the trainer, ~0.1 s kept); a GPU's
     # memory is handed back to training between syncs instead.
     reshard_keeps_buffers: bool
+    # The optimizer's state (Adam's moments) is allocated when the trainer is built, not at its first
+    # step. On CPU the first step would place ~2x the parameters in the heap among the first update's
+    # freed activations, and the next updates grow the heap into fresh pages around them (first touch
+    # is dear on VMs); built first, they sit below everything a step allocates and frees. On a GPU the
+    # memory before vLLM's build sizes its KV cache: keep torch's lazy allocation there.
+    optimizer_state_at_setup: bool
 
     @classmethod
     def for_device(cls, name: str) -> DevicePolicy:
@@ -142,7 +148,7 @@ CUDA = DevicePolicy(
     vllm_honours_enforce_eager=True, vllm_repacks_weights=False, vllm_kv_cache_from_plan=False,
     vllm_sleep_mode=True, vllm_chunked_prefill=True, vllm_routed_experts="aux_output",
     vllm_top_k_keeps_ties=False, device_rng=True, worker_env=(), flush_denormals=False,
-    reshard_keeps_buffers=False,
+    reshard_keeps_buffers=False, optimizer_state_at_setup=False,
 )
 
 CPU = DevicePolicy(
@@ -155,7 +161,7 @@ CPU = DevicePolicy(
     vllm_sleep_mode=False, vllm_chunked_prefill=False, vllm_routed_experts="runner_hook",
     vllm_top_k_keeps_ties=True, device_rng=False,
     worker_env=(("MALLOC_MMAP_MAX_", "0"), ("MALLOC_TRIM_THRESHOLD_", str(1 << 40))),
-    flush_denormals=True, reshard_keeps_buffers=True,
+    flush_denormals=True, reshard_keeps_buffers=True, optimizer_state_at_setup=True,
 )
 
 # resolved device name -> its policy (read-only); also the list of valid trainer.device values

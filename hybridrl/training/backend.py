@@ -161,6 +161,33 @@ def fuse_torch_adam(optimizer: Any) -> None:
             options.update(fused=True, foreach=False)
 
 
+def materialize_adam_state(optimizer: Any) -> int:
+    """Allocate the state torch's Adam/AdamW (megatron's fallback) would create lazily at its first step,
+    exactly as that step would (zero moments, step 0 where the fused or capturable kernel keeps it),
+    for every parameter that trains; returns how many parameters got state. The first step then finds
+    its state and updates exactly as with lazy allocation (`DevicePolicy.optimizer_state_at_setup`)."""
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    made = 0
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_optimizer = getattr(inner, "optimizer", None)
+        if not isinstance(torch_optimizer, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in torch_optimizer.param_groups:
+            on_device = group["capturable"] or group["fused"]
+            for param in group["params"]:
+                if not param.requires_grad or torch_optimizer.state.get(param):
+                    continue
+                state = torch_optimizer.state[param]
+                state["step"] = (torch.zeros((), dtype=_get_scalar_dtype(is_fused=group["fused"]), device=param.device)
+                                 if on_device else torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu"))
+                moments = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
+                for name in moments:
+                    state[name] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                made += 1
+    return made
+
+
 def _prompt_width(tensors: dict[str, torch.Tensor]) -> int:
     """The prompt columns of a rollout batch's `[prompt | response]` rows."""
     return tensors["input_ids"].shape[1] - tensors["responses"].shape[1]
@@ -498,6 +525,8 @@ class MegatronBackend:
         )
         self.optimizer = get_megatron_optimizer(opt_config, models)
         fuse_torch_adam(self.optimizer)
+        if self.device_policy.optimizer_state_at_setup:
+            materialize_adam_state(self.optimizer)
         return models
 
     # ------------------------------------------------------------------------------ queries
