@@ -25,7 +25,7 @@ CUDA_FIELDS = {
     "vllm_routed_experts": "aux_output",
     "vllm_top_k_keeps_ties": False,
     "device_rng": True,
-    "worker_env": (), "flush_denormals": False, "reshard_keeps_buffers": False,
+    "worker_env": (), "flush_denormals": False, "reshard_keeps_buffers": False, "optimizer_state_at_setup": False,
 }
 CPU_FIELDS = {
     "name": "cpu", "dist_backend": "gloo", "default_train_dtype": "fp32", "default_rollout_dtype": "fp32",
@@ -41,7 +41,7 @@ CPU_FIELDS = {
     "vllm_top_k_keeps_ties": True,
     "device_rng": False,
     "worker_env": (("MALLOC_MMAP_MAX_", "0"), ("MALLOC_TRIM_THRESHOLD_", str(1 << 40))), "flush_denormals": True,
-    "reshard_keeps_buffers": True,
+    "reshard_keeps_buffers": True, "optimizer_state_at_setup": True,
 }
 
 
