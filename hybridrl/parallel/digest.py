@@ -63,7 +63,7 @@ def _int64_words(flat: torch.Tensor) -> torch.Tensor:
     """A flat tensor's bytes as int64 words (machine order, little-endian on every supported device),
     zero-padded to a whole word: a view where its bytes start on a word boundary and fill whole words,
     else one copy."""
-    raw = flat.view(torch.uint8) if flat.dtype != torch.uint8 else flat
+    raw = flat.view(torch.uint8)
     if raw.numel() % 8 == 0 and raw.storage_offset() % 8 == 0:
         return raw.view(torch.int64)
     words = torch.zeros(-(-raw.numel() // 8), dtype=torch.int64, device=raw.device)

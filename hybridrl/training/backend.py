@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -145,15 +145,20 @@ def _activate_cpu_layer(policy: DevicePolicy) -> None:
         apply_cpu_layer()
 
 
+def _torch_adams(optimizer: Any) -> Iterator[torch.optim.Adam | torch.optim.AdamW]:
+    """The torch Adam/AdamW optimizers inside megatron's optimizer (one, or each of a chained one's)."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_optimizer = getattr(inner, "optimizer", None)
+        if isinstance(torch_optimizer, torch.optim.Adam | torch.optim.AdamW):
+            yield torch_optimizer
+
+
 def fuse_torch_adam(optimizer: Any) -> None:
     """Switch the torch Adam/AdamW that megatron falls back to (no TE or apex FusedAdam: CPU) to torch's
     fused kernel: one pass over params, grads and both moments instead of a dozen elementwise ops per
     tensor (~3x faster on CPU for SmolLM2-135M's 135M parameters; equal to the single-tensor
     update up to float rounding)."""
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        torch_optimizer = getattr(inner, "optimizer", None)
-        if not isinstance(torch_optimizer, torch.optim.Adam | torch.optim.AdamW):
-            continue
+    for torch_optimizer in _torch_adams(optimizer):
         params = [p for group in torch_optimizer.param_groups for p in group["params"]]
         if not all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params):
             continue
@@ -169,10 +174,7 @@ def materialize_adam_state(optimizer: Any) -> int:
     from torch.optim.optimizer import _get_scalar_dtype
 
     made = 0
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        torch_optimizer = getattr(inner, "optimizer", None)
-        if not isinstance(torch_optimizer, torch.optim.Adam | torch.optim.AdamW):
-            continue
+    for torch_optimizer in _torch_adams(optimizer):
         for group in torch_optimizer.param_groups:
             on_device = group["capturable"] or group["fused"]
             for param in group["params"]:
