@@ -128,14 +128,13 @@ def ensure_real_inputs() -> None:
 
 
 def real_overrides(layout: str, prompts: int, steps: int, run_dir: Path, seed: int,
-                   first_stage_layers: int | None = None) -> list[str]:
-    """hybridrl's overrides of the real case; `first_stage_layers`: PP2's decoder layers on the first
-    stage (uneven stages: the last also holds the vocab head and the loss)."""
+                   pp_split: str = "plan") -> list[str]:
+    """hybridrl's overrides of the real case. `pp_split`: PP2's decoder layers per stage: "plan" (the
+    plan's most even split of the matmul FLOPs: the last stage also holds the vocab head), "even"
+    (megatron's default 15 + 15) or the first stage's layer count."""
     a = "actor_rollout_ref.actor"
-    stages = ([f"{a}.megatron.num_layers_in_first_pipeline_stage={first_stage_layers}"]
-              if first_stage_layers and layout == "pp2" else [])
-    return [
-        *REAL_LAYOUTS[layout], *stages,
+    job = [
+        *REAL_LAYOUTS[layout],
         f"data.train_batch_size={prompts}", f"{a}.ppo_mini_batch_size={prompts}",
         f"{a}.ppo_micro_batch_size_per_gpu={REAL['micro']}", f"{a}.optim.lr={REAL['lr']}",
         f"actor_rollout_ref.rollout.n={REAL['n']}", f"actor_rollout_ref.rollout.temperature={REAL['temperature']}",
@@ -145,6 +144,16 @@ def real_overrides(layout: str, prompts: int, steps: int, run_dir: Path, seed: i
         "trainer.logger=[jsonl]", f"trainer.seed={seed}", f"trainer.run_dir={run_dir}",
         "trainer.project_name=bench", f"trainer.experiment_name={run_dir.name}",
     ]
+    if layout != "pp2" or pp_split == "even":
+        return job
+    if pp_split != "plan":
+        return [*job, f"{a}.megatron.num_layers_in_first_pipeline_stage={int(pp_split)}"]
+    from hybridrl.config.plan import plan_from_sources
+
+    balance = next(b for b in plan_from_sources(REAL_CONFIG, job).stage_balance if b.role == "actor")
+    return [*job, *(f"{a}.megatron.num_layers_in_{where}_pipeline_stage={count}"
+                    for where, count in (("first", balance.best_first), ("last", balance.best_last))
+                    if count is not None)]
 
 
 def run_real(args: argparse.Namespace) -> None:
@@ -163,7 +172,7 @@ def run_real(args: argparse.Namespace) -> None:
         for r in range(rounds):
             run_dir = ROOT / "runs" / "bench" / f"vs_trl_real_{layout}_hybridrl_{r}"
             records = run_train(REAL_CONFIG, real_overrides(layout, prompts, steps, run_dir, seed=r,
-                                                            first_stage_layers=args.pp_first_stage_layers), run_dir)
+                                                            pp_split=args.pp_split), run_dir)
             kept = records[args.warmup:] or records[-1:]
             h_wall += [rec["timing_s/step"] for rec in kept]
             h_cpu += [rec.get("cpu_s/total", math.nan) for rec in kept]
@@ -220,7 +229,7 @@ def run_real(args: argparse.Namespace) -> None:
     for key in keys:
         print(f"{key:<36}" + "".join(f"{results[c]['summary'][key]:>12.3f}" for c in results))
     config = {"model": str(REAL_MODEL.relative_to(ROOT)), "config": REAL_CONFIG, "prompts": prompts,
-              "pp_first_stage_layers": args.pp_first_stage_layers,
+              "pp_split": args.pp_split,
               "sequences": sequences, "steps_per_run": steps, "warmup_steps": args.warmup, "rounds": rounds, **REAL,
               "trl_versions": trl_runs[0]["versions"] if trl_runs else None}
     out = RESULTS.with_name("vs_trl_real.json")
@@ -246,8 +255,9 @@ def main() -> None:
                         help="real: SmolLM2-135M-Instruct on the arithmetic task (see above)")
     parser.add_argument("--layouts", default="pp2,dp2", help="--model real: hybridrl's layouts")
     parser.add_argument("--prompts", type=int, default=8, help="--model real: prompts per step (x n=8 samples)")
-    parser.add_argument("--pp-first-stage-layers", type=int, default=None,
-                        help="--model real: PP2's decoder layers on the first stage (default: the even split)")
+    parser.add_argument("--pp-split", default="plan",
+                        help="--model real: PP2's layers per stage: plan (the plan's most even split of the FLOPs: "
+                             "the last stage also holds the vocab head), even, or the first stage's layer count")
     args = parser.parse_args()
     ensure_trl_venv()
     if args.model == "real":

@@ -31,3 +31,15 @@ def test_real_case_overrides_plan_the_shared_settings(real_model, tmp_path, monk
     # hybridrl's update holds each prompt once for its n samples (the CPU default), whose micro-batches
     # are whole groups: n rows each
     assert plan.resolved.shared_prefix("actor") and actor.ppo_micro_batch_size_per_gpu % rollout.n == 0
+
+
+def test_real_case_pp2_runs_the_plans_most_even_split(real_model, tmp_path, monkeypatch):
+    """PP2 takes the plan's split (the last stage also holds the vocab head): the plan then has no
+    imbalance to warn about; `even` keeps megatron's 15 + 15, which it does warn about."""
+    monkeypatch.chdir(ROOT)
+    balanced = plan_from_sources(ROOT / vs_trl.REAL_CONFIG, vs_trl.real_overrides("pp2", 8, 3, tmp_path, seed=0))
+    even = plan_from_sources(ROOT / vs_trl.REAL_CONFIG,
+                             vs_trl.real_overrides("pp2", 8, 3, tmp_path, seed=0, pp_split="even"))
+    assert balanced.stage_balance[0].layers == (18, 12) and even.stage_balance[0].layers == (15, 15)
+    assert not [w for w in balanced.warnings if "pipeline stages" in w]
+    assert [w for w in even.warnings if "pipeline stages" in w]

@@ -9,7 +9,10 @@ show what the hybrid engine's resharding costs against the naive design. Formula
   (its own layers, the logits on the last; `ParallelLayout.stage_layers`, even or uneven), and 1F1B
   keeps PP - s micro-batches in flight on stage s;
 - resharding: a rank must receive every byte of its generation shard it does not already hold
-  (HybridFlow §5, Table 2); the naive design all-gathers the whole model on every rank.
+  (HybridFlow §5, Table 2); the naive design all-gathers the whole model on every rank;
+- pipeline balance: a stage's share of a micro-batch's matmul FLOPs (2 per weight a token meets, an
+  MoE layer's top-k experts only, causal attention's s/2 keys a token; the last stage's output layer
+  only for the tokens it is computed on), since 1F1B runs at the pace of the heaviest stage.
 """
 from __future__ import annotations
 
@@ -102,6 +105,110 @@ def _stage_params(shape: ModelShape, layout: ParallelLayout) -> list[tuple[float
             dense += shape.hidden_size + output_params(shape)
         stages.append((dense / tp, experts / (ep * layout.expert_tp)))
     return stages
+
+
+@dataclass(frozen=True)
+class StageBalance:
+    """How one role's matmul FLOPs split over its pipeline stages, and the split that evens them.
+
+    1F1B moves every micro-batch at the pace of the heaviest stage, so the pipeline's time scales with
+    `max(shares)` (1 / pp is perfect). `best_first` / `best_last` are megatron's
+    num_layers_in_first/last_pipeline_stage giving the lowest heaviest stage (both None: the even split;
+    equal to the configured ones when nothing beats them)."""
+
+    role: str
+    layers: tuple[int, ...]        # decoder layers per stage, as configured
+    shares: tuple[float, ...]      # each stage's share of the FLOPs, as configured
+    best_layers: tuple[int, ...]
+    best_shares: tuple[float, ...]
+    best_first: int | None
+    best_last: int | None
+    head_tokens_per_row: int       # tokens of a row the output layer is computed on
+    vocab_head: bool               # the output layer is the vocabulary (not a value head)
+
+    @property
+    def gain(self) -> float:
+        """The share of the pipeline's time the best split saves: 1 - max(best) / max(configured)."""
+        return 1.0 - max(self.best_shares) / max(self.shares)
+
+
+def split_text(layers: tuple[int, ...]) -> str:
+    """Layers per stage as the plan writes them: "15+15"."""
+    return "+".join(map(str, layers))
+
+
+def shares_text(shares: tuple[float, ...]) -> str:
+    """Stage shares as the plan writes them: "42%/58%"."""
+    return "/".join(f"{share:.0%}" for share in shares)
+
+
+def layer_flops_per_token(shape: ModelShape, layer: int, seq_len: int) -> float:
+    """Forward matmul FLOPs one token costs in decoder layer `layer` of a `seq_len` sequence: 2 per weight
+    it meets (an MoE layer: the router and its top-k experts only) and causal attention's QK^T and AV
+    over s/2 keys on average."""
+    experts = shape.expert_params_of_layer(layer)
+    routed = experts * shape.moe_top_k / shape.num_experts if experts else 0.0
+    return 2.0 * (shape.params_of_layer(layer) - experts + routed) + 2.0 * seq_len * shape.q_size
+
+
+def _even_counts(num_layers: int, pp: int, first: int | None, last: int | None) -> tuple[int, ...] | None:
+    """megatron's layers per stage for a first/last setting (the rest split evenly), None where it
+    refuses the split (`ParallelLayout.split_errors`, without VPP)."""
+    set_ = [c for c in (first, last) if c is not None]
+    middle_stages, middle_layers = pp - len(set_), num_layers - sum(set_)
+    if any(c < 1 for c in set_) or (middle_stages == 0 and middle_layers) or middle_layers < middle_stages:
+        return None
+    if middle_stages and middle_layers % middle_stages:
+        return None
+    share = middle_layers // middle_stages if middle_stages else 0
+    counts = [share] * pp
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return tuple(counts)
+
+
+def stage_balance(role: str, shape: ModelShape, layout: ParallelLayout, *, layer_tokens: float,
+                  head_tokens: int, seq_len: int, vocab_head: bool) -> StageBalance | None:
+    """Each pipeline stage's share of a row's forward (and so backward) matmul FLOPs, and the
+    first/last split that minimizes the heaviest (None without PP, or with VPP, whose interleaved chunks
+    this does not model). `layer_tokens`: the tokens of a row every layer computes; `head_tokens`: those
+    the output layer computes (the response tokens: the loss reads no other logits); `vocab_head`: the
+    output layer is the vocabulary (actor, reference), else a value head (critic, reward model)."""
+    if layout.pp < 2 or layout.vpp:
+        return None
+    per_layer = [layer_tokens * layer_flops_per_token(shape, i, seq_len) for i in range(shape.num_layers)]
+    prefix = [0.0]
+    for flops in per_layer:
+        prefix.append(prefix[-1] + flops)
+    head = head_tokens * 2.0 * shape.hidden_size * (shape.vocab_size if vocab_head else 1)
+
+    def costs(counts: tuple[int, ...]) -> list[float]:
+        ends = [sum(counts[:s + 1]) for s in range(len(counts))]
+        out = [prefix[end] - prefix[end - count] for end, count in zip(ends, counts)]
+        out[-1] += head
+        return out
+
+    def shares(counts: tuple[int, ...]) -> tuple[float, ...]:
+        stage_costs = costs(counts)
+        return tuple(c / sum(stage_costs) for c in stage_costs)
+
+    configured = layout.stage_layers(shape.num_layers)
+    best, best_max = (layout.first_stage_layers, layout.last_stage_layers, configured), max(costs(configured))
+    choices = [None, *range(1, shape.num_layers)]
+    for first in choices:
+        for last in choices:
+            counts = _even_counts(shape.num_layers, layout.pp, first, last)
+            if counts is None:
+                continue
+            heaviest = max(costs(counts))
+            # strictly better by more than rounding; among equals, the fewer settings (the even split first)
+            if heaviest < best_max * (1 - 1e-9) or (
+                    heaviest <= best_max * (1 + 1e-9) and [first, last].count(None) > [best[0], best[1]].count(None)):
+                best, best_max = (first, last, counts), heaviest
+    return StageBalance(role, configured, shares(configured), best[2], shares(best[2]), best[0], best[1],
+                        head_tokens, vocab_head)
 
 
 def training_memory(

@@ -22,12 +22,16 @@ from hybridrl.config.estimates import (
     PhasePeaks,
     ReshardTraffic,
     RolloutMemory,
+    StageBalance,
     TrainingMemory,
     cross_pool_traffic,
     kv_cache_bytes_needed,
     phase_peaks,
     reshard_traffic,
     rollout_memory,
+    shares_text,
+    split_text,
+    stage_balance,
     training_memory,
 )
 from hybridrl.config.loader import config_from_dict, config_to_dict, load_config_collecting
@@ -38,7 +42,7 @@ from hybridrl.config.meshes import (
     build_reshard_groups,
     build_training_mesh,
 )
-from hybridrl.config.resolve import Resolved, active_roles, resolve, role_megatron
+from hybridrl.config.resolve import Resolved, active_roles, resolve, role_megatron, role_megatron_field
 from hybridrl.config.schema import JobConfig, MegatronConfig
 from hybridrl.config.validate import validate
 from hybridrl.models.arch import ModelShape, UnsupportedModelError
@@ -142,6 +146,8 @@ class Plan:
     phase_peaks: PhasePeaks | None
     token_budget: TokenBudget
     warnings: tuple[str, ...]
+    # each pipelined role's FLOPs per stage and the split that evens them (`estimates.stage_balance`)
+    stage_balance: tuple[StageBalance, ...] = ()
 
     def __post_init__(self) -> None:
         # A Plan read back from JSON could pair one device's policy with another's resolved values.
@@ -319,6 +325,45 @@ def _cpu_kv_cache_bytes(config: JobConfig, resolved: Resolved, policy: DevicePol
     )
 
 
+# The share of a pipeline's time a better first/last stage split would save, from which the plan warns.
+IMBALANCE_WARNING = 0.10
+
+
+def _stage_balances(config: JobConfig, resolved: Resolved, model: ModelShape,
+                    layouts: list[RoleLayout]) -> list[StageBalance]:
+    """`stage_balance` of every pipelined role on the token budget's longest rows: every layer computes a
+    row's prompt (once per group where the role's packed rows share it) and its response, the output
+    layer the response only."""
+    budget = token_budget(config, resolved)
+    response = budget.sequence_tokens - budget.prompt_tokens
+    out = []
+    for layout in layouts:
+        prompt = float(budget.prompt_tokens)  # padded rows: every column is computed
+        if resolved.packed(layout.role) and resolved.shared_prefix(layout.role):
+            prompt /= config.actor_rollout_ref.rollout.n
+        balance = stage_balance(
+            layout.role, model, layout.mesh.layout(), layer_tokens=prompt + response, head_tokens=response,
+            seq_len=budget.sequence_tokens, vocab_head=layout.role in (Role.ACTOR, Role.REF))
+        if balance is not None:
+            out.append(balance)
+    return out
+
+
+def _imbalance_warning(config: JobConfig, balance: StageBalance) -> str:
+    """The plan's words for a pipeline whose stages carry unequal work, with the setting that evens it."""
+    field = role_megatron_field(config, balance.role)
+    settings = [f"{field}.{name}={value}" for name, value in (
+        ("num_layers_in_first_pipeline_stage", balance.best_first),
+        ("num_layers_in_last_pipeline_stage", balance.best_last)) if value is not None] or [
+        f"{field}.num_layers_in_first/last_pipeline_stage unset (the even split)"]
+    head = (f"the vocabulary head for the {balance.head_tokens_per_row} response tokens of a row"
+            if balance.vocab_head else "the value head")
+    return (f"{balance.role}: its pipeline stages ({split_text(balance.layers)} layers) carry "
+            f"{shares_text(balance.shares)} of the matmul FLOPs (the last also holds {head}) and 1F1B runs at "
+            f"the heaviest stage's pace: {' and '.join(settings)} ({split_text(balance.best_layers)} layers, "
+            f"{shares_text(balance.best_shares)}) would take ~{balance.gain:.0%} off the pipeline's time")
+
+
 def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, warnings: tuple[str, ...]) -> Plan:
     arr, data = config.actor_rollout_ref, config.data
     n = arr.rollout.n
@@ -378,7 +423,9 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
 
     train_mem: list[TrainingMemory] = []
     roll_mem = peaks = None
+    balances: list[StageBalance] = []
     if model is not None:
+        balances = _stage_balances(config, resolved, model, layouts)
         for layout in layouts:
             mc = layout.megatron
             trainable = layout.role in (Role.ACTOR, Role.CRITIC)
@@ -449,6 +496,10 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
             extra.append(f"hybrid engine: actor + ref + rollout on one GPU peak at {peak} > trainer.gpu_memory_gib="
                          f"{config.trainer.gpu_memory_gib:g}; lower rollout.gpu_memory_utilization, offload, or add "
                          "TP/PP")
+        # a reference on the actor's megatron section has the actor's balance: one warning says it
+        shared_ref = config.actor_rollout_ref.ref.megatron is None
+        extra += [_imbalance_warning(config, balance) for balance in balances
+                  if balance.gain >= IMBALANCE_WARNING and not (balance.role == Role.REF and shared_ref)]
         warnings = warnings + tuple(extra)
 
     return Plan(
@@ -468,5 +519,6 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
         rollout_memory=roll_mem,
         phase_peaks=peaks,
         token_budget=token_budget(config, resolved),
+        stage_balance=tuple(balances),
         warnings=warnings,
     )

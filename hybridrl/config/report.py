@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from hybridrl.config.estimates import StageBalance, shares_text, split_text
 from hybridrl.config.meshes import TrainingMesh, expert_groups
 from hybridrl.config.plan import Plan
 from hybridrl.config.resolve import MODEL_SECTIONS
@@ -28,7 +29,7 @@ def _stage_layers(mesh: TrainingMesh, model: ModelShape | None) -> str:
     """Decoder layers of each PP stage, first to last ("15+15"; "-" without a model)."""
     if model is None:
         return "-"
-    return "+".join(map(str, mesh.layout().stage_layers(model.num_layers)))
+    return split_text(mesh.layout().stage_layers(model.num_layers))
 
 
 def _correction(rc: Any, rollout: Any) -> str:
@@ -70,6 +71,16 @@ def packing_line(plan: Plan) -> str:
     return f"Sequence packing: {', '.join(parts)}; packed attention: {served}"
 
 
+def _balance_line(balance: StageBalance) -> str:
+    """A pipelined role's FLOP shares per stage, and the best split where it is not the configured one."""
+    line = (f"{balance.role} pipeline balance (matmul FLOPs per stage, 1F1B runs at the heaviest's pace): "
+            f"{split_text(balance.layers)} layers carry {shares_text(balance.shares)}")
+    if balance.best_layers == balance.layers:
+        return line + " (the most even split)"
+    return (line + f"; {split_text(balance.best_layers)} would carry {shares_text(balance.best_shares)} "
+            f"(~{balance.gain:.0%} less pipeline time)")
+
+
 def render_plan(plan: Plan) -> str:
     cfg, res = plan.config, plan.resolved
     arr = cfg.actor_rollout_ref
@@ -106,6 +117,7 @@ def render_plan(plan: Plan) -> str:
             out.append(f"{lay.role} experts (megatron order etp-ep-edp-pp, {expert_tp}): EP {ep} × expert-DP "
                        f"{len(edp_groups[0])}; EP groups {_groups(ep_groups, 4)}; expert-DP groups "
                        f"{_groups(edp_groups, 4)}")
+    out += [_balance_line(balance) for balance in plan.stage_balance]
     out.append(packing_line(plan))
     rollout = plan.reshard.groups.rollout
     res = plan.resolved

@@ -216,6 +216,18 @@ def role_megatron(config: JobConfig, role: str) -> MegatronConfig:
     }[role]
 
 
+def role_megatron_field(config: JobConfig, role: str) -> str:
+    """The config path of the megatron section `role` trains or scores with (the reference shares the
+    actor's unless it has its own)."""
+    return {
+        Role.ACTOR: "actor_rollout_ref.actor.megatron",
+        Role.REF: "actor_rollout_ref.ref.megatron" if config.actor_rollout_ref.ref.megatron
+        else "actor_rollout_ref.actor.megatron",
+        Role.CRITIC: "critic.megatron",
+        Role.REWARD_MODEL: "reward_model.megatron",
+    }[role]
+
+
 def active_roles(config: JobConfig, resolved: Resolved) -> list[str]:
     roles = [Role.ACTOR]
     if resolved.ref_enabled:

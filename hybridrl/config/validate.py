@@ -25,6 +25,7 @@ from hybridrl.config.resolve import (
     active_roles,
     needs_uniform_micro_batches,
     role_megatron,
+    role_megatron_field,
 )
 from hybridrl.config.schema import (
     CHOICE_NAMES,
@@ -117,13 +118,7 @@ def validate(
     batch_ok = _check_batch_basics(check, config)
 
 
-    role_fields = {
-        Role.ACTOR: "actor_rollout_ref.actor.megatron",
-        Role.REF: "actor_rollout_ref.ref.megatron" if config.actor_rollout_ref.ref.megatron
-        else "actor_rollout_ref.actor.megatron",
-        Role.CRITIC: "critic.megatron",
-        Role.REWARD_MODEL: "reward_model.megatron",
-    }
+    role_fields = {role: role_megatron_field(config, role) for role in Role}
     dp_of: dict[str, int] = {}
     for role in active_roles(config, resolved):
         if role == Role.REF and config.actor_rollout_ref.ref.megatron is None:
