@@ -220,7 +220,8 @@ def run_real(args: argparse.Namespace) -> None:
             "hybridrl_update_x_shared_bound": statistics.median(h_update) / shared_bound["bound_s/update"],
             "steps_measured_each": min(len(h_wall), len(t_wall)),
         }
-        results[layout] = {"summary": summary, "raw": {
+        results[layout] = {"summary": summary, "overrides": real_overrides(layout, prompts, steps, run_dir, seed=0,
+                                                                          pp_split=args.pp_split), "raw": {
             "hybridrl_wall": h_wall, "hybridrl_reward": h_reward, "trl_wall": t_wall,
             "trl_reward": [x for run in trl_runs for x in run["reward"]]}}
         print(f"== real {layout}: " + json.dumps(summary))
