@@ -47,8 +47,8 @@ RESULTS = ROOT / "bench" / "results" / "update_profile.json"
 # With shared prompts the layers' share of the update falls and the head's (response tokens only) does
 # not, so the balanced split moves further off the last stage.
 LAYOUTS = {"pp2": (1, 2, 1, None), "dp2": (1, 1, 2, None), "pp1": (1, 1, 1, None),
-           "pp2-16+14": (1, 2, 1, 16), "pp2-17+13": (1, 2, 1, 17), "pp2-19+11": (1, 2, 1, 19),
-           "pp2-21+9": (1, 2, 1, 21)}
+           "pp2-16+14": (1, 2, 1, 16), "pp2-17+13": (1, 2, 1, 17), "pp2-18+12": (1, 2, 1, 18),
+           "pp2-19+11": (1, 2, 1, 19), "pp2-21+9": (1, 2, 1, 21)}
 
 
 def grpo_batch(rows: int, vocab: int, *, prompt: int, max_prompt: int, response: int, max_response: int,

@@ -26,6 +26,7 @@ CUDA_FIELDS = {
     "vllm_top_k_keeps_ties": False,
     "device_rng": True,
     "worker_env": (), "flush_denormals": False, "reshard_keeps_buffers": False, "optimizer_state_at_setup": False,
+    "wgrad_accumulation_fusion": None,
 }
 CPU_FIELDS = {
     "name": "cpu", "dist_backend": "gloo", "default_train_dtype": "fp32", "default_rollout_dtype": "fp32",
@@ -42,6 +43,7 @@ CPU_FIELDS = {
     "device_rng": False,
     "worker_env": (("MALLOC_MMAP_MAX_", "0"), ("MALLOC_TRIM_THRESHOLD_", str(1 << 40))), "flush_denormals": True,
     "reshard_keeps_buffers": True, "optimizer_state_at_setup": True,
+    "wgrad_accumulation_fusion": "cpu_stand_in",
 }
 
 

@@ -1,6 +1,8 @@
-"""The actor at PP2 with a tied embedding (the first stage holds the embedding, the last megatron's
-copy as the output layer), against transformers: the response-token-only vocab head and the fused
-log-prob/entropy pass, then one update's gradients.
+"""The actor with a tied embedding, against transformers: at PP2 (the first stage holds the embedding,
+the last megatron's copy as the output layer) and on one stage (one weight for both, the head's weight
+gradient accumulated into its main_grad by the CPU stand-in of megatron's gradient-accumulation fusion
+and the lookup's added by DDP's hook: megatron's `zero_out_wgrad`): the response-token-only vocab head
+and the fused log-prob/entropy pass, then one update's gradients.
 
 One forked PP2 run computes log-probs and entropies of a rollout-shaped batch, records the rows each
 micro-batch sends through the output layer, then runs one on-policy GRPO-style update (no
@@ -14,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from hybridrl.parallel.forked import run_ranks
@@ -57,21 +60,25 @@ def _tied_rank(rank: int, world: int, config: Any, batch: Any, out_dir: str) -> 
     gradients_into_params(backend)
     export_hf(backend.chunks, out_dir, force=True)
     return {"log_probs": None if log_probs is None else dict(log_probs.tensors), "metrics": metrics,
-            "head_rows": head_rows, "last_stage": backend.ctx.is_last_pp_stage}
+            "head_rows": head_rows, "last_stage": backend.ctx.is_last_pp_stage,
+            "wgrad_fusion": [c.config.gradient_accumulation_fusion for c in backend.chunks]}
 
 
-def test_tied_pp2_log_probs_head_rows_and_update_gradients(tmp_path):
+@pytest.mark.parametrize("pp", [2, 1])
+def test_tied_log_probs_head_rows_and_update_gradients(tmp_path, pp):
     import transformers
 
     model_dir = make_hf_model(tmp_path / "model", "qwen2", seed=5)  # tied embeddings
     batch = rollout_batch(4, seed=3, vocab=VOCAB)
     del batch.tensors["old_log_probs"]  # on-policy: the update's own forward is the old policy
-    config = job_config(model_dir, world=2, pp=2, rows=4, micro=2, entropy_coeff=0.0)
+    config = job_config(model_dir, world=pp, pp=pp, rows=4, micro=2, entropy_coeff=0.0)
     config.actor_rollout_ref.actor.optim.clip_grad = 0.0  # the buffers must hold the unclipped gradient
-    results = run_ranks(_tied_rank, 2, config, batch, str(tmp_path / "grads"), timeout_s=300)
+    results = run_ranks(_tied_rank, pp, config, batch, str(tmp_path / "grads"), timeout_s=300)
     last = [r for r in results if r["last_stage"]]
     assert len(last) == 1
     out = last[0]
+    # the trained actor's weight gradients accumulate through the CPU stand-in (the device policy's)
+    assert all(flag for r in results for flag in r["wgrad_fusion"])
 
     # the head saw only the real response tokens: each micro-batch's count, once in the log-prob pass
     # and once in the update
@@ -104,7 +111,7 @@ def test_tied_pp2_log_probs_head_rows_and_update_gradients(tmp_path):
 
     for key, ours in (("log_prob", out["log_probs"]["old_log_probs"]), ("entropy", out["log_probs"]["entropys"])):
         error, noise = gap(ours, exact[key]), gap(fp32[key], exact[key])
-        print(f"\ntied pp2 {key}: megatron fp32 vs fp64 {error:.3g}, transformers fp32 vs fp64 {noise:.3g}")
+        print(f"\ntied pp{pp} {key}: megatron fp32 vs fp64 {error:.3g}, transformers fp32 vs fp64 {noise:.3g}")
         assert error <= max(1e-5, 1.5 * noise), (key, error, noise)
     assert abs(out["metrics"].pg_loss - exact["loss"]) <= 1e-5 * max(1.0, abs(exact["loss"]))
     grads = safetensors_state(Path(tmp_path / "grads"))
@@ -118,6 +125,6 @@ def test_tied_pp2_log_probs_head_rows_and_update_gradients(tmp_path):
         error, noise = gap(grads[name], ref), gap(fp32["grads"][name], ref)
         ratios[name] = error / max(GRAD_RTOL * scale, noise)
     worst = max(ratios, key=ratios.get)
-    print(f"tied pp2 gradients: worst error / max(1e-5 of scale, transformers fp32 error) "
+    print(f"tied pp{pp} gradients: worst error / max(1e-5 of scale, transformers fp32 error) "
           f"{ratios[worst]:.3g} ({worst})")
     assert ratios[worst] <= 2.0, (worst, ratios[worst])

@@ -65,7 +65,8 @@ attention that also serves packed THD sequences, which megatron's local attentio
 
 Not a patch, but required on CPU (`check_config_for_cpu` enforces it, `CPU_CONFIG_OVERRIDES` holds
 the values): ``batch_p2p_sync=False`` (p2p communication calls ``torch.cuda.synchronize()`` after
-batched send/recv), ``gradient_accumulation_fusion=False`` (needs Apex CUDA kernels),
+batched send/recv), ``gradient_accumulation_fusion=False`` (needs Apex CUDA kernels, unless
+`hybridrl.parallel.cpu_wgrad` fills their slot, as the training backend does for trained roles),
 ``apply_rope_fusion=False`` (unless `hybridrl.parallel.cpu_rope` fills megatron's fused-RoPE
 slot, as the bridge does)/``bias_activation_fusion``/``masked_softmax_fusion``/
 ``bias_dropout_fusion``/``persist_layer_norm`` off (TE/Apex kernels).
@@ -93,6 +94,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from hybridrl.parallel.cpu_rope import cpu_fused_rope_installed
+from hybridrl.parallel.cpu_wgrad import cpu_wgrad_fusion_installed
 
 # lazy: hybridrl.parallel.strict_device imports this module at its top (it subclasses CudaToCpuMode),
 # so the two imports of strict_device below stay inside their functions.
@@ -593,8 +595,10 @@ def check_config_for_cpu(config: Any) -> None:
     """Raise ValueError listing every megatron config flag that cannot work on CPU.
 
     `apply_rope_fusion=True` is fine once hybridrl's CPU RoPE fills megatron's fused slot
-    (`hybridrl.parallel.cpu_rope.install_cpu_fused_rope`)."""
-    served = {"apply_rope_fusion"} if cpu_fused_rope_installed() else set()
+    (`hybridrl.parallel.cpu_rope.install_cpu_fused_rope`), `gradient_accumulation_fusion=True` once
+    the weight-gradient stand-in fills Apex's (`hybridrl.parallel.cpu_wgrad.install_cpu_wgrad_fusion`)."""
+    served = ({"apply_rope_fusion"} if cpu_fused_rope_installed() else set()) | (
+        {"gradient_accumulation_fusion"} if cpu_wgrad_fusion_installed() else set())
     wrong = [
         f"{key}={getattr(config, key)!r} (needs {value!r})"
         for key, value in CPU_CONFIG_OVERRIDES.items()

@@ -122,6 +122,12 @@ class DevicePolicy:
     # is dear on VMs); built first, they sit below everything a step allocates and frees. On a GPU the
     # memory before vLLM's build sizes its KV cache: keep torch's lazy allocation there.
     optimizer_state_at_setup: bool
+    # Who serves megatron's gradient-accumulation fusion for trained roles (weight-gradient GEMMs that
+    # accumulate into DDP's main_grad: no grad tensor, no add pass per weight and micro-batch), or None
+    # to leave megatron's flag off. CPU: the stand-in for Apex's CUDA kernel
+    # (`hybridrl.parallel.cpu_wgrad`). CUDA: off, as megatron-core's default (Apex's kernel or TE's
+    # fuse_wgrad_accumulation would serve it; neither is exercised by this project's tests).
+    wgrad_accumulation_fusion: str | None
 
     @classmethod
     def for_device(cls, name: str) -> DevicePolicy:
@@ -148,7 +154,7 @@ CUDA = DevicePolicy(
     vllm_honours_enforce_eager=True, vllm_repacks_weights=False, vllm_kv_cache_from_plan=False,
     vllm_sleep_mode=True, vllm_chunked_prefill=True, vllm_routed_experts="aux_output",
     vllm_top_k_keeps_ties=False, device_rng=True, worker_env=(), flush_denormals=False,
-    reshard_keeps_buffers=False, optimizer_state_at_setup=False,
+    reshard_keeps_buffers=False, optimizer_state_at_setup=False, wgrad_accumulation_fusion=None,
 )
 
 CPU = DevicePolicy(
@@ -162,6 +168,7 @@ CPU = DevicePolicy(
     vllm_top_k_keeps_ties=True, device_rng=False,
     worker_env=(("MALLOC_MMAP_MAX_", "0"), ("MALLOC_TRIM_THRESHOLD_", str(1 << 40))),
     flush_denormals=True, reshard_keeps_buffers=True, optimizer_state_at_setup=True,
+    wgrad_accumulation_fusion="cpu_stand_in",
 )
 
 # resolved device name -> its policy (read-only); also the list of valid trainer.device values

@@ -40,6 +40,7 @@ from hybridrl.parallel import state
 from hybridrl.parallel.context_parallel import gather_from_cp, split_for_cp_rank
 from hybridrl.parallel.cpu_attention import shared_prefix_seq_params
 from hybridrl.parallel.cpu_layer import apply_cpu_layer
+from hybridrl.parallel.cpu_wgrad import install_cpu_wgrad_fusion
 from hybridrl.parallel.device import collective_device, default_dtype_for, layer_spec_kind, to_rank_device
 from hybridrl.parallel.device_policy import DevicePolicy
 from hybridrl.training.lr_schedule import LRSchedule
@@ -374,6 +375,9 @@ class MegatronBackend:
         }
         if spec.gradient_checkpointing:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        if spec.trainable and self.device_policy.wgrad_accumulation_fusion == "cpu_stand_in":
+            # weight-gradient GEMMs accumulate into DDP's main_grad (only a trained role has one)
+            overrides["gradient_accumulation_fusion"] = install_cpu_wgrad_fusion()
         source = value_model_source(spec.model_path) if spec.value_head else ModelSource.from_path(spec.model_path)
         self.uniform_width = False
         if source.shape.is_moe:
