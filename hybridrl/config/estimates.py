@@ -16,6 +16,7 @@ show what the hybrid engine's resharding costs against the naive design. Formula
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from hybridrl.config.meshes import ReshardGroups, TrainingMesh, interval_overlap
@@ -185,8 +186,7 @@ def stage_balance(role: str, shape: ModelShape, layout: ParallelLayout, *, layer
     head = head_tokens * 2.0 * shape.hidden_size * (shape.vocab_size if vocab_head else 1)
 
     def costs(counts: tuple[int, ...]) -> list[float]:
-        ends = [sum(counts[:s + 1]) for s in range(len(counts))]
-        out = [prefix[end] - prefix[end - count] for end, count in zip(ends, counts)]
+        out = [prefix[end] - prefix[end - count] for end, count in zip(itertools.accumulate(counts), counts)]
         out[-1] += head
         return out
 
