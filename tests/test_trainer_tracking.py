@@ -65,6 +65,17 @@ def test_summary_shows_curves_and_phase_shares():
     assert "median 103 tokens/s" in text
 
 
+def test_summary_counts_trained_steps_not_the_validation_row_before_them():
+    history = [{"step": 0.0, "val/score/mean": 0.25}]
+    history += [{"step": float(i), **m} for i, m in enumerate(_history(), start=1)]
+    history[-1]["val/score/mean"] = 0.5  # the last step's row carries the final validation
+    text = render_summary(history)
+    assert "5 steps" in text, text
+    assert "step 0: 0.250, step 5: 0.500" in text
+    score_line = next(line for line in text.splitlines() if "score" in line)
+    assert "first    0.1000" in score_line  # the first trained step's, not the validation row's
+
+
 def test_plot_writes_png(tmp_path):
     history = [{"step": float(i), **m} for i, m in enumerate(_history(), start=1)]
     path = plot_run(history, tmp_path / "run.png")
