@@ -244,8 +244,8 @@ def compute_score(response, ground_truth, extra):
 
 def test_custom_reward_dynamic_sampling_validation_and_old_log_prob_pass(demo_assets, tmp_path):
     """One run for four features (one Ray/vLLM start-up): a custom reward file, dynamic sampling
-    with refill, validation before training and every `test_freq` steps, and the rollout-vs-trainer
-    log-prob gap measured by the old-log-prob pass."""
+    with refill, validation before training, every `test_freq` steps and after the last, and the
+    rollout-vs-trainer log-prob gap measured by the old-log-prob pass."""
     import importlib.util
 
     run = tmp_path / "run"
@@ -262,12 +262,12 @@ def test_custom_reward_dynamic_sampling_validation_and_old_log_prob_pass(demo_as
     rows = {r["step"]: r for r in _metrics(run)}
     assert sorted(rows) == [0, 1, 2, 3]
 
-    # validation: before training and at step 2 only, each the mean of the reward file's scores of
-    # that validation pass (16 greedy val prompts)
-    assert [s for s in sorted(rows) if "val/score/mean" in rows[s]] == [0, 2]
+    # validation: before training, at step 2 (test_freq) and after the last step (3), each the mean of
+    # the reward file's scores of that validation pass (16 greedy val prompts)
+    assert [s for s in sorted(rows) if "val/score/mean" in rows[s]] == [0, 2, 3]
     val_scores = [c["score"] for c in map(json.loads, calls.read_text().splitlines()) if c["split"] == "val"]
-    assert len(val_scores) == 2 * 16
-    for k, step in enumerate((0, 2)):
+    assert len(val_scores) == 3 * 16
+    for k, step in enumerate((0, 2, 3)):
         assert rows[step]["val/score/mean"] == pytest.approx(sum(val_scores[16 * k:16 * (k + 1)]) / 16, abs=1e-9)
 
     # reward/* covers every sample the file scored in the step's generation rounds, dropped ones included

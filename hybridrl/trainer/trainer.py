@@ -726,7 +726,9 @@ class Trainer:
             metrics.update(guard.observe(metrics))
             metrics["training/global_step"] = self.global_step
             metrics["training/epoch"] = self.train_loader.epoch
-            if cfg.trainer.test_freq > 0 and self.global_step % cfg.trainer.test_freq == 0:
+            last = self.global_step >= self.total_steps
+            # the last step validates too, as it saves: a run ends with its final score measured
+            if cfg.trainer.test_freq > 0 and (self.global_step % cfg.trainer.test_freq == 0 or last):
                 metrics.update(self.validate())
             tracker.log(self.global_step, metrics)
             bar.update(1)
@@ -735,7 +737,6 @@ class Trainer:
                     f"{guard.consecutive} steps in a row skipped their optimizer step for a non-finite "
                     "loss or gradient (trainer.max_consecutive_nonfinite_steps="
                     f"{guard.limit}); the weights are those of the last finite step"))
-            last = self.global_step >= self.total_steps
             if cfg.trainer.save_freq > 0 and (self.global_step % cfg.trainer.save_freq == 0 or last):
                 self.last_checkpoint = self.save()
         bar.close()
