@@ -214,8 +214,7 @@ def render_summary(history: Sequence[Mapping[str, float]], title: str = "run sum
     """One screen: start/end/best of the key curves and where the step time went."""
     if not history:
         return f"{title}: no steps ran"
-    # A validation before the first step (or before the first step after a resume) is a row of its own:
-    # a step is a row with training metrics.
+    # `trainer.val_before_train` logs a row of its own at step 0: a step is a row with training metrics.
     trained = sum(1 for h in history if any(k != "step" and not k.startswith("val/") for k in h))
     lines = [f"== {title}: {trained} steps =="]
     first, last = history[0], history[-1]
