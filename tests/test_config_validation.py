@@ -306,7 +306,6 @@ def _layout_overrides(section: str, field: str, value: str) -> list[str]:
 REFUSED_IN_EVERY_SECTION = {
     # field: (refused value, as read, text in the rule, accepted value, extra overrides)
     "make_vocab_size_divisible_by": ("64", 64, "only 128 is supported", "128", []),
-    "sequence_parallel": ("true", True, "not supported on trainer.device=cpu", "false", ["trainer.device=cpu"]),
 }
 
 
@@ -329,12 +328,16 @@ def test_context_parallel_refused_on_cuda_in_every_role(section):
     plan_from_sources(SEED, ["trainer.device=cpu", *ref_too, f"{section}.context_parallel_size=2"])
 
 
-def test_sequence_parallel_is_a_warning_on_cuda():
-    """On GPUs Transformer Engine's norms run it, so it is kept, with a note of what it needs."""
-    plan = plan_from_sources(SEED, [f"{A}.megatron.tensor_model_parallel_size=2",
-                                    f"{A}.megatron.sequence_parallel=true"])
+def test_sequence_parallel_is_a_warning_on_cuda_and_runs_on_cpu():
+    """On GPUs Transformer Engine's norms run it, so it is kept, with a note of what it needs; on CPU the
+    CPU layer's norm stand-in serves it (tests/test_training_ranks.py trains with it)."""
+    overrides = [f"{A}.megatron.tensor_model_parallel_size=2", f"{A}.megatron.sequence_parallel=true"]
+    plan = plan_from_sources(SEED, overrides)
     assert plan.layout("actor").megatron.sequence_parallel is True
     assert any("sequence_parallel=true needs Transformer Engine" in w for w in plan.warnings)
+    plan = plan_from_sources(SEED, ["trainer.device=cpu", *overrides])
+    assert plan.layout("actor").megatron.sequence_parallel is True
+    assert not any("sequence_parallel" in w for w in plan.warnings)
 
 
 REF = "actor_rollout_ref.ref.megatron"

@@ -77,9 +77,12 @@ def test_critic_values_and_update_equal_torch(tmp_path):
     hf = policy_model(tmp_path / "policy")
     batch = rollout_batch(8)
     ref = _reference_critic(rm, batch)
-    for tp, pp, dp in ((1, 1, 1), (2, 2, 1), (2, 1, 2)):
+    # TP2 with sequence parallelism: the final hidden states reach the value head split along the
+    # sequence over TP (megatron's own SP code on gloo; the norms' CPU stand-in tags their weights)
+    for tp, pp, dp, sp in ((1, 1, 1, False), (2, 2, 1, False), (2, 1, 2, False), (2, 1, 1, True)):
         world = tp * pp * dp
         config = with_critic(job_config(hf, world=world), rm, tp=tp, pp=pp)
+        config.critic.megatron.sequence_parallel = sp
         outs = [o for o in run_ranks(_critic_rank, world, config, batch) if o is not None]
         assert len(outs) == dp
         before = torch.cat([o["before"] for o in outs])
@@ -122,11 +125,12 @@ def reward_model_case(tmp_path: Any) -> tuple[Any, Any, Any, torch.Tensor]:
 
 def test_reward_model_scores_equal_transformers(tmp_path):
     rm, hf, batch, expected = reward_model_case(tmp_path)
-    for tp, pp in ((1, 1), (2, 2)):
+    for tp, pp, sp in ((1, 1, False), (2, 2, False), (2, 1, True)):
         config = with_reward_model(job_config(hf, world=tp * pp), rm, tp=tp, pp=pp)
+        config.reward_model.megatron.sequence_parallel = sp
         scores = [s for s in run_ranks(_reward_rank, tp * pp, config, batch) if s is not None]
         assert len(scores) == 1
-        assert (scores[0] - expected).abs().max() < TOL, (tp, pp)
+        assert (scores[0] - expected).abs().max() < TOL, (tp, pp, sp)
 
 
 def _critic_values_rank(rank: int, world: int, config: Any, batch: Any) -> Any:

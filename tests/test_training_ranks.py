@@ -63,8 +63,11 @@ def _update_rank(rank: int, world: int, config: Any, batch: Any, out_dir: str) -
     return {"metrics": metrics, "coords": (ctx.tp_rank, ctx.pp_rank, ctx.dp_rank), "digests": digests}
 
 
-# (tp, pp, dp, vpp, distributed optimizer); the first is the single-rank reference.
-LAYOUTS = ((1, 1, 1, None, False), (2, 2, 1, None, False), (2, 1, 2, None, True), (1, 2, 2, None, False))
+# (tp, pp, dp, vpp, distributed optimizer, sequence parallelism); the first is the single-rank reference.
+# TP2 x PP2 with SP: the activations between stages are split along the sequence over TP (megatron's
+# own SP code on gloo, the norms' CPU stand-in tagging their weights for the TP gradient sum).
+LAYOUTS = ((1, 1, 1, None, False, False), (2, 2, 1, None, False, False), (2, 1, 2, None, True, False),
+           (1, 2, 2, None, False, False), (2, 2, 1, None, False, True))
 
 
 def test_ppo_update_same_across_layouts(tmp_path):
@@ -74,11 +77,12 @@ def test_ppo_update_same_across_layouts(tmp_path):
     hf = policy_model(tmp_path / "hf")
     batch = rollout_batch(8)
     runs = {}
-    for tp, pp, dp, vpp, distributed in LAYOUTS:
+    for tp, pp, dp, vpp, distributed, sp in LAYOUTS:
         world = tp * pp * dp
-        out = tmp_path / f"out_{tp}{pp}{dp}{vpp}"
+        out = tmp_path / f"out_{tp}{pp}{dp}{vpp}{sp}"
         config = job_config(hf, world=world, tp=tp, pp=pp, vpp=vpp, distributed_optimizer=distributed,
                             use_kl_loss=True, entropy_coeff=0.01)
+        config.actor_rollout_ref.actor.megatron.sequence_parallel = sp
         results = run_ranks(_update_rank, world, config, batch, str(out))
         metrics = [r["metrics"] for r in results if r["metrics"] is not None]
         assert len(metrics) == dp
@@ -87,7 +91,7 @@ def test_ppo_update_same_across_layouts(tmp_path):
             tp_rank, pp_rank, _ = r["coords"]
             by_position.setdefault((tp_rank, pp_rank), set()).add(tuple(sorted(r["digests"].items())))
         assert all(len(v) == 1 for v in by_position.values()), "DP replicas differ"
-        runs[(tp, pp, dp, vpp, distributed)] = (metrics[0], safetensors_state(out))
+        runs[(tp, pp, dp, vpp, distributed, sp)] = (metrics[0], safetensors_state(out))
     base_metrics, base_state = runs[LAYOUTS[0]]
     initial = safetensors_state(hf)
     for key, (metrics, state) in runs.items():

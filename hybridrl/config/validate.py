@@ -355,15 +355,12 @@ def _check_unsupported(check: _Checker, config: JobConfig, model: ModelShape | N
     _check_router_replay(check, config, model)
     for prefix, mc in megatron_sections(config):
         tp = mc.tensor_model_parallel_size
-        if mc.sequence_parallel and isinstance(tp, int) and tp > 1:
-            if policy is not None and not policy.transformer_engine_possible:
-                check.fail(f"{prefix}.sequence_parallel", True,
-                           "is not supported on trainer.device=cpu: the workers build megatron's local layer spec "
-                           "there, whose norms refuse sequence parallelism; only false is supported on CPU", [False])
-            else:
-                check.warnings.append(
-                    f"{prefix}.sequence_parallel=true needs Transformer Engine on the workers (megatron's local "
-                    "layer spec, used without it, refuses sequence parallelism); the CPU test suite cannot run it")
+        if mc.sequence_parallel and isinstance(tp, int) and tp > 1 and policy is not None \
+                and policy.transformer_engine_possible:
+            # on CPU the CPU layer's norm stand-in serves it (hybridrl/parallel/cpu_norm.py)
+            check.warnings.append(
+                f"{prefix}.sequence_parallel=true needs Transformer Engine on the workers (its norms; megatron's "
+                "local layer spec, used without it, refuses sequence parallelism)")
         cp = mc.context_parallel_size
         if isinstance(cp, int) and not isinstance(cp, bool) and cp > 1:
             _check_context_parallel(check, config, prefix, mc, cp, policy)
@@ -604,8 +601,7 @@ def _check_layout(check: _Checker, prefix: str, mc: MegatronConfig, world: int, 
             # megatron-core 0.16.1 MoELayer.forward raises in training with TP > 1 and no SP
             check.fail(f"{prefix}.sequence_parallel", False,
                        f"must be true to train a mixture-of-experts model at tensor_model_parallel_size={tp}: "
-                       "megatron's MoE layer refuses TP without sequence parallelism in training (on CPU, "
-                       "where sequence parallelism is refused too, train MoE models at TP 1)", [True])
+                       "megatron's MoE layer refuses TP without sequence parallelism in training", [True])
         if model.is_moe and mc.expert_tensor_parallel_size in (None, tp) and model.moe_ffn_hidden_size % tp:
             check.fail(f"{prefix}.tensor_model_parallel_size", tp,
                        f"must divide the experts' intermediate size {model.moe_ffn_hidden_size} (each expert is "

@@ -54,6 +54,7 @@ from hybridrl.models.layout import (
 )
 from hybridrl.parallel.cpu_attention import install_cpu_packed_rope, with_cpu_packed_attention
 from hybridrl.parallel.cpu_layer import CPU_CONFIG_OVERRIDES
+from hybridrl.parallel.cpu_norm import with_sequence_parallel_norms
 from hybridrl.parallel.cpu_rope import install_cpu_fused_rope
 from hybridrl.parallel.device import default_dtype_for, layer_spec_kind, megatron_cpu_initialization, rank_device
 from hybridrl.parallel.device_policy import DevicePolicy
@@ -181,21 +182,29 @@ def layer_spec(shape: ModelShape, kind: str, config: Any = None, chunk: StageChu
     """The GPT layer spec (dense), or for an MoE model this chunk's block spec: megatron's per-layer
     choice between the MoE and the dense layer (`moe_layer_freq`) for the layers `chunk` holds. With
     `cpu_layer` (the device policy's `megatron_cpu_layer`) every local layer's core attention is the
-    CPU layer's stand-in that also serves packed sequences and context parallelism."""
+    CPU layer's stand-in that also serves packed sequences and context parallelism, and under
+    sequence parallelism every norm the CPU layer's stand-in for TE's (`cpu_norm`)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if shape.is_moe:
         if config is None or chunk is None:
             raise ValueError("an MoE model's layer spec needs its TransformerConfig and chunk")
         _define_missing_te_gemm()
-        block = gpt_layer_specs.get_gpt_decoder_block_spec(
+        spec = gpt_layer_specs.get_gpt_decoder_block_spec(
             config, use_transformer_engine=kind == "te", normalization="RMSNorm",
             vp_stage=chunk.vp_stage, pp_rank=chunk.pp_rank)
-        return with_cpu_packed_attention(block) if cpu_layer else block
-    if kind == "te":
+    elif kind == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
-    spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
-    return with_cpu_packed_attention(spec) if cpu_layer else spec
+    else:
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
+    if not cpu_layer or kind == "te":
+        return spec
+    spec = with_cpu_packed_attention(spec)
+    if config is not None and config.sequence_parallel:
+        if chunk is None:
+            raise ValueError("a sequence-parallel CPU layer spec needs its chunk")
+        spec = with_sequence_parallel_norms(spec, chunk.num_layers)
+    return spec
 
 
 def _define_missing_te_gemm() -> None:

@@ -13,6 +13,14 @@ gradient megatron sums over TP). Megatron counts non-TP-parallel parameters once
 the grad norm, so the norm is right as well. DP replicas start equal because the head is
 initialized from a generator seeded identically on every rank.
 
+Under sequence parallelism the final norm's output is not replicated: megatron leaves it split along
+the sequence over TP (`[s/tp, b, h]`; only its vocab-parallel output layer, which the head replaces,
+gathers it). The head then scores its own tokens and all-gathers the scalars over TP (`s/tp` x 1
+values, not the hidden states), so every rank holds all `s` values as without SP. The gather's
+backward hands each rank its own tokens' gradient (not a sum: every rank computes the same loss from
+the same values), and the head's weight gradient, a sum over this rank's tokens only, is tagged
+``sequence_parallel`` so that megatron's `finalize_model_grads` sums it over TP as it does the norms'.
+
 Value models are built untied (`tie_word_embeddings=False`): a tied model on PP > 1 keeps a copy of
 the embedding as the last stage's output weight and sums its gradient with the first stage's,
 which must not happen once that weight is gone.
@@ -45,9 +53,12 @@ OUTPUT_LAYER = "output_layer.weight"
 class ValueHead(nn.Module):
     """`hidden [s, b, h] -> [s, b, 1]`, called like megatron's output layer."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> None:
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device: str | torch.device = "cpu", *,
+                 sequence_parallel: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(1, hidden_size, dtype=dtype, device=device))
+        self.sequence_parallel = sequence_parallel
+        self.weight.sequence_parallel = sequence_parallel  # megatron's flag: sum its gradient over TP
 
     def reset_parameters(self, seed: int) -> None:
         """Same values on every rank: a private generator, the global RNG streams untouched."""
@@ -58,7 +69,12 @@ class ValueHead(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, weight: torch.Tensor | None = None,
                 runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, None]:
-        return torch.matmul(hidden_states, self.weight.t()), None
+        values = torch.matmul(hidden_states, self.weight.t())
+        if self.sequence_parallel:  # [s/tp, b, 1] -> [s, b, 1]; backward: this rank's rows of the gradient
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            values = gather_from_sequence_parallel_region(values, tensor_parallel_output_grad=False)
+        return values, None
 
 
 def value_model_source(path: str | Path) -> ModelSource:
@@ -90,7 +106,8 @@ def attach_value_head(models: Sequence[Any], seed: int) -> ValueHead | None:
         model.share_embeddings_and_output_weights = False
         if model.post_process:
             ref = next(model.decoder.parameters())
-            head = ValueHead(model.config.hidden_size, ref.dtype, ref.device)
+            head = ValueHead(model.config.hidden_size, ref.dtype, ref.device,
+                             sequence_parallel=bool(model.config.sequence_parallel))
             head.reset_parameters(seed)
             model.output_layer = head
     return head
