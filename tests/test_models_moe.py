@@ -8,6 +8,7 @@ trips with the original files, bit for bit.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -361,23 +362,137 @@ def test_moe_parallel_errors_name_the_rule(hf_dirs):
         ModelShape.from_hf_dir(hf_dirs["qwen3_moe_unnormed"]).parallel_errors(tp=3))
 
 
-def test_te_names_keep_an_moe_layers_own_pre_mlp_norm(hf_dirs):
+# ---- the TE layer spec's names (GPU path) -----------------------------------------------------------
+# TransformerEngine does not install here, so no TE module can be built. What megatron's TE spec *is*
+# can still be read: its builder (`get_gpt_decoder_block_spec(use_transformer_engine=True)`) asks a
+# backend provider for each module, so a provider that hands out marker classes shows which norms the
+# spec fuses into the following linear (TE's `TELayerNormColumnParallelLinear`, whose norm weight TE names
+# `layer_norm_weight`) and which it keeps as a module of their own (`TENorm`, weight `weight`).
+
+def te_spec_norm_names(monkeypatch: Any, shape: Any, pp: int, pp_rank: int) -> dict[str, str]:
+    """{local-spec norm name: its name under megatron's TE spec} for the layers of stage `pp_rank`."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from hybridrl.models.bridge import transformer_config
+
+    class FusedNormLinear:  # TE's TELayerNormColumnParallelLinear
+        pass
+
+    class Norm:  # TE's TENorm
+        pass
+
+    class MarkerProvider(LocalSpecProvider):
+        def fuse_layernorm_and_linear(self) -> bool:
+            return True
+
+        def column_parallel_layer_norm_linear(self) -> type:
+            return FusedNormLinear
+
+        def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
+            return Norm
+
+    monkeypatch.setattr(gpt_layer_specs, "TESpecProvider", MarkerProvider, raising=False)
+    monkeypatch.setattr(gpt_layer_specs, "TENorm", Norm, raising=False)
+    config = transformer_config(shape, 1, pp, None, device="cpu", dtype=torch.float32)
+    block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm",
+                                                       vp_stage=None, pp_rank=pp_rank)
+    names = {}
+    for i, layer in enumerate(block.layer_specs):
+        sub, prefix = layer.submodules, f"decoder.layers.{i}."
+        attention = sub.self_attention.submodules
+        assert sub.input_layernorm is IdentityOp and attention.linear_qkv is FusedNormLinear
+        names[prefix + "input_layernorm.weight"] = prefix + "self_attention.linear_qkv.layer_norm_weight"
+        if sub.pre_mlp_layernorm is Norm:
+            names[prefix + "pre_mlp_layernorm.weight"] = prefix + "pre_mlp_layernorm.weight"
+        else:
+            assert sub.pre_mlp_layernorm is IdentityOp and sub.mlp.submodules.linear_fc1 is FusedNormLinear
+            names[prefix + "pre_mlp_layernorm.weight"] = prefix + "mlp.linear_fc1.layer_norm_weight"
+    assert block.layer_norm is Norm
+    return names
+
+
+@pytest.mark.parametrize("pp, pp_rank", [(1, 0), (2, 1)])
+def test_te_names_are_megatrons_te_spec(hf_dirs, monkeypatch, pp, pp_rank):
     """megatron's TE spec fuses the pre-MLP norm into fc1 in dense layers only; an MoE layer keeps
-    `pre_mlp_layernorm` (its experts have no fused norm). The GPU path's names follow that."""
+    `pre_mlp_layernorm` (its experts have no fused norm). `spec_tensor_name` names what the spec builds."""
     from hybridrl.models.bridge import ChunkInfo, ModelSource, spec_tensor_name
     from hybridrl.models.layout import ParallelLayout
 
     source = ModelSource.from_path(hf_dirs["qwen3_moe"])  # layers 0, 1, 3 MoE; 2 dense
-    layout = ParallelLayout(pp=2)
-    info = ChunkInfo(source, layout, layout.chunks(4, 1)[0], 0, "te")  # layers 2 and 3
-    assert spec_tensor_name("decoder.layers.0.pre_mlp_layernorm.weight", "te", info) == \
-        "decoder.layers.0.mlp.linear_fc1.layer_norm_weight"
-    assert spec_tensor_name("decoder.layers.1.pre_mlp_layernorm.weight", "te", info) == \
-        "decoder.layers.1.pre_mlp_layernorm.weight"
-    assert spec_tensor_name("decoder.layers.1.input_layernorm.weight", "te", info) == \
-        "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight"
-    assert spec_tensor_name("decoder.layers.1.pre_mlp_layernorm.weight", "local", info) == \
-        "decoder.layers.1.pre_mlp_layernorm.weight"
+    expected = te_spec_norm_names(monkeypatch, source.shape, pp, pp_rank)
+    # layer 2, the only dense one, is in both chunks: its pre-MLP norm alone is fused
+    assert [n for n in expected.values() if "linear_fc1" in n] == [f"decoder.layers.{2 - 2 * pp_rank}.mlp.linear_fc1"
+                                                                   ".layer_norm_weight"]
+    layout = ParallelLayout(pp=pp)
+    info = ChunkInfo(source, layout, layout.chunks(4, pp_rank)[0], 0, "te")
+    assert {name: spec_tensor_name(name, info) for name in expected} == expected
+    local = dataclasses.replace(info, spec_kind="local")
+    assert all(spec_tensor_name(name, local) == name for name in expected)
+
+
+def dress_as_te(model: Any, te_names: dict[str, str]) -> None:
+    """Give a built local-spec chunk the state_dict names of megatron's TE spec (`te_spec_norm_names`): each
+    norm the TE spec fuses moves into its linear as `layer_norm_weight` (the same tensor), as TE holds it."""
+    for local, te in te_names.items():
+        if local == te:
+            continue
+        owner_path, _, norm = local.rpartition(".weight")[0].rpartition(".")
+        layer = model.get_submodule(owner_path)
+        weight = getattr(layer, norm).weight
+        linear = model.get_submodule(te.rpartition(".")[0])
+        setattr(layer, norm, torch.nn.Identity())
+        linear.register_parameter("layer_norm_weight", weight)
+
+
+def _te_named_sources_rank(rank: int, world: int, hf_dir: str, te_names: dict[str, str]) -> dict[str, Any]:
+    """EP2: this rank's tensors by layout name from a local-spec model, then from the same model dressed in the
+    TE spec's names, through the resharder's source reader and the value model's loader."""
+    from hybridrl.config.meshes import build_training_mesh
+    from hybridrl.models.bridge import build_gpt_models, chunk_info, chunk_tensors, load_weights
+    from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
+    from hybridrl.reshard.resharder import training_sources
+    from hybridrl.training.value_head import load_value_model
+
+    initialize_model_parallel(ep=world, device="cpu")
+    try:
+        models = build_gpt_models(hf_dir)
+        load_weights(models, hf_dir)
+        expected = {name: t.clone() for name, t in chunk_tensors(models[0])[1].items()}
+        dress_as_te(models[0], te_names)
+        models[0].hybridrl = dataclasses.replace(chunk_info(models[0]), spec_kind="te")
+        sources = {n: t.clone() for n, t in training_sources(models, build_training_mesh(world, 1, 1), rank)
+                   .tensors[0].items()}
+        with torch.no_grad():
+            for param in models[0].parameters():
+                param.zero_()
+        load_value_model(models, hf_dir)
+        loaded = {name: t.clone() for name, t in chunk_tensors(models[0])[1].items()}
+        return {"expected": expected, "sources": sources, "loaded": loaded}
+    finally:
+        destroy_model_parallel()
+
+
+def test_te_named_moe_model_feeds_the_resharder_and_the_value_loader(hf_dirs, monkeypatch):
+    """The MoE weight sync and the value model's loader on the TE spec's names, at EP2 (each rank its own
+    experts): they read and write the tensors the local names stand for."""
+    from hybridrl.models.arch import ModelShape
+
+    hf_dir = hf_dirs["qwen3_moe"]
+    te_names = te_spec_norm_names(monkeypatch, ModelShape.from_hf_dir(hf_dir), 1, 0)
+    results = run_ranks(_te_named_sources_rank, 2, str(hf_dir), te_names, timeout_s=300)
+    hf = safetensors_state(hf_dir)
+    for rank, result in enumerate(results):
+        expected = result["expected"]
+        assert result["sources"].keys() == expected.keys()
+        assert all(torch.equal(result["sources"][n], t) for n, t in expected.items()), rank
+        for name, tensor in expected.items():
+            if name != "output_layer.weight":  # a value model's head comes from score.weight
+                assert torch.equal(result["loaded"][name], tensor), (rank, name)
+    # EP rank 1 holds experts 4-7: its first local expert is HF's expert 4
+    expert = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"
+    assert torch.equal(results[1]["expected"][expert], hf["model.layers.0.mlp.experts.4.down_proj.weight"])
 
 
 def test_moe_checkpoint_changes_expert_layout_offline(hf_dirs, tmp_path):

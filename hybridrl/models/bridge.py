@@ -351,17 +351,17 @@ def unwrap_model(model: Any) -> Any:
     return model
 
 
-def spec_tensor_name(local_name: str, spec_kind: str, info: ChunkInfo | None = None) -> str:
-    """A tensor's state_dict name under the layer spec in use (local names are the layout's).
+def spec_tensor_name(local_name: str, info: ChunkInfo) -> str:
+    """A tensor's state_dict name in `info`'s chunk under its layer spec (local names are the layout's).
 
     megatron's TE spec fuses the pre-MLP norm into the dense MLP's fc1 only: an MoE layer keeps it
-    as its own `pre_mlp_layernorm` (`get_gpt_layer_with_transformer_engine_spec`), which `info`
-    (the chunk, to tell which of its layers are MoE) decides.
+    as its own `pre_mlp_layernorm` (`get_gpt_layer_with_transformer_engine_spec`), which the chunk
+    (which of its layers are MoE) decides: so the chunk is required, not only the spec's kind.
     """
-    if spec_kind == "te":
+    if info.spec_kind == "te":
         for local_suffix, te_suffix in TE_NAMES.items():
             if local_name.endswith(local_suffix):
-                if local_suffix.startswith("pre_mlp") and info is not None and _in_moe_layer(local_name, info):
+                if local_suffix.startswith("pre_mlp") and _in_moe_layer(local_name, info):
                     return local_name
                 return local_name[: -len(local_suffix)] + te_suffix
     return local_name
@@ -386,13 +386,23 @@ def model_tensors(model: Any) -> dict[str, torch.Tensor]:
 def checked_model_tensors(model: Any, names: Sequence[str], info: ChunkInfo) -> dict[str, torch.Tensor]:
     """`model_tensors`, after checking they are exactly the layout's `names` (else the two disagree)."""
     tensors = model_tensors(model)
-    expected = {spec_tensor_name(n, info.spec_kind, info) for n in names}
+    expected = {spec_tensor_name(n, info) for n in names}
     if set(tensors) != expected:
         raise RuntimeError(
             f"layout math and the megatron model disagree for chunk {info.chunk}: only in model "
             f"{sorted(set(tensors) - expected)[:5]}, only in layout {sorted(expected - set(tensors))[:5]}"
         )
     return tensors
+
+
+def chunk_tensors(model: Any) -> tuple[list[TensorPlan], dict[str, torch.Tensor]]:
+    """A built chunk's tensor plans, and its tensors by the layout's (local-spec) names, whatever the layer
+    spec names them (checked against the layout first, `checked_model_tensors`)."""
+    model = unwrap_model(model)
+    info = chunk_info(model)
+    plans = info.tensor_plans()
+    tensors = checked_model_tensors(model, [p.name for p in plans], info)
+    return plans, {p.name: tensors[spec_tensor_name(p.name, info)] for p in plans}
 
 
 @torch.no_grad()
@@ -419,11 +429,9 @@ def load_weights(models: Sequence[Any], path: str | Path, verify: bool = True) -
                 f"{path} holds {reader.shape}, the model was built for {info0.source.shape}"
             )
         for model in models:
-            info = chunk_info(model)
-            plans = info.tensor_plans()
-            tensors = checked_model_tensors(model, [p.name for p in plans], info)
+            plans, tensors = chunk_tensors(model)
             for plan in plans:
-                target = tensors[spec_tensor_name(plan.name, info.spec_kind, info)]
+                target = tensors[plan.name]
                 target.copy_(assemble(reader, plan, target.dtype))
     finally:
         reader.close()
@@ -440,8 +448,7 @@ def _load_same_layout(models: Sequence[Any], meta: McoreMetadata, verify: bool) 
         for model in models:
             info = chunk_info(model)
             prefix = rank_chunk_key_prefix(info.layout, info.chunk.vp_stage)
-            plans = info.tensor_plans()
-            tensors = checked_model_tensors(model, [p.name for p in plans], info)
+            plans, tensors = chunk_tensors(model)
             for plan in plans:
                 key = prefix + plan.name
                 if key not in file_keys:
@@ -450,7 +457,7 @@ def _load_same_layout(models: Sequence[Any], meta: McoreMetadata, verify: bool) 
                 if verify and tensor_sha256(value) != recorded[key]["sha256"]:
                     raise CheckpointError(f"checksum mismatch in {meta.path / fname}, tensor {key}: the file "
                                           "was modified or corrupted after it was written")
-                tensors[spec_tensor_name(plan.name, info.spec_kind, info)].copy_(value)
+                tensors[plan.name].copy_(value)
 
 
 # ---- saving and export (collective over the world) -------------------------------------------------
@@ -489,10 +496,9 @@ def rank_tensor_entries(models: Sequence[Any]) -> Iterator[tuple[str, TensorPlan
     for model in models:
         info = chunk_info(model)
         prefix = rank_chunk_key_prefix(info.layout, info.chunk.vp_stage)
-        plans = info.tensor_plans()
-        tensors = checked_model_tensors(model, [p.name for p in plans], info)
+        plans, tensors = chunk_tensors(model)
         for plan in plans:
-            yield prefix + plan.name, plan, tensors[spec_tensor_name(plan.name, info.spec_kind, info)]
+            yield prefix + plan.name, plan, tensors[plan.name]
 
 
 def _rank_tensors(models: Sequence[Any]) -> dict[str, torch.Tensor]:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from hybridrl.config.estimates import ReshardTraffic, reshard_traffic
 from hybridrl.config.meshes import ReshardGroups, TrainingMesh, build_training_mesh
-from hybridrl.models.bridge import TE_NAMES, chunk_info, model_tensors, spec_tensor_name, unwrap_model
+from hybridrl.models.bridge import chunk_info, chunk_tensors, unwrap_model
 from hybridrl.parallel.state import get_context
 from hybridrl.reshard.exchange import ExchangeStats, ScratchBuffers, WorldTransport, exchange
 from hybridrl.reshard.reshard_plan import RankReshardPlan, build_rank_plan, model_rank_of
@@ -267,12 +267,8 @@ def training_sources(models: Sequence[Any], mesh: TrainingMesh, rank: int) -> Tr
     if mesh.layout(built.ep, built.etp) != built:
         raise ValueError(f"rank {rank}: the resharder's mesh lays the model out as "
                          f"{mesh.layout(built.ep, built.etp)}, its models were built as {built}")
-    # mcore name (local spec) -> tensor, per chunk; TE specs rename the fused norms.
-    tensors: list[dict[str, torch.Tensor]] = []
-    for model, info in zip(chunks, infos):
-        by_model_name = model_tensors(model)
-        names = {n: spec_tensor_name(n, info.spec_kind) for n in _local_names(by_model_name, info.spec_kind)}
-        tensors.append({local: by_model_name[model_name].detach() for local, model_name in names.items()})
+    # mcore name (local spec) -> tensor, per chunk; TE specs rename the fused norms (per layer: chunk_tensors).
+    tensors = [{name: t.detach() for name, t in chunk_tensors(model)[1].items()} for model in chunks]
     first = next(iter(tensors[0].values()))
     return TrainingSources(infos[0].source.shape, tensors, first.device, chunks[0].config.params_dtype,
                            built.ep, built.etp)
@@ -297,18 +293,3 @@ def check_rollout_placement(resharder: Resharder, vllm_tp_rank: int) -> None:
             f"resharder builds generation shard {resharder.plan.gen_tp_index} ({resharder.groups.strategy} "
             "groups); build the Resharder with gen_tp_index matching the engine's TP groups"
         )
-
-
-def _local_names(by_model_name: dict[str, torch.Tensor], spec_kind: str) -> list[str]:
-    """Local-spec names of a chunk's tensors (the layout math's names), whatever the spec."""
-    if spec_kind != "te":
-        return list(by_model_name)
-    reverse = {te: local for local, te in TE_NAMES.items()}
-    out = []
-    for name in by_model_name:
-        for te_suffix, local_suffix in reverse.items():
-            if name.endswith(te_suffix):
-                name = name[: -len(te_suffix)] + local_suffix
-                break
-        out.append(name)
-    return out

@@ -41,9 +41,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridrl.models.bridge import ModelSource, spec_tensor_name
+from hybridrl.models.bridge import ModelSource, chunk_tensors
 from hybridrl.models.checkpoint import METADATA_FILE, McoreCheckpointReader, assemble
-from hybridrl.models.layout import chunk_tensor_plans
 
 SCORE_WEIGHT = "score.weight"
 HF_INDEX_FILE = "model.safetensors.index.json"
@@ -159,12 +158,12 @@ def load_value_model(models: Sequence[Any], path: str | Path) -> bool:
     head_loaded = False
     try:
         for model in models:
-            info = model.hybridrl
-            tensors = {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
-            for plan in chunk_tensor_plans(info.source.shape, info.layout, info.chunk, info.tp_rank):
-                if plan.name == OUTPUT_LAYER:
+            # this rank's tensors of every kind (its TP, EP and expert TP ranks'), named as its layer spec names them
+            plans, tensors = chunk_tensors(model)
+            for plan in plans:
+                if plan.name == OUTPUT_LAYER:  # the value head, loaded from score.weight below
                     continue
-                target = tensors[spec_tensor_name(plan.name, info.spec_kind)]
+                target = tensors[plan.name]
                 target.copy_(assemble(reader, plan, target.dtype))
             if model.post_process and isinstance(reader, _HFTensors) and reader.has(SCORE_WEIGHT):
                 score = reader.read(SCORE_WEIGHT, None, 0, 0)
