@@ -165,7 +165,7 @@ CASES = {
                               "must be in (1, 1e+06]", [f"{RC}.mask_level=geometric", f"{RC}.mask_high=1.1"]),
     "top_p in (0,1]": ([f"{R}.top_p=0"], f"{R}.top_p", "(0, 1]", [f"{R}.top_p=0.9"]),
     "gpu memory utilization": ([f"{R}.gpu_memory_utilization=1.5"], f"{R}.gpu_memory_utilization", "(0, 1]",
-                               [f"{R}.gpu_memory_utilization=0.9"]),
+                               [f"{R}.gpu_memory_utilization=0.8"]),
 }
 
 
@@ -855,7 +855,7 @@ def test_a_disaggregated_plan_has_two_pools_and_the_cross_pool_traffic():
     assert res.free_cache_engine is False  # nothing to sleep for on a pool of its own
     # vLLM's replicas are the pool's ranks, consecutive (its own TP groups), numbered within the pool
     assert plan.reshard.groups.rollout.replicas == ((0, 1), (2, 3))
-    assert plan.prompts_per_rollout_replica == 30 and plan.phase_peaks is not None
+    assert plan.prompts_per_rollout_replica == 30 and plan.gpu_memory is not None
     # a replica holds up to max_staleness + 1 batches in flight: its KV cache estimate counts them all
     assert plan.rollout_memory.tokens_per_replica_step == 3 * 30 * 12 * (512 + 1024)
     # every rollout rank receives its whole TP-2 shard; the 6 trainer ranks share the sending

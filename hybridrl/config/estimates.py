@@ -10,6 +10,10 @@ show what the hybrid engine's resharding costs against the naive design. Formula
   keeps PP - s micro-batches in flight on stage s;
 - resharding: a rank must receive every byte of its generation shard it does not already hold
   (HybridFlow §5, Table 2); the naive design all-gathers the whole model on every rank;
+- the per-GPU peak (`gpu_memory_plan`): each phase of a step sums what every role colocated on the GPU
+  holds then (the actor's, the critic's and the reward model's processes share it with vLLM), the
+  per-process and communicator overheads, and vLLM's start-up check; constants and their sources are
+  with `GpuOverheads`;
 - pipeline balance: a stage's share of a micro-batch's matmul FLOPs (2 per weight a token meets, an
   MoE layer's top-k experts only, causal attention's s/2 keys a token; the last stage's output layer
   only for the tokens it is computed on), since 1F1B runs at the pace of the heaviest stage.
@@ -53,6 +57,14 @@ class TrainingMemory:
     total_gib: float
     fits: bool
     stages: tuple[StageMemory, ...] = ()
+    # the fp32 master weights inside `optimizer_gib` (16-bit training only): they stay on the GPU when
+    # the optimizer is offloaded (`hybridrl.training.offload` moves Adam's moments only)
+    master_params_gib: float = 0.0
+
+    @property
+    def moments_gib(self) -> float:
+        """Adam's two moments (what `optimizer_offload` moves to the host between updates)."""
+        return self.optimizer_gib - self.master_params_gib
 
 
 @dataclass(frozen=True)
@@ -214,24 +226,31 @@ def stage_balance(role: str, shape: ModelShape, layout: ParallelLayout, *, layer
 def training_memory(
     role: str, shape: ModelShape, mesh: TrainingMesh, *, dtype: str, distributed_optimizer: bool,
     trainable: bool, micro_batch: int, seq_len: int, sequence_parallel: bool, gpu_gib: float, ep: int = 1,
-    etp: int | None = None,
+    etp: int | None = None, recompute: bool = False, value_head: bool = False, head_tokens: int | None = None,
 ) -> TrainingMemory:
     """The heaviest pipeline stage's GPU (its figures; `stages` has every stage's). `ep`, `etp`: expert
     parallelism and expert TP of an MoE model (`etp` None: TP); the distributed optimizer shards
     dense weights' state over DP and the experts' over the expert-data-parallel ranks,
     TP x CP x DP / (EP x ETP). Activations: a stage's own layers; the fp32 logits on the last stage
-    only; 1F1B keeps pp - s micro-batches in flight on stage s (the first stage the most)."""
+    only, on the `head_tokens` of a row (default all: the policy's passes compute them on the response
+    tokens only), one column for a value head (critic, reward model); 1F1B keeps pp - s micro-batches
+    in flight on stage s (the first stage the most). `recompute` (full, uniform, one layer at a time:
+    `model.enable_gradient_checkpointing`): a micro-batch keeps each layer's input only (2 s b h bytes,
+    over TP with sequence parallelism) and one layer's whole activations while it is recomputed."""
     layout = mesh.layout(ep, etp)
     p_bytes = DTYPE_BYTES[dtype]
     # fp32 master copy only when compute is in 16-bit; Adam m and v are always fp32.
-    opt_bytes = (4 if p_bytes < 4 else 0) + 8
+    master_bytes = 4 if p_bytes < 4 else 0
+    opt_bytes = master_bytes + 8
     expert_dp = max(1, mesh.tp * mesh.dp * mesh.cp // (ep * layout.expert_tp))
     tokens = micro_batch * seq_len / mesh.cp
     per_layer = 34 * tokens * shape.hidden_size * p_bytes / 2  # 34 sbh counts 2-byte activations
     per_layer = per_layer / mesh.tp if sequence_parallel else per_layer * (10 + 24 / mesh.tp) / 34
+    layer_input = tokens * shape.hidden_size * p_bytes / (mesh.tp if sequence_parallel else 1)
     # fp32 logits + their gradient. Not divided by CP: each CP rank gathers the last stage's hidden
     # states over CP and computes the whole micro-batch's output layer (training/backend.py).
-    logits = micro_batch * seq_len * (shape.vocab_size / mesh.tp) * 4 * 2
+    head_rows = micro_batch * (seq_len if head_tokens is None else head_tokens)
+    logits = head_rows * (1 if value_head else shape.vocab_size / mesh.tp) * 4 * 2
     stage_layers = layout.stage_layers(shape.num_layers)
     memories = []
     for stage, (dense, experts) in enumerate(_stage_params(shape, layout)):
@@ -239,19 +258,28 @@ def training_memory(
         params_gib = params * p_bytes / GIB
         grads_gib = params * 4 / GIB if trainable else 0.0
         opt_full = params * opt_bytes / GIB if trainable else 0.0
-        opt = ((dense / mesh.dp + experts / expert_dp) * opt_bytes / GIB
-               if (distributed_optimizer and trainable) else opt_full)
+        opt_share = ((dense / mesh.dp + experts / expert_dp) if (distributed_optimizer and trainable)
+                     else params if trainable else 0.0)
+        opt = opt_share * opt_bytes / GIB
+        # the distributed optimizer's fp32 master shard is as sharded as Adam's moments
+        master = opt_share * master_bytes / GIB
         head = logits if stage == mesh.pp - 1 else 0.0
-        # forward only: one layer's working set
-        act = ((stage_layers[stage] if trainable else 1) * per_layer + head) / GIB
-        in_flight = act * ((mesh.pp - stage) if trainable else 1)
+        if not trainable:  # forward only: one layer's working set
+            act = (per_layer + head) / GIB
+            in_flight = act
+        elif recompute:  # each layer's input kept; one layer recomputed whole at a time in the backward
+            act = (stage_layers[stage] * layer_input + head) / GIB
+            in_flight = act * (mesh.pp - stage) + per_layer / GIB
+        else:
+            act = (stage_layers[stage] * per_layer + head) / GIB
+            in_flight = act * (mesh.pp - stage)
         total = params_gib + grads_gib + opt + in_flight
-        memories.append((stage_layers[stage], params_gib, grads_gib, opt, opt_full, act, in_flight, total))
-    _, params_gib, grads_gib, opt, opt_full, act, in_flight, total = max(memories, key=lambda m: m[-1])
+        memories.append((stage_layers[stage], params_gib, grads_gib, opt, opt_full, act, in_flight, master, total))
+    _, params_gib, grads_gib, opt, opt_full, act, in_flight, master, total = max(memories, key=lambda m: m[-1])
     stages = tuple(StageMemory(stage, m[0], round(m[1], 3), round(m[-1], 3)) for stage, m in enumerate(memories))
     return TrainingMemory(
         role, round(params_gib, 3), round(grads_gib, 3), round(opt, 3), round(opt_full, 3),
-        round(act, 3), round(in_flight, 3), round(total, 3), total <= gpu_gib, stages,
+        round(act, 3), round(in_flight, 3), round(total, 3), total <= gpu_gib, stages, round(master, 3),
     )
 
 
@@ -288,32 +316,213 @@ def rollout_memory(
 
 
 @dataclass(frozen=True)
-class PhasePeaks:
-    """Per-GPU peak of the hybrid engine, where actor, reference and rollout share each GPU.
+class GpuOverheads:
+    """What a GPU holds besides the roles' tensors and vLLM's share, with where each figure comes from.
 
-    Generation: the actor's training state stays resident (unless offloaded) next to vLLM's
-    weights and KV cache. Training: vLLM sleeps (its memory freed) and the reference's weights stay.
+    Estimates until a multi-GPU run measures them (`bench/gpu_check.sh` records what one GPU can):
+    - a CUDA context per process on the GPU (torch, cuBLAS and NCCL kernels loaded lazily): vLLM reports
+      0.5-1 GiB of such "non-torch" memory per process on Hopper;
+    - NCCL: memory grows linearly with a communicator's channels (up to 32 on NVLink) and each needs
+      its own buffers (NVIDIA/nccl#986: "more communicators = more memory"); ~0.5 GiB for a ring/tree
+      communicator at NVLink speed, and an all-to-all connects every pair over 32 channels: 1.06 -> 4.34
+      GB on one 8 x H100 rank after the first `all_to_all_single` (NVIDIA/nccl#1685);
+    - vLLM asleep frees its weights and KV cache but not its CUDA graphs' memory pool (~1 GiB when graphs
+      are captured, i.e. `rollout.enforce_eager` false) nor its TP communicators' all-reduce workspaces
+      (`vllm_tp_workspace_gib`);
+    - a margin for what is not modelled: the caching allocator's fragmentation, cuBLAS/attention
+      workspaces, temporaries of the loss and the optimizer step.
     """
 
-    generation_gib: float
-    training_gib: float
-    fits: bool
+    cuda_context_gib: float = 0.75
+    nccl_collective_gib: float = 0.5
+    nccl_all_to_all_gib: float = 3.0
+    vllm_cuda_graphs_gib: float = 1.0
+    margin_fraction: float = 0.05
 
 
-def phase_peaks(
-    memories: tuple[TrainingMemory, ...], rollout: RolloutMemory, *, gpu_gib: float,
-    gpu_memory_utilization: float, offload_params: bool = False, offload_grads: bool = False,
-    offload_optimizer: bool = False,
-) -> PhasePeaks:
-    by_role = {m.role: m for m in memories}
-    actor = by_role[Role.ACTOR]
-    # each part the actor offloads between phases (hybridrl.training.offload) is absent during generation
-    resident = ((0.0 if offload_params else actor.params_gib) + (0.0 if offload_grads else actor.grads_gib)
-                + (0.0 if offload_optimizer else actor.optimizer_gib))
-    ref_params = by_role[Role.REF].params_gib if Role.REF in by_role else 0.0
-    generation = resident + ref_params + gpu_gib * gpu_memory_utilization
-    training = actor.total_gib + ref_params
-    return PhasePeaks(round(generation, 3), round(training, 3), max(generation, training) <= gpu_gib)
+OVERHEADS = GpuOverheads()
+MIB = 1024**2
+# vLLM 0.32's TP all-reduce buffers, which stay allocated while vLLM sleeps (by TP size; the largest over
+# Hopper and Blackwell, whose tables differ, as the plan does not know the GPU): torch symmetric memory
+# (`SYMM_MEM_ALL_REDUCE_MAX_SIZES`, VLLM_ALLREDUCE_USE_SYMM_MEM on by default), FlashInfer's fused
+# all-reduce (`FI_ALLREDUCE_FUSION_MAX_SIZE_MB`, VLLM_ALLREDUCE_USE_FLASHINFER on by default; its
+# Lamport workspace holds three buffers of the largest message for every peer), and the custom
+# all-reduce's 8 MiB buffer, registered twice. `disable_custom_all_reduce` turns off only the last.
+_SYMM_MEM_MIB = {2: 64, 4: 32, 6: 128, 8: 128}
+_FLASHINFER_MIB = {2: 64, 4: 64, 6: 0, 8: 4}
+
+
+def vllm_tp_workspace_gib(infer_tp: int) -> float:
+    """The all-reduce workspaces one vLLM rank of a TP group keeps through sleep (0 at TP 1)."""
+    if infer_tp <= 1:
+        return 0.0
+    symm = _SYMM_MEM_MIB.get(infer_tp, max(_SYMM_MEM_MIB.values()))
+    flashinfer = 3 * _FLASHINFER_MIB.get(infer_tp, max(_FLASHINFER_MIB.values())) * infer_tp
+    return (symm + flashinfer + 2 * 8) * MIB / GIB
+
+
+def nccl_communicators(mesh: TrainingMesh, ep: int = 1, etp: int | None = None) -> tuple[int, int]:
+    """(collective, all-to-all) NCCL communicators a training process of `mesh` uses: the world group
+    (hybridrl's object broadcasts and barriers), one per parallel dimension above 1 (TP, PP, DP, CP), the
+    model-parallel group when TP x PP > 1 (megatron's grad-norm all-reduce), and for an MoE model at EP > 1
+    the expert all-to-all group plus the expert-data-parallel group when it has several ranks."""
+    collective = 1 + sum(size > 1 for size in (mesh.tp, mesh.pp, mesh.dp, mesh.cp)) + int(mesh.tp * mesh.pp > 1)
+    all_to_all = int(ep > 1)
+    expert_dp = mesh.tp * mesh.dp * mesh.cp // (ep * (etp or mesh.tp))
+    collective += int(ep > 1 and expert_dp > 1)
+    return collective, all_to_all
+
+
+@dataclass(frozen=True)
+class RoleOnGpu:
+    """A role as one GPU holds it: its memory estimate, what it keeps there between its own phases, and its
+    process's NCCL communicators. The reference policy is offloaded between its passes (it shares the
+    actor's process); the others keep what their settings do not offload."""
+
+    memory: TrainingMemory
+    offload_params: bool = False
+    offload_grads: bool = False
+    offload_optimizer: bool = False
+    own_process: bool = True
+    communicators: tuple[int, int] = (1, 0)  # (collective, all-to-all)
+
+    @property
+    def role(self) -> str:
+        return self.memory.role
+
+    def held(self, *, built_only: bool = False) -> list[tuple[str, float]]:
+        """(item, GiB) it keeps on the GPU outside its own phases; `built_only`: as built, before its first
+        update (Adam's moments are made at the first step on GPUs; grads offloaded at set-up when configured)."""
+        m = self.memory
+        if self.role == Role.REF:
+            return []
+        items = [] if self.offload_params else [(f"{self.role} params", m.params_gib)]
+        if m.grads_gib and not self.offload_grads:
+            items.append((f"{self.role} grads", m.grads_gib))
+        if m.master_params_gib:
+            items.append((f"{self.role} fp32 master params", m.master_params_gib))
+        if m.moments_gib and not self.offload_optimizer and not built_only:
+            items.append((f"{self.role} Adam moments", m.moments_gib))
+        return items
+
+    def working(self) -> list[tuple[str, float]]:
+        """(item, GiB) during its own heaviest phase: everything, activations in flight included."""
+        m = self.memory
+        items = [(f"{self.role} params", m.params_gib)]
+        if m.grads_gib:
+            items.append((f"{self.role} grads", m.grads_gib))
+        if m.master_params_gib:
+            items.append((f"{self.role} fp32 master params", m.master_params_gib))
+        if m.moments_gib:
+            items.append((f"{self.role} Adam moments", m.moments_gib))
+        items.append((f"{self.role} activations", m.activations_gib_in_flight))
+        return items
+
+
+@dataclass(frozen=True)
+class PhaseMemory:
+    """One phase of a step on one GPU: what is allocated then, item by item (GiB)."""
+
+    name: str
+    items: tuple[tuple[str, float], ...]
+
+    @property
+    def total_gib(self) -> float:
+        return round(sum(gib for _, gib in self.items), 3)
+
+
+@dataclass(frozen=True)
+class GpuMemoryPlan:
+    """The per-GPU peak over a step's phases, every colocated role counted, and vLLM's start-up check.
+
+    vLLM 0.32 refuses to start unless the GPU's free memory is at least gpu_memory_utilization x its total
+    (`vllm/v1/worker/utils.py` `request_memory`): what the actor's process holds when the engine is built
+    (`startup`) must leave that free. The plan fits when the heaviest phase plus the margin is within
+    the GPU and the start-up check passes."""
+
+    gpu_gib: float
+    margin_gib: float
+    phases: tuple[PhaseMemory, ...]
+    startup: PhaseMemory | None = None
+    startup_limit_gib: float = 0.0
+    notes: tuple[str, ...] = ()
+
+    @property
+    def peak(self) -> PhaseMemory:
+        return max(self.phases, key=lambda p: p.total_gib)
+
+    @property
+    def peak_gib(self) -> float:
+        return round(self.peak.total_gib + self.margin_gib, 3)
+
+    @property
+    def startup_fits(self) -> bool:
+        return self.startup is None or self.startup.total_gib <= self.startup_limit_gib
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_gib <= self.gpu_gib and self.startup_fits
+
+    def phase(self, name: str) -> PhaseMemory:
+        return next(p for p in self.phases if p.name == name)
+
+
+def gpu_memory_plan(
+    roles: tuple[RoleOnGpu, ...], *, gpu_gib: float, gpu_memory_utilization: float | None,
+    infer_tp: int = 1, cuda_graphs: bool = False, device_overheads: bool = True,
+    overheads: GpuOverheads = OVERHEADS,
+) -> GpuMemoryPlan:
+    """The phases of a step on one GPU of the training ranks. `gpu_memory_utilization` None: no vLLM on
+    these GPUs (a disaggregated rollout pool). `device_overheads` False (CPU): no CUDA contexts, NCCL
+    communicators or vLLM workspaces, and no start-up check (vLLM's CPU cache is its own allocation)."""
+    by_role = {r.role: r for r in roles}
+    processes = [r for r in roles if r.own_process]
+    common: list[tuple[str, float]] = []
+    if device_overheads:
+        common.append((f"CUDA contexts ({len(processes)} processes)", len(processes) * overheads.cuda_context_gib))
+        collective = sum(r.communicators[0] for r in processes)
+        all_to_all = sum(r.communicators[1] for r in processes)
+        if gpu_memory_utilization is not None and infer_tp > 1:
+            collective += 1  # vLLM's TP group (pynccl), in the actor's process
+        common.append((f"NCCL ({collective} communicators" + (f", {all_to_all} all-to-all)" if all_to_all else ")"),
+                       collective * overheads.nccl_collective_gib + all_to_all * overheads.nccl_all_to_all_gib))
+    asleep: list[tuple[str, float]] = []
+    if gpu_memory_utilization is not None and device_overheads:
+        workspace = vllm_tp_workspace_gib(infer_tp)
+        if workspace:
+            asleep.append((f"vLLM asleep: TP{infer_tp} all-reduce workspaces", workspace))
+        if cuda_graphs:
+            asleep.append(("vLLM asleep: CUDA graph pool", overheads.vllm_cuda_graphs_gib))
+
+    def others(busy: str) -> list[tuple[str, float]]:
+        return [item for r in roles if r.role != busy for item in r.held()]
+
+    phases: list[PhaseMemory] = []
+    startup = None
+    startup_limit = 0.0
+    if gpu_memory_utilization is not None:
+        vllm = (f"vLLM (gpu_memory_utilization {gpu_memory_utilization:g} x {gpu_gib:g})",
+                gpu_memory_utilization * gpu_gib)
+        phases.append(PhaseMemory("generation", tuple([vllm, *[i for r in roles for i in r.held()], *common])))
+        if device_overheads and Role.ACTOR in by_role:
+            actor = by_role[Role.ACTOR]
+            collective, all_to_all = actor.communicators
+            startup = PhaseMemory("vLLM start-up", (
+                *actor.held(built_only=True), ("CUDA context (actor process)", overheads.cuda_context_gib),
+                (f"NCCL ({collective} communicators of the actor)",
+                 collective * overheads.nccl_collective_gib + all_to_all * overheads.nccl_all_to_all_gib)))
+            startup_limit = round(gpu_gib * (1 - gpu_memory_utilization), 3)
+    for r in roles:
+        name = f"{r.role} update" if r.memory.grads_gib else f"{r.role} pass"
+        phases.append(PhaseMemory(name, tuple([*r.working(), *others(r.role), *asleep, *common])))
+    notes = []
+    if device_overheads:
+        notes.append(f"per process {overheads.cuda_context_gib:g} GiB of CUDA context; NCCL "
+                     f"{overheads.nccl_collective_gib:g} GiB a communicator ({overheads.nccl_all_to_all_gib:g} "
+                     f"all-to-all); margin {overheads.margin_fraction:.0%} of the GPU for fragmentation and "
+                     "workspaces not modelled")
+    margin = round(gpu_gib * overheads.margin_fraction, 3) if device_overheads else 0.0
+    return GpuMemoryPlan(gpu_gib, margin, tuple(phases), startup, startup_limit, tuple(notes))
 
 
 @dataclass(frozen=True)

@@ -19,14 +19,16 @@ from hybridrl.config.errors import ConfigError, ConfigIssue
 from hybridrl.config.estimates import (
     GIB,
     CrossPoolTraffic,
-    PhasePeaks,
+    GpuMemoryPlan,
     ReshardTraffic,
+    RoleOnGpu,
     RolloutMemory,
     StageBalance,
     TrainingMemory,
     cross_pool_traffic,
+    gpu_memory_plan,
     kv_cache_bytes_needed,
-    phase_peaks,
+    nccl_communicators,
     reshard_traffic,
     rollout_memory,
     shares_text,
@@ -143,7 +145,8 @@ class Plan:
     reshard: ReshardPlan
     training_memory: tuple[TrainingMemory, ...]
     rollout_memory: RolloutMemory | None
-    phase_peaks: PhasePeaks | None
+    # every phase of a step on one training GPU, every colocated role counted (`estimates.gpu_memory_plan`)
+    gpu_memory: GpuMemoryPlan | None
     token_budget: TokenBudget
     warnings: tuple[str, ...]
     # each pipelined role's FLOPs per stage and the split that evens them (`estimates.stage_balance`)
@@ -272,41 +275,91 @@ def build_plan(config: JobConfig, prior_issues: list[ConfigIssue] | tuple[Config
     return _derive(config, resolved, model, tuple(warnings))
 
 
-def _ways_to_fit(config: JobConfig, memories: tuple[TrainingMemory, ...], rollout: RolloutMemory,
-                 seq_len: int) -> str:
-    """The single changes that would bring the hybrid engine's peak under the GPU, with their peaks."""
+def _role_shape(config: JobConfig, role: str, actor_shape: ModelShape) -> ModelShape:
+    """The model a role runs: the critic's or reward model's own folder when it has a readable config, else the
+    actor's shape (value models default to the policy's backbone)."""
+    section = {Role.CRITIC: config.critic, Role.REWARD_MODEL: config.reward_model}.get(role)
+    path = section.model.path if section is not None else None
+    if not path or path == config.actor_rollout_ref.model.path or not (Path(path) / "config.json").is_file():
+        return actor_shape
+    try:  # a sequence classifier is read as its causal-LM twin (same backbone), as the workers build it
+        hf = json.loads((Path(path) / "config.json").read_text())
+        hf["architectures"] = [a.replace("ForSequenceClassification", "ForCausalLM")
+                               for a in hf.get("architectures") or []]
+        return ModelShape.from_hf_config({**hf, "tie_word_embeddings": False})
+    except (UnsupportedModelError, ValueError, KeyError, OSError):
+        return actor_shape
+
+
+def _role_on_gpu(config: JobConfig, memory: TrainingMemory, layout: RoleLayout, *, grads: bool | None = None,
+                 optimizer: bool | None = None) -> RoleOnGpu:
+    """A role's memory estimate with its offload settings (`grads` / `optimizer` override them)."""
+    mc = layout.megatron
+    return RoleOnGpu(memory, offload_params=mc.param_offload and memory.role == Role.REWARD_MODEL,
+                     offload_grads=mc.grad_offload if grads is None else grads,
+                     offload_optimizer=mc.optimizer_offload if optimizer is None else optimizer,
+                     own_process=memory.role != Role.REF,
+                     communicators=nccl_communicators(layout.mesh, mc.expert_model_parallel_size,
+                                                      mc.expert_tensor_parallel_size))
+
+
+def _gpu_memory(config: JobConfig, resolved: Resolved, policy: DevicePolicy, memories: tuple[TrainingMemory, ...],
+                layouts: tuple[RoleLayout, ...], *, utilization: float | None = None,
+                offload: dict[str, tuple[bool, bool]] | None = None) -> GpuMemoryPlan:
+    """The per-GPU phases of the job (`offload`: role -> (grads, optimizer) offload to try instead)."""
+    rollout = config.actor_rollout_ref.rollout
+    by_role = {lay.role: lay for lay in layouts}
+    roles = tuple(_role_on_gpu(config, m, by_role[m.role], **dict(zip(("grads", "optimizer"), (offload or {})
+                                                                         .get(m.role, (None, None)))))
+                  for m in memories)
+    colocated = not resolved.disaggregated
+    return gpu_memory_plan(
+        roles, gpu_gib=config.trainer.gpu_memory_gib,
+        gpu_memory_utilization=(utilization or rollout.gpu_memory_utilization) if colocated else None,
+        infer_tp=rollout.tensor_model_parallel_size, cuda_graphs=policy.vllm_honours_enforce_eager
+        and rollout.enforce_eager is False, device_overheads=policy.gpu_memory_budget_binding)
+
+
+def _ways_to_fit(config: JobConfig, resolved: Resolved, policy: DevicePolicy, memories: tuple[TrainingMemory, ...],
+                 layouts: tuple[RoleLayout, ...], rollout: RolloutMemory, seq_len: int) -> str:
+    """The single changes that would bring the per-GPU peak under the GPU, with their peaks."""
     arr = config.actor_rollout_ref
     gpu, utilization = config.trainer.gpu_memory_gib, arr.rollout.gpu_memory_utilization
-    mc = arr.actor.megatron
-
-    def peaks_with(utilization: float = utilization, grads: bool = mc.grad_offload,
-                   optimizer: bool = mc.optimizer_offload) -> PhasePeaks:
-        return phase_peaks(memories, rollout, gpu_gib=gpu, gpu_memory_utilization=utilization,
-                           offload_params=mc.param_offload, offload_grads=grads, offload_optimizer=optimizer)
-
-    ways = []
-    offload_choices = [("actor.megatron.optimizer_offload=true", True, mc.grad_offload),
-                       ("actor.megatron.optimizer_offload=true and grad_offload=true", True, True)]
-    for label, optimizer, grads in offload_choices:
-        if (optimizer, grads) == (mc.optimizer_offload, mc.grad_offload):
-            continue  # already what the job does
-        peaks = peaks_with(grads=grads, optimizer=optimizer)
-        if peaks.fits:
-            ways.append(f"{label} (peak {max(peaks.generation_gib, peaks.training_gib):.1f} GiB)")
-    # The largest utilization (in steps of 0.05) whose generation peak fits, if it still holds
-    # vLLM's weights and one full sequence's KV cache.
+    trained = [lay for lay in layouts if lay.role in (Role.ACTOR, Role.CRITIC)]
+    current = {lay.role: (lay.megatron.grad_offload, lay.megatron.optimizer_offload) for lay in trained}
+    # each trained role's optimizer offload, then with its grads, then every role's both at once
+    choices = [{lay.role: offload} for lay in trained for offload in ((current[lay.role][0], True), (True, True))]
+    choices.append({lay.role: (True, True) for lay in trained})
+    ways: list[str] = []
+    for offload in choices:
+        changed = {role: value for role, value in offload.items() if value != current[role]}
+        label = " and ".join(
+            f"{role_megatron_field(config, role)}." + " and ".join(
+                name + "=true" for name, on, was in zip(("grad_offload", "optimizer_offload"), value, current[role])
+                if on and not was)
+            for role, value in changed.items())
+        if not changed or any(label in way for way in ways):
+            continue  # already what the job does, or named already
+        memory = _gpu_memory(config, resolved, policy, memories, layouts, offload={**current, **offload})
+        if memory.fits:
+            ways.append(f"{label} (peak {memory.peak_gib:.1f} GiB)")
+    # The largest utilization (in steps of 0.05) whose peak fits, if it still holds vLLM's weights and one
+    # full sequence's KV cache.
     for step in range(int(utilization * 20) - 1, 0, -1):
         lower = step / 20
         room = gpu * lower - rollout.weights_gib
-        if peaks_with(utilization=lower).fits and room * GIB >= rollout.kv_bytes_per_token * seq_len:
-            ways.append(f"rollout.gpu_memory_utilization={lower:g} (KV cache {room:.1f} GiB)")
+        if _gpu_memory(config, resolved, policy, memories, layouts, utilization=lower).fits \
+                and room * GIB >= rollout.kv_bytes_per_token * seq_len:
+            ways.append(f"actor_rollout_ref.rollout.gpu_memory_utilization={lower:g} (KV cache {room:.1f} GiB)")
             break
     actor = next(m for m in memories if m.role == Role.ACTOR)
     if actor.activations_gib_in_flight > 0.25 * gpu:
-        ways.append(f"a smaller actor.ppo_micro_batch_size_per_gpu={arr.actor.ppo_micro_batch_size_per_gpu} "
-                    f"(activations in flight {actor.activations_gib_in_flight:.1f} GiB scale with it)")
-    ways.append("more TP/PP for the actor (each doubling halves its params, grads and optimizer per GPU)")
-    return "would fit with (under actor_rollout_ref.): " + "; or ".join(ways)
+        ways.append(f"a smaller actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu="
+                    f"{arr.actor.ppo_micro_batch_size_per_gpu} (activations in flight "
+                    f"{actor.activations_gib_in_flight:.1f} GiB scale with it)")
+    ways.append("more TP/PP for the actor or critic (each doubling halves its params, grads and optimizer per GPU)")
+    return "would fit with: " + "; or ".join(ways)
+
 
 
 def _cpu_kv_cache_bytes(config: JobConfig, resolved: Resolved, policy: DevicePolicy, model: ModelShape,
@@ -422,7 +475,7 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
     infer_dp = groups.rollout.infer_dp
 
     train_mem: list[TrainingMemory] = []
-    roll_mem = peaks = None
+    roll_mem = gpu_memory = None
     balances: list[StageBalance] = []
     if model is not None:
         balances = _stage_balances(config, resolved, model, layouts)
@@ -431,13 +484,18 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
             trainable = layout.role in (Role.ACTOR, Role.CRITIC)
             micro = next((u.micro_batch_size for u in updates if u.role == layout.role),
                          next(f.micro_batch_size for f in forwards if f.role == layout.role))
+            value_model = layout.role in (Role.CRITIC, Role.REWARD_MODEL)
             train_mem.append(training_memory(
-                layout.role, model, layout.mesh, dtype=mc.dtype or resolved.train_dtype,
+                layout.role, _role_shape(config, layout.role, model), layout.mesh,
+                dtype=mc.dtype or resolved.train_dtype,
                 distributed_optimizer=mc.use_distributed_optimizer, trainable=trainable,
                 micro_batch=micro, seq_len=resolved.max_sequence_length,
                 sequence_parallel=mc.sequence_parallel and mc.tensor_model_parallel_size > 1,
                 gpu_gib=config.trainer.gpu_memory_gib, ep=mc.expert_model_parallel_size,
-                etp=mc.expert_tensor_parallel_size,
+                etp=mc.expert_tensor_parallel_size, value_head=value_model,
+                recompute=trainable and (config.critic if value_model else arr).model.enable_gradient_checkpointing,
+                # the policy's passes compute the vocabulary only at the response tokens (training/actor.py)
+                head_tokens=None if value_model else data.max_response_length,
             ))
         sequences_per_replica = data.train_batch_size // infer_dp * n
         if resolved.async_mode == "fully_async":  # up to max_staleness + 1 batches in flight at once
@@ -450,13 +508,7 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
             seq_len=resolved.max_sequence_length,
             cpu_kv_cache_bytes=_cpu_kv_cache_bytes(config, resolved, policy, model, sequences_per_replica),
         )
-        actor_mc = by_role[Role.ACTOR].megatron
-        peaks = phase_peaks(
-            tuple(train_mem), roll_mem, gpu_gib=config.trainer.gpu_memory_gib,
-            gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
-            offload_params=actor_mc.param_offload, offload_grads=actor_mc.grad_offload,
-            offload_optimizer=actor_mc.optimizer_offload,
-        )
+        gpu_memory = _gpu_memory(config, resolved, policy, tuple(train_mem), tuple(layouts))
         extra = [f"{m.role}: estimated {m.total_gib:.1f} GiB per GPU exceeds trainer.gpu_memory_gib="
                  f"{config.trainer.gpu_memory_gib:g}" for m in train_mem if not m.fits]
         if roll_mem.on_cpu and not roll_mem.fits:  # vLLM would refuse to start: say so before any process
@@ -484,18 +536,24 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
                 f"(weights {roll_mem.weights_gib:.1f} GiB per GPU at gpu_memory_utilization="
                 f"{arr.rollout.gpu_memory_utilization:g})"
             )
-        if not resolved.disaggregated and not peaks.fits:
-            peak = (f"{max(peaks.generation_gib, peaks.training_gib):.1f} GiB (generation "
-                    f"{peaks.generation_gib:.1f}: the actor's resident state and the ref next to vLLM's "
-                    f"gpu_memory_utilization share; training {peaks.training_gib:.1f})")
+        if not gpu_memory.fits:
+            peak = gpu_memory.peak
+            what = (f"its heaviest phase, {peak.name}, holds {peak.total_gib:.1f} GiB + a margin of "
+                    f"{gpu_memory.margin_gib:.1f} = {gpu_memory.peak_gib:.1f} GiB per GPU (`hybridrl plan` lists "
+                    f"every item)")
+            if not gpu_memory.startup_fits:
+                what = (f"vLLM's start-up check needs gpu_memory_utilization x the GPU free while the actor's "
+                        f"process already holds {gpu_memory.startup.total_gib:.1f} GiB (more than "
+                        f"{gpu_memory.startup_limit_gib:.1f})" + ("" if gpu_memory.peak_gib <= gpu_memory.gpu_gib
+                                                                  else "; and " + what))
             if policy.gpu_memory_budget_binding:  # it would run out of memory after minutes of start-up: refuse now
                 raise ConfigError([ConfigIssue(
                     "trainer.gpu_memory_gib", config.trainer.gpu_memory_gib,
-                    f"is below the hybrid engine's per-GPU peak of {peak}; "
-                    + _ways_to_fit(config, tuple(train_mem), roll_mem, resolved.max_sequence_length))])
-            extra.append(f"hybrid engine: actor + ref + rollout on one GPU peak at {peak} > trainer.gpu_memory_gib="
-                         f"{config.trainer.gpu_memory_gib:g}; lower rollout.gpu_memory_utilization, offload, or add "
-                         "TP/PP")
+                    f"is too small for this job: {what}; "
+                    + _ways_to_fit(config, resolved, policy, tuple(train_mem), tuple(layouts), roll_mem,
+                                   resolved.max_sequence_length))])
+            extra.append(f"GPU memory: {what} > trainer.gpu_memory_gib={config.trainer.gpu_memory_gib:g}; lower "
+                         "rollout.gpu_memory_utilization, offload, or add TP/PP")
         # a reference on the actor's megatron section has the actor's balance: one warning says it
         shared_ref = config.actor_rollout_ref.ref.megatron is None
         extra += [_imbalance_warning(config, balance) for balance in balances
@@ -517,7 +575,7 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
         reshard=ReshardPlan(groups, traffic, resolved.rollout_dtype, cross),
         training_memory=tuple(train_mem),
         rollout_memory=roll_mem,
-        phase_peaks=peaks,
+        gpu_memory=gpu_memory,
         token_budget=token_budget(config, resolved),
         stage_balance=tuple(balances),
         warnings=warnings,

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hybridrl.config.estimates import StageBalance, shares_text, split_text
+from hybridrl.config.estimates import GpuMemoryPlan, StageBalance, shares_text, split_text
 from hybridrl.config.meshes import TrainingMesh, expert_groups
 from hybridrl.config.plan import Plan
 from hybridrl.config.resolve import MODEL_SECTIONS
@@ -46,6 +46,31 @@ PACKED_ATTENTION = {
     "transformer_engine": "TransformerEngine's attention (the gpu extra installs it; the workers stop at "
                           "start-up without it)",
 }
+
+
+def gpu_memory_lines(memory: GpuMemoryPlan) -> list[str]:
+    """Each phase of a step on one training GPU, item by item (every colocated role, the overheads), the
+    peak against the GPU with the margin, and vLLM's start-up check."""
+    phases = ([memory.startup] if memory.startup else []) + list(memory.phases)
+    labels: list[str] = []
+    for phase in phases:
+        labels += [label for label, _ in phase.items if label not in labels]
+    rows = [[label, *[next((f"{gib:.2f}" for name, gib in phase.items if name == label), "")
+                      for phase in phases]] for label in labels]
+    rows.append(["total", *[f"{phase.total_gib:.2f}" for phase in phases]])
+    peak = memory.peak
+    verdict = "fits" if memory.peak_gib <= memory.gpu_gib else "DOES NOT FIT"
+    lines = [f"GPU memory per phase of a step, estimated (GiB on one GPU of trainer.gpu_memory_gib={memory.gpu_gib:g})",
+             table(["item", *[phase.name for phase in phases]], rows),
+             f"peak: {peak.name} {peak.total_gib:.2f} + margin {memory.margin_gib:.2f} = {memory.peak_gib:.2f} GiB "
+             f"of {memory.gpu_gib:g} — {verdict}"]
+    if memory.startup:
+        passes = "passes" if memory.startup_fits else "FAILS"
+        lines.append(f"vLLM start-up check (free memory >= gpu_memory_utilization x the GPU): the actor's process "
+                     f"holds {memory.startup.total_gib:.2f} GiB when the engine is built, at most "
+                     f"{memory.startup_limit_gib:.2f} may be held — {passes}")
+    lines += [f"({note})" for note in memory.notes]
+    return lines
 
 
 def packing_line(plan: Plan) -> str:
@@ -191,10 +216,8 @@ def render_plan(plan: Plan) -> str:
                 f"{rm.tokens_per_replica_step:,} tokens ({waves})"
             )
 
-        pk = plan.phase_peaks
-        if pk and not plan.resolved.disaggregated:
-            out.append(f"hybrid engine peak per GPU: generation {pk.generation_gib:.2f} GiB, training "
-                       f"{pk.training_gib:.2f} GiB — {'fits' if pk.fits else 'DOES NOT FIT'}")
+        if plan.gpu_memory:
+            out += ["", *gpu_memory_lines(plan.gpu_memory)]
 
     groups = plan.reshard.groups
     cross = plan.reshard.cross_pool

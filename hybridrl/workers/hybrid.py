@@ -73,6 +73,10 @@ class HybridEngineWorker(PolicyWorker):
         plan = self.plan
         started = time.perf_counter()
         self.init_model(total_training_steps)
+        # vLLM checks at build that gpu_memory_utilization x the GPU is free: what the actor offloads
+        # between its updates (grad_offload, optimizer_offload) leaves before it, not after the first update
+        self.actor.backend.offload_training_state()
+        release_cached_blocks(plan.resolved.device)
         self._resolve_pad_token_id()
         self.attach_rollout(RolloutEngine(engine_config(plan, self.pad_token_id)))
         # The shard a rank must receive is that of the TP rank vLLM actually gave it; it equals

@@ -27,7 +27,7 @@ from hybridrl.controller.base_worker import RankContext, Worker
 from hybridrl.data.batch import Batch
 from hybridrl.models.bridge import export_hf
 from hybridrl.names import Phase, Role
-from hybridrl.parallel.device import torch_threads_per_rank
+from hybridrl.parallel.device import release_cached_blocks, torch_threads_per_rank
 from hybridrl.training.actor import MegatronActor
 from hybridrl.training.backend import MegatronBackend, role_spec
 from hybridrl.training.checkpointing import load_role_checkpoint, save_role_checkpoint
@@ -49,6 +49,11 @@ class MegatronWorker(Worker):
         # all-cores default).
         threads = self.plan.config.trainer.torch_threads_per_rank
         torch.set_num_threads(threads or torch_threads_per_rank(self.context.local_world_size))
+
+    def _release(self) -> None:
+        """Hand this process's cached free GPU blocks back to the driver: the critic and reward model
+        share their GPUs with vLLM in another process, which can only map memory the driver holds."""
+        release_cached_blocks(self.plan.resolved.device)
 
     def _total_optimizer_steps(self, role: str, total_training_steps: int | None) -> int | None:
         if total_training_steps is None:
@@ -143,12 +148,25 @@ class CriticWorker(MegatronWorker):
                               total_optimizer_steps=self._total_optimizer_steps(Role.CRITIC, total_training_steps))
         self.critic = MegatronCritic(backend, self.plan)
         self.primary = backend
+        # built next to an awake vLLM (the hybrid engine comes up first): what the critic offloads
+        # between its updates (critic.megatron.grad_offload / optimizer_offload) leaves from the start
+        backend.offload_training_state()
+        self._release()
 
     def compute_values(self, batch: Batch) -> Batch | None:
-        return self._require(self.critic, "the critic").compute_values(batch)
+        try:
+            return self._require(self.critic, "the critic").compute_values(batch)
+        finally:
+            self._release()
 
     def update_critic(self, batch: Batch) -> Any:
-        return self._require(self.critic, "the critic").update_critic(batch)
+        critic = self._require(self.critic, "the critic")
+        try:
+            metrics = critic.update_critic(batch)
+            critic.backend.offload_training_state()  # idle until its next update (no-op unless configured)
+            return metrics
+        finally:
+            self._release()
 
     def save_checkpoint(self, path: str) -> str:
         return str(save_role_checkpoint(self._require(self.critic, "the critic").backend, Path(path) / Role.CRITIC))
@@ -167,6 +185,19 @@ class RewardModelWorker(MegatronWorker):
         backend = MegatronBackend(role_spec(self.plan, Role.REWARD_MODEL))
         self.reward_model = MegatronRewardModel(backend, self.plan)
         self.primary = backend
+        self._offload_between_calls()
 
     def compute_rm_score(self, batch: Batch) -> Batch | None:
-        return self._require(self.reward_model, "the reward model").compute_scores(batch)
+        reward_model = self._require(self.reward_model, "the reward model")
+        reward_model.backend.load_params()  # back from the host when offloaded between calls
+        try:
+            return reward_model.compute_scores(batch)
+        finally:
+            self._offload_between_calls()
+
+    def _offload_between_calls(self) -> None:
+        """reward_model.megatron.param_offload: its weights wait on the host (as the reference's always do)."""
+        backend = self.reward_model.backend
+        if backend.spec.megatron.param_offload:
+            backend.offload_params()
+        self._release()
