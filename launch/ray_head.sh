@@ -11,7 +11,12 @@ set -euo pipefail
 
 port="${RAY_PORT:-6379}"
 num_gpus="${NUM_GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}"
-node_ip="${NODE_IP:-$(hostname -I | awk '{print $1}')}"
+# the address (and its interface) workers reach this node on: NODE_IP / NODE_IFNAME, else the default
+# route's (launch/node_ip.sh); gloo and NCCL's bootstrap sockets use that interface unless told otherwise
+read -r node_ip ifname < <("$(dirname "$0")/node_ip.sh" --ifname)
+if [ -n "${ifname:-}" ]; then
+  export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-$ifname}" NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-$ifname}"
+fi
 
 echo "RAY_ADDRESS=$node_ip:$port"
 ray start --head --node-ip-address="$node_ip" --port="$port" --num-gpus="$num_gpus" \

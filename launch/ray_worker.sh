@@ -12,6 +12,10 @@ head="$1"
 shift
 case "$head" in *:*) ;; *) head="$head:${RAY_PORT:-6379}" ;; esac
 num_gpus="${NUM_GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}"
-node_ip="${NODE_IP:-$(hostname -I | awk '{print $1}')}"
+# this node's address on the route to the head (or NODE_IP / NODE_IFNAME): launch/node_ip.sh
+read -r node_ip ifname < <("$(dirname "$0")/node_ip.sh" --ifname "$head")
+if [ -n "${ifname:-}" ]; then
+  export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-$ifname}" NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-$ifname}"
+fi
 
 ray start --address="$head" --node-ip-address="$node_ip" --num-gpus="$num_gpus" --disable-usage-stats "$@"

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.netns_hosts import BRIDGE_IP, CLUSTER_IP, multi_homed_host
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((ROOT / "launch").glob("*.sh")) + sorted((ROOT / "launch").glob("*.sbatch"))
 
@@ -47,12 +49,13 @@ def test_worker_script_needs_the_head_address():
 # script asks of them and with which environment. srun forwards SIGTERM to its step, as Slurm does.
 STUBS = {
     "scontrol": 'printf "node-a\\nnode-b\\n"\n',
-    "hostname": 'echo 10.0.0.1\n',
-    "srun": ('while [ "$#" -gt 0 ]; do case "$1" in -w) shift 2 ;; -*) shift ;; *) break ;; esac; done\n'
+    "srun": ('echo "srun $*" >> "$STUB_DIR/srun"\n'
+             'while [ "$#" -gt 0 ]; do case "$1" in -w) shift 2 ;; -*) shift ;; *) break ;; esac; done\n'
              '"$@" &\nchild=$!\ntrap \'pkill -TERM -P "$child"; kill -TERM "$child"\' TERM\nwait "$child"\n'),
     "ray": ('case "$1" in\n'
             '  start) echo "ray $* | NCCL_DEBUG=${NCCL_DEBUG:-} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-}'
-            ' TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-}" >> "$STUB_DIR/log"\n'
+            ' TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-}'
+            ' GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-}" >> "$STUB_DIR/log"\n'
             '    case " $* " in *" --block "*) echo "$$" >> "$STUB_DIR/blocking"; exec sleep 60 ;; esac ;;\n'
             '  status) grep -q -- "--head" "$STUB_DIR/log" 2>/dev/null ;;\n'
             'esac\n'),
@@ -75,27 +78,39 @@ def _alive(pid: int) -> bool:
 
 
 def test_slurm_script_exports_nccl_before_ray_and_keeps_its_nodes_alive(tmp_path):
+    """Run on a multi-homed host (a network namespace whose first address is a docker-like bridge): the Ray
+    nodes take the cluster address and its interface, every srun step asks for its CPUs and GPUs."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, body in STUBS.items():
         (bin_dir / name).write_text("#!/usr/bin/env bash\n" + body)
         (bin_dir / name).chmod(0o755)
     env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "STUB_DIR": str(tmp_path), "SLURM_JOB_NODELIST": "node-[a-b]",
+           "SLURM_CPUS_PER_TASK": "64", "SLURM_GPUS_PER_NODE": "h100:8",
            "NUM_GPUS": "8", "NCCL_SOCKET_IFNAME": "ib0", "RUN_DIR": str(tmp_path / "run")}
     try:
-        result = subprocess.run(["bash", str(ROOT / "launch/slurm_grpo.sbatch"), "configs/examples/x.yaml"],
-                                capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+        with multi_homed_host() as host:
+            assert subprocess.run(["ip", "netns", "exec", host, "hostname", "-I"], capture_output=True,
+                                  text=True).stdout.split()[0] == BRIDGE_IP  # what the old script took
+            result = subprocess.run(["ip", "netns", "exec", host, "bash", str(ROOT / "launch/slurm_grpo.sbatch"),
+                                     "configs/examples/x.yaml"],
+                                    capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
         assert result.returncode == 0, result.stdout + result.stderr
         log = (tmp_path / "log").read_text().splitlines()
         starts = [line for line in log if line.startswith("ray start")]
-        assert len(starts) == 2 and "--head" in starts[0] and "--address=10.0.0.1:6379" in starts[1]
-        nccl = "NCCL_DEBUG=WARN NCCL_SOCKET_IFNAME=ib0 TORCH_NCCL_ASYNC_ERROR_HANDLING=1"
+        assert len(starts) == 2 and "--head" in starts[0] and f"--address={CLUSTER_IP}:6379" in starts[1]
+        assert all(f"--node-ip-address={CLUSTER_IP}" in line for line in starts)
+        # NCCL_SOCKET_IFNAME as the user set it; gloo's sockets on the interface of the cluster address
+        nccl = "NCCL_DEBUG=WARN NCCL_SOCKET_IFNAME=ib0 TORCH_NCCL_ASYNC_ERROR_HANDLING=1 GLOO_SOCKET_IFNAME=eth9"
         for line in starts:  # every Ray node starts blocking, with the NCCL settings in its environment
             command, environment = line.split(" | ")
             assert command.endswith("--block") and environment == nccl, line
         trains = [line for line in log if line.startswith("hybridrl train")]
         # the job ran while both Ray nodes were still up, on the cluster the script started
-        assert trains == ["hybridrl train trainer.nnodes=2 | RAY_ADDRESS=10.0.0.1:6379 ray_nodes_alive=2"]
+        assert trains == [f"hybridrl train trainer.nnodes=2 | RAY_ADDRESS={CLUSTER_IP}:6379 ray_nodes_alive=2"]
+        steps = (tmp_path / "srun").read_text().splitlines()
+        assert len(steps) == 3  # the head's address, the head, the worker
+        assert all("--cpus-per-task=64" in step and "--gpus-per-node=8" in step for step in steps), steps
         blocking = [int(pid) for pid in (tmp_path / "blocking").read_text().split()]
         assert len(blocking) == 2
         deadline = time.monotonic() + 10  # signals are delivered asynchronously
@@ -107,3 +122,25 @@ def test_slurm_script_exports_nccl_before_ray_and_keeps_its_nodes_alive(tmp_path
                 if (tmp_path / "blocking").exists() else ():
             if _alive(pid):
                 os.kill(pid, signal.SIGTERM)
+
+
+@pytest.mark.parametrize("args, env, expected", [
+    (["--ifname", "10.9.0.1:6379"], {}, "10.9.0.2 eth9"),  # a worker: the address on its route to the head
+    (["--ifname"], {}, "10.9.0.2 eth9"),  # the head: the default route's
+    (["--ifname", "172.17.3.4"], {}, "172.17.0.1 br0"),  # a head reached over the bridge: that one
+    (["--ifname"], {"NODE_IFNAME": "br0"}, "172.17.0.1 br0"),  # an explicit interface wins
+    (["10.9.0.1"], {"NODE_IP": "10.9.0.7"}, "10.9.0.7"),  # an explicit address wins
+])
+def test_node_address_follows_the_route_not_the_first_address(args, env, expected):
+    with multi_homed_host() as host:
+        result = subprocess.run(["ip", "netns", "exec", host, "bash", str(ROOT / "launch/node_ip.sh"), *args],
+                                capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", **env})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == expected
+
+
+def test_node_address_is_never_loopback():
+    with multi_homed_host() as host:
+        result = subprocess.run(["ip", "netns", "exec", host, "bash", str(ROOT / "launch/node_ip.sh"), "127.0.1.1"],
+                                capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+    assert result.returncode == 2 and "set NODE_IP or NODE_IFNAME" in result.stderr
