@@ -72,7 +72,7 @@ def generation_session(
     config = load_config(model_dir)
     prompts = [[5, 6, 7], [10, 11, 12, 13, 14, 15], [3], long_prompt]
     greedy = validation_sampling(max_tokens=8)
-    results: dict[str, Any] = {"prompts": prompts}
+    results: dict[str, Any] = {"prompts": prompts, "model_runner": engine.model_runner_class}
 
     results["greedy"] = engine.generate_sequences(prompts, greedy)
     results["sampled"] = engine.generate_sequences(

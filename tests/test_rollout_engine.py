@@ -395,3 +395,28 @@ def test_a_partial_rollout_carries_each_tokens_version_and_that_versions_log_pro
             other = torch.log_softmax(_hf_logits_of(models[0], prompt, response), -1)[torch.arange(length), response]
             late = [i for i, v in enumerate(versions) if v == 1]
             assert (group["rollout_log_probs"][row, late].double() - other[late]).abs().max() > 100 * LOGPROB_TOLERANCE
+
+
+def test_the_engine_runs_vllms_v1_model_runner(session):
+    """Every hook into vLLM (weight capture, routed experts, sleep) is built on the V1 runner; the engine
+    pins it (vLLM would pick Model Runner V2 on GPUs, where Triton imports)."""
+    assert session["model_runner"] == "vllm.v1.worker.cpu_model_runner.CPUModelRunner"
+
+
+def test_vllm_would_pick_model_runner_v2_where_triton_imports_unless_pinned(monkeypatch):
+    import vllm.config.vllm as vllm_config_module
+    from vllm.config import VllmConfig
+
+    from hybridrl.rollout.engine import pin_vllm_environment
+
+    monkeypatch.setattr(vllm_config_module, "HAS_TRITON", True)  # as on a GPU machine
+    for name in ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_ENABLE_V1_MULTIPROCESSING"):
+        monkeypatch.setenv(name, "")  # records this process's value, put back after the test
+        monkeypatch.delenv(name)
+    config = VllmConfig()
+    assert config.use_v2_model_runner  # vLLM's own choice
+    pin_vllm_environment()
+    assert not config.use_v2_model_runner
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(RuntimeError, match="VLLM_USE_V2_MODEL_RUNNER=1 is set in the environment"):
+        pin_vllm_environment()

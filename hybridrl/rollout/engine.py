@@ -245,6 +245,11 @@ def request_seed(base: int, *indices: int) -> int:
 # `LLM.collective_rpc(fn)` calls fn(worker, ...) on every worker of this engine; our executors are
 # in-process, so arguments and results are passed by reference (no pickling).
 
+def _model_runner_class_on_worker(worker: Any) -> str:
+    runner = type(worker.model_runner)
+    return f"{runner.__module__}.{runner.__qualname__}"
+
+
 def _worker_model(worker: Any) -> torch.nn.Module:
     return worker.get_model()
 
@@ -537,6 +542,31 @@ def assemble_response_rows(
     return Batch(tensors, non_tensors, {"pad_token_id": pad, "n": n})
 
 
+# vLLM settings read from the environment that hybridrl decides, each with its reason; a different value
+# already in the environment is refused (it would change what the code below reaches into).
+VLLM_ENVIRONMENT: dict[str, tuple[str, str]] = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": (
+        "0", "the engine core must run in this process: multiprocessing mode is not colocated with the trainer"),
+    # vLLM 0.32 picks Model Runner V2 on GPUs when this is unset and Triton imports (VllmConfig.
+    # use_v2_model_runner); CPU machines without Triton get V1. Every path this module and vllm_patches reach
+    # into (the loaded-weight capture, the routed-experts runner hook, sleep and wake-up, the probe's
+    # prompt logprobs) is written and tested against V1's GPUModelRunner / CPUModelRunner: one runner on
+    # every device, the one the tests run.
+    "VLLM_USE_V2_MODEL_RUNNER": (
+        "0", "hybridrl's weight capture, routed-experts hook and sleep handling are built on vLLM's V1 model runner"),
+}
+
+
+def pin_vllm_environment() -> None:
+    """Set `VLLM_ENVIRONMENT` before an engine is built; refuse a conflicting value naming the variable."""
+    for name, (value, why) in VLLM_ENVIRONMENT.items():
+        current = os.environ.get(name)
+        if current is not None and current != value:
+            raise RuntimeError(f"{name}={current} is set in the environment; a colocated rollout engine needs "
+                               f"{name}={value}: {why}")
+        os.environ[name] = value
+
+
 class RolloutEngine:
     """A vLLM engine in this process. See the module docstring for the life-cycle rules."""
 
@@ -548,10 +578,7 @@ class RolloutEngine:
         self.device_policy = DevicePolicy.for_device(self.device)
         # sleep/wake reach vLLM only where sleep mode exists and the engine was built with it
         self._sleep_mode = self.device_policy.vllm_sleep_mode and bool(kwargs.get("enable_sleep_mode", False))
-        # Colocation needs the engine core in this process (multiprocessing mode is not colocated).
-        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
-            raise RuntimeError("VLLM_ENABLE_V1_MULTIPROCESSING must be 0 (or unset) for a colocated rollout engine")
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        pin_vllm_environment()
         if kwargs.get("distributed_executor_backend") == "external_launcher":
             for var in ("RANK", "LOCAL_RANK"):
                 if var not in os.environ:
@@ -866,6 +893,11 @@ class RolloutEngine:
         `capture_loaded_weights=True`.
         """
         return self.llm.collective_rpc(_snapshot_on_worker)[0]
+
+    @property
+    def model_runner_class(self) -> str:
+        """The vLLM model runner serving this engine (module.class): V1's, pinned by `VLLM_ENVIRONMENT`."""
+        return self.llm.collective_rpc(_model_runner_class_on_worker)[0]
 
     def parameter_digests(self) -> dict[str, str]:
         """`hybridrl.parallel.digest.tensor_digest` of each parameter of this rank (no copies sent back).
