@@ -346,8 +346,8 @@ MIB = 1024**2
 # Hopper and Blackwell, whose tables differ, as the plan does not know the GPU): torch symmetric memory
 # (`SYMM_MEM_ALL_REDUCE_MAX_SIZES`, VLLM_ALLREDUCE_USE_SYMM_MEM on by default), FlashInfer's fused
 # all-reduce (`FI_ALLREDUCE_FUSION_MAX_SIZE_MB`, VLLM_ALLREDUCE_USE_FLASHINFER on by default; its
-# Lamport workspace holds three buffers of the largest message for every peer), and the custom
-# all-reduce's 8 MiB buffer, registered twice. `disable_custom_all_reduce` turns off only the last.
+# Lamport workspace holds three buffers of the largest message for every peer). The rollout engine turns
+# vLLM's custom all-reduce off (`disable_custom_all_reduce`), which leaves these two on.
 _SYMM_MEM_MIB = {2: 64, 4: 32, 6: 128, 8: 128}
 _FLASHINFER_MIB = {2: 64, 4: 64, 6: 0, 8: 4}
 
@@ -358,7 +358,7 @@ def vllm_tp_workspace_gib(infer_tp: int) -> float:
         return 0.0
     symm = _SYMM_MEM_MIB.get(infer_tp, max(_SYMM_MEM_MIB.values()))
     flashinfer = 3 * _FLASHINFER_MIB.get(infer_tp, max(_FLASHINFER_MIB.values())) * infer_tp
-    return (symm + flashinfer + 2 * 8) * MIB / GIB
+    return (symm + flashinfer) * MIB / GIB
 
 
 def nccl_communicators(mesh: TrainingMesh, ep: int = 1, etp: int | None = None) -> tuple[int, int]:
