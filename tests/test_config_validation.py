@@ -602,6 +602,7 @@ def moe_model_dir(tmp_path: Path, experts: int = 8, top_k: int = 2, moe_ffn: int
 EP = f"{A}.megatron.expert_model_parallel_size"
 ETP = f"{A}.megatron.expert_tensor_parallel_size"
 CAP = f"{A}.megatron.moe_expert_capacity_factor"
+EAGER = "actor_rollout_ref.rollout.enforce_eager=true"
 DISPATCH = f"{A}.megatron.moe_token_dispatcher_type"
 
 # (model arguments, bad overrides, field, text in the rule, overrides that fix it); on 6 GPUs, DP = 6 / TP
@@ -620,9 +621,9 @@ MOE_CASES = {
     "ep x etp within dp x cp x tp": (dict(experts=12), [f"{EP}=2", f"{ETP}=4"], EP,
                                      "× expert_tensor_parallel_size=4 must divide DP × CP × TP = 6×1×1",
                                      [f"{EP}=3", f"{ETP}=2"]),
-    "etp with routing replay": ({}, [f"{ETP}=2", f"{A}.router_replay=rollout"], ETP,
+    "etp with routing replay": ({}, [f"{ETP}=2", f"{A}.router_replay=rollout", EAGER], ETP,
                                 "with actor_rollout_ref.actor.router_replay=rollout has not been tested",
-                                [f"{A}.router_replay=rollout"]),
+                                [f"{A}.router_replay=rollout", EAGER]),
     "etp with a disaggregated rollout": ({}, [f"{ETP}=2", f"{R}.mode=disaggregated", f"{R}.nnodes=1",
                                               f"{R}.n_gpus_per_node=2"], ETP, "the cross-pool weight sync",
                                          [f"{R}.mode=disaggregated", f"{R}.nnodes=1", f"{R}.n_gpus_per_node=2"]),
@@ -664,9 +665,13 @@ MOE_CASES = {
     "shared prompts need a dense model": ({}, ["trainer.device=cpu", "actor_rollout_ref.model.shared_prefix=true"],
                                           "actor_rollout_ref.model.shared_prefix", "with a mixture-of-experts model",
                                           ["trainer.device=cpu"]),
-    "capacity with routing replay": ({}, [f"{CAP}=1.0", f"{A}.router_replay=rollout"], CAP,
+    "capacity with routing replay": ({}, [f"{CAP}=1.0", f"{A}.router_replay=rollout", EAGER], CAP,
                                      "the replayed routing would still lose the tokens",
-                                     [f"{A}.router_replay=rollout"]),
+                                     [f"{A}.router_replay=rollout", EAGER]),
+    # the routing is recorded by a hook on vLLM's runner, which CUDA graphs captured at build would bypass
+    "routing replay on cuda runs vLLM eagerly": ({}, [f"{A}.router_replay=rollout"], f"{R}.enforce_eager",
+                                                 "CUDA graphs captured at start-up would bypass",
+                                                 [f"{A}.router_replay=rollout", EAGER]),
 }
 
 
@@ -762,10 +767,11 @@ def test_router_replay_is_refused_for_a_dense_model_naming_the_field():
 def test_router_replay_rollout_plans_for_an_moe_model_and_refuses_what_it_cannot_replay(tmp_path):
     model = moe_model_dir(tmp_path)
     itp1 = "actor_rollout_ref.rollout.tensor_model_parallel_size=1"
-    plan = plan_from_sources(SEED, [model, f"{RR}=rollout", itp1])
+    plan = plan_from_sources(SEED, [model, EAGER, f"{RR}=rollout", itp1])
     assert plan.config.actor_rollout_ref.actor.router_replay == "rollout"
     # inference TP 2 replays exactly (tests/test_router_replay.py::test_routing_vllm_reports_at_infer_tp2_...)
-    itp2 = plan_from_sources(SEED, [model, f"{RR}=rollout", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
+    itp2 = plan_from_sources(SEED, [model, EAGER, f"{RR}=rollout",
+                                    "actor_rollout_ref.rollout.tensor_model_parallel_size=2"])
     assert itp2.config.actor_rollout_ref.rollout.tensor_model_parallel_size == 2
     # each setting the replay cannot follow exactly is one issue naming its own field and value
     refused = {
@@ -774,7 +780,7 @@ def test_router_replay_rollout_plans_for_an_moe_model_and_refuses_what_it_cannot
         "actor_rollout_ref.model.enable_gradient_checkpointing": ("true", True),
     }
     for field, (text, value) in refused.items():
-        issues = [i for i in issues_for([model, itp1, f"{RR}=rollout", f"{field}={text}"]) if i.field == field
+        issues = [i for i in issues_for([model, EAGER, itp1, f"{RR}=rollout", f"{field}={text}"]) if i.field == field
                   and f"{RR}=rollout" in str(i)]
         assert len(issues) == 1 and issues[0].value == value, (field, [str(i) for i in issues])
         try:  # without replay the setting is fine or refused for its own reasons, never the replay's

