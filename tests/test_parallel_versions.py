@@ -95,6 +95,23 @@ def test_gpu_warnings_for_missing_te_nccl_and_unreviewed_megatron():
     assert result.ok and len(result.warnings) == 3
 
 
+def test_doctor_and_plan_give_one_answer_without_te():
+    """What runs without TE on cuda, in the same words from `hybridrl doctor` and `hybridrl plan` (the workers
+    raise with them too: training/backend.py)."""
+    from pathlib import Path
+
+    from hybridrl.config.plan import plan_from_sources
+    from hybridrl.config.report import render_plan
+    from hybridrl.parallel.device_policy import WITHOUT_TE
+
+    doctor = check({**GPU_STACK, "transformer-engine": None}, "cuda").warnings
+    assert f"transformer-engine is not installed: {WITHOUT_TE}" in doctor
+    example = Path(__file__).resolve().parents[1] / "configs/examples/qwen2.5_7b_grpo_8gpu.yaml"
+    plan = plan_from_sources(example)  # packed on cuda by default, sequence parallelism on at TP2
+    assert WITHOUT_TE in render_plan(plan)
+    assert any(w.endswith(WITHOUT_TE) and "sequence_parallel=true" in w for w in plan.warnings)
+
+
 def test_bad_device_argument():
     with pytest.raises(ValueError, match="resolved device"):
         V.check_stack(CPU_STACK, "auto")

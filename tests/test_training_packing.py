@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from hybridrl.parallel.device_policy import WITHOUT_TE
 from hybridrl.parallel.forked import run_ranks
 from hybridrl.training.sequences import build_model_inputs
 from tests.test_training_fixtures import (
@@ -410,8 +411,8 @@ def test_use_remove_padding_defaults_on_where_the_device_serves_packed_attention
                     f"{device}){shared('actor_rollout_ref.model')}, critic packed (critic.model.use_remove_padding "
                     f"default on {device}){shared('critic.model')}, reward_model packed "
                     f"(reward_model.model.use_remove_padding default on {device}){shared('reward_model.model')}; "
-                    f"packed attention: {served}" + (" (the gpu extra installs it; the workers stop at start-up "
-                                                     "without it)" if device == "cuda" else "")]
+                    f"packed attention: {served}" + (f" (the gpu extra installs it; {WITHOUT_TE})"
+                                                     if device == "cuda" else "")]
     off = plan_from_sources(SEED, [*base, "critic.model.use_remove_padding=false"])
     assert not off.resolved.packed("critic") and off.resolved.packed("actor")
     assert not role_spec(off, "critic").packed

@@ -9,6 +9,7 @@ from hybridrl.config.meshes import TrainingMesh, expert_groups
 from hybridrl.config.plan import Plan
 from hybridrl.config.resolve import MODEL_SECTIONS
 from hybridrl.models.arch import ModelShape
+from hybridrl.parallel.device_policy import WITHOUT_TE
 
 MIB = 1024**2
 
@@ -43,8 +44,7 @@ def _correction(rc: Any, rollout: Any) -> str:
 
 PACKED_ATTENTION = {
     "cpu_stand_in": "the CPU layer's attention stand-in",
-    "transformer_engine": "TransformerEngine's attention (the gpu extra installs it; the workers stop at "
-                          "start-up without it)",
+    "transformer_engine": "TransformerEngine's attention (the gpu extra installs it; " + WITHOUT_TE + ")",
 }
 
 

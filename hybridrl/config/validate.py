@@ -40,7 +40,7 @@ from hybridrl.models.arch import DEFAULT_VOCAB_DIVISOR, ModelShape
 from hybridrl.models.layout import ParallelLayout
 from hybridrl.models.vllm_layout import vllm_padded_vocab
 from hybridrl.names import Role
-from hybridrl.parallel.device_policy import DEVICE_POLICIES
+from hybridrl.parallel.device_policy import DEVICE_POLICIES, WITHOUT_TE
 
 RESUME_MODES = ("auto", "disable")
 
@@ -359,9 +359,8 @@ def _check_unsupported(check: _Checker, config: JobConfig, model: ModelShape | N
         if mc.sequence_parallel and isinstance(tp, int) and tp > 1 and policy is not None \
                 and policy.transformer_engine_possible:
             # on CPU the CPU layer's norm stand-in serves it (hybridrl/parallel/cpu_norm.py)
-            check.warnings.append(
-                f"{prefix}.sequence_parallel=true needs Transformer Engine on the workers (its norms; megatron's "
-                "local layer spec, used without it, refuses sequence parallelism)")
+            check.warnings.append(f"{prefix}.sequence_parallel=true needs Transformer Engine on the workers: "
+                                  f"{WITHOUT_TE}")
         cp = mc.context_parallel_size
         if isinstance(cp, int) and not isinstance(cp, bool) and cp > 1:
             _check_context_parallel(check, config, prefix, mc, cp, policy)

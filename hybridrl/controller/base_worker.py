@@ -24,10 +24,15 @@ Rules for subclasses:
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 import socket
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
+from typing import Any
 
 import ray
 
@@ -55,12 +60,47 @@ class RankContext:
     restart: int = 0
 
 
+def _on_rank_device(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method`, run with this rank's GPU as the calling thread's current CUDA device."""
+
+    @functools.wraps(method)
+    def call(self: Worker, *args: Any, **kwargs: Any) -> Any:
+        self.use_rank_device()
+        return method(self, *args, **kwargs)
+
+    call.on_rank_device = True  # type: ignore[attr-defined]
+    return call
+
+
 class Worker:
-    """Base class of all Ray worker classes: rank bookkeeping + process-group bring-up."""
+    """Base class of all Ray worker classes: rank bookkeeping + process-group bring-up.
+
+    Every public method of a worker class runs with the rank's GPU current (`use_rank_device`): CUDA's
+    current device is a property of the calling thread, and Ray may run an actor's method on a thread
+    other than the one that set it, where `torch.cuda.current_device()` (what megatron and vLLM allocate
+    on) would be GPU 0.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name, value in list(vars(cls).items()):
+            if not name.startswith("_") and inspect.isfunction(value) and not getattr(value, "on_rank_device", False):
+                setattr(cls, name, _on_rank_device(value))
 
     def __init__(self, context: RankContext) -> None:
         self.context = context
         self._export_rank_env()
+
+    def use_rank_device(self) -> None:
+        """Make this rank's GPU (index LOCAL_RANK among the visible ones) the calling thread's current device,
+        once CUDA is initialized in this process (before that, selecting one would initialize CUDA ahead
+        of `set_local_placement`'s CUDA_VISIBLE_DEVICES). No-op without GPUs."""
+        if not self.context.use_gpu or "torch" not in sys.modules:
+            return
+        import torch
+
+        if torch.cuda.is_initialized() and torch.cuda.current_device() != self.context.local_rank:
+            torch.cuda.set_device(self.context.local_rank)
 
     def _export_rank_env(self) -> None:
         # torchrun's variable names: megatron, vLLM and torch.distributed helpers read them.

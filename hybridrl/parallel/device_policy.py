@@ -106,6 +106,10 @@ class DevicePolicy:
     # are page-faulted and zeroed again on their next allocation (measured here: an elementwise op
     # over a 50 MB tensor 4-7x slower, the embedding's grad zeroing 10x). No mmap'ed blocks and no
     # trimming keep freed memory in the heap for reuse; the process keeps its peak size.
+    # On GPUs megatron orders its TP communication (sequence parallelism's all-gather before the GEMM that
+    # reads it, the async grad all-reduce) by issuing kernels in program order on one hardware queue:
+    # CUDA_DEVICE_MAX_CONNECTIONS=1 (megatron's own training scripts set it; without it the kernels may
+    # run out of order and the overlap is lost or wrong).
     worker_env: tuple[tuple[str, str], ...]  # (name, value) pairs: the policy pickles and prints as JSON
     # Flush subnormal floats to zero in the worker's compute thread (`torch.set_flush_denormal`). On
     # CPU, a vocab head's grad holds millions of values near 1e-38 (the softmax of tokens the model
@@ -154,7 +158,8 @@ CUDA = DevicePolicy(
     synchronize_on_offload=True, empty_cache_on_offload=True, gpu_memory_budget_binding=True,
     vllm_honours_enforce_eager=True, vllm_repacks_weights=False, vllm_kv_cache_from_plan=False,
     vllm_sleep_mode=True, vllm_chunked_prefill=True, vllm_moe_backend="triton",
-    vllm_top_k_keeps_ties=False, device_rng=True, worker_env=(), flush_denormals=False,
+    vllm_top_k_keeps_ties=False, device_rng=True, worker_env=(("CUDA_DEVICE_MAX_CONNECTIONS", "1"),),
+    flush_denormals=False,
     reshard_keeps_buffers=False, optimizer_state_at_setup=False, wgrad_accumulation_fusion=None,
 )
 
@@ -171,6 +176,13 @@ CPU = DevicePolicy(
     flush_denormals=True, reshard_keeps_buffers=True, optimizer_state_at_setup=True,
     wgrad_accumulation_fusion="cpu_stand_in",
 )
+
+# What Transformer Engine decides on cuda, in the one wording `hybridrl doctor`, `hybridrl plan` and the
+# workers use: without it megatron's local layer spec is built, which serves neither packed sequences (its
+# attention asserts no cu_seqlens) nor sequence parallelism (its torch norms refuse it).
+WITHOUT_TE = ("without Transformer Engine the workers build megatron's local layer spec, which runs neither packed "
+              "sequences (model.use_remove_padding: true, the default on cuda) nor sequence_parallel: a job that "
+              "sets either stops at start-up; install it (the gpu extra does) or set both false (slower)")
 
 # resolved device name -> its policy (read-only); also the list of valid trainer.device values
 DEVICE_POLICIES: Mapping[str, DevicePolicy] = types.MappingProxyType({p.name: p for p in (CUDA, CPU)})

