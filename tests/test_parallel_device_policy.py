@@ -25,7 +25,8 @@ CUDA_FIELDS = {
     "vllm_moe_backend": "triton",
     "vllm_top_k_keeps_ties": False,
     "device_rng": True,
-    "worker_env": (("CUDA_DEVICE_MAX_CONNECTIONS", "1"),), "flush_denormals": False, "reshard_keeps_buffers": False, "optimizer_state_at_setup": False,
+    "worker_env": (("CUDA_DEVICE_MAX_CONNECTIONS", "1"),),
+    "flush_denormals": False, "reshard_keeps_buffers": False, "optimizer_state_at_setup": False,
     "wgrad_accumulation_fusion": None,
 }
 CPU_FIELDS = {

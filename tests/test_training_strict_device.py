@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from hybridrl.parallel import strict_device
 from hybridrl.parallel.forked import run_ranks
-from hybridrl.workers.probe import DEFAULT_PROBE_PROMPT, ProbeSequence
+from hybridrl.workers.probe import RARE_TOKEN_PROBE
 from tests.test_training_critic import _critic_rank, _reference_critic, _reward_rank
 from tests.test_training_fixtures import (
     hf_response_log_probs,
@@ -36,8 +36,6 @@ from tests.test_training_fixtures import (
 from tests.test_training_ranks import _update_rank
 
 TOL = 1e-5
-# a probe sequence as the sync builds one (here with a fixed response: the numbers are checked, not vLLM)
-PROBE = ProbeSequence(DEFAULT_PROBE_PROMPT, (33, 37, 41, 45, 49, 53, 57, 61))
 
 
 def _strict_rank(rank: int, world: int, fn: Callable[..., Any], *args: Any) -> Any:
@@ -169,7 +167,7 @@ def _actor_log_prob_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
     assert all(strict_device.placement(p) == "device" for c in backend.chunks for p in c.parameters())
     actor = MegatronActor(backend, plan, output_key="old_log_probs")
     out = actor.compute_log_prob(batch, with_entropy=True)
-    probe = actor.compute_log_prob(probe_batch(PROBE, 0))  # the sync's log-prob probe, trainer side
+    probe = actor.compute_log_prob(probe_batch(RARE_TOKEN_PROBE, 0))  # the sync's log-prob probe, trainer side
     shards = Resharder(backend.chunks, plan.reshard.groups).reshard()
     if out is not None:
         assert all(strict_device.placement(t) != "device" for t in (*out.tensors.values(), *probe.tensors.values())), \
@@ -186,12 +184,13 @@ def _probe_reference(hf_dir: Any) -> torch.Tensor:
     """transformers' log-probs of the sync probe's response (one unpadded row)."""
     import transformers
 
+    probe = RARE_TOKEN_PROBE
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
                                                               attn_implementation="eager")
-    ids = torch.tensor([PROBE.tokens])
+    ids = torch.tensor([probe.tokens])
     with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(PROBE.prompt) - 1: -1]
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(PROBE.response).unsqueeze(-1)).T
+        logits = model(input_ids=ids).logits[0, len(probe.prompt) - 1: -1]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(probe.response).unsqueeze(-1)).T
 
 
 def test_actor_log_probs_probe_and_resharder_under_strict_device(tmp_path):

@@ -21,14 +21,13 @@ def _hybrid_rank(rank: int, world: int, model_dir: str, overrides: list[str]) ->
     from hybridrl.parallel.cpu_matmul import onednn_fp32_is_exact
     from hybridrl.parallel.device import torch_threads_per_rank
     from hybridrl.rollout.sampling import RolloutSampling
-    from hybridrl.workers.hybrid import HybridEngineWorker, HybridSettings
+    from hybridrl.workers.hybrid import HybridEngineWorker
 
     plan = plan_from_sources("configs/examples/cpu_tiny_grpo.yaml", [
         f"actor_rollout_ref.model.path={model_dir}", f"trainer.n_gpus_per_node={world}", *overrides])
     ctx = RankContext(role="actor_rollout_ref", rank=rank, world_size=world, node_rank=0, local_rank=rank,
                       local_world_size=world, use_gpu=False)
-    # the KV cache the Plan sizes for one wave on CPU; the probe made from a prompt as the trainer passes it
-    worker = HybridEngineWorker(ctx, plan, HybridSettings(probe_prompt=PROBE_PROMPT))
+    worker = HybridEngineWorker(ctx, plan)  # the KV cache the Plan sizes for one wave on CPU
     torch.set_num_threads(4)  # torch's default would be every core: the worker must share them out
     setup = worker.setup(total_training_steps=4)
     threads = torch.get_num_threads()
@@ -52,8 +51,7 @@ def _hybrid_rank(rank: int, world: int, model_dir: str, overrides: list[str]) ->
     batch = next(b for b in gathered if b is not None)
     batch.meta["temperature"] = 1.0
     before = worker.compute_log_prob(batch)
-    result = {"probe": setup["reshard/probe_max_abs_gap"], "probe_sequence": worker.probe,
-              "tp_rank": setup["vllm_tp_rank"],
+    result = {"probe": setup["reshard/probe_max_abs_gap"], "tp_rank": setup["vllm_tp_rank"],
               "as_planned": setup["placement_as_planned"], "received": setup["reshard/bytes_received"],
               "bound": setup["reshard/exact_lower_bound_bytes"], "naive": setup["reshard/naive_gather_bytes"],
               "kv_usage": full_metrics["rollout/kv_cache_usage_bound"], "full_rows": len(full),
@@ -77,19 +75,6 @@ def _hybrid_rank(rank: int, world: int, model_dir: str, overrides: list[str]) ->
     if after is not None:
         result["moved"] = float((after["old_log_probs"] - before["old_log_probs"]).abs().max())
     return result
-
-
-PROBE_PROMPT = (1, 70, 71, 72, 73, 74)
-
-
-def hf_greedy_continuation(model_dir, prompt, tokens):
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
 
 
 def gathered_log_probs(local, world):
@@ -120,10 +105,7 @@ def test_hybrid_engine_syncs_and_follows_updates(model_dir, world, layout):
              "actor_rollout_ref.actor.ppo_mini_batch_size=2",
              "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8"]
     results = run_ranks(_hybrid_rank, world, model_dir, layout + micro, timeout_s=600)
-    # the probe every replica scores: the given prompt and its greedy continuation (transformers', here)
-    expected = hf_greedy_continuation(model_dir, PROBE_PROMPT, 8)
     for r in results:
-        assert r["probe_sequence"].prompt == PROBE_PROMPT and list(r["probe_sequence"].response) == expected
         assert r["probe"] < 1e-4 and r["probe_after_update"] < 1e-4
         assert r["as_planned"]                       # vLLM built the Plan's TP groups
         assert r["received"] <= 1.05 * r["bound"]    # HybridFlow's zero-redundancy bound

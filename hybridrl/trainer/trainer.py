@@ -61,7 +61,6 @@ from hybridrl.trainer.timing import PhaseTimer, throughput_metrics
 from hybridrl.trainer.tracking import Tracker, plot_run, render_summary
 from hybridrl.workers.hybrid import HybridEngineWorker, HybridSettings
 from hybridrl.workers.policy import DisaggregatedPolicyWorker, PolicyWorker
-from hybridrl.workers.probe import ProbeSequence, probe_prompt_of
 from hybridrl.workers.ray_roles import CriticWorker, RewardModelWorker
 from hybridrl.workers.rollout_worker import RolloutWorker
 
@@ -171,9 +170,6 @@ class Trainer:
             self.val_loader = PromptDataLoader(val, cfg.data.val_batch_size or len(val), self.pad_token_id,
                                                shuffle=False, drop_last=False)
         self.reward = RewardManager.from_config(cfg.algorithm)
-        # the weight probe's prompt: a real one (workers.probe), its response made at the first sync
-        self.probe_prompt = probe_prompt_of(train[0].input_ids) if len(train) else None
-        self.probe: ProbeSequence | None = None  # disaggregated: kept here, scored by both pools
         steps_per_epoch = len(self.train_loader)
         self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * steps_per_epoch
 
@@ -214,8 +210,7 @@ class Trainer:
     def _build_hybrid_engine(self, restart: int, timeout_s: float) -> None:
         """Colocated: actor, reference and vLLM in the same processes; the first proven sync."""
         plan = self.plan
-        settings = HybridSettings(probe_tolerance=plan.resolved.probe_tolerance, pad_token_id=self.pad_token_id,
-                                  probe_prompt=self.probe_prompt)
+        settings = HybridSettings(probe_tolerance=plan.resolved.probe_tolerance, pad_token_id=self.pad_token_id)
         self.actor_group = WorkerGroup(HybridEngineWorker, self.pool, role=GroupName.ACTOR_ROLLOUT_REF,
                                        worker_args=(plan, settings), process_group_timeout_s=timeout_s, restart=restart)
         self.rollout_group = self.actor_group
@@ -277,13 +272,10 @@ class Trainer:
         sends, receives = wait_together([
             self.actor_group.submit_all(DisaggregatedPolicyWorker.send_weights, version),
             self.rollout_group.submit_all(RolloutWorker.receive_weights, version)])
-        if self.probe is None:  # the first sync: one replica's greedy continuation of the probe prompt
-            self.probe = next(p for p in self.rollout_group.call_all(RolloutWorker.continue_probe, self.probe_prompt)
-                              if p is not None)
-        trainer_log_probs = self.actor_group.call_all(DisaggregatedPolicyWorker.probe_log_probs, self.probe)[0]
-        gaps = [g for g in self.rollout_group.call_all(RolloutWorker.probe_gap, self.probe, trainer_log_probs,
+        probe = sends[0]["probe"]
+        gaps = [g for g in self.rollout_group.call_all(RolloutWorker.probe_gap, probe,
                                                        self.plan.resolved.probe_tolerance) if g is not None]
-        metrics = _sync_metrics(list(sends) + list(receives))
+        metrics = _sync_metrics([s["metrics"] for s in sends] + list(receives))
         metrics.update({"reshard/probe_max_abs_gap": max(gaps), "reshard/probe_replicas": float(len(gaps)),
                         "reshard/version": float(version)})
         return metrics

@@ -45,7 +45,7 @@ from hybridrl.rollout.engine import RolloutEngine
 from hybridrl.workers import faults
 from hybridrl.workers.generation import agent_loop_for, engine_config, generate_rows
 from hybridrl.workers.policy import PolicyWorker
-from hybridrl.workers.probe import ProbeSequence, WeightSyncError, continue_probe, probe_gap_of, probe_prompt_of
+from hybridrl.workers.probe import RARE_TOKEN_PROBE, ProbeSequence, WeightSyncError, probe_gap_of
 
 
 @dataclass(frozen=True)
@@ -54,9 +54,6 @@ class HybridSettings:
     # The run's pad id as the trainer resolved it (`hybridrl.data.tokenizer.resolve_pad_token_id`), so
     # prompts, responses and probe rows pad alike; None (a worker built alone) resolves it the same way.
     pad_token_id: int | None = None
-    # The weight probe's prompt: a real prompt's token ids (the trainer's first training prompt); None:
-    # `workers.probe.DEFAULT_PROBE_PROMPT`. Its response is vLLM's greedy continuation after the first sync.
-    probe_prompt: tuple[int, ...] | None = None
 
 
 class HybridEngineWorker(PolicyWorker):
@@ -70,7 +67,7 @@ class HybridEngineWorker(PolicyWorker):
         self.syncs = 0
         self.replica_probe_gaps: dict[int, float] = {}  # the last sync's probe gap per replica, by its TP-0 rank
         self.agent = None  # the agent loop, when rollout.multi_turn is enabled (built in setup)
-        self.probe: ProbeSequence | None = None  # made at the first sync (`_agreed_probe`)
+        self.probe: ProbeSequence = RARE_TOKEN_PROBE  # what every sync scores (bench/probe_gap.py swaps it)
 
     # ------------------------------------------------------------------------------ bring-up
     def setup(self, total_training_steps: int | None = None) -> dict[str, Any]:
@@ -161,23 +158,13 @@ class HybridEngineWorker(PolicyWorker):
         proven, not only the one in the output rank's process. Every rank returns the same value;
         the per-replica gaps stay in `replica_probe_gaps` (`prove_by_probe` judges them).
         """
-        if self.probe is None:
-            self.probe = self._agreed_probe()
         # every rank of the actor must run the forward (pipeline schedule is collective), and every
         # TP peer of a replica must score the prompt (vLLM's TP forward is collective)
-        gap = probe_gap_of(self.rollout, self.probe, self.probe_log_probs(self.probe))
+        gap = probe_gap_of(self.rollout, self.probe_log_probs(self.probe), self.probe)
         gaps: list[Any] = [None] * self.world_size
         torch.distributed.all_gather_object(gaps, gap)
         self.replica_probe_gaps = {rank: g for rank, g in enumerate(gaps) if g is not None}
         return max(self.replica_probe_gaps.values())
-
-    def _agreed_probe(self) -> ProbeSequence:
-        """The probe every replica scores: rank 0's replica's greedy continuation of the probe prompt (each
-        replica generates, collectively over its TP ranks; all take rank 0's, so all score the same tokens)."""
-        mine = continue_probe(self.rollout, probe_prompt_of(self.settings.probe_prompt))
-        everyone: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(everyone, mine)
-        return everyone[0]
 
     def prove_by_probe(self) -> float:
         """The probe gap over every replica; raises `WeightSyncError` naming the worst one above tolerance."""

@@ -29,7 +29,7 @@ from hybridrl.parallel.device import default_dtype_for
 from hybridrl.parallel.memory import memory_metrics
 from hybridrl.reshard.cross_pool import CrossPoolSender
 from hybridrl.workers import faults
-from hybridrl.workers.probe import ProbeSequence, probe_batch
+from hybridrl.workers.probe import RARE_TOKEN_PROBE, ProbeSequence, probe_batch
 from hybridrl.workers.ray_roles import ActorRolloutRefWorker
 from hybridrl.workers.rollout_worker import cross_pool_layout
 
@@ -60,7 +60,7 @@ class PolicyWorker(ActorRolloutRefWorker):
         self._record_memory("update_after")
         return None if metrics is None else metrics.as_dict()
 
-    def probe_log_probs(self, sequence: ProbeSequence) -> list[float]:
+    def probe_log_probs(self, sequence: ProbeSequence = RARE_TOKEN_PROBE) -> list[float]:
         """The actor's log-probs of the weight probe's response (`workers.probe`), on every rank.
         Collective over the actor's ranks (the pipeline schedule is)."""
         probe = probe_batch(sequence, self.pad_token_id)
@@ -110,7 +110,7 @@ class DisaggregatedPolicyWorker(PolicyWorker):
 
     def send_weights(self, version: int) -> dict[str, Any]:
         """Send this rank's share of the weights (collective with every rollout rank's
-        `receive_weights`); the sync's figures and memory. The trainer has the probe scored next."""
+        `receive_weights`), then score the probe; the sync's figures, memory, and the probe's log-probs."""
         faults.crash_point(Phase.SYNC)
         if self.sender is None:
             raise RuntimeError(f"trainer rank {self.rank}: join_weight_sync was not called")
@@ -119,6 +119,7 @@ class DisaggregatedPolicyWorker(PolicyWorker):
         report = self.sender.send()
         self.version = version
         metrics = {**report.as_metrics("reshard/trainer_"), "timing_s/sync_send": time.perf_counter() - started}
+        probe = self.probe_log_probs()
         self._record_memory("sync_after")
         metrics.update(self.take_phase_memory())
-        return metrics
+        return {"metrics": metrics, "probe": probe}

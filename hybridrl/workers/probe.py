@@ -1,13 +1,14 @@
-"""The weight probe: a short sequence scored by the trainer and by every vLLM replica after each weight
-sync. Its max log-prob gap proves that what each replica serves is the trainer's policy (the sync's
-checksums prove the bytes; this proves what the repacked, sharded weights compute).
+"""The weight probe: a fixed short sequence scored by the trainer and by every vLLM replica after each
+weight sync. Its max log-prob gap proves that what each replica serves is the trainer's policy (the
+sync's checksums prove the bytes; this proves what the repacked, sharded weights compute).
 
-The sequence is a real prompt (the first training prompt, chat template applied; its last
-`PROBE_PROMPT_TOKENS` tokens) and vLLM's greedy continuation of it after the first sync: tokens the model
-finds likely. There, log-probs are near 0 and half-precision kernels agree closely, so a tolerance
-measured on it separates a correct sync from a broken layout; on rare tokens (fixed ids far down the
-vocabulary) bf16 kernels differ most and the gap of a correct sync is large. The continuation is made
-once, by one replica, and reused by every replica at every later sync.
+Why rare tokens: a layout error (swapped heads, gate/up halves, a rolled row) barely moves a confident
+model's likely tokens, but moves the log-prob of rare ones by whole nats. Measured by
+`bench/probe_gap.py` on SmolLM2-135M-Instruct (bench/results/probe_gap_real.json), bf16 rollout: this
+probe's correct-sync gap is 0.12 and the smallest single-layer layout error 3.0 (25x apart; the
+tolerance 0.5 sits 4x above and 6x below); a real prompt with its greedy continuation gaps 0.039 correct
+but only 0.12 for the same error (3x apart), a sampled continuation 0.086 and 0.27: no tolerance
+separates those safely.
 """
 from __future__ import annotations
 
@@ -17,22 +18,15 @@ from typing import Any
 import torch
 
 from hybridrl.data.batch import Batch
-from hybridrl.rollout.sampling import validation_sampling
 
 
 class WeightSyncError(RuntimeError):
     """A weight sync that could not be proven: checksums differ or the log-prob probe drifted."""
 
 
-PROBE_PROMPT_TOKENS = 64
-PROBE_RESPONSE_TOKENS = 8
-# The prompt when a worker is built without one (tests, tools): token ids below every supported vocab.
-DEFAULT_PROBE_PROMPT = (1, 5, 9, 13, 17, 21, 25, 29)
-
-
 @dataclass(frozen=True)
 class ProbeSequence:
-    """The probe: a prompt and the response both sides score."""
+    """A probe: a prompt and the response both sides score."""
 
     prompt: tuple[int, ...]
     response: tuple[int, ...]
@@ -42,19 +36,8 @@ class ProbeSequence:
         return [*self.prompt, *self.response]
 
 
-def probe_prompt_of(prompt_ids: Any | None) -> tuple[int, ...]:
-    """The probe's prompt from a real prompt's token ids (its end: where the answer starts)."""
-    if prompt_ids is None or len(prompt_ids) == 0:
-        return DEFAULT_PROBE_PROMPT
-    return tuple(int(t) for t in list(prompt_ids)[-PROBE_PROMPT_TOKENS:])
-
-
-def continue_probe(rollout: Any, prompt: tuple[int, ...]) -> ProbeSequence:
-    """vLLM's greedy continuation of `prompt` on this replica (EOS ignored: always the full length).
-    Collective over the replica's TP ranks (vLLM's generation is); every TP rank gets the same tokens."""
-    out = rollout.generate_sequences([list(prompt)], validation_sampling(PROBE_RESPONSE_TOKENS, ignore_eos=True))
-    length = int(out.tensors["response_lengths"][0])
-    return ProbeSequence(tuple(prompt), tuple(int(t) for t in out.tensors["responses"][0, :length].tolist()))
+# The sync's probe: token ids below every supported vocabulary, rare in every one of them.
+RARE_TOKEN_PROBE = ProbeSequence((1, 5, 9, 13, 17, 21, 25, 29), (33, 37, 41, 45, 49, 53, 57, 61))
 
 
 def probe_batch(probe: ProbeSequence, pad_token_id: int) -> Batch:
@@ -72,7 +55,7 @@ def probe_batch(probe: ProbeSequence, pad_token_id: int) -> Batch:
     }, meta={"pad_token_id": pad_token_id})
 
 
-def probe_gap_of(rollout: Any, probe: ProbeSequence, trainer_log_probs: list[float]) -> float | None:
+def probe_gap_of(rollout: Any, trainer_log_probs: list[float], probe: ProbeSequence = RARE_TOKEN_PROBE) -> float | None:
     """This replica's max |trainer - vLLM| over the probe's response tokens; None off its TP rank 0.
     Collective over the replica's TP ranks (vLLM's forward is)."""
     vllm_log_probs = rollout.prompt_log_probs(probe.tokens)

@@ -32,7 +32,7 @@ from hybridrl.rollout.continuous import ContinuousGeneration
 from hybridrl.rollout.engine import RolloutEngine
 from hybridrl.workers import faults
 from hybridrl.workers.generation import agent_loop_for, carry_prompt_columns, engine_config, generate_rows
-from hybridrl.workers.probe import ProbeSequence, WeightSyncError, continue_probe, probe_gap_of, probe_prompt_of
+from hybridrl.workers.probe import WeightSyncError, probe_gap_of
 
 
 def cross_pool_layout(plan: Plan) -> CrossPoolLayout:
@@ -109,16 +109,10 @@ class RolloutWorker(Worker):
         self.version = version
         return {**report.as_metrics("reshard/rollout_"), "timing_s/sync_receive": time.perf_counter() - started}
 
-    def continue_probe(self, prompt: tuple[int, ...] | None) -> ProbeSequence | None:
-        """The weight probe made from `prompt` by this replica's greedy continuation (`workers.probe`), on its
-        TP rank 0 (None elsewhere); the trainer takes one replica's and has every replica score it."""
-        probe = continue_probe(self.rollout, probe_prompt_of(prompt))
-        return probe if self.rollout.tp_rank == 0 else None
-
-    def probe_gap(self, probe: ProbeSequence, trainer_log_probs: list[float], tolerance: float) -> float | None:
+    def probe_gap(self, trainer_log_probs: list[float], tolerance: float) -> float | None:
         """This replica's probe gap against the trainer's log-probs (TP rank 0; None elsewhere); raises
         `WeightSyncError` above `tolerance`."""
-        gap = probe_gap_of(self.rollout, probe, trainer_log_probs)
+        gap = probe_gap_of(self.rollout, trainer_log_probs)
         if gap is not None and gap > tolerance:
             raise WeightSyncError(f"version {self.version}: log-prob probe gap {gap:.3g} between megatron and the "
                                   f"vLLM replica led by rollout rank {self.rank} exceeds {tolerance:g}")
