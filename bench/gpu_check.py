@@ -14,9 +14,17 @@ For each Qwen2-shaped model (random weights, built by the bridge from a config d
     loaded by vLLM, and generate tokens/s for a batch of random prompts.
   - workers (first, on the tiny shape in fp32): the workers' own data path on a *CPU-resident* batch,
     as the controller sends it: `MegatronActor.compute_log_prob` (checked against transformers on
-    the same device), one `update_policy` step through megatron DDP + the distributed optimizer, and
-    `MegatronCritic.compute_values`. The other parts build their inputs on the device; this one
-    proves the batch reaches it.
+    the same device), one `update_policy` step through megatron DDP + the distributed optimizer,
+    `MegatronCritic.compute_values` (the value head) and one `update_critic` step. The other parts build
+    their inputs on the device; this one proves the batch reaches it.
+  - moe (tiny Qwen3-MoE in fp32): megatron's MoE layers on the local spec (router, token dispatcher,
+    experts) on this device: logits against transformers on the same device, one backward with finite
+    gradients for every expert.
+  - reshard also checks its shards against the layout math (`hf_to_vllm_shards` of the exported model,
+    checksums): the sync's producing side on this device, into a stand-in receiver that compares bytes.
+  - unreached: the GPU-only paths this machine could not run (TransformerEngine, sequence parallelism
+    at TP > 1 and every other multi-rank NCCL collective on one GPU, vLLM), so a first multi-GPU run
+    knows what is still unproven.
 
     python bench/gpu_check.py --device cuda              # on one GPU (bench/gpu_check.sh wraps it)
     python bench/gpu_check.py --device cpu --tiny        # the same logic on a tiny model in seconds (CI)
@@ -157,6 +165,73 @@ def reshard_figures(models: list[Any], dtype: torch.dtype) -> dict[str, Any]:
             "reshard_shard_devices": ",".join(sorted(devices)), "reshard_checksums": len(report.checksums)}
 
 
+def reshard_layout_check(models: list[Any], config: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """The resharder's shards on this device against the layout math's: the model exported to an HF
+    folder, `hf_to_vllm_shards` of it (on the host), both checksummed and compared tensor by tensor."""
+    from safetensors.torch import load_file
+
+    from hybridrl.config.meshes import build_reshard_groups, build_training_mesh
+    from hybridrl.models.bridge import export_hf
+    from hybridrl.reshard.checksums import compare_checksums, shard_checksums
+    from hybridrl.reshard.layout import hf_to_vllm_shards
+    from hybridrl.reshard.resharder import ReshardConfig, Resharder
+
+    groups = build_reshard_groups(build_training_mesh(1, 1, 1), 1)
+    produced = shard_checksums(Resharder(models, groups, config=ReshardConfig(output_dtype=dtype)).shards())
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = export_hf(models, Path(tmp) / "hf", dtype=dtype)
+        state = {}
+        for file in sorted(folder.glob("*.safetensors")):
+            state.update(load_file(str(file)))
+        expected = shard_checksums(hf_to_vllm_shards(state, config, 1, 0).items())
+    mismatches = compare_checksums(expected, produced, 0)
+    return {"reshard_layout_tensors": len(expected), "reshard_layout_mismatches": len(mismatches)}
+
+
+TINY_MOE = json.loads((ROOT / "configs/models/tiny-demo-moe/config.json").read_text())
+
+
+def moe_figures(device: str) -> dict[str, Any]:
+    """megatron's MoE layers (local spec) on this device against transformers: logits, then a backward."""
+    import transformers
+
+    from hybridrl.models.bridge import export_hf
+
+    models = build_random_model(TINY_MOE, torch.float32)
+    model = models[0]
+    tokens = torch.randint(1, TINY_MOE["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = export_hf(models, Path(tmp) / "hf", dtype=torch.float32)
+        reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                                      attn_implementation="eager").to(device)
+        with torch.no_grad():
+            expected = reference(input_ids=tokens.to(device)).logits.float()
+    model.train()
+    logits = model(tokens.to(device), positions.to(device), None)  # [b, s, vocab (padded)]
+    logits = logits[..., :TINY_MOE["vocab_size"]].float()
+    logits.logsumexp(-1).mean().backward()
+    experts = [p.grad for n, p in model.named_parameters() if ".experts." in n]
+    return {"moe_logits_max_abs_diff_vs_hf": float((logits.detach() - expected).abs().max()),
+            "moe_expert_grads": len(experts),
+            "moe_expert_grads_finite": all(g is not None and bool(torch.isfinite(g).all()) for g in experts),
+            "moe_device": logits.device.type}
+
+
+def unreached_paths(device: str, result: dict[str, Any]) -> list[str]:
+    """The GPU-only paths this run could not exercise (one GPU, what the lent image lacks)."""
+    from hybridrl.parallel.device import layer_spec_kind
+
+    paths = ["sequence parallelism and every other TP/PP/DP/EP collective over NCCL (one GPU: world 1)",
+             "the colocated critic and reward model processes next to vLLM (Ray, several processes a GPU)"]
+    if device != "cuda" or layer_spec_kind(device) != "te":
+        paths.append("TransformerEngine's layer spec (fused norms + linears, packed THD attention, TE's norms "
+                      "under sequence parallelism)")
+    if not any(r.get("vllm") == "ran" for r in result.get("models", {}).values()):
+        paths.append("vLLM on this device (generation, sleep/wake, the weight sync's receiving side, the probe)")
+    return paths
+
+
 def vllm_figures(models: list[Any], config: dict[str, Any], device: str, dtype: torch.dtype, prompts: int,
                  new_tokens: int) -> dict[str, Any]:
     try:
@@ -295,6 +370,11 @@ def worker_figures(config: dict[str, Any], device: str) -> dict[str, Any]:
     after = actor.compute_log_prob(batch)["old_log_probs"]
     values = critic.compute_values(batch)["values"]
     mask = batch["response_mask"].bool()
+    # one critic step towards returns one unit from the values, on the response tokens
+    batch["values"] = values
+    batch["returns"] = (values + 1.0) * mask
+    critic_update = critic.update_critic(batch)
+    values_after = critic.compute_values(batch)["values"]
     return {
         "workers_packed": plan.resolved.packed("actor"),
         "workers_build_s": build_s, "workers_log_prob_s": log_prob_s, "workers_update_s": update_s,
@@ -306,6 +386,8 @@ def worker_figures(config: dict[str, Any], device: str) -> dict[str, Any]:
         "workers_values_finite": bool(torch.isfinite(values).all()),
         "workers_values_zero_off_mask": bool((values[~mask] == 0).all()),
         "workers_values_abs_mean": float(values[mask].abs().mean()),
+        "workers_critic_grad_norm": critic_update.grad_norm,
+        "workers_critic_values_moved_up": float((values_after - values)[mask].mean()),
     }
 
 
@@ -357,6 +439,8 @@ def run(args: argparse.Namespace, out: str | None = None) -> dict[str, Any]:
             # First: the one part whose inputs start on the host, as the controller's batches do.
             result["workers"] = worker_figures(TINY, device)
             save(result, out)
+            result["moe"] = moe_figures(device)
+            save(result, out)
         result["matmul_tflops"] = matmul_tflops(device, dtype, args.matmul_size)
         result.update(memory_metric_check(device))
         save(result, out)
@@ -366,6 +450,8 @@ def run(args: argparse.Namespace, out: str | None = None) -> dict[str, Any]:
             row: dict[str, Any] = {"params_m": sum(p.numel() for p in models[0].parameters()) / 1e6}
             row.update(actor_figures(models[0], config, device, args.batch, args.seq, args.iters, args.peak_tflops))
             row.update(reshard_figures(models, dtype))
+            if index == 0:
+                row.update(reshard_layout_check(models, config, dtype))
             if index == 0 and not args.skip_vllm:
                 row.update(vllm_figures(models, config, device, dtype, args.vllm_prompts, args.vllm_tokens))
             row["peak_memory_gib"] = memory_gib(device)
@@ -376,6 +462,8 @@ def run(args: argparse.Namespace, out: str | None = None) -> dict[str, Any]:
             if device == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
+        result["unreached"] = unreached_paths(device, result)
+        save(result, out)
     finally:
         # The default process group stays: vLLM's engine destroys its own groups at exit and needs it.
         destroy_model_parallel()
@@ -390,7 +478,13 @@ def render(result: dict[str, Any]) -> str:
         lines.append(f"workers on a host batch: results on {workers['workers_result_devices']}, log-prob gap vs HF "
                      f"{workers['workers_log_prob_max_abs_diff_vs_hf']:.2e}, update grad norm "
                      f"{workers['workers_update_grad_norm']:.3g} ({workers['workers_update_steps']} step, "
-                     f"{workers['workers_update_skipped']} skipped), values finite {workers['workers_values_finite']}")
+                     f"{workers['workers_update_skipped']} skipped), values finite {workers['workers_values_finite']}, "
+                     f"critic step grad norm {workers['workers_critic_grad_norm']:.3g}")
+    moe = result.get("moe")
+    if moe:
+        lines.append(f"MoE (local spec) on {moe['moe_device']}: logits gap vs HF "
+                     f"{moe['moe_logits_max_abs_diff_vs_hf']:.2e}, {moe['moe_expert_grads']} expert grads finite "
+                     f"{moe['moe_expert_grads_finite']}")
     header = ("model", "params M", "train tok/s", "TFLOP/s", "MFU", "logprob tok/s", "reshard s", "buckets",
               "vLLM tok/s", "peak GiB")
     rows = [header]
@@ -403,6 +497,9 @@ def render(result: dict[str, Any]) -> str:
     lines += ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
     lines += [f"{name}: vllm {r['vllm']}" for name, r in result["models"].items()
               if "vllm" in r and r["vllm"] != "ran"]
+    lines += [f"{name}: resharded {r['reshard_layout_tensors']} tensors, {r['reshard_layout_mismatches']} differ "
+              "from the layout math" for name, r in result["models"].items() if "reshard_layout_tensors" in r]
+    lines += [f"not reached here: {path}" for path in result.get("unreached", [])]
     return "\n".join(lines)
 
 

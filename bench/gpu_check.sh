@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU check (issue 9) on one lent GPU, offline, in under 6 minutes (the 15-minute device budget leaves room for a rerun):
 # the workers' own data path on a CPU-resident batch (log-probs vs transformers, one PPO update with
-# megatron DDP + the distributed optimizer, critic values), actor forward/backward throughput and MFU
+# megatron DDP + the distributed optimizer, critic values and one critic update), megatron's MoE layers
+# against transformers, the resharder's shards against the layout math, actor forward/backward throughput and MFU
 # (bf16) for Qwen2-shaped 0.5B and 1.5B models with random weights, log-prob throughput, the
-# resharder on CUDA tensors, and vLLM generation if vLLM is there. The JSON is rewritten after each part.
+# resharder on CUDA tensors, and vLLM generation if vLLM is there. The JSON is rewritten after each part
+# and ends with `unreached`: the GPU-only paths one GPU without TE or vLLM cannot prove.
 #
 # Installs nothing from the network. The lent H200 image has torch, transformers, safetensors, pyyaml
 # and psutil but no megatron-core (and no vLLM or TransformerEngine: the check then uses megatron's

@@ -27,7 +27,7 @@ def _run_tiny(tmp_path: Path, *extra: str, timeout: int) -> dict:
 
 
 def test_tiny_cpu_run_measures_every_part(tmp_path):
-    data = _run_tiny(tmp_path, "--skip-vllm", "--port", "29611", timeout=90)
+    data = _run_tiny(tmp_path, "--skip-vllm", "--port", "29611", timeout=180)
     assert data["device"] == "cpu" and data["layer_spec"] == "local"
     assert data["memory_metric_ok"] and data["memory_metric_grew_gib"] >= 0.2  # the per-phase metric follows RSS
     row = data["models"]["tiny-qwen2"]
@@ -45,6 +45,17 @@ def test_tiny_cpu_run_measures_every_part(tmp_path):
     assert workers["workers_update_log_prob_change"] > 1e-3  # the PPO step moved the policy
     assert workers["workers_values_finite"] and workers["workers_values_zero_off_mask"]
     assert workers["workers_values_abs_mean"] > 0
+    # one critic step towards returns above the values raised them (the value head's gradient reached it)
+    assert workers["workers_critic_grad_norm"] > 0 and workers["workers_critic_values_moved_up"] > 0
+    # megatron's MoE layers (local spec) on the device against transformers, and their expert gradients
+    moe = data["moe"]
+    assert moe["moe_device"] == "cpu" and moe["moe_logits_max_abs_diff_vs_hf"] < 1e-4
+    assert moe["moe_expert_grads"] > 0 and moe["moe_expert_grads_finite"]
+    # the resharder's shards on the device, against the layout math's for the exported model
+    assert row["reshard_layout_tensors"] == row["reshard_checksums"] and row["reshard_layout_mismatches"] == 0
+    # what one machine cannot prove is listed for the first multi-GPU run
+    unreached = " ".join(data["unreached"])
+    assert "sequence parallelism" in unreached and "TransformerEngine" in unreached and "vLLM" in unreached
 
 
 def _cut_short_run(rank: int, world: int, out: str) -> str:
