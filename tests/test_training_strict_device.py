@@ -12,6 +12,7 @@ bring its results back. The numbers are checked against the same references as t
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -150,6 +151,43 @@ def test_collectives_refuse_host_tensors_on_nccl_groups():
         assert outcome["gloo"] == "ok"
         assert outcome["collective_device"] == "[3.0, 3.0]"
         assert "batch_isend_irecv" in outcome["p2p"]
+
+
+def _megatron_bound_collective_rank(rank: int, world: int) -> dict[str, str]:
+    """megatron's own TP gather and reduce-scatter (names bound when megatron was imported, before strict
+    mode: the fork server preloads megatron) on a host tensor, and on a device one."""
+    import megatron.core.tensor_parallel.mappings as mappings
+
+    from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
+
+    assert "megatron.core.tensor_parallel.mappings" in sys.modules  # bound before the mode exists
+    strict_device.enable_strict_device()
+    initialize_model_parallel(tp=2, device="cpu")
+    outcome = {}
+    try:
+        with strict_device.StrictDeviceMode():
+            for name, call in (("all_gather", mappings.gather_from_sequence_parallel_region),
+                               ("reduce_scatter", mappings.reduce_scatter_to_sequence_parallel_region)):
+                for where, tensor in (("host", torch.ones(4, 3)), ("device", torch.ones(4, 3, device="cuda"))):
+                    try:
+                        call(tensor)
+                        outcome[f"{name}/{where}"] = "ok"
+                    except strict_device.DeviceMismatch as error:
+                        outcome[f"{name}/{where}"] = str(error)
+    finally:
+        destroy_model_parallel()
+        strict_device.disable_strict_device()
+    return outcome
+
+
+def test_megatrons_import_time_collectives_are_checked():
+    """A host tensor in megatron's sequence-parallel gather / reduce-scatter raises as NCCL would (these go
+    through names megatron bound at import, `mappings.dist_all_gather_func` / `dist_reduce_scatter_func`);
+    the same call on a device tensor runs."""
+    for outcome in run_ranks(_megatron_bound_collective_rank, 2):
+        for name, collective in (("all_gather", "all_gather_into_tensor"), ("reduce_scatter", "reduce_scatter_tensor")):
+            assert collective in outcome[f"{name}/host"] and "NCCL" in outcome[f"{name}/host"], outcome
+            assert outcome[f"{name}/device"] == "ok", outcome
 
 
 # ------------------------------------------------------------------------ the workers' data path

@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -384,6 +385,7 @@ def enable_strict_device() -> None:
                 if name in _C10D_GLOBALS:
                     _saved[f"c10d.{name}"] = getattr(distributed_c10d, name)
                     setattr(distributed_c10d, name, wrapped)
+            _rebind_imported_collectives()
             _saved["dist.new_group"] = dist.new_group
             dist.new_group = _recording_new_group(dist.new_group)
             _saved["torch.from_numpy"] = torch.from_numpy
@@ -394,11 +396,46 @@ def enable_strict_device() -> None:
     _swap_thread_mode(strict=True)
 
 
+# module name -> {attribute: the original collective it held}, for `disable_strict_device`
+_rebound: dict[str, dict[str, Any]] = {}
+
+
+def _rebind_imported_collectives() -> None:
+    """Point every module-level name bound to a torch.distributed collective at its checked wrapper.
+
+    megatron binds collectives to names of its own at import (`tensor_parallel.mappings` and
+    `distributed.param_and_grad_buffer`: `dist_all_gather_func = torch.distributed.all_gather_into_tensor`,
+    `dist_reduce_scatter_func = ...reduce_scatter_tensor`), and megatron is imported before this mode can be
+    switched on (the version check, the fork server's preload): without this their TP gathers, sequence
+    parallelism, the MoE all-gather dispatcher and the distributed optimizer's collectives would never be
+    checked. Any module already imported is scanned, so a name bound anywhere is covered.
+    """
+    originals = {id(fn): f"dist.{name}" for name in COLLECTIVES if (fn := _saved.get(f"dist.{name}")) is not None}
+    for module_name, module in list(sys.modules.items()):
+        if module is None or module_name.startswith(("torch.", "hybridrl.parallel.strict_device")):
+            continue
+        try:
+            names = vars(module)
+        except TypeError:
+            continue
+        for attribute, value in list(names.items()):
+            key = originals.get(id(value))
+            if key is not None and value is _saved[key]:
+                _rebound.setdefault(module_name, {})[attribute] = value
+                setattr(module, attribute, getattr(dist, key.partition(".")[2]))
+
+
 def disable_strict_device() -> None:
     """Undo `enable_strict_device` (tests); this thread's CPU-layer mode goes back to the plain mapping."""
     from torch.distributed import distributed_c10d
 
     with _lock:
+        for module_name, names in _rebound.items():
+            module = sys.modules.get(module_name)
+            for attribute, original in names.items():
+                if module is not None:
+                    setattr(module, attribute, original)
+        _rebound.clear()
         for key, original in list(_saved.items()):
             owner, _, name = key.partition(".")
             if owner == "dist":
