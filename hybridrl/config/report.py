@@ -216,7 +216,7 @@ def render_plan(plan: Plan) -> str:
                 f"{rm.tokens_per_replica_step:,} tokens ({waves})"
             )
 
-        if plan.gpu_memory:
+        if plan.gpu_memory and plan.device_policy.gpu_memory_budget_binding:  # GPU memory: a GPU job's
             out += ["", *gpu_memory_lines(plan.gpu_memory)]
 
     groups = plan.reshard.groups
