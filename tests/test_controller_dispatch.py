@@ -144,7 +144,10 @@ def test_worker_env_keeps_the_users_own_values(monkeypatch):
 
     monkeypatch.delenv("MALLOC_MMAP_MAX_", raising=False)
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "123")
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
     assert worker_process_env(CPU) == {"MALLOC_MMAP_MAX_": "0"}
+    assert worker_process_env(CUDA) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
     assert worker_process_env(CUDA) == {}
 
 

@@ -395,7 +395,8 @@ def te_spec_norm_names(monkeypatch: Any, shape: Any, pp: int, pp_rank: int) -> d
 
     monkeypatch.setattr(gpt_layer_specs, "TESpecProvider", MarkerProvider, raising=False)
     monkeypatch.setattr(gpt_layer_specs, "TENorm", Norm, raising=False)
-    config = transformer_config(shape, 1, pp, None, device="cpu", dtype=torch.float32)
+    # the GPU path's config (on cpu it would also install the CPU layer's RoPE stand-ins in this process)
+    config = transformer_config(shape, 1, pp, None, device="cuda", dtype=torch.bfloat16)
     block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm",
                                                        vp_stage=None, pp_rank=pp_rank)
     names = {}
