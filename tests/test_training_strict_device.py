@@ -90,6 +90,15 @@ def test_strict_mode_raises_where_cuda_would(strict_mode):
     back = out.cpu()
     assert strict_device.placement(back) == "host" and torch.equal(back, out.cpu())
     assert strict_device.placement(out[torch.tensor([0])]) == "device"  # host indices are fine
+    # a host tensor indexed by device indices raises on CUDA (a 0-dim index is read as a number)
+    rows, picks = torch.arange(6).reshape(3, 2), torch.tensor([0, 2], device="cuda")
+    with pytest.raises(strict_device.DeviceMismatch, match="indices should be either on cpu"):
+        rows[picks]
+    with pytest.raises(strict_device.DeviceMismatch, match="indices should be either on cpu"):
+        rows[(slice(None), picks[:1])]
+    with pytest.raises(strict_device.DeviceMismatch, match="indices should be either on cpu"):
+        rows[picks] = 0
+    assert torch.equal(rows[torch.tensor(1, device="cuda")], torch.tensor([2, 3]))
     out.sum().backward()
     assert weight.grad is not None  # autograd's tensors are never judged (unknown), so no false alarm
 

@@ -18,7 +18,8 @@ cluster. This mode makes the CPU layer (`hybridrl.parallel.cpu_layer`) remember 
 
 With the mode on, a torch call that mixes a device tensor with a host tensor that is not 0-dim
 raises `DeviceMismatch` (CUDA accepts 0-dim CPU tensors next to CUDA ones, so they are allowed);
-moves (``to``/``copy_``/``cpu``/``cuda``) and indexing with host indices stay legal, as on CUDA. A
+moves (``to``/``copy_``/``cpu``/``cuda``) and indexing a device tensor with host indices stay legal, as
+on CUDA; a host tensor indexed by device indices (not 0-dim) raises, as on CUDA. A
 collective (``torch.distributed.all_reduce``, ``all_gather``, ``broadcast``, ``reduce_scatter``,
 point-to-point ...) that gets a host tensor on a group that would be NCCL on GPUs raises too:
 every group except those created with ``backend="gloo"`` (megatron's and vLLM's CPU-side groups)
@@ -181,9 +182,12 @@ class StrictDeviceMode(CudaToCpuMode):
             if not inputs:
                 forced = HOST  # a factory without a device allocates on the CPU, on GPUs too
             elif func in _CROSS_DEVICE_OK:
+                if func is torch.Tensor.__getitem__:
+                    _check_index(func, args[0], inputs[1:])
                 forced = placement(inputs[0])
             elif func is torch.Tensor.__setitem__:
                 value = args[2] if len(args) > 2 else None
+                _check_index(func, args[0], _tensors_in(args[1:2], {}))
                 _check_mix(func, [args[0], value] if isinstance(value, torch.Tensor) else [args[0]])
                 forced = placement(args[0])
             else:
@@ -254,6 +258,21 @@ def _check_mix(func: Any, inputs: list[torch.Tensor]) -> str | None:
     if host_tensor or (inputs and all_host):
         return HOST
     return None
+
+
+def _check_index(func: Any, indexed: torch.Tensor, indices: list[torch.Tensor]) -> None:
+    """A host tensor indexed by a device index tensor raises on CUDA ("indices should be either on cpu or on
+    the same device as the indexed tensor"); a device tensor indexed by host indices is fine (0-dim indices
+    are read as numbers either way)."""
+    if placement(indexed) != HOST:
+        return
+    for index in indices:
+        if placement(index) == DEVICE and index.dim() != 0:
+            raise DeviceMismatch(
+                f"strict-device: {_func_name(func)} indexes a {_describe(indexed)} with a {_describe(index)}; "
+                "CUDA raises \"indices should be either on cpu or on the same device as the indexed tensor\". "
+                "Index on the device (move the tensor with hybridrl.parallel.device.to_rank_device) or bring "
+                "the index to the host")
 
 
 def _tag_result(result: Any, tag: str | None, inputs: list[torch.Tensor]) -> None:
