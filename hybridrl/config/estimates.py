@@ -339,6 +339,9 @@ class GpuOverheads:
     vllm_cuda_graphs_gib: float = 1.0
     margin_fraction: float = 0.05
 
+    def nccl_gib(self, collective: int, all_to_all: int) -> float:
+        return collective * self.nccl_collective_gib + all_to_all * self.nccl_all_to_all_gib
+
 
 OVERHEADS = GpuOverheads()
 MIB = 1024**2
@@ -390,33 +393,30 @@ class RoleOnGpu:
     def role(self) -> str:
         return self.memory.role
 
-    def held(self, *, built_only: bool = False) -> list[tuple[str, float]]:
-        """(item, GiB) it keeps on the GPU outside its own phases; `built_only`: as built, before its first
-        update (Adam's moments are made at the first step on GPUs; grads offloaded at set-up when configured)."""
+    def _state(self, *, params: bool, grads: bool, moments: bool) -> list[tuple[str, float]]:
+        """(item, GiB) of its tensors, those named kept; the fp32 master weights always (no offload moves them)."""
         m = self.memory
-        if self.role == Role.REF:
-            return []
-        items = [] if self.offload_params else [(f"{self.role} params", m.params_gib)]
-        if m.grads_gib and not self.offload_grads:
+        items = [(f"{self.role} params", m.params_gib)] if params else []
+        if m.grads_gib and grads:
             items.append((f"{self.role} grads", m.grads_gib))
         if m.master_params_gib:
             items.append((f"{self.role} fp32 master params", m.master_params_gib))
-        if m.moments_gib and not self.offload_optimizer and not built_only:
+        if m.moments_gib and moments:
             items.append((f"{self.role} Adam moments", m.moments_gib))
         return items
 
+    def held(self, *, built_only: bool = False) -> list[tuple[str, float]]:
+        """(item, GiB) it keeps on the GPU outside its own phases; `built_only`: as built, before its first
+        update (Adam's moments are made at the first step on GPUs; grads offloaded at set-up when configured)."""
+        if self.role == Role.REF:
+            return []
+        return self._state(params=not self.offload_params, grads=not self.offload_grads,
+                           moments=not self.offload_optimizer and not built_only)
+
     def working(self) -> list[tuple[str, float]]:
         """(item, GiB) during its own heaviest phase: everything, activations in flight included."""
-        m = self.memory
-        items = [(f"{self.role} params", m.params_gib)]
-        if m.grads_gib:
-            items.append((f"{self.role} grads", m.grads_gib))
-        if m.master_params_gib:
-            items.append((f"{self.role} fp32 master params", m.master_params_gib))
-        if m.moments_gib:
-            items.append((f"{self.role} Adam moments", m.moments_gib))
-        items.append((f"{self.role} activations", m.activations_gib_in_flight))
-        return items
+        return [*self._state(params=True, grads=True, moments=True),
+                (f"{self.role} activations", self.memory.activations_gib_in_flight)]
 
 
 @dataclass(frozen=True)
@@ -485,7 +485,7 @@ def gpu_memory_plan(
         if gpu_memory_utilization is not None and infer_tp > 1:
             collective += 1  # vLLM's TP group (pynccl), in the actor's process
         common.append((f"NCCL ({collective} communicators" + (f", {all_to_all} all-to-all)" if all_to_all else ")"),
-                       collective * overheads.nccl_collective_gib + all_to_all * overheads.nccl_all_to_all_gib))
+                       overheads.nccl_gib(collective, all_to_all)))
     asleep: list[tuple[str, float]] = []
     if gpu_memory_utilization is not None and device_overheads:
         workspace = vllm_tp_workspace_gib(infer_tp)
@@ -506,11 +506,10 @@ def gpu_memory_plan(
         phases.append(PhaseMemory("generation", tuple([vllm, *[i for r in roles for i in r.held()], *common])))
         if device_overheads and Role.ACTOR in by_role:
             actor = by_role[Role.ACTOR]
-            collective, all_to_all = actor.communicators
             startup = PhaseMemory("vLLM start-up", (
                 *actor.held(built_only=True), ("CUDA context (actor process)", overheads.cuda_context_gib),
-                (f"NCCL ({collective} communicators of the actor)",
-                 collective * overheads.nccl_collective_gib + all_to_all * overheads.nccl_all_to_all_gib)))
+                (f"NCCL ({actor.communicators[0]} communicators of the actor)",
+                 overheads.nccl_gib(*actor.communicators))))
             startup_limit = round(gpu_gib * (1 - gpu_memory_utilization), 3)
     for r in roles:
         name = f"{r.role} update" if r.memory.grads_gib else f"{r.role} pass"

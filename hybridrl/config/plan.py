@@ -47,7 +47,7 @@ from hybridrl.config.meshes import (
 from hybridrl.config.resolve import Resolved, active_roles, resolve, role_megatron, role_megatron_field
 from hybridrl.config.schema import JobConfig, MegatronConfig
 from hybridrl.config.validate import validate
-from hybridrl.models.arch import ModelShape, UnsupportedModelError
+from hybridrl.models.arch import ModelShape, UnsupportedModelError, read_hf_config, value_model_hf_config
 from hybridrl.names import Role
 from hybridrl.parallel.device_policy import DevicePolicy
 
@@ -282,16 +282,13 @@ def _role_shape(config: JobConfig, role: str, actor_shape: ModelShape) -> ModelS
     path = section.model.path if section is not None else None
     if not path or path == config.actor_rollout_ref.model.path or not (Path(path) / "config.json").is_file():
         return actor_shape
-    try:  # a sequence classifier is read as its causal-LM twin (same backbone), as the workers build it
-        hf = json.loads((Path(path) / "config.json").read_text())
-        hf["architectures"] = [a.replace("ForSequenceClassification", "ForCausalLM")
-                               for a in hf.get("architectures") or []]
-        return ModelShape.from_hf_config({**hf, "tie_word_embeddings": False})
+    try:  # as the workers build it (`training.value_head.value_model_source`)
+        return ModelShape.from_hf_config(value_model_hf_config(read_hf_config(path)))
     except (UnsupportedModelError, ValueError, KeyError, OSError):
         return actor_shape
 
 
-def _role_on_gpu(config: JobConfig, memory: TrainingMemory, layout: RoleLayout, *, grads: bool | None = None,
+def _role_on_gpu(memory: TrainingMemory, layout: RoleLayout, *, grads: bool | None = None,
                  optimizer: bool | None = None) -> RoleOnGpu:
     """A role's memory estimate with its offload settings (`grads` / `optimizer` override them)."""
     mc = layout.megatron
@@ -309,8 +306,8 @@ def _gpu_memory(config: JobConfig, resolved: Resolved, policy: DevicePolicy, mem
     """The per-GPU phases of the job (`offload`: role -> (grads, optimizer) offload to try instead)."""
     rollout = config.actor_rollout_ref.rollout
     by_role = {lay.role: lay for lay in layouts}
-    roles = tuple(_role_on_gpu(config, m, by_role[m.role], **dict(zip(("grads", "optimizer"), (offload or {})
-                                                                         .get(m.role, (None, None)))))
+    roles = tuple(_role_on_gpu(m, by_role[m.role], **dict(zip(("grads", "optimizer"),
+                                                               (offload or {}).get(m.role, (None, None)))))
                   for m in memories)
     colocated = not resolved.disaggregated
     return gpu_memory_plan(
@@ -359,7 +356,6 @@ def _ways_to_fit(config: JobConfig, resolved: Resolved, policy: DevicePolicy, me
                     f"{actor.activations_gib_in_flight:.1f} GiB scale with it)")
     ways.append("more TP/PP for the actor or critic (each doubling halves its params, grads and optimizer per GPU)")
     return "would fit with: " + "; or ".join(ways)
-
 
 
 def _cpu_kv_cache_bytes(config: JobConfig, resolved: Resolved, policy: DevicePolicy, model: ModelShape,

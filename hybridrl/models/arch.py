@@ -404,6 +404,17 @@ def padded_vocab_size(vocab_size: int, tp: int, divisor: int = DEFAULT_VOCAB_DIV
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
+def value_model_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A value model's (critic, reward model) HF config as the workers build it: a sequence classifier read
+    as its causal-LM twin (same backbone), untied (the output layer gives way to a scalar head)."""
+    config = dict(config)
+    archs = [a.replace("ForSequenceClassification", "ForCausalLM") for a in config.get("architectures") or []]
+    if archs:
+        config["architectures"] = archs
+    config["tie_word_embeddings"] = False
+    return config
+
+
 def read_hf_config(path: str | Path) -> dict[str, Any]:
     """config.json of an HF folder (or the file itself) as a dict, with a clear error if absent."""
     path = Path(path)

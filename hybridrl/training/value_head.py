@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hybridrl.models.arch import value_model_hf_config
 from hybridrl.models.bridge import ModelSource, chunk_tensors
 from hybridrl.models.checkpoint import METADATA_FILE, McoreCheckpointReader, assemble
 
@@ -83,15 +84,10 @@ def value_model_source(path: str | Path) -> ModelSource:
     """
     path = Path(path)
     if (path / METADATA_FILE).is_file():
-        source = ModelSource.from_path(path)
-        config = dict(source.hf_config)
+        config = ModelSource.from_path(path).hf_config
     else:
         config = json.loads((path / "config.json").read_text())
-        archs = [a.replace("ForSequenceClassification", "ForCausalLM") for a in config.get("architectures") or []]
-        if archs:
-            config["architectures"] = archs
-    config["tie_word_embeddings"] = False
-    source = ModelSource.from_config(config)
+    source = ModelSource.from_config(value_model_hf_config(config))
     return dataclasses.replace(source, shape=dataclasses.replace(source.shape, tie_word_embeddings=False))
 
 

@@ -38,7 +38,7 @@ from hybridrl.config.plan import Plan
 from hybridrl.controller.base_worker import RankContext
 from hybridrl.data.batch import Batch
 from hybridrl.names import Phase
-from hybridrl.parallel.device import default_dtype_for, release_cached_blocks
+from hybridrl.parallel.device import default_dtype_for
 from hybridrl.reshard.checksums import verify_checksums
 from hybridrl.reshard.resharder import ReshardConfig, Resharder
 from hybridrl.rollout.engine import RolloutEngine
@@ -77,7 +77,7 @@ class HybridEngineWorker(PolicyWorker):
         # vLLM checks at build that gpu_memory_utilization x the GPU is free: what the actor offloads
         # between its updates (grad_offload, optimizer_offload) leaves before it, not after the first update
         self.actor.backend.offload_training_state()
-        release_cached_blocks(plan.resolved.device)
+        self._release()
         self._resolve_pad_token_id()
         self.attach_rollout(RolloutEngine(engine_config(plan, self.pad_token_id)))
         # The shard a rank must receive is that of the TP rank vLLM actually gave it; it equals
@@ -133,7 +133,7 @@ class HybridEngineWorker(PolicyWorker):
         # the resharder's buckets returned to the driver, then the KV cache. No-ops on CPU.
         self.rollout.wake_up(tags=["weights"])
         self.rollout.update_weights(self.resharder.shards(), weight_format="vllm_shard")
-        release_cached_blocks(self.plan.resolved.device)
+        self._release()
         self.rollout.wake_up(tags=["kv_cache"])
         report = self.resharder.last_report
         held = self.rollout.parameter_digests()

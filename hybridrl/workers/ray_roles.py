@@ -51,8 +51,8 @@ class MegatronWorker(Worker):
         torch.set_num_threads(threads or torch_threads_per_rank(self.context.local_world_size))
 
     def _release(self) -> None:
-        """Hand this process's cached free GPU blocks back to the driver: the critic and reward model
-        share their GPUs with vLLM in another process, which can only map memory the driver holds."""
+        """Hand this process's cached free GPU blocks back to the driver: vLLM (in the actor's process, next to
+        the critic's and reward model's) can only map memory the driver holds. No-op on CPU."""
         release_cached_blocks(self.plan.resolved.device)
 
     def _total_optimizer_steps(self, role: str, total_training_steps: int | None) -> int | None:
