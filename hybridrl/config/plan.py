@@ -486,7 +486,7 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
                 dtype=mc.dtype or resolved.train_dtype,
                 distributed_optimizer=mc.use_distributed_optimizer, trainable=trainable,
                 micro_batch=micro, seq_len=resolved.max_sequence_length,
-                sequence_parallel=mc.sequence_parallel and mc.tensor_model_parallel_size > 1,
+                sequence_parallel=mc.sequence_parallel_in_effect,
                 gpu_gib=config.trainer.gpu_memory_gib, ep=mc.expert_model_parallel_size,
                 etp=mc.expert_tensor_parallel_size, value_head=value_model,
                 recompute=trainable and (config.critic if value_model else arr).model.enable_gradient_checkpointing,

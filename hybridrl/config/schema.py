@@ -202,6 +202,11 @@ class MegatronConfig:
     dtype: Dtype | None = doc(None, "compute dtype; None = bf16 on cuda, fp32 on cpu")
     seed: int = doc(1234, "model-parallel RNG seed")
 
+    @property
+    def sequence_parallel_in_effect(self) -> bool:
+        """`sequence_parallel` as megatron applies it: only with TP > 1 (a validated config's sizes)."""
+        return bool(self.sequence_parallel) and self.tensor_model_parallel_size > 1
+
 
 @dataclass
 class OptimConfig:

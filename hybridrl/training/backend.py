@@ -354,8 +354,7 @@ class MegatronBackend:
         _activate_cpu_layer(self.device_policy)
         self.dtype = default_dtype_for(self.ctx.device, spec.dtype)
         megatron = spec.megatron
-        sequence_parallel = megatron.sequence_parallel and megatron.tensor_model_parallel_size > 1
-        if (spec.packed or sequence_parallel) and not self.device_policy.megatron_cpu_layer \
+        if (spec.packed or megatron.sequence_parallel_in_effect) and not self.device_policy.megatron_cpu_layer \
                 and layer_spec_kind(self.ctx.device) != "te":
             # megatron's local DotProductAttention asserts packed_seq_params is None and its torch norms refuse
             # sequence parallelism; on CPU the CPU layer's stand-ins serve both, on GPUs TE does
@@ -371,7 +370,7 @@ class MegatronBackend:
             # Dense models route no tokens; megatron still rejects its default MoE dispatcher
             # ("allgather") together with variable sequence lengths.
             "moe_token_dispatcher_type": "alltoall",
-            "sequence_parallel": megatron.sequence_parallel and megatron.tensor_model_parallel_size > 1,
+            "sequence_parallel": megatron.sequence_parallel_in_effect,
         }
         if spec.gradient_checkpointing:
             overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
@@ -441,7 +440,7 @@ class MegatronBackend:
     def _check_context_parallel(self, spec: RoleSpec) -> None:
         """What context parallelism serves today (the plan refuses the rest first, `config/validate.py`)."""
         cp = spec.megatron.context_parallel_size
-        if spec.megatron.sequence_parallel and spec.megatron.tensor_model_parallel_size > 1:
+        if spec.megatron.sequence_parallel_in_effect:
             # The last stage's hidden states are gathered over CP along s, where SP splits them over TP too.
             raise ValueError(f"{spec.role}: context_parallel_size={cp} with sequence_parallel=true is not "
                              "implemented yet; set sequence_parallel=false")
@@ -483,7 +482,7 @@ class MegatronBackend:
         if not source.shape.is_moe:
             raise ValueError(f"{spec.role}: router_replay needs a mixture-of-experts model")
         m = spec.megatron
-        if m.sequence_parallel and m.tensor_model_parallel_size > 1:
+        if m.sequence_parallel_in_effect:
             raise ValueError(f"{spec.role}: router_replay with sequence_parallel=true is not implemented (each TP rank "
                              "routes only its sequence chunk)")
         if m.context_parallel_size > 1:
