@@ -96,14 +96,12 @@ def _probe_rank(rank: int, world: int, model_dir: str, dtype: str, prompt: tuple
     config = json.loads((Path(model_dir) / "config.json").read_text())
     clean = list(worker.resharder.shards())
     gaps: dict[str, dict[str, float]] = {}
-    for name, probe in probes.items():
-        worker.probe = probe
-        worker.rollout.update_weights(clean, weight_format="vllm_shard")
-        gaps.setdefault("correct sync", {})[name] = worker.prove_by_probe()
+    weights = {"correct sync": clean}
     for label, corrupt in _corruptions(config).items():
-        shards = [(name, tensor.clone()) for name, tensor in clean]
-        for name, tensor in shards:
+        weights[label] = [(name, tensor.clone()) for name, tensor in clean]
+        for name, tensor in weights[label]:
             corrupt(name, tensor)
+    for label, shards in weights.items():  # each set of weights into vLLM once, then every probe scored
         worker.rollout.update_weights(shards, weight_format="vllm_shard")
         for name, probe in probes.items():
             worker.probe = probe
