@@ -167,8 +167,8 @@ def test_moe_logits_wrong_expert_placement_is_caught(hf_dirs, reference, tmp_pat
 @pytest.mark.parametrize("tp", [1])
 def test_moe_gradients_match_transformers(hf_dirs, tmp_path, tp):
     """Training sees the same model: every weight gradient (router and each expert included) equals
-    HF's, mapped back by the layout math. (TP > 1: megatron's MoE layer refuses to train without
-    sequence parallelism, which the local spec of CPU runs refuses: see docs/platform.md.)"""
+    HF's, mapped back by the layout math. (TP > 1: megatron's MoE layer trains only with sequence
+    parallelism, which this rank function does not set up; it runs on CPU now, docs/platform.md.)"""
     import transformers
 
     from hybridrl.models.convert_cli import main as convert_main

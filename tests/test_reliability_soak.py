@@ -1,6 +1,6 @@
 """Soak (short form of `bench/soak.py --steps 300`): the demo's memory stays flat and nothing is left behind.
 
-The full 300-step figure is a benchmark (README, Reliability); this test runs the same script for
+The full 300-step figure is a benchmark (docs/reliability.md); this test runs the same script for
 20 steps so CI checks the same promises on every change: no RSS growth above 5 % after warm-up in
 the driver or any worker, and after exit no process of the run's session, no new /dev/shm entry
 and no Ray temp folder left.

@@ -19,7 +19,7 @@ small noise on its router weights, and the test checks, from the routing map eve
 - the [rows, seq, layers, top_k] column order: row r's routing equals a forward of row r alone.
 At EP2 each DP rank routes its own rows, the experts split and the tokens traded by the alltoall
 dispatcher; routing is decided before the dispatch, on each rank's tokens.
-The log-prob gaps with and without replay are printed (README figures).
+The log-prob gaps with and without replay are printed (figures in docs/user-guide.md, "Routing replay").
 """
 from __future__ import annotations
 

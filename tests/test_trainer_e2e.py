@@ -424,7 +424,7 @@ def test_moe_grpo_at_ep2_with_routing_replay_reward_rises(demo_assets, tmp_path)
     loss is on, and the update routes every token as the rollout's vLLM did (`router_replay: rollout`;
     two vLLM replicas, each returning its own rows' routing); the reward rises and every sync is proven
     (its probe routes freely). The train/rollout log-prob gap is logged with replay; the same run
-    without replay, and with a bf16 rollout, are measured in README ("Routing replay")."""
+    without replay, and with a bf16 rollout, are measured in docs/user-guide.md ("Routing replay")."""
     model = tmp_path / "moe_model"
     subprocess.run([sys.executable, "tools/make_demo_model.py", "--config", "configs/models/tiny-demo-moe/config.json",
                     "--out", str(model)], cwd=ROOT, check=True, capture_output=True)

@@ -1,7 +1,7 @@
 """The job config: one tree of dataclasses, in the vocabulary verl users already know.
 
-Every field has a default and a one-line `doc` (shown by `hybridrl plan --explain` and in the
-README). The loader (`hybridrl.config.loader`) fills these from YAML and dotted overrides with type
+Every field has a default and a one-line `doc` (shown by `hybridrl plan --explain` and in
+`configs/base.yaml`). The loader (`hybridrl.config.loader`) fills these from YAML and dotted overrides with type
 checking; derived numbers never live here: they are computed once into the immutable `Plan`
 (`hybridrl.config.plan`), so the user's config is never mutated behind their back.
 """

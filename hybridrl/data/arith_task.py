@@ -15,7 +15,7 @@ else the last number it writes, compared by exact value. 1.0 right, 0.0 otherwis
 Why this task: SmolLM2-135M-Instruct can add two small numbers ("7 + 5 = 12") but loses track over
 two or three changes, so its untrained score sits in the middle of the range and GRPO has both right
 and wrong samples in most groups to learn from. The difficulty (number of steps, the sizes of the
-numbers) is set so the untrained model scores between ~0.1 and ~0.6 (figures in the README).
+numbers) is set so the untrained model scores between ~0.1 and ~0.6 (figures in docs/demos.md).
 """
 from __future__ import annotations
 
