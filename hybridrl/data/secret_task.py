@@ -27,7 +27,8 @@ Why this task and this model (`make demo-tools`):
 - The random-weight model cannot read a letter from its context and learn to call at once: copying
   is learned only from the samples that called, and the calls die out first (measured: the call rate
   fell from ~0.2 to ~0 within 15-25 steps in every variant tried,
-  docs/notes/runs_that_did_not_learn.md). So the demo model gets the one skill a pretrained model brings before RL: `tools/make_demo_model.py --copy-warmup` trains it
+  docs/notes/runs_that_did_not_learn.md). So the demo model gets the one skill a pretrained model
+  brings before RL: `tools/make_demo_model.py --copy-warmup` trains it
   for a few hundred next-token steps on "random characters, then one letter repeated" (it learns to
   continue a letter it has just read twice, and nothing about tools, ``?`` or this task); RL then has
   to discover that calling pays.
