@@ -18,8 +18,19 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def _version() -> str:
+    """The installed distribution's version (what pip reports), else the source tree's."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hybridrl")
+    except PackageNotFoundError:
+        return "(source tree, not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hybridrl", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"hybridrl {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module_name, help_text) in SUBCOMMANDS.items():
@@ -36,7 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # `plan job.yaml --format json a.b=1`: overrides after a flag (argparse stops the positional list there)
+    if extra and isinstance(getattr(args, "overrides", None), list) and not any(a.startswith("-") for a in extra):
+        args.overrides.extend(extra)
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if getattr(args, "_missing", None):
         print(f"hybridrl: {args._missing}", file=sys.stderr)
         return 2

@@ -95,9 +95,11 @@ def test_dict_round_trip():
     assert config_from_dict(json.loads(json.dumps(config_to_dict(cfg)))) == cfg
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "hybridrl.cli", "plan", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=60)
+def _cli(*args, layout_only=True):
+    """`hybridrl plan` on the seed example, whose model folder holds a config.json only (shape only)."""
+    flags = ["--layout-only"] if layout_only else []
+    return subprocess.run([sys.executable, "-m", "hybridrl.cli", "plan", *args, *flags], capture_output=True,
+                          text=True, cwd=ROOT, timeout=60)
 
 
 def test_cli_plan_text_and_json_round_trip():
@@ -125,10 +127,19 @@ def test_cli_plan_reports_all_errors_and_exits_2():
     assert json.loads(res_json.stderr)["errors"][0]["field"] == "algorithm.gamma"
 
 
-def test_cli_plan_stays_light():
-    """`hybridrl plan` must not import torch, Ray or megatron (it answers before any of them loads)."""
-    code = (f"import sys; from hybridrl.cli import main; rc = main(['plan', {str(SEED)!r}]); "
-            "heavy = [m for m in ('torch', 'ray', 'megatron', 'vllm') if m in sys.modules]; "
+@pytest.mark.parametrize("job", ["layout", "inputs"])
+def test_cli_plan_stays_light(job, request):
+    """`hybridrl plan` must not import torch, Ray or megatron (it answers before any of them loads), neither
+    sizing a layout nor checking the model folder, data files and reward code `train` reads."""
+    if job == "layout":
+        argv = ["plan", str(SEED), "--layout-only"]
+    else:
+        from tools.demo_assets import demo_overrides
+
+        assets = request.getfixturevalue("demo_assets")
+        argv = ["plan", str(ROOT / "configs/examples/cpu_tiny_grpo.yaml"), *demo_overrides(assets, ROOT / "runs")]
+    code = (f"import sys; from hybridrl.cli import main; rc = main({argv!r}); "
+            "heavy = [m for m in ('torch', 'ray', 'megatron', 'vllm', 'transformers') if m in sys.modules]; "
             "print(rc, heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert out.stdout.strip().splitlines()[-1] == "0 []", out.stdout[-500:] + out.stderr[-2000:]

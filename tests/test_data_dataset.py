@@ -96,10 +96,21 @@ def dataset_text(tmp_path: Path, tokenizer, rows: list[dict]) -> str:
     return dataset[1].prompt_text
 
 
-def test_messages_without_chat_template_is_an_error(tmp_path: Path, tokenizer) -> None:
-    file = write_jsonl(tmp_path / "m.jsonl", [{"prompt": [{"role": "user", "content": "hi"}]}])
-    with pytest.raises(DatasetError, match="apply_chat_template is false"):
-        PromptDataset(file, tokenizer)
+def test_messages_are_templated_unless_the_template_is_turned_off(tmp_path: Path, tokenizer) -> None:
+    """verl's data (chat messages) works unchanged: by default messages go through the chat template and text
+    prompts stay as they are; apply_chat_template=false refuses messages, naming the setting."""
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    file = write_jsonl(tmp_path / "m.jsonl", [{"prompt": messages}, {"prompt": "plain text"}])
+    by_default = PromptDataset(file, tokenizer)
+    expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert by_default[0].prompt_text == expected == "system: be brief\nuser: hi\nassistant: "
+    assert by_default[0].input_ids == tuple(tokenizer(expected, add_special_tokens=False)["input_ids"])
+    assert by_default[1].prompt_text == "plain text"  # text prompts untouched (no template) by default
+    with pytest.raises(DatasetError, match="apply_chat_template is false; unset it or set it true"):
+        PromptDataset(file, tokenizer, apply_chat_template=False)
+    bare = char_tokenizer(chat_template=None)
+    with pytest.raises(DatasetError, match="row 0: the prompt is a list of chat messages but the tokenizer has no"):
+        PromptDataset(file, bare)
 
 
 def test_apply_chat_template_needs_a_template(tmp_path: Path) -> None:

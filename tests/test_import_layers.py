@@ -32,7 +32,8 @@ ALLOWED: dict[str, set[str]] = {
     "models": {"parallel"},
     "data": {"parallel", "rewards"},  # the demo and GSM8K datasets register / reuse their scorers
     # torch-free: algorithm names, `ModelShape`, tensor plans, the `DevicePolicy` (parallel/device_policy.py)
-    "config": {"algorithms", "models", "parallel", "tools"},  # tools: built-in tool and parser names
+    # tools: built-in tool and parser names; data, rewards: what `train` reads, checked at plan (config/inputs.py)
+    "config": {"algorithms", "data", "models", "parallel", "rewards", "tools"},
     "controller": {"config", "data", "parallel"},
     "reshard": {"config", "models", "parallel"},
     "rollout": {"config", "data", "parallel", "tools"},  # the agent loop runs the tools
@@ -161,7 +162,7 @@ def test_every_hybridrl_import_names_an_existing_module():
 
 # Inside `hybridrl.config` the modules import in one line: each may import only those before it
 # (`errors`, `meshes` and `estimates` are helpers below `resolve`; `docs` and `plan_cli` sit on top).
-CONFIG_LINE = ("errors", "schema", "loader", "meshes", "estimates", "resolve", "validate", "plan", "report",
+CONFIG_LINE = ("errors", "schema", "loader", "meshes", "estimates", "resolve", "validate", "inputs", "plan", "report",
                "docs", "plan_cli", "__init__")
 
 

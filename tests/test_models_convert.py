@@ -112,7 +112,7 @@ def test_sharded_hf_export_loads_in_transformers(hf_dirs, tmp_path):
     again = to_mcore(out, tmp_path / "again", 2, 2)
     assert_same_tensors(per_file_state(again), per_file_state(ckpt))
     (out / shards[-1]).unlink()
-    assert convert("hf-to-mcore", "--hf", str(out), "--out", str(tmp_path / "broken")) == 1
+    assert convert("hf-to-mcore", "--hf", str(out), "--out", str(tmp_path / "broken")) == 2
     assert not (tmp_path / "broken").exists()
 
 
@@ -154,7 +154,7 @@ def _copy_hf(src: Path, dst: Path) -> Path:
 
 
 def _fails(capsys, *argv: str) -> str:
-    assert convert(*argv, "--force") == 1
+    assert convert(*argv, "--force") == 2
     return capsys.readouterr().err
 
 
@@ -247,7 +247,7 @@ def test_not_enough_disk_space(hf_dirs, guarded_out, capsys, monkeypatch):
 
 def test_non_empty_output_needs_force(hf_dirs, guarded_out, capsys):
     args = ["hf-to-mcore", "--hf", str(hf_dirs["llama"]), "--out", str(guarded_out)]
-    assert convert(*args) == 1
+    assert convert(*args) == 2
     err = capsys.readouterr().err
     assert "not empty" in err and "--force" in err
     assert_untouched(guarded_out)

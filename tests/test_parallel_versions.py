@@ -133,13 +133,16 @@ def test_this_machine_probe_and_its_real_vllm_metadata():
         assert any("CPU-only build" in p for p in V.check_stack(found, "cuda").problems)
 
 
-def test_train_refuses_an_incompatible_stack_before_ray(tmp_path):
-    """The 6-GPU example asks for cuda; on a CPU torch the trainer stops at the stack check (exit 2)."""
+def test_train_refuses_an_incompatible_stack_before_ray(tmp_path, demo_assets):
+    """The demo job on cuda (its model and data in place, so the plan passes); on a CPU torch the trainer
+    stops at the stack check (exit 2)."""
     if V.collect_versions()["torch_cuda"] is not None:
         pytest.skip("needs a CPU-only torch")
+    from tools.demo_assets import demo_overrides
+
     result = subprocess.run(
-        [sys.executable, "-m", "hybridrl.cli", "train", str(ROOT / "configs/examples/seed_6gpu_grpo.yaml"),
-         f"trainer.default_local_dir={tmp_path}"],
+        [sys.executable, "-m", "hybridrl.cli", "train", str(ROOT / "configs/examples/cpu_tiny_grpo.yaml"),
+         *demo_overrides(demo_assets, tmp_path), "trainer.device=cuda"],
         capture_output=True, text=True, cwd=ROOT, timeout=120,
     )
     assert result.returncode == 2, result.stderr

@@ -496,7 +496,8 @@ def test_worker_failures_restart_in_place(demo_assets, straight_run, tmp_path):
     for k, (line, (_, step, phase, _), resume) in enumerate(zip(headlines, RESTART_FAULTS, resumes), 1):
         assert line.startswith(f"restart {k}/3 in place: training failed at step {step}, phase {phase}:"), line
         assert line.endswith(f"; resuming {resume}"), line
-    message = result.stderr
+    assert "the whole report: " + str(run / "failure.log") in result.stderr, result.stderr[-4000:]
+    message = result.stderr + (run / "failure.log").read_text()  # one line on the console, the rest in the file
     assert "training failed at step 4, phase update_actor: actor_rollout_ref rank 1 failed in" in message, \
         message[-4000:]
     assert "the run's failure 4, with trainer.max_restarts=3" in message, message[-4000:]

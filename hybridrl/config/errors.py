@@ -26,10 +26,15 @@ class ConfigIssue:
 class ConfigError(ValueError):
     """All problems found in a config, reported together."""
 
-    def __init__(self, issues: Sequence[ConfigIssue]):
+    def __init__(self, issues: Sequence[ConfigIssue], hint: str | None = None):
         self.issues = list(issues)
+        self.hint = hint  # one line after the list: what to do when the errors have a common way out
         lines = "\n".join(f"  - {issue}" for issue in self.issues)
-        super().__init__(f"{len(self.issues)} config error(s):\n{lines}")
+        super().__init__(f"{len(self.issues)} config error(s):\n{lines}" + (f"\n{hint}" if hint else ""))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"valid": False, "errors": [issue.to_dict() for issue in self.issues],
+                **({"hint": self.hint} if self.hint else {})}
 
 
 def show_value(value: Any) -> str:

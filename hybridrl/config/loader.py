@@ -22,6 +22,7 @@ from hybridrl.config.schema import JobConfig, MegatronConfig, without_none
 # role's `megatron` section, so `actor_rollout_ref.actor.tensor_model_parallel_size=2` works too.
 _MEGATRON_FIELDS = frozenset(f.name for f in dataclasses.fields(MegatronConfig))
 COMMAND_LINE = "the command line"
+CONFIG_FILE = "<config file>"  # the field of a problem with the YAML file itself
 
 
 def _role_sections(cls: type = JobConfig, prefix: tuple[str, ...] = ()) -> frozenset[tuple[str, ...]]:
@@ -108,17 +109,17 @@ def config_to_dict(config: Any) -> dict[str, Any]:
 
 def _read_yaml(path: Path, issues: list[ConfigIssue]) -> dict[str, Any]:
     if not path.is_file():
-        issues.append(ConfigIssue("<config file>", str(path), "file not found"))
+        issues.append(ConfigIssue(CONFIG_FILE, str(path), "file not found"))
         return {}
     try:
         loaded = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
-        issues.append(ConfigIssue("<config file>", str(path), f"not valid YAML: {exc}"))
+        issues.append(ConfigIssue(CONFIG_FILE, str(path), f"not valid YAML: {exc}"))
         return {}
     if loaded is None:
         return {}
     if not isinstance(loaded, dict):
-        issues.append(ConfigIssue("<config file>", str(path), "top level must be a mapping of sections"))
+        issues.append(ConfigIssue(CONFIG_FILE, str(path), "top level must be a mapping of sections"))
         return {}
     return loaded
 
@@ -221,7 +222,7 @@ def _build(cls: type, raw: Any, prefix: str, issues: list[ConfigIssue]) -> Any:
             where = f"{prefix}.{key}" if prefix else str(key)
             close = difflib.get_close_matches(str(key), candidates, n=1, cutoff=0.6)
             hint = f"; did you mean '{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
-            issues.append(ConfigIssue(where, _plain(raw[key]), f"unknown key{hint}"))
+            issues.append(ConfigIssue(where, _as_written(raw[key]), f"unknown key{hint}"))
     hints = _hints(cls)
     values = {}
     for name in names:
@@ -235,6 +236,14 @@ def _build(cls: type, raw: Any, prefix: str, issues: list[ConfigIssue]) -> Any:
 
 def _plain(value: Any) -> Any:
     return value.value if isinstance(value, _RawOverride) else value
+
+
+def _as_written(value: Any) -> Any:
+    """A value as a problem reports it: what the user wrote, nested sections included (an unknown section's
+    fields are overrides still wrapped for their raw text, which no message or JSON report may show)."""
+    if isinstance(value, dict):
+        return {key: _as_written(item) for key, item in value.items()}
+    return _plain(value)
 
 
 def _type_name(tp: Any) -> str:
@@ -263,7 +272,7 @@ def _coerce(tp: Any, value: Any, where: str, issues: list[ConfigIssue]) -> Any:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             value = [value]  # a single path for a list-of-paths field is what users mean
         if not isinstance(value, list):
-            issues.append(ConfigIssue(where, value, f"must be a list of {_type_name(item_type)}"))
+            issues.append(ConfigIssue(where, _as_written(value), f"must be a list of {_type_name(item_type)}"))
             return _INVALID
         items = [_coerce(item_type, item, f"{where}[{i}]", issues) for i, item in enumerate(value)]
         return _INVALID if any(item is _INVALID for item in items) else items
@@ -292,5 +301,5 @@ def _coerce(tp: Any, value: Any, where: str, issues: list[ConfigIssue]) -> Any:
             return str(value)
     elif tp is typing.Any:
         return value
-    issues.append(ConfigIssue(where, value, f"must be {_type_name(tp)}, got {type(value).__name__}"))
+    issues.append(ConfigIssue(where, _as_written(value), f"must be {_type_name(tp)}, got {type(value).__name__}"))
     return _INVALID

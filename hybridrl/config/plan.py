@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import re
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,8 @@ from hybridrl.config.estimates import (
     stage_balance,
     training_memory,
 )
-from hybridrl.config.loader import config_from_dict, config_to_dict, load_config_collecting
+from hybridrl.config.inputs import LAYOUT_ONLY_HINT, check_inputs, resolve_hub_ids
+from hybridrl.config.loader import CONFIG_FILE, config_from_dict, config_to_dict, load_config_collecting
 from hybridrl.config.meshes import (
     ReshardGroups,
     TrainingMesh,
@@ -238,10 +240,14 @@ def _from_plain(tp: Any, value: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------- building a plan
-def load_model_shape(path: str, issues: list[ConfigIssue], warnings: list[str], field: str) -> ModelShape | None:
-    """The model's shape from `<path>/config.json`, or None (with a warning) when not available."""
+def load_model_shape(path: str, issues: list[ConfigIssue], warnings: list[str], field: str, *,
+                     quiet: bool = False) -> ModelShape | None:
+    """The model's shape from `<path>/config.json`, or None (with a warning, unless `quiet`: the input checks
+    then refuse the folder) when not available."""
     config_file = Path(path) / "config.json" if path else None
     if config_file is None or not config_file.is_file():
+        if quiet:
+            return None
         warnings.append(
             f"{field}={path or '<empty>'}: no config.json there; model-dependent checks (heads, layers, "
             "vocab, lengths) and memory estimates skipped"
@@ -256,22 +262,63 @@ def load_model_shape(path: str, issues: list[ConfigIssue], warnings: list[str], 
     return None
 
 
-def plan_from_sources(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Plan:
-    """Load, validate and plan in one pass: loader and validation problems are raised together."""
+def plan_from_sources(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), *,
+                      check_files: bool = False) -> Plan:
+    """Load, validate and plan in one pass: loader and validation problems are raised together.
+
+    `check_files`: also check what `train` reads (model folders, data files, reward code:
+    `hybridrl.config.inputs`); False sizes the layout from the model's config.json alone."""
     config, issues = load_config_collecting(path, overrides)
-    return build_plan(config, prior_issues=issues)
+    if any(issue.field == CONFIG_FILE for issue in issues):  # unread: its defaults would only add noise
+        raise ConfigError(issues)
+    if not issues and config == JobConfig():
+        raise ConfigError([ConfigIssue(
+            "<config>", str(path) if path else "(none)", "sets nothing: a job names at least its model "
+            "(actor_rollout_ref.model.path) and data (data.train_files); start from "
+            "configs/examples/cpu_tiny_grpo.yaml (docs/user-guide.md)")])
+    return build_plan(config, prior_issues=issues, check_files=check_files)
 
 
-def build_plan(config: JobConfig, prior_issues: list[ConfigIssue] | tuple[ConfigIssue, ...] = ()) -> Plan:
-    """Validate `config` (raising `ConfigError` with every problem) and derive the Plan."""
+def _refused_names(issues: list[ConfigIssue] | tuple[ConfigIssue, ...]) -> frozenset[str]:
+    """The field names the loader refused a value for (or that an unknown key was meant to be): such a field
+    holds its default, so a rule that reads it would judge a value the user never wrote."""
+    names = set()
+    for issue in issues:
+        names.add(issue.field.rsplit(".", 1)[-1].split("[", 1)[0])
+        meant = re.search(r"did you mean '([^']+)'", issue.rule)
+        if meant:
+            names.add(meant.group(1))
+    return frozenset(names)
+
+
+def _reads_any(issue: ConfigIssue, names: frozenset[str]) -> bool:
+    """Whether a validation problem is about, or quotes, one of `names` (`field=value` in its text)."""
+    return issue.field.rsplit(".", 1)[-1] in names or any(
+        re.search(rf"(?<![\w]){re.escape(name)}=", issue.rule) for name in names)
+
+
+def build_plan(config: JobConfig, prior_issues: list[ConfigIssue] | tuple[ConfigIssue, ...] = (), *,
+               check_files: bool = False) -> Plan:
+    """Validate `config` (raising `ConfigError` with every problem) and derive the Plan.
+
+    A model path that is a hub id in the local Hugging Face cache becomes its snapshot folder; with
+    `check_files` the model folders, data files and reward code are checked too (`check_inputs`)."""
     config = copy.deepcopy(config)  # the Plan owns its copy; the caller's object stays theirs
     issues: list[ConfigIssue] = list(prior_issues)
     warnings: list[str] = []
-    model = load_model_shape(config.actor_rollout_ref.model.path, issues, warnings, "actor_rollout_ref.model.path")
+    resolve_hub_ids(config, warnings)
+    model = load_model_shape(config.actor_rollout_ref.model.path, issues, warnings, "actor_rollout_ref.model.path",
+                             quiet=check_files)
     resolved = resolve(config, model)
+    validated = len(issues)
     validate(config, resolved, model, issues, warnings)
+    refused = _refused_names(prior_issues)
+    issues[validated:] = [issue for issue in issues[validated:] if not _reads_any(issue, refused)]
+    hint = None
+    if check_files:
+        hint = LAYOUT_ONLY_HINT if check_inputs(config, issues, critic=resolved.critic_enabled) else None
     if issues:
-        raise ConfigError(issues)
+        raise ConfigError(issues, hint)
     return _derive(config, resolved, model, tuple(warnings))
 
 

@@ -18,6 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="YAML job config (defaults only when omitted)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor_rollout_ref.rollout.n=12")
     parser.add_argument("--format", choices=("text", "json"), default="text", help="report format")
+    parser.add_argument("--layout-only", action="store_true",
+                        help="size the layout from the model's config.json alone: skip the checks of the model's "
+                             "weights and tokenizer, the data files and the reward code that `train` needs")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,11 +28,10 @@ def run(args: argparse.Namespace) -> int:
     if config_path and "=" in config_path and not config_path.endswith((".yaml", ".yml")):
         config_path, overrides = None, [config_path, *overrides]  # only overrides were given
     try:
-        plan = plan_from_sources(config_path, overrides)
+        plan = plan_from_sources(config_path, overrides, check_files=not args.layout_only)
     except ConfigError as exc:
         if args.format == "json":
-            print(json.dumps({"valid": False, "errors": [i.to_dict() for i in exc.issues]}, indent=2),
-                  file=sys.stderr)
+            print(json.dumps(exc.to_dict(), indent=2, default=str), file=sys.stderr)
         else:
             print(f"hybridrl plan: {exc}", file=sys.stderr)
         return 2

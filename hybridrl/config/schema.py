@@ -127,7 +127,10 @@ class DataConfig:
     train_batch_size: int = doc(1024, "prompts per training step (each sampled rollout.n times)")
     val_batch_size: int | None = doc(None, "prompts per validation batch; None = whole val set")
     shuffle: bool = doc(True, "shuffle the training prompts each epoch (deterministic from the seed)")
-    apply_chat_template: bool = doc(False, "wrap prompts with the tokenizer's chat template")
+    apply_chat_template: bool | None = doc(
+        None, "format prompts with the tokenizer's chat template: null = chat-message prompts (verl's format) are "
+              "formatted and text prompts kept as they are; true = text prompts too, as one user message; "
+              "false = never (chat-message prompts are refused)")
     filter_overlong_prompts: bool = doc(True, "drop prompts longer than max_prompt_length (counted)")
     truncation: Truncation = doc("error", "over-long prompts when not filtered: refuse, or cut on the left/right")
     on_malformed: MalformedMode = doc("error", "rows without a usable prompt: error names file, row; skip counts")

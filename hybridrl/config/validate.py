@@ -885,7 +885,8 @@ def _check_batch_arithmetic(
 ) -> None:
     arr = config.actor_rollout_ref
     batch, n = config.data.train_batch_size, arr.rollout.n
-    if infer_dp and batch % infer_dp:
+    batch_refused = bool(infer_dp and batch % infer_dp)  # said once: every pass that splits it would repeat it
+    if batch_refused:
         check.fail("data.train_batch_size", batch,
                    f"must split evenly over the {infer_dp} rollout replicas "
                    f"(GPUs ÷ rollout tensor_model_parallel_size)",
@@ -911,9 +912,13 @@ def _check_batch_arithmetic(
                        nearest(micro, divisors(per_rank)))
 
     def check_forward(field: str, micro: int, dp: int) -> None:
+        nonlocal batch_refused
         if not dp:
             return
         if (batch * n) % dp:
+            if batch_refused:
+                return
+            batch_refused = True
             check.fail("data.train_batch_size", batch,
                        f"× rollout.n={n} sequences must split evenly over the {dp} data-parallel ranks",
                        nearest_satisfying(batch, lambda b: (b * n) % dp == 0))

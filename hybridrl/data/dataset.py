@@ -3,8 +3,9 @@
 Reading goes through pyarrow (`pyarrow.parquet`, `pyarrow.json`). A row is a dict; the columns used:
 
 * ``prompt_key`` (default ``prompt``): a text prompt, or a list of chat messages
-  ``[{"role": ..., "content": ...}]``. Messages need ``apply_chat_template=True``; a text prompt with
-  the template on is sent as one user message.
+  ``[{"role": ..., "content": ...}]`` (verl's format). ``apply_chat_template``: None (the default) formats
+  chat messages with the tokenizer's chat template, as verl does, and keeps text prompts as they are;
+  True also sends a text prompt as one user message; False refuses chat messages.
 * ``reward_key`` (default ``reward_model``): the reward spec, e.g. ``{"ground_truth": "42", "style": "rule"}``
   or a bare ground truth. ``ground_truth`` is taken from it (the dict's ``ground_truth`` entry, else
   the value itself).
@@ -174,6 +175,79 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     )
 
 
+@dataclass(frozen=True)
+class FilePreview:
+    """What a data file holds, read cheaply (parquet's footer; a JSONL file's line count and first lines):
+    what the plan checks before any process starts."""
+
+    path: str
+    rows: int
+    columns: tuple[str, ...]
+    prompt_kind: str | None  # "text", "messages", or None (the prompt column is absent or unrecognised)
+
+
+_PREVIEW_LINES = 64  # JSONL lines parsed for the columns and the prompt's kind
+
+
+def preview_file(path: str | Path, prompt_key: str) -> FilePreview:
+    """Rows, columns and the kind of prompt of one data file, without reading it whole.
+
+    Raises `DatasetError` for what `read_rows` would refuse (missing, unreadable, unsupported suffix,
+    a JSON array). Parquet: the footer's row count and schema. JSONL: its non-blank lines counted, the
+    first ones parsed (stdlib json: a preview, not the reader; pyarrow reads the file for training).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"data file {str(path)!r} does not exist" if not path.exists()
+                           else f"{str(path)!r} is not a file")
+    suffix = path.suffix.lower()
+    if suffix in PARQUET_SUFFIXES:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            parquet = pq.ParquetFile(path)
+        except Exception as error:
+            raise DatasetError(f"{path}: cannot read as parquet: {error}") from error
+        schema = parquet.schema_arrow
+        kind = None
+        if prompt_key in schema.names:
+            prompt_type = schema.field(prompt_key).type
+            if pa.types.is_string(prompt_type) or pa.types.is_large_string(prompt_type):
+                kind = "text"
+            elif pa.types.is_list(prompt_type) or pa.types.is_large_list(prompt_type):
+                kind = "messages"
+        return FilePreview(str(path), parquet.metadata.num_rows, tuple(schema.names), kind)
+    if suffix in JSONL_SUFFIXES:
+        import json
+
+        try:
+            data = path.read_bytes()
+        except OSError as error:
+            raise DatasetError(f"{path}: cannot read: {error}") from error
+        if data.lstrip().startswith(b"["):
+            raise DatasetError(f"{path}: the file is one JSON array; hybridrl reads JSON lines (one object per line)")
+        lines = [line for line in data.splitlines() if line.strip()]
+        columns: dict[str, None] = {}
+        kind = None
+        for line in lines[:_PREVIEW_LINES]:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue  # a bad line is the reader's to report (on_malformed), with its row number
+            if not isinstance(row, dict):
+                continue
+            columns.update(dict.fromkeys(row))
+            if kind is None and row.get(prompt_key) is not None:
+                prompt = row[prompt_key]
+                kind = "text" if isinstance(prompt, str) else "messages" if isinstance(prompt, list) else None
+        return FilePreview(str(path), len(lines), tuple(columns), kind)
+    raise DatasetError(
+        f"{path}: unsupported file type {suffix!r}; use parquet ({', '.join(PARQUET_SUFFIXES)}) "
+        f"or JSON lines ({', '.join(JSONL_SUFFIXES)})"
+    )
+
+
 def _check_messages(prompt: Sequence[Any]) -> str | None:
     """Why a chat-message list is malformed, or None when it is fine."""
     if not prompt:
@@ -228,7 +302,7 @@ class PromptDataset(Sequence[PromptItem]):
         max_prompt_length: int = 512,
         filter_overlong_prompts: bool = True,
         truncation: str = "error",
-        apply_chat_template: bool = False,
+        apply_chat_template: bool | None = None,
         on_malformed: str = "error",
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
@@ -263,7 +337,11 @@ class PromptDataset(Sequence[PromptItem]):
     # ------------------------------------------------------------------------------ building
     def _prompt_text(self, prompt: str | Sequence[Mapping[str, Any]], where: str) -> tuple[str, bool]:
         """The text to tokenize and whether the tokenizer should add its own special tokens."""
-        if self.apply_chat_template:
+        if self.apply_chat_template or (self.apply_chat_template is None and not isinstance(prompt, str)):
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise DatasetError(
+                    f"{where}: the prompt is a list of chat messages but the tokenizer has no chat template; "
+                    "give the tokenizer one (tokenizer_config.json's chat_template) or store text prompts")
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else _strip_nulls(prompt)
             # tokenize=False, then encode: transformers 5 returns a BatchEncoding from tokenize=True,
             # 4.x a list; the text is also what we keep for logs.
@@ -273,7 +351,7 @@ class PromptDataset(Sequence[PromptItem]):
         if not isinstance(prompt, str):
             raise DatasetError(
                 f"{where}: the prompt is a list of chat messages but data.apply_chat_template is false; "
-                "turn it on (the tokenizer's chat template formats the messages) or store text prompts"
+                "unset it or set it true (the tokenizer's chat template formats the messages), or store text prompts"
             )
         return prompt, True
 

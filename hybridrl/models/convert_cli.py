@@ -102,7 +102,7 @@ def _run_gguf_to_hf(args: argparse.Namespace) -> int:
     except (CheckpointError, UnsupportedModelError, GGUFError, MissingGGUFDependencyError,
             FileNotFoundError) as exc:
         print(f"hybridrl convert: error: {exc}", file=sys.stderr)
-        return 1
+        return 2  # the input is refused, as `plan` refuses a config
     print(f"hybridrl convert: wrote {out}")
     return 0
 
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
                                          progress=progress)
     except (CheckpointError, UnsupportedModelError, ParallelLayoutError, FileNotFoundError) as exc:
         print(f"hybridrl convert: error: {exc}", file=sys.stderr)
-        return 1
+        return 2  # the input is refused, as `plan` refuses a config
     finally:
         if reader is not None:
             reader.close()

@@ -43,6 +43,28 @@ def load_reward_function(path: str | Path, name: str = "compute_score") -> Calla
     return function
 
 
+def signature_problem(function: Callable[..., Any]) -> str | None:
+    """Why `adapt_reward_function(function)` could not call `function`, or None when it can: the
+    arguments the call would pass are bound to its signature, without calling it."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return None  # a builtin without a signature: only a call can tell
+    parameters = set(signature.parameters)
+    if "solution_str" in parameters:
+        kwargs = {"solution_str": "", "ground_truth": None}
+        kwargs.update({name: None for name in ("data_source", "extra_info") if name in parameters})
+        call, form = (lambda: signature.bind(**kwargs)), f"verl's convention, called as fn({', '.join(kwargs)})"
+    else:
+        call, form = (lambda: signature.bind("", None, {})), "called as fn(response, ground_truth, extra)"
+    try:
+        call()
+    except TypeError as error:
+        return (f"cannot take the reward call ({form}): {error}; define fn(response, ground_truth, extra) or "
+                "verl's fn(data_source, solution_str, ground_truth, extra_info)")
+    return None
+
+
 def adapt_reward_function(function: Callable[..., Any]) -> Callable[[str, Any, Mapping[str, Any]], ScoreResult]:
     """Wrap a user function into the scorer signature (see the module docstring).
 

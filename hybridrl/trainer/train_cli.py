@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
+from pathlib import Path
 
 from hybridrl.config.errors import ConfigError
 from hybridrl.config.plan import plan_from_sources
 from hybridrl.config.report import packing_line
+from hybridrl.persistence import atomic_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        plan = plan_from_sources(args.config, list(args.overrides))
+        plan = plan_from_sources(args.config, list(args.overrides), check_files=True)
     except ConfigError as exc:
         print(f"hybridrl train: {exc}", file=sys.stderr)
         return 2
@@ -45,15 +48,33 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     # lazy: the trainer imports torch and Ray; a refused config or stack answers without either.
-    from hybridrl.trainer.trainer import Trainer, TrainingFailure
+    from hybridrl.trainer.trainer import Trainer, TrainingFailure, run_dir_for
 
     try:
         result = Trainer(plan, progress=not args.no_progress).fit()
-    except TrainingFailure as exc:  # step, phase, role, rank and cause; workers already torn down
-        print(f"hybridrl train: {exc}", file=sys.stderr)
-        return 1
-    except ConfigError as exc:  # what only loading the user's files shows (a tools file's parsers), before Ray
+    except ConfigError as exc:  # what only reading the user's files whole shows (a malformed row), before Ray
         print(f"hybridrl train: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("hybridrl train: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - a run-time failure: one line here, the whole story in a file
+        # TrainingFailure: step, phase, role, rank and cause (workers already torn down); anything else is
+        # hybridrl's bug or the machine's, and its traceback goes to the file too.
+        log = _write_failure(run_dir_for(plan), exc, with_traceback=not isinstance(exc, TrainingFailure))
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        cause = first if isinstance(exc, TrainingFailure) else f"{type(exc).__name__}: {first}"
+        print(f"hybridrl train: {cause}\n  the whole report: {log}", file=sys.stderr)
+        return 1
     print(result.summary)
     return 0
+
+
+def _write_failure(run_dir: Path, error: BaseException, *, with_traceback: bool) -> Path:
+    """The failure's full text (and traceback) in `<run dir>/failure.log`, for the one-line message to point at."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = run_dir / "failure.log"
+    text = "".join(traceback.format_exception(error)) if with_traceback else f"{error}\n"
+    with atomic_file(log) as partial:
+        partial.write_text(text)
+    return log

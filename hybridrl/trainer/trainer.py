@@ -34,11 +34,13 @@ from hybridrl.controller.resource_pool import ResourcePool, ResourcePoolError
 from hybridrl.controller.worker_group import WorkerGroup, wait_together
 from hybridrl.data.batch import Batch
 from hybridrl.data.dataloader import PromptDataLoader, unpadded_prompt_ids
-from hybridrl.data.dataset import PromptDataset
+from hybridrl.data.dataset import DatasetError, PromptDataset
 from hybridrl.data.tokenizer import load_tokenizer, resolve_pad_token_id
 from hybridrl.names import GroupName, Phase, Role
 from hybridrl.parallel.cross_group import CrossGroupAddress
+from hybridrl.rewards.custom import RewardFunctionError
 from hybridrl.rewards.manager import RewardManager, reward_metrics, token_level_rewards
+from hybridrl.rewards.registry import UnknownScorerError
 from hybridrl.rollout.sampling import RolloutSampling, validation_sampling
 from hybridrl.rollout.turn_rewards import TurnRewardError, turn_rewarder_from_config
 from hybridrl.tools import available_parsers, build_registry
@@ -79,6 +81,17 @@ class TrainingFailure(RuntimeError):
         self.phase = phase
         self.cause = cause
         super().__init__(f"training failed at step {step}, phase {phase}: {cause}")
+
+
+@contextmanager
+def _user_input(field: str, value: Any, *errors: type[Exception]) -> Iterator[None]:
+    """Reading a user's file (tokenizer, data, reward code): its failure is the config's error on `field`
+    (exit 2, the message, no traceback), not a crash. The plan checked these already; what only a full read
+    shows (a malformed row, a tokenizer that will not load) ends here."""
+    try:
+        yield
+    except errors as error:
+        raise ConfigError([ConfigIssue(field, value, str(error))]) from error
 
 
 class NonFiniteGuard:
@@ -142,7 +155,10 @@ class Trainer:
 
         cfg = self.config
         model = cfg.actor_rollout_ref.model
-        self.tokenizer = load_tokenizer(model.tokenizer_path or model.path, trust_remote_code=model.trust_remote_code)
+        tokenizer_field = "actor_rollout_ref.model." + ("tokenizer_path" if model.tokenizer_path else "path")
+        with _user_input(tokenizer_field, model.tokenizer_path or model.path, OSError, ValueError):
+            self.tokenizer = load_tokenizer(model.tokenizer_path or model.path,
+                                            trust_remote_code=model.trust_remote_code)
         # Resolved once here and handed to the workers: prompts, responses and probe rows pad alike.
         self.pad_token_id = resolve_pad_token_id(self.tokenizer, model.path)
         extra: dict[str, Any] = {}
@@ -159,17 +175,28 @@ class Trainer:
             except TurnRewardError as error:
                 raise ConfigError([ConfigIssue("actor_rollout_ref.rollout.multi_turn.turn_reward.name",
                                                multi_turn.turn_reward.name, str(error))]) from None
-        train = PromptDataset.from_config(cfg.data, cfg.data.train_files, self.tokenizer, **extra)
+        with _user_input("data.train_files", cfg.data.train_files, DatasetError):
+            train = PromptDataset.from_config(cfg.data, cfg.data.train_files, self.tokenizer, **extra)
         self.write(f"train data: {train.stats.summary()}")
+        if len(train) < cfg.data.train_batch_size:  # the plan counted rows; filtering and skipping drop some
+            raise ConfigError([ConfigIssue(
+                "data.train_batch_size", cfg.data.train_batch_size,
+                f"is more than the {len(train)} usable prompts of data.train_files ({train.stats.summary()}): not "
+                f"one batch; lower it to at most {len(train)}, raise data.max_prompt_length, or add data")])
         self.train_loader = PromptDataLoader(train, cfg.data.train_batch_size, self.pad_token_id,
                                              shuffle=cfg.data.shuffle, seed=cfg.trainer.seed)
         self.val_loader = None
         if cfg.data.val_files:
-            val = PromptDataset.from_config(cfg.data, cfg.data.val_files, self.tokenizer, **extra)
+            with _user_input("data.val_files", cfg.data.val_files, DatasetError):
+                val = PromptDataset.from_config(cfg.data, cfg.data.val_files, self.tokenizer, **extra)
             self.write(f"val data: {val.stats.summary()}")  # over-long prompts are counted there too
             self.val_loader = PromptDataLoader(val, cfg.data.val_batch_size or len(val), self.pad_token_id,
                                                shuffle=False, drop_last=False)
-        self.reward = RewardManager.from_config(cfg.algorithm)
+        custom = cfg.algorithm.custom_reward_function
+        reward_field, reward_value = (("algorithm.custom_reward_function.path", custom.path) if custom.path
+                                      else ("algorithm.reward_fn", cfg.algorithm.reward_fn))
+        with _user_input(reward_field, reward_value, RewardFunctionError, UnknownScorerError):
+            self.reward = RewardManager.from_config(cfg.algorithm)
         steps_per_epoch = len(self.train_loader)
         self.total_steps = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * steps_per_epoch
 

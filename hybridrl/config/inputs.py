@@ -1,0 +1,261 @@
+"""What `train` reads from disk, checked by the plan before any process starts.
+
+`hybridrl plan` and `hybridrl train` both run these checks (`plan --layout-only` skips them, to size a
+layout from a model's config.json alone), so a user's mistake is one message naming the field, not
+a traceback minutes later:
+
+* model folders (`actor_rollout_ref.model`, a critic's or reward model's own): the folder exists and
+  holds a config.json, safetensors weights and, for the policy, a tokenizer (with a chat template
+  when prompts need one). A hub id (``Qwen/Qwen2.5-7B-Instruct``) is looked up in the local Hugging
+  Face cache, offline, as transformers does (`resolve_hub_ids`); hybridrl never downloads.
+* data files: each exists and is readable parquet/JSONL with the prompt column (and the reward column
+  the scorer reads), at least one batch of rows, and chat-message prompts only where a chat template
+  formats them (`hybridrl.data.dataset.preview_file` reads only a footer or the first lines).
+* reward code: the registry knows `algorithm.reward_fn`, or the custom reward file imports (it is
+  trusted code, run as the trainer will run it) and defines the function with a usable signature.
+
+Torch-free: pyarrow, the reward registry and, for a hub id only, huggingface_hub.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+from hybridrl.config.errors import ConfigIssue
+from hybridrl.config.schema import DataConfig, JobConfig, ModelConfig
+
+# A Hugging Face hub id: "name" or "org/name" of letters, digits, - _ . (no path separators beyond one "/").
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+LAYOUT_ONLY_HINT = ("to size a layout from a model's config.json alone (no weights, data or reward code yet), "
+                    "run `hybridrl plan --layout-only`")
+GUIDE = "docs/user-guide.md"
+
+
+def _model_sections(config: JobConfig, *, critic: bool) -> list[tuple[str, ModelConfig]]:
+    """The model folders this job loads, by field prefix (the critic's and reward model's only when used)."""
+    sections = [("actor_rollout_ref.model", config.actor_rollout_ref.model)]
+    if critic and config.critic.model.path:
+        sections.append(("critic.model", config.critic.model))
+    if config.reward_model.enable:
+        sections.append(("reward_model.model", config.reward_model.model))
+    return sections
+
+
+def looks_like_hub_id(path: str) -> bool:
+    """`org/name` (or a bare name) that is not a folder here: what users copy from a model card."""
+    return bool(path) and not Path(path).exists() and bool(_HUB_ID.match(path)) and not path.startswith(".")
+
+
+def resolve_hub_ids(config: JobConfig, warnings: list[str]) -> None:
+    """Replace each model path that is a hub id found in the local Hugging Face cache by its snapshot folder
+    (in place: the plan owns its config). Offline, as `from_pretrained(local_files_only=True)`; an id not
+    in the cache is left for `check_inputs` to refuse with how to download it."""
+    for prefix, model in _model_sections(config, critic=True):
+        for attr in ("path", "tokenizer_path"):
+            value = getattr(model, attr)
+            if value and looks_like_hub_id(value):
+                folder = cached_snapshot(value)
+                if folder is not None:
+                    setattr(model, attr, folder)
+                    warnings.append(f"{prefix}.{attr}={value}: a hub id, found in the local Hugging Face cache at "
+                                    f"{folder}")
+
+
+def cached_snapshot(repo_id: str) -> str | None:
+    """The local snapshot folder of `repo_id` in the Hugging Face cache (HF_HOME / HF_HUB_CACHE), or None."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    except ImportError:  # pragma: no cover - a dependency of transformers, always installed with it
+        return None
+    try:
+        return snapshot_download(repo_id, local_files_only=True)
+    except (LocalEntryNotFoundError, HFValidationError, OSError):
+        return None
+
+
+def check_inputs(config: JobConfig, issues: list[ConfigIssue], *, critic: bool) -> bool:
+    """Append a problem for every model folder, data file and reward function `train` could not use; return
+    whether any of them is absent (a folder without weights, a missing data file): what `--layout-only` skips.
+
+    `critic`: whether the job runs a critic (its own folder is checked when it names one).
+    """
+    chat_template = None
+    absent = False
+    for prefix, model in _model_sections(config, critic=critic):
+        policy = prefix == "actor_rollout_ref.model"
+        before = len(issues)
+        if _check_model_folder(prefix, model, issues, tokenizer=policy) and policy:
+            chat_template = has_chat_template(Path(model.tokenizer_path or model.path))
+        absent |= len(issues) > before and (Path(model.path) / "config.json").is_file()
+    for files in (config.data.train_files, config.data.val_files):
+        absent |= not files or any(not Path(file).exists() for file in files)
+    _check_data(config, issues, chat_template)
+    _check_reward(config, issues)
+    return absent
+
+
+def _missing_folder_rule(path: str) -> str:
+    if looks_like_hub_id(path):
+        return (f"does not exist here, and as a hub id it is not in the local Hugging Face cache; hybridrl never "
+                f"downloads: fetch it first (`hf download {path} --local-dir models/{path.split('/')[-1]}`) "
+                "and name that folder")
+    return "does not exist; name a local Hugging Face model folder (config.json, tokenizer, *.safetensors)"
+
+
+def _check_model_folder(prefix: str, model: ModelConfig, issues: list[ConfigIssue], *, tokenizer: bool) -> bool:
+    """Whether `model`'s folder holds what the workers load (and its tokenizer, for the policy)."""
+    field, path = f"{prefix}.path", model.path
+    if not path:
+        issues.append(ConfigIssue(field, path, "is empty; name a local Hugging Face model folder (config.json, "
+                                               f"tokenizer, *.safetensors; see {GUIDE})"))
+        return False
+    folder = Path(path)
+    if not folder.is_dir():
+        rule = _missing_folder_rule(path) if not folder.exists() else "is not a folder"
+        issues.append(ConfigIssue(field, path, rule))
+        return False
+    ok = True
+    if not (folder / "config.json").is_file():
+        issues.append(ConfigIssue(field, path, "holds no config.json: not a Hugging Face model folder"))
+        ok = False
+    if not any((folder / name).is_file() for name in WEIGHT_FILES):
+        others = sorted(p.name for p in folder.glob("*.bin"))[:3]
+        found = f" (found {', '.join(others)}: convert them to safetensors)" if others else ""
+        issues.append(ConfigIssue(field, path, f"holds no weights: expected {' or '.join(WEIGHT_FILES)}{found}"))
+        ok = False
+    if tokenizer:
+        source, where = (model.tokenizer_path, f"{prefix}.tokenizer_path") if model.tokenizer_path else (path, field)
+        source_path = Path(source)
+        if not source_path.exists():
+            issues.append(ConfigIssue(where, source, _missing_folder_rule(source)))
+            ok = False
+        elif source_path.is_dir() and not any((source_path / name).is_file() for name in TOKENIZER_FILES):
+            issues.append(ConfigIssue(where, source, f"holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                                                     "copy the tokenizer files there or set "
+                                                     f"{prefix}.tokenizer_path"))
+            ok = False
+    return ok
+
+
+def has_chat_template(tokenizer_source: Path) -> bool:
+    """Whether the tokenizer at `tokenizer_source` (a folder, or a tokenizer.json file) carries a chat template."""
+    folder = tokenizer_source if tokenizer_source.is_dir() else tokenizer_source.parent
+    if any((folder / name).is_file() for name in CHAT_TEMPLATE_FILES):
+        return True
+    config_file = folder / "tokenizer_config.json"
+    try:
+        return bool(config_file.is_file() and json.loads(config_file.read_text()).get("chat_template"))
+    except (OSError, ValueError):
+        return False
+
+
+def _reads_ground_truth(config: JobConfig) -> bool:
+    """Whether scoring needs the reward column: the built-in scorers read a ground truth (the format
+    check excepted); a user's function may not, so its file decides (a warning, not an error)."""
+    return not config.algorithm.custom_reward_function.path and config.algorithm.reward_fn != "format"
+
+
+def _check_data(config: JobConfig, issues: list[ConfigIssue], chat_template: bool | None) -> None:
+    data = config.data
+    if not data.train_files:
+        issues.append(ConfigIssue("data.train_files", [], "is empty; name local parquet or JSONL files of prompts "
+                                                          f"(the format: {GUIDE}#data)"))
+    for field, files, batch in (("data.train_files", data.train_files, data.train_batch_size),
+                                ("data.val_files", data.val_files, None)):
+        # the reward column: training scores it unless a reward model does; validation always does
+        needs_reward = _reads_ground_truth(config) and (field == "data.val_files" or not config.reward_model.enable)
+        rows = _check_files(field, files, data, issues, chat_template, needs_reward)
+        if rows is None:
+            continue
+        if batch is not None and isinstance(batch, int) and rows < batch:
+            issues.append(ConfigIssue("data.train_batch_size", batch,
+                                      f"is more than the {rows} rows of data.train_files: not one batch; lower it to "
+                                      f"at most {rows}, or add data"))
+
+
+def _check_files(field: str, files: Sequence[str], data: DataConfig, issues: list[ConfigIssue],
+                 chat_template: bool | None, needs_reward: bool) -> int | None:
+    """Each file of one list checked; the rows of all of them, or None when any is unusable."""
+    from hybridrl.data.dataset import DatasetError, preview_file
+
+    total, usable = 0, True
+    for index, file in enumerate(files):
+        where = f"{field}[{index}]" if len(files) > 1 else field
+        try:
+            preview = preview_file(file, data.prompt_key)
+        except DatasetError as error:
+            rule = str(error).removeprefix(f"{file}: ")
+            if not Path(file).exists():
+                hub = "; hub datasets are never downloaded: write its rows to parquet or JSONL first" \
+                    if looks_like_hub_id(file) else ""
+                rule = f"does not exist{hub} (the format, and tools/prepare_gsm8k.py: {GUIDE}#data)"
+            issues.append(ConfigIssue(where, file, rule))
+            usable = False
+            continue
+        total += preview.rows
+        if preview.rows == 0:
+            issues.append(ConfigIssue(where, file, "holds no rows"))
+            usable = False
+            continue
+        for key_field, column in (("data.prompt_key", data.prompt_key),
+                                  *((("data.reward_key", data.reward_key),) if needs_reward else ())):
+            if column not in preview.columns:
+                close = difflib.get_close_matches(column, preview.columns, n=1, cutoff=0.5)
+                hint = f"did you mean '{close[0]}'? " if close else ""
+                issues.append(ConfigIssue(key_field, column, f"is not a column of {file}; {hint}its columns: "
+                                                             f"{', '.join(preview.columns) or 'none'}"))
+                usable = False
+        if preview.prompt_kind == "messages":
+            if data.apply_chat_template is False:
+                issues.append(ConfigIssue("data.apply_chat_template", False,
+                                          f"but the prompts of {file} are chat messages, which only a chat template "
+                                          "turns into text: unset it (null formats chat messages, as verl does) "
+                                          "or set it true"))
+            elif chat_template is False:
+                issues.append(ConfigIssue("actor_rollout_ref.model.tokenizer_path", None,
+                                          f"names a tokenizer without a chat template, but the prompts of {file} are "
+                                          "chat messages; use the instruct model's tokenizer or store text prompts"))
+        elif preview.prompt_kind == "text" and data.apply_chat_template and chat_template is False:
+            issues.append(ConfigIssue("data.apply_chat_template", True,
+                                      "but the tokenizer has no chat template; set it false or null, or use a "
+                                      "tokenizer with one"))
+    if files and usable and total == 0:
+        return None
+    return total if usable else None
+
+
+def _check_reward(config: JobConfig, issues: list[ConfigIssue]) -> None:
+    custom = config.algorithm.custom_reward_function
+    if custom.path:
+        from hybridrl.rewards.custom import RewardFunctionError, load_reward_function, signature_problem
+
+        if not Path(custom.path).is_file():
+            issues.append(ConfigIssue("algorithm.custom_reward_function.path", custom.path,
+                                      "does not exist; name the Python file that defines the reward function "
+                                      f"(trusted code; the conventions: {GUIDE}#rewards)"))
+            return
+        try:
+            function = load_reward_function(custom.path, custom.name)
+        except RewardFunctionError as error:
+            field = "algorithm.custom_reward_function." + ("name" if "has no function" in str(error) else "path")
+            issues.append(ConfigIssue(field, custom.name if field.endswith("name") else custom.path, str(error)))
+            return
+        problem = signature_problem(function)
+        if problem:
+            issues.append(ConfigIssue("algorithm.custom_reward_function.name", custom.name, problem))
+        return
+    from hybridrl.rewards.registry import UnknownScorerError, get_scorer
+
+    try:
+        get_scorer(config.algorithm.reward_fn)
+    except UnknownScorerError as error:
+        issues.append(ConfigIssue("algorithm.reward_fn", config.algorithm.reward_fn,
+                                  str(error).replace(f"unknown reward scorer {config.algorithm.reward_fn!r}.",
+                                                     "is not a known scorer.").strip()))
