@@ -223,6 +223,44 @@ def _log_prob_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
 LAYOUTS = ((1, 1), (2, 1), (1, 2))  # (tp, pp)
 
 
+def _pass_batching_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
+    from hybridrl.config.plan import build_plan
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.backend import MegatronBackend, role_spec
+
+    plan = build_plan(config)
+    backend = MegatronBackend(role_spec(plan, "actor"))
+    cuts = []
+    partition = backend.partition
+
+    def recorded(tensors, micro_batch_size, **options):  # the real partition, its arguments and result kept
+        parts = partition(tensors, micro_batch_size, **options)
+        cuts.append((options.get("dynamic"), options.get("max_tokens"), [len(p) for p in parts]))
+        return parts
+
+    backend.partition = recorded
+    out = MegatronActor(backend, plan).compute_log_prob(batch)
+    return {"out": None if out is None else out.tensors["old_log_probs"].clone(), "cuts": cuts}
+
+
+def test_the_log_prob_pass_has_its_own_token_budget(tmp_path):
+    """verl's rollout.log_prob_use_dynamic_bsz / log_prob_max_token_len_per_gpu: the old-log-prob pass cuts its
+    micro-batches by its own token budget while the actor's update keeps fixed ones; the log-probs are
+    transformers' either way."""
+    hf = policy_model(tmp_path / "hf")
+    batch = rollout_batch(8, seed=9)
+    ref_lp, _ = hf_response_log_probs(hf, batch)
+    config = job_config(hf, world=1, micro=4)
+    config.actor_rollout_ref.rollout.log_prob_use_dynamic_bsz = True
+    config.actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu = 20
+    (result,) = run_ranks(_pass_batching_rank, 1, config, batch)
+    ((dynamic, budget, sizes),) = result["cuts"]
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    assert (dynamic, budget, sum(sizes)) == (True, 20, 8) and len(sizes) >= -(-sum(lengths) // 20) > 2
+    assert (result["out"] - ref_lp).abs().max() <= TOL
+    assert config.actor_rollout_ref.actor.use_dynamic_bsz is False  # the update's batching is its own
+
+
 def test_packed_log_probs_equal_padded_and_transformers(tmp_path):
     hf = policy_model(tmp_path / "hf")
     batch = rollout_batch(8, seed=9)

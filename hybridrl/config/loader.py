@@ -16,7 +16,8 @@ from typing import Any
 import yaml
 
 from hybridrl.config.errors import ConfigError, ConfigIssue, show_value
-from hybridrl.config.schema import JobConfig, MegatronConfig, without_none
+from hybridrl.config.schema import REF_SHARES_WITH_ACTOR, JobConfig, MegatronConfig, without_none
+from hybridrl.config.verl_keys import Refused, Restates, restated, verl_key
 
 # Fields users of other trainers write directly on a role: accepted there and moved into the
 # role's `megatron` section, so `actor_rollout_ref.actor.tensor_model_parallel_size=2` works too.
@@ -88,7 +89,22 @@ def load_config_collecting(
         if parsed is not None:
             assignments.extend(parsed)
     _merge_source(raw, assignments, COMMAND_LINE, issues)
+    _inherit_reference_layout(raw)
     return _build(JobConfig, raw, "", issues), issues
+
+
+def _inherit_reference_layout(raw: dict[str, Any]) -> None:
+    """A `ref.megatron` section (written for its offload, say) takes the actor's layout fields it does not
+    set itself, as verl's config interpolates them: the two must be equal (`REF_SHARES_WITH_ACTOR`)."""
+    arr = raw.get("actor_rollout_ref")
+    if not isinstance(arr, dict):
+        return
+    ref, actor = (arr.get(role) if isinstance(arr.get(role), dict) else {} for role in ("ref", "actor"))
+    ref_layout, actor_layout = ref.get("megatron"), actor.get("megatron")
+    if isinstance(ref_layout, dict) and isinstance(actor_layout, dict):
+        for name in REF_SHARES_WITH_ACTOR:
+            if name in actor_layout and name not in ref_layout:
+                ref_layout[name] = actor_layout[name]
 
 
 def config_from_dict(raw: Mapping[str, Any]) -> JobConfig:
@@ -159,8 +175,12 @@ def _merge_source(raw: dict[str, Any], assignments: Iterable[tuple[tuple[str, ..
     field with different values are an error naming both."""
     written: dict[tuple[str, ...], tuple[str, Any]] = {}
     for parts, value in assignments:
+        spelling = ".".join(parts)  # as written: a verl alias and its target are two spellings of one field
+        verl = _read_verl_key(parts, value, issues)
+        if verl is None:
+            continue
+        parts, value = verl
         where = canonical_path(parts)
-        spelling = ".".join(parts)
         earlier = written.get(where)
         if earlier is not None and earlier[0] != spelling and _plain(earlier[1]) != _plain(value):
             issues.append(ConfigIssue(
@@ -172,6 +192,30 @@ def _merge_source(raw: dict[str, Any], assignments: Iterable[tuple[tuple[str, ..
             continue  # `section: null` beside fields of that section in one source: the fields win
         written[where] = (spelling, value)
         _assign(raw, where, value, issues)
+
+
+def _read_verl_key(parts: tuple[str, ...], value: Any,
+                   issues: list[ConfigIssue]) -> tuple[tuple[str, ...], Any] | None:
+    """A verl key without a field of hybridrl's own, in verl's meaning (`hybridrl.config.verl_keys`): the
+    (path, value) to assign, or None when it is taken as restating hybridrl's behaviour or refused."""
+    found = verl_key(parts)
+    if found is None:
+        return parts, value
+    entry, _ = found
+    spelling, plain = ".".join(parts), _plain(value)
+    if isinstance(entry, Refused):
+        issues.append(ConfigIssue(spelling, _as_written(value), entry.why))
+        return None
+    if isinstance(entry, Restates):
+        if not restated(entry, plain):
+            accepted = ", ".join(show_value(v) for v in entry.accepted)  # type: ignore[union-attr]
+            issues.append(ConfigIssue(spelling, _as_written(value), f"is a verl setting hybridrl takes only as "
+                                                                    f"{accepted}: {entry.does}"))
+        return None
+    translated = entry.translate.get(plain, plain) if entry.translate and isinstance(plain, str) else plain
+    if translated is not plain:
+        value = translated
+    return tuple(entry.target.split(".")), value
 
 
 def _assign(raw: dict[str, Any], parts: tuple[str, ...], value: Any, issues: list[ConfigIssue]) -> None:

@@ -46,7 +46,14 @@ from hybridrl.config.meshes import (
     build_reshard_groups,
     build_training_mesh,
 )
-from hybridrl.config.resolve import Resolved, active_roles, resolve, role_megatron, role_megatron_field
+from hybridrl.config.resolve import (
+    Resolved,
+    active_roles,
+    pass_batching,
+    resolve,
+    role_megatron,
+    role_megatron_field,
+)
 from hybridrl.config.schema import JobConfig, MegatronConfig
 from hybridrl.config.validate import validate
 from hybridrl.models.arch import ModelShape, UnsupportedModelError, read_hf_config, value_model_hf_config
@@ -78,7 +85,9 @@ class ForwardPlan:
     pass_name: str
     sequences_per_rank: int
     micro_batch_size: int
-    micro_batches_per_rank: int
+    micro_batches_per_rank: int       # with dynamic batching: the count if every sequence were full length
+    dynamic_batching: bool = False    # micro-batches by token count (`config.resolve.pass_batching`)
+    max_tokens_per_micro_batch: int = 0
 
 
 @dataclass(frozen=True)
@@ -291,6 +300,16 @@ def _refused_names(issues: list[ConfigIssue] | tuple[ConfigIssue, ...]) -> froze
     return frozenset(names)
 
 
+def _echoes_the_actor(issue: ConfigIssue, issues: list[ConfigIssue]) -> bool:
+    """A reference layout field refused with the value it shares with (or took from) the actor's, which is
+    refused too: one mistake, said once, on the actor."""
+    ref_prefix, actor_prefix = "actor_rollout_ref.ref.megatron.", "actor_rollout_ref.actor.megatron."
+    if not issue.field.startswith(ref_prefix):
+        return False
+    twin = actor_prefix + issue.field.removeprefix(ref_prefix)
+    return any(other.field == twin and other.value == issue.value for other in issues)
+
+
 def _reads_any(issue: ConfigIssue, names: frozenset[str]) -> bool:
     """Whether a validation problem is about, or quotes, one of `names` (`field=value` in its text)."""
     return issue.field.rsplit(".", 1)[-1] in names or any(
@@ -313,7 +332,8 @@ def build_plan(config: JobConfig, prior_issues: list[ConfigIssue] | tuple[Config
     validated = len(issues)
     validate(config, resolved, model, issues, warnings)
     refused = _refused_names(prior_issues)
-    issues[validated:] = [issue for issue in issues[validated:] if not _reads_any(issue, refused)]
+    issues[validated:] = [issue for issue in issues[validated:]
+                          if not _reads_any(issue, refused) and not _echoes_the_actor(issue, issues)]
     hint = None
     if check_files:
         hint = LAYOUT_ONLY_HINT if check_inputs(config, issues, critic=resolved.critic_enabled) else None
@@ -487,6 +507,10 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
 
     def forward(role: str, pass_name: str, micro: int) -> ForwardPlan:
         per_rank = data.train_batch_size * n // by_role[role].mesh.dp
+        batching = pass_batching(config, pass_name)
+        if batching.dynamic:
+            per_micro = max(1, batching.max_tokens // max(1, resolved.max_sequence_length))
+            return ForwardPlan(role, pass_name, per_rank, micro, -(-per_rank // per_micro), True, batching.max_tokens)
         return ForwardPlan(role, pass_name, per_rank, micro, -(-per_rank // micro))
 
     actor = arr.actor

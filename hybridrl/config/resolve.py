@@ -80,6 +80,39 @@ MODEL_SECTIONS: dict[str, tuple[Role, ...]] = {
 }
 
 
+@dataclass(frozen=True)
+class PassBatching:
+    """How one pass forms its micro-batches: by sequence count, or (`dynamic`) by a token budget."""
+
+    dynamic: bool
+    max_tokens: int
+    dynamic_field: str  # the fields that set them, for messages
+    max_tokens_field: str
+
+
+# the passes whose token budget has a field of its own (verl's log_prob_*); every other pass uses the actor's
+_PASS_SECTIONS = {"old_log_prob": "actor_rollout_ref.rollout", "ref_log_prob": "actor_rollout_ref.ref"}
+
+
+def pass_batching(config: JobConfig, pass_name: str) -> PassBatching:
+    """The micro-batching of a pass: its section's log_prob_use_dynamic_bsz / log_prob_max_token_len_per_gpu
+    where set, else the actor's use_dynamic_bsz / ppo_max_token_len_per_gpu (verl's defaults for them)."""
+    actor = config.actor_rollout_ref.actor
+    dynamic, max_tokens = actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu
+    dynamic_field = max_tokens_field = "actor_rollout_ref.actor"
+    dynamic_field += ".use_dynamic_bsz"
+    max_tokens_field += ".ppo_max_token_len_per_gpu"
+    prefix = _PASS_SECTIONS.get(pass_name)
+    if prefix is not None:
+        section = config.actor_rollout_ref.rollout if pass_name == "old_log_prob" else config.actor_rollout_ref.ref
+        if section.log_prob_use_dynamic_bsz is not None:
+            dynamic, dynamic_field = section.log_prob_use_dynamic_bsz, f"{prefix}.log_prob_use_dynamic_bsz"
+        if section.log_prob_max_token_len_per_gpu is not None:
+            max_tokens = section.log_prob_max_token_len_per_gpu
+            max_tokens_field = f"{prefix}.log_prob_max_token_len_per_gpu"
+    return PassBatching(dynamic, max_tokens, dynamic_field, max_tokens_field)
+
+
 def model_section_of(role: str) -> str:
     """The config section whose `model` `role` is built from."""
     return next(section for section, roles in MODEL_SECTIONS.items() if Role(role) in roles)

@@ -328,6 +328,10 @@ class RolloutConfig:
     max_num_batched_tokens: int = doc(8192, "vLLM scheduler token budget per step")
     max_num_seqs: int = doc(1024, "vLLM scheduler sequence budget")
     log_prob_micro_batch_size_per_gpu: int = doc(8, "sequences per old-log-prob forward on one GPU")
+    log_prob_use_dynamic_bsz: bool | None = doc(
+        None, "old-log-prob micro-batches by token count; null = actor.use_dynamic_bsz (verl's default)")
+    log_prob_max_token_len_per_gpu: int | None = doc(
+        None, "old-log-prob token budget per micro-batch when dynamic; null = actor.ppo_max_token_len_per_gpu")
     calculate_log_probs: bool = doc(True, "return the rollout's own per-token log-probs")
     val_kwargs: SamplingConfig = doc(factory=SamplingConfig, text="sampling for validation (greedy by default)")
     seed: int = doc(0, "base seed of sampling requests")
@@ -352,10 +356,22 @@ class RolloutConfig:
               "None = true")
 
 
+# The reference runs in the actor's processes (one megatron parallel state): these layout fields of
+# `actor_rollout_ref.ref.megatron` must equal the actor's, and default to them (verl's interpolation).
+REF_SHARES_WITH_ACTOR = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                         "virtual_pipeline_model_parallel_size", "num_layers_in_first_pipeline_stage",
+                         "num_layers_in_last_pipeline_stage", "expert_model_parallel_size",
+                         "expert_tensor_parallel_size", "seed")
+
+
 @dataclass
 class RefConfig:
     megatron: MegatronConfig | None = doc(None, "reference layout; None = same as the actor")
     log_prob_micro_batch_size_per_gpu: int = doc(8, "sequences per ref-log-prob forward on one GPU")
+    log_prob_use_dynamic_bsz: bool | None = doc(
+        None, "ref-log-prob micro-batches by token count; null = actor.use_dynamic_bsz (verl's default)")
+    log_prob_max_token_len_per_gpu: int | None = doc(
+        None, "ref-log-prob token budget per micro-batch when dynamic; null = actor.ppo_max_token_len_per_gpu")
 
 
 @dataclass
@@ -414,6 +430,8 @@ class OverlongBufferConfig:
     enable: bool = doc(False, "DAPO soft overlong punishment")
     len: int = doc(64, "tokens before max_response_length where the penalty starts")
     penalty_factor: float = doc(1.0, "penalty at max_response_length (linear from 0 over the buffer)")
+    max_response_length: int | None = doc(
+        None, "the length the buffer ends at (verl's reward_kwargs.max_resp_len); null = data.max_response_length")
 
 
 @dataclass

@@ -24,11 +24,13 @@ from hybridrl.config.resolve import (
     Resolved,
     active_roles,
     needs_uniform_micro_batches,
+    pass_batching,
     role_megatron,
     role_megatron_field,
 )
 from hybridrl.config.schema import (
     CHOICE_NAMES,
+    REF_SHARES_WITH_ACTOR,
     JobConfig,
     MegatronConfig,
     MoEDispatcher,
@@ -246,12 +248,6 @@ def megatron_sections(config: JobConfig) -> list[tuple[str, MegatronConfig]]:
 
 # The reference policy is built in the actor's processes, whose megatron parallel state (and its
 # RNG) is process-global: these fields of a set `ref.megatron` cannot differ from the actor's.
-REF_SHARES_WITH_ACTOR = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-                         "virtual_pipeline_model_parallel_size", "num_layers_in_first_pipeline_stage",
-                         "num_layers_in_last_pipeline_stage", "expert_model_parallel_size",
-                         "expert_tensor_parallel_size", "seed")
-
-
 def _model_section(config: JobConfig, megatron_prefix: str) -> tuple[str, Any]:
     """The model section (dotted path, section) whose weights a megatron section lays out."""
     if megatron_prefix.startswith("critic"):
@@ -527,6 +523,10 @@ def _check_batch_basics(check: _Checker, config: JobConfig) -> bool:
     if arr.actor.use_dynamic_bsz:
         ok &= check.is_int_at_least("actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
                                     arr.actor.ppo_max_token_len_per_gpu, 1)
+    for section, prefix in ((arr.rollout, "actor_rollout_ref.rollout"), (arr.ref, "actor_rollout_ref.ref")):
+        if section.log_prob_max_token_len_per_gpu is not None:
+            ok &= check.is_int_at_least(f"{prefix}.log_prob_max_token_len_per_gpu",
+                                        section.log_prob_max_token_len_per_gpu, 1)
     return bool(ok)
 
 
@@ -911,7 +911,7 @@ def _check_batch_arithmetic(
                        f"({mini_field.rsplit('.', 1)[-1]}={mini} × n={n} ÷ DP={dp})",
                        nearest(micro, divisors(per_rank)))
 
-    def check_forward(field: str, micro: int, dp: int) -> None:
+    def check_forward(field: str, micro: int, dp: int, pass_name: str) -> None:
         nonlocal batch_refused
         if not dp:
             return
@@ -924,7 +924,7 @@ def _check_batch_arithmetic(
                        nearest_satisfying(batch, lambda b: (b * n) % dp == 0))
             return
         per_rank = batch * n // dp
-        if not arr.actor.use_dynamic_bsz and per_rank % micro:
+        if not pass_batching(config, pass_name).dynamic and per_rank % micro:
             check.fail(field, micro,
                        f"must divide the {per_rank} sequences per GPU (train_batch_size={batch} × n={n} ÷ DP={dp})",
                        nearest(micro, divisors(per_rank)))
@@ -933,20 +933,20 @@ def _check_batch_arithmetic(
     check_updates("actor_rollout_ref.actor", arr.actor.ppo_mini_batch_size, arr.actor.ppo_micro_batch_size_per_gpu,
                   actor_dp, "actor_rollout_ref.actor.ppo_mini_batch_size")
     check_forward("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-                  arr.rollout.log_prob_micro_batch_size_per_gpu, actor_dp)
+                  arr.rollout.log_prob_micro_batch_size_per_gpu, actor_dp, "old_log_prob")
     if Role.REF in dp_of:
         check_forward("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
-                      arr.ref.log_prob_micro_batch_size_per_gpu, dp_of[Role.REF])
+                      arr.ref.log_prob_micro_batch_size_per_gpu, dp_of[Role.REF], "ref_log_prob")
     if Role.CRITIC in dp_of:
         mini_field = ("critic.ppo_mini_batch_size" if config.critic.ppo_mini_batch_size is not None
                       else "actor_rollout_ref.actor.ppo_mini_batch_size")
         check_updates("critic", resolved.critic_mini_batch_size, config.critic.ppo_micro_batch_size_per_gpu,
                       dp_of[Role.CRITIC], mini_field)
         check_forward("critic.ppo_micro_batch_size_per_gpu", config.critic.ppo_micro_batch_size_per_gpu,
-                      dp_of[Role.CRITIC])
+                      dp_of[Role.CRITIC], "values")
     if Role.REWARD_MODEL in dp_of:
         check_forward("reward_model.micro_batch_size_per_gpu", config.reward_model.micro_batch_size_per_gpu,
-                      dp_of[Role.REWARD_MODEL])
+                      dp_of[Role.REWARD_MODEL], "reward_scores")
 
 
 def _check_lengths(check: _Checker, config: JobConfig, resolved: Resolved, model: ModelShape | None) -> None:
@@ -988,10 +988,13 @@ def _check_algorithm(check: _Checker, config: JobConfig, resolved: Resolved) -> 
         check.fail("critic.enable", False, f"must be true (or null) for algorithm.adv_estimator={estimator}",
                    [True])
     ob = config.algorithm.overlong_buffer
-    if ob.enable and isinstance(ob.len, int) and isinstance(config.data.max_response_length, int) \
-            and not 0 < ob.len <= config.data.max_response_length:
-        check.fail("algorithm.overlong_buffer.len", ob.len,
-                   f"must be in (0, data.max_response_length={config.data.max_response_length}]")
+    if ob.max_response_length is not None:
+        check.is_int_at_least("algorithm.overlong_buffer.max_response_length", ob.max_response_length, 1)
+    end = ob.max_response_length or config.data.max_response_length
+    end_field = "algorithm.overlong_buffer.max_response_length" if ob.max_response_length else \
+        "data.max_response_length"
+    if ob.enable and isinstance(ob.len, int) and isinstance(end, int) and not 0 < ob.len <= end:
+        check.fail("algorithm.overlong_buffer.len", ob.len, f"must be in (0, {end_field}={end}]")
     if config.algorithm.filter_groups.enable:
         check.is_int_at_least("algorithm.filter_groups.max_num_gen_batches",
                               config.algorithm.filter_groups.max_num_gen_batches, 1)

@@ -381,8 +381,8 @@ class Trainer:
         overlong = self.config.algorithm.overlong_buffer
         if overlong.enable:
             lengths = response_lengths(batch)  # the whole response: observation tokens fill the budget too
-            penalty = overlong_penalty(lengths, self.config.data.max_response_length, overlong.len,
-                                       overlong.penalty_factor)
+            end = overlong.max_response_length or self.config.data.max_response_length
+            penalty = overlong_penalty(lengths, end, overlong.len, overlong.penalty_factor)
             token_scores = token_scores + token_level_rewards(penalty, batch["response_mask"])
             metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
         token_scores, turn_metrics = add_turn_scores(token_scores, batch)  # multi-turn per-turn rewards

@@ -218,8 +218,9 @@ class MegatronActor:
         backend, ctx = self.backend, self.backend.ctx
         tensors = batch.tensors
         temperature = sampling_temperature(batch)
-        partition = backend.partition(tensors, self.forward_plan.micro_batch_size, dynamic=self.dynamic,
-                                      max_tokens=self.max_tokens)
+        forward = self.forward_plan  # this pass's own batching (verl's log_prob_use_dynamic_bsz / _max_token_len)
+        partition = backend.partition(tensors, forward.micro_batch_size, dynamic=forward.dynamic_batching,
+                                      max_tokens=forward.max_tokens_per_micro_batch)
         backend.tokens_seen.reset()
         backend.replay_mismatch = ReplayMismatch()
         micros = backend.micro_batches(tensors, partition, free_routing=free_routing)

@@ -1,0 +1,127 @@
+"""verl's keys that have no field of hybridrl's own, read in verl's meaning, so a verl job carries over.
+
+A verl script's overrides mostly name hybridrl's own fields (the schema speaks verl's vocabulary). The
+rest are here, each one of three kinds, and the loader (`hybridrl.config.loader`) applies them before
+it reads a key as unknown:
+
+* `Restates`: a setting whose accepted values describe what hybridrl does anyway (verl's default is
+  always among them: `trainer.critic_warmup=0`, `use_dist_checkpointing=False`). Those values are taken
+  and change nothing; any other value is refused, saying what hybridrl does instead.
+* `Alias`: verl's spelling of a hybridrl field (`actor_rollout_ref.nccl_timeout` is
+  `trainer.nccl_timeout_s`); the value goes to that field, and two spellings with different values are
+  the loader's usual error naming both.
+* `Refused`: a verl key with a meaning hybridrl does not build; refused by name with the reason, never
+  read as a near-spelled field of another meaning (verl's `data.reward_fn_key` is not `data.reward_key`).
+
+`ROLE` in a key stands for each role section with a megatron layout (actor, ref, critic, reward model).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+ROLE = "<role>"
+ROLE_PATHS = (("actor_rollout_ref", "actor"), ("actor_rollout_ref", "ref"), ("critic",), ("reward_model",))
+ANY = object()  # every value restates hybridrl's behaviour
+
+
+@dataclass(frozen=True)
+class Restates:
+    key: str
+    accepted: tuple[Any, ...] | object
+    does: str  # what hybridrl does, for the refusal of any other value
+
+
+@dataclass(frozen=True)
+class Alias:
+    key: str
+    target: str
+    translate: dict[Any, Any] | None = None  # verl's values -> hybridrl's (others pass unchanged)
+
+
+@dataclass(frozen=True)
+class Refused:
+    key: str
+    why: str
+
+
+VerlKey = Restates | Alias | Refused
+
+_WEIGHTS = "hybridrl loads the HF folder of model.path with its own weight table per model family " \
+           "(hybridrl/models/families)"
+VERL_KEYS: tuple[VerlKey, ...] = (
+    Restates("trainer.critic_warmup", (0,), "the actor updates from the first step (critic warm-up is not built yet)"),
+    Restates(f"{ROLE}.megatron.use_mbridge", (True, False), _WEIGHTS),
+    Restates(f"{ROLE}.megatron.vanilla_mbridge", (True, False), _WEIGHTS),
+    Restates(f"{ROLE}.megatron.use_dist_checkpointing", (False,),
+             _WEIGHTS + "; a megatron checkpoint converts to one with `hybridrl convert mcore-to-hf`"),
+    # verl reads the path only with use_dist_checkpointing=True, which is refused above
+    Restates(f"{ROLE}.megatron.dist_checkpointing_path", ANY, _WEIGHTS),
+    Restates("actor_rollout_ref.model.use_fused_kernels", (False,),
+             "log-probs and entropy come from hybridrl's own vocab-parallel functions "
+             "(hybridrl/algorithms/vocab_parallel.py); verl's fused kernels are not used"),
+    Restates("actor_rollout_ref.actor.use_torch_compile", (True, False),
+             "hybridrl compiles nothing with torch.compile"),
+    Restates("data.return_raw_chat", (True, False), "every prompt keeps its raw chat messages (PromptItem.raw_prompt)"),
+    Restates("data.reward_fn_key", ("data_source",),
+             "hybridrl logs scores per row's data_source column; the scorer is algorithm.reward_fn"),
+    Restates("actor_rollout_ref.rollout.enable_chunked_prefill", (True,), "vLLM's V1 engine always chunks prefills"),
+    Restates(f"{ROLE}.profiler.enable", (False,), "hybridrl has no built-in profiler: run the job under nsys"),
+    Restates(f"{ROLE}.profiler.all_ranks", ANY, "only read with profiler.enable=true, which is refused"),
+    Restates(f"{ROLE}.profiler.ranks", ANY, "only read with profiler.enable=true, which is refused"),
+    # verl's DAPO reward manager: the rule score plus the soft overlong penalty, which is hybridrl's
+    # algorithm.overlong_buffer (naive: the rule score alone, the same with the buffer off)
+    Restates("reward_model.reward_manager", ("naive", "dapo"),
+             "the rule scorer (algorithm.reward_fn) scores; DAPO's overlong penalty is algorithm.overlong_buffer"),
+    Alias("reward_model.reward_kwargs.overlong_buffer_cfg.enable", "algorithm.overlong_buffer.enable"),
+    Alias("reward_model.reward_kwargs.overlong_buffer_cfg.len", "algorithm.overlong_buffer.len"),
+    Alias("reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor", "algorithm.overlong_buffer.penalty_factor"),
+    Restates("reward_model.reward_kwargs.overlong_buffer_cfg.log", ANY,
+             "the penalty is always logged (reward/overlong_penalty_mean)"),
+    Alias("reward_model.reward_kwargs.max_resp_len", "algorithm.overlong_buffer.max_response_length"),
+    Alias("actor_rollout_ref.nccl_timeout", "trainer.nccl_timeout_s"),
+    Alias("data.trust_remote_code", "actor_rollout_ref.model.trust_remote_code"),
+    Alias("actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes",
+          "actor_rollout_ref.rollout.update_weights_bucket_megabytes"),
+    # verl's sync/async rollout modes both run vLLM in the training processes: hybridrl's colocated mode
+    Alias("actor_rollout_ref.rollout.mode", "actor_rollout_ref.rollout.mode",
+          translate={"sync": "colocated", "async": "colocated"}),
+    Refused("actor_rollout_ref.actor.ppo_micro_batch_size",
+            "is verl's deprecated global micro-batch; set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
+    Refused("actor_rollout_ref.rollout.log_prob_micro_batch_size",
+            "is verl's deprecated global micro-batch; set actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"),
+    Refused("actor_rollout_ref.ref.log_prob_micro_batch_size",
+            "is verl's deprecated global micro-batch; set actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"),
+    Refused("critic.ppo_micro_batch_size",
+            "is verl's deprecated global micro-batch; set critic.ppo_micro_batch_size_per_gpu"),
+    Refused("global_profiler", "hybridrl has no built-in profiler: run the job under nsys or torch.profiler yourself"),
+)
+
+
+def _expand(key: str) -> Iterator[tuple[str, ...]]:
+    if key.startswith(ROLE):
+        for role in ROLE_PATHS:
+            yield (*role, *key[len(ROLE) + 1:].split("."))
+    else:
+        yield tuple(key.split("."))
+
+
+_BY_PATH: dict[tuple[str, ...], VerlKey] = {path: entry for entry in VERL_KEYS for path in _expand(entry.key)}
+
+
+def verl_key(parts: tuple[str, ...]) -> tuple[VerlKey, tuple[str, ...]] | None:
+    """The entry for a dotted path (or for a section above it: a `Refused` section refuses all of its keys),
+    with the path it matched."""
+    for depth in range(len(parts), 0, -1):
+        entry = _BY_PATH.get(parts[:depth])
+        if entry is not None and (depth == len(parts) or isinstance(entry, Refused)):
+            return entry, parts[:depth]
+    return None
+
+
+def restated(entry: Restates, value: Any) -> bool:
+    """Whether `value` is one `entry` accepts (YAML's True is not 1: compared with types)."""
+    if entry.accepted is ANY:
+        return True
+    return any(type(value) is type(ok) and value == ok for ok in entry.accepted)  # type: ignore[union-attr]
