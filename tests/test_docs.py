@@ -21,6 +21,7 @@ import pytest
 
 from hybridrl.cli import build_parser
 from hybridrl.config.schema import JobConfig, without_none
+from hybridrl.config.verl_keys import ROLE, VERL_KEYS, verl_key
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "docs" / "user-guide.md"]
@@ -51,7 +52,10 @@ def _sections() -> set[str]:
 
 
 def _is_schema_key(parts: tuple[str, ...]) -> bool:
-    """A full path, or the tail of one (`rollout.n`), of the schema; a role's layout fields also sit on the role."""
+    """A full path, or the tail of one (`rollout.n`), of the schema; a role's layout fields also sit on the role;
+    or a verl key the loader reads (`hybridrl/config/verl_keys.py`)."""
+    if verl_key(parts) is not None:
+        return True
     for path in SCHEMA:
         if path[-len(parts):] == parts:
             return True
@@ -183,3 +187,11 @@ def test_the_guide_own_model_walk_through_runs(demo_assets, tmp_path):
     assert "steps" in result.stdout  # the run's one-screen summary
     metrics = list((work / "runs").rglob("metrics.jsonl"))
     assert len(metrics) == 1 and len(metrics[0].read_text().splitlines()) >= 2
+
+
+def test_the_verl_table_lists_every_verl_key():
+    """The guide's migration table names each verl key the loader reads in verl's meaning."""
+    section = (ROOT / "docs" / "user-guide.md").read_text().split("## Migrating from verl", 1)[1].split("\n## ", 1)[0]
+    for entry in VERL_KEYS:
+        key = entry.key.replace(ROLE, "<role>")
+        assert key in section or key.rsplit(".", 1)[-1] in section, f"{entry.key} is not in the migration table"
