@@ -61,7 +61,7 @@ def _convert(capsys, *argv: str) -> tuple[int, str]:
 def test_unsupported_architecture_is_named(tmp_path, capsys, architecture, detail):
     src = _tiny_gguf(tmp_path / "m.gguf", architecture)
     rc, err = _convert(capsys, "--gguf", str(src), "--out", str(tmp_path / "out"))
-    assert rc == 1
+    assert rc == 2
     assert f"GGUF architecture {architecture!r} is not supported by hybridrl's megatron bridge" in err
     assert detail in err and "llama (LlamaForCausalLM)" in err and "qwen3 (Qwen3ForCausalLM)" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]  # nothing written, no staging left
@@ -70,9 +70,9 @@ def test_unsupported_architecture_is_named(tmp_path, capsys, architecture, detai
 def test_bad_input_files_are_refused(tmp_path, capsys):
     (tmp_path / "x.gguf").write_bytes(b"not a gguf")
     rc, err = _convert(capsys, "--gguf", str(tmp_path / "x.gguf"), "--out", str(tmp_path / "out"))
-    assert rc == 1 and "is not a GGUF file" in err
+    assert rc == 2 and "is not a GGUF file" in err
     rc, err = _convert(capsys, "--gguf", str(tmp_path / "none.gguf"), "--out", str(tmp_path / "out"))
-    assert rc == 1 and "does not exist" in err
+    assert rc == 2 and "does not exist" in err
     assert not (tmp_path / "out").exists()
 
 
@@ -83,7 +83,7 @@ def test_missing_packages_are_named_with_the_pip_command(tmp_path, capsys, monke
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name in ("gguf", "accelerate") else real_find_spec(name, *a))
     rc, err = _convert(capsys, "--gguf", str(tmp_path / "m.gguf"), "--out", str(tmp_path / "out"))
-    assert rc == 1 and "gguf, accelerate" in err
+    assert rc == 2 and "gguf, accelerate" in err
     assert "pip install 'gguf==0.19.0' 'accelerate==1.15.0'" in err
 
 
