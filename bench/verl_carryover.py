@@ -42,8 +42,12 @@ class ScriptResult:
 def _names(field_name: str, key: str) -> bool:
     """Whether a problem's field names `key` (its dotted path, or a section above it, or a field under it)."""
     from hybridrl.config.loader import canonical_path
+    from hybridrl.config.verl_keys import verl_key
 
-    spellings = {key, ".".join(canonical_path(tuple(key.split("."))))}
+    parts = tuple(key.split("."))
+    found = verl_key(parts)
+    aliased = found[1] if found is not None and found[1] is not None else parts  # a verl alias sets its target
+    spellings = {key, ".".join(canonical_path(parts)), ".".join(canonical_path(aliased))}
     return any(field_name == s or s.startswith(field_name + ".") or field_name.startswith((s + ".", s + "["))
                for s in spellings)
 

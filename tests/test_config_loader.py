@@ -159,9 +159,19 @@ def _two_values(name: str) -> tuple[Any, Any]:
         return 2, 3
     if hint is float or hint == (float | None):
         return 0.5, 0.25
+    if typing.get_origin(hint) is dict:  # megatron's own settings (override_transformer_config)
+        return {"recompute_num_layers": 2}, {"recompute_num_layers": 3}
     found = choices_of(hint)  # a closed vocabulary (dtype): two of its values
     assert found is not None, hint
     return typing.get_args(found[0])[:2]
+
+
+def _said(spelling: str, value: Any) -> str:
+    """How a problem quotes `spelling=value`: a mapping's conflict is named at its own leaf."""
+    if isinstance(value, dict):
+        ((key, leaf),) = value.items()
+        return f"{spelling}.{key}={leaf}"
+    return f"{spelling}={value}"
 
 
 def _spelled(role: str, name: str, spelling: str) -> str:
@@ -225,7 +235,7 @@ def test_two_spellings_in_one_file_must_agree(tmp_path, role, name):
         load_config(path)
     (issue,) = info.value.issues
     text = str(issue)
-    assert f"{nested}={first}" in text and f"{role_level}={second}" in text and str(path) in text, text
+    assert _said(nested, first) in text and _said(role_level, second) in text and str(path) in text, text
     same = _write(tmp_path, (nested, first), (role_level, first))
     assert getattr(_megatron_of(load_config(same), role), name) == first
 
@@ -237,7 +247,7 @@ def test_two_spellings_on_one_command_line_must_agree(role, name):
     with pytest.raises(ConfigError) as info:
         load_config(None, [f"{role_level}={_yaml(first)}", f"{nested}={_yaml(second)}"])
     (issue,) = info.value.issues
-    assert f"{role_level}={first}" in str(issue) and f"{nested}={second}" in str(issue)
+    assert _said(role_level, first) in str(issue) and _said(nested, second) in str(issue)
     assert "the command line" in str(issue)
     cfg = load_config(None, [f"{role_level}={_yaml(first)}", f"{nested}={_yaml(first)}"])
     assert getattr(_megatron_of(cfg, role), name) == first

@@ -201,7 +201,7 @@ def _read_verl_key(parts: tuple[str, ...], value: Any,
     found = verl_key(parts)
     if found is None:
         return parts, value
-    entry, _ = found
+    entry, target = found
     spelling, plain = ".".join(parts), _plain(value)
     if isinstance(entry, Refused):
         issues.append(ConfigIssue(spelling, _as_written(value), entry.why))
@@ -215,7 +215,8 @@ def _read_verl_key(parts: tuple[str, ...], value: Any,
     translated = entry.translate.get(plain, plain) if entry.translate and isinstance(plain, str) else plain
     if translated is not plain:
         value = translated
-    return tuple(entry.target.split(".")), value
+    assert target is not None  # an Alias has one
+    return target, value
 
 
 def _assign(raw: dict[str, Any], parts: tuple[str, ...], value: Any, issues: list[ConfigIssue]) -> None:
@@ -311,6 +312,13 @@ def _coerce(tp: Any, value: Any, where: str, issues: list[ConfigIssue]) -> Any:
     if origin is typing.Literal:  # read as its values' type; validation names the valid values
         (kind,) = {type(choice) for choice in typing.get_args(tp)}
         return _coerce(kind, _RawOverride(value, raw_text) if raw_text is not None else value, where, issues)
+    if origin is dict:  # a mapping handed on as written (megatron's override_transformer_config)
+        if value is None:
+            return {}
+        if not isinstance(value, Mapping):
+            issues.append(ConfigIssue(where, _as_written(value), "must be a mapping of names to values"))
+            return _INVALID
+        return {str(key): _as_written(item) for key, item in value.items()}
     if origin is list:
         (item_type,) = typing.get_args(tp)
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):

@@ -560,7 +560,10 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
                 sequence_parallel=mc.sequence_parallel_in_effect,
                 gpu_gib=config.trainer.gpu_memory_gib, ep=mc.expert_model_parallel_size,
                 etp=mc.expert_tensor_parallel_size, value_head=value_model,
-                recompute=trainable and (config.critic if value_model else arr).model.enable_gradient_checkpointing,
+                # full recompute, by the model's switch or megatron's own setting (override_transformer_config);
+                # selective recompute keeps most activations: estimated as none
+                recompute=trainable and ((config.critic if value_model else arr).model.enable_gradient_checkpointing
+                                         or mc.override_transformer_config.get("recompute_granularity") == "full"),
                 # the policy's passes compute the vocabulary only at the response tokens (training/actor.py)
                 head_tokens=None if value_model else data.max_response_length,
             ))

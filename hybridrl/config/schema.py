@@ -204,6 +204,11 @@ class MegatronConfig:
     grad_offload: bool = doc(False, "keep gradients on CPU between phases")
     dtype: Dtype | None = doc(None, "compute dtype; None = bf16 on cuda, fp32 on cpu")
     seed: int = doc(1234, "model-parallel RNG seed")
+    override_transformer_config: dict[str, Any] = doc(
+        factory=dict, text="megatron TransformerConfig fields set as given (verl's key), e.g. activation recompute: "
+        "recompute_granularity full|selective, recompute_method uniform|block, recompute_num_layers; each name and "
+        "value checked against megatron-core's TransformerConfig; fields hybridrl sets from the model, the layout "
+        "or the device are refused, those with a hybridrl field of their own are read as it")
 
     @property
     def sequence_parallel_in_effect(self) -> bool:

@@ -19,6 +19,7 @@ from hybridrl.algorithms.names import (
     GROUP_ADV_ESTIMATORS,
 )
 from hybridrl.config.errors import ConfigIssue
+from hybridrl.config.megatron_fields import MEGATRON_CORE_VERSION, TRANSFORMER_CONFIG_FIELDS
 from hybridrl.config.resolve import (
     MODEL_SECTIONS,
     Resolved,
@@ -42,7 +43,12 @@ from hybridrl.models.arch import DEFAULT_VOCAB_DIVISOR, ModelShape
 from hybridrl.models.layout import ParallelLayout
 from hybridrl.models.vllm_layout import vllm_padded_vocab
 from hybridrl.names import Role
-from hybridrl.parallel.device_policy import DEVICE_POLICIES, WITHOUT_TE
+from hybridrl.parallel.device_policy import (
+    CPU_LAYER_TRANSFORMER_SETTINGS,
+    CUDA_KERNEL_TRANSFORMER_SETTINGS,
+    DEVICE_POLICIES,
+    WITHOUT_TE,
+)
 
 RESUME_MODES = ("auto", "disable")
 
@@ -137,6 +143,7 @@ def validate(
     _check_shared_prefix(check, config, resolved, model)
     _check_moe_dispatch(check, config, model)
     _check_expert_tp_uses(check, config)
+    _check_transformer_overrides(check, config, resolved, model)
     if model is not None and model.is_moe and resolved.critic_enabled and not config.critic.model.path:
         # A value head on an MoE backbone (router losses, expert-parallel critic) is not built or tested.
         check.fail("critic.model.path", config.critic.model.path,
@@ -246,6 +253,112 @@ def megatron_sections(config: JobConfig) -> list[tuple[str, MegatronConfig]]:
             ("reward_model.megatron", config.reward_model.megatron)]
 
 
+# megatron TransformerConfig fields hybridrl sets itself (`models.bridge.transformer_config`, the training
+# backend): an `override_transformer_config` of one is refused, naming where its value comes from.
+TRANSFORMER_FIELDS_SET_BY = {
+    "the model's config.json": (
+        "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "kv_channels",
+        "normalization", "layernorm_epsilon", "activation_func", "gated_linear_unit", "add_bias_linear",
+        "add_qkv_bias", "qk_layernorm", "hidden_dropout", "attention_dropout", "num_moe_experts", "moe_router_topk",
+        "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_pre_softmax", "moe_router_score_function"),
+    "the role's megatron layout (hybridrl splits the layers itself)": (
+        "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+        "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
+        "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+        "pipeline_model_parallel_layout"),
+    "the role's dtype and device": (
+        "params_dtype", "pipeline_dtype", "bf16", "fp16", "perform_initialization", "use_cpu_initialization",
+        "variable_seq_lengths"),
+}
+
+
+def _check_transformer_overrides(check: _Checker, config: JobConfig, resolved: Resolved,
+                                 model: ModelShape | None) -> None:
+    """`override_transformer_config` (verl's key): each name a field of megatron's TransformerConfig that hybridrl
+    does not set itself, each value of that field's type, on cpu no CUDA kernel, and activation recompute as
+    megatron's TransformerConfig accepts it (the same rules; tests/test_config_megatron_fields.py holds them
+    equal to megatron's own)."""
+    set_by = {name: source for source, names in TRANSFORMER_FIELDS_SET_BY.items() for name in names}
+    cpu = resolved.device == "cpu"
+    device_settings = {**CPU_LAYER_TRANSFORMER_SETTINGS, **CUDA_KERNEL_TRANSFORMER_SETTINGS} if cpu else {}
+    for prefix, mc in megatron_sections(config):
+        overrides = mc.override_transformer_config
+        where = f"{prefix}.override_transformer_config"
+        for name, value in overrides.items():
+            field = f"{where}.{name}"
+            forms = TRANSFORMER_CONFIG_FIELDS.get(name)
+            if forms is None:
+                close = difflib.get_close_matches(name, list(TRANSFORMER_CONFIG_FIELDS), n=1)
+                hint = f"; did you mean '{close[0]}'?" if close else ""
+                check.fail(field, value, f"is not a field of megatron-core {MEGATRON_CORE_VERSION}'s "
+                                         f"TransformerConfig{hint}")
+            elif name in set_by:
+                check.fail(field, value, f"is set by hybridrl from {set_by[name]}")
+            elif not _takes_form(value, forms):
+                check.fail(field, value, f"is not a value this field takes ({', '.join(forms)})")
+            elif name in device_settings and value != device_settings[name]:
+                check.fail(field, value, "needs CUDA kernels: on trainer.device=cpu the CPU layer runs without them",
+                           [device_settings[name]])
+            elif name == "attention_backend" and cpu and value != "auto":
+                check.fail(field, value, "on trainer.device=cpu the CPU layer's attention serves every pass",
+                           ["auto"])
+        _check_recompute(check, config, prefix, mc, model)
+
+
+def _takes_form(value: Any, forms: Sequence[str]) -> bool:
+    for form in forms:
+        if form == "other":
+            continue
+        if form == "none" and value is None or form == "bool" and isinstance(value, bool):
+            return True
+        if form == "int" and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if form == "float" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True
+        if form == "str" and isinstance(value, str):
+            return True
+        choices = form.rsplit(":", 1)[1].split("|") if form.startswith(("choice:", "enum:")) else ()
+        if isinstance(value, str) and value in choices:
+            return True
+        if form.startswith("list[") and isinstance(value, list):
+            inner = form[5:-1]
+            return all(_takes_form(item, (inner,)) for item in value)
+    return False
+
+
+def _check_recompute(check: _Checker, config: JobConfig, prefix: str, mc: MegatronConfig,
+                     model: ModelShape | None) -> None:
+    """megatron's activation-recompute rules (`TransformerConfig.__post_init__`), at plan time."""
+    overrides = mc.override_transformer_config
+    names = ("recompute_granularity", "recompute_method", "recompute_num_layers")
+    granularity, method, layers = (overrides.get(name) for name in names)
+    where = f"{prefix}.override_transformer_config"
+    if not any(name in overrides for name in names) or granularity is None:
+        if method is not None or layers is not None:
+            check.fail(f"{where}.recompute_granularity", granularity,
+                       "must be full or selective when recompute_method or recompute_num_layers is set",
+                       ["full", "selective"])
+        return
+    model_field, model_section = _model_section(config, prefix)
+    if model_section.enable_gradient_checkpointing:
+        check.fail(f"{model_field}.enable_gradient_checkpointing", True,
+                   f"and {where}.recompute_granularity={granularity} both set activation recompute: keep one")
+    if granularity == "full":
+        if method is None:
+            check.fail(f"{where}.recompute_method", method, "must be set with recompute_granularity=full",
+                       ["uniform", "block"])
+        per_stage = model.num_layers // mc.pipeline_model_parallel_size if model is not None \
+            and isinstance(mc.pipeline_model_parallel_size, int) and mc.pipeline_model_parallel_size > 0 else None
+        if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1 or \
+                (per_stage is not None and layers > per_stage):
+            check.fail(f"{where}.recompute_num_layers", layers,
+                       "must be set with recompute_granularity=full: layers per recompute group (uniform) or "
+                       f"recomputed layers per stage (block), 1 to {per_stage or 'the layers per stage'}")
+    elif granularity == "selective" and layers is not None:
+        check.fail(f"{where}.recompute_num_layers", layers, "must be unset with recompute_granularity=selective",
+                   [None])
+
+
 # The reference policy is built in the actor's processes, whose megatron parallel state (and its
 # RNG) is process-global: these fields of a set `ref.megatron` cannot differ from the actor's.
 def _model_section(config: JobConfig, megatron_prefix: str) -> tuple[str, Any]:
@@ -305,10 +418,14 @@ def _check_router_replay(check: _Checker, config: JobConfig, model: ModelShape |
     if isinstance(cp, int) and cp > 1:
         check.fail("actor_rollout_ref.actor.megatron.context_parallel_size", cp,
                    fail + "cannot replay under context parallelism yet (each CP rank routes only its columns)", [1])
-    if arr.model.enable_gradient_checkpointing:
-        check.fail("actor_rollout_ref.model.enable_gradient_checkpointing", True,
-                   fail + "cannot replay with activation recompute: the recomputed forward runs in the backward, "
-                   "outside the replayed forward, and would route afresh", [False])
+    recompute = arr.actor.megatron.override_transformer_config.get("recompute_granularity")
+    for field, value in (("actor_rollout_ref.model.enable_gradient_checkpointing",
+                          arr.model.enable_gradient_checkpointing),
+                         ("actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity",
+                          recompute)):
+        if value:
+            check.fail(field, value, fail + "cannot replay with activation recompute: the recomputed forward runs in "
+                       "the backward, outside the replayed forward, and would route afresh", [False])
     policy = DEVICE_POLICIES.get(config.trainer.device)
     if policy is not None and policy.vllm_honours_enforce_eager and arr.rollout.enforce_eager is not True:
         # the routing is recorded by a hook on vLLM's V1 runner, bound after the engine captured its CUDA

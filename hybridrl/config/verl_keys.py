@@ -81,6 +81,16 @@ VERL_KEYS: tuple[VerlKey, ...] = (
              "the penalty is always logged (reward/overlong_penalty_mean)"),
     Alias("reward_model.reward_kwargs.max_resp_len", "algorithm.overlong_buffer.max_response_length"),
     Alias("actor_rollout_ref.nccl_timeout", "trainer.nccl_timeout_s"),
+    Restates(f"{ROLE}.megatron.override_transformer_config.moe_router_dtype", ("fp32",),
+             "the router runs in fp32, as the HF model's does"),
+    Restates(f"{ROLE}.megatron.override_transformer_config.moe_grouped_gemm", (False,),
+             "hybridrl's weight tables lay experts out as megatron's SequentialMLP (one linear pair per expert)"),
+    # megatron TransformerConfig fields that are hybridrl layout fields of the role: read as those
+    *(Alias(f"{ROLE}.megatron.override_transformer_config.{name}", f"{ROLE}.megatron.{name}")
+      for name in ("sequence_parallel", "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+                   "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+                   "moe_token_dispatcher_type", "moe_expert_capacity_factor", "moe_token_drop_policy",
+                   "moe_pad_expert_input_to_capacity")),
     Alias("data.trust_remote_code", "actor_rollout_ref.model.trust_remote_code"),
     Alias("actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes",
           "actor_rollout_ref.rollout.update_weights_bucket_megabytes"),
@@ -99,24 +109,31 @@ VERL_KEYS: tuple[VerlKey, ...] = (
 )
 
 
-def _expand(key: str) -> Iterator[tuple[str, ...]]:
+def _expand(key: str, role: tuple[str, ...] | None) -> tuple[str, ...]:
     if key.startswith(ROLE):
-        for role in ROLE_PATHS:
-            yield (*role, *key[len(ROLE) + 1:].split("."))
-    else:
-        yield tuple(key.split("."))
+        assert role is not None, key
+        return (*role, *key[len(ROLE) + 1:].split("."))
+    return tuple(key.split("."))
 
 
-_BY_PATH: dict[tuple[str, ...], VerlKey] = {path: entry for entry in VERL_KEYS for path in _expand(entry.key)}
+def _paths(entry: VerlKey) -> Iterator[tuple[tuple[str, ...], tuple[str, ...] | None]]:
+    """Each dotted path `entry` covers, with its alias target for that path (a role's key, the same role's)."""
+    for role in ROLE_PATHS if entry.key.startswith(ROLE) else (None,):
+        target = _expand(entry.target, role) if isinstance(entry, Alias) else None
+        yield _expand(entry.key, role), target
 
 
-def verl_key(parts: tuple[str, ...]) -> tuple[VerlKey, tuple[str, ...]] | None:
+_BY_PATH: dict[tuple[str, ...], tuple[VerlKey, tuple[str, ...] | None]] = {
+    path: (entry, target) for entry in VERL_KEYS for path, target in _paths(entry)}
+
+
+def verl_key(parts: tuple[str, ...]) -> tuple[VerlKey, tuple[str, ...] | None] | None:
     """The entry for a dotted path (or for a section above it: a `Refused` section refuses all of its keys),
-    with the path it matched."""
+    with the path an `Alias` sets for it."""
     for depth in range(len(parts), 0, -1):
-        entry = _BY_PATH.get(parts[:depth])
-        if entry is not None and (depth == len(parts) or isinstance(entry, Refused)):
-            return entry, parts[:depth]
+        found = _BY_PATH.get(parts[:depth])
+        if found is not None and (depth == len(parts) or isinstance(found[0], Refused)):
+            return found
     return None
 
 

@@ -95,6 +95,7 @@ from torch.overrides import TorchFunctionMode
 
 from hybridrl.parallel.cpu_rope import cpu_fused_rope_installed
 from hybridrl.parallel.cpu_wgrad import cpu_wgrad_fusion_installed
+from hybridrl.parallel.device_policy import CPU_LAYER_TRANSFORMER_SETTINGS
 
 # lazy: hybridrl.parallel.strict_device imports this module at its top (it subclasses CudaToCpuMode),
 # so the two imports of strict_device below stay inside their functions.
@@ -102,15 +103,7 @@ from hybridrl.parallel.cpu_wgrad import cpu_wgrad_fusion_installed
 SUPPORTED_MEGATRON_PREFIX = "0.16."
 
 # ModelParallelConfig/TransformerConfig values that must hold on CPU (see module docstring).
-CPU_CONFIG_OVERRIDES: dict[str, Any] = {
-    "batch_p2p_sync": False,
-    "gradient_accumulation_fusion": False,
-    "apply_rope_fusion": False,
-    "bias_activation_fusion": False,
-    "masked_softmax_fusion": False,
-    "bias_dropout_fusion": False,
-    "persist_layer_norm": False,
-}
+CPU_CONFIG_OVERRIDES: dict[str, Any] = dict(CPU_LAYER_TRANSFORMER_SETTINGS)
 
 
 class UnsupportedMegatronVersion(RuntimeError):

@@ -15,6 +15,24 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+# megatron TransformerConfig settings the CPU layer runs with (`cpu_layer.CPU_CONFIG_OVERRIDES`): no fused CUDA
+# kernels exist there (where a stand-in fills a fused slot, the bridge installs it itself). Here, torch-free, so
+# the plan refuses a user's `override_transformer_config` that asks otherwise on cpu.
+CPU_LAYER_TRANSFORMER_SETTINGS: Mapping[str, object] = types.MappingProxyType({
+    "batch_p2p_sync": False,
+    "gradient_accumulation_fusion": False,
+    "apply_rope_fusion": False,
+    "bias_activation_fusion": False,
+    "masked_softmax_fusion": False,
+    "bias_dropout_fusion": False,
+    "persist_layer_norm": False,
+})
+# TransformerConfig settings that need CUDA kernels (TransformerEngine, DeepEP) beyond those: off on cpu.
+CUDA_KERNEL_TRANSFORMER_SETTINGS: Mapping[str, object] = types.MappingProxyType({
+    "moe_permute_fusion": False,
+    "moe_enable_deepep": False,
+})
+
 DeviceName = Literal["cuda", "cpu"]
 DistBackend = Literal["nccl", "gloo"]
 PackedAttention = Literal["cpu_stand_in", "transformer_engine"]

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
 
+from hybridrl.config.megatron_fields import TRANSFORMER_CONFIG_FIELDS
 from hybridrl.config.plan import Plan
 from hybridrl.config.resolve import needs_uniform_micro_batches
 from hybridrl.config.schema import MegatronConfig, OptimConfig
@@ -83,6 +84,20 @@ class RoleSpec:
     @property
     def trainable(self) -> bool:
         return self.optim is not None
+
+
+def megatron_settings(values: Mapping[str, Any]) -> dict[str, Any]:
+    """`override_transformer_config` as megatron's TransformerConfig takes it: an enum field's value (written by
+    name, e.g. attention_backend: flash) as that enum's member."""
+    from megatron.core.transformer import enums
+
+    settings = {}
+    for name, value in values.items():
+        enum_form = next((f for f in TRANSFORMER_CONFIG_FIELDS.get(name, ()) if f.startswith("enum:")), None)
+        if enum_form is not None and isinstance(value, str):
+            value = getattr(enums, enum_form.split(":")[1])[value]
+        settings[name] = value
+    return settings
 
 
 def role_spec(plan: Plan, role: Role | str) -> RoleSpec:
@@ -404,6 +419,8 @@ class MegatronBackend:
             overrides["moe_enable_routing_replay"] = True
         self.replay_mismatch = ReplayMismatch()  # filled by replayed forwards; callers reset and read it
         self.source = source
+        # the user's megatron settings (verl's override_transformer_config; the plan refused any of hybridrl's own)
+        overrides = {**megatron_settings(megatron.override_transformer_config), **overrides}
         chunks = build_gpt_models(source, ctx=self.ctx, dtype=self.dtype, config_overrides=overrides)
         if spec.value_head:
             # Seeded like the model so every rank (TP, PP, DP) builds the same initial head.
