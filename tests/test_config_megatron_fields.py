@@ -123,3 +123,33 @@ def test_recompute_set_twice_is_refused_and_full_recompute_is_in_the_memory_esti
         return max(m.activations_gib_in_flight for m in plan.training_memory if m.role == "actor")
 
     assert activations(recompute) == activations(switch) < activations(plain)
+
+
+OPTIMIZER = "actor_rollout_ref.actor.optim.override_optimizer_config"
+
+
+@pytest.mark.parametrize("override, rule", [
+    ("lr=0.1", "is set by hybridrl from the role's optim section"),
+    ("use_distributed_optimizer=false", "is set by hybridrl from the role's megatron.use_distributed_optimizer"),
+    ("optimizer_cpu_ofload=true", "is not a field of megatron-core 0.16.1's OptimizerConfig; did you mean "
+                                  "'optimizer_cpu_offload'?"),
+    ("optimizer_offload_fraction=all", "is not a value this field takes (float)"),
+])
+def test_a_bad_optimizer_override_is_refused_naming_it(override, rule):
+    with pytest.raises(ConfigError) as info:
+        plan_from_sources(SEED, [f"{OPTIMIZER}.{override}"])
+    (issue,) = [i for i in info.value.issues if i.field == f"{OPTIMIZER}.{override.split('=')[0]}"]
+    assert rule in issue.rule
+
+
+def test_megatrons_host_optimizer_on_cuda_only_and_with_hybridrls_offload_a_no_op():
+    verl = [f"{OPTIMIZER}.optimizer_cpu_offload=true", f"{OPTIMIZER}.optimizer_offload_fraction=1.0",
+            f"{OPTIMIZER}.overlap_cpu_optimizer_d2h_h2d=true",
+            "actor_rollout_ref.actor.megatron.optimizer_offload=true"]
+    plan = plan_from_sources(SEED, verl)  # verl's 235B/671B scripts set all four
+    assert plan.config.actor_rollout_ref.actor.optim.override_optimizer_config["optimizer_offload_fraction"] == 1.0
+    assert any("optimizer_offload=true has nothing to move" in w for w in plan.warnings)
+    with pytest.raises(ConfigError) as info:
+        plan_from_sources(SEED, ["trainer.device=cpu", *verl[:3]])
+    refused = sorted(i.field.rsplit(".", 1)[-1] for i in info.value.issues if "override_optimizer_config" in i.field)
+    assert refused == ["optimizer_cpu_offload", "overlap_cpu_optimizer_d2h_h2d"]

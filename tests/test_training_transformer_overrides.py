@@ -64,3 +64,27 @@ def test_megatron_recompute_from_the_config_recomputes_and_keeps_the_update(tmp_
         assert abs(getattr(recomputed["metrics"], name) - getattr(plain["metrics"], name)) <= TOL, name
     for name, value in plain["weights"].items():
         assert (recomputed["weights"][name] - value).abs().max() <= TOL, name
+
+
+def _optimizer_rank(rank: int, world: int, config: Any) -> Any:
+    from hybridrl.config.plan import build_plan
+    from hybridrl.training.backend import MegatronBackend, role_spec
+    from hybridrl.training.offload import inner_optimizers
+
+    backend = MegatronBackend(role_spec(build_plan(config), "actor"))
+    return [(type(inner).__name__, inner.defaults["weight_decay"]) for inner in inner_optimizers(backend.optimizer)]
+
+
+def test_megatron_optimizer_settings_from_the_config_reach_its_optimizer(tmp_path):
+    """verl's optim.override_optimizer_config: megatron builds Adam with L2 weight decay instead of AdamW when
+    decoupled_weight_decay is false (megatron's own choice of torch optimizer, read back)."""
+    hf = policy_model(tmp_path / "hf")
+    built = {}
+    for decoupled in (None, False):
+        config = job_config(hf, world=1, micro=4)
+        config.actor_rollout_ref.actor.optim.weight_decay = 0.1
+        if decoupled is not None:
+            config.actor_rollout_ref.actor.optim.override_optimizer_config = {"decoupled_weight_decay": decoupled}
+        (built[decoupled],) = run_ranks(_optimizer_rank, 1, config)
+    assert {name for name, _ in built[None]} == {"AdamW"} and {name for name, _ in built[False]} == {"Adam"}
+    assert all(decay in (0.0, 0.1) for _, decay in built[False])  # hybridrl's weight decay still applies

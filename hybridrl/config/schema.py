@@ -228,6 +228,10 @@ class OptimConfig:
     betas: list[float] = doc(factory=lambda: [0.9, 0.999], text="Adam betas")
     eps: float = doc(1e-8, "Adam epsilon")
     clip_grad: float = doc(1.0, "global gradient-norm clip; 0 disables")
+    override_optimizer_config: dict[str, Any] = doc(
+        factory=dict, text="megatron OptimizerConfig fields set as given (verl's key), e.g. optimizer_cpu_offload, "
+        "optimizer_offload_fraction (cuda); each name and value checked against megatron-core's OptimizerConfig; "
+        "fields hybridrl sets from this section, the dtype or the layout are refused")
 
 
 @dataclass

@@ -19,7 +19,11 @@ from hybridrl.algorithms.names import (
     GROUP_ADV_ESTIMATORS,
 )
 from hybridrl.config.errors import ConfigIssue
-from hybridrl.config.megatron_fields import MEGATRON_CORE_VERSION, TRANSFORMER_CONFIG_FIELDS
+from hybridrl.config.megatron_fields import (
+    MEGATRON_CORE_VERSION,
+    OPTIMIZER_CONFIG_FIELDS,
+    TRANSFORMER_CONFIG_FIELDS,
+)
 from hybridrl.config.resolve import (
     MODEL_SECTIONS,
     Resolved,
@@ -144,6 +148,7 @@ def validate(
     _check_moe_dispatch(check, config, model)
     _check_expert_tp_uses(check, config)
     _check_transformer_overrides(check, config, resolved, model)
+    _check_optimizer_overrides(check, config, resolved)
     if model is not None and model.is_moe and resolved.critic_enabled and not config.critic.model.path:
         # A value head on an MoE backbone (router losses, expert-parallel critic) is not built or tested.
         check.fail("critic.model.path", config.critic.model.path,
@@ -270,6 +275,49 @@ TRANSFORMER_FIELDS_SET_BY = {
         "params_dtype", "pipeline_dtype", "bf16", "fp16", "perform_initialization", "use_cpu_initialization",
         "variable_seq_lengths"),
 }
+
+
+# megatron OptimizerConfig fields hybridrl sets itself (the training backend): refused in override_optimizer_config.
+OPTIMIZER_FIELDS_SET_BY = {
+    "the role's optim section": ("optimizer", "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps",
+                                 "clip_grad"),
+    "the role's dtype": ("bf16", "fp16", "params_dtype"),
+    "the role's megatron.use_distributed_optimizer": ("use_distributed_optimizer",),
+}
+# OptimizerConfig settings that need CUDA (megatron's HybridDeviceOptimizer moves states between GPU and host;
+# the precision-aware optimizer is TransformerEngine's FusedAdam): off on cpu, where the states live on the host.
+CUDA_OPTIMIZER_SETTINGS = {"optimizer_cpu_offload": False, "overlap_cpu_optimizer_d2h_h2d": False,
+                           "use_precision_aware_optimizer": False, "pin_cpu_grads": True, "pin_cpu_params": True}
+
+
+def _check_optimizer_overrides(check: _Checker, config: JobConfig, resolved: Resolved) -> None:
+    """`optim.override_optimizer_config` (verl's key) of each trained role: names and values of megatron's
+    OptimizerConfig, none that hybridrl sets, no CUDA-only setting on cpu, and one way of offloading states."""
+    set_by = {name: source for source, names in OPTIMIZER_FIELDS_SET_BY.items() for name in names}
+    cpu = resolved.device == "cpu"
+    for prefix, optim, megatron in (("actor_rollout_ref.actor", config.actor_rollout_ref.actor.optim,
+                                     config.actor_rollout_ref.actor.megatron),
+                                    ("critic", config.critic.optim, config.critic.megatron)):
+        where = f"{prefix}.optim.override_optimizer_config"
+        for name, value in optim.override_optimizer_config.items():
+            field = f"{where}.{name}"
+            forms = OPTIMIZER_CONFIG_FIELDS.get(name)
+            if forms is None:
+                close = difflib.get_close_matches(name, list(OPTIMIZER_CONFIG_FIELDS), n=1)
+                hint = f"; did you mean '{close[0]}'?" if close else ""
+                check.fail(field, value, f"is not a field of megatron-core {MEGATRON_CORE_VERSION}'s OptimizerConfig"
+                                         f"{hint}")
+            elif name in set_by:
+                check.fail(field, value, f"is set by hybridrl from {set_by[name]}")
+            elif not _takes_form(value, forms):
+                check.fail(field, value, f"is not a value this field takes ({', '.join(forms)})")
+            elif cpu and name in CUDA_OPTIMIZER_SETTINGS and value != CUDA_OPTIMIZER_SETTINGS[name]:
+                check.fail(field, value, "needs CUDA: on trainer.device=cpu the optimizer states live on the host",
+                           [CUDA_OPTIMIZER_SETTINGS[name]])
+        if optim.override_optimizer_config.get("optimizer_cpu_offload") and megatron.optimizer_offload:
+            check.warnings.append(f"{prefix}.megatron.optimizer_offload=true has nothing to move: with "
+                                  f"{where}.optimizer_cpu_offload=true megatron keeps the optimizer states on the "
+                                  "host and steps there (verl's scripts set both)")
 
 
 def _check_transformer_overrides(check: _Checker, config: JobConfig, resolved: Resolved,

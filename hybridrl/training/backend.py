@@ -443,7 +443,10 @@ class MegatronBackend:
                     "the update (and are views into DDP's buffers with the distributed optimizer). "
                     "Use optimizer_offload and grad_offload to free its training state between phases.")
             self.models = self._wrap_for_training(chunks)
-            if spec.megatron.optimizer_offload:
+            # megatron's own host optimizer (optimizer_cpu_offload) keeps the states on the host already
+            settings = spec.optim.override_optimizer_config if spec.optim is not None else {}
+            host_optimizer = bool(settings.get("optimizer_cpu_offload"))
+            if spec.megatron.optimizer_offload and not host_optimizer:
                 self.optimizer_offload = OptimizerStateOffload(self.optimizer, store="cpu")
             self.schedule = LRSchedule.from_config(spec.optim, total_optimizer_steps)
         else:
@@ -544,6 +547,8 @@ class MegatronBackend:
             clip_grad=optim.clip_grad if optim.clip_grad > 0 else NO_CLIP,
             bf16=self.dtype == torch.bfloat16, fp16=self.dtype == torch.float16, params_dtype=self.dtype,
             use_distributed_optimizer=distributed,
+            # the user's megatron optimizer settings (verl's override_optimizer_config; the plan refused hybridrl's own)
+            **optim.override_optimizer_config,
         )
         self.optimizer = get_megatron_optimizer(opt_config, models)
         fuse_torch_adam(self.optimizer)
