@@ -153,3 +153,31 @@ def test_megatrons_host_optimizer_on_cuda_only_and_with_hybridrls_offload_a_no_o
         plan_from_sources(SEED, ["trainer.device=cpu", *verl[:3]])
     refused = sorted(i.field.rsplit(".", 1)[-1] for i in info.value.issues if "override_optimizer_config" in i.field)
     assert refused == ["optimizer_cpu_offload", "overlap_cpu_optimizer_d2h_h2d"]
+
+
+@pytest.mark.parametrize("pp, embedding, loss", [(2, True, True), (13, True, True), (5, True, False),
+                                                  (5, False, True)])
+def test_megatrons_split_flags_give_megatrons_layer_counts(pp, embedding, loss):
+    """account_for_embedding/loss_in_pipeline_split (verl's 235B script sets both) are read as hybridrl's uneven
+    split: each stage's decoder layers equal megatron's own get_num_layers_to_build with the flags (24 layers)."""
+    import torch
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    from hybridrl.models.layout import ParallelLayout
+
+    flags = [f"{OVERRIDES}.account_for_embedding_in_pipeline_split={str(embedding).lower()}",
+             f"{OVERRIDES}.account_for_loss_in_pipeline_split={str(loss).lower()}"]
+    layout = [f"actor_rollout_ref.actor.megatron.pipeline_model_parallel_size={pp}", f"trainer.n_gpus_per_node={pp}",
+              "actor_rollout_ref.rollout.tensor_model_parallel_size=1", f"data.train_batch_size={2 * pp}",
+              f"actor_rollout_ref.actor.ppo_mini_batch_size={2 * pp}"]
+    plan = plan_from_sources(SEED, [*layout, *flags])
+    megatron = plan.layout("actor").megatron
+    ours = ParallelLayout(pp=pp, first_stage_layers=megatron.num_layers_in_first_pipeline_stage,
+                          last_stage_layers=megatron.num_layers_in_last_pipeline_stage).stage_layers(24)
+    reference = TransformerConfig(num_layers=24, hidden_size=64, num_attention_heads=4, pipeline_model_parallel_size=pp,
+                                  account_for_embedding_in_pipeline_split=embedding,
+                                  account_for_loss_in_pipeline_split=loss, pipeline_dtype=torch.float32)
+    assert ours == tuple(get_num_layers_to_build(reference, pp_rank=r) for r in range(pp))
+    assert not set(megatron.override_transformer_config) & {"account_for_embedding_in_pipeline_split",
+                                                            "account_for_loss_in_pipeline_split"}

@@ -257,7 +257,7 @@ def test_custom_reward_dynamic_sampling_validation_and_old_log_prob_pass(demo_as
         demo_assets, run, f"trainer.total_training_steps={steps}", "trainer.test_freq=2",
         "trainer.val_before_train=true", f"trainer.rollout_data_dir={run / 'rollouts'}",
         f"algorithm.custom_reward_function.path={reward_file}", "algorithm.filter_groups.enable=true",
-        "actor_rollout_ref.actor.old_log_prob=recompute"))
+        "actor_rollout_ref.actor.old_log_prob=recompute", "trainer.log_val_generations=3"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     rows = {r["step"]: r for r in _metrics(run)}
     assert sorted(rows) == [0, 1, 2, 3]
@@ -283,6 +283,14 @@ def test_custom_reward_dynamic_sampling_validation_and_old_log_prob_pass(demo_as
     spec = importlib.util.spec_from_file_location("my_reward", reward_file)
     my_reward = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(my_reward)
+    # trainer.log_val_generations (verl's key): the first 3 samples of each validation, as the file scored them
+    shown = [json.loads(line) for line in (run / "val_generations.jsonl").read_text().splitlines()]
+    assert [g["step"] for g in shown] == [0, 0, 0, 2, 2, 2, 3, 3, 3]
+    for k, generation in enumerate(shown):
+        assert generation["score"] == pytest.approx(val_scores[16 * (k // 3) + k % 3], abs=1e-12)
+        assert generation["score"] == pytest.approx(my_reward.score_of(generation["response"],
+                                                                       generation["ground_truth"]), abs=1e-12)
+        assert generation["prompt"].startswith("repeat: ")
     for step in range(1, steps + 1):
         row, samples = rows[step], _rollouts(run, step)
         # the logged reward is what the file computes, sample by sample and as the step's mean

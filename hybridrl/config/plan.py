@@ -55,7 +55,7 @@ from hybridrl.config.resolve import (
     role_megatron_field,
 )
 from hybridrl.config.schema import JobConfig, MegatronConfig
-from hybridrl.config.validate import validate
+from hybridrl.config.validate import MEGATRON_SPLIT_FLAGS, megatron_sections, validate
 from hybridrl.models.arch import ModelShape, UnsupportedModelError, read_hf_config, value_model_hf_config
 from hybridrl.names import Role
 from hybridrl.parallel.device_policy import DevicePolicy
@@ -288,6 +288,33 @@ def plan_from_sources(path: str | Path | None, overrides: list[str] | tuple[str,
     return build_plan(config, prior_issues=issues, check_files=check_files)
 
 
+def megatron_pipeline_split(config: JobConfig, num_layers: int) -> None:
+    """megatron's `account_for_embedding/loss_in_pipeline_split` (in `override_transformer_config`, verl's scripts
+    set them) as the split hybridrl lays out: the embedding and the loss count as one layer each, every stage takes
+    (layers + flags) / PP, so the first and last stage hold one decoder layer fewer — megatron's own
+    `get_num_layers_to_build` gives the same counts. In place, on the plan's own config; left for validation to
+    refuse where it does not apply (VPP, where megatron drops the layer from the first chunk only; an uneven
+    split also set; a sum PP does not divide)."""
+    for _, mc in megatron_sections(config):
+        flags = {name: bool(mc.override_transformer_config.get(name)) for name in MEGATRON_SPLIT_FLAGS}
+        pp = mc.pipeline_model_parallel_size
+        if not any(flags.values()) or not isinstance(pp, int) or pp < 2 or (mc.virtual_pipeline_model_parallel_size
+                                                                            or 1) > 1:
+            continue
+        if mc.num_layers_in_first_pipeline_stage is not None or mc.num_layers_in_last_pipeline_stage is not None:
+            continue
+        counted = num_layers + sum(flags.values())
+        if counted % pp:
+            continue
+        per_stage = counted // pp
+        if flags["account_for_embedding_in_pipeline_split"]:
+            mc.num_layers_in_first_pipeline_stage = per_stage - 1
+        if flags["account_for_loss_in_pipeline_split"]:
+            mc.num_layers_in_last_pipeline_stage = per_stage - 1
+        mc.override_transformer_config = {k: v for k, v in mc.override_transformer_config.items()
+                                          if k not in MEGATRON_SPLIT_FLAGS}
+
+
 def _refused_names(issues: list[ConfigIssue] | tuple[ConfigIssue, ...]) -> frozenset[str]:
     """The field names the loader refused a value for (or that an unknown key was meant to be): such a field
     holds its default, so a rule that reads it would judge a value the user never wrote."""
@@ -328,6 +355,8 @@ def build_plan(config: JobConfig, prior_issues: list[ConfigIssue] | tuple[Config
     resolve_hub_ids(config, warnings)
     model = load_model_shape(config.actor_rollout_ref.model.path, issues, warnings, "actor_rollout_ref.model.path",
                              quiet=check_files)
+    if model is not None:
+        megatron_pipeline_split(config, model.num_layers)
     resolved = resolve(config, model)
     validated = len(issues)
     validate(config, resolved, model, issues, warnings)

@@ -497,6 +497,9 @@ class TrainerConfig:
     save_freq: int = doc(-1, "checkpoint every N steps and at the last; -1 = never")
     test_freq: int = doc(-1, "validate every N steps and after the last; -1 = never")
     val_before_train: bool = doc(False, "validate once before the first step")
+    log_val_generations: int = doc(
+        0, "at each validation, write this many samples (prompt, response, ground truth, score) to "
+           "<run dir>/val_generations.jsonl (verl's key); 0 = none")
     default_local_dir: str = doc("checkpoints", "checkpoint root folder (…/<project>/<experiment>/global_step_N)")
     run_dir: str | None = doc(None, "logs, metrics.jsonl, TensorBoard, plot; None = runs/<project>/<experiment>")
     rollout_data_dir: str | None = doc(

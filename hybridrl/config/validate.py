@@ -178,6 +178,7 @@ def _check_trainer(check: _Checker, config: JobConfig) -> bool:
         check.is_int_at_least("trainer.torch_threads_per_rank", t.torch_threads_per_rank, 1)
     check.is_int_at_least("trainer.max_consecutive_nonfinite_steps", t.max_consecutive_nonfinite_steps, 0)
     check.is_int_at_least("trainer.max_restarts", t.max_restarts, 0)
+    check.is_int_at_least("trainer.log_val_generations", t.log_val_generations, 0)
     check.in_range("trainer.restart_wait_s", t.restart_wait_s, 0, 7 * 86400, low_open=True)
     check.in_range("trainer.gpu_memory_gib", t.gpu_memory_gib, 0, 1e6, low_open=True)
     # a week: anything longer is a unit mistake (minutes or ms), not a wait anyone wants
@@ -258,6 +259,7 @@ def megatron_sections(config: JobConfig) -> list[tuple[str, MegatronConfig]]:
             ("reward_model.megatron", config.reward_model.megatron)]
 
 
+MEGATRON_SPLIT_FLAGS = ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
 # megatron TransformerConfig fields hybridrl sets itself (`models.bridge.transformer_config`, the training
 # backend): an `override_transformer_config` of one is refused, naming where its value comes from.
 TRANSFORMER_FIELDS_SET_BY = {
@@ -269,8 +271,11 @@ TRANSFORMER_FIELDS_SET_BY = {
     "the role's megatron layout (hybridrl splits the layers itself)": (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
         "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",
-        "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
         "pipeline_model_parallel_layout"),
+    # read as num_layers_in_first/last_pipeline_stage where they give the same split (plan.megatron_pipeline_split);
+    # still here they did not: PP 1, VPP, an uneven split set too, a layer count PP does not divide, no config.json
+    "the role's megatron layout (as num_layers_in_first/last_pipeline_stage only at PP > 1 without VPP, neither set, "
+    "and PP dividing the layers plus one for each flag)": MEGATRON_SPLIT_FLAGS,
     "the role's dtype and device": (
         "params_dtype", "pipeline_dtype", "bf16", "fp16", "perform_initialization", "use_cpu_initialization",
         "variable_seq_lengths"),
@@ -340,7 +345,7 @@ def _check_transformer_overrides(check: _Checker, config: JobConfig, resolved: R
                 hint = f"; did you mean '{close[0]}'?" if close else ""
                 check.fail(field, value, f"is not a field of megatron-core {MEGATRON_CORE_VERSION}'s "
                                          f"TransformerConfig{hint}")
-            elif name in set_by:
+            elif name in set_by and not (name in MEGATRON_SPLIT_FLAGS and value is False):  # False: megatron's default
                 check.fail(field, value, f"is set by hybridrl from {set_by[name]}")
             elif not _takes_form(value, forms):
                 check.fail(field, value, f"is not a value this field takes ({', '.join(forms)})")

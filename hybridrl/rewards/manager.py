@@ -33,6 +33,7 @@ class RewardOutput:
     metrics: dict[str, float]
     details: list[Mapping[str, Any]] = field(default_factory=list)
     fallback_rows: list[int] = field(default_factory=list)
+    responses: list[str] = field(default_factory=list)  # the decoded texts scored (score_batch)
 
 
 def _as_score_result(value: Any) -> ScoreResult | str:
@@ -177,6 +178,7 @@ class RewardManager:
         ]
         ground_truths = [_plain(value) for value in batch["ground_truth"]]
         output = self.score(texts, ground_truths, extras)
+        output.responses = texts
         rewards = token_level_rewards(output.scores, response_mask)
         output.metrics["reward/empty_responses"] = float((response_mask.sum(dim=-1) == 0).sum().item())
         return rewards, output

@@ -11,6 +11,7 @@ Every phase is timed; metrics of the step go to the tracker; checkpoints at `sav
 """
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -67,6 +68,7 @@ from hybridrl.workers.ray_roles import CriticWorker, RewardModelWorker
 from hybridrl.workers.rollout_worker import RolloutWorker
 
 PAD_UID_PREFIX = "__pad__"
+VAL_GENERATIONS = "val_generations.jsonl"  # trainer.log_val_generations writes here, in the run dir
 
 
 class TrainingFailure(RuntimeError):
@@ -606,19 +608,33 @@ class Trainer:
         turn_parts: list[dict[str, float]] = []  # multi-turn: how the validation conversations went
         samples: list[int] = []
         self.phase = Phase.VALIDATE
+        shown: list[dict[str, Any]] = []  # trainer.log_val_generations: the first samples, as scored
         for prompts in self.val_loader:
             batch = self.generate(prompts, self._sampling(validation=True))
             _, output = self.reward.score_batch(batch, self.tokenizer)
+            shown.extend(self._generations(batch, output, self.config.trainer.log_val_generations - len(shown)))
             scores.extend(output.scores)
             generated = batch.meta.get("metrics") or {}
             turn_parts.append({k: v for k, v in generated.items()
                                if k.startswith("multi_turn/") and k.endswith("_mean")})
             samples.append(len(batch))
         metrics = {"val/score/mean": float(np.mean(scores)) if scores else math.nan}
+        if shown:
+            with (self.run_dir / VAL_GENERATIONS).open("a", encoding="utf-8") as out:  # one JSON line per sample
+                out.writelines(json.dumps(row, ensure_ascii=False, default=str) + "\n" for row in shown)
         if any(turn_parts):
             merged = merge_part_metrics(turn_parts, samples)
             metrics.update({f"val/{k}": v for k, v in merged.items()})
         return metrics
+
+    def _generations(self, batch: Batch, output: Any, count: int) -> list[dict[str, Any]]:
+        """Up to `count` of a validation batch's samples as rows of val_generations.jsonl."""
+        rows = []
+        for i in range(min(max(count, 0), len(output.responses))):
+            prompt = batch.non_tensors["raw_prompt"][i] if "raw_prompt" in batch.non_tensors else None
+            rows.append({"step": self.global_step, "prompt": prompt, "response": output.responses[i],
+                         "ground_truth": batch["ground_truth"][i], "score": output.scores[i]})
+        return rows
 
     # ------------------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
