@@ -241,3 +241,22 @@ def test_hub_id_and_chat_template_detection(tmp_path):
     assert not has_chat_template(tmp_path)
     (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
     assert has_chat_template(tmp_path)
+
+
+def test_auto_scoring_plans_a_mixed_gsm8k_and_math_job_and_refuses_an_unknown_source(demo_assets, tmp_path):
+    """verl's GSM8K + MATH parquet files under the default reward_fn=auto: every data_source is checked to name a
+    scorer (parquet: that whole column is read), an unknown one refused naming the file."""
+    def rows(source: str, count: int) -> list[dict]:
+        return [{**row, "data_source": source} for row in _rows(count)]
+
+    gsm8k = write_rows(rows("openai/gsm8k", 8), tmp_path / "gsm8k.parquet")
+    math = write_rows([*rows("DigitalLearningGmbH/MATH-lighteval", 7), *rows("aime24", 1)], tmp_path / "math.parquet")
+    base = [*demo_overrides(demo_assets, tmp_path), "algorithm.reward_fn=auto", f"data.val_files=[{gsm8k}]"]
+    assert _hybridrl("plan", CONFIG, *base, f"data.train_files=[{gsm8k}]").returncode == 0
+    refused = _hybridrl("plan", CONFIG, *base, f"data.train_files=[{gsm8k},{math}]")
+    assert refused.returncode == 2
+    assert f"algorithm.reward_fn=auto finds no scorer for data_source 'aime24' of {math}" in refused.stderr
+    assert refused.stderr.count("finds no scorer") == 1  # the MATH and GSM8K sources are known
+    bare = write_rows([{k: v for k, v in row.items() if k != "data_source"} for row in _rows(8)], tmp_path / "b.jsonl")
+    no_column = _hybridrl("plan", CONFIG, *base, f"data.train_files=[{bare}]")
+    assert no_column.returncode == 2 and "scores each row by its data_source column, which" in no_column.stderr

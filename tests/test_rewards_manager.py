@@ -173,3 +173,25 @@ def test_scorer_protocol_results_pass_through() -> None:
     manager = RewardManager(lambda r, g, e: ScoreResult(0.75, True, {"why": "test"}), "inline")
     output = manager.score(["x"], [None])
     assert (output.scores, output.accs, output.details) == ([0.75], [True], [{"why": "test"}])
+
+
+def test_auto_scores_each_row_by_its_data_source_as_verls_default_reward():
+    """verl's GSM8K + MATH jobs: algorithm.reward_fn=auto (the default) scores each row with the scorer its
+    data_source names; one scorer for all (the old default, gsm8k) gets the MATH rows wrong."""
+    from hybridrl.rewards.registry import UnknownScorerError, get_scorer
+
+    responses = ["so 42.\n#### 42", "The answer is \\boxed{\\frac{1}{2}}", "#### 7", "\\boxed{3}"]
+    truths = ["42", "\\frac{1}{2}", "8", "3"]
+    sources = ["openai/gsm8k", "DigitalLearningGmbH/MATH-lighteval", "openai/gsm8k", "lighteval/MATH"]
+    extras = [{"data_source": s} for s in sources]
+    manager = RewardManager.from_config(AlgorithmConfig())
+    assert AlgorithmConfig().reward_fn == "auto"
+    output = manager.score(responses, truths, extras)
+    expected = [get_scorer("gsm8k" if s == "openai/gsm8k" else "math")(r, t, e).score
+                for r, t, s, e in zip(responses, truths, sources, extras)]
+    assert output.scores == expected == [1.0, 1.0, 0.0, 1.0]
+    one_for_all = RewardManager.from_name("gsm8k").score(responses, truths, extras).scores
+    assert one_for_all != expected  # the MATH rows' boxed answers
+    with pytest.raises(RewardFunctionError, match="no scorer for data_source 'aime24'") as info:
+        manager.score(["x"], ["1"], [{"data_source": "aime24"}])
+    assert isinstance(info.value.__cause__, UnknownScorerError)

@@ -26,6 +26,8 @@ from pathlib import Path
 
 from hybridrl.config.errors import ConfigIssue
 from hybridrl.config.schema import DataConfig, JobConfig, ModelConfig
+from hybridrl.data.dataset import FilePreview
+from hybridrl.rewards.registry import AUTO
 
 # A Hugging Face hub id: "name" or "org/name" of letters, digits, - _ . (no path separators beyond one "/").
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
@@ -171,7 +173,9 @@ def _check_data(config: JobConfig, issues: list[ConfigIssue], chat_template: boo
                                 ("data.val_files", data.val_files, None)):
         # the reward column: training scores it unless a reward model does; validation always does
         needs_reward = _reads_ground_truth(config) and (field == "data.val_files" or not config.reward_model.enable)
-        rows = _check_files(field, files, data, issues, chat_template, needs_reward)
+        auto = config.algorithm.reward_fn == AUTO and not config.algorithm.custom_reward_function.path and (
+            field == "data.val_files" or not config.reward_model.enable)
+        rows = _check_files(field, files, data, issues, chat_template, needs_reward, auto)
         if rows is None:
             continue
         if batch is not None and isinstance(batch, int) and rows < batch:
@@ -180,8 +184,25 @@ def _check_data(config: JobConfig, issues: list[ConfigIssue], chat_template: boo
                                       f"at most {rows}, or add data"))
 
 
+def _check_data_sources(file: str, preview: FilePreview, issues: list[ConfigIssue]) -> None:
+    """algorithm.reward_fn=auto scores each row by its data_source: every value seen must name a scorer."""
+    from hybridrl.rewards.registry import available_scorers, scorer_aliases, scorer_for_data_source
+
+    known = ", ".join(sorted([*available_scorers(), *scorer_aliases()]))
+    if "data_source" not in preview.columns:
+        issues.append(ConfigIssue("algorithm.reward_fn", AUTO, f"scores each row by its data_source column, which "
+                                                                f"{file} lacks; name one scorer for every row "
+                                                                f"({known})"))
+        return
+    for source in sorted(preview.data_sources):
+        if scorer_for_data_source(source) is None:
+            issues.append(ConfigIssue("algorithm.reward_fn", AUTO, f"finds no scorer for data_source {source!r} of "
+                                                                      f"{file}; name one scorer for every row, or "
+                                                                      f"register one for it (known: {known})"))
+
+
 def _check_files(field: str, files: Sequence[str], data: DataConfig, issues: list[ConfigIssue],
-                 chat_template: bool | None, needs_reward: bool) -> int | None:
+                 chat_template: bool | None, needs_reward: bool, by_data_source: bool) -> int | None:
     """Each file of one list checked; the rows of all of them, or None when any is unusable."""
     from hybridrl.data.dataset import DatasetError, preview_file
 
@@ -212,6 +233,8 @@ def _check_files(field: str, files: Sequence[str], data: DataConfig, issues: lis
                 issues.append(ConfigIssue(key_field, column, f"is not a column of {file}; {hint}its columns: "
                                                              f"{', '.join(preview.columns) or 'none'}"))
                 usable = False
+        if by_data_source:
+            _check_data_sources(file, preview, issues)
         if preview.prompt_kind == "messages":
             if data.apply_chat_template is False:
                 issues.append(ConfigIssue("data.apply_chat_template", False,

@@ -482,7 +482,10 @@ class AlgorithmConfig:
     overlong_buffer: OverlongBufferConfig = doc(factory=OverlongBufferConfig, text="DAPO overlong penalty")
     rollout_correction: RolloutCorrectionConfig = doc(
         factory=RolloutCorrectionConfig, text="rollout/trainer mismatch correction of the policy loss (TIS, MIS)")
-    reward_fn: str = doc("gsm8k", "rule-based scorer name from the rewards registry")
+    reward_fn: str = doc(
+        "auto", "rule-based scorer: auto = each row's by its data_source column, as verl's default reward does "
+                "(openai/gsm8k -> gsm8k, lighteval/MATH and DigitalLearningGmbH/MATH-lighteval -> math, the demos' "
+                "hybridrl/*), so one job mixes datasets; or one scorer name from the rewards registry for every row")
     custom_reward_function: CustomRewardConfig = doc(factory=CustomRewardConfig, text="user reward code")
 
 

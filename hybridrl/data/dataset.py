@@ -184,6 +184,8 @@ class FilePreview:
     rows: int
     columns: tuple[str, ...]
     prompt_kind: str | None  # "text", "messages", or None (the prompt column is absent or unrecognised)
+    # the data_source values seen: every row's for parquet (that one column read), the previewed lines' for JSONL
+    data_sources: frozenset[str] = frozenset()
 
 
 _PREVIEW_LINES = 64  # JSONL lines parsed for the columns and the prompt's kind
@@ -217,7 +219,11 @@ def preview_file(path: str | Path, prompt_key: str) -> FilePreview:
                 kind = "text"
             elif pa.types.is_list(prompt_type) or pa.types.is_large_list(prompt_type):
                 kind = "messages"
-        return FilePreview(str(path), parquet.metadata.num_rows, tuple(schema.names), kind)
+        sources: frozenset[str] = frozenset()
+        if "data_source" in schema.names:
+            column = parquet.read(columns=["data_source"]).column("data_source")
+            sources = frozenset(str(v) for v in column.unique().to_pylist() if v is not None)
+        return FilePreview(str(path), parquet.metadata.num_rows, tuple(schema.names), kind, sources)
     if suffix in JSONL_SUFFIXES:
         import json
 
@@ -229,6 +235,7 @@ def preview_file(path: str | Path, prompt_key: str) -> FilePreview:
             raise DatasetError(f"{path}: the file is one JSON array; hybridrl reads JSON lines (one object per line)")
         lines = [line for line in data.splitlines() if line.strip()]
         columns: dict[str, None] = {}
+        seen: set[str] = set()
         kind = None
         for line in lines[:_PREVIEW_LINES]:
             try:
@@ -238,10 +245,12 @@ def preview_file(path: str | Path, prompt_key: str) -> FilePreview:
             if not isinstance(row, dict):
                 continue
             columns.update(dict.fromkeys(row))
+            if row.get("data_source") is not None:
+                seen.add(str(row["data_source"]))
             if kind is None and row.get(prompt_key) is not None:
                 prompt = row[prompt_key]
                 kind = "text" if isinstance(prompt, str) else "messages" if isinstance(prompt, list) else None
-        return FilePreview(str(path), len(lines), tuple(columns), kind)
+        return FilePreview(str(path), len(lines), tuple(columns), kind, frozenset(seen))
     raise DatasetError(
         f"{path}: unsupported file type {suffix!r}; use parquet ({', '.join(PARQUET_SUFFIXES)}) "
         f"or JSON lines ({', '.join(JSONL_SUFFIXES)})"

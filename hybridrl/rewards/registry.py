@@ -93,12 +93,36 @@ def scorer_aliases() -> dict[str, str]:
     return dict(_ALIASES)
 
 
+AUTO = "auto"  # algorithm.reward_fn: each row's scorer by its data_source (verl's default_compute_score)
+
+
+def scorer_for_data_source(data_source: str) -> str | None:
+    """The registered scorer a row's `data_source` names (its name or an alias: openai/gsm8k -> gsm8k), or None."""
+    _load_builtins()
+    name = _ALIASES.get(data_source, data_source)
+    return name if name in _SCORERS else None
+
+
+def by_data_source(response: str, ground_truth: Any, extra: Mapping[str, Any]) -> ScoreResult:
+    """`algorithm.reward_fn: auto`: the row is scored by the scorer its `data_source` names, so one job mixes
+    GSM8K and MATH files as verl's default reward does."""
+    source = str(extra.get("data_source"))
+    name = scorer_for_data_source(source)
+    if name is None:
+        raise UnknownScorerError(
+            f"no scorer for data_source {source!r} (algorithm.reward_fn=auto picks each row's by it); known: "
+            f"{', '.join(sorted([*_SCORERS, *_ALIASES]))}; name one with algorithm.reward_fn")
+    return _SCORERS[name](response, ground_truth, extra)
+
+
 def get_scorer(name: str, **options: Any) -> Callable[[str, Any, Mapping[str, Any]], ScoreResult]:
     """The scorer registered as `name` (or an alias), with keyword `options` bound.
 
     Unknown names and options fail here, at start-up, not at the first reward computation.
     """
     _load_builtins()
+    if name == AUTO and not options:
+        return by_data_source
     canonical = _ALIASES.get(name, name)
     if canonical not in _SCORERS:
         known = sorted([*_SCORERS, *_ALIASES])
