@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import math
 import typing
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -295,6 +295,27 @@ CUDA_OPTIMIZER_SETTINGS = {"optimizer_cpu_offload": False, "overlap_cpu_optimize
                            "use_precision_aware_optimizer": False, "pin_cpu_grads": True, "pin_cpu_params": True}
 
 
+def _check_megatron_settings(check: _Checker, where: str, settings: dict[str, Any], class_name: str,
+                             fields: dict[str, tuple[str, ...]], set_by: dict[str, str],
+                             device_settings: Mapping[str, object], device_rule: str) -> None:
+    """One megatron config dataclass's user settings (`where`.<name>): each a field of `class_name` (`fields`,
+    generated from megatron-core), not one hybridrl sets (`set_by`: name -> where from), of a value its type
+    takes, and on this device the value `device_settings` holds where it holds one."""
+    for name, value in settings.items():
+        field = f"{where}.{name}"
+        forms = fields.get(name)
+        if forms is None:
+            close = difflib.get_close_matches(name, list(fields), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            check.fail(field, value, f"is not a field of megatron-core {MEGATRON_CORE_VERSION}'s {class_name}{hint}")
+        elif name in set_by:
+            check.fail(field, value, f"is set by hybridrl from {set_by[name]}")
+        elif not _takes_form(value, forms):
+            check.fail(field, value, f"is not a value this field takes ({', '.join(forms)})")
+        elif name in device_settings and value != device_settings[name]:
+            check.fail(field, value, device_rule, [device_settings[name]])
+
+
 def _check_optimizer_overrides(check: _Checker, config: JobConfig, resolved: Resolved) -> None:
     """`optim.override_optimizer_config` (verl's key) of each trained role: names and values of megatron's
     OptimizerConfig, none that hybridrl sets, no CUDA-only setting on cpu, and one way of offloading states."""
@@ -304,21 +325,9 @@ def _check_optimizer_overrides(check: _Checker, config: JobConfig, resolved: Res
                                      config.actor_rollout_ref.actor.megatron),
                                     ("critic", config.critic.optim, config.critic.megatron)):
         where = f"{prefix}.optim.override_optimizer_config"
-        for name, value in optim.override_optimizer_config.items():
-            field = f"{where}.{name}"
-            forms = OPTIMIZER_CONFIG_FIELDS.get(name)
-            if forms is None:
-                close = difflib.get_close_matches(name, list(OPTIMIZER_CONFIG_FIELDS), n=1)
-                hint = f"; did you mean '{close[0]}'?" if close else ""
-                check.fail(field, value, f"is not a field of megatron-core {MEGATRON_CORE_VERSION}'s OptimizerConfig"
-                                         f"{hint}")
-            elif name in set_by:
-                check.fail(field, value, f"is set by hybridrl from {set_by[name]}")
-            elif not _takes_form(value, forms):
-                check.fail(field, value, f"is not a value this field takes ({', '.join(forms)})")
-            elif cpu and name in CUDA_OPTIMIZER_SETTINGS and value != CUDA_OPTIMIZER_SETTINGS[name]:
-                check.fail(field, value, "needs CUDA: on trainer.device=cpu the optimizer states live on the host",
-                           [CUDA_OPTIMIZER_SETTINGS[name]])
+        _check_megatron_settings(check, where, optim.override_optimizer_config, "OptimizerConfig",
+                                 OPTIMIZER_CONFIG_FIELDS, set_by, CUDA_OPTIMIZER_SETTINGS if cpu else {},
+                                 "needs CUDA: on trainer.device=cpu the optimizer states live on the host")
         if optim.override_optimizer_config.get("optimizer_cpu_offload") and megatron.optimizer_offload:
             check.warnings.append(f"{prefix}.megatron.optimizer_offload=true has nothing to move: with "
                                   f"{where}.optimizer_cpu_offload=true megatron keeps the optimizer states on the "
@@ -333,28 +342,18 @@ def _check_transformer_overrides(check: _Checker, config: JobConfig, resolved: R
     equal to megatron's own)."""
     set_by = {name: source for source, names in TRANSFORMER_FIELDS_SET_BY.items() for name in names}
     cpu = resolved.device == "cpu"
-    device_settings = {**CPU_LAYER_TRANSFORMER_SETTINGS, **CUDA_KERNEL_TRANSFORMER_SETTINGS} if cpu else {}
+    # on cpu: no fused CUDA kernels, and the CPU layer's own attention (megatron's auto backend) serves every pass
+    device_settings = {**CPU_LAYER_TRANSFORMER_SETTINGS, **CUDA_KERNEL_TRANSFORMER_SETTINGS,
+                       "attention_backend": "auto"} if cpu else {}
     for prefix, mc in megatron_sections(config):
         overrides = mc.override_transformer_config
         where = f"{prefix}.override_transformer_config"
-        for name, value in overrides.items():
-            field = f"{where}.{name}"
-            forms = TRANSFORMER_CONFIG_FIELDS.get(name)
-            if forms is None:
-                close = difflib.get_close_matches(name, list(TRANSFORMER_CONFIG_FIELDS), n=1)
-                hint = f"; did you mean '{close[0]}'?" if close else ""
-                check.fail(field, value, f"is not a field of megatron-core {MEGATRON_CORE_VERSION}'s "
-                                         f"TransformerConfig{hint}")
-            elif name in set_by and not (name in MEGATRON_SPLIT_FLAGS and value is False):  # False: megatron's default
-                check.fail(field, value, f"is set by hybridrl from {set_by[name]}")
-            elif not _takes_form(value, forms):
-                check.fail(field, value, f"is not a value this field takes ({', '.join(forms)})")
-            elif name in device_settings and value != device_settings[name]:
-                check.fail(field, value, "needs CUDA kernels: on trainer.device=cpu the CPU layer runs without them",
-                           [device_settings[name]])
-            elif name == "attention_backend" and cpu and value != "auto":
-                check.fail(field, value, "on trainer.device=cpu the CPU layer's attention serves every pass",
-                           ["auto"])
+        # False restates megatron's default of the pipeline-split flags (true is read as the split it makes)
+        settings = {name: value for name, value in overrides.items()
+                    if not (name in MEGATRON_SPLIT_FLAGS and value is False)}
+        _check_megatron_settings(check, where, settings, "TransformerConfig", TRANSFORMER_CONFIG_FIELDS, set_by,
+                                 device_settings, "needs CUDA kernels: on trainer.device=cpu the CPU layer runs "
+                                                  "without them")
         _check_recompute(check, config, prefix, mc, model)
 
 
