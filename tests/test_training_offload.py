@@ -68,30 +68,57 @@ def test_offload_trains_identically(tmp_path, distributed):
             assert not seen["replaced"] and seen["grad_storage_bytes"] > 0
 
 
-def _param_offload_rank(rank: int, world: int, config: Any) -> str:
-    """The worker's own guard, for a spec that did not come through the plan's validation."""
-    from dataclasses import replace
-
+def _param_offload_rank(rank: int, world: int, config: Any, batches: list[Any]) -> Any:
+    """Update, then the actor's parameters off (as after each weight sync), then a log-prob pass and the next
+    update: the backend brings them back itself."""
     from hybridrl.config.plan import build_plan
+    from hybridrl.models.checkpoint import tensor_sha256
+    from hybridrl.training.actor import MegatronActor
     from hybridrl.training.backend import MegatronBackend, role_spec
 
-    spec = role_spec(build_plan(config), "actor")
-    spec = replace(spec, megatron=replace(spec.megatron, param_offload=True))
-    try:
-        MegatronBackend(spec)
-    except ValueError as exc:
-        return str(exc)
-    return "built"
+    plan = build_plan(config)
+    backend = MegatronBackend(role_spec(plan, "actor"))
+    actor = MegatronActor(backend, plan)
+    ctx, freed, log_probs = backend.ctx, [], []
+    params = [p for m in backend.models for p in m.parameters()]
+    for batch in batches:
+        actor.update_policy(batch.split(ctx.dp)[ctx.dp_rank])
+        if plan.config.actor_rollout_ref.actor.megatron.param_offload:
+            backend.offload_params()
+        freed.append(all(p.untyped_storage().nbytes() == 0 for p in params))
+        out = actor.compute_log_prob(batch.split(ctx.dp)[ctx.dp_rank])
+        log_probs.append(None if out is None else out["old_log_probs"].clone())
+    digests = {f"{i}.{n}": tensor_sha256(p.detach()) for i, c in enumerate(backend.chunks)
+               for n, p in c.named_parameters()}
+    return {"freed": freed, "log_probs": log_probs, "digests": digests}
 
 
-def test_param_offload_of_the_trained_actor_is_refused(tmp_path):
+@pytest.mark.parametrize("distributed", [False, True], ids=["plain-optimizer", "distributed-optimizer"])
+def test_param_offload_of_the_actor_trains_identically(tmp_path, distributed):
+    """verl's actor param_offload: every parameter storage (DDP's param buffer with the distributed optimizer)
+    really freed between phases, and the log-probs and weights bit-identical to a run without it."""
+    hf = policy_model(tmp_path / "hf")
+    batches = [rollout_batch(8, seed=s) for s in range(STEPS)]
+    runs = {}
+    for offload in (False, True):
+        config = job_config(hf, world=2, distributed_optimizer=distributed)
+        config.actor_rollout_ref.actor.megatron.param_offload = offload
+        runs[offload] = run_ranks(_param_offload_rank, 2, config, batches)
+    for plain, offloaded in zip(runs[False], runs[True]):
+        assert offloaded["freed"] == [True] * STEPS and plain["freed"] == [False] * STEPS
+        assert plain["digests"] == offloaded["digests"]
+        for a, b in zip(plain["log_probs"], offloaded["log_probs"]):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
+
+
+def test_param_offload_of_the_critic_is_refused(tmp_path):
     from hybridrl.config import ConfigError
     from hybridrl.config.plan import build_plan
+    from tests.test_training_fixtures import sequence_classifier, with_critic
 
-    config = job_config(policy_model(tmp_path / "hf"), world=1)
-    (message,) = run_ranks(_param_offload_rank, 1, config)
-    assert "param_offload is supported for frozen roles" in message and "optimizer_offload" in message
-    config.actor_rollout_ref.actor.megatron.param_offload = True
+    config = with_critic(job_config(policy_model(tmp_path / "hf"), world=1), sequence_classifier(tmp_path / "c"))
+    config.critic.megatron.param_offload = True
     with pytest.raises(ConfigError) as info:  # the plan refuses it before any process starts
         build_plan(config)
-    assert any(i.field == "actor_rollout_ref.actor.megatron.param_offload" for i in info.value.issues)
+    (issue,) = [i for i in info.value.issues if i.field == "critic.megatron.param_offload"]
+    assert "supported for the colocated actor and the frozen roles" in issue.rule

@@ -31,6 +31,11 @@ def _hybrid_rank(rank: int, world: int, model_dir: str, overrides: list[str]) ->
     torch.set_num_threads(4)  # torch's default would be every core: the worker must share them out
     setup = worker.setup(total_training_steps=4)
     threads = torch.get_num_threads()
+
+    def params_freed() -> bool:  # megatron.param_offload: every parameter storage resized to 0 on the device
+        return all(p.untyped_storage().nbytes() == 0 for m in worker.actor.backend.models for p in m.parameters())
+
+    freed_after_setup = params_freed()
     # A replica's whole step at full length (longest prompts, every response to the limit) must fit
     # the cache vLLM actually allocated from the Plan's size: one wave, no preemption.
     full = worker.rollout.generate_sequences(
@@ -71,6 +76,7 @@ def _hybrid_rank(rank: int, world: int, model_dir: str, overrides: list[str]) ->
     sync = worker.sync_weights()
     after = worker.compute_log_prob(batch)
     result["probe_after_update"] = sync["reshard/probe_max_abs_gap"]
+    result["params_freed"] = (freed_after_setup, params_freed())  # after a sync; after the log-prob pass
     result["memory"] = {k: v for k, v in sync.items() if k.startswith("memory/")}
     if after is not None:
         result["moved"] = float((after["old_log_probs"] - before["old_log_probs"]).abs().max())
@@ -99,7 +105,12 @@ def model_dir(tmp_path_factory):
     # shard contains its training shard, so it receives only the other half of it
     (4, ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4",
          "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]),
-], ids=["tp2-to-infer1", "tp4-to-infer2-strided"])
+    # verl's actor param_offload: the actor's weights wait on the host while vLLM generates; the sync, the
+    # log-prob passes and the update reload them (a reader that did not would fail or break the probe)
+    (2, ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+         "actor_rollout_ref.actor.megatron.param_offload=true"]),
+], ids=["tp2-to-infer1", "tp4-to-infer2-strided", "tp2-to-infer1-param-offload"])
 def test_hybrid_engine_syncs_and_follows_updates(model_dir, world, layout):
     micro = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "data.train_batch_size=2",
              "actor_rollout_ref.actor.ppo_mini_batch_size=2",
@@ -114,6 +125,8 @@ def test_hybrid_engine_syncs_and_follows_updates(model_dir, world, layout):
         assert r["full_rows"] == r["replica_rows"] and 0.5 < r["kv_usage"] <= 1.0, r
         assert r["onednn_route_kept"] == r["onednn_exact"]
         assert r["threads"] == r["threads_expected"]  # this node's cores shared among its ranks
+        offload = "actor_rollout_ref.actor.megatron.param_offload=true" in layout
+        assert r["params_freed"] == ((True, False) if offload else (False, False))
         if world == 4:
             assert 0 < r["bound"] < r["naive"]       # real traffic, well below gathering everything
         # memory per phase (process RSS on CPU), handed out with the sync that ends the step

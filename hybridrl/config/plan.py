@@ -388,7 +388,8 @@ def _role_on_gpu(memory: TrainingMemory, layout: RoleLayout, *, grads: bool | No
                  optimizer: bool | None = None) -> RoleOnGpu:
     """A role's memory estimate with its offload settings (`grads` / `optimizer` override them)."""
     mc = layout.megatron
-    return RoleOnGpu(memory, offload_params=mc.param_offload and memory.role == Role.REWARD_MODEL,
+    # the actor's parameters leave during generation (param_offload); the reference's always do (own_process)
+    return RoleOnGpu(memory, offload_params=mc.param_offload and memory.role in (Role.ACTOR, Role.REWARD_MODEL),
                      offload_grads=mc.grad_offload if grads is None else grads,
                      offload_optimizer=mc.optimizer_offload if optimizer is None else optimizer,
                      own_process=memory.role != Role.REF,

@@ -730,12 +730,12 @@ def _check_layout(check: _Checker, prefix: str, mc: MegatronConfig, world: int, 
                             "layers over pipeline stages; use null without PP", [None])
     if not ok:
         return 0
-    if trainable and mc.param_offload:
-        # A trained role updates its parameters every step; megatron's DDP buckets and (with the
-        # distributed optimizer) the fp32 master copies alias them, so they cannot leave the device.
+    if trainable and mc.param_offload and not prefix.startswith("actor_rollout_ref."):
+        # the colocated actor's parameters are idle while vLLM generates (training/offload.py); the critic's
+        # phases follow one another with no idle stretch to pay for the copies
         check.fail(f"{prefix}.param_offload", True,
-                   "is supported for frozen roles (ref, reward model) only; for a trained role use "
-                   "optimizer_offload and grad_offload", [False])
+                   "is supported for the colocated actor and the frozen roles (ref, reward model); for the critic "
+                   "use optimizer_offload and grad_offload", [False])
     if mc.sequence_parallel and tp == 1:
         check.warnings.append(f"{prefix}.sequence_parallel=true has no effect with tensor_model_parallel_size=1")
     dp = 0
@@ -965,6 +965,10 @@ def _check_rollout_placement(check: _Checker, config: JobConfig, resolved: Resol
     arr = config.actor_rollout_ref
     rollout = arr.rollout
     r = "actor_rollout_ref.rollout"
+    if resolved.disaggregated and arr.actor.megatron.param_offload:
+        check.fail("actor_rollout_ref.actor.megatron.param_offload", True,
+                   f"frees the actor's GPUs for a colocated vLLM; with {r}.mode=disaggregated vLLM runs on its own "
+                   "GPUs and the actor's have nothing to make room for", [False])
     fully_async_fields = {"max_staleness": rollout.max_staleness, "stale_samples": rollout.stale_samples,
                           "partial_rollout": rollout.partial_rollout}
     if rollout.async_mode in ("sync", "one_step_off"):  # an unknown mode: reported by _check_names

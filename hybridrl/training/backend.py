@@ -48,7 +48,12 @@ from hybridrl.training.lr_schedule import LRSchedule
 from hybridrl.training.micro_batching import Partition, partition_rows
 from hybridrl.training.moe_capacity import without_capacity
 from hybridrl.training.nonfinite import step_is_finite
-from hybridrl.training.offload import OptimizerStateOffload, offload_grad_buffers, restore_grad_buffers
+from hybridrl.training.offload import (
+    OptimizerStateOffload,
+    ParamStorageOffload,
+    offload_grad_buffers,
+    restore_grad_buffers,
+)
 from hybridrl.training.router_replay import ReplayMismatch, chunk_routing, moe_routers, replaying
 from hybridrl.training.sequences import ModelInputs, micro_batch_inputs, prompt_groups
 from hybridrl.training.value_head import attach_value_head, load_value_model, value_model_source
@@ -435,14 +440,16 @@ class MegatronBackend:
         self.schedule: LRSchedule | None = None
         self.optimizer_offload: OptimizerStateOffload | None = None
         self._grads_offloaded = False
+        self.param_storage: ParamStorageOffload | None = None
         if spec.trainable:
-            if spec.megatron.param_offload:
+            if spec.megatron.param_offload and spec.role != Role.ACTOR:
                 raise ValueError(
-                    f"{spec.role}: megatron.param_offload is supported for frozen roles (ref, reward model) only; "
-                    "a trained role's parameters are read by the log-prob passes and the weight sync right after "
-                    "the update (and are views into DDP's buffers with the distributed optimizer). "
-                    "Use optimizer_offload and grad_offload to free its training state between phases.")
+                    f"{spec.role}: megatron.param_offload is supported for the colocated actor (idle while vLLM "
+                    "generates) and the frozen roles (ref, reward model); use optimizer_offload and grad_offload "
+                    "to free this role's training state between phases.")
             self.models = self._wrap_for_training(chunks)
+            if spec.megatron.param_offload:
+                self.param_storage = ParamStorageOffload([p for m in self.models for p in m.parameters()])
             # megatron's own host optimizer (optimizer_cpu_offload) keeps the states on the host already
             settings = spec.optim.override_optimizer_config if spec.optim is not None else {}
             host_optimizer = bool(settings.get("optimizer_cpu_offload"))
@@ -760,9 +767,13 @@ class MegatronBackend:
             self.optimizer_offload.reload()
 
     def offload_params(self) -> None:
-        """Move a frozen role's parameters to CPU between calls (a no-op when they already live there)."""
+        """Move a frozen role's parameters to CPU between calls (a no-op when they already live there); a trained
+        role's (the colocated actor with param_offload) by their storages (`ParamStorageOffload`)."""
         if self.spec.trainable:
-            raise NotImplementedError("offloading a trainable role (DDP buffers, optimizer) is not implemented")
+            if self.param_storage is None:
+                raise ValueError(f"{self.spec.role}: parameters offloaded without megatron.param_offload")
+            self.param_storage.offload()
+            return
         if self.device_policy.params_on_host or self._offloaded:
             return
         for chunk in self.chunks:
@@ -771,6 +782,8 @@ class MegatronBackend:
 
     def load_params(self) -> None:
         """Bring offloaded parameters back to the device (no-op unless `offload_params` moved them)."""
+        if self.param_storage is not None:
+            self.param_storage.reload()
         if not self._offloaded:
             return
         for chunk in self.chunks:

@@ -17,9 +17,12 @@ more than bf16 weights and KV cache need. Between phases they can leave the GPU:
     grad buffer's storage (views stay valid) and `restore_grad_buffers` reallocates it zeroed;
     gradients are zeroed before every step anyway, so nothing is copied.
 
-Parameter offload of a trainable role is refused (`MegatronBackend`): the parameters are what
-generation's weight sync and the log-prob passes read right after the update, and with the
-distributed optimizer they are views into DDP's buffers.
+  - parameters of a trained role (`ParamStorageOffload`, `megatron.param_offload` on the colocated actor, verl's
+    meaning): idle while vLLM generates, they are copied to host memory after the weight sync and each distinct
+    storage (DDP's contiguous param buffer with the distributed optimizer, else each parameter's own) is
+    resized to zero; every view (the Parameters, the distributed optimizer's shards) stays valid and sees the
+    same bytes again after `reload`, which the worker calls before anything reads them. verl offloads the same
+    way (the param buffer's storage resized to 0).
 """
 from __future__ import annotations
 
@@ -103,3 +106,51 @@ def restore_grad_buffers(models: list[Any], policy: DevicePolicy) -> None:
     """Reallocate the DDP grad buffers (zeroed), before the next backward pass."""
     for model in models:
         model.restore_grad_buffers(synchronize=policy.synchronize_on_offload)
+
+
+class ParamStorageOffload:
+    """Moves the storages under `params` to host memory and back, the tensors' identities untouched (module
+    docstring). On a host device the copy saves nothing but keeps the path exercised: a reader that skipped
+    `reload` sees zero-size storage and fails, not stale weights."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+        self._host: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
+        self.offloaded = False
+
+    def offload(self) -> int:
+        """Copy each distinct storage to host memory and free it; returns the bytes moved. Idempotent."""
+        if self.offloaded:
+            return 0
+        storages: dict[int, torch.UntypedStorage] = {}
+        for param in self.params:  # distinct by address, read before any is resized (then all are 0)
+            storage = param.untyped_storage()
+            if storage.nbytes():
+                storages.setdefault(storage.data_ptr(), storage)
+        moved = 0
+        for storage in storages.values():
+            host = torch.UntypedStorage(storage.nbytes(), device="cpu")
+            if storage.device.type == "cuda":
+                host = host.pin_memory()
+            host.copy_(storage)
+            self._host.append((storage, host))
+            storage.resize_(0)
+            moved += host.nbytes()
+        if any(storage.device.type == "cuda" for storage, _ in self._host):
+            torch.cuda.empty_cache()  # return the freed blocks so vLLM's wake-up can take them
+        self.offloaded = True
+        return moved
+
+    def reload(self) -> int:
+        """Reallocate each storage on its device and copy its bytes back; returns the bytes moved. Idempotent."""
+        if not self.offloaded:
+            return 0
+        moved = 0
+        for storage, host in self._host:
+            storage.resize_(host.nbytes())
+            storage.copy_(host, non_blocking=host.is_pinned())
+            moved += host.nbytes()
+        self._host.clear()
+        self.offloaded = False
+        return moved
+

@@ -37,7 +37,7 @@ import torch
 from hybridrl.config.plan import Plan
 from hybridrl.controller.base_worker import RankContext
 from hybridrl.data.batch import Batch
-from hybridrl.names import Phase
+from hybridrl.names import Phase, Role
 from hybridrl.parallel.device import default_dtype_for
 from hybridrl.reshard.checksums import verify_checksums
 from hybridrl.reshard.resharder import ReshardConfig, Resharder
@@ -77,7 +77,7 @@ class HybridEngineWorker(PolicyWorker):
         # vLLM checks at build that gpu_memory_utilization x the GPU is free: what the actor offloads
         # between its updates (grad_offload, optimizer_offload) leaves before it, not after the first update
         self.actor.backend.offload_training_state()
-        self._release()
+        self._actor_params_out()  # megatron.param_offload: vLLM builds with the actor's weights on the host
         self._resolve_pad_token_id()
         self.attach_rollout(RolloutEngine(engine_config(plan, self.pad_token_id)))
         # The shard a rank must receive is that of the TP rank vLLM actually gave it; it equals
@@ -128,6 +128,7 @@ class HybridEngineWorker(PolicyWorker):
         faults.crash_point(Phase.SYNC)
         started = time.perf_counter()
         self._record_memory("sync_before")
+        self.actor.backend.load_params()  # the resharder reads them (back from the host with param_offload)
         # GPU with sleep mode, in the order that frees memory first (the actor's grads and Adam states
         # left at the end of its update, when offloaded): weights back (the sync writes into them),
         # the resharder's buckets returned to the driver, then the KV cache. No-ops on CPU.
@@ -146,9 +147,17 @@ class HybridEngineWorker(PolicyWorker):
         metrics = report.as_metrics()
         metrics.update({"reshard/probe_max_abs_gap": gap, "reshard/probe_replicas": float(len(self.replica_probe_gaps)),
                         "timing_s/sync_total": time.perf_counter() - started})
+        self._actor_params_out()  # idle until the next log-prob pass or update (with param_offload)
         self._record_memory("sync_after")
         metrics.update(self.take_phase_memory())
         return metrics
+
+    def _actor_params_out(self) -> None:
+        """megatron.param_offload on the actor: its parameters wait on the host while vLLM generates; every call
+        that reads them reloads them first (`_ready_actor`, `sync_weights`). Frees the cached blocks for vLLM."""
+        if self.plan.layout(Role.ACTOR).megatron.param_offload:
+            self.actor.backend.offload_params()
+        self._release()
 
     def _probe_gap(self) -> float:
         """Max |megatron log-prob - vLLM log-prob| over the probe's response tokens, over every replica.

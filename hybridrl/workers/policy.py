@@ -66,8 +66,7 @@ class PolicyWorker(ActorRolloutRefWorker):
         probe = probe_batch(sequence, self.pad_token_id)
         # With routing replay the probe still routes freely: it proves the weights (router included)
         # on a sequence no rollout generated, so there is no vLLM routing to replay.
-        trained = self._require(self.actor, "the actor").compute_log_prob(probe.select(list(probe.tensors)),
-                                                                          free_routing=True)
+        trained = self._ready_actor().compute_log_prob(probe.select(list(probe.tensors)), free_routing=True)
         local = None if trained is None else trained["old_log_probs"][0].tolist()
         everyone: list[Any] = [None] * self.world_size
         torch.distributed.all_gather_object(everyone, local)

@@ -102,9 +102,16 @@ class ActorRolloutRefWorker(MegatronWorker):
         """Seam for the rollout engine built in this process by `hybridrl.rollout`."""
         self.rollout = rollout
 
+    def _ready_actor(self) -> Any:
+        """The actor, its parameters on the device (back from the host with megatron.param_offload: every call
+        that reads them starts here)."""
+        actor = self._require(self.actor, "the actor")
+        actor.backend.load_params()
+        return actor
+
     def compute_log_prob(self, batch: Batch, with_entropy: bool = False) -> Batch | None:
         faults.crash_point(Phase.OLD_LOG_PROB)
-        return self._require(self.actor, "the actor").compute_log_prob(batch, with_entropy)
+        return self._ready_actor().compute_log_prob(batch, with_entropy)
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch | None:
         ref = self._require(self.ref, "the reference policy")
@@ -115,7 +122,7 @@ class ActorRolloutRefWorker(MegatronWorker):
             ref.backend.offload_params()
 
     def update_actor(self, batch: Batch) -> Any:
-        actor = self._require(self.actor, "the actor")
+        actor = self._ready_actor()
         faults.crash_point(Phase.UPDATE_ACTOR)
         if faults.triggered(faults.NAN_UPDATE_ACTOR):
             batch["advantages"] = torch.full_like(batch["advantages"], float("nan"))
@@ -124,16 +131,16 @@ class ActorRolloutRefWorker(MegatronWorker):
         return metrics
 
     def save_checkpoint(self, path: str) -> str:
-        saved = str(save_role_checkpoint(self._require(self.actor, "the actor").backend, Path(path) / Role.ACTOR))
+        saved = str(save_role_checkpoint(self._ready_actor().backend, Path(path) / Role.ACTOR))
         faults.crash_point(Phase.SAVE_CHECKPOINT)  # files written, checkpoint not yet sealed by the trainer
         return saved
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
-        return load_role_checkpoint(self._require(self.actor, "the actor").backend, Path(path) / Role.ACTOR)
+        return load_role_checkpoint(self._ready_actor().backend, Path(path) / Role.ACTOR)
 
     def export_hf(self, path: str) -> str:
         """Collective: the current policy as an HF folder (written by rank 0)."""
-        backend = self._require(self.actor, "the actor").backend
+        backend = self._ready_actor().backend
         return str(export_hf(backend.chunks, path, ctx=backend.ctx, force=True))
 
 
