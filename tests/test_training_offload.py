@@ -48,16 +48,22 @@ def _train_rank(rank: int, world: int, config: Any, batches: list[Any]) -> Any:
     return {"losses": losses, "observed": observed, "digests": digests}
 
 
-@pytest.mark.parametrize("distributed", [False, True], ids=["plain-optimizer", "distributed-optimizer"])
-def test_offload_trains_identically(tmp_path, distributed):
+def _with_and_without(tmp_path: Any, distributed: bool, rank_fn: Any, *options: str) -> dict[bool, list[Any]]:
+    """`rank_fn` on DP2 over STEPS batches, with the actor's megatron `options` off, then on."""
     hf = policy_model(tmp_path / "hf")
     batches = [rollout_batch(8, seed=s) for s in range(STEPS)]
     runs = {}
     for offload in (False, True):
         config = job_config(hf, world=2, distributed_optimizer=distributed)
-        config.actor_rollout_ref.actor.megatron.optimizer_offload = offload
-        config.actor_rollout_ref.actor.megatron.grad_offload = offload
-        runs[offload] = run_ranks(_train_rank, 2, config, batches)
+        for option in options:
+            setattr(config.actor_rollout_ref.actor.megatron, option, offload)
+        runs[offload] = run_ranks(rank_fn, 2, config, batches)
+    return runs
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["plain-optimizer", "distributed-optimizer"])
+def test_offload_trains_identically(tmp_path, distributed):
+    runs = _with_and_without(tmp_path, distributed, _train_rank, "optimizer_offload", "grad_offload")
     for plain, offloaded in zip(runs[False], runs[True]):
         assert plain["losses"] == offloaded["losses"]          # bit-identical losses and grad norms
         assert plain["digests"] == offloaded["digests"]        # bit-identical weights after 3 updates
@@ -97,13 +103,7 @@ def _param_offload_rank(rank: int, world: int, config: Any, batches: list[Any]) 
 def test_param_offload_of_the_actor_trains_identically(tmp_path, distributed):
     """verl's actor param_offload: every parameter storage (DDP's param buffer with the distributed optimizer)
     really freed between phases, and the log-probs and weights bit-identical to a run without it."""
-    hf = policy_model(tmp_path / "hf")
-    batches = [rollout_batch(8, seed=s) for s in range(STEPS)]
-    runs = {}
-    for offload in (False, True):
-        config = job_config(hf, world=2, distributed_optimizer=distributed)
-        config.actor_rollout_ref.actor.megatron.param_offload = offload
-        runs[offload] = run_ranks(_param_offload_rank, 2, config, batches)
+    runs = _with_and_without(tmp_path, distributed, _param_offload_rank, "param_offload")
     for plain, offloaded in zip(runs[False], runs[True]):
         assert offloaded["freed"] == [True] * STEPS and plain["freed"] == [False] * STEPS
         assert plain["digests"] == offloaded["digests"]
