@@ -26,8 +26,9 @@ from pathlib import Path
 
 from hybridrl.config.errors import ConfigIssue
 from hybridrl.config.schema import DataConfig, JobConfig, ModelConfig
-from hybridrl.data.dataset import FilePreview
-from hybridrl.rewards.registry import AUTO
+from hybridrl.data.dataset import DatasetError, FilePreview, preview_file
+from hybridrl.rewards.custom import RewardFunctionError, load_reward_function, signature_problem
+from hybridrl.rewards.registry import AUTO, UnknownScorerError, get_scorer, known_scorer_names, scorer_for_data_source
 
 # A Hugging Face hub id: "name" or "org/name" of letters, digits, - _ . (no path separators beyond one "/").
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
@@ -171,10 +172,10 @@ def _check_data(config: JobConfig, issues: list[ConfigIssue], chat_template: boo
                                                           f"(the format: {GUIDE}#data)"))
     for field, files, batch in (("data.train_files", data.train_files, data.train_batch_size),
                                 ("data.val_files", data.val_files, None)):
-        # the reward column: training scores it unless a reward model does; validation always does
-        needs_reward = _reads_ground_truth(config) and (field == "data.val_files" or not config.reward_model.enable)
-        auto = config.algorithm.reward_fn == AUTO and not config.algorithm.custom_reward_function.path and (
-            field == "data.val_files" or not config.reward_model.enable)
+        # the rule scorer scores training rows unless a reward model does; validation rows always
+        rule_scored = field == "data.val_files" or not config.reward_model.enable
+        needs_reward = rule_scored and _reads_ground_truth(config)
+        auto = rule_scored and config.algorithm.reward_fn == AUTO and not config.algorithm.custom_reward_function.path
         rows = _check_files(field, files, data, issues, chat_template, needs_reward, auto)
         if rows is None:
             continue
@@ -186,9 +187,7 @@ def _check_data(config: JobConfig, issues: list[ConfigIssue], chat_template: boo
 
 def _check_data_sources(file: str, preview: FilePreview, issues: list[ConfigIssue]) -> None:
     """algorithm.reward_fn=auto scores each row by its data_source: every value seen must name a scorer."""
-    from hybridrl.rewards.registry import available_scorers, scorer_aliases, scorer_for_data_source
-
-    known = ", ".join(sorted([*available_scorers(), *scorer_aliases()]))
+    known = ", ".join(known_scorer_names())
     if "data_source" not in preview.columns:
         issues.append(ConfigIssue("algorithm.reward_fn", AUTO, f"scores each row by its data_source column, which "
                                                                 f"{file} lacks; name one scorer for every row "
@@ -204,8 +203,6 @@ def _check_data_sources(file: str, preview: FilePreview, issues: list[ConfigIssu
 def _check_files(field: str, files: Sequence[str], data: DataConfig, issues: list[ConfigIssue],
                  chat_template: bool | None, needs_reward: bool, by_data_source: bool) -> int | None:
     """Each file of one list checked; the rows of all of them, or None when any is unusable."""
-    from hybridrl.data.dataset import DatasetError, preview_file
-
     total, usable = 0, True
     for index, file in enumerate(files):
         where = f"{field}[{index}]" if len(files) > 1 else field
@@ -249,16 +246,12 @@ def _check_files(field: str, files: Sequence[str], data: DataConfig, issues: lis
             issues.append(ConfigIssue("data.apply_chat_template", True,
                                       "but the tokenizer has no chat template; set it false or null, or use a "
                                       "tokenizer with one"))
-    if files and usable and total == 0:
-        return None
     return total if usable else None
 
 
 def _check_reward(config: JobConfig, issues: list[ConfigIssue]) -> None:
     custom = config.algorithm.custom_reward_function
     if custom.path:
-        from hybridrl.rewards.custom import RewardFunctionError, load_reward_function, signature_problem
-
         if not Path(custom.path).is_file():
             issues.append(ConfigIssue("algorithm.custom_reward_function.path", custom.path,
                                       "does not exist; name the Python file that defines the reward function "
@@ -274,8 +267,6 @@ def _check_reward(config: JobConfig, issues: list[ConfigIssue]) -> None:
         if problem:
             issues.append(ConfigIssue("algorithm.custom_reward_function.name", custom.name, problem))
         return
-    from hybridrl.rewards.registry import UnknownScorerError, get_scorer
-
     try:
         get_scorer(config.algorithm.reward_fn)
     except UnknownScorerError as error:

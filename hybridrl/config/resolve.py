@@ -86,31 +86,21 @@ class PassBatching:
 
     dynamic: bool
     max_tokens: int
-    dynamic_field: str  # the fields that set them, for messages
-    max_tokens_field: str
-
-
-# the passes whose token budget has a field of its own (verl's log_prob_*); every other pass uses the actor's
-_PASS_SECTIONS = {"old_log_prob": "actor_rollout_ref.rollout", "ref_log_prob": "actor_rollout_ref.ref"}
 
 
 def pass_batching(config: JobConfig, pass_name: str) -> PassBatching:
-    """The micro-batching of a pass: its section's log_prob_use_dynamic_bsz / log_prob_max_token_len_per_gpu
-    where set, else the actor's use_dynamic_bsz / ppo_max_token_len_per_gpu (verl's defaults for them)."""
-    actor = config.actor_rollout_ref.actor
-    dynamic, max_tokens = actor.use_dynamic_bsz, actor.ppo_max_token_len_per_gpu
-    dynamic_field = max_tokens_field = "actor_rollout_ref.actor"
-    dynamic_field += ".use_dynamic_bsz"
-    max_tokens_field += ".ppo_max_token_len_per_gpu"
-    prefix = _PASS_SECTIONS.get(pass_name)
-    if prefix is not None:
-        section = config.actor_rollout_ref.rollout if pass_name == "old_log_prob" else config.actor_rollout_ref.ref
+    """The micro-batching of a pass: for the old and ref log-prob passes their section's log_prob_use_dynamic_bsz /
+    log_prob_max_token_len_per_gpu where set, else (and for every other pass) the actor's use_dynamic_bsz /
+    ppo_max_token_len_per_gpu (verl's defaults for them)."""
+    arr = config.actor_rollout_ref
+    dynamic, max_tokens = arr.actor.use_dynamic_bsz, arr.actor.ppo_max_token_len_per_gpu
+    section = {"old_log_prob": arr.rollout, "ref_log_prob": arr.ref}.get(pass_name)
+    if section is not None:
         if section.log_prob_use_dynamic_bsz is not None:
-            dynamic, dynamic_field = section.log_prob_use_dynamic_bsz, f"{prefix}.log_prob_use_dynamic_bsz"
+            dynamic = section.log_prob_use_dynamic_bsz
         if section.log_prob_max_token_len_per_gpu is not None:
             max_tokens = section.log_prob_max_token_len_per_gpu
-            max_tokens_field = f"{prefix}.log_prob_max_token_len_per_gpu"
-    return PassBatching(dynamic, max_tokens, dynamic_field, max_tokens_field)
+    return PassBatching(dynamic, max_tokens)
 
 
 def model_section_of(role: str) -> str:

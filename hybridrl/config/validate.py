@@ -385,7 +385,7 @@ def _check_recompute(check: _Checker, config: JobConfig, prefix: str, mc: Megatr
     names = ("recompute_granularity", "recompute_method", "recompute_num_layers")
     granularity, method, layers = (overrides.get(name) for name in names)
     where = f"{prefix}.override_transformer_config"
-    if not any(name in overrides for name in names) or granularity is None:
+    if granularity is None:
         if method is not None or layers is not None:
             check.fail(f"{where}.recompute_granularity", granularity,
                        "must be full or selective when recompute_method or recompute_num_layers is set",
@@ -411,8 +411,6 @@ def _check_recompute(check: _Checker, config: JobConfig, prefix: str, mc: Megatr
                    [None])
 
 
-# The reference policy is built in the actor's processes, whose megatron parallel state (and its
-# RNG) is process-global: these fields of a set `ref.megatron` cannot differ from the actor's.
 def _model_section(config: JobConfig, megatron_prefix: str) -> tuple[str, Any]:
     """The model section (dotted path, section) whose weights a megatron section lays out."""
     if megatron_prefix.startswith("critic"):

@@ -88,6 +88,12 @@ def available_scorers() -> list[str]:
     return sorted(_SCORERS)
 
 
+def known_scorer_names() -> list[str]:
+    """Every name a config or a row's data_source may use for a scorer: the names and their aliases, sorted."""
+    _load_builtins()
+    return sorted([*_SCORERS, *_ALIASES])
+
+
 def scorer_aliases() -> dict[str, str]:
     _load_builtins()
     return dict(_ALIASES)
@@ -111,7 +117,7 @@ def by_data_source(response: str, ground_truth: Any, extra: Mapping[str, Any]) -
     if name is None:
         raise UnknownScorerError(
             f"no scorer for data_source {source!r} (algorithm.reward_fn=auto picks each row's by it); known: "
-            f"{', '.join(sorted([*_SCORERS, *_ALIASES]))}; name one with algorithm.reward_fn")
+            f"{', '.join(known_scorer_names())}; name one with algorithm.reward_fn")
     return _SCORERS[name](response, ground_truth, extra)
 
 
