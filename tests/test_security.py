@@ -87,12 +87,12 @@ def test_reward_files_are_documented_as_trusted_code():
     assert "trusted code" in (ROOT / "README.md").read_text().lower()
 
 
-def test_tool_files_are_trusted_code_and_the_sandbox_says_what_it_is_not():
-    import hybridrl.tools.sandbox as sandbox
+def test_tool_files_are_trusted_code_and_the_hook_says_what_it_is_not():
+    import hybridrl.tools.python_tool as python_tool
     import hybridrl.tools.user_tools as user_tools
 
     assert "TRUSTED CODE" in (user_tools.__doc__ or "")
-    assert "not a security boundary against hostile native code" in (sandbox.__doc__ or "")
+    assert "it is not a\nsecurity boundary against hostile code" in (python_tool.__doc__ or "")
     assert "tools file" in (ROOT / "README.md").read_text()
 
 

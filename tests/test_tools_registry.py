@@ -185,11 +185,15 @@ def test_a_call_object_is_executed_directly(registry):
 def test_the_config_defaults_are_the_tools_defaults():
     """The next slice builds the tools from `rollout.multi_turn`: its defaults must mean what the tools' mean."""
     import dataclasses
+    import inspect
 
     from hybridrl.config.schema import MultiTurnConfig, SandboxConfig
-    from hybridrl.tools import available_parsers
+    from hybridrl.tools import available_parsers, python_tool
 
-    assert dataclasses.asdict(SandboxConfig()) == dataclasses.asdict(SandboxLimits())
+    config_limits = dataclasses.asdict(SandboxConfig())
+    isolation = config_limits.pop("isolation")
+    assert config_limits == dataclasses.asdict(SandboxLimits())
+    assert isolation == inspect.signature(python_tool.python_tool).parameters["isolation"].default == "namespaces"
     config = MultiTurnConfig()
     assert config.tool_parser in available_parsers()
     assert config.max_observation_chars == build_registry([]).max_observation_chars
@@ -250,3 +254,37 @@ def test_a_tools_file_defines_a_tool_call_parser(tmp_path, monkeypatch):
     bad.write_text("TOOL_SCHEMAS = []\nTOOL_PARSERS = ['bang']\n")
     with pytest.raises(ToolFileError, match="TOOL_PARSERS must be a dict"):
         build_registry(["calculator"], tools_file=bad)
+
+
+def test_a_timed_out_tool_is_killed_not_left_running(tmp_path):
+    """With a time limit a call runs in a process of its own: past the limit it is killed, so what it would
+    have done later never happens (a thread left running would still write the file)."""
+    late = tmp_path / "late.txt"
+
+    def slow_writer(seconds: float) -> str:
+        time.sleep(seconds)
+        late.write_text("still running")
+        return "done"
+
+    def failing(x: int) -> str:
+        raise KeyError(f"no row {x}")
+
+    registry = ToolRegistry([Tool(_schema("slow_writer", {"seconds": {"type": "number"}}, ["seconds"]), slow_writer,
+                                  timeout_s=0.3),
+                             Tool(_schema("failing", {"x": {"type": "integer"}}, ["x"]), failing, timeout_s=5)])
+    timed_out = registry.execute(ToolCall("slow_writer", {"seconds": 1.0}, 0))
+    assert (timed_out.status, timed_out.text) == (ToolStatus.TIMEOUT, "Error: slow_writer ran past its 0.3 s limit")
+    time.sleep(1.5)
+    assert not late.exists()
+    quick = registry.execute(ToolCall("slow_writer", {"seconds": 0.0}, 1))
+    assert (quick.status, quick.text, late.read_text()) == (ToolStatus.OK, "done", "still running")
+    failed = registry.execute(ToolCall("failing", {"x": 3}, 2))
+    assert (failed.status, failed.text) == (ToolStatus.TOOL_ERROR, "Error: failing raised KeyError: 'no row 3'")
+
+
+def test_the_tools_file_tools_take_the_jobs_time_limit(tmp_path):
+    path = tmp_path / "tools.py"
+    path.write_text(GOOD)
+    registry = build_registry(["python", "lookup"], tools_file=path, tool_timeout_s=7.5)
+    assert [registry._tools[n].timeout_s for n in ("python", "lookup")] == [None, 7.5]
+    assert build_registry(["lookup"], tools_file=path)._tools["lookup"].timeout_s is None

@@ -1,152 +1,337 @@
-"""The python sandbox: each limit is hit for real in a child process, and each one ends as its own status."""
+"""The python tool's operating-system sandbox against real escape attempts.
+
+Each attack is model-written code sent through `build_registry(["python"])` the way the agent loop
+calls it, from a separate caller process that holds secrets (an environment variable, a file in its
+HOME, a file in its run folder) and is a child subreaper (so a process the attack leaves behind is
+still found as its descendant). The effects are checked from outside: a file written outside, a
+connection reaching a listener on 127.0.0.1, a secret in the observation, a process left running, the
+caller killed.
+
+Most attacks first disable the audit hook, from inside, the way hostile code would (its policy lives
+in globals the code can reach): the kernel must hold without it. The same attacks under
+``isolation="none"`` (the hook-only sandbox hybridrl had before) escape: that is the negative control.
+"""
 from __future__ import annotations
 
-import glob
+import json
 import os
+import secrets
+import signal
 import socket
-import tempfile
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
-from hybridrl.tools import SandboxLimits, ToolStatus, run_python
+from hybridrl.tools import SandboxLimits, ToolStatus, run_sandboxed, sandbox_problem
+from hybridrl.tools.sandbox import REFUSED_SYSCALLS, bwrap_argv, pids_cgroup_parent
 
-# generous wall time: the machine is shared, and only the tests of the wall limit itself need it short
-FAST = SandboxLimits(wall_time_s=30, cpu_time_s=2, memory_mb=256, max_output_bytes=1000)
+ROOT = Path(__file__).resolve().parents[1]
 
+# The caller: a separate process with secrets, calling the tool as the agent loop does, then listing
+# the processes it (as a subreaper) still has under it, and killing them.
+CALLER = r'''
+import ctypes, json, os, signal, sys, time
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+from hybridrl.tools import SandboxLimits, build_registry
+from hybridrl.tools.parsing import ToolCall
+limits = SandboxLimits(wall_time_s=float(sys.argv[2]), cpu_time_s=3, memory_mb=512, max_file_mb=16)
+registry = build_registry(["python"], sandbox=limits, isolation=sys.argv[1], max_observation_chars=100_000)
+code = sys.stdin.read()
+observation = registry.execute(ToolCall("python", {"code": code}, 0))
+time.sleep(0.3)  # what the attack started has time to show itself
 
-def test_prints_the_result():
-    run = run_python("import math\nprint(sum(i * i for i in range(10)), math.factorial(5))", FAST)
-    assert (run.stdout, run.stderr, run.returncode, run.status) == ("285 120\n", "", 0, ToolStatus.OK)
+def descendants():
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                status = open(f"/proc/{entry}/status").read()
+            except OSError:
+                continue
+            if status.split("State:")[1].split()[0] == "Z":
+                continue  # exited (bwrap's own processes, reparented here to be reaped)
+            ppid = int(status.split("PPid:")[1].split()[0])
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [os.getpid()]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
-
-def test_an_exception_is_a_tool_error_with_its_traceback():
-    run = run_python("print('before')\n1 / 0", FAST)
-    assert run.status is ToolStatus.TOOL_ERROR and run.returncode == 1 and run.stdout == "before\n"
-    assert run.stderr.strip().endswith("ZeroDivisionError: division by zero")
-
-
-def test_wall_time_limit():
-    run = run_python("import time\nprint('start', flush=True)\ntime.sleep(60)", SandboxLimits(wall_time_s=1))
-    assert run.status is ToolStatus.TIMEOUT and run.returncode is None and run.stdout == "start\n"
-    assert run.reason == "wall-time limit of 1 s" and run.seconds < 10
-
-
-def test_cpu_time_limit():
-    run = run_python("while True:\n    pass", SandboxLimits(wall_time_s=30, cpu_time_s=1))
-    assert run.status is ToolStatus.TIMEOUT and run.reason == "CPU-time limit of 1 s"
-    assert run.returncode is not None and run.returncode < 0  # killed by SIGXCPU, not by the wall clock
-    assert run.seconds < 20
-
-
-def test_memory_limit():
-    run = run_python("x = bytearray(1 << 30)\nprint('allocated')", FAST)
-    assert run.status is ToolStatus.TOOL_ERROR and run.reason == "memory limit of 256 MB"
-    assert "MemoryError" in run.stderr and run.stdout == ""
-
-
-def test_file_size_limit():
-    run = run_python("open('small', 'wb').write(b'x' * 1000)\nopen('big', 'wb').write(b'x' * (3 << 20))",
-                     SandboxLimits(wall_time_s=30, max_file_mb=1))
-    assert run.status is ToolStatus.TOOL_ERROR and run.reason == "file-size limit of 1 MB"
-    assert run.stderr.strip().splitlines()[-1] == "OSError: [Errno 27] File too large"
-
-
-def test_output_truncated():
-    run = run_python("print('x' * 100_000)\nprint('tail')", FAST)
-    assert run.status is ToolStatus.OUTPUT_TRUNCATED and run.stdout == "x" * 1000
-    assert run.reason == "stdout cut to 1000 bytes"
+left = descendants()
+for pid in left:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+print(json.dumps({"status": observation.status.value, "text": observation.text, "left_running": len(left)}))
+'''
 
 
-def test_cannot_write_outside_its_directory(tmp_path):
-    target = tmp_path / "escape.txt"
-    code = (f"open('inside.txt', 'w').write('ok')\nprint(open('inside.txt').read())\n"
-            f"import os\nos.mkdir('sub')\nopen('sub/f', 'w').close()\n"
-            f"try:\n    open({str(target)!r}, 'w')\nexcept PermissionError as e:\n    print('refused', e)\n"
-            f"try:\n    os.open({str(target)!r}, os.O_WRONLY | os.O_CREAT)\nexcept PermissionError:\n"
-            f"    print('os.open refused')\n"
-            f"try:\n    open('../escape2.txt', 'a')\nexcept PermissionError:\n    print('parent refused')\n"
-            f"try:\n    os.remove({str(tmp_path / 'keep')!r})\nexcept PermissionError:\n    print('remove refused')\n")
-    (tmp_path / "keep").write_text("keep")
-    run = run_python(code, FAST)
-    assert run.status is ToolStatus.OK, run.stderr
-    assert run.stdout.splitlines() == [
-        "ok", f"refused sandbox: writing {target} outside its directory is refused", "os.open refused",
-        "parent refused", "remove refused"]
-    assert not target.exists() and (tmp_path / "keep").read_text() == "keep"
+@dataclass
+class Outcome:
+    caller_returncode: int
+    status: str | None
+    text: str
+    left_running: int
+    written_outside: bool
+    connected: bool
+    secrets_seen: list[str]
 
 
-@pytest.mark.parametrize("action, event", [
-    ("socket.socket().connect(('127.0.0.1', port))", "socket.__new__"),
-    ("socket.socket().bind(('127.0.0.1', 0))", "socket.__new__"),
-    ("socket.create_connection(('127.0.0.1', port))", "socket.getaddrinfo"),
-    ("socket.getaddrinfo('localhost', port)", "socket.getaddrinfo"),
-])
-def test_cannot_open_a_socket(action, event):
+@pytest.fixture
+def world(tmp_path):
+    """The trainer's side of the machine: its secrets, a folder outside, a loopback listener."""
+    home, run, outside = tmp_path / "home", tmp_path / "run", tmp_path / "outside"
+    for folder in (home, run, outside):
+        folder.mkdir()
+    values = {name: f"{name}-{secrets.token_hex(8)}" for name in ("env", "home", "run")}
+    (home / ".netrc").write_text(f"machine api.wandb.ai login user password {values['home']}\n")
+    (run / "secret.txt").write_text(values["run"])
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
     listener.setblocking(False)
-    port = listener.getsockname()[1]
+    yield {"home": home, "run": run, "outside": outside, "secrets": values, "listener": listener,
+           "port": listener.getsockname()[1], "target": outside / "escaped.txt"}
+    listener.close()
+
+
+def attack(world, code: str, isolation: str, wall_time_s: float = 20.0) -> Outcome:
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(world["home"]),
+           "HYBRIDRL_TEST_SECRET": world["secrets"]["env"], "PYTHONPATH": str(ROOT)}
+    caller = subprocess.Popen([sys.executable, "-c", CALLER, isolation, str(wall_time_s)], cwd=world["run"], env=env,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    filled = textwrap.dedent(code).format(caller=caller.pid, target=world["target"], port=world["port"],
+                                          home=world["home"], run=world["run"])
+    out, err = caller.communicate(filled, timeout=120)
     try:
-        run = run_python(f"import socket\nport = {port}\n{action}\nprint('networked')", FAST)
-        with pytest.raises(BlockingIOError):  # nobody connected to the listener
-            listener.accept()
-    finally:
-        listener.close()
-    assert run.status is ToolStatus.TOOL_ERROR and "networked" not in run.stdout
-    assert run.stderr.strip().splitlines()[-1] == f"PermissionError: sandbox: no network ({event})"
+        world["listener"].accept()[0].close()
+        connected = True
+    except BlockingIOError:
+        connected = False
+    result = json.loads(out.strip().splitlines()[-1]) if caller.returncode == 0 else {}
+    text = result.get("text", "") + out
+    return Outcome(caller.returncode, result.get("status"), result.get("text", err), result.get("left_running", 0),
+                   world["target"].exists(), connected,
+                   [name for name, value in world["secrets"].items() if value in text])
 
 
-@pytest.mark.parametrize("code, error", [
-    ("import os\nos.fork()", "PermissionError: sandbox: no processes started or signalled (os.fork)"),
-    ("import os\nos.execv('/bin/true', ['true'])",
-     "PermissionError: sandbox: no processes started or signalled (os.exec)"),
-    ("import os\nos.system('true')", "PermissionError: sandbox: no processes started or signalled (os.system)"),
-    ("import os\nos.kill(os.getppid(), 9)", "PermissionError: sandbox: no processes started or signalled (os.kill)"),
-    # the C module under subprocess starts processes without an audit event of its own
-    ("import subprocess", "ImportError: sandbox: module _posixsubprocess is not available"),
-    ("import ctypes", "ImportError: sandbox: module ctypes is not available"),
-])
-def test_cannot_start_a_process_or_load_native_code(code, error):
-    run = run_python(code, FAST)
-    assert run.status is ToolStatus.TOOL_ERROR
-    assert run.stderr.strip().splitlines()[-1] == error
+# Disable the audit hook from inside: its policy is the bootstrap's globals, reached through
+# __main__; the `gc` variant finds the hook function itself among all objects and replaces its code.
+TAMPER = """
+import sys
+policy = sys.modules["__main__"].__dict__
+policy.update(root="/", inside=lambda path: True, PROCESS=(), NO_IMPORT=(), own_proc=("/",))
+"""
+TAMPER_GC = """
+import gc
+hook = next(o for o in gc.get_objects() if getattr(o, "__name__", "") == "hook" and hasattr(o, "__code__"))
+hook.__code__ = (lambda event, args: None).__code__
+"""
+
+# name -> (code after the tamper prelude, what the attack is after)
+ESCAPES = {
+    "write_outside": (TAMPER + "open('{target}', 'w').write('escaped')", "written_outside"),
+    "write_outside_gc": (TAMPER_GC + "open('{target}', 'w').write('escaped')", "written_outside"),
+    "read_home": ("print(open('{home}/.netrc').read())", "home"),  # the hook never refused reading
+    "read_run_folder": ("print(open('{run}/secret.txt').read())", "run"),
+    "read_caller_environ": (TAMPER + "print(open('/proc/{caller}/environ', 'rb').read())", "env"),
+    "read_parent_environ": (TAMPER + "import os\nprint(open(f'/proc/{{os.getppid()}}/environ', 'rb').read())",
+                            "env"),
+    "connect_with_ctypes": (TAMPER_GC + """
+import ctypes, socket, struct
+libc = ctypes.CDLL(None)
+fd = libc.socket(socket.AF_INET, socket.SOCK_STREAM, 0)
+address = struct.pack("<HH4s8x", socket.AF_INET, socket.htons({port}), socket.inet_aton("127.0.0.1"))
+print("connect:", libc.connect(fd, address, len(address)))
+""", "connected"),
+    "subprocess": (TAMPER + "import subprocess\nsubprocess.run(['/bin/sh', '-c', 'echo escaped > {target}'])",
+                   "written_outside"),
+    "fork_and_stay": (TAMPER_GC + """
+import os, time
+if os.fork() == 0:
+    os.setsid()
+    time.sleep(60)
+print("forked")
+""", "left_running"),
+    "kill_caller_with_os_kill": (TAMPER + "import os\nos.kill({caller}, 9)", "caller_killed"),
+    "kill_caller_with_ctypes": (TAMPER_GC + "import ctypes\nctypes.CDLL(None).kill({caller}, 9)", "caller_killed"),
+}
 
 
-def test_ordinary_libraries_still_work():
-    run = run_python("import numpy as np, json, fractions\n"
-                     "print(int(np.arange(10).sum()), json.dumps([fractions.Fraction(1, 3) * 3 == 1]))", FAST)
-    assert (run.status, run.stdout) == (ToolStatus.OK, "45 [true]\n")
+def escaped(outcome: Outcome, goal: str) -> bool:
+    if goal == "written_outside":
+        return outcome.written_outside
+    if goal == "connected":
+        return outcome.connected
+    if goal == "left_running":
+        return outcome.left_running > 0
+    if goal == "caller_killed":
+        return outcome.caller_returncode == -signal.SIGKILL
+    return goal in outcome.secrets_seen
 
 
-def test_cannot_read_the_trainers_secrets(monkeypatch):
-    monkeypatch.setenv("HYBRIDRL_TEST_SECRET", "s3cret-value")
-    code = ("import os\nprint(os.environ.get('HYBRIDRL_TEST_SECRET'))\nprint(sorted(os.environ))\n"
-            "try:\n    print(open(f'/proc/{os.getppid()}/environ', 'rb').read())\n"
-            "except PermissionError:\n    print('parent environ refused')\n")
-    run = run_python(code, FAST)
-    assert run.status is ToolStatus.OK, run.stderr
+def contained(outcome: Outcome) -> bool:
+    return (outcome.caller_returncode == 0 and not outcome.written_outside and not outcome.connected
+            and outcome.left_running == 0 and outcome.secrets_seen == [])
+
+
+needs_namespaces = pytest.mark.skipif(sandbox_problem() is not None,
+                                      reason=f"no namespace sandbox here: {sandbox_problem()}")
+
+
+@needs_namespaces
+@pytest.mark.parametrize("name", sorted(ESCAPES))
+def test_escape_attempts_are_contained(world, name):
+    code, goal = ESCAPES[name]
+    outcome = attack(world, code, "namespaces")
+    assert contained(outcome), (name, outcome)
+    assert not escaped(outcome, goal)
+    assert outcome.status in {s.value for s in ToolStatus}
+
+
+@pytest.mark.parametrize("name", sorted(ESCAPES))
+def test_the_hook_only_sandbox_does_not_hold(world, name):
+    """The negative control: without namespaces (hybridrl's sandbox before) every attack gets what it is after."""
+    code, goal = ESCAPES[name]
+    outcome = attack(world, code, "none")
+    assert escaped(outcome, goal), (name, outcome)
+
+
+# Attacks on the machine rather than on secrets: contained by the kernel's limits (and, for the fork
+# bomb, the seccomp filter). Not run without namespaces: there a fork bomb would take the test machine.
+RESOURCE_ATTACKS = {
+    "fork_bomb": (TAMPER + """
+import os
+while True:
+    try:
+        os.fork()
+    except OSError:
+        pass
+""", {"timeout"}),
+    "memory_bomb": ("chunks = []\nwhile True:\n    chunks.append(bytearray(64 << 20))", {"tool_error"}),
+    "one_gigabyte_write": ("with open('big', 'wb') as f:\n    for _ in range(1024):\n        f.write(bytes(1 << 20))",
+                           {"tool_error"}),
+    "one_gigabyte_in_tmp": ("for i in range(64):\n    open(f'/tmp/part{{i}}', 'wb').write(bytes(16 << 20))",
+                            {"tool_error"}),
+    "endless_loop": ("while True:\n    pass", {"timeout"}),
+    "threads_sleeping_forever": ("import threading, time\nfor _ in range(4):\n"
+                                 "    threading.Thread(target=time.sleep, args=(600,)).start()", {"timeout"}),
+}
+
+
+@needs_namespaces
+@pytest.mark.parametrize("name", sorted(RESOURCE_ATTACKS))
+def test_attacks_on_the_machine_are_contained(world, name):
+    code, statuses = RESOURCE_ATTACKS[name]
+    start = time.perf_counter()
+    outcome = attack(world, code, "namespaces", wall_time_s=4)
+    assert contained(outcome), (name, outcome)
+    assert outcome.status in statuses, (name, outcome)
+    assert time.perf_counter() - start < 60
+
+
+@needs_namespaces
+def test_what_the_program_sees():
+    code = """
+import os, socket
+print(os.getuid(), os.getpid(), sorted(os.environ))
+print(sorted(p for p in os.listdir('/proc') if p.isdigit()))
+print(open('/proc/self/status').read().split('NoNewPrivs:')[1].split()[0],
+      open('/proc/self/status').read().split('Seccomp:')[1].split()[0],
+      open('/proc/self/status').read().split('CapEff:')[1].split()[0])
+print(sorted(socket.if_nameindex()))
+print(os.path.exists(os.path.expanduser('~root/.cache')), os.path.exists('/etc/passwd'))
+"""
+    run = run_sandboxed([sys.executable, "-I", "-c", code], limits=SandboxLimits(wall_time_s=30),
+                        env={"EXTRA": "1"})
     lines = run.stdout.splitlines()
-    assert lines[0] == "None" and "s3cret-value" not in run.stdout
-    assert lines[2] == "parent environ refused"
-    assert "HYBRIDRL_TEST_SECRET" not in lines[1] and "PATH" in lines[1]
+    assert run.status is ToolStatus.OK, run.stderr
+    assert lines[0] == "65534 2 ['EXTRA', 'HOME', 'LANG', 'PATH', 'PWD', 'PYTHONDONTWRITEBYTECODE', " \
+                       "'PYTHONIOENCODING', 'TMPDIR']"
+    assert lines[1] == "['1', '2']"  # bwrap's init and the program: nothing of the host
+    assert lines[2] == "1 2 0000000000000000"  # no new privileges, a seccomp filter, no capabilities
+    assert lines[3] == "[(1, 'lo')]"  # an empty network namespace
+    assert lines[4] == "False False"
 
 
-def test_the_temp_dir_is_its_cwd_and_is_removed(monkeypatch, tmp_path):
-    # A private temp root: another xdist worker's tools make their own sandboxes under /tmp meanwhile.
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "hybridrl-sandbox-*")))
-    assert before == set()
-    run = run_python("import os\nprint(os.getcwd())\nopen('f', 'w').write('x')", FAST)
-    workdir = run.stdout.strip()
-    assert os.path.basename(workdir).startswith("hybridrl-sandbox-")
-    assert not os.path.exists(workdir)
-    timed = run_python("import os\nprint(os.getcwd(), flush=True)\nwhile True: pass", SandboxLimits(wall_time_s=1))
-    assert timed.status is ToolStatus.TIMEOUT and not os.path.exists(timed.stdout.strip())
-    assert os.path.dirname(workdir) == str(tmp_path)
-    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "hybridrl-sandbox-*"))) == before
+@needs_namespaces
+@pytest.mark.parametrize("call", [
+    "libc.ptrace(16, 1, 0, 0)",  # PTRACE_ATTACH
+    "libc.mount(b'none', b'/tmp', b'tmpfs', 0, None)",
+    "libc.unshare(0x10000000)",  # CLONE_NEWUSER
+    "libc.syscall(321, 0, 0, 0)",  # bpf
+    "libc.syscall(298, 0, 0, -1, -1, 0)",  # perf_event_open
+    "libc.syscall(250, 0, 0, 0)",  # keyctl
+    "libc.syscall(425, 1, 0)",  # io_uring_setup
+])
+def test_the_filter_refuses_what_no_program_needs(call):
+    code = f"import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nprint({call}, ctypes.get_errno())"
+    run = run_sandboxed([sys.executable, "-I", "-c", code], limits=SandboxLimits(wall_time_s=30))
+    assert (run.status, run.stdout) == (ToolStatus.OK, "-1 1\n"), run.stderr  # EPERM
 
 
-def test_limits_are_checked():
-    with pytest.raises(ValueError, match=r"SandboxLimits.memory_mb must be a positive number, got 0"):
-        SandboxLimits(memory_mb=0)
+def test_the_refused_list_names_real_syscalls():
+    import pyseccomp
+
+    unknown = [n for n in REFUSED_SYSCALLS if pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, n) < 0]
+    assert unknown == []  # x86_64 has them all: a misspelt name would be skipped silently
+    argv = bwrap_argv(["true"], SandboxLimits(), 3, {}, {})
+    for flag in ("--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
+                 "--clearenv"):
+        assert flag in argv
+    assert argv[argv.index("--cap-drop") + 1] == "ALL" and argv[argv.index("--seccomp") + 1] == "3"
+    assert "--bind" not in argv and str(Path.home()) not in argv  # nothing of the host is writable
+
+
+@needs_namespaces
+def test_files_in_and_a_program_of_the_users():
+    script = "cat data/in.txt; echo more >> data/in.txt; cat data/in.txt | wc -l"
+    run = run_sandboxed(["/bin/sh", "-c", script], files={"data/in.txt": b"hello\n"},
+                        limits=SandboxLimits(wall_time_s=30), max_processes=4)
+    assert (run.status, run.stdout) == (ToolStatus.OK, "hello\n2\n"), run.stderr
+    # without processes allowed, the shell cannot start `cat`: the filter refuses fork
+    refused = run_sandboxed(["/bin/sh", "-c", script], files={"data/in.txt": b"hello\n"},
+                            limits=SandboxLimits(wall_time_s=30))
+    assert refused.status is ToolStatus.TOOL_ERROR and "fork" in refused.stderr.lower()
+    with pytest.raises(ValueError, match="relative path"):
+        run_sandboxed(["true"], files={"../x": b""})
+
+
+@needs_namespaces
+@pytest.mark.skipif(pids_cgroup_parent() is None, reason="no writable pids cgroup here")
+def test_a_fork_bomb_with_processes_allowed_meets_the_pids_cgroup():
+    bomb = "import os, time\nn = 0\nwhile True:\n    try:\n        os.fork(); n += 1\n    except OSError:\n" \
+           "        print('refused after', n, flush=True); time.sleep(60)"
+    start = time.perf_counter()
+    run = run_sandboxed([sys.executable, "-I", "-c", bomb], limits=SandboxLimits(wall_time_s=3), max_processes=8)
+    assert run.status is ToolStatus.TIMEOUT and "refused after" in run.stdout
+    assert time.perf_counter() - start < 30
+    assert [p for p in os.listdir(pids_cgroup_parent()) if p.startswith("hybridrl-sandbox-")] == []
+
+
+@needs_namespaces
+def test_the_documented_user_tool_runs_the_models_code_in_the_sandbox(world):
+    """configs/examples/sandboxed_tools.py (the user guide's example): a tools-file tool that runs the model's
+    solution and the row's tests with `run_sandboxed`, called as the agent loop calls it."""
+    from hybridrl.tools import build_registry
+    from hybridrl.tools.parsing import ToolCall
+
+    registry = build_registry(["run_tests"], tools_file=ROOT / "configs/examples/sandboxed_tools.py")
+    row = {"extra_info": {"tests": "assert solution.add(2, 3) == 5"}}
+
+    def call(solution: str):
+        return registry.execute(ToolCall("run_tests", {"solution": solution}, 0), row)
+
+    assert (call("def add(a, b):\n    return a + b").text) == "all tests passed\n"
+    wrong = call("def add(a, b):\n    return a - b")
+    assert wrong.status is ToolStatus.TOOL_ERROR and "AssertionError" in wrong.text
+    snooping = call(f"print(open({str(world['home'] / '.netrc')!r}).read())")
+    assert "FileNotFoundError" in snooping.text and world["secrets"]["home"] not in snooping.text

@@ -29,6 +29,7 @@ from hybridrl.config.schema import DataConfig, JobConfig, ModelConfig
 from hybridrl.data.dataset import DatasetError, FilePreview, preview_file
 from hybridrl.rewards.custom import RewardFunctionError, load_reward_function, signature_problem
 from hybridrl.rewards.registry import AUTO, UnknownScorerError, get_scorer, known_scorer_names, scorer_for_data_source
+from hybridrl.tools.sandbox import ENABLE_NAMESPACES, sandbox_problem
 
 # A Hugging Face hub id: "name" or "org/name" of letters, digits, - _ . (no path separators beyond one "/").
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
@@ -101,7 +102,23 @@ def check_inputs(config: JobConfig, issues: list[ConfigIssue], *, critic: bool) 
         absent |= not files or any(not Path(file).exists() for file in files)
     _check_data(config, issues, chat_template)
     _check_reward(config, issues)
+    _check_sandbox(config, issues)
     return absent
+
+
+def _check_sandbox(config: JobConfig, issues: list[ConfigIssue]) -> None:
+    """The python tool's operating-system sandbox starts on this machine (the rollout workers check again
+    where they run): never a silent fallback to a weaker one."""
+    multi_turn = config.actor_rollout_ref.rollout.multi_turn
+    if not (multi_turn.enable and "python" in multi_turn.tools and multi_turn.sandbox.isolation == "namespaces"):
+        return
+    problem = sandbox_problem()
+    if problem is not None:
+        issues.append(ConfigIssue(
+            "actor_rollout_ref.rollout.multi_turn.sandbox.isolation", "namespaces",
+            f"the python tool's sandbox cannot start on this machine: {problem}. Options: {ENABLE_NAMESPACES}; "
+            "or opt out explicitly with sandbox.isolation=none (a plain subprocess with limits, not a boundary "
+            "against hostile code; warned on every run)", ["namespaces", "none"]))
 
 
 def _missing_folder_rule(path: str) -> str:

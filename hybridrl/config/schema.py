@@ -21,6 +21,7 @@ from hybridrl.algorithms.names import (
     ROLLOUT_IS_LEVELS,
     ROLLOUT_MASK_LEVELS,
 )
+from hybridrl.tools.sandbox import Isolation
 
 # Closed vocabularies. A field typed with one of these takes exactly its values: the loader reads
 # them as strings, validation refuses anything else (naming the valid values, with a did-you-mean)
@@ -30,6 +31,7 @@ Device = Literal["cuda", "cpu"]
 Dtype = Literal["bf16", "fp16", "fp32"]
 LoggerName = Literal["console", "jsonl", "tensorboard", "wandb"]
 RolloutEngineName = Literal["vllm"]
+SandboxIsolation = Isolation  # hybridrl.tools.sandbox: "namespaces" or "none"
 Strategy = Literal["megatron"]
 OptimizerName = Literal["adam", "sgd"]
 LrDecayStyle = Literal["constant", "linear", "cosine"]
@@ -276,6 +278,11 @@ class SamplingConfig:
 
 @dataclass
 class SandboxConfig:
+    isolation: SandboxIsolation = doc(
+        "namespaces", "python tool: namespaces = an OS sandbox (bubblewrap namespaces, seccomp, "
+                      "kernel limits; hybridrl/tools/sandbox.py), refused at plan time where the kernel cannot "
+                      "give one; none = a plain subprocess with limits and a Python audit hook, NOT a boundary "
+                      "against hostile code (warned on every run)")
     wall_time_s: float = doc(10.0, "python tool: wall-time limit of one run (the process group is killed)")
     cpu_time_s: int = doc(5, "python tool: CPU-time limit of one run (RLIMIT_CPU)")
     memory_mb: int = doc(512, "python tool: address-space limit in MiB (RLIMIT_AS)")
@@ -301,6 +308,9 @@ class MultiTurnConfig:
     tool_parser: str = doc("hermes", "how tool calls are read from a model turn (hybridrl.tools parsers)")
     tools_file: str | None = doc(None, "Python file defining TOOL_SCHEMAS and their functions (trusted code)")
     max_observation_chars: int = doc(4096, "a tool's answer is cut to this many characters")
+    tool_timeout_s: float | None = doc(
+        None, "tools file tools: each call runs in a process of its own, killed past this many seconds (state "
+              "a call changes is not kept); None = in the rollout worker, without a limit")
     sandbox: SandboxConfig = doc(factory=SandboxConfig, text="limits of the python tool's sandbox")
     turn_reward: TurnRewardConfig = doc(
         factory=TurnRewardConfig, text="per-turn rewards, on each model turn's last token, added to "

@@ -632,6 +632,13 @@ def _check_multi_turn(check: _Checker, config: JobConfig) -> None:
     if mt.tool_parser not in available_parsers() and mt.tools_file is None:
         check.fail(f"{prefix}.tool_parser", mt.tool_parser, "is not a registered tool-call parser",
                    available_parsers())
+    if mt.tool_timeout_s is not None:
+        check.in_range(f"{prefix}.tool_timeout_s", mt.tool_timeout_s, 0, 86400, low_open=True)
+    if mt.sandbox.isolation == "none" and "python" in (tools or ()):
+        check.warnings.append(f"{prefix}.sandbox.isolation=none: the python tool runs model-written code as a plain "
+                              "subprocess with limits and a Python audit hook, which is not a boundary against "
+                              "hostile code (it can read what the trainer can); use namespaces where the kernel "
+                              "allows user namespaces")
     for name in ("wall_time_s", "cpu_time_s", "memory_mb", "max_file_mb", "max_output_bytes"):
         value = getattr(mt.sandbox, name)
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:

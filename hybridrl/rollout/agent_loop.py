@@ -25,6 +25,7 @@ without a model.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from typing import Any, Protocol
 from hybridrl.rollout.turn_rewards import ModelTurn, TurnRewarder
 from hybridrl.tools import Observation, ToolMetrics, ToolRegistry, ToolStatus
 from hybridrl.tools.parsing import ToolCallParser
+
+logger = logging.getLogger(__name__)
 
 FinishReason = str  # "stop": answered without a tool call; "max_turns"; "length": the token budget
 
@@ -307,7 +310,11 @@ def build_agent_loop(multi_turn: Any, tokenizer: Any, end_of_turn_ids: Sequence[
     limits = SandboxLimits(wall_time_s=sandbox.wall_time_s, cpu_time_s=sandbox.cpu_time_s,
                            memory_mb=sandbox.memory_mb, max_file_mb=sandbox.max_file_mb,
                            max_output_bytes=sandbox.max_output_bytes)
+    if sandbox.isolation == "none":
+        logger.warning("rollout.multi_turn.sandbox.isolation=none: the python tool runs model-written code as a "
+                       "plain subprocess with limits, which is not a boundary against hostile code")
     registry = build_registry(multi_turn.tools, tools_file=multi_turn.tools_file, sandbox=limits,
+                              isolation=sandbox.isolation, tool_timeout_s=multi_turn.tool_timeout_s,
                               max_observation_chars=multi_turn.max_observation_chars)
     return AgentLoop(registry, get_parser(multi_turn.tool_parser), ObservationRenderer(tokenizer, end_of_turn_ids),
                      AgentLoopSettings(max_turns=multi_turn.max_turns),

