@@ -183,6 +183,10 @@ def contained(outcome: Outcome) -> bool:
             and outcome.left_running == 0 and outcome.secrets_seen == [])
 
 
+# CI (.ci/run) sets HYBRIDRL_REQUIRE_SANDBOX=1: there a machine without namespaces fails these tests rather
+# than skipping them; elsewhere (a laptop in a locked-down container) they are skipped, saying why.
+if os.environ.get("HYBRIDRL_REQUIRE_SANDBOX") == "1" and sandbox_problem() is not None:
+    raise RuntimeError(f"HYBRIDRL_REQUIRE_SANDBOX=1 but {sandbox_problem()}")
 needs_namespaces = pytest.mark.skipif(sandbox_problem() is not None,
                                       reason=f"no namespace sandbox here: {sandbox_problem()}")
 
@@ -335,3 +339,39 @@ def test_the_documented_user_tool_runs_the_models_code_in_the_sandbox(world):
     assert wrong.status is ToolStatus.TOOL_ERROR and "AssertionError" in wrong.text
     snooping = call(f"print(open({str(world['home'] / '.netrc')!r}).read())")
     assert "FileNotFoundError" in snooping.text and world["secrets"]["home"] not in snooping.text
+
+
+@needs_namespaces
+def test_the_tool_runs_sandboxed_inside_a_ray_worker(ray_cluster, world):
+    """Where the agent loop really runs it: a Ray worker process (with Ray's own environment and sockets)
+    builds the registry from a job's multi_turn section and runs an attack; the worker survives it."""
+    import ray
+
+    from hybridrl.config.schema import MultiTurnConfig
+
+    @ray.remote(num_cpus=0)
+    def call_in_worker(code: str) -> tuple[str, str, int]:
+        from hybridrl.rollout.agent_loop import build_agent_loop  # noqa: F401  (the loop's import path)
+        from hybridrl.tools import build_registry
+        from hybridrl.tools.parsing import ToolCall
+
+        registry = build_registry(["python"], isolation=MultiTurnConfig().sandbox.isolation)
+        code = code.replace("WORKER_PID", str(os.getpid()))  # the attack aims at this very worker
+        observation = registry.execute(ToolCall("python", {"code": code}, 0))
+        return observation.status.value, observation.text, os.getpid()
+
+    code = TAMPER_GC + textwrap.dedent(f"""
+        import os, ctypes
+        print(sorted(os.environ))
+        print(os.path.exists('/tmp/ray'), os.path.exists({str(world['home'])!r}))
+        print(ctypes.CDLL(None).kill(os.getppid(), 9), ctypes.CDLL(None).kill(WORKER_PID, 9))
+        """)
+    status, text, pid = ray.get(call_in_worker.remote(code), timeout=120)
+    lines = text.splitlines()
+    assert status == "ok", text
+    assert not any(name.startswith("RAY") for name in eval(lines[0]))
+    assert lines[1] == "False False"  # Ray's session folder and the trainer's files are not there
+    # the Ray worker's pid does not exist in the sandbox's PID namespace (-1, ESRCH); its parent there is
+    # the namespace's own init (bwrap's), which the kernel shields from SIGKILL sent from inside
+    assert lines[2].split()[1] == "-1"
+    os.kill(pid, 0)  # the worker that ran the tool lives on (ProcessLookupError otherwise)
