@@ -98,10 +98,11 @@ def matmul_tflops(device: str, dtype: torch.dtype, size: int) -> float:
     return 2 * size**3 / seconds / 1e12
 
 
-def build_random_model(config: dict[str, Any], dtype: torch.dtype) -> list[Any]:
+def build_random_model(config: dict[str, Any], dtype: torch.dtype,
+                       overrides: dict[str, Any] | None = None) -> list[Any]:
     from hybridrl.models.bridge import build_gpt_models
 
-    models = build_gpt_models(config, dtype=dtype)
+    models = build_gpt_models(config, dtype=dtype, config_overrides=overrides)
     # The bridge builds for a checkpoint (no init); random normal weights keep the numerics finite.
     generator = torch.Generator(device="cpu").manual_seed(0)
     with torch.no_grad():
@@ -142,6 +143,33 @@ def actor_figures(model: Any, config: dict[str, Any], device: str, batch: int, s
         "logprob_tokens_per_s": n_tokens / logprob_s,
         "logprob_tflops": flops_per_token(config, seq, training=False) * n_tokens / logprob_s / 1e12,
     }
+
+
+def speed_figures(config: dict[str, Any], device: str, dtype: torch.dtype, batch: int, seq: int, iters: int,
+                  peak_tflops: float) -> dict[str, Any]:
+    """issue 47: the update's forward + backward with hybridrl's cuda defaults (`speed_settings`: the fusions
+    megatron serves here) against megatron-core's dataclass defaults (every fusion off), side by side on the
+    same shape; which fusions could not run on this machine (no TransformerEngine, no Apex) and why. The DDP
+    overlaps need DP > 1: one GPU cannot measure them."""
+    from hybridrl.parallel.device import apex_wgrad_available, layer_spec_kind
+    from hybridrl.parallel.speed_settings import speed_settings, transformer_values
+
+    settings = speed_settings(cuda=True, trainable=True, data_parallel=1,  # what a cuda job gets
+                              distributed_optimizer=True, te=layer_spec_kind(device) == "te",
+                              apex_wgrad=apex_wgrad_available())
+    fused = transformer_values(settings)
+    if device == "cpu":
+        fused["apply_rope_fusion"] = False  # the CPU check runs the same logic; megatron's CPU RoPE slot is not TE's
+    row: dict[str, Any] = {"speed_on": sorted(n for n, on in fused.items() if on),
+                           "speed_off": {s.name: s.why for s in settings if not s.on}}
+    for label, overrides in (("megatron_defaults", {name: False for name in fused}), ("hybridrl_defaults", fused)):
+        models = build_random_model(config, dtype, overrides)
+        figures = actor_figures(models[0], config, device, batch, seq, iters, peak_tflops)
+        row[f"{label}_train_tokens_per_s"] = figures["train_tokens_per_s"]
+        row[f"{label}_mfu"] = figures["mfu"]
+        del models
+    row["speedup"] = row["hybridrl_defaults_train_tokens_per_s"] / row["megatron_defaults_train_tokens_per_s"]
+    return row
 
 
 def reshard_figures(models: list[Any], dtype: torch.dtype) -> dict[str, Any]:
@@ -452,6 +480,7 @@ def run(args: argparse.Namespace, out: str | None = None) -> dict[str, Any]:
             row.update(reshard_figures(models, dtype))
             if index == 0:
                 row.update(reshard_layout_check(models, config, dtype))
+            row.update(speed_figures(config, device, dtype, args.batch, args.seq, args.iters, args.peak_tflops))
             if index == 0 and not args.skip_vllm:
                 row.update(vllm_figures(models, config, device, dtype, args.vllm_prompts, args.vllm_tokens))
             row["peak_memory_gib"] = memory_gib(device)
@@ -499,6 +528,11 @@ def render(result: dict[str, Any]) -> str:
               if "vllm" in r and r["vllm"] != "ran"]
     lines += [f"{name}: resharded {r['reshard_layout_tensors']} tensors, {r['reshard_layout_mismatches']} differ "
               "from the layout math" for name, r in result["models"].items() if "reshard_layout_tensors" in r]
+    lines += [f"{name}: update tok/s with hybridrl's cuda defaults {r['hybridrl_defaults_train_tokens_per_s']:.0f} "
+              f"(MFU {r['hybridrl_defaults_mfu']:.1%}) vs megatron's dataclass defaults "
+              f"{r['megatron_defaults_train_tokens_per_s']:.0f} (MFU {r['megatron_defaults_mfu']:.1%}): "
+              f"x{r['speedup']:.2f}; on {', '.join(r['speed_on'])}; off here {', '.join(r['speed_off'])}"
+              for name, r in result["models"].items() if "speedup" in r]
     lines += [f"not reached here: {path}" for path in result.get("unreached", [])]
     return "\n".join(lines)
 

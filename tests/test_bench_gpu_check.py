@@ -36,6 +36,11 @@ def test_tiny_cpu_run_measures_every_part(tmp_path):
     # every vLLM tensor of the tiny model came out, checksummed (embed, lm_head, final norm + 7 per layer)
     assert row["reshard_checksums"] == 3 + 7 * gpu_check.TINY["num_hidden_layers"]
     assert "vllm" not in row
+    # issue 47's side by side: the update with the cuda defaults' fusions against megatron's dataclass defaults,
+    # and which could not run here (no TransformerEngine, no Apex), each with why
+    assert row["speed_on"] == ["bias_activation_fusion", "bias_dropout_fusion"]
+    assert {"apply_rope_fusion", "gradient_accumulation_fusion"} <= set(row["speed_off"])
+    assert row["hybridrl_defaults_train_tokens_per_s"] > 0 and row["megatron_defaults_train_tokens_per_s"] > 0
     # the workers' own data path, fed a host batch as the controller sends it
     workers = data["workers"]
     assert workers["workers_result_devices"] == "cpu"

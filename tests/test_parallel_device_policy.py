@@ -27,7 +27,7 @@ CUDA_FIELDS = {
     "device_rng": True,
     "worker_env": (("CUDA_DEVICE_MAX_CONNECTIONS", "1"),),
     "flush_denormals": False, "reshard_keeps_buffers": False, "optimizer_state_at_setup": False,
-    "wgrad_accumulation_fusion": None,
+    "wgrad_accumulation_fusion": None, "megatron_speed_defaults": True,
 }
 CPU_FIELDS = {
     "name": "cpu", "dist_backend": "gloo", "default_train_dtype": "fp32", "default_rollout_dtype": "fp32",
@@ -44,7 +44,7 @@ CPU_FIELDS = {
     "device_rng": False,
     "worker_env": (("MALLOC_MMAP_MAX_", "0"), ("MALLOC_TRIM_THRESHOLD_", str(1 << 40))), "flush_denormals": True,
     "reshard_keeps_buffers": True, "optimizer_state_at_setup": True,
-    "wgrad_accumulation_fusion": "cpu_stand_in",
+    "wgrad_accumulation_fusion": "cpu_stand_in", "megatron_speed_defaults": False,
 }
 
 

@@ -51,18 +51,20 @@ def _table(name: str, config_class: type) -> list[str]:
 
 def render() -> str:
     import megatron.core
+    from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer import TransformerConfig
 
     lines = [
         "# ruff: noqa: E501 - generated data, one field a line",
-        '"""megatron-core\'s TransformerConfig and OptimizerConfig fields and the value forms each takes (generated',
+        '"""megatron-core\'s TransformerConfig, OptimizerConfig and DistributedDataParallelConfig fields and the value forms each takes (generated',
         "by tools/megatron_fields.py from the installed megatron-core; do not edit). A form is bool, int, float,",
         'str, none, list[<form>], choice:<a>|<b>, enum:<Enum>:<a>|<b>, or other (not writable in a config)."""',
         "",
         f'MEGATRON_CORE_VERSION = "{megatron.core.__version__}"',
         *_table("TRANSFORMER_CONFIG_FIELDS", TransformerConfig),
         *_table("OPTIMIZER_CONFIG_FIELDS", OptimizerConfig),
+        *_table("DDP_CONFIG_FIELDS", DistributedDataParallelConfig),
     ]
     return "\n".join(lines) + "\n"
 

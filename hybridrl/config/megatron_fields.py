@@ -1,5 +1,5 @@
 # ruff: noqa: E501 - generated data, one field a line
-"""megatron-core's TransformerConfig and OptimizerConfig fields and the value forms each takes (generated
+"""megatron-core's TransformerConfig, OptimizerConfig and DistributedDataParallelConfig fields and the value forms each takes (generated
 by tools/megatron_fields.py from the installed megatron-core; do not edit). A form is bool, int, float,
 str, none, list[<form>], choice:<a>|<b>, enum:<Enum>:<a>|<b>, or other (not writable in a config)."""
 
@@ -299,4 +299,33 @@ OPTIMIZER_CONFIG_FIELDS: dict[str, tuple[str, ...]] = {
     "use_precision_aware_optimizer": ("bool",),
     "use_torch_optimizer_for_cpu_offload": ("bool",),
     "weight_decay": ("float",),
+}
+DDP_CONFIG_FIELDS: dict[str, tuple[str, ...]] = {
+    "align_param_gather": ("bool",),
+    "average_in_collective": ("bool",),
+    "bucket_size": ("int", "none"),
+    "check_for_large_grads": ("bool",),
+    "check_for_nan_in_grad": ("bool",),
+    "data_parallel_sharding_strategy": ("str",),
+    "delay_wgrad_compute": ("bool",),
+    "disable_symmetric_registration": ("bool",),
+    "fp8_param_gather": ("bool",),
+    "fsdp_double_buffer": ("bool",),
+    "fsdp_manual_registration": ("bool",),
+    "grad_reduce_in_fp32": ("bool",),
+    "gradient_reduce_div_fusion": ("bool",),
+    "keep_fp8_transpose_cache": ("bool",),
+    "nccl_ub": ("bool",),
+    "num_distributed_optimizer_instances": ("int",),
+    "outer_dp_sharding_strategy": ("str",),
+    "overlap_grad_reduce": ("bool",),
+    "overlap_param_gather": ("bool",),
+    "pad_buckets_for_high_nccl_busbw": ("bool",),
+    "preserve_fp32_weights": ("bool",),
+    "reduce_scatter_with_fp32_accumulation": ("bool",),
+    "reuse_grad_buf_for_mxfp8_param_ag": ("bool",),
+    "suggested_communication_unit_size": ("int",),
+    "use_custom_fsdp": ("bool",),
+    "use_distributed_optimizer": ("bool",),
+    "use_megatron_fsdp": ("bool",),
 }

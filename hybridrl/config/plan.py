@@ -59,6 +59,7 @@ from hybridrl.config.validate import MEGATRON_SPLIT_FLAGS, megatron_sections, va
 from hybridrl.models.arch import ModelShape, UnsupportedModelError, read_hf_config, value_model_hf_config
 from hybridrl.names import Role
 from hybridrl.parallel.device_policy import DevicePolicy
+from hybridrl.parallel.speed_settings import SpeedSetting, speed_settings
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,9 @@ class ReshardPlan:
     cross_pool: CrossPoolTraffic | None = None  # disaggregated
 
 
+TRAINED_ROLES = (Role.ACTOR, Role.CRITIC)  # the roles with gradients, an optimizer and megatron's DDP
+
+
 @dataclass(frozen=True)
 class Plan:
     config: JobConfig
@@ -172,6 +176,16 @@ class Plan:
     # Convenience lookups -----------------------------------------------------------------
     def layout(self, role: str) -> RoleLayout:
         return _find(self.layouts, role, "role")
+
+    def speed_settings(self, role: str) -> tuple[SpeedSetting, ...]:
+        """megatron's fusions and overlaps `role` runs with (cuda; empty on cpu). Whether TransformerEngine and
+        Apex import is the workers' to tell: here those two settings say what decides them."""
+        layout = self.layout(role)
+        return speed_settings(
+            cuda=self.device_policy.megatron_speed_defaults, trainable=role in TRAINED_ROLES,
+            data_parallel=layout.mesh.dp, distributed_optimizer=layout.megatron.use_distributed_optimizer,
+            user_transformer=layout.megatron.override_transformer_config,
+            user_ddp=layout.megatron.override_ddp_config)
 
     def update(self, role: str) -> UpdatePlan:
         return _find(self.updates, role, "role")

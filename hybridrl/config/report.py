@@ -247,6 +247,7 @@ def render_plan(plan: Plan) -> str:
             f"(×{traffic.ratio_to_lower_bound:.2f} the lower bound) vs naive {total_naive / MIB:,.1f} MiB; "
             f"model {traffic.model_bytes / MIB:,.1f} MiB in {plan.reshard.dtype}"
         )
+    out += ["", *speed_lines(plan)]
     out += ["", *failure_cost_lines(cfg.trainer.save_freq, cfg.trainer.max_restarts)]
     if plan.warnings:
         out += ["", "Warnings:"] + [f"  - {w}" for w in plan.warnings]
@@ -325,3 +326,17 @@ def failure_cost_lines(save_freq: int, max_restarts: int, step_s: float | None =
         cost = "a failure loses every step since the start (trainer.save_freq=-1: no checkpoints)"
     return [f"On a worker failure {then}; {cost}."]
 
+
+def speed_lines(plan: Plan) -> list[str]:
+    """Which of megatron's fusions and overlaps each role runs with, and why any is off
+    (`hybridrl.parallel.speed_settings`; override_transformer_config / override_ddp_config change them)."""
+    if not plan.device_policy.megatron_speed_defaults:
+        return [f"Fusions and overlaps: none on trainer.device={plan.resolved.device} (megatron's CPU layer; the "
+                "fused CUDA kernels and NCCL's overlapped collectives apply on cuda)"]
+    out = ["Fusions and overlaps (megatron; override_transformer_config / override_ddp_config turn one off or on)"]
+    for layout in plan.layouts:
+        settings = plan.speed_settings(layout.role)
+        on = [s.name for s in settings if s.on]
+        out.append(f"  {layout.role}: on {', '.join(on) if on else 'none'}")
+        out += [f"    off {s.name}: {s.why}" for s in settings if not s.on]
+    return out

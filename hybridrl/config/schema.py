@@ -212,6 +212,11 @@ class MegatronConfig:
         "value checked against megatron-core's TransformerConfig; fields hybridrl sets from the model, the layout "
         "or the device are refused, those with a hybridrl field of their own are read as it")
 
+    override_ddp_config: dict[str, Any] = doc(
+        factory=dict, text="megatron DistributedDataParallelConfig fields set as given (verl's key), e.g. "
+        "overlap_grad_reduce, overlap_param_gather, bucket_size: each name and value checked against megatron-core's; "
+        "on cuda the overlaps are on by default where they apply (hybridrl plan lists them), false turns one off")
+
     @property
     def sequence_parallel_in_effect(self) -> bool:
         """`sequence_parallel` as megatron applies it: only with TP > 1 (a validated config's sizes)."""

@@ -20,6 +20,7 @@ from hybridrl.algorithms.names import (
 )
 from hybridrl.config.errors import ConfigIssue
 from hybridrl.config.megatron_fields import (
+    DDP_CONFIG_FIELDS,
     MEGATRON_CORE_VERSION,
     OPTIMIZER_CONFIG_FIELDS,
     TRANSFORMER_CONFIG_FIELDS,
@@ -149,6 +150,7 @@ def validate(
     _check_expert_tp_uses(check, config)
     _check_transformer_overrides(check, config, resolved, model)
     _check_optimizer_overrides(check, config, resolved)
+    _check_ddp_overrides(check, config)
     if model is not None and model.is_moe and resolved.critic_enabled and not config.critic.model.path:
         # A value head on an MoE backbone (router losses, expert-parallel critic) is not built or tested.
         check.fail("critic.model.path", config.critic.model.path,
@@ -334,6 +336,39 @@ def _check_optimizer_overrides(check: _Checker, config: JobConfig, resolved: Res
                                   "host and steps there (verl's scripts set both)")
 
 
+# megatron DistributedDataParallelConfig fields hybridrl sets itself (the training backend): refused in
+# override_ddp_config, naming where the value comes from.
+DDP_FIELDS_SET_BY = {
+    "the role's megatron.use_distributed_optimizer": ("use_distributed_optimizer",),
+    "its fp32 gradient reduction (the reference the tests hold the update to)": ("grad_reduce_in_fp32",),
+    "its DDP wrapper (megatron's FSDP is not served)": ("use_megatron_fsdp", "use_custom_fsdp"),
+}
+TRAINED_SECTIONS = ("actor_rollout_ref.actor.megatron", "critic.megatron")
+
+
+def _check_ddp_overrides(check: _Checker, config: JobConfig) -> None:
+    """`override_ddp_config` (verl's key) of each trained role: names and values of megatron's
+    DistributedDataParallelConfig, none that hybridrl sets, the parameter-gather overlap only with the
+    distributed optimizer (megatron's rule); a frozen role's section has no DDP to configure."""
+    set_by = {name: source for source, names in DDP_FIELDS_SET_BY.items() for name in names}
+    for prefix, mc in megatron_sections(config):
+        where = f"{prefix}.override_ddp_config"
+        if prefix not in TRAINED_SECTIONS:
+            if mc.override_ddp_config:
+                check.fail(where, mc.override_ddp_config, "configures megatron's DDP, which only a trained role "
+                           "(actor, critic) has")
+            continue
+        _check_megatron_settings(check, where, mc.override_ddp_config, "DistributedDataParallelConfig",
+                                 DDP_CONFIG_FIELDS, set_by, {}, "")
+        if mc.override_ddp_config.get("overlap_param_gather") is True:
+            if not mc.use_distributed_optimizer:
+                check.fail(f"{where}.overlap_param_gather", True, f"needs {prefix}.use_distributed_optimizer=true "
+                           "(the parameter all-gather is the distributed optimizer's)", [False])
+            elif mc.override_ddp_config.get("overlap_grad_reduce") is False:
+                check.fail(f"{where}.overlap_param_gather", True, f"needs {where}.overlap_grad_reduce=true "
+                           "(Megatron-LM refuses one without the other)", [False])
+
+
 def _check_transformer_overrides(check: _Checker, config: JobConfig, resolved: Resolved,
                                  model: ModelShape | None) -> None:
     """`override_transformer_config` (verl's key): each name a field of megatron's TransformerConfig that hybridrl
@@ -355,6 +390,12 @@ def _check_transformer_overrides(check: _Checker, config: JobConfig, resolved: R
                                  device_settings, "needs CUDA kernels: on trainer.device=cpu the CPU layer runs "
                                                   "without them")
         _check_recompute(check, config, prefix, mc, model)
+        if not cpu and prefix in TRAINED_SECTIONS and overrides.get("gradient_accumulation_fusion") is True:
+            check.warnings.append(
+                f"{where}.gradient_accumulation_fusion=true needs Apex's fused_weight_gradient_mlp_cuda on every "
+                "worker (megatron's own output layer uses it even under TransformerEngine's spec), which hybridrl's "
+                "GPU stack does not install: the workers stop at start-up without it (hybridrl turns it on by itself "
+                "where Apex imports)")
 
 
 def _takes_form(value: Any, forms: Sequence[str]) -> bool:

@@ -161,6 +161,14 @@ def te_available() -> bool:
         return False
 
 
+def apex_wgrad_available() -> bool:
+    """Whether Apex's fused_weight_gradient_mlp_cuda (megatron's gradient-accumulation fusion) is importable."""
+    try:
+        return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def layer_spec_kind(device: str, te_available: bool | None = None) -> LayerSpecKind:
     """Which megatron layer spec to build: 'te' on GPUs with Transformer Engine, else 'local'.
 

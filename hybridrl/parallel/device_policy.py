@@ -148,9 +148,13 @@ class DevicePolicy:
     # Who serves megatron's gradient-accumulation fusion for trained roles (weight-gradient GEMMs that
     # accumulate into DDP's main_grad: no grad tensor, no add pass per weight and micro-batch), or None
     # to leave megatron's flag off. CPU: the stand-in for Apex's CUDA kernel
-    # (`hybridrl.parallel.cpu_wgrad`). CUDA: off, as megatron-core's default (Apex's kernel or TE's
-    # fuse_wgrad_accumulation would serve it; neither is exercised by this project's tests).
+    # (`hybridrl.parallel.cpu_wgrad`). CUDA: None here; `speed_settings` turns megatron's flag on where
+    # Apex's kernel imports on the worker (megatron's own output layer needs it even under TE's spec).
     wgrad_accumulation_fusion: str | None
+    # megatron's fused kernels and DDP communication overlap on by default where they apply
+    # (`hybridrl.parallel.speed_settings`): CUDA kernels and NCCL's asynchronous collectives. Off on CPU,
+    # where the CPU layer decides its own settings.
+    megatron_speed_defaults: bool
 
     @classmethod
     def for_device(cls, name: str) -> DevicePolicy:
@@ -179,6 +183,7 @@ CUDA = DevicePolicy(
     vllm_top_k_keeps_ties=False, device_rng=True, worker_env=(("CUDA_DEVICE_MAX_CONNECTIONS", "1"),),
     flush_denormals=False,
     reshard_keeps_buffers=False, optimizer_state_at_setup=False, wgrad_accumulation_fusion=None,
+    megatron_speed_defaults=True,
 )
 
 CPU = DevicePolicy(
@@ -192,7 +197,7 @@ CPU = DevicePolicy(
     vllm_top_k_keeps_ties=True, device_rng=False,
     worker_env=(("MALLOC_MMAP_MAX_", "0"), ("MALLOC_TRIM_THRESHOLD_", str(1 << 40))),
     flush_denormals=True, reshard_keeps_buffers=True, optimizer_state_at_setup=True,
-    wgrad_accumulation_fusion="cpu_stand_in",
+    wgrad_accumulation_fusion="cpu_stand_in", megatron_speed_defaults=False,
 )
 
 # What Transformer Engine decides on cuda, in the one wording `hybridrl doctor`, `hybridrl plan` and the

@@ -305,6 +305,7 @@ class MegatronActor:
                     response_tokens_only=True)
                 skipped += not applied
                 steps.append(step)
+        backend.finish_param_gather()
         padding_ratio, shared_ratio = backend.tokens_seen.ratios(backend.ctx.dp_group)
         moe = ({} if self.moe_metrics is None else
                self.moe_metrics.collect(backend.ctx, collective_device(), bool(backend.config.sequence_parallel)))

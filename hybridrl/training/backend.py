@@ -42,8 +42,15 @@ from hybridrl.parallel.context_parallel import gather_from_cp, split_for_cp_rank
 from hybridrl.parallel.cpu_attention import shared_prefix_seq_params
 from hybridrl.parallel.cpu_layer import apply_cpu_layer
 from hybridrl.parallel.cpu_wgrad import install_cpu_wgrad_fusion
-from hybridrl.parallel.device import collective_device, default_dtype_for, layer_spec_kind, to_rank_device
+from hybridrl.parallel.device import (
+    apex_wgrad_available,
+    collective_device,
+    default_dtype_for,
+    layer_spec_kind,
+    to_rank_device,
+)
 from hybridrl.parallel.device_policy import WITHOUT_TE, DevicePolicy
+from hybridrl.parallel.speed_settings import ddp_values, speed_settings, transformer_values
 from hybridrl.training.lr_schedule import LRSchedule
 from hybridrl.training.micro_batching import Partition, partition_rows
 from hybridrl.training.moe_capacity import without_capacity
@@ -424,8 +431,22 @@ class MegatronBackend:
             overrides["moe_enable_routing_replay"] = True
         self.replay_mismatch = ReplayMismatch()  # filled by replayed forwards; callers reset and read it
         self.source = source
-        # the user's megatron settings (verl's override_transformer_config; the plan refused any of hybridrl's own)
-        overrides = {**megatron_settings(megatron.override_transformer_config), **overrides}
+        # on cuda megatron's fusions and overlaps (each a default the user's own setting overrides), then the user's
+        # megatron settings (verl's override_transformer_config; the plan refused any of hybridrl's own)
+        self.speed = speed_settings(
+            cuda=self.device_policy.megatron_speed_defaults, trainable=spec.trainable, data_parallel=self.ctx.dp,
+            distributed_optimizer=megatron.use_distributed_optimizer,
+            te=layer_spec_kind(self.ctx.device) == "te", apex_wgrad=apex_wgrad_available(),
+            user_transformer=megatron.override_transformer_config, user_ddp=megatron.override_ddp_config)
+        if (self.device_policy.megatron_speed_defaults and spec.trainable and not apex_wgrad_available()
+                and megatron.override_transformer_config.get("gradient_accumulation_fusion") is True):
+            # megatron's own output layer (a ColumnParallelLinear even under TE's spec) raises a RuntimeError later
+            raise ValueError(f"{spec.role}: override_transformer_config.gradient_accumulation_fusion=true needs Apex's "
+                             "fused_weight_gradient_mlp_cuda on this worker (megatron's output layer uses it), which "
+                             "does not import here: install Apex with its CUDA extensions, or set it false (hybridrl "
+                             "then leaves it off, as `hybridrl plan` shows)")
+        overrides = {**transformer_values(self.speed), **megatron_settings(megatron.override_transformer_config),
+                     **overrides}
         chunks = build_gpt_models(source, ctx=self.ctx, dtype=self.dtype, config_overrides=overrides)
         if spec.value_head:
             # Seeded like the model so every rank (TP, PP, DP) builds the same initial head.
@@ -535,8 +556,10 @@ class MegatronBackend:
             raise ValueError(f"training with virtual pipeline stages needs pp > 2 (got pp={self.ctx.pp}, "
                              f"vpp={self.ctx.vpp}); forward-only roles may use it")
         distributed = spec.megatron.use_distributed_optimizer
+        # fp32 gradient reduction; the overlaps on by default on cuda (`speed_settings`), the user's DDP settings last
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed,
+            grad_reduce_in_fp32=True, use_distributed_optimizer=distributed,
+            **{**ddp_values(self.speed), **spec.megatron.override_ddp_config},
         )
         # Megatron-LM buckets only the first chunk (the others' grads are reduced at the end anyway).
         models = [
@@ -746,6 +769,15 @@ class MegatronBackend:
             self.schedule.step_count += 1
         return StepResult(list(metrics), float(grad_norm) if grad_norm is not None else float("nan"), lr,
                           bool(applied))
+
+    def finish_param_gather(self) -> None:
+        """After an update's last optimizer step: with megatron's overlapped parameter all-gather the gathered
+        weights arrive only in the next forward's pre-hooks, so complete it now, before anything reads them
+        (the weight sync, a checkpoint, an offload, the next log-prob pass). A no-op without the overlap."""
+        if not self.spec.trainable or not self.models[0].ddp_config.overlap_param_gather:
+            return
+        for model in self.models:
+            model.start_param_sync(force_sync=True)
 
     # ------------------------------------------------------------------------- offloading
     def offload_training_state(self) -> None:

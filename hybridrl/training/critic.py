@@ -95,6 +95,7 @@ class MegatronCritic:
                     extra_keys=("values", "returns"), dynamic=self.dynamic, max_tokens=self.max_tokens)
                 skipped += not applied
                 steps.append(step)
+        backend.finish_param_gather()
         if not backend.is_output_rank:
             return None
         mean = average_steps(steps)
