@@ -1,4 +1,5 @@
-"""Hosts as Linux network namespaces (root only: `ip netns`, iproute2), for the launch scripts' address logic.
+"""Hosts as Linux network namespaces (root only: `ip netns`, iproute2): the launch scripts' address logic, and
+runs across machines (`Cluster`).
 
 `multi_homed_host()` makes one namespace with two interfaces, the way a cluster node often looks: first a
 docker-like bridge address (172.17.0.1, the first one `hostname -I` lists), then the cluster network
@@ -7,7 +8,11 @@ docker-like bridge address (172.17.0.1, the first one `hostname -I` lists), then
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import os
+import signal
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -35,3 +40,94 @@ def multi_homed_host() -> Iterator[str]:
         yield name
     finally:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+# ---- several hosts on one private network, for runs across machines ------------------------------------
+
+DOCKER_LIKE_IP = "172.17.0.1"  # on every cluster host, listed first by `hostname -I`, routing nowhere
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+    namespace: str
+    address: str  # its IPv4 address on the cluster network
+    ifname: str  # the interface holding it (one end of a veth pair; the other end is on the switch)
+
+
+class Cluster:
+    """`count` hosts (network namespaces) on one /24, joined by a Linux bridge in a switch namespace of its own.
+
+    Each host has its own loopback, its cluster interface (`Host.ifname`, with a default route through the
+    cluster network, as on a real node) and, listed first, a docker-like bridge address that reaches nothing
+    (so an address picked from `hostname -I` or the host name is wrong, as it often is on real nodes). The
+    filesystem is shared. Leaving the context kills every process still in a host and deletes the namespaces,
+    also when the test failed. Root only.
+    """
+
+    def __init__(self, count: int) -> None:
+        token = uuid.uuid4().hex[:6]
+        net = int(token[:4], 16)
+        self.subnet = f"10.{200 + net % 50}.{net // 50 % 250}"
+        self.switch = f"hrl{token}sw"
+        self.hosts = [Host(f"hrl{token}h{i}", f"{self.subnet}.{i + 1}", f"hrl{token}e{i}") for i in range(count)]
+
+    def __enter__(self) -> Cluster:
+        try:
+            _ip("netns", "add", self.switch)
+            _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", "br0", "up")
+            for host in self.hosts:
+                _ip("netns", "add", host.namespace)
+                # the docker-like interface first: `hostname -I` lists it before the cluster address
+                _ip("-n", host.namespace, "link", "add", "docker0", "type", "veth", "peer", "name", "docker0p")
+                _ip("-n", host.namespace, "addr", "add", f"{DOCKER_LIKE_IP}/16", "dev", "docker0")
+                port = f"{host.ifname}s"
+                _ip("link", "add", host.ifname, "netns", host.namespace, "type", "veth", "peer", "name", port,
+                    "netns", self.switch)
+                _ip("-n", self.switch, "link", "set", port, "master", "br0")
+                _ip("-n", self.switch, "link", "set", port, "up")
+                _ip("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", host.ifname)
+                for dev in ("lo", "docker0", "docker0p", host.ifname):
+                    _ip("-n", host.namespace, "link", "set", dev, "up")
+                _ip("-n", host.namespace, "route", "add", "default", "via", f"{self.subnet}.254")
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name in [h.namespace for h in self.hosts] + [self.switch]:
+            self.kill_processes(name)
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+    def command(self, host: Host, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", host.namespace, *argv]
+
+    def popen(self, host: Host, argv: list[str], **kwargs: object) -> subprocess.Popen:
+        return subprocess.Popen(self.command(host, argv), **kwargs)  # type: ignore[call-overload]
+
+    def run(self, host: Host, argv: list[str], **kwargs: object) -> subprocess.CompletedProcess:
+        return subprocess.run(self.command(host, argv), **kwargs)  # type: ignore[call-overload]
+
+    def pids(self, namespace: str) -> list[int]:
+        result = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
+        return [int(p) for p in result.stdout.split()]
+
+    def kill_processes(self, namespace: str) -> None:
+        for _ in range(50):
+            pids = self.pids(namespace)
+            if not pids:
+                return
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.1)
+
+    def sent_bytes(self, host: Host) -> int:
+        """Bytes the host has sent on its cluster link (the veth's counter)."""
+        out = self.run(host, ["cat", f"/sys/class/net/{host.ifname}/statistics/tx_bytes"], capture_output=True,
+                       text=True, check=True)
+        return int(out.stdout)
+
+    def set_link(self, host: Host, up: bool) -> None:
+        _ip("-n", host.namespace, "link", "set", host.ifname, "up" if up else "down")

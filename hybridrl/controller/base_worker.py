@@ -44,6 +44,18 @@ from hybridrl.parallel import state
 RESTART_ENV = "HYBRIDRL_RESTART"
 
 
+def interface_of(address: str) -> str | None:
+    """The network interface holding the IPv4 `address`, or None (not found, or loopback)."""
+    import psutil
+
+    if address.startswith("127."):
+        return None
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == address for a in addresses):
+            return name
+    return None
+
+
 @dataclass(frozen=True)
 class RankContext:
     """Where a worker sits: its group's role, its global rank, and its place on its node."""
@@ -110,6 +122,14 @@ class Worker:
             LOCAL_WORLD_SIZE=str(c.local_world_size), GROUP_RANK=str(c.node_rank),
         )
         os.environ[RESTART_ENV] = str(c.restart)
+        if "GLOO_SOCKET_IFNAME" not in os.environ:
+            # gloo advertises each rank under the address its host name resolves to unless told an interface, and
+            # many images map the host name to loopback (127.0.1.1): a rank on another node could not connect. The
+            # interface of this node's Ray address reaches the other nodes (launch/ray_*.sh export it; a cluster
+            # started otherwise, e.g. by KubeRay or a plain `ray start`, gets it here). A user's own value is kept.
+            ifname = interface_of(ray.util.get_node_ip_address())
+            if ifname is not None:
+                os.environ["GLOO_SOCKET_IFNAME"] = ifname
 
     @property
     def rank(self) -> int:
@@ -124,10 +144,10 @@ class Worker:
         """Liveness probe; returns the rank."""
         return self.context.rank
 
-    def placement(self) -> tuple[str, list[str]]:
-        """(Ray node id, accelerator ids Ray assigned to this actor)."""
+    def placement(self) -> tuple[str, list[str], str]:
+        """(Ray node id, accelerator ids Ray assigned to this actor, the node's address)."""
         gpu_ids = [str(i) for i in ray.get_gpu_ids()] if self.context.use_gpu else []
-        return ray.get_runtime_context().get_node_id(), gpu_ids
+        return ray.get_runtime_context().get_node_id(), gpu_ids, ray.util.get_node_ip_address()
 
     def set_local_placement(self, local_rank: int, local_world_size: int, visible_devices: list[str]) -> None:
         """Adopt the rank's position among the group's ranks on its physical node.

@@ -183,6 +183,7 @@ class WorkerGroup:
             world = pool.world_size
             process_env = worker_process_env(pool.device_policy)
             self.actors: list[ActorHandle] = []
+            self.node_addresses: list[str] = []
             for rank in range(world):
                 group, bundle = pool.locate(rank)
                 context = RankContext(
@@ -211,13 +212,22 @@ class WorkerGroup:
     def world_size(self) -> int:
         return len(self.actors)
 
+    def placement_line(self) -> str:
+        """Which ranks each node holds, by node address (`node_addresses`), in one line."""
+        by_node: dict[str, list[int]] = defaultdict(list)
+        for rank, address in enumerate(self.node_addresses):
+            by_node[address].append(rank)
+        nodes = "; ".join(f"{address} {rank_ranges(ranks)}" for address, ranks in by_node.items())
+        return f"{self.role}: {self.world_size} rank(s) on {len(by_node)} node(s): {nodes}"
+
     # -------------------------------------------------------------------------- bring-up
     def _assign_local_ranks(self, startup_timeout_s: float) -> None:
         # The first call of every actor: a constructor exception shows up here as a dead actor.
         placements = self._execute("placement", one_to_all(world_size=self.world_size), startup_timeout_s)
         ranks_by_node: dict[str, list[int]] = defaultdict(list)
-        for rank, (node_id, _) in enumerate(placements):
+        for rank, (node_id, _, _) in enumerate(placements):
             ranks_by_node[node_id].append(rank)
+        self.node_addresses = [address for _, _, address in placements]  # rank -> its node's address
         calls = [RankCall()] * self.world_size
         for ranks in ranks_by_node.values():
             devices = [device for r in ranks for device in placements[r][1][:1]]
@@ -406,3 +416,15 @@ class WorkerGroup:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def rank_ranges(ranks: Sequence[int]) -> str:
+    """'rank 3', 'ranks 0-3', 'ranks 0-1, 4-5' for sorted `ranks`."""
+    spans: list[list[int]] = []
+    for rank in ranks:
+        if spans and rank == spans[-1][1] + 1:
+            spans[-1][1] = rank
+        else:
+            spans.append([rank, rank])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"

@@ -235,6 +235,11 @@ class Trainer:
                                         process_group_timeout_s=timeout_s, restart=restart)
             self.rm_group.call_all(RewardModelWorker.init_model)
             self.rm_group.learn_mesh()
+        if trainer.nnodes > 1 or res.disaggregated:
+            groups = {id(g): g for g in (self.actor_group, self.rollout_group, self.critic_group, self.rm_group)
+                      if g is not None}
+            for group in groups.values():
+                self.write(group.placement_line())
 
     def _build_hybrid_engine(self, restart: int, timeout_s: float) -> None:
         """Colocated: actor, reference and vLLM in the same processes; the first proven sync."""

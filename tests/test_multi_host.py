@@ -1,0 +1,156 @@
+"""Runs across machines: hosts as network namespaces (`tests/netns_hosts.Cluster`), a Ray node on each started
+by the project's own launch scripts, `hybridrl train` from the head's host (issue 42).
+
+Each host has its own network stack and a docker-like address listed first by `hostname -I`, and the shared
+host name resolves to loopback, as on many real nodes: an address taken from either is unreachable from the
+other host. Traffic is read from each host's link counters. Root only (CI is root).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.netns_hosts import Cluster, Host
+from tools.demo_assets import demo_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+CONFIG = "configs/examples/cpu_tiny_grpo.yaml"
+PORT = 6379
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None,
+                                 reason="network namespaces need root and iproute2")]
+
+
+@pytest.fixture
+def ray_temp() -> Iterator[str]:
+    """A short temp dir for the hosts' Ray nodes (its socket paths must fit in 107 bytes; /tmp/ray is the test
+    session's own cluster's), removed after the test."""
+    folder = tempfile.mkdtemp(prefix="hrl-ray-")
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _env(tmp: Path) -> dict[str, str]:
+    return {"PATH": f"{BIN}:/usr/bin:/bin:/usr/sbin:/sbin", "NUM_GPUS": "0", "HOME": str(tmp / "home"),
+            "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+
+
+def start_ray(cluster: Cluster, tmp: Path, temp: str, launch: Path = ROOT / "launch",
+              join_timeout_s: float = 180) -> str:
+    """A Ray node on every host with launch/ray_head.sh and launch/ray_worker.sh; the head's address once every
+    node has joined."""
+    head, *others = cluster.hosts
+    env = _env(tmp)
+    started = cluster.run(head, ["bash", str(launch / "ray_head.sh"), "--num-cpus=4", f"--temp-dir={temp}"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+    address = re.search(r"RAY_ADDRESS=(\S+)", started.stdout).group(1)
+    for host in others:
+        joined = cluster.run(host, ["bash", str(launch / "ray_worker.sh"), address, "--num-cpus=4"], env=env,
+                             cwd=ROOT, capture_output=True, text=True, timeout=join_timeout_s)
+        assert joined.returncode == 0, joined.stdout[-2000:] + joined.stderr[-2000:]
+    wait = ("import ray, sys, time\nray.init(address=sys.argv[1], logging_level='ERROR')\n"
+            "for _ in range(60):\n    alive = [n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]\n"
+            "    if len(alive) == int(sys.argv[2]):\n        break\n    time.sleep(1)\nprint(sorted(alive))")
+    nodes = cluster.run(head, [sys.executable, "-c", wait, address, str(len(cluster.hosts))], env=env,
+                        capture_output=True, text=True, timeout=120)
+    assert nodes.stdout.strip() == str(sorted(h.address for h in cluster.hosts)), nodes.stdout + nodes.stderr
+    return address
+
+
+def train(cluster: Cluster, host: Host, address: str, tmp: Path, *overrides: str,
+          timeout: int = 900) -> subprocess.CompletedProcess:
+    return cluster.run(host, [str(BIN / "hybridrl"), "train", CONFIG, *overrides],
+                       env={**_env(tmp), "RAY_ADDRESS": address}, cwd=ROOT, capture_output=True, text=True,
+                       timeout=timeout)
+
+
+def test_a_run_across_two_hosts_started_by_the_launch_scripts(demo_assets, tmp_path, ray_temp):
+    """Data parallelism across the hosts (one rank on each, the gradient all-reduce on the link); every weight
+    sync proven by its probe; the ranks' placement named by host address."""
+    run = tmp_path / "run"
+    with Cluster(2) as cluster:
+        address = start_ray(cluster, tmp_path, ray_temp)
+        assert address == f"{cluster.hosts[0].address}:{PORT}"  # the cluster network's, not docker0's
+        before = [cluster.sent_bytes(h) for h in cluster.hosts]
+        started = time.perf_counter()
+        result = train(cluster, cluster.hosts[0], address, tmp_path,
+                       *demo_overrides(demo_assets, run), "trainer.nnodes=2", "trainer.n_gpus_per_node=1",
+                       "trainer.total_training_steps=2")
+        seconds = time.perf_counter() - started
+        sent = [cluster.sent_bytes(h) - b for h, b in zip(cluster.hosts, before)]
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    placement = re.search(r"actor_rollout_ref: 2 rank\(s\) on 2 node\(s\): (\S+) rank (\d); (\S+) rank (\d)",
+                          result.stdout)
+    assert placement, result.stdout[-3000:]
+    a, rank_a, b, rank_b = placement.groups()
+    assert {a, b} == {h.address for h in cluster.hosts} and {rank_a, rank_b} == {"0", "1"}
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    for step in steps:
+        assert step["reshard/probe_max_abs_gap"] <= 1e-4  # every sync proven (fp32)
+        assert step["rollout/log_prob_abs_diff_max"] <= 1e-4
+    # the gradient all-reduce of a 2.3 MiB model crossed the link both ways in each step, at least
+    assert min(sent) > 2 * 2.3 * 2**20, sent
+    print(f"two hosts: {seconds:.0f} s, sent {sent} bytes")
+
+
+def test_a_pipeline_across_hosts_on_a_cluster_started_without_the_launch_scripts(demo_assets, tmp_path, ray_temp):
+    """A plain `ray start` on each host (as KubeRay or a user's own scripts do: no GLOO_SOCKET_IFNAME exported):
+    the workers pick gloo's interface from their node's Ray address themselves, or the ranks would advertise the
+    host name's address (loopback here) and never connect. The actor's two pipeline stages sit on the two hosts:
+    activations and the weight sync's gathers cross the link."""
+    run = tmp_path / "run"
+    env = _env(tmp_path)
+    with Cluster(2) as cluster:
+        head, other = cluster.hosts
+        for host, role in ((head, ["--head", f"--port={PORT}", f"--temp-dir={ray_temp}"]),
+                           (other, [f"--address={head.address}:{PORT}"])):
+            started = cluster.run(host, [str(BIN / "ray"), "start", *role, f"--node-ip-address={host.address}",
+                                         "--num-cpus=4", "--num-gpus=0", "--disable-usage-stats"],
+                                  env=env, capture_output=True, text=True, timeout=180)
+            assert started.returncode == 0, started.stderr[-2000:]
+        result = train(cluster, head, f"{head.address}:{PORT}", tmp_path, *demo_overrides(demo_assets, run),
+                       "trainer.nnodes=2", "trainer.n_gpus_per_node=1", "trainer.total_training_steps=2",
+                       "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert re.search(r"actor_rollout_ref: 2 rank\(s\) on 2 node\(s\)", result.stdout)
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 2 and all(s["reshard/probe_max_abs_gap"] <= 1e-4 for s in steps)
+
+
+def test_the_launch_scripts_address_logic_is_what_makes_the_cluster(tmp_path, ray_temp):
+    """The negative control: with node_ip.sh reverted to the first address `hostname -I` lists (docker0's here,
+    as on many real nodes), the other host cannot join the head."""
+    launch = tmp_path / "launch"
+    shutil.copytree(ROOT / "launch", launch)
+    (launch / "node_ip.sh").write_text("#!/usr/bin/env bash\n"
+                                       "addr=$(hostname -I | awk '{print $1}')\n"
+                                       "if [ \"${1:-}\" = --ifname ]; then echo \"$addr\"; else echo \"$addr\"; fi\n")
+    with Cluster(2) as cluster, pytest.raises((AssertionError, subprocess.TimeoutExpired)) as failed:
+        start_ray(cluster, tmp_path, ray_temp, launch, join_timeout_s=30)  # a join takes ~3 s here
+    assert "ray_worker.sh', '172.17.0.1:6379'" in str(failed.value)  # the head advertised docker0's address
+
+
+def test_a_workers_gloo_interface_is_its_ray_addresses():
+    """`interface_of`: the interface holding the node's Ray address (the one the harness named), never loopback,
+    nothing for an address the host does not hold."""
+    probe = ("import sys\nfrom hybridrl.controller.base_worker import interface_of\n"
+             "print(interface_of(sys.argv[1]), interface_of('127.0.0.1'), interface_of('10.255.255.254'))")
+    with Cluster(1) as cluster:
+        (host,) = cluster.hosts
+        out = cluster.run(host, [sys.executable, "-c", probe, host.address], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
+    assert out.stdout.split() == [host.ifname, "None", "None"], out.stderr
