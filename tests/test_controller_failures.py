@@ -149,3 +149,21 @@ def test_placement_group_that_cannot_fit_fails_within_its_timeout(ray_cluster):
     # The pending placement group was removed, not left queued in the cluster.
     states = [g["state"] for g in ray.util.placement_group_table().values()]
     assert "PENDING" not in states
+
+
+def test_a_failure_names_the_node_of_each_failed_rank_on_many_nodes():
+    from hybridrl.controller.gather import ACTOR_DIED, PEER_LOST, RankFailure, WorkerGroupError
+
+    error = WorkerGroupError("actor", "update", [RankFailure(2, ACTOR_DIED, "raylet gone"),
+                                                 RankFailure(0, PEER_LOST, "Connection closed by peer")], [1, 3], True)
+    error.locate(["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2"])
+    lines = str(error).splitlines()
+    assert lines[0] == "actor rank 2 failed in update(): actor died"
+    assert lines[1] == ("where: rank 2 on node 10.0.0.2 (actor died); rank 0 on node 10.0.0.1 (collective failed "
+                        "(a peer is gone)); an actor died on node 10.0.0.2 (it held actor ranks [2, 3]): killed (out "
+                        "of memory?), or the host was lost or cut off")
+    assert lines[2] == "also failed at the same time: ranks [0]"
+    one_node = WorkerGroupError("actor", "update", [RankFailure(0, ACTOR_DIED, "x")], [], True)
+    before = str(one_node)
+    one_node.locate(["127.0.0.1", "127.0.0.1"])
+    assert str(one_node) == before  # one node: nothing to locate

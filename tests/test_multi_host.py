@@ -154,3 +154,52 @@ def test_a_workers_gloo_interface_is_its_ray_addresses():
         out = cluster.run(host, [sys.executable, "-c", probe, host.address], capture_output=True, text=True,
                           cwd=ROOT, timeout=60)
     assert out.stdout.split() == [host.ifname, "None", "None"], out.stderr
+
+
+def _wait_for_steps(metrics: Path, steps: int, process: subprocess.Popen, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"train ended early:\n{process.stdout.read()[-4000:]}")
+        if metrics.exists():
+            done = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+            if sum("event" not in record for record in done) >= steps:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"no {steps} steps within {timeout_s} s")
+
+
+def test_a_lost_host_is_named_and_the_run_resumes_once_it_is_back(demo_assets, tmp_path, ray_temp):
+    """Every process of the second host killed in the middle of the run (its Ray node and the rank it held):
+    the run notices within 30 s, names the host and the rank, and with trainer.max_restarts=1 resumes from
+    its last checkpoint once a Ray node on that host has joined again, then finishes its steps."""
+    run = tmp_path / "run"
+    with Cluster(2) as cluster:
+        head, other = cluster.hosts
+        address = start_ray(cluster, tmp_path, ray_temp)
+        process = cluster.popen(
+            head, [str(BIN / "hybridrl"), "train", CONFIG, *demo_overrides(demo_assets, run), "trainer.nnodes=2",
+                   "trainer.n_gpus_per_node=1", "trainer.total_training_steps=5", "trainer.save_freq=1",
+                   "trainer.max_restarts=1", "trainer.restart_wait_s=180", "--no-progress"],
+            env={**_env(tmp_path), "RAY_ADDRESS": address}, cwd=ROOT, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+        try:
+            _wait_for_steps(run / "metrics.jsonl", 2, process)
+            killed_at = time.time()
+            cluster.kill_processes(other.namespace)
+            rejoined = cluster.run(other, ["bash", str(ROOT / "launch/ray_worker.sh"), address, "--num-cpus=4"],
+                                   env=_env(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=180)
+            assert rejoined.returncode == 0, rejoined.stderr[-2000:]
+            output, _ = process.communicate(timeout=600)
+        finally:
+            if process.poll() is None:
+                process.kill()
+    assert process.returncode == 0, output[-5000:]
+    restart = next(line for line in output.splitlines() if line.startswith("restart 1/1 in place:"))
+    assert f"on node {other.address}" in output and "an actor died on node" in output, output[-5000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (event,) = [r for r in records if r.get("event") == "restart"]
+    assert event["detected_at"] - killed_at <= 30, event
+    assert event["resume_step"] >= 2 and event["resume_from"] is not None  # from the last checkpoint
+    assert [r["step"] for r in records if "event" not in r][-1] == 5
+    print(f"lost host: detected after {event['detected_at'] - killed_at:.1f} s; {restart[:300]}")

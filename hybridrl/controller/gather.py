@@ -68,6 +68,21 @@ class WorkerGroupError(RuntimeError):
             lines.append(f"--- {role} rank {failure.rank} ({failure.kind}) ---\n{failure.detail.rstrip()}")
         super().__init__("\n".join(lines))
 
+    def locate(self, node_addresses: Sequence[str]) -> None:
+        """Name the node (by address) of each failed rank, after the first line: on many nodes, a node whose
+        ranks died (a host lost, killed or cut off) is what a reader looks for first."""
+        if not self.failures or len(set(node_addresses)) < 2:
+            return
+        where = "; ".join(f"rank {f.rank} on node {node_addresses[f.rank]} ({f.kind})" for f in self.failures
+                          if f.rank < len(node_addresses))
+        died = sorted({node_addresses[f.rank] for f in self.failures
+                       if f.kind == ACTOR_DIED and f.rank < len(node_addresses)})
+        held = {node: [r for r, a in enumerate(node_addresses) if a == node] for node in died}
+        lost = "".join(f"; an actor died on node {node} (it held {self.role} ranks {ranks}): killed (out of "
+                       "memory?), or the host was lost or cut off" for node, ranks in held.items())
+        head, _, rest = str(self).partition("\n")
+        self.args = (f"{head}\nwhere: {where}{lost}" + (f"\n{rest}" if rest else ""),)
+
 
 # A rank whose collective broke because a peer vanished is a symptom, not the cause: gloo reports
 # "Connection closed by peer" on the survivors within milliseconds, often before Ray has noticed the
@@ -77,6 +92,7 @@ _COLLECTIVE_ERROR_MARKERS = (
     "Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted",
 )
 PEER_LOST = "collective failed (a peer is gone)"
+ACTOR_DIED = "actor died"
 
 
 def _classify(error: RayError) -> tuple[str, str]:
@@ -90,7 +106,7 @@ def _classify(error: RayError) -> tuple[str, str]:
             return PEER_LOST, text
         return "exception", text
     if isinstance(error, RayActorError):
-        return "actor died", str(error)
+        return ACTOR_DIED, str(error)
     return "ray error", f"{type(error).__name__}: {error}"
 
 

@@ -267,6 +267,7 @@ class WorkerGroup:
                 on_poll=self.watchdog,
             )
         except WorkerGroupError as error:
+            error.locate(self.node_addresses)
             # wait_all already killed the actors; free the pool slot too.
             self._failure = error
             self.shutdown()
