@@ -616,3 +616,23 @@ def _runs(ids: list[int], mask: list[int]) -> list[tuple[bool, list[int]]]:
         else:
             runs.append((bool(model), [token]))
     return runs
+
+
+def test_sampling_temperature_reaches_every_pass_and_the_update_is_on_policy(demo_assets, tmp_path):
+    """issue 41 item 4: `hybridrl train` at T = 0.7 with the old-log-prob pass on and one optimizer step per
+    batch. The old-log-prob pass, the update and vLLM all score the responses under the tempered distribution,
+    so the update is exactly on-policy at every step (no clipping, approx KL ~ 0) and the rollout's log-probs
+    equal the trainer's within fp32 round-off. (Planted defect: `sampling_temperature` returning 1 makes the
+    rollout-vs-trainer gap 0.35, and this test fails.)"""
+    run = tmp_path / "run"
+    result = _train("configs/examples/cpu_tiny_grpo.yaml", demo_overrides(
+        demo_assets, run, "trainer.total_training_steps=3", "actor_rollout_ref.rollout.temperature=0.7",
+        "actor_rollout_ref.actor.old_log_prob=recompute"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    rows = [r for r in _metrics(run) if r["step"] >= 1]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert "timing_s/old_log_prob" in row  # the pass ran
+        assert row["actor/clipfrac"] == 0.0 and abs(row["actor/approx_kl"]) < 1e-6, row
+        assert row["rollout/log_prob_abs_diff_max"] <= 1e-4, row["rollout/log_prob_abs_diff_max"]
+        assert row["reshard/probe_max_abs_gap"] <= 1e-4

@@ -44,7 +44,9 @@ def test_log_probs_tp2_pp2_equal_transformers(tmp_path):
         assert torch.allclose(ent, ref_ent, atol=1e-5, rtol=0)
 
 
-def _update_rank(rank: int, world: int, config: Any, batch: Any, out_dir: str) -> Any:
+def _update_rank(rank: int, world: int, config: Any, batch: Any, out_dir: str, cuda_wgrad: bool = False) -> Any:
+    import dataclasses
+
     from hybridrl.config.plan import build_plan
     from hybridrl.models.bridge import export_hf
     from hybridrl.models.checkpoint import tensor_sha256
@@ -52,7 +54,13 @@ def _update_rank(rank: int, world: int, config: Any, batch: Any, out_dir: str) -
     from hybridrl.training.backend import MegatronBackend, role_spec
 
     plan = build_plan(config)
-    backend = MegatronBackend(role_spec(plan, "actor"))
+    spec = role_spec(plan, "actor")
+    if cuda_wgrad:  # the weight-gradient path CUDA takes without Apex: megatron's unfused GEMM + add into main_grad
+        spec = dataclasses.replace(spec, device_policy=dataclasses.replace(spec.device_policy,
+                                                                           wgrad_accumulation_fusion=None))
+    backend = MegatronBackend(spec)
+    if rank == 0:
+        assert backend.config.gradient_accumulation_fusion is (not cuda_wgrad)
     actor = MegatronActor(backend, plan)
     ctx = backend.ctx
     chunk = batch.split(ctx.dp)[ctx.dp_rank]
@@ -101,6 +109,32 @@ def test_ppo_update_same_across_layouts(tmp_path):
         for name, value in base_state.items():
             assert (state[name] - value).abs().max() < 1e-5, (key, name)
     assert max((base_state[n] - initial[n]).abs().max() for n in initial) > 1e-3  # the update moved weights
+
+
+def test_ppo_update_on_the_cuda_weight_gradient_path_is_the_same(tmp_path):
+    """issue 41 item 8: the CPU default for trained roles is the stand-in for Apex's fused weight-gradient
+    accumulation; CUDA without Apex runs megatron's unfused path (a grad tensor, then DDP's accumulation).
+    One layout per family (TP x PP with SP, TP x DP with the distributed optimizer, PP x DP) on that path
+    gives the single-rank fused reference's update."""
+    from tests.test_models_fixtures import safetensors_state
+
+    hf = policy_model(tmp_path / "hf")
+    batch = rollout_batch(8)
+    states = {}
+    for tp, pp, dp, vpp, distributed, sp in (LAYOUTS[0], LAYOUTS[4], LAYOUTS[2], LAYOUTS[3]):
+        reference = (tp, pp, dp) == (1, 1, 1)
+        out = tmp_path / f"out_{tp}{pp}{dp}{sp}"
+        config = job_config(hf, world=tp * pp * dp, tp=tp, pp=pp, vpp=vpp, distributed_optimizer=distributed,
+                            use_kl_loss=True, entropy_coeff=0.01)
+        config.actor_rollout_ref.actor.megatron.sequence_parallel = sp
+        results = run_ranks(_update_rank, tp * pp * dp, config, batch, str(out), not reference)
+        metrics = next(r["metrics"] for r in results if r["metrics"] is not None)
+        states[(tp, pp, dp)] = (metrics, safetensors_state(out))
+    base_metrics, base_state = states[(1, 1, 1)]
+    for key, (metrics, state) in states.items():
+        assert abs(metrics.grad_norm - base_metrics.grad_norm) < 1e-5, key
+        for name, value in base_state.items():
+            assert (state[name] - value).abs().max() < 1e-5, (key, name)
 
 
 def test_ppo_update_is_split_invariant(tmp_path):
