@@ -546,6 +546,11 @@ class TrainerConfig:
     nccl_timeout_s: float = doc(
         1800.0, "process-group timeout (nccl/gloo, megatron's groups too): the longest a rank waits in one "
         "collective, e.g. while rank 0 saves a checkpoint or an HF export")
+    step_timeout_s: float = doc(
+        3600.0, "the longest one worker call of a step (a generation, a sync, a log-prob pass, an update, a "
+        "checkpoint save, the set-up) may take: past it the call counts as hung (a deadlock outside any "
+        "collective, which nccl_timeout_s never sees) and the run stops, or restarts with max_restarts, naming "
+        "the phase and the ranks that did not answer")
 
 
 @dataclass

@@ -182,6 +182,7 @@ def _check_trainer(check: _Checker, config: JobConfig) -> bool:
     check.is_int_at_least("trainer.max_restarts", t.max_restarts, 0)
     check.is_int_at_least("trainer.log_val_generations", t.log_val_generations, 0)
     check.in_range("trainer.restart_wait_s", t.restart_wait_s, 0, 7 * 86400, low_open=True)
+    check.in_range("trainer.step_timeout_s", t.step_timeout_s, 0, 7 * 86400, low_open=True)
     check.in_range("trainer.gpu_memory_gib", t.gpu_memory_gib, 0, 1e6, low_open=True)
     # a week: anything longer is a unit mistake (minutes or ms), not a wait anyone wants
     check.in_range("trainer.nccl_timeout_s", t.nccl_timeout_s, 0, 7 * 86400, low_open=True)

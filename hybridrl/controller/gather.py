@@ -54,7 +54,8 @@ class WorkerGroupError(RuntimeError):
         if first is not None:
             head = f"{role} rank {first.rank} failed in {method}(): {first.kind}"
         else:
-            head = f"{role} group did not finish {method}() within {timeout_s} s"
+            head = (f"{role} group did not finish {method}() within {timeout_s} s (ranks that did not answer: "
+                    f"{self.unfinished_ranks})")
         lines = [head]
         others = [f.rank for f in self.failures[1:]]
         if others:

@@ -28,6 +28,7 @@ from hybridrl.algorithms.names import GREEDY_BASELINE_ADV_ESTIMATORS
 from hybridrl.config.errors import ConfigError, ConfigIssue
 from hybridrl.config.plan import Plan
 from hybridrl.config.report import failure_cost_lines
+from hybridrl.controller.base_worker import Worker
 from hybridrl.controller.cluster import init_ray
 from hybridrl.controller.dispatch import MeshCoord, RankMesh, dispatch_order, dp_token_imbalance, row_tokens
 from hybridrl.controller.gather import WorkerGroupError
@@ -218,21 +219,18 @@ class Trainer:
         # a restart waits for the resources of a failed node to come back (a replacement joining)
         wait_s = trainer.restart_wait_s if restart else 300
         self.pool.start(timeout_s=wait_s)
-        timeout_s = trainer.nccl_timeout_s  # every group's collectives, megatron's included
         if res.disaggregated:
-            self._build_disaggregated(restart, wait_s, timeout_s)
+            self._build_disaggregated(restart, wait_s)
         else:
-            self._build_hybrid_engine(restart, timeout_s)
+            self._build_hybrid_engine(restart)
         if res.critic_enabled:
 
-            self.critic_group = WorkerGroup(CriticWorker, self.pool, role=GroupName.CRITIC, worker_args=(plan,),
-                                            process_group_timeout_s=timeout_s, restart=restart)
+            self.critic_group = self._worker_group(CriticWorker, self.pool, GroupName.CRITIC, (plan,), restart)
             self.critic_group.call_all(CriticWorker.init_model, self.total_steps)
             self.critic_group.learn_mesh()
         if self.config.reward_model.enable:
 
-            self.rm_group = WorkerGroup(RewardModelWorker, self.pool, role=GroupName.REWARD_MODEL, worker_args=(plan,),
-                                        process_group_timeout_s=timeout_s, restart=restart)
+            self.rm_group = self._worker_group(RewardModelWorker, self.pool, GroupName.REWARD_MODEL, (plan,), restart)
             self.rm_group.call_all(RewardModelWorker.init_model)
             self.rm_group.learn_mesh()
         if trainer.nnodes > 1 or res.disaggregated:
@@ -241,12 +239,21 @@ class Trainer:
             for group in groups.values():
                 self.write(group.placement_line())
 
-    def _build_hybrid_engine(self, restart: int, timeout_s: float) -> None:
+    def _worker_group(self, worker_cls: type[Worker], pool: ResourcePool, role: str, worker_args: tuple[object, ...],
+                      restart: int) -> WorkerGroup:
+        """A group with the run's limits: every collective `trainer.nccl_timeout_s`, every worker call (a phase of
+        a step) `trainer.step_timeout_s`, past which the call counts as hung and the group fails naming it."""
+        trainer = self.config.trainer
+        return WorkerGroup(worker_cls, pool, role=role, worker_args=worker_args,
+                           process_group_timeout_s=trainer.nccl_timeout_s, call_timeout_s=trainer.step_timeout_s,
+                           restart=restart)
+
+    def _build_hybrid_engine(self, restart: int) -> None:
         """Colocated: actor, reference and vLLM in the same processes; the first proven sync."""
         plan = self.plan
         settings = HybridSettings(probe_tolerance=plan.resolved.probe_tolerance, pad_token_id=self.pad_token_id)
-        self.actor_group = WorkerGroup(HybridEngineWorker, self.pool, role=GroupName.ACTOR_ROLLOUT_REF,
-                                       worker_args=(plan, settings), process_group_timeout_s=timeout_s, restart=restart)
+        self.actor_group = self._worker_group(HybridEngineWorker, self.pool, GroupName.ACTOR_ROLLOUT_REF,
+                                              (plan, settings), restart)
         self.rollout_group = self.actor_group
         self._generate_method = HybridEngineWorker.generate_sequences
         setup = self.actor_group.call_all(HybridEngineWorker.setup, self.total_steps)
@@ -259,7 +266,7 @@ class Trainer:
                    f"{self.rollout_mesh.dp_size} × infer_tp {infer_tp}, first sync probe gap "
                    f"{max(s['reshard/probe_max_abs_gap'] for s in setup):.2e}")
 
-    def _build_disaggregated(self, restart: int, wait_s: float, timeout_s: float) -> None:
+    def _build_disaggregated(self, restart: int, wait_s: float) -> None:
         """rollout.mode=disaggregated: the policy on the trainer pool, vLLM on a pool of its own, one
         group spanning both for the weight syncs; the first sync (version 0) proven like every other."""
         plan, arr = self.plan, self.config.actor_rollout_ref
@@ -269,12 +276,10 @@ class Trainer:
                                          cpus_per_worker=policy.ray_cpus_per_worker, max_colocated_groups=1)
         self.rollout_pool.start(timeout_s=wait_s)
         started = time.perf_counter()
-        self.actor_group = WorkerGroup(DisaggregatedPolicyWorker, self.pool, role=GroupName.ACTOR_ROLLOUT_REF,
-                                       worker_args=(plan, self.pad_token_id), process_group_timeout_s=timeout_s,
-                                       restart=restart)
-        self.rollout_group = WorkerGroup(RolloutWorker, self.rollout_pool, role=GroupName.ROLLOUT,
-                                         worker_args=(plan, self.pad_token_id), process_group_timeout_s=timeout_s,
-                                         restart=restart)
+        self.actor_group = self._worker_group(DisaggregatedPolicyWorker, self.pool, GroupName.ACTOR_ROLLOUT_REF,
+                                              (plan, self.pad_token_id), restart)
+        self.rollout_group = self._worker_group(RolloutWorker, self.rollout_pool, GroupName.ROLLOUT,
+                                                (plan, self.pad_token_id), restart)
         self._generate_method = RolloutWorker.generate_sequences
         # both pools build at once (megatron on one, vLLM on the other)
         wait_together([self.actor_group.submit_all(DisaggregatedPolicyWorker.setup, self.total_steps),

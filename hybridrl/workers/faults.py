@@ -9,6 +9,7 @@ it. The rank whose global rank is `<rank>` then, on its `<call>`-th (1-based) en
   nan_update_actor                             sets its advantages to NaN (a non-finite step)
   gen_collective                               on its `<call>`-th generation, exits inside vLLM's
                                                first TP all-reduce (its TP peers are in it: infer_tp > 1)
+  hang_<phase> (one of the first five)         sleeps there forever (a deadlock outside any collective)
 An optional fourth field `:<restart>` names the start of the workers the fault is for: 0 (the default)
 is the run's first start, k its k-th in-place restart (`trainer.max_restarts`), so a fault fires once
 per run and a test can fail a restarted run again. Several faults: separate them with commas. Unset
@@ -30,7 +31,8 @@ ENV = "HYBRIDRL_FAULT"
 CRASH_PHASES = (Phase.GEN, Phase.SYNC, Phase.OLD_LOG_PROB, Phase.UPDATE_ACTOR, Phase.SAVE_CHECKPOINT)
 NAN_UPDATE_ACTOR = f"nan_{Phase.UPDATE_ACTOR}"  # poisons the update instead of crashing
 GEN_COLLECTIVE = f"{Phase.GEN}_collective"  # crashes inside vLLM's own TP collective
-FAULTS = (*CRASH_PHASES, NAN_UPDATE_ACTOR, GEN_COLLECTIVE)
+HANGS = tuple(f"hang_{phase}" for phase in CRASH_PHASES)  # sleeps forever instead of crashing
+FAULTS = (*CRASH_PHASES, NAN_UPDATE_ACTOR, GEN_COLLECTIVE, *HANGS)
 
 _calls: Counter[str] = Counter()
 
@@ -70,9 +72,13 @@ def _crash() -> None:
 
 
 def crash_point(phase: Phase) -> None:
-    """Exit the process here, without clean-up, when a crash is set for this entry into `phase`."""
+    """Exit the process here, without clean-up, when a crash is set for this entry into `phase`; or never
+    return from here, when a hang is."""
     if triggered(phase):
         _crash()
+    if triggered(f"hang_{phase}"):
+        while True:
+            time.sleep(3600)
 
 
 def arm_vllm_collective_crash() -> None:
