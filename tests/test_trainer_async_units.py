@@ -59,3 +59,12 @@ def test_groups_of_different_prompt_widths_line_up_in_one_batch():
     assert batch["prompts"].shape == (2, 5) and batch["input_ids"].shape == (2, 9)
     assert batch["attention_mask"][0].tolist() == [0, 0, 0, 1, 1, 1, 0, 0, 0]  # left padding added to the narrow one
     assert batch["token_versions"][0].tolist() == [1, -1, -1, -1]
+
+
+def test_partial_samples_are_counted_and_their_versions_checked():
+    batch = _rows(["a", "a", "b", "b"], [[4, 5], [5, 5, 5], [3, 5, 4], [5]])
+    batch["resumed"] = torch.tensor([1, 1, 2, 0])  # the second "partial" sample never saw a new version
+    metrics = staleness_metrics(batch, trained_version=5)
+    assert metrics["async/partial_samples"] == 3 and metrics["async/partial_sample_fraction"] == 0.75
+    assert metrics["async/partial_samples_mixed_versions"] == 2  # [4, 5] and [3, 5, 4]
+    assert metrics["async/token_versions_ordered_fraction"] == 0.75  # [3, 5, 4] goes back a version

@@ -39,7 +39,7 @@ import torch
 
 from hybridrl.data.batch import Batch
 from hybridrl.data.dataloader import unpadded_prompt_ids
-from hybridrl.workers.generation import left_pad_prompts
+from hybridrl.workers.generation import concat_left_padded
 from hybridrl.workers.rollout_worker import RolloutWorker
 
 if TYPE_CHECKING:
@@ -308,7 +308,7 @@ class RolloutDriver:
             finished = [out for out in outs if out is not None]
             if not finished:
                 continue
-            batch = Batch.concat(finished) if len(finished) > 1 else finished[0]
+            batch = _concat_groups(finished)  # replicas' rows: prompt widths may differ
             metrics = _merge_stream_metrics(finished)
             metrics.update(self._score(batch))
             groups = _split_groups(batch, None, None)
@@ -343,9 +343,7 @@ def _split_groups(batch: Batch, version: int | None, prompt_batch: int | None) -
 
 def _concat_groups(parts: list[Batch]) -> Batch:
     """Groups generated at different times in one batch: prompts left-padded to the widest."""
-    width = max(p["prompts"].shape[1] for p in parts)
-    pad = int(parts[0].meta.get("pad_token_id", 0))
-    return Batch.concat([left_pad_prompts(p, width, pad) for p in parts])
+    return concat_left_padded(parts, int(parts[0].meta.get("pad_token_id", 0)))
 
 
 def staleness_metrics(batch: Batch, trained_version: int) -> dict[str, float]:
@@ -363,7 +361,16 @@ def staleness_metrics(batch: Batch, trained_version: int) -> dict[str, float]:
         share = (staleness >= k) if k == 3 else (staleness == k)
         out[f"async/staleness_{k}{'+' if k == 3 else ''}"] = float(share.float().mean())
     if "resumed" in batch.tensors:
-        out["async/partial_sample_fraction"] = float((batch["resumed"] > 0).float().mean())
+        resumed = batch["resumed"] > 0
+        out["async/partial_sample_fraction"] = float(resumed.float().mean())
+        # a partial sample (paused for a sync, resumed under the new weights) carries the versions its tokens
+        # were generated under: more than one, never decreasing along the response
+        newest = torch.where(present, versions, torch.full_like(versions, -1)).max(-1).values
+        out["async/partial_samples"] = float(resumed.sum())
+        out["async/partial_samples_mixed_versions"] = float((resumed & (newest > oldest)).sum())
+        both = present[:, 1:] & present[:, :-1]
+        ordered = ((versions[:, 1:] >= versions[:, :-1]) | ~both).all(-1)
+        out["async/token_versions_ordered_fraction"] = float(ordered.float().mean())
     return out
 
 

@@ -121,6 +121,15 @@ def left_pad_prompts(batch: Batch, width: int, pad_token_id: int) -> Batch:
     return batch
 
 
+def concat_left_padded(parts: list[Batch], pad_token_id: int) -> Batch:
+    """Rollout rows generated from different prompt batches (their prompt parts of different widths) as one
+    batch: each part's prompts left-padded to the widest first."""
+    if len(parts) == 1:
+        return parts[0]
+    width = max(part["prompts"].shape[1] for part in parts)
+    return Batch.concat([left_pad_prompts(part, width, pad_token_id) for part in parts])
+
+
 # The prompt columns a tool that reads its calling sample gets (`hybridrl.tools.SAMPLE_PARAMETER`).
 TOOL_SAMPLE_COLUMNS = ("index", "uid", "data_source", "ground_truth", "extra_info")
 

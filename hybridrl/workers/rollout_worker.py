@@ -31,7 +31,13 @@ from hybridrl.reshard.cross_pool_plan import CrossPoolLayout
 from hybridrl.rollout.continuous import ContinuousGeneration
 from hybridrl.rollout.engine import RolloutEngine
 from hybridrl.workers import faults
-from hybridrl.workers.generation import agent_loop_for, carry_prompt_columns, engine_config, generate_rows
+from hybridrl.workers.generation import (
+    agent_loop_for,
+    carry_prompt_columns,
+    concat_left_padded,
+    engine_config,
+    generate_rows,
+)
 from hybridrl.workers.probe import WeightSyncError, probe_gap_of
 
 
@@ -142,7 +148,8 @@ class RolloutWorker(Worker):
         if self.rollout.tp_rank != 0 or not groups:
             return None
         rows = [carry_prompt_columns(batch, prompts, self.pad_token_id) for batch, prompts in groups]
-        return Batch.concat(rows) if len(rows) > 1 else rows[0]
+        # groups of different prompt batches finish in one call: their prompt widths may differ
+        return concat_left_padded(rows, self.pad_token_id)
 
     def stream_pause(self) -> int:
         """Stop every request in flight, keeping what it generated (a partial rollout); returns how many."""
