@@ -18,6 +18,13 @@ if [ -n "${ifname:-}" ]; then
   export GLOO_SOCKET_IFNAME="${GLOO_SOCKET_IFNAME:-$ifname}" NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-$ifname}"
 fi
 
+# How fast the head declares a silent node dead (its GCS pings every raylet): Ray's defaults (every 3 s, 10 s
+# timeout, 5 misses) took 63 s to notice a host cut off the network; these take ~20 s (tests/test_multi_host.py).
+# A run with trainer.max_restarts restarts that much sooner. Set any of them yourself to keep your own.
+export RAY_health_check_period_ms="${RAY_health_check_period_ms:-1000}"
+export RAY_health_check_timeout_ms="${RAY_health_check_timeout_ms:-1000}"
+export RAY_health_check_failure_threshold="${RAY_health_check_failure_threshold:-10}"
+
 echo "RAY_ADDRESS=$node_ip:$port"
 ray start --head --node-ip-address="$node_ip" --port="$port" --num-gpus="$num_gpus" \
   --dashboard-host=127.0.0.1 --disable-usage-stats "$@"

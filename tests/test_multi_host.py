@@ -169,10 +169,23 @@ def _wait_for_steps(metrics: Path, steps: int, process: subprocess.Popen, timeou
     raise AssertionError(f"no {steps} steps within {timeout_s} s")
 
 
-def test_a_lost_host_is_named_and_the_run_resumes_once_it_is_back(demo_assets, tmp_path, ray_temp):
-    """Every process of the second host killed in the middle of the run (its Ray node and the rank it held):
-    the run notices within 30 s, names the host and the rank, and with trainer.max_restarts=1 resumes from
-    its last checkpoint once a Ray node on that host has joined again, then finishes its steps."""
+def _wait_for_restart_line(metrics: Path, process: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"train ended:\n{process.stdout.read()[-4000:]}")
+        if metrics.exists() and '"event": "restart"' in metrics.read_text():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no restart within {timeout_s} s of the cut")
+
+
+@pytest.mark.parametrize("how", ["killed", "cut off"])
+def test_a_lost_host_is_named_and_the_run_resumes_once_it_is_back(demo_assets, tmp_path, ray_temp, how):
+    """The second host lost in the middle of the run: every process on it killed (its Ray node and the rank it
+    held), or its link cut. The run notices within 30 s, names the host and the rank, and with
+    trainer.max_restarts=1 resumes from its last checkpoint once a Ray node on that host has joined again, then
+    finishes its steps."""
     run = tmp_path / "run"
     with Cluster(2) as cluster:
         head, other = cluster.hosts
@@ -186,7 +199,13 @@ def test_a_lost_host_is_named_and_the_run_resumes_once_it_is_back(demo_assets, t
         try:
             _wait_for_steps(run / "metrics.jsonl", 2, process)
             killed_at = time.time()
-            cluster.kill_processes(other.namespace)
+            if how == "killed":
+                cluster.kill_processes(other.namespace)
+            else:
+                cluster.set_link(other, up=False)
+                _wait_for_restart_line(run / "metrics.jsonl", process, timeout_s=120)
+                cluster.kill_processes(other.namespace)  # what was cut off is gone for the cluster: start anew
+                cluster.set_link(other, up=True)
             rejoined = cluster.run(other, ["bash", str(ROOT / "launch/ray_worker.sh"), address, "--num-cpus=4"],
                                    env=_env(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=180)
             assert rejoined.returncode == 0, rejoined.stderr[-2000:]
