@@ -289,3 +289,11 @@ def test_the_python_tool_is_refused_where_the_kernel_allows_no_sandbox(command, 
     assert opted_out.returncode == 0, opted_out.stderr
     assert "sandbox.isolation=none: the python tool runs model-written code as a plain subprocess" in (
         opted_out.stdout + opted_out.stderr)
+
+
+def test_an_empty_training_file_list_is_one_problem(demo_assets, tmp_path):
+    result = _hybridrl("plan", CONFIG, *demo_overrides(demo_assets, tmp_path), "data.train_files=[]")
+    assert result.returncode == 2
+    problems = [line for line in result.stderr.splitlines() if line.startswith("  - ")]
+    assert problems == ["  - data.train_files=[] is empty; name local parquet or JSONL files of prompts (the format: "
+                        "docs/user-guide.md#data)"], result.stderr

@@ -196,7 +196,7 @@ def _check_data(config: JobConfig, issues: list[ConfigIssue], chat_template: boo
         rows = _check_files(field, files, data, issues, chat_template, needs_reward, auto)
         if rows is None:
             continue
-        if batch is not None and isinstance(batch, int) and rows < batch:
+        if files and batch is not None and isinstance(batch, int) and rows < batch:  # no files: said above
             issues.append(ConfigIssue("data.train_batch_size", batch,
                                       f"is more than the {rows} rows of data.train_files: not one batch; lower it to "
                                       f"at most {rows}, or add data"))
