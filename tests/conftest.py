@@ -42,8 +42,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 TEST_CLUSTER_CPUS = 8
 
 # Modules whose tests each run `hybridrl train` or the real model (tens of seconds to minutes): first.
-LONGEST_FIRST = ("test_trainer_e2e.py", "test_trainer_faults.py", "test_reliability_soak.py",
-                 "test_trainer_real_model.py", "test_training_real_layouts.py", "test_rollout_stop_and_pad.py")
+LONGEST_FIRST = ("test_trainer_e2e.py", "test_multi_host.py", "test_trainer_async.py", "test_trainer_faults.py",
+                 "test_reliability_soak.py", "test_trainer_real_model.py", "test_training_real_layouts.py",
+                 "test_rollout_stop_and_pad.py")
 
 
 @pytest.hookimpl(trylast=True)
