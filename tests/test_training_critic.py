@@ -39,10 +39,12 @@ def _critic_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
     before = critic.compute_values(chunk)
     metrics = critic.update_critic(chunk)
     after = critic.compute_values(chunk)
+    shared = critic.backend.tokens_seen.ratios(ctx.dp_group)[1]  # every rank: a DP collective
     if before is None:
         return None
     return {"before": before["values"].clone(), "after": after["values"].clone(), "metrics": metrics,
-            "fused": [group["fused"] for group in torch_adam.param_groups], "state_at_setup": state_at_setup}
+            "fused": [group["fused"] for group in torch_adam.param_groups], "state_at_setup": state_at_setup,
+            "shared_ratio": shared}
 
 
 def _reference_critic(path: Any, batch: Any) -> dict[str, Any]:
@@ -97,6 +99,25 @@ def test_critic_values_and_update_equal_torch(tmp_path):
     assert (ref["after"] - ref["before"]).abs().max() > 1e-3  # the update changed the values
 
 
+def test_critic_on_shared_prompts_equals_torch(tmp_path):
+    """issue 41 item 3: GRPO-like grouped rows (two prompts, four samples each), whose prompt the critic's
+    micro-batches hold once (`critic.model.shared_prefix`, on by default on CPU): values and the update equal
+    plain torch's over the unshared rows at TP1, TP2 and PP2, and the sharing happened."""
+    rm = sequence_classifier(tmp_path / "critic")
+    hf = policy_model(tmp_path / "policy")
+    batch = rollout_batch(8, seed=4, groups=[4, 4])
+    ref = _reference_critic(rm, batch)
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+        config = with_critic(job_config(hf, world=tp * pp, micro=4), rm, tp=tp, pp=pp)
+        config.critic.ppo_micro_batch_size_per_gpu = 4
+        outs = [o for o in run_ranks(_critic_rank, tp * pp, config, batch) if o is not None]
+        (out,) = outs
+        assert out["shared_ratio"] > 0.1, (tp, pp, out["shared_ratio"])  # prompts held once per micro-batch
+        assert (out["before"] - ref["before"]).abs().max() < TOL, (tp, pp)
+        assert abs(out["metrics"].grad_norm - ref["grad_norm"]) < TOL, (tp, pp)
+        assert (out["after"] - ref["after"]).abs().max() < TOL, (tp, pp)
+
+
 def _reward_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
     from hybridrl.config.plan import build_plan
     from hybridrl.training.backend import MegatronBackend, role_spec
@@ -131,6 +152,39 @@ def test_reward_model_scores_equal_transformers(tmp_path):
         scores = [s for s in run_ranks(_reward_rank, tp * pp, config, batch) if s is not None]
         assert len(scores) == 1
         assert (scores[0] - expected).abs().max() < TOL, (tp, pp, sp)
+
+
+def _reward_shared_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
+    from hybridrl.config.plan import build_plan
+    from hybridrl.training.backend import MegatronBackend, role_spec
+    from hybridrl.training.reward_model import MegatronRewardModel
+
+    plan = build_plan(config)
+    backend = MegatronBackend(role_spec(plan, "reward_model"))
+    out = MegatronRewardModel(backend, plan).compute_scores(batch)
+    shared = backend.tokens_seen.ratios()[1]
+    return None if out is None else (out["rm_scores"].clone(), shared)
+
+
+def test_reward_model_scores_on_shared_prompts_equal_transformers(tmp_path):
+    """issue 41 item 3: the reward model on grouped rows (its prompt held once per micro-batch by default on CPU)
+    scores each row as transformers does on the unshared row, at TP1, TP2 and PP2."""
+    import transformers
+
+    rm = sequence_classifier(tmp_path / "rm")
+    hf = policy_model(tmp_path / "policy")
+    batch = rollout_batch(8, seed=6, groups=[3, 5])
+    model = transformers.LlamaForSequenceClassification.from_pretrained(rm, dtype=torch.float32,
+                                                                        attn_implementation="eager")
+    with torch.no_grad():
+        expected = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         position_ids=batch["position_ids"]).logits.squeeze(-1)
+    for tp, pp in ((1, 1), (2, 1), (1, 2)):
+        config = with_reward_model(job_config(hf, world=tp * pp), rm, tp=tp, pp=pp)
+        (out,) = [o for o in run_ranks(_reward_shared_rank, tp * pp, config, batch) if o is not None]
+        scores, shared = out
+        assert shared > 0.1, (tp, pp, shared)  # each group's prompt was held once
+        assert (scores - expected).abs().max() < TOL, (tp, pp)
 
 
 def _critic_values_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
