@@ -309,3 +309,30 @@ def test_probe_forward_keeps_every_token(tmp_path, pad):
     assert (result["free"] - reference).abs().max() <= 1e-5
     assert (result["capped"] - reference).abs().max() > 1e-3  # tokens were dropped
     assert torch.equal(result["again"], result["capped"])
+
+
+@pytest.mark.slow
+def test_moe_update_at_pp2_and_pp2_ep2_equals_one_rank(tmp_path):
+    """issue 41 item 1: a pipeline over the MoE model (PP2, and PP2 x EP2 on four ranks: the experts of each
+    stage split over its two DP ranks) gives the single-rank step's loss, grad norm and updated weights, every
+    expert's included."""
+    hf = make_hf_model(tmp_path / "hf", "qwen3_moe", seed=7)
+    batch = rollout_batch(8)
+    runs = {}
+    for world, pp, ep in ((1, 1, 1), (2, 2, 1), (4, 2, 2)):
+        out = tmp_path / f"out_w{world}pp{pp}ep{ep}"
+        config = job_config(hf, world=world, pp=pp, use_kl_loss=True, entropy_coeff=0.01)
+        config.actor_rollout_ref.actor.megatron.expert_model_parallel_size = ep
+        results = run_ranks(_update_rank, world, config, batch, str(out), timeout_s=600)
+        metrics = [r["metrics"] for r in results if r["metrics"] is not None]
+        runs[world, pp, ep] = (metrics[0], safetensors_state(out))
+    base_metrics, base_state = runs[1, 1, 1]
+    initial = safetensors_state(hf)
+    for key, (metrics, state) in runs.items():
+        assert abs(metrics.pg_loss - base_metrics.pg_loss) < 1e-5, key
+        assert abs(metrics.grad_norm - base_metrics.grad_norm) < 1e-5, key
+        assert sorted(state) == sorted(base_state)
+        for name, value in base_state.items():
+            assert (state[name] - value).abs().max() <= 1e-5, (key, name)
+    experts = [n for n in initial if ".experts." in n]
+    assert experts and max((base_state[n] - initial[n]).abs().max() for n in experts) > 1e-3
