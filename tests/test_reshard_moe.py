@@ -88,16 +88,16 @@ def test_expert_domain_follows_megatrons_expert_mesh():
 # ---- against real megatron and real vLLM -------------------------------------------------------------
 
 def _moe_reshard_rank(rank: int, world_size: int, hf_dir: str, tp: int, ep: int, infer_tp: int,
-                      bucket_bytes: int, etp: int | None = None) -> dict[str, Any]:
+                      bucket_bytes: int, etp: int | None = None, pp: int = 1) -> dict[str, Any]:
     from hybridrl.models.bridge import build_gpt_models, load_weights
     from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
     from hybridrl.reshard.resharder import ReshardConfig, Resharder
 
-    ctx = initialize_model_parallel(tp=tp, ep=ep, device="cpu", etp=etp)
+    ctx = initialize_model_parallel(tp=tp, pp=pp, ep=ep, device="cpu", etp=etp)
     try:
         models = build_gpt_models(hf_dir)
         load_weights(models, hf_dir)
-        groups = build_reshard_groups(build_training_mesh(world_size, tp, 1), infer_tp)
+        groups = build_reshard_groups(build_training_mesh(world_size, tp, pp), infer_tp)
         resharder = Resharder(models, groups, config=ReshardConfig(bucket_bytes=bucket_bytes))
         return {"shards": resharder.reshard(), "report": resharder.last_report, "ep_rank": ctx.ep_rank,
                 "etp_rank": ctx.etp_rank}
@@ -198,3 +198,33 @@ def test_resharded_experts_equal_vllms_own_loader(hf_dirs, vllm_loaded, arch, tp
     assert sum(r["report"].bytes_sent for r in results) == sum(r["report"].bytes_received for r in results)
     if bucket < 64 << 10 and (ep > 1 or etp):
         assert results[0]["report"].buckets > 1, "the small bucket should split the sync"
+
+
+# (pp, ep, world, infer_tp): a pipeline over the MoE model, each stage's experts split over EP at world 4
+PP_MOE_LAYOUTS = [(2, 1, 2, 1), (2, 1, 2, 2), (2, 2, 4, 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp,ep,world,infer_tp", PP_MOE_LAYOUTS,
+                         ids=[f"qwen3_moe-pp{p}ep{e}w{w}-itp{i}" for p, e, w, i in PP_MOE_LAYOUTS])
+def test_resharded_experts_at_pp2_equal_vllms_own_loader(hf_dirs, vllm_loaded, pp, ep, world, infer_tp):
+    """issue 41 item 1, the sync half: at PP2 (and PP2 x EP2) every rank ends with exactly what vLLM's own loader
+    holds for its vLLM TP rank, experts of both stages included; bytes as planned, checksums proven."""
+    hf_dir = hf_dirs["qwen3_moe"]
+    results = run_ranks(_moe_reshard_rank, world, str(hf_dir), 1, ep, infer_tp, 16 << 10, None, pp, timeout_s=400)
+    loaded = vllm_loaded("qwen3_moe", infer_tp)
+    hf_state, config = safetensors_state(hf_dir), read_json(hf_dir / "config.json")
+    groups = build_reshard_groups(build_training_mesh(world, 1, pp), infer_tp)
+    for rank, result in enumerate(results):
+        shards, report = result["shards"], result["report"]
+        held = loaded[groups.gen_tp_index[rank]]
+        assert sorted(shards) == sorted(held), f"rank {rank}: names differ from vLLM's"
+        for name, tensor in held.items():
+            assert torch.equal(shards[name], tensor), f"rank {rank}: {name}"
+        expected = hf_to_vllm_shards(hf_state, config, infer_tp, groups.gen_tp_index[rank])
+        verify_checksums(report.checksums, shard_checksums(expected.items()), rank)
+        assert report.bytes_received == report.planned_bytes_received >= report.exact_lower_bound_bytes
+        # Known gap (issue 41, open): at PP2 with infer_tp 2 each rank receives 14,336 bytes more than the exact
+        # bound (the shards are right; the excess is bounded here so that a growth is caught)
+        assert report.bytes_received - report.exact_lower_bound_bytes <= (0 if infer_tp == 1 else 14336), rank
+    assert sum(r["report"].bytes_sent for r in results) == sum(r["report"].bytes_received for r in results)
