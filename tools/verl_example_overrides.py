@@ -4,7 +4,8 @@
 Each `examples/{grpo,ppo}_trainer/*megatron*.sh` of a verl checkout is run by bash itself, with `python3`
 and `python` on PATH replaced by a recorder that writes its arguments instead of running anything: so every
 shell variable, default (`${X:-8}`) and arithmetic (`$((1024 * 8))`) is expanded exactly as on a user's
-machine, with HOME=/home/user; paths under the checkout are written relative to verl's root. The
+machine, with HOME=/home/user (a literal /root/ home written as that too); paths under the checkout are
+written relative to verl's root. The
 `verl.trainer.main_ppo` call's `key=value` arguments are kept, per script, with the verl commit they come from.
 
     python tools/verl_example_overrides.py --verl ~/src/verl --out tests/data/verl_megatron_examples.json
@@ -34,9 +35,11 @@ def record_script(script: Path, stub_dir: Path, out: Path) -> list[str]:
     subprocess.run(["bash", str(script)], env=env, capture_output=True, timeout=60, cwd=script.parent)
     calls = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     (argv,) = [call for call in calls if "verl.trainer.main_ppo" in call]
-    # a script that names files by $(pwd) would carry this machine's checkout path: keep them relative to verl's root
+    # a script that names files by $(pwd) would carry this machine's checkout path: keep them relative to verl's root.
+    # One writes root's home literally (/root/data/...): the same home directory as $HOME, so it gets HOME's stand-in.
     root = f"{script.parents[2].resolve()}/"
-    return [arg.replace(root, "") for arg in argv if "=" in arg and not arg.startswith("--")]
+    return [arg.replace(root, "").replace("=/root/", f"={env['HOME']}/") for arg in argv
+            if "=" in arg and not arg.startswith("--")]
 
 
 def main(argv: list[str] | None = None) -> int:
