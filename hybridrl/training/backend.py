@@ -433,12 +433,13 @@ class MegatronBackend:
         self.source = source
         # on cuda megatron's fusions and overlaps (each a default the user's own setting overrides), then the user's
         # megatron settings (verl's override_transformer_config; the plan refused any of hybridrl's own)
+        apex_wgrad = apex_wgrad_available()
         self.speed = speed_settings(
             cuda=self.device_policy.megatron_speed_defaults, trainable=spec.trainable, data_parallel=self.ctx.dp,
             distributed_optimizer=megatron.use_distributed_optimizer,
-            te=layer_spec_kind(self.ctx.device) == "te", apex_wgrad=apex_wgrad_available(),
+            te=layer_spec_kind(self.ctx.device) == "te", apex_wgrad=apex_wgrad,
             user_transformer=megatron.override_transformer_config, user_ddp=megatron.override_ddp_config)
-        if (self.device_policy.megatron_speed_defaults and spec.trainable and not apex_wgrad_available()
+        if (self.device_policy.megatron_speed_defaults and spec.trainable and not apex_wgrad
                 and megatron.override_transformer_config.get("gradient_accumulation_fusion") is True):
             # megatron's own output layer (a ColumnParallelLinear even under TE's spec) raises a RuntimeError later
             raise ValueError(f"{spec.role}: override_transformer_config.gradient_accumulation_fusion=true needs Apex's "
