@@ -181,3 +181,41 @@ def test_megatrons_split_flags_give_megatrons_layer_counts(pp, embedding, loss):
     assert ours == tuple(get_num_layers_to_build(reference, pp_rank=r) for r in range(pp))
     assert not set(megatron.override_transformer_config) & {"account_for_embedding_in_pipeline_split",
                                                             "account_for_loss_in_pipeline_split"}
+
+
+@pytest.mark.parametrize("settings, megatron_says", [
+    # names and values the field table accepts, combinations megatron-core's TransformerConfig refuses
+    ({"recompute_granularity": "selective", "recompute_modules": "[mla_up_proj]"}, "multi_latent_attention"),
+    ({"recompute_granularity": "selective", "recompute_modules": "[attention_everywhere]"},
+     "Invalid choices for recompute_modules"),
+    ({"cpu_offloading": "true", "cpu_offloading_num_layers": 40}, "layers less than 24"),
+    ({"fp8_param": "true"}, "fp8_param must be used together with fp8 mode"),
+])
+def test_what_megatron_refuses_is_refused_at_plan_in_its_words(settings, megatron_says):
+    """megatron's __post_init__ holds rules the plan's table cannot (combinations): the plan builds each role's
+    TransformerConfig as its workers do, and a refusal is a problem of the section instead of a worker's
+    traceback at start-up."""
+    overrides = [f"{OVERRIDES}.{name}={value}" for name, value in settings.items()]
+    with pytest.raises(ConfigError) as info:
+        plan_from_sources(SEED, overrides)
+    (issue,) = info.value.issues
+    assert issue.field == OVERRIDES and "refused by megatron-core's TransformerConfig" in issue.rule
+    assert megatron_says in issue.rule, issue.rule
+    assert not _megatron_verdict({k: v if not isinstance(v, str) or not v.startswith("[") else v[1:-1].split(",")
+                                  for k, v in ((k, {"true": True}.get(v, v)) for k, v in settings.items())})
+
+
+def test_megatrons_check_builds_the_role_as_its_workers_do():
+    """The same settings pass where the role makes them valid: cpu offloading of fewer layers than the model
+    has; selective recompute of megatron's own modules (and the check leaves no CPU stand-in behind)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    before = rope_utils.fused_apply_rotary_pos_emb if hasattr(rope_utils, "fused_apply_rotary_pos_emb") else None
+    plan = plan_from_sources(SEED, [f"{OVERRIDES}.recompute_granularity=selective",
+                                    f"{OVERRIDES}.recompute_modules=[core_attn,mlp]"])
+    assert plan.config.actor_rollout_ref.actor.megatron.override_transformer_config["recompute_modules"] == \
+        ["core_attn", "mlp"]
+    plan_from_sources(SEED, ["trainer.device=cpu", f"{OVERRIDES}.cpu_offloading=true",
+                             f"{OVERRIDES}.cpu_offloading_num_layers=2"])
+    after = rope_utils.fused_apply_rotary_pos_emb if hasattr(rope_utils, "fused_apply_rotary_pos_emb") else None
+    assert before is after

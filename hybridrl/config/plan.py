@@ -39,6 +39,7 @@ from hybridrl.config.estimates import (
 )
 from hybridrl.config.inputs import LAYOUT_ONLY_HINT, check_inputs, resolve_hub_ids
 from hybridrl.config.loader import CONFIG_FILE, config_from_dict, config_to_dict, load_config_collecting
+from hybridrl.config.megatron_verdict import megatron_refusal, role_transformer_settings
 from hybridrl.config.meshes import (
     ReshardGroups,
     TrainingMesh,
@@ -382,7 +383,43 @@ def build_plan(config: JobConfig, prior_issues: list[ConfigIssue] | tuple[Config
         hint = LAYOUT_ONLY_HINT if check_inputs(config, issues, critic=resolved.critic_enabled) else None
     if issues:
         raise ConfigError(issues, hint)
-    return _derive(config, resolved, model, tuple(warnings))
+    plan = _derive(config, resolved, model, tuple(warnings))
+    refusals = megatron_refusals(plan)
+    if refusals:
+        raise ConfigError(refusals)
+    return plan
+
+
+# the megatron section each role's layout comes from (the reference's is the actor's unless it has its own)
+ROLE_SECTIONS = {Role.ACTOR: "actor_rollout_ref.actor.megatron", Role.REF: "actor_rollout_ref.ref.megatron",
+                 Role.CRITIC: "critic.megatron", Role.REWARD_MODEL: "reward_model.megatron"}
+
+
+def megatron_refusals(plan: Plan) -> list[ConfigIssue]:
+    """What megatron-core's TransformerConfig refuses of the roles that carry `override_transformer_config`
+    settings (`config.megatron_verdict`), each role's config built as its workers build it."""
+    if plan.model is None:
+        return []
+    config, found = plan.config, []
+    for layout in plan.layouts:
+        mc = layout.megatron
+        if not mc.override_transformer_config:
+            continue
+        role = Role(layout.role)
+        section = ROLE_SECTIONS[role]
+        if role == Role.REF and config.actor_rollout_ref.ref.megatron is None:
+            section = ROLE_SECTIONS[Role.ACTOR]
+        shape = _role_shape(config, role, plan.model)
+        model_section = {Role.CRITIC: config.critic.model}.get(role, config.actor_rollout_ref.model)
+        fixed = role_transformer_settings(
+            mc, moe=shape.is_moe,
+            gradient_checkpointing=role in TRAINED_ROLES and model_section.enable_gradient_checkpointing,
+            router_replay=role == Role.ACTOR and config.actor_rollout_ref.actor.router_replay == "rollout")
+        issue = megatron_refusal(f"{section}.override_transformer_config", mc, shape, device=plan.resolved.device,
+                                 dtype=mc.dtype or plan.resolved.train_dtype, fixed=fixed)
+        if issue is not None and all(str(issue) != str(other) for other in found):
+            found.append(issue)
+    return found
 
 
 def _role_shape(config: JobConfig, role: str, actor_shape: ModelShape) -> ModelShape:

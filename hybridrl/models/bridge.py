@@ -144,10 +144,11 @@ def _as_source(source: ModelSource | str | Path | Mapping[str, Any]) -> ModelSou
 def transformer_config(
     shape: ModelShape, tp: int, pp: int, vpp: int | None, *, device: str, dtype: torch.dtype,
     ep: int = 1, first_stage_layers: int | None = None, last_stage_layers: int | None = None,
-    etp: int | None = None, **overrides: Any,
+    etp: int | None = None, cpu_stand_ins: bool = True, **overrides: Any,
 ) -> Any:
     """megatron `TransformerConfig` for `shape` on a resolved `device`, with the CPU layer's flags
-    where the device policy runs megatron through it (CPU)."""
+    where the device policy runs megatron through it (CPU). `cpu_stand_ins=False` (the plan's check of a
+    role's settings) installs none of the CPU layer's functions and leaves megatron's fused RoPE off."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -168,7 +169,7 @@ def transformer_config(
         kwargs.update(CPU_CONFIG_OVERRIDES)
         # megatron's fused-RoPE slot, filled with a CPU function that gives the unfused path's
         # numbers in fewer memory passes (hybridrl/parallel/cpu_rope.py)
-        kwargs["apply_rope_fusion"] = install_cpu_fused_rope()
+        kwargs["apply_rope_fusion"] = cpu_stand_ins and install_cpu_fused_rope()
         if kwargs["apply_rope_fusion"] and not install_cpu_packed_rope():
             # packed (THD) sequences call the packed slot: without our function there, keep the
             # unfused path for both (the numbers are the same)

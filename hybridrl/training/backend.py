@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
 
-from hybridrl.config.megatron_fields import TRANSFORMER_CONFIG_FIELDS
+from hybridrl.config.megatron_verdict import megatron_settings, role_transformer_settings
 from hybridrl.config.plan import Plan
 from hybridrl.config.resolve import needs_uniform_micro_batches
 from hybridrl.config.schema import MegatronConfig, OptimConfig
@@ -96,20 +96,6 @@ class RoleSpec:
     @property
     def trainable(self) -> bool:
         return self.optim is not None
-
-
-def megatron_settings(values: Mapping[str, Any]) -> dict[str, Any]:
-    """`override_transformer_config` as megatron's TransformerConfig takes it: an enum field's value (written by
-    name, e.g. attention_backend: flash) as that enum's member."""
-    from megatron.core.transformer import enums
-
-    settings = {}
-    for name, value in values.items():
-        enum_form = next((f for f in TRANSFORMER_CONFIG_FIELDS.get(name, ()) if f.startswith("enum:")), None)
-        if enum_form is not None and isinstance(value, str):
-            value = getattr(enums, enum_form.split(":")[1])[value]
-        settings[name] = value
-    return settings
 
 
 def role_spec(plan: Plan, role: Role | str) -> RoleSpec:
@@ -392,35 +378,14 @@ class MegatronBackend:
         if spec.shared_prefix:
             self._check_shared_prefix(spec)
         self.tokens_seen = TokenCounts()
-        overrides: dict[str, Any] = {
-            "variable_seq_lengths": True,
-            # Dense models route no tokens; megatron still rejects its default MoE dispatcher
-            # ("allgather") together with variable sequence lengths.
-            "moe_token_dispatcher_type": "alltoall",
-            "sequence_parallel": megatron.sequence_parallel_in_effect,
-        }
-        if spec.gradient_checkpointing:
-            overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        source = value_model_source(spec.model_path) if spec.value_head else ModelSource.from_path(spec.model_path)
+        overrides = role_transformer_settings(megatron, moe=source.shape.is_moe,
+                                              gradient_checkpointing=spec.gradient_checkpointing,
+                                              router_replay=spec.router_replay)
         if spec.trainable and self.device_policy.wgrad_accumulation_fusion == "cpu_stand_in":
             # weight-gradient GEMMs accumulate into DDP's main_grad (only a trained role has one)
             overrides["gradient_accumulation_fusion"] = install_cpu_wgrad_fusion()
-        source = value_model_source(spec.model_path) if spec.value_head else ModelSource.from_path(spec.model_path)
-        self.uniform_width = False
-        if source.shape.is_moe:
-            # The router losses act only in a training forward with gradients (megatron's router), so
-            # a frozen role's forward is unchanged by them.
-            overrides.update(moe_router_load_balancing_type=megatron.moe_router_load_balancing_type,
-                             moe_aux_loss_coeff=megatron.moe_aux_loss_coeff,
-                             moe_z_loss_coeff=megatron.moe_z_loss_coeff,
-                             moe_token_dispatcher_type=megatron.moe_token_dispatcher_type,
-                             moe_expert_capacity_factor=megatron.moe_expert_capacity_factor,
-                             moe_token_drop_policy=megatron.moe_token_drop_policy,
-                             moe_pad_expert_input_to_capacity=megatron.moe_pad_expert_input_to_capacity)
-            self.uniform_width = self._check_moe_dispatch(spec)
-            if megatron.moe_token_dispatcher_type == "allgather":
-                # megatron refuses the allgather dispatcher with variable lengths; at PP 1 (checked) no
-                # pipeline stage exchanges activation shapes, so nothing else reads the flag
-                overrides["variable_seq_lengths"] = False
+        self.uniform_width = self._check_moe_dispatch(spec) if source.shape.is_moe else False
         if spec.shared_prefix and source.shape.is_moe:
             # the router's losses, token counts and capacity see each token of a micro-batch once
             raise ValueError(f"{spec.role}: model.shared_prefix=true with a mixture-of-experts model is not served "
@@ -428,7 +393,6 @@ class MegatronBackend:
                              "shared prompt once instead of once per row); set shared_prefix=false")
         if spec.router_replay:
             self._check_router_replay(spec, source)
-            overrides["moe_enable_routing_replay"] = True
         self.replay_mismatch = ReplayMismatch()  # filled by replayed forwards; callers reset and read it
         self.source = source
         # on cuda megatron's fusions and overlaps (each a default the user's own setting overrides), then the user's
