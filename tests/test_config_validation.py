@@ -612,11 +612,12 @@ MOE_CASES = {
     "ep within dp x cp x tp": (dict(experts=12), [f"{A}.megatron.pipeline_model_parallel_size=2", f"{EP}=2"], EP,
                                "must divide DP × CP × TP = 3×1×1", [f"{A}.megatron.pipeline_model_parallel_size=2",
                                                                    f"{EP}=3"]),
-    "etp other than tp needs tp 1": ({}, [f"{A}.megatron.tensor_model_parallel_size=2", f"{ETP}=1",
-                                          f"{A}.megatron.sequence_parallel=true", "trainer.device=cuda"], ETP,
-                                     "is built and tested with tensor_model_parallel_size=1 only",
-                                     [f"{A}.megatron.tensor_model_parallel_size=2", f"{ETP}=2",
-                                      f"{A}.megatron.sequence_parallel=true", "trainer.device=cuda"]),
+    # TP2 x ETP1 (verl's MoE layout) plans; its expert mesh must still tile the stage: EP 4 x ETP 1 over DP x TP = 3 x 2
+    "etp other than tp tiles the stage": ({}, [f"{A}.megatron.tensor_model_parallel_size=2", f"{ETP}=1", f"{EP}=4",
+                                               f"{A}.megatron.sequence_parallel=true", "trainer.device=cuda"], EP,
+                                          "× expert_tensor_parallel_size=1 must divide DP × CP × TP = 3×1×2",
+                                          [f"{A}.megatron.tensor_model_parallel_size=2", f"{ETP}=1", f"{EP}=2",
+                                           f"{A}.megatron.sequence_parallel=true", "trainer.device=cuda"]),
     "etp divides the experts' width": (dict(moe_ffn=100), [f"{ETP}=3"], ETP, "must divide the experts' intermediate "
                                        "size 100", [f"{ETP}=2"]),
     "ep x etp within dp x cp x tp": (dict(experts=12), [f"{EP}=2", f"{ETP}=4"], EP,

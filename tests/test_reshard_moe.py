@@ -150,6 +150,9 @@ MOE_LAYOUTS = [
     ("qwen3_moe", 1, 1, 2, 2, 1, 16 << 10),
     ("qwen3_moe", 1, 1, 2, 2, 2, 512 << 20),  # each rank's half is its vLLM shard: nothing moves
     ("mixtral", 1, 1, 2, 2, 1, 512 << 20),
+    # TP2 x ETP1 (verl's MoE scripts: TP 4 or 8, ETP 1): dense layers TP-split, every expert whole on its EP rank
+    ("qwen3_moe", 2, 1, 1, 2, 2, 512 << 20),  # whole experts hold their vLLM halves, dense TP = infer TP: nothing moves
+    ("qwen3_moe", 2, 2, 1, 4, 1, 16 << 10),
 ]
 
 

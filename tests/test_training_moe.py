@@ -332,3 +332,29 @@ def test_moe_update_at_pp2_and_pp2_ep2_equals_one_rank(tmp_path):
         metrics = [r["metrics"] for r in results if r["metrics"] is not None]
         runs[world, pp, ep] = (metrics[0], safetensors_state(out))
     assert_same_step(runs, (1, 1, 1), safetensors_state(hf))
+
+
+@pytest.mark.slow
+def test_moe_update_at_tp2_with_whole_experts_equals_one_rank(tmp_path):
+    """TP2 with sequence parallelism and expert TP 1 (verl's MoE scripts run TP 4 or 8 × ETP 1): the dense layers
+    split over TP, every expert whole. At EP1 the two TP ranks hold the same experts, each routing its half of the
+    sequence (the expert gradients then sum over those ranks, megatron's expert-DP group); at EP2 on four ranks
+    each holds half the experts. The step's loss, grad norm and every updated weight equal the single rank's."""
+    hf = make_hf_model(tmp_path / "hf", "qwen3_moe", seed=7)
+    batch = rollout_batch(8)
+    runs = {}
+    for world, tp, ep, etp in ((1, 1, 1, None), (2, 2, 1, 1), (4, 2, 2, 1)):
+        out = tmp_path / f"out_w{world}tp{tp}ep{ep}etp{etp}"
+        config = job_config(hf, world=world, tp=tp, use_kl_loss=True, entropy_coeff=0.01)
+        mc = config.actor_rollout_ref.actor.megatron
+        mc.sequence_parallel = tp > 1
+        mc.expert_model_parallel_size, mc.expert_tensor_parallel_size = ep, etp
+        results = run_ranks(_update_rank, world, config, batch, str(out), timeout_s=600)
+        metrics = [r["metrics"] for r in results if r["metrics"] is not None]
+        assert metrics, (world, tp, ep)
+        if tp > 1 and ep == 1:  # both TP ranks hold every expert whole, and the same after the step
+            mine, theirs = results[0]["digests"], results[1]["digests"]
+            experts = [n for n in mine if "local_experts" in n]
+            assert experts and all(mine[n] == theirs[n] for n in experts)
+        runs[world, tp, ep, etp] = (metrics[0], safetensors_state(out))
+    assert_same_step(runs, (1, 1, 1, None), safetensors_state(hf))

@@ -871,7 +871,8 @@ def _check_stage_split(check: _Checker, prefix: str, mc: MegatronConfig, model: 
 def _check_experts(check: _Checker, prefix: str, mc: MegatronConfig, tp: int, cp: int, dp: int,
                    model: ModelShape | None) -> bool:
     """Expert-parallel rules (MoE models): megatron's expert mesh, EP × expert TP, tiles the DP × CP × TP
-    ranks of a pipeline stage; an expert TP other than TP is built and tested at TP 1."""
+    ranks of a pipeline stage (an expert TP other than TP: experts split over fewer ranks than the dense
+    layers, e.g. TP 4 × ETP 1 as verl's MoE scripts run, or over DP ranks of the dense layers at TP 1)."""
     ep, etp = mc.expert_model_parallel_size, mc.expert_tensor_parallel_size
     check.in_range(f"{prefix}.moe_aux_loss_coeff", mc.moe_aux_loss_coeff, 0.0, 1e3)
     if mc.moe_z_loss_coeff is not None:
@@ -893,12 +894,6 @@ def _check_experts(check: _Checker, prefix: str, mc: MegatronConfig, tp: int, cp
         if model is not None and not model.is_moe:
             return check.fail(field, etp, f"needs a mixture-of-experts model; {model.architecture} is dense: use null",
                               [None])
-        if tp != 1:
-            # logits and conversion are tested at TP2 x ETP1 too, but a trained MoE role at TP > 1 needs
-            # sequence parallelism (GPU only), where no ETP layout has run yet
-            return check.fail(field, etp, f"other than tensor_model_parallel_size={tp} is built and tested with "
-                              "tensor_model_parallel_size=1 only so far (each expert split over expert-TP ranks that "
-                              "are DP ranks of the dense layers); use null or TP 1", [None, tp])
         if model is not None and model.moe_ffn_hidden_size % etp:
             ok = check.fail(field, etp, f"must divide the experts' intermediate size {model.moe_ffn_hidden_size} "
                             "(each expert is split over the expert TP ranks like the dense MLP over TP)",
