@@ -78,6 +78,9 @@ def test_failure_inside_rank_surfaces_with_role_rank_and_traceback(pool, how):
     assert f"actor rank {FAIL_RANK} failed in collective_or_fail()" in message
     if how == "raise":
         assert error.failures[0].kind == "exception"
+        # the first line names the cause itself, not only that there was one
+        assert message.splitlines()[0].endswith("failed in collective_or_fail(): ValueError: deliberate failure "
+                                                "on rank 2"), message.splitlines()[0]
         assert "deliberate failure on rank 2" in error.remote_traceback
         assert "controller_workers.py" in error.remote_traceback  # the remote traceback, not ours
     else:

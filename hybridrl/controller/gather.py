@@ -8,6 +8,7 @@ may be stuck in a gloo/NCCL collective that will never complete.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ class RankFailure:
     rank: int
     kind: str  # "exception", "actor died", PEER_LOST or "ray error"
     detail: str  # the remote traceback (exceptions) or Ray's account of the death
+    cause: str = ""  # an exception's own line ("DeviceMismatch: ..."), for the one-line account of the failure
 
 
 class WorkerGroupError(RuntimeError):
@@ -52,7 +54,7 @@ class WorkerGroupError(RuntimeError):
         self.rank: int | None = first.rank if first else None
         self.remote_traceback: str = first.detail if first else ""
         if first is not None:
-            head = f"{role} rank {first.rank} failed in {method}(): {first.kind}"
+            head = f"{role} rank {first.rank} failed in {method}(): {first.cause or first.kind}"
         else:
             head = (f"{role} group did not finish {method}() within {timeout_s} s (ranks that did not answer: "
                     f"{self.unfinished_ranks})")
@@ -96,19 +98,32 @@ PEER_LOST = "collective failed (a peer is gone)"
 ACTOR_DIED = "actor died"
 
 
-def _classify(error: RayError) -> tuple[str, str]:
+# how much of an exception's message the one-line account keeps (the whole report has all of it)
+CAUSE_CHARS = 400
+
+
+def _cause_line(cause: BaseException | None) -> str:
+    """`Type: first line of the message`, cut to CAUSE_CHARS: what the one-line account of a failure says."""
+    if cause is None:
+        return ""
+    message = str(cause).strip().splitlines()
+    line = f"{type(cause).__name__}: {message[0]}" if message else type(cause).__name__
+    return line if len(line) <= CAUSE_CHARS else line[:CAUSE_CHARS - 3] + "..."
+
+
+def _classify(error: RayError) -> RankFailure:
+    """The failure of rank -1 (the caller sets the rank) that a Ray error reports."""
     if isinstance(error, RayTaskError):
         cause = getattr(error, "cause", None)
         text = str(error)
         peer_lost = type(cause).__name__ in _COLLECTIVE_ERROR_TYPES or any(
             marker in text for marker in _COLLECTIVE_ERROR_MARKERS
         )
-        if peer_lost:
-            return PEER_LOST, text
-        return "exception", text
+        return RankFailure(-1, PEER_LOST if peer_lost else "exception", text,
+                           "" if peer_lost else _cause_line(cause))
     if isinstance(error, RayActorError):
-        return ACTOR_DIED, str(error)
-    return "ray error", f"{type(error).__name__}: {error}"
+        return RankFailure(-1, ACTOR_DIED, str(error))
+    return RankFailure(-1, "ray error", f"{type(error).__name__}: {error}")
 
 
 def _root_causes_first(failures: list[RankFailure]) -> list[RankFailure]:
@@ -168,8 +183,7 @@ def wait_all(
             except GetTimeoutError:  # wait said ready but the value is not local yet: next slice
                 pending[ref] = rank
             except RayError as error:
-                kind, detail = _classify(error)
-                failures.append(RankFailure(rank, kind, detail))
+                failures.append(dataclasses.replace(_classify(error), rank=rank))
         if failures:
             if grace_deadline is None:  # the poll that saw the first failure
                 unfinished_at_failure = sorted(pending.values())
