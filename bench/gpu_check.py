@@ -92,8 +92,10 @@ def timed(fn: Callable[[], Any], device: str, iters: int, warmup: int) -> float:
 
 
 def matmul_tflops(device: str, dtype: torch.dtype, size: int) -> float:
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
+    from hybridrl.parallel.device import rank_device
+
+    a = torch.randn(size, size, device=rank_device(device), dtype=dtype)
+    b = torch.randn(size, size, device=rank_device(device), dtype=dtype)
     seconds = timed(lambda: a @ b, device, iters=10, warmup=3)
     return 2 * size**3 / seconds / 1e12
 
@@ -117,9 +119,12 @@ def build_random_model(config: dict[str, Any], dtype: torch.dtype,
 
 def actor_figures(model: Any, config: dict[str, Any], device: str, batch: int, seq: int, iters: int,
                   peak_tflops: float) -> dict[str, float]:
-    tokens = torch.randint(0, config["vocab_size"], (batch, seq + 1), device=device)
+    from hybridrl.parallel.device import rank_device
+
+    # where the model's inputs go (on a CPU rank under strict-device mode: tagged as the GPU's)
+    tokens = torch.randint(0, config["vocab_size"], (batch, seq + 1), device=rank_device(device))
     input_ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(batch, -1)
+    position_ids = torch.arange(seq, device=rank_device(device)).unsqueeze(0).expand(batch, -1)
 
     def train_step() -> None:
         loss = model(input_ids, position_ids, None, labels=labels)  # [b, s] per-token cross-entropy
@@ -224,7 +229,9 @@ def moe_figures(device: str) -> dict[str, Any]:
     import transformers
 
     from hybridrl.models.bridge import export_hf
+    from hybridrl.parallel.device import rank_device
 
+    place = rank_device(device)  # where the rank's model and inputs live (tagged as the GPU's under strict mode)
     models = build_random_model(TINY_MOE, torch.float32)
     model = models[0]
     tokens = torch.randint(1, TINY_MOE["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
@@ -232,11 +239,11 @@ def moe_figures(device: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         folder = export_hf(models, Path(tmp) / "hf", dtype=torch.float32)
         reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
-                                                                      attn_implementation="eager").to(device)
+                                                                      attn_implementation="eager").to(place)
         with torch.no_grad():
-            expected = reference(input_ids=tokens.to(device)).logits.float()
+            expected = reference(input_ids=tokens.to(place)).logits.float()
     model.train()
-    logits = model(tokens.to(device), positions.to(device), None)  # [b, s, vocab (padded)]
+    logits = model(tokens.to(place), positions.to(place), None)  # [b, s, vocab (padded)]
     logits = logits[..., :TINY_MOE["vocab_size"]].float()
     logits.logsumexp(-1).mean().backward()
     experts = [p.grad for n, p in model.named_parameters() if ".experts." in n]

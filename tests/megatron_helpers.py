@@ -60,7 +60,10 @@ def tiny_gpt(config=None, vp_stage: int | None = None, **config_overrides: Any):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from hybridrl.parallel.device import rank_device
+
     config = config or tiny_config(**config_overrides)
+    # built on the host (use_cpu_initialization), then moved where the rank's model lives, as the bridge does
     return GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
@@ -71,18 +74,23 @@ def tiny_gpt(config=None, vp_stage: int | None = None, **config_overrides: Any):
         position_embedding_type="rope",
         share_embeddings_and_output_weights=False,
         vp_stage=vp_stage,
-    )
+    ).to(rank_device("cpu"))
 
 
 def tokens(batch: int = 2, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, labels) from a private generator: identical on every rank, RNG streams untouched."""
+    from hybridrl.parallel.device import rank_device
+
     gen = torch.Generator().manual_seed(seed)
-    data = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=gen)
+    # drawn on the host, then where the model's inputs go (tagged as the GPU's under strict-device mode)
+    data = torch.randint(0, VOCAB, (batch, SEQ + 1), generator=gen).to(rank_device("cpu"))
     return data[:, :-1].contiguous(), data[:, 1:].contiguous()
 
 
 def position_ids(batch: int) -> torch.Tensor:
-    return torch.arange(SEQ).unsqueeze(0).expand(batch, SEQ).contiguous()
+    from hybridrl.parallel.device import rank_device
+
+    return torch.arange(SEQ, device=rank_device("cpu")).unsqueeze(0).expand(batch, SEQ).contiguous()
 
 
 def gather_tp_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -255,7 +263,9 @@ def mean_loss_over_dp(losses: list[dict[str, torch.Tensor]], dp: int) -> float:
     """Mean microbatch loss of the global batch, known on every rank (0.0 sent by non-last stages)."""
     from megatron.core import parallel_state as mps
 
-    local = torch.stack([d["loss"] for d in losses]).mean() if losses else torch.zeros(())
+    from hybridrl.parallel.device import collective_device
+
+    local = torch.stack([d["loss"] for d in losses]).mean() if losses else torch.zeros((), device=collective_device())
     total = local.reshape(1).clone()
     # Sum over DP of the last stage's values, then share with the other stages through PP.
     torch.distributed.all_reduce(total, group=mps.get_data_parallel_group())

@@ -132,8 +132,13 @@ def test_cuda_current_device_patch():
 # cuda_to_cpu_mode
 # ------------------------------------------------------------------------------------------------
 def _device_mapping(rank: int, world_size: int) -> dict:
+    import os
+
     from megatron.core.transformer.utils import get_default_causal_mask
 
+    # the plain mapping itself (the strict-device lane's mode hands `.cuda()` back as a new tensor, to hold
+    # its placement: tests/test_training_strict_device.py)
+    os.environ["HYBRIDRL_STRICT_DEVICE"] = "0"
     cpu_layer.apply_cpu_layer(skip=["cuda_to_cpu_mode"])
     out = {
         "mask_without": _raises(lambda: get_default_causal_mask(4)),
@@ -178,14 +183,15 @@ def _sequence_parallel_backward(rank: int, world_size: int) -> dict:
     initialize_model_parallel(tp=2)
     # [s/tp, b, h] shard -> all-gather along the sequence; its backward reduce-scatters into a buffer
     # allocated with device=torch.cuda.current_device() inside a custom autograd backward.
-    x = torch.full((2, 1, 3), float(rank + 1), requires_grad=True)
+    # on the device, as megatron's activations are (the strict-device lane checks it)
+    x = torch.full((2, 1, 3), float(rank + 1), requires_grad=True, device="cuda")
     y = tensor_parallel.gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True)
-    weights = torch.arange(4.0).reshape(4, 1, 1)
+    weights = torch.arange(4.0, device="cuda").reshape(4, 1, 1)
     (y * weights).sum().backward()
-    x2 = torch.full((2, 1, 3), 1.0, requires_grad=True)
+    x2 = torch.full((2, 1, 3), 1.0, requires_grad=True, device="cuda")
     y2 = tensor_parallel.gather_from_sequence_parallel_region(x2, tensor_parallel_output_grad=True)
     (grad,) = torch.autograd.grad((y2 * weights).sum(), [x2])
-    return {"y": y.detach(), "grad": x.grad, "autograd_grad": grad}
+    return {"y": y.detach().cpu(), "grad": x.grad.cpu(), "autograd_grad": grad.cpu()}
 
 
 def test_cuda_to_cpu_mode_covers_backward_allocations():
@@ -422,9 +428,9 @@ def _moe_build(rank: int, world_size: int, hf_dir: str, skip: list[str]) -> dict
         out = {"build": _raises(lambda: models.extend(build_gpt_models(hf_dir)))}
         if models:
             load_weights(models, hf_dir)
-            tokens = torch.arange(8).unsqueeze(0)
+            tokens = torch.arange(8, device="cuda").unsqueeze(0)  # where the trainer's batches go
             with torch.no_grad():
-                out["logits"] = models[0](tokens, torch.arange(8).unsqueeze(0), None)
+                out["logits"] = models[0](tokens, tokens.clone(), None).cpu()
         return out
     finally:
         cpu_layer.apply_cpu_layer()
@@ -459,13 +465,14 @@ def _uneven(rank: int, world_size: int, skip: list[str]) -> dict:
         cpu_layer.remove_cpu_layer()
         cpu_layer.apply_cpu_layer(skip=skip)
         group = mps.get_tensor_model_parallel_group()
-        mine = torch.full((SPLITS[rank], 4), float(rank + 1), requires_grad=True)
+        mine = torch.full((SPLITS[rank], 4), float(rank + 1), requires_grad=True, device="cuda")
         out: dict = {}
         try:
             gathered = gather_from_sequence_parallel_region(mine, group=group, output_split_sizes=SPLITS)
             # backward: megatron's reduce-scatter with the same split sizes
-            (gathered * torch.arange(sum(SPLITS), dtype=torch.float32).unsqueeze(1) * (rank + 1)).sum().backward()
-            out["gathered"], out["grad"] = gathered.detach(), mine.grad
+            rows = torch.arange(sum(SPLITS), dtype=torch.float32, device="cuda").unsqueeze(1)
+            (gathered * rows * (rank + 1)).sum().backward()
+            out["gathered"], out["grad"] = gathered.detach().cpu(), mine.grad.cpu()
         except Exception as exc:  # noqa: BLE001 - the test inspects it
             out["error"] = f"{type(exc).__name__}: {exc}"
         return out

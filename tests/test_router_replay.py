@@ -44,12 +44,14 @@ def _replay_rank(rank: int, world: int, hf_dir: str, all_tokens: torch.Tensor, e
     from megatron.core.transformer.moe.router import TopKRouter
 
     from hybridrl.models.bridge import build_gpt_models, load_weights
+
+    # at EP2 each DP rank routes its own rows and the alltoall dispatcher trades tokens between them
+    from hybridrl.parallel.device import rank_device
     from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
     from hybridrl.training.router_replay import moe_routers, recording, replaying
 
-    # at EP2 each DP rank routes its own rows and the alltoall dispatcher trades tokens between them
     initialize_model_parallel(tp=1, pp=1, ep=ep, device="cpu")
-    tokens = all_tokens[rank]
+    tokens = all_tokens[rank].to(rank_device("cpu"))  # where the trainer's batches go
     try:
         models = build_gpt_models(hf_dir, config_overrides={"moe_enable_routing_replay": True})
         load_weights(models, hf_dir)
@@ -60,7 +62,7 @@ def _replay_rank(rank: int, world: int, hf_dir: str, all_tokens: torch.Tensor, e
 
         def forward(ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
             maps.clear()
-            positions = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+            positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
             logits = model(ids, positions, None)  # [rows, seq, vocab]
             return logits.detach(), list(maps)
 
@@ -79,7 +81,7 @@ def _replay_rank(rank: int, world: int, hf_dir: str, all_tokens: torch.Tensor, e
                 out["logits_self_replay"], _ = forward(tokens)
             gen = torch.Generator().manual_seed(5)
             for _, router in moe_routers(models):
-                router.weight.add_(NOISE * torch.randn(router.weight.shape, generator=gen))
+                router.weight.add_(NOISE * torch.randn(router.weight.shape, generator=gen).to(router.weight.device))
             out["logits_free"], out["maps_free"] = forward(tokens)
             with replaying(models, recorded):
                 out["logits_replay"], out["maps_replay"] = forward(tokens)
@@ -89,7 +91,7 @@ def _replay_rank(rank: int, world: int, hf_dir: str, all_tokens: torch.Tensor, e
         model.train()
         with replaying(models, recorded):
             maps.clear()
-            positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+            positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
             model(tokens, positions, None).float().logsumexp(-1).mean().backward()
             out["maps_train"] = list(maps)
         out["router_grads"] = [router.weight.grad.abs().sum().item() for _, router in moe_routers(models)]
@@ -202,7 +204,7 @@ def _rollout_then_actor_rank(rank: int, world: int, hf_dir: str, config: Any) ->
     with torch.no_grad():
         for module in backend.chunks[0].modules():
             if isinstance(module, TopKRouter):
-                module.weight.add_(NOISE * torch.randn(module.weight.shape, generator=gen))
+                module.weight.add_(NOISE * torch.randn(module.weight.shape, generator=gen).to(module.weight.device))
     calls: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def record(module: Any, args: tuple, out: Any) -> None:
@@ -453,7 +455,8 @@ def _replay_at_infer_tp2_rank(rank: int, world: int, model_dir: str) -> dict[str
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for router in routers:
-            router.weight.add_(0.5 * router.weight.std() * torch.randn(router.weight.shape, generator=gen))
+            noise = torch.randn(router.weight.shape, generator=gen).to(router.weight.device)
+            router.weight.add_(0.5 * router.weight.std() * noise)
     run("perturbed_replay")
     run("perturbed_free", free_routing=True)
     return {"probe": setup["reshard/probe_max_abs_gap"], "tp_rank": worker.rollout.tp_rank,

@@ -122,3 +122,19 @@ def test_final_failure_names_every_failure_before_it():
     assert str(final) == ("training failed at step 5, phase gen: actor_rollout_ref rank 1 exited\n"
                           "(the run's failure 2, with trainer.max_restarts=1; it had restarted in place after: "
                           "1) step 2, phase update_actor: actor_rollout_ref rank 0 failed in update_actor)")
+
+
+@pytest.mark.slow
+def test_strict_device_stops_a_run_whose_worker_forgets_the_device(demo_assets, tmp_path):
+    """The strict-device lane's negative control through `hybridrl train` (Ray workers, the whole step): one
+    host tensor planted where the training backend moves a micro-batch to the device stops the run at its
+    first forward, naming the op and the two placements, as CUDA would."""
+    from hybridrl.parallel import strict_device
+
+    result, _ = _train_with(demo_overrides(demo_assets, tmp_path / "run", "trainer.total_training_steps=1"),
+                            {strict_device.ENV_SWITCH: "1",
+                             strict_device.ENV_PLANT: "hybridrl.training.backend:micro_batches"})
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-4000:]
+    # the first forward of the run is the set-up's: the weight sync's log-prob probe on the trainer side
+    assert ("training failed at step 0, phase setup: actor_rollout_ref rank 0 failed in setup(): DeviceMismatch: "
+            "strict-device: embedding got tensors on the GPU and on the CPU") in result.stderr, result.stderr[-4000:]

@@ -97,7 +97,7 @@ def torch_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     repeat = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
-    causal = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool).tril()
+    causal = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool, device=q.device).tril()
     probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
     return torch.einsum("hqk,khd->qhd", probs, v).reshape(q.shape[0], -1)
 
@@ -111,6 +111,7 @@ def _attention_rank(rank: int, world: int, lengths: list[int]) -> dict[str, Any]
     from hybridrl.parallel import state
     from hybridrl.parallel.cpu_attention import cpu_packed_attention_class
     from hybridrl.parallel.cpu_layer import CPU_CONFIG_OVERRIDES
+    from hybridrl.parallel.device import rank_device
 
     ctx = state.initialize_model_parallel(tp=world, device="cpu")
     config = TransformerConfig(num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
@@ -119,11 +120,12 @@ def _attention_rank(rank: int, world: int, lengths: list[int]) -> dict[str, Any]
     heads, kv_heads = HEADS // world, KV_HEADS // world
     total = sum(lengths)
     gen = torch.Generator().manual_seed(7 + ctx.tp_rank)
-    q = torch.randn(total, heads, HEAD_DIM, generator=gen, requires_grad=True)
-    k = torch.randn(total, kv_heads, HEAD_DIM, generator=gen, requires_grad=True)
-    v = torch.randn(total, kv_heads, HEAD_DIM, generator=gen, requires_grad=True)
-    weight = torch.randn(total, heads * HEAD_DIM, generator=gen)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    # drawn on the host, used where megatron's activations live (the rank's device under strict-device mode)
+    device = rank_device("cpu")
+    q, k, v = (torch.randn(total, n, HEAD_DIM, generator=gen).to(device).requires_grad_(True)
+               for n in (heads, kv_heads, kv_heads))
+    weight = torch.randn(total, heads * HEAD_DIM, generator=gen).to(device)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32).to(device)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                              max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
     stand_in = cpu_packed_attention_class()(config, layer_number=1, attn_mask_type=AttnMaskType.causal,

@@ -107,7 +107,7 @@ def torch_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     repeat = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
-    causal = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool).tril()
+    causal = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool, device=q.device).tril()
     probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
     return torch.einsum("hqk,khd->qhd", probs, v).reshape(q.shape[0], -1)
 
@@ -124,12 +124,14 @@ def _tree_rank(rank: int, world: int) -> dict[str, Any]:
     from hybridrl.parallel import state
     from hybridrl.parallel.cpu_attention import cpu_packed_attention_class, shared_prefix_seq_params
     from hybridrl.parallel.cpu_layer import CPU_CONFIG_OVERRIDES
+    from hybridrl.parallel.device import rank_device
 
     ctx = state.initialize_model_parallel(tp=world, device="cpu")
     config = TransformerConfig(num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
                                num_query_groups=KV_HEADS, kv_channels=HEAD_DIM, tensor_model_parallel_size=world,
                                attention_dropout=0.0, hidden_dropout=0.0, **CPU_CONFIG_OVERRIDES)
     heads, kv_heads = HEADS // world, KV_HEADS // world
+    device = rank_device("cpu")  # where megatron's activations live (tagged as the GPU's under strict-device mode)
     branches: list[int] = []
     positions: list[int] = []
     bounds = [0]
@@ -139,13 +141,13 @@ def _tree_rank(rank: int, world: int) -> dict[str, Any]:
         bounds.append(bounds[-1] + prompt + sum(responses))
     total = bounds[-1]
     gen = torch.Generator().manual_seed(5 + ctx.tp_rank)
-    q = torch.randn(total, heads, HEAD_DIM, generator=gen, requires_grad=True)
-    k = torch.randn(total, kv_heads, HEAD_DIM, generator=gen, requires_grad=True)
-    v = torch.randn(total, kv_heads, HEAD_DIM, generator=gen, requires_grad=True)
-    weight = torch.randn(total, heads * HEAD_DIM, generator=gen)
-    cu = torch.tensor(bounds, dtype=torch.int32)
+    q, k, v = (torch.randn(total, n, HEAD_DIM, generator=gen).to(device).requires_grad_(True)
+               for n in (heads, kv_heads, kv_heads))
+    weight = torch.randn(total, heads * HEAD_DIM, generator=gen).to(device)
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
     longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
-    params = shared_prefix_seq_params(cu, longest, torch.tensor(positions), torch.tensor(branches))
+    params = shared_prefix_seq_params(cu, longest, torch.tensor(positions, device=device),
+                                      torch.tensor(branches, device=device))
     stand_in = cpu_packed_attention_class()(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
                                             attention_type="self")
     out = stand_in(q, k, v, None, attn_mask_type=AttnMaskType.causal, packed_seq_params=params).squeeze(1)
@@ -153,7 +155,7 @@ def _tree_rank(rank: int, world: int) -> dict[str, Any]:
 
     # plain torch, row by row: each response after its prompt, the prompt's leaves shared by the rows
     ref_q, ref_k, ref_v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-    loss = torch.zeros(())
+    loss = torch.zeros((), device=device)
     expected = torch.zeros_like(out)
     for (prompt, responses), start in zip(SEGMENTS, bounds[:-1]):
         head = list(range(start, start + prompt))

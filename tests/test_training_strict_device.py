@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridrl.parallel import strict_device
-from hybridrl.parallel.forked import run_ranks
+from hybridrl.parallel.forked import RankError, run_ranks
 from hybridrl.workers.probe import RARE_TOKEN_PROBE
 from tests.test_training_critic import _critic_rank, _reference_critic, _reward_rank
 from tests.test_training_fixtures import (
@@ -103,6 +103,30 @@ def test_strict_mode_raises_where_cuda_would(strict_mode):
     assert weight.grad is not None  # autograd's tensors are never judged (unknown), so no false alarm
 
 
+def test_untagged_tensors_are_judged_by_where_they_came_from(strict_mode):
+    """Tensors no tagged op made: `device=t.device` allocations and `x.to(t.device)` land where `t` is,
+    autograd's gradients live where their parameter lives, a tensor rebuilt from a pickle is a host tensor."""
+    import pickle
+
+    weight = torch.nn.Parameter(torch.randn(3, 4, device="cuda"))
+    host = torch.ones(3, 4)
+    for made in (torch.zeros(3, 4, device=weight.device), torch.empty_like(host, device=weight.device),
+                 host.to(weight.device)):
+        assert strict_device.placement(made) == "device"
+        with pytest.raises(strict_device.DeviceMismatch, match="add"):
+            made + host
+    assert strict_device.placement(torch.zeros(2, device=host.device)) == "host"
+    assert weight.device == torch.device("cpu")  # the numbers and types stay the CPU layer's
+    (weight * 2).sum().backward()
+    assert strict_device.placement(weight.grad) == "device"
+    with pytest.raises(strict_device.DeviceMismatch, match="mul"):
+        weight.grad * host
+    back = pickle.loads(pickle.dumps(weight.detach().cpu()))  # as a Ray message or a checkpoint arrives
+    assert strict_device.placement(back) == "host" and torch.equal(back, weight.detach().cpu())
+    with pytest.raises(strict_device.DeviceMismatch, match="matmul"):
+        back @ weight.T
+
+
 def test_placement_helpers_answer_for_the_gpu_under_strict_mode():
     from hybridrl.parallel.device import megatron_cpu_initialization, rank_device, to_rank_device
 
@@ -144,6 +168,13 @@ def _collective_rank(rank: int, world: int) -> dict[str, str]:
         total = torch.full((2,), float(rank + 1), device=collective_device(nccl_like))
         dist.all_reduce(total, group=nccl_like)
         outcome["collective_device"] = str(total.tolist())
+        # gloo takes CUDA tensors for all_reduce and broadcast only (torch.distributed's backend table)
+        dist.all_reduce(torch.ones(2, device="cuda"), group=host_group)
+        try:
+            dist.all_gather_into_tensor(torch.empty(4, device="cuda"), torch.ones(2, device="cuda"), group=host_group)
+            outcome["gloo_device_gather"] = "ok"
+        except strict_device.DeviceMismatch as error:
+            outcome["gloo_device_gather"] = str(error)
         ops = [dist.P2POp(dist.isend, torch.ones(3), 1 - rank), dist.P2POp(dist.irecv, torch.empty(3), 1 - rank)]
         try:
             dist.batch_isend_irecv(ops)
@@ -160,6 +191,7 @@ def test_collectives_refuse_host_tensors_on_nccl_groups():
         assert outcome["gloo"] == "ok"
         assert outcome["collective_device"] == "[3.0, 3.0]"
         assert "batch_isend_irecv" in outcome["p2p"]
+        assert "all_gather_into_tensor" in outcome["gloo_device_gather"] and "gloo" in outcome["gloo_device_gather"]
 
 
 def _megatron_bound_collective_rank(rank: int, world: int) -> dict[str, str]:
@@ -303,3 +335,86 @@ def test_critic_and_reward_model_under_strict_device(tmp_path):
     scores = [s for s in run_ranks(_strict_rank, 2, _reward_rank, config, batch) if s is not None]
     assert len(scores) == 1
     assert (scores[0] - expected).abs().max() < TOL
+
+
+# ------------------------------------------------------------------ the lane's negative controls
+# `make test` runs the whole suite under strict-device mode (tests/conftest.py sets HYBRIDRL_STRICT_DEVICE=1): every
+# multi-rank worker, trainer, resharder, cross-pool, MoE, CP and rollout test passes with the guard on. Each
+# control below plants ONE host tensor where a path's own code puts a tensor on the device (the line "forgot the
+# device": `strict_device.plant_host_tensor`) and shows the guard then stops that path as CUDA would.
+def _planted_rank(rank: int, world: int, where: str, fn: Callable[..., Any], *args: Any) -> Any:
+    strict_device.enable_strict_device()
+    strict_device.plant_host_tensor(where)
+    return fn(rank, world, *args)
+
+
+def _cross_pool_send_rank(rank: int, world: int) -> str:
+    """Member 0 (trainer side) sends the rollout member a tensor its code put "on the device"."""
+    from hybridrl.parallel.cpu_layer import apply_cpu_layer
+    from hybridrl.parallel.cross_group import CrossGroup, CrossGroupAddress, open_store
+    from hybridrl.parallel.forked import free_port
+
+    apply_cpu_layer()  # (a worker's process has it from its megatron set-up)
+
+    port = torch.tensor([free_port() if rank == 0 else 0])
+    torch.distributed.broadcast(port, 0, group=torch.distributed.new_group([0, 1], backend="gloo"))
+    address = CrossGroupAddress("127.0.0.1", int(port), 1, 1)
+    store = open_store("127.0.0.1", 2, 60, port=int(port)) if rank == 0 else None
+    group = CrossGroup(address, rank, "gloo", 60, store=store)
+    if rank == 1:
+        return "joined"  # (the receiving side is vLLM's, judged by vLLM's own device: not waited on here)
+    group.send(torch.ones(4, device="cuda"), 1).wait()
+    return "sent"
+
+
+def _moe_config(tmp_path: Any) -> Any:
+    from tests.test_models_fixtures import make_hf_model
+
+    config = job_config(make_hf_model(tmp_path / "moe", "qwen3_moe", seed=7), world=2, micro=4)
+    config.actor_rollout_ref.actor.megatron.expert_model_parallel_size = 2
+    return config
+
+
+def _cp_config(tmp_path: Any) -> Any:
+    from tests.test_training_context_parallel import with_cp
+
+    return with_cp(job_config(policy_model(tmp_path / "hf"), world=2, micro=4), 2, False)
+
+
+def _planted_cases(tmp_path: Any) -> dict[str, tuple[str, int, Callable[..., Any], tuple]]:
+    """path -> (where the host tensor is planted: module[:function], world, rank function, its arguments)."""
+    from tests.rollout_models import QWEN2_TIED, build_tiny_model
+    from tests.test_reshard_resharder import _deliver_rank, _reshard_rank
+    from tests.test_training_context_parallel import _log_prob_rank
+
+    hf = str(policy_model(tmp_path / "policy"))
+    served = str(build_tiny_model(tmp_path / "served", {**QWEN2_TIED, "eos_token_id": None, "bos_token_id": None},
+                                  seed=11))  # a model vLLM serves at its context length
+    batch = rollout_batch(8)
+    return {
+        # the worker's micro-batches, moved to the rank's device by the training backend
+        "worker": ("hybridrl.training.backend:micro_batches", 1, _log_prob_rank,
+                   (job_config(hf, world=1, micro=4), batch)),
+        # the resharder's send and receive buffers (TP2 -> one TP1 vLLM rank)
+        "resharder": ("hybridrl.reshard", 2, _reshard_rank, (hf, 2, 1, None, 1, 16 << 10)),
+        # the hybrid engine's sync into a live vLLM engine in the same process
+        "rollout": ("hybridrl.reshard", 2, _deliver_rank, (served, 2, 1, 1)),
+        # megatron's own MoE code (router, token dispatcher at EP2)
+        "moe": ("megatron.core.transformer.moe", 2, _log_prob_rank, (_moe_config(tmp_path), batch)),
+        # context parallelism: the attention stand-in's key positions of the CP-gathered keys and values
+        "cp": ("hybridrl.parallel.cpu_attention", 2, _log_prob_rank, (_cp_config(tmp_path), batch)),
+        # the cross-pool group's trainer side (its process group is used directly, not through torch.distributed)
+        "cross-pool": ("tests.test_training_strict_device", 2, _cross_pool_send_rank, ()),
+    }
+
+
+PLANTED_PATHS = ("worker", "resharder", "rollout", "moe", "cp", "cross-pool")
+
+
+@pytest.mark.parametrize("path", PLANTED_PATHS)
+def test_a_planted_host_tensor_stops_each_path(tmp_path, path):
+    where, world, fn, args = _planted_cases(tmp_path)[path]
+    with pytest.raises(RankError) as info:
+        run_ranks(_planted_rank, world, where, fn, *args, timeout_s=300)
+    assert "DeviceMismatch: strict-device:" in info.value.detail and "host tensor" in info.value.detail, \
+        info.value.detail[-3000:]

