@@ -108,9 +108,18 @@ def test_describe_patches_covers_all():
 # ------------------------------------------------------------------------------------------------
 # cuda_current_device
 # ------------------------------------------------------------------------------------------------
+def _plain_layer() -> None:
+    """This rank checks the plain cuda -> cpu mapping (device "cpu"): the strict-device lane's mode answers
+    "cpu:0" for a tensor on the would-be GPU (tests/test_training_strict_device.py checks that mode)."""
+    import os
+
+    os.environ["HYBRIDRL_STRICT_DEVICE"] = "0"
+
+
 def _linear_with_and_without_current_device(rank: int, world_size: int) -> dict:
     from megatron.core import tensor_parallel
 
+    _plain_layer()
     _init_megatron_groups()
     cpu_layer.apply_cpu_layer(skip=["cuda_current_device"])
     tensor_parallel.model_parallel_cuda_manual_seed(3)
@@ -132,13 +141,9 @@ def test_cuda_current_device_patch():
 # cuda_to_cpu_mode
 # ------------------------------------------------------------------------------------------------
 def _device_mapping(rank: int, world_size: int) -> dict:
-    import os
-
     from megatron.core.transformer.utils import get_default_causal_mask
 
-    # the plain mapping itself (the strict-device lane's mode hands `.cuda()` back as a new tensor, to hold
-    # its placement: tests/test_training_strict_device.py)
-    os.environ["HYBRIDRL_STRICT_DEVICE"] = "0"
+    _plain_layer()  # (the strict-device mode also hands `.cuda()` back as a new tensor, to hold its placement)
     cpu_layer.apply_cpu_layer(skip=["cuda_to_cpu_mode"])
     out = {
         "mask_without": _raises(lambda: get_default_causal_mask(4)),
@@ -207,6 +212,7 @@ def test_cuda_to_cpu_mode_covers_backward_allocations():
 def _other_thread(rank: int, world_size: int) -> dict:
     import threading
 
+    _plain_layer()
     cpu_layer.apply_cpu_layer()
     out: dict = {"main_active": cpu_layer.cpu_layer_active()}
 
@@ -233,6 +239,8 @@ def test_cuda_to_cpu_mode_is_per_thread():
 
 def _suspend_mode(rank: int, world_size: int) -> dict:
     from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+
+    _plain_layer()
 
     class PassThrough(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):

@@ -116,7 +116,7 @@ def test_untagged_tensors_are_judged_by_where_they_came_from(strict_mode):
         with pytest.raises(strict_device.DeviceMismatch, match="add"):
             made + host
     assert strict_device.placement(torch.zeros(2, device=host.device)) == "host"
-    assert weight.device == torch.device("cpu")  # the numbers and types stay the CPU layer's
+    assert weight.device.type == "cpu" and str(weight.device) == "cpu:0"  # a CPU tensor, on the would-be GPU
     (weight * 2).sum().backward()
     assert strict_device.placement(weight.grad) == "device"
     with pytest.raises(strict_device.DeviceMismatch, match="mul"):
@@ -395,10 +395,11 @@ def _planted_cases(tmp_path: Any) -> dict[str, tuple[str, int, Callable[..., Any
         # the worker's micro-batches, moved to the rank's device by the training backend
         "worker": ("hybridrl.training.backend:micro_batches", 1, _log_prob_rank,
                    (job_config(hf, world=1, micro=4), batch)),
-        # the resharder's send and receive buffers (TP2 -> one TP1 vLLM rank)
-        "resharder": ("hybridrl.reshard", 2, _reshard_rank, (hf, 2, 1, None, 1, 16 << 10)),
+        # the resharder's send and receive buffers of a bucket (TP2 -> one TP1 vLLM rank; its outputs may be host: vLLM
+        # copies them in, as on GPUs)
+        "resharder": ("hybridrl.reshard.exchange:_run_bucket", 2, _reshard_rank, (hf, 2, 1, None, 1, 16 << 10)),
         # the hybrid engine's sync into a live vLLM engine in the same process
-        "rollout": ("hybridrl.reshard", 2, _deliver_rank, (served, 2, 1, 1)),
+        "rollout": ("hybridrl.reshard.exchange:_run_bucket", 2, _deliver_rank, (served, 2, 1, 1)),
         # megatron's own MoE code (router, token dispatcher at EP2)
         "moe": ("megatron.core.transformer.moe", 2, _log_prob_rank, (_moe_config(tmp_path), batch)),
         # context parallelism: the attention stand-in's key positions of the CP-gathered keys and values
