@@ -4,8 +4,8 @@
 Each `examples/{grpo,ppo}_trainer/*megatron*.sh` of a verl checkout is run by bash itself, with `python3`
 and `python` on PATH replaced by a recorder that writes its arguments instead of running anything: so every
 shell variable, default (`${X:-8}`) and arithmetic (`$((1024 * 8))`) is expanded exactly as on a user's
-machine, with HOME=/home/user (a literal /root/ home written as that too); paths under the checkout are
-written relative to verl's root. The
+machine, with HOME set to a stand-in home (`STAND_IN_HOME`; the one script that writes root's home literally is
+given the same stand-in); paths under the checkout are written relative to verl's root. The
 `verl.trainer.main_ppo` call's `key=value` arguments are kept, per script, with the verl commit they come from.
 
     python tools/verl_example_overrides.py --verl ~/src/verl --out tests/data/verl_megatron_examples.json
@@ -26,19 +26,23 @@ with open(os.environ["VERL_ARGS_OUT"], "a") as f:
     f.write(json.dumps(sys.argv[1:]) + "\\n")
 """
 FOLDERS = ("examples/grpo_trainer", "examples/ppo_trainer")
+# Neither is a path of the machine that records: HOME for the scripts is a fixed stand-in, so the data is the same
+# wherever it is recorded; one verl script spells root's home out instead of using $HOME (`VERL_LITERAL_HOME`).
+STAND_IN_HOME = "/home/user"
+VERL_LITERAL_HOME = "/root"
 
 
 def record_script(script: Path, stub_dir: Path, out: Path) -> list[str]:
     """The main_ppo overrides of one script, as bash expands them."""
     out.unlink(missing_ok=True)
-    env = {"HOME": "/home/user", "VERL_ARGS_OUT": str(out), "PATH": f"{stub_dir}:/usr/bin:/bin"}
+    env = {"HOME": STAND_IN_HOME, "VERL_ARGS_OUT": str(out), "PATH": f"{stub_dir}:/usr/bin:/bin"}
     subprocess.run(["bash", str(script)], env=env, capture_output=True, timeout=60, cwd=script.parent)
     calls = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     (argv,) = [call for call in calls if "verl.trainer.main_ppo" in call]
     # a script that names files by $(pwd) would carry this machine's checkout path: keep them relative to verl's root.
-    # One writes root's home literally (/root/data/...): the same home directory as $HOME, so it gets HOME's stand-in.
+    # One writes root's home literally: the same home directory as $HOME, so it gets HOME's stand-in.
     root = f"{script.parents[2].resolve()}/"
-    return [arg.replace(root, "").replace("=/root/", f"={env['HOME']}/") for arg in argv
+    return [arg.replace(root, "").replace(f"={VERL_LITERAL_HOME}/", f"={STAND_IN_HOME}/") for arg in argv
             if "=" in arg and not arg.startswith("--")]
 
 
