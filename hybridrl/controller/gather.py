@@ -8,7 +8,6 @@ may be stuck in a gloo/NCCL collective that will never complete.
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -111,19 +110,19 @@ def _cause_line(cause: BaseException | None) -> str:
     return line if len(line) <= CAUSE_CHARS else line[:CAUSE_CHARS - 3] + "..."
 
 
-def _classify(error: RayError) -> RankFailure:
-    """The failure of rank -1 (the caller sets the rank) that a Ray error reports."""
+def _classify(error: RayError, rank: int) -> RankFailure:
+    """The failure of `rank` that a Ray error reports."""
     if isinstance(error, RayTaskError):
         cause = getattr(error, "cause", None)
         text = str(error)
         peer_lost = type(cause).__name__ in _COLLECTIVE_ERROR_TYPES or any(
             marker in text for marker in _COLLECTIVE_ERROR_MARKERS
         )
-        return RankFailure(-1, PEER_LOST if peer_lost else "exception", text,
+        return RankFailure(rank, PEER_LOST if peer_lost else "exception", text,
                            "" if peer_lost else _cause_line(cause))
     if isinstance(error, RayActorError):
-        return RankFailure(-1, ACTOR_DIED, str(error))
-    return RankFailure(-1, "ray error", f"{type(error).__name__}: {error}")
+        return RankFailure(rank, ACTOR_DIED, str(error))
+    return RankFailure(rank, "ray error", f"{type(error).__name__}: {error}")
 
 
 def _root_causes_first(failures: list[RankFailure]) -> list[RankFailure]:
@@ -183,7 +182,7 @@ def wait_all(
             except GetTimeoutError:  # wait said ready but the value is not local yet: next slice
                 pending[ref] = rank
             except RayError as error:
-                failures.append(dataclasses.replace(_classify(error), rank=rank))
+                failures.append(_classify(error, rank))
         if failures:
             if grace_deadline is None:  # the poll that saw the first failure
                 unfinished_at_failure = sorted(pending.values())

@@ -57,7 +57,7 @@ from hybridrl.parallel import cpu_layer
 from hybridrl.parallel.cpu_layer import _REENTRANT, CudaToCpuMode, _is_cuda_device, _map_device
 
 ENV_SWITCH = "HYBRIDRL_STRICT_DEVICE"
-# Test-only: `HYBRIDRL_STRICT_DEVICE_PLANT=<module prefix>` plants one host tensor (see `plant_host_tensor`).
+# Test-only: `HYBRIDRL_STRICT_DEVICE_PLANT=<module prefix>[:<function>]` plants one host tensor (`plant_host_tensor`).
 ENV_PLANT = "HYBRIDRL_STRICT_DEVICE_PLANT"
 DEVICE = "device"
 HOST = "host"
@@ -149,7 +149,7 @@ _HOST_CPU = torch.device("cpu")
 
 def _device_tag(device: Any) -> str | None:
     """The tag of a tensor placed on `device`."""
-    if device is _DEVICE_CPU or (isinstance(device, torch.device) and device == _DEVICE_CPU):
+    if isinstance(device, torch.device) and device == _DEVICE_CPU:
         return DEVICE
     if device is _HOST_CPU:
         return HOST
@@ -194,10 +194,7 @@ class StrictDeviceMode(CudaToCpuMode):
         if not kwargs and func not in _SPECIAL and type(func) is not _METHOD_WRAPPER:
             # the common case, kept short (it runs for every torch call of a training step): an ordinary op
             # with positional arguments, judged and tagged by its tensor inputs
-            inputs = [value for value in args if isinstance(value, torch.Tensor)]
-            for value in args:
-                if type(value) is list or type(value) is tuple:
-                    inputs.extend(v for v in value if isinstance(v, torch.Tensor))
+            inputs = _tensors_in(args, {})
             forced = _check_mix(func, inputs) if inputs else HOST
             result = func(*args)
             _tag_result(result, forced, inputs)
@@ -291,7 +288,7 @@ _MISSING = object()
 
 
 # ------------------------------------------------------------------------- negative controls
-_plant: dict[str, Any] = {}  # {"prefix": module prefix}: armed until one tensor is planted
+_plant: dict[str, Any] = {}  # {"prefix": module prefix, "function": name or None}: armed until one is planted
 
 
 def plant_host_tensor(where: str) -> None:
@@ -310,22 +307,26 @@ def _planted(tag: str | None) -> str | None:
     if tag != DEVICE or not _plant:
         return tag
     frame = sys._getframe(2)
-    while frame is not None and str(frame.f_globals.get("__name__", "")).startswith(_HELPERS):
+    while frame is not None and _module_of(frame).startswith(_HELPERS):
         frame = frame.f_back
     prefix, function = _plant["prefix"], _plant["function"]
-    if frame is None or not str(frame.f_globals.get("__name__", "")).startswith(prefix):
+    if frame is None or not _module_of(frame).startswith(prefix):
         return tag
     if function is not None:  # the function itself, or one its lambdas or comprehensions run under
         for _ in range(5):
             if frame is None:
                 return tag
-            if frame.f_code.co_name == function and str(frame.f_globals.get("__name__", "")).startswith(prefix):
+            if frame.f_code.co_name == function and _module_of(frame).startswith(prefix):
                 break
             frame = frame.f_back
         else:
             return tag
     _plant.clear()
     return HOST
+
+
+def _module_of(frame: Any) -> str:
+    return str(frame.f_globals.get("__name__", ""))
 
 
 # modules whose frames are skipped when finding which code put a tensor on the device: torch's own, and the
@@ -490,24 +491,13 @@ def _recording_new_group(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _host_from_numpy(fn: Callable[..., Any]) -> Callable[..., Any]:
+def _host_result(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` whose tensor is a host tensor: `torch.from_numpy` (how a `Batch` arrives from the controller) and
+    `torch._utils._rebuild_tensor_v2` (what unpickling a tensor calls: a Ray message, a CPU checkpoint)."""
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> torch.Tensor:
         tensor = fn(*args, **kwargs)
         _set_tag(tensor, HOST)
-        return tensor
-
-    wrapper.__hybridrl_strict_wrapped__ = fn  # type: ignore[attr-defined]
-    return wrapper
-
-
-def _host_rebuild(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`torch._utils._rebuild_tensor_v2` (what unpickling a tensor calls): its tensor is a host tensor."""
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> torch.Tensor:
-        tensor = fn(*args, **kwargs)
-        if isinstance(tensor, torch.Tensor):
-            _set_tag(tensor, HOST)
         return tensor
 
     wrapper.__hybridrl_strict_wrapped__ = fn  # type: ignore[attr-defined]
@@ -556,9 +546,9 @@ def enable_strict_device() -> None:
             _saved["dist.new_group"] = dist.new_group
             dist.new_group = _recording_new_group(dist.new_group)
             _saved["torch.from_numpy"] = torch.from_numpy
-            torch.from_numpy = _host_from_numpy(torch.from_numpy)
+            torch.from_numpy = _host_result(torch.from_numpy)
             _saved["utils._rebuild_tensor_v2"] = torch._utils._rebuild_tensor_v2
-            torch._utils._rebuild_tensor_v2 = _host_rebuild(torch._utils._rebuild_tensor_v2)
+            torch._utils._rebuild_tensor_v2 = _host_result(torch._utils._rebuild_tensor_v2)
             original_new = torch.nn.Parameter.__dict__["__new__"]
             _saved["Parameter.__new__"] = original_new
             torch.nn.Parameter.__new__ = staticmethod(_parameter_new(original_new.__func__))  # type: ignore[method-assign]
