@@ -87,6 +87,7 @@ def test_recompute_verdict_is_megatrons(settings):
     ("num_layers=4", "is set by hybridrl from the model's config.json"),
     ("tensor_model_parallel_size=2", "is set by hybridrl from the role's megatron layout"),
     ("params_dtype=bf16", "is set by hybridrl from the role's dtype and device"),
+    ("calculate_per_token_loss=true", "is set by hybridrl from the role's loss_agg_mode"),
     ("apply_rope_fusion=maybe", "is not a value this field takes (bool)"),
 ])
 def test_a_bad_override_is_refused_naming_it(override, rule):

@@ -143,3 +143,27 @@ def tree_snapshot(folder: Path) -> dict[str, bytes]:
 
 def read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
+
+
+def checkpoint_named_grads(model: Any, arch: str) -> dict[str, torch.Tensor]:
+    """Each parameter gradient of a transformers model under its name in saved checkpoints (what `export_hf`
+    writes): transformers 5 holds an MoE layer's experts fused (`experts.gate_up_proj` `[E, 2F, H]`,
+    `experts.down_proj`) where checkpoints keep one tensor per expert and projection. A parameter the loss did not
+    reach has a zero gradient."""
+    module = "block_sparse_moe" if arch == "mixtral" else "mlp"  # an MoE layer's name in checkpoints
+    gate_up, down = (("w1", "w3"), "w2") if arch == "mixtral" else (("gate_proj", "up_proj"), "down_proj")
+    out = {}
+    for name, param in model.named_parameters():
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        if name.endswith("experts.gate_up_proj"):
+            base = name.removesuffix("gate_up_proj").replace("mlp.experts", module + ".experts")
+            gate, up = grad.chunk(2, dim=1)
+            for e in range(param.shape[0]):
+                out[f"{base}{e}.{gate_up[0]}.weight"], out[f"{base}{e}.{gate_up[1]}.weight"] = gate[e], up[e]
+        elif name.endswith("experts.down_proj"):
+            base = name.removesuffix("down_proj").replace("mlp.experts", module + ".experts")
+            for e in range(param.shape[0]):
+                out[f"{base}{e}.{down}.weight"] = grad[e]
+        else:
+            out[name.replace("mlp.gate.", module + ".gate.")] = grad
+    return out

@@ -20,6 +20,7 @@ from tests.test_models_fixtures import (
     MOE_ARCHS,
     VOCAB,
     assert_same_tensors,
+    checkpoint_named_grads,
     hf_logits,
     hf_model_dirs,
     max_logit_error,
@@ -184,29 +185,11 @@ def test_moe_gradients_match_transformers(hf_dirs, tmp_path, tp):
         model = transformers.AutoModelForCausalLM.from_pretrained(
             hf_dirs[arch], dtype=torch.float32, attn_implementation="eager")
         (model(TOKENS).logits * weights).sum().backward()
-        theirs = {}
-        for name, p in model.named_parameters():  # transformers 5 holds experts fused: [E, ...]
-            if name.endswith("experts.gate_up_proj"):
-                gate, up = p.grad.chunk(2, dim=1)
-                base = name.removesuffix("gate_up_proj").replace("mlp.experts", _moe_module(arch) + ".experts")
-                names = ("gate_proj", "up_proj") if arch != "mixtral" else ("w1", "w3")
-                for e in range(p.shape[0]):
-                    theirs[f"{base}{e}.{names[0]}.weight"], theirs[f"{base}{e}.{names[1]}.weight"] = gate[e], up[e]
-            elif name.endswith("experts.down_proj"):
-                base = name.removesuffix("down_proj").replace("mlp.experts", _moe_module(arch) + ".experts")
-                for e in range(p.shape[0]):
-                    theirs[f"{base}{e}.{'w2' if arch == 'mixtral' else 'down_proj'}.weight"] = p.grad[e]
-            else:
-                theirs[name.replace("mlp.gate.", _moe_module(arch) + ".gate.")] = p.grad
+        theirs = checkpoint_named_grads(model, arch)
         assert sorted(ours) == sorted(theirs), arch
         for name, grad in theirs.items():
             scale = grad.abs().max().item()
             assert (ours[name] - grad).abs().max().item() <= 1e-5 * max(scale, 1.0), (arch, name)
-
-
-def _moe_module(arch: str) -> str:
-    """The HF module name of an MoE layer in saved checkpoints."""
-    return "block_sparse_moe" if arch == "mixtral" else "mlp"
 
 
 def test_moe_router_rule_matters(hf_dirs, reference):

@@ -358,3 +358,111 @@ def test_moe_update_at_tp2_with_whole_experts_equals_one_rank(tmp_path):
             assert experts and all(mine[n] == theirs[n] for n in experts)
         runs[world, tp, ep, etp] = (metrics[0], safetensors_state(out))
     assert_same_step(runs, (1, 1, 1, None), safetensors_state(hf))
+
+
+def _aux_gradient_rank(rank: int, world: int, config: Any, batch: Any, out_dir: str) -> dict[str, Any]:
+    """The gradient the load-balancing and z-losses add to one actor update, exported under HF names: the update
+    runs with the configured coefficients, then again on the same weights with both off (the optimizer's step
+    replaced by keeping megatron's reduced gradients, `main_grad`), and the difference is what the two losses
+    added."""
+    from hybridrl.config.plan import build_plan
+    from hybridrl.models.bridge import export_hf
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.backend import MegatronBackend, role_spec
+
+    plan = build_plan(config)
+    backend = MegatronBackend(role_spec(plan, "actor"))
+    actor = MegatronActor(backend, plan)
+    params = [p for chunk in backend.chunks for p in chunk.parameters()]
+    grads: list[list[torch.Tensor]] = []
+
+    def keep_gradients() -> tuple[bool, float, None]:
+        grads.append([p.main_grad.detach().clone() for p in params])
+        return True, 0.0, None
+
+    backend.optimizer.step = keep_gradients
+    chunk = batch.split(backend.ctx.dp)[backend.ctx.dp_rank]
+    transformer = backend.config  # the chunks' shared TransformerConfig, which the routers read each forward
+    assert transformer.moe_aux_loss_coeff > 0 and transformer.moe_z_loss_coeff > 0  # the job's, through the plan
+    metrics = actor.update_policy(chunk)
+    transformer.moe_aux_loss_coeff, transformer.moe_z_loss_coeff = 0.0, None
+    actor.update_policy(chunk)
+    with torch.no_grad():
+        for param, with_losses, without in zip(params, *grads, strict=True):
+            param.copy_(with_losses - without)
+    export_hf(backend.chunks, out_dir, force=True)
+    return {"metrics": metrics}
+
+
+def _reference_aux_gradient(hf: Any, batch: Any, dp: int, micro: int, aux_coeff: float, z_coeff: float,
+                            top_k: int, whole_rank: bool = False) -> dict[str, torch.Tensor]:
+    """The gradient of megatron's router losses as a DP x micro-batch update applies them, from transformers'
+    Qwen3-MoE in float64: per micro-batch (`micro` consecutive rows of a DP rank's share) and MoE layer, the
+    Switch load-balancing loss E / (k T^2) * sum_e P_e N_e (P_e the summed softmax over every expert, N_e the
+    tokens whose top-k holds e, not differentiated) and the z-loss mean(logsumexp(logits)^2), over the real
+    tokens only; the layers' losses add, the micro-batches of every DP rank average (megatron scales them by
+    1/num_microbatches, DDP averages over DP). `whole_rank`: one loss over each rank's share instead (a wrong
+    grouping, to show the comparison can tell)."""
+    import transformers
+
+    from tests.test_models_fixtures import checkpoint_named_grads
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        hf, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager")
+    total = torch.zeros((), dtype=torch.float64)
+    for share in batch.split(dp):
+        ids, mask = share.tensors["input_ids"], share.tensors["attention_mask"].bool()
+        # each row alone, its real tokens only (prompt then response, positions from 0): one [T, E] per MoE layer
+        rows = [model(ids[i][mask[i]].unsqueeze(0), output_router_logits=True).router_logits
+                for i in range(ids.shape[0])]
+        size = ids.shape[0] if whole_rank else micro
+        groups = [range(start, min(start + size, ids.shape[0])) for start in range(0, ids.shape[0], size)]
+        for group in groups:
+            for layer in range(len(rows[0])):
+                logits = torch.cat([rows[i][layer] for i in group])
+                probs = torch.softmax(logits, dim=-1)
+                chosen = torch.zeros_like(probs).scatter_(1, probs.detach().topk(top_k, dim=-1).indices, 1.0)
+                tokens, experts = probs.shape
+                aux = experts / (top_k * tokens**2) * (probs.sum(0) * chosen.sum(0)).sum()
+                z = torch.logsumexp(logits, dim=-1).square().mean()
+                total = total + (aux_coeff * aux + z_coeff * z) / (dp * len(groups))
+    total.backward()
+    return checkpoint_named_grads(model, "qwen3_moe")
+
+
+@pytest.mark.slow
+def test_router_loss_gradients_equal_a_float64_reference(tmp_path):
+    """issue 41 item 2: what the load-balancing (aux) loss and the z-loss add to an update's gradient, on every
+    weight (the routers, and through the routed hidden states attention, norms, embeddings and the experts of
+    earlier layers), equals the float64 gradient of megatron's definition computed from transformers' model: per
+    micro-batch and layer over the real tokens, averaged over the micro-batches of every DP rank. At one rank
+    (4 micro-batches), DP2 and DP2 x EP2 (2 each: the reference changes with the layout), packed (the CPU
+    default) and padded micro-batches (padding kept out of both losses)."""
+    hf = make_hf_model(tmp_path / "hf", "qwen3_moe", seed=8)
+    batch = rollout_batch(8)
+    aux_coeff, z_coeff, top_k, micro = 0.1, 0.01, 2, 2
+    references = {dp: _reference_aux_gradient(hf, batch, dp, micro, aux_coeff, z_coeff, top_k) for dp in (1, 2)}
+    for world, ep, packed in ((1, 1, True), (2, 1, True), (2, 2, True), (2, 2, False)):
+        out = tmp_path / f"grads_w{world}ep{ep}{'packed' if packed else 'padded'}"
+        config = job_config(hf, world=world, micro=micro)
+        config.actor_rollout_ref.model.use_remove_padding = packed
+        mc = config.actor_rollout_ref.actor.megatron
+        mc.expert_model_parallel_size, mc.moe_aux_loss_coeff, mc.moe_z_loss_coeff = ep, aux_coeff, z_coeff
+        run_ranks(_aux_gradient_rank, world, config, batch, str(out), timeout_s=400)
+        errors = _relative_errors(safetensors_state(out), references[world])
+        # measured: 3.4e-6 at most (float32 against float64); parameters the losses do not reach (the last MoE
+        # layer's experts, the final norm, the output layer) get exactly nothing
+        assert max(errors.values()) <= 2e-5, (world, ep, packed, max(errors.items(), key=lambda kv: kv[1]))
+    reached = {n for n, g in references[1].items() if g.abs().max() > 0}
+    assert {n for n in references[1] if "self_attn" in n and "layers.3" not in n} <= reached  # past the routers
+    assert not any(n.startswith(("lm_head", "model.norm")) or "layers.3.mlp.experts" in n for n in reached)
+    # the comparison tells the micro-batch grouping apart: one loss over each rank's rows is another gradient
+    whole = _reference_aux_gradient(hf, batch, 2, micro, aux_coeff, z_coeff, top_k, whole_rank=True)
+    assert max(_relative_errors(whole, references[2]).values()) > 1e-2
+
+
+def _relative_errors(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per tensor: the largest difference from the reference relative to the reference's largest magnitude
+    (the absolute difference where the reference is all zero)."""
+    assert sorted(ours) == sorted(reference)
+    return {n: float((ours[n].double() - g).abs().max()) / (float(g.abs().max()) or 1.0) for n, g in reference.items()}

@@ -282,6 +282,10 @@ TRANSFORMER_FIELDS_SET_BY = {
     "the role's dtype and device": (
         "params_dtype", "pipeline_dtype", "bf16", "fp16", "perform_initialization", "use_cpu_initialization",
         "variable_seq_lengths"),
+    # each micro-batch's loss comes scaled by the step's token count, micro-batches and DP size (loss_agg_mode);
+    # megatron's per-token mode would then skip DDP's 1/DP and sum the DP replicas' gradients (measured: twice
+    # the grad norm at DP2) and weight the MoE router losses per step instead of per micro-batch
+    "the role's loss_agg_mode (hybridrl scales each micro-batch's loss itself)": ("calculate_per_token_loss",),
 }
 
 
