@@ -156,13 +156,23 @@ def test_reshard_traffic_matches_hybridflow_formula(seed_plan):
 
 
 def test_reshard_groups_split_when_inference_tp_is_larger():
-    # Training TP=2 x PP=2, inference TP=4: generation rank j must sit on training tp rank j // 2.
+    # Training PP=4, inference TP=4: each rank's generation shard j of its own stage, the rest from its
+    # pipeline peers. Training TP=2 x PP=2, inference TP=4: generation rank j would best sit on training tp
+    # rank j // 2, but vLLM numbers the replica's ranks in ascending order (tp fastest): the plan takes
+    # that order (vLLM's real TP ranks are checked against it in tests/test_workers_hybrid.py).
+    groups = build_reshard_groups(build_training_mesh(4, tp=1, pp=4), 4)
+    assert groups.strategy == "split"
+    assert groups.rollout.replicas == ((0, 1, 2, 3),) and groups.gen_tp_index == (0, 1, 2, 3)
     mesh = build_training_mesh(4, tp=2, pp=2)  # rank = tp + 2 * pp
     groups = build_reshard_groups(mesh, 4)
     assert groups.strategy == "split"
-    assert groups.rollout.replicas == ((0, 2, 1, 3),)
-    assert groups.gen_tp_index == (0, 2, 1, 3)
-    assert groups.micro_dp_groups == ((0, 2), (1, 3))  # each exchanges with its pipeline peer only
+    assert groups.rollout.replicas == ((0, 1, 2, 3),)
+    assert groups.gen_tp_index == (0, 1, 2, 3)
+    assert groups.micro_dp_groups == ((0, 2), (1, 3))  # pipeline peers
+    for world, tp, pp, infer_tp in ((8, 2, 2, 4), (8, 4, 2, 8), (16, 2, 2, 4), (8, 1, 2, 4), (8, 4, 1, 2)):
+        groups = build_reshard_groups(build_training_mesh(world, tp=tp, pp=pp), infer_tp)
+        assert all(list(r) == sorted(r) for r in groups.rollout.replicas)
+        assert all(groups.gen_tp_index[rank] == j for r in groups.rollout.replicas for j, rank in enumerate(r))
 
 
 def test_reshard_traffic_counts_tied_copy_and_virtual_stages(seed_plan):

@@ -88,19 +88,19 @@ def test_expert_domain_follows_megatrons_expert_mesh():
 # ---- against real megatron and real vLLM -------------------------------------------------------------
 
 def _moe_reshard_rank(rank: int, world_size: int, hf_dir: str, tp: int, ep: int, infer_tp: int,
-                      bucket_bytes: int, etp: int | None = None, pp: int = 1) -> dict[str, Any]:
+                      bucket_bytes: int, etp: int | None = None, pp: int = 1, vpp: int | None = None) -> dict[str, Any]:
     from hybridrl.models.bridge import build_gpt_models, load_weights
     from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
     from hybridrl.reshard.resharder import ReshardConfig, Resharder
 
-    ctx = initialize_model_parallel(tp=tp, pp=pp, ep=ep, device="cpu", etp=etp)
+    ctx = initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, ep=ep, device="cpu", etp=etp)
     try:
         models = build_gpt_models(hf_dir)
         load_weights(models, hf_dir)
         groups = build_reshard_groups(build_training_mesh(world_size, tp, pp), infer_tp)
         resharder = Resharder(models, groups, config=ReshardConfig(bucket_bytes=bucket_bytes))
         return {"shards": resharder.reshard(), "report": resharder.last_report, "ep_rank": ctx.ep_rank,
-                "etp_rank": ctx.etp_rank}
+                "etp_rank": ctx.etp_rank, "chunks": len(models)}
     finally:
         destroy_model_parallel()
 
@@ -203,6 +203,31 @@ def test_resharded_experts_equal_vllms_own_loader(hf_dirs, vllm_loaded, arch, tp
         assert results[0]["report"].buckets > 1, "the small bucket should split the sync"
 
 
+def _pipeline_need(config: dict[str, Any], infer_tp: int, shard: int, stage: int, ep: int, element: int = 4) -> int:
+    """Bytes a rank of pipeline stage `stage` (of two, TP1, 1/ep of the experts of its layers held) lacks of generation
+    shard `shard`: 1/infer_tp of every tensor of the other stage's layers (the model's 4 layers split 2 + 2:
+    q/k/v/o, the two norms, q/k norms, the router whole, the experts or the dense MLP), and the real rows of the
+    shard of the vocabulary tensor the stage lacks (the output layer and final norm on stage 0, the embedding
+    on stage 1), and the shard's part of its own layers' experts held by the other EP rank; counted from the HF
+    config by hand."""
+    hidden, heads, kv, head_dim = (config[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                                       "head_dim"))
+    experts, width, dense = config["num_local_experts"], config["moe_intermediate_size"], config["intermediate_size"]
+    layers = (2, 3) if stage == 0 else (0, 1)  # the other stage's (layer 2 is dense)
+    own_moe = [n for n in ((0, 1) if stage == 0 else (2, 3)) if n not in config["mlp_only_layers"]]
+    total = len(own_moe) * (experts - experts // ep) * 3 * width * hidden // infer_tp
+    for layer in layers:
+        attention = (heads * head_dim + 2 * kv * head_dim) * hidden + heads * head_dim * hidden
+        mlp = 3 * dense * hidden if layer in config["mlp_only_layers"] else 3 * experts * width * hidden
+        total += (attention + mlp) // infer_tp + 2 * hidden + 2 * head_dim  # norms whole on every TP rank
+        if layer not in config["mlp_only_layers"]:
+            total += experts * hidden  # the router, whole
+    rows = -(-config["vocab_size"] // 64) * 64 // infer_tp  # vLLM pads the vocab to a multiple of 64
+    real = max(0, min(rows, config["vocab_size"] - shard * rows))
+    total += real * hidden + (hidden if stage == 0 else 0)  # stage 0 lacks the output layer and final norm
+    return total * element
+
+
 # (pp, ep, world, infer_tp): a pipeline over the MoE model, each stage's experts split over EP at world 4
 PP_MOE_LAYOUTS = [(2, 1, 2, 1), (2, 1, 2, 2), (2, 2, 4, 2)]
 
@@ -226,8 +251,39 @@ def test_resharded_experts_at_pp2_equal_vllms_own_loader(hf_dirs, vllm_loaded, p
             assert torch.equal(shards[name], tensor), f"rank {rank}: {name}"
         expected = hf_to_vllm_shards(hf_state, config, infer_tp, groups.gen_tp_index[rank])
         verify_checksums(report.checksums, shard_checksums(expected.items()), rank)
-        assert report.bytes_received == report.planned_bytes_received >= report.exact_lower_bound_bytes
-        # Known gap (issue 41, open): at PP2 with infer_tp 2 each rank receives 14,336 bytes more than the exact
-        # bound (the shards are right; the excess is bounded here so that a growth is caught)
-        assert report.bytes_received - report.exact_lower_bound_bytes <= (0 if infer_tp == 1 else 14336), rank
+        # exactly the part of its generation shard it does not hold: the other stage's layers, every expert
+        # of them, and the vocab rows of the embedding or output layer its stage lacks (the shards' real rows
+        # differ: vLLM pads the vocab, 200 -> 2 x 128, so serving shard 0 takes 56 rows more than shard 1)
+        assert report.bytes_received == report.planned_bytes_received == report.exact_lower_bound_bytes, rank
+        assert report.exact_lower_bound_bytes == _pipeline_need(config, infer_tp, groups.gen_tp_index[rank],
+                                                                stage=rank // (world // pp), ep=ep), rank
+    assert sum(r["report"].bytes_sent for r in results) == sum(r["report"].bytes_received for r in results)
+
+
+@pytest.mark.slow
+def test_resharded_experts_with_virtual_pipeline_equal_vllms_own_loader(tmp_path):
+    """issue 41 item 1, VPP: PP3 x VPP2 over a six-layer MoE model (each rank two one-layer chunks, experts on
+    both) into infer_tp 1: every rank ends with exactly what vLLM's own loader holds, receiving exactly the four
+    layers it lacks (and the vocabulary tensors of the other stages), checksums proven."""
+    hf_dir = make_hf_model(tmp_path / "hf", "qwen3_moe", seed=7, num_hidden_layers=6, mlp_only_layers=[2, 3],
+                           max_position_embeddings=128)
+    (held,) = [r["snapshot"] for r in run_ranks(rollout_scenarios.layout_snapshot, 1, str(hf_dir), 1,
+                                                 timeout_s=500)]
+    results = run_ranks(_moe_reshard_rank, 3, str(hf_dir), 1, 1, 1, 16 << 10, None, 3, 2, timeout_s=400)
+    hf_state = safetensors_state(hf_dir)
+    expected = hf_to_vllm_shards(hf_state, read_json(hf_dir / "config.json"), 1, 0)
+    model_bytes = sum(t.numel() for t in hf_state.values()) * 4
+    for rank, result in enumerate(results):
+        assert result["chunks"] == 2
+        shards, report = result["shards"], result["report"]
+        assert sorted(shards) == sorted(held)
+        for name, tensor in held.items():
+            assert torch.equal(shards[name], tensor), f"rank {rank}: {name}"
+        verify_checksums(report.checksums, shard_checksums(expected.items()), rank)
+        # megatron's interleaved layout: stage s holds layers s and s + 3 (chunk 0, chunk 1)
+        own = {n: t for n, t in hf_state.items() if any(f"layers.{layer}." in n for layer in (rank, rank + 3))}
+        own_bytes = sum(t.numel() for t in own.values()) * 4
+        vocab = {0: ("model.embed_tokens.weight",), 2: ("lm_head.weight", "model.norm.weight")}.get(rank, ())
+        vocab_bytes = sum(hf_state[n].numel() for n in vocab) * 4
+        assert report.bytes_received == report.exact_lower_bound_bytes == model_bytes - own_bytes - vocab_bytes, rank
     assert sum(r["report"].bytes_sent for r in results) == sum(r["report"].bytes_received for r in results)

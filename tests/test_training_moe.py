@@ -466,3 +466,22 @@ def _relative_errors(ours: dict[str, torch.Tensor], reference: dict[str, torch.T
     (the absolute difference where the reference is all zero)."""
     assert sorted(ours) == sorted(reference)
     return {n: float((ours[n].double() - g).abs().max()) / (float(g.abs().max()) or 1.0) for n, g in reference.items()}
+
+
+@pytest.mark.slow
+def test_moe_update_with_virtual_pipeline_equals_one_rank(tmp_path):
+    """issue 41 item 1, VPP: megatron's interleaved schedule over an MoE model (PP3 x VPP2 on three ranks, each
+    holding two one-layer chunks: MoE, dense and MoE layers on every stage) gives the single rank's loss, grad norm
+    and updated weights, every expert's included. (A trained role takes VPP from PP 3: `hybridrl plan`.)"""
+    hf = make_hf_model(tmp_path / "hf", "qwen3_moe", seed=7, num_hidden_layers=6, mlp_only_layers=[2, 3])
+    batch = rollout_batch(12)  # 6 prompts: the plan splits them over 3 rollout replicas
+    runs = {}
+    for world, pp, vpp in ((1, 1, None), (3, 3, 2)):
+        out = tmp_path / f"out_w{world}pp{pp}vpp{vpp}"
+        config = job_config(hf, world=world, pp=pp, vpp=vpp, rows=12, use_kl_loss=True, entropy_coeff=0.01)
+        results = run_ranks(_update_rank, world, config, batch, str(out), timeout_s=600)
+        if vpp:  # two model chunks on every rank, each with experts or the dense MLP
+            assert all({name.split(".")[0] for name in r["digests"]} == {"0", "1"} for r in results)
+        metrics = [r["metrics"] for r in results if r["metrics"] is not None]
+        runs[world, pp, vpp] = (metrics[0], safetensors_state(out))
+    assert_same_step(runs, (1, 1, None), safetensors_state(hf))

@@ -161,10 +161,12 @@ def build_reshard_groups(mesh: TrainingMesh, infer_tp: int) -> ReshardGroups:
     group of size k*pp; gathering inside it builds shard j from pieces nobody else needs.
 
     When the inference TP is a multiple of the training TP (t_g = m * t, t == 1 included), each
-    training shard splits into m generation shards: generation TP rank j must sit on a rank of
+    training shard splits into m generation shards: generation TP rank j should sit on a rank of
     training tp rank j // m, so a replica takes m ranks of every training tp rank (ranks that differ
-    in pp, dp or cp), in rank order. Each rank then holds generation shard j of its own stage's
-    layers and needs the other stages' from the ranks of its pipeline group with the same tp rank.
+    in pp, dp or cp). Each rank then holds generation shard j of its own stage's layers and needs the
+    other stages' from the ranks of its pipeline group with the same tp rank. vLLM orders a replica's
+    ranks by global rank, tp fastest: at t == 1 that is the order wanted; at t > 1 the training tp
+    ranks interleave and a generation rank may hold none of its shard (correct, more traffic, planned).
     (Plain consecutive replicas would put generation rank 1 on training tp rank 1 for t=2, t_g=4,
     whose shard lies in generation shards 2-3: it would receive its whole shard.)
 
@@ -198,11 +200,15 @@ def build_reshard_groups(mesh: TrainingMesh, infer_tp: int) -> ReshardGroups:
         micro_groups = [tuple(sorted(mesh.rank_of(tp=tp, cp=cp, dp=dp, pp=pp) for pp in range(mesh.pp)))
                         for dp, cp in product(range(mesh.dp), range(mesh.cp)) for tp in range(mesh.tp)]
         micro_dp = mesh.pp
+    # vLLM numbers a TP group's ranks in ascending global rank (torch's new_group sorts them; vLLM's gathers
+    # follow that order), so a replica's generation TP rank j is its j-th smallest rank whatever order the
+    # strategy listed: with training TP > 1 the split strategy's tp-major order interleaves and some generation
+    # ranks land off their training tp rank (the plan counts the traffic of the order vLLM builds)
+    replicas = sorted(tuple(sorted(replica)) for replica in replicas)
     gen_index = [0] * world
     for replica in replicas:
         for j, rank in enumerate(replica):
             gen_index[rank] = j
-    replicas.sort()
     rollout = RolloutMesh(infer_tp, world // infer_tp, tuple(replicas))
     return ReshardGroups(rollout, micro_dp, tuple(sorted(micro_groups)), tuple(gen_index), strategy)
 

@@ -79,8 +79,8 @@ class SyncReport:
     peak_extra_bytes: int  # buffers + shard tensors allocated and not yet handed over
     generation_shard_bytes: int
     planned_bytes_received: int  # from the pure plan (exact: padding and KV layout included)
-    # min over generation indices j of the bytes shard j would need on this rank (vocab padding and
-    # the KV layout included); with uneven vocab shards not every rank of a replica can reach it at once
+    # the bytes of this rank's generation shard it does not hold (vocab padding and the KV layout included):
+    # the least any plan can move to it for that shard
     exact_lower_bound_bytes: int
     plan_bytes_received: int | None  # the Plan's estimate (`config.estimates.reshard_traffic`)
     plan_lower_bound_bytes: int | None  # HybridFlow Table 2 bound, as the Plan computes it
