@@ -122,6 +122,7 @@ LAYOUTS = [
     ("llama", 1, 1, 2, 2, 1, 512 << 20, 1, True),  # DP2 -> two replicas: the sending is spread over both copies
     ("qwen2", 2, 1, 4, 2, 2, 16 << 10, 1, False),   # TP2 x DP2 -> one TP2 replica
     ("qwen3_moe", 1, 1, 2, 2, 2, 16 << 10, 2, True),  # EP2: each expert from the rank that holds it
+    ("qwen3_moe", 1, 2, 4, 2, 2, 16 << 10, 2, False),  # PP2 x EP2: each stage's experts from two ranks
 ]
 IDS = [f"{m}-tp{t}pp{p}w{w}-ep{e}-to-{r}x{i}{'-kept' if k else ''}" for m, t, p, w, r, i, _, e, k in LAYOUTS]
 
