@@ -7,14 +7,16 @@ docker-like bridge address (172.17.0.1, the first one `hostname -I` lists), then
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import os
 import signal
 import subprocess
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 BRIDGE_IP, CLUSTER_IP, CLUSTER_GATEWAY = "172.17.0.1", "10.9.0.2", "10.9.0.1"
 
@@ -129,5 +131,52 @@ class Cluster:
                        text=True, check=True)
         return int(out.stdout)
 
+    @contextlib.contextmanager
+    def link_samples(self, interval_s: float = 0.005) -> Iterator[LinkSamples]:
+        """While open, every `interval_s` the bytes each host has sent so far (read on the switch: what its
+        port received), with the Unix time of the reading, from one sampler process in the switch namespace."""
+        ports = " ".join(f"/sys/class/net/{h.ifname}s/statistics/rx_bytes" for h in self.hosts)
+        loop = ("import sys, time\nports = sys.argv[2].split()\n"
+                "while True:\n    values = [int(open(p).read()) for p in ports]\n"
+                "    print(time.time(), *values, flush=True)\n    time.sleep(float(sys.argv[1]))")
+        sampler = subprocess.Popen(["ip", "netns", "exec", self.switch, "python3", "-c", loop, str(interval_s), ports],
+                                   stdout=subprocess.PIPE, text=True)
+        samples = LinkSamples(len(self.hosts))
+        reader = threading.Thread(target=samples.read, args=(sampler.stdout,), daemon=True)
+        reader.start()
+        try:
+            yield samples
+        finally:
+            sampler.kill()
+            sampler.wait()
+            reader.join(timeout=5)
+
     def set_link(self, host: Host, up: bool) -> None:
         _ip("-n", host.namespace, "link", "set", host.ifname, "up" if up else "down")
+
+
+class LinkSamples:
+    """(Unix time, bytes sent so far by each host) readings; `sent(host_index, start, end)` the bytes a host sent
+    in a window, each end read as the last reading at or before it (traffic bursts at a phase's start: a line
+    drawn between the readings around the boundary would give part of the burst to the phase before)."""
+
+    def __init__(self, hosts: int) -> None:
+        self.hosts = hosts
+        self.times: list[float] = []
+        self.values: list[list[int]] = []
+
+    def read(self, stream: Iterable[str]) -> None:
+        for line in stream:
+            fields = line.split()
+            if len(fields) == self.hosts + 1:
+                self.times.append(float(fields[0]))
+                self.values.append([int(v) for v in fields[1:]])
+
+    def at(self, host: int, when: float) -> int:
+        index = bisect.bisect_right(self.times, when)
+        if index == 0 or index == len(self.times):
+            raise ValueError(f"{when:.3f} is outside the readings ({self.times[0]:.3f} .. {self.times[-1]:.3f})")
+        return self.values[index - 1][host]
+
+    def sent(self, host: int, start: float, end: float) -> int:
+        return self.at(host, end) - self.at(host, start)

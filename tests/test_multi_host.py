@@ -17,10 +17,11 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.netns_hosts import Cluster, Host
+from tests.netns_hosts import Cluster, Host, LinkSamples
 from tools.demo_assets import demo_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,21 +78,64 @@ def train(cluster: Cluster, host: Host, address: str, tmp: Path, *overrides: str
                        timeout=timeout)
 
 
+# Traffic per phase against the plan's model of it (`hybridrl.config.internode`): the bytes a host sent in a phase
+# (its link's counter read at the phase's start and end, from the run's timeline.jsonl) and the plan's figure for
+# that phase, given the tokens the run computed. Per host, for the phases the model counts: measured within
+# [planned, 1.10 x planned + CONTROL_BYTES]. Above the model: TCP/IP headers (~2.5 % here) and Ray's calls: the
+# controller on the head host sends the step's rows to the other host's worker (up to ~100 KB a phase here).
+# Phases the model counts nothing for (gen, reward, adv) stay under CONTROL_BYTES.
+CONTROL_BYTES = 150_000
+
+
+def phase_traffic(samples: LinkSamples, run: Path) -> list[dict[str, list[int]]]:
+    """Per step: phase -> the bytes each host sent during it."""
+    out = []
+    for row in (json.loads(line) for line in (run / "timeline.jsonl").read_text().splitlines()):
+        phases = sorted({key.rsplit("/", 1)[0] for key in row if key.endswith("/start")} - {"step"})
+        out.append({phase: [samples.sent(host, row[f"{phase}/start"], row[f"{phase}/end"])
+                            for host in range(samples.hosts)] for phase in phases})
+    return out
+
+
+def assert_traffic_is_planned(samples: LinkSamples, run: Path, overrides: list[str]) -> dict[str, Any]:
+    """Every step's measured bytes per phase and host against the plan's (see CONTROL_BYTES); the figures."""
+    from hybridrl.config.internode import plan_internode_traffic
+    from hybridrl.config.plan import plan_from_sources
+
+    plan = plan_from_sources(CONFIG, overrides)
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    figures = []
+    for measured, metrics in zip(phase_traffic(samples, run), steps, strict=True):
+        # the tokens the actor computed: the rows' real tokens less the prompts computed once per micro-batch
+        computed = metrics["perf/total_num_tokens"] * (1 - metrics["perf/shared_prefix_ratio"])
+        planned = plan_internode_traffic(plan, {"actor": computed / (1 - metrics["perf/padding_ratio"])}).phases
+        for phase, sent in measured.items():
+            plan_bytes = planned.get(phase, (0, 0))
+            for host, (got, want) in enumerate(zip(sent, plan_bytes)):
+                assert want <= got <= 1.10 * want + CONTROL_BYTES, (phase, host, sent, plan_bytes)
+        figures.append({"measured": measured, "planned": {k: list(v) for k, v in planned.items()}})
+    return {"steps": figures}
+
+
 def test_a_run_across_two_hosts_started_by_the_launch_scripts(demo_assets, tmp_path, ray_temp):
     """Data parallelism across the hosts (one rank on each, the gradient all-reduce on the link); every weight
-    sync proven by its probe; the ranks' placement named by host address."""
+    sync proven by its probe; the ranks' placement named by host address; each phase's traffic on the link as
+    the plan models it (the update: each host sends its 2.5 MB gradient buffer, within 10 %)."""
     run = tmp_path / "run"
+    overrides = [*demo_overrides(demo_assets, run), "trainer.nnodes=2", "trainer.n_gpus_per_node=1",
+                 "trainer.total_training_steps=2"]
     with Cluster(2) as cluster:
         address = start_ray(cluster, tmp_path, ray_temp)
         assert address == f"{cluster.hosts[0].address}:{PORT}"  # the cluster network's, not docker0's
         before = [cluster.sent_bytes(h) for h in cluster.hosts]
         started = time.perf_counter()
-        result = train(cluster, cluster.hosts[0], address, tmp_path,
-                       *demo_overrides(demo_assets, run), "trainer.nnodes=2", "trainer.n_gpus_per_node=1",
-                       "trainer.total_training_steps=2")
+        with cluster.link_samples() as samples:
+            result = train(cluster, cluster.hosts[0], address, tmp_path, *overrides)
         seconds = time.perf_counter() - started
         sent = [cluster.sent_bytes(h) - b for h, b in zip(cluster.hosts, before)]
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    figures = assert_traffic_is_planned(samples, run, overrides)
+    assert all(step["planned"]["update_actor"][0] > 2_400_000 for step in figures["steps"])
     placement = re.search(r"actor_rollout_ref: 2 rank\(s\) on 2 node\(s\): (\S+) rank (\d); (\S+) rank (\d)",
                           result.stdout)
     assert placement, result.stdout[-3000:]
@@ -114,6 +158,8 @@ def test_a_pipeline_across_hosts_on_a_cluster_started_without_the_launch_scripts
     activations and the weight sync's gathers cross the link."""
     run = tmp_path / "run"
     env = _env(tmp_path)
+    overrides = [*demo_overrides(demo_assets, run), "trainer.nnodes=2", "trainer.n_gpus_per_node=1",
+                 "trainer.total_training_steps=2", "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"]
     with Cluster(2) as cluster:
         head, other = cluster.hosts
         for host, role in ((head, ["--head", f"--port={PORT}", f"--temp-dir={ray_temp}"]),
@@ -122,13 +168,15 @@ def test_a_pipeline_across_hosts_on_a_cluster_started_without_the_launch_scripts
                                          "--num-cpus=4", "--num-gpus=0", "--disable-usage-stats"],
                                   env=env, capture_output=True, text=True, timeout=180)
             assert started.returncode == 0, started.stderr[-2000:]
-        result = train(cluster, head, f"{head.address}:{PORT}", tmp_path, *demo_overrides(demo_assets, run),
-                       "trainer.nnodes=2", "trainer.n_gpus_per_node=1", "trainer.total_training_steps=2",
-                       "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2")
+        with cluster.link_samples() as samples:
+            result = train(cluster, head, f"{head.address}:{PORT}", tmp_path, *overrides)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert re.search(r"actor_rollout_ref: 2 rank\(s\) on 2 node\(s\)", result.stdout)
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) == 2 and all(s["reshard/probe_max_abs_gap"] <= 1e-4 for s in steps)
+    # the update's activations forward and gradients back (~0.5 MB each way), the sync's other stage (1.2 MB)
+    figures = assert_traffic_is_planned(samples, run, overrides)
+    assert all(step["planned"]["sync"][0] > 1_000_000 for step in figures["steps"])
 
 
 def test_the_launch_scripts_address_logic_is_what_makes_the_cluster(tmp_path, ray_temp):

@@ -95,6 +95,35 @@ def test_phase_timer_and_throughput():
     assert math.isclose(perf["perf/sequences_per_s"], 5.0)
 
 
+def test_phase_clock_times_go_to_the_timeline_not_the_metrics(tmp_path):
+    """Each phase's first start and last end (Unix seconds) land in run_dir/timeline.jsonl, the metrics sinks
+    never see them; a resumed run's timeline keeps the steps up to its checkpoint, as metrics.jsonl does."""
+
+    before = time.time()
+    timer = PhaseTimer()
+    with timer.phase("gen"):
+        time.sleep(0.02)
+    with timer.phase("update_actor"):
+        time.sleep(0.02)
+    with timer.phase("gen"):  # a second pass of a phase stretches its window
+        time.sleep(0.01)
+    tracker = Tracker.create(["jsonl"], tmp_path)
+    tracker.log(1, {"critic/score/mean": 0.5, **timer.metrics()})
+    tracker.log(2, {"critic/score/mean": 0.6, **timer.metrics()})
+    tracker.close()
+    (row, _) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert not any(k.startswith("timeline/") or k.endswith("/start") for k in row)
+    assert tracker.history[0].keys() == {"step", "critic/score/mean", *(k for k in row if k.startswith("timing_s/"))}
+    first, second = [json.loads(line) for line in (tmp_path / "timeline.jsonl").read_text().splitlines()]
+    assert first["step"] == 1 and second["step"] == 2
+    assert before <= first["step/start"] <= first["gen/start"] < first["update_actor/start"]
+    assert first["update_actor/start"] - first["gen/start"] >= 0.02 and first["gen/end"] > first["update_actor/end"]
+    assert first["gen/end"] <= first["step/end"] <= time.time()
+    resumed = Tracker.create(["jsonl"], tmp_path, resume_step=1)
+    resumed.close()
+    assert [json.loads(line)["step"] for line in (tmp_path / "timeline.jsonl").read_text().splitlines()] == [1]
+
+
 def test_jsonl_fresh_run_truncates_and_resume_keeps_prefix(tmp_path):
     from hybridrl.trainer.tracking import JsonlSink
 

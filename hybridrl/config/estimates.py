@@ -101,7 +101,7 @@ def kv_bytes_per_token(shape: ModelShape, bytes_per_value: int, tp: int = 1) -> 
     return 2 * shape.num_layers * kv_heads_per_rank * shape.head_dim * bytes_per_value
 
 
-def _stage_params(shape: ModelShape, layout: ParallelLayout) -> list[tuple[float, float]]:
+def stage_params(shape: ModelShape, layout: ParallelLayout) -> list[tuple[float, float]]:
     """(dense, expert) parameters one GPU of each pipeline stage holds, in stage order (embedding on the
     first stage, output layer on the last; each stage's own layers, VPP chunks included, as
     `ParallelLayout.chunks` places them): dense weights split over TP, an MoE layer's experts over EP
@@ -253,7 +253,7 @@ def training_memory(
     logits = head_rows * (1 if value_head else shape.vocab_size / mesh.tp) * 4 * 2
     stage_layers = layout.stage_layers(shape.num_layers)
     memories = []
-    for stage, (dense, experts) in enumerate(_stage_params(shape, layout)):
+    for stage, (dense, experts) in enumerate(stage_params(shape, layout)):
         params = dense + experts
         params_gib = params * p_bytes / GIB
         grads_gib = params * 4 / GIB if trainable else 0.0

@@ -409,7 +409,7 @@ def megatron_refusals(plan: Plan) -> list[ConfigIssue]:
         section = ROLE_SECTIONS[role]
         if role == Role.REF and config.actor_rollout_ref.ref.megatron is None:
             section = ROLE_SECTIONS[Role.ACTOR]
-        shape = _role_shape(config, role, plan.model)
+        shape = role_model_shape(config, role, plan.model)
         model_section = {Role.CRITIC: config.critic.model}.get(role, config.actor_rollout_ref.model)
         fixed = role_transformer_settings(
             mc, moe=shape.is_moe,
@@ -422,7 +422,7 @@ def megatron_refusals(plan: Plan) -> list[ConfigIssue]:
     return found
 
 
-def _role_shape(config: JobConfig, role: str, actor_shape: ModelShape) -> ModelShape:
+def role_model_shape(config: JobConfig, role: str, actor_shape: ModelShape) -> ModelShape:
     """The model a role runs: the critic's or reward model's own folder when it has a readable config, else the
     actor's shape (value models default to the policy's backbone)."""
     section = {Role.CRITIC: config.critic, Role.REWARD_MODEL: config.reward_model}.get(role)
@@ -634,7 +634,7 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
                          next(f.micro_batch_size for f in forwards if f.role == layout.role))
             value_model = layout.role in (Role.CRITIC, Role.REWARD_MODEL)
             train_mem.append(training_memory(
-                layout.role, _role_shape(config, layout.role, model), layout.mesh,
+                layout.role, role_model_shape(config, layout.role, model), layout.mesh,
                 dtype=mc.dtype or resolved.train_dtype,
                 distributed_optimizer=mc.use_distributed_optimizer, trainable=trainable,
                 micro_batch=micro, seq_len=resolved.max_sequence_length,

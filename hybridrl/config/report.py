@@ -5,6 +5,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hybridrl.config.estimates import GpuMemoryPlan, StageBalance, shares_text, split_text
+from hybridrl.config.internode import plan_internode_traffic
 from hybridrl.config.meshes import TrainingMesh, expert_groups
 from hybridrl.config.plan import Plan
 from hybridrl.config.resolve import MODEL_SECTIONS
@@ -247,11 +248,28 @@ def render_plan(plan: Plan) -> str:
             f"(×{traffic.ratio_to_lower_bound:.2f} the lower bound) vs naive {total_naive / MIB:,.1f} MiB; "
             f"model {traffic.model_bytes / MIB:,.1f} MiB in {plan.reshard.dtype}"
         )
+    out += internode_lines(plan)
     out += ["", *speed_lines(plan)]
     out += ["", *failure_cost_lines(cfg.trainer.save_freq, cfg.trainer.max_restarts)]
     if plan.warnings:
         out += ["", "Warnings:"] + [f"  - {w}" for w in plan.warnings]
     return "\n".join(out)
+
+
+def internode_lines(plan: Plan) -> list[str]:
+    """On more than one node: what each node sends the others per step, by phase (`config.internode`, every
+    sequence at full length; measured against a real link in docs/performance.md)."""
+    traffic = plan_internode_traffic(plan)
+    if traffic is None:
+        return []
+    shown = min(traffic.nodes, 8)
+    rows = [[phase, *(f"{sent[node] / MIB:,.2f}" for node in range(shown))]
+            for phase, sent in traffic.phases.items()]
+    rows.append(["step", *(f"{total / MIB:,.2f}" for total in traffic.total()[:shown])])
+    more = f" (first {shown} of {traffic.nodes} nodes)" if traffic.nodes > shown else ""
+    return ["", f"Traffic between nodes per step, MiB each node sends (every sequence at full length; gradient "
+                f"all-reduce, pipeline activations, weight sync; not Ray's calls){more}",
+            table(["phase", *(f"node {n}" for n in range(shown))], rows)]
 
 
 def token_budget_lines(plan: Plan) -> list[str]:

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from hybridrl.names import TIMED_PHASES
 from hybridrl.persistence import write_atomic
+from hybridrl.trainer.timing import TIMELINE_PREFIX
 
 # The few numbers the per-step console line shows, in order (others go to JSONL/TensorBoard).
 CONSOLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
@@ -164,9 +165,13 @@ class WandbSink:
 
 
 class Tracker:
-    def __init__(self, sinks: Sequence[MetricSink], run_dir: Path):
+    """Fans a step's metrics out to the sinks; a step's phase clock times (`timeline/...` keys) go to
+    `timeline` (run_dir/timeline.jsonl, whatever the loggers) instead."""
+
+    def __init__(self, sinks: Sequence[MetricSink], run_dir: Path, timeline: MetricSink | None = None):
         self.sinks = list(sinks)
         self.run_dir = run_dir
+        self.timeline = timeline
         self.history: list[dict[str, float]] = []
 
     @classmethod
@@ -186,10 +191,18 @@ class Tracker:
                 sinks.append(WandbSink(project, experiment, config or {}))
             else:
                 raise ValueError(f"trainer.logger: unknown logger {name!r}; valid: console, jsonl, tensorboard, wandb")
-        return cls(sinks, run_dir)
+        return cls(sinks, run_dir, JsonlSink(run_dir / "timeline.jsonl", resume_step))
+
+    @property
+    def _outputs(self) -> list[MetricSink]:
+        return [*self.sinks, *([self.timeline] if self.timeline is not None else [])]
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         flat = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}
+        timed = [k for k in flat if k.startswith(TIMELINE_PREFIX)]
+        clock = {k.removeprefix(TIMELINE_PREFIX): flat.pop(k) for k in timed}
+        if clock and self.timeline is not None:
+            self.timeline.log(step, clock)
         self.history.append({"step": float(step), **flat})
         for sink in self.sinks:
             sink.log(step, flat)
@@ -202,11 +215,11 @@ class Tracker:
     def rewind(self, step: int) -> None:
         """Forget the steps after `step`: the run goes back to its checkpoint of `step` and runs them again."""
         self.history = [h for h in self.history if h["step"] <= step]
-        for sink in self.sinks:
+        for sink in self._outputs:
             sink.rewind(step)
 
     def close(self) -> None:
-        for sink in self.sinks:
+        for sink in self._outputs:
             sink.close()
 
 
