@@ -1,9 +1,10 @@
 """Inter-node traffic per phase, measured on a real network link against the plan's model of it.
 
 Two hosts as network namespaces on a bridge (`tests/netns_hosts.Cluster`, root only), a Ray node on each from
-`launch/ray_head.sh` / `launch/ray_worker.sh`, and `hybridrl train` of the CPU demo for 3 steps on two layouts:
-data parallelism across the hosts (DP2: the gradient all-reduce crosses) and a pipeline across them (PP2: the
-activations, their gradients and the weight sync's other stage cross). Each host's link counter is read every
+`launch/ray_head.sh` / `launch/ray_worker.sh`, and `hybridrl train` of the CPU demo for 3 steps on three layouts:
+data parallelism across the hosts (DP2: the gradient all-reduce crosses), a pipeline across them (PP2: the
+activations, their gradients and the weight sync's other stage cross) and a disaggregated rollout pool on the
+second host (every weight sync crosses whole). Each host's link counter is read every
 5 ms; each phase's bytes are the counter at its end less at its start (the run's timeline.jsonl). The planned
 figure is `hybridrl.config.internode.plan_internode_traffic` given the tokens the actor computed. Prints the
 table (median over the steps, per host) and writes bench/results/internode_traffic.json.
@@ -24,26 +25,38 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.netns_hosts import Cluster  # noqa: E402
-from tests.test_multi_host import assert_traffic_is_planned, start_ray, train  # noqa: E402
+from tests.test_multi_host import (  # noqa: E402
+    DISAGGREGATED,
+    assert_traffic_is_planned,
+    pool_hosts,
+    start_ray,
+    train,
+)
 from tools.demo_assets import build_demo_assets, demo_overrides  # noqa: E402
 
-LAYOUTS = {"DP2 across the hosts": [],
-           "PP2 across the hosts": ["actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"]}
+# name -> (overrides, CPUs per host): at one CPU a host holds one pool (each rank takes half a CPU)
+LAYOUTS = {"DP2 across the hosts": (["trainer.nnodes=2", "trainer.n_gpus_per_node=1"], 4),
+           "PP2 across the hosts": (["trainer.nnodes=2", "trainer.n_gpus_per_node=1",
+                                     "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"], 4),
+           "disaggregated: rollout pool on host 1": (DISAGGREGATED, 1)}
 PHASES = ("gen", "reward", "adv", "update_actor", "sync")
 
 
-def measure(work: Path, assets: Path, name: str, extra: list[str]) -> dict:
-    run = work / name.split()[0]
-    overrides = [*demo_overrides(assets, run), "trainer.nnodes=2", "trainer.n_gpus_per_node=1",
-                 "trainer.total_training_steps=3", *extra]
+def measure(work: Path, assets: Path, name: str, extra: list[str], cpus: int) -> dict:
+    run = work / name.split()[0].strip(":")
+    overrides = [*demo_overrides(assets, run), "trainer.total_training_steps=3", *extra]
     ray_temp = tempfile.mkdtemp(prefix="hrl-ray-")
     try:
         with Cluster(2) as cluster:
-            address = start_ray(cluster, work, ray_temp)
+            address = start_ray(cluster, work, ray_temp, cpus=cpus)
             with cluster.link_samples() as samples:
                 result = train(cluster, cluster.hosts[0], address, work, *overrides)
+            addresses = [h.address for h in cluster.hosts]
         if result.returncode != 0:
             raise SystemExit(result.stdout[-3000:] + result.stderr[-3000:])
+        if extra is DISAGGREGATED:  # the plan's node 0 is the trainer pool's host, node 1 the rollout pool's
+            return assert_traffic_is_planned(samples, run, overrides, hosts=pool_hosts(result.stdout),
+                                             addresses=addresses)
         return assert_traffic_is_planned(samples, run, overrides)
     finally:
         shutil.rmtree(ray_temp, ignore_errors=True)
@@ -64,8 +77,8 @@ def main() -> None:
     assets = build_demo_assets(work / "demo")
     results = {"machine": f"{platform.machine()}, two network namespaces on a Linux bridge (veth)",
                "model": "configs/models/tiny-demo (Llama, 0.62 M parameters, fp32)", "steps": 3, "layouts": {}}
-    for name, extra in LAYOUTS.items():
-        figures = measure(work, assets, name, extra)
+    for name, (extra, cpus) in LAYOUTS.items():
+        figures = measure(work, assets, name, extra, cpus)
         results["layouts"][name] = {"table": median_table(figures), "per_step": figures["steps"]}
         print(f"\n{name} (median of 3 steps; bytes each host sent; host 0 holds the controller)")
         print(f"{'phase':>14} {'measured h0':>13} {'measured h1':>13} {'planned h0':>12} {'planned h1':>12}")

@@ -99,6 +99,22 @@ def test_plan_shows_the_traffic_only_across_nodes():
     assert plan_internode_traffic(single) is None and "Traffic between nodes" not in render_plan(single)
 
 
+def test_a_disaggregated_pool_is_on_nodes_of_its_own():
+    """rollout.mode=disaggregated: the rollout pool's nodes come after the training nodes and every byte of the
+    cross-pool sync crosses, each training rank sending an even share (the demo at trainer 1 x 2, rollout 1 x 1:
+    node 0 sends vLLM's whole fp32 shard, the 96 real vocabulary rows of each vocabulary tensor)."""
+    from hybridrl.config.plan import plan_from_sources
+
+    demo = ["actor_rollout_ref.model.path=configs/models/tiny-demo", "trainer.nnodes=1", "trainer.n_gpus_per_node=2",
+            "actor_rollout_ref.rollout.mode=disaggregated", "actor_rollout_ref.rollout.nnodes=1",
+            "actor_rollout_ref.rollout.n_gpus_per_node=1"]
+    plan = plan_from_sources(ROOT / "configs/examples/cpu_tiny_grpo.yaml", demo)
+    traffic = plan_internode_traffic(plan)
+    model = (LAYERS * _layer_params() + 2 * VOCAB * H + H) * 4
+    assert traffic.nodes == 2 and traffic.phases["sync"] == (model, 0) and "update_actor" in traffic.phases
+    assert traffic.phases["update_actor"] == (0, 0)  # DP2 inside node 0
+
+
 def test_the_performance_table_is_the_bench_result_file():
     results = json.loads((ROOT / "bench/results/internode_traffic.json").read_text())
     doc = (ROOT / "docs/performance.md").read_text()

@@ -49,17 +49,17 @@ def _env(tmp: Path) -> dict[str, str]:
 
 
 def start_ray(cluster: Cluster, tmp: Path, temp: str, launch: Path = ROOT / "launch",
-              join_timeout_s: float = 180) -> str:
-    """A Ray node on every host with launch/ray_head.sh and launch/ray_worker.sh; the head's address once every
-    node has joined."""
+              join_timeout_s: float = 180, cpus: int = 4) -> str:
+    """A Ray node on every host with launch/ray_head.sh and launch/ray_worker.sh, `cpus` CPUs each; the head's
+    address once every node has joined."""
     head, *others = cluster.hosts
     env = _env(tmp)
-    started = cluster.run(head, ["bash", str(launch / "ray_head.sh"), "--num-cpus=4", f"--temp-dir={temp}"],
+    started = cluster.run(head, ["bash", str(launch / "ray_head.sh"), f"--num-cpus={cpus}", f"--temp-dir={temp}"],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
     address = re.search(r"RAY_ADDRESS=(\S+)", started.stdout).group(1)
     for host in others:
-        joined = cluster.run(host, ["bash", str(launch / "ray_worker.sh"), address, "--num-cpus=4"], env=env,
+        joined = cluster.run(host, ["bash", str(launch / "ray_worker.sh"), address, f"--num-cpus={cpus}"], env=env,
                              cwd=ROOT, capture_output=True, text=True, timeout=join_timeout_s)
         assert joined.returncode == 0, joined.stdout[-2000:] + joined.stderr[-2000:]
     wait = ("import ray, sys, time\nray.init(address=sys.argv[1], logging_level='ERROR')\n"
@@ -97,8 +97,11 @@ def phase_traffic(samples: LinkSamples, run: Path) -> list[dict[str, list[int]]]
     return out
 
 
-def assert_traffic_is_planned(samples: LinkSamples, run: Path, overrides: list[str]) -> dict[str, Any]:
-    """Every step's measured bytes per phase and host against the plan's (see CONTROL_BYTES); the figures."""
+def assert_traffic_is_planned(samples: LinkSamples, run: Path, overrides: list[str],
+                              hosts: tuple[str, ...] | None = None,
+                              addresses: list[str] | None = None) -> dict[str, Any]:
+    """Every step's measured bytes per phase and host against the plan's (see CONTROL_BYTES); the figures.
+    `hosts`: the address of the plan's node 0, 1, ... where it is not the cluster's host order (`addresses`)."""
     from hybridrl.config.internode import plan_internode_traffic
     from hybridrl.config.plan import plan_from_sources
 
@@ -109,6 +112,9 @@ def assert_traffic_is_planned(samples: LinkSamples, run: Path, overrides: list[s
         # the tokens the actor computed: the rows' real tokens less the prompts computed once per micro-batch
         computed = metrics["perf/total_num_tokens"] * (1 - metrics["perf/shared_prefix_ratio"])
         planned = plan_internode_traffic(plan, {"actor": computed / (1 - metrics["perf/padding_ratio"])}).phases
+        if hosts is not None:  # the plan's nodes in the cluster's host order
+            planned = {phase: tuple(sent[hosts.index(address)] for address in addresses)
+                       for phase, sent in planned.items()}
         for phase, sent in measured.items():
             plan_bytes = planned.get(phase, (0, 0))
             for host, (got, want) in enumerate(zip(sent, plan_bytes)):
@@ -177,6 +183,39 @@ def test_a_pipeline_across_hosts_on_a_cluster_started_without_the_launch_scripts
     # the update's activations forward and gradients back (~0.5 MB each way), the sync's other stage (1.2 MB)
     figures = assert_traffic_is_planned(samples, run, overrides)
     assert all(step["planned"]["sync"][0] > 1_000_000 for step in figures["steps"])
+
+
+DISAGGREGATED = ["trainer.nnodes=1", "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.mode=disaggregated",
+                 "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"]
+
+
+def pool_hosts(stdout: str) -> tuple[str, str]:
+    """(the trainer pool's host, the rollout pool's host) from train's placement lines (DISAGGREGATED's pools)."""
+    trainer = re.search(r"actor_rollout_ref: 2 rank\(s\) on 1 node\(s\): (\S+) ranks 0-1", stdout)
+    rollout = re.search(r"rollout: 1 rank\(s\) on 1 node\(s\): (\S+) rank 0", stdout)
+    assert trainer and rollout, stdout[-3000:]
+    return trainer.group(1), rollout.group(1)
+
+
+def test_a_disaggregated_rollout_pool_on_another_host(demo_assets, tmp_path, ray_temp):
+    """rollout.mode=disaggregated with the rollout pool on the other host: one CPU per host, so the trainer pool's
+    two ranks (half a CPU each) fill one host and the vLLM rank takes the other. Every weight sync crosses the
+    link (the whole fp32 model from the trainer's host, its two ranks sending half each) and is proven on the
+    rollout host; each phase's traffic as planned."""
+    run = tmp_path / "run"
+    overrides = [*demo_overrides(demo_assets, run), *DISAGGREGATED, "trainer.total_training_steps=2"]
+    with Cluster(2) as cluster:
+        address = start_ray(cluster, tmp_path, ray_temp, cpus=1)
+        with cluster.link_samples() as samples:
+            result = train(cluster, cluster.hosts[0], address, tmp_path, *overrides)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    pools = pool_hosts(result.stdout)
+    assert sorted(pools) == sorted(h.address for h in cluster.hosts), result.stdout[-3000:]
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 2 and all(s["reshard/probe_max_abs_gap"] <= 1e-4 for s in steps)
+    figures = assert_traffic_is_planned(samples, run, overrides, hosts=pools,
+                                        addresses=[h.address for h in cluster.hosts])
+    assert all(step["planned"]["sync"][0] > 2_400_000 for step in figures["steps"])  # the whole model, fp32
 
 
 def test_the_launch_scripts_address_logic_is_what_makes_the_cluster(tmp_path, ray_temp):

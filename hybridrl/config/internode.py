@@ -14,7 +14,8 @@ send to ranks on other nodes, for what a colocated (hybrid engine) step moves in
   them without).
 - `old_log_prob`, `ref`, `values`: the forward half of that, for each pass the step runs.
 - `sync`: what each rank receives in a weight sync (the plan's `reshard_traffic`, in vLLM's dtype) from the
-  members of its micro-DP group on other nodes.
+  members of its micro-DP group on other nodes; with a disaggregated rollout, the whole cross-pool sync (the
+  rollout pool on nodes of its own), each training rank sending an even share.
 
 Not modelled (measured against this in tests/test_multi_host.py and named there): Ray's calls (the step's
 rows to the workers and their results back, with the controller on the head node), the small collectives
@@ -158,12 +159,14 @@ def _sync(role: RoleTraffic, groups: ReshardGroups, received: Sequence[int], nod
 
 
 def internode_traffic(roles: Sequence[RoleTraffic], *, per_node: int,
-                      sync: tuple[ReshardGroups, Sequence[int]] | None = None) -> NodeTraffic:
-    """Bytes each node sends to the others per phase of a step; `per_node` ranks per node; `sync`: the actor's
-    reshard groups and the bytes each rank receives in a weight sync (the actor: the role whose update is
-    `update_actor`)."""
+                      sync: tuple[ReshardGroups, Sequence[int]] | None = None,
+                      cross_pool: tuple[float, int] | None = None) -> NodeTraffic:
+    """Bytes each node sends to the others per phase of a step; `per_node` ranks per node. The weight sync:
+    colocated (`sync`), the actor's reshard groups and the bytes each rank receives (the actor: the role whose
+    update is `update_actor`); disaggregated (`cross_pool`), the bytes each training rank sends and the rollout
+    pool's nodes, which come after the training nodes (a pool of its own: every byte of the sync crosses)."""
     world = max(role.mesh.world_size for role in roles)
-    nodes = -(-world // per_node)
+    nodes = -(-world // per_node) + (cross_pool[1] if cross_pool else 0)
     node_of = _node_of(per_node)
     phases: dict[str, list[float]] = {}
 
@@ -184,20 +187,24 @@ def internode_traffic(roles: Sequence[RoleTraffic], *, per_node: int,
                 out[dst] += per_token * role.tokens * role.update_epochs
             if sync is not None and role.phase_update == Phase.UPDATE_ACTOR:
                 _sync(role, sync[0], sync[1], node_of, phase(Phase.SYNC))
+    if cross_pool is not None:
+        for rank in range(world):
+            phase(Phase.SYNC)[node_of(rank)] += cross_pool[0]
     order = [str(name) for name in TIMED_PHASES]
     return NodeTraffic(nodes, {name: tuple(round(b) for b in phases[name])
                                for name in sorted(phases, key=lambda name: order.index(name))})
 
 
 def plan_internode_traffic(plan: Plan, tokens: Mapping[str, float] | None = None) -> NodeTraffic | None:
-    """The model applied to a colocated plan's step (None on one node, with a disaggregated rollout or without a
-    model shape). `tokens`: a role's tokens per pass where known (measured); by default the worst case, every
-    sequence at full length, a prompt once per group of rows sharing it where the role's micro-batches hold
-    shared prompts once (`model.shared_prefix`)."""
+    """The model applied to a plan's step (None on one node or without a model shape). `tokens`: a role's tokens
+    per pass where known (measured); by default the worst case, every sequence at full length, a prompt once per
+    group of rows sharing it where the role's micro-batches hold shared prompts once (`model.shared_prefix`).
+    A disaggregated rollout pool is on nodes of its own, after the training nodes."""
     resolved, config = plan.resolved, plan.config
     per_node = config.trainer.n_gpus_per_node
-    traffic = plan.reshard.traffic
-    if plan.model is None or traffic is None or (config.trainer.nnodes or 1) < 2 or not isinstance(per_node, int):
+    traffic, cross = plan.reshard.traffic, plan.reshard.cross_pool
+    rollout_nodes = (config.actor_rollout_ref.rollout.nnodes or 1) if resolved.disaggregated else 0
+    if plan.model is None or (config.trainer.nnodes or 1) + rollout_nodes < 2 or not isinstance(per_node, int):
         return None
     prompt_length = config.data.max_prompt_length
     forwards = {f.role: f.pass_name for f in plan.forwards}
@@ -221,4 +228,6 @@ def plan_internode_traffic(plan: Plan, tokens: Mapping[str, float] | None = None
             optimizer_steps=update.optimizer_steps_per_step if update else 0,
             update_epochs=update.ppo_epochs if update else 0,
             tokens=(tokens or {}).get(layout.role, worst)))
-    return internode_traffic(roles, per_node=per_node, sync=(plan.reshard.groups, traffic.bytes_received))
+    return internode_traffic(roles, per_node=per_node,
+                             sync=(plan.reshard.groups, traffic.bytes_received) if traffic else None,
+                             cross_pool=(cross.bytes_sent_even, rollout_nodes) if cross else None)
