@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-cpu
 
-.PHONY: venv test test-fast demo demo-assets demo-tools demo-real real-model lint bench clean
+.PHONY: venv system-deps test test-fast demo demo-assets demo-tools demo-real real-model lint bench clean
 
 venv: $(STAMP)
 
@@ -29,6 +29,14 @@ XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --
 
 # pytest exits 5 when it collected nothing: that is a failure here, not a pass. The slowest tests
 # are listed at the end so that CI's log shows where its time went.
+# Debian packages the multi-host tests run (root, as CI is): iproute2 for the hosts, Slurm and munge for the
+# SLURM script (tests/test_multi_host.py). Installed only where missing.
+system-deps:
+	@if [ "$$(id -u)" = 0 ] && ! command -v slurmctld >/dev/null; then \
+	  packages="iproute2 slurm-wlm munge"; \
+	  apt-get install -y -q --no-install-recommends $$packages >/dev/null \
+	    || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends $$packages >/dev/null; }; fi
+
 test: venv
 	$(PY) -m pytest -q $(XDIST) --durations=30; rc=$$?; [ $$rc -ne 5 ] || echo "pytest collected no tests"; [ $$rc -eq 0 ]
 

@@ -238,6 +238,28 @@ def test_a_disaggregated_rollout_pool_on_another_host(demo_assets, tmp_path, ray
     assert all(step["planned"]["sync"][0] > 2_400_000 for step in figures["steps"])  # the whole model, fp32
 
 
+def test_the_slurm_script_runs_a_job_across_two_hosts(demo_assets, tmp_path, ray_temp):
+    """launch/slurm_grpo.sbatch submitted to a real Slurm (slurmctld and a slurmd per host, `tests/slurm_hosts.py`)
+    as written, on a CPU partition (`--gpus-per-node=0` overriding its GPU line; `--cpus-per-task` its 64): its
+    srun steps start a Ray node on each host, and the GRPO job it then runs trains across both, every sync
+    proven."""
+    from tests.slurm_hosts import slurm_cluster
+
+    run = tmp_path / "run"
+    with Cluster(2) as cluster, slurm_cluster(cluster, tmp_path / "slurm") as slurm:
+        env = {**_env(tmp_path), **slurm, "PATH": f"{BIN}:{slurm['PATH']}", "RAY_TMPDIR": ray_temp,
+               "RUN_DIR": str(run)}
+        job = cluster.run(cluster.hosts[0], [
+            "sbatch", "--wait", "--nodes=2", "--cpus-per-task=2", "--gpus-per-node=0", f"--output={tmp_path}/job.out",
+            "launch/slurm_grpo.sbatch", CONFIG, *demo_overrides(demo_assets, run), "trainer.n_gpus_per_node=1",
+            "trainer.total_training_steps=2"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    output = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
+    assert job.returncode == 0, job.stderr[-2000:] + output[-4000:]
+    assert re.search(r"actor_rollout_ref: 2 rank\(s\) on 2 node\(s\)", output), output[-3000:]
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2] and all(s["reshard/probe_max_abs_gap"] <= 1e-4 for s in steps)
+
+
 def test_the_launch_scripts_address_logic_is_what_makes_the_cluster(tmp_path, ray_temp):
     """The negative control: with node_ip.sh reverted to the first address `hostname -I` lists (docker0's here,
     as on many real nodes), the other host cannot join the head."""
