@@ -235,7 +235,8 @@ def test_a_disaggregated_rollout_pool_on_another_host(demo_assets, tmp_path, ray
     assert len(steps) == 2 and all(s["reshard/probe_max_abs_gap"] <= 1e-4 for s in steps)
     figures = assert_traffic_is_planned(samples, run, overrides, hosts=pools,
                                         addresses=[h.address for h in cluster.hosts])
-    assert all(step["planned"]["sync"][0] > 2_400_000 for step in figures["steps"])  # the whole model, fp32
+    trainer_host = [h.address for h in cluster.hosts].index(pools[0])  # Ray picks which host takes which pool
+    assert all(step["planned"]["sync"][trainer_host] > 2_400_000 for step in figures["steps"])  # the model, fp32
 
 
 def test_the_slurm_script_runs_a_job_across_two_hosts(demo_assets, tmp_path, ray_temp):
