@@ -147,7 +147,8 @@ def test_placement_group_that_cannot_fit_fails_within_its_timeout(ray_cluster):
     assert 2.0 <= elapsed < 8.0, elapsed
     message = str(info.value)
     assert "'too_big' could not be placed within 2.0 s" in message
-    assert "{'CPU': 1000.0}" in message and "Cluster total" in message
+    assert "{'CPU': 1000.0}" in message and "Cluster total {'CPU': " in message
+    assert "node(s) alive: " in message and "_group_" not in message and "memory" not in message
     assert not pool.started
     # The pending placement group was removed, not left queued in the cluster.
     states = [g["state"] for g in ray.util.placement_group_table().values()]

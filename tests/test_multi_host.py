@@ -353,3 +353,46 @@ def test_a_lost_host_is_named_and_the_run_resumes_once_it_is_back(demo_assets, t
     assert event["resume_step"] >= 1 and event["resume_from"] is not None
     assert [r["step"] for r in records if "event" not in r][-1] == 5
     print(f"lost host: detected after {event['detected_at'] - killed_at:.1f} s; {restart[:300]}")
+
+
+def test_a_lost_host_that_does_not_come_back_stops_the_run_cleanly(demo_assets, tmp_path, ray_temp):
+    """The second host's processes all killed mid-run and the host never back: with trainer.max_restarts=1 the run
+    waits trainer.restart_wait_s for its resources, then stops with one account of both failures (no traceback),
+    every checkpoint it left complete and no partial one. One CPU per host and two ranks of half a CPU per node:
+    the head cannot take the lost host's ranks (as a full GPU node could not)."""
+    from hybridrl.persistence import is_partial
+    from hybridrl.trainer.checkpoints import is_complete
+
+    run = tmp_path / "run"
+    with Cluster(2) as cluster:
+        head, other = cluster.hosts
+        address = start_ray(cluster, tmp_path, ray_temp, cpus=1)
+        process = cluster.popen(
+            head, [str(BIN / "hybridrl"), "train", CONFIG, *demo_overrides(demo_assets, run), "trainer.nnodes=2",
+                   "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
+                   "trainer.total_training_steps=8", "trainer.save_freq=1", "trainer.max_restarts=1",
+                   "trainer.restart_wait_s=15", "--no-progress"],
+            env={**_env(tmp_path), "RAY_ADDRESS": address}, cwd=ROOT, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+        try:
+            _wait_for_steps(run / "metrics.jsonl", 2, process)
+            killed_at = time.monotonic()
+            cluster.kill_processes(other.namespace)
+            output, _ = process.communicate(timeout=300)
+            stopped_after = time.monotonic() - killed_at
+        finally:
+            if process.poll() is None:
+                process.kill()
+    assert process.returncode != 0, output[-3000:]
+    # the driver's own account, no traceback of its own (the workers' logs, which Ray streams, show the dead
+    # peer's collective failing: those lines carry their worker's prefix)
+    assert not [line for line in output.splitlines() if line.startswith("Traceback")], output[-5000:]
+    final = [line for line in output.splitlines() if line.startswith("hybridrl train: training failed")]
+    assert final and "restart 1 found no resources" in final[-1], output[-3000:]
+    assert "1 node(s) alive" in final[-1] and "_group_" not in final[-1], final[-1]  # the head alone, readable
+    assert f"on node {other.address}" in output, output[-3000:]  # the first failure, named in the account
+    assert 15 <= stopped_after <= 120, stopped_after  # the wait, not the process-group timeout
+    checkpoints = run / "ckpt" / "demo" / "cpu_tiny_grpo"
+    saved = sorted(p for p in checkpoints.iterdir() if p.name.startswith("global_step_"))
+    assert saved and all(is_complete(p) for p in saved), saved
+    assert not [p for p in checkpoints.rglob("*") if is_partial(p)]

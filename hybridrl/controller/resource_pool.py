@@ -105,12 +105,13 @@ class ResourcePool:
             if time.monotonic() >= deadline:
                 for g in groups:
                     remove_placement_group(g)
-                nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+                nodes = [n for n in ray.nodes() if n.get("Alive")]
+                alive = "; ".join(f"{n['NodeManagerAddress']} {_schedulable(n['Resources'])}" for n in nodes)
                 raise ResourcePoolError(
                     f"resource pool {self.name!r} could not be placed within {timeout_s} s: "
                     f"{len(ready)}/{len(groups)} node groups ready. Requested {self._describe_request()}. "
-                    f"Cluster total {ray.cluster_resources()}, available now {ray.available_resources()}, "
-                    f"alive nodes' resources {nodes}."
+                    f"Cluster total {_schedulable(ray.cluster_resources())}, free now "
+                    f"{_schedulable(ray.available_resources())}; {len(nodes)} node(s) alive: {alive}."
                 )
         self.placement_groups = groups
         return self
@@ -148,3 +149,11 @@ class ResourcePool:
                 pass
         self.placement_groups = []
         self.roles = []
+
+
+def _schedulable(resources: dict[str, float]) -> dict[str, float]:
+    """What a bundle can ask for (CPU, GPU, custom resources), without Ray's bookkeeping: memory, the `node:<ip>`
+    markers and the per-placement-group resources (`CPU_group_<id>`, `bundle_group_<id>`)."""
+    hidden = ("memory", "object_store_memory")
+    return {name: value for name, value in sorted(resources.items())
+            if name not in hidden and not name.startswith("node:") and "_group_" not in name}
