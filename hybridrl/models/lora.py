@@ -1,0 +1,250 @@
+"""LoRA adapters on megatron-core's own linear layers, at any tensor-parallel layout (issue 44, first step).
+
+An adapter adds `scaling * B(A(x))` (scaling = alpha / rank) to a frozen linear layer's output, one adapter per
+Hugging Face projection, as peft's LoRA places them on the transformers model: megatron's fused `linear_qkv`
+carries three (q_proj, k_proj, v_proj), its fused `linear_fc1` two (gate_proj, up_proj), `linear_proj`
+(o_proj) and `linear_fc2` (down_proj) one each. So an adapter here is a peft adapter exactly: the same
+parameters, the same gradients, a PEFT adapter folder on export.
+
+Sharding, with the layer's own tensor-parallel group:
+- column-parallel layers (output split over TP): A `[r, in]` whole on every rank, B `[rows / TP, r]` the rank's
+  rows of the projection (its query groups' q, k, v rows; its share of gate and up), its output placed where
+  megatron's fused output keeps that projection (q, k and v interleaved per query group);
+- row-parallel layers (input split): A `[r, in / TP]` the rank's input columns, B `[out, r]` whole; A's partial
+  products are summed over TP (reduce-scattered along the sequence with sequence parallelism) before B.
+A half held whole on every rank either gets the same gradient on each (without sequence parallelism: the
+column case sums A's output gradient over TP first) or, with sequence parallelism, a partial one that megatron's
+`finalize_model_grads` sums over TP (tagged `sequence_parallel`, as megatron tags its norms); a half split over
+TP is tagged like megatron's own split weights (`tensor_model_parallel`), so the grad norm counts it once.
+
+Why not peft's own `LoraParallelLinear` (peft/tuners/lora/tp_layer.py): it wraps only megatron's local linear
+layers (not TransformerEngine's, which the GPU path builds), adapts a fused layer as one projection (a shared A
+for q, k and v: not what peft does on the transformers model, so neither its gradients nor its export match),
+and tags no parameter for megatron's gradient handling (wrong gradients under sequence parallelism).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# megatron's fused layers -> the Hugging Face projections they hold, in their output order
+PROJECTIONS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+               "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+ROW_PARALLEL = {"linear_proj", "linear_fc2"}
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    rank: int
+    alpha: float
+    modules: tuple[str, ...] = tuple(PROJECTIONS)  # megatron module names
+    dropout: float = 0.0
+    seed: int = 0  # A's initialisation: the same full matrix on every layout
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+def _tag(param: nn.Parameter, *, split_dim: int | None, sequence_parallel: bool, expert: bool) -> None:
+    if split_dim is not None:
+        param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, split_dim, 1
+    elif sequence_parallel:
+        param.sequence_parallel = True
+    if expert:
+        param.allreduce = False  # megatron's DDP: reduced over the expert data-parallel group
+
+
+def _kaiming_rows(shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
+    """peft's default for A (kaiming-uniform with a = sqrt(5)) on the full `[r, in]` matrix."""
+    bound = 1.0 / math.sqrt(shape[1])  # kaiming_uniform_(a=sqrt(5)): gain sqrt(2 / 6) * sqrt(3 / fan_in)
+    return torch.empty(shape).uniform_(-bound, bound, generator=generator)
+
+
+class LoraLinear(nn.Module):
+    """A frozen megatron linear layer (`base`) and the LoRA adapters of its Hugging Face projections."""
+
+    def __init__(self, base: nn.Module, module_name: str, settings: LoraSettings, *, rows: Sequence[int],
+                 groups: int = 1, name: str = "", layer: int = 0) -> None:
+        super().__init__()
+        self.base = base
+        self.module_name = module_name
+        self.settings = settings
+        self.enabled = True
+        self.row_parallel = module_name in ROW_PARALLEL
+        self.projections = PROJECTIONS[module_name]
+        self.groups = groups  # query groups on this rank (linear_qkv's interleaving)
+        self.layer = layer  # the global (Hugging Face) layer index
+        self.rows = tuple(rows)  # each projection's output rows, whole
+        group = base.tp_group
+        self.tp, tp_rank = group.size(), group.rank()
+        self.sequence_parallel = bool(getattr(base, "sequence_parallel", False))
+        expert = bool(getattr(base, "is_expert", False))
+        generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + sum(map(ord, name)))
+        r = settings.rank
+        device = base.weight.device  # where the layer lives (its GPU); drawn on the host, the same on every layout
+        self.lora_A = nn.ParameterList()
+        self.lora_B = nn.ParameterList()
+        self.tp_rank = tp_rank
+        for out_rows in rows:
+            in_features = base.input_size
+            full_a = _kaiming_rows((r, in_features), generator)
+            if self.row_parallel:
+                per = in_features // self.tp
+                a = nn.Parameter(full_a[:, tp_rank * per:(tp_rank + 1) * per].contiguous().to(device))
+                b = nn.Parameter(torch.zeros(out_rows, r).to(device))
+                _tag(a, split_dim=1, sequence_parallel=False, expert=expert)
+                _tag(b, split_dim=None, sequence_parallel=self.sequence_parallel, expert=expert)
+            else:
+                a = nn.Parameter(full_a.to(device))
+                b = nn.Parameter(torch.zeros(out_rows // self.tp, r).to(device))
+                _tag(a, split_dim=None, sequence_parallel=self.sequence_parallel, expert=expert)
+                _tag(b, split_dim=0, sequence_parallel=False, expert=expert)
+            self.lora_A.append(a)
+            self.lora_B.append(b)
+        for param in base.parameters():
+            param.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out, bias = self.base(x, *args, **kwargs)
+        if not self.enabled:
+            return out, bias
+        return out + self.delta(x).to(out.dtype), bias
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import mappings
+
+        group = self.base.tp_group
+        scaling = self.settings.scaling
+        h = x.float()
+        if self.settings.dropout:
+            h = F.dropout(h, self.settings.dropout, self.training)
+        if self.row_parallel:  # x: this rank's input columns
+            outs = []
+            for a, b in zip(self.lora_A, self.lora_B):
+                partial = F.linear(h, a)
+                if self.tp > 1 and self.sequence_parallel:
+                    summed = mappings.reduce_scatter_to_sequence_parallel_region(partial, group=group)
+                elif self.tp > 1:
+                    summed = mappings.reduce_from_tensor_model_parallel_region(partial, group=group)
+                else:
+                    summed = partial
+                outs.append(F.linear(summed, b) * scaling)
+            return outs[0]
+        if self.tp > 1 and self.sequence_parallel:
+            h = mappings.gather_from_sequence_parallel_region(h, group=group)
+        outs = []
+        for a, b in zip(self.lora_A, self.lora_B):
+            low = F.linear(h, a)
+            if self.tp > 1 and not self.sequence_parallel:
+                low = mappings.copy_to_tensor_model_parallel_region(low, group=group)
+            outs.append(F.linear(low, b) * scaling)
+        if self.module_name == "linear_qkv":  # megatron's per-group [q heads | k | v]
+            lead = outs[0].shape[:-1]
+            return torch.cat([o.reshape(*lead, self.groups, -1) for o in outs], dim=-1).reshape(*lead, -1)
+        return torch.cat(outs, dim=-1)
+
+
+def add_lora(model: nn.Module, settings: LoraSettings) -> list[LoraLinear]:
+    """Freeze a GPTModel chunk built by `models.bridge` and wrap its target layers in place; the wrappers, in layer
+    order.
+    Each adapter's A is drawn from its global layer and projection (`settings.seed`), so any layout holds the same
+    adapters. A mixture-of-experts model is refused: adapters on experts are not built yet."""
+    from hybridrl.models.bridge import chunk_info
+
+    shape = chunk_info(model).source.shape
+    if shape.is_moe:
+        raise NotImplementedError("LoRA on a mixture-of-experts model is not built yet (issue 44)")
+    rows = {"linear_qkv": (shape.num_attention_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim,
+                           shape.num_kv_heads * shape.head_dim),
+            "linear_proj": (shape.hidden_size,), "linear_fc1": (shape.ffn_hidden_size, shape.ffn_hidden_size),
+            "linear_fc2": (shape.hidden_size,)}
+    for param in model.parameters():  # the whole base is frozen: only the adapters train
+        param.requires_grad_(False)
+    wrapped = []
+    for layer in model.decoder.layers:
+        index = layer.layer_number - 1  # megatron numbers layers globally from 1
+        for parent_name, leaf in (("self_attention", "linear_qkv"), ("self_attention", "linear_proj"),
+                                  ("mlp", "linear_fc1"), ("mlp", "linear_fc2")):
+            if leaf not in settings.modules:
+                continue
+            parent = getattr(layer, parent_name)
+            base = getattr(parent, leaf)
+            groups = shape.num_kv_heads // base.tp_group.size() if leaf == "linear_qkv" else 1
+            adapter = LoraLinear(base, leaf, settings, rows=rows[leaf], groups=groups,
+                                 name=f"layers.{index}.{parent_name}.{leaf}", layer=index)
+            setattr(parent, leaf, adapter)
+            wrapped.append(adapter)
+    return wrapped
+
+
+def lora_adapters(models: Sequence[nn.Module]) -> list[LoraLinear]:
+    return [m for model in models for m in model.modules() if isinstance(m, LoraLinear)]
+
+
+# where peft keeps a projection's adapter on a Llama-like transformers model (`get_peft_model`), per layer
+PEFT_MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+               "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def peft_name(layer: int, projection: str, half: str) -> str:
+    """peft's state-dict name of one adapter half (`half`: "lora_A" or "lora_B")."""
+    return f"base_model.model.model.layers.{layer}.{PEFT_MODULE[projection]}.{projection}.{half}.weight"
+
+
+def _split_dims(adapter: LoraLinear) -> tuple[int | None, int | None]:
+    """The dimension along which A and B are split over TP (None: whole on every rank)."""
+    return (1, None) if adapter.row_parallel else (None, 0)
+
+
+def lora_state(adapters: Sequence[LoraLinear], *, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Every adapter half (or its gradient), whole, under peft's names: split halves gathered over each layer's TP
+    group (a collective: every TP rank calls it, each gets the whole)."""
+    import torch.distributed as dist
+
+    out = {}
+    for adapter in adapters:
+        for projection, a, b in zip(adapter.projections, adapter.lora_A, adapter.lora_B, strict=True):
+            for half, param, dim in (("lora_A", a, _split_dims(adapter)[0]), ("lora_B", b, _split_dims(adapter)[1])):
+                tensor = (param.grad if grads else param).detach()
+                if dim is not None and adapter.tp > 1:
+                    parts = [torch.empty_like(tensor) for _ in range(adapter.tp)]
+                    dist.all_gather(parts, tensor.contiguous(), group=adapter.base.tp_group)
+                    tensor = torch.cat(parts, dim=dim)
+                out[peft_name(adapter.layer, projection, half)] = tensor.cpu().clone()
+    return out
+
+
+@torch.no_grad()
+def load_lora_state(adapters: Sequence[LoraLinear], state: dict[str, torch.Tensor]) -> None:
+    """Set every adapter half from whole tensors under peft's names (each rank takes its TP slice)."""
+    for adapter in adapters:
+        for projection, a, b in zip(adapter.projections, adapter.lora_A, adapter.lora_B, strict=True):
+            for half, param, dim in (("lora_A", a, _split_dims(adapter)[0]), ("lora_B", b, _split_dims(adapter)[1])):
+                whole = state[peft_name(adapter.layer, projection, half)]
+                if dim is not None:
+                    size = param.shape[dim]
+                    whole = whole.narrow(dim, adapter.tp_rank * size, size)
+                if whole.shape != param.shape:
+                    raise ValueError(f"{peft_name(adapter.layer, projection, half)}: {tuple(whole.shape)} does not fit "
+                                     f"the adapter's {tuple(param.shape)} on TP rank {adapter.tp_rank}")
+                param.copy_(whole.to(param.device))
+
+
+@contextmanager
+def adapters_disabled(models: Sequence[nn.Module]) -> Iterator[None]:
+    """The base model alone while active (the reference policy of a LoRA actor)."""
+    adapters = lora_adapters(models)
+    for adapter in adapters:
+        adapter.enabled = False
+    try:
+        yield
+    finally:
+        for adapter in adapters:
+            adapter.enabled = True

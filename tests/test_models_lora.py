@@ -1,0 +1,126 @@
+"""LoRA adapters on megatron's own layers (`hybridrl.models.lora`) against peft's LoRA on the transformers model:
+the same adapter values give the same logits and the same gradient of every adapter half, at TP1, TP2 and TP2 with
+sequence parallelism (fp32, forked gloo ranks); the base alone gives the base model's logits; the base gets no
+gradient; A's initialisation is the same full matrix on every layout."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hybridrl.parallel.forked import run_ranks
+from tests.test_models_fixtures import VOCAB, make_hf_model, sample_tokens
+
+TOKENS = sample_tokens(batch=2)
+RANK, ALPHA = 4, 8.0
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _lora_rank(rank: int, world: int, hf_dir: str, sequence_parallel: bool, state: dict[str, torch.Tensor] | None,
+               weights: torch.Tensor) -> dict[str, Any]:
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from hybridrl.models.bridge import build_gpt_model, load_weights
+    from hybridrl.models.lora import LoraSettings, adapters_disabled, add_lora, load_lora_state, lora_state
+    from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
+
+    ctx = initialize_model_parallel(tp=world, device="cpu")
+    try:
+        model = build_gpt_model(hf_dir, config_overrides={"sequence_parallel": sequence_parallel})
+        load_weights([model], hf_dir)
+        adapters = add_lora(model, LoraSettings(rank=RANK, alpha=ALPHA, seed=5))
+        initial = lora_state(adapters)
+        if state is not None:
+            load_lora_state(adapters, state)
+        positions = torch.arange(TOKENS.shape[1]).expand_as(TOKENS)
+        with torch.no_grad(), adapters_disabled([model]):
+            base = gather_from_tensor_model_parallel_region(model(TOKENS, positions, None))[..., :VOCAB]
+        logits = gather_from_tensor_model_parallel_region(model(TOKENS, positions, None))[..., :VOCAB]
+        (logits * weights).sum().backward()
+        for adapter in adapters:  # megatron's finalize_model_grads: tagged halves summed over TP
+            for param in (*adapter.lora_A, *adapter.lora_B):
+                if sequence_parallel and getattr(param, "sequence_parallel", False):
+                    torch.distributed.all_reduce(param.grad, group=ctx.tp_group)
+        base_grads = [n for n, p in model.named_parameters() if p.grad is not None and "lora_" not in n]
+        return {"logits": logits.detach(), "base": base, "grads": lora_state(adapters, grads=True),
+                "initial": initial, "base_grads": base_grads}
+    finally:
+        destroy_model_parallel()
+
+
+def _peft_reference(hf_dir: Path, state: dict[str, torch.Tensor], weights: torch.Tensor) -> dict[str, Any]:
+    import peft
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        base = model(TOKENS).logits
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(PROJECTIONS),
+                                                      lora_dropout=0.0))
+    peft.set_peft_model_state_dict(lora, state)
+    logits = lora(TOKENS).logits
+    (logits * weights).sum().backward()
+    grads = {n.replace(".default", ""): p.grad for n, p in lora.named_parameters() if "lora_" in n}
+    return {"logits": logits.detach(), "base": base, "grads": grads}
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    return make_hf_model(tmp_path_factory.mktemp("lora") / "qwen3", "qwen3", seed=11)  # GQA, q/k norms, tied
+
+
+def _adapter_state(hf_dir: Path, seed: int) -> dict[str, torch.Tensor]:
+    """Random adapters of the model's shape under peft's names (B not zero: the adapters change the model)."""
+    from tests.test_models_fixtures import read_json
+
+    c = read_json(hf_dir / "config.json")
+    hidden, heads, kv, head_dim, ffn = (c[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                                       "head_dim", "intermediate_size"))
+    sizes = {"q_proj": (heads * head_dim, hidden), "k_proj": (kv * head_dim, hidden),
+             "v_proj": (kv * head_dim, hidden), "o_proj": (hidden, heads * head_dim),
+             "gate_proj": (ffn, hidden), "up_proj": (ffn, hidden), "down_proj": (hidden, ffn)}
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for layer in range(c["num_hidden_layers"]):
+        for projection, (out, inp) in sizes.items():
+            module = "self_attn" if projection in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{module}.{projection}"
+            state[f"{prefix}.lora_A.weight"] = torch.randn(RANK, inp, generator=gen) * 0.2
+            state[f"{prefix}.lora_B.weight"] = torch.randn(out, RANK, generator=gen) * 0.2
+    return state
+
+
+@pytest.mark.parametrize("tp,sequence_parallel", [(1, False), (2, False), (2, True)])
+def test_adapters_equal_peft_on_the_transformers_model(hf_dir, tp, sequence_parallel):
+    state = _adapter_state(hf_dir, 3)
+    weights = torch.randn(*TOKENS.shape, VOCAB, generator=torch.Generator().manual_seed(4))
+    reference = _peft_reference(hf_dir, state, weights)
+    results = run_ranks(_lora_rank, tp, str(hf_dir), sequence_parallel, state, weights, timeout_s=300)
+    assert (reference["logits"] - reference["base"]).abs().max() > 1e-2  # the adapters change the model
+    for result in results:  # every TP rank gathers the same
+        assert (result["logits"] - reference["logits"]).abs().max() <= 1e-5
+        assert (result["base"] - reference["base"]).abs().max() <= 1e-5  # adapters off: the base model
+        assert result["base_grads"] == []  # the base is frozen
+        assert sorted(result["grads"]) == sorted(reference["grads"])
+        for name, grad in reference["grads"].items():
+            scale = float(grad.abs().max())
+            assert scale > 0 and (result["grads"][name] - grad).abs().max() <= 1e-5 * max(scale, 1.0), name
+
+
+def test_a_fresh_adapter_is_the_same_on_every_layout_and_changes_nothing(hf_dir):
+    """peft's initialisation: A kaiming-uniform (|A| <= 1 / sqrt(fan_in)), B zero, so the adapted model is the base
+    model; A is drawn from its global layer and projection, the same whole matrix at TP1 and TP2."""
+    weights = torch.ones(*TOKENS.shape, VOCAB)
+    one, two = (run_ranks(_lora_rank, tp, str(hf_dir), False, None, weights, timeout_s=300)[0] for tp in (1, 2))
+    assert sorted(one["initial"]) == sorted(two["initial"])
+    for name, tensor in one["initial"].items():
+        assert torch.equal(tensor, two["initial"][name]), name
+        if ".lora_B." in name:
+            assert not tensor.any()
+        else:
+            assert 0 < tensor.abs().max() <= 1 / tensor.shape[1] ** 0.5
+    assert torch.equal(one["logits"], one["base"])
+    a_names = [n for n in one["initial"] if ".lora_A." in n]
+    assert len({float(one["initial"][n].sum()) for n in a_names}) == len(a_names)  # each its own draw
