@@ -21,6 +21,9 @@ Why not peft's own `LoraParallelLinear` (peft/tuners/lora/tp_layer.py): it wraps
 layers (not TransformerEngine's, which the GPU path builds), adapts a fused layer as one projection (a shared A
 for q, k and v: not what peft does on the transformers model, so neither its gradients nor its export match),
 and tags no parameter for megatron's gradient handling (wrong gradients under sequence parallelism).
+
+Not yet (issue 44): TransformerEngine's fused norm + linear (its input comes before the norm, which the adapter
+must apply first), adapters on MoE experts (refused), the trainer's use of them.
 """
 from __future__ import annotations
 
