@@ -21,10 +21,14 @@ SLURM_PROGRAMS = ("slurmctld", "slurmd", "sbatch", "munged")
 PATH = "/usr/bin:/bin:/usr/sbin:/sbin"
 
 
+def _run(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess:
+    """A system program, found on PATH's sbin folders too (a test's own PATH may lack them)."""
+    return subprocess.run(argv, env={"PATH": PATH}, capture_output=True, **kwargs)  # type: ignore[call-overload]
+
+
 def _munge_works() -> bool:
-    encoded = subprocess.run(["munge", "-n"], capture_output=True)
-    return encoded.returncode == 0 and subprocess.run(["unmunge"], input=encoded.stdout,
-                                                      capture_output=True).returncode == 0
+    encoded = _run(["munge", "-n"])
+    return encoded.returncode == 0 and _run(["unmunge"], input=encoded.stdout).returncode == 0
 
 
 @contextlib.contextmanager
@@ -35,8 +39,8 @@ def _munged() -> Iterator[None]:
         return
     Path("/run/munge").mkdir(parents=True, exist_ok=True)
     if not Path("/etc/munge/munge.key").exists():
-        subprocess.run(["mungekey", "--create"], check=True, capture_output=True)
-    subprocess.run(["munged", "--force"], check=True, capture_output=True)  # as root: --force accepts that
+        _run(["mungekey", "--create"], check=True)
+    _run(["munged", "--force"], check=True)  # as root: --force accepts that
     try:
         for _ in range(50):
             if _munge_works():
@@ -44,12 +48,12 @@ def _munged() -> Iterator[None]:
             time.sleep(0.1)
         yield
     finally:
-        subprocess.run(["pkill", "-x", "munged"], capture_output=True)
+        _run(["pkill", "-x", "munged"])
 
 
 def _cgroup_plugin() -> str:
     """cgroup/v2 on a unified hierarchy, else v1 (slurmd's autodetect reads a tmpfs of v1 controllers as none)."""
-    kind = subprocess.run(["stat", "-fc", "%T", "/sys/fs/cgroup"], capture_output=True, text=True).stdout.strip()
+    kind = _run(["stat", "-fc", "%T", "/sys/fs/cgroup"], text=True).stdout.strip()
     return "cgroup/v2" if kind == "cgroup2fs" else "cgroup/v1"
 
 
