@@ -19,21 +19,32 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def _lora_rank(rank: int, world: int, hf_dir: str, sequence_parallel: bool, state: dict[str, torch.Tensor] | None,
-               weights: torch.Tensor) -> dict[str, Any]:
+               weights: torch.Tensor, export: str | None = None) -> dict[str, Any]:
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from hybridrl.models.bridge import build_gpt_model, load_weights
-    from hybridrl.models.lora import LoraSettings, adapters_disabled, add_lora, load_lora_state, lora_state
+    from hybridrl.models.lora import (
+        LoraSettings,
+        adapters_disabled,
+        add_lora,
+        load_lora_state,
+        lora_state,
+        save_peft_adapter,
+    )
     from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
 
     ctx = initialize_model_parallel(tp=world, device="cpu")
     try:
         model = build_gpt_model(hf_dir, config_overrides={"sequence_parallel": sequence_parallel})
         load_weights([model], hf_dir)
-        adapters = add_lora(model, LoraSettings(rank=RANK, alpha=ALPHA, seed=5))
+        settings = LoraSettings(rank=RANK, alpha=ALPHA, seed=5)
+        adapters = add_lora(model, settings)
         initial = lora_state(adapters)
         if state is not None:
             load_lora_state(adapters, state)
+        whole = lora_state(adapters)  # a collective: every TP rank gathers the split halves
+        if export is not None and rank == 0:
+            save_peft_adapter(whole, settings, export, base_model=hf_dir)
         positions = torch.arange(TOKENS.shape[1]).expand_as(TOKENS)
         with torch.no_grad(), adapters_disabled([model]):
             base = gather_from_tensor_model_parallel_region(model(TOKENS, positions, None))[..., :VOCAB]
@@ -93,11 +104,22 @@ def _adapter_state(hf_dir: Path, seed: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("tp,sequence_parallel", [(1, False), (2, False), (2, True)])
-def test_adapters_equal_peft_on_the_transformers_model(hf_dir, tp, sequence_parallel):
+def test_adapters_equal_peft_on_the_transformers_model(hf_dir, tmp_path, tp, sequence_parallel):
+    """...and the adapter folder the ranks export (`save_peft_adapter`), loaded by peft onto the transformers
+    model, gives the same logits."""
+    import peft
+    import transformers
+
     state = _adapter_state(hf_dir, 3)
     weights = torch.randn(*TOKENS.shape, VOCAB, generator=torch.Generator().manual_seed(4))
     reference = _peft_reference(hf_dir, state, weights)
-    results = run_ranks(_lora_rank, tp, str(hf_dir), sequence_parallel, state, weights, timeout_s=300)
+    exported = tmp_path / "adapter"
+    results = run_ranks(_lora_rank, tp, str(hf_dir), sequence_parallel, state, weights, str(exported),
+                        timeout_s=300)
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        loaded = peft.PeftModel.from_pretrained(base, exported)(TOKENS).logits
+    assert (loaded - results[0]["logits"]).abs().max() <= 1e-5
     assert (reference["logits"] - reference["base"]).abs().max() > 1e-2  # the adapters change the model
     for result in results:  # every TP rank gathers the same
         assert (result["logits"] - reference["logits"]).abs().max() <= 1e-5

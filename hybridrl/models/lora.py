@@ -31,6 +31,7 @@ import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -251,3 +252,26 @@ def adapters_disabled(models: Sequence[nn.Module]) -> Iterator[None]:
     finally:
         for adapter in adapters:
             adapter.enabled = True
+
+
+def save_peft_adapter(state: dict[str, torch.Tensor], settings: LoraSettings, folder: str | Path, *,
+                      base_model: str = "", force: bool = False) -> Path:
+    """A Hugging Face PEFT adapter folder (`adapter_config.json`, `adapter_model.safetensors`) from `lora_state`'s
+    whole tensors, which `peft.PeftModel.from_pretrained` loads onto the transformers model; written whole or not
+    at all (a staging folder renamed into place)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from hybridrl.persistence import atomic_dir
+
+    targets = sorted({name.split(".")[-3] for name in state})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+              "r": settings.rank, "lora_alpha": settings.alpha, "lora_dropout": settings.dropout,
+              "target_modules": targets, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+              "use_dora": False, "init_lora_weights": True, "inference_mode": True}
+    with atomic_dir(folder, force=force) as staging:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(staging / "adapter_model.safetensors"),
+                  metadata={"format": "pt"})
+        (staging / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return Path(folder)
