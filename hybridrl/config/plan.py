@@ -390,11 +390,6 @@ def build_plan(config: JobConfig, prior_issues: list[ConfigIssue] | tuple[Config
     return plan
 
 
-# the megatron section each role's layout comes from (the reference's is the actor's unless it has its own)
-ROLE_SECTIONS = {Role.ACTOR: "actor_rollout_ref.actor.megatron", Role.REF: "actor_rollout_ref.ref.megatron",
-                 Role.CRITIC: "critic.megatron", Role.REWARD_MODEL: "reward_model.megatron"}
-
-
 def megatron_refusals(plan: Plan) -> list[ConfigIssue]:
     """What megatron-core's TransformerConfig refuses of the roles that carry `override_transformer_config`
     settings (`config.megatron_verdict`), each role's config built as its workers build it."""
@@ -406,9 +401,7 @@ def megatron_refusals(plan: Plan) -> list[ConfigIssue]:
         if not mc.override_transformer_config:
             continue
         role = Role(layout.role)
-        section = ROLE_SECTIONS[role]
-        if role == Role.REF and config.actor_rollout_ref.ref.megatron is None:
-            section = ROLE_SECTIONS[Role.ACTOR]
+        section = role_megatron_field(config, role)  # the reference's is the actor's unless it has its own
         shape = role_model_shape(config, role, plan.model)
         model_section = {Role.CRITIC: config.critic.model}.get(role, config.actor_rollout_ref.model)
         fixed = role_transformer_settings(
