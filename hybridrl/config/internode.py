@@ -28,13 +28,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from hybridrl.config.estimates import embedding_params, stage_params
+from hybridrl.config.estimates import DTYPE_BYTES, embedding_params, stage_params
 from hybridrl.config.meshes import ReshardGroups, TrainingMesh
 from hybridrl.config.plan import Plan, role_model_shape
 from hybridrl.models.arch import ModelShape
 from hybridrl.names import TIMED_PHASES, Phase, Role
 
-DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 GRAD_BYTES = 4  # gradients reduce in fp32
 
 
@@ -116,10 +115,11 @@ def _pipeline_hops(role: RoleTraffic, node_of: Callable[[int], int]) -> list[tup
     return hops
 
 
-def _gradient_reduction(role: RoleTraffic, node_of: Callable[[int], int], out: list[float]) -> None:
-    """One optimizer step's gradient reduction over every DP group (and the tied embedding's at PP > 1)."""
+def _gradient_reduction(role: RoleTraffic, grads: Sequence[float], node_of: Callable[[int], int],
+                        out: list[float]) -> None:
+    """One optimizer step's gradient reduction over every DP group (and the tied embedding's at PP > 1); `grads`:
+    `_gradient_elements(role)`."""
     mesh = role.mesh
-    grads = _gradient_elements(role)
     param_bytes = DTYPE_BYTES[role.dtype]
     for stage in range(mesh.pp):
         per_rank = grads[stage] * GRAD_BYTES
@@ -137,14 +137,13 @@ def _gradient_reduction(role: RoleTraffic, node_of: Callable[[int], int], out: l
                     _ring(ends, embedding, node_of, out)
 
 
-def _sync(role: RoleTraffic, groups: ReshardGroups, received: Sequence[int], node_of: Callable[[int], int],
-          out: list[float]) -> None:
+def _sync(role: RoleTraffic, stages: Sequence[float], groups: ReshardGroups, received: Sequence[int],
+          node_of: Callable[[int], int], out: list[float]) -> None:
     """The weight sync between nodes. Rank r receives `received[r]` bytes (the plan's `reshard_traffic`), each part
     from the member of its micro-DP group that holds it (`reshard.reshard_plan`): with the plan's groups a member
     holding stage s gives a share proportional to stage s's parameters (its 1/TP of them at TP = k x infer TP,
     1/infer TP of them at infer TP = m x TP, of every tensor the same), so the part from other nodes is the share
-    of those members' stages."""
-    stages = _gradient_elements(role)
+    of those members' stages (`stages`: each stage's parameters, `_gradient_elements`)."""
     mesh = role.mesh
     for group in groups.micro_dp_groups:
         for rank in group:
@@ -180,13 +179,16 @@ def internode_traffic(roles: Sequence[RoleTraffic], *, per_node: int,
                 phase(name)[src] += per_token * role.tokens
         if role.phase_update is not None:
             out = phase(role.phase_update)
-            for _ in range(role.optimizer_steps):
-                _gradient_reduction(role, node_of, out)
+            grads = _gradient_elements(role)
+            one_step = [0.0] * nodes
+            _gradient_reduction(role, grads, node_of, one_step)
+            for node, sent in enumerate(one_step):  # the same reduction after every optimizer step
+                out[node] += sent * role.optimizer_steps
             for src, dst, per_token in hops:  # activations forward, their gradients back
                 out[src] += per_token * role.tokens * role.update_epochs
                 out[dst] += per_token * role.tokens * role.update_epochs
             if sync is not None and role.phase_update == Phase.UPDATE_ACTOR:
-                _sync(role, sync[0], sync[1], node_of, phase(Phase.SYNC))
+                _sync(role, grads, sync[0], sync[1], node_of, phase(Phase.SYNC))
     if cross_pool is not None:
         for rank in range(world):
             phase(Phase.SYNC)[node_of(rank)] += cross_pool[0]

@@ -85,9 +85,8 @@ class LoraLinear(nn.Module):
         self.projections = PROJECTIONS[module_name]
         self.groups = groups  # query groups on this rank (linear_qkv's interleaving)
         self.layer = layer  # the global (Hugging Face) layer index
-        self.rows = tuple(rows)  # each projection's output rows, whole
         group = base.tp_group
-        self.tp, tp_rank = group.size(), group.rank()
+        self.tp, self.tp_rank = group.size(), group.rank()
         self.sequence_parallel = bool(getattr(base, "sequence_parallel", False))
         expert = bool(getattr(base, "is_expert", False))
         generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + sum(map(ord, name)))
@@ -95,13 +94,12 @@ class LoraLinear(nn.Module):
         device = base.weight.device  # where the layer lives (its GPU); drawn on the host, the same on every layout
         self.lora_A = nn.ParameterList()
         self.lora_B = nn.ParameterList()
-        self.tp_rank = tp_rank
         for out_rows in rows:
             in_features = base.input_size
             full_a = _kaiming_rows((r, in_features), generator)
             if self.row_parallel:
                 per = in_features // self.tp
-                a = nn.Parameter(full_a[:, tp_rank * per:(tp_rank + 1) * per].contiguous().to(device))
+                a = nn.Parameter(full_a[:, self.tp_rank * per:(self.tp_rank + 1) * per].contiguous().to(device))
                 b = nn.Parameter(torch.zeros(out_rows, r).to(device))
                 _tag(a, split_dim=1, sequence_parallel=False, expert=expert)
                 _tag(b, split_dim=None, sequence_parallel=self.sequence_parallel, expert=expert)
@@ -202,9 +200,12 @@ def peft_name(layer: int, projection: str, half: str) -> str:
     return f"base_model.model.model.layers.{layer}.{PEFT_MODULE[projection]}.{projection}.{half}.weight"
 
 
-def _split_dims(adapter: LoraLinear) -> tuple[int | None, int | None]:
-    """The dimension along which A and B are split over TP (None: whole on every rank)."""
-    return (1, None) if adapter.row_parallel else (None, 0)
+def _halves(adapter: LoraLinear) -> Iterator[tuple[str, nn.Parameter, int | None]]:
+    """(peft's name, parameter, the dimension it is split along over TP or None) of each adapter half."""
+    dim_a, dim_b = (1, None) if adapter.row_parallel else (None, 0)
+    for projection, a, b in zip(adapter.projections, adapter.lora_A, adapter.lora_B, strict=True):
+        yield peft_name(adapter.layer, projection, "lora_A"), a, dim_a
+        yield peft_name(adapter.layer, projection, "lora_B"), b, dim_b
 
 
 def lora_state(adapters: Sequence[LoraLinear], *, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -214,14 +215,13 @@ def lora_state(adapters: Sequence[LoraLinear], *, grads: bool = False) -> dict[s
 
     out = {}
     for adapter in adapters:
-        for projection, a, b in zip(adapter.projections, adapter.lora_A, adapter.lora_B, strict=True):
-            for half, param, dim in (("lora_A", a, _split_dims(adapter)[0]), ("lora_B", b, _split_dims(adapter)[1])):
-                tensor = (param.grad if grads else param).detach()
-                if dim is not None and adapter.tp > 1:
-                    parts = [torch.empty_like(tensor) for _ in range(adapter.tp)]
-                    dist.all_gather(parts, tensor.contiguous(), group=adapter.base.tp_group)
-                    tensor = torch.cat(parts, dim=dim)
-                out[peft_name(adapter.layer, projection, half)] = tensor.cpu().clone()
+        for name, param, dim in _halves(adapter):
+            tensor = (param.grad if grads else param).detach()
+            if dim is not None and adapter.tp > 1:
+                parts = [torch.empty_like(tensor) for _ in range(adapter.tp)]
+                dist.all_gather(parts, tensor.contiguous(), group=adapter.base.tp_group)
+                tensor = torch.cat(parts, dim=dim)
+            out[name] = tensor.cpu().clone()
     return out
 
 
@@ -229,16 +229,15 @@ def lora_state(adapters: Sequence[LoraLinear], *, grads: bool = False) -> dict[s
 def load_lora_state(adapters: Sequence[LoraLinear], state: dict[str, torch.Tensor]) -> None:
     """Set every adapter half from whole tensors under peft's names (each rank takes its TP slice)."""
     for adapter in adapters:
-        for projection, a, b in zip(adapter.projections, adapter.lora_A, adapter.lora_B, strict=True):
-            for half, param, dim in (("lora_A", a, _split_dims(adapter)[0]), ("lora_B", b, _split_dims(adapter)[1])):
-                whole = state[peft_name(adapter.layer, projection, half)]
-                if dim is not None:
-                    size = param.shape[dim]
-                    whole = whole.narrow(dim, adapter.tp_rank * size, size)
-                if whole.shape != param.shape:
-                    raise ValueError(f"{peft_name(adapter.layer, projection, half)}: {tuple(whole.shape)} does not fit "
-                                     f"the adapter's {tuple(param.shape)} on TP rank {adapter.tp_rank}")
-                param.copy_(whole.to(param.device))
+        for name, param, dim in _halves(adapter):
+            whole = state[name]
+            if dim is not None:
+                size = param.shape[dim]
+                whole = whole.narrow(dim, adapter.tp_rank * size, size)
+            if whole.shape != param.shape:
+                raise ValueError(f"{name}: {tuple(whole.shape)} does not fit the adapter's {tuple(param.shape)} on "
+                                 f"TP rank {adapter.tp_rank}")
+            param.copy_(whole.to(param.device))
 
 
 @contextmanager

@@ -99,7 +99,7 @@ class RankReshardPlan:
     local_numel: int
     padding_numel: int  # zero rows of vLLM's vocab padding: written, never moved
     # the elements of its generation shard this rank does not hold (vocab padding and KV layout included):
-    # the least any plan can make it receive for that shard (`assignment_need_numel`)
+    # the least any plan can make it receive for that shard
     lower_bound_numel: int
     naive_numel: int  # gather-everything: the whole model minus what this rank holds
     extra: dict[str, int] = field(default_factory=dict)
@@ -278,18 +278,6 @@ def _overlap_numel(target: TensorPlan, own: dict[str, list[Holding]]) -> int:
 def _need_numel(targets: Iterable[TensorPlan], own: dict[str, list[Holding]]) -> int:
     """Elements of `targets` (a generation shard) that a rank holding `own` lacks, vocab padding aside."""
     return sum(t.numel - _overlap_numel(t, own) - t.padding_numel for t in targets)
-
-
-def assignment_need_numel(shape: ModelShape, mesh: TrainingMesh, infer_tp: int, rank: int, gen_tp_index: int, *,
-                          ep: int = 1, etp: int | None = None, use_tied_copy: bool = True) -> int:
-    """What `rank` must receive if it serves generation shard `gen_tp_index`: the shard's elements it does not
-    hold. Which rank serves which shard is the groups' choice (`ReshardGroups.gen_tp_index`); with uneven vocab
-    shards (vLLM pads the vocab, so the last shard has fewer real rows) ranks of one group would each prefer the
-    same shard, and the least traffic is a property of the whole assignment, not of one rank."""
-    coord = mesh.coord(rank)
-    holdings = megatron_holdings(shape, mesh, coord.dp, coord.cp, use_tied_copy, ep, etp)
-    own = {n: [h for h in hs if h.rank == rank] for n, hs in holdings.items()}
-    return _need_numel(vllm_targets(shape, infer_tp, gen_tp_index).values(), own)
 
 
 def _held_hf_numel(shape: ModelShape, own: dict[str, list[Holding]]) -> int:
