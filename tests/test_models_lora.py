@@ -146,3 +146,12 @@ def test_a_fresh_adapter_is_the_same_on_every_layout_and_changes_nothing(hf_dir)
     assert torch.equal(one["logits"], one["base"])
     a_names = [n for n in one["initial"] if ".lora_A." in n]
     assert len({float(one["initial"][n].sum()) for n in a_names}) == len(a_names)  # each its own draw
+
+
+def test_every_layer_draws_its_own_adapters():
+    """Names that are anagrams of each other (layers 12 and 21) get different seeds: a sum of character codes gave
+    them the same A."""
+    from hybridrl.models.lora import adapter_seed
+
+    names = [f"layers.{i}.{part}" for i in range(96) for part in ("self_attention.linear_qkv", "mlp.linear_fc1")]
+    assert len({adapter_seed(0, name) for name in names}) == len(names)

@@ -65,6 +65,13 @@ def _tag(param: nn.Parameter, *, split_dim: int | None, sequence_parallel: bool,
         param.allreduce = False  # megatron's DDP: reduced over the expert data-parallel group
 
 
+def adapter_seed(seed: int, name: str) -> int:
+    """The seed of one layer's adapters: its global name hashed (CRC-32), so no two layers share a draw."""
+    import zlib
+
+    return seed * 1_000_003 + zlib.crc32(name.encode())
+
+
 def _kaiming_rows(shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
     """peft's default for A (kaiming-uniform with a = sqrt(5)) on the full `[r, in]` matrix."""
     bound = 1.0 / math.sqrt(shape[1])  # kaiming_uniform_(a=sqrt(5)): gain sqrt(2 / 6) * sqrt(3 / fan_in)
@@ -89,7 +96,7 @@ class LoraLinear(nn.Module):
         self.tp, self.tp_rank = group.size(), group.rank()
         self.sequence_parallel = bool(getattr(base, "sequence_parallel", False))
         expert = bool(getattr(base, "is_expert", False))
-        generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + sum(map(ord, name)))
+        generator = torch.Generator().manual_seed(adapter_seed(settings.seed, name))
         r = settings.rank
         device = base.weight.device  # where the layer lives (its GPU); drawn on the host, the same on every layout
         self.lora_A = nn.ParameterList()
