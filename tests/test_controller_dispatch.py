@@ -1,8 +1,11 @@
 """Dispatch over a real 8-rank worker group (TP2 x PP2 x DP2, 0.25 CPU each) joined by gloo."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
+import ray
 import torch
 
 from hybridrl.controller.dispatch import (
@@ -221,12 +224,12 @@ def test_one_to_all_shares_bulky_arguments(ray_cluster):
     assert len({c.args[0] for c in calls}) == 1  # put once, shared by every rank
 
 
-def test_colocated_groups_share_a_two_node_pool(ray_cluster):
-    """2 'nodes' x 1 bundle (two placement groups, here on one machine), two groups colocated."""
+def test_colocated_groups_share_a_pool(ray_cluster):
+    """1 node x 2 bundles, two groups colocated: separate processes and process groups, rank r of each in bundle r."""
     from hybridrl.controller.resource_pool import ResourcePool, ResourcePoolError
     from hybridrl.controller.worker_group import WorkerGroup
 
-    pool = ResourcePool("colocated", nnodes=2, workers_per_node=1, cpus_per_worker=0.5, max_colocated_groups=2)
+    pool = ResourcePool("colocated", nnodes=1, workers_per_node=2, cpus_per_worker=0.5, max_colocated_groups=2)
     pool.start(timeout_s=60)
     try:
         actor = WorkerGroup(EchoWorker, pool, role="actor")
@@ -240,13 +243,11 @@ def test_colocated_groups_share_a_two_node_pool(ray_cluster):
         environments = actor.call_all(EchoWorker.environment) + critic.call_all(EchoWorker.environment)
         ports = {e["MASTER_PORT"] for e in environments}
         assert len(ports) == 2
-        # Rank r of both groups runs in node r's placement group, each actor taking half a bundle.
-        node_groups = [g.id.hex() for g in pool.placement_groups]
+        # Rank r of both groups runs in bundle r of the node's placement group, each actor taking half a bundle.
+        node_group = pool.placement_groups[0].id.hex()
         for group in (actor, critic):
-            assert group.call_all(EchoWorker.placement_info) == [(node_groups[0], {"CPU": 0.25}),
-                                                        (node_groups[1], {"CPU": 0.25})]
+            assert group.call_all(EchoWorker.placement_info) == [(node_group, {"CPU": 0.25})] * 2
             env = group.call_all(EchoWorker.environment)
-            # Both "nodes" landed on this one machine: local ranks count per physical node.
             assert [(e["RANK"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for e in env] == [
                 ("0", "0", "2"), ("1", "1", "2")]
         actor.shutdown()
@@ -254,6 +255,27 @@ def test_colocated_groups_share_a_two_node_pool(ray_cluster):
         assert pool.roles == []
     finally:
         pool.shutdown()
+
+
+def test_a_pools_nodes_are_different_machines(ray_cluster):
+    """Two node groups need two machines, even where one machine has room for both (this one has, at 0.25 CPU a
+    bundle): on this one-machine cluster the pool is refused, naming the rule, and leaves nothing reserved. (Ray
+    alone packed both onto one machine, so a `trainer.nnodes=2` job trained on one host; tests/test_multi_host.py
+    checks the placement on real hosts.)"""
+    from hybridrl.controller.resource_pool import ResourcePool, ResourcePoolError
+
+    free = ray.available_resources().get("CPU", 0.0)
+    assert free >= 0.5
+    pool = ResourcePool("two_machines", nnodes=2, workers_per_node=1, cpus_per_worker=0.25)
+    refused = r"1/2 node groups ready.*every node a different machine.*1 node\(s\) alive"
+    with pytest.raises(ResourcePoolError, match=refused):
+        pool.start(timeout_s=3)
+    assert not pool.started
+    deadline = time.monotonic() + 10
+    while ray.available_resources().get("CPU", 0.0) < free and time.monotonic() < deadline:
+        time.sleep(0.1)  # removing a placement group returns its resources asynchronously
+    # (more where an earlier test's pool is still being returned)
+    assert ray.available_resources().get("CPU", 0.0) >= free
 
 
 def test_init_ray_connects_to_an_existing_cluster_named_by_ray_address(ray_cluster):

@@ -299,23 +299,11 @@ def _wait_for_steps(metrics: Path, steps: int, process: subprocess.Popen, timeou
     raise AssertionError(f"no {steps} steps within {timeout_s} s")
 
 
-def _wait_for_restart_line(metrics: Path, process: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"train ended:\n{process.stdout.read()[-4000:]}")
-        if metrics.exists() and '"event": "restart"' in metrics.read_text():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"no restart within {timeout_s} s of the cut")
-
-
-@pytest.mark.parametrize("how", ["killed", "cut off"])
-def test_a_lost_host_is_named_and_the_run_resumes_once_it_is_back(demo_assets, tmp_path, ray_temp, how):
+def test_a_lost_host_is_named_and_the_run_resumes_once_it_is_back(demo_assets, tmp_path, ray_temp):
     """The second host lost in the middle of the run: every process on it killed (its Ray node and the rank it
-    held), or its link cut. The run notices within 30 s, names the host and the rank, and with
-    trainer.max_restarts=1 resumes from its last checkpoint once a Ray node on that host has joined again, then
-    finishes its steps."""
+    held). The run notices within 30 s, names the host and the rank, and with trainer.max_restarts=1 resumes from
+    its last checkpoint once a Ray node on that host has joined again, then finishes its steps. (A host whose link
+    is cut is the next test's.)"""
     run = tmp_path / "run"
     with Cluster(2) as cluster:
         head, other = cluster.hosts
@@ -329,13 +317,7 @@ def test_a_lost_host_is_named_and_the_run_resumes_once_it_is_back(demo_assets, t
         try:
             _wait_for_steps(run / "metrics.jsonl", 2, process)
             killed_at = time.time()
-            if how == "killed":
-                cluster.kill_processes(other.namespace)
-            else:
-                cluster.set_link(other, up=False)
-                _wait_for_restart_line(run / "metrics.jsonl", process, timeout_s=120)
-                cluster.kill_processes(other.namespace)  # what was cut off is gone for the cluster: start anew
-                cluster.set_link(other, up=True)
+            cluster.kill_processes(other.namespace)
             rejoined = cluster.run(other, ["bash", str(ROOT / "launch/ray_worker.sh"), address, "--num-cpus=4"],
                                    env=_env(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=180)
             assert rejoined.returncode == 0, rejoined.stderr[-2000:]
@@ -356,10 +338,11 @@ def test_a_lost_host_is_named_and_the_run_resumes_once_it_is_back(demo_assets, t
 
 
 def test_a_lost_host_that_does_not_come_back_stops_the_run_cleanly(demo_assets, tmp_path, ray_temp):
-    """The second host's processes all killed mid-run and the host never back: with trainer.max_restarts=1 the run
-    waits trainer.restart_wait_s for its resources, then stops with one account of both failures (no traceback),
-    every checkpoint it left complete and no partial one. One CPU per host and two ranks of half a CPU per node:
-    the head cannot take the lost host's ranks (as a full GPU node could not)."""
+    """The second host's link cut mid-run (its processes still running, unreachable: a network partition) and the
+    host never back: the run notices, names the host, and with trainer.max_restarts=1 waits
+    trainer.restart_wait_s for its resources, then stops with one account of both failures (no traceback), every
+    checkpoint it left complete and no partial one. Two ranks of half a CPU per node: a pool's nodes are
+    different machines, so the head cannot take the lost host's ranks."""
     from hybridrl.persistence import is_partial
     from hybridrl.trainer.checkpoints import is_complete
 
@@ -376,10 +359,10 @@ def test_a_lost_host_that_does_not_come_back_stops_the_run_cleanly(demo_assets, 
             stderr=subprocess.STDOUT, text=True)
         try:
             _wait_for_steps(run / "metrics.jsonl", 2, process)
-            killed_at = time.monotonic()
-            cluster.kill_processes(other.namespace)
+            cut_at, cut_clock = time.monotonic(), time.time()
+            cluster.set_link(other, up=False)
             output, _ = process.communicate(timeout=300)
-            stopped_after = time.monotonic() - killed_at
+            stopped_after = time.monotonic() - cut_at
         finally:
             if process.poll() is None:
                 process.kill()
@@ -391,7 +374,11 @@ def test_a_lost_host_that_does_not_come_back_stops_the_run_cleanly(demo_assets, 
     assert final and "restart 1 found no resources" in final[-1], output[-3000:]
     assert "1 node(s) alive" in final[-1] and "_group_" not in final[-1], final[-1]  # the head alone, readable
     assert f"on node {other.address}" in output, output[-3000:]  # the first failure, named in the account
-    assert 15 <= stopped_after <= 120, stopped_after  # the wait, not the process-group timeout
+    assert 15 <= stopped_after <= 150, stopped_after  # noticing the cut and the wait, not the process-group timeout
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (event,) = [r for r in records if r.get("event") == "restart"]
+    assert event["detected_at"] - cut_clock <= 30, event  # launch/ray_head.sh's health checks: ~20 s
+    print(f"cut-off host: noticed after {event['detected_at'] - cut_clock:.1f} s, stopped after {stopped_after:.0f} s")
     checkpoints = run / "ckpt" / "demo" / "cpu_tiny_grpo"
     saved = sorted(p for p in checkpoints.iterdir() if p.name.startswith("global_step_"))
     assert saved and all(is_complete(p) for p in saved), saved

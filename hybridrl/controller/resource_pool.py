@@ -1,9 +1,15 @@
 """Resource pools: placement groups reserving the slots that worker groups run in.
 
-A pool is `nnodes` placement groups (one per node, packed onto one machine) of
-`workers_per_node` bundles each: `{"GPU": 1, "CPU": c}` on GPU clusters, `{"CPU": c}` on CPU
+A pool is `nnodes` placement groups (one per node, packed onto one machine, each on a machine of
+its own) of `workers_per_node` bundles each: `{"GPU": 1, "CPU": c}` on GPU clusters, `{"CPU": c}` on CPU
 (Ray rejects empty bundles, so c > 0; fractions such as 0.25 let 8 ranks share 2 cores in tests).
 Global rank r lives in bundle r % workers_per_node of node r // workers_per_node.
+
+Distinct machines. `nnodes` means machines: the plan's traffic, the node-local ranks and the
+intra-node links all assume it. Ray alone would pack two node groups onto one machine whenever it
+has room for both (it did, on CPU hosts), so each node group is placed in turn with a label
+selector that excludes the machines the earlier ones took (greedy: Ray picks the machine, we only
+rule out the used ones).
 
 Colocation. Several roles' worker groups may share one pool: each group places one actor per
 bundle, and every actor takes 1/max_colocated_groups of its bundle, so the groups' rank r run on
@@ -17,7 +23,13 @@ import time
 from dataclasses import dataclass, field
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    NODE_ID_LABEL_KEY,
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 
 from hybridrl.parallel.device_policy import CPU, DevicePolicy
 
@@ -80,7 +92,7 @@ class ResourcePool:
         total = {k: v * self.world_size for k, v in self.bundle.items()}
         return (
             f"{self.nnodes} node(s) x {self.workers_per_node} bundles of {self.bundle} "
-            f"(each node's bundles on one machine; {total} in all)"
+            f"(each node's bundles on one machine, every node a different machine; {total} in all)"
         )
 
     def start(self, timeout_s: float = 60.0, poll_s: float = 1.0) -> ResourcePool:
@@ -91,30 +103,33 @@ class ResourcePool:
         """
         if self.started:
             return self
-        groups = [
-            placement_group([dict(self.bundle) for _ in range(self.workers_per_node)], strategy="STRICT_PACK")
-            for _ in range(self.nnodes)
-        ]
-        ready_refs = [g.ready() for g in groups]
+        groups: list[PlacementGroup] = []
+        machines: list[str] = []  # Ray node ids the node groups placed so far took
         deadline = time.monotonic() + timeout_s
-        while True:
-            ready, _ = ray.wait(ready_refs, num_returns=len(ready_refs),
-                                timeout=max(0.0, min(poll_s, deadline - time.monotonic())))
-            if len(ready) == len(ready_refs):
-                break
-            if time.monotonic() >= deadline:
-                for g in groups:
-                    remove_placement_group(g)
-                nodes = [n for n in ray.nodes() if n.get("Alive")]
-                alive = "; ".join(f"{n['NodeManagerAddress']} {_schedulable(n['Resources'])}" for n in nodes)
-                raise ResourcePoolError(
-                    f"resource pool {self.name!r} could not be placed within {timeout_s} s: "
-                    f"{len(ready)}/{len(groups)} node groups ready. Requested {self._describe_request()}. "
-                    f"Cluster total {_schedulable(ray.cluster_resources())}, free now "
-                    f"{_schedulable(ray.available_resources())}; {len(nodes)} node(s) alive: {alive}."
-                )
+        for _ in range(self.nnodes):
+            groups.append(self._place_node_group(machines))
+            while not ray.wait([groups[-1].ready()], timeout=max(0.0, min(poll_s, deadline - time.monotonic())))[0]:
+                if time.monotonic() >= deadline:
+                    for g in groups:
+                        remove_placement_group(g)
+                    raise ResourcePoolError(self._not_placed(timeout_s, len(groups) - 1))
+            machines.append(placement_group_table(groups[-1])["bundles_to_node_id"][0])
         self.placement_groups = groups
         return self
+
+    def _place_node_group(self, taken: list[str]) -> PlacementGroup:
+        """One node's bundles packed on one machine that is none of `taken`."""
+        bundles = [dict(self.bundle) for _ in range(self.workers_per_node)]
+        elsewhere = [{NODE_ID_LABEL_KEY: f"!in({','.join(taken)})"} for _ in bundles] if taken else None
+        return placement_group(bundles, strategy="STRICT_PACK", bundle_label_selector=elsewhere)
+
+    def _not_placed(self, timeout_s: float, ready: int) -> str:
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        alive = "; ".join(f"{n['NodeManagerAddress']} {_schedulable(n['Resources'])}" for n in nodes)
+        return (f"resource pool {self.name!r} could not be placed within {timeout_s} s: "
+                f"{ready}/{self.nnodes} node groups ready. Requested {self._describe_request()}. "
+                f"Cluster total {_schedulable(ray.cluster_resources())}, free now "
+                f"{_schedulable(ray.available_resources())}; {len(nodes)} node(s) alive: {alive}.")
 
     def reserve(self, role: str) -> ActorResources:
         """Admit one more colocated worker group; returns what each of its actors should request."""
