@@ -155,3 +155,98 @@ def test_every_layer_draws_its_own_adapters():
 
     names = [f"layers.{i}.{part}" for i in range(96) for part in ("self_attention.linear_qkv", "mlp.linear_fc1")]
     assert len({adapter_seed(0, name) for name in names}) == len(names)
+
+
+def _merged_sync_rank(rank: int, world: int, hf_dir: str, tp: int, pp: int, infer_tp: int,
+                      state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    from hybridrl.config.meshes import build_reshard_groups, build_training_mesh
+    from hybridrl.models.bridge import build_gpt_models, load_weights
+    from hybridrl.models.lora import LoraSettings, add_lora, load_lora_state, lora_adapters
+    from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
+    from hybridrl.reshard.resharder import Resharder
+
+    initialize_model_parallel(tp=tp, pp=pp, device="cpu")
+    try:
+        models = build_gpt_models(hf_dir)
+        load_weights(models, hf_dir)
+        for model in models:
+            add_lora(model, LoraSettings(rank=RANK, alpha=ALPHA))
+        adapters = lora_adapters(models)
+        load_lora_state(adapters, state)
+        groups = build_reshard_groups(build_training_mesh(world, tp, pp), infer_tp)
+        resharder = Resharder(models, groups)
+        first = resharder.reshard()
+        with torch.no_grad():  # what an optimizer step does: the adapters change in place
+            for adapter in adapters:
+                for b in adapter.lora_B:
+                    b.mul_(-1.0)
+        return {"first": first, "second": resharder.reshard(), "gen_tp_index": groups.gen_tp_index[rank]}
+    finally:
+        destroy_model_parallel()
+
+
+def _merged_hf_state(hf_dir: Path, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """peft's `merge_and_unload` of the adapters onto the transformers model: its weights under HF names."""
+    import peft
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(PROJECTIONS)))
+    peft.set_peft_model_state_dict(lora, state)
+    merged = lora.merge_and_unload().state_dict()
+    return {name: tensor for name, tensor in merged.items() if not (model.config.tie_word_embeddings
+                                                                      and name == "lm_head.weight")}
+
+
+@pytest.mark.parametrize("tp,pp,infer_tp", [(2, 1, 1), (1, 2, 2)])
+def test_a_sync_sends_the_weights_with_the_adapters_merged(hf_dir, tp, pp, infer_tp):
+    """The resharder reads an adapted layer's weight as W + (alpha / r) B A: every vLLM shard equals the shard of
+    peft's merge_and_unload on the transformers model (1e-6), and the next sync after the adapters changed in place
+    carries the change (the merged weight is not kept across syncs)."""
+    from hybridrl.reshard.layout import hf_to_vllm_shards
+    from tests.test_models_fixtures import read_json
+
+    state = _adapter_state(hf_dir, 8)
+    flipped = {name: -t if ".lora_B." in name else t for name, t in state.items()}
+    config = read_json(hf_dir / "config.json")
+    results = run_ranks(_merged_sync_rank, tp * pp, str(hf_dir), tp, pp, infer_tp, state, timeout_s=300)
+    merged, merged_after = _merged_hf_state(hf_dir, state), _merged_hf_state(hf_dir, flipped)
+    base = hf_to_vllm_shards(_merged_hf_state(hf_dir, {n: t * 0 for n, t in state.items()}), config, infer_tp, 0)
+    for result in results:
+        index = result["gen_tp_index"]
+        for key, hf_state in (("first", merged), ("second", merged_after)):
+            expected = hf_to_vllm_shards(hf_state, config, infer_tp, index)
+            assert list(result[key]) == list(expected)
+            for name, tensor in expected.items():
+                assert (result[key][name] - tensor).abs().max() <= 1e-6, (key, name)
+        changed = [n for n, t in result["first"].items() if n in base and not torch.equal(t, base[n])]
+        assert any("qkv_proj" in n for n in changed) and any("down_proj" in n for n in changed), changed
+
+
+def _reread_rank(rank: int, world: int, hf_dir: str) -> dict[str, torch.Tensor]:
+    from hybridrl.models.bridge import build_gpt_model, chunk_tensors, load_weights
+    from hybridrl.models.lora import LoraSettings, add_lora, merged_weights
+    from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
+
+    initialize_model_parallel(device="cpu")
+    try:
+        model = build_gpt_model(hf_dir)
+        load_weights([model], hf_dir)
+        (adapter, *_) = add_lora(model, LoraSettings(rank=RANK, alpha=ALPHA, modules=("linear_fc2",)))
+        name = "decoder.layers.0.mlp.linear_fc2.weight"
+        weights = merged_weights(model, chunk_tensors(model)[1])
+        base = weights[name].clone()  # B is zero: the base weight
+        with torch.no_grad():
+            adapter.lora_B[0].fill_(0.5)
+        after = weights[name].clone()  # the same tensor read again, after an in-place update
+        return {"base": base, "after": after, "expected": base + 0.5 * ALPHA / RANK * adapter.lora_A[0].sum(0)}
+    finally:
+        destroy_model_parallel()
+
+
+def test_a_merged_weight_read_again_after_an_update_is_recomputed(hf_dir):
+    """MergedWeights keeps the last merged weight for the pieces read after it; an in-place update of its adapters
+    (an optimizer step) makes the next read recompute it."""
+    (result,) = run_ranks(_reread_rank, 1, str(hf_dir), timeout_s=120)
+    assert (result["after"] - result["expected"]).abs().max() <= 1e-6
+    assert (result["after"] - result["base"]).abs().max() > 1e-2

@@ -52,6 +52,7 @@ from hybridrl.models.layout import (
     rank_file_fields,
     rank_file_name,
 )
+from hybridrl.models.lora import ADAPTER_ATTR
 from hybridrl.parallel.cpu_attention import install_cpu_packed_rope, with_cpu_packed_attention
 from hybridrl.parallel.cpu_layer import CPU_CONFIG_OVERRIDES
 from hybridrl.parallel.cpu_norm import with_sequence_parallel_norms
@@ -376,11 +377,13 @@ def _in_moe_layer(local_name: str, info: ChunkInfo) -> bool:
 
 
 def model_tensors(model: Any) -> dict[str, torch.Tensor]:
-    """Parameters (and persistent non-extra-state buffers) by state_dict name."""
+    """Parameters (and persistent non-extra-state buffers) by state_dict name: the model's own, without LoRA
+    adapters (`hybridrl.models.lora`), which sit beside the layers they adapt."""
     # `_extra_state` entries are TE/fp8 bookkeeping (None on the local spec), not weights.
+    adapters = f".{ADAPTER_ATTR}."
     return {
         k: v for k, v in model.state_dict(keep_vars=True).items()
-        if v is not None and not k.endswith("_extra_state")
+        if v is not None and not k.endswith("_extra_state") and adapters not in k
     }
 
 

@@ -22,13 +22,16 @@ layers (not TransformerEngine's, which the GPU path builds), adapts a fused laye
 for q, k and v: not what peft does on the transformers model, so neither its gradients nor its export match),
 and tags no parameter for megatron's gradient handling (wrong gradients under sequence parallelism).
 
+A weight sync merges: the resharder reads an adapted layer's weight as W + scaling * B A (`MergedWeights`), so
+vLLM serves the adapted model as plain weights through the usual resharding and proofs.
+
 Not yet (issue 44): TransformerEngine's fused norm + linear (its input comes before the norm, which the adapter
 must apply first), adapters on MoE experts (refused), the trainer's use of them.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,13 +81,19 @@ def _kaiming_rows(shape: tuple[int, int], generator: torch.Generator) -> torch.T
     return torch.empty(shape).uniform_(-bound, bound, generator=generator)
 
 
-class LoraLinear(nn.Module):
-    """A frozen megatron linear layer (`base`) and the LoRA adapters of its Hugging Face projections."""
+ADAPTER_ATTR = "lora"  # the base layer's child that holds its adapters: `...linear_qkv.lora.lora_A.0`
+
+
+class LoraAdapter(nn.Module):
+    """The LoRA adapters of one frozen megatron linear layer (one per Hugging Face projection it holds).
+
+    Attached to the layer as its `lora` child, with a forward hook that adds their output to the layer's: the
+    layer and its parameters keep their names, so everything that reads the model by name (the weight table,
+    the resharder, checkpoints, the HF export) sees the base model; the adapters are parameters beside it."""
 
     def __init__(self, base: nn.Module, module_name: str, settings: LoraSettings, *, rows: Sequence[int],
                  groups: int = 1, name: str = "", layer: int = 0) -> None:
         super().__init__()
-        self.base = base
         self.module_name = module_name
         self.settings = settings
         self.enabled = True
@@ -92,8 +101,8 @@ class LoraLinear(nn.Module):
         self.projections = PROJECTIONS[module_name]
         self.groups = groups  # query groups on this rank (linear_qkv's interleaving)
         self.layer = layer  # the global (Hugging Face) layer index
-        group = base.tp_group
-        self.tp, self.tp_rank = group.size(), group.rank()
+        self.tp_group = base.tp_group
+        self.tp, self.tp_rank = self.tp_group.size(), self.tp_group.rank()
         self.sequence_parallel = bool(getattr(base, "sequence_parallel", False))
         expert = bool(getattr(base, "is_expert", False))
         generator = torch.Generator().manual_seed(adapter_seed(settings.seed, name))
@@ -117,19 +126,24 @@ class LoraLinear(nn.Module):
                 _tag(b, split_dim=0, sequence_parallel=False, expert=expert)
             self.lora_A.append(a)
             self.lora_B.append(b)
-        for param in base.parameters():
+        for param in base.parameters(recurse=False):
             param.requires_grad_(False)
 
-    def forward(self, x: torch.Tensor, *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out, bias = self.base(x, *args, **kwargs)
+    def attach(self, base: nn.Module) -> None:
+        setattr(base, ADAPTER_ATTR, self)
+        base.register_forward_hook(self._add_to_output)
+
+    def _add_to_output(self, _base: nn.Module, args: tuple[torch.Tensor, ...],
+                       output: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.enabled:
-            return out, bias
-        return out + self.delta(x).to(out.dtype), bias
+            return output
+        out, bias = output
+        return out + self.delta(args[0]).to(out.dtype), bias
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import mappings
 
-        group = self.base.tp_group
+        group = self.tp_group
         scaling = self.settings.scaling
         h = x.float()
         if self.settings.dropout:
@@ -154,15 +168,28 @@ class LoraLinear(nn.Module):
             if self.tp > 1 and not self.sequence_parallel:
                 low = mappings.copy_to_tensor_model_parallel_region(low, group=group)
             outs.append(F.linear(low, b) * scaling)
-        if self.module_name == "linear_qkv":  # megatron's per-group [q heads | k | v]
-            lead = outs[0].shape[:-1]
-            return torch.cat([o.reshape(*lead, self.groups, -1) for o in outs], dim=-1).reshape(*lead, -1)
-        return torch.cat(outs, dim=-1)
+        return self._fused(outs, dim=-1)
+
+    def _fused(self, parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+        """The projections' parts placed along `dim` as megatron's fused layer holds its output there."""
+        if self.module_name == "linear_qkv":  # per query group: [its q heads | k | v]
+            dim = dim % parts[0].dim()
+            lead, tail = parts[0].shape[:dim], parts[0].shape[dim + 1:]
+            grouped = [p.reshape(*lead, self.groups, -1, *tail) for p in parts]
+            return torch.cat(grouped, dim=dim + 1).reshape(*lead, -1, *tail)
+        return torch.cat(list(parts), dim=dim)
+
+    @torch.no_grad()
+    def weight_delta(self) -> torch.Tensor:
+        """scaling * B A as this rank's part of the base weight (fp32): what merging the adapters adds to it."""
+        products = [b.float() @ a.float() for a, b in zip(self.lora_A, self.lora_B)]
+        merged = products[0] if self.row_parallel else self._fused(products, dim=0)
+        return merged * self.settings.scaling
 
 
-def add_lora(model: nn.Module, settings: LoraSettings) -> list[LoraLinear]:
-    """Freeze a GPTModel chunk built by `models.bridge` and wrap its target layers in place; the wrappers, in layer
-    order.
+def add_lora(model: nn.Module, settings: LoraSettings) -> list[LoraAdapter]:
+    """Freeze a GPTModel chunk built by `models.bridge` and attach adapters to its target layers; the adapters, in
+    layer order.
     Each adapter's A is drawn from its global layer and projection (`settings.seed`), so any layout holds the same
     adapters. A mixture-of-experts model is refused: adapters on experts are not built yet."""
     from hybridrl.models.bridge import chunk_info
@@ -176,7 +203,7 @@ def add_lora(model: nn.Module, settings: LoraSettings) -> list[LoraLinear]:
             "linear_fc2": (shape.hidden_size,)}
     for param in model.parameters():  # the whole base is frozen: only the adapters train
         param.requires_grad_(False)
-    wrapped = []
+    attached = []
     for layer in model.decoder.layers:
         index = layer.layer_number - 1  # megatron numbers layers globally from 1
         for parent_name, leaf in (("self_attention", "linear_qkv"), ("self_attention", "linear_proj"),
@@ -186,15 +213,56 @@ def add_lora(model: nn.Module, settings: LoraSettings) -> list[LoraLinear]:
             parent = getattr(layer, parent_name)
             base = getattr(parent, leaf)
             groups = shape.num_kv_heads // base.tp_group.size() if leaf == "linear_qkv" else 1
-            adapter = LoraLinear(base, leaf, settings, rows=rows[leaf], groups=groups,
-                                 name=f"layers.{index}.{parent_name}.{leaf}", layer=index)
-            setattr(parent, leaf, adapter)
-            wrapped.append(adapter)
-    return wrapped
+            adapter = LoraAdapter(base, leaf, settings, rows=rows[leaf], groups=groups,
+                                  name=f"layers.{index}.{parent_name}.{leaf}", layer=index)
+            adapter.attach(base)
+            attached.append(adapter)
+    return attached
 
 
-def lora_adapters(models: Sequence[nn.Module]) -> list[LoraLinear]:
-    return [m for model in models for m in model.modules() if isinstance(m, LoraLinear)]
+def lora_adapters(models: Sequence[nn.Module]) -> list[LoraAdapter]:
+    return [m for model in models for m in model.modules() if isinstance(m, LoraAdapter)]
+
+
+class MergedWeights(Mapping[str, torch.Tensor]):
+    """A chunk's tensors by name (`bridge.chunk_tensors`) with each adapted layer's weight read as
+    W + scaling * B A, in W's dtype: what a merged sync sends, so that vLLM serves the adapted model as plain
+    weights. Computed when read, not kept: a sync reads one tensor's pieces one after another, so only the last
+    merged weight is cached (keyed by the version counters of it and its adapters, which an optimizer step moves)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], adapters: Mapping[str, LoraAdapter]) -> None:
+        self._tensors, self._adapters = tensors, adapters
+        self._last: tuple[tuple, torch.Tensor] | None = None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        adapter = self._adapters.get(name)
+        if adapter is None:
+            return self._tensors[name]
+        weight = self._tensors[name]
+        key = (name, weight._version, *(p._version for p in adapter.parameters()))
+        if self._last is None or self._last[0] != key:
+            merged = (weight.float() + adapter.weight_delta().to(weight.device)).to(weight.dtype)
+            self._last = (key, merged)
+        return self._last[1]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
+def merged_weights(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """`tensors` of an unwrapped chunk as `MergedWeights` when it has adapters; else `tensors` itself."""
+    adapters = {f"{name}.weight": module.get_submodule(ADAPTER_ATTR) for name, module in model.named_modules()
+                if isinstance(getattr(module, ADAPTER_ATTR, None), LoraAdapter)}
+    missing = sorted(set(adapters) - set(tensors))
+    if missing:
+        raise KeyError(f"adapted weights {missing[:3]} are not among the chunk's tensors")
+    return MergedWeights(tensors, adapters) if adapters else tensors
 
 
 # where peft keeps a projection's adapter on a Llama-like transformers model (`get_peft_model`), per layer
@@ -207,7 +275,7 @@ def peft_name(layer: int, projection: str, half: str) -> str:
     return f"base_model.model.model.layers.{layer}.{PEFT_MODULE[projection]}.{projection}.{half}.weight"
 
 
-def _halves(adapter: LoraLinear) -> Iterator[tuple[str, nn.Parameter, int | None]]:
+def _halves(adapter: LoraAdapter) -> Iterator[tuple[str, nn.Parameter, int | None]]:
     """(peft's name, parameter, the dimension it is split along over TP or None) of each adapter half."""
     dim_a, dim_b = (1, None) if adapter.row_parallel else (None, 0)
     for projection, a, b in zip(adapter.projections, adapter.lora_A, adapter.lora_B, strict=True):
@@ -215,7 +283,7 @@ def _halves(adapter: LoraLinear) -> Iterator[tuple[str, nn.Parameter, int | None
         yield peft_name(adapter.layer, projection, "lora_B"), b, dim_b
 
 
-def lora_state(adapters: Sequence[LoraLinear], *, grads: bool = False) -> dict[str, torch.Tensor]:
+def lora_state(adapters: Sequence[LoraAdapter], *, grads: bool = False) -> dict[str, torch.Tensor]:
     """Every adapter half (or its gradient), whole, under peft's names: split halves gathered over each layer's TP
     group (a collective: every TP rank calls it, each gets the whole)."""
     import torch.distributed as dist
@@ -226,14 +294,14 @@ def lora_state(adapters: Sequence[LoraLinear], *, grads: bool = False) -> dict[s
             tensor = (param.grad if grads else param).detach()
             if dim is not None and adapter.tp > 1:
                 parts = [torch.empty_like(tensor) for _ in range(adapter.tp)]
-                dist.all_gather(parts, tensor.contiguous(), group=adapter.base.tp_group)
+                dist.all_gather(parts, tensor.contiguous(), group=adapter.tp_group)
                 tensor = torch.cat(parts, dim=dim)
             out[name] = tensor.cpu().clone()
     return out
 
 
 @torch.no_grad()
-def load_lora_state(adapters: Sequence[LoraLinear], state: dict[str, torch.Tensor]) -> None:
+def load_lora_state(adapters: Sequence[LoraAdapter], state: dict[str, torch.Tensor]) -> None:
     """Set every adapter half from whole tensors under peft's names (each rank takes its TP slice)."""
     for adapter in adapters:
         for name, param, dim in _halves(adapter):

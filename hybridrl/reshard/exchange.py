@@ -13,7 +13,7 @@ lands; how messages travel is the `Transport`'s business:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -132,7 +132,7 @@ def stacked_slots(plan: RankReshardPlan) -> dict[str, list[str]]:
             if split_slot_name(names[0])[1] is not None}
 
 
-def exchange(plan: RankReshardPlan, sources: Sequence[dict[str, torch.Tensor]], transport: Transport, *,
+def exchange(plan: RankReshardPlan, sources: Sequence[Mapping[str, torch.Tensor]], transport: Transport, *,
              dtype: torch.dtype, device: torch.device, stats: ExchangeStats,
              checksums: bool = True, scratch: ScratchBuffers | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Run `plan` on this rank; yield `(vLLM name, tensor)` as each completes (new tensors, never views
@@ -184,7 +184,7 @@ def exchange(plan: RankReshardPlan, sources: Sequence[dict[str, torch.Tensor]], 
     stats.wall_seconds = time.perf_counter() - started
 
 
-def _source_view(sources: Sequence[dict[str, torch.Tensor]], piece: Piece) -> torch.Tensor:
+def _source_view(sources: Sequence[Mapping[str, torch.Tensor]], piece: Piece) -> torch.Tensor:
     tensor = sources[piece.chunk][piece.mcore_name]
     return tensor if piece.axis is None else tensor.narrow(piece.axis, piece.src_offset, piece.length)
 
@@ -193,7 +193,7 @@ def _target_view(output: torch.Tensor, piece: Piece) -> torch.Tensor:
     return output if piece.axis is None else output.narrow(piece.axis, piece.dst_offset, piece.length)
 
 
-def _sendable_as_is(sources: Sequence[dict[str, torch.Tensor]], pieces: Sequence[Piece],
+def _sendable_as_is(sources: Sequence[Mapping[str, torch.Tensor]], pieces: Sequence[Piece],
                     dtype: torch.dtype) -> torch.Tensor | None:
     """The one piece's source view as a flat tensor when it can be sent without a copy (rows of a
     row-major tensor in the transfer dtype), else None."""
@@ -208,7 +208,7 @@ def _piece_key(pieces: Sequence[Piece]) -> tuple:
     return tuple((p.chunk, p.mcore_name, p.axis, p.src_offset, p.length) for p in pieces)
 
 
-def _pack_into(buffer: torch.Tensor, sources: Sequence[dict[str, torch.Tensor]], pieces: Sequence[Piece]) -> None:
+def _pack_into(buffer: torch.Tensor, sources: Sequence[Mapping[str, torch.Tensor]], pieces: Sequence[Piece]) -> None:
     """The pieces in order into the contiguous 1-D `buffer`."""
     position = 0
     for piece in pieces:
@@ -216,7 +216,7 @@ def _pack_into(buffer: torch.Tensor, sources: Sequence[dict[str, torch.Tensor]],
         position += piece.numel
 
 
-def _run_bucket(bucket: RankBucket, sources: Sequence[dict[str, torch.Tensor]], outputs: dict[str, torch.Tensor],
+def _run_bucket(bucket: RankBucket, sources: Sequence[Mapping[str, torch.Tensor]], outputs: dict[str, torch.Tensor],
                 transport: Transport, dtype: torch.dtype, device: torch.device, element: int,
                 stats: ExchangeStats, scratch: ScratchBuffers | None = None) -> None:
     meter = stats.meter

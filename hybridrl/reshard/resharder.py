@@ -26,7 +26,7 @@ engine's lifecycle is not ours: we only produce tensors (and their checksums).
 """
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -36,6 +36,7 @@ import torch.distributed as dist
 from hybridrl.config.estimates import ReshardTraffic, reshard_traffic
 from hybridrl.config.meshes import ReshardGroups, TrainingMesh, build_training_mesh
 from hybridrl.models.bridge import chunk_info, chunk_tensors, unwrap_model
+from hybridrl.models.lora import merged_weights
 from hybridrl.parallel.state import get_context
 from hybridrl.reshard.exchange import ExchangeStats, ScratchBuffers, WorldTransport, exchange
 from hybridrl.reshard.reshard_plan import RankReshardPlan, build_rank_plan, model_rank_of
@@ -250,7 +251,7 @@ class TrainingSources:
     """What a training rank sends from: its chunks' tensors by local-spec megatron name (per chunk)."""
 
     shape: Any  # the model's ModelShape
-    tensors: list[dict[str, torch.Tensor]]
+    tensors: list[Mapping[str, torch.Tensor]]
     device: torch.device
     params_dtype: torch.dtype
     ep: int
@@ -270,7 +271,9 @@ def training_sources(models: Sequence[Any], mesh: TrainingMesh, rank: int) -> Tr
     # mcore name (local spec) -> tensor, per chunk; TE specs rename the fused norms (per layer: chunk_tensors).
     tensors = [{name: t.detach() for name, t in chunk_tensors(model)[1].items()} for model in chunks]
     first = next(iter(tensors[0].values()))
-    return TrainingSources(infos[0].source.shape, tensors, first.device, chunks[0].config.params_dtype,
+    # A LoRA actor's adapters are merged into the weights they adapt as these are read (`lora.merged_weights`).
+    merged = [merged_weights(model, chunk) for model, chunk in zip(chunks, tensors, strict=True)]
+    return TrainingSources(infos[0].source.shape, merged, first.device, chunks[0].config.params_dtype,
                            built.ep, built.etp)
 
 
