@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 import torch
 
+from hybridrl.models.lora_targets import PROJECTIONS as LAYER_PROJECTIONS
+from hybridrl.models.lora_targets import TARGETS
 from hybridrl.parallel.forked import run_ranks
 from tests.test_models_fixtures import VOCAB, make_hf_model, sample_tokens
 
@@ -19,7 +21,7 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def _lora_rank(rank: int, world: int, hf_dir: str, sequence_parallel: bool, state: dict[str, torch.Tensor] | None,
-               weights: torch.Tensor, export: str | None = None) -> dict[str, Any]:
+               weights: torch.Tensor, export: str | None = None, kind: str = "canonical_lora") -> dict[str, Any]:
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from hybridrl.models.bridge import build_gpt_model, load_weights
@@ -37,7 +39,7 @@ def _lora_rank(rank: int, world: int, hf_dir: str, sequence_parallel: bool, stat
     try:
         model = build_gpt_model(hf_dir, config_overrides={"sequence_parallel": sequence_parallel})
         load_weights([model], hf_dir)
-        settings = LoraSettings(rank=RANK, alpha=ALPHA, seed=5)
+        settings = LoraSettings(rank=RANK, alpha=ALPHA, kind=kind, targets=tuple(TARGETS[kind]), seed=5)
         adapters = add_lora(model, settings)
         initial = lora_state(adapters)
         if state is not None:
@@ -103,18 +105,51 @@ def _adapter_state(hf_dir: Path, seed: int) -> dict[str, torch.Tensor]:
     return state
 
 
-@pytest.mark.parametrize("tp,sequence_parallel", [(1, False), (2, False), (2, True)])
-def test_adapters_equal_peft_on_the_transformers_model(hf_dir, tmp_path, tp, sequence_parallel):
+def _shared_a(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with the projections of each megatron layer sharing the first one's A: a fused (type lora) adapter."""
+    shared = dict(state)
+    for name in state:
+        for projections in LAYER_PROJECTIONS.values():
+            for other in projections[1:]:
+                if f".{other}.lora_A." in name:
+                    shared[name] = state[name.replace(other, projections[0])]
+    return shared
+
+
+def _fused_grads(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """peft's gradients as a fused adapter gets them: one A for the layer's projections, so its gradient is their
+    A gradients' sum (each projection's name showing it); B's rows each their projection's."""
+    fused = dict(grads)
+    for name in grads:
+        for projections in LAYER_PROJECTIONS.values():
+            if ".lora_A." in name and f".{projections[0]}." in name:
+                total = sum(grads[name.replace(projections[0], p)] for p in projections)
+                for p in projections:
+                    fused[name.replace(projections[0], p)] = total
+    return fused
+
+
+CASES = [(1, False, "canonical_lora"), (2, False, "canonical_lora"), (2, True, "canonical_lora"), (1, False, "lora"),
+         (2, True, "lora")]
+
+
+@pytest.mark.parametrize("tp,sequence_parallel,kind", CASES)
+def test_adapters_equal_peft_on_the_transformers_model(hf_dir, tmp_path, tp, sequence_parallel, kind):
     """...and the adapter folder the ranks export (`save_peft_adapter`), loaded by peft onto the transformers
-    model, gives the same logits."""
+    model, gives the same logits. A fused adapter (type lora) is peft's with the layer's projections sharing one
+    A: the same logits, B's gradient rows, and A's gradient the sum of theirs."""
     import peft
     import transformers
 
     state = _adapter_state(hf_dir, 3)
+    if kind == "lora":
+        state = _shared_a(state)
     weights = torch.randn(*TOKENS.shape, VOCAB, generator=torch.Generator().manual_seed(4))
     reference = _peft_reference(hf_dir, state, weights)
+    if kind == "lora":
+        reference["grads"] = _fused_grads(reference["grads"])
     exported = tmp_path / "adapter"
-    results = run_ranks(_lora_rank, tp, str(hf_dir), sequence_parallel, state, weights, str(exported),
+    results = run_ranks(_lora_rank, tp, str(hf_dir), sequence_parallel, state, weights, str(exported), kind,
                         timeout_s=300)
     base = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
@@ -158,7 +193,7 @@ def test_every_layer_draws_its_own_adapters():
 
 
 def _merged_sync_rank(rank: int, world: int, hf_dir: str, tp: int, pp: int, infer_tp: int,
-                      state: dict[str, torch.Tensor]) -> dict[str, Any]:
+                      state: dict[str, torch.Tensor], kind: str) -> dict[str, Any]:
     from hybridrl.config.meshes import build_reshard_groups, build_training_mesh
     from hybridrl.models.bridge import build_gpt_models, load_weights
     from hybridrl.models.lora import LoraSettings, add_lora, load_lora_state, lora_adapters
@@ -170,7 +205,7 @@ def _merged_sync_rank(rank: int, world: int, hf_dir: str, tp: int, pp: int, infe
         models = build_gpt_models(hf_dir)
         load_weights(models, hf_dir)
         for model in models:
-            add_lora(model, LoraSettings(rank=RANK, alpha=ALPHA))
+            add_lora(model, LoraSettings(rank=RANK, alpha=ALPHA, kind=kind, targets=tuple(TARGETS[kind])))
         adapters = lora_adapters(models)
         load_lora_state(adapters, state)
         groups = build_reshard_groups(build_training_mesh(world, tp, pp), infer_tp)
@@ -198,8 +233,9 @@ def _merged_hf_state(hf_dir: Path, state: dict[str, torch.Tensor]) -> dict[str, 
                                                                       and name == "lm_head.weight")}
 
 
-@pytest.mark.parametrize("tp,pp,infer_tp", [(2, 1, 1), (1, 2, 2)])
-def test_a_sync_sends_the_weights_with_the_adapters_merged(hf_dir, tp, pp, infer_tp):
+@pytest.mark.parametrize("tp,pp,infer_tp,kind", [(2, 1, 1, "canonical_lora"), (1, 2, 2, "canonical_lora"),
+                                                 (2, 1, 2, "lora")])
+def test_a_sync_sends_the_weights_with_the_adapters_merged(hf_dir, tp, pp, infer_tp, kind):
     """The resharder reads an adapted layer's weight as W + (alpha / r) B A: every vLLM shard equals the shard of
     peft's merge_and_unload on the transformers model (1e-6), and the next sync after the adapters changed in place
     carries the change (the merged weight is not kept across syncs)."""
@@ -207,9 +243,11 @@ def test_a_sync_sends_the_weights_with_the_adapters_merged(hf_dir, tp, pp, infer
     from tests.test_models_fixtures import read_json
 
     state = _adapter_state(hf_dir, 8)
+    if kind == "lora":
+        state = _shared_a(state)
     flipped = {name: -t if ".lora_B." in name else t for name, t in state.items()}
     config = read_json(hf_dir / "config.json")
-    results = run_ranks(_merged_sync_rank, tp * pp, str(hf_dir), tp, pp, infer_tp, state, timeout_s=300)
+    results = run_ranks(_merged_sync_rank, tp * pp, str(hf_dir), tp, pp, infer_tp, state, kind, timeout_s=300)
     merged, merged_after = _merged_hf_state(hf_dir, state), _merged_hf_state(hf_dir, flipped)
     base = hf_to_vllm_shards(_merged_hf_state(hf_dir, {n: t * 0 for n, t in state.items()}), config, infer_tp, 0)
     for result in results:
@@ -232,7 +270,7 @@ def _reread_rank(rank: int, world: int, hf_dir: str) -> dict[str, torch.Tensor]:
     try:
         model = build_gpt_model(hf_dir)
         load_weights([model], hf_dir)
-        (adapter, *_) = add_lora(model, LoraSettings(rank=RANK, alpha=ALPHA, modules=("linear_fc2",)))
+        (adapter, *_) = add_lora(model, LoraSettings(rank=RANK, alpha=ALPHA, targets=("linear_fc2",)))
         name = "decoder.layers.0.mlp.linear_fc2.weight"
         weights = merged_weights(model, chunk_tensors(model)[1])
         base = weights[name].clone()  # B is zero: the base weight

@@ -1,15 +1,18 @@
-"""LoRA adapters on megatron-core's own linear layers, at any tensor-parallel layout (issue 44, first step).
+"""LoRA adapters on megatron-core's own linear layers, at any tensor-parallel layout (issue 44).
 
-An adapter adds `scaling * B(A(x))` (scaling = alpha / rank) to a frozen linear layer's output, one adapter per
-Hugging Face projection, as peft's LoRA places them on the transformers model: megatron's fused `linear_qkv`
-carries three (q_proj, k_proj, v_proj), its fused `linear_fc1` two (gate_proj, up_proj), `linear_proj`
-(o_proj) and `linear_fc2` (down_proj) one each. So an adapter here is a peft adapter exactly: the same
-parameters, the same gradients, a PEFT adapter folder on export.
+An adapter adds `scaling * B(A(x))` (scaling = alpha / rank) to a frozen linear layer's output. Two kinds, in
+verl's words (`lora_targets`): `canonical_lora`, one adapter per Hugging Face projection, as peft places them on
+the transformers model (megatron's fused `linear_qkv` carries three, q_proj, k_proj, v_proj; its fused
+`linear_fc1` two, gate_proj and up_proj; `linear_proj` (o_proj) and `linear_fc2` (down_proj) one each): the same
+parameters and gradients as peft's; and `lora` (verl's default), one adapter per megatron layer, whose A the
+layer's projections share: peft's with those A's equal (the same outputs; A's gradient the sum of theirs). Either
+exports as a PEFT adapter folder.
 
 Sharding, with the layer's own tensor-parallel group:
 - column-parallel layers (output split over TP): A `[r, in]` whole on every rank, B `[rows / TP, r]` the rank's
   rows of the projection (its query groups' q, k, v rows; its share of gate and up), its output placed where
-  megatron's fused output keeps that projection (q, k and v interleaved per query group);
+  megatron's fused output keeps that projection (q, k and v interleaved per query group; a fused adapter's B
+  holds the layer's rows in that order already);
 - row-parallel layers (input split): A `[r, in / TP]` the rank's input columns, B `[out, r]` whole; A's partial
   products are summed over TP (reduce-scattered along the sequence with sequence parallelism) before B.
 A half held whole on every rank either gets the same gradient on each (without sequence parallelism: the
@@ -26,7 +29,7 @@ A weight sync merges: the resharder reads an adapted layer's weight as W + scali
 vLLM serves the adapted model as plain weights through the usual resharding and proofs.
 
 Not yet (issue 44): TransformerEngine's fused norm + linear (its input comes before the norm, which the adapter
-must apply first), adapters on MoE experts (refused), the trainer's use of them.
+must apply first), adapters on MoE experts (refused), vLLM serving the adapters themselves.
 """
 from __future__ import annotations
 
@@ -40,23 +43,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# megatron's fused layers -> the Hugging Face projections they hold, in their output order
-PROJECTIONS = {"linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
-               "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
-ROW_PARALLEL = {"linear_proj", "linear_fc2"}
+from hybridrl.models.lora_targets import A_INIT_METHODS, PROJECTIONS, ROW_PARALLEL, adapted_projections
 
 
 @dataclass(frozen=True)
 class LoraSettings:
     rank: int
     alpha: float
-    modules: tuple[str, ...] = tuple(PROJECTIONS)  # megatron module names
-    dropout: float = 0.0
+    kind: str = "lora"  # `lora_targets.LORA_TYPES`: one adapter per megatron layer, or per HF projection
+    targets: tuple[str, ...] = tuple(PROJECTIONS)  # the kind's target names (`lora_targets.TARGETS`)
+    dropout: float = 0.0  # on the adapter's input (verl's dropout_position "pre")
+    a_init: str = "kaiming"  # `lora_targets.A_INIT_METHODS`
     seed: int = 0  # A's initialisation: the same full matrix on every layout
 
     @property
     def scaling(self) -> float:
         return self.alpha / self.rank
+
+    @property
+    def projections(self) -> frozenset[str]:
+        return adapted_projections(self.kind, self.targets)
 
 
 def _tag(param: nn.Parameter, *, split_dim: int | None, sequence_parallel: bool, expert: bool) -> None:
@@ -75,9 +81,16 @@ def adapter_seed(seed: int, name: str) -> int:
     return seed * 1_000_003 + zlib.crc32(name.encode())
 
 
-def _kaiming_rows(shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
-    """peft's default for A (kaiming-uniform with a = sqrt(5)) on the full `[r, in]` matrix."""
-    bound = 1.0 / math.sqrt(shape[1])  # kaiming_uniform_(a=sqrt(5)): gain sqrt(2 / 6) * sqrt(3 / fan_in)
+def _initial_a(shape: tuple[int, int], method: str, generator: torch.Generator) -> torch.Tensor:
+    """A's first values on the full `[r, in]` matrix: Megatron-Bridge's `kaiming` (kaiming_uniform_ with
+    a = sqrt(5), also peft's default) or `xavier` (xavier_uniform_)."""
+    rank, fan_in = shape
+    if method == "kaiming":
+        bound = 1.0 / math.sqrt(fan_in)  # gain sqrt(2 / 6) * sqrt(3 / fan_in)
+    elif method == "xavier":
+        bound = math.sqrt(6.0 / (fan_in + rank))
+    else:
+        raise ValueError(f"lora_A_init_method={method!r}; expected one of {A_INIT_METHODS}")
     return torch.empty(shape).uniform_(-bound, bound, generator=generator)
 
 
@@ -85,7 +98,8 @@ ADAPTER_ATTR = "lora"  # the base layer's child that holds its adapters: `...lin
 
 
 class LoraAdapter(nn.Module):
-    """The LoRA adapters of one frozen megatron linear layer (one per Hugging Face projection it holds).
+    """The LoRA adapters of one frozen megatron linear layer: one (`lora`) or one per adapted Hugging Face
+    projection it holds (`canonical_lora`); each is a "part" here, `parts[i]` the projections adapter i covers.
 
     Attached to the layer as its `lora` child, with a forward hook that adds their output to the layer's: the
     layer and its parameters keep their names, so everything that reads the model by name (the weight table,
@@ -104,15 +118,25 @@ class LoraAdapter(nn.Module):
         self.tp_group = base.tp_group
         self.tp, self.tp_rank = self.tp_group.size(), self.tp_group.rank()
         self.sequence_parallel = bool(getattr(base, "sequence_parallel", False))
+        # each projection's output rows on this rank (a column-parallel layer's are split over TP)
+        self.local_rows = {p: n if self.row_parallel else n // self.tp for p, n in zip(self.projections, rows)}
+        adapted = [p for p in self.projections if p in settings.projections]
+        fused = settings.kind == "lora"
+        self.parts: tuple[tuple[str, ...], ...] = (tuple(adapted),) if fused and adapted else tuple(
+            (p,) for p in adapted)
         expert = bool(getattr(base, "is_expert", False))
         generator = torch.Generator().manual_seed(adapter_seed(settings.seed, name))
         r = settings.rank
         device = base.weight.device  # where the layer lives (its GPU); drawn on the host, the same on every layout
+        in_features = base.input_size
+        # canonical: one draw per projection of the layer in order, adapted or not (the same A whatever the targets)
+        draws = {p: _initial_a((r, in_features), settings.a_init, generator) for p in
+                 (self.projections if not fused else self.projections[:1])}
         self.lora_A = nn.ParameterList()
         self.lora_B = nn.ParameterList()
-        for out_rows in rows:
-            in_features = base.input_size
-            full_a = _kaiming_rows((r, in_features), generator)
+        for part in self.parts:
+            full_a = draws[part[0]] if not fused else draws[self.projections[0]]
+            out_rows = sum(self.local_rows[p] for p in part)
             if self.row_parallel:
                 per = in_features // self.tp
                 a = nn.Parameter(full_a[:, self.tp_rank * per:(self.tp_rank + 1) * per].contiguous().to(device))
@@ -121,7 +145,7 @@ class LoraAdapter(nn.Module):
                 _tag(b, split_dim=None, sequence_parallel=self.sequence_parallel, expert=expert)
             else:
                 a = nn.Parameter(full_a.to(device))
-                b = nn.Parameter(torch.zeros(out_rows // self.tp, r).to(device))
+                b = nn.Parameter(torch.zeros(out_rows, r).to(device))
                 _tag(a, split_dim=None, sequence_parallel=self.sequence_parallel, expert=expert)
                 _tag(b, split_dim=0, sequence_parallel=False, expert=expert)
             self.lora_A.append(a)
@@ -135,7 +159,7 @@ class LoraAdapter(nn.Module):
 
     def _add_to_output(self, _base: nn.Module, args: tuple[torch.Tensor, ...],
                        output: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if not self.enabled:
+        if not self.enabled or not self.parts:
             return output
         out, bias = output
         return out + self.delta(args[0]).to(out.dtype), bias
@@ -148,27 +172,42 @@ class LoraAdapter(nn.Module):
         h = x.float()
         if self.settings.dropout:
             h = F.dropout(h, self.settings.dropout, self.training)
-        if self.row_parallel:  # x: this rank's input columns
-            outs = []
-            for a, b in zip(self.lora_A, self.lora_B):
-                partial = F.linear(h, a)
-                if self.tp > 1 and self.sequence_parallel:
-                    summed = mappings.reduce_scatter_to_sequence_parallel_region(partial, group=group)
-                elif self.tp > 1:
-                    summed = mappings.reduce_from_tensor_model_parallel_region(partial, group=group)
-                else:
-                    summed = partial
-                outs.append(F.linear(summed, b) * scaling)
-            return outs[0]
+        if self.row_parallel:  # x: this rank's input columns; one projection
+            (a,), (b,) = self.lora_A, self.lora_B
+            partial = F.linear(h, a)
+            if self.tp > 1 and self.sequence_parallel:
+                summed = mappings.reduce_scatter_to_sequence_parallel_region(partial, group=group)
+            elif self.tp > 1:
+                summed = mappings.reduce_from_tensor_model_parallel_region(partial, group=group)
+            else:
+                summed = partial
+            return F.linear(summed, b) * scaling
         if self.tp > 1 and self.sequence_parallel:
             h = mappings.gather_from_sequence_parallel_region(h, group=group)
-        outs = []
-        for a, b in zip(self.lora_A, self.lora_B):
+        outs = {}
+        for part, a, b in zip(self.parts, self.lora_A, self.lora_B):
             low = F.linear(h, a)
             if self.tp > 1 and not self.sequence_parallel:
                 low = mappings.copy_to_tensor_model_parallel_region(low, group=group)
-            outs.append(F.linear(low, b) * scaling)
-        return self._fused(outs, dim=-1)
+            outs[part] = F.linear(low, b) * scaling
+        return self._layer_rows(outs, dim=-1)
+
+    def _layer_rows(self, by_part: dict[tuple[str, ...], torch.Tensor], dim: int) -> torch.Tensor:
+        """The parts' rows (along `dim`) placed as the layer holds its output on this rank; zeros for a projection
+        no part adapts. A fused part is already in the layer's order."""
+        if len(self.parts) == 1 and self.parts[0] == self.projections:
+            return by_part[self.parts[0]]
+        per_projection = {part[0]: t for part, t in by_part.items()}
+        sample = next(iter(by_part.values()))
+        parts = []
+        for p in self.projections:
+            if p in per_projection:
+                parts.append(per_projection[p])
+            else:
+                shape = list(sample.shape)
+                shape[dim] = self.local_rows[p]
+                parts.append(sample.new_zeros(shape))
+        return self._fused(parts, dim)
 
     def _fused(self, parts: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
         """The projections' parts placed along `dim` as megatron's fused layer holds its output there."""
@@ -179,12 +218,22 @@ class LoraAdapter(nn.Module):
             return torch.cat(grouped, dim=dim + 1).reshape(*lead, -1, *tail)
         return torch.cat(list(parts), dim=dim)
 
+    def _split_rows(self, part: tuple[str, ...], tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A part's B (rows in the layer's order) as each projection's rows: `_fused` undone."""
+        if len(part) == 1:
+            return {part[0]: tensor}
+        sizes = [self.local_rows[p] for p in part]
+        if self.module_name == "linear_qkv":
+            grouped = tensor.reshape(self.groups, -1, *tensor.shape[1:])
+            pieces = grouped.split([s // self.groups for s in sizes], dim=1)
+            return {p: piece.reshape(-1, *tensor.shape[1:]) for p, piece in zip(part, pieces)}
+        return dict(zip(part, tensor.split(sizes, dim=0)))
+
     @torch.no_grad()
     def weight_delta(self) -> torch.Tensor:
         """scaling * B A as this rank's part of the base weight (fp32): what merging the adapters adds to it."""
-        products = [b.float() @ a.float() for a, b in zip(self.lora_A, self.lora_B)]
-        merged = products[0] if self.row_parallel else self._fused(products, dim=0)
-        return merged * self.settings.scaling
+        products = {part: b.float() @ a.float() for part, a, b in zip(self.parts, self.lora_A, self.lora_B)}
+        return self._layer_rows(products, dim=0) * self.settings.scaling
 
 
 def add_lora(model: nn.Module, settings: LoraSettings) -> list[LoraAdapter]:
@@ -208,7 +257,7 @@ def add_lora(model: nn.Module, settings: LoraSettings) -> list[LoraAdapter]:
         index = layer.layer_number - 1  # megatron numbers layers globally from 1
         for parent_name, leaf in (("self_attention", "linear_qkv"), ("self_attention", "linear_proj"),
                                   ("mlp", "linear_fc1"), ("mlp", "linear_fc2")):
-            if leaf not in settings.modules:
+            if not settings.projections & set(PROJECTIONS[leaf]):
                 continue
             parent = getattr(layer, parent_name)
             base = getattr(parent, leaf)
@@ -275,12 +324,16 @@ def peft_name(layer: int, projection: str, half: str) -> str:
     return f"base_model.model.model.layers.{layer}.{PEFT_MODULE[projection]}.{projection}.{half}.weight"
 
 
-def _halves(adapter: LoraAdapter) -> Iterator[tuple[str, nn.Parameter, int | None]]:
-    """(peft's name, parameter, the dimension it is split along over TP or None) of each adapter half."""
+def _halves(adapter: LoraAdapter, grads: bool = False) -> Iterator[tuple[str, torch.Tensor, int | None]]:
+    """(peft's name, this rank's tensor, the dimension it is split along over TP or None) of each projection's
+    adapter halves (their gradients with `grads`). A fused adapter gives each of its projections its A and that
+    projection's rows of B."""
     dim_a, dim_b = (1, None) if adapter.row_parallel else (None, 0)
-    for projection, a, b in zip(adapter.projections, adapter.lora_A, adapter.lora_B, strict=True):
-        yield peft_name(adapter.layer, projection, "lora_A"), a, dim_a
-        yield peft_name(adapter.layer, projection, "lora_B"), b, dim_b
+    for part, a, b in zip(adapter.parts, adapter.lora_A, adapter.lora_B, strict=True):
+        a, b = (a.grad, b.grad) if grads else (a, b)
+        for projection, rows in adapter._split_rows(part, b.detach()).items():
+            yield peft_name(adapter.layer, projection, "lora_A"), a.detach(), dim_a
+            yield peft_name(adapter.layer, projection, "lora_B"), rows, dim_b
 
 
 def lora_state(adapters: Sequence[LoraAdapter], *, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -290,8 +343,7 @@ def lora_state(adapters: Sequence[LoraAdapter], *, grads: bool = False) -> dict[
 
     out = {}
     for adapter in adapters:
-        for name, param, dim in _halves(adapter):
-            tensor = (param.grad if grads else param).detach()
+        for name, tensor, dim in _halves(adapter, grads):
             if dim is not None and adapter.tp > 1:
                 parts = [torch.empty_like(tensor) for _ in range(adapter.tp)]
                 dist.all_gather(parts, tensor.contiguous(), group=adapter.tp_group)
@@ -302,17 +354,33 @@ def lora_state(adapters: Sequence[LoraAdapter], *, grads: bool = False) -> dict[
 
 @torch.no_grad()
 def load_lora_state(adapters: Sequence[LoraAdapter], state: dict[str, torch.Tensor]) -> None:
-    """Set every adapter half from whole tensors under peft's names (each rank takes its TP slice)."""
+    """Set every adapter half from whole tensors under peft's names (each rank takes its TP slice). A fused adapter
+    needs its projections' A to be one matrix (as it exports them)."""
     for adapter in adapters:
-        for name, param, dim in _halves(adapter):
-            whole = state[name]
-            if dim is not None:
-                size = param.shape[dim]
-                whole = whole.narrow(dim, adapter.tp_rank * size, size)
-            if whole.shape != param.shape:
-                raise ValueError(f"{name}: {tuple(whole.shape)} does not fit the adapter's {tuple(param.shape)} on "
-                                 f"TP rank {adapter.tp_rank}")
-            param.copy_(whole.to(param.device))
+        for part, a, b in zip(adapter.parts, adapter.lora_A, adapter.lora_B, strict=True):
+            names_a = [peft_name(adapter.layer, p, "lora_A") for p in part]
+            missing = [n for p in part for n in (peft_name(adapter.layer, p, "lora_A"),
+                                                 peft_name(adapter.layer, p, "lora_B")) if n not in state]
+            if missing:
+                raise KeyError(f"the adapter state lacks {missing[:2]} (its targets differ from this model's)")
+            whole_a = state[names_a[0]]
+            if any(not torch.equal(state[n], whole_a) for n in names_a[1:]):
+                raise ValueError(f"{names_a}: one fused adapter (type lora) holds one A for {list(part)}, but these "
+                                 "differ: the state was trained with an A per projection (type canonical_lora)")
+            if adapter.row_parallel:
+                whole_a = whole_a.narrow(1, adapter.tp_rank * a.shape[1], a.shape[1])
+            rows = {}
+            for p in part:
+                whole_b = state[peft_name(adapter.layer, p, "lora_B")]
+                size = adapter.local_rows[p]
+                rows[p] = whole_b if adapter.row_parallel else whole_b.narrow(0, adapter.tp_rank * size, size)
+            local_b = rows[part[0]] if len(part) == 1 else adapter._fused([rows[p] for p in part], dim=0)
+            for name, whole, param in ((names_a[0], whole_a, a), (peft_name(adapter.layer, part[0], "lora_B"),
+                                                                  local_b, b)):
+                if whole.shape != param.shape:
+                    raise ValueError(f"{name}: {tuple(whole.shape)} does not fit the adapter's {tuple(param.shape)} "
+                                     f"on TP rank {adapter.tp_rank}")
+                param.copy_(whole.to(param.device))
 
 
 @contextmanager

@@ -1,0 +1,31 @@
+"""What a LoRA adapter can be put on, in verl's (Megatron-Bridge's) words; torch-free, so the config reads it too.
+
+Two kinds of adapter (verl's `actor_rollout_ref.model.lora.type`):
+- `lora`: one adapter per megatron layer. The fused `linear_qkv` gets one A and one B whose rows are the
+  layer's (q, k and v of every query group), `linear_fc1` one for gate and up together. Exported to PEFT as one
+  adapter per Hugging Face projection sharing that A (exact: each projection's rows of B A).
+- `canonical_lora`: one adapter per Hugging Face projection (q, k, v, gate and up each their own A), as peft puts
+  them on the transformers model.
+"""
+from __future__ import annotations
+
+# megatron's layers -> the Hugging Face projections they hold, in their output order
+PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
+    "linear_fc1": ("gate_proj", "up_proj"), "linear_fc2": ("down_proj",)}
+ROW_PARALLEL = frozenset({"linear_proj", "linear_fc2"})
+
+# type -> its target names -> the Hugging Face projections each one adapts
+TARGETS: dict[str, dict[str, tuple[str, ...]]] = {
+    "lora": dict(PROJECTIONS),
+    "canonical_lora": {"linear_q": ("q_proj",), "linear_k": ("k_proj",), "linear_v": ("v_proj",),
+                       "linear_proj": ("o_proj",), "linear_fc1_gate": ("gate_proj",),
+                       "linear_fc1_up": ("up_proj",), "linear_fc2": ("down_proj",)},
+}
+LORA_TYPES = tuple(TARGETS)
+A_INIT_METHODS = ("xavier", "kaiming")  # Megatron-Bridge's: xavier_uniform_, kaiming_uniform_(a=sqrt(5))
+
+
+def adapted_projections(kind: str, targets: tuple[str, ...]) -> frozenset[str]:
+    """The Hugging Face projections the targets of a `kind` adapt."""
+    return frozenset(p for target in targets for p in TARGETS[kind][target])
