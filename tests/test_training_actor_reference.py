@@ -103,14 +103,16 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.T
 
 
 def response_log_softmax(hf_dir: Path, batch: Any, dtype: torch.dtype = torch.float32,
-                         attention: str = "eager") -> tuple[Any, torch.Tensor]:
-    """The transformers model and its tempered log-softmax `[B, R, V]` at each response position.
+                         attention: str = "eager", model: Any = None) -> tuple[Any, torch.Tensor]:
+    """The transformers model (`model`, else loaded from `hf_dir`) and its tempered log-softmax `[B, R, V]` at each
+    response position.
 
     (In float64, eager attention turns fully masked padding rows into NaN: use "sdpa" there.)
     """
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, attn_implementation=attention)
+    if model is None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, attn_implementation=attention)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                    position_ids=batch["position_ids"]).logits
     width = batch["input_ids"].shape[1]
@@ -118,9 +120,10 @@ def response_log_softmax(hf_dir: Path, batch: Any, dtype: torch.dtype = torch.fl
 
 
 def reference_step(hf_dir: Path, batch: Any, case: Case, dtype: torch.dtype = torch.float32,
-                   attention: str = "eager") -> dict[str, Any]:
-    """Loss terms, metrics and per-tensor gradients of one PPO step, from transformers' forward."""
-    model, log_softmax = response_log_softmax(hf_dir, batch, dtype, attention)
+                   attention: str = "eager", model: Any = None) -> dict[str, Any]:
+    """Loss terms, metrics and per-tensor gradients of one PPO step, from transformers' forward (of `model`, e.g. a
+    peft model, else loaded from `hf_dir`); the gradients of the parameters that get one."""
+    model, log_softmax = response_log_softmax(hf_dir, batch, dtype, attention, model)
     log_prob = log_softmax.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
     entropy = -(log_softmax.exp() * log_softmax).sum(-1)
     mask = batch["response_mask"].to(dtype)
@@ -143,7 +146,7 @@ def reference_step(hf_dir: Path, batch: Any, case: Case, dtype: torch.dtype = to
     kl_loss = aggregate(kl, mask, mode)
     loss = pg_loss - ENTROPY_COEFF * aggregate(entropy, mask, mode) + KL_COEF * kl_loss
     loss.backward()
-    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
     with torch.no_grad():
         masked = valid & ~keep
         log_rho = old - batch["rollout_log_probs"].to(dtype)

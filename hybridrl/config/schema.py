@@ -21,6 +21,7 @@ from hybridrl.algorithms.names import (
     ROLLOUT_IS_LEVELS,
     ROLLOUT_MASK_LEVELS,
 )
+from hybridrl.models.lora_targets import A_INIT_METHODS, LORA_TYPES, PROJECTIONS
 from hybridrl.tools.sandbox import Isolation
 
 # Closed vocabularies. A field typed with one of these takes exactly its values: the loader reads
@@ -57,6 +58,10 @@ KlEstimator = Literal[KL_PENALTY_NAMES]
 KlControllerKind = Literal[KL_CONTROLLER_KINDS]
 RolloutIsLevel = Literal[ROLLOUT_IS_LEVELS]
 RolloutMaskLevel = Literal[ROLLOUT_MASK_LEVELS]
+LoraType = Literal[LORA_TYPES]  # hybridrl.models.lora_targets
+LoraAInit = Literal[A_INIT_METHODS]
+LoraBInit = Literal["zero"]
+LoraDropoutPosition = Literal["pre", "post"]
 
 CHOICE_NAMES: dict[Any, str] = {
     Device: "device", Dtype: "dtype", LoggerName: "logger", RolloutEngineName: "rollout engine",
@@ -140,6 +145,39 @@ class DataConfig:
 
 # ------------------------------------------------------------------------------------- models
 @dataclass
+class LoraConfig:
+    """verl's `model.lora` (its Megatron path, Megatron-Bridge's names): adapters on the actor; rank 0 = off."""
+
+    rank: int = doc(0, "LoRA rank r (0 = no adapters: the whole model trains)")
+    alpha: float = doc(32.0, "scaling numerator: an adapter adds (alpha / rank) B A x")
+    type: LoraType = doc("lora", "lora: one adapter per megatron layer (fused qkv and fc1 each one A and B); "
+                                 "canonical_lora: one per Hugging Face projection (q, k, v, gate, up their own)")
+    target_modules: list[str] = doc(
+        factory=lambda: list(PROJECTIONS),
+        text="layers to adapt: linear_qkv, linear_proj, linear_fc1, linear_fc2 (type lora); linear_q, linear_k, "
+             "linear_v, linear_proj, linear_fc1_gate, linear_fc1_up, linear_fc2 (canonical_lora)")
+    exclude_modules: list[str] = doc(factory=list, text="adapt every target but these (target_modules must then be "
+                                                        "empty)")
+    dropout: float = doc(0.0, "dropout on an adapter's input while training")
+    dropout_position: LoraDropoutPosition = doc("pre", "where dropout acts: pre (on the adapter's input; post is "
+                                                       "refused: not built)")
+    lora_A_init_method: LoraAInit = doc("xavier", "A's first values: xavier (xavier_uniform_) or kaiming "
+                                                  "(kaiming_uniform_ with a = sqrt(5), peft's); B starts at zero")
+    lora_B_init_method: LoraBInit = doc("zero", "B's first values (zero: the adapted model starts as the base)")
+    merge: bool = doc(True, "the weight sync merges the adapters into the weights vLLM serves (W + (alpha / rank) "
+                            "B A, through the resharder). verl's default is false (vLLM serving the adapters "
+                            "themselves), which hybridrl has not built: false is refused")
+    dtype: Dtype | None = doc(None, "the adapters' parameter dtype: null = fp32 (they train in fp32 whatever the "
+                                    "model's dtype; verl: the model's), fp32; others refused")
+    adapter_path: str | None = doc(None, "a Hugging Face PEFT adapter folder to start from (adapter_config.json, "
+                                         "adapter_model.safetensors); null = fresh adapters")
+    a2a_experimental: bool = doc(False, "Megatron-Bridge's all-to-all adapter communication (not built: false only)")
+    freeze_vision_model: bool = doc(True, "vision-language models' vision tower stays frozen (text models have "
+                                          "none: true only)")
+    freeze_vision_projection: bool = doc(True, "the vision projection stays frozen (text models: true only)")
+
+
+@dataclass
 class ModelConfig:
     path: str = doc("", "local Hugging Face folder (config.json + safetensors)")
     tokenizer_path: str | None = doc(None, "tokenizer folder; None = model path")
@@ -157,6 +195,7 @@ class ModelConfig:
               "prompt and causally to itself at its own positions; the same log-probs, loss and gradients as "
               "each row alone, on fewer tokens. null = on where served (packed, the CPU layer's attention "
               "stand-in, context_parallel_size 1, a dense model), true where it is not is refused")
+    lora: LoraConfig = doc(factory=LoraConfig, text="LoRA adapters (actor_rollout_ref.model only)")
 
 
 @dataclass

@@ -46,6 +46,7 @@ from hybridrl.config.schema import (
 )
 from hybridrl.models.arch import DEFAULT_VOCAB_DIVISOR, ModelShape
 from hybridrl.models.layout import ParallelLayout
+from hybridrl.models.lora_targets import TARGETS
 from hybridrl.models.vllm_layout import vllm_padded_vocab
 from hybridrl.names import Role
 from hybridrl.parallel.device_policy import (
@@ -151,6 +152,7 @@ def validate(
     _check_transformer_overrides(check, config, resolved, model)
     _check_optimizer_overrides(check, config, resolved)
     _check_ddp_overrides(check, config)
+    _check_lora(check, config, model)
     if model is not None and model.is_moe and resolved.critic_enabled and not config.critic.model.path:
         # A value head on an MoE backbone (router losses, expert-parallel critic) is not built or tested.
         check.fail("critic.model.path", config.critic.model.path,
@@ -529,6 +531,60 @@ def _check_router_replay(check: _Checker, config: JobConfig, model: ModelShape |
         check.fail("actor_rollout_ref.rollout.enforce_eager", arr.rollout.enforce_eager,
                    fail + f"needs true on {policy.name}: vLLM's routing is recorded by a hook on its model runner, "
                    "which CUDA graphs captured at start-up would bypass", [True])
+
+
+LORA = "actor_rollout_ref.model.lora"
+
+
+def _check_lora(check: _Checker, config: JobConfig, model: ModelShape | None) -> None:
+    """LoRA adapters on the actor (`hybridrl.models.lora`): verl's settings, and what is not built yet refused."""
+    for prefix, section in (("critic.model.lora", config.critic.model.lora),
+                            ("reward_model.model.lora", config.reward_model.model.lora)):
+        if section.rank != 0:
+            check.fail(f"{prefix}.rank", section.rank, "LoRA adapts the actor only (actor_rollout_ref.model.lora); "
+                       "the critic and reward model train or score their whole model", [0])
+    lora = config.actor_rollout_ref.model.lora
+    if not check.is_int_at_least(f"{LORA}.rank", lora.rank, 0) or lora.rank == 0:
+        return
+    check.in_range(f"{LORA}.alpha", lora.alpha, 0.0, float("inf"), low_open=True)
+    check.in_range(f"{LORA}.dropout", lora.dropout, 0.0, 1.0, high_open=True)
+    valid = list(TARGETS.get(lora.type, {}))
+    if valid:
+        for field, names in ((f"{LORA}.target_modules", lora.target_modules),
+                             (f"{LORA}.exclude_modules", lora.exclude_modules)):
+            for name in names:
+                if "*" in str(name) or "." in str(name):
+                    check.fail(field, name, "per-layer patterns are not supported yet: name whole layer kinds", valid)
+                else:
+                    check.one_of(field, name, valid, f"{lora.type} target")
+        if lora.exclude_modules and lora.target_modules:
+            check.fail(f"{LORA}.exclude_modules", lora.exclude_modules,
+                       "needs target_modules empty (adapt every layer kind but these), as in verl", [])
+        elif not lora.target_modules and set(lora.exclude_modules) >= set(valid):
+            check.fail(f"{LORA}.target_modules", lora.target_modules, "adapts nothing: name the layers to adapt",
+                       valid)
+    refused = [("dropout_position", lora.dropout_position, "pre", "dropout after the adapter (post) is not built"),
+               ("merge", lora.merge, True, "vLLM serving the adapters themselves (a LoRARequest per sync) is not "
+                "built yet: the sync merges them into the weights vLLM serves (true)"),
+               ("dtype", lora.dtype, "fp32", "adapters train in fp32 (null or fp32); lower precision is not built"),
+               ("a2a_experimental", lora.a2a_experimental, False, "Megatron-Bridge's all-to-all adapters are not "
+                "built"),
+               ("freeze_vision_model", lora.freeze_vision_model, True, "hybridrl trains text models (no vision "
+                "tower)"),
+               ("freeze_vision_projection", lora.freeze_vision_projection, True, "hybridrl trains text models")]
+    for name, value, ok, why in refused:
+        if value != ok and not (name == "dtype" and value is None):
+            check.fail(f"{LORA}.{name}", value, why, [ok])
+    if model is not None and model.is_moe:
+        check.fail(f"{LORA}.rank", lora.rank, f"adapters on a mixture-of-experts model ({model.architecture}: its "
+                   "experts) are not built yet; set 0 to train the whole model", [0])
+    if config.trainer.device == "cuda":
+        check.fail(f"{LORA}.rank", lora.rank, "adapters on cuda are not built yet: TransformerEngine's layers fuse "
+                   "the norm into linear_qkv and linear_fc1, whose adapters need the normed input; set 0", [0])
+    save_freq = config.trainer.save_freq
+    if isinstance(save_freq, int) and save_freq > 0:
+        check.fail("trainer.save_freq", save_freq, f"with {LORA}.rank > 0: checkpoints of the adapters and their "
+                   "optimizer state are not built yet; set -1 (no checkpoints)", [-1])
 
 
 def _check_shared_prefix(check: _Checker, config: JobConfig, resolved: Resolved, model: ModelShape | None) -> None:

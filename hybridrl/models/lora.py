@@ -417,3 +417,20 @@ def save_peft_adapter(state: dict[str, torch.Tensor], settings: LoraSettings, fo
                   metadata={"format": "pt"})
         (staging / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return Path(folder)
+
+
+def read_peft_adapter(folder: str | Path, settings: LoraSettings) -> dict[str, torch.Tensor]:
+    """A PEFT adapter folder's tensors under peft's names, for `load_lora_state`, after checking that its rank and
+    alpha are the settings' (a different alpha would silently rescale every adapter)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    for key, ours, name in (("r", settings.rank, "rank"), ("lora_alpha", settings.alpha, "alpha")):
+        if config.get(key) != ours:
+            raise ValueError(f"{folder}: the adapter's {key}={config.get(key)!r} differs from "
+                             f"actor_rollout_ref.model.lora.{name}={ours!r}; set it to the adapter's")
+    return load_file(str(folder / "adapter_model.safetensors"))
+

@@ -34,8 +34,10 @@ import torch
 from hybridrl.config.megatron_verdict import megatron_settings, role_transformer_settings
 from hybridrl.config.plan import Plan
 from hybridrl.config.resolve import needs_uniform_micro_batches
-from hybridrl.config.schema import MegatronConfig, OptimConfig
+from hybridrl.config.schema import LoraConfig, MegatronConfig, OptimConfig
 from hybridrl.models.bridge import ModelSource, build_gpt_models, load_weights
+from hybridrl.models.lora import LoraSettings, add_lora, load_lora_state, read_peft_adapter
+from hybridrl.models.lora_targets import TARGETS
 from hybridrl.names import Role
 from hybridrl.parallel import state
 from hybridrl.parallel.context_parallel import gather_from_cp, split_for_cp_rank
@@ -92,10 +94,22 @@ class RoleSpec:
     # actor.router_replay == "rollout" (actor only): every forward routes as the rollout's vLLM did,
     # from the batch's `routed_experts` column (`hybridrl.training.router_replay`)
     router_replay: bool = False
+    # actor only: LoRA adapters on the frozen model (`hybridrl.models.lora`), the only parameters it trains
+    lora: LoraSettings | None = None
+    lora_adapter_path: str | None = None  # a PEFT adapter folder the adapters start from
 
     @property
     def trainable(self) -> bool:
         return self.optim is not None
+
+
+def lora_settings(config: LoraConfig, seed: int) -> LoraSettings | None:
+    """The adapters a role's `model.lora` section asks for (None at rank 0): verl's names read as `LoraSettings`."""
+    if config.rank == 0:
+        return None
+    targets = tuple(config.target_modules) or tuple(t for t in TARGETS[config.type] if t not in config.exclude_modules)
+    return LoraSettings(rank=config.rank, alpha=float(config.alpha), kind=config.type, targets=targets,
+                        dropout=float(config.dropout), a_init=config.lora_A_init_method, seed=seed)
 
 
 def role_spec(plan: Plan, role: Role | str) -> RoleSpec:
@@ -112,7 +126,9 @@ def role_spec(plan: Plan, role: Role | str) -> RoleSpec:
     if role == Role.ACTOR:
         return RoleSpec(role, arr.model.path, megatron, arr.actor.optim, False, dtype, policy,
                         arr.model.enable_gradient_checkpointing, plan.resolved.packed(role), shared,
-                        router_replay=arr.actor.router_replay == "rollout")
+                        router_replay=arr.actor.router_replay == "rollout",
+                        lora=lora_settings(arr.model.lora, megatron.seed),
+                        lora_adapter_path=arr.model.lora.adapter_path)
     if role == Role.REF:
         return RoleSpec(role, arr.model.path, megatron, None, False, dtype, policy,
                         packed=plan.resolved.packed(role), shared_prefix=shared)
@@ -420,6 +436,8 @@ class MegatronBackend:
         else:
             load_weights(chunks, spec.model_path)
             self.head_loaded = False
+        if spec.lora is not None:
+            self._add_adapters(spec, chunks)
         self.config = chunks[0].config
         self.vocab_size = source.shape.vocab_size
         self.optimizer: Any = None
@@ -504,6 +522,16 @@ class MegatronBackend:
         if spec.gradient_checkpointing:
             raise ValueError(f"{spec.role}: router_replay with activation recompute is not implemented (the "
                              "recomputed forward runs in the backward, outside the replayed forward)")
+
+    @staticmethod
+    def _add_adapters(spec: RoleSpec, chunks: list[Any]) -> None:
+        """LoRA: freeze the loaded model and attach the adapters (before DDP, so that its buffers and the optimizer
+        hold the adapters alone), from `lora_adapter_path` when set."""
+        if not spec.trainable:
+            raise ValueError(f"{spec.role}: LoRA adapters are for a trained role (the actor)")
+        adapters = [adapter for chunk in chunks for adapter in add_lora(chunk, spec.lora)]
+        if spec.lora_adapter_path:
+            load_lora_state(adapters, read_peft_adapter(spec.lora_adapter_path, spec.lora))
 
     def _wrap_for_training(self, chunks: list[Any]) -> list[Any]:
         from megatron.core.distributed import (

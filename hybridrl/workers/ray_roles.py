@@ -26,6 +26,7 @@ from hybridrl.config.plan import Plan
 from hybridrl.controller.base_worker import RankContext, Worker
 from hybridrl.data.batch import Batch
 from hybridrl.models.bridge import export_hf
+from hybridrl.models.lora import adapters_disabled
 from hybridrl.names import Phase, Role
 from hybridrl.parallel.device import release_cached_blocks, torch_threads_per_rank
 from hybridrl.training.actor import MegatronActor
@@ -91,7 +92,13 @@ class ActorRolloutRefWorker(MegatronWorker):
                                   total_optimizer_steps=self._total_optimizer_steps(Role.ACTOR, total_training_steps))
             self.actor = MegatronActor(backend, self.plan)
             self.primary = backend
-        if Role.REF in self.roles and self.plan.resolved.ref_enabled:
+        if Role.REF in self.roles and self.plan.resolved.ref_enabled and self.actor is not None \
+                and self.actor.backend.spec.lora is not None:
+            # A LoRA actor's frozen base is the initial policy: the reference is it with the adapters off (one
+            # model in memory, as verl's LoRA path does); its own pass settings (ref.log_prob_micro_batch_size...)
+            self.ref = MegatronActor(self.actor.backend, self.plan, log_prob_pass="ref_log_prob",
+                                     output_key="ref_log_probs")
+        elif Role.REF in self.roles and self.plan.resolved.ref_enabled:
             # Same processes, so the same megatron layout as the actor (checked by the backend).
             backend = MegatronBackend(role_spec(self.plan, Role.REF))
             self.ref = MegatronActor(backend, self.plan, log_prob_pass="ref_log_prob", output_key="ref_log_probs")
@@ -115,6 +122,10 @@ class ActorRolloutRefWorker(MegatronWorker):
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch | None:
         ref = self._require(self.ref, "the reference policy")
+        if self.actor is not None and ref.backend is self.actor.backend:  # a LoRA actor's base
+            self._ready_actor()
+            with adapters_disabled(ref.backend.chunks):
+                return ref.compute_log_prob(batch)
         ref.backend.load_params()
         try:
             return ref.compute_log_prob(batch)

@@ -1,0 +1,162 @@
+"""A LoRA actor's PPO step (`actor_rollout_ref.model.lora`) against peft on the transformers model, and what the
+frozen base costs: the same loss terms, metrics and adapter gradients as peft's (adapters read from a folder peft
+itself wrote), the base untouched, the optimizer and DDP's buffers holding the adapters alone; the reference is
+the base with the adapters off (one model in memory)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hybridrl.models.lora_targets import PROJECTIONS as LAYER_PROJECTIONS
+from hybridrl.models.lora_targets import TARGETS
+from hybridrl.parallel.forked import run_ranks
+from tests.rollout_models import build_tiny_model
+from tests.test_training_actor_reference import (
+    CASES,
+    GRAD_RTOL,
+    POLICY,
+    SCALAR_RTOL,
+    actor_config,
+    ppo_batch,
+    reference_step,
+)
+
+RANK, ALPHA = 4, 8.0
+HF_PROJECTIONS = [p for projections in LAYER_PROJECTIONS.values() for p in projections]
+
+
+def _peft_adapter(hf: Path, folder: Path, fused: bool) -> None:
+    """Random adapters (B not zero) saved by peft's own `save_pretrained`; for a fused (type lora) adapter the
+    projections of one megatron layer share their A."""
+    import peft
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=HF_PROJECTIONS))
+    gen = torch.Generator().manual_seed(21)
+    params = dict(lora.named_parameters())
+    with torch.no_grad():
+        for name, param in params.items():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+        if fused:
+            for name, param in params.items():
+                for projections in LAYER_PROJECTIONS.values():
+                    for other in projections[1:]:
+                        if f".{other}.lora_A." in name:
+                            param.copy_(params[name.replace(other, projections[0])])
+    lora.save_pretrained(folder)
+
+
+def _peft_model(hf: Path, folder: Path) -> Any:
+    import peft
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32, attn_implementation="eager")
+    return peft.PeftModel.from_pretrained(base, folder, is_trainable=True)
+
+
+def _lora_step_rank(rank: int, world: int, config: Any, batch: Any) -> dict[str, Any]:
+    from hybridrl.config.plan import build_plan
+    from hybridrl.models.bridge import model_tensors
+    from hybridrl.models.lora import adapters_disabled, lora_adapters, lora_state
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.backend import MegatronBackend, role_spec
+
+    plan = build_plan(config)
+    backend = MegatronBackend(role_spec(plan, "actor"))
+    actor = MegatronActor(backend, plan)
+    adapters = lora_adapters(backend.chunks)
+    base_before = {n: t.detach().clone() for c in backend.chunks for n, t in model_tensors(c).items()}
+    adapters_before = lora_state(adapters)
+    local = batch.split(backend.ctx.dp)[backend.ctx.dp_rank]
+    with torch.no_grad(), adapters_disabled(backend.chunks):  # the reference: the base, adapters off
+        base_log_probs = actor.compute_log_prob(local)
+    metrics = actor.update_policy(local)
+    for adapter in adapters:  # DDP's reduced gradient, read by lora_state(grads=True)
+        for param in adapter.parameters():
+            param.grad = param.main_grad
+    trainable = [p for c in backend.chunks for p in c.parameters() if p.requires_grad]
+    optimized = [p for group in backend.optimizer.param_groups for p in group["params"]]
+    return {
+        "metrics": metrics, "grads": lora_state(adapters, grads=True),
+        "before": adapters_before, "after": lora_state(adapters),
+        "base_changed": [n for c in backend.chunks for n, t in model_tensors(c).items()
+                         if not torch.equal(t.detach(), base_before[n])],
+        "trainable": sum(p.numel() for p in trainable),
+        "adapter_numel": sum(p.numel() for a in adapters for p in a.parameters()),
+        "optimized": sum(p.numel() for p in optimized),
+        "ddp_buffers": sum(b.grad_data.numel() for m in backend.models for g in m.bucket_groups for b in g.buckets),
+        "base_log_probs": base_log_probs["old_log_probs"] if base_log_probs is not None else None,
+    }
+
+
+def _fused(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """peft's gradients as a fused adapter has them: the layer's projections share one A, whose gradient is the
+    sum of theirs (shown under each projection's name)."""
+    out = dict(grads)
+    for name in grads:
+        for projections in LAYER_PROJECTIONS.values():
+            if ".lora_A." in name and f".{projections[0]}." in name:
+                total = sum(grads[name.replace(projections[0], p)] for p in projections)
+                out.update({name.replace(projections[0], p): total for p in projections})
+    return out
+
+
+@pytest.mark.parametrize("kind,tp,pp,dp", [("canonical_lora", 2, 1, 2), ("lora", 1, 2, 1)])
+def test_a_lora_actor_step_equals_peft(tmp_path, kind, tp, pp, dp):
+    hf = build_tiny_model(tmp_path / "hf", POLICY)
+    adapter = tmp_path / "adapter"
+    _peft_adapter(hf, adapter, fused=kind == "lora")
+    batch = ppo_batch(hf)
+    case = CASES[0]
+    peft_model = _peft_model(hf, adapter)
+    expected = reference_step(hf, batch, case, model=peft_model)
+    grads = {n.replace(".default", ""): g for n, g in expected["grads"].items()}
+    assert grads and all(".lora_" in n for n in grads)  # peft: the adapters alone get gradients
+    if kind == "lora":
+        grads = _fused(grads)
+    config = actor_config(hf, case, tp=tp, pp=pp, dp=dp, rows=len(batch))
+    lora = config.actor_rollout_ref.model.lora
+    lora.rank, lora.alpha, lora.type, lora.target_modules = RANK, ALPHA, kind, list(TARGETS[kind])
+    lora.adapter_path = str(adapter)
+    results = run_ranks(_lora_step_rank, tp * pp * dp, config, batch, timeout_s=300)
+
+    from hybridrl.models.lora import read_peft_adapter
+    from hybridrl.training.backend import lora_settings
+
+    saved = read_peft_adapter(adapter, lora_settings(lora, 0))
+    assert set().union(*(r["before"] for r in results)) == set(grads)  # each stage holds its layers' adapters
+    for result in results:
+        assert set(result["grads"]) == set(result["before"])
+        for name, tensor in result["before"].items():  # peft's folder, read onto this layout
+            assert torch.equal(tensor, saved[name]), name
+        for name, got in result["grads"].items():
+            ref = grads[name]
+            scale = float(ref.abs().max())
+            assert scale > 0 and float((got - ref).abs().max()) <= GRAD_RTOL * scale, name
+        assert result["base_changed"] == []  # the base is frozen
+        assert all(not torch.equal(result["after"][n], result["before"][n]) for n in result["before"])  # trained
+        # the optimizer and DDP's gradient buffers hold the adapters alone (this rank's share of them)
+        assert result["trainable"] == result["optimized"] == result["adapter_numel"] == result["ddp_buffers"] > 0
+    metrics = next(r["metrics"] for r in results if r["metrics"] is not None)
+    for name in ("pg_loss", "kl_loss", "approx_kl", "entropy"):
+        value, ref = getattr(metrics, name), expected[name]
+        assert abs(value - ref) <= SCALAR_RTOL * max(1.0, abs(ref)), (name, value, ref)
+    norm = torch.sqrt(sum((g.double() ** 2).sum() for n, g in grads.items()
+                          if kind == "canonical_lora" or ".lora_B." in n or any(
+                              f".{layer[0]}.lora_A." in n for layer in LAYER_PROJECTIONS.values())))
+    assert abs(metrics.grad_norm - float(norm)) <= GRAD_RTOL * float(norm), (metrics.grad_norm, float(norm))
+    # the reference pass (adapters off) scores with the base model: transformers' log-probs without adapters
+    with torch.no_grad(), peft_model.disable_adapter():
+        from tests.test_training_actor_reference import response_log_softmax
+
+        _, log_softmax = response_log_softmax(hf, batch, model=peft_model)
+    base = log_softmax.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1) * batch["response_mask"]
+    outputs = [r["base_log_probs"] for r in results if r["base_log_probs"] is not None]
+    assert outputs
+    got = torch.cat(outputs) if dp > 1 else outputs[0]
+    assert (got - base).abs().max() <= 1e-5
