@@ -655,3 +655,22 @@ def test_a_hung_worker_call_stops_the_run_naming_the_phase_and_the_ranks(demo_as
     assert failed == ("hybridrl train: training failed at step 2, phase update_actor: actor_rollout_ref group did "
                       "not finish update_actor() within 90.0 s (ranks that did not answer: [0, 1])"), failed
     assert seconds < 400, seconds
+
+
+def test_lora_grpo_proves_each_merged_sync_and_takes_the_base_as_its_reference(demo_assets, tmp_path):
+    """GRPO with LoRA adapters (verl's actor_rollout_ref.model.lora.*) at TP2: each step's weight sync merges the
+    adapters into what vLLM serves, proven by the log-prob probe; the KL loss's reference is the frozen base with
+    the adapters off: ~0 at step 1 (the adapters start at B = 0, so the policy is the base), then growing as they
+    train (a reference that kept the adapters on would stay at 0)."""
+    run = tmp_path / "run"
+    result = _train("configs/examples/cpu_tiny_grpo.yaml", demo_overrides(
+        demo_assets, run, "trainer.total_training_steps=6", "actor_rollout_ref.model.lora.rank=8",
+        "actor_rollout_ref.model.lora.alpha=16", "actor_rollout_ref.actor.optim.lr=1e-2",
+        "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.01",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    rows = [r for r in _metrics(run) if "event" not in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert max(r["reshard/probe_max_abs_gap"] for r in rows) <= 1e-4
+    kl = [r["actor/kl_loss"] for r in rows]
+    assert abs(kl[0]) < 1e-6 and kl[-1] > 1e-4, kl

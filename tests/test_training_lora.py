@@ -142,6 +142,12 @@ def test_a_lora_actor_step_equals_peft(tmp_path, kind, tp, pp, dp):
         assert all(not torch.equal(result["after"][n], result["before"][n]) for n in result["before"])  # trained
         # the optimizer and DDP's gradient buffers hold the adapters alone (this rank's share of them)
         assert result["trainable"] == result["optimized"] == result["adapter_numel"] == result["ddp_buffers"] > 0
+    # the plan's count of them (its memory figures): each rank's adapters, layer by layer
+    from hybridrl.config.plan import lora_elements_per_layer
+    from hybridrl.models.arch import ModelShape, read_hf_config
+
+    per_layer = lora_elements_per_layer(lora, ModelShape.from_hf_config(read_hf_config(hf)), tp)
+    assert all(r["adapter_numel"] == per_layer * POLICY["num_hidden_layers"] // pp for r in results)
     metrics = next(r["metrics"] for r in results if r["metrics"] is not None)
     for name in ("pg_loss", "kl_loss", "approx_kl", "entropy"):
         value, ref = getattr(metrics, name), expected[name]

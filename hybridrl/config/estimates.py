@@ -227,6 +227,7 @@ def training_memory(
     role: str, shape: ModelShape, mesh: TrainingMesh, *, dtype: str, distributed_optimizer: bool,
     trainable: bool, micro_batch: int, seq_len: int, sequence_parallel: bool, gpu_gib: float, ep: int = 1,
     etp: int | None = None, recompute: bool = False, value_head: bool = False, head_tokens: int | None = None,
+    adapter_elements_per_layer: int = 0,
 ) -> TrainingMemory:
     """The heaviest pipeline stage's GPU (its figures; `stages` has every stage's). `ep`, `etp`: expert
     parallelism and expert TP of an MoE model (`etp` None: TP); the distributed optimizer shards
@@ -236,7 +237,9 @@ def training_memory(
     tokens only), one column for a value head (critic, reward model); 1F1B keeps pp - s micro-batches
     in flight on stage s (the first stage the most). `recompute` (full, uniform, one layer at a time:
     `model.enable_gradient_checkpointing`): a micro-batch keeps each layer's input only (2 s b h bytes,
-    over TP with sequence parallelism) and one layer's whole activations while it is recomputed."""
+    over TP with sequence parallelism) and one layer's whole activations while it is recomputed.
+    `adapter_elements_per_layer` (a LoRA actor, per TP rank): the model frozen, the fp32 adapters the only
+    trained parameters (their gradients and Adam's moments, no master copy); activations as without them."""
     layout = mesh.layout(ep, etp)
     p_bytes = DTYPE_BYTES[dtype]
     # fp32 master copy only when compute is in 16-bit; Adam m and v are always fp32.
@@ -256,13 +259,21 @@ def training_memory(
     for stage, (dense, experts) in enumerate(stage_params(shape, layout)):
         params = dense + experts
         params_gib = params * p_bytes / GIB
-        grads_gib = params * 4 / GIB if trainable else 0.0
-        opt_full = params * opt_bytes / GIB if trainable else 0.0
-        opt_share = ((dense / mesh.dp + experts / expert_dp) if (distributed_optimizer and trainable)
-                     else params if trainable else 0.0)
-        opt = opt_share * opt_bytes / GIB
-        # the distributed optimizer's fp32 master shard is as sharded as Adam's moments
-        master = opt_share * master_bytes / GIB
+        if adapter_elements_per_layer and trainable:  # LoRA: the fp32 adapters train, the model is frozen
+            adapters = adapter_elements_per_layer * stage_layers[stage]
+            params_gib += adapters * 4 / GIB
+            grads_gib = adapters * 4 / GIB
+            opt_full = adapters * 8 / GIB
+            opt = opt_full / (mesh.dp if distributed_optimizer else 1)
+            master = 0.0
+        else:
+            grads_gib = params * 4 / GIB if trainable else 0.0
+            opt_full = params * opt_bytes / GIB if trainable else 0.0
+            opt_share = ((dense / mesh.dp + experts / expert_dp) if (distributed_optimizer and trainable)
+                         else params if trainable else 0.0)
+            opt = opt_share * opt_bytes / GIB
+            # the distributed optimizer's fp32 master shard is as sharded as Adam's moments
+            master = opt_share * master_bytes / GIB
         head = logits if stage == mesh.pp - 1 else 0.0
         if not trainable:  # forward only: one layer's working set
             act = (per_layer + head) / GIB

@@ -55,9 +55,10 @@ from hybridrl.config.resolve import (
     role_megatron,
     role_megatron_field,
 )
-from hybridrl.config.schema import JobConfig, MegatronConfig
+from hybridrl.config.schema import JobConfig, LoraConfig, MegatronConfig
 from hybridrl.config.validate import MEGATRON_SPLIT_FLAGS, megatron_sections, validate
 from hybridrl.models.arch import ModelShape, UnsupportedModelError, read_hf_config, value_model_hf_config
+from hybridrl.models.lora_targets import adapter_elements_per_layer
 from hybridrl.names import Role
 from hybridrl.parallel.device_policy import DevicePolicy
 from hybridrl.parallel.speed_settings import SpeedSetting, speed_settings
@@ -441,6 +442,15 @@ def _role_on_gpu(memory: TrainingMemory, layout: RoleLayout, *, grads: bool | No
                                                       mc.expert_tensor_parallel_size))
 
 
+def lora_elements_per_layer(lora: LoraConfig, model: ModelShape, tp: int) -> int:
+    """A LoRA actor's adapter elements per decoder layer on one TP rank (0 without adapters)."""
+    if lora.rank <= 0:
+        return 0
+    return adapter_elements_per_layer(lora.type, lora.targets, lora.rank, hidden=model.hidden_size,
+                                      q_rows=model.num_attention_heads * model.head_dim,
+                                      kv_rows=model.num_kv_heads * model.head_dim, ffn=model.ffn_hidden_size, tp=tp)
+
+
 def _gpu_memory(config: JobConfig, resolved: Resolved, policy: DevicePolicy, memories: tuple[TrainingMemory, ...],
                 layouts: tuple[RoleLayout, ...], *, utilization: float | None = None,
                 offload: dict[str, tuple[bool, bool]] | None = None) -> GpuMemoryPlan:
@@ -620,8 +630,11 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
     balances: list[StageBalance] = []
     if model is not None:
         balances = _stage_balances(config, resolved, model, layouts)
+        lora = arr.model.lora
         for layout in layouts:
             mc = layout.megatron
+            if layout.role == Role.REF and lora.rank > 0:
+                continue  # a LoRA actor's reference is its own frozen base (adapters off): no model of its own
             trainable = layout.role in (Role.ACTOR, Role.CRITIC)
             micro = next((u.micro_batch_size for u in updates if u.role == layout.role),
                          next(f.micro_batch_size for f in forwards if f.role == layout.role))
@@ -640,6 +653,8 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
                                          or mc.override_transformer_config.get("recompute_granularity") == "full"),
                 # the policy's passes compute the vocabulary only at the response tokens (training/actor.py)
                 head_tokens=None if value_model else data.max_response_length,
+                adapter_elements_per_layer=lora_elements_per_layer(lora, model, mc.tensor_model_parallel_size)
+                if layout.role == Role.ACTOR else 0,
             ))
         sequences_per_replica = data.train_batch_size // infer_dp * n
         if resolved.async_mode == "fully_async":  # up to max_staleness + 1 batches in flight at once

@@ -7,7 +7,7 @@ from typing import Any
 from hybridrl.config.estimates import GpuMemoryPlan, StageBalance, shares_text, split_text
 from hybridrl.config.internode import plan_internode_traffic
 from hybridrl.config.meshes import TrainingMesh, expert_groups
-from hybridrl.config.plan import Plan
+from hybridrl.config.plan import Plan, lora_elements_per_layer
 from hybridrl.config.resolve import MODEL_SECTIONS
 from hybridrl.models.arch import ModelShape
 from hybridrl.parallel.device_policy import WITHOUT_TE
@@ -107,6 +107,21 @@ def _balance_line(balance: StageBalance) -> str:
             f"(~{balance.gain:.0%} less pipeline time)")
 
 
+def lora_line(plan: Plan) -> str:
+    """What a LoRA actor trains, and where its reference and the weight sync come from."""
+    lora = plan.config.actor_rollout_ref.model.lora
+    line = (f"LoRA ({lora.type}, rank {lora.rank}, alpha {lora.alpha:g}) on {', '.join(lora.targets)}: the model "
+            "frozen, the fp32 adapters train")
+    model = plan.model
+    if model is not None:
+        per_layer = lora_elements_per_layer(lora, model, 1)  # whole adapters (TP 1)
+        total = per_layer * model.num_layers
+        line += f" ({total:,} parameters, {100 * total / model.param_count():.2f} % of the model's)"
+    if plan.resolved.ref_enabled:
+        line += "; the reference is the base with the adapters off (no second model)"
+    return line + "; each weight sync merges them into the served weights (W + alpha/rank B A)"
+
+
 def render_plan(plan: Plan) -> str:
     cfg, res = plan.config, plan.resolved
     arr = cfg.actor_rollout_ref
@@ -145,6 +160,8 @@ def render_plan(plan: Plan) -> str:
                        f"{_groups(edp_groups, 4)}")
     out += [_balance_line(balance) for balance in plan.stage_balance]
     out.append(packing_line(plan))
+    if arr.model.lora.rank > 0:
+        out.append(lora_line(plan))
     rollout = plan.reshard.groups.rollout
     res = plan.resolved
     if res.disaggregated:

@@ -21,7 +21,7 @@ from hybridrl.algorithms.names import (
     ROLLOUT_IS_LEVELS,
     ROLLOUT_MASK_LEVELS,
 )
-from hybridrl.models.lora_targets import A_INIT_METHODS, LORA_TYPES, PROJECTIONS
+from hybridrl.models.lora_targets import A_INIT_METHODS, LORA_TYPES, PROJECTIONS, TARGETS
 from hybridrl.tools.sandbox import Isolation
 
 # Closed vocabularies. A field typed with one of these takes exactly its values: the loader reads
@@ -175,6 +175,13 @@ class LoraConfig:
     freeze_vision_model: bool = doc(True, "vision-language models' vision tower stays frozen (text models have "
                                           "none: true only)")
     freeze_vision_projection: bool = doc(True, "the vision projection stays frozen (text models: true only)")
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The layers adapted: target_modules, or (verl's exclude form) every target of the type but the excluded."""
+        if self.target_modules:
+            return tuple(self.target_modules)
+        return tuple(t for t in TARGETS.get(self.type, {}) if t not in self.exclude_modules)
 
 
 @dataclass

@@ -29,3 +29,24 @@ A_INIT_METHODS = ("xavier", "kaiming")  # Megatron-Bridge's: xavier_uniform_, ka
 def adapted_projections(kind: str, targets: tuple[str, ...]) -> frozenset[str]:
     """The Hugging Face projections the targets of a `kind` adapt."""
     return frozenset(p for target in targets for p in TARGETS[kind][target])
+
+
+def adapter_elements_per_layer(kind: str, targets: tuple[str, ...], rank: int, *, hidden: int, q_rows: int,
+                               kv_rows: int, ffn: int, tp: int = 1) -> int:
+    """One decoder layer's adapter elements on one TP rank (a column-parallel layer's A whole on each rank and B
+    split; a row-parallel layer's A split and B whole), as `hybridrl.models.lora` builds them."""
+    adapted = adapted_projections(kind, targets)
+    rows = {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows, "o_proj": hidden, "gate_proj": ffn,
+            "up_proj": ffn, "down_proj": hidden}
+    inputs = {"linear_qkv": hidden, "linear_proj": q_rows, "linear_fc1": hidden, "linear_fc2": ffn}
+    total = 0
+    for module, projections in PROJECTIONS.items():
+        mine = [p for p in projections if p in adapted]
+        if not mine:
+            continue
+        parts = 1 if kind == "lora" else len(mine)
+        if module in ROW_PARALLEL:
+            total += parts * rank * inputs[module] // tp + sum(rows[p] for p in mine) * rank
+        else:
+            total += parts * rank * inputs[module] + sum(rows[p] for p in mine) * rank // tp
+    return total

@@ -37,7 +37,6 @@ from hybridrl.config.resolve import needs_uniform_micro_batches
 from hybridrl.config.schema import LoraConfig, MegatronConfig, OptimConfig
 from hybridrl.models.bridge import ModelSource, build_gpt_models, load_weights
 from hybridrl.models.lora import LoraSettings, add_lora, load_lora_state, read_peft_adapter
-from hybridrl.models.lora_targets import TARGETS
 from hybridrl.names import Role
 from hybridrl.parallel import state
 from hybridrl.parallel.context_parallel import gather_from_cp, split_for_cp_rank
@@ -107,8 +106,7 @@ def lora_settings(config: LoraConfig, seed: int) -> LoraSettings | None:
     """The adapters a role's `model.lora` section asks for (None at rank 0): verl's names read as `LoraSettings`."""
     if config.rank == 0:
         return None
-    targets = tuple(config.target_modules) or tuple(t for t in TARGETS[config.type] if t not in config.exclude_modules)
-    return LoraSettings(rank=config.rank, alpha=float(config.alpha), kind=config.type, targets=targets,
+    return LoraSettings(rank=config.rank, alpha=float(config.alpha), kind=config.type, targets=config.targets,
                         dropout=float(config.dropout), a_init=config.lora_A_init_method, seed=seed)
 
 

@@ -1,0 +1,83 @@
+"""`actor_rollout_ref.model.lora` at plan time: verl's keys read, what is not built refused naming the field, and
+the plan's memory and report for a LoRA actor (grads and Adam's moments of the adapters alone, no reference model),
+against hand counts."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hybridrl.config import ConfigError
+from hybridrl.config.plan import plan_from_sources
+from hybridrl.config.report import render_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = str(ROOT / "configs/examples/cpu_tiny_grpo.yaml")
+MODEL = f"actor_rollout_ref.model.path={ROOT / 'configs/models/tiny-demo'}"  # its config.json: hidden 128, 4 layers
+LORA = "actor_rollout_ref.model.lora"
+GIB = 1024**3
+
+
+def _plan(*overrides: str):
+    return plan_from_sources(DEMO, [MODEL, *overrides])
+
+
+@pytest.mark.parametrize("overrides,field,phrase", [
+    ([f"{LORA}.rank=8", f"{LORA}.merge=false"], f"{LORA}.merge", "vLLM serving the adapters themselves"),
+    ([f"{LORA}.rank=8", f"{LORA}.type=canonical_lora", f"{LORA}.target_modules=[linear_qkv]"],
+     f"{LORA}.target_modules", "is not a known canonical_lora target"),
+    ([f"{LORA}.rank=8", f"{LORA}.target_modules=[*.layers.0.*.linear_qkv]"], f"{LORA}.target_modules",
+     "per-layer patterns are not supported"),
+    ([f"{LORA}.rank=8", f"{LORA}.exclude_modules=[linear_fc2]"], f"{LORA}.exclude_modules",
+     "needs target_modules empty"),
+    ([f"{LORA}.rank=8", f"{LORA}.dropout_position=post"], f"{LORA}.dropout_position", "post) is not built"),
+    ([f"{LORA}.rank=8", f"{LORA}.dtype=bf16"], f"{LORA}.dtype", "adapters train in fp32"),
+    ([f"{LORA}.rank=8", f"{LORA}.alpha=0"], f"{LORA}.alpha", "must be in (0"),
+    ([f"{LORA}.rank=8", "trainer.save_freq=5"], "trainer.save_freq", "checkpoints of the adapters"),
+    ([f"{LORA}.rank=8", "trainer.device=cuda"], f"{LORA}.rank", "TransformerEngine's layers fuse the norm"),
+    (["critic.model.lora.rank=8"], "critic.model.lora.rank", "LoRA adapts the actor only"),
+    ([f"{LORA}.rank=-1"], f"{LORA}.rank", "must be an integer >= 0"),
+])
+def test_what_is_not_built_is_refused_naming_the_field(overrides, field, phrase):
+    with pytest.raises(ConfigError) as refused:
+        _plan(*overrides)
+    assert any(issue.field == field and phrase in str(issue) for issue in refused.value.issues), refused.value
+
+
+def test_a_mixture_of_experts_model_is_refused():
+    with pytest.raises(ConfigError) as refused:
+        plan_from_sources(DEMO, [f"actor_rollout_ref.model.path={ROOT / 'configs/models/tiny-demo-moe'}",
+                                 f"{LORA}.rank=8"])
+    assert any(i.field == f"{LORA}.rank" and "mixture-of-experts" in str(i) for i in refused.value.issues)
+
+
+QWEN = f"actor_rollout_ref.model.path={ROOT / 'configs/models/qwen2.5-0.5b'}"  # hidden 896, 24 layers, ffn 4864
+
+
+@pytest.mark.parametrize("tp,per_layer", [
+    # rank 128, fused (type lora), every layer kind; hidden 896, q rows 14 x 64, kv rows 2 x 64, ffn 4864:
+    # qkv A 128x896 + B 1152x128; proj A 128x896 + B 896x128; fc1 A 128x896 + B 9728x128; fc2 A 128x4864 + B 896x128
+    (1, 128 * 896 + 1152 * 128 + 128 * 896 + 896 * 128 + 128 * 896 + 9728 * 128 + 128 * 4864 + 896 * 128),
+    # TP2: the column layers' B halves (qkv, fc1), the row layers' A halves (proj, fc2)
+    (2, 128 * 896 + 576 * 128 + 64 * 896 + 896 * 128 + 128 * 896 + 4864 * 128 + 64 * 4864 + 896 * 128),
+])
+def test_the_plan_counts_the_adapters_and_no_reference_model(tp, per_layer):
+    overrides = [f"{LORA}.rank=128", f"{LORA}.alpha=256", "actor_rollout_ref.actor.use_kl_loss=true",
+                 f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}"]
+    plan = plan_from_sources(DEMO, [QWEN, *overrides])
+    full = plan_from_sources(DEMO, [QWEN, *overrides[2:]])
+    actor = next(m for m in plan.training_memory if m.role == "actor")
+    whole = next(m for m in full.training_memory if m.role == "actor")
+    adapters = 24 * per_layer  # one stage
+    assert actor.grads_gib == pytest.approx(adapters * 4 / GIB, abs=5e-4) and actor.grads_gib > 0.1
+    assert actor.optimizer_gib == pytest.approx(adapters * 8 / GIB, abs=5e-4) and actor.master_params_gib == 0
+    assert actor.params_gib == pytest.approx(whole.params_gib + adapters * 4 / GIB, abs=1e-3)
+    assert whole.grads_gib > 3 * actor.grads_gib  # the whole model's gradients
+    assert [m.role for m in plan.training_memory] == ["actor"]  # the reference is the actor's own base
+    assert [m.role for m in full.training_memory] == ["actor", "ref"]
+    report = render_plan(plan)
+    whole_adapters = 24 * (128 * 896 + 1152 * 128 + 128 * 896 + 896 * 128 + 128 * 896 + 9728 * 128 + 128 * 4864
+                           + 896 * 128)
+    assert (f"LoRA (lora, rank 128, alpha 256) on linear_qkv, linear_proj, linear_fc1, linear_fc2: the model frozen, "
+            f"the fp32 adapters train ({whole_adapters:,} parameters") in report, report
+    assert "the reference is the base with the adapters off" in report
