@@ -33,7 +33,7 @@ def _plan(*overrides: str):
     ([f"{LORA}.rank=8", f"{LORA}.dropout_position=post"], f"{LORA}.dropout_position", "post) is not built"),
     ([f"{LORA}.rank=8", f"{LORA}.dtype=bf16"], f"{LORA}.dtype", "adapters train in fp32"),
     ([f"{LORA}.rank=8", f"{LORA}.alpha=0"], f"{LORA}.alpha", "must be in (0"),
-    ([f"{LORA}.rank=8", "trainer.save_freq=5"], "trainer.save_freq", "checkpoints of the adapters"),
+    ([f"{LORA}.rank=8", "trainer.export_hf_on_save=true"], "trainer.export_hf_on_save", "PEFT adapter folder"),
     ([f"{LORA}.rank=8", "trainer.device=cuda"], f"{LORA}.rank", "TransformerEngine's layers fuse the norm"),
     (["critic.model.lora.rank=8"], "critic.model.lora.rank", "LoRA adapts the actor only"),
     ([f"{LORA}.rank=-1"], f"{LORA}.rank", "must be an integer >= 0"),

@@ -667,10 +667,13 @@ def test_lora_grpo_proves_each_merged_sync_and_takes_the_base_as_its_reference(d
         demo_assets, run, "trainer.total_training_steps=6", "actor_rollout_ref.model.lora.rank=8",
         "actor_rollout_ref.model.lora.alpha=16", "actor_rollout_ref.actor.optim.lr=1e-2",
         "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.01",
-        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"))
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "trainer.save_freq=6"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     rows = [r for r in _metrics(run) if "event" not in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    # the checkpoint holds the adapters as a PEFT adapter folder
+    peft_config = json.loads((run / CKPT / "global_step_6" / "actor" / "lora" / "adapter_config.json").read_text())
+    assert (peft_config["r"], peft_config["lora_alpha"]) == (8, 16.0)
     assert max(r["reshard/probe_max_abs_gap"] for r in rows) <= 1e-4
     kl = [r["actor/kl_loss"] for r in rows]
     assert abs(kl[0]) < 1e-6 and kl[-1] > 1e-4, kl

@@ -166,3 +166,82 @@ def test_a_lora_actor_step_equals_peft(tmp_path, kind, tp, pp, dp):
     assert outputs
     got = torch.cat(outputs) if dp > 1 else outputs[0]
     assert (got - base).abs().max() <= 1e-5
+
+
+def _checkpoint_rank(rank: int, world: int, config: Any, batches: list[Any], ckpt: str, save: bool) -> dict[str, Any]:
+    """save: one update, a checkpoint, the next update; else: the checkpoint loaded, the next update."""
+    from hybridrl.config.plan import build_plan
+    from hybridrl.models.lora import lora_adapters, lora_state
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.backend import MegatronBackend, role_spec
+    from hybridrl.training.checkpointing import load_role_checkpoint, save_role_checkpoint
+    from hybridrl.training.optimizer_state import OptimizerView
+    from hybridrl.training.train_state import StateEntry
+
+    plan = build_plan(config)
+    backend = MegatronBackend(role_spec(plan, "actor"))
+    actor = MegatronActor(backend, plan)
+    adapters = lora_adapters(backend.chunks)
+    dp, dp_rank = backend.ctx.dp, backend.ctx.dp_rank
+    out: dict[str, Any] = {}
+    if save:
+        actor.update_policy(batches[0].split(dp)[dp_rank])
+        save_role_checkpoint(backend, ckpt)
+        out["saved"] = lora_state(adapters)
+    else:
+        load_role_checkpoint(backend, ckpt)
+        out["loaded"] = lora_state(adapters)
+        view = OptimizerView(backend.optimizer)  # a plain optimizer here: each parameter's whole state
+
+        def moment(kind: str) -> dict[str, torch.Tensor]:
+            def state(p: torch.Tensor) -> torch.Tensor:
+                slot = view.slot(StateEntry("", None, p, False))
+                return slot.inner.state[slot.main][kind].reshape(p.shape)
+            return lora_state(adapters, of=state)
+        out["moments"] = {kind: moment(kind) for kind in ("exp_avg", "exp_avg_sq")}
+    actor.update_policy(batches[1].split(dp)[dp_rank])
+    out["next"] = lora_state(adapters)
+    return out
+
+
+def test_adapters_and_their_optimizer_state_resume_on_another_layout(tmp_path):
+    """A LoRA actor saved at DP2 with the distributed optimizer (its Adam shards gathered whole) and resumed at TP2
+    with a plain one: the adapters and Adam's moments are the saved ones, whole under peft's names; the next
+    update equals the uninterrupted run's (1e-5); the checkpoint's lora/ folder is a PEFT adapter that peft loads
+    onto the transformers model, giving the adapted model's logits."""
+    import peft
+    import transformers
+    from safetensors.torch import load_file
+
+    hf = build_tiny_model(tmp_path / "hf", POLICY)
+    adapter = tmp_path / "adapter"
+    _peft_adapter(hf, adapter, fused=True)
+    batches = [ppo_batch(hf, seed=11), ppo_batch(hf, seed=12)]
+
+    def config(tp: int, dp: int, distributed: bool) -> Any:
+        c = actor_config(hf, CASES[0], tp=tp, dp=dp, distributed_optimizer=distributed, rows=len(batches[0]))
+        lora = c.actor_rollout_ref.model.lora
+        lora.rank, lora.alpha, lora.adapter_path = RANK, ALPHA, str(adapter)
+        return c
+
+    ckpt = tmp_path / "ckpt"
+    saved = run_ranks(_checkpoint_rank, 2, config(1, 2, True), batches, str(ckpt), True, timeout_s=300)
+    resumed = run_ranks(_checkpoint_rank, 2, config(2, 1, False), batches, str(ckpt), False, timeout_s=300)
+    stage = load_file(str(ckpt / "lora_state_pp000.safetensors"))
+    for result in resumed:
+        assert result["loaded"].keys() == saved[0]["saved"].keys()
+        for name, tensor in saved[0]["saved"].items():
+            assert torch.equal(result["loaded"][name], tensor), name
+            assert torch.equal(stage[f"weight/{name}"], tensor), name
+        for kind, moments in result["moments"].items():
+            for name, tensor in moments.items():
+                assert torch.equal(tensor, stage[f"{kind}/{name}"]), (kind, name)
+            assert any(bool(t.abs().max() > 0) for t in moments.values())  # a real step's state
+        for name, tensor in saved[0]["next"].items():
+            scale = float(tensor.abs().max())
+            assert float((result["next"][name] - tensor).abs().max()) <= 1e-5 * max(scale, 1.0), name
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+    loaded = peft.PeftModel.from_pretrained(base, ckpt / "lora")
+    state = {n.replace(".default", ""): p for n, p in loaded.named_parameters() if "lora_" in n}
+    assert sorted(state) == sorted(saved[0]["saved"])
+    assert all(torch.equal(state[n].detach(), t) for n, t in saved[0]["saved"].items())

@@ -581,10 +581,10 @@ def _check_lora(check: _Checker, config: JobConfig, model: ModelShape | None) ->
     if config.trainer.device == "cuda":
         check.fail(f"{LORA}.rank", lora.rank, "adapters on cuda are not built yet: TransformerEngine's layers fuse "
                    "the norm into linear_qkv and linear_fc1, whose adapters need the normed input; set 0", [0])
-    save_freq = config.trainer.save_freq
-    if isinstance(save_freq, int) and save_freq > 0:
-        check.fail("trainer.save_freq", save_freq, f"with {LORA}.rank > 0: checkpoints of the adapters and their "
-                   "optimizer state are not built yet; set -1 (no checkpoints)", [-1])
+    if config.trainer.export_hf_on_save:
+        check.fail("trainer.export_hf_on_save", True, f"with {LORA}.rank > 0 each checkpoint holds the adapters as a "
+                   "PEFT adapter folder (<checkpoint>/actor/lora); a merged Hugging Face export is not built yet",
+                   [False])
 
 
 def _check_shared_prefix(check: _Checker, config: JobConfig, resolved: Resolved, model: ModelShape | None) -> None:

@@ -34,7 +34,7 @@ must apply first), adapters on MoE experts (refused), vLLM serving the adapters 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -324,26 +324,34 @@ def peft_name(layer: int, projection: str, half: str) -> str:
     return f"base_model.model.model.layers.{layer}.{PEFT_MODULE[projection]}.{projection}.{half}.weight"
 
 
-def _halves(adapter: LoraAdapter, grads: bool = False) -> Iterator[tuple[str, torch.Tensor, int | None]]:
+def _halves(adapter: LoraAdapter, of: Callable[[nn.Parameter], torch.Tensor]
+            ) -> Iterator[tuple[str, torch.Tensor, int | None]]:
     """(peft's name, this rank's tensor, the dimension it is split along over TP or None) of each projection's
-    adapter halves (their gradients with `grads`). A fused adapter gives each of its projections its A and that
-    projection's rows of B."""
+    adapter halves: `of(param)` of each adapter parameter (the parameter, its gradient, its optimizer state). A
+    fused adapter gives each of its projections its A and that projection's rows of B."""
     dim_a, dim_b = (1, None) if adapter.row_parallel else (None, 0)
     for part, a, b in zip(adapter.parts, adapter.lora_A, adapter.lora_B, strict=True):
-        a, b = (a.grad, b.grad) if grads else (a, b)
-        for projection, rows in adapter._split_rows(part, b.detach()).items():
-            yield peft_name(adapter.layer, projection, "lora_A"), a.detach(), dim_a
+        a_of, b_of = of(a).detach(), of(b).detach()
+        for projection, rows in adapter._split_rows(part, b_of).items():
+            yield peft_name(adapter.layer, projection, "lora_A"), a_of, dim_a
             yield peft_name(adapter.layer, projection, "lora_B"), rows, dim_b
 
 
-def lora_state(adapters: Sequence[LoraAdapter], *, grads: bool = False) -> dict[str, torch.Tensor]:
-    """Every adapter half (or its gradient), whole, under peft's names: split halves gathered over each layer's TP
-    group (a collective: every TP rank calls it, each gets the whole)."""
+def _itself(param: nn.Parameter) -> torch.Tensor:
+    return param
+
+
+def lora_state(adapters: Sequence[LoraAdapter], *, grads: bool = False,
+               of: Callable[[nn.Parameter], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Every adapter half (its gradient with `grads`; `of(param)` of it, e.g. an optimizer moment), whole, under
+    peft's names: split halves gathered over each layer's TP group (a collective: every TP rank calls it, each
+    gets the whole)."""
     import torch.distributed as dist
 
+    pick = of or ((lambda p: p.grad) if grads else _itself)
     out = {}
     for adapter in adapters:
-        for name, tensor, dim in _halves(adapter, grads):
+        for name, tensor, dim in _halves(adapter, pick):
             if dim is not None and adapter.tp > 1:
                 parts = [torch.empty_like(tensor) for _ in range(adapter.tp)]
                 dist.all_gather(parts, tensor.contiguous(), group=adapter.tp_group)
@@ -352,10 +360,12 @@ def lora_state(adapters: Sequence[LoraAdapter], *, grads: bool = False) -> dict[
     return out
 
 
-@torch.no_grad()
-def load_lora_state(adapters: Sequence[LoraAdapter], state: dict[str, torch.Tensor]) -> None:
-    """Set every adapter half from whole tensors under peft's names (each rank takes its TP slice). A fused adapter
-    needs its projections' A to be one matrix (as it exports them)."""
+def local_lora_tensors(adapters: Sequence[LoraAdapter], state: Mapping[str, torch.Tensor]
+                       ) -> dict[nn.Parameter, torch.Tensor]:
+    """This rank's part of each adapter parameter from whole tensors under peft's names (its TP slice; a fused
+    adapter's B assembled from its projections' rows). A fused adapter needs its projections' A to be one matrix
+    (as it exports them)."""
+    out: dict[nn.Parameter, torch.Tensor] = {}
     for adapter in adapters:
         for part, a, b in zip(adapter.parts, adapter.lora_A, adapter.lora_B, strict=True):
             names_a = [peft_name(adapter.layer, p, "lora_A") for p in part]
@@ -375,12 +385,20 @@ def load_lora_state(adapters: Sequence[LoraAdapter], state: dict[str, torch.Tens
                 size = adapter.local_rows[p]
                 rows[p] = whole_b if adapter.row_parallel else whole_b.narrow(0, adapter.tp_rank * size, size)
             local_b = rows[part[0]] if len(part) == 1 else adapter._fused([rows[p] for p in part], dim=0)
-            for name, whole, param in ((names_a[0], whole_a, a), (peft_name(adapter.layer, part[0], "lora_B"),
+            for name, local, param in ((names_a[0], whole_a, a), (peft_name(adapter.layer, part[0], "lora_B"),
                                                                   local_b, b)):
-                if whole.shape != param.shape:
-                    raise ValueError(f"{name}: {tuple(whole.shape)} does not fit the adapter's {tuple(param.shape)} "
+                if local.shape != param.shape:
+                    raise ValueError(f"{name}: {tuple(local.shape)} does not fit the adapter's {tuple(param.shape)} "
                                      f"on TP rank {adapter.tp_rank}")
-                param.copy_(whole.to(param.device))
+                out[param] = local
+    return out
+
+
+@torch.no_grad()
+def load_lora_state(adapters: Sequence[LoraAdapter], state: Mapping[str, torch.Tensor]) -> None:
+    """Set every adapter half from whole tensors under peft's names (each rank takes its TP slice)."""
+    for param, local in local_lora_tensors(adapters, state).items():
+        param.copy_(local.to(param.device))
 
 
 @contextmanager

@@ -57,6 +57,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,7 @@ from hybridrl.persistence import (
     discard_staging_dir,
 )
 from hybridrl.training.backend import MegatronBackend
+from hybridrl.training.lora_checkpoint import restore_lora_checkpoint, save_lora_checkpoint, write_peft_folder
 from hybridrl.training.optimizer_state import (
     OptimizerView,
     gather_sharded,
@@ -106,6 +108,11 @@ VERSION = 2
 
 def rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
+
+
+def _settings(backend: MegatronBackend) -> dict[str, Any]:
+    """A LoRA actor's adapter settings as the metadata keeps them (JSON)."""
+    return json.loads(json.dumps(asdict(backend.spec.lora)))
 
 
 def _all_ok(ok: bool, detail: str) -> None:
@@ -189,10 +196,15 @@ def save_role_checkpoint(backend: MegatronBackend, out_dir: str | Path) -> Path:
     ok, detail = True, ""
     optimizer: dict[str, Any] = {}
     entry: tuple[str, dict[str, Any]] | None = None
+    lora: dict[str, Any] | None = None
     try:
         if not backend.spec.value_head:
             save_mcore_checkpoint(backend.chunks, staging / MODEL_DIR, ctx=ctx)
-        tensors, optimizer, view = _state_tensors(backend)
+        if backend.spec.lora is not None:  # the frozen base above; the adapters and their optimizer state
+            lora = save_lora_checkpoint(backend, staging)
+            tensors, optimizer, view = {}, lora["optimizer"], OptimizerView(backend.optimizer)
+        else:
+            tensors, optimizer, view = _state_tensors(backend)
         if tensors:
             folder = staging / STATE_DIR
             folder.mkdir(exist_ok=True)
@@ -224,6 +236,9 @@ def save_role_checkpoint(backend: MegatronBackend, out_dir: str | Path) -> Path:
                     "shape": _shape(backend).to_dict(), "ranks": coords, "optimizer": optimizer,
                     "optimizer_steps": backend.schedule.step_count if backend.schedule is not None else 0,
                     "train_state": dict(e for e in files if e is not None)}
+            if lora is not None:
+                meta["lora"] = {"files": lora["files"], "settings": _settings(backend)}
+                write_peft_folder(staging, lora["files"], backend.spec.lora, backend.spec.model_path)
             (staging / METADATA).write_text(json.dumps(meta, indent=1))
             commit_staging_dir(staging, out_dir)
         dist.barrier()
@@ -323,6 +338,20 @@ def load_role_checkpoint(backend: MegatronBackend, ckpt_dir: str | Path) -> dict
     state = _load_rank_file(ckpt_dir / rank_file(source))
     if backend.optimizer is not None and state.get("optimizer") is None:
         raise RoleCheckpointError(f"{ckpt_dir} holds no optimizer state (saved from a frozen role?)")
+    if ("lora" in meta) != (backend.spec.lora is not None):
+        raise RoleCheckpointError(f"{ckpt_dir} was saved {'with' if 'lora' in meta else 'without'} LoRA adapters; "
+                                  f"this actor has {'none' if backend.spec.lora is None else 'adapters'}: resume with "
+                                  "the actor_rollout_ref.model.lora settings it was saved with")
+    if backend.spec.lora is not None:
+        if meta["lora"]["settings"] != _settings(backend):
+            raise RoleCheckpointError(f"{ckpt_dir}: saved with LoRA settings {meta['lora']['settings']}, this actor's "
+                                      f"are {_settings(backend)}")
+        load_weights(backend.chunks, ckpt_dir / MODEL_DIR)  # the frozen base
+        restore_lora_checkpoint(backend, ckpt_dir, meta)
+        load_group_settings(OptimizerView(backend.optimizer), state["optimizer"])
+        backend.schedule.load_state_dict(state["schedule"])
+        load_rng_state(state["rng"], backend.spec.device_policy)
+        return {**meta, "resharded": not same, "rng_source_rank": source}
     entries = state_entries(backend)
     store = TrainState(ckpt_dir / STATE_DIR, meta)
     try:

@@ -1,0 +1,127 @@
+"""A LoRA actor's part of a role checkpoint (`checkpointing.py`): its adapters and their optimizer state.
+
+The base is frozen, so the role's trained state is the adapters alone: each pipeline stage's adapters and Adam's
+moments of them, whole (gathered over TP, and over DP from the distributed optimizer's shards) under peft's names,
+in one safetensors file per stage (`lora_state_pp000.safetensors`: `weight/<name>`, `exp_avg/<name>`, ...),
+written by the stage's first holder (DP and CP rank 0, TP rank 0). Read back on any layout: each rank takes its
+adapters' slices of the whole tensors (`lora.local_lora_tensors`), its optimizer shard of them through the same
+`load_optimizer` as a full model's. Rank 0 also writes the checkpoint's `lora/` folder: the adapters as a Hugging
+Face PEFT adapter (`peft.PeftModel.from_pretrained` loads it onto the transformers model).
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hybridrl.models.lora import (
+    LoraAdapter,
+    LoraSettings,
+    local_lora_tensors,
+    lora_adapters,
+    lora_state,
+    save_peft_adapter,
+)
+from hybridrl.persistence import RoleCheckpointError
+from hybridrl.training.backend import MegatronBackend
+from hybridrl.training.optimizer_state import (
+    OptimizerView,
+    gather_sharded,
+    load_optimizer,
+    local_optimizer_state,
+    optimizer_summary,
+)
+from hybridrl.training.train_state import StateEntry
+
+PEFT_DIR = "lora"
+WEIGHT = "weight"
+
+
+def stage_file(stage: int) -> str:
+    return f"lora_state_pp{stage:03d}.safetensors"
+
+
+def _entries(adapters: list[LoraAdapter]) -> list[StateEntry]:
+    """One optimizer-state entry per adapter parameter (no tensor plan: the adapters are laid out by `lora`)."""
+    params = [p for adapter in adapters for p in adapter.parameters()]
+    return [StateEntry(f"adapter parameter {i}", None, param, False) for i, param in enumerate(params)]
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def save_lora_checkpoint(backend: MegatronBackend, staging: Path) -> dict[str, Any]:
+    """Collective over the role's group: write this stage's adapter file (first holders) and return the adapters'
+    optimizer summary and the files written (the same on every rank)."""
+    from safetensors.torch import save_file
+
+    ctx = backend.ctx
+    adapters = lora_adapters(backend.chunks)
+    entries = _entries(adapters)
+    view = OptimizerView(backend.optimizer)
+    error, local, summary = None, {}, None
+    try:
+        local, summary = local_optimizer_state(entries, view)
+    except Exception as exc:  # noqa: BLE001 - agreed on below, before any further collective
+        error = f"{type(exc).__name__}: {exc}"
+    summaries: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(summaries, (error, summary))
+    failed = [f"rank {r}: {e}" for r, (e, _) in enumerate(summaries) if e]
+    if failed:
+        raise RoleCheckpointError("; ".join(failed))
+    optimizer = optimizer_summary([s for _, s in summaries])
+    if optimizer["step"] is not None and view.distributed:  # each parameter's DP shards, whole on DP rank 0
+        local.update(gather_sharded(entries, local, view, optimizer["kinds"]))
+    written = None
+    if ctx.dp_rank == 0 and ctx.cp_rank == 0:  # a whole TP group of first holders: lora_state gathers over it
+        index = {id(entry.param): i for i, entry in enumerate(entries)}
+        tensors = {f"{WEIGHT}/{name}": t for name, t in lora_state(adapters).items()}
+        for kind in optimizer["kinds"] if optimizer["step"] is not None else ():
+            state = lora_state(adapters, of=lambda p, kind=kind: local[index[id(p)]][kind])
+            tensors.update({f"{kind}/{name}": t for name, t in state.items()})
+        if ctx.tp_rank == 0:
+            path = staging / stage_file(ctx.pp_rank)
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+            written = (path.name, _sha256(path))
+    files: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(files, written)
+    return {"optimizer": optimizer, "files": dict(f for f in files if f is not None)}
+
+
+def write_peft_folder(staging: Path, files: dict[str, str], settings: LoraSettings, base_model: str) -> None:
+    """Rank 0, once every stage's file is written: the adapters as a PEFT adapter folder, `lora/`."""
+    weights = {name.removeprefix(f"{WEIGHT}/"): tensor for name, tensor in _read(staging, files).items()
+               if name.startswith(f"{WEIGHT}/")}
+    save_peft_adapter(weights, settings, staging / PEFT_DIR, base_model=base_model)
+
+
+def _read(ckpt_dir: Path, files: dict[str, str]) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for name, digest in sorted(files.items()):
+        path = ckpt_dir / name
+        if not path.is_file() or _sha256(path) != digest:
+            raise RoleCheckpointError(f"{path}: missing, or not the file the checkpoint recorded (sha256)")
+        out.update(load_file(str(path)))
+    return out
+
+
+def restore_lora_checkpoint(backend: MegatronBackend, ckpt_dir: Path, meta: dict[str, Any]) -> None:
+    """Put the saved adapters and their optimizer state back, on this rank's layout (any)."""
+    saved = _read(ckpt_dir, meta["lora"]["files"])
+    by_kind: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in saved.items():
+        kind, name = key.split("/", 1)
+        by_kind.setdefault(kind, {})[name] = tensor
+    adapters = lora_adapters(backend.chunks)
+    with torch.no_grad():
+        for param, local in local_lora_tensors(adapters, by_kind.pop(WEIGHT, {})).items():
+            param.copy_(local.to(param.device))
+    local = {kind: local_lora_tensors(adapters, state) for kind, state in by_kind.items()}
+    load_optimizer(_entries(adapters), OptimizerView(backend.optimizer), meta["optimizer"],
+                   lambda kind, entry: local[kind][entry.param])
