@@ -35,6 +35,9 @@ def _plan(*overrides: str):
     ([f"{LORA}.rank=8", f"{LORA}.alpha=0"], f"{LORA}.alpha", "must be in (0"),
     ([f"{LORA}.rank=8", "trainer.export_hf_on_save=true"], "trainer.export_hf_on_save", "PEFT adapter folder"),
     ([f"{LORA}.rank=8", "trainer.device=cuda"], f"{LORA}.rank", "TransformerEngine's layers fuse the norm"),
+    ([f"{LORA}.rank=8", "actor_rollout_ref.actor.use_kl_loss=true",
+      "actor_rollout_ref.ref.megatron.param_offload=true"],
+     "actor_rollout_ref.ref.megatron.param_offload", "no weights of its own to offload"),
     (["critic.model.lora.rank=8"], "critic.model.lora.rank", "LoRA adapts the actor only"),
     ([f"{LORA}.rank=-1"], f"{LORA}.rank", "must be an integer >= 0"),
 ])
@@ -81,3 +84,25 @@ def test_the_plan_counts_the_adapters_and_no_reference_model(tp, per_layer):
     assert (f"LoRA (lora, rank 128, alpha 256) on linear_qkv, linear_proj, linear_fc1, linear_fc2: the model frozen, "
             f"the fp32 adapters train ({whole_adapters:,} parameters") in report, report
     assert "the reference is the base with the adapters off" in report
+
+
+def test_a_merged_sync_in_fp32_gets_its_own_probe_tolerance():
+    """Merging rounds (W + s B A) once where the trainer computes W x + s B (A x): a correct fp32 run at a high
+    learning rate gapped 1.5e-4 (over the 1e-4 default) after 16 steps; with adapters the fp32 default is 1e-2,
+    still far under a wrong layout's >= 1.4. An explicit rollout.probe_tolerance stays the user's."""
+    assert _plan(f"{LORA}.rank=8").resolved.probe_tolerance == 1e-2
+    assert _plan().resolved.probe_tolerance == 1e-4
+    assert _plan(f"{LORA}.rank=8", "actor_rollout_ref.rollout.probe_tolerance=1e-3").resolved.probe_tolerance == 1e-3
+
+
+def test_the_performance_table_is_the_bench_result_file():
+    import json
+
+    runs = json.loads((ROOT / "bench/results/lora.json").read_text())["runs"]
+    doc = (ROOT / "docs/performance.md").read_text()
+    for run in runs.values():
+        cells = [f"{run['val_before']:.3f}", f"{run['val_after']:.3f}", f"{run['reward_first_3']:.3f}",
+                 f"{run['reward_last_3']:.3f}", f"{run['median_step_s']:.2f}",
+                 f"{100 * run['phase_share']['update_actor']:.0f} %", f"{run['update_after_allocated_gib']:.2f}",
+                 f"{run['max_probe_gap']:.1e}"]
+        assert " | " + " | ".join(cells) + " |" in doc, cells

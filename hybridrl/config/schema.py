@@ -389,7 +389,8 @@ class RolloutConfig:
               "true = no CUDA graphs (faster start, less memory)")
     probe_tolerance: float | None = doc(
         None, "the sync's log-prob probe (trainer vs every vLLM replica) stops training above this max abs gap; "
-              "None = 1e-4 when training and rollout are fp32, else 0.5 (bf16 round-off ~0.1, a wrong layout >= 2)")
+              "None = 1e-4 when training and rollout are fp32 (1e-2 with merged LoRA adapters, whose rounding "
+              "differs from the trainer's), else 0.5 (bf16 round-off ~0.1, a wrong layout >= 2)")
     update_weights_bucket_megabytes: int = doc(
         512, "weight sync: MiB of shards gathered and handed to vLLM at a time (bounds the sync's extra memory)")
     free_cache_engine: bool | None = doc(

@@ -581,6 +581,10 @@ def _check_lora(check: _Checker, config: JobConfig, model: ModelShape | None) ->
     if config.trainer.device == "cuda":
         check.fail(f"{LORA}.rank", lora.rank, "adapters on cuda are not built yet: TransformerEngine's layers fuse "
                    "the norm into linear_qkv and linear_fc1, whose adapters need the normed input; set 0", [0])
+    ref = config.actor_rollout_ref.ref.megatron
+    if ref is not None and ref.param_offload:
+        check.fail("actor_rollout_ref.ref.megatron.param_offload", True, f"with {LORA}.rank > 0 the reference is the "
+                   "actor's own frozen base with the adapters off: it has no weights of its own to offload", [False])
     if config.trainer.export_hf_on_save:
         check.fail("trainer.export_hf_on_save", True, f"with {LORA}.rank > 0 each checkpoint holds the adapters as a "
                    "PEFT adapter folder (<checkpoint>/actor/lora); a merged Hugging Face export is not built yet",
