@@ -79,6 +79,7 @@ from hybridrl.training.backend import MegatronBackend
 from hybridrl.training.lora_checkpoint import restore_lora_checkpoint, save_lora_checkpoint, write_peft_folder
 from hybridrl.training.optimizer_state import (
     OptimizerView,
+    agreed_summaries,
     gather_sharded,
     load_group_settings,
     load_optimizer,
@@ -149,11 +150,7 @@ def _state_tensors(backend: MegatronBackend) -> tuple[dict[str, torch.Tensor], d
         local_state, summary = local_optimizer_state(entries, view) if view is not None else ({}, None)
     except Exception as exc:  # noqa: BLE001 - shared with every rank below
         error = f"{type(exc).__name__}: {exc}"
-    summaries: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(summaries, (error, summary))
-    failed = [f"rank {r}: {e}" for r, (e, _) in enumerate(summaries) if e]
-    if failed:
-        raise RoleCheckpointError("; ".join(failed))
+    summaries = agreed_summaries(ctx.world_size, error, summary)
     out: dict[str, torch.Tensor] = {}
     # This rank writes the entries whose first holder its slot is (dense: DP/CP rank 0; experts:
     # expert-DP rank 0), which are also the ranks a distributed optimizer gathers their state to.
@@ -166,7 +163,7 @@ def _state_tensors(backend: MegatronBackend) -> tuple[dict[str, torch.Tensor], d
                 out[f"{PARAM}/{entry.key}"] = entry.param.detach().cpu()
     if view is None:
         return out, {"kinds": {}, "step": None, "step_dtype": None}, None
-    optimizer = optimizer_summary([s for _, s in summaries])
+    optimizer = optimizer_summary(summaries)
     if optimizer["step"] is None:  # never stepped: the master copies equal the weights, nothing else to keep
         return out, optimizer, view
     gathered = gather_sharded(entries, local_state, view, optimizer["kinds"])

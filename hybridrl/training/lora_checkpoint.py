@@ -29,6 +29,7 @@ from hybridrl.persistence import RoleCheckpointError
 from hybridrl.training.backend import MegatronBackend
 from hybridrl.training.optimizer_state import (
     OptimizerView,
+    agreed_summaries,
     gather_sharded,
     load_optimizer,
     local_optimizer_state,
@@ -68,12 +69,7 @@ def save_lora_checkpoint(backend: MegatronBackend, staging: Path) -> dict[str, A
         local, summary = local_optimizer_state(entries, view)
     except Exception as exc:  # noqa: BLE001 - agreed on below, before any further collective
         error = f"{type(exc).__name__}: {exc}"
-    summaries: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(summaries, (error, summary))
-    failed = [f"rank {r}: {e}" for r, (e, _) in enumerate(summaries) if e]
-    if failed:
-        raise RoleCheckpointError("; ".join(failed))
-    optimizer = optimizer_summary([s for _, s in summaries])
+    optimizer = optimizer_summary(agreed_summaries(ctx.world_size, error, summary))
     if optimizer["step"] is not None and view.distributed:  # each parameter's DP shards, whole on DP rank 0
         local.update(gather_sharded(entries, local, view, optimizer["kinds"]))
     written = None

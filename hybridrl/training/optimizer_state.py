@@ -137,6 +137,17 @@ def local_optimizer_state(entries: list[StateEntry], view: OptimizerView) -> tup
     return local, summary
 
 
+def agreed_summaries(world_size: int, error: str | None, summary: Any) -> list[Any]:
+    """Collective: every rank's summary, after every rank's local failure (`error`) is known to all, so that they
+    raise together (RoleCheckpointError naming each failed rank) before any further collective."""
+    summaries: list[Any] = [None] * world_size
+    dist.all_gather_object(summaries, (error, summary))
+    failed = [f"rank {r}: {e}" for r, (e, _) in enumerate(summaries) if e]
+    if failed:
+        raise RoleCheckpointError("; ".join(failed))
+    return [s for _, s in summaries]
+
+
 def optimizer_summary(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     """One description of the optimizer state from every rank's summary (identical on all ranks)."""
     steps: dict[float, str] = {}
