@@ -245,3 +245,15 @@ def test_adapters_and_their_optimizer_state_resume_on_another_layout(tmp_path):
     state = {n.replace(".default", ""): p for n, p in loaded.named_parameters() if "lora_" in n}
     assert sorted(state) == sorted(saved[0]["saved"])
     assert all(torch.equal(state[n].detach(), t) for n, t in saved[0]["saved"].items())
+    # `hybridrl convert mcore-to-hf` of the checkpoint merges the adapters: transformers on the merged folder gives
+    # peft's logits (the base's own would differ)
+    from hybridrl.models.convert_cli import main as convert
+
+    assert convert(["mcore-to-hf", "--ckpt", str(ckpt / "model"), "--out", str(tmp_path / "merged"), "--quiet"]) == 0
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    tokens = batches[0]["input_ids"][:2]
+    with torch.no_grad():
+        expected, got = loaded(input_ids=tokens).logits, merged(input_ids=tokens).logits
+        with loaded.disable_adapter():
+            plain = loaded(input_ids=tokens).logits
+    assert (got - expected).abs().max() <= 1e-5 and (plain - expected).abs().max() > 1e-3

@@ -587,7 +587,8 @@ def _check_lora(check: _Checker, config: JobConfig, model: ModelShape | None) ->
                    "actor's own frozen base with the adapters off: it has no weights of its own to offload", [False])
     if config.trainer.export_hf_on_save:
         check.fail("trainer.export_hf_on_save", True, f"with {LORA}.rank > 0 each checkpoint holds the adapters as a "
-                   "PEFT adapter folder (<checkpoint>/actor/lora); a merged Hugging Face export is not built yet",
+                   "PEFT adapter folder (<checkpoint>/actor/lora), and `hybridrl convert mcore-to-hf --ckpt "
+                   "<checkpoint>/actor/model` writes the merged model; an export at each save is not built yet",
                    [False])
 
 

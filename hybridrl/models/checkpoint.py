@@ -471,15 +471,17 @@ def generation_config_for_export(config: Mapping[str, Any], stored: Mapping[str,
 def write_hf_checkpoint(
     reader: TensorReader, out_dir: str | Path, *, dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, force: bool = False, progress: bool = False,
+    adjust: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> Path:
     """Write `reader`'s model as an HF folder: safetensors shards (+ index), config, generation config
-    (the output checked up front, written into a staging folder renamed into place)."""
+    (the output checked up front, written into a staging folder renamed into place). `adjust(name, tensor)`:
+    each HF tensor as written (a LoRA checkpoint's adapters merged into the weights they adapt)."""
     out_dir = Path(out_dir)
     dtype = dtype or source_dtype(reader)
     check_output_dir(out_dir, force)
     check_free_space(out_dir, estimated_hf_bytes(reader.shape, dtype))
     with atomic_dir(out_dir, force) as tmp:
-        write_hf_files(reader, tmp, dtype=dtype, max_shard_bytes=max_shard_bytes, progress=progress)
+        write_hf_files(reader, tmp, dtype=dtype, max_shard_bytes=max_shard_bytes, progress=progress, adjust=adjust)
     return out_dir
 
 
@@ -490,6 +492,7 @@ def estimated_hf_bytes(shape: ModelShape, dtype: torch.dtype) -> int:
 def write_hf_files(
     reader: TensorReader, folder: Path, *, dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = False,
+    adjust: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
     """The HF folder's files written into `folder` (an existing, empty staging folder)."""
     shape: ModelShape = reader.shape
@@ -514,7 +517,8 @@ def write_hf_files(
         for fname, members in zip(names, shards):
             tensors = {}
             for name in members:
-                tensors[name] = read_hf_tensor(reader, shape, name).to(dtype).contiguous()
+                tensor = read_hf_tensor(reader, shape, name)
+                tensors[name] = (adjust(name, tensor) if adjust else tensor).to(dtype).contiguous()
                 weight_map[name] = fname
                 bar.update(1)
             save_file(tensors, str(folder / fname), metadata={"format": "pt"})

@@ -7,6 +7,9 @@
                                  [--first-stage-layers F] [--last-stage-layers L]
   hybridrl convert gguf-to-hf    --gguf FILE --out DIR [--dtype float32|bfloat16]
 
+A LoRA actor's checkpoint (`<role>/model` beside the `<role>/lora` PEFT adapter folder) exports with its adapters
+merged into the weights (W + alpha/r B A, as peft's merge_and_unload).
+
 Every command validates its input fully before writing, checks free disk space, writes into a
 staging folder next to `--out` and renames it into place at the end (`hybridrl.persistence`): on
 any error `--out` is left as it was. Megatron checkpoints are verified against their sha256 sums when read.
@@ -20,8 +23,9 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from typing import Any
 
-from hybridrl.models.arch import ParallelLayoutError, UnsupportedModelError
+from hybridrl.models.arch import ModelShape, ParallelLayoutError, UnsupportedModelError
 from hybridrl.models.gguf import GGUFError, MissingGGUFDependencyError, convert_gguf_to_hf
 from hybridrl.models.layout import ParallelLayout
 from hybridrl.persistence import CheckpointError
@@ -107,6 +111,26 @@ def _run_gguf_to_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lora_merge(ckpt: str, shape: ModelShape) -> Any:
+    """A LoRA actor's checkpoint (`<role>/model` beside `<role>/lora`, a PEFT adapter folder): its adapters, merged
+    into the exported weights (else the export would be the frozen base alone); None without one."""
+    from pathlib import Path
+
+    from hybridrl.models.layout import hf_tensor_shapes
+    from hybridrl.models.lora import PeftMerge
+
+    folder = next((f for f in (Path(ckpt) / "lora", Path(ckpt).parent / "lora") if f.is_dir()), None)
+    if folder is None:
+        return None
+    merge = PeftMerge.read(folder)
+    unknown = sorted(set(merge.weights) - set(hf_tensor_shapes(shape)))
+    if unknown:
+        raise CheckpointError(f"{folder}: adapters for weights the model does not have: {unknown[:3]}")
+    print(f"hybridrl convert: merging the LoRA adapters of {folder} (scaling {merge.scaling:g}, "
+          f"{len(merge.weights)} weights) into the export")
+    return merge
+
+
 def run(args: argparse.Namespace) -> int:
     if args.direction == "gguf-to-hf":
         return _run_gguf_to_hf(args)
@@ -132,8 +156,9 @@ def run(args: argparse.Namespace) -> int:
                       disable=not progress) as bar:
                 reader.verify(bar.update)
         if args.direction == "mcore-to-hf":
+            merge = _lora_merge(args.ckpt, reader.shape)
             out = write_hf_checkpoint(reader, args.out, dtype=dtype, max_shard_bytes=args.max_shard_size,
-                                      force=args.force, progress=progress)
+                                      force=args.force, progress=progress, adjust=merge)
         else:
             layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
                                     first_stage_layers=args.first_stage_layers,

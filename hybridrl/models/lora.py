@@ -452,3 +452,37 @@ def read_peft_adapter(folder: str | Path, settings: LoraSettings) -> dict[str, t
                              f"actor_rollout_ref.model.lora.{name}={ours!r}; set it to the adapter's")
     return load_file(str(folder / "adapter_model.safetensors"))
 
+
+@dataclass(frozen=True)
+class PeftMerge:
+    """A PEFT adapter folder as a merge of each adapted HF weight: W + (alpha / r) B A, computed in fp32 and returned
+    in W's dtype, as peft's `merge_and_unload` does; every other weight unchanged. `weights`: the HF names it
+    adapts."""
+
+    scaling: float
+    halves: dict[str, tuple[torch.Tensor, torch.Tensor]]  # HF weight name -> (A, B)
+
+    @classmethod
+    def read(cls, folder: str | Path) -> PeftMerge:
+        import json
+
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        config = json.loads((folder / "adapter_config.json").read_text())
+        tensors = load_file(str(folder / "adapter_model.safetensors"))
+        halves = {name.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight"):
+                  (a, tensors[name.replace(".lora_A.", ".lora_B.")])
+                  for name, a in tensors.items() if name.endswith(".lora_A.weight")}
+        return cls(float(config["lora_alpha"]) / int(config["r"]), halves)
+
+    @property
+    def weights(self) -> list[str]:
+        return sorted(self.halves)
+
+    def __call__(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        pair = self.halves.get(name)
+        if pair is None:
+            return weight
+        a, b = pair
+        return (weight.float() + self.scaling * (b.float() @ a.float())).to(weight.dtype)
