@@ -106,8 +106,9 @@ def _fused(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("kind,tp,pp,dp", [("canonical_lora", 2, 1, 2), ("lora", 1, 2, 1)])
-def test_a_lora_actor_step_equals_peft(tmp_path, kind, tp, pp, dp):
+@pytest.mark.parametrize("kind,tp,pp,dp,cp", [("canonical_lora", 2, 1, 2, 1), ("lora", 1, 2, 1, 1),
+                                               ("lora", 1, 1, 1, 2)])
+def test_a_lora_actor_step_equals_peft(tmp_path, kind, tp, pp, dp, cp):
     hf = build_tiny_model(tmp_path / "hf", POLICY)
     adapter = tmp_path / "adapter"
     _peft_adapter(hf, adapter, fused=kind == "lora")
@@ -123,7 +124,9 @@ def test_a_lora_actor_step_equals_peft(tmp_path, kind, tp, pp, dp):
     lora = config.actor_rollout_ref.model.lora
     lora.rank, lora.alpha, lora.type, lora.target_modules = RANK, ALPHA, kind, list(TARGETS[kind])
     lora.adapter_path = str(adapter)
-    results = run_ranks(_lora_step_rank, tp * pp * dp, config, batch, timeout_s=300)
+    config.actor_rollout_ref.actor.megatron.context_parallel_size = cp
+    config.trainer.n_gpus_per_node = tp * pp * dp * cp
+    results = run_ranks(_lora_step_rank, tp * pp * dp * cp, config, batch, timeout_s=300)
 
     from hybridrl.models.lora import read_peft_adapter
     from hybridrl.training.backend import lora_settings
