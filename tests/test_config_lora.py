@@ -106,3 +106,22 @@ def test_the_performance_table_is_the_bench_result_file():
                  f"{100 * run['phase_share']['update_actor']:.0f} %", f"{run['update_after_allocated_gib']:.2f}",
                  f"{run['max_probe_gap']:.1e}"]
         assert " | " + " | ".join(cells) + " |" in doc, cells
+
+
+def test_the_adapter_folder_is_checked_at_plan(tmp_path):
+    """`adapter_path` (what `train` reads): a PEFT folder whose rank and alpha are the config's, before any process."""
+    import json
+
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    with pytest.raises(ConfigError) as refused:
+        plan_from_sources(DEMO, [MODEL, f"{LORA}.rank=8", f"{LORA}.adapter_path={folder}"], check_files=True)
+    assert any(i.field == f"{LORA}.adapter_path" and "lacks adapter_config.json, adapter_model.safetensors"
+               in str(i) for i in refused.value.issues), refused.value
+    (folder / "adapter_config.json").write_text(json.dumps({"r": 16, "lora_alpha": 32}))
+    (folder / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError) as refused:
+        plan_from_sources(DEMO, [MODEL, f"{LORA}.rank=8", f"{LORA}.alpha=32", f"{LORA}.adapter_path={folder}"],
+                          check_files=True)
+    mine = [i for i in refused.value.issues if i.field.startswith(LORA)]
+    assert [(i.field, i.valid) for i in mine] == [(f"{LORA}.rank", (16,))], mine

@@ -103,7 +103,33 @@ def check_inputs(config: JobConfig, issues: list[ConfigIssue], *, critic: bool) 
     _check_data(config, issues, chat_template)
     _check_reward(config, issues)
     _check_sandbox(config, issues)
+    absent |= _check_adapter_folder(config, issues)
     return absent
+
+
+def _check_adapter_folder(config: JobConfig, issues: list[ConfigIssue]) -> bool:
+    """`model.lora.adapter_path`: a PEFT adapter folder whose rank and alpha are the config's (else the adapters
+    would be rescaled silently); whether it is absent."""
+    lora = config.actor_rollout_ref.model.lora
+    if not lora.adapter_path or not (isinstance(lora.rank, int) and lora.rank > 0):
+        return False
+    field, folder = "actor_rollout_ref.model.lora.adapter_path", Path(lora.adapter_path)
+    missing = [name for name in ("adapter_config.json", "adapter_model.safetensors") if not (folder / name).is_file()]
+    if missing:
+        issues.append(ConfigIssue(field, lora.adapter_path,
+                                  f"is not a PEFT adapter folder: it lacks {', '.join(missing)}"))
+        return True
+    try:
+        saved = json.loads((folder / "adapter_config.json").read_text())
+    except ValueError as exc:
+        issues.append(ConfigIssue(field, lora.adapter_path, f"holds an adapter_config.json that is not JSON ({exc})"))
+        return False
+    for key, ours, name in (("r", lora.rank, "rank"), ("lora_alpha", lora.alpha, "alpha")):
+        if saved.get(key) != ours:
+            issues.append(ConfigIssue(f"actor_rollout_ref.model.lora.{name}", ours,
+                                      f"differs from the adapter's {key}={saved.get(key)!r} ({folder}); set it to the "
+                                      "adapter's", (saved.get(key),)))
+    return False
 
 
 def _check_sandbox(config: JobConfig, issues: list[ConfigIssue]) -> None:
