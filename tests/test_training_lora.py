@@ -260,3 +260,11 @@ def test_adapters_and_their_optimizer_state_resume_on_another_layout(tmp_path):
         with loaded.disable_adapter():
             plain = loaded(input_ids=tokens).logits
     assert (got - expected).abs().max() <= 1e-5 and (plain - expected).abs().max() > 1e-3
+    # an actor whose adapters differ from the saved ones (alpha) is refused, naming both settings
+    from hybridrl.parallel.forked import RankError
+
+    other = config(2, 1, False)
+    other.actor_rollout_ref.model.lora.alpha = 2 * ALPHA
+    other.actor_rollout_ref.model.lora.adapter_path = None
+    with pytest.raises(RankError, match="saved with LoRA settings .*'alpha': 8.0.*'alpha': 16.0"):
+        run_ranks(_checkpoint_rank, 2, other, batches, str(ckpt), False, timeout_s=300)

@@ -112,8 +112,11 @@ def rank_file(rank: int) -> str:
 
 
 def _settings(backend: MegatronBackend) -> dict[str, Any]:
-    """A LoRA actor's adapter settings as the metadata keeps them (JSON)."""
-    return json.loads(json.dumps(asdict(backend.spec.lora)))
+    """A LoRA actor's adapter settings as the metadata keeps them (JSON), which a resume must match; not the seed
+    (it draws the first A only: a resumed run may change trainer.seed)."""
+    settings = asdict(backend.spec.lora)
+    settings.pop("seed")
+    return json.loads(json.dumps(settings))
 
 
 def _all_ok(ok: bool, detail: str) -> None:
