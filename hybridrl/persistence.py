@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import hashlib
 import os
 import shutil
 import sys
@@ -116,6 +117,15 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
 
 
 # ---- folders ----------------------------------------------------------------------------------------
+
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file's bytes, read in 1 MiB blocks (checkpoint files record it and are checked against it)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
 
 def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

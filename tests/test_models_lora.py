@@ -105,7 +105,7 @@ def _adapter_state(hf_dir: Path, seed: int) -> dict[str, torch.Tensor]:
     return state
 
 
-def _shared_a(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def shared_a(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`state` with the projections of each megatron layer sharing the first one's A: a fused (type lora) adapter."""
     shared = dict(state)
     for name in state:
@@ -116,7 +116,7 @@ def _shared_a(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return shared
 
 
-def _fused_grads(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def fused_grads(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """peft's gradients as a fused adapter gets them: one A for the layer's projections, so its gradient is their
     A gradients' sum (each projection's name showing it); B's rows each their projection's."""
     fused = dict(grads)
@@ -143,11 +143,11 @@ def test_adapters_equal_peft_on_the_transformers_model(hf_dir, tmp_path, tp, seq
 
     state = _adapter_state(hf_dir, 3)
     if kind == "lora":
-        state = _shared_a(state)
+        state = shared_a(state)
     weights = torch.randn(*TOKENS.shape, VOCAB, generator=torch.Generator().manual_seed(4))
     reference = _peft_reference(hf_dir, state, weights)
     if kind == "lora":
-        reference["grads"] = _fused_grads(reference["grads"])
+        reference["grads"] = fused_grads(reference["grads"])
     exported = tmp_path / "adapter"
     results = run_ranks(_lora_rank, tp, str(hf_dir), sequence_parallel, state, weights, str(exported), kind,
                         timeout_s=300)
@@ -244,7 +244,7 @@ def test_a_sync_sends_the_weights_with_the_adapters_merged(hf_dir, tp, pp, infer
 
     state = _adapter_state(hf_dir, 8)
     if kind == "lora":
-        state = _shared_a(state)
+        state = shared_a(state)
     flipped = {name: -t if ".lora_B." in name else t for name, t in state.items()}
     config = read_json(hf_dir / "config.json")
     results = run_ranks(_merged_sync_rank, tp * pp, str(hf_dir), tp, pp, infer_tp, state, kind, timeout_s=300)

@@ -14,6 +14,7 @@ from hybridrl.models.lora_targets import PROJECTIONS as LAYER_PROJECTIONS
 from hybridrl.models.lora_targets import TARGETS
 from hybridrl.parallel.forked import run_ranks
 from tests.rollout_models import build_tiny_model
+from tests.test_models_lora import fused_grads, shared_a
 from tests.test_training_actor_reference import (
     CASES,
     GRAD_RTOL,
@@ -37,17 +38,12 @@ def _peft_adapter(hf: Path, folder: Path, fused: bool) -> None:
     model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
     lora = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=HF_PROJECTIONS))
     gen = torch.Generator().manual_seed(21)
-    params = dict(lora.named_parameters())
     with torch.no_grad():
-        for name, param in params.items():
+        for name, param in lora.named_parameters():
             if "lora_" in name:
                 param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
-        if fused:
-            for name, param in params.items():
-                for projections in LAYER_PROJECTIONS.values():
-                    for other in projections[1:]:
-                        if f".{other}.lora_A." in name:
-                            param.copy_(params[name.replace(other, projections[0])])
+    if fused:
+        peft.set_peft_model_state_dict(lora, shared_a(peft.get_peft_model_state_dict(lora)))
     lora.save_pretrained(folder)
 
 
@@ -94,18 +90,6 @@ def _lora_step_rank(rank: int, world: int, config: Any, batch: Any) -> dict[str,
     }
 
 
-def _fused(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """peft's gradients as a fused adapter has them: the layer's projections share one A, whose gradient is the
-    sum of theirs (shown under each projection's name)."""
-    out = dict(grads)
-    for name in grads:
-        for projections in LAYER_PROJECTIONS.values():
-            if ".lora_A." in name and f".{projections[0]}." in name:
-                total = sum(grads[name.replace(projections[0], p)] for p in projections)
-                out.update({name.replace(projections[0], p): total for p in projections})
-    return out
-
-
 @pytest.mark.parametrize("kind,tp,pp,dp,cp", [("canonical_lora", 2, 1, 2, 1), ("lora", 1, 2, 1, 1),
                                                ("lora", 1, 1, 1, 2)])
 def test_a_lora_actor_step_equals_peft(tmp_path, kind, tp, pp, dp, cp):
@@ -119,7 +103,7 @@ def test_a_lora_actor_step_equals_peft(tmp_path, kind, tp, pp, dp, cp):
     grads = {n.replace(".default", ""): g for n, g in expected["grads"].items()}
     assert grads and all(".lora_" in n for n in grads)  # peft: the adapters alone get gradients
     if kind == "lora":
-        grads = _fused(grads)
+        grads = fused_grads(grads)
     config = actor_config(hf, case, tp=tp, pp=pp, dp=dp, rows=len(batch))
     lora = config.actor_rollout_ref.model.lora
     lora.rank, lora.alpha, lora.type, lora.target_modules = RANK, ALPHA, kind, list(TARGETS[kind])

@@ -27,6 +27,7 @@ from pathlib import Path
 from hybridrl.config.errors import ConfigIssue
 from hybridrl.config.schema import DataConfig, JobConfig, ModelConfig
 from hybridrl.data.dataset import DatasetError, FilePreview, preview_file
+from hybridrl.models.lora_targets import peft_config_mismatches
 from hybridrl.rewards.custom import RewardFunctionError, load_reward_function, signature_problem
 from hybridrl.rewards.registry import AUTO, UnknownScorerError, get_scorer, known_scorer_names, scorer_for_data_source
 from hybridrl.tools.sandbox import ENABLE_NAMESPACES, sandbox_problem
@@ -124,11 +125,10 @@ def _check_adapter_folder(config: JobConfig, issues: list[ConfigIssue]) -> bool:
     except ValueError as exc:
         issues.append(ConfigIssue(field, lora.adapter_path, f"holds an adapter_config.json that is not JSON ({exc})"))
         return False
-    for key, ours, name in (("r", lora.rank, "rank"), ("lora_alpha", lora.alpha, "alpha")):
-        if saved.get(key) != ours:
-            issues.append(ConfigIssue(f"actor_rollout_ref.model.lora.{name}", ours,
-                                      f"differs from the adapter's {key}={saved.get(key)!r} ({folder}); set it to the "
-                                      "adapter's", (saved.get(key),)))
+    for name, key, theirs in peft_config_mismatches(saved, lora.rank, lora.alpha):
+        issues.append(ConfigIssue(f"actor_rollout_ref.model.lora.{name}", getattr(lora, name),
+                                  f"differs from the adapter's {key}={theirs!r} ({folder}); set it to the adapter's",
+                                  (theirs,)))
     return False
 
 

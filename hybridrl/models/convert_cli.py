@@ -23,12 +23,15 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hybridrl.models.arch import ModelShape, ParallelLayoutError, UnsupportedModelError
 from hybridrl.models.gguf import GGUFError, MissingGGUFDependencyError, convert_gguf_to_hf
 from hybridrl.models.layout import ParallelLayout
 from hybridrl.persistence import CheckpointError
+
+if TYPE_CHECKING:  # torch: imported where used (module docstring)
+    from hybridrl.models.lora import PeftMerge
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -111,7 +114,7 @@ def _run_gguf_to_hf(args: argparse.Namespace) -> int:
     return 0
 
 
-def _lora_merge(ckpt: str, shape: ModelShape) -> Any:
+def _lora_merge(ckpt: str, shape: ModelShape) -> PeftMerge | None:
     """A LoRA actor's checkpoint (`<role>/model` beside `<role>/lora`, a PEFT adapter folder): its adapters, merged
     into the exported weights (else the export would be the frozen base alone); None without one."""
     from pathlib import Path

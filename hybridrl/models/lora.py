@@ -43,7 +43,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridrl.models.lora_targets import A_INIT_METHODS, PROJECTIONS, ROW_PARALLEL, adapted_projections
+from hybridrl.models.lora_targets import (
+    A_INIT_METHODS,
+    PROJECTIONS,
+    ROW_PARALLEL,
+    adapted_projections,
+    peft_config_mismatches,
+)
 
 
 @dataclass(frozen=True)
@@ -437,20 +443,27 @@ def save_peft_adapter(state: dict[str, torch.Tensor], settings: LoraSettings, fo
     return Path(folder)
 
 
-def read_peft_adapter(folder: str | Path, settings: LoraSettings) -> dict[str, torch.Tensor]:
-    """A PEFT adapter folder's tensors under peft's names, for `load_lora_state`, after checking that its rank and
-    alpha are the settings' (a different alpha would silently rescale every adapter)."""
+def _read_peft_folder(folder: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
+    """A PEFT adapter folder's adapter_config.json and its tensors under peft's names."""
     import json
 
     from safetensors.torch import load_file
 
+    return (json.loads((folder / "adapter_config.json").read_text()),
+            load_file(str(folder / "adapter_model.safetensors")))
+
+
+def read_peft_adapter(folder: str | Path, settings: LoraSettings) -> dict[str, torch.Tensor]:
+    """A PEFT adapter folder's tensors under peft's names, for `load_lora_state`, after checking that its rank and
+    alpha are the settings' (`hybridrl plan` checks them too; this guards callers that skip it)."""
     folder = Path(folder)
-    config = json.loads((folder / "adapter_config.json").read_text())
-    for key, ours, name in (("r", settings.rank, "rank"), ("lora_alpha", settings.alpha, "alpha")):
-        if config.get(key) != ours:
-            raise ValueError(f"{folder}: the adapter's {key}={config.get(key)!r} differs from "
-                             f"actor_rollout_ref.model.lora.{name}={ours!r}; set it to the adapter's")
-    return load_file(str(folder / "adapter_model.safetensors"))
+    config, tensors = _read_peft_folder(folder)
+    differ = [f"the adapter's {key}={theirs!r} differs from actor_rollout_ref.model.lora.{name}="
+              f"{getattr(settings, name)!r}" for name, key, theirs in peft_config_mismatches(config, settings.rank,
+                                                                                                settings.alpha)]
+    if differ:
+        raise ValueError(f"{folder}: {'; '.join(differ)}; set them to the adapter's")
+    return tensors
 
 
 @dataclass(frozen=True)
@@ -464,13 +477,7 @@ class PeftMerge:
 
     @classmethod
     def read(cls, folder: str | Path) -> PeftMerge:
-        import json
-
-        from safetensors.torch import load_file
-
-        folder = Path(folder)
-        config = json.loads((folder / "adapter_config.json").read_text())
-        tensors = load_file(str(folder / "adapter_model.safetensors"))
+        config, tensors = _read_peft_folder(Path(folder))
         halves = {name.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight"):
                   (a, tensors[name.replace(".lora_A.", ".lora_B.")])
                   for name, a in tensors.items() if name.endswith(".lora_A.weight")}

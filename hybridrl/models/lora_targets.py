@@ -9,6 +9,8 @@ Two kinds of adapter (verl's `actor_rollout_ref.model.lora.type`):
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 # megatron's layers -> the Hugging Face projections they hold, in their output order
 PROJECTIONS: dict[str, tuple[str, ...]] = {
     "linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
@@ -50,3 +52,11 @@ def adapter_elements_per_layer(kind: str, targets: tuple[str, ...], rank: int, *
         else:
             total += parts * rank * inputs[module] + sum(rows[p] for p in mine) * rank // tp
     return total
+
+
+def peft_config_mismatches(saved: Mapping[str, object], rank: int, alpha: float) -> list[tuple[str, str, object]]:
+    """(our field, PEFT key, the adapter's value) where a PEFT adapter_config.json's rank or alpha differs from
+    ours: loading it as it stands would rescale every adapter silently."""
+    return [(name, key, saved.get(key)) for key, ours, name in (("r", rank, "rank"), ("lora_alpha", alpha, "alpha"))
+            if saved.get(key) != ours]
+

@@ -54,7 +54,6 @@ same file.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import asdict
@@ -74,6 +73,7 @@ from hybridrl.persistence import (
     atomic_file,
     commit_staging_dir,
     discard_staging_dir,
+    file_sha256,
 )
 from hybridrl.training.backend import MegatronBackend
 from hybridrl.training.lora_checkpoint import restore_lora_checkpoint, save_lora_checkpoint, write_peft_folder
@@ -221,7 +221,7 @@ def save_role_checkpoint(backend: MegatronBackend, out_dir: str | Path) -> Path:
         target = staging / rank_file(ctx.rank)
         with atomic_file(target) as partial_file:
             torch.save(state, partial_file)
-        (staging / (target.name + ".sha256")).write_text(_file_sha256(target) + "\n")
+        (staging / (target.name + ".sha256")).write_text(file_sha256(target) + "\n")
     except Exception as exc:  # noqa: BLE001
         ok, detail = False, f"{type(exc).__name__}: {exc}"
     try:
@@ -251,20 +251,12 @@ def save_role_checkpoint(backend: MegatronBackend, out_dir: str | Path) -> Path:
 
 # ---- reading ------------------------------------------------------------------------------------------
 
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _load_rank_file(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise RoleCheckpointError(f"{path} is missing (each rank of the saved layout writes one)")
     sidecar = path.with_name(path.name + ".sha256")
     if sidecar.is_file():  # older checkpoints have none
-        expected, actual = sidecar.read_text().strip(), _file_sha256(path)
+        expected, actual = sidecar.read_text().strip(), file_sha256(path)
         if actual != expected:
             raise RoleCheckpointError(f"{path}: sha256 {actual[:16]}... does not match the saved {expected[:16]}... "
                                       "(the file was modified or truncated after the save)")

@@ -10,7 +10,6 @@ Face PEFT adapter (`peft.PeftModel.from_pretrained` loads it onto the transforme
 """
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +19,13 @@ import torch.distributed as dist
 from hybridrl.models.lora import (
     LoraAdapter,
     LoraSettings,
+    load_lora_state,
     local_lora_tensors,
     lora_adapters,
     lora_state,
     save_peft_adapter,
 )
-from hybridrl.persistence import RoleCheckpointError
+from hybridrl.persistence import RoleCheckpointError, file_sha256
 from hybridrl.training.backend import MegatronBackend
 from hybridrl.training.optimizer_state import (
     OptimizerView,
@@ -49,10 +49,6 @@ def _entries(adapters: list[LoraAdapter]) -> list[StateEntry]:
     """One optimizer-state entry per adapter parameter (no tensor plan: the adapters are laid out by `lora`)."""
     params = [p for adapter in adapters for p in adapter.parameters()]
     return [StateEntry(f"adapter parameter {i}", None, param, False) for i, param in enumerate(params)]
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def save_lora_checkpoint(backend: MegatronBackend, staging: Path) -> dict[str, Any]:
@@ -82,7 +78,7 @@ def save_lora_checkpoint(backend: MegatronBackend, staging: Path) -> dict[str, A
         if ctx.tp_rank == 0:
             path = staging / stage_file(ctx.pp_rank)
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
-            written = (path.name, _sha256(path))
+            written = (path.name, file_sha256(path))
     files: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(files, written)
     return {"optimizer": optimizer, "files": dict(f for f in files if f is not None)}
@@ -101,7 +97,7 @@ def _read(ckpt_dir: Path, files: dict[str, str]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, digest in sorted(files.items()):
         path = ckpt_dir / name
-        if not path.is_file() or _sha256(path) != digest:
+        if not path.is_file() or file_sha256(path) != digest:
             raise RoleCheckpointError(f"{path}: missing, or not the file the checkpoint recorded (sha256)")
         out.update(load_file(str(path)))
     return out
@@ -115,9 +111,7 @@ def restore_lora_checkpoint(backend: MegatronBackend, ckpt_dir: Path, meta: dict
         kind, name = key.split("/", 1)
         by_kind.setdefault(kind, {})[name] = tensor
     adapters = lora_adapters(backend.chunks)
-    with torch.no_grad():
-        for param, local in local_lora_tensors(adapters, by_kind.pop(WEIGHT, {})).items():
-            param.copy_(local.to(param.device))
+    load_lora_state(adapters, by_kind.pop(WEIGHT, {}))
     local = {kind: local_lora_tensors(adapters, state) for kind, state in by_kind.items()}
     load_optimizer(_entries(adapters), OptimizerView(backend.optimizer), meta["optimizer"],
                    lambda kind, entry: local[kind][entry.param])
