@@ -114,6 +114,12 @@ class RolloutDriver:
         # a call in flight ends when the groups are torn down (the daemon thread then exits on _stop)
         self._thread.join(timeout=5)
 
+    def ended(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the driver's thread to end (after `stop()` and the groups' teardown,
+        which ends any call it had in flight); whether it did."""
+        self._thread.join(timeout=timeout_s)
+        return not self._thread.is_alive()
+
     def raise_if_failed(self) -> None:
         """The groups' watchdog: the driver's failure, raised in the trainer's thread."""
         if self.error is not None:

@@ -70,6 +70,9 @@ from hybridrl.workers.rollout_worker import RolloutWorker
 
 PAD_UID_PREFIX = "__pad__"
 VAL_GENERATIONS = "val_generations.jsonl"  # trainer.log_val_generations writes here, in the run dir
+# a failed attempt's rollout thread ends once the teardown failed its call in flight (seconds, here); a
+# restart waits this long for it before giving up
+STOPPED_DRIVER_WAIT_S = 120.0
 
 
 class TrainingFailure(RuntimeError):
@@ -152,6 +155,7 @@ class Trainer:
         # disaggregated: vLLM's own pool and group (colocated: rollout_group is the actor group)
         self.rollout_pool = self.rollout_group = None
         self.driver: RolloutDriver | None = None  # rollout.async_mode one_step_off / fully_async
+        self._stopped_driver: RolloutDriver | None = None  # a failed attempt's, until its thread ended
 
     # ------------------------------------------------------------------------------ set-up
     def _build_data(self) -> None:
@@ -769,7 +773,7 @@ class Trainer:
         finally:
             if self.driver is not None:
                 self.driver.stop()
-                self.driver = None
+                self._stopped_driver, self.driver = self.driver, None
 
     def _train_loop(self, tracker: Tracker, guard: NonFiniteGuard, bar: Any) -> None:
         cfg = self.config
@@ -812,6 +816,7 @@ class Trainer:
         """Tear every group down, go back to `last_checkpoint` (or step 0), and log why (and when the
         failure was detected: `detected_at`, wall-clock seconds)."""
         self._shutdown_workers()
+        self._await_stopped_driver(failure.step)
         self.checkpoints.remove_partials()  # a save the failure interrupted
         if self.last_checkpoint is not None:
             resume_step = int(self.checkpoints.read_state(self.last_checkpoint)["global_step"])
@@ -832,6 +837,16 @@ class Trainer:
             "cause": str(error).splitlines()[0], "detected_at": detected_at, "resume_step": resume_step,
             "resume_from": str(self.last_checkpoint) if self.last_checkpoint is not None else None,
         })
+
+    def _await_stopped_driver(self, step: int) -> None:
+        """The failed attempt's rollout thread must be gone before new groups start: it reads the trainer's
+        groups and prompt stream, so a thread still running would call into the new workers or take a prompt
+        batch of the resumed run. The teardown just ended any call it had in flight."""
+        driver, self._stopped_driver = self._stopped_driver, None
+        if driver is not None and not driver.ended(STOPPED_DRIVER_WAIT_S):
+            raise TrainingFailure(step, Phase.SETUP, (
+                f"the rollout driver of the failed attempt was still running {STOPPED_DRIVER_WAIT_S:.0f} s after "
+                "its workers were torn down; restarting would let it call into the new workers"))
 
     def _prompt_stream(self):
         """Prompt batches across epochs (the loader reshuffles per epoch and resumes mid-epoch)."""
