@@ -23,7 +23,11 @@ def _plan(*overrides: str):
 
 
 @pytest.mark.parametrize("overrides,field,phrase", [
-    ([f"{LORA}.rank=8", f"{LORA}.merge=false"], f"{LORA}.merge", "vLLM serving the adapters themselves"),
+    ([f"{LORA}.rank=8", f"{LORA}.merge=false", "actor_rollout_ref.rollout.mode=disaggregated",
+      "actor_rollout_ref.rollout.n_gpus_per_node=1", "trainer.n_gpus_per_node=1"], f"{LORA}.merge",
+     "built for the colocated rollout"),
+    ([f"{LORA}.rank=640", f"{LORA}.alpha=640", f"{LORA}.merge=false"], f"{LORA}.rank",
+     "vLLM serves adapters of rank <= 512"),
     ([f"{LORA}.rank=8", f"{LORA}.type=canonical_lora", f"{LORA}.target_modules=[linear_qkv]"],
      f"{LORA}.target_modules", "is not a known canonical_lora target"),
     ([f"{LORA}.rank=8", f"{LORA}.target_modules=[*.layers.0.*.linear_qkv]"], f"{LORA}.target_modules",
@@ -93,6 +97,11 @@ def test_a_merged_sync_in_fp32_gets_its_own_probe_tolerance():
     assert _plan(f"{LORA}.rank=8").resolved.probe_tolerance == 1e-2
     assert _plan().resolved.probe_tolerance == 1e-4
     assert _plan(f"{LORA}.rank=8", "actor_rollout_ref.rollout.probe_tolerance=1e-3").resolved.probe_tolerance == 1e-3
+    # adapters served by vLLM (merge false) are computed as the trainer does, W x + s B (A x): the fp32 default
+    served = _plan(f"{LORA}.rank=8", f"{LORA}.merge=false").resolved
+    assert served.probe_tolerance == 1e-4 and served.serves_adapters and served.lora_rank == 8
+    assert not _plan(f"{LORA}.rank=8").resolved.serves_adapters
+    assert not _plan(f"{LORA}.merge=false").resolved.serves_adapters  # no adapters: nothing to serve
 
 
 def test_the_performance_table_is_the_bench_result_file():

@@ -681,6 +681,33 @@ def test_lora_grpo_raises_the_reward_proves_each_merged_sync_and_takes_the_base_
     # the checkpoint holds the adapters as a PEFT adapter folder
     peft_config = json.loads((run / CKPT / "global_step_40" / "actor" / "lora" / "adapter_config.json").read_text())
     assert (peft_config["r"], peft_config["lora_alpha"]) == (64, 64.0)
-    assert max(r["reshard/probe_max_abs_gap"] for r in rows) <= 1e-4
+
+
+def test_lora_served_by_vllm_generates_from_the_adapters_and_each_sync_moves_them_alone(demo_assets, tmp_path):
+    """actor_rollout_ref.model.lora.merge=false: vLLM serves the base, written once, and the current adapter, loaded
+    at each sync (the PEFT adapter alone: the plan's figure, every step). What vLLM generates from is the trained
+    policy: each step's rollout log-probs equal the trainer's (the old-log-prob pass, <= 1e-4) while the policy
+    moves away from the base (the KL to the reference, the base, grows), and every sync's probe passes."""
+    from hybridrl.config import plan_from_sources
+    from hybridrl.config.plan import lora_elements_per_layer
+
+    run = tmp_path / "run"
+    overrides = demo_overrides(
+        demo_assets, run, "trainer.total_training_steps=4", "actor_rollout_ref.model.lora.rank=64",
+        "actor_rollout_ref.model.lora.alpha=64", "actor_rollout_ref.model.lora.merge=false",
+        "actor_rollout_ref.actor.optim.lr=3e-3", "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.kl_loss_coef=0.01", "actor_rollout_ref.actor.old_log_prob=recompute",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2")
+    result = _train("configs/examples/cpu_tiny_grpo.yaml", overrides)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    plan = plan_from_sources("configs/examples/cpu_tiny_grpo.yaml", overrides)
+    lora, model = plan.config.actor_rollout_ref.model.lora, plan.model
+    adapter_bytes = 4 * lora_elements_per_layer(lora, model, 1, peft_form=True) * model.num_layers
+    rows = [r for r in _metrics(run) if "event" not in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for row in rows:
+        assert row["reshard/adapter_bytes"] == adapter_bytes and "reshard/bytes_received" not in row, row
+        assert row["reshard/probe_max_abs_gap"] <= 1e-4
+        assert row["rollout/log_prob_abs_diff_max"] <= 1e-4, row["rollout/log_prob_abs_diff_max"]
     kl = [r["actor/kl_loss"] for r in rows]
     assert abs(kl[0]) < 1e-6 and kl[-1] > 1e-4, kl

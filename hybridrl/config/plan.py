@@ -442,13 +442,15 @@ def _role_on_gpu(memory: TrainingMemory, layout: RoleLayout, *, grads: bool | No
                                                       mc.expert_tensor_parallel_size))
 
 
-def lora_elements_per_layer(lora: LoraConfig, model: ModelShape, tp: int) -> int:
-    """A LoRA actor's adapter elements per decoder layer on one TP rank (0 without adapters)."""
+def lora_elements_per_layer(lora: LoraConfig, model: ModelShape, tp: int, peft_form: bool = False) -> int:
+    """A LoRA actor's adapter elements per decoder layer on one TP rank (0 without adapters); `peft_form`: in a PEFT
+    folder (what a served-adapter sync moves: `lora_targets.adapter_elements_per_layer`)."""
     if lora.rank <= 0:
         return 0
     return adapter_elements_per_layer(lora.type, lora.targets, lora.rank, hidden=model.hidden_size,
                                       q_rows=model.num_attention_heads * model.head_dim,
-                                      kv_rows=model.num_kv_heads * model.head_dim, ffn=model.ffn_hidden_size, tp=tp)
+                                      kv_rows=model.num_kv_heads * model.head_dim, ffn=model.ffn_hidden_size, tp=tp,
+                                      peft_form=peft_form)
 
 
 def _gpu_memory(config: JobConfig, resolved: Resolved, policy: DevicePolicy, memories: tuple[TrainingMemory, ...],

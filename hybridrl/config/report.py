@@ -119,6 +119,13 @@ def lora_line(plan: Plan) -> str:
         line += f" ({total:,} parameters, {100 * total / model.param_count():.2f} % of the model's)"
     if plan.resolved.ref_enabled:
         line += "; the reference is the base with the adapters off (no second model)"
+    if plan.resolved.serves_adapters:
+        moved = ""
+        if model is not None:  # the PEFT folder's tensors (a fused adapter's A once per projection), fp32
+            served = 4 * lora_elements_per_layer(lora, model, 1, peft_form=True) * model.num_layers
+            moved = f" ({served:,} bytes: the PEFT adapter, to every rollout rank)"
+        return line + ("; vLLM serves the adapters (merge false): the first sync writes the base as below, each "
+                       f"later one moves the adapters alone{moved}")
     return line + "; each weight sync merges them into the served weights (W + alpha/rank B A)"
 
 

@@ -56,6 +56,11 @@ class Resolved:
     # ... and whose model.shared_prefix does: the user's value, or where unset whether a packed role's
     # rows sharing a prompt can hold it once here (`shared_prefix`).
     shared_prefix_sections: tuple[str, ...] = ()
+    # The actor's LoRA adapters (actor_rollout_ref.model.lora): their rank (0 = the whole model trains), and
+    # whether vLLM serves them itself (lora.merge false: each sync moves the adapters alone) rather than
+    # weights with the adapters merged in.
+    lora_rank: int = 0
+    serves_adapters: bool = False
 
     @property
     def total_ranks(self) -> int:
@@ -108,9 +113,9 @@ def model_section_of(role: str) -> str:
     return next(section for section, roles in MODEL_SECTIONS.items() if Role(role) in roles)
 
 
-def _has_adapters(config: JobConfig) -> bool:
+def _lora_rank(config: JobConfig) -> int:
     rank = config.actor_rollout_ref.model.lora.rank
-    return isinstance(rank, int) and rank > 0
+    return rank if isinstance(rank, int) and rank > 0 else 0
 
 
 def resolve(config: JobConfig, model: ModelShape | None = None) -> Resolved:
@@ -118,6 +123,8 @@ def resolve(config: JobConfig, model: ModelShape | None = None) -> Resolved:
     (the actor's shape, when its config.json was readable) for the defaults that depend on it."""
     trainer, actor = config.trainer, config.actor_rollout_ref.actor
     rollout = config.actor_rollout_ref.rollout
+    lora_rank = _lora_rank(config)
+    serves_adapters = lora_rank > 0 and config.actor_rollout_ref.model.lora.merge is False
     device = trainer.device
     # An unknown device is reported by validation; until then the CPU defaults stand in for it.
     policy = DEVICE_POLICIES.get(device, CPU)
@@ -169,7 +176,7 @@ def resolve(config: JobConfig, model: ModelShape | None = None) -> Resolved:
         if isinstance(rollout.update_weights_bucket_megabytes, int) else 0,
         probe_tolerance=probe_tolerance(rollout.probe_tolerance, actor.megatron.dtype or policy.default_train_dtype,
                                          rollout.dtype or policy.default_rollout_dtype,
-                                         merged_adapters=_has_adapters(config)),
+                                         merged_adapters=lora_rank > 0 and not serves_adapters),
         disaggregated=disaggregated,
         rollout_world=rollout_world,
         free_cache_engine=not disaggregated if rollout.free_cache_engine is None else bool(rollout.free_cache_engine),
@@ -178,6 +185,8 @@ def resolve(config: JobConfig, model: ModelShape | None = None) -> Resolved:
         stale_samples=rollout.stale_samples or "drop",
         partial_rollout=True if rollout.partial_rollout is None else bool(rollout.partial_rollout),
         packed_sections=tuple(packed),
+        lora_rank=lora_rank,
+        serves_adapters=serves_adapters,
         shared_prefix_sections=tuple(shared),
     )
 

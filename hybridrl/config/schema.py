@@ -165,8 +165,9 @@ class LoraConfig:
                                                   "(kaiming_uniform_ with a = sqrt(5), peft's); B starts at zero")
     lora_B_init_method: LoraBInit = doc("zero", "B's first values (zero: the adapted model starts as the base)")
     merge: bool = doc(True, "the weight sync merges the adapters into the weights vLLM serves (W + (alpha / rank) "
-                            "B A, through the resharder). verl's default is false (vLLM serving the adapters "
-                            "themselves), which hybridrl has not built: false is refused")
+                            "B A, through the resharder); false (verl's default): vLLM serves the adapters itself, "
+                            "the base written once and each later sync moving the adapters alone (colocated "
+                            "rollouts, rank <= 512)")
     dtype: Dtype | None = doc(None, "the adapters' parameter dtype: null = fp32 (they train in fp32 whatever the "
                                     "model's dtype; verl: the model's), fp32; others refused")
     adapter_path: str | None = doc(None, "a Hugging Face PEFT adapter folder to start from (adapter_config.json, "

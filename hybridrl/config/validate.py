@@ -46,7 +46,7 @@ from hybridrl.config.schema import (
 )
 from hybridrl.models.arch import DEFAULT_VOCAB_DIVISOR, ModelShape
 from hybridrl.models.layout import ParallelLayout
-from hybridrl.models.lora_targets import TARGETS
+from hybridrl.models.lora_targets import TARGETS, VLLM_LORA_RANKS
 from hybridrl.models.vllm_layout import vllm_padded_vocab
 from hybridrl.names import Role
 from hybridrl.parallel.device_policy import (
@@ -564,8 +564,6 @@ def _check_lora(check: _Checker, config: JobConfig, model: ModelShape | None) ->
             check.fail(f"{LORA}.target_modules", lora.target_modules, "adapts nothing: name the layers to adapt",
                        valid)
     refused = [("dropout_position", lora.dropout_position, "pre", "dropout after the adapter (post) is not built"),
-               ("merge", lora.merge, True, "vLLM serving the adapters themselves (a LoRARequest per sync) is not "
-                "built yet: the sync merges them into the weights vLLM serves (true)"),
                ("dtype", lora.dtype, "fp32", "adapters train in fp32 (null or fp32); lower precision is not built"),
                ("a2a_experimental", lora.a2a_experimental, False, "Megatron-Bridge's all-to-all adapters are not "
                 "built"),
@@ -585,6 +583,14 @@ def _check_lora(check: _Checker, config: JobConfig, model: ModelShape | None) ->
     if ref is not None and ref.param_offload:
         check.fail("actor_rollout_ref.ref.megatron.param_offload", True, f"with {LORA}.rank > 0 the reference is the "
                    "actor's own frozen base with the adapters off: it has no weights of its own to offload", [False])
+    if lora.merge is False:
+        if config.actor_rollout_ref.rollout.mode == "disaggregated":
+            check.fail(f"{LORA}.merge", False, "vLLM serving the adapters is built for the colocated rollout; with "
+                       "actor_rollout_ref.rollout.mode=disaggregated the cross-pool sync sends merged weights: set "
+                       "true", [True])
+        if isinstance(lora.rank, int) and lora.rank > VLLM_LORA_RANKS[-1]:
+            check.fail(f"{LORA}.rank", lora.rank, f"vLLM serves adapters of rank <= {VLLM_LORA_RANKS[-1]}; with a "
+                       f"higher rank set {LORA}.merge true (merged syncs)", [VLLM_LORA_RANKS[-1]])
     if config.trainer.export_hf_on_save:
         check.fail("trainer.export_hf_on_save", True, f"with {LORA}.rank > 0 each checkpoint holds the adapters as a "
                    "PEFT adapter folder (<checkpoint>/actor/lora), and `hybridrl convert mcore-to-hf --ckpt "

@@ -34,9 +34,10 @@ def adapted_projections(kind: str, targets: tuple[str, ...]) -> frozenset[str]:
 
 
 def adapter_elements_per_layer(kind: str, targets: tuple[str, ...], rank: int, *, hidden: int, q_rows: int,
-                               kv_rows: int, ffn: int, tp: int = 1) -> int:
+                               kv_rows: int, ffn: int, tp: int = 1, peft_form: bool = False) -> int:
     """One decoder layer's adapter elements on one TP rank (a column-parallel layer's A whole on each rank and B
-    split; a row-parallel layer's A split and B whole), as `hybridrl.models.lora` builds them."""
+    split; a row-parallel layer's A split and B whole), as `hybridrl.models.lora` builds them; `peft_form`: as a
+    PEFT folder holds them (an A per projection, a fused adapter's shared A repeated)."""
     adapted = adapted_projections(kind, targets)
     rows = {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows, "o_proj": hidden, "gate_proj": ffn,
             "up_proj": ffn, "down_proj": hidden}
@@ -46,7 +47,7 @@ def adapter_elements_per_layer(kind: str, targets: tuple[str, ...], rank: int, *
         mine = [p for p in projections if p in adapted]
         if not mine:
             continue
-        parts = 1 if kind == "lora" else len(mine)
+        parts = 1 if kind == "lora" and not peft_form else len(mine)
         if module in ROW_PARALLEL:
             total += parts * rank * inputs[module] // tp + sum(rows[p] for p in mine) * rank
         else:
@@ -60,3 +61,16 @@ def peft_config_mismatches(saved: Mapping[str, object], rank: int, alpha: float)
     return [(name, key, saved.get(key)) for key, ours, name in (("r", rank, "rank"), ("lora_alpha", alpha, "alpha"))
             if saved.get(key) != ours]
 
+
+
+# vLLM's LoRAConfig.max_lora_rank takes these values only (vllm/config/lora.py, MaxLoRARanks): an engine serving
+# adapters of rank r is built with the first one >= r
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds adapters of `rank`."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(f"vLLM serves adapters of rank <= {VLLM_LORA_RANKS[-1]}; this one has rank {rank}")

@@ -57,6 +57,9 @@ class ReshardConfig:
     # Keep the largest bucket's send/receive buffers between syncs (`exchange.ScratchBuffers`); the
     # workers take it from `DevicePolicy.reshard_keeps_buffers`.
     keep_buffers: bool = False
+    # A LoRA actor's adapters merged into the weights it sends (lora.merge true); false: the base weights
+    # alone (vLLM serves the adapters itself, `reshard.adapter_sync`)
+    merge_adapters: bool = True
 
 
 @dataclass(frozen=True)
@@ -137,7 +140,7 @@ class Resharder:
         if (coord.tp, coord.pp, coord.dp, coord.cp) != (ctx.tp_rank, ctx.pp_rank, ctx.dp_rank, ctx.cp_rank):
             raise ValueError(f"rank {self.rank}: mesh says {coord}, megatron says tp {ctx.tp_rank} pp "
                              f"{ctx.pp_rank} dp {ctx.dp_rank} cp {ctx.cp_rank} (rank order must be tp-cp-dp-pp)")
-        sources = training_sources(models, self.mesh, self.rank)
+        sources = training_sources(models, self.mesh, self.rank, merge_adapters=self.config.merge_adapters)
         self.shape, self._tensors, self.device = sources.shape, sources.tensors, sources.device
         # One transfer dtype, known alike on every rank (the plan's bucket sizes depend on it): the
         # requested output dtype, else megatron's params_dtype. Tensors kept in another dtype (the
@@ -258,9 +261,11 @@ class TrainingSources:
     etp: int | None = None  # the expert TP when it differs from TP
 
 
-def training_sources(models: Sequence[Any], mesh: TrainingMesh, rank: int) -> TrainingSources:
+def training_sources(models: Sequence[Any], mesh: TrainingMesh, rank: int,
+                     merge_adapters: bool = True) -> TrainingSources:
     """This rank's megatron chunks as the tensors a plan reads (`Piece.mcore_name` of `Piece.chunk`),
-    checked against the mesh the plan lays the model out by."""
+    checked against the mesh the plan lays the model out by; a LoRA actor's adapters merged in unless
+    `merge_adapters` is false (its base weights alone)."""
     chunks = [unwrap_model(m) for m in models]
     infos = [chunk_info(m) for m in chunks]
     # the plan places layers by the mesh's split, the models were built by theirs: one layout
@@ -272,7 +277,8 @@ def training_sources(models: Sequence[Any], mesh: TrainingMesh, rank: int) -> Tr
     tensors = [{name: t.detach() for name, t in chunk_tensors(model)[1].items()} for model in chunks]
     first = next(iter(tensors[0].values()))
     # A LoRA actor's adapters are merged into the weights they adapt as these are read (`lora.merged_weights`).
-    merged = [merged_weights(model, chunk) for model, chunk in zip(chunks, tensors, strict=True)]
+    merged = ([merged_weights(model, chunk) for model, chunk in zip(chunks, tensors, strict=True)]
+              if merge_adapters else tensors)
     return TrainingSources(infos[0].source.shape, merged, first.device, chunks[0].config.params_dtype,
                            built.ep, built.etp)
 

@@ -97,7 +97,8 @@ class ContinuousGeneration:
         sample.request_id = f"stream-{self._next_request}"
         self._next_request += 1
         self.engine.llm.llm_engine.add_request(sample.request_id,
-                                               {"prompt_token_ids": group.prompt + sample.tokens}, params)
+                                               {"prompt_token_ids": group.prompt + sample.tokens}, params,
+                                               lora_request=self.engine.adapter)
         self._active[sample.request_id] = (group, sample)
 
     def submit(self, prompt_token_ids: Sequence[Sequence[int]], uids: Sequence[Any], sampling: RolloutSampling,

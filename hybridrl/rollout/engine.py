@@ -48,13 +48,14 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 
 from hybridrl.config.estimates import CPU_KV_BLOCK_SIZE
 from hybridrl.data.batch import Batch
+from hybridrl.models.lora_targets import vllm_lora_rank
 from hybridrl.parallel.cpu_matmul import onednn_matmul_setting
 from hybridrl.parallel.device import default_dtype_for, resolve_device
 from hybridrl.parallel.device_policy import DevicePolicy
@@ -64,6 +65,9 @@ from hybridrl.rollout.agent_loop import AgentLoop, RoundRunner, ToolRound, TurnO
 from hybridrl.rollout.sampling import SEED_RANGE, RolloutSampling
 from hybridrl.rollout.turn_rewards import turn_scores_row
 from hybridrl.tools import Observation
+
+if TYPE_CHECKING:
+    from vllm.lora.request import LoRARequest
 
 WeightFormat = Literal["hf", "vllm_shard"]
 
@@ -101,6 +105,9 @@ class RolloutEngineConfig:
     # to, per MoE layer (`routed_experts`), recorded by a hook on vLLM's V1 runner
     # (`vllm_patches.record_routed_experts`; vLLM's own output of it needs Model Runner V2).
     return_routed_experts: bool = False
+    # LoRA served by vLLM (lora.merge false): the adapters' rank; 0 = vLLM serves plain weights. vLLM then
+    # wraps each adaptable layer (its weights under `<layer>.base_layer`) and holds one adapter at a time.
+    lora_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.infer_tp < 1:
@@ -147,6 +154,10 @@ def vllm_engine_kwargs(config: RolloutEngineConfig, device: str, distributed: bo
     )
     if config.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
+    if config.lora_rank > 0:
+        # one adapter: the policy's current one (a sync loads the next version, which evicts the last)
+        kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(config.lora_rank), max_loras=1,
+                      max_cpu_loras=1)
     if not DevicePolicy.for_device(device).vllm_chunked_prefill:
         # Every request carries a seed, and vLLM rewinds a seeded request's generator after each
         # partial prefill step, which this device's generator cannot (see DevicePolicy).
@@ -271,12 +282,24 @@ def _expected_shape(module: torch.nn.Module, param_name: str, param: torch.Tenso
     raise RuntimeError(f"cannot tell the shape of the repacked parameter {param_name!r} of {type(module).__name__}")
 
 
+# With LoRA enabled vLLM wraps each adaptable layer and moves its weights to `<layer>.base_layer`; hybridrl names
+# them as vLLM's plain model does (what the resharder writes and digests).
+LORA_BASE = ".base_layer"
+
+
+def _layer(model: torch.nn.Module, module_name: str) -> torch.nn.Module:
+    """The vLLM layer `module_name` holding its own parameters (a LoRA wrapper's base layer)."""
+    module = model.get_submodule(module_name)
+    return getattr(module, LORA_BASE[1:], module)
+
+
 def _loaded_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every parameter in vLLM's load layout (views, not copies)."""
     for name, param in model.named_parameters():
+        name = name.replace(LORA_BASE + ".", ".")
         value = param.detach()
         module_name, _, param_name = name.rpartition(".")
-        module = model.get_submodule(module_name)
+        module = _layer(model, module_name)
         if _repacked(module, value):  # repacked for the CPU GEMM kernels: the loaded copy is the truth
             captured = vllm_patches.captured_params(module).get(param_name)
             if captured is None:
@@ -300,6 +323,7 @@ def _reprocess_tied_lm_head(model: torch.nn.Module) -> None:
     """With tied embeddings, vLLM's CPU lm_head holds its own packed copy of the embedding: refresh it."""
     lm_head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    embed = getattr(embed, LORA_BASE[1:], embed)
     if lm_head is None or embed is None or getattr(lm_head, "weight", None) is not embed.weight:
         return
     lm_head.quant_method.process_weights_after_loading(lm_head)
@@ -346,7 +370,7 @@ def _write_shards_on_worker(
         for name, shard in named_shards:
             module_name, _, param_name = name.rpartition(".")
             try:
-                module = model.get_submodule(module_name)
+                module = _layer(model, module_name)
                 param = module.get_parameter(param_name)
             except AttributeError:
                 raise KeyError(f"vLLM model has no parameter {name!r}") from None
@@ -368,7 +392,7 @@ def _write_shards_on_worker(
                     del waiting[module_name]
         # Layers updated only in part still run on their new values.
         for module_name in waiting:
-            _process_after_write(model.get_submodule(module_name))
+            _process_after_write(_layer(model, module_name))
         if repack:
             _reprocess_tied_lm_head(model)
     return written
@@ -391,6 +415,25 @@ def _process_after_write(module: torch.nn.Module) -> None:
         vllm_patches.reprocess_experts(module)
     else:
         module.quant_method.process_weights_after_loading(module)
+
+
+def _adapter_digests_on_worker(worker: Any, lora_id: int) -> dict[str, str]:
+    """Digests of the adapter `lora_id` as vLLM's LoRA manager holds it, under peft's names
+    (`RolloutEngine.adapter_digests`): a packed module's (qkv_proj, gate_up_proj) halves are its projections'."""
+    manager = worker.model_runner.lora_manager._adapter_manager
+    adapter = manager.get_adapter(lora_id)
+    if adapter is None:
+        raise RuntimeError(f"vLLM holds no adapter with id {lora_id}")
+    digests = {}
+    for module, weights in adapter.loras.items():
+        prefix, _, kind = module.rpartition(".")
+        for half, peft_half in (("lora_a", "lora_A"), ("lora_b", "lora_B")):
+            value = getattr(weights, half)
+            parts = zip(manager.packed_modules_mapping[kind], value) if isinstance(value, list) else [(kind, value)]
+            for projection, tensor in parts:
+                if tensor is not None:
+                    digests[f"base_model.model.{prefix}.{projection}.{peft_half}.weight"] = tensor_digest(tensor)
+    return digests
 
 
 def _record_routed_experts_on_worker(worker: Any) -> tuple[int, ...]:
@@ -632,6 +675,7 @@ class RolloutEngine:
         self.kv_cache_blocks = self.llm.collective_rpc(_kv_cache_blocks_on_worker)[0]
         self._calls = 0
         self._sleeping = False
+        self.adapter: LoRARequest | None = None  # vLLM's LoRARequest of the adapter served (lora_rank > 0), once loaded
 
     @staticmethod
     def _agreed_job_tag() -> str:
@@ -668,7 +712,7 @@ class RolloutEngine:
         if self.config.return_routed_experts:
             outputs, routed = self._generate_with_routing(requests, params)
         else:
-            outputs, routed = self.llm.generate(requests, params, use_tqdm=False), None
+            outputs, routed = self._generate(requests, params), None
         seconds = time.perf_counter() - started
 
         batch = assemble_rollout_batch(prompt_token_ids, outputs, sampling, self.config.pad_token_id, uids, routed)
@@ -695,7 +739,7 @@ class RolloutEngine:
         log = self.llm.collective_rpc(_routed_experts_log_on_worker)[0]
         log.start()
         try:
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            outputs = self._generate(requests, params)
         finally:
             log.stop()
         return outputs, [log.take(str(output.request_id)) for output in outputs]
@@ -773,7 +817,7 @@ class RolloutEngine:
             params = [sampling.with_overrides(max_tokens=int(m)).to_vllm(seed_of(*divmod(i, n), turn))
                       for m, (i, turn) in zip(max_tokens, keys)]
             started = time.perf_counter()
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            outputs = self._generate(requests, params)
             generate_seconds += time.perf_counter() - started
             turns = []
             for output in outputs:
@@ -838,13 +882,37 @@ class RolloutEngine:
 
         tokens = [int(t) for t in token_ids]
         params = SamplingParams(n=1, temperature=1.0, max_tokens=1, prompt_logprobs=0, detokenize=False, seed=0)
-        output = self.llm.generate([{"prompt_token_ids": tokens}], [params], use_tqdm=False)[0]
+        output = self._generate([{"prompt_token_ids": tokens}], [params])[0]
         values = [0.0]
         for position, entry in enumerate(output.prompt_logprobs[1:], start=1):
             values.append(float(entry[tokens[position]].logprob))
         return values
 
+    def _generate(self, requests: list[dict[str, Any]], params: list[Any]) -> list[Any]:
+        """vLLM's generate, under the adapter this engine serves (if any)."""
+        return self.llm.generate(requests, params, use_tqdm=False, lora_request=self.adapter)
+
     # ------------------------------------------------------------------------------------ weights
+    def serve_adapter(self, folder: str | Path, version: int) -> None:
+        """Serve the PEFT adapter folder `folder` as the policy's adapter of `version` from the next request
+        on. Each version is a new adapter id: vLLM's prefix cache keys blocks by adapter, so nothing
+        computed under the previous version is reused, and the previous adapter is evicted (max_loras 1)."""
+        from vllm.lora.request import LoRARequest
+
+        if self.config.lora_rank <= 0:
+            raise RuntimeError("this engine was built without LoRA (RolloutEngineConfig.lora_rank=0)")
+        request = LoRARequest(f"policy-v{version}", version + 1, str(folder))
+        if not self.llm.llm_engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not load the adapter {folder}")
+        self.adapter = request
+
+    def adapter_digests(self) -> dict[str, str]:
+        """`tensor_digest` of each tensor of the adapter being served, as vLLM loaded it (in its LoRA dtype, B
+        times alpha / rank: vLLM folds the scaling into B), under peft's names."""
+        if self.adapter is None:
+            raise RuntimeError("no adapter is served yet")
+        return self.llm.collective_rpc(_adapter_digests_on_worker, args=(self.adapter.lora_int_id,))[0]
+
     def update_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_format: WeightFormat = "hf"
     ) -> None:

@@ -56,6 +56,8 @@ def engine_config(plan: Plan, pad_token_id: int) -> RolloutEngineConfig:
         tp_groups=plan.reshard.groups.rollout.replicas,
         # routing replay: each row carries the experts vLLM routed its tokens to (`routed_experts`)
         return_routed_experts=arr.actor.router_replay == "rollout",
+        # lora.merge false: vLLM serves the actor's adapters (`reshard.adapter_sync`)
+        lora_rank=plan.resolved.lora_rank if plan.resolved.serves_adapters else 0,
     )
 
 

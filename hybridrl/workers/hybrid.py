@@ -5,6 +5,10 @@ Per rank, in this order (vLLM after megatron: the engine joins the process group
   2. the vLLM `RolloutEngine` on the rollout mesh (infer_tp ranks per replica);
   3. the `Resharder` from the actor's megatron chunks to this rank's vLLM shard, and a first sync.
 
+A LoRA actor with `lora.merge: false`: vLLM serves the adapters itself; the resharder writes the frozen base by
+the first sync alone and every sync loads the current adapter (`reshard.adapter_sync`), proven by the digests of
+what vLLM's LoRA manager loaded and by the same probe.
+
 Every sync (after each actor update) is proven, not assumed:
   - checksums: the resharder's digest of every shard it produced must equal the digest of what vLLM
     holds afterwards, tensor by tensor (a mismatch stops training, naming tensor and rank);
@@ -28,8 +32,11 @@ reduces to the worst rank: the figure that decides whether a step fits.
 """
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,8 +44,10 @@ import torch
 from hybridrl.config.plan import Plan
 from hybridrl.controller.base_worker import RankContext
 from hybridrl.data.batch import Batch
+from hybridrl.models.lora import lora_adapters, save_peft_adapter
 from hybridrl.names import Phase, Role
 from hybridrl.parallel.device import default_dtype_for
+from hybridrl.reshard.adapter_sync import gather_whole_adapters, served_adapter_digests
 from hybridrl.reshard.checksums import verify_checksums
 from hybridrl.reshard.resharder import ReshardConfig, Resharder
 from hybridrl.rollout.engine import RolloutEngine
@@ -68,6 +77,9 @@ class HybridEngineWorker(PolicyWorker):
         self.replica_probe_gaps: dict[int, float] = {}  # the last sync's probe gap per replica, by its TP-0 rank
         self.agent = None  # the agent loop, when rollout.multi_turn is enabled (built in setup)
         self.probe: ProbeSequence = RARE_TOKEN_PROBE  # what every sync scores (bench/probe_gap.py swaps it)
+        # lora.merge false: vLLM serves the adapters; its base weights are written by the first sync alone
+        self.adapter_dir: Path | None = None
+        self.base_in_vllm = False
 
     # ------------------------------------------------------------------------------ bring-up
     def setup(self, total_training_steps: int | None = None) -> dict[str, Any]:
@@ -92,7 +104,10 @@ class HybridEngineWorker(PolicyWorker):
         self.resharder = Resharder(self.actor.backend.chunks, plan.reshard.groups, gen_tp_index=actual,
                                    config=ReshardConfig(bucket_bytes=plan.resolved.sync_bucket_bytes,
                                                         output_dtype=rollout_dtype,
-                                                        keep_buffers=plan.device_policy.reshard_keeps_buffers))
+                                                        keep_buffers=plan.device_policy.reshard_keeps_buffers,
+                                                        merge_adapters=not plan.resolved.serves_adapters))
+        if plan.resolved.serves_adapters:  # this rank's folder for the adapter vLLM loads at each sync
+            self.adapter_dir = Path(tempfile.mkdtemp(prefix=f"hybridrl-adapter-rank{self.rank}-"))
         self.agent = agent_loop_for(plan, self.rollout)
         sync = self.sync_weights()
         return {"setup_s": time.perf_counter() - started, "rollout_build_s": self.rollout.build_seconds,
@@ -113,9 +128,10 @@ class HybridEngineWorker(PolicyWorker):
         """After generation: vLLM sleeps while training runs, KV cache and weights freed.
 
         Level 2 discards the weights instead of copying them to host and back (level 1): the next
-        sync rewrites every parameter, and vLLM keeps its buffers (rotary caches) across level 2.
+        sync rewrites every parameter, and vLLM keeps its buffers (rotary caches) across level 2. With
+        adapters served (lora.merge false) a sync writes the adapters alone, so the base weights are kept (level 1).
         """
-        self.rollout.sleep(level=2)
+        self.rollout.sleep(level=1 if self.plan.resolved.serves_adapters else 2)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Restore the actor, then sync the restored weights into vLLM (proven like every sync)."""
@@ -133,24 +149,56 @@ class HybridEngineWorker(PolicyWorker):
         # left at the end of its update, when offloaded): weights back (the sync writes into them),
         # the resharder's buckets returned to the driver, then the KV cache. No-ops on CPU.
         self.rollout.wake_up(tags=["weights"])
-        self.rollout.update_weights(self.resharder.shards(), weight_format="vllm_shard")
+        metrics = {} if self.base_in_vllm else self._sync_base()
         self._release()
         self.rollout.wake_up(tags=["kv_cache"])
-        report = self.resharder.last_report
-        held = self.rollout.parameter_digests()
-        try:
-            verify_checksums(report.checksums, held, self.rank, ignore_extra=True)
-        except Exception as exc:  # the error names tensors and rank; keep its type for the controller
-            raise WeightSyncError(f"sync {self.syncs}: {exc}") from exc
+        if self.adapter_dir is not None:
+            metrics.update(self._sync_adapter())
         self.syncs += 1
         gap = self.prove_by_probe()
-        metrics = report.as_metrics()
         metrics.update({"reshard/probe_max_abs_gap": gap, "reshard/probe_replicas": float(len(self.replica_probe_gaps)),
                         "timing_s/sync_total": time.perf_counter() - started})
         self._actor_params_out()  # idle until the next log-prob pass or update (with param_offload)
         self._record_memory("sync_after")
         metrics.update(self.take_phase_memory())
         return metrics
+
+    def _sync_base(self) -> dict[str, float]:
+        """The resharder's sync of the actor's weights (adapters merged, or the frozen base once when vLLM serves
+        the adapters), proven by the digests of what vLLM holds."""
+        self.rollout.update_weights(self.resharder.shards(), weight_format="vllm_shard")
+        report = self.resharder.last_report
+        held = self.rollout.parameter_digests()
+        try:
+            verify_checksums(report.checksums, held, self.rank, ignore_extra=True)
+        except Exception as exc:  # the error names tensors and rank; keep its type for the controller
+            raise WeightSyncError(f"sync {self.syncs}: {exc}") from exc
+        self.base_in_vllm = self.plan.resolved.serves_adapters  # a merged sync rewrites the weights every time
+        return report.as_metrics()
+
+    def _sync_adapter(self) -> dict[str, float]:
+        """vLLM serves the actor's current adapters (`reshard.adapter_sync`), proven by the digests of what its
+        LoRA manager loaded."""
+        started = time.perf_counter()
+        backend, ctx = self.actor.backend, self.actor.backend.ctx
+        settings = backend.spec.lora
+        sync = gather_whole_adapters(lora_adapters(backend.chunks), pp_rank=ctx.pp_rank,
+                                     first_holder=ctx.tp_rank == 0 and ctx.dp_rank == 0 and ctx.cp_rank == 0)
+        folder = save_peft_adapter(sync.state, settings, self.adapter_dir / f"v{self.syncs}",
+                                   base_model=self.plan.config.actor_rollout_ref.model.path, force=True)
+        self.rollout.serve_adapter(folder, version=self.syncs)
+        for old in self.adapter_dir.iterdir():  # vLLM holds the adapter it loaded: earlier folders can go
+            if old != folder:
+                shutil.rmtree(old, ignore_errors=True)
+        dtype = default_dtype_for(self.plan.resolved.device, self.plan.resolved.rollout_dtype)
+        try:
+            verify_checksums(served_adapter_digests(sync.state, settings.scaling, dtype),
+                             self.rollout.adapter_digests(), self.rank)
+        except Exception as exc:
+            raise WeightSyncError(f"sync {self.syncs} (adapter): {exc}") from exc
+        return {"reshard/adapter_bytes": float(sync.adapter_bytes),
+                "reshard/adapter_bytes_received": float(sync.bytes_received),
+                "timing_s/sync_adapter": time.perf_counter() - started}
 
     def _actor_params_out(self) -> None:
         """megatron.param_offload on the actor: its parameters wait on the host while vLLM generates; every call
