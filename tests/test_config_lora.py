@@ -115,6 +115,11 @@ def test_the_performance_table_is_the_bench_result_file():
                  f"{100 * run['phase_share']['update_actor']:.0f} %", f"{run['update_after_allocated_gib']:.2f}",
                  f"{run['max_probe_gap']:.1e}"]
         assert " | " + " | ".join(cells) + " |" in doc, cells
+    for name in ("lora_lr_0.0003", "lora_served_lr_0.0003"):  # merged against served: the second table
+        run = runs[name]
+        cells = [f"{run['median_gen_s']:.2f}", f"{run['median_sync_s']:.2f}",
+                 f"{run['sync_bytes_per_rank'] / 1e6:.1f} MB"]
+        assert " | " + " | ".join(cells) in doc, cells
 
 
 def test_the_adapter_folder_is_checked_at_plan(tmp_path):
