@@ -37,7 +37,6 @@ def _plan(*overrides: str):
     ([f"{LORA}.rank=8", f"{LORA}.dropout_position=post"], f"{LORA}.dropout_position", "post) is not built"),
     ([f"{LORA}.rank=8", f"{LORA}.dtype=bf16"], f"{LORA}.dtype", "adapters train in fp32"),
     ([f"{LORA}.rank=8", f"{LORA}.alpha=0"], f"{LORA}.alpha", "must be in (0"),
-    ([f"{LORA}.rank=8", "trainer.export_hf_on_save=true"], "trainer.export_hf_on_save", "PEFT adapter folder"),
     ([f"{LORA}.rank=8", "trainer.device=cuda"], f"{LORA}.rank", "TransformerEngine's layers fuse the norm"),
     ([f"{LORA}.rank=8", "actor_rollout_ref.actor.use_kl_loss=true",
       "actor_rollout_ref.ref.megatron.param_offload=true"],

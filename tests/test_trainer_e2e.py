@@ -669,7 +669,8 @@ def test_lora_grpo_raises_the_reward_proves_each_merged_sync_and_takes_the_base_
         demo_assets, run, "trainer.total_training_steps=40", "actor_rollout_ref.model.lora.rank=64",
         "actor_rollout_ref.model.lora.alpha=64", "actor_rollout_ref.actor.optim.lr=3e-3",
         "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.01",
-        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "trainer.save_freq=40"))
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "trainer.save_freq=40",
+        "trainer.export_hf_on_save=true"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     rows = [r for r in _metrics(run) if "event" not in r]
     assert [r["step"] for r in rows] == list(range(1, 41))
@@ -681,6 +682,22 @@ def test_lora_grpo_raises_the_reward_proves_each_merged_sync_and_takes_the_base_
     # the checkpoint holds the adapters as a PEFT adapter folder
     peft_config = json.loads((run / CKPT / "global_step_40" / "actor" / "lora" / "adapter_config.json").read_text())
     assert (peft_config["r"], peft_config["lora_alpha"]) == (64, 64.0)
+    # export_hf_on_save wrote the policy with its adapters merged: the model peft makes of the base and the
+    # checkpoint's adapter folder (merge_and_unload's logits, 1e-4)
+    import peft
+    import torch
+    import transformers
+
+    step = run / CKPT / "global_step_40"
+    tokens = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
+    with torch.no_grad():
+        exported = transformers.AutoModelForCausalLM.from_pretrained(step / "actor_hf", dtype=torch.float32)
+        base = transformers.AutoModelForCausalLM.from_pretrained(demo_assets / "model", dtype=torch.float32)
+        adapted = peft.PeftModel.from_pretrained(base, step / "actor" / "lora").merge_and_unload()
+        gap = (exported(tokens).logits - adapted(tokens).logits).abs().max().item()
+        moved = (exported(tokens).logits - transformers.AutoModelForCausalLM.from_pretrained(
+            demo_assets / "model", dtype=torch.float32)(tokens).logits).abs().max().item()
+    assert gap < 1e-4 and moved > 1e-2, (gap, moved)
 
 
 def test_lora_served_by_vllm_generates_from_the_adapters_and_each_sync_moves_them_alone(demo_assets, tmp_path):

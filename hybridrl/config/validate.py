@@ -591,11 +591,6 @@ def _check_lora(check: _Checker, config: JobConfig, model: ModelShape | None) ->
         if isinstance(lora.rank, int) and lora.rank > VLLM_LORA_RANKS[-1]:
             check.fail(f"{LORA}.rank", lora.rank, f"vLLM serves adapters of rank <= {VLLM_LORA_RANKS[-1]}; with a "
                        f"higher rank set {LORA}.merge true (merged syncs)", [VLLM_LORA_RANKS[-1]])
-    if config.trainer.export_hf_on_save:
-        check.fail("trainer.export_hf_on_save", True, f"with {LORA}.rank > 0 each checkpoint holds the adapters as a "
-                   "PEFT adapter folder (<checkpoint>/actor/lora), and `hybridrl convert mcore-to-hf --ckpt "
-                   "<checkpoint>/actor/model` writes the merged model; an export at each save is not built yet",
-                   [False])
 
 
 def _check_shared_prefix(check: _Checker, config: JobConfig, resolved: Resolved, model: ModelShape | None) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -578,8 +578,10 @@ def _is_asset(path: Path) -> bool:
 def export_hf(
     models: Sequence[Any], out_dir: str | Path, *, ctx: Any = None, dtype: torch.dtype | None = None,
     max_shard_bytes: int | None = None, force: bool = False,
+    adjust: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> Path:
-    """Collective: gather the sharded model into an HF folder at `out_dir` (written by rank 0).
+    """Collective: gather the sharded model into an HF folder at `out_dir` (written by rank 0); `adjust(name,
+    tensor)` (rank 0's) changes each HF tensor as it is written (a LoRA actor's merge, `lora.PeftMerge`).
 
     Written into one staging folder next to `out_dir` (so the ranks need a shared filesystem): the
     shards first travel as a megatron checkpoint inside it, from which rank 0 stitches HF tensors one
@@ -602,7 +604,7 @@ def export_hf(
             try:
                 check_free_space(out_dir, estimated_hf_bytes(reader.shape, dtype or source_dtype(reader)))
                 kwargs = {"max_shard_bytes": max_shard_bytes} if max_shard_bytes else {}
-                write_hf_files(reader, staging, dtype=dtype, **kwargs)
+                write_hf_files(reader, staging, dtype=dtype, adjust=adjust, **kwargs)
             finally:
                 reader.close()
             shutil.rmtree(shards)

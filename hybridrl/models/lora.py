@@ -478,10 +478,15 @@ class PeftMerge:
     @classmethod
     def read(cls, folder: str | Path) -> PeftMerge:
         config, tensors = _read_peft_folder(Path(folder))
+        return cls.of(tensors, float(config["lora_alpha"]) / int(config["r"]))
+
+    @classmethod
+    def of(cls, state: Mapping[str, torch.Tensor], scaling: float) -> PeftMerge:
+        """The merge of whole adapter tensors under peft's names (`lora_state`'s, a PEFT folder's)."""
         halves = {name.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight"):
-                  (a, tensors[name.replace(".lora_A.", ".lora_B.")])
-                  for name, a in tensors.items() if name.endswith(".lora_A.weight")}
-        return cls(float(config["lora_alpha"]) / int(config["r"]), halves)
+                  (a, state[name.replace(".lora_A.", ".lora_B.")])
+                  for name, a in state.items() if name.endswith(".lora_A.weight")}
+        return cls(scaling, halves)
 
     @property
     def weights(self) -> list[str]:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from hybridrl.models.lora import LoraAdapter, lora_state
 from hybridrl.parallel.digest import tensor_digest
+from hybridrl.parallel.state import ParallelContext
 
 
 @dataclass(frozen=True)
@@ -31,10 +32,12 @@ class AdapterSync:
     adapter_bytes: int  # the whole adapter's tensors
 
 
-def gather_whole_adapters(adapters: Sequence[LoraAdapter], *, pp_rank: int, first_holder: bool) -> AdapterSync:
-    """Collective over the whole world: every rank's copy of every stage's adapters. `first_holder`: this rank
-    broadcasts its stage's adapters (one rank per stage: TP, DP and CP rank 0)."""
+def gather_whole_adapters(adapters: Sequence[LoraAdapter], ctx: ParallelContext) -> AdapterSync:
+    """Collective over the whole world: every rank's copy of every stage's adapters, each stage's broadcast by its
+    first holder (TP, DP and CP rank 0)."""
     own = lora_state(adapters)  # collective over each adapter's TP group
+    pp_rank = ctx.pp_rank
+    first_holder = ctx.tp_rank == 0 and ctx.dp_rank == 0 and ctx.cp_rank == 0
     sources: list[object] = [None] * dist.get_world_size()
     dist.all_gather_object(sources, (pp_rank, first_holder))
     stage_sources = {}

@@ -180,10 +180,9 @@ class HybridEngineWorker(PolicyWorker):
         """vLLM serves the actor's current adapters (`reshard.adapter_sync`), proven by the digests of what its
         LoRA manager loaded."""
         started = time.perf_counter()
-        backend, ctx = self.actor.backend, self.actor.backend.ctx
+        backend = self.actor.backend
         settings = backend.spec.lora
-        sync = gather_whole_adapters(lora_adapters(backend.chunks), pp_rank=ctx.pp_rank,
-                                     first_holder=ctx.tp_rank == 0 and ctx.dp_rank == 0 and ctx.cp_rank == 0)
+        sync = gather_whole_adapters(lora_adapters(backend.chunks), backend.ctx)
         folder = save_peft_adapter(sync.state, settings, self.adapter_dir / f"v{self.syncs}",
                                    base_model=self.plan.config.actor_rollout_ref.model.path, force=True)
         self.rollout.serve_adapter(folder, version=self.syncs)

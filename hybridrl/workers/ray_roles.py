@@ -26,9 +26,10 @@ from hybridrl.config.plan import Plan
 from hybridrl.controller.base_worker import RankContext, Worker
 from hybridrl.data.batch import Batch
 from hybridrl.models.bridge import export_hf
-from hybridrl.models.lora import adapters_disabled
+from hybridrl.models.lora import PeftMerge, adapters_disabled, lora_adapters
 from hybridrl.names import Phase, Role
 from hybridrl.parallel.device import release_cached_blocks, torch_threads_per_rank
+from hybridrl.reshard.adapter_sync import gather_whole_adapters
 from hybridrl.training.actor import MegatronActor
 from hybridrl.training.backend import MegatronBackend, role_spec
 from hybridrl.training.checkpointing import load_role_checkpoint, save_role_checkpoint
@@ -150,9 +151,14 @@ class ActorRolloutRefWorker(MegatronWorker):
         return load_role_checkpoint(self._ready_actor().backend, Path(path) / Role.ACTOR)
 
     def export_hf(self, path: str) -> str:
-        """Collective: the current policy as an HF folder (written by rank 0)."""
+        """Collective: the current policy as an HF folder (written by rank 0); a LoRA actor's adapters merged into
+        the weights they adapt (as `hybridrl convert` and peft's merge_and_unload do)."""
         backend = self._ready_actor().backend
-        return str(export_hf(backend.chunks, path, ctx=backend.ctx, force=True))
+        merge = None
+        if backend.spec.lora is not None:
+            adapters = gather_whole_adapters(lora_adapters(backend.chunks), backend.ctx)
+            merge = PeftMerge.of(adapters.state, backend.spec.lora.scaling)
+        return str(export_hf(backend.chunks, path, ctx=backend.ctx, force=True, adjust=merge))
 
 
 class CriticWorker(MegatronWorker):
