@@ -66,7 +66,9 @@ def _lora_step_rank(rank: int, world: int, config: Any, batch: Any) -> dict[str,
     backend = MegatronBackend(role_spec(plan, "actor"))
     actor = MegatronActor(backend, plan)
     adapters = lora_adapters(backend.chunks)
-    base_before = {n: t.detach().clone() for c in backend.chunks for n, t in model_tensors(c).items()}
+    # by (chunk, local name): under VPP a rank's chunks reuse the same local layer names
+    base_before = {(i, n): t.detach().clone() for i, c in enumerate(backend.chunks)
+                   for n, t in model_tensors(c).items()}
     adapters_before = lora_state(adapters)
     local = batch.split(backend.ctx.dp)[backend.ctx.dp_rank]
     with torch.no_grad(), adapters_disabled(backend.chunks):  # the reference: the base, adapters off
@@ -80,8 +82,8 @@ def _lora_step_rank(rank: int, world: int, config: Any, batch: Any) -> dict[str,
     return {
         "metrics": metrics, "grads": lora_state(adapters, grads=True),
         "before": adapters_before, "after": lora_state(adapters),
-        "base_changed": [n for c in backend.chunks for n, t in model_tensors(c).items()
-                         if not torch.equal(t.detach(), base_before[n])],
+        "base_changed": [n for i, c in enumerate(backend.chunks) for n, t in model_tensors(c).items()
+                         if not torch.equal(t.detach(), base_before[(i, n)])],
         "trainable": sum(p.numel() for p in trainable),
         "adapter_numel": sum(p.numel() for a in adapters for p in a.parameters()),
         "optimized": sum(p.numel() for p in optimized),
@@ -90,13 +92,16 @@ def _lora_step_rank(rank: int, world: int, config: Any, batch: Any) -> dict[str,
     }
 
 
-@pytest.mark.parametrize("kind,tp,pp,dp,cp", [("canonical_lora", 2, 1, 2, 1), ("lora", 1, 2, 1, 1),
-                                               ("lora", 1, 1, 1, 2)])
-def test_a_lora_actor_step_equals_peft(tmp_path, kind, tp, pp, dp, cp):
-    hf = build_tiny_model(tmp_path / "hf", POLICY)
+@pytest.mark.parametrize("kind,tp,pp,dp,cp,vpp", [("canonical_lora", 2, 1, 2, 1, None), ("lora", 1, 2, 1, 1, None),
+                                                   ("lora", 1, 1, 1, 2, None), ("lora", 1, 3, 1, 1, 2)],
+                         ids=["tp2-dp2-canonical", "pp2-fused", "cp2-fused", "pp3-vpp2-fused"])
+def test_a_lora_actor_step_equals_peft(tmp_path, kind, tp, pp, dp, cp, vpp):
+    """Interleaved pipelines (VPP) need a trained PP > 2: 6 layers, one per model chunk."""
+    layers = 6 if vpp else POLICY["num_hidden_layers"]
+    hf = build_tiny_model(tmp_path / "hf", {**POLICY, "num_hidden_layers": layers})
     adapter = tmp_path / "adapter"
     _peft_adapter(hf, adapter, fused=kind == "lora")
-    batch = ppo_batch(hf)
+    batch = ppo_batch(hf, rows=6 if pp == 3 else 8)  # the prompts split over 3 rollout replicas at PP3
     case = CASES[0]
     peft_model = _peft_model(hf, adapter)
     expected = reference_step(hf, batch, case, model=peft_model)
@@ -109,6 +114,7 @@ def test_a_lora_actor_step_equals_peft(tmp_path, kind, tp, pp, dp, cp):
     lora.rank, lora.alpha, lora.type, lora.target_modules = RANK, ALPHA, kind, list(TARGETS[kind])
     lora.adapter_path = str(adapter)
     config.actor_rollout_ref.actor.megatron.context_parallel_size = cp
+    config.actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size = vpp
     config.trainer.n_gpus_per_node = tp * pp * dp * cp
     results = run_ranks(_lora_step_rank, tp * pp * dp * cp, config, batch, timeout_s=300)
 
@@ -134,7 +140,7 @@ def test_a_lora_actor_step_equals_peft(tmp_path, kind, tp, pp, dp, cp):
     from hybridrl.models.arch import ModelShape, read_hf_config
 
     per_layer = lora_elements_per_layer(lora, ModelShape.from_hf_config(read_hf_config(hf)), tp)
-    assert all(r["adapter_numel"] == per_layer * POLICY["num_hidden_layers"] // pp for r in results)
+    assert all(r["adapter_numel"] == per_layer * layers // pp for r in results)
     metrics = next(r["metrics"] for r in results if r["metrics"] is not None)
     for name in ("pg_loss", "kl_loss", "approx_kl", "entropy"):
         value, ref = getattr(metrics, name), expected[name]
