@@ -632,10 +632,9 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
     balances: list[StageBalance] = []
     if model is not None:
         balances = _stage_balances(config, resolved, model, layouts)
-        lora = arr.model.lora
         for layout in layouts:
             mc = layout.megatron
-            if layout.role == Role.REF and lora.rank > 0:
+            if layout.role == Role.REF and resolved.lora_rank > 0:
                 continue  # a LoRA actor's reference is its own frozen base (adapters off): no model of its own
             trainable = layout.role in (Role.ACTOR, Role.CRITIC)
             micro = next((u.micro_batch_size for u in updates if u.role == layout.role),
@@ -655,7 +654,7 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
                                          or mc.override_transformer_config.get("recompute_granularity") == "full"),
                 # the policy's passes compute the vocabulary only at the response tokens (training/actor.py)
                 head_tokens=None if value_model else data.max_response_length,
-                adapter_elements_per_layer=lora_elements_per_layer(lora, model, mc.tensor_model_parallel_size)
+                adapter_elements_per_layer=lora_elements_per_layer(arr.model.lora, model, mc.tensor_model_parallel_size)
                 if layout.role == Role.ACTOR else 0,
             ))
         sequences_per_replica = data.train_batch_size // infer_dp * n

@@ -167,7 +167,7 @@ def render_plan(plan: Plan) -> str:
                        f"{_groups(edp_groups, 4)}")
     out += [_balance_line(balance) for balance in plan.stage_balance]
     out.append(packing_line(plan))
-    if arr.model.lora.rank > 0:
+    if plan.resolved.lora_rank > 0:
         out.append(lora_line(plan))
     rollout = plan.reshard.groups.rollout
     res = plan.resolved

@@ -86,20 +86,23 @@ def save_lora_checkpoint(backend: MegatronBackend, staging: Path) -> dict[str, A
 
 def write_peft_folder(staging: Path, files: dict[str, str], settings: LoraSettings, base_model: str) -> None:
     """Rank 0, once every stage's file is written: the adapters as a PEFT adapter folder, `lora/`."""
-    weights = {name.removeprefix(f"{WEIGHT}/"): tensor for name, tensor in _read(staging, files).items()
-               if name.startswith(f"{WEIGHT}/")}
+    weights = {name.removeprefix(f"{WEIGHT}/"): tensor for name, tensor in _read(staging, files, WEIGHT).items()}
     save_peft_adapter(weights, settings, staging / PEFT_DIR, base_model=base_model)
 
 
-def _read(ckpt_dir: Path, files: dict[str, str]) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def _read(ckpt_dir: Path, files: dict[str, str], kind: str | None = None) -> dict[str, torch.Tensor]:
+    """Every stage file's tensors, checked against the recorded digests; `kind` (e.g. `weight`): those alone (the
+    Adam moments, twice the adapters' bytes, are not read)."""
+    from safetensors import safe_open
 
     out: dict[str, torch.Tensor] = {}
     for name, digest in sorted(files.items()):
         path = ckpt_dir / name
         if not path.is_file() or file_sha256(path) != digest:
             raise RoleCheckpointError(f"{path}: missing, or not the file the checkpoint recorded (sha256)")
-        out.update(load_file(str(path)))
+        with safe_open(str(path), framework="pt") as stage:
+            out.update({key: stage.get_tensor(key) for key in stage.keys()
+                        if kind is None or key.startswith(f"{kind}/")})
     return out
 
 
