@@ -131,7 +131,7 @@ def test_select_groups_prefers_spread_then_fills_with_zero_spread():
 
 
 def test_merge_part_metrics_weights_means_sums_counts_and_takes_extremes():
-    from hybridrl.trainer.trainer import merge_part_metrics
+    from hybridrl.trainer.part_metrics import merge_part_metrics
 
     rounds = [
         {"reward/score_mean": 0.5, "reward/score_min": 0.1, "reward/score_max": 0.8, "reward/fallbacks": 1.0,
@@ -166,7 +166,7 @@ def test_baseline_per_row_follows_each_rows_prompt():
 def test_merge_part_metrics_of_multi_turn_replicas():
     """Two rollout replicas' agent-loop figures: tool counts and call time add up, per-sample rates are
     weighted by the replicas' samples, maxima stay maxima, the tool rounds' wall time is the slower one."""
-    from hybridrl.trainer.trainer import merge_part_metrics
+    from hybridrl.trainer.part_metrics import merge_part_metrics
 
     replicas = [
         {"tools/calls": 6.0, "tools/errors/timeout": 1.0, "tools/time_s": 0.5, "tools/time_s_max": 0.2,

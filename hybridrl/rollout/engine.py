@@ -55,7 +55,6 @@ import torch
 
 from hybridrl.config.estimates import CPU_KV_BLOCK_SIZE
 from hybridrl.data.batch import Batch
-from hybridrl.models.lora_targets import vllm_lora_rank
 from hybridrl.parallel.cpu_matmul import onednn_matmul_setting
 from hybridrl.parallel.device import default_dtype_for, resolve_device
 from hybridrl.parallel.device_policy import DevicePolicy
@@ -105,8 +104,9 @@ class RolloutEngineConfig:
     # to, per MoE layer (`routed_experts`), recorded by a hook on vLLM's V1 runner
     # (`vllm_patches.record_routed_experts`; vLLM's own output of it needs Model Runner V2).
     return_routed_experts: bool = False
-    # LoRA served by vLLM (lora.merge false): the adapters' rank; 0 = vLLM serves plain weights. vLLM then
-    # wraps each adaptable layer (its weights under `<layer>.base_layer`) and holds one adapter at a time.
+    # LoRA served by vLLM (lora.merge false): the largest adapter rank it serves, one of vLLM's max_lora_rank
+    # values (`models.lora_targets.vllm_lora_rank`); 0 = plain weights. vLLM then wraps each adaptable layer (its
+    # weights under `<layer>.base_layer`) and holds one adapter at a time.
     lora_rank: int = 0
 
     def __post_init__(self) -> None:
@@ -156,7 +156,7 @@ def vllm_engine_kwargs(config: RolloutEngineConfig, device: str, distributed: bo
         kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
     if config.lora_rank > 0:
         # one adapter: the policy's current one (a sync loads the next version, which evicts the last)
-        kwargs.update(enable_lora=True, max_lora_rank=vllm_lora_rank(config.lora_rank), max_loras=1,
+        kwargs.update(enable_lora=True, max_lora_rank=config.lora_rank, max_loras=1,
                       max_cpu_loras=1)
     if not DevicePolicy.for_device(device).vllm_chunked_prefill:
         # Every request carries a seed, and vLLM rewinds a seeded request's generator after each

@@ -32,18 +32,22 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
 from hybridrl.data.batch import Batch
 from hybridrl.data.dataloader import unpadded_prompt_ids
+from hybridrl.trainer.part_metrics import merge_part_metrics
 from hybridrl.workers.generation import concat_left_padded
 from hybridrl.workers.rollout_worker import RolloutWorker
 
 if TYPE_CHECKING:
-    from hybridrl.trainer.trainer import Trainer
+    from hybridrl.config.plan import Plan
+    from hybridrl.controller.dispatch import RankMesh
+    from hybridrl.controller.worker_group import WorkerGroup
+    from hybridrl.rollout.sampling import RolloutSampling
 
 # fully_async: engine steps per `stream_advance` call, so a hold is answered within about this many steps
 STREAM_STEPS_PER_CALL = 8
@@ -79,23 +83,57 @@ class AsyncStats:
     dropped_groups: int = 0
 
 
+class RolloutSource(Protocol):
+    """What the driver reads of the trainer (the `Trainer` is one), from the driver's thread: prompts in, generated
+    and scored rows out."""
+
+    global_step: int  # the weights the rollout serves when the driver starts
+    rollout_group: WorkerGroup | None
+    rollout_mesh: RankMesh | None
+
+    def next_prompts(self) -> Batch: ...  # the next prompt batch of the data loader
+
+    def loader_state(self) -> dict[str, Any]: ...  # the loader's state before the next batch
+
+    def sampling_for_step(self, step: int) -> RolloutSampling: ...  # the sampling (seeds) of a training step
+
+    def generate(self, prompts: Batch, sampling: RolloutSampling) -> Batch: ...  # every replica's samples
+
+    def score(self, batch: Batch) -> dict[str, float]: ...  # token_level_scores set, the reward metrics back
+
+
+@dataclass(frozen=True)
+class DriverSettings:
+    mode: str  # one_step_off | fully_async
+    batch_groups: int  # prompt groups per training step (data.train_batch_size)
+    max_staleness: int
+    drop_stale: bool
+    partial: bool  # fully_async's partial rollouts (pause and resume under new weights)
+
+    @classmethod
+    def of(cls, plan: Plan) -> DriverSettings:
+        res = plan.resolved
+        fully = res.async_mode == "fully_async"
+        return cls(res.async_mode, plan.config.data.train_batch_size, res.max_staleness if fully else 1,
+                   fully and res.stale_samples == "drop", fully and res.partial_rollout)
+
+
 class RolloutDriver:
     """See the module docstring. `start()`, then `next_batch()` / `hold()` from the trainer's thread."""
 
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-        res = trainer.plan.resolved
-        self.mode = res.async_mode
-        self.batch_groups = trainer.config.data.train_batch_size
-        self.max_staleness = res.max_staleness if self.mode == "fully_async" else 1
-        self.drop_stale = self.mode == "fully_async" and res.stale_samples == "drop"
-        self.partial = self.mode == "fully_async" and res.partial_rollout
-        self.version = trainer.global_step  # the weights the rollout serves
+    def __init__(self, source: RolloutSource, settings: DriverSettings) -> None:
+        self.source = source
+        self.mode = settings.mode
+        self.batch_groups = settings.batch_groups
+        self.max_staleness = settings.max_staleness
+        self.drop_stale = settings.drop_stale
+        self.partial = settings.partial
+        self.version = source.global_step  # the weights the rollout serves
         self._lock = threading.Condition()
         self._buffer: deque[_Group] = deque()
         self._prompt_batches: dict[int, _PromptBatch] = {}
         self._admitted_batches = 0  # prompt batches drawn so far (by this driver)
-        self._first_batch_index = trainer.global_step  # the step whose data the first admitted batch is
+        self._first_batch_index = source.global_step  # the step whose data the first admitted batch is
         self._hold_requested = False
         self._parked = False
         self._stop = False
@@ -190,7 +228,7 @@ class RolloutDriver:
             live = [b for b in self._prompt_batches.values() if b.consumed < b.groups]
             if live:
                 return live[0].loader_state
-            return self.trainer.train_loader.state_dict()
+            return self.source.loader_state()
 
     def _retire(self, group: _Group) -> None:
         batch = self._prompt_batches[group.prompt_batch]
@@ -228,9 +266,8 @@ class RolloutDriver:
         return True
 
     def _draw_prompts(self) -> tuple[int, Batch]:
-        trainer = self.trainer
-        state = trainer.train_loader.state_dict()
-        prompts = next(trainer._prompts)
+        state = self.source.loader_state()
+        prompts = self.source.next_prompts()
         index = self._admitted_batches
         self._admitted_batches += 1
         with self._lock:
@@ -249,12 +286,12 @@ class RolloutDriver:
             self._lock.notify_all()
 
     def _score(self, batch: Batch) -> dict[str, float]:
-        metrics = self.trainer._score(batch)
+        metrics = self.source.score(batch)
         batch.meta.pop("reward_output", None)
         return metrics
 
     def _run_one_step_off(self) -> None:
-        trainer = self.trainer
+        source = self.source
         while True:
             # at most one batch ahead of the trainer: wait until it took the last one (or a hold comes)
             with self._lock:
@@ -267,7 +304,7 @@ class RolloutDriver:
             index, prompts = self._draw_prompts()
             step = self._first_batch_index + index + 1
             started = time.perf_counter()
-            batch = trainer.generate(prompts, trainer._sampling(step=step))
+            batch = source.generate(prompts, source.sampling_for_step(step))
             metrics = dict(batch.meta.pop("metrics", {}) or {})
             metrics.update(self._score(batch))
             metrics["timing_s/rollout_batch"] = time.perf_counter() - started
@@ -275,8 +312,8 @@ class RolloutDriver:
             self._publish(_split_groups(batch, version, index), metrics, len(batch))
 
     def _run_fully_async(self) -> None:
-        trainer = self.trainer
-        group = trainer.rollout_group
+        source = self.source
+        group = source.rollout_group
         in_flight_batches = 0  # admitted prompt batches whose groups are not all generated yet
         generated: dict[int, int] = {}
         while True:
@@ -301,8 +338,8 @@ class RolloutDriver:
                 padded["raw_prompt_ids"] = unpadded_prompt_ids(padded)
                 padded["prompt_batch"] = np.full(len(padded), index, dtype=np.int64)
                 # the seeds of the step this batch is meant for (a resumed run draws the same ones)
-                sampling = trainer._sampling(step=self._first_batch_index + index + 1)
-                group.call_by_dp_outputs(RolloutWorker.stream_submit, padded, sampling, mesh=trainer.rollout_mesh)
+                sampling = source.sampling_for_step(self._first_batch_index + index + 1)
+                group.call_by_dp_outputs(RolloutWorker.stream_submit, padded, sampling, mesh=source.rollout_mesh)
                 in_flight_batches += 1
                 generated[index] = 0
                 continue
@@ -381,15 +418,11 @@ def staleness_metrics(batch: Batch, trained_version: int) -> dict[str, float]:
 
 
 def _merge_generation_metrics(stats: AsyncStats) -> dict[str, float]:
-    from hybridrl.trainer.trainer import merge_part_metrics
-
     if not stats.generation_metrics:
         return {}
     return merge_part_metrics(stats.generation_metrics, stats.rows)
 
 
 def _merge_stream_metrics(parts: list[Batch]) -> dict[str, float]:
-    from hybridrl.trainer.trainer import merge_part_metrics
-
     metrics = [dict(p.meta.pop("metrics", {}) or {}) for p in parts]
     return merge_part_metrics(metrics, [len(p) for p in parts], concurrent=True)

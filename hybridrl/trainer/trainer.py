@@ -46,8 +46,9 @@ from hybridrl.rewards.registry import UnknownScorerError
 from hybridrl.rollout.sampling import RolloutSampling, validation_sampling
 from hybridrl.rollout.turn_rewards import TurnRewardError, turn_rewarder_from_config
 from hybridrl.tools import available_parsers, build_registry
-from hybridrl.trainer.async_rollout import RolloutDriver
+from hybridrl.trainer.async_rollout import DriverSettings, RolloutDriver
 from hybridrl.trainer.checkpoints import CheckpointError, CheckpointManager
+from hybridrl.trainer.part_metrics import merge_part_metrics
 from hybridrl.trainer.rl_step import (
     AdvantageSettings,
     add_turn_scores,
@@ -329,7 +330,7 @@ class Trainer:
         return validation_sampling(self.plan.resolved.response_length,
                                    stop_token_ids=tuple(self.config.actor_rollout_ref.rollout.stop_token_ids))
 
-    def _sampling(self, validation: bool = False, step: int | None = None) -> Any:
+    def _sampling(self, validation: bool = False, step: int | None = None) -> RolloutSampling:
 
         rollout = self.config.actor_rollout_ref.rollout
         max_tokens = self.plan.resolved.response_length
@@ -349,6 +350,17 @@ class Trainer:
                                top_k=rollout.top_k if rollout.top_k > 0 else None, max_tokens=max_tokens,
                                stop_token_ids=stops, ignore_eos=rollout.ignore_eos, seed=step_seed)
 
+    # ------------------------------------------------------------------------------ the rollout driver's source
+    # (`async_rollout.RolloutSource`: what an asynchronous rollout reads of the trainer, from its own thread)
+    def next_prompts(self) -> Batch:
+        return next(self._prompts)
+
+    def loader_state(self) -> dict[str, Any]:
+        return self.train_loader.state_dict()
+
+    def sampling_for_step(self, step: int) -> RolloutSampling:
+        return self._sampling(step=step)
+
     # ------------------------------------------------------------------------------ phases
     @contextmanager
     def _phase(self, timer: PhaseTimer, name: Phase) -> Iterator[None]:
@@ -357,7 +369,7 @@ class Trainer:
         with timer.phase(name):
             yield
 
-    def generate(self, prompts: Batch, sampling: Any) -> Batch:
+    def generate(self, prompts: Batch, sampling: RolloutSampling) -> Batch:
         """Samples for every prompt, over the rollout replicas; rows prompt-major, n per prompt."""
 
         replicas = self.rollout_mesh.dp_size
@@ -378,7 +390,7 @@ class Trainer:
             out = out.index(keep)
         return out
 
-    def _score(self, batch: Batch) -> dict[str, float]:
+    def score(self, batch: Batch) -> dict[str, float]:
         """token_level_scores: the reward model's score when enabled, else the rule/user scorer's;
         plus DAPO's overlong penalty when enabled, all on each response's last token; plus, with
         multi-turn per-turn rewards, each model turn's reward on that turn's last token."""
@@ -411,7 +423,7 @@ class Trainer:
             batch = self.generate(prompts, self._sampling())
         metrics.update(batch.meta.pop("metrics", {}) or {})
         with self._phase(timer, Phase.REWARD):
-            metrics.update(self._score(batch))
+            metrics.update(self.score(batch))
         if self.config.algorithm.adv_estimator in GREEDY_BASELINE_ADV_ESTIMATORS:
             metrics.update(self._greedy_baseline(prompts, batch, timer))
         return batch
@@ -422,7 +434,7 @@ class Trainer:
         with self._phase(timer, Phase.GEN_BASELINE):
             greedy = self.generate(prompts, self._greedy_sampling())
         with self._phase(timer, Phase.REWARD_BASELINE):
-            self._score(greedy)
+            self.score(greedy)
         greedy_scores = greedy["token_level_scores"].sum(-1)
         batch["baseline_scores"] = baseline_per_row(batch["uid"], greedy["uid"], greedy_scores)
         return {"reward/greedy_baseline_mean": float(greedy_scores.float().mean())}
@@ -763,7 +775,7 @@ class Trainer:
                    disable=not self.progress)
         self._prompts = self._prompt_stream()
         if self.plan.resolved.async_mode != "sync":  # the rollout pool runs ahead in a thread
-            self.driver = RolloutDriver(self)
+            self.driver = RolloutDriver(self, DriverSettings.of(self.plan))
             for group in (self.actor_group, self.critic_group, self.rm_group):
                 if group is not None:
                     group.watchdog = self.driver.raise_if_failed
@@ -881,40 +893,6 @@ def _final_failure(failures: list[TrainingFailure], max_restarts: int) -> Traini
     return TrainingFailure(last.step, last.phase, (
         f"{last.cause}\n(the run's failure {len(failures)}, with trainer.max_restarts={max_restarts}; it had "
         f"restarted in place after: {earlier})"))
-
-
-def merge_part_metrics(rounds: list[dict[str, float]], rows: list[int], concurrent: bool = False) -> dict[str, float]:
-    """One set of generation and reward metrics from several parts of `rows` samples each: the
-    generation rounds of a step, or (`concurrent`) the rollout replicas of one round.
-
-    Means are weighted by the parts' sample counts, minima and maxima taken over all parts, counts,
-    tokens and seconds summed (seconds of concurrent parts: the longest; `tools/` counts and call
-    time are always summed); the rollout's tokens/s is
-    recomputed from those; any other figure (e.g. the KV-cache size) is its largest. (A
-    per-data-source mean is weighted by all of a part's samples: `_dynamic_sampling` recomputes the
-    scorer's figures from its per-sample scores.)
-    """
-    def column(key: str) -> list[tuple[float, int]]:
-        return [(round_[key], n) for round_, n in zip(rounds, rows) if key in round_]
-
-    summed = ("fallbacks", "empty_responses", "generate_s", "response_tokens", "prompt_tokens", "model_tokens",
-              "observation_tokens")
-    merged: dict[str, float] = {}
-    for key in dict.fromkeys(k for round_ in rounds for k in round_):
-        values = column(key)
-        if key.endswith(("_mean", "acc")):
-            merged[key] = sum(v * n for v, n in values) / max(sum(n for _, n in values), 1)
-        elif key.endswith("_min"):
-            merged[key] = min(v for v, _ in values)
-        elif key.endswith(summed) and not (concurrent and key.endswith("_s")):
-            merged[key] = sum(v for v, _ in values)
-        elif key.startswith("tools/") and not key.endswith("_max"):
-            merged[key] = sum(v for v, _ in values)  # call counts, and tool time summed over calls
-        else:
-            merged[key] = max(v for v, _ in values)
-    if "rollout/tokens_per_s" in merged and merged.get("rollout/generate_s", 0) > 0:
-        merged["rollout/tokens_per_s"] = merged["rollout/response_tokens"] / merged["rollout/generate_s"]
-    return merged
 
 
 def _json_default(value: Any) -> Any:

@@ -15,6 +15,7 @@ import torch
 from hybridrl.config.plan import Plan
 from hybridrl.data.batch import Batch
 from hybridrl.data.tokenizer import load_tokenizer
+from hybridrl.models.lora_targets import vllm_lora_rank
 from hybridrl.names import Phase
 from hybridrl.parallel.cpu_layer import cuda_to_cpu_mode_suspended
 from hybridrl.parallel.memory import memory_metrics
@@ -57,7 +58,7 @@ def engine_config(plan: Plan, pad_token_id: int) -> RolloutEngineConfig:
         # routing replay: each row carries the experts vLLM routed its tokens to (`routed_experts`)
         return_routed_experts=arr.actor.router_replay == "rollout",
         # lora.merge false: vLLM serves the actor's adapters (`reshard.adapter_sync`)
-        lora_rank=plan.resolved.lora_rank if plan.resolved.serves_adapters else 0,
+        lora_rank=vllm_lora_rank(plan.resolved.lora_rank) if plan.resolved.serves_adapters else 0,
     )
 
 

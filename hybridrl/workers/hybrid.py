@@ -32,6 +32,7 @@ reduces to the worst rank: the figure that decides whether a step fits.
 """
 from __future__ import annotations
 
+import atexit
 import shutil
 import tempfile
 import time
@@ -108,6 +109,7 @@ class HybridEngineWorker(PolicyWorker):
                                                         merge_adapters=not plan.resolved.serves_adapters))
         if plan.resolved.serves_adapters:  # this rank's folder for the adapter vLLM loads at each sync
             self.adapter_dir = Path(tempfile.mkdtemp(prefix=f"hybridrl-adapter-rank{self.rank}-"))
+            atexit.register(shutil.rmtree, self.adapter_dir, True)
         self.agent = agent_loop_for(plan, self.rollout)
         sync = self.sync_weights()
         return {"setup_s": time.perf_counter() - started, "rollout_build_s": self.rollout.build_seconds,
