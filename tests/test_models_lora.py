@@ -84,13 +84,14 @@ def hf_dir(tmp_path_factory) -> Path:
     return make_hf_model(tmp_path_factory.mktemp("lora") / "qwen3", "qwen3", seed=11)  # GQA, q/k norms, tied
 
 
-def _adapter_state(hf_dir: Path, seed: int) -> dict[str, torch.Tensor]:
+def adapter_state(hf_dir: Path, seed: int, rank: int = RANK) -> dict[str, torch.Tensor]:
     """Random adapters of the model's shape under peft's names (B not zero: the adapters change the model)."""
     from tests.test_models_fixtures import read_json
 
     c = read_json(hf_dir / "config.json")
-    hidden, heads, kv, head_dim, ffn = (c[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
-                                                       "head_dim", "intermediate_size"))
+    hidden, heads, kv, ffn = (c[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                             "intermediate_size"))
+    head_dim = c.get("head_dim") or hidden // heads
     sizes = {"q_proj": (heads * head_dim, hidden), "k_proj": (kv * head_dim, hidden),
              "v_proj": (kv * head_dim, hidden), "o_proj": (hidden, heads * head_dim),
              "gate_proj": (ffn, hidden), "up_proj": (ffn, hidden), "down_proj": (hidden, ffn)}
@@ -100,8 +101,8 @@ def _adapter_state(hf_dir: Path, seed: int) -> dict[str, torch.Tensor]:
         for projection, (out, inp) in sizes.items():
             module = "self_attn" if projection in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             prefix = f"base_model.model.model.layers.{layer}.{module}.{projection}"
-            state[f"{prefix}.lora_A.weight"] = torch.randn(RANK, inp, generator=gen) * 0.2
-            state[f"{prefix}.lora_B.weight"] = torch.randn(out, RANK, generator=gen) * 0.2
+            state[f"{prefix}.lora_A.weight"] = torch.randn(rank, inp, generator=gen) * 0.2
+            state[f"{prefix}.lora_B.weight"] = torch.randn(out, rank, generator=gen) * 0.2
     return state
 
 
@@ -141,7 +142,7 @@ def test_adapters_equal_peft_on_the_transformers_model(hf_dir, tmp_path, tp, seq
     import peft
     import transformers
 
-    state = _adapter_state(hf_dir, 3)
+    state = adapter_state(hf_dir, 3)
     if kind == "lora":
         state = shared_a(state)
     weights = torch.randn(*TOKENS.shape, VOCAB, generator=torch.Generator().manual_seed(4))
@@ -242,7 +243,7 @@ def test_a_sync_sends_the_weights_with_the_adapters_merged(hf_dir, tp, pp, infer
     from hybridrl.reshard.layout import hf_to_vllm_shards
     from tests.test_models_fixtures import read_json
 
-    state = _adapter_state(hf_dir, 8)
+    state = adapter_state(hf_dir, 8)
     if kind == "lora":
         state = shared_a(state)
     flipped = {name: -t if ".lora_B." in name else t for name, t in state.items()}

@@ -20,7 +20,7 @@ from hybridrl.models.lora_targets import PROJECTIONS as LAYER_PROJECTIONS
 from hybridrl.models.lora_targets import TARGETS
 from hybridrl.parallel.forked import run_ranks
 from tests.hybrid_workers import hybrid_worker
-from tests.test_models_lora import shared_a
+from tests.test_models_lora import adapter_state, shared_a
 
 pytestmark = pytest.mark.slow
 
@@ -36,29 +36,6 @@ def model_dir(tmp_path_factory) -> str:
     from tools.make_demo_model import build
 
     return str(build("configs/models/tiny-demo/config.json", tmp_path_factory.mktemp("tiny") / "model", seed=3))
-
-
-def random_adapter(model_dir: str, fused: bool, seed: int = 5) -> dict[str, torch.Tensor]:
-    """Adapters of the model's shape under peft's names, B not zero (they change the model); `fused`: the
-    projections of a megatron layer share their A (type lora)."""
-    import json
-
-    c = json.loads((Path(model_dir) / "config.json").read_text())
-    hidden, heads, kv, ffn = (c[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
-                                             "intermediate_size"))
-    head_dim = c.get("head_dim") or hidden // heads
-    sizes = {"q_proj": (heads * head_dim, hidden), "k_proj": (kv * head_dim, hidden),
-             "v_proj": (kv * head_dim, hidden), "o_proj": (hidden, heads * head_dim),
-             "gate_proj": (ffn, hidden), "up_proj": (ffn, hidden), "down_proj": (hidden, ffn)}
-    gen = torch.Generator().manual_seed(seed)
-    state = {}
-    for layer in range(c["num_hidden_layers"]):
-        for projection, (out, inp) in sizes.items():
-            module = "self_attn" if projection in LAYER_PROJECTIONS["linear_qkv"] + ("o_proj",) else "mlp"
-            prefix = f"base_model.model.model.layers.{layer}.{module}.{projection}"
-            state[f"{prefix}.lora_A.weight"] = torch.randn(RANK, inp, generator=gen) * 0.2
-            state[f"{prefix}.lora_B.weight"] = torch.randn(out, RANK, generator=gen) * 0.2
-    return shared_a(state) if fused else state
 
 
 def _served_rank(rank: int, world: int, model_dir: str, overrides: list[str], state: dict[str, torch.Tensor],
@@ -112,7 +89,8 @@ def _peft_log_probs(model_dir: str, state: dict[str, torch.Tensor] | None) -> li
       "actor_rollout_ref.rollout.tensor_model_parallel_size=1"], "canonical_lora"),
 ], ids=["tp2-infer2-fused", "pp2-infer1-canonical"])
 def test_vllm_serves_the_adapters_a_sync_moves_them_alone_and_equals_peft(model_dir, tmp_path, layout, kind):
-    state = random_adapter(model_dir, fused=kind == "lora")
+    state = adapter_state(Path(model_dir), 5, rank=RANK)
+    state = shared_a(state) if kind == "lora" else state  # type lora: a megatron layer's projections share A
     overrides = [*layout, *SMALL_BATCHES, f"actor_rollout_ref.model.lora.rank={RANK}",
                  f"actor_rollout_ref.model.lora.alpha={ALPHA}", f"actor_rollout_ref.model.lora.type={kind}",
                  "actor_rollout_ref.model.lora.merge=false",
