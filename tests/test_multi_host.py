@@ -123,13 +123,18 @@ def assert_traffic_is_planned(samples: LinkSamples, run: Path, overrides: list[s
     return {"steps": figures}
 
 
+# the DP2 demo's reward rises over this many steps at lr 2e-3 (tests/test_trainer_e2e.py's learning runs: 16)
+LEARNING_STEPS = 16
+
+
 def test_a_run_across_two_hosts_started_by_the_launch_scripts(demo_assets, tmp_path, ray_temp):
-    """Data parallelism across the hosts (one rank on each, the gradient all-reduce on the link); every weight
-    sync proven by its probe; the ranks' placement named by host address; each phase's traffic on the link as
-    the plan models it (the update: each host sends its 2.5 MB gradient buffer, within 10 %)."""
+    """Data parallelism across the hosts (one rank on each, the gradient all-reduce on the link) raises the demo's
+    reward; every weight sync proven by its probe; the ranks' placement named by host address; each phase's
+    traffic on the link as the plan models it (the update: each host sends its 2.5 MB gradient buffer, within
+    10 %)."""
     run = tmp_path / "run"
     overrides = [*demo_overrides(demo_assets, run), "trainer.nnodes=2", "trainer.n_gpus_per_node=1",
-                 "trainer.total_training_steps=2"]
+                 f"trainer.total_training_steps={LEARNING_STEPS}", "actor_rollout_ref.actor.optim.lr=2e-3"]
     with Cluster(2) as cluster:
         address = start_ray(cluster, tmp_path, ray_temp)
         assert address == f"{cluster.hosts[0].address}:{PORT}"  # the cluster network's, not docker0's
@@ -148,13 +153,15 @@ def test_a_run_across_two_hosts_started_by_the_launch_scripts(demo_assets, tmp_p
     a, rank_a, b, rank_b = placement.groups()
     assert {a, b} == {h.address for h in cluster.hosts} and {rank_a, rank_b} == {"0", "1"}
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == [1, 2]
+    assert [s["step"] for s in steps] == list(range(1, LEARNING_STEPS + 1))
     for step in steps:
         assert step["reshard/probe_max_abs_gap"] <= 1e-4  # every sync proven (fp32)
         assert step["rollout/log_prob_abs_diff_max"] <= 1e-4
+    first, last = (sum(s["critic/score/mean"] for s in part) / 4 for part in (steps[:4], steps[-4:]))
+    assert last > first + 0.05, (first, last)  # it learns across the hosts
     # the gradient all-reduce of a 2.3 MiB model crossed the link both ways in each step, at least
     assert min(sent) > 2 * 2.3 * 2**20, sent
-    print(f"two hosts: {seconds:.0f} s, sent {sent} bytes")
+    print(f"two hosts: {seconds:.0f} s, sent {sent} bytes, reward {first:.3f} (steps 1-4) -> {last:.3f} (last 4)")
 
 
 def test_a_pipeline_across_hosts_on_a_cluster_started_without_the_launch_scripts(demo_assets, tmp_path, ray_temp):
