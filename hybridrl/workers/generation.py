@@ -21,6 +21,7 @@ from hybridrl.parallel.cpu_layer import cuda_to_cpu_mode_suspended
 from hybridrl.parallel.memory import memory_metrics
 from hybridrl.rollout.agent_loop import AgentLoop, build_agent_loop
 from hybridrl.rollout.engine import RolloutEngine, RolloutEngineConfig
+from hybridrl.rollout.sampling import RolloutSampling
 from hybridrl.workers import faults
 
 
@@ -73,7 +74,7 @@ def agent_loop_for(plan: Plan, rollout: RolloutEngine) -> AgentLoop | None:
     return build_agent_loop(multi_turn, tokenizer, (*rollout.eos_token_ids, *arr.rollout.stop_token_ids))
 
 
-def generate_rows(rollout: RolloutEngine, agent: AgentLoop | None, prompts: Batch, sampling: Any,
+def generate_rows(rollout: RolloutEngine, agent: AgentLoop | None, prompts: Batch, sampling: RolloutSampling,
                   pad_token_id: int, device: str, memory: dict[str, float]) -> Batch | None:
     """This replica's samples of its DP chunk of `prompts` (which carries `raw_prompt_ids` and `uid`);
     the rows on TP rank 0, None on the others. Memory before/after goes into `memory`."""

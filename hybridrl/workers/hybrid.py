@@ -52,6 +52,7 @@ from hybridrl.reshard.adapter_sync import gather_whole_adapters, served_adapter_
 from hybridrl.reshard.checksums import verify_checksums
 from hybridrl.reshard.resharder import ReshardConfig, Resharder
 from hybridrl.rollout.engine import RolloutEngine
+from hybridrl.rollout.sampling import RolloutSampling
 from hybridrl.workers import faults
 from hybridrl.workers.generation import agent_loop_for, engine_config, generate_rows
 from hybridrl.workers.policy import PolicyWorker
@@ -121,7 +122,7 @@ class HybridEngineWorker(PolicyWorker):
         return {"replica": self.rollout.replica_index, "tp": self.rollout.tp_rank}
 
     # ------------------------------------------------------------------------------ generation
-    def generate_sequences(self, prompts: Batch, sampling: Any) -> Batch | None:
+    def generate_sequences(self, prompts: Batch, sampling: RolloutSampling) -> Batch | None:
         """`prompts` carries `raw_prompt_ids` (object array of token lists) and `uid` per prompt."""
         return generate_rows(self.rollout, self.agent, prompts, sampling, self.pad_token_id,
                              self.plan.resolved.device, self.phase_memory)

@@ -18,7 +18,7 @@ The trainer decides the order of calls in a step; workers only turn batches into
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -30,12 +30,17 @@ from hybridrl.models.lora import PeftMerge, adapters_disabled, lora_adapters
 from hybridrl.names import Phase, Role
 from hybridrl.parallel.device import release_cached_blocks, torch_threads_per_rank
 from hybridrl.reshard.adapter_sync import gather_whole_adapters
-from hybridrl.training.actor import MegatronActor
+from hybridrl.training.actor import MegatronActor, PolicyUpdateMetrics
 from hybridrl.training.backend import MegatronBackend, role_spec
 from hybridrl.training.checkpointing import load_role_checkpoint, save_role_checkpoint
-from hybridrl.training.critic import MegatronCritic
+from hybridrl.training.critic import CriticUpdateMetrics, MegatronCritic
 from hybridrl.training.reward_model import MegatronRewardModel
 from hybridrl.workers import faults
+
+if TYPE_CHECKING:
+    from hybridrl.rollout.engine import RolloutEngine
+
+Part = TypeVar("Part")
 
 
 class MegatronWorker(Worker):
@@ -44,7 +49,7 @@ class MegatronWorker(Worker):
     def __init__(self, context: RankContext, plan: Plan) -> None:
         super().__init__(context)
         self.plan = plan
-        self.primary: Any = None  # the MegatronBackend that defines this rank's mesh
+        self.primary: MegatronBackend | None = None  # the backend that defines this rank's mesh
 
     def _prepare(self) -> None:
         # trainer.torch_threads_per_rank, or this node's cores shared among its ranks (never torch's
@@ -62,7 +67,7 @@ class MegatronWorker(Worker):
             return None
         return total_training_steps * self.plan.update(role).optimizer_steps_per_step
 
-    def _require(self, part: Any, what: str) -> Any:
+    def _require(self, part: Part | None, what: str) -> Part:
         if part is None:
             raise RuntimeError(f"{type(self).__name__} rank {self.rank}: {what} is not set up (call init_model first)")
         return part
@@ -80,11 +85,11 @@ class ActorRolloutRefWorker(MegatronWorker):
         if unknown:
             raise ValueError(f"unknown roles {sorted(unknown)} for ActorRolloutRefWorker")
         self.roles = tuple(roles)
-        self.actor: Any = None
-        self.ref: Any = None
+        self.actor: MegatronActor | None = None
+        self.ref: MegatronActor | None = None
         # The rollout engine (hybridrl.rollout) lives in these same processes; it is attached by
         # the trainer once it exists, and weight sync goes through the resharder (hybridrl.reshard).
-        self.rollout: Any = None
+        self.rollout: RolloutEngine | None = None
 
     def init_model(self, total_training_steps: int | None = None) -> None:
         self._prepare()
@@ -106,11 +111,11 @@ class ActorRolloutRefWorker(MegatronWorker):
             backend.offload_params()
             self.primary = self.primary or backend
 
-    def attach_rollout(self, rollout: Any) -> None:
+    def attach_rollout(self, rollout: RolloutEngine) -> None:
         """Seam for the rollout engine built in this process by `hybridrl.rollout`."""
         self.rollout = rollout
 
-    def _ready_actor(self) -> Any:
+    def _ready_actor(self) -> MegatronActor:
         """The actor, its parameters on the device (back from the host with megatron.param_offload: every call
         that reads them starts here)."""
         actor = self._require(self.actor, "the actor")
@@ -133,7 +138,7 @@ class ActorRolloutRefWorker(MegatronWorker):
         finally:
             ref.backend.offload_params()
 
-    def update_actor(self, batch: Batch) -> Any:
+    def update_actor(self, batch: Batch) -> PolicyUpdateMetrics | None:
         actor = self._ready_actor()
         faults.crash_point(Phase.UPDATE_ACTOR)
         if faults.triggered(faults.NAN_UPDATE_ACTOR):
@@ -164,7 +169,7 @@ class ActorRolloutRefWorker(MegatronWorker):
 class CriticWorker(MegatronWorker):
     def __init__(self, context: RankContext, plan: Plan) -> None:
         super().__init__(context, plan)
-        self.critic: Any = None
+        self.critic: MegatronCritic | None = None
 
     def init_model(self, total_training_steps: int | None = None) -> None:
         self._prepare()
@@ -183,7 +188,7 @@ class CriticWorker(MegatronWorker):
         finally:
             self._release()
 
-    def update_critic(self, batch: Batch) -> Any:
+    def update_critic(self, batch: Batch) -> CriticUpdateMetrics | None:
         critic = self._require(self.critic, "the critic")
         try:
             metrics = critic.update_critic(batch)
@@ -202,7 +207,7 @@ class CriticWorker(MegatronWorker):
 class RewardModelWorker(MegatronWorker):
     def __init__(self, context: RankContext, plan: Plan) -> None:
         super().__init__(context, plan)
-        self.reward_model: Any = None
+        self.reward_model: MegatronRewardModel | None = None
 
     def init_model(self) -> None:
         self._prepare()

@@ -30,6 +30,7 @@ from hybridrl.reshard.cross_pool import CrossPoolReceiver
 from hybridrl.reshard.cross_pool_plan import CrossPoolLayout
 from hybridrl.rollout.continuous import ContinuousGeneration
 from hybridrl.rollout.engine import RolloutEngine
+from hybridrl.rollout.sampling import RolloutSampling
 from hybridrl.workers import faults
 from hybridrl.workers.generation import (
     agent_loop_for,
@@ -125,7 +126,7 @@ class RolloutWorker(Worker):
         return gap
 
     # ------------------------------------------------------------------------------ generation
-    def generate_sequences(self, prompts: Batch, sampling: Any) -> Batch | None:
+    def generate_sequences(self, prompts: Batch, sampling: RolloutSampling) -> Batch | None:
         """Whole-batch generation of this replica's chunk (as the hybrid engine's)."""
         out = generate_rows(self.rollout, self.agent, prompts, sampling, self.pad_token_id,
                             self.plan.resolved.device, self.phase_memory)
@@ -134,7 +135,7 @@ class RolloutWorker(Worker):
         return out
 
     # ------------------------------------------------------------------------- fully_async streaming
-    def stream_submit(self, prompts: Batch, sampling: Any) -> int:
+    def stream_submit(self, prompts: Batch, sampling: RolloutSampling) -> int:
         """Start `sampling.n` samples of each prompt of this replica's chunk; returns the samples in flight."""
         ids = [list(map(int, p)) for p in prompts["raw_prompt_ids"]]
         self.stream.submit(ids, list(prompts["uid"]), sampling, prompts)
