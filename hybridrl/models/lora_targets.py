@@ -62,7 +62,6 @@ def peft_config_mismatches(saved: Mapping[str, object], rank: int, alpha: float)
             if saved.get(key) != ours]
 
 
-
 # vLLM's LoRAConfig.max_lora_rank takes these values only (vllm/config/lora.py, MaxLoRARanks): an engine serving
 # adapters of rank r is built with the first one >= r
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

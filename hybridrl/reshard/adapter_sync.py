@@ -28,7 +28,9 @@ class AdapterSync:
     """One rank's whole adapter for vLLM, and what reaching it cost."""
 
     state: dict[str, torch.Tensor]  # peft name -> whole tensor (every stage's)
-    bytes_received: int  # the other stages' adapters, broadcast to this rank
+    # the other stages' adapters, broadcast to this rank (the world broadcast of its own stage, which it already
+    # holds after the TP gather, also reaches it and is not counted)
+    bytes_received: int
     adapter_bytes: int  # the whole adapter's tensors
 
 

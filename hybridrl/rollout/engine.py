@@ -284,19 +284,19 @@ def _expected_shape(module: torch.nn.Module, param_name: str, param: torch.Tenso
 
 # With LoRA enabled vLLM wraps each adaptable layer and moves its weights to `<layer>.base_layer`; hybridrl names
 # them as vLLM's plain model does (what the resharder writes and digests).
-LORA_BASE = ".base_layer"
+LORA_BASE = "base_layer"
 
 
 def _layer(model: torch.nn.Module, module_name: str) -> torch.nn.Module:
     """The vLLM layer `module_name` holding its own parameters (a LoRA wrapper's base layer)."""
     module = model.get_submodule(module_name)
-    return getattr(module, LORA_BASE[1:], module)
+    return getattr(module, LORA_BASE, module)
 
 
 def _loaded_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every parameter in vLLM's load layout (views, not copies)."""
     for name, param in model.named_parameters():
-        name = name.replace(LORA_BASE + ".", ".")
+        name = name.replace(f".{LORA_BASE}.", ".")
         value = param.detach()
         module_name, _, param_name = name.rpartition(".")
         module = _layer(model, module_name)
@@ -323,7 +323,7 @@ def _reprocess_tied_lm_head(model: torch.nn.Module) -> None:
     """With tied embeddings, vLLM's CPU lm_head holds its own packed copy of the embedding: refresh it."""
     lm_head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    embed = getattr(embed, LORA_BASE[1:], embed)
+    embed = getattr(embed, LORA_BASE, embed)
     if lm_head is None or embed is None or getattr(lm_head, "weight", None) is not embed.weight:
         return
     lm_head.quant_method.process_weights_after_loading(lm_head)
