@@ -28,6 +28,7 @@ class Phase(StrEnum):
     RELEASE_ROLLOUT_MEMORY = "release_rollout_memory"  # vLLM sleeps before training
     OLD_LOG_PROB = "old_log_prob"  # the actor's old-log-prob pass (fault point: `compute_log_prob`)
     REF = "ref"  # the reference's log-probs
+    TEACHER = "teacher"  # on-policy distillation: the teacher's log-probs of the sampled tokens
     VALUES = "values"  # the critic's values
     ADV = "adv"  # advantages on the controller
     UPDATE_CRITIC = "update_critic"
@@ -39,8 +40,8 @@ class Phase(StrEnum):
 
 
 # The timed phases of a step, in the order summaries and plots show them.
-TIMED_PHASES = (Phase.WAIT_ROLLOUT, Phase.GEN, Phase.REWARD, Phase.OLD_LOG_PROB, Phase.REF, Phase.VALUES, Phase.ADV,
-                Phase.UPDATE_CRITIC, Phase.UPDATE_ACTOR, Phase.SYNC)
+TIMED_PHASES = (Phase.WAIT_ROLLOUT, Phase.GEN, Phase.REWARD, Phase.OLD_LOG_PROB, Phase.REF, Phase.TEACHER,
+                Phase.VALUES, Phase.ADV, Phase.UPDATE_CRITIC, Phase.UPDATE_ACTOR, Phase.SYNC)
 
 
 class Role(StrEnum):
@@ -48,6 +49,7 @@ class Role(StrEnum):
     REF = "ref"
     CRITIC = "critic"
     REWARD_MODEL = "reward_model"
+    TEACHER = "teacher"  # on-policy distillation: a frozen model scoring the student's sampled tokens
 
 
 class GroupName(StrEnum):
@@ -56,3 +58,4 @@ class GroupName(StrEnum):
     ROLLOUT = "rollout"  # RolloutWorker: vLLM on the disaggregated rollout pool
     CRITIC = "critic"
     REWARD_MODEL = "reward_model"
+    TEACHER = "teacher"

@@ -146,7 +146,8 @@ def test_cli_plan_stays_light(job, request):
 
 
 # Two spellings of one field: a role's layout field on the role or under `megatron`.
-ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model")  # every role with a layout
+# every role with a layout
+ROLES = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model", "teacher")
 ALIASED = [(role, f.name) for role in ROLES for f in dataclasses.fields(MegatronConfig)]
 
 

@@ -4,10 +4,11 @@
 layout from a model's config.json alone), so a user's mistake is one message naming the field, not
 a traceback minutes later:
 
-* model folders (`actor_rollout_ref.model`, a critic's or reward model's own): the folder exists and
-  holds a config.json, safetensors weights and, for the policy, a tokenizer (with a chat template
-  when prompts need one). A hub id (``Qwen/Qwen2.5-7B-Instruct``) is looked up in the local Hugging
-  Face cache, offline, as transformers does (`resolve_hub_ids`); hybridrl never downloads.
+* model folders (`actor_rollout_ref.model`, a critic's, reward model's or distillation teacher's own): the
+  folder exists and holds a config.json, safetensors weights and, for the policy, a tokenizer (with a chat
+  template when prompts need one); a teacher holds the policy's tokenizer. A hub id
+  (``Qwen/Qwen2.5-7B-Instruct``) is looked up in the local Hugging Face cache, offline, as transformers does
+  (`resolve_hub_ids`); hybridrl never downloads.
 * data files: each exists and is readable parquet/JSONL with the prompt column (and the reward column
   the scorer reads), at least one batch of rows, and chat-message prompts only where a chat template
   formats them (`hybridrl.data.dataset.preview_file` reads only a footer or the first lines).
@@ -49,6 +50,8 @@ def _model_sections(config: JobConfig, *, critic: bool) -> list[tuple[str, Model
         sections.append(("critic.model", config.critic.model))
     if config.reward_model.enable:
         sections.append(("reward_model.model", config.reward_model.model))
+    if config.algorithm.distillation.enable:
+        sections.append(("teacher.model", config.teacher.model))
     return sections
 
 
@@ -98,6 +101,8 @@ def check_inputs(config: JobConfig, issues: list[ConfigIssue], *, critic: bool) 
         before = len(issues)
         if _check_model_folder(prefix, model, issues, tokenizer=policy) and policy:
             chat_template = has_chat_template(Path(model.tokenizer_path or model.path))
+        elif prefix == "teacher.model" and len(issues) == before:
+            _check_teacher_tokenizer(config, issues)
         absent |= len(issues) > before and (Path(model.path) / "config.json").is_file()
     for files in (config.data.train_files, config.data.val_files):
         absent |= not files or any(not Path(file).exists() for file in files)
@@ -188,6 +193,50 @@ def _check_model_folder(prefix: str, model: ModelConfig, issues: list[ConfigIssu
                                                      f"{prefix}.tokenizer_path"))
             ok = False
     return ok
+
+
+def _check_teacher_tokenizer(config: JobConfig, issues: list[ConfigIssue]) -> None:
+    """On-policy distillation scores the student's token ids with the teacher: both must read them as the same
+    text, so the teacher's folder must hold the policy's tokenizer (the same vocabulary, merges and added tokens)."""
+    policy = config.actor_rollout_ref.model
+    student, teacher = Path(policy.tokenizer_path or policy.path), Path(config.teacher.model.path)
+    difference = tokenizer_difference(student, teacher)
+    if difference is not None:
+        issues.append(ConfigIssue("teacher.model.path", str(teacher),
+                                  f"does not share the policy's tokenizer ({student}): {difference}; distillation "
+                                  "scores the student's token ids with the teacher, so both must use one tokenizer "
+                                  "(a teacher and student of one model family)"))
+
+
+def _tokenizer_identity(source: Path) -> dict[str, object] | None:
+    """What decides how a tokenizer maps ids to text: tokenizer.json's model (vocabulary, merges) and added tokens,
+    or the bytes of the slow tokenizer's vocabulary files; None when the folder holds none of them."""
+    folder = source if source.is_dir() else source.parent
+    fast = source if source.is_file() else folder / "tokenizer.json"
+    if fast.is_file():
+        data = json.loads(fast.read_text())
+        added = sorted((token["id"], token["content"]) for token in data.get("added_tokens") or [])
+        return {"model": data.get("model"), "added_tokens": added}
+    files = {name: (folder / name).read_bytes() for name in ("vocab.json", "merges.txt", "tokenizer.model")
+             if (folder / name).is_file()}
+    return {"files": files} if files else None
+
+
+def tokenizer_difference(student: Path, teacher: Path) -> str | None:
+    """How the teacher's tokenizer differs from the student's (None: the same)."""
+    try:
+        mine, theirs = _tokenizer_identity(student), _tokenizer_identity(teacher)
+    except (OSError, ValueError) as exc:
+        return f"its tokenizer is unreadable ({exc})"
+    if theirs is None:
+        return f"it holds no tokenizer to compare (none of tokenizer.json, {', '.join(TOKENIZER_FILES[1:3])})"
+    if mine is None or mine.keys() != theirs.keys():
+        return "one is a fast tokenizer (tokenizer.json), the other is not"
+    if mine.get("model") != theirs.get("model") or mine.get("files") != theirs.get("files"):
+        return "its vocabulary or merges differ"
+    if mine.get("added_tokens") != theirs.get("added_tokens"):
+        return "its added (special) tokens differ"
+    return None
 
 
 def has_chat_template(tokenizer_source: Path) -> bool:

@@ -210,7 +210,8 @@ def plan_internode_traffic(plan: Plan, tokens: Mapping[str, float] | None = None
         return None
     prompt_length = config.data.max_prompt_length
     forwards = {f.role: f.pass_name for f in plan.forwards}
-    phase_of_pass = {"old_log_prob": Phase.OLD_LOG_PROB, "ref_log_prob": Phase.REF, "values": Phase.VALUES}
+    phase_of_pass = {"old_log_prob": Phase.OLD_LOG_PROB, "ref_log_prob": Phase.REF, "values": Phase.VALUES,
+                     "teacher_log_prob": Phase.TEACHER}
     roles = []
     for layout in plan.layouts:
         if layout.role == Role.REWARD_MODEL:

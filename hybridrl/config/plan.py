@@ -417,14 +417,16 @@ def megatron_refusals(plan: Plan) -> list[ConfigIssue]:
 
 
 def role_model_shape(config: JobConfig, role: str, actor_shape: ModelShape) -> ModelShape:
-    """The model a role runs: the critic's or reward model's own folder when it has a readable config, else the
-    actor's shape (value models default to the policy's backbone)."""
-    section = {Role.CRITIC: config.critic, Role.REWARD_MODEL: config.reward_model}.get(role)
+    """The model a role runs: the critic's, reward model's or teacher's own folder when it has a readable config,
+    else the actor's shape (value models default to the policy's backbone)."""
+    sections = {Role.CRITIC: config.critic, Role.REWARD_MODEL: config.reward_model, Role.TEACHER: config.teacher}
+    section = sections.get(role)
     path = section.model.path if section is not None else None
     if not path or path == config.actor_rollout_ref.model.path or not (Path(path) / "config.json").is_file():
         return actor_shape
-    try:  # as the workers build it (`training.value_head.value_model_source`)
-        return ModelShape.from_hf_config(value_model_hf_config(read_hf_config(path)))
+    try:  # as the workers build it (`training.value_head.value_model_source`; the teacher is a causal LM)
+        hf_config = read_hf_config(path)
+        return ModelShape.from_hf_config(hf_config if role == Role.TEACHER else value_model_hf_config(hf_config))
     except (UnsupportedModelError, ValueError, KeyError, OSError):
         return actor_shape
 
@@ -434,7 +436,8 @@ def _role_on_gpu(memory: TrainingMemory, layout: RoleLayout, *, grads: bool | No
     """A role's memory estimate with its offload settings (`grads` / `optimizer` override them)."""
     mc = layout.megatron
     # the actor's parameters leave during generation (param_offload); the reference's always do (own_process)
-    return RoleOnGpu(memory, offload_params=mc.param_offload and memory.role in (Role.ACTOR, Role.REWARD_MODEL),
+    return RoleOnGpu(memory, offload_params=mc.param_offload and memory.role in (Role.ACTOR, Role.REWARD_MODEL,
+                                                                              Role.TEACHER),
                      offload_grads=mc.grad_offload if grads is None else grads,
                      offload_optimizer=mc.optimizer_offload if optimizer is None else optimizer,
                      own_process=memory.role != Role.REF,
@@ -612,6 +615,8 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
         forwards.append(forward(Role.CRITIC, "values", critic.ppo_micro_batch_size_per_gpu))
     if Role.REWARD_MODEL in by_role:
         forwards.append(forward(Role.REWARD_MODEL, "reward_scores", config.reward_model.micro_batch_size_per_gpu))
+    if Role.TEACHER in by_role:
+        forwards.append(forward(Role.TEACHER, "teacher_log_prob", config.teacher.log_prob_micro_batch_size_per_gpu))
 
     actor_mesh = by_role[Role.ACTOR].mesh
     infer_tp = arr.rollout.tensor_model_parallel_size

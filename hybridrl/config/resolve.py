@@ -82,6 +82,7 @@ MODEL_SECTIONS: dict[str, tuple[Role, ...]] = {
     "actor_rollout_ref": (Role.ACTOR, Role.REF),
     "critic": (Role.CRITIC,),
     "reward_model": (Role.REWARD_MODEL,),
+    "teacher": (Role.TEACHER,),
 }
 
 
@@ -94,12 +95,12 @@ class PassBatching:
 
 
 def pass_batching(config: JobConfig, pass_name: str) -> PassBatching:
-    """The micro-batching of a pass: for the old and ref log-prob passes their section's log_prob_use_dynamic_bsz /
-    log_prob_max_token_len_per_gpu where set, else (and for every other pass) the actor's use_dynamic_bsz /
-    ppo_max_token_len_per_gpu (verl's defaults for them)."""
+    """The micro-batching of a pass: for the old, ref and teacher log-prob passes their section's
+    log_prob_use_dynamic_bsz / log_prob_max_token_len_per_gpu where set, else (and for every other pass) the actor's
+    use_dynamic_bsz / ppo_max_token_len_per_gpu (verl's defaults for them)."""
     arr = config.actor_rollout_ref
     dynamic, max_tokens = arr.actor.use_dynamic_bsz, arr.actor.ppo_max_token_len_per_gpu
-    section = {"old_log_prob": arr.rollout, "ref_log_prob": arr.ref}.get(pass_name)
+    section = {"old_log_prob": arr.rollout, "ref_log_prob": arr.ref, "teacher_log_prob": config.teacher}.get(pass_name)
     if section is not None:
         if section.log_prob_use_dynamic_bsz is not None:
             dynamic = section.log_prob_use_dynamic_bsz
@@ -145,7 +146,8 @@ def resolve(config: JobConfig, model: ModelShape | None = None) -> Resolved:
     sections = {"actor_rollout_ref": ((actor.megatron, config.actor_rollout_ref.ref.megatron),
                                       model is None or not model.is_moe),
                 "critic": ((config.critic.megatron,), True),
-                "reward_model": ((config.reward_model.megatron,), True)}
+                "reward_model": ((config.reward_model.megatron,), True),
+                "teacher": ((config.teacher.megatron,), True)}
     packed: list[str] = []
     shared: list[str] = []
     for section, (layouts, dense) in sections.items():
@@ -171,7 +173,8 @@ def resolve(config: JobConfig, model: ModelShape | None = None) -> Resolved:
         ref_enabled=actor.use_kl_loss or config.algorithm.use_kl_in_reward,
         critic_mini_batch_size=config.critic.ppo_mini_batch_size or actor.ppo_mini_batch_size,
         critic_ppo_epochs=config.critic.ppo_epochs or actor.ppo_epochs,
-        old_log_prob_pass=actor.old_log_prob != "auto" or not on_policy_update,
+        # distillation's reverse KL needs the student's log-probs before the update
+        old_log_prob_pass=actor.old_log_prob != "auto" or not on_policy_update or config.algorithm.distillation.enable,
         sync_bucket_bytes=int(rollout.update_weights_bucket_megabytes) << 20
         if isinstance(rollout.update_weights_bucket_megabytes, int) else 0,
         probe_tolerance=probe_tolerance(rollout.probe_tolerance, actor.megatron.dtype or policy.default_train_dtype,
@@ -259,6 +262,7 @@ def role_megatron(config: JobConfig, role: str) -> MegatronConfig:
         Role.REF: arr.ref.megatron or arr.actor.megatron,
         Role.CRITIC: config.critic.megatron,
         Role.REWARD_MODEL: config.reward_model.megatron,
+        Role.TEACHER: config.teacher.megatron,
     }[role]
 
 
@@ -271,6 +275,7 @@ def role_megatron_field(config: JobConfig, role: str) -> str:
         else "actor_rollout_ref.actor.megatron",
         Role.CRITIC: "critic.megatron",
         Role.REWARD_MODEL: "reward_model.megatron",
+        Role.TEACHER: "teacher.megatron",
     }[role]
 
 
@@ -282,4 +287,6 @@ def active_roles(config: JobConfig, resolved: Resolved) -> list[str]:
         roles.append(Role.CRITIC)
     if config.reward_model.enable:
         roles.append(Role.REWARD_MODEL)
+    if config.algorithm.distillation.enable:
+        roles.append(Role.TEACHER)
     return roles

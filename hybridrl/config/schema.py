@@ -477,6 +477,20 @@ class RewardModelConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """On-policy distillation's teacher (`algorithm.distillation`): a frozen causal LM in its own processes on the
+    training GPUs (as the critic and reward model), with its own layout; it scores the student's sampled tokens."""
+
+    model: ModelConfig = doc(factory=ModelConfig, text="the teacher's HF folder (the policy's tokenizer)")
+    megatron: MegatronConfig = doc(factory=MegatronConfig, text="teacher layout")
+    log_prob_micro_batch_size_per_gpu: int = doc(8, "sequences per teacher-log-prob forward on one GPU")
+    log_prob_use_dynamic_bsz: bool | None = doc(
+        None, "teacher-log-prob micro-batches by token count; null = actor.use_dynamic_bsz")
+    log_prob_max_token_len_per_gpu: int | None = doc(
+        None, "teacher-log-prob token budget per micro-batch when dynamic; null = actor.ppo_max_token_len_per_gpu")
+
+
+@dataclass
 class CustomRewardConfig:
     path: str | None = doc(None, "Python file with a reward function (trusted code)")
     name: str = doc("compute_score", "function name in that file")
@@ -533,6 +547,19 @@ class RolloutCorrectionConfig:
 
 
 @dataclass
+class DistillationConfig:
+    """On-policy distillation (`hybridrl.algorithms.distillation`): the student (the actor) samples, the teacher
+    scores every sampled token, and the per-token reverse KL log pi_student(y_t) - log pi_teacher(y_t) is the
+    signal: each model token's advantage gains -kl_coef times it (no discount, as Thinking Machines' recipe)."""
+
+    enable: bool = doc(False, "distil from the `teacher` model (teacher.model.path) on the student's own samples")
+    kl_coef: float = doc(1.0, "weight of the per-token reverse KL in the advantage (> 0)")
+    task_reward: bool = doc(
+        False, "true = add the task reward's advantages (adv_estimator on the reward) to the distillation's; "
+               "false = pure distillation (the reward is still computed and logged, but not trained on)")
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: AdvEstimator = doc("grpo", "advantage estimator (gae needs a critic)")
     gamma: float = doc(1.0, "discount")
@@ -550,6 +577,8 @@ class AlgorithmConfig:
                 "(openai/gsm8k -> gsm8k, lighteval/MATH and DigitalLearningGmbH/MATH-lighteval -> math, the demos' "
                 "hybridrl/*), so one job mixes datasets; or one scorer name from the rewards registry for every row")
     custom_reward_function: CustomRewardConfig = doc(factory=CustomRewardConfig, text="user reward code")
+    distillation: DistillationConfig = doc(
+        factory=DistillationConfig, text="on-policy distillation from the teacher (per-token reverse KL)")
 
 
 @dataclass
@@ -607,5 +636,6 @@ class JobConfig:
     actor_rollout_ref: ActorRolloutRefConfig = doc(factory=ActorRolloutRefConfig, text="policy")
     critic: CriticConfig = doc(factory=CriticConfig, text="value model (PPO)")
     reward_model: RewardModelConfig = doc(factory=RewardModelConfig, text="reward model")
+    teacher: TeacherConfig = doc(factory=TeacherConfig, text="distillation teacher (algorithm.distillation)")
     algorithm: AlgorithmConfig = doc(factory=AlgorithmConfig, text="RL algorithm")
     trainer: TrainerConfig = doc(factory=TrainerConfig, text="run control")

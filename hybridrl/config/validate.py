@@ -18,6 +18,7 @@ from hybridrl.algorithms.names import (
     GREEDY_BASELINE_ADV_ESTIMATORS,
     GROUP_ADV_ESTIMATORS,
 )
+from hybridrl.config.distillation_rules import check_distillation, teacher_shape
 from hybridrl.config.errors import ConfigIssue
 from hybridrl.config.megatron_fields import (
     DDP_CONFIG_FIELDS,
@@ -133,14 +134,15 @@ def validate(
 
 
     role_fields = {role: role_megatron_field(config, role) for role in Role}
+    teacher = teacher_shape(config, check.issues)  # the teacher's own layout rules read its own shape
     dp_of: dict[str, int] = {}
     for role in active_roles(config, resolved):
         if role == Role.REF and config.actor_rollout_ref.ref.megatron is None:
             if Role.ACTOR in dp_of:
                 dp_of[Role.REF] = dp_of[Role.ACTOR]
             continue
-        dp = _check_layout(check, role_fields[role], role_megatron(config, role), world, model,
-                           trainable=role in (Role.ACTOR, Role.CRITIC))
+        dp = _check_layout(check, role_fields[role], role_megatron(config, role), world,
+                           teacher if role == Role.TEACHER else model, trainable=role in (Role.ACTOR, Role.CRITIC))
         if dp:
             dp_of[role] = dp
     rollout_world = _check_rollout_placement(check, config, resolved, world)
@@ -163,6 +165,7 @@ def validate(
         _check_batch_arithmetic(check, config, resolved, dp_of, infer_dp)
     _check_lengths(check, config, resolved, model)
     _check_algorithm(check, config, resolved)
+    check_distillation(config, model, teacher, resolved.critic_enabled, check.issues)
 
 
 def _check_trainer(check: _Checker, config: JobConfig) -> bool:
@@ -261,7 +264,7 @@ def megatron_sections(config: JobConfig) -> list[tuple[str, MegatronConfig]]:
     if arr.ref.megatron is not None:
         sections.append(("actor_rollout_ref.ref.megatron", arr.ref.megatron))
     return [*sections, ("critic.megatron", config.critic.megatron),
-            ("reward_model.megatron", config.reward_model.megatron)]
+            ("reward_model.megatron", config.reward_model.megatron), ("teacher.megatron", config.teacher.megatron)]
 
 
 MEGATRON_SPLIT_FLAGS = ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
@@ -465,6 +468,8 @@ def _model_section(config: JobConfig, megatron_prefix: str) -> tuple[str, Any]:
         return "critic.model", config.critic.model
     if megatron_prefix.startswith("reward_model"):
         return "reward_model.model", config.reward_model.model
+    if megatron_prefix.startswith("teacher"):
+        return "teacher.model", config.teacher.model
     return "actor_rollout_ref.model", config.actor_rollout_ref.model
 
 
@@ -539,10 +544,11 @@ LORA = "actor_rollout_ref.model.lora"
 def _check_lora(check: _Checker, config: JobConfig, model: ModelShape | None) -> None:
     """LoRA adapters on the actor (`hybridrl.models.lora`): verl's settings, and what is not built yet refused."""
     for prefix, section in (("critic.model.lora", config.critic.model.lora),
-                            ("reward_model.model.lora", config.reward_model.model.lora)):
+                            ("reward_model.model.lora", config.reward_model.model.lora),
+                            ("teacher.model.lora", config.teacher.model.lora)):
         if section.rank != 0:
             check.fail(f"{prefix}.rank", section.rank, "LoRA adapts the actor only (actor_rollout_ref.model.lora); "
-                       "the critic and reward model train or score their whole model", [0])
+                       "the critic trains its whole model, the reward model and the teacher score with theirs", [0])
     lora = config.actor_rollout_ref.model.lora
     if not check.is_int_at_least(f"{LORA}.rank", lora.rank, 0) or lora.rank == 0:
         return
@@ -640,8 +646,9 @@ def _check_unsupported(check: _Checker, config: JobConfig, model: ModelShape | N
                        f"is fixed: the model bridge and checkpoints pad the vocabulary to a multiple of "
                        f"{DEFAULT_VOCAB_DIVISOR} × TP; only {DEFAULT_VOCAB_DIVISOR} is supported",
                        [DEFAULT_VOCAB_DIVISOR])
-        if prefix.startswith(("actor_rollout_ref.ref", "reward_model")):
-            role = "reference policy" if prefix.startswith("actor_rollout_ref.ref") else "reward model"
+        if prefix.startswith(("actor_rollout_ref.ref", "reward_model", "teacher")):
+            role = {"actor_rollout_ref": "reference policy", "reward_model": "reward model",
+                    "teacher": "teacher"}[prefix.split(".")[0]]
             for name, what in (("optimizer_offload", "optimizer"), ("grad_offload", "gradients")):
                 if getattr(mc, name):
                     check.fail(f"{prefix}.{name}", True, f"has no effect: the {role} is frozen (no {what})",
@@ -681,7 +688,8 @@ def _check_unsupported(check: _Checker, config: JobConfig, model: ModelShape | N
         check.fail("actor_rollout_ref.rollout.calculate_log_probs", arr.rollout.calculate_log_probs,
                    "cannot be turned off: the rollout always returns its log-probs (the trainer measures the "
                    "rollout-vs-trainer gap with them); only true is supported", [True])
-    for section, role_model in (("critic", config.critic.model), ("reward_model", config.reward_model.model)):
+    for section, role_model in (("critic", config.critic.model), ("reward_model", config.reward_model.model),
+                                ("teacher", config.teacher.model)):
         if role_model.tokenizer_path is not None:
             check.fail(f"{section}.model.tokenizer_path", role_model.tokenizer_path,
                        f"is not supported: the {section.replace('_', ' ')} reads the policy's token ids, so it "
@@ -690,9 +698,11 @@ def _check_unsupported(check: _Checker, config: JobConfig, model: ModelShape | N
             check.fail(f"{section}.model.trust_remote_code", True,
                        f"has no effect: the {section.replace('_', ' ')} is built from config.json and safetensors "
                        "by the model bridge, which runs no code from the model folder", [False])
-    if config.reward_model.model.enable_gradient_checkpointing:
-        check.fail("reward_model.model.enable_gradient_checkpointing", True,
-                   "has no effect: the reward model is frozen (forward only, nothing to recompute)", [False])
+    for section, role_model in (("reward_model", config.reward_model.model), ("teacher", config.teacher.model)):
+        if role_model.enable_gradient_checkpointing:
+            check.fail(f"{section}.model.enable_gradient_checkpointing", True,
+                       f"has no effect: the {section.replace('_', ' ')} is frozen (forward only, nothing to "
+                       "recompute)", [False])
     if policy is not None and not policy.vllm_kv_cache_from_plan and arr.rollout.cpu_kv_cache_gib is not None:
         check.fail("actor_rollout_ref.rollout.cpu_kv_cache_gib", arr.rollout.cpu_kv_cache_gib,
                    "applies on trainer.device=cpu only: on cuda vLLM sizes its KV cache from "
@@ -792,6 +802,7 @@ def _check_batch_basics(check: _Checker, config: JobConfig) -> bool:
         ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", arr.ref.log_prob_micro_batch_size_per_gpu),
         ("critic.ppo_micro_batch_size_per_gpu", config.critic.ppo_micro_batch_size_per_gpu),
         ("reward_model.micro_batch_size_per_gpu", config.reward_model.micro_batch_size_per_gpu),
+        ("teacher.log_prob_micro_batch_size_per_gpu", config.teacher.log_prob_micro_batch_size_per_gpu),
         ("actor_rollout_ref.rollout.n", arr.rollout.n),
     ]
     if config.critic.ppo_mini_batch_size is not None:
@@ -805,7 +816,8 @@ def _check_batch_basics(check: _Checker, config: JobConfig) -> bool:
     if arr.actor.use_dynamic_bsz:
         ok &= check.is_int_at_least("actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
                                     arr.actor.ppo_max_token_len_per_gpu, 1)
-    for section, prefix in ((arr.rollout, "actor_rollout_ref.rollout"), (arr.ref, "actor_rollout_ref.ref")):
+    for section, prefix in ((arr.rollout, "actor_rollout_ref.rollout"), (arr.ref, "actor_rollout_ref.ref"),
+                            (config.teacher, "teacher")):
         if section.log_prob_max_token_len_per_gpu is not None:
             ok &= check.is_int_at_least(f"{prefix}.log_prob_max_token_len_per_gpu",
                                         section.log_prob_max_token_len_per_gpu, 1)
@@ -1228,6 +1240,9 @@ def _check_batch_arithmetic(
     if Role.REWARD_MODEL in dp_of:
         check_forward("reward_model.micro_batch_size_per_gpu", config.reward_model.micro_batch_size_per_gpu,
                       dp_of[Role.REWARD_MODEL], "reward_scores")
+    if Role.TEACHER in dp_of:
+        check_forward("teacher.log_prob_micro_batch_size_per_gpu", config.teacher.log_prob_micro_batch_size_per_gpu,
+                      dp_of[Role.TEACHER], "teacher_log_prob")
 
 
 def _check_lengths(check: _Checker, config: JobConfig, resolved: Resolved, model: ModelShape | None) -> None:

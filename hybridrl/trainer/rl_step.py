@@ -11,6 +11,7 @@ Column names (the step's shared vocabulary):
   turn_scores [B, R]                the rollout's per-turn rewards (multi_turn.turn_reward), when set
   token_level_rewards [B, R]        scores minus the in-reward KL penalty (if any)
   old_log_probs, ref_log_probs [B, R], values [B, R]
+  teacher_log_probs [B, R]          on-policy distillation: the teacher's log-prob of each sampled token
   advantages, returns [B, R]
   uid (non-tensor)                  the prompt a sample came from: GRPO's group
 """
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from hybridrl.algorithms import compute_advantages, kl_penalty, masked_mean
+from hybridrl.algorithms.distillation import distillation_advantages, reverse_kl_metrics, reverse_kl_per_token
 from hybridrl.algorithms.kl_control import FixedKLController
 from hybridrl.data.batch import Batch
 
@@ -79,6 +81,21 @@ def compute_batch_advantages(batch: Batch, settings: AdvantageSettings) -> None:
     )
     batch["advantages"] = advantages
     batch["returns"] = returns
+
+
+def add_distillation_advantages(batch: Batch, kl_coef: float, *, with_task_reward: bool) -> dict[str, float]:
+    """On-policy distillation: each model token's advantage gains -kl_coef x (student - teacher log-prob of the
+    sampled token), the student's being the old log-probs; added to the task reward's advantages
+    (`with_task_reward`), or alone (pure distillation: `advantages` and `returns` are it). The reverse-KL metrics."""
+    mask = batch["response_mask"]
+    reverse_kl = reverse_kl_per_token(batch["old_log_probs"], batch["teacher_log_probs"], mask)
+    distilled = distillation_advantages(reverse_kl, kl_coef)
+    if with_task_reward:
+        batch["advantages"] = batch["advantages"] + distilled
+    else:
+        batch["advantages"] = distilled
+        batch["returns"] = distilled
+    return reverse_kl_metrics(reverse_kl, mask)
 
 
 def baseline_per_row(row_uids: Sequence[Any], prompt_uids: Sequence[Any], prompt_scores: torch.Tensor) -> torch.Tensor:

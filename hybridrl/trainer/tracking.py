@@ -29,6 +29,11 @@ CONSOLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("tok/s", "perf/throughput_tokens_per_s", "{:>8.0f}"),
 )
 PHASES = TIMED_PHASES
+# The curves the end-of-run summary shows (those a run logged), and those whose best is their least.
+SUMMARY_CURVES = (("score", "critic/score/mean"), ("kl", "actor/kl_loss"),
+                  ("teacher KL", "distillation/reverse_kl_per_token"), ("entropy", "actor/entropy"),
+                  ("response length", "response_length/mean"), ("grad norm", "actor/grad_norm"))
+LOWER_IS_BETTER = frozenset({"distillation/reverse_kl_per_token"})
 
 
 class MetricSink(Protocol):
@@ -231,12 +236,12 @@ def render_summary(history: Sequence[Mapping[str, float]], title: str = "run sum
     trained = sum(1 for h in history if any(k != "step" and not k.startswith("val/") for k in h))
     lines = [f"== {title}: {trained} steps =="]
     first, last = history[0], history[-1]
-    for label, key in (("score", "critic/score/mean"), ("kl", "actor/kl_loss"), ("entropy", "actor/entropy"),
-                       ("response length", "response_length/mean"), ("grad norm", "actor/grad_norm")):
+    for label, key in SUMMARY_CURVES:
         values = [h[key] for h in history if key in h]
         if values:
+            best = min(values) if key in LOWER_IS_BETTER else max(values)
             lines.append(f"{label:>16}: first {first.get(key, values[0]):9.4f}  last {last.get(key, values[-1]):9.4f}"
-                         f"  best {max(values):9.4f}")
+                         f"  best {best:9.4f}")
     val = [(h["step"], h["val/score/mean"]) for h in history if "val/score/mean" in h]
     if val:
         lines.append(f"{'validation':>16}: " + ", ".join(f"step {s:.0f}: {v:.3f}" for s, v in val[-6:]))

@@ -51,6 +51,7 @@ from hybridrl.trainer.checkpoints import CheckpointError, CheckpointManager
 from hybridrl.trainer.part_metrics import merge_part_metrics
 from hybridrl.trainer.rl_step import (
     AdvantageSettings,
+    add_distillation_advantages,
     add_turn_scores,
     apply_kl_in_reward,
     baseline_per_row,
@@ -66,7 +67,7 @@ from hybridrl.trainer.timing import PhaseTimer, throughput_metrics
 from hybridrl.trainer.tracking import Tracker, plot_run, render_summary
 from hybridrl.workers.hybrid import HybridEngineWorker, HybridSettings
 from hybridrl.workers.policy import DisaggregatedPolicyWorker, PolicyWorker
-from hybridrl.workers.ray_roles import CriticWorker, RewardModelWorker
+from hybridrl.workers.ray_roles import CriticWorker, RewardModelWorker, TeacherWorker
 from hybridrl.workers.rollout_worker import RolloutWorker
 
 PAD_UID_PREFIX = "__pad__"
@@ -152,7 +153,7 @@ class Trainer:
         self.checkpoints = CheckpointManager(checkpoint_root_for(plan), plan.config.trainer.keep_last_n)
         self.global_step = 0
         self.phase = Phase.START  # the phase running now: named by a TrainingFailure
-        self.cluster = self.pool = self.actor_group = self.critic_group = self.rm_group = None
+        self.cluster = self.pool = self.actor_group = self.critic_group = self.rm_group = self.teacher_group = None
         # disaggregated: vLLM's own pool and group (colocated: rollout_group is the actor group)
         self.rollout_pool = self.rollout_group = None
         self.driver: RolloutDriver | None = None  # rollout.async_mode one_step_off / fully_async
@@ -217,7 +218,8 @@ class Trainer:
         if self.cluster is None:  # a restart keeps the run's Ray cluster
             self.cluster = init_ray(trainer.ray_address, num_cpus=policy.ray_cluster_cpus(res.total_ranks),
                                     pythonpath=[repo_root], preload_modules=("torch",))
-        colocated = 1 + int(res.critic_enabled) + int(self.config.reward_model.enable)
+        colocated = (1 + int(res.critic_enabled) + int(self.config.reward_model.enable)
+                     + int(self.config.algorithm.distillation.enable))
         self.pool = ResourcePool("global" if not res.disaggregated else "trainer", nnodes=trainer.nnodes,
                                  workers_per_node=trainer.n_gpus_per_node, device_policy=policy,
                                  cpus_per_worker=policy.ray_cpus_per_worker, max_colocated_groups=colocated)
@@ -238,9 +240,13 @@ class Trainer:
             self.rm_group = self._worker_group(RewardModelWorker, self.pool, GroupName.REWARD_MODEL, (plan,), restart)
             self.rm_group.call_all(RewardModelWorker.init_model)
             self.rm_group.learn_mesh()
+        if self.config.algorithm.distillation.enable:
+            self.teacher_group = self._worker_group(TeacherWorker, self.pool, GroupName.TEACHER, (plan,), restart)
+            self.teacher_group.call_all(TeacherWorker.init_model)
+            self.teacher_group.learn_mesh()
         if trainer.nnodes > 1 or res.disaggregated:
-            groups = {id(g): g for g in (self.actor_group, self.rollout_group, self.critic_group, self.rm_group)
-                      if g is not None}
+            groups = {id(g): g for g in (self.actor_group, self.rollout_group, self.critic_group, self.rm_group,
+                                         self.teacher_group) if g is not None}
             for group in groups.values():
                 self.write(group.placement_line())
 
@@ -524,6 +530,13 @@ class Trainer:
                 batch["ref_log_probs"] = ref["ref_log_probs"]
                 metrics["perf/padding_ratio_ref_log_prob"] = float(ref.meta.get("padding_ratio", 0.0))
                 metrics["perf/shared_prefix_ratio_ref_log_prob"] = float(ref.meta.get("shared_prefix_ratio", 0.0))
+        if self.teacher_group is not None:
+            with self._phase(timer, Phase.TEACHER):
+                teacher = self.teacher_group.call_by_dp(TeacherWorker.compute_teacher_log_prob, batch,
+                                                        balance_mini_batches=self._balance(),
+                                                        keep_together=self._keep_together(Role.TEACHER))
+                batch["teacher_log_probs"] = teacher["teacher_log_probs"]
+                metrics["perf/padding_ratio_teacher_log_prob"] = float(teacher.meta.get("padding_ratio", 0.0))
         if self.critic_group is not None:
             with self._phase(timer, Phase.VALUES):
                 batch["values"] = self.critic_group.call_by_dp(
@@ -534,9 +547,14 @@ class Trainer:
                 metrics.update(apply_kl_in_reward(batch, self.kl_controller, cfg.algorithm.kl_penalty))
             else:
                 batch["token_level_rewards"] = batch["token_level_scores"]
-            compute_batch_advantages(batch, AdvantageSettings(
-                cfg.algorithm.adv_estimator, cfg.algorithm.gamma, cfg.algorithm.lam,
-                cfg.algorithm.norm_adv_by_std_in_grpo))
+            distillation = cfg.algorithm.distillation
+            if not distillation.enable or distillation.task_reward:
+                compute_batch_advantages(batch, AdvantageSettings(
+                    cfg.algorithm.adv_estimator, cfg.algorithm.gamma, cfg.algorithm.lam,
+                    cfg.algorithm.norm_adv_by_std_in_grpo))
+            if distillation.enable:
+                metrics.update(add_distillation_advantages(batch, distillation.kl_coef,
+                                                           with_task_reward=distillation.task_reward))
         if self.critic_group is not None:
             with self._phase(timer, Phase.UPDATE_CRITIC):
                 outs = self.critic_group.call_by_dp_outputs(
@@ -776,7 +794,7 @@ class Trainer:
         self._prompts = self._prompt_stream()
         if self.plan.resolved.async_mode != "sync":  # the rollout pool runs ahead in a thread
             self.driver = RolloutDriver(self, DriverSettings.of(self.plan))
-            for group in (self.actor_group, self.critic_group, self.rm_group):
+            for group in (self.actor_group, self.critic_group, self.rm_group, self.teacher_group):
                 if group is not None:
                     group.watchdog = self.driver.raise_if_failed
             self.driver.start()
@@ -867,13 +885,13 @@ class Trainer:
 
     def _shutdown_workers(self) -> None:
         """Kill every group's actors and give the pools' resources back (the Ray cluster stays)."""
-        for group in (self.rm_group, self.critic_group, self.rollout_group, self.actor_group):
+        for group in (self.teacher_group, self.rm_group, self.critic_group, self.rollout_group, self.actor_group):
             if group is not None:
                 group.shutdown()
         for pool in (self.pool, self.rollout_pool):
             if pool is not None:
                 pool.shutdown()
-        self.pool = self.actor_group = self.critic_group = self.rm_group = None
+        self.pool = self.actor_group = self.critic_group = self.rm_group = self.teacher_group = None
         self.rollout_pool = self.rollout_group = None
 
     def shutdown(self) -> None:

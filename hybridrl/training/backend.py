@@ -70,7 +70,7 @@ from hybridrl.training.value_head import attach_value_head, load_value_model, va
 # reaches keeps the norm computed without ever clipping.
 NO_CLIP = 1.0e12
 
-LM_ROLES = (Role.ACTOR, Role.REF)
+LM_ROLES = (Role.ACTOR, Role.REF, Role.TEACHER)
 VALUE_ROLES = (Role.CRITIC, Role.REWARD_MODEL)
 
 
@@ -81,7 +81,7 @@ class RoleSpec:
     role: Role
     model_path: str
     megatron: MegatronConfig
-    optim: OptimConfig | None  # None: frozen weights (ref, reward model)
+    optim: OptimConfig | None  # None: frozen weights (ref, reward model, teacher)
     value_head: bool
     dtype: str
     device_policy: DevicePolicy  # the Plan's (its name is the resolved device)
@@ -136,6 +136,9 @@ def role_spec(plan: Plan, role: Role | str) -> RoleSpec:
                         plan.resolved.packed(role), shared)
     if role == Role.REWARD_MODEL:
         return RoleSpec(role, config.reward_model.model.path, megatron, None, True, dtype, policy,
+                        packed=plan.resolved.packed(role), shared_prefix=shared)
+    if role == Role.TEACHER:
+        return RoleSpec(role, config.teacher.model.path, megatron, None, False, dtype, policy,
                         packed=plan.resolved.packed(role), shared_prefix=shared)
     raise AssertionError(role)  # every Role is handled above
 

@@ -14,6 +14,7 @@ The trainer decides the order of calls in a step; workers only turn batches into
                            attached later with `attach_rollout` in the same processes
     CriticWorker           compute_values, update_critic, save/load_checkpoint
     RewardModelWorker      compute_rm_score
+    TeacherWorker          compute_teacher_log_prob (on-policy distillation's frozen teacher)
 """
 from __future__ import annotations
 
@@ -226,7 +227,39 @@ class RewardModelWorker(MegatronWorker):
 
     def _offload_between_calls(self) -> None:
         """reward_model.megatron.param_offload: its weights wait on the host (as the reference's always do)."""
-        backend = self.reward_model.backend
-        if backend.spec.megatron.param_offload:
-            backend.offload_params()
+        _offload_frozen(self._require(self.reward_model, "the reward model").backend)
         self._release()
+
+
+def _offload_frozen(backend: MegatronBackend) -> None:
+    """A frozen role's `megatron.param_offload`: its weights wait on the host between its passes."""
+    if backend.spec.megatron.param_offload:
+        backend.offload_params()
+
+
+class TeacherWorker(MegatronWorker):
+    """On-policy distillation's teacher: a frozen causal LM in its own processes and layout (`teacher.*`), scoring
+    the student's sampled tokens (`teacher_log_probs`, at the rollout's temperature as the student's old
+    log-probs are)."""
+
+    def __init__(self, context: RankContext, plan: Plan) -> None:
+        super().__init__(context, plan)
+        self.teacher: MegatronActor | None = None
+
+    def init_model(self) -> None:
+        self._prepare()
+        backend = MegatronBackend(role_spec(self.plan, Role.TEACHER))
+        self.teacher = MegatronActor(backend, self.plan, log_prob_pass="teacher_log_prob",
+                                     output_key="teacher_log_probs")
+        self.primary = backend
+        _offload_frozen(backend)
+        self._release()
+
+    def compute_teacher_log_prob(self, batch: Batch) -> Batch | None:
+        teacher = self._require(self.teacher, "the teacher")
+        teacher.backend.load_params()  # back from the host when offloaded between calls
+        try:
+            return teacher.compute_log_prob(batch)
+        finally:
+            _offload_frozen(teacher.backend)
+            self._release()

@@ -1,0 +1,76 @@
+"""The rules of on-policy distillation (`algorithm.distillation`, the `teacher` section), checked at plan time.
+
+Torch-free. Called by `config.validate` with its list of issues: every rule appends a `ConfigIssue` naming the
+field, the value and what would be valid. The teacher's tokenizer is compared with the policy's by
+`config.inputs` (it reads files: `plan` checks it, `plan --layout-only` does not).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from hybridrl.config.errors import ConfigIssue
+from hybridrl.config.schema import JobConfig
+from hybridrl.models.arch import ModelShape, UnsupportedModelError
+
+DISTILLATION = "algorithm.distillation"
+
+
+def teacher_shape(config: JobConfig, issues: list[ConfigIssue]) -> ModelShape | None:
+    """The teacher's shape from its config.json when distillation is on and the folder has one (else None: the
+    input checks refuse a missing folder); an unsupported or unreadable config.json is refused here."""
+    path = config.teacher.model.path
+    if not config.algorithm.distillation.enable or not path or not (Path(path) / "config.json").is_file():
+        return None
+    try:
+        return ModelShape.from_hf_dir(path)
+    except UnsupportedModelError as exc:
+        issues.append(ConfigIssue("teacher.model.path", path, str(exc)))
+    except (KeyError, ValueError, json.JSONDecodeError) as exc:
+        issues.append(ConfigIssue("teacher.model.path", path, f"config.json is unreadable or incomplete: {exc}"))
+    return None
+
+
+def check_distillation(config: JobConfig, student: ModelShape | None, teacher: ModelShape | None,
+                       critic_enabled: bool, issues: list[ConfigIssue]) -> None:
+    """Distillation's settings: a teacher named when it is on, never when it is off (a setting silently dropped);
+    the teacher a causal LM the student's token ids index; what pure distillation leaves without meaning."""
+    settings, algorithm = config.algorithm.distillation, config.algorithm
+    teacher_model = config.teacher.model
+    if not settings.enable:
+        if teacher_model.path:
+            issues.append(ConfigIssue("teacher.model.path", teacher_model.path,
+                                      f"names a teacher but {DISTILLATION}.enable is false, so nothing would use "
+                                      f"it: set {DISTILLATION}.enable=true to distil from it, or remove it"))
+        return
+    if not teacher_model.path:
+        issues.append(ConfigIssue("teacher.model.path", teacher_model.path,
+                                  f"must name the teacher's Hugging Face folder when {DISTILLATION}.enable=true "
+                                  "(a causal LM with the policy's tokenizer)"))
+    coef = settings.kl_coef
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef > 0:
+        issues.append(ConfigIssue(f"{DISTILLATION}.kl_coef", coef, "must be a number > 0 (the weight of the "
+                                                                   "per-token reverse KL in the advantage)"))
+    if teacher is not None and student is not None and teacher.vocab_size < student.vocab_size:
+        issues.append(ConfigIssue(
+            "teacher.model.path", teacher_model.path,
+            f"has a vocabulary of {teacher.vocab_size} rows, fewer than the student's {student.vocab_size} "
+            f"(actor_rollout_ref.model.path): the teacher must score every token id the student can sample; "
+            "name a teacher of the same tokenizer family with at least as many rows"))
+    if not settings.task_reward:
+        pure = f"with {DISTILLATION}.task_reward=false (pure distillation: the reward is logged, not trained on)"
+        if critic_enabled:
+            field, value = (("critic.enable", True) if config.critic.enable else
+                            ("algorithm.adv_estimator", algorithm.adv_estimator))
+            valid = ["grpo"] if field == "algorithm.adv_estimator" else [False]
+            issues.append(ConfigIssue(field, value, f"trains a critic on the task reward, which nothing uses {pure}; "
+                                                    "use a critic-free estimator or task_reward=true",
+                                      valid))
+        if algorithm.filter_groups.enable:
+            issues.append(ConfigIssue("algorithm.filter_groups.enable", True,
+                                      f"keeps groups by their reward spread, which nothing trains on {pure}; set it "
+                                      "false or task_reward=true", [False]))
+        if algorithm.use_kl_in_reward:
+            issues.append(ConfigIssue("algorithm.use_kl_in_reward", True,
+                                      f"puts a KL penalty into the task reward, which nothing trains on {pure}; "
+                                      "use actor.use_kl_loss for a reference KL, or task_reward=true", [False]))

@@ -1,0 +1,135 @@
+"""On-policy distillation's settings at plan time: each mistake refused naming the field, the value and what would be
+valid, before any process starts; a valid job's plan shows the teacher (its layout, its pass, its memory).
+
+Jobs are the CPU demo's (`tools/demo_assets.py`), with a teacher folder made from the demo model: a copy (the same
+tokenizer) or a copy whose tokenizer or shape was changed here.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridrl.config import ConfigError, plan_from_sources
+from hybridrl.config.report import render_plan
+from hybridrl.names import Role
+from tools.demo_assets import demo_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = str(ROOT / "configs/examples/cpu_tiny_grpo.yaml")
+D = "algorithm.distillation"
+
+
+@pytest.fixture(scope="module")
+def teachers(demo_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Teacher folders: `same` (the demo model's copy), `other_tokenizer` (one vocabulary entry renamed),
+    `small_vocab` (a config.json of fewer rows), `three_layers` (a config.json of 3 layers)."""
+    base = tmp_path_factory.mktemp("teachers")
+    folders = {}
+    for name in ("same", "other_tokenizer", "small_vocab", "three_layers"):
+        folders[name] = Path(shutil.copytree(demo_assets / "model", base / name))
+    tokenizer = json.loads((folders["other_tokenizer"] / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    token = next(t for t in vocab if t == "a")
+    vocab["é"] = vocab.pop(token)
+    (folders["other_tokenizer"] / "tokenizer.json").write_text(json.dumps(tokenizer))
+    for name, field, change in (("small_vocab", "vocab_size", lambda v: v - 8),
+                                ("three_layers", "num_hidden_layers", lambda v: 3)):
+        config = json.loads((folders[name] / "config.json").read_text())
+        config[field] = change(config[field])
+        (folders[name] / "config.json").write_text(json.dumps(config))
+    return folders
+
+
+def job(demo_assets: Path, tmp_path: Path, *extra: str) -> list[str]:
+    return demo_overrides(demo_assets, tmp_path / "run", *extra)
+
+
+def refusals(overrides: list[str], check_files: bool = False) -> list[tuple[str, object, str]]:
+    with pytest.raises(ConfigError) as info:
+        plan_from_sources(CONFIG, overrides, check_files=check_files)
+    return [(issue.field, issue.value, issue.rule) for issue in info.value.issues]
+
+
+def test_a_valid_distillation_job_plans_the_teacher_at_its_own_layout(demo_assets, teachers, tmp_path):
+    plan = plan_from_sources(CONFIG, job(demo_assets, tmp_path, f"{D}.enable=true",
+                                         f"teacher.model.path={teachers['same']}",
+                                         "teacher.megatron.tensor_model_parallel_size=2",
+                                         "teacher.log_prob_micro_batch_size_per_gpu=16"), check_files=True)
+    assert [layout.role for layout in plan.layouts] == [Role.ACTOR, Role.TEACHER]
+    assert plan.layout(Role.TEACHER).mesh.tp == 2 and plan.layout(Role.ACTOR).mesh.tp == 1
+    teacher_pass = plan.forward("teacher_log_prob")
+    assert (teacher_pass.role, teacher_pass.micro_batch_size) == (Role.TEACHER, 16)
+    # the student's log-probs are needed before the update: the old-log-prob pass runs though the update is
+    # on-policy (one optimizer step a batch), where it is skipped otherwise
+    assert plan.resolved.old_log_prob_pass
+    plain = plan_from_sources(CONFIG, job(demo_assets, tmp_path))
+    assert not plain.resolved.old_log_prob_pass
+    text = render_plan(plan)
+    assert "teacher: teacher_log_prob micro-batches per GPU" in text
+    assert any(line.startswith("teacher ") for line in text.splitlines())  # its memory row
+
+
+def test_distillation_mistakes_are_refused_naming_the_field(demo_assets, teachers, tmp_path):
+    same = f"teacher.model.path={teachers['same']}"
+    cases = [
+        # (overrides, field, text of the rule)
+        ([f"{D}.enable=true"], "teacher.model.path", "must name the teacher's Hugging Face folder"),
+        ([same], "teacher.model.path", f"{D}.enable is false, so nothing would use it"),
+        ([f"{D}.enable=true", same, f"{D}.kl_coef=0"], f"{D}.kl_coef", "must be a number > 0"),
+        ([f"{D}.enable=true", same, "algorithm.adv_estimator=gae"], "algorithm.adv_estimator",
+         "trains a critic on the task reward, which nothing uses"),
+        ([f"{D}.enable=true", same, "algorithm.filter_groups.enable=true"], "algorithm.filter_groups.enable",
+         "keeps groups by their reward spread"),
+        ([f"{D}.enable=true", same, "algorithm.use_kl_in_reward=true"], "algorithm.use_kl_in_reward",
+         "puts a KL penalty into the task reward"),
+        ([f"{D}.enable=true", same, "teacher.model.lora.rank=8"], "teacher.model.lora.rank",
+         "LoRA adapts the actor only"),
+        ([f"{D}.enable=true", same, "teacher.megatron.grad_offload=true"], "teacher.megatron.grad_offload",
+         "the teacher is frozen"),
+        ([f"{D}.enable=true", same, "teacher.model.enable_gradient_checkpointing=true"],
+         "teacher.model.enable_gradient_checkpointing", "the teacher is frozen"),
+        ([f"{D}.enable=true", same, "teacher.model.tokenizer_path=/tmp"], "teacher.model.tokenizer_path",
+         "uses the policy's tokenizer"),
+        ([f"{D}.enable=true", same, "teacher.log_prob_micro_batch_size_per_gpu=0"],
+         "teacher.log_prob_micro_batch_size_per_gpu", ">= 1"),
+        ([f"{D}.enable=true", f"teacher.model.path={teachers['small_vocab']}"], "teacher.model.path",
+         "fewer than the student's"),
+        # the teacher's layout is checked against its own shape (3 layers), not the student's (4)
+        ([f"{D}.enable=true", f"teacher.model.path={teachers['three_layers']}",
+          "teacher.megatron.pipeline_model_parallel_size=2", "teacher.log_prob_micro_batch_size_per_gpu=16"],
+         "teacher.megatron.pipeline_model_parallel_size", "must divide the model's 3 layers"),
+    ]
+    for overrides, field, text in cases:
+        found = refusals(job(demo_assets, tmp_path, *overrides))
+        assert any(f == field and text in rule for f, _, rule in found), (overrides, found)
+    # the layout refused for the 3-layer teacher is valid for the 4-layer one
+    plan_from_sources(CONFIG, job(demo_assets, tmp_path, f"{D}.enable=true", same,
+                                  "teacher.megatron.pipeline_model_parallel_size=2",
+                                  "teacher.log_prob_micro_batch_size_per_gpu=16"))
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_naming_both_models(demo_assets, teachers, tmp_path):
+    other = teachers["other_tokenizer"]
+    found = refusals(job(demo_assets, tmp_path, f"{D}.enable=true", f"teacher.model.path={other}"), check_files=True)
+    assert [(f, v) for f, v, _ in found] == [("teacher.model.path", str(other))]
+    rule = found[0][2]
+    assert "does not share the policy's tokenizer" in rule and str(demo_assets / "model") in rule
+    assert "vocabulary or merges differ" in rule
+    (tmp_path / "no_tokenizer").mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(teachers["same"] / name, tmp_path / "no_tokenizer" / name)
+    found = refusals(job(demo_assets, tmp_path, f"{D}.enable=true", f"teacher.model.path={tmp_path / 'no_tokenizer'}"),
+                     check_files=True)
+    assert any("holds no tokenizer to compare" in rule for _, _, rule in found), found
+    # through the command line as a user runs it: exit 2, the field named, no traceback
+    result = subprocess.run([sys.executable, "-m", "hybridrl.cli", "train", CONFIG,
+                             *job(demo_assets, tmp_path, f"{D}.enable=true", f"teacher.model.path={other}")],
+                            capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "teacher.model.path" in result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
