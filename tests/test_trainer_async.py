@@ -57,11 +57,18 @@ def test_one_step_off_grpo_raises_the_reward_on_samples_one_version_old(demo_ass
 
 
 def test_fully_async_grpo_raises_the_reward_within_the_staleness_bound(demo_assets, tmp_path):
+    """Also on-policy distillation in fully_async (mixed with the reward, a small coefficient): the teacher is the
+    initial student, so step 1's reverse KL is 0 exactly where the teacher scores the very tokens the student's
+    old-log-prob pass scored, and it grows as the student leaves it."""
     run = tmp_path / "fully_async"
     result = _train(CONFIG, demo_overrides(demo_assets, run, f"trainer.total_training_steps={STEPS}", *DISAGGREGATED,
                                            "actor_rollout_ref.rollout.async_mode=fully_async",
                                            "actor_rollout_ref.rollout.max_staleness=1",
-                                           "actor_rollout_ref.rollout.stale_samples=keep"))
+                                           "actor_rollout_ref.rollout.stale_samples=keep",
+                                           "algorithm.distillation.enable=true",
+                                           "algorithm.distillation.task_reward=true",
+                                           "algorithm.distillation.kl_coef=0.05",
+                                           f"teacher.model.path={demo_assets / 'model'}"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     rows = _metrics(run)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -72,6 +79,8 @@ def test_fully_async_grpo_raises_the_reward_within_the_staleness_bound(demo_asse
     assert max(r["async/staleness_max"] for r in rows) <= 1
     assert sum(r["async/stale_groups"] for r in rows) == 0
     print("partial-sample fraction per step:", [round(r["async/partial_sample_fraction"], 3) for r in rows])
+    kl = [r["distillation/reverse_kl_per_token"] for r in rows]
+    assert abs(kl[0]) < 1e-6 and _mean(rows[-4:], "distillation/reverse_kl_per_token") > 1e-3, kl
 
 
 def test_a_rollout_rank_that_dies_stops_the_run_naming_it_and_the_run_resumes(demo_assets, tmp_path):

@@ -10,6 +10,7 @@ from hybridrl.data.batch import Batch
 from hybridrl.rewards.manager import token_level_rewards as place_scores_on_last_token
 from hybridrl.trainer.rl_step import (
     AdvantageSettings,
+    add_distillation_advantages,
     add_turn_scores,
     apply_kl_in_reward,
     compute_batch_advantages,
@@ -232,3 +233,18 @@ def test_per_turn_rewards_join_the_trajectory_score_and_compose_with_the_estimat
     valid = mask.bool()
     whitened = (returns - returns[valid].mean()) / returns[valid].std()
     assert torch.allclose(batch["advantages"][valid], whitened[valid], atol=1e-5)
+
+
+def test_distillation_never_distils_a_multi_turn_observation_token():
+    # a conversation: model tokens, a tool's observation (mask 0), model tokens again, then padding
+    student = torch.tensor([[-1.0, -2.0, -0.3, -0.2, -1.5, 0.0], [-0.5, -0.5, -4.0, 0.0, 0.0, 0.0]])
+    teacher = torch.tensor([[-0.5, -2.5, -9.0, -9.0, -1.0, -3.0], [-1.5, -0.5, -1.0, -2.0, -2.0, -2.0]])
+    mask = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 1, 1, 0, 0, 0]])
+    batch = Batch({"old_log_probs": student, "teacher_log_probs": teacher, "response_mask": mask})
+    metrics = add_distillation_advantages(batch, 2.0, with_task_reward=False)
+    # -2 x (student - teacher) on model tokens, by hand; 0 on the observation and padding
+    expected = torch.tensor([[1.0, -1.0, 0.0, 0.0, 1.0, 0.0], [-2.0, 0.0, 6.0, 0.0, 0.0, 0.0]])
+    assert torch.equal(batch["advantages"], expected) and torch.equal(batch["returns"], expected)
+    # reverse KL on the 6 model tokens: -0.5, 0.5, -0.5 | 1.0, 0.0, -3.0
+    assert metrics["distillation/reverse_kl_per_token"] == pytest.approx(-2.5 / 6)
+    assert metrics["distillation/reverse_kl_per_sequence"] == pytest.approx((-0.5 - 2.0) / 2)
