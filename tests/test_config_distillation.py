@@ -133,3 +133,28 @@ def test_a_teacher_with_another_tokenizer_is_refused_naming_both_models(demo_ass
     assert result.returncode == 2, result.stdout + result.stderr
     assert "teacher.model.path" in result.stdout + result.stderr
     assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_the_plan_shows_the_teachers_share_of_a_steps_compute(demo_assets, teachers, tmp_path):
+    def plan_for(teacher: str):
+        return plan_from_sources(CONFIG, job(demo_assets, tmp_path, f"{D}.enable=true",
+                                             f"teacher.model.path={teachers[teacher]}",
+                                             "teacher.log_prob_micro_batch_size_per_gpu=16"))
+
+    same, small = plan_for("same"), plan_for("three_layers")
+    flops = dict(same.step_flops)
+    # the teacher is the student's copy: its pass costs what the student's old-log-prob pass does; the update is a
+    # forward and a backward (3 forwards) per epoch
+    assert flops[Role.TEACHER] == flops["old_log_prob"] > 0
+    assert flops["update_actor"] == pytest.approx(3 * flops["old_log_prob"])
+    assert 0 < flops["gen"] < flops["old_log_prob"]  # the prompt once per group of n samples
+    # a teacher of 3 of the 4 layers: its layers cost 3/4, its vocabulary head (the response tokens of every row,
+    # 2 x hidden x vocab FLOPs a token; by hand from config.json) the same
+    shape = json.loads((demo_assets / "model" / "config.json").read_text())
+    rows, response = same.sequences_per_step, same.config.data.max_response_length
+    head = rows * response * 2 * shape["hidden_size"] * shape["vocab_size"]
+    smaller = dict(small.step_flops)[Role.TEACHER]
+    assert smaller - head == pytest.approx(0.75 * (flops[Role.TEACHER] - head))
+    line = next(line for line in render_plan(same).splitlines() if line.startswith("Matmul FLOPs per step"))
+    share = flops[Role.TEACHER] / sum(flops.values())
+    assert f"teacher {share:.0%}" in line

@@ -164,6 +164,15 @@ def layer_flops_per_token(shape: ModelShape, layer: int, seq_len: int) -> float:
     return 2.0 * (shape.params_of_layer(layer) - experts + routed) + 2.0 * seq_len * shape.q_size
 
 
+def forward_flops(shape: ModelShape, *, rows: int, layer_tokens: float, head_tokens: int, seq_len: int,
+                  vocab_head: bool) -> float:
+    """Forward matmul FLOPs of `rows` rows: every decoder layer on `layer_tokens` tokens a row (`layer_flops_per_token`)
+    and the output layer on `head_tokens` (the vocabulary, else a value head)."""
+    layers = sum(layer_flops_per_token(shape, i, seq_len) for i in range(shape.num_layers))
+    head = 2.0 * shape.hidden_size * (shape.vocab_size if vocab_head else 1)
+    return rows * (layer_tokens * layers + head_tokens * head)
+
+
 def _even_counts(num_layers: int, pp: int, first: int | None, last: int | None) -> tuple[int, ...] | None:
     """megatron's layers per stage for a first/last setting (the rest split evenly), None where it
     refuses the split (`ParallelLayout.split_errors`, without VPP)."""

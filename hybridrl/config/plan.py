@@ -27,6 +27,7 @@ from hybridrl.config.estimates import (
     StageBalance,
     TrainingMemory,
     cross_pool_traffic,
+    forward_flops,
     gpu_memory_plan,
     kv_cache_bytes_needed,
     nccl_communicators,
@@ -59,7 +60,7 @@ from hybridrl.config.schema import JobConfig, LoraConfig, MegatronConfig
 from hybridrl.config.validate import MEGATRON_SPLIT_FLAGS, megatron_sections, validate
 from hybridrl.models.arch import ModelShape, UnsupportedModelError, read_hf_config, value_model_hf_config
 from hybridrl.models.lora_targets import adapter_elements_per_layer
-from hybridrl.names import Role
+from hybridrl.names import Phase, Role
 from hybridrl.parallel.device_policy import DevicePolicy
 from hybridrl.parallel.speed_settings import SpeedSetting, speed_settings
 
@@ -168,6 +169,8 @@ class Plan:
     warnings: tuple[str, ...]
     # each pipelined role's FLOPs per stage and the split that evens them (`estimates.stage_balance`)
     stage_balance: tuple[StageBalance, ...] = ()
+    # (phase, matmul FLOPs) of a step, the whole job's (`_step_flops`): where the compute goes, e.g. a teacher's share
+    step_flops: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         # A Plan read back from JSON could pair one device's policy with another's resolved values.
@@ -547,11 +550,40 @@ def _stage_balances(config: JobConfig, resolved: Resolved, model: ModelShape,
         if resolved.packed(layout.role) and resolved.shared_prefix(layout.role):
             prompt /= config.actor_rollout_ref.rollout.n
         balance = stage_balance(
-            layout.role, model, layout.mesh.layout(), layer_tokens=prompt + response, head_tokens=response,
-            seq_len=budget.sequence_tokens, vocab_head=layout.role in (Role.ACTOR, Role.REF))
+            layout.role, role_model_shape(config, layout.role, model), layout.mesh.layout(),
+            layer_tokens=prompt + response, head_tokens=response, seq_len=budget.sequence_tokens,
+            vocab_head=layout.role in VOCABULARY_ROLES)
         if balance is not None:
             out.append(balance)
     return out
+
+
+# The roles whose output layer is the vocabulary (the others' is a value head).
+VOCABULARY_ROLES = (Role.ACTOR, Role.REF, Role.TEACHER)
+# The phase each forward pass runs in (`Phase`'s names), and each trained role's update.
+PASS_PHASES = {"old_log_prob": Phase.OLD_LOG_PROB, "ref_log_prob": Phase.REF, "values": Phase.VALUES,
+               "reward_scores": Phase.REWARD, "teacher_log_prob": Phase.TEACHER}
+UPDATE_PHASES = {Role.ACTOR: Phase.UPDATE_ACTOR, Role.CRITIC: Phase.UPDATE_CRITIC}
+
+
+def _step_flops(config: JobConfig, resolved: Resolved, model: ModelShape, updates: list[UpdatePlan],
+                forwards: list[ForwardPlan]) -> tuple[tuple[str, float], ...]:
+    """(phase, matmul FLOPs) of one step over the whole job, for the full-length rows of the token budget: generation
+    (the prompt once per group, as vLLM's prefix cache holds it for the n samples), each forward pass that runs,
+    each update (forward and backward: 3 forwards, per epoch). Padding and shared prompts in training ignored."""
+    budget = token_budget(config, resolved)
+    response = budget.sequence_tokens - budget.prompt_tokens
+    rows, n = config.data.train_batch_size * config.actor_rollout_ref.rollout.n, config.actor_rollout_ref.rollout.n
+
+    def flops(role: str, layer_tokens: float) -> float:
+        return forward_flops(role_model_shape(config, role, model), rows=rows, layer_tokens=layer_tokens,
+                             head_tokens=response, seq_len=budget.sequence_tokens, vocab_head=role in VOCABULARY_ROLES)
+
+    out = [(Phase.GEN, flops(Role.ACTOR, budget.prompt_tokens / n + response))]
+    out += [(PASS_PHASES[f.pass_name], flops(f.role, budget.sequence_tokens)) for f in forwards
+            if f.pass_name != "old_log_prob" or resolved.old_log_prob_pass]
+    out += [(UPDATE_PHASES[u.role], 3 * u.ppo_epochs * flops(u.role, budget.sequence_tokens)) for u in updates]
+    return tuple(out)
 
 
 def _imbalance_warning(config: JobConfig, balance: StageBalance) -> str:
@@ -743,5 +775,6 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
         gpu_memory=gpu_memory,
         token_budget=token_budget(config, resolved),
         stage_balance=tuple(balances),
+        step_flops=_step_flops(config, resolved, model, updates, forwards) if model is not None else (),
         warnings=warnings,
     )

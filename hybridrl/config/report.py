@@ -129,6 +129,16 @@ def lora_line(plan: Plan) -> str:
     return line + "; each weight sync merges them into the served weights (W + alpha/rank B A)"
 
 
+def step_flops_line(step_flops: tuple[tuple[str, float], ...]) -> str:
+    """Where a step's matmul FLOPs go, by phase (the whole job's; a share of compute, not yet of time)."""
+    total = sum(flops for _, flops in step_flops)
+    shares = ", ".join(f"{phase} {flops / total:.0%}" for phase, flops in step_flops)
+    unit, scale = next((u, s) for u, s in (("EFLOP", 1e18), ("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9),
+                                           ("FLOP", 1.0)) if total >= s or s == 1.0)
+    return (f"Matmul FLOPs per step (whole job, full-length rows): {total / scale:.3g} {unit}: {shares} "
+            "(compute, not time: generation is bound by memory reads, not FLOPs)")
+
+
 def render_plan(plan: Plan) -> str:
     cfg, res = plan.config, plan.resolved
     arr = cfg.actor_rollout_ref
@@ -243,6 +253,8 @@ def render_plan(plan: Plan) -> str:
 
         if plan.gpu_memory and plan.device_policy.gpu_memory_budget_binding:  # GPU memory: a GPU job's
             out += ["", *gpu_memory_lines(plan.gpu_memory)]
+    if plan.step_flops:
+        out += ["", step_flops_line(plan.step_flops)]
 
     groups = plan.reshard.groups
     cross = plan.reshard.cross_pool
