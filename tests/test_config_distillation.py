@@ -158,3 +158,11 @@ def test_the_plan_shows_the_teachers_share_of_a_steps_compute(demo_assets, teach
     line = next(line for line in render_plan(same).splitlines() if line.startswith("Matmul FLOPs per step"))
     share = flops[Role.TEACHER] / sum(flops.values())
     assert f"teacher {share:.0%}" in line
+
+
+def test_verls_teacher_server_keys_are_refused_naming_hybridrls_teacher(demo_assets, tmp_path):
+    found = refusals(job(demo_assets, tmp_path, "actor_rollout_ref.teacher.server_ip=10.0.0.1",
+                         "actor_rollout_ref.teacher.server_port=15555"))
+    assert {field for field, _, _ in found} == {"actor_rollout_ref.teacher.server_ip",
+                                                 "actor_rollout_ref.teacher.server_port"}
+    assert all("teacher.model.path" in rule and "algorithm.distillation.enable" in rule for _, _, rule in found)

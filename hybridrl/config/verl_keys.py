@@ -106,6 +106,11 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     Refused("critic.ppo_micro_batch_size",
             "is verl's deprecated global micro-batch; set critic.ppo_micro_batch_size_per_gpu"),
     Refused("global_profiler", "hybridrl has no built-in profiler: run the job under nsys or torch.profiler yourself"),
+    # verl's on-policy distillation recipe queries a teacher server (ZeroMQ) for top-k log-probs
+    Refused("actor_rollout_ref.teacher",
+            "is verl's distillation recipe's teacher server; hybridrl runs the teacher itself, in its own "
+            "processes on the training GPUs: set algorithm.distillation.enable=true and teacher.model.path (a "
+            "Hugging Face folder with the policy's tokenizer), its layout in teacher.megatron"),
 )
 
 
