@@ -166,3 +166,20 @@ def test_verls_teacher_server_keys_are_refused_naming_hybridrls_teacher(demo_ass
     assert {field for field, _, _ in found} == {"actor_rollout_ref.teacher.server_ip",
                                                  "actor_rollout_ref.teacher.server_port"}
     assert all("teacher.model.path" in rule and "algorithm.distillation.enable" in rule for _, _, rule in found)
+
+
+def test_the_documented_distillation_figures_are_the_benchs_result():
+    """docs/performance.md's table of the real-model distillation run is bench/results/distillation.json's."""
+    result = json.loads((ROOT / "bench/results/distillation.json").read_text())
+    text = (ROOT / "docs/performance.md").read_text()
+    section = text[text.index("## On-policy distillation on the real model"):]
+    section = section[:section.index("\n## ", 1)]
+    rows = (("reverse KL per token (nats)", "reverse_kl_per_token_first", "reverse_kl_per_token_last"),
+            ("entropy", "entropy_first", "entropy_last"),
+            ("sampled reward (logged, not trained on)", "reward_first", "reward_last"))
+    for label, first, last in rows:
+        digits = 3 if "reward" in first else 2
+        assert f"| {label} | {result[first]:.{digits}f} | {result[last]:.{digits}f} |" in section, label
+    before, after = result["val_greedy_before"], result["val_greedy_after"]
+    assert f"Greedy validation **{before:.3f} before and {after:.3f} after**" in section
+    assert f"Median step {result['median_step_s']:.2f} s" in section

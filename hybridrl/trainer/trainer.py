@@ -459,7 +459,7 @@ class Trainer:
         generated, round_metrics = [batch], [first_round]
         while len(generated) < rounds and count_groups_with_spread(generated) < groups_needed:
             round_metrics.append({})
-            generated.append(self._generate_and_score(next(self._prompts), timer, round_metrics[-1]))
+            generated.append(self._generate_and_score(self.next_prompts(), timer, round_metrics[-1]))
         merged = merge_part_metrics(round_metrics, [len(b) for b in generated])
         outputs = [b.meta.pop("reward_output", None) for b in generated]
         if all(output is not None for output in outputs):  # the scorer's figures over every sample it scored
@@ -809,7 +809,7 @@ class Trainer:
         cfg = self.config
         while self.global_step < self.total_steps:
             self.global_step += 1
-            metrics = self.step(next(self._prompts)) if self.driver is None else self._async_step()
+            metrics = self.step(self.next_prompts()) if self.driver is None else self._async_step()
             metrics.update(guard.observe(metrics))
             metrics["training/global_step"] = self.global_step
             metrics["training/epoch"] = self.train_loader.epoch
