@@ -164,3 +164,39 @@ def test_fused_log_prob_and_entropy_with_banned_tokens():
     assert log_prob.item() == pytest.approx(naive_log_softmax([2.0, 0.0, -math.inf, 1.0])[3], rel=1e-6)
     (log_prob + entropy).sum().backward()
     assert torch.isfinite(logits.grad).all() and logits.grad[0, 2] == 0
+
+
+def _top_k_and_log_probs_at(rank: int, world_size: int, logits: torch.Tensor, ids: torch.Tensor,
+                            weights: torch.Tensor, k: int):
+    from hybridrl.algorithms.vocab_parallel import vocab_parallel_log_probs_at, vocab_parallel_top_k
+
+    shard = logits.chunk(world_size, dim=-1)[rank].clone().requires_grad_(True)
+    top_log_probs, top_ids = vocab_parallel_top_k(shard, k)
+    at = vocab_parallel_log_probs_at(shard, ids)
+    (at * weights).sum().backward()
+    return top_log_probs, top_ids, at.detach(), shard.grad
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_top_k_and_log_probs_at_ids_over_a_sharded_vocabulary_equal_plain_torch(world):
+    """The teacher's top-k (log-probs and ids) and the student's log-probs at k given ids, over a vocabulary split
+    across 2 gloo ranks, against torch's log_softmax / topk on the whole logits; the gradient of a weighted sum of
+    the log-probs at ids against autograd through torch's log_softmax."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 4, 12, generator=gen) * 3  # [..., V=12]: 6 a rank at TP2
+    ids = torch.randint(0, 12, (3, 4, 5), generator=gen)
+    ids[0, 0] = torch.tensor([0, 11, 6, 5, 6])  # both shards' edges, and an id twice
+    weights = torch.randn(3, 4, 5, generator=gen)
+    k = 4
+    results = run_ranks(_top_k_and_log_probs_at, world, logits, ids, weights, k, timeout_s=120)
+    full = logits.clone().requires_grad_(True)
+    log_softmax = full.log_softmax(-1)
+    expected_at = log_softmax.gather(-1, ids)
+    (expected_at * weights).sum().backward()
+    expected_top, expected_ids = log_softmax.detach().topk(k, dim=-1)
+    for top_log_probs, top_ids, at, _ in results:
+        torch.testing.assert_close(top_log_probs, expected_top, rtol=0, atol=1e-6)
+        assert torch.equal(top_ids, expected_ids)
+        torch.testing.assert_close(at, expected_at.detach(), rtol=0, atol=1e-6)
+    grads = torch.cat([grad for *_, grad in results], dim=-1)
+    torch.testing.assert_close(grads, full.grad, rtol=0, atol=1e-6)

@@ -69,6 +69,10 @@ def test_a_valid_distillation_job_plans_the_teacher_at_its_own_layout(demo_asset
     assert plan.resolved.old_log_prob_pass
     plain = plan_from_sources(CONFIG, job(demo_assets, tmp_path))
     assert not plain.resolved.old_log_prob_pass
+    assert plan.resolved.distillation_top_k == 0 == plain.resolved.distillation_top_k  # the sampled-token signal
+    top_k = plan_from_sources(CONFIG, job(demo_assets, tmp_path, f"{D}.enable=true", f"{D}.loss=top_k_forward_kl",
+                                          f"teacher.model.path={teachers['same']}"))
+    assert top_k.resolved.distillation_top_k == 32  # the default
     text = render_plan(plan)
     assert "teacher: teacher_log_prob micro-batches per GPU" in text
     assert any(line.startswith("teacher ") for line in text.splitlines())  # its memory row
@@ -81,6 +85,11 @@ def test_distillation_mistakes_are_refused_naming_the_field(demo_assets, teacher
         ([f"{D}.enable=true"], "teacher.model.path", "must name the teacher's Hugging Face folder"),
         ([same], "teacher.model.path", f"{D}.enable is false, so nothing would use it"),
         ([f"{D}.enable=true", same, f"{D}.kl_coef=0"], f"{D}.kl_coef", "must be a number > 0"),
+        ([f"{D}.enable=true", same, f"{D}.top_k=8"], f"{D}.top_k", "applies to algorithm.distillation.loss=top_k"),
+        ([f"{D}.enable=true", same, f"{D}.loss=top_k_forward_kl", f"{D}.top_k=0"], f"{D}.top_k", "integer >= 1"),
+        ([f"{D}.enable=true", same, f"{D}.loss=top_k_forward_kl", f"{D}.top_k=100000"], f"{D}.top_k",
+         "at most the vocabulary"),
+        ([f"{D}.enable=true", same, f"{D}.loss=full_vocabulary"], f"{D}.loss", "is not a known value"),
         ([f"{D}.enable=true", same, "algorithm.adv_estimator=gae"], "algorithm.adv_estimator",
          "trains a critic on the task reward, which nothing uses"),
         ([f"{D}.enable=true", same, "algorithm.filter_groups.enable=true"], "algorithm.filter_groups.enable",
@@ -170,7 +179,7 @@ def test_verls_teacher_server_keys_are_refused_naming_hybridrls_teacher(demo_ass
 
 def test_the_documented_distillation_figures_are_the_benchs_result():
     """docs/performance.md's table of the real-model distillation run is bench/results/distillation.json's."""
-    result = json.loads((ROOT / "bench/results/distillation.json").read_text())
+    result = json.loads((ROOT / "bench/results/distillation.json").read_text())["sampled_reverse_kl"]
     text = (ROOT / "docs/performance.md").read_text()
     section = text[text.index("## On-policy distillation on the real model"):]
     section = section[:section.index("\n## ", 1)]

@@ -731,11 +731,13 @@ def test_lora_served_by_vllm_generates_from_the_adapters_and_each_sync_moves_the
 
 
 def test_grpo_with_on_policy_distillation_raises_the_reward_and_the_teacher_kl_falls(demo_assets, tmp_path):
-    """GRPO plus on-policy distillation (`algorithm.distillation.task_reward=true`) from a teacher that knows the
-    task (the demo model fine-tuned on it by `tools/make_demo_teacher.py`), the teacher at TP2 in its own
-    processes while the student trains at DP2: the reward rises and the per-token reverse KL to the teacher
-    falls; every sync proven. (The teacher's log-probs and the advantages against transformers, at every layout
-    pair: tests/test_training_distillation.py.)"""
+    """GRPO plus on-policy distillation (`algorithm.distillation.task_reward=true`, by the teacher's top-8 tokens at
+    every position: `top_k_forward_kl`) from a teacher that knows the task (the demo model fine-tuned on it by
+    `tools/make_demo_teacher.py`), the teacher at TP2 in its own processes while the student trains at DP2: the
+    reward rises, the top-k loss and the per-token reverse KL to the teacher fall; every sync proven. (The
+    teacher's log-probs, its top-k, the advantages and the top-k loss's gradients against transformers:
+    tests/test_training_distillation.py; the sampled-token loss end to end: the fully_async run in
+    tests/test_trainer_async.py.)"""
     from tools.make_demo_teacher import make_demo_teacher
 
     teacher = tmp_path / "teacher"
@@ -745,6 +747,7 @@ def test_grpo_with_on_policy_distillation_raises_the_reward_and_the_teacher_kl_f
     result = _train("configs/examples/cpu_tiny_grpo.yaml", demo_overrides(
         demo_assets, run, f"trainer.total_training_steps={steps}", "actor_rollout_ref.actor.optim.lr=2e-3",
         "algorithm.distillation.enable=true", "algorithm.distillation.task_reward=true",
+        "algorithm.distillation.loss=top_k_forward_kl", "algorithm.distillation.top_k=8",
         f"teacher.model.path={teacher}", "teacher.megatron.tensor_model_parallel_size=2",
         "teacher.log_prob_micro_batch_size_per_gpu=16"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
@@ -755,6 +758,9 @@ def test_grpo_with_on_policy_distillation_raises_the_reward_and_the_teacher_kl_f
     kl_first, kl_last = (_mean(rows[:3], "distillation/reverse_kl_per_token"),
                          _mean(rows[-3:], "distillation/reverse_kl_per_token"))
     assert kl_last < kl_first - 0.5, (kl_first, kl_last)
+    top_k_first, top_k_last = (_mean(rows[:3], "distillation/top_k_forward_kl"),
+                               _mean(rows[-3:], "distillation/top_k_forward_kl"))
+    assert top_k_last < 0.7 * top_k_first, (top_k_first, top_k_last)
     assert all(r["timing_s/teacher"] > 0 for r in rows)
     assert max(r["reshard/probe_max_abs_gap"] for r in rows) < 1e-4
     assert "teacher KL: first" in result.stdout

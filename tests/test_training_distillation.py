@@ -26,15 +26,19 @@ STUDENT = dict(family="llama", vocab_size=200, hidden_size=64, intermediate_size
 TEACHER = dict(family="qwen2", vocab_size=200, hidden_size=96, intermediate_size=160, num_hidden_layers=4,
                num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=False)
 TOLERANCE = 1e-5  # fp32: megatron's log-probs equal transformers' to ~1e-6
+TOP_K = 5
 
 
 def distillation_config(student: Path, teacher: Path, *, student_layout: tuple[int, int],
-                        teacher_layout: tuple[int, int]) -> Any:
-    """A 2-rank job distilling `teacher` into `student`, each at its (TP, PP) (DP = 2 / (TP x PP))."""
+                        teacher_layout: tuple[int, int], top_k: int | None = None) -> Any:
+    """A 2-rank job distilling `teacher` into `student`, each at its (TP, PP) (DP = 2 / (TP x PP)); with `top_k`
+    by the teacher's top-k distribution (`top_k_forward_kl`)."""
     config = job_config(student, world=2, tp=student_layout[0], pp=student_layout[1])
     config.actor_rollout_ref.rollout.temperature = TEMPERATURE
     config.algorithm.distillation.enable = True
     config.algorithm.distillation.kl_coef = KL_COEF
+    if top_k is not None:
+        config.algorithm.distillation.loss, config.algorithm.distillation.top_k = "top_k_forward_kl", top_k
     config.teacher.model.path = str(teacher)
     config.teacher.megatron.tensor_model_parallel_size, config.teacher.megatron.pipeline_model_parallel_size = \
         teacher_layout
@@ -63,23 +67,33 @@ def _log_probs_rank(rank: int, world: int, config: Any, batch: Any, role: str) -
     return dp_rank, student.compute_log_prob(batch.split(dp)[dp_rank])
 
 
-def megatron_log_probs(config: Any, batch: Any, role: str, key: str) -> torch.Tensor:
-    """`key` `[B, R]` of the whole batch from `role`'s workers: each DP replica's rows, in the batch's order."""
+def megatron_outputs(config: Any, batch: Any, role: str) -> Any:
+    """`role`'s workers' output for the whole batch: each DP replica's rows, in the batch's order."""
+    from hybridrl.data.batch import Batch
+
     results = run_ranks(_log_probs_rank, 2, config, batch, role)
     by_replica = dict(sorted((dp, out) for dp, out in results if out is not None))
-    return torch.cat([by_replica[dp][key] for dp in sorted(by_replica)])
+    return Batch.concat([by_replica[dp] for dp in sorted(by_replica)])
+
+
+def hf_response_log_softmax(folder: Path, batch: Any, model: Any = None) -> torch.Tensor:
+    """log softmax(logits / T) at each response position under the HF model `[B, R, V]` (differentiable when
+    `model`, the loaded model, is given in train mode)."""
+    import transformers
+
+    if model is None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                                  attn_implementation="eager")
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   position_ids=batch["position_ids"]).logits
+    width = batch["input_ids"].shape[1]
+    return (logits[:, width - RESPONSE - 1: width - 1] / TEMPERATURE).log_softmax(-1)
 
 
 def hf_log_probs(folder: Path, batch: Any) -> torch.Tensor:
     """log softmax(logits / T) of each sampled response token under the HF model, 0 on padding `[B, R]`."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       position_ids=batch["position_ids"]).logits
-    width = batch["input_ids"].shape[1]
-    log_softmax = (logits[:, width - RESPONSE - 1: width - 1] / TEMPERATURE).log_softmax(-1)
+        log_softmax = hf_response_log_softmax(folder, batch)
     picked = log_softmax.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
     return picked * batch["response_mask"]
 
@@ -93,20 +107,30 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.mark.parametrize("student_layout,teacher_layout", [((2, 1), (1, 2)), ((1, 2), (1, 1)), ((1, 1), (2, 1))],
                          ids=["student-tp2-teacher-pp2", "student-pp2-teacher-dp2", "student-dp2-teacher-tp2"])
 def test_teacher_log_probs_and_distillation_advantages_equal_transformers(models, student_layout, teacher_layout):
+    """Also the teacher's top-k distribution at each response position (top_k_forward_kl), its vocabulary split
+    over TP at the TP2 layout: log-probs and ids equal torch's topk of the HF teacher's log-softmax."""
     from hybridrl.names import Role
     from hybridrl.trainer.rl_step import add_distillation_advantages
 
     student, teacher = models
-    config = distillation_config(student, teacher, student_layout=student_layout, teacher_layout=teacher_layout)
+    config = distillation_config(student, teacher, student_layout=student_layout, teacher_layout=teacher_layout,
+                                 top_k=TOP_K)
     batch = rollout_batch(8, seed=3, vocab=STUDENT["vocab_size"])
     batch.meta["temperature"] = TEMPERATURE
     mask = batch["response_mask"].float()
 
-    teacher_lp = megatron_log_probs(config, batch, Role.TEACHER, "teacher_log_probs")
-    student_lp = megatron_log_probs(config, batch, "actor_rollout_ref", "old_log_probs")
+    teacher_out = megatron_outputs(config, batch, Role.TEACHER)
+    teacher_lp = teacher_out["teacher_log_probs"]
+    student_lp = megatron_outputs(config, batch, "actor_rollout_ref")["old_log_probs"]
     expected_teacher, expected_student = hf_log_probs(teacher, batch), hf_log_probs(student, batch)
     torch.testing.assert_close(teacher_lp, expected_teacher, rtol=0, atol=TOLERANCE)
     torch.testing.assert_close(student_lp, expected_student, rtol=0, atol=TOLERANCE)
+    with torch.no_grad():
+        top_log_probs, top_ids = hf_response_log_softmax(teacher, batch).topk(TOP_K, dim=-1)
+    real = mask.bool()
+    torch.testing.assert_close(teacher_out["teacher_top_log_probs"][real], top_log_probs[real], rtol=0,
+                               atol=TOLERANCE)
+    assert torch.equal(teacher_out["teacher_top_ids"][real], top_ids[real])
     assert (expected_teacher - expected_student).abs().max() > 0.5  # two different models, told apart
 
     # pure distillation: the advantage (and return) of each model token is -coef x (student - teacher)
@@ -126,3 +150,60 @@ def test_teacher_log_probs_and_distillation_advantages_equal_transformers(models
     add_distillation_advantages(batch, KL_COEF, with_task_reward=True)
     torch.testing.assert_close(batch["advantages"], task_advantages - KL_COEF * reverse_kl, rtol=0, atol=TOLERANCE)
     torch.testing.assert_close(batch["returns"], task_advantages)
+
+
+def _update_rank(rank: int, world: int, config: Any, batch: Any, out_dir: str) -> Any:
+    """One actor update; its reduced gradients written as an HF folder (the bridge's export) to `out_dir`."""
+    from hybridrl.config.plan import build_plan
+    from hybridrl.models.bridge import export_hf
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.backend import MegatronBackend, role_spec
+    from tests.test_training_actor_reference import gradients_into_params
+
+    plan = build_plan(config)
+    backend = MegatronBackend(role_spec(plan, "actor"))
+    metrics = MegatronActor(backend, plan).update_policy(batch.split(backend.ctx.dp)[backend.ctx.dp_rank])
+    gradients_into_params(backend)
+    export_hf(backend.chunks, out_dir, force=True)
+    return metrics
+
+
+@pytest.mark.parametrize("layout", [(2, 1), (1, 1)], ids=["student-tp2", "student-dp2"])
+def test_top_k_forward_kl_loss_and_every_gradient_equal_transformers(models, tmp_path, layout):
+    """The student's update under top_k_forward_kl, pure (advantages 0: the policy gradient is 0), at TP2 (the
+    teacher's ids read from a split vocabulary) and DP2: the loss term and the gradient of every HF tensor equal
+    KL(teacher's top-k || student) written here on the transformers student, token-mean over the model tokens."""
+    import transformers
+
+    from tests.test_models_fixtures import safetensors_state
+
+    student, teacher = models
+    config = distillation_config(student, teacher, student_layout=layout, teacher_layout=(1, 1), top_k=TOP_K)
+    config.actor_rollout_ref.actor.optim.clip_grad = 0.0  # the buffers must hold the unclipped gradient
+    batch = rollout_batch(8, seed=4, vocab=STUDENT["vocab_size"])
+    batch.meta["temperature"] = TEMPERATURE
+    mask = batch["response_mask"].float()
+    with torch.no_grad():
+        top_log_probs, top_ids = hf_response_log_softmax(teacher, batch).topk(TOP_K, dim=-1)
+    batch["teacher_top_log_probs"], batch["teacher_top_ids"] = top_log_probs * mask[..., None], top_ids
+    batch["old_log_probs"] = hf_log_probs(student, batch)
+    batch["advantages"] = torch.zeros_like(mask)
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32,
+                                                              attn_implementation="eager")
+    student_log_probs = hf_response_log_softmax(student, batch, model).gather(-1, top_ids)
+    per_token = (top_log_probs.exp() * (top_log_probs - student_log_probs)).sum(-1)
+    expected_loss = (per_token * mask).sum() / mask.sum()
+    (KL_COEF * expected_loss).backward()
+    expected = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+    out_dir = tmp_path / "grads"
+    metrics = [m for m in run_ranks(_update_rank, 2, config, batch, str(out_dir)) if m is not None]
+    assert metrics[0].distillation_loss == pytest.approx(float(expected_loss), rel=1e-5)
+    assert metrics[0].pg_loss == 0.0
+    grads = safetensors_state(out_dir)
+    assert sorted(grads) == sorted(expected)
+    for name, ref in expected.items():
+        scale = float(ref.abs().max())
+        assert scale > 0, name
+        assert float((grads[name] - ref).abs().max()) <= 1e-5 * scale, name

@@ -17,6 +17,11 @@ from torch import Tensor
 
 from hybridrl.algorithms.masking import masked_mean
 
+# top_k_forward_kl: the teacher's distribution at each response position (`[B, R, k]`), written by its pass
+# (`MegatronActor.compute_log_prob(top_k=k)`) and read by the student's update: the log-probs, most likely first,
+# and their token ids.
+TEACHER_TOP_K_KEYS = ("teacher_top_log_probs", "teacher_top_ids")
+
 
 def reverse_kl_per_token(student_log_probs: Tensor, teacher_log_probs: Tensor, response_mask: Tensor) -> Tensor:
     """k_t = log pi_student(y_t) - log pi_teacher(y_t) on the response's model tokens, 0 elsewhere `[B, T]`."""

@@ -4,10 +4,14 @@ Rank r of `tp_group` holds `logits_shard` `[..., V/tp]`, the contiguous vocabula
 [r * V/tp, (r + 1) * V/tp) of the full logits (Megatron's vocab-parallel output layer). Each
 result needs three all-reduces of `[...]`-sized tensors (a max and sums), never `[..., V]`.
 
-Both are `torch.autograd.Function`s whose backward needs no communication: with the global max,
+They are `torch.autograd.Function`s whose backward needs no communication: with the global max,
 normalizer and (for entropy) mean saved from forward, every rank computes the gradient of its own
 slice exactly -- for log-prob, onehot(label) - softmax; for entropy, -p * (x - E_p[x]).
 Math is float32 (float64 for float64 input); gradients come back in the logits' dtype.
+
+On-policy distillation's top-k loss adds two: `vocab_parallel_top_k` (a teacher's k most likely tokens: each
+rank's own top-k, all-gathered, `[..., k x tp]`, never `[..., V]`) and `vocab_parallel_log_probs_at` (a student's
+log-probs at those k ids, one pass over the shard for all k).
 """
 from __future__ import annotations
 
@@ -46,6 +50,38 @@ def vocab_parallel_log_prob_and_entropy(
     Logits of -inf are raised to the float minimum, as in `vocab_parallel_entropy`.
     """
     return _VocabParallelLogProbEntropy.apply(logits_shard, labels, tp_group, entropy_grad)
+
+
+def vocab_parallel_log_probs_at(logits_shard: Tensor, ids: Tensor,
+                                tp_group: dist.ProcessGroup | None = None) -> Tensor:
+    """log softmax(full logits) at `k` global vocabulary ids per position: `[..., k]` from the shard `[..., V/tp]` and
+    `ids` `[..., k]` (the same on every rank of `tp_group`: a collective). `vocab_parallel_log_prob` is its k = 1
+    case; here the logits are read once for all k (no `[..., k, V]` expansion)."""
+    return _VocabParallelLogProbsAt.apply(logits_shard, ids, tp_group)
+
+
+def vocab_parallel_top_k(logits_shard: Tensor, k: int,
+                         tp_group: dist.ProcessGroup | None = None) -> tuple[Tensor, Tensor]:
+    """The `k` most likely tokens of softmax(full logits) per position: (log-probs `[..., k]`, global ids `[..., k]`,
+    most likely first), from this rank's shard (a collective: each rank's own top-k, gathered, then the top k of
+    those). Not differentiable (a target, e.g. a teacher's distribution)."""
+    with torch.no_grad():
+        x = _as_compute(logits_shard)
+        rank, size = _rank_and_size(tp_group)
+        global_max, normalizer = _global_max_and_normalizer(x, tp_group)
+        values, local = x.topk(min(k, x.shape[-1]), dim=-1)
+        ids = local + rank * x.shape[-1]
+        if size > 1:
+            gathered_values = [torch.empty_like(values) for _ in range(size)]
+            gathered_ids = [torch.empty_like(ids) for _ in range(size)]
+            dist.all_gather(gathered_values, values.contiguous(), group=tp_group)
+            dist.all_gather(gathered_ids, ids.contiguous(), group=tp_group)
+            values, ids = torch.cat(gathered_values, -1), torch.cat(gathered_ids, -1)
+        if values.shape[-1] < k:
+            raise ValueError(f"top-{k} of a vocabulary of {values.shape[-1]} tokens")
+        values, order = values.topk(k, dim=-1)
+        ids = torch.gather(ids, -1, order)
+        return values - global_max.unsqueeze(-1) - torch.log(normalizer).unsqueeze(-1), ids
 
 
 def _rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -102,6 +138,29 @@ class _VocabParallelLogProb(torch.autograd.Function):
         grad = grad_output.to(x.dtype).unsqueeze(-1)
         grad_x = -probs * grad
         grad_x.scatter_add_(-1, local_index.unsqueeze(-1), grad * in_shard.unsqueeze(-1).to(x.dtype))
+        return grad_x.to(logits_shard.dtype), None, None
+
+
+class _VocabParallelLogProbsAt(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_shard: Tensor, ids: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+        x = _as_compute(logits_shard)
+        local_index, in_shard = _local_labels(ids, x.shape[-1], group)
+        global_max, normalizer = _global_max_and_normalizer(x, group)
+        picked = torch.gather(x, -1, local_index) - global_max.unsqueeze(-1)
+        picked = _all_reduce(torch.where(in_shard, picked, torch.zeros_like(picked)), dist.ReduceOp.SUM, group)
+        ctx.save_for_backward(logits_shard, global_max, normalizer, local_index, in_shard)
+        return picked - torch.log(normalizer).unsqueeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        logits_shard, global_max, normalizer, local_index, in_shard = ctx.saved_tensors
+        x = _as_compute(logits_shard)
+        probs = torch.exp(x - global_max.unsqueeze(-1)) / normalizer.unsqueeze(-1)
+        grad = grad_output.to(x.dtype)
+        # d/dx_j sum_i g_i (x_{id_i} - log Z) = sum_i g_i [id_i = j] - p_j sum_i g_i
+        grad_x = -probs * grad.sum(-1, keepdim=True)
+        grad_x.scatter_add_(-1, local_index, grad * in_shard.to(x.dtype))
         return grad_x.to(logits_shard.dtype), None, None
 
 

@@ -47,6 +47,16 @@ def check_distillation(config: JobConfig, student: ModelShape | None, teacher: M
         issues.append(ConfigIssue("teacher.model.path", teacher_model.path,
                                   f"must name the teacher's Hugging Face folder when {DISTILLATION}.enable=true "
                                   "(a causal LM with the policy's tokenizer)"))
+    top_k = settings.top_k
+    if top_k is not None and settings.loss != "top_k_forward_kl":
+        issues.append(ConfigIssue(f"{DISTILLATION}.top_k", top_k, f"applies to {DISTILLATION}.loss=top_k_forward_kl "
+                                                                  f"only, not loss={settings.loss}; leave it null",
+                                  [None]))
+    elif top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1
+                                or (student is not None and top_k > student.vocab_size)):
+        bound = f" and at most the vocabulary ({student.vocab_size})" if student is not None else ""
+        issues.append(ConfigIssue(f"{DISTILLATION}.top_k", top_k, f"must be an integer >= 1{bound}: the teacher's "
+                                                                  "tokens kept at each position"))
     coef = settings.kl_coef
     if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef > 0:
         issues.append(ConfigIssue(f"{DISTILLATION}.kl_coef", coef, "must be a number > 0 (the weight of the "

@@ -61,6 +61,9 @@ class Resolved:
     # weights with the adapters merged in.
     lora_rank: int = 0
     serves_adapters: bool = False
+    # on-policy distillation's top_k_forward_kl: the teacher's tokens per response position (0: the sampled-token
+    # reverse KL, or no distillation)
+    distillation_top_k: int = 0
 
     @property
     def total_ranks(self) -> int:
@@ -191,7 +194,18 @@ def resolve(config: JobConfig, model: ModelShape | None = None) -> Resolved:
         lora_rank=lora_rank,
         serves_adapters=serves_adapters,
         shared_prefix_sections=tuple(shared),
+        distillation_top_k=_distillation_top_k(config),
     )
+
+
+DEFAULT_DISTILLATION_TOP_K = 32
+
+
+def _distillation_top_k(config: JobConfig) -> int:
+    settings = config.algorithm.distillation
+    if not settings.enable or settings.loss != "top_k_forward_kl":
+        return 0
+    return DEFAULT_DISTILLATION_TOP_K if settings.top_k is None else settings.top_k
 
 
 def remove_padding(configured: bool | None, policy: DevicePolicy, *layouts: MegatronConfig | None) -> bool:

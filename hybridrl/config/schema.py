@@ -46,6 +46,9 @@ RolloutMode = Literal["colocated", "disaggregated"]
 AsyncMode = Literal["sync", "one_step_off", "fully_async"]
 # fully_async: what happens to a sample older than rollout.max_staleness when the trainer reaches it.
 StaleSamples = Literal["drop", "keep"]
+# on-policy distillation's signal: the sampled token's reverse KL as its advantage, or the teacher's top-k
+# distribution at each response position as a forward-KL loss term of the update
+DistillationLoss = Literal["sampled_reverse_kl", "top_k_forward_kl"]
 # megatron's moe_router_load_balancing_type values that need no more than the local spec
 MoELoadBalancing = Literal["aux_loss", "seq_aux_loss", "none"]
 # megatron's MoE token dispatchers that run on the local spec (its "flex" one needs DeepEP / HybridEP)
@@ -553,7 +556,14 @@ class DistillationConfig:
     signal: each model token's advantage gains -kl_coef times it (no discount, as Thinking Machines' recipe)."""
 
     enable: bool = doc(False, "distil from the `teacher` model (teacher.model.path) on the student's own samples")
-    kl_coef: float = doc(1.0, "weight of the per-token reverse KL in the advantage (> 0)")
+    loss: DistillationLoss = doc(
+        "sampled_reverse_kl", "sampled_reverse_kl = the sampled token's reverse KL as its advantage (the policy "
+        "gradient); top_k_forward_kl = at every response position, KL(teacher's top-k || student) on the teacher's "
+        "top_k tokens, a loss term of the update (GKD's and verl's recipe: the student sees what the teacher would "
+        "have written, not only its view of the student's own tokens)")
+    kl_coef: float = doc(1.0, "weight of the distillation signal: of the reverse KL in the advantage, or of the "
+                              "top-k loss term (> 0)")
+    top_k: int | None = doc(None, "top_k_forward_kl: the teacher's tokens per position; None = 32")
     task_reward: bool = doc(
         False, "true = add the task reward's advantages (adv_estimator on the reward) to the distillation's; "
                "false = pure distillation (the reward is still computed and logged, but not trained on)")

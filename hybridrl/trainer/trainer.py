@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from hybridrl.algorithms import masked_mean
+from hybridrl.algorithms.distillation import TEACHER_TOP_K_KEYS
 from hybridrl.algorithms.kl_control import kl_controller_from_config
 from hybridrl.algorithms.names import GREEDY_BASELINE_ADV_ESTIMATORS
 from hybridrl.config.errors import ConfigError, ConfigIssue
@@ -536,6 +537,9 @@ class Trainer:
                                                         balance_mini_batches=self._balance(),
                                                         keep_together=self._keep_together(Role.TEACHER))
                 batch["teacher_log_probs"] = teacher["teacher_log_probs"]
+                for key in TEACHER_TOP_K_KEYS:  # top_k_forward_kl: the teacher's distribution, for the update
+                    if key in teacher.tensors:
+                        batch[key] = teacher[key]
                 metrics["perf/padding_ratio_teacher_log_prob"] = float(teacher.meta.get("padding_ratio", 0.0))
         if self.critic_group is not None:
             with self._phase(timer, Phase.VALUES):
@@ -553,8 +557,11 @@ class Trainer:
                     cfg.algorithm.adv_estimator, cfg.algorithm.gamma, cfg.algorithm.lam,
                     cfg.algorithm.norm_adv_by_std_in_grpo))
             if distillation.enable:
-                metrics.update(add_distillation_advantages(batch, distillation.kl_coef,
-                                                           with_task_reward=distillation.task_reward))
+                # the sampled-token reverse KL: the advantage (sampled_reverse_kl), else a metric beside the update's
+                # top-k loss term (with no task reward the policy gradient is then 0)
+                metrics.update(add_distillation_advantages(
+                    batch, distillation.kl_coef if not plan.resolved.distillation_top_k else 0.0,
+                    with_task_reward=distillation.task_reward))
         if self.critic_group is not None:
             with self._phase(timer, Phase.UPDATE_CRITIC):
                 outs = self.critic_group.call_by_dp_outputs(

@@ -57,11 +57,17 @@ from functools import partial
 import torch
 
 from hybridrl.algorithms.aggregation import LossNormalizers, aggregate_loss
+from hybridrl.algorithms.distillation import TEACHER_TOP_K_KEYS
 from hybridrl.algorithms.kl import kl_penalty
 from hybridrl.algorithms.losses import ppo_policy_loss
 from hybridrl.algorithms.rollout_correction import RolloutCorrection, correction_metrics, rollout_correction_weights
 from hybridrl.algorithms.truncation import Truncation, truncated_log_prob
-from hybridrl.algorithms.vocab_parallel import vocab_parallel_log_prob, vocab_parallel_log_prob_and_entropy
+from hybridrl.algorithms.vocab_parallel import (
+    vocab_parallel_log_prob,
+    vocab_parallel_log_prob_and_entropy,
+    vocab_parallel_log_probs_at,
+    vocab_parallel_top_k,
+)
 from hybridrl.config.plan import Plan
 from hybridrl.data.batch import Batch
 from hybridrl.models.bridge import mask_vocab_padding
@@ -74,6 +80,9 @@ from hybridrl.training.mini_batch import train_mini_batch
 from hybridrl.training.moe_metrics import MoERouterMetrics
 from hybridrl.training.router_replay import ReplayMismatch
 from hybridrl.training.sequences import ModelInputs
+
+# ids travel among a pass's float columns: exact in float32 up to 2**24 (every vocabulary so far is far below)
+EXACT_FLOAT32_IDS = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,10 @@ class PolicyLossSettings:
     rollout_correction: RolloutCorrection = field(default_factory=RolloutCorrection)
     # match_truncation: the rollout's top-k/top-p, under which the correction's target is computed
     truncation: Truncation | None = None
+    # on-policy distillation's top_k_forward_kl: the teacher's top-k tokens per position (0 = off) and the loss
+    # term's weight
+    distillation_top_k: int = 0
+    distillation_coef: float = 0.0
 
     @classmethod
     def from_plan(cls, plan: Plan) -> PolicyLossSettings:
@@ -105,7 +118,8 @@ class PolicyLossSettings:
                                     plan.device_policy.vllm_top_k_keeps_ties)
         return cls(plan.resolved.clip_ratio_low, plan.resolved.clip_ratio_high, actor.clip_ratio_c,
                    actor.loss_agg_mode, actor.entropy_coeff, actor.use_kl_loss, actor.kl_loss_coef,
-                   actor.kl_loss_type, plan.resolved.response_length, correction, truncation)
+                   actor.kl_loss_type, plan.resolved.response_length, correction, truncation,
+                   plan.resolved.distillation_top_k, float(plan.config.algorithm.distillation.kl_coef))
 
 
 @dataclass(frozen=True)
@@ -121,6 +135,8 @@ class PolicyUpdateMetrics:
     grad_norm: float
     lr: float
     optimizer_steps: int
+    # on-policy distillation's top_k_forward_kl: KL(teacher's top-k || student), aggregated as the policy loss
+    distillation_loss: float | None = None
     per_step: tuple[dict[str, float], ...] = field(default=())
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
     # max and token mean of |megatron - rollout| log-prob over the batch, when the update stood in for
@@ -147,6 +163,8 @@ class PolicyUpdateMetrics:
             out["rollout/log_prob_abs_diff_max"] = self.rollout_log_prob_abs_diff_max
         if self.rollout_log_prob_abs_diff_mean is not None:
             out["rollout/log_prob_abs_diff_mean"] = self.rollout_log_prob_abs_diff_mean
+        if self.distillation_loss is not None:
+            out["distillation/top_k_forward_kl"] = self.distillation_loss
         out.update(self.moe)
         out.update(self.rollout_correction)
         return out
@@ -210,7 +228,7 @@ class MegatronActor:
 
     # ---------------------------------------------------------------------------- log-probs
     def compute_log_prob(self, batch: Batch, with_entropy: bool = False, *,
-                         free_routing: bool = False) -> Batch | None:
+                         free_routing: bool = False, top_k: int = 0) -> Batch | None:
         """Log-probs of the batch's responses (module docstring). With routing replay the forward
         routes as the rollout did, unless `free_routing` (the weight sync's probe: a fixed sequence
         no rollout generated, scored with the routers' own choice on both sides, and with every token
@@ -228,6 +246,8 @@ class MegatronActor:
 
         # the actor's old policy under the rollout's truncation too (the correction's target); never the reference's
         truncation = self.loss.truncation if self.output_key == "old_log_probs" else None
+        if top_k and backend.vocab_size >= EXACT_FLOAT32_IDS:
+            raise ValueError(f"top-k ids of a {backend.vocab_size}-token vocabulary do not travel exactly as float32")
 
         def collect(micro: ModelInputs, logits: torch.Tensor) -> torch.Tensor:
             shard = response_logits(backend, micro, logits, temperature)
@@ -239,7 +259,11 @@ class MegatronActor:
             if truncation is not None:
                 target = truncated_log_prob(shard, labels, truncation, ctx.tp_group)
                 columns += [target.log_prob, target.outside.to(target.log_prob.dtype)]
-            return micro.scatter_response_tokens(torch.stack(columns, dim=-1))
+            stacked = torch.stack(columns, dim=-1)
+            if top_k:  # the distribution at each position: k log-probs, then their k ids
+                top_log_probs, top_ids = vocab_parallel_top_k(shard, top_k, ctx.tp_group)
+                stacked = torch.cat([stacked, top_log_probs.to(stacked.dtype), top_ids.to(stacked.dtype)], dim=-1)
+            return micro.scatter_response_tokens(stacked)
 
         # free routing is also dropless: the probe proves the weights against vLLM, which has no capacity
         with backend.without_capacity() if free_routing else contextlib.nullcontext():
@@ -253,6 +277,11 @@ class MegatronActor:
         out = {self.output_key: stacked[..., 0].contiguous()}
         if with_entropy:
             out["entropys"] = stacked[..., 1].contiguous()
+        if top_k:
+            log_probs_key, ids_key = TEACHER_TOP_K_KEYS
+            out[log_probs_key] = stacked[..., -2 * top_k:-top_k].contiguous()
+            out[ids_key] = stacked[..., -top_k:].round().long()
+            stacked = stacked[..., :-2 * top_k]
         if truncation is not None:
             out["old_log_probs_truncated"] = stacked[..., -2].contiguous()
             out["old_log_probs_outside"] = stacked[..., -1] != 0  # masked positions scattered as 0: False
@@ -285,6 +314,12 @@ class MegatronActor:
                 raise ValueError("algorithm.rollout_correction.match_truncation needs `old_log_probs_truncated` "
                                  "next to `old_log_probs`: the actor's compute_log_prob writes both")
             optional += ("old_log_probs_truncated",)
+        if self.loss.distillation_top_k:
+            missing = [k for k in TEACHER_TOP_K_KEYS if k not in batch.tensors]
+            if missing:
+                raise ValueError(f"algorithm.distillation.loss=top_k_forward_kl needs the teacher's {missing}: the "
+                                 "TeacherWorker's pass writes them")
+            optional += TEACHER_TOP_K_KEYS
         extra_keys = ("advantages",) + tuple(k for k in optional if k in batch.tensors)
         # The update scores the responses under the distribution they were sampled from, as the
         # old-log-prob pass, the reference and the rollout do: at T != 1 an untempered update would
@@ -321,7 +356,8 @@ class MegatronActor:
         return PolicyUpdateMetrics(
             pg_loss=mean["pg_loss"], clipfrac=mean["clipfrac"], clipfrac_lower=mean["clipfrac_lower"],
             approx_kl=mean["approx_kl"], entropy=mean["entropy"], kl_loss=mean.get("kl_loss", 0.0),
-            grad_norm=mean["grad_norm"], lr=mean["lr"], optimizer_steps=len(steps), per_step=tuple(steps),
+            grad_norm=mean["grad_norm"], lr=mean["lr"], optimizer_steps=len(steps),
+            distillation_loss=mean.get("distillation_loss"), per_step=tuple(steps),
             skipped_steps=skipped,
             rollout_log_prob_abs_diff_max=steps[0].get("rollout_log_prob_abs_diff_max"),
             rollout_log_prob_abs_diff_mean=steps[0].get("rollout_log_prob_abs_diff_mean"),
@@ -416,5 +452,21 @@ class MegatronActor:
             kl_loss = aggregate_loss(kl, mask, cfg.agg, **norm)
             loss = loss + cfg.kl_coef * kl_loss
             metrics["total/kl_loss"] = kl_loss.detach().clone()
+        if cfg.distillation_top_k:
+            distill = self._top_k_forward_kl(micro, shard)
+            distill_loss = aggregate_loss(distill.to(log_prob.dtype), mask, cfg.agg, **norm)
+            loss = loss + cfg.distillation_coef * distill_loss
+            metrics["total/distillation_loss"] = distill_loss.detach().clone()
         return loss * scale, metrics
+
+    def _top_k_forward_kl(self, micro: ModelInputs, shard: torch.Tensor) -> torch.Tensor:
+        """`[b, R]`: at each response position, KL(teacher's top-k || student) = sum over the teacher's k tokens of
+        p_t (log p_t - log p_s), the student's log-probs read at the teacher's ids from its vocab-parallel logits
+        (`shard`, at the sampling temperature, as the teacher's were). 0 off the response tokens."""
+        rows, cols = micro.response_token_positions()
+        teacher_log_probs = micro.extras["teacher_top_log_probs"][rows, cols].to(torch.float32)
+        ids = micro.extras["teacher_top_ids"][rows, cols].long()
+        student_log_probs = vocab_parallel_log_probs_at(shard, ids, self.backend.ctx.tp_group)
+        per_token = (teacher_log_probs.exp() * (teacher_log_probs - student_log_probs)).sum(-1)
+        return micro.scatter_response_tokens(per_token)
 

@@ -259,7 +259,8 @@ class TeacherWorker(MegatronWorker):
         teacher = self._require(self.teacher, "the teacher")
         teacher.backend.load_params()  # back from the host when offloaded between calls
         try:
-            return teacher.compute_log_prob(batch)
+            # top_k_forward_kl: also the teacher's top-k tokens at every response position
+            return teacher.compute_log_prob(batch, top_k=self.plan.resolved.distillation_top_k)
         finally:
             _offload_frozen(teacher.backend)
             self._release()
