@@ -5,7 +5,8 @@ written here from the two HF models' logits with plain torch (nothing from `hybr
 
 The teacher is another family and shape than the student (a Qwen2 of 4 layers, 96 wide, against a 2-layer Llama
 with GQA) over one vocabulary: the teacher's log-probs cannot be the student's by accident. Every layout is 2 ranks;
-the three pairs give each role TP2, PP2 and DP2 (TP1) once, never the same layout as the other role.
+the three pairs give each role TP2, PP2 and DP2 (TP1) once, never the same layout as the other role. Both roles run
+packed micro-batches (the CPU default) and the rows come in GRPO groups, whose shared prompt each role computes once.
 """
 from __future__ import annotations
 
@@ -115,7 +116,7 @@ def test_teacher_log_probs_and_distillation_advantages_equal_transformers(models
     student, teacher = models
     config = distillation_config(student, teacher, student_layout=student_layout, teacher_layout=teacher_layout,
                                  top_k=TOP_K)
-    batch = rollout_batch(8, seed=3, vocab=STUDENT["vocab_size"])
+    batch = rollout_batch(8, seed=3, vocab=STUDENT["vocab_size"], groups=[3, 3, 2])  # GRPO groups: shared prompts
     batch.meta["temperature"] = TEMPERATURE
     mask = batch["response_mask"].float()
 
