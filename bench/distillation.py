@@ -17,29 +17,23 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.train_runs import train  # noqa: E402
+
 CONFIG = "configs/examples/smollm2_distill.yaml"
 PHASES = ("gen", "old_log_prob", "teacher", "update_actor", "sync")
 WINDOW = 5  # steps averaged at each end: single steps of 32 samples swing
 
 
 def run(config: str, overrides: list[str], run_dir: Path) -> dict:
-    started = time.perf_counter()
-    cmd = [sys.executable, "-m", "hybridrl.cli", "train", config, f"trainer.run_dir={run_dir}",
-           f"trainer.default_local_dir={run_dir / 'ckpt'}", *overrides, "--no-progress"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"train failed\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    wall = time.perf_counter() - started
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "event" not in r and r.get("step", 0) > 0 and "critic/score/mean" in r]
-    validation = [r for r in rows if "val/score/mean" in r]
+    done = train(config, overrides, run_dir)
+    steps, validation = done.steps, done.validation
     step_times = [r["timing_s/step"] for r in steps]
 
     def mean(key: str, part: list[dict]) -> float:
@@ -59,10 +53,9 @@ def run(config: str, overrides: list[str], run_dir: Path) -> dict:
         "reward_last": mean("critic/score/mean", steps[-WINDOW:]),
         "entropy_first": mean("actor/entropy", steps[:WINDOW]), "entropy_last": mean("actor/entropy", steps[-WINDOW:]),
         "median_step_s": round(statistics.median(step_times), 2),
-        "phase_share": {p: round(sum(r.get(f"timing_s/{p}", 0.0) for r in steps) / sum(step_times), 3)
-                        for p in PHASES},
+        "phase_share": done.phase_share(PHASES),
         "max_probe_gap": max(r["reshard/probe_max_abs_gap"] for r in steps),
-        "wall_s": round(wall, 1),
+        "wall_s": done.wall_s,
     }
 
 

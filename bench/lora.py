@@ -16,29 +16,22 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.train_runs import train  # noqa: E402
+
 CONFIG = "configs/examples/smollm2_arith_grpo.yaml"
 PHASES = ("gen", "ref", "update_actor", "sync")
 
 
 def run(name: str, overrides: list[str], out: Path) -> dict:
-    run_dir = out / name
-    started = time.perf_counter()
-    cmd = [sys.executable, "-m", "hybridrl.cli", "train", CONFIG, f"trainer.run_dir={run_dir}",
-           f"trainer.default_local_dir={run_dir / 'ckpt'}", *overrides, "--no-progress"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"{name}: train failed\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    wall = time.perf_counter() - started
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in rows if "event" not in r and r.get("step", 0) > 0 and "critic/score/mean" in r]
-    validation = [r for r in rows if "val/score/mean" in r]
+    done = train(CONFIG, overrides, out / name)
+    steps, validation = done.steps, done.validation
     step_times = [r["timing_s/step"] for r in steps]
     return {
         "overrides": overrides,
@@ -46,8 +39,7 @@ def run(name: str, overrides: list[str], out: Path) -> dict:
         "reward_first_3": statistics.fmean(r["critic/score/mean"] for r in steps[:3]),
         "reward_last_3": statistics.fmean(r["critic/score/mean"] for r in steps[-3:]),
         "median_step_s": statistics.median(step_times),
-        "phase_share": {p: round(sum(r.get(f"timing_s/{p}", 0.0) for r in steps) / sum(step_times), 3)
-                        for p in PHASES},
+        "phase_share": done.phase_share(PHASES),
         "update_after_allocated_gib": max(r.get("memory/update_after_allocated_gib", 0.0) for r in steps),
         "max_probe_gap": max(r["reshard/probe_max_abs_gap"] for r in steps),
         "median_gen_s": statistics.median(r["timing_s/gen"] for r in steps),
@@ -55,7 +47,7 @@ def run(name: str, overrides: list[str], out: Path) -> dict:
         # what a step's sync moved into vLLM: the adapters alone when vLLM serves them, else every rank's shard
         "sync_bytes_per_rank": max(r.get("reshard/adapter_bytes", r.get("reshard/generation_shard_bytes", 0))
                                    for r in steps),
-        "wall_s": round(wall, 1),
+        "wall_s": done.wall_s,
     }
 
 

@@ -30,7 +30,7 @@ def vocab_parallel_log_prob(
     torch.distributed, the shard is taken to be the whole vocabulary. A label no rank owns (an
     ignore index such as -100) yields -log Z, a finite placeholder: mask those positions.
     """
-    return _VocabParallelLogProb.apply(logits_shard, labels, tp_group)
+    return _VocabParallelLogProbsAt.apply(logits_shard, labels.unsqueeze(-1), tp_group).squeeze(-1)
 
 
 def vocab_parallel_entropy(logits_shard: Tensor, tp_group: dist.ProcessGroup | None = None) -> Tensor:
@@ -113,32 +113,6 @@ def _local_labels(labels: Tensor, shard_size: int, group: dist.ProcessGroup | No
     local_labels = labels.long() - rank * shard_size
     in_shard = (local_labels >= 0) & (local_labels < shard_size)
     return torch.where(in_shard, local_labels, torch.zeros_like(local_labels)), in_shard
-
-
-class _VocabParallelLogProb(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits_shard: Tensor, labels: Tensor, group: dist.ProcessGroup | None) -> Tensor:
-        x = _as_compute(logits_shard)
-        local_index, in_shard = _local_labels(labels, x.shape[-1], group)
-
-        global_max, normalizer = _global_max_and_normalizer(x, group)
-        # Exactly one rank owns each label; the others contribute 0 to the sum.
-        picked = torch.gather(x, -1, local_index.unsqueeze(-1)).squeeze(-1) - global_max
-        picked = torch.where(in_shard, picked, torch.zeros_like(picked))
-        picked = _all_reduce(picked, dist.ReduceOp.SUM, group)
-
-        ctx.save_for_backward(logits_shard, global_max, normalizer, local_index, in_shard)
-        return picked - torch.log(normalizer)
-
-    @staticmethod
-    def backward(ctx, grad_output: Tensor):
-        logits_shard, global_max, normalizer, local_index, in_shard = ctx.saved_tensors
-        x = _as_compute(logits_shard)
-        probs = torch.exp(x - global_max.unsqueeze(-1)) / normalizer.unsqueeze(-1)
-        grad = grad_output.to(x.dtype).unsqueeze(-1)
-        grad_x = -probs * grad
-        grad_x.scatter_add_(-1, local_index.unsqueeze(-1), grad * in_shard.unsqueeze(-1).to(x.dtype))
-        return grad_x.to(logits_shard.dtype), None, None
 
 
 class _VocabParallelLogProbsAt(torch.autograd.Function):
