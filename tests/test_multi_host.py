@@ -228,9 +228,10 @@ def test_a_disaggregated_rollout_pool_on_another_host(demo_assets, tmp_path, ray
     """rollout.mode=disaggregated with the rollout pool on the other host: one CPU per host, so the trainer pool's
     two ranks (half a CPU each) fill one host and the vLLM rank takes the other. Every weight sync crosses the
     link (the whole fp32 model from the trainer's host, its two ranks sending half each) and is proven on the
-    rollout host; each phase's traffic as planned."""
+    rollout host; each phase's traffic as planned; the reward rises across the pools."""
     run = tmp_path / "run"
-    overrides = [*demo_overrides(demo_assets, run), *DISAGGREGATED, "trainer.total_training_steps=2"]
+    overrides = [*demo_overrides(demo_assets, run), *DISAGGREGATED, f"trainer.total_training_steps={LEARNING_STEPS}",
+                 "actor_rollout_ref.actor.optim.lr=2e-3"]
     with Cluster(2) as cluster:
         address = start_ray(cluster, tmp_path, ray_temp, cpus=1)
         with cluster.link_samples() as samples:
@@ -239,7 +240,10 @@ def test_a_disaggregated_rollout_pool_on_another_host(demo_assets, tmp_path, ray
     pools = pool_hosts(result.stdout)
     assert sorted(pools) == sorted(h.address for h in cluster.hosts), result.stdout[-3000:]
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert len(steps) == 2 and all(s["reshard/probe_max_abs_gap"] <= 1e-4 for s in steps)
+    assert len(steps) == LEARNING_STEPS and all(s["reshard/probe_max_abs_gap"] <= 1e-4 for s in steps)
+    first, last = (sum(s["critic/score/mean"] for s in part) / 4 for part in (steps[:4], steps[-4:]))
+    assert last > first + 0.05, (first, last)  # it learns with its samples made on the other host
+    print(f"disaggregated across hosts: reward {first:.3f} (steps 1-4) -> {last:.3f} (last 4)")
     figures = assert_traffic_is_planned(samples, run, overrides, hosts=pools,
                                         addresses=[h.address for h in cluster.hosts])
     trainer_host = [h.address for h in cluster.hosts].index(pools[0])  # Ray picks which host takes which pool
