@@ -451,7 +451,6 @@ class RefConfig:
 
 @dataclass
 class ActorRolloutRefConfig:
-    hybrid_engine: bool = doc(True, "actor, rollout and reference share processes and GPUs")
     model: ModelConfig = doc(factory=ModelConfig, text="the policy model")
     actor: ActorConfig = doc(factory=ActorConfig, text="policy training")
     rollout: RolloutConfig = doc(factory=RolloutConfig, text="generation with vLLM")

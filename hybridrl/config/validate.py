@@ -667,10 +667,6 @@ def _check_unsupported(check: _Checker, config: JobConfig, model: ModelShape | N
                            f"must equal actor_rollout_ref.actor.megatron.{name}={theirs}: the reference policy "
                            "runs in the actor's processes, which hold one megatron parallel state; leave "
                            "actor_rollout_ref.ref.megatron unset to use the actor's layout", [theirs])
-    if arr.hybrid_engine is not True:
-        check.fail("actor_rollout_ref.hybrid_engine", arr.hybrid_engine,
-                   "is not supported: only the hybrid engine (actor, rollout and reference share processes "
-                   "and GPUs) is implemented; only true is supported now", [True])
     if arr.rollout.multi_turn.enable is True:
         _check_multi_turn(check, config)
     elif arr.rollout.multi_turn.enable is not False:

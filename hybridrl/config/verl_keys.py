@@ -52,6 +52,10 @@ _WEIGHTS = "hybridrl loads the HF folder of model.path with its own weight table
            "(hybridrl/models/families)"
 VERL_KEYS: tuple[VerlKey, ...] = (
     Restates("trainer.critic_warmup", (0,), "the actor updates from the first step (critic warm-up is not built yet)"),
+    # one switch for one idea: where vLLM runs is actor_rollout_ref.rollout.mode alone
+    Restates("actor_rollout_ref.hybrid_engine", (True,),
+             "actor_rollout_ref.rollout.mode decides where vLLM runs: colocated (the default, verl's hybrid engine: "
+             "actor, rollout and reference in the same processes) or disaggregated (vLLM on a pool of its own)"),
     Restates(f"{ROLE}.megatron.use_mbridge", (True, False), _WEIGHTS),
     Restates(f"{ROLE}.megatron.vanilla_mbridge", (True, False), _WEIGHTS),
     Restates(f"{ROLE}.megatron.use_dist_checkpointing", (False,),
