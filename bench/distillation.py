@@ -59,6 +59,12 @@ def run(config: str, overrides: list[str], run_dir: Path) -> dict:
     }
 
 
+def _config_lr(config: str) -> float:
+    from hybridrl.config.loader import load_config
+
+    return float(load_config(ROOT / config).actor_rollout_ref.actor.optim.lr)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=CONFIG)
@@ -74,6 +80,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         result = run(args.config, overrides, Path(tmp) / "run")
     result["config"] = args.config
+    result["lr"] = args.lr if args.lr is not None else _config_lr(args.config)
     print(f"reverse KL per token: {result['reverse_kl_per_token_first']:.3f} (steps 1-{WINDOW}) -> "
           f"{result['reverse_kl_per_token_last']:.3f} (last {WINDOW})")
     print(f"greedy validation: {result['val_greedy_before']:.3f} before -> {result['val_greedy_after']:.3f} after")

@@ -188,13 +188,14 @@ def test_the_documented_distillation_figures_are_the_benchs_result():
         row = next(line for line in section.splitlines() if line.startswith(f"| `{loss}`"))
         cells = [cell.strip() for cell in row.strip("|").split("|")]
         assert cells[1] == str(run["steps"])
-        assert cells[2] == f"{run['reverse_kl_per_token_first']:.2f} → {run['reverse_kl_per_token_last']:.2f}"
+        assert cells[2] == f"{run['lr']:.0e}".replace("e-0", "e-")
+        assert cells[3] == f"{run['reverse_kl_per_token_first']:.2f} → {run['reverse_kl_per_token_last']:.2f}"
         top_k = (f"{run['top_k_forward_kl_first']:.2f} → {run['top_k_forward_kl_last']:.2f}"
                  if "top_k_forward_kl_first" in run else "-")
-        assert cells[3] == top_k
-        assert cells[4] == f"{run['entropy_first']:.2f} → {run['entropy_last']:.2f}"
-        assert cells[5] == f"{run['reward_first']:.3f} → {run['reward_last']:.3f}"
-        assert cells[6] == f"{run['val_greedy_before']:.3f} → {run['val_greedy_after']:.3f}"
-        assert cells[7] == f"{run['median_step_s']:.2f} s"
+        assert cells[4] == top_k
+        assert cells[5] == f"{run['entropy_first']:.2f} → {run['entropy_last']:.2f}"
+        assert cells[6] == f"{run['reward_first']:.3f} → {run['reward_last']:.3f}"
+        assert cells[7] == f"{run['val_greedy_before']:.3f} → {run['val_greedy_after']:.3f}"
+        assert cells[8] == f"{run['median_step_s']:.2f} s"
         minutes, seconds = divmod(round(run["wall_s"]), 60)
-        assert cells[8] == f"{minutes} min {seconds} s"
+        assert cells[9] == f"{minutes} min {seconds} s"
