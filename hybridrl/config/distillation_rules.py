@@ -60,7 +60,8 @@ def check_distillation(config: JobConfig, student: ModelShape | None, teacher: M
     coef = settings.kl_coef
     if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef > 0:
         issues.append(ConfigIssue(f"{DISTILLATION}.kl_coef", coef, "must be a number > 0 (the weight of the "
-                                                                   "per-token reverse KL in the advantage)"))
+                                                                   "distillation signal: the reverse KL in the "
+                                                                   "advantage, or the top-k loss term)"))
     if teacher is not None and student is not None and teacher.vocab_size < student.vocab_size:
         issues.append(ConfigIssue(
             "teacher.model.path", teacher_model.path,
