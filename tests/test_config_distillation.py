@@ -108,6 +108,21 @@ def test_distillation_mistakes_are_refused_naming_the_field(demo_assets, teacher
          "teacher.log_prob_micro_batch_size_per_gpu", ">= 1"),
         ([f"{D}.enable=true", f"teacher.model.path={teachers['small_vocab']}"], "teacher.model.path",
          "fewer than the student's"),
+        # the teacher's own pool: sized when it has one, never sized (or placed) when it does not
+        ([f"{D}.enable=true", same, "teacher.mode=disaggregated"], "teacher.n_gpus_per_node",
+         "is required with teacher.mode=disaggregated"),
+        ([f"{D}.enable=true", same, "teacher.mode=disaggregated", "teacher.n_gpus_per_node=0"],
+         "teacher.n_gpus_per_node", "integer >= 1"),
+        ([f"{D}.enable=true", same, "teacher.n_gpus_per_node=2"], "teacher.n_gpus_per_node",
+         "with teacher.mode=colocated the teacher runs on the training ranks"),
+        ([f"{D}.enable=true", same, "teacher.nnodes=2"], "teacher.nnodes", "sizes the teacher's own pool"),
+        (["teacher.mode=disaggregated", "teacher.n_gpus_per_node=2"], "teacher.mode",
+         f"places a teacher but {D}.enable is false"),
+        ([f"{D}.enable=true", same, "teacher.mode=elsewhere"], "teacher.mode", "is not a known"),
+        # its layout spans its pool (3 ranks), not the training world (2): TP2 divides one, not the other
+        ([f"{D}.enable=true", same, "teacher.mode=disaggregated", "teacher.n_gpus_per_node=3",
+          "teacher.megatron.tensor_model_parallel_size=2"], "teacher.megatron.tensor_model_parallel_size",
+         "must divide the 3 GPUs"),
         # the teacher's layout is checked against its own shape (3 layers), not the student's (4)
         ([f"{D}.enable=true", f"teacher.model.path={teachers['three_layers']}",
           "teacher.megatron.pipeline_model_parallel_size=2", "teacher.log_prob_micro_batch_size_per_gpu=16"],
@@ -120,6 +135,54 @@ def test_distillation_mistakes_are_refused_naming_the_field(demo_assets, teacher
     plan_from_sources(CONFIG, job(demo_assets, tmp_path, f"{D}.enable=true", same,
                                   "teacher.megatron.pipeline_model_parallel_size=2",
                                   "teacher.log_prob_micro_batch_size_per_gpu=16"))
+
+
+QWEN_7B = str(ROOT / "configs/examples/qwen2.5_7b_grpo_8gpu.yaml")
+QWEN_32B_TEACHER = [f"{D}.enable=true", f"teacher.model.path={ROOT / 'configs/models/qwen2.5-32b'}",
+                    "teacher.megatron.tensor_model_parallel_size=8", "teacher.log_prob_micro_batch_size_per_gpu=4"]
+CONTEXT_GIB, COMMUNICATOR_GIB = 0.75, 0.5  # estimates.GpuOverheads' constants, written again
+
+
+def test_a_teacher_on_a_pool_of_its_own_spans_its_ranks_and_leaves_the_training_gpus(demo_assets, teachers,
+                                                                                      tmp_path):
+    """teacher.mode=disaggregated: a Qwen2.5-32B teacher at TP8 on two machines of its own beside the 7B student's
+    eight GPUs. Its mesh spans its 16 ranks (DP 2), the job holds 24; the training GPUs' phases no longer hold it
+    (each lighter by exactly what the colocated teacher's process kept there: its weights, a CUDA context and 4
+    communicators: world, TP, DP, TP x PP), and the pool's own GPU holds its pass alone."""
+    pooled = plan_from_sources(QWEN_7B, [*QWEN_32B_TEACHER, "teacher.mode=disaggregated", "teacher.nnodes=2",
+                                         "teacher.n_gpus_per_node=8"])
+    mesh = pooled.layout(Role.TEACHER).mesh
+    assert (mesh.tp, mesh.dp, mesh.world_size) == (8, 2, 16) and pooled.resolved.teacher_world == 16
+    assert pooled.resolved.total_ranks == 24 and pooled.layout(Role.ACTOR).mesh.world_size == 8
+    assert pooled.forward("teacher_log_prob").sequences_per_rank == 256 * 8 // 2
+    teacher = next(m for m in pooled.training_memory if m.role == Role.TEACHER)
+    assert teacher.params_gib == pytest.approx(32.76e9 * 2 / 8 / 2**30, rel=0.01)  # bf16 weights over TP8
+    assert not any("teacher" in item for phase in pooled.gpu_memory.phases for item, _ in phase.items)
+    own = pooled.teacher_gpu_memory
+    assert [phase.name for phase in own.phases] == ["teacher pass"]
+    assert own.phases[0].total_gib == pytest.approx(
+        teacher.params_gib + teacher.activations_gib_in_flight + CONTEXT_GIB + 4 * COMMUNICATOR_GIB, abs=0.01)
+    colocated = plan_from_sources(QWEN_7B, [*QWEN_32B_TEACHER, "teacher.megatron.tensor_model_parallel_size=8"])
+    assert colocated.teacher_gpu_memory is None and colocated.resolved.total_ranks == 8
+    kept = teacher.params_gib + CONTEXT_GIB + 3 * COMMUNICATOR_GIB  # at DP1 on 8 GPUs: world, TP, TP x PP
+    for phase in pooled.gpu_memory.phases:
+        assert colocated.gpu_memory.phase(phase.name).total_gib == pytest.approx(phase.total_gib + kept, abs=0.01)
+    text = render_plan(pooled)
+    assert "Teacher pool (disaggregated): 2 node(s) × 8 = 16 ranks of its own" in text
+    assert "GPU memory per phase of a step, estimated (GiB on one teacher-pool GPU" in text
+    # a pool too small for the teacher is refused before any process starts, saying what would fit
+    with pytest.raises(ConfigError) as info:
+        plan_from_sources(QWEN_7B, [*QWEN_32B_TEACHER, "teacher.mode=disaggregated", "teacher.n_gpus_per_node=1",
+                                    "teacher.megatron.tensor_model_parallel_size=1",
+                                    "teacher.log_prob_micro_batch_size_per_gpu=16"])
+    (issue,) = info.value.issues
+    assert issue.field == "teacher.megatron.tensor_model_parallel_size"
+    assert "leaves the teacher's pool short of memory" in issue.rule and "split the teacher further" in issue.rule
+    # on the CPU demo the pool adds its ranks and the plan says where the teacher runs
+    cpu = plan_from_sources(CONFIG, job(demo_assets, tmp_path, f"{D}.enable=true",
+                                        f"teacher.model.path={teachers['same']}", "teacher.mode=disaggregated",
+                                        "teacher.n_gpus_per_node=1", "teacher.log_prob_micro_batch_size_per_gpu=16"))
+    assert cpu.layout(Role.TEACHER).mesh.world_size == 1 and cpu.resolved.total_ranks == 3
 
 
 def test_a_teacher_with_another_tokenizer_is_refused_naming_both_models(demo_assets, teachers, tmp_path):

@@ -218,8 +218,8 @@ DISAGGREGATED = ["trainer.nnodes=1", "trainer.n_gpus_per_node=2", "actor_rollout
 
 def pool_hosts(stdout: str) -> tuple[str, str]:
     """(the trainer pool's host, the rollout pool's host) from train's placement lines (DISAGGREGATED's pools)."""
-    trainer = re.search(r"actor_rollout_ref: 2 rank\(s\) on 1 node\(s\): (\S+) ranks 0-1", stdout)
-    rollout = re.search(r"rollout: 1 rank\(s\) on 1 node\(s\): (\S+) rank 0", stdout)
+    trainer = re.search(r"actor_rollout_ref \(pool trainer\): 2 rank\(s\) on 1 node\(s\): (\S+) ranks 0-1", stdout)
+    rollout = re.search(r"rollout \(pool rollout\): 1 rank\(s\) on 1 node\(s\): (\S+) rank 0", stdout)
     assert trainer and rollout, stdout[-3000:]
     return trainer.group(1), rollout.group(1)
 

@@ -733,11 +733,11 @@ def test_lora_served_by_vllm_generates_from_the_adapters_and_each_sync_moves_the
 def test_grpo_with_on_policy_distillation_raises_the_reward_and_the_teacher_kl_falls(demo_assets, tmp_path):
     """GRPO plus on-policy distillation (`algorithm.distillation.task_reward=true`, by the teacher's top-8 tokens at
     every position: `top_k_forward_kl`) from a teacher that knows the task (the demo model fine-tuned on it by
-    `tools/make_demo_teacher.py`), the teacher at TP2 in its own processes while the student trains at DP2: the
-    reward rises, the top-k loss and the per-token reverse KL to the teacher fall; every sync proven. (The
-    teacher's log-probs, its top-k, the advantages and the top-k loss's gradients against transformers:
-    tests/test_training_distillation.py; the sampled-token loss end to end: the fully_async run in
-    tests/test_trainer_async.py.)"""
+    `tools/make_demo_teacher.py`), the teacher at TP2 on a pool of two ranks of its own (`teacher.mode:
+    disaggregated`) while the student trains at DP2: the reward rises, the top-k loss and the per-token reverse KL
+    to the teacher fall; every sync proven. (The teacher's log-probs, its top-k, the advantages and the top-k
+    loss's gradients against transformers: tests/test_training_distillation.py; the sampled-token loss end to end,
+    with the teacher colocated on the training ranks: the fully_async run in tests/test_trainer_async.py.)"""
     from tools.make_demo_teacher import make_demo_teacher
 
     teacher = tmp_path / "teacher"
@@ -749,8 +749,9 @@ def test_grpo_with_on_policy_distillation_raises_the_reward_and_the_teacher_kl_f
         "algorithm.distillation.enable=true", "algorithm.distillation.task_reward=true",
         "algorithm.distillation.loss=top_k_forward_kl", "algorithm.distillation.top_k=8",
         f"teacher.model.path={teacher}", "teacher.megatron.tensor_model_parallel_size=2",
-        "teacher.log_prob_micro_batch_size_per_gpu=16"))
+        "teacher.mode=disaggregated", "teacher.n_gpus_per_node=2", "teacher.log_prob_micro_batch_size_per_gpu=16"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    assert "teacher (pool teacher): 2 rank(s) on 1 node(s)" in result.stdout  # its own pool, not the trainer's
     rows = _metrics(run)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     first, last = _mean(rows[:4], "critic/score/mean"), _mean(rows[-4:], "critic/score/mean")

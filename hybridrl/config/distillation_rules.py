@@ -85,3 +85,33 @@ def check_distillation(config: JobConfig, student: ModelShape | None, teacher: M
             issues.append(ConfigIssue("algorithm.use_kl_in_reward", True,
                                       f"puts a KL penalty into the task reward, which nothing trains on {pure}; "
                                       "use actor.use_kl_loss for a reference KL, or task_reward=true", [False]))
+
+
+def check_teacher_placement(config: JobConfig, issues: list[ConfigIssue]) -> bool:
+    """teacher.mode and its pool: the pool's sizes required (and valid) when the teacher has ranks of its own, never
+    set when it shares the training ranks or distillation is off (a setting silently dropped). False when the pool
+    is invalid, so that the teacher's layout is not checked against it."""
+    teacher = config.teacher
+    enabled = config.algorithm.distillation.enable
+    if enabled and teacher.mode == "disaggregated":
+        ok = True
+        for name, value in (("nnodes", teacher.nnodes), ("n_gpus_per_node", teacher.n_gpus_per_node)):
+            if value is None:
+                ok = False
+                issues.append(ConfigIssue(f"teacher.{name}", None, "is required with teacher.mode=disaggregated: "
+                                          "the teacher pool's ranks per machine (GPUs apart from the trainer's)"))
+            elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                ok = False
+                issues.append(ConfigIssue(f"teacher.{name}", value, "must be an integer >= 1"))
+        return ok
+    if not enabled and teacher.mode == "disaggregated":
+        issues.append(ConfigIssue("teacher.mode", teacher.mode, f"places a teacher but {DISTILLATION}.enable is "
+                                  "false, so there is none: remove it, or turn distillation on", ["colocated"]))
+    elif teacher.mode == "colocated":  # an unknown mode: reported with the other choices
+        for name, value, default in (("nnodes", teacher.nnodes, 1), ("n_gpus_per_node", teacher.n_gpus_per_node, None)):
+            if value != default:
+                issues.append(ConfigIssue(
+                    f"teacher.{name}", value, "sizes the teacher's own pool; with teacher.mode=colocated the teacher "
+                    "runs on the training ranks (trainer.nnodes × trainer.n_gpus_per_node): remove it, or set "
+                    "teacher.mode=disaggregated", [default]))
+    return True

@@ -214,8 +214,8 @@ def plan_internode_traffic(plan: Plan, tokens: Mapping[str, float] | None = None
                      "teacher_log_prob": Phase.TEACHER}
     roles = []
     for layout in plan.layouts:
-        if layout.role == Role.REWARD_MODEL:
-            continue
+        if layout.role == Role.REWARD_MODEL or (layout.role == Role.TEACHER and resolved.teacher_world):
+            continue  # a teacher on a pool of its own: its collectives stay in its pool (not modelled here)
         passes = [phase_of_pass[forwards[layout.role]]] if layout.role in forwards else []
         if layout.role == Role.ACTOR and not resolved.old_log_prob_pass:
             passes = []

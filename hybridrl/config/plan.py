@@ -165,6 +165,8 @@ class Plan:
     rollout_memory: RolloutMemory | None
     # every phase of a step on one training GPU, every colocated role counted (`estimates.gpu_memory_plan`)
     gpu_memory: GpuMemoryPlan | None
+    # one GPU of the teacher's own pool (teacher.mode=disaggregated; None: colocated, counted in gpu_memory)
+    teacher_gpu_memory: GpuMemoryPlan | None
     token_budget: TokenBudget
     warnings: tuple[str, ...]
     # each pipelined role's FLOPs per stage and the split that evens them (`estimates.stage_balance`)
@@ -467,13 +469,29 @@ def _gpu_memory(config: JobConfig, resolved: Resolved, policy: DevicePolicy, mem
     by_role = {lay.role: lay for lay in layouts}
     roles = tuple(_role_on_gpu(m, by_role[m.role], **dict(zip(("grads", "optimizer"),
                                                                (offload or {}).get(m.role, (None, None)))))
-                  for m in memories)
+                  for m in memories if not _in_teacher_pool(resolved, m.role))
     colocated = not resolved.disaggregated
     return gpu_memory_plan(
         roles, gpu_gib=config.trainer.gpu_memory_gib,
         gpu_memory_utilization=(utilization or rollout.gpu_memory_utilization) if colocated else None,
         infer_tp=rollout.tensor_model_parallel_size, cuda_graphs=policy.vllm_honours_enforce_eager
         and rollout.enforce_eager is False, device_overheads=policy.gpu_memory_budget_binding)
+
+
+def _in_teacher_pool(resolved: Resolved, role: str) -> bool:
+    """Whether `role` runs on the teacher's pool of its own (teacher.mode=disaggregated), not the training GPUs."""
+    return role == Role.TEACHER and resolved.teacher_world > 0
+
+
+def _teacher_pool_memory(resolved: Resolved, policy: DevicePolicy, memories: tuple[TrainingMemory, ...],
+                         layouts: tuple[RoleLayout, ...], gpu_gib: float) -> GpuMemoryPlan | None:
+    """One GPU of the teacher's own pool: the teacher's pass and its process's overheads alone (None: colocated)."""
+    memory = next((m for m in memories if _in_teacher_pool(resolved, m.role)), None)
+    if memory is None:
+        return None
+    layout = next(lay for lay in layouts if lay.role == Role.TEACHER)
+    return gpu_memory_plan((_role_on_gpu(memory, layout),), gpu_gib=gpu_gib, gpu_memory_utilization=None,
+                           device_overheads=policy.gpu_memory_budget_binding)
 
 
 def _ways_to_fit(config: JobConfig, resolved: Resolved, policy: DevicePolicy, memories: tuple[TrainingMemory, ...],
@@ -610,7 +628,7 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
     for role in active_roles(config, resolved):
         mc = role_megatron(config, role)
         mesh = build_training_mesh(
-            world, mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size,
+            resolved.role_world(role), mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size,
             mc.context_parallel_size, mc.virtual_pipeline_model_parallel_size,
             first_stage_layers=mc.num_layers_in_first_pipeline_stage,
             last_stage_layers=mc.num_layers_in_last_pipeline_stage,
@@ -665,7 +683,7 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
     infer_dp = groups.rollout.infer_dp
 
     train_mem: list[TrainingMemory] = []
-    roll_mem = gpu_memory = None
+    roll_mem = gpu_memory = teacher_memory = None
     balances: list[StageBalance] = []
     if model is not None:
         balances = _stage_balances(config, resolved, model, layouts)
@@ -706,6 +724,16 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
             cpu_kv_cache_bytes=_cpu_kv_cache_bytes(config, resolved, policy, model, sequences_per_replica),
         )
         gpu_memory = _gpu_memory(config, resolved, policy, tuple(train_mem), tuple(layouts))
+        teacher_memory = _teacher_pool_memory(resolved, policy, tuple(train_mem), tuple(layouts),
+                                              config.trainer.gpu_memory_gib)
+        if teacher_memory is not None and not teacher_memory.fits and policy.gpu_memory_budget_binding:
+            peak = teacher_memory.peak
+            raise ConfigError([ConfigIssue(
+                "teacher.megatron.tensor_model_parallel_size", config.teacher.megatron.tensor_model_parallel_size,
+                f"leaves the teacher's pool short of memory: its pass holds {peak.total_gib:.1f} GiB + a margin of "
+                f"{teacher_memory.margin_gib:.1f} = {teacher_memory.peak_gib:.1f} GiB per GPU, more than "
+                f"trainer.gpu_memory_gib={config.trainer.gpu_memory_gib:g}; split the teacher further (TP or PP), "
+                "give its pool more GPUs, or lower teacher.log_prob_micro_batch_size_per_gpu")])
         extra = [f"{m.role}: estimated {m.total_gib:.1f} GiB per GPU exceeds trainer.gpu_memory_gib="
                  f"{config.trainer.gpu_memory_gib:g}" for m in train_mem if not m.fits]
         if roll_mem.on_cpu and not roll_mem.fits:  # vLLM would refuse to start: say so before any process
@@ -773,6 +801,7 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
         training_memory=tuple(train_mem),
         rollout_memory=roll_mem,
         gpu_memory=gpu_memory,
+        teacher_gpu_memory=teacher_memory,
         token_budget=token_budget(config, resolved),
         stage_balance=tuple(balances),
         step_flops=_step_flops(config, resolved, model, updates, forwards) if model is not None else (),

@@ -49,8 +49,8 @@ PACKED_ATTENTION = {
 }
 
 
-def gpu_memory_lines(memory: GpuMemoryPlan) -> list[str]:
-    """Each phase of a step on one training GPU, item by item (every colocated role, the overheads), the
+def gpu_memory_lines(memory: GpuMemoryPlan, pool: str = "training") -> list[str]:
+    """Each phase of a step on one GPU of `pool`, item by item (every colocated role, the overheads), the
     peak against the GPU with the margin, and vLLM's start-up check."""
     phases = ([memory.startup] if memory.startup else []) + list(memory.phases)
     labels: list[str] = []
@@ -61,7 +61,8 @@ def gpu_memory_lines(memory: GpuMemoryPlan) -> list[str]:
     rows.append(["total", *[f"{phase.total_gib:.2f}" for phase in phases]])
     peak = memory.peak
     verdict = "fits" if memory.peak_gib <= memory.gpu_gib else "DOES NOT FIT"
-    lines = [f"GPU memory per phase of a step, estimated (GiB on one GPU of trainer.gpu_memory_gib={memory.gpu_gib:g})",
+    lines = [f"GPU memory per phase of a step, estimated (GiB on one {pool} GPU of trainer.gpu_memory_gib="
+             f"{memory.gpu_gib:g})",
              table(["item", *[phase.name for phase in phases]], rows),
              f"peak: {peak.name} {peak.total_gib:.2f} + margin {memory.margin_gib:.2f} = {memory.peak_gib:.2f} GiB "
              f"of {memory.gpu_gib:g} — {verdict}"]
@@ -192,6 +193,11 @@ def render_plan(plan: Plan) -> str:
     else:
         out += ["", f"Rollout mesh (vLLM): {rollout.infer_dp} replicas × infer_tp {rollout.infer_tp}: "
                     f"{_groups(rollout.replicas, 12)}", ""]
+    if res.teacher_world:
+        teacher = cfg.teacher
+        out += [f"Teacher pool (disaggregated): {teacher.nnodes} node(s) × {teacher.n_gpus_per_node} = "
+                f"{res.teacher_world} ranks of its own (the teacher's mesh above spans them); each step's sequences "
+                "go to it and its log-probs come back", ""]
     n = arr.rollout.n
     out.append("Batch arithmetic per step")
     rows = [
@@ -253,6 +259,8 @@ def render_plan(plan: Plan) -> str:
 
         if plan.gpu_memory and plan.device_policy.gpu_memory_budget_binding:  # GPU memory: a GPU job's
             out += ["", *gpu_memory_lines(plan.gpu_memory)]
+        if plan.teacher_gpu_memory and plan.device_policy.gpu_memory_budget_binding:
+            out += ["", *gpu_memory_lines(plan.teacher_gpu_memory, pool="teacher-pool")]
     if plan.step_flops:
         out += ["", step_flops_line(plan.step_flops)]
 

@@ -64,11 +64,18 @@ class Resolved:
     # on-policy distillation's top_k_forward_kl: the teacher's tokens per response position (0: the sampled-token
     # reverse KL, or no distillation)
     distillation_top_k: int = 0
+    # teacher.mode: disaggregated puts the teacher on a pool of its own, `teacher_world` ranks (0: colocated, on
+    # the training world's ranks)
+    teacher_world: int = 0
 
     @property
     def total_ranks(self) -> int:
-        """Every rank the job holds: the training world, and a disaggregated rollout's pool on top."""
-        return self.world_size + (self.rollout_world if self.disaggregated else 0)
+        """Every rank the job holds: the training world, and a disaggregated rollout's and teacher's pools on top."""
+        return self.world_size + (self.rollout_world if self.disaggregated else 0) + self.teacher_world
+
+    def role_world(self, role: str) -> int:
+        """The ranks `role`'s layout spans: the teacher's own pool when it has one, else the training world."""
+        return self.teacher_world if role == Role.TEACHER and self.teacher_world else self.world_size
 
     def packed(self, role: str) -> bool:
         """Whether `role` runs packed (THD) micro-batches (its model section's resolved use_remove_padding)."""
@@ -115,6 +122,18 @@ def pass_batching(config: JobConfig, pass_name: str) -> PassBatching:
 def model_section_of(role: str) -> str:
     """The config section whose `model` `role` is built from."""
     return next(section for section, roles in MODEL_SECTIONS.items() if Role(role) in roles)
+
+
+def _teacher_world(config: JobConfig) -> int:
+    """The teacher's own pool (teacher.mode=disaggregated with distillation on): its ranks, else 0 (colocated, or
+    sizes validation refuses)."""
+    teacher = config.teacher
+    if not (config.algorithm.distillation.enable and teacher.mode == "disaggregated"):
+        return 0
+    sizes = (teacher.nnodes, teacher.n_gpus_per_node)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes):
+        return 0
+    return teacher.nnodes * teacher.n_gpus_per_node
 
 
 def _lora_rank(config: JobConfig) -> int:
@@ -195,6 +214,7 @@ def resolve(config: JobConfig, model: ModelShape | None = None) -> Resolved:
         serves_adapters=serves_adapters,
         shared_prefix_sections=tuple(shared),
         distillation_top_k=_distillation_top_k(config),
+        teacher_world=_teacher_world(config),
     )
 
 

@@ -40,8 +40,9 @@ Truncation = Literal["error", "left", "right"]
 MalformedMode = Literal["error", "skip"]
 OldLogProbMode = Literal["auto", "recompute"]
 RouterReplayMode = Literal["none", "rollout"]
-# Where vLLM runs: in the training processes (the hybrid engine) or on ranks of its own.
-RolloutMode = Literal["colocated", "disaggregated"]
+# Where a role runs: on the training ranks (vLLM: in the training processes, the hybrid engine; the teacher:
+# processes of its own on the training GPUs) or on ranks of its own (a pool beside the trainer's).
+PlacementMode = Literal["colocated", "disaggregated"]
 # How far generation runs ahead of training (disaggregated only): not at all, one step, continuously.
 AsyncMode = Literal["sync", "one_step_off", "fully_async"]
 # fully_async: what happens to a sample older than rollout.max_staleness when the trainer reaches it.
@@ -70,7 +71,7 @@ CHOICE_NAMES: dict[Any, str] = {
     Device: "device", Dtype: "dtype", LoggerName: "logger", RolloutEngineName: "rollout engine",
     Strategy: "training strategy", OptimizerName: "optimizer", LrDecayStyle: "LR schedule",
     Truncation: "truncation mode", MalformedMode: "malformed-row policy", OldLogProbMode: "old log-prob mode",
-    RouterReplayMode: "router replay mode", RolloutMode: "rollout mode", AsyncMode: "async mode",
+    RouterReplayMode: "router replay mode", PlacementMode: "placement mode", AsyncMode: "async mode",
     StaleSamples: "stale-sample policy",
     AdvEstimator: "advantage estimator", LossAggMode: "loss aggregation mode", KlEstimator: "KL estimator",
     KlControllerKind: "KL controller", RolloutIsLevel: "rollout IS level", RolloutMaskLevel: "rollout mask level",
@@ -411,7 +412,7 @@ class RolloutConfig:
     val_kwargs: SamplingConfig = doc(factory=SamplingConfig, text="sampling for validation (greedy by default)")
     seed: int = doc(0, "base seed of sampling requests")
     multi_turn: MultiTurnConfig = doc(factory=MultiTurnConfig, text="tool-calling conversations (agent loop)")
-    mode: RolloutMode = doc("colocated", "colocated = vLLM in the training processes (hybrid engine, weights "
+    mode: PlacementMode = doc("colocated", "colocated = vLLM in the training processes (hybrid engine, weights "
                                          "resharded in place); disaggregated = vLLM on its own ranks (nnodes × "
                                          "n_gpus_per_node), weights sent across the pools after each update")
     nnodes: int = doc(1, "disaggregated: machines of the rollout pool")
@@ -480,8 +481,9 @@ class RewardModelConfig:
 
 @dataclass
 class TeacherConfig:
-    """On-policy distillation's teacher (`algorithm.distillation`): a frozen causal LM in its own processes on the
-    training GPUs (as the critic and reward model), with its own layout; it scores the student's sampled tokens."""
+    """On-policy distillation's teacher (`algorithm.distillation`): a frozen causal LM with its own layout that
+    scores the student's sampled tokens, in processes of its own on the training GPUs (as the critic and reward
+    model) or on a pool of ranks of its own (`mode: disaggregated`, e.g. a teacher too large to share them)."""
 
     model: ModelConfig = doc(factory=ModelConfig, text="the teacher's HF folder (the policy's tokenizer)")
     megatron: MegatronConfig = doc(factory=MegatronConfig, text="teacher layout")
@@ -490,6 +492,10 @@ class TeacherConfig:
         None, "teacher-log-prob micro-batches by token count; null = actor.use_dynamic_bsz")
     log_prob_max_token_len_per_gpu: int | None = doc(
         None, "teacher-log-prob token budget per micro-batch when dynamic; null = actor.ppo_max_token_len_per_gpu")
+    mode: PlacementMode = doc("colocated", "colocated = on the training GPUs, beside the actor; disaggregated = on "
+                                           "ranks of its own (nnodes × n_gpus_per_node), its layout over them")
+    nnodes: int = doc(1, "disaggregated: machines of the teacher's pool")
+    n_gpus_per_node: int | None = doc(None, "disaggregated: teacher ranks per machine (required there)")
 
 
 @dataclass

@@ -18,7 +18,7 @@ from hybridrl.algorithms.names import (
     GREEDY_BASELINE_ADV_ESTIMATORS,
     GROUP_ADV_ESTIMATORS,
 )
-from hybridrl.config.distillation_rules import check_distillation, teacher_shape
+from hybridrl.config.distillation_rules import check_distillation, check_teacher_placement, teacher_shape
 from hybridrl.config.errors import ConfigIssue
 from hybridrl.config.megatron_fields import (
     DDP_CONFIG_FIELDS,
@@ -135,13 +135,17 @@ def validate(
 
     role_fields = {role: role_megatron_field(config, role) for role in Role}
     teacher = teacher_shape(config, check.issues)  # the teacher's own layout rules read its own shape
+    # the teacher's layout spans its own pool when it has one (teacher.mode=disaggregated)
+    teacher_world = resolved.role_world(Role.TEACHER) if world_ok and check_teacher_placement(config, check.issues) \
+        else 0
     dp_of: dict[str, int] = {}
     for role in active_roles(config, resolved):
         if role == Role.REF and config.actor_rollout_ref.ref.megatron is None:
             if Role.ACTOR in dp_of:
                 dp_of[Role.REF] = dp_of[Role.ACTOR]
             continue
-        dp = _check_layout(check, role_fields[role], role_megatron(config, role), world,
+        dp = _check_layout(check, role_fields[role], role_megatron(config, role),
+                           teacher_world if role == Role.TEACHER else world,
                            teacher if role == Role.TEACHER else model, trainable=role in (Role.ACTOR, Role.CRITIC))
         if dp:
             dp_of[role] = dp

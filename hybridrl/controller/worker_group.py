@@ -218,7 +218,7 @@ class WorkerGroup:
         for rank, address in enumerate(self.node_addresses):
             by_node[address].append(rank)
         nodes = "; ".join(f"{address} {rank_ranges(ranks)}" for address, ranks in by_node.items())
-        return f"{self.role}: {self.world_size} rank(s) on {len(by_node)} node(s): {nodes}"
+        return f"{self.role} (pool {self.pool.name}): {self.world_size} rank(s) on {len(by_node)} node(s): {nodes}"
 
     # -------------------------------------------------------------------------- bring-up
     def _assign_local_ranks(self, startup_timeout_s: float) -> None:

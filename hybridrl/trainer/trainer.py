@@ -157,6 +157,7 @@ class Trainer:
         self.cluster = self.pool = self.actor_group = self.critic_group = self.rm_group = self.teacher_group = None
         # disaggregated: vLLM's own pool and group (colocated: rollout_group is the actor group)
         self.rollout_pool = self.rollout_group = None
+        self.teacher_pool: ResourcePool | None = None
         self.driver: RolloutDriver | None = None  # rollout.async_mode one_step_off / fully_async
         self._stopped_driver: RolloutDriver | None = None  # a failed attempt's, until its thread ended
 
@@ -220,7 +221,7 @@ class Trainer:
             self.cluster = init_ray(trainer.ray_address, num_cpus=policy.ray_cluster_cpus(res.total_ranks),
                                     pythonpath=[repo_root], preload_modules=("torch",))
         colocated = (1 + int(res.critic_enabled) + int(self.config.reward_model.enable)
-                     + int(self.config.algorithm.distillation.enable))
+                     + int(self.config.algorithm.distillation.enable and not res.teacher_world))
         self.pool = ResourcePool("global" if not res.disaggregated else "trainer", nnodes=trainer.nnodes,
                                  workers_per_node=trainer.n_gpus_per_node, device_policy=policy,
                                  cpus_per_worker=policy.ray_cpus_per_worker, max_colocated_groups=colocated)
@@ -242,10 +243,17 @@ class Trainer:
             self.rm_group.call_all(RewardModelWorker.init_model)
             self.rm_group.learn_mesh()
         if self.config.algorithm.distillation.enable:
-            self.teacher_group = self._worker_group(TeacherWorker, self.pool, GroupName.TEACHER, (plan,), restart)
+            teacher_pool = self.pool
+            if res.teacher_world:  # teacher.mode=disaggregated: a pool of its own
+                teacher = self.config.teacher
+                self.teacher_pool = teacher_pool = ResourcePool(
+                    "teacher", nnodes=teacher.nnodes, workers_per_node=teacher.n_gpus_per_node, device_policy=policy,
+                    cpus_per_worker=policy.ray_cpus_per_worker, max_colocated_groups=1)
+                self.teacher_pool.start(timeout_s=wait_s)
+            self.teacher_group = self._worker_group(TeacherWorker, teacher_pool, GroupName.TEACHER, (plan,), restart)
             self.teacher_group.call_all(TeacherWorker.init_model)
             self.teacher_group.learn_mesh()
-        if trainer.nnodes > 1 or res.disaggregated:
+        if trainer.nnodes > 1 or res.disaggregated or res.teacher_world:
             groups = {id(g): g for g in (self.actor_group, self.rollout_group, self.critic_group, self.rm_group,
                                          self.teacher_group) if g is not None}
             for group in groups.values():
@@ -895,11 +903,11 @@ class Trainer:
         for group in (self.teacher_group, self.rm_group, self.critic_group, self.rollout_group, self.actor_group):
             if group is not None:
                 group.shutdown()
-        for pool in (self.pool, self.rollout_pool):
+        for pool in (self.pool, self.rollout_pool, self.teacher_pool):
             if pool is not None:
                 pool.shutdown()
         self.pool = self.actor_group = self.critic_group = self.rm_group = self.teacher_group = None
-        self.rollout_pool = self.rollout_group = None
+        self.rollout_pool = self.rollout_group = self.teacher_pool = None
 
     def shutdown(self) -> None:
         self._shutdown_workers()
