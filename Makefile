@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-cpu
 
-.PHONY: venv system-deps test test-fast demo demo-assets demo-tools demo-real real-model lint bench clean
+.PHONY: venv system-deps test test-fast demo demo-assets demo-tools demo-real demo-distill real-model lint bench clean
 
 venv: $(STAMP)
 
@@ -74,6 +74,15 @@ demo-real: real-model
 	$(PY) tools/make_arith_data.py --out-dir data/arith --val-rows 64
 	$(VENV)/bin/hybridrl plan configs/examples/smollm2_arith_grpo.yaml > /dev/null
 	$(VENV)/bin/hybridrl train configs/examples/smollm2_arith_grpo.yaml
+
+# On-policy distillation from the real model: a 4-layer student built from SmolLM2-135M-Instruct (its embeddings
+# and 4 of its 30 layers, tools/make_distill_student.py) learns the teacher's top-32 tokens at every position of
+# its own answers to the arithmetic problems (configs/examples/smollm2_distill.yaml; docs/demos.md).
+demo-distill: real-model
+	$(PY) tools/make_arith_data.py --out-dir data/arith --val-rows 64
+	$(PY) tools/make_distill_student.py
+	$(VENV)/bin/hybridrl plan configs/examples/smollm2_distill.yaml > /dev/null
+	$(VENV)/bin/hybridrl train configs/examples/smollm2_distill.yaml
 
 lint: venv
 	$(VENV)/bin/ruff check hybridrl tests bench tools
