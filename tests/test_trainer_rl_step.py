@@ -248,3 +248,19 @@ def test_distillation_never_distils_a_multi_turn_observation_token():
     # reverse KL on the 6 model tokens: -0.5, 0.5, -0.5 | 1.0, 0.0, -3.0
     assert metrics["distillation/reverse_kl_per_token"] == pytest.approx(-2.5 / 6)
     assert metrics["distillation/reverse_kl_per_sequence"] == pytest.approx((-0.5 - 2.0) / 2)
+
+
+def test_with_the_top_k_loss_the_reverse_kl_is_a_metric_and_the_advantage_carries_no_distillation():
+    """top_k_forward_kl: the signal is the update's loss term; the sampled-token reverse KL is measured alone. With the
+    task reward its advantages pass through unchanged; without one (pure distillation) they are zero."""
+    student = torch.tensor([[-1.0, -2.0, 0.0]])
+    teacher = torch.tensor([[-0.5, -2.5, -3.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    task = torch.tensor([[0.7, 0.7, 0.0]])
+    batch = Batch({"old_log_probs": student, "teacher_log_probs": teacher, "response_mask": mask,
+                   "advantages": task.clone(), "returns": task.clone()})
+    metrics = add_distillation_advantages(batch, 2.0, with_task_reward=True, in_advantage=False)
+    assert torch.equal(batch["advantages"], task)
+    assert metrics["distillation/reverse_kl_per_token"] == pytest.approx(0.0)  # (-0.5 + 0.5) / 2
+    add_distillation_advantages(batch, 2.0, with_task_reward=False, in_advantage=False)
+    assert torch.equal(batch["advantages"], torch.zeros(1, 3)) and torch.equal(batch["returns"], torch.zeros(1, 3))

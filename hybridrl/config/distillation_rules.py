@@ -6,29 +6,20 @@ field, the value and what would be valid. The teacher's tokenizer is compared wi
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from hybridrl.config.errors import ConfigIssue
+from hybridrl.config.model_shapes import load_model_shape
 from hybridrl.config.schema import JobConfig
-from hybridrl.models.arch import ModelShape, UnsupportedModelError
+from hybridrl.models.arch import ModelShape
 
 DISTILLATION = "algorithm.distillation"
 
 
 def teacher_shape(config: JobConfig, issues: list[ConfigIssue]) -> ModelShape | None:
     """The teacher's shape from its config.json when distillation is on and the folder has one (else None: the
-    input checks refuse a missing folder); an unsupported or unreadable config.json is refused here."""
-    path = config.teacher.model.path
-    if not config.algorithm.distillation.enable or not path or not (Path(path) / "config.json").is_file():
+    input checks refuse a missing folder); an unsupported or unreadable config.json is refused there."""
+    if not config.algorithm.distillation.enable:
         return None
-    try:
-        return ModelShape.from_hf_dir(path)
-    except UnsupportedModelError as exc:
-        issues.append(ConfigIssue("teacher.model.path", path, str(exc)))
-    except (KeyError, ValueError, json.JSONDecodeError) as exc:
-        issues.append(ConfigIssue("teacher.model.path", path, f"config.json is unreadable or incomplete: {exc}"))
-    return None
+    return load_model_shape(config.teacher.model.path, issues, [], "teacher.model.path", quiet=True)
 
 
 def check_distillation(config: JobConfig, student: ModelShape | None, teacher: ModelShape | None,

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 from hybridrl.config.estimates import DTYPE_BYTES, embedding_params, stage_params
 from hybridrl.config.meshes import ReshardGroups, TrainingMesh
-from hybridrl.config.plan import Plan, role_model_shape
+from hybridrl.config.model_shapes import role_model_shape
+from hybridrl.config.plan import Plan
 from hybridrl.models.arch import ModelShape
 from hybridrl.names import TIMED_PHASES, Phase, Role
 

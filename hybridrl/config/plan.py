@@ -48,6 +48,7 @@ from hybridrl.config.meshes import (
     build_reshard_groups,
     build_training_mesh,
 )
+from hybridrl.config.model_shapes import load_model_shape, role_model_shape
 from hybridrl.config.resolve import (
     Resolved,
     active_roles,
@@ -58,7 +59,7 @@ from hybridrl.config.resolve import (
 )
 from hybridrl.config.schema import JobConfig, LoraConfig, MegatronConfig
 from hybridrl.config.validate import MEGATRON_SPLIT_FLAGS, megatron_sections, validate
-from hybridrl.models.arch import ModelShape, UnsupportedModelError, read_hf_config, value_model_hf_config
+from hybridrl.models.arch import ModelShape
 from hybridrl.models.lora_targets import adapter_elements_per_layer
 from hybridrl.names import Phase, Role
 from hybridrl.parallel.device_policy import DevicePolicy
@@ -270,28 +271,6 @@ def _from_plain(tp: Any, value: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------- building a plan
-def load_model_shape(path: str, issues: list[ConfigIssue], warnings: list[str], field: str, *,
-                     quiet: bool = False) -> ModelShape | None:
-    """The model's shape from `<path>/config.json`, or None (with a warning, unless `quiet`: the input checks
-    then refuse the folder) when not available."""
-    config_file = Path(path) / "config.json" if path else None
-    if config_file is None or not config_file.is_file():
-        if quiet:
-            return None
-        warnings.append(
-            f"{field}={path or '<empty>'}: no config.json there; model-dependent checks (heads, layers, "
-            "vocab, lengths) and memory estimates skipped"
-        )
-        return None
-    try:
-        return ModelShape.from_hf_dir(path)
-    except UnsupportedModelError as exc:
-        issues.append(ConfigIssue(field, path, str(exc)))
-    except (KeyError, ValueError, json.JSONDecodeError) as exc:
-        issues.append(ConfigIssue(field, path, f"config.json is unreadable or incomplete: {exc}"))
-    return None
-
-
 def plan_from_sources(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), *,
                       check_files: bool = False) -> Plan:
     """Load, validate and plan in one pass: loader and validation problems are raised together.
@@ -419,21 +398,6 @@ def megatron_refusals(plan: Plan) -> list[ConfigIssue]:
         if issue is not None and all(str(issue) != str(other) for other in found):
             found.append(issue)
     return found
-
-
-def role_model_shape(config: JobConfig, role: str, actor_shape: ModelShape) -> ModelShape:
-    """The model a role runs: the critic's, reward model's or teacher's own folder when it has a readable config,
-    else the actor's shape (value models default to the policy's backbone)."""
-    sections = {Role.CRITIC: config.critic, Role.REWARD_MODEL: config.reward_model, Role.TEACHER: config.teacher}
-    section = sections.get(role)
-    path = section.model.path if section is not None else None
-    if not path or path == config.actor_rollout_ref.model.path or not (Path(path) / "config.json").is_file():
-        return actor_shape
-    try:  # as the workers build it (`training.value_head.value_model_source`; the teacher is a causal LM)
-        hf_config = read_hf_config(path)
-        return ModelShape.from_hf_config(hf_config if role == Role.TEACHER else value_model_hf_config(hf_config))
-    except (UnsupportedModelError, ValueError, KeyError, OSError):
-        return actor_shape
 
 
 def _role_on_gpu(memory: TrainingMemory, layout: RoleLayout, *, grads: bool | None = None,

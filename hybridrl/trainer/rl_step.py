@@ -83,13 +83,16 @@ def compute_batch_advantages(batch: Batch, settings: AdvantageSettings) -> None:
     batch["returns"] = returns
 
 
-def add_distillation_advantages(batch: Batch, kl_coef: float, *, with_task_reward: bool) -> dict[str, float]:
-    """On-policy distillation: each model token's advantage gains -kl_coef x (student - teacher log-prob of the
-    sampled token), the student's being the old log-probs; added to the task reward's advantages
-    (`with_task_reward`), or alone (pure distillation: `advantages` and `returns` are it). The reverse-KL metrics."""
+def add_distillation_advantages(batch: Batch, kl_coef: float, *, with_task_reward: bool,
+                                in_advantage: bool = True) -> dict[str, float]:
+    """On-policy distillation's per-token reverse KL (student - teacher log-prob of the sampled token, the student's
+    being the old log-probs) and its metrics. `in_advantage` (sampled_reverse_kl): each model token's advantage
+    gains -kl_coef x it, added to the task reward's advantages (`with_task_reward`) or alone (pure distillation:
+    `advantages` and `returns` are it). Not `in_advantage` (top_k_forward_kl: the signal is the update's loss term):
+    the task reward's advantages stay as they are, and without a task reward they are zero."""
     mask = batch["response_mask"]
     reverse_kl = reverse_kl_per_token(batch["old_log_probs"], batch["teacher_log_probs"], mask)
-    distilled = distillation_advantages(reverse_kl, kl_coef)
+    distilled = distillation_advantages(reverse_kl, kl_coef) if in_advantage else torch.zeros_like(reverse_kl)
     if with_task_reward:
         batch["advantages"] = batch["advantages"] + distilled
     else:

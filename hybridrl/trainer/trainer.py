@@ -566,10 +566,10 @@ class Trainer:
                     cfg.algorithm.norm_adv_by_std_in_grpo))
             if distillation.enable:
                 # the sampled-token reverse KL: the advantage (sampled_reverse_kl), else a metric beside the update's
-                # top-k loss term (with no task reward the policy gradient is then 0)
+                # top-k loss term
                 metrics.update(add_distillation_advantages(
-                    batch, distillation.kl_coef if not plan.resolved.distillation_top_k else 0.0,
-                    with_task_reward=distillation.task_reward))
+                    batch, distillation.kl_coef, with_task_reward=distillation.task_reward,
+                    in_advantage=not plan.resolved.distillation_top_k))
         if self.critic_group is not None:
             with self._phase(timer, Phase.UPDATE_CRITIC):
                 outs = self.critic_group.call_by_dp_outputs(
