@@ -18,6 +18,8 @@ The trainer decides the order of calls in a step; workers only turn batches into
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -205,39 +207,49 @@ class CriticWorker(MegatronWorker):
         return load_role_checkpoint(self._require(self.critic, "the critic").backend, Path(path) / Role.CRITIC)
 
 
-class RewardModelWorker(MegatronWorker):
+class FrozenRoleWorker(MegatronWorker):
+    """A frozen role in processes of its own (the reward model, the teacher): built once, then only scoring; with
+    its `megatron.param_offload` its weights wait on the host between its passes (as the reference's always do)."""
+
+    def _build_frozen(self, role: Role) -> MegatronBackend:
+        self._prepare()
+        backend = MegatronBackend(role_spec(self.plan, role))
+        self.primary = backend
+        return backend
+
+    def _park(self, backend: MegatronBackend) -> None:
+        """After set-up and after each pass: the weights to the host when offloaded, the rank's memory released."""
+        if backend.spec.megatron.param_offload:
+            backend.offload_params()
+        self._release()
+
+    @contextmanager
+    def _scoring(self, backend: MegatronBackend) -> Iterator[None]:
+        """One pass: the weights back from the host when offloaded, parked again after (also on failure)."""
+        backend.load_params()
+        try:
+            yield
+        finally:
+            self._park(backend)
+
+
+class RewardModelWorker(FrozenRoleWorker):
     def __init__(self, context: RankContext, plan: Plan) -> None:
         super().__init__(context, plan)
         self.reward_model: MegatronRewardModel | None = None
 
     def init_model(self) -> None:
-        self._prepare()
-        backend = MegatronBackend(role_spec(self.plan, Role.REWARD_MODEL))
+        backend = self._build_frozen(Role.REWARD_MODEL)
         self.reward_model = MegatronRewardModel(backend, self.plan)
-        self.primary = backend
-        self._offload_between_calls()
+        self._park(backend)
 
     def compute_rm_score(self, batch: Batch) -> Batch | None:
         reward_model = self._require(self.reward_model, "the reward model")
-        reward_model.backend.load_params()  # back from the host when offloaded between calls
-        try:
+        with self._scoring(reward_model.backend):
             return reward_model.compute_scores(batch)
-        finally:
-            self._offload_between_calls()
-
-    def _offload_between_calls(self) -> None:
-        """reward_model.megatron.param_offload: its weights wait on the host (as the reference's always do)."""
-        _offload_frozen(self._require(self.reward_model, "the reward model").backend)
-        self._release()
 
 
-def _offload_frozen(backend: MegatronBackend) -> None:
-    """A frozen role's `megatron.param_offload`: its weights wait on the host between its passes."""
-    if backend.spec.megatron.param_offload:
-        backend.offload_params()
-
-
-class TeacherWorker(MegatronWorker):
+class TeacherWorker(FrozenRoleWorker):
     """On-policy distillation's teacher: a frozen causal LM in its own processes and layout (`teacher.*`), scoring
     the student's sampled tokens (`teacher_log_probs`, at the rollout's temperature as the student's old
     log-probs are)."""
@@ -247,20 +259,13 @@ class TeacherWorker(MegatronWorker):
         self.teacher: MegatronActor | None = None
 
     def init_model(self) -> None:
-        self._prepare()
-        backend = MegatronBackend(role_spec(self.plan, Role.TEACHER))
+        backend = self._build_frozen(Role.TEACHER)
         self.teacher = MegatronActor(backend, self.plan, log_prob_pass="teacher_log_prob",
                                      output_key="teacher_log_probs")
-        self.primary = backend
-        _offload_frozen(backend)
-        self._release()
+        self._park(backend)
 
     def compute_teacher_log_prob(self, batch: Batch) -> Batch | None:
         teacher = self._require(self.teacher, "the teacher")
-        teacher.backend.load_params()  # back from the host when offloaded between calls
-        try:
+        with self._scoring(teacher.backend):
             # top_k_forward_kl: also the teacher's top-k tokens at every response position
             return teacher.compute_log_prob(batch, top_k=self.plan.resolved.distillation_top_k)
-        finally:
-            _offload_frozen(teacher.backend)
-            self._release()
