@@ -5,10 +5,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from hybridrl.config.estimates import GpuMemoryPlan, StageBalance, shares_text, split_text
+from hybridrl.config.hardware import load_hardware
 from hybridrl.config.internode import plan_internode_traffic
 from hybridrl.config.meshes import TrainingMesh, expert_groups
 from hybridrl.config.plan import Plan, lora_elements_per_layer
 from hybridrl.config.resolve import MODEL_SECTIONS
+from hybridrl.config.step_time import predict_step_time, step_time_line
 from hybridrl.models.arch import ModelShape
 from hybridrl.parallel.device_policy import WITHOUT_TE
 
@@ -263,6 +265,9 @@ def render_plan(plan: Plan) -> str:
             out += ["", *gpu_memory_lines(plan.teacher_gpu_memory, pool="teacher-pool")]
     if plan.step_flops:
         out += ["", step_flops_line(plan.step_flops)]
+    if cfg.trainer.hardware is not None:
+        step = predict_step_time(plan, load_hardware(cfg.trainer.hardware))
+        out += [step_time_line(step) if step else "Predicted step time: needs the model's config.json (its shape)"]
 
     groups = plan.reshard.groups
     cross = plan.reshard.cross_pool

@@ -602,6 +602,9 @@ class TrainerConfig:
     n_gpus_per_node: int = doc(8, "GPUs per machine (on cpu: ranks per machine)")
     device: Device = doc("cuda", "where the ranks run")
     gpu_memory_gib: float = doc(80.0, "memory per GPU, for the plan's fit check")
+    hardware: str | None = doc(
+        None, "the GPU, for the plan's predicted step time: a100-80gb, h100-sxm, h200, b200, or a YAML file of the "
+              "same fields (docs/performance.md); null = no prediction")
     total_epochs: int = doc(1, "passes over the training prompts")
     total_training_steps: int | None = doc(None, "stop after this many steps; None = epochs × batches")
     save_freq: int = doc(-1, "checkpoint every N steps and at the last; -1 = never")

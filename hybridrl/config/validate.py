@@ -20,6 +20,7 @@ from hybridrl.algorithms.names import (
 )
 from hybridrl.config.distillation_rules import check_distillation, check_teacher_placement, teacher_shape
 from hybridrl.config.errors import ConfigIssue
+from hybridrl.config.hardware import SHIPPED, HardwareError, load_hardware
 from hybridrl.config.megatron_fields import (
     DDP_CONFIG_FIELDS,
     MEGATRON_CORE_VERSION,
@@ -193,6 +194,11 @@ def _check_trainer(check: _Checker, config: JobConfig) -> bool:
     check.in_range("trainer.restart_wait_s", t.restart_wait_s, 0, 7 * 86400, low_open=True)
     check.in_range("trainer.step_timeout_s", t.step_timeout_s, 0, 7 * 86400, low_open=True)
     check.in_range("trainer.gpu_memory_gib", t.gpu_memory_gib, 0, 1e6, low_open=True)
+    if t.hardware is not None:
+        try:
+            load_hardware(t.hardware)
+        except HardwareError as exc:
+            check.fail("trainer.hardware", t.hardware, str(exc), list(SHIPPED))
     # a week: anything longer is a unit mistake (minutes or ms), not a wait anyone wants
     check.in_range("trainer.nccl_timeout_s", t.nccl_timeout_s, 0, 7 * 86400, low_open=True)
     if t.resume_mode not in RESUME_MODES and not Path(str(t.resume_mode)).exists():

@@ -1,0 +1,81 @@
+"""What an accelerator can do, for the plan's step-time prediction (`config.step_time`): peak matmul throughput per
+dtype, memory bandwidth, and the bandwidth of the links between GPUs of one machine and between machines.
+
+Torch-free. Shipped entries are the vendors' published dense (no sparsity) figures for one GPU of an 8-GPU HGX/DGX
+machine with a 400 Gb/s (A100: 200 Gb/s) network port per GPU; a user names one (`trainer.hardware`) or writes
+their own as a YAML file of the same fields (e.g. a cloud's slower network). Bandwidths are one direction, per GPU:
+what one GPU can send while every other sends too (NVLink's and the NIC's per-GPU share).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import yaml
+
+
+class HardwareError(ValueError):
+    """An unknown hardware name, or a description file that is missing, unreadable or incomplete."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    bf16_tflops: float       # dense matmul peak in bf16 / fp16, TFLOP/s
+    fp32_tflops: float       # plain fp32 (no TF32: megatron trains fp32 jobs in true fp32)
+    memory_gb_per_s: float   # device memory (HBM) bandwidth, GB/s
+    intra_node_gb_per_s: float  # to another GPU of the same machine (NVLink), one direction, GB/s
+    inter_node_gb_per_s: float  # to a GPU of another machine (its NIC), one direction, GB/s
+
+    def peak_flops(self, dtype: str) -> float:
+        """Peak matmul FLOP/s at a training or rollout dtype (`bf16`, `fp16`, `fp32`)."""
+        return (self.fp32_tflops if dtype == "fp32" else self.bf16_tflops) * 1e12
+
+    @property
+    def memory_bytes_per_s(self) -> float:
+        return self.memory_gb_per_s * 1e9
+
+    def link_bytes_per_s(self, crosses_nodes: bool) -> float:
+        return (self.inter_node_gb_per_s if crosses_nodes else self.intra_node_gb_per_s) * 1e9
+
+
+# Published datasheet figures (dense). NVLink: A100 600 GB/s, H100/H200 900 GB/s, B200 1.8 TB/s both directions
+# together, halved here; networks: 200 Gb/s HDR (A100) and 400 Gb/s NDR (the others) per GPU = 25 / 50 GB/s.
+SHIPPED: dict[str, Hardware] = {hw.name: hw for hw in (
+    Hardware("a100-80gb", bf16_tflops=312, fp32_tflops=19.5, memory_gb_per_s=2039, intra_node_gb_per_s=300,
+             inter_node_gb_per_s=25),
+    Hardware("h100-sxm", bf16_tflops=989, fp32_tflops=67, memory_gb_per_s=3350, intra_node_gb_per_s=450,
+             inter_node_gb_per_s=50),
+    Hardware("h200", bf16_tflops=989, fp32_tflops=67, memory_gb_per_s=4800, intra_node_gb_per_s=450,
+             inter_node_gb_per_s=50),
+    Hardware("b200", bf16_tflops=2250, fp32_tflops=80, memory_gb_per_s=8000, intra_node_gb_per_s=900,
+             inter_node_gb_per_s=50),
+)}
+
+NUMBER_FIELDS = tuple(f.name for f in fields(Hardware) if f.name != "name")
+
+
+def load_hardware(value: str) -> Hardware:
+    """A shipped entry by name, or a YAML file holding `name` (optional) and every number field (each > 0)."""
+    if value in SHIPPED:
+        return SHIPPED[value]
+    path = Path(value)
+    if path.suffix not in (".yaml", ".yml", ".json") or not path.is_file():
+        raise HardwareError(f"is neither a shipped hardware name ({', '.join(SHIPPED)}) nor a YAML file of the "
+                            f"fields {', '.join(NUMBER_FIELDS)}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise HardwareError(f"could not be read as YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise HardwareError(f"must hold a mapping of the fields {', '.join(NUMBER_FIELDS)}")
+    unknown = sorted(set(data) - set(NUMBER_FIELDS) - {"name"})
+    missing = [name for name in NUMBER_FIELDS if name not in data]
+    bad = [f"{name}={data[name]!r}" for name in NUMBER_FIELDS if name in data
+           and (isinstance(data[name], bool) or not isinstance(data[name], (int, float)) or not data[name] > 0)]
+    if unknown or missing or bad:
+        parts = ([f"unknown field(s) {', '.join(unknown)}"] if unknown else []) + \
+                ([f"missing {', '.join(missing)}"] if missing else []) + \
+                ([f"not a number > 0: {', '.join(bad)}"] if bad else [])
+        raise HardwareError(f"{'; '.join(parts)} (the fields: {', '.join(NUMBER_FIELDS)})")
+    return Hardware(name=str(data.get("name", path.stem)), **{name: float(data[name]) for name in NUMBER_FIELDS})

@@ -1,0 +1,180 @@
+"""A step's time, predicted from the plan and a hardware description (`config.hardware`): a roofline per phase.
+
+Torch-free. Each phase is bound by what it moves or computes at a stated fraction of the hardware's peak
+(`Efficiency`: named numbers, each saying where it comes from; not yet calibrated against measured GPU runs):
+
+- generation, per rollout replica (its `infer_tp` GPUs): the prefill's matmul FLOPs (the prompt once per group,
+  as vLLM's prefix cache holds it for the n samples) at the prefill efficiency; then one decode step per response
+  token, in as many waves as the KV cache needs, each step bound by reading the replica's weights and the KV
+  cache of the sequences decoding together (memory bandwidth) or by their matmuls, whichever is slower;
+- each forward pass (old, reference, teacher log-probs; values; reward scores): its FLOPs over the role's GPUs,
+  stretched by the pipeline's fill and drain (1 + (PP - 1) / micro-batches);
+- each update: forward and backward FLOPs (a recomputed forward more with gradient checkpointing) over the role's
+  GPUs, the interleaved pipeline's bubble (1 + (PP - 1) / (micro-batches x VPP)), plus per optimizer step the
+  data-parallel gradient reduction over the link its DP group spans (a ring all-reduce, 2 (DP - 1) / DP of the
+  rank's gradients; with the distributed optimizer a reduce-scatter of them and an all-gather of the parameters,
+  (DP - 1) / DP of each) and Adam's pass over the rank's share of its state (memory bandwidth);
+- the weight sync: the resharder's most-loaded rank's bytes over NVLink and each rank's copy of its generation
+  shard into vLLM's weights (colocated), or a training rank's share of the cross-pool bytes over the network
+  (disaggregated).
+
+The step: the phases' sum when generation and training take turns (sync), else the longer of generation and
+the rest (one_step_off / fully_async: generation runs beside training).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from hybridrl.config.estimates import GIB, forward_flops, kv_bytes_per_token
+from hybridrl.config.hardware import Hardware
+from hybridrl.config.plan import PASS_PHASES, UPDATE_PHASES, Plan
+from hybridrl.names import Phase, Role
+
+BYTES_PER_VALUE = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fractions of the hardware's peak each kind of work reaches. Stated, not yet calibrated (issue 46):
+
+    - `update_matmul` 0.40: Megatron-LM's published model-FLOPs utilisation for GPT models on H100 at 8-64 GPUs
+      (~40-47 %), rounded down for RL's short sequences;
+    - `forward_matmul` 0.45: forward-only passes overlap nothing with a backward but skip the optimizer;
+    - `prefill_matmul` 0.50: vLLM's prefill of long prompts is large batched GEMMs;
+    - `decode_memory` 0.70: the share of HBM bandwidth vLLM's decode kernels sustain at batch sizes of tens to
+      hundreds of sequences;
+    - `link` 0.70: NCCL's bus bandwidth against a link's datasheet figure (nccl-tests on NVLink/IB: 70-85 %);
+    - `optimizer_memory` 0.50: Adam's fused multi-tensor pass over params, grads and two moments, and the weight
+      sync's copy into vLLM's tensors: many tensors of a few MB, not one stream."""
+
+    update_matmul: float = 0.40
+    forward_matmul: float = 0.45
+    prefill_matmul: float = 0.50
+    decode_memory: float = 0.70
+    link: float = 0.70
+    optimizer_memory: float = 0.50
+
+
+EFFICIENCY = Efficiency()
+
+# Adam's bytes per parameter in one step: read params, grads and two fp32 moments, write params and moments
+ADAM_BYTES_PER_PARAM = 4 * 7
+
+
+@dataclass(frozen=True)
+class PhaseTime:
+    phase: str
+    seconds: float
+    bound: str  # what limits it, in words: "matmul", "memory (decode)", "link", ...
+
+
+@dataclass(frozen=True)
+class StepTime:
+    hardware: str
+    phases: tuple[PhaseTime, ...]
+    overlapped: bool  # generation beside training (an async mode)
+
+    @property
+    def seconds(self) -> float:
+        total = sum(p.seconds for p in self.phases)
+        if not self.overlapped:
+            return total
+        generation = sum(p.seconds for p in self.phases if p.phase == Phase.GEN)
+        return max(generation, total - generation)
+
+    def phase(self, name: str) -> float:
+        return sum(p.seconds for p in self.phases if p.phase == name)
+
+
+def generation_seconds(plan: Plan, hardware: Hardware, eff: Efficiency = EFFICIENCY) -> tuple[float, str]:
+    """One step's generation on one rollout replica (every replica runs its share at once)."""
+    config, resolved, model = plan.config, plan.resolved, plan.model
+    rollout = config.actor_rollout_ref.rollout
+    tp, n = rollout.tensor_model_parallel_size, rollout.n
+    prompt, response = config.data.max_prompt_length, resolved.response_length
+    seqs = plan.sequences_per_rollout_replica
+    peak = hardware.peak_flops(resolved.rollout_dtype)
+    prefill = forward_flops(model, rows=seqs, layer_tokens=prompt / n, head_tokens=0, seq_len=prompt,
+                            vocab_head=True) / tp / (peak * eff.prefill_matmul)
+    memory = plan.rollout_memory
+    together = min(seqs, rollout.max_num_seqs, max(1, memory.kv_cache_tokens // (prompt + response)))
+    waves = math.ceil(seqs / together)
+    weights = memory.weights_gib * GIB
+    kv = together * (prompt + response / 2) * kv_bytes_per_token(model, BYTES_PER_VALUE[resolved.rollout_dtype], tp)
+    step_bytes = (weights + kv) / (hardware.memory_bytes_per_s * eff.decode_memory)
+    step_flops = forward_flops(model, rows=together, layer_tokens=1, head_tokens=1, seq_len=prompt + response,
+                               vocab_head=True) / tp / (peak * eff.prefill_matmul)
+    decode = waves * response * max(step_bytes, step_flops)
+    return prefill + decode, "memory (decode)" if step_bytes >= step_flops else "matmul (decode)"
+
+
+def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency = EFFICIENCY) -> StepTime | None:
+    """The step's phases on `hardware` (None without a model shape)."""
+    if plan.model is None or plan.rollout_memory is None:
+        return None
+    config, resolved = plan.config, plan.resolved
+    flops = dict(plan.step_flops)
+    memory = {m.role: m for m in plan.training_memory}
+    per_node = config.trainer.n_gpus_per_node
+    phases: list[PhaseTime] = []
+    gen, bound = generation_seconds(plan, hardware, eff)
+    phases.append(PhaseTime(Phase.GEN, gen, bound))
+    for forward in plan.forwards:
+        phase = PASS_PHASES[forward.pass_name]
+        if phase not in flops:  # a pass that does not run (the on-policy old-log-prob pass)
+            continue
+        layout = plan.layout(forward.role)
+        mc = layout.megatron
+        peak = hardware.peak_flops(mc.dtype or resolved.train_dtype)
+        bubble = 1 + (layout.mesh.pp - 1) / max(1, forward.micro_batches_per_rank)
+        seconds = flops[phase] / layout.mesh.world_size / (peak * eff.forward_matmul) * bubble
+        phases.append(PhaseTime(phase, seconds, "matmul"))
+    for update in plan.updates:
+        phase = UPDATE_PHASES[update.role]
+        layout = plan.layout(update.role)
+        mesh, mc = layout.mesh, layout.megatron
+        peak = hardware.peak_flops(mc.dtype or resolved.train_dtype)
+        section = config.critic if update.role == Role.CRITIC else config.actor_rollout_ref
+        recompute = 4 / 3 if section.model.enable_gradient_checkpointing else 1.0
+        micro = update.grad_accum_steps or max(1, update.sequences_per_rank_per_mini_batch)
+        bubble = 1 + (mesh.pp - 1) / (micro * (mesh.vpp or 1))
+        compute = flops[phase] * recompute / mesh.world_size / (peak * eff.update_matmul) * bubble
+        role_memory = memory[update.role]
+        params = role_memory.params_gib * GIB
+        grads = role_memory.grads_gib * GIB
+        span = mesh.tp * mesh.cp * mesh.dp  # consecutive ranks a DP group reaches across (megatron's order)
+        # a ring all-reduce of the gradients; with the distributed optimizer a reduce-scatter of them and an
+        # all-gather of the updated parameters instead
+        ring_bytes = (mesh.dp - 1) / mesh.dp * (grads + params if mc.use_distributed_optimizer else 2 * grads)
+        ring = ring_bytes / (hardware.link_bytes_per_s(span > per_node) * eff.link)
+        shards = mesh.dp if mc.use_distributed_optimizer else 1
+        elements = params / BYTES_PER_VALUE[mc.dtype or resolved.train_dtype]
+        adam = elements / shards * ADAM_BYTES_PER_PARAM / (hardware.memory_bytes_per_s * eff.optimizer_memory)
+        phases.append(PhaseTime(phase, compute + update.optimizer_steps_per_step * (ring + adam), "matmul"))
+    reshard = plan.reshard
+    if reshard.cross_pool is not None:
+        sync = reshard.cross_pool.bytes_sent_even / (hardware.link_bytes_per_s(True) * eff.link)
+        phases.append(PhaseTime(Phase.SYNC, sync, "network"))
+    elif reshard.traffic is not None:
+        crosses = config.actor_rollout_ref.rollout.tensor_model_parallel_size > per_node
+        traffic = reshard.traffic
+        moved = max(traffic.bytes_received) / (hardware.link_bytes_per_s(crosses) * eff.link)
+        # every rank writes its whole generation shard into vLLM's weights (read and write: memory bandwidth)
+        copied = 2 * max(traffic.generation_shard_bytes) / (hardware.memory_bytes_per_s * eff.optimizer_memory)
+        phases.append(PhaseTime(Phase.SYNC, moved + copied, "memory" if copied >= moved else
+                                "network" if crosses else "NVLink"))
+    return StepTime(hardware.name, tuple(phases), overlapped=resolved.async_mode != "sync")
+
+
+def step_time_line(step: StepTime) -> str:
+    """The prediction in one line: the step, then each phase's seconds and share."""
+    total = sum(p.seconds for p in step.phases) or 1.0
+    parts = ", ".join(f"{p.phase} {_seconds(p.seconds)} ({p.seconds / total:.0%}, {p.bound})" for p in step.phases)
+    how = "the longer of generation and the rest (async)" if step.overlapped else "the phases one after another"
+    return (f"Predicted step time on {step.hardware} (a roofline at stated efficiencies, not yet calibrated on GPUs; "
+            f"{how}): {_seconds(step.seconds)}: {parts}")
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.3g} s" if value >= 0.01 else f"{value * 1e3:.3g} ms"

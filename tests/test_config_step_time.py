@@ -1,0 +1,135 @@
+"""The plan's predicted step time (`config.step_time`) against the roofline written out here by hand: each phase's
+FLOPs, bytes and links at the hardware's datasheet figures and the stated efficiencies; the hardware descriptions
+(shipped, a user's file, mistakes refused at plan time).
+
+The FLOPs of a phase come from the plan (`Plan.step_flops`, tested against hand-computed FLOPs in
+tests/test_config_distillation.py); everything this module adds on top is recomputed here.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridrl.config import ConfigError, plan_from_sources
+from hybridrl.config.estimates import forward_flops
+from hybridrl.config.hardware import SHIPPED, Hardware, HardwareError, load_hardware
+from hybridrl.config.report import render_plan
+from hybridrl.config.step_time import EFFICIENCY, predict_step_time
+from hybridrl.names import Phase
+
+ROOT = Path(__file__).resolve().parents[1]
+QWEN_7B = str(ROOT / "configs/examples/qwen2.5_7b_grpo_8gpu.yaml")
+LLAMA_70B = str(ROOT / "configs/examples/llama3_70b_ppo_16x8.yaml")
+GIB = 2**30
+H100 = SHIPPED["h100-sxm"]
+
+
+def test_the_7b_grpo_steps_phases_are_the_roofline_by_hand():
+    """Qwen2.5-7B GRPO on 8 H100s (the example: actor TP2 x DP4 with the distributed optimizer, vLLM TP2 x 4
+    replicas, 256 prompts x 8 samples of 1024 + 2048 tokens, gradient checkpointing)."""
+    plan = plan_from_sources(QWEN_7B)
+    step = predict_step_time(plan, H100)
+    flops = dict(plan.step_flops)
+    # the update: 3 forwards (+1 recomputed: 4/3) over 8 GPUs at 40 % of 989 TFLOP/s; per optimizer step (4) a
+    # reduce-scatter of the fp32 grads (14.185 GiB a rank) and an all-gather of the bf16 params (7.093 GiB) over
+    # DP4 (3/4 of each) on NVLink (a DP group spans 8 ranks of one machine) at 70 % of 450 GB/s, and Adam's 28
+    # bytes a parameter over the rank's quarter of its 7.093 GiB / 2 bytes at 50 % of 3350 GB/s
+    compute = flops[Phase.UPDATE_ACTOR] * 4 / 3 / 8 / (989e12 * 0.40)
+    ring = 0.75 * (14.185 + 7.093) * GIB / (450e9 * 0.70)
+    adam = 7.093 * GIB / 2 / 4 * 28 / (3350e9 * 0.50)
+    assert step.phase(Phase.UPDATE_ACTOR) == pytest.approx(compute + 4 * (ring + adam), rel=1e-6)
+    # the forward passes: no pipeline (PP1), 8 GPUs at 45 %
+    for phase in (Phase.OLD_LOG_PROB, Phase.REF):
+        assert step.phase(phase) == pytest.approx(flops[phase] / 8 / (989e12 * 0.45), rel=1e-6)
+    # generation on one TP2 replica: 512 sequences; the prefill of the 1024-token prompt once per group of 8 at
+    # 50 %; the KV cache (40.907 GiB a rank) holds 1,531,947 tokens = 498 sequences of 3072 at once: two waves of
+    # 2048 decode steps, each reading the rank's 7.093 GiB of weights and the 498 sequences' cache at half length
+    # (1024 + 1024 tokens x 28,672 bytes a token on a TP2 rank) at 70 % of 3350 GB/s
+    prefill = forward_flops(plan.model, rows=512, layer_tokens=1024 / 8, head_tokens=0, seq_len=1024,
+                            vocab_head=True) / 2 / (989e12 * 0.50)
+    decode_step = (7.093 * GIB + 498 * 2048 * 28672) / (3350e9 * 0.70)
+    assert step.phase(Phase.GEN) == pytest.approx(prefill + 2 * 2048 * decode_step, rel=1e-6)
+    # the sync: TP2 -> TP2 moves nothing between ranks; each rank copies its 7.6 GB shard into vLLM (read + write)
+    assert step.phase(Phase.SYNC) == pytest.approx(2 * 7615820800 / (3350e9 * 0.50), rel=1e-6)
+    # colocated and synchronous: the phases one after another
+    assert step.seconds == pytest.approx(sum(p.seconds for p in step.phases)) and not step.overlapped
+    assert {p.phase: p.bound for p in step.phases}[Phase.GEN] == "memory (decode)"
+
+
+def test_a_dp_group_across_machines_pays_the_network_and_async_modes_overlap_generation():
+    # Llama-3-70B PPO on 16 x 8: the actor's DP groups (TP8 x PP4 -> DP4) span 32 consecutive ranks, four machines:
+    # its gradient reduction runs at the network's bandwidth; a faster network shortens the update by exactly the
+    # ring's bytes over the difference (4 optimizer steps x 3/4 x (grads + params) for the distributed optimizer)
+    plan = plan_from_sources(LLAMA_70B)
+    actor = next(m for m in plan.training_memory if m.role == "actor")
+    fast = Hardware(**{**H100.__dict__, "name": "fast network", "inter_node_gb_per_s": 400})
+    steps = plan.update("actor").optimizer_steps_per_step
+    distributed = plan.layout("actor").megatron.use_distributed_optimizer
+    ring_bytes = 0.75 * ((actor.grads_gib + actor.params_gib) if distributed else 2 * actor.grads_gib) * GIB
+    saved = steps * ring_bytes * (1 / (50e9 * 0.7) - 1 / (400e9 * 0.7))
+    slow_time = predict_step_time(plan, H100).phase(Phase.UPDATE_ACTOR)
+    assert slow_time - predict_step_time(plan, fast).phase(Phase.UPDATE_ACTOR) == pytest.approx(saved, rel=1e-6)
+    # the 7B's DP groups stay inside a machine: the network does not matter to it
+    seven = plan_from_sources(QWEN_7B)
+    assert predict_step_time(seven, fast).seconds == pytest.approx(predict_step_time(seven, H100).seconds)
+    # a disaggregated one_step_off run: generation runs beside training, the step is the longer of the two
+    disaggregated = plan_from_sources(QWEN_7B, [
+        "trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.mode=disaggregated",
+        "actor_rollout_ref.rollout.n_gpus_per_node=4", "actor_rollout_ref.rollout.async_mode=one_step_off"])
+    step = predict_step_time(disaggregated, H100)
+    generation = step.phase(Phase.GEN)
+    rest = sum(p.seconds for p in step.phases) - generation
+    assert step.overlapped and step.seconds == pytest.approx(max(generation, rest))
+    # the cross-pool sync: a training rank's even share of the sync's bytes over the network at 70 %
+    share = disaggregated.reshard.cross_pool.bytes_sent_even
+    assert step.phase(Phase.SYNC) == pytest.approx(share / (50e9 * 0.70), rel=1e-6)
+
+
+def test_the_plan_prints_the_prediction_only_when_asked_and_refuses_unknown_hardware(tmp_path):
+    text = render_plan(plan_from_sources(QWEN_7B, ["trainer.hardware=h200"]))
+    line = next(line for line in text.splitlines() if line.startswith("Predicted step time"))
+    assert "on h200" in line and "gen " in line and "update_actor " in line
+    assert "Predicted step time" not in render_plan(plan_from_sources(QWEN_7B))
+    # a user's own description: a YAML file of the same fields
+    own = tmp_path / "my-gpu.yaml"
+    own.write_text("bf16_tflops: 500\nfp32_tflops: 40\nmemory_gb_per_s: 2000\nintra_node_gb_per_s: 200\n"
+                   "inter_node_gb_per_s: 12.5\n")
+    assert load_hardware(str(own)) == Hardware("my-gpu", 500, 40, 2000, 200, 12.5)
+    assert "on my-gpu" in render_plan(plan_from_sources(QWEN_7B, [f"trainer.hardware={own}"]))
+    # mistakes: an unknown name, a file missing a field or holding a non-number, each naming the field and value
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("bf16_tflops: fast\nfp32_tflops: 40\nmemory_gb_per_s: 2000\nintra_node_gb_per_s: 200\n")
+    for value, words in (("h1000", "neither a shipped hardware name (a100-80gb, h100-sxm, h200, b200)"),
+                         (str(broken), "missing inter_node_gb_per_s; not a number > 0: bf16_tflops='fast'")):
+        with pytest.raises(ConfigError) as info:
+            plan_from_sources(QWEN_7B, [f"trainer.hardware={value}"])
+        assert [(i.field, i.value) for i in info.value.issues] == [("trainer.hardware", value)]
+        assert words in info.value.issues[0].rule, info.value.issues[0].rule
+    with pytest.raises(HardwareError):
+        load_hardware(str(tmp_path / "absent.yaml"))
+    # the CLI: exit 2 and the field, no traceback
+    result = subprocess.run([sys.executable, "-m", "hybridrl.cli", "plan", QWEN_7B, "trainer.hardware=h1000",
+                             "--layout-only"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "trainer.hardware" in result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+def test_the_efficiencies_are_the_documented_ones():
+    """A change to a stated efficiency must be a decision, seen here and in docs/performance.md."""
+    assert (EFFICIENCY.update_matmul, EFFICIENCY.forward_matmul, EFFICIENCY.prefill_matmul, EFFICIENCY.decode_memory,
+            EFFICIENCY.link, EFFICIENCY.optimizer_memory) == (0.40, 0.45, 0.50, 0.70, 0.70, 0.50)
+    doc = (ROOT / "docs/performance.md").read_text()
+    for name, value in EFFICIENCY.__dict__.items():
+        assert f"`{name}` {value:.2f}" in doc, name
+
+
+def test_the_documented_predictions_are_the_plans():
+    doc = (ROOT / "docs/performance.md").read_text()
+    for name in ("qwen2.5_7b_grpo_8gpu.yaml", "llama3_70b_ppo_16x8.yaml"):
+        row = next(line for line in doc.splitlines() if line.startswith(f"| `{name}`"))
+        step = predict_step_time(plan_from_sources(str(ROOT / "configs/examples" / name)), H100)
+        assert f"| {step.seconds:.3g} s |" in row, (row, step.seconds)
+        assert f"| {step.phase(Phase.GEN):.3g} s" in row, (row, step.phase(Phase.GEN))
