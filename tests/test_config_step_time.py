@@ -17,7 +17,7 @@ from hybridrl.config import ConfigError, plan_from_sources
 from hybridrl.config.estimates import forward_flops
 from hybridrl.config.hardware import SHIPPED, Hardware, HardwareError, load_hardware
 from hybridrl.config.report import render_plan
-from hybridrl.config.step_time import EFFICIENCY, predict_step_time
+from hybridrl.config.step_time import EFFICIENCY, PhaseTime, StepTime, predict_step_time, time_vs_plan
 from hybridrl.names import Phase
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,3 +133,12 @@ def test_the_documented_predictions_are_the_plans():
         step = predict_step_time(plan_from_sources(str(ROOT / "configs/examples" / name)), H100)
         assert f"| {step.seconds:.3g} s |" in row, (row, step.seconds)
         assert f"| {step.phase(Phase.GEN):.3g} s" in row, (row, step.phase(Phase.GEN))
+
+
+def test_measured_over_predicted_is_each_timed_phase_over_the_plans():
+    step = StepTime("h100-sxm", (PhaseTime(Phase.GEN, 2.0, "memory (decode)"), PhaseTime(Phase.UPDATE_ACTOR, 4.0,
+                                                                                        "matmul")), overlapped=False)
+    measured = {"timing_s/gen": 3.0, "timing_s/update_actor": 2.0, "timing_s/reward": 0.5, "timing_s/step": 9.0}
+    assert time_vs_plan(step, measured) == {"time_vs_plan/gen": 1.5, "time_vs_plan/update_actor": 0.5,
+                                            "time_vs_plan/step": 1.5}
+    assert time_vs_plan(step, {"timing_s/gen": 1.0}) == {"time_vs_plan/gen": 0.5}  # a phase not timed: left out

@@ -147,7 +147,8 @@ def test_a_run_across_two_hosts_started_by_the_launch_scripts(demo_assets, tmp_p
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     figures = assert_traffic_is_planned(samples, run, overrides)
     assert all(step["planned"]["update_actor"][0] > 2_400_000 for step in figures["steps"])
-    placement = re.search(r"actor_rollout_ref: 2 rank\(s\) on 2 node\(s\): (\S+) rank (\d); (\S+) rank (\d)",
+    placement = re.search(r"actor_rollout_ref \(pool trainer\): 2 rank\(s\) on 2 node\(s\): "
+                          r"(\S+) rank (\d); (\S+) rank (\d)",
                           result.stdout)
     assert placement, result.stdout[-3000:]
     a, rank_a, b, rank_b = placement.groups()
@@ -184,7 +185,7 @@ def test_a_pipeline_across_hosts_on_a_cluster_started_without_the_launch_scripts
         with cluster.link_samples() as samples:
             result = train(cluster, head, f"{head.address}:{PORT}", tmp_path, *overrides)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert re.search(r"actor_rollout_ref: 2 rank\(s\) on 2 node\(s\)", result.stdout)
+    assert re.search(r"actor_rollout_ref \(pool trainer\): 2 rank\(s\) on 2 node\(s\)", result.stdout)
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) == 2 and all(s["reshard/probe_max_abs_gap"] <= 1e-4 for s in steps)
     # the update's activations forward and gradients back (~0.5 MB each way), the sync's other stage (1.2 MB)
@@ -205,7 +206,8 @@ def test_three_hosts_all_reduce_around_a_ring(demo_assets, tmp_path, ray_temp):
         with cluster.link_samples() as samples:
             result = train(cluster, cluster.hosts[0], address, tmp_path, *overrides)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    assert re.search(r"actor_rollout_ref: 3 rank\(s\) on 3 node\(s\)", result.stdout), result.stdout[-3000:]
+    assert re.search(r"actor_rollout_ref \(pool trainer\): 3 rank\(s\) on 3 node\(s\)", result.stdout), \
+        result.stdout[-3000:]
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) == 2 and all(s["reshard/probe_max_abs_gap"] <= 1e-4 for s in steps)
     figures = assert_traffic_is_planned(samples, run, overrides)
@@ -267,7 +269,7 @@ def test_the_slurm_script_runs_a_job_across_two_hosts(demo_assets, tmp_path, ray
             "trainer.total_training_steps=2"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     output = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
     assert job.returncode == 0, job.stderr[-2000:] + output[-4000:]
-    assert re.search(r"actor_rollout_ref: 2 rank\(s\) on 2 node\(s\)", output), output[-3000:]
+    assert re.search(r"actor_rollout_ref \(pool trainer\): 2 rank\(s\) on 2 node\(s\)", output), output[-3000:]
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2] and all(s["reshard/probe_max_abs_gap"] <= 1e-4 for s in steps)
 

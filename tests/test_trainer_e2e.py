@@ -242,25 +242,59 @@ def compute_score(response, ground_truth, extra):
 '''
 
 
-def test_custom_reward_dynamic_sampling_validation_and_old_log_prob_pass(demo_assets, tmp_path):
-    """One run for four features (one Ray/vLLM start-up): a custom reward file, dynamic sampling
-    with refill, validation before training, every `test_freq` steps and after the last, and the
-    rollout-vs-trainer log-prob gap measured by the old-log-prob pass."""
+def test_custom_reward_dynamic_sampling_validation_temperature_and_time_vs_plan(demo_assets, tmp_path):
+    """One run for six features (one Ray/vLLM start-up): a custom reward file, dynamic sampling with refill,
+    validation before training, every `test_freq` steps and after the last, the rollout-vs-trainer log-prob gap
+    measured by the old-log-prob pass, the sampling temperature reaching every pass, and the plan's predicted
+    time set against the measured one.
+
+    Temperature (issue 41 item 4): at T = 0.7 with the old-log-prob pass on and one optimizer step per batch, the
+    old-log-prob pass, the update and vLLM all score the responses under the tempered distribution, so the update
+    is exactly on-policy at every step (no clipping, approx KL ~ 0) and the rollout's log-probs equal the
+    trainer's within fp32 round-off. (Planted defect: `sampling_temperature` returning 1 makes the
+    rollout-vs-trainer gap 0.35, and this test fails.) Time (issue 46): with `trainer.hardware` naming a
+    description of this machine, each step logs its phases' measured over the plan's predicted time and the
+    summary shows the medians."""
     import importlib.util
+
+    from hybridrl.config import plan_from_sources
+    from hybridrl.config.hardware import load_hardware
+    from hybridrl.config.step_time import predict_step_time
 
     run = tmp_path / "run"
     calls = tmp_path / "reward_calls.jsonl"
     reward_file = tmp_path / "my_reward.py"
     reward_file.write_text(REWARD_FILE.format(calls=str(calls)))
+    hardware = tmp_path / "this-cpu.yaml"  # about this machine's order of magnitude; the ratio is what is checked
+    hardware.write_text("bf16_tflops: 0.1\nfp32_tflops: 0.1\nmemory_gb_per_s: 10\nintra_node_gb_per_s: 5\n"
+                        "inter_node_gb_per_s: 1\n")
     steps, batch, n = 3, 8, 8
-    result = _train("configs/examples/cpu_tiny_grpo.yaml", demo_overrides(
+    overrides = demo_overrides(
         demo_assets, run, f"trainer.total_training_steps={steps}", "trainer.test_freq=2",
         "trainer.val_before_train=true", f"trainer.rollout_data_dir={run / 'rollouts'}",
         f"algorithm.custom_reward_function.path={reward_file}", "algorithm.filter_groups.enable=true",
-        "actor_rollout_ref.actor.old_log_prob=recompute", "trainer.log_val_generations=3"))
+        "actor_rollout_ref.actor.old_log_prob=recompute", "trainer.log_val_generations=3",
+        "actor_rollout_ref.rollout.temperature=0.7", f"trainer.hardware={hardware}")
+    result = _train("configs/examples/cpu_tiny_grpo.yaml", overrides)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     rows = {r["step"]: r for r in _metrics(run)}
     assert sorted(rows) == [0, 1, 2, 3]
+
+    # the temperature: every pass under the tempered distribution, so the one update per batch is on-policy
+    for step in range(1, steps + 1):
+        row = rows[step]
+        assert row["actor/clipfrac"] == 0.0 and abs(row["actor/approx_kl"]) < 1e-6, row
+        assert row["reshard/probe_max_abs_gap"] <= 1e-4
+
+    # measured over predicted, phase by phase, as the plan predicts on the described hardware
+    predicted = predict_step_time(plan_from_sources(str(ROOT / "configs/examples/cpu_tiny_grpo.yaml"), overrides),
+                                  load_hardware(str(hardware)))
+    for step in range(1, steps + 1):
+        row = rows[step]
+        for phase in ("gen", "old_log_prob", "update_actor", "sync"):
+            assert row[f"time_vs_plan/{phase}"] == pytest.approx(row[f"timing_s/{phase}"] / predicted.phase(phase))
+        assert row["time_vs_plan/step"] == pytest.approx(row["timing_s/step"] / predicted.seconds)
+    assert "time vs plan: gen x" in result.stdout and "(median measured / predicted on this-cpu)" in result.stdout
 
     # validation: before training, at step 2 (test_freq) and after the last step (3), each the mean of
     # the reward file's scores of that validation pass (16 greedy val prompts)
@@ -616,26 +650,6 @@ def _runs(ids: list[int], mask: list[int]) -> list[tuple[bool, list[int]]]:
         else:
             runs.append((bool(model), [token]))
     return runs
-
-
-def test_sampling_temperature_reaches_every_pass_and_the_update_is_on_policy(demo_assets, tmp_path):
-    """issue 41 item 4: `hybridrl train` at T = 0.7 with the old-log-prob pass on and one optimizer step per
-    batch. The old-log-prob pass, the update and vLLM all score the responses under the tempered distribution,
-    so the update is exactly on-policy at every step (no clipping, approx KL ~ 0) and the rollout's log-probs
-    equal the trainer's within fp32 round-off. (Planted defect: `sampling_temperature` returning 1 makes the
-    rollout-vs-trainer gap 0.35, and this test fails.)"""
-    run = tmp_path / "run"
-    result = _train("configs/examples/cpu_tiny_grpo.yaml", demo_overrides(
-        demo_assets, run, "trainer.total_training_steps=3", "actor_rollout_ref.rollout.temperature=0.7",
-        "actor_rollout_ref.actor.old_log_prob=recompute"))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    rows = [r for r in _metrics(run) if r["step"] >= 1]
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    for row in rows:
-        assert "timing_s/old_log_prob" in row  # the pass ran
-        assert row["actor/clipfrac"] == 0.0 and abs(row["actor/approx_kl"]) < 1e-6, row
-        assert row["rollout/log_prob_abs_diff_max"] <= 1e-4, row["rollout/log_prob_abs_diff_max"]
-        assert row["reshard/probe_max_abs_gap"] <= 1e-4
 
 
 def test_a_hung_worker_call_stops_the_run_naming_the_phase_and_the_ranks(demo_assets, tmp_path):

@@ -178,3 +178,16 @@ def step_time_line(step: StepTime) -> str:
 
 def _seconds(value: float) -> str:
     return f"{value:.3g} s" if value >= 0.01 else f"{value * 1e3:.3g} ms"
+
+
+def time_vs_plan(step: StepTime, measured: dict[str, float]) -> dict[str, float]:
+    """Measured over predicted, per phase the prediction has and the step (`timing_s/<phase>` and `timing_s/step`
+    in `measured`, as the trainer's timer writes them): `time_vs_plan/<phase>`; 1.0 is the plan's time."""
+    out = {}
+    for phase in step.phases:
+        seconds = measured.get(f"timing_s/{phase.phase}")
+        if seconds is not None and phase.seconds > 0:
+            out[f"time_vs_plan/{phase.phase}"] = seconds / phase.seconds
+    if "timing_s/step" in measured and step.seconds > 0:
+        out["time_vs_plan/step"] = measured["timing_s/step"] / step.seconds
+    return out

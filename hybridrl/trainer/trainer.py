@@ -27,8 +27,10 @@ from hybridrl.algorithms.distillation import TEACHER_TOP_K_KEYS
 from hybridrl.algorithms.kl_control import kl_controller_from_config
 from hybridrl.algorithms.names import GREEDY_BASELINE_ADV_ESTIMATORS
 from hybridrl.config.errors import ConfigError, ConfigIssue
+from hybridrl.config.hardware import load_hardware
 from hybridrl.config.plan import Plan
 from hybridrl.config.report import failure_cost_lines
+from hybridrl.config.step_time import predict_step_time, time_vs_plan
 from hybridrl.controller.base_worker import Worker
 from hybridrl.controller.cluster import init_ray
 from hybridrl.controller.dispatch import MeshCoord, RankMesh, dispatch_order, dp_token_imbalance, row_tokens
@@ -158,6 +160,9 @@ class Trainer:
         # disaggregated: vLLM's own pool and group (colocated: rollout_group is the actor group)
         self.rollout_pool = self.rollout_group = None
         self.teacher_pool: ResourcePool | None = None
+        hardware = plan.config.trainer.hardware
+        # the plan's predicted step (trainer.hardware set): each step logs measured over predicted per phase
+        self.predicted_step = predict_step_time(plan, load_hardware(hardware)) if hardware else None
         self.driver: RolloutDriver | None = None  # rollout.async_mode one_step_off / fully_async
         self._stopped_driver: RolloutDriver | None = None  # a failed attempt's, until its thread ended
 
@@ -222,7 +227,7 @@ class Trainer:
                                     pythonpath=[repo_root], preload_modules=("torch",))
         colocated = (1 + int(res.critic_enabled) + int(self.config.reward_model.enable)
                      + int(self.config.algorithm.distillation.enable and not res.teacher_world))
-        self.pool = ResourcePool("global" if not res.disaggregated else "trainer", nnodes=trainer.nnodes,
+        self.pool = ResourcePool("trainer", nnodes=trainer.nnodes,
                                  workers_per_node=trainer.n_gpus_per_node, device_policy=policy,
                                  cpus_per_worker=policy.ray_cpus_per_worker, max_colocated_groups=colocated)
         # a restart waits for the resources of a failed node to come back (a replacement joining)
@@ -786,6 +791,12 @@ class Trainer:
         if step_times:
             cost = failure_cost_lines(cfg.trainer.save_freq, cfg.trainer.max_restarts, float(np.median(step_times)))
             summary += f"\n{'failure cost':>16}: {cost[0]}"
+        ratios = {key: float(np.median([h[key] for h in history if key in h]))
+                  for key in dict.fromkeys(k for h in history for k in h if k.startswith("time_vs_plan/"))}
+        if ratios:
+            summary += f"\n{'time vs plan':>16}: " + ", ".join(
+                f"{key.removeprefix('time_vs_plan/')} x{value:.2f}" for key, value in ratios.items()) + \
+                f" (median measured / predicted on {self.predicted_step.hardware})"
         summary += f"\n{'wall time':>16}: {time.perf_counter() - started:.1f} s; run dir {self.run_dir}"
         if history:
             plot = plot_run(history, self.run_dir / "run.png")
@@ -825,6 +836,8 @@ class Trainer:
         while self.global_step < self.total_steps:
             self.global_step += 1
             metrics = self.step(self.next_prompts()) if self.driver is None else self._async_step()
+            if self.predicted_step is not None:  # trainer.hardware: where the run departs from its plan's time
+                metrics.update(time_vs_plan(self.predicted_step, metrics))
             metrics.update(guard.observe(metrics))
             metrics["training/global_step"] = self.global_step
             metrics["training/epoch"] = self.train_loader.epoch
