@@ -41,7 +41,7 @@ def _check_syncs(rows: list[dict]) -> None:
 RESTART = ["trainer.save_freq=1", "trainer.max_restarts=1"]
 
 
-def _restarted_once(result, run) -> tuple[dict, list[dict]]:
+def _restarted_once(result, run, steps: int = STEPS) -> tuple[dict, list[dict]]:
     """issue 41 item 6: the run restarted in place exactly once (the old driver's thread gone before the new groups
     started: no second failure), resumed from a checkpoint and trained every step once; (the restart event, the
     steps' rows)."""
@@ -52,7 +52,7 @@ def _restarted_once(result, run) -> tuple[dict, list[dict]]:
     (event,) = [r for r in records if r.get("event") == "restart"]
     assert event["resume_from"] is not None
     rows = [r for r in records if "event" not in r]
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
     return event, rows
 
 
@@ -161,32 +161,25 @@ def test_fully_async_partial_rollouts_resume_under_new_weights_with_rollout_corr
     print("partial samples per step:", [r["async/partial_samples"] for r in rows], "IS weight mean:", weights)
 
 
-@pytest.mark.parametrize("mode, fault", [("sync", "sync:3:0")])
-def test_a_worker_failure_restarts_in_place_in_each_async_mode(demo_assets, tmp_path, mode, fault):
-    """issue 41 item 6: with trainer.max_restarts=1 a worker crash (here a trainer rank in the cross-pool sync)
-    restarts the run in place, resumes from its checkpoint and finishes every step with every sync proven; in the
-    deterministic mode (sync) the steps equal an uninterrupted run's. (one_step_off and fully_async restart in
-    their learning runs above: a trainer rank in its update, a rollout rank while streaming.)"""
+def test_a_worker_failure_in_the_cross_pool_sync_restarts_in_place_and_equals_an_uninterrupted_run(demo_assets,
+                                                                                                      tmp_path):
+    """issue 41 item 6: with trainer.max_restarts=1 a trainer rank crashing in the cross-pool sync restarts the
+    disaggregated run in place, resumes from its checkpoint and finishes every step with every sync proven; the
+    mode is deterministic (sync), so the steps equal an uninterrupted run's. (one_step_off and fully_async restart
+    in their learning runs above: a trainer rank in its update, a rollout rank while streaming.)"""
+    mode = "sync"
     run = tmp_path / mode
     result = _train(CONFIG, demo_overrides(
-        demo_assets, run, "trainer.total_training_steps=5", "trainer.save_freq=1", "trainer.max_restarts=1",
-        *DISAGGREGATED, f"actor_rollout_ref.rollout.async_mode={mode}"), env={faults.ENV: fault}, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    assert sum(line.startswith("restart 1/1 in place:") for line in result.stdout.splitlines()) == 1, \
-        result.stdout[-3000:]
-    records = _metrics(run)
-    (event,) = [r for r in records if r.get("event") == "restart"]
-    assert event["resume_from"] is not None
-    rows = [r for r in records if "event" not in r]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+        demo_assets, run, "trainer.total_training_steps=5", *RESTART, *DISAGGREGATED,
+        f"actor_rollout_ref.rollout.async_mode={mode}"), env={faults.ENV: "sync:3:0"}, timeout=600)
+    _, rows = _restarted_once(result, run, steps=5)
     for row in rows:
         assert row["reshard/probe_max_abs_gap"] < 1e-4
-    if mode == "sync":  # deterministic: the steps re-run after the restart are the uninterrupted run's
-        straight = tmp_path / "straight"
-        again = _train(CONFIG, demo_overrides(demo_assets, straight, "trainer.total_training_steps=5",
-                                              *DISAGGREGATED, "actor_rollout_ref.rollout.async_mode=sync"),
-                       timeout=600)
-        assert again.returncode == 0, again.stderr[-3000:]
-        for row, reference in zip(rows, _metrics(straight)):
-            for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm"):
-                assert row[key] == pytest.approx(reference[key], abs=1e-5), (row["step"], key)
+    # deterministic: the steps re-run after the restart are the uninterrupted run's
+    straight = tmp_path / "straight"
+    again = _train(CONFIG, demo_overrides(demo_assets, straight, "trainer.total_training_steps=5",
+                                          *DISAGGREGATED, "actor_rollout_ref.rollout.async_mode=sync"), timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    for row, reference in zip(rows, _metrics(straight), strict=True):
+        for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm"):
+            assert row[key] == pytest.approx(reference[key], abs=1e-5), (row["step"], key)
