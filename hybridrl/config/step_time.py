@@ -26,12 +26,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hybridrl.config.estimates import GIB, forward_flops, kv_bytes_per_token
+from hybridrl.config.estimates import DTYPE_BYTES, GIB, forward_flops, kv_bytes_per_token
 from hybridrl.config.hardware import Hardware
 from hybridrl.config.plan import PASS_PHASES, UPDATE_PHASES, Plan
 from hybridrl.names import Phase, Role
-
-BYTES_PER_VALUE = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True)
@@ -80,7 +78,7 @@ class StepTime:
         total = sum(p.seconds for p in self.phases)
         if not self.overlapped:
             return total
-        generation = sum(p.seconds for p in self.phases if p.phase == Phase.GEN)
+        generation = self.phase(Phase.GEN)
         return max(generation, total - generation)
 
     def phase(self, name: str) -> float:
@@ -101,7 +99,7 @@ def generation_seconds(plan: Plan, hardware: Hardware, eff: Efficiency = EFFICIE
     together = min(seqs, rollout.max_num_seqs, max(1, memory.kv_cache_tokens // (prompt + response)))
     waves = math.ceil(seqs / together)
     weights = memory.weights_gib * GIB
-    kv = together * (prompt + response / 2) * kv_bytes_per_token(model, BYTES_PER_VALUE[resolved.rollout_dtype], tp)
+    kv = together * (prompt + response / 2) * kv_bytes_per_token(model, DTYPE_BYTES[resolved.rollout_dtype], tp)
     step_bytes = (weights + kv) / (hardware.memory_bytes_per_s * eff.decode_memory)
     step_flops = forward_flops(model, rows=together, layer_tokens=1, head_tokens=1, seq_len=prompt + response,
                                vocab_head=True) / tp / (peak * eff.prefill_matmul)
@@ -149,7 +147,7 @@ def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency = EFFICIEN
         ring_bytes = (mesh.dp - 1) / mesh.dp * (grads + params if mc.use_distributed_optimizer else 2 * grads)
         ring = ring_bytes / (hardware.link_bytes_per_s(span > per_node) * eff.link)
         shards = mesh.dp if mc.use_distributed_optimizer else 1
-        elements = params / BYTES_PER_VALUE[mc.dtype or resolved.train_dtype]
+        elements = params / DTYPE_BYTES[mc.dtype or resolved.train_dtype]
         adam = elements / shards * ADAM_BYTES_PER_PARAM / (hardware.memory_bytes_per_s * eff.optimizer_memory)
         phases.append(PhaseTime(phase, compute + update.optimizer_steps_per_step * (ring + adam), "matmul"))
     reshard = plan.reshard
