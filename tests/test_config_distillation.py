@@ -111,6 +111,9 @@ def test_distillation_mistakes_are_refused_naming_the_field(demo_assets, teacher
         # the teacher's own pool: sized when it has one, never sized (or placed) when it does not
         ([f"{D}.enable=true", same, "teacher.mode=disaggregated"], "teacher.n_gpus_per_node",
          "is required with teacher.mode=disaggregated"),
+        # refused with the training world's own mistake, not hidden behind it (every error at once)
+        ([f"{D}.enable=true", same, "teacher.mode=disaggregated", "trainer.n_gpus_per_node=0"],
+         "teacher.n_gpus_per_node", "is required with teacher.mode=disaggregated"),
         ([f"{D}.enable=true", same, "teacher.mode=disaggregated", "teacher.n_gpus_per_node=0"],
          "teacher.n_gpus_per_node", "integer >= 1"),
         ([f"{D}.enable=true", same, "teacher.n_gpus_per_node=2"], "teacher.n_gpus_per_node",

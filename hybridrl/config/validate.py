@@ -137,8 +137,9 @@ def validate(
     role_fields = {role: role_megatron_field(config, role) for role in Role}
     teacher = teacher_shape(config, check.issues)  # the teacher's own layout rules read its own shape
     # the teacher's layout spans its own pool when it has one (teacher.mode=disaggregated)
-    teacher_world = resolved.role_world(Role.TEACHER) if world_ok and check_teacher_placement(config, check.issues) \
-        else 0
+    # (its placement checked whatever the training world's validity: every error at once)
+    teacher_pool_ok = check_teacher_placement(config, check.issues)
+    teacher_world = (resolved.teacher_world or world) if teacher_pool_ok else 0
     dp_of: dict[str, int] = {}
     for role in active_roles(config, resolved):
         if role == Role.REF and config.actor_rollout_ref.ref.megatron is None:
