@@ -85,12 +85,12 @@ def test_memory_estimate_sums_each_stages_own_layers_when_moe_and_dense_layers_m
     shape = ModelShape.from_hf_config(config)
     dense_layer, moe_dense, moe_experts, vocab = 49_152 + 320 + 3 * 128 * 4096, 49_984, 98_304, 96 * 128
     # PP1 at EP2: every layer on one stage, half of each MoE layer's experts
-    assert stage_params(shape, ParallelLayout(pp=1, ep=2)) == [
+    assert list(stage_params(shape, ParallelLayout(pp=1, ep=2))) == [
         (dense_layer + 3 * moe_dense + 2 * vocab + 128, 3 * moe_experts / 2)]
     # PP2 at EP2: the first stage holds the dense layer, an MoE layer and the embedding; the last two
     # MoE layers, the final norm and the output layer
-    assert stage_params(shape, ParallelLayout(pp=2, ep=2)) == [
+    assert list(stage_params(shape, ParallelLayout(pp=2, ep=2))) == [
         (dense_layer + moe_dense + vocab, moe_experts / 2), (2 * moe_dense + vocab + 128, moe_experts)]
     # uneven PP2 (1 + 3 layers): the first stage keeps only the dense layer and the embedding
-    assert stage_params(shape, ParallelLayout(pp=2, ep=2, first_stage_layers=1)) == [
+    assert list(stage_params(shape, ParallelLayout(pp=2, ep=2, first_stage_layers=1))) == [
         (dense_layer + vocab, 0), (3 * moe_dense + vocab + 128, 3 * moe_experts / 2)]

@@ -20,6 +20,7 @@ show what the hybrid engine's resharding costs against the naive design. Formula
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -101,7 +102,8 @@ def kv_bytes_per_token(shape: ModelShape, bytes_per_value: int, tp: int = 1) -> 
     return 2 * shape.num_layers * kv_heads_per_rank * shape.head_dim * bytes_per_value
 
 
-def stage_params(shape: ModelShape, layout: ParallelLayout) -> list[tuple[float, float]]:
+@functools.lru_cache(maxsize=512)  # per model and layout: `hybridrl plan --search` plans many jobs on a few layouts
+def stage_params(shape: ModelShape, layout: ParallelLayout) -> tuple[tuple[float, float], ...]:
     """(dense, expert) parameters one GPU of each pipeline stage holds, in stage order (embedding on the
     first stage, output layer on the last; each stage's own layers, VPP chunks included, as
     `ParallelLayout.chunks` places them): dense weights split over TP, an MoE layer's experts over EP
@@ -117,7 +119,7 @@ def stage_params(shape: ModelShape, layout: ParallelLayout) -> list[tuple[float,
         if stage == pp - 1:
             dense += shape.hidden_size + output_params(shape)
         stages.append((dense / tp, experts / (ep * layout.expert_tp)))
-    return stages
+    return tuple(stages)
 
 
 @dataclass(frozen=True)
@@ -164,11 +166,17 @@ def layer_flops_per_token(shape: ModelShape, layer: int, seq_len: int) -> float:
     return 2.0 * (shape.params_of_layer(layer) - experts + routed) + 2.0 * seq_len * shape.q_size
 
 
+@functools.lru_cache(maxsize=256)
+def decoder_flops_per_token(shape: ModelShape, seq_len: int) -> float:
+    """`layer_flops_per_token` summed over the decoder layers (once per model and length)."""
+    return sum(layer_flops_per_token(shape, i, seq_len) for i in range(shape.num_layers))
+
+
 def forward_flops(shape: ModelShape, *, rows: int, layer_tokens: float, head_tokens: int, seq_len: int,
                   vocab_head: bool) -> float:
     """Forward matmul FLOPs of `rows` rows: every decoder layer on `layer_tokens` tokens a row (`layer_flops_per_token`)
     and the output layer on `head_tokens` (the vocabulary, else a value head)."""
-    layers = sum(layer_flops_per_token(shape, i, seq_len) for i in range(shape.num_layers))
+    layers = decoder_flops_per_token(shape, seq_len)
     head = 2.0 * shape.hidden_size * (shape.vocab_size if vocab_head else 1)
     return rows * (layer_tokens * layers + head_tokens * head)
 
@@ -191,6 +199,7 @@ def _even_counts(num_layers: int, pp: int, first: int | None, last: int | None) 
     return tuple(counts)
 
 
+@functools.lru_cache(maxsize=512)  # a search over every first/last split: once per model, layout and lengths
 def stage_balance(role: str, shape: ModelShape, layout: ParallelLayout, *, layer_tokens: float,
                   head_tokens: int, seq_len: int, vocab_head: bool) -> StageBalance | None:
     """Each pipeline stage's share of a row's forward (and so backward) matmul FLOPs, and the
@@ -595,29 +604,33 @@ def reshard_traffic(shape: ModelShape, mesh: TrainingMesh, groups: ReshardGroups
     pieces.append((frozenset({p - 1}), output_params(shape), shape.hidden_size, 0))
     model = sum(split + rep + experts for _, split, rep, experts in pieces) * p_bytes
 
-    received, bound, naive, gen_sizes = [], [], [], []
-    for rank in range(mesh.world_size):
-        coord = mesh.coord(rank)
-        own = (coord.tp / t, (coord.tp + 1) / t)
-        etp_rank = layout.slot_ranks(mesh.local_rank(rank))[2]
+    gen_size = sum((split + experts) / t_g + rep for _, split, rep, experts in pieces)
+    # each stage's (split, replicated, expert) parameters: what a rank holds is linear in them
+    on_stage = [tuple(sum(piece[i] for piece in pieces if stage in piece[0]) for i in (1, 2, 3)) for stage in range(p)]
+
+    @functools.cache
+    def per_rank(tp_rank: int, pp_rank: int, etp_rank: int, gen_tp_index: int) -> tuple[int, int, int, int]:
+        """A rank's four figures, which depend on its place in the TP/PP/expert-TP and generation-TP groups only
+        (computed once per place: a 1,024-rank mesh has a few dozen)."""
+        own = (tp_rank / t, (tp_rank + 1) / t)
         own_experts = (etp_rank / x, (etp_rank + 1) / x)
 
-        def held(j: int, own: tuple[float, float] = own, own_experts: tuple[float, float] = own_experts,
-                 stage_of_rank: int = coord.pp) -> float:
-            gen = (j / t_g, (j + 1) / t_g)
-            return sum(
-                split * interval_overlap(own, gen) + experts / ep * interval_overlap(own_experts, gen) + rep
-                for stages, split, rep, experts in pieces
-                if stage_of_rank in stages
-            )
+        split, rep, experts = on_stage[pp_rank]
 
-        gen_size = sum((split + experts) / t_g + rep for _, split, rep, experts in pieces)
-        own_size = sum(split / t + experts / (ep * x) + rep for stages, split, rep, experts in pieces
-                       if coord.pp in stages)
-        received.append(round((gen_size - held(groups.gen_tp_index[rank])) * p_bytes))
-        bound.append(round((gen_size - max(held(j) for j in range(t_g))) * p_bytes))
-        naive.append(round(model - own_size * p_bytes))
-        gen_sizes.append(round(gen_size * p_bytes))
+        def held(j: int) -> float:
+            gen = (j / t_g, (j + 1) / t_g)
+            return split * interval_overlap(own, gen) + experts / ep * interval_overlap(own_experts, gen) + rep
+
+        own_size = split / t + experts / (ep * x) + rep
+        return (round((gen_size - held(gen_tp_index)) * p_bytes),
+                round((gen_size - max(held(j) for j in range(t_g))) * p_bytes),
+                round(model - own_size * p_bytes), round(gen_size * p_bytes))
+
+    stage_ranks = mesh.world_size // p  # pp is megatron's slowest axis; a rank's TP rank is its index mod TP
+    etp_ranks = [layout.slot_ranks(local)[2] for local in range(stage_ranks)]
+    figures = [per_rank(rank % t, rank // stage_ranks, etp_ranks[rank % stage_ranks], groups.gen_tp_index[rank])
+               for rank in range(mesh.world_size)]
+    received, bound, naive, gen_sizes = (list(column) for column in zip(*figures))
     return ReshardTraffic(tuple(received), tuple(bound), tuple(naive), tuple(gen_sizes), model)
 
 

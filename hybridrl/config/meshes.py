@@ -9,6 +9,7 @@ slowest; expert parallelism has a mesh of its own, `expert_groups`):  rank = tp 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from itertools import product
 
@@ -43,6 +44,10 @@ class TrainingMesh:
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
 
+    def __hash__(self) -> int:
+        # the groups follow from the sizes: hashing those alone keeps a 1,024-rank mesh a cheap cache key
+        return hash((self.tp, self.pp, self.cp, self.dp, self.vpp, self.first_stage_layers, self.last_stage_layers))
+
     def layout(self, ep: int = 1, etp: int | None = None) -> ParallelLayout:
         """The model layout on this mesh: where every layer and tensor sits (`hybridrl.models.layout`);
         `ep`, `etp` (None: TP) place an MoE model's experts."""
@@ -74,6 +79,8 @@ class TrainingMesh:
         return tuple(self.rank_of(tp=0, cp=0, dp=d, pp=self.pp - 1) for d in range(self.dp))
 
 
+# cached: `hybridrl plan --search` plans hundreds of layouts that share a few dozen meshes (a mesh is immutable)
+@functools.lru_cache(maxsize=256)
 def build_training_mesh(world_size: int, tp: int, pp: int, cp: int = 1, vpp: int | None = None, *,
                         first_stage_layers: int | None = None,
                         last_stage_layers: int | None = None) -> TrainingMesh:

@@ -7,6 +7,7 @@ config.json.
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -30,12 +31,20 @@ def load_model_shape(path: str, issues: list[ConfigIssue], warnings: list[str], 
         )
         return None
     try:
-        return ModelShape.from_hf_dir(path)
+        return _shape_of_folder(str(Path(path).resolve()), config_file.read_bytes())
     except UnsupportedModelError as exc:
         issues.append(ConfigIssue(field, path, str(exc)))
     except (KeyError, ValueError, json.JSONDecodeError) as exc:
         issues.append(ConfigIssue(field, path, f"config.json is unreadable or incomplete: {exc}"))
     return None
+
+
+@functools.lru_cache(maxsize=32)
+def _shape_of_folder(folder: str, config_json: bytes) -> ModelShape:
+    """A folder's shape, built once while its config.json holds the same bytes (part of the key: a file rewritten
+    within the clock's granularity still counts as new): `hybridrl plan --search` plans hundreds of layouts of one
+    model, and a shape keeps its per-layer counts."""
+    return ModelShape.from_hf_dir(folder)
 
 
 def role_model_shape(config: JobConfig, role: str, actor_shape: ModelShape) -> ModelShape:

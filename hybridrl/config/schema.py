@@ -8,6 +8,7 @@ checking; derived numbers never live here: they are computed once into the immut
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from dataclasses import dataclass, field
@@ -98,20 +99,32 @@ def choices_of(hint: Any) -> tuple[Any, bool] | None:
     return (hint, is_list) if typing.get_origin(hint) is Literal else None
 
 
+@functools.cache
+def _choice_table(cls: type) -> tuple[tuple[str, tuple[Any, bool] | None, bool], ...]:
+    """(field, `choices_of` its type, whether it may hold a config section) of each field of a config class, once
+    per class: resolving the types is most of validation's time, and `hybridrl plan --search` validates hundreds
+    of configs."""
+    hints = typing.get_type_hints(cls)
+
+    def may_hold_section(hint: Any) -> bool:
+        return any(dataclasses.is_dataclass(t) for t in (hint, *typing.get_args(hint)))
+
+    return tuple((f.name, choices_of(hints[f.name]), may_hold_section(hints[f.name])) for f in dataclasses.fields(cls))
+
+
 def choice_fields(root: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
     """(dotted path, Literal, value) of every closed-vocabulary field in a config tree, list items
     as `path[i]`; sections that are None (e.g. an unset ref layout) have no fields."""
     out: list[tuple[str, Any, Any]] = []
-    hints = typing.get_type_hints(type(root))
-    for f in dataclasses.fields(root):
-        value, path = getattr(root, f.name), f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(value):
-            out += choice_fields(value, f"{path}.")
+    for name, found, section in _choice_table(type(root)):
+        value = getattr(root, name)
+        if section and dataclasses.is_dataclass(value):
+            out += choice_fields(value, f"{prefix}{name}.")
             continue
-        found = choices_of(hints[f.name])
         if found is None or value is None:
             continue
         literal, is_list = found
+        path = f"{prefix}{name}"
         if is_list and isinstance(value, list):
             out += [(f"{path}[{i}]", literal, item) for i, item in enumerate(value)]
         else:

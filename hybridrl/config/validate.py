@@ -86,6 +86,15 @@ def nearest_satisfying(value: int, ok: Callable[[int], bool], k: int = 4, limit:
     return sorted(found[:k])
 
 
+def nearest_multiples(value: int, step: int, k: int = 4) -> list[int]:
+    """`nearest_satisfying(value, lambda v: v % step == 0, k)` by arithmetic: a search over a 1,024-GPU job's layouts
+    meets steps of hundreds, which the outward scan walks one by one."""
+    base = value if isinstance(value, int) and value > 0 else 1
+    below = [m for m in range(base // step * step, 0, -step)][:k]
+    above = [base // step * step + step * i for i in range(1, k + 1)]
+    return sorted(sorted(set(below + above), key=lambda m: (abs(m - base), m))[:k])
+
+
 class _Checker:
     """Collects issues; helpers return whether the rule held so dependent rules can be skipped."""
 
@@ -1190,7 +1199,7 @@ def _check_batch_arithmetic(
         check.fail("data.train_batch_size", batch,
                    f"must split evenly over the {infer_dp} rollout replicas "
                    f"(GPUs ÷ rollout tensor_model_parallel_size)",
-                   nearest_satisfying(batch, lambda b: b % infer_dp == 0))
+                   nearest_multiples(batch, infer_dp))
 
     def check_updates(prefix: str, mini: int, micro: int, dp: int, mini_field: str) -> None:
         if mini > batch or batch % mini:

@@ -10,6 +10,7 @@ The families themselves (their switches, defaults and weight tables) are one fil
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Mapping
@@ -219,13 +220,27 @@ class ModelShape:
 
     def params_of_layer(self, layer: int) -> int:
         """Parameters of decoder layer `layer` (every expert counted)."""
-        return sum(self.hf_numel(t) * (self.num_experts if spec.expert else 1)
-                   for spec in self.weights.layer if spec.exists(self, layer) for t in spec.hf)
+        return self._layer_params[layer][0]
 
     def expert_params_of_layer(self, layer: int) -> int:
         """The routed experts' share of `params_of_layer(layer)` (every expert counted; 0 in a dense layer)."""
-        return sum(self.hf_numel(t) * self.num_experts
-                   for spec in self.weights.layer if spec.expert and spec.exists(self, layer) for t in spec.hf)
+        return self._layer_params[layer][1]
+
+    @functools.cached_property
+    def _layer_params(self) -> tuple[tuple[int, int], ...]:
+        """(all, routed experts') parameters of each decoder layer, counted once per shape: the plan asks for them
+        per stage, per pass and per layout (`hybridrl plan --search` plans hundreds of layouts of one model).
+        Not a field: outside equality, hashing and `asdict`."""
+        return tuple(self._count_layer_params(layer) for layer in range(self.num_layers))
+
+    def _count_layer_params(self, layer: int) -> tuple[int, int]:
+        total = experts = 0
+        for spec in self.weights.layer:
+            if spec.exists(self, layer):
+                numel = sum(self.hf_numel(t) for t in spec.hf) * (self.num_experts if spec.expert else 1)
+                total += numel
+                experts += numel if spec.expert else 0
+        return total, experts
 
     def params_per_layer(self) -> int:
         """The largest layer's parameters (all layers alike in a dense model; an MoE layer with every
@@ -423,3 +438,4 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(f"no config.json in {path}")
     with config_file.open() as handle:
         return json.load(handle)
+
