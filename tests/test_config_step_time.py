@@ -40,7 +40,13 @@ def test_the_7b_grpo_steps_phases_are_the_roofline_by_hand():
     compute = flops[Phase.UPDATE_ACTOR] * 4 / 3 / 8 / (989e12 * 0.40)
     ring = 0.75 * (14.185 + 7.093) * GIB / (450e9 * 0.70)
     adam = 7.093 * GIB / 2 / 4 * 28 / (3350e9 * 0.50)
-    assert step.phase(Phase.UPDATE_ACTOR) == pytest.approx(compute + 4 * (ring + adam), rel=1e-6)
+    # optimizer_offload: Adam's two fp32 moments of the rank's quarter (7.093 GiB / 2 bytes x 8 bytes / 4) to the
+    # host and back once a step over PCIe 5.0 (64 GB/s) at 70 %; grad_offload frees its buffers, moving nothing
+    offload = 2 * (7.093 * GIB / 2 * 8 / 4) / (64e9 * 0.70)
+    assert step.phase(Phase.UPDATE_ACTOR) == pytest.approx(compute + 4 * (ring + adam) + offload, rel=1e-3)
+    no_offload = plan_from_sources(QWEN_7B, ["actor_rollout_ref.actor.megatron.optimizer_offload=false"])
+    assert predict_step_time(no_offload, H100).phase(Phase.UPDATE_ACTOR) == pytest.approx(
+        compute + 4 * (ring + adam), rel=1e-3)
     # the forward passes: no pipeline (PP1), 8 GPUs at 45 %
     for phase in (Phase.OLD_LOG_PROB, Phase.REF):
         assert step.phase(phase) == pytest.approx(flops[phase] / 8 / (989e12 * 0.45), rel=1e-6)
@@ -96,14 +102,15 @@ def test_the_plan_prints_the_prediction_only_when_asked_and_refuses_unknown_hard
     # a user's own description: a YAML file of the same fields
     own = tmp_path / "my-gpu.yaml"
     own.write_text("bf16_tflops: 500\nfp32_tflops: 40\nmemory_gb_per_s: 2000\nintra_node_gb_per_s: 200\n"
-                   "inter_node_gb_per_s: 12.5\n")
-    assert load_hardware(str(own)) == Hardware("my-gpu", 500, 40, 2000, 200, 12.5)
+                   "inter_node_gb_per_s: 12.5\nhost_gb_per_s: 32\n")
+    assert load_hardware(str(own)) == Hardware("my-gpu", 500, 40, 2000, 200, 12.5, 32)
     assert "on my-gpu" in render_plan(plan_from_sources(QWEN_7B, [f"trainer.hardware={own}"]))
     # mistakes: an unknown name, a file missing a field or holding a non-number, each naming the field and value
     broken = tmp_path / "broken.yaml"
     broken.write_text("bf16_tflops: fast\nfp32_tflops: 40\nmemory_gb_per_s: 2000\nintra_node_gb_per_s: 200\n")
     for value, words in (("h1000", "neither a shipped hardware name (a100-80gb, h100-sxm, h200, b200)"),
-                         (str(broken), "missing inter_node_gb_per_s; not a number > 0: bf16_tflops='fast'")):
+                         (str(broken), "missing inter_node_gb_per_s, host_gb_per_s; not a number > 0: "
+                                       "bf16_tflops='fast'")):
         with pytest.raises(ConfigError) as info:
             plan_from_sources(QWEN_7B, [f"trainer.hardware={value}"])
         assert [(i.field, i.value) for i in info.value.issues] == [("trainer.hardware", value)]

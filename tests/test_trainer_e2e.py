@@ -267,7 +267,7 @@ def test_custom_reward_dynamic_sampling_validation_temperature_and_time_vs_plan(
     reward_file.write_text(REWARD_FILE.format(calls=str(calls)))
     hardware = tmp_path / "this-cpu.yaml"  # about this machine's order of magnitude; the ratio is what is checked
     hardware.write_text("bf16_tflops: 0.1\nfp32_tflops: 0.1\nmemory_gb_per_s: 10\nintra_node_gb_per_s: 5\n"
-                        "inter_node_gb_per_s: 1\n")
+                        "inter_node_gb_per_s: 1\nhost_gb_per_s: 5\n")
     steps, batch, n = 3, 8, 8
     overrides = demo_overrides(
         demo_assets, run, f"trainer.total_training_steps={steps}", "trainer.test_freq=2",

@@ -26,6 +26,7 @@ class Hardware:
     memory_gb_per_s: float   # device memory (HBM) bandwidth, GB/s
     intra_node_gb_per_s: float  # to another GPU of the same machine (NVLink), one direction, GB/s
     inter_node_gb_per_s: float  # to a GPU of another machine (its NIC), one direction, GB/s
+    host_gb_per_s: float  # to the host's memory (PCIe), one direction, GB/s: what offloading moves over
 
     def peak_flops(self, dtype: str) -> float:
         """Peak matmul FLOP/s at a training or rollout dtype (`bf16`, `fp16`, `fp32`)."""
@@ -38,18 +39,23 @@ class Hardware:
     def link_bytes_per_s(self, crosses_nodes: bool) -> float:
         return (self.inter_node_gb_per_s if crosses_nodes else self.intra_node_gb_per_s) * 1e9
 
+    @property
+    def host_bytes_per_s(self) -> float:
+        return self.host_gb_per_s * 1e9
+
 
 # Published datasheet figures (dense). NVLink: A100 600 GB/s, H100/H200 900 GB/s, B200 1.8 TB/s both directions
-# together, halved here; networks: 200 Gb/s HDR (A100) and 400 Gb/s NDR (the others) per GPU = 25 / 50 GB/s.
+# together, halved here; networks: 200 Gb/s HDR (A100) and 400 Gb/s NDR (the others) per GPU = 25 / 50 GB/s; host:
+# PCIe 4.0 x16 (A100) and 5.0 x16 (the others), 32 / 64 GB/s a direction.
 SHIPPED: dict[str, Hardware] = {hw.name: hw for hw in (
     Hardware("a100-80gb", bf16_tflops=312, fp32_tflops=19.5, memory_gb_per_s=2039, intra_node_gb_per_s=300,
-             inter_node_gb_per_s=25),
+             inter_node_gb_per_s=25, host_gb_per_s=32),
     Hardware("h100-sxm", bf16_tflops=989, fp32_tflops=67, memory_gb_per_s=3350, intra_node_gb_per_s=450,
-             inter_node_gb_per_s=50),
+             inter_node_gb_per_s=50, host_gb_per_s=64),
     Hardware("h200", bf16_tflops=989, fp32_tflops=67, memory_gb_per_s=4800, intra_node_gb_per_s=450,
-             inter_node_gb_per_s=50),
+             inter_node_gb_per_s=50, host_gb_per_s=64),
     Hardware("b200", bf16_tflops=2250, fp32_tflops=80, memory_gb_per_s=8000, intra_node_gb_per_s=900,
-             inter_node_gb_per_s=50),
+             inter_node_gb_per_s=50, host_gb_per_s=64),
 )}
 
 NUMBER_FIELDS = tuple(f.name for f in fields(Hardware) if f.name != "name")

@@ -13,7 +13,8 @@ Torch-free. Each phase is bound by what it moves or computes at a stated fractio
   GPUs, the interleaved pipeline's bubble (1 + (PP - 1) / (micro-batches x VPP)), plus per optimizer step the
   data-parallel gradient reduction over the link its DP group spans (a ring all-reduce, 2 (DP - 1) / DP of the
   rank's gradients; with the distributed optimizer a reduce-scatter of them and an all-gather of the parameters,
-  (DP - 1) / DP of each) and Adam's pass over the rank's share of its state (memory bandwidth);
+  (DP - 1) / DP of each) and Adam's pass over the rank's share of its state (memory bandwidth), and per step what
+  the role offloads to the host and back over PCIe (Adam's moments, parameters; freed gradient buffers move nothing);
 - the weight sync: the resharder's most-loaded rank's bytes over NVLink and each rank's copy of its generation
   shard into vLLM's weights (colocated), or a training rank's share of the cross-pool bytes over the network
   (disaggregated).
@@ -149,7 +150,12 @@ def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency = EFFICIEN
         shards = mesh.dp if mc.use_distributed_optimizer else 1
         elements = params / DTYPE_BYTES[mc.dtype or resolved.train_dtype]
         adam = elements / shards * ADAM_BYTES_PER_PARAM / (hardware.memory_bytes_per_s * eff.optimizer_memory)
-        phases.append(PhaseTime(phase, compute + update.optimizer_steps_per_step * (ring + adam), "matmul"))
+        # what the role offloads leaves the GPU after its update and comes back before the next (`training.offload`:
+        # Adam's moments and the parameters are copied; the gradient buffers are freed and reallocated zeroed)
+        offloaded = (role_memory.moments_gib * GIB if mc.optimizer_offload else 0.0) + (
+            params if mc.param_offload else 0.0)
+        offload = 2 * offloaded / (hardware.host_bytes_per_s * eff.link)
+        phases.append(PhaseTime(phase, compute + update.optimizer_steps_per_step * (ring + adam) + offload, "matmul"))
     reshard = plan.reshard
     if reshard.cross_pool is not None:
         sync = reshard.cross_pool.bytes_sent_even / (hardware.link_bytes_per_s(True) * eff.link)
@@ -168,13 +174,13 @@ def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency = EFFICIEN
 def step_time_line(step: StepTime) -> str:
     """The prediction in one line: the step, then each phase's seconds and share."""
     total = sum(p.seconds for p in step.phases) or 1.0
-    parts = ", ".join(f"{p.phase} {_seconds(p.seconds)} ({p.seconds / total:.0%}, {p.bound})" for p in step.phases)
+    parts = ", ".join(f"{p.phase} {seconds_text(p.seconds)} ({p.seconds / total:.0%}, {p.bound})" for p in step.phases)
     how = "the longer of generation and the rest (async)" if step.overlapped else "the phases one after another"
     return (f"Predicted step time on {step.hardware} (a roofline at stated efficiencies, not yet calibrated on GPUs; "
-            f"{how}): {_seconds(step.seconds)}: {parts}")
+            f"{how}): {seconds_text(step.seconds)}: {parts}")
 
 
-def _seconds(value: float) -> str:
+def seconds_text(value: float) -> str:
     return f"{value:.3g} s" if value >= 0.01 else f"{value * 1e3:.3g} ms"
 
 
