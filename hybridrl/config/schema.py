@@ -100,36 +100,45 @@ def choices_of(hint: Any) -> tuple[Any, bool] | None:
 
 
 @functools.cache
-def _choice_table(cls: type) -> tuple[tuple[str, tuple[Any, bool] | None, bool], ...]:
-    """(field, `choices_of` its type, whether it may hold a config section) of each field of a config class, once
-    per class: resolving the types is most of validation's time, and `hybridrl plan --search` validates hundreds
-    of configs."""
+def _choice_table(cls: type) -> tuple[tuple[str, tuple[Any, tuple[Any, ...], bool] | None, bool], ...]:
+    """(field, (its Literal, the Literal's values, whether a list of them) or None, whether it may hold a config
+    section) of each field of a config class, once per class: resolving the types is most of validation's time,
+    and `hybridrl plan --search` validates hundreds of configs."""
     hints = typing.get_type_hints(cls)
 
     def may_hold_section(hint: Any) -> bool:
         return any(dataclasses.is_dataclass(t) for t in (hint, *typing.get_args(hint)))
 
-    return tuple((f.name, choices_of(hints[f.name]), may_hold_section(hints[f.name])) for f in dataclasses.fields(cls))
+    def closed(hint: Any) -> tuple[Any, tuple[Any, ...], bool] | None:
+        found = choices_of(hint)
+        return None if found is None else (found[0], typing.get_args(found[0]), found[1])
+
+    return tuple((f.name, closed(hints[f.name]), may_hold_section(hints[f.name])) for f in dataclasses.fields(cls))
 
 
-def choice_fields(root: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
-    """(dotted path, Literal, value) of every closed-vocabulary field in a config tree, list items
+def closed_fields(root: Any, prefix: str = "") -> list[tuple[str, Any, tuple[Any, ...], Any]]:
+    """(dotted path, Literal, its values, value) of every closed-vocabulary field in a config tree, list items
     as `path[i]`; sections that are None (e.g. an unset ref layout) have no fields."""
-    out: list[tuple[str, Any, Any]] = []
+    out: list[tuple[str, Any, tuple[Any, ...], Any]] = []
     for name, found, section in _choice_table(type(root)):
         value = getattr(root, name)
         if section and dataclasses.is_dataclass(value):
-            out += choice_fields(value, f"{prefix}{name}.")
+            out += closed_fields(value, f"{prefix}{name}.")
             continue
         if found is None or value is None:
             continue
-        literal, is_list = found
+        literal, values, is_list = found
         path = f"{prefix}{name}"
         if is_list and isinstance(value, list):
-            out += [(f"{path}[{i}]", literal, item) for i, item in enumerate(value)]
+            out += [(f"{path}[{i}]", literal, values, item) for i, item in enumerate(value)]
         else:
-            out.append((path, literal, value))
+            out.append((path, literal, values, value))
     return out
+
+
+def choice_fields(root: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted path, Literal, value) of every closed-vocabulary field (`closed_fields` without the values)."""
+    return [(path, literal, value) for path, literal, _, value in closed_fields(root, prefix)]
 
 
 def doc(default: Any = None, text: str = "", *, factory: Any = None) -> Any:

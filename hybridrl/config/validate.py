@@ -44,7 +44,7 @@ from hybridrl.config.schema import (
     MoEDispatcher,
     MoEDropPolicy,
     RolloutCorrectionConfig,
-    choice_fields,
+    closed_fields,
 )
 from hybridrl.models.arch import DEFAULT_VOCAB_DIVISOR, ModelShape
 from hybridrl.models.layout import ParallelLayout
@@ -219,8 +219,9 @@ def _check_trainer(check: _Checker, config: JobConfig) -> bool:
 
 def _check_names(check: _Checker, config: JobConfig) -> None:
     """Every closed-vocabulary field (typed with a `Literal` in the schema) holds one of its values."""
-    for path, literal, value in choice_fields(config):
-        check.one_of(path, value, typing.get_args(literal), CHOICE_NAMES.get(literal, "value"))
+    for path, literal, values, value in closed_fields(config):
+        if value not in values:  # the name of what it holds only for the message (hashing a Literal is slow)
+            check.one_of(path, value, values, CHOICE_NAMES.get(literal, "value"))
 
 
 def _check_numbers(check: _Checker, config: JobConfig, resolved: Resolved) -> None:
