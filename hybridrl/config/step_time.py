@@ -8,9 +8,11 @@ Torch-free. Each phase is bound by what it moves or computes at a stated fractio
   token, in as many waves as the KV cache needs, each step bound by reading the replica's weights and the KV
   cache of the sequences decoding together (memory bandwidth) or by their matmuls, whichever is slower;
 - each forward pass (old, reference, teacher log-probs; values; reward scores): its FLOPs over the role's GPUs,
-  stretched by the pipeline's fill and drain (1 + (PP - 1) / micro-batches);
+  stretched by the pipeline's fill and drain (1 + (PP - 1) / micro-batches), plus TP's activation collectives and
+  PP's stage-to-stage sends (`activation_traffic_seconds`, not overlapped with the matmuls);
 - each update: forward and backward FLOPs (a recomputed forward more with gradient checkpointing) over the role's
-  GPUs, the interleaved pipeline's bubble (1 + (PP - 1) / (micro-batches x VPP)), plus per optimizer step the
+  GPUs, the interleaved pipeline's bubble (1 + (PP - 1) / (micro-batches x VPP)), TP's and PP's activation traffic
+  for the forward, the backward and a recompute, plus per optimizer step the
   data-parallel gradient reduction over the link its DP group spans (a ring all-reduce, 2 (DP - 1) / DP of the
   rank's gradients; with the distributed optimizer a reduce-scatter of them and an all-gather of the parameters,
   (DP - 1) / DP of each) and Adam's pass over the rank's share of its state (memory bandwidth), and per step what
@@ -29,7 +31,8 @@ from dataclasses import dataclass
 
 from hybridrl.config.estimates import DTYPE_BYTES, GIB, forward_flops, kv_bytes_per_token
 from hybridrl.config.hardware import Hardware
-from hybridrl.config.plan import PASS_PHASES, UPDATE_PHASES, Plan
+from hybridrl.config.model_shapes import role_model_shape
+from hybridrl.config.plan import PASS_PHASES, UPDATE_PHASES, Plan, RoleLayout
 from hybridrl.names import Phase, Role
 
 
@@ -108,6 +111,36 @@ def generation_seconds(plan: Plan, hardware: Hardware, eff: Efficiency = EFFICIE
     return prefill + decode, "memory (decode)" if step_bytes >= step_flops else "matmul (decode)"
 
 
+def activation_traffic_seconds(plan: Plan, layout: RoleLayout, collective_passes: float, p2p_passes: float,
+                               hardware: Hardware, eff: Efficiency = EFFICIENCY) -> float:
+    """What a role's model parallelism moves per rank in one step's pass(es) over the batch, not overlapped:
+
+    - TP: per decoder layer a forward holds two all-reduces (attention's and the MLP's outputs; with sequence
+      parallelism a reduce-scatter and an all-gather each, the same bytes) of the rank's tokens x hidden, a
+      backward two more; a ring moves 2 (TP - 1) / TP of them, over the link the TP group spans;
+    - PP: each stage sends its micro-batches' activations to the next (and their gradients back in a backward):
+      the rank's tokens x hidden (its 1 / TP with sequence parallelism), over the network when a stage's ranks
+      fill a machine or more.
+
+    `collective_passes`: forwards and backwards (a recomputed forward counted); `p2p_passes`: forward and backward
+    sends (a recompute sends nothing). The rank's tokens: the step's rows at full length over DP and CP."""
+    mesh, mc = layout.mesh, layout.megatron
+    model = role_model_shape(plan.config, layout.role, plan.model)
+    tokens = plan.sequences_per_step * plan.token_budget.sequence_tokens / (mesh.dp * mesh.cp)
+    activation_bytes = tokens * model.hidden_size * DTYPE_BYTES[mc.dtype or plan.resolved.train_dtype]
+    per_node = plan.config.trainer.n_gpus_per_node
+    seconds = 0.0
+    if mesh.tp > 1:
+        ring = 2 * (mesh.tp - 1) / mesh.tp * activation_bytes
+        layers = model.num_layers / mesh.pp
+        seconds += collective_passes * 2 * layers * ring / (hardware.link_bytes_per_s(mesh.tp > per_node) * eff.link)
+    if mesh.pp > 1:
+        sent = activation_bytes / (mesh.tp if mc.sequence_parallel_in_effect else 1)
+        stage_ranks = mesh.world_size // mesh.pp
+        seconds += p2p_passes * sent / (hardware.link_bytes_per_s(stage_ranks >= per_node) * eff.link)
+    return seconds
+
+
 def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency = EFFICIENCY) -> StepTime | None:
     """The step's phases on `hardware` (None without a model shape)."""
     if plan.model is None or plan.rollout_memory is None:
@@ -128,6 +161,7 @@ def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency = EFFICIEN
         peak = hardware.peak_flops(mc.dtype or resolved.train_dtype)
         bubble = 1 + (layout.mesh.pp - 1) / max(1, forward.micro_batches_per_rank)
         seconds = flops[phase] / layout.mesh.world_size / (peak * eff.forward_matmul) * bubble
+        seconds += activation_traffic_seconds(plan, layout, 1, 1, hardware, eff)
         phases.append(PhaseTime(phase, seconds, "matmul"))
     for update in plan.updates:
         phase = UPDATE_PHASES[update.role]
@@ -139,6 +173,8 @@ def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency = EFFICIEN
         micro = update.grad_accum_steps or max(1, update.sequences_per_rank_per_mini_batch)
         bubble = 1 + (mesh.pp - 1) / (micro * (mesh.vpp or 1))
         compute = flops[phase] * recompute / mesh.world_size / (peak * eff.update_matmul) * bubble
+        compute += activation_traffic_seconds(plan, layout, update.ppo_epochs * (2 + (recompute > 1)),
+                                              update.ppo_epochs * 2, hardware, eff)
         role_memory = memory[update.role]
         params = role_memory.params_gib * GIB
         grads = role_memory.grads_gib * GIB
