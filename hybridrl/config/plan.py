@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import re
 import typing
@@ -344,12 +345,17 @@ def _reads_any(issue: ConfigIssue, names: frozenset[str]) -> bool:
 
 
 def build_plan(config: JobConfig, prior_issues: list[ConfigIssue] | tuple[ConfigIssue, ...] = (), *,
-               check_files: bool = False) -> Plan:
+               check_files: bool = False, handed_over: bool = False, refuse_over_memory: bool = True) -> Plan:
     """Validate `config` (raising `ConfigError` with every problem) and derive the Plan.
 
     A model path that is a hub id in the local Hugging Face cache becomes its snapshot folder; with
-    `check_files` the model folders, data files and reward code are checked too (`check_inputs`)."""
-    config = copy.deepcopy(config)  # the Plan owns its copy; the caller's object stays theirs
+    `check_files` the model folders, data files and reward code are checked too (`check_inputs`).
+    `handed_over`: the caller gives `config` to the plan, which keeps and adjusts it (no copy: the layout
+    search's configs share their unchanged sections, and what the plan adjusts there comes out the same).
+    `refuse_over_memory=False`: a job the training GPUs cannot hold is planned anyway (`gpu_memory.fits` False), for
+    the search to try its memory savers without building the refusal's advice."""
+    if not handed_over:
+        config = copy.deepcopy(config)  # the Plan owns its copy; the caller's object stays theirs
     issues: list[ConfigIssue] = list(prior_issues)
     warnings: list[str] = []
     resolve_hub_ids(config, warnings)
@@ -368,7 +374,7 @@ def build_plan(config: JobConfig, prior_issues: list[ConfigIssue] | tuple[Config
         hint = LAYOUT_ONLY_HINT if check_inputs(config, issues, critic=resolved.critic_enabled) else None
     if issues:
         raise ConfigError(issues, hint)
-    plan = _derive(config, resolved, model, tuple(warnings))
+    plan = _derive(config, resolved, model, tuple(warnings), refuse_over_memory)
     refusals = megatron_refusals(plan)
     if refusals:
         raise ConfigError(refusals)
@@ -515,6 +521,9 @@ def _cpu_kv_cache_bytes(config: JobConfig, resolved: Resolved, policy: DevicePol
     )
 
 
+# The field a job the training GPUs cannot hold is refused at (the plan's own memory check, after validation).
+MEMORY_REFUSAL_FIELD = "trainer.gpu_memory_gib"
+
 # The share of a pipeline's time a better first/last stage split would save, from which the plan warns.
 IMBALANCE_WARNING = 0.10
 
@@ -583,7 +592,17 @@ def _imbalance_warning(config: JobConfig, balance: StageBalance) -> str:
             f"{shares_text(balance.best_shares)}) would take ~{balance.gain:.0%} off the pipeline's time")
 
 
-def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, warnings: tuple[str, ...]) -> Plan:
+@functools.lru_cache(maxsize=256)
+def _colocated_reshard(model: ModelShape | None, mesh: TrainingMesh, infer_tp: int, dtype: str, ep: int,
+                       etp: int | None) -> tuple[ReshardGroups, ReshardTraffic | None]:
+    """The actor's mesh's groups with vLLM's TP and their traffic (None without a model shape); cached, as
+    `hybridrl plan --search` plans many layouts on one mesh (both results are immutable)."""
+    groups = build_reshard_groups(mesh, infer_tp)
+    return groups, reshard_traffic(model, mesh, groups, dtype, ep=ep, etp=etp) if model else None
+
+
+def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, warnings: tuple[str, ...],
+            refuse_over_memory: bool = True) -> Plan:
     arr, data = config.actor_rollout_ref, config.data
     n = arr.rollout.n
     world = resolved.world_size
@@ -640,10 +659,9 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
         if model:
             cross = cross_pool_traffic(model, world, resolved.rollout_world, infer_tp, resolved.rollout_dtype)
     else:
-        groups = build_reshard_groups(actor_mesh, infer_tp)
-        traffic = (reshard_traffic(model, actor_mesh, groups, resolved.rollout_dtype,
-                                   ep=arr.actor.megatron.expert_model_parallel_size,
-                                   etp=arr.actor.megatron.expert_tensor_parallel_size) if model else None)
+        groups, traffic = _colocated_reshard(model, actor_mesh, infer_tp, resolved.rollout_dtype,
+                                             arr.actor.megatron.expert_model_parallel_size,
+                                             arr.actor.megatron.expert_tensor_parallel_size)
     infer_dp = groups.rollout.infer_dp
 
     train_mem: list[TrainingMemory] = []
@@ -735,9 +753,10 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
                         f"process already holds {gpu_memory.startup.total_gib:.1f} GiB (more than "
                         f"{gpu_memory.startup_limit_gib:.1f})" + ("" if gpu_memory.peak_gib <= gpu_memory.gpu_gib
                                                                   else "; and " + what))
-            if policy.gpu_memory_budget_binding:  # it would run out of memory after minutes of start-up: refuse now
+            # it would run out of memory after minutes of start-up: refuse now
+            if policy.gpu_memory_budget_binding and refuse_over_memory:
                 raise ConfigError([ConfigIssue(
-                    "trainer.gpu_memory_gib", config.trainer.gpu_memory_gib,
+                    MEMORY_REFUSAL_FIELD, config.trainer.gpu_memory_gib,
                     f"is too small for this job: {what}; "
                     + _ways_to_fit(config, resolved, policy, tuple(train_mem), tuple(layouts), roll_mem,
                                    resolved.max_sequence_length))])

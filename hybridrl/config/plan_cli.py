@@ -6,18 +6,25 @@ Needs no GPU, no Ray, no torch.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
 from hybridrl.config.errors import ConfigError
 from hybridrl.config.plan import plan_from_sources
-from hybridrl.config.report import render_plan
+from hybridrl.config.report import render_plan, render_search
+from hybridrl.config.search import search_from_sources
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="YAML job config (defaults only when omitted)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor_rollout_ref.rollout.n=12")
     parser.add_argument("--format", choices=("text", "json"), default="text", help="report format")
+    parser.add_argument("--search", action="store_true",
+                        help="try every layout of the job's cluster (TP, PP, vLLM's TP, colocated or a rollout pool "
+                             "of its own, offload, recompute) and print the fastest by the predicted step time "
+                             "(needs trainer.hardware)")
+    parser.add_argument("--top", type=int, default=5, help="--search: how many layouts to print (default 5)")
     parser.add_argument("--layout-only", action="store_true",
                         help="size the layout from the model's config.json alone: skip the checks of the model's "
                              "weights and tokenizer, the data files and the reward code that `train` needs")
@@ -28,12 +35,19 @@ def run(args: argparse.Namespace) -> int:
     if config_path and "=" in config_path and not config_path.endswith((".yaml", ".yml")):
         config_path, overrides = None, [config_path, *overrides]  # only overrides were given
     try:
-        plan = plan_from_sources(config_path, overrides, check_files=not args.layout_only)
+        if args.search:
+            result = search_from_sources(config_path, overrides)
+        else:
+            plan = plan_from_sources(config_path, overrides, check_files=not args.layout_only)
     except ConfigError as exc:
         if args.format == "json":
             print(json.dumps(exc.to_dict(), indent=2, default=str), file=sys.stderr)
         else:
             print(f"hybridrl plan: {exc}", file=sys.stderr)
         return 2
-    print(plan.to_json() if args.format == "json" else render_plan(plan))
+    if args.search:
+        print(json.dumps(dataclasses.asdict(result), indent=2) if args.format == "json"
+              else render_search(result, config_path or "", args.top))
+    else:
+        print(plan.to_json() if args.format == "json" else render_plan(plan))
     return 0

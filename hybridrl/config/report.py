@@ -10,7 +10,8 @@ from hybridrl.config.internode import plan_internode_traffic
 from hybridrl.config.meshes import TrainingMesh, expert_groups
 from hybridrl.config.plan import Plan, lora_elements_per_layer
 from hybridrl.config.resolve import MODEL_SECTIONS
-from hybridrl.config.step_time import predict_step_time, step_time_line
+from hybridrl.config.search import Found, SearchResult
+from hybridrl.config.step_time import StepTime, predict_step_time, seconds_text, step_time_line
 from hybridrl.models.arch import ModelShape
 from hybridrl.parallel.device_policy import WITHOUT_TE
 
@@ -407,3 +408,58 @@ def speed_lines(plan: Plan) -> list[str]:
         out.append(f"  {layout.role}: on {', '.join(on) if on else 'none'}")
         out += [f"    off {s.name}: {s.why}" for s in settings if not s.on]
     return out
+
+
+SAVER_NAMES = ("grads freed", "moments offloaded", "recompute")
+
+
+def _placement(found: Found) -> str:
+    layout = found.layout
+    if not layout.rollout_gpus:
+        return "colocated"
+    return f"rollout pool {layout.rollout_gpus} GPUs, {layout.async_mode}"
+
+
+def _why(better: StepTime, other: StepTime, other_name: str) -> str:
+    """What `better` gains over `other`: the phase that saves the most."""
+    phases = {p.phase for p in better.phases} | {p.phase for p in other.phases}
+    phase = max(phases, key=lambda name: other.phase(name) - better.phase(name))
+    gain = other.seconds - better.seconds
+    overlap = " (generation beside training)" if better.overlapped and not other.overlapped else ""
+    return (f"{seconds_text(gain)} faster than {other_name}{overlap}: {phase} {seconds_text(better.phase(phase))} "
+            f"against {seconds_text(other.phase(phase))}")
+
+
+def render_search(result: SearchResult, config_name: str, top: int = 5) -> str:
+    """`hybridrl plan --search`: the fastest layouts, why each is ahead of the next, the job's own among them."""
+    shown = result.ranked[:top]
+    refused = ", ".join(f"{field} {count}" for field, count in result.refused[:6])
+    out = [
+        f"hybridrl plan --search on {result.hardware}: {result.total_gpus} GPUs; {result.layouts} layouts "
+        f"({result.planned} plans with their memory savers) in {result.seconds:.2f} s; {len(result.ranked)} plan, "
+        f"{result.layouts - len(result.ranked)} refused (by the field refused first: {refused or 'none'})",
+        "Ranked by the predicted step time (a roofline at stated efficiencies, `hybridrl plan` explains it); the "
+        "cluster, model, batch and lengths are the job's",
+        "",
+    ]
+    if not shown:
+        out.append("No layout plans: the job's own problems (`hybridrl plan` lists them) come before its layout.")
+        return "\n".join(out)
+    rows = [[f"#{i + 1}", seconds_text(f.step.seconds), f"{f.layout.train_tp}x{f.layout.train_pp}x{f.train_dp}",
+             f"{f.layout.rollout_tp}x{f.rollout_replicas}", _placement(f),
+             ", ".join(name for name, on in zip(SAVER_NAMES, f.savers) if on) or "-", f"{f.peak_gib:.1f}",
+             seconds_text(f.step.phase("gen"))] for i, f in enumerate(shown)]
+    out.append(table(["rank", "step", "train TPxPPxDP", "vLLM TPxreplicas", "placement", "memory savers",
+                      "peak GiB", "generation"], rows))
+    out.append("")
+    for i, found in enumerate(shown):
+        if i + 1 < len(result.ranked):
+            out.append(f"#{i + 1}: {_why(found.step, result.ranked[i + 1].step, f'#{i + 2}')}")
+    written = result.written
+    if written is not None:
+        place = sum(f.step.seconds < written.step.seconds for f in result.ranked) + 1
+        out.append(f"the job as written: {seconds_text(written.step.seconds)} (#{place} of {len(result.ranked)}); "
+                   + (_why(shown[0].step, written.step, "it") if shown[0].step.seconds < written.step.seconds
+                      else "nothing found is faster"))
+    out += ["", f"#1 as a job: hybridrl plan {config_name} " + " ".join(shown[0].overrides())]
+    return "\n".join(out)

@@ -1,0 +1,289 @@
+"""`hybridrl plan --search`: the layouts of a job's cluster the plan predicts fastest.
+
+The cluster (its GPUs in all), the model, the batch and the lengths stay the user's; the layout is free:
+
+- the trained roles' TP (powers of two within a machine) and PP (divisors of the layer count up to 16), the
+  critic and the reference taking the actor's (as verl's examples do), with sequence parallelism wherever TP > 1
+  on GPUs (megatron's pairing; it only saves memory);
+- vLLM's TP (powers of two within a machine);
+- the placement: colocated, or a rollout pool of its own of a quarter, half or three quarters of the machines (one
+  machine: of its GPUs), generating in turn with training (sync) or one step ahead (one_step_off; a user's
+  fully_async stays fully_async);
+- the memory savers, tried in order for each layout until one fits: none, the gradient buffers freed between
+  updates, Adam's moments offloaded too, then each of those with full activation recompute.
+
+What stays the user's: context parallelism, VPP, expert parallelism, the micro-batch sizes (the roofline has no
+model of a kernel's efficiency against its batch, so it would always pick the smallest), dtypes, the algorithm.
+
+Every candidate is planned as `hybridrl plan` plans a job (`build_plan`: every validation rule, the memory check),
+so what the search prints is a job `train` accepts; the refused ones are counted by the field refused first. The
+predicted step time (`config.step_time`) ranks what plans.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from hybridrl.config.errors import ConfigError, ConfigIssue
+from hybridrl.config.hardware import SHIPPED, Hardware, HardwareError, load_hardware
+from hybridrl.config.loader import load_config_collecting
+from hybridrl.config.model_shapes import load_model_shape
+from hybridrl.config.plan import MEMORY_REFUSAL_FIELD, Plan, build_plan
+from hybridrl.config.resolve import resolve
+from hybridrl.config.schema import JobConfig, MegatronConfig
+from hybridrl.config.step_time import StepTime, predict_step_time
+from hybridrl.models.arch import ModelShape
+from hybridrl.names import Role
+
+# A setting the search chooses: (dotted config path, value).
+Setting = tuple[str, object]
+
+MAX_PIPELINE_STAGES = 16
+# the rollout pool's share of the cluster's machines (one machine: of its GPUs) a disaggregated layout tries
+ROLLOUT_SHARES = (0.25, 0.5, 0.75)
+# memory savers, least time lost first: (grad_offload, optimizer_offload, full recompute). Freeing the gradient
+# buffers costs nothing (they are reallocated zeroed); the moments' copies cost PCIe time; recompute a forward.
+SAVERS = ((False, False, False), (True, False, False), (True, True, False),
+          (False, False, True), (True, False, True), (True, True, True))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One point of the search space (the memory savers are chosen per layout, `SAVERS`)."""
+
+    train_tp: int
+    train_pp: int
+    rollout_tp: int
+    rollout_gpus: int  # 0: colocated
+    async_mode: str
+
+
+@dataclass(frozen=True)
+class Found:
+    """A layout that plans, with its memory savers, the settings that differ from the job's and the plan's
+    predictions."""
+
+    layout: Layout
+    savers: tuple[bool, bool, bool]
+    changes: tuple[Setting, ...]
+    step: StepTime
+    peak_gib: float
+    train_dp: int
+    rollout_replicas: int
+
+    def overrides(self) -> list[str]:
+        """The changes as `hybridrl plan` / `train` command-line overrides."""
+        return [f"{path}={_override_value(value)}" for path, value in self.changes]
+
+
+def _override_value(value: object) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    hardware: str
+    total_gpus: int
+    layouts: int        # points of the search space
+    planned: int        # `build_plan` calls (a layout's savers tried in turn)
+    refused: tuple[tuple[str, int], ...]  # (the field refused first, layouts) most common first
+    ranked: tuple[Found, ...]  # every layout that plans, fastest first
+    seconds: float
+    written: Found | None  # the job's own layout, when it plans
+
+
+def powers_of_two_upto(limit: int) -> list[int]:
+    return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
+
+
+def layouts(config: JobConfig, model: ModelShape) -> Iterator[Layout]:
+    """Every layout of the job's cluster the search tries."""
+    per_node = config.trainer.n_gpus_per_node
+    nodes, total = cluster_size(config)
+    tps = powers_of_two_upto(per_node)
+    pps = [pp for pp in range(1, min(model.num_layers, MAX_PIPELINE_STAGES) + 1) if model.num_layers % pp == 0]
+    ahead = "fully_async" if config.actor_rollout_ref.rollout.async_mode == "fully_async" else "one_step_off"
+    unit = per_node if nodes > 1 else 1
+    pools = sorted({max(1, round(share * (nodes if nodes > 1 else per_node))) * unit for share in ROLLOUT_SHARES})
+    placements = [(0, "sync")] + [(gpus, mode) for gpus in pools if gpus < total for mode in ("sync", ahead)]
+    for tp, pp, rollout_tp, (gpus, mode) in itertools.product(tps, pps, tps, placements):
+        yield Layout(tp, pp, rollout_tp, gpus, mode)
+
+
+def cluster_size(config: JobConfig) -> tuple[int, int]:
+    """(machines, GPUs) of the whole job: the trainer's pool and a disaggregated rollout pool's."""
+    trainer, rollout = config.trainer, config.actor_rollout_ref.rollout
+    nodes, total = trainer.nnodes, trainer.nnodes * trainer.n_gpus_per_node
+    if rollout.mode == "disaggregated" and rollout.n_gpus_per_node:
+        total += rollout.nnodes * rollout.n_gpus_per_node
+        nodes += rollout.nnodes if rollout.n_gpus_per_node == trainer.n_gpus_per_node else 0
+    return nodes, total
+
+
+def settings_of(config: JobConfig, layout: Layout, savers: tuple[bool, bool, bool], critic: bool) -> list[Setting]:
+    """The dotted settings that turn the user's job into `layout` with `savers`."""
+    per_node = config.trainer.n_gpus_per_node
+    _, total = cluster_size(config)
+    grads, optimizer, recompute = savers
+    arr = "actor_rollout_ref"
+    sections = [f"{arr}.actor.megatron"] + ([f"{arr}.ref.megatron"] if config.actor_rollout_ref.ref.megatron else [])
+    trained = [f"{arr}.actor.megatron"] + (["critic.megatron"] if critic else [])
+    out: list[Setting] = []
+    for section in sections + (["critic.megatron"] if critic else []):
+        written = _section(config, section)
+        same_pp = layout.train_pp == written.pipeline_model_parallel_size
+        out += [(f"{section}.tensor_model_parallel_size", layout.train_tp),
+                (f"{section}.pipeline_model_parallel_size", layout.train_pp),
+                # the user's VPP where there is a pipeline; their uneven split at their PP only
+                (f"{section}.virtual_pipeline_model_parallel_size",
+                 written.virtual_pipeline_model_parallel_size if layout.train_pp > 1 else None),
+                (f"{section}.num_layers_in_first_pipeline_stage",
+                 written.num_layers_in_first_pipeline_stage if same_pp else None),
+                (f"{section}.num_layers_in_last_pipeline_stage",
+                 written.num_layers_in_last_pipeline_stage if same_pp else None)]
+    sequence_parallel = layout.train_tp > 1 and config.trainer.device == "cuda"
+    out += [(f"{section}.sequence_parallel", sequence_parallel) for section in sections + trained[1:]]
+    out += [(f"{section}.{name}", value) for section in trained
+            for name, value in (("grad_offload", grads), ("optimizer_offload", optimizer))]
+    out.append((f"{arr}.model.enable_gradient_checkpointing", recompute))
+    if critic:
+        out.append(("critic.model.enable_gradient_checkpointing", recompute))
+    rollout = f"{arr}.rollout"
+    out.append((f"{rollout}.tensor_model_parallel_size", layout.rollout_tp))
+    if layout.rollout_gpus == 0:
+        nodes, gpus = (total // per_node, per_node) if total % per_node == 0 else (1, total)
+        out += [("trainer.nnodes", nodes), ("trainer.n_gpus_per_node", gpus), (f"{rollout}.mode", "colocated"),
+                (f"{rollout}.nnodes", 1), (f"{rollout}.n_gpus_per_node", None), (f"{rollout}.async_mode", "sync")]
+    else:
+        whole_nodes = layout.rollout_gpus % per_node == 0 and total % per_node == 0
+        train_gpus = total - layout.rollout_gpus
+        out += [("trainer.nnodes", train_gpus // per_node if whole_nodes else 1),
+                ("trainer.n_gpus_per_node", per_node if whole_nodes else train_gpus),
+                (f"{rollout}.mode", "disaggregated"),
+                (f"{rollout}.nnodes", layout.rollout_gpus // per_node if whole_nodes else 1),
+                (f"{rollout}.n_gpus_per_node", per_node if whole_nodes else layout.rollout_gpus),
+                (f"{rollout}.async_mode", layout.async_mode), (f"{rollout}.free_cache_engine", None)]
+    fully_async = layout.async_mode == "fully_async"
+    out += [(f"{rollout}.{name}", getattr(config.actor_rollout_ref.rollout, name) if fully_async else None)
+            for name in FULLY_ASYNC_FIELDS]
+    return out
+
+
+# rollout settings that apply to async_mode=fully_async only (the validator refuses them elsewhere)
+FULLY_ASYNC_FIELDS = ("max_staleness", "staleness_policy", "partial_rollout")
+
+
+def _section(config: JobConfig, path: str) -> MegatronConfig:
+    section = _value_at(config, path)
+    assert isinstance(section, MegatronConfig)
+    return section
+
+
+def with_settings(config: JobConfig, settings: list[Setting] | tuple[Setting, ...]) -> JobConfig:
+    """`config` with each dotted path set: the sections on a set path are copied, the others shared (a deep copy
+    per candidate would be most of the search's time)."""
+    out = copy.copy(config)
+    copied: set[str] = {""}
+    for path, value in settings:
+        *parents, name = path.split(".")
+        section, where = out, ""
+        for part in parents:
+            child, where = getattr(section, part), f"{where}.{part}"
+            if where not in copied:
+                child = copy.copy(child)
+                setattr(section, part, child)
+                copied.add(where)
+            section = child
+        setattr(section, name, value)
+    return out
+
+
+def search(config: JobConfig, model: ModelShape, hardware: Hardware, *, critic: bool) -> SearchResult:
+    """Plan every layout (`layouts`) of `config`'s cluster, each with the first memory savers that fit, and rank
+    what plans by the predicted step time on `hardware`."""
+    started = time.perf_counter()
+    base = copy.deepcopy(config)  # every candidate's unchanged sections (the user's object stays theirs)
+    refused: Counter[str] = Counter()
+    found: list[Found] = []
+    planned = count = 0
+    for layout in layouts(config, model):
+        count += 1
+        for savers in SAVERS:
+            settings = settings_of(config, layout, savers, critic)
+            planned += 1
+            try:
+                plan = build_plan(with_settings(base, settings), handed_over=True, refuse_over_memory=False)
+            except ConfigError as exc:
+                refused[exc.issues[0].field] += 1  # a rule, not memory: no saver changes it
+                break
+            if plan.gpu_memory is None or plan.gpu_memory.fits or not plan.device_policy.gpu_memory_budget_binding:
+                found.append(_found(plan, hardware, layout, savers, config, settings))
+                break
+        else:
+            refused[MEMORY_REFUSAL_FIELD] += 1
+    try:
+        own = build_plan(config)
+        written = _found(own, hardware, layout_of(own), savers_of(own), config)
+    except ConfigError:
+        written = None
+    ranked = tuple(sorted(found, key=lambda f: (f.step.seconds, f.peak_gib)))
+    return SearchResult(hardware.name, cluster_size(config)[1], count, planned, tuple(refused.most_common()),
+                        ranked, time.perf_counter() - started, written)
+
+
+def layout_of(plan: Plan) -> Layout:
+    """A planned job's point in the search space."""
+    actor = plan.layout(Role.ACTOR).mesh
+    rollout = plan.config.actor_rollout_ref.rollout
+    return Layout(actor.tp, actor.pp, rollout.tensor_model_parallel_size, plan.resolved.rollout_world
+                  if plan.resolved.disaggregated else 0, plan.resolved.async_mode)
+
+
+def savers_of(plan: Plan) -> tuple[bool, bool, bool]:
+    mc = plan.layout(Role.ACTOR).megatron
+    return (mc.grad_offload, mc.optimizer_offload, plan.config.actor_rollout_ref.model.enable_gradient_checkpointing)
+
+
+def _found(plan: Plan, hardware: Hardware, layout: Layout, savers: tuple[bool, bool, bool],
+           written: JobConfig, settings: list[Setting] | tuple[Setting, ...] = ()) -> Found:
+    step = predict_step_time(plan, hardware)
+    assert step is not None  # the search runs with a model shape
+    changes = tuple((path, value) for path, value in settings if _value_at(written, path) != value)
+    return Found(layout, savers, changes, step, plan.gpu_memory.peak_gib if plan.gpu_memory else 0.0,
+                 plan.layout(Role.ACTOR).mesh.dp, plan.reshard.groups.rollout.infer_dp)
+
+
+def _value_at(config: JobConfig, path: str) -> object:
+    value: object = config
+    for part in path.split("."):
+        value = getattr(value, part, None)
+    return value
+
+
+def search_from_sources(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> SearchResult:
+    """Load the job (the loader's problems refused, as `hybridrl plan` refuses them) and search its layouts on its
+    `trainer.hardware`. The layout's own fields may be wrong: the search replaces them."""
+    config, issues = load_config_collecting(path, overrides)
+    if issues:
+        raise ConfigError(issues)
+    hardware_name = config.trainer.hardware
+    if hardware_name is None:
+        raise ConfigError([ConfigIssue("trainer.hardware", None, "is needed by --search, which ranks layouts by "
+                                       "their predicted step time: name a GPU or a YAML file of its figures",
+                                       list(SHIPPED))])
+    try:
+        hardware = load_hardware(hardware_name)
+    except HardwareError as exc:
+        raise ConfigError([ConfigIssue("trainer.hardware", hardware_name, str(exc), list(SHIPPED))]) from None
+    field = "actor_rollout_ref.model.path"
+    shape_issues: list[ConfigIssue] = []
+    model = load_model_shape(config.actor_rollout_ref.model.path, shape_issues, [], field, quiet=True)
+    if model is None:
+        raise ConfigError(shape_issues or [ConfigIssue(field, config.actor_rollout_ref.model.path,
+                                                       "has no config.json: --search sizes layouts from the model's "
+                                                       "shape")])
+    return search(config, model, hardware, critic=resolve(config, model).critic_enabled)
