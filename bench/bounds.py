@@ -75,8 +75,8 @@ def _timed(fn: Any, iters: int) -> float:
 def _gemm_rate(rows: int, hidden: int, intermediate: int, dtype: torch.dtype) -> float:
     """The fastest FLOP/s of a [rows, hidden] x [hidden, intermediate] product this machine offers in
     `dtype`: torch's default route, torch's oneDNN route (fp32: where it stays fp32, see
-    hybridrl.parallel.cpu_matmul), and vLLM's prepacked oneDNN GEMM when vLLM is installed."""
-    from hybridrl.parallel.cpu_matmul import onednn_fp32_is_exact, onednn_matmul_setting
+    hybridrl.parallel.cpu.matmul), and vLLM's prepacked oneDNN GEMM when vLLM is installed."""
+    from hybridrl.parallel.cpu.matmul import onednn_fp32_is_exact, onednn_matmul_setting
 
     a, b = torch.randn(rows, hidden, dtype=dtype), torch.randn(intermediate, hidden, dtype=dtype)
     iters = max(3, int(2e9 / (2 * rows * hidden * intermediate)))  # ~2 GFLOP per candidate

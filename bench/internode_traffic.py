@@ -1,6 +1,6 @@
 """Inter-node traffic per phase, measured on a real network link against the plan's model of it.
 
-Two hosts as network namespaces on a bridge (`tests/netns_hosts.Cluster`, root only), a Ray node on each from
+Two hosts as network namespaces on a bridge (`tests/support/netns_hosts.Cluster`, root only), a Ray node on each from
 `launch/ray_head.sh` / `launch/ray_worker.sh`, and `hybridrl train` of the CPU demo for 3 steps on three layouts:
 data parallelism across the hosts (DP2: the gradient all-reduce crosses), a pipeline across them (PP2: the
 activations, their gradients and the weight sync's other stage cross) and a disaggregated rollout pool on the
@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.netns_hosts import Cluster  # noqa: E402
+from tests.support.netns_hosts import Cluster  # noqa: E402
 from tests.test_multi_host import (  # noqa: E402
     DISAGGREGATED,
     assert_traffic_is_planned,

@@ -186,7 +186,7 @@ def summarize(mode: str, rounds: list[list[dict[str, Any]]], tokens: int, imbala
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from hybridrl.controller.dispatch import dp_token_imbalance, row_tokens
-    from hybridrl.parallel.forked import run_ranks
+    from tests.support.forked import run_ranks
 
     shape = TOY_MODEL if args.toy else MODEL
     workdir = Path(tempfile.mkdtemp(prefix="bench_packing_"))

@@ -31,8 +31,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hybridrl.parallel.forked import DEFAULT_PRELOAD, VLLM_PRELOAD, run_ranks  # noqa: E402
 from hybridrl.workers.probe import RARE_TOKEN_PROBE, ProbeSequence  # noqa: E402
+from tests.support.forked import DEFAULT_PRELOAD, VLLM_PRELOAD, run_ranks  # noqa: E402
 
 LAYER = 1
 

@@ -41,9 +41,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybridrl.config.meshes import build_reshard_groups, build_training_mesh  # noqa: E402
-from hybridrl.parallel.forked import run_ranks  # noqa: E402
 from hybridrl.reshard.checksums import shard_checksums  # noqa: E402
 from hybridrl.reshard.layout import hf_to_vllm_shards  # noqa: E402
+from tests.support.forked import run_ranks  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "reshard.json"
 MIB = 1024**2
@@ -270,7 +270,7 @@ def run_cross_pool(hf_dir: Path, config: dict, layout: tuple, state: dict) -> di
 
     from hybridrl.config.estimates import cross_pool_traffic
     from hybridrl.models.arch import ModelShape
-    from hybridrl.parallel.forked import free_port
+    from tests.support.forked import free_port
 
     tp, pp, trainer_world, rollout_world, infer_tp = layout
     port = free_port()

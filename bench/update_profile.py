@@ -279,7 +279,7 @@ def main() -> None:
     parser.add_argument("--tag", default="", help="a label stored with the results (e.g. before/after)")
     args = parser.parse_args()
     run_with_worker_env()
-    from hybridrl.parallel.forked import run_ranks
+    from tests.support.forked import run_ranks
 
     model = str((ROOT / args.model) if not Path(args.model).is_absolute() else Path(args.model))
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]

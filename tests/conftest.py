@@ -29,14 +29,14 @@ import pytest
 # module imports ray.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # The strict-device lane: every process the suite starts (forked ranks, Ray workers, `hybridrl train`) runs the CPU
-# layer in strict-device mode (hybridrl/parallel/strict_device.py), so each multi-rank worker, trainer, resharder,
+# layer in strict-device mode (hybridrl/parallel/cpu/strict_device.py), so each multi-rank worker, trainer, resharder,
 # cross-pool, MoE, CP and rollout test also proves that its tensors would be where CUDA needs them; the
 # negative controls are tests/test_training_strict_device.py::test_a_planted_host_tensor_stops_each_path and
 # tests/test_trainer_faults.py::test_strict_device_stops_a_run_whose_worker_forgets_the_device. Set before the rank
 # server and the Ray cluster start (they hand their environment on). HYBRIDRL_STRICT_DEVICE=0 runs the plain layer.
 os.environ.setdefault("HYBRIDRL_STRICT_DEVICE", "1")
 
-from hybridrl.parallel import forked  # noqa: E402 - after the Ray setting above
+from tests.support import forked  # noqa: E402 - after the Ray setting above
 
 # One rank server per xdist worker, for every `run_ranks` of the session: about 30 tests build vLLM
 # engines in forked ranks, so the server imports vLLM once (~8 s) instead of each test's ranks.

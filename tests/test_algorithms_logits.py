@@ -12,7 +12,7 @@ from hybridrl.algorithms import (
     vocab_parallel_log_prob,
 )
 from hybridrl.algorithms.vocab_parallel import vocab_parallel_log_prob_and_entropy
-from hybridrl.parallel.forked import run_ranks
+from tests.support.forked import run_ranks
 
 F64 = torch.float64
 

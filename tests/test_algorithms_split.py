@@ -13,7 +13,7 @@ from hybridrl.algorithms import (
     ppo_policy_loss,
     value_loss,
 )
-from hybridrl.parallel.forked import run_ranks
+from tests.support.forked import run_ranks
 
 F64 = torch.float64
 BATCH, LENGTH = 11, 8

@@ -10,7 +10,7 @@ import torch
 
 from hybridrl.algorithms import truncation as truncation_module
 from hybridrl.algorithms.truncation import Truncation, truncated_log_prob
-from hybridrl.parallel.forked import run_ranks
+from tests.support.forked import run_ranks
 
 VOCAB = 64
 

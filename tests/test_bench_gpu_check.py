@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridrl.parallel.forked import run_ranks
+from tests.support.forked import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))

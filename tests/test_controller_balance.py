@@ -172,7 +172,7 @@ def dp2_policy(ray_cluster, tmp_path_factory):
     from hybridrl.controller.resource_pool import ResourcePool
     from hybridrl.controller.worker_group import WorkerGroup
     from hybridrl.workers.ray_roles import ActorRolloutRefWorker
-    from tests.test_training_fixtures import job_config, policy_model
+    from tests.support.training_fixtures import job_config, policy_model
 
     root = tmp_path_factory.mktemp("balance")
     hf = policy_model(root / "hf")
@@ -194,7 +194,7 @@ pytest_slow = pytest.mark.slow
 
 
 def _ragged(rows: int, seed: int):
-    from tests.test_training_fixtures import rollout_batch
+    from tests.support.training_fixtures import rollout_batch
 
     batch = rollout_batch(rows, seed=seed)
     order = balanced_dp_order((batch["attention_mask"] != 0).sum(-1).numpy(), 2, 1)
@@ -206,7 +206,7 @@ def _ragged(rows: int, seed: int):
 @pytest_slow
 def test_balanced_log_probs_come_back_in_the_batch_order(dp2_policy):
     from hybridrl.workers.ray_roles import ActorRolloutRefWorker
-    from tests.test_training_fixtures import hf_response_log_probs
+    from tests.support.training_fixtures import hf_response_log_probs
 
     group = dp2_policy["group"]
     batch = _ragged(16, seed=7)

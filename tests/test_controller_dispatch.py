@@ -19,7 +19,7 @@ from hybridrl.controller.dispatch import (
     select_output_ranks,
 )
 from hybridrl.data.batch import Batch
-from tests.controller_workers import EchoWorker, FailingWorker
+from tests.support.controller_workers import EchoWorker, FailingWorker
 
 MESH_SIZES = {"tp": 2, "pp": 2, "dp": 2}
 

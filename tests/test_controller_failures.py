@@ -10,7 +10,7 @@ import pytest
 from hybridrl.controller.gather import PEER_LOST, WorkerGroupError
 from hybridrl.controller.resource_pool import ResourcePool, ResourcePoolError
 from hybridrl.controller.worker_group import WorkerGroup, WorkerGroupClosedError
-from tests.controller_workers import FailingWorker
+from tests.support.controller_workers import FailingWorker
 
 WORLD = 3
 FAIL_RANK = 2

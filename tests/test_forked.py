@@ -1,7 +1,7 @@
 import pytest
 import torch  # noqa: F401  (the ranks use it; imported here so the parent pays once)
 
-from hybridrl.parallel.forked import RankError, run_ranks
+from tests.support.forked import RankError, run_ranks
 
 
 def _all_reduce_rank(rank: int, world_size: int, scale: float) -> float:
@@ -36,7 +36,7 @@ def test_rendezvous_survives_a_port_taken_by_another_process(monkeypatch):
     `free_port` (here: a port already bound by someone else) must not matter."""
     import socket
 
-    from hybridrl.parallel import forked
+    from tests.support import forked
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as squatter:
         squatter.bind(("127.0.0.1", 0))
@@ -54,7 +54,7 @@ def _preloaded(rank: int, world_size: int, modules: list[str]) -> dict[str, bool
 def test_the_session_rank_server_preloads_vllm_once_and_keeps_its_preload():
     """tests/conftest.py chose the server's preload: the ranks start with vLLM's engine modules already
     imported (each test's ranks would pay ~8 s otherwise), and no later call can change it."""
-    from hybridrl.parallel import forked
+    from tests.support import forked
 
     modules = [*forked.VLLM_PRELOAD, "megatron.core", "hybridrl.workers.hybrid"]
     absent = ["transformer_engine", "vllm.v1.worker.cpu_worker"]  # its import patches torch.cuda.Stream

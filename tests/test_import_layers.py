@@ -13,6 +13,8 @@ from __future__ import annotations
 import ast
 import functools
 import re
+import subprocess
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -188,3 +190,37 @@ def test_config_modules_import_in_a_line():
         if CONFIG_LINE.index(target) >= CONFIG_LINE.index(source)
     ]
     assert not backwards, "config imports against CONFIG_LINE:\n" + "\n".join(backwards)
+
+
+# The CPU stand-ins' room: code that serves both devices imports it only inside the branch a CPU job takes.
+CPU_ROOM = "hybridrl.parallel.cpu"
+
+
+def test_the_cpu_stand_ins_are_imported_only_inside_functions_outside_their_room():
+    at_module_level = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.is_relative_to(PACKAGE / "parallel" / "cpu"):
+            continue
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in tree.body:  # the module's own statements (a function's body is not among them)
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(name == CPU_ROOM or name.startswith(CPU_ROOM + ".") for name in names):
+                at_module_level.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not at_module_level, "import the CPU stand-ins inside the CPU branch:\n" + "\n".join(at_module_level)
+
+
+def test_importing_every_module_outside_the_room_loads_no_cpu_stand_in():
+    """A fresh process imports every hybridrl module but the CPU room's (as a GPU job's processes import theirs):
+    none of the stand-ins comes along."""
+    program = f"""
+import importlib, pkgutil, sys
+import hybridrl
+for module in pkgutil.walk_packages(hybridrl.__path__, "hybridrl."):
+    if not module.name.startswith({CPU_ROOM!r}):
+        importlib.import_module(module.name)
+print(sorted(name for name in sys.modules if name.startswith({CPU_ROOM!r} + ".")))
+"""
+    result = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout[-2000:]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.netns_hosts import BRIDGE_IP, CLUSTER_IP, multi_homed_host
+from tests.support.netns_hosts import BRIDGE_IP, CLUSTER_IP, multi_homed_host
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted((ROOT / "launch").glob("*.sh")) + sorted((ROOT / "launch").glob("*.sbatch"))

@@ -29,7 +29,7 @@ from hybridrl.models.layout import (
     rank_tensor_plans,
     vocab_range_for_rank,
 )
-from tests.test_models_fixtures import ARCHS, make_hf_model, read_json
+from tests.support.models_fixtures import ARCHS, make_hf_model, read_json
 
 
 @pytest.fixture(scope="module")

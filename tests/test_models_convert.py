@@ -13,7 +13,7 @@ import torch
 from hybridrl.models.checkpoint import METADATA_FILE
 from hybridrl.models.convert_cli import main as convert_main
 from hybridrl.persistence import is_partial
-from tests.test_models_fixtures import (
+from tests.support.models_fixtures import (
     ARCHS,
     assert_same_tensors,
     hf_logits,

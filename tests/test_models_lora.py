@@ -12,8 +12,8 @@ import torch
 
 from hybridrl.models.lora_targets import PROJECTIONS as LAYER_PROJECTIONS
 from hybridrl.models.lora_targets import TARGETS
-from hybridrl.parallel.forked import run_ranks
-from tests.test_models_fixtures import VOCAB, make_hf_model, sample_tokens
+from tests.support.forked import run_ranks
+from tests.support.models_fixtures import VOCAB, make_hf_model, sample_tokens
 
 TOKENS = sample_tokens(batch=2)
 RANK, ALPHA = 4, 8.0
@@ -86,7 +86,7 @@ def hf_dir(tmp_path_factory) -> Path:
 
 def adapter_state(hf_dir: Path, seed: int, rank: int = RANK) -> dict[str, torch.Tensor]:
     """Random adapters of the model's shape under peft's names (B not zero: the adapters change the model)."""
-    from tests.test_models_fixtures import read_json
+    from tests.support.models_fixtures import read_json
 
     c = read_json(hf_dir / "config.json")
     hidden, heads, kv, ffn = (c[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
@@ -241,7 +241,7 @@ def test_a_sync_sends_the_weights_with_the_adapters_merged(hf_dir, tp, pp, infer
     peft's merge_and_unload on the transformers model (1e-6), and the next sync after the adapters changed in place
     carries the change (the merged weight is not kept across syncs)."""
     from hybridrl.reshard.layout import hf_to_vllm_shards
-    from tests.test_models_fixtures import read_json
+    from tests.support.models_fixtures import read_json
 
     state = adapter_state(hf_dir, 8)
     if kind == "lora":

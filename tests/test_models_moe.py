@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from hybridrl.parallel.forked import run_ranks
-from tests.test_models_fixtures import (
+from tests.support.forked import run_ranks
+from tests.support.models_fixtures import (
     MOE_ARCHS,
     VOCAB,
     assert_same_tensors,

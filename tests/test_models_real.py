@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from hybridrl.parallel.forked import run_ranks
+from tests.support.forked import run_ranks
 from tests.test_models_logits import _pipeline_logits
 
 TOLERANCE = 1e-5  # max abs logits difference, fp32

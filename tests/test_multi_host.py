@@ -1,4 +1,4 @@
-"""Runs across machines: hosts as network namespaces (`tests/netns_hosts.Cluster`), a Ray node on each started
+"""Runs across machines: hosts as network namespaces (`tests/support/netns_hosts.Cluster`), a Ray node on each started
 by the project's own launch scripts, `hybridrl train` from the head's host (issue 42).
 
 Each host has its own network stack and a docker-like address listed first by `hostname -I`, and the shared
@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.netns_hosts import Cluster, Host, LinkSamples
+from tests.support.netns_hosts import Cluster, Host, LinkSamples
 from tools.demo_assets import demo_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -253,11 +253,11 @@ def test_a_disaggregated_rollout_pool_on_another_host(demo_assets, tmp_path, ray
 
 
 def test_the_slurm_script_runs_a_job_across_two_hosts(demo_assets, tmp_path, ray_temp):
-    """launch/slurm_grpo.sbatch submitted to a real Slurm (slurmctld and a slurmd per host, `tests/slurm_hosts.py`)
-    as written, on a CPU partition (`--gpus-per-node=0` overriding its GPU line; `--cpus-per-task` its 64): its
-    srun steps start a Ray node on each host, and the GRPO job it then runs trains across both, every sync
-    proven."""
-    from tests.slurm_hosts import slurm_cluster
+    """launch/slurm_grpo.sbatch submitted to a real Slurm (slurmctld and a slurmd per host,
+    `tests/support/slurm_hosts.py`) as written, on a CPU partition (`--gpus-per-node=0` overriding its GPU line;
+    `--cpus-per-task` its 64): its srun steps start a Ray node on each host, and the GRPO job it then runs trains
+    across both, every sync proven."""
+    from tests.support.slurm_hosts import slurm_cluster
 
     run = tmp_path / "run"
     with Cluster(2) as cluster, slurm_cluster(cluster, tmp_path / "slurm") as slurm:

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hybridrl.parallel import cpu_layer
-from hybridrl.parallel.forked import run_ranks
+from hybridrl.parallel.cpu import layer as cpu_layer
+from tests.support.forked import run_ranks
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="the 'fails without the patch' halves assume a CPU-only torch"
@@ -352,7 +352,7 @@ def _clip_and_optimizer(rank: int, world_size: int, skip: list[str]) -> dict:
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
     from hybridrl.parallel.state import initialize_model_parallel
-    from tests import megatron_helpers as H
+    from tests.support import megatron_helpers as H
 
     # initialize_model_parallel applies the whole layer first; re-create the state under test.
     initialize_model_parallel(seed=1)
@@ -446,7 +446,7 @@ def _moe_build(rank: int, world_size: int, hf_dir: str, skip: list[str]) -> dict
 
 
 def test_moe_alltoall_streams_patch(tmp_path):
-    from tests.test_models_fixtures import make_hf_model
+    from tests.support.models_fixtures import make_hf_model
 
     hf_dir = str(make_hf_model(tmp_path / "moe", "mixtral", seed=1))
     without = run_ranks(_moe_build, 2, hf_dir, ["moe_alltoall_streams"], timeout_s=200)

@@ -2,8 +2,8 @@
 the results are fp32 results (against MKL's and float64), in megatron's training forms too."""
 import torch
 
-from hybridrl.parallel.cpu_matmul import all_exact, onednn_fp32_is_exact, probe_products
-from hybridrl.parallel.forked import run_ranks
+from hybridrl.parallel.cpu.matmul import all_exact, onednn_fp32_is_exact, probe_products
+from tests.support.forked import run_ranks
 
 
 def test_probe_catches_bf16_arithmetic():

@@ -1,4 +1,4 @@
-"""The CPU stand-in for TE's norm under sequence parallelism (`hybridrl/parallel/cpu_norm.py`), against the
+"""The CPU stand-in for TE's norm under sequence parallelism (`hybridrl/parallel/cpu/norm.py`), against the
 torch norm of megatron's local spec it replaces. The stand-in's training behaviour at TP2 with SP is checked
 against TP1 in tests/test_training_ranks.py (actor) and against plain torch in tests/test_training_critic.py
 (critic and reward model)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridrl.parallel.cpu_norm import SequenceParallelTorchNorm, with_sequence_parallel_norms
+from hybridrl.parallel.cpu.norm import SequenceParallelTorchNorm, with_sequence_parallel_norms
 
 
 def _config(**overrides):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridrl.parallel.cpu_rope import (
+from hybridrl.parallel.cpu.rope import (
     cpu_fused_rope_installed,
     install_cpu_fused_rope,
     rotary_embedding_half_split,
@@ -78,7 +78,7 @@ def test_install_fills_megatron_slot_and_cpu_config_check_accepts_fusion():
 
     from megatron.core.models.common.embeddings import rope_utils
 
-    from hybridrl.parallel import cpu_layer
+    from hybridrl.parallel.cpu import layer as cpu_layer
 
     assert install_cpu_fused_rope() and install_cpu_fused_rope()  # idempotent
     assert cpu_fused_rope_installed()

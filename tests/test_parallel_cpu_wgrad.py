@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hybridrl.parallel import cpu_layer
-from hybridrl.parallel.cpu_wgrad import (
+from hybridrl.parallel.cpu import layer as cpu_layer
+from hybridrl.parallel.cpu.wgrad import (
     CPU_WGRAD_MODULE,
     cpu_wgrad_fusion_installed,
     install_cpu_wgrad_fusion,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridrl.parallel.forked import RankError, run_ranks
-from tests import megatron_helpers as H
+from tests.support import megatron_helpers as H
+from tests.support.forked import RankError, run_ranks
 
 SEED = 7
 STEPS = 3
@@ -100,7 +100,7 @@ def _pipeline_forward_only(
 
     initialize_model_parallel(pp=2, vpp=vpp, seed=SEED)
     if p2p_sync:  # without the layer's cuda_synchronize patch, as on CPU before it existed
-        from hybridrl.parallel.cpu_layer import remove_cpu_layer
+        from hybridrl.parallel.cpu.layer import remove_cpu_layer
 
         remove_cpu_layer(["cuda_synchronize"])
     stages = range(vpp) if vpp else [None]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from hybridrl.parallel import state
-from hybridrl.parallel.forked import free_port, run_ranks
+from tests.support.forked import free_port, run_ranks
 
 
 # ------------------------------------------------------------------------------------------------

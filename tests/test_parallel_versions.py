@@ -205,7 +205,7 @@ def test_onednn_route_is_skipped_on_a_torch_without_the_setting(monkeypatch):
     """torch < 2.9 has no torch.backends.mkldnn.matmul: routing and the engine's state guard must not fail."""
     import torch
 
-    from hybridrl.parallel import cpu_matmul
+    from hybridrl.parallel.cpu import matmul as cpu_matmul
     from hybridrl.rollout.engine import _preserved_process_state
 
     assert cpu_matmul.onednn_matmul_setting() is torch.backends.mkldnn.matmul

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from hybridrl.parallel.forked import run_ranks
 from hybridrl.trainer.checkpoints import STATE_FILE, CheckpointError, CheckpointManager
-from tests.test_training_fixtures import job_config, policy_model, rollout_batch
+from tests.support.forked import run_ranks
+from tests.support.training_fixtures import job_config, policy_model, rollout_batch
 
 
 def _digests(folder: Path) -> dict[str, str]:

@@ -18,8 +18,8 @@ from hybridrl.config import plan_from_sources
 from hybridrl.config.plan import lora_elements_per_layer
 from hybridrl.models.lora_targets import PROJECTIONS as LAYER_PROJECTIONS
 from hybridrl.models.lora_targets import TARGETS
-from hybridrl.parallel.forked import run_ranks
-from tests.hybrid_workers import hybrid_worker
+from tests.support.forked import run_ranks
+from tests.support.hybrid_workers import hybrid_worker
 from tests.test_models_lora import adapter_state, shared_a
 
 pytestmark = pytest.mark.slow

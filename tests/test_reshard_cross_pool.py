@@ -21,11 +21,11 @@ import torch
 from hybridrl.config.meshes import build_training_mesh
 from hybridrl.models.arch import ModelShape
 from hybridrl.models.vllm_layout import vllm_targets
-from hybridrl.parallel.forked import RankError, free_port, run_ranks
 from hybridrl.reshard.checksums import shard_checksums, verify_checksums
 from hybridrl.reshard.cross_pool_plan import CrossPoolLayout, cross_pool_totals
 from hybridrl.reshard.layout import hf_to_vllm_shards
-from tests.test_models_fixtures import make_hf_model, read_json, safetensors_state
+from tests.support.forked import RankError, free_port, run_ranks
+from tests.support.models_fixtures import make_hf_model, read_json, safetensors_state
 
 TIMEOUT_S = 300.0
 

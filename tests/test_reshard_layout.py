@@ -16,10 +16,17 @@ import torch
 from hybridrl.models.arch import ModelShape
 from hybridrl.models.vllm_layout import vllm_padded_vocab, vllm_param_shapes
 from hybridrl.parallel.digest import tensor_digest
-from hybridrl.parallel.forked import run_ranks
 from hybridrl.reshard.layout import hf_to_vllm_shards, vllm_shard_nbytes
-from tests import rollout_scenarios
-from tests.rollout_models import LLAMA_GQA1, QWEN2_TIED, QWEN3_QK_NORM, build_tiny_model, load_config, load_state_dict
+from tests.support import rollout_scenarios
+from tests.support.forked import run_ranks
+from tests.support.rollout_models import (
+    LLAMA_GQA1,
+    QWEN2_TIED,
+    QWEN3_QK_NORM,
+    build_tiny_model,
+    load_config,
+    load_state_dict,
+)
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"  # HF's names, written here independently
 

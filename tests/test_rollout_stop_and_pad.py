@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from hybridrl.parallel.forked import run_ranks
 from hybridrl.rewards.manager import token_level_rewards
-from tests.rollout_models import LLAMA_GQA1, build_tiny_model
+from tests.support.forked import run_ranks
+from tests.support.rollout_models import LLAMA_GQA1, build_tiny_model
 
 pytestmark = pytest.mark.slow  # three vLLM engines: ~1 min alone, ~3.5 min on 2 shared cores
 
@@ -27,7 +27,7 @@ NEVER = 199  # config.json's EOS: a token the greedy answer never reaches (check
 
 def _session(rank: int, world_size: int, model_dir: str, pad_token_id: int) -> dict[str, Any]:
     from hybridrl.rollout.sampling import validation_sampling
-    from tests.rollout_scenarios import make_engine
+    from tests.support.rollout_scenarios import make_engine
 
     engine = make_engine(model_dir, pad_token_id=pad_token_id)  # eos_token_ids=None: read from the folder
     return {

@@ -28,9 +28,9 @@ from typing import Any
 import pytest
 import torch
 
-from hybridrl.parallel.forked import run_ranks
 from hybridrl.training.router_replay import from_router_order, to_router_order
-from tests.test_models_fixtures import make_hf_model, sample_tokens
+from tests.support.forked import run_ranks
+from tests.support.models_fixtures import make_hf_model, sample_tokens
 
 ROWS, SEQ = 3, 16
 NOISE = 0.05  # router weights are N(0, 1) in the fixture: a 5% noise still flips a few top-k choices
@@ -226,7 +226,7 @@ def _rollout_then_actor_rank(rank: int, world: int, hf_dir: str, config: Any) ->
 
 @pytest.fixture(scope="module")
 def rollout_replay(tmp_path_factory) -> dict[str, Any]:
-    from tests.test_training_fixtures import job_config
+    from tests.support.training_fixtures import job_config
 
     hf = make_hf_model(tmp_path_factory.mktemp("rollout_replay") / "qwen3_moe", "qwen3_moe", seed=11,
                        max_position_embeddings=128)
@@ -421,7 +421,7 @@ def _replay_at_infer_tp2_rank(rank: int, world: int, model_dir: str) -> dict[str
     from megatron.core.transformer.moe.router import TopKRouter
 
     from hybridrl.rollout.sampling import RolloutSampling
-    from tests.hybrid_workers import gather_first, hybrid_worker
+    from tests.support.hybrid_workers import gather_first, hybrid_worker
 
     worker = hybrid_worker(rank, world, model_dir, [
         "actor_rollout_ref.rollout.tensor_model_parallel_size=2",

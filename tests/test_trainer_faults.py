@@ -129,7 +129,7 @@ def test_strict_device_stops_a_run_whose_worker_forgets_the_device(demo_assets, 
     """The strict-device lane's negative control through `hybridrl train` (Ray workers, the whole step): one
     host tensor planted where the training backend moves a micro-batch to the device stops the run at its
     first forward, naming the op and the two placements, as CUDA would."""
-    from hybridrl.parallel import strict_device
+    from hybridrl.parallel.cpu import strict_device
 
     result, _ = _train_with(demo_overrides(demo_assets, tmp_path / "run", "trainer.total_training_steps=1"),
                             {strict_device.ENV_SWITCH: "1",

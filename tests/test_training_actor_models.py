@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from hybridrl.parallel.forked import run_ranks
-from tests.test_models_fixtures import make_hf_model, read_json, safetensors_state
+from tests.support.forked import run_ranks
+from tests.support.models_fixtures import make_hf_model, read_json, safetensors_state
 from tests.test_training_actor_reference import (
     Case,
     actor_config,

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from hybridrl.parallel.forked import run_ranks
-from tests.rollout_models import build_tiny_model
-from tests.test_models_fixtures import safetensors_state
-from tests.test_training_fixtures import RESPONSE, job_config, rollout_batch
+from tests.support.forked import run_ranks
+from tests.support.models_fixtures import safetensors_state
+from tests.support.rollout_models import build_tiny_model
+from tests.support.training_fixtures import RESPONSE, job_config, rollout_batch
 
 TEMPERATURE = 0.7
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28  # DAPO's clip-higher: asymmetric on purpose

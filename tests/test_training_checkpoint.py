@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from hybridrl.parallel.forked import run_ranks
-from tests.test_training_fixtures import (
+from tests.support.forked import run_ranks
+from tests.support.training_fixtures import (
     job_config,
     policy_model,
     rollout_batch,
@@ -100,7 +100,7 @@ def test_expert_parallel_round_trips(tmp_path):
     EP rank 1 restored EP rank 0's expert state from the one file per TP x PP position: 24 expert weights
     came out different); an EP2 checkpoint resumed at TP1 x ETP2 re-shards the experts' state and gives the
     same next update (<= 1e-5)."""
-    from tests.test_models_fixtures import make_hf_model, safetensors_state
+    from tests.support.models_fixtures import make_hf_model, safetensors_state
 
     hf = make_hf_model(tmp_path / "hf", "qwen3_moe", seed=7)
     batches = [rollout_batch(8, seed=1), rollout_batch(8, seed=2)]

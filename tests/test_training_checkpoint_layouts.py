@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from hybridrl.parallel.forked import run_ranks
-from tests.test_models_fixtures import make_hf_model, safetensors_state
-from tests.test_training_fixtures import (
+from tests.support.forked import run_ranks
+from tests.support.models_fixtures import make_hf_model, safetensors_state
+from tests.support.training_fixtures import (
     job_config,
     policy_model,
     rollout_batch,

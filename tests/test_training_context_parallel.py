@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hybridrl.parallel.context_parallel import cp_columns
-from hybridrl.parallel.forked import run_ranks
+from tests.support.forked import run_ranks
 from tests.test_training_packing import torch_causal_attention
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
@@ -44,7 +44,7 @@ def test_packed_inputs_under_cp_pad_each_rows_segment_to_2cp():
     """segment_multiple=4 (CP2): each row's real tokens start its segment, padded with token 0 to a
     multiple of 4; cu_seqlens bounds the padded segments; reading back per row is unchanged."""
     from hybridrl.training.sequences import build_model_inputs
-    from tests.test_training_fixtures import rollout_batch
+    from tests.support.training_fixtures import rollout_batch
 
     batch = rollout_batch(4, seed=2)
     mask = batch["attention_mask"].bool()
@@ -77,8 +77,8 @@ def _attention_rank(rank: int, world: int, seq: int, batch: int) -> dict[str, An
     from megatron.core.transformer.enums import AttnMaskType
 
     from hybridrl.parallel import state
-    from hybridrl.parallel.cpu_attention import cpu_packed_attention_class
-    from hybridrl.parallel.cpu_layer import CPU_CONFIG_OVERRIDES
+    from hybridrl.parallel.cpu.attention import cpu_packed_attention_class
+    from hybridrl.parallel.cpu.layer import CPU_CONFIG_OVERRIDES
 
     ctx = state.initialize_model_parallel(tp=1, cp=world, device="cpu")
     config = TransformerConfig(num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
@@ -150,8 +150,8 @@ def _packed_attention_rank(rank: int, world: int, segments: list[int]) -> dict[s
     from megatron.core.transformer.enums import AttnMaskType
 
     from hybridrl.parallel import state
-    from hybridrl.parallel.cpu_attention import cpu_packed_attention_class
-    from hybridrl.parallel.cpu_layer import CPU_CONFIG_OVERRIDES
+    from hybridrl.parallel.cpu.attention import cpu_packed_attention_class
+    from hybridrl.parallel.cpu.layer import CPU_CONFIG_OVERRIDES
 
     ctx = state.initialize_model_parallel(tp=1, cp=world, device="cpu")
     config = TransformerConfig(num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
@@ -211,7 +211,7 @@ def test_cpu_packed_rope_under_cp2_is_megatrons_unfused_thd_rope():
     and as CP1's rotation of the whole pack at the rank's columns."""
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_thd
 
-    from hybridrl.parallel.cpu_attention import fused_rope_thd
+    from hybridrl.parallel.cpu.attention import fused_rope_thd
 
     class Group:  # what megatron's function reads of the CP group
         def __init__(self, size: int, rank: int) -> None:
@@ -272,7 +272,7 @@ def test_cp2_log_probs_and_entropy_equal_cp1_and_transformers(tmp_path, tp, pp):
     """Rows 0-3 hold a full row (13 columns): padded at CP2 the micro-batch is 16 = 4 chunks of 4; packed,
     each row's segment is padded to a multiple of 4. With TP2 (vocab-parallel log-probs) and PP2 (the
     last stage gathers, activations go on local)."""
-    from tests.test_training_fixtures import hf_response_log_probs, job_config, policy_model, rollout_batch
+    from tests.support.training_fixtures import hf_response_log_probs, job_config, policy_model, rollout_batch
 
     hf = policy_model(tmp_path / "hf")
     batch = rollout_batch(8, seed=9)
@@ -318,7 +318,7 @@ def _update_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
 def test_cp2_update_equals_cp1(tmp_path, dp, runs):
     """One PPO step (KL loss, entropy bonus) at CP2, padded and packed (and DP2 × CP2 padded): loss,
     grad norm and every weight of every rank equal padded CP1's at the same DP."""
-    from tests.test_training_fixtures import job_config, policy_model, rollout_batch
+    from tests.support.training_fixtures import job_config, policy_model, rollout_batch
 
     hf = policy_model(tmp_path / "hf")
     batch = rollout_batch(8, seed=10)
@@ -347,7 +347,7 @@ def test_cp2_update_equals_cp1(tmp_path, dp, runs):
 def test_cp2_update_with_tp2_or_pp2_equals_cp1(tmp_path, tp, pp):
     """TP2 × CP2 and PP2 × CP2 (4 ranks), padded and packed, against padded CP1 on the same TP/PP: loss,
     grad norm, each shard's weights."""
-    from tests.test_training_fixtures import job_config, policy_model, rollout_batch
+    from tests.support.training_fixtures import job_config, policy_model, rollout_batch
 
     hf = policy_model(tmp_path / "hf")
     batch = rollout_batch(8, seed=12)
@@ -386,7 +386,13 @@ def _critic_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
 
 def test_cp2_critic_values_and_update_equal_cp1(tmp_path):
     """Critic values and one value update at CP2, padded and packed, against padded CP1."""
-    from tests.test_training_fixtures import job_config, policy_model, rollout_batch, sequence_classifier, with_critic
+    from tests.support.training_fixtures import (
+        job_config,
+        policy_model,
+        rollout_batch,
+        sequence_classifier,
+        with_critic,
+    )
 
     hf = policy_model(tmp_path / "hf")
     critic = sequence_classifier(tmp_path / "critic")
@@ -410,8 +416,8 @@ def test_cp2_checkpoint_resumes_on_cp1_and_back(tmp_path):
     """An actor step at CP2 (distributed optimizer: Adam state sharded over DP × CP) saved, resumed at
     CP1 and at CP2: the next step (loss, grad norm, lr, every weight) is the same; a CP1 checkpoint
     resumed at CP2 gives it too. The optimizer state and the weights are CP-invariant."""
+    from tests.support.training_fixtures import policy_model, rollout_batch
     from tests.test_training_checkpoint_layouts import _assert_same_next_step, _config, _rank, _run
-    from tests.test_training_fixtures import policy_model, rollout_batch
 
     hf = policy_model(tmp_path / "hf")
     batches = [rollout_batch(8, seed=5), rollout_batch(8, seed=6)]
@@ -434,8 +440,8 @@ def test_cp2_checkpoint_resumes_on_cp1_and_back(tmp_path):
 def test_cp2_reward_model_scores_equal_transformers(tmp_path):
     """The reward model at CP2 (packed: the default on CPU) reads each row's last real column from the
     gathered sequence."""
+    from tests.support.training_fixtures import job_config, with_reward_model
     from tests.test_training_critic import _reward_rank, reward_model_case
-    from tests.test_training_fixtures import job_config, with_reward_model
 
     rm, hf, batch, expected = reward_model_case(tmp_path)
     config = with_reward_model(job_config(hf, world=2), rm)

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from hybridrl.parallel.forked import run_ranks
-from tests.test_training_fixtures import (
+from tests.support.forked import run_ranks
+from tests.support.training_fixtures import (
     RESPONSE,
     job_config,
     policy_model,

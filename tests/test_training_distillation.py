@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from hybridrl.parallel.forked import run_ranks
-from tests.rollout_models import build_tiny_model
-from tests.test_training_fixtures import RESPONSE, job_config, rollout_batch
+from tests.support.forked import run_ranks
+from tests.support.rollout_models import build_tiny_model
+from tests.support.training_fixtures import RESPONSE, job_config, rollout_batch
 
 TEMPERATURE = 0.7  # both passes score at the rollout's temperature
 KL_COEF = 0.5
@@ -176,7 +176,7 @@ def test_top_k_forward_kl_loss_and_every_gradient_equal_transformers(models, tmp
     KL(teacher's top-k || student) written here on the transformers student, token-mean over the model tokens."""
     import transformers
 
-    from tests.test_models_fixtures import safetensors_state
+    from tests.support.models_fixtures import safetensors_state
 
     student, teacher = models
     config = distillation_config(student, teacher, student_layout=layout, teacher_layout=(1, 1), top_k=TOP_K)

@@ -12,8 +12,8 @@ import torch
 
 from hybridrl.models.lora_targets import PROJECTIONS as LAYER_PROJECTIONS
 from hybridrl.models.lora_targets import TARGETS
-from hybridrl.parallel.forked import run_ranks
-from tests.rollout_models import build_tiny_model
+from tests.support.forked import run_ranks
+from tests.support.rollout_models import build_tiny_model
 from tests.test_models_lora import fused_grads, shared_a
 from tests.test_training_actor_reference import (
     CASES,
@@ -251,7 +251,7 @@ def test_adapters_and_their_optimizer_state_resume_on_another_layout(tmp_path):
             plain = loaded(input_ids=tokens).logits
     assert (got - expected).abs().max() <= 1e-5 and (plain - expected).abs().max() > 1e-3
     # an actor whose adapters differ from the saved ones (alpha) is refused, naming both settings
-    from hybridrl.parallel.forked import RankError
+    from tests.support.forked import RankError
 
     other = config(2, 1, False)
     other.actor_rollout_ref.model.lora.alpha = 2 * ALPHA

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from hybridrl.parallel.forked import run_ranks
-from tests.test_models_fixtures import make_hf_model, safetensors_state
-from tests.test_training_fixtures import job_config, rollout_batch
+from tests.support.forked import run_ranks
+from tests.support.models_fixtures import make_hf_model, safetensors_state
+from tests.support.training_fixtures import job_config, rollout_batch
 from tests.test_training_ranks import _update_rank
 
 # (world, ep, expert TP, token dispatcher); the first is the single-rank reference
@@ -176,8 +176,8 @@ def test_moe_at_cp2_packed_equals_transformers_and_cp1(tmp_path):
     """An MoE model at CP2 on packed micro-batches (the CPU default): its dense and MoE layers' core
     attention is the CPU stand-in too, so the log-probs equal transformers' and one update with the
     load-balancing loss on equals padded CP1's (loss, grad norm, aux loss, every weight)."""
+    from tests.support.training_fixtures import hf_response_log_probs
     from tests.test_training_context_parallel import _log_prob_rank, _update_rank, with_cp
-    from tests.test_training_fixtures import hf_response_log_probs
 
     hf = make_hf_model(tmp_path / "hf", "qwen3_moe", seed=7)
     batch = rollout_batch(8, seed=9)
@@ -302,7 +302,7 @@ def test_probe_forward_keeps_every_token(tmp_path, pad):
     log-probs equal transformers' while the configured (capped) forward's do not, and the capacity is
     back for the next forward (with padding to capacity, the alltoall dispatcher's own drop-and-pad
     mode is switched off and on too)."""
-    from tests.test_training_fixtures import hf_response_log_probs
+    from tests.support.training_fixtures import hf_response_log_probs
 
     hf = make_hf_model(tmp_path / "hf", "qwen3_moe", seed=8)
     batch = rollout_batch(8)
@@ -405,7 +405,7 @@ def _reference_aux_gradient(hf: Any, batch: Any, dp: int, micro: int, aux_coeff:
     grouping, to show the comparison can tell)."""
     import transformers
 
-    from tests.test_models_fixtures import checkpoint_named_grads
+    from tests.support.models_fixtures import checkpoint_named_grads
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
         hf, dtype=torch.float64, attn_implementation="eager", experts_implementation="eager")

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from hybridrl.parallel.forked import run_ranks
-from tests.test_training_fixtures import job_config, policy_model, rollout_batch
+from tests.support.forked import run_ranks
+from tests.support.training_fixtures import job_config, policy_model, rollout_batch
 
 
 def _params(backend: Any) -> dict[str, torch.Tensor]:

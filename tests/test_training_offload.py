@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from hybridrl.parallel.forked import run_ranks
-from tests.test_training_fixtures import job_config, policy_model, rollout_batch
+from tests.support.forked import run_ranks
+from tests.support.training_fixtures import job_config, policy_model, rollout_batch
 
 STEPS = 3
 
@@ -114,7 +114,7 @@ def test_param_offload_of_the_actor_trains_identically(tmp_path, distributed):
 def test_param_offload_of_the_critic_is_refused(tmp_path):
     from hybridrl.config import ConfigError
     from hybridrl.config.plan import build_plan
-    from tests.test_training_fixtures import sequence_classifier, with_critic
+    from tests.support.training_fixtures import sequence_classifier, with_critic
 
     config = with_critic(job_config(policy_model(tmp_path / "hf"), world=1), sequence_classifier(tmp_path / "c"))
     config.critic.megatron.param_offload = True

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from hybridrl.parallel.device_policy import WITHOUT_TE
-from hybridrl.parallel.forked import run_ranks
 from hybridrl.training.sequences import build_model_inputs
-from tests.test_training_fixtures import (
+from tests.support.forked import run_ranks
+from tests.support.training_fixtures import (
     hf_response_log_probs,
     job_config,
     policy_model,
@@ -109,8 +109,8 @@ def _attention_rank(rank: int, world: int, lengths: list[int]) -> dict[str, Any]
     from megatron.core.transformer.enums import AttnMaskType
 
     from hybridrl.parallel import state
-    from hybridrl.parallel.cpu_attention import cpu_packed_attention_class
-    from hybridrl.parallel.cpu_layer import CPU_CONFIG_OVERRIDES
+    from hybridrl.parallel.cpu.attention import cpu_packed_attention_class
+    from hybridrl.parallel.cpu.layer import CPU_CONFIG_OVERRIDES
     from hybridrl.parallel.device import rank_device
 
     ctx = state.initialize_model_parallel(tp=world, device="cpu")
@@ -184,7 +184,7 @@ def test_cpu_packed_attention_equals_plain_torch_per_row(world):
 
 
 def test_cpu_packed_rope_rotates_each_segment_from_position_zero():
-    from hybridrl.parallel.cpu_attention import fused_rope_thd
+    from hybridrl.parallel.cpu.attention import fused_rope_thd
 
     lengths = [4, 1, 6]
     gen = torch.Generator().manual_seed(3)
@@ -389,8 +389,8 @@ def test_packed_critic_and_reward_model_equal_torch_and_transformers(tmp_path):
 def test_packed_actor_objective_equals_the_transformers_reference(tmp_path):
     """The full PPO objective (temperature, clip bounds, dual clip, entropy, KL) and every gradient,
     recomputed from transformers row by row (tests/test_training_actor_reference.py), packed at TP2 x PP2."""
-    from tests.rollout_models import build_tiny_model
-    from tests.test_models_fixtures import safetensors_state
+    from tests.support.models_fixtures import safetensors_state
+    from tests.support.rollout_models import build_tiny_model
     from tests.test_training_actor_reference import (
         CASES,
         POLICY,

@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 import torch
 
-from hybridrl.parallel.forked import run_ranks
-from tests.test_models_fixtures import make_hf_model
-from tests.test_training_fixtures import hf_response_log_probs, job_config, policy_model, rollout_batch
+from tests.support.forked import run_ranks
+from tests.support.models_fixtures import make_hf_model
+from tests.support.training_fixtures import hf_response_log_probs, job_config, policy_model, rollout_batch
 
 
 def _log_prob_rank(rank: int, world: int, config: Any, batch: Any, role: str = "actor",
@@ -80,7 +80,7 @@ LAYOUTS = ((1, 1, 1, None, False, False), (2, 2, 1, None, False, False), (2, 1, 
 
 def test_ppo_update_same_across_layouts(tmp_path):
     """Loss, grad norm and updated weights of one PPO step do not depend on the layout; DP replicas agree."""
-    from tests.test_models_fixtures import safetensors_state
+    from tests.support.models_fixtures import safetensors_state
 
     hf = policy_model(tmp_path / "hf")
     batch = rollout_batch(8)
@@ -116,7 +116,7 @@ def test_ppo_update_on_the_cuda_weight_gradient_path_is_the_same(tmp_path):
     accumulation; CUDA without Apex runs megatron's unfused path (a grad tensor, then DDP's accumulation).
     One layout per family (TP x PP with SP, TP x DP with the distributed optimizer, PP x DP) on that path
     gives the single-rank fused reference's update."""
-    from tests.test_models_fixtures import safetensors_state
+    from tests.support.models_fixtures import safetensors_state
 
     hf = policy_model(tmp_path / "hf")
     batch = rollout_batch(8)
@@ -139,7 +139,7 @@ def test_ppo_update_on_the_cuda_weight_gradient_path_is_the_same(tmp_path):
 
 def test_ppo_update_is_split_invariant(tmp_path):
     """Micro-batch size, dynamic token-budget batching and DP do not change the step (global normalizers)."""
-    from tests.test_models_fixtures import safetensors_state
+    from tests.support.models_fixtures import safetensors_state
 
     hf = policy_model(tmp_path / "hf")
     batch = rollout_batch(8, seed=4)
@@ -199,7 +199,7 @@ def test_ppo_update_with_interleaved_pipeline(tmp_path):
     """PP4 x VPP2 (8 layers, interleaved 1F1B) gives the single-rank step; PP2 x VPP2 training is refused."""
     from hybridrl.config.errors import ConfigError
     from hybridrl.config.plan import build_plan
-    from tests.test_models_fixtures import safetensors_state
+    from tests.support.models_fixtures import safetensors_state
 
     hf = make_hf_model(tmp_path / "hf8", "llama", num_hidden_layers=8)
     batch = rollout_batch(8)
@@ -257,7 +257,7 @@ def test_bf16_policy_runs_close_to_fp32(tmp_path):
 
 def test_scheduled_lr_reaches_the_optimizer(tmp_path):
     """Adam's first step moves weights by ~lr: with 1000 warmup steps that is lr / 1000, not lr."""
-    from tests.test_models_fixtures import safetensors_state
+    from tests.support.models_fixtures import safetensors_state
 
     hf = policy_model(tmp_path / "hf")
     initial = safetensors_state(hf)
@@ -397,8 +397,8 @@ def test_matched_truncation_is_the_corrections_target_with_and_without_the_pass(
     it in both places (the update's forward, the pass's column): rollout log-probs = that target
     except two planted tokens (+0.25, -0.2) give exactly the planted TIS cap, mask and max |log rho|
     (against the whole vocabulary, log rho would be the log of the kept mass on every token)."""
+    from tests.support.training_fixtures import RESPONSE, hf_response_outputs
     from tests.test_algorithms_truncation import sorted_reference
-    from tests.test_training_fixtures import RESPONSE, hf_response_outputs
 
     hf = policy_model(tmp_path / "hf")
     batch = rollout_batch(8, seed=7)

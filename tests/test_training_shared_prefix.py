@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import torch
 
-from hybridrl.parallel.forked import run_ranks
 from hybridrl.training.sequences import build_model_inputs
-from tests.test_training_fixtures import PROMPT, hf_response_log_probs, job_config, policy_model, rollout_batch
+from tests.support.forked import run_ranks
+from tests.support.training_fixtures import PROMPT, hf_response_log_probs, job_config, policy_model, rollout_batch
 
 TOL = 1e-5
 GROUPS = [3, 3, 1, 1]
@@ -122,8 +122,8 @@ def _tree_rank(rank: int, world: int) -> dict[str, Any]:
     from megatron.core.transformer.enums import AttnMaskType
 
     from hybridrl.parallel import state
-    from hybridrl.parallel.cpu_attention import cpu_packed_attention_class, shared_prefix_seq_params
-    from hybridrl.parallel.cpu_layer import CPU_CONFIG_OVERRIDES
+    from hybridrl.parallel.cpu.attention import cpu_packed_attention_class, shared_prefix_seq_params
+    from hybridrl.parallel.cpu.layer import CPU_CONFIG_OVERRIDES
     from hybridrl.parallel.device import rank_device
 
     ctx = state.initialize_model_parallel(tp=world, device="cpu")
@@ -192,7 +192,7 @@ def test_cpu_stand_in_attends_each_response_to_its_prompt_and_itself(world):
 
 
 def test_cpu_packed_rope_rotates_a_shared_pack_by_each_rows_positions():
-    from hybridrl.parallel.cpu_attention import fused_rope_thd, shared_prefix_seq_params
+    from hybridrl.parallel.cpu.attention import fused_rope_thd, shared_prefix_seq_params
 
     positions = [0, 1, 2, 3, 4, 3, 4, 5, 0, 1]  # prompt 0-2, responses at 3-4 and 3-5, then a lone row
     branches = [0, 0, 0, 1, 1, 2, 2, 2, 0, 0]
@@ -323,8 +323,8 @@ def test_shuffled_epochs_move_whole_prompt_groups(tmp_path):
 def test_shared_prompts_update_equals_the_transformers_objective(tmp_path, tp, pp):
     """The whole PPO objective (clips, dual clip, entropy, KL) and every gradient against transformers row
     by row (tests/test_training_actor_reference.py), on grouped rows shared in their micro-batches."""
-    from tests.rollout_models import build_tiny_model
-    from tests.test_models_fixtures import safetensors_state
+    from tests.support.models_fixtures import safetensors_state
+    from tests.support.rollout_models import build_tiny_model
     from tests.test_training_actor_reference import (
         CASES,
         POLICY,
@@ -396,7 +396,7 @@ def _guard_rank(rank: int, world: int, config: Any, moe_path: str) -> list[str]:
 def test_the_backend_refuses_what_it_cannot_share(tmp_path):
     """Behind the plan: unpacked micro-batches, and a mixture-of-experts model in a role whose shape the
     plan does not read (its router would count a shared prompt once)."""
-    from tests.test_models_fixtures import make_hf_model
+    from tests.support.models_fixtures import make_hf_model
 
     hf = policy_model(tmp_path / "hf")
     moe = make_hf_model(tmp_path / "moe", "qwen3_moe")

@@ -1,6 +1,6 @@
 """The CPU guard for the GPU path: the workers' real data path under strict-device mode.
 
-Strict-device mode (`hybridrl.parallel.strict_device`) makes the CPU layer remember which tensors
+Strict-device mode (`hybridrl.parallel.cpu.strict_device`) makes the CPU layer remember which tensors
 would live on the GPU (what megatron and our code put "on cuda") and raise where CUDA would: a
 host batch fed to a model on the device, a host tensor in a collective on a group that is NCCL on
 GPUs. The batches here arrive as the controller sends them (a `Batch` pickled through numpy:
@@ -21,11 +21,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridrl.parallel import strict_device
-from hybridrl.parallel.forked import RankError, run_ranks
+from hybridrl.parallel.cpu import strict_device
 from hybridrl.workers.probe import RARE_TOKEN_PROBE
-from tests.test_training_critic import _critic_rank, _reference_critic, _reward_rank
-from tests.test_training_fixtures import (
+from tests.support.forked import RankError, run_ranks
+from tests.support.training_fixtures import (
     hf_response_log_probs,
     job_config,
     policy_model,
@@ -34,6 +33,7 @@ from tests.test_training_fixtures import (
     with_critic,
     with_reward_model,
 )
+from tests.test_training_critic import _critic_rank, _reference_critic, _reward_rank
 from tests.test_training_ranks import _update_rank
 
 TOL = 1e-5
@@ -292,7 +292,7 @@ def test_actor_log_probs_probe_and_resharder_under_strict_device(tmp_path):
 def test_ppo_update_under_strict_device_equals_a_plain_single_rank_run(tmp_path):
     """DP2 with megatron's distributed optimizer and token-budget micro-batches (their count agreed
     over DP), KL and entropy terms: every DP collective of the update runs on device tensors."""
-    from tests.test_models_fixtures import safetensors_state
+    from tests.support.models_fixtures import safetensors_state
 
     hf = policy_model(tmp_path / "hf")
     batch = rollout_batch(8)
@@ -350,9 +350,9 @@ def _planted_rank(rank: int, world: int, where: str, fn: Callable[..., Any], *ar
 
 def _cross_pool_send_rank(rank: int, world: int) -> str:
     """Member 0 (trainer side) sends the rollout member a tensor its code put "on the device"."""
-    from hybridrl.parallel.cpu_layer import apply_cpu_layer
+    from hybridrl.parallel.cpu.layer import apply_cpu_layer
     from hybridrl.parallel.cross_group import CrossGroup, CrossGroupAddress, open_store
-    from hybridrl.parallel.forked import free_port
+    from tests.support.forked import free_port
 
     apply_cpu_layer()  # (a worker's process has it from its megatron set-up)
 
@@ -368,7 +368,7 @@ def _cross_pool_send_rank(rank: int, world: int) -> str:
 
 
 def _moe_config(tmp_path: Any) -> Any:
-    from tests.test_models_fixtures import make_hf_model
+    from tests.support.models_fixtures import make_hf_model
 
     config = job_config(make_hf_model(tmp_path / "moe", "qwen3_moe", seed=7), world=2, micro=4)
     config.actor_rollout_ref.actor.megatron.expert_model_parallel_size = 2
@@ -383,7 +383,7 @@ def _cp_config(tmp_path: Any) -> Any:
 
 def _planted_cases(tmp_path: Any) -> dict[str, tuple[str, int, Callable[..., Any], tuple]]:
     """path -> (where the host tensor is planted: module[:function], world, rank function, its arguments)."""
-    from tests.rollout_models import QWEN2_TIED, build_tiny_model
+    from tests.support.rollout_models import QWEN2_TIED, build_tiny_model
     from tests.test_reshard_resharder import _deliver_rank, _reshard_rank
     from tests.test_training_context_parallel import _log_prob_rank
 
@@ -403,7 +403,7 @@ def _planted_cases(tmp_path: Any) -> dict[str, tuple[str, int, Callable[..., Any
         # megatron's own MoE code (router, token dispatcher at EP2)
         "moe": ("megatron.core.transformer.moe", 2, _log_prob_rank, (_moe_config(tmp_path), batch)),
         # context parallelism: the attention stand-in's key positions of the CP-gathered keys and values
-        "cp": ("hybridrl.parallel.cpu_attention", 2, _log_prob_rank, (_cp_config(tmp_path), batch)),
+        "cp": ("hybridrl.parallel.cpu.attention", 2, _log_prob_rank, (_cp_config(tmp_path), batch)),
         # the cross-pool group's trainer side (its process group is used directly, not through torch.distributed)
         "cross-pool": ("tests.test_training_strict_device", 2, _cross_pool_send_rank, ()),
     }

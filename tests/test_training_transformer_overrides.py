@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from hybridrl.parallel.forked import run_ranks
-from tests.test_training_fixtures import job_config, policy_model, rollout_batch
+from tests.support.forked import run_ranks
+from tests.support.training_fixtures import job_config, policy_model, rollout_batch
 
 TOL = 1e-5
 

@@ -6,7 +6,6 @@ import math
 import pytest
 import torch
 
-from hybridrl.parallel.forked import run_ranks
 from hybridrl.training.lr_schedule import LRSchedule
 from hybridrl.training.metrics import StepMetrics, average_steps
 from hybridrl.training.micro_batching import (
@@ -18,7 +17,8 @@ from hybridrl.training.micro_batching import (
     shared_dynamic_partition,
 )
 from hybridrl.training.sequences import SequenceLayoutError, build_model_inputs, take_predictions
-from tests.test_training_fixtures import RESPONSE, rollout_batch
+from tests.support.forked import run_ranks
+from tests.support.training_fixtures import RESPONSE, rollout_batch
 
 
 # ------------------------------------------------------------------------------------ sequences

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrl.parallel.forked import run_ranks
+from tests.support.forked import run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -18,7 +18,7 @@ def _hybrid_rank(rank: int, world: int, model_dir: str, overrides: list[str]) ->
     from hybridrl.config import plan_from_sources
     from hybridrl.controller.base_worker import RankContext
     from hybridrl.data.batch import Batch
-    from hybridrl.parallel.cpu_matmul import onednn_fp32_is_exact
+    from hybridrl.parallel.cpu.matmul import onednn_fp32_is_exact
     from hybridrl.parallel.device import torch_threads_per_rank
     from hybridrl.rollout.sampling import RolloutSampling
     from hybridrl.workers.hybrid import HybridEngineWorker

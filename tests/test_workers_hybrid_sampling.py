@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrl.parallel.forked import run_ranks
+from tests.support.forked import run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ def _sampling_rank(rank: int, world: int, model_dir: str) -> dict:
     from hybridrl.data.batch import Batch
     from hybridrl.rollout.sampling import RolloutSampling
     from hybridrl.workers.probe import WeightSyncError
-    from tests.hybrid_workers import gather_first, hybrid_worker
+    from tests.support.hybrid_workers import gather_first, hybrid_worker
 
     worker = hybrid_worker(rank, world, model_dir, [
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",

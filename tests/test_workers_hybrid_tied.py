@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from hybridrl.parallel.forked import run_ranks
-from tests.rollout_models import QWEN2_TIED, build_tiny_model
-from tests.test_models_fixtures import safetensors_state
+from tests.support.forked import run_ranks
+from tests.support.models_fixtures import safetensors_state
+from tests.support.rollout_models import QWEN2_TIED, build_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,7 @@ def _tied_pp2_rank(rank: int, world: int, model_dir: str, export_dir: str) -> di
     from hybridrl.data.batch import Batch
     from hybridrl.models.bridge import export_hf
     from hybridrl.rollout.sampling import RolloutSampling
-    from tests.hybrid_workers import gather_first, hybrid_worker
+    from tests.support.hybrid_workers import gather_first, hybrid_worker
     from tests.test_training_actor_models import tied_copies
 
     worker = hybrid_worker(rank, world, model_dir, [

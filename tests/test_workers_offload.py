@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from hybridrl.parallel.forked import run_ranks
-from tests.test_training_fixtures import job_config, policy_model, rollout_batch, sequence_classifier, with_critic
+from tests.support.forked import run_ranks
+from tests.support.training_fixtures import job_config, policy_model, rollout_batch, sequence_classifier, with_critic
 
 
 def _critic_worker_rank(rank: int, world: int, config: Any, batches: list[Any]) -> Any:

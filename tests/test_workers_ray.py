@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from hybridrl.parallel.forked import run_ranks
-from tests.test_models_fixtures import safetensors_state
-from tests.test_training_fixtures import (
+from tests.support.forked import run_ranks
+from tests.support.models_fixtures import safetensors_state
+from tests.support.training_fixtures import (
     hf_response_log_probs,
     job_config,
     policy_model,

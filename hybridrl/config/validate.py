@@ -656,7 +656,7 @@ def _check_unsupported(check: _Checker, config: JobConfig, model: ModelShape | N
         tp = mc.tensor_model_parallel_size
         if mc.sequence_parallel and isinstance(tp, int) and tp > 1 and policy is not None \
                 and policy.transformer_engine_possible:
-            # on CPU the CPU layer's norm stand-in serves it (hybridrl/parallel/cpu_norm.py)
+            # on CPU the CPU layer's norm stand-in serves it (hybridrl/parallel/cpu/norm.py)
             check.warnings.append(f"{prefix}.sequence_parallel=true needs Transformer Engine on the workers: "
                                   f"{WITHOUT_TE}")
         cp = mc.context_parallel_size

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridrl.parallel.strict_device import mark_host
+from hybridrl.parallel.device import loaded_strict_device
 
 # numpy has no bfloat16 / float8: such tensors travel as same-width integers and are viewed back.
 _NUMPY_SUBSTITUTES: dict[torch.dtype, torch.dtype] = {
@@ -301,7 +301,9 @@ class Batch:
         tensors = {k: _tensor_from_numpy(a, payload["dtypes"][k]) for k, a in arrays.items()}
         # A batch that crossed a process boundary is host memory, on GPU clusters too: strict-device
         # mode (the CPU test suite's guard for the GPU path) must see it that way.
-        mark_host(tensors)
+        strict = loaded_strict_device()
+        if strict is not None:
+            strict.mark_host(tensors)
         shared = frozenset(k for k, a in arrays.items() if not a.flags.writeable)
         return cls(tensors, dict(payload["non_tensors"]), dict(payload["meta"]), shared)
 

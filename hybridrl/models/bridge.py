@@ -53,10 +53,6 @@ from hybridrl.models.layout import (
     rank_file_name,
 )
 from hybridrl.models.lora import ADAPTER_ATTR
-from hybridrl.parallel.cpu_attention import install_cpu_packed_rope, with_cpu_packed_attention
-from hybridrl.parallel.cpu_layer import CPU_CONFIG_OVERRIDES
-from hybridrl.parallel.cpu_norm import with_sequence_parallel_norms
-from hybridrl.parallel.cpu_rope import install_cpu_fused_rope
 from hybridrl.parallel.device import default_dtype_for, layer_spec_kind, megatron_cpu_initialization, rank_device
 from hybridrl.parallel.device_policy import DevicePolicy
 from hybridrl.parallel.state import failed_ranks, get_context
@@ -167,9 +163,13 @@ def transformer_config(
         use_cpu_initialization=megatron_cpu_initialization(device),
     )
     if DevicePolicy.for_device(device).megatron_cpu_layer:
+        from hybridrl.parallel.cpu.attention import install_cpu_packed_rope
+        from hybridrl.parallel.cpu.layer import CPU_CONFIG_OVERRIDES
+        from hybridrl.parallel.cpu.rope import install_cpu_fused_rope
+
         kwargs.update(CPU_CONFIG_OVERRIDES)
         # megatron's fused-RoPE slot, filled with a CPU function that gives the unfused path's
-        # numbers in fewer memory passes (hybridrl/parallel/cpu_rope.py)
+        # numbers in fewer memory passes (hybridrl/parallel/cpu/rope.py)
         kwargs["apply_rope_fusion"] = cpu_stand_ins and install_cpu_fused_rope()
         if kwargs["apply_rope_fusion"] and not install_cpu_packed_rope():
             # packed (THD) sequences call the packed slot: without our function there, keep the
@@ -201,6 +201,9 @@ def layer_spec(shape: ModelShape, kind: str, config: Any = None, chunk: StageChu
         spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
     if not cpu_layer or kind == "te":
         return spec
+    from hybridrl.parallel.cpu.attention import with_cpu_packed_attention
+    from hybridrl.parallel.cpu.norm import with_sequence_parallel_norms
+
     spec = with_cpu_packed_attention(spec)
     if config is not None and config.sequence_parallel:
         if chunk is None:

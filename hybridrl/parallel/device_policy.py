@@ -58,7 +58,7 @@ class DevicePolicy:
     # they are scheduling tokens (torch threads are capped per rank by `torch_threads_per_rank`),
     # and a small host must still admit one bundle per rank and group.
     ray_min_cluster_cpus: int | None
-    # megatron runs through hybridrl's CPU layer (parallel/cpu_layer.py: the TransformerConfig
+    # megatron runs through hybridrl's CPU layer (parallel/cpu/layer.py: the TransformerConfig
     # overrides, the CPU fused RoPE, the per-thread torch-function mode).
     megatron_cpu_layer: bool
     # Transformer Engine can exist here (its kernels are CUDA-only); without it megatron's local
@@ -66,7 +66,7 @@ class DevicePolicy:
     transformer_engine_possible: bool
     # What runs attention over packed (THD) sequences, which megatron's local attention refuses:
     # TE's fused attention on GPUs (the gpu extra installs TE; the workers stop at start-up without
-    # it), the CPU layer's stand-in on CPU (`hybridrl/parallel/cpu_attention.py`). None: nothing does,
+    # it), the CPU layer's stand-in on CPU (`hybridrl/parallel/cpu/attention.py`). None: nothing does,
     # and `model.use_remove_padding` left unset resolves to false. Set, it resolves to true.
     packed_attention: PackedAttention | None
     # Packed attention that also honours a shared prompt's tree (one segment [prompt, response_1, ...],
@@ -148,7 +148,7 @@ class DevicePolicy:
     # Who serves megatron's gradient-accumulation fusion for trained roles (weight-gradient GEMMs that
     # accumulate into DDP's main_grad: no grad tensor, no add pass per weight and micro-batch), or None
     # to leave megatron's flag off. CPU: the stand-in for Apex's CUDA kernel
-    # (`hybridrl.parallel.cpu_wgrad`). CUDA: None here; `speed_settings` turns megatron's flag on where
+    # (`hybridrl.parallel.cpu.wgrad`). CUDA: None here; `speed_settings` turns megatron's flag on where
     # Apex's kernel imports on the worker (megatron's own output layer needs it even under TE's spec).
     wgrad_accumulation_fusion: str | None
     # megatron's fused kernels and DDP communication overlap on by default where they apply

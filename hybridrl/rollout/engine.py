@@ -21,7 +21,7 @@ Side effects of building a vLLM engine, and what we do about them (docs/platform
 - The CPU worker replaces `torch.set_num_threads` by a no-op and vLLM lowers the thread count: we
   put the previous count back with `torch._C.set_num_threads` (the only setter left working).
 - vLLM sets every fp32 matmul precision to "ieee", which turns off the trainer's oneDNN route for
-  fp32 matmuls on CPU (`hybridrl.parallel.cpu_matmul`): we put the previous setting back.
+  fp32 matmuls on CPU (`hybridrl.parallel.cpu.matmul`): we put the previous setting back.
 - Engine teardown destroys the default process group: `vllm_patches.guard_default_process_group`.
   Keep the engine for the life of the process; `close()` exists for tests and tools.
 - `gc.freeze()` at construction: deleting an engine frees little; don't build engines in a loop.
@@ -55,7 +55,6 @@ import torch
 
 from hybridrl.config.estimates import CPU_KV_BLOCK_SIZE
 from hybridrl.data.batch import Batch
-from hybridrl.parallel.cpu_matmul import onednn_matmul_setting
 from hybridrl.parallel.device import default_dtype_for, resolve_device
 from hybridrl.parallel.device_policy import DevicePolicy
 from hybridrl.parallel.digest import tensor_digest
@@ -210,7 +209,11 @@ def _preserved_process_state(device: str, restore_threads: bool) -> Iterator[Non
     torch_state = torch.get_rng_state()
     cuda_states = torch.cuda.get_rng_state_all() if device == "cuda" else None
     threads = torch.get_num_threads()
-    onednn = onednn_matmul_setting()  # None before torch 2.9: no such route to preserve
+    onednn = None  # the fp32 route of oneDNN's matmuls: a CPU setting (None before torch 2.9: no such route)
+    if device == "cpu":
+        from hybridrl.parallel.cpu.matmul import onednn_matmul_setting
+
+        onednn = onednn_matmul_setting()
     onednn_fp32 = onednn.fp32_precision if onednn is not None else None
     try:
         yield

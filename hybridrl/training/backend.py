@@ -40,9 +40,6 @@ from hybridrl.models.lora import LoraSettings, add_lora, load_lora_state, read_p
 from hybridrl.names import Role
 from hybridrl.parallel import state
 from hybridrl.parallel.context_parallel import gather_from_cp, split_for_cp_rank
-from hybridrl.parallel.cpu_attention import shared_prefix_seq_params
-from hybridrl.parallel.cpu_layer import apply_cpu_layer
-from hybridrl.parallel.cpu_wgrad import install_cpu_wgrad_fusion
 from hybridrl.parallel.device import (
     apex_wgrad_available,
     collective_device,
@@ -172,6 +169,7 @@ def _activate_cpu_layer(policy: DevicePolicy) -> None:
     # The CPU layer's torch-function mode is per thread; Ray may run a method on another thread
     # than the one that initialized megatron.
     if policy.megatron_cpu_layer:
+        from hybridrl.parallel.cpu.layer import apply_cpu_layer
 
         apply_cpu_layer()
 
@@ -235,6 +233,8 @@ def packed_seq_params(micro: ModelInputs, cp: int = 1) -> Any:
     if not micro.is_packed:
         return None
     if micro.prefix_branches is not None:  # rows sharing a prompt: the CPU layer's stand-in reads the tree
+        from hybridrl.parallel.cpu.attention import shared_prefix_seq_params
+
         return shared_prefix_seq_params(micro.cu_seqlens, micro.max_seqlen, micro.position_ids[0],
                                         micro.prefix_branches)
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -401,6 +401,8 @@ class MegatronBackend:
                                               router_replay=spec.router_replay)
         if spec.trainable and self.device_policy.wgrad_accumulation_fusion == "cpu_stand_in":
             # weight-gradient GEMMs accumulate into DDP's main_grad (only a trained role has one)
+            from hybridrl.parallel.cpu.wgrad import install_cpu_wgrad_fusion
+
             overrides["gradient_accumulation_fusion"] = install_cpu_wgrad_fusion()
         self.uniform_width = self._check_moe_dispatch(spec) if source.shape.is_moe else False
         if spec.shared_prefix and source.shape.is_moe:

@@ -7,6 +7,8 @@ way the rollout is placed.
 """
 from __future__ import annotations
 
+import contextlib
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -17,7 +19,7 @@ from hybridrl.data.batch import Batch
 from hybridrl.data.tokenizer import load_tokenizer
 from hybridrl.models.lora_targets import vllm_lora_rank
 from hybridrl.names import Phase
-from hybridrl.parallel.cpu_layer import cuda_to_cpu_mode_suspended
+from hybridrl.parallel.device_policy import DevicePolicy
 from hybridrl.parallel.memory import memory_metrics
 from hybridrl.rollout.agent_loop import AgentLoop, build_agent_loop
 from hybridrl.rollout.engine import RolloutEngine, RolloutEngineConfig
@@ -83,13 +85,22 @@ def generate_rows(rollout: RolloutEngine, agent: AgentLoop | None, prompts: Batc
     ids = [list(map(int, p)) for p in prompts["raw_prompt_ids"]]
     uids = list(prompts["uid"]) if "uid" in prompts else None
     memory.update(memory_metrics("gen_before", device))
-    with cuda_to_cpu_mode_suspended():  # vLLM never needs megatron's CPU device translation
+    with _cpu_layer_suspended(device):
         if agent is not None:  # rollout.multi_turn: conversations with tool calls
             out = rollout.generate_multi_turn(ids, sampling, agent, uids=uids, rows=tool_sample_rows(prompts))
         else:
             out = rollout.generate_sequences(ids, sampling, uids=uids)
     memory.update(memory_metrics("gen_after", device))
     return carry_prompt_columns(out, prompts, pad_token_id) if rollout.tp_rank == 0 else None
+
+
+def _cpu_layer_suspended(device: str) -> AbstractContextManager[None]:
+    """vLLM never needs megatron's CPU device translation: suspended on a CPU rank (a GPU rank has none)."""
+    if not DevicePolicy.for_device(device).megatron_cpu_layer:
+        return contextlib.nullcontext()
+    from hybridrl.parallel.cpu.layer import cuda_to_cpu_mode_suspended
+
+    return cuda_to_cpu_mode_suspended()
 
 
 def carry_prompt_columns(out: Batch, prompts: Batch, pad_token_id: int) -> Batch:

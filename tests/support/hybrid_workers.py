@@ -1,6 +1,6 @@
 """The hybrid engine's worker on a forked gloo rank, as the trainer's Ray actor would build it.
 
-Run inside `hybridrl.parallel.forked.run_ranks`: the demo GRPO config with the test's overrides,
+Run inside `tests.support.forked.run_ranks`: the demo GRPO config with the test's overrides,
 this rank's `RankContext`, and optional `HybridSettings` (e.g. a probe tolerance the test is not
 about). `gather_first` hands the output ranks' result (None elsewhere) to every rank.
 """

@@ -1,6 +1,6 @@
 """Shared helpers for the tests/test_training_* and tests/test_workers_* suites (no tests here).
 
-Tiny random HF models (from `test_models_fixtures`: Llama with GQA, vocab 200 that megatron pads,
+Tiny random HF models (from `models_fixtures`: Llama with GQA, vocab 200 that megatron pads,
 4 layers), job configs for a given layout, rollout-shaped batches (left-padded prompts,
 right-padded responses, positions as the rollout writes them) and independent references
 computed with `transformers` and plain torch.
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from tests.test_models_fixtures import VOCAB, make_hf_model
+from tests.support.models_fixtures import VOCAB, make_hf_model
 
 PROMPT = 7
 RESPONSE = 6
@@ -130,7 +130,7 @@ def sequence_classifier(folder: Path, seed: int = 1) -> Path:
     """A tiny random `LlamaForSequenceClassification` (num_labels=1, pad id 0) saved to `folder`."""
     import transformers
 
-    from tests.test_models_fixtures import _COMMON
+    from tests.support.models_fixtures import _COMMON
 
     config = transformers.LlamaConfig(**_COMMON, num_labels=1, pad_token_id=0,
                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})

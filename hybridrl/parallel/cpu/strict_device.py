@@ -2,7 +2,7 @@
 
 On a CPU machine every tensor is a CPU tensor, so code that forgets to move a batch to the GPU, or
 hands a CPU tensor to an NCCL collective, runs fine here and stops at the first forward on a GPU
-cluster. This mode makes the CPU layer (`hybridrl.parallel.cpu_layer`) remember where each tensor
+cluster. This mode makes the CPU layer (`hybridrl.parallel.cpu.layer`) remember where each tensor
 *would* be:
 
 - **device** tensors: created through the layer's cuda -> cpu mapping (``device="cuda"``,
@@ -53,8 +53,8 @@ import torch
 import torch.distributed as dist
 from torch.overrides import _get_current_function_mode_stack
 
-from hybridrl.parallel import cpu_layer
-from hybridrl.parallel.cpu_layer import _REENTRANT, CudaToCpuMode, _is_cuda_device, _map_device
+from hybridrl.parallel.cpu import layer as cpu_layer
+from hybridrl.parallel.cpu.layer import _REENTRANT, CudaToCpuMode, _is_cuda_device, _map_device
 
 ENV_SWITCH = "HYBRIDRL_STRICT_DEVICE"
 # Test-only: `HYBRIDRL_STRICT_DEVICE_PLANT=<module prefix>[:<function>]` plants one host tensor (`plant_host_tensor`).
@@ -331,7 +331,7 @@ def _module_of(frame: Any) -> str:
 
 # modules whose frames are skipped when finding which code put a tensor on the device: torch's own, and the
 # helpers that place tensors for their callers
-_HELPERS = ("torch", "hybridrl.parallel.strict_device", "hybridrl.parallel.cpu_layer", "hybridrl.parallel.device")
+_HELPERS = ("torch", "hybridrl.parallel.cpu.strict_device", "hybridrl.parallel.cpu.layer", "hybridrl.parallel.device")
 
 
 def _attribute(getter: Any, tensor: torch.Tensor) -> Any:
@@ -573,7 +573,7 @@ def _rebind_imported_collectives() -> None:
     """
     originals = {id(fn): f"dist.{name}" for name in COLLECTIVES if (fn := _saved.get(f"dist.{name}")) is not None}
     for module_name, module in list(sys.modules.items()):
-        if module is None or module_name.startswith(("torch.", "hybridrl.parallel.strict_device")):
+        if module is None or module_name.startswith(("torch.", "hybridrl.parallel.cpu.strict_device")):
             continue
         try:
             names = vars(module)

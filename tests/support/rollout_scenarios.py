@@ -1,6 +1,6 @@
 """Rank functions that run a real vLLM engine inside forked training-like processes.
 
-Run with `hybridrl.parallel.forked.run_ranks(fn, world_size, ...)`: torch.distributed (gloo) is
+Run with `tests.support.forked.run_ranks(fn, world_size, ...)`: torch.distributed (gloo) is
 initialized before `fn` runs, as in a colocated trainer. Each rank is a fresh process, so an
 engine's process-wide side effects (gc.freeze, the thread-count no-op, vLLM's global parallel
 state, default group creation) never leak into the pytest process.
@@ -64,7 +64,7 @@ def generation_session(
     from hybridrl.reshard.layout import hf_to_vllm_shards
     from hybridrl.rollout.engine import _reload_on_worker
     from hybridrl.rollout.sampling import validation_sampling
-    from tests.rollout_models import load_config, load_state_dict
+    from tests.support.rollout_models import load_config, load_state_dict
 
     # A scheduler step holds at most 160 tokens, so a batch of long prompts spans several steps (see
     # "over_budget" below); the other scenarios fit in one.
@@ -271,7 +271,7 @@ def tp_update_session(
     RNGs differ, and both weight-update formats land each rank's own shard."""
     from hybridrl.reshard.layout import hf_to_vllm_shards
     from hybridrl.rollout.sampling import validation_sampling
-    from tests.rollout_models import load_config
+    from tests.support.rollout_models import load_config
 
     torch.manual_seed(100 + rank)  # a trainer whose RNG differs per rank
     engine = make_engine(model_dir, infer_tp=world_size, capture_loaded_weights=True)
@@ -305,7 +305,7 @@ def replica_groups_session(
     each replica generates its own prompts. The engine is built as in production (no weight capture)."""
     from hybridrl.reshard.layout import hf_to_vllm_shards
     from hybridrl.rollout.sampling import validation_sampling
-    from tests.rollout_models import load_config
+    from tests.support.rollout_models import load_config
 
     engine = make_engine(model_dir, infer_tp=infer_tp)
     replica = rank // infer_tp

@@ -1,4 +1,4 @@
-"""A Slurm cluster on network-namespace hosts (`tests.netns_hosts.Cluster`), to run launch/slurm_grpo.sbatch for
+"""A Slurm cluster on network-namespace hosts (`tests.support.netns_hosts.Cluster`), to run launch/slurm_grpo.sbatch for
 real: slurmctld on the first host, a slurmd on each, every daemon in a UTS namespace of its own so that its host
 name is its node name (n0, n1, ...; `ip netns` shares the host name otherwise), munge for authentication (one
 munged for the machine: its socket is a file, which the namespaces share). Debian's slurm-wlm 22.05 and munge
@@ -15,7 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from tests.netns_hosts import Cluster
+from tests.support.netns_hosts import Cluster
 
 SLURM_PROGRAMS = ("slurmctld", "slurmd", "sbatch", "munged")
 PATH = "/usr/bin:/bin:/usr/sbin:/sbin"

@@ -60,20 +60,20 @@ The patches (names as in `PATCHES`):
   (a gather copies, a reduce-scatter sums zeros there), so the results are the same numbers.
 
 Not patches: the CPU stand-ins for TE kernels are their own modules, installed by the bridge where
-it builds models (`hybridrl.parallel.cpu_rope`: fused RoPE; `hybridrl.parallel.cpu_attention`: core
+it builds models (`hybridrl.parallel.cpu.rope`: fused RoPE; `hybridrl.parallel.cpu.attention`: core
 attention that also serves packed THD sequences, which megatron's local attention refuses).
 
 Not a patch, but required on CPU (`check_config_for_cpu` enforces it, `CPU_CONFIG_OVERRIDES` holds
 the values): ``batch_p2p_sync=False`` (p2p communication calls ``torch.cuda.synchronize()`` after
 batched send/recv), ``gradient_accumulation_fusion=False`` (needs Apex CUDA kernels, unless
-`hybridrl.parallel.cpu_wgrad` fills their slot, as the training backend does for trained roles),
-``apply_rope_fusion=False`` (unless `hybridrl.parallel.cpu_rope` fills megatron's fused-RoPE
+`hybridrl.parallel.cpu.wgrad` fills their slot, as the training backend does for trained roles),
+``apply_rope_fusion=False`` (unless `hybridrl.parallel.cpu.rope` fills megatron's fused-RoPE
 slot, as the bridge does)/``bias_activation_fusion``/``masked_softmax_fusion``/
 ``bias_dropout_fusion``/``persist_layer_norm`` off (TE/Apex kernels).
 
 Written for megatron-core 0.16.x (checked on 0.16.1); `apply_cpu_layer` refuses other versions,
 because each patch names private megatron functions whose behaviour is only known for that line.
-Strict-device mode (`hybridrl.parallel.strict_device`, ``HYBRIDRL_STRICT_DEVICE=1``) replaces the
+Strict-device mode (`hybridrl.parallel.cpu.strict_device`, ``HYBRIDRL_STRICT_DEVICE=1``) replaces the
 mapping mode with one that also remembers which tensors would live on the GPU and raises where
 CUDA would (a CPU batch fed to a model on the device, a CPU tensor in an NCCL collective): the CPU
 test suite's guard for the GPU path.
@@ -93,11 +93,11 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from hybridrl.parallel.cpu_rope import cpu_fused_rope_installed
-from hybridrl.parallel.cpu_wgrad import cpu_wgrad_fusion_installed
+from hybridrl.parallel.cpu.rope import cpu_fused_rope_installed
+from hybridrl.parallel.cpu.wgrad import cpu_wgrad_fusion_installed
 from hybridrl.parallel.device_policy import CPU_LAYER_TRANSFORMER_SETTINGS
 
-# lazy: hybridrl.parallel.strict_device imports this module at its top (it subclasses CudaToCpuMode),
+# lazy: hybridrl.parallel.cpu.strict_device imports this module at its top (it subclasses CudaToCpuMode),
 # so the two imports of strict_device below stay inside their functions.
 
 SUPPORTED_MEGATRON_PREFIX = "0.16."
@@ -121,7 +121,7 @@ def check_megatron_version(version: str | None = None) -> str:
             f"hybridrl's CPU layer was written for megatron-core {SUPPORTED_MEGATRON_PREFIX}x "
             f"(checked on 0.16.1) but megatron-core {version} is installed. Its patches target "
             "private megatron functions (RNG tracker, clip_grads, DistributedOptimizer); install "
-            "megatron-core==0.16.1 or revisit hybridrl/parallel/cpu_layer.py for this version."
+            "megatron-core==0.16.1 or revisit hybridrl/parallel/cpu/layer.py for this version."
         )
     return version
 
@@ -316,7 +316,7 @@ def _push_mode_in_this_thread() -> None:
     # Torch function modes live on a per-thread stack: each thread that runs megatron code needs its
     # own push (apply_cpu_layer() does it for the calling thread).
     if not _mode_in_this_thread():
-        from hybridrl.parallel.strict_device import mode_class
+        from hybridrl.parallel.cpu.strict_device import mode_class
 
         mode = mode_class()()
         mode.__enter__()
@@ -544,7 +544,7 @@ def apply_cpu_layer(skip: Iterable[str] = ()) -> list[str]:
     if unknown:
         raise ValueError(f"unknown CPU-layer patches {sorted(unknown)}; known: {list(PATCHES)}")
     check_megatron_version()
-    from hybridrl.parallel.strict_device import enable_strict_device, strict_device_requested
+    from hybridrl.parallel.cpu.strict_device import enable_strict_device, strict_device_requested
 
     if strict_device_requested():
         enable_strict_device()  # before megatron creates its groups: they are classified at creation
@@ -597,8 +597,8 @@ def check_config_for_cpu(config: Any) -> None:
     """Raise ValueError listing every megatron config flag that cannot work on CPU.
 
     `apply_rope_fusion=True` is fine once hybridrl's CPU RoPE fills megatron's fused slot
-    (`hybridrl.parallel.cpu_rope.install_cpu_fused_rope`), `gradient_accumulation_fusion=True` once
-    the weight-gradient stand-in fills Apex's (`hybridrl.parallel.cpu_wgrad.install_cpu_wgrad_fusion`)."""
+    (`hybridrl.parallel.cpu.rope.install_cpu_fused_rope`), `gradient_accumulation_fusion=True` once
+    the weight-gradient stand-in fills Apex's (`hybridrl.parallel.cpu.wgrad.install_cpu_wgrad_fusion`)."""
     served = ({"apply_rope_fusion"} if cpu_fused_rope_installed() else set()) | (
         {"gradient_accumulation_fusion"} if cpu_wgrad_fusion_installed() else set())
     wrong = [
@@ -609,5 +609,5 @@ def check_config_for_cpu(config: Any) -> None:
     if wrong:
         raise ValueError(
             "megatron config is not CPU-compatible: " + ", ".join(wrong)
-            + ". Use hybridrl.parallel.cpu_layer.CPU_CONFIG_OVERRIDES when building the config."
+            + ". Use hybridrl.parallel.cpu.layer.CPU_CONFIG_OVERRIDES when building the config."
         )

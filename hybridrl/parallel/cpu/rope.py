@@ -21,7 +21,7 @@ fp32 and bf16 (`tests/test_parallel_cpu_rope.py` checks both against megatron's 
 
 Only the layout megatron's GPT models use here is served: sbhd tensors, non-interleaved halves,
 mscale 1 (megatron itself falls back to the unfused path for mscale != 1). Packed (thd) sequences
-call megatron's other slot, `fused_apply_rotary_pos_emb_thd`: `hybridrl.parallel.cpu_attention`
+call megatron's other slot, `fused_apply_rotary_pos_emb_thd`: `hybridrl.parallel.cpu.attention`
 fills it with this rotation at each token's position within its row.
 """
 from __future__ import annotations

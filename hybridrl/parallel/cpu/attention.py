@@ -62,7 +62,7 @@ from typing import Any
 import torch
 
 from hybridrl.parallel.context_parallel import cp_columns, gather_from_cp
-from hybridrl.parallel.cpu_rope import rotary_embedding_half_split
+from hybridrl.parallel.cpu.rope import rotary_embedding_half_split
 
 # The attribute of a shared-prefix pack's `cu_seqlens` tensor that holds its `SharedPrefixPack`.
 SHARED_PREFIX_ATTRIBUTE = "hybridrl_shared_prefix"

@@ -25,7 +25,7 @@ def tiny_config(num_layers: int = LAYERS, **overrides: Any):
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
-    from hybridrl.parallel.cpu_layer import CPU_CONFIG_OVERRIDES
+    from hybridrl.parallel.cpu.layer import CPU_CONFIG_OVERRIDES
     from hybridrl.parallel.state import get_context
 
     ctx = get_context()

@@ -42,7 +42,7 @@ def wgrad_gemm_accum(total_input: torch.Tensor, grad_output: torch.Tensor, main_
 
 # The stand-in's module: megatron reads these two names from it.
 CPU_WGRAD_MODULE = types.SimpleNamespace(
-    __name__="hybridrl.parallel.cpu_wgrad (stand-in for fused_weight_gradient_mlp_cuda)",
+    __name__="hybridrl.parallel.cpu.wgrad (stand-in for fused_weight_gradient_mlp_cuda)",
     wgrad_gemm_accum_fp32=wgrad_gemm_accum,
     wgrad_gemm_accum_fp16=wgrad_gemm_accum,
 )
