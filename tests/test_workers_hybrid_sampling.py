@@ -50,7 +50,7 @@ def _sampling_rank(rank: int, world: int, model_dir: str) -> dict:
         batch["old_log_probs"] = old["old_log_probs"]
         advantages = torch.tensor(np.linspace(-1.0, 1.0, len(batch)), dtype=torch.float32)
         batch["advantages"] = advantages[:, None] * batch["response_mask"].float()
-        update = gather_first(worker.update_actor(batch), world)
+        update = gather_first(worker.update_actor(batch), world).as_dict()
         sync = worker.sync_weights()
         result["per_temperature"][temperature] = {
             "rollout_gap": gap, "clipfrac": update["actor/clipfrac"], "approx_kl": update["actor/approx_kl"],

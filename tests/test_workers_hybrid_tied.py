@@ -53,7 +53,7 @@ def _tied_pp2_rank(rank: int, world: int, model_dir: str, export_dir: str) -> di
         batch["old_log_probs"] = gather_first(worker.compute_log_prob(batch), world)["old_log_probs"]
         advantages = torch.tensor(np.linspace(-1.0, 1.0, len(batch)), dtype=torch.float32)
         batch["advantages"] = advantages[:, None] * batch["response_mask"].float()
-        grad_norms.append(gather_first(worker.update_actor(batch), world)["actor/grad_norm"])
+        grad_norms.append(gather_first(worker.update_actor(batch), world).grad_norm)
         probes.append(worker.sync_weights()["reshard/probe_max_abs_gap"])
     export_hf(worker.actor.backend.chunks, export_dir, force=True)
     return {"copies": tied_copies(worker.actor.backend), "probes": probes, "grad_norms": grad_norms,

@@ -28,6 +28,7 @@ from hybridrl.parallel.cross_group import CrossGroup, CrossGroupAddress, open_st
 from hybridrl.parallel.device import default_dtype_for
 from hybridrl.parallel.memory import memory_metrics
 from hybridrl.reshard.cross_pool import CrossPoolSender
+from hybridrl.training.actor import PolicyUpdateMetrics
 from hybridrl.workers import faults
 from hybridrl.workers.probe import RARE_TOKEN_PROBE, ProbeSequence, probe_batch
 from hybridrl.workers.ray_roles import ActorRolloutRefWorker
@@ -54,11 +55,11 @@ class PolicyWorker(ActorRolloutRefWorker):
         figures, self.phase_memory = self.phase_memory, {}
         return figures
 
-    def update_actor(self, batch: Batch) -> dict[str, float] | None:
+    def update_actor(self, batch: Batch) -> PolicyUpdateMetrics | None:
         self._record_memory("update_before")
         metrics = super().update_actor(batch)
         self._record_memory("update_after")
-        return None if metrics is None else metrics.as_dict()
+        return metrics
 
     def probe_log_probs(self, sequence: ProbeSequence = RARE_TOKEN_PROBE) -> list[float]:
         """The actor's log-probs of the weight probe's response (`workers.probe`), on every rank.

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
@@ -44,6 +44,17 @@ if TYPE_CHECKING:
     from hybridrl.rollout.engine import RolloutEngine
 
 Part = TypeVar("Part")
+
+
+class UpdateMetrics(Protocol):
+    """What every trained role's update returns across the worker seam (the actor's `PolicyUpdateMetrics`, the
+    critic's `CriticUpdateMetrics`): the optimizer steps it took and skipped, and its metrics under the role's
+    prefix, the same way for both, so the trainer reads them alike."""
+
+    optimizer_steps: int
+    skipped_steps: int
+
+    def as_dict(self) -> dict[str, float]: ...
 
 
 class MegatronWorker(Worker):
