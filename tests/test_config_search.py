@@ -16,7 +16,7 @@ import pytest
 
 from hybridrl.config import ConfigError, plan_from_sources
 from hybridrl.config.hardware import SHIPPED
-from hybridrl.config.search import SAVERS, Layout, search_from_sources
+from hybridrl.config.search import SAVERS, Layout, search_from_sources, search_inputs, size_cluster
 from hybridrl.config.step_time import predict_step_time
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -165,3 +165,26 @@ def test_a_users_uneven_pipeline_split_stays_at_their_pp_only():
                                          f"{arr}.num_layers_in_first_pipeline_stage=3", *found.overrides()])
         layers = plan.layout("actor").mesh.layout().stage_layers(24)
         assert layers[0] == (3 if found.layout.train_pp == 4 else 24 // found.layout.train_pp)
+
+
+def test_the_smallest_cluster_for_a_step_time_is_the_first_size_whose_best_meets_it():
+    """Qwen2.5-7B GRPO, 60 s a step on H100s: part of a machine (1, 2, 4 GPUs), then 1, 2, 4 machines; the search on
+    each size is the plain search of the job resized, and the first whose best meets 60 s is the answer, printed as
+    overrides of the job as written (its size included)."""
+    inputs = search_inputs(QWEN_7B, ["trainer.hardware=h100-sxm"])
+    sizing = size_cluster(inputs, 60.0)
+    assert [r.total_gpus for r in sizing.results] == [1, 2, 4, 8, 16, 32]
+    bests = [r.ranked[0].step.seconds if r.ranked else None for r in sizing.results]
+    assert all(best is None or best > 60.0 for best in bests[:-1]) and bests[-1] <= 60.0
+    assert sizing.smallest is sizing.results[-1]
+    # each size's search equals the plain search of the job with that size written in
+    alone = search_from_sources(QWEN_7B, ["trainer.hardware=h100-sxm", "trainer.nnodes=2"])
+    assert alone.ranked[0].step.seconds == pytest.approx(bests[4], rel=1e-12)
+    plan, step = _replanned(QWEN_7B, sizing.smallest.ranked[0].overrides())
+    assert plan.resolved.world_size + plan.resolved.rollout_world * plan.resolved.disaggregated == 32
+    assert step.seconds == pytest.approx(bests[-1], rel=1e-12)
+    # beyond every size tried: the sizing says none meets it
+    assert size_cluster(inputs, 1.0).smallest is None
+    refused = subprocess.run([sys.executable, "-m", "hybridrl.cli", "plan", QWEN_7B, "--target-step-time", "60",
+                              "trainer.hardware=h100-sxm"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--target-step-time=60.0 needs --search" in refused.stderr

@@ -12,8 +12,8 @@ import sys
 
 from hybridrl.config.errors import ConfigError
 from hybridrl.config.plan import plan_from_sources
-from hybridrl.config.report import render_plan, render_search
-from hybridrl.config.search import search_from_sources
+from hybridrl.config.report import render_plan, render_search, render_sizing
+from hybridrl.config.search import search_from_sources, search_inputs, size_cluster
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "of its own, offload, recompute) and print the fastest by the predicted step time "
                              "(needs trainer.hardware)")
     parser.add_argument("--top", type=int, default=5, help="--search: how many layouts to print (default 5)")
+    parser.add_argument("--target-step-time", type=float, default=None, metavar="SECONDS",
+                        help="--search: the smallest cluster (the job's GPU type; part of a machine, then 1, 2, 4, "
+                             "... machines) whose best layout predicts a step of at most SECONDS")
     parser.add_argument("--layout-only", action="store_true",
                         help="size the layout from the model's config.json alone: skip the checks of the model's "
                              "weights and tokenizer, the data files and the reward code that `train` needs")
@@ -34,8 +37,14 @@ def run(args: argparse.Namespace) -> int:
     config_path, overrides = args.config, list(args.overrides)
     if config_path and "=" in config_path and not config_path.endswith((".yaml", ".yml")):
         config_path, overrides = None, [config_path, *overrides]  # only overrides were given
+    if args.target_step_time is not None and (not args.search or not args.target_step_time > 0):
+        print(f"hybridrl plan: --target-step-time={args.target_step_time} needs --search and a number of seconds > 0",
+              file=sys.stderr)
+        return 2
     try:
-        if args.search:
+        if args.target_step_time is not None:
+            sizing = size_cluster(search_inputs(config_path, overrides), args.target_step_time)
+        elif args.search:
             result = search_from_sources(config_path, overrides)
         else:
             plan = plan_from_sources(config_path, overrides, check_files=not args.layout_only)
@@ -45,7 +54,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"hybridrl plan: {exc}", file=sys.stderr)
         return 2
-    if args.search:
+    if args.target_step_time is not None:
+        print(json.dumps(dataclasses.asdict(sizing), indent=2) if args.format == "json"
+              else render_sizing(sizing, config_path or ""))
+    elif args.search:
         print(json.dumps(dataclasses.asdict(result), indent=2) if args.format == "json"
               else render_search(result, config_path or "", args.top))
     else:

@@ -10,7 +10,7 @@ from hybridrl.config.internode import plan_internode_traffic
 from hybridrl.config.meshes import TrainingMesh, expert_groups
 from hybridrl.config.plan import Plan, lora_elements_per_layer
 from hybridrl.config.resolve import MODEL_SECTIONS
-from hybridrl.config.search import Found, SearchResult
+from hybridrl.config.search import Found, SearchResult, Sizing
 from hybridrl.config.step_time import StepTime, predict_step_time, seconds_text, step_time_line
 from hybridrl.models.arch import ModelShape
 from hybridrl.parallel.device_policy import WITHOUT_TE
@@ -462,4 +462,29 @@ def render_search(result: SearchResult, config_name: str, top: int = 5) -> str:
                    + (_why(shown[0].step, written.step, "it") if shown[0].step.seconds < written.step.seconds
                       else "nothing found is faster"))
     out += ["", f"#1 as a job: hybridrl plan {config_name} " + " ".join(shown[0].overrides())]
+    return "\n".join(out)
+
+
+def render_sizing(sizing: Sizing, config_name: str) -> str:
+    """`hybridrl plan --search --target-step-time S`: each cluster tried, its best layout, the smallest that meets S."""
+    rows = []
+    for result in sizing.results:
+        best = result.ranked[0] if result.ranked else None
+        rows.append([result.total_gpus, seconds_text(best.step.seconds) if best else "no layout plans",
+                     f"{best.layout.train_tp}x{best.layout.train_pp}x{best.train_dp}" if best else "-",
+                     f"{best.layout.rollout_tp}x{best.rollout_replicas}" if best else "-",
+                     _placement(best) if best else "-", len(result.ranked), f"{result.seconds:.2f} s"])
+    out = [f"hybridrl plan --search --target-step-time {sizing.target_s:g}: the smallest cluster of "
+           f"{sizing.results[0].hardware if sizing.results else '?'} GPUs whose best layout predicts a step of at most "
+           f"{seconds_text(sizing.target_s)} (the job's model, batch and lengths)", "",
+           table(["GPUs", "best step", "train TPxPPxDP", "vLLM TPxreplicas", "placement", "layouts that plan",
+                  "search"], rows), ""]
+    smallest = sizing.smallest
+    if smallest is None:
+        out.append(f"none of these clusters meets {seconds_text(sizing.target_s)}: the largest tried predicts "
+                   + (seconds_text(sizing.results[-1].ranked[0].step.seconds) if sizing.results
+                      and sizing.results[-1].ranked else "nothing"))
+    else:
+        out.append(f"{smallest.total_gpus} GPUs: hybridrl plan {config_name} "
+                   + " ".join(smallest.ranked[0].overrides()))
     return "\n".join(out)

@@ -202,9 +202,11 @@ def with_settings(config: JobConfig, settings: list[Setting] | tuple[Setting, ..
     return out
 
 
-def search(config: JobConfig, model: ModelShape, hardware: Hardware, *, critic: bool) -> SearchResult:
+def search(config: JobConfig, model: ModelShape, hardware: Hardware, *, critic: bool,
+           overrides_of: JobConfig | None = None) -> SearchResult:
     """Plan every layout (`layouts`) of `config`'s cluster, each with the first memory savers that fit, and rank
-    what plans by the predicted step time on `hardware`."""
+    what plans by the predicted step time on `hardware`; each layout's overrides turn `overrides_of` (default
+    `config`: a sizing searches a resized copy of the user's job) into it."""
     started = time.perf_counter()
     base = copy.deepcopy(config)  # every candidate's unchanged sections (the user's object stays theirs)
     refused: Counter[str] = Counter()
@@ -221,7 +223,7 @@ def search(config: JobConfig, model: ModelShape, hardware: Hardware, *, critic: 
                 refused[exc.issues[0].field] += 1  # a rule, not memory: no saver changes it
                 break
             if plan.gpu_memory is None or plan.gpu_memory.fits or not plan.device_policy.gpu_memory_budget_binding:
-                found.append(_found(plan, hardware, layout, savers, config, settings))
+                found.append(_found(plan, hardware, layout, savers, overrides_of or config, settings))
                 break
         else:
             refused[MEMORY_REFUSAL_FIELD] += 1
@@ -264,9 +266,17 @@ def _value_at(config: JobConfig, path: str) -> object:
     return value
 
 
-def search_from_sources(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> SearchResult:
-    """Load the job (the loader's problems refused, as `hybridrl plan` refuses them) and search its layouts on its
-    `trainer.hardware`. The layout's own fields may be wrong: the search replaces them."""
+@dataclass(frozen=True)
+class SearchInputs:
+    config: JobConfig
+    model: ModelShape
+    hardware: Hardware
+    critic: bool
+
+
+def search_inputs(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> SearchInputs:
+    """Load the job (the loader's problems refused, as `hybridrl plan` refuses them), its `trainer.hardware` and its
+    model's shape. The layout's own fields may be wrong: the search replaces them."""
     config, issues = load_config_collecting(path, overrides)
     if issues:
         raise ConfigError(issues)
@@ -286,4 +296,49 @@ def search_from_sources(path: str | None, overrides: list[str] | tuple[str, ...]
         raise ConfigError(shape_issues or [ConfigIssue(field, config.actor_rollout_ref.model.path,
                                                        "has no config.json: --search sizes layouts from the model's "
                                                        "shape")])
-    return search(config, model, hardware, critic=resolve(config, model).critic_enabled)
+    return SearchInputs(config, model, hardware, resolve(config, model).critic_enabled)
+
+
+def search_from_sources(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> SearchResult:
+    """`search` of the job at `path` with `overrides` on its `trainer.hardware` (`search_inputs`)."""
+    inputs = search_inputs(path, overrides)
+    return search(inputs.config, inputs.model, inputs.hardware, critic=inputs.critic)
+
+
+# how far past the job's own machines a sizing looks (x the job's machines)
+SIZING_GROWTH = 4
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """`hybridrl plan --search --target-step-time S`: the best layout of each cluster size tried, smallest first,
+    and the smallest whose best meets the target (None: none tried does)."""
+
+    target_s: float
+    results: tuple[SearchResult, ...]
+    smallest: SearchResult | None
+
+
+def cluster_sizes(config: JobConfig) -> list[tuple[int, int]]:
+    """(machines, GPUs per machine) a sizing tries: a part of one machine (halving its GPUs), then whole machines in
+    powers of two up to `SIZING_GROWTH` x the job's."""
+    per_node = config.trainer.n_gpus_per_node
+    nodes, _ = cluster_size(config)
+    parts = sorted({per_node >> i for i in range(1, per_node.bit_length()) if per_node >> i >= 1})
+    wholes = powers_of_two_upto(max(1, nodes) * SIZING_GROWTH)
+    return [(1, gpus) for gpus in parts] + [(machines, per_node) for machines in wholes]
+
+
+def size_cluster(inputs: SearchInputs, target_s: float) -> Sizing:
+    """Search the job on each of `cluster_sizes` (the batch, lengths and model the job's), smallest first, until one
+    cluster's best layout predicts a step of at most `target_s` seconds."""
+    results: list[SearchResult] = []
+    for machines, gpus in cluster_sizes(inputs.config):
+        sized = copy.deepcopy(inputs.config)
+        sized.trainer.nnodes, sized.trainer.n_gpus_per_node = machines, gpus
+        sized.actor_rollout_ref.rollout.mode = "colocated"  # the cluster is the trainer's; the search splits it
+        result = search(sized, inputs.model, inputs.hardware, critic=inputs.critic, overrides_of=inputs.config)
+        results.append(result)
+        if result.ranked and result.ranked[0].step.seconds <= target_s:
+            return Sizing(target_s, tuple(results), result)
+    return Sizing(target_s, tuple(results), None)
