@@ -15,6 +15,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("hybridrl.trainer.train_cli", "train a PPO/GRPO job (plans first; refuses a bad config)"),
     "convert": ("hybridrl.models.convert_cli", "convert checkpoints between HF and Megatron layouts"),
     "doctor": ("hybridrl.parallel.doctor_cli", "report the installed stack and refuse incompatible versions"),
+    "hardware": ("hybridrl.config.hardware_cli", "list the GPU descriptions step times are predicted with, or "
+                                                  "measure this machine's"),
 }
 
 

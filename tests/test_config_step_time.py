@@ -160,3 +160,58 @@ def test_measured_over_predicted_is_each_timed_phase_over_the_plans():
     assert time_vs_plan(step, measured) == {"time_vs_plan/gen": 1.5, "time_vs_plan/update_actor": 0.5,
                                             "time_vs_plan/step": 1.5}
     assert time_vs_plan(step, {"timing_s/gen": 1.0}) == {"time_vs_plan/gen": 0.5}  # a phase not timed: left out
+
+
+def test_hybridrl_hardware_lists_the_shipped_gpus_and_measures_this_machine_as_a_cpu_ranks_description(tmp_path):
+    """`hybridrl hardware --measure` against figures timed here with plain torch (one thread, as one of two ranks on
+    this 2-core machine gets): its fp32 matmul and memory figures within 3x of these (a shared machine's noise), and
+    its YAML read back by the plan's loader."""
+    import time
+
+    import torch
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "hybridrl.cli", "hardware", *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+
+    listed = cli()
+    assert listed.returncode == 0 and all(name in listed.stdout for name in SHIPPED)
+    for args, words in ((("--out", "x.yaml"), "add --measure"), (("--measure", "--ranks", "0"), "--ranks=0"),
+                        (("--measure", "--out", "x.txt"), "--out=x.txt (a .yaml file")):
+        refused = cli(*args)
+        assert refused.returncode == 2 and words in refused.stderr and "Traceback" not in refused.stderr
+    out = tmp_path / "this-cpu.yaml"
+    measured = cli("--measure", "--ranks", "2", "--repeats", "3", "--out", str(out))
+    assert measured.returncode == 0, measured.stderr[-2000:]
+    hardware = load_hardware(str(out))
+    assert hardware.name.endswith("1 of 2 rank(s)") and hardware.host_gb_per_s == hardware.memory_gb_per_s
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, len(__import__("os").sched_getaffinity(0)) // 2))
+    try:
+        a, b = torch.randn(512, 512), torch.randn(512, 512)
+        source = torch.ones(256 * 2**20, dtype=torch.uint8)
+        target = torch.empty_like(source)
+
+        def best(work) -> float:
+            work()
+            times = []
+            for _ in range(3):
+                started = time.perf_counter()
+                work()
+                times.append(time.perf_counter() - started)
+            return min(times)
+
+        fp32_tflops = 2 * 512**3 / best(lambda: torch.mm(a, b)) / 1e12
+        memory_gb_per_s = 2 * source.numel() / best(lambda: target.copy_(source)) / 1e9
+    finally:
+        torch.set_num_threads(threads)
+    assert fp32_tflops / 3 <= hardware.fp32_tflops <= fp32_tflops * 3, (hardware.fp32_tflops, fp32_tflops)
+    assert memory_gb_per_s / 3 <= hardware.memory_gb_per_s <= memory_gb_per_s * 3, (hardware, memory_gb_per_s)
+    assert hardware.intra_node_gb_per_s > 0 and hardware.intra_node_gb_per_s == hardware.inter_node_gb_per_s
+    # the shipped description of this machine (written by the same command) plans a CPU job's time
+    shipped = str(ROOT / "configs/hardware/this-cpu-2-ranks.yaml")
+    tiny = ROOT / "configs/models/tiny-demo"
+    plan = plan_from_sources(str(ROOT / "configs/examples/cpu_tiny_grpo.yaml"),
+                             [f"trainer.hardware={shipped}", f"actor_rollout_ref.model.path={tiny}"])
+    assert predict_step_time(plan, load_hardware(shipped)).seconds > 0

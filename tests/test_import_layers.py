@@ -166,7 +166,7 @@ def test_every_hybridrl_import_names_an_existing_module():
 # (`errors`, `meshes` and `estimates` are helpers below `resolve`; `docs` and `plan_cli` sit on top).
 CONFIG_LINE = ("errors", "megatron_fields", "schema", "hardware", "verl_keys", "loader", "meshes", "estimates",
                "megatron_verdict", "resolve", "model_shapes", "distillation_rules", "validate", "inputs", "plan",
-               "internode", "step_time", "search", "report", "docs", "plan_cli", "__init__")
+               "internode", "step_time", "search", "report", "docs", "plan_cli", "hardware_cli", "__init__")
 
 
 def config_module_imports(root: Path = PACKAGE / "config") -> dict[str, dict[str, list[str]]]:
