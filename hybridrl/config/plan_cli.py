@@ -37,6 +37,9 @@ def run(args: argparse.Namespace) -> int:
     config_path, overrides = args.config, list(args.overrides)
     if config_path and "=" in config_path and not config_path.endswith((".yaml", ".yml")):
         config_path, overrides = None, [config_path, *overrides]  # only overrides were given
+    if args.top < 1:
+        print(f"hybridrl plan: --top={args.top} must be a number of layouts >= 1", file=sys.stderr)
+        return 2
     if args.target_step_time is not None and (not args.search or not args.target_step_time > 0):
         print(f"hybridrl plan: --target-step-time={args.target_step_time} needs --search and a number of seconds > 0",
               file=sys.stderr)
