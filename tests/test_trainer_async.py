@@ -16,7 +16,9 @@ from __future__ import annotations
 import pytest
 
 from hybridrl.workers import faults
-from tests.test_trainer_e2e import _mean, _metrics, _train
+from tests.support.runs import mean as _mean
+from tests.support.runs import metrics as _metrics
+from tests.support.runs import train as _train
 from tools.demo_assets import demo_overrides
 
 pytestmark = pytest.mark.slow

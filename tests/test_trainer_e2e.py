@@ -15,27 +15,15 @@ import pytest
 
 from hybridrl.persistence import is_partial
 from hybridrl.workers import faults
+from tests.support.runs import mean as _mean
+from tests.support.runs import metrics as _metrics
+from tests.support.runs import train as _train
 from tools.demo_assets import demo_overrides
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 CKPT = Path("ckpt") / "demo" / "cpu_tiny_grpo"  # under a run folder: demo_overrides' checkpoint root
-
-
-def _train(config: str, overrides: list[str], timeout: int = 900,
-           env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "hybridrl.cli", "train", config, *overrides, "--no-progress"]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
-
-
-def _metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def _mean(rows: list[dict], key: str) -> float:
-    return sum(r[key] for r in rows) / len(rows)
 
 
 # One learning run per algorithm family here; GRPO learns at DP2 in the packed, MoE and resume runs

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from hybridrl.workers import faults
-from tests.test_trainer_e2e import ROOT, _metrics
+from tests.support.runs import ROOT
+from tests.support.runs import metrics as _metrics
 from tools.demo_assets import demo_overrides
 
 CONFIG = "configs/examples/cpu_tiny_grpo.yaml"

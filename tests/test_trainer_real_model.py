@@ -13,7 +13,8 @@ import json
 import pytest
 import transformers
 
-from tests.test_trainer_e2e import _metrics, _train
+from tests.support.runs import metrics as _metrics
+from tests.support.runs import train as _train
 from tools.demo_assets import demo_overrides
 
 pytestmark = pytest.mark.slow

@@ -1,0 +1,27 @@
+"""`hybridrl train` as a user runs it, for the end-to-end tests: a fresh subprocess (its own local Ray cluster), and
+what its metrics.jsonl holds."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def train(config: str, overrides: list[str], timeout: int = 900,
+          env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "hybridrl.cli", "train", config, *overrides, "--no-progress"]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def metrics(run: Path) -> list[dict]:
+    """Every row of a run's metrics.jsonl (steps, validations, events)."""
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def mean(rows: list[dict], key: str) -> float:
+    return sum(r[key] for r in rows) / len(rows)
