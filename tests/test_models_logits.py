@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.support.forked import run_ranks
+from tests.support.model_passes import grads_rank, pipeline_logits
 from tests.support.models_fixtures import (
     ARCHS,
     VOCAB,
@@ -31,40 +32,6 @@ TOKENS = sample_tokens(batch=2)
 
 # ---- rank side ---------------------------------------------------------------------------------------
 
-def _pipeline_logits(models: list[Any], tokens: torch.Tensor) -> torch.Tensor | None:
-    """Full-vocab logits from megatron's forward-only schedule; None except on the last stage."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    from hybridrl.parallel.state import get_context
-
-    batch, seq = tokens.shape
-    micro = [tokens[i:i + 1] for i in range(batch)]
-
-    def forward_step(data_iterator, model):
-        ids = next(data_iterator)
-        positions = torch.arange(seq).unsqueeze(0).expand_as(ids)
-        output = model(ids, positions, None)
-
-        def collect(output_tensor, non_loss_data=False):
-            return gather_from_tensor_model_parallel_region(output_tensor)
-
-        return output, collect
-
-    for model in models:
-        model.eval()
-    with torch.no_grad():
-        store = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=[iter(micro) for _ in models] if len(models) > 1 else iter(micro),
-            model=models if len(models) > 1 else models[0],
-            num_microbatches=len(micro),
-            seq_length=seq,
-            micro_batch_size=1,
-            forward_only=True,
-            collect_non_loss_data=True,
-        )
-    return torch.cat(store, dim=0) if get_context().is_last_pp_stage else None
 
 
 def _corrupt(models: list[Any], kind: str, hf_dir: str) -> None:
@@ -104,9 +71,9 @@ def _logits_rank(rank: int, world_size: int, tp: int, pp: int, vpp: int | None,
             models = build_gpt_models(source)
             load_weights(models, weights)
             if corrupt:
-                out[name + ":good"] = _pipeline_logits(models, TOKENS)
+                out[name + ":good"] = pipeline_logits(models, TOKENS)
                 _corrupt(models, corrupt, weights)
-            out[name] = _pipeline_logits(models, TOKENS)
+            out[name] = pipeline_logits(models, TOKENS)
             if save_to:
                 save_mcore_checkpoint(models, Path(save_to["mcore"]) / name)
                 export_hf(models, Path(save_to["hf"]) / name)
@@ -167,31 +134,6 @@ def _save_with_data_parallel_rank(rank: int, world_size: int, hf_dir: str, out: 
     return ctx.dp
 
 
-def _grads_rank(rank: int, world_size: int, hf_dir: str, weights: torch.Tensor, out: str) -> None:
-    """Backward of sum(logits * weights) at TP=world_size; grads saved as a checkpoint (in place of the
-    weights) so the layout math maps them back to HF names."""
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    from hybridrl.models.bridge import build_gpt_model, load_weights, save_mcore_checkpoint
-    from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
-
-    ctx = initialize_model_parallel(tp=world_size, device="cpu")
-    try:
-        model = build_gpt_model(hf_dir)
-        load_weights([model], hf_dir)
-        logits = gather_from_tensor_model_parallel_region(
-            model(TOKENS, torch.arange(TOKENS.shape[1]).expand_as(TOKENS), None))
-        (logits[..., :VOCAB] * weights).sum().backward()
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                # Each TP rank normalizes only its own heads: megatron's finalize_model_grads sums the
-                # q/k norm gradients over TP (the trainer's DDP path); do the same here.
-                if "q_layernorm" in name or "k_layernorm" in name:
-                    torch.distributed.all_reduce(param.grad, group=ctx.tp_group)
-                param.copy_(param.grad)
-        save_mcore_checkpoint([model], out)
-    finally:
-        destroy_model_parallel()
 
 
 def _run(tp: int, pp: int, vpp: int | None, cases, **kwargs) -> dict[str, torch.Tensor]:
@@ -344,7 +286,7 @@ def test_gradients_match_transformers(hf_dirs, tmp_path, arch, tp):
     from hybridrl.models.convert_cli import main as convert_main
 
     weights = torch.randn(*TOKENS.shape, VOCAB, generator=torch.Generator().manual_seed(3))
-    run_ranks(_grads_rank, tp, str(hf_dirs[arch]), weights, str(tmp_path / "grads"), timeout_s=300)
+    run_ranks(grads_rank, tp, str(hf_dirs[arch]), weights, str(tmp_path / "grads"), timeout_s=300)
     assert convert_main(["mcore-to-hf", "--ckpt", str(tmp_path / "grads"), "--out", str(tmp_path / "hf"),
                          "--quiet"]) == 0
     ours = safetensors_state(tmp_path / "hf")

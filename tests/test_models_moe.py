@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.support.forked import run_ranks
+from tests.support.model_passes import grads_rank, pipeline_logits
 from tests.support.models_fixtures import (
     MOE_ARCHS,
     VOCAB,
@@ -28,7 +29,6 @@ from tests.support.models_fixtures import (
     safetensors_state,
     sample_tokens,
 )
-from tests.test_models_logits import _grads_rank, _pipeline_logits
 
 TOLERANCE = 1e-5  # max abs logits difference, fp32
 TOKENS = sample_tokens(batch=2)
@@ -55,7 +55,7 @@ def _moe_rank(rank: int, world_size: int, tp: int, pp: int, ep: int, cases: list
             out["shapes"][name] = {key: tuple(value.shape) for model in models
                                    for key, value in model.state_dict().items()
                                    if "local_experts" in key and value is not None}
-            out[name] = _pipeline_logits(models, TOKENS)
+            out[name] = pipeline_logits(models, TOKENS)
             if save_to:
                 save_mcore_checkpoint(models, Path(save_to) / "mcore" / name)
                 export_hf(models, Path(save_to) / "hf" / name)
@@ -178,7 +178,7 @@ def test_moe_gradients_match_transformers(hf_dirs, tmp_path, tp):
     for arch in ("qwen3_moe", "mixtral"):
         grads = tmp_path / arch / "grads"
         # the dense test's rank function: TP = world size, EP = 1
-        run_ranks(_grads_rank, tp, str(hf_dirs[arch]), weights, str(grads), timeout_s=300)
+        run_ranks(grads_rank, tp, str(hf_dirs[arch]), weights, str(grads), timeout_s=300)
         assert convert_main(["mcore-to-hf", "--ckpt", str(grads), "--out", str(tmp_path / arch / "hf"),
                              "--quiet"]) == 0
         ours = safetensors_state(tmp_path / arch / "hf")

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.support.forked import run_ranks
-from tests.test_models_logits import _pipeline_logits
+from tests.support.model_passes import pipeline_logits
 
 TOLERANCE = 1e-5  # max abs logits difference, fp32
 QUESTION = "What is 7 + 5? Answer with just the number."
@@ -210,7 +210,7 @@ def _real_logits_rank(rank: int, world_size: int, tp: int, pp: int, hf_dir: str,
         for dtype in dtypes:
             models = build_gpt_models(hf_dir, dtype=dtype)
             load_weights(models, hf_dir)
-            out[str(dtype)] = _pipeline_logits(models, tokens)
+            out[str(dtype)] = pipeline_logits(models, tokens)
             out.update(holds_embedding=any(m.pre_process for m in models),
                        holds_output_layer=any(m.post_process for m in models),
                        shares_embedding=all(m.share_embeddings_and_output_weights for m in models))
