@@ -20,7 +20,7 @@ from hybridrl.models.lora_targets import PROJECTIONS as LAYER_PROJECTIONS
 from hybridrl.models.lora_targets import TARGETS
 from tests.support.forked import run_ranks
 from tests.support.hybrid_workers import hybrid_worker
-from tests.test_models_lora import adapter_state, shared_a
+from tests.support.lora_adapters import adapter_state, shared_a
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ import torch
 from hybridrl.models.lora_targets import PROJECTIONS as LAYER_PROJECTIONS
 from hybridrl.models.lora_targets import TARGETS
 from tests.support.forked import run_ranks
+from tests.support.lora_adapters import fused_grads, shared_a
 from tests.support.rollout_models import build_tiny_model
-from tests.test_models_lora import fused_grads, shared_a
 from tests.test_training_actor_reference import (
     CASES,
     GRAD_RTOL,
