@@ -15,9 +15,7 @@ from typing import Any
 
 import torch
 
-from tests.support.forked import run_ranks
-from tests.support.models_fixtures import make_hf_model, read_json, safetensors_state
-from tests.test_training_actor_reference import (
+from tests.support.actor_reference import (
     Case,
     actor_config,
     assert_matches_reference,
@@ -25,6 +23,8 @@ from tests.test_training_actor_reference import (
     ppo_batch,
     reference_step,
 )
+from tests.support.forked import run_ranks
+from tests.support.models_fixtures import make_hf_model, read_json, safetensors_state
 
 CASE = Case("token-mean", "low_var_kl")
 WEIGHT_ATOL = 1e-5

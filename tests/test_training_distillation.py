@@ -159,7 +159,7 @@ def _update_rank(rank: int, world: int, config: Any, batch: Any, out_dir: str) -
     from hybridrl.models.bridge import export_hf
     from hybridrl.training.actor import MegatronActor
     from hybridrl.training.backend import MegatronBackend, role_spec
-    from tests.test_training_actor_reference import gradients_into_params
+    from tests.support.actor_reference import gradients_into_params
 
     plan = build_plan(config)
     backend = MegatronBackend(role_spec(plan, "actor"))

@@ -12,10 +12,7 @@ import torch
 
 from hybridrl.models.lora_targets import PROJECTIONS as LAYER_PROJECTIONS
 from hybridrl.models.lora_targets import TARGETS
-from tests.support.forked import run_ranks
-from tests.support.lora_adapters import fused_grads, shared_a
-from tests.support.rollout_models import build_tiny_model
-from tests.test_training_actor_reference import (
+from tests.support.actor_reference import (
     CASES,
     GRAD_RTOL,
     POLICY,
@@ -24,6 +21,9 @@ from tests.test_training_actor_reference import (
     ppo_batch,
     reference_step,
 )
+from tests.support.forked import run_ranks
+from tests.support.lora_adapters import fused_grads, shared_a
+from tests.support.rollout_models import build_tiny_model
 
 RANK, ALPHA = 4, 8.0
 HF_PROJECTIONS = [p for projections in LAYER_PROJECTIONS.values() for p in projections]
@@ -151,7 +151,7 @@ def test_a_lora_actor_step_equals_peft(tmp_path, kind, tp, pp, dp, cp, vpp):
     assert abs(metrics.grad_norm - float(norm)) <= GRAD_RTOL * float(norm), (metrics.grad_norm, float(norm))
     # the reference pass (adapters off) scores with the base model: transformers' log-probs without adapters
     with torch.no_grad(), peft_model.disable_adapter():
-        from tests.test_training_actor_reference import response_log_softmax
+        from tests.support.actor_reference import response_log_softmax
 
         _, log_softmax = response_log_softmax(hf, batch, model=peft_model)
     base = log_softmax.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1) * batch["response_mask"]

@@ -16,11 +16,11 @@ import torch
 
 from hybridrl.data.tokenizer import char_tokenizer
 from hybridrl.rollout.engine import ResponseRow, assemble_response_rows
+from tests.support.actor_reference import gradients_into_params
 from tests.support.forked import run_ranks
 from tests.support.models_fixtures import make_hf_model, safetensors_state
 from tests.support.training_fixtures import job_config
 from tests.test_rollout_agent_loop import Script, _loop, call
-from tests.test_training_actor_reference import gradients_into_params
 
 BUDGET = 224
 ENTROPY_COEFF, KL_COEF = 0.05, 0.3

@@ -389,24 +389,24 @@ def test_packed_critic_and_reward_model_equal_torch_and_transformers(tmp_path):
 def test_packed_actor_objective_equals_the_transformers_reference(tmp_path):
     """The full PPO objective (temperature, clip bounds, dual clip, entropy, KL) and every gradient,
     recomputed from transformers row by row (tests/test_training_actor_reference.py), packed at TP2 x PP2."""
-    from tests.support.models_fixtures import safetensors_state
-    from tests.support.rollout_models import build_tiny_model
-    from tests.test_training_actor_reference import (
+    from tests.support.actor_reference import (
         CASES,
         POLICY,
-        _actor_step_rank,
         actor_config,
+        actor_step_rank,
         assert_matches_reference,
         ppo_batch,
         reference_step,
     )
+    from tests.support.models_fixtures import safetensors_state
+    from tests.support.rollout_models import build_tiny_model
 
     hf = build_tiny_model(tmp_path / "hf", POLICY)
     batch = ppo_batch(hf)
     cases = (CASES[0], CASES[3])  # token-mean + k3, seq-mean-token-mean + k1
     configs = [packed(actor_config(hf, case, tp=2, pp=2, rows=len(batch))) for case in cases]
     out_dirs = [str(tmp_path / f"grads_{i}") for i in range(len(cases))]
-    results = run_ranks(_actor_step_rank, 4, configs, batch, out_dirs)
+    results = run_ranks(actor_step_rank, 4, configs, batch, out_dirs)
     for i, case in enumerate(cases):
         metrics = [r[i] for r in results if r[i] is not None][0]
         expected = reference_step(hf, batch, case)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.test_training_actor_reference import Case, megatron_steps, ppo_batch, reference_step
+from tests.support.actor_reference import Case, megatron_steps, ppo_batch, reference_step
 
 # One xdist worker for the module: its transformers references (three real-model steps) are built once.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("real_layouts")]

@@ -323,17 +323,17 @@ def test_shuffled_epochs_move_whole_prompt_groups(tmp_path):
 def test_shared_prompts_update_equals_the_transformers_objective(tmp_path, tp, pp):
     """The whole PPO objective (clips, dual clip, entropy, KL) and every gradient against transformers row
     by row (tests/test_training_actor_reference.py), on grouped rows shared in their micro-batches."""
-    from tests.support.models_fixtures import safetensors_state
-    from tests.support.rollout_models import build_tiny_model
-    from tests.test_training_actor_reference import (
+    from tests.support.actor_reference import (
         CASES,
         POLICY,
-        _actor_step_rank,
         actor_config,
+        actor_step_rank,
         assert_matches_reference,
         ppo_batch,
         reference_step,
     )
+    from tests.support.models_fixtures import safetensors_state
+    from tests.support.rollout_models import build_tiny_model
 
     hf = build_tiny_model(tmp_path / "hf", POLICY)
     batch = ppo_batch(hf, groups=GROUPS)
@@ -343,7 +343,7 @@ def test_shared_prompts_update_equals_the_transformers_objective(tmp_path, tp, p
     config.actor_rollout_ref.model.shared_prefix = True
     config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = 4
     out_dir = str(tmp_path / "grads")
-    results = run_ranks(_actor_step_rank, tp * pp, [config], batch, [out_dir])
+    results = run_ranks(actor_step_rank, tp * pp, [config], batch, [out_dir])
     metrics = [r[0] for r in results if r[0] is not None][0]
     assert metrics.shared_prefix_ratio > 0.1
     assert_matches_reference(reference_step(hf, batch, case), metrics, safetensors_state(tmp_path / "grads"),

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 import torch
 
+from tests.support.actor_reference import gradients_into_params
 from tests.support.forked import run_ranks
 from tests.support.models_fixtures import VOCAB, make_hf_model, safetensors_state
 from tests.support.training_fixtures import RESPONSE, job_config, rollout_batch
-from tests.test_training_actor_reference import gradients_into_params
 
 GRAD_RTOL = 1e-5  # of each tensor's largest gradient entry, fp32
 
