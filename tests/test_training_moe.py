@@ -15,8 +15,7 @@ import torch
 
 from tests.support.forked import run_ranks
 from tests.support.models_fixtures import make_hf_model, safetensors_state
-from tests.support.training_fixtures import job_config, rollout_batch
-from tests.test_training_ranks import _update_rank
+from tests.support.training_fixtures import job_config, rollout_batch, update_rank
 
 # (world, ep, expert TP, token dispatcher); the first is the single-rank reference
 MOE_LAYOUTS = ((1, 1, None, "alltoall"), (2, 1, None, "alltoall"), (2, 2, None, "alltoall"),
@@ -50,7 +49,7 @@ def test_moe_update_at_ep2_equals_ep1(tmp_path):
         mc = config.actor_rollout_ref.actor.megatron
         mc.expert_model_parallel_size, mc.expert_tensor_parallel_size = ep, etp
         mc.moe_token_dispatcher_type = dispatcher
-        results = run_ranks(_update_rank, world, config, batch, str(out), timeout_s=400)
+        results = run_ranks(update_rank, world, config, batch, str(out), timeout_s=400)
         metrics = [r["metrics"] for r in results if r["metrics"] is not None]
         assert len(metrics) == world  # one output rank per DP replica
         if ep > 1 or etp:  # different experts or expert halves (same local names), the same dense weights
@@ -177,7 +176,8 @@ def test_moe_at_cp2_packed_equals_transformers_and_cp1(tmp_path):
     attention is the CPU stand-in too, so the log-probs equal transformers' and one update with the
     load-balancing loss on equals padded CP1's (loss, grad norm, aux loss, every weight)."""
     from tests.support.training_fixtures import hf_response_log_probs
-    from tests.test_training_context_parallel import _log_prob_rank, _update_rank, with_cp
+    from tests.test_training_context_parallel import _log_prob_rank, with_cp
+    from tests.test_training_context_parallel import _update_rank as cp_update_rank
 
     hf = make_hf_model(tmp_path / "hf", "qwen3_moe", seed=7)
     batch = rollout_batch(8, seed=9)
@@ -190,7 +190,7 @@ def test_moe_at_cp2_packed_equals_transformers_and_cp1(tmp_path):
     for cp, packed in ((1, False), (2, True)):
         config = with_cp(job_config(hf, world=cp, micro=2, use_kl_loss=True), cp, packed)
         config.actor_rollout_ref.actor.megatron.moe_aux_loss_coeff = 0.01
-        (runs[cp],) = [r for r in run_ranks(_update_rank, cp, config, batch) if r["metrics"] is not None]
+        (runs[cp],) = [r for r in run_ranks(cp_update_rank, cp, config, batch) if r["metrics"] is not None]
     m1, m2 = runs[1]["metrics"], runs[2]["metrics"]
     for name in ("pg_loss", "grad_norm", "kl_loss"):
         assert abs(getattr(m2, name) - getattr(m1, name)) <= 1e-5, name
@@ -328,7 +328,7 @@ def test_moe_update_at_pp2_and_pp2_ep2_equals_one_rank(tmp_path):
         out = tmp_path / f"out_w{world}pp{pp}ep{ep}"
         config = job_config(hf, world=world, pp=pp, use_kl_loss=True, entropy_coeff=0.01)
         config.actor_rollout_ref.actor.megatron.expert_model_parallel_size = ep
-        results = run_ranks(_update_rank, world, config, batch, str(out), timeout_s=600)
+        results = run_ranks(update_rank, world, config, batch, str(out), timeout_s=600)
         metrics = [r["metrics"] for r in results if r["metrics"] is not None]
         runs[world, pp, ep] = (metrics[0], safetensors_state(out))
     assert_same_step(runs, (1, 1, 1), safetensors_state(hf))
@@ -349,7 +349,7 @@ def test_moe_update_at_tp2_with_whole_experts_equals_one_rank(tmp_path):
         mc = config.actor_rollout_ref.actor.megatron
         mc.sequence_parallel = tp > 1
         mc.expert_model_parallel_size, mc.expert_tensor_parallel_size = ep, etp
-        results = run_ranks(_update_rank, world, config, batch, str(out), timeout_s=600)
+        results = run_ranks(update_rank, world, config, batch, str(out), timeout_s=600)
         metrics = [r["metrics"] for r in results if r["metrics"] is not None]
         assert metrics, (world, tp, ep)
         if tp > 1 and ep == 1:  # both TP ranks hold every expert whole, and the same after the step
@@ -479,7 +479,7 @@ def test_moe_update_with_virtual_pipeline_equals_one_rank(tmp_path):
     for world, pp, vpp in ((1, 1, None), (3, 3, 2)):
         out = tmp_path / f"out_w{world}pp{pp}vpp{vpp}"
         config = job_config(hf, world=world, pp=pp, vpp=vpp, rows=12, use_kl_loss=True, entropy_coeff=0.01)
-        results = run_ranks(_update_rank, world, config, batch, str(out), timeout_s=600)
+        results = run_ranks(update_rank, world, config, batch, str(out), timeout_s=600)
         if vpp:  # two model chunks on every rank, each with experts or the dense MLP
             assert all({name.split(".")[0] for name in r["digests"]} == {"0", "1"} for r in results)
         metrics = [r["metrics"] for r in results if r["metrics"] is not None]

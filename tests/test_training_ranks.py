@@ -9,7 +9,7 @@ import torch
 
 from tests.support.forked import run_ranks
 from tests.support.models_fixtures import make_hf_model
-from tests.support.training_fixtures import hf_response_log_probs, job_config, policy_model, rollout_batch
+from tests.support.training_fixtures import hf_response_log_probs, job_config, policy_model, rollout_batch, update_rank
 
 
 def _log_prob_rank(rank: int, world: int, config: Any, batch: Any, role: str = "actor",
@@ -44,33 +44,6 @@ def test_log_probs_tp2_pp2_equal_transformers(tmp_path):
         assert torch.allclose(ent, ref_ent, atol=1e-5, rtol=0)
 
 
-def _update_rank(rank: int, world: int, config: Any, batch: Any, out_dir: str, cuda_wgrad: bool = False) -> Any:
-    import dataclasses
-
-    from hybridrl.config.plan import build_plan
-    from hybridrl.models.bridge import export_hf
-    from hybridrl.models.checkpoint import tensor_sha256
-    from hybridrl.training.actor import MegatronActor
-    from hybridrl.training.backend import MegatronBackend, role_spec
-
-    plan = build_plan(config)
-    spec = role_spec(plan, "actor")
-    if cuda_wgrad:  # the weight-gradient path CUDA takes without Apex: megatron's unfused GEMM + add into main_grad
-        spec = dataclasses.replace(spec, device_policy=dataclasses.replace(spec.device_policy,
-                                                                           wgrad_accumulation_fusion=None))
-    backend = MegatronBackend(spec)
-    if rank == 0:
-        assert backend.config.gradient_accumulation_fusion is (not cuda_wgrad)
-    actor = MegatronActor(backend, plan)
-    ctx = backend.ctx
-    chunk = batch.split(ctx.dp)[ctx.dp_rank]
-    metrics = actor.update_policy(chunk)
-    export_hf(backend.chunks, out_dir, force=True)
-    digests = {f"{i}.{n}": tensor_sha256(p.detach())
-               for i, c in enumerate(backend.chunks) for n, p in c.named_parameters()}
-    return {"metrics": metrics, "coords": (ctx.tp_rank, ctx.pp_rank, ctx.dp_rank), "digests": digests}
-
-
 # (tp, pp, dp, vpp, distributed optimizer, sequence parallelism); the first is the single-rank reference.
 # TP2 x PP2 with SP: the activations between stages are split along the sequence over TP (megatron's
 # own SP code on gloo, the norms' CPU stand-in tagging their weights for the TP gradient sum).
@@ -91,7 +64,7 @@ def test_ppo_update_same_across_layouts(tmp_path):
         config = job_config(hf, world=world, tp=tp, pp=pp, vpp=vpp, distributed_optimizer=distributed,
                             use_kl_loss=True, entropy_coeff=0.01)
         config.actor_rollout_ref.actor.megatron.sequence_parallel = sp
-        results = run_ranks(_update_rank, world, config, batch, str(out))
+        results = run_ranks(update_rank, world, config, batch, str(out))
         metrics = [r["metrics"] for r in results if r["metrics"] is not None]
         assert len(metrics) == dp
         by_position: dict[Any, set] = {}
@@ -127,7 +100,7 @@ def test_ppo_update_on_the_cuda_weight_gradient_path_is_the_same(tmp_path):
         config = job_config(hf, world=tp * pp * dp, tp=tp, pp=pp, vpp=vpp, distributed_optimizer=distributed,
                             use_kl_loss=True, entropy_coeff=0.01)
         config.actor_rollout_ref.actor.megatron.sequence_parallel = sp
-        results = run_ranks(_update_rank, tp * pp * dp, config, batch, str(out), not reference)
+        results = run_ranks(update_rank, tp * pp * dp, config, batch, str(out), not reference)
         metrics = next(r["metrics"] for r in results if r["metrics"] is not None)
         states[(tp, pp, dp)] = (metrics, safetensors_state(out))
     base_metrics, base_state = states[(1, 1, 1)]
@@ -153,7 +126,7 @@ def test_ppo_update_is_split_invariant(tmp_path):
     runs = {}
     for name, (dp, kwargs) in cases.items():
         out = tmp_path / name
-        results = run_ranks(_update_rank, dp, job_config(hf, world=dp, **kwargs), batch, str(out))
+        results = run_ranks(update_rank, dp, job_config(hf, world=dp, **kwargs), batch, str(out))
         runs[name] = ([r["metrics"] for r in results if r["metrics"] is not None][0], safetensors_state(out))
     for group in (("micro4_dp1", "micro1_dp2", "dynamic_dp2"), ("seq_mean_dp1", "seq_mean_dp2")):
         base_metrics, base_state = runs[group[0]]
@@ -206,7 +179,7 @@ def test_ppo_update_with_interleaved_pipeline(tmp_path):
     runs = {}
     for pp, vpp in ((1, None), (4, 2)):
         out = tmp_path / f"pp{pp}"
-        results = run_ranks(_update_rank, pp, job_config(hf, world=pp, pp=pp, vpp=vpp, micro=1), batch, str(out))
+        results = run_ranks(update_rank, pp, job_config(hf, world=pp, pp=pp, vpp=vpp, micro=1), batch, str(out))
         runs[pp] = ([r["metrics"] for r in results if r["metrics"] is not None][0], safetensors_state(out))
     (base, base_state), (vpp_metrics, vpp_state) = runs[1], runs[4]
     assert abs(vpp_metrics.pg_loss - base.pg_loss) < 1e-5
@@ -224,7 +197,7 @@ def test_epochs_and_mini_batches_same_across_layouts(tmp_path):
     for tp, pp in ((1, 1), (2, 2)):
         config = job_config(hf, world=tp * pp, tp=tp, pp=pp, ppo_epochs=2, ppo_mini_batch_size=2)
         config.actor_rollout_ref.actor.optim.lr_warmup_steps = 2
-        results = run_ranks(_update_rank, tp * pp, config, batch, str(tmp_path / f"out{tp}{pp}"))
+        results = run_ranks(update_rank, tp * pp, config, batch, str(tmp_path / f"out{tp}{pp}"))
         runs[tp] = [r["metrics"] for r in results if r["metrics"] is not None][0]
     base, other = runs[1], runs[2]
     assert base.optimizer_steps == other.optimizer_steps == 4
@@ -242,14 +215,14 @@ def test_bf16_policy_runs_close_to_fp32(tmp_path):
     hf = policy_model(tmp_path / "hf")
     batch = rollout_batch(8)
     expected, _ = hf_response_log_probs(hf, batch)
-    fp32 = run_ranks(_update_rank, 1, job_config(hf, world=1), batch, str(tmp_path / "fp32"))[0]["metrics"]
+    fp32 = run_ranks(update_rank, 1, job_config(hf, world=1), batch, str(tmp_path / "fp32"))[0]["metrics"]
     for distributed in (False, True):
         config = job_config(hf, world=2, tp=2, distributed_optimizer=distributed)
         config.actor_rollout_ref.actor.megatron.dtype = "bf16"
         log_probs = [r for r in run_ranks(_log_prob_rank, 2, config, batch) if r is not None][0]["old_log_probs"]
         assert log_probs.dtype == torch.float32
         assert (log_probs - expected).abs().max() < 2e-2
-        results = run_ranks(_update_rank, 2, config, batch, str(tmp_path / f"bf16_{distributed}"))
+        results = run_ranks(update_rank, 2, config, batch, str(tmp_path / f"bf16_{distributed}"))
         metrics = [r["metrics"] for r in results if r["metrics"] is not None][0]
         assert abs(metrics.pg_loss - fp32.pg_loss) < 1e-3
         assert abs(metrics.grad_norm - fp32.grad_norm) < 1e-2
@@ -263,7 +236,7 @@ def test_scheduled_lr_reaches_the_optimizer(tmp_path):
     initial = safetensors_state(hf)
     config = job_config(hf, world=1)
     config.actor_rollout_ref.actor.optim.lr_warmup_steps = 1000
-    (result,) = run_ranks(_update_rank, 1, config, rollout_batch(8), str(tmp_path / "out"))
+    (result,) = run_ranks(update_rank, 1, config, rollout_batch(8), str(tmp_path / "out"))
     assert result["metrics"].lr == pytest.approx(1e-5)
     moved = max(float((v - initial[n]).abs().max()) for n, v in safetensors_state(tmp_path / "out").items())
     assert 5e-6 < moved < 2e-5
@@ -277,7 +250,7 @@ def test_activation_recomputation_gives_the_same_update(tmp_path):
     for recompute in (False, True):
         config = job_config(hf, world=2, tp=2)
         config.actor_rollout_ref.model.enable_gradient_checkpointing = recompute
-        results = run_ranks(_update_rank, 2, config, batch, str(tmp_path / f"out{recompute}"))
+        results = run_ranks(update_rank, 2, config, batch, str(tmp_path / f"out{recompute}"))
         runs.append(next(r for r in results if r["metrics"] is not None))
     assert runs[0]["metrics"].pg_loss == pytest.approx(runs[1]["metrics"].pg_loss, abs=1e-6)
     assert runs[0]["metrics"].grad_norm == pytest.approx(runs[1]["metrics"].grad_norm, abs=1e-6)

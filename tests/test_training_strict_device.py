@@ -30,11 +30,11 @@ from tests.support.training_fixtures import (
     policy_model,
     rollout_batch,
     sequence_classifier,
+    update_rank,
     with_critic,
     with_reward_model,
 )
 from tests.test_training_critic import _critic_rank, _reference_critic, _reward_rank
-from tests.test_training_ranks import _update_rank
 
 TOL = 1e-5
 
@@ -297,9 +297,9 @@ def test_ppo_update_under_strict_device_equals_a_plain_single_rank_run(tmp_path)
     hf = policy_model(tmp_path / "hf")
     batch = rollout_batch(8)
     knobs = dict(use_kl_loss=True, entropy_coeff=0.01, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=20)
-    strict = run_ranks(_strict_rank, 2, _update_rank, job_config(hf, world=2, distributed_optimizer=True, **knobs),
+    strict = run_ranks(_strict_rank, 2, update_rank, job_config(hf, world=2, distributed_optimizer=True, **knobs),
                        batch, str(tmp_path / "strict"))
-    (plain,) = run_ranks(_update_rank, 1, job_config(hf, world=1, **knobs), batch, str(tmp_path / "plain"))
+    (plain,) = run_ranks(update_rank, 1, job_config(hf, world=1, **knobs), batch, str(tmp_path / "plain"))
     metrics = [r["metrics"] for r in strict if r["metrics"] is not None]
     assert len(metrics) == 2
     for name in ("pg_loss", "grad_norm", "kl_loss", "entropy", "clipfrac"):

@@ -20,10 +20,10 @@ from tests.support.training_fixtures import (
     policy_model,
     rollout_batch,
     sequence_classifier,
+    update_rank,
     with_critic,
     with_reward_model,
 )
-from tests.test_training_ranks import _update_rank
 
 # One xdist worker for the module: its policy group (Ray actors, megatron, vLLM) is started once.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("workers_ray")]
@@ -121,7 +121,7 @@ def test_update_matches_single_rank_then_checkpoint_round_trip(policy, tmp_path)
     group, hf, root = policy["group"], policy["hf"], policy["root"]
     batch = rollout_batch(8)
     single_dir = tmp_path / "single"
-    single = run_ranks(_update_rank, 1, job_config(hf, world=1, use_kl_loss=True), batch, str(single_dir))[0]
+    single = run_ranks(update_rank, 1, job_config(hf, world=1, use_kl_loss=True), batch, str(single_dir))[0]
     (metrics,) = _metrics_by_dp(group, ActorRolloutRefWorker.update_actor, batch)
     assert abs(metrics.pg_loss - single["metrics"].pg_loss) < TOL
     assert abs(metrics.grad_norm - single["metrics"].grad_norm) < TOL

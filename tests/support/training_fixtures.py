@@ -180,3 +180,31 @@ def trained_role(config: Any, role: str, batches: list[Any]) -> tuple[Any, Any, 
     ctx = backend.ctx
     return backend, update, [b.split(ctx.dp)[ctx.dp_rank] for b in batches]
 
+
+def update_rank(rank: int, world: int, config: Any, batch: Any, out_dir: str, cuda_wgrad: bool = False) -> Any:
+    """One PPO update of the actor in a forked rank on `config`'s layout, its DP chunk of `batch`: the metrics, the
+    rank's coordinates and the digests of its parameters; the updated model exported to `out_dir`."""
+    import dataclasses
+
+    from hybridrl.config.plan import build_plan
+    from hybridrl.models.bridge import export_hf
+    from hybridrl.models.checkpoint import tensor_sha256
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.backend import MegatronBackend, role_spec
+
+    plan = build_plan(config)
+    spec = role_spec(plan, "actor")
+    if cuda_wgrad:  # the weight-gradient path CUDA takes without Apex: megatron's unfused GEMM + add into main_grad
+        spec = dataclasses.replace(spec, device_policy=dataclasses.replace(spec.device_policy,
+                                                                           wgrad_accumulation_fusion=None))
+    backend = MegatronBackend(spec)
+    if rank == 0:
+        assert backend.config.gradient_accumulation_fusion is (not cuda_wgrad)
+    actor = MegatronActor(backend, plan)
+    ctx = backend.ctx
+    chunk = batch.split(ctx.dp)[ctx.dp_rank]
+    metrics = actor.update_policy(chunk)
+    export_hf(backend.chunks, out_dir, force=True)
+    digests = {f"{i}.{n}": tensor_sha256(p.detach())
+               for i, c in enumerate(backend.chunks) for n, p in c.named_parameters()}
+    return {"metrics": metrics, "coords": (ctx.tp_rank, ctx.pp_rank, ctx.dp_rank), "digests": digests}
