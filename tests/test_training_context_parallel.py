@@ -441,11 +441,11 @@ def test_cp2_reward_model_scores_equal_transformers(tmp_path):
     """The reward model at CP2 (packed: the default on CPU) reads each row's last real column from the
     gathered sequence."""
     from tests.support.training_fixtures import job_config, with_reward_model
-    from tests.test_training_critic import _reward_rank, reward_model_case
+    from tests.support.value_models import reward_model_case, reward_rank
 
     rm, hf, batch, expected = reward_model_case(tmp_path)
     config = with_reward_model(job_config(hf, world=2), rm)
     config.reward_model.megatron.context_parallel_size = 2
-    scores = [s for s in run_ranks(_reward_rank, 2, config, batch) if s is not None]
+    scores = [s for s in run_ranks(reward_rank, 2, config, batch) if s is not None]
     assert len(scores) == 1
     assert (scores[0] - expected).abs().max() < TOL and expected.abs().max() > 1e-2

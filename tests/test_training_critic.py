@@ -12,7 +12,6 @@ import torch
 
 from tests.support.forked import run_ranks
 from tests.support.training_fixtures import (
-    RESPONSE,
     job_config,
     policy_model,
     rollout_batch,
@@ -20,72 +19,23 @@ from tests.support.training_fixtures import (
     with_critic,
     with_reward_model,
 )
+from tests.support.value_models import critic_rank, reference_critic, reward_model_case, reward_rank
 
 TOL = 1e-5
-
-
-def _critic_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
-    from hybridrl.config.plan import build_plan
-    from hybridrl.training.backend import MegatronBackend, role_spec
-    from hybridrl.training.critic import MegatronCritic
-
-    plan = build_plan(config)
-    critic = MegatronCritic(MegatronBackend(role_spec(plan, "critic")), plan)
-    torch_adam = critic.backend.optimizer.optimizer  # megatron's fallback to torch's AdamW (no TE/apex)
-    # CPU (`DevicePolicy.optimizer_state_at_setup`): Adam's moments exist before the first step
-    state_at_setup = all(torch_adam.state[p] for group in torch_adam.param_groups for p in group["params"])
-    ctx = critic.backend.ctx
-    chunk = batch.split(ctx.dp)[ctx.dp_rank]
-    before = critic.compute_values(chunk)
-    metrics = critic.update_critic(chunk)
-    after = critic.compute_values(chunk)
-    shared = critic.backend.tokens_seen.ratios(ctx.dp_group)[1]  # every rank: a DP collective
-    if before is None:
-        return None
-    return {"before": before["values"].clone(), "after": after["values"].clone(), "metrics": metrics,
-            "fused": [group["fused"] for group in torch_adam.param_groups], "state_at_setup": state_at_setup,
-            "shared_ratio": shared}
-
-
-def _reference_critic(path: Any, batch: Any) -> dict[str, Any]:
-    import transformers
-    from safetensors.torch import load_file
-
-    from hybridrl.algorithms.losses import value_loss
-
-    model = transformers.LlamaModel.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    score = torch.nn.Parameter(load_file(str(path / "model.safetensors"))["score.weight"].clone())
-    params = [*model.parameters(), score]
-    width = batch["input_ids"].shape[1]
-    mask = batch["response_mask"].float()
-
-    def values() -> torch.Tensor:
-        hidden = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       position_ids=batch["position_ids"]).last_hidden_state
-        return (hidden[:, width - RESPONSE - 1: width - 1] @ score.t()).squeeze(-1) * mask
-
-    before = values()
-    loss, _ = value_loss(before, batch["values"], batch["returns"], mask, 0.2, "token-mean")
-    loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
-    torch.optim.AdamW(params, lr=1e-2, eps=1e-5, weight_decay=0.0).step()
-    with torch.no_grad():
-        after = values()
-    return {"before": before.detach(), "after": after, "loss": float(loss), "grad_norm": float(norm)}
 
 
 def test_critic_values_and_update_equal_torch(tmp_path):
     rm = sequence_classifier(tmp_path / "critic")
     hf = policy_model(tmp_path / "policy")
     batch = rollout_batch(8)
-    ref = _reference_critic(rm, batch)
+    ref = reference_critic(rm, batch)
     # TP2 with sequence parallelism: the final hidden states reach the value head split along the
     # sequence over TP (megatron's own SP code on gloo; the norms' CPU stand-in tags their weights)
     for tp, pp, dp, sp in ((1, 1, 1, False), (2, 2, 1, False), (2, 1, 2, False), (2, 1, 1, True)):
         world = tp * pp * dp
         config = with_critic(job_config(hf, world=world), rm, tp=tp, pp=pp)
         config.critic.megatron.sequence_parallel = sp
-        outs = [o for o in run_ranks(_critic_rank, world, config, batch) if o is not None]
+        outs = [o for o in run_ranks(critic_rank, world, config, batch) if o is not None]
         assert len(outs) == dp
         before = torch.cat([o["before"] for o in outs])
         after = torch.cat([o["after"] for o in outs])
@@ -106,11 +56,11 @@ def test_critic_on_shared_prompts_equals_torch(tmp_path):
     rm = sequence_classifier(tmp_path / "critic")
     hf = policy_model(tmp_path / "policy")
     batch = rollout_batch(8, seed=4, groups=[4, 4])
-    ref = _reference_critic(rm, batch)
+    ref = reference_critic(rm, batch)
     for tp, pp in ((1, 1), (2, 1), (1, 2)):
         config = with_critic(job_config(hf, world=tp * pp, micro=4), rm, tp=tp, pp=pp)
         config.critic.ppo_micro_batch_size_per_gpu = 4
-        outs = [o for o in run_ranks(_critic_rank, tp * pp, config, batch) if o is not None]
+        outs = [o for o in run_ranks(critic_rank, tp * pp, config, batch) if o is not None]
         (out,) = outs
         assert out["shared_ratio"] > 0.1, (tp, pp, out["shared_ratio"])  # prompts held once per micro-batch
         assert (out["before"] - ref["before"]).abs().max() < TOL, (tp, pp)
@@ -118,38 +68,12 @@ def test_critic_on_shared_prompts_equals_torch(tmp_path):
         assert (out["after"] - ref["after"]).abs().max() < TOL, (tp, pp)
 
 
-def _reward_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
-    from hybridrl.config.plan import build_plan
-    from hybridrl.training.backend import MegatronBackend, role_spec
-    from hybridrl.training.reward_model import MegatronRewardModel
-
-    plan = build_plan(config)
-    rm = MegatronRewardModel(MegatronBackend(role_spec(plan, "reward_model")), plan)
-    out = rm.compute_scores(batch)
-    return None if out is None else out["rm_scores"].clone()
-
-
-def reward_model_case(tmp_path: Any) -> tuple[Any, Any, Any, torch.Tensor]:
-    """(reward model folder, policy folder, batch, transformers' scores of the batch): the reference."""
-    import transformers
-
-    rm = sequence_classifier(tmp_path / "rm")
-    hf = policy_model(tmp_path / "policy")
-    batch = rollout_batch(8, seed=3)
-    model = transformers.LlamaForSequenceClassification.from_pretrained(rm, dtype=torch.float32,
-                                                                        attn_implementation="eager")
-    with torch.no_grad():
-        expected = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                         position_ids=batch["position_ids"]).logits.squeeze(-1)
-    return rm, hf, batch, expected
-
-
 def test_reward_model_scores_equal_transformers(tmp_path):
     rm, hf, batch, expected = reward_model_case(tmp_path)
     for tp, pp, sp in ((1, 1, False), (2, 2, False), (2, 1, True)):
         config = with_reward_model(job_config(hf, world=tp * pp), rm, tp=tp, pp=pp)
         config.reward_model.megatron.sequence_parallel = sp
-        scores = [s for s in run_ranks(_reward_rank, tp * pp, config, batch) if s is not None]
+        scores = [s for s in run_ranks(reward_rank, tp * pp, config, batch) if s is not None]
         assert len(scores) == 1
         assert (scores[0] - expected).abs().max() < TOL, (tp, pp, sp)
 

@@ -362,15 +362,15 @@ def test_packed_critic_and_reward_model_equal_torch_and_transformers(tmp_path):
     """Values, the value update (plain torch reference) and reward scores (transformers) when packed."""
     import transformers
 
-    from tests.test_training_critic import _critic_rank, _reference_critic, _reward_rank
+    from tests.support.value_models import critic_rank, reference_critic, reward_rank
 
     rm = sequence_classifier(tmp_path / "rm")
     hf = policy_model(tmp_path / "policy")
     batch = rollout_batch(8)
-    ref = _reference_critic(rm, batch)
+    ref = reference_critic(rm, batch)
     for tp, pp in ((1, 1), (1, 2)):
         config = packed(with_critic(job_config(hf, world=tp * pp, micro=4), rm, tp=tp, pp=pp))
-        out = [o for o in run_ranks(_critic_rank, tp * pp, config, batch) if o is not None][0]
+        out = [o for o in run_ranks(critic_rank, tp * pp, config, batch) if o is not None][0]
         assert (out["before"] - ref["before"]).abs().max() < TOL, (tp, pp)
         assert abs(out["metrics"].vf_loss - ref["loss"]) < TOL
         assert abs(out["metrics"].grad_norm - ref["grad_norm"]) < TOL
@@ -382,7 +382,7 @@ def test_packed_critic_and_reward_model_equal_torch_and_transformers(tmp_path):
         expected = model(input_ids=scores_batch["input_ids"], attention_mask=scores_batch["attention_mask"],
                          position_ids=scores_batch["position_ids"]).logits.squeeze(-1)
     config = packed(with_reward_model(job_config(hf, world=2), rm, tp=2))
-    scores = [s for s in run_ranks(_reward_rank, 2, config, scores_batch) if s is not None][0]
+    scores = [s for s in run_ranks(reward_rank, 2, config, scores_batch) if s is not None][0]
     assert (scores - expected).abs().max() < TOL
 
 

@@ -34,7 +34,7 @@ from tests.support.training_fixtures import (
     with_critic,
     with_reward_model,
 )
-from tests.test_training_critic import _critic_rank, _reference_critic, _reward_rank
+from tests.support.value_models import critic_rank, reference_critic, reward_rank
 
 TOL = 1e-5
 
@@ -316,10 +316,10 @@ def test_critic_and_reward_model_under_strict_device(tmp_path):
     rm = sequence_classifier(tmp_path / "rm")
     hf = policy_model(tmp_path / "policy")
     batch = rollout_batch(8)
-    ref = _reference_critic(rm, batch)
+    ref = reference_critic(rm, batch)
     # DP2: values, the update's normalizers and metric sums all reduce over the DP group.
     config = with_critic(job_config(hf, world=2), rm)
-    outs = [o for o in run_ranks(_strict_rank, 2, _critic_rank, config, batch) if o is not None]
+    outs = [o for o in run_ranks(_strict_rank, 2, critic_rank, config, batch) if o is not None]
     assert len(outs) == 2
     assert (torch.cat([o["before"] for o in outs]) - ref["before"]).abs().max() < TOL
     assert abs(outs[0]["metrics"].vf_loss - ref["loss"]) < TOL
@@ -332,7 +332,7 @@ def test_critic_and_reward_model_under_strict_device(tmp_path):
         expected = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                          position_ids=batch["position_ids"]).logits.squeeze(-1)
     config = with_reward_model(job_config(hf, world=2), rm, tp=2)
-    scores = [s for s in run_ranks(_strict_rank, 2, _reward_rank, config, batch) if s is not None]
+    scores = [s for s in run_ranks(_strict_rank, 2, reward_rank, config, batch) if s is not None]
     assert len(scores) == 1
     assert (scores[0] - expected).abs().max() < TOL
 
