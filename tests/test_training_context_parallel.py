@@ -15,6 +15,7 @@ import torch
 
 from hybridrl.parallel.context_parallel import cp_columns
 from tests.support.forked import run_ranks
+from tests.support.rank_passes import log_prob_rank, weights_update_rank, with_cp
 from tests.test_training_packing import torch_causal_attention
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
@@ -240,31 +241,8 @@ def test_cpu_packed_rope_under_cp2_is_megatrons_unfused_thd_rope():
 TOL = 1e-5
 
 
-def with_cp(config: Any, cp: int, packed: bool | None = None) -> Any:
-    """`cp` for the actor and critic; `packed` sets every role's use_remove_padding (None: the default)."""
-    config.actor_rollout_ref.actor.megatron.context_parallel_size = cp
-    config.critic.megatron.context_parallel_size = cp
-    if packed is not None:
-        for model in (config.actor_rollout_ref.model, config.critic.model, config.reward_model.model):
-            model.use_remove_padding = packed
-    return config
-
-
 # The runs each test compares: the reference is padded CP1; CP2 runs padded and packed.
 RUNS = ((1, False), (2, False), (2, True))
-
-
-def _log_prob_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
-    from hybridrl.config.plan import build_plan
-    from hybridrl.training.actor import MegatronActor
-    from hybridrl.training.backend import MegatronBackend, role_spec
-
-    plan = build_plan(config)
-    backend = MegatronBackend(role_spec(plan, "actor"))
-    out = MegatronActor(backend, plan).compute_log_prob(batch, with_entropy=True)
-    micro = backend.micro_batches(batch.tensors, [[0, 1, 2, 3]])[0]
-    return {"out": None if out is None else {k: v.clone() for k, v in out.tensors.items()},
-            "cp": (backend.ctx.cp, backend.ctx.cp_rank), "width": micro.seq_length, "packed": micro.is_packed}
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
@@ -284,7 +262,7 @@ def test_cp2_log_probs_and_entropy_equal_cp1_and_transformers(tmp_path, tp, pp):
     for cp, packed in RUNS:
         world = tp * pp * cp
         config = with_cp(job_config(hf, world=world, tp=tp, pp=pp, micro=4), cp, packed)
-        results = run_ranks(_log_prob_rank, world, config, batch)
+        results = run_ranks(log_prob_rank, world, config, batch)
         assert sorted(r["cp"] for r in results) == sorted((cp, r % cp) for r in range(world))
         assert all(r["width"] == width[cp, packed] and r["packed"] == packed for r in results)
         outs = [r["out"] for r in results if r["out"] is not None]
@@ -295,23 +273,6 @@ def test_cp2_log_probs_and_entropy_equal_cp1_and_transformers(tmp_path, tp, pp):
             assert (runs[run][key] - runs[1, False][key]).abs().max() <= TOL, (run, key)
             assert (runs[run][key] - ref).abs().max() <= TOL, (run, key)
             assert runs[run][key].abs().max() > 1e-2
-
-
-def _update_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
-    from hybridrl.config.plan import build_plan
-    from hybridrl.training.actor import MegatronActor
-    from hybridrl.training.backend import MegatronBackend, role_spec
-
-    plan = build_plan(config)
-    backend = MegatronBackend(role_spec(plan, "actor"))
-
-    def weights() -> dict[str, torch.Tensor]:
-        return {f"{i}.{n}": p.detach().clone() for i, c in enumerate(backend.chunks) for n, p in c.named_parameters()}
-
-    before = weights()
-    metrics = MegatronActor(backend, plan).update_policy(batch.split(backend.ctx.dp)[backend.ctx.dp_rank])
-    return {"metrics": metrics, "weights": weights(), "before": before,
-            "coords": (backend.ctx.tp_rank, backend.ctx.pp_rank)}
 
 
 @pytest.mark.parametrize("dp,runs", [(1, RUNS), (2, RUNS[:2])])
@@ -325,7 +286,7 @@ def test_cp2_update_equals_cp1(tmp_path, dp, runs):
     out = {}
     for cp, packed in runs:
         config = with_cp(job_config(hf, world=dp * cp, micro=2, use_kl_loss=True, entropy_coeff=0.01), cp, packed)
-        results = run_ranks(_update_rank, dp * cp, config, batch)
+        results = run_ranks(weights_update_rank, dp * cp, config, batch)
         metrics = [r["metrics"] for r in results if r["metrics"] is not None]
         assert len(metrics) == dp  # CP rank 0 of each DP rank answers
         out[cp, packed] = (metrics[0], [r["weights"] for r in results])
@@ -355,7 +316,7 @@ def test_cp2_update_with_tp2_or_pp2_equals_cp1(tmp_path, tp, pp):
     for cp, packed in RUNS:
         world = tp * pp * cp
         config = with_cp(job_config(hf, world=world, tp=tp, pp=pp, micro=2, use_kl_loss=True), cp, packed)
-        results = run_ranks(_update_rank, world, config, batch)
+        results = run_ranks(weights_update_rank, world, config, batch)
         metrics = [r["metrics"] for r in results if r["metrics"] is not None]
         assert len(metrics) == 1
         out[cp, packed] = (metrics[0], [(r["coords"], r["weights"]) for r in results])

@@ -175,22 +175,21 @@ def test_moe_at_cp2_packed_equals_transformers_and_cp1(tmp_path):
     """An MoE model at CP2 on packed micro-batches (the CPU default): its dense and MoE layers' core
     attention is the CPU stand-in too, so the log-probs equal transformers' and one update with the
     load-balancing loss on equals padded CP1's (loss, grad norm, aux loss, every weight)."""
+    from tests.support.rank_passes import log_prob_rank, weights_update_rank, with_cp
     from tests.support.training_fixtures import hf_response_log_probs
-    from tests.test_training_context_parallel import _log_prob_rank, with_cp
-    from tests.test_training_context_parallel import _update_rank as cp_update_rank
 
     hf = make_hf_model(tmp_path / "hf", "qwen3_moe", seed=7)
     batch = rollout_batch(8, seed=9)
     ref_lp, _ = hf_response_log_probs(hf, batch)
     config = with_cp(job_config(hf, world=2, micro=4), 2, packed=True)
-    (log_probs,) = [r["out"]["old_log_probs"] for r in run_ranks(_log_prob_rank, 2, config, batch)
+    (log_probs,) = [r["out"]["old_log_probs"] for r in run_ranks(log_prob_rank, 2, config, batch)
                     if r["out"] is not None]
     assert (log_probs - ref_lp).abs().max() <= 1e-5 and ref_lp.abs().max() > 1e-2
     runs = {}
     for cp, packed in ((1, False), (2, True)):
         config = with_cp(job_config(hf, world=cp, micro=2, use_kl_loss=True), cp, packed)
         config.actor_rollout_ref.actor.megatron.moe_aux_loss_coeff = 0.01
-        (runs[cp],) = [r for r in run_ranks(cp_update_rank, cp, config, batch) if r["metrics"] is not None]
+        (runs[cp],) = [r for r in run_ranks(weights_update_rank, cp, config, batch) if r["metrics"] is not None]
     m1, m2 = runs[1]["metrics"], runs[2]["metrics"]
     for name in ("pg_loss", "grad_norm", "kl_loss"):
         assert abs(getattr(m2, name) - getattr(m1, name)) <= 1e-5, name

@@ -376,16 +376,16 @@ def _moe_config(tmp_path: Any) -> Any:
 
 
 def _cp_config(tmp_path: Any) -> Any:
-    from tests.test_training_context_parallel import with_cp
+    from tests.support.rank_passes import with_cp
 
     return with_cp(job_config(policy_model(tmp_path / "hf"), world=2, micro=4), 2, False)
 
 
 def _planted_cases(tmp_path: Any) -> dict[str, tuple[str, int, Callable[..., Any], tuple]]:
     """path -> (where the host tensor is planted: module[:function], world, rank function, its arguments)."""
+    from tests.support.rank_passes import log_prob_rank
     from tests.support.rollout_models import QWEN2_TIED, build_tiny_model
     from tests.test_reshard_resharder import _deliver_rank, _reshard_rank
-    from tests.test_training_context_parallel import _log_prob_rank
 
     hf = str(policy_model(tmp_path / "policy"))
     served = str(build_tiny_model(tmp_path / "served", {**QWEN2_TIED, "eos_token_id": None, "bos_token_id": None},
@@ -393,7 +393,7 @@ def _planted_cases(tmp_path: Any) -> dict[str, tuple[str, int, Callable[..., Any
     batch = rollout_batch(8)
     return {
         # the worker's micro-batches, moved to the rank's device by the training backend
-        "worker": ("hybridrl.training.backend:micro_batches", 1, _log_prob_rank,
+        "worker": ("hybridrl.training.backend:micro_batches", 1, log_prob_rank,
                    (job_config(hf, world=1, micro=4), batch)),
         # the resharder's send and receive buffers of a bucket (TP2 -> one TP1 vLLM rank; its outputs may be host: vLLM
         # copies them in, as on GPUs)
@@ -401,9 +401,9 @@ def _planted_cases(tmp_path: Any) -> dict[str, tuple[str, int, Callable[..., Any
         # the hybrid engine's sync into a live vLLM engine in the same process
         "rollout": ("hybridrl.reshard.exchange:_run_bucket", 2, _deliver_rank, (served, 2, 1, 1)),
         # megatron's own MoE code (router, token dispatcher at EP2)
-        "moe": ("megatron.core.transformer.moe", 2, _log_prob_rank, (_moe_config(tmp_path), batch)),
+        "moe": ("megatron.core.transformer.moe", 2, log_prob_rank, (_moe_config(tmp_path), batch)),
         # context parallelism: the attention stand-in's key positions of the CP-gathered keys and values
-        "cp": ("hybridrl.parallel.cpu.attention", 2, _log_prob_rank, (_cp_config(tmp_path), batch)),
+        "cp": ("hybridrl.parallel.cpu.attention", 2, log_prob_rank, (_cp_config(tmp_path), batch)),
         # the cross-pool group's trainer side (its process group is used directly, not through torch.distributed)
         "cross-pool": ("tests.test_training_strict_device", 2, _cross_pool_send_rank, ()),
     }
