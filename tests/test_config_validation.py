@@ -8,6 +8,7 @@ import pytest
 
 from hybridrl.config import ConfigError, plan_from_sources
 from hybridrl.config.report import render_plan
+from tests.support.models_fixtures import moe_model_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = ROOT / "configs/examples/seed_6gpu_grpo.yaml"  # Qwen2.5-0.5B shape: 14 heads, 2 KV, 24 layers
@@ -588,18 +589,6 @@ def test_the_device_vocabulary_is_the_device_policies():
 
 
 # ---- mixture-of-experts layouts ----------------------------------------------------------------------
-
-def moe_model_dir(tmp_path: Path, experts: int = 8, top_k: int = 2, moe_ffn: int = 128) -> str:
-    folder = tmp_path / f"moe_{experts}_{top_k}_{moe_ffn}"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 768, "intermediate_size": 256,
-        "num_hidden_layers": 6, "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 64,
-        "vocab_size": 1000, "max_position_embeddings": 4096, "num_experts": experts,
-        "num_experts_per_tok": top_k, "moe_intermediate_size": moe_ffn, "norm_topk_prob": True,
-    }))
-    return f"actor_rollout_ref.model.path={folder}"
-
 
 EP = f"{A}.megatron.expert_model_parallel_size"
 ETP = f"{A}.megatron.expert_tensor_parallel_size"

@@ -9,6 +9,7 @@ segment that leaked attention into its neighbour would change its log-probs.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -433,13 +434,15 @@ def test_use_remove_padding_is_a_checked_model_field():
 def test_use_remove_padding_defaults_on_where_the_device_serves_packed_attention(device, served):
     """Unset, every role packs (cpu: the stand-in; cuda: TE, which the gpu extra installs); a user's
     false is kept; `hybridrl plan` says which roles pack, whether by default, and what serves it."""
+    from hybridrl.config import plan_from_sources
     from hybridrl.config.report import render_plan
     from hybridrl.training.backend import role_spec
-    from tests.test_config_validation import SEED, plan_from_sources
+
+    seed_job = Path(__file__).resolve().parents[1] / "configs/examples/seed_6gpu_grpo.yaml"
 
     base = [f"trainer.device={device}", "algorithm.adv_estimator=gae", "reward_model.enable=true",
-            "reward_model.model.path=" + str(SEED.parents[2] / "configs/models/tiny-demo")]
-    plan = plan_from_sources(SEED, base)
+            "reward_model.model.path=" + str(seed_job.parents[2] / "configs/models/tiny-demo")]
+    plan = plan_from_sources(seed_job, base)
     assert all(plan.resolved.packed(role) for role in ("actor", "ref", "critic", "reward_model"))
     assert plan.config.actor_rollout_ref.model.use_remove_padding is None  # the user's config is not rewritten
     assert role_spec(plan, "actor").packed and role_spec(plan, "critic").packed
@@ -453,7 +456,7 @@ def test_use_remove_padding_defaults_on_where_the_device_serves_packed_attention
                     f"(reward_model.model.use_remove_padding default on {device}){shared('reward_model.model')}; "
                     f"packed attention: {served}" + (f" (the gpu extra installs it; {WITHOUT_TE})"
                                                      if device == "cuda" else "")]
-    off = plan_from_sources(SEED, [*base, "critic.model.use_remove_padding=false"])
+    off = plan_from_sources(seed_job, [*base, "critic.model.use_remove_padding=false"])
     assert not off.resolved.packed("critic") and off.resolved.packed("actor")
     assert not role_spec(off, "critic").packed
     assert "critic padded (critic.model.use_remove_padding set)" in render_plan(off)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -354,12 +355,15 @@ def test_shared_prompts_update_equals_the_transformers_objective(tmp_path, tp, p
 def test_shared_prefix_defaults_on_where_served(tmp_path):
     """Unset, it is on where the CPU stand-in serves packed micro-batches of a dense model at CP 1, off
     elsewhere; a user's false is kept (the refusals of true: tests/test_config_validation.py)."""
+    from hybridrl.config import plan_from_sources
     from hybridrl.config.report import packing_line
     from hybridrl.training.backend import role_spec
-    from tests.test_config_validation import SEED, moe_model_dir, plan_from_sources
+    from tests.support.models_fixtures import moe_model_dir
+
+    seed_job = Path(__file__).resolve().parents[1] / "configs/examples/seed_6gpu_grpo.yaml"
 
     roles = ("actor", "ref", "critic", "reward_model")
-    cpu = plan_from_sources(SEED, ["trainer.device=cpu"])
+    cpu = plan_from_sources(seed_job, ["trainer.device=cpu"])
     assert all(cpu.resolved.shared_prefix(role) for role in roles)
     assert cpu.config.actor_rollout_ref.model.shared_prefix is None  # the user's config is not rewritten
     assert role_spec(cpu, "actor").shared_prefix and role_spec(cpu, "ref").shared_prefix
@@ -370,10 +374,10 @@ def test_shared_prefix_defaults_on_where_served(tmp_path):
                 ["trainer.device=cpu", "actor_rollout_ref.actor.megatron.context_parallel_size=2"],
                 ["trainer.device=cpu", moe_model_dir(tmp_path)],
                 ["trainer.device=cpu", "actor_rollout_ref.model.shared_prefix=false"]):
-        plan = plan_from_sources(SEED, off)
+        plan = plan_from_sources(seed_job, off)
         assert not plan.resolved.shared_prefix("actor") and not role_spec(plan, "ref").shared_prefix, off
         assert plan.resolved.shared_prefix("critic") == (off[0] == "trainer.device=cpu"), off
-    kept = plan_from_sources(SEED, ["trainer.device=cpu", "actor_rollout_ref.model.shared_prefix=false"])
+    kept = plan_from_sources(seed_job, ["trainer.device=cpu", "actor_rollout_ref.model.shared_prefix=false"])
     assert "with per-row prompts (actor_rollout_ref.model.shared_prefix set)" in packing_line(kept)
 
 

@@ -167,3 +167,17 @@ def checkpoint_named_grads(model: Any, arch: str) -> dict[str, torch.Tensor]:
         else:
             out[name.replace("mlp.gate.", module + ".gate.")] = grad
     return out
+
+
+def moe_model_dir(tmp_path: Path, experts: int = 8, top_k: int = 2, moe_ffn: int = 128) -> str:
+    """An MoE model's shape (Qwen3-MoE, config.json only: the plan sizes it, nothing loads it) as the override that
+    names it."""
+    folder = tmp_path / f"moe_{experts}_{top_k}_{moe_ffn}"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 768, "intermediate_size": 256,
+        "num_hidden_layers": 6, "num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 64,
+        "vocab_size": 1000, "max_position_embeddings": 4096, "num_experts": experts,
+        "num_experts_per_tok": top_k, "moe_intermediate_size": moe_ffn, "norm_topk_prob": True,
+    }))
+    return f"actor_rollout_ref.model.path={folder}"
