@@ -11,30 +11,11 @@ import torch
 from hybridrl.algorithms import truncation as truncation_module
 from hybridrl.algorithms.truncation import Truncation, truncated_log_prob
 from tests.support.forked import run_ranks
+from tests.support.references import sorted_reference
 
 VOCAB = 64
 
 
-def sorted_reference(x: torch.Tensor, top_k: int | None, top_p: float, exactly_k: bool) -> torch.Tensor:
-    """Kept mask [rows, V] by an explicit sort (value descending, index ascending among ties): top-k
-    keeps the first k (exactly_k) or every logit >= the k-th; top-p then keeps the shortest prefix
-    of the survivors whose mass reaches p."""
-    rows, vocab = x.shape
-    kept = torch.zeros(rows, vocab, dtype=torch.bool)
-    for r in range(rows):
-        order = sorted(range(vocab), key=lambda v: (-float(x[r, v]), v))
-        if top_k is not None:
-            kth = float(x[r, order[top_k - 1]])
-            order = order[:top_k] if exactly_k else [v for v in order if float(x[r, v]) >= kth]
-        probs = torch.softmax(x[r, order].double(), -1)
-        mass, chosen = 0.0, []
-        for v, q in zip(order, probs.tolist()):
-            if chosen and mass >= top_p:
-                break
-            chosen.append(v)
-            mass += q
-        kept[r, chosen] = True
-    return kept
 
 
 def tied_logits(seed: int, rows: int = 6) -> torch.Tensor:

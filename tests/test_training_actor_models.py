@@ -25,28 +25,12 @@ from tests.support.actor_reference import (
 )
 from tests.support.forked import run_ranks
 from tests.support.models_fixtures import make_hf_model, read_json, safetensors_state
+from tests.support.rank_passes import tied_copies
 
 CASE = Case("token-mean", "low_var_kl")
 WEIGHT_ATOL = 1e-5
 
 
-def tied_copies(backend: Any) -> dict[str, torch.Tensor]:
-    """This stage's copies of the tied embedding (full vocab rows, TP shards gathered), by role."""
-    import torch.distributed as dist
-
-    ctx = backend.ctx
-    found = {}
-    for chunk in backend.chunks:
-        if chunk.pre_process:
-            found["embedding"] = chunk.embedding.word_embeddings.weight
-        if chunk.post_process and chunk.output_layer.weight is not None:  # None when PP=1 shares one tensor
-            found["output_layer"] = chunk.output_layer.weight
-    out = {}
-    for role, weight in found.items():
-        shards = [torch.empty_like(weight) for _ in range(ctx.tp)]
-        dist.all_gather(shards, weight.detach().contiguous(), group=ctx.tp_group)
-        out[role] = torch.cat(shards).clone()
-    return out
 
 
 def _train_rank(rank: int, world: int, config: Any, batch: Any, weights_dir: str, grads_dir: str) -> dict:

@@ -16,7 +16,7 @@ import torch
 from hybridrl.parallel.context_parallel import cp_columns
 from tests.support.forked import run_ranks
 from tests.support.rank_passes import log_prob_rank, weights_update_rank, with_cp
-from tests.test_training_packing import torch_causal_attention
+from tests.support.references import torch_causal_attention
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
 

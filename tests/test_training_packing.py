@@ -8,7 +8,6 @@ segment that leaked attention into its neighbour would change its log-probs.
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ import torch
 from hybridrl.parallel.device_policy import WITHOUT_TE
 from hybridrl.training.sequences import build_model_inputs
 from tests.support.forked import run_ranks
+from tests.support.references import torch_causal_attention
 from tests.support.training_fixtures import (
     hf_response_log_probs,
     job_config,
@@ -91,16 +91,6 @@ def test_packed_inputs_pad_the_pack_with_a_segment_of_its_own():
 
 # ---- the CPU stand-in for core attention -------------------------------------------------------------
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8  # GQA: two query heads per key/value head
-
-
-def torch_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Plain causal attention of one sequence: q `[s, h, d]`, k/v `[s, kv, d]` -> `[s, h * d]`."""
-    repeat = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
-    causal = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool, device=q.device).tril()
-    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-    return torch.einsum("hqk,khd->qhd", probs, v).reshape(q.shape[0], -1)
 
 
 def _attention_rank(rank: int, world: int, lengths: list[int]) -> dict[str, Any]:

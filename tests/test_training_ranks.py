@@ -370,8 +370,8 @@ def test_matched_truncation_is_the_corrections_target_with_and_without_the_pass(
     it in both places (the update's forward, the pass's column): rollout log-probs = that target
     except two planted tokens (+0.25, -0.2) give exactly the planted TIS cap, mask and max |log rho|
     (against the whole vocabulary, log rho would be the log of the kept mass on every token)."""
+    from tests.support.references import sorted_reference
     from tests.support.training_fixtures import RESPONSE, hf_response_outputs
-    from tests.test_algorithms_truncation import sorted_reference
 
     hf = policy_model(tmp_path / "hf")
     batch = rollout_batch(8, seed=7)

@@ -28,7 +28,7 @@ def _tied_pp2_rank(rank: int, world: int, model_dir: str, export_dir: str) -> di
     from hybridrl.models.bridge import export_hf
     from hybridrl.rollout.sampling import RolloutSampling
     from tests.support.hybrid_workers import gather_first, hybrid_worker
-    from tests.test_training_actor_models import tied_copies
+    from tests.support.rank_passes import tied_copies
 
     worker = hybrid_worker(rank, world, model_dir, [
         "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",

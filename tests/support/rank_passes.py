@@ -50,3 +50,22 @@ def weights_update_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
     metrics = MegatronActor(backend, plan).update_policy(batch.split(backend.ctx.dp)[backend.ctx.dp_rank])
     return {"metrics": metrics, "weights": weights(), "before": before,
             "coords": (backend.ctx.tp_rank, backend.ctx.pp_rank)}
+
+
+def tied_copies(backend: Any) -> dict[str, torch.Tensor]:
+    """This stage's copies of the tied embedding (full vocab rows, TP shards gathered), by role."""
+    import torch.distributed as dist
+
+    ctx = backend.ctx
+    found = {}
+    for chunk in backend.chunks:
+        if chunk.pre_process:
+            found["embedding"] = chunk.embedding.word_embeddings.weight
+        if chunk.post_process and chunk.output_layer.weight is not None:  # None when PP=1 shares one tensor
+            found["output_layer"] = chunk.output_layer.weight
+    out = {}
+    for role, weight in found.items():
+        shards = [torch.empty_like(weight) for _ in range(ctx.tp)]
+        dist.all_gather(shards, weight.detach().contiguous(), group=ctx.tp_group)
+        out[role] = torch.cat(shards).clone()
+    return out
