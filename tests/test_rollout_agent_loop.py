@@ -19,40 +19,11 @@ from hybridrl.rollout.agent_loop import (
     AgentLoopSettings,
     ObservationRenderer,
     TemplateError,
-    TurnOutput,
 )
 from hybridrl.rollout.engine import ResponseRow, assemble_response_rows
 from hybridrl.rollout.turn_rewards import ModelTurn, TurnRewarder, TurnRewardError, turn_scores_row
 from hybridrl.tools import Tool, ToolRegistry, build_registry, get_parser
-
-
-def call(expression: str) -> str:
-    return "<tool_call>" + json.dumps({"name": "calculator", "arguments": {"expression": expression}}) + "</tool_call>"
-
-
-class Script:
-    """A model that says `turns[sample][turn]` (text, or None: stop at the budget) and ends with EOS."""
-
-    def __init__(self, tokenizer, turns: list[list[str]], eos: int):
-        self.tokenizer, self.turns, self.eos = tokenizer, turns, eos
-        self.requests: list[tuple[list[list[int]], list[int], list[tuple[int, int]]]] = []
-
-    def __call__(self, contexts, max_tokens, keys):
-        self.requests.append(([list(c) for c in contexts], list(max_tokens), list(keys)))
-        outputs = []
-        for (sample, turn), limit in zip(keys, max_tokens):
-            ids = self.tokenizer.encode(self.turns[sample][turn], add_special_tokens=False) + [self.eos]
-            reason = "stop"
-            if len(ids) > limit:
-                ids, reason = ids[:limit], "length"
-            outputs.append(TurnOutput(ids, [-0.01 * (k + 1) - sample for k in range(len(ids))], reason))
-        return outputs
-
-
-def _loop(tokenizer, registry=None, max_turns=4, eos=None):
-    renderer = ObservationRenderer(tokenizer, end_of_turn_ids=[tokenizer.eos_token_id if eos is None else eos])
-    return AgentLoop(registry or build_registry(["calculator"]), get_parser("hermes"), renderer,
-                     AgentLoopSettings(max_turns=max_turns))
+from tests.support.scripted_model import Script, agent_loop, call
 
 
 def _full_render(tokenizer, prompt_messages, turns, observations):
@@ -73,7 +44,7 @@ def test_char_template_conversation_equals_the_template_rendering_it_whole():
                         add_special_tokens=False)
     turns = [f"Let me compute. {call('3+4')}", "It is 7."]
     script = Script(tok, [turns], eos=tok.eos_token_id)
-    loop = _loop(tok)
+    loop = agent_loop(tok)
     [traj], metrics = loop.run([prompt], budget=200, generate=script)
 
     model_1 = tok.encode(turns[0], add_special_tokens=False) + [tok.eos_token_id]
@@ -110,7 +81,7 @@ def test_real_chat_template_tokens_equal_tokenizing_the_whole_rendering(real_mod
     rendered_prompt = tok.apply_chat_template(prompt_messages, tokenize=False, add_generation_prompt=True)
     prompt = tok.encode(rendered_prompt, add_special_tokens=False)
     turns = [call("8 + 4"), f"First {call('2*3')} and {call('1/0')}", "Zoe has 12 coins."]
-    [traj], metrics = _loop(tok).run([prompt], budget=400, generate=Script(tok, [turns], eos=eos))
+    [traj], metrics = agent_loop(tok).run([prompt], budget=400, generate=Script(tok, [turns], eos=eos))
     observations = [["12"], ["6", "Error: calculator raised CalculatorError: division by zero"]]
     reference = _full_render(tok, prompt_messages, turns, observations)
     # The reference ends the final assistant message with "<|im_end|>\n"; the model stopped at <|im_end|>.
@@ -133,7 +104,7 @@ def test_max_turns_budget_and_malformed_calls():
         ["x" * 700],                                              # cut by the budget in turn 1
         ["done"],                                                 # no tool call: stops at once
     ]
-    trajectories, metrics = _loop(tok, max_turns=3).run([prompt] * 4, budget=600,
+    trajectories, metrics = agent_loop(tok, max_turns=3).run([prompt] * 4, budget=600,
                                                         generate=Script(tok, turns, tok.eos_token_id))
     looping, malformed, long, done = trajectories
     assert [t.finish_reason for t in trajectories] == ["max_turns", "stop", "length", "stop"]
@@ -161,7 +132,8 @@ def test_an_observation_that_does_not_fit_is_cut_at_the_budget():
         "name": "calculator", "description": "long answer",
         "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
                        "required": ["expression"]}}}, lambda expression: "9" * 100)])
-    [traj], _ = _loop(tok, registry).run([prompt], budget=120, generate=Script(tok, [[call("1")]], tok.eos_token_id))
+    [traj], _ = agent_loop(tok, registry).run([prompt], budget=120,
+                                              generate=Script(tok, [[call("1")]], tok.eos_token_id))
     model = len(tok.encode(call("1"), add_special_tokens=False)) + 1
     assert len(traj.tokens) == 120 and traj.finish_reason == "length" and traj.turns == 1
     assert model < 120 and traj.mask == [1] * model + [0] * (120 - model)
@@ -179,7 +151,7 @@ def test_tool_calls_of_different_samples_run_concurrently():
 
     schema = {"type": "function", "function": {"name": "calculator", "description": "slow", "parameters": {
         "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
-    loop = _loop(tok, ToolRegistry([Tool(schema, slow)]))
+    loop = agent_loop(tok, ToolRegistry([Tool(schema, slow)]))
     script = Script(tok, [[call("1"), "a"]] * 4, tok.eos_token_id)
     begin = time.perf_counter()
     trajectories, metrics = loop.run([[5, 6]] * 4, budget=200, generate=script)
@@ -218,7 +190,7 @@ def test_each_conversations_tools_read_its_own_row():
     schema = {"type": "function", "function": {"name": "calculator", "description": "the row's answer",
               "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
                              "required": ["expression"]}}}
-    loop = _loop(tok, ToolRegistry([Tool(schema, lambda expression, sample: f"{sample['ground_truth']}")]))
+    loop = agent_loop(tok, ToolRegistry([Tool(schema, lambda expression, sample: f"{sample['ground_truth']}")]))
     rows = [{"ground_truth": f"g{i}", "sample": i % 2} for i in range(4)]
     script = Script(tok, [[call("1"), "a"], ["b"], [call("1"), "c"], [call("1"), "d"]], tok.eos_token_id)
     trajectories, _ = loop.run([[5, 6]] * 4, budget=200, generate=script, samples=rows)

@@ -19,8 +19,8 @@ from hybridrl.rollout.engine import ResponseRow, assemble_response_rows
 from tests.support.actor_reference import gradients_into_params
 from tests.support.forked import run_ranks
 from tests.support.models_fixtures import make_hf_model, safetensors_state
+from tests.support.scripted_model import Script, agent_loop, call
 from tests.support.training_fixtures import job_config
-from tests.test_rollout_agent_loop import Script, _loop, call
 
 BUDGET = 224
 ENTROPY_COEFF, KL_COEF = 0.05, 0.3
@@ -32,7 +32,7 @@ def conversation_batch() -> Any:
                                                   add_generation_prompt=True), add_special_tokens=False)
                for q in ("3+4?", "What is 2*5 then 1/0?")]
     turns = [[call("3+4"), "It is 7."], ["7"], [call("1/0"), "10"], ["x" * 300]]
-    trajectories, _ = _loop(tok).run([prompts[0], prompts[0], prompts[1], prompts[1]], BUDGET,
+    trajectories, _ = agent_loop(tok).run([prompts[0], prompts[0], prompts[1], prompts[1]], BUDGET,
                                      Script(tok, turns, tok.eos_token_id))
     assert [t.turns for t in trajectories] == [2, 1, 2, 1]
     assert [t.finish_reason for t in trajectories] == ["stop", "stop", "stop", "length"]
