@@ -357,8 +357,8 @@ DELIVERY_LAYOUTS = [
 @pytest.mark.parametrize("arch,tp,pp,world,infer_tp", DELIVERY_LAYOUTS,
                          ids=[f"{a}-tp{t}pp{p}-itp{i}" for a, t, p, _, i in DELIVERY_LAYOUTS])
 def test_sync_into_live_vllm_engine(tmp_path, arch, tp, pp, world, infer_tp):
+    from tests.support.hf_generation import hf_greedy, hf_logits_of, response_rows
     from tests.support.rollout_models import LLAMA_GQA1, QWEN2_TIED, build_tiny_model, load_hf_model
-    from tests.test_rollout_engine import _hf_greedy, _hf_logits_of, _rows
 
     spec = {**{"qwen2": QWEN2_TIED, "llama_gqa1": LLAMA_GQA1}[arch], "eos_token_id": None, "bos_token_id": None}
     assert spec["num_hidden_layers"] % pp == 0, "a delivery layout must split the model's layers over its stages"
@@ -374,12 +374,12 @@ def test_sync_into_live_vllm_engine(tmp_path, arch, tp, pp, world, infer_tp):
         assert result["mismatches"] == [], f"rank {rank}: {result['mismatches'][:3]}"
         assert result["report"].bytes_received == result["report"].planned_bytes_received
         moved = False
-        for prompt, response, log_probs in _rows(result["greedy"]):
-            assert response == _hf_greedy(model, prompt, 6), (rank, prompt)
-            hf = torch.log_softmax(_hf_logits_of(model, prompt, response), -1)
+        for prompt, response, log_probs in response_rows(result["greedy"]):
+            assert response == hf_greedy(model, prompt, 6), (rank, prompt)
+            hf = torch.log_softmax(hf_logits_of(model, prompt, response), -1)
             expected = hf[torch.arange(len(response)), response]
             assert (log_probs.double() - expected).abs().max() <= LOGPROB_TOLERANCE
-            before = torch.log_softmax(_hf_logits_of(original, prompt, response), -1)
+            before = torch.log_softmax(hf_logits_of(original, prompt, response), -1)
             moved |= bool((before[torch.arange(len(response)), response] - expected).abs().max() > 1e-3)
         assert moved, "the weight change did not reach the rollout engine"
 

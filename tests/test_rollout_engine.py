@@ -15,6 +15,7 @@ from hybridrl.parallel.digest import tensor_digest
 from hybridrl.reshard.layout import hf_to_vllm_shards
 from tests.support import rollout_scenarios
 from tests.support.forked import run_ranks
+from tests.support.hf_generation import hf_greedy, hf_logits_of, response_rows
 from tests.support.rollout_models import (
     LLAMA_GQA1,
     QWEN2_TIED,
@@ -49,36 +50,10 @@ def _hf_model(session, state_dict=None):
     return model
 
 
-def _rows(batch):
-    """(prompt tokens, response tokens, rollout log-probs) per row, without padding."""
-    t = batch.tensors
-    width_p = t["prompts"].shape[1]
-    for row in range(len(batch)):
-        prompt = t["prompts"][row][t["attention_mask"][row, :width_p].bool()].tolist()
-        length = int(t["response_lengths"][row])
-        yield prompt, t["responses"][row, :length].tolist(), t["rollout_log_probs"][row, :length]
-
-
-@torch.no_grad()
-def _hf_logits_of(model, prompt, response):
-    ids = torch.tensor([prompt + response])
-    logits = model(ids).logits[0, len(prompt) - 1: len(prompt) + len(response) - 1]
-    return logits.double()
-
-
-@torch.no_grad()
-def _hf_greedy(model, prompt, max_tokens):
-    out = model.generate(
-        torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-        max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0,
-    )
-    return out[0, len(prompt):].tolist()
-
-
 def _assert_greedy_matches_hf(batch, model, max_tokens=8):
-    for prompt, response, log_probs in _rows(batch):
-        assert response == _hf_greedy(model, prompt, max_tokens), prompt
-        hf = torch.log_softmax(_hf_logits_of(model, prompt, response), -1)
+    for prompt, response, log_probs in response_rows(batch):
+        assert response == hf_greedy(model, prompt, max_tokens), prompt
+        hf = torch.log_softmax(hf_logits_of(model, prompt, response), -1)
         expected = hf[torch.arange(len(response)), response]
         assert (log_probs.double() - expected).abs().max() <= LOGPROB_TOLERANCE
 
@@ -94,19 +69,19 @@ def test_greedy_tokens_and_logprobs_equal_hf(session):
 def test_sampled_logprobs_are_those_of_the_sampling_distribution(session):
     model = _hf_model(session)
     # temperature 1, no filters: plain log-softmax.
-    for prompt, response, log_probs in _rows(session["sampled"]):
-        hf = torch.log_softmax(_hf_logits_of(model, prompt, response), -1)
+    for prompt, response, log_probs in response_rows(session["sampled"]):
+        hf = torch.log_softmax(hf_logits_of(model, prompt, response), -1)
         assert (log_probs.double() - hf[torch.arange(len(response)), response]).abs().max() <= LOGPROB_TOLERANCE
     # Prompts over one scheduler step's token budget (each prefilled whole, one or so per step).
-    over_budget = list(_rows(session["over_budget"]))
+    over_budget = list(response_rows(session["over_budget"]))
     assert len(over_budget) == 8 and all(len(prompt) == 90 and len(response) == 6
                                          for prompt, response, _ in over_budget)
     for prompt, response, log_probs in over_budget:
-        hf = torch.log_softmax(_hf_logits_of(model, prompt, response), -1)
+        hf = torch.log_softmax(hf_logits_of(model, prompt, response), -1)
         assert (log_probs.double() - hf[torch.arange(len(response)), response]).abs().max() <= LOGPROB_TOLERANCE
     # temperature 0.7, top-k 5, top-p 0.9: log-probs of the filtered, renormalized distribution.
-    for prompt, response, log_probs in _rows(session["filtered"]):
-        logits = _hf_logits_of(model, prompt, response) / 0.7
+    for prompt, response, log_probs in response_rows(session["filtered"]):
+        logits = hf_logits_of(model, prompt, response) / 0.7
         kth = logits.topk(5, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, -1)
@@ -254,7 +229,7 @@ def test_two_replicas_of_infer_tp2_on_a_world_of_four_generate_independently(tmp
     for rank in ranks:
         assert torch.equal(rank["responses"], ranks[2 * rank["replica"]]["responses"])
         for prompt, response in zip(rank["prompts"], rank["responses"].tolist()):
-            assert response == _hf_greedy(model, prompt, 5)
+            assert response == hf_greedy(model, prompt, 5)
     assert torch.equal(ranks[0]["sampled"], ranks[1]["sampled"])
     assert torch.equal(ranks[2]["sampled"], ranks[3]["sampled"])
     assert not torch.equal(ranks[0]["sampled"], ranks[2]["sampled"]), "replicas drew the same samples"
@@ -266,7 +241,7 @@ def test_two_replicas_of_infer_tp2_on_a_world_of_four_generate_independently(tmp
     new_model = _hf_model({"model_dir": model_dir}, new)
     for rank in ranks:
         for prompt, response in zip(rank["prompts"], rank["after_update"].tolist()):
-            assert response == _hf_greedy(new_model, prompt, 5)
+            assert response == hf_greedy(new_model, prompt, 5)
         assert "capture_loaded_weights=True" in rank["digest_error"]
 
 
@@ -296,7 +271,7 @@ def test_multi_turn_conversations_continue_from_token_ids_and_mask_the_observati
             assert run[-1] in rollout_scenarios.MULTI_TURN_STOPS
         observation_rows += bool(observations)
         prompt = t["prompts"][row][t["attention_mask"][row, :width_p].bool()].tolist()
-        hf = torch.log_softmax(_hf_logits_of(model, prompt, tokens), -1)[torch.arange(length), tokens]
+        hf = torch.log_softmax(hf_logits_of(model, prompt, tokens), -1)[torch.arange(length), tokens]
         logged = t["rollout_log_probs"][row, :length].double()
         model_positions = torch.tensor(mask).bool()
         assert float((logged - hf).abs()[model_positions].max()) <= LOGPROB_TOLERANCE
@@ -351,8 +326,8 @@ def test_trainer_side_truncation_matches_the_rollouts_log_probs(session):
     runs = {"filtered": (0.7, Truncation(5, 0.9)), "filtered_top_p": (1.3, Truncation(None, 0.6))}
     for name, (temperature, truncation) in runs.items():
         matched, unmatched = [], []
-        for prompt, response, log_probs in _rows(session[name]):
-            logits = _hf_logits_of(model, prompt, response) / temperature
+        for prompt, response, log_probs in response_rows(session[name]):
+            logits = hf_logits_of(model, prompt, response) / temperature
             target = truncated_log_prob(logits, torch.tensor(response), truncation)
             assert not target.outside.any(), name  # every sampled token is in the trainer's kept set
             matched.append(target.log_prob - log_probs.double())
@@ -386,13 +361,13 @@ def test_a_partial_rollout_carries_each_tokens_version_and_that_versions_log_pro
             assert versions == [0] * STREAM_STEPS_BEFORE_SWAP + [1] * (length - STREAM_STEPS_BEFORE_SWAP)
             assert group["token_versions"][row, length:].eq(-1).all()
             for version, model in models.items():
-                logits = _hf_logits_of(model, prompt, response)
+                logits = hf_logits_of(model, prompt, response)
                 expected = torch.log_softmax(logits, -1)[torch.arange(length), response]
                 mine = [i for i, v in enumerate(versions) if v == version]
                 gap = (group["rollout_log_probs"][row, mine].double() - expected[mine]).abs().max()
                 assert gap <= LOGPROB_TOLERANCE, (version, row, float(gap))
             # the other version's policy is measurably different on the same tokens (the check can fail)
-            other = torch.log_softmax(_hf_logits_of(models[0], prompt, response), -1)[torch.arange(length), response]
+            other = torch.log_softmax(hf_logits_of(models[0], prompt, response), -1)[torch.arange(length), response]
             late = [i for i, v in enumerate(versions) if v == 1]
             assert (group["rollout_log_probs"][row, late].double() - other[late]).abs().max() > 100 * LOGPROB_TOLERANCE
 
