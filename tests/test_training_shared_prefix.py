@@ -15,7 +15,6 @@ One row's response mask has a hole (a multi-turn observation token): sharing doe
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ import torch
 
 from hybridrl.training.sequences import build_model_inputs
 from tests.support.forked import run_ranks
+from tests.support.references import torch_causal_attention
 from tests.support.training_fixtures import PROMPT, hf_response_log_probs, job_config, policy_model, rollout_batch
 
 TOL = 1e-5
@@ -101,16 +101,6 @@ def test_only_equal_prompts_share_and_padding_stays_its_own_segment():
 
 # ---- the CPU stand-in: attention and RoPE over a shared prompt --------------------------------------
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
-
-
-def torch_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Plain causal attention of one sequence: q `[s, h, d]`, k/v `[s, kv, d]` -> `[s, h * d]`."""
-    repeat = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
-    causal = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool, device=q.device).tril()
-    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-    return torch.einsum("hqk,khd->qhd", probs, v).reshape(q.shape[0], -1)
 
 
 # a segment [prompt 4 | responses 3, 1, 5], a lone row of 6, a segment [prompt 2 | responses 2, 2]
