@@ -63,3 +63,24 @@ def test_the_session_rank_server_preloads_vllm_once_and_keeps_its_preload():
     with pytest.raises(RuntimeError, match=r"the rank server already runs with preload .* must come before"):
         forked.set_server_preload(("torch",))
     forked.set_server_preload(forked._server_preload)  # the same choice again is no change
+
+
+def _fail_then_peer_loses(rank: int, world_size: int) -> int:
+    """Rank 0 fails on its own; rank 1 reports first with what gloo says when its peer is gone."""
+    import time
+
+    if rank == 0:
+        time.sleep(0.5)
+        raise ValueError("the cause, on rank 0")
+    raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4274")
+
+
+def test_the_cause_comes_first_even_when_a_peers_loss_arrives_before_it():
+    """CI once failed on a race: the failing rank's report arrived after its peer's "Connection closed by
+    peer", and only the latter was raised. Every failure is now gathered, the cause first."""
+    with pytest.raises(RankError) as info:
+        run_ranks(_fail_then_peer_loses, 2, timeout_s=60)
+    assert info.value.rank == 0
+    detail = info.value.detail
+    assert "the cause, on rank 0" in detail and "Connection closed by peer" in detail
+    assert detail.index("the cause, on rank 0") < detail.index("Connection closed by peer")

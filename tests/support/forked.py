@@ -32,12 +32,35 @@ _server_preload: tuple[str, ...] | None = None  # chosen by set_server_preload, 
 
 
 class RankError(RuntimeError):
-    """A rank raised, died or timed out; carries the rank and the remote traceback."""
+    """A rank raised, died or timed out; carries the rank and the remote traceback. `detail` holds every
+    failing rank's traceback that arrived within a short grace, the cause first (`rank` is its rank)."""
 
     def __init__(self, rank: int, detail: str):
         super().__init__(f"rank {rank} failed:\n{detail}")
         self.rank = rank
         self.detail = detail
+
+
+# What a rank reports when a peer died first: the peer's failure is the cause, not this one.
+_PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "connection refused")
+# How long the parent waits, after the first failure, for the other ranks to report theirs: a cause and
+# its consequence can arrive in either order (a peer's gloo error may beat the failing rank's own report).
+_GRACE_S = 3.0
+
+
+def _is_peer_loss(detail: str) -> bool:
+    last_line = detail.strip().splitlines()[-1] if detail.strip() else ""
+    return any(marker.lower() in last_line.lower() for marker in _PEER_LOSS)
+
+
+def _rank_error(failures: dict[int, str]) -> RankError:
+    """One error for every failure seen, the likeliest cause first: a rank that did not merely lose a peer,
+    else the lowest rank."""
+    order = sorted(failures, key=lambda rank: (_is_peer_loss(failures[rank]), rank))
+    if len(order) == 1:
+        return RankError(order[0], failures[order[0]])
+    detail = "\n".join(f"--- rank {rank} ---\n{failures[rank]}" for rank in order)
+    return RankError(order[0], detail)
 
 
 def free_port() -> int:
@@ -108,8 +131,9 @@ def run_ranks(
     torch.distributed is initialized (gloo, loopback) before `fn` runs. `fn` must be importable by
     module path (a module-level function). `preload` is what the rank server imports if this call
     starts it (the process's first; `set_server_preload` chooses it for every call instead). The
-    first rank to fail kills the others and raises `RankError` with its traceback; a rank that does
-    not answer within `timeout_s` does the same.
+    first failure gives the other ranks a few seconds to report theirs, then kills them and raises one
+    `RankError` holding every failure seen, the cause first (a rank that only lost its peer comes after);
+    a rank that does not answer within `timeout_s` fails the same way.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1")
@@ -135,27 +159,28 @@ def run_ranks(
         conns.append(parent_conn)
 
     results: list[Any] = [None] * world_size
+    failures: dict[int, str] = {}
     pending = set(range(world_size))
     deadline = time.monotonic() + timeout_s
     try:
         while pending:
             for rank in sorted(pending):
-                conn = conns[rank]
-                if conn.poll(0.05):
-                    try:
-                        status, payload = pickle.loads(conn.recv_bytes())
-                    except EOFError:
-                        procs[rank].join(timeout=1)
-                        detail = f"exited with code {procs[rank].exitcode} without a result"
-                        raise RankError(rank, detail) from None
-                    if status == "error":
-                        raise RankError(rank, payload)
+                outcome = _poll_rank(conns[rank], procs[rank])
+                if outcome is None:
+                    continue
+                pending.discard(rank)
+                status, payload = outcome
+                if status == "error":
+                    failures[rank] = payload
+                    deadline = min(deadline, time.monotonic() + _GRACE_S)
+                else:
                     results[rank] = payload
-                    pending.discard(rank)
-                elif not procs[rank].is_alive() and not conn.poll(0):
-                    raise RankError(rank, f"died with exit code {procs[rank].exitcode}")
             if time.monotonic() > deadline:
-                raise RankError(min(pending), f"no result within {timeout_s:.0f} s")
+                if not failures:
+                    failures[min(pending)] = f"no result within {timeout_s:.0f} s"
+                break
+        if failures:
+            raise _rank_error(failures)
     finally:
         for proc in procs:
             if proc.is_alive():
@@ -165,3 +190,16 @@ def run_ranks(
             conn.close()
         del store
     return results
+
+
+def _poll_rank(conn: Any, proc: Any) -> tuple[str, Any] | None:
+    """("ok", result) or ("error", detail) once the rank has answered or died; None while it runs."""
+    if conn.poll(0.05):
+        try:
+            return pickle.loads(conn.recv_bytes())
+        except EOFError:
+            proc.join(timeout=1)
+            return "error", f"exited with code {proc.exitcode} without a result"
+    if not proc.is_alive() and not conn.poll(0):
+        return "error", f"died with exit code {proc.exitcode}"
+    return None
