@@ -24,14 +24,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.support.netns_hosts import Cluster  # noqa: E402
-from tests.test_multi_host import (  # noqa: E402
+from tests.support.cluster_runs import (  # noqa: E402
     DISAGGREGATED,
     assert_traffic_is_planned,
     pool_hosts,
     start_ray,
     train,
 )
+from tests.support.netns_hosts import Cluster  # noqa: E402
 from tools.demo_assets import build_demo_assets, demo_overrides  # noqa: E402
 
 # name -> (overrides, CPUs per host): at one CPU a host holds one pool (each rank takes half a CPU)

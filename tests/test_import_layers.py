@@ -224,3 +224,16 @@ print(sorted(name for name in sys.modules if name.startswith({CPU_ROOM!r} + ".")
     result = subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout[-2000:]
+
+
+def test_no_test_module_is_imported_by_another_module():
+    """Helpers shared between test modules (and with the benches and tools) live in tests/support/: a test module
+    imported by another runs its module-level code twice and hides who owns the helper."""
+    importers = []
+    for folder in ("tests", "bench", "tools"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            tree = ast.parse(path.read_text(), filename=str(path))
+            for line, name in _imported_modules(tree):
+                if name.startswith("tests.test_") or name.startswith("test_"):
+                    importers.append(f"{path.relative_to(ROOT)}:{line} imports {name}")
+    assert not importers, "move the shared helper into tests/support/:\n" + "\n".join(importers)

@@ -17,16 +17,23 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.support.netns_hosts import Cluster, Host, LinkSamples
+from tests.support.cluster_runs import (
+    BIN,
+    CONFIG,
+    DISAGGREGATED,
+    ROOT,
+    assert_traffic_is_planned,
+    env_of,
+    pool_hosts,
+    start_ray,
+    train,
+)
+from tests.support.netns_hosts import Cluster
 from tools.demo_assets import demo_overrides
 
-ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-CONFIG = "configs/examples/cpu_tiny_grpo.yaml"
 PORT = 6379
 
 pytestmark = [pytest.mark.slow,
@@ -41,86 +48,6 @@ def ray_temp() -> Iterator[str]:
     folder = tempfile.mkdtemp(prefix="hrl-ray-")
     yield folder
     shutil.rmtree(folder, ignore_errors=True)
-
-
-def _env(tmp: Path) -> dict[str, str]:
-    return {"PATH": f"{BIN}:/usr/bin:/bin:/usr/sbin:/sbin", "NUM_GPUS": "0", "HOME": str(tmp / "home"),
-            "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
-
-
-def start_ray(cluster: Cluster, tmp: Path, temp: str, launch: Path = ROOT / "launch",
-              join_timeout_s: float = 180, cpus: int = 4) -> str:
-    """A Ray node on every host with launch/ray_head.sh and launch/ray_worker.sh, `cpus` CPUs each; the head's
-    address once every node has joined."""
-    head, *others = cluster.hosts
-    env = _env(tmp)
-    started = cluster.run(head, ["bash", str(launch / "ray_head.sh"), f"--num-cpus={cpus}", f"--temp-dir={temp}"],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
-    address = re.search(r"RAY_ADDRESS=(\S+)", started.stdout).group(1)
-    for host in others:
-        joined = cluster.run(host, ["bash", str(launch / "ray_worker.sh"), address, f"--num-cpus={cpus}"], env=env,
-                             cwd=ROOT, capture_output=True, text=True, timeout=join_timeout_s)
-        assert joined.returncode == 0, joined.stdout[-2000:] + joined.stderr[-2000:]
-    wait = ("import ray, sys, time\nray.init(address=sys.argv[1], logging_level='ERROR')\n"
-            "for _ in range(60):\n    alive = [n['NodeManagerAddress'] for n in ray.nodes() if n['Alive']]\n"
-            "    if len(alive) == int(sys.argv[2]):\n        break\n    time.sleep(1)\nprint(sorted(alive))")
-    nodes = cluster.run(head, [sys.executable, "-c", wait, address, str(len(cluster.hosts))], env=env,
-                        capture_output=True, text=True, timeout=120)
-    assert nodes.stdout.strip() == str(sorted(h.address for h in cluster.hosts)), nodes.stdout + nodes.stderr
-    return address
-
-
-def train(cluster: Cluster, host: Host, address: str, tmp: Path, *overrides: str,
-          timeout: int = 900) -> subprocess.CompletedProcess:
-    return cluster.run(host, [str(BIN / "hybridrl"), "train", CONFIG, *overrides],
-                       env={**_env(tmp), "RAY_ADDRESS": address}, cwd=ROOT, capture_output=True, text=True,
-                       timeout=timeout)
-
-
-# Traffic per phase against the plan's model of it (`hybridrl.config.internode`): the bytes a host sent in a phase
-# (its link's counter read at the phase's start and end, from the run's timeline.jsonl) and the plan's figure for
-# that phase, given the tokens the run computed. Per host, for the phases the model counts: measured within
-# [planned, 1.10 x planned + CONTROL_BYTES]. Above the model: TCP/IP headers (~2.5 % here) and Ray's calls: the
-# controller on the head host sends the step's rows to the other host's worker (up to ~100 KB a phase here).
-# Phases the model counts nothing for (gen, reward, adv) stay under CONTROL_BYTES.
-CONTROL_BYTES = 150_000
-
-
-def phase_traffic(samples: LinkSamples, run: Path) -> list[dict[str, list[int]]]:
-    """Per step: phase -> the bytes each host sent during it."""
-    out = []
-    for row in (json.loads(line) for line in (run / "timeline.jsonl").read_text().splitlines()):
-        phases = sorted({key.rsplit("/", 1)[0] for key in row if key.endswith("/start")} - {"step"})
-        out.append({phase: [samples.sent(host, row[f"{phase}/start"], row[f"{phase}/end"])
-                            for host in range(samples.hosts)] for phase in phases})
-    return out
-
-
-def assert_traffic_is_planned(samples: LinkSamples, run: Path, overrides: list[str],
-                              hosts: tuple[str, ...] | None = None,
-                              addresses: list[str] | None = None) -> dict[str, Any]:
-    """Every step's measured bytes per phase and host against the plan's (see CONTROL_BYTES); the figures.
-    `hosts`: the address of the plan's node 0, 1, ... where it is not the cluster's host order (`addresses`)."""
-    from hybridrl.config.internode import plan_internode_traffic
-    from hybridrl.config.plan import plan_from_sources
-
-    plan = plan_from_sources(CONFIG, overrides)
-    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    figures = []
-    for measured, metrics in zip(phase_traffic(samples, run), steps, strict=True):
-        # the tokens the actor computed: the rows' real tokens less the prompts computed once per micro-batch
-        computed = metrics["perf/total_num_tokens"] * (1 - metrics["perf/shared_prefix_ratio"])
-        planned = plan_internode_traffic(plan, {"actor": computed / (1 - metrics["perf/padding_ratio"])}).phases
-        if hosts is not None:  # the plan's nodes in the cluster's host order
-            planned = {phase: tuple(sent[hosts.index(address)] for address in addresses)
-                       for phase, sent in planned.items()}
-        for phase, sent in measured.items():
-            plan_bytes = planned.get(phase, (0,) * len(sent))
-            for host, (got, want) in enumerate(zip(sent, plan_bytes)):
-                assert want <= got <= 1.10 * want + CONTROL_BYTES, (phase, host, sent, plan_bytes)
-        figures.append({"measured": measured, "planned": {k: list(v) for k, v in planned.items()}})
-    return {"steps": figures}
 
 
 # the DP2 demo's reward rises over this many steps at lr 2e-3 (tests/test_trainer_e2e.py's learning runs: 16)
@@ -171,7 +98,7 @@ def test_a_pipeline_across_hosts_on_a_cluster_started_without_the_launch_scripts
     host name's address (loopback here) and never connect. The actor's two pipeline stages sit on the two hosts:
     activations and the weight sync's gathers cross the link."""
     run = tmp_path / "run"
-    env = _env(tmp_path)
+    env = env_of(tmp_path)
     overrides = [*demo_overrides(demo_assets, run), "trainer.nnodes=2", "trainer.n_gpus_per_node=1",
                  "trainer.total_training_steps=2", "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"]
     with Cluster(2) as cluster:
@@ -214,18 +141,6 @@ def test_three_hosts_all_reduce_around_a_ring(demo_assets, tmp_path, ray_temp):
     assert all(step["planned"]["update_actor"] == [round(4 / 3 * 2_494_976)] * 3 for step in figures["steps"])
 
 
-DISAGGREGATED = ["trainer.nnodes=1", "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.mode=disaggregated",
-                 "actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1"]
-
-
-def pool_hosts(stdout: str) -> tuple[str, str]:
-    """(the trainer pool's host, the rollout pool's host) from train's placement lines (DISAGGREGATED's pools)."""
-    trainer = re.search(r"actor_rollout_ref \(pool trainer\): 2 rank\(s\) on 1 node\(s\): (\S+) ranks 0-1", stdout)
-    rollout = re.search(r"rollout \(pool rollout\): 1 rank\(s\) on 1 node\(s\): (\S+) rank 0", stdout)
-    assert trainer and rollout, stdout[-3000:]
-    return trainer.group(1), rollout.group(1)
-
-
 def test_a_disaggregated_rollout_pool_on_another_host(demo_assets, tmp_path, ray_temp):
     """rollout.mode=disaggregated with the rollout pool on the other host: one CPU per host, so the trainer pool's
     two ranks (half a CPU each) fill one host and the vLLM rank takes the other. Every weight sync crosses the
@@ -261,7 +176,7 @@ def test_the_slurm_script_runs_a_job_across_two_hosts(demo_assets, tmp_path, ray
 
     run = tmp_path / "run"
     with Cluster(2) as cluster, slurm_cluster(cluster, tmp_path / "slurm") as slurm:
-        env = {**_env(tmp_path), **slurm, "PATH": f"{BIN}:{slurm['PATH']}", "RAY_TMPDIR": ray_temp,
+        env = {**env_of(tmp_path), **slurm, "PATH": f"{BIN}:{slurm['PATH']}", "RAY_TMPDIR": ray_temp,
                "RUN_DIR": str(run)}
         job = cluster.run(cluster.hosts[0], [
             "sbatch", "--wait", "--nodes=2", "--cpus-per-task=2", "--gpus-per-node=0", f"--output={tmp_path}/job.out",
@@ -327,14 +242,14 @@ def test_a_lost_host_is_named_and_the_run_resumes_once_it_is_back(demo_assets, t
                    "trainer.n_gpus_per_node=1", f"trainer.total_training_steps={LEARNING_STEPS}",
                    "actor_rollout_ref.actor.optim.lr=2e-3", "trainer.save_freq=1", "trainer.max_restarts=1",
                    "trainer.restart_wait_s=180", "--no-progress"],
-            env={**_env(tmp_path), "RAY_ADDRESS": address}, cwd=ROOT, stdout=subprocess.PIPE,
+            env={**env_of(tmp_path), "RAY_ADDRESS": address}, cwd=ROOT, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True)
         try:
             _wait_for_steps(run / "metrics.jsonl", 2, process)
             killed_at = time.time()
             cluster.kill_processes(other.namespace)
             rejoined = cluster.run(other, ["bash", str(ROOT / "launch/ray_worker.sh"), address, "--num-cpus=4"],
-                                   env=_env(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=180)
+                                   env=env_of(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=180)
             assert rejoined.returncode == 0, rejoined.stderr[-2000:]
             output, _ = process.communicate(timeout=600)
         finally:
@@ -374,7 +289,7 @@ def test_a_lost_host_that_does_not_come_back_stops_the_run_cleanly(demo_assets, 
                    "trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16",
                    "trainer.total_training_steps=8", "trainer.save_freq=1", "trainer.max_restarts=1",
                    "trainer.restart_wait_s=15", "--no-progress"],
-            env={**_env(tmp_path), "RAY_ADDRESS": address}, cwd=ROOT, stdout=subprocess.PIPE,
+            env={**env_of(tmp_path), "RAY_ADDRESS": address}, cwd=ROOT, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True)
         try:
             _wait_for_steps(run / "metrics.jsonl", 2, process)

@@ -26,62 +26,13 @@ from hybridrl.reshard.checksums import ShardChecksumError, shard_checksums, veri
 from hybridrl.reshard.layout import hf_to_vllm_shards
 from tests.support.forked import run_ranks
 from tests.support.models_fixtures import make_hf_model, read_json, safetensors_state
-
-CHANGED_LAYER = 1
-DELTA = 1e-3
-
-
-# ---- rank side ---------------------------------------------------------------------------------------
-
-def _add_to_layer(models: list[Any], layer: int, delta: float) -> None:
-    """Add `delta` to every parameter of global decoder layer `layer` on this rank (a 'training step')."""
-    with torch.no_grad():
-        for model in models:
-            chunk = model.hybridrl.chunk
-            if layer in chunk.layers:
-                prefix = f"decoder.layers.{layer - chunk.first_layer}."
-                for name, param in model.named_parameters():
-                    if name.startswith(prefix):
-                        param.add_(delta)
-
-
-def _reshard_rank(rank: int, world_size: int, hf_dir: str, tp: int, pp: int, vpp: int | None, infer_tp: int,
-                  bucket_bytes: int, swapped: bool = False, change: bool = False,
-                  vllm_default_groups: bool = False, dtype: str | None = None,
-                  split: tuple[int | None, int | None] = (None, None), keep_buffers: bool = False) -> dict[str, Any]:
-    from hybridrl.models.bridge import build_gpt_models, load_weights
-    from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
-    from hybridrl.reshard.resharder import ReshardConfig, Resharder
-
-    # split: layers on the (first, last) pipeline stage, None = even; the resharder's mesh takes it
-    # from the parallel context
-    initialize_model_parallel(tp=tp, pp=pp, vpp=vpp, device="cpu", first_stage_layers=split[0],
-                              last_stage_layers=split[1])
-    try:
-        models = build_gpt_models(hf_dir, dtype=dtype)
-        load_weights(models, hf_dir)
-        groups = build_reshard_groups(build_training_mesh(world_size, tp, pp, vpp=vpp), infer_tp)
-        config = ReshardConfig(bucket_bytes=bucket_bytes, keep_buffers=keep_buffers)
-        # vLLM's own TP groups are consecutive ranks (TP rank = rank % infer_tp), whatever the Plan says
-        override = [r % infer_tp for r in range(world_size)] if vllm_default_groups else None
-        resharder = Resharder(models, groups, config=config, gen_tp_index=override)
-        out: dict[str, Any] = {"shards": resharder.reshard(), "report": resharder.last_report}
-        if swapped:  # a deliberately wrong grouping: every rank builds its replica peer's shard
-            wrong = tuple(infer_tp - 1 - j for j in groups.gen_tp_index)
-            bad = Resharder(models, groups, config=config, gen_tp_index=wrong)
-            out["swapped_shards"], out["swapped_report"] = bad.reshard(), bad.last_report
-        if change:
-            _add_to_layer(models, CHANGED_LAYER, DELTA)
-            out["changed_shards"] = resharder.reshard()  # the same resharder: it reads the live parameters
-        if resharder._scratch is not None:  # the kept buffers: held, and never what a shard is made of
-            kept = {t.untyped_storage().data_ptr() for t in resharder._scratch._flat.values()}
-            out["kept_bytes"] = resharder._scratch.held_bytes
-            produced = [(n, t) for key in ("shards", "changed_shards") for n, t in out.get(key, {}).items()]
-            out["shards_in_kept_buffers"] = [n for n, t in produced if t.untyped_storage().data_ptr() in kept]
-        return out
-    finally:
-        destroy_model_parallel()
-
+from tests.support.reshard_ranks import (
+    CHANGED_LAYER,
+    DELIVERY_DELTA,
+    DELTA,
+    deliver_rank,
+    reshard_rank,
+)
 
 # ---- parent side -------------------------------------------------------------------------------------
 
@@ -133,7 +84,7 @@ LAYOUT_IDS = [f"{a}-tp{t}pp{p}{'vpp' + str(v) if v else ''}{'-first' + str(s[0])
 def test_reshard_is_exact_and_moves_only_what_is_missing(hf_dirs, arch, tp, pp, vpp, world, infer_tp, bucket,
                                                          split):
     hf_dir = hf_dirs[arch]
-    results = run_ranks(_reshard_rank, world, str(hf_dir), tp, pp, vpp, infer_tp, bucket, split=split,
+    results = run_ranks(reshard_rank, world, str(hf_dir), tp, pp, vpp, infer_tp, bucket, split=split,
                         timeout_s=300)
     hf_state, config = safetensors_state(hf_dir), read_json(hf_dir / "config.json")
     shape = ModelShape.from_hf_config(config)
@@ -170,7 +121,7 @@ def test_reshard_is_exact_and_moves_only_what_is_missing(hf_dirs, arch, tp, pp, 
 def test_bf16_training_weights_reshard_bit_exactly(hf_dirs):
     """bf16 parameters (the GPU default) through gloo p2p: shards equal the bf16-cast HF weights'."""
     hf_dir = hf_dirs["qwen2"]
-    results = run_ranks(_reshard_rank, 4, str(hf_dir), 2, 2, None, 2, 16 << 10, dtype="bfloat16", timeout_s=300)
+    results = run_ranks(reshard_rank, 4, str(hf_dir), 2, 2, None, 2, 16 << 10, dtype="bfloat16", timeout_s=300)
     hf_state = {n: t.to(torch.bfloat16) for n, t in safetensors_state(hf_dir).items()}
     config = read_json(hf_dir / "config.json")
     groups = build_reshard_groups(build_training_mesh(4, 2, 2), 2)
@@ -212,7 +163,7 @@ def test_ranks_configured_differently_fail_clearly(hf_dirs):
 
 def test_wrong_group_is_caught_by_checksums(hf_dirs):
     hf_dir = hf_dirs["llama"]
-    results = run_ranks(_reshard_rank, 4, str(hf_dir), 2, 2, None, 2, 512 << 20, swapped=True, timeout_s=300)
+    results = run_ranks(reshard_rank, 4, str(hf_dir), 2, 2, None, 2, 512 << 20, swapped=True, timeout_s=300)
     hf_state, config = safetensors_state(hf_dir), read_json(hf_dir / "config.json")
     groups = build_reshard_groups(build_training_mesh(4, 2, 2), 2)
     for rank, result in enumerate(results):
@@ -234,7 +185,7 @@ def test_wrong_group_is_caught_by_checksums(hf_dirs):
 @pytest.mark.parametrize("keep_buffers", [False, True], ids=["fresh_buffers", "kept_buffers"])
 def test_next_sync_carries_a_weight_change(hf_dirs, keep_buffers):
     hf_dir = hf_dirs["qwen2"]
-    results = run_ranks(_reshard_rank, 4, str(hf_dir), 2, 2, None, 2, 16 << 10, change=True,
+    results = run_ranks(reshard_rank, 4, str(hf_dir), 2, 2, None, 2, 16 << 10, change=True,
                         keep_buffers=keep_buffers, timeout_s=300)
     hf_state, config = safetensors_state(hf_dir), read_json(hf_dir / "config.json")
     changed_state = {
@@ -271,14 +222,14 @@ def test_kv_layout_gaps_are_exactly_the_replicated_or_regrouped_heads(hf_dirs):
     """
     d, h, layers, fp32 = 16, 64, 4, 4
     hf_dir = hf_dirs["llama"]
-    regrouped = run_ranks(_reshard_rank, 4, str(hf_dir), 4, 1, None, 4, 512 << 20, timeout_s=300)
+    regrouped = run_ranks(reshard_rank, 4, str(hf_dir), 4, 1, None, 4, 512 << 20, timeout_s=300)
     for rank, result in enumerate(regrouped):
         report = result["report"]
         heads_missing = 2 if rank % 2 == 0 else 1
         assert report.plan_bytes_received == 0
         assert report.bytes_received == layers * heads_missing * d * h * fp32
         assert report.peers_outside_micro_dp == (rank ^ 1,)
-    replicated = run_ranks(_reshard_rank, 4, str(hf_dir), 2, 2, None, 4, 512 << 20, timeout_s=300)
+    replicated = run_ranks(reshard_rank, 4, str(hf_dir), 2, 2, None, 4, 512 << 20, timeout_s=300)
     hf_state, config = safetensors_state(hf_dir), read_json(hf_dir / "config.json")
     groups = build_reshard_groups(build_training_mesh(4, 2, 2), 4)
     assert groups.strategy == "split"
@@ -296,7 +247,7 @@ def test_vllm_default_groups_are_correct_but_cost_more(hf_dirs):
     """TP4 -> infer_tp 2 reshared for vLLM's consecutive TP groups instead of the Plan's strided ones:
     still bit-exact for each rank's vLLM TP rank, but ranks 1 and 2 hold none of their shard."""
     hf_dir = hf_dirs["llama"]
-    results = run_ranks(_reshard_rank, 4, str(hf_dir), 4, 1, None, 2, 512 << 20, vllm_default_groups=True,
+    results = run_ranks(reshard_rank, 4, str(hf_dir), 4, 1, None, 2, 512 << 20, vllm_default_groups=True,
                         timeout_s=300)
     hf_state, config = safetensors_state(hf_dir), read_json(hf_dir / "config.json")
     received = []
@@ -311,37 +262,7 @@ def test_vllm_default_groups_are_correct_but_cost_more(hf_dirs):
 
 # ---- delivery into a live vLLM engine ------------------------------------------------------------------
 
-DELIVERY_PROMPTS = [[5, 6, 7], [9, 8, 7, 6, 5]]
-DELIVERY_DELTA = 0.05  # large enough that greedy tokens and log-probs visibly move
 LOGPROB_TOLERANCE = 1e-4  # fp32 on CPU
-
-
-def _deliver_rank(rank: int, world_size: int, hf_dir: str, tp: int, pp: int, infer_tp: int) -> dict[str, Any]:
-    """Colocated as in the actor: megatron first, then the engine; a 'training step' changes layer 0;
-    the resharder's stream goes straight into the engine (vLLM shard format); digests are compared."""
-    from hybridrl.models.bridge import build_gpt_models, load_weights
-    from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
-    from hybridrl.reshard.checksums import compare_checksums
-    from hybridrl.reshard.resharder import Resharder, check_rollout_placement
-    from hybridrl.rollout.sampling import validation_sampling
-    from tests.support.rollout_scenarios import make_engine
-
-    initialize_model_parallel(tp=tp, pp=pp, device="cpu")
-    try:
-        models = build_gpt_models(hf_dir)
-        load_weights(models, hf_dir)
-        engine = make_engine(hf_dir, infer_tp=infer_tp, capture_loaded_weights=True)
-        groups = build_reshard_groups(build_training_mesh(world_size, tp, pp), infer_tp)
-        resharder = Resharder(models, groups)
-        check_rollout_placement(resharder, engine.tp_rank)
-        _add_to_layer(models, 0, DELIVERY_DELTA)
-        engine.update_weights(resharder.shards(), weight_format="vllm_shard")
-        report = resharder.last_report
-        mismatches = compare_checksums(report.checksums, engine.parameter_digests(), rank)
-        greedy = engine.generate_sequences(DELIVERY_PROMPTS, validation_sampling(max_tokens=6))
-        return {"mismatches": mismatches, "greedy": greedy, "report": report, "tp_rank": engine.tp_rank}
-    finally:
-        destroy_model_parallel()
 
 
 DELIVERY_LAYOUTS = [
@@ -363,7 +284,7 @@ def test_sync_into_live_vllm_engine(tmp_path, arch, tp, pp, world, infer_tp):
     spec = {**{"qwen2": QWEN2_TIED, "llama_gqa1": LLAMA_GQA1}[arch], "eos_token_id": None, "bos_token_id": None}
     assert spec["num_hidden_layers"] % pp == 0, "a delivery layout must split the model's layers over its stages"
     hf_dir = build_tiny_model(tmp_path / arch, spec, seed=11)
-    results = run_ranks(_deliver_rank, world, str(hf_dir), tp, pp, infer_tp, timeout_s=600)
+    results = run_ranks(deliver_rank, world, str(hf_dir), tp, pp, infer_tp, timeout_s=600)
     model = load_hf_model(hf_dir)
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -14,105 +14,10 @@ from typing import Any
 import pytest
 import torch
 
+from tests.support.checkpoint_resumes import assert_same_next_step, checkpoint_rank, resume_config, run_resume
 from tests.support.forked import run_ranks
 from tests.support.models_fixtures import make_hf_model, safetensors_state
-from tests.support.training_fixtures import (
-    job_config,
-    policy_model,
-    rollout_batch,
-    sequence_classifier,
-    trained_role,
-    with_critic,
-)
-
-
-def _rank(rank: int, world: int, config: Any, batches: list[Any], ckpt: str, out: str, mode: str,
-          role: str = "actor") -> Any:
-    from hybridrl.models.bridge import export_hf, load_weights
-    from hybridrl.training.checkpointing import load_role_checkpoint, save_role_checkpoint
-
-    backend, update, chunks = trained_role(config, role, batches)
-    if mode == "save":
-        update(chunks[0])
-        save_role_checkpoint(backend, ckpt)
-        return None
-    info = None
-    if mode == "resume":
-        info = load_role_checkpoint(backend, ckpt)
-    else:  # weights only: what a resume without the optimizer state would do
-        load_weights(backend.chunks, Path(ckpt) / "model")
-    metrics = update(chunks[1])
-    if role == "actor":
-        export_hf(backend.chunks, out, force=True)
-        weights = None
-    else:  # value model: its weights as HF ranges, stitched in the parent
-        weights = _value_model_pieces(backend)
-    return {"metrics": metrics, "lr": backend.schedule.current_lr, "weights": weights,
-            "resharded": None if info is None else info["resharded"]}
-
-
-def _value_model_pieces(backend: Any) -> list[tuple[str, int | None, int, torch.Tensor]]:
-    """(HF name, axis, start, tensor) of every HF range this rank's shards hold, plus the head."""
-    from hybridrl.models.bridge import chunk_info
-    from hybridrl.models.layout import chunk_tensor_plans
-
-    out = []
-    for chunk in backend.chunks:
-        info = chunk_info(chunk)
-        tensors = chunk.state_dict(keep_vars=True)
-        for plan in chunk_tensor_plans(info.source.shape, info.layout, info.chunk, info.tp_rank):
-            value = tensors[plan.name].detach().clone()
-            if plan.name == "output_layer.weight":  # the value head
-                out.append(("score.weight", None, 0, value))
-                continue
-            offset = 0
-            for seg in plan.segments:
-                if seg.hf_name is not None:
-                    piece = value if plan.axis is None else value.narrow(plan.axis, offset, seg.length)
-                    out.append((seg.hf_name, plan.axis, seg.start, piece))
-                offset += seg.length
-    return out
-
-
-def _stitch(pieces: list[tuple[str, int | None, int, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Whole HF tensors from the ranks' pieces (replicated ones taken once, split ones concatenated)."""
-    by_name: dict[str, dict[int, tuple[int | None, torch.Tensor]]] = {}
-    for name, axis, start, value in pieces:
-        by_name.setdefault(name, {})[start] = (axis, value)
-    out = {}
-    for name, parts in by_name.items():
-        axis = next(iter(parts.values()))[0]
-        ordered = [v for _, (_, v) in sorted(parts.items())]
-        out[name] = ordered[0] if axis is None else torch.cat(ordered, dim=axis)
-    return out
-
-
-def _run(config: Any, world: int, batches: list[Any], ckpt: Path, out: Path, mode: str, role: str = "actor") -> Any:
-    results = run_ranks(_rank, world, config, batches, str(ckpt), str(out), mode, role)
-    metrics = [r["metrics"] for r in results if r is not None and r["metrics"] is not None]
-    assert metrics, "no output rank returned metrics"
-    step = metrics[0].per_step[0] if role == "actor" else metrics[0]
-    pieces = [p for r in results if r is not None and r["weights"] for p in r["weights"]]
-    return {"metrics": metrics[0], "step": step, "lr": results[0]["lr"], "resharded": results[0]["resharded"],
-            "weights": safetensors_state(out) if role == "actor" else _stitch(pieces)}
-
-
-def _assert_same_next_step(run: dict[str, Any], reference: dict[str, Any], label: str) -> None:
-    a, b = run["metrics"], reference["metrics"]
-    assert run["lr"] == reference["lr"], label
-    for field in ("pg_loss", "grad_norm", "entropy", "approx_kl", "clipfrac"):
-        assert abs(getattr(a, field) - getattr(b, field)) <= 1e-5, (label, field, getattr(a, field), getattr(b, field))
-    assert run["weights"].keys() == reference["weights"].keys()
-    gap = max(float((run["weights"][n] - w).abs().max()) for n, w in reference["weights"].items())
-    assert gap <= 1e-5, (label, gap)
-
-
-def _config(hf: Path, *, tp: int, pp: int, dp: int = 1, distributed: bool = False,
-            first_stage_layers: int | None = None) -> Any:
-    config = job_config(hf, world=tp * pp * dp, tp=tp, pp=pp, distributed_optimizer=distributed)
-    config.actor_rollout_ref.actor.optim.lr_warmup_steps = 4
-    config.actor_rollout_ref.actor.megatron.num_layers_in_first_pipeline_stage = first_stage_layers
-    return config
+from tests.support.training_fixtures import job_config, policy_model, rollout_batch, sequence_classifier, with_critic
 
 
 @pytest.fixture(scope="module")
@@ -122,23 +27,23 @@ def tp2_pp2_checkpoint(tmp_path_factory):
     hf = make_hf_model(base / "hf", "llama", num_hidden_layers=8)  # 8 layers: PP4 x VPP2 can hold it too
     batches = [rollout_batch(8, seed=1), rollout_batch(8, seed=2)]
     ckpt = base / "ckpt"
-    run_ranks(_rank, 4, _config(hf, tp=2, pp=2), batches, str(ckpt), "", "save")
+    run_ranks(checkpoint_rank, 4, resume_config(hf, tp=2, pp=2), batches, str(ckpt), "", "save")
     return hf, batches, ckpt
 
 
 def test_tp2_pp2_checkpoint_resumes_on_tp1_pp2_and_tp2_pp1(tp2_pp2_checkpoint, tmp_path):
     hf, batches, ckpt = tp2_pp2_checkpoint
-    reference = _run(_config(hf, tp=2, pp=2), 4, batches, ckpt, tmp_path / "ref", "resume")
+    reference = run_resume(resume_config(hf, tp=2, pp=2), 4, batches, ckpt, tmp_path / "ref", "resume")
     assert reference["resharded"] is False
     assert reference["step"]["lr"] == pytest.approx(1e-2 * 2 / 4)  # the second step of the warmup
     # (tp, pp, layers on the first stage: None = even; 3 = uneven stages of 3 + 5 layers)
     for tp, pp, first in ((1, 2, None), (2, 1, None), (1, 2, 3)):
-        run = _run(_config(hf, tp=tp, pp=pp, first_stage_layers=first), tp * pp, batches, ckpt,
+        run = run_resume(resume_config(hf, tp=tp, pp=pp, first_stage_layers=first), tp * pp, batches, ckpt,
                    tmp_path / f"tp{tp}pp{pp}first{first}", "resume")
         assert run["resharded"] is True
-        _assert_same_next_step(run, reference, f"tp{tp} pp{pp} first stage {first}")
+        assert_same_next_step(run, reference, f"tp{tp} pp{pp} first stage {first}")
     # Without the optimizer state and schedule the next step differs: the comparison above sees them.
-    fresh = _run(_config(hf, tp=1, pp=1), 1, batches, ckpt, tmp_path / "fresh", "weights_only")
+    fresh = run_resume(resume_config(hf, tp=1, pp=1), 1, batches, ckpt, tmp_path / "fresh", "weights_only")
     gap = max(float((fresh["weights"][n] - w).abs().max()) for n, w in reference["weights"].items())
     assert gap > 1e-4 and fresh["lr"] != reference["lr"]
 
@@ -148,14 +53,15 @@ def test_distributed_optimizer_dp2_checkpoint_resumes_on_dp1_and_tp2(tmp_path):
     hf = policy_model(tmp_path / "hf")
     batches = [rollout_batch(8, seed=3), rollout_batch(8, seed=4)]
     ckpt = tmp_path / "ckpt"
-    run_ranks(_rank, 2, _config(hf, tp=1, pp=1, dp=2, distributed=True), batches, str(ckpt), "", "save")
-    reference = _run(_config(hf, tp=1, pp=1, dp=2, distributed=True), 2, batches, ckpt, tmp_path / "ref", "resume")
-    cases = {"dp1": (_config(hf, tp=1, pp=1), 1),
-             "tp2 distributed": (_config(hf, tp=2, pp=1, distributed=True), 2)}
+    saved = resume_config(hf, tp=1, pp=1, dp=2, distributed=True)
+    run_ranks(checkpoint_rank, 2, saved, batches, str(ckpt), "", "save")
+    reference = run_resume(saved, 2, batches, ckpt, tmp_path / "ref", "resume")
+    cases = {"dp1": (resume_config(hf, tp=1, pp=1), 1),
+             "tp2 distributed": (resume_config(hf, tp=2, pp=1, distributed=True), 2)}
     for label, (config, world) in cases.items():
-        run = _run(config, world, batches, ckpt, tmp_path / label.replace(" ", "_"), "resume")
+        run = run_resume(config, world, batches, ckpt, tmp_path / label.replace(" ", "_"), "resume")
         assert run["resharded"] is True
-        _assert_same_next_step(run, reference, label)
+        assert_same_next_step(run, reference, label)
 
 
 def test_critic_checkpoint_resumes_on_another_layout(tmp_path):
@@ -170,9 +76,9 @@ def test_critic_checkpoint_resumes_on_another_layout(tmp_path):
         c.critic.optim.lr_warmup_steps = 4
         return c
 
-    run_ranks(_rank, 4, config(2, 2), batches, str(ckpt), "", "save", "critic")
-    reference = _run(config(2, 2), 4, batches, ckpt, tmp_path / "ref", "resume", "critic")
-    run = _run(config(1, 2), 2, batches, ckpt, tmp_path / "tp1pp2", "resume", "critic")
+    run_ranks(checkpoint_rank, 4, config(2, 2), batches, str(ckpt), "", "save", "critic")
+    reference = run_resume(config(2, 2), 4, batches, ckpt, tmp_path / "ref", "resume", "critic")
+    run = run_resume(config(1, 2), 2, batches, ckpt, tmp_path / "tp1pp2", "resume", "critic")
     assert run["resharded"] is True and run["lr"] == reference["lr"]
     for field in ("vf_loss", "grad_norm"):
         a, b = getattr(run["metrics"], field), getattr(reference["metrics"], field)
@@ -198,7 +104,7 @@ def _load_rank(rank: int, world: int, config: Any, ckpt: str) -> str:
 def test_another_model_is_refused_on_a_layout_change(tp2_pp2_checkpoint, tmp_path):
     _, _, ckpt = tp2_pp2_checkpoint
     other = make_hf_model(tmp_path / "qwen", "qwen2", seed=0)  # another architecture
-    error = run_ranks(_load_rank, 1, _config(other, tp=1, pp=1), str(ckpt))[0]
+    error = run_ranks(_load_rank, 1, resume_config(other, tp=1, pp=1), str(ckpt))[0]
     assert "was saved from another model" in error and "architecture='LlamaForCausalLM'" in error \
         and "Qwen2ForCausalLM" in error, error
 
@@ -242,12 +148,12 @@ def test_bf16_master_weights_and_adam_state_reshard_exactly(tmp_path):
     batches = [rollout_batch(8, seed=7)] * 2
 
     def config(tp: int, dp: int, distributed: bool) -> Any:
-        c = _config(hf, tp=tp, pp=1, dp=dp, distributed=distributed)
+        c = resume_config(hf, tp=tp, pp=1, dp=dp, distributed=distributed)
         c.actor_rollout_ref.actor.megatron.dtype = "bf16"
         return c
 
     first, second = tmp_path / "dp2", tmp_path / "tp2"
-    run_ranks(_rank, 2, config(1, 2, True), batches, str(first), "", "save")
+    run_ranks(checkpoint_rank, 2, config(1, 2, True), batches, str(first), "", "save")
     run_ranks(_resave_rank, 2, config(2, 1, False), str(first), str(second))
     (described, saved), (described_again, resaved) = _hf_state(first), _hf_state(second)
     assert described == described_again and described["step"] == 1.0
@@ -288,8 +194,8 @@ def test_uneven_stage_checkpoint_reshards_exactly_both_ways(tp2_pp2_checkpoint, 
 
     hf, _, ckpt = tp2_pp2_checkpoint
     uneven, flat = tmp_path / "uneven", tmp_path / "pp1"
-    run_ranks(_resave_rank, 2, _config(hf, tp=1, pp=2, first_stage_layers=3), str(ckpt), str(uneven))
-    run_ranks(_resave_rank, 1, _config(hf, tp=1, pp=1), str(uneven), str(flat))
+    run_ranks(_resave_rank, 2, resume_config(hf, tp=1, pp=2, first_stage_layers=3), str(ckpt), str(uneven))
+    run_ranks(_resave_rank, 1, resume_config(hf, tp=1, pp=1), str(uneven), str(flat))
     assert _read_meta(uneven)["layout"]["first_stage_layers"] == 3
     described, saved = _hf_state(ckpt)
     for again in (uneven, flat):

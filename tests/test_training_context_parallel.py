@@ -377,25 +377,25 @@ def test_cp2_checkpoint_resumes_on_cp1_and_back(tmp_path):
     """An actor step at CP2 (distributed optimizer: Adam state sharded over DP × CP) saved, resumed at
     CP1 and at CP2: the next step (loss, grad norm, lr, every weight) is the same; a CP1 checkpoint
     resumed at CP2 gives it too. The optimizer state and the weights are CP-invariant."""
+    from tests.support.checkpoint_resumes import assert_same_next_step, checkpoint_rank, resume_config, run_resume
     from tests.support.training_fixtures import policy_model, rollout_batch
-    from tests.test_training_checkpoint_layouts import _assert_same_next_step, _config, _rank, _run
 
     hf = policy_model(tmp_path / "hf")
     batches = [rollout_batch(8, seed=5), rollout_batch(8, seed=6)]
 
     def config(cp: int) -> Any:
-        return with_cp(_config(hf, tp=1, pp=1, dp=cp, distributed=True), cp)  # world = cp: DP 1
+        return with_cp(resume_config(hf, tp=1, pp=1, dp=cp, distributed=True), cp)  # world = cp: DP 1
 
     ckpt2, ckpt1 = tmp_path / "cp2", tmp_path / "cp1"
-    run_ranks(_rank, 2, config(2), batches, str(ckpt2), "", "save")
-    run_ranks(_rank, 1, config(1), batches, str(ckpt1), "", "save")
-    reference = _run(config(2), 2, batches, ckpt2, tmp_path / "ref", "resume")
+    run_ranks(checkpoint_rank, 2, config(2), batches, str(ckpt2), "", "save")
+    run_ranks(checkpoint_rank, 1, config(1), batches, str(ckpt1), "", "save")
+    reference = run_resume(config(2), 2, batches, ckpt2, tmp_path / "ref", "resume")
     assert reference["resharded"] is False
-    on_cp1 = _run(config(1), 1, batches, ckpt2, tmp_path / "on_cp1", "resume")
+    on_cp1 = run_resume(config(1), 1, batches, ckpt2, tmp_path / "on_cp1", "resume")
     assert on_cp1["resharded"] is True
-    _assert_same_next_step(on_cp1, reference, "cp2 -> cp1")
-    from_cp1 = _run(config(2), 2, batches, ckpt1, tmp_path / "from_cp1", "resume")
-    _assert_same_next_step(from_cp1, reference, "cp1 -> cp2")
+    assert_same_next_step(on_cp1, reference, "cp2 -> cp1")
+    from_cp1 = run_resume(config(2), 2, batches, ckpt1, tmp_path / "from_cp1", "resume")
+    assert_same_next_step(from_cp1, reference, "cp1 -> cp2")
 
 
 def test_cp2_reward_model_scores_equal_transformers(tmp_path):

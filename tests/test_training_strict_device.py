@@ -384,8 +384,8 @@ def _cp_config(tmp_path: Any) -> Any:
 def _planted_cases(tmp_path: Any) -> dict[str, tuple[str, int, Callable[..., Any], tuple]]:
     """path -> (where the host tensor is planted: module[:function], world, rank function, its arguments)."""
     from tests.support.rank_passes import log_prob_rank
+    from tests.support.reshard_ranks import deliver_rank, reshard_rank
     from tests.support.rollout_models import QWEN2_TIED, build_tiny_model
-    from tests.test_reshard_resharder import _deliver_rank, _reshard_rank
 
     hf = str(policy_model(tmp_path / "policy"))
     served = str(build_tiny_model(tmp_path / "served", {**QWEN2_TIED, "eos_token_id": None, "bos_token_id": None},
@@ -397,9 +397,9 @@ def _planted_cases(tmp_path: Any) -> dict[str, tuple[str, int, Callable[..., Any
                    (job_config(hf, world=1, micro=4), batch)),
         # the resharder's send and receive buffers of a bucket (TP2 -> one TP1 vLLM rank; its outputs may be host: vLLM
         # copies them in, as on GPUs)
-        "resharder": ("hybridrl.reshard.exchange:_run_bucket", 2, _reshard_rank, (hf, 2, 1, None, 1, 16 << 10)),
+        "resharder": ("hybridrl.reshard.exchange:_run_bucket", 2, reshard_rank, (hf, 2, 1, None, 1, 16 << 10)),
         # the hybrid engine's sync into a live vLLM engine in the same process
-        "rollout": ("hybridrl.reshard.exchange:_run_bucket", 2, _deliver_rank, (served, 2, 1, 1)),
+        "rollout": ("hybridrl.reshard.exchange:_run_bucket", 2, deliver_rank, (served, 2, 1, 1)),
         # megatron's own MoE code (router, token dispatcher at EP2)
         "moe": ("megatron.core.transformer.moe", 2, log_prob_rank, (_moe_config(tmp_path), batch)),
         # context parallelism: the attention stand-in's key positions of the CP-gathered keys and values
