@@ -13,6 +13,8 @@ from pathlib import Path
 
 import yaml
 
+from hybridrl.config.errors import ConfigError, ConfigIssue
+
 
 class HardwareError(ValueError):
     """An unknown hardware name, or a description file that is missing, unreadable or incomplete."""
@@ -85,3 +87,12 @@ def load_hardware(value: str) -> Hardware:
                 ([f"not a number > 0: {', '.join(bad)}"] if bad else [])
         raise HardwareError(f"{'; '.join(parts)} (the fields: {', '.join(NUMBER_FIELDS)})")
     return Hardware(name=str(data.get("name", path.stem)), **{name: float(data[name]) for name in NUMBER_FIELDS})
+
+
+def load_job_hardware(value: str) -> Hardware:
+    """`trainer.hardware`'s description, or a ConfigError naming the field, the value and the shipped names: the one
+    refusal the plan's check and `--search` both give."""
+    try:
+        return load_hardware(value)
+    except HardwareError as exc:
+        raise ConfigError([ConfigIssue("trainer.hardware", value, str(exc), tuple(SHIPPED))]) from None

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from hybridrl.config.errors import ConfigError, ConfigIssue
-from hybridrl.config.hardware import SHIPPED, Hardware, HardwareError, load_hardware
+from hybridrl.config.hardware import SHIPPED, Hardware, load_job_hardware
 from hybridrl.config.loader import load_config_collecting
 from hybridrl.config.model_shapes import load_model_shape
 from hybridrl.config.plan import MEMORY_REFUSAL_FIELD, Plan, build_plan
@@ -285,10 +285,7 @@ def search_inputs(path: str | None, overrides: list[str] | tuple[str, ...] = ())
         raise ConfigError([ConfigIssue("trainer.hardware", None, "is needed by --search, which ranks layouts by "
                                        "their predicted step time: name a GPU or a YAML file of its figures",
                                        list(SHIPPED))])
-    try:
-        hardware = load_hardware(hardware_name)
-    except HardwareError as exc:
-        raise ConfigError([ConfigIssue("trainer.hardware", hardware_name, str(exc), list(SHIPPED))]) from None
+    hardware = load_job_hardware(hardware_name)
     field = "actor_rollout_ref.model.path"
     shape_issues: list[ConfigIssue] = []
     model = load_model_shape(config.actor_rollout_ref.model.path, shape_issues, [], field, quiet=True)

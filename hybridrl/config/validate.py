@@ -19,8 +19,8 @@ from hybridrl.algorithms.names import (
     GROUP_ADV_ESTIMATORS,
 )
 from hybridrl.config.distillation_rules import check_distillation, check_teacher_placement, teacher_shape
-from hybridrl.config.errors import ConfigIssue
-from hybridrl.config.hardware import SHIPPED, HardwareError, load_hardware
+from hybridrl.config.errors import ConfigError, ConfigIssue
+from hybridrl.config.hardware import load_job_hardware
 from hybridrl.config.megatron_fields import (
     DDP_CONFIG_FIELDS,
     MEGATRON_CORE_VERSION,
@@ -206,9 +206,9 @@ def _check_trainer(check: _Checker, config: JobConfig) -> bool:
     check.in_range("trainer.gpu_memory_gib", t.gpu_memory_gib, 0, 1e6, low_open=True)
     if t.hardware is not None:
         try:
-            load_hardware(t.hardware)
-        except HardwareError as exc:
-            check.fail("trainer.hardware", t.hardware, str(exc), list(SHIPPED))
+            load_job_hardware(t.hardware)
+        except ConfigError as exc:
+            check.issues.extend(exc.issues)
     # a week: anything longer is a unit mistake (minutes or ms), not a wait anyone wants
     check.in_range("trainer.nccl_timeout_s", t.nccl_timeout_s, 0, 7 * 86400, low_open=True)
     if t.resume_mode not in RESUME_MODES and not Path(str(t.resume_mode)).exists():
