@@ -14,10 +14,17 @@ from pathlib import Path
 import pytest
 
 from hybridrl.config import ConfigError, plan_from_sources
-from hybridrl.config.estimates import forward_flops
+from hybridrl.config.estimates import decoder_flops_per_token, forward_flops
 from hybridrl.config.hardware import SHIPPED, Hardware, HardwareError, load_hardware
 from hybridrl.config.report import render_plan
-from hybridrl.config.step_time import EFFICIENCY, PhaseTime, StepTime, predict_step_time, time_vs_plan
+from hybridrl.config.step_time import (
+    EFFICIENCY,
+    PhaseTime,
+    StepLengths,
+    StepTime,
+    predict_step_time,
+    time_vs_plan,
+)
 from hybridrl.names import Phase
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,6 +74,48 @@ def test_the_7b_grpo_steps_phases_are_the_roofline_by_hand():
     # colocated and synchronous: the phases one after another
     assert step.seconds == pytest.approx(sum(p.seconds for p in step.phases)) and not step.overlapped
     assert {p.phase: p.bound for p in step.phases}[Phase.GEN] == "memory (decode)"
+
+
+def test_a_step_is_predicted_at_its_own_lengths():
+    """The trainer compares each step with the prediction at the step's own lengths (`StepLengths`, from its
+    metrics): the full lengths give the plan's prediction; shorter rows give the roofline of their own tokens."""
+    plan = plan_from_sources(QWEN_7B, ["actor_rollout_ref.actor.megatron.optimizer_offload=false"])
+    full = predict_step_time(plan, H100)
+    at_full = predict_step_time(plan, H100, lengths=StepLengths(1024, 2048, 2048))
+    assert [(p.phase, p.bound) for p in at_full.phases] == [(p.phase, p.bound) for p in full.phases]
+    for mine, planned in zip(at_full.phases, full.phases, strict=True):
+        assert mine.seconds == pytest.approx(planned.seconds, rel=1e-9), mine.phase
+    # rows of 300 prompt and 500 response tokens, a fifth of a training pass's columns padding: the update's matmuls
+    # (3 forwards + 1 recomputed) cover 1,000 computed columns a row in every decoder layer and the 500 response
+    # tokens in the output layer, at the rows' mean length 800; TP2's all-reduces move those 1,000 columns; the
+    # optimizer's terms do not depend on lengths
+    short = StepLengths(prompt_tokens=300, response_tokens=500, longest_response=1500, padding_ratio=0.2)
+    step = predict_step_time(plan, H100, lengths=short)
+    shape = plan.model
+    rows = 2048
+    update_flops = 3 * rows * (1000 * decoder_flops_per_token(shape, 800) + 500 * 2 * shape.hidden_size
+                               * shape.vocab_size)
+    tp = lambda columns: 2 * 28 * (rows * columns / 4 * 3584 * 2) / (450e9 * 0.70)  # noqa: E731
+    fixed = full.phase(Phase.UPDATE_ACTOR) - (dict(plan.step_flops)[Phase.UPDATE_ACTOR] * 4 / 3 / 8 / (989e12 * 0.40)
+                                              + 3 * tp(3072))
+    assert step.phase(Phase.UPDATE_ACTOR) == pytest.approx(
+        update_flops * 4 / 3 / 8 / (989e12 * 0.40) + 3 * tp(1000) + fixed, rel=1e-6)
+    # generation: the prefill of 300-token prompts; 1,500 decode steps (the longest response), the 512 sequences
+    # decoding together (800-token rows fit the KV cache's 1,531,947 tokens at once): each step reads the weights
+    # and the cache at 300 + 250 tokens, or computes one token of each row, whichever is slower (here the matmuls)
+    prefill = forward_flops(shape, rows=512, layer_tokens=300 / 8, head_tokens=0, seq_len=300,
+                            vocab_head=True) / 2 / (989e12 * 0.50)
+    assert plan.rollout_memory.kv_cache_tokens // 800 >= 512
+    step_bytes = (7.093 * GIB + 512 * 550 * 28672) / (3350e9 * 0.70)
+    step_flops = forward_flops(shape, rows=512, layer_tokens=1, head_tokens=1, seq_len=800,
+                               vocab_head=True) / 2 / (989e12 * 0.50)
+    assert step_flops > step_bytes
+    assert step.phase(Phase.GEN) == pytest.approx(prefill + 1500 * step_flops, rel=1e-6)
+    # from a step's metrics; a step that did not log its lengths has none
+    metrics = {"prompt_length/mean": 300.0, "response_length/mean": 500.0, "response_length/max": 1500.0,
+               "perf/padding_ratio": 0.2}
+    assert StepLengths.from_metrics(metrics) == short
+    assert StepLengths.from_metrics({"response_length/mean": 500.0}) is None
 
 
 def test_a_dp_group_across_machines_pays_the_network_and_async_modes_overlap_generation():

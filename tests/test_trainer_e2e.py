@@ -247,7 +247,7 @@ def test_custom_reward_dynamic_sampling_validation_temperature_and_time_vs_plan(
 
     from hybridrl.config import plan_from_sources
     from hybridrl.config.hardware import load_hardware
-    from hybridrl.config.step_time import predict_step_time
+    from hybridrl.config.step_time import StepLengths, predict_step_time
 
     run = tmp_path / "run"
     calls = tmp_path / "reward_calls.jsonl"
@@ -274,11 +274,15 @@ def test_custom_reward_dynamic_sampling_validation_temperature_and_time_vs_plan(
         assert row["actor/clipfrac"] == 0.0 and abs(row["actor/approx_kl"]) < 1e-6, row
         assert row["reshard/probe_max_abs_gap"] <= 1e-4
 
-    # measured over predicted, phase by phase, as the plan predicts on the described hardware
-    predicted = predict_step_time(plan_from_sources(str(ROOT / "configs/examples/cpu_tiny_grpo.yaml"), overrides),
-                                  load_hardware(str(hardware)))
+    # measured over predicted, phase by phase, as the plan predicts on the described hardware for the step's own
+    # prompt and response lengths (which it logs)
+    plan = plan_from_sources(str(ROOT / "configs/examples/cpu_tiny_grpo.yaml"), overrides)
     for step in range(1, steps + 1):
         row = rows[step]
+        assert 1 <= row["prompt_length/mean"] <= row["prompt_length/max"] <= 32
+        assert row["response_length/mean"] <= row["response_length/max"] <= 16
+        predicted = predict_step_time(plan, load_hardware(str(hardware)), lengths=StepLengths.from_metrics(row))
+        assert predicted.phase("gen") < predict_step_time(plan, load_hardware(str(hardware))).phase("gen")
         for phase in ("gen", "old_log_prob", "update_actor", "sync"):
             assert row[f"time_vs_plan/{phase}"] == pytest.approx(row[f"timing_s/{phase}"] / predicted.phase(phase))
         assert row["time_vs_plan/step"] == pytest.approx(row["timing_s/step"] / predicted.seconds)

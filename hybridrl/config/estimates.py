@@ -172,7 +172,7 @@ def decoder_flops_per_token(shape: ModelShape, seq_len: int) -> float:
     return sum(layer_flops_per_token(shape, i, seq_len) for i in range(shape.num_layers))
 
 
-def forward_flops(shape: ModelShape, *, rows: int, layer_tokens: float, head_tokens: int, seq_len: int,
+def forward_flops(shape: ModelShape, *, rows: int, layer_tokens: float, head_tokens: float, seq_len: int,
                   vocab_head: bool) -> float:
     """Forward matmul FLOPs of `rows` rows: every decoder layer on `layer_tokens` tokens a row (`layer_flops_per_token`)
     and the output layer on `head_tokens` (the vocabulary, else a value head)."""

@@ -558,23 +558,38 @@ UPDATE_PHASES = {Role.ACTOR: Phase.UPDATE_ACTOR, Role.CRITIC: Phase.UPDATE_CRITI
 
 
 def _step_flops(config: JobConfig, resolved: Resolved, model: ModelShape, updates: list[UpdatePlan],
-                forwards: list[ForwardPlan]) -> tuple[tuple[str, float], ...]:
-    """(phase, matmul FLOPs) of one step over the whole job, for the full-length rows of the token budget: generation
-    (the prompt once per group, as vLLM's prefix cache holds it for the n samples), each forward pass that runs,
-    each update (forward and backward: 3 forwards, per epoch). Padding and shared prompts in training ignored."""
+                forwards: list[ForwardPlan], lengths: tuple[float, float, float] | None = None,
+                ) -> tuple[tuple[str, float], ...]:
+    """(phase, matmul FLOPs) of one step over the whole job: generation (the prompt once per group, as vLLM's prefix
+    cache holds it for the n samples), each forward pass that runs, each update (forward and backward: 3 forwards, per
+    epoch). `lengths`: a row's (prompt, response, computed) tokens, computed being what a training pass computes of
+    it with its padding; by default the token budget's full-length rows, unpadded. Shared prompts in training
+    ignored."""
     budget = token_budget(config, resolved)
-    response = budget.sequence_tokens - budget.prompt_tokens
+    if lengths is None:
+        lengths = (budget.prompt_tokens, budget.sequence_tokens - budget.prompt_tokens, budget.sequence_tokens)
+    prompt, response, computed = lengths
     rows, n = config.data.train_batch_size * config.actor_rollout_ref.rollout.n, config.actor_rollout_ref.rollout.n
+    seq_len = max(1, round(prompt + response))
 
     def flops(role: str, layer_tokens: float) -> float:
         return forward_flops(role_model_shape(config, role, model), rows=rows, layer_tokens=layer_tokens,
-                             head_tokens=response, seq_len=budget.sequence_tokens, vocab_head=role in VOCABULARY_ROLES)
+                             head_tokens=response, seq_len=seq_len, vocab_head=role in VOCABULARY_ROLES)
 
-    out = [(Phase.GEN, flops(Role.ACTOR, budget.prompt_tokens / n + response))]
-    out += [(PASS_PHASES[f.pass_name], flops(f.role, budget.sequence_tokens)) for f in forwards
+    out = [(Phase.GEN, flops(Role.ACTOR, prompt / n + response))]
+    out += [(PASS_PHASES[f.pass_name], flops(f.role, computed)) for f in forwards
             if f.pass_name != "old_log_prob" or resolved.old_log_prob_pass]
-    out += [(UPDATE_PHASES[u.role], 3 * u.ppo_epochs * flops(u.role, budget.sequence_tokens)) for u in updates]
+    out += [(UPDATE_PHASES[u.role], 3 * u.ppo_epochs * flops(u.role, computed)) for u in updates]
     return tuple(out)
+
+
+def step_flops_at(plan: Plan, prompt_tokens: float, response_tokens: float, computed_tokens: float,
+                  ) -> tuple[tuple[str, float], ...]:
+    """`Plan.step_flops` for rows of these mean lengths (a step as it ran) instead of the budget's full ones."""
+    if plan.model is None:
+        return ()
+    return _step_flops(plan.config, plan.resolved, plan.model, list(plan.updates), list(plan.forwards),
+                       (prompt_tokens, response_tokens, computed_tokens))
 
 
 def _imbalance_warning(config: JobConfig, balance: StageBalance) -> str:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from hybridrl.config.estimates import DTYPE_BYTES, GIB, forward_flops, kv_bytes_per_token
 from hybridrl.config.hardware import Hardware
 from hybridrl.config.model_shapes import role_model_shape
-from hybridrl.config.plan import PASS_PHASES, UPDATE_PHASES, Plan, RoleLayout
+from hybridrl.config.plan import PASS_PHASES, UPDATE_PHASES, Plan, RoleLayout, step_flops_at
 from hybridrl.names import Phase, Role
 
 
@@ -65,6 +65,32 @@ ADAM_BYTES_PER_PARAM = 4 * 7
 
 
 @dataclass(frozen=True)
+class StepLengths:
+    """A step's rows as they ran, to predict that step instead of the plan's full-length rows: the trainer compares
+    each step's measured phases with the prediction at its own lengths (`from_metrics`), so a run whose answers are
+    short is not "faster than planned"."""
+
+    prompt_tokens: float      # a row's mean prompt tokens
+    response_tokens: float    # a row's mean response tokens
+    longest_response: float   # the step's longest response: the decode steps its generation takes
+    padding_ratio: float = 0.0  # the share of a training pass's computed tokens that are padding
+
+    @property
+    def computed_tokens(self) -> float:
+        """A row's tokens as a training pass computes them, its padding included."""
+        return (self.prompt_tokens + self.response_tokens) / max(1e-6, 1 - self.padding_ratio)
+
+    @classmethod
+    def from_metrics(cls, metrics: dict[str, float]) -> StepLengths | None:
+        """From a step's `prompt_length/mean`, `response_length/mean` and `/max` and `perf/padding_ratio` (the actor
+        update's); None when the step has not logged them."""
+        keys = ("prompt_length/mean", "response_length/mean", "response_length/max")
+        if any(key not in metrics for key in keys):
+            return None
+        return cls(*(float(metrics[key]) for key in keys), float(metrics.get("perf/padding_ratio", 0.0)))
+
+
+@dataclass(frozen=True)
 class PhaseTime:
     phase: str
     seconds: float
@@ -89,30 +115,38 @@ class StepTime:
         return sum(p.seconds for p in self.phases if p.phase == name)
 
 
-def generation_seconds(plan: Plan, hardware: Hardware, eff: Efficiency = EFFICIENCY) -> tuple[float, str]:
-    """One step's generation on one rollout replica (every replica runs its share at once)."""
+def generation_seconds(plan: Plan, hardware: Hardware, eff: Efficiency = EFFICIENCY,
+                       lengths: StepLengths | None = None) -> tuple[float, str]:
+    """One step's generation on one rollout replica (every replica runs its share at once): the full-length rows, or
+    the step's `lengths` (its mean prompt and response for the prefill and the KV cache, its longest response for the
+    decode steps)."""
     config, resolved, model = plan.config, plan.resolved, plan.model
     rollout = config.actor_rollout_ref.rollout
     tp, n = rollout.tensor_model_parallel_size, rollout.n
     prompt, response = config.data.max_prompt_length, resolved.response_length
+    if lengths is not None:
+        prompt, response = lengths.prompt_tokens, lengths.response_tokens
     seqs = plan.sequences_per_rollout_replica
     peak = hardware.peak_flops(resolved.rollout_dtype)
-    prefill = forward_flops(model, rows=seqs, layer_tokens=prompt / n, head_tokens=0, seq_len=prompt,
+    prefill = forward_flops(model, rows=seqs, layer_tokens=prompt / n, head_tokens=0, seq_len=max(1, round(prompt)),
                             vocab_head=True) / tp / (peak * eff.prefill_matmul)
     memory = plan.rollout_memory
-    together = min(seqs, rollout.max_num_seqs, max(1, memory.kv_cache_tokens // (prompt + response)))
+    together = min(seqs, rollout.max_num_seqs, max(1, int(memory.kv_cache_tokens // (prompt + response))))
     waves = math.ceil(seqs / together)
     weights = memory.weights_gib * GIB
     kv = together * (prompt + response / 2) * kv_bytes_per_token(model, DTYPE_BYTES[resolved.rollout_dtype], tp)
     step_bytes = (weights + kv) / (hardware.memory_bytes_per_s * eff.decode_memory)
-    step_flops = forward_flops(model, rows=together, layer_tokens=1, head_tokens=1, seq_len=prompt + response,
-                               vocab_head=True) / tp / (peak * eff.prefill_matmul)
-    decode = waves * response * max(step_bytes, step_flops)
+    step_flops = forward_flops(model, rows=together, layer_tokens=1, head_tokens=1,
+                               seq_len=max(1, round(prompt + response)), vocab_head=True)
+    step_flops /= tp * peak * eff.prefill_matmul
+    decode_steps = response if lengths is None else lengths.longest_response
+    decode = waves * decode_steps * max(step_bytes, step_flops)
     return prefill + decode, "memory (decode)" if step_bytes >= step_flops else "matmul (decode)"
 
 
 def activation_traffic_seconds(plan: Plan, layout: RoleLayout, collective_passes: float, p2p_passes: float,
-                               hardware: Hardware, eff: Efficiency = EFFICIENCY) -> float:
+                               hardware: Hardware, eff: Efficiency = EFFICIENCY,
+                               row_tokens: float | None = None) -> float:
     """What a role's model parallelism moves per rank in one step's pass(es) over the batch, not overlapped:
 
     - TP: per decoder layer a forward holds two all-reduces (attention's and the MLP's outputs; with sequence
@@ -123,10 +157,12 @@ def activation_traffic_seconds(plan: Plan, layout: RoleLayout, collective_passes
       fill a machine or more.
 
     `collective_passes`: forwards and backwards (a recomputed forward counted); `p2p_passes`: forward and backward
-    sends (a recompute sends nothing). The rank's tokens: the step's rows at full length over DP and CP."""
+    sends (a recompute sends nothing). The rank's tokens: the step's rows (`row_tokens` each, by default the full
+    length) over DP and CP."""
     mesh, mc = layout.mesh, layout.megatron
     model = role_model_shape(plan.config, layout.role, plan.model)
-    tokens = plan.sequences_per_step * plan.token_budget.sequence_tokens / (mesh.dp * mesh.cp)
+    row = plan.token_budget.sequence_tokens if row_tokens is None else row_tokens
+    tokens = plan.sequences_per_step * row / (mesh.dp * mesh.cp)
     activation_bytes = tokens * model.hidden_size * DTYPE_BYTES[mc.dtype or plan.resolved.train_dtype]
     per_node = plan.config.trainer.n_gpus_per_node
     seconds = 0.0
@@ -141,16 +177,20 @@ def activation_traffic_seconds(plan: Plan, layout: RoleLayout, collective_passes
     return seconds
 
 
-def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency = EFFICIENCY) -> StepTime | None:
-    """The step's phases on `hardware` (None without a model shape)."""
+def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency = EFFICIENCY,
+                      lengths: StepLengths | None = None) -> StepTime | None:
+    """The step's phases on `hardware` (None without a model shape): the plan's full-length rows, or a step's own
+    `lengths`."""
     if plan.model is None or plan.rollout_memory is None:
         return None
     config, resolved = plan.config, plan.resolved
-    flops = dict(plan.step_flops)
+    row_tokens = None if lengths is None else lengths.computed_tokens
+    flops = dict(plan.step_flops if lengths is None else
+                 step_flops_at(plan, lengths.prompt_tokens, lengths.response_tokens, lengths.computed_tokens))
     memory = {m.role: m for m in plan.training_memory}
     per_node = config.trainer.n_gpus_per_node
     phases: list[PhaseTime] = []
-    gen, bound = generation_seconds(plan, hardware, eff)
+    gen, bound = generation_seconds(plan, hardware, eff, lengths)
     phases.append(PhaseTime(Phase.GEN, gen, bound))
     for forward in plan.forwards:
         phase = PASS_PHASES[forward.pass_name]
@@ -161,7 +201,7 @@ def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency = EFFICIEN
         peak = hardware.peak_flops(mc.dtype or resolved.train_dtype)
         bubble = 1 + (layout.mesh.pp - 1) / max(1, forward.micro_batches_per_rank)
         seconds = flops[phase] / layout.mesh.world_size / (peak * eff.forward_matmul) * bubble
-        seconds += activation_traffic_seconds(plan, layout, 1, 1, hardware, eff)
+        seconds += activation_traffic_seconds(plan, layout, 1, 1, hardware, eff, row_tokens)
         phases.append(PhaseTime(phase, seconds, "matmul"))
     for update in plan.updates:
         phase = UPDATE_PHASES[update.role]
@@ -174,7 +214,7 @@ def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency = EFFICIEN
         bubble = 1 + (mesh.pp - 1) / (micro * (mesh.vpp or 1))
         compute = flops[phase] * recompute / mesh.world_size / (peak * eff.update_matmul) * bubble
         compute += activation_traffic_seconds(plan, layout, update.ppo_epochs * (2 + (recompute > 1)),
-                                              update.ppo_epochs * 2, hardware, eff)
+                                              update.ppo_epochs * 2, hardware, eff, row_tokens)
         role_memory = memory[update.role]
         params = role_memory.params_gib * GIB
         grads = role_memory.grads_gib * GIB

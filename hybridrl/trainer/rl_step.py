@@ -194,7 +194,10 @@ def response_metrics(batch: Batch) -> dict[str, float]:
     """Scores, rewards, advantages and lengths of a step's responses (what the console table shows)."""
     mask = batch["response_mask"].float()
     lengths = response_lengths(batch).float()
+    prompts = batch["attention_mask"][:, :-batch["responses"].shape[1]].sum(-1).float()
     metrics = {
+        "prompt_length/mean": float(prompts.mean()),
+        "prompt_length/max": float(prompts.max()),
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         "response_length/clip_ratio": float((lengths >= batch["responses"].shape[1]).float().mean()),

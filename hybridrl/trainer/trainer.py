@@ -24,7 +24,7 @@ from hybridrl.config.errors import ConfigError, ConfigIssue
 from hybridrl.config.hardware import load_hardware
 from hybridrl.config.plan import Plan
 from hybridrl.config.report import failure_cost_lines
-from hybridrl.config.step_time import predict_step_time, time_vs_plan
+from hybridrl.config.step_time import StepLengths, StepTime, predict_step_time, time_vs_plan
 from hybridrl.controller.dispatch import RankMesh
 from hybridrl.controller.gather import WorkerGroupError
 from hybridrl.controller.resource_pool import ResourcePoolError
@@ -137,8 +137,9 @@ class Trainer:
         self.workers = WorkerTopology(plan, write)
         self.steps: StepRunner | None = None  # once the data and the reward function are built (`fit`)
         hardware = plan.config.trainer.hardware
-        # the plan's predicted step (trainer.hardware set): each step logs measured over predicted per phase
-        self.predicted_step = predict_step_time(plan, load_hardware(hardware)) if hardware else None
+        # trainer.hardware set: each step logs measured over predicted per phase, predicted at the step's own lengths
+        self.hardware = load_hardware(hardware) if hardware else None
+        self.predicted_step = predict_step_time(plan, self.hardware) if self.hardware else None
         self.driver: RolloutDriver | None = None  # rollout.async_mode one_step_off / fully_async
         self._stopped_driver: RolloutDriver | None = None  # a failed attempt's, until its thread ended
 
@@ -394,13 +395,19 @@ class Trainer:
                 self.driver.stop()
                 self._stopped_driver, self.driver = self.driver, None
 
+    def _predicted(self, metrics: dict[str, float]) -> StepTime:
+        """The plan's prediction of this step: at its own prompt and response lengths where it logged them."""
+        lengths = StepLengths.from_metrics(metrics)
+        step = None if lengths is None else predict_step_time(self.plan, self.hardware, lengths=lengths)
+        return step or self.predicted_step
+
     def _train_loop(self, tracker: Tracker, guard: NonFiniteGuard, bar: Any) -> None:
         cfg = self.config
         while self.run.global_step < self.total_steps:
             self.run.global_step += 1
             metrics = self.steps.step(self.next_prompts()) if self.driver is None else self._async_step()
-            if self.predicted_step is not None:  # trainer.hardware: where the run departs from its plan's time
-                metrics.update(time_vs_plan(self.predicted_step, metrics))
+            if self.hardware is not None:  # trainer.hardware: where the run departs from its plan's time
+                metrics.update(time_vs_plan(self._predicted(metrics), metrics))
             metrics.update(guard.observe(metrics))
             metrics["training/global_step"] = self.run.global_step
             metrics["training/epoch"] = self.train_loader.epoch
