@@ -111,6 +111,16 @@ def test_a_step_is_predicted_at_its_own_lengths():
                                vocab_head=True) / 2 / (989e12 * 0.50)
     assert step_flops > step_bytes
     assert step.phase(Phase.GEN) == pytest.approx(prefill + 1500 * step_flops, rel=1e-6)
+    # vLLM admitting 128 sequences at a time: four waves; continuous batching refills a finished sequence's slot, so
+    # three waves last a mean response (500) and the last the longest (1,500), at 128 rows' weights-and-cache reads
+    narrow = plan_from_sources(QWEN_7B, ["actor_rollout_ref.actor.megatron.optimizer_offload=false",
+                                         "actor_rollout_ref.rollout.max_num_seqs=128"])
+    step_bytes = (7.093 * GIB + 128 * 550 * 28672) / (3350e9 * 0.70)
+    step_flops = forward_flops(shape, rows=128, layer_tokens=1, head_tokens=1, seq_len=800,
+                               vocab_head=True) / 2 / (989e12 * 0.50)
+    assert step_bytes > step_flops
+    assert predict_step_time(narrow, H100, lengths=short).phase(Phase.GEN) == pytest.approx(
+        prefill + (3 * 500 + 1500) * step_bytes, rel=1e-6)
     # from a step's metrics; a step that did not log its lengths has none
     metrics = {"prompt_length/mean": 300.0, "response_length/mean": 500.0, "response_length/max": 1500.0,
                "perf/padding_ratio": 0.2}

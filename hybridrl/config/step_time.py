@@ -5,8 +5,9 @@ Torch-free. Each phase is bound by what it moves or computes at a stated fractio
 
 - generation, per rollout replica (its `infer_tp` GPUs): the prefill's matmul FLOPs (the prompt once per group,
   as vLLM's prefix cache holds it for the n samples) at the prefill efficiency; then one decode step per response
-  token, in as many waves as the KV cache needs, each step bound by reading the replica's weights and the KV
-  cache of the sequences decoding together (memory bandwidth) or by their matmuls, whichever is slower;
+  token, in as many waves as the KV cache needs (with rows of varying lengths, continuous batching makes every wave
+  but the last a mean response long, the last the longest), each step bound by reading the replica's weights and the
+  KV cache of the sequences decoding together (memory bandwidth) or by their matmuls, whichever is slower;
 - each forward pass (old, reference, teacher log-probs; values; reward scores): its FLOPs over the role's GPUs,
   stretched by the pipeline's fill and drain (1 + (PP - 1) / micro-batches), plus TP's activation collectives and
   PP's stage-to-stage sends (`activation_traffic_seconds`, not overlapped with the matmuls);
@@ -139,8 +140,10 @@ def generation_seconds(plan: Plan, hardware: Hardware, eff: Efficiency = EFFICIE
     step_flops = forward_flops(model, rows=together, layer_tokens=1, head_tokens=1,
                                seq_len=max(1, round(prompt + response)), vocab_head=True)
     step_flops /= tp * peak * eff.prefill_matmul
-    decode_steps = response if lengths is None else lengths.longest_response
-    decode = waves * decode_steps * max(step_bytes, step_flops)
+    # continuous batching: a slot freed by a finished sequence takes the next one, so every wave but the last lasts
+    # a mean response and the last one the longest (full-length rows: `waves` x the response)
+    longest = response if lengths is None else lengths.longest_response
+    decode = ((waves - 1) * response + longest) * max(step_bytes, step_flops)
     return prefill + decode, "memory (decode)" if step_bytes >= step_flops else "matmul (decode)"
 
 
