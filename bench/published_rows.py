@@ -90,7 +90,8 @@ NEMO_COMMON = [
     "third-party copies); NeMo swaps the reference's weights into the policy model, hybridrl runs a reference pass "
     "on the actor's layout (the same FLOPs)",
     "sequence packing at micro-batch 1 (train_mb_tokens 4,096) -> dynamic batching at 4,096 tokens a GPU",
-    "generation is modelled as lock-step waves, each decoding to the longest response (vLLM batches continuously)",
+    "generation: waves of the sequences the KV cache holds at once, every wave but the last a mean response long "
+    "(continuous batching), the last the longest; vLLM's own scheduling (chunked prefill, preemption) not modelled",
     "not in the step model: reward scoring, advantages, data movement, logging; NeMo's step time includes them",
     "the precision-aware optimizer is accepted (override_optimizer_config) but the model's Adam pass reads 28 B/param",
 ]
@@ -264,8 +265,8 @@ def bisect(f, low: float, high: float, iterations: int = 60) -> float:
 
 
 def generation_waves(plan: Plan, prompt: float, response: float) -> int:
-    """The waves `step_time.generation_seconds` runs a replica's sequences in (the same arithmetic), each decoding to
-    the longest response."""
+    """The waves `step_time.generation_seconds` runs a replica's sequences in (the same arithmetic), the last one
+    decoding to the longest response."""
     seqs = plan.sequences_per_rollout_replica
     room = max(1, int(plan.rollout_memory.kv_cache_tokens // (prompt + response)))
     return math.ceil(seqs / min(seqs, plan.config.actor_rollout_ref.rollout.max_num_seqs, room))
@@ -364,7 +365,8 @@ def print_row(row: Row, out: dict) -> None:
         errors = ", ".join(f"{k} {v:+.0%}" for k, v in result["phase_errors"].items())
         print(f"  {name}: {head}; phases {text_phases(result['phases_s'])}"
               + (f" (phase errors {errors})" if errors else "") + f"; {result['tokens_per_s_per_gpu']:.0f} tok/s/GPU; "
-              f"generation {result['generation_waves']} wave(s) of {lengths['longest_response']:g} decode steps, "
+              f"generation {result['generation_waves']} wave(s), the last {lengths['longest_response']:g} decode "
+              "steps, "
               f"{result['phase_bounds'].get('gen', '-')}-bound")
     print("  differences:")
     for item in row.differences:
