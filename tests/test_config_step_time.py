@@ -274,3 +274,23 @@ def test_hybridrl_hardware_lists_the_shipped_gpus_and_measures_this_machine_as_a
     plan = plan_from_sources(str(ROOT / "configs/examples/cpu_tiny_grpo.yaml"),
                              [f"trainer.hardware={shipped}", f"actor_rollout_ref.model.path={tiny}"])
     assert predict_step_time(plan, load_hardware(shipped)).seconds > 0
+
+
+def test_the_documented_published_rows_are_the_models():
+    """docs/performance.md's NeMo-RL rows: each predicted step is what bench/published_rows.py's job and lengths give
+    now, and the published figure beside it is the bench's (a change to the model shows here)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import published_rows
+
+    doc = (ROOT / "docs/performance.md").read_text().split("### Against published GPU results", 1)[1]
+    lines = [line for line in doc.split("###", 1)[0].splitlines() if line.startswith("| ") and " GRPO" in line]
+    rows = [row for row in published_rows.ROWS if row.g_avg_seq is not None]
+    assert len(lines) == len(rows) == 6
+    for line, row in zip(lines, rows, strict=True):
+        plan = published_rows.plan_row(row)
+        predicted = published_rows.evaluate(row, plan, EFFICIENCY)
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        assert cells[1] == str(plan.resolved.total_ranks), (line, plan.resolved.total_ranks)
+        assert cells[2] == f"{row.published_step_s:g} s", line
+        assert cells[3] == f"{predicted['step_s']:.3g} s", (line, predicted["step_s"])
+        assert abs(float(cells[4].split()[0]) - 100 * predicted["error"]) < 0.5, (line, predicted["error"])
