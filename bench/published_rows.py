@@ -40,8 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hybridrl.config import ConfigError, Plan, plan_from_sources  # noqa: E402
-from hybridrl.config.hardware import SHIPPED, Hardware  # noqa: E402
-from hybridrl.config.step_time import EFFICIENCY, Efficiency, StepLengths, StepTime, predict_step_time  # noqa: E402
+from hybridrl.config.hardware import EFFICIENCY, SHIPPED, Efficiency, Hardware  # noqa: E402  # noqa: E402
+from hybridrl.config.step_time import StepLengths, StepTime, predict_step_time  # noqa: E402
 
 RESULT = ROOT / "bench" / "results" / "published_rows.json"
 JOBS = "bench/published"

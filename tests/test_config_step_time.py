@@ -15,10 +15,9 @@ import pytest
 
 from hybridrl.config import ConfigError, plan_from_sources
 from hybridrl.config.estimates import decoder_flops_per_token, forward_flops
-from hybridrl.config.hardware import SHIPPED, Hardware, HardwareError, load_hardware
+from hybridrl.config.hardware import EFFICIENCY, SHIPPED, Hardware, HardwareError, load_hardware
 from hybridrl.config.report import render_plan
 from hybridrl.config.step_time import (
-    EFFICIENCY,
     PhaseTime,
     StepLengths,
     StepTime,
@@ -294,3 +293,36 @@ def test_the_documented_published_rows_are_the_models():
         assert cells[2] == f"{row.published_step_s:g} s", line
         assert cells[3] == f"{predicted['step_s']:.3g} s", (line, predicted["step_s"])
         assert abs(float(cells[4].split()[0]) - 100 * predicted["error"]) < 0.5, (line, predicted["error"])
+
+
+def test_a_descriptions_fixed_costs_and_efficiencies_add_what_they_say(tmp_path):
+    """A description's fixed costs (a decode step, a decoder layer's pass over a micro-batch) and its own efficiencies
+    (a measured description's sustained rates) change each phase by what is written out here."""
+    plan = plan_from_sources(QWEN_7B, ["actor_rollout_ref.actor.megatron.optimizer_offload=false"])
+    base = predict_step_time(plan, H100)
+    own = tmp_path / "h100-with-costs.yaml"
+    own.write_text("bf16_tflops: 989\nfp32_tflops: 67\nmemory_gb_per_s: 3350\nintra_node_gb_per_s: 450\n"
+                   "inter_node_gb_per_s: 50\nhost_gb_per_s: 64\ndecode_step_ms: 2\nlayer_pass_ms: 0.5\n"
+                   "efficiency:\n  update_matmul: 0.8\n")
+    hardware = load_hardware(str(own))
+    assert (hardware.decode_step_ms, hardware.layer_pass_ms, hardware.efficiency.update_matmul,
+            hardware.efficiency.forward_matmul) == (2.0, 0.5, 0.8, 0.45)
+    step = predict_step_time(plan, hardware)
+    # generation: two waves of 2,048 decode steps and a prefill call each, 2 ms apiece
+    assert step.phase(Phase.GEN) - base.phase(Phase.GEN) == pytest.approx((2 * 2048 + 2) * 2e-3)
+    # the reference pass: a rank's 2,048 / 4 = 512 rows in micro-batches of 16 = 32 passes of 28 layers, 0.5 ms each
+    assert step.phase(Phase.REF) - base.phase(Phase.REF) == pytest.approx(32 * 28 * 0.5e-3)
+    # the update: its matmul term at twice the efficiency (0.8 for 0.4), plus 4 optimizer steps x 128 / 4 = 32
+    # micro-batches x (forward, backward = 2, recomputed forward) passes of 28 layers at 0.5 ms
+    matmuls = dict(plan.step_flops)[Phase.UPDATE_ACTOR] * 4 / 3 / 8 / (989e12 * 0.40)
+    assert step.phase(Phase.UPDATE_ACTOR) - base.phase(Phase.UPDATE_ACTOR) == pytest.approx(
+        -matmuls / 2 + 4 * 32 * 4 * 28 * 0.5e-3, rel=1e-6)
+    # the sync's probe: one row through the actor's 28 layers and one vLLM step
+    assert step.phase(Phase.SYNC) - base.phase(Phase.SYNC) == pytest.approx(28 * 0.5e-3 + 2e-3)
+    # mistakes named: a negative fixed cost, an unknown efficiency
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(own.read_text().replace("decode_step_ms: 2", "decode_step_ms: -1") + "  decode_speed: 1\n")
+    with pytest.raises(HardwareError) as info:
+        load_hardware(str(bad))
+    assert "unknown field(s) efficiency.decode_speed" in str(info.value)
+    assert "not a number >= 0: decode_step_ms=-1" in str(info.value)

@@ -21,6 +21,31 @@ class HardwareError(ValueError):
 
 
 @dataclass(frozen=True)
+class Efficiency:
+    """Fractions of the hardware's peak each kind of work reaches. Stated, not yet calibrated (issue 46):
+
+    - `update_matmul` 0.40: Megatron-LM's published model-FLOPs utilisation for GPT models on H100 at 8-64 GPUs
+      (~40-47 %), rounded down for RL's short sequences;
+    - `forward_matmul` 0.45: forward-only passes overlap nothing with a backward but skip the optimizer;
+    - `prefill_matmul` 0.50: vLLM's prefill of long prompts is large batched GEMMs;
+    - `decode_memory` 0.70: the share of HBM bandwidth vLLM's decode kernels sustain at batch sizes of tens to
+      hundreds of sequences;
+    - `link` 0.70: NCCL's bus bandwidth against a link's datasheet figure (nccl-tests on NVLink/IB: 70-85 %);
+    - `optimizer_memory` 0.50: Adam's fused multi-tensor pass over params, grads and two moments, and the weight
+      sync's copy into vLLM's tensors: many tensors of a few MB, not one stream."""
+
+    update_matmul: float = 0.40
+    forward_matmul: float = 0.45
+    prefill_matmul: float = 0.50
+    decode_memory: float = 0.70
+    link: float = 0.70
+    optimizer_memory: float = 0.50
+
+
+EFFICIENCY = Efficiency()
+
+
+@dataclass(frozen=True)
 class Hardware:
     name: str
     bf16_tflops: float       # dense matmul peak in bf16 / fp16, TFLOP/s
@@ -29,6 +54,15 @@ class Hardware:
     intra_node_gb_per_s: float  # to another GPU of the same machine (NVLink), one direction, GB/s
     inter_node_gb_per_s: float  # to a GPU of another machine (its NIC), one direction, GB/s
     host_gb_per_s: float  # to the host's memory (PCIe), one direction, GB/s: what offloading moves over
+    # Fixed costs no roofline sees, what a small model's step is made of: one decode step of a replica (scheduling,
+    # sampling, launches) and one decoder layer's pass over a micro-batch (framework and launch work; a backward
+    # counts two). 0 on the shipped GPUs: CUDA graphs (vLLM) and asynchronous launches (megatron) hide them behind
+    # the GPU's work at the sizes these GPUs train; a CPU description fits them (configs/hardware/).
+    decode_step_ms: float = 0.0
+    layer_pass_ms: float = 0.0
+    # the fractions of the figures above each kind of work reaches: a datasheet's peak (the shipped entries) or a
+    # measured sustained rate (a measured description, near 1)
+    efficiency: Efficiency = EFFICIENCY
 
     def peak_flops(self, dtype: str) -> float:
         """Peak matmul FLOP/s at a training or rollout dtype (`bf16`, `fp16`, `fp32`)."""
@@ -60,7 +94,9 @@ SHIPPED: dict[str, Hardware] = {hw.name: hw for hw in (
              inter_node_gb_per_s=50, host_gb_per_s=64),
 )}
 
-NUMBER_FIELDS = tuple(f.name for f in fields(Hardware) if f.name != "name")
+FIXED_COST_FIELDS = ("decode_step_ms", "layer_pass_ms")
+NUMBER_FIELDS = tuple(f.name for f in fields(Hardware) if f.name not in ("name", "efficiency", *FIXED_COST_FIELDS))
+EFFICIENCY_FIELDS = tuple(f.name for f in fields(Efficiency))
 
 
 def load_hardware(value: str) -> Hardware:
@@ -77,17 +113,35 @@ def load_hardware(value: str) -> Hardware:
         raise HardwareError(f"could not be read as YAML: {exc}") from None
     if not isinstance(data, dict):
         raise HardwareError(f"must hold a mapping of the fields {', '.join(NUMBER_FIELDS)}")
-    unknown = sorted(set(data) - set(NUMBER_FIELDS) - {"name"})
+    unknown = sorted(set(data) - set(NUMBER_FIELDS) - set(FIXED_COST_FIELDS) - {"name", "efficiency"})
     missing = [name for name in NUMBER_FIELDS if name not in data]
-    bad = [f"{name}={data[name]!r}" for name in NUMBER_FIELDS if name in data
-           and (isinstance(data[name], bool) or not isinstance(data[name], (int, float)) or not data[name] > 0)]
-    if unknown or missing or bad:
+    bad = [f"{name}={data[name]!r}" for name in NUMBER_FIELDS if name in data and not _number(data[name], 0)]
+    negative = [f"{name}={data[name]!r}" for name in FIXED_COST_FIELDS if name in data
+                and not _number(data[name], None)]
+    efficiency = data.get("efficiency", {})
+    if not isinstance(efficiency, dict):
+        bad.append(f"efficiency={efficiency!r}")
+        efficiency = {}
+    unknown += [f"efficiency.{name}" for name in sorted(set(efficiency) - set(EFFICIENCY_FIELDS))]
+    bad += [f"efficiency.{name}={value!r}" for name, value in efficiency.items()
+            if name in EFFICIENCY_FIELDS and not _number(value, 0)]
+    if unknown or missing or bad or negative:
         parts = ([f"unknown field(s) {', '.join(unknown)}"] if unknown else []) + \
                 ([f"missing {', '.join(missing)}"] if missing else []) + \
-                ([f"not a number > 0: {', '.join(bad)}"] if bad else [])
-        raise HardwareError(f"{'; '.join(parts)} (the fields: {', '.join(NUMBER_FIELDS)})")
-    return Hardware(name=str(data.get("name", path.stem)), **{name: float(data[name]) for name in NUMBER_FIELDS})
+                ([f"not a number > 0: {', '.join(bad)}"] if bad else []) + \
+                ([f"not a number >= 0: {', '.join(negative)}"] if negative else [])
+        raise HardwareError(f"{'; '.join(parts)} (the fields: {', '.join(NUMBER_FIELDS)}; optional: "
+                            f"{', '.join(FIXED_COST_FIELDS)}, efficiency)")
+    return Hardware(name=str(data.get("name", path.stem)), **{name: float(data[name]) for name in NUMBER_FIELDS},
+                    **{name: float(data[name]) for name in FIXED_COST_FIELDS if name in data},
+                    efficiency=Efficiency(**{name: float(value) for name, value in efficiency.items()}))
 
+
+def _number(value: object, above: float | None) -> bool:
+    """A real number (not a bool) > `above`, or >= 0 when `above` is None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return value >= 0 if above is None else value > above
 
 def load_job_hardware(value: str) -> Hardware:
     """`trainer.hardware`'s description, or a ConfigError naming the field, the value and the shipped names: the one

@@ -31,35 +31,10 @@ import math
 from dataclasses import dataclass
 
 from hybridrl.config.estimates import DTYPE_BYTES, GIB, forward_flops, kv_bytes_per_token
-from hybridrl.config.hardware import Hardware
+from hybridrl.config.hardware import Efficiency, Hardware
 from hybridrl.config.model_shapes import role_model_shape
 from hybridrl.config.plan import PASS_PHASES, UPDATE_PHASES, Plan, RoleLayout, step_flops_at
 from hybridrl.names import Phase, Role
-
-
-@dataclass(frozen=True)
-class Efficiency:
-    """Fractions of the hardware's peak each kind of work reaches. Stated, not yet calibrated (issue 46):
-
-    - `update_matmul` 0.40: Megatron-LM's published model-FLOPs utilisation for GPT models on H100 at 8-64 GPUs
-      (~40-47 %), rounded down for RL's short sequences;
-    - `forward_matmul` 0.45: forward-only passes overlap nothing with a backward but skip the optimizer;
-    - `prefill_matmul` 0.50: vLLM's prefill of long prompts is large batched GEMMs;
-    - `decode_memory` 0.70: the share of HBM bandwidth vLLM's decode kernels sustain at batch sizes of tens to
-      hundreds of sequences;
-    - `link` 0.70: NCCL's bus bandwidth against a link's datasheet figure (nccl-tests on NVLink/IB: 70-85 %);
-    - `optimizer_memory` 0.50: Adam's fused multi-tensor pass over params, grads and two moments, and the weight
-      sync's copy into vLLM's tensors: many tensors of a few MB, not one stream."""
-
-    update_matmul: float = 0.40
-    forward_matmul: float = 0.45
-    prefill_matmul: float = 0.50
-    decode_memory: float = 0.70
-    link: float = 0.70
-    optimizer_memory: float = 0.50
-
-
-EFFICIENCY = Efficiency()
 
 # Adam's bytes per parameter in one step: read params, grads and two fp32 moments, write params and moments
 ADAM_BYTES_PER_PARAM = 4 * 7
@@ -116,12 +91,13 @@ class StepTime:
         return sum(p.seconds for p in self.phases if p.phase == name)
 
 
-def generation_seconds(plan: Plan, hardware: Hardware, eff: Efficiency = EFFICIENCY,
+def generation_seconds(plan: Plan, hardware: Hardware, eff: Efficiency | None = None,
                        lengths: StepLengths | None = None) -> tuple[float, str]:
     """One step's generation on one rollout replica (every replica runs its share at once): the full-length rows, or
     the step's `lengths` (its mean prompt and response for the prefill and the KV cache, its longest response for the
     decode steps)."""
     config, resolved, model = plan.config, plan.resolved, plan.model
+    eff = eff or hardware.efficiency
     rollout = config.actor_rollout_ref.rollout
     tp, n = rollout.tensor_model_parallel_size, rollout.n
     prompt, response = config.data.max_prompt_length, resolved.response_length
@@ -143,12 +119,15 @@ def generation_seconds(plan: Plan, hardware: Hardware, eff: Efficiency = EFFICIE
     # continuous batching: a slot freed by a finished sequence takes the next one, so every wave but the last lasts
     # a mean response and the last one the longest (full-length rows: `waves` x the response)
     longest = response if lengths is None else lengths.longest_response
-    decode = ((waves - 1) * response + longest) * max(step_bytes, step_flops)
-    return prefill + decode, "memory (decode)" if step_bytes >= step_flops else "matmul (decode)"
+    decode_steps = (waves - 1) * response + longest
+    decode = decode_steps * max(step_bytes, step_flops)
+    # each decode step's own fixed work, and the prefill's call (one per wave)
+    fixed = (decode_steps + waves) * hardware.decode_step_ms / 1e3
+    return prefill + decode + fixed, "memory (decode)" if step_bytes >= step_flops else "matmul (decode)"
 
 
 def activation_traffic_seconds(plan: Plan, layout: RoleLayout, collective_passes: float, p2p_passes: float,
-                               hardware: Hardware, eff: Efficiency = EFFICIENCY,
+                               hardware: Hardware, eff: Efficiency | None = None,
                                row_tokens: float | None = None) -> float:
     """What a role's model parallelism moves per rank in one step's pass(es) over the batch, not overlapped:
 
@@ -163,6 +142,7 @@ def activation_traffic_seconds(plan: Plan, layout: RoleLayout, collective_passes
     sends (a recompute sends nothing). The rank's tokens: the step's rows (`row_tokens` each, by default the full
     length) over DP and CP."""
     mesh, mc = layout.mesh, layout.megatron
+    eff = eff or hardware.efficiency
     model = role_model_shape(plan.config, layout.role, plan.model)
     row = plan.token_budget.sequence_tokens if row_tokens is None else row_tokens
     tokens = plan.sequences_per_step * row / (mesh.dp * mesh.cp)
@@ -180,12 +160,19 @@ def activation_traffic_seconds(plan: Plan, layout: RoleLayout, collective_passes
     return seconds
 
 
-def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency = EFFICIENCY,
+def layer_passes_seconds(plan: Plan, layout: RoleLayout, passes: float, hardware: Hardware) -> float:
+    """The fixed cost of `passes` passes (a backward counts two) of a rank's decoder layers over a micro-batch."""
+    layers = role_model_shape(plan.config, layout.role, plan.model).num_layers / layout.mesh.pp
+    return passes * layers * hardware.layer_pass_ms / 1e3
+
+
+def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency | None = None,
                       lengths: StepLengths | None = None) -> StepTime | None:
-    """The step's phases on `hardware` (None without a model shape): the plan's full-length rows, or a step's own
-    `lengths`."""
+    """The step's phases on `hardware` (None without a model shape) at its efficiencies (or `eff`): the plan's
+    full-length rows, or a step's own `lengths`."""
     if plan.model is None or plan.rollout_memory is None:
         return None
+    eff = eff or hardware.efficiency
     config, resolved = plan.config, plan.resolved
     row_tokens = None if lengths is None else lengths.computed_tokens
     flops = dict(plan.step_flops if lengths is None else
@@ -204,6 +191,7 @@ def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency = EFFICIEN
         peak = hardware.peak_flops(mc.dtype or resolved.train_dtype)
         bubble = 1 + (layout.mesh.pp - 1) / max(1, forward.micro_batches_per_rank)
         seconds = flops[phase] / layout.mesh.world_size / (peak * eff.forward_matmul) * bubble
+        seconds += layer_passes_seconds(plan, layout, forward.micro_batches_per_rank, hardware) * bubble
         seconds += activation_traffic_seconds(plan, layout, 1, 1, hardware, eff, row_tokens)
         phases.append(PhaseTime(phase, seconds, "matmul"))
     for update in plan.updates:
@@ -216,6 +204,9 @@ def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency = EFFICIEN
         micro = update.grad_accum_steps or max(1, update.sequences_per_rank_per_mini_batch)
         bubble = 1 + (mesh.pp - 1) / (micro * (mesh.vpp or 1))
         compute = flops[phase] * recompute / mesh.world_size / (peak * eff.update_matmul) * bubble
+        # forward, backward (two) and a recomputed forward of every micro-batch of every optimizer step
+        passes = update.optimizer_steps_per_step * micro * (3 + (recompute > 1))
+        compute += layer_passes_seconds(plan, layout, passes, hardware) * bubble
         compute += activation_traffic_seconds(plan, layout, update.ppo_epochs * (2 + (recompute > 1)),
                                               update.ppo_epochs * 2, hardware, eff, row_tokens)
         role_memory = memory[update.role]
@@ -236,16 +227,19 @@ def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency = EFFICIEN
         offload = 2 * offloaded / (hardware.host_bytes_per_s * eff.link)
         phases.append(PhaseTime(phase, compute + update.optimizer_steps_per_step * (ring + adam) + offload, "matmul"))
     reshard = plan.reshard
+    # the sync's proof: the probe row through the trainer's layers and through every vLLM replica
+    probe = layer_passes_seconds(plan, plan.layout(Role.ACTOR), plan.layout(Role.ACTOR).mesh.pp, hardware) + \
+        hardware.decode_step_ms / 1e3
     if reshard.cross_pool is not None:
         sync = reshard.cross_pool.bytes_sent_even / (hardware.link_bytes_per_s(True) * eff.link)
-        phases.append(PhaseTime(Phase.SYNC, sync, "network"))
+        phases.append(PhaseTime(Phase.SYNC, sync + probe, "network"))
     elif reshard.traffic is not None:
         crosses = config.actor_rollout_ref.rollout.tensor_model_parallel_size > per_node
         traffic = reshard.traffic
         moved = max(traffic.bytes_received) / (hardware.link_bytes_per_s(crosses) * eff.link)
         # every rank writes its whole generation shard into vLLM's weights (read and write: memory bandwidth)
         copied = 2 * max(traffic.generation_shard_bytes) / (hardware.memory_bytes_per_s * eff.optimizer_memory)
-        phases.append(PhaseTime(Phase.SYNC, moved + copied, "memory" if copied >= moved else
+        phases.append(PhaseTime(Phase.SYNC, moved + copied + probe, "memory" if copied >= moved else
                                 "network" if crosses else "NVLink"))
     return StepTime(hardware.name, tuple(phases), overlapped=resolved.async_mode != "sync")
 
