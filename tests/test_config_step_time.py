@@ -68,8 +68,9 @@ def test_the_7b_grpo_steps_phases_are_the_roofline_by_hand():
                             vocab_head=True) / 2 / (989e12 * 0.50)
     decode_step = (7.093 * GIB + 498 * 2048 * 28672) / (3350e9 * 0.70)
     assert step.phase(Phase.GEN) == pytest.approx(prefill + 2 * 2048 * decode_step, rel=1e-6)
-    # the sync: TP2 -> TP2 moves nothing between ranks; each rank copies its 7.6 GB shard into vLLM (read + write)
-    assert step.phase(Phase.SYNC) == pytest.approx(2 * 7615820800 / (3350e9 * 0.50), rel=1e-6)
+    # the sync: TP2 -> TP2 moves nothing between ranks; each rank copies its 7.6 GB shard into vLLM (read + write),
+    # and both sides digest it, CUDA's digest reading ~7 bytes a byte
+    assert step.phase(Phase.SYNC) == pytest.approx((2 + 2 * 7) * 7615820800 / (3350e9 * 0.50), rel=1e-6)
     # colocated and synchronous: the phases one after another
     assert step.seconds == pytest.approx(sum(p.seconds for p in step.phases)) and not step.overlapped
     assert {p.phase: p.bound for p in step.phases}[Phase.GEN] == "memory (decode)"
@@ -292,7 +293,7 @@ def test_the_documented_published_rows_are_the_models():
         assert cells[1] == str(plan.resolved.total_ranks), (line, plan.resolved.total_ranks)
         assert cells[2] == f"{row.published_step_s:g} s", line
         assert cells[3] == f"{predicted['step_s']:.3g} s", (line, predicted["step_s"])
-        assert abs(float(cells[4].split()[0]) - 100 * predicted["error"]) < 0.5, (line, predicted["error"])
+        assert abs(float(cells[4].split()[0]) - 100 * predicted["error"]) < 0.051, (line, predicted["error"])
 
 
 def test_a_descriptions_fixed_costs_and_efficiencies_add_what_they_say(tmp_path):

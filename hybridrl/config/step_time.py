@@ -18,9 +18,11 @@ Torch-free. Each phase is bound by what it moves or computes at a stated fractio
   rank's gradients; with the distributed optimizer a reduce-scatter of them and an all-gather of the parameters,
   (DP - 1) / DP of each) and Adam's pass over the rank's share of its state (memory bandwidth), and per step what
   the role offloads to the host and back over PCIe (Adam's moments, parameters; freed gradient buffers move nothing);
-- the weight sync: the resharder's most-loaded rank's bytes over NVLink and each rank's copy of its generation
-  shard into vLLM's weights (colocated), or a training rank's share of the cross-pool bytes over the network
-  (disaggregated).
+- the weight sync: the resharder's most-loaded rank's bytes over NVLink, each rank's copy of its generation
+  shard into vLLM's weights and both sides' checksums of it (colocated), or a training rank's share of the
+  cross-pool bytes over the network (disaggregated); and its probe, one row through the trainer and vLLM;
+- a hardware description's fixed costs (`Hardware.decode_step_ms`, `layer_pass_ms`): each decode step and prefill
+  call, each decoder layer's pass over a micro-batch (0 on the shipped GPUs).
 
 The step: the phases' sum when generation and training take turns (sync), else the longer of generation and
 the rest (one_step_off / fully_async: generation runs beside training).
@@ -35,6 +37,11 @@ from hybridrl.config.hardware import Efficiency, Hardware
 from hybridrl.config.model_shapes import role_model_shape
 from hybridrl.config.plan import PASS_PHASES, UPDATE_PHASES, Plan, RoleLayout, step_flops_at
 from hybridrl.names import Phase, Role
+
+# The sync's checksums (`parallel.digest.tensor_digest`) read each byte of a generation shard this many times over,
+# per device: on CPU an integer matrix-vector product reads a word (8 B) and its two lane weights (16 B) once, ~3 B a
+# byte; on CUDA the [2, chunk] product is written and read back besides (16 + 16 B a word more), ~7 B a byte.
+DIGEST_READS_PER_BYTE = {"cpu": 3.0, "cuda": 7.0}
 
 # Adam's bytes per parameter in one step: read params, grads and two fp32 moments, write params and moments
 ADAM_BYTES_PER_PARAM = 4 * 7
@@ -237,10 +244,14 @@ def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency | None = N
         crosses = config.actor_rollout_ref.rollout.tensor_model_parallel_size > per_node
         traffic = reshard.traffic
         moved = max(traffic.bytes_received) / (hardware.link_bytes_per_s(crosses) * eff.link)
-        # every rank writes its whole generation shard into vLLM's weights (read and write: memory bandwidth)
-        copied = 2 * max(traffic.generation_shard_bytes) / (hardware.memory_bytes_per_s * eff.optimizer_memory)
-        phases.append(PhaseTime(Phase.SYNC, moved + copied + probe, "memory" if copied >= moved else
-                                "network" if crosses else "NVLink"))
+        # every rank writes its whole generation shard into vLLM's weights (read and write: memory bandwidth), then
+        # both sides digest it (what the resharder produced, what vLLM holds)
+        shard = max(traffic.generation_shard_bytes)
+        copied = 2 * shard / (hardware.memory_bytes_per_s * eff.optimizer_memory)
+        digests = 2 * shard * DIGEST_READS_PER_BYTE[config.trainer.device] / (
+            hardware.memory_bytes_per_s * eff.optimizer_memory)
+        phases.append(PhaseTime(Phase.SYNC, moved + copied + digests + probe,
+                                "memory" if copied + digests >= moved else "network" if crosses else "NVLink"))
     return StepTime(hardware.name, tuple(phases), overlapped=resolved.async_mode != "sync")
 
 
