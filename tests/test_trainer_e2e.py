@@ -646,20 +646,20 @@ def _runs(ids: list[int], mask: list[int]) -> list[tuple[bool, list[int]]]:
 
 def test_a_hung_worker_call_stops_the_run_naming_the_phase_and_the_ranks(demo_assets, tmp_path):
     """issue 41 item 7: rank 1 sleeps forever in its second update (a deadlock outside any collective, which
-    the process-group timeout never sees). With trainer.step_timeout_s=90 (set-up under a loaded CI machine took
+    the process-group timeout never sees). With trainer.step_timeout_s=60 (set-up under a loaded CI machine took
     over 20 s) the run stops within it, naming the
     step, the phase and the ranks that did not answer; without the limit (the old default) it would hang."""
     run = tmp_path / "run"
     started = time.perf_counter()
     result = _train("configs/examples/cpu_tiny_grpo.yaml", demo_overrides(
-        demo_assets, run, "trainer.total_training_steps=3", "trainer.step_timeout_s=90"),
+        demo_assets, run, "trainer.total_training_steps=3", "trainer.step_timeout_s=60"),
         env={faults.ENV: "hang_update_actor:2:1"}, timeout=600)
     seconds = time.perf_counter() - started
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
     failed = next(line for line in result.stderr.splitlines() if line.startswith("hybridrl train: training failed"))
     # rank 1 sleeps; rank 0 waits for it in the update's gradient reduce: neither answers
     assert failed == ("hybridrl train: training failed at step 2, phase update_actor: actor_rollout_ref group did "
-                      "not finish update_actor() within 90.0 s (ranks that did not answer: [0, 1])"), failed
+                      "not finish update_actor() within 60.0 s (ranks that did not answer: [0, 1])"), failed
     assert seconds < 400, seconds
 
 
