@@ -166,9 +166,21 @@ def main() -> None:
               if p != "step" and abs(f["measured_over_predicted"] - 1) <= BAR]
     total = sum(1 for r in predicted_only for p in r["phases"] if p != "step")
     print(f"predicted runs: {len(within)} of {total} phases within {BAR:.0%}")
+    # the order the plan ranks each model's layouts in (as `--search` does, by predicted step) against the measured
+    # order; the disaggregated run has a trainer rank and a rollout rank, not the others' two colocated ranks
+    orders = {}
+    for model, config in (("tiny", TINY), ("SmolLM2-135M", REAL)):
+        runs = [r for r, row in zip(results, rows, strict=True) if row["config"] == config
+                and "disaggregated" not in r["run"]]
+        orders[model] = {key: [r["run"] for r in sorted(runs, key=lambda r, k=key: r["phases"]["step"][k])]
+                         for key in ("measured_s", "predicted_s")}
+        same = orders[model]["measured_s"] == orders[model]["predicted_s"]
+        print(f"{model}: measured order {orders[model]['measured_s']}, predicted order "
+              f"{orders[model]['predicted_s']}: {'the same' if same else 'different'}")
     RESULT.parent.mkdir(parents=True, exist_ok=True)
     RESULT.write_text(json.dumps({"hardware": HARDWARE, "fit_runs": FIT_RUNS, "fitted": constants,
                                   "runs": results, "phases_within_bar": f"{len(within)} of {total}",
+                                  "step_orders": orders,
                                   "measured": rows}, indent=1) + "\n")
     print(f"wrote {RESULT.relative_to(ROOT)}")
 

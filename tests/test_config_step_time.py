@@ -268,6 +268,8 @@ def test_hybridrl_hardware_lists_the_shipped_gpus_and_measures_this_machine_as_a
     assert fp32_tflops / 3 <= hardware.fp32_tflops <= fp32_tflops * 3, (hardware.fp32_tflops, fp32_tflops)
     assert memory_gb_per_s / 3 <= hardware.memory_gb_per_s <= memory_gb_per_s * 3, (hardware, memory_gb_per_s)
     assert hardware.intra_node_gb_per_s > 0 and hardware.intra_node_gb_per_s == hardware.inter_node_gb_per_s
+    # an all-reduce of 8 floats costs something, and less than moving the bandwidth figure's 64 MiB
+    assert 0 < hardware.link_latency_us * 1e-6 < 64 * 2**20 / (hardware.intra_node_gb_per_s * 1e9), hardware
     # the shipped description of this machine (written by the same command) plans a CPU job's time
     shipped = str(ROOT / "configs/hardware/this-cpu-2-ranks.yaml")
     tiny = ROOT / "configs/models/tiny-demo"
@@ -320,6 +322,16 @@ def test_a_descriptions_fixed_costs_and_efficiencies_add_what_they_say(tmp_path)
         -matmuls / 2 + 4 * 32 * 4 * 28 * 0.5e-3, rel=1e-6)
     # the sync's probe: one row through the actor's 28 layers and one vLLM step
     assert step.phase(Phase.SYNC) - base.phase(Phase.SYNC) == pytest.approx(28 * 0.5e-3 + 2e-3)
+    # a link latency of 10 us: TP2's two all-reduces a layer (28) in each pass over a micro-batch, each a ring of
+    # 2 (2 - 1) steps: the reference's 32 micro-batches once; the update's 4 x 32 forward, backward and recompute;
+    # and per optimizer step (4) megatron's DDP buckets of 40M parameters (3.808B a rank: 96) in rings of
+    # 2 (4 - 1) steps over DP4
+    slow = tmp_path / "h100-latency.yaml"
+    slow.write_text(own.read_text() + "link_latency_us: 10\n")
+    step_latency = predict_step_time(plan, load_hardware(str(slow)))
+    assert step_latency.phase(Phase.REF) - step.phase(Phase.REF) == pytest.approx(2 * 28 * 32 * 2 * 10e-6)
+    assert step_latency.phase(Phase.UPDATE_ACTOR) - step.phase(Phase.UPDATE_ACTOR) == pytest.approx(
+        3 * 2 * 28 * 128 * 2 * 10e-6 + 4 * 96 * 2 * 3 * 10e-6)
     # mistakes named: a negative fixed cost, an unknown efficiency
     bad = tmp_path / "bad.yaml"
     bad.write_text(own.read_text().replace("decode_step_ms: 2", "decode_step_ms: -1") + "  decode_speed: 1\n")
@@ -327,3 +339,23 @@ def test_a_descriptions_fixed_costs_and_efficiencies_add_what_they_say(tmp_path)
         load_hardware(str(bad))
     assert "unknown field(s) efficiency.decode_speed" in str(info.value)
     assert "not a number >= 0: decode_step_ms=-1" in str(info.value)
+
+
+def test_this_cpus_description_holds_the_benchs_fit_and_the_doc_its_table():
+    """configs/hardware/this-cpu-2-ranks.yaml's fixed costs and efficiencies are bench/time_vs_plan.py's fit, and
+    docs/performance.md's measured-against-predicted table is that bench's result."""
+    import json
+
+    result = json.loads((ROOT / "bench/results/time_vs_plan.json").read_text())
+    hardware = load_hardware(str(ROOT / result["hardware"]))
+    fitted = result["fitted"]
+    assert (hardware.decode_step_ms, hardware.layer_pass_ms) == (fitted["decode_step_ms"], fitted["layer_pass_ms"])
+    for name in ("update_matmul", "forward_matmul", "prefill_matmul", "decode_memory", "optimizer_memory"):
+        assert getattr(hardware.efficiency, name) == fitted[name], name
+    doc = (ROOT / "docs/performance.md").read_text()
+    for run in result["runs"]:
+        cells = ["-" if (f := run["phases"].get(phase)) is None else
+                 f"{f['measured_s']:.3g} / {f['predicted_s']:.3g} s (x{f['measured_over_predicted']:.2f})"
+                 for phase in ("gen", "update_actor", "sync", "step")]
+        row = f"| {run['run']}{' (fitted)' if run['fitted_on'] else ''} | " + " | ".join(cells) + " |"
+        assert row in doc, row

@@ -60,6 +60,10 @@ class Hardware:
     # the GPU's work at the sizes these GPUs train; a CPU description fits them (configs/hardware/).
     decode_step_ms: float = 0.0
     layer_pass_ms: float = 0.0
+    # a collective's or a send's own time whatever it moves (a ring pays it at each of its 2 (n - 1) steps): 0 on the
+    # shipped GPUs, where a step's collectives are few and large enough for their bandwidth term to dominate;
+    # `hybridrl hardware --measure` measures it (a gloo all-reduce of 8 floats)
+    link_latency_us: float = 0.0
     # the fractions of the figures above each kind of work reaches: a datasheet's peak (the shipped entries) or a
     # measured sustained rate (a measured description, near 1)
     efficiency: Efficiency = EFFICIENCY
@@ -94,7 +98,7 @@ SHIPPED: dict[str, Hardware] = {hw.name: hw for hw in (
              inter_node_gb_per_s=50, host_gb_per_s=64),
 )}
 
-FIXED_COST_FIELDS = ("decode_step_ms", "layer_pass_ms")
+FIXED_COST_FIELDS = ("decode_step_ms", "layer_pass_ms", "link_latency_us")
 NUMBER_FIELDS = tuple(f.name for f in fields(Hardware) if f.name not in ("name", "efficiency", *FIXED_COST_FIELDS))
 EFFICIENCY_FIELDS = tuple(f.name for f in fields(Efficiency))
 

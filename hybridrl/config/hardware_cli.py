@@ -67,11 +67,11 @@ def measured_description(ranks: int, repeats: int) -> tuple[Hardware, str]:
         # hosts) go through the same kernel copy, so the all-reduce's figure stands for both
         intra_node_gb_per_s=_figure(figures.link_gb_per_s), inter_node_gb_per_s=_figure(figures.link_gb_per_s),
         # offloading on a CPU is a copy within the host's memory
-        host_gb_per_s=_figure(figures.memory_gb_per_s))
+        host_gb_per_s=_figure(figures.memory_gb_per_s), link_latency_us=_figure(figures.link_latency_us))
     lines = [f"# measured by `hybridrl hardware --measure --ranks {ranks}`: one rank's figures with "
              f"{figures.threads} thread(s), the best of {repeats} timings each",
              f"name: {hardware.name!r}"]
-    lines += [f"{name}: {getattr(hardware, name)}" for name in NUMBER_FIELDS]
+    lines += [f"{name}: {getattr(hardware, name)}" for name in (*NUMBER_FIELDS, "link_latency_us")]
     return hardware, "\n".join(lines) + "\n"
 
 

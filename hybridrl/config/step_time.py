@@ -43,6 +43,9 @@ from hybridrl.names import Phase, Role
 # byte; on CUDA the [2, chunk] product is written and read back besides (16 + 16 B a word more), ~7 B a byte.
 DIGEST_READS_PER_BYTE = {"cpu": 3.0, "cuda": 7.0}
 
+# megatron's DDP bucket: max(40M, 1M x DP) parameters (`DistributedDataParallelConfig.bucket_size` left unset)
+DDP_BUCKET_PARAMS = 40_000_000
+
 # Adam's bytes per parameter in one step: read params, grads and two fp32 moments, write params and moments
 ADAM_BYTES_PER_PARAM = 4 * 7
 
@@ -135,7 +138,7 @@ def generation_seconds(plan: Plan, hardware: Hardware, eff: Efficiency | None = 
 
 def activation_traffic_seconds(plan: Plan, layout: RoleLayout, collective_passes: float, p2p_passes: float,
                                hardware: Hardware, eff: Efficiency | None = None,
-                               row_tokens: float | None = None) -> float:
+                               row_tokens: float | None = None, micro_batches: int = 1) -> float:
     """What a role's model parallelism moves per rank in one step's pass(es) over the batch, not overlapped:
 
     - TP: per decoder layer a forward holds two all-reduces (attention's and the MLP's outputs; with sequence
@@ -147,7 +150,8 @@ def activation_traffic_seconds(plan: Plan, layout: RoleLayout, collective_passes
 
     `collective_passes`: forwards and backwards (a recomputed forward counted); `p2p_passes`: forward and backward
     sends (a recompute sends nothing). The rank's tokens: the step's rows (`row_tokens` each, by default the full
-    length) over DP and CP."""
+    length) over DP and CP, in `micro_batches` micro-batches a pass: each micro-batch's collectives and sends pay the
+    hardware's link latency (a ring's at each of its 2 (TP - 1) steps)."""
     mesh, mc = layout.mesh, layout.megatron
     eff = eff or hardware.efficiency
     model = role_model_shape(plan.config, layout.role, plan.model)
@@ -156,14 +160,17 @@ def activation_traffic_seconds(plan: Plan, layout: RoleLayout, collective_passes
     activation_bytes = tokens * model.hidden_size * DTYPE_BYTES[mc.dtype or plan.resolved.train_dtype]
     per_node = plan.config.trainer.n_gpus_per_node
     seconds = 0.0
+    latency = hardware.link_latency_us / 1e6
     if mesh.tp > 1:
         ring = 2 * (mesh.tp - 1) / mesh.tp * activation_bytes
         layers = model.num_layers / mesh.pp
         seconds += collective_passes * 2 * layers * ring / (hardware.link_bytes_per_s(mesh.tp > per_node) * eff.link)
+        seconds += collective_passes * 2 * layers * micro_batches * 2 * (mesh.tp - 1) * latency
     if mesh.pp > 1:
         sent = activation_bytes / (mesh.tp if mc.sequence_parallel_in_effect else 1)
         stage_ranks = mesh.world_size // mesh.pp
         seconds += p2p_passes * sent / (hardware.link_bytes_per_s(stage_ranks >= per_node) * eff.link)
+        seconds += p2p_passes * micro_batches * latency
     return seconds
 
 
@@ -199,7 +206,8 @@ def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency | None = N
         bubble = 1 + (layout.mesh.pp - 1) / max(1, forward.micro_batches_per_rank)
         seconds = flops[phase] / layout.mesh.world_size / (peak * eff.forward_matmul) * bubble
         seconds += layer_passes_seconds(plan, layout, forward.micro_batches_per_rank, hardware) * bubble
-        seconds += activation_traffic_seconds(plan, layout, 1, 1, hardware, eff, row_tokens)
+        seconds += activation_traffic_seconds(plan, layout, 1, 1, hardware, eff, row_tokens,
+                                              forward.micro_batches_per_rank)
         phases.append(PhaseTime(phase, seconds, "matmul"))
     for update in plan.updates:
         phase = UPDATE_PHASES[update.role]
@@ -215,7 +223,8 @@ def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency | None = N
         passes = update.optimizer_steps_per_step * micro * (3 + (recompute > 1))
         compute += layer_passes_seconds(plan, layout, passes, hardware) * bubble
         compute += activation_traffic_seconds(plan, layout, update.ppo_epochs * (2 + (recompute > 1)),
-                                              update.ppo_epochs * 2, hardware, eff, row_tokens)
+                                              update.ppo_epochs * 2, hardware, eff, row_tokens,
+                                              update.optimizer_steps_per_step // update.ppo_epochs * micro)
         role_memory = memory[update.role]
         params = role_memory.params_gib * GIB
         grads = role_memory.grads_gib * GIB
@@ -224,6 +233,9 @@ def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency | None = N
         # all-gather of the updated parameters instead
         ring_bytes = (mesh.dp - 1) / mesh.dp * (grads + params if mc.use_distributed_optimizer else 2 * grads)
         ring = ring_bytes / (hardware.link_bytes_per_s(span > per_node) * eff.link)
+        # megatron's DDP reduces in buckets of at least 40M parameters: each bucket's ring pays 2 (DP - 1) latencies
+        buckets = math.ceil(params / DTYPE_BYTES[mc.dtype or resolved.train_dtype] / DDP_BUCKET_PARAMS)
+        ring += buckets * 2 * (mesh.dp - 1) * hardware.link_latency_us / 1e6
         shards = mesh.dp if mc.use_distributed_optimizer else 1
         elements = params / DTYPE_BYTES[mc.dtype or resolved.train_dtype]
         adam = elements / shards * ADAM_BYTES_PER_PARAM / (hardware.memory_bytes_per_s * eff.optimizer_memory)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import socket
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ class RankFigures:
     memory_gb_per_s: float
     link_gb_per_s: float  # a 2-process gloo all-reduce's bus bandwidth on loopback
     threads: int
+    link_latency_us: float = 0.0  # the same all-reduce of 8 floats: a collective's fixed time
 
 
 def best_seconds(work: Callable[[], object], repeats: int) -> float:
@@ -67,14 +69,18 @@ def _allreduce_rank(rank: int, port: int, mib: int, repeats: int, threads: int, 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     tensor = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
     seconds = best_seconds(lambda: dist.all_reduce(tensor), repeats)
+    small = torch.ones(8, dtype=torch.float32)
+    # the median of many tiny all-reduces: what each collective costs whatever it moves
+    latency = statistics.median(best_seconds(lambda: dist.all_reduce(small), 1) for _ in range(50 * repeats))
     dist.destroy_process_group()
     if rank == 0:
         # a ring all-reduce's bus bandwidth: 2 (n - 1) / n of the buffer per rank, n = 2
-        out.put(tensor.numel() * 4 / seconds / 1e9)
+        out.put((tensor.numel() * 4 / seconds / 1e9, latency * 1e6))
 
 
-def allreduce_gb_per_s(mib: int = 64, repeats: int = 5, threads: int = 1) -> float:
-    """The bus bandwidth of a gloo all-reduce between two fresh local processes (loopback TCP)."""
+def allreduce_figures(mib: int = 64, repeats: int = 5, threads: int = 1) -> tuple[float, float]:
+    """(bus bandwidth in GB/s, latency in µs) of a gloo all-reduce between two fresh local processes (loopback TCP):
+    of `mib` MiB, and of 8 floats."""
     context = multiprocessing.get_context("spawn")  # no forked copy of this process's threads
     out = context.Queue()
     port = _free_port()
@@ -90,7 +96,7 @@ def allreduce_gb_per_s(mib: int = 64, repeats: int = 5, threads: int = 1) -> flo
     failed = [worker.exitcode for worker in workers if worker.exitcode]
     if failed:
         raise RuntimeError(f"the all-reduce processes exited with {failed}")
-    return float(figure)
+    return float(figure[0]), float(figure[1])
 
 
 def measure_rank(ranks: int, repeats: int = 5, cores: int | None = None) -> RankFigures:
@@ -104,7 +110,8 @@ def measure_rank(ranks: int, repeats: int = 5, cores: int | None = None) -> Rank
         memory = memory_gb_per_s(repeats=repeats)
     finally:
         torch.set_num_threads(before)
-    return RankFigures(bf16, fp32, memory, allreduce_gb_per_s(repeats=repeats, threads=threads), threads)
+    bandwidth, latency = allreduce_figures(repeats=repeats, threads=threads)
+    return RankFigures(bf16, fp32, memory, bandwidth, threads, latency)
 
 
 def machine_name() -> str:
