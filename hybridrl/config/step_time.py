@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from hybridrl.config.estimates import DTYPE_BYTES, GIB, forward_flops, kv_bytes_per_token
 from hybridrl.config.hardware import Efficiency, Hardware
-from hybridrl.config.model_shapes import role_model_shape
+from hybridrl.config.model_shapes import ModelShape, role_model_shape
 from hybridrl.config.plan import PASS_PHASES, UPDATE_PHASES, Plan, RoleLayout, step_flops_at
 from hybridrl.names import Phase, Role
 
@@ -73,7 +73,8 @@ class StepLengths:
         keys = ("prompt_length/mean", "response_length/mean", "response_length/max")
         if any(key not in metrics for key in keys):
             return None
-        return cls(*(float(metrics[key]) for key in keys), float(metrics.get("perf/padding_ratio", 0.0)))
+        prompt, response, longest = (float(metrics[key]) for key in keys)
+        return cls(prompt, response, longest, float(metrics.get("perf/padding_ratio", 0.0)))
 
 
 @dataclass(frozen=True)
@@ -101,16 +102,24 @@ class StepTime:
         return sum(p.seconds for p in self.phases if p.phase == name)
 
 
+def model_of(plan: Plan) -> ModelShape:
+    """The plan's model shape; a prediction needs one (`predict_step_time` returns None without it)."""
+    if plan.model is None:
+        raise ValueError("the plan has no model shape to predict a step's time from")
+    return plan.model
+
+
 def generation_seconds(plan: Plan, hardware: Hardware, eff: Efficiency | None = None,
                        lengths: StepLengths | None = None) -> tuple[float, str]:
     """One step's generation on one rollout replica (every replica runs its share at once): the full-length rows, or
     the step's `lengths` (its mean prompt and response for the prefill and the KV cache, its longest response for the
     decode steps)."""
-    config, resolved, model = plan.config, plan.resolved, plan.model
+    config, resolved, model = plan.config, plan.resolved, model_of(plan)
     eff = eff or hardware.efficiency
     rollout = config.actor_rollout_ref.rollout
     tp, n = rollout.tensor_model_parallel_size, rollout.n
-    prompt, response = config.data.max_prompt_length, resolved.response_length
+    prompt: float = config.data.max_prompt_length
+    response: float = resolved.response_length
     if lengths is not None:
         prompt, response = lengths.prompt_tokens, lengths.response_tokens
     seqs = plan.sequences_per_rollout_replica
@@ -118,6 +127,8 @@ def generation_seconds(plan: Plan, hardware: Hardware, eff: Efficiency | None = 
     prefill = forward_flops(model, rows=seqs, layer_tokens=prompt / n, head_tokens=0, seq_len=max(1, round(prompt)),
                             vocab_head=True) / tp / (peak * eff.prefill_matmul)
     memory = plan.rollout_memory
+    if memory is None:
+        raise ValueError("the plan has no rollout memory: no model shape to predict its generation from")
     together = min(seqs, rollout.max_num_seqs, max(1, int(memory.kv_cache_tokens // (prompt + response))))
     waves = math.ceil(seqs / together)
     weights = memory.weights_gib * GIB
@@ -154,7 +165,7 @@ def activation_traffic_seconds(plan: Plan, layout: RoleLayout, collective_passes
     hardware's link latency (a ring's at each of its 2 (TP - 1) steps)."""
     mesh, mc = layout.mesh, layout.megatron
     eff = eff or hardware.efficiency
-    model = role_model_shape(plan.config, layout.role, plan.model)
+    model = role_model_shape(plan.config, layout.role, model_of(plan))
     row = plan.token_budget.sequence_tokens if row_tokens is None else row_tokens
     tokens = plan.sequences_per_step * row / (mesh.dp * mesh.cp)
     activation_bytes = tokens * model.hidden_size * DTYPE_BYTES[mc.dtype or plan.resolved.train_dtype]
@@ -176,7 +187,7 @@ def activation_traffic_seconds(plan: Plan, layout: RoleLayout, collective_passes
 
 def layer_passes_seconds(plan: Plan, layout: RoleLayout, passes: float, hardware: Hardware) -> float:
     """The fixed cost of `passes` passes (a backward counts two) of a rank's decoder layers over a micro-batch."""
-    layers = role_model_shape(plan.config, layout.role, plan.model).num_layers / layout.mesh.pp
+    layers = role_model_shape(plan.config, layout.role, model_of(plan)).num_layers / layout.mesh.pp
     return passes * layers * hardware.layer_pass_ms / 1e3
 
 
@@ -210,7 +221,7 @@ def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency | None = N
                                               forward.micro_batches_per_rank)
         phases.append(PhaseTime(phase, seconds, "matmul"))
     for update in plan.updates:
-        phase = UPDATE_PHASES[update.role]
+        phase = UPDATE_PHASES[Role(update.role)]
         layout = plan.layout(update.role)
         mesh, mc = layout.mesh, layout.megatron
         peak = hardware.peak_flops(mc.dtype or resolved.train_dtype)

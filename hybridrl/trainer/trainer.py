@@ -135,13 +135,20 @@ class Trainer:
         self.checkpoints = CheckpointManager(checkpoint_root_for(plan), plan.config.trainer.keep_last_n)
         self.run = RunState(kl_controller_from_config(plan.config.algorithm.kl_ctrl))
         self.workers = WorkerTopology(plan, write)
-        self.steps: StepRunner | None = None  # once the data and the reward function are built (`fit`)
+        self._steps: StepRunner | None = None  # once the data and the reward function are built (`fit`)
         hardware = plan.config.trainer.hardware
         # trainer.hardware set: each step logs measured over predicted per phase, predicted at the step's own lengths
         self.hardware = load_hardware(hardware) if hardware else None
         self.predicted_step = predict_step_time(plan, self.hardware) if self.hardware else None
         self.driver: RolloutDriver | None = None  # rollout.async_mode one_step_off / fully_async
         self._stopped_driver: RolloutDriver | None = None  # a failed attempt's, until its thread ended
+
+    @property
+    def steps(self) -> StepRunner:
+        """What runs a step: built by `fit` once the data and the reward function are."""
+        if self._steps is None:
+            raise RuntimeError("the step runner is built by fit(), after the data and the reward function")
+        return self._steps
 
     def _build_data(self) -> None:
         """The tokenizer, the train and validation loaders and the reward function; a user's file that does not
@@ -310,7 +317,7 @@ class Trainer:
         started = time.perf_counter()
         self._build_data()
         self.run.kl_controller = kl_controller_from_config(cfg.algorithm.kl_ctrl)
-        self.steps = StepRunner(self.plan, self.workers, self.reward, self.tokenizer, self.run, self.next_prompts)
+        self._steps = StepRunner(self.plan, self.workers, self.reward, self.tokenizer, self.run, self.next_prompts)
         self._fresh_loader_state = self.train_loader.state_dict()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoints.remove_partials()
@@ -360,7 +367,7 @@ class Trainer:
         if ratios:
             summary += f"\n{'time vs plan':>16}: " + ", ".join(
                 f"{key.removeprefix('time_vs_plan/')} x{value:.2f}" for key, value in ratios.items()) + \
-                f" (median measured / predicted on {self.predicted_step.hardware})"
+                f" (median measured / predicted on {self.hardware.name if self.hardware else '-'})"
         summary += f"\n{'wall time':>16}: {time.perf_counter() - started:.1f} s; run dir {self.run_dir}"
         if history:
             plot = plot_run(history, self.run_dir / "run.png")
@@ -395,8 +402,11 @@ class Trainer:
                 self.driver.stop()
                 self._stopped_driver, self.driver = self.driver, None
 
-    def _predicted(self, metrics: dict[str, float]) -> StepTime:
-        """The plan's prediction of this step: at its own prompt and response lengths where it logged them."""
+    def _predicted(self, metrics: dict[str, float]) -> StepTime | None:
+        """The plan's prediction of this step (trainer.hardware set): at its own prompt and response lengths where it
+        logged them."""
+        if self.hardware is None:
+            return None
         lengths = StepLengths.from_metrics(metrics)
         step = None if lengths is None else predict_step_time(self.plan, self.hardware, lengths=lengths)
         return step or self.predicted_step
@@ -406,8 +416,9 @@ class Trainer:
         while self.run.global_step < self.total_steps:
             self.run.global_step += 1
             metrics = self.steps.step(self.next_prompts()) if self.driver is None else self._async_step()
-            if self.hardware is not None:  # trainer.hardware: where the run departs from its plan's time
-                metrics.update(time_vs_plan(self._predicted(metrics), metrics))
+            predicted = self._predicted(metrics)
+            if predicted is not None:  # trainer.hardware: where the run departs from its plan's time
+                metrics.update(time_vs_plan(predicted, metrics))
             metrics.update(guard.observe(metrics))
             metrics["training/global_step"] = self.run.global_step
             metrics["training/epoch"] = self.train_loader.epoch

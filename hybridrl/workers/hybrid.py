@@ -51,8 +51,10 @@ from hybridrl.parallel.device import default_dtype_for
 from hybridrl.reshard.adapter_sync import gather_whole_adapters, served_adapter_digests
 from hybridrl.reshard.checksums import verify_checksums
 from hybridrl.reshard.resharder import ReshardConfig, Resharder
+from hybridrl.rollout.agent_loop import AgentLoop
 from hybridrl.rollout.engine import RolloutEngine
 from hybridrl.rollout.sampling import RolloutSampling
+from hybridrl.training.actor import MegatronActor
 from hybridrl.workers import faults
 from hybridrl.workers.generation import agent_loop_for, engine_config, generate_rows
 from hybridrl.workers.policy import PolicyWorker
@@ -74,14 +76,24 @@ class HybridEngineWorker(PolicyWorker):
         settings = settings or HybridSettings()
         super().__init__(context, plan, settings.pad_token_id)
         self.settings = settings
-        self.resharder = None
+        self.resharder: Resharder | None = None
         self.syncs = 0
         self.replica_probe_gaps: dict[int, float] = {}  # the last sync's probe gap per replica, by its TP-0 rank
-        self.agent = None  # the agent loop, when rollout.multi_turn is enabled (built in setup)
+        self.agent: AgentLoop | None = None  # the agent loop, when rollout.multi_turn is enabled (built in setup)
         self.probe: ProbeSequence = RARE_TOKEN_PROBE  # what every sync scores (bench/probe_gap.py swaps it)
         # lora.merge false: vLLM serves the adapters; its base weights are written by the first sync alone
         self.adapter_dir: Path | None = None
         self.base_in_vllm = False
+
+    # the parts `setup` builds, for the calls that come after it
+    def _engine(self) -> RolloutEngine:
+        return self._require(self.rollout, "the rollout engine")
+
+    def _built_actor(self) -> MegatronActor:
+        return self._require(self.actor, "the actor")
+
+    def _built_resharder(self) -> Resharder:
+        return self._require(self.resharder, "the resharder")
 
     # ------------------------------------------------------------------------------ bring-up
     def setup(self, total_training_steps: int | None = None) -> dict[str, Any]:
@@ -90,20 +102,20 @@ class HybridEngineWorker(PolicyWorker):
         self.init_model(total_training_steps)
         # vLLM checks at build that gpu_memory_utilization x the GPU is free: what the actor offloads
         # between its updates (grad_offload, optimizer_offload) leaves before it, not after the first update
-        self.actor.backend.offload_training_state()
+        self._built_actor().backend.offload_training_state()
         self._actor_params_out()  # megatron.param_offload: vLLM builds with the actor's weights on the host
         self._resolve_pad_token_id()
         self.attach_rollout(RolloutEngine(engine_config(plan, self.pad_token_id)))
         # The shard a rank must receive is that of the TP rank vLLM actually gave it; it equals
         # the Plan's (checked: a difference would mean more traffic than planned, not wrong weights).
         gathered: list[Any] = [None] * self.world_size
-        torch.distributed.all_gather_object(gathered, self.rollout.tp_rank)
+        torch.distributed.all_gather_object(gathered, self._engine().tp_rank)
         actual = [int(g) for g in gathered]
         self.placement_as_planned = actual == list(plan.reshard.groups.gen_tp_index)
         # Shards travel and are digested in vLLM's dtype (bf16 rollout from fp32 training: the cast
         # vLLM's loader would do, done before the digest), so the digests compare like with like.
         rollout_dtype = default_dtype_for(plan.resolved.device, plan.resolved.rollout_dtype)
-        self.resharder = Resharder(self.actor.backend.chunks, plan.reshard.groups, gen_tp_index=actual,
+        self.resharder = Resharder(self._built_actor().backend.chunks, plan.reshard.groups, gen_tp_index=actual,
                                    config=ReshardConfig(bucket_bytes=plan.resolved.sync_bucket_bytes,
                                                         output_dtype=rollout_dtype,
                                                         keep_buffers=plan.device_policy.reshard_keeps_buffers,
@@ -111,20 +123,20 @@ class HybridEngineWorker(PolicyWorker):
         if plan.resolved.serves_adapters:  # this rank's folder for the adapter vLLM loads at each sync
             self.adapter_dir = Path(tempfile.mkdtemp(prefix=f"hybridrl-adapter-rank{self.rank}-"))
             atexit.register(shutil.rmtree, self.adapter_dir, True)
-        self.agent = agent_loop_for(plan, self.rollout)
+        self.agent = agent_loop_for(plan, self._engine())
         sync = self.sync_weights()
-        return {"setup_s": time.perf_counter() - started, "rollout_build_s": self.rollout.build_seconds,
-                "vllm_tp_rank": self.rollout.tp_rank, "placement_as_planned": self.placement_as_planned, **sync}
+        return {"setup_s": time.perf_counter() - started, "rollout_build_s": self._engine().build_seconds,
+                "vllm_tp_rank": self._engine().tp_rank, "placement_as_planned": self.placement_as_planned, **sync}
 
     def rollout_coords(self) -> dict[str, int]:
         """This rank's place on the rollout mesh: its replica (named by the replica's lowest rank;
         the controller numbers replicas densely) and its TP rank inside it."""
-        return {"replica": self.rollout.replica_index, "tp": self.rollout.tp_rank}
+        return {"replica": self._engine().replica_index, "tp": self._engine().tp_rank}
 
     # ------------------------------------------------------------------------------ generation
     def generate_sequences(self, prompts: Batch, sampling: RolloutSampling) -> Batch | None:
         """`prompts` carries `raw_prompt_ids` (object array of token lists) and `uid` per prompt."""
-        return generate_rows(self.rollout, self.agent, prompts, sampling, self.pad_token_id,
+        return generate_rows(self._engine(), self.agent, prompts, sampling, self.pad_token_id,
                              self.plan.resolved.device, self.phase_memory)
 
     def release_rollout_memory(self) -> None:
@@ -134,7 +146,7 @@ class HybridEngineWorker(PolicyWorker):
         sync rewrites every parameter, and vLLM keeps its buffers (rotary caches) across level 2. With
         adapters served (lora.merge false) a sync writes the adapters alone, so the base weights are kept (level 1).
         """
-        self.rollout.sleep(level=1 if self.plan.resolved.serves_adapters else 2)
+        self._engine().sleep(level=1 if self.plan.resolved.serves_adapters else 2)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Restore the actor, then sync the restored weights into vLLM (proven like every sync)."""
@@ -147,14 +159,14 @@ class HybridEngineWorker(PolicyWorker):
         faults.crash_point(Phase.SYNC)
         started = time.perf_counter()
         self._record_memory("sync_before")
-        self.actor.backend.load_params()  # the resharder reads them (back from the host with param_offload)
+        self._built_actor().backend.load_params()  # the resharder reads them (back from the host with param_offload)
         # GPU with sleep mode, in the order that frees memory first (the actor's grads and Adam states
         # left at the end of its update, when offloaded): weights back (the sync writes into them),
         # the resharder's buckets returned to the driver, then the KV cache. No-ops on CPU.
-        self.rollout.wake_up(tags=["weights"])
+        self._engine().wake_up(tags=["weights"])
         metrics = {} if self.base_in_vllm else self._sync_base()
         self._release()
-        self.rollout.wake_up(tags=["kv_cache"])
+        self._engine().wake_up(tags=["kv_cache"])
         if self.adapter_dir is not None:
             metrics.update(self._sync_adapter())
         self.syncs += 1
@@ -169,9 +181,9 @@ class HybridEngineWorker(PolicyWorker):
     def _sync_base(self) -> dict[str, float]:
         """The resharder's sync of the actor's weights (adapters merged, or the frozen base once when vLLM serves
         the adapters), proven by the digests of what vLLM holds."""
-        self.rollout.update_weights(self.resharder.shards(), weight_format="vllm_shard")
-        report = self.resharder.last_report
-        held = self.rollout.parameter_digests()
+        self._engine().update_weights(self._built_resharder().shards(), weight_format="vllm_shard")
+        report = self._built_resharder().last_report
+        held = self._engine().parameter_digests()
         try:
             verify_checksums(report.checksums, held, self.rank, ignore_extra=True)
         except Exception as exc:  # the error names tensors and rank; keep its type for the controller
@@ -183,19 +195,19 @@ class HybridEngineWorker(PolicyWorker):
         """vLLM serves the actor's current adapters (`reshard.adapter_sync`), proven by the digests of what its
         LoRA manager loaded."""
         started = time.perf_counter()
-        backend = self.actor.backend
+        backend = self._built_actor().backend
         settings = backend.spec.lora
         sync = gather_whole_adapters(lora_adapters(backend.chunks), backend.ctx)
         folder = save_peft_adapter(sync.state, settings, self.adapter_dir / f"v{self.syncs}",
                                    base_model=self.plan.config.actor_rollout_ref.model.path, force=True)
-        self.rollout.serve_adapter(folder, version=self.syncs)
+        self._engine().serve_adapter(folder, version=self.syncs)
         for old in self.adapter_dir.iterdir():  # vLLM holds the adapter it loaded: earlier folders can go
             if old != folder:
                 shutil.rmtree(old, ignore_errors=True)
         dtype = default_dtype_for(self.plan.resolved.device, self.plan.resolved.rollout_dtype)
         try:
             verify_checksums(served_adapter_digests(sync.state, settings.scaling, dtype),
-                             self.rollout.adapter_digests(), self.rank)
+                             self._engine().adapter_digests(), self.rank)
         except Exception as exc:
             raise WeightSyncError(f"sync {self.syncs} (adapter): {exc}") from exc
         return {"reshard/adapter_bytes": float(sync.adapter_bytes),
@@ -206,7 +218,7 @@ class HybridEngineWorker(PolicyWorker):
         """megatron.param_offload on the actor: its parameters wait on the host while vLLM generates; every call
         that reads them reloads them first (`_ready_actor`, `sync_weights`). Frees the cached blocks for vLLM."""
         if self.plan.layout(Role.ACTOR).megatron.param_offload:
-            self.actor.backend.offload_params()
+            self._built_actor().backend.offload_params()
         self._release()
 
     def _probe_gap(self) -> float:
