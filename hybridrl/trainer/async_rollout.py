@@ -87,9 +87,14 @@ class RolloutSource(Protocol):
     """What the driver reads of the trainer (the `Trainer` is one), from the driver's thread: prompts in, generated
     and scored rows out."""
 
-    global_step: int  # the weights the rollout serves when the driver starts
-    rollout_group: WorkerGroup | None
-    rollout_mesh: RankMesh | None
+    @property
+    def global_step(self) -> int: ...  # the weights the rollout serves when the driver starts
+
+    @property
+    def rollout_group(self) -> WorkerGroup: ...
+
+    @property
+    def rollout_mesh(self) -> RankMesh | None: ...
 
     def next_prompts(self) -> Batch: ...  # the next prompt batch of the data loader
 

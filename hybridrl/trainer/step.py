@@ -125,7 +125,7 @@ class StepRunner:
             uids[len(prompts):] = [f"{PAD_UID_PREFIX}{i}" for i in range(pad)]
             padded["uid"] = uids
         padded["raw_prompt_ids"] = unpadded_prompt_ids(padded)
-        per_replica = self.workers.rollout.call_by_dp_outputs(self.workers.generate_method, padded, sampling,
+        per_replica = self.workers.rollout_group.call_by_dp_outputs(self.workers.generate_method, padded, sampling,
                                                             mesh=self.workers.rollout_mesh)
         # each replica measured its own share; the replicas generate at the same time
         replica_metrics = [replica.meta.pop("metrics", None) or {} for replica in per_replica]
@@ -239,11 +239,11 @@ class StepRunner:
         plan, cfg = self.plan, self.config
         if plan.resolved.free_cache_engine:
             self.run.phase = Phase.RELEASE_ROLLOUT_MEMORY
-            self.workers.actor.call_all(HybridEngineWorker.release_rollout_memory)
+            self.workers.actor_group.call_all(HybridEngineWorker.release_rollout_memory)
         batch.meta["temperature"] = cfg.actor_rollout_ref.rollout.temperature
         if plan.resolved.old_log_prob_pass:  # else the update's forward is the old policy (on-policy)
             with self.timed(timer, Phase.OLD_LOG_PROB):
-                old = self.workers.actor.call_by_dp(PolicyWorker.compute_log_prob, batch, with_entropy=True,
+                old = self.workers.actor_group.call_by_dp(PolicyWorker.compute_log_prob, batch, with_entropy=True,
                                                   balance_mini_batches=self._balance(),
                                                   keep_together=self._keep_together(Role.ACTOR))
                 batch["old_log_probs"] = old["old_log_probs"]
@@ -262,7 +262,7 @@ class StepRunner:
                 metrics.update(rollout_log_prob_gap(old["old_log_probs"], batch["rollout_log_probs"], mask))
         if plan.resolved.ref_enabled:
             with self.timed(timer, Phase.REF):
-                ref = self.workers.actor.call_by_dp(PolicyWorker.compute_ref_log_prob, batch,
+                ref = self.workers.actor_group.call_by_dp(PolicyWorker.compute_ref_log_prob, batch,
                                                   balance_mini_batches=self._balance(),
                                                   keep_together=self._keep_together(Role.REF))
                 batch["ref_log_probs"] = ref["ref_log_probs"]
@@ -308,7 +308,7 @@ class StepRunner:
                 metrics.update(_update_metrics(outs))
         with self.timed(timer, Phase.UPDATE_ACTOR):
             balance = self._balance(batch, Role.ACTOR)
-            outs = self.workers.actor.call_by_dp_outputs(PolicyWorker.update_actor, batch,
+            outs = self.workers.actor_group.call_by_dp_outputs(PolicyWorker.update_actor, batch,
                                                        balance_mini_batches=balance,
                                                        keep_together=self._keep_together(Role.ACTOR))
             metrics.update(_update_metrics(outs))

@@ -47,6 +47,16 @@ class WorkerTopology:
         self.generate_method: Any = None  # the rollout group's worker method that generates
 
     @property
+    def actor_group(self) -> WorkerGroup:
+        """The policy's group (actor, reference and, colocated, vLLM), once built."""
+        return _built(self.actor, "the actor_rollout_ref group")
+
+    @property
+    def rollout_group(self) -> WorkerGroup:
+        """The group that generates (the actor's when colocated), once built."""
+        return _built(self.rollout, "the rollout group")
+
+    @property
     def groups(self) -> tuple[WorkerGroup, ...]:
         """Every group, each once (colocated, the rollout is the actor's group)."""
         found = (self.actor, self.rollout, self.critic, self.reward_model, self.teacher)
@@ -155,7 +165,7 @@ class WorkerTopology:
                    f"{first['reshard/probe_max_abs_gap']:.2e}")
 
     def _learn_rollout_mesh(self, coords_method: Any) -> None:
-        coords = self.rollout.call_all(coords_method)
+        coords = self.rollout_group.call_all(coords_method)
         replica_ids = sorted({c["replica"] for c in coords})
         self.rollout_mesh = RankMesh.from_coords(
             [MeshCoord(dp=replica_ids.index(c["replica"]), tp=c["tp"]) for c in coords])
@@ -164,12 +174,12 @@ class WorkerTopology:
         """The actor's weights into every vLLM replica, proven (checksums + the probe on each replica);
         the sync's figures, the worst rank's each. `version`: the policy version being served after it."""
         if not self.plan.resolved.disaggregated:
-            return _sync_metrics(self.actor.call_all(HybridEngineWorker.sync_weights))
+            return _sync_metrics(self.actor_group.call_all(HybridEngineWorker.sync_weights))
         sends, receives = wait_together([
-            self.actor.submit_all(DisaggregatedPolicyWorker.send_weights, version),
-            self.rollout.submit_all(RolloutWorker.receive_weights, version)])
+            self.actor_group.submit_all(DisaggregatedPolicyWorker.send_weights, version),
+            self.rollout_group.submit_all(RolloutWorker.receive_weights, version)])
         probe = sends[0]["probe"]
-        gaps = [g for g in self.rollout.call_all(RolloutWorker.probe_gap, probe,
+        gaps = [g for g in self.rollout_group.call_all(RolloutWorker.probe_gap, probe,
                                                        self.plan.resolved.probe_tolerance) if g is not None]
         metrics = _sync_metrics([s["metrics"] for s in sends] + list(receives))
         metrics.update({"reshard/probe_max_abs_gap": max(gaps), "reshard/probe_replicas": float(len(gaps)),
@@ -202,3 +212,9 @@ def _sync_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
         if values:
             out[key] = float(max(values))
     return out
+
+
+def _built(group: WorkerGroup | None, what: str) -> WorkerGroup:
+    if group is None:
+        raise RuntimeError(f"{what} is not built (WorkerTopology.build first, or the job has none)")
+    return group

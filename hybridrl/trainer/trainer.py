@@ -207,8 +207,8 @@ class Trainer:
         return self.run.global_step
 
     @property
-    def rollout_group(self) -> WorkerGroup | None:
-        return self.workers.rollout
+    def rollout_group(self) -> WorkerGroup:
+        return self.workers.rollout_group
 
     @property
     def rollout_mesh(self) -> RankMesh | None:
@@ -277,9 +277,9 @@ class Trainer:
         self.run.phase = Phase.SAVE_CHECKPOINT
         partial = self.checkpoints.begin(self.run.global_step)
         try:
-            self.workers.actor.call_all(PolicyWorker.save_checkpoint, str(partial))
+            self.workers.actor_group.call_all(PolicyWorker.save_checkpoint, str(partial))
             if self.config.trainer.export_hf_on_save:
-                self.workers.actor.call_all(PolicyWorker.export_hf, str(partial / "actor_hf"))
+                self.workers.actor_group.call_all(PolicyWorker.export_hf, str(partial / "actor_hf"))
             if self.workers.critic is not None:
                 self.workers.critic.call_all(CriticWorker.save_checkpoint, str(partial))
             # an async rollout has drawn prompts the trainer has not trained on yet: resume before them
@@ -296,10 +296,10 @@ class Trainer:
         self.run.phase = Phase.RESUME
         state = self.checkpoints.read_state(path)
         if self.plan.resolved.disaggregated:  # restore the trainer pool, then serve its weights
-            self.workers.actor.call_all(DisaggregatedPolicyWorker.load_checkpoint, str(path))
+            self.workers.actor_group.call_all(DisaggregatedPolicyWorker.load_checkpoint, str(path))
             self.workers.sync_weights(version=int(state["global_step"]))
         else:  # the hybrid engine restores the actor and syncs vLLM itself
-            self.workers.actor.call_all(HybridEngineWorker.load_checkpoint, str(path))
+            self.workers.actor_group.call_all(HybridEngineWorker.load_checkpoint, str(path))
         if self.workers.critic is not None:
             self.workers.critic.call_all(CriticWorker.load_checkpoint, str(path))
         self.train_loader.load_state_dict(state["dataloader"])
