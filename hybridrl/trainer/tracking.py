@@ -11,7 +11,7 @@ import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TextIO
 
 from hybridrl.names import TIMED_PHASES
 from hybridrl.persistence import write_atomic
@@ -84,20 +84,17 @@ class JsonlSink:
     def __init__(self, path: Path, resume_step: int = 0):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._file = None
         if resume_step > 0 and path.is_file():
-            self._reopen(resume_step)
+            self._file = self._kept_up_to(resume_step)
         else:
             self._file = open(path, "w")
 
-    def _reopen(self, step: int) -> None:
-        """Keep the step records up to `step` (and every event record), drop later ones, append after."""
-        if self._file is not None:
-            self._file.close()
+    def _kept_up_to(self, step: int) -> TextIO:
+        """Keep the step records up to `step` (and every event record), drop later ones; the file to append to."""
         kept = [line for line in self.path.read_text().splitlines() if line.strip()
                 and ("event" in (record := json.loads(line)) or record.get("step", 0) <= step)]
         write_atomic(self.path, "".join(line + "\n" for line in kept))
-        self._file = open(self.path, "a")
+        return open(self.path, "a")
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         record = {"step": step, **{k: _json_number(v) for k, v in metrics.items()}}
@@ -109,7 +106,8 @@ class JsonlSink:
         self._file.flush()
 
     def rewind(self, step: int) -> None:
-        self._reopen(step)
+        self._file.close()
+        self._file = self._kept_up_to(step)
 
     def close(self) -> None:
         self._file.close()

@@ -98,6 +98,13 @@ class RoleSpec:
     def trainable(self) -> bool:
         return self.optim is not None
 
+    @property
+    def trained_optim(self) -> OptimConfig:
+        """The optimizer settings of a role that trains; a frozen role (ref, reward model, teacher) has none."""
+        if self.optim is None:
+            raise ValueError(f"{self.role} is frozen: it has no optimizer")
+        return self.optim
+
 
 def lora_settings(config: LoraConfig, seed: int) -> LoraSettings | None:
     """The adapters a role's `model.lora` section asks for (None at rank 0): verl's names read as `LoraSettings`."""
@@ -462,7 +469,7 @@ class MegatronBackend:
             host_optimizer = bool(settings.get("optimizer_cpu_offload"))
             if spec.megatron.optimizer_offload and not host_optimizer:
                 self.optimizer_offload = OptimizerStateOffload(self.optimizer, store="cpu")
-            self.schedule = LRSchedule.from_config(spec.optim, total_optimizer_steps)
+            self.schedule = LRSchedule.from_config(spec.trained_optim, total_optimizer_steps)
         else:
             for chunk in chunks:
                 chunk.eval()
@@ -544,7 +551,7 @@ class MegatronBackend:
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        spec, optim = self.spec, self.spec.optim
+        spec, optim = self.spec, self.spec.trained_optim
         if self.ctx.vpp is not None and self.ctx.pp <= 2:
             # With two stages a rank's previous and next stage are the same peer: the interleaved
             # schedule's batched send/recv of activations and gradients to one peer can match the
@@ -752,7 +759,7 @@ class MegatronBackend:
         lr = self.schedule.current_lr
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_mult", 1.0)
-            group["weight_decay"] = self.spec.optim.weight_decay * group.get("wd_mult", 1.0)
+            group["weight_decay"] = self.spec.trained_optim.weight_decay * group.get("wd_mult", 1.0)
         metrics = self._run(micro_batches, lambda micro, output: loss_fn(micro, output), forward_only=False,
                             response_tokens_only=response_tokens_only)
 

@@ -28,6 +28,7 @@ from hybridrl.parallel.device import default_dtype_for, release_cached_blocks, t
 from hybridrl.reshard.checksums import verify_checksums
 from hybridrl.reshard.cross_pool import CrossPoolReceiver
 from hybridrl.reshard.cross_pool_plan import CrossPoolLayout
+from hybridrl.rollout.agent_loop import AgentLoop
 from hybridrl.rollout.continuous import ContinuousGeneration
 from hybridrl.rollout.engine import RolloutEngine
 from hybridrl.rollout.sampling import RolloutSampling
@@ -57,30 +58,41 @@ class RolloutWorker(Worker):
         super().__init__(context)
         self.plan = plan
         self.pad_token_id = pad_token_id
-        self.rollout: Any = None
-        self.agent: Any = None
+        self.rollout: RolloutEngine | None = None
+        self.agent: AgentLoop | None = None
         self.receiver: CrossPoolReceiver | None = None
         self._loader_digests: dict[str, str] | None = None
         self.stream: ContinuousGeneration | None = None
         self.version = 0  # the policy version vLLM serves (0: the model folder's weights)
         self.phase_memory: dict[str, float] = {}
 
+    # the parts `setup` builds, for the calls that come after it
+    def _engine(self) -> RolloutEngine:
+        if self.rollout is None:
+            raise RuntimeError(f"RolloutWorker rank {self.rank}: the rollout engine is not set up (call setup first)")
+        return self.rollout
+
+    def _stream(self) -> ContinuousGeneration:
+        if self.stream is None:
+            raise RuntimeError(f"RolloutWorker rank {self.rank}: the generation stream is not set up (call setup)")
+        return self.stream
+
     def setup(self) -> dict[str, Any]:
         started = time.perf_counter()
         threads = self.plan.config.trainer.torch_threads_per_rank
         torch.set_num_threads(threads or torch_threads_per_rank(self.context.local_world_size))
         self.rollout = RolloutEngine(engine_config(self.plan, self.pad_token_id))
-        self.agent = agent_loop_for(self.plan, self.rollout)
-        self.stream = ContinuousGeneration(self.rollout)
+        self.agent = agent_loop_for(self.plan, self._engine())
+        self.stream = ContinuousGeneration(self._engine())
         # what vLLM's own loader made of the model folder: the first sync (the trainer's weights as
         # loaded from the same folder) must equal it tensor by tensor
-        self._loader_digests = self.rollout.parameter_digests()
-        return {"setup_s": time.perf_counter() - started, "rollout_build_s": self.rollout.build_seconds,
-                "vllm_tp_rank": self.rollout.tp_rank}
+        self._loader_digests = self._engine().parameter_digests()
+        return {"setup_s": time.perf_counter() - started, "rollout_build_s": self._engine().build_seconds,
+                "vllm_tp_rank": self._engine().tp_rank}
 
     def rollout_coords(self) -> dict[str, int]:
         """This rank's replica (named by its lowest pool rank) and its TP rank inside it."""
-        return {"replica": self.rollout.replica_index, "tp": self.rollout.tp_rank}
+        return {"replica": self._engine().replica_index, "tp": self._engine().tp_rank}
 
     # ------------------------------------------------------------------------------ weight sync
     def join_weight_sync(self, address: CrossGroupAddress) -> None:
@@ -101,16 +113,16 @@ class RolloutWorker(Worker):
         if self.receiver is None:
             raise RuntimeError(f"rollout rank {self.rank}: join_weight_sync was not called")
         started = time.perf_counter()
-        self.rollout.wake_up(tags=["weights"])
-        self.rollout.update_weights(self.receiver.shards(), weight_format="vllm_shard")
+        self._engine().wake_up(tags=["weights"])
+        self._engine().update_weights(self.receiver.shards(), weight_format="vllm_shard")
         release_cached_blocks(self.plan.resolved.device)
-        self.rollout.wake_up(tags=["kv_cache"])
+        self._engine().wake_up(tags=["kv_cache"])
         report = self.receiver.last_report
         try:
             if self._loader_digests is not None:  # the first sync: the folder's weights, laid out by us
                 verify_checksums(report.checksums, self._loader_digests, self.rank, ignore_extra=True)
                 self._loader_digests = None
-            verify_checksums(report.checksums, self.rollout.parameter_digests(), self.rank, ignore_extra=True)
+            verify_checksums(report.checksums, self._engine().parameter_digests(), self.rank, ignore_extra=True)
         except Exception as exc:  # the error names tensors and rank; keep its type for the controller
             raise WeightSyncError(f"sync to version {version}: {exc}") from exc
         self.version = version
@@ -128,7 +140,7 @@ class RolloutWorker(Worker):
     # ------------------------------------------------------------------------------ generation
     def generate_sequences(self, prompts: Batch, sampling: RolloutSampling) -> Batch | None:
         """Whole-batch generation of this replica's chunk (as the hybrid engine's)."""
-        out = generate_rows(self.rollout, self.agent, prompts, sampling, self.pad_token_id,
+        out = generate_rows(self._engine(), self.agent, prompts, sampling, self.pad_token_id,
                             self.plan.resolved.device, self.phase_memory)
         if out is not None:
             out["policy_version"] = torch.full((len(out),), self.version, dtype=torch.long)
@@ -138,15 +150,15 @@ class RolloutWorker(Worker):
     def stream_submit(self, prompts: Batch, sampling: RolloutSampling) -> int:
         """Start `sampling.n` samples of each prompt of this replica's chunk; returns the samples in flight."""
         ids = [list(map(int, p)) for p in prompts["raw_prompt_ids"]]
-        self.stream.submit(ids, list(prompts["uid"]), sampling, prompts)
-        return self.stream.in_flight
+        self._stream().submit(ids, list(prompts["uid"]), sampling, prompts)
+        return self._stream().in_flight
 
     def stream_advance(self, min_groups: int, max_steps: int) -> Batch | None:
         """Run vLLM until `min_groups` prompts have all their samples (or `max_steps` engine steps, or
         nothing is left in flight); the finished groups' rows (TP rank 0; None elsewhere)."""
         faults.crash_point(Phase.GEN)
-        groups = self.stream.advance(self.version, min_groups=min_groups, max_steps=max_steps)
-        if self.rollout.tp_rank != 0 or not groups:
+        groups = self._stream().advance(self.version, min_groups=min_groups, max_steps=max_steps)
+        if self._engine().tp_rank != 0 or not groups:
             return None
         rows = [carry_prompt_columns(batch, prompts, self.pad_token_id) for batch, prompts in groups]
         # groups of different prompt batches finish in one call: their prompt widths may differ
@@ -154,11 +166,11 @@ class RolloutWorker(Worker):
 
     def stream_pause(self) -> int:
         """Stop every request in flight, keeping what it generated (a partial rollout); returns how many."""
-        return self.stream.pause()
+        return self._stream().pause()
 
     def stream_resume(self) -> int:
         """Continue the paused requests under the weights now served; returns how many."""
-        return self.stream.resume()
+        return self._stream().resume()
 
     def stream_state(self) -> dict[str, int]:
-        return {"in_flight": self.stream.in_flight, "paused": self.stream.paused, "version": self.version}
+        return {"in_flight": self._stream().in_flight, "paused": self._stream().paused, "version": self.version}
