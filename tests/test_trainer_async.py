@@ -69,6 +69,8 @@ def test_one_step_off_grpo_raises_the_reward_on_samples_one_version_old_through_
                                            "trainer.test_freq=8", *RESTART),
                     env={faults.ENV: "update_actor:3:0"}, timeout=900)
     event, rows = _restarted_once(result, run)
+    # the trainer rank and the rollout rank run at once on this one machine: each takes half its cores
+    assert "up to 2 ranks sharing a machine's cores" in result.stdout, result.stdout[-3000:]
     first, last = _mean(rows[:4], "critic/score/mean"), _mean(rows[-4:], "critic/score/mean")
     assert last > first + 0.05, (first, last)
     _check_syncs(rows)

@@ -38,6 +38,7 @@ import ray
 
 from hybridrl.controller.dispatch import MeshCoord
 from hybridrl.parallel import state
+from hybridrl.parallel.device import torch_threads_per_rank
 
 # The worker's `RankContext.restart`, in its environment: what a process-global reader (the fault
 # hook) sees of it.
@@ -101,7 +102,13 @@ class Worker:
 
     def __init__(self, context: RankContext) -> None:
         self.context = context
+        self.cores_shared_by = 0  # ranks running at once on this machine (`share_cores`); 0: the group's own
         self._export_rank_env()
+
+    def torch_threads(self, configured: int | None) -> int:
+        """Intra-op threads for this rank: `trainer.torch_threads_per_rank`, else the machine's cores over the ranks
+        that run on it at once (every pool's, once `share_cores` told; else the group's own on the node)."""
+        return configured or torch_threads_per_rank(self.cores_shared_by or self.context.local_world_size)
 
     def use_rank_device(self) -> None:
         """Make this rank's GPU (index LOCAL_RANK among the visible ones) the calling thread's current device,
@@ -148,6 +155,14 @@ class Worker:
         """(Ray node id, accelerator ids Ray assigned to this actor, the node's address)."""
         gpu_ids = [str(i) for i in ray.get_gpu_ids()] if self.context.use_gpu else []
         return ray.get_runtime_context().get_node_id(), gpu_ids, ray.util.get_node_ip_address()
+
+    def share_cores(self, ranks_by_machine: dict[str, int]) -> int:
+        """Learn how many ranks run at once on this rank's machine, every pool counted (`ranks_by_machine`: Ray node
+        id -> ranks): a disaggregated rollout pool on the trainer's machine generates while the trainer updates, so
+        both share its cores. Returns the count (`cores_shared_by`)."""
+        self.cores_shared_by = ranks_by_machine.get(ray.get_runtime_context().get_node_id(),
+                                                    self.context.local_world_size)
+        return self.cores_shared_by
 
     def set_local_placement(self, local_rank: int, local_world_size: int, visible_devices: list[str]) -> None:
         """Adopt the rank's position among the group's ranks on its physical node.

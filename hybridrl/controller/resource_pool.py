@@ -56,6 +56,7 @@ class ResourcePool:
     cpus_per_worker: float = 1.0
     max_colocated_groups: int = 1
     placement_groups: list[PlacementGroup] = field(default_factory=list, init=False)
+    machines: list[str] = field(default_factory=list, init=False)  # the Ray node id of each node group, once started
     roles: list[str] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
@@ -115,7 +116,12 @@ class ResourcePool:
                     raise ResourcePoolError(self._not_placed(timeout_s, len(groups) - 1))
             machines.append(placement_group_table(groups[-1])["bundles_to_node_id"][0])
         self.placement_groups = groups
+        self.machines = machines
         return self
+
+    def ranks_by_machine(self) -> dict[str, int]:
+        """The ranks (bundles) of each group of this pool on each Ray node it was placed on."""
+        return {machine: self.workers_per_node for machine in self.machines}
 
     def _place_node_group(self, taken: list[str]) -> PlacementGroup:
         """One node's bundles packed on one machine that is none of `taken`."""

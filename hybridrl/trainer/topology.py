@@ -8,6 +8,7 @@ model and the teacher (on the trainer pool, or the teacher on its own) are group
 from __future__ import annotations
 
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,13 @@ class WorkerTopology:
         self.rollout = self._group(RolloutWorker, self.rollout_pool, GroupName.ROLLOUT,
                                                 (plan, pad_token_id), restart)
         self.generate_method = RolloutWorker.generate_sequences
+        # the two pools run at once (the trainer updates while vLLM generates): where they share a machine they share
+        # its cores, and each rank's torch threads count both pools' ranks there
+        sharing: Counter[str] = Counter()
+        for pool in (self.pool, self.rollout_pool):
+            sharing.update(pool.ranks_by_machine() if pool is not None else {})
+        shared_by = max(self.actor.call_all(Worker.share_cores, dict(sharing))
+                        + self.rollout.call_all(Worker.share_cores, dict(sharing)))
         # both pools build at once (megatron on one, vLLM on the other)
         wait_together([self.actor.submit_all(DisaggregatedPolicyWorker.setup, total_steps),
                        self.rollout.submit_all(RolloutWorker.setup)])
@@ -161,8 +169,8 @@ class WorkerTopology:
         first = self.sync_weights(version=0)
         self.write(f"disaggregated rollout up in {time.perf_counter() - started:.1f} s: trainer pool "
                    f"{res.world_size} ranks, rollout pool {res.rollout_world} ranks ({self.rollout_mesh.dp_size} "
-                   f"replicas × infer_tp {arr.rollout.tensor_model_parallel_size}), first sync probe gap "
-                   f"{first['reshard/probe_max_abs_gap']:.2e}")
+                   f"replicas × infer_tp {arr.rollout.tensor_model_parallel_size}), up to {shared_by} ranks "
+                   f"sharing a machine's cores, first sync probe gap {first['reshard/probe_max_abs_gap']:.2e}")
 
     def _learn_rollout_mesh(self, coords_method: Any) -> None:
         coords = self.rollout_group.call_all(coords_method)

@@ -31,7 +31,7 @@ from hybridrl.data.batch import Batch
 from hybridrl.models.bridge import export_hf
 from hybridrl.models.lora import PeftMerge, adapters_disabled, lora_adapters
 from hybridrl.names import Phase, Role
-from hybridrl.parallel.device import release_cached_blocks, torch_threads_per_rank
+from hybridrl.parallel.device import release_cached_blocks
 from hybridrl.reshard.adapter_sync import gather_whole_adapters
 from hybridrl.training.actor import MegatronActor, PolicyUpdateMetrics
 from hybridrl.training.backend import MegatronBackend, role_spec
@@ -68,8 +68,7 @@ class MegatronWorker(Worker):
     def _prepare(self) -> None:
         # trainer.torch_threads_per_rank, or this node's cores shared among its ranks (never torch's
         # all-cores default).
-        threads = self.plan.config.trainer.torch_threads_per_rank
-        torch.set_num_threads(threads or torch_threads_per_rank(self.context.local_world_size))
+        torch.set_num_threads(self.torch_threads(self.plan.config.trainer.torch_threads_per_rank))
 
     def _release(self) -> None:
         """Hand this process's cached free GPU blocks back to the driver: vLLM (in the actor's process, next to

@@ -24,7 +24,7 @@ from hybridrl.controller.base_worker import RankContext, Worker
 from hybridrl.data.batch import Batch
 from hybridrl.names import Phase, Role
 from hybridrl.parallel.cross_group import CrossGroup, CrossGroupAddress
-from hybridrl.parallel.device import default_dtype_for, release_cached_blocks, torch_threads_per_rank, vllm_device
+from hybridrl.parallel.device import default_dtype_for, release_cached_blocks, vllm_device
 from hybridrl.reshard.checksums import verify_checksums
 from hybridrl.reshard.cross_pool import CrossPoolReceiver
 from hybridrl.reshard.cross_pool_plan import CrossPoolLayout
@@ -79,8 +79,7 @@ class RolloutWorker(Worker):
 
     def setup(self) -> dict[str, Any]:
         started = time.perf_counter()
-        threads = self.plan.config.trainer.torch_threads_per_rank
-        torch.set_num_threads(threads or torch_threads_per_rank(self.context.local_world_size))
+        torch.set_num_threads(self.torch_threads(self.plan.config.trainer.torch_threads_per_rank))
         self.rollout = RolloutEngine(engine_config(self.plan, self.pad_token_id))
         self.agent = agent_loop_for(self.plan, self._engine())
         self.stream = ContinuousGeneration(self._engine())
