@@ -32,13 +32,15 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 
 from hybridrl.controller.dispatch import MeshCoord
 from hybridrl.parallel import state
 from hybridrl.parallel.device import torch_threads_per_rank
+
+Part = TypeVar("Part")
 
 # The worker's `RankContext.restart`, in its environment: what a process-global reader (the fault
 # hook) sees of it.
@@ -100,10 +102,21 @@ class Worker:
             if not name.startswith("_") and inspect.isfunction(value) and not getattr(value, "on_rank_device", False):
                 setattr(cls, name, _on_rank_device(value))
 
+    # the call that builds a worker's parts (`_require` names it when one is missing)
+    BUILT_BY = "setup"
+
     def __init__(self, context: RankContext) -> None:
         self.context = context
         self.cores_shared_by = 0  # ranks running at once on this machine (`share_cores`); 0: the group's own
         self._export_rank_env()
+
+    def _require(self, part: Part | None, what: str) -> Part:
+        """A part the worker builds in `BUILT_BY` (its engine, its model), or an error naming the worker, the rank and
+        what is missing."""
+        if part is None:
+            raise RuntimeError(f"{type(self).__name__} rank {self.rank}: {what} is not set up (call {self.BUILT_BY} "
+                               "first)")
+        return part
 
     def torch_threads(self, configured: int | None) -> int:
         """Intra-op threads for this rank: `trainer.torch_threads_per_rank`, else the machine's cores over the ranks

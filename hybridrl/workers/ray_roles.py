@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -43,9 +43,6 @@ from hybridrl.workers import faults
 if TYPE_CHECKING:
     from hybridrl.rollout.engine import RolloutEngine
 
-Part = TypeVar("Part")
-
-
 class UpdateMetrics(Protocol):
     """What every trained role's update returns across the worker seam (the actor's `PolicyUpdateMetrics`, the
     critic's `CriticUpdateMetrics`): the optimizer steps it took and skipped, and its metrics under the role's
@@ -59,6 +56,8 @@ class UpdateMetrics(Protocol):
 
 class MegatronWorker(Worker):
     """Common plumbing: the Plan, the rank's megatron backends, mesh coordinates, thread count."""
+
+    BUILT_BY = "init_model"
 
     def __init__(self, context: RankContext, plan: Plan) -> None:
         super().__init__(context)
@@ -79,11 +78,6 @@ class MegatronWorker(Worker):
         if total_training_steps is None:
             return None
         return total_training_steps * self.plan.update(role).optimizer_steps_per_step
-
-    def _require(self, part: Part | None, what: str) -> Part:
-        if part is None:
-            raise RuntimeError(f"{type(self).__name__} rank {self.rank}: {what} is not set up (call init_model first)")
-        return part
 
     def mesh_coords(self) -> dict[str, int]:
         return self._require(self.primary, "the model").mesh_coords()

@@ -68,14 +68,10 @@ class RolloutWorker(Worker):
 
     # the parts `setup` builds, for the calls that come after it
     def _engine(self) -> RolloutEngine:
-        if self.rollout is None:
-            raise RuntimeError(f"RolloutWorker rank {self.rank}: the rollout engine is not set up (call setup first)")
-        return self.rollout
+        return self._require(self.rollout, "the rollout engine")
 
     def _stream(self) -> ContinuousGeneration:
-        if self.stream is None:
-            raise RuntimeError(f"RolloutWorker rank {self.rank}: the generation stream is not set up (call setup)")
-        return self.stream
+        return self._require(self.stream, "the generation stream")
 
     def setup(self) -> dict[str, Any]:
         started = time.perf_counter()
