@@ -147,6 +147,7 @@ def _number(value: object, above: float | None) -> bool:
         return False
     return value >= 0 if above is None else value > above
 
+
 def load_job_hardware(value: str) -> Hardware:
     """`trainer.hardware`'s description, or a ConfigError naming the field, the value and the shipped names: the one
     refusal the plan's check and `--search` both give."""

@@ -43,7 +43,8 @@ from hybridrl.names import Phase, Role
 # byte; on CUDA the [2, chunk] product is written and read back besides (16 + 16 B a word more), ~7 B a byte.
 DIGEST_READS_PER_BYTE = {"cpu": 3.0, "cuda": 7.0}
 
-# megatron's DDP bucket: max(40M, 1M x DP) parameters (`DistributedDataParallelConfig.bucket_size` left unset)
+# megatron's DDP bucket (`DistributedDataParallelConfig.bucket_size` left unset) is max(40M, 1M x DP) parameters:
+# the model takes its 40M floor, exact up to DP 40
 DDP_BUCKET_PARAMS = 40_000_000
 
 # Adam's bytes per parameter in one step: read params, grads and two fp32 moments, write params and moments
@@ -244,11 +245,10 @@ def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency | None = N
         # all-gather of the updated parameters instead
         ring_bytes = (mesh.dp - 1) / mesh.dp * (grads + params if mc.use_distributed_optimizer else 2 * grads)
         ring = ring_bytes / (hardware.link_bytes_per_s(span > per_node) * eff.link)
-        # megatron's DDP reduces in buckets of at least 40M parameters: each bucket's ring pays 2 (DP - 1) latencies
-        buckets = math.ceil(params / DTYPE_BYTES[mc.dtype or resolved.train_dtype] / DDP_BUCKET_PARAMS)
-        ring += buckets * 2 * (mesh.dp - 1) * hardware.link_latency_us / 1e6
-        shards = mesh.dp if mc.use_distributed_optimizer else 1
         elements = params / DTYPE_BYTES[mc.dtype or resolved.train_dtype]
+        # megatron's DDP reduces in buckets of at least 40M parameters: each bucket's ring pays 2 (DP - 1) latencies
+        ring += math.ceil(elements / DDP_BUCKET_PARAMS) * 2 * (mesh.dp - 1) * hardware.link_latency_us / 1e6
+        shards = mesh.dp if mc.use_distributed_optimizer else 1
         adam = elements / shards * ADAM_BYTES_PER_PARAM / (hardware.memory_bytes_per_s * eff.optimizer_memory)
         # what the role offloads leaves the GPU after its update and comes back before the next (`training.offload`:
         # Adam's moments and the parameters are copied; the gradient buffers are freed and reallocated zeroed)
@@ -258,8 +258,8 @@ def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency | None = N
         phases.append(PhaseTime(phase, compute + update.optimizer_steps_per_step * (ring + adam) + offload, "matmul"))
     reshard = plan.reshard
     # the sync's proof: the probe row through the trainer's layers and through every vLLM replica
-    probe = layer_passes_seconds(plan, plan.layout(Role.ACTOR), plan.layout(Role.ACTOR).mesh.pp, hardware) + \
-        hardware.decode_step_ms / 1e3
+    actor = plan.layout(Role.ACTOR)
+    probe = layer_passes_seconds(plan, actor, actor.mesh.pp, hardware) + hardware.decode_step_ms / 1e3
     if reshard.cross_pool is not None:
         sync = reshard.cross_pool.bytes_sent_even / (hardware.link_bytes_per_s(True) * eff.link)
         phases.append(PhaseTime(Phase.SYNC, sync + probe, "network"))

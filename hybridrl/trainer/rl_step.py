@@ -173,6 +173,12 @@ def select_groups_with_spread(batches: list[Batch], groups_needed: int) -> tuple
     return pool.index(order), max(0, groups_needed - spread_groups)
 
 
+def prompt_lengths(batch: Batch) -> torch.Tensor:
+    """Tokens of each row's prompt `[B]` (the left-padded columns before the responses)."""
+    width = batch["responses"].shape[1]
+    return batch["attention_mask"][:, :-width].sum(-1)
+
+
 def response_lengths(batch: Batch) -> torch.Tensor:
     """Tokens of each response `[B]`: every token after the prompt, a multi-turn conversation's
     observation tokens included (the budget counts them; `response_mask` marks only the model's)."""
@@ -194,7 +200,7 @@ def response_metrics(batch: Batch) -> dict[str, float]:
     """Scores, rewards, advantages and lengths of a step's responses (what the console table shows)."""
     mask = batch["response_mask"].float()
     lengths = response_lengths(batch).float()
-    prompts = batch["attention_mask"][:, :-batch["responses"].shape[1]].sum(-1).float()
+    prompts = prompt_lengths(batch).float()
     metrics = {
         "prompt_length/mean": float(prompts.mean()),
         "prompt_length/max": float(prompts.max()),

@@ -126,7 +126,7 @@ class StepRunner:
             padded["uid"] = uids
         padded["raw_prompt_ids"] = unpadded_prompt_ids(padded)
         per_replica = self.workers.rollout_group.call_by_dp_outputs(self.workers.generate_method, padded, sampling,
-                                                            mesh=self.workers.rollout_mesh)
+                                                                  mesh=self.workers.rollout_mesh)
         # each replica measured its own share; the replicas generate at the same time
         replica_metrics = [replica.meta.pop("metrics", None) or {} for replica in per_replica]
         out = Batch.concat(per_replica)
@@ -244,8 +244,8 @@ class StepRunner:
         if plan.resolved.old_log_prob_pass:  # else the update's forward is the old policy (on-policy)
             with self.timed(timer, Phase.OLD_LOG_PROB):
                 old = self.workers.actor_group.call_by_dp(PolicyWorker.compute_log_prob, batch, with_entropy=True,
-                                                  balance_mini_batches=self._balance(),
-                                                  keep_together=self._keep_together(Role.ACTOR))
+                                                          balance_mini_batches=self._balance(),
+                                                          keep_together=self._keep_together(Role.ACTOR))
                 batch["old_log_probs"] = old["old_log_probs"]
                 metrics["perf/padding_ratio_old_log_prob"] = float(old.meta.get("padding_ratio", 0.0))
                 metrics["perf/shared_prefix_ratio_old_log_prob"] = float(old.meta.get("shared_prefix_ratio", 0.0))
@@ -263,8 +263,8 @@ class StepRunner:
         if plan.resolved.ref_enabled:
             with self.timed(timer, Phase.REF):
                 ref = self.workers.actor_group.call_by_dp(PolicyWorker.compute_ref_log_prob, batch,
-                                                  balance_mini_batches=self._balance(),
-                                                  keep_together=self._keep_together(Role.REF))
+                                                          balance_mini_batches=self._balance(),
+                                                          keep_together=self._keep_together(Role.REF))
                 batch["ref_log_probs"] = ref["ref_log_probs"]
                 metrics["perf/padding_ratio_ref_log_prob"] = float(ref.meta.get("padding_ratio", 0.0))
                 metrics["perf/shared_prefix_ratio_ref_log_prob"] = float(ref.meta.get("shared_prefix_ratio", 0.0))
@@ -309,8 +309,8 @@ class StepRunner:
         with self.timed(timer, Phase.UPDATE_ACTOR):
             balance = self._balance(batch, Role.ACTOR)
             outs = self.workers.actor_group.call_by_dp_outputs(PolicyWorker.update_actor, batch,
-                                                       balance_mini_batches=balance,
-                                                       keep_together=self._keep_together(Role.ACTOR))
+                                                               balance_mini_batches=balance,
+                                                               keep_together=self._keep_together(Role.ACTOR))
             metrics.update(_update_metrics(outs))
             metrics["perf/dp_token_imbalance"] = self._dp_imbalance(Role.ACTOR, batch, balance)
         with self.timed(timer, Phase.SYNC):

@@ -188,7 +188,7 @@ class WorkerTopology:
             self.rollout_group.submit_all(RolloutWorker.receive_weights, version)])
         probe = sends[0]["probe"]
         gaps = [g for g in self.rollout_group.call_all(RolloutWorker.probe_gap, probe,
-                                                       self.plan.resolved.probe_tolerance) if g is not None]
+                                                        self.plan.resolved.probe_tolerance) if g is not None]
         metrics = _sync_metrics([s["metrics"] for s in sends] + list(receives))
         metrics.update({"reshard/probe_max_abs_gap": max(gaps), "reshard/probe_replicas": float(len(gaps)),
                         "reshard/version": float(version)})

@@ -181,9 +181,10 @@ class HybridEngineWorker(PolicyWorker):
     def _sync_base(self) -> dict[str, float]:
         """The resharder's sync of the actor's weights (adapters merged, or the frozen base once when vLLM serves
         the adapters), proven by the digests of what vLLM holds."""
-        self._engine().update_weights(self._built_resharder().shards(), weight_format="vllm_shard")
-        report = self._built_resharder().last_report
-        held = self._engine().parameter_digests()
+        engine, resharder = self._engine(), self._built_resharder()
+        engine.update_weights(resharder.shards(), weight_format="vllm_shard")
+        report = resharder.last_report
+        held = engine.parameter_digests()
         try:
             verify_checksums(report.checksums, held, self.rank, ignore_extra=True)
         except Exception as exc:  # the error names tensors and rank; keep its type for the controller
