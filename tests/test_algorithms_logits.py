@@ -200,3 +200,42 @@ def test_top_k_and_log_probs_at_ids_over_a_sharded_vocabulary_equal_plain_torch(
         torch.testing.assert_close(at, expected_at.detach(), rtol=0, atol=1e-6)
     grads = torch.cat([grad for *_, grad in results], dim=-1)
     torch.testing.assert_close(grads, full.grad, rtol=0, atol=1e-6)
+
+
+def _full_log_softmax_and_reverse_kl(rank: int, world_size: int, logits: torch.Tensor, target: torch.Tensor,
+                                     weights: torch.Tensor):
+    from hybridrl.algorithms.vocab_parallel import vocab_parallel_log_softmax, vocab_parallel_reverse_kl
+
+    shard = logits.chunk(world_size, dim=-1)[rank].clone().requires_grad_(True)
+    gathered = vocab_parallel_log_softmax(shard)
+    kl = vocab_parallel_reverse_kl(shard, target.chunk(world_size, dim=-1)[rank])
+    (kl * weights).sum().backward()
+    return gathered, kl.detach(), shard.grad
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_full_vocabulary_log_softmax_and_reverse_kl_over_a_sharded_vocabulary_equal_plain_torch(world):
+    """The teacher's whole log-softmax gathered from a split vocabulary, and the student's reverse KL over the whole
+    vocabulary from its shard and the target's log-probs on the same ids, against torch: sum p (log p - t) written
+    here with log_softmax, and its gradient by autograd. The last id is a padded one (the float minimum, as
+    `mask_vocab_padding` writes it) whose target is -inf or garbage: it must add 0, and its gradient is 0."""
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(3, 4, 12, generator=gen) * 3  # [..., V=12]: 6 a rank at TP2
+    logits[..., -1] = torch.finfo(torch.float32).min
+    target = torch.randn(3, 4, 12, generator=gen).log_softmax(-1)
+    target[0, 0, -1] = -math.inf  # a teacher that rules the padded id out too (0 * inf would be NaN)
+    target[1:, :, -1] = 123.0  # or holds anything there
+    weights = torch.randn(3, 4, generator=gen)
+    results = run_ranks(_full_log_softmax_and_reverse_kl, world, logits, target, weights, timeout_s=120)
+
+    full = logits.clone().requires_grad_(True)
+    log_p = full[..., :-1].log_softmax(-1)  # the padded id carries no mass
+    expected_kl = (log_p.exp() * (log_p - target[..., :-1])).sum(-1)
+    (expected_kl * weights).sum().backward()
+    assert float(expected_kl.min()) > 0.05  # not near 0 by construction: a wrong sum would show
+    for gathered, kl, _ in results:
+        torch.testing.assert_close(gathered[..., :-1], logits[..., :-1].log_softmax(-1), rtol=0, atol=1e-6)
+        torch.testing.assert_close(kl, expected_kl.detach(), rtol=0, atol=1e-5)
+    grads = torch.cat([grad for *_, grad in results], dim=-1)
+    torch.testing.assert_close(grads, full.grad, rtol=0, atol=1e-5)  # float32: KLs of ~1, gradients of ~0.5
+    assert torch.all(grads[..., -1] == 0)

@@ -11,7 +11,10 @@ Math is float32 (float64 for float64 input); gradients come back in the logits' 
 
 On-policy distillation's top-k loss adds two: `vocab_parallel_top_k` (a teacher's k most likely tokens: each
 rank's own top-k, all-gathered, `[..., k x tp]`, never `[..., V]`) and `vocab_parallel_log_probs_at` (a student's
-log-probs at those k ids, one pass over the shard for all k).
+log-probs at those k ids, one pass over the shard for all k). Its full-vocabulary loss adds two more:
+`vocab_parallel_log_softmax` (a teacher's whole distribution, gathered: `[..., V]`, the one function here that
+moves V) and `vocab_parallel_reverse_kl` (KL(student || teacher) over the whole vocabulary from the student's shard
+and the teacher's log-probs on the same ids; its backward needs no communication either).
 """
 from __future__ import annotations
 
@@ -82,6 +85,31 @@ def vocab_parallel_top_k(logits_shard: Tensor, k: int,
         values, order = values.topk(k, dim=-1)
         ids = torch.gather(ids, -1, order)
         return values - global_max.unsqueeze(-1) - torch.log(normalizer).unsqueeze(-1), ids
+
+
+def vocab_parallel_log_softmax(logits_shard: Tensor, tp_group: dist.ProcessGroup | None = None) -> Tensor:
+    """log softmax(full logits) over the whole vocabulary, `[..., V/tp x tp]` on every rank of `tp_group` (a
+    collective: the normalizer all-reduced, then the shards all-gathered in rank order). Not differentiable (a
+    target: a teacher's distribution, shipped whole to a student whose layout may split it otherwise)."""
+    with torch.no_grad():
+        x = _as_compute(logits_shard)
+        global_max, normalizer = _global_max_and_normalizer(x, tp_group)
+        shard = x - (global_max + torch.log(normalizer)).unsqueeze(-1)
+        _, size = _rank_and_size(tp_group)
+        if size == 1:
+            return shard
+        gathered = [torch.empty_like(shard) for _ in range(size)]
+        dist.all_gather(gathered, shard.contiguous(), group=tp_group)
+        return torch.cat(gathered, -1)
+
+
+def vocab_parallel_reverse_kl(logits_shard: Tensor, target_log_probs_shard: Tensor,
+                              tp_group: dist.ProcessGroup | None = None) -> Tensor:
+    """KL(softmax(full logits) || target) = sum over the whole vocabulary of p (log p - t), `[...]`, from this rank's
+    logits shard `[..., V/tp]` and the target's log-probs on the same ids (`target_log_probs_shard`, `[..., V/tp]`,
+    not differentiated). Ids the logits rule out (the float minimum or -inf: a padded vocabulary) add 0 whatever
+    their target says. The gradient of each logit is p_j ((log p_j - t_j) - KL): no communication in backward."""
+    return _VocabParallelReverseKL.apply(logits_shard, target_log_probs_shard, tp_group)
 
 
 def _rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -209,3 +237,26 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
             grad_x = saved * (-g / normalizer).unsqueeze(-1)
         grad_x.scatter_add_(-1, local_index.unsqueeze(-1), (g * in_shard.to(dtype)).unsqueeze(-1))
         return grad_x.to(ctx.logits_dtype), None, None, None
+
+
+class _VocabParallelReverseKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits_shard: Tensor, target: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+        x = _as_compute(logits_shard)
+        x = torch.clamp(x, min=torch.finfo(x.dtype).min)
+        global_max, normalizer = _global_max_and_normalizer(x, group)
+        log_p = x - (global_max + torch.log(normalizer)).unsqueeze(-1)
+        probs = torch.exp(log_p)
+        # p = 0 (a ruled-out id, or one whose mass underflows) contributes 0, not 0 * (-inf - t) = NaN
+        gap = torch.where(probs > 0, log_p - target.to(log_p.dtype), torch.zeros_like(log_p))
+        kl = _all_reduce((probs * gap).sum(-1), dist.ReduceOp.SUM, group)
+        ctx.logits_dtype = logits_shard.dtype
+        ctx.save_for_backward(probs, gap, kl)
+        return kl
+
+    @staticmethod
+    def backward(ctx, grad_output: Tensor):
+        probs, gap, kl = ctx.saved_tensors
+        # d/dx_j sum_v p_v (log p_v - t_v) = p_j ((log p_j - t_j) - KL)
+        grad_x = probs * (gap - kl.unsqueeze(-1)) * grad_output.to(probs.dtype).unsqueeze(-1)
+        return grad_x.to(ctx.logits_dtype), None, None
