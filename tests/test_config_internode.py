@@ -115,6 +115,29 @@ def test_a_disaggregated_pool_is_on_nodes_of_its_own():
     assert traffic.phases["update_actor"] == (0, 0)  # DP2 inside node 0
 
 
+def test_a_teacher_pool_is_on_nodes_of_its_own_after_the_rollout_pool():
+    """teacher.mode=disaggregated: the teacher's pool comes after the training and rollout nodes,
+    teacher.n_gpus_per_node ranks a node. The demo as its own teacher at PP2 on a pool of 2 nodes x 1 rank, beside
+    training on node 0 and the rollout pool on node 1: 1000 teacher tokens cross from node 2 (stage 0) to node 3
+    (stage 1), 1000 x 128 x 4 B; nothing of the teacher's on the training or rollout nodes. At 1 node x 2 ranks
+    the same pipeline stays inside node 2."""
+    from hybridrl.config.plan import plan_from_sources
+    from hybridrl.names import Role
+
+    demo = ["actor_rollout_ref.model.path=configs/models/tiny-demo", "trainer.nnodes=1", "trainer.n_gpus_per_node=2",
+            "actor_rollout_ref.rollout.mode=disaggregated", "actor_rollout_ref.rollout.nnodes=1",
+            "actor_rollout_ref.rollout.n_gpus_per_node=1", "algorithm.distillation.enable=true",
+            "teacher.model.path=configs/models/tiny-demo", "teacher.mode=disaggregated",
+            "teacher.megatron.pipeline_model_parallel_size=2"]
+    example = ROOT / "configs/examples/cpu_tiny_grpo.yaml"
+    plan = plan_from_sources(example, [*demo, "teacher.nnodes=2", "teacher.n_gpus_per_node=1"])
+    traffic = plan_internode_traffic(plan, tokens={Role.TEACHER: 1000})
+    assert traffic.nodes == 4 and traffic.phases["teacher"] == (0, 0, 1000 * H * 4, 0)
+    one_node = plan_from_sources(example, [*demo, "teacher.nnodes=1", "teacher.n_gpus_per_node=2"])
+    traffic = plan_internode_traffic(one_node, tokens={Role.TEACHER: 1000})
+    assert traffic.nodes == 3 and "teacher" not in traffic.phases
+
+
 def test_the_performance_table_is_the_bench_result_file():
     results = json.loads((ROOT / "bench/results/internode_traffic.json").read_text())
     doc = (ROOT / "docs/performance.md").read_text()

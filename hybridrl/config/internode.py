@@ -12,13 +12,16 @@ send to ranks on other nodes, for what a colocated (hybrid engine) step moves in
   consecutive model chunks (VPP chunks included) whose two ranks are on different nodes: tokens x hidden
   values in the pipeline dtype each way (a TP rank sends its 1/TP of them with sequence parallelism, all of
   them without).
-- `old_log_prob`, `ref`, `values`: the forward half of that, for each pass the step runs.
+- `old_log_prob`, `ref`, `values`, `teacher`: the forward half of that, for each pass the step runs. A teacher on a
+  pool of its own (`teacher.mode: disaggregated`) is on nodes of its own, after the training and rollout nodes,
+  `teacher.n_gpus_per_node` ranks each: its pipeline crosses between those nodes.
 - `sync`: what each rank receives in a weight sync (the plan's `reshard_traffic`, in vLLM's dtype) from the
   members of its micro-DP group on other nodes; with a disaggregated rollout, the whole cross-pool sync (the
   rollout pool on nodes of its own), each training rank sending an even share.
 
 Not modelled (measured against this in tests/test_multi_host.py and named there): Ray's calls (the step's
-rows to the workers and their results back, with the controller on the head node), the small collectives
+rows to the workers and their results back, with the controller on the head node: a teacher's log-probs among
+them, and full_reverse_kl's `[B, R, V]` table, bounded at plan time), the small collectives
 (loss and grad-norm reductions, micro-batch token agreement), TCP/IP headers (a few percent on top), an MoE
 model's token dispatch and expert gradients, vLLM's own collectives where a replica spans nodes, and the
 reward model.
@@ -52,6 +55,13 @@ class RoleTraffic:
     optimizer_steps: int = 0  # per training step
     update_epochs: int = 0  # forward + backward passes over the step's tokens
     tokens: float = 0.0  # the tokens a pass computes (a prompt shared by a micro-batch's rows once), all ranks
+    # the role's pool: its first node and ranks per node (None: the training pool, from node 0, `per_node` a node)
+    first_node: int = 0
+    ranks_per_node: int | None = None
+
+    def nodes(self, per_node: int) -> int:
+        """The nodes the role's pool spans, counting from node 0."""
+        return self.first_node + -(-self.mesh.world_size // (self.ranks_per_node or per_node))
 
 
 @dataclass(frozen=True)
@@ -65,8 +75,8 @@ class NodeTraffic:
         return tuple(sum(sent[node] for sent in self.phases.values()) for node in range(self.nodes))
 
 
-def _node_of(per_node: int) -> Callable[[int], int]:
-    return lambda rank: rank // per_node
+def _node_of(per_node: int, first_node: int = 0) -> Callable[[int], int]:
+    return lambda rank: first_node + rank // per_node
 
 
 def _ring(group: Sequence[int], bytes_per_rank: float, node_of: Callable[[int], int], out: list[float]) -> None:
@@ -165,8 +175,10 @@ def internode_traffic(roles: Sequence[RoleTraffic], *, per_node: int,
     colocated (`sync`), the actor's reshard groups and the bytes each rank receives (the actor: the role whose
     update is `update_actor`); disaggregated (`cross_pool`), the bytes each training rank sends and the rollout
     pool's nodes, which come after the training nodes (a pool of its own: every byte of the sync crosses)."""
-    world = max(role.mesh.world_size for role in roles)
-    nodes = -(-world // per_node) + (cross_pool[1] if cross_pool else 0)
+    training = [role for role in roles if role.ranks_per_node is None]
+    world = max(role.mesh.world_size for role in training)
+    nodes = max([-(-world // per_node) + (cross_pool[1] if cross_pool else 0)]
+                + [role.nodes(per_node) for role in roles])
     node_of = _node_of(per_node)
     phases: dict[str, list[float]] = {}
 
@@ -174,7 +186,7 @@ def internode_traffic(roles: Sequence[RoleTraffic], *, per_node: int,
         return phases.setdefault(str(name), [0.0] * nodes)
 
     for role in roles:
-        hops = _pipeline_hops(role, node_of)
+        hops = _pipeline_hops(role, _node_of(role.ranks_per_node or per_node, role.first_node))
         for name in role.forward_phases:
             for src, _dst, per_token in hops:
                 phase(name)[src] += per_token * role.tokens
@@ -198,16 +210,27 @@ def internode_traffic(roles: Sequence[RoleTraffic], *, per_node: int,
                                for name in sorted(phases, key=lambda name: order.index(name))})
 
 
+def _pool_nodes(plan: Plan, role: str, rollout_nodes: int) -> tuple[int, int | None]:
+    """RoleTraffic's (first_node, ranks_per_node): a teacher on a pool of its own starts after the training and
+    rollout nodes; every other role is on the training pool."""
+    if role != Role.TEACHER or not plan.resolved.teacher_world:
+        return 0, None
+    config = plan.config
+    return (config.trainer.nnodes or 1) + rollout_nodes, config.teacher.n_gpus_per_node
+
+
 def plan_internode_traffic(plan: Plan, tokens: Mapping[str, float] | None = None) -> NodeTraffic | None:
     """The model applied to a plan's step (None on one node or without a model shape). `tokens`: a role's tokens
     per pass where known (measured); by default the worst case, every sequence at full length, a prompt once per
     group of rows sharing it where the role's micro-batches hold shared prompts once (`model.shared_prefix`).
-    A disaggregated rollout pool is on nodes of its own, after the training nodes."""
+    A disaggregated rollout pool is on nodes of its own, after the training nodes; a teacher's pool after those."""
     resolved, config = plan.resolved, plan.config
     per_node = config.trainer.n_gpus_per_node
     traffic, cross = plan.reshard.traffic, plan.reshard.cross_pool
     rollout_nodes = (config.actor_rollout_ref.rollout.nnodes or 1) if resolved.disaggregated else 0
-    if plan.model is None or (config.trainer.nnodes or 1) + rollout_nodes < 2 or not isinstance(per_node, int):
+    teacher_nodes = (config.teacher.nnodes or 1) if resolved.teacher_world else 0
+    if (plan.model is None or (config.trainer.nnodes or 1) + rollout_nodes + teacher_nodes < 2
+            or not isinstance(per_node, int)):
         return None
     prompt_length = config.data.max_prompt_length
     forwards = {f.role: f.pass_name for f in plan.forwards}
@@ -215,8 +238,8 @@ def plan_internode_traffic(plan: Plan, tokens: Mapping[str, float] | None = None
                      "teacher_log_prob": Phase.TEACHER}
     roles = []
     for layout in plan.layouts:
-        if layout.role == Role.REWARD_MODEL or (layout.role == Role.TEACHER and resolved.teacher_world):
-            continue  # a teacher on a pool of its own: its collectives stay in its pool (not modelled here)
+        if layout.role == Role.REWARD_MODEL:
+            continue
         passes = [phase_of_pass[forwards[layout.role]]] if layout.role in forwards else []
         if layout.role == Role.ACTOR and not resolved.old_log_prob_pass:
             passes = []
@@ -224,6 +247,7 @@ def plan_internode_traffic(plan: Plan, tokens: Mapping[str, float] | None = None
         worst = prompts * prompt_length + plan.sequences_per_step * resolved.response_length
         update = next((u for u in plan.updates if u.role == layout.role), None)
         mc = layout.megatron
+        pool = _pool_nodes(plan, layout.role, rollout_nodes)
         roles.append(RoleTraffic(
             phase_update={Role.ACTOR: Phase.UPDATE_ACTOR, Role.CRITIC: Phase.UPDATE_CRITIC}.get(layout.role),
             forward_phases=tuple(passes), shape=role_model_shape(config, layout.role, plan.model), mesh=layout.mesh,
@@ -231,7 +255,7 @@ def plan_internode_traffic(plan: Plan, tokens: Mapping[str, float] | None = None
             distributed_optimizer=bool(mc.use_distributed_optimizer),
             optimizer_steps=update.optimizer_steps_per_step if update else 0,
             update_epochs=update.ppo_epochs if update else 0,
-            tokens=(tokens or {}).get(layout.role, worst)))
+            tokens=(tokens or {}).get(layout.role, worst), first_node=pool[0], ranks_per_node=pool[1]))
     return internode_traffic(roles, per_node=per_node,
                              sync=(plan.reshard.groups, traffic.bytes_received) if traffic else None,
                              cross_pool=(cross.bytes_sent_even, rollout_nodes) if cross else None)
