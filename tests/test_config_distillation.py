@@ -73,6 +73,10 @@ def test_a_valid_distillation_job_plans_the_teacher_at_its_own_layout(demo_asset
     top_k = plan_from_sources(CONFIG, job(demo_assets, tmp_path, f"{D}.enable=true", f"{D}.loss=top_k_forward_kl",
                                           f"teacher.model.path={teachers['same']}"))
     assert top_k.resolved.distillation_top_k == 32  # the default
+    assert not top_k.resolved.distillation_full_vocab and not plan.resolved.distillation_full_vocab
+    full = plan_from_sources(CONFIG, job(demo_assets, tmp_path, f"{D}.enable=true", f"{D}.loss=full_reverse_kl",
+                                         f"teacher.model.path={teachers['same']}"))
+    assert full.resolved.distillation_full_vocab and full.resolved.distillation_top_k == 0
     text = render_plan(plan)
     assert "teacher: teacher_log_prob micro-batches per GPU" in text
     assert any(line.startswith("teacher ") for line in text.splitlines())  # its memory row
@@ -90,6 +94,8 @@ def test_distillation_mistakes_are_refused_naming_the_field(demo_assets, teacher
         ([f"{D}.enable=true", same, f"{D}.loss=top_k_forward_kl", f"{D}.top_k=100000"], f"{D}.top_k",
          "at most the vocabulary"),
         ([f"{D}.enable=true", same, f"{D}.loss=full_vocabulary"], f"{D}.loss", "is not a known value"),
+        ([f"{D}.enable=true", same, f"{D}.loss=full_reverse_kl", f"{D}.top_k=8"], f"{D}.top_k",
+         "applies to algorithm.distillation.loss=top_k_forward_kl only, not loss=full_reverse_kl"),
         ([f"{D}.enable=true", same, "algorithm.adv_estimator=gae"], "algorithm.adv_estimator",
          "trains a critic on the task reward, which nothing uses"),
         ([f"{D}.enable=true", same, "algorithm.filter_groups.enable=true"], "algorithm.filter_groups.enable",
@@ -265,3 +271,21 @@ def test_the_documented_distillation_figures_are_the_benchs_result():
         assert cells[8] == f"{run['median_step_s']:.2f} s"
         minutes, seconds = divmod(round(run["wall_s"]), 60)
         assert cells[9] == f"{minutes} min {seconds} s"
+
+
+def test_full_reverse_kl_is_refused_above_its_teacher_table_bound_naming_the_top_k_loss(demo_assets, teachers,
+                                                                                      tmp_path):
+    """full_reverse_kl ships rows x response positions x vocabulary x 4 B of teacher log-probs a step through the
+    controller: a job over 4 GiB is refused at plan time naming the figure and the losses that ship less; one just
+    under plans. The demo: 16 response positions, a 96-token vocabulary, n = 8: 87,376 prompts are 4,294,705,152 B
+    (under 4 GiB = 4,294,967,296 B), 87,384 are 4,295,098,368 B."""
+    common = [f"{D}.enable=true", f"{D}.loss=full_reverse_kl", f"teacher.model.path={teachers['same']}"]
+    under = plan_from_sources(CONFIG, job(demo_assets, tmp_path, *common, "data.train_batch_size=87376"))
+    assert under.resolved.distillation_full_vocab
+    found = [r for r in refusals(job(demo_assets, tmp_path, *common, "data.train_batch_size=87384"))
+             if r[0] == f"{D}.loss"]
+    assert found == [(f"{D}.loss", "full_reverse_kl",
+                      "ships the teacher's whole distribution each step: 87384 prompts x 8 samples x 16 response "
+                      "positions x 96 token ids x 4 B = 4,295,098,368 B (4.00 GiB), over the 4 GiB this loss "
+                      "allows (the controller holds it whole); use top_k_forward_kl (the teacher's top-k tokens, 8 B "
+                      "each a position) or sampled_reverse_kl, or fewer rows or positions a step")]

@@ -31,15 +31,18 @@ TOP_K = 5
 
 
 def distillation_config(student: Path, teacher: Path, *, student_layout: tuple[int, int],
-                        teacher_layout: tuple[int, int], top_k: int | None = None) -> Any:
+                        teacher_layout: tuple[int, int], top_k: int | None = None, full_vocab: bool = False) -> Any:
     """A 2-rank job distilling `teacher` into `student`, each at its (TP, PP) (DP = 2 / (TP x PP)); with `top_k`
-    by the teacher's top-k distribution (`top_k_forward_kl`)."""
+    by the teacher's top-k distribution (`top_k_forward_kl`), with `full_vocab` by its whole distribution
+    (`full_reverse_kl`)."""
     config = job_config(student, world=2, tp=student_layout[0], pp=student_layout[1])
     config.actor_rollout_ref.rollout.temperature = TEMPERATURE
     config.algorithm.distillation.enable = True
     config.algorithm.distillation.kl_coef = KL_COEF
     if top_k is not None:
         config.algorithm.distillation.loss, config.algorithm.distillation.top_k = "top_k_forward_kl", top_k
+    if full_vocab:
+        config.algorithm.distillation.loss = "full_reverse_kl"
     config.teacher.model.path = str(teacher)
     config.teacher.megatron.tensor_model_parallel_size, config.teacher.megatron.pipeline_model_parallel_size = \
         teacher_layout
@@ -169,31 +172,67 @@ def _update_rank(rank: int, world: int, config: Any, batch: Any, out_dir: str) -
     return metrics
 
 
+@pytest.mark.parametrize("teacher_layout", [(2, 1), (1, 2)], ids=["teacher-tp2", "teacher-pp2"])
+def test_teacher_full_vocabulary_log_probs_equal_transformers(models, teacher_layout):
+    """full_reverse_kl: the teacher's pass ships its log-softmax over every id of the student's vocabulary at each
+    response position, gathered over a split vocabulary at TP2 and from the last stage at PP2: equal to the HF
+    teacher's, 200 columns wide (megatron pads the vocabulary to 256; the padded ids never ship)."""
+    from hybridrl.algorithms.distillation import TEACHER_FULL_KEY
+    from hybridrl.names import Role
+
+    student, teacher = models
+    config = distillation_config(student, teacher, student_layout=(1, 1), teacher_layout=teacher_layout,
+                                 full_vocab=True)
+    batch = rollout_batch(8, seed=6, vocab=STUDENT["vocab_size"], groups=[3, 3, 2])
+    batch.meta["temperature"] = TEMPERATURE
+    table = megatron_outputs(config, batch, Role.TEACHER)[TEACHER_FULL_KEY]
+    with torch.no_grad():
+        expected = hf_response_log_softmax(teacher, batch)
+    assert table.shape == expected.shape == (8, RESPONSE, STUDENT["vocab_size"])
+    real = batch["response_mask"].bool()
+    torch.testing.assert_close(table[real], expected[real], rtol=0, atol=TOLERANCE)
+    assert torch.all(table[~real] == 0)
+
+
+@pytest.mark.parametrize("loss", ["top_k_forward_kl", "full_reverse_kl"])
 @pytest.mark.parametrize("layout", [(2, 1), (1, 1)], ids=["student-tp2", "student-dp2"])
-def test_top_k_forward_kl_loss_and_every_gradient_equal_transformers(models, tmp_path, layout):
-    """The student's update under top_k_forward_kl, pure (advantages 0: the policy gradient is 0), at TP2 (the
-    teacher's ids read from a split vocabulary) and DP2: the loss term and the gradient of every HF tensor equal
-    KL(teacher's top-k || student) written here on the transformers student, token-mean over the model tokens."""
+def test_distillation_loss_term_and_every_gradient_equal_transformers(models, tmp_path, layout, loss):
+    """The student's update under a distillation loss term, pure (advantages 0: the policy gradient is 0), at TP2
+    (the teacher's distribution read against a split vocabulary) and DP2: the loss term and the gradient of every HF
+    tensor equal the term written here on the transformers student, token-mean over the model tokens --
+    top_k_forward_kl: KL(teacher's top-k || student) on the teacher's top-k ids; full_reverse_kl: KL(student ||
+    teacher) summed over the whole vocabulary."""
     import transformers
 
+    from hybridrl.algorithms.distillation import TEACHER_FULL_KEY
     from tests.support.models_fixtures import safetensors_state
 
     student, teacher = models
-    config = distillation_config(student, teacher, student_layout=layout, teacher_layout=(1, 1), top_k=TOP_K)
+    top_k = loss == "top_k_forward_kl"
+    config = distillation_config(student, teacher, student_layout=layout, teacher_layout=(1, 1),
+                                 top_k=TOP_K if top_k else None, full_vocab=not top_k)
     config.actor_rollout_ref.actor.optim.clip_grad = 0.0  # the buffers must hold the unclipped gradient
     batch = rollout_batch(8, seed=4, vocab=STUDENT["vocab_size"])
     batch.meta["temperature"] = TEMPERATURE
     mask = batch["response_mask"].float()
     with torch.no_grad():
-        top_log_probs, top_ids = hf_response_log_softmax(teacher, batch).topk(TOP_K, dim=-1)
-    batch["teacher_top_log_probs"], batch["teacher_top_ids"] = top_log_probs * mask[..., None], top_ids
+        teacher_log_softmax = hf_response_log_softmax(teacher, batch)
+        top_log_probs, top_ids = teacher_log_softmax.topk(TOP_K, dim=-1)
+    if top_k:
+        batch["teacher_top_log_probs"], batch["teacher_top_ids"] = top_log_probs * mask[..., None], top_ids
+    else:
+        batch[TEACHER_FULL_KEY] = teacher_log_softmax * mask[..., None]
     batch["old_log_probs"] = hf_log_probs(student, batch)
     batch["advantages"] = torch.zeros_like(mask)
 
     model = transformers.AutoModelForCausalLM.from_pretrained(student, dtype=torch.float32,
                                                               attn_implementation="eager")
-    student_log_probs = hf_response_log_softmax(student, batch, model).gather(-1, top_ids)
-    per_token = (top_log_probs.exp() * (top_log_probs - student_log_probs)).sum(-1)
+    student_log_softmax = hf_response_log_softmax(student, batch, model)
+    if top_k:
+        student_log_probs = student_log_softmax.gather(-1, top_ids)
+        per_token = (top_log_probs.exp() * (top_log_probs - student_log_probs)).sum(-1)
+    else:
+        per_token = (student_log_softmax.exp() * (student_log_softmax - teacher_log_softmax)).sum(-1)
     expected_loss = (per_token * mask).sum() / mask.sum()
     (KL_COEF * expected_loss).backward()
     expected = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
@@ -201,6 +240,7 @@ def test_top_k_forward_kl_loss_and_every_gradient_equal_transformers(models, tmp
     out_dir = tmp_path / "grads"
     metrics = [m for m in run_ranks(_update_rank, 2, config, batch, str(out_dir)) if m is not None]
     assert metrics[0].distillation_loss == pytest.approx(float(expected_loss), rel=1e-5)
+    assert metrics[0].as_dict()[f"distillation/{loss}"] == metrics[0].distillation_loss
     assert metrics[0].pg_loss == 0.0
     grads = safetensors_state(out_dir)
     assert sorted(grads) == sorted(expected)

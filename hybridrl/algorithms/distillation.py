@@ -21,6 +21,9 @@ from hybridrl.algorithms.masking import masked_mean
 # (`MegatronActor.compute_log_prob(top_k=k)`) and read by the student's update: the log-probs, most likely first,
 # and their token ids.
 TEACHER_TOP_K_KEYS = ("teacher_top_log_probs", "teacher_top_ids")
+# full_reverse_kl: the teacher's log-probs of every token id of the student's vocabulary at each response position
+# (`[B, R, V]`), written by its pass (`compute_log_prob(full_vocab=V)`) and read by the student's update.
+TEACHER_FULL_KEY = "teacher_full_log_probs"
 
 
 def reverse_kl_per_token(student_log_probs: Tensor, teacher_log_probs: Tensor, response_mask: Tensor) -> Tensor:

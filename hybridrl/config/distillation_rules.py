@@ -48,6 +48,7 @@ def check_distillation(config: JobConfig, student: ModelShape | None, teacher: M
         bound = f" and at most the vocabulary ({student.vocab_size})" if student is not None else ""
         issues.append(ConfigIssue(f"{DISTILLATION}.top_k", top_k, f"must be an integer >= 1{bound}: the teacher's "
                                                                   "tokens kept at each position"))
+    _check_full_vocab_table(config, student, issues)
     coef = settings.kl_coef
     if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not coef > 0:
         issues.append(ConfigIssue(f"{DISTILLATION}.kl_coef", coef, "must be a number > 0 (the weight of the "
@@ -76,6 +77,36 @@ def check_distillation(config: JobConfig, student: ModelShape | None, teacher: M
             issues.append(ConfigIssue("algorithm.use_kl_in_reward", True,
                                       f"puts a KL penalty into the task reward, which nothing trains on {pure}; "
                                       "use actor.use_kl_loss for a reference KL, or task_reward=true", [False]))
+
+
+# full_reverse_kl: the most bytes of teacher distribution a step may ship. The table goes whole through the
+# controller (the teacher's output ranks -> the driver -> every rank of each student DP replica), as float32: a few
+# GiB is what a driver and the object store hold beside the rest of a step; above it the top-k loss is the tool.
+FULL_VOCAB_TABLE_LIMIT_BYTES = 4 * 2**30
+
+
+def full_vocab_table_bytes(config: JobConfig, student: ModelShape) -> int:
+    """full_reverse_kl's teacher table a step: rows x response positions x the student's vocabulary x 4 B."""
+    rows = config.data.train_batch_size * config.actor_rollout_ref.rollout.n
+    return rows * config.data.max_response_length * student.vocab_size * 4
+
+
+def _check_full_vocab_table(config: JobConfig, student: ModelShape | None, issues: list[ConfigIssue]) -> None:
+    if config.algorithm.distillation.loss != "full_reverse_kl" or student is None:
+        return
+    counts = (config.data.train_batch_size, config.actor_rollout_ref.rollout.n, config.data.max_response_length)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in counts):
+        return  # refused by the batch and length checks
+    size = full_vocab_table_bytes(config, student)
+    if size > FULL_VOCAB_TABLE_LIMIT_BYTES:
+        rows, n, length = counts
+        issues.append(ConfigIssue(
+            f"{DISTILLATION}.loss", "full_reverse_kl",
+            f"ships the teacher's whole distribution each step: {rows} prompts x {n} samples x {length} response "
+            f"positions x {student.vocab_size} token ids x 4 B = {size:,} B ({size / 2**30:.2f} GiB), over the "
+            f"{FULL_VOCAB_TABLE_LIMIT_BYTES // 2**30} GiB this loss allows (the controller holds it whole); use "
+            "top_k_forward_kl (the teacher's top-k tokens, 8 B each a position) or sampled_reverse_kl, or fewer "
+            "rows or positions a step", ["sampled_reverse_kl", "top_k_forward_kl"]))
 
 
 def check_teacher_placement(config: JobConfig, issues: list[ConfigIssue]) -> bool:

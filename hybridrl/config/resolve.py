@@ -64,6 +64,8 @@ class Resolved:
     # on-policy distillation's top_k_forward_kl: the teacher's tokens per response position (0: the sampled-token
     # reverse KL, or no distillation)
     distillation_top_k: int = 0
+    # on-policy distillation's full_reverse_kl: the teacher ships its whole distribution at each response position
+    distillation_full_vocab: bool = False
     # teacher.mode: disaggregated puts the teacher on a pool of its own, `teacher_world` ranks (0: colocated, on
     # the training world's ranks)
     teacher_world: int = 0
@@ -214,6 +216,8 @@ def resolve(config: JobConfig, model: ModelShape | None = None) -> Resolved:
         serves_adapters=serves_adapters,
         shared_prefix_sections=tuple(shared),
         distillation_top_k=_distillation_top_k(config),
+        distillation_full_vocab=config.algorithm.distillation.enable
+        and config.algorithm.distillation.loss == "full_reverse_kl",
         teacher_world=_teacher_world(config),
     )
 

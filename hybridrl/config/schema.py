@@ -50,7 +50,7 @@ AsyncMode = Literal["sync", "one_step_off", "fully_async"]
 StaleSamples = Literal["drop", "keep"]
 # on-policy distillation's signal: the sampled token's reverse KL as its advantage, or the teacher's top-k
 # distribution at each response position as a forward-KL loss term of the update
-DistillationLoss = Literal["sampled_reverse_kl", "top_k_forward_kl"]
+DistillationLoss = Literal["sampled_reverse_kl", "top_k_forward_kl", "full_reverse_kl"]
 # megatron's moe_router_load_balancing_type values that need no more than the local spec
 MoELoadBalancing = Literal["aux_loss", "seq_aux_loss", "none"]
 # megatron's MoE token dispatchers that run on the local spec (its "flex" one needs DeepEP / HybridEP)
@@ -587,9 +587,12 @@ class DistillationConfig:
         "sampled_reverse_kl", "sampled_reverse_kl = the sampled token's reverse KL as its advantage (the policy "
         "gradient); top_k_forward_kl = at every response position, KL(teacher's top-k || student) on the teacher's "
         "top_k tokens, a loss term of the update (GKD's and verl's recipe: the student sees what the teacher would "
-        "have written, not only its view of the student's own tokens)")
+        "have written, not only its view of the student's own tokens); full_reverse_kl = at every response "
+        "position, KL(student || teacher) summed over the whole vocabulary, a loss term of the update (the exact "
+        "per-position reverse KL whose sampled estimate sampled_reverse_kl is; the teacher ships its whole "
+        "distribution, so refused above 4 GiB a step)")
     kl_coef: float = doc(1.0, "weight of the distillation signal: of the reverse KL in the advantage, or of the "
-                              "top-k loss term (> 0)")
+                              "top-k or full-vocabulary loss term (> 0)")
     top_k: int | None = doc(None, "top_k_forward_kl: the teacher's tokens per position; None = 32")
     task_reward: bool = doc(
         False, "true = add the task reward's advantages (adv_estimator on the reward) to the distillation's; "

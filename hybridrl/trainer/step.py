@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from hybridrl.algorithms import masked_mean
-from hybridrl.algorithms.distillation import TEACHER_TOP_K_KEYS
+from hybridrl.algorithms.distillation import TEACHER_FULL_KEY, TEACHER_TOP_K_KEYS
 from hybridrl.algorithms.kl_control import FixedKLController
 from hybridrl.algorithms.names import GREEDY_BASELINE_ADV_ESTIMATORS
 from hybridrl.config.plan import Plan
@@ -274,7 +274,8 @@ class StepRunner:
                                                         balance_mini_batches=self._balance(),
                                                         keep_together=self._keep_together(Role.TEACHER))
                 batch["teacher_log_probs"] = teacher["teacher_log_probs"]
-                for key in TEACHER_TOP_K_KEYS:  # top_k_forward_kl: the teacher's distribution, for the update
+                # top_k_forward_kl / full_reverse_kl: the teacher's distribution, for the update's loss term
+                for key in (*TEACHER_TOP_K_KEYS, TEACHER_FULL_KEY):
                     if key in teacher.tensors:
                         batch[key] = teacher[key]
                 metrics["perf/padding_ratio_teacher_log_prob"] = float(teacher.meta.get("padding_ratio", 0.0))
@@ -295,10 +296,10 @@ class StepRunner:
                     cfg.algorithm.norm_adv_by_std_in_grpo))
             if distillation.enable:
                 # the sampled-token reverse KL: the advantage (sampled_reverse_kl), else a metric beside the update's
-                # top-k loss term
+                # top-k or full-vocabulary loss term
                 metrics.update(add_distillation_advantages(
                     batch, distillation.kl_coef, with_task_reward=distillation.task_reward,
-                    in_advantage=not plan.resolved.distillation_top_k))
+                    in_advantage=distillation.loss == "sampled_reverse_kl"))
         if self.workers.critic is not None:
             with self.timed(timer, Phase.UPDATE_CRITIC):
                 outs = self.workers.critic.call_by_dp_outputs(

@@ -57,7 +57,7 @@ from functools import partial
 import torch
 
 from hybridrl.algorithms.aggregation import LossNormalizers, aggregate_loss
-from hybridrl.algorithms.distillation import TEACHER_TOP_K_KEYS
+from hybridrl.algorithms.distillation import TEACHER_FULL_KEY, TEACHER_TOP_K_KEYS
 from hybridrl.algorithms.kl import kl_penalty
 from hybridrl.algorithms.losses import ppo_policy_loss
 from hybridrl.algorithms.rollout_correction import RolloutCorrection, correction_metrics, rollout_correction_weights
@@ -66,6 +66,8 @@ from hybridrl.algorithms.vocab_parallel import (
     vocab_parallel_log_prob,
     vocab_parallel_log_prob_and_entropy,
     vocab_parallel_log_probs_at,
+    vocab_parallel_log_softmax,
+    vocab_parallel_reverse_kl,
     vocab_parallel_top_k,
 )
 from hybridrl.config.plan import Plan
@@ -101,10 +103,18 @@ class PolicyLossSettings:
     rollout_correction: RolloutCorrection = field(default_factory=RolloutCorrection)
     # match_truncation: the rollout's top-k/top-p, under which the correction's target is computed
     truncation: Truncation | None = None
-    # on-policy distillation's top_k_forward_kl: the teacher's top-k tokens per position (0 = off) and the loss
-    # term's weight
+    # on-policy distillation's loss term: top_k_forward_kl (the teacher's top-k tokens per position; 0 = off) or
+    # full_reverse_kl (the teacher's whole distribution), and the term's weight
     distillation_top_k: int = 0
+    distillation_full_vocab: bool = False
     distillation_coef: float = 0.0
+
+    @property
+    def distillation_term(self) -> str | None:
+        """The distillation loss term in the update (`algorithm.distillation.loss`), None without one."""
+        if self.distillation_top_k:
+            return "top_k_forward_kl"
+        return "full_reverse_kl" if self.distillation_full_vocab else None
 
     @classmethod
     def from_plan(cls, plan: Plan) -> PolicyLossSettings:
@@ -119,7 +129,8 @@ class PolicyLossSettings:
         return cls(plan.resolved.clip_ratio_low, plan.resolved.clip_ratio_high, actor.clip_ratio_c,
                    actor.loss_agg_mode, actor.entropy_coeff, actor.use_kl_loss, actor.kl_loss_coef,
                    actor.kl_loss_type, plan.resolved.response_length, correction, truncation,
-                   plan.resolved.distillation_top_k, float(plan.config.algorithm.distillation.kl_coef))
+                   plan.resolved.distillation_top_k, plan.resolved.distillation_full_vocab,
+                   float(plan.config.algorithm.distillation.kl_coef))
 
 
 @dataclass(frozen=True)
@@ -135,8 +146,10 @@ class PolicyUpdateMetrics:
     grad_norm: float
     lr: float
     optimizer_steps: int
-    # on-policy distillation's top_k_forward_kl: KL(teacher's top-k || student), aggregated as the policy loss
+    # on-policy distillation's loss term (`distillation_term`: top_k_forward_kl, KL(teacher's top-k || student), or
+    # full_reverse_kl, KL(student || teacher) over the vocabulary), aggregated as the policy loss
     distillation_loss: float | None = None
+    distillation_term: str | None = None
     per_step: tuple[dict[str, float], ...] = field(default=())
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss or gradient
     # max and token mean of |megatron - rollout| log-prob over the batch, when the update stood in for
@@ -164,7 +177,7 @@ class PolicyUpdateMetrics:
         if self.rollout_log_prob_abs_diff_mean is not None:
             out["rollout/log_prob_abs_diff_mean"] = self.rollout_log_prob_abs_diff_mean
         if self.distillation_loss is not None:
-            out["distillation/top_k_forward_kl"] = self.distillation_loss
+            out[f"distillation/{self.distillation_term}"] = self.distillation_loss
         out.update(self.moe)
         out.update(self.rollout_correction)
         return out
@@ -228,11 +241,13 @@ class MegatronActor:
 
     # ---------------------------------------------------------------------------- log-probs
     def compute_log_prob(self, batch: Batch, with_entropy: bool = False, *,
-                         free_routing: bool = False, top_k: int = 0) -> Batch | None:
+                         free_routing: bool = False, top_k: int = 0, full_vocab: int = 0) -> Batch | None:
         """Log-probs of the batch's responses (module docstring). With routing replay the forward
         routes as the rollout did, unless `free_routing` (the weight sync's probe: a fixed sequence
         no rollout generated, scored with the routers' own choice on both sides, and with every token
-        kept: no expert capacity, as in vLLM)."""
+        kept: no expert capacity, as in vLLM). A teacher's pass also writes its top-k tokens at each response
+        position (`top_k`, TEACHER_TOP_K_KEYS) or its log-probs of the first `full_vocab` ids (the student's
+        vocabulary, TEACHER_FULL_KEY)."""
         backend, ctx = self.backend, self.backend.ctx
         tensors = batch.tensors
         temperature = sampling_temperature(batch)
@@ -263,6 +278,9 @@ class MegatronActor:
             if top_k:  # the distribution at each position: k log-probs, then their k ids
                 top_log_probs, top_ids = vocab_parallel_top_k(shard, top_k, ctx.tp_group)
                 stacked = torch.cat([stacked, top_log_probs.to(stacked.dtype), top_ids.to(stacked.dtype)], dim=-1)
+            if full_vocab:  # the whole distribution at each position, gathered over TP
+                table = vocab_parallel_log_softmax(shard, ctx.tp_group)[..., :full_vocab]
+                stacked = torch.cat([stacked, table.to(stacked.dtype)], dim=-1)
             return micro.scatter_response_tokens(stacked)
 
         # free routing is also dropless: the probe proves the weights against vLLM, which has no capacity
@@ -277,6 +295,9 @@ class MegatronActor:
         out = {self.output_key: stacked[..., 0].contiguous()}
         if with_entropy:
             out["entropys"] = stacked[..., 1].contiguous()
+        if full_vocab:
+            out[TEACHER_FULL_KEY] = stacked[..., -full_vocab:].contiguous()
+            stacked = stacked[..., :-full_vocab]
         if top_k:
             log_probs_key, ids_key = TEACHER_TOP_K_KEYS
             out[log_probs_key] = stacked[..., -2 * top_k:-top_k].contiguous()
@@ -320,6 +341,11 @@ class MegatronActor:
                 raise ValueError(f"algorithm.distillation.loss=top_k_forward_kl needs the teacher's {missing}: the "
                                  "TeacherWorker's pass writes them")
             optional += TEACHER_TOP_K_KEYS
+        if self.loss.distillation_full_vocab:
+            if TEACHER_FULL_KEY not in batch.tensors:
+                raise ValueError(f"algorithm.distillation.loss=full_reverse_kl needs the teacher's {TEACHER_FULL_KEY}: "
+                                 "the TeacherWorker's pass writes it")
+            optional += (TEACHER_FULL_KEY,)
         extra_keys = ("advantages",) + tuple(k for k in optional if k in batch.tensors)
         # The update scores the responses under the distribution they were sampled from, as the
         # old-log-prob pass, the reference and the rollout do: at T != 1 an untempered update would
@@ -357,7 +383,8 @@ class MegatronActor:
             pg_loss=mean["pg_loss"], clipfrac=mean["clipfrac"], clipfrac_lower=mean["clipfrac_lower"],
             approx_kl=mean["approx_kl"], entropy=mean["entropy"], kl_loss=mean.get("kl_loss", 0.0),
             grad_norm=mean["grad_norm"], lr=mean["lr"], optimizer_steps=len(steps),
-            distillation_loss=mean.get("distillation_loss"), per_step=tuple(steps),
+            distillation_loss=mean.get("distillation_loss"), distillation_term=self.loss.distillation_term,
+            per_step=tuple(steps),
             skipped_steps=skipped,
             rollout_log_prob_abs_diff_max=steps[0].get("rollout_log_prob_abs_diff_max"),
             rollout_log_prob_abs_diff_mean=steps[0].get("rollout_log_prob_abs_diff_mean"),
@@ -452,8 +479,9 @@ class MegatronActor:
             kl_loss = aggregate_loss(kl, mask, cfg.agg, **norm)
             loss = loss + cfg.kl_coef * kl_loss
             metrics["total/kl_loss"] = kl_loss.detach().clone()
-        if cfg.distillation_top_k:
-            distill = self._top_k_forward_kl(micro, shard)
+        if cfg.distillation_term is not None:
+            distill = (self._top_k_forward_kl(micro, shard) if cfg.distillation_top_k else
+                       self._full_reverse_kl(micro, shard))
             distill_loss = aggregate_loss(distill.to(log_prob.dtype), mask, cfg.agg, **norm)
             loss = loss + cfg.distillation_coef * distill_loss
             metrics["total/distillation_loss"] = distill_loss.detach().clone()
@@ -468,5 +496,20 @@ class MegatronActor:
         ids = micro.extras["teacher_top_ids"][rows, cols].long()
         student_log_probs = vocab_parallel_log_probs_at(shard, ids, self.backend.ctx.tp_group)
         per_token = (teacher_log_probs.exp() * (teacher_log_probs - student_log_probs)).sum(-1)
+        return micro.scatter_response_tokens(per_token)
+
+    def _full_reverse_kl(self, micro: ModelInputs, shard: torch.Tensor) -> torch.Tensor:
+        """`[b, R]`: at each response position, KL(student || teacher) over the whole vocabulary, from the student's
+        vocab-parallel logits (`shard`, at the sampling temperature, padded ids masked) and the columns of the
+        teacher's table (`TEACHER_FULL_KEY`, the student's real ids) this rank's shard holds. 0 off the response
+        tokens."""
+        ctx = self.backend.ctx
+        rows, cols = micro.response_token_positions()
+        width = shard.shape[-1]
+        start = ctx.tp_rank * width
+        target = micro.extras[TEACHER_FULL_KEY][rows, cols, start:start + width].to(torch.float32)
+        if target.shape[-1] < width:  # the padded ids past the vocabulary: no mass, any target
+            target = torch.nn.functional.pad(target, (0, width - target.shape[-1]))
+        per_token = vocab_parallel_reverse_kl(shard, target, ctx.tp_group)
         return micro.scatter_response_tokens(per_token)
 

@@ -271,5 +271,12 @@ class TeacherWorker(FrozenRoleWorker):
     def compute_teacher_log_prob(self, batch: Batch) -> Batch | None:
         teacher = self._require(self.teacher, "the teacher")
         with self._scoring(teacher.backend):
-            # top_k_forward_kl: also the teacher's top-k tokens at every response position
-            return teacher.compute_log_prob(batch, top_k=self.plan.resolved.distillation_top_k)
+            # top_k_forward_kl: also the teacher's top-k tokens at every response position; full_reverse_kl: its
+            # log-probs of every id of the student's vocabulary there
+            resolved, student = self.plan.resolved, self.plan.model
+            full_vocab = 0
+            if resolved.distillation_full_vocab:
+                if student is None:  # a plan built without its model folder (plan --layout-only) trains nothing
+                    raise RuntimeError("full_reverse_kl needs the student's vocabulary size: the plan has no model")
+                full_vocab = student.vocab_size
+            return teacher.compute_log_prob(batch, top_k=resolved.distillation_top_k, full_vocab=full_vocab)
