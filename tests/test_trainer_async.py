@@ -62,11 +62,19 @@ def test_one_step_off_grpo_raises_the_reward_on_samples_one_version_old_through_
     """one_step_off, with a trainer rank crashing in its third update and trainer.max_restarts=1 (one run for
     both: one Ray/vLLM start-up fewer in CI): the reward rises over the 16 steps, every sync proven, and each step
     trains on samples exactly one version old but the first after a (re)start, generated before anything
-    trained."""
+    trained. Also on-policy distillation by the full-vocabulary reverse KL (`full_reverse_kl`, a loss term mixed
+    with the reward at a small coefficient) from a teacher that is the initial student: step 1's update (one
+    optimizer step, the student still at its initial weights) measures it 0, it is a KL (never negative) every
+    step, and it grows as the student leaves the teacher; the restart rebuilds the teacher's group too."""
     run = tmp_path / "one_step_off"
     result = _train(CONFIG, demo_overrides(demo_assets, run, f"trainer.total_training_steps={STEPS}", *DISAGGREGATED,
                                            "actor_rollout_ref.rollout.async_mode=one_step_off",
-                                           "trainer.test_freq=8", *RESTART),
+                                           "trainer.test_freq=8", *RESTART,
+                                           "algorithm.distillation.enable=true",
+                                           "algorithm.distillation.task_reward=true",
+                                           "algorithm.distillation.loss=full_reverse_kl",
+                                           "algorithm.distillation.kl_coef=0.05",
+                                           f"teacher.model.path={demo_assets / 'model'}"),
                     env={faults.ENV: "update_actor:3:0"}, timeout=900)
     event, rows = _restarted_once(result, run)
     # the trainer rank and the rollout rank run at once on this one machine: each takes half its cores
@@ -80,6 +88,9 @@ def test_one_step_off_grpo_raises_the_reward_on_samples_one_version_old_through_
         assert row["async/staleness_mean"] == row["async/staleness_max"] == expected, (row["step"], fresh)
     # validation ran with the rollout parked (after steps 8 and 16)
     assert [r["step"] for r in rows if "val/score/mean" in r] == [8, 16]
+    kl = [r["distillation/full_reverse_kl"] for r in rows]
+    print("full-vocabulary reverse KL per step:", [round(k, 5) for k in kl])
+    assert abs(kl[0]) < 1e-6 and min(kl) > -1e-6 and _mean(rows[-4:], "distillation/full_reverse_kl") > 1e-3, kl
 
 
 def test_fully_async_grpo_raises_the_reward_within_the_staleness_bound_through_a_restart(demo_assets, tmp_path):

@@ -212,7 +212,8 @@ def test_distillation_loss_term_and_every_gradient_equal_transformers(models, tm
     config = distillation_config(student, teacher, student_layout=layout, teacher_layout=(1, 1),
                                  top_k=TOP_K if top_k else None, full_vocab=not top_k)
     config.actor_rollout_ref.actor.optim.clip_grad = 0.0  # the buffers must hold the unclipped gradient
-    batch = rollout_batch(8, seed=4, vocab=STUDENT["vocab_size"])
+    # GRPO groups: the update computes each shared prompt once, its response positions read their rows' targets
+    batch = rollout_batch(8, seed=4, vocab=STUDENT["vocab_size"], groups=[3, 3, 2])
     batch.meta["temperature"] = TEMPERATURE
     mask = batch["response_mask"].float()
     with torch.no_grad():
