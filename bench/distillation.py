@@ -2,15 +2,17 @@
 (`tools/make_distill_student.py`) distilled from SmolLM2-135M-Instruct on the arithmetic word problems, pure
 distillation (the reward logged, never trained on), 2 CPU ranks, greedy validation on 64 problems before the first
 step and after the last, with one `algorithm.distillation.loss` (`--loss`). Reads the run's metrics.jsonl and
-prints: the reverse KL per token (student - teacher log-prob of each sampled token) and, with top_k_forward_kl,
-the top-k loss over the first and the last steps, the greedy validation score before and after, the sampled reward
-of the first and last steps, the median step time and each phase's share (the teacher's pass among them), the wall
-time. Writes the run under its loss's name in bench/results/distillation.json (the other loss's run kept).
+prints: the reverse KL per token (student - teacher log-prob of each sampled token) and, with a loss term
+(top_k_forward_kl, full_reverse_kl), that term over the first and the last steps, the greedy validation score
+before and after, the sampled reward of the first and last steps, the median step time and each phase's share
+(the teacher's pass among them), the wall time. Writes the run under its loss's name in
+bench/results/distillation.json (the other losses' runs kept).
 
     make real-model && python tools/make_arith_data.py --out-dir data/arith --val-rows 64
     python tools/make_distill_student.py
     python bench/distillation.py --loss sampled_reverse_kl --steps 30
     python bench/distillation.py --loss top_k_forward_kl --steps 100
+    python bench/distillation.py --loss full_reverse_kl --steps 100
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from bench.train_runs import train  # noqa: E402
 
 CONFIG = "configs/examples/smollm2_distill.yaml"
 PHASES = ("gen", "old_log_prob", "teacher", "update_actor", "sync")
+LOSS_TERMS = ("top_k_forward_kl", "full_reverse_kl")  # a loss term of the update, logged as distillation/<loss>
 WINDOW = 5  # steps averaged at each end: single steps of 32 samples swing
 
 
@@ -45,9 +48,9 @@ def run(config: str, overrides: list[str], run_dir: Path) -> dict:
         "reverse_kl_per_token_first": mean("distillation/reverse_kl_per_token", steps[:WINDOW]),
         "reverse_kl_per_token_last": mean("distillation/reverse_kl_per_token", steps[-WINDOW:]),
         "reverse_kl_per_token_by_step": [round(r["distillation/reverse_kl_per_token"], 4) for r in steps],
-        **({"top_k_forward_kl_first": mean("distillation/top_k_forward_kl", steps[:WINDOW]),
-            "top_k_forward_kl_last": mean("distillation/top_k_forward_kl", steps[-WINDOW:])}
-           if "distillation/top_k_forward_kl" in steps[0] else {}),
+        **{f"{term}_{end}": mean(f"distillation/{term}", part)
+           for term in LOSS_TERMS if f"distillation/{term}" in steps[0]
+           for end, part in (("first", steps[:WINDOW]), ("last", steps[-WINDOW:]))},
         "val_greedy_before": validation[0]["val/score/mean"], "val_greedy_after": validation[-1]["val/score/mean"],
         "reward_first": mean("critic/score/mean", steps[:WINDOW]),
         "reward_last": mean("critic/score/mean", steps[-WINDOW:]),
@@ -68,7 +71,7 @@ def _config_lr(config: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=CONFIG)
-    parser.add_argument("--loss", choices=("sampled_reverse_kl", "top_k_forward_kl"), default="sampled_reverse_kl")
+    parser.add_argument("--loss", choices=("sampled_reverse_kl", *LOSS_TERMS), default="sampled_reverse_kl")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--lr", type=float, default=None, help="actor lr (default: the config's)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/distillation.json")
@@ -86,8 +89,9 @@ def main() -> None:
     print(f"greedy validation: {result['val_greedy_before']:.3f} before -> {result['val_greedy_after']:.3f} after")
     print(f"sampled reward (logged, not trained on): {result['reward_first']:.3f} -> {result['reward_last']:.3f}")
     print(f"median step {result['median_step_s']} s; shares {result['phase_share']}; wall {result['wall_s']} s")
-    if "top_k_forward_kl_first" in result:
-        print(f"top-k forward KL: {result['top_k_forward_kl_first']:.3f} -> {result['top_k_forward_kl_last']:.3f}")
+    for term in LOSS_TERMS:
+        if f"{term}_first" in result:
+            print(f"{term}: {result[f'{term}_first']:.3f} -> {result[f'{term}_last']:.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     runs = json.loads(args.out.read_text()) if args.out.is_file() else {}
     runs[args.loss] = result
