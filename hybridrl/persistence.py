@@ -242,3 +242,11 @@ def atomic_dir(target: str | Path, force: bool = False) -> Iterator[Path]:
     except BaseException:
         discard_staging_dir(staging)
         raise
+
+
+def write_folder(files: dict[str, bytes], folder: str | Path, *, force: bool = False) -> Path:
+    """`files` (name -> bytes) as the folder `folder`, written whole or not at all (`atomic_dir`)."""
+    with atomic_dir(folder, force=force) as staging:
+        for name, data in files.items():
+            (staging / name).write_bytes(data)
+    return Path(folder)

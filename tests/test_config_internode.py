@@ -138,6 +138,33 @@ def test_a_teacher_pool_is_on_nodes_of_its_own_after_the_rollout_pool():
     assert traffic.nodes == 3 and "teacher" not in traffic.phases
 
 
+def test_served_lora_adapters_move_the_adapter_alone_each_step():
+    """lora.merge=false: a step's sync moves the PEFT adapter, not the weights. Rank 8 on every target of the demo
+    (H 128, FFN 256, q 128 and k/v 64 rows), per layer in PEFT form: q A 8x128 + B 128x8, k and v A 8x128 + B 64x8
+    each, o 2 x 8x128, gate and up A 8x128 + B 256x8 each, down A 8x256 + B 128x8: 16,384 elements, x 4 layers x
+    4 B = 262,144 B. Disaggregated, trainer 2 nodes x 1 rank: training rank r ships it to rollout rank q = r (mod
+    2), so with two rollout ranks each training node sends it once, with one only node 0. Colocated at PP2 over 2
+    nodes: each stage's half is broadcast from its holder to the other node."""
+    from hybridrl.config.plan import plan_from_sources, served_adapter_bytes
+
+    adapter = 16_384 * LAYERS * 4
+    example = ROOT / "configs/examples/cpu_tiny_grpo.yaml"
+    served = ["actor_rollout_ref.model.path=configs/models/tiny-demo", "actor_rollout_ref.model.lora.rank=8",
+              "actor_rollout_ref.model.lora.merge=false", "trainer.nnodes=2", "trainer.n_gpus_per_node=1"]
+    apart = served + ["actor_rollout_ref.rollout.mode=disaggregated", "actor_rollout_ref.rollout.nnodes=1"]
+    two = plan_from_sources(example, [*apart, "actor_rollout_ref.rollout.n_gpus_per_node=2"])
+    assert served_adapter_bytes(two) == adapter
+    assert plan_internode_traffic(two).phases["sync"] == (adapter, adapter, 0)
+    one = plan_from_sources(example, [*apart, "actor_rollout_ref.rollout.n_gpus_per_node=1"])
+    assert plan_internode_traffic(one).phases["sync"] == (adapter, 0, 0)
+    pp2 = "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"
+    colocated = plan_from_sources(example, [*served, pp2])
+    assert plan_internode_traffic(colocated).phases["sync"] == (adapter / 2, adapter / 2)
+    # merged (lora.merge true): half the fp32 model from each training node, every step
+    merged = plan_from_sources(example, [*apart[:2], *apart[3:], "actor_rollout_ref.rollout.n_gpus_per_node=1"])
+    assert served_adapter_bytes(merged) == 0 and plan_internode_traffic(merged).phases["sync"][0] > 4 * adapter
+
+
 def test_the_performance_table_is_the_bench_result_file():
     results = json.loads((ROOT / "bench/results/internode_traffic.json").read_text())
     doc = (ROOT / "docs/performance.md").read_text()

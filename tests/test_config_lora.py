@@ -23,9 +23,6 @@ def _plan(*overrides: str):
 
 
 @pytest.mark.parametrize("overrides,field,phrase", [
-    ([f"{LORA}.rank=8", f"{LORA}.merge=false", "actor_rollout_ref.rollout.mode=disaggregated",
-      "actor_rollout_ref.rollout.n_gpus_per_node=1", "trainer.n_gpus_per_node=1"], f"{LORA}.merge",
-     "built for the colocated rollout"),
     ([f"{LORA}.rank=640", f"{LORA}.alpha=640", f"{LORA}.merge=false"], f"{LORA}.rank",
      "vLLM serves adapters of rank <= 512"),
     ([f"{LORA}.rank=8", f"{LORA}.type=canonical_lora", f"{LORA}.target_modules=[linear_qkv]"],
@@ -101,6 +98,10 @@ def test_a_merged_sync_in_fp32_gets_its_own_probe_tolerance():
     assert served.probe_tolerance == 1e-4 and served.serves_adapters and served.lora_rank == 8
     assert not _plan(f"{LORA}.rank=8").resolved.serves_adapters
     assert not _plan(f"{LORA}.merge=false").resolved.serves_adapters  # no adapters: nothing to serve
+    # and with a disaggregated rollout: the base crosses the pools once, then the adapter alone
+    apart = _plan(f"{LORA}.rank=8", f"{LORA}.merge=false", "actor_rollout_ref.rollout.mode=disaggregated",
+                  "actor_rollout_ref.rollout.n_gpus_per_node=1", "trainer.n_gpus_per_node=1").resolved
+    assert apart.serves_adapters and apart.disaggregated
 
 
 def test_the_performance_table_is_the_bench_result_file():

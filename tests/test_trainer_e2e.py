@@ -736,6 +736,44 @@ def test_lora_served_by_vllm_generates_from_the_adapters_and_each_sync_moves_the
     assert abs(kl[0]) < 1e-6 and kl[-1] > 1e-4, kl
 
 
+def test_lora_served_by_a_disaggregated_rollout_pool_moves_the_adapter_alone_across_the_pools(demo_assets, tmp_path):
+    """lora.merge=false with rollout.mode=disaggregated: the base crosses the pools once (at set-up), then each sync
+    ships the adapter alone, a PEFT folder from one training rank per rollout rank (the trainer at TP2 gathers it;
+    its two ranks serve the pool's two replicas, one each). Every step: the adapter's bytes are the plan's figure,
+    no weight bytes cross, each training rank sends and each rollout rank receives one payload; vLLM generates from
+    the trained policy (the rollout's log-probs equal the trainer's old-log-prob pass, <= 1e-4) while it moves away
+    from the base (the KL to the reference grows); every sync's digests and probe pass on both replicas."""
+    from hybridrl.config import plan_from_sources
+    from hybridrl.config.plan import lora_elements_per_layer
+
+    run = tmp_path / "run"
+    overrides = demo_overrides(
+        demo_assets, run, "trainer.total_training_steps=4", "actor_rollout_ref.model.lora.rank=64",
+        "actor_rollout_ref.model.lora.alpha=64", "actor_rollout_ref.model.lora.merge=false",
+        "actor_rollout_ref.actor.optim.lr=3e-3", "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.kl_loss_coef=0.01", "actor_rollout_ref.actor.old_log_prob=recompute",
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+        "actor_rollout_ref.rollout.mode=disaggregated", "actor_rollout_ref.rollout.n_gpus_per_node=2",
+        "trainer.n_gpus_per_node=2")
+    result = _train("configs/examples/cpu_tiny_grpo.yaml", overrides)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    plan = plan_from_sources("configs/examples/cpu_tiny_grpo.yaml", overrides)
+    lora, model = plan.config.actor_rollout_ref.model.lora, plan.model
+    adapter_bytes = 4 * lora_elements_per_layer(lora, model, 1, peft_form=True) * model.num_layers
+    rows = [r for r in _metrics(run) if "event" not in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for row in rows:
+        assert row["reshard/adapter_bytes"] == adapter_bytes, row
+        assert "reshard/rollout_bytes_received" not in row and "reshard/trainer_bytes_sent" not in row, row
+        # one payload (the PEFT folder and its header: a little over the tensors' bytes) per rollout rank
+        payload = row["reshard/rollout_adapter_bytes_received"]
+        assert row["reshard/trainer_adapter_bytes_sent"] == payload and adapter_bytes < payload < 1.1 * adapter_bytes
+        assert row["reshard/probe_max_abs_gap"] <= 1e-4 and row["reshard/probe_replicas"] == 2
+        assert row["rollout/log_prob_abs_diff_max"] <= 1e-4, row["rollout/log_prob_abs_diff_max"]
+    kl = [r["actor/kl_loss"] for r in rows]
+    assert abs(kl[0]) < 1e-6 and kl[-1] > 1e-4, kl
+
+
 def test_grpo_with_on_policy_distillation_raises_the_reward_and_the_teacher_kl_falls(demo_assets, tmp_path):
     """GRPO plus on-policy distillation (`algorithm.distillation.task_reward=true`, by the teacher's top-8 tokens at
     every position: `top_k_forward_kl`) from a teacher that knows the task (the demo model fine-tuned on it by

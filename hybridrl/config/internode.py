@@ -17,7 +17,11 @@ send to ranks on other nodes, for what a colocated (hybrid engine) step moves in
   `teacher.n_gpus_per_node` ranks each: its pipeline crosses between those nodes.
 - `sync`: what each rank receives in a weight sync (the plan's `reshard_traffic`, in vLLM's dtype) from the
   members of its micro-DP group on other nodes; with a disaggregated rollout, the whole cross-pool sync (the
-  rollout pool on nodes of its own), each training rank sending an even share.
+  rollout pool on nodes of its own), each training rank sending an even share. When vLLM serves a LoRA actor's
+  adapters (`lora.merge: false`) a step's sync moves the PEFT adapter alone (the base crossed once, at set-up):
+  colocated, each stage's part is broadcast from its first holder to every rank, so each other node receives it
+  once; disaggregated, training rank r ships the whole adapter to the rollout ranks q with q mod trainer_world = r
+  (`reshard.adapter_sync`).
 
 Not modelled (measured against this in tests/test_multi_host.py and named there): Ray's calls (the step's
 rows to the workers and their results back, with the controller on the head node: a teacher's log-probs among
@@ -32,9 +36,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from hybridrl.config.estimates import DTYPE_BYTES, embedding_params, stage_params
-from hybridrl.config.meshes import ReshardGroups, TrainingMesh
+from hybridrl.config.meshes import ReshardGroups, TrainingMesh, adapter_sender
 from hybridrl.config.model_shapes import role_model_shape
-from hybridrl.config.plan import Plan
+from hybridrl.config.plan import Plan, served_adapter_bytes
 from hybridrl.models.arch import ModelShape
 from hybridrl.names import TIMED_PHASES, Phase, Role
 
@@ -168,13 +172,28 @@ def _sync(role: RoleTraffic, stages: Sequence[float], groups: ReshardGroups, rec
                     out[node_of(member)] += received[rank] * weight / total
 
 
+def _adapter_broadcast(role: RoleTraffic, adapter_bytes: float, node_of: Callable[[int], int],
+                       out: list[float]) -> None:
+    """A colocated sync of served adapters: each pipeline stage's adapter (its share of the layers), gathered over
+    TP, is broadcast from its first holder (TP, DP and CP rank 0) to every rank: each other node receives it once."""
+    mesh, layers = role.mesh, role.shape.num_layers
+    layout = mesh.layout()
+    nodes = len({node_of(rank) for rank in range(mesh.world_size)})
+    for stage in range(mesh.pp):
+        share = sum(len(chunk.layers) for chunk in layout.chunks(layers, stage)) / layers
+        holder = node_of(mesh.rank_of(tp=0, cp=0, dp=0, pp=stage))
+        out[holder] += adapter_bytes * share * (nodes - 1)
+
+
 def internode_traffic(roles: Sequence[RoleTraffic], *, per_node: int,
                       sync: tuple[ReshardGroups, Sequence[int]] | None = None,
-                      cross_pool: tuple[float, int] | None = None) -> NodeTraffic:
+                      cross_pool: tuple[Sequence[float], int] | None = None,
+                      served_adapter_bytes: float = 0.0) -> NodeTraffic:
     """Bytes each node sends to the others per phase of a step; `per_node` ranks per node. The weight sync:
     colocated (`sync`), the actor's reshard groups and the bytes each rank receives (the actor: the role whose
-    update is `update_actor`); disaggregated (`cross_pool`), the bytes each training rank sends and the rollout
-    pool's nodes, which come after the training nodes (a pool of its own: every byte of the sync crosses)."""
+    update is `update_actor`), or with `served_adapter_bytes` (vLLM serves the adapters) the adapter's broadcast;
+    disaggregated (`cross_pool`), the bytes each training rank sends and the rollout pool's nodes, which come after
+    the training nodes (a pool of its own: every byte of the sync crosses)."""
     training = [role for role in roles if role.ranks_per_node is None]
     world = max(role.mesh.world_size for role in training)
     nodes = max([-(-world // per_node) + (cross_pool[1] if cross_pool else 0)]
@@ -200,11 +219,14 @@ def internode_traffic(roles: Sequence[RoleTraffic], *, per_node: int,
             for src, dst, per_token in hops:  # activations forward, their gradients back
                 out[src] += per_token * role.tokens * role.update_epochs
                 out[dst] += per_token * role.tokens * role.update_epochs
-            if sync is not None and role.phase_update == Phase.UPDATE_ACTOR:
-                _sync(role, grads, sync[0], sync[1], node_of, phase(Phase.SYNC))
+            if role.phase_update == Phase.UPDATE_ACTOR and cross_pool is None:
+                if served_adapter_bytes:
+                    _adapter_broadcast(role, served_adapter_bytes, node_of, phase(Phase.SYNC))
+                elif sync is not None:
+                    _sync(role, grads, sync[0], sync[1], node_of, phase(Phase.SYNC))
     if cross_pool is not None:
-        for rank in range(world):
-            phase(Phase.SYNC)[node_of(rank)] += cross_pool[0]
+        for rank, sent in enumerate(cross_pool[0]):
+            phase(Phase.SYNC)[node_of(rank)] += sent
     order = [str(name) for name in TIMED_PHASES]
     return NodeTraffic(nodes, {name: tuple(round(b) for b in phases[name])
                                for name in sorted(phases, key=lambda name: order.index(name))})
@@ -256,6 +278,13 @@ def plan_internode_traffic(plan: Plan, tokens: Mapping[str, float] | None = None
             optimizer_steps=update.optimizer_steps_per_step if update else 0,
             update_epochs=update.ppo_epochs if update else 0,
             tokens=(tokens or {}).get(layout.role, worst), first_node=pool[0], ranks_per_node=pool[1]))
+    adapter = served_adapter_bytes(plan)
+    cross_sent: list[float] = []
+    if cross:
+        trainers = plan.layout(Role.ACTOR).mesh.world_size
+        cross_sent = ([adapter * sum(adapter_sender(q, trainers) == r for q in range(resolved.rollout_world))
+                       for r in range(trainers)] if adapter else [cross.bytes_sent_even] * trainers)
     return internode_traffic(roles, per_node=per_node,
                              sync=(plan.reshard.groups, traffic.bytes_received) if traffic else None,
-                             cross_pool=(cross.bytes_sent_even, rollout_nodes) if cross else None)
+                             cross_pool=(cross_sent, rollout_nodes) if cross else None,
+                             served_adapter_bytes=adapter)

@@ -233,3 +233,9 @@ def build_pool_groups(rollout_world: int, infer_tp: int) -> ReshardGroups:
 
 def interval_overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
     return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
+def adapter_sender(rollout_rank: int, trainer_world: int) -> int:
+    """A disaggregated sync of served LoRA adapters (`reshard.adapter_sync`): the training rank (= its cross-pool
+    member) that ships the whole adapter to `rollout_rank`, so that the sends spread over the trainer pool."""
+    return rollout_rank % trainer_world

@@ -431,6 +431,16 @@ def lora_elements_per_layer(lora: LoraConfig, model: ModelShape, tp: int, peft_f
                                       peft_form=peft_form)
 
 
+def served_adapter_bytes(plan: Plan) -> int:
+    """What a sync moves when vLLM serves a LoRA actor's adapters (`lora.merge: false`): the PEFT adapter's fp32
+    tensors (a fused adapter's A once per projection), to every rollout rank; 0 when it does not."""
+    model = plan.model
+    if not plan.resolved.serves_adapters or model is None:
+        return 0
+    lora = plan.config.actor_rollout_ref.model.lora
+    return 4 * lora_elements_per_layer(lora, model, 1, peft_form=True) * model.num_layers
+
+
 def _gpu_memory(config: JobConfig, resolved: Resolved, policy: DevicePolicy, memories: tuple[TrainingMemory, ...],
                 layouts: tuple[RoleLayout, ...], *, utilization: float | None = None,
                 offload: dict[str, tuple[bool, bool]] | None = None) -> GpuMemoryPlan:

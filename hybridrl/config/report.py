@@ -8,7 +8,7 @@ from hybridrl.config.estimates import GpuMemoryPlan, StageBalance, shares_text, 
 from hybridrl.config.hardware import load_hardware
 from hybridrl.config.internode import plan_internode_traffic
 from hybridrl.config.meshes import TrainingMesh, expert_groups
-from hybridrl.config.plan import Plan, lora_elements_per_layer
+from hybridrl.config.plan import Plan, lora_elements_per_layer, served_adapter_bytes
 from hybridrl.config.resolve import MODEL_SECTIONS
 from hybridrl.config.search import Found, SearchResult, Sizing
 from hybridrl.config.step_time import StepTime, predict_step_time, seconds_text, step_time_line
@@ -124,10 +124,8 @@ def lora_line(plan: Plan) -> str:
     if plan.resolved.ref_enabled:
         line += "; the reference is the base with the adapters off (no second model)"
     if plan.resolved.serves_adapters:
-        moved = ""
-        if model is not None:  # the PEFT folder's tensors (a fused adapter's A once per projection), fp32
-            served = 4 * lora_elements_per_layer(lora, model, 1, peft_form=True) * model.num_layers
-            moved = f" ({served:,} bytes: the PEFT adapter, to every rollout rank)"
+        served = served_adapter_bytes(plan)
+        moved = f" ({served:,} bytes: the PEFT adapter, to every rollout rank)" if served else ""
         return line + ("; vLLM serves the adapters (merge false): the first sync writes the base as below, each "
                        f"later one moves the adapters alone{moved}")
     return line + "; each weight sync merges them into the served weights (W + alpha/rank B A)"

@@ -611,10 +611,6 @@ def _check_lora(check: _Checker, config: JobConfig, model: ModelShape | None) ->
         check.fail("actor_rollout_ref.ref.megatron.param_offload", True, f"with {LORA}.rank > 0 the reference is the "
                    "actor's own frozen base with the adapters off: it has no weights of its own to offload", [False])
     if lora.merge is False:
-        if config.actor_rollout_ref.rollout.mode == "disaggregated":
-            check.fail(f"{LORA}.merge", False, "vLLM serving the adapters is built for the colocated rollout; with "
-                       "actor_rollout_ref.rollout.mode=disaggregated the cross-pool sync sends merged weights: set "
-                       "true", [True])
         if isinstance(lora.rank, int) and lora.rank > VLLM_LORA_RANKS[-1]:
             check.fail(f"{LORA}.rank", lora.rank, f"vLLM serves adapters of rank <= {VLLM_LORA_RANKS[-1]}; with a "
                        f"higher rank set {LORA}.merge true (merged syncs)", [VLLM_LORA_RANKS[-1]])

@@ -420,27 +420,31 @@ def adapters_disabled(models: Sequence[nn.Module]) -> Iterator[None]:
             adapter.enabled = True
 
 
-def save_peft_adapter(state: dict[str, torch.Tensor], settings: LoraSettings, folder: str | Path, *,
-                      base_model: str = "", force: bool = False) -> Path:
-    """A Hugging Face PEFT adapter folder (`adapter_config.json`, `adapter_model.safetensors`) from `lora_state`'s
-    whole tensors, which `peft.PeftModel.from_pretrained` loads onto the transformers model; written whole or not
-    at all (a staging folder renamed into place)."""
+def peft_adapter_files(state: dict[str, torch.Tensor], settings: LoraSettings, *,
+                       base_model: str = "") -> dict[str, bytes]:
+    """A Hugging Face PEFT adapter folder's files (`adapter_config.json`, `adapter_model.safetensors`) from
+    `lora_state`'s whole tensors, as bytes: what `save_peft_adapter` writes, and what a disaggregated sync ships to
+    the rollout pool."""
     import json
 
-    from safetensors.torch import save_file
-
-    from hybridrl.persistence import atomic_dir
+    from safetensors.torch import save
 
     targets = sorted({name.split(".")[-3] for name in state})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
               "r": settings.rank, "lora_alpha": settings.alpha, "lora_dropout": settings.dropout,
               "target_modules": targets, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
               "use_dora": False, "init_lora_weights": True, "inference_mode": True}
-    with atomic_dir(folder, force=force) as staging:
-        save_file({k: v.contiguous() for k, v in state.items()}, str(staging / "adapter_model.safetensors"),
-                  metadata={"format": "pt"})
-        (staging / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return Path(folder)
+    return {"adapter_model.safetensors": save({k: v.contiguous() for k, v in state.items()}, metadata={"format": "pt"}),
+            "adapter_config.json": (json.dumps(config, indent=2) + "\n").encode()}
+
+
+def save_peft_adapter(state: dict[str, torch.Tensor], settings: LoraSettings, folder: str | Path, *,
+                      base_model: str = "", force: bool = False) -> Path:
+    """A Hugging Face PEFT adapter folder (`peft_adapter_files`), which `peft.PeftModel.from_pretrained` loads onto the
+    transformers model; written whole or not at all."""
+    from hybridrl.persistence import write_folder
+
+    return write_folder(peft_adapter_files(state, settings, base_model=base_model), folder, force=force)
 
 
 def _read_peft_folder(folder: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:

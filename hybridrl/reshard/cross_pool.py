@@ -102,12 +102,13 @@ class _Member:
 
 
 class CrossPoolSender(_Member):
-    """A training rank's side: sends the ranges of its megatron chunks the plan gives it."""
+    """A training rank's side: sends the ranges of its megatron chunks the plan gives it (a LoRA model's weights
+    with its adapters merged in, or, `merge_adapters=False`, its frozen base alone: vLLM serves the adapters)."""
 
     def __init__(self, models: Sequence[Any], layout: CrossPoolLayout, group: Any, *, rank: int,
                  dtype: torch.dtype | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 keep_buffers: bool = False) -> None:
-        sources = training_sources(models, layout.mesh, rank)
+                 keep_buffers: bool = False, merge_adapters: bool = True) -> None:
+        sources = training_sources(models, layout.mesh, rank, merge_adapters=merge_adapters)
         if sources.ep != layout.ep:
             raise ValueError(f"rank {rank}: the model was built at EP {sources.ep}, the layout says {layout.ep}")
         super().__init__(sources.shape, layout, group, rank, dtype or sources.params_dtype, bucket_bytes, keep_buffers)

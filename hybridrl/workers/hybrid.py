@@ -32,12 +32,8 @@ reduces to the worst rank: the figure that decides whether a step fits.
 """
 from __future__ import annotations
 
-import atexit
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,20 +41,19 @@ import torch
 from hybridrl.config.plan import Plan
 from hybridrl.controller.base_worker import RankContext
 from hybridrl.data.batch import Batch
-from hybridrl.models.lora import lora_adapters, save_peft_adapter
+from hybridrl.models.lora import save_peft_adapter
 from hybridrl.names import Phase, Role
 from hybridrl.parallel.device import default_dtype_for
-from hybridrl.reshard.adapter_sync import gather_whole_adapters, served_adapter_digests
 from hybridrl.reshard.checksums import verify_checksums
 from hybridrl.reshard.resharder import ReshardConfig, Resharder
 from hybridrl.rollout.agent_loop import AgentLoop
 from hybridrl.rollout.engine import RolloutEngine
 from hybridrl.rollout.sampling import RolloutSampling
-from hybridrl.training.actor import MegatronActor
 from hybridrl.workers import faults
 from hybridrl.workers.generation import agent_loop_for, engine_config, generate_rows
 from hybridrl.workers.policy import PolicyWorker
 from hybridrl.workers.probe import RARE_TOKEN_PROBE, ProbeSequence, WeightSyncError, probe_gap_of
+from hybridrl.workers.served_adapter import ServedAdapters
 
 
 @dataclass(frozen=True)
@@ -82,15 +77,12 @@ class HybridEngineWorker(PolicyWorker):
         self.agent: AgentLoop | None = None  # the agent loop, when rollout.multi_turn is enabled (built in setup)
         self.probe: ProbeSequence = RARE_TOKEN_PROBE  # what every sync scores (bench/probe_gap.py swaps it)
         # lora.merge false: vLLM serves the adapters; its base weights are written by the first sync alone
-        self.adapter_dir: Path | None = None
+        self.served_adapters: ServedAdapters | None = None
         self.base_in_vllm = False
 
     # the parts `setup` builds, for the calls that come after it
     def _engine(self) -> RolloutEngine:
         return self._require(self.rollout, "the rollout engine")
-
-    def _built_actor(self) -> MegatronActor:
-        return self._require(self.actor, "the actor")
 
     def _built_resharder(self) -> Resharder:
         return self._require(self.resharder, "the resharder")
@@ -121,8 +113,7 @@ class HybridEngineWorker(PolicyWorker):
                                                         keep_buffers=plan.device_policy.reshard_keeps_buffers,
                                                         merge_adapters=not plan.resolved.serves_adapters))
         if plan.resolved.serves_adapters:  # this rank's folder for the adapter vLLM loads at each sync
-            self.adapter_dir = Path(tempfile.mkdtemp(prefix=f"hybridrl-adapter-rank{self.rank}-"))
-            atexit.register(shutil.rmtree, self.adapter_dir, True)
+            self.served_adapters = ServedAdapters(self.rank)
         self.agent = agent_loop_for(plan, self._engine())
         sync = self.sync_weights()
         return {"setup_s": time.perf_counter() - started, "rollout_build_s": self._engine().build_seconds,
@@ -167,8 +158,8 @@ class HybridEngineWorker(PolicyWorker):
         metrics = {} if self.base_in_vllm else self._sync_base()
         self._release()
         self._engine().wake_up(tags=["kv_cache"])
-        if self.adapter_dir is not None:
-            metrics.update(self._sync_adapter())
+        if self.served_adapters is not None:
+            metrics.update(self._sync_adapter(self.served_adapters))
         self.syncs += 1
         gap = self.prove_by_probe()
         metrics.update({"reshard/probe_max_abs_gap": gap, "reshard/probe_replicas": float(len(self.replica_probe_gaps)),
@@ -192,25 +183,15 @@ class HybridEngineWorker(PolicyWorker):
         self.base_in_vllm = self.plan.resolved.serves_adapters  # a merged sync rewrites the weights every time
         return report.as_metrics()
 
-    def _sync_adapter(self) -> dict[str, float]:
+    def _sync_adapter(self, served: ServedAdapters) -> dict[str, float]:
         """vLLM serves the actor's current adapters (`reshard.adapter_sync`), proven by the digests of what its
         LoRA manager loaded."""
         started = time.perf_counter()
-        backend = self._built_actor().backend
-        settings = backend.spec.lora
-        sync = gather_whole_adapters(lora_adapters(backend.chunks), backend.ctx)
-        folder = save_peft_adapter(sync.state, settings, self.adapter_dir / f"v{self.syncs}",
+        sync, digests = self._whole_adapter()
+        settings = self._require(self._built_actor().backend.spec.lora, "the actor's LoRA settings")
+        folder = save_peft_adapter(sync.state, settings, served.next_folder(),
                                    base_model=self.plan.config.actor_rollout_ref.model.path, force=True)
-        self._engine().serve_adapter(folder, version=self.syncs)
-        for old in self.adapter_dir.iterdir():  # vLLM holds the adapter it loaded: earlier folders can go
-            if old != folder:
-                shutil.rmtree(old, ignore_errors=True)
-        dtype = default_dtype_for(self.plan.resolved.device, self.plan.resolved.rollout_dtype)
-        try:
-            verify_checksums(served_adapter_digests(sync.state, settings.scaling, dtype),
-                             self._engine().adapter_digests(), self.rank)
-        except Exception as exc:
-            raise WeightSyncError(f"sync {self.syncs} (adapter): {exc}") from exc
+        served.serve(self._engine(), folder, digests, f"sync {self.syncs}")
         return {"reshard/adapter_bytes": float(sync.adapter_bytes),
                 "reshard/adapter_bytes_received": float(sync.bytes_received),
                 "timing_s/sync_adapter": time.perf_counter() - started}

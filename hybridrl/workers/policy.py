@@ -5,7 +5,8 @@
                                weight probe's trainer-side log-probs
     DisaggregatedPolicyWorker  a PolicyWorker on the trainer pool of `rollout.mode: disaggregated`: it
                                sends its weights across the pools (`reshard.cross_pool`) to the
-                               `RolloutWorker`s after each update
+                               `RolloutWorker`s after each update (with `lora.merge: false`, the base
+                               once and then its adapter alone: `reshard.adapter_sync`)
 
 `HybridEngineWorker` (`workers/hybrid.py`) is the other PolicyWorker: vLLM in the same processes.
 The trainer calls the training methods through `PolicyWorker` (`PolicyWorker.update_actor`), which
@@ -23,10 +24,18 @@ from hybridrl.config.plan import Plan
 from hybridrl.controller.base_worker import RankContext
 from hybridrl.data.batch import Batch
 from hybridrl.data.tokenizer import model_folder_pad_token_id
+from hybridrl.models.lora import lora_adapters, peft_adapter_files
 from hybridrl.names import Phase
 from hybridrl.parallel.cross_group import CrossGroup, CrossGroupAddress, open_store
-from hybridrl.parallel.device import default_dtype_for
+from hybridrl.parallel.device import default_dtype_for, rank_device
 from hybridrl.parallel.memory import memory_metrics
+from hybridrl.reshard.adapter_sync import (
+    AdapterSync,
+    ShippedAdapter,
+    gather_whole_adapters,
+    send_adapter,
+    served_adapter_digests,
+)
 from hybridrl.reshard.cross_pool import CrossPoolSender
 from hybridrl.training.actor import PolicyUpdateMetrics
 from hybridrl.workers import faults
@@ -61,6 +70,15 @@ class PolicyWorker(ActorRolloutRefWorker):
         self._record_memory("update_after")
         return metrics
 
+    def _whole_adapter(self) -> tuple[AdapterSync, dict[str, str]]:
+        """The actor's whole adapter on every rank (collective over the actor's world: `gather_whole_adapters`) and
+        the digests vLLM must hold once it serves it (in the rollout's dtype, alpha / rank folded into B)."""
+        backend = self._built_actor().backend
+        sync = gather_whole_adapters(lora_adapters(backend.chunks), backend.ctx)
+        dtype = default_dtype_for(self.plan.resolved.device, self.plan.resolved.rollout_dtype)
+        settings = self._require(backend.spec.lora, "the actor's LoRA settings")
+        return sync, served_adapter_digests(sync.state, settings.scaling, dtype)
+
     def probe_log_probs(self, sequence: ProbeSequence = RARE_TOKEN_PROBE) -> list[float]:
         """The actor's log-probs of the weight probe's response (`workers.probe`), on every rank.
         Collective over the actor's ranks (the pipeline schedule is)."""
@@ -82,6 +100,7 @@ class DisaggregatedPolicyWorker(PolicyWorker):
         self.sender: CrossPoolSender | None = None
         self._store: Any = None
         self.version = 0  # weight versions sent so far (0: the model folder's)
+        self.base_sent = False  # lora.merge false: the frozen base crosses once, then the adapter alone
 
     def setup(self, total_training_steps: int | None = None) -> dict[str, Any]:
         started = time.perf_counter()
@@ -104,9 +123,10 @@ class DisaggregatedPolicyWorker(PolicyWorker):
                            self.plan.config.trainer.nccl_timeout_s, store=self._store)
         plan = self.plan
         self.sender = CrossPoolSender(
-            self.actor.backend.chunks, cross_pool_layout(plan), group, rank=self.rank,
+            self._built_actor().backend.chunks, cross_pool_layout(plan), group, rank=self.rank,
             dtype=default_dtype_for(plan.resolved.device, plan.resolved.rollout_dtype),
-            bucket_bytes=plan.resolved.sync_bucket_bytes, keep_buffers=plan.device_policy.reshard_keeps_buffers)
+            bucket_bytes=plan.resolved.sync_bucket_bytes, keep_buffers=plan.device_policy.reshard_keeps_buffers,
+            merge_adapters=not plan.resolved.serves_adapters)
 
     def send_weights(self, version: int) -> dict[str, Any]:
         """Send this rank's share of the weights (collective with every rollout rank's
@@ -116,10 +136,24 @@ class DisaggregatedPolicyWorker(PolicyWorker):
             raise RuntimeError(f"trainer rank {self.rank}: join_weight_sync was not called")
         started = time.perf_counter()
         self._record_memory("sync_before")
-        report = self.sender.send()
+        metrics: dict[str, float] = {}
+        if not self.base_sent:
+            metrics.update(self.sender.send().as_metrics("reshard/trainer_"))
+            self.base_sent = self.plan.resolved.serves_adapters  # merged weights cross at every sync
+        if self.plan.resolved.serves_adapters:
+            metrics.update(self._send_adapter(self.sender.group))
         self.version = version
-        metrics = {**report.as_metrics("reshard/trainer_"), "timing_s/sync_send": time.perf_counter() - started}
+        metrics["timing_s/sync_send"] = time.perf_counter() - started
         probe = self.probe_log_probs()
         self._record_memory("sync_after")
         metrics.update(self.take_phase_memory())
         return {"metrics": metrics, "probe": probe}
+
+    def _send_adapter(self, group: CrossGroup) -> dict[str, float]:
+        """The actor's whole adapter as a PEFT folder to the rollout ranks this rank serves (`send_adapter`)."""
+        sync, digests = self._whole_adapter()
+        settings = self._require(self._built_actor().backend.spec.lora, "the actor's LoRA settings")
+        files = peft_adapter_files(sync.state, settings, base_model=self.plan.config.actor_rollout_ref.model.path)
+        sent = send_adapter(group, ShippedAdapter(files, digests, sync.adapter_bytes), rank=self.rank,
+                            device=rank_device(self.plan.resolved.device))
+        return {"reshard/trainer_adapter_bytes_sent": float(sent), "reshard/adapter_bytes": float(sync.adapter_bytes)}

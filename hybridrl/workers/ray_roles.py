@@ -122,6 +122,9 @@ class ActorRolloutRefWorker(MegatronWorker):
         """Seam for the rollout engine built in this process by `hybridrl.rollout`."""
         self.rollout = rollout
 
+    def _built_actor(self) -> MegatronActor:
+        return self._require(self.actor, "the actor")
+
     def _ready_actor(self) -> MegatronActor:
         """The actor, its parameters on the device (back from the host with megatron.param_offload: every call
         that reads them starts here)."""

@@ -6,7 +6,9 @@ consecutive ranks, `config.meshes.build_pool_groups`) and no megatron model. Wei
 cross-pool group (`parallel.cross_group`) from the training ranks that hold them
 (`reshard.cross_pool`), and every sync is proven as in the hybrid engine: the digest of each tensor
 received must equal what vLLM then holds, and each replica's log-probs of the weight probe must match
-the trainer's (`workers.probe`).
+the trainer's (`workers.probe`). With a LoRA actor whose adapters vLLM serves (`lora.merge: false`) the first
+sync brings the frozen base and every sync the current adapter, a PEFT folder shipped by one training rank
+(`reshard.adapter_sync`), loaded as a new adapter id and proven by the digests the trainer computed of it.
 
 Methods the controller calls (all ranks at once): setup, rollout_coords, join_weight_sync,
 receive_weights, probe_gap, generate_sequences (rollout mesh), and the streaming calls of
@@ -25,6 +27,8 @@ from hybridrl.data.batch import Batch
 from hybridrl.names import Phase, Role
 from hybridrl.parallel.cross_group import CrossGroup, CrossGroupAddress
 from hybridrl.parallel.device import default_dtype_for, release_cached_blocks, vllm_device
+from hybridrl.persistence import write_folder
+from hybridrl.reshard.adapter_sync import receive_adapter
 from hybridrl.reshard.checksums import verify_checksums
 from hybridrl.reshard.cross_pool import CrossPoolReceiver
 from hybridrl.reshard.cross_pool_plan import CrossPoolLayout
@@ -41,6 +45,7 @@ from hybridrl.workers.generation import (
     generate_rows,
 )
 from hybridrl.workers.probe import WeightSyncError, probe_gap_of
+from hybridrl.workers.served_adapter import ServedAdapters
 
 
 def cross_pool_layout(plan: Plan) -> CrossPoolLayout:
@@ -65,6 +70,9 @@ class RolloutWorker(Worker):
         self.stream: ContinuousGeneration | None = None
         self.version = 0  # the policy version vLLM serves (0: the model folder's weights)
         self.phase_memory: dict[str, float] = {}
+        # lora.merge false: where the adapters vLLM serves are written; whether the frozen base is in vLLM yet
+        self.served_adapters = ServedAdapters(self.rank) if plan.resolved.serves_adapters else None
+        self.base_received = False
 
     # the parts `setup` builds, for the calls that come after it
     def _engine(self) -> RolloutEngine:
@@ -108,11 +116,25 @@ class RolloutWorker(Worker):
         if self.receiver is None:
             raise RuntimeError(f"rollout rank {self.rank}: join_weight_sync was not called")
         started = time.perf_counter()
+        metrics: dict[str, float] = {}
+        if not self.base_received:
+            metrics.update(self._receive_base(version))
+            self.base_received = self.served_adapters is not None  # merged weights cross at every sync
+        if self.served_adapters is not None:
+            metrics.update(self._receive_adapter(self.served_adapters, version))
+        self.version = version
+        return {**metrics, "timing_s/sync_receive": time.perf_counter() - started}
+
+    def _receive_base(self, version: int) -> dict[str, float]:
+        """The cross-pool sync of the weights (the adapters merged in, or the frozen base once when vLLM serves
+        them), proven by the digests of what vLLM holds; the first also against what vLLM's own loader made of the
+        model folder."""
+        receiver = self._require(self.receiver, "the cross-pool receiver")
         self._engine().wake_up(tags=["weights"])
-        self._engine().update_weights(self.receiver.shards(), weight_format="vllm_shard")
+        self._engine().update_weights(receiver.shards(), weight_format="vllm_shard")
         release_cached_blocks(self.plan.resolved.device)
         self._engine().wake_up(tags=["kv_cache"])
-        report = self.receiver.last_report
+        report = receiver.last_report
         try:
             if self._loader_digests is not None:  # the first sync: the folder's weights, laid out by us
                 verify_checksums(report.checksums, self._loader_digests, self.rank, ignore_extra=True)
@@ -120,8 +142,16 @@ class RolloutWorker(Worker):
             verify_checksums(report.checksums, self._engine().parameter_digests(), self.rank, ignore_extra=True)
         except Exception as exc:  # the error names tensors and rank; keep its type for the controller
             raise WeightSyncError(f"sync to version {version}: {exc}") from exc
-        self.version = version
-        return {**report.as_metrics("reshard/rollout_"), "timing_s/sync_receive": time.perf_counter() - started}
+        return report.as_metrics("reshard/rollout_")
+
+    def _receive_adapter(self, served: ServedAdapters, version: int) -> dict[str, float]:
+        """The actor's adapter from the training rank that ships it, served by vLLM from now on and proven."""
+        receiver = self._require(self.receiver, "the cross-pool receiver")
+        adapter, received = receive_adapter(receiver.group, rollout_rank=self.rank, device=receiver.device)
+        folder = write_folder(adapter.files, served.next_folder(), force=True)
+        served.serve(self._engine(), folder, adapter.digests, f"sync to version {version}")
+        return {"reshard/rollout_adapter_bytes_received": float(received),
+                "reshard/adapter_bytes": float(adapter.adapter_bytes)}
 
     def probe_gap(self, trainer_log_probs: list[float], tolerance: float) -> float | None:
         """This replica's probe gap against the trainer's log-probs (TP rank 0; None elsewhere); raises
