@@ -27,6 +27,7 @@ from hybridrl.config.megatron_fields import (
     OPTIMIZER_CONFIG_FIELDS,
     TRANSFORMER_CONFIG_FIELDS,
 )
+from hybridrl.config.refusals import LORA, check_refusals
 from hybridrl.config.resolve import (
     MODEL_SECTIONS,
     Resolved,
@@ -46,7 +47,7 @@ from hybridrl.config.schema import (
     RolloutCorrectionConfig,
     closed_fields,
 )
-from hybridrl.models.arch import DEFAULT_VOCAB_DIVISOR, ModelShape
+from hybridrl.models.arch import ModelShape
 from hybridrl.models.layout import ParallelLayout
 from hybridrl.models.lora_targets import TARGETS, VLLM_LORA_RANKS
 from hybridrl.models.vllm_layout import vllm_padded_vocab
@@ -163,6 +164,7 @@ def validate(
     rollout_world = _check_rollout_placement(check, config, resolved, world)
     infer_dp = _check_rollout_layout(check, config, rollout_world, model, pool=resolved.disaggregated)
     _check_unsupported(check, config, model)
+    check_refusals(config, check.issues)  # settings one field decides, as one table (config/refusals.py)
     _check_shared_prefix(check, config, resolved, model)
     _check_moe_dispatch(check, config, model)
     _check_expert_tp_uses(check, config)
@@ -559,17 +561,8 @@ def _check_router_replay(check: _Checker, config: JobConfig, model: ModelShape |
                    "which CUDA graphs captured at start-up would bypass", [True])
 
 
-LORA = "actor_rollout_ref.model.lora"
-
-
 def _check_lora(check: _Checker, config: JobConfig, model: ModelShape | None) -> None:
     """LoRA adapters on the actor (`hybridrl.models.lora`): verl's settings, and what is not built yet refused."""
-    for prefix, section in (("critic.model.lora", config.critic.model.lora),
-                            ("reward_model.model.lora", config.reward_model.model.lora),
-                            ("teacher.model.lora", config.teacher.model.lora)):
-        if section.rank != 0:
-            check.fail(f"{prefix}.rank", section.rank, "LoRA adapts the actor only (actor_rollout_ref.model.lora); "
-                       "the critic trains its whole model, the reward model and the teacher score with theirs", [0])
     lora = config.actor_rollout_ref.model.lora
     if not check.is_int_at_least(f"{LORA}.rank", lora.rank, 0) or lora.rank == 0:
         return
@@ -590,16 +583,6 @@ def _check_lora(check: _Checker, config: JobConfig, model: ModelShape | None) ->
         elif not lora.target_modules and set(lora.exclude_modules) >= set(valid):
             check.fail(f"{LORA}.target_modules", lora.target_modules, "adapts nothing: name the layers to adapt",
                        valid)
-    refused = [("dropout_position", lora.dropout_position, "pre", "dropout after the adapter (post) is not built"),
-               ("dtype", lora.dtype, "fp32", "adapters train in fp32 (null or fp32); lower precision is not built"),
-               ("a2a_experimental", lora.a2a_experimental, False, "Megatron-Bridge's all-to-all adapters are not "
-                "built"),
-               ("freeze_vision_model", lora.freeze_vision_model, True, "hybridrl trains text models (no vision "
-                "tower)"),
-               ("freeze_vision_projection", lora.freeze_vision_projection, True, "hybridrl trains text models")]
-    for name, value, ok, why in refused:
-        if value != ok and not (name == "dtype" and value is None):
-            check.fail(f"{LORA}.{name}", value, why, [ok])
     if model is not None and model.is_moe:
         check.fail(f"{LORA}.rank", lora.rank, f"adapters on a mixture-of-experts model ({model.architecture}: its "
                    "experts) are not built yet; set 0 to train the whole model", [0])
@@ -658,18 +641,6 @@ def _check_unsupported(check: _Checker, config: JobConfig, model: ModelShape | N
         cp = mc.context_parallel_size
         if isinstance(cp, int) and not isinstance(cp, bool) and cp > 1:
             _check_context_parallel(check, config, prefix, mc, cp, policy)
-        if mc.make_vocab_size_divisible_by != DEFAULT_VOCAB_DIVISOR:
-            check.fail(f"{prefix}.make_vocab_size_divisible_by", mc.make_vocab_size_divisible_by,
-                       f"is fixed: the model bridge and checkpoints pad the vocabulary to a multiple of "
-                       f"{DEFAULT_VOCAB_DIVISOR} × TP; only {DEFAULT_VOCAB_DIVISOR} is supported",
-                       [DEFAULT_VOCAB_DIVISOR])
-        if prefix.startswith(("actor_rollout_ref.ref", "reward_model", "teacher")):
-            role = {"actor_rollout_ref": "reference policy", "reward_model": "reward model",
-                    "teacher": "teacher"}[prefix.split(".")[0]]
-            for name, what in (("optimizer_offload", "optimizer"), ("grad_offload", "gradients")):
-                if getattr(mc, name):
-                    check.fail(f"{prefix}.{name}", True, f"has no effect: the {role} is frozen (no {what})",
-                               [False])
     if arr.ref.megatron is not None:
         actor = arr.actor.megatron
         for name in REF_SHARES_WITH_ACTOR:
@@ -689,41 +660,6 @@ def _check_unsupported(check: _Checker, config: JobConfig, model: ModelShape | N
     elif arr.rollout.multi_turn.enable is not False:
         check.fail("actor_rollout_ref.rollout.multi_turn.enable", arr.rollout.multi_turn.enable, "must be a boolean",
                    [True, False])
-    else:
-        tr = arr.rollout.multi_turn.turn_reward
-        for name, value, default in (("tool_error_penalty", tr.tool_error_penalty, 0.0), ("path", tr.path, None)):
-            if value != default:  # per-turn rewards exist only in multi-turn rollouts: never dropped silently
-                check.fail(f"actor_rollout_ref.rollout.multi_turn.turn_reward.{name}", value,
-                           "has no effect while actor_rollout_ref.rollout.multi_turn.enable=false (per-turn rewards "
-                           "are given to the turns of multi-turn rollouts); enable multi_turn or leave it unset",
-                           [default])
-    if arr.rollout.calculate_log_probs is not True:
-        check.fail("actor_rollout_ref.rollout.calculate_log_probs", arr.rollout.calculate_log_probs,
-                   "cannot be turned off: the rollout always returns its log-probs (the trainer measures the "
-                   "rollout-vs-trainer gap with them); only true is supported", [True])
-    for section, role_model in (("critic", config.critic.model), ("reward_model", config.reward_model.model),
-                                ("teacher", config.teacher.model)):
-        if role_model.tokenizer_path is not None:
-            check.fail(f"{section}.model.tokenizer_path", role_model.tokenizer_path,
-                       f"is not supported: the {section.replace('_', ' ')} reads the policy's token ids, so it "
-                       "uses the policy's tokenizer; leave it null", [None])
-        if role_model.trust_remote_code:
-            check.fail(f"{section}.model.trust_remote_code", True,
-                       f"has no effect: the {section.replace('_', ' ')} is built from config.json and safetensors "
-                       "by the model bridge, which runs no code from the model folder", [False])
-    for section, role_model in (("reward_model", config.reward_model.model), ("teacher", config.teacher.model)):
-        if role_model.enable_gradient_checkpointing:
-            check.fail(f"{section}.model.enable_gradient_checkpointing", True,
-                       f"has no effect: the {section.replace('_', ' ')} is frozen (forward only, nothing to "
-                       "recompute)", [False])
-    if policy is not None and not policy.vllm_kv_cache_from_plan and arr.rollout.cpu_kv_cache_gib is not None:
-        check.fail("actor_rollout_ref.rollout.cpu_kv_cache_gib", arr.rollout.cpu_kv_cache_gib,
-                   "applies on trainer.device=cpu only: on cuda vLLM sizes its KV cache from "
-                   "gpu_memory_utilization; leave it null", [None])
-    if policy is not None and not policy.vllm_honours_enforce_eager and arr.rollout.enforce_eager is False:
-        check.fail("actor_rollout_ref.rollout.enforce_eager", arr.rollout.enforce_eager,
-                   "has no effect on trainer.device=cpu (CUDA graphs are a GPU feature): vLLM runs eagerly on "
-                   "CPU; leave it null (or true)", [None, True])
     if policy is not None and not policy.vllm_chunked_prefill:
         budget, lengths = arr.rollout.max_num_batched_tokens, (config.data.max_prompt_length,
                                                                config.data.max_response_length)
