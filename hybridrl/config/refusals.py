@@ -44,23 +44,13 @@ def field_value(config: JobConfig, path: str) -> object:
     return functools.reduce(getattr, path.split("."), config)
 
 
-def honours(value: object, allowed: object) -> bool:
-    """Whether `value` is `allowed` as the workers read it: None only as None, a bool only as that bool (1 is not
-    True), numbers by value (0 and 0.0 alike)."""
-    if value is None or allowed is None:
-        return value is allowed
-    if isinstance(value, bool) or isinstance(allowed, bool):
-        return type(value) is type(allowed) and value == allowed
-    return value == allowed
-
-
 def check_refusals(config: JobConfig, issues: list[ConfigIssue]) -> None:
     """Append a `ConfigIssue` for every rule of `REFUSALS` the job breaks."""
     for rule in REFUSALS:
         if not rule.applies(config):
             continue
         value = field_value(config, rule.field)
-        if not any(honours(value, allowed) for allowed in rule.honoured):
+        if value not in rule.honoured:  # the loader has checked the field's type
             valid = rule.honoured if rule.valid is None else rule.valid
             issues.append(ConfigIssue(rule.field, value, rule.reason, valid))
 
