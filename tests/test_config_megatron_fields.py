@@ -14,8 +14,8 @@ import pytest
 
 from hybridrl.config.errors import ConfigError
 from hybridrl.config.megatron_fields import TRANSFORMER_CONFIG_FIELDS
+from hybridrl.config.megatron_rules import TRANSFORMER_FIELDS_SET_BY
 from hybridrl.config.plan import plan_from_sources
-from hybridrl.config.validate import TRANSFORMER_FIELDS_SET_BY
 from hybridrl.config.verl_keys import VERL_KEYS, Alias, Restates
 from hybridrl.models.arch import ModelShape
 from tools.megatron_fields import render

@@ -41,6 +41,7 @@ from hybridrl.config.estimates import (
 )
 from hybridrl.config.inputs import LAYOUT_ONLY_HINT, check_inputs, resolve_hub_ids
 from hybridrl.config.loader import CONFIG_FILE, config_from_dict, config_to_dict, load_config_collecting
+from hybridrl.config.megatron_rules import MEGATRON_SPLIT_FLAGS, megatron_sections
 from hybridrl.config.megatron_verdict import megatron_refusal, role_transformer_settings
 from hybridrl.config.meshes import (
     ReshardGroups,
@@ -59,7 +60,7 @@ from hybridrl.config.resolve import (
     role_megatron_field,
 )
 from hybridrl.config.schema import JobConfig, LoraConfig, MegatronConfig
-from hybridrl.config.validate import MEGATRON_SPLIT_FLAGS, megatron_sections, validate
+from hybridrl.config.validate import validate
 from hybridrl.models.arch import ModelShape
 from hybridrl.models.lora_targets import adapter_elements_per_layer
 from hybridrl.names import Phase, Role

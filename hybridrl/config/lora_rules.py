@@ -1,0 +1,47 @@
+"""The rules of LoRA adapters on the actor at plan time (`actor_rollout_ref.model.lora`, verl's keys); the
+unbuilt options a single field decides are in `config.refusals`. Torch-free; called by `config.validate`."""
+from __future__ import annotations
+
+from hybridrl.config.checker import Checker
+from hybridrl.config.refusals import LORA
+from hybridrl.config.schema import JobConfig
+from hybridrl.models.arch import ModelShape
+from hybridrl.models.lora_targets import TARGETS, VLLM_LORA_RANKS
+
+
+def check_lora(check: Checker, config: JobConfig, model: ModelShape | None) -> None:
+    """LoRA adapters on the actor (`hybridrl.models.lora`): verl's settings, and what is not built yet refused."""
+    lora = config.actor_rollout_ref.model.lora
+    if not check.is_int_at_least(f"{LORA}.rank", lora.rank, 0) or lora.rank == 0:
+        return
+    check.in_range(f"{LORA}.alpha", lora.alpha, 0.0, float("inf"), low_open=True)
+    check.in_range(f"{LORA}.dropout", lora.dropout, 0.0, 1.0, high_open=True)
+    valid = list(TARGETS.get(lora.type, {}))
+    if valid:
+        for field, names in ((f"{LORA}.target_modules", lora.target_modules),
+                             (f"{LORA}.exclude_modules", lora.exclude_modules)):
+            for name in names:
+                if "*" in str(name) or "." in str(name):
+                    check.fail(field, name, "per-layer patterns are not supported yet: name whole layer kinds", valid)
+                else:
+                    check.one_of(field, name, valid, f"{lora.type} target")
+        if lora.exclude_modules and lora.target_modules:
+            check.fail(f"{LORA}.exclude_modules", lora.exclude_modules,
+                       "needs target_modules empty (adapt every layer kind but these), as in verl", [])
+        elif not lora.target_modules and set(lora.exclude_modules) >= set(valid):
+            check.fail(f"{LORA}.target_modules", lora.target_modules, "adapts nothing: name the layers to adapt",
+                       valid)
+    if model is not None and model.is_moe:
+        check.fail(f"{LORA}.rank", lora.rank, f"adapters on a mixture-of-experts model ({model.architecture}: its "
+                   "experts) are not built yet; set 0 to train the whole model", [0])
+    if config.trainer.device == "cuda":
+        check.fail(f"{LORA}.rank", lora.rank, "adapters on cuda are not built yet: TransformerEngine's layers fuse "
+                   "the norm into linear_qkv and linear_fc1, whose adapters need the normed input; set 0", [0])
+    ref = config.actor_rollout_ref.ref.megatron
+    if ref is not None and ref.param_offload:
+        check.fail("actor_rollout_ref.ref.megatron.param_offload", True, f"with {LORA}.rank > 0 the reference is the "
+                   "actor's own frozen base with the adapters off: it has no weights of its own to offload", [False])
+    if lora.merge is False:
+        if isinstance(lora.rank, int) and lora.rank > VLLM_LORA_RANKS[-1]:
+            check.fail(f"{LORA}.rank", lora.rank, f"vLLM serves adapters of rank <= {VLLM_LORA_RANKS[-1]}; with a "
+                       f"higher rank set {LORA}.merge true (merged syncs)", [VLLM_LORA_RANKS[-1]])
