@@ -160,6 +160,32 @@ def test_a_dp_group_across_machines_pays_the_network_and_async_modes_overlap_gen
     assert step.phase(Phase.SYNC) == pytest.approx(share / (50e9 * 0.70), rel=1e-6)
 
 
+def test_a_sync_of_served_adapters_moves_the_adapter_alone():
+    """lora.merge=false on the 7B example (rank 32 on every target): a step's sync is the PEFT adapter, not the
+    weights. Per layer (hidden 3,584, FFN 18,944, q 3,584 and k/v 512 rows) the PEFT form holds q, k and v each an
+    A of 32 x 3,584 and a B of rows x 32, o an A and a B of 32 x 3,584, gate and up an A of 32 x 3,584 and a B of
+    18,944 x 32 each, down an A of 32 x 18,944 and a B of 3,584 x 32: 2,883,584 fp32 elements, x 28 layers x 4 B.
+    Colocated on one machine every rank receives it over NVLink at 70 %; both sides digest it (3 B a byte on cpu,
+    at 50 % of 3,350 GB/s); the probe: one row through the 28 layers and one vLLM step (0 fixed costs on the H100
+    description). Disaggregated (trainer 4 ranks, rollout 4 ranks): each training rank sends one rollout rank the
+    adapter over the network at 70 % of 50 GB/s."""
+    # LoRA is built on the CPU layer so far (cuda is refused): the job planned for trainer.device=cpu, predicted
+    # on the H100's description
+    lora = ["actor_rollout_ref.model.lora.rank=32", "actor_rollout_ref.model.lora.merge=false", "trainer.device=cpu"]
+    adapter = (3 * 32 * 3584 + 32 * (3584 + 512 + 512) + 2 * 32 * 3584 + 2 * (32 * 3584 + 18944 * 32)
+               + 32 * 18944 + 3584 * 32) * 28 * 4
+    assert adapter == 2_883_584 * 28 * 4
+    digests = 2 * adapter * 3 / (3350e9 * 0.50)
+    plan = plan_from_sources(QWEN_7B, lora)
+    assert predict_step_time(plan, H100).phase(Phase.SYNC) == pytest.approx(
+        adapter / (450e9 * 0.70) + digests, rel=1e-6)
+    apart = plan_from_sources(QWEN_7B, [*lora, "trainer.n_gpus_per_node=4",
+                                        "actor_rollout_ref.rollout.mode=disaggregated",
+                                        "actor_rollout_ref.rollout.n_gpus_per_node=4"])
+    assert predict_step_time(apart, H100).phase(Phase.SYNC) == pytest.approx(
+        adapter / (50e9 * 0.70) + digests, rel=1e-6)
+
+
 def test_the_plan_prints_the_prediction_only_when_asked_and_refuses_unknown_hardware(tmp_path):
     text = render_plan(plan_from_sources(QWEN_7B, ["trainer.hardware=h200"]))
     line = next(line for line in text.splitlines() if line.startswith("Predicted step time"))

@@ -20,7 +20,10 @@ Torch-free. Each phase is bound by what it moves or computes at a stated fractio
   the role offloads to the host and back over PCIe (Adam's moments, parameters; freed gradient buffers move nothing);
 - the weight sync: the resharder's most-loaded rank's bytes over NVLink, each rank's copy of its generation
   shard into vLLM's weights and both sides' checksums of it (colocated), or a training rank's share of the
-  cross-pool bytes over the network (disaggregated); and its probe, one row through the trainer and vLLM;
+  cross-pool bytes over the network (disaggregated); with adapters vLLM serves (`lora.merge: false`) the PEFT
+  adapter instead: every rank receiving it whole (colocated: over the link the world spans), or a training rank
+  sending it to each rollout rank it serves (disaggregated: over the network), and both sides' checksums of it;
+  and its probe, one row through the trainer and vLLM;
 - a hardware description's fixed costs (`Hardware.decode_step_ms`, `layer_pass_ms`): each decode step and prefill
   call, each decoder layer's pass over a micro-batch (0 on the shipped GPUs).
 
@@ -34,8 +37,9 @@ from dataclasses import dataclass
 
 from hybridrl.config.estimates import DTYPE_BYTES, GIB, forward_flops, kv_bytes_per_token
 from hybridrl.config.hardware import Efficiency, Hardware
+from hybridrl.config.meshes import adapter_sender
 from hybridrl.config.model_shapes import ModelShape, role_model_shape
-from hybridrl.config.plan import PASS_PHASES, UPDATE_PHASES, Plan, RoleLayout, step_flops_at
+from hybridrl.config.plan import PASS_PHASES, UPDATE_PHASES, Plan, RoleLayout, served_adapter_bytes, step_flops_at
 from hybridrl.names import Phase, Role
 
 # The sync's checksums (`parallel.digest.tensor_digest`) read each byte of a generation shard this many times over,
@@ -260,7 +264,21 @@ def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency | None = N
     # the sync's proof: the probe row through the trainer's layers and through every vLLM replica
     actor = plan.layout(Role.ACTOR)
     probe = layer_passes_seconds(plan, actor, actor.mesh.pp, hardware) + hardware.decode_step_ms / 1e3
-    if reshard.cross_pool is not None:
+    adapter = served_adapter_bytes(plan)
+    if adapter:  # the adapter alone (the base crossed once, at set-up)
+        digests = 2 * adapter * DIGEST_READS_PER_BYTE[config.trainer.device] / (
+            hardware.memory_bytes_per_s * eff.optimizer_memory)
+        if reshard.cross_pool is not None:
+            trainers = actor.mesh.world_size
+            most = max(sum(adapter_sender(q, trainers) == r for q in range(resolved.rollout_world))
+                       for r in range(trainers))
+            sent = most * adapter / (hardware.link_bytes_per_s(True) * eff.link)
+            phases.append(PhaseTime(Phase.SYNC, sent + digests + probe, "network"))
+        else:
+            crosses = actor.mesh.world_size > per_node
+            received = adapter / (hardware.link_bytes_per_s(crosses) * eff.link)
+            phases.append(PhaseTime(Phase.SYNC, received + digests + probe, "network" if crosses else "NVLink"))
+    elif reshard.cross_pool is not None:
         sync = reshard.cross_pool.bytes_sent_even / (hardware.link_bytes_per_s(True) * eff.link)
         phases.append(PhaseTime(Phase.SYNC, sync + probe, "network"))
     elif reshard.traffic is not None:
