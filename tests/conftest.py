@@ -31,8 +31,8 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # The strict-device lane: every process the suite starts (forked ranks, Ray workers, `hybridrl train`) runs the CPU
 # layer in strict-device mode (hybridrl/parallel/cpu/strict_device.py), so each multi-rank worker, trainer, resharder,
 # cross-pool, MoE, CP and rollout test also proves that its tensors would be where CUDA needs them; the
-# negative controls are tests/test_training_strict_device.py::test_a_planted_host_tensor_stops_each_path and
-# tests/test_trainer_faults.py::test_strict_device_stops_a_run_whose_worker_forgets_the_device. Set before the rank
+# negative controls are tests/training/test_strict_device.py::test_a_planted_host_tensor_stops_each_path and
+# tests/e2e/test_faults.py::test_strict_device_stops_a_run_whose_worker_forgets_the_device. Set before the rank
 # server and the Ray cluster start (they hand their environment on). HYBRIDRL_STRICT_DEVICE=0 runs the plain layer.
 os.environ.setdefault("HYBRIDRL_STRICT_DEVICE", "1")
 
@@ -49,9 +49,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 TEST_CLUSTER_CPUS = 8
 
 # Modules whose tests each run `hybridrl train` or the real model (tens of seconds to minutes): first.
-LONGEST_FIRST = ("test_trainer_e2e.py", "test_multi_host.py", "test_trainer_async.py", "test_trainer_faults.py",
-                 "test_reliability_soak.py", "test_trainer_real_model.py", "test_training_real_layouts.py",
-                 "test_rollout_stop_and_pad.py")
+LONGEST_FIRST = ("tests/e2e/test_runs.py", "tests/e2e/test_multi_host.py", "tests/e2e/test_async_runs.py",
+                 "tests/e2e/test_faults.py", "tests/e2e/test_soak.py", "tests/e2e/test_real_model.py",
+                 "tests/training/test_real_layouts.py", "tests/rollout/test_stop_and_pad.py")
 
 
 @pytest.hookimpl(trylast=True)

@@ -3,7 +3,7 @@
 read from the installed megatron-core's own dataclass, so `hybridrl plan` (torch-free) can check
 `override_transformer_config` names and values without importing megatron.
 
-    python tools/megatron_fields.py          # after upgrading megatron-core; tests/test_config_megatron_fields.py
+    python tools/megatron_fields.py          # after upgrading megatron-core; tests/config/test_megatron_fields.py
                                              # fails while the file and the installed megatron-core differ
 """
 from __future__ import annotations

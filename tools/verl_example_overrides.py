@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Record the overrides of verl's Megatron example scripts as test data (tests/data/verl_megatron_examples.json).
+"""Record the overrides of verl's Megatron example scripts as test data (tests/support/verl_megatron_examples.json).
 
 Each `examples/{grpo,ppo}_trainer/*megatron*.sh` of a verl checkout is run by bash itself, with `python3`
 and `python` on PATH replaced by a recorder that writes its arguments instead of running anything: so every
@@ -8,7 +8,7 @@ machine, with HOME set to a stand-in home (`STAND_IN_HOME`; the one script that 
 given the same stand-in); paths under the checkout are written relative to verl's root. The
 `verl.trainer.main_ppo` call's `key=value` arguments are kept, per script, with the verl commit they come from.
 
-    python tools/verl_example_overrides.py --verl ~/src/verl --out tests/data/verl_megatron_examples.json
+    python tools/verl_example_overrides.py --verl ~/src/verl --out tests/support/verl_megatron_examples.json
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Pure torch functions (plus the KL controllers' coefficient). The public names be
 lazily (PEP 562 `__getattr__`, from the `_EXPORTS` table) because importing any submodule runs this
 `__init__` first: `import hybridrl.algorithms.names` -- which the torch-free config package does, so
 `hybridrl plan` too -- must not import torch through eager re-exports here. The `TYPE_CHECKING`
-block repeats the table for static analysers only (tests/test_algorithms_names.py keeps the two equal).
+block repeats the table for static analysers only (tests/algorithms/test_names.py keeps the two equal).
 
 Conventions (details in each module): token tensors are `[B, T]` with a `response_mask` (bool or
 float weights) of the same shape; per-sequence tensors are `[B]`; masked positions are never read

@@ -23,7 +23,7 @@ send to ranks on other nodes, for what a colocated (hybrid engine) step moves in
   once; disaggregated, training rank r ships the whole adapter to the rollout ranks q with q mod trainer_world = r
   (`reshard.adapter_sync`).
 
-Not modelled (measured against this in tests/test_multi_host.py and named there): Ray's calls (the step's
+Not modelled (measured against this in tests/e2e/test_multi_host.py and named there): Ray's calls (the step's
 rows to the workers and their results back, with the controller on the head node: a teacher's log-probs among
 them, and full_reverse_kl's `[B, R, V]` table, bounded at plan time), the small collectives
 (loss and grad-norm reductions, micro-batch token agreement), TCP/IP headers (a few percent on top), an MoE

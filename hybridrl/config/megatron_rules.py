@@ -146,7 +146,7 @@ def check_transformer_overrides(check: Checker, config: JobConfig, resolved: Res
                                  model: ModelShape | None) -> None:
     """`override_transformer_config` (verl's key): each name a field of megatron's TransformerConfig that hybridrl
     does not set itself, each value of that field's type, on cpu no CUDA kernel, and activation recompute as
-    megatron's TransformerConfig accepts it (the same rules; tests/test_config_megatron_fields.py holds them
+    megatron's TransformerConfig accepts it (the same rules; tests/config/test_megatron_fields.py holds them
     equal to megatron's own)."""
     set_by = {name: source for source, names in TRANSFORMER_FIELDS_SET_BY.items() for name in names}
     cpu = resolved.device == "cpu"

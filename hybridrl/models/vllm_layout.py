@@ -3,7 +3,7 @@ inference-TP rank (pure data, no torch, no vLLM import).
 
 Derived from the family's weight table (`hybridrl/models/families/`): this module holds vLLM's rule
 for each `Split` kind. The resharder must produce, on each rollout rank, byte for byte what vLLM's
-own loader would put in that rank's parameters; `tests/test_reshard_layout.py` checks these
+own loader would put in that rank's parameters; `tests/reshard/test_layout.py` checks these
 targets against real vLLM (parameters captured before the CPU weight repacking).
 
 vLLM 0.32 rules (`vllm/model_executor/layers/linear.py`, `vocab_parallel_embedding.py`):

@@ -45,8 +45,8 @@ every micro-batch on every DP rank; each micro-batch's losses use those totals, 
 micro-batches and DP ranks is the mini-batch loss exactly, however the rows were cut. Megatron's
 schedule divides a returned loss by the number of micro-batches and DDP averages gradients over
 DP, so the loss handed to megatron is scaled by `num_microbatches * dp_size` (checked against a
-single-rank run in tests/test_training_ranks.py, and gradient by gradient against the objective
-recomputed from transformers in tests/test_training_actor_reference.py).
+single-rank run in tests/training/test_ranks.py, and gradient by gradient against the objective
+recomputed from transformers in tests/training/test_actor_reference.py).
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ def loss_scale(num_microbatches: int, ctx: Any) -> float:
     CP; DDP averages gradients over DP × CP. Under CP every CP rank computes the whole micro-batch's
     loss (`hybridrl.training.backend._model_forward`) and the CP gathers' backward sums the CP ranks'
     gradients, i.e. the gradient of CP × the loss. Hence num_microbatches × DP / CP: the update
-    equals CP = 1's (`tests/test_training_context_parallel.py`).
+    equals CP = 1's (`tests/training/test_context_parallel.py`).
     """
     scale = num_microbatches * ctx.dp
     return scale / ctx.cp if ctx.cp > 1 else scale

@@ -1,7 +1,7 @@
 """The independent reference of the megatron actor's PPO step: transformers + plain torch, written here (nothing from
 `hybridrl.algorithms`), and the megatron side run in forked ranks with its gradients read back under HF names.
 
-tests/test_training_actor_reference.py says what it checks and why; the model, LoRA, packing, shared-prefix,
+tests/training/test_actor_reference.py says what it checks and why; the model, LoRA, packing, shared-prefix,
 distillation, multi-turn and real-layout tests compare against the same reference.
 """
 from __future__ import annotations

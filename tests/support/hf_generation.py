@@ -1,6 +1,6 @@
 """transformers' side of the rollout tests: a generated batch's rows without padding, and the HF model's greedy
 continuation and logits of a prompt + response (the reference vLLM's tokens and log-probs are checked against).
-Shared by tests/test_rollout_engine.py and test_reshard_resharder.py."""
+Shared by tests/rollout/test_engine.py and tests/reshard/test_resharder.py."""
 from __future__ import annotations
 
 import torch

@@ -1,6 +1,6 @@
 """LoRA adapters for the tests, under peft's names: random ones of a model's shape, the fused (type lora) form where a
 megatron layer's projections share one A, and peft's gradients as such a fused adapter receives them. Shared by
-tests/test_models_lora.py, test_reshard_adapter_sync.py and test_training_lora.py."""
+tests/models/test_lora.py, tests/reshard/test_adapter_sync.py and tests/training/test_lora.py."""
 from __future__ import annotations
 
 from pathlib import Path

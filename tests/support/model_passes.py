@@ -1,6 +1,7 @@
 """Megatron passes run inside forked ranks by the model tests: full-vocabulary logits through megatron's own
 forward-only schedule, and the gradients of a weighted sum of the logits saved as a checkpoint (so the layout math
-maps them back to HF names). Shared by tests/test_models_logits.py, test_models_moe.py and test_models_real.py."""
+maps them back to HF names). Shared by tests/models/test_logits.py, tests/models/test_moe.py and
+tests/models/test_real.py."""
 from __future__ import annotations
 
 from typing import Any

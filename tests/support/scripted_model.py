@@ -1,6 +1,6 @@
 """A scripted model for the agent-loop tests: fixed turns (tool calls as the hermes parser reads them) with made-up
 log-probs, so every expected token, mask and log-prob is computed independently of the loop; and the loop with the
-calculator tool around it. Shared by tests/test_rollout_agent_loop.py and test_training_multi_turn.py."""
+calculator tool around it. Shared by tests/rollout/test_agent_loop.py and tests/training/test_multi_turn.py."""
 from __future__ import annotations
 
 import json

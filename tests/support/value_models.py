@@ -1,7 +1,7 @@
 """The critic's and the reward model's sides of the value-model tests: one critic update and the reward model's
 scores in forked ranks, and their independent references (transformers + plain torch: the critic's values and one
-AdamW step; transformers' sequence-classification scores). Shared by tests/test_training_critic.py,
-test_training_packing.py, test_training_context_parallel.py and test_training_strict_device.py."""
+AdamW step; transformers' sequence-classification scores). Shared by tests/training/test_critic.py,
+tests/training/test_packing.py, tests/training/test_context_parallel.py and tests/training/test_strict_device.py."""
 from __future__ import annotations
 
 from typing import Any

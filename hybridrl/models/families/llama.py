@@ -2,8 +2,8 @@
 
 The weight table here is the dense Llama block; Mistral, Qwen2 and Qwen3 reuse it with their
 switches (`qkv_bias`, `qk_norm`). Names are megatron-core 0.16.1's local GPT layer spec and vLLM
-0.32's `LlamaForCausalLM` (checked against both in tests/test_models_arch.py and
-tests/test_reshard_layout.py).
+0.32's `LlamaForCausalLM` (checked against both in tests/models/test_arch.py and
+tests/reshard/test_layout.py).
 """
 from __future__ import annotations
 

@@ -4,11 +4,11 @@ of the router's softmax, renormalized when `norm_topk_prob`. Layers listed in `m
 (or off the `decoder_sparse_step` grid) keep the dense MLP of `intermediate_size`.
 
 Megatron names are the local spec's MoE layer (`mlp.router`, `mlp.experts.local_experts.{e}` with
-SequentialMLP), checked against megatron-core 0.16.1 by tests/test_models_moe.py. The vLLM names
+SequentialMLP), checked against megatron-core 0.16.1 by tests/models/test_moe.py. The vLLM names
 are vLLM 0.32's fused MoE parameters (`experts.routed_experts.w13_weight` [E, 2I/tp, H],
 `experts.routed_experts.w2_weight` [E, H, I/tp], router `gate.weight`), each expert one slot of the
 stacked parameter (`models.vllm_layout`), checked against vLLM's own loader by
-tests/test_reshard_moe.py.
+tests/reshard/test_moe.py.
 """
 from __future__ import annotations
 

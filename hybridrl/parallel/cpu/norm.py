@@ -15,7 +15,7 @@ code: the scatter after the embedding, the all-gather in each column-parallel li
 reduce-scatter in each row-parallel one (`tensor_parallel.mappings`, on gloo), the gradient
 all-reduce of the tagged weights. `with_sequence_parallel_norms` puts the stand-in in place of
 `WrappedTorchNorm` in a layer or block spec (the bridge does so on CPU when the job sets sequence
-parallelism); tests check it against the unsplit model (tests/test_parallel_cpu_norm.py).
+parallelism); tests check it against the unsplit model (tests/parallel/test_cpu_norm.py).
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ each half of the output in place::
 and its backward does the same with the transposed rotation. Every element goes through the same
 roundings as megatron's unfused formula (each product rounded, then one addition; ``a + (-b)`` is
 ``a - b`` exactly in IEEE arithmetic), so forward values and gradients are bit-identical to it in
-fp32 and bf16 (`tests/test_parallel_cpu_rope.py` checks both against megatron's own function).
+fp32 and bf16 (`tests/parallel/test_cpu_rope.py` checks both against megatron's own function).
 
 Only the layout megatron's GPT models use here is served: sbhd tensors, non-interleaved halves,
 mscale 1 (megatron itself falls back to the unfused path for mscale != 1). Packed (thd) sequences

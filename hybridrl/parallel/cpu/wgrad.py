@@ -16,7 +16,7 @@ micro-batch, GEMM and add, 508 -> 443 ms, most of it on the vocab head (165 -> 1
 update (`bench/update_profile.py`, shared prompts, A/B on one day) 16.05 -> 15.87 s at PP2 (18 + 12)
 and 15.34 -> 14.97 s at DP2, CPU seconds 28.3 -> 27.2 and 29.5 -> 28.8. The sums are
 rounded once instead of twice, so gradients differ from the unfused path's within fp32 rounding
-(`tests/test_parallel_cpu_wgrad.py` checks both paths against plain torch).
+(`tests/parallel/test_cpu_wgrad.py` checks both paths against plain torch).
 
 `install_cpu_wgrad_fusion()` fills megatron's module slot where Apex is absent; the training backend
 calls it and sets the flag for trained roles only (the fusion needs DDP's `main_grad`), where the

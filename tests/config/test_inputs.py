@@ -1,0 +1,299 @@
+"""`hybridrl plan` and `hybridrl train` refuse what `train` could not read, before any process starts.
+
+Each mistake a new user makes with their own model, data and reward (issue 39's list) is run through the
+real command line, as a user runs it: exit 2, the field and value named, no traceback, nothing started.
+The demo's model folder and data (tools/demo_assets.py, what `make demo` builds) are the valid job
+each mistake is made on.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridrl.config.inputs import has_chat_template, looks_like_hub_id
+from hybridrl.data.dataset import preview_file
+from hybridrl.data.io import write_rows
+from hybridrl.rewards.custom import adapt_reward_function, signature_problem
+from tools.demo_assets import demo_overrides
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = str(ROOT / "configs/examples/cpu_tiny_grpo.yaml")
+MESSAGES = [{"role": "system", "content": "answer briefly"}, {"role": "user", "content": "repeat: aaa"}]
+
+
+def _hybridrl(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "hybridrl.cli", *argv], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120, env={**os.environ, **(env or {})})
+
+
+def _copy_model(assets: Path, out: Path, *, without: tuple[str, ...]) -> Path:
+    shutil.copytree(assets / "model", out, ignore=shutil.ignore_patterns(*without))
+    return out
+
+
+def _rows(n: int, prompt=lambda i: f"repeat: {'a' * (i % 4 + 1)}") -> list[dict]:
+    return [{"prompt": prompt(i), "reward_model": {"ground_truth": "a"}, "data_source": "hybridrl/repeat_letter"}
+            for i in range(n)]
+
+
+def _mistakes(assets: Path, tmp: Path) -> dict[str, tuple[list[str], str]]:
+    """name -> (overrides on the valid demo job, what the refusal must say: the field=value and the rule)."""
+    small = write_rows(_rows(4), tmp / "small.jsonl")
+    chat = write_rows(_rows(16, prompt=lambda i: MESSAGES), tmp / "chat.parquet")
+    (tmp / "other_name.py").write_text("def score(response, ground_truth, extra):\n    return 1.0\n")
+    (tmp / "one_arg.py").write_text("def compute_score(response):\n    return 1.0\n")
+    (tmp / "raises.py").write_text("import no_such_module_anywhere\n")
+    no_weights = _copy_model(assets, tmp / "noweights", without=("*.safetensors",))
+    no_tokenizer = _copy_model(assets, tmp / "notok", without=("tokenizer*",))
+    return {
+        "missing data file": ([f"data.train_files=[{tmp / 'nope.jsonl'}]"],
+                              f"data.train_files={tmp / 'nope.jsonl'} does not exist"),
+        "hub dataset id": (["data.val_files=[openai/gsm8k]"],
+                           "data.val_files=openai/gsm8k does not exist; hub datasets are never downloaded"),
+        "misspelled scorer": (["algorithm.reward_fn=repeat_leter"],
+                              "algorithm.reward_fn=repeat_leter is not a known scorer. Did you mean 'repeat_letter'?"),
+        "missing model folder": ([f"actor_rollout_ref.model.path={tmp / 'no-model'}"],
+                                 f"actor_rollout_ref.model.path={tmp / 'no-model'} does not exist; name a local"),
+        "hub id not in the cache": (["actor_rollout_ref.model.path=acme/not-cached-7B"],
+                                    "as a hub id it is not in the local Hugging Face cache; hybridrl never downloads: "
+                                    "fetch it first (`hf download acme/not-cached-7B"),
+        "model without weights": ([f"actor_rollout_ref.model.path={no_weights}"],
+                                  "holds no weights: expected model.safetensors or model.safetensors.index.json"),
+        "model without tokenizer": ([f"actor_rollout_ref.model.path={no_tokenizer}"],
+                                    "holds no tokenizer"),
+        "fewer rows than a batch": ([f"data.train_files=[{small}]"],
+                                    "data.train_batch_size=8 is more than the 4 rows of data.train_files"),
+        "chat messages, template off": ([f"data.train_files=[{chat}]", "data.apply_chat_template=false"],
+                                        f"data.apply_chat_template=False but the prompts of {chat} are chat messages"),
+        "prompt column misnamed": (["data.prompt_key=promt"],
+                                   "data.prompt_key=promt is not a column of"),
+        "reward column misnamed": (["data.reward_key=reward"],
+                                   "data.reward_key=reward is not a column of"),
+        "missing custom reward file": ([f"algorithm.custom_reward_function.path={tmp / 'missing.py'}"],
+                                       f"algorithm.custom_reward_function.path={tmp / 'missing.py'} does not exist"),
+        "custom reward function misnamed": ([f"algorithm.custom_reward_function.path={tmp / 'other_name.py'}"],
+                                            "algorithm.custom_reward_function.name=compute_score custom reward file"),
+        "custom reward with a wrong signature": ([f"algorithm.custom_reward_function.path={tmp / 'one_arg.py'}"],
+                                                 "algorithm.custom_reward_function.name=compute_score cannot take the "
+                                                 "reward call"),
+        "custom reward file that fails to import": ([f"algorithm.custom_reward_function.path={tmp / 'raises.py'}"],
+                                                    "No module named 'no_such_module_anywhere'"),
+    }
+
+
+MISTAKES = ["missing data file", "hub dataset id", "misspelled scorer", "missing model folder",
+            "hub id not in the cache", "model without weights", "model without tokenizer", "fewer rows than a batch",
+            "chat messages, template off", "prompt column misnamed", "reward column misnamed",
+            "missing custom reward file", "custom reward function misnamed", "custom reward with a wrong signature",
+            "custom reward file that fails to import"]
+
+
+@pytest.fixture(scope="module")
+def mistakes(demo_assets, tmp_path_factory) -> dict[str, tuple[list[str], str]]:
+    return _mistakes(demo_assets, tmp_path_factory.mktemp("mistakes"))
+
+
+def test_the_demo_job_passes_every_check(demo_assets, tmp_path):
+    """The valid job the mistakes are made on: it plans, files checked (else every refusal below proves nothing)."""
+    result = _hybridrl("plan", CONFIG, *demo_overrides(demo_assets, tmp_path))
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("command", ["plan", "train"])
+@pytest.mark.parametrize("name", MISTAKES)
+def test_each_mistake_is_refused_before_anything_starts(name, command, mistakes, demo_assets, tmp_path):
+    overrides, expected = mistakes[name]
+    result = _hybridrl(command, CONFIG, *demo_overrides(demo_assets, tmp_path), *overrides,
+                       env={"HF_HUB_CACHE": str(tmp_path / "empty-hub-cache")})
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
+    assert expected in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert "stack: python=" not in result.stderr  # train stopped at its plan: not even the stack was looked at
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_json_report_names_the_input_problems(demo_assets, tmp_path):
+    result = _hybridrl("plan", CONFIG, "--format", "json", *demo_overrides(demo_assets, tmp_path),
+                       f"data.train_files=[{tmp_path / 'nope.jsonl'}]", "algorithm.reward_fn=gsm8kk")
+    assert result.returncode == 2
+    report = json.loads(result.stderr)
+    assert [e["field"] for e in report["errors"]] == ["data.train_files", "algorithm.reward_fn"]
+    assert "--layout-only" in report["hint"]  # a file is absent: planning the layout alone is the way out
+
+
+def test_layout_only_plans_a_shape_only_folder(tmp_path):
+    """The GPU examples name folders holding a config.json only: the full check refuses them (no weights, no
+    tokenizer, no data here) and says how to size the layout anyway; --layout-only does."""
+    example = str(ROOT / "configs/examples/qwen2.5_7b_grpo_8gpu.yaml")
+    refused = _hybridrl("plan", example)
+    assert refused.returncode == 2 and "holds no weights" in refused.stderr
+    assert refused.stderr.rstrip().endswith("run `hybridrl plan --layout-only`")
+    assert _hybridrl("plan", example, "--layout-only").returncode == 0
+
+
+def test_a_hub_id_in_the_local_cache_is_its_snapshot_folder(demo_assets, tmp_path):
+    """As `from_pretrained(local_files_only=True)` resolves it: the hub cache's refs/main names the snapshot
+    (huggingface_hub's own layout and lookup, offline). The plan trains from that folder."""
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--acme--tiny-demo" / "snapshots" / "0123456789abcdef"
+    shutil.copytree(demo_assets / "model", snapshot)
+    (cache / "models--acme--tiny-demo" / "refs").mkdir()
+    (cache / "models--acme--tiny-demo" / "refs" / "main").write_text("0123456789abcdef")
+    result = _hybridrl("plan", CONFIG, "--format", "json", *demo_overrides(demo_assets, tmp_path),
+                       "actor_rollout_ref.model.path=acme/tiny-demo", env={"HF_HUB_CACHE": str(cache)})
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert Path(plan["config"]["actor_rollout_ref"]["model"]["path"]).resolve() == snapshot.resolve()
+    assert any("acme/tiny-demo: a hub id, found in the local Hugging Face cache" in w for w in plan["warnings"])
+
+
+@pytest.mark.parametrize("row,reason", [
+    ({"prompt": None, "reward_model": {"ground_truth": "a"}}, "row 5: no 'prompt' value"),
+    ({"prompt": [{"role": "user"}], "reward_model": {"ground_truth": "a"}}, "row 5: message 0 has no string 'content'"),
+])
+def test_train_refuses_what_only_reading_every_row_shows(row, reason, demo_assets, tmp_path):
+    """A malformed row past the lines the plan previews: `train` reads every row before Ray starts, and
+    refuses with the file and row (exit 2, no traceback), not a crash."""
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in [*_rows(5), row, *_rows(10)]))
+    overrides = [*demo_overrides(demo_assets, tmp_path), f"data.train_files=[{data}]"]
+    assert _hybridrl("plan", CONFIG, *overrides).returncode == 0  # the footer/first lines look fine
+    result = _hybridrl("train", CONFIG, *overrides, "--no-progress")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"data.train_files=['{data}']" in result.stderr and f"{data}, row 5: " in result.stderr
+    assert reason.split(": ", 1)[1] in result.stderr
+    assert "Traceback" not in result.stderr and "Started a local Ray" not in result.stderr + result.stdout
+
+
+def test_train_refuses_a_batch_that_filtering_leaves_short(demo_assets, tmp_path):
+    """Rows enough for the plan's count, but over-long prompts filtered away leave fewer than one batch."""
+    data = write_rows(_rows(6) + _rows(6, prompt=lambda i: "repeat: " + "a" * 200), tmp_path / "long.jsonl")
+    result = _hybridrl("train", CONFIG, *demo_overrides(demo_assets, tmp_path), f"data.train_files=[{data}]",
+                       "--no-progress")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "data.train_batch_size=8 is more than the 6 usable prompts of data.train_files" in result.stderr
+    assert "filtered 6 of 12 prompts longer than 32 tokens" in result.stderr and "Traceback" not in result.stderr
+
+
+# ---------------------------------------------------------------------------------------------- the pieces
+def test_preview_reads_rows_columns_and_prompt_kind(tmp_path):
+    rows = _rows(3, prompt=lambda i: MESSAGES) + _rows(2, prompt=lambda i: MESSAGES)
+    for suffix in (".parquet", ".jsonl"):
+        preview = preview_file(write_rows(rows, tmp_path / f"d{suffix}"), "prompt")
+        assert (preview.rows, preview.prompt_kind) == (5, "messages")
+        assert set(preview.columns) == {"prompt", "reward_model", "data_source"}
+        text = preview_file(write_rows(_rows(7), tmp_path / f"t{suffix}"), "prompt")
+        assert (text.rows, text.prompt_kind) == (7, "text")
+        assert preview_file(tmp_path / f"t{suffix}", "question").prompt_kind is None
+
+
+def _verl_style(data_source, solution_str, ground_truth, extra_info=None):
+    return float(solution_str == ground_truth)
+
+
+def _ours(response, ground_truth, extra):
+    return float(response == ground_truth)
+
+
+def _needs_more(response, ground_truth, extra, weight):
+    return weight
+
+
+def _too_few(response):
+    return 1.0
+
+
+def _verl_without_ground_truth(solution_str):
+    return 1.0
+
+
+def _keyword_only(response, ground_truth, extra, *, weight=1.0):
+    return weight
+
+
+@pytest.mark.parametrize("function", [_verl_style, _ours, _needs_more, _too_few, _verl_without_ground_truth,
+                                      _keyword_only, lambda *args: 0.0])
+def test_signature_verdict_matches_the_real_call(function):
+    """The plan's verdict (binding the arguments, no call) agrees with calling the function as training does."""
+    adapted = adapt_reward_function(function)
+    try:
+        adapted("a", "a", {"data_source": "x", "extra_info": None})
+        called = True
+    except TypeError:
+        called = False
+    assert (signature_problem(function) is None) is called, inspect.signature(function)
+
+
+def test_hub_id_and_chat_template_detection(tmp_path):
+    assert looks_like_hub_id("Qwen/Qwen2.5-7B-Instruct") and looks_like_hub_id("gpt2")
+    assert not looks_like_hub_id(str(tmp_path)) and not looks_like_hub_id("./models/x")
+    assert not looks_like_hub_id("models/a/b") and not looks_like_hub_id("")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    assert has_chat_template(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({}))
+    assert not has_chat_template(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text("{{ messages }}")
+    assert has_chat_template(tmp_path)
+
+
+def test_auto_scoring_plans_a_mixed_gsm8k_and_math_job_and_refuses_an_unknown_source(demo_assets, tmp_path):
+    """verl's GSM8K + MATH parquet files under the default reward_fn=auto: every data_source is checked to name a
+    scorer (parquet: that whole column is read), an unknown one refused naming the file."""
+    def rows(source: str, count: int) -> list[dict]:
+        return [{**row, "data_source": source} for row in _rows(count)]
+
+    gsm8k = write_rows(rows("openai/gsm8k", 8), tmp_path / "gsm8k.parquet")
+    math = write_rows([*rows("DigitalLearningGmbH/MATH-lighteval", 7), *rows("aime24", 1)], tmp_path / "math.parquet")
+    base = [*demo_overrides(demo_assets, tmp_path), "algorithm.reward_fn=auto", f"data.val_files=[{gsm8k}]"]
+    assert _hybridrl("plan", CONFIG, *base, f"data.train_files=[{gsm8k}]").returncode == 0
+    refused = _hybridrl("plan", CONFIG, *base, f"data.train_files=[{gsm8k},{math}]")
+    assert refused.returncode == 2
+    assert f"algorithm.reward_fn=auto finds no scorer for data_source 'aime24' of {math}" in refused.stderr
+    assert refused.stderr.count("finds no scorer") == 1  # the MATH and GSM8K sources are known
+    bare = write_rows([{k: v for k, v in row.items() if k != "data_source"} for row in _rows(8)], tmp_path / "b.jsonl")
+    no_column = _hybridrl("plan", CONFIG, *base, f"data.train_files=[{bare}]")
+    assert no_column.returncode == 2 and "scores each row by its data_source column, which" in no_column.stderr
+
+
+PYTHON_TOOL = ["actor_rollout_ref.rollout.multi_turn.enable=true",
+               "actor_rollout_ref.rollout.multi_turn.tools=[python]"]
+# A kernel that refuses user namespaces, for real: the command runs in a user namespace whose
+# max_user_namespaces is 0, so nothing it starts can make another (what some container runtimes do).
+NO_NAMESPACES = "echo 0 > /proc/sys/user/max_user_namespaces && exec \"$@\""
+
+
+@pytest.mark.parametrize("command", ["plan", "train"])
+def test_the_python_tool_is_refused_where_the_kernel_allows_no_sandbox(command, demo_assets, tmp_path):
+    argv = [command, CONFIG, *demo_overrides(demo_assets, tmp_path, *PYTHON_TOOL)]
+    assert _hybridrl("plan", *argv[1:]).returncode == 0  # the same job plans where namespaces work
+    refused = subprocess.run(["unshare", "--user", "--map-root-user", "sh", "-c", NO_NAMESPACES, "sh",
+                              sys.executable, "-m", "hybridrl.cli", *argv],
+                             capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert refused.returncode == 2, refused.stderr
+    assert ("actor_rollout_ref.rollout.multi_turn.sandbox.isolation=namespaces the python tool's sandbox cannot "
+            "start on this machine: bubblewrap could not start a sandbox here (bwrap: Creating new namespace "
+            "failed") in refused.stderr
+    assert "sandbox.isolation=none" in refused.stderr and "Traceback" not in refused.stderr
+    assert not (tmp_path / "ckpt").exists()
+    opted_out = subprocess.run(["unshare", "--user", "--map-root-user", "sh", "-c", NO_NAMESPACES, "sh",
+                                sys.executable, "-m", "hybridrl.cli", "plan", *argv[1:],
+                                "actor_rollout_ref.rollout.multi_turn.sandbox.isolation=none"],
+                               capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert opted_out.returncode == 0, opted_out.stderr
+    assert "sandbox.isolation=none: the python tool runs model-written code as a plain subprocess" in (
+        opted_out.stdout + opted_out.stderr)
+
+
+def test_an_empty_training_file_list_is_one_problem(demo_assets, tmp_path):
+    result = _hybridrl("plan", CONFIG, *demo_overrides(demo_assets, tmp_path), "data.train_files=[]")
+    assert result.returncode == 2
+    problems = [line for line in result.stderr.splitlines() if line.startswith("  - ")]
+    assert problems == ["  - data.train_files=[] is empty; name local parquet or JSONL files of prompts (the format: "
+                        "docs/user-guide.md#data)"], result.stderr

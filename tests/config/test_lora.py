@@ -1,0 +1,141 @@
+"""`actor_rollout_ref.model.lora` at plan time: verl's keys read, what is not built refused naming the field, and
+the plan's memory and report for a LoRA actor (grads and Adam's moments of the adapters alone, no reference model),
+against hand counts."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hybridrl.config import ConfigError
+from hybridrl.config.plan import plan_from_sources
+from hybridrl.config.report import render_plan
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = str(ROOT / "configs/examples/cpu_tiny_grpo.yaml")
+MODEL = f"actor_rollout_ref.model.path={ROOT / 'configs/models/tiny-demo'}"  # its config.json: hidden 128, 4 layers
+LORA = "actor_rollout_ref.model.lora"
+GIB = 1024**3
+
+
+def _plan(*overrides: str):
+    return plan_from_sources(DEMO, [MODEL, *overrides])
+
+
+@pytest.mark.parametrize("overrides,field,phrase", [
+    ([f"{LORA}.rank=640", f"{LORA}.alpha=640", f"{LORA}.merge=false"], f"{LORA}.rank",
+     "vLLM serves adapters of rank <= 512"),
+    ([f"{LORA}.rank=8", f"{LORA}.type=canonical_lora", f"{LORA}.target_modules=[linear_qkv]"],
+     f"{LORA}.target_modules", "is not a known canonical_lora target"),
+    ([f"{LORA}.rank=8", f"{LORA}.target_modules=[*.layers.0.*.linear_qkv]"], f"{LORA}.target_modules",
+     "per-layer patterns are not supported"),
+    ([f"{LORA}.rank=8", f"{LORA}.exclude_modules=[linear_fc2]"], f"{LORA}.exclude_modules",
+     "needs target_modules empty"),
+    ([f"{LORA}.rank=8", f"{LORA}.dropout_position=post"], f"{LORA}.dropout_position", "post) is not built"),
+    ([f"{LORA}.rank=8", f"{LORA}.dtype=bf16"], f"{LORA}.dtype", "adapters train in fp32"),
+    ([f"{LORA}.rank=8", f"{LORA}.alpha=0"], f"{LORA}.alpha", "must be in (0"),
+    ([f"{LORA}.rank=8", "trainer.device=cuda"], f"{LORA}.rank", "TransformerEngine's layers fuse the norm"),
+    ([f"{LORA}.rank=8", "actor_rollout_ref.actor.use_kl_loss=true",
+      "actor_rollout_ref.ref.megatron.param_offload=true"],
+     "actor_rollout_ref.ref.megatron.param_offload", "no weights of its own to offload"),
+    (["critic.model.lora.rank=8"], "critic.model.lora.rank", "LoRA adapts the actor only"),
+    ([f"{LORA}.rank=-1"], f"{LORA}.rank", "must be an integer >= 0"),
+])
+def test_what_is_not_built_is_refused_naming_the_field(overrides, field, phrase):
+    with pytest.raises(ConfigError) as refused:
+        _plan(*overrides)
+    assert any(issue.field == field and phrase in str(issue) for issue in refused.value.issues), refused.value
+
+
+def test_a_mixture_of_experts_model_is_refused():
+    with pytest.raises(ConfigError) as refused:
+        plan_from_sources(DEMO, [f"actor_rollout_ref.model.path={ROOT / 'configs/models/tiny-demo-moe'}",
+                                 f"{LORA}.rank=8"])
+    assert any(i.field == f"{LORA}.rank" and "mixture-of-experts" in str(i) for i in refused.value.issues)
+
+
+QWEN = f"actor_rollout_ref.model.path={ROOT / 'configs/models/qwen2.5-0.5b'}"  # hidden 896, 24 layers, ffn 4864
+
+
+@pytest.mark.parametrize("tp,per_layer", [
+    # rank 128, fused (type lora), every layer kind; hidden 896, q rows 14 x 64, kv rows 2 x 64, ffn 4864:
+    # qkv A 128x896 + B 1152x128; proj A 128x896 + B 896x128; fc1 A 128x896 + B 9728x128; fc2 A 128x4864 + B 896x128
+    (1, 128 * 896 + 1152 * 128 + 128 * 896 + 896 * 128 + 128 * 896 + 9728 * 128 + 128 * 4864 + 896 * 128),
+    # TP2: the column layers' B halves (qkv, fc1), the row layers' A halves (proj, fc2)
+    (2, 128 * 896 + 576 * 128 + 64 * 896 + 896 * 128 + 128 * 896 + 4864 * 128 + 64 * 4864 + 896 * 128),
+])
+def test_the_plan_counts_the_adapters_and_no_reference_model(tp, per_layer):
+    overrides = [f"{LORA}.rank=128", f"{LORA}.alpha=256", "actor_rollout_ref.actor.use_kl_loss=true",
+                 f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}"]
+    plan = plan_from_sources(DEMO, [QWEN, *overrides])
+    full = plan_from_sources(DEMO, [QWEN, *overrides[2:]])
+    actor = next(m for m in plan.training_memory if m.role == "actor")
+    whole = next(m for m in full.training_memory if m.role == "actor")
+    adapters = 24 * per_layer  # one stage
+    assert actor.grads_gib == pytest.approx(adapters * 4 / GIB, abs=5e-4) and actor.grads_gib > 0.1
+    assert actor.optimizer_gib == pytest.approx(adapters * 8 / GIB, abs=5e-4) and actor.master_params_gib == 0
+    assert actor.params_gib == pytest.approx(whole.params_gib + adapters * 4 / GIB, abs=1e-3)
+    assert whole.grads_gib > 3 * actor.grads_gib  # the whole model's gradients
+    assert [m.role for m in plan.training_memory] == ["actor"]  # the reference is the actor's own base
+    assert [m.role for m in full.training_memory] == ["actor", "ref"]
+    report = render_plan(plan)
+    whole_adapters = 24 * (128 * 896 + 1152 * 128 + 128 * 896 + 896 * 128 + 128 * 896 + 9728 * 128 + 128 * 4864
+                           + 896 * 128)
+    assert (f"LoRA (lora, rank 128, alpha 256) on linear_qkv, linear_proj, linear_fc1, linear_fc2: the model frozen, "
+            f"the fp32 adapters train ({whole_adapters:,} parameters") in report, report
+    assert "the reference is the base with the adapters off" in report
+
+
+def test_a_merged_sync_in_fp32_gets_its_own_probe_tolerance():
+    """Merging rounds (W + s B A) once where the trainer computes W x + s B (A x): a correct fp32 run at a high
+    learning rate gapped 1.5e-4 (over the 1e-4 default) after 16 steps; with adapters the fp32 default is 1e-2,
+    still far under a wrong layout's >= 1.4. An explicit rollout.probe_tolerance stays the user's."""
+    assert _plan(f"{LORA}.rank=8").resolved.probe_tolerance == 1e-2
+    assert _plan().resolved.probe_tolerance == 1e-4
+    assert _plan(f"{LORA}.rank=8", "actor_rollout_ref.rollout.probe_tolerance=1e-3").resolved.probe_tolerance == 1e-3
+    # adapters served by vLLM (merge false) are computed as the trainer does, W x + s B (A x): the fp32 default
+    served = _plan(f"{LORA}.rank=8", f"{LORA}.merge=false").resolved
+    assert served.probe_tolerance == 1e-4 and served.serves_adapters and served.lora_rank == 8
+    assert not _plan(f"{LORA}.rank=8").resolved.serves_adapters
+    assert not _plan(f"{LORA}.merge=false").resolved.serves_adapters  # no adapters: nothing to serve
+    # and with a disaggregated rollout: the base crosses the pools once, then the adapter alone
+    apart = _plan(f"{LORA}.rank=8", f"{LORA}.merge=false", "actor_rollout_ref.rollout.mode=disaggregated",
+                  "actor_rollout_ref.rollout.n_gpus_per_node=1", "trainer.n_gpus_per_node=1").resolved
+    assert apart.serves_adapters and apart.disaggregated
+
+
+def test_the_performance_table_is_the_bench_result_file():
+    import json
+
+    runs = json.loads((ROOT / "bench/results/lora.json").read_text())["runs"]
+    doc = (ROOT / "docs/performance.md").read_text()
+    for run in runs.values():
+        cells = [f"{run['val_before']:.3f}", f"{run['val_after']:.3f}", f"{run['reward_first_3']:.3f}",
+                 f"{run['reward_last_3']:.3f}", f"{run['median_step_s']:.2f}",
+                 f"{100 * run['phase_share']['update_actor']:.0f} %", f"{run['update_after_allocated_gib']:.2f}",
+                 f"{run['max_probe_gap']:.1e}"]
+        assert " | " + " | ".join(cells) + " |" in doc, cells
+    for name in ("lora_lr_0.0003", "lora_served_lr_0.0003"):  # merged against served: the second table
+        run = runs[name]
+        cells = [f"{run['median_gen_s']:.2f}", f"{run['median_sync_s']:.2f}",
+                 f"{run['sync_bytes_per_rank'] / 1e6:.1f} MB"]
+        assert " | " + " | ".join(cells) in doc, cells
+
+
+def test_the_adapter_folder_is_checked_at_plan(tmp_path):
+    """`adapter_path` (what `train` reads): a PEFT folder whose rank and alpha are the config's, before any process."""
+    import json
+
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    with pytest.raises(ConfigError) as refused:
+        plan_from_sources(DEMO, [MODEL, f"{LORA}.rank=8", f"{LORA}.adapter_path={folder}"], check_files=True)
+    assert any(i.field == f"{LORA}.adapter_path" and "lacks adapter_config.json, adapter_model.safetensors"
+               in str(i) for i in refused.value.issues), refused.value
+    (folder / "adapter_config.json").write_text(json.dumps({"r": 16, "lora_alpha": 32}))
+    (folder / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(ConfigError) as refused:
+        plan_from_sources(DEMO, [MODEL, f"{LORA}.rank=8", f"{LORA}.alpha=32", f"{LORA}.adapter_path={folder}"],
+                          check_files=True)
+    mine = [i for i in refused.value.issues if i.field.startswith(LORA)]
+    assert [(i.field, i.valid) for i in mine] == [(f"{LORA}.rank", (16,))], mine

@@ -1,0 +1,192 @@
+"""`hybridrl plan --search` (`config.search`): every layout of a job's cluster planned as `hybridrl plan` plans it,
+ranked by the predicted step time.
+
+The references are independent of the search's own code path: each layout it prints is planned again from the
+YAML file and its printed overrides through the loader (`plan_from_sources`), and a brute force written here
+enumerates the colocated layouts with overrides of its own and plans each with every memory saver.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridrl.config import ConfigError, plan_from_sources
+from hybridrl.config.hardware import SHIPPED
+from hybridrl.config.search import SAVERS, Layout, search_from_sources, search_inputs, size_cluster
+from hybridrl.config.step_time import predict_step_time
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "configs/examples"
+QWEN_7B = str(EXAMPLES / "qwen2.5_7b_grpo_8gpu.yaml")
+SEED_6GPU = str(EXAMPLES / "seed_6gpu_grpo.yaml")
+LLAMA_70B = str(EXAMPLES / "llama3_70b_ppo_16x8.yaml")
+H100 = SHIPPED["h100-sxm"]
+
+
+def _replanned(config: str, overrides: list[str]):
+    plan = plan_from_sources(config, [*overrides, "trainer.hardware=h100-sxm"])
+    return plan, predict_step_time(plan, H100)
+
+
+def test_each_printed_layout_is_a_job_that_plans_to_the_predicted_time_and_the_best_beats_the_written_one():
+    result = search_from_sources(QWEN_7B, ["trainer.hardware=h100-sxm"])
+    assert result.total_gpus == 8 and result.layouts >= 500 and len(result.ranked) > 10
+    times = [found.step.seconds for found in result.ranked]
+    assert times == sorted(times)
+    for found in result.ranked[:3] + result.ranked[-2:]:
+        plan, step = _replanned(QWEN_7B, found.overrides())
+        assert step.seconds == pytest.approx(found.step.seconds, rel=1e-12)
+        assert plan.gpu_memory.peak_gib == found.peak_gib and plan.gpu_memory.fits
+        # the cluster stays the job's: 8 GPUs between the trainer and a rollout pool of its own
+        assert plan.resolved.world_size + plan.resolved.rollout_world * plan.resolved.disaggregated == 8
+    written = result.written
+    assert written is not None and written.changes == ()
+    assert written.step.seconds == pytest.approx(predict_step_time(plan_from_sources(QWEN_7B), H100).seconds)
+    assert result.ranked[0].step.seconds <= written.step.seconds
+    # the written layout (actor TP2, vLLM TP2, both offloads, recompute) is among those searched, with the saver
+    # the search would pick for it: the first that fits of none, grads, grads + moments, recompute ...
+    assert any(found.layout == Layout(2, 1, 2, 0, "sync") for found in result.ranked)
+
+
+def test_the_colocated_layouts_and_their_savers_equal_a_brute_force_through_the_loader():
+    """Every (actor TP, PP, vLLM TP) of the 6-GPU seed example, colocated, planned here from overrides written by
+    this test with each memory saver in the documented order; the first that fits is the search's choice."""
+    # (grad_offload, optimizer_offload, recompute), least time lost first, as docs/user-guide.md says
+    order = ((False, False, False), (True, False, False), (True, True, False), (False, False, True),
+             (True, False, True), (True, True, True))
+    assert SAVERS == order
+    result = search_from_sources(SEED_6GPU, ["trainer.hardware=h100-sxm"])
+    searched = {(f.layout.train_tp, f.layout.train_pp, f.layout.rollout_tp): (f.savers, f.step.seconds)
+                for f in result.ranked if f.layout.rollout_gpus == 0}
+    expected = {}
+    arr = "actor_rollout_ref"
+    for tp in (1, 2, 4):
+        for pp in (1, 2, 3, 4, 6, 8, 12):  # the divisors of Qwen2.5-0.5B's 24 layers up to 16
+            for rollout_tp in (1, 2, 4):
+                for grads, moments, recompute in order:
+                    overrides = [f"{arr}.actor.megatron.tensor_model_parallel_size={tp}",
+                                 f"{arr}.actor.megatron.pipeline_model_parallel_size={pp}",
+                                 f"{arr}.rollout.tensor_model_parallel_size={rollout_tp}",
+                                 f"{arr}.actor.megatron.grad_offload={str(grads).lower()}",
+                                 f"{arr}.actor.megatron.optimizer_offload={str(moments).lower()}",
+                                 f"{arr}.model.enable_gradient_checkpointing={str(recompute).lower()}",
+                                 # sequence parallelism wherever TP > 1 on GPUs, as documented
+                                 f"{arr}.actor.megatron.sequence_parallel={str(tp > 1).lower()}"]
+                    try:
+                        _, step = _replanned(SEED_6GPU, overrides)
+                    except ConfigError as exc:
+                        if exc.issues[0].field == "trainer.gpu_memory_gib":
+                            continue  # does not fit: the next saver
+                        break  # a rule: no saver changes it
+                    expected[(tp, pp, rollout_tp)] = ((grads, moments, recompute), step.seconds)
+                    break
+    assert searched.keys() == expected.keys() and len(expected) >= 5
+    for key, (savers, seconds) in expected.items():
+        assert searched[key][0] == savers and searched[key][1] == pytest.approx(seconds, rel=1e-12), key
+
+
+def test_memory_decides_the_savers_and_a_rollout_pool_keeps_the_clusters_gpus():
+    """Llama-3-70B PPO on 16 x 8 H100s: a layout's memory saver is the first that fits (the one before it does not),
+    and a disaggregated layout splits the 128 GPUs between the trainer's machines and the rollout pool's."""
+    result = search_from_sources(LLAMA_70B, ["trainer.hardware=h100-sxm"])
+    assert result.total_gpus == 128 and result.layouts >= 700
+    saved = [found for found in result.ranked if any(found.savers)]
+    assert saved, "some layouts of a 70B model need offload or recompute on 80 GB"
+    for found in saved[:3]:
+        before = SAVERS[SAVERS.index(found.savers) - 1]
+        changes = dict(found.changes)
+        arr = "actor_rollout_ref"
+        tighter = [f"{path}={str(value).lower() if isinstance(value, bool) else 'null' if value is None else value}"
+                   for path, value in {**changes, f"{arr}.actor.megatron.grad_offload": before[0],
+                                       "critic.megatron.grad_offload": before[0],
+                                       f"{arr}.actor.megatron.optimizer_offload": before[1],
+                                       "critic.megatron.optimizer_offload": before[1],
+                                       f"{arr}.model.enable_gradient_checkpointing": before[2],
+                                       "critic.model.enable_gradient_checkpointing": before[2]}.items()]
+        with pytest.raises(ConfigError) as info:
+            plan_from_sources(LLAMA_70B, tighter)
+        assert info.value.issues[0].field == "trainer.gpu_memory_gib"
+    pools = [found for found in result.ranked if found.layout.rollout_gpus]
+    assert pools
+    for found in pools[:2]:
+        plan, step = _replanned(LLAMA_70B, found.overrides())
+        assert plan.resolved.world_size + plan.resolved.rollout_world == 128
+        assert plan.resolved.rollout_world == found.layout.rollout_gpus
+        assert step.overlapped == (found.layout.async_mode != "sync")
+
+
+def test_a_job_whose_own_layout_is_refused_is_still_searched():
+    # actor TP 3 divides neither the heads nor the world: `hybridrl plan` refuses the job; the search replaces it
+    overrides = ["trainer.hardware=h100-sxm", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=3"]
+    with pytest.raises(ConfigError):
+        plan_from_sources(QWEN_7B, overrides)
+    result = search_from_sources(QWEN_7B, overrides)
+    assert result.written is None and result.ranked
+
+
+def test_the_cli_prints_the_ranking_and_refuses_a_search_without_hardware():
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "hybridrl.cli", "plan", *args], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120)
+
+    result = cli(SEED_6GPU, "--search", "--top", "3", "trainer.hardware=h200")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("hybridrl plan --search on h200: 6 GPUs;")
+    assert sum(line.startswith("#") and " s " in line for line in lines) >= 3
+    job = next(line for line in lines if line.startswith("#1 as a job: hybridrl plan "))
+    top = search_from_sources(SEED_6GPU, ["trainer.hardware=h200"]).ranked[0]
+    assert job.endswith(" ".join(top.overrides()))
+    as_json = json.loads(cli(SEED_6GPU, "--search", "--format", "json", "trainer.hardware=h200").stdout)
+    assert as_json["ranked"][0]["step"]["phases"][0]["phase"] == "gen"
+    refused = cli(SEED_6GPU, "--search")
+    assert refused.returncode == 2 and "trainer.hardware=None is needed by --search" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    no_rows = cli(SEED_6GPU, "--search", "--top", "0", "trainer.hardware=h200")
+    assert no_rows.returncode == 2 and "--top=0 must be a number of layouts >= 1" in no_rows.stderr
+
+
+def test_a_users_uneven_pipeline_split_stays_at_their_pp_only():
+    """The seed example at PP4 with 3 layers on the first stage (24 = 3 + 7 x 3): other PPs are searched with the even
+    split (the user's first-stage count would refuse most of them), PP4 with the user's."""
+    arr = "actor_rollout_ref.actor.megatron"
+    uneven = search_from_sources(SEED_6GPU, ["trainer.hardware=h100-sxm", f"{arr}.pipeline_model_parallel_size=4",
+                                             f"{arr}.num_layers_in_first_pipeline_stage=3"])
+    even = search_from_sources(SEED_6GPU, ["trainer.hardware=h100-sxm"])
+
+    def planned(result, pp_four: bool) -> set[Layout]:
+        return {found.layout for found in result.ranked if (found.layout.train_pp == 4) == pp_four}
+
+    assert planned(uneven, False) == planned(even, False) and planned(uneven, False)
+    for found in uneven.ranked:
+        plan, _ = _replanned(SEED_6GPU, [f"{arr}.pipeline_model_parallel_size=4",
+                                         f"{arr}.num_layers_in_first_pipeline_stage=3", *found.overrides()])
+        layers = plan.layout("actor").mesh.layout().stage_layers(24)
+        assert layers[0] == (3 if found.layout.train_pp == 4 else 24 // found.layout.train_pp)
+
+
+def test_the_smallest_cluster_for_a_step_time_is_the_first_size_whose_best_meets_it():
+    """Qwen2.5-7B GRPO, 60 s a step on H100s: part of a machine (1, 2, 4 GPUs), then 1, 2, 4 machines; the search on
+    each size is the plain search of the job resized, and the first whose best meets 60 s is the answer, printed as
+    overrides of the job as written (its size included)."""
+    inputs = search_inputs(QWEN_7B, ["trainer.hardware=h100-sxm"])
+    sizing = size_cluster(inputs, 60.0)
+    assert [r.total_gpus for r in sizing.results] == [1, 2, 4, 8, 16, 32]
+    bests = [r.ranked[0].step.seconds if r.ranked else None for r in sizing.results]
+    assert all(best is None or best > 60.0 for best in bests[:-1]) and bests[-1] <= 60.0
+    assert sizing.smallest is sizing.results[-1]
+    # each size's search equals the plain search of the job with that size written in
+    alone = search_from_sources(QWEN_7B, ["trainer.hardware=h100-sxm", "trainer.nnodes=2"])
+    assert alone.ranked[0].step.seconds == pytest.approx(bests[4], rel=1e-12)
+    plan, step = _replanned(QWEN_7B, sizing.smallest.ranked[0].overrides())
+    assert plan.resolved.world_size + plan.resolved.rollout_world * plan.resolved.disaggregated == 32
+    assert step.seconds == pytest.approx(bests[-1], rel=1e-12)
+    # beyond every size tried: the sizing says none meets it
+    assert size_cluster(inputs, 1.0).smallest is None
+    refused = subprocess.run([sys.executable, "-m", "hybridrl.cli", "plan", QWEN_7B, "--target-step-time", "60",
+                              "trainer.hardware=h100-sxm"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--target-step-time=60.0 needs --search" in refused.stderr

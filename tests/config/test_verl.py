@@ -1,0 +1,170 @@
+"""verl jobs carry over: verl's own Megatron example scripts plan with their overrides read in verl's meaning,
+and every override hybridrl cannot take is refused naming its key.
+
+The overrides are tests/support/verl_megatron_examples.json: every `examples/{grpo,ppo}_trainer/*megatron*.sh` of
+verl at the commit recorded there, expanded by bash itself (tools/verl_example_overrides.py).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridrl.config.errors import ConfigError
+from hybridrl.config.loader import load_config, load_config_collecting
+from hybridrl.config.plan import build_plan, plan_from_sources
+from hybridrl.config.schema import JobConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+import verl_carryover  # noqa: E402
+
+DATA = json.loads((ROOT / "tests/support/verl_megatron_examples.json").read_text())
+SCRIPTS = sorted(DATA["scripts"])
+# What bench/verl_carryover.py measures now (bench/results/verl_carryover.json, 1135 of 1186): the share may only
+# rise. Issue 39's target is 95 %; what is still refused is listed by the bench.
+ACCEPTED_AT_LEAST = 0.956
+
+
+def test_the_data_is_verls_megatron_examples():
+    assert DATA["source"]["repository"] == "https://github.com/volcengine/verl" and len(DATA["source"]["commit"]) == 40
+    assert len(SCRIPTS) >= 20 and all("megatron" in s and s.endswith(".sh") for s in SCRIPTS)
+    assert sum(map(len, DATA["scripts"].values())) > 1000
+
+
+def test_every_refusal_names_the_key_and_the_share_accepted_holds():
+    results = verl_carryover.carryover(DATA)
+    unnamed = [(r.script, u) for r in results for u in r.unnamed]
+    assert not unnamed, unnamed  # a problem about no key the script wrote
+    accepted, total = sum(r.accepted for r in results), sum(r.overrides for r in results)
+    print(f"accepted {accepted} of {total} = {accepted / total:.1%}")
+    assert accepted / total >= ACCEPTED_AT_LEAST
+    # verl's plain GSM8K/MATH jobs carry over whole
+    for script in ("examples/ppo_trainer/run_qwen2-7b_math_gsm8k_megatron.sh",
+                   "examples/grpo_trainer/run_qwen2_5-7b_math_megatron_diff_tp.sh"):
+        (result,) = [r for r in results if r.script == script]
+        assert result.refused == {}, result.refused
+
+
+@pytest.mark.parametrize("script", ["examples/grpo_trainer/run_qwen3moe-30b_megatron_96gb.sh",
+                                    "examples/ppo_trainer/run_deepseek_math_gsm8k_megatron_nsys.sh"])
+def test_json_report_of_a_verl_script_is_valid_json_naming_each_key(script):
+    """Text and JSON: no crash on verl's nested unknown sections, every refused key named."""
+    overrides = DATA["scripts"][script]
+    result = subprocess.run([sys.executable, "-m", "hybridrl.cli", "plan", "--layout-only", "--format", "json",
+                             *overrides], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert result.returncode == 2, result.stdout[-2000:]
+    report = json.loads(result.stderr)
+    fields = [error["field"] for error in report["errors"]]
+    expected = verl_carryover.plan_script(script, overrides)
+    for override in expected.refused:
+        key = override.split("=", 1)[0].lstrip("+")
+        assert any(verl_carryover._names(f, key) for f in fields), key
+    text = subprocess.run([sys.executable, "-m", "hybridrl.cli", "plan", "--layout-only", *overrides],
+                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert text.returncode == 2 and "Traceback" not in text.stderr and "_RawOverride" not in text.stderr
+
+
+# ---------------------------------------------------------------------------------------------- the keys
+def _config(*overrides: str) -> JobConfig:
+    return load_config(None, overrides)
+
+
+@pytest.mark.parametrize("override", [
+    "trainer.critic_warmup=0", "actor_rollout_ref.actor.megatron.use_mbridge=True",
+    "critic.megatron.use_mbridge=False", "actor_rollout_ref.ref.megatron.use_dist_checkpointing=False",
+    "actor_rollout_ref.actor.megatron.dist_checkpointing_path=/ckpt", "actor_rollout_ref.model.use_fused_kernels=False",
+    "data.return_raw_chat=True", "data.reward_fn_key=data_source", "reward_model.reward_manager=dapo",
+    "+reward_model.reward_kwargs.overlong_buffer_cfg.log=False", "actor_rollout_ref.actor.profiler.enable=False",
+])
+def test_keys_restating_what_hybridrl_does_change_nothing(override):
+    assert _config(override) == JobConfig()
+
+
+@pytest.mark.parametrize("override,rule", [
+    ("trainer.critic_warmup=5", "trainer.critic_warmup=5 is a verl setting hybridrl takes only as 0: the actor"),
+    ("actor_rollout_ref.actor.megatron.use_dist_checkpointing=True", "takes only as False: hybridrl loads the HF"),
+    ("actor_rollout_ref.model.use_fused_kernels=True", "verl's fused kernels are not used"),
+    ("reward_model.reward_manager=prime", "takes only as naive, dapo"),
+    # verl keys whose near spelling is a hybridrl field of another meaning: never a did-you-mean to it
+    ("actor_rollout_ref.actor.ppo_micro_batch_size=64", "set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
+    ("data.reward_fn_key=source", "the scorer is algorithm.reward_fn"),
+    ("global_profiler.tool=nsys", "hybridrl has no built-in profiler"),
+])
+def test_other_values_are_refused_with_what_hybridrl_does(override, rule):
+    _, issues = load_config_collecting(None, [override])
+    assert len(issues) == 1 and issues[0].field == override.split("=")[0]
+    assert rule in str(issues[0]) and "did you mean" not in str(issues[0])
+
+
+def test_aliases_set_hybridrls_field_and_conflicts_are_named():
+    config = _config("actor_rollout_ref.nccl_timeout=1200", "data.trust_remote_code=True",
+                     "actor_rollout_ref.rollout.mode=async",
+                     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=256",
+                     "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+                     "+reward_model.reward_kwargs.overlong_buffer_cfg.len=128",
+                     "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5",
+                     "+reward_model.reward_kwargs.max_resp_len=1024")
+    assert config.trainer.nccl_timeout_s == 1200 and config.actor_rollout_ref.model.trust_remote_code is True
+    assert config.actor_rollout_ref.rollout.mode == "colocated"  # verl's async server runs in the actor's processes
+    assert config.actor_rollout_ref.rollout.update_weights_bucket_megabytes == 256
+    ob = config.algorithm.overlong_buffer
+    assert (ob.enable, ob.len, ob.penalty_factor, ob.max_response_length) == (True, 128, 0.5, 1024)
+    _, issues = load_config_collecting(None, ["actor_rollout_ref.nccl_timeout=1200", "trainer.nccl_timeout_s=600"])
+    assert len(issues) == 1 and "two spellings of one field" in issues[0].rule
+
+
+def test_a_reference_section_takes_the_actors_layout():
+    """verl's ref.megatron interpolates the actor's layout: a ref section written for its offload only is laid
+    out as the actor (and a layout it sets differently is still refused)."""
+    seed = ROOT / "configs/examples/seed_6gpu_grpo.yaml"
+    plan = plan_from_sources(seed, ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                                    "actor_rollout_ref.ref.megatron.param_offload=True"])
+    assert plan.config.actor_rollout_ref.ref.megatron.tensor_model_parallel_size == 2
+    assert plan.config.actor_rollout_ref.ref.megatron.param_offload is True
+    with pytest.raises(ConfigError, match="ref.megatron.tensor_model_parallel_size=1 must equal"):
+        plan_from_sources(seed, ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                                 "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1"])
+
+
+def test_each_log_prob_pass_takes_its_own_token_budget():
+    seed = ROOT / "configs/examples/seed_6gpu_grpo.yaml"
+    plan = plan_from_sources(seed, ["actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
+                                    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=4096",
+                                    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=7"])
+    old, ref = plan.forward("old_log_prob"), plan.forward("ref_log_prob")
+    assert (old.dynamic_batching, old.max_tokens_per_micro_batch) == (True, 4096)
+    assert (ref.dynamic_batching, ref.max_tokens_per_micro_batch) == (False, 0)
+    assert plan.update("actor").dynamic_batching is False
+    # a fixed micro-batch size that does not divide the pass's rows is refused only where the pass is fixed
+    with pytest.raises(ConfigError, match="ref.log_prob_micro_batch_size_per_gpu=7 must divide"):
+        build_plan(_config_from(seed, "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=7"))
+
+
+def _config_from(path: Path, *overrides: str) -> JobConfig:
+    return load_config(path, overrides)
+
+
+def test_actor_param_offload_leaves_generation_and_needs_a_colocated_vllm():
+    """verl's actor param_offload: the memory plan drops the actor's parameters from the generation phase (and
+    vLLM's start-up) by exactly their estimate; with a disaggregated rollout there is nothing to make room for."""
+    example = ROOT / "configs/examples/qwen2.5_7b_grpo_8gpu.yaml"
+    plain = plan_from_sources(example)
+    offload = plan_from_sources(example, ["actor_rollout_ref.actor.megatron.param_offload=true"])
+    params = next(m.params_gib for m in plain.training_memory if m.role == "actor")
+
+    def phase(plan, name):
+        return {item: gib for item, gib in next(p for p in plan.gpu_memory.phases if p.name == name).items}
+
+    generation = [p.name for p in plain.gpu_memory.phases if "generat" in p.name][0]
+    assert "actor params" in phase(plain, generation) and "actor params" not in phase(offload, generation)
+    assert sum(phase(plain, generation).values()) - sum(phase(offload, generation).values()) == pytest.approx(params)
+    assert dict(plain.gpu_memory.startup.items)["actor params"] == params
+    assert "actor params" not in dict(offload.gpu_memory.startup.items)
+    with pytest.raises(ConfigError, match="with actor_rollout_ref.rollout.mode=disaggregated vLLM runs on its own"):
+        plan_from_sources(ROOT / "configs/examples/cpu_tiny_grpo.yaml", [
+            "actor_rollout_ref.actor.megatron.param_offload=true", "actor_rollout_ref.rollout.mode=disaggregated",
+            "actor_rollout_ref.rollout.n_gpus_per_node=2"])

@@ -1,0 +1,92 @@
+"""The device policy: every cuda/cpu difference as a named field, values written out by hand."""
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridrl.config import plan_from_sources
+from hybridrl.config.plan import Plan
+from hybridrl.parallel.device_policy import CPU, CUDA, DEVICE_POLICIES, DevicePolicy
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "configs" / "examples"
+
+CUDA_FIELDS = {
+    "name": "cuda", "dist_backend": "nccl", "default_train_dtype": "bf16", "default_rollout_dtype": "bf16",
+    "ray_use_gpu": True, "ray_cpus_per_worker": 1.0, "ray_min_cluster_cpus": None,
+    "megatron_cpu_layer": False, "transformer_engine_possible": True, "packed_attention": "transformer_engine",
+    "shared_prefix_attention": False,
+    "params_on_host": False,
+    "synchronize_on_offload": True, "empty_cache_on_offload": True, "gpu_memory_budget_binding": True,
+    "vllm_honours_enforce_eager": True, "vllm_repacks_weights": False, "vllm_kv_cache_from_plan": False,
+    "vllm_sleep_mode": True,
+    "vllm_chunked_prefill": True,
+    "vllm_moe_backend": "triton",
+    "vllm_top_k_keeps_ties": False,
+    "device_rng": True,
+    "worker_env": (("CUDA_DEVICE_MAX_CONNECTIONS", "1"),),
+    "flush_denormals": False, "reshard_keeps_buffers": False, "optimizer_state_at_setup": False,
+    "wgrad_accumulation_fusion": None, "megatron_speed_defaults": True,
+}
+CPU_FIELDS = {
+    "name": "cpu", "dist_backend": "gloo", "default_train_dtype": "fp32", "default_rollout_dtype": "fp32",
+    "ray_use_gpu": False, "ray_cpus_per_worker": 0.5, "ray_min_cluster_cpus": 4,
+    "megatron_cpu_layer": True, "transformer_engine_possible": False, "packed_attention": "cpu_stand_in",
+    "shared_prefix_attention": True,
+    "params_on_host": True,
+    "synchronize_on_offload": False, "empty_cache_on_offload": False, "gpu_memory_budget_binding": False,
+    "vllm_honours_enforce_eager": False, "vllm_repacks_weights": True, "vllm_kv_cache_from_plan": True,
+    "vllm_sleep_mode": False,
+    "vllm_chunked_prefill": False,
+    "vllm_moe_backend": "auto",
+    "vllm_top_k_keeps_ties": True,
+    "device_rng": False,
+    "worker_env": (("MALLOC_MMAP_MAX_", "0"), ("MALLOC_TRIM_THRESHOLD_", str(1 << 40))), "flush_denormals": True,
+    "reshard_keeps_buffers": True, "optimizer_state_at_setup": True,
+    "wgrad_accumulation_fusion": "cpu_stand_in", "megatron_speed_defaults": False,
+}
+
+
+@pytest.mark.parametrize("name, expected", [("cuda", CUDA_FIELDS), ("cpu", CPU_FIELDS)])
+def test_each_field_of_each_device(name, expected):
+    policy = DevicePolicy.for_device(name)
+    # every field is listed above: a new field must be given its value here too
+    assert dataclasses.asdict(policy) == expected
+    assert policy is {"cuda": CUDA, "cpu": CPU}[name]
+
+
+def test_ray_cluster_cpus():
+    assert CUDA.ray_cluster_cpus(8) is None  # Ray counts the GPU node's CPUs
+    assert CPU.ray_cluster_cpus(2) == 4
+    assert CPU.ray_cluster_cpus(6) == 6
+
+
+def test_unknown_device_names_the_valid_ones():
+    assert tuple(DEVICE_POLICIES) == ("cuda", "cpu")
+    for name in ("auto", "tpu", "cuda:0"):
+        with pytest.raises(ValueError, match=r"device '.*'.*expected one of cuda, cpu"):
+            DevicePolicy.for_device(name)
+
+
+def test_policy_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        CPU.dist_backend = "nccl"
+
+
+def test_module_is_torch_free():
+    code = ("import sys; import hybridrl.parallel.device_policy; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_plan_carries_the_policy_of_its_device():
+    assert plan_from_sources(EXAMPLES / "seed_6gpu_grpo.yaml").device_policy is CUDA
+    plan = plan_from_sources(EXAMPLES / "cpu_tiny_grpo.yaml")
+    assert plan.resolved.device == "cpu" and plan.device_policy is CPU
+    again = Plan.from_json(plan.to_json())
+    assert again.device_policy == CPU
+    data = plan.to_dict()
+    data["device_policy"] = dataclasses.asdict(CUDA)
+    with pytest.raises(ValueError, match="Plan.device_policy is the 'cuda' policy but resolved.device='cpu'"):
+        Plan.from_dict(data)
