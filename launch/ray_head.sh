@@ -19,7 +19,7 @@ if [ -n "${ifname:-}" ]; then
 fi
 
 # How fast the head declares a silent node dead (its GCS pings every raylet): Ray's defaults (every 3 s, 10 s
-# timeout, 5 misses) took 63 s to notice a host cut off the network; these take ~20 s (tests/test_multi_host.py).
+# timeout, 5 misses) took 63 s to notice a host cut off the network; these take ~20 s (tests/e2e/test_multi_host.py).
 # A run with trainer.max_restarts restarts that much sooner. Set any of them yourself to keep your own.
 export RAY_health_check_period_ms="${RAY_health_check_period_ms:-1000}"
 export RAY_health_check_timeout_ms="${RAY_health_check_timeout_ms:-1000}"
