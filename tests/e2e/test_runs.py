@@ -706,70 +706,45 @@ def test_lora_grpo_raises_the_reward_proves_each_merged_sync_and_takes_the_base_
     assert gap < 1e-4 and moved > 1e-2, (gap, moved)
 
 
-def test_lora_served_by_vllm_generates_from_the_adapters_and_each_sync_moves_them_alone(demo_assets, tmp_path):
+# rank 64 on every target of the demo: 8 x the 16,384 elements a layer of rank 8 (by hand in
+# tests/config/test_internode.py), x 4 layers x 4 B
+SERVED_ADAPTER_BYTES = 8 * 16_384 * 4 * 4
+
+
+@pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
+def test_lora_served_by_vllm_generates_from_the_adapters_and_each_sync_moves_them_alone(demo_assets, tmp_path,
+                                                                                        placement):
     """actor_rollout_ref.model.lora.merge=false: vLLM serves the base, written once, and the current adapter, loaded
-    at each sync (the PEFT adapter alone: the plan's figure, every step). What vLLM generates from is the trained
-    policy: each step's rollout log-probs equal the trainer's (the old-log-prob pass, <= 1e-4) while the policy
-    moves away from the base (the KL to the reference, the base, grows), and every sync's probe passes."""
-    from hybridrl.config import plan_from_sources
-    from hybridrl.config.plan import lora_elements_per_layer
-
+    at each sync (the PEFT adapter alone, 2,097,152 B, every step; no weight bytes). What vLLM generates from is the
+    trained policy: each step's rollout log-probs equal the trainer's (the old-log-prob pass, <= 1e-4) while the
+    policy moves away from the base (the KL to the reference, the base, grows), and every sync's probe passes.
+    Colocated (the hybrid engine, TP2): every rank gathers the adapter. Disaggregated (trainer TP2, a rollout pool of
+    two replicas): the base crosses the pools once, then each training rank ships the adapter as a PEFT folder to
+    one rollout rank, which receives one payload (the folder and its header, a little over the tensors' bytes)."""
     run = tmp_path / "run"
-    overrides = demo_overrides(
-        demo_assets, run, "trainer.total_training_steps=4", "actor_rollout_ref.model.lora.rank=64",
-        "actor_rollout_ref.model.lora.alpha=64", "actor_rollout_ref.model.lora.merge=false",
-        "actor_rollout_ref.actor.optim.lr=3e-3", "actor_rollout_ref.actor.use_kl_loss=true",
-        "actor_rollout_ref.actor.kl_loss_coef=0.01", "actor_rollout_ref.actor.old_log_prob=recompute",
-        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2")
-    result = _train("configs/examples/cpu_tiny_grpo.yaml", overrides)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    plan = plan_from_sources("configs/examples/cpu_tiny_grpo.yaml", overrides)
-    lora, model = plan.config.actor_rollout_ref.model.lora, plan.model
-    adapter_bytes = 4 * lora_elements_per_layer(lora, model, 1, peft_form=True) * model.num_layers
-    rows = [r for r in _metrics(run) if "event" not in r]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4]
-    for row in rows:
-        assert row["reshard/adapter_bytes"] == adapter_bytes and "reshard/bytes_received" not in row, row
-        assert row["reshard/probe_max_abs_gap"] <= 1e-4
-        assert row["rollout/log_prob_abs_diff_max"] <= 1e-4, row["rollout/log_prob_abs_diff_max"]
-    kl = [r["actor/kl_loss"] for r in rows]
-    assert abs(kl[0]) < 1e-6 and kl[-1] > 1e-4, kl
-
-
-def test_lora_served_by_a_disaggregated_rollout_pool_moves_the_adapter_alone_across_the_pools(demo_assets, tmp_path):
-    """lora.merge=false with rollout.mode=disaggregated: the base crosses the pools once (at set-up), then each sync
-    ships the adapter alone, a PEFT folder from one training rank per rollout rank (the trainer at TP2 gathers it;
-    its two ranks serve the pool's two replicas, one each). Every step: the adapter's bytes are the plan's figure,
-    no weight bytes cross, each training rank sends and each rollout rank receives one payload; vLLM generates from
-    the trained policy (the rollout's log-probs equal the trainer's old-log-prob pass, <= 1e-4) while it moves away
-    from the base (the KL to the reference grows); every sync's digests and probe pass on both replicas."""
-    from hybridrl.config import plan_from_sources
-    from hybridrl.config.plan import lora_elements_per_layer
-
-    run = tmp_path / "run"
+    apart = ["actor_rollout_ref.rollout.mode=disaggregated", "actor_rollout_ref.rollout.n_gpus_per_node=2",
+             "trainer.n_gpus_per_node=2"]
     overrides = demo_overrides(
         demo_assets, run, "trainer.total_training_steps=4", "actor_rollout_ref.model.lora.rank=64",
         "actor_rollout_ref.model.lora.alpha=64", "actor_rollout_ref.model.lora.merge=false",
         "actor_rollout_ref.actor.optim.lr=3e-3", "actor_rollout_ref.actor.use_kl_loss=true",
         "actor_rollout_ref.actor.kl_loss_coef=0.01", "actor_rollout_ref.actor.old_log_prob=recompute",
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
-        "actor_rollout_ref.rollout.mode=disaggregated", "actor_rollout_ref.rollout.n_gpus_per_node=2",
-        "trainer.n_gpus_per_node=2")
+        *(apart if placement == "disaggregated" else []))
     result = _train("configs/examples/cpu_tiny_grpo.yaml", overrides)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    plan = plan_from_sources("configs/examples/cpu_tiny_grpo.yaml", overrides)
-    lora, model = plan.config.actor_rollout_ref.model.lora, plan.model
-    adapter_bytes = 4 * lora_elements_per_layer(lora, model, 1, peft_form=True) * model.num_layers
     rows = [r for r in _metrics(run) if "event" not in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for row in rows:
-        assert row["reshard/adapter_bytes"] == adapter_bytes, row
-        assert "reshard/rollout_bytes_received" not in row and "reshard/trainer_bytes_sent" not in row, row
-        # one payload (the PEFT folder and its header: a little over the tensors' bytes) per rollout rank
-        payload = row["reshard/rollout_adapter_bytes_received"]
-        assert row["reshard/trainer_adapter_bytes_sent"] == payload and adapter_bytes < payload < 1.1 * adapter_bytes
-        assert row["reshard/probe_max_abs_gap"] <= 1e-4 and row["reshard/probe_replicas"] == 2
+        assert row["reshard/adapter_bytes"] == SERVED_ADAPTER_BYTES, row
+        assert not any(k in row for k in ("reshard/bytes_received", "reshard/rollout_bytes_received",
+                                          "reshard/trainer_bytes_sent")), row
+        assert row["reshard/probe_max_abs_gap"] <= 1e-4
         assert row["rollout/log_prob_abs_diff_max"] <= 1e-4, row["rollout/log_prob_abs_diff_max"]
+        if placement == "disaggregated":
+            payload = row["reshard/rollout_adapter_bytes_received"]
+            assert row["reshard/trainer_adapter_bytes_sent"] == payload
+            assert SERVED_ADAPTER_BYTES < payload < 1.1 * SERVED_ADAPTER_BYTES and row["reshard/probe_replicas"] == 2
     kl = [r["actor/kl_loss"] for r in rows]
     assert abs(kl[0]) < 1e-6 and kl[-1] > 1e-4, kl
 
