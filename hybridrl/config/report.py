@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from hybridrl.config.distillation_rules import FULL_VOCAB_TABLE_LIMIT_BYTES, full_vocab_table_bytes
 from hybridrl.config.estimates import GpuMemoryPlan, StageBalance, shares_text, split_text
 from hybridrl.config.hardware import load_hardware
 from hybridrl.config.internode import plan_internode_traffic
@@ -131,6 +132,24 @@ def lora_line(plan: Plan) -> str:
     return line + "; each weight sync merges them into the served weights (W + alpha/rank B A)"
 
 
+def distillation_line(plan: Plan) -> str:
+    """What on-policy distillation trains on, and what its teacher sends the student each step."""
+    settings, res = plan.config.algorithm.distillation, plan.resolved
+    mix = ("added to the task reward's advantages" if settings.task_reward else
+           "alone (the reward logged, not trained on)")
+    if res.distillation_top_k:
+        signal = (f"KL(teacher's top-{res.distillation_top_k} || student) a loss term x {settings.kl_coef:g}, {mix}; "
+                  f"the teacher sends {res.distillation_top_k} log-probs and ids a position")
+    elif res.distillation_full_vocab and plan.model is not None:
+        table = full_vocab_table_bytes(plan.config, plan.model)
+        signal = (f"KL(student || teacher) over the whole vocabulary a loss term x {settings.kl_coef:g}, {mix}; the "
+                  f"teacher sends its log-probs of all {plan.model.vocab_size:,} ids a position: {table / 2**20:,.1f} "
+                  f"MiB a step (refused above {FULL_VOCAB_TABLE_LIMIT_BYTES // 2**30} GiB)")
+    else:
+        signal = f"the sampled token's reverse KL x {settings.kl_coef:g} as its advantage, {mix}"
+    return f"On-policy distillation from {plan.config.teacher.model.path}: {signal}"
+
+
 def step_flops_line(step_flops: tuple[tuple[str, float], ...]) -> str:
     """Where a step's matmul FLOPs go, by phase (the whole job's; a share of compute, not yet of time)."""
     total = sum(flops for _, flops in step_flops)
@@ -181,6 +200,8 @@ def render_plan(plan: Plan) -> str:
     out.append(packing_line(plan))
     if plan.resolved.lora_rank > 0:
         out.append(lora_line(plan))
+    if cfg.algorithm.distillation.enable:
+        out.append(distillation_line(plan))
     rollout = plan.reshard.groups.rollout
     res = plan.resolved
     if res.disaggregated:

@@ -288,3 +288,26 @@ def test_full_reverse_kl_is_refused_above_its_teacher_table_bound_naming_the_top
                       "positions x 96 token ids x 4 B = 4,295,098,368 B (4.00 GiB), over the 4 GiB this loss "
                       "allows (the controller holds it whole); use top_k_forward_kl (the teacher's top-k tokens, 8 B "
                       "each a position) or sampled_reverse_kl, or fewer rows or positions a step")]
+
+
+def test_the_plan_says_what_distillation_trains_on_and_what_the_teacher_sends(demo_assets, teachers, tmp_path):
+    """One line per job: the signal, its weight, with or without the reward, and what crosses from the teacher a
+    step; for full_reverse_kl the table's size: 8 prompts x 8 samples x 16 positions x 96 ids x 4 B = 393,216 B,
+    0.4 MiB."""
+    same = f"teacher.model.path={teachers['same']}"
+    lines = {}
+    for loss in ("sampled_reverse_kl", "top_k_forward_kl", "full_reverse_kl"):
+        plan = plan_from_sources(CONFIG, job(demo_assets, tmp_path, f"{D}.enable=true", same, f"{D}.loss={loss}",
+                                             f"{D}.kl_coef=0.5", f"{D}.task_reward={loss == 'top_k_forward_kl'}"))
+        lines[loss] = next(line for line in render_plan(plan).splitlines() if line.startswith("On-policy"))
+    head = f"On-policy distillation from {teachers['same']}: "
+    assert lines["sampled_reverse_kl"] == head + ("the sampled token's reverse KL x 0.5 as its advantage, alone (the "
+                                                  "reward logged, not trained on)")
+    assert lines["top_k_forward_kl"] == head + (
+        "KL(teacher's top-32 || student) a loss term x 0.5, added to the task reward's advantages; the teacher sends "
+        "32 log-probs and ids a position")
+    assert lines["full_reverse_kl"] == head + (
+        "KL(student || teacher) over the whole vocabulary a loss term x 0.5, alone (the reward logged, not trained "
+        "on); the teacher sends its log-probs of all 96 ids a position: 0.4 MiB a step (refused above 4 GiB)")
+    plain = render_plan(plan_from_sources(CONFIG, job(demo_assets, tmp_path)))
+    assert "On-policy distillation" not in plain
