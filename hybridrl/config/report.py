@@ -161,16 +161,26 @@ def step_flops_line(step_flops: tuple[tuple[str, float], ...]) -> str:
 
 
 def render_plan(plan: Plan) -> str:
-    cfg, res = plan.config, plan.resolved
+    """The plan as `hybridrl plan` prints it: one section after another."""
+    cfg = plan.config
+    sections = [header_lines(plan), mesh_lines(plan), pool_lines(plan), batch_lines(plan), memory_lines(plan),
+                compute_lines(plan), sync_lines(plan), internode_lines(plan), ["", *speed_lines(plan)],
+                ["", *failure_cost_lines(cfg.trainer.save_freq, cfg.trainer.max_restarts)]]
+    if plan.warnings:
+        sections.append(["", "Warnings:", *(f"  - {w}" for w in plan.warnings)])
+    return "\n".join(line for section in sections for line in section)
+
+
+def header_lines(plan: Plan) -> list[str]:
+    """The job: its model, its cluster, its algorithm."""
+    cfg, res, model = plan.config, plan.resolved, plan.model
     arr = cfg.actor_rollout_ref
-    out: list[str] = []
-    model = plan.model
     model_line = (
         f"{model.architecture}: {model.param_count() / 1e6:,.1f}M params, {model.num_layers} layers, "
         f"hidden {model.hidden_size}, heads {model.num_attention_heads}/{model.num_kv_heads} (q/kv), "
         f"vocab {model.vocab_size}" if model else "unknown (no config.json at the model path)"
     )
-    out += [
+    return [
         f"hybridrl plan — {cfg.trainer.project_name}/{cfg.trainer.experiment_name}",
         f"  model:   {arr.model.path or '<none>'} — {model_line}",
         f"  cluster: {cfg.trainer.nnodes} node(s) × {cfg.trainer.n_gpus_per_node} {cfg.trainer.device} "
@@ -178,15 +188,19 @@ def render_plan(plan: Plan) -> str:
         f"{' + critic' if res.critic_enabled else ''}{' + ref' if res.ref_enabled else ''}"
         f"{_correction(cfg.algorithm.rollout_correction, arr.rollout)}",
         "",
-        "Training meshes (megatron order tp-cp-dp-pp; DP = world ÷ (TP·PP·CP))",
     ]
-    out.append(table(
+
+
+def mesh_lines(plan: Plan) -> list[str]:
+    """Each role's training mesh and its groups, experts, stage balance, packing, and what LoRA and distillation
+    train on."""
+    out = ["Training meshes (megatron order tp-cp-dp-pp; DP = world ÷ (TP·PP·CP))", table(
         ["role", "TP", "PP", "VPP", "CP", "DP", "layers per stage", "TP groups", "PP groups", "DP groups"],
         [[lay.role, lay.mesh.tp, lay.mesh.pp, lay.mesh.vpp or "-", lay.mesh.cp, lay.mesh.dp,
-          _stage_layers(lay.mesh, model),
+          _stage_layers(lay.mesh, plan.model),
           _groups(lay.mesh.tp_groups, 3), _groups(lay.mesh.pp_groups, 3), _groups(lay.mesh.dp_groups, 3)]
          for lay in plan.layouts],
-    ))
+    )]
     for lay in plan.layouts:
         ep, etp = lay.megatron.expert_model_parallel_size, lay.megatron.expert_tensor_parallel_size
         etp = lay.mesh.tp if etp is None else etp
@@ -200,28 +214,37 @@ def render_plan(plan: Plan) -> str:
     out.append(packing_line(plan))
     if plan.resolved.lora_rank > 0:
         out.append(lora_line(plan))
-    if cfg.algorithm.distillation.enable:
+    if plan.config.algorithm.distillation.enable:
         out.append(distillation_line(plan))
+    return out
+
+
+def pool_lines(plan: Plan) -> list[str]:
+    """Where vLLM runs (the training ranks' replicas, or a pool of its own and its async mode), and a teacher's own
+    pool."""
+    cfg, res = plan.config, plan.resolved
     rollout = plan.reshard.groups.rollout
-    res = plan.resolved
     if res.disaggregated:
-        r = arr.rollout
-        out += ["", f"Rollout pool (vLLM, disaggregated): {r.nnodes} node(s) × {r.n_gpus_per_node} = "
-                    f"{res.rollout_world} ranks of its own beside the trainer's {res.world_size}; "
-                    f"{rollout.infer_dp} replicas × infer_tp {rollout.infer_tp}: {_groups(rollout.replicas, 12)} "
-                    "(pool ranks)"]
-        out.append(_async_line(res))
-        out.append("")
+        r = cfg.actor_rollout_ref.rollout
+        out = ["", f"Rollout pool (vLLM, disaggregated): {r.nnodes} node(s) × {r.n_gpus_per_node} = "
+                   f"{res.rollout_world} ranks of its own beside the trainer's {res.world_size}; "
+                   f"{rollout.infer_dp} replicas × infer_tp {rollout.infer_tp}: {_groups(rollout.replicas, 12)} "
+                   "(pool ranks)", _async_line(res), ""]
     else:
-        out += ["", f"Rollout mesh (vLLM): {rollout.infer_dp} replicas × infer_tp {rollout.infer_tp}: "
-                    f"{_groups(rollout.replicas, 12)}", ""]
+        out = ["", f"Rollout mesh (vLLM): {rollout.infer_dp} replicas × infer_tp {rollout.infer_tp}: "
+                   f"{_groups(rollout.replicas, 12)}", ""]
     if res.teacher_world:
         teacher = cfg.teacher
         out += [f"Teacher pool (disaggregated): {teacher.nnodes} node(s) × {teacher.n_gpus_per_node} = "
                 f"{res.teacher_world} ranks of its own (the teacher's mesh above spans them); each step's sequences "
                 "go to it and its log-probs come back", ""]
-    n = arr.rollout.n
-    out.append("Batch arithmetic per step")
+    return out
+
+
+def batch_lines(plan: Plan) -> list[str]:
+    """A step's batch arithmetic, from prompts to micro-batches, and the token budget."""
+    n = plan.config.actor_rollout_ref.rollout.n
+    rollout = plan.reshard.groups.rollout
     rows = [
         ["prompts per step", "data.train_batch_size", plan.prompts_per_step],
         ["sequences per step", f"{plan.prompts_per_step} prompts × rollout.n {n}", plan.sequences_per_step],
@@ -252,56 +275,66 @@ def render_plan(plan: Plan) -> str:
             continue
         rows.append([f"{fw.role}: {fw.pass_name} micro-batches per GPU",
                      f"{fw.sequences_per_rank} seqs ÷ micro {fw.micro_batch_size}", fw.micro_batches_per_rank])
-    out.append(table(["quantity", "from", "value"], rows))
-    out += ["", *token_budget_lines(plan)]
+    return ["Batch arithmetic per step", table(["quantity", "from", "value"], rows), "", *token_budget_lines(plan)]
 
-    if plan.training_memory:
-        out += ["", f"Memory per GPU, estimated (GiB; fits in trainer.gpu_memory_gib={cfg.trainer.gpu_memory_gib:g}?)"]
-        out.append(table(
-            ["role", "params", "grads", "optim", "optim w/o dist-opt", "act/micro", "act in flight", "total", "fits"],
-            [[m.role, f"{m.params_gib:.2f}", f"{m.grads_gib:.2f}", f"{m.optimizer_gib:.2f}",
-              f"{m.optimizer_gib_without_distributed:.2f}", f"{m.activations_gib_per_micro_batch:.2f}",
-              f"{m.activations_gib_in_flight:.2f}", f"{m.total_gib:.2f}", "yes" if m.fits else "NO"]
-             for m in plan.training_memory],
-        ))
-        for m in plan.training_memory:
-            if len(m.stages) > 1:  # the row above is the heaviest stage's GPU
-                out.append(f"{m.role} per pipeline stage (layers: params / total GiB): " + ", ".join(
-                    f"stage {s.stage} ({s.layers}): {s.params_gib:.2f} / {s.total_gib:.2f}" for s in m.stages))
-        rm = plan.rollout_memory
-        if rm:
-            waves = "fits in one wave" if rm.one_wave else "runs in waves"
-            cache = (f"{rm.kv_cache_bytes / 2**20:,.1f} MiB per rank (CPU: rollout.cpu_kv_cache_gib)" if rm.on_cpu
-                     else f"{rm.kv_cache_gib:.2f} GiB")
-            out.append(
-                f"rollout: weights {rm.weights_gib:.2f} GiB/GPU, KV cache {cache} = "
-                f"{rm.kv_cache_tokens:,} tokens ({rm.kv_bytes_per_token} B/token); one replica's step needs "
-                f"{rm.tokens_per_replica_step:,} tokens ({waves})"
-            )
 
-        if plan.gpu_memory and plan.device_policy.gpu_memory_budget_binding:  # GPU memory: a GPU job's
-            out += ["", *gpu_memory_lines(plan.gpu_memory)]
-        if plan.teacher_gpu_memory and plan.device_policy.gpu_memory_budget_binding:
-            out += ["", *gpu_memory_lines(plan.teacher_gpu_memory, pool="teacher-pool")]
-    if plan.step_flops:
-        out += ["", step_flops_line(plan.step_flops)]
-    if cfg.trainer.hardware is not None:
-        step = predict_step_time(plan, load_hardware(cfg.trainer.hardware))
+def memory_lines(plan: Plan) -> list[str]:
+    """Each role's memory per GPU (per pipeline stage where it differs), the rollout's, and the GPU's phases."""
+    if not plan.training_memory:
+        return []
+    cfg = plan.config
+    out = ["", f"Memory per GPU, estimated (GiB; fits in trainer.gpu_memory_gib={cfg.trainer.gpu_memory_gib:g}?)",
+           table(["role", "params", "grads", "optim", "optim w/o dist-opt", "act/micro", "act in flight", "total",
+                  "fits"],
+                 [[m.role, f"{m.params_gib:.2f}", f"{m.grads_gib:.2f}", f"{m.optimizer_gib:.2f}",
+                   f"{m.optimizer_gib_without_distributed:.2f}", f"{m.activations_gib_per_micro_batch:.2f}",
+                   f"{m.activations_gib_in_flight:.2f}", f"{m.total_gib:.2f}", "yes" if m.fits else "NO"]
+                  for m in plan.training_memory])]
+    for m in plan.training_memory:
+        if len(m.stages) > 1:  # the row above is the heaviest stage's GPU
+            out.append(f"{m.role} per pipeline stage (layers: params / total GiB): " + ", ".join(
+                f"stage {s.stage} ({s.layers}): {s.params_gib:.2f} / {s.total_gib:.2f}" for s in m.stages))
+    rm = plan.rollout_memory
+    if rm:
+        waves = "fits in one wave" if rm.one_wave else "runs in waves"
+        cache = (f"{rm.kv_cache_bytes / 2**20:,.1f} MiB per rank (CPU: rollout.cpu_kv_cache_gib)" if rm.on_cpu
+                 else f"{rm.kv_cache_gib:.2f} GiB")
+        out.append(
+            f"rollout: weights {rm.weights_gib:.2f} GiB/GPU, KV cache {cache} = "
+            f"{rm.kv_cache_tokens:,} tokens ({rm.kv_bytes_per_token} B/token); one replica's step needs "
+            f"{rm.tokens_per_replica_step:,} tokens ({waves})"
+        )
+    if plan.gpu_memory and plan.device_policy.gpu_memory_budget_binding:  # GPU memory: a GPU job's
+        out += ["", *gpu_memory_lines(plan.gpu_memory)]
+    if plan.teacher_gpu_memory and plan.device_policy.gpu_memory_budget_binding:
+        out += ["", *gpu_memory_lines(plan.teacher_gpu_memory, pool="teacher-pool")]
+    return out
+
+
+def compute_lines(plan: Plan) -> list[str]:
+    """Where a step's matmul FLOPs go, and its predicted time on `trainer.hardware`."""
+    out = ["", step_flops_line(plan.step_flops)] if plan.step_flops else []
+    if plan.config.trainer.hardware is not None:
+        step = predict_step_time(plan, load_hardware(plan.config.trainer.hardware))
         out += [step_time_line(step) if step else "Predicted step time: needs the model's config.json (its shape)"]
+    return out
 
+
+def sync_lines(plan: Plan) -> list[str]:
+    """The weight sync: across the pools, or the resharder's groups and what each rank receives."""
     groups = plan.reshard.groups
     cross = plan.reshard.cross_pool
     if plan.resolved.disaggregated:
-        out += ["", "Weight sync across the pools (a group spanning both; every vLLM rank receives its shard once, "
-                    "straight from training ranks that hold each range; the least-loaded holder sends)"]
+        out = ["", "Weight sync across the pools (a group spanning both; every vLLM rank receives its shard once, "
+                   "straight from training ranks that hold each range; the least-loaded holder sends)"]
         if cross:
             out.append(f"each rollout rank receives {cross.bytes_received[0] / MIB:,.1f} MiB (its whole shard: it "
                        f"holds nothing); the trainer ranks send {cross.total_bytes / MIB:,.1f} MiB in all, "
                        f"{cross.bytes_sent_even / MIB:,.1f} MiB each if spread evenly; model "
                        f"{cross.model_bytes / MIB:,.1f} MiB in {plan.reshard.dtype}")
     else:
-        out += ["", f"Resharding (HybridFlow §5, {groups.strategy} generation TP groups): micro-DP size "
-                    f"{groups.micro_dp_size}, groups {_groups(groups.micro_dp_groups, 6)}"]
+        out = ["", f"Resharding (HybridFlow §5, {groups.strategy} generation TP groups): micro-DP size "
+                   f"{groups.micro_dp_size}, groups {_groups(groups.micro_dp_groups, 6)}"]
     traffic = plan.reshard.traffic
     if traffic:
         rows = [[r, f"{traffic.bytes_received[r] / MIB:,.1f}", f"{traffic.lower_bound[r] / MIB:,.1f}",
@@ -317,12 +350,7 @@ def render_plan(plan: Plan) -> str:
             f"(×{traffic.ratio_to_lower_bound:.2f} the lower bound) vs naive {total_naive / MIB:,.1f} MiB; "
             f"model {traffic.model_bytes / MIB:,.1f} MiB in {plan.reshard.dtype}"
         )
-    out += internode_lines(plan)
-    out += ["", *speed_lines(plan)]
-    out += ["", *failure_cost_lines(cfg.trainer.save_freq, cfg.trainer.max_restarts)]
-    if plan.warnings:
-        out += ["", "Warnings:"] + [f"  - {w}" for w in plan.warnings]
-    return "\n".join(out)
+    return out
 
 
 def internode_lines(plan: Plan) -> list[str]:
