@@ -629,10 +629,42 @@ def _colocated_reshard(model: ModelShape | None, mesh: TrainingMesh, infer_tp: i
 
 def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, warnings: tuple[str, ...],
             refuse_over_memory: bool = True) -> Plan:
-    arr, data = config.actor_rollout_ref, config.data
-    n = arr.rollout.n
-    world = resolved.world_size
+    """The Plan of a validated job: one derivation per section (layouts, passes, the weight sync, memory)."""
+    data, n = config.data, config.actor_rollout_ref.rollout.n
     policy = DevicePolicy.for_device(resolved.device)  # validated: a known device
+    layouts = _layouts(config, resolved)
+    updates, forwards = _passes(config, resolved, {layout.role: layout for layout in layouts})
+    reshard = _reshard(config, resolved, model, layouts)
+    infer_dp = reshard.groups.rollout.infer_dp
+    memory = MemoryPlans()
+    if model is not None:
+        memory = _memory(config, resolved, policy, model, layouts, updates, forwards, infer_dp, refuse_over_memory)
+    return Plan(
+        config=config,
+        resolved=resolved,
+        device_policy=policy,
+        model=model,
+        layouts=tuple(layouts),
+        prompts_per_step=data.train_batch_size,
+        sequences_per_step=data.train_batch_size * n,
+        prompts_per_rollout_replica=data.train_batch_size // infer_dp,
+        sequences_per_rollout_replica=data.train_batch_size // infer_dp * n,
+        updates=tuple(updates),
+        forwards=tuple(forwards),
+        reshard=reshard,
+        training_memory=memory.training,
+        rollout_memory=memory.rollout,
+        gpu_memory=memory.gpu,
+        teacher_gpu_memory=memory.teacher,
+        token_budget=token_budget(config, resolved),
+        stage_balance=memory.balances,
+        step_flops=_step_flops(config, resolved, model, updates, forwards) if model is not None else (),
+        warnings=warnings + memory.warnings,
+    )
+
+
+def _layouts(config: JobConfig, resolved: Resolved) -> list[RoleLayout]:
+    """Each active role's megatron section and its mesh over the ranks it runs on."""
     layouts = []
     for role in active_roles(config, resolved):
         mc = role_megatron(config, role)
@@ -643,7 +675,15 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
             last_stage_layers=mc.num_layers_in_last_pipeline_stage,
         )
         layouts.append(RoleLayout(role, mc, mesh))
-    by_role = {layout.role: layout for layout in layouts}
+    return layouts
+
+
+def _passes(config: JobConfig, resolved: Resolved,
+            by_role: dict[str, RoleLayout]) -> tuple[list[UpdatePlan], list[ForwardPlan]]:
+    """A step's updates (the actor's, the critic's) and forward passes (old, reference, values, reward scores,
+    teacher), each split over its role's DP ranks into mini- and micro-batches."""
+    arr, data = config.actor_rollout_ref, config.data
+    n = arr.rollout.n
 
     def update(role: str, mini: int, micro: int, epochs: int, dynamic: bool) -> UpdatePlan:
         dp = by_role[role].mesh.dp
@@ -676,143 +716,162 @@ def _derive(config: JobConfig, resolved: Resolved, model: ModelShape | None, war
         forwards.append(forward(Role.REWARD_MODEL, "reward_scores", config.reward_model.micro_batch_size_per_gpu))
     if Role.TEACHER in by_role:
         forwards.append(forward(Role.TEACHER, "teacher_log_prob", config.teacher.log_prob_micro_batch_size_per_gpu))
+    return updates, forwards
 
-    actor_mesh = by_role[Role.ACTOR].mesh
+
+def _reshard(config: JobConfig, resolved: Resolved, model: ModelShape | None,
+             layouts: list[RoleLayout]) -> ReshardPlan:
+    """The weight sync: the rollout pool's groups and the cross-pool bytes (disaggregated), or the resharder's groups
+    and what each rank receives (colocated)."""
+    arr = config.actor_rollout_ref
+    actor_mesh = next(layout.mesh for layout in layouts if layout.role == Role.ACTOR)
     infer_tp = arr.rollout.tensor_model_parallel_size
     cross = traffic = None
     if resolved.disaggregated:
         groups = build_pool_groups(resolved.rollout_world, infer_tp)
         if model:
-            cross = cross_pool_traffic(model, world, resolved.rollout_world, infer_tp, resolved.rollout_dtype)
+            cross = cross_pool_traffic(model, resolved.world_size, resolved.rollout_world, infer_tp,
+                                       resolved.rollout_dtype)
     else:
         groups, traffic = _colocated_reshard(model, actor_mesh, infer_tp, resolved.rollout_dtype,
                                              arr.actor.megatron.expert_model_parallel_size,
                                              arr.actor.megatron.expert_tensor_parallel_size)
-    infer_dp = groups.rollout.infer_dp
+    return ReshardPlan(groups, traffic, resolved.rollout_dtype, cross)
 
-    train_mem: list[TrainingMemory] = []
-    roll_mem = gpu_memory = teacher_memory = None
-    balances: list[StageBalance] = []
-    if model is not None:
-        balances = _stage_balances(config, resolved, model, layouts)
-        for layout in layouts:
-            mc = layout.megatron
-            if layout.role == Role.REF and resolved.lora_rank > 0:
-                continue  # a LoRA actor's reference is its own frozen base (adapters off): no model of its own
-            trainable = layout.role in (Role.ACTOR, Role.CRITIC)
-            micro = next((u.micro_batch_size for u in updates if u.role == layout.role),
-                         next(f.micro_batch_size for f in forwards if f.role == layout.role))
-            value_model = layout.role in (Role.CRITIC, Role.REWARD_MODEL)
-            train_mem.append(training_memory(
-                layout.role, role_model_shape(config, layout.role, model), layout.mesh,
-                dtype=mc.dtype or resolved.train_dtype,
-                distributed_optimizer=mc.use_distributed_optimizer, trainable=trainable,
-                micro_batch=micro, seq_len=resolved.max_sequence_length,
-                sequence_parallel=mc.sequence_parallel_in_effect,
-                gpu_gib=config.trainer.gpu_memory_gib, ep=mc.expert_model_parallel_size,
-                etp=mc.expert_tensor_parallel_size, value_head=value_model,
-                # full recompute, by the model's switch or megatron's own setting (override_transformer_config);
-                # selective recompute keeps most activations: estimated as none
-                recompute=trainable and ((config.critic if value_model else arr).model.enable_gradient_checkpointing
-                                         or mc.override_transformer_config.get("recompute_granularity") == "full"),
-                # the policy's passes compute the vocabulary only at the response tokens (training/actor.py)
-                head_tokens=None if value_model else data.max_response_length,
-                adapter_elements_per_layer=lora_elements_per_layer(arr.model.lora, model, mc.tensor_model_parallel_size)
-                if layout.role == Role.ACTOR else 0,
-            ))
-        sequences_per_replica = data.train_batch_size // infer_dp * n
-        if resolved.async_mode == "fully_async":  # up to max_staleness + 1 batches in flight at once
-            sequences_per_replica *= resolved.max_staleness + 1
-        roll_mem = rollout_memory(
-            model, arr.rollout.tensor_model_parallel_size, dtype=resolved.rollout_dtype,
-            gpu_gib=config.trainer.gpu_memory_gib,
-            gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
-            sequences_per_replica=sequences_per_replica,
-            seq_len=resolved.max_sequence_length,
-            cpu_kv_cache_bytes=_cpu_kv_cache_bytes(config, resolved, policy, model, sequences_per_replica),
-        )
-        gpu_memory = _gpu_memory(config, resolved, policy, tuple(train_mem), tuple(layouts))
-        teacher_memory = _teacher_pool_memory(resolved, policy, tuple(train_mem), tuple(layouts),
-                                              config.trainer.gpu_memory_gib)
-        if teacher_memory is not None and not teacher_memory.fits and policy.gpu_memory_budget_binding:
-            peak = teacher_memory.peak
-            raise ConfigError([ConfigIssue(
-                "teacher.megatron.tensor_model_parallel_size", config.teacher.megatron.tensor_model_parallel_size,
-                f"leaves the teacher's pool short of memory: its pass holds {peak.total_gib:.1f} GiB + a margin of "
-                f"{teacher_memory.margin_gib:.1f} = {teacher_memory.peak_gib:.1f} GiB per GPU, more than "
-                f"trainer.gpu_memory_gib={config.trainer.gpu_memory_gib:g}; split the teacher further (TP or PP), "
-                "give its pool more GPUs, or lower teacher.log_prob_micro_batch_size_per_gpu")])
-        extra = [f"{m.role}: estimated {m.total_gib:.1f} GiB per GPU exceeds trainer.gpu_memory_gib="
-                 f"{config.trainer.gpu_memory_gib:g}" for m in train_mem if not m.fits]
-        if roll_mem.on_cpu and not roll_mem.fits:  # vLLM would refuse to start: say so before any process
-            needed = kv_cache_bytes_needed(model, arr.rollout.tensor_model_parallel_size, dtype=resolved.rollout_dtype,
-                                           sequences=1, seq_len=resolved.max_sequence_length)
-            raise ConfigError([ConfigIssue(
-                "actor_rollout_ref.rollout.cpu_kv_cache_gib", arr.rollout.cpu_kv_cache_gib,
-                f"holds {roll_mem.kv_cache_tokens} tokens, less than one {resolved.max_sequence_length}-token "
-                f"sequence (max_prompt_length + response length); it must be at least {needed / GIB:.3g} GiB, "
-                "or unset to size it for one wave")])
-        if sequences_per_replica > arr.rollout.max_num_seqs:
-            extra.append(
-                f"rollout: actor_rollout_ref.rollout.max_num_seqs={arr.rollout.max_num_seqs} is below the "
-                f"{sequences_per_replica} sequences of one replica's step: generation runs in waves"
-            )
-        elif roll_mem.on_cpu and not roll_mem.one_wave:
-            extra.append(
-                f"rollout: actor_rollout_ref.rollout.cpu_kv_cache_gib={arr.rollout.cpu_kv_cache_gib:g} holds "
-                f"{roll_mem.kv_cache_tokens:,} tokens but one replica's step has {roll_mem.tokens_per_replica_step:,}: "
-                "generation runs in waves (slower); leave it unset to size the cache for one wave"
-            )
-        if not roll_mem.fits:
-            extra.append(
-                f"rollout: no room for a KV cache of one {resolved.max_sequence_length}-token sequence "
-                f"(weights {roll_mem.weights_gib:.1f} GiB per GPU at gpu_memory_utilization="
-                f"{arr.rollout.gpu_memory_utilization:g})"
-            )
-        if not gpu_memory.fits:
-            peak = gpu_memory.peak
-            what = (f"its heaviest phase, {peak.name}, holds {peak.total_gib:.1f} GiB + a margin of "
-                    f"{gpu_memory.margin_gib:.1f} = {gpu_memory.peak_gib:.1f} GiB per GPU (`hybridrl plan` lists "
-                    f"every item)")
-            if not gpu_memory.startup_fits:
-                what = (f"vLLM's start-up check needs gpu_memory_utilization x the GPU free while the actor's "
-                        f"process already holds {gpu_memory.startup.total_gib:.1f} GiB (more than "
-                        f"{gpu_memory.startup_limit_gib:.1f})" + ("" if gpu_memory.peak_gib <= gpu_memory.gpu_gib
-                                                                  else "; and " + what))
-            # it would run out of memory after minutes of start-up: refuse now
-            if policy.gpu_memory_budget_binding and refuse_over_memory:
-                raise ConfigError([ConfigIssue(
-                    MEMORY_REFUSAL_FIELD, config.trainer.gpu_memory_gib,
-                    f"is too small for this job: {what}; "
-                    + _ways_to_fit(config, resolved, policy, tuple(train_mem), tuple(layouts), roll_mem,
-                                   resolved.max_sequence_length))])
-            extra.append(f"GPU memory: {what} > trainer.gpu_memory_gib={config.trainer.gpu_memory_gib:g}; lower "
-                         "rollout.gpu_memory_utilization, offload, or add TP/PP")
-        # a reference on the actor's megatron section has the actor's balance: one warning says it
-        shared_ref = config.actor_rollout_ref.ref.megatron is None
-        extra += [_imbalance_warning(config, balance) for balance in balances
-                  if balance.gain >= IMBALANCE_WARNING and not (balance.role == Role.REF and shared_ref)]
-        warnings = warnings + tuple(extra)
 
-    return Plan(
-        config=config,
-        resolved=resolved,
-        device_policy=policy,
-        model=model,
-        layouts=tuple(layouts),
-        prompts_per_step=data.train_batch_size,
-        sequences_per_step=data.train_batch_size * n,
-        prompts_per_rollout_replica=data.train_batch_size // infer_dp,
-        sequences_per_rollout_replica=data.train_batch_size // infer_dp * n,
-        updates=tuple(updates),
-        forwards=tuple(forwards),
-        reshard=ReshardPlan(groups, traffic, resolved.rollout_dtype, cross),
-        training_memory=tuple(train_mem),
-        rollout_memory=roll_mem,
-        gpu_memory=gpu_memory,
-        teacher_gpu_memory=teacher_memory,
-        token_budget=token_budget(config, resolved),
-        stage_balance=tuple(balances),
-        step_flops=_step_flops(config, resolved, model, updates, forwards) if model is not None else (),
-        warnings=warnings,
+@dataclass(frozen=True)
+class MemoryPlans:
+    """What `_memory` derives: each role's training memory, the rollout's, the GPU's phases (the training pool's and
+    a teacher pool's), the stage balances, and the warnings they raise."""
+
+    training: tuple[TrainingMemory, ...] = ()
+    rollout: RolloutMemory | None = None
+    gpu: GpuMemoryPlan | None = None
+    teacher: GpuMemoryPlan | None = None
+    balances: tuple[StageBalance, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+
+def _memory(config: JobConfig, resolved: Resolved, policy: DevicePolicy, model: ModelShape,
+            layouts: list[RoleLayout], updates: list[UpdatePlan], forwards: list[ForwardPlan], infer_dp: int,
+            refuse_over_memory: bool) -> MemoryPlans:
+    """Memory per role and per GPU phase; a job the GPUs cannot hold refused (`ConfigError`) unless
+    `refuse_over_memory` is False, the rest of what does not fit a warning."""
+    arr, data = config.actor_rollout_ref, config.data
+    balances = _stage_balances(config, resolved, model, layouts)
+    train_mem = _training_memories(config, resolved, model, layouts, updates, forwards)
+    sequences_per_replica = data.train_batch_size // infer_dp * arr.rollout.n
+    if resolved.async_mode == "fully_async":  # up to max_staleness + 1 batches in flight at once
+        sequences_per_replica *= resolved.max_staleness + 1
+    roll_mem = rollout_memory(
+        model, arr.rollout.tensor_model_parallel_size, dtype=resolved.rollout_dtype,
+        gpu_gib=config.trainer.gpu_memory_gib,
+        gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
+        sequences_per_replica=sequences_per_replica,
+        seq_len=resolved.max_sequence_length,
+        cpu_kv_cache_bytes=_cpu_kv_cache_bytes(config, resolved, policy, model, sequences_per_replica),
     )
+    gpu_memory = _gpu_memory(config, resolved, policy, tuple(train_mem), tuple(layouts))
+    teacher_memory = _teacher_pool_memory(resolved, policy, tuple(train_mem), tuple(layouts),
+                                          config.trainer.gpu_memory_gib)
+    if teacher_memory is not None and not teacher_memory.fits and policy.gpu_memory_budget_binding:
+        peak = teacher_memory.peak
+        raise ConfigError([ConfigIssue(
+            "teacher.megatron.tensor_model_parallel_size", config.teacher.megatron.tensor_model_parallel_size,
+            f"leaves the teacher's pool short of memory: its pass holds {peak.total_gib:.1f} GiB + a margin of "
+            f"{teacher_memory.margin_gib:.1f} = {teacher_memory.peak_gib:.1f} GiB per GPU, more than "
+            f"trainer.gpu_memory_gib={config.trainer.gpu_memory_gib:g}; split the teacher further (TP or PP), "
+            "give its pool more GPUs, or lower teacher.log_prob_micro_batch_size_per_gpu")])
+    extra = [f"{m.role}: estimated {m.total_gib:.1f} GiB per GPU exceeds trainer.gpu_memory_gib="
+             f"{config.trainer.gpu_memory_gib:g}" for m in train_mem if not m.fits]
+    extra += _rollout_memory_warnings(config, resolved, model, roll_mem, sequences_per_replica)
+    if not gpu_memory.fits:
+        peak = gpu_memory.peak
+        what = (f"its heaviest phase, {peak.name}, holds {peak.total_gib:.1f} GiB + a margin of "
+                f"{gpu_memory.margin_gib:.1f} = {gpu_memory.peak_gib:.1f} GiB per GPU (`hybridrl plan` lists "
+                f"every item)")
+        if not gpu_memory.startup_fits:
+            what = (f"vLLM's start-up check needs gpu_memory_utilization x the GPU free while the actor's "
+                    f"process already holds {gpu_memory.startup.total_gib:.1f} GiB (more than "
+                    f"{gpu_memory.startup_limit_gib:.1f})" + ("" if gpu_memory.peak_gib <= gpu_memory.gpu_gib
+                                                              else "; and " + what))
+        # it would run out of memory after minutes of start-up: refuse now
+        if policy.gpu_memory_budget_binding and refuse_over_memory:
+            raise ConfigError([ConfigIssue(
+                MEMORY_REFUSAL_FIELD, config.trainer.gpu_memory_gib,
+                f"is too small for this job: {what}; "
+                + _ways_to_fit(config, resolved, policy, tuple(train_mem), tuple(layouts), roll_mem,
+                               resolved.max_sequence_length))])
+        extra.append(f"GPU memory: {what} > trainer.gpu_memory_gib={config.trainer.gpu_memory_gib:g}; lower "
+                     "rollout.gpu_memory_utilization, offload, or add TP/PP")
+    # a reference on the actor's megatron section has the actor's balance: one warning says it
+    shared_ref = config.actor_rollout_ref.ref.megatron is None
+    extra += [_imbalance_warning(config, balance) for balance in balances
+              if balance.gain >= IMBALANCE_WARNING and not (balance.role == Role.REF and shared_ref)]
+    return MemoryPlans(tuple(train_mem), roll_mem, gpu_memory, teacher_memory, tuple(balances), tuple(extra))
+
+
+def _training_memories(config: JobConfig, resolved: Resolved, model: ModelShape, layouts: list[RoleLayout],
+                       updates: list[UpdatePlan], forwards: list[ForwardPlan]) -> list[TrainingMemory]:
+    """Each role's memory per GPU (a LoRA actor's reference is its own frozen base: none of its own)."""
+    arr, data = config.actor_rollout_ref, config.data
+    train_mem = []
+    for layout in layouts:
+        mc = layout.megatron
+        if layout.role == Role.REF and resolved.lora_rank > 0:
+            continue  # a LoRA actor's reference is its own frozen base (adapters off): no model of its own
+        trainable = layout.role in (Role.ACTOR, Role.CRITIC)
+        micro = next((u.micro_batch_size for u in updates if u.role == layout.role),
+                     next(f.micro_batch_size for f in forwards if f.role == layout.role))
+        value_model = layout.role in (Role.CRITIC, Role.REWARD_MODEL)
+        train_mem.append(training_memory(
+            layout.role, role_model_shape(config, layout.role, model), layout.mesh,
+            dtype=mc.dtype or resolved.train_dtype,
+            distributed_optimizer=mc.use_distributed_optimizer, trainable=trainable,
+            micro_batch=micro, seq_len=resolved.max_sequence_length,
+            sequence_parallel=mc.sequence_parallel_in_effect,
+            gpu_gib=config.trainer.gpu_memory_gib, ep=mc.expert_model_parallel_size,
+            etp=mc.expert_tensor_parallel_size, value_head=value_model,
+            # full recompute, by the model's switch or megatron's own setting (override_transformer_config);
+            # selective recompute keeps most activations: estimated as none
+            recompute=trainable and ((config.critic if value_model else arr).model.enable_gradient_checkpointing
+                                     or mc.override_transformer_config.get("recompute_granularity") == "full"),
+            # the policy's passes compute the vocabulary only at the response tokens (training/actor.py)
+            head_tokens=None if value_model else data.max_response_length,
+            adapter_elements_per_layer=lora_elements_per_layer(arr.model.lora, model, mc.tensor_model_parallel_size)
+            if layout.role == Role.ACTOR else 0,
+        ))
+    return train_mem
+
+
+def _rollout_memory_warnings(config: JobConfig, resolved: Resolved, model: ModelShape, roll_mem: RolloutMemory,
+                             sequences_per_replica: int) -> list[str]:
+    """What the rollout's memory means for its waves; a CPU KV cache too small for one sequence refused."""
+    arr = config.actor_rollout_ref
+    extra = []
+    if roll_mem.on_cpu and not roll_mem.fits:  # vLLM would refuse to start: say so before any process
+        needed = kv_cache_bytes_needed(model, arr.rollout.tensor_model_parallel_size, dtype=resolved.rollout_dtype,
+                                       sequences=1, seq_len=resolved.max_sequence_length)
+        raise ConfigError([ConfigIssue(
+            "actor_rollout_ref.rollout.cpu_kv_cache_gib", arr.rollout.cpu_kv_cache_gib,
+            f"holds {roll_mem.kv_cache_tokens} tokens, less than one {resolved.max_sequence_length}-token "
+            f"sequence (max_prompt_length + response length); it must be at least {needed / GIB:.3g} GiB, "
+            "or unset to size it for one wave")])
+    if sequences_per_replica > arr.rollout.max_num_seqs:
+        extra.append(
+            f"rollout: actor_rollout_ref.rollout.max_num_seqs={arr.rollout.max_num_seqs} is below the "
+            f"{sequences_per_replica} sequences of one replica's step: generation runs in waves"
+        )
+    elif roll_mem.on_cpu and not roll_mem.one_wave:
+        extra.append(
+            f"rollout: actor_rollout_ref.rollout.cpu_kv_cache_gib={arr.rollout.cpu_kv_cache_gib:g} holds "
+            f"{roll_mem.kv_cache_tokens:,} tokens but one replica's step has {roll_mem.tokens_per_replica_step:,}: "
+            "generation runs in waves (slower); leave it unset to size the cache for one wave"
+        )
+    if not roll_mem.fits:
+        extra.append(
+            f"rollout: no room for a KV cache of one {resolved.max_sequence_length}-token sequence "
+            f"(weights {roll_mem.weights_gib:.1f} GiB per GPU at gpu_memory_utilization="
+            f"{arr.rollout.gpu_memory_utilization:g})"
+        )
+    return extra
