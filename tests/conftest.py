@@ -63,7 +63,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     in `item._id`): its grouping silently did nothing (checked: a group's tests ran on both workers).
     Where xdist's own suffix took, the id already holds `@` and is left alone."""
     def rank(item: pytest.Item) -> int:
-        name = item.path.name
+        name = item.path.relative_to(REPO_ROOT).as_posix()
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: the order inside each group is pytest's

@@ -84,3 +84,17 @@ def test_the_cause_comes_first_even_when_a_peers_loss_arrives_before_it():
     detail = info.value.detail
     assert "the cause, on rank 0" in detail and "Connection closed by peer" in detail
     assert detail.index("the cause, on rank 0") < detail.index("Connection closed by peer")
+
+
+def test_the_longest_modules_are_scheduled_first(request):
+    """tests/conftest.py puts the whole-run modules first so that the last minutes of a parallel run are not one
+    worker alone on a long run: each named module exists (a moved file would silently lose its place), and in this
+    session's collection every test of theirs comes before any other test."""
+    from pathlib import Path
+
+    from tests.conftest import LONGEST_FIRST, REPO_ROOT
+
+    assert all((REPO_ROOT / name).is_file() for name in LONGEST_FIRST), LONGEST_FIRST
+    ranks = [Path(item.path).relative_to(REPO_ROOT).as_posix() in LONGEST_FIRST for item in request.session.items]
+    first_other = ranks.index(False) if False in ranks else len(ranks)
+    assert not any(ranks[first_other:]), "a long-run module's test collected after other tests"
