@@ -81,6 +81,12 @@ class _Member:
         self._checked = False
         self.last_report: CrossPoolReport | None = None
 
+    def finished_report(self) -> CrossPoolReport:
+        """The report of the last sync that ran to its end (`send`, or `shards` consumed)."""
+        if self.last_report is None:
+            raise RuntimeError(f"cross-pool member {self.member}: no sync has run to its end yet")
+        return self.last_report
+
     def _check_agreement(self) -> None:
         if self._checked:
             return

@@ -174,6 +174,12 @@ class Resharder:
         self.last_report: SyncReport | None = None
         self._synced_once = False
 
+
+    def finished_report(self) -> SyncReport:
+        """The report of the last sync whose `shards()` ran to its end."""
+        if self.last_report is None:
+            raise RuntimeError(f"rank {self.rank}: no weight sync has run to its end yet")
+        return self.last_report
     def _plan_inputs(self) -> tuple:
         """Everything the plan depends on; it must be equal on every rank, or messages would not match."""
         return (self.shape, self.mesh, self.groups, str(self.dtype), self.config.bucket_bytes,

@@ -174,7 +174,7 @@ class HybridEngineWorker(PolicyWorker):
         the adapters), proven by the digests of what vLLM holds."""
         engine, resharder = self._engine(), self._built_resharder()
         engine.update_weights(resharder.shards(), weight_format="vllm_shard")
-        report = resharder.last_report
+        report = resharder.finished_report()
         held = engine.parameter_digests()
         try:
             verify_checksums(report.checksums, held, self.rank, ignore_extra=True)

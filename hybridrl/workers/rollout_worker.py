@@ -102,6 +102,8 @@ class RolloutWorker(Worker):
         """Join the cross-pool group (all members at once) and plan this rank's side of every sync."""
         group = CrossGroup(address, address.member_of_rollout(self.rank), self.plan.device_policy.dist_backend,
                            self.plan.config.trainer.nccl_timeout_s)
+        if self.plan.model is None:  # a plan built without the model folder (plan --layout-only) trains nothing
+            raise RuntimeError("the cross-pool weight sync needs the model's shape: the plan has none")
         self.receiver = CrossPoolReceiver(
             self.plan.model, cross_pool_layout(self.plan), group, rollout_rank=self.rank,
             dtype=default_dtype_for(self.plan.resolved.device, self.plan.resolved.rollout_dtype),
@@ -134,7 +136,7 @@ class RolloutWorker(Worker):
         self._engine().update_weights(receiver.shards(), weight_format="vllm_shard")
         release_cached_blocks(self.plan.resolved.device)
         self._engine().wake_up(tags=["kv_cache"])
-        report = receiver.last_report
+        report = receiver.finished_report()
         try:
             if self._loader_digests is not None:  # the first sync: the folder's weights, laid out by us
                 verify_checksums(report.checksums, self._loader_digests, self.rank, ignore_extra=True)
