@@ -99,8 +99,9 @@ NEMO_ASYNC = [
     "NeMo's async GRPO (max_trajectory_age_steps 1, in-flight weight updates, importance-sampling correction) is "
     "modelled as one_step_off: the step = the longer of generation (its own pool) and the rest (training pool)",
 ]
-MOE = ["MoE: the EP all-to-all (token dispatch and combine) is not in the step model (only TP and PP traffic); "
-       "token-dropless as in NeMo (no capacity factor)"]
+MOE = ["MoE: the EP all-to-all (token dispatch and combine) is in the step model at the link's bandwidth; the experts' "
+       "grouped GEMMs (128 experts of FFN 768) are taken at the dense matmul efficiency, which small GEMMs do not "
+       "reach; token-dropless as in NeMo (no capacity factor)"]
 VERL_COMMON = [
     "H20 is not a shipped hardware: defined in this script from NVIDIA's datasheet (148 / 44 TFLOP/s, 4.0 TB/s HBM, "
     "450 GB/s NVLink a direction, 50 GB/s network, 64 GB/s PCIe)",

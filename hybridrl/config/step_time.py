@@ -9,8 +9,9 @@ Torch-free. Each phase is bound by what it moves or computes at a stated fractio
   but the last a mean response long, the last the longest), each step bound by reading the replica's weights and the
   KV cache of the sequences decoding together (memory bandwidth) or by their matmuls, whichever is slower;
 - each forward pass (old, reference, teacher log-probs; values; reward scores): its FLOPs over the role's GPUs,
-  stretched by the pipeline's fill and drain (1 + (PP - 1) / micro-batches), plus TP's activation collectives and
-  PP's stage-to-stage sends (`activation_traffic_seconds`, not overlapped with the matmuls);
+  stretched by the pipeline's fill and drain (1 + (PP - 1) / micro-batches), plus TP's activation collectives,
+  PP's stage-to-stage sends and an MoE model's token dispatch over EP (`activation_traffic_seconds`, not overlapped
+  with the matmuls);
 - each update: forward and backward FLOPs (a recomputed forward more with gradient checkpointing) over the role's
   GPUs, the interleaved pipeline's bubble (1 + (PP - 1) / (micro-batches x VPP)), TP's and PP's activation traffic
   for the forward, the backward and a recompute, plus per optimizer step the
@@ -162,7 +163,11 @@ def activation_traffic_seconds(plan: Plan, layout: RoleLayout, collective_passes
       backward two more; a ring moves 2 (TP - 1) / TP of them, over the link the TP group spans;
     - PP: each stage sends its micro-batches' activations to the next (and their gradients back in a backward):
       the rank's tokens x hidden (its 1 / TP with sequence parallelism), over the network when a stage's ranks
-      fill a machine or more.
+      fill a machine or more;
+    - EP (an MoE model at expert_model_parallel_size > 1): per MoE layer a forward holds two all-to-alls (the
+      tokens to their experts, the experts' outputs back) of the rank's tokens x top_k x hidden (its 1 / TP with
+      sequence parallelism), a backward two more; each sends (EP - 1) / EP of them, over the link the EP group
+      spans (expert TP x EP consecutive ranks), each paying EP - 1 latencies a micro-batch.
 
     `collective_passes`: forwards and backwards (a recomputed forward counted); `p2p_passes`: forward and backward
     sends (a recompute sends nothing). The rank's tokens: the step's rows (`row_tokens` each, by default the full
@@ -187,6 +192,14 @@ def activation_traffic_seconds(plan: Plan, layout: RoleLayout, collective_passes
         stage_ranks = mesh.world_size // mesh.pp
         seconds += p2p_passes * sent / (hardware.link_bytes_per_s(stage_ranks >= per_node) * eff.link)
         seconds += p2p_passes * micro_batches * latency
+    ep = mc.expert_model_parallel_size
+    if model.is_moe and ep > 1:
+        moe_layers = len(model.moe_layers) / mesh.pp
+        routed = activation_bytes / (mesh.tp if mc.sequence_parallel_in_effect else 1) * model.moe_top_k
+        sent = (ep - 1) / ep * routed
+        span = ep * (mc.expert_tensor_parallel_size or mesh.tp)
+        seconds += collective_passes * 2 * moe_layers * sent / (hardware.link_bytes_per_s(span > per_node) * eff.link)
+        seconds += collective_passes * 2 * moe_layers * micro_batches * (ep - 1) * latency
     return seconds
 
 

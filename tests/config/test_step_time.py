@@ -160,6 +160,26 @@ def test_a_dp_group_across_machines_pays_the_network_and_async_modes_overlap_gen
     assert step.phase(Phase.SYNC) == pytest.approx(share / (50e9 * 0.70), rel=1e-6)
 
 
+def test_an_moe_models_token_dispatch_over_ep_is_timed_by_hand():
+    """NeMo-RL's Qwen3-30B-A3B job (bench/published/: TP1 PP1, EP8 inside a machine of 8, DP32): each rank's
+    2,048 x 4,096 / 32 tokens go to their 8 experts and back in every one of the 48 MoE layers, two all-to-alls a
+    forward, each sending 7/8 of tokens x 8 x hidden 2,048 in bf16 over NVLink at 70 %; nothing else of the model's
+    parallelism moves (TP1, PP1). A forward-only pass pays it once, an update's forward and backward twice; a dense
+    model nothing."""
+    from hybridrl.config.step_time import activation_traffic_seconds
+
+    plan = plan_from_sources(ROOT / "bench/published/nemo_qwen3_30b_a3b_grpo_4x8.yaml")
+    layout = plan.layout("actor")
+    tokens = 2048 * 4096 / 32
+    per_pass = 2 * 48 * (7 / 8 * tokens * 8 * 2048 * 2) / (450e9 * 0.70)
+    assert activation_traffic_seconds(plan, layout, 1, 1, H100) == pytest.approx(per_pass, rel=1e-9)
+    assert activation_traffic_seconds(plan, layout, 2, 2, H100) == pytest.approx(2 * per_pass, rel=1e-9)
+    # a dense model pays its TP2 all-reduces alone (the 7B example: as in the first test)
+    dense = plan_from_sources(QWEN_7B)
+    tp_forward = 2 * 28 * (2048 * 3072 / 4 * 3584 * 2) / (450e9 * 0.70)
+    assert activation_traffic_seconds(dense, dense.layout("actor"), 1, 1, H100) == pytest.approx(tp_forward, rel=1e-9)
+
+
 def test_a_sync_of_served_adapters_moves_the_adapter_alone():
     """lora.merge=false on the 7B example (rank 32 on every target): a step's sync is the PEFT adapter, not the
     weights. Per layer (hidden 3,584, FFN 18,944, q 3,584 and k/v 512 rows) the PEFT form holds q, k and v each an
