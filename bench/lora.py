@@ -9,7 +9,8 @@ the adapters alone, its generation applies them on the fly; the median generatio
 sync moves are recorded for every run. Writes bench/results/lora.json.
 
     make real-model && python tools/make_arith_data.py --out-dir data/arith --val-rows 64
-    python bench/lora.py [--steps 12] [--rank 16] [--alpha 32] [--lora-lr 3e-4 1e-3] [--served-lr 3e-4]
+    python bench/lora.py [--steps 12] [--rank 16] [--alpha 32] [--lora-lr 3e-4 1e-3] [--served-lr 3e-4] [--out F]
+    python bench/lora.py --steps 40 --lora-lr 3e-4 --served-lr --out bench/results/lora_long.json
 """
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ def main() -> None:
     parser.add_argument("--lora-lr", type=float, nargs="+", default=[3e-4, 1e-3])
     parser.add_argument("--served-lr", type=float, nargs="*", default=[3e-4],
                         help="one run per lr with lora.merge=false (vLLM serving the adapters)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/lora.json")
     args = parser.parse_args()
     common = [f"trainer.total_training_steps={args.steps}", f"trainer.test_freq={args.steps}"]
     lora = [f"actor_rollout_ref.model.lora.rank={args.rank}", f"actor_rollout_ref.model.lora.alpha={args.alpha}"]
@@ -78,9 +80,8 @@ def main() -> None:
               f"{r['reward_last_3']:>8.3f}{r['median_step_s']:>8.2f}{r['update_after_allocated_gib']:>11.3f}"
               f"{r['max_probe_gap']:>10.2e}{r['median_gen_s']:>7.2f}{r['median_sync_s']:>7.2f}"
               f"{r['sync_bytes_per_rank'] / 1e6:>8.1f}")
-    out = ROOT / "bench/results/lora.json"
-    out.write_text(json.dumps({"config": CONFIG, "steps": args.steps, "runs": results}, indent=1) + "\n")
-    print(f"wrote {out.relative_to(ROOT)}")
+    args.out.write_text(json.dumps({"config": CONFIG, "steps": args.steps, "runs": results}, indent=1) + "\n")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

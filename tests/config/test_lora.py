@@ -108,8 +108,10 @@ def test_the_performance_table_is_the_bench_result_file():
     import json
 
     runs = json.loads((ROOT / "bench/results/lora.json").read_text())["runs"]
+    longer = json.loads((ROOT / "bench/results/lora_long.json").read_text())
+    assert longer["steps"] == 40 and sorted(longer["runs"]) == ["full", "lora_lr_0.0003"]
     doc = (ROOT / "docs/performance.md").read_text()
-    for run in runs.values():
+    for run in [*runs.values(), *longer["runs"].values()]:
         cells = [f"{run['val_before']:.3f}", f"{run['val_after']:.3f}", f"{run['reward_first_3']:.3f}",
                  f"{run['reward_last_3']:.3f}", f"{run['median_step_s']:.2f}",
                  f"{100 * run['phase_share']['update_actor']:.0f} %", f"{run['update_after_allocated_gib']:.2f}",
