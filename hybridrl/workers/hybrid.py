@@ -41,7 +41,6 @@ import torch
 from hybridrl.config.plan import Plan
 from hybridrl.controller.base_worker import RankContext
 from hybridrl.data.batch import Batch
-from hybridrl.models.lora import save_peft_adapter
 from hybridrl.names import Phase, Role
 from hybridrl.parallel.device import default_dtype_for
 from hybridrl.reshard.checksums import verify_checksums
@@ -187,13 +186,10 @@ class HybridEngineWorker(PolicyWorker):
         """vLLM serves the actor's current adapters (`reshard.adapter_sync`), proven by the digests of what its
         LoRA manager loaded."""
         started = time.perf_counter()
-        sync, digests = self._whole_adapter()
-        settings = self._require(self._built_actor().backend.spec.lora, "the actor's LoRA settings")
-        folder = save_peft_adapter(sync.state, settings, served.next_folder(),
-                                   base_model=self.plan.config.actor_rollout_ref.model.path, force=True)
-        served.serve(self._engine(), folder, digests, f"sync {self.syncs}")
-        return {"reshard/adapter_bytes": float(sync.adapter_bytes),
-                "reshard/adapter_bytes_received": float(sync.bytes_received),
+        adapter, received = self._whole_adapter()
+        served.serve(self._engine(), adapter, f"sync {self.syncs}")
+        return {"reshard/adapter_bytes": float(adapter.adapter_bytes),
+                "reshard/adapter_bytes_received": float(received),
                 "timing_s/sync_adapter": time.perf_counter() - started}
 
     def _actor_params_out(self) -> None:

@@ -29,13 +29,7 @@ from hybridrl.names import Phase
 from hybridrl.parallel.cross_group import CrossGroup, CrossGroupAddress, open_store
 from hybridrl.parallel.device import default_dtype_for, rank_device
 from hybridrl.parallel.memory import memory_metrics
-from hybridrl.reshard.adapter_sync import (
-    AdapterSync,
-    ShippedAdapter,
-    gather_whole_adapters,
-    send_adapter,
-    served_adapter_digests,
-)
+from hybridrl.reshard.adapter_sync import ShippedAdapter, gather_whole_adapters, send_adapter, served_adapter_digests
 from hybridrl.reshard.cross_pool import CrossPoolSender
 from hybridrl.training.actor import PolicyUpdateMetrics
 from hybridrl.workers import faults
@@ -70,14 +64,17 @@ class PolicyWorker(ActorRolloutRefWorker):
         self._record_memory("update_after")
         return metrics
 
-    def _whole_adapter(self) -> tuple[AdapterSync, dict[str, str]]:
-        """The actor's whole adapter on every rank (collective over the actor's world: `gather_whole_adapters`) and
-        the digests vLLM must hold once it serves it (in the rollout's dtype, alpha / rank folded into B)."""
+    def _whole_adapter(self) -> tuple[ShippedAdapter, int]:
+        """The actor's whole adapter on every rank (collective over the actor's world: `gather_whole_adapters`) as
+        what vLLM is given: the PEFT folder's files and the digests vLLM must hold once it serves them (in the
+        rollout's dtype, alpha / rank folded into B); and the bytes this rank received to have it whole."""
         backend = self._built_actor().backend
+        settings = self._require(backend.spec.lora, "the actor's LoRA settings")
         sync = gather_whole_adapters(lora_adapters(backend.chunks), backend.ctx)
         dtype = default_dtype_for(self.plan.resolved.device, self.plan.resolved.rollout_dtype)
-        settings = self._require(backend.spec.lora, "the actor's LoRA settings")
-        return sync, served_adapter_digests(sync.state, settings.scaling, dtype)
+        files = peft_adapter_files(sync.state, settings, base_model=self.plan.config.actor_rollout_ref.model.path)
+        digests = served_adapter_digests(sync.state, settings.scaling, dtype)
+        return ShippedAdapter(files, digests, sync.adapter_bytes), sync.bytes_received
 
     def probe_log_probs(self, sequence: ProbeSequence = RARE_TOKEN_PROBE) -> list[float]:
         """The actor's log-probs of the weight probe's response (`workers.probe`), on every rank.
@@ -151,9 +148,7 @@ class DisaggregatedPolicyWorker(PolicyWorker):
 
     def _send_adapter(self, group: CrossGroup) -> dict[str, float]:
         """The actor's whole adapter as a PEFT folder to the rollout ranks this rank serves (`send_adapter`)."""
-        sync, digests = self._whole_adapter()
-        settings = self._require(self._built_actor().backend.spec.lora, "the actor's LoRA settings")
-        files = peft_adapter_files(sync.state, settings, base_model=self.plan.config.actor_rollout_ref.model.path)
-        sent = send_adapter(group, ShippedAdapter(files, digests, sync.adapter_bytes), rank=self.rank,
-                            device=rank_device(self.plan.resolved.device))
-        return {"reshard/trainer_adapter_bytes_sent": float(sent), "reshard/adapter_bytes": float(sync.adapter_bytes)}
+        adapter, _ = self._whole_adapter()
+        sent = send_adapter(group, adapter, rank=self.rank, device=rank_device(self.plan.resolved.device))
+        return {"reshard/trainer_adapter_bytes_sent": float(sent),
+                "reshard/adapter_bytes": float(adapter.adapter_bytes)}

@@ -27,7 +27,6 @@ from hybridrl.data.batch import Batch
 from hybridrl.names import Phase, Role
 from hybridrl.parallel.cross_group import CrossGroup, CrossGroupAddress
 from hybridrl.parallel.device import default_dtype_for, release_cached_blocks, vllm_device
-from hybridrl.persistence import write_folder
 from hybridrl.reshard.adapter_sync import receive_adapter
 from hybridrl.reshard.checksums import verify_checksums
 from hybridrl.reshard.cross_pool import CrossPoolReceiver
@@ -150,8 +149,7 @@ class RolloutWorker(Worker):
         """The actor's adapter from the training rank that ships it, served by vLLM from now on and proven."""
         receiver = self._require(self.receiver, "the cross-pool receiver")
         adapter, received = receive_adapter(receiver.group, rollout_rank=self.rank, device=receiver.device)
-        folder = write_folder(adapter.files, served.next_folder(), force=True)
-        served.serve(self._engine(), folder, adapter.digests, f"sync to version {version}")
+        served.serve(self._engine(), adapter, f"sync to version {version}")
         return {"reshard/rollout_adapter_bytes_received": float(received),
                 "reshard/adapter_bytes": float(adapter.adapter_bytes)}
 
