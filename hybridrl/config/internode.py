@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from hybridrl.config.estimates import DTYPE_BYTES, embedding_params, stage_params
-from hybridrl.config.meshes import ReshardGroups, TrainingMesh, adapter_sender
+from hybridrl.config.meshes import ReshardGroups, TrainingMesh, adapter_receivers
 from hybridrl.config.model_shapes import role_model_shape
 from hybridrl.config.plan import Plan, served_adapter_bytes
 from hybridrl.models.arch import ModelShape
@@ -282,8 +282,8 @@ def plan_internode_traffic(plan: Plan, tokens: Mapping[str, float] | None = None
     cross_sent: list[float] = []
     if cross:
         trainers = plan.layout(Role.ACTOR).mesh.world_size
-        cross_sent = ([adapter * sum(adapter_sender(q, trainers) == r for q in range(resolved.rollout_world))
-                       for r in range(trainers)] if adapter else [cross.bytes_sent_even] * trainers)
+        cross_sent = ([adapter * len(adapter_receivers(r, trainers, resolved.rollout_world)) for r in range(trainers)]
+                      if adapter else [cross.bytes_sent_even] * trainers)
     return internode_traffic(roles, per_node=per_node,
                              sync=(plan.reshard.groups, traffic.bytes_received) if traffic else None,
                              cross_pool=(cross_sent, rollout_nodes) if cross else None,

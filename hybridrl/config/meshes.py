@@ -239,3 +239,8 @@ def adapter_sender(rollout_rank: int, trainer_world: int) -> int:
     """A disaggregated sync of served LoRA adapters (`reshard.adapter_sync`): the training rank (= its cross-pool
     member) that ships the whole adapter to `rollout_rank`, so that the sends spread over the trainer pool."""
     return rollout_rank % trainer_world
+
+
+def adapter_receivers(trainer_rank: int, trainer_world: int, rollout_world: int) -> list[int]:
+    """The rollout ranks training rank `trainer_rank` ships the adapter to (those whose `adapter_sender` it is)."""
+    return [q for q in range(rollout_world) if adapter_sender(q, trainer_world) == trainer_rank]

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from hybridrl.config.estimates import DTYPE_BYTES, GIB, forward_flops, kv_bytes_per_token
 from hybridrl.config.hardware import Efficiency, Hardware
-from hybridrl.config.meshes import adapter_sender
+from hybridrl.config.meshes import adapter_receivers
 from hybridrl.config.model_shapes import ModelShape, role_model_shape
 from hybridrl.config.plan import PASS_PHASES, UPDATE_PHASES, Plan, RoleLayout, served_adapter_bytes, step_flops_at
 from hybridrl.names import Phase, Role
@@ -209,6 +209,12 @@ def layer_passes_seconds(plan: Plan, layout: RoleLayout, passes: float, hardware
     return passes * layers * hardware.layer_pass_ms / 1e3
 
 
+def digest_seconds(plan: Plan, hardware: Hardware, eff: Efficiency, synced_bytes: float) -> float:
+    """Both sides' checksums of what a rank's sync writes (what was sent, what vLLM holds), at memory bandwidth."""
+    return 2 * synced_bytes * DIGEST_READS_PER_BYTE[plan.config.trainer.device] / (
+        hardware.memory_bytes_per_s * eff.optimizer_memory)
+
+
 def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency | None = None,
                       lengths: StepLengths | None = None) -> StepTime | None:
     """The step's phases on `hardware` (None without a model shape) at its efficiencies (or `eff`): the plan's
@@ -277,14 +283,13 @@ def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency | None = N
     # the sync's proof: the probe row through the trainer's layers and through every vLLM replica
     actor = plan.layout(Role.ACTOR)
     probe = layer_passes_seconds(plan, actor, actor.mesh.pp, hardware) + hardware.decode_step_ms / 1e3
+
     adapter = served_adapter_bytes(plan)
     if adapter:  # the adapter alone (the base crossed once, at set-up)
-        digests = 2 * adapter * DIGEST_READS_PER_BYTE[config.trainer.device] / (
-            hardware.memory_bytes_per_s * eff.optimizer_memory)
+        digests = digest_seconds(plan, hardware, eff, adapter)
         if reshard.cross_pool is not None:
             trainers = actor.mesh.world_size
-            most = max(sum(adapter_sender(q, trainers) == r for q in range(resolved.rollout_world))
-                       for r in range(trainers))
+            most = max(len(adapter_receivers(r, trainers, resolved.rollout_world)) for r in range(trainers))
             sent = most * adapter / (hardware.link_bytes_per_s(True) * eff.link)
             phases.append(PhaseTime(Phase.SYNC, sent + digests + probe, "network"))
         else:
@@ -302,8 +307,7 @@ def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency | None = N
         # both sides digest it (what the resharder produced, what vLLM holds)
         shard = max(traffic.generation_shard_bytes)
         copied = 2 * shard / (hardware.memory_bytes_per_s * eff.optimizer_memory)
-        digests = 2 * shard * DIGEST_READS_PER_BYTE[config.trainer.device] / (
-            hardware.memory_bytes_per_s * eff.optimizer_memory)
+        digests = digest_seconds(plan, hardware, eff, shard)
         phases.append(PhaseTime(Phase.SYNC, moved + copied + digests + probe,
                                 "memory" if copied + digests >= moved else "network" if crosses else "NVLink"))
     return StepTime(hardware.name, tuple(phases), overlapped=resolved.async_mode != "sync")

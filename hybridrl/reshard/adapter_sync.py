@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hybridrl.config.meshes import adapter_sender
+from hybridrl.config.meshes import adapter_receivers, adapter_sender
 from hybridrl.models.lora import LoraAdapter, lora_state
 from hybridrl.parallel.cross_group import CrossGroup
 from hybridrl.parallel.digest import tensor_digest
@@ -111,10 +111,10 @@ class ShippedAdapter:
 
 
 def send_adapter(group: CrossGroup, adapter: ShippedAdapter, *, rank: int, device: torch.device) -> int:
-    """Training rank `rank`'s side: the packed adapter to each rollout rank it serves (`adapter_sender`), its
+    """Training rank `rank`'s side: the packed adapter to each rollout rank it serves (`adapter_receivers`), its
     length first; returns the bytes sent. Collective with every rollout rank's `receive_adapter`."""
     address = group.address
-    targets = [q for q in range(address.rollout_world) if adapter_sender(q, address.trainer_world) == rank]
+    targets = adapter_receivers(rank, address.trainer_world, address.rollout_world)
     if not targets:
         return 0
     packed = adapter.pack()
