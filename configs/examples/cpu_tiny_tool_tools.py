@@ -1,6 +1,6 @@
 """The tools file of `configs/examples/cpu_tiny_tool_grpo.yaml`: the secret-letter task's tool and parser.
 
-Trusted code, imported by the trainer and every actor worker (`hybridrl/tools/user_tools.py`).
+Trusted code, imported by the trainer and every actor worker (`hybridrl/tool_calling/user_tools.py`).
 
 - ``secret``: answers the calling sample's hidden letter. Its ``sample`` parameter (not in the schema:
   the model cannot set it) receives that sample's data row, whose ``ground_truth`` is the answer
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hybridrl.data.secret_task import CALL_MARK
-from hybridrl.tools.parsing import ParsedTurn, ToolCall
+from hybridrl.tool_calling.parsing import ParsedTurn, ToolCall
 
 TOOL_SCHEMAS = [{
     "type": "function",

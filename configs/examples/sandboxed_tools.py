@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from hybridrl.tools import SandboxLimits, ToolResult, ToolStatus, run_sandboxed
+from hybridrl.tool_calling import SandboxLimits, ToolResult, ToolStatus, run_sandboxed
 
 TOOL_SCHEMAS = [{
     "type": "function",

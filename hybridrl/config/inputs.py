@@ -31,7 +31,7 @@ from hybridrl.data.dataset import DatasetError, FilePreview, preview_file
 from hybridrl.models.lora_targets import peft_config_mismatches
 from hybridrl.rewards.custom import RewardFunctionError, load_reward_function, signature_problem
 from hybridrl.rewards.registry import AUTO, UnknownScorerError, get_scorer, known_scorer_names, scorer_for_data_source
-from hybridrl.tools.sandbox import ENABLE_NAMESPACES, sandbox_problem
+from hybridrl.tool_calling.sandbox import ENABLE_NAMESPACES, sandbox_problem
 
 # A Hugging Face hub id: "name" or "org/name" of letters, digits, - _ . (no path separators beyond one "/").
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")

@@ -15,7 +15,7 @@ from hybridrl.models.vllm_layout import vllm_padded_vocab
 
 def check_multi_turn(check: Checker, config: JobConfig) -> None:
     """`rollout.multi_turn` when enabled: tools that exist, a known parser, limits that are positive."""
-    from hybridrl.tools import BUILTIN_TOOLS, available_parsers
+    from hybridrl.tool_calling import BUILTIN_TOOLS, available_parsers
 
     rollout = config.actor_rollout_ref.rollout
     mt, prefix = rollout.multi_turn, "actor_rollout_ref.rollout.multi_turn"

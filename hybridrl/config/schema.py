@@ -23,7 +23,7 @@ from hybridrl.algorithms.names import (
     ROLLOUT_MASK_LEVELS,
 )
 from hybridrl.models.lora_targets import A_INIT_METHODS, LORA_TYPES, PROJECTIONS, TARGETS
-from hybridrl.tools.sandbox import Isolation
+from hybridrl.tool_calling.sandbox import Isolation
 
 # Closed vocabularies. A field typed with one of these takes exactly its values: the loader reads
 # them as strings, validation refuses anything else (naming the valid values, with a did-you-mean)
@@ -33,7 +33,7 @@ Device = Literal["cuda", "cpu"]
 Dtype = Literal["bf16", "fp16", "fp32"]
 LoggerName = Literal["console", "jsonl", "tensorboard", "wandb"]
 RolloutEngineName = Literal["vllm"]
-SandboxIsolation = Isolation  # hybridrl.tools.sandbox: "namespaces" or "none"
+SandboxIsolation = Isolation  # hybridrl.tool_calling.sandbox: "namespaces" or "none"
 Strategy = Literal["megatron"]
 OptimizerName = Literal["adam", "sgd"]
 LrDecayStyle = Literal["constant", "linear", "cosine"]
@@ -358,7 +358,7 @@ class SamplingConfig:
 class SandboxConfig:
     isolation: SandboxIsolation = doc(
         "namespaces", "python tool: namespaces = an OS sandbox (bubblewrap namespaces, seccomp, "
-                      "kernel limits; hybridrl/tools/sandbox.py), refused at plan time where the kernel cannot "
+                      "kernel limits; hybridrl/tool_calling/sandbox.py), refused at plan time where the kernel cannot "
                       "give one; none = a plain subprocess with limits and a Python audit hook, NOT a boundary "
                       "against hostile code (warned on every run)")
     wall_time_s: float = doc(10.0, "python tool: wall-time limit of one run (the process group is killed)")
@@ -383,7 +383,7 @@ class MultiTurnConfig:
     max_turns: int = doc(5, "model turns per sample before the rollout stops")
     tools: list[str] = doc(factory=list, text="tools offered to the model: built in (calculator, python) or "
                                               "defined in tools_file")
-    tool_parser: str = doc("hermes", "how tool calls are read from a model turn (hybridrl.tools parsers)")
+    tool_parser: str = doc("hermes", "how tool calls are read from a model turn (hybridrl.tool_calling parsers)")
     tools_file: str | None = doc(None, "Python file defining TOOL_SCHEMAS and their functions (trusted code)")
     max_observation_chars: int = doc(4096, "a tool's answer is cut to this many characters")
     tool_timeout_s: float | None = doc(

@@ -62,7 +62,7 @@ from hybridrl.rollout import vllm_patches
 from hybridrl.rollout.agent_loop import AgentLoop, RoundRunner, ToolRound, TurnOutput
 from hybridrl.rollout.sampling import SEED_RANGE, RolloutSampling
 from hybridrl.rollout.turn_rewards import turn_scores_row
-from hybridrl.tools import Observation
+from hybridrl.tool_calling import Observation
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest

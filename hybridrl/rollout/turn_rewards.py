@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridrl.tools import Observation
+from hybridrl.tool_calling import Observation
 from hybridrl.user_code import import_user_file
 
 

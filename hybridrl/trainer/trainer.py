@@ -39,7 +39,7 @@ from hybridrl.rewards.manager import RewardManager
 from hybridrl.rewards.registry import UnknownScorerError
 from hybridrl.rollout.sampling import RolloutSampling
 from hybridrl.rollout.turn_rewards import TurnRewardError, turn_rewarder_from_config
-from hybridrl.tools import available_parsers, build_registry
+from hybridrl.tool_calling import available_parsers, build_registry
 from hybridrl.trainer.async_rollout import DriverSettings, RolloutDriver
 from hybridrl.trainer.checkpoints import CheckpointError, CheckpointManager
 from hybridrl.trainer.part_metrics import merge_part_metrics

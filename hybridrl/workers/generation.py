@@ -145,7 +145,7 @@ def concat_left_padded(parts: list[Batch], pad_token_id: int) -> Batch:
     return Batch.concat([left_pad_prompts(part, width, pad_token_id) for part in parts])
 
 
-# The prompt columns a tool that reads its calling sample gets (`hybridrl.tools.SAMPLE_PARAMETER`).
+# The prompt columns a tool that reads its calling sample gets (`hybridrl.tool_calling.SAMPLE_PARAMETER`).
 TOOL_SAMPLE_COLUMNS = ("index", "uid", "data_source", "ground_truth", "extra_info")
 
 

@@ -7,7 +7,7 @@ import pytest
 from hybridrl.data.secret_task import CALL_MARK, SecretLetterTask, final_answer, secret_letter_score
 from hybridrl.data.tokenizer import CHAR_TOOL_CHAT_TEMPLATE, char_tokenizer
 from hybridrl.rewards.registry import get_scorer
-from hybridrl.tools import ToolStatus, build_registry, get_parser
+from hybridrl.tool_calling import ToolStatus, build_registry, get_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS_FILE = ROOT / "configs/examples/cpu_tiny_tool_tools.py"
@@ -43,7 +43,7 @@ def test_the_score_reads_the_first_four_characters_of_the_last_turn(response, an
 
 
 def test_the_tools_file_answers_from_the_calling_samples_row_through_its_own_parser(monkeypatch):
-    from hybridrl.tools import parsing
+    from hybridrl.tool_calling import parsing
 
     monkeypatch.setattr(parsing, "_PARSERS", dict(parsing._PARSERS))  # the file's parser: this test's only
     registry = build_registry(["secret"], tools_file=TOOLS_FILE)

@@ -22,7 +22,7 @@ from hybridrl.rollout.agent_loop import (
 )
 from hybridrl.rollout.engine import ResponseRow, assemble_response_rows
 from hybridrl.rollout.turn_rewards import ModelTurn, TurnRewarder, TurnRewardError, turn_scores_row
-from hybridrl.tools import Tool, ToolRegistry, build_registry, get_parser
+from hybridrl.tool_calling import Tool, ToolRegistry, build_registry, get_parser
 from tests.support.scripted_model import Script, agent_loop, call
 
 

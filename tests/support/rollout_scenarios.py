@@ -244,7 +244,7 @@ class EveryTurnCallsEcho:
     `echo` (so every turn but the last is followed by an observation)."""
 
     def parse(self, text: str) -> Any:
-        from hybridrl.tools import ParsedTurn, ToolCall
+        from hybridrl.tool_calling import ParsedTurn, ToolCall
 
         return ParsedTurn("", [ToolCall("echo", {"text": text[:3]}, 0)])
 
@@ -252,7 +252,7 @@ class EveryTurnCallsEcho:
 def multi_turn_conversations(engine: RolloutEngine, answer: str = ECHO_ANSWER) -> Any:
     from hybridrl.data.tokenizer import char_tokenizer
     from hybridrl.rollout.agent_loop import AgentLoop, AgentLoopSettings, ObservationRenderer
-    from hybridrl.tools import Tool, ToolRegistry, get_parser, register_parser
+    from hybridrl.tool_calling import Tool, ToolRegistry, get_parser, register_parser
 
     register_parser("test_every_turn_calls_echo")(EveryTurnCallsEcho)
     tokenizer = char_tokenizer()  # its chat template renders the tool messages; ids >= 96 decode to ""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from hybridrl.rollout.agent_loop import AgentLoop, AgentLoopSettings, ObservationRenderer, TurnOutput
-from hybridrl.tools import build_registry, get_parser
+from hybridrl.tool_calling import build_registry, get_parser
 
 
 def call(expression: str) -> str:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridrl.tools import ToolCall, ToolCallError, UnknownParserError, available_parsers, get_parser
+from hybridrl.tool_calling import ToolCall, ToolCallError, UnknownParserError, available_parsers, get_parser
 
 
 def parse(text: str):

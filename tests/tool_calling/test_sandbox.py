@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridrl.tools import SandboxLimits, ToolStatus, run_sandboxed, sandbox_problem
-from hybridrl.tools.sandbox import REFUSED_SYSCALLS, bwrap_argv, pids_cgroup_parent
+from hybridrl.tool_calling import SandboxLimits, ToolStatus, run_sandboxed, sandbox_problem
+from hybridrl.tool_calling.sandbox import REFUSED_SYSCALLS, bwrap_argv, pids_cgroup_parent
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CALLER = r'''
 import ctypes, json, os, signal, sys, time
 ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-from hybridrl.tools import SandboxLimits, build_registry
-from hybridrl.tools.parsing import ToolCall
+from hybridrl.tool_calling import SandboxLimits, build_registry
+from hybridrl.tool_calling.parsing import ToolCall
 limits = SandboxLimits(wall_time_s=float(sys.argv[2]), cpu_time_s=3, memory_mb=512, max_file_mb=16)
 registry = build_registry(["python"], sandbox=limits, isolation=sys.argv[1], max_observation_chars=100_000)
 code = sys.stdin.read()
@@ -325,8 +325,8 @@ def test_a_fork_bomb_with_processes_allowed_meets_the_pids_cgroup():
 def test_the_documented_user_tool_runs_the_models_code_in_the_sandbox(world):
     """configs/examples/sandboxed_tools.py (the user guide's example): a tools-file tool that runs the model's
     solution and the row's tests with `run_sandboxed`, called as the agent loop calls it."""
-    from hybridrl.tools import build_registry
-    from hybridrl.tools.parsing import ToolCall
+    from hybridrl.tool_calling import build_registry
+    from hybridrl.tool_calling.parsing import ToolCall
 
     registry = build_registry(["run_tests"], tools_file=ROOT / "configs/examples/sandboxed_tools.py")
     row = {"extra_info": {"tests": "assert solution.add(2, 3) == 5"}}
@@ -352,8 +352,8 @@ def test_the_tool_runs_sandboxed_inside_a_ray_worker(ray_cluster, world):
     @ray.remote(num_cpus=0)
     def call_in_worker(code: str) -> tuple[str, str, int]:
         from hybridrl.rollout.agent_loop import build_agent_loop  # noqa: F401  (the loop's import path)
-        from hybridrl.tools import build_registry
-        from hybridrl.tools.parsing import ToolCall
+        from hybridrl.tool_calling import build_registry
+        from hybridrl.tool_calling.parsing import ToolCall
 
         registry = build_registry(["python"], isolation=MultiTurnConfig().sandbox.isolation)
         code = code.replace("WORKER_PID", str(os.getpid()))  # the attack aims at this very worker
@@ -388,7 +388,7 @@ def test_a_virtual_environment_reached_through_a_symlinked_folder_runs_the_pytho
         pytest.fail("the tests run from a virtual environment (make venv); this one is the base interpreter")
     link = tmp_path / "venv-link"
     link.symlink_to(prefix.resolve(), target_is_directory=True)
-    program = ("from hybridrl.tools import SandboxLimits, run_sandboxed, sandbox_problem\n"
+    program = ("from hybridrl.tool_calling import SandboxLimits, run_sandboxed, sandbox_problem\n"
                "import sys\n"
                "print(sandbox_problem())\n"
                "run = run_sandboxed([sys.executable, '-I', '-c', 'import sys, megatron; print(sys.prefix)'],\n"

@@ -48,7 +48,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Literal
 
-from hybridrl.tools.registry import ToolStatus
+from hybridrl.tool_calling.registry import ToolStatus
 
 Isolation = Literal["namespaces", "none"]
 ISOLATIONS: tuple[Isolation, ...] = ("namespaces", "none")

@@ -22,8 +22,8 @@ from multiprocessing.connection import Connection
 from types import MappingProxyType
 from typing import Any
 
-from hybridrl.tools.parsing import ParsedTurn, ToolCall, ToolCallError
-from hybridrl.tools.schema import ToolSchemaError, argument_errors, check_tool_schema
+from hybridrl.tool_calling.parsing import ParsedTurn, ToolCall, ToolCallError
+from hybridrl.tool_calling.schema import ToolSchemaError, argument_errors, check_tool_schema
 
 
 class ToolStatus(enum.StrEnum):

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from hybridrl.tools import (
+from hybridrl.tool_calling import (
     SandboxLimits,
     Tool,
     ToolCall,
@@ -172,6 +172,10 @@ def test_user_tool_file_errors(tmp_path):
     (tmp_path / "raises.py").write_text("raise ImportError('no such lib')\n")
     with pytest.raises(ToolFileError, match=r"importing tools file '.*raises.py' failed: ImportError\('no such lib'\)"):
         load_user_tools(tmp_path / "raises.py")
+    (tmp_path / "old_name.py").write_text("from hybridrl.tools.parsing import ToolCall\n" + GOOD)
+    with pytest.raises(ToolFileError, match=r"No module named 'hybridrl.tools'.* \(hybridrl.tools is now "
+                                            r"hybridrl.tool_calling: import from hybridrl.tool_calling instead\)"):
+        load_user_tools(tmp_path / "old_name.py")
     (tmp_path / "sig.py").write_text(GOOD.replace("def add(a, b)", "def add(a)"))
     with pytest.raises(ToolFileError, match=r"schema properties \['b'\] are not parameters of 'add'"):
         load_user_tools(tmp_path / "sig.py")
@@ -188,7 +192,7 @@ def test_the_config_defaults_are_the_tools_defaults():
     import inspect
 
     from hybridrl.config.schema import MultiTurnConfig, SandboxConfig
-    from hybridrl.tools import available_parsers, python_tool
+    from hybridrl.tool_calling import available_parsers, python_tool
 
     config_limits = dataclasses.asdict(SandboxConfig())
     isolation = config_limits.pop("isolation")
@@ -223,7 +227,7 @@ def test_a_tool_reads_its_calling_samples_row_which_the_model_cannot_set():
 
 
 PARSER_FILE = '''
-from hybridrl.tools import ParsedTurn, ToolCall
+from hybridrl.tool_calling import ParsedTurn, ToolCall
 
 TOOL_SCHEMAS = []
 class BangParser:
@@ -234,8 +238,8 @@ TOOL_PARSERS = {"bang": BangParser}
 
 
 def test_a_tools_file_defines_a_tool_call_parser(tmp_path, monkeypatch):
-    from hybridrl.tools import parsing
-    from hybridrl.tools.parsing import available_parsers
+    from hybridrl.tool_calling import parsing
+    from hybridrl.tool_calling.parsing import available_parsers
 
     # the file's parsers go into a copy of the registry: other tests in this process list the built-in ones
     monkeypatch.setattr(parsing, "_PARSERS", dict(parsing._PARSERS))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import jsonschema  # installed with Ray; the reference for the JSON-schema subset, not used by hybridrl
 import pytest
 
-from hybridrl.tools import CalculatorError, ToolSchemaError, argument_errors, check_tool_schema, evaluate
+from hybridrl.tool_calling import CalculatorError, ToolSchemaError, argument_errors, check_tool_schema, evaluate
 
 CASES = ["1 + 2 * 3", "(1 + 2) * 3", "7 / 2", "7 // 2", "-7 // 2", "7 % 3", "-7 % 3", "2 ** 10", "2 ** -2",
          "2 ** 0.5", "-(3 - 10) * +2", "1.5e3 / 4", "((((2))))", "10 - 2 - 3", "2 ** 3 ** 2", "123456789 * 987654321",

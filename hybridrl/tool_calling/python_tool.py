@@ -1,6 +1,6 @@
 """The built-in ``python`` tool: model-written code run in the operating-system sandbox.
 
-Each call is one fresh Python process in `hybridrl.tools.sandbox` (namespaces, a seccomp filter,
+Each call is one fresh Python process in `hybridrl.tool_calling.sandbox` (namespaces, a seccomp filter,
 kernel limits; read there what it guarantees): the code arrives on stdin, its stdout and stderr come
 back as the observation, with why it stopped when it did not end normally (a limit, an exception).
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from hybridrl.tools.registry import ToolResult, ToolStatus
-from hybridrl.tools.sandbox import Isolation, SandboxLimits, SandboxRun, require_sandbox, run_sandboxed
+from hybridrl.tool_calling.registry import ToolResult, ToolStatus
+from hybridrl.tool_calling.sandbox import Isolation, SandboxLimits, SandboxRun, require_sandbox, run_sandboxed
 
 # Runs in the child before the model's code: the hook (which the code cannot remove; audit hooks
 # cannot be). The kernel limits were set before the interpreter started. The code arrives on stdin.

@@ -9,7 +9,7 @@ import tempfile
 
 import pytest
 
-from hybridrl.tools import SandboxLimits, ToolStatus, run_python
+from hybridrl.tool_calling import SandboxLimits, ToolStatus, run_python
 
 # generous wall time: the machine is shared, and only the tests of the wall limit itself need it short
 FAST = SandboxLimits(wall_time_s=30, cpu_time_s=2, memory_mb=256, max_output_bytes=1000)

@@ -1,6 +1,6 @@
 """Tools for multi-turn rollouts: parsing a model's tool calls, the tools themselves, running a call.
 
-    from hybridrl.tools import build_registry, get_parser
+    from hybridrl.tool_calling import build_registry, get_parser
     registry = build_registry(["calculator", "python"])        # + tools_file= for user tools
     turn = get_parser("hermes").parse(model_text)               # calls and per-call parse errors
     observations = registry.execute_turn(turn)                  # never raises for the model's mistakes
@@ -14,10 +14,10 @@ import dataclasses
 from collections.abc import Iterable
 from pathlib import Path
 
-from hybridrl.tools import calculator as _calculator
-from hybridrl.tools import python_tool as _python_tool
-from hybridrl.tools.calculator import CalculatorError, evaluate
-from hybridrl.tools.parsing import (
+from hybridrl.tool_calling import calculator as _calculator
+from hybridrl.tool_calling import python_tool as _python_tool
+from hybridrl.tool_calling.calculator import CalculatorError, evaluate
+from hybridrl.tool_calling.parsing import (
     HermesToolCallParser,
     ParsedTurn,
     ToolCall,
@@ -27,9 +27,9 @@ from hybridrl.tools.parsing import (
     get_parser,
     register_parser,
 )
-from hybridrl.tools.python_tool import run_python
-from hybridrl.tools.registry import Observation, Tool, ToolMetrics, ToolRegistry, ToolResult, ToolStatus
-from hybridrl.tools.sandbox import (
+from hybridrl.tool_calling.python_tool import run_python
+from hybridrl.tool_calling.registry import Observation, Tool, ToolMetrics, ToolRegistry, ToolResult, ToolStatus
+from hybridrl.tool_calling.sandbox import (
     ISOLATIONS,
     Isolation,
     SandboxLimits,
@@ -38,8 +38,8 @@ from hybridrl.tools.sandbox import (
     run_sandboxed,
     sandbox_problem,
 )
-from hybridrl.tools.schema import ToolSchemaError, argument_errors, check_tool_schema
-from hybridrl.tools.user_tools import ToolFileError, load_user_tools
+from hybridrl.tool_calling.schema import ToolSchemaError, argument_errors, check_tool_schema
+from hybridrl.tool_calling.user_tools import ToolFileError, load_user_tools
 
 BUILTIN_TOOLS = ("calculator", "python")
 

@@ -13,7 +13,7 @@ returning text (or anything JSON-serializable)::
     def lookup(key: str) -> str: ...
 
 A function may also take a parameter named ``sample`` (not in its schema): it receives the calling
-sample's data row (``ground_truth``, ``extra_info``, ...; `hybridrl.tools.registry.SAMPLE_PARAMETER`).
+sample's data row (``ground_truth``, ``extra_info``, ...; `hybridrl.tool_calling.registry.SAMPLE_PARAMETER`).
 The file may define ``TOOL_PARSERS``, a dict of tool-call parser names to parser classes (no-argument
 classes with ``parse(text) -> ParsedTurn``), for models that write calls in their own format;
 ``multi_turn.tool_parser`` can then name one.
@@ -24,9 +24,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import ModuleType
 
-from hybridrl.tools.parsing import registered_parser, replace_parser
-from hybridrl.tools.registry import Tool
-from hybridrl.tools.schema import ToolSchemaError, check_tool_schema
+from hybridrl.tool_calling.parsing import registered_parser, replace_parser
+from hybridrl.tool_calling.registry import Tool
+from hybridrl.tool_calling.schema import ToolSchemaError, check_tool_schema
 from hybridrl.user_code import import_user_file
 
 
