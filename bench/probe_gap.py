@@ -70,16 +70,16 @@ def _probe_rank(rank: int, world: int, model_dir: str, dtype: str, prompt: tuple
     from hybridrl.config import plan_from_sources
     from hybridrl.controller.base_worker import RankContext
     from hybridrl.rollout.sampling import RolloutSampling, validation_sampling
-    from hybridrl.workers.hybrid import HybridEngineWorker, HybridSettings
+    from hybridrl.workers.colocated import ColocatedPolicyWorker, ColocatedSettings
 
     plan = plan_from_sources(example, [
         f"actor_rollout_ref.model.path={model_dir}", f"trainer.n_gpus_per_node={world}",
         f"actor_rollout_ref.actor.megatron.dtype={dtype}", f"actor_rollout_ref.rollout.dtype={dtype}",
         "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16", *extra])
-    ctx = RankContext(role="actor_rollout_ref", rank=rank, world_size=world, node_rank=0, local_rank=rank,
+    ctx = RankContext(group="actor_rollout_ref", rank=rank, world_size=world, node_rank=0, local_rank=rank,
                       local_world_size=world, use_gpu=False)
-    worker = HybridEngineWorker(ctx, plan, HybridSettings(probe_tolerance=float("inf")))
+    worker = ColocatedPolicyWorker(ctx, plan, ColocatedSettings(probe_tolerance=float("inf")))
     worker.setup(total_training_steps=1)
 
     def continuation(sampling: RolloutSampling) -> ProbeSequence:
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         results = {}
         for dtype in ("fp32", "bf16"):
             (results[dtype],) = run_ranks(_probe_rank, 1, model_dir, dtype, prompt, example, extra, timeout_s=900,
-                                          preload=(*DEFAULT_PRELOAD, *VLLM_PRELOAD, "hybridrl.workers.hybrid"))
+                                          preload=(*DEFAULT_PRELOAD, *VLLM_PRELOAD, "hybridrl.workers.colocated"))
     probes = list(results["fp32"]["gaps"]["correct sync"])
     labels = list(results["fp32"]["gaps"])
     print(f"model {args.model}; probe: prompt {len(results['fp32']['probe'][0])} tokens + greedy continuation "

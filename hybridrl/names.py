@@ -6,7 +6,8 @@ the test-only fault points (`HYBRIDRL_FAULT=<phase>:<call>:<rank>`, `hybridrl.wo
 
 `Role`: the named job a model does (`role_spec(plan, role)`, `plan.layout(role)`,
 `plan.update(role)`, role checkpoints). `GroupName`: the worker groups the trainer builds
-(`WorkerGroup(role=...)`, named in a failing worker's message); the hybrid engine's group holds the
+(`WorkerGroup(name=...)`, `RankContext.group`, `WorkerGroupError.group`, named in a failing worker's message);
+the colocated policy's group holds the
 actor, the reference and the rollout in the same processes.
 
 Both are `StrEnum`s: a member equals, hashes and formats as its value, so `timing_s/{phase}`, a
@@ -21,7 +22,7 @@ class Phase(StrEnum):
     START = "start"  # before set-up
     SETUP = "setup"  # worker groups, models, vLLM, the first proven sync
     RESUME = "resume"  # loading a checkpoint
-    GEN = "gen"  # generation (the fault point: `HybridEngineWorker.generate_sequences`)
+    GEN = "gen"  # generation (the fault point: `ColocatedPolicyWorker.generate_sequences`)
     REWARD = "reward"  # scoring, on the controller or the reward model
     GEN_BASELINE = "gen_baseline"  # ReMax: one greedy response per prompt
     REWARD_BASELINE = "reward_baseline"
@@ -53,7 +54,7 @@ class Role(StrEnum):
 
 
 class GroupName(StrEnum):
-    ACTOR_ROLLOUT_REF = "actor_rollout_ref"  # HybridEngineWorker: actor + reference + vLLM (disaggregated:
+    ACTOR_ROLLOUT_REF = "actor_rollout_ref"  # ColocatedPolicyWorker: actor + reference + vLLM (disaggregated:
     #                                          DisaggregatedPolicyWorker, actor + reference on the trainer pool)
     ROLLOUT = "rollout"  # RolloutWorker: vLLM on the disaggregated rollout pool
     CRITIC = "critic"

@@ -40,7 +40,7 @@ from tests.support import forked  # noqa: E402 - after the Ray setting above
 
 # One rank server per xdist worker, for every `run_ranks` of the session: about 30 tests build vLLM
 # engines in forked ranks, so the server imports vLLM once (~8 s) instead of each test's ranks.
-forked.set_server_preload((*forked.DEFAULT_PRELOAD, *forked.VLLM_PRELOAD, "hybridrl.workers.hybrid"))
+forked.set_server_preload((*forked.DEFAULT_PRELOAD, *forked.VLLM_PRELOAD, "hybridrl.workers.colocated"))
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

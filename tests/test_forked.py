@@ -56,7 +56,7 @@ def test_the_session_rank_server_preloads_vllm_once_and_keeps_its_preload():
     imported (each test's ranks would pay ~8 s otherwise), and no later call can change it."""
     from tests.support import forked
 
-    modules = [*forked.VLLM_PRELOAD, "megatron.core", "hybridrl.workers.hybrid"]
+    modules = [*forked.VLLM_PRELOAD, "megatron.core", "hybridrl.workers.colocated"]
     absent = ["transformer_engine", "vllm.v1.worker.cpu_worker"]  # its import patches torch.cuda.Stream
     assert run_ranks(_preloaded, 1, modules + absent) == [{**dict.fromkeys(modules, True),
                                                            **dict.fromkeys(absent, False)}]

@@ -1,7 +1,7 @@
 """Back-of-envelope per-GPU memory and resharding traffic, from the model shape and the layout.
 
 Estimates, not measurements: they exist to stop a job that cannot fit before it starts and to
-show what the hybrid engine's resharding costs against the naive design. Formulas:
+show what the colocated policy's resharding costs against the naive design. Formulas:
 - weights/grads/optimizer: megatron mixed precision keeps bf16 params, fp32 main grads and fp32
   master params + Adam m, v (12 B/param), the last sharded over DP by the distributed optimizer;
 - activations per micro-batch per layer ~ 34 * s * b * h bytes / TP (Korthikanti et al. 2022, flash

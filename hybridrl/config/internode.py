@@ -1,7 +1,7 @@
 """What crosses between machines in one training step, phase by phase: the plan's model of inter-node traffic.
 
 Global rank r runs on node r // n_gpus_per_node (`controller.resource_pool`). Per node, the bytes its ranks
-send to ranks on other nodes, for what a colocated (hybrid engine) step moves in bulk:
+send to ranks on other nodes, for what a colocated step moves in bulk:
 
 - `update_actor`, `update_critic`: megatron DDP's gradient reduction over each DP x CP group, once per optimizer
   step, fp32 (hybridrl reduces gradients in fp32): an all-reduce in which each rank sends 2(p-1)/p of its

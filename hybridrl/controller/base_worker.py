@@ -1,15 +1,15 @@
 """The Ray plumbing every worker class inherits: its rank, its torch.distributed group, its mesh.
 
-Role workers (actor/rollout/ref, critic, reward model) subclass `Worker`, take the `RankContext`
+Role workers (the policy, critic, reward model, teacher, rollout) subclass `Worker`, take the `RankContext`
 as the first constructor argument and pass it up:
 
     class CriticWorker(Worker):
-        def __init__(self, context: RankContext, config: CriticConfig):
+        def __init__(self, context: RankContext, plan: Plan):
             super().__init__(context)
             ...
 
-The methods below are called by `WorkerGroup` during bring-up; role methods are called by the
-trainer through the group's dispatch helpers. After setting up megatron, a subclass overrides
+The methods below are called by `WorkerGroup` during bring-up; a worker's own methods (`update_critic`...) are
+called by the trainer through the group's dispatch helpers. After setting up megatron, a subclass overrides
 `mesh_coords()` so the controller learns each rank's (dp, tp, pp, cp) position.
 
 Rules for subclasses:
@@ -61,9 +61,9 @@ def interface_of(address: str) -> str | None:
 
 @dataclass(frozen=True)
 class RankContext:
-    """Where a worker sits: its group's role, its global rank, and its place on its node."""
+    """Where a worker sits: its group's name (a `GroupName`), its global rank, and its place on its node."""
 
-    role: str
+    group: str
     rank: int
     world_size: int
     node_rank: int
@@ -122,6 +122,13 @@ class Worker:
         """Intra-op threads for this rank: `trainer.torch_threads_per_rank`, else the machine's cores over the ranks
         that run on it at once (every pool's, once `share_cores` told; else the group's own on the node)."""
         return configured or torch_threads_per_rank(self.cores_shared_by or self.context.local_world_size)
+
+    def use_torch_threads(self, configured: int | None) -> None:
+        """Set torch's intra-op threads to `torch_threads(configured)` before this rank builds its model (never torch's
+        all-cores default, which oversubscribes a machine shared by ranks)."""
+        import torch
+
+        torch.set_num_threads(self.torch_threads(configured))
 
     def use_rank_device(self) -> None:
         """Make this rank's GPU (index LOCAL_RANK among the visible ones) the calling thread's current device,

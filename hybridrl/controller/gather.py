@@ -37,14 +37,14 @@ class WorkerGroupError(RuntimeError):
 
     def __init__(
         self,
-        role: str,
+        group: str,
         method: str,
         failures: Sequence[RankFailure],
         unfinished_ranks: Sequence[int],
         torn_down: bool,
         timeout_s: float | None = None,
     ):
-        self.role = role
+        self.group = group
         self.method = method
         self.failures = list(failures)
         self.unfinished_ranks = list(unfinished_ranks)
@@ -53,9 +53,9 @@ class WorkerGroupError(RuntimeError):
         self.rank: int | None = first.rank if first else None
         self.remote_traceback: str = first.detail if first else ""
         if first is not None:
-            head = f"{role} rank {first.rank} failed in {method}(): {first.cause or first.kind}"
+            head = f"{group} rank {first.rank} failed in {method}(): {first.cause or first.kind}"
         else:
-            head = (f"{role} group did not finish {method}() within {timeout_s} s (ranks that did not answer: "
+            head = (f"{group} group did not finish {method}() within {timeout_s} s (ranks that did not answer: "
                     f"{self.unfinished_ranks})")
         lines = [head]
         others = [f.rank for f in self.failures[1:]]
@@ -67,7 +67,7 @@ class WorkerGroupError(RuntimeError):
             "worker group torn down (all its actors killed)" if torn_down else "worker group left running"
         )
         for failure in self.failures:
-            lines.append(f"--- {role} rank {failure.rank} ({failure.kind}) ---\n{failure.detail.rstrip()}")
+            lines.append(f"--- {group} rank {failure.rank} ({failure.kind}) ---\n{failure.detail.rstrip()}")
         super().__init__("\n".join(lines))
 
     def locate(self, node_addresses: Sequence[str]) -> None:
@@ -80,7 +80,7 @@ class WorkerGroupError(RuntimeError):
         died = sorted({node_addresses[f.rank] for f in self.failures
                        if f.kind == ACTOR_DIED and f.rank < len(node_addresses)})
         held = {node: [r for r, a in enumerate(node_addresses) if a == node] for node in died}
-        lost = "".join(f"; an actor died on node {node} (it held {self.role} ranks {ranks}): killed (out of "
+        lost = "".join(f"; an actor died on node {node} (it held {self.group} ranks {ranks}): killed (out of "
                        "memory?), or the host was lost or cut off" for node, ranks in held.items())
         head, _, rest = str(self).partition("\n")
         self.args = (f"{head}\nwhere: {where}{lost}" + (f"\n{rest}" if rest else ""),)
@@ -149,7 +149,7 @@ def wait_all(
     refs: Sequence[ray.ObjectRef],
     actors: Sequence[ActorHandle],
     *,
-    role: str,
+    group: str,
     method: str,
     timeout_s: float | None = None,
     poll_s: float = 0.5,
@@ -196,14 +196,14 @@ def wait_all(
             unfinished = [r for r in unfinished_at_failure if r not in failed]
             if tear_down_on_failure:
                 kill_actors(actors)
-            raise WorkerGroupError(role, method, failures, unfinished, tear_down_on_failure)
+            raise WorkerGroupError(group, method, failures, unfinished, tear_down_on_failure)
         if on_poll is not None and pending:
             on_poll()
         if deadline is not None and pending and time.monotonic() >= deadline:
             unfinished = sorted(pending.values())
             if tear_down_on_failure:
                 kill_actors(actors)
-            raise WorkerGroupError(role, method, [], unfinished, tear_down_on_failure, timeout_s)
+            raise WorkerGroupError(group, method, [], unfinished, tear_down_on_failure, timeout_s)
     return results
 
 
@@ -212,7 +212,7 @@ def execute_all(
     method: str,
     calls: Sequence[RankCall],
     *,
-    role: str,
+    group: str,
     timeout_s: float | None = None,
     poll_s: float = 0.5,
     tear_down_on_failure: bool = True,
@@ -221,11 +221,11 @@ def execute_all(
     """Run `method` on every rank with its call's arguments; results in rank order.
 
     On the first exception or dead actor: kill all `actors` (unless told not to) and raise
-    WorkerGroupError with role, rank, method and the remote traceback. `timeout_s` bounds the
+    WorkerGroupError with the group's name, rank, method and the remote traceback. `timeout_s` bounds the
     whole call (None: no bound; failures are still detected within `poll_s`).
     """
     refs = submit_all(actors, method, calls)
     return wait_all(
-        refs, actors, role=role, method=method, timeout_s=timeout_s, poll_s=poll_s,
+        refs, actors, group=group, method=method, timeout_s=timeout_s, poll_s=poll_s,
         tear_down_on_failure=tear_down_on_failure, root_cause_grace_s=root_cause_grace_s,
     )

@@ -11,9 +11,9 @@ has room for both (it did, on CPU hosts), so each node group is placed in turn w
 selector that excludes the machines the earlier ones took (greedy: Ray picks the machine, we only
 rule out the used ones).
 
-Colocation. Several roles' worker groups may share one pool: each group places one actor per
+Colocation. Several worker groups may share one pool: each group places one actor per
 bundle, and every actor takes 1/max_colocated_groups of its bundle, so the groups' rank r run on
-the same GPU. (The hybrid engine - actor, rollout and reference in the *same processes* - is one
+the same GPU. (The colocated policy - actor, rollout and reference in the *same processes* - is one
 worker group whose worker class plays all three roles; pools colocate separate processes, e.g. a
 critic next to the actor.)
 """
@@ -57,7 +57,7 @@ class ResourcePool:
     max_colocated_groups: int = 1
     placement_groups: list[PlacementGroup] = field(default_factory=list, init=False)
     machines: list[str] = field(default_factory=list, init=False)  # the Ray node id of each node group, once started
-    roles: list[str] = field(default_factory=list, init=False)
+    groups: list[str] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         if self.nnodes <= 0 or self.workers_per_node <= 0:
@@ -137,22 +137,22 @@ class ResourcePool:
                 f"Cluster total {_schedulable(ray.cluster_resources())}, free now "
                 f"{_schedulable(ray.available_resources())}; {len(nodes)} node(s) alive: {alive}.")
 
-    def reserve(self, role: str) -> ActorResources:
+    def reserve(self, group: str) -> ActorResources:
         """Admit one more colocated worker group; returns what each of its actors should request."""
         if not self.started:
             raise ResourcePoolError(f"resource pool {self.name!r} is not started; call start() first")
-        if len(self.roles) >= self.max_colocated_groups:
+        if len(self.groups) >= self.max_colocated_groups:
             raise ResourcePoolError(
                 f"resource pool {self.name!r} hosts at most {self.max_colocated_groups} colocated worker "
-                f"group(s), already {self.roles}; cannot add {role!r} (raise max_colocated_groups)"
+                f"group(s), already {self.groups}; cannot add {group!r} (raise max_colocated_groups)"
             )
-        self.roles.append(role)
+        self.groups.append(group)
         share = 1.0 / self.max_colocated_groups
         return ActorResources(num_cpus=self.cpus_per_worker * share, num_gpus=share if self.use_gpu else 0.0)
 
-    def release(self, role: str) -> None:
-        if role in self.roles:
-            self.roles.remove(role)
+    def release(self, group: str) -> None:
+        if group in self.groups:
+            self.groups.remove(group)
 
     def locate(self, rank: int) -> tuple[PlacementGroup, int]:
         """(placement group, bundle index) of global rank `rank`."""
@@ -169,7 +169,7 @@ class ResourcePool:
             except Exception:  # noqa: BLE001 - already removed, or Ray is shutting down
                 pass
         self.placement_groups = []
-        self.roles = []
+        self.groups = []
 
 
 def _schedulable(resources: dict[str, float]) -> dict[str, float]:

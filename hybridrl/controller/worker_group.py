@@ -1,7 +1,7 @@
 """Worker groups: N Ray actors of one worker class, one per bundle of a resource pool, joined in one
 torch.distributed group, driven by the controller with fail-fast calls.
 
-Bring-up, in order (each step fails fast with the role and rank that broke it):
+Bring-up, in order (each step fails fast with the group and rank that broke it):
 1. one actor per bundle (`PlacementGroupSchedulingStrategy`), constructed with its `RankContext`;
 2. local ranks from the physical node each actor landed on (and, on GPU, CUDA_VISIBLE_DEVICES =
    the node's group GPUs, so device index == LOCAL_RANK as under torchrun);
@@ -13,8 +13,8 @@ backstop only: when a rank fails, the controller kills the whole group within se
 gather), so no peer waits on it. It must exceed the longest legitimate wait inside a collective
 (peers at a barrier while rank 0 alone writes a checkpoint or an HF export).
 
-Calls name the worker method itself, not its name: `group.call_all(HybridEngineWorker.setup, steps)`,
-`group.call_by_dp(ActorRolloutRefWorker.compute_log_prob, batch)`. The group checks that its worker
+Calls name the worker method itself, not its name: `group.call_all(ColocatedPolicyWorker.setup, steps)`,
+`group.call_by_dp(PolicyWorker.compute_log_prob, batch)`. The group checks that its worker
 class has that very function (inherited counts), so a method of another worker class, a typo or a
 string is refused with a TypeError before any rank is called.
 """
@@ -97,7 +97,7 @@ class PendingCall:
         return self._value
 
 
-def worker_method_name(worker_cls: type, method: WorkerMethod, role: str) -> str:
+def worker_method_name(worker_cls: type, method: WorkerMethod, group: str) -> str:
     """`method.__name__`, when `worker_cls` has that very function (its own or inherited); else TypeError.
 
     Refused: a name string, a method of another worker class (`CriticWorker.update_critic` on the
@@ -105,15 +105,15 @@ def worker_method_name(worker_cls: type, method: WorkerMethod, role: str) -> str
     """
     cls = worker_cls.__name__
     if isinstance(method, str):
-        raise TypeError(f"{role} group: pass the worker method itself ({cls}.{method}), not its name")
+        raise TypeError(f"{group} group: pass the worker method itself ({cls}.{method}), not its name")
     name = getattr(method, "__name__", None)
     if not callable(method) or not isinstance(name, str):
-        raise TypeError(f"{role} group: {method!r} is not a method of {cls}")
+        raise TypeError(f"{group} group: {method!r} is not a method of {cls}")
     if getattr(worker_cls, name, None) is not method:
         qualname = getattr(method, "__qualname__", name)
         owner = qualname.rpartition(".")[0] or getattr(method, "__module__", "?")
         hint = f": {cls} has its own {name}, call {cls}.{name}" if hasattr(worker_cls, name) else ""
-        raise TypeError(f"{qualname} is a method of {owner}, not of {cls} (the {role} group's worker class){hint}")
+        raise TypeError(f"{qualname} is a method of {owner}, not of {cls} (the {group} group's worker class){hint}")
     return name
 
 
@@ -145,14 +145,15 @@ def worker_process_env(policy: DevicePolicy) -> dict[str, str]:
 
 
 class WorkerGroup:
-    """The actors of one role. Calls go to every rank; see `call_all`, `call_per_rank`, `call_by_dp`."""
+    """The actors of one worker group (`name`, a `GroupName`). Calls go to every rank; see `call_all`,
+    `call_per_rank`, `call_by_dp`."""
 
     def __init__(
         self,
         worker_cls: type[Worker],
         pool: ResourcePool,
         *,
-        role: str,
+        name: str,
         worker_args: Sequence[Any] = (),
         worker_kwargs: dict[str, Any] | None = None,
         init_distributed: bool = True,
@@ -164,9 +165,9 @@ class WorkerGroup:
     ) -> None:
         if not isinstance(worker_cls, type) or not issubclass(worker_cls, Worker):
             # A `ray.remote` class hides the methods calls are checked against (worker_method_name).
-            raise TypeError(f"{role} group: worker_cls must be a plain Worker subclass (WorkerGroup makes it a "
+            raise TypeError(f"{name} group: worker_cls must be a plain Worker subclass (WorkerGroup makes it a "
                             f"Ray actor itself), got {worker_cls!r}")
-        self.role = role
+        self.name = name
         self.worker_cls: type[Worker] = worker_cls
         self.pool = pool
         self.call_timeout_s = call_timeout_s
@@ -177,7 +178,7 @@ class WorkerGroup:
         # Called in every poll slice of this group's waits: the controller sets it to raise when another
         # group it drives at the same time has failed (a disaggregated rollout pool running ahead).
         self.watchdog: Callable[[], None] | None = None
-        resources = pool.reserve(role)
+        resources = pool.reserve(name)
         try:
             actor_cls = ray.remote(worker_cls)
             world = pool.world_size
@@ -185,9 +186,9 @@ class WorkerGroup:
             self.actors: list[ActorHandle] = []
             self.node_addresses: list[str] = []
             for rank in range(world):
-                group, bundle = pool.locate(rank)
+                placement_group, bundle = pool.locate(rank)
                 context = RankContext(
-                    role=role, rank=rank, world_size=world, node_rank=rank // pool.workers_per_node,
+                    group=name, rank=rank, world_size=world, node_rank=rank // pool.workers_per_node,
                     local_rank=bundle, local_world_size=pool.workers_per_node, use_gpu=pool.use_gpu,
                     restart=restart,
                 )
@@ -197,7 +198,7 @@ class WorkerGroup:
                         num_gpus=resources.num_gpus,
                         runtime_env={"env_vars": process_env} if process_env else None,
                         scheduling_strategy=PlacementGroupSchedulingStrategy(
-                            placement_group=group, placement_group_bundle_index=bundle,
+                            placement_group=placement_group, placement_group_bundle_index=bundle,
                         ),
                     ).remote(context, *worker_args, **(worker_kwargs or {}))
                 )
@@ -218,7 +219,7 @@ class WorkerGroup:
         for rank, address in enumerate(self.node_addresses):
             by_node[address].append(rank)
         nodes = "; ".join(f"{address} {rank_ranges(ranks)}" for address, ranks in by_node.items())
-        return f"{self.role} (pool {self.pool.name}): {self.world_size} rank(s) on {len(by_node)} node(s): {nodes}"
+        return f"{self.name} (pool {self.pool.name}): {self.world_size} rank(s) on {len(by_node)} node(s): {nodes}"
 
     # -------------------------------------------------------------------------- bring-up
     def _assign_local_ranks(self, startup_timeout_s: float) -> None:
@@ -247,12 +248,12 @@ class WorkerGroup:
     # ---------------------------------------------------------------------------- calling
     def method_name(self, method: WorkerMethod) -> str:
         """The name to call `method` by on the actors, once it is known to be the worker class's own."""
-        return worker_method_name(self.worker_cls, method, self.role)
+        return worker_method_name(self.worker_cls, method, self.name)
 
     def _check_usable(self) -> None:
         if self._closed:
             reason = f" after a failure:\n{self._failure}" if self._failure else ""
-            raise WorkerGroupClosedError(f"{self.role} worker group is shut down{reason}")
+            raise WorkerGroupClosedError(f"{self.name} worker group is shut down{reason}")
 
     def _execute(self, method: str, calls: Sequence[RankCall], timeout_s: float | None = None) -> list[Any]:
         self._check_usable()
@@ -262,7 +263,7 @@ class WorkerGroup:
         self._check_usable()
         try:
             return wait_all(
-                refs, self.actors, role=self.role, method=method,
+                refs, self.actors, group=self.name, method=method,
                 timeout_s=timeout_s if timeout_s is not None else self.call_timeout_s, poll_s=self.poll_s,
                 on_poll=self.watchdog,
             )
@@ -281,7 +282,7 @@ class WorkerGroup:
         self._check_usable()
         try:
             return execute_all(
-                [self.actors[r] for r in ranks], method, [call] * len(ranks), role=self.role,
+                [self.actors[r] for r in ranks], method, [call] * len(ranks), group=self.name,
                 timeout_s=self.call_timeout_s, poll_s=self.poll_s, tear_down_on_failure=False,
             )
         except WorkerGroupError as error:
@@ -309,7 +310,7 @@ class WorkerGroup:
         """Split `batch` by DP rank, run `method(chunk, *args, **kwargs)` on every rank, and return
         the output ranks' batches concatenated in the original row order.
 
-        `mesh` defaults to the group's training mesh; the hybrid engine passes its rollout mesh
+        `mesh` defaults to the group's training mesh; the colocated policy passes its rollout mesh
         (DP = vLLM replicas, TP = inference TP) for generation, whose layout differs.
         A batch that does not divide by the DP size is padded by repeating rows, and the padding
         rows are dropped from the result. `balance_mini_batches=k` dispatches the rows in
@@ -385,7 +386,7 @@ class WorkerGroup:
     # ------------------------------------------------------------------------------- mesh
     def set_mesh(self, mesh: RankMesh) -> None:
         if mesh.world_size != self.world_size:
-            raise ValueError(f"mesh has {mesh.world_size} ranks, {self.role} group has {self.world_size}")
+            raise ValueError(f"mesh has {mesh.world_size} ranks, {self.name} group has {self.world_size}")
         self.mesh = mesh
 
     def learn_mesh(self) -> RankMesh:
@@ -395,7 +396,7 @@ class WorkerGroup:
 
     def require_mesh(self) -> RankMesh:
         if self.mesh is None:
-            raise RuntimeError(f"{self.role} group has no mesh yet: call learn_mesh() or set_mesh() first")
+            raise RuntimeError(f"{self.name} group has no mesh yet: call learn_mesh() or set_mesh() first")
         return self.mesh
 
     # --------------------------------------------------------------------------- teardown
@@ -406,7 +407,7 @@ class WorkerGroup:
             return
         self._closed = True
         kill_actors(getattr(self, "actors", []))
-        self.pool.release(self.role)
+        self.pool.release(self.name)
 
     @property
     def alive(self) -> bool:

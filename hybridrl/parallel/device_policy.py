@@ -82,7 +82,7 @@ class DevicePolicy:
     # can map them. Both are CUDA-only notions.
     synchronize_on_offload: bool
     empty_cache_on_offload: bool
-    # The per-GPU memory estimate (trainer.gpu_memory_gib) is a hard limit: a hybrid engine over
+    # The per-GPU memory estimate (trainer.gpu_memory_gib) is a hard limit: a colocated policy over
     # it would run out of memory minutes after start-up, so the Plan refuses it. On CPU the
     # estimate only warns (host memory is not what the budget describes).
     gpu_memory_budget_binding: bool

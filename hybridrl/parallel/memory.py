@@ -8,8 +8,8 @@
   - cpu: the process's resident set (allocated) and its peak (reserved: the high-water mark, the figure
     that decides whether a job fits), read from /proc/self/status, so the metrics exist in CPU runs too.
 
-The hybrid engine worker records them before and after generation, weight sync and the actor update
-(`hybridrl.workers.hybrid`), and returns them in the metrics those calls already return.
+The colocated policy worker records them before and after generation, weight sync and the actor update
+(`hybridrl.workers.colocated`), and returns them in the metrics those calls already return.
 """
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """Carrying out one rank's part of a weight-sync plan: pack, send, receive, assemble, digest.
 
-A `RankReshardPlan` (from `reshard_plan.build_rank_plan`, the hybrid engine's, or
+A `RankReshardPlan` (from `reshard_plan.build_rank_plan`, the colocated policy's, or
 `cross_pool_plan.build_cross_pool_plan`, the disaggregated rollout's) says, bucket by bucket, which
 pieces this rank sends to whom, receives from whom and copies locally, and when each of its vLLM
 tensors opens and completes. `exchange` runs it and yields each tensor as soon as its last piece
 lands; how messages travel is the `Transport`'s business:
 
-- `WorldTransport`: the default process group's `batch_isend_irecv` (the hybrid engine: every rank
+- `WorldTransport`: the default process group's `batch_isend_irecv` (the colocated policy: every rank
   both sends and receives, so the batched form is what keeps it deadlock-free on NCCL);
 - `CrossGroupTransport`: a `parallel.cross_group.CrossGroup` between two pools (one-way traffic).
 """

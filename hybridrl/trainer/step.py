@@ -53,9 +53,11 @@ from hybridrl.trainer.rl_step import (
 )
 from hybridrl.trainer.timing import PhaseTimer, throughput_metrics
 from hybridrl.trainer.topology import WorkerTopology
-from hybridrl.workers.hybrid import HybridEngineWorker
+from hybridrl.workers.backends import UpdateMetrics
+from hybridrl.workers.colocated import ColocatedPolicyWorker
+from hybridrl.workers.critic import CriticWorker
+from hybridrl.workers.frozen_roles import RewardModelWorker, TeacherWorker
 from hybridrl.workers.policy import PolicyWorker
-from hybridrl.workers.ray_roles import CriticWorker, RewardModelWorker, TeacherWorker, UpdateMetrics
 
 PAD_UID_PREFIX = "__pad__"
 
@@ -239,7 +241,7 @@ class StepRunner:
         plan, cfg = self.plan, self.config
         if plan.resolved.free_cache_engine:
             self.run.phase = Phase.RELEASE_ROLLOUT_MEMORY
-            self.workers.actor_group.call_all(HybridEngineWorker.release_rollout_memory)
+            self.workers.actor_group.call_all(ColocatedPolicyWorker.release_rollout_memory)
         batch.meta["temperature"] = cfg.actor_rollout_ref.rollout.temperature
         if plan.resolved.old_log_prob_pass:  # else the update's forward is the old policy (on-policy)
             with self.timed(timer, Phase.OLD_LOG_PROB):

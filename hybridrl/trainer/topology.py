@@ -1,9 +1,10 @@
 """The run's worker groups on their resource pools, for either placement: built (and rebuilt in place after a
 failure), the weight sync into the rollout, torn down.
 
-Colocated (the hybrid engine): one group holds the actor, the reference and vLLM in the same processes. Disaggregated:
-the policy on the trainer pool, vLLM on a pool of its own, one cross-pool group for the syncs. The critic, the reward
-model and the teacher (on the trainer pool, or the teacher on its own) are groups of their own in both.
+Colocated (verl's hybrid engine): one group holds the actor, the reference and vLLM in the same processes.
+Disaggregated: the policy on the trainer pool, vLLM on a pool of its own, one cross-pool group for the syncs. The
+critic, the reward model and the teacher (on the trainer pool, or the teacher on its own) are groups of their own in
+both.
 """
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ from hybridrl.controller.resource_pool import ResourcePool
 from hybridrl.controller.worker_group import WorkerGroup, wait_together
 from hybridrl.names import GroupName
 from hybridrl.parallel.cross_group import CrossGroupAddress
-from hybridrl.workers.hybrid import HybridEngineWorker, HybridSettings
+from hybridrl.workers.colocated import ColocatedPolicyWorker, ColocatedSettings
+from hybridrl.workers.critic import CriticWorker
+from hybridrl.workers.frozen_roles import RewardModelWorker, TeacherWorker
 from hybridrl.workers.policy import DisaggregatedPolicyWorker
-from hybridrl.workers.ray_roles import CriticWorker, RewardModelWorker, TeacherWorker
 from hybridrl.workers.rollout_worker import RolloutWorker
 
 
@@ -84,7 +86,7 @@ class WorkerTopology:
         if res.disaggregated:
             self._build_disaggregated(restart, wait_s, total_steps, pad_token_id)
         else:
-            self._build_hybrid_engine(restart, total_steps, pad_token_id)
+            self._build_colocated(restart, total_steps, pad_token_id)
         if res.critic_enabled:
             self.critic = self._group(CriticWorker, self.pool, GroupName.CRITIC, (plan,), restart)
             self.critic.call_all(CriticWorker.init_model, total_steps)
@@ -108,30 +110,30 @@ class WorkerTopology:
             for group in self.groups:
                 self.write(group.placement_line())
 
-    def _group(self, worker_cls: type[Worker], pool: ResourcePool, role: str, worker_args: tuple[object, ...],
+    def _group(self, worker_cls: type[Worker], pool: ResourcePool, name: GroupName, worker_args: tuple[object, ...],
                restart: int) -> WorkerGroup:
         """A group with the run's limits: every collective `trainer.nccl_timeout_s`, every worker call (a phase of
         a step) `trainer.step_timeout_s`, past which the call counts as hung and the group fails naming it."""
         trainer = self.config.trainer
-        return WorkerGroup(worker_cls, pool, role=role, worker_args=worker_args,
+        return WorkerGroup(worker_cls, pool, name=name, worker_args=worker_args,
                            process_group_timeout_s=trainer.nccl_timeout_s, call_timeout_s=trainer.step_timeout_s,
                            restart=restart)
 
-    def _build_hybrid_engine(self, restart: int, total_steps: int, pad_token_id: int) -> None:
+    def _build_colocated(self, restart: int, total_steps: int, pad_token_id: int) -> None:
         """Colocated: actor, reference and vLLM in the same processes; the first proven sync."""
         plan = self.plan
-        settings = HybridSettings(probe_tolerance=plan.resolved.probe_tolerance, pad_token_id=pad_token_id)
-        self.actor = self._group(HybridEngineWorker, self.pool, GroupName.ACTOR_ROLLOUT_REF,
+        settings = ColocatedSettings(probe_tolerance=plan.resolved.probe_tolerance, pad_token_id=pad_token_id)
+        self.actor = self._group(ColocatedPolicyWorker, self.pool, GroupName.ACTOR_ROLLOUT_REF,
                                               (plan, settings), restart)
         self.rollout = self.actor
-        self.generate_method = HybridEngineWorker.generate_sequences
-        setup = self.actor.call_all(HybridEngineWorker.setup, total_steps)
+        self.generate_method = ColocatedPolicyWorker.generate_sequences
+        setup = self.actor.call_all(ColocatedPolicyWorker.setup, total_steps)
         self.actor.learn_mesh()
-        self._learn_rollout_mesh(HybridEngineWorker.rollout_coords)
+        self._learn_rollout_mesh(ColocatedPolicyWorker.rollout_coords)
         if not all(s["placement_as_planned"] for s in setup):
             self.write("warning: vLLM's TP groups differ from the plan's; weight syncs move more than planned")
         infer_tp = plan.config.actor_rollout_ref.rollout.tensor_model_parallel_size
-        self.write(f"hybrid engine up in {max(s['setup_s'] for s in setup):.1f} s: rollout replicas "
+        self.write(f"colocated policy up in {max(s['setup_s'] for s in setup):.1f} s: rollout replicas "
                    f"{self.rollout_mesh.dp_size} × infer_tp {infer_tp}, first sync probe gap "
                    f"{max(s['reshard/probe_max_abs_gap'] for s in setup):.2e}")
 
@@ -182,7 +184,7 @@ class WorkerTopology:
         """The actor's weights into every vLLM replica, proven (checksums + the probe on each replica);
         the sync's figures, the worst rank's each. `version`: the policy version being served after it."""
         if not self.plan.resolved.disaggregated:
-            return _sync_metrics(self.actor_group.call_all(HybridEngineWorker.sync_weights))
+            return _sync_metrics(self.actor_group.call_all(ColocatedPolicyWorker.sync_weights))
         sends, receives = wait_together([
             self.actor_group.submit_all(DisaggregatedPolicyWorker.send_weights, version),
             self.rollout_group.submit_all(RolloutWorker.receive_weights, version)])

@@ -47,9 +47,9 @@ from hybridrl.trainer.step import RunState, StepRunner
 from hybridrl.trainer.timing import PhaseTimer
 from hybridrl.trainer.topology import WorkerTopology
 from hybridrl.trainer.tracking import Tracker, plot_run, render_summary
-from hybridrl.workers.hybrid import HybridEngineWorker
+from hybridrl.workers.colocated import ColocatedPolicyWorker
+from hybridrl.workers.critic import CriticWorker
 from hybridrl.workers.policy import DisaggregatedPolicyWorker, PolicyWorker
-from hybridrl.workers.ray_roles import CriticWorker
 
 VAL_GENERATIONS = "val_generations.jsonl"  # trainer.log_val_generations writes here, in the run dir
 # a failed attempt's rollout thread ends once the teardown failed its call in flight (seconds, here); a
@@ -298,8 +298,8 @@ class Trainer:
         if self.plan.resolved.disaggregated:  # restore the trainer pool, then serve its weights
             self.workers.actor_group.call_all(DisaggregatedPolicyWorker.load_checkpoint, str(path))
             self.workers.sync_weights(version=int(state["global_step"]))
-        else:  # the hybrid engine restores the actor and syncs vLLM itself
-            self.workers.actor_group.call_all(HybridEngineWorker.load_checkpoint, str(path))
+        else:  # the colocated policy restores the actor and syncs vLLM itself
+            self.workers.actor_group.call_all(ColocatedPolicyWorker.load_checkpoint, str(path))
         if self.workers.critic is not None:
             self.workers.critic.call_all(CriticWorker.load_checkpoint, str(path))
         self.train_loader.load_state_dict(state["dataloader"])
@@ -472,7 +472,7 @@ class Trainer:
                    f"resuming {where} at step {resume_step}" + (f"\n{details}" if details else ""))
         tracker.event(failure.step, {
             "event": "restart", "restart": restart, "max_restarts": self.config.trainer.max_restarts,
-            "phase": str(failure.phase), "role": error.role, "rank": error.rank,
+            "phase": str(failure.phase), "group": error.group, "rank": error.rank,
             "cause": str(error).splitlines()[0], "detected_at": detected_at, "resume_step": resume_step,
             "resume_from": str(self.last_checkpoint) if self.last_checkpoint is not None else None,
         })

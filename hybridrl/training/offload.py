@@ -1,6 +1,6 @@
 """Training state off the accelerator between phases (actor options `megatron.optimizer_offload`, `grad_offload`).
 
-In the hybrid engine the actor's optimizer states and gradient buffers are idle during generation,
+In the colocated placement the actor's optimizer states and gradient buffers are idle during generation,
 log-prob passes and the weight sync, yet Adam's two moments alone are 8 bytes per parameter (fp32),
 more than bf16 weights and KV cache need. Between phases they can leave the GPU:
 

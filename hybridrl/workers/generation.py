@@ -1,7 +1,7 @@
 """What every process that hosts a vLLM engine does the same way, colocated or not: build the
 engine from the Plan, turn a DP chunk of prompts into rollout rows, and score the weight probe.
 
-`HybridEngineWorker` (vLLM inside the training processes) and `RolloutWorker` (vLLM on a
+`ColocatedPolicyWorker` (vLLM inside the training processes) and `RolloutWorker` (vLLM on a
 disaggregated pool of its own) both use these, so the rows a step trains on are the same whichever
 way the rollout is placed.
 """

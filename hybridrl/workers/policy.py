@@ -1,55 +1,107 @@
 """The policy's training processes as the trainer drives them, whichever way the rollout is placed.
 
-    PolicyWorker               actor + reference (`ActorRolloutRefWorker`), plus what every step needs of
-                               them beside the math: memory per phase, the update's metrics as a dict, the
-                               weight probe's trainer-side log-probs
+    PolicyWorker               the actor and (when the job has one) the reference in the same processes, at the
+                               same layout: log-prob passes, the update, checkpoints, export, the weight probe's
+                               trainer side and memory per phase
     DisaggregatedPolicyWorker  a PolicyWorker on the trainer pool of `rollout.mode: disaggregated`: it
                                sends its weights across the pools (`reshard.cross_pool`) to the
                                `RolloutWorker`s after each update (with `lora.merge: false`, the base
                                once and then its adapter alone: `reshard.adapter_sync`)
 
-`HybridEngineWorker` (`workers/hybrid.py`) is the other PolicyWorker: vLLM in the same processes.
+`ColocatedPolicyWorker` (`workers/colocated.py`) is the other PolicyWorker: vLLM in the same processes.
 The trainer calls the training methods through `PolicyWorker` (`PolicyWorker.update_actor`), which
 both groups' classes inherit unchanged.
+
+Methods taking a `Batch` expect this DP rank's chunk (the controller's `dispatch_by_dp`) and return results only on
+the output ranks (last pipeline stage, TP rank 0), None elsewhere.
 """
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
 import torch
 
 from hybridrl.config.plan import Plan
-from hybridrl.controller.base_worker import RankContext
+from hybridrl.controller.base_worker import RankContext, Worker
+from hybridrl.controller.dispatch import MeshCoord
 from hybridrl.data.batch import Batch
 from hybridrl.data.tokenizer import model_folder_pad_token_id
-from hybridrl.models.lora import lora_adapters, peft_adapter_files
-from hybridrl.names import Phase
+from hybridrl.models.bridge import export_hf
+from hybridrl.models.lora import PeftMerge, adapters_disabled, lora_adapters, peft_adapter_files
+from hybridrl.names import Phase, Role
 from hybridrl.parallel.cross_group import CrossGroup, CrossGroupAddress, open_store
-from hybridrl.parallel.device import default_dtype_for, rank_device
+from hybridrl.parallel.device import default_dtype_for, rank_device, release_cached_blocks
 from hybridrl.parallel.memory import memory_metrics
 from hybridrl.reshard.adapter_sync import ShippedAdapter, gather_whole_adapters, send_adapter, served_adapter_digests
 from hybridrl.reshard.cross_pool import CrossPoolSender
-from hybridrl.training.actor import PolicyUpdateMetrics
+from hybridrl.training.actor import MegatronActor, PolicyUpdateMetrics
+from hybridrl.training.backend import MegatronBackend, role_spec
+from hybridrl.training.checkpointing import load_role_checkpoint, save_role_checkpoint
 from hybridrl.workers import faults
+from hybridrl.workers.backends import FrozenBackend, mesh_coord, trained_backend
 from hybridrl.workers.probe import RARE_TOKEN_PROBE, ProbeSequence, probe_batch
-from hybridrl.workers.ray_roles import ActorRolloutRefWorker
 from hybridrl.workers.rollout_worker import cross_pool_layout
 
 
-class PolicyWorker(ActorRolloutRefWorker):
-    """Actor + reference with per-phase memory figures and the probe's trainer side."""
+class PolicyWorker(Worker):
+    """The actor and the reference of one rank, with per-phase memory figures and the probe's trainer side."""
+
+    BUILT_BY = "init_model"
 
     def __init__(self, context: RankContext, plan: Plan, pad_token_id: int | None = None) -> None:
-        super().__init__(context, plan)
+        super().__init__(context)
+        self.plan = plan
         self.pad_token_id = pad_token_id  # the run's pad id (None: resolved from the model folder at set-up)
+        self.actor: MegatronActor | None = None
+        self.ref: MegatronActor | None = None
+        # the reference's own backend, its weights on the host between its passes (None: no reference, or a LoRA
+        # actor's, which is the actor's own model with the adapters off)
+        self.ref_backend: FrozenBackend | None = None
         self.phase_memory: dict[str, float] = {}  # this step's memory/* figures, handed out with the sync's
 
-    def _resolve_pad_token_id(self) -> None:
+    def init_model(self, total_training_steps: int | None = None) -> None:
+        self.use_torch_threads(self.plan.config.trainer.torch_threads_per_rank)
+        backend = trained_backend(self.plan, Role.ACTOR, total_training_steps)
+        self.actor = MegatronActor(backend, self.plan)
+        if not self.plan.resolved.ref_enabled:
+            return
+        if backend.spec.lora is None:
+            # Same processes, so the same megatron layout as the actor (checked by the backend); it waits on the host
+            # beside the actor and vLLM
+            self.ref_backend = FrozenBackend(MegatronBackend(role_spec(self.plan, Role.REF)), self.plan.resolved.device,
+                                             host_between_passes=True)
+            self.ref_backend.park()
+            backend = self.ref_backend.backend
+        # else a LoRA actor's frozen base is the initial policy: the reference is it with the adapters off (one model
+        # in memory, as verl's LoRA path does), with its own pass settings (ref.log_prob_micro_batch_size...)
+        self.ref = MegatronActor(backend, self.plan, log_prob_pass="ref_log_prob", output_key="ref_log_probs")
+
+    def mesh_coords(self) -> MeshCoord:
+        return mesh_coord(self._built_actor().backend)
+
+    def _built_actor(self) -> MegatronActor:
+        return self._require(self.actor, "the actor")
+
+    def _ready_actor(self) -> MegatronActor:
+        """The actor, its parameters on the device (back from the host with megatron.param_offload: every call
+        that reads them starts here)."""
+        actor = self._built_actor()
+        actor.backend.load_params()
+        return actor
+
+    def _resolve_pad_token_id(self) -> int:
         if self.pad_token_id is None:
             model = self.plan.config.actor_rollout_ref.model
             self.pad_token_id = model_folder_pad_token_id(model.path, model.tokenizer_path, model.trust_remote_code)
+        return self.pad_token_id
+
+    def _release(self) -> None:
+        """Hand this process's cached free GPU blocks back to the driver: vLLM (in this process, or beside it next to
+        the critic's) can only map memory the driver holds. No-op on CPU."""
+        release_cached_blocks(self.plan.resolved.device)
 
     def _record_memory(self, phase: str) -> None:
         self.phase_memory.update(memory_metrics(phase, self.plan.resolved.device))
@@ -58,12 +110,51 @@ class PolicyWorker(ActorRolloutRefWorker):
         figures, self.phase_memory = self.phase_memory, {}
         return figures
 
+    # ------------------------------------------------------------------------------ passes and the update
+    def compute_log_prob(self, batch: Batch, with_entropy: bool = False) -> Batch | None:
+        faults.crash_point(Phase.OLD_LOG_PROB)
+        return self._ready_actor().compute_log_prob(batch, with_entropy)
+
+    def compute_ref_log_prob(self, batch: Batch) -> Batch | None:
+        ref = self._require(self.ref, "the reference policy")
+        if self.ref_backend is None:  # a LoRA actor's base
+            self._ready_actor()
+            with adapters_disabled(ref.backend.chunks):
+                return ref.compute_log_prob(batch)
+        with self.ref_backend.scoring():
+            return ref.compute_log_prob(batch)
+
     def update_actor(self, batch: Batch) -> PolicyUpdateMetrics | None:
         self._record_memory("update_before")
-        metrics = super().update_actor(batch)
+        actor = self._ready_actor()
+        faults.crash_point(Phase.UPDATE_ACTOR)
+        if faults.triggered(faults.NAN_UPDATE_ACTOR):
+            batch["advantages"] = torch.full_like(batch["advantages"], float("nan"))
+        metrics = actor.update_policy(batch)
+        actor.backend.offload_training_state()  # idle until the next update (no-op unless configured)
         self._record_memory("update_after")
         return metrics
 
+    # ------------------------------------------------------------------------------ checkpoints and export
+    def save_checkpoint(self, path: str) -> str:
+        saved = str(save_role_checkpoint(self._ready_actor().backend, Path(path) / Role.ACTOR))
+        faults.crash_point(Phase.SAVE_CHECKPOINT)  # files written, checkpoint not yet sealed by the trainer
+        return saved
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        return load_role_checkpoint(self._ready_actor().backend, Path(path) / Role.ACTOR)
+
+    def export_hf(self, path: str) -> str:
+        """Collective: the current policy as an HF folder (written by rank 0); a LoRA actor's adapters merged into
+        the weights they adapt (as `hybridrl convert` and peft's merge_and_unload do)."""
+        backend = self._ready_actor().backend
+        merge = None
+        if backend.spec.lora is not None:
+            adapters = gather_whole_adapters(lora_adapters(backend.chunks), backend.ctx)
+            merge = PeftMerge.of(adapters.state, backend.spec.lora.scaling)
+        return str(export_hf(backend.chunks, path, ctx=backend.ctx, force=True, adjust=merge))
+
+    # ------------------------------------------------------------------------------ what a weight sync reads
     def _whole_adapter(self) -> tuple[ShippedAdapter, int]:
         """The actor's whole adapter on every rank (collective over the actor's world: `gather_whole_adapters`) as
         what vLLM is given: the PEFT folder's files and the digests vLLM must hold once it serves them (in the
@@ -79,7 +170,7 @@ class PolicyWorker(ActorRolloutRefWorker):
     def probe_log_probs(self, sequence: ProbeSequence = RARE_TOKEN_PROBE) -> list[float]:
         """The actor's log-probs of the weight probe's response (`workers.probe`), on every rank.
         Collective over the actor's ranks (the pipeline schedule is)."""
-        probe = probe_batch(sequence, self.pad_token_id)
+        probe = probe_batch(sequence, self._resolve_pad_token_id())
         # With routing replay the probe still routes freely: it proves the weights (router included)
         # on a sequence no rollout generated, so there is no vLLM routing to replay.
         trained = self._ready_actor().compute_log_prob(probe.select(list(probe.tensors)), free_routing=True)

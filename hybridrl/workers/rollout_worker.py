@@ -4,7 +4,7 @@
 apart from the trainer's. Each rank of this group holds one vLLM TP shard (the pool's replicas are
 consecutive ranks, `config.meshes.build_pool_groups`) and no megatron model. Weights arrive over the
 cross-pool group (`parallel.cross_group`) from the training ranks that hold them
-(`reshard.cross_pool`), and every sync is proven as in the hybrid engine: the digest of each tensor
+(`reshard.cross_pool`), and every sync is proven as in the colocated policy: the digest of each tensor
 received must equal what vLLM then holds, and each replica's log-probs of the weight probe must match
 the trainer's (`workers.probe`). With a LoRA actor whose adapters vLLM serves (`lora.merge: false`) the first
 sync brings the frozen base and every sync the current adapter, a PEFT folder shipped by one training rank
@@ -82,7 +82,7 @@ class RolloutWorker(Worker):
 
     def setup(self) -> dict[str, Any]:
         started = time.perf_counter()
-        torch.set_num_threads(self.torch_threads(self.plan.config.trainer.torch_threads_per_rank))
+        self.use_torch_threads(self.plan.config.trainer.torch_threads_per_rank)
         self.rollout = RolloutEngine(engine_config(self.plan, self.pad_token_id))
         self.agent = agent_loop_for(self.plan, self._engine())
         self.stream = ContinuousGeneration(self._engine())
@@ -164,7 +164,7 @@ class RolloutWorker(Worker):
 
     # ------------------------------------------------------------------------------ generation
     def generate_sequences(self, prompts: Batch, sampling: RolloutSampling) -> Batch | None:
-        """Whole-batch generation of this replica's chunk (as the hybrid engine's)."""
+        """Whole-batch generation of this replica's chunk (as the colocated policy's)."""
         out = generate_rows(self._engine(), self.agent, prompts, sampling, self.pad_token_id,
                             self.plan.resolved.device, self.phase_memory)
         if out is not None:

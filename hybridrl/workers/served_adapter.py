@@ -4,7 +4,7 @@ Each sync writes the actor's current adapter (a `ShippedAdapter`: the PEFT folde
 hold) as a folder of its own and vLLM loads it as a new adapter id: one per load in this process, whatever policy
 version it carries (a version served twice, after a resume, is still a new adapter to vLLM's caches). The folders
 before it go: vLLM holds what it loaded. The digests of what vLLM's LoRA manager holds must then equal those the
-trainer computed of what it sent (`reshard.adapter_sync.served_adapter_digests`). Used by the hybrid engine (the
+trainer computed of what it sent (`reshard.adapter_sync.served_adapter_digests`). Used by the colocated policy (the
 adapter gathered in the same process) and by a disaggregated rollout rank (the adapter shipped across the pools).
 """
 from __future__ import annotations

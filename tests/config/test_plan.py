@@ -159,7 +159,7 @@ def test_reshard_groups_split_when_inference_tp_is_larger():
     # Training PP=4, inference TP=4: each rank's generation shard j of its own stage, the rest from its
     # pipeline peers. Training TP=2 x PP=2, inference TP=4: generation rank j would best sit on training tp
     # rank j // 2, but vLLM numbers the replica's ranks in ascending order (tp fastest): the plan takes
-    # that order (vLLM's real TP ranks are checked against it in tests/workers/test_hybrid.py).
+    # that order (vLLM's real TP ranks are checked against it in tests/workers/test_colocated.py).
     groups = build_reshard_groups(build_training_mesh(4, tp=1, pp=4), 4)
     assert groups.strategy == "split"
     assert groups.rollout.replicas == ((0, 1, 2, 3),) and groups.gen_tp_index == (0, 1, 2, 3)

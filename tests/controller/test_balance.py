@@ -171,7 +171,7 @@ def dp2_policy(ray_cluster, tmp_path_factory):
     from hybridrl.config.plan import build_plan
     from hybridrl.controller.resource_pool import ResourcePool
     from hybridrl.controller.worker_group import WorkerGroup
-    from hybridrl.workers.ray_roles import ActorRolloutRefWorker
+    from hybridrl.workers.policy import PolicyWorker
     from tests.support.training_fixtures import job_config, policy_model
 
     root = tmp_path_factory.mktemp("balance")
@@ -181,9 +181,9 @@ def dp2_policy(ray_cluster, tmp_path_factory):
     config.actor_rollout_ref.model.use_remove_padding = True
     config.trainer.torch_threads_per_rank = 1
     pool = ResourcePool("balance", nnodes=1, workers_per_node=2, cpus_per_worker=0.25).start(timeout_s=60)
-    group = WorkerGroup(ActorRolloutRefWorker, pool, role="actor", worker_args=(build_plan(config),),
+    group = WorkerGroup(PolicyWorker, pool, name="actor", worker_args=(build_plan(config),),
                         process_group_timeout_s=180.0, call_timeout_s=300)
-    group.call_all(ActorRolloutRefWorker.init_model)
+    group.call_all(PolicyWorker.init_model)
     group.learn_mesh()
     yield {"group": group, "hf": hf, "root": root}
     group.shutdown()
@@ -205,13 +205,13 @@ def _ragged(rows: int, seed: int):
 
 @pytest_slow
 def test_balanced_log_probs_come_back_in_the_batch_order(dp2_policy):
-    from hybridrl.workers.ray_roles import ActorRolloutRefWorker
+    from hybridrl.workers.policy import PolicyWorker
     from tests.support.training_fixtures import hf_response_log_probs
 
     group = dp2_policy["group"]
     batch = _ragged(16, seed=7)
-    plain = group.call_by_dp(ActorRolloutRefWorker.compute_log_prob, batch, True)
-    balanced = group.call_by_dp(ActorRolloutRefWorker.compute_log_prob, batch, True, balance_mini_batches=1)
+    plain = group.call_by_dp(PolicyWorker.compute_log_prob, batch, True)
+    balanced = group.call_by_dp(PolicyWorker.compute_log_prob, batch, True, balance_mini_batches=1)
     for key in ("old_log_probs", "entropys"):
         assert (balanced[key] - plain[key]).abs().max() <= 1e-6, key  # row by row
     expected, _ = hf_response_log_probs(dp2_policy["hf"], batch)
@@ -220,7 +220,7 @@ def test_balanced_log_probs_come_back_in_the_batch_order(dp2_policy):
     assert balanced.meta["padding_ratio"] == 0.0
     # an odd row count is padded by repeated rows, balanced, restored and unpadded
     odd = batch.slice(0, 15)
-    out = group.call_by_dp(ActorRolloutRefWorker.compute_log_prob, odd, balance_mini_batches=1)
+    out = group.call_by_dp(PolicyWorker.compute_log_prob, odd, balance_mini_batches=1)
     assert (out["old_log_probs"] - plain["old_log_probs"][:15]).abs().max() <= 1e-6
 
 
@@ -228,18 +228,18 @@ def test_balanced_log_probs_come_back_in_the_batch_order(dp2_policy):
 def test_balanced_update_equals_the_plain_one(dp2_policy):
     """Each mini-batch keeps its rows under the balanced dispatch: the same optimizer steps, the
     same loss normalizers; only the summation order of the ranks' gradients differs."""
-    from hybridrl.workers.ray_roles import ActorRolloutRefWorker
+    from hybridrl.workers.policy import PolicyWorker
 
     group, root = dp2_policy["group"], dp2_policy["root"]
     batch = _ragged(16, seed=11)
     ckpt = str(root / "before_update")
-    group.call_all(ActorRolloutRefWorker.save_checkpoint, ckpt)
-    before = group.call_by_dp(ActorRolloutRefWorker.compute_log_prob, batch)["old_log_probs"]
+    group.call_all(PolicyWorker.save_checkpoint, ckpt)
+    before = group.call_by_dp(PolicyWorker.compute_log_prob, batch)["old_log_probs"]
     results = {}
     for name, balance in (("plain", None), ("balanced", 2)):
-        group.call_all(ActorRolloutRefWorker.load_checkpoint, ckpt)
-        per_rank = group.call_by_dp_outputs(ActorRolloutRefWorker.update_actor, batch, balance_mini_batches=balance)
-        after = group.call_by_dp(ActorRolloutRefWorker.compute_log_prob, batch)["old_log_probs"]
+        group.call_all(PolicyWorker.load_checkpoint, ckpt)
+        per_rank = group.call_by_dp_outputs(PolicyWorker.update_actor, batch, balance_mini_batches=balance)
+        after = group.call_by_dp(PolicyWorker.compute_log_prob, batch)["old_log_probs"]
         results[name] = (per_rank, after)
     (plain, plain_after), (balanced, balanced_after) = results["plain"], results["balanced"]
     assert len(plain) == len(balanced) == 2  # one result per DP rank

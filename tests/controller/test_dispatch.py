@@ -95,7 +95,7 @@ def test_the_group_takes_a_plain_worker_class_only():
 
     for bad in (ray.remote(EchoWorker), object, EchoWorker.scale):
         with pytest.raises(TypeError, match="actor group: worker_cls must be a plain Worker subclass"):
-            WorkerGroup(bad, None, role="actor")
+            WorkerGroup(bad, None, name="actor")
 
 
 # ------------------------------------------------------------------------- a real worker group
@@ -105,7 +105,7 @@ def echo_group(ray_cluster):
     from hybridrl.controller.worker_group import WorkerGroup
 
     pool = ResourcePool("dispatch", nnodes=1, workers_per_node=8, cpus_per_worker=0.25).start(timeout_s=60)
-    group = WorkerGroup(EchoWorker, pool, role="actor", worker_kwargs={"mesh_sizes": MESH_SIZES},
+    group = WorkerGroup(EchoWorker, pool, name="actor", worker_kwargs={"mesh_sizes": MESH_SIZES},
                         process_group_timeout_s=60)
     yield group
     group.shutdown()
@@ -232,8 +232,8 @@ def test_colocated_groups_share_a_pool(ray_cluster):
     pool = ResourcePool("colocated", nnodes=1, workers_per_node=2, cpus_per_worker=0.5, max_colocated_groups=2)
     pool.start(timeout_s=60)
     try:
-        actor = WorkerGroup(EchoWorker, pool, role="actor")
-        critic = WorkerGroup(EchoWorker, pool, role="critic")
+        actor = WorkerGroup(EchoWorker, pool, name="actor")
+        critic = WorkerGroup(EchoWorker, pool, name="critic")
         with pytest.raises(ResourcePoolError, match="at most 2 colocated"):
             pool.reserve("reward")
         # Separate processes, separate process groups (different master ports), both working.
@@ -252,7 +252,7 @@ def test_colocated_groups_share_a_pool(ray_cluster):
                 ("0", "0", "2"), ("1", "1", "2")]
         actor.shutdown()
         critic.shutdown()
-        assert pool.roles == []
+        assert pool.groups == []
     finally:
         pool.shutdown()
 

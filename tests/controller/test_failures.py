@@ -29,7 +29,7 @@ def pool(ray_cluster):
 
 def make_group(pool: ResourcePool) -> WorkerGroup:
 
-    group = WorkerGroup(FailingWorker, pool, role="actor", process_group_timeout_s=PG_TIMEOUT_S)
+    group = WorkerGroup(FailingWorker, pool, name="actor", process_group_timeout_s=PG_TIMEOUT_S)
     # The group works before we break it.
     assert group.call_all(FailingWorker.collective_or_fail, -1, "none", 0.0) == [float(WORLD)] * WORLD
     return group
@@ -72,7 +72,7 @@ def test_failure_inside_rank_surfaces_with_role_rank_and_traceback(pool, how):
     elapsed = time.monotonic() - start
     error = info.value
     assert elapsed < SURFACE_LIMIT_S, elapsed
-    assert error.role == "actor" and error.rank == FAIL_RANK and error.method == "collective_or_fail"
+    assert error.group == "actor" and error.rank == FAIL_RANK and error.method == "collective_or_fail"
     assert_peers_were_in_the_collective(error)
     message = str(error)
     assert f"actor rank {FAIL_RANK} failed in collective_or_fail()" in message
@@ -85,7 +85,7 @@ def test_failure_inside_rank_surfaces_with_role_rank_and_traceback(pool, how):
         assert "controller_workers.py" in error.remote_traceback  # the remote traceback, not ours
     else:
         assert error.failures[0].kind == "actor died"
-    assert pool.roles == []  # the slot is free again
+    assert pool.groups == []  # the slot is free again
     assert_torn_down(group, pids)
     print(f"{how}: surfaced after {elapsed:.2f} s")
 
@@ -117,11 +117,11 @@ def test_constructor_failure_surfaces_at_group_creation(pool):
 
     start = time.monotonic()
     with pytest.raises(WorkerGroupError) as info:
-        WorkerGroup(FailingWorker, pool, role="critic", worker_kwargs={"fail_in_constructor": True})
+        WorkerGroup(FailingWorker, pool, name="critic", worker_kwargs={"fail_in_constructor": True})
     assert time.monotonic() - start < SURFACE_LIMIT_S
     assert info.value.rank == 1 and info.value.method == "placement"
     assert "constructor failure on purpose" in str(info.value)
-    assert pool.roles == []
+    assert pool.groups == []
 
 
 def test_call_timeout_names_unfinished_ranks(pool):

@@ -11,9 +11,10 @@ import threading
 import pytest
 
 from hybridrl.controller.base_worker import RankContext, Worker
-from hybridrl.workers.hybrid import HybridEngineWorker
+from hybridrl.workers.colocated import ColocatedPolicyWorker
+from hybridrl.workers.critic import CriticWorker
+from hybridrl.workers.frozen_roles import RewardModelWorker
 from hybridrl.workers.policy import DisaggregatedPolicyWorker
-from hybridrl.workers.ray_roles import CriticWorker, RewardModelWorker
 from hybridrl.workers.rollout_worker import RolloutWorker
 
 
@@ -36,7 +37,7 @@ class _Probe(Worker):
 
 
 def test_a_method_called_on_another_thread_runs_on_the_ranks_gpu(cuda_threads):
-    worker = _Probe(RankContext(role="x", rank=5, world_size=8, node_rank=0, local_rank=5, local_world_size=8,
+    worker = _Probe(RankContext(group="x", rank=5, world_size=8, node_rank=0, local_rank=5, local_world_size=8,
                                 use_gpu=True))
     assert worker.seen_device() == 5
     seen = []
@@ -44,7 +45,7 @@ def test_a_method_called_on_another_thread_runs_on_the_ranks_gpu(cuda_threads):
     thread.start()
     thread.join()
     assert seen == [5]
-    cpu = _Probe(RankContext(role="x", rank=5, world_size=8, node_rank=0, local_rank=5, local_world_size=8,
+    cpu = _Probe(RankContext(group="x", rank=5, world_size=8, node_rank=0, local_rank=5, local_world_size=8,
                              use_gpu=False))
     other = []
     thread = threading.Thread(target=lambda: other.append(cpu.seen_device()))
@@ -53,7 +54,7 @@ def test_a_method_called_on_another_thread_runs_on_the_ranks_gpu(cuda_threads):
     assert other == [0]  # no GPU: nothing selected
 
 
-@pytest.mark.parametrize("worker_cls", [HybridEngineWorker, DisaggregatedPolicyWorker, RolloutWorker, CriticWorker,
+@pytest.mark.parametrize("worker_cls", [ColocatedPolicyWorker, DisaggregatedPolicyWorker, RolloutWorker, CriticWorker,
                                         RewardModelWorker])
 def test_every_public_method_of_the_role_workers_selects_the_device(worker_cls):
     public = [name for name in dir(worker_cls) if not name.startswith("_") and callable(getattr(worker_cls, name))

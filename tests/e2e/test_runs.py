@@ -544,7 +544,7 @@ def test_worker_failures_restart_in_place(demo_assets, straight_run, tmp_path):
         for key in RESTART_KEYS:
             assert rows[step][key] == pytest.approx(reference[step][key], abs=1e-5), (step, key)
     events = [r for r in _metrics(run) if r.get("event") == "restart"]
-    assert [(e["step"], e["phase"], e["role"], e["rank"], e["resume_step"]) for e in events] == [
+    assert [(e["step"], e["phase"], e["group"], e["rank"], e["resume_step"]) for e in events] == [
         (step, phase, "actor_rollout_ref", rank, resume) for (_, step, phase, rank), resume
         in zip(RESTART_FAULTS, (0, 1, 2))]
     crashed = [float(line) for line in mark.read_text().split()]

@@ -88,19 +88,18 @@ def test_worker_threads_follow_the_config_or_share_the_cores(setting, ranks_on_n
     import torch
 
     from hybridrl.config import plan_from_sources
-    from hybridrl.controller.base_worker import RankContext
+    from hybridrl.controller.base_worker import RankContext, Worker
     from hybridrl.parallel.device import torch_threads_per_rank
-    from hybridrl.workers.ray_roles import MegatronWorker
 
     plan = plan_from_sources("configs/examples/cpu_tiny_grpo.yaml", [
         "actor_rollout_ref.model.path=configs/models/tiny-demo",
         f"trainer.torch_threads_per_rank={'null' if setting is None else setting}"])
-    context = RankContext(role="actor_rollout_ref", rank=0, world_size=ranks_on_node, node_rank=0, local_rank=0,
+    context = RankContext(group="actor_rollout_ref", rank=0, world_size=ranks_on_node, node_rank=0, local_rank=0,
                           local_world_size=ranks_on_node, use_gpu=False)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(7)  # a stale count the worker must replace
-        MegatronWorker(context, plan)._prepare()
+        Worker(context).use_torch_threads(plan.config.trainer.torch_threads_per_rank)
         assert torch.get_num_threads() == (setting or torch_threads_per_rank(ranks_on_node))
     finally:
         torch.set_num_threads(before)

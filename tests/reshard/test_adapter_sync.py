@@ -18,8 +18,8 @@ from hybridrl.config import plan_from_sources
 from hybridrl.config.plan import lora_elements_per_layer
 from hybridrl.models.lora_targets import PROJECTIONS as LAYER_PROJECTIONS
 from hybridrl.models.lora_targets import TARGETS
+from tests.support.colocated_workers import colocated_worker
 from tests.support.forked import run_ranks
-from tests.support.hybrid_workers import hybrid_worker
 from tests.support.lora_adapters import adapter_state, shared_a
 
 pytestmark = pytest.mark.slow
@@ -44,7 +44,7 @@ def _served_rank(rank: int, world: int, model_dir: str, overrides: list[str], st
     from hybridrl.reshard.adapter_sync import served_adapter_digests
     from hybridrl.reshard.checksums import ShardChecksumError, verify_checksums
 
-    worker = hybrid_worker(rank, world, model_dir, overrides)
+    worker = colocated_worker(rank, world, model_dir, overrides)
     setup = worker.setup(total_training_steps=4)
     settings = worker.actor.backend.spec.lora
     load_lora_state(lora_adapters(worker.actor.backend.chunks), state)  # as if an update had trained them

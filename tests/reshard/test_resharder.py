@@ -308,14 +308,14 @@ def test_sync_into_live_vllm_engine(tmp_path, arch, tp, pp, world, infer_tp):
 def _mixed_dtype_sync_rank(rank: int, world_size: int, model_dir: str) -> dict[str, Any]:
     """The hybrid worker's own set-up (megatron actor, vLLM engine, resharder, first proven sync) with
     fp32 training and a bf16 rollout: the sync's checksums must hold for vLLM's bf16 weights."""
-    from hybridrl.workers.hybrid import HybridSettings
-    from tests.support.hybrid_workers import hybrid_worker
+    from hybridrl.workers.colocated import ColocatedSettings
+    from tests.support.colocated_workers import colocated_worker
 
     # the probe's bf16 tolerance is not what this test is about: only the checksums may stop the sync
-    worker = hybrid_worker(rank, world_size, model_dir, [
+    worker = colocated_worker(rank, world_size, model_dir, [
         "actor_rollout_ref.actor.megatron.dtype=fp32", "actor_rollout_ref.rollout.dtype=bf16",
         "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16"], HybridSettings(probe_tolerance=1.0))
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=16"], ColocatedSettings(probe_tolerance=1.0))
     setup = worker.setup(total_training_steps=1)
     return {"sent": worker.resharder.last_report.checksums, "held": worker.rollout.parameter_digests(),
             "train_dtype": str(worker.actor.backend.chunks[0].config.params_dtype),

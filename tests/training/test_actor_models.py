@@ -6,7 +6,7 @@ the objective recomputed from transformers in `test_training_actor_reference` (l
 and every gradient before the step). With tied embeddings at PP > 1 the first stage's embedding and
 the last stage's output layer are two copies of one HF tensor: after the step they must be equal,
 bit for bit, and equal to the exported `embed_tokens`. That vLLM then serves the trained copies is
-in `tests/workers/test_hybrid_tied.py` (slow).
+in `tests/workers/test_colocated_tied.py` (slow).
 """
 from __future__ import annotations
 

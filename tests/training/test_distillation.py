@@ -55,19 +55,20 @@ def _log_probs_rank(rank: int, world: int, config: Any, batch: Any, role: str) -
     from hybridrl.config.plan import build_plan
     from hybridrl.controller.base_worker import RankContext
     from hybridrl.names import Role
-    from hybridrl.workers.ray_roles import ActorRolloutRefWorker, TeacherWorker
+    from hybridrl.workers.frozen_roles import TeacherWorker
+    from hybridrl.workers.policy import PolicyWorker
 
     plan = build_plan(config)
-    context = RankContext(role=role, rank=rank, world_size=world, node_rank=0, local_rank=rank,
+    context = RankContext(group=role, rank=rank, world_size=world, node_rank=0, local_rank=rank,
                           local_world_size=world, use_gpu=False)
     if role == Role.TEACHER:
         teacher = TeacherWorker(context, plan)
         teacher.init_model()
-        dp, dp_rank = plan.layout(Role.TEACHER).mesh.dp, teacher.mesh_coords()["dp"]
+        dp, dp_rank = plan.layout(Role.TEACHER).mesh.dp, teacher.mesh_coords().dp
         return dp_rank, teacher.compute_teacher_log_prob(batch.split(dp)[dp_rank])
-    student = ActorRolloutRefWorker(context, plan, roles=(Role.ACTOR,))
+    student = PolicyWorker(context, plan)
     student.init_model()
-    dp, dp_rank = plan.layout(Role.ACTOR).mesh.dp, student.mesh_coords()["dp"]
+    dp, dp_rank = plan.layout(Role.ACTOR).mesh.dp, student.mesh_coords().dp
     return dp_rank, student.compute_log_prob(batch.split(dp)[dp_rank])
 
 

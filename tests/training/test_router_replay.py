@@ -421,9 +421,9 @@ def _replay_at_infer_tp2_rank(rank: int, world: int, model_dir: str) -> dict[str
     from megatron.core.transformer.moe.router import TopKRouter
 
     from hybridrl.rollout.sampling import RolloutSampling
-    from tests.support.hybrid_workers import gather_first, hybrid_worker
+    from tests.support.colocated_workers import colocated_worker, gather_first
 
-    worker = hybrid_worker(rank, world, model_dir, [
+    worker = colocated_worker(rank, world, model_dir, [
         "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
         "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
         "actor_rollout_ref.actor.router_replay=rollout",

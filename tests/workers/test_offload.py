@@ -20,9 +20,9 @@ def _critic_worker_rank(rank: int, world: int, config: Any, batches: list[Any]) 
     from hybridrl.config.plan import build_plan
     from hybridrl.controller.base_worker import RankContext
     from hybridrl.training.offload import inner_optimizers
-    from hybridrl.workers.ray_roles import CriticWorker
+    from hybridrl.workers.critic import CriticWorker
 
-    context = RankContext(role="critic", rank=rank, world_size=world, node_rank=0, local_rank=rank,
+    context = RankContext(group="critic", rank=rank, world_size=world, node_rank=0, local_rank=rank,
                           local_world_size=world, use_gpu=False)
     worker = CriticWorker(context, build_plan(config))
     worker.init_model(total_training_steps=len(batches))

@@ -1,6 +1,6 @@
 """The Ray-facing role workers in real worker groups (Ray actors + gloo + megatron-core).
 
-One 4-rank ActorRolloutRefWorker group (TP2 x PP2, actor + reference in the same processes) is
+One 4-rank PolicyWorker group (TP2 x PP2, actor + reference in the same processes) is
 shared by the tests of this module; a 2-rank critic and reward-model group check the value roles.
 References are independent: transformers on the same weights, and a single-rank forked run.
 """
@@ -36,7 +36,7 @@ def _group(worker_cls: Any, name: str, world: int, plan: Any, role: str) -> tupl
     from hybridrl.controller.worker_group import WorkerGroup
 
     pool = ResourcePool(name, nnodes=1, workers_per_node=world, cpus_per_worker=0.25).start(timeout_s=60)
-    group = WorkerGroup(worker_cls, pool, role=role, worker_args=(plan,), process_group_timeout_s=PG_TIMEOUT_S,
+    group = WorkerGroup(worker_cls, pool, name=role, worker_args=(plan,), process_group_timeout_s=PG_TIMEOUT_S,
                         call_timeout_s=300)
     return pool, group
 
@@ -52,35 +52,36 @@ def _metrics_by_dp(group: Any, method: Any, batch: Any) -> list[Any]:
 
 def test_worker_calls_refuse_a_method_of_another_role_worker():
     from hybridrl.controller.worker_group import worker_method_name
-    from hybridrl.workers.hybrid import HybridEngineWorker
-    from hybridrl.workers.ray_roles import ActorRolloutRefWorker, CriticWorker
+    from hybridrl.workers.colocated import ColocatedPolicyWorker
+    from hybridrl.workers.critic import CriticWorker
+    from hybridrl.workers.policy import PolicyWorker
 
-    # inherited: the hybrid worker runs ActorRolloutRefWorker's compute_log_prob itself
-    assert worker_method_name(HybridEngineWorker, ActorRolloutRefWorker.compute_log_prob, "actor_rollout_ref") == \
+    # inherited: the colocated worker runs PolicyWorker's compute_log_prob itself
+    assert worker_method_name(ColocatedPolicyWorker, PolicyWorker.compute_log_prob, "actor_rollout_ref") == \
         "compute_log_prob"
-    # overridden: the hybrid worker would run its own update_actor, not the one named
-    with pytest.raises(TypeError, match=r"not of HybridEngineWorker .*: HybridEngineWorker has its own update_actor, "
-                                        r"call HybridEngineWorker\.update_actor"):
-        worker_method_name(HybridEngineWorker, ActorRolloutRefWorker.update_actor, "actor_rollout_ref")
+    # overridden: the colocated worker would run its own load_checkpoint (which also syncs vLLM), not the one named
+    with pytest.raises(TypeError, match=r"not of ColocatedPolicyWorker .*: ColocatedPolicyWorker has its own "
+                                        r"load_checkpoint, call ColocatedPolicyWorker\.load_checkpoint"):
+        worker_method_name(ColocatedPolicyWorker, PolicyWorker.load_checkpoint, "actor_rollout_ref")
     with pytest.raises(TypeError, match=r"CriticWorker\.save_checkpoint is a method of CriticWorker, "
-                                        r"not of HybridEngineWorker \(the actor_rollout_ref group's"):
-        worker_method_name(HybridEngineWorker, CriticWorker.save_checkpoint, "actor_rollout_ref")
+                                        r"not of ColocatedPolicyWorker \(the actor_rollout_ref group's"):
+        worker_method_name(ColocatedPolicyWorker, CriticWorker.save_checkpoint, "actor_rollout_ref")
     with pytest.raises(TypeError, match="CriticWorker.update_critic is a method of CriticWorker, not of "
-                                        "HybridEngineWorker"):
-        worker_method_name(HybridEngineWorker, CriticWorker.update_critic, "actor_rollout_ref")
+                                        "ColocatedPolicyWorker"):
+        worker_method_name(ColocatedPolicyWorker, CriticWorker.update_critic, "actor_rollout_ref")
 
 
 @pytest.fixture(scope="module")
 def policy(ray_cluster, tmp_path_factory):
     from hybridrl.config.plan import build_plan
-    from hybridrl.workers.ray_roles import ActorRolloutRefWorker
+    from hybridrl.workers.policy import PolicyWorker
 
     root = tmp_path_factory.mktemp("workers_ray")
     hf = policy_model(root / "hf")
     config = job_config(hf, world=4, tp=2, pp=2, use_kl_loss=True)
     config.trainer.torch_threads_per_rank = 1
-    pool, group = _group(ActorRolloutRefWorker, "policy", 4, build_plan(config), "actor")
-    group.call_all(ActorRolloutRefWorker.init_model)
+    pool, group = _group(PolicyWorker, "policy", 4, build_plan(config), "actor")
+    group.call_all(PolicyWorker.init_model)
     group.learn_mesh()
     yield {"group": group, "hf": hf, "root": root}
     group.shutdown()
@@ -95,51 +96,51 @@ def test_mesh_of_the_policy_group(policy):
 
 def test_the_group_timeout_reaches_every_process_group(policy):
     """What the trainer passes as `trainer.nccl_timeout_s` bounds the world group and megatron's groups."""
-    from hybridrl.workers.ray_roles import ActorRolloutRefWorker
+    from hybridrl.workers.policy import PolicyWorker
 
-    for rank, timeouts in enumerate(policy["group"].call_all(ActorRolloutRefWorker.process_group_timeouts)):
+    for rank, timeouts in enumerate(policy["group"].call_all(PolicyWorker.process_group_timeouts)):
         assert set(timeouts) == {"world", "tp", "pp", "dp", "cp", "dp_cp", "model_parallel"}
         assert timeouts == dict.fromkeys(timeouts, PG_TIMEOUT_S), (rank, timeouts)
 
 
 def test_actor_and_reference_log_probs_equal_transformers(policy):
-    from hybridrl.workers.ray_roles import ActorRolloutRefWorker
+    from hybridrl.workers.policy import PolicyWorker
 
     group, hf = policy["group"], policy["hf"]
     batch = rollout_batch(8)
     expected_lp, expected_entropy = hf_response_log_probs(hf, batch)
-    out = group.call_by_dp(ActorRolloutRefWorker.compute_log_prob, batch, True)
+    out = group.call_by_dp(PolicyWorker.compute_log_prob, batch, True)
     assert (out["old_log_probs"] - expected_lp).abs().max() < TOL
     assert (out["entropys"] - expected_entropy).abs().max() < TOL
-    ref = group.call_by_dp(ActorRolloutRefWorker.compute_ref_log_prob, batch)
+    ref = group.call_by_dp(PolicyWorker.compute_ref_log_prob, batch)
     assert (ref["ref_log_probs"] - expected_lp).abs().max() < TOL
 
 
 def test_update_matches_single_rank_then_checkpoint_round_trip(policy, tmp_path):
-    from hybridrl.workers.ray_roles import ActorRolloutRefWorker
+    from hybridrl.workers.policy import PolicyWorker
 
     group, hf, root = policy["group"], policy["hf"], policy["root"]
     batch = rollout_batch(8)
     single_dir = tmp_path / "single"
     single = run_ranks(update_rank, 1, job_config(hf, world=1, use_kl_loss=True), batch, str(single_dir))[0]
-    (metrics,) = _metrics_by_dp(group, ActorRolloutRefWorker.update_actor, batch)
+    (metrics,) = _metrics_by_dp(group, PolicyWorker.update_actor, batch)
     assert abs(metrics.pg_loss - single["metrics"].pg_loss) < TOL
     assert abs(metrics.grad_norm - single["metrics"].grad_norm) < TOL
     assert abs(metrics.kl_loss - single["metrics"].kl_loss) < TOL
 
-    exported = Path(group.call_all(ActorRolloutRefWorker.export_hf, str(tmp_path / "exported"))[0])
+    exported = Path(group.call_all(PolicyWorker.export_hf, str(tmp_path / "exported"))[0])
     ours, theirs = safetensors_state(exported), safetensors_state(single_dir)
     assert max(float((ours[n] - theirs[n]).abs().max()) for n in theirs) < TOL
     # The updated policy's log-probs are those of the exported weights under transformers.
     expected_lp, _ = hf_response_log_probs(exported, batch)
-    updated = group.call_by_dp(ActorRolloutRefWorker.compute_log_prob, batch)["old_log_probs"]
+    updated = group.call_by_dp(PolicyWorker.compute_log_prob, batch)["old_log_probs"]
     assert (updated - expected_lp).abs().max() < TOL
 
     ckpt = str(root / "ckpt")
-    group.call_all(ActorRolloutRefWorker.save_checkpoint, ckpt)
-    after_save = _metrics_by_dp(group, ActorRolloutRefWorker.update_actor, rollout_batch(8, seed=5))[0]
-    group.call_all(ActorRolloutRefWorker.load_checkpoint, ckpt)
-    after_load = _metrics_by_dp(group, ActorRolloutRefWorker.update_actor, rollout_batch(8, seed=5))[0]
+    group.call_all(PolicyWorker.save_checkpoint, ckpt)
+    after_save = _metrics_by_dp(group, PolicyWorker.update_actor, rollout_batch(8, seed=5))[0]
+    group.call_all(PolicyWorker.load_checkpoint, ckpt)
+    after_load = _metrics_by_dp(group, PolicyWorker.update_actor, rollout_batch(8, seed=5))[0]
     assert after_load == after_save
 
 
@@ -147,7 +148,8 @@ def test_critic_and_reward_model_groups(ray_cluster, tmp_path):
     import transformers
 
     from hybridrl.config.plan import build_plan
-    from hybridrl.workers.ray_roles import CriticWorker, RewardModelWorker
+    from hybridrl.workers.critic import CriticWorker
+    from hybridrl.workers.frozen_roles import RewardModelWorker
 
     hf = policy_model(tmp_path / "hf")
     scorer = sequence_classifier(tmp_path / "scorer")

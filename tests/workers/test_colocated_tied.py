@@ -27,10 +27,10 @@ def _tied_pp2_rank(rank: int, world: int, model_dir: str, export_dir: str) -> di
     from hybridrl.data.batch import Batch
     from hybridrl.models.bridge import export_hf
     from hybridrl.rollout.sampling import RolloutSampling
-    from tests.support.hybrid_workers import gather_first, hybrid_worker
+    from tests.support.colocated_workers import colocated_worker, gather_first
     from tests.support.rank_passes import tied_copies
 
-    worker = hybrid_worker(rank, world, model_dir, [
+    worker = colocated_worker(rank, world, model_dir, [
         "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "actor_rollout_ref.actor.old_log_prob=recompute",
         "actor_rollout_ref.actor.optim.lr=1e-2",

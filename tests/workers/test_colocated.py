@@ -21,13 +21,13 @@ def _hybrid_rank(rank: int, world: int, model_dir: str, overrides: list[str]) ->
     from hybridrl.parallel.cpu.matmul import onednn_fp32_is_exact
     from hybridrl.parallel.device import torch_threads_per_rank
     from hybridrl.rollout.sampling import RolloutSampling
-    from hybridrl.workers.hybrid import HybridEngineWorker
+    from hybridrl.workers.colocated import ColocatedPolicyWorker
 
     plan = plan_from_sources("configs/examples/cpu_tiny_grpo.yaml", [
         f"actor_rollout_ref.model.path={model_dir}", f"trainer.n_gpus_per_node={world}", *overrides])
-    ctx = RankContext(role="actor_rollout_ref", rank=rank, world_size=world, node_rank=0, local_rank=rank,
+    ctx = RankContext(group="actor_rollout_ref", rank=rank, world_size=world, node_rank=0, local_rank=rank,
                       local_world_size=world, use_gpu=False)
-    worker = HybridEngineWorker(ctx, plan)  # the KV cache the Plan sizes for one wave on CPU
+    worker = ColocatedPolicyWorker(ctx, plan)  # the KV cache the Plan sizes for one wave on CPU
     torch.set_num_threads(4)  # torch's default would be every core: the worker must share them out
     setup = worker.setup(total_training_steps=4)
     threads = torch.get_num_threads()
@@ -111,7 +111,7 @@ def model_dir(tmp_path_factory):
          "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
          "actor_rollout_ref.actor.megatron.param_offload=true"]),
 ], ids=["tp2-to-infer1", "tp4-to-infer2-strided", "tp2-to-infer1-param-offload"])
-def test_hybrid_engine_syncs_and_follows_updates(model_dir, world, layout):
+def test_colocated_engine_syncs_and_follows_updates(model_dir, world, layout):
     micro = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "data.train_batch_size=2",
              "actor_rollout_ref.actor.ppo_mini_batch_size=2",
              "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8"]

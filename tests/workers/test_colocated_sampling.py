@@ -24,9 +24,9 @@ def _sampling_rank(rank: int, world: int, model_dir: str) -> dict:
     from hybridrl.data.batch import Batch
     from hybridrl.rollout.sampling import RolloutSampling
     from hybridrl.workers.probe import WeightSyncError
-    from tests.support.hybrid_workers import gather_first, hybrid_worker
+    from tests.support.colocated_workers import colocated_worker, gather_first
 
-    worker = hybrid_worker(rank, world, model_dir, [
+    worker = colocated_worker(rank, world, model_dir, [
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1", "actor_rollout_ref.actor.old_log_prob=recompute",
         "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",

@@ -1,4 +1,5 @@
-"""The hybrid engine's worker: actor, reference and vLLM rollout in the same process, on every rank.
+"""The colocated policy worker (`rollout.mode: colocated`, verl's "hybrid engine"): actor, reference and vLLM rollout
+in the same process, on every rank.
 
 Per rank, in this order (vLLM after megatron: the engine joins the process group megatron uses):
   1. megatron actor (trainable) and, when the job needs one, the frozen reference — same layout;
@@ -56,20 +57,21 @@ from hybridrl.workers.served_adapter import ServedAdapters
 
 
 @dataclass(frozen=True)
-class HybridSettings:
+class ColocatedSettings:
     probe_tolerance: float = 1e-4  # fp32 on CPU; bf16 on GPU needs a looser bound (set by the trainer)
     # The run's pad id as the trainer resolved it (`hybridrl.data.tokenizer.resolve_pad_token_id`), so
     # prompts, responses and probe rows pad alike; None (a worker built alone) resolves it the same way.
     pad_token_id: int | None = None
 
 
-class HybridEngineWorker(PolicyWorker):
+class ColocatedPolicyWorker(PolicyWorker):
     """`PolicyWorker` (megatron actor + reference) plus the vLLM rollout and the resharder."""
 
-    def __init__(self, context: RankContext, plan: Plan, settings: HybridSettings | None = None) -> None:
-        settings = settings or HybridSettings()
+    def __init__(self, context: RankContext, plan: Plan, settings: ColocatedSettings | None = None) -> None:
+        settings = settings or ColocatedSettings()
         super().__init__(context, plan, settings.pad_token_id)
         self.settings = settings
+        self.rollout: RolloutEngine | None = None  # vLLM in this process (built in setup, kept for its life)
         self.resharder: Resharder | None = None
         self.syncs = 0
         self.replica_probe_gaps: dict[int, float] = {}  # the last sync's probe gap per replica, by its TP-0 rank
@@ -95,8 +97,7 @@ class HybridEngineWorker(PolicyWorker):
         # between its updates (grad_offload, optimizer_offload) leaves before it, not after the first update
         self._built_actor().backend.offload_training_state()
         self._actor_params_out()  # megatron.param_offload: vLLM builds with the actor's weights on the host
-        self._resolve_pad_token_id()
-        self.attach_rollout(RolloutEngine(engine_config(plan, self.pad_token_id)))
+        self.rollout = RolloutEngine(engine_config(plan, self._resolve_pad_token_id()))
         # The shard a rank must receive is that of the TP rank vLLM actually gave it; it equals
         # the Plan's (checked: a difference would mean more traffic than planned, not wrong weights).
         gathered: list[Any] = [None] * self.world_size
@@ -126,7 +127,7 @@ class HybridEngineWorker(PolicyWorker):
     # ------------------------------------------------------------------------------ generation
     def generate_sequences(self, prompts: Batch, sampling: RolloutSampling) -> Batch | None:
         """`prompts` carries `raw_prompt_ids` (object array of token lists) and `uid` per prompt."""
-        return generate_rows(self._engine(), self.agent, prompts, sampling, self.pad_token_id,
+        return generate_rows(self._engine(), self.agent, prompts, sampling, self._resolve_pad_token_id(),
                              self.plan.resolved.device, self.phase_memory)
 
     def release_rollout_memory(self) -> None:
@@ -209,7 +210,7 @@ class HybridEngineWorker(PolicyWorker):
         """
         # every rank of the actor must run the forward (pipeline schedule is collective), and every
         # TP peer of a replica must score the prompt (vLLM's TP forward is collective)
-        gap = probe_gap_of(self.rollout, self.probe_log_probs(self.probe), self.probe)
+        gap = probe_gap_of(self._engine(), self.probe_log_probs(self.probe), self.probe)
         gaps: list[Any] = [None] * self.world_size
         torch.distributed.all_gather_object(gaps, gap)
         self.replica_probe_gaps = {rank: g for rank, g in enumerate(gaps) if g is not None}
