@@ -267,7 +267,7 @@ def test_measured_over_predicted_is_each_timed_phase_over_the_plans():
     assert time_vs_plan(step, {"timing_s/gen": 1.0}) == {"time_vs_plan/gen": 0.5}  # a phase not timed: left out
 
 
-def test_colocatedrl_hardware_lists_the_shipped_gpus_and_measures_this_machine_as_a_cpu_ranks_description(tmp_path):
+def test_hybridrl_hardware_lists_the_shipped_gpus_and_measures_this_machine_as_a_cpu_ranks_description(tmp_path):
     """`hybridrl hardware --measure` against figures timed here with plain torch (one thread, as one of two ranks on
     this 2-core machine gets): its fp32 matmul and memory figures within 3x of these (a shared machine's noise), and
     its YAML read back by the plan's loader."""
