@@ -391,8 +391,9 @@ class WorkerGroup:
 
     def learn_mesh(self) -> RankMesh:
         """Ask every rank for `mesh_coords()` (after it set up its parallel state); store the mesh."""
-        self.set_mesh(RankMesh.from_coords(self._execute("mesh_coords", one_to_all(world_size=self.world_size))))
-        return self.mesh
+        mesh = RankMesh.from_coords(self._execute("mesh_coords", one_to_all(world_size=self.world_size)))
+        self.set_mesh(mesh)
+        return mesh
 
     def require_mesh(self) -> RankMesh:
         if self.mesh is None:

@@ -140,6 +140,20 @@ class Batch:
             return self.non_tensors[key]
         raise KeyError(f"{key!r} is not a column of this batch; columns: {self.keys()}")
 
+    def tensor(self, key: str) -> torch.Tensor:
+        """The tensor column `key` (`batch[key]` typed; an error naming it when it holds per-row objects instead)."""
+        value = self[key]
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"column {key!r} is a per-row array ({value.dtype}), not a tensor")
+        return value
+
+    def column(self, key: str) -> np.ndarray:
+        """The per-row array column `key` (`batch[key]` typed; an error naming it when it is a tensor instead)."""
+        value = self[key]
+        if not isinstance(value, np.ndarray):
+            raise TypeError(f"column {key!r} is a tensor, not a per-row array")
+        return value
+
     def __setitem__(self, key: str, value: torch.Tensor | np.ndarray | Sequence[Any]) -> None:
         """Add or replace a column; its row count must match the batch."""
         rows = len(value)

@@ -94,7 +94,7 @@ class RolloutSource(Protocol):
     def rollout_group(self) -> WorkerGroup: ...
 
     @property
-    def rollout_mesh(self) -> RankMesh | None: ...
+    def rollout_mesh(self) -> RankMesh: ...
 
     def next_prompts(self) -> Batch: ...  # the next prompt batch of the data loader
 
@@ -379,7 +379,7 @@ def _split_groups(batch: Batch, version: int | None, prompt_batch: int | None) -
     for rows in order.values():
         part = batch.index(rows)
         if "token_versions" not in part.tensors:
-            mask = part["attention_mask"][:, part["prompts"].shape[1]:]
+            mask = part.tensor("attention_mask")[:, part.tensor("prompts").shape[1]:]
             part["token_versions"] = torch.where(mask.bool(), torch.full_like(mask, version), torch.full_like(mask, -1))
         versions = part["token_versions"]
         real = versions[versions >= 0]

@@ -17,9 +17,8 @@ Column names (the step's shared vocabulary):
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -36,7 +35,7 @@ def add_turn_scores(token_scores: torch.Tensor, batch: Batch) -> tuple[torch.Ten
     them; and the `reward/turn_score_mean` metric (per sample, the sum of its turns' rewards)."""
     if "turn_scores" not in batch:
         return token_scores, {}
-    turn_scores = batch["turn_scores"].to(token_scores.dtype) * (batch["response_mask"] != 0)
+    turn_scores = batch.tensor("turn_scores").to(token_scores.dtype) * (batch.tensor("response_mask") != 0)
     if turn_scores.shape != token_scores.shape:
         raise ValueError(f"turn_scores {tuple(turn_scores.shape)} and token scores {tuple(token_scores.shape)} "
                          "differ in shape")
@@ -56,7 +55,7 @@ def apply_kl_in_reward(batch: Batch, controller: FixedKLController, kind: str) -
 
     Returns metrics: the batch KL (mean over sequences of the masked token mean) and beta used.
     """
-    mask = batch["response_mask"].float()
+    mask = batch.tensor("response_mask").float()
     kl = kl_penalty(batch["old_log_probs"], batch["ref_log_probs"], kind) * mask
     beta = controller.value
     batch["token_level_rewards"] = batch["token_level_scores"] - beta * kl
@@ -101,13 +100,15 @@ def add_distillation_advantages(batch: Batch, kl_coef: float, *, with_task_rewar
     return reverse_kl_metrics(reverse_kl, mask)
 
 
-def baseline_per_row(row_uids: Sequence[Any], prompt_uids: Sequence[Any], prompt_scores: torch.Tensor) -> torch.Tensor:
+def baseline_per_row(row_uids: Iterable[object], prompt_uids: Iterable[object],
+                     prompt_scores: torch.Tensor) -> torch.Tensor:
     """Each row's baseline: the score of its prompt (matched by uid), e.g. ReMax's greedy response."""
     by_uid = {uid: i for i, uid in enumerate(prompt_uids)}
-    missing = sorted({str(u) for u in row_uids if u not in by_uid})
+    rows = list(row_uids)
+    missing = sorted({str(u) for u in rows if u not in by_uid})
     if missing:
         raise ValueError(f"no baseline response for prompt uid(s) {missing[:5]}")
-    return prompt_scores.float()[torch.tensor([by_uid[u] for u in row_uids], dtype=torch.long)]
+    return prompt_scores.float()[torch.tensor([by_uid[u] for u in rows], dtype=torch.long)]
 
 
 def overlong_penalty(response_lengths: torch.Tensor, max_length: int, buffer: int, factor: float) -> torch.Tensor:
@@ -131,7 +132,7 @@ def groups_with_reward_spread(scores: torch.Tensor, uids: np.ndarray) -> np.ndar
     and only dilutes the batch.
     """
     scores = scores.float()
-    keep = np.zeros(len(uids), dtype=bool)
+    keep: np.ndarray = np.zeros(len(uids), dtype=bool)
     by_uid: dict[object, list[int]] = {}
     for row, uid in enumerate(uids):
         by_uid.setdefault(uid, []).append(row)
@@ -161,7 +162,8 @@ def select_groups_with_spread(batches: list[Batch], groups_needed: int) -> tuple
         spare.append(batch.index(np.nonzero(~keep)[0]))
     pool = Batch.concat([b for b in kept + spare if len(b)])
     spread_groups = sum(len(set(b["uid"])) for b in kept)
-    order, seen = [], []
+    order: list[int] = []
+    seen: list[object] = []
     for row, uid in enumerate(pool["uid"]):
         if uid not in seen:
             if len(seen) == groups_needed:
@@ -198,7 +200,7 @@ def rollout_log_prob_gap(old_log_probs: torch.Tensor, rollout_log_probs: torch.T
 
 def response_metrics(batch: Batch) -> dict[str, float]:
     """Scores, rewards, advantages and lengths of a step's responses (what the console table shows)."""
-    mask = batch["response_mask"].float()
+    mask = batch.tensor("response_mask").float()
     lengths = response_lengths(batch).float()
     prompts = prompt_lengths(batch).float()
     metrics = {

@@ -146,9 +146,9 @@ class StepRunner:
         if self.workers.reward_model is not None:
             scores = self.workers.reward_model.call_by_dp(RewardModelWorker.compute_rm_score, batch,
                                               balance_mini_batches=self._balance(),
-                                              keep_together=self._keep_together(Role.REWARD_MODEL))["rm_scores"]
+                                              keep_together=self._keep_together(Role.REWARD_MODEL)).tensor("rm_scores")
             metrics["reward/rm_score_mean"] = float(scores.float().mean())
-            token_scores = token_level_rewards(scores, batch["response_mask"])
+            token_scores = token_level_rewards(scores, batch.tensor("response_mask"))
         else:
             token_scores, output = self.reward.score_batch(batch, self.tokenizer)
             metrics.update({f"reward/{k.removeprefix('reward/')}": float(v) for k, v in output.metrics.items()})
@@ -182,8 +182,8 @@ class StepRunner:
             greedy = self.generate(prompts, self.greedy_sampling())
         with self.timed(timer, Phase.REWARD_BASELINE):
             self.score(greedy)
-        greedy_scores = greedy["token_level_scores"].sum(-1)
-        batch["baseline_scores"] = baseline_per_row(batch["uid"], greedy["uid"], greedy_scores)
+        greedy_scores = greedy.tensor("token_level_scores").sum(-1)
+        batch["baseline_scores"] = baseline_per_row(batch.column("uid"), greedy.column("uid"), greedy_scores)
         return {"reward/greedy_baseline_mean": float(greedy_scores.float().mean())}
 
     def _dynamic_sampling(self, batch: Batch, first_round: dict[str, float], timer: PhaseTimer,
@@ -253,12 +253,12 @@ class StepRunner:
                 metrics["perf/shared_prefix_ratio_old_log_prob"] = float(old.meta.get("shared_prefix_ratio", 0.0))
                 if "router_replay_mismatch" in old.meta:  # actor.router_replay: rollout
                     metrics["actor/router_replay_mismatch_old_log_prob"] = float(old.meta["router_replay_mismatch"])
-                mask = batch["response_mask"].float()
+                mask = batch.tensor("response_mask").float()
                 if "old_log_probs_truncated" in old.tensors:  # rollout_correction.match_truncation
                     batch["old_log_probs_truncated"] = old["old_log_probs_truncated"]
                     # sampled tokens the trainer's own top-k/top-p drops (boundary disagreements)
                     metrics["rollout_correction/truncation_outside_fraction"] = float(
-                        (old["old_log_probs_outside"].float() * mask).sum() / mask.sum().clamp(min=1))
+                        (old.tensor("old_log_probs_outside").float() * mask).sum() / mask.sum().clamp(min=1))
                 metrics["actor/entropy"] = float(masked_mean(old["entropys"], mask))
                 # how far the rollout's own log-probs are from the trainer's: a numerics/sync health check
                 metrics.update(rollout_log_prob_gap(old["old_log_probs"], batch["rollout_log_probs"], mask))
@@ -306,11 +306,11 @@ class StepRunner:
             with self.timed(timer, Phase.UPDATE_CRITIC):
                 outs = self.workers.critic.call_by_dp_outputs(
                     CriticWorker.update_critic, batch,
-                    balance_mini_batches=self._balance(batch, Role.CRITIC),
+                    balance_mini_batches=self._balance((Role.CRITIC, batch)),
                     keep_together=self._keep_together(Role.CRITIC))
                 metrics.update(_update_metrics(outs))
         with self.timed(timer, Phase.UPDATE_ACTOR):
-            balance = self._balance(batch, Role.ACTOR)
+            balance = self._balance((Role.ACTOR, batch))
             outs = self.workers.actor_group.call_by_dp_outputs(PolicyWorker.update_actor, batch,
                                                                balance_mini_batches=balance,
                                                                keep_together=self._keep_together(Role.ACTOR))
@@ -332,12 +332,12 @@ class StepRunner:
         per_rank = self.plan.update(role).sequences_per_rank_per_mini_batch
         return max(1, len(batch) // (per_rank * self.plan.layout(role).mesh.dp))
 
-    def _balance(self, batch: Batch | None = None, update_role: str | None = None) -> int | None:
+    def _balance(self, update: tuple[str, Batch] | None = None) -> int | None:
         """`balance_mini_batches` for a DP call (None: the plain split, `trainer.balance_batch` off). A
-        forward pass balances the whole batch; `update_role`'s update each of its mini-batches."""
+        forward pass balances the whole batch; an `update` (its role, its batch) each of its mini-batches."""
         if not self.config.trainer.balance_batch:
             return None
-        return 1 if update_role is None else self._update_mini_batches(update_role, batch)
+        return 1 if update is None else self._update_mini_batches(*update)
 
     def _keep_together(self, role: str) -> str | None:
         """`keep_together` for a DP call of `role`: `uid` where its workers compute a shared prompt once
@@ -354,11 +354,11 @@ class StepRunner:
     def _dump_rollout(self, batch: Batch, out_dir: Path) -> None:
         """`trainer.rollout_data_dir`: one JSON line per trained sample of this step, in batch order."""
         out_dir.mkdir(parents=True, exist_ok=True)
-        prompt_width = batch["input_ids"].shape[1] - batch["responses"].shape[1]
-        response_mask = batch["response_mask"].bool()
-        prompt_mask = batch["attention_mask"][:, :prompt_width].bool()
+        prompt_width = batch.tensor("input_ids").shape[1] - batch.tensor("responses").shape[1]
+        response_mask = batch.tensor("response_mask").bool()
+        prompt_mask = batch.tensor("attention_mask")[:, :prompt_width].bool()
         # every token after the prompt: a multi-turn conversation's observations too (not trained)
-        attended = batch["attention_mask"][:, prompt_width:].bool()
+        attended = batch.tensor("attention_mask")[:, prompt_width:].bool()
         per_sequence = {key: (batch[key] * response_mask).sum(-1).tolist()
                         for key in ("token_level_scores", "token_level_rewards") if key in batch}
         lines = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from hybridrl.config.plan import Plan
 from hybridrl.controller.base_worker import Worker
@@ -26,6 +26,8 @@ from hybridrl.workers.critic import CriticWorker
 from hybridrl.workers.frozen_roles import RewardModelWorker, TeacherWorker
 from hybridrl.workers.policy import DisaggregatedPolicyWorker
 from hybridrl.workers.rollout_worker import RolloutWorker
+
+Part = TypeVar("Part")
 
 
 class WorkerTopology:
@@ -46,8 +48,13 @@ class WorkerTopology:
         self.critic: WorkerGroup | None = None
         self.reward_model: WorkerGroup | None = None
         self.teacher: WorkerGroup | None = None
-        self.rollout_mesh: RankMesh | None = None  # the rollout's replicas (DP) x their TP ranks
+        self.learned_rollout_mesh: RankMesh | None = None  # the rollout's replicas (DP) x their TP ranks
         self.generate_method: Any = None  # the rollout group's worker method that generates
+
+    @property
+    def rollout_mesh(self) -> RankMesh:
+        """The rollout's replicas (DP) x their TP ranks, as the rollout's workers reported them at set-up."""
+        return _built(self.learned_rollout_mesh, "the rollout mesh")
 
     @property
     def actor_group(self) -> WorkerGroup:
@@ -100,7 +107,9 @@ class WorkerTopology:
             if res.teacher_world:  # teacher.mode=disaggregated: a pool of its own
                 teacher = self.config.teacher
                 self.teacher_pool = teacher_pool = ResourcePool(
-                    "teacher", nnodes=teacher.nnodes, workers_per_node=teacher.n_gpus_per_node, device_policy=policy,
+                    "teacher", nnodes=_pool_size(teacher.nnodes, "teacher.nnodes"),
+                    workers_per_node=_pool_size(teacher.n_gpus_per_node, "teacher.n_gpus_per_node"),
+                    device_policy=policy,
                     cpus_per_worker=policy.ray_cpus_per_worker, max_colocated_groups=1)
                 self.teacher_pool.start(timeout_s=wait_s)
             self.teacher = self._group(TeacherWorker, teacher_pool, GroupName.TEACHER, (plan,), restart)
@@ -123,18 +132,19 @@ class WorkerTopology:
         """Colocated: actor, reference and vLLM in the same processes; the first proven sync."""
         plan = self.plan
         settings = ColocatedSettings(probe_tolerance=plan.resolved.probe_tolerance, pad_token_id=pad_token_id)
-        self.actor = self._group(ColocatedPolicyWorker, self.pool, GroupName.ACTOR_ROLLOUT_REF,
+        self.actor = self._group(ColocatedPolicyWorker, _built(self.pool, "the training pool"),
+                                 GroupName.ACTOR_ROLLOUT_REF,
                                               (plan, settings), restart)
         self.rollout = self.actor
         self.generate_method = ColocatedPolicyWorker.generate_sequences
         setup = self.actor.call_all(ColocatedPolicyWorker.setup, total_steps)
         self.actor.learn_mesh()
-        self._learn_rollout_mesh(ColocatedPolicyWorker.rollout_coords)
+        rollout_mesh = self._learn_rollout_mesh(ColocatedPolicyWorker.rollout_coords)
         if not all(s["placement_as_planned"] for s in setup):
             self.write("warning: vLLM's TP groups differ from the plan's; weight syncs move more than planned")
         infer_tp = plan.config.actor_rollout_ref.rollout.tensor_model_parallel_size
         self.write(f"colocated policy up in {max(s['setup_s'] for s in setup):.1f} s: rollout replicas "
-                   f"{self.rollout_mesh.dp_size} × infer_tp {infer_tp}, first sync probe gap "
+                   f"{rollout_mesh.dp_size} × infer_tp {infer_tp}, first sync probe gap "
                    f"{max(s['reshard/probe_max_abs_gap'] for s in setup):.2e}")
 
     def _build_disaggregated(self, restart: int, wait_s: float, total_steps: int, pad_token_id: int) -> None:
@@ -142,12 +152,14 @@ class WorkerTopology:
         group spanning both for the weight syncs; the first sync (version 0) proven like every other."""
         plan, arr = self.plan, self.config.actor_rollout_ref
         res, policy = plan.resolved, plan.device_policy
-        self.rollout_pool = ResourcePool("rollout", nnodes=arr.rollout.nnodes,
-                                         workers_per_node=arr.rollout.n_gpus_per_node, device_policy=policy,
-                                         cpus_per_worker=policy.ray_cpus_per_worker, max_colocated_groups=1)
+        self.rollout_pool = ResourcePool(
+            "rollout", nnodes=_pool_size(arr.rollout.nnodes, "actor_rollout_ref.rollout.nnodes"),
+            workers_per_node=_pool_size(arr.rollout.n_gpus_per_node, "actor_rollout_ref.rollout.n_gpus_per_node"),
+            device_policy=policy, cpus_per_worker=policy.ray_cpus_per_worker, max_colocated_groups=1)
         self.rollout_pool.start(timeout_s=wait_s)
         started = time.perf_counter()
-        self.actor = self._group(DisaggregatedPolicyWorker, self.pool, GroupName.ACTOR_ROLLOUT_REF,
+        self.actor = self._group(DisaggregatedPolicyWorker, _built(self.pool, "the training pool"),
+                                 GroupName.ACTOR_ROLLOUT_REF,
                                               (plan, pad_token_id), restart)
         self.rollout = self._group(RolloutWorker, self.rollout_pool, GroupName.ROLLOUT,
                                                 (plan, pad_token_id), restart)
@@ -163,22 +175,23 @@ class WorkerTopology:
         wait_together([self.actor.submit_all(DisaggregatedPolicyWorker.setup, total_steps),
                        self.rollout.submit_all(RolloutWorker.setup)])
         self.actor.learn_mesh()
-        self._learn_rollout_mesh(RolloutWorker.rollout_coords)
+        rollout_mesh = self._learn_rollout_mesh(RolloutWorker.rollout_coords)
         host, port = self.actor.call_all(DisaggregatedPolicyWorker.open_weight_sync)[0]
         address = CrossGroupAddress(host, port, res.world_size, res.rollout_world)
         wait_together([self.actor.submit_all(DisaggregatedPolicyWorker.join_weight_sync, address),
                        self.rollout.submit_all(RolloutWorker.join_weight_sync, address)])
         first = self.sync_weights(version=0)
         self.write(f"disaggregated rollout up in {time.perf_counter() - started:.1f} s: trainer pool "
-                   f"{res.world_size} ranks, rollout pool {res.rollout_world} ranks ({self.rollout_mesh.dp_size} "
+                   f"{res.world_size} ranks, rollout pool {res.rollout_world} ranks ({rollout_mesh.dp_size} "
                    f"replicas × infer_tp {arr.rollout.tensor_model_parallel_size}), up to {shared_by} ranks "
                    f"sharing a machine's cores, first sync probe gap {first['reshard/probe_max_abs_gap']:.2e}")
 
-    def _learn_rollout_mesh(self, coords_method: Any) -> None:
+    def _learn_rollout_mesh(self, coords_method: Any) -> RankMesh:
         coords = self.rollout_group.call_all(coords_method)
         replica_ids = sorted({c["replica"] for c in coords})
-        self.rollout_mesh = RankMesh.from_coords(
+        self.learned_rollout_mesh = RankMesh.from_coords(
             [MeshCoord(dp=replica_ids.index(c["replica"]), tp=c["tp"]) for c in coords])
+        return self.learned_rollout_mesh
 
     def sync_weights(self, version: int) -> dict[str, float]:
         """The actor's weights into every vLLM replica, proven (checksums + the probe on each replica);
@@ -224,7 +237,14 @@ def _sync_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def _built(group: WorkerGroup | None, what: str) -> WorkerGroup:
-    if group is None:
+def _built(part: Part | None, what: str) -> Part:
+    if part is None:
         raise RuntimeError(f"{what} is not built (WorkerTopology.build first, or the job has none)")
-    return group
+    return part
+
+
+def _pool_size(value: int | None, field: str) -> int:
+    """A pool's nnodes / n_gpus_per_node as the config gives it (the validation refuses a pool without them)."""
+    if value is None:
+        raise ValueError(f"{field} is not set: a pool of its own needs it")
+    return value

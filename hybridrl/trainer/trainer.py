@@ -211,7 +211,7 @@ class Trainer:
         return self.workers.rollout_group
 
     @property
-    def rollout_mesh(self) -> RankMesh | None:
+    def rollout_mesh(self) -> RankMesh:
         return self.workers.rollout_mesh
 
     def next_prompts(self) -> Batch:
@@ -236,16 +236,16 @@ class Trainer:
             return {}
         if self.driver is not None:  # the rollout pool runs ahead: validate while it is parked
             with self.driver.hold():
-                return self._validate()
-        return self._validate()
+                return self._validate(self.val_loader)
+        return self._validate(self.val_loader)
 
-    def _validate(self) -> dict[str, float]:
+    def _validate(self, val_loader: PromptDataLoader) -> dict[str, float]:
         scores: list[float] = []
         turn_parts: list[dict[str, float]] = []  # multi-turn: how the validation conversations went
         samples: list[int] = []
         self.run.phase = Phase.VALIDATE
         shown: list[dict[str, Any]] = []  # trainer.log_val_generations: the first samples, as scored
-        for prompts in self.val_loader:
+        for prompts in val_loader:
             batch = self.steps.generate(prompts, self.steps.sampling(validation=True))
             _, output = self.reward.score_batch(batch, self.tokenizer)
             shown.extend(self._generations(batch, output, self.config.trainer.log_val_generations - len(shown)))
@@ -415,7 +415,7 @@ class Trainer:
         cfg = self.config
         while self.run.global_step < self.total_steps:
             self.run.global_step += 1
-            metrics = self.steps.step(self.next_prompts()) if self.driver is None else self._async_step()
+            metrics = self.steps.step(self.next_prompts()) if self.driver is None else self._async_step(self.driver)
             predicted = self._predicted(metrics)
             if predicted is not None:  # trainer.hardware: where the run departs from its plan's time
                 metrics.update(time_vs_plan(predicted, metrics))
@@ -437,15 +437,15 @@ class Trainer:
                 self.last_checkpoint = self.save()
         bar.close()
 
-    def _async_step(self) -> dict[str, float]:
+    def _async_step(self, driver: RolloutDriver) -> dict[str, float]:
         """One training step on the rollout pool's next batch (generated ahead, one or more versions old),
         then the sync of the new weights with the driver held at a boundary."""
         timer = PhaseTimer()
         with self.steps.timed(timer, Phase.WAIT_ROLLOUT):
-            batch, metrics = self.driver.next_batch(self.run.global_step)
+            batch, metrics = driver.next_batch(self.run.global_step)
 
         def sync() -> dict[str, float]:
-            with self.driver.hold(version=self.run.global_step):
+            with driver.hold(version=self.run.global_step):
                 return self.workers.sync_weights(self.run.global_step)
 
         return self.steps.train_on(batch, timer, metrics, sync)

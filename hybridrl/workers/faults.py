@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
+from typing import NoReturn
 
 from hybridrl.controller.base_worker import RESTART_ENV
 from hybridrl.names import Phase
@@ -63,7 +64,7 @@ def triggered(phase: Phase | str) -> bool:
     return (phase, _calls[phase], rank, restart) in parse(spec)
 
 
-def _crash() -> None:
+def _crash() -> NoReturn:
     mark = os.environ.get(ENV + "_MARK")
     if mark:
         with open(mark, "a") as handle:

@@ -48,6 +48,18 @@ def test_construction_validates_rows_and_keeps_ragged_metadata_one_dimensional()
         Batch()
 
 
+def test_typed_access_returns_the_column_or_names_it_when_it_is_the_other_kind():
+    batch = make_batch()
+    assert batch.tensor("input_ids") is batch.tensors["input_ids"]
+    assert batch.column("uid") is batch.non_tensors["uid"]
+    with pytest.raises(TypeError, match=r"column 'uid' is a per-row array \(object\), not a tensor"):
+        batch.tensor("uid")
+    with pytest.raises(TypeError, match="column 'logp' is a tensor, not a per-row array"):
+        batch.column("logp")
+    with pytest.raises(KeyError, match="'missing' is not a column of this batch"):
+        batch.tensor("missing")
+
+
 def test_split_concat_round_trip_keeps_metadata_aligned():
     batch = make_batch(6)
     chunks = batch.split(3)
