@@ -6,8 +6,8 @@ The cluster (its GPUs in all), the model, the batch and the lengths stay the use
   critic and the reference taking the actor's (as verl's examples do), with sequence parallelism wherever TP > 1
   on GPUs (megatron's pairing; it only saves memory);
 - vLLM's TP (powers of two within a machine);
-- the placement: colocated, or a rollout pool of its own of a quarter, half or three quarters of the machines (one
-  machine: of its GPUs), generating in turn with training (sync) or one step ahead (one_step_off; a user's
+- the placement: colocated, or a rollout pool of its own of an eighth, a quarter, ... seven eighths of the machines
+  (one machine: of its GPUs), generating in turn with training (sync) or one step ahead (one_step_off; a user's
   fully_async stays fully_async);
 - the memory savers, tried in order for each layout until one fits: none, the gradient buffers freed between
   updates, Adam's moments offloaded too, then each of those with full activation recompute.
@@ -44,7 +44,7 @@ Setting = tuple[str, object]
 
 MAX_PIPELINE_STAGES = 16
 # the rollout pool's share of the cluster's machines (one machine: of its GPUs) a disaggregated layout tries
-ROLLOUT_SHARES = (0.25, 0.5, 0.75)
+ROLLOUT_SHARES = tuple(k / 8 for k in range(1, 8))  # eighths: 16 machines split 2 by 2, 128 by 16
 # memory savers, least time lost first: (grad_offload, optimizer_offload, full recompute). Freeing the gradient
 # buffers costs nothing (they are reallocated zeroed); the moments' copies cost PCIe time; recompute a forward.
 SAVERS = ((False, False, False), (True, False, False), (True, True, False),
