@@ -41,8 +41,8 @@ class Phase(StrEnum):
 
 
 # The timed phases of a step, in the order summaries and plots show them.
-TIMED_PHASES = (Phase.WAIT_ROLLOUT, Phase.GEN, Phase.REWARD, Phase.OLD_LOG_PROB, Phase.REF, Phase.TEACHER,
-                Phase.VALUES, Phase.ADV, Phase.UPDATE_CRITIC, Phase.UPDATE_ACTOR, Phase.SYNC)
+TIMED_PHASES = (Phase.WAIT_ROLLOUT, Phase.GEN, Phase.REWARD, Phase.RELEASE_ROLLOUT_MEMORY, Phase.OLD_LOG_PROB,
+                Phase.REF, Phase.TEACHER, Phase.VALUES, Phase.ADV, Phase.UPDATE_CRITIC, Phase.UPDATE_ACTOR, Phase.SYNC)
 
 
 class Role(StrEnum):

@@ -25,6 +25,12 @@ Torch-free. Each phase is bound by what it moves or computes at a stated fractio
   adapter instead: every rank receiving it whole (colocated: over the link the world spans), or a training rank
   sending it to each rollout rank it serves (disaggregated: over the network), and both sides' checksums of it;
   and its probe, one row through the trainer and vLLM;
+- the switches between training and generation that move bytes over PCIe (on GPUs; on CPU nothing moves): a
+  frozen role whose weights wait on the host between its passes (the reference always, a reward model or teacher
+  with `megatron.param_offload`) brings them back for its pass and sends them out after, in that pass's phase (the
+  actor's own `param_offload` is in its update's offload). vLLM going to sleep at level 2 (`release_rollout_memory`,
+  merged weights) discards its weights, which the sync rewrites, and unmaps its KV cache: no bytes move, and the
+  unmapping and mapping again are not modelled (a GPU run will say whether they matter);
 - a hardware description's fixed costs (`Hardware.decode_step_ms`, `layer_pass_ms`): each decode step and prefill
   call, each decoder layer's pass over a micro-batch (0 on the shipped GPUs).
 
@@ -243,6 +249,8 @@ def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency | None = N
         seconds += layer_passes_seconds(plan, layout, forward.micro_batches_per_rank, hardware) * bubble
         seconds += activation_traffic_seconds(plan, layout, 1, 1, hardware, eff, row_tokens,
                                               forward.micro_batches_per_rank)
+        if weights_wait_on_host(plan, Role(forward.role)):
+            seconds += 2 * memory[forward.role].params_gib * GIB / (hardware.host_bytes_per_s * eff.link)
         phases.append(PhaseTime(phase, seconds, "matmul"))
     for update in plan.updates:
         phase = UPDATE_PHASES[Role(update.role)]
@@ -311,6 +319,18 @@ def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency | None = N
         phases.append(PhaseTime(Phase.SYNC, moved + copied + digests + probe,
                                 "memory" if copied + digests >= moved else "network" if crosses else "NVLink"))
     return StepTime(hardware.name, tuple(phases), overlapped=resolved.async_mode != "sync")
+
+
+def weights_wait_on_host(plan: Plan, role: Role) -> bool:
+    """Whether a frozen role's weights go to the host after each pass and come back before the next
+    (`workers.backends.FrozenBackend`): the reference's own model always (it shares the GPUs with the actor and
+    vLLM; a LoRA actor's reference is its base, nothing moves), a reward model's or teacher's with
+    `megatron.param_offload`. On CPU the host is the device: nothing moves."""
+    if plan.resolved.device != "cuda":
+        return False
+    if role == Role.REF:
+        return plan.resolved.lora_rank == 0
+    return role in (Role.REWARD_MODEL, Role.TEACHER) and plan.layout(role).megatron.param_offload
 
 
 def step_time_line(step: StepTime) -> str:

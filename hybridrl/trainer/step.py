@@ -240,8 +240,8 @@ class StepRunner:
         weights into the rollout); the step's metrics."""
         plan, cfg = self.plan, self.config
         if plan.resolved.free_cache_engine:
-            self.run.phase = Phase.RELEASE_ROLLOUT_MEMORY
-            self.workers.actor_group.call_all(ColocatedPolicyWorker.release_rollout_memory)
+            with self.timed(timer, Phase.RELEASE_ROLLOUT_MEMORY):
+                self.workers.actor_group.call_all(ColocatedPolicyWorker.release_rollout_memory)
         batch.meta["temperature"] = cfg.actor_rollout_ref.rollout.temperature
         if plan.resolved.old_log_prob_pass:  # else the update's forward is the old policy (on-policy)
             with self.timed(timer, Phase.OLD_LOG_PROB):
