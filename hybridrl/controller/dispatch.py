@@ -184,6 +184,17 @@ def _whole_groups(rows: list[int], labels: Sequence[Any], per_rank: int) -> list
     return list(groups.values())
 
 
+def _dealt_units(rows: list[int], values: np.ndarray, labels: Sequence[Any] | None, prompts: np.ndarray | None,
+                 per_rank: int) -> tuple[list[list[int]], list[int]]:
+    """The units `rows` (one global mini-batch) are dealt in, and their tokens: its groups of equal `labels`, each
+    costing its prompt once plus its rows' responses, where they can be dealt whole; else its rows one by one."""
+    if labels is not None and prompts is not None:
+        units = _whole_groups(rows, labels, per_rank)
+        if units is not None:
+            return units, [int(values[u].sum() - (len(u) - 1) * prompts[u[0]]) for u in units]
+    return [[row] for row in rows], values[rows].tolist()
+
+
 def _dp_groups(rows: int, dp_size: int, mini_batches: int) -> list[list[int]]:
     """The rows of each global mini-batch under the plain split: rank d's chunk is rows
     [d*C, (d+1)*C) and its k-th mini-batch the k-th of `mini_batches` equal slices of that."""
@@ -221,12 +232,7 @@ def balanced_dp_order(tokens: Sequence[int] | np.ndarray, dp_size: int, mini_bat
     per_rank: list[list[int]] = [[] for _ in range(dp_size)]
     loads = [0] * dp_size
     for group in _dp_groups(len(values), dp_size, mini_batches):
-        units = None if groups is None else _whole_groups(group, groups, len(group) // dp_size)
-        if units is None:
-            units = [[row] for row in group]
-            costs = values[group].tolist()
-        else:
-            costs = [int(values[u].sum() - (len(u) - 1) * prompts[u[0]]) for u in units]
+        units, costs = _dealt_units(group, values, groups, prompts, len(group) // dp_size)
         parts = balanced_partition(costs, dp_size, equal_size=True)  # heaviest first
         free = sorted(range(dp_size), key=lambda d: (loads[d], d))
         for rank, part in zip(free, parts):

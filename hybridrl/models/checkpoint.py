@@ -29,7 +29,7 @@ import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
@@ -322,7 +322,14 @@ def read_pieces(pieces: Sequence[ShardRange], handle_of: Callable[[ModelRank], A
 TensorReader = HFCheckpointReader | McoreCheckpointReader
 
 
-def assemble(reader: TensorReader, plan: TensorPlan, dtype: torch.dtype | None = None) -> torch.Tensor:
+class RangeReader(Protocol):
+    """What `assemble` reads through: range [start, stop) along `axis` of one HF tensor (a checkpoint reader, or
+    `training.train_state.KindReader` over one kind of optimizer state)."""
+
+    def read(self, hf_name: str, axis: int | None, start: int, stop: int) -> torch.Tensor: ...
+
+
+def assemble(reader: RangeReader, plan: TensorPlan, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Build one megatron tensor from its plan: HF ranges concatenated along the axis, zero padding."""
     parts: list[torch.Tensor] = []
     for seg in plan.segments:

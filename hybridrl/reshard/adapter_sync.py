@@ -51,19 +51,24 @@ def gather_whole_adapters(adapters: Sequence[LoraAdapter], ctx: ParallelContext)
     own = lora_state(adapters)  # collective over each adapter's TP group
     pp_rank = ctx.pp_rank
     first_holder = ctx.tp_rank == 0 and ctx.dp_rank == 0 and ctx.cp_rank == 0
-    sources: list[object] = [None] * dist.get_world_size()
+    sources: list[tuple[int, bool] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(sources, (pp_rank, first_holder))
-    stage_sources = {}
-    for rank, (stage, first) in enumerate(sources):  # type: ignore[misc]
+    stage_sources: dict[int, int] = {}  # pipeline stage -> the rank that broadcasts its adapters
+    for rank, source in enumerate(sources):
+        if source is None:
+            raise RuntimeError(f"rank {rank} gave no (pipeline stage, first holder) to the all-gather")
+        stage, first = source
         if first:
             stage_sources.setdefault(stage, rank)
     me = dist.get_rank()
     state: dict[str, torch.Tensor] = {}
     received = 0
     for stage, src in sorted(stage_sources.items()):
-        box = [own if me == src else None]
+        box: list[dict[str, torch.Tensor] | None] = [own if me == src else None]
         dist.broadcast_object_list(box, src=src)
-        part: dict[str, torch.Tensor] = box[0]  # type: ignore[assignment]
+        part = box[0]
+        if part is None:
+            raise RuntimeError(f"rank {src} broadcast no adapters of pipeline stage {stage}")
         if stage != pp_rank:
             received += sum(t.numel() * t.element_size() for t in part.values())
         state.update(own if stage == pp_rank else part)

@@ -70,7 +70,11 @@ class CrossPoolLayout:
         """The vLLM TP rank of a rollout member (None for a training member)."""
         if member < self.trainer_world:
             return None
-        return (member - self.trainer_world) % self.infer_tp
+        return self.rollout_tp_index(member - self.trainer_world)
+
+    def rollout_tp_index(self, rollout_rank: int) -> int:
+        """The vLLM TP rank of rollout rank `rollout_rank`."""
+        return rollout_rank % self.infer_tp
 
 
 def all_holdings(shape: ModelShape, mesh: TrainingMesh, ep: int, use_tied_copy: bool) -> dict[str, list[Holding]]:
@@ -123,11 +127,11 @@ def cross_pool_pieces(shape: ModelShape, layout: CrossPoolLayout,
     names = list(targets_of[0])
     choose = _LeastLoaded()
     all_pieces: list[list[Piece]] = []
-    receivers = [layout.rollout_member(q) for q in range(layout.rollout_world)]
+    receivers = [(layout.rollout_member(q), layout.rollout_tp_index(q)) for q in range(layout.rollout_world)]
     for name in names:
         pieces: list[Piece] = []
-        for member in receivers:
-            target = targets_of[layout.gen_tp_index(member)][name]
+        for member, tp_index in receivers:
+            target = targets_of[tp_index][name]
             for piece in match_target(target, member, holdings, choose):
                 pieces.extend(split_piece(piece, bucket_numel))
         all_pieces.append(pieces)
@@ -144,7 +148,7 @@ def cross_pool_totals(shape: ModelShape, layout: CrossPoolLayout, bucket_numel: 
             received[piece.dst] += piece.numel
     needed = []
     for q in range(layout.rollout_world):
-        targets = vllm_targets(shape, layout.infer_tp, q % layout.infer_tp)
+        targets = vllm_targets(shape, layout.infer_tp, layout.rollout_tp_index(q))
         needed.append(sum(t.numel - t.padding_numel for t in targets.values()))
     return CrossPoolTotals(
         sent=tuple(sent[r] for r in range(layout.trainer_world)),
@@ -165,7 +169,7 @@ def build_cross_pool_plan(shape: ModelShape, layout: CrossPoolLayout, member: in
     gen_index = layout.gen_tp_index(member)
     receiving = gen_index is not None
     rank_buckets, peers, (recv, send, local) = rank_view(buckets, names if receiving else [], member)
-    targets = vllm_targets(shape, layout.infer_tp, gen_index) if receiving else {}
+    targets = vllm_targets(shape, layout.infer_tp, gen_index) if gen_index is not None else {}
     real = sum(t.numel - t.padding_numel for t in targets.values())
     if receiving:
         bound = real
@@ -175,7 +179,7 @@ def build_cross_pool_plan(shape: ModelShape, layout: CrossPoolLayout, member: in
     model_numel = sum(prod(dims) for dims in hf_tensor_shapes(shape).values())
     return RankReshardPlan(
         rank=member,
-        gen_tp_index=gen_index if receiving else -1,
+        gen_tp_index=gen_index if gen_index is not None else -1,
         infer_tp=layout.infer_tp,
         targets=targets,
         buckets=tuple(rank_buckets),

@@ -221,16 +221,20 @@ def _run_bucket(bucket: RankBucket, sources: Sequence[Mapping[str, torch.Tensor]
                 stats: ExchangeStats, scratch: ScratchBuffers | None = None) -> None:
     meter = stats.meter
     # one packed buffer per distinct piece list (shared by receivers); a lone contiguous piece is sent as is
-    packed: dict[tuple, torch.Tensor | None] = {}
+    packed: dict[tuple, torch.Tensor] = {}
     pieces_of: dict[tuple, Sequence[Piece]] = {}
+    to_pack: list[tuple] = []
     send_keys: list[tuple[int, tuple]] = []
     for dst, pieces in bucket.sends.items():
         key = _piece_key(pieces)
         send_keys.append((dst, key))
-        if key not in packed:
-            packed[key] = _sendable_as_is(sources, pieces, dtype)
+        if key not in pieces_of:
             pieces_of[key] = pieces
-    to_pack = [key for key, view in packed.items() if view is None]
+            view = _sendable_as_is(sources, pieces, dtype)
+            if view is None:
+                to_pack.append(key)
+            else:
+                packed[key] = view
     numels = [sum(p.numel for p in pieces_of[key]) for key in to_pack]
     numels += [sum(p.numel for p in pieces) for pieces in bucket.recvs.values()]
     buffers = (scratch.carve(numels, dtype, device) if scratch is not None

@@ -28,6 +28,8 @@ def _materialize(target: TensorPlan, tensor_of: Callable[[str], torch.Tensor], l
     """One vLLM tensor from full HF tensors: its segments concatenated, zero rows for padding (a copy)."""
     if target.axis is None:
         (seg,) = target.segments
+        if seg.hf_name is None:
+            raise ValueError(f"{target.name}: a whole copy (axis None) of no HF tensor (a padding segment)")
         return tensor_of(seg.hf_name).clone()
     parts = [None if s.hf_name is None else tensor_of(s.hf_name).narrow(target.axis, s.start, s.length)
              for s in target.segments]

@@ -280,7 +280,8 @@ def training_sources(models: Sequence[Any], mesh: TrainingMesh, rank: int,
         raise ValueError(f"rank {rank}: the resharder's mesh lays the model out as "
                          f"{mesh.layout(built.ep, built.etp)}, its models were built as {built}")
     # mcore name (local spec) -> tensor, per chunk; TE specs rename the fused norms (per layer: chunk_tensors).
-    tensors = [{name: t.detach() for name, t in chunk_tensors(model)[1].items()} for model in chunks]
+    tensors: list[Mapping[str, torch.Tensor]] = [{name: t.detach() for name, t in chunk_tensors(model)[1].items()}
+                                                 for model in chunks]
     first = next(iter(tensors[0].values()))
     # A LoRA actor's adapters are merged into the weights they adapt as these are read (`lora.merged_weights`).
     merged = ([merged_weights(model, chunk) for model, chunk in zip(chunks, tensors, strict=True)]

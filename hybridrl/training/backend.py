@@ -105,6 +105,13 @@ class RoleSpec:
             raise ValueError(f"{self.role} is frozen: it has no optimizer")
         return self.optim
 
+    @property
+    def adapter_settings(self) -> LoraSettings:
+        """The LoRA settings of a role with adapters (the actor, model.lora.rank > 0); the others have none."""
+        if self.lora is None:
+            raise ValueError(f"{self.role} has no LoRA adapters (model.lora.rank is 0)")
+        return self.lora
+
 
 def lora_settings(config: LoraConfig, seed: int) -> LoraSettings | None:
     """The adapters a role's `model.lora` section asks for (None at rank 0): verl's names read as `LoraSettings`."""
@@ -477,6 +484,13 @@ class MegatronBackend:
             self.models = chunks
         self._offloaded = False
 
+    @property
+    def trained_schedule(self) -> LRSchedule:
+        """The LR schedule of a role that trains; a frozen role (ref, reward model, teacher) has none."""
+        if self.schedule is None:
+            raise RuntimeError(f"role {self.spec.role} is frozen: it has no LR schedule")
+        return self.schedule
+
     # ------------------------------------------------------------------------ construction
     def _check_context_parallel(self, spec: RoleSpec) -> None:
         """What context parallelism serves today (the plan refuses the rest first, `config/validate.py`)."""
@@ -539,9 +553,9 @@ class MegatronBackend:
         hold the adapters alone), from `lora_adapter_path` when set."""
         if not spec.trainable:
             raise ValueError(f"{spec.role}: LoRA adapters are for a trained role (the actor)")
-        adapters = [adapter for chunk in chunks for adapter in add_lora(chunk, spec.lora)]
+        adapters = [adapter for chunk in chunks for adapter in add_lora(chunk, spec.adapter_settings)]
         if spec.lora_adapter_path:
-            load_lora_state(adapters, read_peft_adapter(spec.lora_adapter_path, spec.lora))
+            load_lora_state(adapters, read_peft_adapter(spec.lora_adapter_path, spec.adapter_settings))
 
     def _wrap_for_training(self, chunks: list[Any]) -> list[Any]:
         from megatron.core.distributed import (
@@ -756,7 +770,7 @@ class MegatronBackend:
             m.train()
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        lr = self.schedule.current_lr
+        lr = self.trained_schedule.current_lr
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_mult", 1.0)
             group["weight_decay"] = self.spec.trained_optim.weight_decay * group.get("wd_mult", 1.0)
@@ -769,7 +783,7 @@ class MegatronBackend:
             return StepResult(list(metrics), float("nan"), lr, False)
         applied, grad_norm, _ = self.optimizer.step()
         if applied:
-            self.schedule.step_count += 1
+            self.trained_schedule.step_count += 1
         return StepResult(list(metrics), float(grad_norm) if grad_norm is not None else float("nan"), lr,
                           bool(applied))
 

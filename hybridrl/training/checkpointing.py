@@ -114,7 +114,7 @@ def rank_file(rank: int) -> str:
 def _settings(backend: MegatronBackend) -> dict[str, Any]:
     """A LoRA actor's adapter settings as the metadata keeps them (JSON), which a resume must match; not the seed
     (it draws the first A only: a resumed run may change trainer.seed)."""
-    settings = asdict(backend.spec.lora)
+    settings = asdict(backend.spec.adapter_settings)
     settings.pop("seed")
     return json.loads(json.dumps(settings))
 
@@ -200,6 +200,8 @@ def save_role_checkpoint(backend: MegatronBackend, out_dir: str | Path) -> Path:
     try:
         if not backend.spec.value_head:
             save_mcore_checkpoint(backend.chunks, staging / MODEL_DIR, ctx=ctx)
+        tensors: dict[str, torch.Tensor]
+        view: OptimizerView | None
         if backend.spec.lora is not None:  # the frozen base above; the adapters and their optimizer state
             lora = save_lora_checkpoint(backend, staging)
             tensors, optimizer, view = {}, lora["optimizer"], OptimizerView(backend.optimizer)
@@ -238,7 +240,7 @@ def save_role_checkpoint(backend: MegatronBackend, out_dir: str | Path) -> Path:
                     "train_state": dict(e for e in files if e is not None)}
             if lora is not None:
                 meta["lora"] = {"files": lora["files"], "settings": _settings(backend)}
-                write_peft_folder(staging, lora["files"], backend.spec.lora, backend.spec.model_path)
+                write_peft_folder(staging, lora["files"], backend.spec.adapter_settings, backend.spec.model_path)
             (staging / METADATA).write_text(json.dumps(meta, indent=1))
             commit_staging_dir(staging, out_dir)
         dist.barrier()
@@ -341,7 +343,7 @@ def load_role_checkpoint(backend: MegatronBackend, ckpt_dir: str | Path) -> dict
         load_weights(backend.chunks, ckpt_dir / MODEL_DIR)  # the frozen base
         restore_lora_checkpoint(backend, ckpt_dir, meta)
         load_group_settings(OptimizerView(backend.optimizer), state["optimizer"])
-        backend.schedule.load_state_dict(state["schedule"])
+        backend.trained_schedule.load_state_dict(state["schedule"])
         load_rng_state(state["rng"], backend.spec.device_policy)
         return {**meta, "resharded": not same, "rng_source_rank": source}
     entries = state_entries(backend)
@@ -359,7 +361,7 @@ def load_role_checkpoint(backend: MegatronBackend, ckpt_dir: str | Path) -> dict
             load_optimizer(entries, view, meta["optimizer"],
                            lambda kind, entry: saved_tensor(store, kind, entry, same, ctx))
             load_group_settings(view, state["optimizer"])
-            backend.schedule.load_state_dict(state["schedule"])
+            backend.trained_schedule.load_state_dict(state["schedule"])
     finally:
         store.close()
     load_rng_state(state["rng"], backend.spec.device_policy)

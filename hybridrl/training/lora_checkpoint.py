@@ -10,6 +10,7 @@ Face PEFT adapter (`peft.PeftModel.from_pretrained` loads it onto the transforme
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,13 @@ def _entries(adapters: list[LoraAdapter]) -> list[StateEntry]:
     return [StateEntry(f"adapter parameter {i}", None, param, False) for i, param in enumerate(params)]
 
 
+def _saved_state(local: dict[int, dict[str, torch.Tensor]], index: dict[int, int],
+                 kind: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`lora_state`'s `of`: an adapter parameter's `kind` optimizer tensor (`local` by entry, `index`: the entry of
+    each parameter by id)."""
+    return lambda param: local[index[id(param)]][kind]
+
+
 def save_lora_checkpoint(backend: MegatronBackend, staging: Path) -> dict[str, Any]:
     """Collective over the role's group: write this stage's adapter file (first holders) and return the adapters'
     optimizer summary and the files written (the same on every rank)."""
@@ -60,7 +68,8 @@ def save_lora_checkpoint(backend: MegatronBackend, staging: Path) -> dict[str, A
     adapters = lora_adapters(backend.chunks)
     entries = _entries(adapters)
     view = OptimizerView(backend.optimizer)
-    error, local, summary = None, {}, None
+    error, summary = None, None
+    local: dict[int, dict[str, torch.Tensor]] = {}
     try:
         local, summary = local_optimizer_state(entries, view)
     except Exception as exc:  # noqa: BLE001 - agreed on below, before any further collective
@@ -73,7 +82,7 @@ def save_lora_checkpoint(backend: MegatronBackend, staging: Path) -> dict[str, A
         index = {id(entry.param): i for i, entry in enumerate(entries)}
         tensors = {f"{WEIGHT}/{name}": t for name, t in lora_state(adapters).items()}
         for kind in optimizer["kinds"] if optimizer["step"] is not None else ():
-            state = lora_state(adapters, of=lambda p, kind=kind: local[index[id(p)]][kind])
+            state = lora_state(adapters, of=_saved_state(local, index, kind))
             tensors.update({f"{kind}/{name}": t for name, t in state.items()})
         if ctx.tp_rank == 0:
             path = staging / stage_file(ctx.pp_rank)

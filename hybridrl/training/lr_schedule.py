@@ -51,6 +51,8 @@ class LRSchedule:
             return self.lr * (step + 1) / self.warmup_steps
         if self.decay_style == "constant":
             return self.lr
+        if self.total_steps is None:  # refused by __post_init__, unless decay_style was changed since
+            raise ValueError(f"lr_decay_style={self.decay_style!r} needs the total number of optimizer steps")
         span = max(1, self.total_steps - self.warmup_steps)
         progress = min(1.0, (step - self.warmup_steps) / span)
         coeff = 1.0 - progress if self.decay_style == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))

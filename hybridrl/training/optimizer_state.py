@@ -47,6 +47,13 @@ class Slot:
             return full.reshape(self.main.shape)
         return full.reshape(-1)[self.start:self.stop]
 
+    @property
+    def flat_range(self) -> tuple[int, int]:
+        """[start, stop) of a distributed optimizer's slot: its DP shard of the flattened parameter."""
+        if self.start is None or self.stop is None:
+            raise RoleCheckpointError("a whole parameter's optimizer slot has no DP shard range")
+        return self.start, self.stop
+
 
 class OptimizerView:
     """Maps model parameters to (inner torch optimizer, main tensor, flat range) for megatron-core 0.16's
@@ -182,7 +189,7 @@ def gather_sharded(entries: list[StateEntry], local: dict[int, dict[str, torch.T
         slots = {i: view.slot(entries[i]) for i in members}
         for kind, dtype_name in kinds.items():
             dtype = getattr(torch, dtype_name)
-            owned = [(i, s.start, s.stop) for i, s in slots.items() if s is not None and kind in local[i]]
+            owned = [(i, *s.flat_range) for i, s in slots.items() if s is not None and kind in local[i]]
             indices: list[Any] = [None] * size
             dist.all_gather_object(indices, owned, group=group)
             width = max(sum(stop - start for _, start, stop in idx) for idx in indices)
@@ -193,7 +200,7 @@ def gather_sharded(entries: list[StateEntry], local: dict[int, dict[str, torch.T
                 offset += stop - start
             received = [torch.empty(width, dtype=dtype, device=device) for _ in range(size)] if is_dst else None
             dist.gather(send, received, dst=dst, group=group)
-            if not is_dst:
+            if received is None:  # not the destination
                 continue
             covered: dict[int, int] = {}
             for idx, chunk in zip(indices, received):

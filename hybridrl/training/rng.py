@@ -18,7 +18,11 @@ from hybridrl.parallel.device_policy import DevicePolicy
 def rng_state(policy: DevicePolicy) -> dict[str, Any]:
     from megatron.core import tensor_parallel
 
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    # legacy=True is numpy's default, spelled out: numpy's stubs type the bare call as the dict form
+    legacy = np.random.get_state(legacy=True)
+    if not isinstance(legacy, tuple):
+        raise TypeError("numpy's global random state is not MT19937 (no legacy state tuple): it cannot be saved")
+    kind, keys, pos, has_gauss, cached = legacy
     state = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),

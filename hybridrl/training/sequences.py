@@ -125,10 +125,12 @@ class ModelInputs:
         and its token counts."""
         columns = torch.arange(self.input_ids.shape[1], device=self.input_ids.device).unsqueeze(0)
         if self.is_packed:
-            real = torch.arange(self.packed_columns.shape[1], device=columns.device).unsqueeze(0) <= \
-                self.last_index.unsqueeze(1)
+            packed = self.packed_columns
+            if packed is None:
+                raise ValueError("a packed ModelInputs (cu_seqlens set) has no packed_columns")
+            real = torch.arange(packed.shape[1], device=columns.device).unsqueeze(0) <= self.last_index.unsqueeze(1)
             held = torch.zeros(self.input_ids.shape[1], dtype=torch.bool, device=columns.device)
-            return ~held.index_fill_(0, self.packed_columns[real], True).unsqueeze(0)
+            return ~held.index_fill_(0, packed[real], True).unsqueeze(0)
         return columns > self.last_index.unsqueeze(1)
 
     def token_index(self, rows: Tensor, columns: Tensor) -> tuple[Tensor, Tensor]:
