@@ -310,6 +310,19 @@ def _check_batch_basics(check: Checker, config: JobConfig) -> bool:
 def _check_layout(check: Checker, prefix: str, mc: MegatronConfig, world: int, model: ModelShape | None,
                   trainable: bool = True) -> int:
     """Training layout rules for one role; returns its data-parallel size (0 when invalid)."""
+    if not _check_parallel_sizes(check, prefix, mc, trainable):
+        return 0
+    _check_role_savers(check, prefix, mc, trainable)
+    dp = _data_parallel_size(check, prefix, mc, world) if world else 0
+    if model is not None:
+        _check_model_splits(check, prefix, mc, model, trainable)
+    if not check_experts(check, prefix, mc, mc.tensor_model_parallel_size, mc.context_parallel_size, dp, model):
+        return 0
+    return dp
+
+
+def _check_parallel_sizes(check: Checker, prefix: str, mc: MegatronConfig, trainable: bool) -> bool:
+    """TP, PP, CP and VPP are whole numbers >= 1, and VPP and an uneven stage split only with a pipeline."""
     tp, pp, cp, vpp = (mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size,
                        mc.context_parallel_size, mc.virtual_pipeline_model_parallel_size)
     ok = check.is_int_at_least(f"{prefix}.tensor_model_parallel_size", tp, 1)
@@ -336,68 +349,78 @@ def _check_layout(check: Checker, prefix: str, mc: MegatronConfig, world: int, m
             ok = check.fail(f"{prefix}.{name}", value,
                             f"needs pipeline_model_parallel_size > 1 (it is {pp}): it sets an uneven split of the "
                             "layers over pipeline stages; use null without PP", [None])
-    if not ok:
-        return 0
+    return ok
+
+
+def _check_role_savers(check: Checker, prefix: str, mc: MegatronConfig, trainable: bool) -> None:
+    """param_offload where a role has an idle stretch to pay for it; sequence parallelism where TP splits."""
     if trainable and mc.param_offload and not prefix.startswith("actor_rollout_ref."):
         # the colocated actor's parameters are idle while vLLM generates (training/offload.py); the critic's
         # phases follow one another with no idle stretch to pay for the copies
         check.fail(f"{prefix}.param_offload", True,
                    "is supported for the colocated actor and the frozen roles (ref, reward model); for the critic "
                    "use optimizer_offload and grad_offload", [False])
-    if mc.sequence_parallel and tp == 1:
+    if mc.sequence_parallel and mc.tensor_model_parallel_size == 1:
         check.warnings.append(f"{prefix}.sequence_parallel=true has no effect with tensor_model_parallel_size=1")
-    dp = 0
-    if world:
-        gpus = f"the {world} GPUs"
-        if world % tp:
-            check.fail(f"{prefix}.tensor_model_parallel_size", tp, f"must divide {gpus}", divisors(world))
-        elif (world // tp) % pp:
-            check.fail(f"{prefix}.pipeline_model_parallel_size", pp,
-                       f"× tensor_model_parallel_size={tp} must divide {gpus}", divisors(world // tp))
-        elif (world // (tp * pp)) % cp:
-            check.fail(f"{prefix}.context_parallel_size", cp,
-                       f"× tensor_model_parallel_size={tp} × pipeline_model_parallel_size={pp} must divide {gpus} "
-                       "(CP × TP × PP × DP = world)", divisors(world // (tp * pp)))
-        else:
-            dp = world // (tp * pp * cp)
-    if model is not None:
-        heads, kv = model.num_attention_heads, model.num_kv_heads
-        if heads % tp:
-            check.fail(f"{prefix}.tensor_model_parallel_size", tp,
-                       f"must divide the model's {heads} attention heads", divisors(heads))
-        elif kv % tp and tp % kv:
-            check.fail(f"{prefix}.tensor_model_parallel_size", tp,
-                       f"must divide the model's {kv} KV heads or be a multiple of them (KV heads are "
-                       f"replicated when TP > KV heads)",
-                       [d for d in divisors(heads) if kv % d == 0 or d % kv == 0])
-        elif model.ffn_hidden_size % tp:
-            check.fail(f"{prefix}.tensor_model_parallel_size", tp,
-                       f"must divide the model's intermediate_size={model.ffn_hidden_size}",
-                       [d for d in divisors(heads) if model.ffn_hidden_size % d == 0])
-        if model.is_moe and trainable and tp > 1 and not mc.sequence_parallel:
-            # megatron-core 0.16.1 MoELayer.forward raises in training with TP > 1 and no SP
-            check.fail(f"{prefix}.sequence_parallel", False,
-                       f"must be true to train a mixture-of-experts model at tensor_model_parallel_size={tp}: "
-                       "megatron's MoE layer refuses TP without sequence parallelism in training", [True])
-        if model.is_moe and mc.expert_tensor_parallel_size in (None, tp) and model.moe_ffn_hidden_size % tp:
-            check.fail(f"{prefix}.tensor_model_parallel_size", tp,
-                       f"must divide the experts' intermediate size {model.moe_ffn_hidden_size} (each expert is "
-                       "split over TP like the dense MLP)", [d for d in divisors(heads)
-                                                             if model.moe_ffn_hidden_size % d == 0])
-        chunks = pp * (vpp or 1)
-        uneven = mc.num_layers_in_first_pipeline_stage is not None or mc.num_layers_in_last_pipeline_stage is not None
-        if uneven:
-            _check_stage_split(check, prefix, mc, model)
-        elif model.num_layers % chunks:
-            field = "virtual_pipeline_model_parallel_size" if vpp else "pipeline_model_parallel_size"
-            value = vpp if vpp else pp
-            valid = ([v for v in divisors(model.num_layers // pp) if model.num_layers % (pp * v) == 0]
-                     if vpp and model.num_layers % pp == 0 else divisors(model.num_layers))
-            check.fail(f"{prefix}.{field}", value,
-                       f"(PP×VPP={chunks}) must divide the model's {model.num_layers} layers", valid)
-    if not check_experts(check, prefix, mc, tp, cp, dp, model):
-        return 0
-    return dp
+
+
+def _data_parallel_size(check: Checker, prefix: str, mc: MegatronConfig, world: int) -> int:
+    """world / (TP x PP x CP), or 0 with the first of them that does not divide what is left of the world."""
+    tp, pp, cp = mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size, mc.context_parallel_size
+    gpus = f"the {world} GPUs"
+    if world % tp:
+        check.fail(f"{prefix}.tensor_model_parallel_size", tp, f"must divide {gpus}", divisors(world))
+    elif (world // tp) % pp:
+        check.fail(f"{prefix}.pipeline_model_parallel_size", pp,
+                   f"× tensor_model_parallel_size={tp} must divide {gpus}", divisors(world // tp))
+    elif (world // (tp * pp)) % cp:
+        check.fail(f"{prefix}.context_parallel_size", cp,
+                   f"× tensor_model_parallel_size={tp} × pipeline_model_parallel_size={pp} must divide {gpus} "
+                   "(CP × TP × PP × DP = world)", divisors(world // (tp * pp)))
+    else:
+        return world // (tp * pp * cp)
+    return 0
+
+
+def _check_model_splits(check: Checker, prefix: str, mc: MegatronConfig, model: ModelShape, trainable: bool) -> None:
+    """TP divides the model's heads, KV heads and FFN (an MoE model's experts' too, with sequence parallelism to
+    train); PP x VPP divides its layers (or the uneven split adds up)."""
+    tp, pp = mc.tensor_model_parallel_size, mc.pipeline_model_parallel_size
+    vpp = mc.virtual_pipeline_model_parallel_size
+    heads, kv = model.num_attention_heads, model.num_kv_heads
+    if heads % tp:
+        check.fail(f"{prefix}.tensor_model_parallel_size", tp,
+                   f"must divide the model's {heads} attention heads", divisors(heads))
+    elif kv % tp and tp % kv:
+        check.fail(f"{prefix}.tensor_model_parallel_size", tp,
+                   f"must divide the model's {kv} KV heads or be a multiple of them (KV heads are "
+                   f"replicated when TP > KV heads)",
+                   [d for d in divisors(heads) if kv % d == 0 or d % kv == 0])
+    elif model.ffn_hidden_size % tp:
+        check.fail(f"{prefix}.tensor_model_parallel_size", tp,
+                   f"must divide the model's intermediate_size={model.ffn_hidden_size}",
+                   [d for d in divisors(heads) if model.ffn_hidden_size % d == 0])
+    if model.is_moe and trainable and tp > 1 and not mc.sequence_parallel:
+        # megatron-core 0.16.1 MoELayer.forward raises in training with TP > 1 and no SP
+        check.fail(f"{prefix}.sequence_parallel", False,
+                   f"must be true to train a mixture-of-experts model at tensor_model_parallel_size={tp}: "
+                   "megatron's MoE layer refuses TP without sequence parallelism in training", [True])
+    if model.is_moe and mc.expert_tensor_parallel_size in (None, tp) and model.moe_ffn_hidden_size % tp:
+        check.fail(f"{prefix}.tensor_model_parallel_size", tp,
+                   f"must divide the experts' intermediate size {model.moe_ffn_hidden_size} (each expert is "
+                   "split over TP like the dense MLP)", [d for d in divisors(heads)
+                                                         if model.moe_ffn_hidden_size % d == 0])
+    chunks = pp * (vpp or 1)
+    uneven = mc.num_layers_in_first_pipeline_stage is not None or mc.num_layers_in_last_pipeline_stage is not None
+    if uneven:
+        _check_stage_split(check, prefix, mc, model)
+    elif model.num_layers % chunks:
+        field = "virtual_pipeline_model_parallel_size" if vpp else "pipeline_model_parallel_size"
+        value = vpp if vpp else pp
+        valid = ([v for v in divisors(model.num_layers // pp) if model.num_layers % (pp * v) == 0]
+                 if vpp and model.num_layers % pp == 0 else divisors(model.num_layers))
+        check.fail(f"{prefix}.{field}", value,
+                   f"(PP×VPP={chunks}) must divide the model's {model.num_layers} layers", valid)
 
 
 STAGE_SPLIT_FIELDS = ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
