@@ -42,11 +42,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hybridrl.config.estimates import DTYPE_BYTES, GIB, forward_flops, kv_bytes_per_token
+from hybridrl.config.estimates import DTYPE_BYTES, GIB, TrainingMemory, forward_flops, kv_bytes_per_token
 from hybridrl.config.hardware import Efficiency, Hardware
 from hybridrl.config.meshes import adapter_receivers
 from hybridrl.config.model_shapes import ModelShape, role_model_shape
-from hybridrl.config.plan import PASS_PHASES, UPDATE_PHASES, Plan, RoleLayout, served_adapter_bytes, step_flops_at
+from hybridrl.config.plan import (
+    PASS_PHASES,
+    UPDATE_PHASES,
+    ForwardPlan,
+    Plan,
+    RoleLayout,
+    UpdatePlan,
+    served_adapter_bytes,
+    step_flops_at,
+)
 from hybridrl.names import Phase, Role
 
 # The sync's checksums (`parallel.digest.tensor_digest`) read each byte of a generation shard this many times over,
@@ -228,70 +237,87 @@ def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency | None = N
     if plan.model is None or plan.rollout_memory is None:
         return None
     eff = eff or hardware.efficiency
-    config, resolved = plan.config, plan.resolved
     row_tokens = None if lengths is None else lengths.computed_tokens
     flops = dict(plan.step_flops if lengths is None else
                  step_flops_at(plan, lengths.prompt_tokens, lengths.response_tokens, lengths.computed_tokens))
     memory = {m.role: m for m in plan.training_memory}
-    per_node = config.trainer.n_gpus_per_node
-    phases: list[PhaseTime] = []
     gen, bound = generation_seconds(plan, hardware, eff, lengths)
-    phases.append(PhaseTime(Phase.GEN, gen, bound))
-    for forward in plan.forwards:
-        phase = PASS_PHASES[forward.pass_name]
-        if phase not in flops:  # a pass that does not run (the on-policy old-log-prob pass)
-            continue
-        layout = plan.layout(forward.role)
-        mc = layout.megatron
-        peak = hardware.peak_flops(mc.dtype or resolved.train_dtype)
-        bubble = 1 + (layout.mesh.pp - 1) / max(1, forward.micro_batches_per_rank)
-        seconds = flops[phase] / layout.mesh.world_size / (peak * eff.forward_matmul) * bubble
-        seconds += layer_passes_seconds(plan, layout, forward.micro_batches_per_rank, hardware) * bubble
-        seconds += activation_traffic_seconds(plan, layout, 1, 1, hardware, eff, row_tokens,
-                                              forward.micro_batches_per_rank)
-        if weights_wait_on_host(plan, Role(forward.role)):
-            seconds += 2 * memory[forward.role].params_gib * GIB / (hardware.host_bytes_per_s * eff.link)
-        phases.append(PhaseTime(phase, seconds, "matmul"))
-    for update in plan.updates:
-        phase = UPDATE_PHASES[Role(update.role)]
-        layout = plan.layout(update.role)
-        mesh, mc = layout.mesh, layout.megatron
-        peak = hardware.peak_flops(mc.dtype or resolved.train_dtype)
-        section = config.critic if update.role == Role.CRITIC else config.actor_rollout_ref
-        recompute = 4 / 3 if section.model.enable_gradient_checkpointing else 1.0
-        micro = update.grad_accum_steps or max(1, update.sequences_per_rank_per_mini_batch)
-        bubble = 1 + (mesh.pp - 1) / (micro * (mesh.vpp or 1))
-        compute = flops[phase] * recompute / mesh.world_size / (peak * eff.update_matmul) * bubble
-        # forward, backward (two) and a recomputed forward of every micro-batch of every optimizer step
-        passes = update.optimizer_steps_per_step * micro * (3 + (recompute > 1))
-        compute += layer_passes_seconds(plan, layout, passes, hardware) * bubble
-        compute += activation_traffic_seconds(plan, layout, update.ppo_epochs * (2 + (recompute > 1)),
-                                              update.ppo_epochs * 2, hardware, eff, row_tokens,
-                                              update.optimizer_steps_per_step // update.ppo_epochs * micro)
-        role_memory = memory[update.role]
-        params = role_memory.params_gib * GIB
-        grads = role_memory.grads_gib * GIB
-        span = mesh.tp * mesh.cp * mesh.dp  # consecutive ranks a DP group reaches across (megatron's order)
-        # a ring all-reduce of the gradients; with the distributed optimizer a reduce-scatter of them and an
-        # all-gather of the updated parameters instead
-        ring_bytes = (mesh.dp - 1) / mesh.dp * (grads + params if mc.use_distributed_optimizer else 2 * grads)
-        ring = ring_bytes / (hardware.link_bytes_per_s(span > per_node) * eff.link)
-        elements = params / DTYPE_BYTES[mc.dtype or resolved.train_dtype]
-        # megatron's DDP reduces in buckets of at least 40M parameters: each bucket's ring pays 2 (DP - 1) latencies
-        ring += math.ceil(elements / DDP_BUCKET_PARAMS) * 2 * (mesh.dp - 1) * hardware.link_latency_us / 1e6
-        shards = mesh.dp if mc.use_distributed_optimizer else 1
-        adam = elements / shards * ADAM_BYTES_PER_PARAM / (hardware.memory_bytes_per_s * eff.optimizer_memory)
-        # what the role offloads leaves the GPU after its update and comes back before the next (`training.offload`:
-        # Adam's moments and the parameters are copied; the gradient buffers are freed and reallocated zeroed)
-        offloaded = (role_memory.moments_gib * GIB if mc.optimizer_offload else 0.0) + (
-            params if mc.param_offload else 0.0)
-        offload = 2 * offloaded / (hardware.host_bytes_per_s * eff.link)
-        phases.append(PhaseTime(phase, compute + update.optimizer_steps_per_step * (ring + adam) + offload, "matmul"))
-    reshard = plan.reshard
+    phases = [PhaseTime(Phase.GEN, gen, bound)]
+    # a pass that does not run (the on-policy old-log-prob pass) has no FLOPs
+    phases += [pass_time(plan, forward, flops[PASS_PHASES[forward.pass_name]], memory, hardware, eff, row_tokens)
+               for forward in plan.forwards if PASS_PHASES[forward.pass_name] in flops]
+    phases += [update_time(plan, update, flops[UPDATE_PHASES[Role(update.role)]], memory[update.role], hardware, eff,
+                           row_tokens) for update in plan.updates]
+    sync = sync_time(plan, hardware, eff)
+    if sync is not None:
+        phases.append(sync)
+    return StepTime(hardware.name, tuple(phases), overlapped=plan.resolved.async_mode != "sync")
+
+
+def pass_time(plan: Plan, forward: ForwardPlan, flops: float, memory: dict[str, TrainingMemory], hardware: Hardware,
+              eff: Efficiency, row_tokens: float | None) -> PhaseTime:
+    """A forward pass (old, reference, teacher log-probs; values; reward scores): its FLOPs over the role's GPUs
+    stretched by the pipeline's fill and drain, the layers' fixed costs, the activation traffic, and the weights'
+    round trip to the host when they wait there between passes."""
+    layout = plan.layout(forward.role)
+    peak = hardware.peak_flops(layout.megatron.dtype or plan.resolved.train_dtype)
+    bubble = 1 + (layout.mesh.pp - 1) / max(1, forward.micro_batches_per_rank)
+    seconds = flops / layout.mesh.world_size / (peak * eff.forward_matmul) * bubble
+    seconds += layer_passes_seconds(plan, layout, forward.micro_batches_per_rank, hardware) * bubble
+    seconds += activation_traffic_seconds(plan, layout, 1, 1, hardware, eff, row_tokens, forward.micro_batches_per_rank)
+    if weights_wait_on_host(plan, Role(forward.role)):
+        seconds += 2 * memory[forward.role].params_gib * GIB / (hardware.host_bytes_per_s * eff.link)
+    return PhaseTime(PASS_PHASES[forward.pass_name], seconds, "matmul")
+
+
+def update_time(plan: Plan, update: UpdatePlan, flops: float, role_memory: TrainingMemory, hardware: Hardware,
+                eff: Efficiency, row_tokens: float | None) -> PhaseTime:
+    """A trained role's update: forward and backward FLOPs (a recomputed forward more) over its GPUs with the
+    interleaved pipeline's bubble, the activation traffic, and per optimizer step the DP gradient reduction and
+    Adam's pass; per step what it offloads to the host and back."""
+    layout = plan.layout(update.role)
+    mesh, mc = layout.mesh, layout.megatron
+    peak = hardware.peak_flops(mc.dtype or plan.resolved.train_dtype)
+    section = plan.config.critic if update.role == Role.CRITIC else plan.config.actor_rollout_ref
+    recompute = 4 / 3 if section.model.enable_gradient_checkpointing else 1.0
+    micro = update.grad_accum_steps or max(1, update.sequences_per_rank_per_mini_batch)
+    bubble = 1 + (mesh.pp - 1) / (micro * (mesh.vpp or 1))
+    compute = flops * recompute / mesh.world_size / (peak * eff.update_matmul) * bubble
+    # forward, backward (two) and a recomputed forward of every micro-batch of every optimizer step
+    passes = update.optimizer_steps_per_step * micro * (3 + (recompute > 1))
+    compute += layer_passes_seconds(plan, layout, passes, hardware) * bubble
+    compute += activation_traffic_seconds(plan, layout, update.ppo_epochs * (2 + (recompute > 1)),
+                                          update.ppo_epochs * 2, hardware, eff, row_tokens,
+                                          update.optimizer_steps_per_step // update.ppo_epochs * micro)
+    params = role_memory.params_gib * GIB
+    grads = role_memory.grads_gib * GIB
+    span = mesh.tp * mesh.cp * mesh.dp  # consecutive ranks a DP group reaches across (megatron's order)
+    # a ring all-reduce of the gradients; with the distributed optimizer a reduce-scatter of them and an
+    # all-gather of the updated parameters instead
+    ring_bytes = (mesh.dp - 1) / mesh.dp * (grads + params if mc.use_distributed_optimizer else 2 * grads)
+    ring = ring_bytes / (hardware.link_bytes_per_s(span > plan.config.trainer.n_gpus_per_node) * eff.link)
+    elements = params / DTYPE_BYTES[mc.dtype or plan.resolved.train_dtype]
+    # megatron's DDP reduces in buckets of at least 40M parameters: each bucket's ring pays 2 (DP - 1) latencies
+    ring += math.ceil(elements / DDP_BUCKET_PARAMS) * 2 * (mesh.dp - 1) * hardware.link_latency_us / 1e6
+    shards = mesh.dp if mc.use_distributed_optimizer else 1
+    adam = elements / shards * ADAM_BYTES_PER_PARAM / (hardware.memory_bytes_per_s * eff.optimizer_memory)
+    # what the role offloads leaves the GPU after its update and comes back before the next (`training.offload`:
+    # Adam's moments and the parameters are copied; the gradient buffers are freed and reallocated zeroed)
+    offloaded = (role_memory.moments_gib * GIB if mc.optimizer_offload else 0.0) + (
+        params if mc.param_offload else 0.0)
+    offload = 2 * offloaded / (hardware.host_bytes_per_s * eff.link)
+    return PhaseTime(UPDATE_PHASES[Role(update.role)],
+                     compute + update.optimizer_steps_per_step * (ring + adam) + offload, "matmul")
+
+
+def sync_time(plan: Plan, hardware: Hardware, eff: Efficiency) -> PhaseTime | None:
+    """The weight sync and its probe: the served adapter alone, the cross-pool bytes, or the colocated resharder's
+    traffic, its copy into vLLM and both sides' checksums (None: a plan with no sync)."""
+    resolved, reshard = plan.resolved, plan.reshard
+    per_node = plan.config.trainer.n_gpus_per_node
     # the sync's proof: the probe row through the trainer's layers and through every vLLM replica
     actor = plan.layout(Role.ACTOR)
     probe = layer_passes_seconds(plan, actor, actor.mesh.pp, hardware) + hardware.decode_step_ms / 1e3
-
     adapter = served_adapter_bytes(plan)
     if adapter:  # the adapter alone (the base crossed once, at set-up)
         digests = digest_seconds(plan, hardware, eff, adapter)
@@ -299,26 +325,25 @@ def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency | None = N
             trainers = actor.mesh.world_size
             most = max(len(adapter_receivers(r, trainers, resolved.rollout_world)) for r in range(trainers))
             sent = most * adapter / (hardware.link_bytes_per_s(True) * eff.link)
-            phases.append(PhaseTime(Phase.SYNC, sent + digests + probe, "network"))
-        else:
-            crosses = actor.mesh.world_size > per_node
-            received = adapter / (hardware.link_bytes_per_s(crosses) * eff.link)
-            phases.append(PhaseTime(Phase.SYNC, received + digests + probe, "network" if crosses else "NVLink"))
-    elif reshard.cross_pool is not None:
+            return PhaseTime(Phase.SYNC, sent + digests + probe, "network")
+        crosses = actor.mesh.world_size > per_node
+        received = adapter / (hardware.link_bytes_per_s(crosses) * eff.link)
+        return PhaseTime(Phase.SYNC, received + digests + probe, "network" if crosses else "NVLink")
+    if reshard.cross_pool is not None:
         sync = reshard.cross_pool.bytes_sent_even / (hardware.link_bytes_per_s(True) * eff.link)
-        phases.append(PhaseTime(Phase.SYNC, sync + probe, "network"))
-    elif reshard.traffic is not None:
-        crosses = config.actor_rollout_ref.rollout.tensor_model_parallel_size > per_node
-        traffic = reshard.traffic
-        moved = max(traffic.bytes_received) / (hardware.link_bytes_per_s(crosses) * eff.link)
-        # every rank writes its whole generation shard into vLLM's weights (read and write: memory bandwidth), then
-        # both sides digest it (what the resharder produced, what vLLM holds)
-        shard = max(traffic.generation_shard_bytes)
-        copied = 2 * shard / (hardware.memory_bytes_per_s * eff.optimizer_memory)
-        digests = digest_seconds(plan, hardware, eff, shard)
-        phases.append(PhaseTime(Phase.SYNC, moved + copied + digests + probe,
-                                "memory" if copied + digests >= moved else "network" if crosses else "NVLink"))
-    return StepTime(hardware.name, tuple(phases), overlapped=resolved.async_mode != "sync")
+        return PhaseTime(Phase.SYNC, sync + probe, "network")
+    if reshard.traffic is None:
+        return None
+    crosses = plan.config.actor_rollout_ref.rollout.tensor_model_parallel_size > per_node
+    traffic = reshard.traffic
+    moved = max(traffic.bytes_received) / (hardware.link_bytes_per_s(crosses) * eff.link)
+    # every rank writes its whole generation shard into vLLM's weights (read and write: memory bandwidth), then
+    # both sides digest it (what the resharder produced, what vLLM holds)
+    shard = max(traffic.generation_shard_bytes)
+    copied = 2 * shard / (hardware.memory_bytes_per_s * eff.optimizer_memory)
+    digests = digest_seconds(plan, hardware, eff, shard)
+    return PhaseTime(Phase.SYNC, moved + copied + digests + probe,
+                     "memory" if copied + digests >= moved else "network" if crosses else "NVLink")
 
 
 def weights_wait_on_host(plan: Plan, role: Role) -> bool:
