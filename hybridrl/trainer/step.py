@@ -31,6 +31,7 @@ from hybridrl.algorithms.kl_control import FixedKLController
 from hybridrl.algorithms.names import GREEDY_BASELINE_ADV_ESTIMATORS
 from hybridrl.config.plan import Plan
 from hybridrl.controller.dispatch import dispatch_order, dp_token_imbalance, row_tokens
+from hybridrl.controller.worker_group import WorkerGroup
 from hybridrl.data.batch import Batch
 from hybridrl.data.dataloader import unpadded_prompt_ids
 from hybridrl.names import Phase, Role
@@ -238,92 +239,117 @@ class StepRunner:
                  sync: Callable[[], dict[str, float]]) -> dict[str, float]:
         """Old/ref log-probs, values, advantages and the updates on a scored batch, then `sync` (the
         weights into the rollout); the step's metrics."""
-        plan, cfg = self.plan, self.config
-        if plan.resolved.free_cache_engine:
+        resolved, workers = self.plan.resolved, self.workers
+        if resolved.free_cache_engine:
             with self.timed(timer, Phase.RELEASE_ROLLOUT_MEMORY):
-                self.workers.actor_group.call_all(ColocatedPolicyWorker.release_rollout_memory)
-        batch.meta["temperature"] = cfg.actor_rollout_ref.rollout.temperature
-        if plan.resolved.old_log_prob_pass:  # else the update's forward is the old policy (on-policy)
+                workers.actor_group.call_all(ColocatedPolicyWorker.release_rollout_memory)
+        batch.meta["temperature"] = self.config.actor_rollout_ref.rollout.temperature
+        if resolved.old_log_prob_pass:  # else the update's forward is the old policy (on-policy)
             with self.timed(timer, Phase.OLD_LOG_PROB):
-                old = self.workers.actor_group.call_by_dp(PolicyWorker.compute_log_prob, batch, with_entropy=True,
-                                                          balance_mini_batches=self._balance(),
-                                                          keep_together=self._keep_together(Role.ACTOR))
-                batch["old_log_probs"] = old["old_log_probs"]
-                metrics["perf/padding_ratio_old_log_prob"] = float(old.meta.get("padding_ratio", 0.0))
-                metrics["perf/shared_prefix_ratio_old_log_prob"] = float(old.meta.get("shared_prefix_ratio", 0.0))
-                if "router_replay_mismatch" in old.meta:  # actor.router_replay: rollout
-                    metrics["actor/router_replay_mismatch_old_log_prob"] = float(old.meta["router_replay_mismatch"])
-                mask = batch.tensor("response_mask").float()
-                if "old_log_probs_truncated" in old.tensors:  # rollout_correction.match_truncation
-                    batch["old_log_probs_truncated"] = old["old_log_probs_truncated"]
-                    # sampled tokens the trainer's own top-k/top-p drops (boundary disagreements)
-                    metrics["rollout_correction/truncation_outside_fraction"] = float(
-                        (old.tensor("old_log_probs_outside").float() * mask).sum() / mask.sum().clamp(min=1))
-                metrics["actor/entropy"] = float(masked_mean(old["entropys"], mask))
-                # how far the rollout's own log-probs are from the trainer's: a numerics/sync health check
-                metrics.update(rollout_log_prob_gap(old["old_log_probs"], batch["rollout_log_probs"], mask))
-        if plan.resolved.ref_enabled:
+                metrics.update(self._old_log_probs(batch))
+        if resolved.ref_enabled:
             with self.timed(timer, Phase.REF):
-                ref = self.workers.actor_group.call_by_dp(PolicyWorker.compute_ref_log_prob, batch,
-                                                          balance_mini_batches=self._balance(),
-                                                          keep_together=self._keep_together(Role.REF))
-                batch["ref_log_probs"] = ref["ref_log_probs"]
-                metrics["perf/padding_ratio_ref_log_prob"] = float(ref.meta.get("padding_ratio", 0.0))
-                metrics["perf/shared_prefix_ratio_ref_log_prob"] = float(ref.meta.get("shared_prefix_ratio", 0.0))
-        if self.workers.teacher is not None:
+                metrics.update(self._ref_log_probs(batch))
+        if workers.teacher is not None:
             with self.timed(timer, Phase.TEACHER):
-                teacher = self.workers.teacher.call_by_dp(TeacherWorker.compute_teacher_log_prob, batch,
-                                                        balance_mini_batches=self._balance(),
-                                                        keep_together=self._keep_together(Role.TEACHER))
-                batch["teacher_log_probs"] = teacher["teacher_log_probs"]
-                # top_k_forward_kl / full_reverse_kl: the teacher's distribution, for the update's loss term
-                for key in (*TEACHER_TOP_K_KEYS, TEACHER_FULL_KEY):
-                    if key in teacher.tensors:
-                        batch[key] = teacher[key]
-                metrics["perf/padding_ratio_teacher_log_prob"] = float(teacher.meta.get("padding_ratio", 0.0))
-        if self.workers.critic is not None:
+                metrics.update(self._teacher_log_probs(batch, workers.teacher))
+        if workers.critic is not None:
             with self.timed(timer, Phase.VALUES):
-                batch["values"] = self.workers.critic.call_by_dp(
+                batch["values"] = workers.critic.call_by_dp(
                     CriticWorker.compute_values, batch, balance_mini_batches=self._balance(),
-                    keep_together=self._keep_together(Role.CRITIC))["values"]
+                    keep_together=self._keep_together(Role.CRITIC)).tensor("values")
         with self.timed(timer, Phase.ADV):
-            if cfg.algorithm.use_kl_in_reward:
-                metrics.update(apply_kl_in_reward(batch, self.run.kl_controller, cfg.algorithm.kl_penalty))
-            else:
-                batch["token_level_rewards"] = batch["token_level_scores"]
-            distillation = cfg.algorithm.distillation
-            if not distillation.enable or distillation.task_reward:
-                compute_batch_advantages(batch, AdvantageSettings(
-                    cfg.algorithm.adv_estimator, cfg.algorithm.gamma, cfg.algorithm.lam,
-                    cfg.algorithm.norm_adv_by_std_in_grpo))
-            if distillation.enable:
-                # the sampled-token reverse KL: the advantage (sampled_reverse_kl), else a metric beside the update's
-                # top-k or full-vocabulary loss term
-                metrics.update(add_distillation_advantages(
-                    batch, distillation.kl_coef, with_task_reward=distillation.task_reward,
-                    in_advantage=distillation.loss == "sampled_reverse_kl"))
-        if self.workers.critic is not None:
+            metrics.update(self._advantages(batch))
+        if workers.critic is not None:
             with self.timed(timer, Phase.UPDATE_CRITIC):
-                outs = self.workers.critic.call_by_dp_outputs(
-                    CriticWorker.update_critic, batch,
-                    balance_mini_batches=self._balance((Role.CRITIC, batch)),
+                outs = workers.critic.call_by_dp_outputs(
+                    CriticWorker.update_critic, batch, balance_mini_batches=self._balance((Role.CRITIC, batch)),
                     keep_together=self._keep_together(Role.CRITIC))
                 metrics.update(_update_metrics(outs))
         with self.timed(timer, Phase.UPDATE_ACTOR):
             balance = self._balance((Role.ACTOR, batch))
-            outs = self.workers.actor_group.call_by_dp_outputs(PolicyWorker.update_actor, batch,
-                                                               balance_mini_batches=balance,
-                                                               keep_together=self._keep_together(Role.ACTOR))
+            outs = workers.actor_group.call_by_dp_outputs(PolicyWorker.update_actor, batch,
+                                                          balance_mini_batches=balance,
+                                                          keep_together=self._keep_together(Role.ACTOR))
             metrics.update(_update_metrics(outs))
             metrics["perf/dp_token_imbalance"] = self._dp_imbalance(Role.ACTOR, batch, balance)
         with self.timed(timer, Phase.SYNC):
             metrics.update(sync())
-        metrics.update(response_metrics(batch))
-        if cfg.trainer.rollout_data_dir:
-            self._dump_rollout(batch, Path(cfg.trainer.rollout_data_dir))
+        metrics.update(self._step_metrics(batch, timer))
+        return metrics
+
+    def _old_log_probs(self, batch: Batch) -> dict[str, float]:
+        """The actor's log-probs of the sampled tokens (and entropies) into `batch`; how the pass went, and how far the
+        rollout's own log-probs are from them (a numerics and sync health check)."""
+        old = self.workers.actor_group.call_by_dp(PolicyWorker.compute_log_prob, batch, with_entropy=True,
+                                                  balance_mini_batches=self._balance(),
+                                                  keep_together=self._keep_together(Role.ACTOR))
+        batch["old_log_probs"] = old["old_log_probs"]
+        metrics = {"perf/padding_ratio_old_log_prob": float(old.meta.get("padding_ratio", 0.0)),
+                   "perf/shared_prefix_ratio_old_log_prob": float(old.meta.get("shared_prefix_ratio", 0.0))}
+        if "router_replay_mismatch" in old.meta:  # actor.router_replay: rollout
+            metrics["actor/router_replay_mismatch_old_log_prob"] = float(old.meta["router_replay_mismatch"])
+        mask = batch.tensor("response_mask").float()
+        if "old_log_probs_truncated" in old.tensors:  # rollout_correction.match_truncation
+            batch["old_log_probs_truncated"] = old["old_log_probs_truncated"]
+            # sampled tokens the trainer's own top-k/top-p drops (boundary disagreements)
+            metrics["rollout_correction/truncation_outside_fraction"] = float(
+                (old.tensor("old_log_probs_outside").float() * mask).sum() / mask.sum().clamp(min=1))
+        metrics["actor/entropy"] = float(masked_mean(old.tensor("entropys"), mask))
+        metrics.update(rollout_log_prob_gap(old.tensor("old_log_probs"), batch.tensor("rollout_log_probs"), mask))
+        return metrics
+
+    def _ref_log_probs(self, batch: Batch) -> dict[str, float]:
+        ref = self.workers.actor_group.call_by_dp(PolicyWorker.compute_ref_log_prob, batch,
+                                                  balance_mini_batches=self._balance(),
+                                                  keep_together=self._keep_together(Role.REF))
+        batch["ref_log_probs"] = ref["ref_log_probs"]
+        return {"perf/padding_ratio_ref_log_prob": float(ref.meta.get("padding_ratio", 0.0)),
+                "perf/shared_prefix_ratio_ref_log_prob": float(ref.meta.get("shared_prefix_ratio", 0.0))}
+
+    def _teacher_log_probs(self, batch: Batch, teacher_group: WorkerGroup) -> dict[str, float]:
+        """On-policy distillation: the teacher's log-probs of the sampled tokens (top_k_forward_kl /
+        full_reverse_kl: also its distribution, for the update's loss term) into `batch`."""
+        teacher = teacher_group.call_by_dp(TeacherWorker.compute_teacher_log_prob, batch,
+                                           balance_mini_batches=self._balance(),
+                                           keep_together=self._keep_together(Role.TEACHER))
+        batch["teacher_log_probs"] = teacher["teacher_log_probs"]
+        for key in (*TEACHER_TOP_K_KEYS, TEACHER_FULL_KEY):
+            if key in teacher.tensors:
+                batch[key] = teacher[key]
+        return {"perf/padding_ratio_teacher_log_prob": float(teacher.meta.get("padding_ratio", 0.0))}
+
+    def _advantages(self, batch: Batch) -> dict[str, float]:
+        """The token rewards (with the KL penalty when it is in the reward) and the advantages: the estimator's,
+        the distillation's, or both."""
+        algorithm = self.config.algorithm
+        metrics: dict[str, float] = {}
+        if algorithm.use_kl_in_reward:
+            metrics.update(apply_kl_in_reward(batch, self.run.kl_controller, algorithm.kl_penalty))
+        else:
+            batch["token_level_rewards"] = batch["token_level_scores"]
+        distillation = algorithm.distillation
+        if not distillation.enable or distillation.task_reward:
+            compute_batch_advantages(batch, AdvantageSettings(algorithm.adv_estimator, algorithm.gamma, algorithm.lam,
+                                                              algorithm.norm_adv_by_std_in_grpo))
+        if distillation.enable:
+            # the sampled-token reverse KL: the advantage (sampled_reverse_kl), else a metric beside the update's
+            # top-k or full-vocabulary loss term
+            metrics.update(add_distillation_advantages(
+                batch, distillation.kl_coef, with_task_reward=distillation.task_reward,
+                in_advantage=distillation.loss == "sampled_reverse_kl"))
+        return metrics
+
+    def _step_metrics(self, batch: Batch, timer: PhaseTimer) -> dict[str, float]:
+        """What the trained batch says of the step: its responses, the phases' times, the throughput (and the batch
+        itself written out with `trainer.rollout_data_dir`)."""
+        metrics = response_metrics(batch)
+        if self.config.trainer.rollout_data_dir:
+            self._dump_rollout(batch, Path(self.config.trainer.rollout_data_dir))
         metrics.update(timer.metrics())
-        tokens = int(batch["attention_mask"].sum())
-        metrics.update(throughput_metrics(tokens, len(batch), metrics["timing_s/step"], plan.resolved.total_ranks))
+        tokens = int(batch.tensor("attention_mask").sum())
+        metrics.update(throughput_metrics(tokens, len(batch), metrics["timing_s/step"],
+                                          self.plan.resolved.total_ranks))
         return metrics
 
     def _update_mini_batches(self, role: str, batch: Batch) -> int:
