@@ -32,8 +32,7 @@ def check_lora(check: Checker, config: JobConfig, model: ModelShape | None) -> N
             check.fail(f"{LORA}.target_modules", lora.target_modules, "adapts nothing: name the layers to adapt",
                        valid)
     if model is not None and model.is_moe:
-        check.fail(f"{LORA}.rank", lora.rank, f"adapters on a mixture-of-experts model ({model.architecture}: its "
-                   "experts) are not built yet; set 0 to train the whole model", [0])
+        _check_expert_adapters(check, config, model)
     if config.trainer.device == "cuda":
         check.fail(f"{LORA}.rank", lora.rank, "adapters on cuda are not built yet: TransformerEngine's layers fuse "
                    "the norm into linear_qkv and linear_fc1, whose adapters need the normed input; set 0", [0])
@@ -45,3 +44,38 @@ def check_lora(check: Checker, config: JobConfig, model: ModelShape | None) -> N
         if isinstance(lora.rank, int) and lora.rank > VLLM_LORA_RANKS[-1]:
             check.fail(f"{LORA}.rank", lora.rank, f"vLLM serves adapters of rank <= {VLLM_LORA_RANKS[-1]}; with a "
                        f"higher rank set {LORA}.merge true (merged syncs)", [VLLM_LORA_RANKS[-1]])
+
+
+# the MoE families whose experts take adapters: peft's names for them are the Hugging Face checkpoint's per-expert
+# gate_proj / up_proj / down_proj (Mixtral's experts are w1 / w3 / w2)
+EXPERT_ADAPTER_FAMILIES = ("qwen3_moe",)
+
+
+def _check_expert_adapters(check: Checker, config: JobConfig, model: ModelShape) -> None:
+    """Adapters on an MoE model's routed experts (`models.lora`): one per expert, of type lora, each expert whole on
+    its rank; merged into the weights at each sync."""
+    lora = config.actor_rollout_ref.model.lora
+    targets = set(lora.target_modules) or set(TARGETS.get(lora.type, {})) - set(lora.exclude_modules)
+    expert_targets = sorted(targets & {"linear_fc1", "linear_fc2", "linear_fc1_gate", "linear_fc1_up"})
+    if not expert_targets:
+        return  # the attention alone: nothing on the experts
+    experts = f"adapters on {model.architecture}'s experts ({', '.join(expert_targets)})"
+    if model.model_type not in EXPERT_ADAPTER_FAMILIES:
+        check.fail(f"{LORA}.target_modules", sorted(targets), f"{experts} are not built (its experts are "
+                   f"{model.model_type}'s); adapt the attention alone", ["linear_qkv", "linear_proj"])
+    if lora.type != "lora":
+        check.fail(f"{LORA}.type", lora.type, f"{experts}: one adapter per expert whose gate and up share an A "
+                   "(type lora, as peft's adapter on the stacked gate_up_proj) is built", ["lora"])
+    if lora.dropout:
+        check.fail(f"{LORA}.dropout", lora.dropout, f"{experts}: peft's adapters on stacked expert weights take "
+                   "no dropout, so an exported adapter would not load", [0.0])
+    actor = config.actor_rollout_ref.actor.megatron
+    expert_tp = actor.expert_tensor_parallel_size or actor.tensor_model_parallel_size
+    if expert_tp != 1:
+        check.fail("actor_rollout_ref.actor.megatron.expert_tensor_parallel_size",
+                   actor.expert_tensor_parallel_size, f"{experts}: each expert whole on its rank is built (expert "
+                   f"TP 1; it is {expert_tp}): megatron's token dispatcher moves a split expert's inputs and "
+                   "outputs, which an adapter would have to reduce itself", [1])
+    if lora.merge is False:
+        check.fail(f"{LORA}.merge", False, f"{experts}: vLLM serving adapters on experts is not built; merged "
+                   "syncs are", [True])

@@ -421,15 +421,25 @@ def _role_on_gpu(memory: TrainingMemory, layout: RoleLayout, *, grads: bool | No
                                                       mc.expert_tensor_parallel_size))
 
 
-def lora_elements_per_layer(lora: LoraConfig, model: ModelShape, tp: int, peft_form: bool = False) -> int:
-    """A LoRA actor's adapter elements per decoder layer on one TP rank (0 without adapters); `peft_form`: in a PEFT
-    folder (what a served-adapter sync moves: `lora_targets.adapter_elements_per_layer`)."""
+def lora_elements_per_layer(lora: LoraConfig, model: ModelShape, tp: int, peft_form: bool = False,
+                            ep: int = 1) -> int:
+    """A LoRA actor's adapter elements per decoder layer on one TP rank (0 without adapters), an MoE model's the
+    mean over its layers (an MoE layer's this rank's experts', E / EP of them); `peft_form`: in a PEFT folder (what a
+    served-adapter sync moves: `lora_targets.adapter_elements_per_layer`)."""
     if lora.rank <= 0:
         return 0
-    return adapter_elements_per_layer(lora.type, lora.targets, lora.rank, hidden=model.hidden_size,
-                                      q_rows=model.num_attention_heads * model.head_dim,
-                                      kv_rows=model.num_kv_heads * model.head_dim, ffn=model.ffn_hidden_size, tp=tp,
-                                      peft_form=peft_form)
+    def per_layer(ffn: int, experts: int = 0) -> int:
+        return adapter_elements_per_layer(lora.type, lora.targets, lora.rank, hidden=model.hidden_size,
+                                          q_rows=model.num_attention_heads * model.head_dim,
+                                          kv_rows=model.num_kv_heads * model.head_dim, ffn=ffn, tp=tp,
+                                          peft_form=peft_form, experts=experts)
+
+    dense = per_layer(model.ffn_hidden_size)
+    if not model.is_moe:
+        return dense
+    moe = per_layer(model.moe_ffn_hidden_size, model.num_experts // ep)
+    moe_layers = len(model.moe_layers)
+    return (moe_layers * moe + (model.num_layers - moe_layers) * dense) // model.num_layers
 
 
 def served_adapter_bytes(plan: Plan) -> int:
@@ -838,7 +848,8 @@ def _training_memories(config: JobConfig, resolved: Resolved, model: ModelShape,
                                      or mc.override_transformer_config.get("recompute_granularity") == "full"),
             # the policy's passes compute the vocabulary only at the response tokens (training/actor.py)
             head_tokens=None if value_model else data.max_response_length,
-            adapter_elements_per_layer=lora_elements_per_layer(arr.model.lora, model, mc.tensor_model_parallel_size)
+            adapter_elements_per_layer=lora_elements_per_layer(arr.model.lora, model, mc.tensor_model_parallel_size,
+                                                               ep=mc.expert_model_parallel_size)
             if layout.role == Role.ACTOR else 0,
         ))
     return train_mem

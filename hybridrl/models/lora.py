@@ -28,8 +28,17 @@ and tags no parameter for megatron's gradient handling (wrong gradients under se
 A weight sync merges: the resharder reads an adapted layer's weight as W + scaling * B A (`MergedWeights`), so
 vLLM serves the adapted model as plain weights through the usual resharding and proofs.
 
+Mixture-of-experts models: every routed expert gets adapters of its own on its `linear_fc1` (gate and up, one A:
+type `lora`) and `linear_fc2` (down), as peft's `target_parameters` puts one rank-r adapter per expert on the
+transformers model's stacked expert weights. Under expert parallelism each rank holds its experts' adapters (drawn
+from the expert's global index, so any layout holds the same ones) and `lora_state` gathers them over the EP group.
+Each expert whole on its rank (expert TP 1): megatron's token dispatcher, not the expert's linear layers, moves
+an expert's inputs and outputs, so an adapter on a split expert would need its own reductions (not built).
+Their state's names are per expert, `...mlp.experts.{e}.gate_proj.lora_A.weight` (peft's names on a transformers
+model whose experts are linear layers); a PEFT folder holds peft's stacked form (`stacked_expert_adapters`).
+
 Not yet (issue 44): TransformerEngine's fused norm + linear (its input comes before the norm, which the adapter
-must apply first), adapters on MoE experts (refused), vLLM serving the adapters themselves.
+must apply first), adapters on experts split over expert TP or on shared experts, vLLM serving adapters on experts.
 """
 from __future__ import annotations
 
@@ -43,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridrl.models.arch import ModelShape
 from hybridrl.models.lora_targets import (
     A_INIT_METHODS,
     PROJECTIONS,
@@ -112,7 +122,8 @@ class LoraAdapter(nn.Module):
     the resharder, checkpoints, the HF export) sees the base model; the adapters are parameters beside it."""
 
     def __init__(self, base: nn.Module, module_name: str, settings: LoraSettings, *, rows: Sequence[int],
-                 groups: int = 1, name: str = "", layer: int = 0) -> None:
+                 groups: int = 1, name: str = "", layer: int = 0, expert: int | None = None,
+                 ep_group: object = None) -> None:
         super().__init__()
         self.module_name = module_name
         self.settings = settings
@@ -121,6 +132,8 @@ class LoraAdapter(nn.Module):
         self.projections = PROJECTIONS[module_name]
         self.groups = groups  # query groups on this rank (linear_qkv's interleaving)
         self.layer = layer  # the global (Hugging Face) layer index
+        self.expert = expert  # a routed expert's global index (None: a dense layer)
+        self.ep_group = ep_group  # the expert-parallel group its expert's peers are on (None: not split)
         self.tp_group = base.tp_group
         self.tp, self.tp_rank = self.tp_group.size(), self.tp_group.rank()
         self.sequence_parallel = bool(getattr(base, "sequence_parallel", False))
@@ -243,15 +256,14 @@ class LoraAdapter(nn.Module):
 
 
 def add_lora(model: nn.Module, settings: LoraSettings) -> list[LoraAdapter]:
-    """Freeze a GPTModel chunk built by `models.bridge` and attach adapters to its target layers; the adapters, in
-    layer order.
-    Each adapter's A is drawn from its global layer and projection (`settings.seed`), so any layout holds the same
-    adapters. A mixture-of-experts model is refused: adapters on experts are not built yet."""
+    """Freeze a GPTModel chunk built by `models.bridge` and attach adapters to its target layers (an MoE layer's:
+    each of this rank's routed experts'); the adapters, in layer order.
+    Each adapter's A is drawn from its global layer, expert and projection (`settings.seed`), so any layout holds the
+    same adapters."""
     from hybridrl.models.bridge import chunk_info
 
-    shape = chunk_info(model).source.shape
-    if shape.is_moe:
-        raise NotImplementedError("LoRA on a mixture-of-experts model is not built yet (issue 44)")
+    info = chunk_info(model)
+    shape = info.source.shape
     rows = {"linear_qkv": (shape.num_attention_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim,
                            shape.num_kv_heads * shape.head_dim),
             "linear_proj": (shape.hidden_size,), "linear_fc1": (shape.ffn_hidden_size, shape.ffn_hidden_size),
@@ -266,6 +278,9 @@ def add_lora(model: nn.Module, settings: LoraSettings) -> list[LoraAdapter]:
             if not settings.projections & set(PROJECTIONS[leaf]):
                 continue
             parent = getattr(layer, parent_name)
+            if parent_name == "mlp" and hasattr(parent, "experts"):
+                attached += _expert_adapters(parent, leaf, settings, shape, index, info.ep_rank)
+                continue
             base = getattr(parent, leaf)
             groups = shape.num_kv_heads // base.tp_group.size() if leaf == "linear_qkv" else 1
             adapter = LoraAdapter(base, leaf, settings, rows=rows[leaf], groups=groups,
@@ -273,6 +288,37 @@ def add_lora(model: nn.Module, settings: LoraSettings) -> list[LoraAdapter]:
             adapter.attach(base)
             attached.append(adapter)
     return attached
+
+
+def _expert_adapters(moe: nn.Module, leaf: str, settings: LoraSettings, shape: ModelShape, layer: int,
+                     ep_rank: int) -> list[LoraAdapter]:
+    """One adapter on `leaf` of each of this rank's routed experts (megatron's SequentialMLP: `local_experts`), under
+    the expert's global index (EP rank x experts per rank + local index)."""
+    from hybridrl.parallel.state import get_context
+
+    local = getattr(moe.experts, "local_experts", None)
+    if local is None:
+        raise NotImplementedError(f"layer {layer}: adapters on {type(moe.experts).__name__} (grouped GEMM experts) "
+                                  "are not built; the local spec's SequentialMLP is")
+    if getattr(moe, "shared_experts", None) is not None:
+        raise NotImplementedError(f"layer {layer}: adapters on shared experts are not built")
+    if settings.kind != "lora":
+        raise ValueError("adapters on experts are of type lora (gate and up share one A, as peft's adapter on the "
+                         f"stacked gate_up_proj does); got {settings.kind}")
+    rows = (shape.moe_ffn_hidden_size, shape.moe_ffn_hidden_size) if leaf == "linear_fc1" else (shape.hidden_size,)
+    ctx = get_context()
+    out = []
+    for local_index, expert in enumerate(local):
+        base = getattr(expert, leaf)
+        if base.tp_group.size() > 1:
+            raise NotImplementedError(f"layer {layer}: adapters on experts split over expert TP "
+                                      f"({base.tp_group.size()}) are not built; set expert_tensor_parallel_size=1")
+        index = ep_rank * len(local) + local_index
+        adapter = LoraAdapter(base, leaf, settings, rows=rows, name=f"layers.{layer}.mlp.experts.{index}.{leaf}",
+                              layer=layer, expert=index, ep_group=ctx.ep_group if ctx.ep > 1 else None)
+        adapter.attach(base)
+        out.append(adapter)
+    return out
 
 
 def lora_adapters(models: Sequence[nn.Module]) -> list[LoraAdapter]:
@@ -325,8 +371,11 @@ PEFT_MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_att
                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
-def peft_name(layer: int, projection: str, half: str) -> str:
-    """peft's state-dict name of one adapter half (`half`: "lora_A" or "lora_B")."""
+def peft_name(layer: int, projection: str, half: str, expert: int | None = None) -> str:
+    """peft's state-dict name of one adapter half (`half`: "lora_A" or "lora_B"); a routed expert's under its global
+    index, as peft names it on a transformers model whose experts are linear layers."""
+    if expert is not None:
+        return f"base_model.model.model.layers.{layer}.mlp.experts.{expert}.{projection}.{half}.weight"
     return f"base_model.model.model.layers.{layer}.{PEFT_MODULE[projection]}.{projection}.{half}.weight"
 
 
@@ -339,8 +388,8 @@ def _halves(adapter: LoraAdapter, of: Callable[[nn.Parameter], torch.Tensor]
     for part, a, b in zip(adapter.parts, adapter.lora_A, adapter.lora_B, strict=True):
         a_of, b_of = of(a).detach(), of(b).detach()
         for projection, rows in adapter._split_rows(part, b_of).items():
-            yield peft_name(adapter.layer, projection, "lora_A"), a_of, dim_a
-            yield peft_name(adapter.layer, projection, "lora_B"), rows, dim_b
+            yield peft_name(adapter.layer, projection, "lora_A", adapter.expert), a_of, dim_a
+            yield peft_name(adapter.layer, projection, "lora_B", adapter.expert), rows, dim_b
 
 
 def _itself(param: nn.Parameter) -> torch.Tensor:
@@ -356,14 +405,36 @@ def lora_state(adapters: Sequence[LoraAdapter], *, grads: bool = False,
 
     pick = of or ((lambda p: p.grad) if grads else _itself)
     out = {}
+    by_ep_group: dict[object, dict[str, torch.Tensor]] = {}  # routed experts' halves, by the EP group to gather over
     for adapter in adapters:
         for name, tensor, dim in _halves(adapter, pick):
             if dim is not None and adapter.tp > 1:
                 parts = [torch.empty_like(tensor) for _ in range(adapter.tp)]
                 dist.all_gather(parts, tensor.contiguous(), group=adapter.tp_group)
                 tensor = torch.cat(parts, dim=dim)
-            out[name] = tensor.cpu().clone()
+            whole = tensor.cpu().clone()
+            if adapter.ep_group is None:
+                out[name] = whole
+            else:
+                by_ep_group.setdefault(adapter.ep_group, {})[name] = whole
+    for group, mine in by_ep_group.items():  # every EP rank's experts (names carry the global expert index)
+        everyone: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        for theirs in everyone:
+            if theirs is None:
+                raise RuntimeError("an EP rank gave no expert adapters to the gather")
+            out.update(theirs)
+    if by_ep_group:  # the experts came last: back to layer order, as a rank holding every expert would list them
+        out = dict(sorted(out.items(), key=lambda item: _state_order(item[0])))
     return out
+
+
+def _state_order(name: str) -> tuple[int, int, str]:
+    """The whole state in layer order, a layer's experts by their global index (as one rank's would be)."""
+    parts = name.split(".")
+    layer = int(parts[parts.index("layers") + 1])
+    expert = int(parts[parts.index("experts") + 1]) if "experts" in parts else -1
+    return layer, expert, name
 
 
 def local_lora_tensors(adapters: Sequence[LoraAdapter], state: Mapping[str, torch.Tensor]
@@ -374,9 +445,10 @@ def local_lora_tensors(adapters: Sequence[LoraAdapter], state: Mapping[str, torc
     out: dict[nn.Parameter, torch.Tensor] = {}
     for adapter in adapters:
         for part, a, b in zip(adapter.parts, adapter.lora_A, adapter.lora_B, strict=True):
-            names_a = [peft_name(adapter.layer, p, "lora_A") for p in part]
-            missing = [n for p in part for n in (peft_name(adapter.layer, p, "lora_A"),
-                                                 peft_name(adapter.layer, p, "lora_B")) if n not in state]
+            names_a = [peft_name(adapter.layer, p, "lora_A", adapter.expert) for p in part]
+            missing = [n for p in part for n in (peft_name(adapter.layer, p, "lora_A", adapter.expert),
+                                                 peft_name(adapter.layer, p, "lora_B", adapter.expert))
+                       if n not in state]
             if missing:
                 raise KeyError(f"the adapter state lacks {missing[:2]} (its targets differ from this model's)")
             whole_a = state[names_a[0]]
@@ -387,12 +459,12 @@ def local_lora_tensors(adapters: Sequence[LoraAdapter], state: Mapping[str, torc
                 whole_a = whole_a.narrow(1, adapter.tp_rank * a.shape[1], a.shape[1])
             rows = {}
             for p in part:
-                whole_b = state[peft_name(adapter.layer, p, "lora_B")]
+                whole_b = state[peft_name(adapter.layer, p, "lora_B", adapter.expert)]
                 size = adapter.local_rows[p]
                 rows[p] = whole_b if adapter.row_parallel else whole_b.narrow(0, adapter.tp_rank * size, size)
             local_b = rows[part[0]] if len(part) == 1 else adapter._fused([rows[p] for p in part], dim=0)
-            for name, local, param in ((names_a[0], whole_a, a), (peft_name(adapter.layer, part[0], "lora_B"),
-                                                                  local_b, b)):
+            for name, local, param in ((names_a[0], whole_a, a),
+                                       (peft_name(adapter.layer, part[0], "lora_B", adapter.expert), local_b, b)):
                 if local.shape != param.shape:
                     raise ValueError(f"{name}: {tuple(local.shape)} does not fit the adapter's {tuple(param.shape)} "
                                      f"on TP rank {adapter.tp_rank}")

@@ -34,10 +34,11 @@ def adapted_projections(kind: str, targets: tuple[str, ...]) -> frozenset[str]:
 
 
 def adapter_elements_per_layer(kind: str, targets: tuple[str, ...], rank: int, *, hidden: int, q_rows: int,
-                               kv_rows: int, ffn: int, tp: int = 1, peft_form: bool = False) -> int:
+                               kv_rows: int, ffn: int, tp: int = 1, peft_form: bool = False, experts: int = 0) -> int:
     """One decoder layer's adapter elements on one TP rank (a column-parallel layer's A whole on each rank and B
     split; a row-parallel layer's A split and B whole), as `hybridrl.models.lora` builds them; `peft_form`: as a
-    PEFT folder holds them (an A per projection, a fused adapter's shared A repeated)."""
+    PEFT folder holds them (an A per projection, a fused adapter's shared A repeated). `experts` > 0: an MoE layer
+    whose MLP is that many experts of `ffn` on this rank, each whole (expert TP 1) with adapters of its own."""
     adapted = adapted_projections(kind, targets)
     rows = {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows, "o_proj": hidden, "gate_proj": ffn,
             "up_proj": ffn, "down_proj": hidden}
@@ -47,11 +48,13 @@ def adapter_elements_per_layer(kind: str, targets: tuple[str, ...], rank: int, *
         mine = [p for p in projections if p in adapted]
         if not mine:
             continue
+        expert_mlp = experts > 0 and module in ("linear_fc1", "linear_fc2")
+        split, copies = (1, experts) if expert_mlp else (tp, 1)
         parts = 1 if kind == "lora" and not peft_form else len(mine)
         if module in ROW_PARALLEL:
-            total += parts * rank * inputs[module] // tp + sum(rows[p] for p in mine) * rank
+            total += copies * (parts * rank * inputs[module] // split + sum(rows[p] for p in mine) * rank)
         else:
-            total += parts * rank * inputs[module] + sum(rows[p] for p in mine) * rank // tp
+            total += copies * (parts * rank * inputs[module] + sum(rows[p] for p in mine) * rank // split)
     return total
 
 

@@ -47,11 +47,45 @@ def test_what_is_not_built_is_refused_naming_the_field(overrides, field, phrase)
     assert any(issue.field == field and phrase in str(issue) for issue in refused.value.issues), refused.value
 
 
-def test_a_mixture_of_experts_model_is_refused():
+MOE = f"actor_rollout_ref.model.path={ROOT / 'configs/models/tiny-demo-moe'}"
+
+
+QWEN3_30B = f"actor_rollout_ref.model.path={ROOT / 'configs/models/qwen3-30b-a3b'}"  # 48 MoE layers, 128 experts
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_an_moe_models_experts_take_adapters_counted_per_rank(ep):
+    """Qwen3-30B-A3B at rank 8 (type lora): hidden 2,048, q rows 32 x 128, kv rows 4 x 128, 128 experts of FFN 768.
+    Per layer: qkv A 8 x 2,048 + B 5,120 x 8, proj A 8 x 4,096 + B 2,048 x 8; each expert fc1 A 8 x 2,048 + B 1,536
+    x 8 (gate and up), fc2 A 8 x 768 + B 2,048 x 8; a rank holds 128 / EP experts' of each of the 48 layers."""
+    attention = 8 * 2048 + 5120 * 8 + 8 * 4096 + 2048 * 8
+    expert = 8 * 2048 + 1536 * 8 + 8 * 768 + 2048 * 8
+    overrides = [QWEN3_30B, f"{LORA}.rank=8", f"actor_rollout_ref.actor.megatron.expert_model_parallel_size={ep}"]
+    plan = plan_from_sources(DEMO, overrides)
+    actor = next(m for m in plan.training_memory if m.role == "actor")
+    assert actor.grads_gib == pytest.approx(48 * (attention + 128 // ep * expert) * 4 / GIB, abs=5e-4)
+    assert actor.optimizer_gib == pytest.approx(2 * actor.grads_gib, abs=1e-3)
+    assert f"the fp32 adapters train ({48 * (attention + 128 * expert):,} parameters" in render_plan(plan)
+
+
+@pytest.mark.parametrize("overrides,field,phrase", [
+    ([f"{LORA}.type=canonical_lora", f"{LORA}.target_modules=[linear_fc1_gate]"], f"{LORA}.type",
+     "gate and up share an A"),
+    ([f"{LORA}.dropout=0.1"], f"{LORA}.dropout", "take no dropout"),
+    ([f"{LORA}.merge=false"], f"{LORA}.merge", "vLLM serving adapters on experts is not built"),
+    (["actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=2"],
+     "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size", "each expert whole on its rank"),
+])
+def test_what_is_not_built_for_expert_adapters_is_refused(overrides, field, phrase):
     with pytest.raises(ConfigError) as refused:
-        plan_from_sources(DEMO, [f"actor_rollout_ref.model.path={ROOT / 'configs/models/tiny-demo-moe'}",
-                                 f"{LORA}.rank=8"])
-    assert any(i.field == f"{LORA}.rank" and "mixture-of-experts" in str(i) for i in refused.value.issues)
+        plan_from_sources(DEMO, [MOE, f"{LORA}.rank=8", *overrides])
+    assert any(issue.field == field and phrase in str(issue) for issue in refused.value.issues), refused.value
+
+
+def test_adapters_on_the_attention_alone_take_any_moe_setting():
+    plan = plan_from_sources(DEMO, [MOE, f"{LORA}.rank=8", f"{LORA}.merge=false", f"{LORA}.dropout=0.1",
+                                    f"{LORA}.target_modules=[linear_qkv,linear_proj]"])
+    assert plan.resolved.serves_adapters
 
 
 QWEN = f"actor_rollout_ref.model.path={ROOT / 'configs/models/qwen2.5-0.5b'}"  # hidden 896, 24 layers, ffn 4864
