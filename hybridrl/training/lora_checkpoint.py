@@ -78,13 +78,17 @@ def save_lora_checkpoint(backend: MegatronBackend, staging: Path) -> dict[str, A
     if optimizer["step"] is not None and view.distributed:  # each parameter's DP shards, whole on DP rank 0
         local.update(gather_sharded(entries, local, view, optimizer["kinds"]))
     written = None
-    if ctx.dp_rank == 0 and ctx.cp_rank == 0:  # a whole TP group of first holders: lora_state gathers over it
+    # lora_state gathers over each adapter's TP group, and an MoE model's expert adapters over their EP group: with
+    # expert parallelism every rank takes part (each holds the optimizer state of its own experts' adapters whole:
+    # the plan refuses the distributed optimizer there), else a whole TP group of first holders
+    expert_parallel = any(adapter.ep_group is not None for adapter in adapters)
+    if expert_parallel or (ctx.dp_rank == 0 and ctx.cp_rank == 0):
         index = {id(entry.param): i for i, entry in enumerate(entries)}
         tensors = {f"{WEIGHT}/{name}": t for name, t in lora_state(adapters).items()}
         for kind in optimizer["kinds"] if optimizer["step"] is not None else ():
             state = lora_state(adapters, of=_saved_state(local, index, kind))
             tensors.update({f"{kind}/{name}": t for name, t in state.items()})
-        if ctx.tp_rank == 0:
+        if ctx.tp_rank == 0 and ctx.dp_rank == 0 and ctx.cp_rank == 0:
             path = staging / stage_file(ctx.pp_rank)
             save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
             written = (path.name, file_sha256(path))

@@ -75,6 +75,9 @@ def test_an_moe_models_experts_take_adapters_counted_per_rank(ep):
     ([f"{LORA}.merge=false"], f"{LORA}.merge", "vLLM serving adapters on experts is not built"),
     (["actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=2"],
      "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size", "each expert whole on its rank"),
+    (["actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+      "actor_rollout_ref.actor.megatron.use_distributed_optimizer=true"],
+     "actor_rollout_ref.actor.megatron.use_distributed_optimizer", "shards further over the expert data-parallel"),
 ])
 def test_what_is_not_built_for_expert_adapters_is_refused(overrides, field, phrase):
     with pytest.raises(ConfigError) as refused:
