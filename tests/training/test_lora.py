@@ -258,3 +258,58 @@ def test_adapters_and_their_optimizer_state_resume_on_another_layout(tmp_path):
     other.actor_rollout_ref.model.lora.adapter_path = None
     with pytest.raises(RankError, match="saved with LoRA settings .*'alpha': 8.0.*'alpha': 16.0"):
         run_ranks(_checkpoint_rank, 2, other, batches, str(ckpt), False, timeout_s=300)
+
+
+def _moe_checkpoint_rank(rank: int, world: int, config: Any, batches: list[Any], ckpt: str, save: bool
+                         ) -> dict[str, Any]:
+    """An expert-parallel LoRA actor. save: one update, a checkpoint, the next update; else: the checkpoint loaded,
+    the next update. The adapters (every expert's, gathered) after each."""
+    from hybridrl.models.lora import lora_adapters, lora_state
+    from hybridrl.training.checkpointing import load_role_checkpoint, save_role_checkpoint
+    from tests.support.training_fixtures import trained_role
+
+    backend, update, chunks = trained_role(config, "actor", batches)
+    adapters = lora_adapters(backend.chunks)
+    out: dict[str, Any] = {"experts": sorted({a.expert for a in adapters if a.expert is not None})}
+    if save:
+        update(chunks[0])
+        save_role_checkpoint(backend, ckpt)
+        out["saved"] = lora_state(adapters)
+    else:
+        load_role_checkpoint(backend, ckpt)
+        out["loaded"] = lora_state(adapters)
+    update(chunks[1])
+    out["next"] = lora_state(adapters)
+    return out
+
+
+def test_expert_adapters_and_their_optimizer_state_resume_on_another_ep_layout(tmp_path):
+    """A LoRA actor on a Qwen3-MoE (8 experts, adapters on each) saved at EP2 (each rank its 4 experts' adapters and
+    Adam state) and resumed at EP1 (each rank all 8): the adapters are the saved ones, and the next update equals
+    the uninterrupted EP2 run's (1e-5 of the largest entry)."""
+    from tests.support.models_fixtures import make_hf_model
+    from tests.support.training_fixtures import job_config, rollout_batch
+
+    hf = make_hf_model(tmp_path / "hf", "qwen3_moe", seed=7, mlp_only_layers=[])
+    batches = [rollout_batch(8, seed=1), rollout_batch(8, seed=2)]
+
+    def config(ep: int) -> Any:
+        c = job_config(hf, world=2)
+        c.actor_rollout_ref.actor.megatron.expert_model_parallel_size = ep
+        c.actor_rollout_ref.model.lora.rank, c.actor_rollout_ref.model.lora.alpha = RANK, ALPHA
+        return c
+
+    ckpt = tmp_path / "ckpt"
+    saved = run_ranks(_moe_checkpoint_rank, 2, config(2), batches, str(ckpt), True, timeout_s=400)
+    assert [r["experts"] for r in saved] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    resumed = run_ranks(_moe_checkpoint_rank, 2, config(1), batches, str(ckpt), False, timeout_s=400)
+    assert [r["experts"] for r in resumed] == [list(range(8))] * 2
+    reference = saved[0]
+    assert any(".experts.7.down_proj.lora_B" in n and t.abs().max() > 0 for n, t in reference["saved"].items())
+    for result in resumed:
+        assert result["loaded"].keys() == reference["saved"].keys()
+        for name, tensor in reference["saved"].items():
+            assert torch.equal(result["loaded"][name], tensor), name
+        for name, tensor in reference["next"].items():
+            scale = float(tensor.abs().max())
+            assert float((result["next"][name] - tensor).abs().max()) <= 1e-5 * max(scale, 1.0), name
