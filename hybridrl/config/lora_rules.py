@@ -76,6 +76,13 @@ def _check_expert_adapters(check: Checker, config: JobConfig, model: ModelShape)
                    actor.expert_tensor_parallel_size, f"{experts}: each expert whole on its rank is built (expert "
                    f"TP 1; it is {expert_tp}): megatron's token dispatcher moves a split expert's inputs and "
                    "outputs, which an adapter would have to reduce itself", [1])
+    if len(model.moe_layers) < model.num_layers:
+        dense = [i for i in range(model.num_layers) if i not in model.moe_layers]
+        check.warnings.append(
+            f"{LORA}: layers {dense} of {model.architecture} are dense MLPs among MoE layers; peft 0.21 loading the "
+            "checkpoint's PEFT folder onto transformers 5 drops those layers' MLP adapters (measured: their output "
+            "unchanged), so load it with the merged export (trainer.export_hf_on_save, hybridrl convert), which "
+            "holds them")
     if lora.merge is False:
         check.fail(f"{LORA}.merge", False, f"{experts}: vLLM serving adapters on experts is not built; merged "
                    "syncs are", [True])

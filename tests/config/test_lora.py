@@ -85,6 +85,20 @@ def test_what_is_not_built_for_expert_adapters_is_refused(overrides, field, phra
     assert any(issue.field == field and phrase in str(issue) for issue in refused.value.issues), refused.value
 
 
+def test_a_dense_mlp_among_moe_layers_is_warned_of_for_the_peft_folder(tmp_path):
+    """peft 0.21 drops a dense MLP layer's adapters among MoE layers when it loads a PEFT folder onto transformers 5
+    (tests/models/test_lora_moe.py's fixture keeps every layer MoE for that reason): the plan says so."""
+    import json
+
+    config = json.loads((ROOT / "configs/models/tiny-demo-moe/config.json").read_text())
+    config["mlp_only_layers"] = [2]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    warned = [w for w in plan_from_sources(DEMO, [f"actor_rollout_ref.model.path={tmp_path}",
+                                                  f"{LORA}.rank=8"]).warnings if "dense MLPs among MoE" in w]
+    assert warned and "layers [2]" in warned[0]
+    assert not [w for w in plan_from_sources(DEMO, [MOE, f"{LORA}.rank=8"]).warnings if "dense MLPs" in w]
+
+
 def test_adapters_on_the_attention_alone_take_any_moe_setting():
     plan = plan_from_sources(DEMO, [MOE, f"{LORA}.rank=8", f"{LORA}.merge=false", f"{LORA}.dropout=0.1",
                                     f"{LORA}.target_modules=[linear_qkv,linear_proj]"])
