@@ -46,11 +46,6 @@ def check_lora(check: Checker, config: JobConfig, model: ModelShape | None) -> N
                        f"higher rank set {LORA}.merge true (merged syncs)", [VLLM_LORA_RANKS[-1]])
 
 
-# the MoE families whose experts take adapters: peft's names for them are the Hugging Face checkpoint's per-expert
-# gate_proj / up_proj / down_proj (Mixtral's experts are w1 / w3 / w2)
-EXPERT_ADAPTER_FAMILIES = ("qwen3_moe",)
-
-
 def _check_expert_adapters(check: Checker, config: JobConfig, model: ModelShape) -> None:
     """Adapters on an MoE model's routed experts (`models.lora`): one per expert, of type lora, each expert whole on
     its rank; merged into the weights at each sync."""
@@ -60,9 +55,6 @@ def _check_expert_adapters(check: Checker, config: JobConfig, model: ModelShape)
     if not expert_targets:
         return  # the attention alone: nothing on the experts
     experts = f"adapters on {model.architecture}'s experts ({', '.join(expert_targets)})"
-    if model.model_type not in EXPERT_ADAPTER_FAMILIES:
-        check.fail(f"{LORA}.target_modules", sorted(targets), f"{experts} are not built (its experts are "
-                   f"{model.model_type}'s); adapt the attention alone", ["linear_qkv", "linear_proj"])
     if lora.type != "lora":
         check.fail(f"{LORA}.type", lora.type, f"{experts}: one adapter per expert whose gate and up share an A "
                    "(type lora, as peft's adapter on the stacked gate_up_proj) is built", ["lora"])

@@ -34,8 +34,10 @@ transformers model's stacked expert weights. Under expert parallelism each rank 
 from the expert's global index, so any layout holds the same ones) and `lora_state` gathers them over the EP group.
 Each expert whole on its rank (expert TP 1): megatron's token dispatcher, not the expert's linear layers, moves
 an expert's inputs and outputs, so an adapter on a split expert would need its own reductions (not built).
-Their state's names are per expert, `...mlp.experts.{e}.gate_proj.lora_A.weight` (peft's names on a transformers
-model whose experts are linear layers); a PEFT folder holds peft's stacked form (`stacked_expert_adapters`).
+Their state's names are per expert, as the family's checkpoint names the expert's weights
+(`...mlp.experts.{e}.gate_proj.lora_A.weight`, Mixtral's `...block_sparse_moe.experts.{e}.w1.lora_A.weight`: peft's
+names on a transformers model whose experts are linear layers), which peft itself converts when it loads a folder
+onto transformers 5's stacked experts (an expert's gate and up adapters one of rank 2r on gate_up_proj).
 
 Not yet (issue 44): TransformerEngine's fused norm + linear (its input comes before the norm, which the adapter
 must apply first), adapters on experts split over expert TP or on shared experts, vLLM serving adapters on experts.
@@ -123,7 +125,7 @@ class LoraAdapter(nn.Module):
 
     def __init__(self, base: nn.Module, module_name: str, settings: LoraSettings, *, rows: Sequence[int],
                  groups: int = 1, name: str = "", layer: int = 0, expert: int | None = None,
-                 ep_group: object = None) -> None:
+                 ep_group: object = None, hf_modules: Mapping[str, str] | None = None) -> None:
         super().__init__()
         self.module_name = module_name
         self.settings = settings
@@ -134,6 +136,9 @@ class LoraAdapter(nn.Module):
         self.layer = layer  # the global (Hugging Face) layer index
         self.expert = expert  # a routed expert's global index (None: a dense layer)
         self.ep_group = ep_group  # the expert-parallel group its expert's peers are on (None: not split)
+        # a routed expert's Hugging Face module of each projection (`model.layers.0.mlp.experts.3.gate_proj`):
+        # peft's names for its adapters (None: the dense layer's, `peft_name`)
+        self.hf_modules = dict(hf_modules) if hf_modules is not None else None
         self.tp_group = base.tp_group
         self.tp, self.tp_rank = self.tp_group.size(), self.tp_group.rank()
         self.sequence_parallel = bool(getattr(base, "sequence_parallel", False))
@@ -171,6 +176,12 @@ class LoraAdapter(nn.Module):
             self.lora_B.append(b)
         for param in base.parameters(recurse=False):
             param.requires_grad_(False)
+
+    def peft_name(self, projection: str, half: str) -> str:
+        """peft's state-dict name of one of this adapter's halves (`half`: "lora_A" or "lora_B")."""
+        if self.hf_modules is not None:
+            return f"base_model.model.{self.hf_modules[projection]}.{half}.weight"
+        return peft_name(self.layer, projection, half)
 
     def attach(self, base: nn.Module) -> None:
         setattr(base, ADAPTER_ATTR, self)
@@ -290,6 +301,15 @@ def add_lora(model: nn.Module, settings: LoraSettings) -> list[LoraAdapter]:
     return attached
 
 
+def expert_hf_modules(shape: ModelShape, leaf: str, layer: int, expert: int) -> dict[str, str]:
+    """The Hugging Face modules a routed expert's `leaf` holds, by projection, as the family's weight table names
+    them (Qwen3-MoE: `model.layers.{i}.mlp.experts.{e}.gate_proj` and `up_proj`; Mixtral: `block_sparse_moe...w1`
+    and `w3`)."""
+    spec = next(s for s in shape.weights.layer if s.expert and s.megatron.endswith(f".{leaf}.weight"))
+    names = [tensor.name.format(i=layer, e=expert).removesuffix(".weight") for tensor in spec.hf]
+    return dict(zip(PROJECTIONS[leaf], names, strict=True))
+
+
 def _expert_adapters(moe: nn.Module, leaf: str, settings: LoraSettings, shape: ModelShape, layer: int,
                      ep_rank: int) -> list[LoraAdapter]:
     """One adapter on `leaf` of each of this rank's routed experts (megatron's SequentialMLP: `local_experts`), under
@@ -315,7 +335,8 @@ def _expert_adapters(moe: nn.Module, leaf: str, settings: LoraSettings, shape: M
                                       f"({base.tp_group.size()}) are not built; set expert_tensor_parallel_size=1")
         index = ep_rank * len(local) + local_index
         adapter = LoraAdapter(base, leaf, settings, rows=rows, name=f"layers.{layer}.mlp.experts.{index}.{leaf}",
-                              layer=layer, expert=index, ep_group=ctx.ep_group if ctx.ep > 1 else None)
+                              layer=layer, expert=index, ep_group=ctx.ep_group if ctx.ep > 1 else None,
+                              hf_modules=expert_hf_modules(shape, leaf, layer, index))
         adapter.attach(base)
         out.append(adapter)
     return out
@@ -371,11 +392,9 @@ PEFT_MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_att
                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
-def peft_name(layer: int, projection: str, half: str, expert: int | None = None) -> str:
-    """peft's state-dict name of one adapter half (`half`: "lora_A" or "lora_B"); a routed expert's under its global
-    index, as peft names it on a transformers model whose experts are linear layers."""
-    if expert is not None:
-        return f"base_model.model.model.layers.{layer}.mlp.experts.{expert}.{projection}.{half}.weight"
+def peft_name(layer: int, projection: str, half: str) -> str:
+    """peft's state-dict name of one adapter half (`half`: "lora_A" or "lora_B") of a dense layer (a routed
+    expert's: `LoraAdapter.peft_name`)."""
     return f"base_model.model.model.layers.{layer}.{PEFT_MODULE[projection]}.{projection}.{half}.weight"
 
 
@@ -388,8 +407,8 @@ def _halves(adapter: LoraAdapter, of: Callable[[nn.Parameter], torch.Tensor]
     for part, a, b in zip(adapter.parts, adapter.lora_A, adapter.lora_B, strict=True):
         a_of, b_of = of(a).detach(), of(b).detach()
         for projection, rows in adapter._split_rows(part, b_of).items():
-            yield peft_name(adapter.layer, projection, "lora_A", adapter.expert), a_of, dim_a
-            yield peft_name(adapter.layer, projection, "lora_B", adapter.expert), rows, dim_b
+            yield adapter.peft_name(projection, "lora_A"), a_of, dim_a
+            yield adapter.peft_name(projection, "lora_B"), rows, dim_b
 
 
 def _itself(param: nn.Parameter) -> torch.Tensor:
@@ -445,9 +464,8 @@ def local_lora_tensors(adapters: Sequence[LoraAdapter], state: Mapping[str, torc
     out: dict[nn.Parameter, torch.Tensor] = {}
     for adapter in adapters:
         for part, a, b in zip(adapter.parts, adapter.lora_A, adapter.lora_B, strict=True):
-            names_a = [peft_name(adapter.layer, p, "lora_A", adapter.expert) for p in part]
-            missing = [n for p in part for n in (peft_name(adapter.layer, p, "lora_A", adapter.expert),
-                                                 peft_name(adapter.layer, p, "lora_B", adapter.expert))
+            names_a = [adapter.peft_name(p, "lora_A") for p in part]
+            missing = [n for p in part for n in (adapter.peft_name(p, "lora_A"), adapter.peft_name(p, "lora_B"))
                        if n not in state]
             if missing:
                 raise KeyError(f"the adapter state lacks {missing[:2]} (its targets differ from this model's)")
@@ -459,12 +477,12 @@ def local_lora_tensors(adapters: Sequence[LoraAdapter], state: Mapping[str, torc
                 whole_a = whole_a.narrow(1, adapter.tp_rank * a.shape[1], a.shape[1])
             rows = {}
             for p in part:
-                whole_b = state[peft_name(adapter.layer, p, "lora_B", adapter.expert)]
+                whole_b = state[adapter.peft_name(p, "lora_B")]
                 size = adapter.local_rows[p]
                 rows[p] = whole_b if adapter.row_parallel else whole_b.narrow(0, adapter.tp_rank * size, size)
             local_b = rows[part[0]] if len(part) == 1 else adapter._fused([rows[p] for p in part], dim=0)
             for name, local, param in ((names_a[0], whole_a, a),
-                                       (peft_name(adapter.layer, part[0], "lora_B", adapter.expert), local_b, b)):
+                                       (adapter.peft_name(part[0], "lora_B"), local_b, b)):
                 if local.shape != param.shape:
                     raise ValueError(f"{name}: {tuple(local.shape)} does not fit the adapter's {tuple(param.shape)} "
                                      f"on TP rank {adapter.tp_rank}")

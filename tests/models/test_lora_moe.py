@@ -19,9 +19,12 @@ from tests.support.models_fixtures import VOCAB, make_hf_model, read_json, sampl
 
 TOKENS = sample_tokens(batch=2)
 ALPHA = 8.0
-DENSE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# type lora: one A for a megatron layer's projections
-FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+# a family's experts in its checkpoint: the MoE module, (gate, up, down), and the config key of their FFN width
+EXPERTS = {"qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"), "moe_intermediate_size"),
+           "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"), "intermediate_size")}
+# type lora: one A for a megatron layer's projections (the attention's; an expert's gate and up)
+FUSED_ATTENTION = ("q_proj", "k_proj", "v_proj")
 
 
 def _moe_lora_rank(rank: int, world: int, hf_dir: str, state: dict[str, torch.Tensor],
@@ -66,8 +69,10 @@ def _per_expert_state(hf_dir: Path, seed: int) -> dict[str, torch.Tensor]:
     """Random adapters under per-expert names (what `lora_state` holds): the attention's fused q/k/v sharing one A,
     each expert's gate and up sharing one A; B not zero, so the adapters change the model."""
     c = read_json(hf_dir / "config.json")
-    hidden, heads, kv, head_dim = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
-    experts, ffn = c["num_local_experts"], c["moe_intermediate_size"]
+    hidden, heads, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    head_dim = c.get("head_dim") or hidden // heads
+    module, (gate, up, down), ffn_key = EXPERTS[c["model_type"]]
+    experts, ffn = c["num_local_experts"], c[ffn_key]
     gen = torch.Generator().manual_seed(seed)
     state = {}
 
@@ -81,15 +86,10 @@ def _per_expert_state(hf_dir: Path, seed: int) -> dict[str, torch.Tensor]:
         attn = f"base_model.model.model.layers.{layer}.self_attn"
         pair(attn, ("q_proj", "k_proj", "v_proj"), (heads * head_dim, kv * head_dim, kv * head_dim), hidden)
         pair(attn, ("o_proj",), (hidden,), heads * head_dim)
-        if layer in c["mlp_only_layers"]:
-            mlp = f"base_model.model.model.layers.{layer}.mlp"
-            pair(mlp, ("gate_proj", "up_proj"), (c["intermediate_size"],) * 2, hidden)
-            pair(mlp, ("down_proj",), (hidden,), c["intermediate_size"])
-            continue
         for e in range(experts):
-            expert = f"base_model.model.model.layers.{layer}.mlp.experts.{e}"
-            pair(expert, ("gate_proj", "up_proj"), (ffn, ffn), hidden)
-            pair(expert, ("down_proj",), (hidden,), ffn)
+            expert = f"base_model.model.model.layers.{layer}.{module}.experts.{e}"
+            pair(expert, (gate, up), (ffn, ffn), hidden)
+            pair(expert, (down,), (hidden,), ffn)
     return state
 
 
@@ -104,26 +104,29 @@ def _write_peft_folder(folder: Path, state: dict[str, torch.Tensor]) -> Path:
     save_file({k: v.clone() for k, v in state.items()}, str(folder / "adapter_model.safetensors"))
     (folder / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": RANK, "lora_alpha": ALPHA, "lora_dropout": 0.0,
-        "target_modules": list(DENSE), "bias": "none", "inference_mode": False}))
+        "target_modules": sorted({name.split(".")[-3] for name in state}), "bias": "none", "inference_mode": False}))
     return folder
 
 
-def _per_expert_grads(grads: dict[str, torch.Tensor], layer: int, experts: int, ffn: int) -> dict[str, torch.Tensor]:
+def _per_expert_grads(grads: dict[str, torch.Tensor], layer: int, experts: int, ffn: int, arch: str
+                      ) -> dict[str, torch.Tensor]:
     """peft's gradients of one layer's stacked expert adapters under per-expert names. peft loads an expert's gate
     and up adapters onto the stacked gate_up_proj as one adapter of rank 2r (A rows [A_gate; A_up], B block-diagonal
     [[B_gate, 0], [0, B_up]]) and its down adapter onto down_proj (rank r); its ParamWrapper lays A out expert-major
     (`reshape(E, r, in)`) and B's columns rank-major (`reshape(out, r, E)`)."""
-    prefix = f"base_model.model.model.layers.{layer}.mlp.experts"
+    prefix = f"base_model.model.model.layers.{layer}.mlp.experts"  # transformers 5's module of both families
+    module, (gate, up, down), _ = EXPERTS[arch]
+    ours = f"base_model.model.model.layers.{layer}.{module}.experts"  # the checkpoint's, per expert
     out = {}
-    for wrapper, projections in ((f"{prefix}.base_layer", ("gate_proj", "up_proj")), (prefix, ("down_proj",))):
+    for wrapper, projections in ((f"{prefix}.base_layer", (gate, up)), (prefix, (down,))):
         width = RANK * len(projections)
         a = grads[f"{wrapper}.lora_A.weight"].reshape(experts, width, -1)
         b = grads[f"{wrapper}.lora_B.weight"].reshape(-1, width, experts)
         for e in range(experts):
             for i, projection in enumerate(projections):
                 rows = slice(i * ffn, (i + 1) * ffn) if len(projections) == 2 else slice(None)
-                out[f"{prefix}.{e}.{projection}.lora_A.weight"] = a[e, i * RANK:(i + 1) * RANK]
-                out[f"{prefix}.{e}.{projection}.lora_B.weight"] = b[rows, i * RANK:(i + 1) * RANK, e]
+                out[f"{ours}.{e}.{projection}.lora_A.weight"] = a[e, i * RANK:(i + 1) * RANK]
+                out[f"{ours}.{e}.{projection}.lora_B.weight"] = b[rows, i * RANK:(i + 1) * RANK, e]
     return out
 
 
@@ -133,8 +136,7 @@ def _peft_reference(hf_dir: Path, state: dict[str, torch.Tensor], weights: torch
     import transformers
 
     c = read_json(hf_dir / "config.json")
-    num_experts = c["num_local_experts"]
-    moe_layers = [i for i in range(c["num_hidden_layers"]) if i not in c["mlp_only_layers"]]
+    arch, num_experts = c["model_type"], c["num_local_experts"]
     # float64: transformers' grouped-GEMM experts take fp32/bf16 only, its eager loop over experts any dtype
     experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, attn_implementation="eager",
@@ -148,9 +150,10 @@ def _peft_reference(hf_dir: Path, state: dict[str, torch.Tensor], weights: torch
     (logits * weights.to(dtype)).sum().backward()
     grads = {n.replace(".default", ""): p.grad for n, p in lora.named_parameters() if "lora_" in n}
     out = {k: v for k, v in grads.items() if ".mlp.experts." not in k}
-    for layer in moe_layers:
-        out.update(_per_expert_grads(grads, layer, num_experts, c["moe_intermediate_size"]))
-    for projections in FUSED:  # one A for a megatron layer's projections: its gradient is theirs summed
+    for layer in range(c["num_hidden_layers"]):
+        out.update(_per_expert_grads(grads, layer, num_experts, c[EXPERTS[arch][2]], arch))
+    _, (gate, up, _down), _ = EXPERTS[arch]
+    for projections in (FUSED_ATTENTION, (gate, up)):  # one A for a megatron layer's projections: theirs summed
         for name in list(out):
             if f".{projections[0]}.lora_A." in name:
                 total = sum(out[name.replace(projections[0], p)] for p in projections)
@@ -159,12 +162,13 @@ def _peft_reference(hf_dir: Path, state: dict[str, torch.Tensor], weights: torch
     return {"logits": logits.detach(), "base": base, "grads": out}
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory) -> Path:
+@pytest.fixture(scope="module", params=list(EXPERTS))
+def hf_dir(tmp_path_factory, request) -> Path:
     # every layer MoE, as Qwen3-30B-A3B: peft 0.21 loading per-expert adapters onto transformers 5's stacked experts
     # drops the adapters of a dense MLP layer among MoE layers (measured: their logits unchanged), so a mixed model
     # has no peft reference here
-    return make_hf_model(tmp_path_factory.mktemp("lora_moe") / "qwen3_moe", "qwen3_moe", seed=13, mlp_only_layers=[])
+    layers = {"mlp_only_layers": []} if request.param == "qwen3_moe" else {}
+    return make_hf_model(tmp_path_factory.mktemp("lora_moe") / request.param, request.param, seed=13, **layers)
 
 
 @pytest.mark.parametrize("ep", [1, 2])
@@ -223,8 +227,9 @@ def test_a_fresh_expert_adapter_is_the_same_on_every_ep_layout(hf_dir):
     assert sorted(one) == sorted(two)
     for name in one:
         assert torch.equal(one[name], two[name]), name
-    a0 = one["base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_A.weight"]
-    a1 = one["base_model.model.model.layers.0.mlp.experts.1.gate_proj.lora_A.weight"]
+    module, (gate, up, down), _ = EXPERTS[read_json(hf_dir / "config.json")["model_type"]]
+    expert = f"base_model.model.model.layers.0.{module}.experts"
+    a0, a1 = one[f"{expert}.0.{gate}.lora_A.weight"], one[f"{expert}.1.{gate}.lora_A.weight"]
     assert not torch.equal(a0, a1)
-    assert torch.equal(a0, one["base_model.model.model.layers.0.mlp.experts.0.up_proj.lora_A.weight"])  # one A
-    assert not one["base_model.model.model.layers.0.mlp.experts.0.down_proj.lora_B.weight"].any()  # B starts at 0
+    assert torch.equal(a0, one[f"{expert}.0.{up}.lora_A.weight"])  # one A
+    assert not one[f"{expert}.0.{down}.lora_B.weight"].any()  # B starts at 0
