@@ -452,6 +452,15 @@ def test_remax_baseline_is_the_score_of_each_prompts_greedy_response(demo_assets
         assert "timing_s/gen_baseline" in rows[step]
 
 
+def _tiny_moe_model(tmp_path: Path) -> Path:
+    """The tiny Qwen3-MoE of configs/models/tiny-demo-moe (4 experts, top-2, every layer MoE) with random weights and
+    the demo's tokenizer."""
+    model = tmp_path / "moe_model"
+    subprocess.run([sys.executable, "tools/make_demo_model.py", "--config", "configs/models/tiny-demo-moe/config.json",
+                    "--out", str(model)], cwd=ROOT, check=True, capture_output=True)
+    return model
+
+
 def test_moe_grpo_at_ep2_with_routing_replay_reward_rises(demo_assets, tmp_path):
     """A tiny Qwen3-MoE (4 experts, top-2, every layer MoE) at EP2 on 2 ranks: each rank trains half
     the experts, every sync reshards the other half into its vLLM copy, the router's load-balancing
@@ -459,9 +468,7 @@ def test_moe_grpo_at_ep2_with_routing_replay_reward_rises(demo_assets, tmp_path)
     two vLLM replicas, each returning its own rows' routing); the reward rises and every sync is proven
     (its probe routes freely). The train/rollout log-prob gap is logged with replay; the same run
     without replay, and with a bf16 rollout, are measured in docs/user-guide.md ("Routing replay")."""
-    model = tmp_path / "moe_model"
-    subprocess.run([sys.executable, "tools/make_demo_model.py", "--config", "configs/models/tiny-demo-moe/config.json",
-                    "--out", str(model)], cwd=ROOT, check=True, capture_output=True)
+    model = _tiny_moe_model(tmp_path)
     run = tmp_path / "moe"
     steps = 16
     result = _train("configs/examples/cpu_tiny_grpo.yaml", demo_overrides(
@@ -711,9 +718,7 @@ def test_lora_on_an_moe_models_experts_at_ep2_raises_the_reward_and_exports_what
     each rank trains its 2 experts' adapters; every sync merges them into the weights vLLM serves (proven by the
     probe); the reward rises (3x); the checkpoint's PEFT folder holds every expert's adapters and the merged export is
     what peft makes of the base and that folder (on transformers' stacked experts)."""
-    model = tmp_path / "moe_model"
-    subprocess.run([sys.executable, "tools/make_demo_model.py", "--config", "configs/models/tiny-demo-moe/config.json",
-                    "--out", str(model)], cwd=ROOT, check=True, capture_output=True)
+    model = _tiny_moe_model(tmp_path)
     run = tmp_path / "run"
     steps = 24
     result = _train("configs/examples/cpu_tiny_grpo.yaml", demo_overrides(
