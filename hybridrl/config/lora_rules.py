@@ -50,8 +50,7 @@ def _check_expert_adapters(check: Checker, config: JobConfig, model: ModelShape)
     """Adapters on an MoE model's routed experts (`models.lora`): one per expert, of type lora, each expert whole on
     its rank; merged into the weights at each sync."""
     lora = config.actor_rollout_ref.model.lora
-    targets = set(lora.target_modules) or set(TARGETS.get(lora.type, {})) - set(lora.exclude_modules)
-    expert_targets = sorted(targets & {"linear_fc1", "linear_fc2", "linear_fc1_gate", "linear_fc1_up"})
+    expert_targets = sorted(set(lora.targets) & {"linear_fc1", "linear_fc2", "linear_fc1_gate", "linear_fc1_up"})
     if not expert_targets:
         return  # the attention alone: nothing on the experts
     experts = f"adapters on {model.architecture}'s experts ({', '.join(expert_targets)})"
@@ -62,6 +61,13 @@ def _check_expert_adapters(check: Checker, config: JobConfig, model: ModelShape)
         check.fail(f"{LORA}.dropout", lora.dropout, f"{experts}: peft's adapters on stacked expert weights take "
                    "no dropout, so an exported adapter would not load", [0.0])
     actor = config.actor_rollout_ref.actor.megatron
+    if actor.tensor_model_parallel_size != 1:
+        # an expert adapter's halves held whole (fc1's A, fc2's B) would need megatron's tags for a weight whole on
+        # each dense TP rank but reduced over the expert groups: its sequence-parallel sum over dense TP would add
+        # different experts' gradients, and the expert optimizer's grad norm would skip them on TP ranks > 0
+        check.fail("actor_rollout_ref.actor.megatron.tensor_model_parallel_size", actor.tensor_model_parallel_size,
+                   f"{experts}: built at tensor_model_parallel_size 1 (any EP, PP, DP, CP); their gradients at "
+                   "TP > 1 are not", [1])
     expert_tp = actor.expert_tensor_parallel_size or actor.tensor_model_parallel_size
     if expert_tp != 1:
         check.fail("actor_rollout_ref.actor.megatron.expert_tensor_parallel_size",

@@ -33,7 +33,9 @@ type `lora`) and `linear_fc2` (down), as peft's `target_parameters` puts one ran
 transformers model's stacked expert weights. Under expert parallelism each rank holds its experts' adapters (drawn
 from the expert's global index, so any layout holds the same ones) and `lora_state` gathers them over the EP group.
 Each expert whole on its rank (expert TP 1): megatron's token dispatcher, not the expert's linear layers, moves
-an expert's inputs and outputs, so an adapter on a split expert would need its own reductions (not built).
+an expert's inputs and outputs, so an adapter on a split expert would need its own reductions (not built); and the
+dense TP 1 (the plan refuses more): at TP > 1 an expert adapter's whole halves would need megatron's tags for a
+weight reduced over the expert groups, not the dense TP group (`config.lora_rules`).
 Their state's names are per expert, as the family's checkpoint names the expert's weights
 (`...mlp.experts.{e}.gate_proj.lora_A.weight`, Mixtral's `...block_sparse_moe.experts.{e}.w1.lora_A.weight`: peft's
 names on a transformers model whose experts are linear layers), which peft itself converts when it loads a folder
@@ -443,7 +445,7 @@ def lora_state(adapters: Sequence[LoraAdapter], *, grads: bool = False,
             if theirs is None:
                 raise RuntimeError("an EP rank gave no expert adapters to the gather")
             out.update(theirs)
-    if by_ep_group:  # the experts came last: back to layer order, as a rank holding every expert would list them
+    if by_ep_group:  # the experts came last: back to one order on every rank, by layer, then expert, then name
         out = dict(sorted(out.items(), key=lambda item: _state_order(item[0])))
     return out
 

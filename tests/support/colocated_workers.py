@@ -1,4 +1,4 @@
-"""The hybrid engine's worker on a forked gloo rank, as the trainer's Ray actor would build it.
+"""The colocated policy worker on a forked gloo rank, as the trainer's Ray actor would build it.
 
 Run inside `tests.support.forked.run_ranks`: the demo GRPO config with the test's overrides,
 this rank's `RankContext`, and optional `ColocatedSettings` (e.g. a probe tolerance the test is not
