@@ -361,6 +361,9 @@ def _cross_pool_send_rank(rank: int, world: int) -> str:
     address = CrossGroupAddress("127.0.0.1", int(port), 1, 1)
     store = open_store("127.0.0.1", 2, 60, port=int(port)) if rank == 0 else None
     group = CrossGroup(address, rank, "gloo", 60, store=store)
+    # both sides joined before either goes on: the rollout member leaving at once could close its end of gloo's
+    # full mesh while the trainer member was still connecting ("Connection closed by peer", seen in a full run)
+    torch.distributed.barrier()
     if rank == 1:
         return "joined"  # (the receiving side is vLLM's, judged by vLLM's own device: not waited on here)
     group.send(torch.ones(4, device="cuda"), 1).wait()
