@@ -61,13 +61,6 @@ def _check_expert_adapters(check: Checker, config: JobConfig, model: ModelShape)
         check.fail(f"{LORA}.dropout", lora.dropout, f"{experts}: peft's adapters on stacked expert weights take "
                    "no dropout, so an exported adapter would not load", [0.0])
     actor = config.actor_rollout_ref.actor.megatron
-    if actor.tensor_model_parallel_size != 1:
-        # an expert adapter's halves held whole (fc1's A, fc2's B) would need megatron's tags for a weight whole on
-        # each dense TP rank but reduced over the expert groups: its sequence-parallel sum over dense TP would add
-        # different experts' gradients, and the expert optimizer's grad norm would skip them on TP ranks > 0
-        check.fail("actor_rollout_ref.actor.megatron.tensor_model_parallel_size", actor.tensor_model_parallel_size,
-                   f"{experts}: built at tensor_model_parallel_size 1 (any EP, PP, DP, CP); their gradients at "
-                   "TP > 1 are not", [1])
     expert_tp = actor.expert_tensor_parallel_size or actor.tensor_model_parallel_size
     if expert_tp != 1:
         check.fail("actor_rollout_ref.actor.megatron.expert_tensor_parallel_size",
@@ -84,8 +77,10 @@ def _check_expert_adapters(check: Checker, config: JobConfig, model: ModelShape)
     if lora.merge is False:
         check.fail(f"{LORA}.merge", False, f"{experts}: vLLM serving adapters on experts is not built; merged "
                    "syncs are", [True])
-    if actor.expert_model_parallel_size > 1 and actor.use_distributed_optimizer:
+    if (actor.expert_model_parallel_size > 1 or actor.tensor_model_parallel_size > 1) \
+            and actor.use_distributed_optimizer:
         check.fail("actor_rollout_ref.actor.megatron.use_distributed_optimizer", True, f"{experts} at "
-                   f"expert_model_parallel_size={actor.expert_model_parallel_size}: a checkpoint gathers each "
-                   "expert's adapter state from its EP rank, which the distributed optimizer shards further over "
-                   "the expert data-parallel ranks (not gathered yet); the adapters' optimizer state is small", [False])
+                   f"expert_model_parallel_size={actor.expert_model_parallel_size} x tensor_model_parallel_size="
+                   f"{actor.tensor_model_parallel_size}: a checkpoint gathers each expert's adapter state from its "
+                   "EP rank, which the distributed optimizer shards further over the expert data-parallel ranks "
+                   "(not gathered yet); the adapters' optimizer state is small", [False])

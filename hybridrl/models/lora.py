@@ -33,9 +33,9 @@ type `lora`) and `linear_fc2` (down), as peft's `target_parameters` puts one ran
 transformers model's stacked expert weights. Under expert parallelism each rank holds its experts' adapters (drawn
 from the expert's global index, so any layout holds the same ones) and `lora_state` gathers them over the EP group.
 Each expert whole on its rank (expert TP 1): megatron's token dispatcher, not the expert's linear layers, moves
-an expert's inputs and outputs, so an adapter on a split expert would need its own reductions (not built); and the
-dense TP 1 (the plan refuses more): at TP > 1 an expert adapter's whole halves would need megatron's tags for a
-weight reduced over the expert groups, not the dense TP group (`config.lora_rules`).
+an expert's inputs and outputs, so an adapter on a split expert would need its own reductions (not built). At dense
+TP > 1 (sequence parallelism) its halves are tagged as megatron tags expert weights: reduced over the expert
+data-parallel group by DDP, counted on every rank by the expert optimizer's grad norm, never summed over dense TP.
 Their state's names are per expert, as the family's checkpoint names the expert's weights
 (`...mlp.experts.{e}.gate_proj.lora_A.weight`, Mixtral's `...block_sparse_moe.experts.{e}.w1.lora_A.weight`: peft's
 names on a transformers model whose experts are linear layers), which peft itself converts when it loads a folder
@@ -88,6 +88,11 @@ class LoraSettings:
 def _tag(param: nn.Parameter, *, split_dim: int | None, sequence_parallel: bool, expert: bool) -> None:
     if split_dim is not None:
         param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, split_dim, 1
+    elif expert:
+        # a routed expert's half, whole on its rank: tagged as megatron tags its expert weights whatever their expert
+        # TP, so the expert optimizer (whose grad norm is reduced over the expert TP x PP group, not the dense TP
+        # group) counts it on every dense TP rank; never sequence-parallel (nothing of it is summed over dense TP)
+        param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
     elif sequence_parallel:
         param.sequence_parallel = True
     if expert:
@@ -143,14 +148,16 @@ class LoraAdapter(nn.Module):
         self.hf_modules = dict(hf_modules) if hf_modules is not None else None
         self.tp_group = base.tp_group
         self.tp, self.tp_rank = self.tp_group.size(), self.tp_group.rank()
-        self.sequence_parallel = bool(getattr(base, "sequence_parallel", False))
+        # an expert's linear sees the tokens the dispatcher sent it, not a sequence shard (megatron's expert
+        # RowParallelLinear keeps the config's flag all the same)
+        self.sequence_parallel = bool(getattr(base, "sequence_parallel", False)) and expert is None
         # each projection's output rows on this rank (a column-parallel layer's are split over TP)
         self.local_rows = {p: n if self.row_parallel else n // self.tp for p, n in zip(self.projections, rows)}
         adapted = [p for p in self.projections if p in settings.projections]
         fused = settings.kind == "lora"
         self.parts: tuple[tuple[str, ...], ...] = (tuple(adapted),) if fused and adapted else tuple(
             (p,) for p in adapted)
-        expert = bool(getattr(base, "is_expert", False))
+        is_expert = bool(getattr(base, "is_expert", False))
         generator = torch.Generator().manual_seed(adapter_seed(settings.seed, name))
         r = settings.rank
         device = base.weight.device  # where the layer lives (its GPU); drawn on the host, the same on every layout
@@ -167,13 +174,13 @@ class LoraAdapter(nn.Module):
                 per = in_features // self.tp
                 a = nn.Parameter(full_a[:, self.tp_rank * per:(self.tp_rank + 1) * per].contiguous().to(device))
                 b = nn.Parameter(torch.zeros(out_rows, r).to(device))
-                _tag(a, split_dim=1, sequence_parallel=False, expert=expert)
-                _tag(b, split_dim=None, sequence_parallel=self.sequence_parallel, expert=expert)
+                _tag(a, split_dim=1, sequence_parallel=False, expert=is_expert)
+                _tag(b, split_dim=None, sequence_parallel=self.sequence_parallel, expert=is_expert)
             else:
                 a = nn.Parameter(full_a.to(device))
                 b = nn.Parameter(torch.zeros(out_rows, r).to(device))
-                _tag(a, split_dim=None, sequence_parallel=self.sequence_parallel, expert=expert)
-                _tag(b, split_dim=0, sequence_parallel=False, expert=expert)
+                _tag(a, split_dim=None, sequence_parallel=self.sequence_parallel, expert=is_expert)
+                _tag(b, split_dim=0, sequence_parallel=False, expert=is_expert)
             self.lora_A.append(a)
             self.lora_B.append(b)
         for param in base.parameters(recurse=False):

@@ -77,8 +77,9 @@ def test_an_moe_models_experts_take_adapters_counted_per_rank(ep):
      "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size", "each expert whole on its rank"),
     (["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
       "actor_rollout_ref.actor.megatron.sequence_parallel=true",
-      "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1"],
-     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size", "their gradients at TP > 1 are not"),
+      "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1",
+      "actor_rollout_ref.actor.megatron.use_distributed_optimizer=true"],
+     "actor_rollout_ref.actor.megatron.use_distributed_optimizer", "shards further over the expert data-parallel"),
     (["actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
       "actor_rollout_ref.actor.megatron.use_distributed_optimizer=true"],
      "actor_rollout_ref.actor.megatron.use_distributed_optimizer", "shards further over the expert data-parallel"),
@@ -101,6 +102,14 @@ def test_a_dense_mlp_among_moe_layers_is_warned_of_for_the_peft_folder(tmp_path)
                                                   f"{LORA}.rank=8"]).warnings if "dense MLPs among MoE" in w]
     assert warned and "layers [2]" in warned[0]
     assert not [w for w in plan_from_sources(DEMO, [MOE, f"{LORA}.rank=8"]).warnings if "dense MLPs" in w]
+
+
+def test_expert_adapters_plan_at_tp2_with_each_expert_whole():
+    plan = plan_from_sources(DEMO, [MOE, f"{LORA}.rank=8",
+                                    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                                    "actor_rollout_ref.actor.megatron.sequence_parallel=true",
+                                    "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1"])
+    assert plan.resolved.lora_rank == 8
 
 
 def test_adapters_on_the_attention_alone_take_any_moe_setting():

@@ -713,17 +713,23 @@ def test_lora_grpo_raises_the_reward_proves_each_merged_sync_and_takes_the_base_
     assert gap < 1e-4 and moved > 1e-2, (gap, moved)
 
 
-def test_lora_on_an_moe_models_experts_at_ep2_raises_the_reward_and_exports_what_peft_makes(demo_assets, tmp_path):
-    """GRPO with adapters on the tiny Qwen3-MoE's attention and on each of its 4 experts (rank 32, type lora) at EP2:
-    each rank trains its 2 experts' adapters; every sync merges them into the weights vLLM serves (proven by the
-    probe); the reward rises (3x); the checkpoint's PEFT folder holds every expert's adapters and the merged export is
-    what peft makes of the base and that folder (on transformers' stacked experts)."""
+@pytest.mark.parametrize("layout", [
+    ["actor_rollout_ref.actor.megatron.expert_model_parallel_size=2"],
+    ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+     "actor_rollout_ref.actor.megatron.sequence_parallel=true",
+     "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1"]], ids=["ep2", "tp2"])
+def test_lora_on_an_moe_models_experts_raises_the_reward_and_exports_what_peft_makes(demo_assets, tmp_path, layout):
+    """GRPO with adapters on the tiny Qwen3-MoE's attention and on each of its 4 experts (rank 32, type lora) at EP2
+    (each rank trains its 2 experts' adapters) and at TP2 with sequence parallelism (each expert whole on both ranks,
+    its adapters' gradients reduced over them by megatron's DDP): every sync merges them into the weights vLLM
+    serves (proven by the probe); the reward rises (3x); the checkpoint's PEFT folder holds every expert's adapters
+    and the merged export is what peft makes of the base and that folder (on transformers' stacked experts)."""
     model = _tiny_moe_model(tmp_path)
     run = tmp_path / "run"
     steps = 24
     result = _train("configs/examples/cpu_tiny_grpo.yaml", demo_overrides(
-        demo_assets, run, f"trainer.total_training_steps={steps}", f"actor_rollout_ref.model.path={model}",
-        "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2", "actor_rollout_ref.model.lora.rank=32",
+        demo_assets, run, f"trainer.total_training_steps={steps}", f"actor_rollout_ref.model.path={model}", *layout,
+        "actor_rollout_ref.model.lora.rank=32",
         "actor_rollout_ref.model.lora.alpha=64", "actor_rollout_ref.actor.optim.lr=1e-2", f"trainer.save_freq={steps}",
         "trainer.export_hf_on_save=true"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
@@ -742,7 +748,7 @@ def test_lora_on_an_moe_models_experts_at_ep2_raises_the_reward_and_exports_what
     step = run / CKPT / f"global_step_{steps}"
     adapter = load_file(str(step / "actor" / "lora" / "adapter_model.safetensors"))
     experts = {int(n.split(".experts.")[1].split(".")[0]) for n in adapter if ".experts." in n}
-    assert experts == {0, 1, 2, 3}  # both EP ranks' experts
+    assert experts == {0, 1, 2, 3}  # at EP2, both EP ranks' experts
     tokens = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
     with torch.no_grad():
         exported = transformers.AutoModelForCausalLM.from_pretrained(step / "actor_hf", dtype=torch.float32)

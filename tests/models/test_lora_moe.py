@@ -28,7 +28,15 @@ FUSED_ATTENTION = ("q_proj", "k_proj", "v_proj")
 
 
 def _moe_lora_rank(rank: int, world: int, hf_dir: str, state: dict[str, torch.Tensor],
-                   weights: torch.Tensor, export: str | None = None) -> dict[str, Any]:
+                   weights: torch.Tensor, export: str | None = None, tp: int = 1) -> dict[str, Any]:
+    """EP = world / TP; at TP > 1 with sequence parallelism (megatron's MoE layer trains only so) and each expert
+    whole on its rank (expert TP 1). The gradients as megatron's DDP and finalize_model_grads leave them: an expert
+    half summed over the expert data-parallel group, a dense one tagged sequence-parallel summed over TP."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as megatron_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+
     from hybridrl.models.bridge import build_gpt_model, load_weights
     from hybridrl.models.lora import (
         LoraSettings,
@@ -41,9 +49,9 @@ def _moe_lora_rank(rank: int, world: int, hf_dir: str, state: dict[str, torch.Te
     from hybridrl.models.lora_targets import TARGETS
     from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
 
-    initialize_model_parallel(ep=world, device="cpu")
+    ctx = initialize_model_parallel(tp=tp, ep=world // tp, etp=1 if tp > 1 else None, device="cpu")
     try:
-        model = build_gpt_model(hf_dir)
+        model = build_gpt_model(hf_dir, config_overrides={"sequence_parallel": tp > 1})
         load_weights([model], hf_dir)
         settings = LoraSettings(rank=RANK, alpha=ALPHA, kind="lora", targets=tuple(TARGETS["lora"]), seed=5)
         adapters = add_lora(model, settings)
@@ -54,11 +62,21 @@ def _moe_lora_rank(rank: int, world: int, hf_dir: str, state: dict[str, torch.Te
             save_peft_adapter(whole, settings, export, base_model=hf_dir)
         positions = torch.arange(TOKENS.shape[1]).expand_as(TOKENS)
         with torch.no_grad(), adapters_disabled([model]):
-            base = model(TOKENS, positions, None)[..., :VOCAB]
-        logits = model(TOKENS, positions, None)[..., :VOCAB]
+            base = gather_from_tensor_model_parallel_region(model(TOKENS, positions, None))[..., :VOCAB]
+        logits = gather_from_tensor_model_parallel_region(model(TOKENS, positions, None))[..., :VOCAB]
         (logits * weights).sum().backward()
+        for adapter in adapters:
+            for param in (*adapter.lora_A, *adapter.lora_B):
+                if getattr(param, "allreduce", True) is False:  # DDP's expert buckets
+                    dist.all_reduce(param.grad, group=megatron_state.get_expert_data_parallel_group())
+                if getattr(param, "sequence_parallel", False):  # then finalize_model_grads, whatever DDP did
+                    dist.all_reduce(param.grad, group=ctx.tp_group)
         base_grads = [n for n, p in model.named_parameters() if p.grad is not None and "lora_" not in n]
-        return {"logits": logits.detach(), "base": base, "grads": lora_state(adapters, grads=True),
+        # the expert optimizer's grad norm (reduced over expert TP x PP, not dense TP) counts a parameter on a rank
+        # when megatron's rule says it is no duplicate over dense TP: every expert half, on every rank
+        counted = all(param_is_not_tensor_parallel_duplicate(p, ctx.tp_group)
+                      for a in adapters if a.expert is not None for p in a.parameters())
+        return {"logits": logits.detach(), "base": base, "grads": lora_state(adapters, grads=True), "counted": counted,
                 "initial": initial, "base_grads": base_grads, "local_experts": sorted(
                     {a.expert for a in adapters if a.expert is not None})}
     finally:
@@ -177,8 +195,8 @@ def _worst_relative_error(grads: dict[str, torch.Tensor], truth: dict[str, torch
                for name, exact in truth.items())
 
 
-@pytest.mark.parametrize("ep", [1, 2])
-def test_expert_adapters_equal_peft_on_the_transformers_models_stacked_experts(hf_dir, tmp_path, ep):
+@pytest.mark.parametrize("tp,ep", [(1, 1), (1, 2), (2, 1)])
+def test_expert_adapters_equal_peft_on_the_transformers_models_stacked_experts(hf_dir, tmp_path, tp, ep):
     """Against peft in float64 (the exact gradients), within 3x peft's own float32 error: the experts' sums run in
     another order in megatron (permuted tokens, each expert's matmuls apart) than in transformers (a grouped GEMM,
     peft's adapters merged into the weight first), so both float32 runs stray from the exact gradients by ~2e-5 of
@@ -190,11 +208,12 @@ def test_expert_adapters_equal_peft_on_the_transformers_models_stacked_experts(h
     peft_error = _worst_relative_error(reference["grads"], exact["grads"])
     assert 0 < peft_error < 1e-4
     exported = tmp_path / "exported"
-    results = run_ranks(_moe_lora_rank, ep, str(hf_dir), state, weights, str(exported), timeout_s=300)
+    results = run_ranks(_moe_lora_rank, tp * ep, str(hf_dir), state, weights, str(exported), tp, timeout_s=300)
     experts = read_json(hf_dir / "config.json")["num_local_experts"]
-    # each EP rank adapts its own experts (expert e on EP rank e // (E / EP)), and gathers every expert's
+    # each EP rank adapts its own experts (expert e on EP rank e // (E / EP)), and gathers every expert's; at TP2 x
+    # EP1 both TP ranks hold every expert whole
     assert [r["local_experts"] for r in results] == [list(range(i * experts // ep, (i + 1) * experts // ep))
-                                                    for i in range(ep)]
+                                                    for i in range(ep) for _ in range(tp)]
     assert (reference["logits"] - reference["base"]).abs().max() > 1e-2  # the adapters change the model
     # the folder the ranks export (`save_peft_adapter`: every expert's adapters, gathered over EP), loaded by peft
     # onto the transformers model's stacked experts, gives the same logits
@@ -206,6 +225,7 @@ def test_expert_adapters_equal_peft_on_the_transformers_models_stacked_experts(h
         loaded = peft.PeftModel.from_pretrained(base, exported)(TOKENS).logits
     assert (loaded - results[0]["logits"]).abs().max() <= 1e-5
     for result in results:
+        assert result["counted"]
         assert sorted(result["initial"]) == sorted(state)
         assert (result["logits"].double() - exact["logits"]).abs().max() <= 1e-5
         assert (result["logits"] - reference["logits"]).abs().max() <= 1e-5
