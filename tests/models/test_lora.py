@@ -12,7 +12,7 @@ import torch
 
 from hybridrl.models.lora_targets import TARGETS
 from tests.support.forked import run_ranks
-from tests.support.lora_adapters import RANK, adapter_state, fused_grads, shared_a
+from tests.support.lora_adapters import RANK, adapted_model_pass, adapter_state, fused_grads, shared_a
 from tests.support.models_fixtures import VOCAB, make_hf_model, sample_tokens
 
 TOKENS = sample_tokens(batch=2)
@@ -22,43 +22,15 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 def _lora_rank(rank: int, world: int, hf_dir: str, sequence_parallel: bool, state: dict[str, torch.Tensor] | None,
                weights: torch.Tensor, export: str | None = None, kind: str = "canonical_lora") -> dict[str, Any]:
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    from hybridrl.models.bridge import build_gpt_model, load_weights
-    from hybridrl.models.lora import (
-        LoraSettings,
-        adapters_disabled,
-        add_lora,
-        load_lora_state,
-        lora_state,
-        save_peft_adapter,
-    )
+    from hybridrl.models.lora import LoraSettings
     from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
 
     ctx = initialize_model_parallel(tp=world, device="cpu")
     try:
-        model = build_gpt_model(hf_dir, config_overrides={"sequence_parallel": sequence_parallel})
-        load_weights([model], hf_dir)
         settings = LoraSettings(rank=RANK, alpha=ALPHA, kind=kind, targets=tuple(TARGETS[kind]), seed=5)
-        adapters = add_lora(model, settings)
-        initial = lora_state(adapters)
-        if state is not None:
-            load_lora_state(adapters, state)
-        whole = lora_state(adapters)  # a collective: every TP rank gathers the split halves
-        if export is not None and rank == 0:
-            save_peft_adapter(whole, settings, export, base_model=hf_dir)
-        positions = torch.arange(TOKENS.shape[1]).expand_as(TOKENS)
-        with torch.no_grad(), adapters_disabled([model]):
-            base = gather_from_tensor_model_parallel_region(model(TOKENS, positions, None))[..., :VOCAB]
-        logits = gather_from_tensor_model_parallel_region(model(TOKENS, positions, None))[..., :VOCAB]
-        (logits * weights).sum().backward()
-        for adapter in adapters:  # megatron's finalize_model_grads: tagged halves summed over TP
-            for param in (*adapter.lora_A, *adapter.lora_B):
-                if sequence_parallel and getattr(param, "sequence_parallel", False):
-                    torch.distributed.all_reduce(param.grad, group=ctx.tp_group)
-        base_grads = [n for n, p in model.named_parameters() if p.grad is not None and "lora_" not in n]
-        return {"logits": logits.detach(), "base": base, "grads": lora_state(adapters, grads=True),
-                "initial": initial, "base_grads": base_grads}
+        result, _ = adapted_model_pass(rank, ctx, hf_dir, settings, state, weights, TOKENS, VOCAB, export=export,
+                                       sequence_parallel=sequence_parallel)
+        return result
     finally:
         destroy_model_parallel()
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.support.forked import run_ranks
-from tests.support.lora_adapters import RANK
+from tests.support.lora_adapters import RANK, adapted_model_pass
 from tests.support.models_fixtures import VOCAB, make_hf_model, read_json, sample_tokens
 
 TOKENS = sample_tokens(batch=2)
@@ -30,55 +30,25 @@ FUSED_ATTENTION = ("q_proj", "k_proj", "v_proj")
 def _moe_lora_rank(rank: int, world: int, hf_dir: str, state: dict[str, torch.Tensor],
                    weights: torch.Tensor, export: str | None = None, tp: int = 1) -> dict[str, Any]:
     """EP = world / TP; at TP > 1 with sequence parallelism (megatron's MoE layer trains only so) and each expert
-    whole on its rank (expert TP 1). The gradients as megatron's DDP and finalize_model_grads leave them: an expert
-    half summed over the expert data-parallel group, a dense one tagged sequence-parallel summed over TP."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as megatron_state
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    whole on its rank (expert TP 1)."""
     from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 
-    from hybridrl.models.bridge import build_gpt_model, load_weights
-    from hybridrl.models.lora import (
-        LoraSettings,
-        adapters_disabled,
-        add_lora,
-        load_lora_state,
-        lora_state,
-        save_peft_adapter,
-    )
+    from hybridrl.models.lora import LoraSettings
     from hybridrl.models.lora_targets import TARGETS
     from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
 
     ctx = initialize_model_parallel(tp=tp, ep=world // tp, etp=1 if tp > 1 else None, device="cpu")
     try:
-        model = build_gpt_model(hf_dir, config_overrides={"sequence_parallel": tp > 1})
-        load_weights([model], hf_dir)
         settings = LoraSettings(rank=RANK, alpha=ALPHA, kind="lora", targets=tuple(TARGETS["lora"]), seed=5)
-        adapters = add_lora(model, settings)
-        initial = lora_state(adapters)  # a collective over the EP group: every rank gathers every expert's
-        load_lora_state(adapters, state)
-        whole = lora_state(adapters)
-        if export is not None and rank == 0:
-            save_peft_adapter(whole, settings, export, base_model=hf_dir)
-        positions = torch.arange(TOKENS.shape[1]).expand_as(TOKENS)
-        with torch.no_grad(), adapters_disabled([model]):
-            base = gather_from_tensor_model_parallel_region(model(TOKENS, positions, None))[..., :VOCAB]
-        logits = gather_from_tensor_model_parallel_region(model(TOKENS, positions, None))[..., :VOCAB]
-        (logits * weights).sum().backward()
-        for adapter in adapters:
-            for param in (*adapter.lora_A, *adapter.lora_B):
-                if getattr(param, "allreduce", True) is False:  # DDP's expert buckets
-                    dist.all_reduce(param.grad, group=megatron_state.get_expert_data_parallel_group())
-                if getattr(param, "sequence_parallel", False):  # then finalize_model_grads, whatever DDP did
-                    dist.all_reduce(param.grad, group=ctx.tp_group)
-        base_grads = [n for n, p in model.named_parameters() if p.grad is not None and "lora_" not in n]
+        result, adapters = adapted_model_pass(rank, ctx, hf_dir, settings, state, weights, TOKENS, VOCAB,
+                                              export=export, sequence_parallel=tp > 1)
+        experts = [a for a in adapters if a.expert is not None]
         # the expert optimizer's grad norm (reduced over expert TP x PP, not dense TP) counts a parameter on a rank
         # when megatron's rule says it is no duplicate over dense TP: every expert half, on every rank
-        counted = all(param_is_not_tensor_parallel_duplicate(p, ctx.tp_group)
-                      for a in adapters if a.expert is not None for p in a.parameters())
-        return {"logits": logits.detach(), "base": base, "grads": lora_state(adapters, grads=True), "counted": counted,
-                "initial": initial, "base_grads": base_grads, "local_experts": sorted(
-                    {a.expert for a in adapters if a.expert is not None})}
+        result["counted"] = all(param_is_not_tensor_parallel_duplicate(p, ctx.tp_group)
+                                for a in experts for p in a.parameters())
+        result["local_experts"] = sorted({a.expert for a in experts})
+        return result
     finally:
         destroy_model_parallel()
 

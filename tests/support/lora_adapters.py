@@ -1,9 +1,11 @@
 """LoRA adapters for the tests, under peft's names: random ones of a model's shape, the fused (type lora) form where a
 megatron layer's projections share one A, and peft's gradients as such a fused adapter receives them. Shared by
-tests/models/test_lora.py, tests/reshard/test_adapter_sync.py and tests/training/test_lora.py."""
+tests/models/test_lora.py, tests/models/test_lora_moe.py, tests/reshard/test_adapter_sync.py and
+tests/training/test_lora.py; `adapted_model_pass`: one rank's forward and backward of a model with adapters."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -56,3 +58,43 @@ def fused_grads(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 for p in projections:
                     fused[name.replace(projections[0], p)] = total
     return fused
+
+
+def adapted_model_pass(rank: int, ctx: Any, hf_dir: str, settings: Any, state: dict[str, torch.Tensor] | None,
+                       weights: torch.Tensor, tokens: torch.Tensor, vocab: int, *, export: str | None = None,
+                       sequence_parallel: bool = False) -> tuple[dict[str, Any], list[Any]]:
+    """In a forked rank whose megatron parallel state is up (`ctx`): the model of `hf_dir` with adapters (`settings`),
+    set from `state` (peft names) when given and exported by rank 0 to `export`; its logits (gathered over TP) with
+    and without them; after a backward of (logits x weights).sum(), every adapter's gradient as megatron's DDP and
+    finalize_model_grads leave it: a routed expert's half summed over the expert data-parallel group, then a half
+    tagged sequence-parallel summed over TP. The result (whole tensors under peft's names) and the adapters."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as megatron_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    from hybridrl.models.bridge import build_gpt_model, load_weights
+    from hybridrl.models.lora import adapters_disabled, add_lora, load_lora_state, lora_state, save_peft_adapter
+
+    model = build_gpt_model(hf_dir, config_overrides={"sequence_parallel": sequence_parallel})
+    load_weights([model], hf_dir)
+    adapters = add_lora(model, settings)
+    initial = lora_state(adapters)  # a collective: over each TP group (split halves) and EP group (experts)
+    if state is not None:
+        load_lora_state(adapters, state)
+    whole = lora_state(adapters)
+    if export is not None and rank == 0:
+        save_peft_adapter(whole, settings, export, base_model=hf_dir)
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    with torch.no_grad(), adapters_disabled([model]):
+        base = gather_from_tensor_model_parallel_region(model(tokens, positions, None))[..., :vocab]
+    logits = gather_from_tensor_model_parallel_region(model(tokens, positions, None))[..., :vocab]
+    (logits * weights).sum().backward()
+    for adapter in adapters:
+        for param in (*adapter.lora_A, *adapter.lora_B):
+            if getattr(param, "allreduce", True) is False:  # DDP's expert buckets
+                dist.all_reduce(param.grad, group=megatron_state.get_expert_data_parallel_group())
+            if getattr(param, "sequence_parallel", False):  # then finalize_model_grads, whatever DDP did
+                dist.all_reduce(param.grad, group=ctx.tp_group)
+    base_grads = [n for n, p in model.named_parameters() if p.grad is not None and "lora_" not in n]
+    return {"logits": logits.detach(), "base": base, "grads": lora_state(adapters, grads=True), "initial": initial,
+            "base_grads": base_grads}, adapters
