@@ -52,10 +52,12 @@ class FrozenBackend:
         self.host_between_passes = host_between_passes
 
     @classmethod
-    def build(cls, plan: Plan, role: Role) -> FrozenBackend:
-        """The role's backend, built and parked (its `megatron.param_offload` decides the host)."""
+    def build(cls, plan: Plan, role: Role, *, host_between_passes: bool | None = None) -> FrozenBackend:
+        """The role's backend, built and parked; its weights wait on the host between passes when
+        `host_between_passes` says so (None: its `megatron.param_offload`)."""
         backend = MegatronBackend(role_spec(plan, role))
-        frozen = cls(backend, plan.resolved.device, host_between_passes=backend.spec.megatron.param_offload)
+        host = backend.spec.megatron.param_offload if host_between_passes is None else host_between_passes
+        frozen = cls(backend, plan.resolved.device, host_between_passes=host)
         frozen.park()
         return frozen
 

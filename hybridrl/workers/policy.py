@@ -38,7 +38,6 @@ from hybridrl.parallel.memory import memory_metrics
 from hybridrl.reshard.adapter_sync import ShippedAdapter, gather_whole_adapters, send_adapter, served_adapter_digests
 from hybridrl.reshard.cross_pool import CrossPoolSender
 from hybridrl.training.actor import MegatronActor, PolicyUpdateMetrics
-from hybridrl.training.backend import MegatronBackend, role_spec
 from hybridrl.training.checkpointing import load_role_checkpoint, save_role_checkpoint
 from hybridrl.workers import faults
 from hybridrl.workers.backends import FrozenBackend, mesh_coord, trained_backend
@@ -71,9 +70,7 @@ class PolicyWorker(Worker):
         if backend.spec.lora is None:
             # Same processes, so the same megatron layout as the actor (checked by the backend); it waits on the host
             # beside the actor and vLLM
-            self.ref_backend = FrozenBackend(MegatronBackend(role_spec(self.plan, Role.REF)), self.plan.resolved.device,
-                                             host_between_passes=True)
-            self.ref_backend.park()
+            self.ref_backend = FrozenBackend.build(self.plan, Role.REF, host_between_passes=True)
             backend = self.ref_backend.backend
         # else a LoRA actor's frozen base is the initial policy: the reference is it with the adapters off (one model
         # in memory, as verl's LoRA path does), with its own pass settings (ref.log_prob_micro_batch_size...)
