@@ -77,10 +77,3 @@ def _check_expert_adapters(check: Checker, config: JobConfig, model: ModelShape)
     if lora.merge is False:
         check.fail(f"{LORA}.merge", False, f"{experts}: vLLM serving adapters on experts is not built; merged "
                    "syncs are", [True])
-    if (actor.expert_model_parallel_size > 1 or actor.tensor_model_parallel_size > 1) \
-            and actor.use_distributed_optimizer:
-        check.fail("actor_rollout_ref.actor.megatron.use_distributed_optimizer", True, f"{experts} at "
-                   f"expert_model_parallel_size={actor.expert_model_parallel_size} x tensor_model_parallel_size="
-                   f"{actor.tensor_model_parallel_size}: a checkpoint gathers each expert's adapter state from its "
-                   "EP rank, which the distributed optimizer shards further over the expert data-parallel ranks "
-                   "(not gathered yet); the adapters' optimizer state is small", [False])

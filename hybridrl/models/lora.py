@@ -431,14 +431,17 @@ def lora_state(adapters: Sequence[LoraAdapter], *, grads: bool = False,
     gets the whole)."""
     import torch.distributed as dist
 
+    from hybridrl.parallel.device import collective_device
+
     pick = of or ((lambda p: p.grad) if grads else _itself)
     out = {}
     by_ep_group: dict[object, dict[str, torch.Tensor]] = {}  # routed experts' halves, by the EP group to gather over
     for adapter in adapters:
         for name, tensor, dim in _halves(adapter, pick):
-            if dim is not None and adapter.tp > 1:
+            if dim is not None and adapter.tp > 1:  # `of` may give host tensors (a checkpoint's gathered state)
+                tensor = tensor.contiguous().to(collective_device(adapter.tp_group))
                 parts = [torch.empty_like(tensor) for _ in range(adapter.tp)]
-                dist.all_gather(parts, tensor.contiguous(), group=adapter.tp_group)
+                dist.all_gather(parts, tensor, group=adapter.tp_group)
                 tensor = torch.cat(parts, dim=dim)
             whole = tensor.cpu().clone()
             if adapter.ep_group is None:

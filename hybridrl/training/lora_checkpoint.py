@@ -1,12 +1,14 @@
 """A LoRA actor's part of a role checkpoint (`checkpointing.py`): its adapters and their optimizer state.
 
 The base is frozen, so the role's trained state is the adapters alone: each pipeline stage's adapters and Adam's
-moments of them, whole (gathered over TP, and over DP from the distributed optimizer's shards) under peft's names,
-in one safetensors file per stage (`lora_state_pp000.safetensors`: `weight/<name>`, `exp_avg/<name>`, ...),
-written by the stage's first holder (DP and CP rank 0, TP rank 0). Read back on any layout: each rank takes its
-adapters' slices of the whole tensors (`lora.local_lora_tensors`), its optimizer shard of them through the same
-`load_optimizer` as a full model's. Rank 0 also writes the checkpoint's `lora/` folder: the adapters as a Hugging
-Face PEFT adapter (`peft.PeftModel.from_pretrained` loads it onto the transformers model).
+moments of them, whole (gathered over TP, an MoE model's routed experts' over EP, and the distributed optimizer's
+shards over the group megatron sharded them over: DP x CP for the dense adapters, the expert data-parallel group
+for the experts') under peft's names, in one safetensors file per stage (`lora_state_pp000.safetensors`:
+`weight/<name>`, `exp_avg/<name>`, ...), written by the stage's first holder (DP and CP rank 0, TP rank 0). Read
+back on any layout: each rank takes its adapters' slices of the whole tensors (`lora.local_lora_tensors`), its
+optimizer shard of them (over either group) through the same `load_optimizer` as a full model's. Rank 0 also
+writes the checkpoint's `lora/` folder: the adapters as a Hugging Face PEFT adapter (`peft.PeftModel.from_pretrained`
+loads it onto the transformers model).
 """
 from __future__ import annotations
 
@@ -75,17 +77,27 @@ def save_lora_checkpoint(backend: MegatronBackend, staging: Path) -> dict[str, A
     except Exception as exc:  # noqa: BLE001 - agreed on below, before any further collective
         error = f"{type(exc).__name__}: {exc}"
     optimizer = optimizer_summary(agreed_summaries(ctx.world_size, error, summary))
-    if optimizer["step"] is not None and view.distributed:  # each parameter's DP shards, whole on DP rank 0
-        local.update(gather_sharded(entries, local, view, optimizer["kinds"]))
+    kinds = optimizer["kinds"] if optimizer["step"] is not None else {}
+    if kinds and view.distributed:
+        # each parameter's shards whole on every rank of the group megatron sharded it over: the dense adapters'
+        # over DP x CP, the routed experts' over the expert data-parallel group (which at EP > 1 or dense TP > 1
+        # is not the dense one: its rank 0 need not be a writer below, and every EP rank gathers below)
+        local.update(gather_sharded(entries, local, view, kinds, everywhere=True))
     written = None
     # lora_state gathers over each adapter's TP group, and an MoE model's expert adapters over their EP group: with
-    # expert parallelism every rank takes part (each holds the optimizer state of its own experts' adapters whole:
-    # the plan refuses the distributed optimizer there), else a whole TP group of first holders
+    # expert parallelism every rank takes part, else a whole TP group of first holders; each holds its adapters'
+    # optimizer state whole (gathered above)
     expert_parallel = any(adapter.ep_group is not None for adapter in adapters)
-    if expert_parallel or (ctx.dp_rank == 0 and ctx.cp_rank == 0):
+    gathers = expert_parallel or (ctx.dp_rank == 0 and ctx.cp_rank == 0)
+    partial = [entry.key for i, entry in enumerate(entries) if gathers and any(
+        kind not in local.get(i, {}) or local[i][kind].numel() != entry.param.numel() for kind in kinds)]
+    # agreed before lora_state's collectives: a rank short of a whole state raises on every rank, not in a hang
+    agreed_summaries(ctx.world_size, f"the optimizer state of {partial[:2]} is not whole here" if partial else None,
+                     None)
+    if gathers:
         index = {id(entry.param): i for i, entry in enumerate(entries)}
         tensors = {f"{WEIGHT}/{name}": t for name, t in lora_state(adapters).items()}
-        for kind in optimizer["kinds"] if optimizer["step"] is not None else ():
+        for kind in kinds:
             state = lora_state(adapters, of=_saved_state(local, index, kind))
             tensors.update({f"{kind}/{name}": t for name, t in state.items()})
         if ctx.tp_rank == 0 and ctx.dp_rank == 0 and ctx.cp_rank == 0:

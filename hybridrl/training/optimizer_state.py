@@ -2,8 +2,8 @@
 
 `OptimizerView` maps model parameters to (inner torch optimizer, main tensor, flat range) for
 megatron-core 0.16's optimizers. Saving collects this rank's per-element state (`local_optimizer_state`)
-and, for the distributed optimizer, gathers each parameter's DP shards whole to DP rank 0
-(`gather_sharded`); loading puts each parameter's saved state back, whole or as this rank's DP shard
+and, for the distributed optimizer, gathers each parameter's DP shards whole to DP rank 0, or to every
+rank of its group (`gather_sharded`); loading puts each parameter's saved state back, whole or as this rank's DP shard
 (`load_optimizer`), with the param-group hyper-parameters and the grad scaler
 (`rank_optimizer_meta` / `load_group_settings`).
 """
@@ -175,10 +175,12 @@ def optimizer_summary(summaries: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def gather_sharded(entries: list[StateEntry], local: dict[int, dict[str, torch.Tensor]], view: OptimizerView,
-                    kinds: dict[str, str]) -> dict[int, dict[str, torch.Tensor]]:
-    """Collective over each distributed optimizer's DP group: the full state of the parameters it shards,
-    on DP rank 0 (empty elsewhere). Each DP rank owns a contiguous flat range of a parameter. A
-    coverage error is raised only after every collective ran (peers never wait on a failed rank)."""
+                   kinds: dict[str, str], everywhere: bool = False) -> dict[int, dict[str, torch.Tensor]]:
+    """Collective over each distributed optimizer's own DP group (megatron's ChainedOptimizer: the dense one's
+    DP x CP group, the expert one's expert data-parallel group): the full state of the parameters it shards,
+    on DP rank 0 of that group (empty elsewhere), or on every rank of it with `everywhere`. Each DP rank owns
+    a contiguous flat range of a parameter. A coverage error is raised only after every collective ran
+    (peers never wait on a failed rank)."""
     full: dict[int, dict[str, torch.Tensor]] = {}
     problems: list[str] = []
     for part in view.distributed:
@@ -198,8 +200,13 @@ def gather_sharded(entries: list[StateEntry], local: dict[int, dict[str, torch.T
             for i, start, stop in owned:
                 send[offset:offset + stop - start] = local[i][kind].reshape(-1).to(device)
                 offset += stop - start
-            received = [torch.empty(width, dtype=dtype, device=device) for _ in range(size)] if is_dst else None
-            dist.gather(send, received, dst=dst, group=group)
+            if everywhere:
+                received: list[torch.Tensor] | None = [torch.empty(width, dtype=dtype, device=device)
+                                                       for _ in range(size)]
+                dist.all_gather(received, send, group=group)
+            else:
+                received = [torch.empty(width, dtype=dtype, device=device) for _ in range(size)] if is_dst else None
+                dist.gather(send, received, dst=dst, group=group)
             if received is None:  # not the destination
                 continue
             covered: dict[int, int] = {}

@@ -75,14 +75,6 @@ def test_an_moe_models_experts_take_adapters_counted_per_rank(ep):
     ([f"{LORA}.merge=false"], f"{LORA}.merge", "vLLM serving adapters on experts is not built"),
     (["actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=2"],
      "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size", "each expert whole on its rank"),
-    (["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
-      "actor_rollout_ref.actor.megatron.sequence_parallel=true",
-      "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1",
-      "actor_rollout_ref.actor.megatron.use_distributed_optimizer=true"],
-     "actor_rollout_ref.actor.megatron.use_distributed_optimizer", "shards further over the expert data-parallel"),
-    (["actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
-      "actor_rollout_ref.actor.megatron.use_distributed_optimizer=true"],
-     "actor_rollout_ref.actor.megatron.use_distributed_optimizer", "shards further over the expert data-parallel"),
 ])
 def test_what_is_not_built_for_expert_adapters_is_refused(overrides, field, phrase):
     with pytest.raises(ConfigError) as refused:
@@ -104,12 +96,24 @@ def test_a_dense_mlp_among_moe_layers_is_warned_of_for_the_peft_folder(tmp_path)
     assert not [w for w in plan_from_sources(DEMO, [MOE, f"{LORA}.rank=8"]).warnings if "dense MLPs" in w]
 
 
-def test_expert_adapters_plan_at_tp2_with_each_expert_whole():
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_expert_adapters_plan_at_tp2_with_each_expert_whole(distributed_optimizer):
     plan = plan_from_sources(DEMO, [MOE, f"{LORA}.rank=8",
                                     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
                                     "actor_rollout_ref.actor.megatron.sequence_parallel=true",
-                                    "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1"])
+                                    "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1",
+                                    f"actor_rollout_ref.actor.megatron.use_distributed_optimizer="
+                                    f"{str(distributed_optimizer).lower()}"])
     assert plan.resolved.lora_rank == 8
+    assert plan.layout("actor").megatron.use_distributed_optimizer is distributed_optimizer
+
+
+def test_expert_adapters_plan_at_ep2_with_the_distributed_optimizer():
+    """Its expert shards are gathered over the expert data-parallel group at a save (tests/training/test_lora.py)."""
+    plan = plan_from_sources(DEMO, [MOE, f"{LORA}.rank=8",
+                                    "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+                                    "actor_rollout_ref.actor.megatron.use_distributed_optimizer=true"])
+    assert plan.resolved.lora_rank == 8 and plan.layout("actor").megatron.use_distributed_optimizer
 
 
 def test_adapters_on_the_attention_alone_take_any_moe_setting():

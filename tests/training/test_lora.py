@@ -260,10 +260,46 @@ def test_adapters_and_their_optimizer_state_resume_on_another_layout(tmp_path):
         run_ranks(_checkpoint_rank, 2, other, batches, str(ckpt), False, timeout_s=300)
 
 
+def _optimizer_state_against_the_file(backend: Any, adapters: list[Any], ckpt: str) -> dict[str, Any]:
+    """This rank's Adam moments of the adapters against the checkpoint's stage file: each parameter's part the
+    rank's optimizer holds (whole, or its distributed optimizer's flat shard over the group megatron sharded it
+    over) compared with the file's whole tensor cut the same way. Elements that equal and that differ per kind, and
+    how many of the adapters' elements the rank's optimizer holds."""
+    from safetensors.torch import load_file
+
+    from hybridrl.models.lora import local_lora_tensors
+    from hybridrl.training.optimizer_state import OptimizerView
+    from hybridrl.training.train_state import StateEntry
+
+    stage = load_file(str(Path(ckpt) / "lora_state_pp000.safetensors"))
+    view = OptimizerView(backend.optimizer)
+    out: dict[str, Any] = {"held": 0, "adapter_numel": sum(p.numel() for a in adapters for p in a.parameters())}
+    for kind in ("exp_avg", "exp_avg_sq"):
+        whole = local_lora_tensors(adapters, {k.split("/", 1)[1]: t for k, t in stage.items()
+                                              if k.startswith(f"{kind}/")})
+        equal = differ = 0
+        for param, expected in whole.items():
+            slot = view.slot(StateEntry("", None, param, False))
+            if slot is None:  # another rank of its group holds all of it
+                continue
+            if kind == "exp_avg":
+                out["held"] += slot.main.numel()
+            same = slot.inner.state[slot.main][kind].cpu() == slot.piece(expected)
+            equal, differ = equal + int(same.sum()), differ + int((~same).sum())
+        out[kind] = (equal, differ)
+    return out
+
+
+def _grad_norm(metrics: Any) -> float | None:
+    """An update's grad norm on the rank that reports the metrics (None elsewhere)."""
+    return None if metrics is None else metrics.grad_norm
+
+
 def _moe_checkpoint_rank(rank: int, world: int, config: Any, batches: list[Any], ckpt: str, save: bool
                          ) -> dict[str, Any]:
     """An expert-parallel LoRA actor. save: one update, a checkpoint, the next update; else: the checkpoint loaded,
-    the next update. The adapters (every expert's, gathered) after each."""
+    the next update. The adapters (every expert's, gathered) after each; on a resume, the optimizer's moments
+    against the file."""
     from hybridrl.models.lora import lora_adapters, lora_state
     from hybridrl.training.checkpointing import load_role_checkpoint, save_role_checkpoint
     from tests.support.training_fixtures import trained_role
@@ -272,44 +308,94 @@ def _moe_checkpoint_rank(rank: int, world: int, config: Any, batches: list[Any],
     adapters = lora_adapters(backend.chunks)
     out: dict[str, Any] = {"experts": sorted({a.expert for a in adapters if a.expert is not None})}
     if save:
-        update(chunks[0])
+        out["grad_norm"] = _grad_norm(update(chunks[0]))
         save_role_checkpoint(backend, ckpt)
         out["saved"] = lora_state(adapters)
     else:
         load_role_checkpoint(backend, ckpt)
         out["loaded"] = lora_state(adapters)
-    update(chunks[1])
+        out["moments"] = _optimizer_state_against_the_file(backend, adapters, ckpt)
+    out["next_grad_norm"] = _grad_norm(update(chunks[1]))
     out["next"] = lora_state(adapters)
     return out
 
 
-def test_expert_adapters_and_their_optimizer_state_resume_on_another_ep_layout(tmp_path):
-    """A LoRA actor on a Qwen3-MoE (8 experts, adapters on each) saved at EP2 (each rank its 4 experts' adapters and
-    Adam state) and resumed at EP1 (each rank all 8): the adapters are the saved ones, and the next update equals
-    the uninterrupted EP2 run's (1e-5 of the largest entry)."""
+# world 2: (TP, EP, the distributed optimizer). At EP2 the dense adapters' Adam state is sharded over the 2 DP ranks
+# and each expert's whole on its EP rank (expert DP 1); at TP2 (sequence parallelism, each expert whole) and at
+# TP1 x EP1 (DP2) the experts' state is sharded over the expert data-parallel group, the 2 ranks
+MOE_LAYOUTS = {"ep2": (1, 2, False), "ep2-distopt": (1, 2, True), "ep1": (1, 1, False),
+               "tp2": (2, 1, False), "tp2-distopt": (2, 1, True)}
+
+
+def _moe_lora_config(hf: Path, layout: str) -> Any:
+    from tests.support.training_fixtures import job_config
+
+    tp, ep, distributed = MOE_LAYOUTS[layout]
+    c = job_config(hf, world=2, tp=tp, distributed_optimizer=distributed)
+    megatron = c.actor_rollout_ref.actor.megatron
+    megatron.expert_model_parallel_size = ep
+    if tp > 1:  # megatron's MoE layer trains at TP > 1 only with sequence parallelism
+        megatron.sequence_parallel, megatron.expert_tensor_parallel_size = True, 1
+    c.actor_rollout_ref.model.lora.rank, c.actor_rollout_ref.model.lora.alpha = RANK, ALPHA
+    return c
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rtol: float) -> bool:
+    return float((got - want).abs().max()) <= rtol * max(float(want.abs().max()), 1.0)
+
+
+@pytest.mark.parametrize("saved_on,resumed_on", [("ep2", "ep1"), ("ep2-distopt", "ep1"), ("ep1", "ep2-distopt"),
+                                                 ("tp2-distopt", "ep2"), ("ep2", "tp2-distopt")])
+def test_expert_adapters_and_their_optimizer_state_resume_on_another_ep_layout(tmp_path, saved_on, resumed_on):
+    """A LoRA actor on a Qwen3-MoE (8 experts, adapters on each) saved on one layout and resumed on another, with
+    megatron's distributed optimizer on either side (its Adam shards of the dense adapters over DP, of the experts'
+    over the expert data-parallel group): the adapters are the saved ones, the resumed optimizer holds the file's
+    moments exactly (its own shard of them), and the next update equals the uninterrupted run's (1e-5 of the
+    largest entry). A run saved with the distributed optimizer trains and saves what the same layout's plain
+    optimizer does (adapters and Adam moments within 1e-5)."""
+    from safetensors.torch import load_file
+
     from tests.support.models_fixtures import make_hf_model
-    from tests.support.training_fixtures import job_config, rollout_batch
+    from tests.support.training_fixtures import rollout_batch
 
     hf = make_hf_model(tmp_path / "hf", "qwen3_moe", seed=7, mlp_only_layers=[])
     batches = [rollout_batch(8, seed=1), rollout_batch(8, seed=2)]
-
-    def config(ep: int) -> Any:
-        c = job_config(hf, world=2)
-        c.actor_rollout_ref.actor.megatron.expert_model_parallel_size = ep
-        c.actor_rollout_ref.model.lora.rank, c.actor_rollout_ref.model.lora.alpha = RANK, ALPHA
-        return c
-
     ckpt = tmp_path / "ckpt"
-    saved = run_ranks(_moe_checkpoint_rank, 2, config(2), batches, str(ckpt), True, timeout_s=400)
-    assert [r["experts"] for r in saved] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    resumed = run_ranks(_moe_checkpoint_rank, 2, config(1), batches, str(ckpt), False, timeout_s=400)
-    assert [r["experts"] for r in resumed] == [list(range(8))] * 2
+    saved = run_ranks(_moe_checkpoint_rank, 2, _moe_lora_config(hf, saved_on), batches, str(ckpt), True,
+                      timeout_s=400)
+    ep = MOE_LAYOUTS[saved_on][1]
+    # each rank holds its EP rank's experts (global rank r is EP rank r % EP at TP1; EP1 at TP2)
+    assert [r["experts"] for r in saved] == [list(range(r % ep * 8 // ep, (r % ep + 1) * 8 // ep)) for r in (0, 1)]
+    resumed = run_ranks(_moe_checkpoint_rank, 2, _moe_lora_config(hf, resumed_on), batches, str(ckpt), False,
+                        timeout_s=400)
     reference = saved[0]
+    stage = load_file(str(ckpt / "lora_state_pp000.safetensors"))
     assert any(".experts.7.down_proj.lora_B" in n and t.abs().max() > 0 for n, t in reference["saved"].items())
+    if MOE_LAYOUTS[saved_on][2]:  # the same layout with a plain optimizer: what the distributed one must hold
+        plain = tmp_path / "plain"
+        same_plain = run_ranks(_moe_checkpoint_rank, 2, _moe_lora_config(hf, saved_on.removesuffix("-distopt")),
+                               batches, str(plain), True, timeout_s=400)
+        for key in ("grad_norm", "next_grad_norm"):  # every adapter's shard counted once, over every rank
+            got, want = (next(r[key] for r in runs if r[key] is not None) for runs in (saved, same_plain))
+            assert got == pytest.approx(want, rel=1e-5), key
+        expected = load_file(str(plain / "lora_state_pp000.safetensors"))
+        assert stage.keys() == expected.keys()
+        assert {k.split("/")[0] for k in stage} == {"weight", "exp_avg", "exp_avg_sq"}
+        for name, tensor in expected.items():
+            assert _close(stage[name], tensor, 1e-5), name
+    resumed_norm, uninterrupted_norm = (next(r["next_grad_norm"] for r in runs if r["next_grad_norm"] is not None)
+                                        for runs in (resumed, saved))
+    assert resumed_norm == pytest.approx(uninterrupted_norm, rel=1e-5)
     for result in resumed:
         assert result["loaded"].keys() == reference["saved"].keys()
         for name, tensor in reference["saved"].items():
             assert torch.equal(result["loaded"][name], tensor), name
+            assert torch.equal(stage[f"weight/{name}"], tensor), name
+        for kind in ("exp_avg", "exp_avg_sq"):
+            equal, differ = result["moments"][kind]
+            assert equal > 0 and differ == 0, (kind, equal, differ)
+        # the distributed optimizer holds a shard of the adapters' state on each rank, a plain one all of it
+        held, numel = result["moments"]["held"], result["moments"]["adapter_numel"]
+        assert held < numel if MOE_LAYOUTS[resumed_on][2] else held == numel, (held, numel)
         for name, tensor in reference["next"].items():
-            scale = float(tensor.abs().max())
-            assert float((result["next"][name] - tensor).abs().max()) <= 1e-5 * max(scale, 1.0), name
+            assert _close(result["next"][name], tensor, 1e-5), name
