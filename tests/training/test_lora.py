@@ -264,7 +264,7 @@ def _optimizer_state_against_the_file(backend: Any, adapters: list[Any], ckpt: s
     """This rank's Adam moments of the adapters against the checkpoint's stage file: each parameter's part the
     rank's optimizer holds (whole, or its distributed optimizer's flat shard over the group megatron sharded it
     over) compared with the file's whole tensor cut the same way. Elements that equal and that differ per kind, and
-    how many of the adapters' elements the rank's optimizer holds."""
+    how many of the adapters' elements the rank's optimizer holds (and of its parameters, how many only in part)."""
     from safetensors.torch import load_file
 
     from hybridrl.models.lora import local_lora_tensors
@@ -273,7 +273,10 @@ def _optimizer_state_against_the_file(backend: Any, adapters: list[Any], ckpt: s
 
     stage = load_file(str(Path(ckpt) / "lora_state_pp000.safetensors"))
     view = OptimizerView(backend.optimizer)
-    out: dict[str, Any] = {"held": 0, "adapter_numel": sum(p.numel() for a in adapters for p in a.parameters())}
+    out: dict[str, Any] = {"held": 0, "split": 0,
+                           "adapter_numel": sum(p.numel() for a in adapters for p in a.parameters()),
+                           # (dense, expert) DP sizes of a distributed optimizer's parts (megatron's ChainedOptimizer)
+                           "sharded_over": [part.data_parallel_group.size() for part in view.distributed]}
     for kind in ("exp_avg", "exp_avg_sq"):
         whole = local_lora_tensors(adapters, {k.split("/", 1)[1]: t for k, t in stage.items()
                                               if k.startswith(f"{kind}/")})
@@ -284,6 +287,7 @@ def _optimizer_state_against_the_file(backend: Any, adapters: list[Any], ckpt: s
                 continue
             if kind == "exp_avg":
                 out["held"] += slot.main.numel()
+                out["split"] += int(slot.main.numel() < param.numel())  # a shard boundary inside it
             same = slot.inner.state[slot.main][kind].cpu() == slot.piece(expected)
             equal, differ = equal + int(same.sum()), differ + int((~same).sum())
         out[kind] = (equal, differ)
@@ -320,18 +324,24 @@ def _moe_checkpoint_rank(rank: int, world: int, config: Any, batches: list[Any],
     return out
 
 
-# world 2: (TP, EP, the distributed optimizer). At EP2 the dense adapters' Adam state is sharded over the 2 DP ranks
-# and each expert's whole on its EP rank (expert DP 1); at TP2 (sequence parallelism, each expert whole) and at
-# TP1 x EP1 (DP2) the experts' state is sharded over the expert data-parallel group, the 2 ranks
-MOE_LAYOUTS = {"ep2": (1, 2, False), "ep2-distopt": (1, 2, True), "ep1": (1, 1, False),
-               "tp2": (2, 1, False), "tp2-distopt": (2, 1, True)}
+# (TP, EP, the distributed optimizer, world). On 2 ranks: at EP2 the dense adapters' Adam state is sharded over the
+# 2 DP ranks and each expert's whole on its EP rank (expert DP 1); at TP2 (sequence parallelism, each expert whole)
+# and at TP1 x EP1 (DP2) the experts' state is sharded over the expert data-parallel group, the 2 ranks. On 4 ranks,
+# EP2 x DP2 (the usual MoE layout): the experts' over expert DP 2, ranks {0, 2} and {1, 3}, the dense over all 4
+MOE_LAYOUTS = {"ep2": (1, 2, False, 2), "ep2-distopt": (1, 2, True, 2), "ep1": (1, 1, False, 2),
+               "tp2": (2, 1, False, 2), "tp2-distopt": (2, 1, True, 2),
+               "ep2-dp2": (1, 2, False, 4), "ep2-dp2-distopt": (1, 2, True, 4)}
+
+
+# the distributed optimizer's (dense, expert) groups on those layouts: DP x CP, and expert DP
+SHARDED_OVER = {"ep2-distopt": [2, 1], "tp2-distopt": [1, 2], "ep2-dp2-distopt": [4, 2]}
 
 
 def _moe_lora_config(hf: Path, layout: str) -> Any:
     from tests.support.training_fixtures import job_config
 
-    tp, ep, distributed = MOE_LAYOUTS[layout]
-    c = job_config(hf, world=2, tp=tp, distributed_optimizer=distributed)
+    tp, ep, distributed, world = MOE_LAYOUTS[layout]
+    c = job_config(hf, world=world, tp=tp, distributed_optimizer=distributed)
     megatron = c.actor_rollout_ref.actor.megatron
     megatron.expert_model_parallel_size = ep
     if tp > 1:  # megatron's MoE layer trains at TP > 1 only with sequence parallelism
@@ -345,7 +355,8 @@ def _close(got: torch.Tensor, want: torch.Tensor, rtol: float) -> bool:
 
 
 @pytest.mark.parametrize("saved_on,resumed_on", [("ep2", "ep1"), ("ep2-distopt", "ep1"), ("ep1", "ep2-distopt"),
-                                                 ("tp2-distopt", "ep2"), ("ep2", "tp2-distopt")])
+                                                 ("tp2-distopt", "ep2"), ("ep2", "tp2-distopt"),
+                                                 ("ep2-dp2-distopt", "ep1"), ("ep2", "ep2-dp2-distopt")])
 def test_expert_adapters_and_their_optimizer_state_resume_on_another_ep_layout(tmp_path, saved_on, resumed_on):
     """A LoRA actor on a Qwen3-MoE (8 experts, adapters on each) saved on one layout and resumed on another, with
     megatron's distributed optimizer on either side (its Adam shards of the dense adapters over DP, of the experts'
@@ -358,23 +369,27 @@ def test_expert_adapters_and_their_optimizer_state_resume_on_another_ep_layout(t
     from tests.support.models_fixtures import make_hf_model
     from tests.support.training_fixtures import rollout_batch
 
-    hf = make_hf_model(tmp_path / "hf", "qwen3_moe", seed=7, mlp_only_layers=[])
+    # 3 layers: at EP2 x DP2 a shard boundary of the dense adapters falls inside a parameter (with 4, every boundary
+    # fell between two, and a restore handing each rank the wrong part of a split parameter went unseen)
+    hf = make_hf_model(tmp_path / "hf", "qwen3_moe", seed=7, mlp_only_layers=[], num_hidden_layers=3)
     batches = [rollout_batch(8, seed=1), rollout_batch(8, seed=2)]
     ckpt = tmp_path / "ckpt"
-    saved = run_ranks(_moe_checkpoint_rank, 2, _moe_lora_config(hf, saved_on), batches, str(ckpt), True,
-                      timeout_s=400)
+    saved = run_ranks(_moe_checkpoint_rank, MOE_LAYOUTS[saved_on][3], _moe_lora_config(hf, saved_on), batches,
+                      str(ckpt), True, timeout_s=400)
     ep = MOE_LAYOUTS[saved_on][1]
     # each rank holds its EP rank's experts (global rank r is EP rank r % EP at TP1; EP1 at TP2)
-    assert [r["experts"] for r in saved] == [list(range(r % ep * 8 // ep, (r % ep + 1) * 8 // ep)) for r in (0, 1)]
-    resumed = run_ranks(_moe_checkpoint_rank, 2, _moe_lora_config(hf, resumed_on), batches, str(ckpt), False,
-                        timeout_s=400)
+    assert [r["experts"] for r in saved] == [list(range(r % ep * 8 // ep, (r % ep + 1) * 8 // ep))
+                                            for r in range(len(saved))]
+    resumed = run_ranks(_moe_checkpoint_rank, MOE_LAYOUTS[resumed_on][3], _moe_lora_config(hf, resumed_on), batches,
+                        str(ckpt), False, timeout_s=400)
     reference = saved[0]
     stage = load_file(str(ckpt / "lora_state_pp000.safetensors"))
     assert any(".experts.7.down_proj.lora_B" in n and t.abs().max() > 0 for n, t in reference["saved"].items())
     if MOE_LAYOUTS[saved_on][2]:  # the same layout with a plain optimizer: what the distributed one must hold
         plain = tmp_path / "plain"
-        same_plain = run_ranks(_moe_checkpoint_rank, 2, _moe_lora_config(hf, saved_on.removesuffix("-distopt")),
-                               batches, str(plain), True, timeout_s=400)
+        same_plain = run_ranks(_moe_checkpoint_rank, MOE_LAYOUTS[saved_on][3],
+                               _moe_lora_config(hf, saved_on.removesuffix("-distopt")), batches, str(plain), True,
+                               timeout_s=400)
         for key in ("grad_norm", "next_grad_norm"):  # every adapter's shard counted once, over every rank
             got, want = (next(r[key] for r in runs if r[key] is not None) for runs in (saved, same_plain))
             assert got == pytest.approx(want, rel=1e-5), key
@@ -386,6 +401,8 @@ def test_expert_adapters_and_their_optimizer_state_resume_on_another_ep_layout(t
     resumed_norm, uninterrupted_norm = (next(r["next_grad_norm"] for r in runs if r["next_grad_norm"] is not None)
                                         for runs in (resumed, saved))
     assert resumed_norm == pytest.approx(uninterrupted_norm, rel=1e-5)
+    if resumed_on == "ep2-dp2-distopt":
+        assert sum(r["moments"]["split"] for r in resumed) > 0
     for result in resumed:
         assert result["loaded"].keys() == reference["saved"].keys()
         for name, tensor in reference["saved"].items():
@@ -397,5 +414,6 @@ def test_expert_adapters_and_their_optimizer_state_resume_on_another_ep_layout(t
         # the distributed optimizer holds a shard of the adapters' state on each rank, a plain one all of it
         held, numel = result["moments"]["held"], result["moments"]["adapter_numel"]
         assert held < numel if MOE_LAYOUTS[resumed_on][2] else held == numel, (held, numel)
+        assert result["moments"]["sharded_over"] == SHARDED_OVER.get(resumed_on, [])
         for name, tensor in reference["next"].items():
             assert _close(result["next"][name], tensor, 1e-5), name
