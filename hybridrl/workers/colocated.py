@@ -161,9 +161,11 @@ class ColocatedPolicyWorker(PolicyWorker):
         if self.served_adapters is not None:
             metrics.update(self._sync_adapter(self.served_adapters))
         self.syncs += 1
+        proving = time.perf_counter()
         gap = self.prove_by_probe()
+        finished = time.perf_counter()
         metrics.update({"reshard/probe_max_abs_gap": gap, "reshard/probe_replicas": float(len(self.replica_probe_gaps)),
-                        "timing_s/sync_total": time.perf_counter() - started})
+                        "timing_s/sync_probe": finished - proving, "timing_s/sync_total": finished - started})
         self._actor_params_out()  # idle until the next log-prob pass or update (with param_offload)
         self._record_memory("sync_after")
         metrics.update(self.take_phase_memory())
