@@ -32,7 +32,10 @@ class Efficiency:
       hundreds of sequences;
     - `link` 0.70: NCCL's bus bandwidth against a link's datasheet figure (nccl-tests on NVLink/IB: 70-85 %);
     - `optimizer_memory` 0.50: Adam's fused multi-tensor pass over params, grads and two moments, and the weight
-      sync's copy into vLLM's tensors: many tensors of a few MB, not one stream."""
+      sync's copy into vLLM's tensors: many tensors of a few MB, not one stream;
+    - `stream_memory` 0.85: one pass reading a whole tensor at a time (the weight sync's checksums of each tensor),
+      as a STREAM-like kernel reaches of HBM's datasheet figure; 1.0 in a measured description, whose bandwidth is
+      measured by such a pass (a copy)."""
 
     update_matmul: float = 0.40
     forward_matmul: float = 0.45
@@ -40,6 +43,7 @@ class Efficiency:
     decode_memory: float = 0.70
     link: float = 0.70
     optimizer_memory: float = 0.50
+    stream_memory: float = 0.85
 
 
 EFFICIENCY = Efficiency()
@@ -64,6 +68,10 @@ class Hardware:
     # shipped GPUs, where a step's collectives are few and large enough for their bandwidth term to dominate;
     # `hybridrl hardware --measure` measures it (a gloo all-reduce of 8 floats)
     link_latency_us: float = 0.0
+    # each tensor a colocated weight sync writes into vLLM: its own work whatever its size, on both sides (the
+    # resharder's, vLLM's write and both checksums: calls, not bytes). 0 on the shipped GPUs, where a sync's few
+    # hundred tensors of MBs to GBs each make it microseconds against their bytes; a CPU description fits it
+    sync_tensor_ms: float = 0.0
     # the fractions of the figures above each kind of work reaches: a datasheet's peak (the shipped entries) or a
     # measured sustained rate (a measured description, near 1)
     efficiency: Efficiency = EFFICIENCY
@@ -98,7 +106,7 @@ SHIPPED: dict[str, Hardware] = {hw.name: hw for hw in (
              inter_node_gb_per_s=50, host_gb_per_s=64),
 )}
 
-FIXED_COST_FIELDS = ("decode_step_ms", "layer_pass_ms", "link_latency_us")
+FIXED_COST_FIELDS = ("decode_step_ms", "layer_pass_ms", "link_latency_us", "sync_tensor_ms")
 NUMBER_FIELDS = tuple(f.name for f in fields(Hardware) if f.name not in ("name", "efficiency", *FIXED_COST_FIELDS))
 EFFICIENCY_FIELDS = tuple(f.name for f in fields(Efficiency))
 

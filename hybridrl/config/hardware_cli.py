@@ -18,8 +18,8 @@ from hybridrl.persistence import write_atomic
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--measure", action="store_true",
-                        help="measure this machine as one rank of a CPU job (matmul per dtype, memory, a gloo "
-                             "all-reduce between two local processes)")
+                        help="measure this machine as one rank of a CPU job (matmul per dtype, memory, the gloo "
+                             "link between two local processes)")
     parser.add_argument("--ranks", type=int, default=1,
                         help="--measure: the ranks sharing this machine's cores (a CPU job's trainer.n_gpus_per_node)")
     parser.add_argument("--repeats", type=int, default=5, help="--measure: timings per figure (the best counts)")
@@ -64,12 +64,13 @@ def measured_description(ranks: int, repeats: int) -> tuple[Hardware, str]:
         bf16_tflops=_figure(figures.bf16_tflops), fp32_tflops=_figure(figures.fp32_tflops),
         memory_gb_per_s=_figure(figures.memory_gb_per_s),
         # one machine: its ranks meet over loopback, and network namespaces joined by veth links (the test suite's
-        # hosts) go through the same kernel copy, so the all-reduce's figure stands for both
+        # hosts) go through the same kernel copy, so the exchange's figure stands for both
         intra_node_gb_per_s=_figure(figures.link_gb_per_s), inter_node_gb_per_s=_figure(figures.link_gb_per_s),
         # offloading on a CPU is a copy within the host's memory
         host_gb_per_s=_figure(figures.memory_gb_per_s), link_latency_us=_figure(figures.link_latency_us))
     lines = [f"# measured by `hybridrl hardware --measure --ranks {ranks}`: one rank's figures with "
-             f"{figures.threads} thread(s), the best of {repeats} timings each",
+             f"{figures.threads} thread(s), the best of {repeats} timings each (the link: 64 MiB sent each way at "
+             f"once; link_latency_us: the median of {50 * repeats} all-reduces of 8 floats)",
              f"name: {hardware.name!r}"]
     lines += [f"{name}: {getattr(hardware, name)}" for name in (*NUMBER_FIELDS, "link_latency_us")]
     return hardware, "\n".join(lines) + "\n"

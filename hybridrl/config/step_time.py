@@ -20,25 +20,29 @@ Torch-free. Each phase is bound by what it moves or computes at a stated fractio
   (DP - 1) / DP of each) and Adam's pass over the rank's share of its state (memory bandwidth), and per step what
   the role offloads to the host and back over PCIe (Adam's moments, parameters; freed gradient buffers move nothing);
 - the weight sync: the resharder's most-loaded rank's bytes over NVLink, each rank's copy of its generation
-  shard into vLLM's weights and both sides' checksums of it (colocated), or a training rank's share of the
-  cross-pool bytes over the network (disaggregated); with adapters vLLM serves (`lora.merge: false`) the PEFT
-  adapter instead: every rank receiving it whole (colocated: over the link the world spans), or a training rank
-  sending it to each rollout rank it serves (disaggregated: over the network), and both sides' checksums of it;
-  and its probe, one row through the trainer and vLLM;
+  shard into vLLM's weights, both sides' checksums of it (a streaming read) and each tensor's calls (colocated),
+  or a training rank's share of the cross-pool bytes over the network (disaggregated); with adapters vLLM serves
+  (`lora.merge: false`) the PEFT adapter instead: every rank receiving it whole (colocated: over the link the world
+  spans), or a training rank sending it to each rollout rank it serves (disaggregated: over the network), and both
+  sides' checksums of it; and its probe, one short row through the trainer and through vLLM, each side the slower
+  of its matmuls and reading its weights (`probe_seconds`; disaggregated, the trainer's side runs while the rollout
+  pool writes);
 - the switches between training and generation that move bytes over PCIe (on GPUs; on CPU nothing moves): a
   frozen role whose weights wait on the host between its passes (the reference always, a reward model or teacher
   with `megatron.param_offload`) brings them back for its pass and sends them out after, in that pass's phase (the
   actor's own `param_offload` is in its update's offload). vLLM going to sleep at level 2 (`release_rollout_memory`,
   merged weights) discards its weights, which the sync rewrites, and unmaps its KV cache: no bytes move, and the
   unmapping and mapping again are not modelled (a GPU run will say whether they matter);
-- a hardware description's fixed costs (`Hardware.decode_step_ms`, `layer_pass_ms`): each decode step and prefill
-  call, each decoder layer's pass over a micro-batch (0 on the shipped GPUs).
+- a hardware description's fixed costs (`Hardware.decode_step_ms`, `layer_pass_ms`, `link_latency_us`,
+  `sync_tensor_ms`): each decode step and prefill call, each decoder layer's pass over a micro-batch, each collective
+  or send, each tensor a sync writes (0 on the shipped GPUs).
 
 The step: the phases' sum when generation and training take turns (sync), else the longer of generation and
 the rest (one_step_off / fully_async: generation runs beside training).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -49,6 +53,7 @@ from hybridrl.config.model_shapes import ModelShape, role_model_shape
 from hybridrl.config.plan import (
     PASS_PHASES,
     UPDATE_PHASES,
+    VOCABULARY_ROLES,
     ForwardPlan,
     Plan,
     RoleLayout,
@@ -62,6 +67,9 @@ from hybridrl.names import Phase, Role
 # per device: on CPU an integer matrix-vector product reads a word (8 B) and its two lane weights (16 B) once, ~3 B a
 # byte; on CUDA the [2, chunk] product is written and read back besides (16 + 16 B a word more), ~7 B a byte.
 DIGEST_READS_PER_BYTE = {"cpu": 3.0, "cuda": 7.0}
+
+# The weight probe's row (`workers.probe.RARE_TOKEN_PROBE`: 8 prompt and 8 response tokens; a test holds them equal)
+PROBE_TOKENS = 16
 
 # megatron's DDP bucket (`DistributedDataParallelConfig.bucket_size` left unset) is max(40M, 1M x DP) parameters:
 # the model takes its 40M floor, exact up to DP 40
@@ -170,12 +178,18 @@ def generation_seconds(plan: Plan, hardware: Hardware, eff: Efficiency | None = 
 
 def activation_traffic_seconds(plan: Plan, layout: RoleLayout, collective_passes: float, p2p_passes: float,
                                hardware: Hardware, eff: Efficiency | None = None,
-                               row_tokens: float | None = None, micro_batches: int = 1) -> float:
+                               row_tokens: float | None = None, micro_batches: int = 1,
+                               head_passes: tuple[float, float] = (1, 0)) -> float:
     """What a role's model parallelism moves per rank in one step's pass(es) over the batch, not overlapped:
 
     - TP: per decoder layer a forward holds two all-reduces (attention's and the MLP's outputs; with sequence
       parallelism a reduce-scatter and an all-gather each, the same bytes) of the rank's tokens x hidden, a
-      backward two more; a ring moves 2 (TP - 1) / TP of them, over the link the TP group spans;
+      backward two more; a ring moves 2 (TP - 1) / TP of them, over the link the TP group spans. At the model's
+      ends (`head_passes`: forwards, backwards; a stage's share of them, the first stage holding the embedding and
+      the last the head): megatron's vocabulary-parallel embedding all-reduces its output in a forward, the
+      vocabulary's output layer its input's gradient in a backward (each tokens x hidden), and the log-probs over
+      the split vocabulary take three all-reduces of a float a token (`algorithms.vocab_parallel`: the maximum,
+      the normalizers, the picked logit), whose latency alone counts;
     - PP: each stage sends its micro-batches' activations to the next (and their gradients back in a backward):
       the rank's tokens x hidden (its 1 / TP with sequence parallelism), over the network when a stage's ranks
       fill a machine or more;
@@ -200,8 +214,13 @@ def activation_traffic_seconds(plan: Plan, layout: RoleLayout, collective_passes
     if mesh.tp > 1:
         ring = 2 * (mesh.tp - 1) / mesh.tp * activation_bytes
         layers = model.num_layers / mesh.pp
-        seconds += collective_passes * 2 * layers * ring / (hardware.link_bytes_per_s(mesh.tp > per_node) * eff.link)
-        seconds += collective_passes * 2 * layers * micro_batches * 2 * (mesh.tp - 1) * latency
+        forwards, backwards = head_passes
+        vocabulary = layout.role in VOCABULARY_ROLES
+        edge_rings = (forwards + (backwards if vocabulary else 0)) / mesh.pp
+        edge_latencies = (forwards * (1 + 3 * vocabulary) + (backwards if vocabulary else 0)) / mesh.pp
+        rings = collective_passes * 2 * layers + edge_rings
+        seconds += rings * ring / (hardware.link_bytes_per_s(mesh.tp > per_node) * eff.link)
+        seconds += (collective_passes * 2 * layers + edge_latencies) * micro_batches * 2 * (mesh.tp - 1) * latency
     if mesh.pp > 1:
         sent = activation_bytes / (mesh.tp if mc.sequence_parallel_in_effect else 1)
         stage_ranks = mesh.world_size // mesh.pp
@@ -225,9 +244,10 @@ def layer_passes_seconds(plan: Plan, layout: RoleLayout, passes: float, hardware
 
 
 def digest_seconds(plan: Plan, hardware: Hardware, eff: Efficiency, synced_bytes: float) -> float:
-    """Both sides' checksums of what a rank's sync writes (what was sent, what vLLM holds), at memory bandwidth."""
+    """Both sides' checksums of what a rank's sync writes (what was sent, what vLLM holds): a streaming read of each
+    tensor."""
     return 2 * synced_bytes * DIGEST_READS_PER_BYTE[plan.config.trainer.device] / (
-        hardware.memory_bytes_per_s * eff.optimizer_memory)
+        hardware.memory_bytes_per_s * eff.stream_memory)
 
 
 def predict_step_time(plan: Plan, hardware: Hardware, eff: Efficiency | None = None,
@@ -288,7 +308,8 @@ def update_time(plan: Plan, update: UpdatePlan, flops: float, role_memory: Train
     compute += layer_passes_seconds(plan, layout, passes, hardware) * bubble
     compute += activation_traffic_seconds(plan, layout, update.ppo_epochs * (2 + (recompute > 1)),
                                           update.ppo_epochs * 2, hardware, eff, row_tokens,
-                                          update.optimizer_steps_per_step // update.ppo_epochs * micro)
+                                          update.optimizer_steps_per_step // update.ppo_epochs * micro,
+                                          head_passes=(update.ppo_epochs, update.ppo_epochs))
     params = role_memory.params_gib * GIB
     grads = role_memory.grads_gib * GIB
     span = mesh.tp * mesh.cp * mesh.dp  # consecutive ranks a DP group reaches across (megatron's order)
@@ -312,12 +333,13 @@ def update_time(plan: Plan, update: UpdatePlan, flops: float, role_memory: Train
 
 def sync_time(plan: Plan, hardware: Hardware, eff: Efficiency) -> PhaseTime | None:
     """The weight sync and its probe: the served adapter alone, the cross-pool bytes, or the colocated resharder's
-    traffic, its copy into vLLM and both sides' checksums (None: a plan with no sync)."""
+    traffic, then what vLLM's ranks write and check (None: a plan with no sync). Disaggregated, the trainer scores
+    the probe while the rollout pool writes (`WorkerTopology.sync_weights` waits on both), then each replica
+    scores it."""
     resolved, reshard = plan.resolved, plan.reshard
     per_node = plan.config.trainer.n_gpus_per_node
-    # the sync's proof: the probe row through the trainer's layers and through every vLLM replica
     actor = plan.layout(Role.ACTOR)
-    probe = layer_passes_seconds(plan, actor, actor.mesh.pp, hardware) + hardware.decode_step_ms / 1e3
+    trainer_probe, vllm_probe = probe_seconds(plan, hardware, eff)
     adapter = served_adapter_bytes(plan)
     if adapter:  # the adapter alone (the base crossed once, at set-up)
         digests = digest_seconds(plan, hardware, eff, adapter)
@@ -325,25 +347,72 @@ def sync_time(plan: Plan, hardware: Hardware, eff: Efficiency) -> PhaseTime | No
             trainers = actor.mesh.world_size
             most = max(len(adapter_receivers(r, trainers, resolved.rollout_world)) for r in range(trainers))
             sent = most * adapter / (hardware.link_bytes_per_s(True) * eff.link)
-            return PhaseTime(Phase.SYNC, sent + digests + probe, "network")
+            return PhaseTime(Phase.SYNC, sent + max(trainer_probe, digests) + vllm_probe, "network")
         crosses = actor.mesh.world_size > per_node
         received = adapter / (hardware.link_bytes_per_s(crosses) * eff.link)
-        return PhaseTime(Phase.SYNC, received + digests + probe, "network" if crosses else "NVLink")
+        return PhaseTime(Phase.SYNC, received + digests + trainer_probe + vllm_probe,
+                         "network" if crosses else "NVLink")
     if reshard.cross_pool is not None:
-        sync = reshard.cross_pool.bytes_sent_even / (hardware.link_bytes_per_s(True) * eff.link)
-        return PhaseTime(Phase.SYNC, sync + probe, "network")
+        sent = reshard.cross_pool.bytes_sent_even / (hardware.link_bytes_per_s(True) * eff.link)
+        written = writes_seconds(plan, hardware, eff, max(reshard.cross_pool.bytes_received))
+        return PhaseTime(Phase.SYNC, sent + max(trainer_probe, written) + vllm_probe, "network")
     if reshard.traffic is None:
         return None
     crosses = plan.config.actor_rollout_ref.rollout.tensor_model_parallel_size > per_node
     traffic = reshard.traffic
     moved = max(traffic.bytes_received) / (hardware.link_bytes_per_s(crosses) * eff.link)
-    # every rank writes its whole generation shard into vLLM's weights (read and write: memory bandwidth), then
-    # both sides digest it (what the resharder produced, what vLLM holds)
-    shard = max(traffic.generation_shard_bytes)
-    copied = 2 * shard / (hardware.memory_bytes_per_s * eff.optimizer_memory)
-    digests = digest_seconds(plan, hardware, eff, shard)
-    return PhaseTime(Phase.SYNC, moved + copied + digests + probe,
-                     "memory" if copied + digests >= moved else "network" if crosses else "NVLink")
+    written = writes_seconds(plan, hardware, eff, max(traffic.generation_shard_bytes))
+    return PhaseTime(Phase.SYNC, moved + written + trainer_probe + vllm_probe,
+                     "memory" if written >= moved else "network" if crosses else "NVLink")
+
+
+def writes_seconds(plan: Plan, hardware: Hardware, eff: Efficiency, shard_bytes: float) -> float:
+    """A vLLM rank's part of a merged sync: writing its whole generation shard into vLLM's weights (read and write:
+    memory bandwidth), both sides' checksums of it (what was produced or received, what vLLM holds) and each
+    tensor's calls, whatever its size (`Hardware.sync_tensor_ms`)."""
+    copied = 2 * shard_bytes / (hardware.memory_bytes_per_s * eff.optimizer_memory)
+    calls = synced_tensors(model_of(plan)) * hardware.sync_tensor_ms / 1e3
+    return copied + digest_seconds(plan, hardware, eff, shard_bytes) + calls
+
+
+@functools.cache  # once per model in a layout search
+def synced_tensors(model: ModelShape) -> int:
+    """The tensors a sync writes into each vLLM rank: vLLM's parameters (its fused q/k/v and gate/up, each layer's
+    experts stacked in one), from the family's weight table; the LM head only when not tied to the embedding."""
+    weights = model.weights
+    per_layer = sum(len({spec.vllm for spec in weights.layer if spec.exists(model, layer)})
+                    for layer in range(model.num_layers))
+    return per_layer + 2 + (0 if model.tie_word_embeddings else 1)
+
+
+def probe_seconds(plan: Plan, hardware: Hardware, eff: Efficiency) -> tuple[float, float]:
+    """The sync's proof, one short row (`PROBE_TOKENS`) scored by the trainer and by every vLLM replica: (the
+    trainer's seconds, vLLM's). Each side is bound by its matmuls or by reading its weights, whichever is slower (a
+    row this short is a decode step's work). The trainer's stages run one after another (the rank's weights read
+    once a stage, PP times), each layer paying its fixed cost and TP's two all-reduces' latencies (and the
+    embedding's and the log-probs' four, `activation_traffic_seconds`), each stage boundary a send's, and the
+    results' gathers over the world; vLLM's side is one prefill call on the replica's TP ranks."""
+    model = model_of(plan)
+    actor = plan.layout(Role.ACTOR)
+    mesh = actor.mesh
+    flops = forward_flops(model, rows=1, layer_tokens=PROBE_TOKENS, head_tokens=PROBE_TOKENS, seq_len=PROBE_TOKENS,
+                          vocab_head=True)
+    memory = {m.role: m for m in plan.training_memory}[Role.ACTOR]
+    read = memory.params_gib * GIB * mesh.pp / (hardware.memory_bytes_per_s * eff.decode_memory)
+    computed = flops / mesh.tp / (hardware.peak_flops(actor.megatron.dtype or plan.resolved.train_dtype)
+                                  * eff.forward_matmul)
+    latency = hardware.link_latency_us / 1e6
+    collectives = ((model.num_layers * 2 + 4) * 2 * (mesh.tp - 1) + (mesh.pp - 1)) * latency
+    # the log-probs handed to every rank, and (colocated) every replica's gap: an object all-gather over the world
+    # each, two all-gathers (the sizes, then the bytes) of world - 1 steps
+    gathers = (1 if plan.reshard.cross_pool is not None else 2) * 2 * (mesh.world_size - 1) * latency
+    trainer = max(read, computed) + layer_passes_seconds(plan, actor, mesh.pp, hardware) + collectives + gathers
+    rollout_memory = plan.rollout_memory
+    infer_tp = plan.config.actor_rollout_ref.rollout.tensor_model_parallel_size
+    served = 0.0 if rollout_memory is None else rollout_memory.weights_gib * GIB
+    vllm = max(served / (hardware.memory_bytes_per_s * eff.decode_memory),
+               flops / infer_tp / (hardware.peak_flops(plan.resolved.rollout_dtype) * eff.prefill_matmul))
+    return trainer, vllm + hardware.decode_step_ms / 1e3
 
 
 def weights_wait_on_host(plan: Plan, role: Role) -> bool:

@@ -1,6 +1,7 @@
-"""What one rank of this machine can do, measured with torch: matmul throughput per dtype, memory bandwidth, and a
-gloo all-reduce's bandwidth between two local processes. `hybridrl hardware --measure` writes them as a hardware
-description (`config.hardware`) for the plan's step-time prediction of CPU jobs.
+"""What one rank of this machine can do, measured with torch: matmul throughput per dtype, memory bandwidth, and the
+link between two local processes (gloo: what one sends while the other sends too, and a collective's fixed time).
+`hybridrl hardware --measure` writes them as a hardware description (`config.hardware`) for the plan's step-time
+prediction of CPU jobs.
 
 A CPU rank is a process with `torch_threads_per_rank` threads of the machine's cores (as `hybridrl train` runs one),
 so the figures are one rank's share when `ranks` share the machine. Each figure is the best of `repeats` timings of
@@ -26,9 +27,11 @@ class RankFigures:
     bf16_tflops: float
     fp32_tflops: float
     memory_gb_per_s: float
-    link_gb_per_s: float  # a 2-process gloo all-reduce's bus bandwidth on loopback
+    # what each of 2 processes sends a second while receiving as much (gloo on loopback): a link's one-direction
+    # figure as `config.hardware` defines it, and what the weight sync's point-to-point exchange does
+    link_gb_per_s: float
     threads: int
-    link_latency_us: float = 0.0  # the same all-reduce of 8 floats: a collective's fixed time
+    link_latency_us: float = 0.0  # a gloo all-reduce of 8 floats: a collective's fixed time
 
 
 def best_seconds(work: Callable[[], object], repeats: int) -> float:
@@ -62,29 +65,38 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _allreduce_rank(rank: int, port: int, mib: int, repeats: int, threads: int, out: multiprocessing.Queue) -> None:
+def _link_rank(rank: int, port: int, mib: int, repeats: int, threads: int, out: multiprocessing.Queue) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    tensor = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
-    seconds = best_seconds(lambda: dist.all_reduce(tensor), repeats)
+    sent = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    received = torch.empty_like(sent)
+
+    def exchange() -> None:  # both send at once, as the resharder's batched sends and receives do
+        ops = [dist.P2POp(dist.isend, sent, 1 - rank), dist.P2POp(dist.irecv, received, 1 - rank)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    seconds = best_seconds(exchange, repeats)
     small = torch.ones(8, dtype=torch.float32)
     # the median of many tiny all-reduces: what each collective costs whatever it moves
     latency = statistics.median(best_seconds(lambda: dist.all_reduce(small), 1) for _ in range(50 * repeats))
     dist.destroy_process_group()
     if rank == 0:
-        # a ring all-reduce's bus bandwidth: 2 (n - 1) / n of the buffer per rank, n = 2
-        out.put((tensor.numel() * 4 / seconds / 1e9, latency * 1e6))
+        out.put((sent.numel() * 4 / seconds / 1e9, latency * 1e6))
 
 
-def allreduce_figures(mib: int = 64, repeats: int = 5, threads: int = 1) -> tuple[float, float]:
-    """(bus bandwidth in GB/s, latency in µs) of a gloo all-reduce between two fresh local processes (loopback TCP):
-    of `mib` MiB, and of 8 floats."""
+def link_figures(mib: int = 64, repeats: int = 5, threads: int = 1) -> tuple[float, float]:
+    """(GB/s each of two fresh local processes sends while receiving as much, a gloo all-reduce's latency in µs),
+    over loopback TCP: an exchange of `mib` MiB, and an all-reduce of 8 floats.
+
+    Not an all-reduce's bus bandwidth: gloo reduces on the CPU between its sends, which a link's figure leaves out
+    (the roofline counts a gradient reduction's bytes over the link, as NCCL's bus bandwidth is close to it)."""
     context = multiprocessing.get_context("spawn")  # no forked copy of this process's threads
     out = context.Queue()
     port = _free_port()
-    workers = [context.Process(target=_allreduce_rank, args=(rank, port, mib, repeats, threads, out))
+    workers = [context.Process(target=_link_rank, args=(rank, port, mib, repeats, threads, out))
                for rank in range(2)]
     for worker in workers:
         worker.start()
@@ -95,7 +107,7 @@ def allreduce_figures(mib: int = 64, repeats: int = 5, threads: int = 1) -> tupl
             worker.join(timeout=60)
     failed = [worker.exitcode for worker in workers if worker.exitcode]
     if failed:
-        raise RuntimeError(f"the all-reduce processes exited with {failed}")
+        raise RuntimeError(f"the link processes exited with {failed}")
     return float(figure[0]), float(figure[1])
 
 
@@ -110,7 +122,7 @@ def measure_rank(ranks: int, repeats: int = 5, cores: int | None = None) -> Rank
         memory = memory_gb_per_s(repeats=repeats)
     finally:
         torch.set_num_threads(before)
-    bandwidth, latency = allreduce_figures(repeats=repeats, threads=threads)
+    bandwidth, latency = link_figures(repeats=repeats, threads=threads)
     return RankFigures(bf16, fp32, memory, bandwidth, threads, latency)
 
 

@@ -16,12 +16,15 @@ import pytest
 from hybridrl.config import ConfigError, plan_from_sources
 from hybridrl.config.estimates import decoder_flops_per_token, forward_flops
 from hybridrl.config.hardware import EFFICIENCY, SHIPPED, Hardware, HardwareError, load_hardware
+from hybridrl.config.plan import PASS_PHASES
 from hybridrl.config.report import render_plan
 from hybridrl.config.step_time import (
+    PROBE_TOKENS,
     PhaseTime,
     StepLengths,
     StepTime,
     predict_step_time,
+    synced_tensors,
     time_vs_plan,
 )
 from hybridrl.names import Phase
@@ -50,19 +53,23 @@ def test_the_7b_grpo_steps_phases_are_the_roofline_by_hand():
     # host and back once a step over PCIe 5.0 (64 GB/s) at 70 %; grad_offload frees its buffers, moving nothing
     offload = 2 * (7.093 * GIB / 2 * 8 / 4) / (64e9 * 0.70)
     # TP2's activation all-reduces: a DP rank's 2,048 x 3,072 / 4 tokens x hidden 3,584 in bf16, two per layer (28)
-    # in a forward, a ring moving 2 x 1/2 of them over NVLink at 70 %; the update: forward, recompute, backward
-    tp_forward = 2 * 28 * (2048 * 3072 / 4 * 3584 * 2) / (450e9 * 0.70)
-    assert step.phase(Phase.UPDATE_ACTOR) == pytest.approx(compute + 3 * tp_forward + 4 * (ring + adam) + offload,
-                                                           rel=1e-3)
+    # in a forward, a ring moving 2 x 1/2 of them over NVLink at 70 %; the update: forward, recompute, backward; at
+    # the model's ends one more of the same size in a forward (the vocabulary-parallel embedding's output) and in a
+    # backward (the output layer's input gradient)
+    tp_ring = (2048 * 3072 / 4 * 3584 * 2) / (450e9 * 0.70)
+    tp_forward = 2 * 28 * tp_ring
+    assert step.phase(Phase.UPDATE_ACTOR) == pytest.approx(
+        compute + 3 * tp_forward + 2 * tp_ring + 4 * (ring + adam) + offload, rel=1e-6)
     no_offload = plan_from_sources(QWEN_7B, ["actor_rollout_ref.actor.megatron.optimizer_offload=false"])
     assert predict_step_time(no_offload, H100).phase(Phase.UPDATE_ACTOR) == pytest.approx(
-        compute + 3 * tp_forward + 4 * (ring + adam), rel=1e-3)
-    # the forward passes: no pipeline (PP1), 8 GPUs at 45 %, TP2's all-reduces once; the reference's weights (its
-    # 7.093 GiB a rank) wait on the host between its passes: back before it and out after, over PCIe 5.0 at 70 %
+        compute + 3 * tp_forward + 2 * tp_ring + 4 * (ring + adam), rel=1e-6)
+    # the forward passes: no pipeline (PP1), 8 GPUs at 45 %, TP2's all-reduces once (and the embedding's); the
+    # reference's weights (its 7.093 GiB a rank) wait on the host between its passes: back before it and out after,
+    # over PCIe 5.0 at 70 %
     assert step.phase(Phase.OLD_LOG_PROB) == pytest.approx(
-        flops[Phase.OLD_LOG_PROB] / 8 / (989e12 * 0.45) + tp_forward, rel=1e-6)
+        flops[Phase.OLD_LOG_PROB] / 8 / (989e12 * 0.45) + tp_forward + tp_ring, rel=1e-6)
     assert step.phase(Phase.REF) == pytest.approx(
-        flops[Phase.REF] / 8 / (989e12 * 0.45) + tp_forward + 2 * 7.093 * GIB / (64e9 * 0.70), rel=1e-4)
+        flops[Phase.REF] / 8 / (989e12 * 0.45) + tp_forward + tp_ring + 2 * 7.093 * GIB / (64e9 * 0.70), rel=1e-6)
     # generation on one TP2 replica: 512 sequences; the prefill of the 1024-token prompt once per group of 8 at
     # 50 %; the KV cache (40.907 GiB a rank) holds 1,531,947 tokens = 498 sequences of 3072 at once: two waves of
     # 2048 decode steps, each reading the rank's 7.093 GiB of weights and the 498 sequences' cache at half length
@@ -71,12 +78,39 @@ def test_the_7b_grpo_steps_phases_are_the_roofline_by_hand():
                             vocab_head=True) / 2 / (989e12 * 0.50)
     decode_step = (7.093 * GIB + 498 * 2048 * 28672) / (3350e9 * 0.70)
     assert step.phase(Phase.GEN) == pytest.approx(prefill + 2 * 2048 * decode_step, rel=1e-6)
-    # the sync: TP2 -> TP2 moves nothing between ranks; each rank copies its 7.6 GB shard into vLLM (read + write),
-    # and both sides digest it, CUDA's digest reading ~7 bytes a byte
-    assert step.phase(Phase.SYNC) == pytest.approx((2 + 2 * 7) * 7615820800 / (3350e9 * 0.50), rel=1e-6)
+    # the sync: TP2 -> TP2 moves nothing between ranks; each rank copies its 7.6 GB shard into vLLM (read + write)
+    # at 50 %, and both sides digest it, CUDA's digest reading ~7 bytes a byte in a stream at 85 %; the probe, a
+    # 16-token row, reads the trainer's 7.093 GiB a rank once and vLLM's as much (its matmuls are a few GFLOPs)
+    shard = 7615820800
+    probe = 2 * 7.093 * GIB / (3350e9 * 0.70)
+    assert sum(probe_by_hand(plan)) == pytest.approx(probe, rel=1e-3)
+    assert step.phase(Phase.SYNC) == pytest.approx(
+        2 * shard / (3350e9 * 0.50) + 2 * 7 * shard / (3350e9 * 0.85) + probe, rel=1e-3)
     # colocated and synchronous: the phases one after another
     assert step.seconds == pytest.approx(sum(p.seconds for p in step.phases)) and not step.overlapped
     assert {p.phase: p.bound for p in step.phases}[Phase.GEN] == "memory (decode)"
+
+
+def test_the_probes_length_is_the_workers_probe():
+    from hybridrl.workers.probe import RARE_TOKEN_PROBE
+
+    assert PROBE_TOKENS == len(RARE_TOKEN_PROBE.tokens) == 16
+
+
+def probe_by_hand(plan) -> tuple[float, float]:
+    """The sync's probe on the H100 description (no fixed costs, no latency): a 16-token row through the trainer and
+    through vLLM, each side the slower of reading its weights (the trainer's rank reads its stage's once per stage,
+    PP times) at 70 % of 3,350 GB/s and its matmuls (over its TP ranks) at 45 % (trainer) or 50 % (vLLM) of the
+    dtype's peak: (the trainer's seconds, vLLM's)."""
+    actor = next(m for m in plan.training_memory if m.role == "actor")
+    mesh = plan.layout("actor").mesh
+    infer_tp = plan.config.actor_rollout_ref.rollout.tensor_model_parallel_size
+    flops = forward_flops(plan.model, rows=1, layer_tokens=16, head_tokens=16, seq_len=16, vocab_head=True)
+    trainer = max(actor.params_gib * GIB * mesh.pp / (3350e9 * 0.70),
+                  flops / mesh.tp / (H100.peak_flops(plan.resolved.train_dtype) * 0.45))
+    vllm = max(plan.rollout_memory.weights_gib * GIB / (3350e9 * 0.70),
+               flops / infer_tp / (H100.peak_flops(plan.resolved.rollout_dtype) * 0.50))
+    return trainer, vllm
 
 
 def test_a_step_is_predicted_at_its_own_lengths():
@@ -90,19 +124,20 @@ def test_a_step_is_predicted_at_its_own_lengths():
         assert mine.seconds == pytest.approx(planned.seconds, rel=1e-9), mine.phase
     # rows of 300 prompt and 500 response tokens, a fifth of a training pass's columns padding: the update's matmuls
     # (3 forwards + 1 recomputed) cover 1,000 computed columns a row in every decoder layer and the 500 response
-    # tokens in the output layer, at the rows' mean length 800; TP2's all-reduces move those 1,000 columns; the
-    # optimizer's terms do not depend on lengths
+    # tokens in the output layer, at the rows' mean length 800; TP2's all-reduces (28 layers' two a pass, and the
+    # embedding's and the output layer's one each) move those 1,000 columns; the optimizer's terms do not depend on
+    # lengths
     short = StepLengths(prompt_tokens=300, response_tokens=500, longest_response=1500, padding_ratio=0.2)
     step = predict_step_time(plan, H100, lengths=short)
     shape = plan.model
     rows = 2048
     update_flops = 3 * rows * (1000 * decoder_flops_per_token(shape, 800) + 500 * 2 * shape.hidden_size
                                * shape.vocab_size)
-    tp = lambda columns: 2 * 28 * (rows * columns / 4 * 3584 * 2) / (450e9 * 0.70)  # noqa: E731
+    tp = lambda columns: (3 * 2 * 28 + 2) * (rows * columns / 4 * 3584 * 2) / (450e9 * 0.70)  # noqa: E731
     fixed = full.phase(Phase.UPDATE_ACTOR) - (dict(plan.step_flops)[Phase.UPDATE_ACTOR] * 4 / 3 / 8 / (989e12 * 0.40)
-                                              + 3 * tp(3072))
+                                              + tp(3072))
     assert step.phase(Phase.UPDATE_ACTOR) == pytest.approx(
-        update_flops * 4 / 3 / 8 / (989e12 * 0.40) + 3 * tp(1000) + fixed, rel=1e-6)
+        update_flops * 4 / 3 / 8 / (989e12 * 0.40) + tp(1000) + fixed, rel=1e-6)
     # generation: the prefill of 300-token prompts; 1,500 decode steps (the longest response), the 512 sequences
     # decoding together (800-token rows fit the KV cache's 1,531,947 tokens at once): each step reads the weights
     # and the cache at 300 + 250 tokens, or computes one token of each row, whichever is slower (here the matmuls)
@@ -158,9 +193,15 @@ def test_a_dp_group_across_machines_pays_the_network_and_async_modes_overlap_gen
     generation = step.phase(Phase.GEN)
     rest = sum(p.seconds for p in step.phases) - generation
     assert step.overlapped and step.seconds == pytest.approx(max(generation, rest))
-    # the cross-pool sync: a training rank's even share of the sync's bytes over the network at 70 %
+    # the cross-pool sync: a training rank's even share of the sync's bytes over the network at 70 %; then the
+    # trainer scores the probe while each rollout rank writes its whole shard into vLLM (read + write at 50 %) and
+    # both sides digest it (CUDA's ~7 bytes a byte, in a stream at 85 %); then vLLM scores the probe
     share = disaggregated.reshard.cross_pool.bytes_sent_even
-    assert step.phase(Phase.SYNC) == pytest.approx(share / (50e9 * 0.70), rel=1e-6)
+    shard = max(disaggregated.reshard.cross_pool.bytes_received)
+    written = 2 * shard / (3350e9 * 0.50) + 2 * 7 * shard / (3350e9 * 0.85)
+    trainer, vllm = probe_by_hand(disaggregated)
+    assert written > trainer
+    assert step.phase(Phase.SYNC) == pytest.approx(share / (50e9 * 0.70) + written + vllm, rel=1e-6)
 
 
 def test_an_moe_models_token_dispatch_over_ep_is_timed_by_hand():
@@ -178,8 +219,9 @@ def test_an_moe_models_token_dispatch_over_ep_is_timed_by_hand():
     assert activation_traffic_seconds(plan, layout, 1, 1, H100) == pytest.approx(per_pass, rel=1e-9)
     assert activation_traffic_seconds(plan, layout, 2, 2, H100) == pytest.approx(2 * per_pass, rel=1e-9)
     # a dense model pays its TP2 all-reduces alone (the 7B example: as in the first test)
+    # (two a layer and the embedding's one)
     dense = plan_from_sources(QWEN_7B)
-    tp_forward = 2 * 28 * (2048 * 3072 / 4 * 3584 * 2) / (450e9 * 0.70)
+    tp_forward = (2 * 28 + 1) * (2048 * 3072 / 4 * 3584 * 2) / (450e9 * 0.70)
     assert activation_traffic_seconds(dense, dense.layout("actor"), 1, 1, H100) == pytest.approx(tp_forward, rel=1e-9)
 
 
@@ -189,24 +231,26 @@ def test_a_sync_of_served_adapters_moves_the_adapter_alone():
     A of 32 x 3,584 and a B of rows x 32, o an A and a B of 32 x 3,584, gate and up an A of 32 x 3,584 and a B of
     18,944 x 32 each, down an A of 32 x 18,944 and a B of 3,584 x 32: 2,883,584 fp32 elements, x 28 layers x 4 B.
     Colocated on one machine every rank receives it over NVLink at 70 %; both sides digest it (3 B a byte on cpu,
-    at 50 % of 3,350 GB/s); the probe: one row through the 28 layers and one vLLM step (0 fixed costs on the H100
-    description). Disaggregated (trainer 4 ranks, rollout 4 ranks): each training rank sends one rollout rank the
-    adapter over the network at 70 % of 50 GB/s."""
+    in a stream at 85 % of 3,350 GB/s); the probe: one short row through the trainer and through vLLM (0 fixed costs
+    on the H100 description). Disaggregated (trainer 4 ranks, rollout 4 ranks): each training rank sends one
+    rollout rank the adapter over the network at 70 % of 50 GB/s."""
     # LoRA is built on the CPU layer so far (cuda is refused): the job planned for trainer.device=cpu, predicted
     # on the H100's description
     lora = ["actor_rollout_ref.model.lora.rank=32", "actor_rollout_ref.model.lora.merge=false", "trainer.device=cpu"]
     adapter = (3 * 32 * 3584 + 32 * (3584 + 512 + 512) + 2 * 32 * 3584 + 2 * (32 * 3584 + 18944 * 32)
                + 32 * 18944 + 3584 * 32) * 28 * 4
     assert adapter == 2_883_584 * 28 * 4
-    digests = 2 * adapter * 3 / (3350e9 * 0.50)
+    digests = 2 * adapter * 3 / (3350e9 * 0.85)
     plan = plan_from_sources(QWEN_7B, lora)
     assert predict_step_time(plan, H100).phase(Phase.SYNC) == pytest.approx(
-        adapter / (450e9 * 0.70) + digests, rel=1e-6)
+        adapter / (450e9 * 0.70) + digests + sum(probe_by_hand(plan)), rel=1e-6)
     apart = plan_from_sources(QWEN_7B, [*lora, "trainer.n_gpus_per_node=4",
                                         "actor_rollout_ref.rollout.mode=disaggregated",
                                         "actor_rollout_ref.rollout.n_gpus_per_node=4"])
+    # (the trainer scores the probe while the rollout ranks digest the adapter; then vLLM scores it)
+    trainer, vllm = probe_by_hand(apart)
     assert predict_step_time(apart, H100).phase(Phase.SYNC) == pytest.approx(
-        adapter / (50e9 * 0.70) + digests, rel=1e-6)
+        adapter / (50e9 * 0.70) + max(trainer, digests) + vllm, rel=1e-6)
 
 
 def test_the_plan_prints_the_prediction_only_when_asked_and_refuses_unknown_hardware(tmp_path):
@@ -242,7 +286,8 @@ def test_the_plan_prints_the_prediction_only_when_asked_and_refuses_unknown_hard
 def test_the_efficiencies_are_the_documented_ones():
     """A change to a stated efficiency must be a decision, seen here and in docs/performance.md."""
     assert (EFFICIENCY.update_matmul, EFFICIENCY.forward_matmul, EFFICIENCY.prefill_matmul, EFFICIENCY.decode_memory,
-            EFFICIENCY.link, EFFICIENCY.optimizer_memory) == (0.40, 0.45, 0.50, 0.70, 0.70, 0.50)
+            EFFICIENCY.link, EFFICIENCY.optimizer_memory, EFFICIENCY.stream_memory) == (
+        0.40, 0.45, 0.50, 0.70, 0.70, 0.50, 0.85)
     doc = (ROOT / "docs/performance.md").read_text()
     for name, value in EFFICIENCY.__dict__.items():
         assert f"`{name}` {value:.2f}" in doc, name
@@ -259,6 +304,9 @@ def test_the_documented_predictions_are_the_plans():
         assert f"| {step.phase(Phase.GEN):.3g} s" in row, (row, step.phase(Phase.GEN))
         updates = step.phase(Phase.UPDATE_ACTOR) + step.phase(Phase.UPDATE_CRITIC)
         assert f"| {updates:.3g} s |" in row, (row, updates)
+        passes = sum(step.phase(phase) for phase in set(PASS_PHASES.values()))
+        assert f"| {passes:.3g} s |" in row, (row, passes)
+        assert row.endswith(f"| {step.phase(Phase.SYNC) * 1e3:.3g} ms |"), (row, step.phase(Phase.SYNC))
 
 
 def test_measured_over_predicted_is_each_timed_phase_over_the_plans():
@@ -355,7 +403,7 @@ def test_a_descriptions_fixed_costs_and_efficiencies_add_what_they_say(tmp_path)
     own = tmp_path / "h100-with-costs.yaml"
     own.write_text("bf16_tflops: 989\nfp32_tflops: 67\nmemory_gb_per_s: 3350\nintra_node_gb_per_s: 450\n"
                    "inter_node_gb_per_s: 50\nhost_gb_per_s: 64\ndecode_step_ms: 2\nlayer_pass_ms: 0.5\n"
-                   "efficiency:\n  update_matmul: 0.8\n")
+                   "sync_tensor_ms: 0.1\nefficiency:\n  update_matmul: 0.8\n")
     hardware = load_hardware(str(own))
     assert (hardware.decode_step_ms, hardware.layer_pass_ms, hardware.efficiency.update_matmul,
             hardware.efficiency.forward_matmul) == (2.0, 0.5, 0.8, 0.45)
@@ -369,18 +417,25 @@ def test_a_descriptions_fixed_costs_and_efficiencies_add_what_they_say(tmp_path)
     matmuls = dict(plan.step_flops)[Phase.UPDATE_ACTOR] * 4 / 3 / 8 / (989e12 * 0.40)
     assert step.phase(Phase.UPDATE_ACTOR) - base.phase(Phase.UPDATE_ACTOR) == pytest.approx(
         -matmuls / 2 + 4 * 32 * 4 * 28 * 0.5e-3, rel=1e-6)
-    # the sync's probe: one row through the actor's 28 layers and one vLLM step
-    assert step.phase(Phase.SYNC) - base.phase(Phase.SYNC) == pytest.approx(28 * 0.5e-3 + 2e-3)
+    # the sync: its probe, one row through the actor's 28 layers and one vLLM step; and the tensors it writes into
+    # each vLLM rank, 0.1 ms each: 28 layers of 7 (q/k/v fused, their biases fused, o, gate/up fused, down, two
+    # norms), the embedding, the final norm and the (untied) LM head
+    assert synced_tensors(plan.model) == 28 * 7 + 3
+    assert step.phase(Phase.SYNC) - base.phase(Phase.SYNC) == pytest.approx(28 * 0.5e-3 + 2e-3 + 199 * 0.1e-3)
     # a link latency of 10 us: TP2's two all-reduces a layer (28) in each pass over a micro-batch, each a ring of
-    # 2 (2 - 1) steps: the reference's 32 micro-batches once; the update's 4 x 32 forward, backward and recompute;
-    # and per optimizer step (4) megatron's DDP buckets of 40M parameters (3.808B a rank: 96) in rings of
-    # 2 (4 - 1) steps over DP4
+    # 2 (2 - 1) steps, and at the model's ends the embedding's and the log-probs' three in a forward, the output
+    # layer's in a backward: the reference's 32 micro-batches once; the update's 4 x 32 forward, backward and
+    # recompute; and per optimizer step (4) megatron's DDP buckets of 40M parameters (3.808B a rank: 96) in rings of
+    # 2 (4 - 1) steps over DP4; the sync's probe, one forward of one row, and its two object all-gathers over the 8
+    # ranks (the log-probs, the replicas' gaps), each two all-gathers of 7 steps
     slow = tmp_path / "h100-latency.yaml"
     slow.write_text(own.read_text() + "link_latency_us: 10\n")
     step_latency = predict_step_time(plan, load_hardware(str(slow)))
-    assert step_latency.phase(Phase.REF) - step.phase(Phase.REF) == pytest.approx(2 * 28 * 32 * 2 * 10e-6)
+    assert step_latency.phase(Phase.REF) - step.phase(Phase.REF) == pytest.approx((2 * 28 + 4) * 32 * 2 * 10e-6)
     assert step_latency.phase(Phase.UPDATE_ACTOR) - step.phase(Phase.UPDATE_ACTOR) == pytest.approx(
-        3 * 2 * 28 * 128 * 2 * 10e-6 + 4 * 96 * 2 * 3 * 10e-6)
+        (3 * 2 * 28 + 4 + 1) * 128 * 2 * 10e-6 + 4 * 96 * 2 * 3 * 10e-6)
+    assert step_latency.phase(Phase.SYNC) - step.phase(Phase.SYNC) == pytest.approx(
+        (2 * 28 + 4) * 2 * 10e-6 + 2 * 2 * 7 * 10e-6)
     # mistakes named: a negative fixed cost, an unknown efficiency
     bad = tmp_path / "bad.yaml"
     bad.write_text(own.read_text().replace("decode_step_ms: 2", "decode_step_ms: -1") + "  decode_speed: 1\n")

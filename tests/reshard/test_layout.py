@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+from hybridrl.config.step_time import synced_tensors
 from hybridrl.models.arch import ModelShape
 from hybridrl.models.vllm_layout import vllm_padded_vocab, vllm_param_shapes
 from hybridrl.parallel.digest import tensor_digest
@@ -297,6 +298,8 @@ def test_layout_equals_what_vllm_loads(tmp_path, spec, infer_tp):
         expected = hf_to_vllm_shards(hf, config, infer_tp, rank)
         held = result["snapshot"]
         assert sorted(held) == sorted(expected)
+        # the plan's count of the tensors a sync writes (its per-tensor fixed cost) is vLLM's
+        assert len(held) == synced_tensors(ModelShape.from_hf_config(config))
         for name, tensor in expected.items():
             assert held[name].dtype == torch.float32 and torch.equal(held[name], tensor), (rank, name)
         assert result["rng_kept"], "building the engine changed the caller's torch RNG state"

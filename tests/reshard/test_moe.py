@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from hybridrl.config.meshes import build_reshard_groups, build_training_mesh
+from hybridrl.config.step_time import synced_tensors
 from hybridrl.models.arch import ModelShape
 from hybridrl.models.vllm_layout import vllm_param_shapes
 from hybridrl.reshard.checksums import shard_checksums, verify_checksums
@@ -179,6 +180,7 @@ def test_resharded_experts_equal_vllms_own_loader(hf_dirs, vllm_loaded, arch, tp
         shards, report = result["shards"], result["report"]
         held = loaded[groups.gen_tp_index[rank]]
         assert sorted(shards) == sorted(held), f"rank {rank}: names differ from vLLM's"
+        assert len(held) == synced_tensors(shape)  # the plan's count of the tensors a sync writes
         for name, tensor in held.items():
             assert shards[name].dtype == tensor.dtype and torch.equal(shards[name], tensor), f"rank {rank}: {name}"
         expected = hf_to_vllm_shards(hf_state, config, infer_tp, groups.gen_tp_index[rank])
