@@ -10,12 +10,14 @@ and the real model (SmolLM2-135M-Instruct) at DP2 and PP2. Needs `make demo-asse
 The fit (`fit`), each constant from the phase it dominates, repeated until they settle:
 - `decode_step_ms` from the tiny DP2 run's generation (a 0.6M-parameter model's decode step is all fixed work);
 - `layer_pass_ms` from the tiny DP2 run's update (its matmuls are microseconds);
-- `sync_tensor_ms` from the tiny DP2 run's sync less its probe (`timing_s/sync_probe`): its 27 tensors of 2.5 MB
-  written and checked are calls, not bytes;
+- `sync_tensor_ms` from the tiny DP2 run's sync less its probe (`timing_s/sync_probe`): its 27 tensors (2.5 MB in
+  all) written and checked are calls, not bytes (the constant also takes the sync's own fixed work: waking vLLM,
+  the calls between the ranks and the trainer);
 - the matmul efficiencies (update, forward, prefill: one factor) from the real DP2 run's update;
 - the memory efficiencies (decode, optimizer: one factor) from the real DP2 run's generation (bound by reading the
   weights).
-Nothing is fitted to the sync, the TP2, PP2 or disaggregated runs, or the real PP2 run: those are predictions.
+Nothing is fitted to the TP2, PP2 or disaggregated runs, or the real PP2 run, or the real DP2 run's sync: those are
+predictions.
 A phase's figure is its median over the steps after the first (which warms up) of two rounds of the six runs.
 
 The description's measured figures come from `hybridrl hardware --measure --ranks 2` on the machine that runs the

@@ -19,14 +19,15 @@ Torch-free. Each phase is bound by what it moves or computes at a stated fractio
   rank's gradients; with the distributed optimizer a reduce-scatter of them and an all-gather of the parameters,
   (DP - 1) / DP of each) and Adam's pass over the rank's share of its state (memory bandwidth), and per step what
   the role offloads to the host and back over PCIe (Adam's moments, parameters; freed gradient buffers move nothing);
-- the weight sync: the resharder's most-loaded rank's bytes over NVLink, each rank's copy of its generation
-  shard into vLLM's weights, both sides' checksums of it (a streaming read) and each tensor's calls (colocated),
+- the weight sync: the resharder's most-loaded rank's bytes over NVLink, each rank's two copies of its generation
+  shard (assembled, then into vLLM's weights), both sides' checksums of it (a streaming read) and each tensor's
+  calls (colocated),
   or a training rank's share of the cross-pool bytes over the network (disaggregated); with adapters vLLM serves
   (`lora.merge: false`) the PEFT adapter instead: every rank receiving it whole (colocated: over the link the world
   spans), or a training rank sending it to each rollout rank it serves (disaggregated: over the network), and both
   sides' checksums of it; and its probe, one short row through the trainer and through vLLM, each side the slower
   of its matmuls and reading its weights (`probe_seconds`; disaggregated, the trainer's side runs while the rollout
-  pool writes);
+  pool writes the last bucket);
 - the switches between training and generation that move bytes over PCIe (on GPUs; on CPU nothing moves): a
   frozen role whose weights wait on the host between its passes (the reference always, a reward model or teacher
   with `megatron.param_offload`) brings them back for its pass and sends them out after, in that pass's phase (the
@@ -187,7 +188,8 @@ def activation_traffic_seconds(plan: Plan, layout: RoleLayout, collective_passes
       backward two more; a ring moves 2 (TP - 1) / TP of them, over the link the TP group spans. At the model's
       ends (`head_passes`: forwards, backwards; a stage's share of them, the first stage holding the embedding and
       the last the head): megatron's vocabulary-parallel embedding all-reduces its output in a forward, the
-      vocabulary's output layer its input's gradient in a backward (each tokens x hidden), and the log-probs over
+      vocabulary's output layer its input's gradient in a backward (each tokens x hidden; with sequence parallelism
+      a reduce-scatter and an all-gather at each end instead, the same bytes and latencies), and the log-probs over
       the split vocabulary take three all-reduces of a float a token (`algorithms.vocab_parallel`: the maximum,
       the normalizers, the picked logit), whose latency alone counts;
     - PP: each stage sends its micro-batches' activations to the next (and their gradients back in a backward):
@@ -354,8 +356,12 @@ def sync_time(plan: Plan, hardware: Hardware, eff: Efficiency) -> PhaseTime | No
                          "network" if crosses else "NVLink")
     if reshard.cross_pool is not None:
         sent = reshard.cross_pool.bytes_sent_even / (hardware.link_bytes_per_s(True) * eff.link)
-        written = writes_seconds(plan, hardware, eff, max(reshard.cross_pool.bytes_received))
-        return PhaseTime(Phase.SYNC, sent + max(trainer_probe, written) + vllm_probe, "network")
+        shard = max(reshard.cross_pool.bytes_received)
+        written = writes_seconds(plan, hardware, eff, shard)
+        # the exchange goes bucket by bucket, each written before the next is received: the trainer's sends end with
+        # the last bucket, and only that bucket's writing runs beside the trainer's probe
+        last = written / max(1, math.ceil(shard / resolved.sync_bucket_bytes))
+        return PhaseTime(Phase.SYNC, sent + written - last + max(trainer_probe, last) + vllm_probe, "network")
     if reshard.traffic is None:
         return None
     crosses = plan.config.actor_rollout_ref.rollout.tensor_model_parallel_size > per_node
@@ -367,10 +373,11 @@ def sync_time(plan: Plan, hardware: Hardware, eff: Efficiency) -> PhaseTime | No
 
 
 def writes_seconds(plan: Plan, hardware: Hardware, eff: Efficiency, shard_bytes: float) -> float:
-    """A vLLM rank's part of a merged sync: writing its whole generation shard into vLLM's weights (read and write:
-    memory bandwidth), both sides' checksums of it (what was produced or received, what vLLM holds) and each
-    tensor's calls, whatever its size (`Hardware.sync_tensor_ms`)."""
-    copied = 2 * shard_bytes / (hardware.memory_bytes_per_s * eff.optimizer_memory)
+    """A vLLM rank's part of a merged sync: its whole generation shard copied twice (the resharder assembles each
+    tensor from the pieces it holds and receives, `reshard.exchange`; vLLM copies it into its parameter), each copy
+    a read and a write at memory bandwidth; both sides' checksums of it (what was produced or received, what vLLM
+    holds); and each tensor's calls, whatever its size (`Hardware.sync_tensor_ms`)."""
+    copied = 2 * 2 * shard_bytes / (hardware.memory_bytes_per_s * eff.optimizer_memory)
     calls = synced_tensors(model_of(plan)) * hardware.sync_tensor_ms / 1e3
     return copied + digest_seconds(plan, hardware, eff, shard_bytes) + calls
 

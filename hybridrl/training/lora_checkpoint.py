@@ -82,7 +82,10 @@ def save_lora_checkpoint(backend: MegatronBackend, staging: Path) -> dict[str, A
         # each parameter's shards whole on every rank of the group megatron sharded it over: the dense adapters'
         # over DP x CP, the routed experts' over the expert data-parallel group (which at EP > 1 or dense TP > 1
         # is not the dense one: its rank 0 need not be a writer below, and every EP rank gathers below)
-        local.update(gather_sharded(entries, local, view, kinds, everywhere=True))
+        try:
+            local.update(gather_sharded(entries, local, view, kinds, everywhere=True))
+        except Exception as exc:  # noqa: BLE001 - a group's coverage error, agreed on over the world below
+            error = f"{type(exc).__name__}: {exc}"
     written = None
     # lora_state gathers over each adapter's TP group, and an MoE model's expert adapters over their EP group: with
     # expert parallelism every rank takes part, else a whole TP group of first holders; each holds its adapters'
@@ -91,9 +94,10 @@ def save_lora_checkpoint(backend: MegatronBackend, staging: Path) -> dict[str, A
     gathers = expert_parallel or (ctx.dp_rank == 0 and ctx.cp_rank == 0)
     partial = [entry.key for i, entry in enumerate(entries) if gathers and any(
         kind not in local.get(i, {}) or local[i][kind].numel() != entry.param.numel() for kind in kinds)]
-    # agreed before lora_state's collectives: a rank short of a whole state raises on every rank, not in a hang
-    agreed_summaries(ctx.world_size, f"the optimizer state of {partial[:2]} is not whole here" if partial else None,
-                     None)
+    # agreed before lora_state's collectives: a rank short of a whole state (or whose group's gather found a gap, which
+    # the other groups' ranks did not see) raises on every rank, not in a hang
+    short = f"the optimizer state of {partial[:2]} is not whole here" if partial else None
+    agreed_summaries(ctx.world_size, error or short, None)
     if gathers:
         index = {id(entry.param): i for i, entry in enumerate(entries)}
         tensors = {f"{WEIGHT}/{name}": t for name, t in lora_state(adapters).items()}

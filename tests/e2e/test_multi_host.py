@@ -256,7 +256,8 @@ def test_a_lost_host_is_named_and_the_run_resumes_once_it_is_back(demo_assets, t
             if process.poll() is None:
                 process.kill()
     assert process.returncode == 0, output[-5000:]
-    restart = next(line for line in output.splitlines() if line.startswith("restart 1/1 in place:"))
+    restart = next((line for line in output.splitlines() if line.startswith("restart 1/1 in place:")), None)
+    assert restart is not None, output[-5000:]  # (a full-suite run once saw none: the run's own words, to tell why)
     assert f"on node {other.address}" in output and "an actor died on node" in output, output[-5000:]
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     (event,) = [r for r in records if r.get("event") == "restart"]

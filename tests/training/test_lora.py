@@ -417,3 +417,46 @@ def test_expert_adapters_and_their_optimizer_state_resume_on_another_ep_layout(t
         assert result["moments"]["sharded_over"] == SHARDED_OVER.get(resumed_on, [])
         for name, tensor in reference["next"].items():
             assert _close(result["next"][name], tensor, 1e-5), name
+
+
+def _failed_save_rank(rank: int, world: int, config: Any, batches: list[Any], ckpt: str,
+                      failing_ranks: tuple[int, ...]) -> str | None:
+    """One update, then a checkpoint whose gather of the distributed optimizer's shards reports a gap on
+    `failing_ranks` alone (after its collectives, as a real coverage error does): the error each rank raised."""
+    import hybridrl.training.lora_checkpoint as lora_checkpoint
+    from hybridrl.persistence import RoleCheckpointError
+    from hybridrl.training.checkpointing import save_role_checkpoint
+    from tests.support.training_fixtures import trained_role
+
+    real = lora_checkpoint.gather_sharded
+
+    def gap_here(*args: Any, **kwargs: Any) -> Any:
+        gathered = real(*args, **kwargs)
+        if rank in failing_ranks:
+            raise RuntimeError("planted: DP shards cover 0 of 1 elements")
+        return gathered
+
+    lora_checkpoint.gather_sharded = gap_here
+    backend, update, chunks = trained_role(config, "actor", batches)
+    update(chunks[0])
+    try:
+        save_role_checkpoint(backend, ckpt)
+    except RoleCheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_gap_in_one_expert_groups_optimizer_shards_stops_every_rank(tmp_path):
+    """At EP2 x DP2 with the distributed optimizer the experts' Adam shards are gathered over two expert
+    data-parallel groups, ranks {0, 2} and {1, 3}. A gap found in one group's gather raises on every rank of the
+    world, naming the ranks that found it: the other group's ranks must not wait in the next collective (a hang)."""
+    from tests.support.models_fixtures import make_hf_model
+    from tests.support.training_fixtures import rollout_batch
+
+    hf = make_hf_model(tmp_path / "hf", "qwen3_moe", seed=7, mlp_only_layers=[], num_hidden_layers=3)
+    errors = run_ranks(_failed_save_rank, 4, _moe_lora_config(hf, "ep2-dp2-distopt"), [rollout_batch(8, seed=1)],
+                       str(tmp_path / "ckpt"), (0, 2), timeout_s=300)
+    for error in errors:  # every rank's: the two ranks that found the gap named, the others found none
+        assert error is not None
+        assert "rank 0: RuntimeError: planted" in error and "rank 2: RuntimeError: planted" in error, error
+        assert "rank 1: RuntimeError" not in error and "rank 3: RuntimeError" not in error, error
