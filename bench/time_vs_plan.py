@@ -164,7 +164,9 @@ FITTED_HEADER = """\
 def write_description(path: Path, constants: dict[str, float]) -> None:
     """The description's measured part as it is, then the fit (the link and a streaming read at the measured rates:
     a measured description's figures are sustained rates, not datasheet peaks)."""
-    measured = path.read_text().split("# fitted by", 1)[0]
+    # the measured part up to its own efficiency block (`hybridrl hardware --measure` writes link and stream_memory
+    # 1.0 there), which the fit's block below replaces with the same two and the fitted ones
+    measured = path.read_text().split("# fitted by", 1)[0].split("\nefficiency:", 1)[0].rstrip("\n") + "\n"
     fixed = [f"{name}: {constants[name]}" for name in ("decode_step_ms", "layer_pass_ms", "sync_tensor_ms")]
     efficiency = ["  link: 1.0", "  stream_memory: 1.0"]
     efficiency += [f"  {name}: {constants[name]}" for name in (*MATMUL, *MEMORY)]

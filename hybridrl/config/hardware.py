@@ -34,8 +34,8 @@ class Efficiency:
     - `optimizer_memory` 0.50: Adam's fused multi-tensor pass over params, grads and two moments, and the weight
       sync's copy into vLLM's tensors: many tensors of a few MB, not one stream;
     - `stream_memory` 0.85: one pass reading a whole tensor at a time (the weight sync's checksums of each tensor),
-      as a STREAM-like kernel reaches of HBM's datasheet figure (a description whose memory figure is measured by
-      such a pass, as `hybridrl hardware --measure`'s copy is, states 1.0: configs/hardware/this-cpu-2-ranks.yaml)."""
+      as a STREAM-like kernel reaches of HBM's datasheet figure (1.0 in a description `hybridrl hardware --measure`
+      writes, whose memory figure is measured by such a pass, a copy; and `link` 1.0 there too)."""
 
     update_matmul: float = 0.40
     forward_matmul: float = 0.45

@@ -346,6 +346,9 @@ def test_hybridrl_hardware_lists_the_shipped_gpus_and_measures_this_machine_as_a
     assert measured.returncode == 0, measured.stderr[-2000:]
     hardware = load_hardware(str(out))
     assert hardware.name.endswith("1 of 2 rank(s)") and hardware.host_gb_per_s == hardware.memory_gb_per_s
+    # the link and a streaming read run at the measured rates; the other efficiencies stay the stated ones
+    assert (hardware.efficiency.link, hardware.efficiency.stream_memory) == (1.0, 1.0)
+    assert hardware.efficiency.update_matmul == EFFICIENCY.update_matmul
 
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, len(__import__("os").sched_getaffinity(0)) // 2))
