@@ -44,6 +44,7 @@ from train_runs import train  # noqa: E402
 
 from hybridrl.config import Plan, plan_from_sources  # noqa: E402
 from hybridrl.config.hardware import Hardware, load_hardware  # noqa: E402
+from hybridrl.config.hardware_cli import MEASURED_EFFICIENCY  # noqa: E402
 from hybridrl.config.step_time import StepLengths, predict_step_time, probe_seconds  # noqa: E402
 
 RESULT = ROOT / "bench" / "results" / "time_vs_plan.json"
@@ -168,7 +169,7 @@ def write_description(path: Path, constants: dict[str, float]) -> None:
     # 1.0 there), which the fit's block below replaces with the same two and the fitted ones
     measured = path.read_text().split("# fitted by", 1)[0].split("\nefficiency:", 1)[0].rstrip("\n") + "\n"
     fixed = [f"{name}: {constants[name]}" for name in ("decode_step_ms", "layer_pass_ms", "sync_tensor_ms")]
-    efficiency = ["  link: 1.0", "  stream_memory: 1.0"]
+    efficiency = [f"  {name}: {getattr(MEASURED_EFFICIENCY, name)}" for name in ("link", "stream_memory")]
     efficiency += [f"  {name}: {constants[name]}" for name in (*MATMUL, *MEMORY)]
     path.write_text(measured + FITTED_HEADER + "\n".join([*fixed, "efficiency:", *efficiency]) + "\n")
 

@@ -216,10 +216,8 @@ def activation_traffic_seconds(plan: Plan, layout: RoleLayout, collective_passes
     if mesh.tp > 1:
         ring = 2 * (mesh.tp - 1) / mesh.tp * activation_bytes
         layers = model.num_layers / mesh.pp
-        forwards, backwards = head_passes
-        vocabulary = layout.role in VOCABULARY_ROLES
-        edge_rings = (forwards + (backwards if vocabulary else 0)) / mesh.pp
-        edge_latencies = (forwards * (1 + 3 * vocabulary) + (backwards if vocabulary else 0)) / mesh.pp
+        end_rings, end_all_reduces = model_end_all_reduces(*head_passes, vocabulary=layout.role in VOCABULARY_ROLES)
+        edge_rings, edge_latencies = end_rings / mesh.pp, end_all_reduces / mesh.pp
         rings = collective_passes * 2 * layers + edge_rings
         seconds += rings * ring / (hardware.link_bytes_per_s(mesh.tp > per_node) * eff.link)
         seconds += (collective_passes * 2 * layers + edge_latencies) * micro_batches * 2 * (mesh.tp - 1) * latency
@@ -237,6 +235,14 @@ def activation_traffic_seconds(plan: Plan, layout: RoleLayout, collective_passes
         seconds += collective_passes * 2 * moe_layers * sent / (hardware.link_bytes_per_s(span > per_node) * eff.link)
         seconds += collective_passes * 2 * moe_layers * micro_batches * (ep - 1) * latency
     return seconds
+
+
+def model_end_all_reduces(forwards: float, backwards: float, *, vocabulary: bool) -> tuple[float, float]:
+    """TP's all-reduces at the model's ends in `forwards` and `backwards` passes (`activation_traffic_seconds`): (those
+    moving tokens x hidden: the embedding's output in a forward, a vocabulary head's input gradient in a backward;
+    all of them, the log-probs' three of a float a token in a forward with a vocabulary head added)."""
+    rings = forwards + (backwards if vocabulary else 0)
+    return rings, rings + 3 * forwards * vocabulary
 
 
 def layer_passes_seconds(plan: Plan, layout: RoleLayout, passes: float, hardware: Hardware) -> float:
@@ -409,7 +415,8 @@ def probe_seconds(plan: Plan, hardware: Hardware, eff: Efficiency) -> tuple[floa
     computed = flops / mesh.tp / (hardware.peak_flops(actor.megatron.dtype or plan.resolved.train_dtype)
                                   * eff.forward_matmul)
     latency = hardware.link_latency_us / 1e6
-    collectives = ((model.num_layers * 2 + 4) * 2 * (mesh.tp - 1) + (mesh.pp - 1)) * latency
+    _, ends = model_end_all_reduces(1, 0, vocabulary=True)
+    collectives = ((model.num_layers * 2 + ends) * 2 * (mesh.tp - 1) + (mesh.pp - 1)) * latency
     # the log-probs handed to every rank, and (colocated) every replica's gap: an object all-gather over the world
     # each, two all-gathers (the sizes, then the bytes) of world - 1 steps
     gathers = (1 if plan.reshard.cross_pool is not None else 2) * 2 * (mesh.world_size - 1) * latency
