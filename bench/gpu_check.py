@@ -426,6 +426,51 @@ def worker_figures(config: dict[str, Any], device: str) -> dict[str, Any]:
     }
 
 
+def lora_figures(config: dict[str, Any], device: str) -> dict[str, Any]:
+    """A LoRA actor as a GPU runs it: megatron's local layer spec (`layer_spec_kind(adapters=True)`), the base in
+    bf16 and fresh fp32 adapters (B = 0: the model is the base), one GRPO update on a host batch; then the
+    reference pass (the adapters off) must give the base's log-probs again."""
+    from hybridrl.config.plan import build_plan
+    from hybridrl.models.bridge import export_hf
+    from hybridrl.models.lora import adapters_disabled, lora_adapters
+    from hybridrl.training.actor import MegatronActor
+    from hybridrl.training.backend import MegatronBackend, role_spec
+
+    batch = worker_batch(config["vocab_size"], seed=1)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = export_hf(build_random_model(config, torch.float32), Path(tmp) / "hf", dtype=torch.float32)
+        reference = reference_log_probs(folder, batch, device)
+        job = worker_config(folder, device)
+        job.algorithm.adv_estimator = "grpo"
+        job.actor_rollout_ref.actor.megatron.dtype = "bf16"
+        lora = job.actor_rollout_ref.model.lora
+        lora.rank, lora.alpha = 8, 16.0
+        plan = build_plan(job)
+        backend = MegatronBackend(role_spec(plan, "actor"))
+        actor = MegatronActor(backend, plan)
+    base = {n: p.detach().clone() for c in backend.chunks for n, p in c.named_parameters() if not p.requires_grad}
+    before = actor.compute_log_prob(batch)["old_log_probs"]
+    batch["old_log_probs"] = before
+    started = time.perf_counter()
+    update = actor.update_policy(batch)
+    update_s = time.perf_counter() - started
+    after = actor.compute_log_prob(batch)["old_log_probs"]
+    with torch.no_grad(), adapters_disabled(backend.chunks):
+        reference_pass = actor.compute_log_prob(batch)["old_log_probs"]
+    params = {n: p for c in backend.chunks for n, p in c.named_parameters()}
+    return {
+        "lora_layer_spec": backend.spec_kind, "lora_packed": plan.resolved.packed("actor"),
+        "lora_update_s": update_s, "lora_update_grad_norm": update.grad_norm,
+        "lora_log_prob_max_abs_diff_vs_hf": float((before - reference).abs().max()),
+        "lora_update_log_prob_change": float((after - before).abs().max()),
+        "lora_reference_max_abs_diff_vs_base": float((reference_pass - before).abs().max()),
+        "lora_base_unchanged": all(torch.equal(params[n].detach(), t) for n, t in base.items()),
+        "lora_dtypes": ",".join(sorted({f"{'adapter' if p.requires_grad else 'base'} {str(p.dtype)[6:]}"
+                                        for n, p in params.items() if "layernorm" not in n})),
+        "lora_adapters": len(lora_adapters(backend.chunks)),
+    }
+
+
 def memory_gib(device: str) -> float:
     if device == "cuda":
         return torch.cuda.max_memory_allocated() / GIB
@@ -476,6 +521,8 @@ def run(args: argparse.Namespace, out: str | None = None) -> dict[str, Any]:
             save(result, out)
             result["moe"] = moe_figures(device)
             save(result, out)
+            result["lora"] = lora_figures(TINY, device)
+            save(result, out)
         result["matmul_tflops"] = matmul_tflops(device, dtype, args.matmul_size)
         result.update(memory_metric_check(device))
         save(result, out)
@@ -521,6 +568,12 @@ def render(result: dict[str, Any]) -> str:
         lines.append(f"MoE (local spec) on {moe['moe_device']}: logits gap vs HF "
                      f"{moe['moe_logits_max_abs_diff_vs_hf']:.2e}, {moe['moe_expert_grads']} expert grads finite "
                      f"{moe['moe_expert_grads_finite']}")
+    lora = result.get("lora")
+    if lora:
+        lines.append(f"LoRA actor ({lora['lora_layer_spec']} spec, {lora['lora_dtypes']}): log-prob gap vs HF "
+                     f"{lora['lora_log_prob_max_abs_diff_vs_hf']:.2e}, update moved log-probs by "
+                     f"{lora['lora_update_log_prob_change']:.2e}, base unchanged {lora['lora_base_unchanged']}, "
+                     f"reference pass vs base {lora['lora_reference_max_abs_diff_vs_base']:.2e}")
     header = ("model", "params M", "train tok/s", "TFLOP/s", "MFU", "logprob tok/s", "reshard s", "buckets",
               "vLLM tok/s", "peak GiB")
     rows = [header]

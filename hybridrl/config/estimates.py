@@ -245,7 +245,7 @@ def training_memory(
     role: str, shape: ModelShape, mesh: TrainingMesh, *, dtype: str, distributed_optimizer: bool,
     trainable: bool, micro_batch: int, seq_len: int, sequence_parallel: bool, gpu_gib: float, ep: int = 1,
     etp: int | None = None, recompute: bool = False, value_head: bool = False, head_tokens: int | None = None,
-    adapter_elements_per_layer: int = 0,
+    adapter_elements_per_layer: int = 0, attention_scores: bool = False,
 ) -> TrainingMemory:
     """The heaviest pipeline stage's GPU (its figures; `stages` has every stage's). `ep`, `etp`: expert
     parallelism and expert TP of an MoE model (`etp` None: TP); the distributed optimizer shards
@@ -257,7 +257,10 @@ def training_memory(
     `model.enable_gradient_checkpointing`): a micro-batch keeps each layer's input only (2 s b h bytes,
     over TP with sequence parallelism) and one layer's whole activations while it is recomputed.
     `adapter_elements_per_layer` (a LoRA actor, per TP rank): the model frozen, the fp32 adapters the only
-    trained parameters (their gradients and Adam's moments, no master copy); activations as without them."""
+    trained parameters (their gradients and Adam's moments, no master copy); activations as without them.
+    `attention_scores` (megatron's local attention on a GPU, `DevicePolicy.attention_keeps_scores`): each layer
+    also holds its scores, their softmax and the dropout mask, (2 p + 1) a s^2 b bytes over TP (Korthikanti et
+    al. 2022's 5 a s^2 b at p = 2 bytes; the mask is counted though the models' attention dropout is 0)."""
     layout = mesh.layout(ep, etp)
     p_bytes = DTYPE_BYTES[dtype]
     # fp32 master copy only when compute is in 16-bit; Adam m and v are always fp32.
@@ -267,6 +270,8 @@ def training_memory(
     tokens = micro_batch * seq_len / mesh.cp
     per_layer = 34 * tokens * shape.hidden_size * p_bytes / 2  # 34 sbh counts 2-byte activations
     per_layer = per_layer / mesh.tp if sequence_parallel else per_layer * (10 + 24 / mesh.tp) / 34
+    if attention_scores:  # [b, a / tp, s / cp, s] per layer: a query chunk of the row meets all its keys
+        per_layer += (2 * p_bytes + 1) * tokens * seq_len * shape.num_attention_heads / mesh.tp
     layer_input = tokens * shape.hidden_size * p_bytes / (mesh.tp if sequence_parallel else 1)
     # fp32 logits + their gradient. Not divided by CP: each CP rank gathers the last stage's hidden
     # states over CP and computes the whole micro-batch's output layer (training/backend.py).

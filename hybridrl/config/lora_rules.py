@@ -7,6 +7,7 @@ from hybridrl.config.refusals import LORA
 from hybridrl.config.schema import JobConfig
 from hybridrl.models.arch import ModelShape
 from hybridrl.models.lora_targets import TARGETS, VLLM_LORA_RANKS
+from hybridrl.parallel.device_policy import ADAPTERS_ON_LOCAL_SPEC, DEVICE_POLICIES
 
 
 def check_lora(check: Checker, config: JobConfig, model: ModelShape | None) -> None:
@@ -33,9 +34,9 @@ def check_lora(check: Checker, config: JobConfig, model: ModelShape | None) -> N
                        valid)
     if model is not None and model.is_moe:
         _check_expert_adapters(check, config, model)
-    if config.trainer.device == "cuda":
-        check.fail(f"{LORA}.rank", lora.rank, "adapters on cuda are not built yet: TransformerEngine's layers fuse "
-                   "the norm into linear_qkv and linear_fc1, whose adapters need the normed input; set 0", [0])
+    policy = DEVICE_POLICIES.get(config.trainer.device)
+    if policy is not None and policy.packed_attention_for(True) != policy.packed_attention:
+        _check_local_spec(check, config)
     ref = config.actor_rollout_ref.ref.megatron
     if ref is not None and ref.param_offload:
         check.fail("actor_rollout_ref.ref.megatron.param_offload", True, f"with {LORA}.rank > 0 the reference is the "
@@ -44,6 +45,22 @@ def check_lora(check: Checker, config: JobConfig, model: ModelShape | None) -> N
         if isinstance(lora.rank, int) and lora.rank > VLLM_LORA_RANKS[-1]:
             check.fail(f"{LORA}.rank", lora.rank, f"vLLM serves adapters of rank <= {VLLM_LORA_RANKS[-1]}; with a "
                        f"higher rank set {LORA}.merge true (merged syncs)", [VLLM_LORA_RANKS[-1]])
+
+
+def _check_local_spec(check: Checker, config: JobConfig) -> None:
+    """On GPUs the adapters' model is megatron's local layer spec (`layer_spec_kind`): what it does not run, if the
+    job sets it, refused here rather than at the workers' start-up."""
+    arr = config.actor_rollout_ref
+    if arr.model.use_remove_padding:
+        check.fail("actor_rollout_ref.model.use_remove_padding", True, f"with {LORA}.rank > 0 on "
+                   f"{config.trainer.device}: {ADAPTERS_ON_LOCAL_SPEC}; set false, or leave it unset (then padded)",
+                   [False, None])
+    for prefix, megatron in (("actor_rollout_ref.actor.megatron", arr.actor.megatron),
+                             ("actor_rollout_ref.ref.megatron", arr.ref.megatron)):
+        tp = megatron.tensor_model_parallel_size if megatron is not None else 1
+        if megatron is not None and megatron.sequence_parallel and isinstance(tp, int) and tp > 1:
+            check.fail(f"{prefix}.sequence_parallel", True, f"with {LORA}.rank > 0 on {config.trainer.device}: "
+                       f"{ADAPTERS_ON_LOCAL_SPEC}; set false", [False])
 
 
 def _check_expert_adapters(check: Checker, config: JobConfig, model: ModelShape) -> None:

@@ -769,7 +769,7 @@ def _memory(config: JobConfig, resolved: Resolved, policy: DevicePolicy, model: 
     `refuse_over_memory` is False, the rest of what does not fit a warning."""
     arr, data = config.actor_rollout_ref, config.data
     balances = _stage_balances(config, resolved, model, layouts)
-    train_mem = _training_memories(config, resolved, model, layouts, updates, forwards)
+    train_mem = _training_memories(config, resolved, policy, model, layouts, updates, forwards)
     sequences_per_replica = data.train_batch_size // infer_dp * arr.rollout.n
     if resolved.async_mode == "fully_async":  # up to max_staleness + 1 batches in flight at once
         sequences_per_replica *= resolved.max_staleness + 1
@@ -821,8 +821,9 @@ def _memory(config: JobConfig, resolved: Resolved, policy: DevicePolicy, model: 
     return MemoryPlans(tuple(train_mem), roll_mem, gpu_memory, teacher_memory, tuple(balances), tuple(extra))
 
 
-def _training_memories(config: JobConfig, resolved: Resolved, model: ModelShape, layouts: list[RoleLayout],
-                       updates: list[UpdatePlan], forwards: list[ForwardPlan]) -> list[TrainingMemory]:
+def _training_memories(config: JobConfig, resolved: Resolved, policy: DevicePolicy, model: ModelShape,
+                       layouts: list[RoleLayout], updates: list[UpdatePlan],
+                       forwards: list[ForwardPlan]) -> list[TrainingMemory]:
     """Each role's memory per GPU (a LoRA actor's reference is its own frozen base: none of its own)."""
     arr, data = config.actor_rollout_ref, config.data
     train_mem = []
@@ -851,6 +852,7 @@ def _training_memories(config: JobConfig, resolved: Resolved, model: ModelShape,
             adapter_elements_per_layer=lora_elements_per_layer(arr.model.lora, model, mc.tensor_model_parallel_size,
                                                                ep=mc.expert_model_parallel_size)
             if layout.role == Role.ACTOR else 0,
+            attention_scores=policy.attention_keeps_scores(layout.role == Role.ACTOR and resolved.lora_rank > 0),
         ))
     return train_mem
 

@@ -91,8 +91,11 @@ def packing_line(plan: Plan) -> str:
         prefix, section = f"{name}.model", getattr(plan.config, name).model
         on = plan.resolved.packed(roles[0])
         why = "set" if section.use_remove_padding is not None else f"default on {plan.resolved.device}"
+        adapters = name == "actor_rollout_ref" and plan.resolved.lora_rank > 0
         if not on and section.use_remove_padding is None and plan.device_policy.packed_attention is not None:
-            why += ", off: the MoE dispatcher needs equal-width micro-batches across DP ranks"
+            why += (", off: LoRA adapters build the actor on megatron's local layer spec, whose attention takes no "
+                    "packed sequences" if plan.device_policy.packed_attention_for(adapters) is None
+                    else ", off: the MoE dispatcher needs equal-width micro-batches across DP ranks")
         parts.append(f"{'/'.join(mine)} {'packed' if on else 'padded'} ({prefix}.use_remove_padding {why})")
         shared = plan.resolved.shared_prefix(roles[0])
         if on and (shared or section.shared_prefix is not None):  # unset and not served: nothing to say

@@ -176,7 +176,9 @@ def resolve(config: JobConfig, model: ModelShape | None = None) -> Resolved:
     shared: list[str] = []
     for section, (layouts, dense) in sections.items():
         model_section = getattr(config, section).model
-        if remove_padding(model_section.use_remove_padding, policy, *layouts):
+        # a LoRA actor's model is built on megatron's local layer spec on GPUs too (`layer_spec_kind`)
+        adapters = section == "actor_rollout_ref" and lora_rank > 0
+        if remove_padding(model_section.use_remove_padding, policy, *layouts, adapters=adapters):
             packed.append(section)
         if shared_prefix(model_section.shared_prefix, section in packed, policy, layouts[0].context_parallel_size,
                          dense):
@@ -232,14 +234,16 @@ def _distillation_top_k(config: JobConfig) -> int:
     return DEFAULT_DISTILLATION_TOP_K if settings.top_k is None else settings.top_k
 
 
-def remove_padding(configured: bool | None, policy: DevicePolicy, *layouts: MegatronConfig | None) -> bool:
+def remove_padding(configured: bool | None, policy: DevicePolicy, *layouts: MegatronConfig | None,
+                   adapters: bool = False) -> bool:
     """A model section's use_remove_padding: as set, or (unset) on where the device serves packed
-    attention and none of the `layouts` that run the model needs equal-width micro-batches."""
+    attention to its model (`adapters`: one with LoRA adapters) and none of the `layouts` that run the model
+    needs equal-width micro-batches."""
     if configured is not None:
         return bool(configured)  # the loader admits only true, false or null
     if any(mc is not None and needs_uniform_micro_batches(mc) for mc in layouts):
         return False
-    return policy.packed_attention is not None
+    return policy.packed_attention_for(adapters) is not None
 
 
 def shared_prefix(configured: bool | None, packed: bool, policy: DevicePolicy, context_parallel_size: object,

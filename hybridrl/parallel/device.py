@@ -180,16 +180,21 @@ def apex_wgrad_available() -> bool:
         return False
 
 
-def layer_spec_kind(device: str, te_available: bool | None = None) -> LayerSpecKind:
+def layer_spec_kind(device: str, te_available: bool | None = None, *, adapters: bool = False) -> LayerSpecKind:
     """Which megatron layer spec to build: 'te' on GPUs with Transformer Engine, else 'local'.
 
     TE does not install on CPU machines and its kernels are CUDA-only, so CPU always gets the local
-    (pure torch) spec. `te_available=None` probes the environment.
+    (pure torch) spec. `adapters` (a LoRA actor's model) gets the local spec everywhere: TE's spec fuses
+    the norm into linear_qkv and linear_fc1 (TELayerNormColumnParallelLinear), whose adapters need the
+    normed input that TE's layer keeps inside; the local spec has the norm and the linear as two layers
+    (`ADAPTERS_ON_LOCAL_SPEC` says what that costs). `te_available=None` probes the environment.
     """
     if device == "cpu":
         return "local"
     if device != "cuda":
         raise ValueError(f"layer_spec_kind expects a resolved device 'cuda' or 'cpu', got {device!r}")
+    if adapters:
+        return "local"
     has_te = _probe_te() if te_available is None else te_available
     return "te" if has_te else "local"
 

@@ -165,6 +165,19 @@ class DevicePolicy:
             raise ValueError(f"no device policy for device {name!r}: expected one of "
                              f"{', '.join(DEVICE_POLICIES)} (a resolved device)") from None
 
+    def packed_attention_for(self, adapters: bool) -> PackedAttention | None:
+        """What serves packed attention to a role's model here: `packed_attention`, but not TE's to a model with
+        LoRA adapters (`adapters`), which the workers build on megatron's local layer spec
+        (`ADAPTERS_ON_LOCAL_SPEC`)."""
+        return None if adapters and self.packed_attention == "transformer_engine" else self.packed_attention
+
+    def attention_keeps_scores(self, adapters: bool) -> bool:
+        """Whether a role's attention holds its [batch, heads, s, s] scores and softmax (megatron's local
+        DotProductAttention, which a model with LoRA adapters gets on GPUs) rather than TE's flash attention,
+        which holds none: the plan counts them (Korthikanti et al. 2022's 5 a s^2 b bytes per layer). On CPU the
+        plan's activations are the CPU layer's, as before."""
+        return adapters and self.transformer_engine_possible
+
     def ray_cluster_cpus(self, world_size: int) -> int | None:
         """The CPUs to declare to Ray for `world_size` ranks (None: let Ray count the node's)."""
         if self.ray_min_cluster_cpus is None:
@@ -206,6 +219,12 @@ CPU = DevicePolicy(
 WITHOUT_TE = ("without Transformer Engine the workers build megatron's local layer spec, which runs neither packed "
               "sequences (model.use_remove_padding: true, the default on cuda) nor sequence_parallel: a job that "
               "sets either stops at start-up; install it (the gpu extra does) or set both false (slower)")
+
+# Why a LoRA actor's model is built on megatron's local layer spec on GPUs too (`device.layer_spec_kind`), and
+# what it costs, in the one wording the plan and the workers use.
+ADAPTERS_ON_LOCAL_SPEC = ("LoRA adapters build the actor on megatron's local layer spec (TransformerEngine's layers "
+                          "fuse the norm into linear_qkv and linear_fc1, whose adapters need the normed input), whose "
+                          "attention takes no packed sequences and whose torch norms refuse sequence parallelism")
 
 # resolved device name -> its policy (read-only); also the list of valid trainer.device values
 DEVICE_POLICIES: Mapping[str, DevicePolicy] = types.MappingProxyType({p.name: p for p in (CUDA, CPU)})

@@ -45,9 +45,10 @@ from hybridrl.parallel.device import (
     collective_device,
     default_dtype_for,
     layer_spec_kind,
+    te_available,
     to_rank_device,
 )
-from hybridrl.parallel.device_policy import WITHOUT_TE, DevicePolicy
+from hybridrl.parallel.device_policy import ADAPTERS_ON_LOCAL_SPEC, WITHOUT_TE, DevicePolicy
 from hybridrl.parallel.speed_settings import ddp_values, speed_settings, transformer_values
 from hybridrl.training.lr_schedule import LRSchedule
 from hybridrl.training.micro_batching import Partition, partition_rows
@@ -398,12 +399,15 @@ class MegatronBackend:
         _activate_cpu_layer(self.device_policy)
         self.dtype = default_dtype_for(self.ctx.device, spec.dtype)
         megatron = spec.megatron
+        # the layer spec this role's model is built on: TE's on GPUs where it imports, but never for adapters
+        self.spec_kind = layer_spec_kind(self.ctx.device, adapters=spec.lora is not None)
         if (spec.packed or megatron.sequence_parallel_in_effect) and not self.device_policy.megatron_cpu_layer \
-                and layer_spec_kind(self.ctx.device) != "te":
+                and self.spec_kind != "te":
             # megatron's local DotProductAttention asserts packed_seq_params is None and its torch norms refuse
             # sequence parallelism; on CPU the CPU layer's stand-ins serve both, on GPUs TE does
             what = "packed sequences" if spec.packed else "sequence_parallel=true"
-            raise ValueError(f"{spec.role}: {what} here, but {WITHOUT_TE}")
+            why = ADAPTERS_ON_LOCAL_SPEC if spec.lora is not None else WITHOUT_TE
+            raise ValueError(f"{spec.role}: {what} here, but {why}")
         if megatron.context_parallel_size > 1:
             self._check_context_parallel(spec)
         if spec.shared_prefix:
@@ -434,7 +438,8 @@ class MegatronBackend:
         self.speed = speed_settings(
             cuda=self.device_policy.megatron_speed_defaults, trainable=spec.trainable, data_parallel=self.ctx.dp,
             distributed_optimizer=megatron.use_distributed_optimizer,
-            te=layer_spec_kind(self.ctx.device) == "te", apex_wgrad=apex_wgrad,
+            # TE's fused RoPE serves the local spec too (megatron's rope_utils imports it whatever the spec)
+            te=self.ctx.device == "cuda" and te_available(), apex_wgrad=apex_wgrad,
             user_transformer=megatron.override_transformer_config, user_ddp=megatron.override_ddp_config)
         if (self.device_policy.megatron_speed_defaults and spec.trainable and not apex_wgrad
                 and megatron.override_transformer_config.get("gradient_accumulation_fusion") is True):
@@ -445,7 +450,8 @@ class MegatronBackend:
                              "then leaves it off, as `hybridrl plan` shows)")
         overrides = {**transformer_values(self.speed), **megatron_settings(megatron.override_transformer_config),
                      **overrides}
-        chunks = build_gpt_models(source, ctx=self.ctx, dtype=self.dtype, config_overrides=overrides)
+        chunks = build_gpt_models(source, ctx=self.ctx, dtype=self.dtype, config_overrides=overrides,
+                                  spec_kind=self.spec_kind)
         if spec.value_head:
             # Seeded like the model so every rank (TP, PP, DP) builds the same initial head.
             attach_value_head(chunks, seed=megatron.seed)

@@ -56,6 +56,14 @@ def test_tiny_cpu_run_measures_every_part(tmp_path):
     moe = data["moe"]
     assert moe["moe_device"] == "cpu" and moe["moe_logits_max_abs_diff_vs_hf"] < 1e-4
     assert moe["moe_expert_grads"] > 0 and moe["moe_expert_grads_finite"]
+    # a LoRA actor as a GPU builds it (local spec, bf16 base, fp32 adapters): B = 0 at the start, so the model is
+    # the base (bf16's rounding against transformers in fp32); the update moved the policy and not the base, and the
+    # reference pass (adapters off) gives the base's log-probs again, exactly
+    lora = data["lora"]
+    assert lora["lora_layer_spec"] == "local" and lora["lora_dtypes"] == "adapter float32,base bfloat16"
+    assert lora["lora_adapters"] == 4 * gpu_check.TINY["num_hidden_layers"]
+    assert lora["lora_log_prob_max_abs_diff_vs_hf"] < 2e-2 and lora["lora_update_log_prob_change"] > 1e-3
+    assert lora["lora_base_unchanged"] and lora["lora_reference_max_abs_diff_vs_base"] == 0.0
     # the resharder's shards on the device, against the layout math's for the exported model
     assert row["reshard_layout_tensors"] == row["reshard_checksums"] and row["reshard_layout_mismatches"] == 0
     # what one machine cannot prove is listed for the first multi-GPU run

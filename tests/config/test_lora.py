@@ -16,6 +16,7 @@ DEMO = str(ROOT / "configs/examples/cpu_tiny_grpo.yaml")
 MODEL = f"actor_rollout_ref.model.path={ROOT / 'configs/models/tiny-demo'}"  # its config.json: hidden 128, 4 layers
 LORA = "actor_rollout_ref.model.lora"
 GIB = 1024**3
+CUDA = ("trainer.device=cuda", "trainer.gpu_memory_gib=80")
 
 
 def _plan(*overrides: str):
@@ -34,7 +35,11 @@ def _plan(*overrides: str):
     ([f"{LORA}.rank=8", f"{LORA}.dropout_position=post"], f"{LORA}.dropout_position", "post) is not built"),
     ([f"{LORA}.rank=8", f"{LORA}.dtype=bf16"], f"{LORA}.dtype", "adapters train in fp32"),
     ([f"{LORA}.rank=8", f"{LORA}.alpha=0"], f"{LORA}.alpha", "must be in (0"),
-    ([f"{LORA}.rank=8", "trainer.device=cuda"], f"{LORA}.rank", "TransformerEngine's layers fuse the norm"),
+    ([f"{LORA}.rank=8", *CUDA, "actor_rollout_ref.model.use_remove_padding=true"],
+     "actor_rollout_ref.model.use_remove_padding", "attention takes no packed sequences"),
+    ([f"{LORA}.rank=8", *CUDA, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+      "actor_rollout_ref.actor.megatron.sequence_parallel=true"],
+     "actor_rollout_ref.actor.megatron.sequence_parallel", "torch norms refuse sequence parallelism"),
     ([f"{LORA}.rank=8", "actor_rollout_ref.actor.use_kl_loss=true",
       "actor_rollout_ref.ref.megatron.param_offload=true"],
      "actor_rollout_ref.ref.megatron.param_offload", "no weights of its own to offload"),
@@ -209,3 +214,27 @@ def test_the_adapter_folder_is_checked_at_plan(tmp_path):
                           check_files=True)
     mine = [i for i in refused.value.issues if i.field.startswith(LORA)]
     assert [(i.field, i.valid) for i in mine] == [(f"{LORA}.rank", (16,))], mine
+
+
+def test_adapters_on_cuda_train_padded_on_the_local_spec_and_the_plan_counts_its_attention_scores():
+    """On a GPU a LoRA actor is built on megatron's local layer spec (TransformerEngine's fuses the norm into the
+    adapted linear layers): its micro-batches resolve padded (the plan says why), and its activations add what the
+    local attention holds per layer, the scores, their softmax and the dropout mask, (2 p + 1) a s^2 b bytes over TP
+    (bf16: p = 2), which TE's flash attention does not. Qwen2.5-0.5B: 14 heads, 24 layers; sequences of 32 + 16
+    tokens, 16 a micro-batch, TP2."""
+    overrides = [QWEN, *CUDA, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                 "actor_rollout_ref.model.enable_gradient_checkpointing=false"]
+    lora = plan_from_sources(DEMO, [*overrides, f"{LORA}.rank=8"])
+    full = plan_from_sources(DEMO, overrides)
+    assert full.resolved.packed("actor") and not lora.resolved.packed("actor")
+    assert ("actor padded (actor_rollout_ref.model.use_remove_padding default on cuda, off: LoRA adapters build "
+            "the actor on megatron's local layer spec, whose attention takes no packed sequences)") in render_plan(lora)
+    actor, whole = (next(m for m in p.training_memory if m.role == "actor") for p in (lora, full))
+    scores = 24 * (2 * 2 + 1) * 16 * (32 + 16) ** 2 * 14 / 2
+    assert actor.activations_gib_per_micro_batch - whole.activations_gib_per_micro_batch == pytest.approx(
+        scores / GIB, abs=2e-3)
+    # a CPU plan's activations are the CPU layer's: unchanged by adapters
+    cpu = [QWEN, "actor_rollout_ref.model.enable_gradient_checkpointing=false"]
+    cpu_actor, cpu_whole = (next(m for m in plan_from_sources(DEMO, o).training_memory if m.role == "actor")
+                            for o in ([*cpu, f"{LORA}.rank=8"], cpu))
+    assert cpu_actor.activations_gib_per_micro_batch == cpu_whole.activations_gib_per_micro_batch

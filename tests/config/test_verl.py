@@ -24,9 +24,9 @@ import verl_carryover  # noqa: E402
 
 DATA = json.loads((ROOT / "tests/support/verl_megatron_examples.json").read_text())
 SCRIPTS = sorted(DATA["scripts"])
-# What bench/verl_carryover.py measures now (bench/results/verl_carryover.json, 1135 of 1186): the share may only
+# What bench/verl_carryover.py measures now (bench/results/verl_carryover.json, 1137 of 1186): the share may only
 # rise. Issue 39's target is 95 %; what is still refused is listed by the bench.
-ACCEPTED_AT_LEAST = 0.956
+ACCEPTED_AT_LEAST = 0.958
 
 
 def test_the_data_is_verls_megatron_examples():
@@ -42,9 +42,10 @@ def test_every_refusal_names_the_key_and_the_share_accepted_holds():
     accepted, total = sum(r.accepted for r in results), sum(r.overrides for r in results)
     print(f"accepted {accepted} of {total} = {accepted / total:.1%}")
     assert accepted / total >= ACCEPTED_AT_LEAST
-    # verl's plain GSM8K/MATH jobs carry over whole
+    # verl's plain GSM8K/MATH jobs carry over whole, and its LoRA job (on cuda: the adapters on megatron's local spec)
     for script in ("examples/ppo_trainer/run_qwen2-7b_math_gsm8k_megatron.sh",
-                   "examples/grpo_trainer/run_qwen2_5-7b_math_megatron_diff_tp.sh"):
+                   "examples/grpo_trainer/run_qwen2_5-7b_math_megatron_diff_tp.sh",
+                   "examples/grpo_trainer/run_qwen2-7b_math_megatron_lora.sh"):
         (result,) = [r for r in results if r.script == script]
         assert result.refused == {}, result.refused
 

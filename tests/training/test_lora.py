@@ -26,6 +26,8 @@ from tests.support.lora_adapters import fused_grads, shared_a
 from tests.support.rollout_models import build_tiny_model
 
 RANK, ALPHA = 4, 8.0
+# bf16's rounding (8 bits of mantissa) in the base's matmuls, on both sides
+BF16_GRAD_RTOL, BF16_SCALAR_RTOL = 1e-1, 2e-2
 HF_PROJECTIONS = [p for projections in LAYER_PROJECTIONS.values() for p in projections]
 
 
@@ -89,7 +91,18 @@ def _lora_step_rank(rank: int, world: int, config: Any, batch: Any) -> dict[str,
         "optimized": sum(p.numel() for p in optimized),
         "ddp_buffers": sum(b.grad_data.numel() for m in backend.models for g in m.bucket_groups for b in g.buckets),
         "base_log_probs": base_log_probs["old_log_probs"] if base_log_probs is not None else None,
+        "dtypes": {"base": {str(t.dtype) for (_, n), t in base_before.items() if "layernorm" not in n},
+                   "adapters": {str(p.dtype) for a in adapters for p in a.parameters()}},
     }
+
+
+def _strict_lora_step_rank(rank: int, world: int, config: Any, batch: Any) -> dict[str, Any]:
+    """`_lora_step_rank` under strict-device mode from the start (`hybridrl.parallel.cpu.strict_device`): a host
+    tensor next to a device one, or in a collective NCCL would run, raises as it would on CUDA."""
+    from hybridrl.parallel.cpu import strict_device
+
+    strict_device.enable_strict_device()
+    return _lora_step_rank(rank, world, config, batch)
 
 
 @pytest.mark.parametrize("kind,tp,pp,dp,cp,vpp", [("canonical_lora", 2, 1, 2, 1, None), ("lora", 1, 2, 1, 1, None),
@@ -159,6 +172,59 @@ def test_a_lora_actor_step_equals_peft(tmp_path, kind, tp, pp, dp, cp, vpp):
     assert outputs
     got = torch.cat(outputs) if dp > 1 else outputs[0]
     assert (got - base).abs().max() <= 1e-5
+
+
+def test_a_bf16_base_with_fp32_adapters_equals_peft_and_runs_under_strict_device(tmp_path):
+    """What LoRA on a GPU runs (megatron's local layer spec there too, `layer_spec_kind`): the base in bf16 and the
+    adapters in fp32, at TP2 x DP2. Against peft on the transformers model in bf16 (its adapters fp32, as peft keeps
+    them): adapter gradients and loss terms within the two bf16 models' rounding (measured: 6 % of a tensor's
+    largest gradient at worst; each side is up to 70 % off the fp32 model's, so fp32 is no reference here), the base
+    bf16 and untouched, the adapters fp32. The same step with megatron's distributed optimizer under strict-device
+    mode (every tensor where CUDA needs it) updates the adapters as the plain optimizer does."""
+    import peft
+    import transformers
+
+    hf = build_tiny_model(tmp_path / "hf", POLICY)
+    adapter = tmp_path / "adapter"
+    _peft_adapter(hf, adapter, fused=True)
+    batch = ppo_batch(hf)
+    case = CASES[0]
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.bfloat16, attn_implementation="eager")
+    peft_model = peft.PeftModel.from_pretrained(base, adapter, is_trainable=True)
+    assert {p.dtype for n, p in peft_model.named_parameters() if "lora_" in n} == {torch.float32}
+    expected = reference_step(hf, batch, case, model=peft_model)
+    grads = fused_grads({n.replace(".default", ""): g.float() for n, g in expected["grads"].items()})
+
+    def config(distributed: bool) -> Any:
+        c = actor_config(hf, case, tp=2, dp=2, distributed_optimizer=distributed, rows=len(batch))
+        c.actor_rollout_ref.actor.megatron.dtype = "bf16"
+        lora = c.actor_rollout_ref.model.lora
+        lora.rank, lora.alpha, lora.type, lora.target_modules = RANK, ALPHA, "lora", list(TARGETS["lora"])
+        lora.adapter_path = str(adapter)
+        return c
+
+    plain = run_ranks(_lora_step_rank, 4, config(False), batch, timeout_s=300)
+    errors = []
+    for result in plain:
+        # the base's weights but its norms (megatron's WrappedTorchNorm builds torch's RMSNorm in fp32)
+        assert result["dtypes"] == {"base": {"torch.bfloat16"}, "adapters": {"torch.float32"}}
+        assert result["base_changed"] == []
+        assert result["trainable"] == result["optimized"] == result["adapter_numel"] == result["ddp_buffers"] > 0
+        assert set(result["grads"]) == set(grads)
+        errors += [float((got - grads[n]).abs().max() / grads[n].abs().max()) for n, got in result["grads"].items()]
+    assert max(errors) <= BF16_GRAD_RTOL, max(errors)
+    metrics = next(r["metrics"] for r in plain if r["metrics"] is not None)
+    for name in ("pg_loss", "kl_loss", "approx_kl", "entropy"):
+        value, ref = getattr(metrics, name), expected[name]
+        assert abs(value - ref) <= BF16_SCALAR_RTOL * max(1.0, abs(ref)), (name, value, ref)
+    # megatron's distributed optimizer (fp32 adapters next to a bf16 base) under strict-device mode; its gradient
+    # buffers hold each rank's shard reduced only, so the update itself is compared
+    strict = run_ranks(_strict_lora_step_rank, 4, config(True), batch, timeout_s=300)
+    for mine, theirs in zip(strict, plain, strict=True):
+        assert mine["dtypes"] == theirs["dtypes"] and mine["base_changed"] == []
+        for name, after in theirs["after"].items():
+            moved = (after - theirs["before"][name]).abs().max()
+            assert moved > 0 and (mine["after"][name] - after).abs().max() <= 1e-5 * moved, name
 
 
 def _checkpoint_rank(rank: int, world: int, config: Any, batches: list[Any], ckpt: str, save: bool) -> dict[str, Any]:
