@@ -421,6 +421,15 @@ def _role_on_gpu(memory: TrainingMemory, layout: RoleLayout, *, grads: bool | No
                                                       mc.expert_tensor_parallel_size))
 
 
+def _layer_adapter_elements(lora: LoraConfig, model: ModelShape, ffn: int, *, tp: int = 1, experts: int = 0,
+                            peft_form: bool = False) -> int:
+    """`lora_targets.adapter_elements_per_layer` of one of `model`'s layers (its MLP of `ffn`, or `experts` of it)."""
+    return adapter_elements_per_layer(lora.type, lora.targets, lora.rank, hidden=model.hidden_size,
+                                      q_rows=model.num_attention_heads * model.head_dim,
+                                      kv_rows=model.num_kv_heads * model.head_dim, ffn=ffn, tp=tp,
+                                      peft_form=peft_form, experts=experts)
+
+
 def lora_elements_per_layer(lora: LoraConfig, model: ModelShape, tp: int, peft_form: bool = False,
                             ep: int = 1) -> int:
     """A LoRA actor's adapter elements per decoder layer on one TP rank (0 without adapters), an MoE model's the
@@ -428,18 +437,24 @@ def lora_elements_per_layer(lora: LoraConfig, model: ModelShape, tp: int, peft_f
     served-adapter sync moves: `lora_targets.adapter_elements_per_layer`)."""
     if lora.rank <= 0:
         return 0
-    def per_layer(ffn: int, experts: int = 0) -> int:
-        return adapter_elements_per_layer(lora.type, lora.targets, lora.rank, hidden=model.hidden_size,
-                                          q_rows=model.num_attention_heads * model.head_dim,
-                                          kv_rows=model.num_kv_heads * model.head_dim, ffn=ffn, tp=tp,
-                                          peft_form=peft_form, experts=experts)
-
-    dense = per_layer(model.ffn_hidden_size)
+    dense = _layer_adapter_elements(lora, model, model.ffn_hidden_size, tp=tp, peft_form=peft_form)
     if not model.is_moe:
         return dense
-    moe = per_layer(model.moe_ffn_hidden_size, model.num_experts // ep)
+    moe = _layer_adapter_elements(lora, model, model.moe_ffn_hidden_size, tp=tp, peft_form=peft_form,
+                                  experts=model.num_experts // ep)
     moe_layers = len(model.moe_layers)
     return (moe_layers * moe + (model.num_layers - moe_layers) * dense) // model.num_layers
+
+
+def lora_elements_met_per_token(lora: LoraConfig, model: ModelShape) -> int:
+    """The adapter elements one token meets in a forward through every decoder layer (an MoE layer's: its routed
+    top-k experts' adapters only): an adapter costs 2 FLOPs an element a token, like a weight."""
+    if lora.rank <= 0:
+        return 0
+    moe_layers = len(model.moe_layers) if model.is_moe else 0
+    moe = _layer_adapter_elements(lora, model, model.moe_ffn_hidden_size, experts=model.moe_top_k) if moe_layers else 0
+    return moe_layers * moe + (model.num_layers - moe_layers) * _layer_adapter_elements(lora, model,
+                                                                                          model.ffn_hidden_size)
 
 
 def served_adapter_bytes(plan: Plan) -> int:
@@ -582,10 +597,10 @@ def _step_flops(config: JobConfig, resolved: Resolved, model: ModelShape, update
                 forwards: list[ForwardPlan], lengths: tuple[float, float, float] | None = None,
                 ) -> tuple[tuple[str, float], ...]:
     """(phase, matmul FLOPs) of one step over the whole job: generation (the prompt once per group, as vLLM's prefix
-    cache holds it for the n samples), each forward pass that runs, each update (forward and backward: 3 forwards, per
-    epoch). `lengths`: a row's (prompt, response, computed) tokens, computed being what a training pass computes of
-    it with its padding; by default the token budget's full-length rows, unpadded. Shared prompts in training
-    ignored."""
+    cache holds it for the n samples), each forward pass that runs, each update (forward and backward: 3 forwards, a
+    LoRA actor's fewer: `_update_flops`; per epoch). `lengths`: a row's (prompt, response, computed) tokens, computed
+    being what a training pass computes of it with its padding; by default the token budget's full-length rows,
+    unpadded. Shared prompts in training ignored."""
     budget = token_budget(config, resolved)
     if lengths is None:
         lengths = (budget.prompt_tokens, budget.sequence_tokens - budget.prompt_tokens, budget.sequence_tokens)
@@ -600,8 +615,38 @@ def _step_flops(config: JobConfig, resolved: Resolved, model: ModelShape, update
     out = [(Phase.GEN, flops(Role.ACTOR, prompt / n + response))]
     out += [(PASS_PHASES[f.pass_name], flops(f.role, computed)) for f in forwards
             if f.pass_name != "old_log_prob" or resolved.old_log_prob_pass]
-    out += [(UPDATE_PHASES[u.role], 3 * u.ppo_epochs * flops(u.role, computed)) for u in updates]
+    out += [(UPDATE_PHASES[u.role], u.ppo_epochs * _update_flops(config, resolved, model, u.role, rows, prompt,
+                                                                  response, computed)[1]) for u in updates]
     return tuple(out)
+
+
+def _update_flops(config: JobConfig, resolved: Resolved, model: ModelShape, role: str, rows: int, prompt: float,
+                  response: float, computed: float) -> tuple[float, float]:
+    """(a forward's, a forward and backward's) matmul FLOPs of `role`'s update over `rows` rows of these lengths. The
+    backward is 2 forwards; with LoRA (the actor) megatron's frozen layers compute their input's gradient alone
+    (`linear_with_frozen_weight`): the update is 2 forwards of the weights, 3 of attention's QK^T and AV (which have
+    no weights: both of their inputs get a gradient) and 3 of the adapters."""
+    shape = role_model_shape(config, role, model)
+    seq_len = max(1, round(prompt + response))
+    weights = forward_flops(shape, rows=rows, layer_tokens=computed, head_tokens=response, seq_len=seq_len,
+                            vocab_head=role in VOCABULARY_ROLES)
+    if role != Role.ACTOR or resolved.lora_rank == 0:
+        return weights, 3 * weights
+    attention = rows * computed * shape.num_layers * 2.0 * seq_len * shape.q_size
+    adapters = rows * computed * 2.0 * lora_elements_met_per_token(config.actor_rollout_ref.model.lora, shape)
+    return weights + adapters, 2 * weights + attention + 3 * adapters
+
+
+def recompute_share(plan: Plan, role: str) -> float:
+    """What a recomputed forward (full activation recompute) adds to `role`'s update FLOPs, as a share of them, at
+    the plan's full-length rows: 1/3 for a whole model, more for a LoRA actor (whose backward is lighter)."""
+    if plan.model is None:
+        return 1 / 3
+    budget = plan.token_budget
+    rows = plan.config.data.train_batch_size * plan.config.actor_rollout_ref.rollout.n
+    forward, update = _update_flops(plan.config, plan.resolved, plan.model, role, rows, budget.prompt_tokens,
+                                    budget.sequence_tokens - budget.prompt_tokens, budget.sequence_tokens)
+    return forward / update
 
 
 def step_flops_at(plan: Plan, prompt_tokens: float, response_tokens: float, computed_tokens: float,
@@ -821,6 +866,15 @@ def _memory(config: JobConfig, resolved: Resolved, policy: DevicePolicy, model: 
     return MemoryPlans(tuple(train_mem), roll_mem, gpu_memory, teacher_memory, tuple(balances), tuple(extra))
 
 
+def full_recompute(config: JobConfig, layout: RoleLayout) -> bool:
+    """Whether a role's update recomputes each layer's activations in its backward: by its model section's switch
+    (`model.enable_gradient_checkpointing`) or megatron's own setting (override_transformer_config's
+    recompute_granularity full); selective recompute keeps most activations, and is counted as none."""
+    section = config.critic if layout.role in (Role.CRITIC, Role.REWARD_MODEL) else config.actor_rollout_ref
+    return (section.model.enable_gradient_checkpointing
+            or layout.megatron.override_transformer_config.get("recompute_granularity") == "full")
+
+
 def _training_memories(config: JobConfig, resolved: Resolved, policy: DevicePolicy, model: ModelShape,
                        layouts: list[RoleLayout], updates: list[UpdatePlan],
                        forwards: list[ForwardPlan]) -> list[TrainingMemory]:
@@ -843,10 +897,7 @@ def _training_memories(config: JobConfig, resolved: Resolved, policy: DevicePoli
             sequence_parallel=mc.sequence_parallel_in_effect,
             gpu_gib=config.trainer.gpu_memory_gib, ep=mc.expert_model_parallel_size,
             etp=mc.expert_tensor_parallel_size, value_head=value_model,
-            # full recompute, by the model's switch or megatron's own setting (override_transformer_config);
-            # selective recompute keeps most activations: estimated as none
-            recompute=trainable and ((config.critic if value_model else arr).model.enable_gradient_checkpointing
-                                     or mc.override_transformer_config.get("recompute_granularity") == "full"),
+            recompute=trainable and full_recompute(config, layout),
             # the policy's passes compute the vocabulary only at the response tokens (training/actor.py)
             head_tokens=None if value_model else data.max_response_length,
             adapter_elements_per_layer=lora_elements_per_layer(arr.model.lora, model, mc.tensor_model_parallel_size,

@@ -19,6 +19,8 @@ Torch-free. Each phase is bound by what it moves or computes at a stated fractio
   rank's gradients; with the distributed optimizer a reduce-scatter of them and an all-gather of the parameters,
   (DP - 1) / DP of each) and Adam's pass over the rank's share of its state (memory bandwidth), and per step what
   the role offloads to the host and back over PCIe (Adam's moments, parameters; freed gradient buffers move nothing);
+  a LoRA actor's update computes no weight gradient of its frozen base (2 forwards of the weights, 3 of attention
+  and of the adapters: `Plan.step_flops`), and reduces and steps its adapters alone;
 - the weight sync: the resharder's most-loaded rank's bytes over NVLink, each rank's two copies of its generation
   shard (assembled, then into vLLM's weights), both sides' checksums of it (a streaming read) and each tensor's
   calls (colocated),
@@ -59,6 +61,8 @@ from hybridrl.config.plan import (
     Plan,
     RoleLayout,
     UpdatePlan,
+    full_recompute,
+    recompute_share,
     served_adapter_bytes,
     step_flops_at,
 )
@@ -306,8 +310,7 @@ def update_time(plan: Plan, update: UpdatePlan, flops: float, role_memory: Train
     layout = plan.layout(update.role)
     mesh, mc = layout.mesh, layout.megatron
     peak = hardware.peak_flops(mc.dtype or plan.resolved.train_dtype)
-    section = plan.config.critic if update.role == Role.CRITIC else plan.config.actor_rollout_ref
-    recompute = 4 / 3 if section.model.enable_gradient_checkpointing else 1.0
+    recompute = 1 + recompute_share(plan, update.role) if full_recompute(plan.config, layout) else 1.0
     micro = update.grad_accum_steps or max(1, update.sequences_per_rank_per_mini_batch)
     bubble = 1 + (mesh.pp - 1) / (micro * (mesh.vpp or 1))
     compute = flops * recompute / mesh.world_size / (peak * eff.update_matmul) * bubble
@@ -320,12 +323,16 @@ def update_time(plan: Plan, update: UpdatePlan, flops: float, role_memory: Train
                                           head_passes=(update.ppo_epochs, update.ppo_epochs))
     params = role_memory.params_gib * GIB
     grads = role_memory.grads_gib * GIB
+    # what trains: the whole model, or a LoRA actor's fp32 adapters alone (4 bytes an element, as their gradients:
+    # the frozen base has no gradient, no optimizer state and no place in DDP's buffers)
+    adapters = update.role == Role.ACTOR and plan.resolved.lora_rank > 0
+    trained = grads if adapters else params
     span = mesh.tp * mesh.cp * mesh.dp  # consecutive ranks a DP group reaches across (megatron's order)
     # a ring all-reduce of the gradients; with the distributed optimizer a reduce-scatter of them and an
     # all-gather of the updated parameters instead
-    ring_bytes = (mesh.dp - 1) / mesh.dp * (grads + params if mc.use_distributed_optimizer else 2 * grads)
+    ring_bytes = (mesh.dp - 1) / mesh.dp * (grads + trained if mc.use_distributed_optimizer else 2 * grads)
     ring = ring_bytes / (hardware.link_bytes_per_s(span > plan.config.trainer.n_gpus_per_node) * eff.link)
-    elements = params / DTYPE_BYTES[mc.dtype or plan.resolved.train_dtype]
+    elements = grads / 4 if adapters else params / DTYPE_BYTES[mc.dtype or plan.resolved.train_dtype]
     # megatron's DDP reduces in buckets of at least 40M parameters: each bucket's ring pays 2 (DP - 1) latencies
     ring += math.ceil(elements / DDP_BUCKET_PARAMS) * 2 * (mesh.dp - 1) * hardware.link_latency_us / 1e6
     shards = mesh.dp if mc.use_distributed_optimizer else 1

@@ -235,17 +235,17 @@ def test_a_sync_of_served_adapters_moves_the_adapter_alone():
     weights. Per layer (hidden 3,584, FFN 18,944, q 3,584 and k/v 512 rows) the PEFT form holds q, k and v each an
     A of 32 x 3,584 and a B of rows x 32, o an A and a B of 32 x 3,584, gate and up an A of 32 x 3,584 and a B of
     18,944 x 32 each, down an A of 32 x 18,944 and a B of 3,584 x 32: 2,883,584 fp32 elements, x 28 layers x 4 B.
-    Colocated on one machine every rank receives it over NVLink at 70 %; both sides digest it (3 B a byte on cpu,
-    in a stream at 85 % of 3,350 GB/s); the probe: one short row through the trainer and through vLLM (0 fixed costs
-    on the H100 description). Disaggregated (trainer 4 ranks, rollout 4 ranks): each training rank sends one
-    rollout rank the adapter over the network at 70 % of 50 GB/s."""
-    # LoRA is built on the CPU layer so far (cuda is refused): the job planned for trainer.device=cpu, predicted
-    # on the H100's description
-    lora = ["actor_rollout_ref.model.lora.rank=32", "actor_rollout_ref.model.lora.merge=false", "trainer.device=cpu"]
+    Colocated on one machine every rank receives it over NVLink at 70 %; both sides digest it (CUDA's digest reads
+    ~7 B a byte, in a stream at 85 % of 3,350 GB/s); the probe: one short row through the trainer and through vLLM
+    (0 fixed costs on the H100 description). Disaggregated (trainer 4 ranks, rollout 4 ranks): each training rank
+    sends one rollout rank the adapter over the network at 70 % of 50 GB/s."""
+    # (sequence parallelism off: the adapters' local layer spec refuses it)
+    lora = ["actor_rollout_ref.model.lora.rank=32", "actor_rollout_ref.model.lora.merge=false",
+            "actor_rollout_ref.actor.megatron.sequence_parallel=false"]
     adapter = (3 * 32 * 3584 + 32 * (3584 + 512 + 512) + 2 * 32 * 3584 + 2 * (32 * 3584 + 18944 * 32)
                + 32 * 18944 + 3584 * 32) * 28 * 4
     assert adapter == 2_883_584 * 28 * 4
-    digests = 2 * adapter * 3 / (3350e9 * 0.85)
+    digests = 2 * adapter * 7 / (3350e9 * 0.85)
     plan = plan_from_sources(QWEN_7B, lora)
     assert predict_step_time(plan, H100).phase(Phase.SYNC) == pytest.approx(
         adapter / (450e9 * 0.70) + digests + sum(probe_by_hand(plan)), rel=1e-6)
@@ -256,6 +256,46 @@ def test_a_sync_of_served_adapters_moves_the_adapter_alone():
     trainer, vllm = probe_by_hand(apart)
     assert predict_step_time(apart, H100).phase(Phase.SYNC) == pytest.approx(
         adapter / (50e9 * 0.70) + max(trainer, digests) + vllm, rel=1e-6)
+
+
+def test_a_lora_update_computes_no_weight_gradient_of_the_base_and_steps_the_adapters_alone():
+    """LoRA rank 32 (type lora, every target) on the 7B example (sequence parallelism off: the adapters' local layer
+    spec refuses it). megatron's frozen layers compute their input's gradient only (`linear_with_frozen_weight`),
+    so the update is 2 forwards of the weights, 3 of attention's QK^T and AV (2 x 3,072 x 3,584 FLOPs a token a
+    layer at these lengths) and 3 of the adapters (2 FLOPs an element a token; per layer: qkv A 32 x 3,584 + B 4,608
+    x 32, proj A 32 x 3,584 + B 3,584 x 32, fc1 A 32 x 3,584 + B 37,888 x 32, fc2 A 32 x 18,944 + B 3,584 x 32);
+    the recomputed forward adds the weights' and the adapters' forward once. Per optimizer step (4) the distributed
+    optimizer reduce-scatters the adapters' fp32 gradients and all-gathers the fp32 adapters (a TP2 rank's: qkv
+    A whole + B half, proj A half + B whole, fc1 A whole + B half, fc2 A half + B whole), and Adam steps the
+    rank's quarter of them; optimizer_offload moves their moments, 8 bytes an element, over a quarter."""
+    lora = ["actor_rollout_ref.model.lora.rank=32", "actor_rollout_ref.model.lora.alpha=64",
+            "actor_rollout_ref.actor.megatron.sequence_parallel=false"]
+    plan = plan_from_sources(QWEN_7B, lora)
+    full = plan_from_sources(QWEN_7B, lora[2:])
+    flops = dict(plan.step_flops)
+    forward = flops[Phase.OLD_LOG_PROB]  # the same rows through the base's weights
+    assert forward == dict(full.step_flops)[Phase.OLD_LOG_PROB]
+    tokens = 2048 * 3072
+    attention = tokens * 28 * 2 * 3072 * 3584
+    per_layer = 32 * 3584 + 4608 * 32 + 32 * 3584 + 3584 * 32 + 32 * 3584 + 37888 * 32 + 32 * 18944 + 3584 * 32
+    adapters = tokens * 2 * 28 * per_layer
+    update = 2 * forward + attention + 3 * adapters
+    assert flops[Phase.UPDATE_ACTOR] == pytest.approx(update, rel=1e-9)
+    assert dict(full.step_flops)[Phase.UPDATE_ACTOR] == pytest.approx(3 * forward, rel=1e-9)
+    assert flops[Phase.UPDATE_ACTOR] < 0.8 * 3 * forward
+    rank_elements = 28 * (32 * 3584 + 2304 * 32 + 32 * 1792 + 3584 * 32 + 32 * 3584 + 18944 * 32 + 32 * 9472
+                          + 3584 * 32)
+    actor = next(m for m in plan.training_memory if m.role == "actor")
+    assert actor.grads_gib == pytest.approx(rank_elements * 4 / GIB, abs=5e-4)
+    grads = actor.grads_gib * GIB  # as the plan rounded it
+    compute = (update + forward + adapters) / 8 / (989e12 * 0.40)
+    ring = 0.75 * 2 * grads / (450e9 * 0.70)
+    adam = grads / 4 / 4 * 28 / (3350e9 * 0.50)
+    offload = 2 * (grads / 4 * 8 / 4) / (64e9 * 0.70)
+    tp_ring = (2048 * 3072 / 4 * 3584 * 2) / (450e9 * 0.70)
+    tp_forward = 2 * 28 * tp_ring
+    assert predict_step_time(plan, H100).phase(Phase.UPDATE_ACTOR) == pytest.approx(
+        compute + 3 * tp_forward + 2 * tp_ring + 4 * (ring + adam) + offload, rel=1e-6)
 
 
 def test_the_plan_prints_the_prediction_only_when_asked_and_refuses_unknown_hardware(tmp_path):
