@@ -20,7 +20,8 @@ Torch-free. Each phase is bound by what it moves or computes at a stated fractio
   (DP - 1) / DP of each) and Adam's pass over the rank's share of its state (memory bandwidth), and per step what
   the role offloads to the host and back over PCIe (Adam's moments, parameters; freed gradient buffers move nothing);
   a LoRA actor's update computes no weight gradient of its frozen base (2 forwards of the weights, 3 of attention
-  and of the adapters: `Plan.step_flops`), and reduces and steps its adapters alone;
+  and of the adapters: `Plan.step_flops`), and reduces and steps its adapters alone; on GPUs its passes also stream
+  megatron's local attention scores through memory (`attention_scores_seconds`), which TE's flash attention does not;
 - the weight sync: the resharder's most-loaded rank's bytes over NVLink, each rank's two copies of its generation
   shard (assembled, then into vLLM's weights), both sides' checksums of it (a streaming read) and each tensor's
   calls (colocated),
@@ -82,6 +83,12 @@ DDP_BUCKET_PARAMS = 40_000_000
 
 # Adam's bytes per parameter in one step: read params, grads and two fp32 moments, write params and moments
 ADAM_BYTES_PER_PARAM = 4 * 7
+
+# megatron's local attention (a LoRA actor's on GPUs: `DevicePolicy.attention_keeps_scores`) moves each of its
+# [b, heads, s, s] scores through memory this many times in a forward: QK^T writes it, the softmax reads and writes
+# it, the product with V reads it (its whole s x s, the causal half masked but computed); a backward twice as many.
+# TE's flash attention keeps them on chip (none).
+SCORE_PASSES_FORWARD = 4
 
 
 @dataclass(frozen=True)
@@ -241,6 +248,23 @@ def activation_traffic_seconds(plan: Plan, layout: RoleLayout, collective_passes
     return seconds
 
 
+def attention_scores_seconds(plan: Plan, layout: RoleLayout, forwards: float, backwards: float, hardware: Hardware,
+                             eff: Efficiency, row_tokens: float | None) -> float:
+    """What megatron's local attention adds where a role runs it on a GPU (a LoRA actor's: `attention_keeps_scores`):
+    its scores streamed through memory (`SCORE_PASSES_FORWARD`) in `forwards` forwards and `backwards` backwards of
+    the step's rows, each rank its share (heads over TP, rows over DP, layers over PP); 0 elsewhere."""
+    adapters = layout.role == Role.ACTOR and plan.resolved.lora_rank > 0
+    if not plan.device_policy.attention_keeps_scores(adapters):
+        return 0.0
+    model = role_model_shape(plan.config, layout.role, model_of(plan))
+    width = row_tokens if row_tokens is not None else plan.token_budget.sequence_tokens
+    rows = plan.config.data.train_batch_size * plan.config.actor_rollout_ref.rollout.n
+    scores = rows * model.num_attention_heads * width * width * model.num_layers / layout.mesh.world_size
+    element = DTYPE_BYTES[layout.megatron.dtype or plan.resolved.train_dtype]
+    return (scores * element * SCORE_PASSES_FORWARD * (forwards + 2 * backwards)
+            / (hardware.memory_bytes_per_s * eff.stream_memory))
+
+
 def model_end_all_reduces(forwards: float, backwards: float, *, vocabulary: bool) -> tuple[float, float]:
     """TP's all-reduces at the model's ends in `forwards` and `backwards` passes (`activation_traffic_seconds`): (those
     moving tokens x hidden: the embedding's output in a forward, a vocabulary head's input gradient in a backward;
@@ -297,6 +321,7 @@ def pass_time(plan: Plan, forward: ForwardPlan, flops: float, memory: dict[str, 
     seconds = flops / layout.mesh.world_size / (peak * eff.forward_matmul) * bubble
     seconds += layer_passes_seconds(plan, layout, forward.micro_batches_per_rank, hardware) * bubble
     seconds += activation_traffic_seconds(plan, layout, 1, 1, hardware, eff, row_tokens, forward.micro_batches_per_rank)
+    seconds += attention_scores_seconds(plan, layout, 1, 0, hardware, eff, row_tokens) * bubble
     if weights_wait_on_host(plan, Role(forward.role)):
         seconds += 2 * memory[forward.role].params_gib * GIB / (hardware.host_bytes_per_s * eff.link)
     return PhaseTime(PASS_PHASES[forward.pass_name], seconds, "matmul")
@@ -321,6 +346,8 @@ def update_time(plan: Plan, update: UpdatePlan, flops: float, role_memory: Train
                                           update.ppo_epochs * 2, hardware, eff, row_tokens,
                                           update.optimizer_steps_per_step // update.ppo_epochs * micro,
                                           head_passes=(update.ppo_epochs, update.ppo_epochs))
+    compute += attention_scores_seconds(plan, layout, update.ppo_epochs * (1 + (recompute > 1)), update.ppo_epochs,
+                                        hardware, eff, row_tokens) * bubble
     params = role_memory.params_gib * GIB
     grads = role_memory.grads_gib * GIB
     # what trains: the whole model, or a LoRA actor's fp32 adapters alone (4 bytes an element, as their gradients:
