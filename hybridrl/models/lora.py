@@ -50,6 +50,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -407,41 +408,104 @@ def peft_name(layer: int, projection: str, half: str) -> str:
     return f"base_model.model.model.layers.{layer}.{PEFT_MODULE[projection]}.{projection}.{half}.weight"
 
 
-def _halves(adapter: LoraAdapter, of: Callable[[nn.Parameter], torch.Tensor]
-            ) -> Iterator[tuple[str, torch.Tensor, int | None]]:
-    """(peft's name, this rank's tensor, the dimension it is split along over TP or None) of each projection's
-    adapter halves: `of(param)` of each adapter parameter (the parameter, its gradient, its optimizer state). A
-    fused adapter gives each of its projections its A and that projection's rows of B."""
+def _halves(adapter: LoraAdapter) -> Iterator[tuple[str, nn.Parameter, int | None,
+                                                     Callable[[torch.Tensor], torch.Tensor]]]:
+    """(peft's name, the adapter parameter it is read from, the dimension it is split along over TP or None, how to
+    cut it from a tensor shaped like that parameter: its gradient, its optimizer state) of each projection's adapter
+    halves. A fused adapter gives each of its projections its A and that projection's rows of B."""
     dim_a, dim_b = (1, None) if adapter.row_parallel else (None, 0)
     for part, a, b in zip(adapter.parts, adapter.lora_A, adapter.lora_B, strict=True):
-        a_of, b_of = of(a).detach(), of(b).detach()
-        for projection, rows in adapter._split_rows(part, b_of).items():
-            yield adapter.peft_name(projection, "lora_A"), a_of, dim_a
-            yield adapter.peft_name(projection, "lora_B"), rows, dim_b
+        for projection in part:
+            yield adapter.peft_name(projection, "lora_A"), a, dim_a, _itself
+            yield adapter.peft_name(projection, "lora_B"), b, dim_b, partial(_projection_rows, adapter, part,
+                                                                             projection)
 
 
-def _itself(param: nn.Parameter) -> torch.Tensor:
+def _projection_rows(adapter: LoraAdapter, part: tuple[str, ...], projection: str, b: torch.Tensor) -> torch.Tensor:
+    return adapter._split_rows(part, b)[projection]
+
+
+def _itself(param: torch.Tensor) -> torch.Tensor:
     return param
 
 
+def _gathered_over(adapter: LoraAdapter) -> object:
+    """The group `lora_state` gathers an adapter's halves over to make them whole: a routed expert's EP group (each
+    expert whole on its rank), else its TP group."""
+    return adapter.ep_group if adapter.ep_group is not None else adapter.tp_group
+
+
+def reaches(adapter: LoraAdapter, root: int) -> bool:
+    """Whether `lora_state(..., root=root)` can gather `adapter` to the global rank `root`: `root` is in the group its
+    halves are gathered over."""
+    import torch.distributed as dist
+
+    return root in dist.get_process_group_ranks(_gathered_over(adapter))
+
+
+def _read_for_root(adapter: LoraAdapter, dim: int | None, root: int, me: int) -> bool:
+    """In a gather to `root`: whether rank `me` reads a half. The root reads every half it holds (the whole is
+    assembled there); another rank only those it sends: a routed expert's (over EP) and a half split over TP. A half
+    every TP rank holds whole is the root's own copy already."""
+    return me == root or adapter.ep_group is not None or (dim is not None and adapter.tp > 1)
+
+
+def parameters_read_for_root(adapters: Sequence[LoraAdapter], root: int) -> list[nn.Parameter]:
+    """The adapter parameters whose `of(param)` `lora_state(adapters, root=root)` reads on this rank: those whose
+    state must be here, whole (a distributed optimizer's shards gathered), for the gather to `root`."""
+    import torch.distributed as dist
+
+    me = dist.get_rank()
+    read: dict[int, nn.Parameter] = {}
+    for adapter in adapters:
+        for _, param, dim, _ in _halves(adapter):
+            if _read_for_root(adapter, dim, root, me):
+                read.setdefault(id(param), param)
+    return list(read.values())
+
+
 def lora_state(adapters: Sequence[LoraAdapter], *, grads: bool = False,
-               of: Callable[[nn.Parameter], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+               of: Callable[[nn.Parameter], torch.Tensor] | None = None,
+               root: int | None = None) -> dict[str, torch.Tensor]:
     """Every adapter half (its gradient with `grads`; `of(param)` of it, e.g. an optimizer moment), whole, under
-    peft's names: split halves gathered over each layer's TP group (a collective: every TP rank calls it, each
-    gets the whole)."""
+    peft's names: split halves gathered over each layer's TP group, routed experts' over their EP group (a
+    collective: every rank of each of those groups calls it with its adapters, each gets the whole).
+
+    `root` (a global rank in each adapter's group, `reaches`): the whole on `root` alone, the other ranks send their
+    parts (`of` read only for those, `parameters_read_for_root`) and get nothing (an empty dict): what one writer
+    needs, without every rank holding every expert's state."""
     import torch.distributed as dist
 
     from hybridrl.parallel.device import collective_device
 
     pick = of or ((lambda p: p.grad) if grads else _itself)
+    me = dist.get_rank() if root is not None else -1
+    if root is not None:
+        strays = [adapter.peft_name(adapter.projections[0], "lora_A") for adapter in adapters
+                  if not reaches(adapter, root)]
+        if strays:
+            raise ValueError(f"cannot gather {strays[:2]} to rank {root}: not in the group they are gathered over")
     out = {}
     by_ep_group: dict[object, dict[str, torch.Tensor]] = {}  # routed experts' halves, by the EP group to gather over
     for adapter in adapters:
-        for name, tensor, dim in _halves(adapter, pick):
+        read: dict[int, torch.Tensor] = {}  # `of` once per parameter (a fused adapter's A serves each projection)
+        for name, param, dim, cut in _halves(adapter):
+            if root is not None and not _read_for_root(adapter, dim, root, me):
+                continue
+            if id(param) not in read:
+                read[id(param)] = pick(param).detach()
+            tensor = cut(read[id(param)])
             if dim is not None and adapter.tp > 1:  # `of` may give host tensors (a checkpoint's gathered state)
                 tensor = tensor.contiguous().to(collective_device(adapter.tp_group))
-                parts = [torch.empty_like(tensor) for _ in range(adapter.tp)]
-                dist.all_gather(parts, tensor, group=adapter.tp_group)
+                if root is None:
+                    parts = [torch.empty_like(tensor) for _ in range(adapter.tp)]
+                    dist.all_gather(parts, tensor, group=adapter.tp_group)
+                else:
+                    gathered = [torch.empty_like(tensor) for _ in range(adapter.tp)] if me == root else None
+                    dist.gather(tensor, gathered, dst=root, group=adapter.tp_group)
+                    if gathered is None:  # sent
+                        continue
+                    parts = gathered
                 tensor = torch.cat(parts, dim=dim)
             whole = tensor.cpu().clone()
             if adapter.ep_group is None:
@@ -449,9 +513,14 @@ def lora_state(adapters: Sequence[LoraAdapter], *, grads: bool = False,
             else:
                 by_ep_group.setdefault(adapter.ep_group, {})[name] = whole
     for group, mine in by_ep_group.items():  # every EP rank's experts (names carry the global expert index)
-        everyone: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, mine, group=group)
-        for theirs in everyone:
+        everyone: list[dict[str, torch.Tensor] | None] | None
+        if root is None:
+            everyone = [None] * dist.get_world_size(group)
+            dist.all_gather_object(everyone, mine, group=group)
+        else:
+            everyone = [None] * dist.get_world_size(group) if me == root else None
+            dist.gather_object(mine, everyone, dst=root, group=group)
+        for theirs in everyone or ():  # nothing on a rank that only sent
             if theirs is None:
                 raise RuntimeError("an EP rank gave no expert adapters to the gather")
             out.update(theirs)

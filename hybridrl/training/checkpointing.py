@@ -76,7 +76,12 @@ from hybridrl.persistence import (
     file_sha256,
 )
 from hybridrl.training.backend import MegatronBackend
-from hybridrl.training.lora_checkpoint import restore_lora_checkpoint, save_lora_checkpoint, write_peft_folder
+from hybridrl.training.lora_checkpoint import (
+    LoraSave,
+    restore_lora_checkpoint,
+    save_lora_checkpoint,
+    write_peft_folder,
+)
 from hybridrl.training.optimizer_state import (
     OptimizerView,
     agreed_summaries,
@@ -196,7 +201,7 @@ def save_role_checkpoint(backend: MegatronBackend, out_dir: str | Path) -> Path:
     ok, detail = True, ""
     optimizer: dict[str, Any] = {}
     entry: tuple[str, dict[str, Any]] | None = None
-    lora: dict[str, Any] | None = None
+    lora: LoraSave | None = None
     try:
         if not backend.spec.value_head:
             save_mcore_checkpoint(backend.chunks, staging / MODEL_DIR, ctx=ctx)
@@ -204,7 +209,7 @@ def save_role_checkpoint(backend: MegatronBackend, out_dir: str | Path) -> Path:
         view: OptimizerView | None
         if backend.spec.lora is not None:  # the frozen base above; the adapters and their optimizer state
             lora = save_lora_checkpoint(backend, staging)
-            tensors, optimizer, view = {}, lora["optimizer"], OptimizerView(backend.optimizer)
+            tensors, optimizer, view = {}, lora.optimizer, OptimizerView(backend.optimizer)
         else:
             tensors, optimizer, view = _state_tensors(backend)
         if tensors:
@@ -239,8 +244,8 @@ def save_role_checkpoint(backend: MegatronBackend, out_dir: str | Path) -> Path:
                     "optimizer_steps": backend.schedule.step_count if backend.schedule is not None else 0,
                     "train_state": dict(e for e in files if e is not None)}
             if lora is not None:
-                meta["lora"] = {"files": lora["files"], "settings": _settings(backend)}
-                write_peft_folder(staging, lora["files"], backend.spec.adapter_settings, backend.spec.model_path)
+                meta["lora"] = {"files": lora.files, "settings": _settings(backend)}
+                write_peft_folder(staging, lora.files, backend.spec.adapter_settings, backend.spec.model_path)
             (staging / METADATA).write_text(json.dumps(meta, indent=1))
             commit_staging_dir(staging, out_dir)
         dist.barrier()

@@ -2,14 +2,14 @@
 
 `OptimizerView` maps model parameters to (inner torch optimizer, main tensor, flat range) for
 megatron-core 0.16's optimizers. Saving collects this rank's per-element state (`local_optimizer_state`)
-and, for the distributed optimizer, gathers each parameter's DP shards whole to DP rank 0, or to every
-rank of its group (`gather_sharded`); loading puts each parameter's saved state back, whole or as this rank's DP shard
-(`load_optimizer`), with the param-group hyper-parameters and the grad scaler
+and, for the distributed optimizer, gathers each parameter's DP shards whole to DP rank 0 of its group, or to
+the ranks that ask for it (`gather_sharded`); loading puts each parameter's saved state back, whole or as this
+rank's DP shard (`load_optimizer`), with the param-group hyper-parameters and the grad scaler
 (`rank_optimizer_meta` / `load_group_settings`).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,50 +175,62 @@ def optimizer_summary(summaries: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def gather_sharded(entries: list[StateEntry], local: dict[int, dict[str, torch.Tensor]], view: OptimizerView,
-                   kinds: dict[str, str], everywhere: bool = False) -> dict[int, dict[str, torch.Tensor]]:
+                   kinds: dict[str, str], wanted: Collection[int] | None = None) -> dict[int, dict[str, torch.Tensor]]:
     """Collective over each distributed optimizer's own DP group (megatron's ChainedOptimizer: the dense one's
-    DP x CP group, the expert one's expert data-parallel group): the full state of the parameters it shards,
-    on DP rank 0 of that group (empty elsewhere), or on every rank of it with `everywhere`. Each DP rank owns
-    a contiguous flat range of a parameter. A coverage error is raised only after every collective ran
-    (peers never wait on a failed rank)."""
+    DP x CP group, the expert one's expert data-parallel group): the full state of the parameters it shards, on the
+    ranks that want it, empty elsewhere. `wanted`: the entries (indices) this rank wants whole; None: DP rank 0 of
+    each group wants every one the group shards. The ranks of a group first tell each other what they want and own;
+    then each wanting rank gathers the shards of what it wants alone (the others send), and a group none of whose
+    ranks wants anything sends nothing. Each DP rank owns a contiguous flat range of a parameter. A coverage error is
+    raised only after every collective ran (peers never wait on a failed rank)."""
     full: dict[int, dict[str, torch.Tensor]] = {}
     problems: list[str] = []
     for part in view.distributed:
         group = getattr(part, "data_parallel_group_gloo", None) or part.data_parallel_group
         device = collective_device(group)
-        size, is_dst, dst = dist.get_world_size(group), dist.get_rank(group) == 0, dist.get_global_rank(group, 0)
+        size, group_rank = dist.get_world_size(group), dist.get_rank(group)
         members = [i for i, e in enumerate(entries) if view.sharded_by(e.param) is part]
         slots = {i: view.slot(entries[i]) for i in members}
-        for kind, dtype_name in kinds.items():
-            dtype = getattr(torch, dtype_name)
-            owned = [(i, *s.flat_range) for i, s in slots.items() if s is not None and kind in local[i]]
-            indices: list[Any] = [None] * size
-            dist.all_gather_object(indices, owned, group=group)
-            width = max(sum(stop - start for _, start, stop in idx) for idx in indices)
-            send = torch.zeros(width, dtype=dtype, device=device)
-            offset = 0
-            for i, start, stop in owned:
-                send[offset:offset + stop - start] = local[i][kind].reshape(-1).to(device)
-                offset += stop - start
-            if everywhere:
-                received: list[torch.Tensor] | None = [torch.empty(width, dtype=dtype, device=device)
-                                                       for _ in range(size)]
-                dist.all_gather(received, send, group=group)
-            else:
-                received = [torch.empty(width, dtype=dtype, device=device) for _ in range(size)] if is_dst else None
-                dist.gather(send, received, dst=dst, group=group)
-            if received is None:  # not the destination
+        if wanted is None:
+            wants = members if group_rank == 0 else []
+        else:
+            wants = [i for i in members if i in wanted]
+        owned = {kind: [(i, *s.flat_range) for i, s in slots.items() if s is not None and kind in local[i]]
+                 for kind in kinds}
+        said: list[Any] = [None] * size  # each rank's (wants, owned): the same plan on every rank of the group
+        dist.all_gather_object(said, (wants, owned), group=group)
+        for dst_group_rank, (their_wants, _) in enumerate(said):
+            if not their_wants:
                 continue
-            covered: dict[int, int] = {}
-            for idx, chunk in zip(indices, received):
+            receives, wanted_there = dst_group_rank == group_rank, set(their_wants)
+            dst = dist.get_global_rank(group, dst_group_rank)
+            for kind, dtype_name in kinds.items():
+                dtype = getattr(torch, dtype_name)
+                # each rank's pieces of what the destination wants, in the order the destination reads them
+                pieces = [[p for p in their_owned[kind] if p[0] in wanted_there] for _, their_owned in said]
+                width = max(sum(stop - start for _, start, stop in mine) for mine in pieces)
+                if width == 0:  # nobody holds any of it (the caller finds it missing)
+                    continue
+                send = torch.zeros(width, dtype=dtype, device=device)
                 offset = 0
-                for i, start, stop in idx:
-                    target = full.setdefault(i, {}).setdefault(kind, torch.empty(entries[i].param.numel(), dtype=dtype))
-                    target[start:stop] = chunk[offset:offset + stop - start].cpu()
+                for i, start, stop in pieces[group_rank]:
+                    send[offset:offset + stop - start] = local[i][kind].reshape(-1).to(device)
                     offset += stop - start
-                    covered[i] = covered.get(i, 0) + stop - start
-            problems += [f"{kind} of {entries[i].key}: DP shards cover {n} of {entries[i].param.numel()} elements"
-                         for i, n in covered.items() if n != entries[i].param.numel()]
+                received = [torch.empty(width, dtype=dtype, device=device) for _ in range(size)] if receives else None
+                dist.gather(send, received, dst=dst, group=group)
+                if received is None:  # sent
+                    continue
+                covered: dict[int, int] = {}
+                for theirs, chunk in zip(pieces, received):
+                    offset = 0
+                    for i, start, stop in theirs:
+                        target = full.setdefault(i, {}).setdefault(
+                            kind, torch.empty(entries[i].param.numel(), dtype=dtype))
+                        target[start:stop] = chunk[offset:offset + stop - start].cpu()
+                        offset += stop - start
+                        covered[i] = covered.get(i, 0) + stop - start
+                problems += [f"{kind} of {entries[i].key}: DP shards cover {n} of {entries[i].param.numel()} "
+                             "elements" for i, n in covered.items() if n != entries[i].param.numel()]
     if problems:
         raise RoleCheckpointError("distributed optimizer state does not gather whole: " + "; ".join(problems[:4]))
     return {i: {k: t.reshape(entries[i].param.shape) for k, t in by_kind.items()} for i, by_kind in full.items()}

@@ -526,3 +526,121 @@ def test_a_gap_in_one_expert_groups_optimizer_shards_stops_every_rank(tmp_path):
         assert error is not None
         assert "rank 0: RuntimeError: planted" in error and "rank 2: RuntimeError: planted" in error, error
         assert "rank 1: RuntimeError" not in error and "rank 3: RuntimeError" not in error, error
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _whole_moments_by_hand(adapters: list[Any], view: Any) -> dict[str, dict[int, torch.Tensor]]:
+    """Each of this rank's adapter parameters' Adam moments whole (by id), assembled with plain torch.distributed:
+    every rank's part (its flat shard range with the distributed optimizer, else all) all-gathered over the world,
+    matched to a parameter by its adapter's peft name, half and TP rank."""
+    import torch.distributed as dist
+
+    from hybridrl.training.train_state import StateEntry
+
+    params: dict[tuple[str, int], torch.Tensor] = {}
+    for adapter in adapters:
+        for part, a, b in zip(adapter.parts, adapter.lora_A, adapter.lora_B, strict=True):
+            for half, param in (("lora_A", a), ("lora_B", b)):
+                params[(adapter.peft_name(part[0], half), adapter.tp_rank)] = param
+    mine = []
+    for key, param in params.items():
+        slot = view.slot(StateEntry("", None, param, False))
+        if slot is not None:
+            start, stop = (0, param.numel()) if slot.start is None else slot.flat_range
+            mine.append((key, start, stop, {kind: slot.inner.state[slot.main][kind].detach().reshape(-1).clone()
+                                            for kind in MOMENTS}))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    whole = {kind: {id(p): torch.full((p.numel(),), float("nan")) for p in params.values()} for kind in MOMENTS}
+    for theirs in everyone:
+        for key, start, stop, by_kind in theirs:
+            if key in params:
+                for kind, shard in by_kind.items():
+                    whole[kind][id(params[key])][start:stop] = shard
+    assert not any(t.isnan().any() for by_param in whole.values() for t in by_param.values())
+    return {kind: {id(p): by_param[id(p)].reshape(p.shape) for p in params.values()}
+            for kind, by_param in whole.items()}
+
+
+def _stage_save_rank(rank: int, world: int, config: Any, batches: list[Any], staging: str) -> dict[str, Any]:
+    """One update, then the stage's adapter file (`save_lora_checkpoint`): the adapter-state bytes this rank held
+    whole for it, and (rank 0) the file's tensors as the every-rank gather computes them: the adapters whole on
+    every rank (`lora_state` without a root, over the world's TP and EP groups), their Adam moments assembled from
+    every rank's optimizer shards here with plain torch.distributed."""
+    from hybridrl.models.lora import lora_adapters, lora_state
+    from hybridrl.training.lora_checkpoint import save_lora_checkpoint
+    from hybridrl.training.optimizer_state import OptimizerView
+    from tests.support.training_fixtures import trained_role
+
+    backend, update, chunks = trained_role(config, "actor", batches)
+    update(chunks[0])
+    saved = save_lora_checkpoint(backend, Path(staging))
+    adapters = lora_adapters(backend.chunks)
+    moments = _whole_moments_by_hand(adapters, OptimizerView(backend.optimizer))
+    expected = {f"weight/{name}": t for name, t in lora_state(adapters).items()}
+    for kind, by_param in moments.items():
+        state = lora_state(adapters, of=lambda p, by_param=by_param: by_param[id(p)])
+        expected.update({f"{kind}/{name}": t for name, t in state.items()})
+    return {"held_bytes": saved.held_bytes, "files": saved.files, "expected": expected if rank == 0 else None}
+
+
+def _held_bytes_by_hand(hf: Path, layout: str) -> list[int]:
+    """What each rank of `layout` holds whole while saving the test model's adapters (fp32, rank RANK, type lora),
+    counted from the shapes: the writer (rank 0) the stage file's tensors and the Adam moments of its own adapters
+    gathered from distributed-optimizer shards; a rank that feeds it the moments of the parameters it sends (its
+    experts over EP; its halves split over TP), gathered whole from their shards; every other rank nothing."""
+    from hybridrl.models.arch import ModelShape, read_hf_config
+
+    shape = ModelShape.from_hf_config(read_hf_config(hf))
+    assert len(shape.moe_layers) == shape.num_layers  # experts in every layer
+    r, h, layers = RANK, shape.hidden_size, shape.num_layers
+    q, kv = shape.num_attention_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    ffn, experts = shape.moe_ffn_hidden_size, shape.num_experts
+    # per layer, the parameters: linear_qkv's one A [r, h] and B [q + 2 kv, r], linear_proj's A [r, q] and B [h, r];
+    # each expert's linear_fc1 A [r, h] and B [2 ffn, r] (gate and up), linear_fc2's A [r, ffn] and B [h, r]
+    qkv_a, qkv_b, o_a, o_b = r * h, (q + 2 * kv) * r, r * q, h * r
+    expert = r * h + 2 * ffn * r + r * ffn + h * r
+    # the file's tensors under peft's names per layer: a fused A once for each projection it serves (q, k, v; gate, up)
+    named = 3 * qkv_a + qkv_b + o_a + o_b + experts * (2 * r * h + 2 * ffn * r + r * ffn + h * r)
+    fp32 = 4
+    whole_file = (1 + len(MOMENTS)) * named * layers * fp32
+    moments = len(MOMENTS) * layers * fp32  # bytes of the gathered moments per element of a layer's parameters
+    if layout == "ep2":  # a plain optimizer: nothing to gather
+        return [whole_file, 0]
+    if layout == "ep2-dp2-distopt":  # the writer's EP group is ranks {0, 1}; the dense adapters' shards go to rank 0
+        return [whole_file + moments * (qkv_a + qkv_b + o_a + o_b + experts // 2 * expert),
+                moments * experts // 2 * expert, 0, 0]
+    if layout == "tp2-distopt":  # TP rank 1 sends its halves of qkv's B and o_proj's A; each expert whole on rank 0
+        return [whole_file + moments * (qkv_a + qkv_b // 2 + o_a // 2 + o_b + experts * expert),
+                moments * (qkv_b // 2 + o_a // 2)]
+    raise ValueError(layout)
+
+
+@pytest.mark.parametrize("layout", ["ep2", "ep2-dp2-distopt", "tp2-distopt"])
+def test_only_the_writer_holds_a_stages_whole_adapter_state(tmp_path, layout):
+    """A LoRA checkpoint's stage file (every expert's adapters and Adam moments) is assembled on its writer alone:
+    the ranks of the writer's EP group (or TP group) hold only the state they send it, the other ranks nothing
+    (before, every rank held the whole: for Qwen3-30B-A3B at r 16, ~9 GB each). The file holds exactly the tensors
+    the every-rank gather gives."""
+    from safetensors.torch import load_file
+
+    from tests.support.models_fixtures import make_hf_model
+    from tests.support.training_fixtures import rollout_batch
+
+    hf = make_hf_model(tmp_path / "hf", "qwen3_moe", seed=7, mlp_only_layers=[], num_hidden_layers=3)
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    results = run_ranks(_stage_save_rank, MOE_LAYOUTS[layout][3], _moe_lora_config(hf, layout),
+                        [rollout_batch(8, seed=1)], str(staging), timeout_s=300)
+    held = [r["held_bytes"] for r in results]
+    expected_held = _held_bytes_by_hand(hf, layout)
+    assert held == expected_held, f"adapter-state bytes held per rank: {held}, expected {expected_held}"
+    assert all(r["files"] == results[0]["files"] for r in results)
+    assert list(results[0]["files"]) == ["lora_state_pp000.safetensors"]
+    written, expected = load_file(str(staging / "lora_state_pp000.safetensors")), results[0]["expected"]
+    assert sorted(written) == sorted(expected)
+    assert {name.split("/")[0] for name in written} == {"weight", *MOMENTS}
+    for name, tensor in expected.items():
+        assert torch.equal(written[name], tensor), name
