@@ -250,14 +250,15 @@ def _checkpoint_rank(rank: int, world: int, config: Any, batches: list[Any], ckp
     else:
         load_role_checkpoint(backend, ckpt)
         out["loaded"] = lora_state(adapters)
-        view = OptimizerView(backend.optimizer)  # a plain optimizer here: each parameter's whole state
+        view = OptimizerView(backend.optimizer)  # with a plain optimizer: each parameter's whole state
 
         def moment(kind: str) -> dict[str, torch.Tensor]:
             def state(p: torch.Tensor) -> torch.Tensor:
                 slot = view.slot(StateEntry("", None, p, False))
                 return slot.inner.state[slot.main][kind].reshape(p.shape)
             return lora_state(adapters, of=state)
-        out["moments"] = {kind: moment(kind) for kind in ("exp_avg", "exp_avg_sq")}
+        # (a distributed optimizer's shards are compared by `_optimizer_state_against_the_file`)
+        out["moments"] = {} if view.distributed else {kind: moment(kind) for kind in ("exp_avg", "exp_avg_sq")}
     actor.update_policy(batches[1].split(dp)[dp_rank])
     out["next"] = lora_state(adapters)
     return out
@@ -324,6 +325,43 @@ def test_adapters_and_their_optimizer_state_resume_on_another_layout(tmp_path):
     other.actor_rollout_ref.model.lora.adapter_path = None
     with pytest.raises(RankError, match="saved with LoRA settings .*'alpha': 8.0.*'alpha': 16.0"):
         run_ranks(_checkpoint_rank, 2, other, batches, str(ckpt), False, timeout_s=300)
+
+
+def test_a_bf16_bases_adapters_resume_with_their_fp32_optimizer_state(tmp_path):
+    """A bf16 base with fp32 adapters (what a GPU trains) saved at DP2 with the distributed optimizer: the file holds
+    the adapters and Adam's moments in fp32 (no master copy: the adapters are fp32 parameters, megatron's optimizer
+    keeps none for them), a resume on the same layout continues exactly as the uninterrupted run (1e-6), and one at
+    TP2 with a plain optimizer holds the saved adapters and moments exactly."""
+    from safetensors.torch import load_file
+
+    hf = build_tiny_model(tmp_path / "hf", POLICY)
+    adapter = tmp_path / "adapter"
+    _peft_adapter(hf, adapter, fused=True)
+    batches = [ppo_batch(hf, seed=11), ppo_batch(hf, seed=12)]
+
+    def config(tp: int, dp: int, distributed: bool) -> Any:
+        c = actor_config(hf, CASES[0], tp=tp, dp=dp, distributed_optimizer=distributed, rows=len(batches[0]))
+        c.actor_rollout_ref.actor.megatron.dtype = "bf16"
+        lora = c.actor_rollout_ref.model.lora
+        lora.rank, lora.alpha, lora.adapter_path = RANK, ALPHA, str(adapter)
+        return c
+
+    ckpt = tmp_path / "ckpt"
+    saved = run_ranks(_checkpoint_rank, 2, config(1, 2, True), batches, str(ckpt), True, timeout_s=300)
+    stage = load_file(str(ckpt / "lora_state_pp000.safetensors"))
+    assert {k.split("/")[0] for k in stage} == {"weight", "exp_avg", "exp_avg_sq"}
+    assert {t.dtype for t in stage.values()} == {torch.float32}
+    same = run_ranks(_checkpoint_rank, 2, config(1, 2, True), batches, str(ckpt), False, timeout_s=300)
+    for result in same:
+        for name, tensor in saved[0]["next"].items():
+            assert _close(result["next"][name], tensor, 1e-6), name
+    other = run_ranks(_checkpoint_rank, 2, config(2, 1, False), batches, str(ckpt), False, timeout_s=300)
+    for result in other:
+        for name, tensor in saved[0]["saved"].items():
+            assert torch.equal(result["loaded"][name], tensor) and torch.equal(stage[f"weight/{name}"], tensor), name
+        for kind, moments in result["moments"].items():
+            assert all(torch.equal(t, stage[f"{kind}/{n}"]) for n, t in moments.items()), kind
+            assert any(bool(t.abs().max() > 0) for t in moments.values())
 
 
 def _optimizer_state_against_the_file(backend: Any, adapters: list[Any], ckpt: str) -> dict[str, Any]:
