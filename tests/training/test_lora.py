@@ -264,6 +264,16 @@ def _checkpoint_rank(rank: int, world: int, config: Any, batches: list[Any], ckp
     return out
 
 
+def _adapter_job(hf: Path, adapter: Path, tp: int, dp: int, distributed: bool, rows: int,
+                 dtype: str | None = None) -> Any:
+    """The actor job of the checkpoint tests: the PPO case on a TP x DP layout, adapters from peft's folder."""
+    c = actor_config(hf, CASES[0], tp=tp, dp=dp, distributed_optimizer=distributed, rows=rows)
+    c.actor_rollout_ref.actor.megatron.dtype = dtype
+    lora = c.actor_rollout_ref.model.lora
+    lora.rank, lora.alpha, lora.adapter_path = RANK, ALPHA, str(adapter)
+    return c
+
+
 def test_adapters_and_their_optimizer_state_resume_on_another_layout(tmp_path):
     """A LoRA actor saved at DP2 with the distributed optimizer (its Adam shards gathered whole) and resumed at TP2
     with a plain one: the adapters and Adam's moments are the saved ones, whole under peft's names; the next
@@ -279,10 +289,7 @@ def test_adapters_and_their_optimizer_state_resume_on_another_layout(tmp_path):
     batches = [ppo_batch(hf, seed=11), ppo_batch(hf, seed=12)]
 
     def config(tp: int, dp: int, distributed: bool) -> Any:
-        c = actor_config(hf, CASES[0], tp=tp, dp=dp, distributed_optimizer=distributed, rows=len(batches[0]))
-        lora = c.actor_rollout_ref.model.lora
-        lora.rank, lora.alpha, lora.adapter_path = RANK, ALPHA, str(adapter)
-        return c
+        return _adapter_job(hf, adapter, tp, dp, distributed, len(batches[0]))
 
     ckpt = tmp_path / "ckpt"
     saved = run_ranks(_checkpoint_rank, 2, config(1, 2, True), batches, str(ckpt), True, timeout_s=300)
@@ -340,11 +347,7 @@ def test_a_bf16_bases_adapters_resume_with_their_fp32_optimizer_state(tmp_path):
     batches = [ppo_batch(hf, seed=11), ppo_batch(hf, seed=12)]
 
     def config(tp: int, dp: int, distributed: bool) -> Any:
-        c = actor_config(hf, CASES[0], tp=tp, dp=dp, distributed_optimizer=distributed, rows=len(batches[0]))
-        c.actor_rollout_ref.actor.megatron.dtype = "bf16"
-        lora = c.actor_rollout_ref.model.lora
-        lora.rank, lora.alpha, lora.adapter_path = RANK, ALPHA, str(adapter)
-        return c
+        return _adapter_job(hf, adapter, tp, dp, distributed, len(batches[0]), dtype="bf16")
 
     ckpt = tmp_path / "ckpt"
     saved = run_ranks(_checkpoint_rank, 2, config(1, 2, True), batches, str(ckpt), True, timeout_s=300)
