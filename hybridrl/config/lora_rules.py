@@ -48,19 +48,12 @@ def check_lora(check: Checker, config: JobConfig, model: ModelShape | None) -> N
 
 
 def _check_local_spec(check: Checker, config: JobConfig) -> None:
-    """On GPUs the adapters' model is megatron's local layer spec (`layer_spec_kind`): what it does not run, if the
-    job sets it, refused here rather than at the workers' start-up."""
-    arr = config.actor_rollout_ref
-    if arr.model.use_remove_padding:
+    """On GPUs the adapters' model is megatron's local layer spec (`layer_spec_kind`): packed sequences, which its
+    attention does not take, refused here if the job sets them, rather than at the workers' start-up."""
+    if config.actor_rollout_ref.model.use_remove_padding:
         check.fail("actor_rollout_ref.model.use_remove_padding", True, f"with {LORA}.rank > 0 on "
                    f"{config.trainer.device}: {ADAPTERS_ON_LOCAL_SPEC}; set false, or leave it unset (then padded)",
                    [False, None])
-    for prefix, megatron in (("actor_rollout_ref.actor.megatron", arr.actor.megatron),
-                             ("actor_rollout_ref.ref.megatron", arr.ref.megatron)):
-        tp = megatron.tensor_model_parallel_size if megatron is not None else 1
-        if megatron is not None and megatron.sequence_parallel and isinstance(tp, int) and tp > 1:
-            check.fail(f"{prefix}.sequence_parallel", True, f"with {LORA}.rank > 0 on {config.trainer.device}: "
-                       f"{ADAPTERS_ON_LOCAL_SPEC}; set false", [False])
 
 
 def _check_expert_adapters(check: Checker, config: JobConfig, model: ModelShape) -> None:

@@ -48,7 +48,7 @@ from hybridrl.config.schema import (
 from hybridrl.models.arch import ModelShape
 from hybridrl.models.layout import ParallelLayout
 from hybridrl.names import Role
-from hybridrl.parallel.device_policy import DEVICE_POLICIES, WITHOUT_TE
+from hybridrl.parallel.device_policy import DEVICE_POLICIES
 
 RESUME_MODES = ("auto", "disable")
 
@@ -235,12 +235,6 @@ def _check_unsupported(check: Checker, config: JobConfig, model: ModelShape | No
     policy = DEVICE_POLICIES.get(config.trainer.device)
     check_router_replay(check, config, model)
     for prefix, mc in megatron_sections(config):
-        tp = mc.tensor_model_parallel_size
-        if mc.sequence_parallel and isinstance(tp, int) and tp > 1 and policy is not None \
-                and policy.transformer_engine_possible:
-            # on CPU the CPU layer's norm stand-in serves it (hybridrl/parallel/cpu/norm.py)
-            check.warnings.append(f"{prefix}.sequence_parallel=true needs Transformer Engine on the workers: "
-                                  f"{WITHOUT_TE}")
         cp = mc.context_parallel_size
         if isinstance(cp, int) and not isinstance(cp, bool) and cp > 1:
             check_context_parallel(check, config, prefix, mc, cp, policy)

@@ -182,10 +182,11 @@ def transformer_config(
 def layer_spec(shape: ModelShape, kind: str, config: Any = None, chunk: StageChunk | None = None, *,
                cpu_layer: bool = False) -> Any:
     """The GPT layer spec (dense), or for an MoE model this chunk's block spec: megatron's per-layer
-    choice between the MoE and the dense layer (`moe_layer_freq`) for the layers `chunk` holds. With
-    `cpu_layer` (the device policy's `megatron_cpu_layer`) every local layer's core attention is the
-    CPU layer's stand-in that also serves packed sequences and context parallelism, and under
-    sequence parallelism every norm the CPU layer's stand-in for TE's (`cpu_norm`)."""
+    choice between the MoE and the dense layer (`moe_layer_freq`) for the layers `chunk` holds. On the local
+    spec under sequence parallelism every norm is torch's with its weights tagged as TE's are
+    (`sequence_parallel_norm`: megatron's own torch norm refuses SP); with `cpu_layer` (the device policy's
+    `megatron_cpu_layer`) every local layer's core attention is the CPU layer's stand-in that also serves packed
+    sequences and context parallelism."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if shape.is_moe:
@@ -199,15 +200,17 @@ def layer_spec(shape: ModelShape, kind: str, config: Any = None, chunk: StageChu
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
     else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
-    if not cpu_layer or kind == "te":
+    if kind == "te":
         return spec
-    from hybridrl.parallel.cpu.attention import with_cpu_packed_attention
-    from hybridrl.parallel.cpu.norm import with_sequence_parallel_norms
+    if cpu_layer:
+        from hybridrl.parallel.cpu.attention import with_cpu_packed_attention
 
-    spec = with_cpu_packed_attention(spec)
+        spec = with_cpu_packed_attention(spec)
     if config is not None and config.sequence_parallel:
+        from hybridrl.parallel.sequence_parallel_norm import with_sequence_parallel_norms
+
         if chunk is None:
-            raise ValueError("a sequence-parallel CPU layer spec needs its chunk")
+            raise ValueError("a sequence-parallel local layer spec needs its chunk")
         spec = with_sequence_parallel_norms(spec, chunk.num_layers)
     return spec
 

@@ -62,7 +62,7 @@ class DevicePolicy:
     # overrides, the CPU fused RoPE, the per-thread torch-function mode).
     megatron_cpu_layer: bool
     # Transformer Engine can exist here (its kernels are CUDA-only); without it megatron's local
-    # layer spec is built, whose norms refuse sequence parallelism.
+    # layer spec is built, whose attention takes no packed sequences.
     transformer_engine_possible: bool
     # What runs attention over packed (THD) sequences, which megatron's local attention refuses:
     # TE's fused attention on GPUs (the gpu extra installs TE; the workers stop at start-up without
@@ -214,17 +214,17 @@ CPU = DevicePolicy(
 )
 
 # What Transformer Engine decides on cuda, in the one wording `hybridrl doctor`, `hybridrl plan` and the
-# workers use: without it megatron's local layer spec is built, which serves neither packed sequences (its
-# attention asserts no cu_seqlens) nor sequence parallelism (its torch norms refuse it).
-WITHOUT_TE = ("without Transformer Engine the workers build megatron's local layer spec, which runs neither packed "
-              "sequences (model.use_remove_padding: true, the default on cuda) nor sequence_parallel: a job that "
-              "sets either stops at start-up; install it (the gpu extra does) or set both false (slower)")
+# workers use: without it megatron's local layer spec is built, which serves no packed sequences (its attention
+# asserts no cu_seqlens; sequence parallelism it serves with `sequence_parallel_norm`).
+WITHOUT_TE = ("without Transformer Engine the workers build megatron's local layer spec, which runs no packed "
+              "sequences (model.use_remove_padding: true, the default on cuda): a job that packs stops at start-up; "
+              "install it (the gpu extra does) or set use_remove_padding false (slower)")
 
 # Why a LoRA actor's model is built on megatron's local layer spec on GPUs too (`device.layer_spec_kind`), and
 # what it costs, in the one wording the plan and the workers use.
 ADAPTERS_ON_LOCAL_SPEC = ("LoRA adapters build the actor on megatron's local layer spec (TransformerEngine's layers "
                           "fuse the norm into linear_qkv and linear_fc1, whose adapters need the normed input), whose "
-                          "attention takes no packed sequences and whose torch norms refuse sequence parallelism")
+                          "attention takes no packed sequences")
 
 # resolved device name -> its policy (read-only); also the list of valid trainer.device values
 DEVICE_POLICIES: Mapping[str, DevicePolicy] = types.MappingProxyType({p.name: p for p in (CUDA, CPU)})

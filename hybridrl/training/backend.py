@@ -401,13 +401,11 @@ class MegatronBackend:
         megatron = spec.megatron
         # the layer spec this role's model is built on: TE's on GPUs where it imports, but never for adapters
         self.spec_kind = layer_spec_kind(self.ctx.device, adapters=spec.lora is not None)
-        if (spec.packed or megatron.sequence_parallel_in_effect) and not self.device_policy.megatron_cpu_layer \
-                and self.spec_kind != "te":
-            # megatron's local DotProductAttention asserts packed_seq_params is None and its torch norms refuse
-            # sequence parallelism; on CPU the CPU layer's stand-ins serve both, on GPUs TE does
-            what = "packed sequences" if spec.packed else "sequence_parallel=true"
+        if spec.packed and not self.device_policy.megatron_cpu_layer and self.spec_kind != "te":
+            # megatron's local DotProductAttention asserts packed_seq_params is None: on CPU the CPU layer's stand-in
+            # serves packed sequences, on GPUs TE does
             why = ADAPTERS_ON_LOCAL_SPEC if spec.lora is not None else WITHOUT_TE
-            raise ValueError(f"{spec.role}: {what} here, but {why}")
+            raise ValueError(f"{spec.role}: packed sequences here, but {why}")
         if megatron.context_parallel_size > 1:
             self._check_context_parallel(spec)
         if spec.shared_prefix:

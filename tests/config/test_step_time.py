@@ -239,9 +239,7 @@ def test_a_sync_of_served_adapters_moves_the_adapter_alone():
     ~7 B a byte, in a stream at 85 % of 3,350 GB/s); the probe: one short row through the trainer and through vLLM
     (0 fixed costs on the H100 description). Disaggregated (trainer 4 ranks, rollout 4 ranks): each training rank
     sends one rollout rank the adapter over the network at 70 % of 50 GB/s."""
-    # (sequence parallelism off: the adapters' local layer spec refuses it)
-    lora = ["actor_rollout_ref.model.lora.rank=32", "actor_rollout_ref.model.lora.merge=false",
-            "actor_rollout_ref.actor.megatron.sequence_parallel=false"]
+    lora = ["actor_rollout_ref.model.lora.rank=32", "actor_rollout_ref.model.lora.merge=false"]
     adapter = (3 * 32 * 3584 + 32 * (3584 + 512 + 512) + 2 * 32 * 3584 + 2 * (32 * 3584 + 18944 * 32)
                + 32 * 18944 + 3584 * 32) * 28 * 4
     assert adapter == 2_883_584 * 28 * 4
@@ -259,9 +257,10 @@ def test_a_sync_of_served_adapters_moves_the_adapter_alone():
 
 
 def test_a_lora_update_computes_no_weight_gradient_of_the_base_and_steps_the_adapters_alone():
-    """LoRA rank 32 (type lora, every target) on the 7B example (sequence parallelism off: the adapters' local layer
-    spec refuses it). megatron's frozen layers compute their input's gradient only (`linear_with_frozen_weight`),
-    so the update is 2 forwards of the weights, 3 of attention's QK^T and AV (2 x 3,072 x 3,584 FLOPs a token a
+    """LoRA rank 32 (type lora, every target) on the 7B example (sequence parallelism off: TP2's activation
+    all-reduces then as in the whole model's test above). megatron's frozen layers compute their input's gradient
+    only (`linear_with_frozen_weight`), so the update is 2 forwards of the weights, 3 of attention's QK^T and AV
+    (2 x 3,072 x 3,584 FLOPs a token a
     layer at these lengths) and 3 of the adapters (2 FLOPs an element a token; per layer: qkv A 32 x 3,584 + B 4,608
     x 32, proj A 32 x 3,584 + B 3,584 x 32, fc1 A 32 x 3,584 + B 37,888 x 32, fc2 A 32 x 18,944 + B 3,584 x 32);
     the recomputed forward adds the weights' and the adapters' forward once. Per optimizer step (4) the distributed

@@ -330,16 +330,15 @@ def test_context_parallel_refused_on_cuda_in_every_role(section):
     plan_from_sources(SEED, ["trainer.device=cpu", *ref_too, f"{section}.context_parallel_size=2"])
 
 
-def test_sequence_parallel_is_a_warning_on_cuda_and_runs_on_cpu():
-    """On GPUs Transformer Engine's norms run it, so it is kept, with a note of what it needs; on CPU the
-    CPU layer's norm stand-in serves it (tests/training/test_ranks.py trains with it)."""
+def test_sequence_parallel_runs_on_either_spec_without_a_warning():
+    """On GPUs Transformer Engine's norms run it, and megatron's local spec (a GPU without TE, a LoRA actor, the
+    CPU) runs it with torch's norm tagged as TE's (`sequence_parallel_norm`; tests/training/test_ranks.py trains
+    with it): kept as set, with nothing to warn of, on either device."""
     overrides = [f"{A}.megatron.tensor_model_parallel_size=2", f"{A}.megatron.sequence_parallel=true"]
-    plan = plan_from_sources(SEED, overrides)
-    assert plan.layout("actor").megatron.sequence_parallel is True
-    assert any("sequence_parallel=true needs Transformer Engine" in w for w in plan.warnings)
-    plan = plan_from_sources(SEED, ["trainer.device=cpu", *overrides])
-    assert plan.layout("actor").megatron.sequence_parallel is True
-    assert not any("sequence_parallel" in w for w in plan.warnings)
+    for device in ("cuda", "cpu"):
+        plan = plan_from_sources(SEED, [f"trainer.device={device}", *overrides])
+        assert plan.layout("actor").megatron.sequence_parallel is True
+        assert not any("sequence_parallel" in w for w in plan.warnings), device
 
 
 REF = "actor_rollout_ref.ref.megatron"
