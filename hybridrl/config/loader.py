@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from hybridrl.config.errors import ConfigError, ConfigIssue, show_value
-from hybridrl.config.schema import REF_SHARES_WITH_ACTOR, JobConfig, MegatronConfig, without_none
+from hybridrl.config.schema import REF_DEFAULTS_TO_ACTOR, REF_SHARES_WITH_ACTOR, JobConfig, MegatronConfig, without_none
 from hybridrl.config.verl_keys import Refused, Restates, restated, verl_key
 
 # Fields users of other trainers write directly on a role: accepted there and moved into the
@@ -95,14 +95,16 @@ def load_config_collecting(
 
 def _inherit_reference_layout(raw: dict[str, Any]) -> None:
     """A `ref.megatron` section (written for its offload, say) takes the actor's layout fields it does not
-    set itself, as verl's config interpolates them: the two must be equal (`REF_SHARES_WITH_ACTOR`)."""
+    set itself, as verl's config interpolates them: the two must be equal (`REF_SHARES_WITH_ACTOR`); and the
+    actor's dtype, sequence parallelism and megatron overrides where it does not set its own
+    (`REF_DEFAULTS_TO_ACTOR`)."""
     arr = raw.get("actor_rollout_ref")
     if not isinstance(arr, dict):
         return
     ref, actor = (arr.get(role) if isinstance(arr.get(role), dict) else {} for role in ("ref", "actor"))
     ref_layout, actor_layout = ref.get("megatron"), actor.get("megatron")
     if isinstance(ref_layout, dict) and isinstance(actor_layout, dict):
-        for name in REF_SHARES_WITH_ACTOR:
+        for name in (*REF_SHARES_WITH_ACTOR, *REF_DEFAULTS_TO_ACTOR):
             if name in actor_layout and name not in ref_layout:
                 ref_layout[name] = actor_layout[name]
 

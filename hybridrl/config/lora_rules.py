@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hybridrl.config.checker import Checker
 from hybridrl.config.refusals import LORA
-from hybridrl.config.schema import JobConfig
+from hybridrl.config.schema import REF_DEFAULTS_TO_ACTOR, JobConfig
 from hybridrl.models.arch import ModelShape
 from hybridrl.models.lora_targets import TARGETS, VLLM_LORA_RANKS
 from hybridrl.parallel.device_policy import ADAPTERS_ON_LOCAL_SPEC, DEVICE_POLICIES
@@ -35,12 +35,20 @@ def check_lora(check: Checker, config: JobConfig, model: ModelShape | None) -> N
     if model is not None and model.is_moe:
         _check_expert_adapters(check, config, model)
     policy = DEVICE_POLICIES.get(config.trainer.device)
-    if policy is not None and policy.packed_attention_for(True) != policy.packed_attention:
+    if policy is not None and policy.adapters_change_spec:
         _check_local_spec(check, config)
     ref = config.actor_rollout_ref.ref.megatron
     if ref is not None and ref.param_offload:
         check.fail("actor_rollout_ref.ref.megatron.param_offload", True, f"with {LORA}.rank > 0 the reference is the "
                    "actor's own frozen base with the adapters off: it has no weights of its own to offload", [False])
+    if ref is not None:  # (its layout fields must equal the actor's in any job: `validate`)
+        actor = config.actor_rollout_ref.actor.megatron
+        for name in REF_DEFAULTS_TO_ACTOR:
+            mine, theirs = getattr(ref, name), getattr(actor, name)
+            if mine != theirs:
+                check.fail(f"actor_rollout_ref.ref.megatron.{name}", mine, f"with {LORA}.rank > 0 the reference is the "
+                           "actor's own model with the adapters off, which runs with the actor's settings: leave it "
+                           f"unset or equal to actor_rollout_ref.actor.megatron.{name}={theirs!r}", [theirs])
     if lora.merge is False:
         if isinstance(lora.rank, int) and lora.rank > VLLM_LORA_RANKS[-1]:
             check.fail(f"{LORA}.rank", lora.rank, f"vLLM serves adapters of rank <= {VLLM_LORA_RANKS[-1]}; with a "

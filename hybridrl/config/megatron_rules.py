@@ -250,6 +250,5 @@ def check_context_parallel(check: Checker, config: JobConfig, prefix: str, mc: M
                    f"all-gathers keys and values); on {config.trainer.device} TransformerEngine's ring attention "
                    "is not wired yet; use 1", [1])
     elif mc.sequence_parallel and mc.tensor_model_parallel_size != 1:
-        # unreachable while CP runs on CPU only (no SP there); kept for when the GPU path is wired
         check.fail(field, cp, "with sequence_parallel=true is not implemented yet (the last stage gathers "
                    "hidden states over CP along the sequence, which SP splits over TP); use 1", [1])

@@ -83,6 +83,11 @@ class Resolved:
         """Whether `role` runs packed (THD) micro-batches (its model section's resolved use_remove_padding)."""
         return model_section_of(role) in self.packed_sections
 
+    def adapter_model(self, role: str) -> bool:
+        """Whether `role` runs on a LoRA actor's model: the actor, and its reference (the same model with the adapters
+        off), which the workers build on megatron's local layer spec (`device.layer_spec_kind`)."""
+        return self.lora_rank > 0 and Role(role) in (Role.ACTOR, Role.REF)
+
     def shared_prefix(self, role: str) -> bool:
         """Whether `role`'s packed micro-batches hold a shared prompt once (its section's resolved shared_prefix)."""
         return model_section_of(role) in self.shared_prefix_sections

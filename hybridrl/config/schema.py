@@ -460,6 +460,10 @@ REF_SHARES_WITH_ACTOR = ("tensor_model_parallel_size", "pipeline_model_parallel_
                          "virtual_pipeline_model_parallel_size", "num_layers_in_first_pipeline_stage",
                          "num_layers_in_last_pipeline_stage", "expert_model_parallel_size",
                          "expert_tensor_parallel_size", "seed")
+# ... and these settings of its model default to the actor's too (a ref section written for its offload keeps the
+# actor's dtype, sequence parallelism and megatron overrides, as verl's ref config interpolates the overrides), but
+# may differ: the reference is a model of its own (with LoRA it is not: `config.lora_rules`).
+REF_DEFAULTS_TO_ACTOR = ("dtype", "sequence_parallel", "override_transformer_config")
 
 
 @dataclass

@@ -63,6 +63,7 @@ from hybridrl.config.plan import (
     RoleLayout,
     UpdatePlan,
     full_recompute,
+    local_score_bytes,
     recompute_share,
     served_adapter_bytes,
     step_flops_at,
@@ -84,11 +85,6 @@ DDP_BUCKET_PARAMS = 40_000_000
 # Adam's bytes per parameter in one step: read params, grads and two fp32 moments, write params and moments
 ADAM_BYTES_PER_PARAM = 4 * 7
 
-# megatron's local attention (a LoRA actor's on GPUs: `DevicePolicy.attention_keeps_scores`) moves each of its
-# [b, heads, s, s] scores through memory this many times in a forward: QK^T writes it, the softmax reads and writes
-# it, the product with V reads it (its whole s x s, the causal half masked but computed); a backward twice as many.
-# TE's flash attention keeps them on chip (none).
-SCORE_PASSES_FORWARD = 4
 
 
 @dataclass(frozen=True)
@@ -250,18 +246,18 @@ def activation_traffic_seconds(plan: Plan, layout: RoleLayout, collective_passes
 
 def attention_scores_seconds(plan: Plan, layout: RoleLayout, forwards: float, backwards: float, hardware: Hardware,
                              eff: Efficiency, row_tokens: float | None) -> float:
-    """What megatron's local attention adds where a role runs it on a GPU (a LoRA actor's: `attention_keeps_scores`):
-    its scores streamed through memory (`SCORE_PASSES_FORWARD`) in `forwards` forwards and `backwards` backwards of
-    the step's rows, each rank its share (heads over TP, rows over DP, layers over PP); 0 elsewhere."""
-    adapters = layout.role == Role.ACTOR and plan.resolved.lora_rank > 0
-    if not plan.device_policy.attention_keeps_scores(adapters):
+    """What megatron's local attention adds where a role runs it on a GPU (a LoRA actor's model, its reference's
+    too: `attention_keeps_scores`): its scores streamed through memory in `forwards` forwards and `backwards`
+    backwards of the step's rows (`local_attention_score_bytes`: its casts, mask and softmax), each rank its share
+    (heads over TP, rows over DP, layers over PP); 0 elsewhere."""
+    if not plan.device_policy.attention_keeps_scores(plan.resolved.adapter_model(layout.role)):
         return 0.0
     model = role_model_shape(plan.config, layout.role, model_of(plan))
     width = row_tokens if row_tokens is not None else plan.token_budget.sequence_tokens
     rows = plan.config.data.train_batch_size * plan.config.actor_rollout_ref.rollout.n
     scores = rows * model.num_attention_heads * width * width * model.num_layers / layout.mesh.world_size
-    element = DTYPE_BYTES[layout.megatron.dtype or plan.resolved.train_dtype]
-    return (scores * element * SCORE_PASSES_FORWARD * (forwards + 2 * backwards)
+    moved = local_score_bytes(layout.megatron, layout.megatron.dtype or plan.resolved.train_dtype)
+    return (scores * (forwards * moved.forward + backwards * moved.backward)
             / (hardware.memory_bytes_per_s * eff.stream_memory))
 
 

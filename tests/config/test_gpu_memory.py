@@ -87,3 +87,50 @@ def test_shipped_gpu_examples_fit_with_every_share_listed(example):
         assert item in text, (example, item)
     if "critic" in {m.role for m in plan.training_memory}:
         assert "critic update" in text and "critic params" in text
+
+
+def _local_attention_saved_bytes(rank: int, world: int, dtype_name: str, softmax_in_fp32: bool) -> float:
+    """What megatron's own DotProductAttention (the local spec's, masked_softmax_fusion off as on cuda, no dropout as
+    the models have) keeps for its backward per [b, heads, s, s] score element: the distinct storages of that size
+    autograd saves in one causal forward (its saved-tensors hook sees each)."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from hybridrl.parallel.cpu.layer import apply_cpu_layer
+
+    apply_cpu_layer()  # megatron's buffers are asked of "cuda": the CPU layer maps them here
+    parallel_state.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(1)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
+                               bf16=dtype == torch.bfloat16, params_dtype=dtype, masked_softmax_fusion=False,
+                               attention_dropout=0.0, attention_softmax_in_fp32=softmax_in_fp32)
+    attention = DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                                    attention_type="self")
+    s, b, heads = 32, 2, 4
+    q, k, v = (torch.randn(s, b, heads, 16, dtype=dtype, device="cuda", requires_grad=True) for _ in range(3))
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.numel() == b * heads * s * s:
+            kept[t.untyped_storage().data_ptr()] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        attention(q, k, v, attention_mask=None)
+    return sum(kept.values()) / (b * heads * s * s)
+
+
+@pytest.mark.parametrize("dtype,softmax_in_fp32", [("bf16", True), ("fp32", True), ("bf16", False)])
+def test_the_local_attentions_held_score_bytes_are_what_autograd_keeps(dtype, softmax_in_fp32):
+    """The memory plan's bytes per score element of megatron's local attention (a LoRA actor's on GPUs) against what
+    megatron's own DotProductAttention keeps for its backward, measured with autograd's saved-tensors hook."""
+    from hybridrl.config.estimates import DTYPE_BYTES, local_attention_score_bytes
+    from tests.support.forked import run_ranks
+
+    (measured,) = run_ranks(_local_attention_saved_bytes, 1, dtype, softmax_in_fp32)
+    assert local_attention_score_bytes(DTYPE_BYTES[dtype], softmax_in_fp32).held == measured

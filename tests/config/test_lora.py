@@ -41,6 +41,8 @@ def _plan(*overrides: str):
       "actor_rollout_ref.ref.megatron.param_offload=true"],
      "actor_rollout_ref.ref.megatron.param_offload", "no weights of its own to offload"),
     (["critic.model.lora.rank=8"], "critic.model.lora.rank", "LoRA adapts the actor only"),
+    ([f"{LORA}.rank=8", "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.ref.megatron.dtype=bf16"],
+     "actor_rollout_ref.ref.megatron.dtype", "the reference is the actor's own model with the adapters off"),
     ([f"{LORA}.rank=-1"], f"{LORA}.rank", "must be an integer >= 0"),
 ])
 def test_what_is_not_built_is_refused_naming_the_field(overrides, field, phrase):
@@ -216,9 +218,9 @@ def test_the_adapter_folder_is_checked_at_plan(tmp_path):
 def test_adapters_on_cuda_train_padded_on_the_local_spec_and_the_plan_counts_its_attention_scores():
     """On a GPU a LoRA actor is built on megatron's local layer spec (TransformerEngine's fuses the norm into the
     adapted linear layers): its micro-batches resolve padded (the plan says why), and its activations add what the
-    local attention holds per layer, the scores, their softmax and the dropout mask, (2 p + 1) a s^2 b bytes over TP
-    (bf16: p = 2), which TE's flash attention does not. Qwen2.5-0.5B: 14 heads, 24 layers; sequences of 32 + 16
-    tokens, 16 a micro-batch, TP2."""
+    local attention holds per layer of its a s^2 b scores over TP: the softmax's fp32 output (4 bytes an element)
+    and the bf16 probabilities the product with V keeps (2), which TE's flash attention does not hold.
+    Qwen2.5-0.5B: 14 heads, 24 layers; sequences of 32 + 16 tokens, 16 a micro-batch, TP2."""
     overrides = [QWEN, *CUDA, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
                  "actor_rollout_ref.model.enable_gradient_checkpointing=false"]
     lora = plan_from_sources(DEMO, [*overrides, f"{LORA}.rank=8"])
@@ -227,7 +229,7 @@ def test_adapters_on_cuda_train_padded_on_the_local_spec_and_the_plan_counts_its
     assert ("actor padded (actor_rollout_ref.model.use_remove_padding default on cuda, off: LoRA adapters build "
             "the actor on megatron's local layer spec, whose attention takes no packed sequences)") in render_plan(lora)
     actor, whole = (next(m for m in p.training_memory if m.role == "actor") for p in (lora, full))
-    scores = 24 * (2 * 2 + 1) * 16 * (32 + 16) ** 2 * 14 / 2
+    scores = 24 * (4 + 2) * 16 * (32 + 16) ** 2 * 14 / 2
     assert actor.activations_gib_per_micro_batch - whole.activations_gib_per_micro_batch == pytest.approx(
         scores / GIB, abs=2e-3)
     # a CPU plan's activations are the CPU layer's: unchanged by adapters

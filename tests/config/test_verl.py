@@ -123,9 +123,21 @@ def test_a_reference_section_takes_the_actors_layout():
     out as the actor (and a layout it sets differently is still refused)."""
     seed = ROOT / "configs/examples/seed_6gpu_grpo.yaml"
     plan = plan_from_sources(seed, ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                                    "actor_rollout_ref.actor.megatron.sequence_parallel=true",
+                                    "actor_rollout_ref.actor.megatron.dtype=fp32",
+                                    "+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity"
+                                    "=selective",
                                     "actor_rollout_ref.ref.megatron.param_offload=True"])
-    assert plan.config.actor_rollout_ref.ref.megatron.tensor_model_parallel_size == 2
-    assert plan.config.actor_rollout_ref.ref.megatron.param_offload is True
+    ref = plan.config.actor_rollout_ref.ref.megatron
+    assert ref.tensor_model_parallel_size == 2 and ref.param_offload is True
+    # and the actor's model settings it does not set itself: dtype, sequence parallelism, megatron's overrides
+    assert (ref.dtype, ref.sequence_parallel, ref.override_transformer_config) == (
+        "fp32", True, {"recompute_granularity": "selective"})
+    assert plan.layout("ref").megatron.sequence_parallel_in_effect
+    own = plan_from_sources(seed, ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                                   "actor_rollout_ref.actor.megatron.sequence_parallel=true",
+                                   "actor_rollout_ref.ref.megatron.sequence_parallel=false"])
+    assert not own.config.actor_rollout_ref.ref.megatron.sequence_parallel  # its own setting stays
     with pytest.raises(ConfigError, match="ref.megatron.tensor_model_parallel_size=1 must equal"):
         plan_from_sources(seed, ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
                                  "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1"])

@@ -20,25 +20,25 @@ def _config(**overrides):
 
 
 @pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
-def test_stand_in_gives_the_local_specs_norm_numbers_and_tags_its_weights(normalization):
+def test_the_tagged_norm_gives_the_local_specs_norm_numbers_and_tags_its_weights(normalization):
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     local = WrappedTorchNorm(_config(normalization=normalization), 64, eps=1e-6)
-    stand_in = SequenceParallelTorchNorm(_config(normalization=normalization, sequence_parallel=True,
+    tagged = SequenceParallelTorchNorm(_config(normalization=normalization, sequence_parallel=True,
                                                  tensor_model_parallel_size=2), 64, eps=1e-6)
-    assert type(stand_in) is type(local)
+    assert type(tagged) is type(local)
     with torch.no_grad():
-        for a, b in zip(local.parameters(), stand_in.parameters()):
+        for a, b in zip(local.parameters(), tagged.parameters()):
             a.uniform_(0.5, 1.5)
             b.copy_(a)
     x = torch.randn(5, 2, 64)
-    assert torch.equal(local(x), stand_in(x))
-    assert all(p.sequence_parallel is True for p in stand_in.parameters())
+    assert torch.equal(local(x), tagged(x))
+    assert all(p.sequence_parallel is True for p in tagged.parameters())
     off = SequenceParallelTorchNorm(_config(normalization=normalization), 64)
     assert all(p.sequence_parallel is False for p in off.parameters())
 
 
-def test_stand_in_refuses_what_the_torch_norm_cannot_compute():
+def test_the_tagged_norm_refuses_what_the_torch_norm_cannot_compute():
     with pytest.raises(ValueError, match="zero-centered gamma"):
         SequenceParallelTorchNorm(_config(layernorm_zero_centered_gamma=True, normalization="LayerNorm"), 64)
 
