@@ -5,8 +5,8 @@ For each example (Qwen2.5-7B GRPO on 8 GPUs, Qwen2.5-32B GRPO on 4 x 8, Llama-3-
 GRPO on 4 x 8), three jobs planned by `hybridrl plan` with `trainer.hardware=h100-sxm`: as written (full
 fine-tuning), with LoRA adapters merged into vLLM's weights at each sync (`lora.merge: true`, hybridrl's default),
 and with vLLM serving them (`lora.merge: false`). LoRA is rank 32, alpha 64 on every target, the rank of verl's
-Qwen3-30B-A3B LoRA script; on GPUs the adapters' actor runs megatron's local layer spec, so its micro-batches are
-padded (its attention takes no packed sequences) and its attention holds its scores. Per job: the
+Qwen3-30B-A3B LoRA script; on GPUs the adapters' actor runs megatron's local layer spec (with PyTorch's fused
+attention), so its micro-batches are padded (it takes no packed sequences). Per job: the
 actor's memory per GPU (parameters, gradients, optimizer state, activations in flight), the per-GPU peak over the
 step's phases and whether it fits, the predicted step time with its update and sync, and the bytes a sync writes
 into one vLLM rank (its shard of the merged weights, or the PEFT adapter). Plans only: seconds on a CPU.

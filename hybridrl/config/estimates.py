@@ -241,37 +241,11 @@ def stage_balance(role: str, shape: ModelShape, layout: ParallelLayout, *, layer
                         head_tokens, vocab_head)
 
 
-@dataclass(frozen=True)
-class ScoreBytes:
-    """Bytes per element of megatron's local attention's [b, heads, s, s] scores (`local_attention_score_bytes`)."""
-
-    held: int  # kept for the backward while the layer's activations are
-    forward: int  # read and written in a forward
-    backward: int  # read and written in a backward
-
-
-def local_attention_score_bytes(p_bytes: int, softmax_in_fp32: bool = True) -> ScoreBytes:
-    """megatron's local DotProductAttention (a LoRA actor's on GPUs) at a compute dtype of `p_bytes`, its softmax
-    in fp32 (`attention_softmax_in_fp32`, megatron's default) or in the compute dtype, and megatron's unfused softmax
-    (`masked_softmax_fusion` off, as hybridrl's cuda defaults leave it: `forward_torch_softmax`). A forward: QK^T
-    writes the scores (p), a cast to the softmax's dtype (s bytes) reads and writes them, the causal mask is filled
-    in place and the softmax runs (each a read and a write of s), a cast back, and the product with V reads them (p).
-    A backward: the product's gradient writes and its V gradient reads the probabilities, the casts, the softmax's
-    and the mask's backward (3 s and 2 s), and QK^T's backward reads the scores' gradient twice. Held: the softmax's
-    output (s) and, cast, the probabilities the product with V keeps (p). Attention dropout is 0 here (ATen's
-    dropout returns its input), so no mask is kept."""
-    softmax = 4 if softmax_in_fp32 else p_bytes
-    cast = softmax + p_bytes if softmax != p_bytes else 0  # one read and one write of the other dtype
-    return ScoreBytes(held=softmax + (p_bytes if cast else 0),
-                      forward=p_bytes + cast + 2 * softmax + 2 * softmax + cast + p_bytes,
-                      backward=2 * p_bytes + cast + 3 * softmax + 2 * softmax + cast + 2 * p_bytes)
-
-
 def training_memory(
     role: str, shape: ModelShape, mesh: TrainingMesh, *, dtype: str, distributed_optimizer: bool,
     trainable: bool, micro_batch: int, seq_len: int, sequence_parallel: bool, gpu_gib: float, ep: int = 1,
     etp: int | None = None, recompute: bool = False, value_head: bool = False, head_tokens: int | None = None,
-    adapter_elements_per_layer: int = 0, attention_scores: ScoreBytes | None = None,
+    adapter_elements_per_layer: int = 0,
 ) -> TrainingMemory:
     """The heaviest pipeline stage's GPU (its figures; `stages` has every stage's). `ep`, `etp`: expert
     parallelism and expert TP of an MoE model (`etp` None: TP); the distributed optimizer shards
@@ -283,10 +257,8 @@ def training_memory(
     `model.enable_gradient_checkpointing`): a micro-batch keeps each layer's input only (2 s b h bytes,
     over TP with sequence parallelism) and one layer's whole activations while it is recomputed.
     `adapter_elements_per_layer` (a LoRA actor, per TP rank): the model frozen, the fp32 adapters the only
-    trained parameters (their gradients and Adam's moments, no master copy); activations as without them.
-    `attention_scores` (megatron's local attention on a GPU, `DevicePolicy.attention_keeps_scores`): each layer
-    also holds what its softmax keeps of the a s^2 b scores over TP (`local_attention_score_bytes`; Korthikanti et
-    al. 2022 count 5 a s^2 b with a bf16 softmax and a dropout mask)."""
+    trained parameters (their gradients and Adam's moments, no master copy); activations as without them (on a GPU
+    its local spec's attention is PyTorch's fused kernel, `parallel.sdpa_attention`: no scores held)."""
     layout = mesh.layout(ep, etp)
     p_bytes = DTYPE_BYTES[dtype]
     # fp32 master copy only when compute is in 16-bit; Adam m and v are always fp32.
@@ -296,8 +268,6 @@ def training_memory(
     tokens = micro_batch * seq_len / mesh.cp
     per_layer = 34 * tokens * shape.hidden_size * p_bytes / 2  # 34 sbh counts 2-byte activations
     per_layer = per_layer / mesh.tp if sequence_parallel else per_layer * (10 + 24 / mesh.tp) / 34
-    if attention_scores is not None:  # [b, a / tp, s / cp, s] a layer: a query chunk of the row meets all its keys
-        per_layer += attention_scores.held * tokens * seq_len * shape.num_attention_heads / mesh.tp
     layer_input = tokens * shape.hidden_size * p_bytes / (mesh.tp if sequence_parallel else 1)
     # fp32 logits + their gradient. Not divided by CP: each CP rank gathers the last stage's hidden
     # states over CP and computes the whole micro-batch's output layer (training/backend.py).

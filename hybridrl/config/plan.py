@@ -19,21 +19,18 @@ from typing import Any
 
 from hybridrl.config.errors import ConfigError, ConfigIssue
 from hybridrl.config.estimates import (
-    DTYPE_BYTES,
     GIB,
     CrossPoolTraffic,
     GpuMemoryPlan,
     ReshardTraffic,
     RoleOnGpu,
     RolloutMemory,
-    ScoreBytes,
     StageBalance,
     TrainingMemory,
     cross_pool_traffic,
     forward_flops,
     gpu_memory_plan,
     kv_cache_bytes_needed,
-    local_attention_score_bytes,
     nccl_communicators,
     reshard_traffic,
     rollout_memory,
@@ -631,18 +628,16 @@ def _step_flops(config: JobConfig, resolved: Resolved, model: ModelShape, update
 def _forward_flops_parts(config: JobConfig, resolved: Resolved, model: ModelShape, role: str, rows: int,
                          prompt: float, response: float, computed: float) -> tuple[float, float, float]:
     """(the base model's, its attention's QK^T and AV share of that, the adapters') matmul FLOPs of one forward of
-    `role` over `rows` rows of these lengths. megatron's local attention (a LoRA actor's model on GPUs:
-    `DevicePolicy.attention_keeps_scores`) computes each row's whole s x s and masks half: twice the causal half
-    TE's flash attention computes. The adapters: the actor's alone (its reference runs them off)."""
+    `role` over `rows` rows of these lengths: causal attention's half of each row's s x s (TE's flash attention, and
+    PyTorch's fused one that a GPU's local spec runs: `parallel.sdpa_attention`). The adapters: the actor's alone
+    (its reference runs them off)."""
     shape = role_model_shape(config, role, model)
     seq_len = max(1, round(prompt + response))
     base = forward_flops(shape, rows=rows, layer_tokens=computed, head_tokens=response, seq_len=seq_len,
                          vocab_head=role in VOCABULARY_ROLES)
     attention = rows * computed * shape.num_layers * 2.0 * seq_len * shape.q_size
-    if DevicePolicy.for_device(resolved.device).attention_keeps_scores(resolved.adapter_model(role)):
-        base, attention = base + attention, 2 * attention  # the masked half computed too
     adapters = 0.0
-    if role == Role.ACTOR and resolved.lora_rank > 0:
+    if resolved.trains_adapters(role):
         adapters = rows * computed * 2.0 * lora_elements_met_per_token(config.actor_rollout_ref.model.lora, shape)
     return base, attention, adapters
 
@@ -654,7 +649,7 @@ def _update_flops(config: JobConfig, resolved: Resolved, model: ModelShape, role
     (`linear_with_frozen_weight`): the update is 2 forwards of the base's weights, 3 of attention's QK^T and AV
     (which have no weights: both of their inputs get a gradient) and 3 of the adapters."""
     base, attention, adapters = _forward_flops_parts(config, resolved, model, role, rows, prompt, response, computed)
-    if role != Role.ACTOR or resolved.lora_rank == 0:
+    if not resolved.trains_adapters(role):
         return base, 3 * base
     return base + adapters, 2 * base + attention + 3 * adapters
 
@@ -888,13 +883,6 @@ def _memory(config: JobConfig, resolved: Resolved, policy: DevicePolicy, model: 
     return MemoryPlans(tuple(train_mem), roll_mem, gpu_memory, teacher_memory, tuple(balances), tuple(extra))
 
 
-def local_score_bytes(mc: MegatronConfig, dtype: str) -> ScoreBytes:
-    """What megatron's local attention moves and holds per score element in a role of these megatron settings (its
-    softmax in fp32 unless override_transformer_config says attention_softmax_in_fp32 false) and dtype."""
-    softmax_in_fp32 = mc.override_transformer_config.get("attention_softmax_in_fp32", True)
-    return local_attention_score_bytes(DTYPE_BYTES[dtype], bool(softmax_in_fp32))
-
-
 def full_recompute(config: JobConfig, layout: RoleLayout) -> bool:
     """Whether a role's update recomputes each layer's activations in its backward: by its model section's switch
     (`model.enable_gradient_checkpointing`) or megatron's own setting (override_transformer_config's
@@ -932,8 +920,6 @@ def _training_memories(config: JobConfig, resolved: Resolved, policy: DevicePoli
             adapter_elements_per_layer=lora_elements_per_layer(arr.model.lora, model, mc.tensor_model_parallel_size,
                                                                ep=mc.expert_model_parallel_size)
             if layout.role == Role.ACTOR else 0,
-            attention_scores=local_score_bytes(mc, mc.dtype or resolved.train_dtype)
-            if policy.attention_keeps_scores(resolved.adapter_model(layout.role)) else None,
         ))
     return train_mem
 

@@ -83,10 +83,10 @@ class Resolved:
         """Whether `role` runs packed (THD) micro-batches (its model section's resolved use_remove_padding)."""
         return model_section_of(role) in self.packed_sections
 
-    def adapter_model(self, role: str) -> bool:
-        """Whether `role` runs on a LoRA actor's model: the actor, and its reference (the same model with the adapters
-        off), which the workers build on megatron's local layer spec (`device.layer_spec_kind`)."""
-        return self.lora_rank > 0 and Role(role) in (Role.ACTOR, Role.REF)
+    def trains_adapters(self, role: str) -> bool:
+        """Whether `role` trains LoRA adapters on a frozen model (the actor with lora.rank > 0; its reference is that
+        model with them off)."""
+        return self.lora_rank > 0 and Role(role) == Role.ACTOR
 
     def shared_prefix(self, role: str) -> bool:
         """Whether `role`'s packed micro-batches hold a shared prompt once (its section's resolved shared_prefix)."""

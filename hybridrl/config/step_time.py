@@ -20,8 +20,7 @@ Torch-free. Each phase is bound by what it moves or computes at a stated fractio
   (DP - 1) / DP of each) and Adam's pass over the rank's share of its state (memory bandwidth), and per step what
   the role offloads to the host and back over PCIe (Adam's moments, parameters; freed gradient buffers move nothing);
   a LoRA actor's update computes no weight gradient of its frozen base (2 forwards of the weights, 3 of attention
-  and of the adapters: `Plan.step_flops`), and reduces and steps its adapters alone; on GPUs its passes also stream
-  megatron's local attention scores through memory (`attention_scores_seconds`), which TE's flash attention does not;
+  and of the adapters: `Plan.step_flops`), and reduces and steps its adapters alone;
 - the weight sync: the resharder's most-loaded rank's bytes over NVLink, each rank's two copies of its generation
   shard (assembled, then into vLLM's weights), both sides' checksums of it (a streaming read) and each tensor's
   calls (colocated),
@@ -63,7 +62,6 @@ from hybridrl.config.plan import (
     RoleLayout,
     UpdatePlan,
     full_recompute,
-    local_score_bytes,
     recompute_share,
     served_adapter_bytes,
     step_flops_at,
@@ -244,23 +242,6 @@ def activation_traffic_seconds(plan: Plan, layout: RoleLayout, collective_passes
     return seconds
 
 
-def attention_scores_seconds(plan: Plan, layout: RoleLayout, forwards: float, backwards: float, hardware: Hardware,
-                             eff: Efficiency, row_tokens: float | None) -> float:
-    """What megatron's local attention adds where a role runs it on a GPU (a LoRA actor's model, its reference's
-    too: `attention_keeps_scores`): its scores streamed through memory in `forwards` forwards and `backwards`
-    backwards of the step's rows (`local_attention_score_bytes`: its casts, mask and softmax), each rank its share
-    (heads over TP, rows over DP, layers over PP); 0 elsewhere."""
-    if not plan.device_policy.attention_keeps_scores(plan.resolved.adapter_model(layout.role)):
-        return 0.0
-    model = role_model_shape(plan.config, layout.role, model_of(plan))
-    width = row_tokens if row_tokens is not None else plan.token_budget.sequence_tokens
-    rows = plan.config.data.train_batch_size * plan.config.actor_rollout_ref.rollout.n
-    scores = rows * model.num_attention_heads * width * width * model.num_layers / layout.mesh.world_size
-    moved = local_score_bytes(layout.megatron, layout.megatron.dtype or plan.resolved.train_dtype)
-    return (scores * (forwards * moved.forward + backwards * moved.backward)
-            / (hardware.memory_bytes_per_s * eff.stream_memory))
-
-
 def model_end_all_reduces(forwards: float, backwards: float, *, vocabulary: bool) -> tuple[float, float]:
     """TP's all-reduces at the model's ends in `forwards` and `backwards` passes (`activation_traffic_seconds`): (those
     moving tokens x hidden: the embedding's output in a forward, a vocabulary head's input gradient in a backward;
@@ -317,7 +298,6 @@ def pass_time(plan: Plan, forward: ForwardPlan, flops: float, memory: dict[str, 
     seconds = flops / layout.mesh.world_size / (peak * eff.forward_matmul) * bubble
     seconds += layer_passes_seconds(plan, layout, forward.micro_batches_per_rank, hardware) * bubble
     seconds += activation_traffic_seconds(plan, layout, 1, 1, hardware, eff, row_tokens, forward.micro_batches_per_rank)
-    seconds += attention_scores_seconds(plan, layout, 1, 0, hardware, eff, row_tokens) * bubble
     if weights_wait_on_host(plan, Role(forward.role)):
         seconds += 2 * memory[forward.role].params_gib * GIB / (hardware.host_bytes_per_s * eff.link)
     return PhaseTime(PASS_PHASES[forward.pass_name], seconds, "matmul")
@@ -342,13 +322,11 @@ def update_time(plan: Plan, update: UpdatePlan, flops: float, role_memory: Train
                                           update.ppo_epochs * 2, hardware, eff, row_tokens,
                                           update.optimizer_steps_per_step // update.ppo_epochs * micro,
                                           head_passes=(update.ppo_epochs, update.ppo_epochs))
-    compute += attention_scores_seconds(plan, layout, update.ppo_epochs * (1 + (recompute > 1)), update.ppo_epochs,
-                                        hardware, eff, row_tokens) * bubble
     params = role_memory.params_gib * GIB
     grads = role_memory.grads_gib * GIB
     # what trains: the whole model, or a LoRA actor's fp32 adapters alone (4 bytes an element, as their gradients:
     # the frozen base has no gradient, no optimizer state and no place in DDP's buffers)
-    adapters = update.role == Role.ACTOR and plan.resolved.lora_rank > 0
+    adapters = plan.resolved.trains_adapters(update.role)
     trained = grads if adapters else params
     span = mesh.tp * mesh.cp * mesh.dp  # consecutive ranks a DP group reaches across (megatron's order)
     # a ring all-reduce of the gradients; with the distributed optimizer a reduce-scatter of them and an

@@ -184,9 +184,9 @@ def layer_spec(shape: ModelShape, kind: str, config: Any = None, chunk: StageChu
     """The GPT layer spec (dense), or for an MoE model this chunk's block spec: megatron's per-layer
     choice between the MoE and the dense layer (`moe_layer_freq`) for the layers `chunk` holds. On the local
     spec under sequence parallelism every norm is torch's with its weights tagged as TE's are
-    (`sequence_parallel_norm`: megatron's own torch norm refuses SP); with `cpu_layer` (the device policy's
-    `megatron_cpu_layer`) every local layer's core attention is the CPU layer's stand-in that also serves packed
-    sequences and context parallelism."""
+    (`sequence_parallel_norm`: megatron's own torch norm refuses SP); every local layer's core attention is, with
+    `cpu_layer` (the device policy's `megatron_cpu_layer`), the CPU layer's stand-in that also serves packed
+    sequences and context parallelism, else PyTorch's fused attention (`sdpa_attention`)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if shape.is_moe:
@@ -206,6 +206,10 @@ def layer_spec(shape: ModelShape, kind: str, config: Any = None, chunk: StageChu
         from hybridrl.parallel.cpu.attention import with_cpu_packed_attention
 
         spec = with_cpu_packed_attention(spec)
+    else:  # a GPU's local spec (no TE, or LoRA adapters): PyTorch's fused attention, not megatron's unfused one
+        from hybridrl.parallel.sdpa_attention import with_sdpa_attention
+
+        spec = with_sdpa_attention(spec)
     if config is not None and config.sequence_parallel:
         from hybridrl.parallel.sequence_parallel_norm import with_sequence_parallel_norms
 

@@ -176,13 +176,6 @@ class DevicePolicy:
         adapters (`adapters`) where those change the spec (the local spec's attention takes no packed sequences)."""
         return None if adapters and self.adapters_change_spec else self.packed_attention
 
-    def attention_keeps_scores(self, adapters: bool) -> bool:
-        """Whether a role's attention holds its [batch, heads, s, s] scores and softmax (megatron's local
-        DotProductAttention, which a model with LoRA adapters gets on GPUs) rather than TE's flash attention,
-        which holds none: the plan counts them (`estimates.local_attention_score_bytes`). On CPU the plan's
-        activations are the CPU layer's, as before."""
-        return adapters and self.adapters_change_spec
-
     def ray_cluster_cpus(self, world_size: int) -> int | None:
         """The CPUs to declare to Ray for `world_size` ranks (None: let Ray count the node's)."""
         if self.ray_min_cluster_cpus is None:

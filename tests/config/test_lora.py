@@ -215,12 +215,11 @@ def test_the_adapter_folder_is_checked_at_plan(tmp_path):
     assert [(i.field, i.valid) for i in mine] == [(f"{LORA}.rank", (16,))], mine
 
 
-def test_adapters_on_cuda_train_padded_on_the_local_spec_and_the_plan_counts_its_attention_scores():
+def test_adapters_on_cuda_train_padded_on_the_local_spec():
     """On a GPU a LoRA actor is built on megatron's local layer spec (TransformerEngine's fuses the norm into the
-    adapted linear layers): its micro-batches resolve padded (the plan says why), and its activations add what the
-    local attention holds per layer of its a s^2 b scores over TP: the softmax's fp32 output (4 bytes an element)
-    and the bf16 probabilities the product with V keeps (2), which TE's flash attention does not hold.
-    Qwen2.5-0.5B: 14 heads, 24 layers; sequences of 32 + 16 tokens, 16 a micro-batch, TP2."""
+    adapted linear layers): its micro-batches resolve padded (the plan says why); its attention is PyTorch's fused
+    kernel there (`parallel.sdpa_attention`), which holds no scores, so its activations are the whole model's.
+    Qwen2.5-0.5B at TP2."""
     overrides = [QWEN, *CUDA, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
                  "actor_rollout_ref.model.enable_gradient_checkpointing=false"]
     lora = plan_from_sources(DEMO, [*overrides, f"{LORA}.rank=8"])
@@ -229,15 +228,7 @@ def test_adapters_on_cuda_train_padded_on_the_local_spec_and_the_plan_counts_its
     assert ("actor padded (actor_rollout_ref.model.use_remove_padding default on cuda, off: LoRA adapters build "
             "the actor on megatron's local layer spec, whose attention takes no packed sequences)") in render_plan(lora)
     actor, whole = (next(m for m in p.training_memory if m.role == "actor") for p in (lora, full))
-    scores = 24 * (4 + 2) * 16 * (32 + 16) ** 2 * 14 / 2
-    assert actor.activations_gib_per_micro_batch - whole.activations_gib_per_micro_batch == pytest.approx(
-        scores / GIB, abs=2e-3)
-    # a CPU plan's activations are the CPU layer's: unchanged by adapters
-    cpu = [QWEN, "actor_rollout_ref.model.enable_gradient_checkpointing=false"]
-    cpu_actor, cpu_whole = (next(m for m in plan_from_sources(DEMO, o).training_memory if m.role == "actor")
-                            for o in ([*cpu, f"{LORA}.rank=8"], cpu))
-    assert cpu_actor.activations_gib_per_micro_batch == cpu_whole.activations_gib_per_micro_batch
-
+    assert actor.activations_gib_per_micro_batch == whole.activations_gib_per_micro_batch > 0
 
 def test_adapters_on_cuda_keep_sequence_parallelism():
     """The adapters' local spec serves sequence parallelism on a GPU too (its torch norms tagged as TE's:

@@ -63,8 +63,8 @@ def test_layer_spec_kind():
 
 def test_adapters_get_the_local_spec_and_the_plan_knows_what_it_serves():
     """A LoRA actor's model is megatron's local layer spec on GPUs with TE too (TE fuses the norm into the adapted
-    linear layers); the device policy the plan reads says the same: no packed attention there, the attention's
-    scores held (on CPU the CPU layer's stand-ins serve both as before)."""
+    linear layers); the device policy the plan reads says the same: no packed attention there (on CPU the CPU
+    layer's stand-in serves it as before)."""
     from hybridrl.parallel.device_policy import DEVICE_POLICIES
 
     assert D.layer_spec_kind("cuda", te_available=True, adapters=True) == "local"
@@ -74,7 +74,6 @@ def test_adapters_get_the_local_spec_and_the_plan_knows_what_it_serves():
         for adapters in (False, True):
             local_on_gpu = te_spec and D.layer_spec_kind(name, te_available=True, adapters=adapters) == "local"
             assert (policy.packed_attention_for(adapters) is None) == local_on_gpu, (name, adapters)
-            assert policy.attention_keeps_scores(adapters) == local_on_gpu, (name, adapters)
 
 
 def test_te_available_is_a_bool_and_matches_import():

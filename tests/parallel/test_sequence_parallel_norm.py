@@ -61,13 +61,14 @@ def test_every_torch_norm_of_a_local_spec_is_replaced():
 def test_the_bridge_builds_the_local_spec_with_tagged_norms_under_sequence_parallelism(cpu_layer):
     """Off the CPU layer too (a GPU without TE, a LoRA actor on any GPU: `layer_spec_kind`): under sequence
     parallelism every norm of the local spec is the tagged one (megatron's own would assert), its core attention
-    megatron's own off the CPU layer and the CPU layer's stand-in on it; without SP the spec is megatron's."""
+    PyTorch's fused one off the CPU layer and the CPU layer's stand-in on it; without SP the norms are megatron's."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     from hybridrl.models.arch import ModelShape
     from hybridrl.models.bridge import layer_spec
     from hybridrl.models.layout import StageChunk
+    from hybridrl.parallel.sdpa_attention import sdpa_attention_class
 
     shape = ModelShape.from_hf_config({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
@@ -80,6 +81,6 @@ def test_the_bridge_builds_the_local_spec_with_tagged_norms_under_sequence_paral
     assert split.layer_norm is SequenceParallelTorchNorm
     assert layer.input_layernorm is SequenceParallelTorchNorm and layer.pre_mlp_layernorm is SequenceParallelTorchNorm
     core = layer.self_attention.submodules.core_attention
-    assert (core is DotProductAttention) is not cpu_layer
+    assert (core is sdpa_attention_class()) is not cpu_layer and core is not DotProductAttention
     whole = layer_spec(shape, "local", _config(num_layers=3), chunk, cpu_layer=False)
     assert whole.submodules.input_layernorm is WrappedTorchNorm
