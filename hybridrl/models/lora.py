@@ -31,18 +31,22 @@ vLLM serves the adapted model as plain weights through the usual resharding and 
 Mixture-of-experts models: every routed expert gets adapters of its own on its `linear_fc1` (gate and up, one A:
 type `lora`) and `linear_fc2` (down), as peft's `target_parameters` puts one rank-r adapter per expert on the
 transformers model's stacked expert weights. Under expert parallelism each rank holds its experts' adapters (drawn
-from the expert's global index, so any layout holds the same ones) and `lora_state` gathers them over the EP group.
-Each expert whole on its rank (expert TP 1): megatron's token dispatcher, not the expert's linear layers, moves
-an expert's inputs and outputs, so an adapter on a split expert would need its own reductions (not built). At dense
-TP > 1 (sequence parallelism) its halves are tagged as megatron tags expert weights: reduced over the expert
-data-parallel group by DDP, counted on every rank by the expert optimizer's grad norm, never summed over dense TP.
-Their state's names are per expert, as the family's checkpoint names the expert's weights
-(`...mlp.experts.{e}.gate_proj.lora_A.weight`, Mixtral's `...block_sparse_moe.experts.{e}.w1.lora_A.weight`: peft's
-names on a transformers model whose experts are linear layers), which peft itself converts when it loads a folder
-onto transformers 5's stacked experts (an expert's gate and up adapters one of rank 2r on gate_up_proj).
+from the expert's global index, so any layout holds the same ones). Split over expert TP (megatron's default: ETP =
+TP) an expert's adapters are sharded like a dense layer's over its expert TP group (fc1's A whole on each rank, B
+its rows; fc2's A its input columns, B whole), but reduce differently: megatron's token dispatcher, not the expert's
+linear layers, gathers the expert's tokens over expert TP and sums its ranks' fc2 outputs and input gradients, so
+each rank adds its own part of the adapter's output and only the gradient of the half held whole is summed over
+expert TP (`LoraAdapter._expert_delta`). `lora_state` gathers the experts' halves over the expert TP x EP group.
+The halves are tagged as megatron tags expert weights: reduced over the expert data-parallel group by DDP, never
+summed over dense TP; the expert optimizer's grad norm counts a half split over expert TP on every rank, one held
+whole on expert TP rank 0 alone (`_tag`). Their state's names are per expert, as the family's checkpoint names
+the expert's weights (`...mlp.experts.{e}.gate_proj.lora_A.weight`, Mixtral's
+`...block_sparse_moe.experts.{e}.w1.lora_A.weight`: peft's names on a transformers model whose experts are linear
+layers), which peft itself converts when it loads a folder onto transformers 5's stacked experts (an expert's gate
+and up adapters one of rank 2r on gate_up_proj).
 
 Not yet (issue 44): TransformerEngine's fused norm + linear (its input comes before the norm, which the adapter
-must apply first), adapters on experts split over expert TP or on shared experts, vLLM serving adapters on experts.
+must apply first), adapters on shared experts or on grouped-GEMM experts, vLLM serving adapters on experts.
 """
 from __future__ import annotations
 
@@ -86,14 +90,23 @@ class LoraSettings:
         return adapted_projections(self.kind, self.targets)
 
 
-def _tag(param: nn.Parameter, *, split_dim: int | None, sequence_parallel: bool, expert: bool) -> None:
+def _tag(param: nn.Parameter, *, split_dim: int | None, sequence_parallel: bool, expert: bool,
+         expert_tp_rank: int = 0) -> None:
+    """megatron's attributes for an adapter half: how DDP, `finalize_model_grads` and the grad norm treat it.
+    `split_dim`: the half is split over the layer's TP group along it (a routed expert's: over expert TP)."""
     if split_dim is not None:
         param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, split_dim, 1
-    elif expert:
-        # a routed expert's half, whole on its rank: tagged as megatron tags its expert weights whatever their expert
-        # TP, so the expert optimizer (whose grad norm is reduced over the expert TP x PP group, not the dense TP
-        # group) counts it on every dense TP rank; never sequence-parallel (nothing of it is summed over dense TP)
+    elif expert and expert_tp_rank == 0:
+        # a routed expert's half held whole on each of its expert TP ranks (on its one rank at expert TP 1), counted in
+        # the grad norm on expert TP rank 0 alone. The expert optimizer sums its norm over the expert TP x EP x PP
+        # group but counts an untagged parameter on dense TP rank 0 only (its `tp_group` is the dense one), which is
+        # not expert TP rank 0 when expert TP and TP differ: tagged as split, it is counted here whatever the dense TP
+        # rank. Never sequence-parallel: nothing of it is summed over dense TP
         param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
+    elif expert:
+        # its copy on another expert TP rank (the same values and, summed over expert TP, the same gradient): megatron's
+        # `shared` (a parameter another rank counts, as the tied output layer's) keeps it out of the grad norm
+        param.shared = True
     elif sequence_parallel:
         param.sequence_parallel = True
     if expert:
@@ -133,7 +146,7 @@ class LoraAdapter(nn.Module):
 
     def __init__(self, base: nn.Module, module_name: str, settings: LoraSettings, *, rows: Sequence[int],
                  groups: int = 1, name: str = "", layer: int = 0, expert: int | None = None,
-                 ep_group: object = None, hf_modules: Mapping[str, str] | None = None) -> None:
+                 expert_group: object = None, hf_modules: Mapping[str, str] | None = None) -> None:
         super().__init__()
         self.module_name = module_name
         self.settings = settings
@@ -143,11 +156,13 @@ class LoraAdapter(nn.Module):
         self.groups = groups  # query groups on this rank (linear_qkv's interleaving)
         self.layer = layer  # the global (Hugging Face) layer index
         self.expert = expert  # a routed expert's global index (None: a dense layer)
-        self.ep_group = ep_group  # the expert-parallel group its expert's peers are on (None: not split)
+        # a routed expert's: the group its layer's experts are spread over, megatron's expert TP x EP group (None: each
+        # expert whole on every rank)
+        self.expert_group = expert_group
         # a routed expert's Hugging Face module of each projection (`model.layers.0.mlp.experts.3.gate_proj`):
         # peft's names for its adapters (None: the dense layer's, `peft_name`)
         self.hf_modules = dict(hf_modules) if hf_modules is not None else None
-        self.tp_group = base.tp_group
+        self.tp_group = base.tp_group  # a routed expert's layer holds megatron's expert TP group
         self.tp, self.tp_rank = self.tp_group.size(), self.tp_group.rank()
         # an expert's linear sees the tokens the dispatcher sent it, not a sequence shard (megatron's expert
         # RowParallelLinear keeps the config's flag all the same)
@@ -176,11 +191,13 @@ class LoraAdapter(nn.Module):
                 a = nn.Parameter(full_a[:, self.tp_rank * per:(self.tp_rank + 1) * per].contiguous().to(device))
                 b = nn.Parameter(torch.zeros(out_rows, r).to(device))
                 _tag(a, split_dim=1, sequence_parallel=False, expert=is_expert)
-                _tag(b, split_dim=None, sequence_parallel=self.sequence_parallel, expert=is_expert)
+                _tag(b, split_dim=None, sequence_parallel=self.sequence_parallel, expert=is_expert,
+                     expert_tp_rank=self.tp_rank)
             else:
                 a = nn.Parameter(full_a.to(device))
                 b = nn.Parameter(torch.zeros(out_rows, r).to(device))
-                _tag(a, split_dim=None, sequence_parallel=self.sequence_parallel, expert=is_expert)
+                _tag(a, split_dim=None, sequence_parallel=self.sequence_parallel, expert=is_expert,
+                     expert_tp_rank=self.tp_rank)
                 _tag(b, split_dim=0, sequence_parallel=False, expert=is_expert)
             self.lora_A.append(a)
             self.lora_B.append(b)
@@ -212,6 +229,8 @@ class LoraAdapter(nn.Module):
         h = x.float()
         if self.settings.dropout:
             h = F.dropout(h, self.settings.dropout, self.training)
+        if self.expert is not None:
+            return self._expert_delta(h)
         if self.row_parallel:  # x: this rank's input columns; one projection
             (a,), (b,) = self.lora_A, self.lora_B
             partial = F.linear(h, a)
@@ -230,6 +249,34 @@ class LoraAdapter(nn.Module):
             if self.tp > 1 and not self.sequence_parallel:
                 low = mappings.copy_to_tensor_model_parallel_region(low, group=group)
             outs[part] = F.linear(low, b) * scaling
+        return self._layer_rows(outs, dim=-1)
+
+    def _expert_delta(self, h: torch.Tensor) -> torch.Tensor:
+        """A routed expert's adapter output: this rank's part of it, as its base layer's output is.
+
+        At expert TP > 1 megatron's alltoall dispatcher, not the expert's linear layers, does the expert's reductions
+        (`MoEAlltoAllTokenDispatcher`): it gathers the expert's tokens over the expert TP group (every rank of it sees
+        them all; the backward reduce-scatter sums the ranks' input gradients), and reduce-scatters (sums) the
+        ranks' linear_fc2 outputs. So the adapter reduces only what the dispatcher does not:
+        - linear_fc1 (column-parallel: A whole, B this rank's rows): B_r (A x). The input's gradient A^T B_r^T g_r
+          stays this rank's part of the sum the dispatcher takes; A's is the sum over expert TP of each rank's part,
+          summed by passing A through `copy_to_tensor_model_parallel_region` (identity forward, all-reduce backward).
+          The dense layers' all-reduce of A x's gradient instead would put the whole input gradient on every rank,
+          which the dispatcher would then count expert TP times.
+        - linear_fc2 (row-parallel: A this rank's input columns, B whole): B (A_r x_r), this rank's part of the sum the
+          combine takes (summing A_r x_r over expert TP first, as the dense layers do, would count the adapter expert
+          TP times). B's gradient is the sum over expert TP of g (A_r x_r)^T: B passed through the same function.
+        The halves held whole on each expert TP rank start equal (drawn from the expert's global index) and get the
+        same summed gradient, so they stay equal."""
+        from megatron.core.tensor_parallel import mappings
+
+        outs = {}
+        for part, a, b in zip(self.parts, self.lora_A, self.lora_B):
+            if self.tp > 1 and self.row_parallel:
+                b = mappings.copy_to_tensor_model_parallel_region(b, group=self.tp_group)
+            elif self.tp > 1:
+                a = mappings.copy_to_tensor_model_parallel_region(a, group=self.tp_group)
+            outs[part] = F.linear(F.linear(h, a), b) * self.settings.scaling
         return self._layer_rows(outs, dim=-1)
 
     def _layer_rows(self, by_part: dict[tuple[str, ...], torch.Tensor], dim: int) -> torch.Tensor:
@@ -323,8 +370,9 @@ def expert_hf_modules(shape: ModelShape, leaf: str, layer: int, expert: int) -> 
 def _expert_adapters(moe: nn.Module, leaf: str, settings: LoraSettings, shape: ModelShape, layer: int,
                      ep_rank: int) -> list[LoraAdapter]:
     """One adapter on `leaf` of each of this rank's routed experts (megatron's SequentialMLP: `local_experts`), under
-    the expert's global index (EP rank x experts per rank + local index)."""
-    from hybridrl.parallel.state import get_context
+    the expert's global index (EP rank x experts per rank + local index); at expert TP > 1 on this rank's part of the
+    expert (its base layer's expert TP group)."""
+    from megatron.core import parallel_state as megatron_state
 
     local = getattr(moe.experts, "local_experts", None)
     if local is None:
@@ -336,16 +384,14 @@ def _expert_adapters(moe: nn.Module, leaf: str, settings: LoraSettings, shape: M
         raise ValueError("adapters on experts are of type lora (gate and up share one A, as peft's adapter on the "
                          f"stacked gate_up_proj does); got {settings.kind}")
     rows = (shape.moe_ffn_hidden_size, shape.moe_ffn_hidden_size) if leaf == "linear_fc1" else (shape.hidden_size,)
-    ctx = get_context()
+    spread = megatron_state.get_expert_tensor_and_model_parallel_group()  # expert TP x EP
+    expert_group = spread if spread.size() > 1 else None
     out = []
     for local_index, expert in enumerate(local):
         base = getattr(expert, leaf)
-        if base.tp_group.size() > 1:
-            raise NotImplementedError(f"layer {layer}: adapters on experts split over expert TP "
-                                      f"({base.tp_group.size()}) are not built; set expert_tensor_parallel_size=1")
         index = ep_rank * len(local) + local_index
         adapter = LoraAdapter(base, leaf, settings, rows=rows, name=f"layers.{layer}.mlp.experts.{index}.{leaf}",
-                              layer=layer, expert=index, ep_group=ctx.ep_group if ctx.ep > 1 else None,
+                              layer=layer, expert=index, expert_group=expert_group,
                               hf_modules=expert_hf_modules(shape, leaf, layer, index))
         adapter.attach(base)
         out.append(adapter)
@@ -430,9 +476,9 @@ def _itself(param: torch.Tensor) -> torch.Tensor:
 
 
 def _gathered_over(adapter: LoraAdapter) -> object:
-    """The group `lora_state` gathers an adapter's halves over to make them whole: a routed expert's EP group (each
-    expert whole on its rank), else its TP group."""
-    return adapter.ep_group if adapter.ep_group is not None else adapter.tp_group
+    """The group `lora_state` gathers an adapter's halves over to make them whole: a routed expert's expert TP x EP
+    group, else its TP group."""
+    return adapter.expert_group if adapter.expert_group is not None else adapter.tp_group
 
 
 def reaches(adapter: LoraAdapter, root: int) -> bool:
@@ -443,11 +489,20 @@ def reaches(adapter: LoraAdapter, root: int) -> bool:
     return root in dist.get_process_group_ranks(_gathered_over(adapter))
 
 
+def _sent_by_expert_rank(adapter: LoraAdapter, dim: int | None) -> bool:
+    """Whether this rank gives a routed expert's half to its gather over expert TP x EP: its part of a half split over
+    expert TP; a half every expert TP rank holds whole, from expert TP rank 0 alone (the others' are copies)."""
+    return (dim is not None and adapter.tp > 1) or adapter.tp_rank == 0
+
+
 def _read_for_root(adapter: LoraAdapter, dim: int | None, root: int, me: int) -> bool:
-    """In a gather to `root`: whether rank `me` reads a half. The root reads every half it holds (the whole is
-    assembled there); another rank only those it sends: a routed expert's (over EP) and a half split over TP. A half
-    every TP rank holds whole is the root's own copy already."""
-    return me == root or adapter.ep_group is not None or (dim is not None and adapter.tp > 1)
+    """In a gather to `root`: whether rank `me` reads a half. A routed expert's: the halves it gives the gather
+    (`_sent_by_expert_rank`), the root's too. A dense layer's: the root reads every half it holds (the whole is
+    assembled there); another rank only its part of a half split over TP (one every TP rank holds whole is the root's
+    own copy already)."""
+    if adapter.expert_group is not None:
+        return _sent_by_expert_rank(adapter, dim)
+    return me == root or (dim is not None and adapter.tp > 1)
 
 
 def parameters_read_for_root(adapters: Sequence[LoraAdapter], root: int) -> list[nn.Parameter]:
@@ -468,8 +523,8 @@ def lora_state(adapters: Sequence[LoraAdapter], *, grads: bool = False,
                of: Callable[[nn.Parameter], torch.Tensor] | None = None,
                root: int | None = None) -> dict[str, torch.Tensor]:
     """Every adapter half (its gradient with `grads`; `of(param)` of it, e.g. an optimizer moment), whole, under
-    peft's names: split halves gathered over each layer's TP group, routed experts' over their EP group (a
-    collective: every rank of each of those groups calls it with its adapters, each gets the whole).
+    peft's names: a dense layer's split halves gathered over its TP group, routed experts' halves over their expert
+    TP x EP group (a collective: every rank of each of those groups calls it with its adapters, each gets the whole).
 
     `root` (a global rank in each adapter's group, `reaches`): the whole on `root` alone, the other ranks send their
     parts (`of` read only for those, `parameters_read_for_root`) and get nothing (an empty dict): what one writer
@@ -486,16 +541,25 @@ def lora_state(adapters: Sequence[LoraAdapter], *, grads: bool = False,
         if strays:
             raise ValueError(f"cannot gather {strays[:2]} to rank {root}: not in the group they are gathered over")
     out = {}
-    by_ep_group: dict[object, dict[str, torch.Tensor]] = {}  # routed experts' halves, by the EP group to gather over
+    # the routed experts' pieces this rank gives, by the expert TP x EP group they are gathered over
+    by_expert_group: dict[object, list[_ExpertPiece]] = {}
     for adapter in adapters:
         read: dict[int, torch.Tensor] = {}  # `of` once per parameter (a fused adapter's A serves each projection)
         for name, param, dim, cut in _halves(adapter):
             if root is not None and not _read_for_root(adapter, dim, root, me):
                 continue
+            if adapter.expert_group is not None and not _sent_by_expert_rank(adapter, dim):
+                continue  # a copy of what expert TP rank 0 gives
             if id(param) not in read:
                 read[id(param)] = pick(param).detach()
             tensor = cut(read[id(param)])
-            if dim is not None and adapter.tp > 1:  # `of` may give host tensors (a checkpoint's gathered state)
+            split = dim is not None and adapter.tp > 1
+            if adapter.expert_group is not None:
+                piece = _ExpertPiece(name, adapter.tp_rank if split else 0, adapter.tp if split else 1, dim,
+                                     tensor.cpu().clone())
+                by_expert_group.setdefault(adapter.expert_group, []).append(piece)
+                continue
+            if split:  # `of` may give host tensors (a checkpoint's gathered state)
                 tensor = tensor.contiguous().to(collective_device(adapter.tp_group))
                 if root is None:
                     parts = [torch.empty_like(tensor) for _ in range(adapter.tp)]
@@ -507,25 +571,50 @@ def lora_state(adapters: Sequence[LoraAdapter], *, grads: bool = False,
                         continue
                     parts = gathered
                 tensor = torch.cat(parts, dim=dim)
-            whole = tensor.cpu().clone()
-            if adapter.ep_group is None:
-                out[name] = whole
-            else:
-                by_ep_group.setdefault(adapter.ep_group, {})[name] = whole
-    for group, mine in by_ep_group.items():  # every EP rank's experts (names carry the global expert index)
-        everyone: list[dict[str, torch.Tensor] | None] | None
+            out[name] = tensor.cpu().clone()
+    for group, mine in by_expert_group.items():  # every rank's experts (names carry the global expert index)
+        everyone: list[list[_ExpertPiece] | None] | None
         if root is None:
             everyone = [None] * dist.get_world_size(group)
             dist.all_gather_object(everyone, mine, group=group)
         else:
             everyone = [None] * dist.get_world_size(group) if me == root else None
             dist.gather_object(mine, everyone, dst=root, group=group)
-        for theirs in everyone or ():  # nothing on a rank that only sent
-            if theirs is None:
-                raise RuntimeError("an EP rank gave no expert adapters to the gather")
-            out.update(theirs)
-    if by_ep_group:  # the experts came last: back to one order on every rank, by layer, then expert, then name
+        if everyone is not None:  # nothing on a rank that only sent
+            out.update(_whole_expert_halves(everyone))
+    if by_expert_group:  # the experts came last: back to one order on every rank, by layer, then expert, then name
         out = dict(sorted(out.items(), key=lambda item: _state_order(item[0])))
+    return out
+
+
+@dataclass(frozen=True)
+class _ExpertPiece:
+    """What one rank gives `lora_state`'s gather of a routed expert's half: its part `part` of `parts` (along `dim`
+    over expert TP; the whole half when `parts` is 1)."""
+
+    name: str
+    part: int
+    parts: int
+    dim: int | None
+    tensor: torch.Tensor
+
+
+def _whole_expert_halves(everyone: Sequence[Sequence[_ExpertPiece] | None]) -> dict[str, torch.Tensor]:
+    """Each expert half whole from the pieces every rank of its expert TP x EP group gave: a split half's parts
+    concatenated in expert TP order."""
+    by_name: dict[str, dict[int, _ExpertPiece]] = {}
+    for theirs in everyone:
+        if theirs is None:
+            raise RuntimeError("a rank of the expert TP x EP group gave no expert adapters to the gather")
+        for piece in theirs:
+            by_name.setdefault(piece.name, {})[piece.part] = piece
+    out = {}
+    for name, pieces in by_name.items():
+        first = next(iter(pieces.values()))
+        if sorted(pieces) != list(range(first.parts)):
+            raise RuntimeError(f"{name}: the gather over expert TP x EP got parts {sorted(pieces)} of {first.parts}")
+        out[name] = first.tensor if first.parts == 1 else torch.cat([pieces[i].tensor for i in range(first.parts)],
+                                                                      dim=first.dim)
     return out
 
 

@@ -1,16 +1,16 @@
 """A LoRA actor's part of a role checkpoint (`checkpointing.py`): its adapters and their optimizer state.
 
 The base is frozen, so the role's trained state is the adapters alone: each pipeline stage's adapters and Adam's
-moments of them, whole (gathered over TP, an MoE model's routed experts' over EP, and the distributed optimizer's
-shards over the group megatron sharded them over: DP x CP for the dense adapters, the expert data-parallel group
-for the experts') under peft's names, in one safetensors file per stage (`lora_state_pp000.safetensors`:
-`weight/<name>`, `exp_avg/<name>`, ...), written by the stage's first holder (DP and CP rank 0, TP rank 0). Only
-that writer holds the whole; the ranks that feed it hold their own part, the others nothing (every expert's weights
-and moments on every rank came to ~9 GB of host memory per rank for Qwen3-30B-A3B at r 16). Read back on any
-layout: each rank takes its adapters' slices of the whole tensors (`lora.local_lora_tensors`), its optimizer shard
-of them (over either group) through the same `load_optimizer` as a full model's. Rank 0 also writes the
-checkpoint's `lora/` folder: the adapters as a Hugging Face PEFT adapter (`peft.PeftModel.from_pretrained` loads it
-onto the transformers model).
+moments of them, whole (gathered over TP, an MoE model's routed experts' over expert TP x EP, and the distributed
+optimizer's shards over the group megatron sharded them over: DP x CP for the dense adapters, the expert
+data-parallel group for the experts') under peft's names, in one safetensors file per stage
+(`lora_state_pp000.safetensors`: `weight/<name>`, `exp_avg/<name>`, ...), written by the stage's first holder (DP
+and CP rank 0, TP rank 0). Only that writer holds the whole; the ranks that feed it hold their own part, the others
+nothing (every expert's weights and moments on every rank came to ~9 GB of host memory per rank for Qwen3-30B-A3B
+at r 16). Read back on any layout: each rank takes its adapters' slices of the whole tensors
+(`lora.local_lora_tensors`), its optimizer shard of them (over either group) through the same `load_optimizer` as a
+full model's. Rank 0 also writes the checkpoint's `lora/` folder: the adapters as a Hugging Face PEFT adapter
+(`peft.PeftModel.from_pretrained` loads it onto the transformers model).
 """
 from __future__ import annotations
 
@@ -86,8 +86,8 @@ def save_lora_checkpoint(backend: MegatronBackend, staging: Path) -> LoraSave:
     optimizer summary and the files written.
 
     Only what reaches the writer is gathered, and only to the ranks on its way: the writer's TP group sends its split
-    halves to it, the writer's EP group its experts; a distributed optimizer's shards go to the ranks that read them
-    for that (each group's holder of them whole), and the other ranks only send their shards or sit out."""
+    halves to it, the writer's expert TP x EP group its experts; a distributed optimizer's shards go to the ranks that
+    read them for that (each group's holder of them whole), and the other ranks only send their shards or sit out."""
     from safetensors.torch import save_file
 
     ctx = backend.ctx
@@ -107,8 +107,8 @@ def save_lora_checkpoint(backend: MegatronBackend, staging: Path) -> LoraSave:
     optimizer = optimizer_summary([rank_summary for rank_summary, _ in agreed])
     writer = next(rank for rank, (_, stage) in enumerate(agreed) if stage == ctx.pp_rank)
     kinds = optimizer["kinds"] if optimizer["step"] is not None else {}
-    # the adapters whose halves travel to the writer (the dense ones over its TP group, the routed experts' over its EP
-    # group; on the writer, all), and of them the parameters whose optimizer state must be whole here for it
+    # the adapters whose halves travel to the writer (the dense ones over its TP group, the routed experts' over its
+    # expert TP x EP group; on the writer, all), and of them the parameters whose optimizer state must be whole here
     to_writer = [adapter for adapter in adapters if reaches(adapter, writer)]
     read = {id(param) for param in parameters_read_for_root(to_writer, writer)}
     wanted = {i for i, entry in enumerate(entries) if id(entry.param) in read}

@@ -3,8 +3,9 @@ transformers model, whose experts are stacked 3-D parameters: peft loads a folde
 (its transformers-5 conversion: an expert's gate and up adapters one block-diagonal adapter of rank 2r on
 gate_up_proj, its down adapter one on down_proj, through its ParamWrapper). The same adapter
 values give the same logits (1e-5) and every adapter half's gradient as peft's exact (float64) one within 3x peft's
-own float32 error, at EP1 and EP2 (fp32, forked gloo ranks);
-the base alone gives the base model's logits and gets no gradient."""
+own float32 error, at EP1, EP2, TP2 and with each expert split over expert TP 2 (fp32, forked gloo ranks); the base
+alone gives the base model's logits and gets no gradient; a sync sends each expert's weights with its adapters
+merged."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -28,25 +29,36 @@ FUSED_ATTENTION = ("q_proj", "k_proj", "v_proj")
 
 
 def _moe_lora_rank(rank: int, world: int, hf_dir: str, state: dict[str, torch.Tensor],
-                   weights: torch.Tensor, export: str | None = None, tp: int = 1) -> dict[str, Any]:
-    """EP = world / TP; at TP > 1 with sequence parallelism (megatron's MoE layer trains only so) and each expert
-    whole on its rank (expert TP 1)."""
+                   weights: torch.Tensor, export: str | None = None, tp: int = 1, ep: int | None = None,
+                   etp: int = 1) -> dict[str, Any]:
+    """EP = world / TP unless given; at TP > 1 with sequence parallelism (megatron's MoE layer trains only so); each
+    expert split over `etp` ranks (1: whole on its rank)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as megatron_state
     from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
 
     from hybridrl.models.lora import LoraSettings
     from hybridrl.models.lora_targets import TARGETS
+    from hybridrl.parallel.device import collective_device
     from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
 
-    ctx = initialize_model_parallel(tp=tp, ep=world // tp, etp=1 if tp > 1 else None, device="cpu")
+    ctx = initialize_model_parallel(tp=tp, ep=world // tp if ep is None else ep, etp=etp, device="cpu")
     try:
         settings = LoraSettings(rank=RANK, alpha=ALPHA, kind="lora", targets=tuple(TARGETS["lora"]), seed=5)
         result, adapters = adapted_model_pass(rank, ctx, hf_dir, settings, state, weights, TOKENS, VOCAB,
                                               export=export, sequence_parallel=tp > 1)
         experts = [a for a in adapters if a.expert is not None]
-        # the expert optimizer's grad norm (reduced over expert TP x PP, not dense TP) counts a parameter on a rank
-        # when megatron's rule says it is no duplicate over dense TP: every expert half, on every rank
-        result["counted"] = all(param_is_not_tensor_parallel_duplicate(p, ctx.tp_group)
-                                for a in experts for p in a.parameters())
+        # the expert optimizer's grad norm: the squares of the parameters megatron counts on a rank (not `shared`, and
+        # no duplicate over the dense TP group by its rule), summed over the expert TP x EP x PP group: every expert
+        # half once (a half held whole on each expert TP rank counted on one of them)
+        norm_group = megatron_state.get_expert_tensor_model_pipeline_parallel_group()
+        counted = torch.zeros((), dtype=torch.float64, device=collective_device(norm_group))
+        for param in (p for a in experts for p in a.parameters()):
+            if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param, ctx.tp_group):
+                counted += param.detach().double().pow(2).sum().to(counted.device)
+        dist.all_reduce(counted, group=norm_group)
+        result["counted_squares"] = float(counted)
         result["local_experts"] = sorted({a.expert for a in experts})
         return result
     finally:
@@ -165,12 +177,26 @@ def _worst_relative_error(grads: dict[str, torch.Tensor], truth: dict[str, torch
                for name, exact in truth.items())
 
 
-@pytest.mark.parametrize("tp,ep", [(1, 1), (1, 2), (2, 1)])
-def test_expert_adapters_equal_peft_on_the_transformers_models_stacked_experts(hf_dir, tmp_path, tp, ep):
+def _expert_squares(state: dict[str, torch.Tensor]) -> float:
+    """The sum of squares of every expert's adapter parameters, each once (gate and up's one A counted once)."""
+    ups = [f".{up}.lora_A." for _, (_, up, _), _ in EXPERTS.values()]
+    return sum(float(t.double().pow(2).sum()) for name, t in state.items()
+               if ".experts." in name and not any(up in name for up in ups))
+
+
+@pytest.mark.parametrize("tp,ep,etp", [
+    (1, 1, 1), (1, 2, 1), (2, 1, 1),
+    (2, 1, 2),  # megatron's default at TP2: each expert split over the two TP ranks
+    (2, 2, 2),  # and over EP2 on 4 ranks
+    (1, 1, 2),  # expert TP over the dense DP ranks: ETP rank 1 is dense TP rank 0
+])
+def test_expert_adapters_equal_peft_on_the_transformers_models_stacked_experts(hf_dir, tmp_path, tp, ep, etp):
     """Against peft in float64 (the exact gradients), within 3x peft's own float32 error: the experts' sums run in
     another order in megatron (permuted tokens, each expert's matmuls apart) than in transformers (a grouped GEMM,
     peft's adapters merged into the weight first), so both float32 runs stray from the exact gradients by ~2e-5 of
     their largest entry (measured), past a flat 1e-5."""
+    import math
+
     state = _per_expert_state(hf_dir, 3)
     weights = torch.randn(*TOKENS.shape, VOCAB, generator=torch.Generator().manual_seed(4))
     reference = _peft_reference(hf_dir, state, weights, tmp_path / "reference")
@@ -178,12 +204,14 @@ def test_expert_adapters_equal_peft_on_the_transformers_models_stacked_experts(h
     peft_error = _worst_relative_error(reference["grads"], exact["grads"])
     assert 0 < peft_error < 1e-4
     exported = tmp_path / "exported"
-    results = run_ranks(_moe_lora_rank, tp * ep, str(hf_dir), state, weights, str(exported), tp, timeout_s=300)
+    world = math.lcm(tp, ep * etp)  # megatron's expert mesh (etp-ep-edp) tiles the dense one's TP x DP ranks
+    results = run_ranks(_moe_lora_rank, world, str(hf_dir), state, weights, str(exported), tp, ep, etp,
+                        timeout_s=300)
     experts = read_json(hf_dir / "config.json")["num_local_experts"]
-    # each EP rank adapts its own experts (expert e on EP rank e // (E / EP)), and gathers every expert's; at TP2 x
-    # EP1 both TP ranks hold every expert whole
-    assert [r["local_experts"] for r in results] == [list(range(i * experts // ep, (i + 1) * experts // ep))
-                                                    for i in range(ep) for _ in range(tp)]
+    # each EP rank adapts its own experts (expert e on EP rank e // (E / EP)), and gathers every expert's; global
+    # rank r is EP rank r // ETP % EP (the expert mesh's etp-ep-edp order)
+    assert [r["local_experts"] for r in results] == [
+        list(range(r // etp % ep * experts // ep, (r // etp % ep + 1) * experts // ep)) for r in range(world)]
     assert (reference["logits"] - reference["base"]).abs().max() > 1e-2  # the adapters change the model
     # the folder the ranks export (`save_peft_adapter`: every expert's adapters, gathered over EP), loaded by peft
     # onto the transformers model's stacked experts, gives the same logits
@@ -195,16 +223,19 @@ def test_expert_adapters_equal_peft_on_the_transformers_models_stacked_experts(h
         loaded = peft.PeftModel.from_pretrained(base, exported)(TOKENS).logits
     assert (loaded - results[0]["logits"]).abs().max() <= 1e-5
     for result in results:
-        assert result["counted"]
+        assert result["counted_squares"] == pytest.approx(_expert_squares(state), rel=1e-9)
         assert sorted(result["initial"]) == sorted(state)
         assert (result["logits"].double() - exact["logits"]).abs().max() <= 1e-5
+        log_probs = torch.log_softmax(result["logits"].double(), dim=-1)
+        assert (log_probs - torch.log_softmax(exact["logits"], dim=-1)).abs().max() <= 1e-5
         assert (result["logits"] - reference["logits"]).abs().max() <= 1e-5
         assert (result["base"] - reference["base"]).abs().max() <= 1e-5  # adapters off: the base model
         assert result["base_grads"] == []  # the base is frozen
         assert sorted(result["grads"]) == sorted(exact["grads"])
-        # every EP rank runs the same batch here, so an expert's adapters see its tokens from each of the EP ranks:
-        # EP times the one batch's gradient (megatron's DDP divides expert gradients by the data-parallel size)
-        expected = {name: grad * (ep if ".experts." in name else 1) for name, grad in exact["grads"].items()}
+        # every data-parallel rank runs the same batch here, so an expert's adapters see its tokens from each of the
+        # world / TP of them (over EP, expert TP and expert DP, the last summed by the harness as DDP would): that many
+        # times the one batch's gradient (megatron's DDP divides expert gradients by the data-parallel size)
+        expected = {name: grad * (world // tp if ".experts." in name else 1) for name, grad in exact["grads"].items()}
         assert _worst_relative_error(result["grads"], expected) <= 3 * peft_error
 
 
@@ -223,3 +254,55 @@ def test_a_fresh_expert_adapter_is_the_same_on_every_ep_layout(hf_dir):
     assert not torch.equal(a0, a1)
     assert torch.equal(a0, one[f"{expert}.0.{up}.lora_A.weight"])  # one A
     assert not one[f"{expert}.0.{down}.lora_B.weight"].any()  # B starts at 0
+
+
+def _merged_expert_sync_rank(rank: int, world: int, hf_dir: str, tp: int, ep: int, etp: int, infer_tp: int,
+                             state: dict[str, torch.Tensor]) -> dict[str, Any]:
+    from hybridrl.config.meshes import build_reshard_groups, build_training_mesh
+    from hybridrl.models.bridge import build_gpt_models, load_weights
+    from hybridrl.models.lora import LoraSettings, add_lora, load_lora_state, lora_adapters
+    from hybridrl.models.lora_targets import TARGETS
+    from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
+    from hybridrl.reshard.resharder import Resharder
+
+    initialize_model_parallel(tp=tp, ep=ep, etp=etp, device="cpu")
+    try:
+        models = build_gpt_models(hf_dir)
+        load_weights(models, hf_dir)
+        for model in models:
+            add_lora(model, LoraSettings(rank=RANK, alpha=ALPHA, kind="lora", targets=tuple(TARGETS["lora"])))
+        load_lora_state(lora_adapters(models), state)
+        groups = build_reshard_groups(build_training_mesh(world, tp, 1), infer_tp)
+        return {"shards": Resharder(models, groups).reshard(), "gen_tp_index": groups.gen_tp_index[rank]}
+    finally:
+        destroy_model_parallel()
+
+
+@pytest.mark.parametrize("tp,ep,etp,infer_tp", [(1, 2, 1, 1), (2, 1, 2, 1), (1, 1, 2, 2), (2, 2, 2, 2)])
+def test_a_sync_sends_each_experts_weights_with_its_adapters_merged(hf_dir, tp, ep, etp, infer_tp):
+    """The resharder reads each expert's weights as W + (alpha / r) B A from its adapters, whatever part of the
+    expert a rank holds (at expert TP 2 each rank's rows of fc1 and columns of fc2 with its part of the adapter):
+    every vLLM shard equals the shard of the checkpoint's weights with each per-expert adapter merged by hand
+    (peft's merge: `PeftMerge`), within 1e-6."""
+    import math
+
+    from hybridrl.models.lora import PeftMerge
+    from hybridrl.reshard.layout import hf_to_vllm_shards
+    from tests.support.models_fixtures import safetensors_state
+
+    state = _per_expert_state(hf_dir, 8)
+    world = math.lcm(tp, ep * etp)
+    results = run_ranks(_merged_expert_sync_rank, world, str(hf_dir), tp, ep, etp, infer_tp, state, timeout_s=300)
+    config, hf_state = read_json(hf_dir / "config.json"), safetensors_state(hf_dir)
+    merge = PeftMerge.of(state, ALPHA / RANK)
+    last = f".experts.{config['num_local_experts'] - 1}."  # every expert's adapters merged, under the file's names
+    assert any(last in name for name in merge.weights) and set(merge.weights) <= set(hf_state)
+    merged = {name: merge(name, tensor) for name, tensor in hf_state.items()}
+    for result in results:
+        expected, base = (hf_to_vllm_shards(weights, config, infer_tp, result["gen_tp_index"])
+                          for weights in (merged, hf_state))
+        assert sorted(result["shards"]) == sorted(expected)
+        for name, tensor in expected.items():
+            assert (result["shards"][name] - tensor).abs().max() <= 1e-6, name
+        changed = [n for n, t in expected.items() if not torch.equal(t, base[n])]
+        assert any("experts.w13" in n for n in changed) and any("experts.w2" in n for n in changed), changed
