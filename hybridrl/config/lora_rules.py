@@ -65,8 +65,8 @@ def _check_local_spec(check: Checker, config: JobConfig) -> None:
 
 
 def _check_expert_adapters(check: Checker, config: JobConfig, model: ModelShape) -> None:
-    """Adapters on an MoE model's routed experts (`models.lora`): one per expert, of type lora, each expert whole on
-    its rank; merged into the weights at each sync."""
+    """Adapters on an MoE model's routed experts (`models.lora`): one per expert, of type lora, at any expert TP and
+    EP; merged into the weights at each sync."""
     lora = config.actor_rollout_ref.model.lora
     expert_targets = sorted(set(lora.targets) & {"linear_fc1", "linear_fc2", "linear_fc1_gate", "linear_fc1_up"})
     if not expert_targets:
@@ -78,13 +78,6 @@ def _check_expert_adapters(check: Checker, config: JobConfig, model: ModelShape)
     if lora.dropout:
         check.fail(f"{LORA}.dropout", lora.dropout, f"{experts}: peft's adapters on stacked expert weights take "
                    "no dropout, so an exported adapter would not load", [0.0])
-    actor = config.actor_rollout_ref.actor.megatron
-    expert_tp = actor.expert_tensor_parallel_size or actor.tensor_model_parallel_size
-    if expert_tp != 1:
-        check.fail("actor_rollout_ref.actor.megatron.expert_tensor_parallel_size",
-                   actor.expert_tensor_parallel_size, f"{experts}: each expert whole on its rank is built (expert "
-                   f"TP 1; it is {expert_tp}): megatron's token dispatcher moves a split expert's inputs and "
-                   "outputs, which an adapter would have to reduce itself", [1])
     if len(model.moe_layers) < model.num_layers:
         dense = [i for i in range(model.num_layers) if i not in model.moe_layers]
         check.warnings.append(

@@ -423,26 +423,27 @@ def _role_on_gpu(memory: TrainingMemory, layout: RoleLayout, *, grads: bool | No
 
 
 def _layer_adapter_elements(lora: LoraConfig, model: ModelShape, ffn: int, *, tp: int = 1, experts: int = 0,
-                            peft_form: bool = False) -> int:
+                            expert_tp: int = 1, peft_form: bool = False) -> int:
     """`lora_targets.adapter_elements_per_layer` of one of `model`'s layers (its MLP of `ffn`, or `experts` of it)."""
     return adapter_elements_per_layer(lora.type, lora.targets, lora.rank, hidden=model.hidden_size,
                                       q_rows=model.num_attention_heads * model.head_dim,
                                       kv_rows=model.num_kv_heads * model.head_dim, ffn=ffn, tp=tp,
-                                      peft_form=peft_form, experts=experts)
+                                      peft_form=peft_form, experts=experts, expert_tp=expert_tp)
 
 
 def lora_elements_per_layer(lora: LoraConfig, model: ModelShape, tp: int, peft_form: bool = False,
-                            ep: int = 1) -> int:
+                            ep: int = 1, etp: int | None = None) -> int:
     """A LoRA actor's adapter elements per decoder layer on one TP rank (0 without adapters), an MoE model's the
-    mean over its layers (an MoE layer's this rank's experts', E / EP of them); `peft_form`: in a PEFT folder (what a
-    served-adapter sync moves: `lora_targets.adapter_elements_per_layer`)."""
+    mean over its layers (an MoE layer's this rank's experts', E / EP of them, each split over expert TP `etp`,
+    None: TP as megatron's default); `peft_form`: in a PEFT folder (what a served-adapter sync moves:
+    `lora_targets.adapter_elements_per_layer`)."""
     if lora.rank <= 0:
         return 0
     dense = _layer_adapter_elements(lora, model, model.ffn_hidden_size, tp=tp, peft_form=peft_form)
     if not model.is_moe:
         return dense
     moe = _layer_adapter_elements(lora, model, model.moe_ffn_hidden_size, tp=tp, peft_form=peft_form,
-                                  experts=model.num_experts // ep)
+                                  experts=model.num_experts // ep, expert_tp=tp if etp is None else etp)
     moe_layers = len(model.moe_layers)
     return (moe_layers * moe + (model.num_layers - moe_layers) * dense) // model.num_layers
 
@@ -918,7 +919,8 @@ def _training_memories(config: JobConfig, resolved: Resolved, policy: DevicePoli
             # the policy's passes compute the vocabulary only at the response tokens (training/actor.py)
             head_tokens=None if value_model else data.max_response_length,
             adapter_elements_per_layer=lora_elements_per_layer(arr.model.lora, model, mc.tensor_model_parallel_size,
-                                                               ep=mc.expert_model_parallel_size)
+                                                               ep=mc.expert_model_parallel_size,
+                                                               etp=mc.expert_tensor_parallel_size)
             if layout.role == Role.ACTOR else 0,
         ))
     return train_mem

@@ -34,11 +34,13 @@ def adapted_projections(kind: str, targets: tuple[str, ...]) -> frozenset[str]:
 
 
 def adapter_elements_per_layer(kind: str, targets: tuple[str, ...], rank: int, *, hidden: int, q_rows: int,
-                               kv_rows: int, ffn: int, tp: int = 1, peft_form: bool = False, experts: int = 0) -> int:
+                               kv_rows: int, ffn: int, tp: int = 1, peft_form: bool = False, experts: int = 0,
+                               expert_tp: int = 1) -> int:
     """One decoder layer's adapter elements on one TP rank (a column-parallel layer's A whole on each rank and B
     split; a row-parallel layer's A split and B whole), as `hybridrl.models.lora` builds them; `peft_form`: as a
     PEFT folder holds them (an A per projection, a fused adapter's shared A repeated). `experts` > 0: an MoE layer
-    whose MLP is that many experts of `ffn` on this rank, each whole (expert TP 1) with adapters of its own."""
+    whose MLP is that many experts of `ffn` on this rank with adapters of their own, each expert split over
+    `expert_tp` ranks as the dense layers are over TP."""
     adapted = adapted_projections(kind, targets)
     rows = {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows, "o_proj": hidden, "gate_proj": ffn,
             "up_proj": ffn, "down_proj": hidden}
@@ -49,7 +51,7 @@ def adapter_elements_per_layer(kind: str, targets: tuple[str, ...], rank: int, *
         if not mine:
             continue
         expert_mlp = experts > 0 and module in ("linear_fc1", "linear_fc2")
-        split, copies = (1, experts) if expert_mlp else (tp, 1)
+        split, copies = (expert_tp, experts) if expert_mlp else (tp, 1)
         parts = 1 if kind == "lora" and not peft_form else len(mine)
         if module in ROW_PARALLEL:
             total += copies * (parts * rank * inputs[module] // split + sum(rows[p] for p in mine) * rank)

@@ -72,13 +72,32 @@ def test_an_moe_models_experts_take_adapters_counted_per_rank(ep):
     assert f"the fp32 adapters train ({48 * (attention + 128 * expert):,} parameters" in render_plan(plan)
 
 
+@pytest.mark.parametrize("tp,etp", [(2, None), (1, 2), (2, 1)])
+def test_expert_adapters_split_over_expert_tp_are_counted_per_rank(tp, etp):
+    """Qwen3-30B-A3B at rank 8 (type lora) with each expert split over expert TP (None: TP, megatron's default), as
+    its weights are: an expert's fc1 A 8 x 2,048 whole on each expert TP rank and B 1,536 / ETP x 8 (its rows of gate
+    and up), fc2 A 8 x 768 / ETP (its input columns) and B 2,048 x 8 whole; the attention's split over TP as
+    always (qkv B 5,120 / TP x 8, proj A 8 x 4,096 / TP); all 128 experts' on each rank (EP 1), 48 layers."""
+    expert_tp = tp if etp is None else etp
+    attention = 8 * 2048 + 5120 * 8 // tp + 8 * 4096 // tp + 2048 * 8
+    expert = 8 * 2048 + 1536 * 8 // expert_tp + 8 * 768 // expert_tp + 2048 * 8
+    overrides = [QWEN3_30B, f"{LORA}.rank=8", f"actor_rollout_ref.actor.megatron.tensor_model_parallel_size={tp}",
+                 f"actor_rollout_ref.actor.megatron.sequence_parallel={str(tp > 1).lower()}"]
+    if etp is not None:
+        overrides.append(f"actor_rollout_ref.actor.megatron.expert_tensor_parallel_size={etp}")
+    plan = plan_from_sources(DEMO, overrides)
+    actor = next(m for m in plan.training_memory if m.role == "actor")
+    assert actor.grads_gib == pytest.approx(48 * (attention + 128 * expert) * 4 / GIB, abs=5e-4)
+    assert actor.optimizer_gib == pytest.approx(2 * actor.grads_gib, abs=2e-3)  # both rounded to 1e-3
+    whole = 48 * (8 * 2048 + 5120 * 8 + 8 * 4096 + 2048 * 8 + 128 * (8 * 2048 + 1536 * 8 + 8 * 768 + 2048 * 8))
+    assert f"the fp32 adapters train ({whole:,} parameters" in render_plan(plan)
+
+
 @pytest.mark.parametrize("overrides,field,phrase", [
     ([f"{LORA}.type=canonical_lora", f"{LORA}.target_modules=[linear_fc1_gate]"], f"{LORA}.type",
      "gate and up share an A"),
     ([f"{LORA}.dropout=0.1"], f"{LORA}.dropout", "take no dropout"),
     ([f"{LORA}.merge=false"], f"{LORA}.merge", "vLLM serving adapters on experts is not built"),
-    (["actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=2"],
-     "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size", "each expert whole on its rank"),
 ])
 def test_what_is_not_built_for_expert_adapters_is_refused(overrides, field, phrase):
     with pytest.raises(ConfigError) as refused:
