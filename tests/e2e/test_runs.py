@@ -718,13 +718,16 @@ def test_lora_grpo_raises_the_reward_proves_each_merged_sync_and_takes_the_base_
      "actor_rollout_ref.actor.megatron.use_distributed_optimizer=true"],
     ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
      "actor_rollout_ref.actor.megatron.sequence_parallel=true",
-     "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1"]], ids=["ep2-distopt", "tp2"])
+     "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1"],
+    ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+     "actor_rollout_ref.actor.megatron.sequence_parallel=true"]], ids=["ep2-distopt", "tp2", "tp2-etp2"])
 def test_lora_on_an_moe_models_experts_raises_the_reward_and_exports_what_peft_makes(demo_assets, tmp_path, layout):
     """GRPO with adapters on the tiny Qwen3-MoE's attention and on each of its 4 experts (rank 32, type lora) at EP2
     with megatron's distributed optimizer (each rank trains its 2 experts' adapters; the attention adapters' Adam
-    state sharded over the 2 DP ranks, gathered whole by the checkpoint) and at TP2 with sequence parallelism (each
-    expert whole on both ranks, its adapters' gradients reduced over them by megatron's DDP): every sync merges them
-    into the weights vLLM serves (proven by the probe); the reward rises (3x); the checkpoint's PEFT folder holds
+    state sharded over the 2 DP ranks, gathered whole by the checkpoint), at TP2 with sequence parallelism and
+    expert TP 1 (each expert whole on both ranks, its adapters' gradients reduced over them by megatron's DDP) and at
+    TP2 with megatron's default expert TP 2 (each rank trains its half of every expert's adapters): every sync merges
+    them into the weights vLLM serves (proven by the probe); the reward rises (3x); the checkpoint's PEFT folder holds
     every expert's adapters and the merged export is what peft makes of the base and that folder (on transformers'
     stacked experts)."""
     model = _tiny_moe_model(tmp_path)

@@ -434,7 +434,8 @@ def _moe_checkpoint_rank(rank: int, world: int, config: Any, batches: list[Any],
 
     backend, update, chunks = trained_role(config, "actor", batches)
     adapters = lora_adapters(backend.chunks)
-    out: dict[str, Any] = {"experts": sorted({a.expert for a in adapters if a.expert is not None})}
+    out: dict[str, Any] = {"experts": sorted({a.expert for a in adapters if a.expert is not None}),
+                           "expert_tp": sorted({a.tp for a in adapters if a.expert is not None})}
     if save:
         out["grad_norm"] = _grad_norm(update(chunks[0]))
         save_role_checkpoint(backend, ckpt)
@@ -455,10 +456,20 @@ def _moe_checkpoint_rank(rank: int, world: int, config: Any, batches: list[Any],
 MOE_LAYOUTS = {"ep2": (1, 2, False, 2), "ep2-distopt": (1, 2, True, 2), "ep1": (1, 1, False, 2),
                "tp2": (2, 1, False, 2), "tp2-distopt": (2, 1, True, 2),
                "ep2-dp2": (1, 2, False, 4), "ep2-dp2-distopt": (1, 2, True, 4)}
+# Each expert split over expert TP 2 (`EXPERT_TP`; the layouts above keep each expert whole, ETP 1): at TP2
+# (megatron's default ETP = TP), at TP2 x DP2 with the experts' Adam state sharded over expert DP 2 (ranks {0, 2}
+# and {1, 3}), at TP2 x DP2 as ETP2 x EP2, and at TP1 x DP2 (expert TP over the dense DP ranks)
+MOE_LAYOUTS["etp2"] = (2, 1, False, 2)
+MOE_LAYOUTS["etp2-dp2"] = (2, 1, False, 4)
+MOE_LAYOUTS["etp2-dp2-distopt"] = (2, 1, True, 4)
+MOE_LAYOUTS["ep2-etp2"] = (2, 2, False, 4)
+MOE_LAYOUTS["tp1-etp2"] = (1, 1, False, 2)
+EXPERT_TP = {"etp2": 2, "etp2-dp2": 2, "etp2-dp2-distopt": 2, "ep2-etp2": 2, "tp1-etp2": 2}
 
 
 # the distributed optimizer's (dense, expert) groups on those layouts: DP x CP, and expert DP
 SHARDED_OVER = {"ep2-distopt": [2, 1], "tp2-distopt": [1, 2], "ep2-dp2-distopt": [4, 2]}
+SHARDED_OVER["etp2-dp2-distopt"] = [2, 2]
 
 
 def _moe_lora_config(hf: Path, layout: str) -> Any:
@@ -470,6 +481,8 @@ def _moe_lora_config(hf: Path, layout: str) -> Any:
     megatron.expert_model_parallel_size = ep
     if tp > 1:  # megatron's MoE layer trains at TP > 1 only with sequence parallelism
         megatron.sequence_parallel, megatron.expert_tensor_parallel_size = True, 1
+    if layout in EXPERT_TP:
+        megatron.expert_tensor_parallel_size = EXPERT_TP[layout]
     c.actor_rollout_ref.model.lora.rank, c.actor_rollout_ref.model.lora.alpha = RANK, ALPHA
     return c
 
@@ -480,7 +493,12 @@ def _close(got: torch.Tensor, want: torch.Tensor, rtol: float) -> bool:
 
 @pytest.mark.parametrize("saved_on,resumed_on", [("ep2", "ep1"), ("ep2-distopt", "ep1"), ("ep1", "ep2-distopt"),
                                                  ("tp2-distopt", "ep2"), ("ep2", "tp2-distopt"),
-                                                 ("ep2-dp2-distopt", "ep1"), ("ep2", "ep2-dp2-distopt")])
+                                                 ("ep2-dp2-distopt", "ep1"), ("ep2", "ep2-dp2-distopt"),
+                                                 ("etp2", "ep2"),
+                                                 ("ep2", "etp2"),
+                                                 ("etp2-dp2-distopt", "ep1"),
+                                                 ("ep2", "etp2-dp2-distopt"),
+                                                 ("ep2-etp2", "tp1-etp2")])
 def test_expert_adapters_and_their_optimizer_state_resume_on_another_ep_layout(tmp_path, saved_on, resumed_on):
     """A LoRA actor on a Qwen3-MoE (8 experts, adapters on each) saved on one layout and resumed on another, with
     megatron's distributed optimizer on either side (its Adam shards of the dense adapters over DP, of the experts'
@@ -500,12 +518,14 @@ def test_expert_adapters_and_their_optimizer_state_resume_on_another_ep_layout(t
     ckpt = tmp_path / "ckpt"
     saved = run_ranks(_moe_checkpoint_rank, MOE_LAYOUTS[saved_on][3], _moe_lora_config(hf, saved_on), batches,
                       str(ckpt), True, timeout_s=400)
-    ep = MOE_LAYOUTS[saved_on][1]
-    # each rank holds its EP rank's experts (global rank r is EP rank r % EP at TP1; EP1 at TP2)
-    assert [r["experts"] for r in saved] == [list(range(r % ep * 8 // ep, (r % ep + 1) * 8 // ep))
+    ep, etp = MOE_LAYOUTS[saved_on][1], EXPERT_TP.get(saved_on, 1)
+    # each rank holds its EP rank's experts (global rank r is EP rank r // ETP % EP: the expert mesh's etp-ep-edp order)
+    assert [r["experts"] for r in saved] == [list(range(r // etp % ep * 8 // ep, (r // etp % ep + 1) * 8 // ep))
                                             for r in range(len(saved))]
     resumed = run_ranks(_moe_checkpoint_rank, MOE_LAYOUTS[resumed_on][3], _moe_lora_config(hf, resumed_on), batches,
                         str(ckpt), False, timeout_s=400)
+    for layout, runs in ((saved_on, saved), (resumed_on, resumed)):  # each expert's adapters split as its weights
+        assert all(r["expert_tp"] == [EXPERT_TP.get(layout, 1)] for r in runs), layout
     reference = saved[0]
     stage = load_file(str(ckpt / "lora_state_pp000.safetensors"))
     assert any(".experts.7.down_proj.lora_B" in n and t.abs().max() > 0 for n, t in reference["saved"].items())
@@ -648,7 +668,8 @@ def _held_bytes_by_hand(hf: Path, layout: str) -> list[int]:
     """What each rank of `layout` holds whole while saving the test model's adapters (fp32, rank RANK, type lora),
     counted from the shapes: the writer (rank 0) the stage file's tensors and the Adam moments of its own adapters
     gathered from distributed-optimizer shards; a rank that feeds it the moments of the parameters it sends (its
-    experts over EP; its halves split over TP), gathered whole from their shards; every other rank nothing."""
+    experts over EP; its halves split over TP or expert TP), gathered whole from their shards; every other rank
+    nothing."""
     from hybridrl.models.arch import ModelShape, read_hf_config
 
     shape = ModelShape.from_hf_config(read_hf_config(hf))
@@ -673,10 +694,18 @@ def _held_bytes_by_hand(hf: Path, layout: str) -> list[int]:
     if layout == "tp2-distopt":  # TP rank 1 sends its halves of qkv's B and o_proj's A; each expert whole on rank 0
         return [whole_file + moments * (qkv_a + qkv_b // 2 + o_a // 2 + o_b + experts * expert),
                 moments * (qkv_b // 2 + o_a // 2)]
+    if layout == "etp2-dp2-distopt":
+        # TP (and expert TP) rank 1 sends its halves split over TP: qkv's B and o_proj's A, and each expert's fc1 B
+        # and fc2 A; not the halves each expert TP rank holds whole (fc1's A, fc2's B: rank 0 gives those). Ranks 2
+        # and 3, the other DP replica, only send their optimizer shards
+        split_expert = 2 * ffn * r // 2 + r * ffn // 2
+        return [whole_file + moments * (qkv_a + qkv_b // 2 + o_a // 2 + o_b + experts * (r * h + split_expert + h * r)),
+                moments * (qkv_b // 2 + o_a // 2 + experts * split_expert), 0, 0]
     raise ValueError(layout)
 
 
-@pytest.mark.parametrize("layout", ["ep2", "ep2-dp2-distopt", "tp2-distopt"])
+@pytest.mark.parametrize("layout", ["ep2", "ep2-dp2-distopt", "tp2-distopt",
+                                    "etp2-dp2-distopt"])
 def test_only_the_writer_holds_a_stages_whole_adapter_state(tmp_path, layout):
     """A LoRA checkpoint's stage file (every expert's adapters and Adam moments) is assembled on its writer alone:
     the ranks of the writer's EP group (or TP group) hold only the state they send it, the other ranks nothing
