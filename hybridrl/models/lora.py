@@ -45,8 +45,9 @@ the expert's weights (`...mlp.experts.{e}.gate_proj.lora_A.weight`, Mixtral's
 layers), which peft itself converts when it loads a folder onto transformers 5's stacked experts (an expert's gate
 and up adapters one of rank 2r on gate_up_proj).
 
-Not yet (issue 44): TransformerEngine's fused norm + linear (its input comes before the norm, which the adapter
-must apply first), adapters on shared experts or on grouped-GEMM experts, vLLM serving adapters on experts.
+On GPUs too the adapters' model is megatron's local layer spec (`device.layer_spec_kind`): TransformerEngine's fused
+norm + linear takes its input before the norm, which an adapter would have to apply first. Not yet: adapters on
+TE's layers, on shared experts or on grouped-GEMM experts, vLLM serving adapters on experts.
 """
 from __future__ import annotations
 
