@@ -203,19 +203,35 @@ def layer_spec(shape: ModelShape, kind: str, config: Any = None, chunk: StageChu
     if kind == "te":
         return spec
     if cpu_layer:
-        from hybridrl.parallel.cpu.attention import with_cpu_packed_attention
+        from hybridrl.parallel.cpu.attention import cpu_packed_attention_class
 
-        spec = with_cpu_packed_attention(spec)
+        spec = _with_core_attention(spec, cpu_packed_attention_class())
     else:  # a GPU's local spec (no TE, or LoRA adapters): PyTorch's fused attention, not megatron's unfused one
-        from hybridrl.parallel.sdpa_attention import with_sdpa_attention
+        from hybridrl.parallel.sdpa_attention import sdpa_attention_class
 
-        spec = with_sdpa_attention(spec)
+        spec = _with_core_attention(spec, sdpa_attention_class())
     if config is not None and config.sequence_parallel:
         from hybridrl.parallel.sequence_parallel_norm import with_sequence_parallel_norms
 
         if chunk is None:
             raise ValueError("a sequence-parallel local layer spec needs its chunk")
         spec = with_sequence_parallel_norms(spec, chunk.num_layers)
+    return spec
+
+
+def _with_core_attention(spec: Any, attention: type) -> Any:
+    """The local GPT layer `spec`, or every layer of a block spec (MoE models: `layer_specs`, dense and MoE layers),
+    with megatron's `DotProductAttention` core attention replaced by `attention` (in place; returned)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    for layer in getattr(spec, "layer_specs", None) or [spec]:
+        submodules = layer.submodules.self_attention.submodules
+        if submodules.core_attention is attention:  # block specs share one spec object between layers
+            continue
+        if submodules.core_attention is not DotProductAttention:
+            raise ValueError(f"expected megatron's local DotProductAttention in the layer spec, found "
+                             f"{submodules.core_attention!r}")
+        submodules.core_attention = attention
     return spec
 
 

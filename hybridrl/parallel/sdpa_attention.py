@@ -76,16 +76,3 @@ def sdpa_attention_class() -> type:
             return context.permute(2, 0, 1, 3).reshape(query.size(0), query.size(1), self.hidden_size_per_partition)
 
     return SdpaDotProductAttention
-
-
-def with_sdpa_attention(spec: Any) -> Any:
-    """A local layer spec (or an MoE model's block spec) whose every `DotProductAttention` core attention is
-    `SdpaDotProductAttention`. Specs are changed in place (a block's layers may share one spec object)."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    layers = getattr(spec, "layer_specs", None) or [spec]
-    for layer in layers:
-        attention = layer.submodules.self_attention.submodules
-        if attention.core_attention is DotProductAttention:
-            attention.core_attention = sdpa_attention_class()
-    return spec

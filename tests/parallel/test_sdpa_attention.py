@@ -74,7 +74,7 @@ def test_the_bridge_builds_the_fused_attention_off_the_cpu_layer_only():
     from hybridrl.models.arch import ModelShape
     from hybridrl.models.bridge import layer_spec
     from hybridrl.parallel.cpu.attention import cpu_packed_attention_class
-    from hybridrl.parallel.sdpa_attention import sdpa_attention_class, with_sdpa_attention
+    from hybridrl.parallel.sdpa_attention import sdpa_attention_class
 
     shape = ModelShape.from_hf_config({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
@@ -83,6 +83,5 @@ def test_the_bridge_builds_the_fused_attention_off_the_cpu_layer_only():
     core = {cpu: layer_spec(shape, "local", cpu_layer=cpu).submodules.self_attention.submodules.core_attention
             for cpu in (False, True)}
     assert core[False] is sdpa_attention_class() and core[True] is cpu_packed_attention_class()
-    te = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
-    assert te.submodules.self_attention.submodules.core_attention is DotProductAttention  # megatron's, untouched
-    assert with_sdpa_attention(te).submodules.self_attention.submodules.core_attention is sdpa_attention_class()
+    megatrons = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    assert megatrons.submodules.self_attention.submodules.core_attention is DotProductAttention  # untouched

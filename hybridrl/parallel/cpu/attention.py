@@ -327,20 +327,3 @@ def _packed_attention_class() -> type:
 def cpu_packed_attention_class() -> type:
     """The `CpuPackedDotProductAttention` class (built once: it subclasses a megatron class, imported lazily)."""
     return _packed_attention_class()
-
-
-def with_cpu_packed_attention(spec: Any) -> Any:
-    """The local GPT layer `spec`, or every layer of a block spec (MoE models: `layer_specs`, dense and
-    MoE layers), with its core attention replaced by the stand-in (in place; returned)."""
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    stand_in = cpu_packed_attention_class()
-    for layer in getattr(spec, "layer_specs", None) or [spec]:
-        attention = layer.submodules.self_attention.submodules
-        if attention.core_attention is stand_in:  # block specs share one spec object between layers
-            continue
-        if attention.core_attention is not DotProductAttention:
-            raise ValueError(f"expected megatron's local DotProductAttention in the layer spec, found "
-                             f"{attention.core_attention!r}")
-        attention.core_attention = stand_in
-    return spec
