@@ -661,8 +661,8 @@ def recompute_share(plan: Plan, role: str) -> float:
     if plan.model is None:
         return 1 / 3
     budget = plan.token_budget
-    rows = plan.config.data.train_batch_size * plan.config.actor_rollout_ref.rollout.n
-    forward, update = _update_flops(plan.config, plan.resolved, plan.model, role, rows, budget.prompt_tokens,
+    forward, update = _update_flops(plan.config, plan.resolved, plan.model, role, plan.sequences_per_step,
+                                    budget.prompt_tokens,
                                     budget.sequence_tokens - budget.prompt_tokens, budget.sequence_tokens)
     return forward / update
 
@@ -832,7 +832,7 @@ def _memory(config: JobConfig, resolved: Resolved, policy: DevicePolicy, model: 
     `refuse_over_memory` is False, the rest of what does not fit a warning."""
     arr, data = config.actor_rollout_ref, config.data
     balances = _stage_balances(config, resolved, model, layouts)
-    train_mem = _training_memories(config, resolved, policy, model, layouts, updates, forwards)
+    train_mem = _training_memories(config, resolved, model, layouts, updates, forwards)
     sequences_per_replica = data.train_batch_size // infer_dp * arr.rollout.n
     if resolved.async_mode == "fully_async":  # up to max_staleness + 1 batches in flight at once
         sequences_per_replica *= resolved.max_staleness + 1
@@ -893,9 +893,8 @@ def full_recompute(config: JobConfig, layout: RoleLayout) -> bool:
             or layout.megatron.override_transformer_config.get("recompute_granularity") == "full")
 
 
-def _training_memories(config: JobConfig, resolved: Resolved, policy: DevicePolicy, model: ModelShape,
-                       layouts: list[RoleLayout], updates: list[UpdatePlan],
-                       forwards: list[ForwardPlan]) -> list[TrainingMemory]:
+def _training_memories(config: JobConfig, resolved: Resolved, model: ModelShape, layouts: list[RoleLayout],
+                       updates: list[UpdatePlan], forwards: list[ForwardPlan]) -> list[TrainingMemory]:
     """Each role's memory per GPU (a LoRA actor's reference is its own frozen base: none of its own)."""
     arr, data = config.actor_rollout_ref, config.data
     train_mem = []

@@ -91,7 +91,7 @@ def packing_line(plan: Plan) -> str:
         prefix, section = f"{name}.model", getattr(plan.config, name).model
         on = plan.resolved.packed(roles[0])
         why = "set" if section.use_remove_padding is not None else f"default on {plan.resolved.device}"
-        adapters = name == "actor_rollout_ref" and plan.resolved.lora_rank > 0
+        adapters = plan.resolved.trains_adapters(roles[0])
         if not on and section.use_remove_padding is None and plan.device_policy.packed_attention is not None:
             why += (", off: LoRA adapters build the actor on megatron's local layer spec, whose attention takes no "
                     "packed sequences" if plan.device_policy.packed_attention_for(adapters) is None

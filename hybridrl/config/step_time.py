@@ -84,7 +84,6 @@ DDP_BUCKET_PARAMS = 40_000_000
 ADAM_BYTES_PER_PARAM = 4 * 7
 
 
-
 @dataclass(frozen=True)
 class StepLengths:
     """A step's rows as they ran, to predict that step instead of the plan's full-length rows: the trainer compares
