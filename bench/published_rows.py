@@ -95,6 +95,12 @@ NEMO_COMMON = [
     "not in the step model: reward scoring, advantages, data movement, logging; NeMo's step time includes them",
     "the precision-aware optimizer is accepted (override_optimizer_config) but the model's Adam pass reads 28 B/param",
 ]
+NEMO_REFIT = [
+    "NeMo's switch from training to generation is NeMo's own cost, not hybridrl's sync: NeMo-RL measured its colocated "
+    "refit of Qwen3-30B-A3B at 13.1-17.2 s a step (B200, MXFP8; github.com/NVIDIA-NeMo/RL pull 3294) and ~20 s of a "
+    "DeepSeek-V3 refit in offloading (pull 638); the model charges hybridrl's in-place sync (well under a second) "
+    "and the PCIe copies of what it offloads",
+]
 NEMO_ASYNC = [
     "NeMo's async GRPO (max_trajectory_age_steps 1, in-flight weight updates, importance-sampling correction) is "
     "modelled as one_step_off: the step = the longer of generation (its own pool) and the rest (training pool)",
@@ -158,7 +164,7 @@ ROWS = (
     Row("N5-1", "NeMo-RL v0.5", "Llama-3.1-8B-Instruct", "on-policy, colocated, 16 GPUs",
         nemo("H100 BF16, GRPO LLAMA3.1_8B On", NEMO_V05), LLAMA, [], "h100-sxm", 92.8,
         published_tokens_per_s_per_gpu=1581, g_avg_seq=1019,
-        differences=NEMO_COMMON + [
+        differences=NEMO_COMMON + NEMO_REFIT + [
             "Megatron state (grads, Adam moments) leaves the GPU while vLLM generates (NeMo offloads before "
             "generation): modelled as PCIe copies",
             "defer_fp32_logits not modelled; activation checkpointing on (full recompute: 4/3 of the update's "
@@ -174,7 +180,7 @@ ROWS = (
     Row("N5-10", "NeMo-RL v0.5", "Qwen3-32B", "on-policy, colocated, 32 GPUs",
         nemo("H100 BF16, GRPO Qwen3-32B On", NEMO_V05), QWEN32, [], "h100-sxm", 376,
         published_tokens_per_s_per_gpu=571, g_avg_seq=3251,
-        differences=NEMO_COMMON + [
+        differences=NEMO_COMMON + NEMO_REFIT + [
             "Megatron state leaves the GPU while vLLM generates: modelled as PCIe copies",
             "sequence parallelism off (not stated; grpo_math_1B's default assumed)"]),
     Row("N5-11", "NeMo-RL v0.5", "Qwen3-32B", "1-step off, 32 generation + 32 training GPUs",
@@ -185,7 +191,7 @@ ROWS = (
     Row("N6-7", "NeMo-RL v0.6", "Qwen3-30B-A3B", "on-policy, colocated, 32 GPUs",
         nemo("H100 BF16, GRPO Qwen3-30B3A On", NEMO_V06), QWEN30, [], "h100-sxm", 192,
         published_tokens_per_s_per_gpu=1102, g_avg_seq=3203,
-        differences=NEMO_COMMON + MOE + ["Megatron state leaves the GPU while vLLM generates: PCIe copies"]),
+        differences=NEMO_COMMON + NEMO_REFIT + MOE + ["Megatron state leaves the GPU while vLLM generates: PCIe copies"]),
     Row("N6-8", "NeMo-RL v0.6", "Qwen3-30B-A3B", "1-step off, 16 generation + 16 training GPUs",
         nemo("H100 BF16, GRPO Qwen3-30B3A 1-step Off", NEMO_V06), QWEN30,
         pool(2, 8, 2, "one_step_off") + NEMO_OFF_POLICY + [f"{A}.actor.megatron.optimizer_offload=false",

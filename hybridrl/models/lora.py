@@ -61,6 +61,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from hybridrl.models.arch import ModelShape
 from hybridrl.models.lora_targets import (
@@ -147,7 +148,7 @@ class LoraAdapter(nn.Module):
 
     def __init__(self, base: nn.Module, module_name: str, settings: LoraSettings, *, rows: Sequence[int],
                  groups: int = 1, name: str = "", layer: int = 0, expert: int | None = None,
-                 expert_group: object = None, hf_modules: Mapping[str, str] | None = None) -> None:
+                 expert_group: ProcessGroup | None = None, hf_modules: Mapping[str, str] | None = None) -> None:
         super().__init__()
         self.module_name = module_name
         self.settings = settings
@@ -476,7 +477,7 @@ def _itself(param: torch.Tensor) -> torch.Tensor:
     return param
 
 
-def _gathered_over(adapter: LoraAdapter) -> object:
+def _gathered_over(adapter: LoraAdapter) -> ProcessGroup:
     """The group `lora_state` gathers an adapter's halves over to make them whole: a routed expert's expert TP x EP
     group, else its TP group."""
     return adapter.expert_group if adapter.expert_group is not None else adapter.tp_group
@@ -543,7 +544,7 @@ def lora_state(adapters: Sequence[LoraAdapter], *, grads: bool = False,
             raise ValueError(f"cannot gather {strays[:2]} to rank {root}: not in the group they are gathered over")
     out = {}
     # the routed experts' pieces this rank gives, by the expert TP x EP group they are gathered over
-    by_expert_group: dict[object, list[_ExpertPiece]] = {}
+    by_expert_group: dict[ProcessGroup, list[_ExpertPiece]] = {}
     for adapter in adapters:
         read: dict[int, torch.Tensor] = {}  # `of` once per parameter (a fused adapter's A serves each projection)
         for name, param, dim, cut in _halves(adapter):
