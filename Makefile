@@ -69,7 +69,7 @@ real-model: venv
 	$(PY) tools/fetch_real_model.py --out data/models/smollm2-135m-instruct
 
 # The second way in: GRPO on the real model (above) on arithmetic word problems through its chat
-# template, 2 CPU ranks at PP2, greedy validation before and after (configs/examples/smollm2_arith_grpo.yaml).
+# template, 2 CPU ranks at DP2, greedy validation before and after (configs/examples/smollm2_arith_grpo.yaml).
 demo-real: real-model
 	$(PY) tools/make_arith_data.py --out-dir data/arith --val-rows 64
 	$(VENV)/bin/hybridrl plan configs/examples/smollm2_arith_grpo.yaml > /dev/null

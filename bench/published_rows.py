@@ -191,7 +191,8 @@ ROWS = (
     Row("N6-7", "NeMo-RL v0.6", "Qwen3-30B-A3B", "on-policy, colocated, 32 GPUs",
         nemo("H100 BF16, GRPO Qwen3-30B3A On", NEMO_V06), QWEN30, [], "h100-sxm", 192,
         published_tokens_per_s_per_gpu=1102, g_avg_seq=3203,
-        differences=NEMO_COMMON + NEMO_REFIT + MOE + ["Megatron state leaves the GPU while vLLM generates: PCIe copies"]),
+        differences=NEMO_COMMON + NEMO_REFIT + MOE + [
+            "Megatron state leaves the GPU while vLLM generates: PCIe copies"]),
     Row("N6-8", "NeMo-RL v0.6", "Qwen3-30B-A3B", "1-step off, 16 generation + 16 training GPUs",
         nemo("H100 BF16, GRPO Qwen3-30B3A 1-step Off", NEMO_V06), QWEN30,
         pool(2, 8, 2, "one_step_off") + NEMO_OFF_POLICY + [f"{A}.actor.megatron.optimizer_offload=false",

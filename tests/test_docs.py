@@ -25,6 +25,8 @@ from hybridrl.config.verl_keys import ROLE, VERL_KEYS, verl_key
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "docs" / "user-guide.md"]
+# every document a user reads: the paths and links they name must exist too
+USER_DOCS = [*DOCS, *sorted(p for p in (ROOT / "docs").glob("*.md") if p not in DOCS), ROOT / "launch" / "README.md"]
 TOP_FOLDERS = ("configs/", "tools/", "launch/", "docs/", "bench/", "hybridrl/", "tests/", "docker/")
 
 
@@ -128,7 +130,33 @@ def test_every_hybridrl_command_parses(doc):
         assert not flags, f"{doc.name}: `{line}` uses flags hybridrl does not have: {flags}"
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def _anchor(heading: str) -> str:
+    """GitHub's id for a heading: lower case, punctuation but hyphens and underscores dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(doc: Path) -> set[str]:
+    return {_anchor(line.lstrip("#")) for line in _fenced(doc.read_text())[1].splitlines() if line.startswith("#")}
+
+
+@pytest.mark.parametrize("doc", USER_DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(doc):
+    """A markdown link to a file of this tree (relative to the document, as GitHub resolves it) names one that
+    exists, and its #anchor a heading of it."""
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", _fenced(doc.read_text())[1]):
+        if re.match(r"[a-z]+:", target):
+            continue  # https:, mailto:
+        path, _, anchor = target.partition("#")
+        file = (doc.parent / path).resolve() if path else doc
+        if not file.exists():
+            broken.append(target)
+        elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
+            broken.append(target)
+    assert not broken, f"{doc.relative_to(ROOT)} links to what does not exist: {broken}"
+
+
+@pytest.mark.parametrize("doc", USER_DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_repository_path_exists(doc):
     text = doc.read_text()
     candidates = set()

@@ -52,6 +52,8 @@ from hybridrl.models.layout import (
 from hybridrl.persistence import CheckpointError, atomic_dir, check_free_space, check_output_dir
 
 METADATA_FILE = "hybridrl_checkpoint.json"
+# a training checkpoint keeps each role's weights in such a checkpoint under `<global_step_N>/<role>/model`
+MODEL_DIR = "model"
 CHECKPOINT_FORMAT = "hybridrl-mcore"
 CHECKPOINT_VERSION = 1
 ASSETS_DIR = "hf_assets"

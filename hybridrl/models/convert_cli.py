@@ -51,6 +51,10 @@ def _positive(text: str) -> int:
     return value
 
 
+CKPT_HELP = ("checkpoint folder written by hybridrl, or a training checkpoint's global_step_N or global_step_N/actor "
+             "(the actor's model)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="direction", metavar="DIRECTION")
     sub.required = True
@@ -80,13 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common(to_mcore)
 
     to_hf = sub.add_parser("mcore-to-hf", help="sharded megatron checkpoint -> HF folder")
-    to_hf.add_argument("--ckpt", required=True, help="checkpoint folder written by hybridrl")
+    to_hf.add_argument("--ckpt", required=True, help=CKPT_HELP)
     to_hf.add_argument("--max-shard-size", type=parse_size, default="5GB",
                        help="largest safetensors file in the HF output (default 5GB)")
     common(to_hf)
 
     reshard = sub.add_parser("mcore-to-mcore", help="re-shard a megatron checkpoint to another TP/PP")
-    reshard.add_argument("--ckpt", required=True, help="checkpoint folder written by hybridrl")
+    reshard.add_argument("--ckpt", required=True, help=CKPT_HELP)
     parallel(reshard)
     common(reshard)
 
@@ -134,9 +138,29 @@ def _lora_merge(ckpt: str, shape: ModelShape) -> PeftMerge | None:
     return merge
 
 
+def model_folder(ckpt: str) -> str:
+    """`--ckpt` as a user gives it: the model checkpoint itself, or a training checkpoint's role folder
+    (`global_step_N/actor`, its weights in `model/`) or step folder (`global_step_N`: the actor's). Anything else is
+    returned as given, for the reader to refuse by name."""
+    from pathlib import Path
+
+    from hybridrl.models.checkpoint import METADATA_FILE, MODEL_DIR
+    from hybridrl.names import Role
+
+    given = Path(ckpt)
+    for folder in (given, given / MODEL_DIR, given / Role.ACTOR / MODEL_DIR):
+        if (folder / METADATA_FILE).is_file():
+            if folder != given:
+                print(f"hybridrl convert: reading the model checkpoint in {folder}")
+            return str(folder)
+    return ckpt
+
+
 def run(args: argparse.Namespace) -> int:
     if args.direction == "gguf-to-hf":
         return _run_gguf_to_hf(args)
+    if args.direction != "hf-to-mcore":
+        args.ckpt = model_folder(args.ckpt)
     from tqdm import tqdm
 
     from hybridrl.models.checkpoint import (

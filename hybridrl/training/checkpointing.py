@@ -64,7 +64,7 @@ import torch
 import torch.distributed as dist
 
 from hybridrl.models.bridge import chunk_info, load_weights, save_mcore_checkpoint, shared_staging_dir
-from hybridrl.models.checkpoint import write_rank_file
+from hybridrl.models.checkpoint import MODEL_DIR, write_rank_file
 from hybridrl.models.layout import holder_slot, rank_file_fields
 from hybridrl.parallel.state import failed_ranks
 from hybridrl.persistence import (
@@ -107,7 +107,6 @@ from hybridrl.training.train_state import (
 
 logger = logging.getLogger(__name__)
 
-MODEL_DIR = "model"
 FORMAT = "hybridrl-role-checkpoint"
 VERSION = 2
 

@@ -146,6 +146,27 @@ def assert_untouched(out: Path) -> None:
     assert leftovers == []
 
 
+@pytest.mark.parametrize("given", ["global_step_3", "global_step_3/actor"])
+def test_a_training_checkpoints_step_or_role_folder_converts_the_actors_model(hf_dirs, tmp_path, capsys, given):
+    """A user points `--ckpt` at what training wrote (`global_step_N/<role>/model` beside the optimizer's state):
+    the step folder or the actor's folder reads the actor's model, and says which folder it read."""
+    step = tmp_path / "global_step_3"
+    to_mcore(hf_dirs["llama"], step / "actor" / "model", 2, 1)
+    to_mcore(hf_dirs["qwen2"], step / "critic" / "model", 1, 1)  # another role's model: never the one read
+    assert convert("mcore-to-hf", "--ckpt", str(tmp_path / given), "--out", str(tmp_path / "hf")) == 0
+    assert f"reading the model checkpoint in {step / 'actor' / 'model'}" in capsys.readouterr().out
+    assert_same_tensors(safetensors_state(hf_dirs["llama"]), safetensors_state(tmp_path / "hf"))
+    assert convert("mcore-to-mcore", "--ckpt", str(tmp_path / given), "--out", str(tmp_path / "tp1"), "--tp", "1") == 0
+    assert read_json(tmp_path / "tp1" / METADATA_FILE)["layout"]["tp"] == 1
+
+
+def test_a_folder_holding_no_checkpoint_is_refused_by_name(tmp_path, capsys):
+    (tmp_path / "global_step_3" / "actor").mkdir(parents=True)
+    assert convert("mcore-to-hf", "--ckpt", str(tmp_path / "global_step_3"), "--out", str(tmp_path / "hf")) == 2
+    assert f"{tmp_path / 'global_step_3'} is not a hybridrl megatron checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
+
+
 def _copy_hf(src: Path, dst: Path) -> Path:
     import shutil
 
