@@ -621,7 +621,7 @@ def _step_flops(config: JobConfig, resolved: Resolved, model: ModelShape, update
     out = [(Phase.GEN, flops(Role.ACTOR, prompt / n + response))]
     out += [(PASS_PHASES[f.pass_name], passed(f.role)) for f in forwards
             if f.pass_name != "old_log_prob" or resolved.old_log_prob_pass]
-    out += [(UPDATE_PHASES[u.role], u.ppo_epochs * _update_flops(config, resolved, model, u.role, rows, prompt,
+    out += [(UPDATE_PHASES[Role(u.role)], u.ppo_epochs * _update_flops(config, resolved, model, u.role, rows, prompt,
                                                                   response, computed)[1]) for u in updates]
     return tuple(out)
 

@@ -7,6 +7,7 @@ the Plan carries them as `Plan.resolved`, so no code re-derives a default.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from hybridrl.algorithms.names import CRITIC_ADV_ESTIMATORS
 from hybridrl.config.meshes import expert_group_spans_replicas
@@ -111,13 +112,22 @@ class PassBatching:
     max_tokens: int
 
 
+class LogProbBatching(Protocol):
+    """A section that may set its log-prob pass's micro-batching (rollout, ref, teacher)."""
+
+    log_prob_use_dynamic_bsz: bool | None
+    log_prob_max_token_len_per_gpu: int | None
+
+
 def pass_batching(config: JobConfig, pass_name: str) -> PassBatching:
     """The micro-batching of a pass: for the old, ref and teacher log-prob passes their section's
     log_prob_use_dynamic_bsz / log_prob_max_token_len_per_gpu where set, else (and for every other pass) the actor's
     use_dynamic_bsz / ppo_max_token_len_per_gpu (verl's defaults for them)."""
     arr = config.actor_rollout_ref
     dynamic, max_tokens = arr.actor.use_dynamic_bsz, arr.actor.ppo_max_token_len_per_gpu
-    section = {"old_log_prob": arr.rollout, "ref_log_prob": arr.ref, "teacher_log_prob": config.teacher}.get(pass_name)
+    sections: dict[str, LogProbBatching] = {"old_log_prob": arr.rollout, "ref_log_prob": arr.ref,
+                                            "teacher_log_prob": config.teacher}
+    section = sections.get(pass_name)
     if section is not None:
         if section.log_prob_use_dynamic_bsz is not None:
             dynamic = section.log_prob_use_dynamic_bsz
@@ -137,10 +147,10 @@ def _teacher_world(config: JobConfig) -> int:
     teacher = config.teacher
     if not (config.algorithm.distillation.enable and teacher.mode == "disaggregated"):
         return 0
-    sizes = (teacher.nnodes, teacher.n_gpus_per_node)
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes):
+    nodes, per_node = teacher.nnodes, teacher.n_gpus_per_node
+    if type(nodes) is not int or type(per_node) is not int or nodes < 1 or per_node < 1:  # bool is not int here
         return 0
-    return teacher.nnodes * teacher.n_gpus_per_node
+    return nodes * per_node
 
 
 def _lora_rank(config: JobConfig) -> int:
@@ -172,11 +182,13 @@ def resolve(config: JobConfig, model: ModelShape | None = None) -> Resolved:
     # it is dense. Only the actor's shape is known here: an MoE router's losses and counts would see a
     # shared prompt once (the plan refuses true for an MoE actor; the critic's and reward model's own
     # shapes are checked by their workers).
-    sections = {"actor_rollout_ref": ((actor.megatron, config.actor_rollout_ref.ref.megatron),
-                                      model is None or not model.is_moe),
-                "critic": ((config.critic.megatron,), True),
-                "reward_model": ((config.reward_model.megatron,), True),
-                "teacher": ((config.teacher.megatron,), True)}
+    ref_layout = config.actor_rollout_ref.ref.megatron
+    actor_layouts = (actor.megatron,) if ref_layout is None else (actor.megatron, ref_layout)
+    sections: dict[str, tuple[tuple[MegatronConfig, ...], bool]] = {
+        "actor_rollout_ref": (actor_layouts, model is None or not model.is_moe),
+        "critic": ((config.critic.megatron,), True),
+        "reward_model": ((config.reward_model.megatron,), True),
+        "teacher": ((config.teacher.megatron,), True)}
     packed: list[str] = []
     shared: list[str] = []
     for section, (layouts, dense) in sections.items():
@@ -239,14 +251,14 @@ def _distillation_top_k(config: JobConfig) -> int:
     return DEFAULT_DISTILLATION_TOP_K if settings.top_k is None else settings.top_k
 
 
-def remove_padding(configured: bool | None, policy: DevicePolicy, *layouts: MegatronConfig | None,
+def remove_padding(configured: bool | None, policy: DevicePolicy, *layouts: MegatronConfig,
                    adapters: bool = False) -> bool:
     """A model section's use_remove_padding: as set, or (unset) on where the device serves packed
     attention to its model (`adapters`: one with LoRA adapters) and none of the `layouts` that run the model
     needs equal-width micro-batches."""
     if configured is not None:
         return bool(configured)  # the loader admits only true, false or null
-    if any(mc is not None and needs_uniform_micro_batches(mc) for mc in layouts):
+    if any(needs_uniform_micro_batches(mc) for mc in layouts):
         return False
     return policy.packed_attention_for(adapters) is not None
 
@@ -310,7 +322,7 @@ def role_megatron(config: JobConfig, role: str) -> MegatronConfig:
         Role.CRITIC: config.critic.megatron,
         Role.REWARD_MODEL: config.reward_model.megatron,
         Role.TEACHER: config.teacher.megatron,
-    }[role]
+    }[Role(role)]
 
 
 def role_megatron_field(config: JobConfig, role: str) -> str:
@@ -323,10 +335,10 @@ def role_megatron_field(config: JobConfig, role: str) -> str:
         Role.CRITIC: "critic.megatron",
         Role.REWARD_MODEL: "reward_model.megatron",
         Role.TEACHER: "teacher.megatron",
-    }[role]
+    }[Role(role)]
 
 
-def active_roles(config: JobConfig, resolved: Resolved) -> list[str]:
+def active_roles(config: JobConfig, resolved: Resolved) -> list[Role]:
     roles = [Role.ACTOR]
     if resolved.ref_enabled:
         roles.append(Role.REF)

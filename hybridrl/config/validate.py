@@ -78,7 +78,7 @@ def validate(
             if Role.ACTOR in dp_of:
                 dp_of[Role.REF] = dp_of[Role.ACTOR]
             continue
-        dp = _check_layout(check, role_fields[role], role_megatron(config, role),
+        dp = _check_layout(check, role_fields[Role(role)], role_megatron(config, role),
                            teacher_world if role == Role.TEACHER else world,
                            teacher if role == Role.TEACHER else model, trainable=role in (Role.ACTOR, Role.CRITIC))
         if dp:

@@ -173,15 +173,15 @@ def run(args: argparse.Namespace) -> int:
 
     progress = not args.quiet
     dtype = parse_dtype(args.dtype)
-    reader = None
+    reader: HFCheckpointReader | McoreCheckpointReader | None = None
     try:
         if args.direction == "hf-to-mcore":
             reader = HFCheckpointReader(args.hf)
         else:
-            reader = McoreCheckpointReader(args.ckpt, verify=False)
-            with tqdm(total=reader.num_tensors(), desc="verify sha256", unit="tensor", leave=False,
+            reader = mcore = McoreCheckpointReader(args.ckpt, verify=False)
+            with tqdm(total=mcore.num_tensors(), desc="verify sha256", unit="tensor", leave=False,
                       disable=not progress) as bar:
-                reader.verify(bar.update)
+                mcore.verify(bar.update)
         if args.direction == "mcore-to-hf":
             merge = _lora_merge(args.ckpt, reader.shape)
             out = write_hf_checkpoint(reader, args.out, dtype=dtype, max_shard_bytes=args.max_shard_size,
