@@ -147,7 +147,25 @@ def actor_figures(model: Any, config: dict[str, Any], device: str, batch: int, s
         "mfu": train_tflops / peak_tflops,
         "logprob_tokens_per_s": n_tokens / logprob_s,
         "logprob_tflops": flops_per_token(config, seq, training=False) * n_tokens / logprob_s / 1e12,
+        **implied_efficiencies(config, batch, seq, train_s, logprob_s, peak_tflops),
     }
+
+
+def implied_efficiencies(config: dict[str, Any], batch: int, seq: int, train_s: float, logprob_s: float,
+                         peak_tflops: float) -> dict[str, float]:
+    """The step-time model's `update_matmul` and `forward_matmul` (hybridrl.config.hardware.Efficiency) that would
+    predict these measured passes exactly: its own FLOP count of them (`forward_flops`: causal attention's half,
+    where the MFU convention above counts the whole s x s) over the seconds at the device's peak. At TP1, PP1 on one
+    GPU the model's update compute is 3 forwards' FLOPs / (peak x update_matmul) and a log-prob pass is one forward's
+    / (peak x forward_matmul), with nothing else (no fixed costs on a shipped GPU, no TP traffic), so these are the
+    calibration of those two numbers on this device."""
+    from hybridrl.config.estimates import forward_flops
+    from hybridrl.models.arch import ModelShape
+
+    forward = forward_flops(ModelShape.from_hf_config(config), rows=batch, layer_tokens=seq, head_tokens=seq,
+                            seq_len=seq, vocab_head=True)
+    peak = peak_tflops * 1e12
+    return {"update_matmul_implied": 3 * forward / peak / train_s, "forward_matmul_implied": forward / peak / logprob_s}
 
 
 def speed_figures(config: dict[str, Any], device: str, dtype: torch.dtype, batch: int, seq: int, iters: int,
@@ -172,6 +190,8 @@ def speed_figures(config: dict[str, Any], device: str, dtype: torch.dtype, batch
         figures = actor_figures(models[0], config, device, batch, seq, iters, peak_tflops)
         row[f"{label}_train_tokens_per_s"] = figures["train_tokens_per_s"]
         row[f"{label}_mfu"] = figures["mfu"]
+        row[f"{label}_update_matmul_implied"] = figures["update_matmul_implied"]
+        row[f"{label}_forward_matmul_implied"] = figures["forward_matmul_implied"]
         del models
     row["speedup"] = row["hybridrl_defaults_train_tokens_per_s"] / row["megatron_defaults_train_tokens_per_s"]
     return row
@@ -554,6 +574,8 @@ def run(args: argparse.Namespace, out: str | None = None) -> dict[str, Any]:
 
 
 def render(result: dict[str, Any]) -> str:
+    from hybridrl.config.hardware import Efficiency
+
     lines = [f"device {result.get('gpu', result['device'])}, {result['dtype']}, layer spec {result['layer_spec']}, "
              f"batch {result['batch']} x seq {result['seq']}; measured matmul {result['matmul_tflops']:.3g} TFLOP/s"]
     workers = result.get("workers")
@@ -593,6 +615,11 @@ def render(result: dict[str, Any]) -> str:
               f"{r['megatron_defaults_train_tokens_per_s']:.0f} (MFU {r['megatron_defaults_mfu']:.1%}): "
               f"x{r['speedup']:.2f}; on {', '.join(r['speed_on'])}; off here {', '.join(r['speed_off'])}"
               for name, r in result["models"].items() if "speedup" in r]
+    stated = Efficiency()
+    lines += [f"{name}: the step-time model's efficiencies this device implies (hybridrl's cuda defaults): "
+              f"update_matmul {r['hybridrl_defaults_update_matmul_implied']:.3f} (stated {stated.update_matmul}), "
+              f"forward_matmul {r['hybridrl_defaults_forward_matmul_implied']:.3f} (stated {stated.forward_matmul})"
+              for name, r in result["models"].items() if "hybridrl_defaults_update_matmul_implied" in r]
     lines += [f"not reached here: {path}" for path in result.get("unreached", [])]
     return "\n".join(lines)
 

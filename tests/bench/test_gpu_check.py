@@ -41,6 +41,20 @@ def test_tiny_cpu_run_measures_every_part(tmp_path):
     assert row["speed_on"] == ["bias_activation_fusion", "bias_dropout_fusion"]
     assert {"apply_rope_fusion", "gradient_accumulation_fusion"} <= set(row["speed_off"])
     assert row["hybridrl_defaults_train_tokens_per_s"] > 0 and row["megatron_defaults_train_tokens_per_s"] > 0
+    # issue 46's calibration: the efficiencies that make the step-time model predict these passes, on the model's
+    # own FLOP count (causal attention's half) where the MFU counts the whole s x s: the same seconds, fewer FLOPs
+    from hybridrl.config.estimates import forward_flops
+    from hybridrl.models.arch import ModelShape
+
+    batch, seq = data["batch"], data["seq"]
+    counted = forward_flops(ModelShape.from_hf_config(gpu_check.TINY), rows=batch, layer_tokens=seq,
+                            head_tokens=seq, seq_len=seq, vocab_head=True)
+    convention = gpu_check.flops_per_token(gpu_check.TINY, seq, training=False) * batch * seq
+    assert counted < convention
+    assert row["update_matmul_implied"] == pytest.approx(row["mfu"] * counted / convention, rel=1e-9)
+    logprob_mfu = row["logprob_tflops"] / 989.0
+    assert row["forward_matmul_implied"] == pytest.approx(logprob_mfu * counted / convention, rel=1e-9)
+    assert row["hybridrl_defaults_update_matmul_implied"] > 0 and row["hybridrl_defaults_forward_matmul_implied"] > 0
     # the workers' own data path, fed a host batch as the controller sends it
     workers = data["workers"]
     assert workers["workers_result_devices"] == "cpu"
