@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from hybridrl.config.errors import ConfigError, ConfigIssue
+from hybridrl.config.yaml_load import load_yaml
 
 
 class HardwareError(ValueError):
@@ -120,8 +121,8 @@ def load_hardware(value: str) -> Hardware:
         raise HardwareError(f"is neither a shipped hardware name ({', '.join(SHIPPED)}) nor a YAML file of the "
                             f"fields {', '.join(NUMBER_FIELDS)}")
     try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
+        data = load_yaml(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise HardwareError(f"could not be read as YAML: {exc}") from None
     if not isinstance(data, dict):
         raise HardwareError(f"must hold a mapping of the fields {', '.join(NUMBER_FIELDS)}")

@@ -18,6 +18,7 @@ import yaml
 from hybridrl.config.errors import ConfigError, ConfigIssue, show_value
 from hybridrl.config.schema import REF_DEFAULTS_TO_ACTOR, REF_SHARES_WITH_ACTOR, JobConfig, MegatronConfig, without_none
 from hybridrl.config.verl_keys import Refused, Restates, restated, verl_key
+from hybridrl.config.yaml_load import RepeatedKeyError, load_yaml
 
 # Fields users of other trainers write directly on a role: accepted there and moved into the
 # role's `megatron` section, so `actor_rollout_ref.actor.tensor_model_parallel_size=2` works too.
@@ -126,11 +127,19 @@ def config_to_dict(config: Any) -> dict[str, Any]:
 
 
 def _read_yaml(path: Path, issues: list[ConfigIssue]) -> dict[str, Any]:
+    if path.is_dir():
+        issues.append(ConfigIssue(CONFIG_FILE, str(path), "is a folder: give a YAML file (configs/examples/ has some)"))
+        return {}
     if not path.is_file():
         issues.append(ConfigIssue(CONFIG_FILE, str(path), "file not found"))
         return {}
     try:
-        loaded = yaml.safe_load(path.read_text())
+        with path.open(encoding="utf-8") as stream:  # read as a stream: YAML's errors then name the file
+            loaded = load_yaml(stream)
+    except UnicodeDecodeError as exc:
+        issues.append(ConfigIssue(CONFIG_FILE, str(path), f"not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at "
+                                  f"offset {exc.start}): save the file as UTF-8"))
+        return {}
     except yaml.YAMLError as exc:
         issues.append(ConfigIssue(CONFIG_FILE, str(path), f"not valid YAML: {exc}"))
         return {}
@@ -150,7 +159,10 @@ def _parse_override(override: str, issues: list[ConfigIssue]) -> list[tuple[tupl
         issues.append(ConfigIssue("<override>", override, "expected the form section.field=value"))
         return None
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
+        value = load_yaml(text) if text.strip() else ""
+    except RepeatedKeyError as exc:
+        issues.append(ConfigIssue("<override>", override, f"not valid YAML: {exc}"))
+        return None
     except yaml.YAMLError:
         value = text  # not YAML: take it as a plain string, the type check decides
     parts = tuple(key.split("."))

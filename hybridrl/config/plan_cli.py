@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="try every layout of the job's cluster (TP, PP, vLLM's TP, colocated or a rollout pool "
                              "of its own, offload, recompute) and print the fastest by the predicted step time "
                              "(needs trainer.hardware)")
-    parser.add_argument("--top", type=int, default=5, help="--search: how many layouts to print (default 5)")
+    parser.add_argument("--top", type=int, default=None, help="--search: how many layouts to print (default 5)")
     parser.add_argument("--target-step-time", type=float, default=None, metavar="SECONDS",
                         help="--search: the smallest cluster (the job's GPU type; part of a machine, then 1, 2, 4, "
                              "... machines) whose best layout predicts a step of at most SECONDS")
@@ -37,9 +37,10 @@ def run(args: argparse.Namespace) -> int:
     config_path, overrides = args.config, list(args.overrides)
     if config_path and "=" in config_path and not config_path.endswith((".yaml", ".yml")):
         config_path, overrides = None, [config_path, *overrides]  # only overrides were given
-    if args.top < 1:
-        print(f"hybridrl plan: --top={args.top} must be a number of layouts >= 1", file=sys.stderr)
+    if args.top is not None and (not args.search or args.top < 1):
+        print(f"hybridrl plan: --top={args.top} needs --search and a number of layouts >= 1", file=sys.stderr)
         return 2
+    top = args.top if args.top is not None else 5
     if args.target_step_time is not None and (not args.search or not args.target_step_time > 0):
         print(f"hybridrl plan: --target-step-time={args.target_step_time} needs --search and a number of seconds > 0",
               file=sys.stderr)
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
               else render_sizing(sizing, config_path or ""))
     elif args.search:
         print(json.dumps(dataclasses.asdict(result), indent=2) if args.format == "json"
-              else render_search(result, config_path or "", args.top))
+              else render_search(result, config_path or "", top))
     else:
         print(plan.to_json() if args.format == "json" else render_plan(plan))
     return 0

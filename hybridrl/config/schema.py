@@ -45,6 +45,10 @@ RouterReplayMode = Literal["none", "rollout"]
 # processes of its own on the training GPUs) or on ranks of its own (a pool beside the trainer's).
 PlacementMode = Literal["colocated", "disaggregated"]
 # How far generation runs ahead of training (disaggregated only): not at all, one step, continuously.
+# Every seed a config sets, and each one hybridrl derives (per request, per layer): in [0, 2**31). numpy's generators,
+# which megatron's and vLLM's seeding reach, take [0, 2**32), and megatron adds per-rank offsets.
+SEED_RANGE = 2**31
+CUSTOM_REWARD_NAME = "compute_score"  # verl's name for a custom reward function
 AsyncMode = Literal["sync", "one_step_off", "fully_async"]
 # fully_async: what happens to a sample older than rollout.max_staleness when the trainer reaches it.
 StaleSamples = Literal["drop", "keep"]
@@ -527,7 +531,7 @@ class TeacherConfig:
 @dataclass
 class CustomRewardConfig:
     path: str | None = doc(None, "Python file with a reward function (trusted code)")
-    name: str = doc("compute_score", "function name in that file")
+    name: str = doc(CUSTOM_REWARD_NAME, "function name in that file")
     fallback_score: float | None = doc(None, "score for a sample whose scorer raises or returns NaN; None = stop")
 
 

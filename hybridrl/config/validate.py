@@ -39,7 +39,9 @@ from hybridrl.config.rollout_rules import (
 )
 from hybridrl.config.schema import (
     CHOICE_NAMES,
+    CUSTOM_REWARD_NAME,
     REF_SHARES_WITH_ACTOR,
+    SEED_RANGE,
     JobConfig,
     MegatronConfig,
     RolloutCorrectionConfig,
@@ -49,6 +51,7 @@ from hybridrl.models.arch import ModelShape
 from hybridrl.models.layout import ParallelLayout
 from hybridrl.names import Role
 from hybridrl.parallel.device_policy import DEVICE_POLICIES
+from hybridrl.rewards.registry import AUTO
 
 RESUME_MODES = ("auto", "disable")
 
@@ -118,6 +121,13 @@ def _check_trainer(check: Checker, config: JobConfig) -> bool:
         value = getattr(t, name)
         if not (isinstance(value, int) and (value == -1 or value >= 1)):
             check.fail(f"trainer.{name}", value, "must be -1 (never) or a positive number of steps")
+    if not config.data.val_files:  # validation reads data.val_files alone: without it these would do nothing
+        if isinstance(t.test_freq, int) and t.test_freq >= 1:
+            check.fail("trainer.test_freq", t.test_freq, "validates on data.val_files, which is empty: set "
+                       "data.val_files, or test_freq=-1", [-1])
+        if t.val_before_train is True:
+            check.fail("trainer.val_before_train", True, "validates on data.val_files, which is empty: set "
+                       "data.val_files, or val_before_train=false", [False])
     if t.keep_last_n is not None:
         check.is_int_at_least("trainer.keep_last_n", t.keep_last_n, 1)
     if t.torch_threads_per_rank is not None:
@@ -148,7 +158,35 @@ def _check_names(check: Checker, config: JobConfig) -> None:
             check.one_of(path, value, values, CHOICE_NAMES.get(literal, "value"))
 
 
+def _check_reward_choice(check: Checker, config: JobConfig) -> None:
+    """One scorer: a custom reward function scores every row, so a scorer named in algorithm.reward_fn beside it would
+    be ignored; a function name without its file names nothing."""
+    custom, reward_fn = config.algorithm.custom_reward_function, config.algorithm.reward_fn
+    if custom.path and reward_fn != AUTO:
+        check.fail("algorithm.reward_fn", reward_fn, f"names a scorer while algorithm.custom_reward_function.path="
+                   f"{custom.path} scores every row: keep one (reward_fn={AUTO} beside a custom function)", [AUTO])
+    if not custom.path and custom.name != CUSTOM_REWARD_NAME:
+        check.fail("algorithm.custom_reward_function.name", custom.name, "names a function, but "
+                   "algorithm.custom_reward_function.path (the file defining it) is unset: set the path, or leave "
+                   f"the name at {CUSTOM_REWARD_NAME}", [CUSTOM_REWARD_NAME])
+
+
+def _check_seeds(check: Checker, config: JobConfig) -> None:
+    """Every seed in [0, 2**31): numpy's generators (which megatron's and vLLM's seeding reach) take [0, 2**32), and
+    hybridrl derives per-request and per-layer seeds from them (`schema.SEED_RANGE`)."""
+    arr = config.actor_rollout_ref
+    seeds = {"trainer.seed": config.trainer.seed, "actor_rollout_ref.rollout.seed": arr.rollout.seed}
+    for role in Role:
+        megatron = role_megatron(config, role)
+        if megatron is not None:
+            seeds[f"{role_megatron_field(config, role)}.seed"] = megatron.seed
+    for field, seed in seeds.items():
+        if isinstance(seed, int) and not isinstance(seed, bool) and not 0 <= seed < SEED_RANGE:
+            check.fail(field, seed, "must be in [0, 2**31) (numpy, megatron and vLLM are seeded with it)")
+
+
 def _check_numbers(check: Checker, config: JobConfig, resolved: Resolved) -> None:
+    _check_seeds(check, config)
     arr, alg = config.actor_rollout_ref, config.algorithm
     actor, rollout = arr.actor, arr.rollout
     for prefix, optim in (("actor_rollout_ref.actor.optim", actor.optim), ("critic.optim", config.critic.optim)):
@@ -252,11 +290,19 @@ def _check_unsupported(check: Checker, config: JobConfig, model: ModelShape | No
                            f"must equal actor_rollout_ref.actor.megatron.{name}={theirs}: the reference policy "
                            "runs in the actor's processes, which hold one megatron parallel state; leave "
                            "actor_rollout_ref.ref.megatron unset to use the actor's layout", [theirs])
-    if arr.rollout.multi_turn.enable is True:
+    multi_turn = arr.rollout.multi_turn
+    if multi_turn.enable is True:
         check_multi_turn(check, config)
-    elif arr.rollout.multi_turn.enable is not False:
-        check.fail("actor_rollout_ref.rollout.multi_turn.enable", arr.rollout.multi_turn.enable, "must be a boolean",
+    elif multi_turn.enable is not False:
+        check.fail("actor_rollout_ref.rollout.multi_turn.enable", multi_turn.enable, "must be a boolean",
                    [True, False])
+    else:  # tools offered to a rollout that never runs them: the user's setting would do nothing
+        for name in ("tools", "tools_file"):
+            if getattr(multi_turn, name):
+                check.fail(f"actor_rollout_ref.rollout.multi_turn.{name}", getattr(multi_turn, name),
+                           "offers tools while actor_rollout_ref.rollout.multi_turn.enable=false, so no rollout "
+                           "would call them: set multi_turn.enable=true, or remove it")
+    _check_reward_choice(check, config)
     if policy is not None and not policy.vllm_chunked_prefill:
         budget, lengths = arr.rollout.max_num_batched_tokens, (config.data.max_prompt_length,
                                                                config.data.max_response_length)

@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-# Per-request seeds are drawn in [0, 2**31): vLLM seeds a torch.Generator with them.
-SEED_RANGE = 2**31
+from hybridrl.config.schema import SEED_RANGE  # per-request seeds too: vLLM seeds a torch.Generator with them
 
 
 @dataclass(frozen=True)

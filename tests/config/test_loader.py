@@ -84,6 +84,31 @@ def test_malformed_override_and_missing_file():
     assert "file not found" in text and text.count("expected the form section.field=value") == 3
 
 
+def test_a_key_written_twice_is_refused_naming_both_lines(tmp_path):
+    """PyYAML keeps the last of a repeated key: a second `data:` would replace the first section whole."""
+    path = tmp_path / "job.yaml"
+    path.write_text("data:\n  max_prompt_length: 32\n  max_prompt_length: 24\ntrainer:\n  seed: 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    (issue,) = info.value.issues
+    assert issue.field == "<config file>" and "found the key 'max_prompt_length' a second time (first on line 2)" \
+        in issue.rule and f'in "{path}", line 3' in issue.rule
+    path.write_text("data:\n  max_prompt_length: 32\ntrainer:\n  seed: 1\ndata:\n  train_batch_size: 8\n")
+    with pytest.raises(ConfigError, match="found the key 'data' a second time"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="found the key 'n' a second time"):
+        load_config(None, ["actor_rollout_ref.rollout={n: 2, n: 4}"])
+
+
+def test_a_config_that_is_not_utf8_text_or_is_a_folder_is_named(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_bytes("# modèle\ndata:\n  max_prompt_length: 32\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"not UTF-8 text \(byte 0xe8 at offset 5\): save the file as UTF-8"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="is a folder: give a YAML file"):
+        load_config(tmp_path)
+
+
 def test_value_where_section_expected():
     with pytest.raises(ConfigError) as info:
         load_config(None, ["trainer=3"])

@@ -149,7 +149,9 @@ def test_the_cli_prints_the_ranking_and_refuses_a_search_without_hardware():
     assert refused.returncode == 2 and "trainer.hardware=None is needed by --search" in refused.stderr
     assert "Traceback" not in refused.stderr
     no_rows = cli(SEED_6GPU, "--search", "--top", "0", "trainer.hardware=h200")
-    assert no_rows.returncode == 2 and "--top=0 must be a number of layouts >= 1" in no_rows.stderr
+    assert no_rows.returncode == 2 and "--top=0 needs --search and a number of layouts >= 1" in no_rows.stderr
+    unsearched = cli(SEED_6GPU, "--top", "3", "trainer.hardware=h200")  # a --top that would print nothing
+    assert unsearched.returncode == 2 and "--top=3 needs --search" in unsearched.stderr
 
 
 def test_a_users_uneven_pipeline_split_stays_at_their_pp_only():

@@ -168,6 +168,28 @@ CASES = {
     "top_p in (0,1]": ([f"{R}.top_p=0"], f"{R}.top_p", "(0, 1]", [f"{R}.top_p=0.9"]),
     "gpu memory utilization": ([f"{R}.gpu_memory_utilization=1.5"], f"{R}.gpu_memory_utilization", "(0, 1]",
                                [f"{R}.gpu_memory_utilization=0.8"]),
+    # numpy refuses a negative seed or one of 2**32 at the workers' start-up, after Ray and vLLM
+    "trainer seed": (["trainer.seed=-1"], "trainer.seed", "must be in [0, 2**31)", ["trainer.seed=0"]),
+    "rollout seed": ([f"{R}.seed=-5"], f"{R}.seed", "must be in [0, 2**31)", [f"{R}.seed=5"]),
+    "megatron seed": ([f"{A}.megatron.seed={2**32}"], f"{A}.megatron.seed", "must be in [0, 2**31)",
+                      [f"{A}.megatron.seed={2**31 - 1}"]),
+    "critic megatron seed": (["algorithm.adv_estimator=gae", "critic.megatron.seed=-3"], "critic.megatron.seed",
+                             "must be in [0, 2**31)", ["algorithm.adv_estimator=gae", "critic.megatron.seed=3"]),
+    # settings that would do nothing: validation without validation data, tools without tool calling, a named
+    # scorer beside a custom function that scores every row, a function name without its file
+    "test_freq needs val files": (["trainer.test_freq=2", "data.val_files=[]"], "trainer.test_freq",
+                                  "validates on data.val_files, which is empty", ["trainer.test_freq=2"]),
+    "val_before_train needs val files": (["trainer.val_before_train=true", "data.val_files=[]"],
+                                         "trainer.val_before_train", "data.val_files, which is empty",
+                                         ["trainer.val_before_train=true"]),
+    "tools need multi-turn": ([f"{R}.multi_turn.tools=[calculator]"], f"{R}.multi_turn.tools",
+                              "multi_turn.enable=false", [f"{R}.multi_turn.tools=[calculator]", *MT]),
+    "one scorer": (["algorithm.reward_fn=gsm8k", f"algorithm.custom_reward_function.path={ROOT / 'setup.py'}"],
+                   "algorithm.reward_fn", "scores every row: keep one",
+                   [f"algorithm.custom_reward_function.path={ROOT / 'setup.py'}"]),
+    "custom function name needs its file": (["algorithm.custom_reward_function.name=my_score"],
+                                            "algorithm.custom_reward_function.name", "path (the file defining it)",
+                                            ["algorithm.custom_reward_function.name=compute_score"]),
 }
 
 
