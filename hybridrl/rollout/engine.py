@@ -643,7 +643,7 @@ class RolloutEngine:
         started = time.perf_counter()
         planned_groups = config.tp_groups if (distributed and config.infer_tp > 1) else None
         with _preserved_process_state(self.device, config.restore_num_threads), \
-                vllm_patches.planned_tensor_parallel_groups(planned_groups):
+                vllm_patches.planned_tensor_parallel_groups(planned_groups), vllm_patches.quiet_tokenizerless_warmup():
             self.llm = LLM(**kwargs)
         self.build_seconds = time.perf_counter() - started
         if shm_tag is not None:

@@ -42,6 +42,11 @@ knob for what a colocated RL trainer needs:
    own `enable_return_routed_experts` is refused. The hook wraps the runner after the engine is built,
    so on GPUs it needs eager mode (CUDA graphs captured before it would replay without recording):
    `validate` refuses router replay on cuda unless `rollout.enforce_eager` is true.
+6. `quiet_tokenizerless_warmup`: `vllm.LLM` warms its chat template up at start-up even with
+   `skip_tokenizer_init=True` (hybridrl's: prompts arrive as token ids), whose renderer then raises
+   "Tokenizer not available", and logs that as a warning with its traceback: two tracebacks in every healthy
+   run's log. While an engine is built, a filter on vLLM's renderer logger drops that one record (that warning
+   with that error); every other record passes.
 
 Version caveat: the patched names are `vllm.distributed.parallel_state.destroy_distributed_environment`
 (+ its `_WORLD`, `_NODE_COUNT` globals), `vllm.distributed.device_communicators.cpu_communicator.
@@ -58,6 +63,7 @@ its target is missing, rather than silently not guarding.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -164,6 +170,29 @@ def planned_tensor_parallel_groups(groups: Sequence[Sequence[int]] | None) -> It
         yield
     finally:
         _planned_tp_groups = None
+
+
+TOKENIZERLESS_WARMUP = ("Chat template warmup failed", "Tokenizer not available when `skip_tokenizer_init=True`")
+
+
+class _TokenizerlessWarmupFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (record.getMessage() == TOKENIZERLESS_WARMUP[0] and isinstance(error, ValueError)
+                    and str(error) == TOKENIZERLESS_WARMUP[1])
+
+
+@contextlib.contextmanager
+def quiet_tokenizerless_warmup() -> Iterator[None]:
+    """Drop vLLM's warning that a tokenizer-less engine cannot warm its chat template up, while the context is open
+    (patch 6); the logger is vLLM's renderer's, `vllm.renderers.base`."""
+    logger = logging.getLogger("vllm.renderers.base")
+    quiet = _TokenizerlessWarmupFilter()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 CPU_GEMM_ATTR = "cpu_linear"  # vLLM's CPU linear layers: the GEMM closure `dispatch_cpu_unquantized_gemm` packs

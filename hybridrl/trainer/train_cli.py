@@ -13,7 +13,7 @@ from hybridrl.persistence import atomic_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="YAML job config")
+    parser.add_argument("config", nargs="?", help="YAML job config")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_training_steps=10")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (plain log lines)")
     parser.add_argument("--skip-version-check", action="store_true",
@@ -21,6 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.config is None:  # argparse would also call the optional overrides required
+        print("hybridrl train: give the job's YAML config first (configs/examples/ has some), then any overrides",
+              file=sys.stderr)
+        return 2
     try:
         plan = plan_from_sources(args.config, list(args.overrides), check_files=True)
     except ConfigError as exc:
