@@ -163,7 +163,13 @@ def _parse_override(override: str, issues: list[ConfigIssue]) -> list[tuple[tupl
     except RepeatedKeyError as exc:
         issues.append(ConfigIssue("<override>", override, f"not valid YAML: {exc}"))
         return None
-    except yaml.YAMLError:
+    except yaml.YAMLError as exc:
+        if text.strip().startswith(("{", "[")):  # a mapping or list cut short: applied as a string, it would
+            # replace a whole section with text and drop what the file set there
+            problem = str(exc).splitlines()[0]
+            issues.append(ConfigIssue(key, text, f"is not a valid YAML mapping or list ({problem}): close its "
+                                      "brackets and quote values with commas or colons"))
+            return None
         value = text  # not YAML: take it as a plain string, the type check decides
     parts = tuple(key.split("."))
     if isinstance(value, dict):
@@ -239,7 +245,9 @@ def _assign(raw: dict[str, Any], parts: tuple[str, ...], value: Any, issues: lis
         if child is None or _plain(child) is None:
             child = node[part] = {}  # null section = defaults: the fields written under it fill it
         if not isinstance(child, dict):
-            issues.append(ConfigIssue(".".join(parts[: depth + 1]), _plain(child), "is a value, not a section"))
+            issues.append(ConfigIssue(".".join(parts[: depth + 1]), _plain(child),
+                                      f"is a value, not a section: {'.'.join(parts)} names a field it does not "
+                                      "have (a mapping given to it sets fields under it)"))
             return
         node = child
     last = parts[-1]

@@ -109,6 +109,21 @@ def test_a_config_that_is_not_utf8_text_or_is_a_folder_is_named(tmp_path):
         load_config(tmp_path)
 
 
+def test_an_override_mapping_cut_short_is_refused_not_applied_as_text():
+    """Taken as a string it replaced the file's whole actor section (and its errors blamed settings the user never
+    wrote)."""
+    with pytest.raises(ConfigError) as info:
+        load_config(SEED, ["actor_rollout_ref.actor={ppo_epochs: 2", "trainer.experiment_name=[abc"])
+    assert sorted(i.field for i in info.value.issues) == ["actor_rollout_ref.actor", "trainer.experiment_name"]
+    assert all("is not a valid YAML mapping or list" in i.rule for i in info.value.issues)
+    assert load_config(SEED, ["trainer.experiment_name=a{b"]).trainer.experiment_name == "a{b"  # text stays text
+
+
+def test_a_field_given_a_mapping_names_the_field_it_lacks():
+    with pytest.raises(ConfigError, match=r"data.train_files.a names a field it does not have"):
+        load_config(SEED, ["data.train_files={a: 1}"])
+
+
 def test_value_where_section_expected():
     with pytest.raises(ConfigError) as info:
         load_config(None, ["trainer=3"])
