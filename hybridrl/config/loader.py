@@ -164,8 +164,10 @@ def _parse_override(override: str, issues: list[ConfigIssue]) -> list[tuple[tupl
         issues.append(ConfigIssue("<override>", override, f"not valid YAML: {exc}"))
         return None
     except yaml.YAMLError as exc:
-        if text.strip().startswith(("{", "[")):  # a mapping or list cut short: applied as a string, it would
-            # replace a whole section with text and drop what the file set there
+        stripped = text.strip()
+        if stripped[:1] in ("{", "[") and stripped[-1:] != {"{": "}", "[": "]"}[stripped[0]]:
+            # a mapping or list cut short: applied as a string, it would replace a whole section with text and
+            # drop what the file set there (a closed one that is not YAML, `[*.layers.0.*]`, stays text)
             problem = str(exc).splitlines()[0]
             issues.append(ConfigIssue(key, text, f"is not a valid YAML mapping or list ({problem}): close its "
                                       "brackets and quote values with commas or colons"))
