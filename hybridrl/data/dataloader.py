@@ -14,7 +14,7 @@ is scored once; its last batch may be smaller.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -22,6 +22,7 @@ import torch
 
 from hybridrl.data.batch import Batch
 from hybridrl.data.dataset import PromptItem
+from hybridrl.data.loader_state import LoaderState, state_mismatches
 
 
 def collate_prompts(
@@ -79,20 +80,6 @@ def unpadded_prompt_ids(batch: Batch) -> list[list[int]]:
     """Each row's prompt token ids without the left padding (what a rollout engine takes)."""
     input_ids, attention_mask = batch["input_ids"], batch["attention_mask"]
     return [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask)]
-
-
-@dataclass(frozen=True)
-class LoaderState:
-    """Everything needed to resume: the order is recomputed from (seed, epoch)."""
-
-    epoch: int
-    batches_done: int  # batches of `epoch` already handed out
-    seed: int
-    # Checked on resume: a different dataset or batch size would silently change the order.
-    dataset_size: int
-    batch_size: int
-    shuffle: bool
-    drop_last: bool
 
 
 class PromptDataLoader:
@@ -187,17 +174,8 @@ class PromptDataLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = LoaderState(**state)
-        mismatches = [
-            f"{name}: saved {getattr(saved, name)!r}, now {current!r}"
-            for name, current in (
-                ("seed", self.seed),
-                ("dataset_size", len(self.dataset)),
-                ("batch_size", self.batch_size),
-                ("shuffle", self.shuffle),
-                ("drop_last", self.drop_last),
-            )
-            if getattr(saved, name) != current
-        ]
+        mismatches = [f"{name}: saved {was!r}, now {now!r}"
+                      for name, was, now in state_mismatches(state, self.state_dict())]
         if mismatches:
             raise ValueError(
                 "the saved data loader state does not match this loader, so resuming would visit "
