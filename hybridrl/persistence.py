@@ -19,6 +19,9 @@ it: the trainer's step checkpoints (`trainer/checkpoints.py`), the role checkpoi
   `is_partial` tells such leftovers apart and `remove_partials` clears a folder of them at start-up.
 - `delete_dir`: a complete folder renamed to a partial name before it is removed.
 - `check_output_dir`, `check_free_space`: refuse an output before anything is written.
+- The step checkpoints' layout and reading (`STATE_FILE`, `LATEST_FILE`, `ROLE_CHECKPOINT_FILE`, `latest_step`,
+  `resolve_resume`, `read_step_state`): what the trainer resumes from (`trainer/checkpoints.py` writes them) and
+  what `hybridrl plan` checks before any process starts (`config/resume.py`), one definition for both.
 
 Where the file system cannot exchange (not Linux, or a file system without it), a replaced target is
 moved aside first and the new folder renamed in: a crash between those two renames leaves the target
@@ -30,12 +33,15 @@ import contextlib
 import ctypes
 import errno
 import hashlib
+import json
 import os
+import re
 import shutil
 import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 PARTIAL_PREFIX = ".partial-"
 
@@ -250,3 +256,80 @@ def write_folder(files: dict[str, bytes], folder: str | Path, *, force: bool = F
         for name, data in files.items():
             (staging / name).write_bytes(data)
     return Path(folder)
+
+
+# ---- step checkpoints: layout and reading -----------------------------------------------------------
+# Under a checkpoint root (trainer.default_local_dir/<project>/<experiment>):
+#   global_step_<N>/                    one complete checkpoint: a folder per checkpointed role (actor/, critic/),
+#                                       each complete once its ROLE_CHECKPOINT_FILE is written (last), and
+#                                       STATE_FILE, written last of all
+#   latest_checkpointed_iteration.txt   N of the newest complete checkpoint
+
+STATE_FILE = "trainer_state.json"
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+ROLE_CHECKPOINT_FILE = "role_checkpoint.json"  # `training/checkpointing.py`'s metadata, written last in a role folder
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"global_step_{step}"
+
+
+def is_complete(path: str | Path) -> bool:
+    """Whether a step checkpoint folder was sealed (its trainer state is written last)."""
+    return (Path(path) / STATE_FILE).is_file()
+
+
+def complete_steps(root: str | Path) -> list[int]:
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    steps = []
+    for path in root.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match and is_complete(path):
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def latest_step(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under `root` (the `latest` file if it points at one, else a scan)."""
+    pointer = Path(root) / LATEST_FILE
+    if pointer.is_file():
+        text = pointer.read_text().strip()
+        if text.isdigit() and is_complete(step_dir(root, int(text))):
+            return step_dir(root, int(text))
+    steps = complete_steps(root)
+    return step_dir(root, steps[-1]) if steps else None
+
+
+def resolve_resume(root: str | Path, resume_mode: str) -> Path | None:
+    """`auto`: the latest complete checkpoint under `root` or None; `disable`: None; else that checkpoint path."""
+    if resume_mode == "disable":
+        return None
+    if resume_mode == "auto":
+        return latest_step(root)
+    path = Path(resume_mode)
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"trainer.resume_mode={resume_mode}: is a file, not a checkpoint folder "
+                              f"(a global_step_<N> folder holding {STATE_FILE})")
+    if not path.is_dir():
+        raise CheckpointError(f"trainer.resume_mode={resume_mode}: no such checkpoint folder")
+    if not is_complete(path):
+        raise CheckpointError(
+            f"trainer.resume_mode={resume_mode}: not a complete checkpoint (no {STATE_FILE}; "
+            "an interrupted save is never resumed from)"
+        )
+    return path
+
+
+def read_step_state(path: str | Path) -> dict[str, Any]:
+    """A complete checkpoint's trainer state (global_step, the data loader's state, the KL coefficient)."""
+    file = Path(path) / STATE_FILE
+    try:
+        state = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{file} is unreadable ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(state, dict) or not isinstance(state.get("global_step"), int):
+        raise CheckpointError(f"{file} has no integer global_step")
+    return state

@@ -7,34 +7,34 @@ Layout under `root` (= trainer.default_local_dir/project/experiment):
 
 A checkpoint becomes visible only by a rename after every writer finished and `trainer_state.json`
 was written last inside it, so a crash at any point leaves the previous checkpoint as the latest.
-The staging folder, the rename and the partial names are `hybridrl.persistence`'s.
+The staging folder, the rename, the partial names and the layout's reading (`resolve_resume`, shared with
+`hybridrl plan`) are `hybridrl.persistence`'s.
 """
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 from hybridrl.persistence import (
+    LATEST_FILE,
+    STATE_FILE,
     CheckpointError,
     commit_staging_dir,
+    complete_steps,
     delete_dir,
     discard_staging_dir,
+    is_complete,
+    latest_step,
     make_staging_dir,
+    read_step_state,
     remove_partials,
+    resolve_resume,
+    step_dir,
     write_atomic,
 )
 
 __all__ = ["LATEST_FILE", "STATE_FILE", "CheckpointError", "CheckpointManager", "is_complete"]
-
-STATE_FILE = "trainer_state.json"
-LATEST_FILE = "latest_checkpointed_iteration.txt"
-_STEP_DIR = re.compile(r"^global_step_(\d+)$")
-
-
-def is_complete(path: Path) -> bool:
-    return (path / STATE_FILE).is_file()
 
 
 class CheckpointManager:
@@ -76,53 +76,21 @@ class CheckpointManager:
         """Remove leftovers of interrupted saves (called at start-up, before anything resumes)."""
         return remove_partials(self.root)
 
-    # ------------------------------------------------------------------ reading
+    # ------------------------------------------------------------------ reading (`hybridrl.persistence`'s layout)
     def step_dir(self, step: int) -> Path:
-        return self.root / f"global_step_{step}"
+        return step_dir(self.root, step)
 
     def complete_steps(self) -> list[int]:
-        if not self.root.is_dir():
-            return []
-        steps = []
-        for path in self.root.iterdir():
-            match = _STEP_DIR.match(path.name)
-            if match and is_complete(path):
-                steps.append(int(match.group(1)))
-        return sorted(steps)
+        return complete_steps(self.root)
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint (the `latest` file if it points at one, else a scan)."""
-        pointer = self.root / LATEST_FILE
-        if pointer.is_file():
-            text = pointer.read_text().strip()
-            if text.isdigit() and is_complete(self.step_dir(int(text))):
-                return self.step_dir(int(text))
-        steps = self.complete_steps()
-        return self.step_dir(steps[-1]) if steps else None
+        return latest_step(self.root)
 
     def resolve_resume(self, resume_mode: str) -> Path | None:
         """`auto`: the latest complete checkpoint or None; `disable`: None; else that checkpoint path."""
-        if resume_mode == "disable":
-            return None
-        if resume_mode == "auto":
-            return self.latest()
-        path = Path(resume_mode)
-        if not path.is_dir():
-            raise CheckpointError(f"trainer.resume_mode={resume_mode}: no such checkpoint folder")
-        if not is_complete(path):
-            raise CheckpointError(
-                f"trainer.resume_mode={resume_mode}: not a complete checkpoint (no {STATE_FILE}; "
-                "an interrupted save is never resumed from)"
-            )
-        return path
+        return resolve_resume(self.root, resume_mode)
 
     @staticmethod
     def read_state(path: Path) -> dict[str, Any]:
-        file = Path(path) / STATE_FILE
-        try:
-            state = json.loads(file.read_text())
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{file} is unreadable ({type(exc).__name__}: {exc})") from exc
-        if not isinstance(state, dict) or not isinstance(state.get("global_step"), int):
-            raise CheckpointError(f"{file} has no integer global_step")
-        return state
+        return read_step_state(path)

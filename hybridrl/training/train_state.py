@@ -37,14 +37,14 @@ from hybridrl.models.layout import (
     rank_chunk_key_prefix,
     rank_file_name,
 )
-from hybridrl.persistence import CheckpointError, RoleCheckpointError
+from hybridrl.persistence import ROLE_CHECKPOINT_FILE, CheckpointError, RoleCheckpointError
 from hybridrl.training.backend import MegatronBackend
 
 STATE_DIR = "train_state"
 PARAM = "param"
 OUTPUT_LAYER = "output_layer.weight"
 # the role checkpoint's metadata file, which lists every train_state file (`checkpointing.METADATA`)
-METADATA = "role_checkpoint.json"
+METADATA = ROLE_CHECKPOINT_FILE
 
 
 def state_file(layout: ParallelLayout, rank: ModelRank) -> str:

@@ -54,6 +54,9 @@ def test_resolve_resume_modes(tmp_path):
     assert manager.resolve_resume(str(first)) == first
     with pytest.raises(CheckpointError, match="no such checkpoint folder"):
         manager.resolve_resume(str(tmp_path / "nope"))
+    # a file (here the trainer state itself) is said to be a file, not a missing folder
+    with pytest.raises(CheckpointError, match="is a file, not a checkpoint folder"):
+        manager.resolve_resume(str(first / "trainer_state.json"))
 
 
 def test_resaving_a_step_replaces_it_whole(tmp_path):
