@@ -166,8 +166,8 @@ def test_every_hybridrl_import_names_an_existing_module():
 # (`errors`, `meshes` and `estimates` are helpers below `resolve`; `docs` and `plan_cli` sit on top).
 CONFIG_LINE = ("errors", "yaml_load", "megatron_fields", "schema", "hardware", "verl_keys", "loader", "meshes",
                "estimates", "megatron_verdict", "resolve", "model_shapes", "checker", "refusals", "megatron_rules",
-               "moe_rules", "rollout_rules", "lora_rules", "distillation_rules", "validate", "inputs", "plan",
-               "internode", "step_time", "search", "report", "docs", "plan_cli", "hardware_cli", "__init__")
+               "moe_rules", "rollout_rules", "lora_rules", "distillation_rules", "validate", "resume", "inputs",
+               "plan", "internode", "step_time", "search", "report", "docs", "plan_cli", "hardware_cli", "__init__")
 
 
 def config_module_imports(root: Path = PACKAGE / "config") -> dict[str, dict[str, list[str]]]:

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hybridrl.config.errors import ConfigIssue
+from hybridrl.config.resume import ResumePoint, check_resume
 from hybridrl.config.schema import DataConfig, JobConfig, ModelConfig
 from hybridrl.data.dataset import DatasetError, FilePreview, preview_file
 from hybridrl.models.lora_targets import peft_config_mismatches
@@ -88,11 +89,13 @@ def cached_snapshot(repo_id: str) -> str | None:
         return None
 
 
-def check_inputs(config: JobConfig, issues: list[ConfigIssue], *, critic: bool) -> bool:
-    """Append a problem for every model folder, data file and reward function `train` could not use; return
-    whether any of them is absent (a folder without weights, a missing data file): what `--layout-only` skips.
+def check_inputs(config: JobConfig, issues: list[ConfigIssue], *, critic: bool) -> tuple[bool, ResumePoint | None]:
+    """Append a problem for every model folder, data file, reward function and checkpoint to resume from that
+    `train` could not use; return whether any of them is absent (a folder without weights, a missing data file):
+    what `--layout-only` skips, and the checkpoint the job resumes from (`config/resume.py`; None: a fresh start).
 
-    `critic`: whether the job runs a critic (its own folder is checked when it names one).
+    `critic`: whether the job runs a critic (its own folder is checked when it names one; a checkpoint must hold
+    its state).
     """
     chat_template = None
     absent = False
@@ -106,11 +109,11 @@ def check_inputs(config: JobConfig, issues: list[ConfigIssue], *, critic: bool) 
         absent |= len(issues) > before and (Path(model.path) / "config.json").is_file()
     for files in (config.data.train_files, config.data.val_files):
         absent |= not files or any(not Path(file).exists() for file in files)
-    _check_data(config, issues, chat_template)
+    train_rows = _check_data(config, issues, chat_template)
     _check_reward(config, issues)
     _check_sandbox(config, issues)
     absent |= _check_adapter_folder(config, issues)
-    return absent
+    return absent, check_resume(config, issues, critic=critic, train_rows=train_rows)
 
 
 def _check_adapter_folder(config: JobConfig, issues: list[ConfigIssue]) -> bool:
@@ -257,8 +260,10 @@ def _reads_ground_truth(config: JobConfig) -> bool:
     return not config.algorithm.custom_reward_function.path and config.algorithm.reward_fn != "format"
 
 
-def _check_data(config: JobConfig, issues: list[ConfigIssue], chat_template: bool | None) -> None:
+def _check_data(config: JobConfig, issues: list[ConfigIssue], chat_template: bool | None) -> int | None:
+    """Check the train and validation files; return the rows of data.train_files (None: unusable or none)."""
     data = config.data
+    train_rows = None
     if not data.train_files:
         issues.append(ConfigIssue("data.train_files", [], "is empty; name local parquet or JSONL files of prompts "
                                                           f"(the format: {GUIDE}#data)"))
@@ -271,10 +276,13 @@ def _check_data(config: JobConfig, issues: list[ConfigIssue], chat_template: boo
         rows = _check_files(field, files, data, issues, chat_template, needs_reward, auto)
         if rows is None:
             continue
+        if field == "data.train_files" and files:
+            train_rows = rows
         if files and batch is not None and isinstance(batch, int) and rows < batch:  # no files: said above
             issues.append(ConfigIssue("data.train_batch_size", batch,
                                       f"is more than the {rows} rows of data.train_files: not one batch; lower it to "
                                       f"at most {rows}, or add data"))
+    return train_rows
 
 
 def _check_data_sources(file: str, preview: FilePreview, issues: list[ConfigIssue]) -> None:

@@ -60,6 +60,7 @@ from hybridrl.config.resolve import (
     role_megatron,
     role_megatron_field,
 )
+from hybridrl.config.resume import ResumePoint
 from hybridrl.config.schema import JobConfig, LoraConfig, MegatronConfig
 from hybridrl.config.validate import validate
 from hybridrl.models.arch import ModelShape
@@ -177,6 +178,8 @@ class Plan:
     stage_balance: tuple[StageBalance, ...] = ()
     # (phase, matmul FLOPs) of a step, the whole job's (`_step_flops`): where the compute goes, e.g. a teacher's share
     step_flops: tuple[tuple[str, float], ...] = ()
+    # the checkpoint `train` resumes from (`config/resume.py`), found and checked when the plan checks files
+    resume: ResumePoint | None = None
 
     def __post_init__(self) -> None:
         # A Plan read back from JSON could pair one device's policy with another's resolved values.
@@ -371,12 +374,15 @@ def build_plan(config: JobConfig, prior_issues: list[ConfigIssue] | tuple[Config
     refused = _refused_names(prior_issues)
     issues[validated:] = [issue for issue in issues[validated:]
                           if not _reads_any(issue, refused) and not _echoes_the_actor(issue, issues)]
-    hint = None
+    hint, resume = None, None
     if check_files:
-        hint = LAYOUT_ONLY_HINT if check_inputs(config, issues, critic=resolved.critic_enabled) else None
+        absent, resume = check_inputs(config, issues, critic=resolved.critic_enabled)
+        hint = LAYOUT_ONLY_HINT if absent else None
     if issues:
         raise ConfigError(issues, hint)
     plan = _derive(config, resolved, model, tuple(warnings), refuse_over_memory)
+    if resume is not None:
+        plan = dataclasses.replace(plan, resume=resume)
     refusals = megatron_refusals(plan)
     if refusals:
         raise ConfigError(refusals)

@@ -11,10 +11,12 @@ from hybridrl.config.internode import plan_internode_traffic
 from hybridrl.config.meshes import TrainingMesh, expert_groups
 from hybridrl.config.plan import Plan, lora_elements_per_layer, served_adapter_bytes
 from hybridrl.config.resolve import MODEL_SECTIONS
+from hybridrl.config.resume import checkpoint_root
 from hybridrl.config.search import Found, SearchResult, Sizing
 from hybridrl.config.step_time import StepTime, predict_step_time, seconds_text, step_time_line
 from hybridrl.models.arch import ModelShape
 from hybridrl.parallel.device_policy import WITHOUT_TE
+from hybridrl.persistence import latest_step
 
 MIB = 1024**2
 
@@ -168,10 +170,29 @@ def render_plan(plan: Plan) -> str:
     cfg = plan.config
     sections = [header_lines(plan), mesh_lines(plan), pool_lines(plan), batch_lines(plan), memory_lines(plan),
                 compute_lines(plan), sync_lines(plan), internode_lines(plan), ["", *speed_lines(plan)],
-                ["", *failure_cost_lines(cfg.trainer.save_freq, cfg.trainer.max_restarts)]]
+                ["", *failure_cost_lines(cfg.trainer.save_freq, cfg.trainer.max_restarts), resume_line(plan)]]
     if plan.warnings:
         sections.append(["", "Warnings:", *(f"  - {w}" for w in plan.warnings)])
     return "\n".join(line for section in sections for line in section)
+
+
+def resume_line(plan: Plan) -> str:
+    """Where `train` starts: the checkpoint it resumes from (`Plan.resume`), or a fresh start and why."""
+    t, point = plan.config.trainer, plan.resume
+    if point is not None:
+        how = "the newest complete checkpoint under trainer.default_local_dir" if point.mode == "auto" \
+            else "trainer.resume_mode"
+        return (f"Resume: from {point.path} at step {point.step} ({how}); "
+                "trainer.resume_mode=disable starts fresh")
+    if t.resume_mode == "disable":
+        return "Resume: none, a fresh start (trainer.resume_mode=disable)"
+    if t.resume_mode != "auto":  # a path, not checked: `plan --layout-only`
+        return f"Resume: from {t.resume_mode} (trainer.resume_mode; not checked: --layout-only)"
+    root = checkpoint_root(plan.config)
+    found = latest_step(root)
+    if found is not None:  # only when the files were not checked: `plan --layout-only`
+        return f"Resume: from {found} (the newest complete checkpoint; not checked: --layout-only)"
+    return f"Resume: none, a fresh start (no complete checkpoint under {root}; trainer.resume_mode=auto)"
 
 
 def header_lines(plan: Plan) -> list[str]:

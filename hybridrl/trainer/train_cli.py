@@ -8,7 +8,7 @@ from pathlib import Path
 
 from hybridrl.config.errors import ConfigError
 from hybridrl.config.plan import plan_from_sources
-from hybridrl.config.report import packing_line
+from hybridrl.config.report import packing_line, resume_line
 from hybridrl.persistence import atomic_file
 
 
@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     # a default that depends on the device: say what it resolved to
     print(packing_line(plan), file=sys.stderr)
+    print(resume_line(plan), file=sys.stderr)  # where it starts: a checkpoint the plan checked, or step 0
 
     # Refuse a known-bad stack before Ray starts: it would otherwise fail minutes later, in a worker.
     # lazy: versions loads importlib.metadata and packaging (~70 ms), and every `hybridrl` command

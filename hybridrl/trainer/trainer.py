@@ -183,6 +183,7 @@ class Trainer:
                 "data.train_batch_size", cfg.data.train_batch_size,
                 f"is more than the {len(train)} usable prompts of data.train_files ({train.stats.summary()}): not "
                 f"one batch; lower it to at most {len(train)}, raise data.max_prompt_length, or add data")])
+        self.train_rows = train.stats.total_rows  # saved with each checkpoint: the plan compares a resume's data
         self.train_loader = PromptDataLoader(train, cfg.data.train_batch_size, self.pad_token_id,
                                              shuffle=cfg.data.shuffle, seed=cfg.trainer.seed)
         self.val_loader = None
@@ -284,7 +285,8 @@ class Trainer:
                 self.workers.critic.call_all(CriticWorker.save_checkpoint, str(partial))
             # an async rollout has drawn prompts the trainer has not trained on yet: resume before them
             loader = self.driver.loader_state() if self.driver is not None else self.train_loader.state_dict()
-            state = {"dataloader": loader, "kl_coef": float(self.run.kl_controller.value)}
+            state = {"dataloader": loader, "kl_coef": float(self.run.kl_controller.value),
+                     "train_rows": self.train_rows}  # the rows of data.train_files, for the plan's resume check
             return self.checkpoints.commit(partial, self.run.global_step, state)
         except BaseException:
             self.checkpoints.abort(partial)

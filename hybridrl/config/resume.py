@@ -1,0 +1,116 @@
+"""Which checkpoint a job resumes from, and whether it can: checked by the plan before any process starts.
+
+`train` resumes (`trainer.resume_mode`: auto finds the newest complete checkpoint under
+trainer.default_local_dir/<project>/<experiment>, or an explicit checkpoint folder) only once Ray and every
+worker are up; what it would refuse there, and the plan can tell from a few small files, is refused here:
+
+* the checkpoint folder itself: a file, missing, an interrupted save, an unreadable trainer state
+  (`hybridrl.persistence.resolve_resume` / `read_step_state`, what the trainer calls);
+* a role this job trains with no complete folder in it (a GRPO checkpoint has no critic/ for a PPO job):
+  each role's `role_checkpoint.json` is written last, so its presence is the folder's completeness;
+* the data loader's saved state against this job's loader (`hybridrl.data.loader_state.state_mismatches`, the
+  loader's own rule): seed, batch size, shuffle, and the dataset's size where the plan can know it: exactly when
+  no prompt can be dropped (data.filter_overlong_prompts=false, data.on_malformed=error), else only that fewer
+  rows than the saved loader's prompts cannot match; the rows of data.train_files when the checkpoint recorded
+  them (`train_rows`, written since the plan checks them).
+
+What needs the model's tensors (another model's checkpoint, LoRA settings) stays the workers' check at load.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hybridrl.config.errors import ConfigIssue
+from hybridrl.config.schema import JobConfig
+from hybridrl.data.loader_state import state_mismatches
+from hybridrl.names import Role
+from hybridrl.persistence import ROLE_CHECKPOINT_FILE, CheckpointError, read_step_state, resolve_resume
+
+FIELD = "trainer.resume_mode"
+# the loader's checked fields -> the config field that sets each (drop_last is always on for training)
+LOADER_FIELDS = {"seed": "trainer.seed", "batch_size": "data.train_batch_size", "shuffle": "data.shuffle",
+                 "dataset_size": "data.train_files"}
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint `train` resumes from: its folder, its step, and how it was chosen (auto or a path)."""
+
+    path: str
+    step: int
+    mode: str
+
+
+def checkpoint_root(config: JobConfig) -> Path:
+    t = config.trainer
+    return Path(t.default_local_dir) / t.project_name / t.experiment_name
+
+
+def checkpointed_roles(critic: bool) -> tuple[Role, ...]:
+    """The roles whose training state a checkpoint holds and a resume loads (the reference and a teacher are
+    read from their model folders)."""
+    return (Role.ACTOR, Role.CRITIC) if critic else (Role.ACTOR,)
+
+
+def check_resume(config: JobConfig, issues: list[ConfigIssue], *, critic: bool,
+                 train_rows: int | None) -> ResumePoint | None:
+    """The checkpoint this job resumes from (None: a fresh start), appending to `issues` every reason `train`
+    would refuse it after start-up. `train_rows`: the rows of data.train_files as the data check counted them
+    (None: not known, the files being refused)."""
+    mode = config.trainer.resume_mode
+    if not isinstance(mode, str) or mode not in ("auto", "disable") and not Path(mode).exists():
+        return None  # a wrong type is the schema's refusal, a missing path validate's
+    try:
+        found = resolve_resume(checkpoint_root(config), mode)
+        if found is None:
+            return None
+        state = read_step_state(found)
+    except CheckpointError as error:
+        issues.append(ConfigIssue(FIELD, mode, str(error).removeprefix(f"{FIELD}={mode}: ")))
+        return None
+    point = ResumePoint(str(found), state["global_step"], mode)
+    where = f"the checkpoint it resumes from ({found}, step {point.step})"
+    outs = ("start fresh with trainer.resume_mode=disable, or give this run a new trainer.default_local_dir"
+            if mode == "auto" else "name another checkpoint, or start fresh with trainer.resume_mode=disable")
+    for role in checkpointed_roles(critic):
+        if not (found / role / ROLE_CHECKPOINT_FILE).is_file():
+            what, why = (("no", "it was saved by a job without one (a critic-free estimator, such as grpo)")
+                         if not (found / role).exists() else ("an incomplete", "its save did not finish"))
+            issues.append(ConfigIssue(FIELD, mode, (
+                f"resumes from {found} (step {point.step}), which holds {what} {role} checkpoint "
+                f"(no {role}/{ROLE_CHECKPOINT_FILE}), but this job trains the {role}: {why}; {outs}")))
+    _check_loader(config, state, where, outs, train_rows, issues)
+    return point
+
+
+def _check_loader(config: JobConfig, state: dict[str, Any], where: str, outs: str, train_rows: int | None,
+                  issues: list[ConfigIssue]) -> None:
+    saved = state.get("dataloader")
+    if not isinstance(saved, dict):
+        return  # the trainer state is the trainer's to refuse at load
+    data = config.data
+    current: dict[str, Any] = {"seed": config.trainer.seed, "batch_size": data.train_batch_size,
+                               "shuffle": data.shuffle, "drop_last": True}
+    exact = not data.filter_overlong_prompts and data.on_malformed == "error"
+    if train_rows is not None and exact:
+        current["dataset_size"] = train_rows
+    rule = f"the saved data order cannot continue with another one (the data loader refuses it at resume); {outs}"
+    for name, was, now in state_mismatches(saved, current):
+        field = LOADER_FIELDS.get(name, FIELD)
+        value = now if field != "data.train_files" else data.train_files
+        noun = " prompts" if name == "dataset_size" else ""
+        issues.append(ConfigIssue(field, value, f"differs from {where}: its data loader saved {name} {was!r}{noun}, "
+                                                f"this job's is {now!r}{noun}: {rule}"))
+    if train_rows is None or "dataset_size" in current:
+        return
+    saved_size, saved_rows = saved.get("dataset_size"), state.get("train_rows")
+    if isinstance(saved_rows, int) and saved_rows != train_rows:
+        issues.append(ConfigIssue("data.train_files", data.train_files, (
+            f"hold {train_rows} rows; the data loader of {where} was built from {saved_rows} rows "
+            f"({saved_size} prompts kept): other data than it trained on: {rule}")))
+    elif isinstance(saved_size, int) and train_rows < saved_size:
+        issues.append(ConfigIssue("data.train_files", data.train_files, (
+            f"hold {train_rows} rows, fewer than the {saved_size} prompts the data loader of {where} saved "
+            f"(dataset_size): {rule}")))

@@ -1,0 +1,125 @@
+"""`hybridrl plan` says which checkpoint a job resumes from and refuses, before any process starts, a resume
+`train` would die on after Ray and the workers are up: a data loader state this job's loader refuses, a role
+this job trains that the checkpoint holds no complete folder for, a resume path that is a file.
+
+The checkpoints are written as `train` lays them out (`hybridrl.persistence`), with role folders holding only
+their last-written metadata file: all the plan reads.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hybridrl.config import ConfigError, plan_from_sources
+from hybridrl.config.report import render_plan, resume_line
+from hybridrl.data.io import write_rows
+from hybridrl.persistence import LATEST_FILE, ROLE_CHECKPOINT_FILE, STATE_FILE
+from tools.demo_assets import demo_overrides
+
+ROOT = Path(__file__).resolve().parents[2]
+GRPO = str(ROOT / "configs/examples/cpu_tiny_grpo.yaml")
+PPO = str(ROOT / "configs/examples/cpu_tiny_ppo.yaml")
+
+
+def _rows(assets: Path) -> int:
+    return sum(1 for line in (assets / "data" / "train.jsonl").read_text().splitlines() if line.strip())
+
+
+def _checkpoint(root: Path, step: int, *, roles=("actor",), batch_size=8, dataset_size: int, seed=42,
+                train_rows: int | None = None) -> Path:
+    """A complete step checkpoint as the trainer seals it: role folders, then the trainer state last."""
+    folder = root / f"global_step_{step}"
+    for role in roles:
+        (folder / role).mkdir(parents=True)
+        (folder / role / ROLE_CHECKPOINT_FILE).write_text("{}")
+    loader = {"epoch": 0, "batches_done": step, "seed": seed, "dataset_size": dataset_size,
+              "batch_size": batch_size, "shuffle": True, "drop_last": True}
+    state = {"global_step": step, "dataloader": loader, "kl_coef": 0.001,
+             **({"train_rows": train_rows} if train_rows is not None else {})}
+    (folder / STATE_FILE).write_text(json.dumps(state))
+    (root / LATEST_FILE).write_text(f"{step}\n")
+    return folder
+
+
+@pytest.fixture
+def job(demo_assets: Path, tmp_path: Path):
+    """(overrides of the demo GRPO job run in tmp_path, its checkpoint root, the rows of its train file)."""
+    overrides = demo_overrides(demo_assets, tmp_path / "run")
+    return overrides, tmp_path / "run" / "ckpt" / "demo" / "cpu_tiny_grpo", _rows(demo_assets)
+
+
+def _refusal(config: str, overrides: list[str]) -> str:
+    with pytest.raises(ConfigError) as caught:
+        plan_from_sources(config, overrides, check_files=True)
+    return str(caught.value)
+
+
+def test_plan_says_where_a_run_starts(job):
+    overrides, root, rows = job
+    fresh = plan_from_sources(GRPO, overrides, check_files=True)
+    assert fresh.resume is None and f"Resume: none, a fresh start (no complete checkpoint under {root}" \
+        in render_plan(fresh)
+    _checkpoint(root, 1, dataset_size=rows)
+    latest = _checkpoint(root, 2, dataset_size=rows, train_rows=rows)
+    plan = plan_from_sources(GRPO, overrides, check_files=True)
+    assert plan.resume is not None and (plan.resume.path, plan.resume.step) == (str(latest), 2)
+    assert f"Resume: from {latest} at step 2 (the newest complete checkpoint" in render_plan(plan)
+    earlier = plan_from_sources(GRPO, [*overrides, f"trainer.resume_mode={root / 'global_step_1'}"],
+                                check_files=True)
+    assert earlier.resume.step == 1 and "(trainer.resume_mode)" in resume_line(earlier)
+    off = plan_from_sources(GRPO, [*overrides, "trainer.resume_mode=disable"], check_files=True)
+    assert off.resume is None and resume_line(off) == "Resume: none, a fresh start (trainer.resume_mode=disable)"
+    # the plan's JSON carries it (what a user's tooling reads)
+    assert json.loads(plan.to_json())["resume"] == {"path": str(latest), "step": 2, "mode": "auto"}
+
+
+def test_a_changed_batch_size_or_seed_is_refused_naming_saved_and_new(job):
+    overrides, root, rows = job
+    latest = _checkpoint(root, 2, dataset_size=rows)
+    text = _refusal(GRPO, [*overrides, "data.train_batch_size=16", "trainer.seed=7"])
+    assert (f"data.train_batch_size=16 differs from the checkpoint it resumes from ({latest}, step 2): its data "
+            "loader saved batch_size 8, this job's is 16") in text
+    assert "trainer.seed=7 differs" in text and "saved seed 42, this job's is 7" in text
+    assert "start fresh with trainer.resume_mode=disable, or give this run a new trainer.default_local_dir" in text
+    assert "Traceback" not in text
+    # the ways out are valid: neither refuses
+    plan_from_sources(GRPO, [*overrides, "data.train_batch_size=16", "trainer.resume_mode=disable"], check_files=True)
+    plan_from_sources(GRPO, [*overrides, "data.train_batch_size=16", f"trainer.default_local_dir={root / 'new'}"],
+                      check_files=True)
+
+
+def test_other_data_is_refused(job, tmp_path):
+    overrides, root, rows = job
+    _checkpoint(root, 1, dataset_size=rows)  # an older checkpoint: no train_rows; only the loader's size
+    small = write_rows([{"prompt": "repeat: a", "reward_model": {"ground_truth": "a"}}] * 40, tmp_path / "s.jsonl")
+    text = _refusal(GRPO, [*overrides, f"data.train_files=[{small}]"])
+    assert f"data.train_files=['{small}'] hold 40 rows, fewer than the {rows} prompts the data loader" in text
+    # more rows, while over-long prompts could be filtered out: the recorded rows of the checkpoint tell
+    big = write_rows([{"prompt": "repeat: a", "reward_model": {"ground_truth": "a"}}] * (rows + 8),
+                     tmp_path / "b.jsonl")
+    _checkpoint(root, 2, dataset_size=rows, train_rows=rows)
+    text = _refusal(GRPO, [*overrides, f"data.train_files=[{big}]"])
+    assert f"hold {rows + 8} rows; the data loader of the checkpoint it resumes from" in text
+    assert f"was built from {rows} rows ({rows} prompts kept)" in text
+    # nothing dropped (no filtering, malformed rows refused): the size is known and compared as the loader does
+    text = _refusal(GRPO, [*overrides, f"data.train_files=[{big}]", "data.filter_overlong_prompts=false",
+                           f"trainer.resume_mode={root / 'global_step_1'}"])
+    assert f"its data loader saved dataset_size {rows} prompts, this job's is {rows + 8} prompts" in text
+    assert "name another checkpoint, or start fresh with trainer.resume_mode=disable" in text
+
+
+def test_a_role_the_checkpoint_lacks_is_refused(job, tmp_path):
+    overrides, root, rows = job
+    grpo = _checkpoint(root, 1, dataset_size=rows, batch_size=16)  # actor only, the PPO job's batch size
+    text = _refusal(PPO, [*overrides, f"trainer.resume_mode={grpo}"])
+    assert (f"trainer.resume_mode={grpo} resumes from {grpo} (step 1), which holds no critic checkpoint "
+            f"(no critic/{ROLE_CHECKPOINT_FILE}), but this job trains the critic") in text
+    (grpo / "critic").mkdir()  # a critic folder whose save never finished
+    assert "which holds an incomplete critic checkpoint" in _refusal(PPO, [*overrides, f"trainer.resume_mode={grpo}"])
+    (grpo / "critic" / ROLE_CHECKPOINT_FILE).write_text("{}")
+    assert plan_from_sources(PPO, [*overrides, f"trainer.resume_mode={grpo}"], check_files=True).resume.step == 1
+    # a file is not a checkpoint folder
+    text = _refusal(GRPO, [*overrides, f"trainer.resume_mode={grpo / STATE_FILE}"])
+    assert f"trainer.resume_mode={grpo / STATE_FILE} is a file, not a checkpoint folder" in text
