@@ -66,10 +66,15 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:  # noqa: BLE001 - a run-time failure: one line here, the whole story in a file
         # TrainingFailure: step, phase, role, rank and cause (workers already torn down); anything else is
         # hybridrl's bug or the machine's, and its traceback goes to the file too.
-        log = _write_failure(run_dir_for(plan), exc, with_traceback=not isinstance(exc, TrainingFailure))
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         cause = first if isinstance(exc, TrainingFailure) else f"{type(exc).__name__}: {first}"
-        print(f"hybridrl train: {cause}\n  the whole report: {log}", file=sys.stderr)
+        with_traceback = not isinstance(exc, TrainingFailure)
+        try:
+            report = f"the whole report: {_write_failure(run_dir_for(plan), exc, with_traceback=with_traceback)}"
+        except OSError as unwritable:  # the run folder itself is the trouble: the report goes to the terminal
+            text = "".join(traceback.format_exception(exc)) if with_traceback else f"{exc}\n"
+            report = f"the run folder could not hold failure.log ({unwritable}); the whole report:\n{text}"
+        print(f"hybridrl train: {cause}\n  {report}", file=sys.stderr)
         return 1
     print(result.summary)
     return 0

@@ -1,6 +1,7 @@
 """`hybridrl plan` says which checkpoint a job resumes from and refuses, before any process starts, a resume
 `train` would die on after Ray and the workers are up: a data loader state this job's loader refuses, a role
-this job trains that the checkpoint holds no complete folder for, a resume path that is a file.
+this job trains that the checkpoint holds no complete folder for, a resume path that is a file; and output
+folders (checkpoints, the run folder, rollout dumps) that exist as files, or lie under one.
 
 The checkpoints are written as `train` lays them out (`hybridrl.persistence`), with role folders holding only
 their last-written metadata file: all the plan reads.
@@ -123,3 +124,16 @@ def test_a_role_the_checkpoint_lacks_is_refused(job, tmp_path):
     # a file is not a checkpoint folder
     text = _refusal(GRPO, [*overrides, f"trainer.resume_mode={grpo / STATE_FILE}"])
     assert f"trainer.resume_mode={grpo / STATE_FILE} is a file, not a checkpoint folder" in text
+
+
+def test_output_folders_that_are_files_are_refused(job, tmp_path):
+    overrides, _, _ = job
+    file = tmp_path / "a_file"
+    file.write_text("x")
+    text = _refusal(GRPO, [*overrides, f"trainer.default_local_dir={file}", f"trainer.rollout_data_dir={file}",
+                           f"trainer.run_dir={file / 'run'}"])
+    assert (f"trainer.default_local_dir={file} needs the folder {file}/demo/cpu_tiny_grpo, but {file} is a file, "
+            "not a folder: train writes checkpoints there") in text
+    assert f"trainer.rollout_data_dir={file} is a file, not a folder" in text
+    assert f"trainer.run_dir={file / 'run'} needs the folder {file / 'run'}, but {file} is a file" in text
+    assert "3 config error(s)" in text

@@ -1,8 +1,46 @@
-"""`hybridrl train`'s own command line: a user's mistake there is one clear line and exit 2, before any planning."""
+"""`hybridrl train`'s own command line and failure report: a user's mistake on the command line is one clear line
+and exit 2, before any planning; a failure is one line on the terminal, the whole story in <run dir>/failure.log,
+and the whole story on the terminal when the run folder cannot hold it (no second traceback about the file)."""
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
+from pathlib import Path
+
+import hybridrl.trainer.trainer as trainer_module
+from hybridrl.trainer import train_cli
+from tools.demo_assets import demo_overrides
+
+CONFIG = str(Path(__file__).resolve().parents[2] / "configs/examples/cpu_tiny_grpo.yaml")
+
+
+class _Failing:
+    def __init__(self, plan, **_):
+        self.plan = plan
+
+    def fit(self):
+        raise RuntimeError("a worker fell over\nits details")
+
+
+def test_a_failure_report_the_run_folder_cannot_hold_goes_to_the_terminal(demo_assets, tmp_path, monkeypatch,
+                                                                            capsys):
+    blocked = tmp_path / "a_file"
+    blocked.write_text("x")
+    monkeypatch.setattr(trainer_module, "Trainer", _Failing)
+    args = argparse.Namespace(config=CONFIG, overrides=demo_overrides(demo_assets, tmp_path / "run"),
+                              no_progress=True, skip_version_check=True)
+    assert train_cli.run(args) == 1
+    log = tmp_path / "run" / "failure.log"
+    assert "RuntimeError: a worker fell over" in log.read_text()
+    assert f"the whole report: {log}" in capsys.readouterr().err
+
+    monkeypatch.setattr(trainer_module, "run_dir_for", lambda plan: blocked / "run")  # (the plan refuses a file)
+    assert train_cli.run(args) == 1
+    err = capsys.readouterr().err
+    assert "hybridrl train: RuntimeError: a worker fell over\n  the run folder could not hold failure.log" in err
+    assert "the whole report:\nTraceback" in err and "its details" in err
+    assert "FileExistsError" not in err.split("the run folder could not hold")[0]
 
 
 def test_train_without_a_config_asks_for_it():
