@@ -126,6 +126,14 @@ def config_to_dict(config: Any) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
+def config_and_overrides(first: str | None, rest: list[str]) -> tuple[str | None, list[str]]:
+    """A command line's job: its YAML config (None: the defaults) and its overrides. A first argument that is an
+    override (`a.b=c`, not a .yaml path) starts the overrides, as verl's scripts give every setting on the line."""
+    if first and "=" in first and not first.endswith((".yaml", ".yml")):
+        return None, [first, *rest]
+    return first, list(rest)
+
+
 def _read_yaml(path: Path, issues: list[ConfigIssue]) -> dict[str, Any]:
     if path.is_dir():
         issues.append(ConfigIssue(CONFIG_FILE, str(path), "is a folder: give a YAML file (configs/examples/ has some)"))

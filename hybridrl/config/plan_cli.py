@@ -11,6 +11,7 @@ import json
 import sys
 
 from hybridrl.config.errors import ConfigError
+from hybridrl.config.loader import config_and_overrides
 from hybridrl.config.plan import plan_from_sources
 from hybridrl.config.report import render_plan, render_search, render_sizing
 from hybridrl.config.search import search_from_sources, search_inputs, size_cluster
@@ -34,9 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config_path, overrides = args.config, list(args.overrides)
-    if config_path and "=" in config_path and not config_path.endswith((".yaml", ".yml")):
-        config_path, overrides = None, [config_path, *overrides]  # only overrides were given
+    config_path, overrides = config_and_overrides(args.config, args.overrides)
     if args.top is not None and (not args.search or args.top < 1):
         print(f"hybridrl plan: --top={args.top} needs --search and a number of layouts >= 1", file=sys.stderr)
         return 2

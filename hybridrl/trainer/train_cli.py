@@ -7,6 +7,7 @@ import traceback
 from pathlib import Path
 
 from hybridrl.config.errors import ConfigError
+from hybridrl.config.loader import config_and_overrides
 from hybridrl.config.plan import plan_from_sources
 from hybridrl.config.report import packing_line, resume_line
 from hybridrl.persistence import atomic_file
@@ -21,12 +22,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.config is None:  # argparse would also call the optional overrides required
-        print("hybridrl train: give the job's YAML config first (configs/examples/ has some), then any overrides",
-              file=sys.stderr)
+    config_path, overrides = config_and_overrides(args.config, args.overrides)
+    if config_path is None and not overrides:  # argparse would also call the optional overrides required
+        print("hybridrl train: give the job's YAML config first (configs/examples/ has some), then any overrides "
+              "(or every setting as overrides, as a verl script does)", file=sys.stderr)
         return 2
     try:
-        plan = plan_from_sources(args.config, list(args.overrides), check_files=True)
+        plan = plan_from_sources(config_path, overrides, check_files=True)
     except ConfigError as exc:
         print(f"hybridrl train: {exc}", file=sys.stderr)
         return 2

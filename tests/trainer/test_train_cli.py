@@ -48,5 +48,17 @@ def test_train_without_a_config_asks_for_it():
                           timeout=60)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     # argparse said "the following arguments are required: config, overrides" (the overrides are optional)
-    assert done.stderr.strip() == ("hybridrl train: give the job's YAML config first (configs/examples/ has some), "
-                                   "then any overrides")
+    assert done.stderr.strip().startswith("hybridrl train: give the job's YAML config first (configs/examples/ has "
+                                          "some), then any overrides (or every setting as overrides")
+
+
+def test_train_takes_a_job_of_overrides_alone_as_plan_does(tmp_path):
+    """verl's scripts give every setting on the command line: `train` read the first override as the config file's
+    path ('file not found') where `plan`, and launch/train_grpo.sh's own plan, took the same line."""
+    line = ["algorithm.adv_estimator=grpo", "trainer.seed=-1", f"trainer.run_dir={tmp_path / 'run'}"]
+    for command in ("plan", "train"):
+        done = subprocess.run([sys.executable, "-m", "hybridrl.cli", command, *line], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 2, (command, done.stderr[-2000:])
+        assert "<config file>" not in done.stderr  # read as overrides: the defaults, then these
+        assert "trainer.seed=-1 must be in [0, 2**31)" in done.stderr, (command, done.stderr[-2000:])
