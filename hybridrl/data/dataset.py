@@ -27,6 +27,7 @@ counts them in `stats` with one warning.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,7 +133,8 @@ def _read_jsonl_lines(path: Path) -> list[dict[str, Any]]:
         try:
             parsed = _read_json_table(line)
         except Exception as error:
-            rows.append({_UNPARSEABLE: str(error)})
+            # pyarrow parsed the line as a table of its own: its " in row 0" is that table's row, not the file's
+            rows.append({_UNPARSEABLE: re.sub(r"\s+in row \d+$", "", str(error).strip())})
             continue
         rows.extend(parsed if parsed else [{_UNPARSEABLE: "not a JSON object"}])
     return rows
@@ -384,7 +386,7 @@ class PromptDataset(Sequence[PromptItem]):
                 continue
             where = f"{file}, row {row_in_file}"
             if self.on_malformed == "error":
-                raise DatasetError(f"{where}: {reason} (set on_malformed='skip' to drop such rows)")
+                raise DatasetError(f"{where}: {reason} (set data.on_malformed=skip to drop such rows)")
             self.stats.skipped_malformed += 1
             if len(self.stats.malformed_examples) < 3:
                 self.stats.malformed_examples.append(f"{where}: {reason}")

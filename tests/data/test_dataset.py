@@ -193,6 +193,21 @@ def test_wrong_type_and_bad_lines_in_jsonl(tmp_path: Path, tokenizer) -> None:
     assert dataset.stats.skipped_malformed == 2
 
 
+def test_a_bad_json_line_names_one_row_and_the_config_field(tmp_path: Path, tokenizer) -> None:
+    """pyarrow parses each line of a file it cannot read whole as a table of its own, so its message ends in that
+    one-line table's " in row 0": the error says the file's row alone, and names the setting as the config does."""
+    file = tmp_path / "bad.jsonl"
+    lines = [json.dumps({"prompt": f"p{i}"}) for i in range(30)]
+    lines[20] = '{"prompt": broken'
+    file.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DatasetError) as info:
+        PromptDataset(file, tokenizer)
+    message = str(info.value)
+    assert f"{file}, row 20: unreadable JSON line: " in message
+    assert "in row" not in message and message.count("row ") == 1, message
+    assert "data.on_malformed=skip" in message
+
+
 def test_date_like_text_stays_text(tmp_path: Path, tokenizer) -> None:
     # pyarrow would infer these as timestamps; a prompt or ground truth must stay the written string.
     rows = [
