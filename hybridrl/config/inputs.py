@@ -31,7 +31,14 @@ from hybridrl.config.schema import DataConfig, JobConfig, ModelConfig
 from hybridrl.data.dataset import DatasetError, FilePreview, preview_file
 from hybridrl.models.lora_targets import peft_config_mismatches
 from hybridrl.rewards.custom import RewardFunctionError, load_reward_function, signature_problem
-from hybridrl.rewards.registry import AUTO, UnknownScorerError, get_scorer, known_scorer_names, scorer_for_data_source
+from hybridrl.rewards.registry import (
+    AUTO,
+    UnknownScorerError,
+    get_scorer,
+    known_scorer_names,
+    scorer_aliases,
+    scorer_for_data_source,
+)
 from hybridrl.tool_calling.sandbox import ENABLE_NAMESPACES, sandbox_problem
 
 # A Hugging Face hub id: "name" or "org/name" of letters, digits, - _ . (no path separators beyond one "/").
@@ -254,10 +261,15 @@ def has_chat_template(tokenizer_source: Path) -> bool:
         return False
 
 
-def _reads_ground_truth(config: JobConfig) -> bool:
-    """Whether scoring needs the reward column: the built-in scorers read a ground truth (the format
-    check excepted); a user's function may not, so its file decides (a warning, not an error)."""
-    return not config.algorithm.custom_reward_function.path and config.algorithm.reward_fn != "format"
+def ground_truth_required(config: JobConfig, field: str) -> bool:
+    """Whether every row of `field`'s files (data.train_files or data.val_files) needs a ground truth in its
+    reward column: a rule scorer scores them (training rows unless a reward model does, validation rows always)
+    and reads one (the format check excepted). A user's function may not read it, so it is never required there.
+    The plan checks the column, the trainer's row read every row's value (`PromptDataset`)."""
+    algorithm = config.algorithm
+    rule_scored = field == "data.val_files" or not config.reward_model.enable
+    reads_it = scorer_aliases().get(algorithm.reward_fn, algorithm.reward_fn) != "format"
+    return rule_scored and not algorithm.custom_reward_function.path and reads_it
 
 
 def _check_data(config: JobConfig, issues: list[ConfigIssue], chat_template: bool | None) -> int | None:
@@ -269,9 +281,8 @@ def _check_data(config: JobConfig, issues: list[ConfigIssue], chat_template: boo
                                                           f"(the format: {GUIDE}#data)"))
     for field, files, batch in (("data.train_files", data.train_files, data.train_batch_size),
                                 ("data.val_files", data.val_files, None)):
-        # the rule scorer scores training rows unless a reward model does; validation rows always
         rule_scored = field == "data.val_files" or not config.reward_model.enable
-        needs_reward = rule_scored and _reads_ground_truth(config)
+        needs_reward = ground_truth_required(config, field)
         auto = rule_scored and config.algorithm.reward_fn == AUTO and not config.algorithm.custom_reward_function.path
         rows = _check_files(field, files, data, issues, chat_template, needs_reward, auto)
         if rows is None:

@@ -20,7 +20,8 @@ Over-long prompts (more than ``max_prompt_length`` tokens after the template): d
 otherwise cut by ``truncation``: ``left`` keeps the last tokens (the end of a prompt is where the
 question and the generation cue are), ``right`` keeps the first, ``error`` raises.
 
-Malformed rows (prompt missing, null, empty, of the wrong type, messages without role/content):
+Malformed rows (prompt missing, null, empty, of the wrong type, messages without role/content; with
+``require_ground_truth``, what a rule scorer reads, a row without a ground truth):
 ``on_malformed="error"`` (default) raises naming the file and the row; ``"skip"`` drops them and
 counts them in `stats` with one warning.
 """
@@ -288,6 +289,19 @@ def _malformed_reason(row: Mapping[str, Any], prompt_key: str) -> str | None:
     return f"the prompt is a {type(prompt).__name__}; expected a string or a list of chat messages"
 
 
+def _missing_ground_truth(row: Mapping[str, Any], reward_key: str) -> str | None:
+    """Why a row has no ground truth for a rule scorer to compare with (its reward column absent or null, or a
+    ``ground_truth`` entry that is null), or None when it has one."""
+    what = f"data.reward_key={reward_key}"
+    if row.get(reward_key) is None:
+        return f"no ground truth: its {what} value is null or absent, and the rule scorer compares every response " \
+               "with one"
+    if _ground_truth(row[reward_key]) is None:
+        return (f"no ground truth: its {what} value's 'ground_truth' is null, and the rule scorer compares every "
+                "response with one")
+    return None
+
+
 def _ground_truth(reward_spec: Any) -> Any:
     if isinstance(reward_spec, Mapping) and "ground_truth" in reward_spec:
         return reward_spec["ground_truth"]
@@ -316,6 +330,7 @@ class PromptDataset(Sequence[PromptItem]):
         apply_chat_template: bool | None = None,
         on_malformed: str = "error",
         tools: Sequence[Mapping[str, Any]] | None = None,
+        require_ground_truth: bool = False,
     ) -> None:
         if isinstance(files, (str, Path)):
             files = [files]
@@ -342,6 +357,8 @@ class PromptDataset(Sequence[PromptItem]):
         self.apply_chat_template = apply_chat_template
         self.on_malformed = on_malformed
         self.tools = list(tools) if tools else None  # tool schemas for the chat template (multi-turn)
+        # a rule scorer reads every row's ground truth: a row without one is malformed (it could not be scored)
+        self.require_ground_truth = require_ground_truth
         self.stats = DatasetStats(max_prompt_length=max_prompt_length)
         self.items: list[PromptItem] = self._build()
 
@@ -381,6 +398,8 @@ class PromptDataset(Sequence[PromptItem]):
         usable: list[tuple[dict[str, Any], str, int, int]] = []
         for row, file, row_in_file, index in pending:
             reason = _malformed_reason(row, self.prompt_key)
+            if reason is None and self.require_ground_truth:
+                reason = _missing_ground_truth(row, self.reward_key)
             if reason is None:
                 usable.append((row, file, row_in_file, index))
                 continue

@@ -22,6 +22,7 @@ import numpy as np
 from hybridrl.algorithms.kl_control import kl_controller_from_config
 from hybridrl.config.errors import ConfigError, ConfigIssue
 from hybridrl.config.hardware import load_hardware
+from hybridrl.config.inputs import ground_truth_required
 from hybridrl.config.plan import Plan
 from hybridrl.config.report import failure_cost_lines
 from hybridrl.config.step_time import StepLengths, StepTime, predict_step_time, time_vs_plan
@@ -176,7 +177,8 @@ class Trainer:
                 raise ConfigError([ConfigIssue("actor_rollout_ref.rollout.multi_turn.turn_reward.name",
                                                multi_turn.turn_reward.name, str(error))]) from None
         with _user_input("data.train_files", cfg.data.train_files, DatasetError):
-            train = PromptDataset.from_config(cfg.data, cfg.data.train_files, self.tokenizer, **extra)
+            train = PromptDataset.from_config(cfg.data, cfg.data.train_files, self.tokenizer, **extra,
+                                              require_ground_truth=ground_truth_required(cfg, "data.train_files"))
         self.write(f"train data: {train.stats.summary()}")
         if len(train) < cfg.data.train_batch_size:  # the plan counted rows; filtering and skipping drop some
             raise ConfigError([ConfigIssue(
@@ -189,7 +191,8 @@ class Trainer:
         self.val_loader = None
         if cfg.data.val_files:
             with _user_input("data.val_files", cfg.data.val_files, DatasetError):
-                val = PromptDataset.from_config(cfg.data, cfg.data.val_files, self.tokenizer, **extra)
+                val = PromptDataset.from_config(cfg.data, cfg.data.val_files, self.tokenizer, **extra,
+                                                require_ground_truth=ground_truth_required(cfg, "data.val_files"))
             self.write(f"val data: {val.stats.summary()}")  # over-long prompts are counted there too
             self.val_loader = PromptDataLoader(val, cfg.data.val_batch_size or len(val), self.pad_token_id,
                                                shuffle=False, drop_last=False)

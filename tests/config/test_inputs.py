@@ -157,6 +157,12 @@ def test_a_hub_id_in_the_local_cache_is_its_snapshot_folder(demo_assets, tmp_pat
 @pytest.mark.parametrize("row,reason", [
     ({"prompt": None, "reward_model": {"ground_truth": "a"}}, "row 5: no 'prompt' value"),
     ({"prompt": [{"role": "user"}], "reward_model": {"ground_truth": "a"}}, "row 5: message 0 has no string 'content'"),
+    # the rule scorer (repeat_letter) compares every response with the row's ground truth: scoring would fail
+    ({"prompt": "repeat: a", "reward_model": None}, "row 5: no ground truth: its data.reward_key=reward_model value "
+                                                    "is null or absent"),
+    ({"prompt": "repeat: a", "reward_model": {"ground_truth": None}}, "row 5: no ground truth: its "
+                                                                      "data.reward_key=reward_model value's "
+                                                                      "'ground_truth' is null"),
 ])
 def test_train_refuses_what_only_reading_every_row_shows(row, reason, demo_assets, tmp_path):
     """A malformed row past the lines the plan previews: `train` reads every row before Ray starts, and
@@ -170,6 +176,22 @@ def test_train_refuses_what_only_reading_every_row_shows(row, reason, demo_asset
     assert f"data.train_files=['{data}']" in result.stderr and f"{data}, row 5: " in result.stderr
     assert reason.split(": ", 1)[1] in result.stderr
     assert "Traceback" not in result.stderr and "Started a local Ray" not in result.stderr + result.stdout
+
+
+def test_a_ground_truth_is_required_where_a_rule_scorer_reads_it(demo_assets, tmp_path):
+    """Training rows need one unless a reward model scores them; validation rows always (the rule scores them);
+    never under the format check, which reads none, or a user's function, which may not."""
+    from hybridrl.config.inputs import ground_truth_required
+    from hybridrl.config.loader import load_config
+
+    def required(*overrides: str) -> tuple[bool, bool]:
+        config = load_config(CONFIG, [*demo_overrides(demo_assets, tmp_path), *overrides])
+        return ground_truth_required(config, "data.train_files"), ground_truth_required(config, "data.val_files")
+
+    assert required() == (True, True)
+    assert required("reward_model.enable=true", f"reward_model.model.path={demo_assets / 'model'}") == (False, True)
+    assert required("algorithm.reward_fn=think_answer_format") == (False, False)  # the format check, by its alias
+    assert required(f"algorithm.custom_reward_function.path={tmp_path / 'mine.py'}") == (False, False)
 
 
 def test_train_refuses_a_batch_that_filtering_leaves_short(demo_assets, tmp_path):

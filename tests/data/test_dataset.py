@@ -208,6 +208,25 @@ def test_a_bad_json_line_names_one_row_and_the_config_field(tmp_path: Path, toke
     assert "data.on_malformed=skip" in message
 
 
+def test_a_row_without_a_ground_truth_is_malformed_where_one_is_required(tmp_path: Path, tokenizer) -> None:
+    """A rule scorer compares each response with its row's ground truth: with require_ground_truth a row whose
+    reward column is null (or whose ground_truth entry is) is refused naming the file, row and data.reward_key, or
+    skipped and counted; a bare ground truth (a value, or a dict without a ground_truth entry: countdown's) is one."""
+    rows = [{"prompt": "a", "answer": {"ground_truth": "1"}}, {"prompt": "b", "answer": "2"},
+            {"prompt": "c", "answer": None}, {"prompt": "d", "answer": {"ground_truth": None}}]
+    file = write_jsonl(tmp_path / "gt.jsonl", rows)
+    bare = write_jsonl(tmp_path / "countdown.jsonl", [{"prompt": "e", "answer": {"target": 3, "numbers": [1, 2]}}])
+    assert len(PromptDataset(bare, tokenizer, reward_key="answer", require_ground_truth=True)) == 1
+    assert len(PromptDataset(file, tokenizer, reward_key="answer")) == 4  # not required: the user's function decides
+    with pytest.raises(DatasetError, match=r"gt\.jsonl, row 2: no ground truth: its data\.reward_key=answer value is "
+                                           r"null or absent"):
+        PromptDataset(file, tokenizer, reward_key="answer", require_ground_truth=True)
+    dataset = PromptDataset(file, tokenizer, reward_key="answer", require_ground_truth=True, on_malformed="skip")
+    assert [item.index for item in dataset] == [0, 1] and dataset.stats.skipped_malformed == 2
+    assert "row 3: no ground truth: its data.reward_key=answer value's 'ground_truth' is null" in \
+        "; ".join(dataset.stats.malformed_examples)
+
+
 def test_date_like_text_stays_text(tmp_path: Path, tokenizer) -> None:
     # pyarrow would infer these as timestamps; a prompt or ground truth must stay the written string.
     rows = [
