@@ -82,6 +82,22 @@ def check_validation_sampling(check: Checker, config: JobConfig) -> None:
                    "do_sample=true to sample, or leave it at -1", [-1])
 
 
+def check_stop_tokens(check: Checker, config: JobConfig, model: ModelShape | None) -> None:
+    """`rollout.stop_token_ids`: token ids, each in [0, vocab_size) of the model's config.json (vLLM refuses any
+    other at the first generation: they index its logits). A negative id is wrong without the model."""
+    field = "actor_rollout_ref.rollout.stop_token_ids"
+    ids = config.actor_rollout_ref.rollout.stop_token_ids
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        check.fail(field, ids, "must be a list of token ids (integers)")
+        return
+    vocab = model.vocab_size if model is not None else None
+    bad = [i for i in ids if i < 0 or (vocab is not None and i >= vocab)]
+    if bad:
+        valid = (f"be in [0, {vocab}) (the model's vocab_size is {vocab})" if vocab is not None
+                 else "be 0 or more (token ids count from 0)")
+        check.fail(field, ids, f"holds token ids outside the vocabulary: {bad}; each must {valid}")
+
+
 def check_rollout_placement(check: Checker, config: JobConfig, resolved: Resolved, world: int) -> int:
     """rollout.mode, its pool and rollout.async_mode; returns the ranks vLLM runs on (0 when invalid)."""
     arr = config.actor_rollout_ref

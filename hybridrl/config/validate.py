@@ -35,6 +35,7 @@ from hybridrl.config.rollout_rules import (
     check_multi_turn,
     check_rollout_layout,
     check_rollout_placement,
+    check_stop_tokens,
     check_validation_sampling,
 )
 from hybridrl.config.schema import (
@@ -88,6 +89,7 @@ def validate(
             dp_of[role] = dp
     rollout_world = check_rollout_placement(check, config, resolved, world)
     infer_dp = check_rollout_layout(check, config, rollout_world, model, pool=resolved.disaggregated)
+    check_stop_tokens(check, config, model)
     _check_unsupported(check, config, model)
     check_refusals(config, check.issues)  # settings one field decides, as one table (config/refusals.py)
     _check_shared_prefix(check, config, resolved, model)

@@ -210,6 +210,12 @@ def test_rule_refuses_bad_and_accepts_fix(name):
 
 # Model-shape rules on custom shapes (heads, KV heads, layers, vocab).
 SHAPE_CASES = {
+    # vLLM refuses a stop id outside [0, vocab_size) at the first generation: the ids index its logits
+    "stop token ids inside the vocabulary": (dict(vocab=1000), [f"{R}.stop_token_ids=[5,1000]"],
+                                             f"{R}.stop_token_ids", "[1000]; each must be in [0, 1000) (the model's "
+                                             "vocab_size is 1000)", [f"{R}.stop_token_ids=[5,999]"]),
+    "stop token ids are never negative": (dict(vocab=1000), [f"{R}.stop_token_ids=[-1]"], f"{R}.stop_token_ids",
+                                          "[-1]; each must be in [0, 1000)", [f"{R}.stop_token_ids=[0]"]),
     "actor tp vs kv heads": (dict(heads=12, kv=4), [f"{A}.megatron.tensor_model_parallel_size=6"],
                              f"{A}.megatron.tensor_model_parallel_size", "4 KV heads",
                              [f"{A}.megatron.tensor_model_parallel_size=2"]),
@@ -266,6 +272,15 @@ def test_shape_rule_refuses_bad_and_accepts_fix(name, tmp_path):
     named = [i for i in issues if i.field == field]
     assert named and any(fragment in str(i) for i in named), [str(i) for i in issues]
     plan_from_sources(SEED, [model, *good])
+
+
+def test_a_negative_stop_token_is_refused_without_the_model():
+    """No config.json to read the vocabulary from (the seed config names no folder here): a negative id is wrong
+    whatever the model."""
+    issues = issues_for([f"{R}.stop_token_ids=[-1,7]", "actor_rollout_ref.model.path=/no/such/model"])
+    named = [str(i) for i in issues if i.field == f"{R}.stop_token_ids"]
+    assert named == [f"{R}.stop_token_ids=[-1, 7] holds token ids outside the vocabulary: [-1]; each must be 0 or "
+                     "more (token ids count from 0)"], [str(i) for i in issues]
 
 
 def test_multi_turn_plans_at_inference_tp2():
