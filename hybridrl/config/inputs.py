@@ -6,7 +6,8 @@ a traceback minutes later:
 
 * model folders (`actor_rollout_ref.model`, a critic's, reward model's or distillation teacher's own): the
   folder exists and holds a config.json, safetensors weights and, for the policy, a tokenizer (with a chat
-  template when prompts need one); a teacher holds the policy's tokenizer. A hub id
+  template when prompts need one) that loads and whose ids fit the vocabulary of every model reading them; a
+  teacher holds the policy's tokenizer. A hub id
   (``Qwen/Qwen2.5-7B-Instruct``) is looked up in the local Hugging Face cache, offline, as transformers does
   (`resolve_hub_ids`); hybridrl never downloads.
 * data files: each exists and is readable parquet/JSONL with the prompt column (and the reward column
@@ -15,7 +16,8 @@ a traceback minutes later:
 * reward code: the registry knows `algorithm.reward_fn`, or the custom reward file imports (it is
   trusted code, run as the trainer will run it) and defines the function with a usable signature.
 
-Torch-free: pyarrow, the reward registry and, for a hub id only, huggingface_hub.
+Torch-free: pyarrow, the reward registry, the tokenizers library and, for a hub id only, huggingface_hub (a
+tokenizer folder without a tokenizer.json alone is loaded through transformers).
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ from hybridrl.config.errors import ConfigIssue
 from hybridrl.config.resume import ResumePoint, check_resume
 from hybridrl.config.schema import DataConfig, JobConfig, ModelConfig
 from hybridrl.data.dataset import DatasetError, FilePreview, preview_file
+from hybridrl.data.tokenizer import tokenizer_size
+from hybridrl.models.arch import ModelShape, read_hf_config
 from hybridrl.models.lora_targets import peft_config_mismatches
 from hybridrl.rewards.custom import RewardFunctionError, load_reward_function, signature_problem
 from hybridrl.rewards.registry import (
@@ -114,6 +118,8 @@ def check_inputs(config: JobConfig, issues: list[ConfigIssue], *, critic: bool) 
         elif prefix == "teacher.model" and len(issues) == before:
             _check_teacher_tokenizer(config, issues)
         absent |= len(issues) > before and (Path(model.path) / "config.json").is_file()
+    if chat_template is not None:  # the policy's folder and tokenizer are there: what they hold (not absent)
+        _check_tokenizer_fits(config, issues, critic=critic)
     for files in (config.data.train_files, config.data.val_files):
         absent |= not files or any(not Path(file).exists() for file in files)
     train_rows = _check_data(config, issues, chat_template)
@@ -203,6 +209,49 @@ def _check_model_folder(prefix: str, model: ModelConfig, issues: list[ConfigIssu
                                                      f"{prefix}.tokenizer_path"))
             ok = False
     return ok
+
+
+def _config_vocab_size(folder: str) -> int | None:
+    """vocab_size of a model folder's config.json as the bridge reads it, or None when that is unreadable (said
+    elsewhere: `load_model_shape` for the policy)."""
+    try:
+        return ModelShape.from_hf_config(read_hf_config(folder)).vocab_size
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _check_tokenizer_fits(config: JobConfig, issues: list[ConfigIssue], *, critic: bool) -> None:
+    """The policy's tokenizer loads as `train` loads it, and every id it can produce is a row of the vocabulary of
+    each model that reads the policy's token ids (the policy's, a critic's or reward model's own; a padded vocabulary
+    larger than the tokenizer is fine). An id past a model's vocab_size fails in vLLM's or megatron's embedding
+    lookup (`IndexError: index out of range`) after the workers started. The teacher's is the distillation rules'
+    (it holds the policy's tokenizer, and a vocabulary at least the student's)."""
+    policy = config.actor_rollout_ref.model
+    source = policy.tokenizer_path or policy.path
+    where = "actor_rollout_ref.model." + ("tokenizer_path" if policy.tokenizer_path else "path")
+    try:
+        size = tokenizer_size(source, trust_remote_code=policy.trust_remote_code)
+    except Exception as error:  # noqa: BLE001 - whatever loading the user's tokenizer raises is the config's error
+        issues.append(ConfigIssue(where, source, f"holds a tokenizer that does not load: {error}; train loads it "
+                                                 "first (fix or replace the file, e.g. copy it from the model's "
+                                                 "original folder)"))
+        return
+    for prefix, model in _model_sections(config, critic=critic):
+        if prefix == "teacher.model" or (prefix != "actor_rollout_ref.model" and model.path == policy.path):
+            continue
+        vocab = _config_vocab_size(model.path)
+        if vocab is None or size <= vocab:
+            continue
+        if prefix == "actor_rollout_ref.model":
+            issues.append(ConfigIssue(where, source, f"holds a tokenizer of {size} tokens (ids 0..{size - 1}), more "
+                                                     f"than the {vocab} of the model's vocabulary (vocab_size in "
+                                                     f"{Path(model.path) / 'config.json'}): an id past {vocab - 1} "
+                                                     "indexes past its embedding; use the model's own tokenizer"))
+        else:
+            issues.append(ConfigIssue(f"{prefix}.path", model.path,
+                                      f"has a vocabulary of {vocab} (vocab_size in its config.json), fewer than the "
+                                      f"{size} tokens of the policy's tokenizer ({source}), whose token ids it reads: "
+                                      "use a model of the policy's family (its vocabulary at least the tokenizer's)"))
 
 
 def _check_teacher_tokenizer(config: JobConfig, issues: list[ConfigIssue]) -> None:

@@ -127,6 +127,40 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
     return tokenizer
 
 
+def tokenizer_size(path: str | Path, trust_remote_code: bool = False) -> int:
+    """How many token ids the tokenizer at `path` can produce: one more than its highest id (vocabulary, added
+    tokens, and tokenizer_config.json's added_tokens_decoder). What the plan checks against a model's vocab_size.
+
+    Read from the files `load_tokenizer` reads, without transformers where a tokenizer.json is there (both of its
+    routes parse that file with the `tokenizers` library, which this calls): torch-free and fast. A folder holding
+    only a slow tokenizer (tokenizer.model, vocab.json) is loaded by `load_tokenizer` itself. Raises `ValueError`
+    naming the file that does not load (or what `load_tokenizer` raises).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"tokenizer path {str(path)!r} does not exist")
+    folder = path if path.is_dir() else path.parent
+    ids: list[int] = []
+    config_file = folder / "tokenizer_config.json"
+    if config_file.is_file():
+        try:
+            config = json.loads(config_file.read_text())
+        except ValueError as error:
+            raise ValueError(f"{config_file} is not JSON ({error})") from error
+        decoder = config.get("added_tokens_decoder") if isinstance(config, dict) else None
+        ids += [int(key) for key in (decoder or {}) if str(key).isdigit()]
+    fast = path if path.is_file() else path / "tokenizer.json"
+    if fast.is_file():
+        from tokenizers import Tokenizer
+
+        try:
+            vocab = Tokenizer.from_file(str(fast)).get_vocab(with_added_tokens=True)
+        except Exception as error:  # the tokenizers library raises Exception itself (a serde message)
+            raise ValueError(f"{fast} is not a tokenizer the tokenizers library reads ({error})") from error
+        return max([*ids, *vocab.values()], default=-1) + 1
+    return max([len(load_tokenizer(path, trust_remote_code=trust_remote_code)), *(i + 1 for i in ids)])
+
+
 def _json_field(path: Path, key: str) -> Any:
     if not path.is_file():
         return None

@@ -157,7 +157,8 @@ class Trainer:
         cfg = self.config
         model = cfg.actor_rollout_ref.model
         tokenizer_field = "actor_rollout_ref.model." + ("tokenizer_path" if model.tokenizer_path else "path")
-        with _user_input(tokenizer_field, model.tokenizer_path or model.path, OSError, ValueError):
+        # the tokenizers library raises Exception itself (a serde message naming no file): any failure is the field's
+        with _user_input(tokenizer_field, model.tokenizer_path or model.path, Exception):
             self.tokenizer = load_tokenizer(model.tokenizer_path or model.path,
                                             trust_remote_code=model.trust_remote_code)
         # Resolved once here and handed to the workers: prompts, responses and probe rows pad alike.

@@ -38,6 +38,21 @@ def _copy_model(assets: Path, out: Path, *, without: tuple[str, ...]) -> Path:
     return out
 
 
+def _big_tokenizer(folder: Path, size: int) -> Path:
+    """A tokenizer.json of `size` word-level tokens (a stand-in for a larger model family's tokenizer)."""
+    from tokenizers import Tokenizer, models
+
+    folder.mkdir()
+    vocab = {"<unk>": 0, **{f"w{i}": i for i in range(1, size)}}
+    Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>")).save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def _edit_config(folder: Path, **changes) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+
+
 def _rows(n: int, prompt=lambda i: f"repeat: {'a' * (i % 4 + 1)}") -> list[dict]:
     return [{"prompt": prompt(i), "reward_model": {"ground_truth": "a"}, "data_source": "hybridrl/repeat_letter"}
             for i in range(n)]
@@ -52,6 +67,11 @@ def _mistakes(assets: Path, tmp: Path) -> dict[str, tuple[list[str], str]]:
     (tmp / "raises.py").write_text("import no_such_module_anywhere\n")
     no_weights = _copy_model(assets, tmp / "noweights", without=("*.safetensors",))
     no_tokenizer = _copy_model(assets, tmp / "notok", without=("tokenizer*",))
+    bad_tokenizer = _copy_model(assets, tmp / "badtok", without=())
+    (bad_tokenizer / "tokenizer.json").write_text("garbage\n")
+    big_tokenizer = _big_tokenizer(tmp / "bigtok", 200)  # the demo model's vocabulary is 96
+    small_critic = _copy_model(assets, tmp / "smallcritic", without=())
+    _edit_config(small_critic, vocab_size=64)
     return {
         "missing data file": ([f"data.train_files=[{tmp / 'nope.jsonl'}]"],
                               f"data.train_files={tmp / 'nope.jsonl'} does not exist"),
@@ -68,6 +88,20 @@ def _mistakes(assets: Path, tmp: Path) -> dict[str, tuple[list[str], str]]:
                                   "holds no weights: expected model.safetensors or model.safetensors.index.json"),
         "model without tokenizer": ([f"actor_rollout_ref.model.path={no_tokenizer}"],
                                     "holds no tokenizer"),
+        # train: `Exception: expected value at line 1 column 1`, naming neither the field nor the file
+        "corrupt tokenizer.json": ([f"actor_rollout_ref.model.path={bad_tokenizer}"],
+                                   f"actor_rollout_ref.model.path={bad_tokenizer} holds a tokenizer that does not "
+                                   f"load: {bad_tokenizer / 'tokenizer.json'} is not a tokenizer the tokenizers "
+                                   "library reads (expected value at line 1 column 1)"),
+        # train: `IndexError: index out of range in self` at the first generation
+        "tokenizer larger than the model's vocabulary": (
+            [f"actor_rollout_ref.model.tokenizer_path={big_tokenizer}"],
+            f"actor_rollout_ref.model.tokenizer_path={big_tokenizer} holds a tokenizer of 200 tokens (ids 0..199), "
+            "more than the 96 of the model's vocabulary"),
+        "critic vocabulary smaller than the policy's tokenizer": (
+            ["algorithm.adv_estimator=gae", f"critic.model.path={small_critic}"],
+            f"critic.model.path={small_critic} has a vocabulary of 64 (vocab_size in its config.json), fewer than "
+            "the 96 tokens of the policy's tokenizer"),
         "fewer rows than a batch": ([f"data.train_files=[{small}]"],
                                     "data.train_batch_size=8 is more than the 4 rows of data.train_files"),
         "chat messages, template off": ([f"data.train_files=[{chat}]", "data.apply_chat_template=false"],
@@ -89,7 +123,9 @@ def _mistakes(assets: Path, tmp: Path) -> dict[str, tuple[list[str], str]]:
 
 
 MISTAKES = ["missing data file", "hub dataset id", "misspelled scorer", "missing model folder",
-            "hub id not in the cache", "model without weights", "model without tokenizer", "fewer rows than a batch",
+            "hub id not in the cache", "model without weights", "model without tokenizer", "corrupt tokenizer.json",
+            "tokenizer larger than the model's vocabulary", "critic vocabulary smaller than the policy's tokenizer",
+            "fewer rows than a batch",
             "chat messages, template off", "prompt column misnamed", "reward column misnamed",
             "missing custom reward file", "custom reward function misnamed", "custom reward with a wrong signature",
             "custom reward file that fails to import"]
@@ -205,6 +241,21 @@ def test_train_refuses_a_batch_that_filtering_leaves_short(demo_assets, tmp_path
 
 
 # ---------------------------------------------------------------------------------------------- the pieces
+def test_tokenizer_size_counts_every_id_the_tokenizer_can_produce(demo_assets, tmp_path):
+    """One more than the highest id: the vocabulary, added tokens, and tokenizer_config.json's added_tokens_decoder
+    (transformers adds those); a file, or its folder."""
+    from hybridrl.data.tokenizer import tokenizer_size
+
+    assert tokenizer_size(demo_assets / "model") == tokenizer_size(demo_assets / "model" / "tokenizer.json") == 96
+    folder = _big_tokenizer(tmp_path / "tok", 50)
+    assert tokenizer_size(folder) == 50
+    (folder / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": {"120": {"content": "<x>"}}}))
+    assert tokenizer_size(folder) == 121
+    (folder / "tokenizer_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="tokenizer_config.json is not JSON"):
+        tokenizer_size(folder)
+
+
 def test_preview_reads_rows_columns_and_prompt_kind(tmp_path):
     rows = _rows(3, prompt=lambda i: MESSAGES) + _rows(2, prompt=lambda i: MESSAGES)
     for suffix in (".parquet", ".jsonl"):
