@@ -5,19 +5,19 @@ layout from a model's config.json alone), so a user's mistake is one message nam
 a traceback minutes later:
 
 * model folders (`actor_rollout_ref.model`, a critic's, reward model's or distillation teacher's own): the
-  folder exists and holds a config.json, safetensors weights and, for the policy, a tokenizer (with a chat
-  template when prompts need one) that loads and whose ids fit the vocabulary of every model reading them; a
-  teacher holds the policy's tokenizer. A hub id
-  (``Qwen/Qwen2.5-7B-Instruct``) is looked up in the local Hugging Face cache, offline, as transformers does
-  (`resolve_hub_ids`); hybridrl never downloads.
+  folder exists and holds a config.json and whole safetensors weights holding the tensors its config.json implies
+  (their headers read, never the weights); the policy's holds a tokenizer that loads, whose ids fit the vocabulary
+  of every model reading them (with a chat template when prompts need one); a teacher holds the policy's
+  tokenizer. A hub id (``Qwen/Qwen2.5-7B-Instruct``) is looked up in the local Hugging Face cache, offline, as
+  transformers does (`resolve_hub_ids`); hybridrl never downloads.
 * data files: each exists and is readable parquet/JSONL with the prompt column (and the reward column
   the scorer reads), at least one batch of rows, and chat-message prompts only where a chat template
   formats them (`hybridrl.data.dataset.preview_file` reads only a footer or the first lines).
 * reward code: the registry knows `algorithm.reward_fn`, or the custom reward file imports (it is
   trusted code, run as the trainer will run it) and defines the function with a usable signature.
 
-Torch-free: pyarrow, the reward registry, the tokenizers library and, for a hub id only, huggingface_hub (a
-tokenizer folder without a tokenizer.json alone is loaded through transformers).
+Torch-free: pyarrow, the reward registry, the safetensors and tokenizers libraries and, for a hub id only,
+huggingface_hub (a tokenizer folder without a tokenizer.json alone is loaded through transformers).
 """
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ from hybridrl.config.resume import ResumePoint, check_resume
 from hybridrl.config.schema import DataConfig, JobConfig, ModelConfig
 from hybridrl.data.dataset import DatasetError, FilePreview, preview_file
 from hybridrl.data.tokenizer import tokenizer_size
-from hybridrl.models.arch import ModelShape, read_hf_config
+from hybridrl.models.arch import ModelShape, read_hf_config, value_model_hf_config
+from hybridrl.models.layout import hf_tensor_problems
 from hybridrl.models.lora_targets import peft_config_mismatches
 from hybridrl.rewards.custom import RewardFunctionError, load_reward_function, signature_problem
 from hybridrl.rewards.registry import (
@@ -53,6 +54,7 @@ CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 LAYOUT_ONLY_HINT = ("to size a layout from a model's config.json alone (no weights, data or reward code yet), "
                     "run `hybridrl plan --layout-only`")
 GUIDE = "docs/user-guide.md"
+MCORE_METADATA = "hybridrl_checkpoint.json"  # `models.checkpoint.METADATA_FILE` (that module imports torch)
 
 
 def _model_sections(config: JobConfig, *, critic: bool) -> list[tuple[str, ModelConfig]]:
@@ -110,14 +112,19 @@ def check_inputs(config: JobConfig, issues: list[ConfigIssue], *, critic: bool) 
     """
     chat_template = None
     absent = False
+    present: list[tuple[str, ModelConfig]] = []  # the folders that hold what the workers load: what it holds next
     for prefix, model in _model_sections(config, critic=critic):
         policy = prefix == "actor_rollout_ref.model"
         before = len(issues)
-        if _check_model_folder(prefix, model, issues, tokenizer=policy) and policy:
-            chat_template = has_chat_template(Path(model.tokenizer_path or model.path))
-        elif prefix == "teacher.model" and len(issues) == before:
+        if _check_model_folder(prefix, model, issues, tokenizer=policy):
+            present.append((prefix, model))
+            if policy:
+                chat_template = has_chat_template(Path(model.tokenizer_path or model.path))
+        if prefix == "teacher.model" and len(issues) == before:
             _check_teacher_tokenizer(config, issues)
         absent |= len(issues) > before and (Path(model.path) / "config.json").is_file()
+    for prefix, model in present:
+        _check_weights(prefix, model.path, issues)
     if chat_template is not None:  # the policy's folder and tokenizer are there: what they hold (not absent)
         _check_tokenizer_fits(config, issues, critic=critic)
     for files in (config.data.train_files, config.data.val_files):
@@ -209,6 +216,83 @@ def _check_model_folder(prefix: str, model: ModelConfig, issues: list[ConfigIssu
                                                      f"{prefix}.tokenizer_path"))
             ok = False
     return ok
+
+
+def _safetensors_size(path: Path) -> int | None:
+    """The bytes a safetensors file must have by its own header (8-byte length, JSON header, the data its last
+    tensor ends at), or None when the header itself is unreadable."""
+    try:
+        with path.open("rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            if length <= 0 or length > 100 * 2**20:
+                return None
+            header = json.loads(handle.read(length))
+        ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+        return 8 + length + max(ends, default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return None
+
+
+def _weight_tensors(folder: Path, field: str, issues: list[ConfigIssue]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor of the folder's safetensors files, by name: (shape, file name), from their headers only
+    (`safe_open` reads the header and checks the file covers the data it declares, as the workers' open does).
+    A file that is not so is one issue naming it; then {}."""
+    from safetensors import safe_open
+
+    index = folder / WEIGHT_FILES[1]
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted({folder / name for name in weight_map.values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            issues.append(ConfigIssue(field, str(folder), f"holds a {index.name} without a readable weight_map "
+                                                          f"({error!r})"))
+            return {}
+        missing = [file.name for file in files if not file.is_file()]
+        if missing:
+            issues.append(ConfigIssue(field, str(folder), f"lacks weight files its {index.name} lists: "
+                                                          f"{', '.join(missing[:5])}"))
+            return {}
+    else:
+        files = [folder / WEIGHT_FILES[0]]
+    found: dict[str, tuple[tuple[int, ...], str]] = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="numpy") as handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    found[name] = (tuple(handle.get_slice(name).get_shape()), file.name)
+        except Exception as error:  # noqa: BLE001 - OSError, or safetensors' own error for a bad header
+            size, declared = file.stat().st_size, _safetensors_size(file)
+            state = ("is empty (0 bytes)" if size == 0 else
+                     f"is {size:,} bytes where its header declares {declared:,}" if declared not in (None, size) else
+                     f"is not a readable safetensors file ({error})")
+            issues.append(ConfigIssue(field, str(folder), f"holds weights that do not load: {file} {state}; a "
+                                                          "copy or download cut short? fetch the file again"))
+            return {}
+    return found
+
+
+def _check_weights(prefix: str, path: str, issues: list[ConfigIssue]) -> None:
+    """The folder's safetensors files are whole, and hold the tensors, with the shapes, its config.json implies (the
+    number of layers, the vocabulary, the widths): what the workers' loader checks after Ray started. A value model's
+    (critic, reward model) backbone only: its head is the worker's own. Headers only, never the weights."""
+    folder, field = Path(path), f"{prefix}.path"
+    if (folder / MCORE_METADATA).is_file():
+        return  # a hybridrl megatron checkpoint: its own reader verifies it
+    found = _weight_tensors(folder, field, issues)
+    value_model = prefix in ("critic.model", "reward_model.model")
+    try:
+        hf_config = read_hf_config(folder)
+        shape = ModelShape.from_hf_config(value_model_hf_config(hf_config) if value_model else hf_config)
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # an unreadable or unsupported config.json is said where the shape is read
+    problems = hf_tensor_problems(shape, found, head=not value_model) if found else []
+    if problems:
+        shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
+        issues.append(ConfigIssue(field, path, f"holds weights that do not match its config.json "
+                                               f"(num_hidden_layers={shape.num_layers}, "
+                                               f"vocab_size={shape.vocab_size}): {shown}; the config.json must be "
+                                               "the one saved with these weights"))
 
 
 def _config_vocab_size(folder: str) -> int | None:

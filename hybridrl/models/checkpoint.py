@@ -37,13 +37,13 @@ from safetensors.torch import save_file
 
 from hybridrl.models.arch import ModelShape, read_hf_config
 from hybridrl.models.layout import (
-    IGNORED_HF_SUFFIXES,
     ModelRank,
     ParallelLayout,
     ShardRange,
     TensorPlan,
     hf_export_map,
     hf_tensor_axis,
+    hf_tensor_problems,
     hf_tensor_shapes,
     rank_file_fields,
     rank_file_name,
@@ -154,22 +154,9 @@ class HFCheckpointReader:
             return {name: single for name in handle.keys()}  # noqa: SIM118 - safe_open has no __iter__
 
     def _check_tensors(self) -> None:
-        expected = hf_tensor_shapes(self.shape)
-        problems: list[str] = []
-        missing = [name for name in expected if name not in self.weight_files]
-        if missing:
-            problems.append(f"missing tensors ({len(missing)}): {', '.join(missing[:8])}"
-                            + (" ..." if len(missing) > 8 else ""))
-        for name, path in self.weight_files.items():
-            if name in expected:
-                got = tuple(self._files.get(path).get_slice(name).get_shape())
-                if got != expected[name]:
-                    problems.append(f"{name} in {path.name} has shape {list(got)}, config implies "
-                                    f"{list(expected[name])}")
-            elif self.shape.tie_word_embeddings and name == self.shape.weights.lm_head.hf_name:
-                continue  # some tied checkpoints still store lm_head; HF ignores it too
-            elif not name.endswith(IGNORED_HF_SUFFIXES):
-                problems.append(f"unexpected tensor {name} in {path.name}")
+        found = {name: (tuple(self._files.get(path).get_slice(name).get_shape()), path.name)
+                 for name, path in self.weight_files.items()}
+        problems = hf_tensor_problems(self.shape, found)
         if problems:
             raise CheckpointError(f"HF checkpoint {self.dir} does not match its config.json "
                                   f"({self.shape.architecture}): " + "; ".join(problems))

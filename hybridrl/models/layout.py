@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from math import prod
@@ -419,6 +419,32 @@ def hf_tensor_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
 
 # Tensors an HF checkpoint may carry that hold no weights (buffers saved by old transformers).
 IGNORED_HF_SUFFIXES: tuple[str, ...] = (".rotary_emb.inv_freq",)
+
+
+def hf_tensor_problems(shape: ModelShape, found: Mapping[str, tuple[tuple[int, ...], str]], *,
+                       head: bool = True) -> list[str]:
+    """How an HF checkpoint's tensors (name -> (shape, file name)) differ from what its config.json implies: missing
+    tensors, wrong shapes, tensors it should not hold. `head=False` (a value model: critic, reward model): the output
+    layer and any classifier head are the worker's own, so only the backbone is compared. Torch-free: the plan
+    checks the safetensors headers with it, `HFCheckpointReader` the files it opened."""
+    expected = hf_tensor_shapes(shape)
+    lm_head = shape.weights.lm_head.hf_name
+    if not head:
+        expected.pop(lm_head, None)
+    problems: list[str] = []
+    missing = [name for name in expected if name not in found]
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {', '.join(missing[:8])}" + (" ..." if len(missing) > 8
+                                                                                          else ""))
+    for name, (got, file) in found.items():
+        if name in expected:
+            if tuple(got) != expected[name]:
+                problems.append(f"{name} in {file} has shape {list(got)}, config implies {list(expected[name])}")
+        elif head and shape.tie_word_embeddings and name == lm_head:
+            continue  # some tied checkpoints still store lm_head; HF ignores it too
+        elif head and not name.endswith(IGNORED_HF_SUFFIXES):
+            problems.append(f"unexpected tensor {name} in {file}")
+    return problems
 
 
 @lru_cache(maxsize=64)

@@ -72,6 +72,13 @@ def _mistakes(assets: Path, tmp: Path) -> dict[str, tuple[list[str], str]]:
     big_tokenizer = _big_tokenizer(tmp / "bigtok", 200)  # the demo model's vocabulary is 96
     small_critic = _copy_model(assets, tmp / "smallcritic", without=())
     _edit_config(small_critic, vocab_size=64)
+    weights = (assets / "model" / "model.safetensors").read_bytes()
+    truncated = _copy_model(assets, tmp / "truncated", without=())
+    (truncated / "model.safetensors").write_bytes(weights[:100_000])
+    empty_weights = _copy_model(assets, tmp / "emptyweights", without=())
+    (empty_weights / "model.safetensors").write_bytes(b"")
+    more_layers = _copy_model(assets, tmp / "morelayers", without=())
+    _edit_config(more_layers, num_hidden_layers=6)  # the weights hold 4
     return {
         "missing data file": ([f"data.train_files=[{tmp / 'nope.jsonl'}]"],
                               f"data.train_files={tmp / 'nope.jsonl'} does not exist"),
@@ -98,6 +105,18 @@ def _mistakes(assets: Path, tmp: Path) -> dict[str, tuple[list[str], str]]:
             [f"actor_rollout_ref.model.tokenizer_path={big_tokenizer}"],
             f"actor_rollout_ref.model.tokenizer_path={big_tokenizer} holds a tokenizer of 200 tokens (ids 0..199), "
             "more than the 96 of the model's vocabulary"),
+        # train: an unnamed SafetensorError at worker setup
+        "truncated weights": ([f"actor_rollout_ref.model.path={truncated}"],
+                              f"actor_rollout_ref.model.path={truncated} holds weights that do not load: "
+                              f"{truncated / 'model.safetensors'} is 100,000 bytes where its header declares "
+                              f"{len(weights):,}"),
+        "empty weights file": ([f"actor_rollout_ref.model.path={empty_weights}"],
+                               f"{empty_weights / 'model.safetensors'} is empty (0 bytes)"),
+        # train: a CheckpointError at worker setup, after Ray started
+        "config.json not the weights'": ([f"actor_rollout_ref.model.path={more_layers}"],
+                                         f"actor_rollout_ref.model.path={more_layers} holds weights that do not match "
+                                         "its config.json (num_hidden_layers=6, vocab_size=96): missing tensors (18): "
+                                         "model.layers.4.input_layernorm.weight"),
         "critic vocabulary smaller than the policy's tokenizer": (
             ["algorithm.adv_estimator=gae", f"critic.model.path={small_critic}"],
             f"critic.model.path={small_critic} has a vocabulary of 64 (vocab_size in its config.json), fewer than "
@@ -125,6 +144,7 @@ def _mistakes(assets: Path, tmp: Path) -> dict[str, tuple[list[str], str]]:
 MISTAKES = ["missing data file", "hub dataset id", "misspelled scorer", "missing model folder",
             "hub id not in the cache", "model without weights", "model without tokenizer", "corrupt tokenizer.json",
             "tokenizer larger than the model's vocabulary", "critic vocabulary smaller than the policy's tokenizer",
+            "truncated weights", "empty weights file", "config.json not the weights'",
             "fewer rows than a batch",
             "chat messages, template off", "prompt column misnamed", "reward column misnamed",
             "missing custom reward file", "custom reward function misnamed", "custom reward with a wrong signature",
