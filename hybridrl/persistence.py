@@ -18,7 +18,9 @@ it: the trainer's step checkpoints (`trainer/checkpoints.py`), the role checkpoi
   deletion, a file being written) is named `.partial-<target name>-<token>` next to its target;
   `is_partial` tells such leftovers apart and `remove_partials` clears a folder of them at start-up.
 - `delete_dir`: a complete folder renamed to a partial name before it is removed.
-- `check_output_dir`, `check_free_space`: refuse an output before anything is written.
+- `check_output_dir`, `check_apart`, `check_free_space`: refuse an output before anything is written (one
+  that exists as a file, is non-empty without `force`, or is, holds or lies inside one of the inputs it is
+  written from).
 - The step checkpoints' layout and reading (`STATE_FILE`, `LATEST_FILE`, `ROLE_CHECKPOINT_FILE`, `latest_step`,
   `resolve_resume`, `read_step_state`): what the trainer resumes from (`trainer/checkpoints.py` writes them) and
   what `hybridrl plan` checks before any process starts (`config/resume.py`), one definition for both.
@@ -39,7 +41,7 @@ import re
 import shutil
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -141,9 +143,33 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def check_output_dir(out_dir: str | Path, force: bool) -> None:
-    """Refuse an output that exists as a file, or a non-empty folder without `force` (checked up front)."""
+def check_apart(out_dir: str | Path, inputs: Mapping[str, str | Path], out_name: str = "output") -> None:
+    """Refuse an output folder that is one of `inputs` (name -> path, as the user named them), holds one or lies
+    inside one: committing it replaces the whole folder, so it would delete the input (and, for a folder above
+    it, everything beside it) once a non-empty output is allowed (`force`). Compared after resolving symlinks."""
+    out = Path(out_dir)
+    out_real = out.resolve()
+    for name, source in inputs.items():
+        src_real = Path(source).resolve()
+        if out_real == src_real:
+            relation, harm = "is", "the output would replace the input"
+        elif out_real in src_real.parents:
+            relation, harm = "contains", "the output would replace that folder, deleting the input and all beside it"
+        elif src_real in out_real.parents:
+            relation, harm = "is inside", "the output would be written into the input, changing it"
+        else:
+            continue
+        resolved = "" if (out_real, src_real) == (out.absolute(), Path(source).absolute()) else \
+            f" (resolved: {out_real} and {src_real})"
+        raise CheckpointError(f"{out_name} {out} {relation} {name} {source}{resolved}: {harm}; choose an "
+                              f"{out_name} that neither is, contains nor lies inside {source}")
+
+
+def check_output_dir(out_dir: str | Path, force: bool, inputs: Mapping[str, str | Path] | None = None) -> None:
+    """Refuse, up front, an output that is, holds or lies inside one of `inputs` (`check_apart`), exists as a file,
+    or is a non-empty folder without `force`."""
     out_dir = Path(out_dir)
+    check_apart(out_dir, inputs or {})
     if out_dir.exists() and not out_dir.is_dir():
         raise CheckpointError(f"output {out_dir} exists and is not a folder")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
@@ -162,10 +188,12 @@ def check_free_space(out_dir: str | Path, needed_bytes: int, margin: float = 1.0
                               f"{format_bytes(needed_bytes * margin)}, {format_bytes(free)} free")
 
 
-def make_staging_dir(target: str | Path, force: bool = False) -> Path:
-    """Check `target` may be written (`check_output_dir`), then create an empty staging folder next to it."""
+def make_staging_dir(target: str | Path, force: bool = False,
+                     inputs: Mapping[str, str | Path] | None = None) -> Path:
+    """Check `target` may be written (`check_output_dir`: never over one of `inputs`), then create an empty
+    staging folder next to it."""
     target = Path(target).absolute()
-    check_output_dir(target, force)
+    check_output_dir(target, force, inputs)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = partial_path(target)
     staging.mkdir()
@@ -236,12 +264,14 @@ def discard_staging_dir(staging: str | Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(target: str | Path, force: bool = False) -> Iterator[Path]:
-    """Yield a staging folder next to `target`; rename it into place only if the body succeeds.
+def atomic_dir(target: str | Path, force: bool = False,
+               inputs: Mapping[str, str | Path] | None = None) -> Iterator[Path]:
+    """Yield a staging folder next to `target`; rename it into place only if the body succeeds. `inputs`: what
+    the body reads (name -> path), never replaced or deleted by the commit (`check_apart`).
 
     On any error the staging folder is removed and `target` is left exactly as it was.
     """
-    staging = make_staging_dir(target, force)
+    staging = make_staging_dir(target, force, inputs)
     try:
         yield staging
         commit_staging_dir(staging, target)

@@ -17,8 +17,9 @@ Sharded megatron checkpoint (`hybridrl convert hf-to-mcore`, or `bridge.save_mco
                                          vocab, and shape/dtype/sha256 of every tensor
   hf_assets/                             tokenizer and other small files copied from the HF folder
 
-Every writer checks its output and the free disk space first and writes into a staging folder that
-is renamed into place at the end (`hybridrl.persistence`): on any error the output is left as it was.
+Every writer checks its output (never one of its inputs, nor a folder holding or inside one) and the free disk
+space first and writes into a staging folder that is renamed into place at the end (`hybridrl.persistence`): on
+any error the output is left as it was.
 """
 from __future__ import annotations
 
@@ -421,7 +422,8 @@ def write_mcore_checkpoint(
     shape.check_parallel(**layout.sizes())
     out_dir = Path(out_dir)
     dtype = dtype or source_dtype(reader)
-    check_output_dir(out_dir, force)
+    inputs = {"the input checkpoint": reader.dir}
+    check_output_dir(out_dir, force, inputs)
     check_free_space(out_dir, estimated_mcore_bytes(shape, layout, dtype))
     rank_plans = {
         ranks: rank_tensor_plans(shape, layout, *ranks) for ranks in layout.model_ranks()
@@ -429,7 +431,7 @@ def write_mcore_checkpoint(
     total = sum(len(p) for p in rank_plans.values())
     files: dict[str, dict[str, Any]] = {}
     assets = reader.assets()
-    with atomic_dir(out_dir, force) as tmp, _progress_bar(total, "hf-to-mcore", progress) as bar:
+    with atomic_dir(out_dir, force, inputs) as tmp, _progress_bar(total, "hf-to-mcore", progress) as bar:
         for rank, plans in rank_plans.items():
             tensors = {}
             for key, plan in plans.items():
@@ -468,15 +470,18 @@ def write_hf_checkpoint(
     reader: TensorReader, out_dir: str | Path, *, dtype: torch.dtype | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, force: bool = False, progress: bool = False,
     adjust: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    inputs: Mapping[str, str | Path] | None = None,
 ) -> Path:
     """Write `reader`'s model as an HF folder: safetensors shards (+ index), config, generation config
     (the output checked up front, written into a staging folder renamed into place). `adjust(name, tensor)`:
-    each HF tensor as written (a LoRA checkpoint's adapters merged into the weights they adapt)."""
+    each HF tensor as written (a LoRA checkpoint's adapters merged into the weights they adapt); `inputs`: other
+    folders read besides the reader's (name -> path; that LoRA folder), which the output must keep apart from."""
     out_dir = Path(out_dir)
     dtype = dtype or source_dtype(reader)
-    check_output_dir(out_dir, force)
+    inputs = {"the input checkpoint": reader.dir, **(inputs or {})}
+    check_output_dir(out_dir, force, inputs)
     check_free_space(out_dir, estimated_hf_bytes(reader.shape, dtype))
-    with atomic_dir(out_dir, force) as tmp:
+    with atomic_dir(out_dir, force, inputs) as tmp:
         write_hf_files(reader, tmp, dtype=dtype, max_shard_bytes=max_shard_bytes, progress=progress, adjust=adjust)
     return out_dir
 

@@ -10,9 +10,10 @@
 A LoRA actor's checkpoint (`<role>/model` beside the `<role>/lora` PEFT adapter folder) exports with its adapters
 merged into the weights (W + alpha/r B A, as peft's merge_and_unload).
 
-Every command validates its input fully before writing, checks free disk space, writes into a
-staging folder next to `--out` and renames it into place at the end (`hybridrl.persistence`): on
-any error `--out` is left as it was. Megatron checkpoints are verified against their sha256 sums when read.
+Every command refuses an `--out` that is, holds or lies inside its input (`--hf`, `--ckpt`, `--gguf`: replacing it
+would delete the input) before reading anything, validates its input fully before writing, checks free disk space,
+writes into a staging folder next to `--out` and renames it into place at the end (`hybridrl.persistence`): on any
+error `--out` is left as it was. Megatron checkpoints are verified against their sha256 sums when read.
 
 Module-level imports stay light (argparse and torch-free hybridrl modules): torch and
 `hybridrl.models.checkpoint` (which imports it) are imported inside `run`, so building the `hybridrl`
@@ -23,12 +24,13 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hybridrl.models.arch import ModelShape, ParallelLayoutError, UnsupportedModelError
 from hybridrl.models.gguf import GGUFError, MissingGGUFDependencyError, convert_gguf_to_hf
 from hybridrl.models.layout import ParallelLayout
-from hybridrl.persistence import CheckpointError
+from hybridrl.persistence import CheckpointError, check_apart
 
 if TYPE_CHECKING:  # torch: imported where used (module docstring)
     from hybridrl.models.lora import PeftMerge
@@ -108,6 +110,7 @@ def _run_gguf_to_hf(args: argparse.Namespace) -> int:
     from hybridrl.models.checkpoint import parse_dtype
 
     try:
+        check_apart(args.out, {"--gguf": args.gguf}, "--out")
         out = convert_gguf_to_hf(args.gguf, args.out, dtype=parse_dtype(args.dtype), force=args.force,
                                  progress=not args.quiet)
     except (CheckpointError, UnsupportedModelError, GGUFError, MissingGGUFDependencyError,
@@ -121,12 +124,10 @@ def _run_gguf_to_hf(args: argparse.Namespace) -> int:
 def _lora_merge(ckpt: str, shape: ModelShape) -> PeftMerge | None:
     """A LoRA actor's checkpoint (`<role>/model` beside `<role>/lora`, a PEFT adapter folder): its adapters, merged
     into the exported weights (else the export would be the frozen base alone); None without one."""
-    from pathlib import Path
-
     from hybridrl.models.layout import hf_tensor_shapes
     from hybridrl.models.lora import PeftMerge
 
-    folder = next((f for f in (Path(ckpt) / "lora", Path(ckpt).parent / "lora") if f.is_dir()), None)
+    folder = lora_folder(ckpt)
     if folder is None:
         return None
     merge = PeftMerge.read(folder)
@@ -138,27 +139,49 @@ def _lora_merge(ckpt: str, shape: ModelShape) -> PeftMerge | None:
     return merge
 
 
-def model_folder(ckpt: str) -> str:
+def lora_folder(ckpt: str) -> Path | None:
+    """The PEFT adapter folder beside (or in) a LoRA actor's model checkpoint, or None."""
+    return next((f for f in (Path(ckpt) / "lora", Path(ckpt).parent / "lora") if f.is_dir()), None)
+
+
+def model_folder(ckpt: str, quiet: bool = False) -> str:
     """`--ckpt` as a user gives it: the model checkpoint itself, or a training checkpoint's role folder
     (`global_step_N/actor`, its weights in `model/`) or step folder (`global_step_N`: the actor's). Anything else is
     returned as given, for the reader to refuse by name."""
-    from pathlib import Path
-
     from hybridrl.models.checkpoint import METADATA_FILE, MODEL_DIR
     from hybridrl.names import Role
 
     given = Path(ckpt)
     for folder in (given, given / MODEL_DIR, given / Role.ACTOR / MODEL_DIR):
         if (folder / METADATA_FILE).is_file():
-            if folder != given:
+            if folder != given and not quiet:
                 print(f"hybridrl convert: reading the model checkpoint in {folder}")
             return str(folder)
     return ckpt
 
 
+def _inputs(args: argparse.Namespace) -> dict[str, str | Path]:
+    """What a conversion reads, by the flag that named it: the folder as given (a training checkpoint's step folder
+    holds every role's model) and a LoRA actor's adapter folder; `--out` must keep apart from each."""
+    if args.direction == "hf-to-mcore":
+        return {"--hf": args.hf}
+    inputs: dict[str, str | Path] = {"--ckpt": args.ckpt}
+    adapters = lora_folder(model_folder(args.ckpt, quiet=True))
+    if adapters is not None:
+        inputs["the LoRA adapters of --ckpt"] = adapters
+    return inputs
+
+
 def run(args: argparse.Namespace) -> int:
     if args.direction == "gguf-to-hf":
         return _run_gguf_to_hf(args)
+    # before anything is read or written: an --out that is, holds or lies inside the input would replace it
+    inputs = _inputs(args)
+    try:
+        check_apart(args.out, inputs, "--out")
+    except CheckpointError as exc:
+        print(f"hybridrl convert: error: {exc}", file=sys.stderr)
+        return 2
     if args.direction != "hf-to-mcore":
         args.ckpt = model_folder(args.ckpt)
     from tqdm import tqdm
@@ -185,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
         if args.direction == "mcore-to-hf":
             merge = _lora_merge(args.ckpt, reader.shape)
             out = write_hf_checkpoint(reader, args.out, dtype=dtype, max_shard_bytes=args.max_shard_size,
-                                      force=args.force, progress=progress, adjust=merge)
+                                      force=args.force, progress=progress, adjust=merge, inputs=inputs)
         else:
             layout = ParallelLayout(tp=args.tp, pp=args.pp, vpp=args.vpp, ep=args.ep,
                                     first_stage_layers=args.first_stage_layers,

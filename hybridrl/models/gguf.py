@@ -231,7 +231,8 @@ def convert_gguf_to_hf(
     dtype = dtype or torch.float32
     if dtype not in (torch.float32, torch.bfloat16):
         raise CheckpointError(f"gguf-to-hf writes float32 or bfloat16, not {dtype}")
-    check_output_dir(out_dir, force)
+    inputs = {"the GGUF file": path}
+    check_output_dir(out_dir, force, inputs)
     stages = ["read metadata", "dequantize (transformers)", "plain model", "write folder", "check"]
     with _one_reader(path), tqdm(total=len(stages), desc="gguf-to-hf", unit="stage", disable=not progress,
                                  leave=False) as bar:
@@ -266,7 +267,7 @@ def convert_gguf_to_hf(
 
         bar.set_postfix_str(stages[3])
         tokenizer.model_max_length = config.max_position_embeddings  # GGUF leaves it unbounded
-        with atomic_dir(out_dir, force) as tmp:
+        with atomic_dir(out_dir, force, inputs) as tmp:
             plain.save_pretrained(str(tmp))
             tokenizer.save_pretrained(str(tmp))
             bar.update(1)

@@ -276,6 +276,64 @@ def test_non_empty_output_needs_force(hf_dirs, guarded_out, capsys):
     assert not (guarded_out / "keep.txt").exists() and (guarded_out / METADATA_FILE).is_file()
 
 
+# ---- an --out that is, holds or lies inside the input: refused before anything is touched ----------------
+
+@pytest.mark.parametrize("where", ["the input", "its parent", "inside it", "a link to it"])
+@pytest.mark.parametrize("direction", ["hf-to-mcore", "mcore-to-hf", "mcore-to-mcore"])
+def test_an_output_over_its_input_is_refused_and_the_input_kept(hf_dirs, tmp_path, capsys, direction, where):
+    """`--out` the source itself replaced the model with the conversion; `--out` a folder above it (with --force)
+    deleted the source and everything beside it. Refused (exit 2) naming both paths, with --force, every file of
+    the source and its siblings as it was, nothing staged."""
+    root = tmp_path / "models"
+    if direction == "hf-to-mcore":
+        source, flag = _copy_hf(hf_dirs["llama"], root / "src"), "--hf"
+    else:
+        source, flag = to_mcore(hf_dirs["llama"], root / "src", tp=2), "--ckpt"
+    (root / "sibling.txt").write_text("beside the source")
+    out = {"the input": source, "its parent": root, "inside it": source / "sub"}.get(where)
+    if out is None:
+        out = tmp_path / "link"
+        out.symlink_to(source, target_is_directory=True)
+    before = tree_snapshot(tmp_path)
+    extra = ["--tp", "1"] if direction != "mcore-to-hf" else []
+    assert convert(direction, flag, str(source), "--out", str(out), *extra, "--force") == 2
+    err = capsys.readouterr().err
+    relation = {"the input": "is", "its parent": "contains", "inside it": "is inside", "a link to it": "is"}[where]
+    assert f"--out {out} {relation} {flag} {source}" in err and "Traceback" not in err
+    assert tree_snapshot(tmp_path) == before
+    assert [p for p in tmp_path.rglob("*") if is_partial(p)] == []
+
+
+def test_an_output_over_a_training_checkpoints_other_roles_is_refused(hf_dirs, tmp_path, capsys):
+    """`--ckpt global_step_N` reads the actor's model, but the step folder holds every role's: an --out inside it
+    (the critic's model, with --force) would replace another role's weights."""
+    step = tmp_path / "global_step_3"
+    to_mcore(hf_dirs["llama"], step / "actor" / "model")
+    critic = to_mcore(hf_dirs["qwen2"], step / "critic" / "model")
+    before = tree_snapshot(step)
+    assert convert("mcore-to-hf", "--ckpt", str(step), "--out", str(critic), "--force") == 2
+    assert f"--out {critic} is inside --ckpt {step}" in capsys.readouterr().err
+    assert tree_snapshot(step) == before
+
+
+def test_the_writers_themselves_keep_apart_from_their_input(hf_dirs, tmp_path):
+    """The check sits where the output folder is claimed (`persistence.check_output_dir`, called by every
+    writer), so a caller of the library is kept from the same loss as the command's user."""
+    from hybridrl.models.checkpoint import HFCheckpointReader, write_mcore_checkpoint
+    from hybridrl.models.layout import ParallelLayout
+    from hybridrl.persistence import CheckpointError
+
+    source = _copy_hf(hf_dirs["llama"], tmp_path / "models" / "src")
+    before = tree_snapshot(tmp_path)
+    reader = HFCheckpointReader(source)
+    try:
+        with pytest.raises(CheckpointError, match="contains the input checkpoint"):
+            write_mcore_checkpoint(reader, tmp_path / "models", ParallelLayout(tp=1, pp=1), force=True)
+    finally:
+        reader.close()
+    assert tree_snapshot(tmp_path) == before
+
+
 def test_tools_wrapper_and_light_cli_import():
     root = Path(__file__).resolve().parents[2]
     result = subprocess.run([sys.executable, str(root / "tools" / "convert_checkpoint.py"), "--help"],

@@ -76,6 +76,19 @@ def test_bad_input_files_are_refused(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("out", ["folder", "file", "inside"])
+def test_an_output_over_the_gguf_file_is_refused_first(tmp_path, capsys, out):
+    """`--out` the folder holding the .gguf (with --force: replaced whole, the file and its siblings deleted), the
+    file itself, or a path under it: refused naming both paths before the file is read."""
+    src = _tiny_gguf(tmp_path / "m.gguf", "phi3")  # unsupported: without the check, the refusal is the architecture's
+    (tmp_path / "notes.txt").write_text("beside the model")
+    target = {"folder": tmp_path, "file": src, "inside": src / "x"}[out]
+    relation = {"folder": "contains", "file": "is", "inside": "is inside"}[out]
+    rc, err = _convert(capsys, "--gguf", str(src), "--out", str(target), "--force")
+    assert rc == 2 and f"--out {target} {relation} --gguf {src}" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "notes.txt"]
+
+
 def test_missing_packages_are_named_with_the_pip_command(tmp_path, capsys, monkeypatch):
     import importlib.util
 
