@@ -127,6 +127,24 @@ def test_a_non_empty_target_needs_force_and_a_file_is_refused(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "out"]
 
 
+def test_a_target_over_an_input_is_refused_whatever_force(tmp_path):
+    """The folder written from `inputs` may not be one of them, hold one, or lie inside one: the commit replaces the
+    target whole. Symlinks are seen through; a sibling is fine."""
+    source = _target(tmp_path)
+    before = _tree(tmp_path)
+    link = tmp_path / "link"
+    link.symlink_to(source)
+    for target, relation in ((source, "is"), (tmp_path, "contains"), (source / "sub", "is inside"), (link, "is")):
+        with pytest.raises(CheckpointError, match=f"output {target} {relation} the input {source}"):
+            with atomic_dir(target, force=True, inputs={"the input": source}) as staging:
+                (staging / "new.txt").write_text("new")
+    link.unlink()
+    assert _tree(tmp_path) == before
+    with atomic_dir(tmp_path / "beside", inputs={"the input": source}) as staging:
+        (staging / "new.txt").write_text("new")
+    assert _tree(tmp_path / "beside") == {"new.txt": "new"}
+
+
 def test_is_partial_and_remove_partials(tmp_path):
     target = tmp_path / "global_step_3"
     staging = partial_path(target)
