@@ -113,6 +113,8 @@ class ModelShape:
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> ModelShape:
         """Read an HF config dict; raise `UnsupportedModelError` for anything not exactly representable."""
+        if not isinstance(config, Mapping):
+            raise UnsupportedModelError(f"config.json holds a JSON {_json_kind(config)}, not an object: {NOT_A_CONFIG}")
         family = _architecture_of(config)
         name = family.architecture
 
@@ -431,11 +433,25 @@ def value_model_hf_config(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def read_hf_config(path: str | Path) -> dict[str, Any]:
-    """config.json of an HF folder (or the file itself) as a dict, with a clear error if absent."""
+    """config.json of an HF folder (or the file itself) as a dict, with a clear error if absent, not JSON or not a
+    JSON object (`UnsupportedModelError`, naming the file)."""
     path = Path(path)
     config_file = path / "config.json" if path.is_dir() else path
     if not config_file.is_file():
         raise FileNotFoundError(f"no config.json in {path}")
-    with config_file.open() as handle:
-        return json.load(handle)
+    try:
+        config = json.loads(config_file.read_bytes())
+    except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+        raise UnsupportedModelError(f"{config_file} is not valid JSON ({exc}): {NOT_A_CONFIG}") from exc
+    if not isinstance(config, dict):
+        raise UnsupportedModelError(f"{config_file} holds a JSON {_json_kind(config)}, not an object: {NOT_A_CONFIG}")
+    return config
 
+
+NOT_A_CONFIG = ("an HF model's config.json is one JSON object of its settings "
+                '({"architectures": ["LlamaForCausalLM"], "hidden_size": ..., ...})')
+
+
+def _json_kind(value: Any) -> str:
+    kinds = {list: "array", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}
+    return kinds.get(type(value), type(value).__name__)

@@ -79,6 +79,10 @@ def _mistakes(assets: Path, tmp: Path) -> dict[str, tuple[list[str], str]]:
     (empty_weights / "model.safetensors").write_bytes(b"")
     more_layers = _copy_model(assets, tmp / "morelayers", without=())
     _edit_config(more_layers, num_hidden_layers=6)  # the weights hold 4
+    list_config = _copy_model(assets, tmp / "listconfig", without=())
+    (list_config / "config.json").write_text("[1, 2]")
+    cut_config = _copy_model(assets, tmp / "cutconfig", without=())
+    (cut_config / "config.json").write_text('{"architectures": [')
     return {
         "missing data file": ([f"data.train_files=[{tmp / 'nope.jsonl'}]"],
                               f"data.train_files={tmp / 'nope.jsonl'} does not exist"),
@@ -121,6 +125,12 @@ def _mistakes(assets: Path, tmp: Path) -> dict[str, tuple[list[str], str]]:
             ["algorithm.adv_estimator=gae", f"critic.model.path={small_critic}"],
             f"critic.model.path={small_critic} has a vocabulary of 64 (vocab_size in its config.json), fewer than "
             "the 96 tokens of the policy's tokenizer"),
+        "model config.json a JSON list": ([f"actor_rollout_ref.model.path={list_config}"],
+                                          f"actor_rollout_ref.model.path={list_config} {list_config / 'config.json'} "
+                                          "holds a JSON array, not an object"),
+        "model config.json cut short": ([f"actor_rollout_ref.model.path={cut_config}"],
+                                        f"actor_rollout_ref.model.path={cut_config} {cut_config / 'config.json'} "
+                                        "is not valid JSON"),
         "fewer rows than a batch": ([f"data.train_files=[{small}]"],
                                     "data.train_batch_size=8 is more than the 4 rows of data.train_files"),
         "chat messages, template off": ([f"data.train_files=[{chat}]", "data.apply_chat_template=false"],
@@ -145,7 +155,7 @@ MISTAKES = ["missing data file", "hub dataset id", "misspelled scorer", "missing
             "hub id not in the cache", "model without weights", "model without tokenizer", "corrupt tokenizer.json",
             "tokenizer larger than the model's vocabulary", "critic vocabulary smaller than the policy's tokenizer",
             "truncated weights", "empty weights file", "config.json not the weights'",
-            "fewer rows than a batch",
+            "model config.json a JSON list", "model config.json cut short", "fewer rows than a batch",
             "chat messages, template off", "prompt column misnamed", "reward column misnamed",
             "missing custom reward file", "custom reward function misnamed", "custom reward with a wrong signature",
             "custom reward file that fails to import"]

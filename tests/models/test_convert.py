@@ -245,6 +245,16 @@ def test_unsupported_architecture(hf_dirs, tmp_path, guarded_out, capsys):
     assert_untouched(guarded_out)
 
 
+@pytest.mark.parametrize("content, says", [("[1, 2]", "holds a JSON array, not an object"),
+                                           ('{"architectures": [', "is not valid JSON")])
+def test_a_config_json_that_is_no_json_object_is_named(hf_dirs, tmp_path, guarded_out, capsys, content, says):
+    hf = _copy_hf(hf_dirs["llama"], tmp_path / "hf")
+    (hf / "config.json").write_text(content)
+    err = _fails(capsys, "hf-to-mcore", "--hf", str(hf), "--out", str(guarded_out))
+    assert f"{hf / 'config.json'} {says}" in err and "Traceback" not in err
+    assert_untouched(guarded_out)
+
+
 def test_tp_that_does_not_divide_heads(hf_dirs, guarded_out, capsys):
     err = _fails(capsys, "hf-to-mcore", "--hf", str(hf_dirs["llama"]), "--out", str(guarded_out), "--tp", "3")
     assert "tp=3 does not divide num_attention_heads=4" in err
