@@ -104,8 +104,11 @@ class _SafetensorsFiles:
         if path not in self._handles:
             try:
                 self._handles[path] = self._stack.enter_context(safe_open(str(path), framework="pt"))
-            except Exception as exc:  # OSError, or safetensors' own error type for a bad header
+            except OSError as exc:
                 raise CheckpointError(f"cannot open {path}: {exc}") from exc
+            except Exception as exc:  # safetensors' own error type: a bad header, or fewer bytes than it lists
+                raise CheckpointError(f"cannot read {path}: {exc} (not a complete safetensors file: damaged, or "
+                                      "cut short by an interrupted download or copy)") from exc
         return self._handles[path]
 
     def close(self) -> None:
@@ -133,15 +136,23 @@ class HFCheckpointReader:
             raise CheckpointError(f"HF checkpoint folder {self.dir} does not exist")
         self.config = read_hf_config(self.dir)
         self.shape = ModelShape.from_hf_config(self.config)
-        self.weight_files = self._weight_map()
         self._files = _SafetensorsFiles()
-        self._check_tensors()
+        try:
+            self.weight_files = self._weight_map()
+            self._check_tensors()
+        except BaseException:
+            self._files.close()
+            raise
 
     def _weight_map(self) -> dict[str, Path]:
         index = self.dir / HF_INDEX_FILE
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            out = {name: self.dir / fname for name, fname in weight_map.items()}
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                out = {name: self.dir / fname for name, fname in weight_map.items()}
+            except (ValueError, TypeError, KeyError, AttributeError) as exc:  # not JSON, or not {"weight_map": {...}}
+                raise CheckpointError(f"{index} is not a safetensors index ({type(exc).__name__}: {exc}): "
+                                      'expected a JSON object with "weight_map": {tensor name: file name}') from exc
             missing = sorted({str(p.name) for p in out.values() if not p.is_file()})
             if missing:
                 raise CheckpointError(f"{index} lists files that are missing: {', '.join(missing)}")
@@ -151,8 +162,8 @@ class HFCheckpointReader:
             others = sorted(p.name for p in self.dir.glob("*.bin"))
             hint = f" (found {', '.join(others)}: only safetensors are supported)" if others else ""
             raise CheckpointError(f"no model.safetensors or {HF_INDEX_FILE} in {self.dir}{hint}")
-        with safe_open(str(single), framework="pt") as handle:
-            return {name: single for name in handle.keys()}  # noqa: SIM118 - safe_open has no __iter__
+        # through the handles, which name the file when it is damaged (a truncated download)
+        return {name: single for name in self._files.get(single).keys()}  # noqa: SIM118 - safe_open has no __iter__
 
     def _check_tensors(self) -> None:
         found = {name: (tuple(self._files.get(path).get_slice(name).get_shape()), path.name)

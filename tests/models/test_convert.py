@@ -245,6 +245,26 @@ def test_unsupported_architecture(hf_dirs, tmp_path, guarded_out, capsys):
     assert_untouched(guarded_out)
 
 
+@pytest.mark.parametrize("keep", [100_000, 50])
+def test_a_truncated_safetensors_file_is_named(hf_dirs, tmp_path, guarded_out, capsys, keep):
+    """A download cut short (within the data, or within the header): the file named, exit 2, no traceback."""
+    hf = _copy_hf(hf_dirs["llama"], tmp_path / "hf")
+    weights = hf / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:keep])
+    err = _fails(capsys, "hf-to-mcore", "--hf", str(hf), "--out", str(guarded_out))
+    assert f"cannot read {weights}" in err and "not a complete safetensors file" in err and "Traceback" not in err
+    assert_untouched(guarded_out)
+
+
+@pytest.mark.parametrize("index", ["{not json", "[1, 2]", '{"metadata": {}}'])
+def test_a_broken_safetensors_index_is_named(hf_dirs, tmp_path, guarded_out, capsys, index):
+    hf = _copy_hf(hf_dirs["llama"], tmp_path / "hf")
+    (hf / "model.safetensors.index.json").write_text(index)
+    err = _fails(capsys, "hf-to-mcore", "--hf", str(hf), "--out", str(guarded_out))
+    assert f"{hf / 'model.safetensors.index.json'} is not a safetensors index" in err
+    assert_untouched(guarded_out)
+
+
 @pytest.mark.parametrize("content, says", [("[1, 2]", "holds a JSON array, not an object"),
                                            ('{"architectures": [', "is not valid JSON")])
 def test_a_config_json_that_is_no_json_object_is_named(hf_dirs, tmp_path, guarded_out, capsys, content, says):
