@@ -19,8 +19,8 @@ it: the trainer's step checkpoints (`trainer/checkpoints.py`), the role checkpoi
   `is_partial` tells such leftovers apart and `remove_partials` clears a folder of them at start-up.
 - `delete_dir`: a complete folder renamed to a partial name before it is removed.
 - `check_output_dir`, `check_apart`, `check_free_space`: refuse an output before anything is written (one
-  that exists as a file, is non-empty without `force`, or is, holds or lies inside one of the inputs it is
-  written from).
+  that exists as a file, lies under a file or an unwritable folder, is non-empty without `force`, or is,
+  holds or lies inside one of the inputs it is written from).
 - The step checkpoints' layout and reading (`STATE_FILE`, `LATEST_FILE`, `ROLE_CHECKPOINT_FILE`, `latest_step`,
   `resolve_resume`, `read_step_state`): what the trainer resumes from (`trainer/checkpoints.py` writes them) and
   what `hybridrl plan` checks before any process starts (`config/resume.py`), one definition for both.
@@ -167,13 +167,29 @@ def check_apart(out_dir: str | Path, inputs: Mapping[str, str | Path], out_name:
 
 def check_output_dir(out_dir: str | Path, force: bool, inputs: Mapping[str, str | Path] | None = None) -> None:
     """Refuse, up front, an output that is, holds or lies inside one of `inputs` (`check_apart`), exists as a file,
-    or is a non-empty folder without `force`."""
+    cannot be created (a file or an unwritable folder on its path), or is a non-empty folder without `force`."""
     out_dir = Path(out_dir)
     check_apart(out_dir, inputs or {})
     if out_dir.exists() and not out_dir.is_dir():
         raise CheckpointError(f"output {out_dir} exists and is not a folder")
+    problem = creation_problem(out_dir.absolute().parent)
+    if problem:
+        raise CheckpointError(f"cannot write output {out_dir}: {problem}")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
         raise CheckpointError(f"output folder {out_dir} is not empty (pass --force to replace it)")
+
+
+def creation_problem(folder: str | Path) -> str | None:
+    """Why `folder` cannot be created (its parents included) or written into, or None: its nearest existing
+    ancestor is a file, or a folder this process may not write to."""
+    existing = Path(folder).absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"no permission to write in {existing}"
+    return None
 
 
 def check_free_space(out_dir: str | Path, needed_bytes: int, margin: float = 1.05) -> None:

@@ -127,6 +127,16 @@ def test_a_non_empty_target_needs_force_and_a_file_is_refused(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "out"]
 
 
+def test_a_target_under_a_file_is_refused_naming_the_file(tmp_path):
+    """A file where a parent folder must be created: refused before anything is made (mkdir would raise
+    FileExistsError or NotADirectoryError part way)."""
+    (tmp_path / "afile").write_text("x")
+    for target in (tmp_path / "afile" / "y", tmp_path / "afile" / "y" / "z"):
+        with pytest.raises(CheckpointError, match=f"cannot write output {target}: {tmp_path / 'afile'} is a file"):
+            make_staging_dir(target, force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
 def test_a_target_over_an_input_is_refused_whatever_force(tmp_path):
     """The folder written from `inputs` may not be one of them, hold one, or lie inside one: the commit replaces the
     target whole. Symlinks are seen through; a sibling is fine."""

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from hybridrl.models.arch import ModelShape, ParallelLayoutError, UnsupportedModelError
 from hybridrl.models.gguf import GGUFError, MissingGGUFDependencyError, convert_gguf_to_hf
 from hybridrl.models.layout import ParallelLayout
-from hybridrl.persistence import CheckpointError, check_apart
+from hybridrl.persistence import CheckpointError, check_apart, check_output_dir
 
 if TYPE_CHECKING:  # torch: imported where used (module docstring)
     from hybridrl.models.lora import PeftMerge
@@ -111,6 +111,7 @@ def _run_gguf_to_hf(args: argparse.Namespace) -> int:
 
     try:
         check_apart(args.out, {"--gguf": args.gguf}, "--out")
+        check_output_dir(args.out, args.force)
         out = convert_gguf_to_hf(args.gguf, args.out, dtype=parse_dtype(args.dtype), force=args.force,
                                  progress=not args.quiet)
     except (CheckpointError, UnsupportedModelError, GGUFError, MissingGGUFDependencyError,
@@ -175,10 +176,12 @@ def _inputs(args: argparse.Namespace) -> dict[str, str | Path]:
 def run(args: argparse.Namespace) -> int:
     if args.direction == "gguf-to-hf":
         return _run_gguf_to_hf(args)
-    # before anything is read or written: an --out that is, holds or lies inside the input would replace it
+    # before anything is read or written: an --out that is, holds or lies inside the input would replace it; one
+    # that cannot be written is refused before a large input is verified
     inputs = _inputs(args)
     try:
         check_apart(args.out, inputs, "--out")
+        check_output_dir(args.out, args.force)
     except CheckpointError as exc:
         print(f"hybridrl convert: error: {exc}", file=sys.stderr)
         return 2

@@ -275,6 +275,20 @@ def test_a_config_json_that_is_no_json_object_is_named(hf_dirs, tmp_path, guarde
     assert_untouched(guarded_out)
 
 
+@pytest.mark.parametrize("direction", ["hf-to-mcore", "mcore-to-hf"])
+def test_an_output_under_a_file_is_refused_naming_the_file(hf_dirs, tmp_path, capsys, direction):
+    """`--out afile/y`, afile a file: the folder cannot be created. Refused up front naming afile, nothing written
+    beside it."""
+    source = hf_dirs["llama"] if direction == "hf-to-mcore" else to_mcore(hf_dirs["llama"], tmp_path / "mcore")
+    afile = tmp_path / "afile"
+    afile.write_text("a file")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    flag = "--hf" if direction == "hf-to-mcore" else "--ckpt"
+    err = _fails(capsys, direction, flag, str(source), "--out", str(afile / "y" / "z"))
+    assert f"cannot write output {afile / 'y' / 'z'}: {afile} is a file, not a folder" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before and afile.read_text() == "a file"
+
+
 def test_tp_that_does_not_divide_heads(hf_dirs, guarded_out, capsys):
     err = _fails(capsys, "hf-to-mcore", "--hf", str(hf_dirs["llama"]), "--out", str(guarded_out), "--tp", "3")
     assert "tp=3 does not divide num_attention_heads=4" in err
