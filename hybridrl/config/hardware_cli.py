@@ -13,7 +13,7 @@ from pathlib import Path
 
 from hybridrl.config.hardware import NUMBER_FIELDS, SHIPPED, Efficiency, Hardware, HardwareError, load_hardware
 from hybridrl.config.report import table
-from hybridrl.persistence import write_atomic
+from hybridrl.persistence import creation_problem, write_atomic
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,12 +38,18 @@ def run(args: argparse.Namespace) -> int:
            if value < 1]
     if args.out is not None and Path(args.out).suffix not in (".yaml", ".yml"):
         bad.append(f"--out={args.out} (a .yaml file: trainer.hardware reads YAML)")
+    elif args.out is not None:  # checked before measuring (a minute), not found unwritable after it
+        if Path(args.out).is_dir():
+            bad.append(f"--out={args.out} is a folder (name the .yaml file to write)")
+        elif problem := creation_problem(Path(args.out).parent):
+            bad.append(f"--out={args.out} cannot be written: {problem} (name a .yaml file in a folder you can write)")
     if bad:
         print(f"hybridrl hardware: {'; '.join(bad)}", file=sys.stderr)
         return 2
     hardware, text = measured_description(args.ranks, args.repeats)
     print(text, end="")
     if args.out is not None:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         write_atomic(args.out, text)
         try:  # what was written is what the plan will read
             load_hardware(args.out)

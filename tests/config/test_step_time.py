@@ -364,6 +364,25 @@ def test_measured_over_predicted_is_each_timed_phase_over_the_plans():
     assert time_vs_plan(step, {"timing_s/gen": 1.0}) == {"time_vs_plan/gen": 0.5}  # a phase not timed: left out
 
 
+def test_hardware_measure_refuses_an_unwritable_out_before_measuring(tmp_path):
+    """`--out afile/x.yaml` (afile a file) or a folder: refused naming --out and the file, exit 2, before the
+    measurement (which took a minute and then died with NotADirectoryError): nothing measured, nothing written."""
+    import time
+
+    (tmp_path / "afile").write_text("a file")
+    (tmp_path / "dir.yaml").mkdir()
+    for out, words in ((tmp_path / "afile" / "x.yaml", f"{tmp_path / 'afile'} is a file, not a folder"),
+                       (tmp_path / "afile" / "deeper" / "x.yaml", f"{tmp_path / 'afile'} is a file, not a folder"),
+                       (tmp_path / "dir.yaml", "is a folder")):
+        started = time.perf_counter()
+        refused = subprocess.run([sys.executable, "-m", "hybridrl.cli", "hardware", "--measure", "--ranks", "2",
+                                  "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert refused.returncode == 2, refused.stderr[-2000:]
+        assert f"--out={out}" in refused.stderr and words in refused.stderr and "Traceback" not in refused.stderr
+        assert refused.stdout == "" and time.perf_counter() - started < 30  # the measured text is printed first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "dir.yaml"]
+
+
 def test_hybridrl_hardware_lists_the_shipped_gpus_and_measures_this_machine_as_a_cpu_ranks_description(tmp_path):
     """`hybridrl hardware --measure` against figures timed here with plain torch (one thread, as one of two ranks on
     this 2-core machine gets): its fp32 matmul and memory figures within 3x of these (a shared machine's noise), and
@@ -382,7 +401,7 @@ def test_hybridrl_hardware_lists_the_shipped_gpus_and_measures_this_machine_as_a
                         (("--measure", "--out", "x.txt"), "--out=x.txt (a .yaml file")):
         refused = cli(*args)
         assert refused.returncode == 2 and words in refused.stderr and "Traceback" not in refused.stderr
-    out = tmp_path / "this-cpu.yaml"
+    out = tmp_path / "new-folder" / "this-cpu.yaml"  # its folder is made
     measured = cli("--measure", "--ranks", "2", "--repeats", "3", "--out", str(out))
     assert measured.returncode == 0, measured.stderr[-2000:]
     hardware = load_hardware(str(out))
