@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import shutil
+import socket
 import tempfile
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,6 +44,113 @@ class RayCluster:
             ray.shutdown()
         if self.owns_temp_dir and self.temp_dir:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+class RayAddressError(ConnectionError):
+    """A Ray address names no cluster that answers: an unresolvable host, a closed port, no reply, or not Ray."""
+
+
+# What a Ray address may be, for the messages (`ray start --head` prints the first).
+RAY_ADDRESS_FORMS = ("HOST:PORT of a running Ray head (ray start --head prints it)", "ray://HOST:PORT (Ray Client)",
+                     "auto (the cluster this machine joined)", "unset or local (a private local cluster)")
+RAY_CLIENT_PORT = 10001
+# The HTTP/2 connection preface and an empty SETTINGS frame: a gRPC server (Ray's GCS, the Ray Client server)
+# answers with a SETTINGS frame of its own.
+_HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+_SETTINGS_FRAME = 4
+
+
+def check_ray_address(address: str, field: str = "address", timeout_s: float = 10.0) -> None:
+    """Refuse a Ray address that cannot be a cluster, within about 3 x `timeout_s`, with `RayAddressError` naming
+    `field`, the value and the forms that are valid: the host resolved, a TCP connection to the port, and a gRPC
+    reply on it. Without this, `ray.init` retries "Failed to connect to GCS" for many minutes, in native code that
+    a SIGTERM does not interrupt. `auto` and `local` are Ray's to resolve; a TLS cluster (RAY_USE_TLS) is not
+    probed past the connection."""
+    problem = ray_address_problem(address, timeout_s)
+    if problem:
+        raise RayAddressError(f"{field}={address} {problem}; valid: {'; '.join(RAY_ADDRESS_FORMS)}")
+
+
+def ray_address_problem(address: str, timeout_s: float = 10.0) -> str | None:
+    """Why nothing answers as a Ray cluster at `address` (see `check_ray_address`), or None."""
+    if address in ("auto", "local"):
+        return None
+    text, client = address, address.startswith("ray://")
+    if client:
+        text = text.removeprefix("ray://")
+    elif "://" in text:
+        return "is not a Ray address (only ray:// addresses carry a scheme)"
+    host, sep, port_text = text.rstrip("/").rpartition(":")
+    if not sep:
+        host, port_text = text.rstrip("/"), str(RAY_CLIENT_PORT) if client else ""
+    host = host.removeprefix("[").removesuffix("]")  # [::1]:6379
+    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        return "is not HOST:PORT (a port from 1 to 65535)"
+    port = int(port_text)
+    try:
+        addresses = _resolve(host, port, timeout_s)
+    except TimeoutError:
+        return f"cannot be reached: resolving the host {host} took over {timeout_s:g} s"
+    except OSError as exc:
+        return f"cannot be reached: the host {host} does not resolve ({exc})"
+    errors = []
+    for family, kind, proto, _, sockaddr in addresses:
+        with socket.socket(family, kind, proto) as sock:
+            sock.settimeout(timeout_s)
+            try:
+                sock.connect(sockaddr)
+            except ConnectionRefusedError:
+                errors.append(f"{sockaddr[0]} refused the connection: nothing listens on port {port}")
+                continue
+            except TimeoutError:
+                errors.append(f"{sockaddr[0]} did not answer on port {port} within {timeout_s:g} s")
+                continue
+            except OSError as exc:
+                errors.append(f"{sockaddr[0]}: {exc}")
+                continue
+            if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+                return None
+            return _grpc_problem(sock, port)
+    return "cannot be reached: " + "; ".join(dict.fromkeys(errors))
+
+
+def _resolve(host: str, port: int, timeout_s: float) -> list:
+    """`getaddrinfo` with a time limit (it can block on a dead resolver): run in a daemon thread left behind."""
+    answer: queue.Queue = queue.Queue()
+
+    def work() -> None:
+        try:
+            answer.put(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
+        except OSError as exc:
+            answer.put(exc)
+
+    threading.Thread(target=work, daemon=True, name="resolve-ray-address").start()
+    try:
+        result = answer.get(timeout=timeout_s)
+    except queue.Empty as exc:
+        raise TimeoutError(host) from exc
+    if isinstance(result, OSError):
+        raise result
+    return result
+
+
+def _grpc_problem(sock: socket.socket, port: int) -> str | None:
+    """None when the connected peer answers HTTP/2 (a gRPC server, as Ray's GCS is), else why not."""
+    try:
+        sock.sendall(_HTTP2_HELLO)
+        reply = b""
+        while len(reply) < 9:
+            chunk = sock.recv(9 - len(reply))
+            if not chunk:
+                break
+            reply += chunk
+    except TimeoutError:
+        return f"accepts a connection on port {port} but does not answer as a Ray cluster (no gRPC reply)"
+    except OSError as exc:
+        return f"accepts a connection on port {port} but then fails: {exc}"
+    if len(reply) < 9 or reply[3] != _SETTINGS_FRAME:
+        return f"accepts a connection on port {port} but is not a Ray cluster (no gRPC server there)"
+    return None
 
 
 def _prepend_pythonpath(paths: Sequence[str]) -> str:
@@ -74,6 +184,7 @@ def init_ray(
     address = address if address is not None else os.environ.get("RAY_ADDRESS")
     quiet = {"logging_level": logging.WARNING, "log_to_driver": log_to_driver}
     if address and address != "local":
+        check_ray_address(address, "address")  # bounded: ray.init alone retries for many minutes
         runtime_env = {}
         if pythonpath:
             runtime_env = {"env_vars": {"PYTHONPATH": _prepend_pythonpath(pythonpath)}}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -55,7 +56,20 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     # lazy: the trainer imports torch and Ray; a refused config or stack answers without either.
+    from hybridrl.controller.cluster import RayAddressError, check_ray_address
     from hybridrl.trainer.trainer import Trainer, TrainingFailure, run_dir_for
+
+    # An existing cluster is checked before anything is written: ray.init alone retries an unreachable one for
+    # many minutes (deaf to SIGTERM); this answers within seconds (unresolvable host, closed port) or ~30 s.
+    configured = plan.config.trainer.ray_address
+    address, field = (configured, "trainer.ray_address") if configured is not None else \
+        (os.environ.get("RAY_ADDRESS"), "RAY_ADDRESS")
+    if address and address != "local":
+        try:
+            check_ray_address(address, field)
+        except RayAddressError as exc:
+            print(f"hybridrl train: {exc}", file=sys.stderr)
+            return 2
 
     try:
         result = Trainer(plan, progress=not args.no_progress).fit()

@@ -1,0 +1,96 @@
+"""A Ray address that names no cluster is refused within seconds, naming the field and the value.
+
+`ray.init(address=...)` alone retries "Failed to connect to GCS" for many minutes on an unresolvable host or a
+closed port, in native code a SIGTERM does not interrupt. `hybridrl train` and `init_ray` check the address first
+(`cluster.check_ray_address`): the host resolved, a TCP connection, a gRPC reply. Real sockets, no mocks; the
+test that a real cluster passes is test_dispatch's `test_init_ray_connects_to_an_existing_cluster_named_by_ray_address`
+(init_ray runs the same check before it connects).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hybridrl.controller.cluster import RayAddressError, check_ray_address, init_ray
+from tools.demo_assets import demo_overrides
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = str(ROOT / "configs/examples/cpu_tiny_grpo.yaml")
+
+
+def _closed_port() -> int:
+    """A local port nothing listens on (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _train(assets: Path, run: Path, env: dict[str, str], *overrides: str) -> subprocess.CompletedProcess[str]:
+    """`hybridrl train` on the demo job (its run and checkpoint folders under `run`), as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "hybridrl.cli", "train", CONFIG, *demo_overrides(assets, run),
+                           *overrides, "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=90)
+
+
+@pytest.fixture()
+def silent_port() -> Iterator[int]:
+    """A local port that accepts connections and never answers (a firewall's tarpit, or some other service)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("where", ["unresolvable host", "closed port"])
+def test_train_refuses_an_unreachable_ray_address_fast_naming_it(demo_assets, tmp_path, where):
+    address = "bogus.invalid:1234" if where == "unresolvable host" else f"127.0.0.1:{_closed_port()}"
+    reason = "the host bogus.invalid does not resolve" if where == "unresolvable host" else \
+        "refused the connection: nothing listens on port"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    started = time.monotonic()
+    done = _train(demo_assets, tmp_path, env, f"trainer.ray_address={address}")
+    elapsed = time.monotonic() - started
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"hybridrl train: trainer.ray_address={address} cannot be reached: " in done.stderr
+    assert reason in done.stderr and "valid: HOST:PORT of a running Ray head" in done.stderr
+    assert "Traceback" not in done.stderr and "Failed to connect to GCS" not in done.stderr
+    assert elapsed < 45, elapsed  # python start, the plan and the stack check included; ray.init took minutes
+    assert list(tmp_path.iterdir()) == []  # no run folder, no checkpoint folder: refused before the trainer
+
+
+def test_ray_address_from_the_environment_is_named_as_such(demo_assets, tmp_path):
+    done = _train(demo_assets, tmp_path, {**os.environ, "RAY_ADDRESS": "bogus.invalid:6379"})
+    assert done.returncode == 2 and "hybridrl train: RAY_ADDRESS=bogus.invalid:6379 cannot be reached" in done.stderr
+
+
+def test_a_port_that_never_answers_is_refused_within_the_time_limit(silent_port):
+    started = time.monotonic()
+    with pytest.raises(RayAddressError, match=f"x=127.0.0.1:{silent_port} accepts a connection on port {silent_port} "
+                                              "but does not answer as a Ray cluster"):
+        check_ray_address(f"127.0.0.1:{silent_port}", "x", timeout_s=1.0)
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("address, says", [
+    ("nocolon", "is not HOST:PORT"), ("host:99999", "is not HOST:PORT"), ("http://host:1", "is not a Ray address"),
+    ("ray://bogus.invalid", "the host bogus.invalid does not resolve"),
+])
+def test_malformed_addresses_are_named(address, says):
+    with pytest.raises(RayAddressError, match=f"trainer.ray_address={address} .*{says}"):
+        check_ray_address(address, "trainer.ray_address")
+
+
+def test_init_ray_refuses_before_ray_init():
+    """The library entry point gets the same bounded check (no Ray connection attempted, nothing initialized)."""
+    import ray
+
+    started = time.monotonic()
+    with pytest.raises(RayAddressError, match=f"address=127.0.0.1:{(port := _closed_port())} cannot be reached"):
+        init_ray(f"127.0.0.1:{port}")
+    assert time.monotonic() - started < 10 and not ray.is_initialized()
