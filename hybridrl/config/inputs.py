@@ -35,7 +35,7 @@ from hybridrl.data.tokenizer import tokenizer_size
 from hybridrl.models.arch import ModelShape, read_hf_config, value_model_hf_config
 from hybridrl.models.layout import hf_tensor_problems
 from hybridrl.models.lora_targets import peft_config_mismatches
-from hybridrl.rewards.custom import RewardFunctionError, load_reward_function, signature_problem
+from hybridrl.rewards.custom import RewardFunctionError, call_problem, load_reward_function
 from hybridrl.rewards.registry import (
     AUTO,
     UnknownScorerError,
@@ -507,9 +507,10 @@ def _check_reward(config: JobConfig, issues: list[ConfigIssue]) -> None:
             field = "algorithm.custom_reward_function." + ("name" if "has no function" in str(error) else "path")
             issues.append(ConfigIssue(field, custom.name if field.endswith("name") else custom.path, str(error)))
             return
-        problem = signature_problem(function)
-        if problem:
-            issues.append(ConfigIssue("algorithm.custom_reward_function.name", custom.name, problem))
+        found = call_problem(function, custom.reward_kwargs)
+        if found is not None:
+            name, problem = found
+            issues.append(ConfigIssue(f"algorithm.custom_reward_function.{name}", getattr(custom, name), problem))
         return
     try:
         get_scorer(config.algorithm.reward_fn)

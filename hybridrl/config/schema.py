@@ -532,6 +532,9 @@ class TeacherConfig:
 class CustomRewardConfig:
     path: str | None = doc(None, "Python file with a reward function (trusted code)")
     name: str = doc(CUSTOM_REWARD_NAME, "function name in that file")
+    reward_kwargs: dict[str, Any] = doc(
+        factory=dict, text="keyword arguments passed to the function on every call, beside the sample's own "
+                           "(verl's key), e.g. {format_weight: 0.1}")
     fallback_score: float | None = doc(None, "score for a sample whose scorer raises or returns NaN; None = stop")
 
 

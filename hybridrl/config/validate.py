@@ -195,6 +195,10 @@ def _check_reward_choice(check: Checker, config: JobConfig) -> None:
         check.fail("algorithm.custom_reward_function.name", custom.name, "names a function, but "
                    "algorithm.custom_reward_function.path (the file defining it) is unset: set the path, or leave "
                    f"the name at {CUSTOM_REWARD_NAME}", [CUSTOM_REWARD_NAME])
+    if not custom.path and custom.reward_kwargs:
+        check.fail("algorithm.custom_reward_function.reward_kwargs", custom.reward_kwargs, "are keyword arguments of "
+                   "a custom reward function, but algorithm.custom_reward_function.path (the file defining it) is "
+                   "unset: set the path, or remove them (the rule scorers take none)")
 
 
 def _check_seeds(check: Checker, config: JobConfig) -> None:

@@ -9,7 +9,9 @@ it reads a key as unknown:
   and change nothing; any other value is refused, saying what hybridrl does instead.
 * `Alias`: verl's spelling of a hybridrl field (`actor_rollout_ref.nccl_timeout` is
   `trainer.nccl_timeout_s`); the value goes to that field, and two spellings with different values are
-  the loader's usual error naming both.
+  the loader's usual error naming both. A `section` alias spells a whole section: each key under it is
+  the same key under the target (verl's top-level `custom_reward_function.path` is
+  `algorithm.custom_reward_function.path`).
 * `Refused`: a verl key with a meaning hybridrl does not build; refused by name with the reason, never
   read as a near-spelled field of another meaning (verl's `data.reward_fn_key` is not `data.reward_key`).
 
@@ -38,6 +40,7 @@ class Alias:
     key: str
     target: str
     translate: dict[Any, Any] | None = None  # verl's values -> hybridrl's (others pass unchanged)
+    section: bool = False  # the key is a section: every key under it is the same key under the target
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,9 @@ VERL_KEYS: tuple[VerlKey, ...] = (
                    "moe_token_dispatcher_type", "moe_expert_capacity_factor", "moe_token_drop_policy",
                    "moe_pad_expert_input_to_capacity")),
     Alias("data.trust_remote_code", "actor_rollout_ref.model.trust_remote_code"),
+    # verl's user reward function: at the top level (its scripts), under `reward` (newer verl)
+    Alias("custom_reward_function", "algorithm.custom_reward_function", section=True),
+    Alias("reward.custom_reward_function", "algorithm.custom_reward_function", section=True),
     Alias("actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes",
           "actor_rollout_ref.rollout.update_weights_bucket_megabytes"),
     # verl's sync/async rollout modes both run vLLM in the training processes: hybridrl's colocated mode
@@ -137,12 +143,18 @@ _BY_PATH: dict[tuple[str, ...], tuple[VerlKey, tuple[str, ...] | None]] = {
 
 
 def verl_key(parts: tuple[str, ...]) -> tuple[VerlKey, tuple[str, ...] | None] | None:
-    """The entry for a dotted path (or for a section above it: a `Refused` section refuses all of its keys),
-    with the path an `Alias` sets for it."""
+    """The entry for a dotted path (or for a section above it: a `Refused` section refuses all of its keys, a
+    `section` alias moves them under its target), with the path an `Alias` sets for it."""
     for depth in range(len(parts), 0, -1):
         found = _BY_PATH.get(parts[:depth])
-        if found is not None and (depth == len(parts) or isinstance(found[0], Refused)):
+        if found is None:
+            continue
+        entry, target = found
+        if depth == len(parts) or isinstance(entry, Refused):
             return found
+        if isinstance(entry, Alias) and entry.section:
+            assert target is not None
+            return entry, (*target, *parts[depth:])
     return None
 
 

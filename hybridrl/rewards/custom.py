@@ -9,6 +9,9 @@ Two call conventions are accepted, told apart by the function's parameter names:
 * verl's: ``fn(data_source, solution_str, ground_truth, extra_info)`` (any function with a
   ``solution_str`` parameter), so verl reward files work unchanged.
 
+``custom_reward_function.reward_kwargs`` (verl's key) are passed to it as keyword arguments on every
+call, in either convention.
+
 The function may return a number, a `ScoreResult`, or a dict with ``score`` (and optionally ``acc``).
 """
 from __future__ import annotations
@@ -43,30 +46,57 @@ def load_reward_function(path: str | Path, name: str = "compute_score") -> Calla
     return function
 
 
-def signature_problem(function: Callable[..., Any]) -> str | None:
-    """Why `adapt_reward_function(function)` could not call `function`, or None when it can: the
+def _call_arguments(parameters: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], str]:
+    """The arguments the reward call passes a function with these parameters (placeholders), and its form."""
+    if "solution_str" in parameters:
+        kwargs: dict[str, Any] = {"solution_str": "", "ground_truth": None}
+        kwargs.update({name: None for name in ("data_source", "extra_info") if name in parameters})
+        return (), kwargs, f"verl's convention, called as fn({', '.join(kwargs)})"
+    return ("", None, {}), {}, "called as fn(response, ground_truth, extra)"
+
+
+def signature_problem(function: Callable[..., Any], reward_kwargs: Mapping[str, Any] | None = None) -> str | None:
+    """Why `adapt_reward_function(function, reward_kwargs)` could not call `function`, or None when it can: the
     arguments the call would pass are bound to its signature, without calling it."""
+    found = call_problem(function, reward_kwargs)
+    return None if found is None else found[1]
+
+
+def call_problem(function: Callable[..., Any],
+                 reward_kwargs: Mapping[str, Any] | None = None) -> tuple[str, str] | None:
+    """`signature_problem` with the field of `custom_reward_function` to blame: ("reward_kwargs", why) when the
+    function takes the reward call but not those keyword arguments, else ("name", why); None when it takes both."""
     try:
         signature = inspect.signature(function)
     except (TypeError, ValueError):
         return None  # a builtin without a signature: only a call can tell
-    parameters = set(signature.parameters)
-    if "solution_str" in parameters:
-        kwargs = {"solution_str": "", "ground_truth": None}
-        kwargs.update({name: None for name in ("data_source", "extra_info") if name in parameters})
-        call, form = (lambda: signature.bind(**kwargs)), f"verl's convention, called as fn({', '.join(kwargs)})"
-    else:
-        call, form = (lambda: signature.bind("", None, {})), "called as fn(response, ground_truth, extra)"
+    args, kwargs, form = _call_arguments(signature.parameters)
+    extra = dict(reward_kwargs or {})
+    taken = sorted(set(kwargs) & set(extra))
+    if taken:
+        return "reward_kwargs", (f"names {', '.join(taken)}, which the reward call passes itself ({form}): rename "
+                                 "the keyword argument")
     try:
-        call()
+        signature.bind(*args, **kwargs, **extra)
+        return None
     except TypeError as error:
-        return (f"cannot take the reward call ({form}): {error}; define fn(response, ground_truth, extra) or "
-                "verl's fn(data_source, solution_str, ground_truth, extra_info)")
-    return None
+        problem = error
+    with_kwargs = f", plus {', '.join(f'{key}=...' for key in extra)} from reward_kwargs" if extra else ""
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError:
+        return "name", (f"cannot take the reward call ({form}{with_kwargs}): {problem}; define "
+                        "fn(response, ground_truth, extra) or verl's fn(data_source, solution_str, ground_truth, "
+                        "extra_info)" + (" with a parameter of each reward_kwargs name (or **kwargs)" if extra else ""))
+    return "reward_kwargs", (f"cannot be passed to the function {getattr(function, '__name__', function)!r} "
+                             f"({form}{with_kwargs}): {problem}; give it a parameter of each name (or **kwargs), or "
+                             "remove the key")
 
 
-def adapt_reward_function(function: Callable[..., Any]) -> Callable[[str, Any, Mapping[str, Any]], ScoreResult]:
-    """Wrap a user function into the scorer signature (see the module docstring).
+def adapt_reward_function(function: Callable[..., Any], reward_kwargs: Mapping[str, Any] | None = None,
+                          ) -> Callable[[str, Any, Mapping[str, Any]], ScoreResult]:
+    """Wrap a user function into the scorer signature (see the module docstring); `reward_kwargs` are passed to
+    it as keyword arguments on every call.
 
     Return values are converted by the `RewardManager`, which also reports errors with the sample
     index; this wrapper only maps the arguments.
@@ -75,6 +105,7 @@ def adapt_reward_function(function: Callable[..., Any]) -> Callable[[str, Any, M
         parameters = set(inspect.signature(function).parameters)
     except (TypeError, ValueError):  # builtins without a signature: use our convention
         parameters = set()
+    fixed = dict(reward_kwargs or {})
 
     if "solution_str" in parameters:
 
@@ -84,8 +115,15 @@ def adapt_reward_function(function: Callable[..., Any]) -> Callable[[str, Any, M
                 kwargs["data_source"] = extra.get("data_source")
             if "extra_info" in parameters:
                 kwargs["extra_info"] = extra.get("extra_info")
-            return function(**kwargs)
+            return function(**kwargs, **fixed)
 
         verl_style.__name__ = getattr(function, "__name__", "custom_reward")
         return verl_style
-    return function
+    if not fixed:
+        return function
+
+    def ours(response: str, ground_truth: Any, extra: Mapping[str, Any]) -> Any:
+        return function(response, ground_truth, extra, **fixed)
+
+    ours.__name__ = getattr(function, "__name__", "custom_reward")
+    return ours

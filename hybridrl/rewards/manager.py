@@ -80,9 +80,10 @@ class RewardManager:
 
     @classmethod
     def from_file(cls, path: str, function_name: str = "compute_score",
-                  fallback_score: float | None = None) -> RewardManager:
+                  fallback_score: float | None = None,
+                  reward_kwargs: Mapping[str, Any] | None = None) -> RewardManager:
         function = load_reward_function(path, function_name)
-        return cls(adapt_reward_function(function), f"{function_name} from {path}", fallback_score)
+        return cls(adapt_reward_function(function, reward_kwargs), f"{function_name} from {path}", fallback_score)
 
     @classmethod
     def from_config(cls, algorithm_config: Any, fallback_score: float | None = None) -> RewardManager:
@@ -91,7 +92,7 @@ class RewardManager:
         if fallback_score is None:
             fallback_score = getattr(custom, "fallback_score", None)
         if custom.path:
-            return cls.from_file(custom.path, custom.name, fallback_score)
+            return cls.from_file(custom.path, custom.name, fallback_score, getattr(custom, "reward_kwargs", None))
         return cls.from_name(algorithm_config.reward_fn, fallback_score)
 
     # ------------------------------------------------------------------------------ scoring

@@ -20,7 +20,7 @@ import pytest
 from hybridrl.config.inputs import has_chat_template, looks_like_hub_id
 from hybridrl.data.dataset import preview_file
 from hybridrl.data.io import write_rows
-from hybridrl.rewards.custom import adapt_reward_function, signature_problem
+from hybridrl.rewards.custom import adapt_reward_function, call_problem, signature_problem
 from tools.demo_assets import demo_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -332,6 +332,49 @@ def test_signature_verdict_matches_the_real_call(function):
     except TypeError:
         called = False
     assert (signature_problem(function) is None) is called, inspect.signature(function)
+
+
+def _verl_with_kwargs(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return kwargs["weight"]
+
+
+def _verl_weight(data_source, solution_str, ground_truth, extra_info, weight):
+    return weight
+
+
+@pytest.mark.parametrize("function", [_needs_more, _keyword_only, _verl_with_kwargs, _verl_weight, _ours,
+                                      _verl_style, lambda *args, **kwargs: 0.0])
+@pytest.mark.parametrize("reward_kwargs", [{"weight": 2.0}, {"weight": 2.0, "other": 1}, {"solution_str": "x"}])
+def test_reward_kwargs_verdict_matches_the_real_call(function, reward_kwargs):
+    """custom_reward_function.reward_kwargs: the plan accepts a function taking them (a parameter of each name, or
+    **kwargs) and refuses one that cannot, as the call with them would."""
+    adapted = adapt_reward_function(function, reward_kwargs)
+    try:
+        adapted("a", "a", {"data_source": "x", "extra_info": None})
+        called = True
+    except TypeError:
+        called = False
+    problem = call_problem(function, reward_kwargs)
+    assert (problem is None) is called, (inspect.signature(function), reward_kwargs, problem)
+    if problem is not None and signature_problem(function) is None:  # the call alone it takes: the kwargs' fault
+        assert problem[0] == "reward_kwargs", problem
+
+
+def test_a_function_that_cannot_take_reward_kwargs_is_refused_naming_the_field(demo_assets, tmp_path):
+    (tmp_path / "verl_reward.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
+    (tmp_path / "weighted.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None, weight=1.0):\n"
+        "    return weight\n")
+    base = [CONFIG, *demo_overrides(demo_assets, tmp_path), "algorithm.reward_fn=auto"]
+    refused = _hybridrl("plan", *base, f"custom_reward_function.path={tmp_path / 'verl_reward.py'}",
+                        "+custom_reward_function.reward_kwargs={weight: 2.0}")
+    assert refused.returncode == 2, refused.stdout[-2000:]
+    assert "algorithm.custom_reward_function.reward_kwargs={'weight': 2.0} cannot be passed" in refused.stderr
+    assert "unexpected keyword argument 'weight'" in refused.stderr and "Traceback" not in refused.stderr
+    taken = _hybridrl("plan", *base, f"custom_reward_function.path={tmp_path / 'weighted.py'}",
+                      "+custom_reward_function.reward_kwargs={weight: 2.0}")
+    assert taken.returncode == 0, taken.stderr
 
 
 def test_hub_id_and_chat_template_detection(tmp_path):

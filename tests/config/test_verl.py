@@ -118,6 +118,20 @@ def test_aliases_set_hybridrls_field_and_conflicts_are_named():
     assert len(issues) == 1 and "two spellings of one field" in issues[0].rule
 
 
+@pytest.mark.parametrize("section", ["custom_reward_function", "reward.custom_reward_function"])
+def test_verls_custom_reward_function_keys_are_hybridrls(section):
+    """verl's scripts write the reward function at the top level (newer verl: under `reward`), reward_kwargs too."""
+    config = _config(f"{section}.path=/r.py", f"{section}.name=my_score",
+                     f"+{section}.reward_kwargs={{format_weight: 0.1, mode: strict}}")
+    custom = config.algorithm.custom_reward_function
+    assert (custom.path, custom.name, custom.reward_kwargs) == ("/r.py", "my_score",
+                                                                {"format_weight": 0.1, "mode": "strict"})
+    _, issues = load_config_collecting(None, [f"{section}.path=/r.py", "algorithm.custom_reward_function.path=/s.py"])
+    assert len(issues) == 1 and "two spellings of one field" in issues[0].rule
+    _, issues = load_config_collecting(None, [f"{section}.nme=x"])
+    assert len(issues) == 1 and issues[0].field == "algorithm.custom_reward_function.nme"  # its keys, checked
+
+
 def test_a_reference_section_takes_the_actors_layout():
     """verl's ref.megatron interpolates the actor's layout: a ref section written for its offload only is laid
     out as the actor (and a layout it sets differently is still refused)."""

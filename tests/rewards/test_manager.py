@@ -33,6 +33,12 @@ def explodes(response, ground_truth, extra):
         raise KeyError("missing field")
     return 1.0
 
+def weighted(response, ground_truth, extra, weight, bonus=0.0):
+    return weight * (response == ground_truth) + bonus
+
+def verl_weighted(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return kwargs["weight"] * (solution_str == ground_truth)
+
 def not_a_number(response, ground_truth, extra):
     return {"nan": math.nan, "inf": math.inf, "text": "1.0", "bool": True}.get(response, 0.5)
 
@@ -117,6 +123,17 @@ def test_from_config_picks_custom_or_registry(user_file: Path) -> None:
     assert RewardManager.from_config(custom).score(["abc"], ["abc"]).accs == [True]
     with pytest.raises(UnknownScorerError, match="Did you mean 'countdown'"):
         RewardManager.from_config(AlgorithmConfig(reward_fn="count_down"))
+
+
+def test_reward_kwargs_reach_the_function_on_every_call(user_file: Path) -> None:
+    """verl's custom_reward_function.reward_kwargs: keyword arguments of every call, in either convention."""
+    ours = AlgorithmConfig(custom_reward_function=CustomRewardConfig(
+        path=str(user_file), name="weighted", reward_kwargs={"weight": 2.0, "bonus": 0.25}))
+    assert RewardManager.from_config(ours).score(["a", "b"], ["a", "a"]).scores == [2.25, 0.25]
+    verl = AlgorithmConfig(custom_reward_function=CustomRewardConfig(
+        path=str(user_file), name="verl_weighted", reward_kwargs={"weight": 3.0}))
+    output = RewardManager.from_config(verl).score(["a", "b"], ["a", "a"], [{"data_source": "x"}] * 2)
+    assert output.scores == [3.0, 0.0]
 
 
 def test_registry_scorer_metrics() -> None:
