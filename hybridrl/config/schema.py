@@ -647,12 +647,14 @@ class TrainerConfig:
     test_freq: int = doc(-1, "validate every N steps and after the last; -1 = never")
     val_before_train: bool = doc(False, "validate once before the first step")
     log_val_generations: int = doc(
-        0, "at each validation, write this many samples (prompt, response, ground truth, score) to "
+        0, "at each validation, write this many samples (prompt, response, ground truth, score, the reward "
+           "function's extra keys) to "
            "<run dir>/val_generations.jsonl (verl's key); 0 = none")
     default_local_dir: str = doc("checkpoints", "checkpoint root folder (…/<project>/<experiment>/global_step_N)")
     run_dir: str | None = doc(None, "logs, metrics.jsonl, TensorBoard, plot; None = runs/<project>/<experiment>")
     rollout_data_dir: str | None = doc(
-        None, "write each step's trained samples (text, token ids, score, reward, advantage) to step_N.jsonl here")
+        None, "write each step's trained samples (text, token ids, score, reward, advantage, the reward function's "
+              "extra keys) to step_N.jsonl here")
     resume_mode: str = doc("auto", "auto | disable | <checkpoint path>")
     keep_last_n: int | None = doc(None, "keep this many newest checkpoints; None = all")
     export_hf_on_save: bool = doc(False, "also write an HF folder of the actor at each save")

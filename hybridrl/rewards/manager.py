@@ -6,6 +6,10 @@ returns NaN / inf / a non-number fails with an error naming the function and the
 row, prompt index and data source), or, when ``fallback_score`` is set, that sample gets the fallback
 and the event is counted in the metrics (``reward/fallbacks``) with one warning per batch.
 
+A scorer's extra keys (a dict result's keys beside ``score`` and ``acc``, verl's ``reward_extra_info``) are
+kept per sample in ``RewardOutput.details``; each numeric one's mean over the samples that report it is a
+metric, ``reward/extra/<key>_mean`` (`extra_metrics`).
+
 Token-level rewards put each sequence's score on its last response token (the token whose action
 completed the answer) and zeros elsewhere: ``sequence_scores(token_level_rewards, mask)`` gives the
 scores back. A response with no tokens in the mask has no token to carry a score: its row stays zero
@@ -135,7 +139,7 @@ class RewardManager:
             assert isinstance(result, ScoreResult)
             scores.append(result.score)
             accs.append(result.acc)
-            details.append(result.details)
+            details.append(plain_details(result.details))
         if fallback_rows:
             logger.warning(
                 "reward function %r failed on %d of %d samples (fallback score %s), first: %s",
@@ -143,6 +147,7 @@ class RewardManager:
             )
         data_sources = [str(extra.get("data_source", "unknown")) for extra in extras]
         metrics = reward_metrics(scores, accs, data_sources)
+        metrics.update(extra_metrics(details))
         metrics["reward/fallbacks"] = float(len(fallback_rows))
         return RewardOutput(scores, accs, metrics, details, fallback_rows)
 
@@ -211,6 +216,42 @@ def reward_metrics(scores: Sequence[float], accs: Sequence[bool | None],
         for source in sorted(set(data_sources)):
             add(f"reward/{source}/", [i for i, s in enumerate(data_sources) if s == source])
     return metrics
+
+
+EXTRA_METRIC_PREFIX = "reward/extra/"
+
+
+def extra_metrics(details: Sequence[Mapping[str, Any]], prefix: str = EXTRA_METRIC_PREFIX,
+                  suffix: str = "_mean") -> dict[str, float]:
+    """`prefix<key>suffix`: the mean of each numeric extra key (bools as 0/1) over the samples reporting it as a
+    finite number; text and other values are not averaged (they are in the rollout and validation dumps)."""
+    values: dict[str, list[float]] = {}
+    for row in details:
+        for key, value in row.items():
+            if isinstance(value, numbers.Real) and math.isfinite(float(value)):
+                values.setdefault(str(key), []).append(float(value))
+    return {f"{prefix}{key}{suffix}": sum(found) / len(found) for key, found in sorted(values.items())}
+
+
+def plain_details(details: Mapping[str, Any]) -> dict[str, Any]:
+    """A sample's extra keys as JSON values (numbers, text, bools, None, lists and dicts of them; anything else as
+    its text): what the batch carries to the dumps, and to the workers with it."""
+    def plain(value: Any) -> Any:
+        if value is None or isinstance(value, (bool, str)):
+            return value
+        if isinstance(value, numbers.Integral):
+            return int(value)
+        if isinstance(value, numbers.Real):
+            return float(value)
+        if isinstance(value, Mapping):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        if hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+            return plain(value.item())
+        return str(value)
+
+    return {str(key): plain(value) for key, value in details.items()}
 
 
 def token_level_rewards(scores: Sequence[float] | Any, response_mask: Any) -> Any:

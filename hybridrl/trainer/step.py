@@ -35,7 +35,7 @@ from hybridrl.controller.worker_group import WorkerGroup
 from hybridrl.data.batch import Batch
 from hybridrl.data.dataloader import unpadded_prompt_ids
 from hybridrl.names import Phase, Role
-from hybridrl.rewards.manager import RewardManager, reward_metrics, token_level_rewards
+from hybridrl.rewards.manager import RewardManager, extra_metrics, reward_metrics, token_level_rewards
 from hybridrl.rollout.sampling import RolloutSampling, validation_sampling
 from hybridrl.trainer.part_metrics import merge_part_metrics
 from hybridrl.trainer.rl_step import (
@@ -154,6 +154,7 @@ class StepRunner:
             token_scores, output = self.reward.score_batch(batch, self.tokenizer)
             metrics.update({f"reward/{k.removeprefix('reward/')}": float(v) for k, v in output.metrics.items()})
             batch.meta["reward_output"] = output  # dynamic sampling's metrics over all rounds read it
+            batch[REWARD_EXTRA_INFO] = output.details  # each sample's extra keys, for the rollout dump
         overlong = self.config.algorithm.overlong_buffer
         if overlong.enable:
             lengths = response_lengths(batch)  # the whole response: observation tokens fill the budget too
@@ -208,6 +209,7 @@ class StepRunner:
                        for source in (b["data_source"] if "data_source" in b else ["unknown"] * len(b))]
             merged.update(reward_metrics([x for o in outputs for x in o.scores],
                                          [a for o in outputs for a in o.accs], sources))
+            merged.update(extra_metrics([d for o in outputs for d in o.details]))
         metrics.update(merged)
         selected, zero_spread_used = select_groups_with_spread(generated, groups_needed)
         groups_generated = sum(len(set(b["uid"])) for b in generated)
@@ -407,8 +409,14 @@ class StepRunner:
                               tool_calls=batch["tool_calls"][row], tool_errors=batch["tool_errors"][row])
             if "baseline_scores" in batch:  # ReMax: the score of the prompt's greedy response
                 record["baseline"] = float(batch["baseline_scores"][row])
+            if REWARD_EXTRA_INFO in batch:  # the scorer's extra keys (a dict result's beside score and acc)
+                record[REWARD_EXTRA_INFO] = batch[REWARD_EXTRA_INFO][row]
             lines.append(json.dumps(record, default=_json_default))
         (out_dir / f"step_{self.run.global_step}.jsonl").write_text("\n".join(lines) + "\n")
+
+
+# the batch column (and the dumps' key) of each sample's extra reward keys: verl's name for them
+REWARD_EXTRA_INFO = "reward_extra_info"
 
 
 def _json_default(value: Any) -> Any:

@@ -36,7 +36,7 @@ from hybridrl.data.dataset import DatasetError, PromptDataset
 from hybridrl.data.tokenizer import load_tokenizer, resolve_pad_token_id
 from hybridrl.names import Phase
 from hybridrl.rewards.custom import RewardFunctionError
-from hybridrl.rewards.manager import RewardManager
+from hybridrl.rewards.manager import RewardManager, extra_metrics
 from hybridrl.rewards.registry import UnknownScorerError
 from hybridrl.rollout.sampling import RolloutSampling
 from hybridrl.rollout.turn_rewards import TurnRewardError, turn_rewarder_from_config
@@ -44,7 +44,7 @@ from hybridrl.tool_calling import available_parsers, build_registry
 from hybridrl.trainer.async_rollout import DriverSettings, RolloutDriver
 from hybridrl.trainer.checkpoints import CheckpointError, CheckpointManager
 from hybridrl.trainer.part_metrics import merge_part_metrics
-from hybridrl.trainer.step import RunState, StepRunner
+from hybridrl.trainer.step import REWARD_EXTRA_INFO, RunState, StepRunner
 from hybridrl.trainer.timing import PhaseTimer
 from hybridrl.trainer.topology import WorkerTopology
 from hybridrl.trainer.tracking import Tracker, plot_run, render_summary
@@ -246,6 +246,7 @@ class Trainer:
 
     def _validate(self, val_loader: PromptDataLoader) -> dict[str, float]:
         scores: list[float] = []
+        details: list[Any] = []  # the scorer's extra keys per sample
         turn_parts: list[dict[str, float]] = []  # multi-turn: how the validation conversations went
         samples: list[int] = []
         self.run.phase = Phase.VALIDATE
@@ -255,11 +256,13 @@ class Trainer:
             _, output = self.reward.score_batch(batch, self.tokenizer)
             shown.extend(self._generations(batch, output, self.config.trainer.log_val_generations - len(shown)))
             scores.extend(output.scores)
+            details.extend(output.details)
             generated = batch.meta.get("metrics") or {}
             turn_parts.append({k: v for k, v in generated.items()
                                if k.startswith("multi_turn/") and k.endswith("_mean")})
             samples.append(len(batch))
         metrics = {"val/score/mean": float(np.mean(scores)) if scores else math.nan}
+        metrics.update(extra_metrics(details, prefix="val/extra/", suffix="/mean"))  # as val/score/mean
         if shown:
             with (self.run_dir / VAL_GENERATIONS).open("a", encoding="utf-8") as out:  # one JSON line per sample
                 out.writelines(json.dumps(row, ensure_ascii=False, default=str) + "\n" for row in shown)
@@ -274,7 +277,8 @@ class Trainer:
         for i in range(min(max(count, 0), len(output.responses))):
             prompt = batch.non_tensors["raw_prompt"][i] if "raw_prompt" in batch.non_tensors else None
             rows.append({"step": self.run.global_step, "prompt": prompt, "response": output.responses[i],
-                         "ground_truth": batch["ground_truth"][i], "score": output.scores[i]})
+                         "ground_truth": batch["ground_truth"][i], "score": output.scores[i],
+                         REWARD_EXTRA_INFO: output.details[i]})  # the scorer's extra keys, as in the rollout dump
         return rows
 
     def save(self) -> Path:

@@ -452,6 +452,48 @@ def test_remax_baseline_is_the_score_of_each_prompts_greedy_response(demo_assets
         assert "timing_s/gen_baseline" in rows[step]
 
 
+# verl's reward file with extra keys (its reward_extra_info) and reward_kwargs, at verl's top-level key
+EXTRA_KEYS_REWARD_FILE = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, bonus=0.0):
+    hit = solution_str.strip()[:1] == str(ground_truth)[:1]
+    return {"score": float(hit) + bonus, "acc": hit, "my_len": len(solution_str), "tag": "ok",
+            "split_is_val": extra_info["split"] == "val"}
+'''
+
+
+def test_a_reward_functions_extra_keys_are_logged_and_dumped_and_its_reward_kwargs_passed(demo_assets, tmp_path):
+    """verl's reward_extra_info: a reward dict's keys beside score and acc are each sample's in the rollout and
+    validation dumps, and each numeric one's batch mean is a metric (reward/extra/<key>_mean in training,
+    val/extra/<key>/mean in validation); verl's `custom_reward_function.*` keys at the top level, with its
+    reward_kwargs passed to the function on every call."""
+    run, reward_file = tmp_path / "run", tmp_path / "my_reward.py"
+    reward_file.write_text(EXTRA_KEYS_REWARD_FILE)
+    result = _train("configs/examples/cpu_tiny_grpo.yaml", demo_overrides(
+        demo_assets, run, "trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.log_val_generations=3",
+        "algorithm.reward_fn=auto", f"custom_reward_function.path={reward_file}",
+        "+custom_reward_function.reward_kwargs={bonus: 0.25}", f"trainer.rollout_data_dir={run / 'rollouts'}"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    rows = {r["step"]: r for r in _metrics(run) if "step" in r}
+    for step in (1, 2):
+        samples = _rollouts(run, step)
+        for sample in samples:
+            extra = sample["reward_extra_info"]
+            assert extra == {"my_len": len(sample["response"]), "tag": "ok", "split_is_val": False}, sample
+            assert sample["score"] in (pytest.approx(0.25), pytest.approx(1.25))  # the bonus: reward_kwargs
+        row = rows[step]
+        assert row["reward/extra/my_len_mean"] == pytest.approx(_mean([s["reward_extra_info"] for s in samples],
+                                                                      "my_len"))
+        assert row["reward/extra/split_is_val_mean"] == 0.0
+        assert not [k for k in row if k.startswith("reward/extra/tag")]  # text is dumped, not averaged
+    shown = [json.loads(line) for line in (run / "val_generations.jsonl").read_text().splitlines()]
+    assert len(shown) == 3
+    for generation in shown:
+        assert generation["reward_extra_info"] == {"my_len": len(generation["response"]), "tag": "ok",
+                                                   "split_is_val": True}
+    assert rows[2]["val/extra/split_is_val/mean"] == 1.0
+    assert 0 <= rows[2]["val/extra/my_len/mean"] <= 16 * 4  # characters of at most 16 tokens
+
+
 def _tiny_moe_model(tmp_path: Path) -> Path:
     """The tiny Qwen3-MoE of configs/models/tiny-demo-moe (4 experts, top-2, every layer MoE) with random weights and
     the demo's tokenizer."""

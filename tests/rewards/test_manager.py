@@ -3,6 +3,7 @@ token-level reward placement, and scoring a decoded Batch."""
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 import pytest
@@ -134,6 +135,23 @@ def test_reward_kwargs_reach_the_function_on_every_call(user_file: Path) -> None
         path=str(user_file), name="verl_weighted", reward_kwargs={"weight": 3.0}))
     output = RewardManager.from_config(verl).score(["a", "b"], ["a", "a"], [{"data_source": "x"}] * 2)
     assert output.scores == [3.0, 0.0]
+
+
+def test_extra_keys_are_kept_per_sample_and_each_numeric_ones_mean_is_a_metric() -> None:
+    """verl's reward_extra_info: the dict's keys beside score and acc, per sample (as JSON values), and the mean of
+    each numeric one over the samples that report it."""
+    import numpy as np
+
+    results = iter([{"score": 1.0, "acc": True, "my_len": 3, "tag": "ok", "ratio": np.float32(0.5)},
+                    {"score": 0.0, "my_len": 5, "tag": "bad", "ok": True, "ratio": float("nan")},
+                    {"score": 0.5, "my_len": np.int64(7), "shape": (1, 2)}])
+    output = RewardManager(lambda *a: next(results), "f").score(["a", "b", "c"], ["a", "a", "a"])
+    first, second, third = output.details
+    assert first == {"my_len": 3, "tag": "ok", "ratio": 0.5} and third == {"my_len": 7, "shape": [1, 2]}
+    assert math.isnan(second.pop("ratio")) and second == {"my_len": 5, "tag": "bad", "ok": True}
+    assert type(third["my_len"]) is int and type(first["ratio"]) is float  # numpy's as Python's: JSON-ready
+    extra = {k: v for k, v in output.metrics.items() if k.startswith("reward/extra/")}
+    assert extra == {"reward/extra/my_len_mean": 5.0, "reward/extra/ok_mean": 1.0, "reward/extra/ratio_mean": 0.5}
 
 
 def test_registry_scorer_metrics() -> None:
