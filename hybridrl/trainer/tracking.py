@@ -10,6 +10,7 @@ import json
 import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
@@ -17,11 +18,34 @@ from hybridrl.names import TIMED_PHASES
 from hybridrl.persistence import write_atomic
 from hybridrl.trainer.timing import TIMELINE_PREFIX
 
-# The few numbers the per-step console line shows, in order (others go to JSONL/TensorBoard).
+
+@dataclass(frozen=True)
+class KlCurve:
+    """A KL the run is steered by, as the console column, the summary line and the plot show it."""
+
+    column: str  # the console header
+    label: str  # the summary's and the plot's
+    key: str  # the metric
+    fmt: str = "{:>8.4f}"
+
+
+# The KL in the actor's loss (actor.use_kl_loss), and the KL(old || ref) subtracted from the rewards
+# (algorithm.use_kl_in_reward; the KL itself, before its coefficient, as verl logs it)
+LOSS_KL = KlCurve("kl(loss)", "kl (loss)", "actor/kl_loss")
+REWARD_KL = KlCurve("kl(reward)", "kl (in reward)", "actor/reward_kl_penalty", "{:>10.4f}")
+
+
+def active_kl(use_kl_loss: bool, use_kl_in_reward: bool) -> tuple[KlCurve, ...]:
+    """The KLs a job is steered by (none, one or both): those the console, summary and plot show, so a job with
+    the KL in its reward does not show the loss's, which it never computes (0)."""
+    return (*((LOSS_KL,) if use_kl_loss else ()), *((REWARD_KL,) if use_kl_in_reward else ()))
+
+
+# The few numbers the per-step console line shows, in order (others go to JSONL/TensorBoard); the KL columns
+# (`active_kl`) follow the score.
 CONSOLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("step", "training/global_step", "{:>5.0f}"),
     ("score", "critic/score/mean", "{:>7.3f}"),
-    ("kl", "actor/kl_loss", "{:>8.4f}"),
     ("entropy", "actor/entropy", "{:>7.3f}"),
     ("pg_loss", "actor/pg_loss", "{:>8.4f}"),
     ("resp_len", "response_length/mean", "{:>8.1f}"),
@@ -29,11 +53,20 @@ CONSOLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("tok/s", "perf/throughput_tokens_per_s", "{:>8.0f}"),
 )
 PHASES = TIMED_PHASES
-# The curves the end-of-run summary shows (those a run logged), and those whose best is their least.
-SUMMARY_CURVES = (("score", "critic/score/mean"), ("kl", "actor/kl_loss"),
+# The curves the end-of-run summary shows (those a run logged), and those whose best is their least; the KL
+# curves (`active_kl`) follow the score.
+SUMMARY_CURVES = (("score", "critic/score/mean"),
                   ("teacher KL", "distillation/reverse_kl_per_token"), ("entropy", "actor/entropy"),
                   ("response length", "response_length/mean"), ("grad norm", "actor/grad_norm"))
 LOWER_IS_BETTER = frozenset({"distillation/reverse_kl_per_token"})
+
+
+def console_columns(kl: Sequence[KlCurve] = (LOSS_KL,)) -> tuple[tuple[str, str, str], ...]:
+    return (*CONSOLE_COLUMNS[:2], *((c.column, c.key, c.fmt) for c in kl), *CONSOLE_COLUMNS[2:])
+
+
+def summary_curves(kl: Sequence[KlCurve] = (LOSS_KL,)) -> tuple[tuple[str, str], ...]:
+    return (*SUMMARY_CURVES[:1], *((c.label, c.key) for c in kl), *SUMMARY_CURVES[1:])
 
 
 class MetricSink(Protocol):
@@ -46,16 +79,17 @@ class MetricSink(Protocol):
 class ConsoleSink:
     """One compact line per step under a header printed every 20 steps."""
 
-    def __init__(self, write=print, header_every: int = 20):
+    def __init__(self, write=print, header_every: int = 20, kl: Sequence[KlCurve] = (LOSS_KL,)):
         self._write = write
         self._header_every = header_every
         self._lines = 0
+        self._columns = console_columns(kl)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         if self._lines % self._header_every == 0:
-            self._write("  ".join(f"{name:>{_width(fmt)}}" for name, _, fmt in CONSOLE_COLUMNS))
+            self._write("  ".join(f"{name:>{_width(fmt)}}" for name, _, fmt in self._columns))
         cells = []
-        for name, key, fmt in CONSOLE_COLUMNS:
+        for name, key, fmt in self._columns:
             value = step if name == "step" else metrics.get(key)
             cells.append(fmt.format(value) if isinstance(value, (int, float)) else f"{'-':>{_width(fmt)}}")
         self._write("  ".join(cells))
@@ -180,12 +214,12 @@ class Tracker:
     @classmethod
     def create(cls, names: Iterable[str], run_dir: str | Path, *, project: str = "hybridrl",
                experiment: str = "run", config: Mapping[str, Any] | None = None, write=print,
-               resume_step: int = 0) -> Tracker:
+               resume_step: int = 0, kl: Sequence[KlCurve] = (LOSS_KL,)) -> Tracker:
         run_dir = Path(run_dir)
         sinks: list[MetricSink] = []
         for name in names:
             if name == "console":
-                sinks.append(ConsoleSink(write))
+                sinks.append(ConsoleSink(write, kl=kl))
             elif name == "jsonl":
                 sinks.append(JsonlSink(run_dir / "metrics.jsonl", resume_step))
             elif name == "tensorboard":
@@ -226,15 +260,17 @@ class Tracker:
             sink.close()
 
 
-def render_summary(history: Sequence[Mapping[str, float]], title: str = "run summary") -> str:
-    """One screen: start/end/best of the key curves and where the step time went."""
+def render_summary(history: Sequence[Mapping[str, float]], title: str = "run summary",
+                   kl: Sequence[KlCurve] = (LOSS_KL,)) -> str:
+    """One screen: start/end/best of the key curves (`kl`: the KLs the job is steered by) and where the step time
+    went."""
     if not history:
         return f"{title}: no steps ran"
     # `trainer.val_before_train` logs a row of its own at step 0: a step is a row with training metrics.
     trained = sum(1 for h in history if any(k != "step" and not k.startswith("val/") for k in h))
     lines = [f"== {title}: {trained} steps =="]
     first, last = history[0], history[-1]
-    for label, key in SUMMARY_CURVES:
+    for label, key in summary_curves(kl):
         values = [h[key] for h in history if key in h]
         if values:
             best = min(values) if key in LOWER_IS_BETTER else max(values)
@@ -260,8 +296,9 @@ def render_summary(history: Sequence[Mapping[str, float]], title: str = "run sum
     return "\n".join(lines)
 
 
-def plot_run(history: Sequence[Mapping[str, float]], path: str | Path) -> Path:
-    """PNG of reward, KL, entropy, response length and the per-phase step-time breakdown."""
+def plot_run(history: Sequence[Mapping[str, float]], path: str | Path, kl: Sequence[KlCurve] = (LOSS_KL,)) -> Path:
+    """PNG of reward, KL (`kl`: the KLs the job is steered by, each its own curve), entropy, response length and
+    the per-phase step-time breakdown."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -269,14 +306,20 @@ def plot_run(history: Sequence[Mapping[str, float]], path: str | Path) -> Path:
 
     path = Path(path)
     steps = [h["step"] for h in history]
-    panels = [("score", "critic/score/mean"), ("KL", "actor/kl_loss"), ("entropy", "actor/entropy"),
-              ("response length", "response_length/mean")]
+    kl_title = "KL: " + (", ".join(curve.label.removeprefix("kl ") for curve in kl) if kl else "none (no KL "
+                                                                                            "loss or penalty)")
+    panels = [(("score", "critic/score/mean"),), tuple((curve.label, curve.key) for curve in kl),
+              (("entropy", "actor/entropy"),), (("response length", "response_length/mean"),)]
+    titles = ["score", kl_title, "entropy", "response length"]
     fig, axes = plt.subplots(1, 5, figsize=(22, 4))
-    for ax, (label, key) in zip(axes, panels):
-        points = [(h["step"], h[key]) for h in history if key in h]
-        if points:
-            ax.plot(*zip(*points), marker=".")
-        ax.set_title(label)
+    for ax, curves, title in zip(axes, panels, titles):
+        for label, key in curves:
+            points = [(h["step"], h[key]) for h in history if key in h]
+            if points:
+                ax.plot(*zip(*points), marker=".", label=label)
+        if len(curves) > 1:
+            ax.legend(fontsize=7)
+        ax.set_title(title)
         ax.set_xlabel("step")
     ax = axes[-1]
     bottom = [0.0] * len(history)

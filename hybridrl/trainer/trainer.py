@@ -47,7 +47,7 @@ from hybridrl.trainer.part_metrics import merge_part_metrics
 from hybridrl.trainer.step import REWARD_EXTRA_INFO, RunState, StepRunner
 from hybridrl.trainer.timing import PhaseTimer
 from hybridrl.trainer.topology import WorkerTopology
-from hybridrl.trainer.tracking import Tracker, plot_run, render_summary
+from hybridrl.trainer.tracking import KlCurve, Tracker, active_kl, plot_run, render_summary
 from hybridrl.workers.colocated import ColocatedPolicyWorker
 from hybridrl.workers.critic import CriticWorker
 from hybridrl.workers.policy import DisaggregatedPolicyWorker, PolicyWorker
@@ -208,6 +208,12 @@ class Trainer:
     # ------------------------------------------------------------------------------ the rollout driver's source
     # (`async_rollout.RolloutSource`: what an asynchronous rollout reads of the trainer, from its own thread)
     @property
+    def kl_curves(self) -> tuple[KlCurve, ...]:
+        """The KLs this job is steered by, as the console, the summary and run.png show them."""
+        cfg = self.config
+        return active_kl(cfg.actor_rollout_ref.actor.use_kl_loss, cfg.algorithm.use_kl_in_reward)
+
+    @property
     def global_step(self) -> int:
         return self.run.global_step
 
@@ -339,7 +345,8 @@ class Trainer:
         self.last_checkpoint = resume_from  # what a restart resumes from: this run's newest sealed checkpoint
         tracker = Tracker.create(cfg.trainer.logger, self.run_dir, project=cfg.trainer.project_name,
                                  experiment=cfg.trainer.experiment_name, config=self.plan.to_dict()["config"],
-                                 write=tqdm.write if self.progress else self.write, resume_step=resume_step)
+                                 write=tqdm.write if self.progress else self.write, resume_step=resume_step,
+                                 kl=self.kl_curves)
         failures: list[TrainingFailure] = []
         try:
             while True:
@@ -364,7 +371,8 @@ class Trainer:
             tracker.close()
             self.shutdown()
         history = tracker.history
-        summary = render_summary(history, f"{cfg.trainer.project_name}/{cfg.trainer.experiment_name}")
+        summary = render_summary(history, f"{cfg.trainer.project_name}/{cfg.trainer.experiment_name}",
+                                 kl=self.kl_curves)
         if failures:
             summary += f"\n{'restarts':>16}: " + "; ".join(
                 f"step {f.step} ({f.phase}): {f.cause.splitlines()[0]}" for f in failures)
@@ -380,7 +388,7 @@ class Trainer:
                 f" (median measured / predicted on {self.hardware.name if self.hardware else '-'})"
         summary += f"\n{'wall time':>16}: {time.perf_counter() - started:.1f} s; run dir {self.run_dir}"
         if history:
-            plot = plot_run(history, self.run_dir / "run.png")
+            plot = plot_run(history, self.run_dir / "run.png", kl=self.kl_curves)
             summary += f"\n{'plot':>16}: {plot}"
         return RunResult(self.run.global_step, history, self.run_dir, summary)
 

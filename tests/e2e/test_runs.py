@@ -465,15 +465,22 @@ def test_a_reward_functions_extra_keys_are_logged_and_dumped_and_its_reward_kwar
     """verl's reward_extra_info: a reward dict's keys beside score and acc are each sample's in the rollout and
     validation dumps, and each numeric one's batch mean is a metric (reward/extra/<key>_mean in training,
     val/extra/<key>/mean in validation); verl's `custom_reward_function.*` keys at the top level, with its
-    reward_kwargs passed to the function on every call."""
+    reward_kwargs passed to the function on every call. And with the KL in the reward, the console's KL column and
+    the summary's KL line are that KL's."""
     run, reward_file = tmp_path / "run", tmp_path / "my_reward.py"
     reward_file.write_text(EXTRA_KEYS_REWARD_FILE)
     result = _train("configs/examples/cpu_tiny_grpo.yaml", demo_overrides(
         demo_assets, run, "trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.log_val_generations=3",
         "algorithm.reward_fn=auto", f"custom_reward_function.path={reward_file}",
-        "+custom_reward_function.reward_kwargs={bonus: 0.25}", f"trainer.rollout_data_dir={run / 'rollouts'}"))
+        "+custom_reward_function.reward_kwargs={bonus: 0.25}", f"trainer.rollout_data_dir={run / 'rollouts'}",
+        "algorithm.use_kl_in_reward=true"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     rows = {r["step"]: r for r in _metrics(run) if "step" in r}
+    # the KL in the reward is the one the console and the summary show (the loss's is off: it would read 0)
+    header = next(line for line in result.stdout.splitlines() if line.split()[:2] == ["step", "score"])
+    assert header.split()[2] == "kl(reward)" and "kl(loss)" not in header
+    (kl_line,) = [line for line in result.stdout.splitlines() if line.strip().startswith("kl (in reward):")]
+    assert f"last {rows[2]['actor/reward_kl_penalty']:9.4f}" in kl_line
     for step in (1, 2):
         samples = _rollouts(run, step)
         for sample in samples:

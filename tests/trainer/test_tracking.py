@@ -6,7 +6,7 @@ import time
 import pytest
 
 from hybridrl.trainer.timing import PhaseTimer, throughput_metrics
-from hybridrl.trainer.tracking import Tracker, plot_run, render_summary
+from hybridrl.trainer.tracking import Tracker, active_kl, plot_run, render_summary
 
 
 def _history(steps=5):
@@ -21,7 +21,7 @@ def test_tracker_fans_out_to_console_jsonl_tensorboard(tmp_path):
     for step, metrics in enumerate(_history(3), start=1):
         tracker.log(step, {**metrics, "weird": float("nan")})
     tracker.close()
-    assert lines[0].split()[:3] == ["step", "score", "kl"] and len(lines) == 4
+    assert lines[0].split()[:3] == ["step", "score", "kl(loss)"] and len(lines) == 4
     assert lines[3].split()[0] == "3" and lines[3].split()[1] == "0.300"
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3] and records[1]["critic/score/mean"] == 0.2
@@ -74,6 +74,57 @@ def test_summary_counts_trained_steps_not_the_validation_row_before_them():
     assert "step 0: 0.250, step 5: 0.500" in text
     score_line = next(line for line in text.splitlines() if "score" in line)
     assert "first    0.1000" in score_line  # the first trained step's, not the validation row's
+
+
+def _kl_in_reward_history():
+    """A job with the KL in its reward (algorithm.use_kl_in_reward): the actor logs a kl_loss of 0 (no KL loss)."""
+    return [{"step": float(s), **m, "actor/kl_loss": 0.0, "actor/reward_kl_penalty": 0.1 * s}
+            for s, m in enumerate(_history(3), start=1)]
+
+
+@pytest.mark.parametrize("use_kl_loss,use_kl_in_reward,columns", [
+    (True, False, ["kl(loss)"]), (False, True, ["kl(reward)"]), (True, True, ["kl(loss)", "kl(reward)"]),
+    (False, False, [])])
+def test_the_console_and_the_summary_show_the_kl_that_is_active(tmp_path, use_kl_loss, use_kl_in_reward, columns):
+    """The KL the job is steered by, named: the loss's (actor/kl_loss) with use_kl_loss, the reward's penalty
+    (actor/reward_kl_penalty) with use_kl_in_reward, both with both, none with neither."""
+    kl = active_kl(use_kl_loss, use_kl_in_reward)
+    lines = []
+    tracker = Tracker.create(["console"], tmp_path, write=lines.append, kl=kl)
+    history = _kl_in_reward_history()
+    for row in history:
+        tracker.log(int(row["step"]), row)
+    header = lines[0].split()
+    assert header[:2 + len(columns)] == ["step", "score", *columns] and header[2 + len(columns)] == "entropy"
+    if columns:
+        shown = [float(line.split()[2 + columns.index(columns[-1])]) for line in lines[1:]]
+        assert shown == ([0.1, 0.2, 0.3] if columns[-1] == "kl(reward)" else [0.0, 0.0, 0.0])
+    summary = render_summary(history, kl=kl).splitlines()
+    kl_lines = [line.strip() for line in summary if line.strip().startswith("kl")]
+    assert [line.split(":")[0] for line in kl_lines] == [{"kl(loss)": "kl (loss)", "kl(reward)": "kl (in reward)"}[c]
+                                                         for c in columns]
+    if use_kl_in_reward:
+        assert "last    0.3000" in kl_lines[-1]
+    assert plot_run(history, tmp_path / "run.png", kl=kl).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_plot_draws_the_active_kl(tmp_path, monkeypatch):
+    """run.png's KL panel is the reward's penalty when the KL is in the reward (matplotlib's own figure, read back
+    before it is saved)."""
+    import matplotlib.figure
+
+    drawn = {}
+    save = matplotlib.figure.Figure.savefig
+
+    def keep(figure, *args, **kwargs):
+        ax = figure.axes[1]
+        drawn["title"] = ax.get_title()
+        drawn["curves"] = [list(line.get_ydata()) for line in ax.get_lines()]
+        return save(figure, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", keep)
+    plot_run(_kl_in_reward_history(), tmp_path / "run.png", kl=active_kl(False, True))
+    assert drawn["title"] == "KL: (in reward)" and drawn["curves"] == [pytest.approx([0.1, 0.2, 0.3])]
 
 
 def test_plot_writes_png(tmp_path):
