@@ -24,6 +24,10 @@ def check_lora(check: Checker, config: JobConfig, model: ModelShape | None) -> N
             for name in names:
                 if "*" in str(name) or "." in str(name):
                     check.fail(field, name, "per-layer patterns are not supported yet: name whole layer kinds", valid)
+                elif name not in valid and (holders := [t for t, hf in TARGETS[lora.type].items() if name in hf]):
+                    # verl's FSDP path (peft) names Hugging Face projections; megatron's layers hold them
+                    check.fail(field, name, f"is a Hugging Face projection; {lora.type} adapters name megatron's "
+                               f"layers: {name} is in {holders[0]} (all-linear: leave target_modules empty)", valid)
                 else:
                     check.one_of(field, name, valid, f"{lora.type} target")
         if lora.exclude_modules and lora.target_modules:

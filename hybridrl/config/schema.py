@@ -307,6 +307,8 @@ class OptimConfig:
     min_lr: float = doc(0.0, "floor of the decay schedule")
     lr_warmup_steps: int = doc(-1, "linear warmup optimizer steps; -1 = use lr_warmup_steps_ratio")
     lr_warmup_steps_ratio: float = doc(0.0, "warmup as a fraction of all optimizer steps")
+    lr_warmup_init: float = doc(0.0, "the learning rate the linear warmup rises from, to lr (verl's and megatron's "
+                                     "init_lr); the first warmup step already takes one step of the rise")
     lr_decay_style: LrDecayStyle = doc("constant", "LR decay after warmup")
     weight_decay: float = doc(0.01, "decoupled weight decay (AdamW)")
     betas: list[float] = doc(factory=lambda: [0.9, 0.999], text="Adam betas")

@@ -48,6 +48,7 @@ from hybridrl.config.schema import (
     RolloutCorrectionConfig,
     closed_fields,
 )
+from hybridrl.config.verl_keys import RESUME_PATH_POINTER
 from hybridrl.models.arch import ModelShape
 from hybridrl.models.layout import ParallelLayout
 from hybridrl.names import Role
@@ -55,6 +56,7 @@ from hybridrl.parallel.device_policy import DEVICE_POLICIES
 from hybridrl.rewards.registry import AUTO
 
 RESUME_MODES = ("auto", "disable")
+VERL_RESUME_PATH = "resume_path"  # verl's resume_mode for its resume_from_path
 
 
 def validate(
@@ -147,7 +149,10 @@ def _check_trainer(check: Checker, config: JobConfig) -> bool:
             check.issues.extend(exc.issues)
     # a week: anything longer is a unit mistake (minutes or ms), not a wait anyone wants
     check.in_range("trainer.nccl_timeout_s", t.nccl_timeout_s, 0, 7 * 86400, low_open=True)
-    if t.resume_mode not in RESUME_MODES and not Path(str(t.resume_mode)).exists():
+    if t.resume_mode == VERL_RESUME_PATH and not Path(VERL_RESUME_PATH).exists():
+        check.fail("trainer.resume_mode", t.resume_mode, f"is verl's mode that resumes from its "
+                   f"trainer.resume_from_path; {RESUME_PATH_POINTER}", RESUME_MODES)
+    elif t.resume_mode not in RESUME_MODES and not Path(str(t.resume_mode)).exists():
         check.fail("trainer.resume_mode", t.resume_mode, "must be auto, disable, or an existing checkpoint path",
                    RESUME_MODES)
     _check_output_folders(check, config)
@@ -225,6 +230,8 @@ def _check_numbers(check: Checker, config: JobConfig, resolved: Resolved) -> Non
         check.in_range(f"{prefix}.weight_decay", optim.weight_decay, 0.0, 1.0)
         check.in_range(f"{prefix}.clip_grad", optim.clip_grad, 0.0, 1e9)
         check.in_range(f"{prefix}.lr_warmup_steps_ratio", optim.lr_warmup_steps_ratio, 0.0, 1.0)
+        if isinstance(optim.lr, float) and optim.lr > 0:
+            check.in_range(f"{prefix}.lr_warmup_init", optim.lr_warmup_init, 0.0, optim.lr)
         if not (isinstance(optim.lr_warmup_steps, int) and optim.lr_warmup_steps >= -1):
             check.fail(f"{prefix}.lr_warmup_steps", optim.lr_warmup_steps, "must be -1 (use the ratio) or >= 0")
         if len(optim.betas) != 2 or not all(isinstance(b, float) and 0.0 <= b < 1.0 for b in optim.betas):

@@ -51,6 +51,9 @@ class Refused:
 
 VerlKey = Restates | Alias | Refused
 
+# verl's resume_mode=resume_path with resume_from_path=<folder>: hybridrl's resume_mode is the folder itself
+RESUME_PATH_POINTER = ("hybridrl's trainer.resume_mode takes the checkpoint path itself: trainer.resume_mode=<the "
+                       "global_step_N folder> (auto: the newest under default_local_dir; disable: a fresh start)")
 _WEIGHTS = "hybridrl loads the HF folder of model.path with its own weight table per model family " \
            "(hybridrl/models/families)"
 VERL_KEYS: tuple[VerlKey, ...] = (
@@ -115,6 +118,25 @@ VERL_KEYS: tuple[VerlKey, ...] = (
             "is verl's deprecated global micro-batch; set actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"),
     Refused("critic.ppo_micro_batch_size",
             "is verl's deprecated global micro-batch; set critic.ppo_micro_batch_size_per_gpu"),
+    # verl's FSDP spellings of the LoRA fields (its Megatron path's are hybridrl's: model.lora.*); its common
+    # target_modules=all-linear is every linear layer of the decoder: lora.target_modules empty (every target of
+    # lora.type, none excluded)
+    Alias("actor_rollout_ref.model.lora_rank", "actor_rollout_ref.model.lora.rank"),
+    Alias("actor_rollout_ref.model.lora_alpha", "actor_rollout_ref.model.lora.alpha"),
+    Alias("actor_rollout_ref.model.target_modules", "actor_rollout_ref.model.lora.target_modules",
+          translate={"all-linear": []}),
+    # the global gradient-norm clip: verl's FSDP actor/critic `grad_clip`, and `clip_grad` on the role
+    *(Alias(f"{role}.{name}", f"{role}.optim.clip_grad")
+      for role in ("actor_rollout_ref.actor", "critic") for name in ("grad_clip", "clip_grad")),
+    # verl keeps this many of each role's checkpoints; hybridrl's checkpoint (global_step_N) holds every role's,
+    # kept or removed together: the same number for both (two different numbers are the two-spellings error)
+    Alias("trainer.max_actor_ckpt_to_keep", "trainer.keep_last_n"),
+    Alias("trainer.max_critic_ckpt_to_keep", "trainer.keep_last_n"),
+    Refused("trainer.resume_from_path", "is verl's checkpoint path for its resume_mode=resume_path; "
+            + RESUME_PATH_POINTER),
+    Restates("actor_rollout_ref.rollout.do_sample", (True,),
+             "the training rollout always samples (actor_rollout_ref.rollout.temperature, top_p, top_k); greedy "
+             "decoding is validation's: actor_rollout_ref.rollout.val_kwargs.do_sample=false"),
     Refused("global_profiler", "hybridrl has no built-in profiler: run the job under nsys or torch.profiler yourself"),
     # verl's on-policy distillation recipe queries a teacher server (ZeroMQ) for top-k log-probs
     Refused("actor_rollout_ref.teacher",

@@ -1,11 +1,12 @@
 """Learning-rate schedule of one role's optimizer: linear warmup, then constant, linear or cosine decay.
 
 Counted in optimizer steps. Step k (0-based, the k-th `optimizer.step()`) uses `lr_at(k)`:
-    warmup (k < W):  lr * (k + 1) / W           -- the first step already moves the weights
+    warmup (k < W):  init + (lr - init) * (k + 1) / W   -- from lr_warmup_init (init, default 0); the first step
+                                                       already moves the weights
     constant:        lr
     linear/cosine:   from lr at k = W down to min_lr at k = total_steps, then min_lr.
 We keep our own schedule rather than megatron's `OptimizerParamScheduler`, whose warmup starts at
-`init_lr` (0 here), so its first optimizer step would be a no-op.
+`init_lr` exactly, so with init_lr 0 its first optimizer step would be a no-op.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class LRSchedule:
     decay_style: str = "constant"
     total_steps: int | None = None
     step_count: int = 0  # optimizer steps taken so far
+    warmup_init: float = 0.0  # the lr the warmup rises from (lr_warmup_init)
 
     def __post_init__(self) -> None:
         if self.decay_style not in DECAY_STYLES:
@@ -44,11 +46,12 @@ class LRSchedule:
             if ratio and not total_steps:
                 raise ValueError("lr_warmup_steps_ratio needs the total number of optimizer steps")
             warmup = int(ratio * (total_steps or 0))
-        return cls(optim.lr, optim.min_lr, warmup, optim.lr_decay_style, total_steps)
+        return cls(optim.lr, optim.min_lr, warmup, optim.lr_decay_style, total_steps,
+                   warmup_init=optim.lr_warmup_init)
 
     def lr_at(self, step: int) -> float:
         if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
+            return self.warmup_init + (self.lr - self.warmup_init) * (step + 1) / self.warmup_steps
         if self.decay_style == "constant":
             return self.lr
         if self.total_steps is None:  # refused by __post_init__, unless decay_style was changed since
@@ -65,7 +68,8 @@ class LRSchedule:
 
     def state_dict(self) -> dict[str, Any]:
         return {"step_count": self.step_count, "lr": self.lr, "min_lr": self.min_lr,
-                "warmup_steps": self.warmup_steps, "decay_style": self.decay_style, "total_steps": self.total_steps}
+                "warmup_steps": self.warmup_steps, "decay_style": self.decay_style, "total_steps": self.total_steps,
+                "warmup_init": self.warmup_init}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step_count = int(state["step_count"])

@@ -132,6 +132,43 @@ def test_verls_custom_reward_function_keys_are_hybridrls(section):
     assert len(issues) == 1 and issues[0].field == "algorithm.custom_reward_function.nme"  # its keys, checked
 
 
+def test_verls_lora_grad_clip_and_checkpoint_keys_are_hybridrls():
+    config = _config("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
+                     "actor_rollout_ref.model.target_modules=all-linear", "actor_rollout_ref.actor.grad_clip=0.5",
+                     "critic.clip_grad=2.0", "trainer.max_actor_ckpt_to_keep=3", "trainer.max_critic_ckpt_to_keep=3",
+                     "actor_rollout_ref.actor.optim.lr_warmup_init=1e-7", "actor_rollout_ref.rollout.do_sample=True")
+    lora = config.actor_rollout_ref.model.lora
+    # all-linear: every linear layer of the decoder, which lora.target_modules empty adapts (none excluded)
+    assert (lora.rank, lora.alpha, lora.target_modules) == (8, 16.0, [])
+    assert lora.targets == ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    assert config.actor_rollout_ref.actor.optim.clip_grad == 0.5 and config.critic.optim.clip_grad == 2.0
+    assert config.trainer.keep_last_n == 3 and config.actor_rollout_ref.actor.optim.lr_warmup_init == 1e-7
+    assert _config("actor_rollout_ref.actor.clip_grad=0.3").actor_rollout_ref.actor.optim.clip_grad == 0.3
+    assert _config("critic.grad_clip=0.7").critic.optim.clip_grad == 0.7
+    assert _config("actor_rollout_ref.model.target_modules=[linear_qkv]").actor_rollout_ref.model.lora.targets == (
+        "linear_qkv",)
+    # one checkpoint holds both roles: two different numbers to keep are refused, naming both
+    _, issues = load_config_collecting(None, ["trainer.max_actor_ckpt_to_keep=2", "trainer.max_critic_ckpt_to_keep=3"])
+    assert len(issues) == 1 and "two spellings of one field" in issues[0].rule
+
+
+@pytest.mark.parametrize("override,rule", [
+    ("trainer.resume_from_path=/ckpt/global_step_5", "hybridrl's trainer.resume_mode takes the checkpoint path itself"),
+    ("trainer.resume_mode=resume_path", "hybridrl's trainer.resume_mode takes the checkpoint path itself"),
+    ("actor_rollout_ref.rollout.do_sample=False", "greedy decoding is validation's"),
+    ("actor_rollout_ref.actor.optim.lr_warmup_init=1", "actor_rollout_ref.actor.optim.lr_warmup_init=1 must be in"),
+    ("actor_rollout_ref.model.target_modules=[q_proj]", "q_proj is in linear_qkv"),
+])
+def test_verl_keys_of_another_meaning_are_refused_with_the_right_pointer(override, rule):
+    seed = ROOT / "configs/examples/seed_6gpu_grpo.yaml"
+    lora = ["actor_rollout_ref.model.lora_rank=8"] if "target_modules" in override else []
+    with pytest.raises(ConfigError) as error:
+        plan_from_sources(seed, [override, *lora])
+    (issue,) = [i for i in error.value.issues if rule in str(i)]
+    assert issue.field in (override.split("=")[0], "actor_rollout_ref.model.lora.target_modules")  # the alias's
+    assert "did you mean" not in str(error.value)
+
+
 def test_a_reference_section_takes_the_actors_layout():
     """verl's ref.megatron interpolates the actor's layout: a ref section written for its offload only is laid
     out as the actor (and a layout it sets differently is still refused)."""

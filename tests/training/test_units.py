@@ -160,6 +160,16 @@ def test_lr_schedule_shapes():
     assert restored.current_lr == 1.0
 
 
+def test_the_warmup_rises_from_lr_warmup_init():
+    """verl's optim.lr_warmup_init (megatron's init_lr): the linear warmup starts from it instead of 0."""
+    from hybridrl.config.schema import OptimConfig
+
+    schedule = LRSchedule.from_config(OptimConfig(lr=1.0, lr_warmup_steps=4, lr_warmup_init=0.2))
+    assert [schedule.lr_at(k) for k in range(6)] == pytest.approx([0.4, 0.6, 0.8, 1.0, 1.0, 1.0])
+    plain = LRSchedule.from_config(OptimConfig(lr=1.0, lr_warmup_steps=4))
+    assert [plain.lr_at(k) for k in range(4)] == [0.25, 0.5, 0.75, 1.0]
+
+
 # ------------------------------------------------------------------------------------- metrics
 def test_step_metrics_sum_totals_and_weight_means():
     sums = StepMetrics()
