@@ -260,7 +260,8 @@ def test_custom_reward_dynamic_sampling_validation_temperature_and_time_vs_plan(
     overrides = demo_overrides(
         demo_assets, run, f"trainer.total_training_steps={steps}", "trainer.test_freq=2",
         "trainer.val_before_train=true", f"trainer.rollout_data_dir={run / 'rollouts'}",
-        f"algorithm.custom_reward_function.path={reward_file}", "algorithm.filter_groups.enable=true",
+        f"algorithm.custom_reward_function.path={reward_file}", "algorithm.reward_fn=auto",
+        "algorithm.filter_groups.enable=true",
         "actor_rollout_ref.actor.old_log_prob=recompute", "trainer.log_val_generations=3",
         "actor_rollout_ref.rollout.temperature=0.7", f"trainer.hardware={hardware}")
     result = _train("configs/examples/cpu_tiny_grpo.yaml", overrides)
@@ -434,7 +435,8 @@ def test_remax_baseline_is_the_score_of_each_prompts_greedy_response(demo_assets
     steps, batch, n = 2, 8, 8
     result = _train("configs/examples/cpu_tiny_grpo.yaml", demo_overrides(
         demo_assets, run, f"trainer.total_training_steps={steps}", "algorithm.adv_estimator=remax",
-        f"algorithm.custom_reward_function.path={reward_file}", f"trainer.rollout_data_dir={run / 'rollouts'}"))
+        f"algorithm.custom_reward_function.path={reward_file}", "algorithm.reward_fn=auto",
+        f"trainer.rollout_data_dir={run / 'rollouts'}"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     rows = {r["step"]: r for r in _metrics(run)}
     logged = [c for c in map(json.loads, calls.read_text().splitlines()) if c["split"] == "train"]
