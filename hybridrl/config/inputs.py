@@ -22,6 +22,7 @@ huggingface_hub (a tokenizer folder without a tokenizer.json alone is loaded thr
 from __future__ import annotations
 
 import difflib
+import importlib
 import json
 import re
 from collections.abc import Sequence
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from hybridrl.config.errors import ConfigIssue
 from hybridrl.config.resume import ResumePoint, check_resume
-from hybridrl.config.schema import DataConfig, JobConfig, ModelConfig
+from hybridrl.config.schema import LOGGER_PACKAGES, DataConfig, JobConfig, ModelConfig
 from hybridrl.data.dataset import DatasetError, FilePreview, preview_file
 from hybridrl.data.tokenizer import tokenizer_size
 from hybridrl.models.arch import ModelShape, read_hf_config, value_model_hf_config
@@ -131,6 +132,7 @@ def check_inputs(config: JobConfig, issues: list[ConfigIssue], *, critic: bool) 
         absent |= not files or any(not Path(file).exists() for file in files)
     train_rows = _check_data(config, issues, chat_template)
     _check_reward(config, issues)
+    _check_loggers(config, issues)
     _check_sandbox(config, issues)
     absent |= _check_adapter_folder(config, issues)
     return absent, check_resume(config, issues, critic=critic, train_rows=train_rows)
@@ -158,6 +160,21 @@ def _check_adapter_folder(config: JobConfig, issues: list[ConfigIssue]) -> bool:
                                   f"differs from the adapter's {key}={theirs!r} ({folder}); set it to the adapter's",
                                   (theirs,)))
     return False
+
+
+def _check_loggers(config: JobConfig, issues: list[ConfigIssue]) -> None:
+    """Each optional logger's package imports here, as train imports it when it starts its metric sinks (after the
+    workers' set-up: a missing one would end the run there)."""
+    for name in dict.fromkeys(config.trainer.logger):
+        package = LOGGER_PACKAGES.get(str(name))
+        if package is None:
+            continue
+        try:
+            importlib.import_module(package)
+        except Exception as error:  # noqa: BLE001 - any failure to import is train's failure to start the logger
+            issues.append(ConfigIssue("trainer.logger", list(config.trainer.logger), (
+                f"has {name!r}, but its package does not import here ({type(error).__name__}: {error}): "
+                f"`pip install {package}`, or remove {name} from trainer.logger")))
 
 
 def _check_sandbox(config: JobConfig, issues: list[ConfigIssue]) -> None:

@@ -32,6 +32,8 @@ from hybridrl.tool_calling.sandbox import Isolation
 Device = Literal["cuda", "cpu"]
 Dtype = Literal["bf16", "fp16", "fp32"]
 LoggerName = Literal["console", "jsonl", "tensorboard", "wandb"]
+# the package each optional logger imports in train (hybridrl/trainer/tracking.py), which the plan imports too
+LOGGER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 RolloutEngineName = Literal["vllm"]
 SandboxIsolation = Isolation  # hybridrl.tool_calling.sandbox: "namespaces" or "none"
 Strategy = Literal["megatron"]

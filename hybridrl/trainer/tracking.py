@@ -6,6 +6,7 @@ asked for, so a missing optional package fails with a message naming the logger,
 """
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import statistics
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
+from hybridrl.config.schema import LOGGER_PACKAGES
 from hybridrl.names import TIMED_PHASES
 from hybridrl.persistence import write_atomic
 from hybridrl.trainer.timing import TIMELINE_PREFIX
@@ -180,8 +182,8 @@ class TensorBoardSink:
 
 class WandbSink:
     def __init__(self, project: str, name: str, config: Mapping[str, Any]):
-        try:
-            import wandb
+        try:  # the package the plan checks imports (LOGGER_PACKAGES)
+            wandb = importlib.import_module(LOGGER_PACKAGES["wandb"])
         except ImportError as exc:
             raise RuntimeError(
                 "trainer.logger has 'wandb' but the wandb package is missing (pip install wandb)"

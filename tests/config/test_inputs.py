@@ -148,6 +148,11 @@ def _mistakes(assets: Path, tmp: Path) -> dict[str, tuple[list[str], str]]:
                                                  "reward call"),
         "custom reward file that fails to import": ([f"algorithm.custom_reward_function.path={tmp / 'raises.py'}"],
                                                     "No module named 'no_such_module_anywhere'"),
+        # train died ~13 s in, when it started its metric sinks; wandb is not in this environment (checked below)
+        "logger whose package is missing": (["trainer.logger=['console','wandb']"],
+                                            "trainer.logger=['console', 'wandb'] has 'wandb', but its package does "
+                                            "not import here (ModuleNotFoundError: No module named 'wandb'): `pip "
+                                            "install wandb`"),
     }
 
 
@@ -158,7 +163,14 @@ MISTAKES = ["missing data file", "hub dataset id", "misspelled scorer", "missing
             "model config.json a JSON list", "model config.json cut short", "fewer rows than a batch",
             "chat messages, template off", "prompt column misnamed", "reward column misnamed",
             "missing custom reward file", "custom reward function misnamed", "custom reward with a wrong signature",
-            "custom reward file that fails to import"]
+            "custom reward file that fails to import", "logger whose package is missing"]
+
+
+def test_wandb_is_not_in_this_environment():
+    """The missing-logger mistake is made with wandb, which the tested stack does not install."""
+    import importlib.util
+
+    assert importlib.util.find_spec("wandb") is None
 
 
 @pytest.fixture(scope="module")
