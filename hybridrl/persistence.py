@@ -124,6 +124,30 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
         tmp.write_bytes(data.encode() if isinstance(data, str) else data)
 
 
+def process_umask() -> int:
+    """This process's umask, read without changing it (/proc's Umask line; else set and restored at once)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def save_safetensors(tensors: Any, path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """Write a dict of torch tensors as a safetensors file, with the mode every other file gets (0666 less the
+    umask). safetensors' `save_file` writes through a temporary file it renames, created 0600, so weights were
+    the one file of a checkpoint or an export that others could not read. Every safetensors file hybridrl writes
+    goes through here (imported lazily: this module stays torch-free)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~process_umask())
+
+
 # ---- folders ----------------------------------------------------------------------------------------
 
 def file_sha256(path: str | Path) -> str:

@@ -1,6 +1,8 @@
 """`hybridrl.persistence` on hand-made folders: nothing half-written is ever visible under a target's name."""
 from __future__ import annotations
 
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -213,3 +215,38 @@ def test_importing_it_imports_no_torch():
     root = Path(__file__).resolve().parents[1]
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027, 0o002])
+def test_weight_files_get_the_mode_every_other_file_gets(tmp_path, umask):
+    """safetensors' save_file writes through a temporary file created 0600: weights (a checkpoint's rank files, an
+    HF export's model.safetensors) were the one file others could not read. Written through `save_safetensors`,
+    the same call a checkpoint's rank files and `hybridrl convert`'s outputs use, they get 0666 less the umask, as
+    a text file written beside them does."""
+    import torch
+
+    from hybridrl.models.checkpoint import write_rank_file
+
+    def modes() -> dict[str, str]:
+        return {p.name: oct(stat.S_IMODE(p.stat().st_mode)) for p in tmp_path.iterdir()}
+
+    expected = oct(0o666 & ~umask)
+    previous = os.umask(umask)
+    try:
+        write_rank_file(tmp_path / "rank.safetensors", {"w": torch.ones(3)})  # a checkpoint's weights
+        persistence.write_atomic(tmp_path / "config.json", "{}")
+        assert modes() == {"rank.safetensors": expected, "config.json": expected}
+        persistence.save_safetensors({"w": torch.zeros(2)}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+        assert modes()["model.safetensors"] == expected
+        assert persistence.process_umask() == umask
+    finally:
+        os.umask(previous)
+
+
+def test_every_safetensors_file_is_written_through_save_safetensors():
+    """The one place weights are written: any other call of safetensors' save_file would write 0600 files again."""
+    package = Path(persistence.__file__).parent
+    callers = [f"{path.relative_to(package)}:{n}" for path in sorted(package.rglob("*.py"))
+               for n, line in enumerate(path.read_text().splitlines(), 1)
+               if "save_file(" in line and path.name != "persistence.py"]
+    assert not callers, callers

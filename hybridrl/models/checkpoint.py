@@ -34,7 +34,6 @@ from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from hybridrl.models.arch import ModelShape, read_hf_config
 from hybridrl.models.layout import (
@@ -50,7 +49,7 @@ from hybridrl.models.layout import (
     rank_file_name,
     rank_tensor_plans,
 )
-from hybridrl.persistence import CheckpointError, atomic_dir, check_free_space, check_output_dir
+from hybridrl.persistence import CheckpointError, atomic_dir, check_free_space, check_output_dir, save_safetensors
 
 METADATA_FILE = "hybridrl_checkpoint.json"
 # a training checkpoint keeps each role's weights in such a checkpoint under `<global_step_N>/<role>/model`
@@ -368,7 +367,7 @@ def _element_size(dtype: torch.dtype) -> int:
 def write_rank_file(path: Path, tensors: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
     """Save one rank's tensors; return their metadata entries (shape, dtype, sha256)."""
     contiguous = {key: t.detach().contiguous() for key, t in tensors.items()}
-    save_file(contiguous, str(path), metadata={"format": "pt"})
+    save_safetensors(contiguous, path, metadata={"format": "pt"})
     return {
         key: {"shape": list(t.shape), "dtype": DTYPE_NAMES[t.dtype], "sha256": tensor_sha256(t)}
         for key, t in contiguous.items()
@@ -533,7 +532,7 @@ def write_hf_files(
                 tensors[name] = (adjust(name, tensor) if adjust else tensor).to(dtype).contiguous()
                 weight_map[name] = fname
                 bar.update(1)
-            save_file(tensors, str(folder / fname), metadata={"format": "pt"})
+            save_safetensors(tensors, folder / fname, metadata={"format": "pt"})
             del tensors
         if n > 1:
             index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}

@@ -33,7 +33,7 @@ from hybridrl.models.lora import (
     reaches,
     save_peft_adapter,
 )
-from hybridrl.persistence import RoleCheckpointError, file_sha256
+from hybridrl.persistence import RoleCheckpointError, file_sha256, save_safetensors
 from hybridrl.training.backend import MegatronBackend
 from hybridrl.training.optimizer_state import (
     OptimizerView,
@@ -88,7 +88,6 @@ def save_lora_checkpoint(backend: MegatronBackend, staging: Path) -> LoraSave:
     Only what reaches the writer is gathered, and only to the ranks on its way: the writer's TP group sends its split
     halves to it, the writer's expert TP x EP group its experts; a distributed optimizer's shards go to the ranks that
     read them for that (each group's holder of them whole), and the other ranks only send their shards or sit out."""
-    from safetensors.torch import save_file
 
     ctx = backend.ctx
     adapters = lora_adapters(backend.chunks)
@@ -136,7 +135,7 @@ def save_lora_checkpoint(backend: MegatronBackend, staging: Path) -> LoraSave:
     written = None
     if ctx.rank == writer:
         path = staging / stage_file(ctx.pp_rank)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+        save_safetensors({k: v.contiguous() for k, v in tensors.items()}, path)
         written = (path.name, file_sha256(path))
     files: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(files, written)
