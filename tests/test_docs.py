@@ -223,3 +223,20 @@ def test_the_verl_table_lists_every_verl_key():
     for entry in VERL_KEYS:
         key = entry.key.replace(ROLE, "<role>")
         assert key in section or key.rsplit(".", 1)[-1] in section, f"{entry.key} is not in the migration table"
+
+
+def test_the_verl_section_states_the_defaults_that_differ_from_verls_as_the_code_has_them():
+    """Two silent differences a verl user must know: no validation before training by default, and the checkpoint
+    folder's project/experiment levels under default_local_dir (the trainer's own checkpoint root)."""
+    from hybridrl.config.plan import plan_from_sources
+    from hybridrl.config.schema import TrainerConfig
+    from hybridrl.trainer.trainer import checkpoint_root_for
+
+    section = (ROOT / "docs" / "user-guide.md").read_text().split("## Migrating from verl", 1)[1].split("\n## ", 1)[0]
+    text = " ".join(section.split())
+    assert TrainerConfig().val_before_train is False and "`trainer.val_before_train` is false here (verl: true" in text
+
+    plan = plan_from_sources(ROOT / "configs/examples/seed_6gpu_grpo.yaml", [
+        "trainer.default_local_dir=/ckpt/exp1", "trainer.project_name=p", "trainer.experiment_name=e"])
+    assert str(checkpoint_root_for(plan)) == "/ckpt/exp1/p/e"
+    assert "`<default_local_dir>/<project_name>/<experiment_name>/global_step_N`" in text
