@@ -203,12 +203,18 @@ def check_output_dir(out_dir: str | Path, force: bool, inputs: Mapping[str, str 
         raise CheckpointError(f"output folder {out_dir} is not empty (pass --force to replace it)")
 
 
+def nearest_existing(path: str | Path) -> Path:
+    """`path` itself if it exists, else its nearest existing ancestor (absolute): where creating it would start."""
+    existing = Path(path).absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return existing
+
+
 def creation_problem(folder: str | Path) -> str | None:
     """Why `folder` cannot be created (its parents included) or written into, or None: its nearest existing
     ancestor is a file, or a folder this process may not write to."""
-    existing = Path(folder).absolute()
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = nearest_existing(folder)
     if not existing.is_dir():
         return f"{existing} is a file, not a folder"
     if not os.access(existing, os.W_OK | os.X_OK):
@@ -338,6 +344,8 @@ def write_folder(files: dict[str, bytes], folder: str | Path, *, force: bool = F
 STATE_FILE = "trainer_state.json"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 ROLE_CHECKPOINT_FILE = "role_checkpoint.json"  # `training/checkpointing.py`'s metadata, written last in a role folder
+# a megatron checkpoint's metadata (`models/checkpoint.py`'s format), here so torch-free readers (the plan) name it too
+METADATA_FILE = "hybridrl_checkpoint.json"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 

@@ -36,6 +36,7 @@ from hybridrl.data.tokenizer import tokenizer_size
 from hybridrl.models.arch import ModelShape, read_hf_config, value_model_hf_config
 from hybridrl.models.layout import hf_tensor_problems
 from hybridrl.models.lora_targets import peft_config_mismatches
+from hybridrl.persistence import METADATA_FILE
 from hybridrl.rewards.custom import RewardFunctionError, call_problem, load_reward_function
 from hybridrl.rewards.registry import (
     AUTO,
@@ -55,7 +56,6 @@ CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 LAYOUT_ONLY_HINT = ("to size a layout from a model's config.json alone (no weights, data or reward code yet), "
                     "run `hybridrl plan --layout-only`")
 GUIDE = "docs/user-guide.md"
-MCORE_METADATA = "hybridrl_checkpoint.json"  # `models.checkpoint.METADATA_FILE` (that module imports torch)
 
 
 def _model_sections(config: JobConfig, *, critic: bool) -> list[tuple[str, ModelConfig]]:
@@ -294,7 +294,7 @@ def _check_weights(prefix: str, path: str, issues: list[ConfigIssue]) -> None:
     number of layers, the vocabulary, the widths): what the workers' loader checks after Ray started. A value model's
     (critic, reward model) backbone only: its head is the worker's own. Headers only, never the weights."""
     folder, field = Path(path), f"{prefix}.path"
-    if (folder / MCORE_METADATA).is_file():
+    if (folder / METADATA_FILE).is_file():
         return  # a hybridrl megatron checkpoint: its own reader verifies it
     found = _weight_tensors(folder, field, issues)
     value_model = prefix in ("critic.model", "reward_model.model")

@@ -11,7 +11,6 @@ from hybridrl.config.internode import plan_internode_traffic
 from hybridrl.config.meshes import TrainingMesh, expert_groups
 from hybridrl.config.plan import Plan, lora_elements_per_layer, served_adapter_bytes
 from hybridrl.config.resolve import MODEL_SECTIONS
-from hybridrl.config.resume import checkpoint_root
 from hybridrl.config.search import Found, SearchResult, Sizing
 from hybridrl.config.step_time import StepTime, predict_step_time, seconds_text, step_time_line
 from hybridrl.models.arch import ModelShape
@@ -188,7 +187,7 @@ def resume_line(plan: Plan) -> str:
         return "Resume: none, a fresh start (trainer.resume_mode=disable)"
     if t.resume_mode != "auto":  # a path, not checked: `plan --layout-only`
         return f"Resume: from {t.resume_mode} (trainer.resume_mode; not checked: --layout-only)"
-    root = checkpoint_root(plan.config)
+    root = t.checkpoint_root
     found = latest_step(root)
     if found is not None:  # only when the files were not checked: `plan --layout-only`
         return f"Resume: from {found} (the newest complete checkpoint; not checked: --layout-only)"

@@ -43,11 +43,6 @@ class ResumePoint:
     mode: str
 
 
-def checkpoint_root(config: JobConfig) -> Path:
-    t = config.trainer
-    return Path(t.default_local_dir) / t.project_name / t.experiment_name
-
-
 def checkpointed_roles(critic: bool) -> tuple[Role, ...]:
     """The roles whose training state a checkpoint holds and a resume loads (the reference and a teacher are
     read from their model folders)."""
@@ -63,7 +58,7 @@ def check_resume(config: JobConfig, issues: list[ConfigIssue], *, critic: bool,
     if not isinstance(mode, str) or mode not in ("auto", "disable") and not Path(mode).exists():
         return None  # a wrong type is the schema's refusal, a missing path validate's
     try:
-        found = resolve_resume(checkpoint_root(config), mode)
+        found = resolve_resume(config.trainer.checkpoint_root, mode)
         if found is None:
             return None
         state = read_step_state(found)

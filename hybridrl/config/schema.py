@@ -12,6 +12,7 @@ import functools
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from hybridrl.algorithms.names import (
@@ -46,11 +47,11 @@ RouterReplayMode = Literal["none", "rollout"]
 # Where a role runs: on the training ranks (vLLM: in the training processes, the hybrid engine; the teacher:
 # processes of its own on the training GPUs) or on ranks of its own (a pool beside the trainer's).
 PlacementMode = Literal["colocated", "disaggregated"]
-# How far generation runs ahead of training (disaggregated only): not at all, one step, continuously.
 # Every seed a config sets, and each one hybridrl derives (per request, per layer): in [0, 2**31). numpy's generators,
 # which megatron's and vLLM's seeding reach, take [0, 2**32), and megatron adds per-rank offsets.
 SEED_RANGE = 2**31
 CUSTOM_REWARD_NAME = "compute_score"  # verl's name for a custom reward function
+# How far generation runs ahead of training (disaggregated only): not at all, one step, continuously.
 AsyncMode = Literal["sync", "one_step_off", "fully_async"]
 # fully_async: what happens to a sample older than rollout.max_staleness when the trainer reaches it.
 StaleSamples = Literal["drop", "keep"]
@@ -688,6 +689,16 @@ class TrainerConfig:
         "checkpoint save, the set-up) may take: past it the call counts as hung (a deadlock outside any "
         "collective, which nccl_timeout_s never sees) and the run stops, or restarts with max_restarts, naming "
         "the phase and the ranks that did not answer")
+
+    @property
+    def checkpoint_root(self) -> Path:
+        """Where the step checkpoints go: default_local_dir/<project>/<experiment> (global_step_N under it)."""
+        return Path(self.default_local_dir) / self.project_name / self.experiment_name
+
+    @property
+    def run_folder(self) -> Path:
+        """Where a run's logs, metrics and failure.log go: run_dir, or runs/<project>/<experiment>."""
+        return Path(self.run_dir) if self.run_dir else Path("runs", self.project_name, self.experiment_name)
 
 
 @dataclass

@@ -53,6 +53,7 @@ from hybridrl.models.arch import ModelShape
 from hybridrl.models.layout import ParallelLayout
 from hybridrl.names import Role
 from hybridrl.parallel.device_policy import DEVICE_POLICIES
+from hybridrl.persistence import nearest_existing
 from hybridrl.rewards.registry import AUTO
 
 RESUME_MODES = ("auto", "disable")
@@ -163,23 +164,20 @@ def _check_output_folders(check: Checker, config: JobConfig) -> None:
     """The folders `train` creates and writes into: refused when one, or a folder above it, exists as a file
     (train would fail at its first write: the first checkpoint, the first step's rollout dump, or at start)."""
     t = config.trainer
-    run = t.project_name, t.experiment_name
-    if not all(isinstance(name, str) for name in run):
+    if not all(isinstance(name, str) for name in (t.project_name, t.experiment_name, t.default_local_dir)) \
+            or not isinstance(t.run_dir, (str, type(None))):
         return  # the schema's refusal
-    outputs = [("trainer.default_local_dir", t.default_local_dir, Path(str(t.default_local_dir), *run), "checkpoints"),
-               ("trainer.run_dir", t.run_dir, Path(str(t.run_dir)) if t.run_dir else Path("runs", *run),
-                "logs, metrics and failure.log")]
+    outputs = [("trainer.default_local_dir", t.default_local_dir, t.checkpoint_root, "checkpoints"),
+               ("trainer.run_dir", t.run_dir, t.run_folder, "logs, metrics and failure.log")]
     if t.rollout_data_dir:
         outputs.append(("trainer.rollout_data_dir", t.rollout_data_dir, Path(str(t.rollout_data_dir)),
                         "each step's rollout samples"))
     for field, value, folder, what in outputs:
-        for path in (folder, *folder.parents):
-            if path.exists():  # the nearest thing on disk: a folder to create the rest in, or a file in the way
-                if not path.is_dir():
-                    where = "is a file" if path == folder else f"needs the folder {folder}, but {path} is a file"
-                    check.fail(field, value, f"{where}, not a folder: train writes {what} there (and would fail "
-                                             "at its first write); name a folder, or remove the file")
-                break
+        path = nearest_existing(folder)  # a folder to create the rest in, or a file in the way
+        if not path.is_dir():
+            where = "is a file" if path == folder.absolute() else f"needs the folder {folder}, but {path} is a file"
+            check.fail(field, value, f"{where}, not a folder: train writes {what} there (and would fail at its "
+                                     "first write); name a folder, or remove the file")
 
 
 def _check_names(check: Checker, config: JobConfig) -> None:

@@ -49,9 +49,15 @@ from hybridrl.models.layout import (
     rank_file_name,
     rank_tensor_plans,
 )
-from hybridrl.persistence import CheckpointError, atomic_dir, check_free_space, check_output_dir, save_safetensors
+from hybridrl.persistence import (
+    METADATA_FILE,
+    CheckpointError,
+    atomic_dir,
+    check_free_space,
+    check_output_dir,
+    save_safetensors,
+)
 
-METADATA_FILE = "hybridrl_checkpoint.json"
 # a training checkpoint keeps each role's weights in such a checkpoint under `<global_step_N>/<role>/model`
 MODEL_DIR = "model"
 CHECKPOINT_FORMAT = "hybridrl-mcore"

@@ -113,13 +113,11 @@ class RunResult:
 
 
 def run_dir_for(plan: Plan) -> Path:
-    trainer = plan.config.trainer
-    return Path(trainer.run_dir or Path("runs") / trainer.project_name / trainer.experiment_name)
+    return plan.config.trainer.run_folder
 
 
 def checkpoint_root_for(plan: Plan) -> Path:
-    trainer = plan.config.trainer
-    return Path(trainer.default_local_dir) / trainer.project_name / trainer.experiment_name
+    return plan.config.trainer.checkpoint_root
 
 
 class Trainer:
