@@ -55,17 +55,12 @@ def _call_arguments(parameters: Mapping[str, Any]) -> tuple[tuple[Any, ...], dic
     return ("", None, {}), {}, "called as fn(response, ground_truth, extra)"
 
 
-def signature_problem(function: Callable[..., Any], reward_kwargs: Mapping[str, Any] | None = None) -> str | None:
-    """Why `adapt_reward_function(function, reward_kwargs)` could not call `function`, or None when it can: the
-    arguments the call would pass are bound to its signature, without calling it."""
-    found = call_problem(function, reward_kwargs)
-    return None if found is None else found[1]
-
-
 def call_problem(function: Callable[..., Any],
                  reward_kwargs: Mapping[str, Any] | None = None) -> tuple[str, str] | None:
-    """`signature_problem` with the field of `custom_reward_function` to blame: ("reward_kwargs", why) when the
-    function takes the reward call but not those keyword arguments, else ("name", why); None when it takes both."""
+    """Why `adapt_reward_function(function, reward_kwargs)` could not call `function`, or None when it can (the
+    arguments the call would pass are bound to its signature, without calling it), with the field of
+    `custom_reward_function` to blame: ("reward_kwargs", why) when the function takes the reward call but not those
+    keyword arguments, else ("name", why)."""
     try:
         signature = inspect.signature(function)
     except (TypeError, ValueError):

@@ -20,7 +20,7 @@ import pytest
 from hybridrl.config.inputs import has_chat_template, looks_like_hub_id
 from hybridrl.data.dataset import preview_file
 from hybridrl.data.io import write_rows
-from hybridrl.rewards.custom import adapt_reward_function, call_problem, signature_problem
+from hybridrl.rewards.custom import adapt_reward_function, call_problem
 from tools.demo_assets import demo_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -343,7 +343,7 @@ def test_signature_verdict_matches_the_real_call(function):
         called = True
     except TypeError:
         called = False
-    assert (signature_problem(function) is None) is called, inspect.signature(function)
+    assert (call_problem(function) is None) is called, inspect.signature(function)
 
 
 def _verl_with_kwargs(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
@@ -368,7 +368,7 @@ def test_reward_kwargs_verdict_matches_the_real_call(function, reward_kwargs):
         called = False
     problem = call_problem(function, reward_kwargs)
     assert (problem is None) is called, (inspect.signature(function), reward_kwargs, problem)
-    if problem is not None and signature_problem(function) is None:  # the call alone it takes: the kwargs' fault
+    if problem is not None and call_problem(function) is None:  # the call alone it takes: the kwargs' fault
         assert problem[0] == "reward_kwargs", problem
 
 
