@@ -29,6 +29,9 @@ from hybridrl.rewards.registry import ScoreResult, get_scorer
 
 logger = logging.getLogger(__name__)
 
+# The setting a user writes to score failing samples instead of stopping (config.schema's CustomRewardConfig).
+FALLBACK_FIELD = "algorithm.custom_reward_function.fallback_score"
+
 
 @dataclass
 class RewardOutput:
@@ -130,8 +133,8 @@ class RewardManager:
                 where = self._where(row, extra)
                 if self.fallback_score is None:
                     raise RewardFunctionError(
-                        f"reward function {self.name!r} {problem} on {where}; fix the function or set a "
-                        "fallback score"
+                        f"reward function {self.name!r} {problem} on {where}; fix the function, or set "
+                        f"{FALLBACK_FIELD} to a number that such samples score instead"
                     ) from cause
                 first_problem = first_problem or f"{problem} on {where}"
                 fallback_rows.append(row)

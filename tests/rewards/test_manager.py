@@ -88,7 +88,8 @@ def test_missing_file_and_function_are_clear_errors(user_file: Path, tmp_path: P
 def test_raising_function_names_function_and_sample(user_file: Path) -> None:
     manager = RewardManager.from_file(str(user_file), "explodes")
     extras = [{"index": 10, "data_source": "d"}, {"index": 11, "data_source": "d"}]
-    expected = r"'explodes from .*' raised KeyError.* on sample 1 \(prompt index 11"
+    expected = (r"'explodes from .*' raised KeyError.* on sample 1 \(prompt index 11.*; fix the function, or set "
+                r"algorithm\.custom_reward_function\.fallback_score to a number")
     with pytest.raises(RewardFunctionError, match=expected):
         manager.score(["fine", "boom"], ["x", "x"], extras)
 
@@ -230,3 +231,14 @@ def test_auto_scores_each_row_by_its_data_source_as_verls_default_reward():
     with pytest.raises(RewardFunctionError, match="no scorer for data_source 'aime24'") as info:
         manager.score(["x"], ["1"], [{"data_source": "aime24"}])
     assert isinstance(info.value.__cause__, UnknownScorerError)
+
+
+def test_fallback_field_named_in_errors_is_the_schemas() -> None:
+    """The error tells the user a setting to write: it must be one the config has (a float, off by default)."""
+    from hybridrl.config.schema import JobConfig
+    from hybridrl.rewards.manager import FALLBACK_FIELD
+
+    node: object = JobConfig()
+    for part in FALLBACK_FIELD.split("."):
+        node = getattr(node, part)
+    assert node is None
