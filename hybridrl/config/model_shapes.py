@@ -12,8 +12,9 @@ import json
 from pathlib import Path
 
 from hybridrl.config.errors import ConfigIssue
+from hybridrl.config.resolve import model_section_of
 from hybridrl.config.schema import JobConfig
-from hybridrl.models.arch import ModelShape, UnsupportedModelError, read_hf_config, value_model_hf_config
+from hybridrl.models.arch import NOT_A_CONFIG, ModelShape, UnsupportedModelError, value_model_hf_config
 from hybridrl.names import Role
 
 
@@ -47,16 +48,46 @@ def _shape_of_folder(folder: str, config_json: bytes) -> ModelShape:
     return ModelShape.from_hf_dir(folder)
 
 
-def role_model_shape(config: JobConfig, role: str, actor_shape: ModelShape) -> ModelShape:
-    """The model a role runs: the critic's, reward model's or teacher's own folder when it has a readable config,
-    else the actor's shape (value models default to the policy's backbone)."""
+def own_model_shape(config: JobConfig, role: Role, issues: list[ConfigIssue] | None = None) -> ModelShape | None:
+    """The model in a role's own folder (the critic's, reward model's or teacher's), as its workers build it: None
+    where the role has none (no path, the actor's path, or no config.json there: the input checks refuse a missing
+    folder). A config.json hybridrl cannot build (unsupported, unreadable, not an object) is a problem in `issues`
+    naming the role's field, and None."""
     sections = {Role.CRITIC: config.critic, Role.REWARD_MODEL: config.reward_model, Role.TEACHER: config.teacher}
     section = sections.get(role)
     path = section.model.path if section is not None else None
-    if not path or path == config.actor_rollout_ref.model.path or not (Path(path) / "config.json").is_file():
-        return actor_shape
-    try:  # as the workers build it (`training.value_head.value_model_source`; the teacher is a causal LM)
-        hf_config = read_hf_config(path)
-        return ModelShape.from_hf_config(hf_config if role == Role.TEACHER else value_model_hf_config(hf_config))
-    except (UnsupportedModelError, ValueError, KeyError, OSError):
-        return actor_shape
+    if not path or path == config.actor_rollout_ref.model.path:
+        return None
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return None
+    field = f"{model_section_of(role)}.model.path"
+    try:
+        return _role_shape_of(config_file.read_bytes(), value_model=role != Role.TEACHER)
+    except UnsupportedModelError as exc:
+        problem = str(exc)
+    except (KeyError, ValueError, OSError) as exc:
+        problem = f"config.json is unreadable or incomplete: {exc}"
+    if issues is not None:
+        issues.append(ConfigIssue(field, path, problem))
+    return None
+
+
+@functools.lru_cache(maxsize=32)
+def _role_shape_of(config_json: bytes, *, value_model: bool) -> ModelShape:
+    """A role's shape from its config.json's bytes, built once (the layout search plans hundreds of layouts); a
+    value model (critic, reward model) as `training.value_head.value_model_source` builds it, the teacher as a
+    causal LM."""
+    try:
+        hf_config = json.loads(config_json)
+    except ValueError as exc:  # JSONDecodeError, or bytes that are not UTF-8
+        raise UnsupportedModelError(f"config.json is not valid JSON ({exc}): {NOT_A_CONFIG}") from exc
+    if isinstance(hf_config, dict) and value_model:
+        hf_config = value_model_hf_config(hf_config)
+    return ModelShape.from_hf_config(hf_config)
+
+
+def role_model_shape(config: JobConfig, role: str, actor_shape: ModelShape) -> ModelShape:
+    """The model a role runs: its own folder's (`own_model_shape`; validation has refused one it cannot build), else
+    the actor's shape (value models default to the policy's backbone)."""
+    return own_model_shape(config, Role(role)) or actor_shape

@@ -21,6 +21,7 @@ from hybridrl.config.megatron_rules import (
     check_transformer_overrides,
     megatron_sections,
 )
+from hybridrl.config.model_shapes import own_model_shape
 from hybridrl.config.moe_rules import check_expert_tp_uses, check_experts, check_moe_dispatch, check_router_replay
 from hybridrl.config.refusals import check_refusals
 from hybridrl.config.resolve import (
@@ -75,19 +76,25 @@ def validate(
 
     role_fields = {role: role_megatron_field(config, role) for role in Role}
     teacher = teacher_shape(config, check.issues)  # the teacher's own layout rules read its own shape
+    roles = active_roles(config, resolved)
+    # a value model's own folder (critic, reward model): its layout rules read its shape; one hybridrl cannot build
+    # is refused here, naming the role's field (the plan would otherwise size the actor's model in its place)
+    own_shapes = {role: own_model_shape(config, role, check.issues) for role in (Role.CRITIC, Role.REWARD_MODEL)
+                  if role in roles}
     # the teacher's layout spans its own pool when it has one (teacher.mode=disaggregated)
     # (its placement checked whatever the training world's validity: every error at once)
     teacher_pool_ok = check_teacher_placement(config, check.issues)
     teacher_world = (resolved.teacher_world or world) if teacher_pool_ok else 0
     dp_of: dict[str, int] = {}
-    for role in active_roles(config, resolved):
+    for role in roles:
         if role == Role.REF and config.actor_rollout_ref.ref.megatron is None:
             if Role.ACTOR in dp_of:
                 dp_of[Role.REF] = dp_of[Role.ACTOR]
             continue
         dp = _check_layout(check, role_fields[Role(role)], role_megatron(config, role),
                            teacher_world if role == Role.TEACHER else world,
-                           teacher if role == Role.TEACHER else model, trainable=role in (Role.ACTOR, Role.CRITIC))
+                           teacher if role == Role.TEACHER else own_shapes.get(role) or model,
+                           trainable=role in (Role.ACTOR, Role.CRITIC))
         if dp:
             dp_of[role] = dp
     rollout_world = check_rollout_placement(check, config, resolved, world)

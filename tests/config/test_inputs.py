@@ -82,6 +82,8 @@ def _mistakes(assets: Path, tmp: Path) -> dict[str, tuple[list[str], str]]:
     list_config = _copy_model(assets, tmp / "listconfig", without=())
     (list_config / "config.json").write_text("[1, 2]")
     cut_config = _copy_model(assets, tmp / "cutconfig", without=())
+    gemma_reward = _copy_model(assets, tmp / "gemmareward", without=())
+    _edit_config(gemma_reward, architectures=["Gemma2ForSequenceClassification"])
     (cut_config / "config.json").write_text('{"architectures": [')
     return {
         "missing data file": ([f"data.train_files=[{tmp / 'nope.jsonl'}]"],
@@ -131,6 +133,14 @@ def _mistakes(assets: Path, tmp: Path) -> dict[str, tuple[list[str], str]]:
         "model config.json cut short": ([f"actor_rollout_ref.model.path={cut_config}"],
                                         f"actor_rollout_ref.model.path={cut_config} {cut_config / 'config.json'} "
                                         "is not valid JSON"),
+        # plan sized the actor's model in the critic's place; train died building the critic
+        "critic config.json a JSON list": (["algorithm.adv_estimator=gae", f"critic.model.path={list_config}"],
+                                           f"critic.model.path={list_config} config.json holds a JSON array, not an "
+                                           "object"),
+        "reward model of an unsupported family": (
+            ["reward_model.enable=true", f"reward_model.model.path={gemma_reward}"],
+            f"reward_model.model.path={gemma_reward} unsupported architectures=['Gemma2ForCausalLM'] in config.json; "
+            "supported: LlamaForCausalLM"),
         "fewer rows than a batch": ([f"data.train_files=[{small}]"],
                                     "data.train_batch_size=8 is more than the 4 rows of data.train_files"),
         "chat messages, template off": ([f"data.train_files=[{chat}]", "data.apply_chat_template=false"],
@@ -160,7 +170,8 @@ MISTAKES = ["missing data file", "hub dataset id", "misspelled scorer", "missing
             "hub id not in the cache", "model without weights", "model without tokenizer", "corrupt tokenizer.json",
             "tokenizer larger than the model's vocabulary", "critic vocabulary smaller than the policy's tokenizer",
             "truncated weights", "empty weights file", "config.json not the weights'",
-            "model config.json a JSON list", "model config.json cut short", "fewer rows than a batch",
+            "model config.json a JSON list", "model config.json cut short", "critic config.json a JSON list",
+            "reward model of an unsupported family", "fewer rows than a batch",
             "chat messages, template off", "prompt column misnamed", "reward column misnamed",
             "missing custom reward file", "custom reward function misnamed", "custom reward with a wrong signature",
             "custom reward file that fails to import", "logger whose package is missing"]

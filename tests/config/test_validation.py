@@ -914,3 +914,15 @@ def test_colocated_plans_are_unchanged_by_the_new_fields():
     res = plan.resolved
     assert (res.disaggregated, res.rollout_world, res.async_mode, res.free_cache_engine) == (False, 6, "sync", True)
     assert plan.reshard.cross_pool is None and plan.reshard.traffic is not None
+
+
+def test_a_critic_of_its_own_is_laid_out_by_its_own_shape(tmp_path):
+    """The critic's TP must divide the critic's heads, not the actor's: a 9-head critic at TP 2 is refused, where
+    the actor's 16-head shape (the critic's when it names no folder of its own) is laid out there."""
+    common = [model_dir(tmp_path, heads=16, kv=8), "algorithm.adv_estimator=gae",
+              "critic.megatron.tensor_model_parallel_size=2"]
+    plan_from_sources(SEED, common)
+    critic = model_dir(tmp_path, heads=9, kv=3).split("=", 1)[1]
+    issues = issues_for([*common, f"critic.model.path={critic}"])
+    assert [i.field for i in issues] == ["critic.megatron.tensor_model_parallel_size"], [str(i) for i in issues]
+    assert "9" in str(issues[0]), str(issues[0])
