@@ -79,8 +79,8 @@ def validate(
     roles = active_roles(config, resolved)
     # a value model's own folder (critic, reward model): its layout rules read its shape; one hybridrl cannot build
     # is refused here, naming the role's field (the plan would otherwise size the actor's model in its place)
-    own_shapes = {role: own_model_shape(config, role, check.issues) for role in (Role.CRITIC, Role.REWARD_MODEL)
-                  if role in roles}
+    own_shapes: dict[Role, ModelShape | None] = {
+        role: own_model_shape(config, role, check.issues) for role in (Role.CRITIC, Role.REWARD_MODEL) if role in roles}
     # the teacher's layout spans its own pool when it has one (teacher.mode=disaggregated)
     # (its placement checked whatever the training world's validity: every error at once)
     teacher_pool_ok = check_teacher_placement(config, check.issues)
