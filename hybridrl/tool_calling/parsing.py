@@ -98,7 +98,9 @@ def call_from_json(payload: str, index: int) -> ToolCall | ToolCallError:
     raw = payload.strip()
     try:
         value = json.loads(raw)
-    except (json.JSONDecodeError, RecursionError) as error:
+    # ValueError: JSONDecodeError, and an integer over Python's int-to-str digit limit (int_max_str_digits),
+    # which json raises as a plain ValueError
+    except (ValueError, RecursionError) as error:
         return ToolCallError(index, f"tool call {index} is not valid JSON: {error}", raw)
     if not isinstance(value, dict):
         return ToolCallError(index, f"tool call {index} must be a JSON object with 'name' and 'arguments', "

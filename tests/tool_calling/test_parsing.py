@@ -1,6 +1,8 @@
 """The Hermes/Qwen tool-call parser against hand-written expected calls and errors; the parser registry."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from hybridrl.tool_calling import ToolCall, ToolCallError, UnknownParserError, available_parsers, get_parser
@@ -70,6 +72,17 @@ def test_nested_json_and_tags_inside_strings():
 def test_deeply_nested_json_does_not_raise():
     turn = parse("<tool_call>" + "[" * 100_000 + "</tool_call>")
     assert turn.calls == [] and len(turn.errors) == 1
+
+
+def test_an_integer_past_pythons_digit_limit_is_a_parse_error_not_an_exception():
+    """A model's argument with 5000 digits: json raises a plain ValueError (Python's int-to-str digit limit), which
+    escaped the parser and ended the rollout. Now the call's own error; the call beside it still runs."""
+    limit = sys.get_int_max_str_digits()
+    body = '{"name": "calculator", "arguments": {"expression": ' + "9" * (limit + 700) + "}}"
+    turn = parse(f'<tool_call>{body}</tool_call><tool_call>{{"name": "a"}}</tool_call>')
+    assert [(c.index, c.name) for c in turn.calls] == [(1, "a")]
+    assert [e.index for e in turn.errors] == [0]
+    assert turn.errors[0].message.startswith("tool call 0 is not valid JSON: Exceeds the limit")
 
 
 def test_parser_registry_names_the_valid_parsers():
