@@ -202,6 +202,12 @@ class ToolRegistry:
         start = time.perf_counter()
         try:
             result = self._call(tool, arguments)
+            if isinstance(result, ToolResult):
+                text, status = result.text, result.status
+            else:
+                # inside the try: a result that does not serialize (a cycle, nesting past the recursion limit)
+                # is the tool's failure, not the rollout's
+                text, status = (result if isinstance(result, str) else json.dumps(result, default=str)), ToolStatus.OK
         except TimeoutError:
             return Observation(f"Error: {call.name} ran past its {tool.timeout_s} s limit", ToolStatus.TIMEOUT,
                                call.name, call.index, time.perf_counter() - start)
@@ -209,10 +215,6 @@ class ToolRegistry:
             return Observation(f"Error: {call.name} raised {type(error).__name__}: {error}", ToolStatus.TOOL_ERROR,
                                call.name, call.index, time.perf_counter() - start)
         seconds = time.perf_counter() - start
-        if isinstance(result, ToolResult):
-            text, status = result.text, result.status
-        else:
-            text, status = (result if isinstance(result, str) else json.dumps(result, default=str)), ToolStatus.OK
         text, cut = _truncate(text, self.max_observation_chars)
         if cut and status is ToolStatus.OK:
             status = ToolStatus.OUTPUT_TRUNCATED

@@ -292,3 +292,32 @@ def test_the_tools_file_tools_take_the_jobs_time_limit(tmp_path):
     registry = build_registry(["python", "lookup"], tools_file=path, tool_timeout_s=7.5)
     assert [registry._tools[n].timeout_s for n in ("python", "lookup")] == [None, 7.5]
     assert build_registry(["lookup"], tools_file=path)._tools["lookup"].timeout_s is None
+
+
+def _nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def _cycle() -> list:
+    value: list = []
+    value.append(value)
+    return value
+
+
+@pytest.mark.parametrize("result, error", [
+    (_cycle, "ValueError: Circular reference detected"),
+    (lambda: _nested(100_000), "RecursionError: maximum recursion depth exceeded"),
+])
+def test_a_tool_result_that_does_not_serialize_is_a_tool_error(result, error):
+    """A tools-file tool returning a cycle, or nesting deeper than json can write: json.dumps ran outside the
+    call's try, so the exception left `execute` and ended the rollout. Now the tool's own error observation."""
+    def echo(x: str):
+        return result()
+
+    registry = ToolRegistry([Tool(_schema("echo", {"x": {"type": "string"}}, ["x"]), echo)])
+    observation = registry.execute(ToolCall("echo", {"x": "1"}, 0))
+    assert observation.status is ToolStatus.TOOL_ERROR
+    assert observation.text.startswith(f"Error: echo raised {error}")
