@@ -8,19 +8,30 @@ The boundary is the kernel's, made of well-kept parts rather than checks written
     no further user namespaces (``--disable-userns``);
   * its filesystem is a fresh root holding only the system's ``/usr`` (and the ``/bin``, ``/lib``
     links), the Python installation and environment the trainer runs, read-only, a private ``/proc``
-    of its own PID namespace, a minimal ``/dev``, and two small private tmpfs folders (``/sandbox``,
-    its working directory and HOME, and ``/tmp``), gone when it ends: the trainer's HOME, run folder,
-    checkpoints, data, sockets and other processes do not exist there;
+    of its own PID namespace, a minimal ``/dev``, and three small private tmpfs folders (``/sandbox``,
+    its working directory and HOME, ``/tmp`` and ``/dev/shm``), gone when it ends: the trainer's HOME,
+    run folder, checkpoints, data, sockets and other processes do not exist there;
   * its network namespace is empty (a loopback of its own): nothing of the host, its 127.0.0.1
-    services included, is reachable;
+    services included, is reachable; sockets of the families a network namespace does not hold
+    (``AF_VSOCK``, which reaches a virtual machine's host from any namespace, and every family but
+    unix, IPv4, IPv6 and netlink) cannot be made;
   * a **seccomp** filter compiled by **libseccomp** (through ``pyseccomp``) refuses the system calls a
     program needs none of: new processes (fork, vfork, clone without CLONE_THREAD; threads work),
     ptrace and cross-process memory access, mounts, namespaces, kernel modules and kexec, keyrings,
-    bpf, perf_event_open, userfaultfd, io_uring, the clock, swap, reboot;
+    bpf, perf_event_open, userfaultfd, io_uring, the clock, swap, reboot, and sockets of any family
+    but `NAMESPACED_SOCKET_FAMILIES`;
   * the kernel's resource limits, set by ``prlimit`` before bwrap starts (inherited by everything in the
     sandbox): CPU time (RLIMIT_CPU), address space (RLIMIT_AS), file size (RLIMIT_FSIZE; each tmpfs
-    folder holds at most `TMPFS_FILES` such files), and at the wall-time limit the whole PID namespace is killed
-    (bwrap dies, its ``--die-with-parent`` init takes every process in the namespace with it);
+    folder holds at most `TMPFS_FILES` such files), open files (RLIMIT_NOFILE, `MAX_OPEN_FILES`), and at
+    the wall-time limit the whole PID namespace is killed (bwrap dies, its ``--die-with-parent`` init
+    takes every process in the namespace with it);
+  * cgroups of the run's own where this process may make them (root, or a delegated subtree): a pids
+    cgroup bounds its tasks, threads included (`MAX_THREADS`; Linux does not apply RLIMIT_NPROC to
+    root, and every thread takes a PID of the host's), and a memory cgroup bounds everything it holds
+    in memory (`sandbox_memory_bytes`), which the address-space limit does not count: tmpfs files,
+    ``memfd_create`` files, pipe buffers, kernel memory. Without them (`cgroup_parent` is None for
+    "memory") the tmpfs sizes still hold, and ``memfd`` files are bounded only by the open-file and
+    file-size limits (`MAX_OPEN_FILES` x ``max_file_mb``);
   * an empty environment except what the caller sets; stdout and stderr cut to a byte limit.
 
 Why bubblewrap: unprivileged (user namespaces, no setuid root helper or daemon), one static binary
@@ -34,17 +45,19 @@ which stops honest mistakes but not hostile code.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import functools
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Literal
 
@@ -59,6 +72,11 @@ WORKDIR = "/sandbox"  # the program's working directory and HOME inside the sand
 # Each tmpfs folder holds this many largest files (so one file meets the file-size limit, EFBIG, before
 # the folder is full, ENOSPC).
 TMPFS_FILES = 4
+# Tasks (threads; processes where allowed) one sandbox may have at a time, with a pids cgroup: a thread pool's,
+# Python's own, OpenBLAS's one per core up to this; a thread bomb stops here instead of taking the host's PIDs.
+MAX_THREADS = 64
+# Open files of each process in the sandbox: a program needs a few; each `memfd_create` file is one.
+MAX_OPEN_FILES = 256
 
 
 class SandboxUnavailable(RuntimeError):
@@ -108,6 +126,11 @@ REFUSED_SYSCALLS = (
 )
 PROCESS_SYSCALLS = ("fork", "vfork")
 CLONE_THREAD = 0x10000
+# The socket families a network namespace holds (unix: its abstract names are per namespace, its paths are
+# the sandbox's own files). Every other family is refused: AF_VSOCK reaches the host of a virtual machine
+# from any namespace, and the rest are kernel code no program computing an answer needs.
+NAMESPACED_SOCKET_FAMILIES = (socket.AF_UNIX, socket.AF_INET, socket.AF_INET6, socket.AF_NETLINK)
+SOCKET_FAMILIES = 64  # above the kernel's AF_MAX (46 in Linux 6.x); numbers from here up are refused as one range
 
 
 @functools.cache
@@ -126,6 +149,10 @@ def seccomp_program(processes: bool = False) -> bytes:
             continue
         if seccomp.resolve_syscall(seccomp.Arch.NATIVE, name) >= 0:
             program.add_rule(refuse, name)
+    for family in range(SOCKET_FAMILIES):
+        if family not in NAMESPACED_SOCKET_FAMILIES:
+            program.add_rule(refuse, "socket", seccomp.Arg(0, seccomp.EQ, family))
+    program.add_rule(refuse, "socket", seccomp.Arg(0, seccomp.GE, SOCKET_FAMILIES))
     if processes:
         return _export(program)
     # clone starts threads and processes: a process is a clone without CLONE_THREAD. clone3 passes its
@@ -201,9 +228,11 @@ def bwrap_argv(argv: Sequence[str], limits: SandboxLimits, seccomp_fd: int, file
     for path in read_only:
         real = os.path.realpath(path)
         args += ["--ro-bind", real, real]
+    # /dev/shm is a folder of bwrap's /dev tmpfs, which has no size: a tmpfs of its own bounds it
     args += ["--proc", "/proc", "--dev", "/dev",
              "--size", size, "--perms", "0700", "--tmpfs", WORKDIR,
-             "--size", size, "--perms", "1777", "--tmpfs", "/tmp"]
+             "--size", size, "--perms", "1777", "--tmpfs", "/tmp",
+             "--size", size, "--perms", "1777", "--tmpfs", "/dev/shm"]
     for name, fd in file_fds.items():
         parent = os.path.dirname(name)
         if parent:
@@ -223,7 +252,8 @@ def _environment(env: Mapping[str, str], home: str, tmp: str) -> dict[str, str]:
 def _prlimit(limits: SandboxLimits) -> list[str]:
     """The kernel limits, set on the process that then runs bwrap (every process inside inherits them)."""
     cpu, memory, size = int(limits.cpu_time_s), int(limits.memory_mb) << 20, int(limits.max_file_mb) << 20
-    return [_prlimit_binary(), f"--cpu={cpu}:{cpu + 1}", f"--as={memory}", f"--fsize={size}", "--"]
+    return [_prlimit_binary(), f"--cpu={cpu}:{cpu + 1}", f"--as={memory}", f"--fsize={size}",
+            f"--nofile={MAX_OPEN_FILES}", "--"]
 
 
 @functools.cache  # a PATH search, once per process rather than per call
@@ -265,13 +295,11 @@ def require_sandbox() -> None:
                                  "rollout.multi_turn.sandbox.isolation=none (not a boundary against hostile code)")
 
 
-# --- a pids cgroup, for programs that may start processes -----------------------------------------------
+# --- the run's cgroups: its tasks and its memory -----------------------------------------------------------
 
-def pids_cgroup_parent() -> str | None:
-    """The folder of this process's own cgroup in a hierarchy with the pids controller, when it can hold
-    children (root, or a delegated subtree); None otherwise. Linux does not apply RLIMIT_NPROC to root,
-    and for other users it counts all their processes: a pids cgroup is the kernel's bound on one
-    sandbox's processes."""
+def cgroup_parent(controller: str) -> str | None:
+    """The folder of this process's own cgroup in a hierarchy with `controller` ("pids", "memory"), when it
+    can hold children that have the controller (root, or a delegated subtree); None otherwise."""
     try:
         mounts = open("/proc/self/mountinfo").read().splitlines()
         own = dict(line.split(":", 2)[1:] for line in open("/proc/self/cgroup").read().splitlines())
@@ -281,12 +309,13 @@ def pids_cgroup_parent() -> str | None:
         fields = line.split()
         after = fields[fields.index("-") + 1:]
         mount, fstype, options = fields[4], after[0], after[2].split(",")
-        if fstype == "cgroup" and "pids" in options:
-            relative = next((path for names, path in own.items() if "pids" in names.split(",")), None)
+        if fstype == "cgroup" and controller in options:
+            relative = next((path for names, path in own.items() if controller in names.split(",")), None)
         elif fstype == "cgroup2" and "" in own:
             relative = own[""]
-            controllers = os.path.join(mount, relative.lstrip("/"), "cgroup.controllers")
-            if not os.path.exists(controllers) or "pids" not in open(controllers).read().split():
+            # cgroup v2 gives a child the controllers its parent's subtree_control lists
+            enabled = os.path.join(mount, relative.lstrip("/"), "cgroup.subtree_control")
+            if not os.path.exists(enabled) or controller not in open(enabled).read().split():
                 continue
         else:
             continue
@@ -296,36 +325,92 @@ def pids_cgroup_parent() -> str | None:
     return None
 
 
-class _PidsCgroup:
-    """A cgroup of its own with `pids.max`, joined by the sandbox's first process before it execs."""
+def pids_cgroup_parent() -> str | None:
+    """Where a pids cgroup of a run's own can be made (`cgroup_parent`). Linux does not apply RLIMIT_NPROC to
+    root, and for other users it counts all their processes: a pids cgroup is the kernel's bound on one
+    sandbox's tasks."""
+    return cgroup_parent("pids")
 
-    def __init__(self, max_processes: int) -> None:
-        parent = pids_cgroup_parent()
-        if parent is None:
-            raise SandboxUnavailable("a sandbox that may start processes needs a writable pids cgroup (cgroup v1's "
-                                     "pids hierarchy or a delegated cgroup v2 subtree) to bound them; none here")
-        self.folder = tempfile.mkdtemp(prefix="hybridrl-sandbox-", dir=parent)
-        with open(os.path.join(self.folder, "pids.max"), "w") as handle:
-            handle.write(str(max_processes))
+
+def sandbox_memory_bytes(limits: SandboxLimits, max_processes: int) -> int:
+    """The memory cgroup's limit of one run: each process's address space, and its three tmpfs folders full."""
+    return (1 + max_processes) * (int(limits.memory_mb) << 20) + 3 * TMPFS_FILES * (int(limits.max_file_mb) << 20)
+
+
+class _RunCgroups:
+    """Cgroups of the run's own, joined by the sandbox's first process before it execs (so everything in the
+    sandbox is in them): `pids.max` = `tasks`, and the memory limit. `require_pids`: a run that may start
+    processes is refused where no pids cgroup can be made (nothing else would bound them); otherwise each
+    cgroup is made where this process may make it (see the module docstring for what holds without)."""
+
+    def __init__(self, tasks: int, memory_bytes: int, require_pids: bool) -> None:
+        self.folders: dict[str, str] = {}  # controller -> the run's cgroup folder
+        try:
+            for controller in ("pids", "memory"):
+                parent = cgroup_parent(controller)
+                if parent is None:
+                    if controller == "pids" and require_pids:
+                        raise SandboxUnavailable(
+                            "a sandbox that may start processes needs a writable pids cgroup (cgroup v1's pids "
+                            "hierarchy or a delegated cgroup v2 subtree) to bound them; none here")
+                    continue
+                # cgroup v2: one folder has both controllers
+                same = next((f for f in self.folders.values() if os.path.dirname(f) == parent.rstrip("/")), None)
+                self.folders[controller] = same or tempfile.mkdtemp(prefix="hybridrl-sandbox-", dir=parent)
+            if "pids" in self.folders:
+                self._write("pids", "pids.max", tasks)
+            if "memory" in self.folders:
+                v2 = os.path.exists(os.path.join(self.folders["memory"], "memory.max"))
+                self._write("memory", "memory.max" if v2 else "memory.limit_in_bytes", memory_bytes)
+                # swap would hold what the limit refuses: none (the file exists where swap is accounted)
+                swap = "memory.swap.max" if v2 else "memory.memsw.limit_in_bytes"
+                if os.path.exists(os.path.join(self.folders["memory"], swap)):
+                    self._write("memory", swap, 0 if v2 else memory_bytes)
+        except BaseException:
+            self.remove()
+            raise
+
+    def _write(self, controller: str, name: str, value: int) -> None:
+        with open(os.path.join(self.folders[controller], name), "w") as handle:
+            handle.write(str(value))
 
     def wrap(self, command: list[str]) -> list[str]:
-        procs = os.path.join(self.folder, "cgroup.procs")
-        return ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', procs, *command]
+        procs = sorted({os.path.join(f, "cgroup.procs") for f in self.folders.values()})
+        if not procs:
+            return command
+        joins = " && ".join(f'echo $$ > "${i}"' for i in range(1, len(procs) + 1))
+        return ["/bin/sh", "-c", f'{joins} && shift {len(procs)} && exec "$@"', "sh", *procs, *command]
+
+    def memory_exhausted(self) -> bool:
+        """Whether the kernel killed a process of the run for the memory cgroup's limit."""
+        folder = self.folders.get("memory")
+        if folder is None:
+            return False
+        for name in ("memory.events", "memory.oom_control"):  # v2, v1
+            with contextlib.suppress(OSError):
+                for line in open(os.path.join(folder, name)).read().splitlines():
+                    key, _, value = line.partition(" ")
+                    if key == "oom_kill" and int(value) > 0:
+                        return True
+        return False
+
+    def kill(self) -> None:
+        """Kill what is left in the run's cgroups (without namespaces, what the program left running)."""
+        for folder in sorted(set(self.folders.values())):
+            with contextlib.suppress(OSError):
+                for pid in open(os.path.join(folder, "cgroup.procs")).read().split():
+                    with contextlib.suppress(OSError):
+                        os.kill(int(pid), signal.SIGKILL)
 
     def remove(self) -> None:
-        for _ in range(100):
-            try:
-                pids = [int(p) for p in open(os.path.join(self.folder, "cgroup.procs")).read().split()]
-            except OSError:
-                pids = []
-            for pid in pids:
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-            try:
-                os.rmdir(self.folder)
-                return
-            except OSError:
-                time.sleep(0.01)
+        for folder in sorted(set(self.folders.values())):
+            for _ in range(100):
+                self.kill()
+                try:
+                    os.rmdir(folder)
+                    break
+                except OSError:
+                    time.sleep(0.01)
 
 
 # --- running ------------------------------------------------------------------------------------------
@@ -338,7 +423,7 @@ class _CappedReader(threading.Thread):
         self.stream, self.limit, self.kept, self.total = stream, limit, bytearray(), 0
 
     def run(self) -> None:
-        while chunk := self.stream.read(65536):
+        while chunk := self.stream.read1(65536):  # what is there, not 64 KiB or the end
             self.total += len(chunk)
             room = self.limit - len(self.kept)
             if room > 0:
@@ -381,7 +466,7 @@ def run_sandboxed(argv: Sequence[str], *, stdin: bytes = b"", limits: SandboxLim
     if isinstance(max_processes, bool) or not isinstance(max_processes, int) or max_processes < 0:
         raise ValueError(f"max_processes must be an int >= 0, got {max_processes!r}")
     opened: list[int] = []
-    workdir, cgroup = None, None
+    workdir, cgroups = None, None
     try:
         if isolation == "namespaces":
             opened.append(_memfd("hybridrl-seccomp", seccomp_program(processes=max_processes > 0)))
@@ -397,13 +482,18 @@ def run_sandboxed(argv: Sequence[str], *, stdin: bytes = b"", limits: SandboxLim
                     handle.write(data)
             command, cwd = [*_prlimit(limits), *argv], workdir
             process_env = _environment(env or {}, workdir, workdir)
-        if max_processes > 0:
-            cgroup = _PidsCgroup(max_processes + 2)  # + bwrap's init and the program itself
-            command = cgroup.wrap(command)
-        return _run(command, cwd, process_env, stdin, limits, opened, bwrap=isolation == "namespaces")
+        # + bwrap's init and the program itself; with no processes allowed, the program's threads
+        tasks = max_processes + 2 if max_processes > 0 else MAX_THREADS
+        cgroups = _RunCgroups(tasks, sandbox_memory_bytes(limits, max_processes), require_pids=max_processes > 0)
+        run = _run(cgroups.wrap(command), cwd, process_env, stdin, limits, opened, bwrap=isolation == "namespaces",
+                   ended=cgroups.kill)
+        if cgroups.memory_exhausted():  # the kernel's SIGKILL, which alone reads as the CPU-time limit's
+            run = dataclasses.replace(run, status=ToolStatus.TOOL_ERROR,
+                                      reason=f"memory limit of {limits.memory_mb} MB (the sandbox's memory cgroup)")
+        return run
     finally:
-        if cgroup is not None:
-            cgroup.remove()
+        if cgroups is not None:
+            cgroups.remove()
         for fd in opened:
             os.close(fd)
         if workdir is not None:
@@ -411,7 +501,9 @@ def run_sandboxed(argv: Sequence[str], *, stdin: bytes = b"", limits: SandboxLim
 
 
 def _run(command: list[str], cwd: str, env: dict[str, str], stdin: bytes, limits: SandboxLimits,
-         pass_fds: Sequence[int], *, bwrap: bool) -> SandboxRun:
+         pass_fds: Sequence[int], *, bwrap: bool, ended: Callable[[], None]) -> SandboxRun:
+    """`ended`: called once the program has ended, before its output is read to the end (a process it left
+    holding the pipes would otherwise keep them open)."""
     start = time.perf_counter()
     process = subprocess.Popen(command, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, start_new_session=True, close_fds=True, pass_fds=pass_fds)
@@ -433,6 +525,7 @@ def _run(command: list[str], cwd: str, env: dict[str, str], stdin: bytes, limits
         # bwrap leads this process group; its death takes the sandbox's PID namespace with it
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+    ended()
     for reader in readers:
         reader.join(timeout=5)
     seconds = time.perf_counter() - start

@@ -28,7 +28,14 @@ from pathlib import Path
 import pytest
 
 from hybridrl.tool_calling import SandboxLimits, ToolStatus, run_sandboxed, sandbox_problem
-from hybridrl.tool_calling.sandbox import REFUSED_SYSCALLS, bwrap_argv, pids_cgroup_parent
+from hybridrl.tool_calling.sandbox import (
+    MAX_THREADS,
+    REFUSED_SYSCALLS,
+    TMPFS_FILES,
+    bwrap_argv,
+    cgroup_parent,
+    pids_cgroup_parent,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -206,6 +213,10 @@ def test_the_hook_only_sandbox_does_not_hold(world, name):
     """The negative control: without namespaces (hybridrl's sandbox before) every attack gets what it is after."""
     code, goal = ESCAPES[name]
     outcome = attack(world, code, "none")
+    if goal == "left_running" and pids_cgroup_parent() is not None:
+        # where the run gets a cgroup of its own, what it leaves running is killed with it, namespaces or not
+        assert contained(outcome) and outcome.text == "forked\n", (name, outcome)
+        return
     assert escaped(outcome, goal), (name, outcome)
 
 
@@ -275,6 +286,11 @@ print(os.path.exists(os.path.expanduser('~root/.cache')), os.path.exists('/etc/p
     "libc.syscall(298, 0, 0, -1, -1, 0)",  # perf_event_open
     "libc.syscall(250, 0, 0, 0)",  # keyctl
     "libc.syscall(425, 1, 0)",  # io_uring_setup
+    # AF_VSOCK: a network namespace does not hold it; in a virtual machine it reaches the host (CID 2)
+    "libc.socket(40, 1, 0)",
+    "libc.socket(38, 5, 0)",  # AF_ALG (the kernel's crypto API)
+    "libc.socket(17, 3, 0)",  # AF_PACKET
+    "libc.socket(200, 1, 0)",  # past the kernel's families
 ])
 def test_the_filter_refuses_what_no_program_needs(call):
     code = f"import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nprint({call}, ctypes.get_errno())"
@@ -400,3 +416,70 @@ def test_a_virtual_environment_reached_through_a_symlinked_folder_runs_the_pytho
     problem, prefix_inside = done.stdout.strip().splitlines()
     assert problem == "None"
     assert Path(prefix_inside) == prefix.resolve()  # the venv itself (its packages importable), not the base
+
+
+# Memory the address-space limit does not count, and tasks: bounded by the kernel's tmpfs sizes and the run's
+# cgroups. Each was an attack that worked: 640 MB in /dev/shm (bwrap's /dev tmpfs has no size), 1.6 GB held in
+# memfd files, 800 threads (each a PID of the host's) under a 512 MB address-space limit.
+DEV_SHM = TAMPER + """
+written = 0
+try:
+    for i in range(64):
+        with open(f'/dev/shm/part{{i}}', 'wb') as f:
+            f.write(bytes(16 << 20))
+        written += 16
+except OSError as error:
+    print('stopped:', error.strerror)
+print('MB written', written, flush=True)
+"""
+MEMFD = """
+import os
+held = []
+for i in range(64):
+    fd = os.memfd_create(f'part{{i}}')
+    os.write(fd, bytes(16 << 20))
+    held.append(fd)
+    print('MB held', 16 * len(held), flush=True)
+"""
+THREADS = """
+import threading, time
+threading.stack_size(32768)
+started = 0
+try:
+    while True:
+        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+        started += 1
+except RuntimeError:
+    pass
+print('threads', started, flush=True)
+"""
+
+
+@needs_namespaces
+def test_dev_shm_is_a_tmpfs_of_the_sandboxs_size(world):
+    outcome = attack(world, DEV_SHM, "namespaces")
+    assert contained(outcome), outcome
+    assert "stopped: No space left on device" in outcome.text, outcome
+    assert f"MB written {TMPFS_FILES * 16}\n" in outcome.text  # the caller's max_file_mb is 16
+
+
+@needs_namespaces
+@pytest.mark.skipif(cgroup_parent("memory") is None, reason="no writable memory cgroup here")
+def test_memory_held_in_memfd_files_meets_the_memory_cgroup(world):
+    """1 GB in memfd files, twice the caller's 512 MB limit: the memory cgroup's limit (the address space plus the
+    tmpfs folders, 704 MB) kills the program, and the observation says it was memory."""
+    outcome = attack(world, MEMFD, "namespaces")
+    assert contained(outcome), outcome
+    held = [int(line.split()[-1]) for line in outcome.text.splitlines() if line.startswith("MB held")]
+    assert 512 <= max(held) <= 512 + 3 * TMPFS_FILES * 16
+    assert outcome.status == "tool_error" and "[tool_error: memory limit of 512 MB" in outcome.text, outcome
+
+
+@needs_namespaces
+@pytest.mark.skipif(pids_cgroup_parent() is None, reason="no writable pids cgroup here")
+def test_threads_meet_the_pids_cgroup(world):
+    outcome = attack(world, THREADS, "namespaces")
+    assert contained(outcome) and outcome.status == "ok", outcome
+    started = int(outcome.text.split("threads")[1].split()[0])
+    # bwrap (outside and its init inside) and the program's main thread are counted too
+    assert started == MAX_THREADS - 3, outcome.text
