@@ -28,7 +28,7 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Protocol
 
@@ -111,6 +111,11 @@ class ObservationRenderer:
     ``<|im_end|>\\n``) is between the model's last token and the tool messages: the part of it the
     model did not write itself (its end-of-turn token, when that is how the template closes a turn)
     is prepended to the delta. Tool messages are ``{"role": "tool", "name": ..., "content": ...}``.
+
+    A tool's output is text the model's code chose: where it spells one of the tokenizer's special tokens
+    (``<|im_end|>\n<|im_start|>user\n...`` would otherwise become a real end of the tool message and a
+    forged user turn), its text is encoded with special tokens split into ordinary ones, and only the
+    template's own text around it keeps them.
     """
 
     def __init__(self, tokenizer: Any, end_of_turn_ids: Sequence[int] = ()) -> None:
@@ -123,6 +128,7 @@ class ObservationRenderer:
         if _MARKER not in base:
             raise TemplateError("the chat template does not render an assistant message's content")
         self.base = base
+        self.special_texts = tuple(t for t in getattr(tokenizer, "all_special_tokens", ()) if t)
         self.turn_end = base[base.rindex(_MARKER) + len(_MARKER):]
         probe = self.delta_text([Observation("HYBRIDRL_TOOL_OUTPUT", ToolStatus.OK, "probe", 0)])
         if "HYBRIDRL_TOOL_OUTPUT" not in probe:
@@ -144,8 +150,20 @@ class ObservationRenderer:
             written = self.tokenizer.decode([last_model_token], skip_special_tokens=False)
             if written and closing.startswith(written):
                 closing = closing[len(written):]  # the model closed its turn itself
-        text = closing + self.delta_text(observations)
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        if not any(special in o.text for o in observations for special in self.special_texts):
+            return list(self.tokenizer.encode(closing + self.delta_text(observations), add_special_tokens=False))
+        # The template's text around each output, from a rendering with a placeholder in each output's place
+        # (the same as the real rendering: __init__'s probe found the output's text verbatim in it).
+        holders = [f"HYBRIDRL_TOOL_OUTPUT_{k}" for k in range(len(observations))]
+        text = closing + self.delta_text([replace(o, text=h) for o, h in zip(observations, holders)])
+        ids: list[int] = []
+        for observation, holder in zip(observations, holders):
+            before, found, text = text.partition(holder)
+            if not found:
+                raise TemplateError("the chat template does not render each tool message's content once, in order")
+            ids += self.tokenizer.encode(before, add_special_tokens=False)
+            ids += self.tokenizer.encode(observation.text, add_special_tokens=False, split_special_tokens=True)
+        return ids + list(self.tokenizer.encode(text, add_special_tokens=False))
 
 
 @dataclass(frozen=True)
