@@ -356,7 +356,9 @@ class _RunCgroups:
                     continue
                 # cgroup v2: one folder has both controllers
                 same = next((f for f in self.folders.values() if os.path.dirname(f) == parent.rstrip("/")), None)
-                self.folders[controller] = same or tempfile.mkdtemp(prefix="hybridrl-sandbox-", dir=parent)
+                # named by the making process: its own are told apart from other trainers' on the machine
+                prefix = f"hybridrl-sandbox-{os.getpid()}-"
+                self.folders[controller] = same or tempfile.mkdtemp(prefix=prefix, dir=parent)
             if "pids" in self.folders:
                 self._write("pids", "pids.max", tasks)
             if "memory" in self.folders:
