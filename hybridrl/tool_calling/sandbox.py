@@ -425,7 +425,7 @@ class _CappedReader(threading.Thread):
         self.stream, self.limit, self.kept, self.total = stream, limit, bytearray(), 0
 
     def run(self) -> None:
-        while chunk := self.stream.read1(65536):  # what is there, not 64 KiB or the end
+        while chunk := os.read(self.stream.fileno(), 65536):  # what the pipe holds, not 64 KiB or the end
             self.total += len(chunk)
             room = self.limit - len(self.kept)
             if room > 0:
