@@ -5,9 +5,13 @@ permissions. Only point the config at files you wrote or reviewed.
 
 Two call conventions are accepted, told apart by the function's parameter names:
 
-* hybridrl's: ``fn(response, ground_truth, extra)`` (``extra`` holds data_source, extra_info, ...);
-* verl's: ``fn(data_source, solution_str, ground_truth, extra_info)`` (any function with a
-  ``solution_str`` parameter), so verl reward files work unchanged.
+* hybridrl's: ``fn(response, ground_truth, extra)`` (``extra`` holds data_source, extra_info, ...),
+  called with three positional arguments;
+* verl's: ``fn(data_source, solution_str, ground_truth, extra_info)``, called by keyword as verl calls it
+  (any function with a ``solution_str`` or a ``data_source`` parameter, or one taking only ``**kwargs``), so
+  verl reward files work unchanged. A verl-style function whose response parameter has another name
+  (``fn(data_source, solution, ground_truth, extra_info=None)``) is refused as verl refuses it: called
+  positionally it would take the response as its data_source and score every sample wrong.
 
 ``custom_reward_function.reward_kwargs`` (verl's key) are passed to it as keyword arguments on every
 call, in either convention.
@@ -46,12 +50,43 @@ def load_reward_function(path: str | Path, name: str = "compute_score") -> Calla
     return function
 
 
-def _call_arguments(parameters: Mapping[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], str]:
+VERL_OPTIONAL_ARGUMENTS = ("data_source", "extra_info")  # passed to a verl-style function that names them
+
+
+def _verl_keywords(parameters: Mapping[str, inspect.Parameter]) -> tuple[str, ...] | None:
+    """The keyword arguments a verl-style function is called with, or None for hybridrl's positional convention.
+
+    verl calls ``compute_score(data_source=, solution_str=, ground_truth=, extra_info=)``: a function naming
+    solution_str or data_source (verl's first parameter, never hybridrl's), or taking nothing but ``**kwargs``, is
+    verl's. ``data_source`` and ``extra_info`` go to a function naming them or taking ``**kwargs``.
+    """
+    kinds = {parameter.kind for parameter in parameters.values()}
+    only_keywords = inspect.Parameter.VAR_KEYWORD in kinds and not kinds & {
+        inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.VAR_POSITIONAL}
+    if "solution_str" not in parameters and "data_source" not in parameters and not only_keywords:
+        return None
+    takes_any = inspect.Parameter.VAR_KEYWORD in kinds
+    optional = tuple(name for name in VERL_OPTIONAL_ARGUMENTS if name in parameters or takes_any)
+    return ("solution_str", "ground_truth", *optional)
+
+
+def _signature_parameters(function: Callable[..., Any]) -> Mapping[str, inspect.Parameter] | None:
+    try:
+        return inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return None  # a builtin without a signature: only a call can tell
+
+
+def _call_arguments(parameters: Mapping[str, inspect.Parameter]) -> tuple[tuple[Any, ...], dict[str, Any], str]:
     """The arguments the reward call passes a function with these parameters (placeholders), and its form."""
-    if "solution_str" in parameters:
-        kwargs: dict[str, Any] = {"solution_str": "", "ground_truth": None}
-        kwargs.update({name: None for name in ("data_source", "extra_info") if name in parameters})
-        return (), kwargs, f"verl's convention, called as fn({', '.join(kwargs)})"
+    keywords = _verl_keywords(parameters)
+    if keywords is not None:
+        kwargs: dict[str, Any] = dict.fromkeys(keywords)
+        kwargs["solution_str"] = ""
+        form = f"verl's convention, called as fn({', '.join(f'{name}=...' for name in kwargs)})"
+        if "solution_str" not in parameters:
+            form += ": the response is passed as solution_str"
+        return (), kwargs, form
     return ("", None, {}), {}, "called as fn(response, ground_truth, extra)"
 
 
@@ -61,11 +96,11 @@ def call_problem(function: Callable[..., Any],
     arguments the call would pass are bound to its signature, without calling it), with the field of
     `custom_reward_function` to blame: ("reward_kwargs", why) when the function takes the reward call but not those
     keyword arguments, else ("name", why)."""
-    try:
-        signature = inspect.signature(function)
-    except (TypeError, ValueError):
-        return None  # a builtin without a signature: only a call can tell
-    args, kwargs, form = _call_arguments(signature.parameters)
+    parameters = _signature_parameters(function)
+    if parameters is None:
+        return None
+    signature = inspect.signature(function)
+    args, kwargs, form = _call_arguments(parameters)
     extra = dict(reward_kwargs or {})
     taken = sorted(set(kwargs) & set(extra))
     if taken:
@@ -96,20 +131,17 @@ def adapt_reward_function(function: Callable[..., Any], reward_kwargs: Mapping[s
     Return values are converted by the `RewardManager`, which also reports errors with the sample
     index; this wrapper only maps the arguments.
     """
-    try:
-        parameters = set(inspect.signature(function).parameters)
-    except (TypeError, ValueError):  # builtins without a signature: use our convention
-        parameters = set()
+    parameters = _signature_parameters(function)
+    # builtins without a signature: our convention
+    keywords = _verl_keywords(parameters) if parameters is not None else None
     fixed = dict(reward_kwargs or {})
 
-    if "solution_str" in parameters:
+    if keywords is not None:
+        optional = [name for name in VERL_OPTIONAL_ARGUMENTS if name in keywords]
 
         def verl_style(response: str, ground_truth: Any, extra: Mapping[str, Any]) -> Any:
             kwargs: dict[str, Any] = {"solution_str": response, "ground_truth": ground_truth}
-            if "data_source" in parameters:
-                kwargs["data_source"] = extra.get("data_source")
-            if "extra_info" in parameters:
-                kwargs["extra_info"] = extra.get("extra_info")
+            kwargs.update({name: extra.get(name) for name in optional})
             return function(**kwargs, **fixed)
 
         verl_style.__name__ = getattr(function, "__name__", "custom_reward")

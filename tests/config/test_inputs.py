@@ -344,8 +344,16 @@ def _keyword_only(response, ground_truth, extra, *, weight=1.0):
     return weight
 
 
+def _verl_response_misnamed(data_source, solution, ground_truth, extra_info=None):
+    return 1.0
+
+
+def _only_kwargs(**kwargs):
+    return 1.0
+
+
 @pytest.mark.parametrize("function", [_verl_style, _ours, _needs_more, _too_few, _verl_without_ground_truth,
-                                      _keyword_only, lambda *args: 0.0])
+                                      _keyword_only, _verl_response_misnamed, _only_kwargs, lambda *args: 0.0])
 def test_signature_verdict_matches_the_real_call(function):
     """The plan's verdict (binding the arguments, no call) agrees with calling the function as training does."""
     adapted = adapt_reward_function(function)
@@ -366,7 +374,7 @@ def _verl_weight(data_source, solution_str, ground_truth, extra_info, weight):
 
 
 @pytest.mark.parametrize("function", [_needs_more, _keyword_only, _verl_with_kwargs, _verl_weight, _ours,
-                                      _verl_style, lambda *args, **kwargs: 0.0])
+                                      _verl_style, _only_kwargs, lambda *args, **kwargs: 0.0])
 @pytest.mark.parametrize("reward_kwargs", [{"weight": 2.0}, {"weight": 2.0, "other": 1}, {"solution_str": "x"}])
 def test_reward_kwargs_verdict_matches_the_real_call(function, reward_kwargs):
     """custom_reward_function.reward_kwargs: the plan accepts a function taking them (a parameter of each name, or

@@ -13,7 +13,7 @@ from hybridrl.algorithms.advantages import sequence_scores
 from hybridrl.config.schema import AlgorithmConfig, CustomRewardConfig
 from hybridrl.data.batch import Batch
 from hybridrl.data.tokenizer import char_tokenizer
-from hybridrl.rewards.custom import RewardFunctionError, load_reward_function
+from hybridrl.rewards.custom import RewardFunctionError, call_problem, load_reward_function
 from hybridrl.rewards.manager import RewardManager, token_level_rewards
 from hybridrl.rewards.registry import ScoreResult, UnknownScorerError
 
@@ -136,6 +136,37 @@ def test_reward_kwargs_reach_the_function_on_every_call(user_file: Path) -> None
         path=str(user_file), name="verl_weighted", reward_kwargs={"weight": 3.0}))
     output = RewardManager.from_config(verl).score(["a", "b"], ["a", "a"], [{"data_source": "x"}] * 2)
     assert output.scores == [3.0, 0.0]
+
+
+VERL_VARIANTS = '''
+def only_kwargs(**kwargs):
+    # verl calls by keyword: every argument arrives, extra_info included
+    return float(kwargs["solution_str"] == kwargs["ground_truth"]) + kwargs["extra_info"]["bonus"]
+
+def named_and_kwargs(solution_str, ground_truth, **kwargs):
+    return float(solution_str == ground_truth) + (0.5 if kwargs["data_source"] == "bonus" else 0.0)
+
+def response_misnamed(data_source, solution, ground_truth, extra_info=None):
+    return float(solution == ground_truth)
+'''
+
+
+def test_verl_style_functions_are_called_by_keyword_as_verl_calls_them(tmp_path: Path) -> None:
+    """verl calls compute_score(data_source=, solution_str=, ground_truth=, extra_info=): a function taking
+    **kwargs gets all four. One whose response parameter has another name fails there; called positionally it
+    would take the response as its data_source and the ground truth as the response, scoring every sample 0."""
+    path = tmp_path / "verl_variants.py"
+    path.write_text(VERL_VARIANTS)
+    extras = [{"data_source": "bonus", "extra_info": {"bonus": 0.25}}, {"data_source": "x", "extra_info": {"bonus": 0}}]
+    assert RewardManager.from_file(str(path), "only_kwargs").score(["a", "b"], ["a", "a"], extras).scores == [1.25, 0.0]
+    assert RewardManager.from_file(str(path), "named_and_kwargs").score(["a", "a"], ["a", "a"], extras).scores == \
+        [1.5, 1.0]
+    misnamed = load_reward_function(path, "response_misnamed")
+    field, problem = call_problem(misnamed)
+    assert field == "name" and "missing a required argument: 'solution'" in problem, problem
+    assert "the response is passed as solution_str" in problem
+    with pytest.raises(RewardFunctionError, match="unexpected keyword argument 'solution_str'"):
+        RewardManager.from_file(str(path), "response_misnamed").score(["a"], ["a"], extras[:1])
 
 
 def test_extra_keys_are_kept_per_sample_and_each_numeric_ones_mean_is_a_metric() -> None:
