@@ -5,6 +5,7 @@ responses with their metadata. Every result must be a finite number: a scorer th
 returns NaN / inf / a non-number fails with an error naming the function and the sample (its batch
 row, prompt index and data source), or, when ``fallback_score`` is set, that sample gets the fallback
 and the event is counted in the metrics (``reward/fallbacks``) with one warning per batch.
+An ``async def`` scorer's calls for a batch are awaited together in one event loop.
 
 A scorer's extra keys (a dict result's keys beside ``score`` and ``acc``, verl's ``reward_extra_info``) are
 kept per sample in ``RewardOutput.details``; each numeric one's mean over the samples that report it is a
@@ -17,6 +18,8 @@ and is counted in ``reward/empty_responses``.
 """
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import math
 import numbers
@@ -121,13 +124,14 @@ class RewardManager:
         details: list[Mapping[str, Any]] = []
         fallback_rows: list[int] = []
         first_problem = ""
-        for row, (response, ground_truth, extra) in enumerate(zip(responses, ground_truths, extras)):
-            try:
-                result = _as_score_result(self.scorer(response, ground_truth, extra))
-            except Exception as error:
-                problem = f"raised {type(error).__name__}: {error}"
-                cause: BaseException | None = error
+        returned = _call_each(self.scorer, responses, ground_truths, extras)
+        for row, extra in enumerate(extras):
+            value = returned[row]
+            if isinstance(value, _Raised):
+                problem = f"raised {type(value.error).__name__}: {value.error}"
+                cause: BaseException | None = value.error
             else:
+                result = _as_score_result(value)
                 problem, cause = (result, None) if isinstance(result, str) else ("", None)
             if problem:
                 where = self._where(row, extra)
@@ -191,6 +195,36 @@ class RewardManager:
         rewards = token_level_rewards(output.scores, response_mask)
         output.metrics["reward/empty_responses"] = float((response_mask.sum(dim=-1) == 0).sum().item())
         return rewards, output
+
+
+@dataclass(frozen=True)
+class _Raised:
+    """A scorer call that raised, in place of its return value."""
+
+    error: Exception
+
+
+def _call_each(scorer: Callable[..., Any], responses: Sequence[str], ground_truths: Sequence[Any],
+               extras: Sequence[Mapping[str, Any]]) -> list[Any]:
+    """Each sample's scorer return value (or `_Raised`). An `async def` scorer's coroutines are awaited together in
+    one event loop, as verl's reward loop awaits them, so a scorer that waits on a remote judge waits once per
+    batch, not once per sample."""
+    returned: list[Any] = []
+    for response, ground_truth, extra in zip(responses, ground_truths, extras):
+        try:
+            returned.append(scorer(response, ground_truth, extra))
+        except Exception as error:
+            returned.append(_Raised(error))
+    pending = [row for row, value in enumerate(returned) if inspect.isawaitable(value)]
+    if pending:
+        async def await_all() -> list[Any]:
+            return await asyncio.gather(*(returned[row] for row in pending), return_exceptions=True)
+
+        for row, value in zip(pending, asyncio.run(await_all())):
+            if isinstance(value, BaseException) and not isinstance(value, Exception):
+                raise value  # KeyboardInterrupt, SystemExit: not the sample's failure
+            returned[row] = _Raised(value) if isinstance(value, Exception) else value
+    return returned
 
 
 def _plain(value: Any) -> Any:

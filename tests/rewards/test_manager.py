@@ -169,6 +169,35 @@ def test_verl_style_functions_are_called_by_keyword_as_verl_calls_them(tmp_path:
         RewardManager.from_file(str(path), "response_misnamed").score(["a"], ["a"], extras[:1])
 
 
+ASYNC_REWARD = '''
+import asyncio
+
+async def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    await asyncio.sleep(0.3)  # a remote judge
+    if solution_str == "boom":
+        raise ValueError("the judge refused")
+    return {"score": float(solution_str == ground_truth), "acc": solution_str == ground_truth}
+'''
+
+
+def test_async_reward_functions_are_awaited_together(tmp_path: Path) -> None:
+    """An `async def` reward function (verl's reward loop awaits them): its scores, not "returned coroutine"; the
+    batch's calls wait concurrently; one that raises is that sample's failure, named or given the fallback."""
+    import time
+
+    path = tmp_path / "judge.py"
+    path.write_text(ASYNC_REWARD)
+    manager = RewardManager.from_file(str(path))
+    started = time.monotonic()
+    output = manager.score(["a", "b", "c", "d", "e", "f"], ["a", "a", "c", "c", "e", "x"])
+    assert output.scores == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0] and output.accs == [True, False, True, False, True, False]
+    assert time.monotonic() - started < 6 * 0.3 / 2  # one after another would take 1.8 s
+    with pytest.raises(RewardFunctionError, match=r"raised ValueError: the judge refused on sample 1 \(prompt index 7"):
+        manager.score(["a", "boom"], ["a", "a"], [{"index": 6}, {"index": 7}])
+    fallback = RewardManager.from_file(str(path), fallback_score=-1.0).score(["a", "boom"], ["a", "a"])
+    assert fallback.scores == [1.0, -1.0] and fallback.fallback_rows == [1]
+
+
 def test_extra_keys_are_kept_per_sample_and_each_numeric_ones_mean_is_a_metric() -> None:
     """verl's reward_extra_info: the dict's keys beside score and acc, per sample (as JSON values), and the mean of
     each numeric one over the samples that report it."""
