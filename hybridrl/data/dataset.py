@@ -28,6 +28,7 @@ counts them in `stats` with one warning.
 from __future__ import annotations
 
 import logging
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -293,13 +294,18 @@ def _missing_ground_truth(row: Mapping[str, Any], reward_key: str) -> str | None
     """Why a row has no ground truth for a rule scorer to compare with (its reward column absent or null, or a
     ``ground_truth`` entry that is null), or None when it has one."""
     what = f"data.reward_key={reward_key}"
-    if row.get(reward_key) is None:
-        return f"no ground truth: its {what} value is null or absent, and the rule scorer compares every response " \
-               "with one"
-    if _ground_truth(row[reward_key]) is None:
-        return (f"no ground truth: its {what} value's 'ground_truth' is null, and the rule scorer compares every "
-                "response with one")
+    if _is_missing(row.get(reward_key)):
+        return f"no ground truth: its {what} value is null, NaN or absent, and the rule scorer compares every " \
+               "response with one"
+    if _is_missing(_ground_truth(row[reward_key])):
+        return (f"no ground truth: its {what} value's 'ground_truth' is null or NaN, and the rule scorer compares "
+                "every response with one")
     return None
+
+
+def _is_missing(value: Any) -> bool:
+    """None, or a float NaN: pandas writes a missing number as NaN, which a scorer would compare as the text 'nan'."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
 
 
 def _ground_truth(reward_spec: Any) -> Any:

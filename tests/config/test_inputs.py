@@ -248,7 +248,7 @@ def test_a_hub_id_in_the_local_cache_is_its_snapshot_folder(demo_assets, tmp_pat
     ({"prompt": [{"role": "user"}], "reward_model": {"ground_truth": "a"}}, "row 5: message 0 has no string 'content'"),
     # the rule scorer (repeat_letter) compares every response with the row's ground truth: scoring would fail
     ({"prompt": "repeat: a", "reward_model": None}, "row 5: no ground truth: its data.reward_key=reward_model value "
-                                                    "is null or absent"),
+                                                    "is null, NaN or absent"),
     ({"prompt": "repeat: a", "reward_model": {"ground_truth": None}}, "row 5: no ground truth: its "
                                                                       "data.reward_key=reward_model value's "
                                                                       "'ground_truth' is null"),

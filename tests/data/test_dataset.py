@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import pyarrow as pa
@@ -219,12 +220,29 @@ def test_a_row_without_a_ground_truth_is_malformed_where_one_is_required(tmp_pat
     assert len(PromptDataset(bare, tokenizer, reward_key="answer", require_ground_truth=True)) == 1
     assert len(PromptDataset(file, tokenizer, reward_key="answer")) == 4  # not required: the user's function decides
     with pytest.raises(DatasetError, match=r"gt\.jsonl, row 2: no ground truth: its data\.reward_key=answer value is "
-                                           r"null or absent"):
+                                           r"null, NaN or absent"):
         PromptDataset(file, tokenizer, reward_key="answer", require_ground_truth=True)
     dataset = PromptDataset(file, tokenizer, reward_key="answer", require_ground_truth=True, on_malformed="skip")
     assert [item.index for item in dataset] == [0, 1] and dataset.stats.skipped_malformed == 2
     assert "row 3: no ground truth: its data.reward_key=answer value's 'ground_truth' is null" in \
         "; ".join(dataset.stats.malformed_examples)
+
+
+def test_a_nan_ground_truth_is_missing_where_one_is_required(tmp_path: Path, tokenizer) -> None:
+    """pandas writes a missing number as NaN: a rule scorer would compare the response with the text 'nan' and score
+    the row 0 every time, so a NaN ground truth (bare, or the dict's entry) is a missing one, refused or counted."""
+    bare = write_parquet(tmp_path / "bare.parquet",
+                         [{"prompt": "a", "answer": 3.0}, {"prompt": "b", "answer": math.nan}])
+    with pytest.raises(DatasetError, match=r"bare\.parquet, row 1: no ground truth: .* null, NaN or absent"):
+        PromptDataset(bare, tokenizer, reward_key="answer", require_ground_truth=True)
+    rows = [{"prompt": "a", "reward_model": {"ground_truth": 3.0}},
+            {"prompt": "b", "reward_model": {"ground_truth": math.nan}}]
+    nested = write_parquet(tmp_path / "nested.parquet", rows)
+    dataset = PromptDataset(nested, tokenizer, require_ground_truth=True, on_malformed="skip")
+    assert [item.ground_truth for item in dataset] == [3.0] and dataset.stats.skipped_malformed == 1
+    assert "row 1: no ground truth: its data.reward_key=reward_model value's 'ground_truth' is null or NaN" in \
+        dataset.stats.malformed_examples[0]
+    assert len(PromptDataset(nested, tokenizer)) == 2  # not required: a user's function decides what NaN means
 
 
 def test_date_like_text_stays_text(tmp_path: Path, tokenizer) -> None:
