@@ -127,7 +127,13 @@ def _read_json_table(source: Any) -> list[dict[str, Any]]:
 
 
 def _read_jsonl_lines(path: Path) -> list[dict[str, Any]]:
-    """Each non-blank line parsed on its own by pyarrow: a bad line cannot spoil its neighbours."""
+    """Each non-blank line parsed on its own by pyarrow: a bad line cannot spoil its neighbours.
+
+    A line pyarrow cannot type is still JSON when its arrays mix kinds (verl's extra_info often holds
+    ``[1, {"k": 2}]`` or ``[1, "a"]``: one arrow list has one value type): the standard library parses it.
+    """
+    import json
+
     rows: list[dict[str, Any]] = []
     for line in path.read_bytes().splitlines():
         if not line.strip():
@@ -135,9 +141,14 @@ def _read_jsonl_lines(path: Path) -> list[dict[str, Any]]:
         try:
             parsed = _read_json_table(line)
         except Exception as error:
-            # pyarrow parsed the line as a table of its own: its " in row 0" is that table's row, not the file's
-            rows.append({_UNPARSEABLE: re.sub(r"\s+in row \d+$", "", str(error).strip())})
-            continue
+            try:
+                parsed = [json.loads(line)]
+            except ValueError:
+                # pyarrow parsed the line as a table of its own: its " in row 0" is that table's row, not the file's
+                rows.append({_UNPARSEABLE: re.sub(r"\s+in row \d+$", "", str(error).strip())})
+                continue
+            if not isinstance(parsed[0], dict):
+                parsed = []
         rows.extend(parsed if parsed else [{_UNPARSEABLE: "not a JSON object"}])
     return rows
 
@@ -147,7 +158,8 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
 
     pyarrow reads a JSONL file as one table with one type per column, so a file that mixes text and
     chat-message prompts, or has one bad line, fails as a whole. Such a file is re-read line by line
-    (each line parsed by pyarrow on its own); lines that still fail come back as rows that
+    (each line parsed by pyarrow on its own, or by the standard library where its arrays mix kinds); lines that
+    still fail come back as rows that
     `PromptDataset` reports as malformed, with their row number.
     """
     path = Path(path)

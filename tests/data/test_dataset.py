@@ -194,6 +194,21 @@ def test_wrong_type_and_bad_lines_in_jsonl(tmp_path: Path, tokenizer) -> None:
     assert dataset.stats.skipped_malformed == 2
 
 
+def test_json_lines_whose_arrays_mix_kinds_are_read_as_written(tmp_path: Path, tokenizer) -> None:
+    """JSON arrays may mix kinds (verl's extra_info, a list of mixed answers); an arrow list holds one value type, so
+    pyarrow cannot read such a line even on its own. It is valid JSON: each row is what json.loads makes of its line,
+    not an "unreadable JSON line"."""
+    rows = [{"prompt": "a", "reward_model": {"ground_truth": [1, "one"]}, "extra_info": {"tools": [1, {"k": "é😀"}]}},
+            {"prompt": "b", "reward_model": {"ground_truth": "2"}, "extra_info": {"tools": []}},
+            {"prompt": "c", "reward_model": {"ground_truth": [[1, 2], "x", None]}, "extra_info": None}]
+    file = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    dataset = PromptDataset(file, tokenizer, require_ground_truth=True)
+    expected = [json.loads(line) for line in file.read_text().splitlines()]
+    assert [item.ground_truth for item in dataset] == [row["reward_model"]["ground_truth"] for row in expected]
+    assert [item.extra_info for item in dataset] == [row["extra_info"] for row in expected]
+    assert dataset.stats.kept == 3 and dataset.stats.skipped_malformed == 0
+
+
 def test_a_bad_json_line_names_one_row_and_the_config_field(tmp_path: Path, tokenizer) -> None:
     """pyarrow parses each line of a file it cannot read whole as a table of its own, so its message ends in that
     one-line table's " in row 0": the error says the file's row alone, and names the setting as the config does."""
