@@ -159,8 +159,7 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     pyarrow reads a JSONL file as one table with one type per column, so a file that mixes text and
     chat-message prompts, or has one bad line, fails as a whole. Such a file is re-read line by line
     (each line parsed by pyarrow on its own, or by the standard library where its arrays mix kinds); lines that
-    still fail come back as rows that
-    `PromptDataset` reports as malformed, with their row number.
+    still fail come back as rows that `PromptDataset` reports as malformed, with their row number.
     """
     path = Path(path)
     if not path.is_file():
