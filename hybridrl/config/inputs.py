@@ -491,6 +491,11 @@ def _check_files(field: str, files: Sequence[str], data: DataConfig, issues: lis
                 issues.append(ConfigIssue(key_field, column, f"is not a column of {file}; {hint}its columns: "
                                                              f"{', '.join(preview.columns) or 'none'}"))
                 usable = False
+        for column in preview.multimodal_columns:
+            issues.append(ConfigIssue(where, file, f"has the column {column!r} (verl's multimodal inputs): hybridrl "
+                                                   f"trains text-only models, and each prompt would train without "
+                                                   f"its {column}; drop the column to train on the text alone"))
+            usable = False
         if by_data_source:
             _check_data_sources(file, preview, issues)
         if preview.prompt_kind == "messages":

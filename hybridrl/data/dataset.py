@@ -41,6 +41,9 @@ TRUNCATION_MODES = ("error", "left", "right")
 MALFORMED_MODES = ("error", "skip")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+# verl's multimodal columns (its data.image_key and data.video_key defaults): hybridrl trains text-only models, so a
+# row's images would never reach the model while its prompt trained as if they had
+MULTIMODAL_COLUMNS = ("images", "videos")
 
 
 class DatasetError(ValueError):
@@ -201,6 +204,8 @@ class FilePreview:
     prompt_kind: str | None  # "text", "messages", or None (the prompt column is absent or unrecognised)
     # the data_source values seen: every row's for parquet (that one column read), the previewed lines' for JSONL
     data_sources: frozenset[str] = frozenset()
+    # MULTIMODAL_COLUMNS present: parquet's schema, the previewed JSONL lines' non-empty values
+    multimodal_columns: tuple[str, ...] = ()
 
 
 _PREVIEW_LINES = 64  # JSONL lines parsed for the columns and the prompt's kind
@@ -238,7 +243,8 @@ def preview_file(path: str | Path, prompt_key: str) -> FilePreview:
         if "data_source" in schema.names:
             column = parquet.read(columns=["data_source"]).column("data_source")
             sources = frozenset(str(v) for v in column.unique().to_pylist() if v is not None)
-        return FilePreview(str(path), parquet.metadata.num_rows, tuple(schema.names), kind, sources)
+        multimodal = tuple(name for name in MULTIMODAL_COLUMNS if name in schema.names)
+        return FilePreview(str(path), parquet.metadata.num_rows, tuple(schema.names), kind, sources, multimodal)
     if suffix in JSONL_SUFFIXES:
         import json
 
@@ -251,6 +257,7 @@ def preview_file(path: str | Path, prompt_key: str) -> FilePreview:
         lines = [line for line in data.splitlines() if line.strip()]
         columns: dict[str, None] = {}
         seen: set[str] = set()
+        multimodal: dict[str, None] = {}
         kind = None
         for line in lines[:_PREVIEW_LINES]:
             try:
@@ -260,12 +267,13 @@ def preview_file(path: str | Path, prompt_key: str) -> FilePreview:
             if not isinstance(row, dict):
                 continue
             columns.update(dict.fromkeys(row))
+            multimodal.update(dict.fromkeys(name for name in MULTIMODAL_COLUMNS if multimodal_problem(row, name)))
             if row.get("data_source") is not None:
                 seen.add(str(row["data_source"]))
             if kind is None and row.get(prompt_key) is not None:
                 prompt = row[prompt_key]
                 kind = "text" if isinstance(prompt, str) else "messages" if isinstance(prompt, list) else None
-        return FilePreview(str(path), len(lines), tuple(columns), kind, frozenset(seen))
+        return FilePreview(str(path), len(lines), tuple(columns), kind, frozenset(seen), tuple(multimodal))
     raise DatasetError(
         f"{path}: unsupported file type {suffix!r}; use parquet ({', '.join(PARQUET_SUFFIXES)}) "
         f"or JSON lines ({', '.join(JSONL_SUFFIXES)})"
@@ -282,6 +290,9 @@ def _check_messages(prompt: Sequence[Any]) -> str | None:
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str) or not role:
             return f"message {i} has no string 'role'"
+        if isinstance(content, (list, tuple)):
+            return (f"message {i}'s content is a list of parts (multimodal: text, image, ...); hybridrl trains "
+                    "text-only models: give each message its text as a string")
         if not isinstance(content, str):
             return f"message {i} has no string 'content'"
     return None
@@ -317,6 +328,17 @@ def _missing_ground_truth(row: Mapping[str, Any], reward_key: str) -> str | None
 def _is_missing(value: Any) -> bool:
     """None, or a float NaN: pandas writes a missing number as NaN, which a scorer would compare as the text 'nan'."""
     return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def multimodal_problem(row: Mapping[str, Any], *names: str) -> str | None:
+    """Why a row's multimodal inputs cannot be trained on (a non-empty value of `names`, by default every
+    MULTIMODAL_COLUMNS), or None."""
+    for name in names or MULTIMODAL_COLUMNS:
+        value = row.get(name)
+        if value is not None and not (hasattr(value, "__len__") and len(value) == 0):
+            return (f"has {name!r} (verl's multimodal inputs): hybridrl trains text-only models, and the prompt would "
+                    f"train without its {name}; drop the {name!r} column to train on the text alone")
+    return None
 
 
 def _ground_truth(reward_spec: Any) -> Any:
@@ -411,6 +433,10 @@ class PromptDataset(Sequence[PromptItem]):
         self.stats.total_rows = global_index
         if global_index == 0:
             raise DatasetError(f"no rows in the data files {self.files}")
+        for row, file, row_in_file, _ in pending:  # the whole file's problem, not a row to skip under on_malformed
+            multimodal = multimodal_problem(row)
+            if multimodal is not None:
+                raise DatasetError(f"{file}, row {row_in_file} {multimodal}")
 
         usable: list[tuple[dict[str, Any], str, int, int]] = []
         for row, file, row_in_file, index in pending:

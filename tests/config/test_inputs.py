@@ -64,6 +64,11 @@ def _mistakes(assets: Path, tmp: Path) -> dict[str, tuple[list[str], str]]:
     chat = write_rows(_rows(16, prompt=lambda i: MESSAGES), tmp / "chat.parquet")
     (tmp / "other_name.py").write_text("def score(response, ground_truth, extra):\n    return 1.0\n")
     (tmp / "one_arg.py").write_text("def compute_score(response):\n    return 1.0\n")
+    # verl's form with the response parameter renamed: called positionally it took the response as its data_source
+    (tmp / "verl_misnamed.py").write_text(
+        "def compute_score(data_source, solution, ground_truth, extra_info=None):\n    return float(solution == 'a')\n")
+    images = write_rows([{**row, "images": [{"image": "file:///photo.png"}]} for row in _rows(16)],
+                        tmp / "images.parquet")
     (tmp / "raises.py").write_text("import no_such_module_anywhere\n")
     no_weights = _copy_model(assets, tmp / "noweights", without=("*.safetensors",))
     no_tokenizer = _copy_model(assets, tmp / "notok", without=("tokenizer*",))
@@ -156,6 +161,15 @@ def _mistakes(assets: Path, tmp: Path) -> dict[str, tuple[list[str], str]]:
         "custom reward with a wrong signature": ([f"algorithm.custom_reward_function.path={tmp / 'one_arg.py'}"],
                                                  "algorithm.custom_reward_function.name=compute_score cannot take the "
                                                  "reward call"),
+        "verl-style reward with the response parameter renamed": (
+            [f"algorithm.custom_reward_function.path={tmp / 'verl_misnamed.py'}"],
+            "algorithm.custom_reward_function.name=compute_score cannot take the reward call (verl's convention, "
+            "called as fn(solution_str=..., ground_truth=..., data_source=..., extra_info=...): the response is "
+            "passed as solution_str): missing a required argument: 'solution'"),
+        # train: the images were dropped silently, each prompt trained as if it had none
+        "multimodal images column": ([f"data.train_files=[{images}]"],
+                                     f"data.train_files={images} has the column 'images' (verl's multimodal inputs): "
+                                     "hybridrl trains text-only models"),
         "custom reward file that fails to import": ([f"algorithm.custom_reward_function.path={tmp / 'raises.py'}"],
                                                     "No module named 'no_such_module_anywhere'"),
         # train died ~13 s in, when it started its metric sinks; wandb is not in this environment (checked below)
@@ -174,6 +188,7 @@ MISTAKES = ["missing data file", "hub dataset id", "misspelled scorer", "missing
             "reward model of an unsupported family", "fewer rows than a batch",
             "chat messages, template off", "prompt column misnamed", "reward column misnamed",
             "missing custom reward file", "custom reward function misnamed", "custom reward with a wrong signature",
+            "verl-style reward with the response parameter renamed", "multimodal images column",
             "custom reward file that fails to import", "logger whose package is missing"]
 
 
@@ -318,6 +333,17 @@ def test_preview_reads_rows_columns_and_prompt_kind(tmp_path):
         text = preview_file(write_rows(_rows(7), tmp_path / f"t{suffix}"), "prompt")
         assert (text.rows, text.prompt_kind) == (7, "text")
         assert preview_file(tmp_path / f"t{suffix}", "question").prompt_kind is None
+        assert text.multimodal_columns == ()
+
+
+def test_preview_finds_multimodal_columns_as_the_dataset_refuses_them(tmp_path):
+    """The plan's preview sees verl's images / videos columns (parquet: in the schema; JSONL: a previewed line
+    with a non-empty value, as PromptDataset refuses a row), so the plan refuses what train would."""
+    rows = [{**row, "videos": [], "images": ["x.png"] if i == 1 else []} for i, row in enumerate(_rows(3))]
+    assert preview_file(write_rows(rows, tmp_path / "mm.parquet"), "prompt").multimodal_columns == ("images", "videos")
+    assert preview_file(write_rows(rows, tmp_path / "mm.jsonl"), "prompt").multimodal_columns == ("images",)
+    empty = [{**row, "images": []} for row in _rows(3)]
+    assert preview_file(write_rows(empty, tmp_path / "empty.jsonl"), "prompt").multimodal_columns == ()
 
 
 def _verl_style(data_source, solution_str, ground_truth, extra_info=None):

@@ -161,12 +161,30 @@ def test_all_prompts_filtered_is_an_error(tmp_path: Path, tokenizer) -> None:
         ({"prompt": "   "}, "empty string"),
         ({"prompt": []}, "message list is empty"),
         ({"prompt": [{"role": "user"}]}, "no string 'content'"),
+        # verl's multimodal messages: content parts, which a text-only model has no input for
+        ({"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}]},
+         r"message 0's content is a list of parts \(multimodal"),
     ],
 )
 def test_malformed_rows_error_names_file_and_row(tmp_path: Path, tokenizer, bad_row: dict, reason: str) -> None:
     file = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok"}, {"prompt": "fine"}, bad_row])
     with pytest.raises(DatasetError, match=rf"bad\.jsonl, row 2: .*{reason}"):
         PromptDataset(file, tokenizer, apply_chat_template=True)
+
+
+@pytest.mark.parametrize("writer", [write_jsonl, write_parquet], ids=["jsonl", "parquet"])
+def test_rows_with_images_are_refused_not_trained_without_them(tmp_path: Path, tokenizer, writer) -> None:
+    """verl's multimodal rows (an images or videos column): the text-only model would train on each prompt as if it
+    had no image, so a row that has one stops the build (whatever on_malformed says: it is the file's kind, not a bad
+    row); an empty or null images value is text alone."""
+    rows = [{"prompt": "a", "images": []}, {"prompt": "b", "images": None},
+            {"prompt": "c", "images": [{"image": "file:///photo.png"}]}]
+    file = writer(tmp_path / ("mm.jsonl" if writer is write_jsonl else "mm.parquet"), rows)
+    for on_malformed in ("error", "skip"):
+        with pytest.raises(DatasetError, match=r"mm\.(jsonl|parquet), row 2 has 'images' \(verl's multimodal inputs\)"):
+            PromptDataset(file, tokenizer, on_malformed=on_malformed)
+    text_only = writer(tmp_path / ("text.jsonl" if writer is write_jsonl else "text.parquet"), rows[:2])
+    assert [item.raw_prompt for item in PromptDataset(text_only, tokenizer)] == ["a", "b"]
 
 
 def test_malformed_rows_can_be_skipped_with_a_count(tmp_path: Path, tokenizer, caplog) -> None:
