@@ -6,6 +6,7 @@ the caller's error class, with the file and what went wrong. Torch-free, imports
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -24,22 +25,40 @@ def renamed_module_hint(exc: BaseException) -> str:
 
 
 def import_user_file(path: str | Path, *, what: str, prefix: str, error: type[Exception]) -> ModuleType:
-    """The module of the file `path` (`what` names it in errors, e.g. "custom reward file"), registered in
-    `sys.modules` under `prefix` + a hash of its resolved path; `error` is raised for a missing file, a file
-    that is not a module, or one whose import fails."""
+    """The module of the file `path` (`what` names it in errors, e.g. "custom reward file"); `error` is raised for a
+    missing file, a file that is not a module, or one whose import fails.
+
+    The file imports its neighbours as it would run as a script beside them: it is a module of a package that
+    stands for its folder (`prefix` + a hash of the folder), so `from .helper import f` finds the folder's
+    helper.py, and the folder is on `sys.path` while it executes (first, as a script's is) and after it (last: a
+    later `import helper` in a function still finds it, and nothing the trainer imports later is shadowed by a file
+    of the user's folder), so `import helper` does too."""
     path = Path(path)
     if not path.is_file():
         raise error(f"{what} {str(path)!r} does not exist")
-    module_name = f"{prefix}{abs(hash(str(path.resolve())))}"
+    folder = path.resolve().parent
+    package_name = f"{prefix}{abs(hash(str(folder)))}"
+    if package_name not in sys.modules:
+        package = ModuleType(package_name)
+        package.__path__ = [str(folder)]  # a namespace package of the folder: relative imports resolve there
+        sys.modules[package_name] = package
+    module_name = package_name + "." + re.sub(r"\W", "_", path.stem)  # a file name may hold a dash
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise error(f"cannot import {str(path)!r} as a Python module")
     module = importlib.util.module_from_spec(spec)
     # Registered before executing so dataclasses/pickling inside the file can find their module.
     sys.modules[module_name] = module
+    on_path = str(folder) in sys.path
+    if not on_path:
+        sys.path.insert(0, str(folder))
     try:
         spec.loader.exec_module(module)
     except Exception as exc:
         sys.modules.pop(module_name, None)
         raise error(f"importing {what} {str(path)!r} failed: {exc!r}{renamed_module_hint(exc)}") from exc
+    finally:
+        if not on_path:
+            sys.path.remove(str(folder))
+            sys.path.append(str(folder))
     return module

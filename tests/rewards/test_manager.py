@@ -198,6 +198,32 @@ def test_async_reward_functions_are_awaited_together(tmp_path: Path) -> None:
     assert fallback.scores == [1.0, -1.0] and fallback.fallback_rows == [1]
 
 
+def test_a_reward_file_imports_its_neighbours(tmp_path: Path) -> None:
+    """A reward file split into modules, as a script beside them would import them: relatively (`from .helper`),
+    by name at import time (`import grading`) and by name inside the function (a lazy import at the first score).
+    The folder ends last on sys.path, where it shadows nothing the trainer imports later."""
+    import sys
+
+    folder = tmp_path / "my_rewards"
+    folder.mkdir()
+    (folder / "helper.py").write_text("def same(a, b):\n    return float(a.strip() == b)\n")
+    (folder / "grading.py").write_text("BONUS = 0.5\n")
+    (folder / "lazy_bonus.py").write_text("BONUS = 0.25\n")
+    (folder / "reward-v2.py").write_text(
+        "from .helper import same\nimport grading\n\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    import lazy_bonus\n"
+        "    return same(solution_str, ground_truth) + grading.BONUS + lazy_bonus.BONUS\n")
+    try:
+        manager = RewardManager.from_file(str(folder / "reward-v2.py"))
+        assert sys.path[-1] == str(folder.resolve()) and str(folder.resolve()) not in sys.path[:-1]
+        assert manager.score([" a ", "b"], ["a", "a"]).scores == [1.75, 0.75]
+    finally:
+        sys.path.remove(str(folder.resolve()))
+        for name in ("grading", "lazy_bonus"):
+            sys.modules.pop(name, None)
+
+
 def test_extra_keys_are_kept_per_sample_and_each_numeric_ones_mean_is_a_metric() -> None:
     """verl's reward_extra_info: the dict's keys beside score and acc, per sample (as JSON values), and the mean of
     each numeric one over the samples that report it."""
