@@ -8,7 +8,8 @@ and `load_state_dict()` resumes mid-epoch exactly, on any machine, without repla
 Batch size. Training batches always hold exactly ``batch_size`` prompts (``drop_last=True``, the
 default): the step arithmetic (``train_batch_size`` split over mini-batches and data-parallel ranks)
 needs a fixed size, and the few prompts left over at the end of an epoch are seen in other epochs
-because the order is reshuffled. Validation uses ``drop_last=False, shuffle=False`` so every prompt
+because the order is reshuffled (without shuffling the same last ones are never seen: `left_out_note`, which the
+trainer logs). Validation uses ``drop_last=False, shuffle=False`` so every prompt
 is scored once; its last batch may be smaller.
 """
 from __future__ import annotations
@@ -129,6 +130,17 @@ class PromptDataLoader:
     @property
     def epoch(self) -> int:
         return self._epoch
+
+    def left_out_note(self) -> str | None:
+        """What each epoch leaves out of a fixed-size batching (`drop_last`), for the log; None when nothing is: with
+        shuffling a different remainder each epoch, without it the same last prompts, never trained on."""
+        left = len(self.dataset) % self.batch_size if self.drop_last else 0
+        if not left:
+            return None
+        share = f"{left} of the {len(self.dataset)} prompts (not a multiple of the batch size {self.batch_size})"
+        if self.shuffle:
+            return f"each epoch leaves out {share}, a different {left} each epoch"
+        return f"every epoch leaves out the same {share}, the last ones in file order: they are never trained on"
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """Dataset positions in the order epoch `epoch` visits them."""

@@ -187,6 +187,9 @@ class Trainer:
         self.train_rows = train.stats.total_rows  # saved with each checkpoint: the plan compares a resume's data
         self.train_loader = PromptDataLoader(train, cfg.data.train_batch_size, self.pad_token_id,
                                              shuffle=cfg.data.shuffle, seed=cfg.trainer.seed)
+        left_out = self.train_loader.left_out_note()
+        if left_out:  # batches are whole (the step arithmetic): say which prompts that costs
+            self.write(f"train data: {left_out} (data.train_batch_size, data.shuffle)")
         self.val_loader = None
         if cfg.data.val_files:
             with _user_input("data.val_files", cfg.data.val_files, DatasetError):

@@ -91,6 +91,24 @@ def test_drop_last_gives_fixed_batches_and_validation_keeps_all() -> None:
         PromptDataLoader(items(2), 3, PAD)
 
 
+def test_the_prompts_whole_batches_leave_out_are_said() -> None:
+    """Batches are whole, so 10 prompts in batches of 4 leave 2 out of each epoch: without shuffling the same last two,
+    never trained on, which the trainer's log must say (counted here from what three epochs hand out)."""
+    for shuffle in (False, True):
+        loader = PromptDataLoader(items(10), 4, PAD, shuffle=shuffle, seed=3)
+        seen_per_epoch = [{i for indices, _ in batches_as_lists(loader) for i in indices} for _ in range(3)]
+        assert all(len(seen) == 8 for seen in seen_per_epoch)
+        never = set(range(10)) - set().union(*seen_per_epoch)
+        note = loader.left_out_note()
+        assert note is not None and "2 of the 10 prompts (not a multiple of the batch size 4)" in note
+        if shuffle:
+            assert len({frozenset(seen) for seen in seen_per_epoch}) > 1 and "a different 2 each epoch" in note
+        else:
+            assert never == {8, 9} and "the last ones in file order: they are never trained on" in note
+    assert PromptDataLoader(items(12), 4, PAD).left_out_note() is None
+    assert PromptDataLoader(items(10), 4, PAD, drop_last=False).left_out_note() is None  # validation scores all
+
+
 def test_resume_mid_epoch_gives_the_same_remaining_batches() -> None:
     data = items(23)
     uninterrupted = PromptDataLoader(data, 4, PAD, seed=3)
