@@ -471,7 +471,7 @@ def _check_files(field: str, files: Sequence[str], data: DataConfig, issues: lis
             preview = preview_file(file, data.prompt_key)
         except DatasetError as error:
             rule = str(error).removeprefix(f"{file}: ")
-            if not Path(file).exists():
+            if not Path(file).exists() and "patterns are not expanded" not in rule:
                 hub = "; hub datasets are never downloaded: write its rows to parquet or JSONL first" \
                     if looks_like_hub_id(file) else ""
                 rule = f"does not exist{hub} (the format, and tools/prepare_gsm8k.py: {GUIDE}#data)"

@@ -156,6 +156,33 @@ def _read_jsonl_lines(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _unusable_path(path: Path) -> DatasetError:
+    """Why `path` is not a data file hybridrl reads (missing, a folder, a pattern, a format it does not read), naming
+    what to do instead."""
+    if not path.exists():
+        if any(character in str(path) for character in "*?["):
+            return DatasetError(f"data file {str(path)!r} does not exist: patterns are not expanded; list the files")
+        return DatasetError(f"data file {str(path)!r} does not exist")
+    if path.is_dir():
+        if (path / "dataset_info.json").is_file() or (path / "state.json").is_file():
+            return DatasetError(f"{str(path)!r} is a folder: a Hugging Face dataset saved with save_to_disk; write it "
+                                f"as parquet first: datasets.load_from_disk({str(path)!r}).to_parquet('train.parquet')")
+        return DatasetError(f"{str(path)!r} is a folder, not a file; list its parquet or JSON-lines files")
+    if not path.is_file():
+        return DatasetError(f"{str(path)!r} is not a file")
+    if path.suffix.lower() in (".gz", ".bz2", ".xz", ".zst", ".zip"):
+        hint = "; it is compressed: decompress it first and name the file inside"
+    elif path.suffix.lower() == ".arrow":
+        hint = (f"; an Arrow file (what datasets' save_to_disk writes): write it as parquet first: "
+                f"datasets.Dataset.from_file({str(path)!r}).to_parquet('train.parquet')")
+    else:
+        hint = ""
+    return DatasetError(
+        f"{path}: unsupported file type {path.suffix.lower()!r}; use parquet ({', '.join(PARQUET_SUFFIXES)}) "
+        f"or JSON lines ({', '.join(JSONL_SUFFIXES)}){hint}"
+    )
+
+
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
     """All rows of one parquet or JSONL file as dicts (pyarrow does the parsing).
 
@@ -166,7 +193,7 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     """
     path = Path(path)
     if not path.is_file():
-        raise DatasetError(f"data file {str(path)!r} does not exist")
+        raise _unusable_path(path)
     suffix = path.suffix.lower()
     if suffix in PARQUET_SUFFIXES:
         import pyarrow.parquet as pq
@@ -187,10 +214,7 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
             return _read_json_table(path)
         except Exception:
             return _read_jsonl_lines(path)
-    raise DatasetError(
-        f"{path}: unsupported file type {suffix!r}; use parquet ({', '.join(PARQUET_SUFFIXES)}) "
-        f"or JSON lines ({', '.join(JSONL_SUFFIXES)})"
-    )
+    raise _unusable_path(path)
 
 
 @dataclass(frozen=True)
@@ -220,8 +244,7 @@ def preview_file(path: str | Path, prompt_key: str) -> FilePreview:
     """
     path = Path(path)
     if not path.is_file():
-        raise DatasetError(f"data file {str(path)!r} does not exist" if not path.exists()
-                           else f"{str(path)!r} is not a file")
+        raise _unusable_path(path)
     suffix = path.suffix.lower()
     if suffix in PARQUET_SUFFIXES:
         import pyarrow as pa
@@ -274,10 +297,7 @@ def preview_file(path: str | Path, prompt_key: str) -> FilePreview:
                 prompt = row[prompt_key]
                 kind = "text" if isinstance(prompt, str) else "messages" if isinstance(prompt, list) else None
         return FilePreview(str(path), len(lines), tuple(columns), kind, frozenset(seen), tuple(multimodal))
-    raise DatasetError(
-        f"{path}: unsupported file type {suffix!r}; use parquet ({', '.join(PARQUET_SUFFIXES)}) "
-        f"or JSON lines ({', '.join(JSONL_SUFFIXES)})"
-    )
+    raise _unusable_path(path)
 
 
 def _check_messages(prompt: Sequence[Any]) -> str | None:

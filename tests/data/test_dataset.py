@@ -321,6 +321,39 @@ def test_empty_and_missing_files(tmp_path: Path, tokenizer) -> None:
         PromptDataset(csv, tokenizer)
 
 
+@pytest.mark.parametrize("reader", ["plan", "train"])
+def test_files_it_cannot_read_say_what_to_do(tmp_path: Path, tokenizer, reader) -> None:
+    """What users name as data besides parquet and JSON lines (a save_to_disk folder, its .arrow file, a folder of
+    files, a glob, a gzip'd JSONL): each refused saying what to do, by the plan's preview and train's reader alike."""
+    import gzip
+
+    from hybridrl.data.dataset import preview_file
+
+    saved = tmp_path / "saved"  # what datasets' save_to_disk writes
+    saved.mkdir()
+    table = pa.Table.from_pylist(rows_with_lengths([3, 4]))
+    with pa.ipc.new_stream(saved / "data-00000-of-00001.arrow", table.schema) as stream:
+        stream.write_table(table)
+    (saved / "dataset_info.json").write_text("{}")
+    (saved / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    write_jsonl(parts / "part0.jsonl", rows_with_lengths([3]))
+    packed = tmp_path / "train.jsonl.gz"
+    packed.write_bytes(gzip.compress(b'{"prompt": "hi"}\n'))
+    expected = {
+        saved: r"is a folder: a Hugging Face dataset saved with save_to_disk; write it as parquet first: "
+               r"datasets\.load_from_disk\('.*saved'\)\.to_parquet\('train\.parquet'\)",
+        saved / "data-00000-of-00001.arrow": r"unsupported file type '\.arrow'.*datasets\.Dataset\.from_file\(",
+        parts: r"is a folder, not a file; list its parquet or JSON-lines files",
+        parts / "*.jsonl": r"does not exist: patterns are not expanded; list the files",
+        packed: r"unsupported file type '\.gz'.*it is compressed: decompress it first",
+    }
+    for path, message in expected.items():
+        with pytest.raises(DatasetError, match=message):
+            preview_file(path, "prompt") if reader == "plan" else PromptDataset(path, tokenizer)
+
+
 def test_from_config(tmp_path: Path, tokenizer) -> None:
     from hybridrl.config.schema import DataConfig
 
