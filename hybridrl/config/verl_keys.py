@@ -102,6 +102,12 @@ VERL_KEYS: tuple[VerlKey, ...] = (
                    "moe_token_dispatcher_type", "moe_expert_capacity_factor", "moe_token_drop_policy",
                    "moe_pad_expert_input_to_capacity")),
     Alias("data.trust_remote_code", "actor_rollout_ref.model.trust_remote_code"),
+    # verl's seed of its sampler's order: hybridrl's data order comes from the one job seed, which also seeds sampling
+    Refused("data.seed", "is verl's seed of the data order; hybridrl's data order follows trainer.seed (which also "
+            "seeds the rollout's sampling): set trainer.seed"),
+    *(Refused(f"data.{key}", "names verl's multimodal column; hybridrl trains text-only models (a file with an images "
+              "or videos column is refused): drop it, and the column from the data")
+      for key in ("image_key", "video_key")),
     # verl's user reward function: at the top level (its scripts), under `reward` (newer verl)
     Alias("custom_reward_function", "algorithm.custom_reward_function", section=True),
     Alias("reward.custom_reward_function", "algorithm.custom_reward_function", section=True),

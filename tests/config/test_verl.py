@@ -158,6 +158,9 @@ def test_verls_lora_grad_clip_and_checkpoint_keys_are_hybridrls():
     ("actor_rollout_ref.rollout.do_sample=False", "greedy decoding is validation's"),
     ("actor_rollout_ref.actor.optim.lr_warmup_init=1", "actor_rollout_ref.actor.optim.lr_warmup_init=1 must be in"),
     ("actor_rollout_ref.model.target_modules=[q_proj]", "q_proj is in linear_qkv"),
+    # an unknown key listed data's fields, none of which is the seed the data order follows
+    ("data.seed=7", "hybridrl's data order follows trainer.seed"),
+    ("data.image_key=images", "hybridrl trains text-only models"),
 ])
 def test_verl_keys_of_another_meaning_are_refused_with_the_right_pointer(override, rule):
     seed = ROOT / "configs/examples/seed_6gpu_grpo.yaml"
