@@ -40,7 +40,7 @@ SandboxIsolation = Isolation  # hybridrl.tool_calling.sandbox: "namespaces" or "
 Strategy = Literal["megatron"]
 OptimizerName = Literal["adam", "sgd"]
 LrDecayStyle = Literal["constant", "linear", "cosine"]
-Truncation = Literal["error", "left", "right"]
+Truncation = Literal["error", "left", "right", "middle"]
 MalformedMode = Literal["error", "skip"]
 OldLogProbMode = Literal["auto", "recompute"]
 RouterReplayMode = Literal["none", "rollout"]
@@ -172,7 +172,8 @@ class DataConfig:
               "formatted and text prompts kept as they are; true = text prompts too, as one user message; "
               "false = never (chat-message prompts are refused)")
     filter_overlong_prompts: bool = doc(True, "drop prompts longer than max_prompt_length (counted)")
-    truncation: Truncation = doc("error", "over-long prompts when not filtered: refuse, or cut on the left/right")
+    truncation: Truncation = doc("error", "over-long prompts when not filtered: refuse, or cut on the left/right, or "
+                                           "in the middle (verl's: the first and last halves kept)")
     on_malformed: MalformedMode = doc("error", "rows without a usable prompt: error names file, row; skip counts")
 
 

@@ -18,7 +18,8 @@ metrics and logs point back to the source row.
 Over-long prompts (more than ``max_prompt_length`` tokens after the template): dropped and counted when
 ``filter_overlong_prompts`` (the log says "filtered 3 of 100 prompts longer than 512 tokens"),
 otherwise cut by ``truncation``: ``left`` keeps the last tokens (the end of a prompt is where the
-question and the generation cue are), ``right`` keeps the first, ``error`` raises.
+question and the generation cue are), ``right`` keeps the first, ``middle`` (verl's) the first and last
+halves, ``error`` raises.
 
 Malformed rows (prompt missing, null, empty, of the wrong type, messages without role/content; with
 ``require_ground_truth``, what a rule scorer reads, a row without a ground truth):
@@ -37,7 +38,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-TRUNCATION_MODES = ("error", "left", "right")
+TRUNCATION_MODES = ("error", "left", "right", "middle")
 MALFORMED_MODES = ("error", "skip")
 PARQUET_SUFFIXES = (".parquet", ".pq")
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -367,6 +368,19 @@ def _ground_truth(reward_spec: Any) -> Any:
     return reward_spec
 
 
+def truncated_ids(ids: Sequence[int], length: int, truncation: str) -> list[int]:
+    """`length` of `ids`: left keeps the last, right the first, middle (verl's) the first length // 2 and the last
+    length - length // 2 (a prompt's instructions and its question with the generation cue)."""
+    if truncation == "left":
+        return list(ids[-length:])
+    if truncation == "right":
+        return list(ids[:length])
+    if truncation == "middle":
+        head = length // 2
+        return list(ids[:head]) + list(ids[len(ids) - (length - head):])
+    raise ValueError(f"truncation must be one of {TRUNCATION_MODES[1:]} to cut, got {truncation!r}")
+
+
 def _strip_nulls(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     # pyarrow unifies message structs across rows: keys a message lacks come back as None, and a
     # chat template would render them ("name": None). Drop them.
@@ -498,9 +512,9 @@ class PromptDataset(Sequence[PromptItem]):
                     raise DatasetError(
                         f"{file}, row {row_in_file}: the prompt has {len(ids)} tokens, more than "
                         f"data.max_prompt_length={self.max_prompt_length}; set data.filter_overlong_prompts=true "
-                        "or data.truncation=left|right"
+                        "or data.truncation=left|right|middle"
                     )
-                ids = ids[-self.max_prompt_length:] if self.truncation == "left" else ids[: self.max_prompt_length]
+                ids = truncated_ids(ids, self.max_prompt_length, self.truncation)
                 truncated = True
                 self.stats.truncated += 1
             if not ids:

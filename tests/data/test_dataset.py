@@ -141,6 +141,10 @@ def test_truncation_modes(tmp_path: Path, tokenizer) -> None:
     right = PromptDataset(file, tokenizer, max_prompt_length=5, filter_overlong_prompts=False, truncation="right")
     assert tokenizer.decode(list(left[0].input_ids)) == "defgh"
     assert tokenizer.decode(list(right[0].input_ids)) == "abcde"
+    # verl's middle: the first 5 // 2 tokens and the last 5 - 5 // 2
+    middle = PromptDataset(file, tokenizer, max_prompt_length=5, filter_overlong_prompts=False, truncation="middle")
+    assert tokenizer.decode(list(middle[0].input_ids)) == "abfgh" and middle.stats.truncated == 1
+    assert tokenizer.decode(list(middle[1].input_ids)) == "abc"
     assert left[0].truncated and not left[1].truncated
     assert left.stats.truncated == 1
     with pytest.raises(DatasetError, match=r"t\.jsonl, row 0: the prompt has 8 tokens"):
