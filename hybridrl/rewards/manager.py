@@ -59,8 +59,9 @@ def _as_score_result(value: Any) -> ScoreResult | str:
         details = {k: v for k, v in value.items() if k not in ("score", "acc")}
     else:
         score = value
+    # a 0-d tensor or array (torch.tensor(1.0), np.array(0.5)): its one value, as verl's reward tensor takes it
+    score = _plain(score)
     # bool is a Number, but True as a reward is almost always a bug (a predicate returned by mistake)
-    # and numpy scalars are Numbers too; torch 0-d tensors are not, so they are rejected clearly.
     if isinstance(score, bool) or not isinstance(score, numbers.Real):
         return f"returned {type(score).__name__} {score!r}, not a number"
     score = float(score)

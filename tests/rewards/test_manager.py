@@ -105,6 +105,20 @@ def test_non_numbers_are_refused(user_file: Path, response: str, problem: str) -
         manager.score(["ok", response], ["x", "x"])
 
 
+def test_zero_dimensional_tensors_and_arrays_are_their_value() -> None:
+    """A function computing its score with torch or numpy may return a 0-d tensor or array (verl's reward tensor takes
+    it): its value is the score; a tensor of several values, or a 0-d boolean, is still refused."""
+    import numpy as np
+
+    results = iter([torch.tensor(0.75), np.array(0.25), {"score": torch.tensor(1.0, dtype=torch.float64), "acc": True},
+                    np.float32(0.5)])
+    output = RewardManager(lambda *a: next(results), "f").score(["a"] * 4, ["a"] * 4)
+    assert output.scores == [0.75, 0.25, 1.0, 0.5] and all(type(score) is float for score in output.scores)
+    for bad, problem in ((torch.tensor([1.0, 2.0]), "Tensor"), (torch.tensor(True), "bool True")):
+        with pytest.raises(RewardFunctionError, match=f"returned {problem}"):
+            RewardManager(lambda *a, bad=bad: bad, "f").score(["a"], ["a"])
+
+
 def test_fallback_score_replaces_failures_and_counts_them(user_file: Path, caplog) -> None:
     manager = RewardManager.from_file(str(user_file), "not_a_number", fallback_score=-1.0)
     with caplog.at_level(logging.WARNING, logger="hybridrl.rewards.manager"):
