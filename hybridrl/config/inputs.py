@@ -426,6 +426,11 @@ def _check_data(config: JobConfig, issues: list[ConfigIssue], chat_template: boo
     """Check the train and validation files; return the rows of data.train_files (None: unusable or none)."""
     data = config.data
     train_rows = None
+    if data.apply_chat_template and chat_template is False:  # every prompt, text or messages, of every file
+        field, value = tokenizer_field(config.actor_rollout_ref.model)
+        issues.append(ConfigIssue("data.apply_chat_template", True,
+                                  f"but the tokenizer of {field}={value} has no chat template; set it false or null, "
+                                  "or use a tokenizer with one"))
     if not data.train_files:
         issues.append(ConfigIssue("data.train_files", [], "is empty; name local parquet or JSONL files of prompts "
                                                           f"(the format: {GUIDE}#data)"))
@@ -434,7 +439,8 @@ def _check_data(config: JobConfig, issues: list[ConfigIssue], chat_template: boo
         rule_scored = field == "data.val_files" or not config.reward_model.enable
         needs_reward = ground_truth_required(config, field)
         auto = rule_scored and config.algorithm.reward_fn == AUTO and not config.algorithm.custom_reward_function.path
-        rows = _check_files(field, files, data, issues, chat_template, needs_reward, auto)
+        rows = _check_files(field, files, data, issues, chat_template, needs_reward, auto,
+                            config.actor_rollout_ref.model)
         if rows is None:
             continue
         if field == "data.train_files" and files:
@@ -461,8 +467,16 @@ def _check_data_sources(file: str, preview: FilePreview, issues: list[ConfigIssu
                                                                       f"register one for it (known: {known})"))
 
 
+def tokenizer_field(model: ModelConfig) -> tuple[str, str]:
+    """The field the policy's tokenizer comes from, and its value: tokenizer_path when set, else the model's path."""
+    if model.tokenizer_path:
+        return "actor_rollout_ref.model.tokenizer_path", model.tokenizer_path
+    return "actor_rollout_ref.model.path", model.path
+
+
 def _check_files(field: str, files: Sequence[str], data: DataConfig, issues: list[ConfigIssue],
-                 chat_template: bool | None, needs_reward: bool, by_data_source: bool) -> int | None:
+                 chat_template: bool | None, needs_reward: bool, by_data_source: bool,
+                 model: ModelConfig) -> int | None:
     """Each file of one list checked; the rows of all of them, or None when any is unusable."""
     total, usable = 0, True
     for index, file in enumerate(files):
@@ -504,14 +518,11 @@ def _check_files(field: str, files: Sequence[str], data: DataConfig, issues: lis
                                           f"but the prompts of {file} are chat messages, which only a chat template "
                                           "turns into text: unset it (null formats chat messages, as verl does) "
                                           "or set it true"))
-            elif chat_template is False:
-                issues.append(ConfigIssue("actor_rollout_ref.model.tokenizer_path", None,
+            elif chat_template is False and not data.apply_chat_template:  # true: refused once, by _check_data
+                field, value = tokenizer_field(model)
+                issues.append(ConfigIssue(field, value,
                                           f"names a tokenizer without a chat template, but the prompts of {file} are "
                                           "chat messages; use the instruct model's tokenizer or store text prompts"))
-        elif preview.prompt_kind == "text" and data.apply_chat_template and chat_template is False:
-            issues.append(ConfigIssue("data.apply_chat_template", True,
-                                      "but the tokenizer has no chat template; set it false or null, or use a "
-                                      "tokenizer with one"))
     return total if usable else None
 
 

@@ -22,7 +22,7 @@ import numpy as np
 from hybridrl.algorithms.kl_control import kl_controller_from_config
 from hybridrl.config.errors import ConfigError, ConfigIssue
 from hybridrl.config.hardware import load_hardware
-from hybridrl.config.inputs import ground_truth_required
+from hybridrl.config.inputs import ground_truth_required, tokenizer_field
 from hybridrl.config.plan import Plan
 from hybridrl.config.report import failure_cost_lines
 from hybridrl.config.step_time import StepLengths, StepTime, predict_step_time, time_vs_plan
@@ -154,9 +154,8 @@ class Trainer:
         load is the config's error on its field."""
         cfg = self.config
         model = cfg.actor_rollout_ref.model
-        tokenizer_field = "actor_rollout_ref.model." + ("tokenizer_path" if model.tokenizer_path else "path")
         # the tokenizers library raises Exception itself (a serde message naming no file): any failure is the field's
-        with _user_input(tokenizer_field, model.tokenizer_path or model.path, Exception):
+        with _user_input(*tokenizer_field(model), Exception):
             self.tokenizer = load_tokenizer(model.tokenizer_path or model.path,
                                             trust_remote_code=model.trust_remote_code)
         # Resolved once here and handed to the workers: prompts, responses and probe rows pad alike.

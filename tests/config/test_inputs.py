@@ -434,6 +434,30 @@ def test_a_function_that_cannot_take_reward_kwargs_is_refused_naming_the_field(d
     assert taken.returncode == 0, taken.stderr
 
 
+def test_a_tokenizer_without_a_chat_template_is_refused_naming_the_field_it_comes_from(demo_assets, tmp_path):
+    """Chat-message prompts, or data.apply_chat_template=true, need the tokenizer's chat template: the refusal names
+    the field the tokenizer comes from (model.path when tokenizer_path is unset, not "tokenizer_path=None"), and
+    apply_chat_template's once (it was said once per file list, naming neither)."""
+    plain = _copy_model(demo_assets, tmp_path / "plain", without=())
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    assert config.pop("chat_template")
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    chat = write_rows(_rows(16, prompt=lambda i: MESSAGES), tmp_path / "chat.parquet")
+    base = [CONFIG, *demo_overrides(demo_assets, tmp_path)]
+    for overrides, expected in (
+            ([f"actor_rollout_ref.model.path={plain}", f"data.train_files=[{chat}]"],
+             f"actor_rollout_ref.model.path={plain} names a tokenizer without a chat template, but the prompts of "
+             f"{chat} are chat messages"),
+            ([f"actor_rollout_ref.model.tokenizer_path={plain}", f"data.train_files=[{chat}]"],
+             f"actor_rollout_ref.model.tokenizer_path={plain} names a tokenizer without a chat template"),
+            ([f"actor_rollout_ref.model.path={plain}", "data.apply_chat_template=true"],
+             f"data.apply_chat_template=True but the tokenizer of actor_rollout_ref.model.path={plain} has no chat "
+             "template")):
+        result = _hybridrl("plan", *base, *overrides)
+        assert result.returncode == 2 and result.stderr.count(expected) == 1, result.stderr
+        assert "1 config error(s)" in result.stderr, result.stderr
+
+
 def test_hub_id_and_chat_template_detection(tmp_path):
     assert looks_like_hub_id("Qwen/Qwen2.5-7B-Instruct") and looks_like_hub_id("gpt2")
     assert not looks_like_hub_id(str(tmp_path)) and not looks_like_hub_id("./models/x")
