@@ -25,13 +25,13 @@ import difflib
 import importlib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from hybridrl.config.errors import ConfigIssue
 from hybridrl.config.resume import ResumePoint, check_resume
 from hybridrl.config.schema import LOGGER_PACKAGES, DataConfig, JobConfig, ModelConfig
-from hybridrl.data.dataset import DatasetError, FilePreview, preview_file
+from hybridrl.data.dataset import DatasetError, FilePreview, PromptItem, preview_file
 from hybridrl.data.tokenizer import tokenizer_size
 from hybridrl.models.arch import ModelShape, read_hf_config, value_model_hf_config
 from hybridrl.models.layout import hf_tensor_problems
@@ -436,9 +436,8 @@ def _check_data(config: JobConfig, issues: list[ConfigIssue], chat_template: boo
                                                           f"(the format: {GUIDE}#data)"))
     for field, files, batch in (("data.train_files", data.train_files, data.train_batch_size),
                                 ("data.val_files", data.val_files, None)):
-        rule_scored = field == "data.val_files" or not config.reward_model.enable
         needs_reward = ground_truth_required(config, field)
-        auto = rule_scored and config.algorithm.reward_fn == AUTO and not config.algorithm.custom_reward_function.path
+        auto = scored_by_data_source(config, field)
         rows = _check_files(field, files, data, issues, chat_template, needs_reward, auto,
                             config.actor_rollout_ref.model)
         if rows is None:
@@ -450,6 +449,31 @@ def _check_data(config: JobConfig, issues: list[ConfigIssue], chat_template: boo
                                       f"is more than the {rows} rows of data.train_files: not one batch; lower it to "
                                       f"at most {rows}, or add data"))
     return train_rows
+
+
+def scored_by_data_source(config: JobConfig, field: str) -> bool:
+    """Whether the rows of `field`'s files (data.train_files or data.val_files) are scored by the rule scorer their
+    data_source names (algorithm.reward_fn=auto; training rows unless a reward model scores them, and no custom
+    function scores them)."""
+    rule_scored = field == "data.val_files" or not config.reward_model.enable
+    return rule_scored and config.algorithm.reward_fn == AUTO and not config.algorithm.custom_reward_function.path
+
+
+def unscored_data_source(config: JobConfig, field: str, prompts: Iterable[PromptItem]) -> ConfigIssue | None:
+    """Under algorithm.reward_fn=auto, the first prompt of every one `train` read whose data_source names no scorer
+    (the plan saw a JSONL file's first lines only): refused before any process starts, not at the step that samples
+    it. None when each has one, or the rows are not scored by their data_source."""
+    if not scored_by_data_source(config, field):
+        return None
+    for prompt in prompts:
+        if scorer_for_data_source(prompt.data_source) is None:
+            unset = " (a row without one reads as 'unknown')" if prompt.data_source == "unknown" else ""
+            return ConfigIssue("algorithm.reward_fn", AUTO, f"finds no scorer for data_source {prompt.data_source!r}"
+                                                            f"{unset} of {prompt.source_file} (prompt index "
+                                                            f"{prompt.index}, in {field}); name one scorer for every "
+                                                            "row, or register one for it (known: "
+                                                            f"{', '.join(known_scorer_names())})")
+    return None
 
 
 def _check_data_sources(file: str, preview: FilePreview, issues: list[ConfigIssue]) -> None:

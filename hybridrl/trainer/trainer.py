@@ -22,9 +22,10 @@ import numpy as np
 from hybridrl.algorithms.kl_control import kl_controller_from_config
 from hybridrl.config.errors import ConfigError, ConfigIssue
 from hybridrl.config.hardware import load_hardware
-from hybridrl.config.inputs import ground_truth_required, tokenizer_field
+from hybridrl.config.inputs import ground_truth_required, tokenizer_field, unscored_data_source
 from hybridrl.config.plan import Plan
 from hybridrl.config.report import failure_cost_lines
+from hybridrl.config.schema import JobConfig
 from hybridrl.config.step_time import StepLengths, StepTime, predict_step_time, time_vs_plan
 from hybridrl.controller.dispatch import RankMesh
 from hybridrl.controller.gather import WorkerGroupError
@@ -81,6 +82,14 @@ def _user_input(field: str, value: Any, *errors: type[Exception]) -> Iterator[No
         yield
     except errors as error:
         raise ConfigError([ConfigIssue(field, value, str(error))]) from error
+
+
+def _refuse_unscored(config: JobConfig, field: str, prompts: PromptDataset) -> None:
+    """A row whose data_source names no scorer (algorithm.reward_fn=auto): the config's error before Ray starts, not
+    the step that samples it."""
+    issue = unscored_data_source(config, field, prompts)
+    if issue is not None:
+        raise ConfigError([issue])
 
 
 class NonFiniteGuard:
@@ -178,6 +187,7 @@ class Trainer:
             train = PromptDataset.from_config(cfg.data, cfg.data.train_files, self.tokenizer, **extra,
                                               require_ground_truth=ground_truth_required(cfg, "data.train_files"))
         self.write(f"train data: {train.stats.summary()}")
+        _refuse_unscored(cfg, "data.train_files", train)
         if len(train) < cfg.data.train_batch_size:  # the plan counted rows; filtering and skipping drop some
             raise ConfigError([ConfigIssue(
                 "data.train_batch_size", cfg.data.train_batch_size,
@@ -195,6 +205,7 @@ class Trainer:
                 val = PromptDataset.from_config(cfg.data, cfg.data.val_files, self.tokenizer, **extra,
                                                 require_ground_truth=ground_truth_required(cfg, "data.val_files"))
             self.write(f"val data: {val.stats.summary()}")  # over-long prompts are counted there too
+            _refuse_unscored(cfg, "data.val_files", val)
             self.val_loader = PromptDataLoader(val, cfg.data.val_batch_size or len(val), self.pad_token_id,
                                                shuffle=False, drop_last=False)
         custom = cfg.algorithm.custom_reward_function

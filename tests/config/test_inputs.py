@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridrl.config.inputs import has_chat_template, looks_like_hub_id
+from hybridrl.config.inputs import has_chat_template, looks_like_hub_id, unscored_data_source
 from hybridrl.data.dataset import preview_file
 from hybridrl.data.io import write_rows
 from hybridrl.rewards.custom import adapt_reward_function, call_problem
@@ -280,6 +280,36 @@ def test_train_refuses_what_only_reading_every_row_shows(row, reason, demo_asset
     assert f"data.train_files=['{data}']" in result.stderr and f"{data}, row 5: " in result.stderr
     assert reason.split(": ", 1)[1] in result.stderr
     assert "Traceback" not in result.stderr and "Started a local Ray" not in result.stderr + result.stdout
+
+
+def test_train_refuses_a_data_source_without_a_scorer_past_the_plans_preview(demo_assets, tmp_path):
+    """algorithm.reward_fn=auto scores each row by its data_source; the plan reads a JSONL file's first lines only,
+    so a source further down (or a row without one) is refused when train reads every row, before Ray starts (it
+    stopped the run at the step that sampled it)."""
+    from hybridrl.data.dataset import _PREVIEW_LINES
+
+    rows = _rows(_PREVIEW_LINES + 10)
+    rows[_PREVIEW_LINES + 3] = {**rows[0], "data_source": "my/own_source"}
+    data = write_rows(rows, tmp_path / "train.jsonl")
+    overrides = [*demo_overrides(demo_assets, tmp_path), f"data.train_files=[{data}]", "algorithm.reward_fn=auto"]
+    assert _hybridrl("plan", CONFIG, *overrides).returncode == 0  # the first lines name known sources
+    result = _hybridrl("train", CONFIG, *overrides, "--no-progress")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert (f"algorithm.reward_fn=auto finds no scorer for data_source 'my/own_source' of {data} (prompt index "
+            f"{_PREVIEW_LINES + 3}, in data.train_files)") in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and "Started a local Ray" not in result.stderr + result.stdout
+    # a custom function, or a scorer named for every row, scores them all: the data_source is not read
+    from hybridrl.config.loader import load_config
+    from hybridrl.data.dataset import PromptDataset
+    from hybridrl.data.tokenizer import char_tokenizer
+
+    prompts = PromptDataset(data, char_tokenizer())
+    (tmp_path / "mine.py").write_text("def compute_score(response, ground_truth, extra):\n    return 0.0\n")
+    for scored_otherwise in (f"algorithm.custom_reward_function.path={tmp_path / 'mine.py'}",
+                             "algorithm.reward_fn=repeat_letter"):
+        config = load_config(CONFIG, [*overrides, scored_otherwise])
+        assert unscored_data_source(config, "data.train_files", prompts) is None
+    assert unscored_data_source(load_config(CONFIG, overrides), "data.train_files", prompts) is not None
 
 
 def test_a_ground_truth_is_required_where_a_rule_scorer_reads_it(demo_assets, tmp_path):
