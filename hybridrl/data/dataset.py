@@ -267,8 +267,8 @@ def preview_file(path: str | Path, prompt_key: str) -> FilePreview:
         if "data_source" in schema.names:
             column = parquet.read(columns=["data_source"]).column("data_source")
             sources = frozenset(str(v) for v in column.unique().to_pylist() if v is not None)
-        multimodal = tuple(name for name in MULTIMODAL_COLUMNS if name in schema.names)
-        return FilePreview(str(path), parquet.metadata.num_rows, tuple(schema.names), kind, sources, multimodal)
+        return FilePreview(str(path), parquet.metadata.num_rows, tuple(schema.names), kind, sources,
+                           tuple(name for name in MULTIMODAL_COLUMNS if name in schema.names))
     if suffix in JSONL_SUFFIXES:
         import json
 
