@@ -161,6 +161,9 @@ def transformer_config(
         # megatron's CPU init would build per parameter).
         perform_initialization=False,
         use_cpu_initialization=megatron_cpu_initialization(device),
+        # megatron's default scope, "full" (the whole layer), is deprecated for this spelling of it, and warned about
+        # at every config built
+        cuda_graph_scope=[],
     )
     if DevicePolicy.for_device(device).megatron_cpu_layer:
         from hybridrl.parallel.cpu.attention import install_cpu_packed_rope

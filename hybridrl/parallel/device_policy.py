@@ -128,6 +128,10 @@ class DevicePolicy:
     # reads it, the async grad all-reduce) by issuing kernels in program order on one hardware queue:
     # CUDA_DEVICE_MAX_CONNECTIONS=1 (megatron's own training scripts set it; without it the kernels may
     # run out of order and the overlap is lost or wrong).
+    # On CPU, the warnings megatron and vLLM give at import about the GPU libraries hybridrl's CPU path runs
+    # without by design (Transformer Engine, Apex: the CPU layer, `hybridrl.parallel.cpu`, stands in for their
+    # kernels; Triton: vLLM's dispatcher reads a deprecated torch name looking for Triton kernels) are ignored
+    # in the workers (`CPU_WORKER_WARNINGS`): ten lines a rank in every CPU run that say nothing a user can act on.
     worker_env: tuple[tuple[str, str], ...]  # (name, value) pairs: the policy pickles and prints as JSON
     # Flush subnormal floats to zero in the worker's compute thread (`torch.set_flush_denormal`). On
     # CPU, a vocab head's grad holds millions of values near 1e-38 (the softmax of tokens the model
@@ -197,6 +201,13 @@ CUDA = DevicePolicy(
     megatron_speed_defaults=True,
 )
 
+# PYTHONWARNINGS entries (action:message prefix:category; a comma separates entries) for CPU workers
+CPU_WORKER_WARNINGS = ",".join((
+    "ignore:Transformer Engine and Apex are not installed:UserWarning",  # megatron's optimizer and clip_grads
+    "ignore:Apex is not installed:UserWarning",  # megatron's local layer spec
+    "ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning",  # vLLM's Triton dispatcher, no Triton
+))
+
 CPU = DevicePolicy(
     name="cpu", dist_backend="gloo", default_train_dtype="fp32", default_rollout_dtype="fp32",
     ray_use_gpu=False, ray_cpus_per_worker=0.5, ray_min_cluster_cpus=4,
@@ -206,7 +217,8 @@ CPU = DevicePolicy(
     vllm_honours_enforce_eager=False, vllm_repacks_weights=True, vllm_kv_cache_from_plan=True,
     vllm_sleep_mode=False, vllm_chunked_prefill=False, vllm_moe_backend="auto",
     vllm_top_k_keeps_ties=True, device_rng=False,
-    worker_env=(("MALLOC_MMAP_MAX_", "0"), ("MALLOC_TRIM_THRESHOLD_", str(1 << 40))),
+    worker_env=(("MALLOC_MMAP_MAX_", "0"), ("MALLOC_TRIM_THRESHOLD_", str(1 << 40)),
+                ("PYTHONWARNINGS", CPU_WORKER_WARNINGS)),
     flush_denormals=True, reshard_keeps_buffers=True, optimizer_state_at_setup=True,
     wgrad_accumulation_fusion="cpu_stand_in", megatron_speed_defaults=False,
 )

@@ -638,6 +638,7 @@ class RolloutEngine:
             model_eos_token_ids(config.model_path) if config.eos_token_ids is None else tuple(config.eos_token_ids)
         )
 
+        vllm_patches.quiet_handled_logs()
         from vllm import LLM
 
         started = time.perf_counter()

@@ -47,6 +47,10 @@ knob for what a colocated RL trainer needs:
    "Tokenizer not available", and logs that as a warning with its traceback: two tracebacks in every healthy
    run's log. While an engine is built, a filter on vLLM's renderer logger drops that one record (that warning
    with that error); every other record passes.
+7. `quiet_handled_logs`: what vLLM logs about what hybridrl does itself, dropped from a rank's log for the
+   process's life: the warnings in `HANDLED_WARNINGS` (each with why it is handled), and vLLM's INFO lines
+   (~25 a rank at every engine build: its whole config, the KV cache size) unless the user chose a level with
+   `VLLM_LOGGING_LEVEL`. Every other warning and error passes.
 
 Version caveat: the patched names are `vllm.distributed.parallel_state.destroy_distributed_environment`
 (+ its `_WORLD`, `_NODE_COUNT` globals), `vllm.distributed.device_communicators.cpu_communicator.
@@ -193,6 +197,63 @@ def quiet_tokenizerless_warmup() -> Iterator[None]:
         yield
     finally:
         logger.removeFilter(quiet)
+
+
+# vLLM's warnings about what hybridrl does itself (patch 7): logger -> (the start of the message's format string, why
+# hybridrl drops it).
+HANDLED_WARNINGS: dict[str, tuple[tuple[str, str], ...]] = {
+    "vllm.v1.worker.cpu_worker": (
+        ("CPU backend doesn't allow to use `torch.set_num_threads`",
+         "vLLM's CPU worker replaces torch.set_num_threads by this warning, and vLLM's renderer calls it around "
+         "requests; the rank's thread count is the engine's to set (`_preserved_process_state`), and stays"),
+        ("%s is not found in LD_PRELOAD",
+         "tcmalloc / Intel OpenMP preloading is CPU serving's speed advice (vLLM's CPU installation guide); "
+         "hybridrl's CPU runs are its tests and demos"),
+    ),
+    "vllm.engine.arg_utils": (
+        ("This model does not officially support disabling chunked prefill",
+         "the CPU policy builds engines without chunked prefill (`DevicePolicy.vllm_chunked_prefill`), and every "
+         "sync's probe checks the engine's log-probs against the trainer's"),
+    ),
+    "vllm.config.vllm": (
+        ("Enforce eager set, disabling torch.compile",
+         "eager mode is hybridrl's setting (rollout.enforce_eager; the CPU default, and router replay's on cuda), "
+         "which `hybridrl plan` shows"),
+        ("Inductor compilation was disabled by user settings", "eager mode's consequence (above)"),
+    ),
+    "vllm.platforms.cpu": (
+        ("Triton is not installed. triton-cpu is expected", "hybridrl's CPU stack runs without Triton by design"),
+        ("Reset SSM cache type to float32", "no model family hybridrl serves has state-space (Mamba) layers"),
+    ),
+    "vllm.renderers.base": (
+        ("Using None for EOS token id because tokenizer is not initialized",
+         "hybridrl's engines take token ids (skip_tokenizer_init) and pass the model's stop ids themselves "
+         "(`RolloutEngine.eos_token_ids`)"),
+    ),
+}
+
+
+class _HandledWarningsFilter(logging.Filter):
+    def __init__(self, handled: tuple[tuple[str, str], ...]) -> None:
+        super().__init__()
+        self.starts = tuple(start for start, _ in handled)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno == logging.WARNING and str(record.msg).startswith(self.starts))
+
+
+def quiet_handled_logs() -> None:
+    """Patch 7, once per process, before an engine is built: drop `HANDLED_WARNINGS`, and vLLM's INFO lines unless
+    the user chose a level (`VLLM_LOGGING_LEVEL`). The level goes through vLLM's own variable: an engine's build
+    configures vLLM's loggers again from it."""
+    if "quiet_logs" in _installed:
+        return
+    for name, handled in HANDLED_WARNINGS.items():
+        logging.getLogger(name).addFilter(_HandledWarningsFilter(handled))
+    if "VLLM_LOGGING_LEVEL" not in os.environ:
+        os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
+        logging.getLogger("vllm").setLevel(logging.WARNING)  # where vLLM configured its loggers on import already
+    _installed.add("quiet_logs")
 
 
 CPU_GEMM_ATTR = "cpu_linear"  # vLLM's CPU linear layers: the GEMM closure `dispatch_cpu_unquantized_gemm` packs

@@ -136,7 +136,7 @@ def test_cpu_workers_keep_freed_memory_in_their_heap(echo_group):
     # every step page-faults its logits and grads again. The workers' own allocator shows it.
     from hybridrl.parallel.device_policy import CPU
 
-    assert echo_group.call_all(EchoWorker.malloc_env)[0] == dict(CPU.worker_env)
+    assert echo_group.call_all(EchoWorker.env_of, [name for name, _ in CPU.worker_env])[0] == dict(CPU.worker_env)
     kept = echo_group.call_all(EchoWorker.resident_mib_after_freeing_a_64mib_tensor)
     assert min(kept) > 60, kept
 
@@ -148,6 +148,7 @@ def test_worker_env_keeps_the_users_own_values(monkeypatch):
     monkeypatch.delenv("MALLOC_MMAP_MAX_", raising=False)
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "123")
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    monkeypatch.setenv("PYTHONWARNINGS", "error")
     assert worker_process_env(CPU) == {"MALLOC_MMAP_MAX_": "0"}
     assert worker_process_env(CUDA) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")

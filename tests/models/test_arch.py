@@ -348,3 +348,19 @@ def test_every_family_file_is_registered_and_names_each_weight_once():
         assert len(hf) == len(set(hf)) and len(vllm) == len(set(vllm)), arch
         assert shape.is_moe == family.moe, arch
         assert shape.weights is family.weights
+
+
+def test_the_transformer_config_builds_without_megatrons_deprecation_warning(hf_configs):
+    """megatron's default cuda_graph_scope "full" is deprecated (a warning at every config built, in every worker):
+    the bridge passes its replacement, the empty list, which megatron turns "full" into (the same scope)."""
+    import warnings
+
+    from hybridrl.models.arch import ModelShape
+    from hybridrl.models.bridge import transformer_config
+
+    shape = ModelShape.from_hf_config(hf_configs["llama"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = transformer_config(shape, 1, 1, None, device="cuda", dtype=torch.bfloat16)
+    assert config.cuda_graph_scope == []
+    assert not [w for w in caught if "scope" in str(w.message)], [str(w.message) for w in caught]

@@ -8,7 +8,7 @@ import pytest
 
 from hybridrl.config import plan_from_sources
 from hybridrl.config.plan import Plan
-from hybridrl.parallel.device_policy import CPU, CUDA, DEVICE_POLICIES, DevicePolicy
+from hybridrl.parallel.device_policy import CPU, CPU_WORKER_WARNINGS, CUDA, DEVICE_POLICIES, DevicePolicy
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "configs" / "examples"
 
@@ -42,7 +42,8 @@ CPU_FIELDS = {
     "vllm_moe_backend": "auto",
     "vllm_top_k_keeps_ties": True,
     "device_rng": False,
-    "worker_env": (("MALLOC_MMAP_MAX_", "0"), ("MALLOC_TRIM_THRESHOLD_", str(1 << 40))), "flush_denormals": True,
+    "worker_env": (("MALLOC_MMAP_MAX_", "0"), ("MALLOC_TRIM_THRESHOLD_", str(1 << 40)),
+                   ("PYTHONWARNINGS", CPU_WORKER_WARNINGS)), "flush_denormals": True,
     "reshard_keeps_buffers": True, "optimizer_state_at_setup": True,
     "wgrad_accumulation_fusion": "cpu_stand_in", "megatron_speed_defaults": False,
 }
@@ -90,3 +91,34 @@ def test_plan_carries_the_policy_of_its_device():
     data["device_policy"] = dataclasses.asdict(CUDA)
     with pytest.raises(ValueError, match="Plan.device_policy is the 'cuda' policy but resolved.device='cpu'"):
         Plan.from_dict(data)
+
+
+def _import_warnings(env: dict[str, str]) -> str:
+    """What a fresh process prints importing the megatron and vLLM modules whose import warns on CPU."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import megatron.core.optimizer, megatron.core.optimizer.clip_grads, "
+            "megatron.core.models.gpt.gpt_layer_specs, vllm.triton_utils")
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    done = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stderr
+
+
+def test_cpu_workers_ignore_the_import_warnings_of_the_gpu_libraries_they_run_without():
+    """CPU_WORKER_WARNINGS (a CPU worker's PYTHONWARNINGS) silences exactly those import warnings: without it they
+    are printed (the control), with it none of them is, and another warning still is."""
+    starts = ("Transformer Engine and Apex are not installed", "Apex is not installed")
+    printed = _import_warnings({})
+    assert all(start in printed for start in starts), printed[-3000:]
+    quiet = _import_warnings({"PYTHONWARNINGS": CPU_WORKER_WARNINGS})
+    assert not any(start in quiet for start in starts), quiet[-3000:]
+    import subprocess
+    import sys
+
+    other = subprocess.run([sys.executable, "-c", "import warnings; warnings.warn('Apex was found')"],
+                           env={"PYTHONWARNINGS": CPU_WORKER_WARNINGS}, capture_output=True, text=True)
+    assert "Apex was found" in other.stderr

@@ -56,8 +56,8 @@ class EchoWorker(Worker):
     def pid(self) -> int:
         return os.getpid()
 
-    def malloc_env(self) -> dict[str, str]:
-        return {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+    def env_of(self, names: list[str]) -> dict[str, str | None]:
+        return {name: os.environ.get(name) for name in names}
 
     def resident_mib_after_freeing_a_64mib_tensor(self) -> float:
         """How much of a freed 64 MiB tensor stays resident: ~64 when glibc keeps freed memory in its

@@ -12,10 +12,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def train(config: str, overrides: list[str], timeout: int = 900,
-          env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+          env: dict[str, str] | None = None, unset: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """`unset`: variables of this process's environment the run does not inherit (as a user's shell has none)."""
     cmd = [sys.executable, "-m", "hybridrl.cli", "train", config, *overrides, "--no-progress"]
+    inherited = {name: value for name, value in os.environ.items() if name not in unset}
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+                          env={**inherited, **(env or {})})
 
 
 def metrics(run: Path) -> list[dict]:
