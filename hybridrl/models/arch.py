@@ -53,12 +53,13 @@ def _architecture_of(config: Mapping[str, Any]) -> ArchFamily:
     return SUPPORTED_ARCHITECTURES[archs[0]]
 
 
-def _rope_theta(config: Mapping[str, Any]) -> float:
-    """RoPE base from either transformers 5 (`rope_parameters`) or 4.x (`rope_theta`, `rope_scaling`).
+def _rope_theta(config: Mapping[str, Any], default: float) -> float:
+    """RoPE base from either transformers 5 (`rope_parameters`) or 4.x (`rope_theta`, `rope_scaling`), else the
+    family's `default`.
 
     Any scaling in either place is refused: megatron's built-in scaling differs from HF's.
     """
-    theta = config.get("rope_theta", 10000.0)
+    theta = config.get("rope_theta", default)
     for key in ("rope_parameters", "rope_scaling"):
         params = config.get(key)
         if not isinstance(params, Mapping) or not params:
@@ -125,7 +126,9 @@ class ModelShape:
 
         hidden = int(need("hidden_size"))
         heads = int(need("num_attention_heads"))
-        kv_heads = int(config.get("num_key_value_heads") or heads)
+        # An absent key is the family's default (Mistral's 8 KV heads), an explicit null the head count.
+        kv_heads = int((config["num_key_value_heads"] if "num_key_value_heads" in config
+                        else family.default_num_kv_heads) or heads)
         head_dim = config.get("head_dim") or family.default_head_dim or hidden // heads
         if config.get("hidden_act", "silu") not in ("silu", "swish"):
             raise UnsupportedModelError(
@@ -143,7 +146,7 @@ class ModelShape:
             )
         sliding_window = None
         if family.model_type in ("mistral", "mixtral"):
-            sliding_window = config.get("sliding_window")
+            sliding_window = config.get("sliding_window", family.default_sliding_window)
         elif config.get("use_sliding_window"):
             raise UnsupportedModelError(f"{name}: use_sliding_window=True is not supported")
         tie = config.get("tie_word_embeddings")
@@ -162,8 +165,8 @@ class ModelShape:
                 config.get("max_position_embeddings") or family.default_max_positions
             ),
             tie_word_embeddings=bool(family.default_tie_word_embeddings if tie is None else tie),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(config),
+            rms_norm_eps=float(config.get("rms_norm_eps", family.default_rms_norm_eps)),
+            rope_theta=_rope_theta(config, family.default_rope_theta),
             qkv_bias=family.qkv_bias,
             qk_norm=family.qk_norm,
             sliding_window=int(sliding_window) if sliding_window else None,

@@ -109,7 +109,11 @@ class DecoderWeights:
 @dataclass(frozen=True)
 class ArchFamily:
     """An HF architecture: its switches, the HF class defaults used when config.json omits a key,
-    and its weight table."""
+    and its weight table.
+
+    The defaults are the transformers config class's own (`MixtralConfig().rms_norm_eps` is 1e-5 where
+    Llama's is 1e-6): transformers and vLLM fill an omitted key with them, so megatron must too
+    (tests/models/test_arch.py checks each against transformers)."""
 
     architecture: str
     model_type: str
@@ -120,5 +124,11 @@ class ArchFamily:
     # None: hidden_size // num_attention_heads (the HF default for all but Qwen3).
     default_head_dim: int | None = None
     default_tie_word_embeddings: bool = False
+    default_rms_norm_eps: float = 1e-6
+    default_rope_theta: float = 10000.0
+    # None: num_attention_heads (as an explicit null is read by every family).
+    default_num_kv_heads: int | None = None
+    # The attention window of a Mistral-style family when config.json has no `sliding_window` key.
+    default_sliding_window: int | None = None
     # Mixture of experts: `ModelShape` reads the expert count, top-k and MoE layers from config.json.
     moe: bool = False

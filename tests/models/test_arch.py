@@ -3,6 +3,7 @@ megatron-core's own rules without starting any process group."""
 from __future__ import annotations
 
 import itertools
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -73,6 +74,41 @@ def test_shape_matches_transformers_model(hf_dirs, hf_configs, arch):
     assert kwargs["num_query_groups"] == 2 and kwargs["kv_channels"] == shape.head_dim
     assert kwargs["add_qkv_bias"] == shape.qkv_bias and kwargs["qk_layernorm"] == shape.qk_norm
     assert shape.gpt_model_kwargs(tp=2)["vocab_size"] == 256
+
+
+# The keys a config.json must hold (and small MoE sizes): everything else is left to each family's defaults.
+_MINIMAL = {"hidden_size": 256, "num_attention_heads": 32, "num_hidden_layers": 2, "intermediate_size": 64,
+            "vocab_size": 128}
+_MINIMAL_MOE = {"LlamaForCausalLM": {}, "MistralForCausalLM": {}, "Qwen2ForCausalLM": {}, "Qwen3ForCausalLM": {},
+                "MixtralForCausalLM": {"num_local_experts": 2, "num_experts_per_tok": 2},
+                "Qwen3MoeForCausalLM": {"num_experts": 2, "num_experts_per_tok": 2, "moe_intermediate_size": 32}}
+
+
+@pytest.mark.parametrize("architecture", sorted(SUPPORTED_ARCHITECTURES))
+def test_omitted_keys_take_the_transformers_class_defaults(tmp_path, architecture):
+    """A config.json without rms_norm_eps, rope_theta, num_key_value_heads, head_dim or sliding_window (a
+    hand-written one, or one older than the key) is read with the defaults transformers and vLLM fill in, which
+    differ between families (Mixtral: eps 1e-5, theta 1e6; Mistral: 8 KV heads, window 4096; Qwen3-MoE: head_dim
+    hidden/heads where Qwen3's is 128). The reference is the transformers model built from the same file."""
+    import transformers
+
+    model_type = SUPPORTED_ARCHITECTURES[architecture].model_type
+    config = {"architectures": [architecture], "model_type": model_type, **_MINIMAL, **_MINIMAL_MOE[architecture]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = ModelShape.from_hf_dir(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path))
+    attention, norm = model.model.layers[0].self_attn, model.model.layers[0].input_layernorm
+    inv_freq = model.model.rotary_emb.inv_freq.double()  # theta ** (-2i / head_dim) in fp32, i < head_dim / 2
+    assert shape.head_dim == attention.head_dim == inv_freq.numel() * 2
+    assert shape.num_kv_heads == attention.k_proj.out_features // attention.head_dim
+    assert shape.rms_norm_eps == norm.variance_epsilon
+    assert shape.rope_theta == pytest.approx(inv_freq[1].item() ** (-shape.head_dim / 2), rel=1e-5)
+    assert shape.sliding_window == getattr(model.config, "sliding_window", None)
+    assert shape.tie_word_embeddings == (model.lm_head.weight is model.model.embed_tokens.weight)
+    assert shape.param_count() == sum(p.numel() for p in model.parameters())
+    # what megatron is given
+    assert shape.megatron_config_kwargs()["layernorm_epsilon"] == norm.variance_epsilon
+    assert shape.gpt_model_kwargs()["rotary_base"] == shape.rope_theta
 
 
 def test_sliding_window_caps_the_exact_sequence_length(hf_configs):

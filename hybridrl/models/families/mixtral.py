@@ -17,4 +17,5 @@ MIXTRAL_DECODER = DecoderWeights(
 )
 
 FAMILY = ArchFamily("MixtralForCausalLM", "mixtral", qkv_bias=False, qk_norm=False, default_max_positions=131072,
-                    weights=MIXTRAL_DECODER, moe=True)
+                    weights=MIXTRAL_DECODER, moe=True, default_num_kv_heads=8, default_rms_norm_eps=1e-5,
+                    default_rope_theta=1e6)

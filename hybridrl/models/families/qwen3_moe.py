@@ -1,4 +1,5 @@
-"""Qwen3-MoE (`Qwen3MoeForCausalLM`): Qwen3's attention (q/k norms, explicit head_dim) and, in each
+"""Qwen3-MoE (`Qwen3MoeForCausalLM`): Qwen3's attention (q/k norms; unlike Qwen3's, an absent head_dim is
+hidden_size // num_attention_heads) and, in each
 MoE layer, a router (`mlp.gate`) over `num_experts` SwiGLU experts of `moe_intermediate_size`, top-k
 of the router's softmax, renormalized when `norm_topk_prob`. Layers listed in `mlp_only_layers`
 (or off the `decoder_sparse_step` grid) keep the dense MLP of `intermediate_size`.
@@ -50,4 +51,4 @@ QWEN3_MOE_DECODER = DecoderWeights(
 )
 
 FAMILY = ArchFamily("Qwen3MoeForCausalLM", "qwen3_moe", qkv_bias=False, qk_norm=True, default_max_positions=32768,
-                    weights=QWEN3_MOE_DECODER, default_head_dim=128, moe=True)
+                    weights=QWEN3_MOE_DECODER, moe=True, default_num_kv_heads=4)
