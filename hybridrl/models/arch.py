@@ -402,6 +402,18 @@ def _moe_fields(family: ArchFamily, config: Mapping[str, Any], num_layers: int, 
     top_k = int(need("num_experts_per_tok"))
     if not 1 <= top_k <= int(experts):
         raise UnsupportedModelError(f"{name}: num_experts_per_tok={top_k} must be in 1..{experts} (num_experts)")
+    # Mixtral always renormalizes the top-k weights; Qwen3-MoE when norm_topk_prob.
+    renormalized = family.model_type == "mixtral" or bool(config.get("norm_topk_prob", False))
+    if top_k == 1 and renormalized:
+        # transformers weights the one chosen expert by 1 (its probability over itself); megatron-core takes the
+        # top-1 only with pre-softmax routing (its TransformerConfig refuses any other), which weights it by its
+        # probability over all experts: a different model.
+        setting = "" if family.model_type == "mixtral" else " with norm_topk_prob=true"
+        raise UnsupportedModelError(
+            f"{name}: num_experts_per_tok=1{setting} is not supported: transformers weights the chosen expert by 1, "
+            "and megatron-core routes top-1 only with pre-softmax routing, which weights it by its router "
+            f"probability; supported: num_experts_per_tok in 2..{experts}"
+            + ("" if family.model_type == "mixtral" else ", or 1 with norm_topk_prob=false"))
     if family.model_type == "mixtral":
         if config.get("router_jitter_noise"):
             raise UnsupportedModelError(f"{name}: router_jitter_noise={config['router_jitter_noise']} is not "
@@ -415,7 +427,7 @@ def _moe_fields(family: ArchFamily, config: Mapping[str, Any], num_layers: int, 
     # transformers' Qwen3MoeDecoderLayer: experts where (i + 1) % decoder_sparse_step == 0, outside mlp_only_layers
     layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
     return dict(num_experts=int(experts), moe_top_k=top_k, moe_ffn_hidden_size=int(need("moe_intermediate_size")),
-                moe_norm_topk_prob=bool(config.get("norm_topk_prob", False)), moe_layers=layers)
+                moe_norm_topk_prob=renormalized, moe_layers=layers)
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisor: int = DEFAULT_VOCAB_DIVISOR) -> int:

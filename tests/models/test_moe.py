@@ -24,6 +24,7 @@ from tests.support.models_fixtures import (
     checkpoint_named_grads,
     hf_logits,
     hf_model_dirs,
+    make_hf_model,
     max_logit_error,
     per_file_state,
     safetensors_state,
@@ -244,6 +245,38 @@ def test_moe_shape_reads_the_config(hf_dirs):
     qwen = ModelShape.from_hf_dir(hf_dirs["qwen3_moe"])
     assert (qwen.num_experts, qwen.moe_top_k, qwen.moe_ffn_hidden_size, qwen.moe_norm_topk_prob) == (8, 2, 48, True)
     assert qwen.moe_layers == (0, 1, 3)  # mlp_only_layers=[2]
+
+
+@pytest.mark.parametrize("arch, top_k, norm", [(arch, top_k, norm) for arch in ("qwen3_moe", "mixtral")
+                                                for top_k in (1, 2, 3) for norm in (False, True)])
+def test_every_routing_the_shape_accepts_megatron_builds(tmp_path, arch, top_k, norm):
+    """A routing ModelShape accepts (what the plan accepts) is one megatron-core's TransformerConfig takes: at
+    top-1 megatron routes only pre-softmax, which is transformers' routing without renormalization. Top-1
+    renormalized (Mixtral's always, Qwen3-MoE's with norm_topk_prob) weights the expert by 1 in transformers:
+    refused, naming the field, its value and what is supported."""
+    from hybridrl.models.arch import ModelShape, UnsupportedModelError, read_hf_config
+    from hybridrl.models.bridge import transformer_config
+
+    folder = make_hf_model(tmp_path, arch, num_experts_per_tok=top_k, norm_topk_prob=norm)
+    renormalized = norm or arch == "mixtral"
+    if top_k == 1 and renormalized:
+        supported = r"num_experts_per_tok=1.*supported: num_experts_per_tok in 2\.\."
+        with pytest.raises(UnsupportedModelError, match=supported):
+            ModelShape.from_hf_config(read_hf_config(folder))
+        return
+    shape = ModelShape.from_hf_config(read_hf_config(folder))
+    assert shape.moe_norm_topk_prob == renormalized
+    # the GPU path's config, as the plan's megatron check builds it (no CPU stand-in installed here)
+    config = transformer_config(shape, 1, 1, None, device="cuda", dtype=torch.float32, cpu_stand_ins=False)
+    assert (config.moe_router_topk, config.moe_router_pre_softmax) == (top_k, not renormalized)
+
+
+def test_top1_routing_without_renormalization_gives_transformers_logits(tmp_path):
+    """Qwen3-MoE at top-1 with norm_topk_prob false: megatron's pre-softmax top-1 weights the expert by its
+    probability over all experts, as transformers does."""
+    folder = make_hf_model(tmp_path / "top1", "qwen3_moe_unnormed", num_experts_per_tok=1)
+    (result,) = _run(1, 1, 1, [("top1", str(folder))])
+    assert max_logit_error(result["top1"], hf_logits(folder, TOKENS)) <= TOLERANCE
 
 
 def test_experts_are_placed_by_global_index(hf_dirs):
