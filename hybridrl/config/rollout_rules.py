@@ -11,6 +11,7 @@ from hybridrl.config.resolve import Resolved
 from hybridrl.config.schema import JobConfig
 from hybridrl.models.arch import ModelShape
 from hybridrl.models.vllm_layout import vllm_padded_vocab
+from hybridrl.parallel.device_policy import DEVICE_POLICIES
 
 
 def check_multi_turn(check: Checker, config: JobConfig) -> None:
@@ -96,6 +97,20 @@ def check_stop_tokens(check: Checker, config: JobConfig, model: ModelShape | Non
         valid = (f"be in [0, {vocab}) (the model's vocab_size is {vocab})" if vocab is not None
                  else "be 0 or more (token ids count from 0)")
         check.fail(field, ids, f"holds token ids outside the vocabulary: {bad}; each must {valid}")
+
+
+def check_rollout_head_dim(check: Checker, config: JobConfig, model: ModelShape | None) -> None:
+    """The actor's head_dim is one vLLM's attention has a kernel for on this device (on CPU a fixed list): another
+    passes every other check and stops each rollout worker as vLLM builds the model."""
+    policy = DEVICE_POLICIES.get(config.trainer.device)  # None: an unknown device, reported elsewhere
+    if model is None or policy is None or policy.vllm_attention_head_dims is None:
+        return
+    if model.head_dim not in policy.vllm_attention_head_dims:
+        check.fail("actor_rollout_ref.model.path", config.actor_rollout_ref.model.path,
+                   f"is a model of head_dim={model.head_dim} (config.json's head_dim, or hidden_size / "
+                   f"num_attention_heads), for which vLLM's attention on trainer.device={policy.name} has no kernel "
+                   "(every rollout worker would stop as vLLM builds the model); it takes these head_dims",
+                   policy.vllm_attention_head_dims)
 
 
 def check_rollout_placement(check: Checker, config: JobConfig, resolved: Resolved, world: int) -> int:

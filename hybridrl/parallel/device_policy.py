@@ -115,6 +115,10 @@ class DevicePolicy:
     # exactly k tokens (its Triton kernel, CUDA: ties at the k-th taken in vocabulary order); the
     # trainer's truncated log-probs (`algorithm.rollout_correction.match_truncation`) follow suit.
     vllm_top_k_keeps_ties: bool
+    # The head sizes (head_dim) vLLM's attention kernel here has code for (vLLM's CPU_ATTN backend's
+    # `get_supported_head_sizes`), or None where vLLM picks among backends of its own (GPUs). A model of another
+    # head_dim fails as vLLM builds its first attention call, in every rollout worker.
+    vllm_attention_head_dims: tuple[int, ...] | None
     # The device has its own random generator (torch.cuda's), saved and restored with a role
     # checkpoint beside torch's, python's, numpy's and megatron's tracker's streams.
     device_rng: bool
@@ -195,7 +199,8 @@ CUDA = DevicePolicy(
     synchronize_on_offload=True, empty_cache_on_offload=True, gpu_memory_budget_binding=True,
     vllm_honours_enforce_eager=True, vllm_repacks_weights=False, vllm_kv_cache_from_plan=False,
     vllm_sleep_mode=True, vllm_chunked_prefill=True, vllm_moe_backend="triton",
-    vllm_top_k_keeps_ties=False, device_rng=True, worker_env=(("CUDA_DEVICE_MAX_CONNECTIONS", "1"),),
+    vllm_top_k_keeps_ties=False, vllm_attention_head_dims=None, device_rng=True,
+    worker_env=(("CUDA_DEVICE_MAX_CONNECTIONS", "1"),),
     flush_denormals=False,
     reshard_keeps_buffers=False, optimizer_state_at_setup=False, wgrad_accumulation_fusion=None,
     megatron_speed_defaults=True,
@@ -216,7 +221,8 @@ CPU = DevicePolicy(
     synchronize_on_offload=False, empty_cache_on_offload=False, gpu_memory_budget_binding=False,
     vllm_honours_enforce_eager=False, vllm_repacks_weights=True, vllm_kv_cache_from_plan=True,
     vllm_sleep_mode=False, vllm_chunked_prefill=False, vllm_moe_backend="auto",
-    vllm_top_k_keeps_ties=True, device_rng=False,
+    vllm_top_k_keeps_ties=True, vllm_attention_head_dims=(32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512),
+    device_rng=False,
     worker_env=(("MALLOC_MMAP_MAX_", "0"), ("MALLOC_TRIM_THRESHOLD_", str(1 << 40)),
                 ("PYTHONWARNINGS", CPU_WORKER_WARNINGS)),
     flush_denormals=True, reshard_keeps_buffers=True, optimizer_state_at_setup=True,

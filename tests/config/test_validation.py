@@ -316,6 +316,28 @@ def test_sliding_window_caps_sequence_length(tmp_path):
     plan_from_sources(SEED, [model, "data.max_prompt_length=512", "data.max_response_length=512"])
 
 
+@pytest.mark.parametrize("head_dim, device, refused", [(24, "cpu", True), (16, "cpu", True), (32, "cpu", False),
+                                                       (24, "cuda", False)])
+def test_head_dim_without_a_vllm_kernel_is_refused(tmp_path, head_dim, device, refused):
+    """vLLM's CPU attention has kernels for some head sizes only: a model of another passed the plan and stopped
+    every rollout worker at start-up ("Unsupported CPU attention configuration: head_dim=24")."""
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": head_dim, "vocab_size": 1000,
+    }))
+    model = f"actor_rollout_ref.model.path={folder}"
+    try:
+        issues = issues_for([model, f"trainer.device={device}"])
+    except pytest.fail.Exception:  # the plan accepted the job
+        issues = []
+    mine = [i for i in issues if i.field == "actor_rollout_ref.model.path" and "head_dim" in str(i)]
+    assert bool(mine) == refused, [str(i) for i in issues]
+    if refused:
+        assert f"head_dim={head_dim}" in str(mine[0]) and 32 in mine[0].valid and head_dim not in mine[0].valid
+
+
 def test_unsupported_architecture_is_an_error(tmp_path):
     folder = tmp_path / "gpt2"
     folder.mkdir()

@@ -24,6 +24,7 @@ CUDA_FIELDS = {
     "vllm_chunked_prefill": True,
     "vllm_moe_backend": "triton",
     "vllm_top_k_keeps_ties": False,
+    "vllm_attention_head_dims": None,
     "device_rng": True,
     "worker_env": (("CUDA_DEVICE_MAX_CONNECTIONS", "1"),),
     "flush_denormals": False, "reshard_keeps_buffers": False, "optimizer_state_at_setup": False,
@@ -41,6 +42,7 @@ CPU_FIELDS = {
     "vllm_chunked_prefill": False,
     "vllm_moe_backend": "auto",
     "vllm_top_k_keeps_ties": True,
+    "vllm_attention_head_dims": (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512),
     "device_rng": False,
     "worker_env": (("MALLOC_MMAP_MAX_", "0"), ("MALLOC_TRIM_THRESHOLD_", str(1 << 40)),
                    ("PYTHONWARNINGS", CPU_WORKER_WARNINGS)), "flush_denormals": True,
@@ -73,6 +75,15 @@ def test_unknown_device_names_the_valid_ones():
 def test_policy_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         CPU.dist_backend = "nccl"
+
+
+def test_cpu_head_dims_are_vllms():
+    """The head sizes the plan accepts on cpu are those vLLM's CPU attention backend has kernels for (asked in a
+    process of its own: importing vLLM's CPU modules changes torch.cuda in the importing process)."""
+    code = ("from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend; "
+            "print(CPUAttentionBackend.get_supported_head_sizes())")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert tuple(eval(out.strip().splitlines()[-1])) == CPU.vllm_attention_head_dims
 
 
 def test_module_is_torch_free():
