@@ -53,25 +53,44 @@ def _architecture_of(config: Mapping[str, Any]) -> ArchFamily:
     return SUPPORTED_ARCHITECTURES[archs[0]]
 
 
-def _rope_theta(config: Mapping[str, Any], default: float) -> float:
-    """RoPE base from either transformers 5 (`rope_parameters`) or 4.x (`rope_theta`, `rope_scaling`), else the
-    family's `default`.
+# The Llama 3.1 RoPE scaling megatron-core implements (`RotaryEmbedding._apply_scaling`): only `factor` is
+# a parameter, the other three are fixed at these values, which every Llama 3.1/3.2/3.3 checkpoint uses.
+MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
-    Any scaling in either place is refused: megatron's built-in scaling differs from HF's.
+
+def _rope(config: Mapping[str, Any], default_theta: float) -> tuple[float, float | None]:
+    """(RoPE base, Llama 3 scaling factor or None) from either transformers 5 (`rope_parameters`) or 4.x
+    (`rope_theta`, `rope_scaling`); the base is the family's `default_theta` when neither names one.
+
+    Plain RoPE and megatron's own Llama 3 scaling are accepted; any other scaling (linear, dynamic, yarn, ...)
+    is refused: megatron would run it as plain RoPE and silently change the logits.
     """
-    theta = config.get("rope_theta", default)
+    theta = config.get("rope_theta", default_theta)
+    llama3_factor = None
     for key in ("rope_parameters", "rope_scaling"):
         params = config.get(key)
         if not isinstance(params, Mapping) or not params:
             continue
         rope_type = params.get("rope_type", params.get("type", "default"))
-        if rope_type != "default":
+        if rope_type == "llama3":
+            differ = [f"{name}={params.get(name)!r}" for name, value in MEGATRON_LLAMA3_ROPE.items()
+                      if params.get(name) != value]
+            if differ:
+                fixed = ", ".join(f"{name}={value:g}" for name, value in MEGATRON_LLAMA3_ROPE.items())
+                raise UnsupportedModelError(
+                    f"{key}.rope_type='llama3' with {', '.join(differ)} is not supported: megatron-core's Llama 3 "
+                    f"RoPE scaling fixes {fixed} (Llama 3.1's values); only its factor may differ")
+            if not isinstance(params.get("factor"), int | float) or params["factor"] < 1:
+                raise UnsupportedModelError(f"{key}.factor={params.get('factor')!r}: Llama 3 RoPE scaling needs "
+                                            "its factor, a number >= 1 (Llama 3.1: 8, Llama 3.2: 32)")
+            llama3_factor = float(params["factor"])
+        elif rope_type != "default":
             raise UnsupportedModelError(
-                f"{key}.rope_type={rope_type!r} is not supported (only plain RoPE, rope_type='default'): "
-                "megatron's built-in scaling differs from HF's and would silently change logits"
+                f"{key}.rope_type={rope_type!r} is not supported (supported: 'default', plain RoPE, and 'llama3' "
+                "with Llama 3.1's frequency bands): megatron-core would run it as plain RoPE and change the logits"
             )
         theta = params.get("rope_theta", theta)
-    return float(theta)
+    return float(theta), llama3_factor
 
 
 @dataclass(frozen=True)
@@ -105,6 +124,9 @@ class ModelShape:
     moe_ffn_hidden_size: int = 0
     moe_norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    # Llama 3's RoPE scaling (`rope_type: llama3`, megatron's `rope_scaling`): the factor its lowest
+    # frequencies are divided by; None: plain RoPE.
+    rope_llama3_factor: float | None = None
 
     def __post_init__(self) -> None:
         # A shape read back from JSON (Plan.from_json) carries a list: keep the shape hashable.
@@ -151,6 +173,7 @@ class ModelShape:
             raise UnsupportedModelError(f"{name}: use_sliding_window=True is not supported")
         tie = config.get("tie_word_embeddings")
         moe = _moe_fields(family, config, int(need("num_hidden_layers")), need) if family.moe else {}
+        rope_theta, rope_llama3_factor = _rope(config, family.default_rope_theta)
         return cls(
             architecture=name,
             model_type=family.model_type,
@@ -166,10 +189,11 @@ class ModelShape:
             ),
             tie_word_embeddings=bool(family.default_tie_word_embeddings if tie is None else tie),
             rms_norm_eps=float(config.get("rms_norm_eps", family.default_rms_norm_eps)),
-            rope_theta=_rope_theta(config, family.default_rope_theta),
+            rope_theta=rope_theta,
             qkv_bias=family.qkv_bias,
             qk_norm=family.qk_norm,
             sliding_window=int(sliding_window) if sliding_window else None,
+            rope_llama3_factor=rope_llama3_factor,
             **moe,
         )
 
@@ -388,6 +412,8 @@ class ModelShape:
             position_embedding_type="rope",
             rotary_base=self.rope_theta,
             rotary_percent=1.0,
+            rope_scaling=self.rope_llama3_factor is not None,
+            **({} if self.rope_llama3_factor is None else {"rope_scaling_factor": self.rope_llama3_factor}),
             share_embeddings_and_output_weights=self.tie_word_embeddings,
         )
 

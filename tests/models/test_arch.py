@@ -125,6 +125,13 @@ def test_legacy_transformers4_config_keys():
               "rope_scaling": None, "torch_dtype": "bfloat16"}
     shape = ModelShape.from_hf_config(config)
     assert shape.rope_theta == 5e5 and shape.num_kv_heads == 4 and not shape.tie_word_embeddings
+    assert shape.rope_llama3_factor is None and not shape.gpt_model_kwargs()["rope_scaling"]
+    # Llama 3.1's config.json as the hub holds it (transformers 4's keys)
+    llama31 = {**config, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    shape = ModelShape.from_hf_config(llama31)
+    assert (shape.rope_theta, shape.rope_llama3_factor) == (5e5, 8.0)
+    assert shape.gpt_model_kwargs()["rope_scaling"] and shape.gpt_model_kwargs()["rope_scaling_factor"] == 8.0
 
 
 @pytest.mark.parametrize("config, message", [
@@ -141,7 +148,12 @@ def test_unsupported_architecture_names_value_and_supported(config, message):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}}, "llama3"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 4096}},
+     r"rope_type='llama3' with original_max_position_embeddings=4096 .*original_max_position_embeddings=8192"),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 8192}}, r"rope_parameters.factor=None"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0}}, "yarn"),
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "linear"),
     ({"hidden_act": "gelu"}, "gelu"),
     ({"attention_bias": True}, "attention_bias"),

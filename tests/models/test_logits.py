@@ -6,6 +6,7 @@ stage gathers the vocab-parallel logits. The parent compares them with HF's eage
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,10 @@ from tests.support.models_fixtures import (
     assert_same_tensors,
     hf_logits,
     hf_model_dirs,
+    make_hf_model,
     max_logit_error,
     per_file_state,
+    read_json,
     safetensors_state,
     sample_tokens,
 )
@@ -99,6 +102,21 @@ def _log_prob_rank(rank: int, world_size: int, hf_dir: str) -> dict[str, torch.T
             masked = mask_vocab_padding(shard, VOCAB, ctx.tp_rank, ctx.tp)
             return {"masked": vocab_parallel_log_prob(masked, labels, ctx.tp_group),
                     "unmasked": vocab_parallel_log_prob(shard, labels, ctx.tp_group)}
+    finally:
+        destroy_model_parallel()
+
+
+def _rope_rank(rank: int, world_size: int, tp: int, pp: int, hf_dir: str, tokens: torch.Tensor) -> dict[str, Any]:
+    """Logits (last stage) and each chunk's rotary inverse frequencies of the megatron model of `hf_dir`."""
+    from hybridrl.models.bridge import build_gpt_models, load_weights
+    from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
+
+    initialize_model_parallel(tp=tp, pp=pp, device="cpu")
+    try:
+        models = build_gpt_models(hf_dir)
+        load_weights(models, hf_dir)
+        return {"logits": pipeline_logits(models, tokens),
+                "inv_freq": [model.rotary_pos_emb.inv_freq.clone() for model in models]}
     finally:
         destroy_model_parallel()
 
@@ -186,6 +204,38 @@ def test_logits_match_with_tp_above_kv_heads(hf_dirs, reference):
     for arch in ("llama", "qwen2"):
         assert logits[arch].shape[-1] == 512  # vocab 200 padded to 128 * 4
         assert max_logit_error(logits[arch], reference[arch]) <= TOLERANCE
+
+
+# Llama 3.2's RoPE scaling (3.1's with factor 8): with head_dim 16 and this base the frequencies fall in all
+# three of its bands (kept, smoothed, divided by the factor).
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
+def test_llama3_rope_scaling_gives_transformers_logits(tmp_path, tp, pp):
+    """`rope_type: llama3` (every Llama 3.1-3.3 checkpoint) runs as megatron's own `rope_scaling`: its inverse
+    frequencies are transformers', and so are the logits over 200 positions, where plain RoPE's differ 40x more
+    than the tolerance."""
+    import transformers
+
+    folder = make_hf_model(tmp_path / "llama3", "llama", rope_theta=None, rope_parameters=LLAMA3_ROPE,
+                           max_position_embeddings=131072)
+    tokens = sample_tokens(batch=1, seq=200)
+    results = run_ranks(_rope_rank, tp * pp, tp, pp, str(folder), tokens)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    for result in results:
+        for inv_freq in result["inv_freq"]:
+            torch.testing.assert_close(inv_freq, hf.model.rotary_emb.inv_freq, rtol=1e-6, atol=0)
+    reference = hf_logits(folder, tokens)
+    assert max_logit_error(results[-1]["logits"], reference) <= TOLERANCE
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "model.safetensors").symlink_to(folder / "model.safetensors")
+    config = read_json(folder / "config.json")
+    (plain / "config.json").write_text(json.dumps({**config, "rope_parameters": {"rope_type": "default",
+                                                                                "rope_theta": 500000.0}}))
+    assert max_logit_error(results[-1]["logits"], hf_logits(plain, tokens)) > 10 * TOLERANCE
 
 
 @pytest.mark.parametrize("tp, corrupt", [(1, "plain_qkv_concat"), (2, "split_gate_up_concat")])
