@@ -34,7 +34,7 @@ from hybridrl.config.schema import LOGGER_PACKAGES, DataConfig, JobConfig, Model
 from hybridrl.data.dataset import DatasetError, FilePreview, PromptItem, preview_file
 from hybridrl.data.tokenizer import tokenizer_size
 from hybridrl.models.arch import ModelShape, read_hf_config, value_model_hf_config
-from hybridrl.models.layout import hf_tensor_problems
+from hybridrl.models.layout import PICKLED_WEIGHTS_HINT, hf_tensor_problems
 from hybridrl.models.lora_targets import peft_config_mismatches
 from hybridrl.persistence import METADATA_FILE
 from hybridrl.rewards.custom import RewardFunctionError, call_problem, load_reward_function
@@ -218,7 +218,7 @@ def _check_model_folder(prefix: str, model: ModelConfig, issues: list[ConfigIssu
         ok = False
     if not any((folder / name).is_file() for name in WEIGHT_FILES):
         others = sorted(p.name for p in folder.glob("*.bin"))[:3]
-        found = f" (found {', '.join(others)}: convert them to safetensors)" if others else ""
+        found = f" (found {', '.join(others)}: {PICKLED_WEIGHTS_HINT})" if others else ""
         issues.append(ConfigIssue(field, path, f"holds no weights: expected {' or '.join(WEIGHT_FILES)}{found}"))
         ok = False
     if tokenizer:

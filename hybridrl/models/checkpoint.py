@@ -37,6 +37,7 @@ from safetensors import safe_open
 
 from hybridrl.models.arch import ModelShape, read_hf_config
 from hybridrl.models.layout import (
+    PICKLED_WEIGHTS_HINT,
     ModelRank,
     ParallelLayout,
     ShardRange,
@@ -165,7 +166,7 @@ class HFCheckpointReader:
         single = self.dir / "model.safetensors"
         if not single.is_file():
             others = sorted(p.name for p in self.dir.glob("*.bin"))
-            hint = f" (found {', '.join(others)}: only safetensors are supported)" if others else ""
+            hint = f" (found {', '.join(others)}: {PICKLED_WEIGHTS_HINT})" if others else ""
             raise CheckpointError(f"no model.safetensors or {HF_INDEX_FILE} in {self.dir}{hint}")
         # through the handles, which name the file when it is damaged (a truncated download)
         return {name: single for name in self._files.get(single).keys()}  # noqa: SIM118 - safe_open has no __iter__

@@ -417,6 +417,14 @@ def hf_tensor_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
     return {t.at(layer, expert): hf_dims(shape, t) for spec, layer, expert in table_specs(shape) for t in spec.hf}
 
 
+# What a folder of pickled weights (pytorch_model*.bin) is told: unpickling runs code, so only safetensors
+# are read; transformers re-saves the same weights as safetensors (its loader reads .bin with torch's
+# weights_only unpickler).
+PICKLED_WEIGHTS_HINT = ("only safetensors are supported (a .bin is a pickle, which can run code when read); "
+                        "re-save the weights as safetensors with transformers: python -c \"import transformers; "
+                        "transformers.AutoModelForCausalLM.from_pretrained('DIR').save_pretrained('DIR')\"")
+
+
 # Tensors an HF checkpoint may carry that hold no weights (buffers saved by old transformers).
 IGNORED_HF_SUFFIXES: tuple[str, ...] = (".rotary_emb.inv_freq",)
 

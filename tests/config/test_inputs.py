@@ -554,3 +554,25 @@ def test_an_empty_training_file_list_is_one_problem(demo_assets, tmp_path):
     problems = [line for line in result.stderr.splitlines() if line.startswith("  - ")]
     assert problems == ["  - data.train_files=[] is empty; name local parquet or JSONL files of prompts (the format: "
                         "docs/user-guide.md#data)"], result.stderr
+
+
+def test_pickled_weights_are_refused_with_the_command_that_resaves_them(demo_assets, tmp_path):
+    """A folder with pytorch_model.bin only (older hub checkpoints): refused, with a transformers command that
+    re-saves the same weights as safetensors; run as given (DIR: the folder), the plan then accepts the folder
+    and the weights are the .bin's, tensor for tensor."""
+    import torch
+    from safetensors.torch import load_file
+
+    folder = _copy_model(demo_assets, tmp_path / "bin-only", without=("model.safetensors",))
+    original = load_file(demo_assets / "model" / "model.safetensors")
+    torch.save(original, folder / "pytorch_model.bin")
+    overrides = [*demo_overrides(demo_assets, tmp_path), f"actor_rollout_ref.model.path={folder}"]
+    refused = _hybridrl("plan", CONFIG, *overrides)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "found pytorch_model.bin: only safetensors are supported" in refused.stderr
+    command = refused.stderr.split('python -c "', 1)[1].split('"', 1)[0].replace("DIR", str(folder))
+    subprocess.run([sys.executable, "-c", command], check=True, capture_output=True, timeout=120)
+    assert _hybridrl("plan", CONFIG, *overrides).returncode == 0
+    resaved = load_file(folder / "model.safetensors")
+    assert sorted(resaved) == sorted(original)
+    assert all(torch.equal(resaved[name], original[name]) for name in original)
