@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hybridrl.config.checker import Checker
 from hybridrl.config.errors import ConfigError, ConfigIssue
 from hybridrl.config.estimates import (
     GIB,
@@ -61,6 +62,7 @@ from hybridrl.config.resolve import (
     role_megatron_field,
 )
 from hybridrl.config.resume import ResumePoint
+from hybridrl.config.rollout_rules import check_rollout_head_dim
 from hybridrl.config.schema import JobConfig, LoraConfig, MegatronConfig
 from hybridrl.config.validate import validate
 from hybridrl.models.arch import ModelShape
@@ -377,6 +379,9 @@ def build_plan(config: JobConfig, prior_issues: list[ConfigIssue] | tuple[Config
     hint, resume = None, None
     if check_files:
         absent, resume = check_inputs(config, issues, critic=resolved.critic_enabled)
+        # the model the rollout workers build: checked with the folders they load (the trainer-side pieces a plan
+        # also sizes, e.g. in tests, build no vLLM engine)
+        check_rollout_head_dim(Checker(issues, warnings), config, model)
         hint = LAYOUT_ONLY_HINT if absent else None
     if issues:
         raise ConfigError(issues, hint)

@@ -34,7 +34,6 @@ from hybridrl.config.resolve import (
 )
 from hybridrl.config.rollout_rules import (
     check_multi_turn,
-    check_rollout_head_dim,
     check_rollout_layout,
     check_rollout_placement,
     check_stop_tokens,
@@ -100,7 +99,6 @@ def validate(
             dp_of[role] = dp
     rollout_world = check_rollout_placement(check, config, resolved, world)
     infer_dp = check_rollout_layout(check, config, rollout_world, model, pool=resolved.disaggregated)
-    check_rollout_head_dim(check, config, model)
     check_stop_tokens(check, config, model)
     _check_unsupported(check, config, model)
     check_refusals(config, check.issues)  # settings one field decides, as one table (config/refusals.py)
