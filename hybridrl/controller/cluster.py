@@ -11,10 +11,12 @@ import logging
 import os
 import queue
 import shutil
+import signal
 import socket
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 # Ray reads this when it is imported, to decide whether a local cluster listens on the machine's
@@ -153,6 +155,14 @@ def _grpc_problem(sock: socket.socket, port: int) -> str | None:
     return None
 
 
+def gcs_answers(timeout_s: float = 2.0) -> bool:
+    """Whether the GCS of the cluster this process is connected to still accepts a connection and answers gRPC
+    (`ray_address_problem`), within about `timeout_s`; False when not connected."""
+    if not ray.is_initialized():
+        return False
+    return ray_address_problem(ray.get_runtime_context().gcs_address, timeout_s) is None
+
+
 def _prepend_pythonpath(paths: Sequence[str]) -> str:
     current = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     merged = [os.path.abspath(p) for p in paths if os.path.abspath(p) not in current] + current
@@ -188,8 +198,12 @@ def init_ray(
         runtime_env = {}
         if pythonpath:
             runtime_env = {"env_vars": {"PYTHONPATH": _prepend_pythonpath(pythonpath)}}
-        context = ray.init(address=address, namespace=namespace, runtime_env=runtime_env or None, **quiet)
-        return RayCluster(context.address_info.get("address", address), False, None, False)
+        with stop_signals_held() as received:
+            context = ray.init(address=address, namespace=namespace, runtime_env=runtime_env or None, **quiet)
+        cluster = RayCluster(context.address_info.get("address", address), False, None, False)
+        if received:
+            _deliver_after_start(received[0], cluster)
+        return cluster
 
     if ray._private.ray_constants.ENABLE_RAY_CLUSTER:  # imported before us: cannot bind loopback
         logger.warning(
@@ -205,14 +219,73 @@ def init_ray(
         temp_dir = tempfile.mkdtemp(prefix="hrl-ray-", dir="/tmp")
     # RAY_ADDRESS would make ray.init connect instead of starting a private cluster.
     os.environ.pop("RAY_ADDRESS", None)
-    context = ray.init(
-        num_cpus=num_cpus,
-        num_gpus=num_gpus,
-        object_store_memory=object_store_memory,
-        namespace=namespace,
-        include_dashboard=False,
-        _temp_dir=temp_dir,
-        _system_config={"preload_python_modules": list(preload_modules)} if preload_modules else None,
-        **quiet,
-    )
-    return RayCluster(context.address_info.get("address", ""), True, temp_dir, owns_temp_dir)
+    with stop_signals_held() as received:
+        try:
+            context = ray.init(
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                object_store_memory=object_store_memory,
+                namespace=namespace,
+                include_dashboard=False,
+                _temp_dir=temp_dir,
+                _system_config={"preload_python_modules": list(preload_modules)} if preload_modules else None,
+                **quiet,
+            )
+        except BaseException:  # a failed start: what it made so far goes too
+            RayCluster("", True, temp_dir, owns_temp_dir).shutdown()
+            raise
+    cluster = RayCluster(context.address_info.get("address", ""), True, temp_dir, owns_temp_dir)
+    if received:
+        _deliver_after_start(received[0], cluster)
+    return cluster
+
+
+# What a user sends to stop a run: Ctrl-C, SLURM's and Kubernetes' SIGTERM, a closed terminal's SIGHUP.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextmanager
+def stop_signals_held() -> Iterator[list[int]]:
+    """Hold the stop signals while `ray.init` starts a local cluster (the list yielded gets those that arrived), and
+    leave the process's own handlers in place after it.
+
+    Interrupted midway, `ray.init` leaves its temp folder and, from the raylet's start on, its dashboard and
+    runtime-env agents, alive for a minute or more, that nothing can stop: the half-started node is nowhere to shut
+    down. `ray.init` also takes over SIGTERM twice: a Python handler that kills the cluster under the caller and
+    exits from wherever the main thread is, and Ray's native one, which prints a stack dump and aborts the process;
+    the caller's own handling (`hybridrl train` stops cleanly, as on Ctrl-C) is put back. Outside the main thread,
+    where no handler can be set, nothing is held."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    utils = ray._private.utils
+    ray_setter = utils.set_sigterm_handler
+    utils.set_sigterm_handler = lambda handler: None  # ray.init's, while it runs; Ray's native one is undone below
+    try:
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, lambda signum, frame: received.append(signum))
+        yield received
+    finally:
+        utils.set_sigterm_handler = ray_setter
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+
+def _deliver_after_start(signum: int, cluster: RayCluster) -> None:
+    """Act on a stop signal held during the start, as the process's handler would have, now that `cluster` is
+    whole: stopped first if that handler stops the process (an exception, or the default action), kept if it
+    ignores the signal."""
+    handler = signal.getsignal(signum)
+    if handler == signal.SIG_IGN:
+        return
+    if handler in (signal.SIG_DFL, None):  # the process ends at once: nothing after this would stop the cluster
+        cluster.shutdown()
+        signal.raise_signal(signum)
+        return
+    try:
+        signal.raise_signal(signum)  # runs the handler here (KeyboardInterrupt on Ctrl-C)
+    except BaseException:
+        cluster.shutdown()
+        raise
