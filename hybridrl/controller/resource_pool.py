@@ -31,6 +31,7 @@ from ray.util.placement_group import (
     remove_placement_group,
 )
 
+from hybridrl.controller.cluster import gcs_answers
 from hybridrl.parallel.device_policy import CPU, DevicePolicy
 
 
@@ -163,6 +164,11 @@ class ResourcePool:
 
     def shutdown(self) -> None:
         """Remove the placement groups (actors still running in them are killed by Ray)."""
+        if self.placement_groups and not gcs_answers():
+            # The cluster went down under the run (SLURM's scancel sends SIGTERM to every process of the job, Ray's
+            # GCS too): the groups went with it, and asking it to remove them would block for Ray's 60 s GCS
+            # reconnect timeout, after which Ray ends the process itself, with no word from the trainer.
+            self.placement_groups = []
         for group in self.placement_groups:
             try:
                 remove_placement_group(group)

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from hybridrl.config.errors import ConfigError
@@ -71,14 +74,21 @@ def run(args: argparse.Namespace) -> int:
             print(f"hybridrl train: {exc}", file=sys.stderr)
             return 2
 
+    trainer = None
+    stopped_by: list[int] = []  # Ray's `get` turns any exception a handler raises into a plain KeyboardInterrupt
     try:
-        result = Trainer(plan, progress=not args.no_progress).fit()
+        with stop_signals_interrupt(stopped_by):
+            trainer = Trainer(plan, progress=not args.no_progress)
+            result = trainer.fit()
     except ConfigError as exc:  # what only reading the user's files whole shows (a malformed row), before Ray
         print(f"hybridrl train: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("hybridrl train: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt:  # Ctrl-C, or a `Stopped` (the signal in `stopped_by`): fit's clean-up has run
+        signum = stopped_by[0] if stopped_by else signal.SIGINT
+        name = signal.Signals(signum).name
+        report = trainer.stop_report(name) if trainer is not None else f"stopped by {name} before the run started"
+        print(f"hybridrl train: {report}", file=sys.stderr)
+        return 128 + signum  # the shell's convention for a process ended by a signal
     except Exception as exc:  # noqa: BLE001 - a run-time failure: one line here, the whole story in a file
         # TrainingFailure: step, phase, role, rank and cause (workers already torn down); anything else is
         # hybridrl's bug or the machine's, and its traceback goes to the file too.
@@ -94,6 +104,45 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(result.summary)
     return 0
+
+
+class Stopped(KeyboardInterrupt):
+    """A stop signal other than Ctrl-C arrived: raised in the main thread wherever it was, so that the run ends as
+    Ctrl-C ends it (a save in progress discarded, the metrics file closed, the workers and Ray shut down, one line
+    and exit code 128 + the signal) rather than by the signal's default action (killed on the spot, Ray's processes
+    left to die on their own, and no word) or by Ray's SIGTERM handlers (a native stack dump, then an abort)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+# SLURM's scancel and time limit, Kubernetes' pod deletion, `kill`: SIGTERM (SIGKILL follows a grace period later);
+# a closed terminal or ssh session: SIGHUP
+STOPPED_BY = (signal.SIGTERM, signal.SIGHUP)
+
+
+@contextmanager
+def stop_signals_interrupt(received: list[int]) -> Iterator[None]:
+    """SIGTERM and SIGHUP raise `Stopped` while the body runs, and are appended to `received` (the first one only:
+    later ones, say a scheduler's repeat during the few seconds of the clean-up, are ignored rather than cut it
+    short). A signal this process was told to ignore (`nohup` ignores SIGHUP) stays ignored. The handlers found are
+    put back after."""
+
+    def stop(signum: int, frame: object) -> None:
+        if not received:
+            received.append(signum)
+            raise Stopped(signum)
+
+    previous = {signum: signal.getsignal(signum) for signum in STOPPED_BY}
+    for signum, handler in previous.items():
+        if handler != signal.SIG_IGN:
+            signal.signal(signum, stop)
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
 
 def _write_failure(run_dir: Path, error: BaseException, *, with_traceback: bool) -> Path:

@@ -524,6 +524,23 @@ class Trainer:
     def shutdown(self) -> None:
         self.workers.shutdown()
 
+    def stop_report(self, signal_name: str) -> str:
+        """What a run stopped by `signal_name` (Ctrl-C's SIGINT, SIGTERM, SIGHUP) tells its user once its workers are
+        shut down: where it was, and where the next run goes on from."""
+        before_steps = {Phase.START: "before its workers started", Phase.SETUP: "while its workers started",
+                        Phase.RESUME: "while resuming"}
+        where = before_steps.get(self.run.phase, f"at step {self.run.global_step} ({self.run.phase})")
+        latest = self.checkpoints.latest()
+        save_freq = self.config.trainer.save_freq
+        if latest is not None:
+            then = (f"the newest complete checkpoint is {latest}: trainer.resume_mode=auto (the default) continues "
+                    "from it")
+        elif save_freq > 0:
+            then = f"no checkpoint yet (the first is at step {save_freq}): the next run starts from step 0"
+        else:
+            then = f"no checkpoint (trainer.save_freq={save_freq}): the next run starts from step 0"
+        return f"stopped by {signal_name} {where}; its workers and Ray are shut down; {then}"
+
 
 def _final_failure(failures: list[TrainingFailure], max_restarts: int) -> TrainingFailure:
     """The failure that stops the run; with restarts, it names every failure before it too."""

@@ -9,6 +9,7 @@ interruption, and refusing a tampered checkpoint, are in tests/e2e/test_runs.py.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -139,3 +140,53 @@ def test_strict_device_stops_a_run_whose_worker_forgets_the_device(demo_assets, 
     # the first forward of the run is the set-up's: the weight sync's log-prob probe on the trainer side
     assert ("training failed at step 0, phase setup: actor_rollout_ref rank 0 failed in setup(): DeviceMismatch: "
             "strict-device: embedding got tensors on the GPU and on the CPU") in result.stderr, result.stderr[-4000:]
+
+
+def _session_left_running(session: int, wait_s: float) -> list[str]:
+    """The command lines of `session`'s processes still running (zombies aside) once up to `wait_s` passed."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        listed = subprocess.run(["ps", "-o", "stat=,args=", "-s", str(session)], capture_output=True, text=True)
+        alive = [line.split(None, 1)[-1] for line in listed.stdout.splitlines() if not line.strip().startswith("Z")]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("to", ["driver", "job"])
+def test_sigterm_stops_the_run_cleanly_naming_where_it_goes_on_from(demo_assets, tmp_path, to):
+    """SIGTERM, as Kubernetes sends it to the driver and SLURM's scancel to every process of the job, during step 3's
+    update (held there by a planted hang), after step 2's checkpoint. It used to end in Ray's native stack dump and an
+    abort (exit 134), or, sent to the whole job, in a 60 s wait for Ray's dead GCS and Ray's own exit 1. Now: exit 143
+    within seconds, one line naming the signal, the step and the checkpoint to go on from, nothing left running, no
+    partial checkpoint, a metrics file of whole lines."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hybridrl.cli", "train", CONFIG, "--no-progress",
+           *demo_overrides(demo_assets, run, "trainer.total_training_steps=3", "trainer.save_freq=2")]
+    driver = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**os.environ, faults.ENV: "hang_update_actor:3:0"}, start_new_session=True)
+    sealed = run / CKPT / "global_step_2" / "trainer_state.json"
+    deadline = time.monotonic() + 300
+    while not sealed.is_file() and driver.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(2.0)  # step 3's generation takes a tenth of that; then rank 0 hangs in the update
+    assert driver.poll() is None, driver.stderr.read()[-4000:]
+    sent = time.monotonic()
+    if to == "driver":
+        os.kill(driver.pid, signal.SIGTERM)
+    else:
+        os.killpg(driver.pid, signal.SIGTERM)
+    out, err = driver.communicate(timeout=120)
+    stopped_s = time.monotonic() - sent
+    assert driver.returncode == 128 + signal.SIGTERM, err[-4000:]
+    print(f"SIGTERM to the {to}: stopped in {stopped_s:.1f} s")
+    assert stopped_s < 30
+    assert (f"hybridrl train: stopped by SIGTERM at step 3 (update_actor); its workers and Ray are shut down; the "
+            f"newest complete checkpoint is {run / CKPT / 'global_step_2'}: trainer.resume_mode=auto (the default) "
+            "continues from it") in err, err[-4000:]
+    assert "Traceback" not in err and "SIGTERM received" not in err
+    assert _session_left_running(driver.pid, wait_s=15) == []
+    assert sorted(p.name for p in (run / CKPT).iterdir()) == ["global_step_2", "latest_checkpointed_iteration.txt"]
+    assert (run / CKPT / "latest_checkpointed_iteration.txt").read_text() == "2\n"
+    assert [row["step"] for row in _metrics(run)] == [1, 2]

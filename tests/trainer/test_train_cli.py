@@ -4,9 +4,13 @@ and the whole story on the terminal when the run folder cannot hold it (no secon
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import hybridrl.trainer.trainer as trainer_module
 from hybridrl.trainer import train_cli
@@ -62,3 +66,36 @@ def test_train_takes_a_job_of_overrides_alone_as_plan_does(tmp_path):
         assert done.returncode == 2, (command, done.stderr[-2000:])
         assert "<config file>" not in done.stderr  # read as overrides: the defaults, then these
         assert "trainer.seed=-1 must be in [0, 2**31)" in done.stderr, (command, done.stderr[-2000:])
+
+
+def test_sigterm_and_sighup_stop_the_run_as_ctrl_c_does_once():
+    """SLURM's and Kubernetes' SIGTERM and a closed terminal's SIGHUP raise a KeyboardInterrupt (what Ctrl-C raises, so
+    the run's clean-up runs) where the main thread is, naming the signal; a repeat during the clean-up is ignored;
+    a signal the process was told to ignore (`nohup`) stays ignored; the handlers found are put back after."""
+    seen = []
+    previous_term = signal.signal(signal.SIGTERM, lambda *_: seen.append("term"))
+    previous_hup = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        outer_term = signal.getsignal(signal.SIGTERM)
+        received: list[int] = []
+        with pytest.raises(KeyboardInterrupt) as stopped:
+            with train_cli.stop_signals_interrupt(received):
+                os.kill(os.getpid(), signal.SIGHUP)  # ignored: nohup's choice stands
+                os.kill(os.getpid(), signal.SIGTERM)
+        assert isinstance(stopped.value, train_cli.Stopped) and received == [signal.SIGTERM]
+        assert str(stopped.value) == "SIGTERM"
+
+        received = []
+        with pytest.raises(KeyboardInterrupt):
+            with train_cli.stop_signals_interrupt(received):
+                try:
+                    signal.raise_signal(signal.SIGTERM)
+                finally:  # the clean-up: a second SIGTERM must not cut it short
+                    signal.raise_signal(signal.SIGTERM)
+                    seen.append("clean-up finished")
+        assert received == [signal.SIGTERM] and seen == ["clean-up finished"]
+        assert signal.getsignal(signal.SIGTERM) is outer_term
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous_term)
+        signal.signal(signal.SIGHUP, previous_hup)
