@@ -662,7 +662,9 @@ class TrainerConfig:
         None, "write each step's trained samples (text, token ids, score, reward, advantage, the reward function's "
               "extra keys) to step_N.jsonl here")
     resume_mode: str = doc("auto", "auto | disable | <checkpoint path>")
-    keep_last_n: int | None = doc(None, "keep this many newest checkpoints; None = all")
+    keep_last_n: int | None = doc(
+        None, "keep this many newest checkpoints, up to the step just saved (a run resumed from an earlier step "
+              "leaves the later ones of the run it left until it saves those steps again); None = all")
     export_hf_on_save: bool = doc(False, "also write an HF folder of the actor at each save")
     balance_batch: bool = doc(
         True, "dispatch each training pass's rows so every data-parallel rank gets the same number of rows and "

@@ -54,17 +54,21 @@ class CheckpointManager:
         final = self.step_dir(step)
         commit_staging_dir(partial, final)  # re-saving a step (e.g. after resume) replaces it whole
         write_atomic(self.root / LATEST_FILE, f"{step}\n")
-        self.prune()
+        self.prune(step)
         return final
 
     def abort(self, partial: Path) -> None:
         discard_staging_dir(partial)
 
-    def prune(self) -> list[Path]:
-        """Delete complete checkpoints beyond the newest `keep_last_n`; returns what was removed."""
+    def prune(self, newest: int) -> list[Path]:
+        """Delete the complete checkpoints before step `newest` (the one just sealed) beyond the `keep_last_n` newest,
+        it included; returns what was removed. Later steps are left: they are of the run that a run resumed from an
+        earlier checkpoint left behind (replaced one by one as this run saves those steps again). Counted among the
+        newest, they made the step just sealed the oldest, deleted at once, and a later resume went on from the
+        abandoned run's checkpoint."""
         if not self.keep_last_n:
             return []
-        steps = self.complete_steps()
+        steps = [step for step in self.complete_steps() if step <= newest]
         removed = []
         for step in steps[: max(0, len(steps) - self.keep_last_n)]:
             path = self.step_dir(step)

@@ -45,6 +45,21 @@ def test_keep_last_n_prunes_oldest(tmp_path):
     assert manager.latest().name == "global_step_4"
 
 
+def test_keep_last_n_after_resuming_from_an_earlier_step_keeps_what_the_run_saves(tmp_path):
+    """A run resumed from step 2 (trainer.resume_mode=<path>) while steps 4 and 6 of the run it left are on disk:
+    with keep_last_n=1 its save of step 3 was deleted at once (4 and 6 counted as newer), `latest` named a folder that
+    was gone, and the next auto resume went on from the abandoned run's step 6."""
+    manager = CheckpointManager(tmp_path, keep_last_n=1)
+    for step in (2, 4, 6):
+        CheckpointManager(tmp_path).commit(CheckpointManager(tmp_path).begin(step), step, {})
+    saved = _save(manager, 3)
+    assert saved.is_dir() and manager.complete_steps() == [3, 4, 6]  # 2 pruned; the left run's 4 and 6 kept
+    assert manager.resolve_resume("auto") == saved
+    replaced = _save(manager, 4, payload="this run's")  # the left run's step 4 replaced, 3 pruned
+    assert manager.complete_steps() == [4, 6] and manager.resolve_resume("auto") == replaced
+    assert (replaced / "actor" / "weights.bin").read_text() == "this run's"
+
+
 def test_resolve_resume_modes(tmp_path):
     manager = CheckpointManager(tmp_path)
     first = _save(manager, 1)
