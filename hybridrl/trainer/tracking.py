@@ -126,9 +126,13 @@ class JsonlSink:
             self._file = open(path, "w")
 
     def _kept_up_to(self, step: int) -> TextIO:
-        """Keep the step records up to `step` (and every event record), drop later ones; the file to append to."""
-        kept = [line for line in self.path.read_text().splitlines() if line.strip()
-                and ("event" in (record := json.loads(line)) or record.get("step", 0) <= step)]
+        """Keep the step records up to `step` (and every event record), drop later ones; the file to append to.
+        A last line that is not a whole record is dropped too: the run that wrote it ended mid-write (a full disk,
+        a crash), after its last checkpoint (a step's record is written before its save), so it is a later step's."""
+        lines = [line for line in self.path.read_text().splitlines() if line.strip()]
+        if lines and not _is_json(lines[-1]):
+            lines.pop()
+        kept = [line for line in lines if "event" in (record := json.loads(line)) or record.get("step", 0) <= step]
         write_atomic(self.path, "".join(line + "\n" for line in kept))
         return open(self.path, "a")
 
@@ -147,6 +151,14 @@ class JsonlSink:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _is_json(line: str) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return True
 
 
 def _json_number(value: Any) -> Any:

@@ -192,6 +192,24 @@ def test_jsonl_fresh_run_truncates_and_resume_keeps_prefix(tmp_path):
     assert (tmp_path / "m.jsonl").read_text() == ""
 
 
+def test_a_resume_drops_a_record_cut_by_a_full_disk_or_a_crash(tmp_path):
+    """A run that ended mid-write (its disk full, the machine down) leaves a cut last line: the resume refused with a
+    JSONDecodeError traceback. That record is a step's after the checkpoint (a step logs before it saves): dropped."""
+    from hybridrl.trainer.tracking import JsonlSink
+
+    first = JsonlSink(tmp_path / "m.jsonl")
+    for step in (1, 2):
+        first.log(step, {"x": float(step)})
+    first.close()
+    whole = (tmp_path / "m.jsonl").read_text()
+    (tmp_path / "m.jsonl").write_text(whole + json.dumps({"step": 3, "x": 3.0})[:9])  # step 3's record, cut
+    resumed = JsonlSink(tmp_path / "m.jsonl", resume_step=2)
+    resumed.log(3, {"x": 30.0})
+    resumed.close()
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["x"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
 def test_rewind_forgets_later_steps_and_keeps_events(tmp_path):
     """An in-place restart goes back to its checkpoint's step: the steps after it are run again, so the
     history and metrics.jsonl drop them; the restart's own record stays."""
