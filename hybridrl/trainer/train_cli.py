@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
 import sys
@@ -90,6 +91,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"hybridrl train: {report}", file=sys.stderr)
         return 128 + signum  # the shell's convention for a process ended by a signal
     except Exception as exc:  # noqa: BLE001 - a run-time failure: one line here, the whole story in a file
+        if trainer is not None and _disk_refused(exc):  # the controller's own files (metrics, a checkpoint's state)
+            print(f"hybridrl train: could not write {trainer.where()}: {exc} (the run folder is {trainer.run_dir}, "
+                  f"the checkpoints go under {trainer.checkpoints.root}); {trainer.resume_hint()}", file=sys.stderr)
+            return 1  # the line is the whole story: no failure.log for the disk to refuse too
         # TrainingFailure: step, phase, role, rank and cause (workers already torn down); anything else is
         # hybridrl's bug or the machine's, and its traceback goes to the file too.
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -104,6 +109,15 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(result.summary)
     return 0
+
+
+# A disk that will not take the run's files: full, over quota, read-only, or not this user's to write. The machine's
+# state, not hybridrl's bug: said in a line, with no traceback.
+DISK_REFUSALS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES)
+
+
+def _disk_refused(error: BaseException) -> bool:
+    return isinstance(error, OSError) and error.errno in DISK_REFUSALS
 
 
 class Stopped(KeyboardInterrupt):

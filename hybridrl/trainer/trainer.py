@@ -527,19 +527,24 @@ class Trainer:
     def stop_report(self, signal_name: str) -> str:
         """What a run stopped by `signal_name` (Ctrl-C's SIGINT, SIGTERM, SIGHUP) tells its user once its workers are
         shut down: where it was, and where the next run goes on from."""
+        return f"stopped by {signal_name} {self.where()}; its workers and Ray are shut down; {self.resume_hint()}"
+
+    def where(self) -> str:
+        """Where in the run it is now, for a message: before its steps, or the step and its phase."""
         before_steps = {Phase.START: "before its workers started", Phase.SETUP: "while its workers started",
                         Phase.RESUME: "while resuming"}
-        where = before_steps.get(self.run.phase, f"at step {self.run.global_step} ({self.run.phase})")
+        return before_steps.get(self.run.phase, f"at step {self.run.global_step} ({self.run.phase})")
+
+    def resume_hint(self) -> str:
+        """Where the next run goes on from: the newest complete checkpoint on disk, or step 0."""
         latest = self.checkpoints.latest()
         save_freq = self.config.trainer.save_freq
         if latest is not None:
-            then = (f"the newest complete checkpoint is {latest}: trainer.resume_mode=auto (the default) continues "
+            return (f"the newest complete checkpoint is {latest}: trainer.resume_mode=auto (the default) continues "
                     "from it")
-        elif save_freq > 0:
-            then = f"no checkpoint yet (the first is at step {save_freq}): the next run starts from step 0"
-        else:
-            then = f"no checkpoint (trainer.save_freq={save_freq}): the next run starts from step 0"
-        return f"stopped by {signal_name} {where}; its workers and Ray are shut down; {then}"
+        if save_freq > 0:
+            return f"no checkpoint yet (the first is at step {save_freq}): the next run starts from step 0"
+        return f"no checkpoint (trainer.save_freq={save_freq}): the next run starts from step 0"
 
 
 def _final_failure(failures: list[TrainingFailure], max_restarts: int) -> TrainingFailure:

@@ -99,3 +99,37 @@ def test_sigterm_and_sighup_stop_the_run_as_ctrl_c_does_once():
     finally:
         signal.signal(signal.SIGTERM, previous_term)
         signal.signal(signal.SIGHUP, previous_hup)
+
+
+class _MetricsDiskFull(trainer_module.Trainer):
+    """The real trainer, whose run saved step 2 (an empty checkpoint: no worker runs here), then writes step 3's
+    metrics to a disk that is full: metrics.jsonl is a link to /dev/full, where every write fails with ENOSPC (the
+    kernel's, as on a full disk)."""
+
+    def fit(self):
+        from hybridrl.names import Phase
+        from hybridrl.trainer.tracking import Tracker
+
+        self.checkpoints.commit(self.checkpoints.begin(2), 2, {})
+        (self.run_dir / "metrics.jsonl").symlink_to("/dev/full")
+        self.run.global_step, self.run.phase = 3, Phase.SYNC
+        Tracker.create(["jsonl"], self.run_dir).log(3, {"x": 1.0})
+
+
+def test_a_full_disk_is_one_line_naming_the_folders_and_where_the_next_run_goes_on_from(demo_assets, tmp_path,
+                                                                                         monkeypatch, capsys):
+    """A full run folder (or checkpoint disk) under the controller's own files ended in `OSError: [Errno 28] No space
+    left on device`, its traceback, and a second failure writing failure.log on the same disk."""
+    run = tmp_path / "run"
+    args = argparse.Namespace(config=CONFIG, overrides=demo_overrides(demo_assets, run, "trainer.save_freq=2"),
+                              no_progress=True, skip_version_check=True)
+    checkpoints = run / "ckpt" / "demo" / "cpu_tiny_grpo"
+    monkeypatch.setattr(trainer_module, "Trainer", _MetricsDiskFull)
+    assert train_cli.run(args) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (
+        f"hybridrl train: could not write at step 3 (sync): [Errno 28] No space left on device (the run folder is "
+        f"{run}, the checkpoints go under {checkpoints}); the newest complete checkpoint is "
+        f"{checkpoints / 'global_step_2'}: "
+        "trainer.resume_mode=auto (the default) continues from it"), err
+    assert "Traceback" not in err and not (run / "failure.log").exists()
