@@ -217,6 +217,8 @@ def creation_problem(folder: str | Path) -> str | None:
     existing = nearest_existing(folder)
     if not existing.is_dir():
         return f"{existing} is a file, not a folder"
+    if os.statvfs(existing).f_flag & os.ST_RDONLY:  # os.access refuses it too, but it is no permission to change
+        return f"{existing} is on a read-only file system"
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"no permission to write in {existing}"
     return None

@@ -54,7 +54,7 @@ from hybridrl.models.arch import ModelShape
 from hybridrl.models.layout import ParallelLayout
 from hybridrl.names import Role
 from hybridrl.parallel.device_policy import DEVICE_POLICIES
-from hybridrl.persistence import nearest_existing
+from hybridrl.persistence import creation_problem, nearest_existing
 from hybridrl.rewards.registry import AUTO
 
 RESUME_MODES = ("auto", "disable")
@@ -168,23 +168,30 @@ def _check_trainer(check: Checker, config: JobConfig) -> bool:
 
 
 def _check_output_folders(check: Checker, config: JobConfig) -> None:
-    """The folders `train` creates and writes into: refused when one, or a folder above it, exists as a file
-    (train would fail at its first write: the first checkpoint, the first step's rollout dump, or at start)."""
+    """The folders `train` creates and writes into: refused when one, or a folder above it, exists as a file, or
+    when the folder it would be made in (or the folder itself) may not be written: a read-only file system, another
+    user's folder (train would fail at its first write: the first checkpoint, the first step's rollout dump, or at
+    start, after Ray and the workers). The checkpoint root only when the run saves (a run with save_freq=-1 may resume
+    from checkpoints it may only read)."""
     t = config.trainer
     if not all(isinstance(name, str) for name in (t.project_name, t.experiment_name, t.default_local_dir)) \
             or not isinstance(t.run_dir, (str, type(None))):
         return  # the schema's refusal
-    outputs = [("trainer.default_local_dir", t.default_local_dir, t.checkpoint_root, "checkpoints"),
-               ("trainer.run_dir", t.run_dir, t.run_folder, "logs, metrics and failure.log")]
+    saves = not isinstance(t.save_freq, int) or t.save_freq > 0
+    outputs = [("trainer.default_local_dir", t.default_local_dir, t.checkpoint_root, "checkpoints", saves),
+               ("trainer.run_dir", t.run_dir, t.run_folder, "logs, metrics and failure.log", True)]
     if t.rollout_data_dir:
         outputs.append(("trainer.rollout_data_dir", t.rollout_data_dir, Path(str(t.rollout_data_dir)),
-                        "each step's rollout samples"))
-    for field, value, folder, what in outputs:
+                        "each step's rollout samples", True))
+    for field, value, folder, what, written in outputs:
         path = nearest_existing(folder)  # a folder to create the rest in, or a file in the way
         if not path.is_dir():
             where = "is a file" if path == folder.absolute() else f"needs the folder {folder}, but {path} is a file"
             check.fail(field, value, f"{where}, not a folder: train writes {what} there (and would fail at its "
                                      "first write); name a folder, or remove the file")
+        elif written and (problem := creation_problem(folder)):
+            check.fail(field, value, f"cannot be written: {problem}; train writes {what} there (and would fail at "
+                                     "its first write); name a folder this user may write in")
 
 
 def _check_names(check: Checker, config: JobConfig) -> None:

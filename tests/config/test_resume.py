@@ -137,3 +137,38 @@ def test_output_folders_that_are_files_are_refused(job, tmp_path):
     assert f"trainer.rollout_data_dir={file} is a file, not a folder" in text
     assert f"trainer.run_dir={file / 'run'} needs the folder {file / 'run'}, but {file} is a file" in text
     assert "3 config error(s)" in text
+
+
+def test_output_folders_on_a_read_only_file_system_are_refused(job, tmp_path):
+    """A run folder or checkpoint root the run may not write (here a real read-only mount) passed the plan, and train
+    failed at its first write: after loading the data, or at its first checkpoint after Ray, the workers and the first
+    steps. A checkpoint root that is only read (save_freq=-1: a resume without saves) stays allowed."""
+    import os
+    import subprocess
+
+    overrides, _, _ = job
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    if os.geteuid() == 0:  # a real read-only file system (the kernel refuses root too)
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(read_only)],
+                                 capture_output=True)
+        if mounted.returncode != 0:
+            pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.decode().strip()}")
+        why = f"{read_only} is on a read-only file system"
+    else:
+        read_only.chmod(0o555)
+        why = f"no permission to write in {read_only}"
+    try:
+        text = _refusal(GRPO, [*overrides, f"trainer.default_local_dir={read_only / 'ckpt'}", "trainer.save_freq=2",
+                               f"trainer.run_dir={read_only / 'run'}"])
+        assert (f"trainer.default_local_dir={read_only / 'ckpt'} cannot be written: {why}; train writes checkpoints "
+                "there") in text
+        assert f"trainer.run_dir={read_only / 'run'} cannot be written: {why}; train writes logs" in text
+        assert "2 config error(s)" in text
+        plan_from_sources(GRPO, [*overrides, f"trainer.default_local_dir={read_only / 'ckpt'}", "trainer.save_freq=-1"],
+                          check_files=True)
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["umount", str(read_only)], check=True)
+        else:
+            read_only.chmod(0o755)
