@@ -112,6 +112,10 @@ def check_rollout_head_dim(check: Checker, config: JobConfig, model: ModelShape 
                    "(every rollout worker would stop as vLLM builds the model); it takes these head_dims",
                    policy.vllm_attention_head_dims)
 
+# rollout settings that apply to async_mode=fully_async only (refused elsewhere; `--search` clears them on the
+# layouts it runs in turn or one step ahead)
+FULLY_ASYNC_FIELDS = ("max_staleness", "stale_samples", "partial_rollout")
+
 
 def check_rollout_placement(check: Checker, config: JobConfig, resolved: Resolved, world: int) -> int:
     """rollout.mode, its pool and rollout.async_mode; returns the ranks vLLM runs on (0 when invalid)."""
@@ -122,10 +126,9 @@ def check_rollout_placement(check: Checker, config: JobConfig, resolved: Resolve
         check.fail("actor_rollout_ref.actor.megatron.param_offload", True,
                    f"frees the actor's GPUs for a colocated vLLM; with {r}.mode=disaggregated vLLM runs on its own "
                    "GPUs and the actor's have nothing to make room for", [False])
-    fully_async_fields = {"max_staleness": rollout.max_staleness, "stale_samples": rollout.stale_samples,
-                          "partial_rollout": rollout.partial_rollout}
     if rollout.async_mode in ("sync", "one_step_off"):  # an unknown mode: reported by validate._check_names
-        for name, value in fully_async_fields.items():
+        for name in FULLY_ASYNC_FIELDS:
+            value = getattr(rollout, name)
             if value is not None:
                 check.fail(f"{r}.{name}", value, f"applies to {r}.async_mode=fully_async only (it is "
                            f"{rollout.async_mode}); remove it", [])

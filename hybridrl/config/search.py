@@ -34,6 +34,7 @@ from hybridrl.config.loader import load_config_collecting
 from hybridrl.config.model_shapes import load_model_shape
 from hybridrl.config.plan import MEMORY_REFUSAL_FIELD, Plan, build_plan
 from hybridrl.config.resolve import resolve
+from hybridrl.config.rollout_rules import FULLY_ASYNC_FIELDS
 from hybridrl.config.schema import JobConfig, MegatronConfig
 from hybridrl.config.step_time import StepTime, predict_step_time
 from hybridrl.models.arch import ModelShape
@@ -171,10 +172,6 @@ def settings_of(config: JobConfig, layout: Layout, savers: tuple[bool, bool, boo
     out += [(f"{rollout}.{name}", getattr(config.actor_rollout_ref.rollout, name) if fully_async else None)
             for name in FULLY_ASYNC_FIELDS]
     return out
-
-
-# rollout settings that apply to async_mode=fully_async only (the validator refuses them elsewhere)
-FULLY_ASYNC_FIELDS = ("max_staleness", "staleness_policy", "partial_rollout")
 
 
 def _section(config: JobConfig, path: str) -> MegatronConfig:

@@ -194,3 +194,23 @@ def test_the_smallest_cluster_for_a_step_time_is_the_first_size_whose_best_meets
     refused = subprocess.run([sys.executable, "-m", "hybridrl.cli", "plan", QWEN_7B, "--target-step-time", "60",
                               "trainer.hardware=h100-sxm"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "--target-step-time=60.0 needs --search" in refused.stderr
+
+
+def test_a_fully_async_job_is_searched_keeping_its_staleness_settings_where_they_apply():
+    """A fully_async job's max_staleness / stale_samples / partial_rollout stay on its fully_async layouts and are
+    cleared on the others (the validator refuses them there); each layout replans with its printed overrides."""
+    arr = "actor_rollout_ref.rollout"
+    overrides = ["trainer.hardware=h100-sxm", "trainer.n_gpus_per_node=4", f"{arr}.mode=disaggregated",
+                 f"{arr}.n_gpus_per_node=4", f"{arr}.async_mode=fully_async", f"{arr}.max_staleness=2",
+                 f"{arr}.stale_samples=keep", f"{arr}.partial_rollout=false"]
+    result = search_from_sources(QWEN_7B, overrides)
+    modes = {found.layout.async_mode for found in result.ranked}
+    assert modes == {"sync", "fully_async"}, modes
+    for mode in modes:
+        found = next(f for f in result.ranked if f.layout.async_mode == mode)
+        plan, step = _replanned(QWEN_7B, [*overrides, *found.overrides()])
+        rollout = plan.config.actor_rollout_ref.rollout
+        kept = mode == "fully_async"
+        assert (rollout.max_staleness, rollout.stale_samples, rollout.partial_rollout) == \
+            ((2, "keep", False) if kept else (None, None, None))
+        assert step.seconds == pytest.approx(found.step.seconds, rel=1e-12)
