@@ -188,6 +188,19 @@ def _parse_override(override: str, issues: list[ConfigIssue]) -> list[tuple[tupl
     return [(parts, _RawOverride(value, text))]
 
 
+def override_fields(override: str) -> list[tuple[str, Any]]:
+    """The fields a command-line override sets, as the loader applies it: (canonical dotted path, value) for each
+    (a mapping override: each field under it; a verl key: hybridrl's field). [] for one the loader would refuse or
+    take as restating hybridrl's behaviour."""
+    issues: list[ConfigIssue] = []
+    fields = []
+    for parts, value in _parse_override(override, issues) or []:
+        verl = _read_verl_key(parts, value, issues)
+        if verl is not None:
+            fields.append((".".join(canonical_path(verl[0])), _plain(verl[1])))
+    return fields
+
+
 def _leaves(tree: Any, prefix: tuple[str, ...] = ()) -> typing.Iterator[tuple[tuple[str, ...], Any]]:
     """Every (path, value) a nested mapping sets; an empty mapping sets its section to defaults."""
     if isinstance(tree, dict) and (tree or not prefix):

@@ -59,10 +59,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.target_step_time is not None:
         print(json.dumps(dataclasses.asdict(sizing), indent=2) if args.format == "json"
-              else render_sizing(sizing, config_path or ""))
+              else render_sizing(sizing, config_path, overrides))
     elif args.search:
         print(json.dumps(dataclasses.asdict(result), indent=2) if args.format == "json"
-              else render_search(result, config_path or "", top))
+              else render_search(result, config_path, overrides, top))
     else:
         print(plan.to_json() if args.format == "json" else render_plan(plan))
     return 0

@@ -11,7 +11,7 @@ from hybridrl.config.internode import plan_internode_traffic
 from hybridrl.config.meshes import TrainingMesh, expert_groups
 from hybridrl.config.plan import Plan, lora_elements_per_layer, served_adapter_bytes
 from hybridrl.config.resolve import MODEL_SECTIONS
-from hybridrl.config.search import Found, SearchResult, Sizing
+from hybridrl.config.search import Found, SearchResult, Sizing, job_command
 from hybridrl.config.step_time import StepTime, predict_step_time, seconds_text, step_time_line
 from hybridrl.models.arch import ModelShape
 from hybridrl.parallel.device_policy import WITHOUT_TE
@@ -500,8 +500,9 @@ def _why(better: StepTime, other: StepTime, other_name: str) -> str:
             f"against {seconds_text(other.phase(phase))}")
 
 
-def render_search(result: SearchResult, config_name: str, top: int = 5) -> str:
-    """`hybridrl plan --search`: the fastest layouts, why each is ahead of the next, the job's own among them."""
+def render_search(result: SearchResult, config_path: str | None, overrides: Sequence[str] = (), top: int = 5) -> str:
+    """`hybridrl plan --search` of the job at `config_path` with `overrides`: the fastest layouts, why each is ahead
+    of the next, the job's own among them, and the fastest as a command."""
     shown = result.ranked[:top]
     refused = ", ".join(f"{field} {count}" for field, count in result.refused[:6])
     out = [
@@ -531,12 +532,13 @@ def render_search(result: SearchResult, config_name: str, top: int = 5) -> str:
         out.append(f"the job as written: {seconds_text(written.step.seconds)} (#{place} of {len(result.ranked)}); "
                    + (_why(shown[0].step, written.step, "it") if shown[0].step.seconds < written.step.seconds
                       else "nothing found is faster"))
-    out += ["", f"#1 as a job: hybridrl plan {config_name} " + " ".join(shown[0].overrides())]
+    out += ["", f"#1 as a job: {job_command(config_path, overrides, shown[0])}"]
     return "\n".join(out)
 
 
-def render_sizing(sizing: Sizing, config_name: str) -> str:
-    """`hybridrl plan --search --target-step-time S`: each cluster tried, its best layout, the smallest that meets S."""
+def render_sizing(sizing: Sizing, config_path: str | None, overrides: Sequence[str] = ()) -> str:
+    """`hybridrl plan --search --target-step-time S` of the job at `config_path` with `overrides`: each cluster tried,
+    its best layout, the smallest that meets S as a command."""
     rows = []
     for result in sizing.results:
         best = result.ranked[0] if result.ranked else None
@@ -555,6 +557,5 @@ def render_sizing(sizing: Sizing, config_name: str) -> str:
                    + (seconds_text(sizing.results[-1].ranked[0].step.seconds) if sizing.results
                       and sizing.results[-1].ranked else "nothing"))
     else:
-        out.append(f"{smallest.total_gpus} GPUs: hybridrl plan {config_name} "
-                   + " ".join(smallest.ranked[0].overrides()))
+        out.append(f"{smallest.total_gpus} GPUs: {job_command(config_path, overrides, smallest.ranked[0])}")
     return "\n".join(out)

@@ -23,14 +23,17 @@ from __future__ import annotations
 
 import copy
 import itertools
+import shlex
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+
+import yaml
 
 from hybridrl.config.errors import ConfigError, ConfigIssue
 from hybridrl.config.hardware import SHIPPED, Hardware, load_job_hardware
-from hybridrl.config.loader import load_config_collecting
+from hybridrl.config.loader import load_config_collecting, override_fields
 from hybridrl.config.model_shapes import load_model_shape
 from hybridrl.config.plan import MEMORY_REFUSAL_FIELD, Plan, build_plan
 from hybridrl.config.resolve import resolve
@@ -83,6 +86,36 @@ class Found:
 
 def _override_value(value: object) -> str:
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def job_overrides(user_overrides: Sequence[str], found: Found) -> list[str]:
+    """The command line's overrides of `found` as a job: the user's own (the search ran on them: the hardware, a
+    batch size, ...), less the fields the layout changes, then the layout's. A user's override of a changed field is
+    dropped whatever its spelling (a role-level layout field beside the layout's `.megatron.` one would be a
+    conflict); a mapping override that sets one is written out field by field without it."""
+    changed = {path for path, _ in found.changes}
+    out: list[str] = []
+    for override in user_overrides:
+        fields = override_fields(override)
+        if not any(path in changed for path, _ in fields):
+            out.append(override)
+            continue
+        out += [f"{path}={_yaml_value(value)}" for path, value in fields if path not in changed]
+    return out + found.overrides()
+
+
+def _yaml_value(value: object) -> str:
+    """A value as an override's YAML text that the loader reads back as `value`."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=float("inf")).strip()
+    return text.removesuffix("...").strip()
+
+
+def job_command(config_path: str | None, user_overrides: Sequence[str], found: Found) -> str:
+    """`hybridrl plan` of `found` as a job, for a shell: what the search planned, the model's config.json alone
+    (`--layout-only`; `hybridrl train` takes the same config and overrides)."""
+    words = ["hybridrl", "plan", "--layout-only", *([config_path] if config_path else []),
+             *job_overrides(user_overrides, found)]
+    return " ".join(shlex.quote(word) for word in words)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ enumerates the colocated layouts with overrides of its own and plans each with e
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -214,3 +215,49 @@ def test_a_fully_async_job_is_searched_keeping_its_staleness_settings_where_they
         assert (rollout.max_staleness, rollout.stale_samples, rollout.partial_rollout) == \
             ((2, "keep", False) if kept else (None, None, None))
         assert step.seconds == pytest.approx(found.step.seconds, rel=1e-12)
+
+
+def _pasted(line: str, prefix: str):
+    """The job a printed command line is, planned as `hybridrl plan` plans it when pasted: its words parsed by
+    hybridrl's own parser, its hardware the one it names."""
+    from hybridrl.cli import build_parser
+    from hybridrl.config.hardware import load_job_hardware
+
+    words = shlex.split(line.removeprefix(prefix))
+    assert words[:2] == ["hybridrl", "plan"], line
+    args = build_parser().parse_args(words[1:])
+    plan = plan_from_sources(args.config, args.overrides, check_files=not args.layout_only)
+    return plan, predict_step_time(plan, load_job_hardware(plan.config.trainer.hardware))
+
+
+def test_the_printed_commands_are_the_searched_job_with_the_users_own_overrides(capsys):
+    """The user's overrides (the hardware, a batch, a layout field in its role-level spelling the search changes, a
+    mapping that sets a changed field beside one it keeps) stay in the printed command; pasted, it plans the layout
+    ranked first, to its predicted time and peak. Before, the command dropped them: no hardware, another job."""
+    from hybridrl.cli import main
+
+    arr = "actor_rollout_ref"
+    overrides = ["trainer.hardware=a100-80gb", "data.train_batch_size=512",
+                 f"{arr}.actor.tensor_model_parallel_size=4", f"{arr}.rollout={{tensor_model_parallel_size: 4, n: 4}}"]
+    assert main(["plan", QWEN_7B, "--search", *overrides]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("#1 as a job: "))
+    top = search_from_sources(QWEN_7B, overrides).ranked[0]
+    plan, step = _pasted(line, "#1 as a job: ")
+    assert step.hardware == "a100-80gb" and step.seconds == pytest.approx(top.step.seconds, rel=1e-12)
+    assert plan.gpu_memory.peak_gib == top.peak_gib
+    mesh = plan.layout("actor").mesh
+    assert (mesh.tp, mesh.pp, plan.config.actor_rollout_ref.rollout.tensor_model_parallel_size) == \
+        (top.layout.train_tp, top.layout.train_pp, top.layout.rollout_tp)
+    assert top.layout.train_tp != 4  # the user's TP was changed: their spelling of it left the command
+    assert (plan.config.data.train_batch_size, plan.config.actor_rollout_ref.rollout.n) == (512, 4)
+
+    # the sizing's answer, the same way: its cluster size and the user's settings
+    assert main(["plan", QWEN_7B, "--search", "--target-step-time", "300", *overrides]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    gpus = int(line.split(" GPUs: ")[0])
+    best = size_cluster(search_inputs(QWEN_7B, overrides), 300.0).smallest.ranked[0]
+    plan, step = _pasted(line, f"{gpus} GPUs: ")
+    assert plan.resolved.world_size + plan.resolved.rollout_world * plan.resolved.disaggregated == gpus
+    assert step.hardware == "a100-80gb" and step.seconds == pytest.approx(best.step.seconds, rel=1e-12)
+    assert best.step.seconds <= 300.0
+    assert (plan.config.data.train_batch_size, plan.config.actor_rollout_ref.rollout.n) == (512, 4)
