@@ -314,7 +314,7 @@ def test_the_plan_prints_the_prediction_only_when_asked_and_refuses_unknown_hard
     broken = tmp_path / "broken.yaml"
     broken.write_text("bf16_tflops: fast\nfp32_tflops: 40\nmemory_gb_per_s: 2000\nintra_node_gb_per_s: 200\n")
     for value, words in (("h1000", "neither a shipped hardware name (a100-80gb, h100-sxm, h200, b200)"),
-                         (str(broken), "missing inter_node_gb_per_s, host_gb_per_s; not a number > 0: "
+                         (str(broken), "missing inter_node_gb_per_s, host_gb_per_s; not a finite number > 0: "
                                        "bf16_tflops='fast'")):
         with pytest.raises(ConfigError) as info:
             plan_from_sources(QWEN_7B, [f"trainer.hardware={value}"])
@@ -327,6 +327,28 @@ def test_the_plan_prints_the_prediction_only_when_asked_and_refuses_unknown_hard
                              "--layout-only"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "trainer.hardware" in result.stdout + result.stderr
     assert "Traceback" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(("line", "words"), [
+    ("memory_gb_per_s: .inf", "not a finite number > 0: memory_gb_per_s=inf"),
+    ("memory_gb_per_s: .nan", "not a finite number > 0: memory_gb_per_s=nan"),
+    ("memory_gb_per_s: 3350\nlink_latency_us: .inf", "not a finite number >= 0: link_latency_us=inf"),
+    ("memory_gb_per_s: 3350\nefficiency: {decode_memory: 70}",
+     "above 4: efficiency.decode_memory=70 (an efficiency is a fraction of the figure it scales: 0.7 for 70 %)"),
+    ("memory_gb_per_s: 3350\nname: [h100]", "not a name (text): name=['h100']"),
+])
+def test_a_description_that_would_predict_nonsense_is_refused_naming_the_field(tmp_path, line, words):
+    """An infinite figure made a phase take 0 s or inf s (`inf s: ... (nan%)`), a percent written for an efficiency
+    70x the HBM bandwidth; each is refused at plan time, naming the field and the value."""
+    own = tmp_path / "my-gpu.yaml"
+    own.write_text("bf16_tflops: 989\nfp32_tflops: 67\nintra_node_gb_per_s: 450\ninter_node_gb_per_s: 50\n"
+                   f"host_gb_per_s: 64\n{line}\n")
+    with pytest.raises(ConfigError) as info:
+        plan_from_sources(QWEN_7B, [f"trainer.hardware={own}"])
+    assert [(i.field, i.value) for i in info.value.issues] == [("trainer.hardware", str(own))]
+    assert words in info.value.issues[0].rule, info.value.issues[0].rule
+    # the measured CPU description's efficiencies above 1 (1.724: its matmuls outrun the 512 x 512 benchmark) stay
+    assert load_hardware(str(ROOT / "configs/hardware/this-cpu-2-ranks.yaml")).efficiency.update_matmul == 1.724
 
 
 def test_the_efficiencies_are_the_documented_ones():
@@ -510,7 +532,7 @@ def test_a_descriptions_fixed_costs_and_efficiencies_add_what_they_say(tmp_path)
     with pytest.raises(HardwareError) as info:
         load_hardware(str(bad))
     assert "unknown field(s) efficiency.decode_speed" in str(info.value)
-    assert "not a number >= 0: decode_step_ms=-1" in str(info.value)
+    assert "not a finite number >= 0: decode_step_ms=-1" in str(info.value)
 
 
 def test_this_cpus_description_holds_the_benchs_fit_and_the_doc_its_table():
