@@ -545,13 +545,66 @@ def _ways_to_fit(config: JobConfig, resolved: Resolved, policy: DevicePolicy, me
                 and room * GIB >= rollout.kv_bytes_per_token * seq_len:
             ways.append(f"actor_rollout_ref.rollout.gpu_memory_utilization={lower:g} (KV cache {room:.1f} GiB)")
             break
-    actor = next(m for m in memories if m.role == Role.ACTOR)
-    if actor.activations_gib_in_flight > 0.25 * gpu:
-        ways.append(f"a smaller actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu="
-                    f"{arr.actor.ppo_micro_batch_size_per_gpu} (activations in flight "
-                    f"{actor.activations_gib_in_flight:.1f} GiB scale with it)")
-    ways.append("more TP/PP for the actor or critic (each doubling halves its params, grads and optimizer per GPU)")
+    ways += _single_changes_that_fit(config, layouts)
+    if not ways:
+        return ("no single change of an offload, rollout.gpu_memory_utilization, a trained role's TP or PP, its "
+                "activation recompute or a micro-batch size fits it: `hybridrl plan --search` (with "
+                "trainer.hardware) tries every layout of these GPUs with the memory savers together, and "
+                "`--target-step-time` larger clusters")
     return "would fit with: " + "; or ".join(ways)
+
+
+# the micro-batch sizes whose activations a GPU holds at once, one per pass (dynamic batching leaves them unused)
+MICRO_BATCH_FIELDS = ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+                      "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+                      "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "critic.ppo_micro_batch_size_per_gpu",
+                      "reward_model.micro_batch_size_per_gpu", "teacher.log_prob_micro_batch_size_per_gpu")
+
+
+def _single_changes_that_fit(config: JobConfig, layouts: tuple[RoleLayout, ...]) -> list[str]:
+    """Each single change of a trained role's layout (TP or PP doubled, with a reference section of its own kept
+    equal), its activation recompute or a micro-batch size (halved) that the plan accepts and whose peak fits, with
+    that peak: advice planned, every rule included, not guessed."""
+    changes: list[list[tuple[str, object]]] = []
+    for layout in layouts:
+        if layout.role not in TRAINED_ROLES:
+            continue
+        sections = [role_megatron_field(config, layout.role)]
+        if layout.role == Role.ACTOR and config.actor_rollout_ref.ref.megatron is not None:
+            sections.append("actor_rollout_ref.ref.megatron")  # the reference's layout must stay the actor's
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            changes.append([(f"{section}.{name}", 2 * getattr(layout.megatron, name)) for section in sections])
+        model_path = f"{model_section_of(layout.role)}.model.enable_gradient_checkpointing"
+        if not value_at(config, model_path):
+            changes.append([(model_path, True)])
+    changes += [[(path, value // 2)] for path in MICRO_BATCH_FIELDS
+                if isinstance(value := value_at(config, path), int) and value > 1]
+    ways = []
+    for change in changes:
+        trial = copy.deepcopy(config)
+        for path, value in change:
+            *parents, name = path.split(".")
+            section = functools.reduce(getattr, parents, trial)
+            if section is None:
+                break
+            setattr(section, name, value)
+        else:
+            try:
+                memory = build_plan(trial, handed_over=True, refuse_over_memory=False).gpu_memory
+            except ConfigError:
+                continue  # a rule refuses it (TP past the heads, PP not dividing the layers, ...): no advice
+            if memory is not None and memory.fits:
+                ways.append(" and ".join(f"{path}={str(value).lower() if isinstance(value, bool) else value}"
+                                         for path, value in change) + f" (peak {memory.peak_gib:.1f} GiB)")
+    return ways
+
+
+def value_at(config: JobConfig, path: str) -> object:
+    """The value at a dotted config path (None past a missing section)."""
+    value: object = config
+    for part in path.split("."):
+        value = getattr(value, part, None)
+    return value
 
 
 def _cpu_kv_cache_bytes(config: JobConfig, resolved: Resolved, policy: DevicePolicy, model: ModelShape,

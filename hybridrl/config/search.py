@@ -35,7 +35,7 @@ from hybridrl.config.errors import ConfigError, ConfigIssue
 from hybridrl.config.hardware import SHIPPED, Hardware, load_job_hardware
 from hybridrl.config.loader import load_config_collecting, override_fields
 from hybridrl.config.model_shapes import load_model_shape
-from hybridrl.config.plan import MEMORY_REFUSAL_FIELD, Plan, build_plan
+from hybridrl.config.plan import MEMORY_REFUSAL_FIELD, Plan, build_plan, value_at
 from hybridrl.config.resolve import resolve
 from hybridrl.config.rollout_rules import FULLY_ASYNC_FIELDS
 from hybridrl.config.schema import JobConfig, MegatronConfig
@@ -208,7 +208,7 @@ def settings_of(config: JobConfig, layout: Layout, savers: tuple[bool, bool, boo
 
 
 def _section(config: JobConfig, path: str) -> MegatronConfig:
-    section = _value_at(config, path)
+    section = value_at(config, path)
     assert isinstance(section, MegatronConfig)
     return section
 
@@ -284,16 +284,9 @@ def _found(plan: Plan, hardware: Hardware, layout: Layout, savers: tuple[bool, b
            written: JobConfig, settings: list[Setting] | tuple[Setting, ...] = ()) -> Found:
     step = predict_step_time(plan, hardware)
     assert step is not None  # the search runs with a model shape
-    changes = tuple((path, value) for path, value in settings if _value_at(written, path) != value)
+    changes = tuple((path, value) for path, value in settings if value_at(written, path) != value)
     return Found(layout, savers, changes, step, plan.gpu_memory.peak_gib if plan.gpu_memory else 0.0,
                  plan.layout(Role.ACTOR).mesh.dp, plan.reshard.groups.rollout.infer_dp)
-
-
-def _value_at(config: JobConfig, path: str) -> object:
-    value: object = config
-    for part in path.split("."):
-        value = getattr(value, part, None)
-    return value
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ then. The figures per role come from the plan's own `training_memory` (tested ag
 tests/config/test_offload_estimate.py); the overheads are the constants stated in `estimates.GpuOverheads`
 (written again here: a change there must be a decision, seen in this test).
 """
+import re
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,51 @@ def test_shipped_gpu_examples_fit_with_every_share_listed(example):
         assert item in text, (example, item)
     if "critic" in {m.role for m in plan.training_memory}:
         assert "critic update" in text and "critic params" in text
+
+
+QWEN_7B = str(ROOT / "configs/examples/qwen2.5_7b_grpo_8gpu.yaml")
+
+
+def _advice(overrides):
+    with pytest.raises(ConfigError) as refused:
+        plan_from_sources(QWEN_7B, overrides)
+    (issue,) = refused.value.issues
+    assert issue.field == "trainer.gpu_memory_gib"
+    return issue.rule
+
+
+@pytest.mark.parametrize(("overrides", "advised"), [
+    # on 40 GiB GPUs the reference's pass peaks; doubling the actor's TP or PP (the reference's with it) fits
+    (["trainer.gpu_memory_gib=40"], ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4",
+                                     "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2"]),
+    # two GPUs at TP1: TP2 fits; PP2 (77.9 + 4 GiB) does not, and is not offered
+    (["trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+      "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1"],
+     ["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"]),
+])
+def test_each_change_a_memory_refusal_advises_plans_and_fits_at_the_peak_it_names(overrides, advised):
+    """Each TP/PP/recompute/micro-batch change the refusal offers is planned with it through the loader here, and fits
+    at the peak it names; it said 'more TP/PP for the actor or critic' and 'a smaller ppo_micro_batch_size_per_gpu'
+    unchecked, where the heaviest phase was the reference's pass and no smaller actor micro-batch fitted."""
+    rule = _advice(overrides)
+    offered = re.findall(r"(\S+=\S+) \(peak ([\d.]+) GiB\)", rule)
+    assert [change for change, _ in offered] == advised, rule
+    for change, peak in offered:
+        memory = plan_from_sources(QWEN_7B, [*overrides, change]).gpu_memory
+        assert memory.fits and f"{memory.peak_gib:.1f}" == peak
+
+
+def test_a_job_no_single_change_fits_is_sent_to_the_search_which_finds_one():
+    """7B GRPO on 24 GiB GPUs: no single change fits, which the refusal says, naming `--search`; the search finds a
+    layout with its memory savers that plans."""
+    from hybridrl.config.search import search_from_sources
+
+    rule = _advice(["trainer.gpu_memory_gib=24"])
+    assert "no single change" in rule and "`hybridrl plan --search`" in rule and "(peak" not in rule
+    for change in ("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4",
+                   "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+                   "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8"):
+        with pytest.raises(ConfigError):  # what the guessed advice would have led to: still refused
+            plan_from_sources(QWEN_7B, ["trainer.gpu_memory_gib=24", change])
+    found = search_from_sources(QWEN_7B, ["trainer.gpu_memory_gib=24", "trainer.hardware=h100-sxm"]).ranked
+    assert found and plan_from_sources(QWEN_7B, ["trainer.gpu_memory_gib=24", *found[0].overrides()]).gpu_memory.fits
