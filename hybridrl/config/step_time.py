@@ -449,10 +449,15 @@ def weights_wait_on_host(plan: Plan, role: Role) -> bool:
 
 
 def step_time_line(step: StepTime) -> str:
-    """The prediction in one line: the step, then each phase's seconds and share."""
-    total = sum(p.seconds for p in step.phases) or 1.0
-    parts = ", ".join(f"{p.phase} {seconds_text(p.seconds)} ({p.seconds / total:.0%}, {p.bound})" for p in step.phases)
-    how = "the longer of generation and the rest (async)" if step.overlapped else "the phases one after another"
+    """The prediction in one line: the step, then each phase's seconds and share of the phases' sum (async: the step
+    is the longer of generation and the rest, both named, so the shares are not read as shares of the step)."""
+    total = sum(p.seconds for p in step.phases)
+    parts = ", ".join(f"{p.phase} {seconds_text(p.seconds)} ({p.seconds / (total or 1.0):.0%}, {p.bound})"
+                      for p in step.phases)
+    generation = step.phase(Phase.GEN)
+    how = (f"generation beside the rest (async): the longer of generation {seconds_text(generation)} and the rest "
+           f"{seconds_text(total - generation)}; shares of the phases' {seconds_text(total)}" if step.overlapped
+           else "the phases one after another")
     return (f"Predicted step time on {step.hardware} (a roofline at stated efficiencies, not yet calibrated on GPUs; "
             f"{how}): {seconds_text(step.seconds)}: {parts}")
 

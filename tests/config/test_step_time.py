@@ -24,6 +24,7 @@ from hybridrl.config.step_time import (
     StepLengths,
     StepTime,
     predict_step_time,
+    seconds_text,
     synced_tensors,
     time_vs_plan,
 )
@@ -553,3 +554,20 @@ def test_this_cpus_description_holds_the_benchs_fit_and_the_doc_its_table():
                  for phase in ("gen", "update_actor", "sync", "step")]
         row = f"| {run['run']}{' (fitted)' if run['fitted_on'] else ''} | " + " | ".join(cells) + " |"
         assert row in doc, row
+
+
+def test_an_async_jobs_printed_step_names_the_two_sides_it_is_the_longer_of():
+    """One step ahead, the step is the longer of generation and the rest, not the phases' sum its shares are of: the
+    line names both sides, summed here from the phases, and the step is the longer. It printed '353 s: gen 98.3 s
+    (22%) ... update_actor 242 s (54%)' with nothing to say what 22 % and 54 % were of."""
+    arr = "actor_rollout_ref.rollout"
+    plan = plan_from_sources(QWEN_7B, ["trainer.hardware=h100-sxm", "trainer.n_gpus_per_node=4",
+                                       f"{arr}.mode=disaggregated", f"{arr}.n_gpus_per_node=4",
+                                       f"{arr}.async_mode=one_step_off"])
+    step = predict_step_time(plan, H100)
+    generation = sum(p.seconds for p in step.phases if p.phase == Phase.GEN)
+    rest = sum(p.seconds for p in step.phases if p.phase != Phase.GEN)
+    assert step.overlapped and generation < rest and step.seconds == pytest.approx(rest)
+    line = next(line for line in render_plan(plan).splitlines() if line.startswith("Predicted step time"))
+    assert (f"the longer of generation {seconds_text(generation)} and the rest {seconds_text(rest)}; shares of the "
+            f"phases' {seconds_text(generation + rest)}): {seconds_text(step.seconds)}: gen ") in line, line
