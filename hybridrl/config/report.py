@@ -9,7 +9,7 @@ from hybridrl.config.estimates import GpuMemoryPlan, StageBalance, shares_text, 
 from hybridrl.config.hardware import load_hardware
 from hybridrl.config.internode import plan_internode_traffic
 from hybridrl.config.meshes import TrainingMesh, expert_groups
-from hybridrl.config.plan import Plan, lora_elements_per_layer, served_adapter_bytes
+from hybridrl.config.plan import MEMORY_REFUSAL_FIELD, Plan, lora_elements_per_layer, served_adapter_bytes
 from hybridrl.config.resolve import MODEL_SECTIONS
 from hybridrl.config.search import Found, SearchResult, Sizing, job_command
 from hybridrl.config.step_time import StepTime, predict_step_time, seconds_text, step_time_line
@@ -514,7 +514,11 @@ def render_search(result: SearchResult, config_path: str | None, overrides: Sequ
         "",
     ]
     if not shown:
-        out.append("No layout plans: the job's own problems (`hybridrl plan` lists them) come before its layout.")
+        over_memory = dict(result.refused).get(MEMORY_REFUSAL_FIELD, 0)
+        out.append(f"No layout plans: {over_memory} of the {result.layouts} layouts do not fit the GPUs' memory "
+                   f"({MEMORY_REFUSAL_FIELD}) with any memory saver, and each of the others breaks a rule; more GPUs "
+                   "may fit it (`--target-step-time SECONDS` searches larger clusters)." if over_memory else
+                   "No layout plans: the job's own problems (`hybridrl plan` lists them) come before its layout.")
         return "\n".join(out)
     rows = [[f"#{i + 1}", seconds_text(f.step.seconds), f"{f.layout.train_tp}x{f.layout.train_pp}x{f.train_dp}",
              f"{f.layout.rollout_tp}x{f.rollout_replicas}", _placement(f),

@@ -261,3 +261,25 @@ def test_the_printed_commands_are_the_searched_job_with_the_users_own_overrides(
     assert step.hardware == "a100-80gb" and step.seconds == pytest.approx(best.step.seconds, rel=1e-12)
     assert best.step.seconds <= 300.0
     assert (plan.config.data.train_batch_size, plan.config.actor_rollout_ref.rollout.n) == (512, 4)
+
+
+def test_a_search_nothing_fits_says_memory_is_why_not_the_jobs_own_problems(capsys):
+    """7B GRPO on 16 GiB GPUs: every layout that passes the rules is over memory with every saver. The search said
+    'the job's own problems (`hybridrl plan` lists them) come before its layout'; it now says memory, and how many."""
+    from hybridrl.cli import main
+
+    overrides = ["trainer.gpu_memory_gib=16", "trainer.hardware=h100-sxm"]
+    result = search_from_sources(QWEN_7B, overrides)
+    over_memory = dict(result.refused)["trainer.gpu_memory_gib"]
+    assert not result.ranked and over_memory > 0
+    # one of them, with every memory saver on, refused for its memory by `hybridrl plan`
+    arr = "actor_rollout_ref"
+    with pytest.raises(ConfigError) as info:
+        plan_from_sources(QWEN_7B, [*overrides, f"{arr}.actor.megatron.tensor_model_parallel_size=4",
+                                    f"{arr}.actor.megatron.pipeline_model_parallel_size=2"])
+    assert [issue.field for issue in info.value.issues] == ["trainer.gpu_memory_gib"]
+    assert main(["plan", QWEN_7B, "--search", *overrides]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith(f"No layout plans: {over_memory} of the {result.layouts} layouts do not fit the GPUs' "
+                           "memory (trainer.gpu_memory_gib) with any memory saver"), last
+    assert "--target-step-time" in last
