@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import yaml
 
+from hybridrl.config.checker import Checker
 from hybridrl.config.errors import ConfigError, ConfigIssue
 from hybridrl.config.hardware import SHIPPED, Hardware, load_job_hardware
 from hybridrl.config.loader import load_config_collecting, override_fields
@@ -301,6 +302,16 @@ def search_inputs(path: str | None, overrides: list[str] | tuple[str, ...] = ())
     """Load the job (the loader's problems refused, as `hybridrl plan` refuses them), its `trainer.hardware` and its
     model's shape. The layout's own fields may be wrong: the search replaces them."""
     config, issues = load_config_collecting(path, overrides)
+    if issues:
+        raise ConfigError(issues)
+    # the cluster the search splits: a size below one GPU would search nothing and answer "no layout plans"
+    check = Checker(issues, [])
+    check.is_int_at_least("trainer.nnodes", config.trainer.nnodes, 1)
+    check.is_int_at_least("trainer.n_gpus_per_node", config.trainer.n_gpus_per_node, 1)
+    rollout = config.actor_rollout_ref.rollout
+    if rollout.mode == "disaggregated" and rollout.n_gpus_per_node is not None:  # its pool counts in the cluster
+        check.is_int_at_least("actor_rollout_ref.rollout.nnodes", rollout.nnodes, 1)
+        check.is_int_at_least("actor_rollout_ref.rollout.n_gpus_per_node", rollout.n_gpus_per_node, 1)
     if issues:
         raise ConfigError(issues)
     hardware_name = config.trainer.hardware

@@ -283,3 +283,22 @@ def test_a_search_nothing_fits_says_memory_is_why_not_the_jobs_own_problems(caps
     assert last.startswith(f"No layout plans: {over_memory} of the {result.layouts} layouts do not fit the GPUs' "
                            "memory (trainer.gpu_memory_gib) with any memory saver"), last
     assert "--target-step-time" in last
+
+
+@pytest.mark.parametrize("override", ["trainer.n_gpus_per_node=0", "trainer.nnodes=0", "trainer.n_gpus_per_node=-8",
+                                      "actor_rollout_ref.rollout.n_gpus_per_node=-4"])
+def test_a_search_of_a_cluster_without_gpus_is_refused_naming_the_field(override):
+    """It searched '0 GPUs; 0 layouts' (or '-8 GPUs') and answered 'No layout plans: the job's own problems ...' with
+    exit 0; `hybridrl plan` refuses the same field, and so do the search and the sizing now."""
+    overrides = ["trainer.hardware=h100-sxm", override]
+    if "rollout" in override:
+        overrides.append("actor_rollout_ref.rollout.mode=disaggregated")
+    field, value = override.split("=")
+    with pytest.raises(ConfigError) as planned:
+        plan_from_sources(QWEN_7B, overrides)
+    assert (field, int(value)) in [(issue.field, issue.value) for issue in planned.value.issues]
+    for refused in (lambda: search_from_sources(QWEN_7B, overrides), lambda: search_inputs(QWEN_7B, overrides)):
+        with pytest.raises(ConfigError) as info:
+            refused()
+        assert [(issue.field, issue.value, issue.rule) for issue in info.value.issues] == \
+            [(field, int(value), "must be an integer >= 1")]
