@@ -536,6 +536,9 @@ def render_search(result: SearchResult, config_path: str | None, overrides: Sequ
         out.append(f"the job as written: {seconds_text(written.step.seconds)} (#{place} of {len(result.ranked)}); "
                    + (_why(shown[0].step, written.step, "it") if shown[0].step.seconds < written.step.seconds
                       else "nothing found is faster"))
+    else:
+        out.append("the job as written does not plan (`hybridrl plan --layout-only` of it says why): every layout "
+                   "above is one that does")
     out += ["", f"#1 as a job: {job_command(config_path, overrides, shown[0])}"]
     return "\n".join(out)
 

@@ -17,6 +17,7 @@ import pytest
 
 from hybridrl.config import ConfigError, plan_from_sources
 from hybridrl.config.hardware import SHIPPED
+from hybridrl.config.report import render_search
 from hybridrl.config.search import SAVERS, Layout, search_from_sources, search_inputs, size_cluster
 from hybridrl.config.step_time import predict_step_time
 
@@ -129,6 +130,9 @@ def test_a_job_whose_own_layout_is_refused_is_still_searched():
         plan_from_sources(QWEN_7B, overrides)
     result = search_from_sources(QWEN_7B, overrides)
     assert result.written is None and result.ranked
+    # the report says so (it said nothing of the job as written)
+    text = render_search(result, QWEN_7B, overrides)
+    assert "the job as written does not plan (`hybridrl plan --layout-only` of it says why)" in text
 
 
 def test_the_cli_prints_the_ranking_and_refuses_a_search_without_hardware():
