@@ -12,7 +12,8 @@ The cluster (its GPUs in all), the model, the batch and the lengths stay the use
 - the memory savers, tried in order for each layout until one fits: none, the gradient buffers freed between
   updates, Adam's moments offloaded too, then each of those with full activation recompute.
 
-What stays the user's: context parallelism, VPP, expert parallelism, the micro-batch sizes (the roofline has no
+What stays the user's: context parallelism, VPP (where there is a pipeline; a PP their VPP does not divide is tried
+without virtual stages), expert parallelism, the micro-batch sizes (the roofline has no
 model of a kernel's efficiency against its batch, so it would always pick the smallest), dtypes, the algorithm.
 
 Every candidate is planned as `hybridrl plan` plans a job (`build_plan`: every validation rule, the memory check),
@@ -159,8 +160,13 @@ def cluster_size(config: JobConfig) -> tuple[int, int]:
     return nodes, total
 
 
-def settings_of(config: JobConfig, layout: Layout, savers: tuple[bool, bool, bool], critic: bool) -> list[Setting]:
-    """The dotted settings that turn the user's job into `layout` with `savers`."""
+VPP_FIELD = ".virtual_pipeline_model_parallel_size"
+
+
+def settings_of(config: JobConfig, layout: Layout, savers: tuple[bool, bool, bool], critic: bool, *,
+                keep_vpp: bool = True) -> list[Setting]:
+    """The dotted settings that turn the user's job into `layout` with `savers` (`keep_vpp=False`: a pipeline
+    without the user's virtual stages, which that PP refuses)."""
     per_node = config.trainer.n_gpus_per_node
     _, total = cluster_size(config)
     grads, optimizer, recompute = savers
@@ -173,9 +179,9 @@ def settings_of(config: JobConfig, layout: Layout, savers: tuple[bool, bool, boo
         same_pp = layout.train_pp == written.pipeline_model_parallel_size
         out += [(f"{section}.tensor_model_parallel_size", layout.train_tp),
                 (f"{section}.pipeline_model_parallel_size", layout.train_pp),
-                # the user's VPP where there is a pipeline; their uneven split at their PP only
-                (f"{section}.virtual_pipeline_model_parallel_size",
-                 written.virtual_pipeline_model_parallel_size if layout.train_pp > 1 else None),
+                # the user's VPP where there is a pipeline it divides; their uneven split at their PP only
+                (f"{section}{VPP_FIELD}",
+                 written.virtual_pipeline_model_parallel_size if layout.train_pp > 1 and keep_vpp else None),
                 (f"{section}.num_layers_in_first_pipeline_stage",
                  written.num_layers_in_first_pipeline_stage if same_pp else None),
                 (f"{section}.num_layers_in_last_pipeline_stage",
@@ -245,17 +251,23 @@ def search(config: JobConfig, model: ModelShape, hardware: Hardware, *, critic: 
     planned = count = 0
     for layout in layouts(config, model):
         count += 1
-        for savers in SAVERS:
-            settings = settings_of(config, layout, savers, critic)
+        keep_vpp, index = True, 0
+        while index < len(SAVERS):
+            savers = SAVERS[index]
+            settings = settings_of(config, layout, savers, critic, keep_vpp=keep_vpp)
             planned += 1
             try:
                 plan = build_plan(with_settings(base, settings), handed_over=True, refuse_over_memory=False)
             except ConfigError as exc:
+                if keep_vpp and layout.train_pp > 1 and all(issue.field.endswith(VPP_FIELD) for issue in exc.issues):
+                    keep_vpp = False  # the user's VPP does not divide this pipeline: the pipeline without it
+                    continue
                 refused[exc.issues[0].field] += 1  # a rule, not memory: no saver changes it
                 break
             if plan.gpu_memory is None or plan.gpu_memory.fits or not plan.device_policy.gpu_memory_budget_binding:
                 found.append(_found(plan, hardware, layout, savers, overrides_of or config, settings))
                 break
+            index += 1
         else:
             refused[MEMORY_REFUSAL_FIELD] += 1
     try:

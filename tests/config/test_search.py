@@ -306,3 +306,24 @@ def test_a_search_of_a_cluster_without_gpus_is_refused_naming_the_field(override
             refused()
         assert [(issue.field, issue.value, issue.rule) for issue in info.value.issues] == \
             [(field, int(value), "must be an integer >= 1")]
+
+
+def test_a_pipeline_the_users_vpp_does_not_divide_is_searched_without_virtual_stages():
+    """Llama-3-70B PPO with VPP 5: PP 2 (VPP needs PP > 2) and PP 10 (80 layers are not 10 x 5 x k) were refused by the
+    user's VPP, 304 layouts, so no PP-2 layout was ever ranked; they are now planned without virtual stages, and
+    each replans from its printed overrides to its predicted time."""
+    overrides = ["trainer.hardware=h100-sxm"]
+    arr = "actor_rollout_ref.actor.megatron"
+    with pytest.raises(ConfigError) as info:  # the rule that refused them: the user's VPP at PP 2
+        plan_from_sources(LLAMA_70B, [f"{arr}.pipeline_model_parallel_size=2",
+                                      "critic.megatron.pipeline_model_parallel_size=2"])
+    assert {issue.field for issue in info.value.issues} == {f"{arr}.virtual_pipeline_model_parallel_size",
+                                                            "critic.megatron.virtual_pipeline_model_parallel_size"}
+    result = search_from_sources(LLAMA_70B, overrides)
+    unvirtual = [f for f in result.ranked if f.layout.train_pp in (2, 10)]
+    assert unvirtual and {f.layout.train_pp for f in unvirtual} >= {2}
+    for found in unvirtual[:3] + [f for f in result.ranked if f.layout.train_pp in (4, 8, 16)][:2]:
+        plan, step = _replanned(LLAMA_70B, found.overrides())
+        vpp = plan.layout("actor").megatron.virtual_pipeline_model_parallel_size
+        assert vpp == (None if found.layout.train_pp in (2, 10) else 5), (found.layout, vpp)
+        assert step.seconds == pytest.approx(found.step.seconds, rel=1e-12)
