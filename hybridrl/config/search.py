@@ -10,7 +10,8 @@ The cluster (its GPUs in all), the model, the batch and the lengths stay the use
   (one machine: of its GPUs), generating in turn with training (sync) or one step ahead (one_step_off; a user's
   fully_async stays fully_async);
 - the memory savers, tried in order for each layout until one fits: none, the gradient buffers freed between
-  updates, Adam's moments offloaded too, then each of those with full activation recompute.
+  updates, Adam's moments offloaded too, then each of those with full activation recompute (where none does not
+  fit, all of them together are planned first: each only lowers memory, so where that does not fit, none does).
 
 What stays the user's: context parallelism, VPP (where there is a pipeline; a PP their VPP does not divide is tried
 without virtual stages), expert parallelism, the micro-batch sizes (the roofline has no
@@ -249,27 +250,42 @@ def search(config: JobConfig, model: ModelShape, hardware: Hardware, *, critic: 
     refused: Counter[str] = Counter()
     found: list[Found] = []
     planned = count = 0
+    unvirtual: set[int] = set()  # the PPs the user's VPP does not divide (its rules read PP and the layers alone)
+
+    def plan_with(layout: Layout, savers: tuple[bool, bool, bool], keep_vpp: bool) -> tuple[Plan, list[Setting]]:
+        nonlocal planned
+        planned += 1
+        settings = settings_of(config, layout, savers, critic, keep_vpp=keep_vpp)
+        return build_plan(with_settings(base, settings), handed_over=True, refuse_over_memory=False), settings
+
     for layout in layouts(config, model):
         count += 1
-        keep_vpp, index = True, 0
-        while index < len(SAVERS):
-            savers = SAVERS[index]
-            settings = settings_of(config, layout, savers, critic, keep_vpp=keep_vpp)
-            planned += 1
+        keep_vpp = layout.train_pp not in unvirtual
+        try:
             try:
-                plan = build_plan(with_settings(base, settings), handed_over=True, refuse_over_memory=False)
+                plan, settings = plan_with(layout, SAVERS[0], keep_vpp)
             except ConfigError as exc:
-                if keep_vpp and layout.train_pp > 1 and all(issue.field.endswith(VPP_FIELD) for issue in exc.issues):
-                    keep_vpp = False  # the user's VPP does not divide this pipeline: the pipeline without it
-                    continue
-                refused[exc.issues[0].field] += 1  # a rule, not memory: no saver changes it
-                break
-            if plan.gpu_memory is None or plan.gpu_memory.fits or not plan.device_policy.gpu_memory_budget_binding:
+                if not (keep_vpp and layout.train_pp > 1 and all(i.field.endswith(VPP_FIELD) for i in exc.issues)):
+                    raise
+                keep_vpp = False  # the user's VPP does not divide this pipeline: the pipeline without it
+                unvirtual.add(layout.train_pp)
+                plan, settings = plan_with(layout, SAVERS[0], keep_vpp)
+        except ConfigError as exc:
+            refused[exc.issues[0].field] += 1  # a rule, not memory: no saver changes it
+            continue
+        tried = {SAVERS[0]: (plan, settings)}
+        if not _fits(plan):
+            # each saver only lowers a GPU's memory, so all of them together hold the least: where that does not
+            # fit, none does (one plan instead of five)
+            tried[SAVERS[-1]] = plan_with(layout, SAVERS[-1], keep_vpp)
+            if not _fits(tried[SAVERS[-1]][0]):
+                refused[MEMORY_REFUSAL_FIELD] += 1
+                continue
+        for savers in SAVERS:  # the first that fits, least time lost first
+            plan, settings = tried[savers] if savers in tried else plan_with(layout, savers, keep_vpp)
+            if _fits(plan):
                 found.append(_found(plan, hardware, layout, savers, overrides_of or config, settings))
                 break
-            index += 1
-        else:
-            refused[MEMORY_REFUSAL_FIELD] += 1
     try:
         own = build_plan(config)
         written = _found(own, hardware, layout_of(own), savers_of(own), config)
@@ -278,6 +294,11 @@ def search(config: JobConfig, model: ModelShape, hardware: Hardware, *, critic: 
     ranked = tuple(sorted(found, key=lambda f: (f.step.seconds, f.peak_gib)))
     return SearchResult(hardware.name, cluster_size(config)[1], count, planned, tuple(refused.most_common()),
                         ranked, time.perf_counter() - started, written)
+
+
+def _fits(plan: Plan) -> bool:
+    """Whether a candidate's GPUs hold it (a device whose memory budget is not binding holds any)."""
+    return plan.gpu_memory is None or plan.gpu_memory.fits or not plan.device_policy.gpu_memory_budget_binding
 
 
 def layout_of(plan: Plan) -> Layout:
