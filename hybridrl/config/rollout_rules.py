@@ -112,10 +112,6 @@ def check_rollout_head_dim(check: Checker, config: JobConfig, model: ModelShape 
                    "(every rollout worker would stop as vLLM builds the model); it takes these head_dims",
                    policy.vllm_attention_head_dims)
 
-# rollout settings that apply to async_mode=fully_async only (refused elsewhere; `--search` clears them on the
-# layouts it runs in turn or one step ahead)
-FULLY_ASYNC_FIELDS = ("max_staleness", "stale_samples", "partial_rollout")
-
 
 def check_rollout_placement(check: Checker, config: JobConfig, resolved: Resolved, world: int) -> int:
     """rollout.mode, its pool and rollout.async_mode; returns the ranks vLLM runs on (0 when invalid)."""
@@ -175,6 +171,11 @@ def check_rollout_placement(check: Checker, config: JobConfig, resolved: Resolve
                        "its prefix under new weights, whose routing would not be the one the tokens were sampled "
                        "with; use async_mode=one_step_off or sync", ["none"])
     return resolved.rollout_world if ok else 0
+
+
+# rollout settings that apply to async_mode=fully_async only (refused elsewhere; `--search` clears them on the
+# layouts it runs in turn or one step ahead)
+FULLY_ASYNC_FIELDS = ("max_staleness", "stale_samples", "partial_rollout")
 
 
 def check_rollout_layout(check: Checker, config: JobConfig, world: int, model: ModelShape | None,
