@@ -11,11 +11,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from tests.support.runs import ROOT
+from tests.support.runs import ROOT, session_left_running
 
 # The child reports the temp folder init_ray made (spied on, not replaced) and what the signal did.
 _SIGNAL_WHILE_STARTING = """
@@ -48,17 +47,6 @@ print(json.dumps({"raised": raised, "initialized": ray.is_initialized(), "temp_d
 """
 
 
-def _left_running(session: int, wait_s: float) -> list[str]:
-    """The command lines of the processes of `session` still running (zombies aside) once up to `wait_s` passed."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        listed = subprocess.run(["ps", "-o", "stat=,args=", "-s", str(session)], capture_output=True, text=True)
-        alive = [line.split(None, 1)[-1] for line in listed.stdout.splitlines() if not line.strip().startswith("Z")]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.5)
-
-
 @pytest.mark.parametrize("name, raised", [("SIGINT", "KeyboardInterrupt"), ("SIGTERM", "Stop")])
 def test_a_stop_signal_while_ray_starts_stops_the_whole_cluster_once_it_is_up(name, raised):
     """Ctrl-C (or a scheduler's SIGTERM) in the first seconds of a run used to land inside `ray.init`: the half-started
@@ -71,7 +59,7 @@ def test_a_stop_signal_while_ray_starts_stops_the_whole_cluster_once_it_is_up(na
     assert report["raised"] == raised, err[-3000:]  # the caller's own handler acted, after the start
     assert not report["initialized"]
     assert not os.path.exists(report["temp_dir"]), f"{report['temp_dir']} left behind"
-    assert _left_running(child.pid, wait_s=15) == []
+    assert session_left_running(child.pid, wait_s=15) == []
 
 
 _HANDLER_KEPT = """

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from hybridrl.workers import faults
-from tests.support.runs import ROOT
+from tests.support.runs import ROOT, session_left_running
 from tests.support.runs import metrics as _metrics
 from tools.demo_assets import demo_overrides
 
@@ -110,7 +110,6 @@ def test_faults_fire_for_their_restart_only(monkeypatch):
     assert [faults.triggered("update_actor") for _ in range(3)] == [True, False, False]
 
 
-
 def test_final_failure_names_every_failure_before_it():
     from hybridrl.names import Phase
     from hybridrl.trainer.trainer import TrainingFailure, _final_failure
@@ -140,17 +139,6 @@ def test_strict_device_stops_a_run_whose_worker_forgets_the_device(demo_assets, 
     # the first forward of the run is the set-up's: the weight sync's log-prob probe on the trainer side
     assert ("training failed at step 0, phase setup: actor_rollout_ref rank 0 failed in setup(): DeviceMismatch: "
             "strict-device: embedding got tensors on the GPU and on the CPU") in result.stderr, result.stderr[-4000:]
-
-
-def _session_left_running(session: int, wait_s: float) -> list[str]:
-    """The command lines of `session`'s processes still running (zombies aside) once up to `wait_s` passed."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        listed = subprocess.run(["ps", "-o", "stat=,args=", "-s", str(session)], capture_output=True, text=True)
-        alive = [line.split(None, 1)[-1] for line in listed.stdout.splitlines() if not line.strip().startswith("Z")]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.5)
 
 
 @pytest.mark.slow
@@ -186,7 +174,7 @@ def test_sigterm_stops_the_run_cleanly_naming_where_it_goes_on_from(demo_assets,
             f"newest complete checkpoint is {run / CKPT / 'global_step_2'}: trainer.resume_mode=auto (the default) "
             "continues from it") in err, err[-4000:]
     assert "Traceback" not in err and "SIGTERM received" not in err
-    assert _session_left_running(driver.pid, wait_s=15) == []
+    assert session_left_running(driver.pid, wait_s=15) == []
     assert sorted(p.name for p in (run / CKPT).iterdir()) == ["global_step_2", "latest_checkpointed_iteration.txt"]
     assert (run / CKPT / "latest_checkpointed_iteration.txt").read_text() == "2\n"
     assert [row["step"] for row in _metrics(run)] == [1, 2]

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,3 +28,14 @@ def metrics(run: Path) -> list[dict]:
 
 def mean(rows: list[dict], key: str) -> float:
     return sum(r[key] for r in rows) / len(rows)
+
+
+def session_left_running(session: int, wait_s: float) -> list[str]:
+    """The command lines of the processes of `session` still running (zombies aside) once up to `wait_s` passed."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        listed = subprocess.run(["ps", "-o", "stat=,args=", "-s", str(session)], capture_output=True, text=True)
+        alive = [line.split(None, 1)[-1] for line in listed.stdout.splitlines() if not line.strip().startswith("Z")]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.5)
