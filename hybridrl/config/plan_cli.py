@@ -57,12 +57,15 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"hybridrl plan: {exc}", file=sys.stderr)
         return 2
+    # A search that finds no layout (or no cluster size meeting the target) answers, and exits 1: a script can tell
+    # "nothing fits" from an answer, as it tells a refused job (2)
     if args.target_step_time is not None:
         print(json.dumps(dataclasses.asdict(sizing), indent=2) if args.format == "json"
               else render_sizing(sizing, config_path, overrides))
-    elif args.search:
+        return 0 if sizing.smallest is not None else 1
+    if args.search:
         print(json.dumps(dataclasses.asdict(result), indent=2) if args.format == "json"
               else render_search(result, config_path, overrides, top))
-    else:
-        print(plan.to_json() if args.format == "json" else render_plan(plan))
+        return 0 if result.ranked else 1
+    print(plan.to_json() if args.format == "json" else render_plan(plan))
     return 0

@@ -203,8 +203,11 @@ def test_the_smallest_cluster_for_a_step_time_is_the_first_size_whose_best_meets
     plan, step = _replanned(QWEN_7B, sizing.smallest.ranked[0].overrides())
     assert plan.resolved.world_size + plan.resolved.rollout_world * plan.resolved.disaggregated == 32
     assert step.seconds == pytest.approx(bests[-1], rel=1e-12)
-    # beyond every size tried: the sizing says none meets it
+    # beyond every size tried: the sizing says none meets it, and the command exits 1 (an answer, not a success)
     assert size_cluster(inputs, 1.0).smallest is None
+    unmet = subprocess.run([sys.executable, "-m", "hybridrl.cli", "plan", QWEN_7B, "--search", "--target-step-time",
+                            "1", "trainer.hardware=h100-sxm"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert unmet.returncode == 1 and "1 s" in unmet.stdout, unmet.stdout[-2000:] + unmet.stderr[-2000:]
     refused = subprocess.run([sys.executable, "-m", "hybridrl.cli", "plan", QWEN_7B, "--target-step-time", "60",
                               "trainer.hardware=h100-sxm"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "--target-step-time=60.0 needs --search" in refused.stderr
@@ -291,7 +294,7 @@ def test_a_search_nothing_fits_says_memory_is_why_not_the_jobs_own_problems(caps
         plan_from_sources(QWEN_7B, [*overrides, f"{arr}.actor.megatron.tensor_model_parallel_size=4",
                                     f"{arr}.actor.megatron.pipeline_model_parallel_size=2"])
     assert [issue.field for issue in info.value.issues] == ["trainer.gpu_memory_gib"]
-    assert main(["plan", QWEN_7B, "--search", *overrides]) == 0
+    assert main(["plan", QWEN_7B, "--search", *overrides]) == 1  # an answer, and nothing fits: not a success
     last = capsys.readouterr().out.splitlines()[-1]
     assert last.startswith(f"No layout plans: {over_memory} of the {result.layouts} layouts do not fit the GPUs' "
                            "memory (trainer.gpu_memory_gib) with any memory saver"), last
