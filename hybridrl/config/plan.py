@@ -526,11 +526,11 @@ def _ways_to_fit(config: JobConfig, resolved: Resolved, policy: DevicePolicy, me
     ways: list[str] = []
     for offload in choices:
         changed = {role: value for role, value in offload.items() if value != current[role]}
+        # each setting written whole (field=value), so that the advice pastes as overrides
         label = " and ".join(
-            f"{role_megatron_field(config, role)}." + " and ".join(
-                name + "=true" for name, on, was in zip(("grad_offload", "optimizer_offload"), value, current[role])
-                if on and not was)
-            for role, value in changed.items())
+            f"{role_megatron_field(config, role)}.{name}=true"
+            for role, value in changed.items()
+            for name, on, was in zip(("grad_offload", "optimizer_offload"), value, current[role]) if on and not was)
         if not changed or any(label in way for way in ways):
             continue  # already what the job does, or named already
         memory = _gpu_memory(config, resolved, policy, memories, layouts, offload={**current, **offload})

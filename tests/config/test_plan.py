@@ -238,16 +238,17 @@ def test_a_gpu_plan_that_does_not_fit_is_refused_with_ways_that_do():
         plan_from_sources(example, resident)
     message = str(refused.value)
     assert f"generation, holds {generation:.1f} GiB" in message and "trainer.gpu_memory_gib=80" in message
-    ways = {"actor_rollout_ref.actor.megatron.grad_offload=true and optimizer_offload=true (":
-            ["actor_rollout_ref.actor.megatron.optimizer_offload=true",
-             "actor_rollout_ref.actor.megatron.grad_offload=true"],
-            "actor_rollout_ref.rollout.gpu_memory_utilization=0.5 (":
-            ["actor_rollout_ref.rollout.gpu_memory_utilization=0.5"]}
-    for named, overrides in ways.items():
+    # each named way is overrides written whole, joined by " and ": pasted, it plans and fits
+    ways = ["actor_rollout_ref.actor.megatron.grad_offload=true and "
+            "actor_rollout_ref.actor.megatron.optimizer_offload=true (",
+            "actor_rollout_ref.rollout.gpu_memory_utilization=0.5 ("]
+    for named in ways:
         assert named in message, message
+        overrides = named.removesuffix(" (").split(" and ")
         assert plan_from_sources(example, [*resident, *overrides]).gpu_memory.fits   # the named way does fit
     # optimizer_offload alone leaves the fp32 master weights and is not named: it does not fit
-    assert "megatron.optimizer_offload=true (" not in message
+    named_ways = [way.rsplit(" (", 1)[0] for way in message.split("would fit with: ", 1)[1].split("; or ")]
+    assert "actor_rollout_ref.actor.megatron.optimizer_offload=true" not in named_ways, named_ways
     with pytest.raises(ConfigError):
         plan_from_sources(example, [*resident, "actor_rollout_ref.actor.megatron.optimizer_offload=true"])
 
