@@ -204,23 +204,29 @@ def check_output_dir(out_dir: str | Path, force: bool, inputs: Mapping[str, str 
 
 
 def nearest_existing(path: str | Path) -> Path:
-    """`path` itself if it exists, else its nearest existing ancestor (absolute): where creating it would start."""
-    existing = Path(path).absolute()
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    return existing
+    """`path` itself if it exists, else its nearest existing ancestor (absolute, normalized): where creating it would
+    start. (os.path's string functions: the layout search checks the job's folders in each of its ~2,000 plans.)"""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing) and existing != os.path.dirname(existing):
+        existing = os.path.dirname(existing)
+    return Path(existing)
 
 
 def creation_problem(folder: str | Path) -> str | None:
     """Why `folder` cannot be created (its parents included) or written into, or None: its nearest existing
     ancestor is a file, or a folder this process may not write to."""
     existing = nearest_existing(folder)
-    if not existing.is_dir():
+    if not os.path.isdir(existing):
         return f"{existing} is a file, not a folder"
-    if os.statvfs(existing).f_flag & os.ST_RDONLY:  # os.access refuses it too, but it is no permission to change
-        return f"{existing} is on a read-only file system"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"no permission to write in {existing}"
+    return write_problem(existing)
+
+
+def write_problem(folder: Path) -> str | None:
+    """Why this process may not create files in the existing `folder`, or None."""
+    if os.statvfs(folder).f_flag & os.ST_RDONLY:  # os.access refuses it too, but it is no permission to change
+        return f"{folder} is on a read-only file system"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"no permission to write in {folder}"
     return None
 
 

@@ -6,6 +6,7 @@ failed one are skipped, so one mistake yields one message, not a cascade.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from hybridrl.algorithms.names import CRITIC_ADV_ESTIMATORS, GROUP_ADV_ESTIMATORS
@@ -54,7 +55,7 @@ from hybridrl.models.arch import ModelShape
 from hybridrl.models.layout import ParallelLayout
 from hybridrl.names import Role
 from hybridrl.parallel.device_policy import DEVICE_POLICIES
-from hybridrl.persistence import creation_problem, nearest_existing
+from hybridrl.persistence import nearest_existing, write_problem
 from hybridrl.rewards.registry import AUTO
 
 RESUME_MODES = ("auto", "disable")
@@ -185,11 +186,12 @@ def _check_output_folders(check: Checker, config: JobConfig) -> None:
                         "each step's rollout samples", True))
     for field, value, folder, what, written in outputs:
         path = nearest_existing(folder)  # a folder to create the rest in, or a file in the way
-        if not path.is_dir():
-            where = "is a file" if path == folder.absolute() else f"needs the folder {folder}, but {path} is a file"
+        if not os.path.isdir(path):
+            where = ("is a file" if path == Path(os.path.abspath(folder))
+                     else f"needs the folder {folder}, but {path} is a file")
             check.fail(field, value, f"{where}, not a folder: train writes {what} there (and would fail at its "
                                      "first write); name a folder, or remove the file")
-        elif written and (problem := creation_problem(folder)):
+        elif written and (problem := write_problem(path)):
             check.fail(field, value, f"cannot be written: {problem}; train writes {what} there (and would fail at "
                                      "its first write); name a folder this user may write in")
 
