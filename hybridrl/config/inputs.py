@@ -417,9 +417,15 @@ def ground_truth_required(config: JobConfig, field: str) -> bool:
     and reads one (the format check excepted). A user's function may not read it, so it is never required there.
     The plan checks the column, the trainer's row read every row's value (`PromptDataset`)."""
     algorithm = config.algorithm
-    rule_scored = field == "data.val_files" or not config.reward_model.enable
     reads_it = scorer_aliases().get(algorithm.reward_fn, algorithm.reward_fn) != "format"
-    return rule_scored and not algorithm.custom_reward_function.path and reads_it
+    return _rule_scored(config, field) and reads_it
+
+
+def _rule_scored(config: JobConfig, field: str) -> bool:
+    """Whether a built-in rule scorer scores the rows of `field`'s files: training rows unless a reward model does,
+    validation rows always, and neither when a custom function scores every row."""
+    by_model = field == "data.train_files" and config.reward_model.enable
+    return not by_model and not config.algorithm.custom_reward_function.path
 
 
 def _check_data(config: JobConfig, issues: list[ConfigIssue], chat_template: bool | None) -> int | None:
@@ -455,8 +461,7 @@ def scored_by_data_source(config: JobConfig, field: str) -> bool:
     """Whether the rows of `field`'s files (data.train_files or data.val_files) are scored by the rule scorer their
     data_source names (algorithm.reward_fn=auto; training rows unless a reward model scores them, and no custom
     function scores them)."""
-    rule_scored = field == "data.val_files" or not config.reward_model.enable
-    return rule_scored and config.algorithm.reward_fn == AUTO and not config.algorithm.custom_reward_function.path
+    return _rule_scored(config, field) and config.algorithm.reward_fn == AUTO
 
 
 def unscored_data_source(config: JobConfig, field: str, prompts: Iterable[PromptItem]) -> ConfigIssue | None:
@@ -468,27 +473,27 @@ def unscored_data_source(config: JobConfig, field: str, prompts: Iterable[Prompt
     for prompt in prompts:
         if scorer_for_data_source(prompt.data_source) is None:
             unset = " (a row without one reads as 'unknown')" if prompt.data_source == "unknown" else ""
-            return ConfigIssue("algorithm.reward_fn", AUTO, f"finds no scorer for data_source {prompt.data_source!r}"
-                                                            f"{unset} of {prompt.source_file} (prompt index "
-                                                            f"{prompt.index}, in {field}); name one scorer for every "
-                                                            "row, or register one for it (known: "
-                                                            f"{', '.join(known_scorer_names())})")
+            return _no_scorer(prompt.data_source, f"{unset} of {prompt.source_file} (prompt index {prompt.index}, "
+                                                  f"in {field})")
     return None
+
+
+def _no_scorer(source: str, where: str) -> ConfigIssue:
+    """algorithm.reward_fn=auto finds no scorer for `source` (of the row or file `where` says)."""
+    return ConfigIssue("algorithm.reward_fn", AUTO, f"finds no scorer for data_source {source!r}{where}; name one "
+                                                    "scorer for every row, or register one for it (known: "
+                                                    f"{', '.join(known_scorer_names())})")
 
 
 def _check_data_sources(file: str, preview: FilePreview, issues: list[ConfigIssue]) -> None:
     """algorithm.reward_fn=auto scores each row by its data_source: every value seen must name a scorer."""
-    known = ", ".join(known_scorer_names())
     if "data_source" not in preview.columns:
         issues.append(ConfigIssue("algorithm.reward_fn", AUTO, f"scores each row by its data_source column, which "
                                                                 f"{file} lacks; name one scorer for every row "
-                                                                f"({known})"))
+                                                                f"({', '.join(known_scorer_names())})"))
         return
-    for source in sorted(preview.data_sources):
-        if scorer_for_data_source(source) is None:
-            issues.append(ConfigIssue("algorithm.reward_fn", AUTO, f"finds no scorer for data_source {source!r} of "
-                                                                      f"{file}; name one scorer for every row, or "
-                                                                      f"register one for it (known: {known})"))
+    issues += [_no_scorer(source, f" of {file}") for source in sorted(preview.data_sources)
+               if scorer_for_data_source(source) is None]
 
 
 def tokenizer_field(model: ModelConfig) -> tuple[str, str]:
