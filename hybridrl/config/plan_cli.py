@@ -6,14 +6,13 @@ Needs no GPU, no Ray, no torch.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 
 from hybridrl.config.errors import ConfigError
 from hybridrl.config.loader import config_and_overrides
 from hybridrl.config.plan import plan_from_sources
-from hybridrl.config.report import render_plan, render_search, render_sizing
+from hybridrl.config.report import render_plan, render_search, render_sizing, search_json, sizing_json
 from hybridrl.config.search import search_from_sources, search_inputs, size_cluster
 
 
@@ -60,11 +59,11 @@ def run(args: argparse.Namespace) -> int:
     # A search that finds no layout (or no cluster size meeting the target) answers, and exits 1: a script can tell
     # "nothing fits" from an answer, as it tells a refused job (2)
     if args.target_step_time is not None:
-        print(json.dumps(dataclasses.asdict(sizing), indent=2) if args.format == "json"
+        print(json.dumps(sizing_json(sizing, config_path, overrides), indent=2) if args.format == "json"
               else render_sizing(sizing, config_path, overrides))
         return 0 if sizing.smallest is not None else 1
     if args.search:
-        print(json.dumps(dataclasses.asdict(result), indent=2) if args.format == "json"
+        print(json.dumps(search_json(result, config_path, overrides), indent=2) if args.format == "json"
               else render_search(result, config_path, overrides, top))
         return 0 if result.ranked else 1
     print(plan.to_json() if args.format == "json" else render_plan(plan))

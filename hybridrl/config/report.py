@@ -1,6 +1,7 @@
 """The Plan as a one-screen report: meshes, batch arithmetic, memory, resharding."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,7 +12,7 @@ from hybridrl.config.internode import plan_internode_traffic
 from hybridrl.config.meshes import TrainingMesh, expert_groups
 from hybridrl.config.plan import MEMORY_REFUSAL_FIELD, Plan, lora_elements_per_layer, served_adapter_bytes
 from hybridrl.config.resolve import MODEL_SECTIONS
-from hybridrl.config.search import Found, SearchResult, Sizing, job_command
+from hybridrl.config.search import Found, SearchResult, Sizing, job_command, job_overrides
 from hybridrl.config.step_time import StepTime, predict_step_time, seconds_text, step_time_line
 from hybridrl.models.arch import ModelShape
 from hybridrl.parallel.device_policy import WITHOUT_TE
@@ -541,6 +542,25 @@ def render_search(result: SearchResult, config_path: str | None, overrides: Sequ
                    "above is one that does")
     out += ["", f"#1 as a job: {job_command(config_path, overrides, shown[0])}"]
     return "\n".join(out)
+
+
+def search_json(result: SearchResult, config_path: str | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """`hybridrl plan --search --format json`: the result's fields, and each ranked layout's `job_overrides` (the
+    user's overrides with the layout's, what `train` takes after the config) and `command` (its `hybridrl plan`
+    line, as the text report's "#1 as a job"), so a script needs no second step to run what it picked."""
+    out = dataclasses.asdict(result)
+    for row, found in zip(out["ranked"], result.ranked):
+        row["job_overrides"] = job_overrides(overrides, found)
+        row["command"] = job_command(config_path, overrides, found)
+    return out
+
+
+def sizing_json(sizing: Sizing, config_path: str | None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """`hybridrl plan --search --target-step-time S --format json`: each cluster tried as `search_json` writes it;
+    `smallest` as the one meeting S (its ranked layouts carry their commands), or None."""
+    results = [search_json(result, config_path, overrides) for result in sizing.results]
+    smallest = next((row for row, result in zip(results, sizing.results) if result is sizing.smallest), None)
+    return {"target_s": sizing.target_s, "results": results, "smallest": smallest}
 
 
 def render_sizing(sizing: Sizing, config_path: str | None, overrides: Sequence[str] = ()) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from hybridrl.config import ConfigError, plan_from_sources
-from hybridrl.config.hardware import SHIPPED
+from hybridrl.config.hardware import SHIPPED, load_job_hardware
 from hybridrl.config.report import render_search
 from hybridrl.config.search import SAVERS, Layout, search_from_sources, search_inputs, size_cluster
 from hybridrl.config.step_time import predict_step_time
@@ -266,6 +266,15 @@ def test_the_printed_commands_are_the_searched_job_with_the_users_own_overrides(
         (top.layout.train_tp, top.layout.train_pp, top.layout.rollout_tp)
     assert top.layout.train_tp != 4  # the user's TP was changed: their spelling of it left the command
     assert (plan.config.data.train_batch_size, plan.config.actor_rollout_ref.rollout.n) == (512, 4)
+    # --format json carries the same command, and each ranked layout's overrides for `train` (it had neither)
+    assert main(["plan", QWEN_7B, "--search", "--format", "json", *overrides]) == 0
+    ranked = json.loads(capsys.readouterr().out)["ranked"]
+    assert ranked[0]["command"] == line.removeprefix("#1 as a job: ")
+    second = search_from_sources(QWEN_7B, overrides).ranked[1]
+    plan = plan_from_sources(QWEN_7B, ranked[1]["job_overrides"])
+    step = predict_step_time(plan, load_job_hardware("a100-80gb"))
+    assert step.seconds == pytest.approx(second.step.seconds, rel=1e-12)
+    assert second.step.seconds != pytest.approx(top.step.seconds, rel=1e-9)  # a different layout: the test can fail
 
     # the sizing's answer, the same way: its cluster size and the user's settings
     assert main(["plan", QWEN_7B, "--search", "--target-step-time", "300", *overrides]) == 0
@@ -277,6 +286,10 @@ def test_the_printed_commands_are_the_searched_job_with_the_users_own_overrides(
     assert step.hardware == "a100-80gb" and step.seconds == pytest.approx(best.step.seconds, rel=1e-12)
     assert best.step.seconds <= 300.0
     assert (plan.config.data.train_batch_size, plan.config.actor_rollout_ref.rollout.n) == (512, 4)
+    assert main(["plan", QWEN_7B, "--search", "--target-step-time", "300", "--format", "json", *overrides]) == 0
+    sized = json.loads(capsys.readouterr().out)
+    assert sized["smallest"]["total_gpus"] == gpus and sized["smallest"]["ranked"][0]["command"] == \
+        line.removeprefix(f"{gpus} GPUs: ")
 
 
 def test_a_search_nothing_fits_says_memory_is_why_not_the_jobs_own_problems(capsys):
