@@ -208,16 +208,18 @@ def require_rollout_log_probs(batch: Batch, correction: RolloutCorrection) -> bo
 
 
 def response_logits(backend: MegatronBackend, micro: ModelInputs, logits: torch.Tensor,
-                    temperature: float) -> torch.Tensor:
+                    temperature: float, vocab_size: int = 0) -> torch.Tensor:
     """The vocab shard `[N, V/tp]` (float32) predicting each of the N real response tokens, padded ids masked.
 
-    `logits` `[1, N, V/tp]` are the model's output of a `response_tokens_only` run.
+    `logits` `[1, N, V/tp]` are the model's output of a `response_tokens_only` run. With `vocab_size` below the
+    model's own (a teacher of more rows than its student's), the ids from `vocab_size` on are masked too.
     """
     ctx = backend.ctx
     picked = logits.squeeze(0).float()
     if temperature != 1.0:
         picked = picked / temperature
-    return mask_vocab_padding(picked, backend.vocab_size, ctx.tp_rank, ctx.tp)
+    real = min(backend.vocab_size, vocab_size) if vocab_size else backend.vocab_size
+    return mask_vocab_padding(picked, real, ctx.tp_rank, ctx.tp)
 
 
 class MegatronActor:
@@ -241,13 +243,16 @@ class MegatronActor:
 
     # ---------------------------------------------------------------------------- log-probs
     def compute_log_prob(self, batch: Batch, with_entropy: bool = False, *,
-                         free_routing: bool = False, top_k: int = 0, full_vocab: int = 0) -> Batch | None:
+                         free_routing: bool = False, top_k: int = 0, full_vocab: int = 0,
+                         vocab_size: int = 0) -> Batch | None:
         """Log-probs of the batch's responses (module docstring). With routing replay the forward
         routes as the rollout did, unless `free_routing` (the weight sync's probe: a fixed sequence
         no rollout generated, scored with the routers' own choice on both sides, and with every token
         kept: no expert capacity, as in vLLM). A teacher's pass also writes its top-k tokens at each response
         position (`top_k`, TEACHER_TOP_K_KEYS) or its log-probs of the first `full_vocab` ids (the student's
-        vocabulary, TEACHER_FULL_KEY)."""
+        vocabulary, TEACHER_FULL_KEY). `vocab_size` (a teacher's pass: the student's vocabulary) scores over the
+        first `vocab_size` ids only, the distribution renormalised over them: a teacher of more rows than the
+        student (a padded vocabulary of one tokenizer) is read over the ids the student can write."""
         backend, ctx = self.backend, self.backend.ctx
         tensors = batch.tensors
         temperature = sampling_temperature(batch)
@@ -265,7 +270,7 @@ class MegatronActor:
             raise ValueError(f"top-k ids of a {backend.vocab_size}-token vocabulary do not travel exactly as float32")
 
         def collect(micro: ModelInputs, logits: torch.Tensor) -> torch.Tensor:
-            shard = response_logits(backend, micro, logits, temperature)
+            shard = response_logits(backend, micro, logits, temperature, vocab_size)
             labels = micro.responses[micro.response_token_positions()]
             if not with_entropy:
                 columns = [vocab_parallel_log_prob(shard, labels, ctx.tp_group)]

@@ -69,11 +69,12 @@ class TeacherWorker(FrozenRoleWorker):
         teacher = self._require(self.teacher, "the teacher")
         with self._require(self.frozen, "the teacher").scoring():
             # top_k_forward_kl: also the teacher's top-k tokens at every response position; full_reverse_kl: its
-            # log-probs of every id of the student's vocabulary there
+            # log-probs of every id of the student's vocabulary there. Every signal is the teacher's distribution
+            # over the student's vocabulary: a teacher of more rows (a padded vocabulary of the same tokenizer) is
+            # renormalised over the ids the student can write, never sends an id the student lacks.
             resolved, student = self.plan.resolved, self.plan.model
-            full_vocab = 0
-            if resolved.distillation_full_vocab:
-                if student is None:  # a plan built without its model folder (plan --layout-only) trains nothing
-                    raise RuntimeError("full_reverse_kl needs the student's vocabulary size: the plan has no model")
-                full_vocab = student.vocab_size
-            return teacher.compute_log_prob(batch, top_k=resolved.distillation_top_k, full_vocab=full_vocab)
+            if student is None:  # a plan built without its model folder (plan --layout-only) trains nothing
+                raise RuntimeError("the teacher's pass needs the student's vocabulary size: the plan has no model")
+            full_vocab = student.vocab_size if resolved.distillation_full_vocab else 0
+            return teacher.compute_log_prob(batch, top_k=resolved.distillation_top_k, full_vocab=full_vocab,
+                                            vocab_size=student.vocab_size)

@@ -250,3 +250,59 @@ def test_distillation_loss_term_and_every_gradient_equal_transformers(models, tm
         scale = float(ref.abs().max())
         assert scale > 0, name
         assert float((grads[name] - ref).abs().max()) <= 1e-5 * scale, name
+
+
+def padded_teacher(student: Path, out: Path, rows: int) -> Path:
+    """The student with `rows` vocabulary rows more (a teacher of the student's tokenizer and a larger, padded
+    vocabulary, as Qwen2.5-7B's 152,064 rows against Qwen2.5-0.5B's 151,936): its first rows are the student's own
+    weights, the new rows random and large, so that they hold most of the teacher's probability mass."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    config = json.loads((student / "config.json").read_text())
+    vocab = config["vocab_size"]
+    config["vocab_size"] = vocab + rows
+    (out / "config.json").write_text(json.dumps(config))
+    generator = torch.Generator().manual_seed(11)
+    tensors = {}
+    for name, tensor in load_file(str(student / "model.safetensors")).items():
+        if tensor.shape[0] == vocab and name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            tensor = torch.cat([tensor, 3 * torch.randn(rows, tensor.shape[1], generator=generator)])
+        tensors[name] = tensor.contiguous()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("loss", ["top_k_forward_kl", "full_reverse_kl"])
+def test_a_teacher_of_more_vocabulary_rows_is_read_over_the_students_ids(models, tmp_path, loss):
+    """A teacher whose vocabulary has rows past the student's (the student's ids mean the same to it; plan accepts
+    it) is read over the ids the student can write: its distribution renormalised over them. Here the teacher is
+    the student with 56 rows more, which take most of its mass, at TP2 (the extra rows on the second rank's
+    shard): over the student's 200 ids it is the student, so its sampled-token log-probs, its top-k (every id one
+    the student has) and its full table each equal the HF student's own, and the reverse KL is 0."""
+    from hybridrl.algorithms.distillation import TEACHER_FULL_KEY
+    from hybridrl.names import Role
+
+    student, _ = models
+    teacher = padded_teacher(student, tmp_path / "teacher", rows=56)
+    top_k = loss == "top_k_forward_kl"
+    config = distillation_config(student, teacher, student_layout=(1, 1), teacher_layout=(2, 1),
+                                 top_k=TOP_K if top_k else None, full_vocab=not top_k)
+    batch = rollout_batch(8, seed=3, vocab=STUDENT["vocab_size"], groups=[3, 3, 2])
+    batch.meta["temperature"] = TEMPERATURE
+    out = megatron_outputs(config, batch, Role.TEACHER)
+    with torch.no_grad():
+        expected = hf_response_log_softmax(student, batch)  # the student's distribution: the reference
+        teacher_all = hf_response_log_softmax(teacher, batch)
+    real = batch["response_mask"].bool()
+    assert float(teacher_all[..., STUDENT["vocab_size"]:].exp().sum(-1)[real].min()) > 0.5  # the extra rows' mass
+    torch.testing.assert_close(out["teacher_log_probs"], hf_log_probs(student, batch), rtol=0, atol=TOLERANCE)
+    if top_k:
+        top_log_probs, top_ids = expected.topk(TOP_K, dim=-1)
+        assert torch.equal(out["teacher_top_ids"][real], top_ids[real])
+        torch.testing.assert_close(out["teacher_top_log_probs"][real], top_log_probs[real], rtol=0, atol=TOLERANCE)
+    else:
+        assert out[TEACHER_FULL_KEY].shape == expected.shape
+        torch.testing.assert_close(out[TEACHER_FULL_KEY][real], expected[real], rtol=0, atol=TOLERANCE)
