@@ -370,11 +370,18 @@ def _check_teacher_tokenizer(config: JobConfig, issues: list[ConfigIssue]) -> No
 
 def _tokenizer_identity(source: Path) -> dict[str, object] | None:
     """What decides how a tokenizer maps ids to text: tokenizer.json's model (vocabulary, merges) and added tokens,
-    or the bytes of the slow tokenizer's vocabulary files; None when the folder holds none of them."""
+    or the bytes of the slow tokenizer's vocabulary files; None when the folder holds none of them. A tokenizer.json
+    is read as the `tokenizers` library writes it back: one tokenizer in the files of any of its versions (merges
+    as "a b" strings before 0.20, as pairs since, fields at their defaults written or not) is one identity."""
+    from tokenizers import Tokenizer
+
     folder = source if source.is_dir() else source.parent
     fast = source if source.is_file() else folder / "tokenizer.json"
     if fast.is_file():
-        data = json.loads(fast.read_text())
+        try:
+            data = json.loads(Tokenizer.from_file(str(fast)).to_str())
+        except Exception as error:  # noqa: BLE001 - the library raises a bare Exception for a file it cannot read
+            raise ValueError(f"{fast} does not load: {error}") from error
         added = sorted((token["id"], token["content"]) for token in data.get("added_tokens") or [])
         return {"model": data.get("model"), "added_tokens": added}
     files = {name: (folder / name).read_bytes() for name in ("vocab.json", "merges.txt", "tokenizer.model")

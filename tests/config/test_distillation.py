@@ -311,3 +311,35 @@ def test_the_plan_says_what_distillation_trains_on_and_what_the_teacher_sends(de
         "on); the teacher sends its log-probs of all 96 ids a position: 0.4 MiB a step (refused above 4 GiB)")
     plain = render_plan(plan_from_sources(CONFIG, job(demo_assets, tmp_path)))
     assert "On-policy distillation" not in plain
+
+
+def test_one_tokenizer_in_either_tokenizer_json_format_is_the_same_tokenizer(tmp_path):
+    """The teacher's tokenizer is compared by what it does, not by how its tokenizer.json is written: a BPE
+    tokenizer saved by tokenizers >= 0.20 (merges as pairs, `ignore_merges` written) and the same one as older
+    files hold it (a hub folder saved before: merges as "a b" strings, no `ignore_merges`) encode every text alike
+    (checked here with the tokenizers library) and are one tokenizer; one merge dropped is still refused."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from hybridrl.config.inputs import tokenizer_difference
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tokenizer.train_from_iterator(["the cat sat on the mat", "what is 12 plus 35", "the answer is 47"] * 20,
+                                  trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<eos>"],
+                                                      show_progress=False))
+    new, old, other = (tmp_path / name for name in ("new", "old", "other"))
+    for folder in (new, old, other):
+        folder.mkdir()
+    tokenizer.save(str(new / "tokenizer.json"))
+    data = json.loads((new / "tokenizer.json").read_text())
+    assert isinstance(data["model"]["merges"][0], list) and "ignore_merges" in data["model"]
+    data["model"]["merges"] = [" ".join(pair) for pair in data["model"]["merges"]]
+    del data["model"]["ignore_merges"]
+    (old / "tokenizer.json").write_text(json.dumps(data))
+    data["model"]["merges"] = data["model"]["merges"][1:]  # its first merge ("a t") gone
+    (other / "tokenizer.json").write_text(json.dumps(data))
+    text = "the cat is 47, what is the mat<eos>"
+    encodings = [Tokenizer.from_file(str(f / "tokenizer.json")).encode(text).ids for f in (new, old, other)]
+    assert encodings[0] == encodings[1] != encodings[2]
+    assert tokenizer_difference(new, old) is None and tokenizer_difference(old, new) is None
+    assert tokenizer_difference(new, other) == "its vocabulary or merges differ"
