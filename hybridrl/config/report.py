@@ -10,6 +10,7 @@ from hybridrl.config.estimates import GpuMemoryPlan, StageBalance, shares_text, 
 from hybridrl.config.hardware import load_hardware
 from hybridrl.config.internode import plan_internode_traffic
 from hybridrl.config.meshes import TrainingMesh, expert_groups
+from hybridrl.config.model_shapes import role_model_shape
 from hybridrl.config.plan import MEMORY_REFUSAL_FIELD, Plan, lora_elements_per_layer, served_adapter_bytes
 from hybridrl.config.resolve import MODEL_SECTIONS
 from hybridrl.config.search import Found, SearchResult, Sizing, job_command, job_overrides
@@ -38,6 +39,19 @@ def _stage_layers(mesh: TrainingMesh, model: ModelShape | None) -> str:
     if model is None:
         return "-"
     return split_text(mesh.layout().stage_layers(model.num_layers))
+
+
+def _role_shape(plan: Plan, role: str) -> ModelShape | None:
+    """The model `role` runs (a critic's, reward model's or teacher's own folder, else the policy's)."""
+    return None if plan.model is None else role_model_shape(plan.config, role, plan.model)
+
+
+def _model_text(model: ModelShape) -> str:
+    """A model's shape in one phrase: "LlamaForCausalLM: 0.6M params, 4 layers, hidden 128, heads 4/2 (q/kv), vocab
+    96"."""
+    return (f"{model.architecture}: {model.param_count() / 1e6:,.1f}M params, {model.num_layers} layers, "
+            f"hidden {model.hidden_size}, heads {model.num_attention_heads}/{model.num_kv_heads} (q/kv), "
+            f"vocab {model.vocab_size}")
 
 
 def _correction(rc: Any, rollout: Any) -> str:
@@ -152,7 +166,9 @@ def distillation_line(plan: Plan) -> str:
                   f"MiB a step (refused above {FULL_VOCAB_TABLE_LIMIT_BYTES // 2**30} GiB)")
     else:
         signal = f"the sampled token's reverse KL x {settings.kl_coef:g} as its advantage, {mix}"
-    return f"On-policy distillation from {plan.config.teacher.model.path}: {signal}"
+    teacher = _role_shape(plan, "teacher")
+    shape = f" ({_model_text(teacher)})" if teacher is not None else ""
+    return f"On-policy distillation from {plan.config.teacher.model.path}{shape}: {signal}"
 
 
 def step_flops_line(step_flops: tuple[tuple[str, float], ...]) -> str:
@@ -199,11 +215,7 @@ def header_lines(plan: Plan) -> list[str]:
     """The job: its model, its cluster, its algorithm."""
     cfg, res, model = plan.config, plan.resolved, plan.model
     arr = cfg.actor_rollout_ref
-    model_line = (
-        f"{model.architecture}: {model.param_count() / 1e6:,.1f}M params, {model.num_layers} layers, "
-        f"hidden {model.hidden_size}, heads {model.num_attention_heads}/{model.num_kv_heads} (q/kv), "
-        f"vocab {model.vocab_size}" if model else "unknown (no config.json at the model path)"
-    )
+    model_line = _model_text(model) if model else "unknown (no config.json at the model path)"
     return [
         f"hybridrl plan — {cfg.trainer.project_name}/{cfg.trainer.experiment_name}",
         f"  model:   {arr.model.path or '<none>'} — {model_line}",
@@ -221,7 +233,7 @@ def mesh_lines(plan: Plan) -> list[str]:
     out = ["Training meshes (megatron order tp-cp-dp-pp; DP = world ÷ (TP·PP·CP))", table(
         ["role", "TP", "PP", "VPP", "CP", "DP", "layers per stage", "TP groups", "PP groups", "DP groups"],
         [[lay.role, lay.mesh.tp, lay.mesh.pp, lay.mesh.vpp or "-", lay.mesh.cp, lay.mesh.dp,
-          _stage_layers(lay.mesh, plan.model),
+          _stage_layers(lay.mesh, _role_shape(plan, lay.role)),
           _groups(lay.mesh.tp_groups, 3), _groups(lay.mesh.pp_groups, 3), _groups(lay.mesh.dp_groups, 3)]
          for lay in plan.layouts],
     )]

@@ -300,7 +300,8 @@ def test_the_plan_says_what_distillation_trains_on_and_what_the_teacher_sends(de
         plan = plan_from_sources(CONFIG, job(demo_assets, tmp_path, f"{D}.enable=true", same, f"{D}.loss={loss}",
                                              f"{D}.kl_coef=0.5", f"{D}.task_reward={loss == 'top_k_forward_kl'}"))
         lines[loss] = next(line for line in render_plan(plan).splitlines() if line.startswith("On-policy"))
-    head = f"On-policy distillation from {teachers['same']}: "
+    head = (f"On-policy distillation from {teachers['same']} (LlamaForCausalLM: 0.6M params, 4 layers, hidden 128, "
+            "heads 4/2 (q/kv), vocab 96): ")
     assert lines["sampled_reverse_kl"] == head + ("the sampled token's reverse KL x 0.5 as its advantage, alone (the "
                                                   "reward logged, not trained on)")
     assert lines["top_k_forward_kl"] == head + (
@@ -311,6 +312,23 @@ def test_the_plan_says_what_distillation_trains_on_and_what_the_teacher_sends(de
         "on); the teacher sends its log-probs of all 96 ids a position: 0.4 MiB a step (refused above 4 GiB)")
     plain = render_plan(plan_from_sources(CONFIG, job(demo_assets, tmp_path)))
     assert "On-policy distillation" not in plain
+
+
+def test_the_plan_shows_the_teachers_own_model_and_its_layers_per_stage():
+    """A teacher of another size than the student (Qwen2.5-32B's 64 layers for 7B's 28), at PP2: its mesh row
+    splits its own layers (32+32, where it showed the student's 14+14) and the distillation line names its shape
+    (its config.json: configs/models/qwen2.5-32b)."""
+    plan = plan_from_sources(QWEN_7B, [*QWEN_32B_TEACHER, "teacher.megatron.tensor_model_parallel_size=4",
+                                       "teacher.megatron.pipeline_model_parallel_size=2"])
+    text = render_plan(plan)
+    meshes = text.split("Training meshes", 1)[1].split("\n\n", 1)[0].splitlines()
+    rows = {line.split()[0]: line.split() for line in meshes if line.startswith(("actor ", "teacher "))
+            and line.split()[1].isdigit()}
+    assert rows["actor"][1:7] == ["2", "1", "-", "1", "4", "28"]
+    assert rows["teacher"][1:7] == ["4", "2", "-", "1", "1", "32+32"]
+    line = next(line for line in text.splitlines() if line.startswith("On-policy"))
+    assert "qwen2.5-32b (Qwen2ForCausalLM: 32,763.9M params, 64 layers, hidden 5120, heads 40/8 (q/kv), vocab " \
+           "152064): " in line
 
 
 def test_one_tokenizer_in_either_tokenizer_json_format_is_the_same_tokenizer(tmp_path):
