@@ -546,11 +546,12 @@ def _ways_to_fit(config: JobConfig, resolved: Resolved, policy: DevicePolicy, me
             ways.append(f"actor_rollout_ref.rollout.gpu_memory_utilization={lower:g} (KV cache {room:.1f} GiB)")
             break
     ways += _single_changes_that_fit(config, layouts)
+    ways += _frozen_role_changes_that_fit(config, resolved, layouts)
     if not ways:
-        return ("no single change of an offload, rollout.gpu_memory_utilization, a trained role's TP or PP, its "
+        return ("no single change of an offload, rollout.gpu_memory_utilization, a role's TP or PP, its "
                 "activation recompute or a micro-batch size fits it: `hybridrl plan --search` (with "
-                "trainer.hardware) tries every layout of these GPUs with the memory savers together, and "
-                "`--target-step-time` larger clusters")
+                "trainer.hardware) tries every layout of these GPUs with the memory savers together (a teacher's "
+                "or reward model's layout stays yours), and `--target-step-time` larger clusters")
     return "would fit with: " + "; or ".join(ways)
 
 
@@ -597,6 +598,61 @@ def _single_changes_that_fit(config: JobConfig, layouts: tuple[RoleLayout, ...])
                 ways.append(" and ".join(f"{path}={str(value).lower() if isinstance(value, bool) else value}"
                                          for path, value in change) + f" (peak {memory.peak_gib:.1f} GiB)")
     return ways
+
+
+# the frozen roles with a layout of their own on the training GPUs (a teacher in a pool of its own has its own check)
+OWN_LAYOUT_FROZEN_ROLES = (Role.TEACHER, Role.REWARD_MODEL)
+MAX_FROZEN_STAGES = 16  # the deepest pipeline the advice tries for one (the layout search's own bound)
+
+
+def _frozen_role_changes_that_fit(config: JobConfig, resolved: Resolved,
+                                  layouts: tuple[RoleLayout, ...]) -> list[str]:
+    """For a frozen role of its own layout on the training GPUs (a colocated teacher, a reward model): its weights
+    on the host between its passes (`megatron.param_offload`), and the smallest split of it (TP x PP, TP first:
+    powers of two within a machine, PP dividing its layers) that the plan accepts and whose peak fits. A 32B
+    teacher beside a 7B student needs an 8-way split, which no single doubling reaches: advice planned, not
+    guessed."""
+    ways = []
+    per_node = config.trainer.n_gpus_per_node
+    for layout in layouts:
+        if layout.role not in OWN_LAYOUT_FROZEN_ROLES or _in_teacher_pool(resolved, layout.role):
+            continue
+        section, megatron = role_megatron_field(config, layout.role), layout.megatron
+        tp_now, pp_now = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size
+        splits = sorted(((tp, pp) for tp in powers_of_two_upto(per_node if isinstance(per_node, int) else 1)
+                         for pp in range(1, MAX_FROZEN_STAGES + 1) if tp * pp > tp_now * pp_now),
+                        key=lambda split: (split[0] * split[1], split[1]))
+        candidates = [[(f"{section}.param_offload", True)]] if not megatron.param_offload else []
+        candidates += [[(f"{section}.tensor_model_parallel_size", tp), (f"{section}.pipeline_model_parallel_size", pp)]
+                       for tp, pp in splits]
+        split_found = False
+        for change in candidates:
+            is_split = len(change) == 2
+            if is_split and split_found:
+                break  # the smallest split that fits: a larger one says nothing more
+            peak = _fitting_peak(config, change)
+            if peak is not None:
+                split_found = split_found or is_split
+                ways.append(" and ".join(f"{path}={str(value).lower() if isinstance(value, bool) else value}"
+                                         for path, value in change) + f" (peak {peak:.1f} GiB)")
+    return ways
+
+
+def powers_of_two_upto(limit: int) -> list[int]:
+    return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
+
+
+def _fitting_peak(config: JobConfig, change: list[tuple[str, object]]) -> float | None:
+    """The per-GPU peak of `config` with `change` set, where the plan accepts it and it fits (else None)."""
+    trial = copy.deepcopy(config)
+    for path, value in change:
+        *parents, name = path.split(".")
+        setattr(functools.reduce(getattr, parents, trial), name, value)
+    try:
+        memory = build_plan(trial, handed_over=True, refuse_over_memory=False).gpu_memory
+    except ConfigError:
+        return None  # a rule refuses it (TP past the heads, PP not dividing the layers, ...): no advice
+    return memory.peak_gib if memory is not None and memory.fits else None
 
 
 def value_at(config: JobConfig, path: str) -> object:

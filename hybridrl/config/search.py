@@ -13,9 +13,10 @@ The cluster (its GPUs in all), the model, the batch and the lengths stay the use
   updates, Adam's moments offloaded too, then each of those with full activation recompute (where none does not
   fit, all of them together are planned first: each only lowers memory, so where that does not fit, none does).
 
-What stays the user's: context parallelism, VPP (where there is a pipeline; a PP their VPP does not divide is tried
-without virtual stages), expert parallelism, the micro-batch sizes (the roofline has no
-model of a kernel's efficiency against its batch, so it would always pick the smallest), dtypes, the algorithm.
+What stays the user's: a teacher's and a reward model's layouts (the plan's memory refusal names the smallest
+split of one that fits), context parallelism, VPP (where there is a pipeline; a PP their VPP does not divide is
+tried without virtual stages), expert parallelism, the micro-batch sizes (the roofline has no model of a kernel's
+efficiency against its batch, so it would always pick the smallest), dtypes, the algorithm.
 
 Every candidate is planned as `hybridrl plan` plans a job (`build_plan`: every validation rule, the memory check),
 so what the search prints is a job `train` accepts; the refused ones are counted by the field refused first. The
@@ -38,7 +39,7 @@ from hybridrl.config.errors import ConfigError, ConfigIssue
 from hybridrl.config.hardware import SHIPPED, Hardware, load_job_hardware
 from hybridrl.config.loader import load_config_collecting, override_fields
 from hybridrl.config.model_shapes import load_model_shape
-from hybridrl.config.plan import MEMORY_REFUSAL_FIELD, Plan, build_plan, value_at
+from hybridrl.config.plan import MEMORY_REFUSAL_FIELD, Plan, build_plan, powers_of_two_upto, value_at
 from hybridrl.config.resolve import resolve
 from hybridrl.config.rollout_rules import FULLY_ASYNC_FIELDS
 from hybridrl.config.schema import JobConfig, MegatronConfig
@@ -131,10 +132,6 @@ class SearchResult:
     ranked: tuple[Found, ...]  # every layout that plans, fastest first
     seconds: float
     written: Found | None  # the job's own layout, when it plans
-
-
-def powers_of_two_upto(limit: int) -> list[int]:
-    return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
 
 
 def layouts(config: JobConfig, model: ModelShape) -> Iterator[Layout]:

@@ -331,6 +331,27 @@ def test_the_plan_shows_the_teachers_own_model_and_its_layers_per_stage():
            "152064): " in line
 
 
+def test_a_teacher_too_large_at_its_layout_is_refused_naming_the_smallest_split_of_it_that_fits():
+    """A Qwen2.5-32B teacher beside the 7B student on their 8 GPUs, at the teacher's default TP1 (61 GiB of weights
+    a GPU): the memory refusal names the teacher's smallest split that fits (8-way; no single doubling of any role
+    reaches it, and `plan --search` keeps the teacher's layout as written), which, pasted, plans within the GPU;
+    a 4-way split (TP4, or TP2 x PP2) does not fit: the plan refuses it."""
+    teacher = [f"{D}.enable=true", f"teacher.model.path={ROOT / 'configs/models/qwen2.5-32b'}",
+               "teacher.log_prob_micro_batch_size_per_gpu=4"]
+    with pytest.raises(ConfigError) as info:
+        plan_from_sources(QWEN_7B, teacher)
+    (issue,) = info.value.issues
+    assert issue.field == "trainer.gpu_memory_gib" and "would fit with: " in issue.rule, issue.rule
+    ways = [way.rsplit(" (", 1)[0] for way in issue.rule.split("would fit with: ", 1)[1].split("; or ")]
+    split = ("teacher.megatron.tensor_model_parallel_size=8 and teacher.megatron.pipeline_model_parallel_size=1")
+    assert split in ways, ways
+    assert plan_from_sources(QWEN_7B, [*teacher, *split.split(" and ")]).gpu_memory.fits
+    for tp, pp in ((4, 1), (2, 2)):
+        with pytest.raises(ConfigError, match="trainer.gpu_memory_gib"):
+            plan_from_sources(QWEN_7B, [*teacher, f"teacher.megatron.tensor_model_parallel_size={tp}",
+                                        f"teacher.megatron.pipeline_model_parallel_size={pp}"])
+
+
 def test_one_tokenizer_in_either_tokenizer_json_format_is_the_same_tokenizer(tmp_path):
     """The teacher's tokenizer is compared by what it does, not by how its tokenizer.json is written: a BPE
     tokenizer saved by tokenizers >= 0.20 (merges as pairs, `ignore_merges` written) and the same one as older
