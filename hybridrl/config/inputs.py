@@ -200,6 +200,21 @@ def _missing_folder_rule(path: str) -> str:
     return "does not exist; name a local Hugging Face model folder (config.json, tokenizer, *.safetensors)"
 
 
+def _adapter_folder_rule(prefix: str, folder: Path) -> str:
+    """A model path naming a PEFT adapter folder (adapter_config.json, no config.json): what it is and what to name
+    instead (the policy can start from it as its LoRA adapter; another role needs it merged into its base)."""
+    try:
+        base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    what = f"holds a PEFT adapter (adapter_config.json{f', its base {base}' if base else ''}), not a whole model"
+    if prefix == "actor_rollout_ref.model":
+        return (f"{what}: name the base model's folder here and this folder in "
+                "actor_rollout_ref.model.lora.adapter_path (with lora.rank set) to train on from it")
+    return (f"{what}: merge it into its base first (peft's PeftModel.from_pretrained(base, folder)"
+            ".merge_and_unload().save_pretrained(out), with the base's tokenizer files) and name that folder")
+
+
 def _check_model_folder(prefix: str, model: ModelConfig, issues: list[ConfigIssue], *, tokenizer: bool) -> bool:
     """Whether `model`'s folder holds what the workers load (and its tokenizer, for the policy)."""
     field, path = f"{prefix}.path", model.path
@@ -213,6 +228,9 @@ def _check_model_folder(prefix: str, model: ModelConfig, issues: list[ConfigIssu
         issues.append(ConfigIssue(field, path, rule))
         return False
     ok = True
+    if not (folder / "config.json").is_file() and (folder / "adapter_config.json").is_file():
+        issues.append(ConfigIssue(field, path, _adapter_folder_rule(prefix, folder)))
+        return False
     if not (folder / "config.json").is_file():
         issues.append(ConfigIssue(field, path, "holds no config.json: not a Hugging Face model folder"))
         ok = False

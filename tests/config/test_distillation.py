@@ -27,7 +27,8 @@ D = "algorithm.distillation"
 @pytest.fixture(scope="module")
 def teachers(demo_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Teacher folders: `same` (the demo model's copy), `other_tokenizer` (one vocabulary entry renamed),
-    `small_vocab` (a config.json of fewer rows), `three_layers` (a config.json of 3 layers)."""
+    `small_vocab` (a config.json of fewer rows), `three_layers` (a config.json of 3 layers), `adapter` (a PEFT
+    adapter folder: adapter_config.json, no config.json)."""
     base = tmp_path_factory.mktemp("teachers")
     folders = {}
     for name in ("same", "other_tokenizer", "small_vocab", "three_layers"):
@@ -37,6 +38,11 @@ def teachers(demo_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
     token = next(t for t in vocab if t == "a")
     vocab["é"] = vocab.pop(token)
     (folders["other_tokenizer"] / "tokenizer.json").write_text(json.dumps(tokenizer))
+    folders["adapter"] = base / "adapter"
+    folders["adapter"].mkdir()
+    (folders["adapter"] / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "base_model_name_or_path": "/models/base", "r": 8, "lora_alpha": 16}))
+    (folders["adapter"] / "adapter_model.safetensors").write_bytes(b"")
     for name, field, change in (("small_vocab", "vocab_size", lambda v: v - 8),
                                 ("three_layers", "num_hidden_layers", lambda v: 3)):
         config = json.loads((folders[name] / "config.json").read_text())
@@ -114,6 +120,7 @@ def test_distillation_mistakes_are_refused_naming_the_field(demo_assets, teacher
          "teacher.log_prob_micro_batch_size_per_gpu", ">= 1"),
         ([f"{D}.enable=true", f"teacher.model.path={teachers['small_vocab']}"], "teacher.model.path",
          "fewer than the student's"),
+
         # the teacher's own pool: sized when it has one, never sized (or placed) when it does not
         ([f"{D}.enable=true", same, "teacher.mode=disaggregated"], "teacher.n_gpus_per_node",
          "is required with teacher.mode=disaggregated"),
@@ -140,6 +147,16 @@ def test_distillation_mistakes_are_refused_naming_the_field(demo_assets, teacher
     for overrides, field, text in cases:
         found = refusals(job(demo_assets, tmp_path, *overrides))
         assert any(f == field and text in rule for f, _, rule in found), (overrides, found)
+    # a LoRA-tuned teacher named by its adapter folder (a folder check: plan reads the files): what it is, and to
+    # merge it first, in one refusal; the same folder as the policy's model: name it as the policy's adapter
+    adapter = teachers["adapter"]
+    found = refusals(job(demo_assets, tmp_path, f"{D}.enable=true", f"teacher.model.path={adapter}"), check_files=True)
+    assert [(f, v) for f, v, _ in found] == [("teacher.model.path", str(adapter))], found
+    assert found[0][2].startswith("holds a PEFT adapter (adapter_config.json, its base /models/base), not a whole "
+                                  "model: merge it into its base first"), found
+    found = refusals([*job(demo_assets, tmp_path), f"actor_rollout_ref.model.path={adapter}"], check_files=True)
+    assert any(f == "actor_rollout_ref.model.path" and "actor_rollout_ref.model.lora.adapter_path" in rule
+               for f, _, rule in found), found
     # the layout refused for the 3-layer teacher is valid for the 4-layer one
     plan_from_sources(CONFIG, job(demo_assets, tmp_path, f"{D}.enable=true", same,
                                   "teacher.megatron.pipeline_model_parallel_size=2",
