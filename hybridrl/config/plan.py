@@ -622,7 +622,8 @@ def _frozen_role_changes_that_fit(config: JobConfig, resolved: Resolved,
         splits = sorted(((tp, pp) for tp in powers_of_two_upto(per_node if isinstance(per_node, int) else 1)
                          for pp in range(1, MAX_FROZEN_STAGES + 1) if tp * pp > tp_now * pp_now),
                         key=lambda split: (split[0] * split[1], split[1]))
-        candidates = [[(f"{section}.param_offload", True)]] if not megatron.param_offload else []
+        candidates: list[list[tuple[str, object]]] = (
+            [[(f"{section}.param_offload", True)]] if not megatron.param_offload else [])
         candidates += [[(f"{section}.tensor_model_parallel_size", tp), (f"{section}.pipeline_model_parallel_size", pp)]
                        for tp, pp in splits]
         split_found = False
