@@ -325,6 +325,16 @@ class LoraAdapter(nn.Module):
         return self._layer_rows(products, dim=0) * self.settings.scaling
 
 
+def _input_requires_grad(_embedding: nn.Module, _args: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+    """The frozen embedding's output marked as needing a gradient (transformers' `enable_input_require_grads`, which
+    peft's adapters rely on under gradient checkpointing). megatron's activation recompute
+    (`tensor_parallel.checkpoint`, a reentrant autograd Function) runs its layers' backward only if one of its
+    inputs needs a gradient: with the base frozen, the first stage's layers get none, so without this their
+    adapters (every adapter at PP 1) would get no gradient at all and never train."""
+    if torch.is_grad_enabled() and not output.requires_grad:
+        output.requires_grad_(True)
+
+
 def add_lora(model: nn.Module, settings: LoraSettings) -> list[LoraAdapter]:
     """Freeze a GPTModel chunk built by `models.bridge` and attach adapters to its target layers (an MoE layer's:
     each of this rank's routed experts'); the adapters, in layer order.
@@ -340,6 +350,9 @@ def add_lora(model: nn.Module, settings: LoraSettings) -> list[LoraAdapter]:
             "linear_fc2": (shape.hidden_size,)}
     for param in model.parameters():  # the whole base is frozen: only the adapters train
         param.requires_grad_(False)
+    embedding = getattr(model, "embedding", None)  # the first pipeline stage's
+    if embedding is not None and model.config.recompute_granularity is not None:
+        embedding.register_forward_hook(_input_requires_grad)
     attached = []
     for layer in model.decoder.layers:
         index = layer.layer_number - 1  # megatron numbers layers globally from 1

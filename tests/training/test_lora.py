@@ -108,11 +108,14 @@ def _strict_lora_step_rank(rank: int, world: int, config: Any, batch: Any) -> di
     return _lora_step_rank(rank, world, config, batch)
 
 
-@pytest.mark.parametrize("kind,tp,pp,dp,cp,vpp", [("canonical_lora", 2, 1, 2, 1, None), ("lora", 1, 2, 1, 1, None),
-                                                   ("lora", 1, 1, 1, 2, None), ("lora", 1, 3, 1, 1, 2)],
-                         ids=["tp2-dp2-canonical", "pp2-fused", "cp2-fused", "pp3-vpp2-fused"])
-def test_a_lora_actor_step_equals_peft(tmp_path, kind, tp, pp, dp, cp, vpp):
-    """Interleaved pipelines (VPP) need a trained PP > 2: 6 layers, one per model chunk."""
+@pytest.mark.parametrize("kind,tp,pp,dp,cp,vpp,recompute", [
+    ("canonical_lora", 2, 1, 2, 1, None, False), ("lora", 1, 2, 1, 1, None, True), ("lora", 1, 1, 1, 2, None, False),
+    ("lora", 1, 3, 1, 1, 2, False)], ids=["tp2-dp2-canonical", "pp2-fused-recompute", "cp2-fused", "pp3-vpp2-fused"])
+def test_a_lora_actor_step_equals_peft(tmp_path, kind, tp, pp, dp, cp, vpp, recompute):
+    """Interleaved pipelines (VPP) need a trained PP > 2: 6 layers, one per model chunk. `recompute`: with
+    `model.enable_gradient_checkpointing` (verl's LoRA scripts set it), megatron's full recompute, whose first stage
+    gets its gradients only if the frozen embedding's output is marked as needing one (`models.lora`); without that
+    its adapters got none and never trained."""
     layers = 6 if vpp else POLICY["num_hidden_layers"]
     hf = build_tiny_model(tmp_path / "hf", {**POLICY, "num_hidden_layers": layers})
     adapter = tmp_path / "adapter"
@@ -131,6 +134,7 @@ def test_a_lora_actor_step_equals_peft(tmp_path, kind, tp, pp, dp, cp, vpp):
     lora.adapter_path = str(adapter)
     config.actor_rollout_ref.actor.megatron.context_parallel_size = cp
     config.actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size = vpp
+    config.actor_rollout_ref.model.enable_gradient_checkpointing = recompute
     config.trainer.n_gpus_per_node = tp * pp * dp * cp
     results = run_ranks(_lora_step_rank, tp * pp * dp * cp, config, batch, timeout_s=300)
 
