@@ -29,13 +29,20 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from hybridrl.config.errors import ConfigIssue
+from hybridrl.config.refusals import LORA
 from hybridrl.config.resume import ResumePoint, check_resume
 from hybridrl.config.schema import LOGGER_PACKAGES, DataConfig, JobConfig, ModelConfig
 from hybridrl.data.dataset import DatasetError, FilePreview, PromptItem, preview_file
 from hybridrl.data.tokenizer import tokenizer_size
 from hybridrl.models.arch import ModelShape, read_hf_config, value_model_hf_config
 from hybridrl.models.layout import PICKLED_WEIGHTS_HINT, hf_tensor_problems
-from hybridrl.models.lora_targets import peft_config_mismatches
+from hybridrl.models.lora_targets import (
+    TARGETS,
+    fused_a_groups,
+    peft_config_mismatches,
+    peft_tensor_shapes,
+    peft_unbuilt_settings,
+)
 from hybridrl.persistence import METADATA_FILE
 from hybridrl.rewards.custom import RewardFunctionError, call_problem, load_reward_function
 from hybridrl.rewards.registry import (
@@ -159,7 +166,95 @@ def _check_adapter_folder(config: JobConfig, issues: list[ConfigIssue]) -> bool:
         issues.append(ConfigIssue(f"actor_rollout_ref.model.lora.{name}", getattr(lora, name),
                                   f"differs from the adapter's {key}={theirs!r} ({folder}); set it to the adapter's",
                                   (theirs,)))
+    for key, theirs, why in peft_unbuilt_settings(saved):
+        issues.append(ConfigIssue(field, lora.adapter_path, f"is a PEFT adapter with {key}={theirs!r}: {why}, so it "
+                                                            "would load as another adapter; not built"))
+    _check_adapter_tensors(config, folder, issues)
     return False
+
+
+def _check_adapter_tensors(config: JobConfig, folder: Path, issues: list[ConfigIssue]) -> None:
+    """The adapter folder holds the tensors, with the shapes, that the config's adapters on this model load (each rank
+    takes its slices of them, `models.lora.load_lora_state`), and nothing else: a missing one would stop the workers,
+    one more (another target, DoRA's magnitudes, a bias) would be dropped silently. A fused (type lora) adapter's
+    projections must share their A (peft's own adapters never do: each projection its own A, type canonical_lora)."""
+    lora, field = config.actor_rollout_ref.model.lora, "actor_rollout_ref.model.lora.adapter_path"
+    try:
+        shape = ModelShape.from_hf_config(read_hf_config(config.actor_rollout_ref.model.path))
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # said where the model's shape is read
+    if not isinstance(lora.rank, int) or lora.type not in TARGETS or not set(lora.targets) <= set(TARGETS[lora.type]):
+        return  # the LoRA rules refuse these
+    file = folder / "adapter_model.safetensors"
+    header = _safetensors_header(file)
+    if header is None:
+        issues.append(ConfigIssue(field, lora.adapter_path, f"holds {file.name}, which is not a readable safetensors "
+                                                            "file"))
+        return
+    found = {name: tuple(entry["shape"]) for name, entry in header.items()}
+    expected = peft_tensor_shapes(shape, lora.type, lora.targets, lora.rank)
+    targets = f"{LORA}.type={lora.type} with target_modules {list(lora.targets)} on {shape.architecture}"
+    missing, extra = [n for n in expected if n not in found], [n for n in found if n not in expected]
+    if missing or extra:
+        held = sorted({n.split(".")[-3] for n in found if n.endswith((".lora_A.weight", ".lora_B.weight"))})
+        said = []
+        if missing:
+            said.append(f"lacks {len(missing)} tensor(s) that {targets} load ({_few(missing)})")
+        if extra:
+            said.append(f"holds {len(extra)} tensor(s) they do not load, which would be dropped ({_few(extra)})")
+        issues.append(ConfigIssue(field, lora.adapter_path, f"{'; and '.join(said)}: the folder's adapters are on "
+                                                            f"{', '.join(held) or 'nothing'}; set {LORA}.type and "
+                                                            "target_modules to the folder's (canonical_lora names "
+                                                            "each projection: linear_q, linear_k, linear_v, "
+                                                            "linear_proj, linear_fc1_gate, linear_fc1_up, linear_fc2)",
+                                  _targets_holding(held)))
+        return
+    wrong = [f"{n} {list(found[n])} (expected {list(want)})" for n, want in expected.items() if found[n] != want]
+    if wrong:
+        issues.append(ConfigIssue(field, lora.adapter_path, f"holds tensors of other shapes than rank {lora.rank} "
+                                                            f"adapters on this model: {_few(wrong)}"))
+        return
+    if lora.type == "lora":
+        for group in fused_a_groups(expected):
+            if len({_tensor_bytes(file, header, name) for name in group}) > 1:
+                issues.append(ConfigIssue(f"{LORA}.type", lora.type, (
+                    f"one adapter per megatron layer shares one A among its projections, but {folder} holds an A "
+                    f"per projection ({', '.join(n.split('.')[-3] for n in group)} differ in layer "
+                    f"{group[0].split('.layers.')[1].split('.')[0]}; peft's own adapters always do): set "
+                    f"{LORA}.type=canonical_lora with its target names"), ("canonical_lora",)))
+                return
+
+
+def _few(names: Sequence[str]) -> str:
+    return ", ".join(names[:3]) + (f", ... ({len(names) - 3} more)" if len(names) > 3 else "")
+
+
+def _targets_holding(projections: Sequence[str]) -> tuple[str, ...]:
+    """canonical_lora's target_modules adapting exactly these Hugging Face projections (what to set)."""
+    return tuple(t for t, hf in TARGETS["canonical_lora"].items() if set(hf) <= set(projections))
+
+
+def _safetensors_header(path: Path) -> dict[str, dict] | None:
+    """A safetensors file's tensors (dtype, shape, data_offsets) from its header, or None when unreadable."""
+    try:
+        with path.open("rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            if length <= 0 or length > 100 * 2**20:
+                return None
+            header = json.loads(handle.read(length))
+        header.pop("__metadata__", None)
+        return {name: {"shape": list(entry["shape"]), "dtype": entry["dtype"],
+                       "data_offsets": (8 + length + entry["data_offsets"][0], 8 + length + entry["data_offsets"][1])}
+                for name, entry in header.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _tensor_bytes(path: Path, header: dict[str, dict], name: str) -> bytes:
+    start, end = header[name]["data_offsets"]
+    with path.open("rb") as handle:
+        handle.seek(start)
+        return handle.read(end - start)
 
 
 def _check_loggers(config: JobConfig, issues: list[ConfigIssue]) -> None:

@@ -69,7 +69,9 @@ from hybridrl.models.lora_targets import (
     PROJECTIONS,
     ROW_PARALLEL,
     adapted_projections,
+    expert_hf_modules,
     peft_config_mismatches,
+    peft_name,
 )
 
 
@@ -373,15 +375,6 @@ def add_lora(model: nn.Module, settings: LoraSettings) -> list[LoraAdapter]:
     return attached
 
 
-def expert_hf_modules(shape: ModelShape, leaf: str, layer: int, expert: int) -> dict[str, str]:
-    """The Hugging Face modules a routed expert's `leaf` holds, by projection, as the family's weight table names
-    them (Qwen3-MoE: `model.layers.{i}.mlp.experts.{e}.gate_proj` and `up_proj`; Mixtral: `block_sparse_moe...w1`
-    and `w3`)."""
-    spec = next(s for s in shape.weights.layer if s.expert and s.megatron.endswith(f".{leaf}.weight"))
-    names = [tensor.name.format(i=layer, e=expert).removesuffix(".weight") for tensor in spec.hf]
-    return dict(zip(PROJECTIONS[leaf], names, strict=True))
-
-
 def _expert_adapters(moe: nn.Module, leaf: str, settings: LoraSettings, shape: ModelShape, layer: int,
                      ep_rank: int) -> list[LoraAdapter]:
     """One adapter on `leaf` of each of this rank's routed experts (megatron's SequentialMLP: `local_experts`), under
@@ -458,15 +451,6 @@ def merged_weights(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> Map
     return MergedWeights(tensors, adapters) if adapters else tensors
 
 
-# where peft keeps a projection's adapter on a Llama-like transformers model (`get_peft_model`), per layer
-PEFT_MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-               "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-
-
-def peft_name(layer: int, projection: str, half: str) -> str:
-    """peft's state-dict name of one adapter half (`half`: "lora_A" or "lora_B") of a dense layer (a routed
-    expert's: `LoraAdapter.peft_name`)."""
-    return f"base_model.model.model.layers.{layer}.{PEFT_MODULE[projection]}.{projection}.{half}.weight"
 
 
 def _halves(adapter: LoraAdapter) -> Iterator[tuple[str, nn.Parameter, int | None,

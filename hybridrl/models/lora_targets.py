@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from hybridrl.models.arch import ModelShape
+
 # megatron's layers -> the Hugging Face projections they hold, in their output order
 PROJECTIONS: dict[str, tuple[str, ...]] = {
     "linear_qkv": ("q_proj", "k_proj", "v_proj"), "linear_proj": ("o_proj",),
@@ -25,6 +27,9 @@ TARGETS: dict[str, dict[str, tuple[str, ...]]] = {
                        "linear_fc1_up": ("up_proj",), "linear_fc2": ("down_proj",)},
 }
 LORA_TYPES = tuple(TARGETS)
+# where peft keeps a projection's adapter on a Llama-like transformers model (`get_peft_model`), per layer
+PEFT_MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+               "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 A_INIT_METHODS = ("xavier", "kaiming")  # Megatron-Bridge's: xavier_uniform_, kaiming_uniform_(a=sqrt(5))
 
 
@@ -65,6 +70,92 @@ def peft_config_mismatches(saved: Mapping[str, object], rank: int, alpha: float)
     ours: loading it as it stands would rescale every adapter silently."""
     return [(name, key, saved.get(key)) for key, ours, name in (("r", rank, "rank"), ("lora_alpha", alpha, "alpha"))
             if saved.get(key) != ours]
+
+
+def peft_name(layer: int, projection: str, half: str) -> str:
+    """peft's state-dict name of one adapter half (`half`: "lora_A" or "lora_B") of a dense layer (a routed
+    expert's: `LoraAdapter.peft_name`)."""
+    return f"base_model.model.model.layers.{layer}.{PEFT_MODULE[projection]}.{projection}.{half}.weight"
+
+
+def expert_hf_modules(shape: ModelShape, leaf: str, layer: int, expert: int) -> dict[str, str]:
+    """The Hugging Face modules a routed expert's `leaf` holds, by projection, as the family's weight table names
+    them (Qwen3-MoE: `model.layers.{i}.mlp.experts.{e}.gate_proj` and `up_proj`; Mixtral: `block_sparse_moe...w1`
+    and `w3`)."""
+    spec = next(s for s in shape.weights.layer if s.expert and s.megatron.endswith(f".{leaf}.weight"))
+    names = [tensor.name.format(i=layer, e=expert).removesuffix(".weight") for tensor in spec.hf]
+    return dict(zip(PROJECTIONS[leaf], names, strict=True))
+
+
+def peft_tensor_shapes(shape: ModelShape, kind: str, targets: tuple[str, ...], rank: int
+                       ) -> dict[str, tuple[int, int]]:
+    """Every tensor of a PEFT adapter folder of these adapters on this model, by peft's name, with its shape (A
+    `[r, in]`, B `[out, r]`): what `lora_state` exports and what `load_lora_state` reads. `(layer, projection)`
+    groups for a fused (type lora) adapter's shared A: `fused_a_groups`."""
+    adapted = adapted_projections(kind, targets)
+    q, kv, hidden = shape.num_attention_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim, shape.hidden_size
+    out: dict[str, tuple[int, int]] = {}
+    for layer in range(shape.num_layers):
+        experts = shape.num_experts if layer in shape.moe_layers else 0
+        ffn = shape.moe_ffn_hidden_size if experts else shape.ffn_hidden_size
+        sizes = {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
+                 "gate_proj": (ffn, hidden), "up_proj": (ffn, hidden), "down_proj": (hidden, ffn)}
+        for leaf, projections in PROJECTIONS.items():
+            for projection in projections:
+                if projection not in adapted:
+                    continue
+                rows, inputs = sizes[projection]
+                if experts and leaf in ("linear_fc1", "linear_fc2"):
+                    prefixes = [f"base_model.model.{expert_hf_modules(shape, leaf, layer, e)[projection]}"
+                                for e in range(experts)]
+                else:
+                    prefixes = [peft_name(layer, projection, "lora_A").removesuffix(".lora_A.weight")]
+                for prefix in prefixes:
+                    out[f"{prefix}.lora_A.weight"] = (rank, inputs)
+                    out[f"{prefix}.lora_B.weight"] = (rows, rank)
+    return out
+
+
+def fused_a_groups(names: Mapping[str, object]) -> list[list[str]]:
+    """The A tensors (by peft's name, among `names`) that one fused (type lora) adapter shares: each megatron layer's
+    projections' (q, k, v; gate, up), two or more of them."""
+    groups: list[list[str]] = []
+    for projections in PROJECTIONS.values():
+        first = projections[0]
+        for name in names:
+            if f".{first}.lora_A." in name:
+                group = [name.replace(f".{first}.", f".{p}.") for p in projections]
+                if len(group) > 1 and all(n in names for n in group):
+                    groups.append(group)
+    return groups
+
+
+# PEFT adapter_config.json settings that change what an adapter computes, which hybridrl's adapters do not have:
+# (key, the value hybridrl's adapters compute as, what the key does)
+PEFT_UNBUILT: tuple[tuple[str, object, str], ...] = (
+    ("use_rslora", False, "rsLoRA scales by lora_alpha / sqrt(r); hybridrl's adapters scale by alpha / rank"),
+    ("use_dora", False, "DoRA adapts each weight's magnitude too (lora_magnitude_vector); hybridrl's adapters are "
+                        "LoRA's"),
+    ("rank_pattern", {}, "a rank per module; hybridrl's adapters have one rank"),
+    ("alpha_pattern", {}, "an alpha per module; hybridrl's adapters have one alpha"),
+    ("lora_bias", False, "a bias on each B; hybridrl's adapters have none"),
+    ("modules_to_save", None, "whole modules trained beside the adapters; hybridrl trains the adapters alone"),
+    ("trainable_token_indices", None, "trained embedding rows; hybridrl trains the adapters alone"),
+    ("layer_replication", None, "layers repeated; hybridrl adapts the model's own layers"),
+)
+
+
+def peft_unbuilt_settings(saved: Mapping[str, object]) -> list[tuple[str, object, str]]:
+    """(key, the adapter's value, why) for each adapter_config.json setting hybridrl's adapters do not compute: loaded
+    as it stands the adapter would compute something else, silently. A peft_type other than LORA first."""
+    if saved.get("peft_type", "LORA") != "LORA":
+        return [("peft_type", saved.get("peft_type"), "hybridrl's adapters are LoRA's (peft_type LORA)")]
+    out = []
+    for key, plain, why in PEFT_UNBUILT:
+        value = saved.get(key, plain)
+        if value not in (plain, None, {}, [], False):
+            out.append((key, value, why))
+    return out
 
 
 # vLLM's LoRAConfig.max_lora_rank takes these values only (vllm/config/lora.py, MaxLoRARanks): an engine serving

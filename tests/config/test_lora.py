@@ -10,6 +10,7 @@ import pytest
 from hybridrl.config import ConfigError
 from hybridrl.config.plan import plan_from_sources
 from hybridrl.config.report import render_plan
+from hybridrl.models.lora_targets import TARGETS
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = str(ROOT / "configs/examples/cpu_tiny_grpo.yaml")
@@ -231,7 +232,8 @@ def test_the_adapter_folder_is_checked_at_plan(tmp_path):
         plan_from_sources(DEMO, [MODEL, f"{LORA}.rank=8", f"{LORA}.alpha=32", f"{LORA}.adapter_path={folder}"],
                           check_files=True)
     mine = [i for i in refused.value.issues if i.field.startswith(LORA)]
-    assert [(i.field, i.valid) for i in mine] == [(f"{LORA}.rank", (16,))], mine
+    assert [(i.field, i.valid) for i in mine] == [(f"{LORA}.rank", (16,)), (f"{LORA}.adapter_path", ())], mine
+    assert "adapter_model.safetensors, which is not a readable safetensors file" in mine[1].rule  # 0 bytes
 
 
 def test_adapters_on_cuda_train_padded_on_the_local_spec():
@@ -260,3 +262,73 @@ def test_adapters_on_cuda_keep_sequence_parallelism():
     split, whole = (next(m for m in p.training_memory if m.role == "actor") for p in (with_sp, without))
     assert with_sp.layout("actor").megatron.sequence_parallel_in_effect
     assert split.activations_gib_in_flight < whole.activations_gib_in_flight - 1
+
+
+HF_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+CANONICAL = f"{LORA}.target_modules=[linear_q,linear_k,linear_v,linear_proj,linear_fc1_gate,linear_fc1_up,linear_fc2]"
+
+
+@pytest.fixture(scope="module")
+def peft_folders(tmp_path_factory):
+    """Adapter folders peft itself saves for the tiny model's shape (configs/models/tiny-demo), as a peft user brings
+    them: peft's defaults (an A per projection), on q and v alone, and with rsLoRA, DoRA or a rank per module."""
+    import peft
+    import torch
+    import transformers
+
+    root = tmp_path_factory.mktemp("peft")
+    config = transformers.AutoConfig.from_pretrained(ROOT / "configs/models/tiny-demo")
+    out = {}
+    for name, settings in {"peft": {}, "qv": {"target_modules": ["q_proj", "v_proj"]}, "rslora": {"use_rslora": True},
+                           "dora": {"use_dora": True}, "pattern": {"rank_pattern": {"q_proj": 4}}}.items():
+        torch.manual_seed(0)
+        model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(config),
+                                    peft.LoraConfig(**{"r": 8, "lora_alpha": 16, "target_modules": HF_PROJECTIONS,
+                                                       **settings}))
+        model.save_pretrained(root / name)
+        out[name] = root / name
+    return out
+
+
+@pytest.mark.parametrize("folder,overrides,field,phrases,valid", [
+    # peft's adapters hold an A per projection: a fused (type lora) adapter would have to drop two of q, k, v's
+    ("peft", [], f"{LORA}.type", ["holds an A per projection", "q_proj, k_proj, v_proj differ in layer 0"],
+     ("canonical_lora",)),
+    ("qv", [f"{LORA}.type=canonical_lora", CANONICAL], f"{LORA}.adapter_path",
+     ["lacks 40 tensor(s)", "layers.0.self_attn.k_proj.lora_A.weight", "the folder's adapters are on q_proj, v_proj"],
+     ("linear_q", "linear_v")),
+    # one more target in the folder than the config adapts: dropped silently before
+    ("peft", [f"{LORA}.type=canonical_lora", f"{LORA}.target_modules=[linear_q,linear_k,linear_v]"],
+     f"{LORA}.adapter_path", ["holds 32 tensor(s) they do not load, which would be dropped", "mlp.down_proj.lora_A"],
+     tuple(TARGETS["canonical_lora"])),
+    ("rslora", [f"{LORA}.type=canonical_lora", CANONICAL], f"{LORA}.adapter_path",
+     ["use_rslora=True", "lora_alpha / sqrt(r)"], None),
+    ("dora", [f"{LORA}.type=canonical_lora", CANONICAL], f"{LORA}.adapter_path", ["use_dora=True"], None),
+    ("dora", [f"{LORA}.type=canonical_lora", CANONICAL], f"{LORA}.adapter_path",
+     ["which would be dropped", "lora_magnitude_vector"], None),
+    ("pattern", [f"{LORA}.type=canonical_lora", CANONICAL], f"{LORA}.adapter_path",
+     ["layers.0.self_attn.q_proj.lora_A.weight [4, 128] (expected [8, 128])"], None),
+])
+def test_a_peft_folder_is_refused_unless_it_is_the_adapters_the_config_builds(peft_folders, folder, overrides, field,
+                                                                              phrases, valid):
+    """`adapter_path` from peft: what `train` would load it as, checked at plan against the folder's own tensors and
+    adapter_config.json; before, these planned and then stopped the workers (a missing tensor, a fused A), or loaded
+    as another adapter silently (rsLoRA's scaling, DoRA's magnitudes, extra targets dropped)."""
+    with pytest.raises(ConfigError) as refused:
+        plan_from_sources(DEMO, [MODEL, f"{LORA}.rank=8", f"{LORA}.alpha=16",
+                                 f"{LORA}.adapter_path={peft_folders[folder]}", *overrides], check_files=True)
+    mine = [i for i in refused.value.issues if i.field == field and all(p in str(i) for p in phrases)]
+    assert mine, refused.value
+    if valid is not None:
+        assert mine[0].valid == valid
+
+
+@pytest.mark.parametrize("folder,overrides", [("peft", [CANONICAL]),
+                                              ("qv", [f"{LORA}.target_modules=[linear_q,linear_v]"])])
+def test_a_peft_folder_the_config_matches_plans(peft_folders, folder, overrides):
+    """peft's own folder with canonical_lora and its targets: no problem about the adapters (the model folder here
+    holds a config.json alone, which is refused for itself)."""
+    with pytest.raises(ConfigError) as refused:
+        plan_from_sources(DEMO, [MODEL, f"{LORA}.rank=8", f"{LORA}.alpha=16", f"{LORA}.type=canonical_lora",
+                                 f"{LORA}.adapter_path={peft_folders[folder]}", *overrides], check_files=True)
+    assert not [i for i in refused.value.issues if i.field.startswith(LORA)], refused.value

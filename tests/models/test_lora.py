@@ -12,7 +12,14 @@ import torch
 
 from hybridrl.models.lora_targets import TARGETS
 from tests.support.forked import run_ranks
-from tests.support.lora_adapters import RANK, adapted_model_pass, adapter_state, fused_grads, shared_a
+from tests.support.lora_adapters import (
+    RANK,
+    adapted_model_pass,
+    adapter_state,
+    assert_plan_expects_the_folder,
+    fused_grads,
+    shared_a,
+)
 from tests.support.models_fixtures import VOCAB, make_hf_model, sample_tokens
 
 TOKENS = sample_tokens(batch=2)
@@ -85,6 +92,7 @@ def test_adapters_equal_peft_on_the_transformers_model(hf_dir, tmp_path, tp, seq
         loaded = peft.PeftModel.from_pretrained(base, exported)(TOKENS).logits
     assert (loaded - results[0]["logits"]).abs().max() <= 1e-5
     assert (reference["logits"] - reference["base"]).abs().max() > 1e-2  # the adapters change the model
+    assert_plan_expects_the_folder(exported, hf_dir, kind)  # what `adapter_path` is checked against at plan
     for result in results:  # every TP rank gathers the same
         assert (result["logits"] - reference["logits"]).abs().max() <= 1e-5
         assert (result["base"] - reference["base"]).abs().max() <= 1e-5  # adapters off: the base model

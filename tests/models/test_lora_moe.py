@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.support.forked import run_ranks
-from tests.support.lora_adapters import RANK, adapted_model_pass
+from tests.support.lora_adapters import RANK, adapted_model_pass, assert_plan_expects_the_folder
 from tests.support.models_fixtures import VOCAB, make_hf_model, read_json, sample_tokens
 
 TOKENS = sample_tokens(batch=2)
@@ -222,6 +222,7 @@ def test_expert_adapters_equal_peft_on_the_transformers_models_stacked_experts(h
     with torch.no_grad():
         loaded = peft.PeftModel.from_pretrained(base, exported)(TOKENS).logits
     assert (loaded - results[0]["logits"]).abs().max() <= 1e-5
+    assert_plan_expects_the_folder(exported, hf_dir, "lora")  # what `adapter_path` is checked against at plan
     for result in results:
         assert result["counted_squares"] == pytest.approx(_expert_squares(state), rel=1e-9)
         assert sorted(result["initial"]) == sorted(state)

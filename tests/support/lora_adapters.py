@@ -98,3 +98,17 @@ def adapted_model_pass(rank: int, ctx: Any, hf_dir: str, settings: Any, state: d
     base_grads = [n for n, p in model.named_parameters() if p.grad is not None and "lora_" not in n]
     return {"logits": logits.detach(), "base": base, "grads": lora_state(adapters, grads=True), "initial": initial,
             "base_grads": base_grads}, adapters
+
+
+def assert_plan_expects_the_folder(folder: Path, hf_dir: Path, kind: str, rank: int = RANK) -> None:
+    """What `hybridrl plan` expects an `adapter_path` folder of these adapters to hold (`peft_tensor_shapes`, every
+    target of `kind`) is exactly the folder the ranks exported: names and shapes, experts included."""
+    from safetensors import safe_open
+
+    from hybridrl.models.arch import ModelShape, read_hf_config
+    from hybridrl.models.lora_targets import TARGETS, peft_tensor_shapes
+
+    with safe_open(str(folder / "adapter_model.safetensors"), framework="pt") as handle:
+        held = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}  # noqa: SIM118
+    shape = ModelShape.from_hf_config(read_hf_config(hf_dir))
+    assert peft_tensor_shapes(shape, kind, tuple(TARGETS[kind]), rank) == held
