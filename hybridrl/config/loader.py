@@ -255,7 +255,7 @@ def _read_verl_key(parts: tuple[str, ...], value: Any,
             issues.append(ConfigIssue(spelling, _as_written(value), f"is a verl setting hybridrl takes only as "
                                                                     f"{accepted}: {entry.does}"))
         return None
-    if entry.translate and isinstance(plain, (str, int, float)) and plain in entry.translate:
+    if entry.translate and (plain is None or isinstance(plain, (str, int, float))) and plain in entry.translate:
         value = entry.translate[plain]  # verl's value as hybridrl's (rollout.mode async -> colocated)
     assert target is not None  # an Alias has one
     return target, value

@@ -22,7 +22,10 @@ def check_lora(check: Checker, config: JobConfig, model: ModelShape | None) -> N
         for field, names in ((f"{LORA}.target_modules", lora.target_modules),
                              (f"{LORA}.exclude_modules", lora.exclude_modules)):
             for name in names:
-                if "*" in str(name) or "." in str(name):
+                if name == "all-linear":  # peft's and verl's FSDP value (read as [] from verl's FSDP key)
+                    check.fail(field, name, "is peft's every linear layer; here that is every target of the type: "
+                               "leave target_modules empty ([]) or list them", valid)
+                elif "*" in str(name) or "." in str(name):
                     check.fail(field, name, "per-layer patterns are not supported yet: name whole layer kinds", valid)
                 elif name not in valid and (holders := [t for t, hf in TARGETS[lora.type].items() if name in hf]):
                     # verl's FSDP path (peft) names Hugging Face projections; megatron's layers hold them

@@ -131,6 +131,26 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     Alias("actor_rollout_ref.model.lora_alpha", "actor_rollout_ref.model.lora.alpha"),
     Alias("actor_rollout_ref.model.target_modules", "actor_rollout_ref.model.lora.target_modules",
           translate={"all-linear": []}),
+    Alias("actor_rollout_ref.model.exclude_modules", "actor_rollout_ref.model.lora.exclude_modules",
+          translate={None: []}),
+    Alias("actor_rollout_ref.model.lora_adapter_path", "actor_rollout_ref.model.lora.adapter_path"),
+    # verl's FSDP LoRA scripts' loading and sync knobs, none of which changes what trains or what vLLM serves here
+    Restates("actor_rollout_ref.model.use_shm", ANY,
+             "the workers read the model folder where it is (verl: a copy in /dev/shm first, for speed)"),
+    Restates("actor_rollout_ref.rollout.layered_summon", ANY,
+             "the resharder sends vLLM the weights (merged with the adapters) in buckets of "
+             "actor_rollout_ref.rollout.update_weights_bucket_megabytes, never the whole model at once"),
+    Restates("actor_rollout_ref.rollout.load_format", ANY,
+             "vLLM serves the trainer's weights from the first sync on, whatever it loaded at start-up"),
+    # verl's FSDP backend's own section: hybridrl trains with megatron-core
+    Refused("actor_rollout_ref.actor.fsdp_config", "is verl's FSDP backend; hybridrl trains with megatron-core: the "
+            "same offloads are actor_rollout_ref.actor.megatron.param_offload and optimizer_offload (the layout is "
+            "actor_rollout_ref.actor.megatron.*)"),
+    Refused("actor_rollout_ref.ref.fsdp_config", "is verl's FSDP backend; hybridrl runs the reference with "
+            "megatron-core: its offload is actor_rollout_ref.ref.megatron.param_offload (with LoRA the reference is "
+            "the actor's own base: nothing to offload)"),
+    Refused("critic.model.fsdp_config", "is verl's FSDP backend; hybridrl trains with megatron-core: the critic's "
+            "offloads are critic.megatron.optimizer_offload and grad_offload"),
     # the global gradient-norm clip: verl's FSDP actor/critic `grad_clip`, and `clip_grad` on the role
     *(Alias(f"{role}.{name}", f"{role}.optim.clip_grad")
       for role in ("actor_rollout_ref.actor", "critic") for name in ("grad_clip", "clip_grad")),

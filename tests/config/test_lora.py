@@ -31,6 +31,8 @@ def _plan(*overrides: str):
      f"{LORA}.target_modules", "is not a known canonical_lora target"),
     ([f"{LORA}.rank=8", f"{LORA}.target_modules=[*.layers.0.*.linear_qkv]"], f"{LORA}.target_modules",
      "per-layer patterns are not supported"),
+    ([f"{LORA}.rank=8", f"{LORA}.target_modules=all-linear"], f"{LORA}.target_modules",
+     "is peft's every linear layer; here that is every target of the type: leave target_modules empty"),
     ([f"{LORA}.rank=8", f"{LORA}.exclude_modules=[linear_fc2]"], f"{LORA}.exclude_modules",
      "needs target_modules empty"),
     ([f"{LORA}.rank=8", f"{LORA}.dropout_position=post"], f"{LORA}.dropout_position", "post) is not built"),

@@ -80,6 +80,9 @@ def _config(*overrides: str) -> JobConfig:
     "actor_rollout_ref.actor.megatron.dist_checkpointing_path=/ckpt", "actor_rollout_ref.model.use_fused_kernels=False",
     "data.return_raw_chat=True", "data.reward_fn_key=data_source", "reward_model.reward_manager=dapo",
     "+reward_model.reward_kwargs.overlong_buffer_cfg.log=False", "actor_rollout_ref.actor.profiler.enable=False",
+    # verl's FSDP LoRA scripts (run_qwen2_5-3b_gsm8k_grpo_lora.sh): loading and sync knobs
+    "actor_rollout_ref.model.use_shm=True", "actor_rollout_ref.rollout.layered_summon=True",
+    "actor_rollout_ref.rollout.load_format=safetensors", "actor_rollout_ref.model.exclude_modules=null",
 ])
 def test_keys_restating_what_hybridrl_does_change_nothing(override):
     assert _config(override) == JobConfig()
@@ -94,6 +97,8 @@ def test_keys_restating_what_hybridrl_does_change_nothing(override):
     ("actor_rollout_ref.actor.ppo_micro_batch_size=64", "set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
     ("data.reward_fn_key=source", "the scorer is algorithm.reward_fn"),
     ("global_profiler.tool=nsys", "hybridrl has no built-in profiler"),
+    ("actor_rollout_ref.actor.fsdp_config.param_offload=False", "actor_rollout_ref.actor.megatron.param_offload"),
+    ("actor_rollout_ref.ref.fsdp_config.param_offload=True", "actor_rollout_ref.ref.megatron.param_offload"),
 ])
 def test_other_values_are_refused_with_what_hybridrl_does(override, rule):
     _, issues = load_config_collecting(None, [override])
@@ -147,6 +152,10 @@ def test_verls_lora_grad_clip_and_checkpoint_keys_are_hybridrls():
     assert _config("critic.grad_clip=0.7").critic.optim.clip_grad == 0.7
     assert _config("actor_rollout_ref.model.target_modules=[linear_qkv]").actor_rollout_ref.model.lora.targets == (
         "linear_qkv",)
+    # verl's FSDP adapter folder to start from, and its exclusions (with target_modules all-linear: every other layer)
+    lora = _config("actor_rollout_ref.model.lora_adapter_path=/adapters/sft", "actor_rollout_ref.model.target_modules"
+                   "=all-linear", "actor_rollout_ref.model.exclude_modules=[linear_fc2]").actor_rollout_ref.model.lora
+    assert lora.adapter_path == "/adapters/sft" and lora.targets == ("linear_qkv", "linear_proj", "linear_fc1")
     # one checkpoint holds both roles: two different numbers to keep are refused, naming both
     _, issues = load_config_collecting(None, ["trainer.max_actor_ckpt_to_keep=2", "trainer.max_critic_ckpt_to_keep=3"])
     assert len(issues) == 1 and "two spellings of one field" in issues[0].rule
