@@ -627,9 +627,11 @@ def _check_lengths(check: Checker, config: JobConfig, resolved: Resolved, model:
                        [data.max_response_length])
     if ok and model is not None and resolved.max_sequence_length > model.max_exact_sequence_length:
         limit = model.max_exact_sequence_length
-        # A sliding-window model (Mistral) is only exact up to its window: megatron's layers have none.
+        # A sliding-window model (Mistral; Qwen with use_sliding_window) is only exact up to its window: megatron's
+        # layers have none.
         what = (f"max_position_embeddings={limit}" if limit == model.max_position_embeddings
-                else f"sliding_window={limit} (longer sequences would differ from the HF model)")
+                else f"sliding_window={limit} (vLLM attends within this window and megatron's layers have none: "
+                "longer sequences would differ)")
         room = limit - data.max_prompt_length
         turns = (" (with multi-turn rollouts the response holds every model turn and tool answer)"
                  if rollout.multi_turn.enable is True else "")

@@ -58,20 +58,53 @@ def _architecture_of(config: Mapping[str, Any]) -> ArchFamily:
 MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def _rope(config: Mapping[str, Any], default_theta: float) -> tuple[float, float | None]:
-    """(RoPE base, Llama 3 scaling factor or None) from either transformers 5 (`rope_parameters`) or 4.x
-    (`rope_theta`, `rope_scaling`); the base is the family's `default_theta` when neither names one.
+# The RoPE scalings that run here as transformers runs them: rope_type -> what megatron-core is given.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
-    Plain RoPE and megatron's own Llama 3 scaling are accepted; any other scaling (linear, dynamic, yarn, ...)
-    is refused: megatron would run it as plain RoPE and silently change the logits.
+
+@dataclass(frozen=True)
+class RopeSettings:
+    """A config.json's RoPE as megatron-core runs it (`_rope`)."""
+
+    theta: float
+    # Llama 3's scaling (megatron's own `rope_scaling`): the factor its lowest frequencies are divided by
+    llama3_factor: float | None = None
+    # linear interpolation: positions divided by this (megatron's `seq_len_interpolation_factor`), as transformers
+    # divides the inverse frequencies by it
+    linear_factor: float | None = None
+    # dynamic NTK: transformers changes the base only for sequences longer than max_position_embeddings, which the
+    # plan refuses (`max_exact_sequence_length`), and vLLM never does: plain RoPE here
+    dynamic_factor: float | None = None
+
+
+def _rope_factor(key: str, rope_type: str, params: Mapping[str, Any], example: str) -> float:
+    factor = params.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, int | float) or factor < 1:
+        raise UnsupportedModelError(f"{key}.factor={factor!r}: rope_type {rope_type!r} needs its factor, a number "
+                                    f">= 1 ({example})")
+    return float(factor)
+
+
+def _rope(config: Mapping[str, Any], default_theta: float) -> RopeSettings:
+    """The RoPE of transformers 5's `rope_parameters` or 4.x's `rope_theta` + `rope_scaling`; the base is the family's
+    `default_theta` when neither names one.
+
+    Plain RoPE, linear and dynamic-NTK scaling and Llama 3's scaling are read as transformers reads them; any other
+    scaling (yarn, longrope, ...) is refused: megatron-core would run it as plain RoPE and silently change the logits.
     """
     theta = config.get("rope_theta", default_theta)
-    llama3_factor = None
+    found: dict[str, float] = {}
     for key in ("rope_parameters", "rope_scaling"):
         params = config.get(key)
         if not isinstance(params, Mapping) or not params:
             continue
         rope_type = params.get("rope_type", params.get("type", "default"))
+        partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise UnsupportedModelError(
+                f"{key}.partial_rotary_factor={partial!r} is not supported: vLLM 0.32 rotates only that share of each "
+                "head, where transformers' plain RoPE for these families rotates all of it (and its scaled RoPE "
+                "fails): the rollout would not be the model trained; valid: 1.0")
         if rope_type == "llama3":
             differ = [f"{name}={params.get(name)!r}" for name, value in MEGATRON_LLAMA3_ROPE.items()
                       if params.get(name) != value]
@@ -80,17 +113,25 @@ def _rope(config: Mapping[str, Any], default_theta: float) -> tuple[float, float
                 raise UnsupportedModelError(
                     f"{key}.rope_type='llama3' with {', '.join(differ)} is not supported: megatron-core's Llama 3 "
                     f"RoPE scaling fixes {fixed} (Llama 3.1's values); only its factor may differ")
-            if not isinstance(params.get("factor"), int | float) or params["factor"] < 1:
-                raise UnsupportedModelError(f"{key}.factor={params.get('factor')!r}: Llama 3 RoPE scaling needs "
-                                            "its factor, a number >= 1 (Llama 3.1: 8, Llama 3.2: 32)")
-            llama3_factor = float(params["factor"])
+            found["llama3"] = _rope_factor(key, rope_type, params, "Llama 3.1: 8, Llama 3.2: 32")
+        elif rope_type == "linear":
+            found["linear"] = _rope_factor(key, rope_type, params, "e.g. 2.0: positions interpolated 2x")
+        elif rope_type == "dynamic":
+            if "alpha" in params and "factor" not in params:
+                raise UnsupportedModelError(
+                    f"{key}: rope_type 'dynamic' with alpha={params['alpha']!r} is not supported (transformers reads "
+                    "only a factor); valid: a factor >= 1")
+            found["dynamic"] = _rope_factor(key, rope_type, params, "e.g. 2.0")
         elif rope_type != "default":
+            why = ("megatron-core 0.16.1's GPT model has YaRN only for multi-latent attention (its GPT path drops the "
+                   "attention factor transformers multiplies cos and sin by)" if rope_type == "yarn"
+                   else "megatron-core would run it as plain RoPE and change the logits")
             raise UnsupportedModelError(
-                f"{key}.rope_type={rope_type!r} is not supported (supported: 'default', plain RoPE, and 'llama3' "
-                "with Llama 3.1's frequency bands): megatron-core would run it as plain RoPE and change the logits"
-            )
+                f"{key}.rope_type={rope_type!r} is not supported: {why}; supported rope_type: "
+                f"{', '.join(map(repr, SUPPORTED_ROPE_TYPES))} (llama3 with Llama 3.1's frequency bands)")
         theta = params.get("rope_theta", theta)
-    return float(theta), llama3_factor
+    return RopeSettings(float(theta), llama3_factor=found.get("llama3"), linear_factor=found.get("linear"),
+                        dynamic_factor=found.get("dynamic"))
 
 
 @dataclass(frozen=True)
@@ -112,8 +153,9 @@ class ModelShape:
     rope_theta: float
     qkv_bias: bool
     qk_norm: bool
-    # Attention window of Mistral-style models; None means full causal attention. Megatron's local
-    # spec has no sliding window, so sequences longer than this would diverge from HF.
+    # The attention window vLLM applies (Mistral's `sliding_window`; Qwen's with `use_sliding_window`:
+    # `_sliding_window`); None: full causal attention. Megatron's layers have no window, so only sequences up to it
+    # are exact.
     sliding_window: int | None = None
     # Mixture of experts (0 experts: a dense model). `moe_layers` lists the decoder layers whose MLP
     # is the routed experts (the others keep the dense MLP of `ffn_hidden_size`); each token goes to
@@ -127,6 +169,11 @@ class ModelShape:
     # Llama 3's RoPE scaling (`rope_type: llama3`, megatron's `rope_scaling`): the factor its lowest
     # frequencies are divided by; None: plain RoPE.
     rope_llama3_factor: float | None = None
+    # Linear RoPE scaling (`rope_type: linear`): positions divided by this (megatron's seq_len_interpolation_factor).
+    rope_linear_factor: float | None = None
+    # Dynamic-NTK RoPE scaling (`rope_type: dynamic`): plain RoPE up to max_position_embeddings, as transformers runs
+    # it there (it changes the base only beyond, where the plan refuses sequences) and vLLM 0.32 everywhere.
+    rope_dynamic_factor: float | None = None
 
     def __post_init__(self) -> None:
         # A shape read back from JSON (Plan.from_json) carries a list: keep the shape hashable.
@@ -166,14 +213,16 @@ class ModelShape:
             raise UnsupportedModelError(
                 f"{name}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}"
             )
-        sliding_window = None
-        if family.model_type in ("mistral", "mixtral"):
-            sliding_window = config.get("sliding_window", family.default_sliding_window)
-        elif config.get("use_sliding_window"):
-            raise UnsupportedModelError(f"{name}: use_sliding_window=True is not supported")
+        if family.model_type == "qwen2" and config.get("head_dim") not in (None, hidden // heads):
+            # transformers' Qwen2 attention reads head_dim; vLLM 0.32's takes hidden_size // num_attention_heads
+            raise UnsupportedModelError(
+                f"{name}: head_dim={config['head_dim']} is not supported: vLLM 0.32's Qwen2 attention ignores it "
+                f"(it uses hidden_size // num_attention_heads = {hidden // heads}); valid: {hidden // heads} or no "
+                "head_dim")
+        sliding_window = _sliding_window(family, config, int(need("num_hidden_layers")))
         tie = config.get("tie_word_embeddings")
         moe = _moe_fields(family, config, int(need("num_hidden_layers")), need) if family.moe else {}
-        rope_theta, rope_llama3_factor = _rope(config, family.default_rope_theta)
+        rope = _rope(config, family.default_rope_theta)
         return cls(
             architecture=name,
             model_type=family.model_type,
@@ -189,11 +238,13 @@ class ModelShape:
             ),
             tie_word_embeddings=bool(family.default_tie_word_embeddings if tie is None else tie),
             rms_norm_eps=float(config.get("rms_norm_eps", family.default_rms_norm_eps)),
-            rope_theta=rope_theta,
+            rope_theta=rope.theta,
             qkv_bias=family.qkv_bias,
             qk_norm=family.qk_norm,
             sliding_window=int(sliding_window) if sliding_window else None,
-            rope_llama3_factor=rope_llama3_factor,
+            rope_llama3_factor=rope.llama3_factor,
+            rope_linear_factor=rope.linear_factor,
+            rope_dynamic_factor=rope.dynamic_factor,
             **moe,
         )
 
@@ -414,8 +465,47 @@ class ModelShape:
             rotary_percent=1.0,
             rope_scaling=self.rope_llama3_factor is not None,
             **({} if self.rope_llama3_factor is None else {"rope_scaling_factor": self.rope_llama3_factor}),
+            seq_len_interpolation_factor=self.rope_linear_factor,
             share_embeddings_and_output_weights=self.tie_word_embeddings,
         )
+
+
+def _sliding_window(family: ArchFamily, config: Mapping[str, Any], num_layers: int) -> int | None:
+    """The attention window a family's config.json gives the model vLLM runs (None: none), which caps the sequences
+    on which megatron's window-less layers are exact (`ModelShape.max_exact_sequence_length`).
+
+    Mistral and Mixtral window every layer by `sliding_window`. Qwen2, Qwen3 and Qwen3-MoE have one only with
+    `use_sliding_window: true` (transformers then keeps `sliding_window`, 4096 when absent), and transformers' Qwen2
+    and Qwen3 apply it to the layers `layer_types` marks "sliding_attention" (config.json's list, else the layers from
+    `max_window_layers` on): none when max_window_layers >= num_hidden_layers. vLLM 0.32 applies the window to every
+    layer and refuses a Qwen2/Qwen3 model whose layers mix the two kinds, so that mix is refused here by name."""
+    if family.model_type in ("mistral", "mixtral"):
+        window = config.get("sliding_window", family.default_sliding_window)
+        return int(window) if window else None
+    use = config.get("use_sliding_window", False)
+    window = config.get("sliding_window", 4096) if use else None
+    if family.model_type not in ("qwen2", "qwen3"):
+        return int(window) if window else None
+    max_window_layers = config.get("max_window_layers", 28)
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        layer_types = ["sliding_attention" if window is not None and i >= max_window_layers else "full_attention"
+                       for i in range(num_layers)]
+    kinds = ("full_attention", "sliding_attention")
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers or any(k not in kinds for k in layer_types):
+        raise UnsupportedModelError(
+            f"{family.architecture}: layer_types={layer_types!r} must list {num_layers} entries (num_hidden_layers), "
+            f"each one of {', '.join(map(repr, kinds))}")
+    sliding = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+    if 0 < len(sliding) < num_layers and max_window_layers != num_layers:
+        setting = ("layer_types" if "layer_types" in config else
+                   f"use_sliding_window=true with max_window_layers={max_window_layers}")
+        raise UnsupportedModelError(
+            f"{family.architecture}: {setting} gives layers {sliding[0]}..{sliding[-1]} a {window}-token window and "
+            f"the other {num_layers - len(sliding)} full attention (transformers' reading); vLLM 0.32 refuses a model "
+            "that mixes the two. Valid: max_window_layers=0 (every layer windowed) or >= num_hidden_layers="
+            f"{num_layers} (none in transformers), or use_sliding_window=false")
+    return int(window) if window else None
 
 
 def _moe_fields(family: ArchFamily, config: Mapping[str, Any], num_layers: int, need: Any) -> dict[str, Any]:

@@ -115,8 +115,55 @@ def test_sliding_window_caps_the_exact_sequence_length(hf_configs):
     config = {**hf_configs["mistral"], "sliding_window": 32}
     assert ModelShape.from_hf_config(config).max_exact_sequence_length == 32
     assert ModelShape.from_hf_config(hf_configs["mistral"]).max_exact_sequence_length == 64
-    with pytest.raises(UnsupportedModelError, match="use_sliding_window"):
-        ModelShape.from_hf_config({**hf_configs["qwen2"], "use_sliding_window": True})
+
+
+# Qwen's window settings: (use_sliding_window, sliding_window, max_window_layers, layer_types); 4 layers.
+_FULL, _SLIDING = "full_attention", "sliding_attention"
+QWEN_WINDOWS = [
+    (False, 8, 2, None), (True, 8, 4, None), (True, 8, 9, None), (True, 8, 0, None), (True, 8, 2, None),
+    (True, None, 2, None), (True, "absent", 4, None), (True, 8, 4, [_FULL, _FULL, _SLIDING, _SLIDING]),
+    (True, 8, 2, [_SLIDING] * 4), (True, 8, 1, [_FULL, _SLIDING, _FULL, _SLIDING]),
+]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_sliding_window_is_read_as_transformers_and_vllm_run_it(hf_configs, arch):
+    """Qwen2/Qwen3's `use_sliding_window` with `max_window_layers` (or config.json's own `layer_types`): transformers'
+    config says which layers have the window and its size; vLLM 0.32 windows every layer by the config's
+    sliding_window and refuses (its Qwen2Model asserts) a mix of windowed and full layers unless max_window_layers
+    equals the layer count. hybridrl accepts exactly what both run, capped at the window vLLM applies."""
+    import transformers
+
+    for use, window, max_window_layers, layer_types in QWEN_WINDOWS:
+        config = {**hf_configs[arch], "use_sliding_window": use, "max_window_layers": max_window_layers}
+        config.pop("layer_types", None)
+        config.pop("sliding_window", None)
+        if window != "absent":
+            config["sliding_window"] = window
+        if layer_types is not None:
+            config["layer_types"] = layer_types
+        case = (use, window, max_window_layers, layer_types)
+        hf = transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
+        mixed = len(set(hf.layer_types)) > 1
+        if mixed and hf.max_window_layers != hf.num_hidden_layers:  # vLLM 0.32's Qwen2Model assertion
+            with pytest.raises(UnsupportedModelError, match=r"vLLM 0.32 refuses.*max_window_layers=0") as info:
+                ModelShape.from_hf_config(config)
+            assert "layer_types" in str(info.value) or f"max_window_layers={max_window_layers}" in str(info.value)
+            continue
+        shape = ModelShape.from_hf_config(config)
+        assert shape.sliding_window == hf.sliding_window, case  # what vLLM windows every layer by
+        assert shape.max_exact_sequence_length == min(hf.sliding_window or 10**9, hf.max_position_embeddings), case
+    assert (True, 8, 4, None) in QWEN_WINDOWS and (True, 8, 2, None) in QWEN_WINDOWS  # accepted, refused
+    with pytest.raises(UnsupportedModelError, match="layer_types=.*must list 4 entries"):
+        ModelShape.from_hf_config({**hf_configs[arch], "layer_types": [_FULL] * 3})
+
+
+def test_qwen3_moe_windows_every_layer(tmp_path):
+    """Qwen3-MoE's attention takes `sliding_window` on every layer when use_sliding_window (no max_window_layers)."""
+    config = {"architectures": ["Qwen3MoeForCausalLM"], **_MINIMAL, **_MINIMAL_MOE["Qwen3MoeForCausalLM"],
+              "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}
+    assert ModelShape.from_hf_config(config).sliding_window == 16
+    assert ModelShape.from_hf_config({**config, "use_sliding_window": False}).sliding_window is None
 
 
 def test_legacy_transformers4_config_keys():
@@ -153,16 +200,32 @@ def test_unsupported_architecture_names_value_and_supported(config, message):
      r"rope_type='llama3' with original_max_position_embeddings=4096 .*original_max_position_embeddings=8192"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                           "original_max_position_embeddings": 8192}}, r"rope_parameters.factor=None"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0}}, "yarn"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "linear"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0}},
+     r"rope_type='yarn' is not supported: .*multi-latent.*supported rope_type: 'default', 'linear', 'dynamic'"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 5e5, "factor": 4.0}}, "'longrope' is not supported"),
+    ({"rope_scaling": {"type": "linear", "factor": 0.5}}, r"rope_scaling.factor=0.5: rope_type 'linear' needs"),
+    ({"rope_scaling": {"type": "dynamic", "alpha": 2.0}}, "alpha=2.0 is not supported"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     r"partial_rotary_factor=0.5 .*vLLM 0.32 rotates only"),
+    ({"num_hidden_layers": 4, "layer_types": ["full_attention"] * 4}, None),  # Llama: not read, by anyone
     ({"hidden_act": "gelu"}, "gelu"),
     ({"attention_bias": True}, "attention_bias"),
     ({"num_key_value_heads": 3}, "num_key_value_heads=3"),
 ])
 def test_unrepresentable_configs_are_refused(hf_configs, change, message):
     config = {**hf_configs["llama"], **change}
+    if message is None:
+        ModelShape.from_hf_config(config)
+        return
     with pytest.raises(UnsupportedModelError, match=message):
         ModelShape.from_hf_config(config)
+
+
+def test_qwen2_head_dim_other_than_hidden_over_heads_is_refused(hf_configs):
+    """transformers' Qwen2 attention reads config.json's head_dim, vLLM 0.32's takes hidden_size // heads."""
+    with pytest.raises(UnsupportedModelError, match=r"head_dim=32 .*valid: 16 or no head_dim"):
+        ModelShape.from_hf_config({**hf_configs["qwen2"], "head_dim": 32})
+    assert ModelShape.from_hf_config({**hf_configs["qwen2"], "head_dim": 16}).head_dim == 16
 
 
 def test_parallel_errors_are_collected(hf_configs):

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from hybridrl.models.arch import ModelShape
 from tests.support.forked import run_ranks
 from tests.support.model_passes import grads_rank, pipeline_logits
 from tests.support.models_fixtures import (
@@ -236,6 +237,71 @@ def test_llama3_rope_scaling_gives_transformers_logits(tmp_path, tp, pp):
     (plain / "config.json").write_text(json.dumps({**config, "rope_parameters": {"rope_type": "default",
                                                                                 "rope_theta": 500000.0}}))
     assert max_logit_error(results[-1]["logits"], hf_logits(plain, tokens)) > 10 * TOLERANCE
+
+
+# config.json settings read as transformers reads them (each a tiny model of its own): Qwen2's window on no layer
+# (max_window_layers = the layer count), linear RoPE scaling (megatron's seq_len_interpolation_factor) and dynamic NTK
+# scaling (plain RoPE up to max_position_embeddings, 64 here).
+READ_AS_TRANSFORMERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen2_window_on_no_layer": ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 4}),
+    "llama_linear_rope": ("llama", {"rope_theta": None, "rope_parameters": {"rope_type": "linear",
+                                                                         "rope_theta": 10000.0, "factor": 4.0}}),
+    "llama_dynamic_rope": ("llama", {"rope_theta": None, "rope_parameters": {"rope_type": "dynamic",
+                                                                          "rope_theta": 10000.0, "factor": 4.0}}),
+}
+
+
+def test_config_settings_read_as_transformers_give_its_logits(tmp_path):
+    """At TP2 each model's logits over 12 tokens equal transformers' for the same config.json; and each setting
+    changes them (against the model without it: Qwen2's 8-token window on every layer, plain RoPE), so reading it
+    matters."""
+    folders = {name: make_hf_model(tmp_path / name, arch, seed=40 + i, **overrides)
+               for i, (name, (arch, overrides)) in enumerate(READ_AS_TRANSFORMERS.items())}
+    logits = _run(2, 1, None, [(name, str(path), str(path)) for name, path in folders.items()])
+    for name, path in folders.items():
+        assert max_logit_error(logits[name], hf_logits(path, TOKENS)) <= TOLERANCE, name
+    unlike = {"qwen2_window_on_no_layer": {"max_window_layers": 0, "layer_types": None},
+              "llama_linear_rope": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}}
+    for name, change in unlike.items():
+        other = tmp_path / f"{name}_unlike"
+        other.mkdir()
+        (other / "model.safetensors").symlink_to(folders[name] / "model.safetensors")
+        config = {**read_json(folders[name] / "config.json"), **change}
+        (other / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+        assert max_logit_error(logits[name], hf_logits(other, TOKENS)) > 10 * TOLERANCE, name
+
+
+def test_vllm_rotates_these_configs_as_transformers(tmp_path):
+    """vLLM reads the same config.json for the rollout: its RoPE module for linear and dynamic scaling (the one its
+    Llama attention builds, from the config vLLM loads; transformers 4's `rope_scaling` key too) rotates queries and
+    keys as transformers' does, at every position up to max_position_embeddings."""
+    import transformers
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.transformers_utils.config import get_config
+
+    legacy = {"rope_theta": 10000.0, "rope_scaling": {"type": "linear", "factor": 4.0}}
+    for name in ("llama_linear_rope", "llama_dynamic_rope", "legacy_linear"):
+        arch, overrides = READ_AS_TRANSFORMERS.get(name, READ_AS_TRANSFORMERS["llama_linear_rope"])
+        folder = make_hf_model(tmp_path / name, arch, **overrides)
+        if name == "legacy_linear":  # transformers 4's keys
+            config = {k: v for k, v in read_json(folder / "config.json").items() if k != "rope_parameters"}
+            (folder / "config.json").write_text(json.dumps({**config, **legacy}))
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).model
+        vllm_config = get_config(str(folder), trust_remote_code=False)
+        with set_current_vllm_config(VllmConfig()):
+            rope = get_rope(16, max_position=vllm_config.max_position_embeddings,
+                            rope_parameters=vllm_config.rope_parameters, is_neox_style=True)
+        positions = torch.arange(64)
+        q, k = torch.randn(64, 4 * 16), torch.randn(64, 2 * 16)
+        vllm_q, vllm_k = rope.forward_native(positions, q.clone(), k.clone())
+        cos, sin = hf.rotary_emb(q[None], positions[None])
+        hf_q, hf_k = apply_rotary_pos_emb(q.view(1, 64, 4, 16).transpose(1, 2), k.view(1, 64, 2, 16).transpose(1, 2),
+                                          cos, sin)
+        torch.testing.assert_close(vllm_q.view(64, 4, 16), hf_q[0].transpose(0, 1), rtol=0, atol=1e-6)
+        torch.testing.assert_close(vllm_k.view(64, 2, 16), hf_k[0].transpose(0, 1), rtol=0, atol=1e-6)
+        assert ModelShape.from_hf_dir(folder).rope_linear_factor == (None if "dynamic" in name else 4.0)
 
 
 @pytest.mark.parametrize("tp, corrupt", [(1, "plain_qkv_concat"), (2, "split_gate_up_concat")])
