@@ -26,9 +26,30 @@ from hybridrl.config.schema import MegatronConfig
 from hybridrl.models.arch import ModelShape
 
 
-def role_transformer_settings(megatron: MegatronConfig, *, moe: bool, gradient_checkpointing: bool,
+def moe_aux_loss(megatron: MegatronConfig, model: ModelShape) -> tuple[float, str]:
+    """The load-balancing loss coefficient a role built from `model` trains with, and where it comes from (the plan
+    prints it): the job's `moe_aux_loss_coeff` when set; else off with `moe_router_load_balancing_type` none; else
+    config.json's as transformers trains the model: `router_aux_loss_coef` when `output_router_logits` is true (the
+    only case in which transformers adds the loss), off when it is false."""
+    if not model.is_moe:
+        return 0.0, "a dense model"
+    coeff, kind = megatron.moe_aux_loss_coeff, megatron.moe_router_load_balancing_type
+    if coeff is not None:
+        return float(coeff), "the job's moe_aux_loss_coeff"
+    if kind == "none":
+        return 0.0, "moe_router_load_balancing_type=none"
+    if model.output_router_logits:
+        return (model.router_aux_loss_coef, f"config.json's router_aux_loss_coef={model.router_aux_loss_coef:g} with "
+                "output_router_logits=true, as transformers trains the model")
+    return 0.0, (f"as transformers trains the model: config.json's output_router_logits=false leaves its "
+                 f"router_aux_loss_coef={model.router_aux_loss_coef:g} unused")
+
+
+def role_transformer_settings(megatron: MegatronConfig, model: ModelShape, *, gradient_checkpointing: bool,
                               router_replay: bool) -> dict[str, Any]:
-    """The TransformerConfig settings hybridrl gives a role itself (the workers' and the plan's one source)."""
+    """The TransformerConfig settings hybridrl gives a role built from `model` itself (the workers' and the plan's
+    one source)."""
+    moe = model.is_moe
     settings: dict[str, Any] = {
         "variable_seq_lengths": True,
         # Dense models route no tokens; megatron still rejects its default MoE dispatcher
@@ -42,7 +63,7 @@ def role_transformer_settings(megatron: MegatronConfig, *, moe: bool, gradient_c
         # The router losses act only in a training forward with gradients (megatron's router), so
         # a frozen role's forward is unchanged by them.
         settings.update(moe_router_load_balancing_type=megatron.moe_router_load_balancing_type,
-                        moe_aux_loss_coeff=megatron.moe_aux_loss_coeff,
+                        moe_aux_loss_coeff=moe_aux_loss(megatron, model)[0],
                         moe_z_loss_coeff=megatron.moe_z_loss_coeff,
                         moe_token_dispatcher_type=megatron.moe_token_dispatcher_type,
                         moe_expert_capacity_factor=megatron.moe_expert_capacity_factor,

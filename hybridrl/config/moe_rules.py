@@ -64,7 +64,8 @@ def check_experts(check: Checker, prefix: str, mc: MegatronConfig, tp: int, cp: 
     ranks of a pipeline stage (an expert TP other than TP: experts split over fewer ranks than the dense
     layers, e.g. TP 4 × ETP 1 as verl's MoE scripts run, or over DP ranks of the dense layers at TP 1)."""
     ep, etp = mc.expert_model_parallel_size, mc.expert_tensor_parallel_size
-    check.in_range(f"{prefix}.moe_aux_loss_coeff", mc.moe_aux_loss_coeff, 0.0, 1e3)
+    if mc.moe_aux_loss_coeff is not None:  # null: config.json's (`megatron_verdict.moe_aux_loss`)
+        check.in_range(f"{prefix}.moe_aux_loss_coeff", mc.moe_aux_loss_coeff, 0.0, 1e3)
     if mc.moe_z_loss_coeff is not None:
         check.in_range(f"{prefix}.moe_z_loss_coeff", mc.moe_z_loss_coeff, 0.0, 1e3)
     if mc.moe_aux_loss_coeff and mc.moe_router_load_balancing_type == "none":

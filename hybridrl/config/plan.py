@@ -409,7 +409,7 @@ def megatron_refusals(plan: Plan) -> list[ConfigIssue]:
         shape = role_model_shape(config, role, plan.model)
         model_section = {Role.CRITIC: config.critic.model}.get(role, config.actor_rollout_ref.model)
         fixed = role_transformer_settings(
-            mc, moe=shape.is_moe,
+            mc, shape,
             gradient_checkpointing=role in TRAINED_ROLES and model_section.enable_gradient_checkpointing,
             router_replay=role == Role.ACTOR and config.actor_rollout_ref.actor.router_replay == "rollout")
         issue = megatron_refusal(f"{section}.override_transformer_config", mc, shape, device=plan.resolved.device,

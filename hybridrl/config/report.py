@@ -9,10 +9,17 @@ from hybridrl.config.distillation_rules import FULL_VOCAB_TABLE_LIMIT_BYTES, ful
 from hybridrl.config.estimates import GpuMemoryPlan, StageBalance, shares_text, split_text
 from hybridrl.config.hardware import load_hardware
 from hybridrl.config.internode import plan_internode_traffic
+from hybridrl.config.megatron_verdict import moe_aux_loss
 from hybridrl.config.meshes import TrainingMesh, expert_groups
 from hybridrl.config.model_shapes import role_model_shape
-from hybridrl.config.plan import MEMORY_REFUSAL_FIELD, Plan, lora_elements_per_layer, served_adapter_bytes
-from hybridrl.config.resolve import MODEL_SECTIONS
+from hybridrl.config.plan import (
+    MEMORY_REFUSAL_FIELD,
+    TRAINED_ROLES,
+    Plan,
+    lora_elements_per_layer,
+    served_adapter_bytes,
+)
+from hybridrl.config.resolve import MODEL_SECTIONS, role_megatron_field
 from hybridrl.config.search import Found, SearchResult, Sizing, job_command, job_overrides
 from hybridrl.config.step_time import StepTime, predict_step_time, seconds_text, step_time_line
 from hybridrl.models.arch import ModelShape
@@ -227,6 +234,25 @@ def header_lines(plan: Plan) -> list[str]:
     ]
 
 
+def moe_aux_loss_lines(plan: Plan) -> list[str]:
+    """Each trained MoE role's router load-balancing loss, and whether the job or config.json decided it."""
+    if plan.model is None:
+        return []
+    out = []
+    for lay in plan.layouts:
+        if lay.role not in TRAINED_ROLES:
+            continue
+        shape = role_model_shape(plan.config, lay.role, plan.model)
+        if not shape.is_moe:
+            continue
+        coeff, why = moe_aux_loss(lay.megatron, shape)
+        kind = lay.megatron.moe_router_load_balancing_type
+        loss = f"{kind} × {coeff:g}" if coeff > 0 else "off"
+        out.append(f"{lay.role} MoE load-balancing loss: {loss} ({why}; "
+                   f"{role_megatron_field(plan.config, lay.role)}.moe_aux_loss_coeff sets it)")
+    return out
+
+
 def mesh_lines(plan: Plan) -> list[str]:
     """Each role's training mesh and its groups, experts, stage balance, packing, and what LoRA and distillation
     train on."""
@@ -246,6 +272,7 @@ def mesh_lines(plan: Plan) -> list[str]:
             out.append(f"{lay.role} experts (megatron order etp-ep-edp-pp, {expert_tp}): EP {ep} × expert-DP "
                        f"{len(edp_groups[0])}; EP groups {_groups(ep_groups, 4)}; expert-DP groups "
                        f"{_groups(edp_groups, 4)}")
+    out += moe_aux_loss_lines(plan)
     out += [_balance_line(balance) for balance in plan.stage_balance]
     out.append(packing_line(plan))
     if plan.resolved.lora_rank > 0:

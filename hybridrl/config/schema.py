@@ -259,9 +259,11 @@ class MegatronConfig:
                                                   "None = tensor_model_parallel_size; another value needs TP 1 so far")
     moe_router_load_balancing_type: MoELoadBalancing = doc(
         "aux_loss", "MoE models: megatron's router load-balancing loss (aux_loss: over each micro-batch, "
-        "seq_aux_loss: per sequence, none); it acts only with moe_aux_loss_coeff > 0")
-    moe_aux_loss_coeff: float = doc(0.0, "MoE models: weight of the load-balancing loss (0 = off; "
-                                    "actor/moe_aux_loss is logged when it is on)")
+        "seq_aux_loss: per sequence, none = off whatever the coefficient); it acts only with a coefficient > 0")
+    moe_aux_loss_coeff: float | None = doc(
+        None, "MoE models: weight of the load-balancing loss (0 = off; actor/moe_aux_loss is logged when it is on); "
+        "null = the model's config.json: its router_aux_loss_coef where it sets output_router_logits: true "
+        "(transformers adds the loss to training only then), else off. hybridrl plan prints which one is used")
     moe_z_loss_coeff: float | None = doc(None, "MoE models: weight of the router z-loss (None = off)")
     moe_token_dispatcher_type: MoEDispatcher = doc(
         "alltoall", "MoE models: megatron's token dispatcher (alltoall: all-to-all over EP, variable sizes; "

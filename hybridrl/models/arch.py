@@ -166,6 +166,11 @@ class ModelShape:
     moe_ffn_hidden_size: int = 0
     moe_norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    # The router's load-balancing loss as config.json sets it for transformers' training: `output_router_logits`
+    # (transformers adds `router_aux_loss_coef` x its loss to the training loss only when true) and the coefficient
+    # (the config class's default, 0.001, when absent). Read by `moe_aux_loss` when the job sets no coefficient.
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.0
     # Llama 3's RoPE scaling (`rope_type: llama3`, megatron's `rope_scaling`): the factor its lowest
     # frequencies are divided by; None: plain RoPE.
     rope_llama3_factor: float | None = None
@@ -535,7 +540,7 @@ def _moe_fields(family: ArchFamily, config: Mapping[str, Any], num_layers: int, 
             raise UnsupportedModelError(f"{name}: router_jitter_noise={config['router_jitter_noise']} is not "
                                         "supported (megatron's input jitter differs): use 0")
         return dict(num_experts=int(experts), moe_top_k=top_k, moe_ffn_hidden_size=int(need("intermediate_size")),
-                    moe_norm_topk_prob=True, moe_layers=tuple(range(num_layers)))
+                    moe_norm_topk_prob=True, moe_layers=tuple(range(num_layers)), **_router_loss(family, config))
     if config.get("shared_expert_intermediate_size"):
         raise UnsupportedModelError(f"{name}: shared experts are not supported")
     step = int(config.get("decoder_sparse_step") or 1)
@@ -543,7 +548,19 @@ def _moe_fields(family: ArchFamily, config: Mapping[str, Any], num_layers: int, 
     # transformers' Qwen3MoeDecoderLayer: experts where (i + 1) % decoder_sparse_step == 0, outside mlp_only_layers
     layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
     return dict(num_experts=int(experts), moe_top_k=top_k, moe_ffn_hidden_size=int(need("moe_intermediate_size")),
-                moe_norm_topk_prob=renormalized, moe_layers=layers)
+                moe_norm_topk_prob=renormalized, moe_layers=layers, **_router_loss(family, config))
+
+
+# transformers' MixtralConfig and Qwen3MoeConfig default router_aux_loss_coef
+DEFAULT_ROUTER_AUX_LOSS_COEF = 0.001
+
+
+def _router_loss(family: ArchFamily, config: Mapping[str, Any]) -> dict[str, Any]:
+    """`ModelShape.output_router_logits` and `router_aux_loss_coef` from an MoE config.json."""
+    coef = config.get("router_aux_loss_coef", DEFAULT_ROUTER_AUX_LOSS_COEF)
+    if isinstance(coef, bool) or not isinstance(coef, int | float) or not 0 <= coef < math.inf:
+        raise UnsupportedModelError(f"{family.architecture}: router_aux_loss_coef={coef!r} must be a number >= 0")
+    return dict(output_router_logits=bool(config.get("output_router_logits", False)), router_aux_loss_coef=float(coef))
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisor: int = DEFAULT_VOCAB_DIVISOR) -> int:

@@ -412,7 +412,7 @@ class MegatronBackend:
             self._check_shared_prefix(spec)
         self.tokens_seen = TokenCounts()
         source = value_model_source(spec.model_path) if spec.value_head else ModelSource.from_path(spec.model_path)
-        overrides = role_transformer_settings(megatron, moe=source.shape.is_moe,
+        overrides = role_transformer_settings(megatron, source.shape,
                                               gradient_checkpointing=spec.gradient_checkpointing,
                                               router_replay=spec.router_replay)
         if spec.trainable and self.device_policy.wgrad_accumulation_fusion == "cpu_stand_in":

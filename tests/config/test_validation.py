@@ -802,6 +802,32 @@ def test_moe_router_loss_settings_are_checked(tmp_path):
     assert plan.config.actor_rollout_ref.actor.megatron.moe_aux_loss_coeff == 0.01
 
 
+@pytest.mark.parametrize("output_router_logits, job, expected, said", [
+    (True, [], 0.02, "config.json's router_aux_loss_coef=0.02 with output_router_logits=true"),
+    (False, [], 0.0, "config.json's output_router_logits=false leaves its router_aux_loss_coef=0.02 unused"),
+    (True, [f"{A}.megatron.moe_aux_loss_coeff=0.005"], 0.005, "the job's moe_aux_loss_coeff"),
+    (True, [f"{A}.megatron.moe_aux_loss_coeff=0"], 0.0, "the job's moe_aux_loss_coeff"),
+    (True, [f"{A}.megatron.moe_router_load_balancing_type=none"], 0.0, "moe_router_load_balancing_type=none"),
+])
+def test_moe_aux_loss_is_config_jsons_unless_the_job_sets_it(tmp_path, output_router_logits, job, expected, said):
+    """With no moe_aux_loss_coeff of its own, the actor trains with the load-balancing loss transformers would: its
+    config.json's router_aux_loss_coef when output_router_logits is true, none when false; the plan says which
+    one it uses and why, and the workers' TransformerConfig gets that number."""
+    from hybridrl.config.megatron_verdict import role_transformer_settings
+
+    model = moe_model_dir(tmp_path)
+    config_file = Path(model.split("=", 1)[1]) / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "router_aux_loss_coef": 0.02,
+                                       "output_router_logits": output_router_logits}))
+    plan = plan_from_sources(SEED, [model, *job])
+    (line,) = [line for line in render_plan(plan).splitlines() if "MoE load-balancing loss" in line]
+    assert line.startswith(f"actor MoE load-balancing loss: {f'aux_loss × {expected:g}' if expected else 'off'} (")
+    assert said in line and f"{A}.megatron.moe_aux_loss_coeff sets it" in line
+    settings = role_transformer_settings(plan.layout("actor").megatron, plan.model, gradient_checkpointing=False,
+                                         router_replay=False)
+    assert settings["moe_aux_loss_coeff"] == expected
+
+
 def test_an_moe_actor_without_a_dense_critic_is_refused_for_gae(tmp_path):
     issues = issues_for([moe_model_dir(tmp_path), "algorithm.adv_estimator=gae"])
     assert any(i.field == "critic.model.path" and "not supported as a critic yet" in str(i) for i in issues), \

@@ -106,6 +106,9 @@ def test_omitted_keys_take_the_transformers_class_defaults(tmp_path, architectur
     assert shape.sliding_window == getattr(model.config, "sliding_window", None)
     assert shape.tie_word_embeddings == (model.lm_head.weight is model.model.embed_tokens.weight)
     assert shape.param_count() == sum(p.numel() for p in model.parameters())
+    # the router loss transformers would train an MoE model with (off: output_router_logits false by default)
+    assert shape.output_router_logits == getattr(model.config, "output_router_logits", False) is False
+    assert shape.router_aux_loss_coef == getattr(model.config, "router_aux_loss_coef", 0.0)
     # what megatron is given
     assert shape.megatron_config_kwargs()["layernorm_epsilon"] == norm.variance_epsilon
     assert shape.gpt_model_kwargs()["rotary_base"] == shape.rope_theta

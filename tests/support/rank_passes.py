@@ -49,7 +49,8 @@ def weights_update_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
     before = weights()
     metrics = MegatronActor(backend, plan).update_policy(batch.split(backend.ctx.dp)[backend.ctx.dp_rank])
     return {"metrics": metrics, "weights": weights(), "before": before,
-            "coords": (backend.ctx.tp_rank, backend.ctx.pp_rank)}
+            "coords": (backend.ctx.tp_rank, backend.ctx.pp_rank),
+            "aux_loss_coeff": backend.config.moe_aux_loss_coeff}  # what the routers were given
 
 
 def tied_copies(backend: Any) -> dict[str, torch.Tensor]:

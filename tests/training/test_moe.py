@@ -174,11 +174,13 @@ def test_router_aux_loss_and_imbalance_are_megatrons(tmp_path, world, ep):
 def test_moe_at_cp2_packed_equals_transformers_and_cp1(tmp_path):
     """An MoE model at CP2 on packed micro-batches (the CPU default): its dense and MoE layers' core
     attention is the CPU stand-in too, so the log-probs equal transformers' and one update with the
-    load-balancing loss on equals padded CP1's (loss, grad norm, aux loss, every weight)."""
+    load-balancing loss on equals padded CP1's (loss, grad norm, aux loss, every weight). The loss is config.json's:
+    its router_aux_loss_coef with output_router_logits true, as transformers would train the model (the job sets
+    no coefficient)."""
     from tests.support.rank_passes import log_prob_rank, weights_update_rank, with_cp
     from tests.support.training_fixtures import hf_response_log_probs
 
-    hf = make_hf_model(tmp_path / "hf", "qwen3_moe", seed=7)
+    hf = make_hf_model(tmp_path / "hf", "qwen3_moe", seed=7, output_router_logits=True, router_aux_loss_coef=0.01)
     batch = rollout_batch(8, seed=9)
     ref_lp, _ = hf_response_log_probs(hf, batch)
     config = with_cp(job_config(hf, world=2, micro=4), 2, packed=True)
@@ -188,8 +190,9 @@ def test_moe_at_cp2_packed_equals_transformers_and_cp1(tmp_path):
     runs = {}
     for cp, packed in ((1, False), (2, True)):
         config = with_cp(job_config(hf, world=cp, micro=2, use_kl_loss=True), cp, packed)
-        config.actor_rollout_ref.actor.megatron.moe_aux_loss_coeff = 0.01
+        assert config.actor_rollout_ref.actor.megatron.moe_aux_loss_coeff is None
         (runs[cp],) = [r for r in run_ranks(weights_update_rank, cp, config, batch) if r["metrics"] is not None]
+        assert runs[cp]["aux_loss_coeff"] == 0.01
     m1, m2 = runs[1]["metrics"], runs[2]["metrics"]
     for name in ("pg_loss", "grad_norm", "kl_loss"):
         assert abs(getattr(m2, name) - getattr(m1, name)) <= 1e-5, name
