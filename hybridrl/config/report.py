@@ -223,9 +223,11 @@ def header_lines(plan: Plan) -> list[str]:
     cfg, res, model = plan.config, plan.resolved, plan.model
     arr = cfg.actor_rollout_ref
     model_line = _model_text(model) if model else "unknown (no config.json at the model path)"
+    notes = model.reading_notes() if model else []
     return [
         f"hybridrl plan — {cfg.trainer.project_name}/{cfg.trainer.experiment_name}",
         f"  model:   {arr.model.path or '<none>'} — {model_line}",
+        *([f"           config.json: {'; '.join(notes)}"] if notes else []),
         f"  cluster: {cfg.trainer.nnodes} node(s) × {cfg.trainer.n_gpus_per_node} {cfg.trainer.device} "
         f"devices = world size {res.world_size}; algorithm {cfg.algorithm.adv_estimator}"
         f"{' + critic' if res.critic_enabled else ''}{' + ref' if res.ref_enabled else ''}"

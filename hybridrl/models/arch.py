@@ -257,6 +257,22 @@ class ModelShape:
     def from_hf_dir(cls, path: str | Path) -> ModelShape:
         return cls.from_hf_config(read_hf_config(path))
 
+    def reading_notes(self) -> list[str]:
+        """How config.json's RoPE scaling and attention window run here, for the plan (empty: plain RoPE, no window)."""
+        notes = []
+        if self.rope_llama3_factor is not None:
+            notes.append(f"Llama 3 RoPE scaling x{self.rope_llama3_factor:g} (megatron's rope_scaling)")
+        if self.rope_linear_factor is not None:
+            notes.append(f"linear RoPE scaling x{self.rope_linear_factor:g} (positions / {self.rope_linear_factor:g}: "
+                         "megatron's seq_len_interpolation_factor)")
+        if self.rope_dynamic_factor is not None:
+            notes.append(f"dynamic RoPE scaling x{self.rope_dynamic_factor:g}: plain RoPE up to "
+                         f"max_position_embeddings={self.max_position_embeddings}, as transformers and vLLM run it")
+        if self.sliding_window is not None:
+            notes.append(f"sliding window {self.sliding_window} (vLLM windows every layer, megatron none: sequences "
+                         f"up to {self.max_exact_sequence_length} tokens)")
+        return notes
+
     # ---- derived sizes -------------------------------------------------------------------------
     @property
     def q_size(self) -> int:

@@ -316,6 +316,30 @@ def test_sliding_window_caps_sequence_length(tmp_path):
     plan_from_sources(SEED, [model, "data.max_prompt_length=512", "data.max_response_length=512"])
 
 
+def test_qwen_window_and_rope_scaling_are_checked_and_shown_by_the_plan(tmp_path):
+    """A Qwen2 with use_sliding_window: true is capped at its window (vLLM windows every layer), named in the plan
+    with its linear RoPE scaling; one whose layers mix windowed and full attention is refused at plan time, naming
+    max_window_layers and what is valid."""
+    folder = tmp_path / "qwen2"
+    folder.mkdir()
+    config = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 256, "intermediate_size": 512,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
+              "max_position_embeddings": 32768, "use_sliding_window": True, "sliding_window": 1024,
+              "max_window_layers": 2, "rope_scaling": {"type": "linear", "factor": 2.0}, "rope_theta": 1e6}
+    (folder / "config.json").write_text(json.dumps(config))
+    model = f"actor_rollout_ref.model.path={folder}"
+    issues = issues_for([model, "data.max_prompt_length=512", "data.max_response_length=1024"])
+    assert any(i.field == "data.max_response_length" and "sliding_window=1024" in str(i) and i.valid == (512,)
+               for i in issues), [str(i) for i in issues]
+    text = render_plan(plan_from_sources(SEED, [model, "data.max_prompt_length=512", "data.max_response_length=512"]))
+    assert ("config.json: linear RoPE scaling x2 (positions / 2: megatron's seq_len_interpolation_factor); sliding "
+            "window 1024 (vLLM windows every layer, megatron none: sequences up to 1024 tokens)") in text
+    (folder / "config.json").write_text(json.dumps({**config, "max_window_layers": 1}))
+    issues = issues_for([model, "data.max_prompt_length=512", "data.max_response_length=512"])
+    assert any(i.field == "actor_rollout_ref.model.path" and "max_window_layers=1" in str(i)
+               and "vLLM 0.32 refuses" in str(i) for i in issues), [str(i) for i in issues]
+
+
 @pytest.mark.parametrize("head_dim, device, refused", [(24, "cpu", True), (16, "cpu", True), (32, "cpu", False),
                                                        (24, "cuda", False)])
 def test_head_dim_without_a_vllm_kernel_is_refused(tmp_path, head_dim, device, refused):
