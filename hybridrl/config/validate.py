@@ -119,6 +119,11 @@ def validate(
     if batch_ok:
         _check_batch_arithmetic(check, config, resolved, dp_of, infer_dp)
     _check_lengths(check, config, resolved, model)
+    if model is not None and model.attention_dropout:
+        check.warnings.append(
+            f"the model's config.json has attention_dropout={model.attention_dropout:g}: hybridrl trains without "
+            "dropout (every forward, the update's too, is the deterministic model vLLM samples from), where "
+            "transformers' train mode would drop attention probabilities")
     _check_algorithm(check, config, resolved)
     check_distillation(config, model, teacher, resolved.critic_enabled, check.issues)
 

@@ -171,6 +171,9 @@ class ModelShape:
     # (the config class's default, 0.001, when absent). Read by `moe_aux_loss` when the job sets no coefficient.
     output_router_logits: bool = False
     router_aux_loss_coef: float = 0.0
+    # config.json's attention_dropout: transformers drops attention probabilities in train mode; megatron here never
+    # does (the plan warns when it is not 0).
+    attention_dropout: float = 0.0
     # Llama 3's RoPE scaling (`rope_type: llama3`, megatron's `rope_scaling`): the factor its lowest
     # frequencies are divided by; None: plain RoPE.
     rope_llama3_factor: float | None = None
@@ -250,6 +253,7 @@ class ModelShape:
             rope_llama3_factor=rope.llama3_factor,
             rope_linear_factor=rope.linear_factor,
             rope_dynamic_factor=rope.dynamic_factor,
+            attention_dropout=float(config.get("attention_dropout") or 0.0),
             **moe,
         )
 

@@ -318,8 +318,8 @@ def test_sliding_window_caps_sequence_length(tmp_path):
 
 def test_qwen_window_and_rope_scaling_are_checked_and_shown_by_the_plan(tmp_path):
     """A Qwen2 with use_sliding_window: true is capped at its window (vLLM windows every layer), named in the plan
-    with its linear RoPE scaling; one whose layers mix windowed and full attention is refused at plan time, naming
-    max_window_layers and what is valid."""
+    with its linear RoPE scaling, and its attention_dropout in a warning; one whose layers mix windowed and full
+    attention is refused at plan time, naming max_window_layers and what is valid."""
     folder = tmp_path / "qwen2"
     folder.mkdir()
     config = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 256, "intermediate_size": 512,
@@ -334,6 +334,9 @@ def test_qwen_window_and_rope_scaling_are_checked_and_shown_by_the_plan(tmp_path
     text = render_plan(plan_from_sources(SEED, [model, "data.max_prompt_length=512", "data.max_response_length=512"]))
     assert ("config.json: linear RoPE scaling x2 (positions / 2: megatron's seq_len_interpolation_factor); sliding "
             "window 1024 (vLLM windows every layer, megatron none: sequences up to 1024 tokens)") in text
+    (folder / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
+    plan = plan_from_sources(SEED, [model, "data.max_prompt_length=512", "data.max_response_length=512"])
+    assert any("attention_dropout=0.1: hybridrl trains without dropout" in w for w in plan.warnings), plan.warnings
     (folder / "config.json").write_text(json.dumps({**config, "max_window_layers": 1}))
     issues = issues_for([model, "data.max_prompt_length=512", "data.max_response_length=512"])
     assert any(i.field == "actor_rollout_ref.model.path" and "max_window_layers=1" in str(i)
