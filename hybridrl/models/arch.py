@@ -94,17 +94,20 @@ def _rope(config: Mapping[str, Any], default_theta: float) -> RopeSettings:
     """
     theta = config.get("rope_theta", default_theta)
     found: dict[str, float] = {}
+    # transformers 5 moves a top-level partial_rotary_factor into rope_parameters, where vLLM reads it
+    for where, holder in (("", config), ("rope_parameters.", config.get("rope_parameters")),
+                          ("rope_scaling.", config.get("rope_scaling"))):
+        partial = holder.get("partial_rotary_factor", 1.0) if isinstance(holder, Mapping) else 1.0
+        if partial != 1.0:
+            raise UnsupportedModelError(
+                f"{where}partial_rotary_factor={partial!r} is not supported: vLLM 0.32 rotates only that share of "
+                "each head, where transformers' plain RoPE for these families rotates all of it (and its scaled RoPE "
+                "fails): the rollout would not be the model trained; valid: 1.0")
     for key in ("rope_parameters", "rope_scaling"):
         params = config.get(key)
         if not isinstance(params, Mapping) or not params:
             continue
         rope_type = params.get("rope_type", params.get("type", "default"))
-        partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-        if partial != 1.0:
-            raise UnsupportedModelError(
-                f"{key}.partial_rotary_factor={partial!r} is not supported: vLLM 0.32 rotates only that share of each "
-                "head, where transformers' plain RoPE for these families rotates all of it (and its scaled RoPE "
-                "fails): the rollout would not be the model trained; valid: 1.0")
         if rope_type == "llama3":
             differ = [f"{name}={params.get(name)!r}" for name, value in MEGATRON_LLAMA3_ROPE.items()
                       if params.get(name) != value]
@@ -523,13 +526,15 @@ def _sliding_window(family: ArchFamily, config: Mapping[str, Any], num_layers: i
             f"each one of {', '.join(map(repr, kinds))}")
     sliding = [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
     if 0 < len(sliding) < num_layers and max_window_layers != num_layers:
-        setting = ("layer_types" if "layer_types" in config else
-                   f"use_sliding_window=true with max_window_layers={max_window_layers}")
+        explicit = "layer_types" in config
+        setting = "layer_types" if explicit else f"use_sliding_window=true with max_window_layers={max_window_layers}"
+        valid = (f"layer_types of one kind, or max_window_layers={num_layers} (vLLM then windows every layer)"
+                 if explicit else f"max_window_layers=0 (every layer windowed) or >= num_hidden_layers={num_layers} "
+                 "(none in transformers), or use_sliding_window=false")
         raise UnsupportedModelError(
             f"{family.architecture}: {setting} gives layers {sliding[0]}..{sliding[-1]} a {window}-token window and "
             f"the other {num_layers - len(sliding)} full attention (transformers' reading); vLLM 0.32 refuses a model "
-            "that mixes the two. Valid: max_window_layers=0 (every layer windowed) or >= num_hidden_layers="
-            f"{num_layers} (none in transformers), or use_sliding_window=false")
+            f"that mixes the two. Valid: {valid}")
     return int(window) if window else None
 
 
