@@ -543,7 +543,12 @@ class CustomRewardConfig:
     reward_kwargs: dict[str, Any] = doc(
         factory=dict, text="keyword arguments passed to the function on every call, beside the sample's own "
                            "(verl's key), e.g. {format_weight: 0.1}")
-    fallback_score: float | None = doc(None, "score for a sample whose scorer raises or returns NaN; None = stop")
+    fallback_score: float | None = doc(None, "score for a sample whose scorer raises, returns NaN or times out; "
+                                             "None = stop the run naming it")
+    timeout_s: float | None = doc(
+        300.0, "seconds each reward call may take (verl's reward_model.timeout), the rule scorers' too: calls run in a "
+               "process of their own, killed past it, and the sample scores fallback_score (reward/timeouts); "
+               "null = no limit, calls run in the trainer's process")
 
 
 @dataclass

@@ -6,6 +6,7 @@ failed one are skipped, so one mistake yields one message, not a cascade.
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -219,6 +220,13 @@ def _check_reward_choice(check: Checker, config: JobConfig) -> None:
         check.fail("algorithm.custom_reward_function.name", custom.name, "names a function, but "
                    "algorithm.custom_reward_function.path (the file defining it) is unset: set the path, or leave "
                    f"the name at {CUSTOM_REWARD_NAME}", [CUSTOM_REWARD_NAME])
+    if custom.timeout_s is not None:  # a week: longer is no deadline (null is none)
+        check.in_range("algorithm.custom_reward_function.timeout_s", custom.timeout_s, 0.0, 7 * 86400.0,
+                       low_open=True)
+    if custom.fallback_score is not None and not (isinstance(custom.fallback_score, (int, float))
+                                                  and math.isfinite(custom.fallback_score)):
+        check.fail("algorithm.custom_reward_function.fallback_score", custom.fallback_score,
+                   "must be a finite number (the score a failed or timed-out sample gets), or null to stop the run")
     if not custom.path and custom.reward_kwargs:
         check.fail("algorithm.custom_reward_function.reward_kwargs", custom.reward_kwargs, "are keyword arguments of "
                    "a custom reward function, but algorithm.custom_reward_function.path (the file defining it) is "

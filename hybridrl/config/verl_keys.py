@@ -91,6 +91,8 @@ VERL_KEYS: tuple[VerlKey, ...] = (
              "the penalty is always logged (reward/overlong_penalty_mean)"),
     Alias("reward_model.reward_kwargs.max_resp_len", "algorithm.overlong_buffer.max_response_length"),
     Alias("actor_rollout_ref.nccl_timeout", "trainer.nccl_timeout_s"),
+    # the seconds each reward call may take (verl's rate-limited reward manager reads it; 300 by default there too)
+    Alias("reward_model.timeout", "algorithm.custom_reward_function.timeout_s"),
     Restates(f"{ROLE}.megatron.override_transformer_config.moe_router_dtype", ("fp32",),
              "the router runs in fp32, as the HF model's does"),
     Restates(f"{ROLE}.megatron.override_transformer_config.moe_grouped_gemm", (False,),

@@ -7,6 +7,12 @@ row, prompt index and data source), or, when ``fallback_score`` is set, that sam
 and the event is counted in the metrics (``reward/fallbacks``) with one warning per batch.
 An ``async def`` scorer's calls for a batch are awaited together in one event loop.
 
+With ``timeout_s`` (``algorithm.custom_reward_function.timeout_s``, 300 s by default in a job's config) every call
+runs in a worker process and may take that long (`hybridrl.rewards.isolation`): a call past it is stopped (its
+process killed) and scores like a failure, the fallback or the run's end naming it, counted in
+``reward/timeouts`` (and ``reward/fallbacks``) with one warning per batch naming the data sources. Without it,
+the calls run in this process, unbounded.
+
 A scorer's extra keys (a dict result's keys beside ``score`` and ``acc``, verl's ``reward_extra_info``) are
 kept per sample in ``RewardOutput.details``; each numeric one's mean over the samples that report it is a
 metric, ``reward/extra/<key>_mean`` (`extra_metrics`).
@@ -28,12 +34,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridrl.rewards.custom import RewardFunctionError, adapt_reward_function, load_reward_function
+from hybridrl.rewards.isolation import Failed, IsolatedScorer, ScorerRecipe, TimedOut, WorkerStartError
 from hybridrl.rewards.registry import ScoreResult, get_scorer
 
 logger = logging.getLogger(__name__)
 
 # The setting a user writes to score failing samples instead of stopping (config.schema's CustomRewardConfig).
 FALLBACK_FIELD = "algorithm.custom_reward_function.fallback_score"
+TIMEOUT_FIELD = "algorithm.custom_reward_function.timeout_s"  # each call's deadline
 
 
 @dataclass
@@ -46,7 +54,7 @@ class RewardOutput:
     responses: list[str] = field(default_factory=list)  # the decoded texts scored (score_batch)
 
 
-def _as_score_result(value: Any) -> ScoreResult | str:
+def as_score_result(value: Any) -> ScoreResult | str:
     """A ScoreResult, or the reason `value` is not a usable score."""
     acc: bool | None = None
     details: Mapping[str, Any] = {}
@@ -78,23 +86,34 @@ class RewardManager:
         scorer: Callable[[str, Any, Mapping[str, Any]], Any],
         name: str,
         fallback_score: float | None = None,
+        timeout_s: float | None = None,
+        recipe: ScorerRecipe | None = None,
     ) -> None:
+        """`timeout_s`: each call's deadline, the calls then made in a worker process that builds the scorer from
+        `recipe` (by default, `scorer` itself, which must then pickle: a module's function)."""
         if fallback_score is not None and not math.isfinite(fallback_score):
             raise ValueError(f"fallback_score must be a finite number, got {fallback_score}")
+        if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
         self.scorer = scorer
         self.name = name
         self.fallback_score = fallback_score
+        self.timeout_s = timeout_s
+        self.isolated = None if timeout_s is None else IsolatedScorer(recipe or ScorerRecipe(scorer=scorer), timeout_s)
 
     @classmethod
-    def from_name(cls, name: str, fallback_score: float | None = None, **options: Any) -> RewardManager:
-        return cls(get_scorer(name, **options), name, fallback_score)
+    def from_name(cls, name: str, fallback_score: float | None = None, timeout_s: float | None = None,
+                  **options: Any) -> RewardManager:
+        return cls(get_scorer(name, **options), name, fallback_score, timeout_s,
+                   ScorerRecipe(registry=name, options=options))
 
     @classmethod
     def from_file(cls, path: str, function_name: str = "compute_score",
                   fallback_score: float | None = None,
-                  reward_kwargs: Mapping[str, Any] | None = None) -> RewardManager:
+                  reward_kwargs: Mapping[str, Any] | None = None, timeout_s: float | None = None) -> RewardManager:
         function = load_reward_function(path, function_name)
-        return cls(adapt_reward_function(function, reward_kwargs), f"{function_name} from {path}", fallback_score)
+        return cls(adapt_reward_function(function, reward_kwargs), f"{function_name} from {path}", fallback_score,
+                   timeout_s, ScorerRecipe(path=path, function=function_name, reward_kwargs=reward_kwargs))
 
     @classmethod
     def from_config(cls, algorithm_config: Any, fallback_score: float | None = None) -> RewardManager:
@@ -102,9 +121,16 @@ class RewardManager:
         custom = algorithm_config.custom_reward_function
         if fallback_score is None:
             fallback_score = getattr(custom, "fallback_score", None)
+        timeout_s = getattr(custom, "timeout_s", None)
         if custom.path:
-            return cls.from_file(custom.path, custom.name, fallback_score, getattr(custom, "reward_kwargs", None))
-        return cls.from_name(algorithm_config.reward_fn, fallback_score)
+            return cls.from_file(custom.path, custom.name, fallback_score, getattr(custom, "reward_kwargs", None),
+                                 timeout_s)
+        return cls.from_name(algorithm_config.reward_fn, fallback_score, timeout_s)
+
+    def close(self) -> None:
+        """Stop the worker process of a scorer with a deadline (a later batch would start another)."""
+        if self.isolated is not None:
+            self.isolated.close()
 
     # ------------------------------------------------------------------------------ scoring
     def score(
@@ -124,40 +150,69 @@ class RewardManager:
         accs: list[bool | None] = []
         details: list[Mapping[str, Any]] = []
         fallback_rows: list[int] = []
+        timed_out: list[int] = []
         first_problem = ""
-        returned = _call_each(self.scorer, responses, ground_truths, extras)
+        returned = self._call_each(responses, ground_truths, extras)
         for row, extra in enumerate(extras):
             value = returned[row]
-            if isinstance(value, _Raised):
-                problem = f"raised {type(value.error).__name__}: {value.error}"
-                cause: BaseException | None = value.error
+            cause: BaseException | None = None
+            if isinstance(value, TimedOut):
+                timed_out.append(row)
+                stopped = "its process was stopped" if value.stopped else "it was cancelled"
+                problem = f"timed out after {value.seconds:g} s ({TIMEOUT_FIELD}; {stopped})"
+            elif isinstance(value, Failed):
+                problem, cause = value.problem, value.cause or (_WorkerTraceback(value.trace) if value.trace else None)
             else:
-                result = _as_score_result(value)
-                problem, cause = (result, None) if isinstance(result, str) else ("", None)
+                result = as_score_result(value)
+                problem = result if isinstance(result, str) else ""
             if problem:
                 where = self._where(row, extra)
                 if self.fallback_score is None:
+                    remedy = (f"make it return sooner, raise {TIMEOUT_FIELD}, or set {FALLBACK_FIELD}"
+                              if isinstance(value, TimedOut) else f"fix the function, or set {FALLBACK_FIELD}")
                     raise RewardFunctionError(
-                        f"reward function {self.name!r} {problem} on {where}; fix the function, or set "
-                        f"{FALLBACK_FIELD} to a number that such samples score instead"
+                        f"reward function {self.name!r} {problem} on {where}; {remedy} to a number that such samples "
+                        "score instead"
                     ) from cause
-                first_problem = first_problem or f"{problem} on {where}"
+                if not isinstance(value, TimedOut):  # timeouts have a warning of their own
+                    first_problem = first_problem or f"{problem} on {where}"
                 fallback_rows.append(row)
                 result = ScoreResult(self.fallback_score, None, {"fallback": problem})
             assert isinstance(result, ScoreResult)
             scores.append(result.score)
             accs.append(result.acc)
             details.append(plain_details(result.details))
-        if fallback_rows:
+        data_sources = [str(extra.get("data_source", "unknown")) for extra in extras]
+        if timed_out:
+            by_source = {source: sum(1 for row in timed_out if data_sources[row] == source)
+                         for source in dict.fromkeys(data_sources[row] for row in timed_out)}
+            logger.warning(
+                "reward function %r timed out after %g s (%s) on %d of %d samples, each scored the fallback %s; by "
+                "data_source: %s; first: %s", self.name, self.timeout_s, TIMEOUT_FIELD, len(timed_out),
+                len(responses), self.fallback_score, ", ".join(f"{s!r} {n}" for s, n in by_source.items()),
+                self._where(timed_out[0], extras[timed_out[0]]),
+            )
+        if len(fallback_rows) > len(timed_out):
             logger.warning(
                 "reward function %r failed on %d of %d samples (fallback score %s), first: %s",
-                self.name, len(fallback_rows), len(responses), self.fallback_score, first_problem,
+                self.name, len(fallback_rows) - len(timed_out), len(responses), self.fallback_score, first_problem,
             )
-        data_sources = [str(extra.get("data_source", "unknown")) for extra in extras]
         metrics = reward_metrics(scores, accs, data_sources)
         metrics.update(extra_metrics(details))
         metrics["reward/fallbacks"] = float(len(fallback_rows))
+        metrics["reward/timeouts"] = float(len(timed_out))
         return RewardOutput(scores, accs, metrics, details, fallback_rows)
+
+    def _call_each(self, responses: Sequence[str], ground_truths: Sequence[Any],
+                   extras: Sequence[Mapping[str, Any]]) -> list[Any]:
+        """Each sample's scorer return value, `Failed` or `TimedOut`: in the worker process under the deadline, or
+        here without one."""
+        if self.isolated is None:
+            return _call_each(self.scorer, responses, ground_truths, extras)
+        try:
+            return self.isolated.call_each(responses, ground_truths, extras)
+        except WorkerStartError as error:
+            raise RewardFunctionError(f"reward function {self.name!r}: {error}") from error
 
     @staticmethod
     def _where(row: int, extra: Mapping[str, Any]) -> str:
@@ -198,24 +253,22 @@ class RewardManager:
         return rewards, output
 
 
-@dataclass(frozen=True)
-class _Raised:
-    """A scorer call that raised, in place of its return value."""
-
-    error: Exception
+class _WorkerTraceback(Exception):
+    """The traceback of an exception a scorer raised in the worker process (its text: the exception itself stays
+    there)."""
 
 
 def _call_each(scorer: Callable[..., Any], responses: Sequence[str], ground_truths: Sequence[Any],
                extras: Sequence[Mapping[str, Any]]) -> list[Any]:
-    """Each sample's scorer return value (or `_Raised`). An `async def` scorer's coroutines are awaited together in
-    one event loop, as verl's reward loop awaits them, so a scorer that waits on a remote judge waits once per
-    batch, not once per sample."""
+    """Each sample's scorer return value (or `Failed`, when it raised). An `async def` scorer's coroutines are awaited
+    together in one event loop, as verl's reward loop awaits them, so a scorer that waits on a remote judge waits once
+    per batch, not once per sample."""
     returned: list[Any] = []
     for response, ground_truth, extra in zip(responses, ground_truths, extras):
         try:
             returned.append(scorer(response, ground_truth, extra))
         except Exception as error:
-            returned.append(_Raised(error))
+            returned.append(_raised(error))
     pending = [row for row, value in enumerate(returned) if inspect.isawaitable(value)]
     if pending:
         async def await_all() -> list[Any]:
@@ -224,8 +277,12 @@ def _call_each(scorer: Callable[..., Any], responses: Sequence[str], ground_trut
         for row, value in zip(pending, asyncio.run(await_all())):
             if isinstance(value, BaseException) and not isinstance(value, Exception):
                 raise value  # KeyboardInterrupt, SystemExit: not the sample's failure
-            returned[row] = _Raised(value) if isinstance(value, Exception) else value
+            returned[row] = _raised(value) if isinstance(value, Exception) else value
     return returned
+
+
+def _raised(error: Exception) -> Failed:
+    return Failed(f"raised {type(error).__name__}: {error}", cause=error)
 
 
 def _plain(value: Any) -> Any:

@@ -17,8 +17,8 @@ def merge_part_metrics(rounds: list[dict[str, float]], rows: list[int], concurre
     def column(key: str) -> list[tuple[float, int]]:
         return [(round_[key], n) for round_, n in zip(rounds, rows) if key in round_]
 
-    summed = ("fallbacks", "empty_responses", "generate_s", "response_tokens", "prompt_tokens", "model_tokens",
-              "observation_tokens")
+    summed = ("fallbacks", "timeouts", "empty_responses", "generate_s", "response_tokens", "prompt_tokens",
+              "model_tokens", "observation_tokens")
     merged: dict[str, float] = {}
     for key in dict.fromkeys(k for round_ in rounds for k in round_):
         values = column(key)

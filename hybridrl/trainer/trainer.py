@@ -523,6 +523,9 @@ class Trainer:
 
     def shutdown(self) -> None:
         self.workers.shutdown()
+        reward = getattr(self, "reward", None)
+        if reward is not None:
+            reward.close()  # its worker process, with algorithm.custom_reward_function.timeout_s
 
     def stop_report(self, signal_name: str) -> str:
         """What a run stopped by `signal_name` (Ctrl-C's SIGINT, SIGTERM, SIGHUP) tells its user once its workers are

@@ -187,6 +187,13 @@ CASES = {
     "one scorer": (["algorithm.reward_fn=gsm8k", f"algorithm.custom_reward_function.path={ROOT / 'setup.py'}"],
                    "algorithm.reward_fn", "scores every row: keep one",
                    [f"algorithm.custom_reward_function.path={ROOT / 'setup.py'}"]),
+    # the reward worker's deadline and the score of a sample past it: refused at plan, not a ValueError at train
+    "reward timeout positive": (["algorithm.custom_reward_function.timeout_s=0"],
+                                "algorithm.custom_reward_function.timeout_s", "must be in (0, 604800]",
+                                ["algorithm.custom_reward_function.timeout_s=30"]),
+    "fallback score finite": (["algorithm.custom_reward_function.fallback_score=.nan"],
+                              "algorithm.custom_reward_function.fallback_score", "must be a finite number",
+                              ["algorithm.custom_reward_function.fallback_score=-1"]),
     "custom function name needs its file": (["algorithm.custom_reward_function.name=my_score"],
                                             "algorithm.custom_reward_function.name", "path (the file defining it)",
                                             ["algorithm.custom_reward_function.name=compute_score"]),

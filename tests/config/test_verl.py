@@ -113,7 +113,8 @@ def test_aliases_set_hybridrls_field_and_conflicts_are_named():
                      "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
                      "+reward_model.reward_kwargs.overlong_buffer_cfg.len=128",
                      "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5",
-                     "+reward_model.reward_kwargs.max_resp_len=1024")
+                     "+reward_model.reward_kwargs.max_resp_len=1024", "+reward_model.timeout=60")
+    assert config.algorithm.custom_reward_function.timeout_s == 60  # each reward call's deadline
     assert config.trainer.nccl_timeout_s == 1200 and config.actor_rollout_ref.model.trust_remote_code is True
     assert config.actor_rollout_ref.rollout.mode == "colocated"  # verl's async server runs in the actor's processes
     assert config.actor_rollout_ref.rollout.update_weights_bucket_megabytes == 256

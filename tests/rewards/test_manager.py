@@ -14,6 +14,7 @@ from hybridrl.config.schema import AlgorithmConfig, CustomRewardConfig
 from hybridrl.data.batch import Batch
 from hybridrl.data.tokenizer import char_tokenizer
 from hybridrl.rewards.custom import RewardFunctionError, call_problem, load_reward_function
+from hybridrl.rewards.isolation import AWAIT_GRACE_S
 from hybridrl.rewards.manager import RewardManager, token_level_rewards
 from hybridrl.rewards.registry import ScoreResult, UnknownScorerError
 
@@ -314,7 +315,7 @@ def test_scorer_protocol_results_pass_through() -> None:
 def test_auto_scores_each_row_by_its_data_source_as_verls_default_reward():
     """verl's GSM8K + MATH jobs: algorithm.reward_fn=auto (the default) scores each row with the scorer its
     data_source names; one scorer for all (the old default, gsm8k) gets the MATH rows wrong."""
-    from hybridrl.rewards.registry import UnknownScorerError, get_scorer
+    from hybridrl.rewards.registry import get_scorer
 
     responses = ["so 42.\n#### 42", "The answer is \\boxed{\\frac{1}{2}}", "#### 7", "\\boxed{3}"]
     truths = ["42", "\\frac{1}{2}", "8", "3"]
@@ -328,9 +329,12 @@ def test_auto_scores_each_row_by_its_data_source_as_verls_default_reward():
     assert output.scores == expected == [1.0, 1.0, 0.0, 1.0]
     one_for_all = RewardManager.from_name("gsm8k").score(responses, truths, extras).scores
     assert one_for_all != expected  # the MATH rows' boxed answers
-    with pytest.raises(RewardFunctionError, match="no scorer for data_source 'aime24'") as info:
+    with pytest.raises(RewardFunctionError, match="raised UnknownScorerError: no scorer for data_source 'aime24'") \
+            as info:
         manager.score(["x"], ["1"], [{"data_source": "aime24"}])
-    assert isinstance(info.value.__cause__, UnknownScorerError)
+    # raised in the scorer's process (the config's timeout_s): its traceback is the cause's text
+    assert "UnknownScorerError: no scorer for data_source 'aime24'" in str(info.value.__cause__)
+    assert "in by_data_source" in str(info.value.__cause__)
 
 
 def test_fallback_field_named_in_errors_is_the_schemas() -> None:
@@ -342,3 +346,103 @@ def test_fallback_field_named_in_errors_is_the_schemas() -> None:
     for part in FALLBACK_FIELD.split("."):
         node = getattr(node, part)
     assert node is None
+
+
+HANGING_REWARD = '''
+import asyncio, os, re, time
+
+def compute_score(response, ground_truth, extra):
+    if response == "hang":  # catastrophic backtracking: 2**30 steps inside re's C code, holding the GIL
+        open(extra["extra_info"]["pid_file"], "w").write(str(os.getpid()))
+        re.match(r"(a+)+$", "a" * 30 + "b")
+    return float(response == ground_truth)
+
+async def judge(response, ground_truth, extra):
+    if response == "wait":
+        await asyncio.sleep(60)  # a remote judge that never answers: cancelled at the deadline
+    if response == "block":
+        time.sleep(60)  # blocking work inside async def: holds the whole event loop
+    await asyncio.sleep(0.05)
+    return float(response == ground_truth)
+'''
+
+
+def _hanging_batch(tokenizer, texts: list[str], sources: list[str], pid_file: Path) -> Batch:
+    rows = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    width = max(map(len, rows))
+    return Batch(
+        tensors={"responses": torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows]),
+                 "response_mask": torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])},
+        non_tensors={"ground_truth": ["a"] * len(texts), "data_source": sources, "index": list(range(len(texts))),
+                     "extra_info": [{"pid_file": str(pid_file)}] * len(texts)})
+
+
+def test_a_hanging_reward_call_is_stopped_at_its_deadline_and_scores_the_fallback(tmp_path: Path, caplog) -> None:
+    """algorithm.custom_reward_function.timeout_s: a call past it is stopped, its process killed (a CPU-bound regex
+    stops burning its core), the sample scores fallback_score, counted in reward/timeouts, and the warning names the
+    function and the data_source; the scoring goes on in a new process. Without a fallback the run stops naming
+    the sample and both settings."""
+    import os
+    import time
+
+    path = tmp_path / "slow_reward.py"
+    path.write_text(HANGING_REWARD)
+    pid_file = tmp_path / "pid"
+    config = AlgorithmConfig(custom_reward_function=CustomRewardConfig(path=str(path), timeout_s=1.0,
+                                                                       fallback_score=-1.0))
+    manager = RewardManager.from_config(config)
+    tokenizer = char_tokenizer()
+    texts, sources = ["a", "hang", "b", "a"], ["fast/src", "regex/src", "fast/src", "fast/src"]
+    started = time.monotonic()
+    manager.score(["a"], ["a"])  # the worker started (each call's deadline counts from the call's start)
+    start = time.monotonic() - started  # what starting one costs on this machine now
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="hybridrl.rewards.manager"):
+        rewards, output = manager.score_batch(_hanging_batch(tokenizer, texts, sources, pid_file), tokenizer)
+    elapsed = time.monotonic() - started
+    assert elapsed < 1.0 + 2 * start + 1.0, (elapsed, start)  # the deadline, a new worker; unbounded: minutes
+    assert output.scores == [1.0, -1.0, 0.0, 1.0]  # the fallback, and the others' own scores
+    assert rewards[1, 3].item() == -1.0  # on the last token of "hang"
+    assert output.metrics["reward/timeouts"] == 1.0 and output.metrics["reward/fallbacks"] == 1.0
+    assert output.fallback_rows == [1]
+    assert "timed out after 1 s" in output.details[1]["fallback"]
+    assert (f"reward function 'compute_score from {path}' timed out after 1 s "
+            "(algorithm.custom_reward_function.timeout_s) on 1 of 4 samples") in caplog.text
+    assert "by data_source: 'regex/src' 1; first: sample 1 (prompt index 1, data_source 'regex/src')" in caplog.text
+    with pytest.raises(ProcessLookupError):  # the process that ran the regex is gone, not burning a core
+        os.kill(int(pid_file.read_text()), 0)
+    assert manager.score(["a", "b"], ["a", "a"]).scores == [1.0, 0.0]  # a new process scores on
+    stop = RewardManager.from_file(str(path), timeout_s=0.5)
+    with pytest.raises(RewardFunctionError, match=(
+            r"timed out after 0.5 s \(algorithm.custom_reward_function.timeout_s; its process was stopped\) on sample "
+            r"0 \(data_source 'regex/src'\); make it return sooner, raise algorithm.custom_reward_function.timeout_s, "
+            r"or set algorithm.custom_reward_function.fallback_score")):
+        stop.score(["hang"], ["a"], [{"data_source": "regex/src", "extra_info": {"pid_file": str(pid_file)}}])
+    manager.close()
+    stop.close()
+
+
+def test_an_async_reward_call_past_its_deadline_times_out_alone(tmp_path: Path) -> None:
+    """An async function's calls are awaited together, each under the deadline: one that never answers is cancelled
+    at it; one that blocks the event loop is found by running the unanswered calls again one at a time, so only it
+    scores the fallback and the others keep their own scores."""
+    import time
+
+    path = tmp_path / "slow_reward.py"
+    path.write_text(HANGING_REWARD)
+    manager = RewardManager.from_file(str(path), "judge", fallback_score=-1.0, timeout_s=1.0)
+    started = time.monotonic()
+    manager.score(["a"], ["a"])  # the worker started
+    start = time.monotonic() - started  # what starting one costs on this machine now
+    started = time.monotonic()
+    waited = manager.score(["a", "wait", "b", "a"], ["a"] * 4)
+    assert time.monotonic() - started < 1.0 + 1.0  # no new worker: the call was cancelled
+    assert waited.scores == [1.0, -1.0, 0.0, 1.0] and waited.metrics["reward/timeouts"] == 1.0
+    assert "it was cancelled" in waited.details[1]["fallback"]
+    started = time.monotonic()
+    blocked = manager.score(["a", "block", "b", "a"], ["a"] * 4)
+    # the batch's deadline and grace, then the unanswered calls one at a time (the blocking one to its deadline)
+    assert time.monotonic() - started < 2 * 1.0 + AWAIT_GRACE_S + 2 * start + 1.0
+    assert blocked.scores == [1.0, -1.0, 0.0, 1.0] and blocked.metrics["reward/timeouts"] == 1.0
+    assert "its process was stopped" in blocked.details[1]["fallback"]
+    manager.close()

@@ -136,16 +136,16 @@ def test_merge_part_metrics_weights_means_sums_counts_and_takes_extremes():
 
     rounds = [
         {"reward/score_mean": 0.5, "reward/score_min": 0.1, "reward/score_max": 0.8, "reward/fallbacks": 1.0,
-         "rollout/generate_s": 2.0, "rollout/response_tokens": 100.0, "rollout/tokens_per_s": 50.0,
-         "rollout/kv_cache_usage_bound": 0.25},
+         "reward/timeouts": 1.0, "rollout/generate_s": 2.0, "rollout/response_tokens": 100.0,
+         "rollout/tokens_per_s": 50.0, "rollout/kv_cache_usage_bound": 0.25},
         {"reward/score_mean": 0.2, "reward/score_min": 0.0, "reward/score_max": 0.9, "reward/fallbacks": 2.0,
-         "rollout/generate_s": 3.0, "rollout/response_tokens": 200.0, "rollout/tokens_per_s": 66.0,
-         "rollout/kv_cache_usage_bound": 0.5},
+         "reward/timeouts": 0.0, "rollout/generate_s": 3.0, "rollout/response_tokens": 200.0,
+         "rollout/tokens_per_s": 66.0, "rollout/kv_cache_usage_bound": 0.5},
     ]
     merged = merge_part_metrics(rounds, [64, 32])
     assert merged == pytest.approx({
         "reward/score_mean": (0.5 * 64 + 0.2 * 32) / 96, "reward/score_min": 0.0, "reward/score_max": 0.9,
-        "reward/fallbacks": 3.0, "rollout/generate_s": 5.0, "rollout/response_tokens": 300.0,
+        "reward/fallbacks": 3.0, "reward/timeouts": 1.0, "rollout/generate_s": 5.0, "rollout/response_tokens": 300.0,
         "rollout/tokens_per_s": 300.0 / 5.0, "rollout/kv_cache_usage_bound": 0.5,
     })
     # replicas generate at the same time: the step waited for the slower one
