@@ -103,7 +103,12 @@ class IsolatedScorer:
     """Calls one scorer in a worker process, each call under `timeout_s` (see the module docstring)."""
 
     def __init__(self, recipe: ScorerRecipe, timeout_s: float) -> None:
-        self.recipe_bytes = pickle.dumps(recipe)  # fails here, at start-up, for a scorer that cannot travel
+        try:
+            self.recipe_bytes = pickle.dumps(recipe)
+        except Exception as error:  # noqa: BLE001 - here, at start-up, not at the first batch
+            raise ValueError(f"a scorer with a time limit runs in a process of its own, which cannot rebuild "
+                             f"{recipe.scorer!r} ({type(error).__name__}: {error}): give a module's function, a "
+                             "registry name or a reward file, or no time limit") from error
         self.timeout_s = timeout_s
         self._lock = threading.Lock()  # one batch at a time (the async rollout's thread and validation)
         self._process: subprocess.Popen[bytes] | None = None
