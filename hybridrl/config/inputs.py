@@ -11,8 +11,10 @@ a traceback minutes later:
   tokenizer. A hub id (``Qwen/Qwen2.5-7B-Instruct``) is looked up in the local Hugging Face cache, offline, as
   transformers does (`resolve_hub_ids`); hybridrl never downloads.
 * data files: each exists and is readable parquet/JSONL with the prompt column (and the reward column
-  the scorer reads), at least one batch of rows, and chat-message prompts only where a chat template
-  formats them (`hybridrl.data.dataset.preview_file` reads only a footer or the first lines).
+  the scorer reads), at least one batch of usable rows, and chat-message prompts only where a chat template
+  formats them; every row of a file of at most `WHOLE_READ_ROWS` rows is read and checked as `train` checks it
+  (`hybridrl.data.dataset.check_file`: a malformed row, a missing ground truth, a data_source without a scorer,
+  named by its row), a larger file's footer or first lines only (the plan says so).
 * reward code: the registry knows `algorithm.reward_fn`, or the custom reward file imports (it is
   trusted code, run as the trainer will run it) and defines the function with a usable signature.
 
@@ -32,7 +34,16 @@ from hybridrl.config.errors import ConfigIssue
 from hybridrl.config.refusals import LORA
 from hybridrl.config.resume import ResumePoint, check_resume
 from hybridrl.config.schema import LOGGER_PACKAGES, DataConfig, JobConfig, ModelConfig
-from hybridrl.data.dataset import DatasetError, FilePreview, PromptItem, preview_file
+from hybridrl.data.dataset import (
+    _PREVIEW_LINES,
+    PARQUET_SUFFIXES,
+    WHOLE_READ_ROWS,
+    DatasetError,
+    FilePreview,
+    PromptItem,
+    check_file,
+    malformed_row,
+)
 from hybridrl.data.tokenizer import tokenizer_size
 from hybridrl.models.arch import ModelShape, read_hf_config, value_model_hf_config
 from hybridrl.models.layout import PICKLED_WEIGHTS_HINT, hf_tensor_problems
@@ -110,14 +121,16 @@ def cached_snapshot(repo_id: str) -> str | None:
         return None
 
 
-def check_inputs(config: JobConfig, issues: list[ConfigIssue], *, critic: bool) -> tuple[bool, ResumePoint | None]:
+def check_inputs(config: JobConfig, issues: list[ConfigIssue], *, critic: bool,
+                 warnings: list[str] | None = None) -> tuple[bool, ResumePoint | None]:
     """Append a problem for every model folder, data file, reward function and checkpoint to resume from that
     `train` could not use; return whether any of them is absent (a folder without weights, a missing data file):
     what `--layout-only` skips, and the checkpoint the job resumes from (`config/resume.py`; None: a fresh start).
 
     `critic`: whether the job runs a critic (its own folder is checked when it names one; a checkpoint must hold
-    its state).
+    its state). `warnings`: what the plan says beside them (a data file too large to read whole, rows skipped).
     """
+    warnings = [] if warnings is None else warnings
     chat_template = None
     absent = False
     present: list[tuple[str, ModelConfig]] = []  # the folders that hold what the workers load: what it holds next
@@ -137,7 +150,7 @@ def check_inputs(config: JobConfig, issues: list[ConfigIssue], *, critic: bool) 
         _check_tokenizer_fits(config, issues, critic=critic)
     for files in (config.data.train_files, config.data.val_files):
         absent |= not files or any(not Path(file).exists() for file in files)
-    train_rows = _check_data(config, issues, chat_template)
+    train_rows = _check_data(config, issues, chat_template, warnings)
     _check_reward(config, issues)
     _check_loggers(config, issues)
     _check_sandbox(config, issues)
@@ -548,8 +561,9 @@ def _rule_scored(config: JobConfig, field: str) -> bool:
     return not by_model and not config.algorithm.custom_reward_function.path
 
 
-def _check_data(config: JobConfig, issues: list[ConfigIssue], chat_template: bool | None) -> int | None:
-    """Check the train and validation files; return the rows of data.train_files (None: unusable or none)."""
+def _check_data(config: JobConfig, issues: list[ConfigIssue], chat_template: bool | None,
+                warnings: list[str]) -> int | None:
+    """Check the train and validation files; return the usable rows of data.train_files (None: unusable or none)."""
     data = config.data
     train_rows = None
     if data.apply_chat_template and chat_template is False:  # every prompt, text or messages, of every file
@@ -564,7 +578,7 @@ def _check_data(config: JobConfig, issues: list[ConfigIssue], chat_template: boo
                                 ("data.val_files", data.val_files, None)):
         needs_reward = ground_truth_required(config, field)
         auto = scored_by_data_source(config, field)
-        rows = _check_files(field, files, data, issues, chat_template, needs_reward, auto,
+        rows = _check_files(field, files, data, issues, warnings, chat_template, needs_reward, auto,
                             config.actor_rollout_ref.model)
         if rows is None:
             continue
@@ -606,14 +620,19 @@ def _no_scorer(source: str, where: str) -> ConfigIssue:
 
 
 def _check_data_sources(file: str, preview: FilePreview, issues: list[ConfigIssue]) -> None:
-    """algorithm.reward_fn=auto scores each row by its data_source: every value seen must name a scorer."""
+    """algorithm.reward_fn=auto scores each row by its data_source: every value seen must name a scorer (read whole,
+    each row's, named with the first row of it)."""
     if "data_source" not in preview.columns:
         issues.append(ConfigIssue("algorithm.reward_fn", AUTO, f"scores each row by its data_source column, which "
                                                                 f"{file} lacks; name one scorer for every row "
                                                                 f"({', '.join(known_scorer_names())})"))
         return
-    issues += [_no_scorer(source, f" of {file}") for source in sorted(preview.data_sources)
-               if scorer_for_data_source(source) is None]
+    for source in sorted(preview.data_sources):
+        if scorer_for_data_source(source) is not None:
+            continue
+        row = preview.data_source_rows.get(source)
+        unset = " (a row without one reads as 'unknown')" if source == "unknown" and preview.whole else ""
+        issues.append(_no_scorer(source, f"{unset} of {file}" + (f" (row {row})" if row is not None else "")))
 
 
 def tokenizer_field(model: ModelConfig) -> tuple[str, str]:
@@ -623,15 +642,16 @@ def tokenizer_field(model: ModelConfig) -> tuple[str, str]:
     return "actor_rollout_ref.model.path", model.path
 
 
-def _check_files(field: str, files: Sequence[str], data: DataConfig, issues: list[ConfigIssue],
+def _check_files(field: str, files: Sequence[str], data: DataConfig, issues: list[ConfigIssue], warnings: list[str],
                  chat_template: bool | None, needs_reward: bool, by_data_source: bool,
                  model: ModelConfig) -> int | None:
-    """Each file of one list checked; the rows of all of them, or None when any is unusable."""
+    """Each file of one list checked; the usable rows of all of them, or None when any is unusable."""
     total, usable = 0, True
     for index, file in enumerate(files):
         where = f"{field}[{index}]" if len(files) > 1 else field
         try:
-            preview = preview_file(file, data.prompt_key)
+            preview = check_file(file, data.prompt_key, data.reward_key, require_ground_truth=needs_reward,
+                                 whole_rows=WHOLE_READ_ROWS)
         except DatasetError as error:
             rule = str(error).removeprefix(f"{file}: ")
             if not Path(file).exists() and "patterns are not expanded" not in rule:
@@ -641,11 +661,12 @@ def _check_files(field: str, files: Sequence[str], data: DataConfig, issues: lis
             issues.append(ConfigIssue(where, file, rule))
             usable = False
             continue
-        total += preview.rows
         if preview.rows == 0:
             issues.append(ConfigIssue(where, file, "holds no rows"))
             usable = False
             continue
+        total += preview.rows - (preview.malformed_rows if data.on_malformed == "skip" else 0)
+        usable &= _check_rows(where, file, preview, data, warnings, issues)
         for key_field, column in (("data.prompt_key", data.prompt_key),
                                   *((("data.reward_key", data.reward_key),) if needs_reward else ())):
             if column not in preview.columns:
@@ -673,6 +694,29 @@ def _check_files(field: str, files: Sequence[str], data: DataConfig, issues: lis
                                           f"names a tokenizer without a chat template, but the prompts of {file} are "
                                           "chat messages; use the instruct model's tokenizer or store text prompts"))
     return total if usable else None
+
+
+def _check_rows(where: str, file: str, preview: FilePreview, data: DataConfig, warnings: list[str],
+                issues: list[ConfigIssue]) -> bool:
+    """The file's rows as `train` reads them (`check_file`): a malformed one refused naming its row (skipped rows
+    said), or, for a file too large to read whole, what the plan checked of it; whether they are usable."""
+    if not preview.whole:
+        checked = ("its schema and data_source column" if Path(file).suffix.lower() in PARQUET_SUFFIXES
+                   else f"its first {_PREVIEW_LINES} lines")
+        warnings.append(f"{where}: {file} holds {preview.rows:,} rows, more than the {WHOLE_READ_ROWS:,} the plan "
+                        f"reads whole: it checked {checked}; train reads and checks every row before any process "
+                        "starts")
+        return True
+    if not preview.malformed_rows:
+        return True
+    row, reason = preview.malformed[0]
+    if data.on_malformed == "skip":
+        examples = "; ".join(f"row {number}: {why}" for number, why in preview.malformed)
+        warnings.append(f"{where}: {preview.malformed_rows} malformed rows of {file} are skipped "
+                        f"(data.on_malformed=skip), e.g. {examples}")
+        return True
+    issues.append(ConfigIssue(where, file, malformed_row(f"row {row}", reason, preview.malformed_rows - 1)))
+    return False
 
 
 def _check_reward(config: JobConfig, issues: list[ConfigIssue]) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from hybridrl.config.errors import ConfigError
 from hybridrl.config.inputs import has_chat_template, looks_like_hub_id, unscored_data_source
 from hybridrl.data.dataset import preview_file
 from hybridrl.data.io import write_rows
@@ -268,36 +269,46 @@ def test_a_hub_id_in_the_local_cache_is_its_snapshot_folder(demo_assets, tmp_pat
                                                                       "data.reward_key=reward_model value's "
                                                                       "'ground_truth' is null"),
 ])
-def test_train_refuses_what_only_reading_every_row_shows(row, reason, demo_assets, tmp_path):
-    """A malformed row past the lines the plan previews: `train` reads every row before Ray starts, and
-    refuses with the file and row (exit 2, no traceback), not a crash."""
+def test_plan_refuses_what_only_reading_every_row_shows(row, reason, demo_assets, tmp_path):
+    """A malformed row (past the lines the plan once previewed, and of parquet, whose footer it read): the plan reads
+    every row of a file as train reads it (`check_file`, `row_problem`), and refuses naming the file and the row
+    (exit 2, no traceback) before any process starts; `train` plans first, so it refuses the same way."""
     data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in [*_rows(5), row, *_rows(10)]))
-    overrides = [*demo_overrides(demo_assets, tmp_path), f"data.train_files=[{data}]"]
-    assert _hybridrl("plan", CONFIG, *overrides).returncode == 0  # the footer/first lines look fine
-    result = _hybridrl("train", CONFIG, *overrides, "--no-progress")
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert f"data.train_files=['{data}']" in result.stderr and f"{data}, row 5: " in result.stderr
-    assert reason.split(": ", 1)[1] in result.stderr
-    assert "Traceback" not in result.stderr and "Started a local Ray" not in result.stderr + result.stdout
+    data.write_text("".join(json.dumps(r) + "\n" for r in [*_rows(70), row, *_rows(10)]))
+    files = {data: 70}
+    if not isinstance(row["prompt"], list):  # parquet holds one type a column: no messages beside text prompts
+        files[write_rows([*_rows(5), row, *_rows(10)], tmp_path / "train.parquet")] = 5
+    overrides = [*demo_overrides(demo_assets, tmp_path), f"data.train_files=[{','.join(map(str, files))}]"]
+    # train plans first: it refuses the same way (once, for one of the rows: each CLI run costs seconds)
+    for command in ("plan", "train") if "'prompt' value" in reason else ("plan",):
+        result = _hybridrl(command, CONFIG, *overrides, *(["--no-progress"] if command == "train" else []))
+        assert result.returncode == 2, result.stderr[-3000:]
+        for index, (file, number) in enumerate(files.items()):
+            where = f"data.train_files[{index}]" if len(files) > 1 else "data.train_files"
+            assert f"{where}={file} row {number}: {reason.split(': ', 1)[1]}" in result.stderr, result.stderr
+        assert "set data.on_malformed=skip to drop such rows" in result.stderr
+        assert "Traceback" not in result.stderr and "Started a local Ray" not in result.stderr + result.stdout
 
 
-def test_train_refuses_a_data_source_without_a_scorer_past_the_plans_preview(demo_assets, tmp_path):
-    """algorithm.reward_fn=auto scores each row by its data_source; the plan reads a JSONL file's first lines only,
-    so a source further down (or a row without one) is refused when train reads every row, before Ray starts (it
-    stopped the run at the step that sampled it)."""
+def test_a_data_source_without_a_scorer_past_the_preview_is_refused_naming_its_row(demo_assets, tmp_path):
+    """algorithm.reward_fn=auto scores each row by its data_source; the plan reads every row of the file (it read a
+    JSONL file's first lines only), so a source further down (or a row without one) is refused naming its first row
+    before any process starts (it stopped the run at the step that sampled it). `train`'s own refusal, of a file
+    too large for the plan to read whole, names the prompt."""
     from hybridrl.data.dataset import _PREVIEW_LINES
 
     rows = _rows(_PREVIEW_LINES + 10)
     rows[_PREVIEW_LINES + 3] = {**rows[0], "data_source": "my/own_source"}
+    rows[_PREVIEW_LINES + 5] = {key: value for key, value in rows[0].items() if key != "data_source"}
     data = write_rows(rows, tmp_path / "train.jsonl")
     overrides = [*demo_overrides(demo_assets, tmp_path), f"data.train_files=[{data}]", "algorithm.reward_fn=auto"]
-    assert _hybridrl("plan", CONFIG, *overrides).returncode == 0  # the first lines name known sources
-    result = _hybridrl("train", CONFIG, *overrides, "--no-progress")
+    result = _hybridrl("plan", CONFIG, *overrides)
     assert result.returncode == 2, result.stderr[-3000:]
-    assert (f"algorithm.reward_fn=auto finds no scorer for data_source 'my/own_source' of {data} (prompt index "
-            f"{_PREVIEW_LINES + 3}, in data.train_files)") in result.stderr, result.stderr
-    assert "Traceback" not in result.stderr and "Started a local Ray" not in result.stderr + result.stdout
+    assert (f"algorithm.reward_fn=auto finds no scorer for data_source 'my/own_source' of {data} (row "
+            f"{_PREVIEW_LINES + 3})") in result.stderr, result.stderr
+    assert (f"finds no scorer for data_source 'unknown' (a row without one reads as 'unknown') of {data} (row "
+            f"{_PREVIEW_LINES + 5})") in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
     # a custom function, or a scorer named for every row, scores them all: the data_source is not read
     from hybridrl.config.loader import load_config
     from hybridrl.data.dataset import PromptDataset
@@ -309,7 +320,34 @@ def test_train_refuses_a_data_source_without_a_scorer_past_the_plans_preview(dem
                              "algorithm.reward_fn=repeat_letter"):
         config = load_config(CONFIG, [*overrides, scored_otherwise])
         assert unscored_data_source(config, "data.train_files", prompts) is None
-    assert unscored_data_source(load_config(CONFIG, overrides), "data.train_files", prompts) is not None
+    unscored = unscored_data_source(load_config(CONFIG, overrides), "data.train_files", prompts)
+    assert unscored is not None and f"(prompt index {_PREVIEW_LINES + 3}, in data.train_files)" in str(unscored)
+
+
+def test_a_file_past_the_whole_read_is_previewed_and_the_plan_says_so(demo_assets, tmp_path, monkeypatch):
+    """A file of more rows than the plan reads whole (`WHOLE_READ_ROWS`, 50,000) keeps the preview, and the plan's
+    warnings say what it checked and that train reads every row; under data.on_malformed=skip the rows train will
+    skip are said with their numbers, and one batch is counted from the rows left."""
+    import hybridrl.config.inputs as inputs
+    from hybridrl.config import plan_from_sources
+
+    rows = _rows(16)
+    rows[9] = {"prompt": None, "reward_model": {"ground_truth": "a"}}
+    rows[10] = {"prompt": "repeat: a", "reward_model": None}
+    data = write_rows(rows, tmp_path / "train.jsonl")
+    overrides = [*demo_overrides(demo_assets, tmp_path), f"data.train_files=[{data}]"]
+    monkeypatch.setattr(inputs, "WHOLE_READ_ROWS", 15)
+    plan = plan_from_sources(CONFIG, [*overrides, "data.train_batch_size=8"], check_files=True)
+    assert (f"data.train_files: {data} holds 16 rows, more than the 15 the plan reads whole: it checked its first 64 "
+            "lines; train reads and checks every row before any process starts") in plan.warnings
+    monkeypatch.setattr(inputs, "WHOLE_READ_ROWS", 16)
+    with pytest.raises(ConfigError, match=r"data.train_batch_size=16 is more than the 14 rows"):  # 16 - 2 skipped
+        plan_from_sources(CONFIG, [*overrides, "data.on_malformed=skip", "data.train_batch_size=16"],
+                          check_files=True)
+    plan = plan_from_sources(CONFIG, [*overrides, "data.on_malformed=skip", "data.train_batch_size=8"],
+                             check_files=True)
+    assert any(w.startswith(f"data.train_files: 2 malformed rows of {data} are skipped (data.on_malformed=skip), e.g. "
+                            "row 9: no 'prompt' value") and "; row 10: no ground truth" in w for w in plan.warnings)
 
 
 def test_a_ground_truth_is_required_where_a_rule_scorer_reads_it(demo_assets, tmp_path):

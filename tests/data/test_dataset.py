@@ -171,9 +171,15 @@ def test_all_prompts_filtered_is_an_error(tmp_path: Path, tokenizer) -> None:
     ],
 )
 def test_malformed_rows_error_names_file_and_row(tmp_path: Path, tokenizer, bad_row: dict, reason: str) -> None:
+    """Train's read refuses the row naming it; the plan's whole read (`check_file`) finds the same row, same reason."""
+    from hybridrl.data.dataset import check_file
+
     file = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "ok"}, {"prompt": "fine"}, bad_row])
-    with pytest.raises(DatasetError, match=rf"bad\.jsonl, row 2: .*{reason}"):
+    with pytest.raises(DatasetError, match=rf"bad\.jsonl, row 2: .*{reason}") as refused:
         PromptDataset(file, tokenizer, apply_chat_template=True)
+    checked = check_file(file, "prompt")
+    assert checked.whole and checked.malformed_rows == 1 and checked.malformed[0][0] == 2
+    assert f"row 2: {checked.malformed[0][1]} (" in str(refused.value)
 
 
 @pytest.mark.parametrize("writer", [write_jsonl, write_parquet], ids=["jsonl", "parquet"])
@@ -214,6 +220,12 @@ def test_wrong_type_and_bad_lines_in_jsonl(tmp_path: Path, tokenizer) -> None:
     dataset = PromptDataset(file, tokenizer, on_malformed="skip")
     assert [tokenizer.decode(list(item.input_ids)) for item in dataset] == ["a", "b", "c"]
     assert dataset.stats.skipped_malformed == 2
+    from hybridrl.data.dataset import check_file  # the plan's whole read: the rows train skips, by their numbers
+
+    checked = check_file(file, "prompt")
+    assert [row for row, _ in checked.malformed] == [2, 3] and checked.malformed_rows == 2 and checked.rows == 5
+    assert checked.malformed[0][1] == "the prompt is a int; expected a string or a list of chat messages"
+    assert checked.malformed[1][1].startswith("unreadable JSON line")
 
 
 def test_json_lines_whose_arrays_mix_kinds_are_read_as_written(tmp_path: Path, tokenizer) -> None:
