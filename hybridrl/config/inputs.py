@@ -55,7 +55,7 @@ from hybridrl.models.lora_targets import (
     peft_unbuilt_settings,
 )
 from hybridrl.persistence import METADATA_FILE
-from hybridrl.rewards.custom import RewardFunctionError, call_problem, load_reward_function
+from hybridrl.rewards.custom import RewardFunctionError, call_form, call_problem, load_reward_function
 from hybridrl.rewards.registry import (
     AUTO,
     UnknownScorerError,
@@ -122,10 +122,11 @@ def cached_snapshot(repo_id: str) -> str | None:
 
 
 def check_inputs(config: JobConfig, issues: list[ConfigIssue], *, critic: bool,
-                 warnings: list[str] | None = None) -> tuple[bool, ResumePoint | None]:
+                 warnings: list[str] | None = None) -> tuple[bool, ResumePoint | None, str | None]:
     """Append a problem for every model folder, data file, reward function and checkpoint to resume from that
     `train` could not use; return whether any of them is absent (a folder without weights, a missing data file):
-    what `--layout-only` skips, and the checkpoint the job resumes from (`config/resume.py`; None: a fresh start).
+    what `--layout-only` skips, the checkpoint the job resumes from (`config/resume.py`; None: a fresh start), and
+    how `train` calls the custom reward function (`call_form`; None: none, or it cannot).
 
     `critic`: whether the job runs a critic (its own folder is checked when it names one; a checkpoint must hold
     its state). `warnings`: what the plan says beside them (a data file too large to read whole, rows skipped).
@@ -151,11 +152,11 @@ def check_inputs(config: JobConfig, issues: list[ConfigIssue], *, critic: bool,
     for files in (config.data.train_files, config.data.val_files):
         absent |= not files or any(not Path(file).exists() for file in files)
     train_rows = _check_data(config, issues, chat_template, warnings)
-    _check_reward(config, issues)
+    reward_call = _check_reward(config, issues)
     _check_loggers(config, issues)
     _check_sandbox(config, issues)
     absent |= _check_adapter_folder(config, issues)
-    return absent, check_resume(config, issues, critic=critic, train_rows=train_rows)
+    return absent, check_resume(config, issues, critic=critic, train_rows=train_rows), reward_call
 
 
 def _check_adapter_folder(config: JobConfig, issues: list[ConfigIssue]) -> bool:
@@ -719,28 +720,32 @@ def _check_rows(where: str, file: str, preview: FilePreview, data: DataConfig, w
     return False
 
 
-def _check_reward(config: JobConfig, issues: list[ConfigIssue]) -> None:
+def _check_reward(config: JobConfig, issues: list[ConfigIssue]) -> str | None:
+    """The scorer or custom function `train` loads, checked; how it calls the custom function (`call_form`), when
+    it can."""
     custom = config.algorithm.custom_reward_function
     if custom.path:
         if not Path(custom.path).is_file():
             issues.append(ConfigIssue("algorithm.custom_reward_function.path", custom.path,
                                       "does not exist; name the Python file that defines the reward function "
                                       f"(trusted code; the conventions: {GUIDE}#rewards)"))
-            return
+            return None
         try:
             function = load_reward_function(custom.path, custom.name)
         except RewardFunctionError as error:
             field = "algorithm.custom_reward_function." + ("name" if "has no function" in str(error) else "path")
             issues.append(ConfigIssue(field, custom.name if field.endswith("name") else custom.path, str(error)))
-            return
+            return None
         found = call_problem(function, custom.reward_kwargs)
         if found is not None:
             name, problem = found
             issues.append(ConfigIssue(f"algorithm.custom_reward_function.{name}", getattr(custom, name), problem))
-        return
+            return None
+        return call_form(function, custom.reward_kwargs)
     try:
         get_scorer(config.algorithm.reward_fn)
     except UnknownScorerError as error:
         issues.append(ConfigIssue("algorithm.reward_fn", config.algorithm.reward_fn,
                                   str(error).replace(f"unknown reward scorer {config.algorithm.reward_fn!r}.",
                                                      "is not a known scorer.").strip()))
+    return None

@@ -182,6 +182,9 @@ class Plan:
     step_flops: tuple[tuple[str, float], ...] = ()
     # the checkpoint `train` resumes from (`config/resume.py`), found and checked when the plan checks files
     resume: ResumePoint | None = None
+    # how `train` calls the custom reward function, each argument named with what it holds (`rewards.custom.call_form`),
+    # when the plan checks files
+    reward_call: str | None = None
 
     def __post_init__(self) -> None:
         # A Plan read back from JSON could pair one device's policy with another's resolved values.
@@ -376,9 +379,9 @@ def build_plan(config: JobConfig, prior_issues: list[ConfigIssue] | tuple[Config
     refused = _refused_names(prior_issues)
     issues[validated:] = [issue for issue in issues[validated:]
                           if not _reads_any(issue, refused) and not _echoes_the_actor(issue, issues)]
-    hint, resume = None, None
+    hint, resume, reward_call = None, None, None
     if check_files:
-        absent, resume = check_inputs(config, issues, critic=resolved.critic_enabled, warnings=warnings)
+        absent, resume, reward_call = check_inputs(config, issues, critic=resolved.critic_enabled, warnings=warnings)
         # the model the rollout workers build: checked with the folders they load (the trainer-side pieces a plan
         # also sizes, e.g. in tests, build no vLLM engine)
         check_rollout_head_dim(Checker(issues, warnings), config, model)
@@ -386,8 +389,8 @@ def build_plan(config: JobConfig, prior_issues: list[ConfigIssue] | tuple[Config
     if issues:
         raise ConfigError(issues, hint)
     plan = _derive(config, resolved, model, tuple(warnings), refuse_over_memory)
-    if resume is not None:
-        plan = dataclasses.replace(plan, resume=resume)
+    if resume is not None or reward_call is not None:
+        plan = dataclasses.replace(plan, resume=resume, reward_call=reward_call)
     refusals = megatron_refusals(plan)
     if refusals:
         raise ConfigError(refusals)

@@ -25,6 +25,7 @@ from hybridrl.config.step_time import StepTime, predict_step_time, seconds_text,
 from hybridrl.models.arch import ModelShape
 from hybridrl.parallel.device_policy import WITHOUT_TE
 from hybridrl.persistence import latest_step
+from hybridrl.rewards.registry import AUTO
 
 MIB = 1024**2
 
@@ -193,10 +194,32 @@ def render_plan(plan: Plan) -> str:
     cfg = plan.config
     sections = [header_lines(plan), mesh_lines(plan), pool_lines(plan), batch_lines(plan), memory_lines(plan),
                 compute_lines(plan), sync_lines(plan), internode_lines(plan), ["", *speed_lines(plan)],
-                ["", *failure_cost_lines(cfg.trainer.save_freq, cfg.trainer.max_restarts), resume_line(plan)]]
+                ["", *failure_cost_lines(cfg.trainer.save_freq, cfg.trainer.max_restarts), resume_line(plan),
+                 reward_line(plan)]]
     if plan.warnings:
         sections.append(["", "Warnings:", *(f"  - {w}" for w in plan.warnings)])
     return "\n".join(line for section in sections for line in section)
+
+
+def reward_line(plan: Plan) -> str:
+    """What scores the samples and how: the custom function's call, argument by argument (`Plan.reward_call`), or
+    the rule scorer; each call's time limit, and what a failed call scores."""
+    algorithm, custom = plan.config.algorithm, plan.config.algorithm.custom_reward_function
+    if custom.path:
+        how = (f", called once per sample as {plan.reward_call}" if plan.reward_call
+               else " (not loaded: --layout-only)")
+        scorer = f"{custom.name} from {custom.path}{how}"
+    else:
+        scorer = f"algorithm.reward_fn={algorithm.reward_fn}" + (
+            " (each row by the scorer its data_source names)" if algorithm.reward_fn == AUTO else "")
+    if plan.config.reward_model.enable:
+        scorer = f"the reward model's score (reward_model.enable); validation rows by {scorer}"
+    limit = (f"each call may take {custom.timeout_s:g} s, in a process of its own "
+             "(algorithm.custom_reward_function.timeout_s)" if custom.timeout_s is not None
+             else "each call in the trainer's process, without a time limit (timeout_s: null)")
+    failed = (f"scores {custom.fallback_score:g} (fallback_score)" if custom.fallback_score is not None
+              else "stops the run naming it (fallback_score: null)")
+    return f"Reward: {scorer}; {limit}; a call that raises, returns no number or times out {failed}"
 
 
 def resume_line(plan: Plan) -> str:

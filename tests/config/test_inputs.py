@@ -502,6 +502,30 @@ def test_a_function_that_cannot_take_reward_kwargs_is_refused_naming_the_field(d
     assert taken.returncode == 0, taken.stderr
 
 
+def test_the_plan_says_how_the_reward_function_is_called_and_refuses_misplaced_names(demo_assets, tmp_path):
+    """A function of meaningless parameter names is called by position: the plan's Reward line says which argument
+    gets what, with its time limit and what a failure scores; one whose names stand in another's place is refused
+    naming algorithm.custom_reward_function.name."""
+    from hybridrl.config import plan_from_sources
+    from hybridrl.config.report import render_plan
+
+    (tmp_path / "mine.py").write_text("def score(a, b, c):\n    return float(a == b)\n\n"
+                                      "def swapped(ground_truth, response, c):\n    return 0.0\n")
+    base = [*demo_overrides(demo_assets, tmp_path), "algorithm.reward_fn=auto",
+            f"algorithm.custom_reward_function.path={tmp_path / 'mine.py'}"]
+    plan = plan_from_sources(CONFIG, [*base, "algorithm.custom_reward_function.name=score",
+                                      "algorithm.custom_reward_function.fallback_score=-1"], check_files=True)
+    (line,) = [line for line in render_plan(plan).splitlines() if line.startswith("Reward: ")]
+    assert line == (f"Reward: score from {tmp_path / 'mine.py'}, called once per sample as score(a=<the response "
+                    "text>, b=<the row's ground truth>, c=<the row's metadata (data_source, extra_info, index, prompt, "
+                    "reward_spec)>), by position; each call may take 300 s, in a process of its own "
+                    "(algorithm.custom_reward_function.timeout_s); a call that raises, returns no number or times out "
+                    "scores -1 (fallback_score)")
+    with pytest.raises(ConfigError, match=r"algorithm\.custom_reward_function\.name=swapped has 'ground_truth' as its "
+                                          r"parameter 1, where the call passes the response text"):
+        plan_from_sources(CONFIG, [*base, "algorithm.custom_reward_function.name=swapped"], check_files=True)
+
+
 def test_a_tokenizer_without_a_chat_template_is_refused_naming_the_field_it_comes_from(demo_assets, tmp_path):
     """Chat-message prompts, or data.apply_chat_template=true, need the tokenizer's chat template: the refusal names
     the field the tokenizer comes from (model.path when tokenizer_path is unset, not "tokenizer_path=None"), and

@@ -453,3 +453,47 @@ def test_an_async_reward_call_past_its_deadline_times_out_alone(tmp_path: Path) 
     assert "its process was stopped" in blocked.details[1]["fallback"]
     manager.close()
 
+
+NAMED_REWARDS = '''
+def meaningless(a, b, c):
+    return {"score": 1.0, "a": a, "b": b, "c_source": c["data_source"]}
+
+def by_name(ground_truth, extra, response):  # hybridrl's three names, in its own order
+    return {"score": float(response == ground_truth), "response": response, "ground_truth": ground_truth,
+            "source": extra["data_source"]}
+
+def swapped(ground_truth, response, c):
+    return float(response == ground_truth)
+
+def trl_batch(prompts, completions, **kwargs):
+    return [1.0 for _ in completions]
+'''
+
+
+def test_how_a_reward_function_is_called_follows_its_parameter_names(tmp_path: Path) -> None:
+    """verl and TRL call reward functions by keyword. hybridrl calls one naming response, ground_truth and extra by
+    name (any order), one with meaningless names by position (response, ground_truth, extra), saying which argument
+    gets what; one whose names stand in another's place, or TRL's batched one, is refused naming the field."""
+    from hybridrl.rewards.custom import call_form
+
+    path = tmp_path / "named.py"
+    path.write_text(NAMED_REWARDS)
+    extras = [{"data_source": "src/a"}, {"data_source": "src/b"}]
+    positional = RewardManager.from_file(str(path), "meaningless").score(["resp", "other"], ["gt", "gt"], extras)
+    assert [(d["a"], d["b"], d["c_source"]) for d in positional.details] == [("resp", "gt", "src/a"),
+                                                                              ("other", "gt", "src/b")]
+    assert call_form(load_reward_function(path, "meaningless")) == (
+        "meaningless(a=<the response text>, b=<the row's ground truth>, c=<the row's metadata (data_source, "
+        "extra_info, index, prompt, reward_spec)>), by position")
+    named = RewardManager.from_file(str(path), "by_name").score(["x", "x"], ["x", "y"], extras)
+    assert named.scores == [1.0, 0.0]  # positionally, ground_truth would be the response and response the extra
+    assert [(d["response"], d["ground_truth"], d["source"]) for d in named.details] == [("x", "x", "src/a"),
+                                                                                        ("x", "y", "src/b")]
+    assert call_form(load_reward_function(path, "by_name"), {"weight": 2}).endswith(
+        "response=<the response text>, weight=<reward_kwargs weight>), by name")
+    field, problem = call_problem(load_reward_function(path, "swapped"))
+    assert field == "name" and problem.startswith(
+        "has 'ground_truth' as its parameter 1, where the call passes the response text (called as fn(response, "
+        "ground_truth, extra), by position)"), problem
+    field, problem = call_problem(load_reward_function(path, "trl_batch"))
+    assert field == "name" and "takes prompts, completions: TRL's convention" in problem
