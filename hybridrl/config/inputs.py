@@ -41,6 +41,7 @@ from hybridrl.data.dataset import (
     DatasetError,
     FilePreview,
     PromptItem,
+    agent_name_problem,
     check_file,
     malformed_row,
 )
@@ -580,7 +581,7 @@ def _check_data(config: JobConfig, issues: list[ConfigIssue], chat_template: boo
         needs_reward = ground_truth_required(config, field)
         auto = scored_by_data_source(config, field)
         rows = _check_files(field, files, data, issues, warnings, chat_template, needs_reward, auto,
-                            config.actor_rollout_ref.model)
+                            config.actor_rollout_ref.model, config.actor_rollout_ref.rollout.multi_turn.enable is True)
         if rows is None:
             continue
         if field == "data.train_files" and files:
@@ -645,7 +646,7 @@ def tokenizer_field(model: ModelConfig) -> tuple[str, str]:
 
 def _check_files(field: str, files: Sequence[str], data: DataConfig, issues: list[ConfigIssue], warnings: list[str],
                  chat_template: bool | None, needs_reward: bool, by_data_source: bool,
-                 model: ModelConfig) -> int | None:
+                 model: ModelConfig, multi_turn: bool) -> int | None:
     """Each file of one list checked; the usable rows of all of them, or None when any is unusable."""
     total, usable = 0, True
     for index, file in enumerate(files):
@@ -681,6 +682,11 @@ def _check_files(field: str, files: Sequence[str], data: DataConfig, issues: lis
                                                    f"trains text-only models, and each prompt would train without "
                                                    f"its {column}; drop the column to train on the text alone"))
             usable = False
+        for name in sorted(preview.agent_names):  # verl's agent loop per row: the job's loop, or refused
+            problem = agent_name_problem(name, multi_turn)
+            if problem is not None:
+                issues.append(ConfigIssue(where, file, problem))
+                usable = False
         if by_data_source:
             _check_data_sources(file, preview, issues)
         if preview.prompt_kind == "messages":

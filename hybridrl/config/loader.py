@@ -247,7 +247,9 @@ def _read_verl_key(parts: tuple[str, ...], value: Any,
     entry, target = found
     spelling, plain = ".".join(parts), _plain(value)
     if isinstance(entry, Refused):
-        issues.append(ConfigIssue(spelling, _as_written(value), entry.why))
+        if plain is None and entry.null_restates:
+            return None
+        issues.append(ConfigIssue(spelling, _as_written(value), entry.reason(plain)))
         return None
     if isinstance(entry, Restates):
         if not restated(entry, plain):

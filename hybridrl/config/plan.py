@@ -113,7 +113,7 @@ class TokenBudget:
     response_tokens: int          # rollout.response_length, else data.max_response_length
     sequence_tokens: int          # prompt_tokens + response_tokens
     multi_turn: bool
-    max_turns: int                # model turns per sample (1 without multi-turn)
+    max_turns: int                # model turns per sample (1 without multi-turn; max_turns null: response_tokens)
     max_tool_rounds: int          # tool answers a sample can read: max_turns - 1 (the last turn's calls are not run)
     max_model_tokens: int         # the whole response (a sample that calls no tool)
     max_observation_tokens: int   # response_tokens - 1 (a model turn writes >= 1 token); 0 without tool rounds
@@ -123,8 +123,9 @@ class TokenBudget:
 def token_budget(config: JobConfig, resolved: Resolved) -> TokenBudget:
     """The `TokenBudget` of a validated config."""
     multi_turn = config.actor_rollout_ref.rollout.multi_turn
-    turns = multi_turn.max_turns if multi_turn.enable else 1
     response = resolved.response_length
+    # max_turns null: no limit but the response budget, and a model turn writes >= 1 token
+    turns = (multi_turn.max_turns if multi_turn.max_turns is not None else response) if multi_turn.enable else 1
     rounds = turns - 1
     return TokenBudget(
         prompt_tokens=config.data.max_prompt_length, response_tokens=response,

@@ -474,14 +474,18 @@ def token_budget_lines(plan: Plan) -> list[str]:
     if tb.multi_turn:
         mt = "actor_rollout_ref.rollout.multi_turn"
         rows += [
-            ["model turns per sample, at most", f"{mt}.max_turns", tb.max_turns],
+            ["model turns per sample, at most",
+             f"{mt}.max_turns" if cfg.actor_rollout_ref.rollout.multi_turn.max_turns is not None
+             else "max_turns null: the response tokens (a model turn writes >= 1 token)", tb.max_turns],
             ["tool answers per sample, at most", f"max_turns {tb.max_turns} - 1 (the last turn's calls are not run)",
              tb.max_tool_rounds],
             ["model tokens per sample, at most", "the whole response (no tool call)", tb.max_model_tokens],
             ["observation tokens per sample, at most",
              f"{tb.response_tokens} - 1 (a model turn writes >= 1 token)" if tb.max_tool_rounds else "no tool round",
              tb.max_observation_tokens],
-            ["one tool answer, at most (characters)", f"{mt}.max_observation_chars, + a truncation note",
+            ["one tool answer, at most (characters)",
+             f"{mt}.max_observation_chars, + a truncation note (cut: "
+             f"{cfg.actor_rollout_ref.rollout.multi_turn.observation_truncate_side})",
              tb.max_observation_chars],
         ]
     lines.append(table(["quantity", "from", "value"], rows))

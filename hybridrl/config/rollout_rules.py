@@ -20,8 +20,11 @@ def check_multi_turn(check: Checker, config: JobConfig) -> None:
 
     rollout = config.actor_rollout_ref.rollout
     mt, prefix = rollout.multi_turn, "actor_rollout_ref.rollout.multi_turn"
-    check.is_int_at_least(f"{prefix}.max_turns", mt.max_turns, 1)
+    if mt.max_turns is not None:  # null: no limit but the response budget (verl's max_assistant_turns=null)
+        check.is_int_at_least(f"{prefix}.max_turns", mt.max_turns, 1)
     check.is_int_at_least(f"{prefix}.max_observation_chars", mt.max_observation_chars, 1)
+    if mt.max_parallel_calls is not None:  # null: every call of a turn
+        check.is_int_at_least(f"{prefix}.max_parallel_calls", mt.max_parallel_calls, 1)
     tools = mt.tools if isinstance(mt.tools, list) else None
     if not tools or not all(isinstance(t, str) and t for t in tools):
         check.fail(f"{prefix}.tools", mt.tools, "must list at least one tool name (the model has nothing to call "
@@ -39,8 +42,9 @@ def check_multi_turn(check: Checker, config: JobConfig) -> None:
     # a tools file may define the parser (its TOOL_PARSERS): checked when the trainer loads the file,
     # before any worker starts
     if mt.tool_parser not in available_parsers() and mt.tools_file is None:
-        check.fail(f"{prefix}.tool_parser", mt.tool_parser, "is not a registered tool-call parser",
-                   available_parsers())
+        check.fail(f"{prefix}.tool_parser", mt.tool_parser, "is not a registered tool-call parser (verl's "
+                   "multi_turn.format names the same thing; a tools file's TOOL_PARSERS may add one: set "
+                   f"{prefix}.tools_file)", available_parsers())
     if mt.tool_timeout_s is not None:
         check.in_range(f"{prefix}.tool_timeout_s", mt.tool_timeout_s, 0, 86400, low_open=True)
     if mt.sandbox.isolation == "none" and "python" in (tools or ()):

@@ -41,6 +41,7 @@ Strategy = Literal["megatron"]
 OptimizerName = Literal["adam", "sgd"]
 LrDecayStyle = Literal["constant", "linear", "cosine"]
 Truncation = Literal["error", "left", "right", "middle"]
+TruncateSide = Literal["left", "middle", "right"]
 MalformedMode = Literal["error", "skip"]
 OldLogProbMode = Literal["auto", "recompute"]
 RouterReplayMode = Literal["none", "rollout"]
@@ -78,7 +79,8 @@ LoraDropoutPosition = Literal["pre", "post"]
 CHOICE_NAMES: dict[Any, str] = {
     Device: "device", Dtype: "dtype", LoggerName: "logger", RolloutEngineName: "rollout engine",
     Strategy: "training strategy", OptimizerName: "optimizer", LrDecayStyle: "LR schedule",
-    Truncation: "truncation mode", MalformedMode: "malformed-row policy", OldLogProbMode: "old log-prob mode",
+    Truncation: "truncation mode", TruncateSide: "truncation side", MalformedMode: "malformed-row policy",
+    OldLogProbMode: "old log-prob mode",
     RouterReplayMode: "router replay mode", PlacementMode: "placement mode", AsyncMode: "async mode",
     StaleSamples: "stale-sample policy",
     AdvEstimator: "advantage estimator", LossAggMode: "loss aggregation mode", KlEstimator: "KL estimator",
@@ -392,12 +394,20 @@ class TurnRewardConfig:
 class MultiTurnConfig:
     enable: bool = doc(False, "multi-turn tool-calling rollouts (hybridrl/rollout/agent_loop.py); the response "
                               "is the whole conversation (response_length tokens), observation tokens untrained")
-    max_turns: int = doc(5, "model turns per sample before the rollout stops")
+    max_turns: int | None = doc(5, "model turns per sample before the rollout stops; null = no limit but the "
+                                   "response budget (verl's max_assistant_turns=null)")
     tools: list[str] = doc(factory=list, text="tools offered to the model: built in (calculator, python) or "
                                               "defined in tools_file")
     tool_parser: str = doc("hermes", "how tool calls are read from a model turn (hybridrl.tool_calling parsers)")
     tools_file: str | None = doc(None, "Python file defining TOOL_SCHEMAS and their functions (trusted code)")
-    max_observation_chars: int = doc(4096, "a tool's answer is cut to this many characters")
+    max_observation_chars: int = doc(4096, "a tool's answer is cut to this many characters, plus a note saying so "
+                                           "(verl's max_tool_response_length)")
+    observation_truncate_side: TruncateSide = doc(
+        "right", "which characters of a longer tool answer are kept: right = the first max_observation_chars, "
+                 "left = the last, middle = the first and last half each (verl's tool_response_truncate_side)")
+    max_parallel_calls: int | None = doc(
+        None, "tool calls run per model turn, the first ones written; later ones are not run and get no "
+              "answer, as in verl; null = all (verl's max_parallel_calls, whose default is 1)")
     tool_timeout_s: float | None = doc(
         None, "tools file tools: each call runs in a process of its own, killed past this many seconds (state "
               "a call changes is not kept); None = in the rollout worker, without a limit")

@@ -14,14 +14,19 @@ it reads a key as unknown:
   `algorithm.custom_reward_function.path`).
 * `Refused`: a verl key with a meaning hybridrl does not build; refused by name with the reason, never
   read as a near-spelled field of another meaning (verl's `data.reward_fn_key` is not `data.reward_key`).
+  With `null_restates`, null (verl's default: the feature off) is taken and changes nothing.
 
 `ROLE` in a key stands for each role section with a megatron layout (actor, ref, critic, reward model).
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 ROLE = "<role>"
 ROLE_PATHS = (("actor_rollout_ref", "actor"), ("actor_rollout_ref", "ref"), ("critic",), ("reward_model",))
@@ -46,7 +51,11 @@ class Alias:
 @dataclass(frozen=True)
 class Refused:
     key: str
-    why: str
+    why: str | Callable[[Any], str]  # or the reason for the value given (one that reads the file it names)
+    null_restates: bool = False  # null (verl's default: the feature off) is taken and changes nothing
+
+    def reason(self, value: Any) -> str:
+        return self.why(value) if callable(self.why) else self.why
 
 
 VerlKey = Restates | Alias | Refused
@@ -172,6 +181,71 @@ VERL_KEYS: tuple[VerlKey, ...] = (
             "processes on the training GPUs: set algorithm.distillation.enable=true and teacher.model.path (a "
             "Hugging Face folder with the policy's tokenizer), its layout in teacher.megatron"),
 )
+
+
+_MT = "actor_rollout_ref.rollout.multi_turn"
+_TOOLS_FILE_EXAMPLE = (
+    "TOOL_SCHEMAS = [<each tool's OpenAI schema, the tool_schema of verl's YAML>]; def <name>(<its parameters>, "
+    "sample): ... (sample: the calling row, read-only; verl's per-row create kwargs are "
+    "sample['extra_info']['tools_kwargs'][<name>]['create_kwargs']); return the answer's text")
+
+
+def _tool_config_refusal(path: Any) -> str:
+    """Why verl's tool_config_path is refused, with a tools file made of its YAML's schemas when it reads."""
+    head = (f"is verl's YAML of BaseTool classes (verl.tools.base_tool, which hybridrl does not import: verl is not "
+            f"a dependency); hybridrl's tools are plain functions in a Python file: set {_MT}.tools_file to it and "
+            f"{_MT}.tools to their names. ")
+    try:
+        tools = yaml.safe_load(Path(str(path)).read_text())["tools"]
+        entries = [(str(t["class_name"]), dict(t["tool_schema"])) for t in tools]
+        names = [str(schema["function"]["name"]) for _, schema in entries]
+    except Exception:  # unreadable or not verl's layout: the general form
+        return head + "The file defines " + _TOOLS_FILE_EXAMPLE
+    classes = ", ".join(f"{name} ({cls})" for (cls, _), name in zip(entries, names))
+    schemas = json.dumps([schema for _, schema in entries])
+    functions = " ".join(
+        f"def {name}({', '.join([*schema['function'].get('parameters', {}).get('properties', {}), 'sample'])}): "
+        f"... (what {cls}.execute returns as text; {cls}.create's create_kwargs are "
+        f"sample['extra_info']['tools_kwargs'][{name!r}]['create_kwargs']);"
+        for (cls, schema), name in zip(entries, names))
+    return (head + f"This file's tools: {classes}. As a tools file: TOOL_SCHEMAS = {schemas} {functions} then "
+            f"{_MT}.tools={json.dumps(names)} {_MT}.tools_file=<that file>")
+
+
+# verl's multi-turn rollout (its ToolAgentLoop) keys: the limits are hybridrl's agent loop's
+# (hybridrl/rollout/agent_loop.py)
+_MULTI_TURN: tuple[VerlKey, ...] = (
+    # verl stops after that many model turns without reading the last one's calls: hybridrl's max_turns (null: the
+    # response budget alone, as verl's null)
+    Alias(f"{_MT}.max_assistant_turns", f"{_MT}.max_turns"),
+    Alias(f"{_MT}.format", f"{_MT}.tool_parser"),
+    # both count characters of the tool's text and keep that many plus a note
+    Alias(f"{_MT}.max_tool_response_length", f"{_MT}.max_observation_chars"),
+    Alias(f"{_MT}.tool_response_truncate_side", f"{_MT}.observation_truncate_side"),
+    Alias(f"{_MT}.max_parallel_calls", f"{_MT}.max_parallel_calls"),
+    # verl stops once the conversation holds that many tool answers (after the model's next turn)
+    Restates(f"{_MT}.max_user_turns", (None,),
+             f"hybridrl bounds a conversation by its model turns alone: N rounds of tool answers are {_MT}.max_turns"
+             "=N+1 (verl's max_assistant_turns), the last turn's calls not run"),
+    Restates(f"{_MT}.use_inference_chat_template", (False,),
+             "the conversation trained is the token ids vLLM sampled with the tool answers' tokens between them "
+             "(verl's false), never re-rendered through the chat template"),
+    Restates(f"{_MT}.tokenization_sanity_check_mode", ANY,
+             "hybridrl never re-tokenizes a conversation (its ids are the sampled ids and each tool answer's "
+             "tokens, appended once), so there is nothing to check"),
+    Restates(f"{_MT}.num_repeat_rollouts", (None,),
+             "samples per prompt are actor_rollout_ref.rollout.n (verl 0.9 reads num_repeat_rollouts nowhere)"),
+    Restates(f"{_MT}.interaction_config_path", (None,),
+             "hybridrl's conversations have no simulated user (verl's interactions): tool answers are the only "
+             f"turns between the model's; per-turn feedback is {_MT}.turn_reward (a Python function of each turn)"),
+    Refused(f"{_MT}.tool_config_path", _tool_config_refusal, null_restates=True),
+    Refused(f"{_MT}.function_tool_path",
+            "is verl's file of @function_tool functions (it imports verl.tools, which hybridrl does not: verl is not a "
+            f"dependency); hybridrl's tools file is the same functions without the decorator: set {_MT}.tools_file "
+            "to a Python file whose " + _TOOLS_FILE_EXAMPLE + f", and {_MT}.tools to their names",
+            null_restates=True),
+)
+VERL_KEYS += _MULTI_TURN
 
 
 def _expand(key: str, role: tuple[str, ...] | None) -> tuple[str, ...]:

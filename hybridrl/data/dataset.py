@@ -236,6 +236,8 @@ class FilePreview:
     data_sources: frozenset[str] = frozenset()
     # MULTIMODAL_COLUMNS present: parquet's schema, the previewed JSONL lines' non-empty values
     multimodal_columns: tuple[str, ...] = ()
+    # verl's agent_name values (its agent loop per row): every row's for parquet, the previewed lines' for JSONL
+    agent_names: frozenset[str] = frozenset()
     # `check_file`: whether every row was read and checked as `PromptDataset` checks it (`row_problem`); then
     # `data_sources` is every row's (a row without one: "unknown", as train reads it), each with its first row here
     whole: bool = False
@@ -282,8 +284,12 @@ def preview_file(path: str | Path, prompt_key: str) -> FilePreview:
         if "data_source" in schema.names:
             column = parquet.read(columns=["data_source"]).column("data_source")
             sources = frozenset(str(v) for v in column.unique().to_pylist() if v is not None)
+        agents: frozenset[str] = frozenset()
+        if "agent_name" in schema.names:
+            column = parquet.read(columns=["agent_name"]).column("agent_name")
+            agents = frozenset(str(v) for v in column.unique().to_pylist() if v is not None)
         return FilePreview(str(path), parquet.metadata.num_rows, tuple(schema.names), kind, sources,
-                           tuple(name for name in MULTIMODAL_COLUMNS if name in schema.names))
+                           tuple(name for name in MULTIMODAL_COLUMNS if name in schema.names), agents)
     if suffix in JSONL_SUFFIXES:
         import json
 
@@ -297,6 +303,7 @@ def preview_file(path: str | Path, prompt_key: str) -> FilePreview:
         columns: dict[str, None] = {}
         seen: set[str] = set()
         multimodal: dict[str, None] = {}
+        agent_names: set[str] = set()
         kind = None
         for line in lines[:_PREVIEW_LINES]:
             try:
@@ -309,10 +316,13 @@ def preview_file(path: str | Path, prompt_key: str) -> FilePreview:
             multimodal.update(dict.fromkeys(name for name in MULTIMODAL_COLUMNS if multimodal_problem(row, name)))
             if row.get("data_source") is not None:
                 seen.add(str(row["data_source"]))
+            if row.get("agent_name") is not None:
+                agent_names.add(str(row["agent_name"]))
             if kind is None and row.get(prompt_key) is not None:
                 prompt = row[prompt_key]
                 kind = "text" if isinstance(prompt, str) else "messages" if isinstance(prompt, list) else None
-        return FilePreview(str(path), len(lines), tuple(columns), kind, frozenset(seen), tuple(multimodal))
+        return FilePreview(str(path), len(lines), tuple(columns), kind, frozenset(seen), tuple(multimodal),
+                           frozenset(agent_names))
     raise _unusable_path(path)
 
 
@@ -340,12 +350,13 @@ def check_file(path: str | Path, prompt_key: str, reward_key: str = "reward_mode
     preview = preview_file(path, prompt_key)
     if preview.rows > whole_rows:
         return preview
-    wanted = [prompt_key, reward_key, "data_source", *MULTIMODAL_COLUMNS]
+    wanted = [prompt_key, reward_key, "data_source", "agent_name", *MULTIMODAL_COLUMNS]
     rows = read_rows(path, columns=wanted)
     malformed: list[tuple[int, str]] = []
     count = 0
     sources: dict[str, int] = {}
     multimodal: dict[str, None] = {}
+    agents: set[str] = set()
     for number, row in enumerate(rows):
         reason = row_problem(row, prompt_key, reward_key, require_ground_truth)
         if reason is not None:  # refused, or skipped unscored (data.on_malformed)
@@ -356,10 +367,12 @@ def check_file(path: str | Path, prompt_key: str, reward_key: str = "reward_mode
             source = row.get("data_source")
             sources.setdefault("unknown" if source is None else str(source), number)
         multimodal.update(dict.fromkeys(name for name in MULTIMODAL_COLUMNS if multimodal_problem(row, name)))
+        if row.get("agent_name") is not None:
+            agents.add(str(row["agent_name"]))
     columns = (dict.fromkeys(preview.columns) if Path(path).suffix.lower() in PARQUET_SUFFIXES
                else dict.fromkeys(key for row in rows for key in row if key != _UNPARSEABLE))
     return dataclasses.replace(preview, rows=len(rows), columns=tuple(columns), data_sources=frozenset(sources),
-                               multimodal_columns=tuple(multimodal), whole=True, malformed=tuple(malformed),
+                               multimodal_columns=tuple(multimodal), agent_names=frozenset(agents), whole=True, malformed=tuple(malformed),
                                malformed_rows=count, data_source_rows=sources)
 
 
@@ -411,6 +424,28 @@ def _missing_ground_truth(row: Mapping[str, Any], reward_key: str) -> str | None
 def _is_missing(value: Any) -> bool:
     """None, or a float NaN: pandas writes a missing number as NaN, which a scorer would compare as the text 'nan'."""
     return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+# verl's per-row `agent_name` column picks the row's agent loop; hybridrl's loop is the job's
+# (actor_rollout_ref.rollout.multi_turn.enable): the name each setting runs
+AGENT_LOOPS = {True: "tool_agent", False: "single_turn_agent"}
+
+
+def agent_name_problem(value: Any, multi_turn: bool) -> str | None:
+    """Why a row's `agent_name` (verl's choice of agent loop for the row) is not the loop this job runs, or None
+    (no name, or the job's)."""
+    if _is_missing(value) or value == AGENT_LOOPS[multi_turn]:
+        return None
+    flag = "actor_rollout_ref.rollout.multi_turn.enable"
+    if multi_turn:
+        return (f"has agent_name={value!r} (verl's agent loop for the row), but with {flag}=true hybridrl runs every "
+                "row through its tool-calling loop (verl's 'tool_agent'), its tools offered; give these rows a job "
+                "of their own without multi_turn, or set their agent_name to 'tool_agent' (or drop the column)")
+    if value == AGENT_LOOPS[True]:
+        return (f"has agent_name='tool_agent' (verl's tool-calling loop for the row), but {flag}=false: every row "
+                f"would be answered in one turn without tools; set {flag}=true with its tools, or drop the column")
+    return (f"has agent_name={value!r}, an agent loop hybridrl does not have (it runs 'single_turn_agent' rows, or "
+            f"'tool_agent' rows with {flag}=true); drop the column or set it to one of those")
 
 
 def multimodal_problem(row: Mapping[str, Any], *names: str) -> str | None:
@@ -530,9 +565,9 @@ class PromptDataset(Sequence[PromptItem]):
         if global_index == 0:
             raise DatasetError(f"no rows in the data files {self.files}")
         for row, file, row_in_file, _ in pending:  # the whole file's problem, not a row to skip under on_malformed
-            multimodal = multimodal_problem(row)
-            if multimodal is not None:
-                raise DatasetError(f"{file}, row {row_in_file} {multimodal}")
+            problem = multimodal_problem(row) or agent_name_problem(row.get("agent_name"), self.tools is not None)
+            if problem is not None:
+                raise DatasetError(f"{file}, row {row_in_file} {problem}")
 
         usable: list[tuple[dict[str, Any], str, int, int]] = []
         for row, file, row_in_file, index in pending:

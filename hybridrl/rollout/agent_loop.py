@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -333,7 +334,12 @@ def build_agent_loop(multi_turn: Any, tokenizer: Any, end_of_turn_ids: Sequence[
                        "plain subprocess with limits, which is not a boundary against hostile code")
     registry = build_registry(multi_turn.tools, tools_file=multi_turn.tools_file, sandbox=limits,
                               isolation=sandbox.isolation, tool_timeout_s=multi_turn.tool_timeout_s,
-                              max_observation_chars=multi_turn.max_observation_chars)
+                              max_observation_chars=multi_turn.max_observation_chars,
+                              truncate_side=multi_turn.observation_truncate_side,
+                              max_parallel_calls=multi_turn.max_parallel_calls)
+    # max_turns null: no limit but the token budget (verl's max_assistant_turns=null); every turn that calls a
+    # tool writes >= 1 token, so the budget ends the conversation
+    max_turns = multi_turn.max_turns if multi_turn.max_turns is not None else sys.maxsize
     return AgentLoop(registry, get_parser(multi_turn.tool_parser), ObservationRenderer(tokenizer, end_of_turn_ids),
-                     AgentLoopSettings(max_turns=multi_turn.max_turns),
+                     AgentLoopSettings(max_turns=max_turns),
                      rewarder=turn_rewarder_from_config(multi_turn.turn_reward))

@@ -57,7 +57,8 @@ def builtin_tool(name: str, sandbox: SandboxLimits | None = None, isolation: Iso
 
 def build_registry(names: Iterable[str], tools_file: str | Path | None = None,
                    sandbox: SandboxLimits | None = None, max_observation_chars: int = 4096,
-                   isolation: Isolation = "namespaces", tool_timeout_s: float | None = None) -> ToolRegistry:
+                   isolation: Isolation = "namespaces", tool_timeout_s: float | None = None,
+                   truncate_side: str = "right", max_parallel_calls: int | None = None) -> ToolRegistry:
     """The registry of `names`: built-in ones by name, the others from `tools_file` (each call of those
     in a process of its own, killed at `tool_timeout_s`, when that is set)."""
     names = list(names)
@@ -69,7 +70,8 @@ def build_registry(names: Iterable[str], tools_file: str | Path | None = None,
     if tool_timeout_s is not None:
         loaded = {n: dataclasses.replace(t, timeout_s=tool_timeout_s) for n, t in loaded.items()}
     tools = [loaded[n] if n in loaded else builtin_tool(n, sandbox, isolation) for n in names]
-    return ToolRegistry(tools, max_observation_chars=max_observation_chars)
+    return ToolRegistry(tools, max_observation_chars=max_observation_chars, truncate_side=truncate_side,
+                        max_parallel_calls=max_parallel_calls)
 
 
 __all__ = [

@@ -145,18 +145,31 @@ def check_signature(parameters: Mapping[str, Any], function: Callable[..., Any],
                               "function.parameters.required must list them")
 
 
-def _truncate(text: str, limit: int) -> tuple[str, bool]:
+def _truncate(text: str, limit: int, side: str = "right") -> tuple[str, bool]:
+    """`text` cut to `limit` characters and a note, keeping its first (`right`: the end is cut), last (`left`)
+    or first and last `limit // 2` (`middle`) characters, as verl's tool_response_truncate_side does."""
     if len(text) <= limit:
         return text, False
+    if side == "left":
+        return f"[output truncated: {len(text)} characters, the last {limit} shown]\n" + text[-limit:], True
+    if side == "middle":
+        half = limit // 2
+        return (text[:half] + f"\n[output truncated: {len(text)} characters, the first and last {half} shown]\n"
+                + (text[-half:] if half else "")), True
+    if side != "right":
+        raise ValueError(f"truncate side {side!r}: must be left, middle or right")
     return text[:limit] + f"\n[output truncated: {len(text)} characters, the first {limit} shown]", True
 
 
 class ToolRegistry:
     """The tools one job offers the model, by name."""
 
-    def __init__(self, tools: Iterable[Tool] = (), max_observation_chars: int = 4096) -> None:
+    def __init__(self, tools: Iterable[Tool] = (), max_observation_chars: int = 4096,
+                 truncate_side: str = "right", max_parallel_calls: int | None = None) -> None:
         self._tools: dict[str, Tool] = {}
         self.max_observation_chars = max_observation_chars
+        self.truncate_side = truncate_side  # which characters of a longer answer are kept (`_truncate`)
+        self.max_parallel_calls = max_parallel_calls  # calls run per turn, the first written; None = all
         for tool in tools:
             self.register(tool)
 
@@ -215,7 +228,7 @@ class ToolRegistry:
             return Observation(f"Error: {call.name} raised {type(error).__name__}: {error}", ToolStatus.TOOL_ERROR,
                                call.name, call.index, time.perf_counter() - start)
         seconds = time.perf_counter() - start
-        text, cut = _truncate(text, self.max_observation_chars)
+        text, cut = _truncate(text, self.max_observation_chars, self.truncate_side)
         if cut and status is ToolStatus.OK:
             status = ToolStatus.OUTPUT_TRUNCATED
         return Observation(text, status, call.name, call.index, seconds)
@@ -226,8 +239,11 @@ class ToolRegistry:
         return call_in_child(tool.function, arguments, tool.timeout_s)
 
     def execute_turn(self, turn: ParsedTurn, sample: Mapping[str, Any] | None = None) -> list[Observation]:
-        """Every call of a model turn, in the order the model wrote them (parse errors included)."""
+        """Every call of a model turn, in the order the model wrote them (parse errors included); with
+        `max_parallel_calls`, only the first that many (the others are not run and get no answer, as in verl)."""
         ordered = sorted([*turn.calls, *turn.errors], key=lambda c: c.index)
+        if self.max_parallel_calls is not None:
+            ordered = ordered[:self.max_parallel_calls]
         return [self.execute(call, sample) for call in ordered]
 
 

@@ -70,6 +70,7 @@ def _mistakes(assets: Path, tmp: Path) -> dict[str, tuple[list[str], str]]:
         "def compute_score(data_source, solution, ground_truth, extra_info=None):\n    return float(solution == 'a')\n")
     images = write_rows([{**row, "images": [{"image": "file:///photo.png"}]} for row in _rows(16)],
                         tmp / "images.parquet")
+    tool_agent = write_rows([{**row, "agent_name": "tool_agent"} for row in _rows(16)], tmp / "tool_agent.parquet")
     (tmp / "raises.py").write_text("import no_such_module_anywhere\n")
     no_weights = _copy_model(assets, tmp / "noweights", without=("*.safetensors",))
     no_tokenizer = _copy_model(assets, tmp / "notok", without=("tokenizer*",))
@@ -171,6 +172,11 @@ def _mistakes(assets: Path, tmp: Path) -> dict[str, tuple[list[str], str]]:
         "multimodal images column": ([f"data.train_files=[{images}]"],
                                      f"data.train_files={images} has the column 'images' (verl's multimodal inputs): "
                                      "hybridrl trains text-only models"),
+        # train: verl's tool-agent rows answered in one turn without tools, the column dropped silently
+        "verl tool-agent rows in a single-turn job": (
+            [f"data.train_files=[{tool_agent}]"],
+            f"data.train_files={tool_agent} has agent_name='tool_agent' (verl's tool-calling loop for the row), but "
+            "actor_rollout_ref.rollout.multi_turn.enable=false"),
         "custom reward file that fails to import": ([f"algorithm.custom_reward_function.path={tmp / 'raises.py'}"],
                                                     "No module named 'no_such_module_anywhere'"),
         # train died ~13 s in, when it started its metric sinks; wandb is not in this environment (checked below)
@@ -190,6 +196,7 @@ MISTAKES = ["missing data file", "hub dataset id", "misspelled scorer", "missing
             "chat messages, template off", "prompt column misnamed", "reward column misnamed",
             "missing custom reward file", "custom reward function misnamed", "custom reward with a wrong signature",
             "verl-style reward with the response parameter renamed", "multimodal images column",
+            "verl tool-agent rows in a single-turn job",
             "custom reward file that fails to import", "logger whose package is missing"]
 
 
@@ -638,3 +645,11 @@ def test_pickled_weights_are_refused_with_the_command_that_resaves_them(demo_ass
     resaved = load_file(folder / "model.safetensors")
     assert sorted(resaved) == sorted(original)
     assert all(torch.equal(resaved[name], original[name]) for name in original)
+
+
+def test_preview_finds_verls_agent_names_as_the_dataset_reads_them(tmp_path):
+    rows = [{**row, "agent_name": name} for row, name in zip(_rows(3), ("tool_agent", None, "single_turn_agent"))]
+    for suffix in (".parquet", ".jsonl"):
+        preview = preview_file(write_rows(rows, tmp_path / f"a{suffix}"), "prompt")
+        assert preview.agent_names == {"tool_agent", "single_turn_agent"}
+    assert preview_file(write_rows(_rows(3), tmp_path / "none.jsonl"), "prompt").agent_names == frozenset()

@@ -245,3 +245,83 @@ def test_actor_param_offload_leaves_generation_and_needs_a_colocated_vllm():
         plan_from_sources(ROOT / "configs/examples/cpu_tiny_grpo.yaml", [
             "actor_rollout_ref.actor.megatron.param_offload=true", "actor_rollout_ref.rollout.mode=disaggregated",
             "actor_rollout_ref.rollout.n_gpus_per_node=2"])
+
+
+# ------------------------------------------------------------------------------------- multi-turn (tool agent)
+MT = "actor_rollout_ref.rollout.multi_turn"
+# verl 0.9.1's rollout.yaml multi_turn section at its defaults, spelled out as a script may (tool_config_path aside)
+VERL_MULTI_TURN_DEFAULTS = [
+    f"{MT}.max_assistant_turns=null", f"{MT}.max_user_turns=null", f"{MT}.max_parallel_calls=1",
+    f"{MT}.max_tool_response_length=256", f"{MT}.tool_response_truncate_side=middle",
+    f"{MT}.use_inference_chat_template=False", f"{MT}.tokenization_sanity_check_mode=strict", f"{MT}.format=hermes",
+    f"{MT}.num_repeat_rollouts=null", f"{MT}.interaction_config_path=null", f"{MT}.function_tool_path=null",
+    f"{MT}.tool_config_path=null"]
+
+
+def test_a_verl_multi_turn_job_plans_in_verls_meaning():
+    """verl's examples/sglang_multiturn gsm8k config (enable, max_assistant_turns=5) and the rest of verl's multi_turn
+    section at its defaults: each key is hybridrl's field in verl's meaning, or restates what hybridrl does."""
+    seed = ROOT / "configs/examples/seed_6gpu_grpo.yaml"
+    plan = plan_from_sources(seed, [*VERL_MULTI_TURN_DEFAULTS, f"{MT}.enable=True", f"{MT}.max_assistant_turns=5",
+                                    f"{MT}.tools=[calculator]"])
+    mt = plan.config.actor_rollout_ref.rollout.multi_turn
+    assert (mt.max_turns, mt.tool_parser, mt.max_observation_chars, mt.observation_truncate_side,
+            mt.max_parallel_calls) == (5, "hermes", 256, "middle", 1)
+    assert (plan.token_budget.max_turns, plan.token_budget.max_observation_chars) == (5, 256)
+    # verl's null: no limit on model turns but the response budget (a turn writes >= 1 token)
+    unbounded = plan_from_sources(seed, [*VERL_MULTI_TURN_DEFAULTS, f"{MT}.enable=True", f"{MT}.tools=[calculator]"])
+    assert unbounded.config.actor_rollout_ref.rollout.multi_turn.max_turns is None
+    assert unbounded.token_budget.max_turns == unbounded.token_budget.response_tokens == 1024
+    _, issues = load_config_collecting(None, [f"{MT}.max_assistant_turns=3", f"{MT}.max_turns=4"])
+    assert len(issues) == 1 and "two spellings of one field" in issues[0].rule
+
+
+@pytest.mark.parametrize("override,rule", [
+    (f"{MT}.max_user_turns=2", f"N rounds of tool answers are {MT}.max_turns=N+1"),
+    (f"{MT}.use_inference_chat_template=True", "never re-rendered through the chat template"),
+    (f"{MT}.num_repeat_rollouts=4", "samples per prompt are actor_rollout_ref.rollout.n"),
+    (f"{MT}.interaction_config_path=/cfg/interaction.yaml", "no simulated user"),
+    (f"{MT}.function_tool_path=/tools/fns.py", f"set {MT}.tools_file to a Python file whose TOOL_SCHEMAS"),
+])
+def test_verl_multi_turn_keys_hybridrl_cannot_take_are_refused_with_its_way(override, rule):
+    _, issues = load_config_collecting(None, [override])
+    assert len(issues) == 1, issues
+    assert issues[0].field == override.split("=")[0]
+    assert rule in str(issues[0]) and "did you mean" not in str(issues[0])
+
+
+def test_verls_tool_config_is_refused_with_its_schemas_as_a_tools_file(tmp_path):
+    """verl's tool_config_path (BaseTool classes, verl not a dependency): the refusal names each class and gives its
+    tool_schema as hybridrl's TOOL_SCHEMAS, and where verl's per-row create kwargs (extra_info.tools_kwargs) are."""
+    import yaml
+
+    schema = {"type": "function", "function": {
+        "name": "calc_gsm8k_reward", "description": "1.0 if your answer is correct",
+        "parameters": {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}}}
+    tool_config = tmp_path / "gsm8k_tool_config.yaml"  # verl's examples/sglang_multiturn/config/tool_config layout
+    tool_config.write_text(yaml.safe_dump({"tools": [
+        {"class_name": "verl.tools.gsm8k_tool.Gsm8kTool", "config": {"type": "native"}, "tool_schema": schema}]}))
+    _, issues = load_config_collecting(None, [f"{MT}.tool_config_path={tool_config}"])
+    (issue,) = issues
+    assert issue.field == f"{MT}.tool_config_path" and "verl is not a dependency" in issue.rule
+    assert "calc_gsm8k_reward (verl.tools.gsm8k_tool.Gsm8kTool)" in issue.rule
+    schemas = issue.rule.split("TOOL_SCHEMAS = ", 1)[1].split(" def ", 1)[0]
+    assert json.loads(schemas) == [schema]
+    assert "def calc_gsm8k_reward(answer, sample)" in issue.rule
+    assert "sample['extra_info']['tools_kwargs']['calc_gsm8k_reward']['create_kwargs']" in issue.rule
+    assert f'{MT}.tools=["calc_gsm8k_reward"]' in issue.rule
+    _, issues = load_config_collecting(None, [f"{MT}.tool_config_path={tmp_path / 'absent.yaml'}"])
+    assert len(issues) == 1 and "The file defines TOOL_SCHEMAS = [<each tool's OpenAI schema" in issues[0].rule
+
+
+def test_verls_multi_turn_values_hybridrl_has_not_are_refused_at_plan_naming_its_field():
+    seed = ROOT / "configs/examples/seed_6gpu_grpo.yaml"
+    with pytest.raises(ConfigError) as error:
+        plan_from_sources(seed, [f"{MT}.enable=True", f"{MT}.tools=[calculator]", f"{MT}.format=gpt-oss",
+                                 f"{MT}.tool_response_truncate_side=both", f"{MT}.max_parallel_calls=0"])
+    calls, side, parser = sorted(error.value.issues, key=lambda i: i.field)
+    assert (parser.field, parser.value) == (f"{MT}.tool_parser", "gpt-oss")
+    assert "verl's multi_turn.format names the same thing" in parser.rule and "hermes" in str(parser)
+    assert (side.field, side.value) == (f"{MT}.observation_truncate_side", "both")
+    assert "valid: left, middle, right" in str(side)
+    assert (calls.field, calls.value, calls.rule) == (f"{MT}.max_parallel_calls", 0, "must be an integer >= 1")

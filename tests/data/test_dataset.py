@@ -80,11 +80,13 @@ def test_chat_template_for_messages_and_text(tmp_path: Path, tokenizer) -> None:
     assert dataset_text(tmp_path, tokenizer, rows) == "user: hello\nassistant: "
 
 
+CHAT_WITH_TOOLS = ("{% if tools %}tools: {% for t in tools %}{{ t['function']['name'] }} {% endfor %}. {% endif %}"
+                   + CHAR_CHAT_TEMPLATE)
+
+
 def test_tool_schemas_reach_the_chat_template(tmp_path: Path) -> None:
     """rollout.multi_turn: the trainer hands the tools' schemas to the template, which shows them."""
-    template = ("{% if tools %}tools: {% for t in tools %}{{ t['function']['name'] }} {% endfor %}. {% endif %}"
-                + CHAR_CHAT_TEMPLATE)
-    tok = char_tokenizer(chat_template=template)
+    tok = char_tokenizer(chat_template=CHAT_WITH_TOOLS)
     schema = {"type": "function", "function": {"name": "calculator", "description": "d", "parameters": {}}}
     file = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "2+2?"}])
     with_tools = PromptDataset(file, tok, apply_chat_template=True, tools=[schema])
@@ -377,3 +379,28 @@ def test_from_config(tmp_path: Path, tokenizer) -> None:
     config = DataConfig(train_files=[str(file)], max_prompt_length=10)
     dataset = PromptDataset.from_config(config, config.train_files, tokenizer)
     assert len(dataset) == 1 and dataset.stats.filtered_overlong == 1
+
+
+@pytest.mark.parametrize("writer", [write_jsonl, write_parquet], ids=["jsonl", "parquet"])
+def test_verls_agent_name_must_be_the_loop_the_job_runs(tmp_path: Path, writer) -> None:
+    """verl's rows name their agent loop (agent_name); hybridrl's is the job's (rollout.multi_turn.enable): a row
+    naming another loop is refused, naming the row and the value, never run in a loop it did not ask for."""
+    tok = char_tokenizer(chat_template=CHAT_WITH_TOOLS)
+    tools = [{"type": "function", "function": {"name": "calculator", "description": "d", "parameters": {}}}]
+    rows = [{"prompt": "a", "agent_name": "tool_agent"}, {"prompt": "b", "agent_name": None},
+            {"prompt": "c", "agent_name": "single_turn_agent"}]
+    suffix = ".jsonl" if writer is write_jsonl else ".parquet"
+    file = writer(tmp_path / f"mixed{suffix}", rows)
+    with pytest.raises(DatasetError, match=r"row 2 has agent_name='single_turn_agent' \(verl's agent loop for the "
+                                           r"row\), but with actor_rollout_ref.rollout.multi_turn.enable=true"):
+        PromptDataset(file, tok, apply_chat_template=True, tools=tools)
+    with pytest.raises(DatasetError, match=r"row 0 has agent_name='tool_agent' \(verl's tool-calling loop for the "
+                                           r"row\), but actor_rollout_ref.rollout.multi_turn.enable=false"):
+        PromptDataset(file, tok, apply_chat_template=True)
+    tool_rows = writer(tmp_path / f"tool{suffix}", rows[:2])
+    assert [i.raw_prompt for i in PromptDataset(tool_rows, tok, apply_chat_template=True, tools=tools)] == ["a", "b"]
+    plain_rows = writer(tmp_path / f"plain{suffix}", rows[1:])
+    assert [i.raw_prompt for i in PromptDataset(plain_rows, tok, apply_chat_template=True)] == ["b", "c"]
+    custom = writer(tmp_path / f"custom{suffix}", [{"prompt": "d", "agent_name": "react_agent"}])
+    with pytest.raises(DatasetError, match="has agent_name='react_agent', an agent loop hybridrl does not have"):
+        PromptDataset(custom, tok, apply_chat_template=True)

@@ -306,3 +306,26 @@ def test_a_turn_reward_function_that_fails_names_itself_and_the_turn():
             loop.run([[5, 6]], budget=50, generate=Script(tok, [["hi"]], tok.eos_token_id), samples=[{"uid": "s1"}])
     with pytest.raises(ValueError, match="tool_error_penalty"):
         TurnRewarder(tool_error_penalty=-1.0)
+
+
+def test_a_verl_multi_turn_section_runs_in_verls_meaning():
+    """verl's multi_turn keys through the config into the loop (build_agent_loop): max_assistant_turns=null runs
+    past hybridrl's default of 5 turns until the model stops; max_parallel_calls=1 runs each turn's first call only;
+    max_tool_response_length=5 with truncate side left keeps the answer's last 5 characters, as verl does."""
+    from hybridrl.config.loader import load_config
+    from hybridrl.rollout.agent_loop import build_agent_loop
+
+    mt = "actor_rollout_ref.rollout.multi_turn"
+    config = load_config(None, [f"{mt}.enable=true", f"{mt}.tools=[calculator]", f"{mt}.max_assistant_turns=null",
+                                f"{mt}.max_parallel_calls=1", f"{mt}.max_tool_response_length=5",
+                                f"{mt}.tool_response_truncate_side=left", f"{mt}.format=hermes"])
+    tok = char_tokenizer()
+    loop = build_agent_loop(config.actor_rollout_ref.rollout.multi_turn, tok, [tok.eos_token_id])
+    prompt = tok.encode("user: go\nassistant: ", add_special_tokens=False)
+    turns = [[call(f"{k} * 1000000") + call("1+1") for k in range(1, 8)] + ["done"]]
+    [trajectory], metrics = loop.run([prompt], budget=4000, generate=Script(tok, turns, tok.eos_token_id))
+    assert (trajectory.finish_reason, trajectory.turns, trajectory.tool_calls) == ("stop", 8, 7)
+    assert [o.text for o in trajectory.observations] == [
+        f"[output truncated: 7 characters, the last 5 shown]\n{str(k * 1000000)[-5:]}" for k in range(1, 8)]
+    assert metrics.as_metrics()["tools/calls"] == 7
+    loop.close()

@@ -321,3 +321,42 @@ def test_a_tool_result_that_does_not_serialize_is_a_tool_error(result, error):
     observation = registry.execute(ToolCall("echo", {"x": "1"}, 0))
     assert observation.status is ToolStatus.TOOL_ERROR
     assert observation.text.startswith(f"Error: echo raised {error}")
+
+
+def _verl_kept(text: str, limit: int, side: str) -> tuple[str, str]:
+    """What verl 0.9's ToolAgentLoop._call_tool keeps of a longer tool answer (its markers left out): the text
+    before and after the cut, per tool_response_truncate_side."""
+    if side == "left":
+        return "", text[-limit:]
+    if side == "right":
+        return text[:limit], ""
+    length = limit // 2
+    return text[:length], text[-length:]
+
+
+@pytest.mark.parametrize("side", ["left", "middle", "right"])
+def test_an_answer_is_cut_on_verls_side_keeping_verls_characters(side):
+    """multi_turn.observation_truncate_side (verl's tool_response_truncate_side): the characters kept are verl's,
+    around a note of the cut; an answer that fits is unchanged."""
+    echo = Tool(_schema("echo", {"text": {"type": "string"}}, ["text"]), lambda text: text)
+    registry = ToolRegistry([echo], max_observation_chars=11, truncate_side=side)
+    answer = "".join(chr(ord("a") + i % 26) for i in range(40))
+    [(status, text, _, _)] = _run(registry, _call("echo", text=answer))
+    head, tail = _verl_kept(answer, 11, side)
+    assert status is ToolStatus.OUTPUT_TRUNCATED
+    note = {"left": "[output truncated: 40 characters, the last 11 shown]\n",
+            "middle": "\n[output truncated: 40 characters, the first and last 5 shown]\n",
+            "right": "\n[output truncated: 40 characters, the first 11 shown]"}[side]
+    assert text == head + note + tail
+    assert _run(registry, _call("echo", text=answer[:11]))[0][:2] == (ToolStatus.OK, answer[:11])
+
+
+def test_max_parallel_calls_runs_the_first_calls_of_a_turn():
+    """verl's max_parallel_calls: the first N calls the model wrote are run, the rest get no answer."""
+    ran: list[int] = []
+    note = Tool(_schema("note", {"i": {"type": "integer"}}, ["i"]), lambda i: ran.append(i) or str(i))
+    turn = get_parser("hermes").parse("".join(_call("note", i=i) for i in range(3)))
+    assert [o.text for o in ToolRegistry([note], max_parallel_calls=1).execute_turn(turn)] == ["0"]
+    assert [o.text for o in ToolRegistry([note], max_parallel_calls=2).execute_turn(turn)] == ["0", "1"]
+    assert [o.text for o in ToolRegistry([note]).execute_turn(turn)] == ["0", "1", "2"]
+    assert ran == [0, 0, 1, 0, 1, 2]
