@@ -372,8 +372,8 @@ def check_file(path: str | Path, prompt_key: str, reward_key: str = "reward_mode
     columns = (dict.fromkeys(preview.columns) if Path(path).suffix.lower() in PARQUET_SUFFIXES
                else dict.fromkeys(key for row in rows for key in row if key != _UNPARSEABLE))
     return dataclasses.replace(preview, rows=len(rows), columns=tuple(columns), data_sources=frozenset(sources),
-                               multimodal_columns=tuple(multimodal), agent_names=frozenset(agents), whole=True, malformed=tuple(malformed),
-                               malformed_rows=count, data_source_rows=sources)
+                               multimodal_columns=tuple(multimodal), agent_names=frozenset(agents), whole=True,
+                               malformed=tuple(malformed), malformed_rows=count, data_source_rows=sources)
 
 
 def _check_messages(prompt: Sequence[Any]) -> str | None:
