@@ -5,6 +5,10 @@
     error = clip(current_kl / target_kl - 1, -0.2, 0.2)
     beta <- beta * (1 + error * n_steps / horizon)
 so beta grows when the policy drifts past the target KL and shrinks when it stays under it.
+
+A checkpoint keeps the coefficient and the controller's settings (`settings`); a resumed run takes the coefficient
+back only where it is state (`resume`): an adaptive controller's adapted value, saved by the same controller. A fixed
+coefficient is a setting: the resumed job's `algorithm.kl_ctrl.kl_coef` applies, whatever the checkpoint's run used.
 """
 from __future__ import annotations
 
@@ -19,8 +23,11 @@ PROPORTIONAL_ERROR_BOUND = 0.2
 class FixedKLController:
     """A constant KL coefficient; `update` does nothing."""
 
+    kind = "fixed"
+
     def __init__(self, kl_coef: float):
         self.value = float(kl_coef)
+        self.initial = self.value  # the configured coefficient (algorithm.kl_ctrl.kl_coef)
 
     def update(self, current_kl: float, n_steps: int) -> None:
         """Kept for interface parity with `AdaptiveKLController`."""
@@ -31,9 +38,36 @@ class FixedKLController:
     def load_state_dict(self, state: Mapping[str, float]) -> None:
         self.value = float(state["value"])
 
+    def settings(self) -> dict[str, Any]:
+        """What a checkpoint records of the controller besides its coefficient: its kind and configured coefficient
+        (`resume` compares them)."""
+        return {"type": self.kind, "kl_coef": self.initial}
+
+    def resume(self, saved_value: float | None, saved_settings: Mapping[str, Any] | None) -> str | None:
+        """Continue from a checkpoint's coefficient (`saved_value`) where it is state: an adaptive controller's,
+        saved by an adaptive controller with the same configured coefficient (a checkpoint without settings, written
+        before they were recorded, counts as such). A fixed coefficient is this job's setting and stays. Returns a
+        line saying which coefficient applies when the checkpoint's differs and is not taken, else None."""
+        if saved_value is None:
+            return None
+        saved = float(saved_value)
+        same = saved_settings is None or dict(saved_settings) == self.settings()
+        if self.kind == "adaptive" and same:
+            self.value = saved
+            return None
+        if saved == self.value:
+            return None
+        why = ("a fixed coefficient is a setting" if self.kind == "fixed" else
+               f"the checkpoint's controller was {dict(saved_settings or {})}, this job's is {self.settings()}: "
+               "the adaptive coefficient starts again from kl_coef")
+        return (f"algorithm.kl_ctrl.kl_coef={self.value:g} applies from here on; the checkpoint's run had the KL "
+                f"coefficient at {saved:g} ({why})")
+
 
 class AdaptiveKLController(FixedKLController):
     """Proportional controller steering the measured KL toward `target_kl` over `horizon` steps."""
+
+    kind = "adaptive"
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: int | float):
         if target_kl <= 0:

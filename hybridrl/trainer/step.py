@@ -17,7 +17,7 @@ owns the data, the checkpoints, validation and restarts.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +71,19 @@ class RunState:
     kl_controller: FixedKLController
     global_step: int = 0
     phase: Phase = Phase.START
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The run's part of a checkpoint's trainer state: the KL coefficient and its controller's settings (whether
+        a resume takes the coefficient back)."""
+        return {"kl_coef": float(self.kl_controller.value), "kl_ctrl": self.kl_controller.settings()}
+
+    def restore(self, state: Mapping[str, Any]) -> str | None:
+        """Continue from a checkpoint's trainer state: its step, and its KL coefficient where that is state (an
+        adaptive controller's; a fixed coefficient is this job's setting: `FixedKLController.resume`). Returns a
+        line saying which coefficient applies when the checkpoint's is not taken, else None."""
+        note = self.kl_controller.resume(state.get("kl_coef"), state.get("kl_ctrl"))
+        self.global_step = int(state["global_step"])
+        return note
 
 
 class StepRunner:

@@ -310,7 +310,7 @@ class Trainer:
                 self.workers.critic.call_all(CriticWorker.save_checkpoint, str(partial))
             # an async rollout has drawn prompts the trainer has not trained on yet: resume before them
             loader = self.driver.loader_state() if self.driver is not None else self.train_loader.state_dict()
-            state = {"dataloader": loader, "kl_coef": float(self.run.kl_controller.value),
+            state = {"dataloader": loader, **self.run.checkpoint_state(),
                      "train_rows": self.train_rows}  # the rows of data.train_files, for the plan's resume check
             return self.checkpoints.commit(partial, self.run.global_step, state)
         except BaseException:
@@ -330,9 +330,8 @@ class Trainer:
         if self.workers.critic is not None:
             self.workers.critic.call_all(CriticWorker.load_checkpoint, str(path))
         self.train_loader.load_state_dict(state["dataloader"])
-        self.run.kl_controller.value = state.get("kl_coef", self.run.kl_controller.value)
-        self.run.global_step = int(state["global_step"])
-        self.write(f"resumed from {path} at step {self.run.global_step}")
+        kl_note = self.run.restore(state)
+        self.write(f"resumed from {path} at step {self.run.global_step}" + (f"; {kl_note}" if kl_note else ""))
 
     def fit(self) -> RunResult:
         """Run the job to `total_steps`. A worker failure stops it (`TrainingFailure`), or, with

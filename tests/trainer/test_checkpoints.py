@@ -87,3 +87,41 @@ def test_stale_latest_pointer_falls_back_to_scan(tmp_path):
     _save(manager, 1)
     (tmp_path / LATEST_FILE).write_text("7\n")  # points at nothing complete
     assert manager.latest().name == "global_step_1"
+
+
+def test_a_resume_takes_the_kl_coefficient_back_only_where_it_is_state(tmp_path):
+    """The KL coefficient a checkpoint holds is the adaptive controller's state, but a fixed controller's setting: a
+    run resumed with another algorithm.kl_ctrl.kl_coef kept the checkpoint's (0.001 logged as
+    actor/reward_kl_penalty_coeff after resuming with kl_coef=0.01, measured on the PPO demo). Saved and read back
+    through the trainer's own state and checkpoint folder."""
+    from hybridrl.algorithms.kl_control import kl_controller_from_config
+    from hybridrl.trainer.step import RunState
+
+    def resumed(saved: dict, now: dict) -> tuple[float, str | None]:
+        run = RunState(kl_controller_from_config(saved))
+        run.kl_controller.update(current_kl=1.0, n_steps=100)  # adaptive: 0.001 x (1 + 0.2 x 100 / 1000)
+        manager = CheckpointManager(tmp_path / str(len(list(tmp_path.iterdir()))))
+        path = manager.commit(manager.begin(2), 2, run.checkpoint_state())
+        again = RunState(kl_controller_from_config(now))
+        note = again.restore(manager.read_state(path))
+        assert again.global_step == 2
+        return again.kl_controller.value, note
+
+    fixed = {"type": "fixed", "kl_coef": 0.001}
+    adaptive = {"type": "adaptive", "kl_coef": 0.001, "target_kl": 0.5, "horizon": 1000}
+    assert resumed(fixed, fixed) == (0.001, None)
+    value, note = resumed(fixed, {**fixed, "kl_coef": 0.01})  # the user's new setting applies
+    assert value == 0.01 and note == ("algorithm.kl_ctrl.kl_coef=0.01 applies from here on; the checkpoint's run had "
+                                      "the KL coefficient at 0.001 (a fixed coefficient is a setting)")
+    assert resumed(adaptive, adaptive) == (pytest.approx(0.001 * 1.02), None)  # the adapted value continues
+    # its target and horizon may change; the adapted value still continues
+    assert resumed(adaptive, {**adaptive, "target_kl": 2.0})[0] == pytest.approx(0.001 * 1.02)
+    value, note = resumed(adaptive, {**adaptive, "kl_coef": 0.05})  # another starting point: it starts there
+    assert value == 0.05 and "the adaptive coefficient starts again from kl_coef" in note
+    value, note = resumed(adaptive, fixed)  # fixed now: the setting, not the adapted value
+    assert value == 0.001 and note is not None and "0.00102" in note
+    # a checkpoint written before the controller's settings were recorded: an adaptive controller continues
+    run = RunState(kl_controller_from_config(adaptive))
+    assert run.restore({"global_step": 2, "kl_coef": 0.0042}) is None and run.kl_controller.value == 0.0042
+    run = RunState(kl_controller_from_config({**fixed, "kl_coef": 0.01}))
+    assert run.restore({"global_step": 2, "kl_coef": 0.0042}) is not None and run.kl_controller.value == 0.01
