@@ -24,7 +24,8 @@ Folder layout (written by every rank of the role's group together: a collective)
                         The distributed optimizer's DP shards are gathered to DP rank 0 for the save
                         (an expert's to expert-DP rank 0).
   rank_00003.pt         per rank: RNG streams (torch, python, numpy, megatron's tracker, CUDA), LR
-                        schedule, the optimizer's param-group hyper-parameters and grad scaler
+                        schedule, the optimizer's param groups and grad scaler (a resume takes back the
+                        scaler and what a group gained while stepping; the hyper-parameters are the job's)
   role_checkpoint.json  role, format version, layout, world size, model shape, each rank's mesh
                         coordinates, the optimizer's step count and state kinds, and the sha256 of
                         every tensor in train_state/; written last
@@ -49,8 +50,8 @@ RNG streams are per rank and cannot be mapped across layouts. On the saved layou
 its own streams back. On another layout a rank takes the streams of the saved rank with the same
 (tp, pp, dp) coordinates, else the same (tp, pp) at the lowest DP rank, else rank 0's (logged as a
 warning: TP ranks then share megatron's model-parallel stream until it is reseeded); the LR
-schedule, param-group hyper-parameters and grad scaler, identical on every rank, come from that
-same file.
+schedule's position, the param groups' stepping state and the grad scaler, identical on every rank, come from
+that same file.
 """
 from __future__ import annotations
 

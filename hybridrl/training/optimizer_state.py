@@ -4,8 +4,8 @@
 megatron-core 0.16's optimizers. Saving collects this rank's per-element state (`local_optimizer_state`)
 and, for the distributed optimizer, gathers each parameter's DP shards whole to DP rank 0 of its group, or to
 the ranks that ask for it (`gather_sharded`); loading puts each parameter's saved state back, whole or as this
-rank's DP shard (`load_optimizer`), with the param-group hyper-parameters and the grad scaler
-(`rank_optimizer_meta` / `load_group_settings`).
+rank's DP shard (`load_optimizer`), with the grad scaler and the param groups' stepping state, the groups'
+hyper-parameters being the resumed job's (`rank_optimizer_meta` / `load_group_settings`).
 """
 from __future__ import annotations
 
@@ -277,7 +277,10 @@ def load_optimizer(entries: list[StateEntry], view: OptimizerView, described: di
 
 
 def load_group_settings(view: OptimizerView, saved: dict[str, Any] | None) -> None:
-    """Param-group hyper-parameters (by megatron's group identity) and the grad scaler, per optimizer part."""
+    """The grad scaler and what a param group gained while stepping (by megatron's group identity), per optimizer
+    part: the entries the freshly built group lacks, such as TE's and Apex's FusedAdam per-group `step`. The group's
+    own entries (betas, eps, weight_decay, lr, ...) are this job's optimizer settings and stay: a resumed job may
+    change them (they were overwritten with the checkpoint's, so new betas or eps were silently ignored)."""
     if saved is None:
         return
     for part, saved_part in zip(view.parts, saved["parts"]):
@@ -285,7 +288,7 @@ def load_group_settings(view: OptimizerView, saved: dict[str, Any] | None) -> No
         for group in part.optimizer.param_groups:
             match = by_identity.get(tuple(group.get(k) for k in GROUP_IDENTITY))
             if match is not None:
-                group.update({k: v for k, v in match.items() if k not in GROUP_SWITCHES})
+                group.update({k: v for k, v in match.items() if k not in GROUP_SWITCHES and k not in group})
         scaler = getattr(part, "grad_scaler", None)
         if scaler is not None and saved_part["grad_scaler"] is not None:
             scaler.load_state_dict(saved_part["grad_scaler"])

@@ -141,6 +141,31 @@ def _hf_state(ckpt: Path) -> tuple[dict[str, Any], dict[tuple[str, str], torch.T
     return meta["optimizer"], tensors
 
 
+def _groups_after_load(rank: int, world: int, config: Any, ckpt: str) -> list[tuple[Any, ...]]:
+    from hybridrl.config.plan import build_plan
+    from hybridrl.training.backend import MegatronBackend, role_spec
+    from hybridrl.training.checkpointing import load_role_checkpoint
+    from hybridrl.training.optimizer_state import OptimizerView
+
+    backend = MegatronBackend(role_spec(build_plan(config), "actor"))
+    load_role_checkpoint(backend, ckpt)
+    inner = [part.optimizer for part in OptimizerView(backend.optimizer).parts]
+    steps = {float(s["step"]) for optimizer in inner for s in optimizer.state.values()}
+    return [(tuple(g["betas"]), g["eps"], steps) for optimizer in inner for g in optimizer.param_groups]
+
+
+def test_a_resume_keeps_the_jobs_optimizer_settings(tp2_pp2_checkpoint):
+    """Adam's betas and eps are the resumed job's (actor.optim.betas, eps), the moments and step count the
+    checkpoint's: the saved param groups' hyper-parameters were put back over the job's, so new betas or eps were
+    silently ignored."""
+    hf, _, ckpt = tp2_pp2_checkpoint
+    config = resume_config(hf, tp=1, pp=1)
+    config.actor_rollout_ref.actor.optim.betas = [0.8, 0.95]
+    config.actor_rollout_ref.actor.optim.eps = 1e-3
+    groups = run_ranks(_groups_after_load, 1, config, str(ckpt))[0]
+    assert groups and all(g == ((0.8, 0.95), 1e-3, {1.0}) for g in groups), groups  # saved: (0.9, 0.999), 1e-5
+
+
 def test_bf16_master_weights_and_adam_state_reshard_exactly(tmp_path):
     """bf16: the fp32 master copies travel too. Saved with the distributed optimizer at DP2, loaded at TP2
     (plain bf16 optimizer) and saved again: every state tensor, by HF name, is bit-identical."""
