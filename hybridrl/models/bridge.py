@@ -36,8 +36,8 @@ from hybridrl.models.checkpoint import (
     McoreMetadata,
     assemble,
     estimated_hf_bytes,
+    hf_export_dtype,
     mcore_metadata,
-    source_dtype,
     tensor_sha256,
     write_hf_files,
     write_rank_file,
@@ -631,7 +631,7 @@ def export_hf(
         try:
             reader = McoreCheckpointReader(shards, verify=False)
             try:
-                check_free_space(out_dir, estimated_hf_bytes(reader.shape, dtype or source_dtype(reader)))
+                check_free_space(out_dir, estimated_hf_bytes(reader.shape, dtype or hf_export_dtype(reader)))
                 kwargs = {"max_shard_bytes": max_shard_bytes} if max_shard_bytes else {}
                 write_hf_files(reader, staging, dtype=dtype, adjust=adjust, **kwargs)
             finally:

@@ -409,8 +409,29 @@ def mcore_metadata(
 
 
 def source_dtype(reader: TensorReader) -> torch.dtype:
-    """The input's dtype (that of its embedding), used when no output dtype is asked for."""
+    """The input's dtype (that of its embedding), used when no output dtype is asked for (megatron outputs)."""
     return reader.dtype_of(reader.shape.weights.embedding.hf_name)
+
+
+def declared_dtype(config: Mapping[str, Any]) -> torch.dtype | None:
+    """The dtype a model's config.json declares (transformers 5's `dtype`, 4's `torch_dtype`) when it is one a
+    checkpoint holds (float32, bfloat16, float16), else None."""
+    for key in ("dtype", "torch_dtype"):
+        value = config.get(key)
+        if isinstance(value, str):
+            try:
+                return parse_dtype(value)
+            except ValueError:
+                continue
+    return None
+
+
+def hf_export_dtype(reader: TensorReader) -> torch.dtype:
+    """The dtype of an HF folder written when none is asked for: the model's own, as its config.json declares it
+    (the checkpoint keeps that config), else the stored tensors'. A training checkpoint holds its training dtype,
+    which need not be the model's: fp32 on CPU by default, for a bf16 model too, whose export is then bf16 as the
+    model came in (`--dtype float32` keeps the trained fp32 values)."""
+    return declared_dtype(reader.config) or source_dtype(reader)
 
 
 def _progress_bar(total: int, desc: str, enabled: bool) -> Any:
@@ -438,6 +459,8 @@ def write_mcore_checkpoint(
     shape: ModelShape = reader.shape
     shape.check_parallel(**layout.sizes())
     out_dir = Path(out_dir)
+    # a dtype asked for becomes the model's: its config.json says so, as an HF export's does (`hf_export_dtype`)
+    config = hf_config_for_export(reader.config, dtype) if dtype is not None else dict(reader.config)
     dtype = dtype or source_dtype(reader)
     inputs = {"the input checkpoint": reader.dir}
     check_output_dir(out_dir, force, inputs)
@@ -458,7 +481,7 @@ def write_mcore_checkpoint(
             files[fname] = rank_file_fields(layout, rank) | {"tensors": write_rank_file(tmp / fname, tensors)}
             del tensors
         _copy_assets(assets, tmp / ASSETS_DIR)
-        meta = mcore_metadata(shape, layout, reader.config, dtype, files, reader.generation_config(),
+        meta = mcore_metadata(shape, layout, config, dtype, files, reader.generation_config(),
                               [p.name for p in assets])
         (tmp / METADATA_FILE).write_text(json.dumps(meta, indent=1, sort_keys=False))
     return out_dir
@@ -494,7 +517,7 @@ def write_hf_checkpoint(
     each HF tensor as written (a LoRA checkpoint's adapters merged into the weights they adapt); `inputs`: other
     folders read besides the reader's (name -> path; that LoRA folder), which the output must keep apart from."""
     out_dir = Path(out_dir)
-    dtype = dtype or source_dtype(reader)
+    dtype = dtype or hf_export_dtype(reader)
     inputs = {"the input checkpoint": reader.dir, **(inputs or {})}
     check_output_dir(out_dir, force, inputs)
     check_free_space(out_dir, estimated_hf_bytes(reader.shape, dtype))
@@ -512,9 +535,10 @@ def write_hf_files(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool = False,
     adjust: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
-    """The HF folder's files written into `folder` (an existing, empty staging folder)."""
+    """The HF folder's files written into `folder` (an existing, empty staging folder), in `dtype` (None: the
+    model's own, `hf_export_dtype`)."""
     shape: ModelShape = reader.shape
-    dtype = dtype or source_dtype(reader)
+    dtype = dtype or hf_export_dtype(reader)
     hf_shapes = hf_tensor_shapes(shape)
     sizes = {name: _numel(s) * _element_size(dtype) for name, s in hf_shapes.items()}
     # Plan shards first (HF's greedy rule: start a new shard when the next tensor would overflow).

@@ -33,6 +33,7 @@ from hybridrl.models.layout import ParallelLayout
 from hybridrl.persistence import CheckpointError, check_apart, check_output_dir
 
 if TYPE_CHECKING:  # torch: imported where used (module docstring)
+    from hybridrl.models.checkpoint import TensorReader
     from hybridrl.models.lora import PeftMerge
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -64,7 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--out", required=True, help="output folder (created; must be empty unless --force)")
         p.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"],
-                       help="output dtype (default: the input's)")
+                       help="output dtype (default: the input's; mcore-to-hf: the model's own, as its config.json "
+                            "declares it; a dtype given here becomes the one the output's config declares)")
         p.add_argument("--force", action="store_true", help="replace a non-empty output folder")
         p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -140,6 +142,18 @@ def _lora_merge(ckpt: str, shape: ModelShape) -> PeftMerge | None:
     return merge
 
 
+def _say_export_dtype(reader: TensorReader) -> None:
+    """Name the dtype an export without --dtype is written in where it is not the checkpoint's: the model's own (its
+    config.json's), while training kept another (fp32 on CPU, for a bf16 model too)."""
+    from hybridrl.models.checkpoint import DTYPE_NAMES, hf_export_dtype, source_dtype
+
+    written, stored = hf_export_dtype(reader), source_dtype(reader)
+    if written != stored:
+        print(f"hybridrl convert: writing {DTYPE_NAMES[written]}, the model's dtype (its config.json); the checkpoint "
+              f"holds {DTYPE_NAMES[stored]} (it trained in that dtype): --dtype {DTYPE_NAMES[stored]} keeps those "
+              "values exactly")
+
+
 def lora_folder(ckpt: str) -> Path | None:
     """The PEFT adapter folder beside (or in) a LoRA actor's model checkpoint, or None."""
     return next((f for f in (Path(ckpt) / "lora", Path(ckpt).parent / "lora") if f.is_dir()), None)
@@ -209,6 +223,8 @@ def run(args: argparse.Namespace) -> int:
                       disable=not progress) as bar:
                 mcore.verify(bar.update)
         if args.direction == "mcore-to-hf":
+            if dtype is None:
+                _say_export_dtype(reader)
             merge = _lora_merge(args.ckpt, reader.shape)
             out = write_hf_checkpoint(reader, args.out, dtype=dtype, max_shard_bytes=args.max_shard_size,
                                       force=args.force, progress=progress, adjust=merge, inputs=inputs)

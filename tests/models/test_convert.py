@@ -129,6 +129,31 @@ def test_dtype_conversion_and_assets(hf_dirs, tmp_path):
     assert (tmp_path / "hf" / "tokenizer.json").read_text() == '{"version": "1.0"}'
 
 
+def test_a_model_trained_in_another_dtype_exports_in_its_own(hf_dirs, tmp_path, capsys):
+    """A training checkpoint keeps the model's config.json and the training dtype's tensors: a bf16 model trained on
+    CPU (fp32, the CPU's default) exported as fp32, twice the size of what the user brought, unless --dtype bf16. The
+    export is now in the model's declared dtype, saying so; --dtype float32 keeps the trained values. A dtype asked
+    for at hf-to-mcore becomes the model's (test_dtype_conversion_and_assets: exported back in it)."""
+    ckpt = to_mcore(hf_dirs["llama"], tmp_path / "trained", 2, 1)  # fp32 tensors
+    meta = read_json(ckpt / METADATA_FILE)
+    assert meta["dtype"] == "float32" and meta["hf_config"]["dtype"] == "float32"
+    meta["hf_config"]["dtype"] = "bfloat16"  # the model's config.json as the trainer keeps it: a bf16 model
+    (ckpt / METADATA_FILE).write_text(json.dumps(meta))
+    assert convert("mcore-to-hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "hf")) == 0
+    assert ("writing bfloat16, the model's dtype (its config.json); the checkpoint holds float32 (it trained in that "
+            "dtype): --dtype float32 keeps those values exactly") in capsys.readouterr().out
+    trained = safetensors_state(hf_dirs["llama"])
+    exported = safetensors_state(tmp_path / "hf")
+    assert exported.keys() == trained.keys()
+    for name, tensor in trained.items():
+        assert exported[name].dtype == torch.bfloat16 and torch.equal(exported[name], tensor.to(torch.bfloat16)), name
+    assert read_json(tmp_path / "hf" / "config.json")["dtype"] == "bfloat16"
+    assert convert("mcore-to-hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "fp32"), "--dtype", "float32") == 0
+    assert "writing bfloat16" not in capsys.readouterr().out
+    assert_same_tensors(safetensors_state(tmp_path / "fp32"), trained)
+    assert read_json(tmp_path / "fp32" / "config.json")["dtype"] == "float32"
+
+
 # ---- bad input: clear error, output untouched ---------------------------------------------------
 
 @pytest.fixture()
