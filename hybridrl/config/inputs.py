@@ -123,14 +123,16 @@ def cached_snapshot(repo_id: str) -> str | None:
 
 
 def check_inputs(config: JobConfig, issues: list[ConfigIssue], *, critic: bool,
-                 warnings: list[str] | None = None) -> tuple[bool, ResumePoint | None, str | None]:
+                 warnings: list[str] | None = None, actor_shape: ModelShape | None = None
+                 ) -> tuple[bool, ResumePoint | None, str | None]:
     """Append a problem for every model folder, data file, reward function and checkpoint to resume from that
     `train` could not use; return whether any of them is absent (a folder without weights, a missing data file):
     what `--layout-only` skips, the checkpoint the job resumes from (`config/resume.py`; None: a fresh start), and
     how `train` calls the custom reward function (`call_form`; None: none, or it cannot).
 
     `critic`: whether the job runs a critic (its own folder is checked when it names one; a checkpoint must hold
-    its state). `warnings`: what the plan says beside them (a data file too large to read whole, rows skipped).
+    its state); `actor_shape`: the actor's model, which a checkpoint's actor must have been saved from. `warnings`:
+    what the plan says beside them (a data file too large to read whole, rows skipped).
     """
     warnings = [] if warnings is None else warnings
     chat_template = None
@@ -157,7 +159,7 @@ def check_inputs(config: JobConfig, issues: list[ConfigIssue], *, critic: bool,
     _check_loggers(config, issues)
     _check_sandbox(config, issues)
     absent |= _check_adapter_folder(config, issues)
-    return absent, check_resume(config, issues, critic=critic, train_rows=train_rows), reward_call
+    return absent, check_resume(config, issues, critic=critic, train_rows=train_rows, model=actor_shape), reward_call
 
 
 def _check_adapter_folder(config: JobConfig, issues: list[ConfigIssue]) -> bool:

@@ -382,7 +382,8 @@ def build_plan(config: JobConfig, prior_issues: list[ConfigIssue] | tuple[Config
                           if not _reads_any(issue, refused) and not _echoes_the_actor(issue, issues)]
     hint, resume, reward_call = None, None, None
     if check_files:
-        absent, resume, reward_call = check_inputs(config, issues, critic=resolved.critic_enabled, warnings=warnings)
+        absent, resume, reward_call = check_inputs(config, issues, critic=resolved.critic_enabled, warnings=warnings,
+                                                   actor_shape=model)
         # the model the rollout workers build: checked with the folders they load (the trainer-side pieces a plan
         # also sizes, e.g. in tests, build no vLLM engine)
         check_rollout_head_dim(Checker(issues, warnings), config, model)

@@ -14,17 +14,24 @@ worker are up; what it would refuse there, and the plan can tell from a few smal
   rows than the saved loader's prompts cannot match; the rows of data.train_files when the checkpoint recorded
   them (`train_rows`, written since the plan checks them).
 
-What needs the model's tensors (another model's checkpoint, LoRA settings) stays the workers' check at load.
+* another model than a trained role's checkpoint was saved from (its `role_checkpoint.json` records the model's
+  shape; compared field by field as the workers compare it at load, `training.checkpointing._check_model`).
+
+What needs the model's tensors (a damaged file, LoRA settings) stays the workers' check at load.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hybridrl.config.errors import ConfigIssue
+from hybridrl.config.model_shapes import own_model_shape
 from hybridrl.config.schema import JobConfig
 from hybridrl.data.loader_state import state_mismatches
+from hybridrl.models.arch import ModelShape
 from hybridrl.names import Role
 from hybridrl.persistence import ROLE_CHECKPOINT_FILE, CheckpointError, read_step_state, resolve_resume
 
@@ -50,10 +57,10 @@ def checkpointed_roles(critic: bool) -> tuple[Role, ...]:
 
 
 def check_resume(config: JobConfig, issues: list[ConfigIssue], *, critic: bool,
-                 train_rows: int | None) -> ResumePoint | None:
+                 train_rows: int | None, model: ModelShape | None = None) -> ResumePoint | None:
     """The checkpoint this job resumes from (None: a fresh start), appending to `issues` every reason `train`
     would refuse it after start-up. `train_rows`: the rows of data.train_files as the data check counted them
-    (None: not known, the files being refused)."""
+    (None: not known, the files being refused); `model`: the actor's model (None: not known)."""
     mode = config.trainer.resume_mode
     if not isinstance(mode, str) or mode not in ("auto", "disable") and not Path(mode).exists():
         return None  # a wrong type is the schema's refusal, a missing path validate's
@@ -76,8 +83,39 @@ def check_resume(config: JobConfig, issues: list[ConfigIssue], *, critic: bool,
             issues.append(ConfigIssue(FIELD, mode, (
                 f"resumes from {found} (step {point.step}), which holds {what} {role} checkpoint "
                 f"(no {role}/{ROLE_CHECKPOINT_FILE}), but this job trains the {role}: {why}; {outs}")))
+        else:
+            _check_model(config, role, found / role / ROLE_CHECKPOINT_FILE, model, where, outs, issues)
     _check_loader(config, state, where, outs, train_rows, issues)
     return point
+
+
+def _check_model(config: JobConfig, role: Role, saved_file: Path, actor: ModelShape | None, where: str, outs: str,
+                 issues: list[ConfigIssue]) -> None:
+    """A trained role's model against the one its checkpoint was saved from (the shape `role_checkpoint.json`
+    records), as the workers compare them at load: the actor's model; the critic's own folder, else the actor's
+    backbone, as a value model (untied)."""
+    try:
+        saved = json.loads(saved_file.read_text()).get("shape")
+    except (OSError, ValueError, AttributeError):
+        return  # unreadable: the workers name it at load
+    if role == Role.ACTOR:
+        field, path, shape = "actor_rollout_ref.model.path", config.actor_rollout_ref.model.path, actor
+    else:
+        own = config.critic.model.path
+        field = "critic.model.path"
+        path = own or config.actor_rollout_ref.model.path
+        shape = own_model_shape(config, role) or (
+            dataclasses.replace(actor, tie_word_embeddings=False) if actor is not None else None)
+    if not isinstance(saved, dict) or shape is None:
+        return
+    now = json.loads(json.dumps(shape.to_dict()))
+    differ = [f"{k}={saved.get(k)!r} (this model: {now.get(k)!r})" for k in sorted(set(now) | set(saved))
+              if now.get(k) != saved.get(k)]
+    if differ:
+        issues.append(ConfigIssue(field, path, (
+            f"is another model than the one {where} saved its {role} from: " + ", ".join(differ)
+            + f" there; a resume continues that model's weights and optimizer state: give the model it trained, or "
+            f"{outs}")))
 
 
 def _check_loader(config: JobConfig, state: dict[str, Any], where: str, outs: str, train_rows: int | None,

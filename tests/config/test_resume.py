@@ -126,6 +126,35 @@ def test_a_role_the_checkpoint_lacks_is_refused(job, tmp_path):
     assert f"trainer.resume_mode={grpo / STATE_FILE} is a file, not a checkpoint folder" in text
 
 
+def test_another_model_is_refused_naming_what_differs(job, demo_assets):
+    """A checkpoint of another model (another actor path, or a critic of its own) was refused by the workers at load,
+    after Ray, vLLM and every worker had started; the plan now compares the shape each trained role's
+    role_checkpoint.json records, as the workers do. Written here with the workers' own shape of each model
+    (ModelSource, value_model_source): the same model plans."""
+    from hybridrl.models.bridge import ModelSource
+    from hybridrl.training.value_head import value_model_source
+
+    overrides, root, rows = job
+    folder = _checkpoint(root, 2, roles=("actor", "critic"), dataset_size=rows, batch_size=16)
+    overrides = [*overrides, f"trainer.resume_mode={folder}"]
+    model = demo_assets / "model"
+    shapes = {"actor": ModelSource.from_path(model).shape.to_dict(),
+              "critic": value_model_source(model).shape.to_dict()}
+    for role, shape in shapes.items():
+        (folder / role / ROLE_CHECKPOINT_FILE).write_text(json.dumps({"role": role, "shape": shape}))
+    assert plan_from_sources(PPO, overrides, check_files=True).resume.step == 2
+    assert shapes["actor"]["num_layers"] == 4 and shapes["critic"]["tie_word_embeddings"] is False
+    for role in shapes:  # saved from a 2-layer model
+        (folder / role / ROLE_CHECKPOINT_FILE).write_text(json.dumps({"shape": {**shapes[role], "num_layers": 2}}))
+    text = _refusal(PPO, overrides)
+    where = f"the checkpoint it resumes from ({folder}, step 2)"
+    assert (f"actor_rollout_ref.model.path={model} is another model than the one {where} saved its actor from: "
+            "num_layers=2 (this model: 4) there; a resume continues that model's weights and optimizer state: give "
+            "the model it trained, or name another checkpoint, or start fresh with trainer.resume_mode=disable") in text
+    assert f"critic.model.path={model} is another model than the one {where} saved its critic from" in text
+    assert "2 config error(s)" in text
+
+
 def test_output_folders_that_are_files_are_refused(job, tmp_path):
     overrides, _, _ = job
     file = tmp_path / "a_file"
