@@ -392,7 +392,8 @@ class StepResult:
 class MegatronBackend:
     """A role's model on this rank, built and (when trainable) wrapped for training."""
 
-    def __init__(self, spec: RoleSpec, *, total_optimizer_steps: int | None = None) -> None:
+    def __init__(self, spec: RoleSpec, *, total_optimizer_steps: int | None = None,
+                 optimizer_steps_per_step: int | None = None) -> None:
         self.spec = spec
         self.device_policy = spec.device_policy
         self.ctx = ensure_parallel_state(spec.megatron, spec.device_policy.name)
@@ -480,7 +481,7 @@ class MegatronBackend:
             host_optimizer = bool(settings.get("optimizer_cpu_offload"))
             if spec.megatron.optimizer_offload and not host_optimizer:
                 self.optimizer_offload = OptimizerStateOffload(self.optimizer, store="cpu")
-            self.schedule = LRSchedule.from_config(spec.trained_optim, total_optimizer_steps)
+            self.schedule = LRSchedule.from_config(spec.trained_optim, total_optimizer_steps, optimizer_steps_per_step)
         else:
             for chunk in chunks:
                 chunk.eval()

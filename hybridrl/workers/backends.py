@@ -33,10 +33,11 @@ class UpdateMetrics(Protocol):
 
 def trained_backend(plan: Plan, role: Role, total_training_steps: int | None) -> MegatronBackend:
     """The backend of a trained `role`; its LR schedule's length is the run's steps x the role's optimizer steps a
-    step (None: a worker built without a run, whose schedule never decays)."""
-    total = None if total_training_steps is None else \
-        total_training_steps * plan.update(role).optimizer_steps_per_step
-    return MegatronBackend(role_spec(plan, role), total_optimizer_steps=total)
+    step (None: a worker built without a run, whose schedule never decays), which a resume rescales a checkpoint's
+    position by where it took another number a step."""
+    per_step = plan.update(role).optimizer_steps_per_step
+    total = None if total_training_steps is None else total_training_steps * per_step
+    return MegatronBackend(role_spec(plan, role), total_optimizer_steps=total, optimizer_steps_per_step=per_step)
 
 
 def mesh_coord(backend: MegatronBackend) -> MeshCoord:

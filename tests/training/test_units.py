@@ -160,6 +160,30 @@ def test_lr_schedule_shapes():
     assert restored.current_lr == 1.0
 
 
+def test_a_resume_with_another_count_of_optimizer_steps_a_step_keeps_the_schedule_on_the_run():
+    """The schedule counts optimizer steps over total_training_steps x those a step takes. A GRPO run decaying
+    linearly from 1e-3 over 4 steps, saved after 2 at one optimizer step each and resumed at two a step
+    (ppo_mini_batch_size halved), logged actor/lr 6.875e-4 and 4.375e-4 for steps 3 and 4 (measured): its position 2
+    read against 8, so the decay ended above half the lr. Rescaled to the same point of the run (4 of 8) it ends as
+    the run does."""
+    from hybridrl.config.schema import OptimConfig
+
+    optim = OptimConfig(lr=1e-3, lr_decay_style="linear")
+    saved = LRSchedule.from_config(optim, total_steps=4 * 1, steps_per_step=1)
+    saved.step_count = 2
+    resumed = LRSchedule.from_config(optim, total_steps=4 * 2, steps_per_step=2)
+    resumed.load_state_dict(saved.state_dict())
+    assert resumed.step_count == 4
+    assert [resumed.lr_at(resumed.step_count + k) for k in range(4)] == pytest.approx([5e-4, 3.75e-4, 2.5e-4, 1.25e-4])
+    same = LRSchedule.from_config(optim, total_steps=4, steps_per_step=1)  # the same count a step: as saved
+    saved.step_count = 3  # (a skipped non-finite step leaves the count behind the steps; kept exactly)
+    same.load_state_dict(saved.state_dict())
+    assert same.step_count == 3
+    older = {k: v for k, v in saved.state_dict().items() if k != "steps_per_step"}  # a checkpoint before the field
+    resumed.load_state_dict(older)
+    assert resumed.step_count == 3
+
+
 def test_the_warmup_rises_from_lr_warmup_init():
     """verl's optim.lr_warmup_init (megatron's init_lr): the linear warmup starts from it instead of 0."""
     from hybridrl.config.schema import OptimConfig
