@@ -389,6 +389,28 @@ def latest_step(root: str | Path) -> Path | None:
     return step_dir(root, steps[-1]) if steps else None
 
 
+def verl_checkpoint_hint(path: str | Path) -> str | None:
+    """What a verl checkpoint is and how to go on from its weights (a `global_step_N` folder, or its `actor/` or
+    `actor/dist_ckpt/` folder: megatron dist-checkpointing state, which hybridrl does not read), or None when `path`
+    is not one."""
+    path = Path(path)
+    step = next((p for p in (path, path.parent, path.parent.parent)
+                 if (p / "actor" / "dist_ckpt").is_dir() or (p / "actor" / "huggingface").is_dir()
+                 or (p / "data.pt").is_file() and _STEP_DIR.match(p.name)), None)
+    if step is None or is_complete(step):
+        return None
+    actor = step / "actor"
+    hf = actor / "huggingface"
+    weights = hf.is_dir() and any(hf.glob("*.safetensors"))
+    start = (f"its actor's HF weights are in {hf}: give that folder as actor_rollout_ref.model.path" if weights
+             else f"merge its actor's weights into an HF folder with verl's model merger (python -m "
+                  f"verl.model_merger merge --backend megatron --local_dir {actor} --target_dir HF_DIR) and give that "
+                  "folder as actor_rollout_ref.model.path")
+    return (f"a verl checkpoint ({step}: actor/dist_ckpt, data.pt), not hybridrl's; verl's megatron "
+            f"dist-checkpointing state (weights, optimizer, data position) is not read here: to go on from its weights "
+            f"as a fresh start, {start}")
+
+
 def resolve_resume(root: str | Path, resume_mode: str) -> Path | None:
     """`auto`: the latest complete checkpoint under `root` or None; `disable`: None; else that checkpoint path."""
     if resume_mode == "disable":
@@ -402,6 +424,14 @@ def resolve_resume(root: str | Path, resume_mode: str) -> Path | None:
     if not path.is_dir():
         raise CheckpointError(f"trainer.resume_mode={resume_mode}: no such checkpoint folder")
     if not is_complete(path):
+        verl = verl_checkpoint_hint(path)
+        if verl is not None:
+            raise CheckpointError(f"trainer.resume_mode={resume_mode}: is {verl} (with trainer.resume_mode=disable, "
+                                  "or a new trainer.default_local_dir)")
+        newest = latest_step(path)
+        if newest is not None:  # a checkpoint root: its steps are the checkpoints
+            raise CheckpointError(f"trainer.resume_mode={resume_mode}: is a folder of checkpoints, not one: name one "
+                                  f"of its global_step_<N> folders (the newest: {newest})")
         raise CheckpointError(
             f"trainer.resume_mode={resume_mode}: not a complete checkpoint (no {STATE_FILE}; "
             "an interrupted save is never resumed from)"

@@ -57,6 +57,7 @@ from hybridrl.persistence import (
     check_free_space,
     check_output_dir,
     save_safetensors,
+    verl_checkpoint_hint,
 )
 
 # a training checkpoint keeps each role's weights in such a checkpoint under `<global_step_N>/<role>/model`
@@ -214,7 +215,10 @@ class McoreMetadata:
         ckpt_dir = Path(ckpt_dir)
         meta_path = ckpt_dir / METADATA_FILE
         if not meta_path.is_file():
-            raise CheckpointError(f"{ckpt_dir} is not a hybridrl megatron checkpoint: no {METADATA_FILE}")
+            verl = verl_checkpoint_hint(ckpt_dir)
+            raise CheckpointError(f"{ckpt_dir} is not a hybridrl megatron checkpoint: no {METADATA_FILE}"
+                                  + (f"; it is {verl}, then hybridrl convert hf-to-mcore --hf on it for a "
+                                     "megatron checkpoint" if verl else ""))
         raw = json.loads(meta_path.read_text())
         if raw.get("format") != CHECKPOINT_FORMAT or raw.get("version") != CHECKPOINT_VERSION:
             raise CheckpointError(f"{meta_path}: format {raw.get('format')!r} v{raw.get('version')!r}, "

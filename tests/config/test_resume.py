@@ -155,6 +155,32 @@ def test_another_model_is_refused_naming_what_differs(job, demo_assets):
     assert "2 config error(s)" in text
 
 
+def test_a_verl_checkpoint_or_a_folder_of_checkpoints_is_refused_saying_what_it_is(job, tmp_path):
+    """A user moving from verl names its checkpoint (global_step_N with actor/dist_ckpt and data.pt), or names the
+    experiment's folder instead of one step: both were 'not a complete checkpoint (no trainer_state.json; an
+    interrupted save is never resumed from)', which neither is."""
+    overrides, root, rows = job
+    verl = tmp_path / "verl" / "global_step_10"
+    (verl / "actor" / "dist_ckpt").mkdir(parents=True)
+    (verl / "data.pt").write_bytes(b"")
+    text = _refusal(GRPO, [*overrides, f"trainer.resume_mode={verl}"])
+    assert (f"trainer.resume_mode={verl} is a verl checkpoint ({verl}: actor/dist_ckpt, data.pt), not hybridrl's; "
+            "verl's megatron dist-checkpointing state (weights, optimizer, data position) is not read here: to go on "
+            "from its weights as a fresh start, merge its actor's weights into an HF folder with verl's model merger "
+            f"(python -m verl.model_merger merge --backend megatron --local_dir {verl / 'actor'} --target_dir HF_DIR)"
+            ) in text
+    (verl / "actor" / "huggingface").mkdir()  # saved with verl's hf_model contents: the weights are there
+    (verl / "actor" / "huggingface" / "model.safetensors").write_bytes(b"")
+    text = _refusal(GRPO, [*overrides, f"trainer.resume_mode={verl / 'actor'}"])
+    assert (f"its actor's HF weights are in {verl / 'actor' / 'huggingface'}: give that folder as "
+            "actor_rollout_ref.model.path (with trainer.resume_mode=disable, or a new trainer.default_local_dir)"
+            ) in text
+    latest = _checkpoint(root, 3, dataset_size=rows)
+    text = _refusal(GRPO, [*overrides, f"trainer.resume_mode={root}"])
+    assert (f"trainer.resume_mode={root} is a folder of checkpoints, not one: name one of its global_step_<N> folders "
+            f"(the newest: {latest})") in text
+
+
 def test_output_folders_that_are_files_are_refused(job, tmp_path):
     overrides, _, _ = job
     file = tmp_path / "a_file"

@@ -190,6 +190,13 @@ def test_a_folder_holding_no_checkpoint_is_refused_by_name(tmp_path, capsys):
     assert convert("mcore-to-hf", "--ckpt", str(tmp_path / "global_step_3"), "--out", str(tmp_path / "hf")) == 2
     assert f"{tmp_path / 'global_step_3'} is not a hybridrl megatron checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()
+    # verl's (actor/dist_ckpt: megatron dist-checkpointing) is named as such, with the way to its weights
+    (tmp_path / "global_step_3" / "actor" / "dist_ckpt").mkdir()
+    assert convert("mcore-to-hf", "--ckpt", str(tmp_path / "global_step_3" / "actor" / "dist_ckpt"),
+                   "--out", str(tmp_path / "hf")) == 2
+    err = capsys.readouterr().err
+    assert f"it is a verl checkpoint ({tmp_path / 'global_step_3'}: actor/dist_ckpt, data.pt), not hybridrl's" in err
+    assert "python -m verl.model_merger merge --backend megatron" in err and not (tmp_path / "hf").exists()
 
 
 def _copy_hf(src: Path, dst: Path) -> Path:
