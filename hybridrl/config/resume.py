@@ -73,9 +73,7 @@ def check_resume(config: JobConfig, issues: list[ConfigIssue], *, critic: bool,
         issues.append(ConfigIssue(FIELD, mode, str(error).removeprefix(f"{FIELD}={mode}: ")))
         return None
     point = ResumePoint(str(found), state["global_step"], mode)
-    where = f"the checkpoint it resumes from ({found}, step {point.step})"
-    outs = ("start fresh with trainer.resume_mode=disable, or give this run a new trainer.default_local_dir"
-            if mode == "auto" else "name another checkpoint, or start fresh with trainer.resume_mode=disable")
+    where, outs = _where_and_outs(found, point.step, mode)
     for role in checkpointed_roles(critic):
         if not (found / role / ROLE_CHECKPOINT_FILE).is_file():
             what, why = (("no", "it was saved by a job without one (a critic-free estimator, such as grpo)")
@@ -87,6 +85,38 @@ def check_resume(config: JobConfig, issues: list[ConfigIssue], *, critic: bool,
             _check_model(config, role, found / role / ROLE_CHECKPOINT_FILE, model, where, outs, issues)
     _check_loader(config, state, where, outs, train_rows, issues)
     return point
+
+
+def _where_and_outs(found: Path, step: int, mode: str) -> tuple[str, str]:
+    """How a refusal names the checkpoint, and the ways out of it."""
+    outs = ("start fresh with trainer.resume_mode=disable, or give this run a new trainer.default_local_dir"
+            if mode == "auto" else "name another checkpoint, or start fresh with trainer.resume_mode=disable")
+    return f"the checkpoint it resumes from ({found}, step {step})", outs
+
+
+def check_kept_prompts(config: JobConfig, found: Path, state: dict[str, Any], loader: dict[str, Any],
+                       kept: str) -> list[ConfigIssue]:
+    """`train`'s check once it has read data.train_files whole, before Ray or any worker starts: the prompts its
+    loader kept (`loader`, its state; `kept`, how many of how many rows) against those the checkpoint's loader was
+    built from. Filtering (data.max_prompt_length with filter_overlong_prompts, data.on_malformed=skip) decides
+    them, which the plan cannot count without tokenizing every prompt; the workers' loader refused the resume at
+    load, after every worker had started, naming no setting."""
+    saved = state.get("dataloader")
+    if not isinstance(saved, dict):
+        return []
+    differ = [(was, now) for name, was, now in state_mismatches(saved, loader) if name == "dataset_size"]
+    if not differ:
+        return []
+    was, now = differ[0]
+    where, outs = _where_and_outs(found, int(state["global_step"]), config.trainer.resume_mode)
+    data = config.data
+    field, value = (("data.max_prompt_length", data.max_prompt_length) if data.filter_overlong_prompts
+                    else ("data.train_files", data.train_files))
+    return [ConfigIssue(field, value, (
+        f"leaves {now} prompts to train on ({kept}); the data loader of {where} saved {was} prompts: the saved data "
+        "order cannot continue with another number of prompts; keep the prompts it kept (the data.train_files, "
+        f"data.max_prompt_length, data.filter_overlong_prompts, data.on_malformed and tokenizer it ran with), or {outs}"
+    ))]
 
 
 def _check_model(config: JobConfig, role: Role, saved_file: Path, actor: ModelShape | None, where: str, outs: str,

@@ -25,6 +25,7 @@ from hybridrl.config.hardware import load_hardware
 from hybridrl.config.inputs import ground_truth_required, tokenizer_field, unscored_data_source
 from hybridrl.config.plan import Plan
 from hybridrl.config.report import failure_cost_lines
+from hybridrl.config.resume import check_kept_prompts
 from hybridrl.config.schema import JobConfig
 from hybridrl.config.step_time import StepLengths, StepTime, predict_step_time, time_vs_plan
 from hybridrl.controller.dispatch import RankMesh
@@ -194,6 +195,7 @@ class Trainer:
                 f"is more than the {len(train)} usable prompts of data.train_files ({train.stats.summary()}): not "
                 f"one batch; lower it to at most {len(train)}, raise data.max_prompt_length, or add data")])
         self.train_rows = train.stats.total_rows  # saved with each checkpoint: the plan compares a resume's data
+        self.train_kept = train.stats.summary()
         self.train_loader = PromptDataLoader(train, cfg.data.train_batch_size, self.pad_token_id,
                                              shuffle=cfg.data.shuffle, seed=cfg.trainer.seed)
         left_out = self.train_loader.left_out_note()
@@ -352,6 +354,11 @@ class Trainer:
             resume_step = int(self.checkpoints.read_state(resume_from)["global_step"]) if resume_from else 0
         except CheckpointError as error:
             raise TrainingFailure(0, Phase.RESUME, str(error)) from error
+        if resume_from is not None:  # the prompts kept, which only reading the data whole tells: before Ray
+            issues = check_kept_prompts(cfg, resume_from, self.checkpoints.read_state(resume_from),
+                                        self._fresh_loader_state, self.train_kept)
+            if issues:
+                raise ConfigError(issues)
         self.last_checkpoint = resume_from  # what a restart resumes from: this run's newest sealed checkpoint
         tracker = Tracker.create(cfg.trainer.logger, self.run_dir, project=cfg.trainer.project_name,
                                  experiment=cfg.trainer.experiment_name, config=self.plan.to_dict()["config"],

@@ -133,3 +133,31 @@ def test_a_full_disk_is_one_line_naming_the_folders_and_where_the_next_run_goes_
         f"{checkpoints / 'global_step_2'}: "
         "trainer.resume_mode=auto (the default) continues from it"), err
     assert "Traceback" not in err and not (run / "failure.log").exists()
+
+
+def test_a_resume_whose_filtering_keeps_other_prompts_is_refused_before_ray(demo_assets, tmp_path, capsys):
+    """Resumed with a data.max_prompt_length that filters out 174 of the demo's 512 prompts, the run started Ray, vLLM
+    and every worker (4 minutes on the PPO demo here), then stopped with 'ValueError: the saved data loader state does
+    not match this loader ... dataset_size: saved 512, now 338' (exit 1), naming no setting. train counts the kept
+    prompts before Ray: a config error naming the field, both counts and the ways out (exit 2)."""
+    import json
+
+    from hybridrl.persistence import LATEST_FILE, ROLE_CHECKPOINT_FILE, STATE_FILE
+
+    run = tmp_path / "run"
+    folder = run / "ckpt" / "demo" / "cpu_tiny_grpo" / "global_step_2"  # as the trainer seals one
+    (folder / "actor").mkdir(parents=True)
+    (folder / "actor" / ROLE_CHECKPOINT_FILE).write_text("{}")
+    loader = {"epoch": 0, "batches_done": 2, "seed": 42, "dataset_size": 512, "batch_size": 8, "shuffle": True,
+              "drop_last": True}
+    (folder / STATE_FILE).write_text(json.dumps({"global_step": 2, "dataloader": loader, "train_rows": 512}))
+    (folder.parent / LATEST_FILE).write_text("2\n")
+    args = argparse.Namespace(config=CONFIG, overrides=demo_overrides(demo_assets, run, "data.max_prompt_length=12"),
+                              no_progress=True, skip_version_check=True)
+    assert train_cli.run(args) == 2
+    err = capsys.readouterr().err
+    assert (f"data.max_prompt_length=12 leaves 338 prompts to train on (kept 338 of 512 prompts; filtered 174 of 512 "
+            f"prompts longer than 12 tokens); the data loader of the checkpoint it resumes from ({folder}, step 2) "
+            "saved 512 prompts: the saved data order cannot continue with another number of prompts") in err, err
+    assert "start fresh with trainer.resume_mode=disable" in err and "Traceback" not in err
+    assert not (run / "failure.log").exists()
