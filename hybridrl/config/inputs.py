@@ -203,11 +203,12 @@ def _check_adapter_tensors(config: JobConfig, folder: Path, issues: list[ConfigI
     if not isinstance(lora.rank, int) or lora.type not in TARGETS or not set(lora.targets) <= set(TARGETS[lora.type]):
         return  # the LoRA rules refuse these
     file = folder / "adapter_model.safetensors"
-    header = _safetensors_header(file)
-    if header is None:
+    read = _safetensors_header(file)
+    if read is None:
         issues.append(ConfigIssue(field, lora.adapter_path, f"holds {file.name}, which is not a readable safetensors "
                                                             "file"))
         return
+    header = read[1]
     found = {name: tuple(entry["shape"]) for name, entry in header.items()}
     expected = peft_tensor_shapes(shape, lora.type, lora.targets, lora.rank)
     targets = f"{LORA}.type={lora.type} with target_modules {list(lora.targets)} on {shape.architecture}"
@@ -251,8 +252,9 @@ def _targets_holding(projections: Sequence[str]) -> tuple[str, ...]:
     return tuple(t for t, hf in TARGETS["canonical_lora"].items() if set(hf) <= set(projections))
 
 
-def _safetensors_header(path: Path) -> dict[str, dict] | None:
-    """A safetensors file's tensors (dtype, shape, data_offsets) from its header, or None when unreadable."""
+def _safetensors_header(path: Path) -> tuple[int, dict[str, dict]] | None:
+    """A safetensors file's header: where its data starts (8-byte length, then the JSON header) and each tensor's
+    dtype, shape and data_offsets (from the file's start); None when the header is unreadable."""
     try:
         with path.open("rb") as handle:
             length = int.from_bytes(handle.read(8), "little")
@@ -260,10 +262,11 @@ def _safetensors_header(path: Path) -> dict[str, dict] | None:
                 return None
             header = json.loads(handle.read(length))
         header.pop("__metadata__", None)
-        return {name: {"shape": list(entry["shape"]), "dtype": entry["dtype"],
-                       "data_offsets": (8 + length + entry["data_offsets"][0], 8 + length + entry["data_offsets"][1])}
-                for name, entry in header.items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        start = 8 + length
+        return start, {name: {"shape": list(entry["shape"]), "dtype": entry["dtype"],
+                              "data_offsets": (start + entry["data_offsets"][0], start + entry["data_offsets"][1])}
+                       for name, entry in header.items()}
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
         return None
 
 
@@ -368,16 +371,11 @@ def _check_model_folder(prefix: str, model: ModelConfig, issues: list[ConfigIssu
 def _safetensors_size(path: Path) -> int | None:
     """The bytes a safetensors file must have by its own header (8-byte length, JSON header, the data its last
     tensor ends at), or None when the header itself is unreadable."""
-    try:
-        with path.open("rb") as handle:
-            length = int.from_bytes(handle.read(8), "little")
-            if length <= 0 or length > 100 * 2**20:
-                return None
-            header = json.loads(handle.read(length))
-        ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
-        return 8 + length + max(ends, default=0)
-    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+    read = _safetensors_header(path)
+    if read is None:
         return None
+    start, tensors = read
+    return max((entry["data_offsets"][1] for entry in tensors.values()), default=start)
 
 
 def _weight_tensors(folder: Path, field: str, issues: list[ConfigIssue]) -> dict[str, tuple[tuple[int, ...], str]]:
