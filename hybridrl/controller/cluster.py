@@ -228,7 +228,7 @@ def init_ray(
                 namespace=namespace,
                 include_dashboard=False,
                 _temp_dir=temp_dir,
-                _system_config={"preload_python_modules": list(preload_modules)} if preload_modules else None,
+                _system_config=_local_system_config(preload_modules),
                 **quiet,
             )
         except BaseException:  # a failed start: what it made so far goes too
@@ -238,6 +238,19 @@ def init_ray(
     if received:
         _deliver_after_start(received[0], cluster)
     return cluster
+
+
+def _local_system_config(preload_modules: Sequence[str]) -> dict[str, object]:
+    """A local cluster's Ray settings. No worker processes started ahead of the first task: when the driver
+    connects, Ray starts idle workers (one per logical CPU, up to the machine's cores; `preload_modules` imported in
+    each), and this project's actors never take them: each asks for its device's environment (`worker_process_env`),
+    so Ray starts it a process of its own. The idle ones only cost each start their imports (two torch imports on a
+    2-core machine, one per core of a GPU node) and their memory for the run's life. `preload_modules` still go
+    into every worker Ray starts."""
+    config: dict[str, object] = {"prestart_worker_first_driver": False}
+    if preload_modules:
+        config["preload_python_modules"] = list(preload_modules)
+    return config
 
 
 # What a user sends to stop a run: Ctrl-C, SLURM's and Kubernetes' SIGTERM, a closed terminal's SIGHUP.
