@@ -10,6 +10,8 @@ adapter gathered in the same process) and by a disaggregated rollout rank (the a
 from __future__ import annotations
 
 import atexit
+import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -20,13 +22,47 @@ from hybridrl.reshard.checksums import verify_checksums
 from hybridrl.rollout.engine import RolloutEngine
 from hybridrl.workers.probe import WeightSyncError
 
+# A rank's root names the process that made it: hybridrl-adapter-rank<rank>-pid<pid>-<random>
+ROOT_PREFIX = "hybridrl-adapter-rank{rank}-pid{pid}-"
+_ROOT_NAME = re.compile(r"hybridrl-adapter-rank\d+-pid(\d+)-")
+
+
+def remove_orphaned_roots(parent: Path) -> list[Path]:
+    """Remove the adapter roots under `parent` whose process is gone; the ones removed.
+
+    A rank's root goes at its process's exit, but a worker's process seldom exits: the run's end kills its actors
+    (`kill_actors`), so `atexit` never runs, and each run serving adapters left a folder per rollout rank, each the
+    size of the adapter (hundreds of MB at a large model's rank 64), on every host it ran on. The next rank made on
+    the host removes those whose process no longer exists (a live one may be another run's)."""
+    removed = []
+    for root in parent.glob("hybridrl-adapter-rank*-pid*-*"):
+        found = _ROOT_NAME.match(root.name)
+        if found is None or _process_exists(int(found.group(1))):
+            continue
+        shutil.rmtree(root, ignore_errors=True)
+        removed.append(root)
+    return removed
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
 
 class ServedAdapters:
-    """One rank's adapter folders (a temporary root removed at exit) and the load-and-prove step of a sync."""
+    """One rank's adapter folders (a temporary root removed at exit, or by the next rank made on the host once this
+    process is gone: `remove_orphaned_roots`) and the load-and-prove step of a sync."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self.root = Path(tempfile.mkdtemp(prefix=f"hybridrl-adapter-rank{rank}-"))
+        parent = Path(tempfile.gettempdir())
+        remove_orphaned_roots(parent)
+        self.root = Path(tempfile.mkdtemp(prefix=ROOT_PREFIX.format(rank=rank, pid=os.getpid()), dir=parent))
         atexit.register(shutil.rmtree, self.root, True)
         self.loaded = 0  # adapters vLLM has loaded in this process
 
