@@ -69,6 +69,14 @@ def check_distillation(config: JobConfig, student: ModelShape | None, teacher: M
             issues.append(ConfigIssue(field, value, f"trains a critic on the task reward, which nothing uses {pure}; "
                                                     "use a critic-free estimator or task_reward=true",
                                       valid))
+        elif algorithm.adv_estimator != "grpo":  # the default, which nothing reads either
+            issues.append(ConfigIssue("algorithm.adv_estimator", algorithm.adv_estimator,
+                                      f"makes advantages of the task reward, which nothing trains on {pure}; leave "
+                                      "it at grpo or set task_reward=true", ["grpo"]))
+        if not algorithm.norm_adv_by_std_in_grpo:
+            issues.append(ConfigIssue("algorithm.norm_adv_by_std_in_grpo", False,
+                                      f"scales the task reward's advantages, which nothing trains on {pure}; leave "
+                                      "it true or set task_reward=true", [True]))
         if algorithm.filter_groups.enable:
             issues.append(ConfigIssue("algorithm.filter_groups.enable", True,
                                       f"keeps groups by their reward spread, which nothing trains on {pure}; set it "
