@@ -229,7 +229,7 @@ def resume_line(plan: Plan) -> str:
         how = "the newest complete checkpoint under trainer.default_local_dir" if point.mode == "auto" \
             else "trainer.resume_mode"
         return (f"Resume: from {point.path} at step {point.step} ({how}); "
-                "trainer.resume_mode=disable starts fresh")
+                "trainer.resume_mode=disable starts fresh" + "".join(f"; {note}" for note in point.notes))
     if t.resume_mode == "disable":
         return "Resume: none, a fresh start (trainer.resume_mode=disable)"
     if t.resume_mode != "auto":  # a path, not checked: `plan --layout-only`

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hybridrl.algorithms.kl_control import kl_controller_from_config
 from hybridrl.config.errors import ConfigIssue
 from hybridrl.config.model_shapes import own_model_shape
 from hybridrl.config.schema import JobConfig
@@ -48,6 +49,8 @@ class ResumePoint:
     path: str
     step: int
     mode: str
+    # what the resumed run takes otherwise than from the checkpoint, as `train` will say it ("resumed from ...; ")
+    notes: tuple[str, ...] = ()
 
 
 def checkpointed_roles(critic: bool) -> tuple[Role, ...]:
@@ -72,7 +75,7 @@ def check_resume(config: JobConfig, issues: list[ConfigIssue], *, critic: bool,
     except CheckpointError as error:
         issues.append(ConfigIssue(FIELD, mode, str(error).removeprefix(f"{FIELD}={mode}: ")))
         return None
-    point = ResumePoint(str(found), state["global_step"], mode)
+    point = ResumePoint(str(found), state["global_step"], mode, _kl_notes(config, state))
     where, outs = _where_and_outs(found, point.step, mode)
     for role in checkpointed_roles(critic):
         if not (found / role / ROLE_CHECKPOINT_FILE).is_file():
@@ -85,6 +88,17 @@ def check_resume(config: JobConfig, issues: list[ConfigIssue], *, critic: bool,
             _check_model(config, role, found / role / ROLE_CHECKPOINT_FILE, model, where, outs, issues)
     _check_loader(config, state, where, outs, train_rows, issues)
     return point
+
+
+def _kl_notes(config: JobConfig, state: dict[str, Any]) -> tuple[str, ...]:
+    """`train`'s word on the KL coefficient a resume goes on with, where it is not the checkpoint's (a fixed one is the
+    job's setting; an adaptive one whose settings changed starts again): `RunState.restore`'s note. None where the
+    job's controller settings are refused (validate names them)."""
+    try:
+        note = kl_controller_from_config(config.algorithm.kl_ctrl).resume(state.get("kl_coef"), state.get("kl_ctrl"))
+    except (TypeError, ValueError):
+        return ()
+    return (note,) if note else ()
 
 
 def _where_and_outs(found: Path, step: int, mode: str) -> tuple[str, str]:

@@ -29,7 +29,7 @@ def _rows(assets: Path) -> int:
 
 
 def _checkpoint(root: Path, step: int, *, roles=("actor",), batch_size=8, dataset_size: int, seed=42,
-                train_rows: int | None = None) -> Path:
+                train_rows: int | None = None, kl_coef: float = 0.001) -> Path:
     """A complete step checkpoint as the trainer seals it: role folders, then the trainer state last."""
     folder = root / f"global_step_{step}"
     for role in roles:
@@ -37,7 +37,7 @@ def _checkpoint(root: Path, step: int, *, roles=("actor",), batch_size=8, datase
         (folder / role / ROLE_CHECKPOINT_FILE).write_text("{}")
     loader = {"epoch": 0, "batches_done": step, "seed": seed, "dataset_size": dataset_size,
               "batch_size": batch_size, "shuffle": True, "drop_last": True}
-    state = {"global_step": step, "dataloader": loader, "kl_coef": 0.001,
+    state = {"global_step": step, "dataloader": loader, "kl_coef": kl_coef,
              **({"train_rows": train_rows} if train_rows is not None else {})}
     (folder / STATE_FILE).write_text(json.dumps(state))
     (root / LATEST_FILE).write_text(f"{step}\n")
@@ -73,7 +73,21 @@ def test_plan_says_where_a_run_starts(job):
     off = plan_from_sources(GRPO, [*overrides, "trainer.resume_mode=disable"], check_files=True)
     assert off.resume is None and resume_line(off) == "Resume: none, a fresh start (trainer.resume_mode=disable)"
     # the plan's JSON carries it (what a user's tooling reads)
-    assert json.loads(plan.to_json())["resume"] == {"path": str(latest), "step": 2, "mode": "auto"}
+    assert json.loads(plan.to_json())["resume"] == {"path": str(latest), "step": 2, "mode": "auto", "notes": []}
+
+
+def test_plan_says_which_kl_coefficient_a_resume_goes_on_with(job):
+    """A fixed KL coefficient is the job's setting, not the checkpoint's: `train` says so on resuming, and the plan
+    says it first (a user who changed kl_coef between the runs sees which applies before the run starts)."""
+    overrides, root, rows = job
+    latest = _checkpoint(root, 2, dataset_size=rows, train_rows=rows, kl_coef=0.002)
+    plan = plan_from_sources(GRPO, [*overrides, "algorithm.kl_ctrl.kl_coef=0.001"], check_files=True)
+    assert resume_line(plan) == (
+        f"Resume: from {latest} at step 2 (the newest complete checkpoint under trainer.default_local_dir); "
+        "trainer.resume_mode=disable starts fresh; algorithm.kl_ctrl.kl_coef=0.001 applies from here on; the "
+        "checkpoint's run had the KL coefficient at 0.002 (a fixed coefficient is a setting)")
+    same = plan_from_sources(GRPO, [*overrides, "algorithm.kl_ctrl.kl_coef=0.002"], check_files=True)
+    assert same.resume is not None and same.resume.notes == ()
 
 
 def test_a_changed_batch_size_or_seed_is_refused_naming_saved_and_new(job):
