@@ -8,6 +8,7 @@ enumerates the colocated layouts with overrides of its own and plans each with e
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -352,3 +353,31 @@ def test_a_pipeline_the_users_vpp_does_not_divide_is_searched_without_virtual_st
         vpp = plan.layout("actor").megatron.virtual_pipeline_model_parallel_size
         assert vpp == (None if found.layout.train_pp in (2, 10) else 5), (found.layout, vpp)
         assert step.seconds == pytest.approx(found.step.seconds, rel=1e-12)
+
+
+# In a fresh interpreter (a process with no threads: the test session's may run some, and the search then plans in
+# one process): the 7B job's 1,200 layouts planned by one process and by forked ones.
+_ONE_AND_FORKED = """
+import json, sys
+from hybridrl.config import search as searching
+inputs = searching.search_inputs(sys.argv[1], ["trainer.hardware=h100-sxm"])
+one = searching.search(inputs.config, inputs.model, inputs.hardware, critic=inputs.critic, processes=1)
+chosen = searching._search_processes(one.layouts)
+forked = searching.search(inputs.config, inputs.model, inputs.hardware, critic=inputs.critic, processes=3)
+print(json.dumps({"chosen": chosen, "layouts": [one.layouts, forked.layouts],
+                  "same_ranked": one.ranked == forked.ranked,
+                  "ranked": len(one.ranked), "same_refused": one.refused == forked.refused,
+                  "refused": one.refused, "same_written": one.written == forked.written}))
+"""
+
+
+def test_a_search_planned_by_forked_processes_is_the_one_process_search():
+    """A large search plans its layouts in a process per core (forked; the order of the ranking's ties and of the
+    refusal counts kept): the same ranked layouts, refusals and written layout as one process plans."""
+    run = subprocess.run([sys.executable, "-c", _ONE_AND_FORKED, QWEN_7B], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["layouts"] == [1200, 1200] and report["ranked"] > 10 and report["refused"]
+    assert report["same_ranked"] and report["same_refused"] and report["same_written"], report
+    assert report["chosen"] == min(len(os.sched_getaffinity(0)), 8)  # one per core from 256 layouts
