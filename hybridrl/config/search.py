@@ -271,6 +271,11 @@ def search(config: JobConfig, model: ModelShape, hardware: Hardware, *, critic: 
     started = time.perf_counter()
     base = copy.deepcopy(config)  # every candidate's unchanged sections (the user's object stays theirs)
     candidates = list(enumerate(layouts(config, model)))
+    try:  # planned first: the caches it fills (the model's per-layer counts, meshes) are each forked process's too
+        own = build_plan(config)
+        written = _found(own, hardware, layout_of(own), savers_of(own), config)
+    except ConfigError:
+        written = None
     count = processes if processes is not None else _search_processes(len(candidates))
     if count > 1:
         global _FORKED_SEARCH
@@ -286,11 +291,6 @@ def search(config: JobConfig, model: ModelShape, hardware: Hardware, *, critic: 
     for _, field in sorted(item for part in parts for item in part.refused):
         refused[field] += 1  # counted in the layouts' order: ties rank as one process ranks them
     found = sorted((item for part in parts for item in part.found), key=lambda item: item[0])
-    try:
-        own = build_plan(config)
-        written = _found(own, hardware, layout_of(own), savers_of(own), config)
-    except ConfigError:
-        written = None
     ranked = tuple(sorted((f for _, f in found), key=lambda f: (f.step.seconds, f.peak_gib)))
     return SearchResult(hardware.name, cluster_size(config)[1], len(candidates), sum(p.planned for p in parts),
                         tuple(refused.most_common()), ranked, time.perf_counter() - started, written)
