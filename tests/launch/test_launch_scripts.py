@@ -57,7 +57,12 @@ STUBS = {
             ' TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-}'
             ' GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-}" >> "$STUB_DIR/log"\n'
             '    case " $* " in *" --block "*) echo "$$" >> "$STUB_DIR/blocking"; exec sleep 60 ;; esac ;;\n'
-            '  status) grep -q -- "--head" "$STUB_DIR/log" 2>/dev/null ;;\n'
+            # as Ray's: exit 0 once the head's GCS answers, its node listed only once its raylet has started
+            '  status) grep -q -- "--head" "$STUB_DIR/log" 2>/dev/null || exit 1\n'
+            '    echo called >> "$STUB_DIR/status"\n'
+            '    if [ "$(wc -l < "$STUB_DIR/status")" -lt 3 ]; then echo "No cluster status. It may take a few '
+            'seconds for the Ray internal services to start up."\n'
+            '    else printf "Node status\\nActive:\\n 1 node_4f0c2a\\n"; fi ;;\n'
             'esac\n'),
     # like the trainer, which waits (placement groups) until every node's GPUs have joined
     "hybridrl": ('for _ in $(seq 1 100); do alive=0\n'
@@ -65,6 +70,7 @@ STUBS = {
                  'if kill -0 "$pid" 2>/dev/null; then alive=$((alive + 1)); fi; done\n'
                  '  if [ "$alive" -ge 2 ]; then break; fi; sleep 0.1\ndone\n'
                  'echo "hybridrl $1 ${*: -1} | RAY_ADDRESS=${RAY_ADDRESS:-} ray_nodes_alive=$alive" \\\n'
+                 '  "status_calls=$(wc -l < "$STUB_DIR/status")" \\\n'
                  '  >> "$STUB_DIR/log"\n'),
 }
 
@@ -106,8 +112,10 @@ def test_slurm_script_exports_nccl_before_ray_and_keeps_its_nodes_alive(tmp_path
             command, environment = line.split(" | ")
             assert command.endswith("--block") and environment == nccl, line
         trains = [line for line in log if line.startswith("hybridrl train")]
-        # the job ran while both Ray nodes were still up, on the cluster the script started
-        assert trains == [f"hybridrl train trainer.nnodes=2 | RAY_ADDRESS={CLUSTER_IP}:6379 ray_nodes_alive=2"]
+        # the job ran while both Ray nodes were still up, on the cluster the script started, once `ray status`
+        # listed the head's node (its third answer: the first two, exit 0, only said the services were starting)
+        assert trains == [f"hybridrl train trainer.nnodes=2 | RAY_ADDRESS={CLUSTER_IP}:6379 ray_nodes_alive=2 "
+                          "status_calls=3"]
         steps = (tmp_path / "srun").read_text().splitlines()
         assert len(steps) == 3  # the head's address, the head, the worker
         assert all("--cpus-per-task=64" in step and "--gpus-per-node=8" in step for step in steps), steps
