@@ -92,7 +92,7 @@ def check_resume(config: JobConfig, issues: list[ConfigIssue], *, critic: bool,
 
 def _kl_notes(config: JobConfig, state: dict[str, Any]) -> tuple[str, ...]:
     """`train`'s word on the KL coefficient a resume goes on with, where it is not the checkpoint's (a fixed one is the
-    job's setting; an adaptive one whose settings changed starts again): `RunState.restore`'s note. None where the
+    job's setting; an adaptive one whose settings changed starts again): `RunState.restore`'s note. Nothing where the
     job's controller settings are refused (validate names them)."""
     try:
         note = kl_controller_from_config(config.algorithm.kl_ctrl).resume(state.get("kl_coef"), state.get("kl_ctrl"))

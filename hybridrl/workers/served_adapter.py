@@ -35,7 +35,7 @@ def remove_orphaned_roots(parent: Path) -> list[Path]:
     size of the adapter (hundreds of MB at a large model's rank 64), on every host it ran on. The next rank made on
     the host removes those whose process no longer exists (a live one may be another run's)."""
     removed = []
-    for root in parent.glob("hybridrl-adapter-rank*-pid*-*"):
+    for root in parent.glob(ROOT_PREFIX.format(rank="*", pid="*") + "*"):
         found = _ROOT_NAME.match(root.name)
         if found is None or _process_exists(int(found.group(1))):
             continue
