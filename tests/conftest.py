@@ -114,3 +114,10 @@ def ray_cluster() -> Iterator[object]:
         yield cluster
     finally:
         cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_address(ray_cluster) -> str:
+    """The session cluster's address, for the `hybridrl train` runs that join it (`tests.support.runs.train`) as a
+    user's run joins a running cluster: each saves starting and stopping a cluster of its own."""
+    return ray_cluster.address

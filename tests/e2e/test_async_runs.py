@@ -121,7 +121,7 @@ def test_fully_async_grpo_raises_the_reward_within_the_staleness_bound_through_a
     assert abs(kl[0]) < 1e-6 and _mean(rows[-4:], "distillation/reverse_kl_per_token") > 1e-3, kl
 
 
-def test_a_rollout_rank_that_dies_stops_the_run_naming_it_and_the_run_resumes(demo_assets, tmp_path):
+def test_a_rollout_rank_that_dies_stops_the_run_naming_it_and_the_run_resumes(ray_address, demo_assets, tmp_path):
     import time
 
     run = tmp_path / "fault"
@@ -139,14 +139,15 @@ def test_a_rollout_rank_that_dies_stops_the_run_naming_it_and_the_run_resumes(de
     trained = [r["step"] for r in _metrics(run)]
     # resumed (trainer.resume_mode=auto): the pool serves the checkpoint's weights (version = its step),
     # the prompts drawn ahead but not trained are drawn again, and the run ends at step 6
-    resumed = _train(CONFIG, common, timeout=600)
+    resumed = _train(CONFIG, common, timeout=600, ray_address=ray_address)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-4000:]
     rows = _metrics(run)
     assert [r["step"] for r in rows] == list(range(1, 7)), (trained, [r["step"] for r in rows])
     _check_syncs(rows)
 
 
-def test_fully_async_partial_rollouts_resume_under_new_weights_with_rollout_correction(demo_assets, tmp_path):
+def test_fully_async_partial_rollouts_resume_under_new_weights_with_rollout_correction(ray_address, demo_assets,
+                                                                                       tmp_path):
     """issue 41 item 5: a fully_async run in which pause/resume happens, proven from its metrics. Generation is
     made slower than an update (160-token responses, EOS ignored), so a sync finds samples in flight: they
     are paused, resumed under the new weights, and arrive carrying two policy versions in order (a small batch:
@@ -162,7 +163,7 @@ def test_fully_async_partial_rollouts_resume_under_new_weights_with_rollout_corr
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
         "actor_rollout_ref.actor.old_log_prob=recompute", "algorithm.rollout_correction.is_level=token",
         "algorithm.rollout_correction.mask_level=token", "algorithm.rollout_correction.mask_low=0.01",
-        "algorithm.rollout_correction.mask_high=100"))
+        "algorithm.rollout_correction.mask_high=100"), ray_address=ray_address)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -176,8 +177,8 @@ def test_fully_async_partial_rollouts_resume_under_new_weights_with_rollout_corr
     print("partial samples per step:", [r["async/partial_samples"] for r in rows], "IS weight mean:", weights)
 
 
-def test_a_worker_failure_in_the_cross_pool_sync_restarts_in_place_and_equals_an_uninterrupted_run(demo_assets,
-                                                                                                      tmp_path):
+def test_a_worker_failure_in_the_cross_pool_sync_restarts_in_place_and_equals_an_uninterrupted_run(
+        ray_address, demo_assets, tmp_path):
     """issue 41 item 6: with trainer.max_restarts=1 a trainer rank crashing in the cross-pool sync restarts the
     disaggregated run in place, resumes from its checkpoint and finishes every step with every sync proven; the
     mode is deterministic (sync), so the steps equal an uninterrupted run's. (one_step_off and fully_async restart
@@ -193,7 +194,8 @@ def test_a_worker_failure_in_the_cross_pool_sync_restarts_in_place_and_equals_an
     # deterministic: the steps re-run after the restart are the uninterrupted run's
     straight = tmp_path / "straight"
     again = _train(CONFIG, demo_overrides(demo_assets, straight, "trainer.total_training_steps=5",
-                                          *DISAGGREGATED, "actor_rollout_ref.rollout.async_mode=sync"), timeout=600)
+                                          *DISAGGREGATED, "actor_rollout_ref.rollout.async_mode=sync"), timeout=600,
+                                              ray_address=ray_address)
     assert again.returncode == 0, again.stderr[-3000:]
     for row, reference in zip(rows, _metrics(straight), strict=True):
         for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm"):

@@ -20,7 +20,7 @@ from tools.demo_assets import demo_overrides
 pytestmark = pytest.mark.slow
 
 
-def test_grpo_steps_on_the_real_model_prove_every_sync(real_model, demo_assets, tmp_path):
+def test_grpo_steps_on_the_real_model_prove_every_sync(ray_address, real_model, demo_assets, tmp_path):
     run = tmp_path / "real"
     overrides = demo_overrides(demo_assets, run, f"actor_rollout_ref.model.path={real_model}",
                            "data.apply_chat_template=true", "data.max_prompt_length=48",
@@ -32,7 +32,7 @@ def test_grpo_steps_on_the_real_model_prove_every_sync(real_model, demo_assets, 
                            "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
                            "actor_rollout_ref.rollout.n=4", "trainer.total_training_steps=2",
                            f"trainer.rollout_data_dir={run / 'rollouts'}")
-    result = _train("configs/examples/cpu_tiny_grpo.yaml", overrides)
+    result = _train("configs/examples/cpu_tiny_grpo.yaml", overrides, ray_address=ray_address)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     rows = _metrics(run)
     assert [r["step"] for r in rows] == [1, 2]

