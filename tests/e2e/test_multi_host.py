@@ -50,18 +50,19 @@ def ray_temp() -> Iterator[str]:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-# the DP2 demo's reward rises over this many steps at lr 2e-3 (tests/e2e/test_runs.py's learning runs: 16)
+# the DP2 demo's reward rises over this many steps at lr 2e-3 (tests/e2e/test_runs.py's learning runs: 16): the
+# lost-host test's run across the two hosts
 LEARNING_STEPS = 16
 
 
 def test_a_run_across_two_hosts_started_by_the_launch_scripts(demo_assets, tmp_path, ray_temp):
-    """Data parallelism across the hosts (one rank on each, the gradient all-reduce on the link) raises the demo's
-    reward; every weight sync proven by its probe; the ranks' placement named by host address; each phase's
-    traffic on the link as the plan models it (the update: each host sends its 2.5 MB gradient buffer, within
-    10 %)."""
+    """Data parallelism across the hosts (one rank on each, the gradient all-reduce on the link): every weight sync
+    proven by its probe and vLLM's log-probs equal to the trainer's; the ranks' placement named by host address;
+    each phase's traffic on the link as the plan models it (the update: each host sends its 2.5 MB gradient buffer,
+    within 10 %). That this layout learns is the lost-host test's (the same layout and scripts, 16 steps)."""
     run = tmp_path / "run"
     overrides = [*demo_overrides(demo_assets, run), "trainer.nnodes=2", "trainer.n_gpus_per_node=1",
-                 f"trainer.total_training_steps={LEARNING_STEPS}", "actor_rollout_ref.actor.optim.lr=2e-3"]
+                 "trainer.total_training_steps=3"]
     with Cluster(2) as cluster:
         address = start_ray(cluster, tmp_path, ray_temp)
         assert address == f"{cluster.hosts[0].address}:{PORT}"  # the cluster network's, not docker0's
@@ -81,15 +82,13 @@ def test_a_run_across_two_hosts_started_by_the_launch_scripts(demo_assets, tmp_p
     a, rank_a, b, rank_b = placement.groups()
     assert {a, b} == {h.address for h in cluster.hosts} and {rank_a, rank_b} == {"0", "1"}
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == list(range(1, LEARNING_STEPS + 1))
+    assert [s["step"] for s in steps] == [1, 2, 3]
     for step in steps:
         assert step["reshard/probe_max_abs_gap"] <= 1e-4  # every sync proven (fp32)
         assert step["rollout/log_prob_abs_diff_max"] <= 1e-4
-    first, last = (sum(s["critic/score/mean"] for s in part) / 4 for part in (steps[:4], steps[-4:]))
-    assert last > first + 0.05, (first, last)  # it learns across the hosts
     # the gradient all-reduce of a 2.3 MiB model crossed the link both ways in each step, at least
-    assert min(sent) > 2 * 2.3 * 2**20, sent
-    print(f"two hosts: {seconds:.0f} s, sent {sent} bytes, reward {first:.3f} (steps 1-4) -> {last:.3f} (last 4)")
+    assert min(sent) > 3 * 2.3 * 2**20, sent
+    print(f"two hosts: {seconds:.0f} s, sent {sent} bytes")
 
 
 def test_a_pipeline_across_hosts_on_a_cluster_started_without_the_launch_scripts(demo_assets, tmp_path, ray_temp):
@@ -145,10 +144,11 @@ def test_a_disaggregated_rollout_pool_on_another_host(demo_assets, tmp_path, ray
     """rollout.mode=disaggregated with the rollout pool on the other host: one CPU per host, so the trainer pool's
     two ranks (half a CPU each) fill one host and the vLLM rank takes the other. Every weight sync crosses the
     link (the whole fp32 model from the trainer's host, its two ranks sending half each) and is proven on the
-    rollout host; each phase's traffic as planned; the reward rises across the pools."""
+    rollout host, the samples made there scored by the trainer at vLLM's log-probs; each phase's traffic as
+    planned. (A disaggregated pool learns in tests/e2e/test_async_runs.py; the link changes nothing the probe and
+    the log-probs do not see.)"""
     run = tmp_path / "run"
-    overrides = [*demo_overrides(demo_assets, run), *DISAGGREGATED, f"trainer.total_training_steps={LEARNING_STEPS}",
-                 "actor_rollout_ref.actor.optim.lr=2e-3"]
+    overrides = [*demo_overrides(demo_assets, run), *DISAGGREGATED, "trainer.total_training_steps=3"]
     with Cluster(2) as cluster:
         address = start_ray(cluster, tmp_path, ray_temp, cpus=1)
         with cluster.link_samples() as samples:
@@ -157,10 +157,8 @@ def test_a_disaggregated_rollout_pool_on_another_host(demo_assets, tmp_path, ray
     pools = pool_hosts(result.stdout)
     assert sorted(pools) == sorted(h.address for h in cluster.hosts), result.stdout[-3000:]
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert len(steps) == LEARNING_STEPS and all(s["reshard/probe_max_abs_gap"] <= 1e-4 for s in steps)
-    first, last = (sum(s["critic/score/mean"] for s in part) / 4 for part in (steps[:4], steps[-4:]))
-    assert last > first + 0.05, (first, last)  # it learns with its samples made on the other host
-    print(f"disaggregated across hosts: reward {first:.3f} (steps 1-4) -> {last:.3f} (last 4)")
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    assert all(s["reshard/probe_max_abs_gap"] <= 1e-4 and s["rollout/log_prob_abs_diff_max"] <= 1e-4 for s in steps)
     figures = assert_traffic_is_planned(samples, run, overrides, hosts=pools,
                                         addresses=[h.address for h in cluster.hosts])
     trainer_host = [h.address for h in cluster.hosts].index(pools[0])  # Ray picks which host takes which pool
