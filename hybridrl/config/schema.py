@@ -23,7 +23,7 @@ from hybridrl.algorithms.names import (
     ROLLOUT_IS_LEVELS,
     ROLLOUT_MASK_LEVELS,
 )
-from hybridrl.models.lora_targets import A_INIT_METHODS, LORA_TYPES, PROJECTIONS, TARGETS
+from hybridrl.models.lora_targets import A_INIT_METHODS, LORA_TYPES, TARGETS
 from hybridrl.tool_calling.sandbox import Isolation
 
 # Closed vocabularies. A field typed with one of these takes exactly its values: the loader reads
@@ -189,11 +189,12 @@ class LoraConfig:
     type: LoraType = doc("lora", "lora: one adapter per megatron layer (fused qkv and fc1 each one A and B); "
                                  "canonical_lora: one per Hugging Face projection (q, k, v, gate, up their own)")
     target_modules: list[str] = doc(
-        factory=lambda: list(PROJECTIONS),
+        factory=list,
         text="layers to adapt: linear_qkv, linear_proj, linear_fc1, linear_fc2 (type lora); linear_q, linear_k, "
-             "linear_v, linear_proj, linear_fc1_gate, linear_fc1_up, linear_fc2 (canonical_lora)")
-    exclude_modules: list[str] = doc(factory=list, text="adapt every target but these (target_modules must then be "
-                                                        "empty)")
+             "linear_v, linear_proj, linear_fc1_gate, linear_fc1_up, linear_fc2 (canonical_lora); empty = every "
+             "one of the type's (verl's default list for lora, all seven for canonical_lora)")
+    exclude_modules: list[str] = doc(factory=list, text="adapt every target of the type but these (target_modules "
+                                                        "must then be empty)")
     dropout: float = doc(0.0, "dropout on an adapter's input while training")
     dropout_position: LoraDropoutPosition = doc("pre", "where dropout acts: pre (on the adapter's input; post is "
                                                        "refused: not built)")

@@ -33,8 +33,8 @@ def _plan(*overrides: str):
      "per-layer patterns are not supported"),
     ([f"{LORA}.rank=8", f"{LORA}.target_modules=all-linear"], f"{LORA}.target_modules",
      "is peft's every linear layer; here that is every target of the type: leave target_modules empty"),
-    ([f"{LORA}.rank=8", f"{LORA}.exclude_modules=[linear_fc2]"], f"{LORA}.exclude_modules",
-     "needs target_modules empty"),
+    ([f"{LORA}.rank=8", f"{LORA}.target_modules=[linear_qkv]", f"{LORA}.exclude_modules=[linear_fc2]"],
+     f"{LORA}.exclude_modules", "needs target_modules empty"),
     ([f"{LORA}.rank=8", f"{LORA}.dropout_position=post"], f"{LORA}.dropout_position", "post) is not built"),
     ([f"{LORA}.rank=8", f"{LORA}.dtype=bf16"], f"{LORA}.dtype", "adapters train in fp32"),
     ([f"{LORA}.rank=8", f"{LORA}.alpha=0"], f"{LORA}.alpha", "must be in (0"),
@@ -178,6 +178,24 @@ def test_the_plan_counts_the_adapters_and_no_reference_model(tp, per_layer):
     assert (f"LoRA (lora, rank 128, alpha 256) on linear_qkv, linear_proj, linear_fc1, linear_fc2: the model frozen, "
             f"the fp32 adapters train ({whole_adapters:,} parameters") in report, report
     assert "the reference is the base with the adapters off" in report
+
+
+def test_the_type_alone_adapts_every_layer_kind_of_that_type():
+    """target_modules unset means every target of lora.type: `type: canonical_lora` alone plans with its seven
+    per-projection adapters (not lora's fused names, which it would refuse), and exclude_modules alone adapts the
+    rest; counted by hand on the tiny demo (hidden 128, 4 query heads and 2 kv heads of 32, ffn 256, 4 layers)."""
+    q, kv, hidden, ffn, rank = 128, 64, 128, 256, 8
+    canonical = rank * (hidden + q) + 2 * rank * (hidden + kv) + rank * (q + hidden) \
+        + 2 * rank * (hidden + ffn) + rank * (ffn + hidden)  # q, k, v, proj, gate, up, fc2: each its own A and B
+    plan = _plan(f"{LORA}.rank={rank}", f"{LORA}.type=canonical_lora")
+    report = render_plan(plan)
+    assert ("LoRA (canonical_lora, rank 8, alpha 32) on linear_q, linear_k, linear_v, linear_proj, linear_fc1_gate, "
+            f"linear_fc1_up, linear_fc2: the model frozen, the fp32 adapters train ({4 * canonical:,} parameters") \
+        in report, report
+    fused_without_fc2 = rank * (hidden + q + 2 * kv) + rank * (q + hidden) + rank * (hidden + 2 * ffn)
+    report = render_plan(_plan(f"{LORA}.rank={rank}", f"{LORA}.exclude_modules=[linear_fc2]"))
+    assert ("LoRA (lora, rank 8, alpha 32) on linear_qkv, linear_proj, linear_fc1: the model frozen, the fp32 "
+            f"adapters train ({4 * fused_without_fc2:,} parameters") in report, report
 
 
 def test_a_merged_sync_in_fp32_gets_its_own_probe_tolerance():
