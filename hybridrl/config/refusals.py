@@ -104,6 +104,10 @@ def _rules() -> Iterator[Refusal]:
         for name, what in (("optimizer_offload", "optimizer"), ("grad_offload", "gradients")):
             yield Refusal(f"{section}.{name}", (False, None), f"has no effect: the {role} is frozen (no {what})",
                           _section_present(section), valid=(False,))
+        # verl's frozen sections carry it too, true (engine/megatron.yaml): only that value means nothing here
+        yield Refusal(f"{section}.use_distributed_optimizer", (True, None),
+                      f"has no effect: the {role} is frozen (no optimizer state to shard over data parallelism)",
+                      _section_present(section), valid=(True,))
     for name, default in (("tool_error_penalty", 0.0), ("path", None)):
         # per-turn rewards exist only in multi-turn rollouts
         yield Refusal(f"actor_rollout_ref.rollout.multi_turn.turn_reward.{name}", (default,),

@@ -21,6 +21,7 @@ CONTEXT = {"actor_rollout_ref.model.lora.": ["actor_rollout_ref.model.lora.rank=
            "actor_rollout_ref.rollout.cpu_kv_cache_gib": ["trainer.device=cuda"]}
 # a value each rule does not honour, by field name
 BAD = {"make_vocab_size_divisible_by": 64, "optimizer_offload": True, "grad_offload": True,
+       "use_distributed_optimizer": False,
        "tool_error_penalty": -0.5, "path": "turns.py", "calculate_log_probs": False, "tokenizer_path": "/tmp",
        "trust_remote_code": True, "enable_gradient_checkpointing": True, "cpu_kv_cache_gib": 4, "enforce_eager": False,
        "rank": 8, "dropout_position": "post", "dtype": "bf16", "a2a_experimental": True, "freeze_vision_model": False,
