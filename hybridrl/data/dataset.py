@@ -415,7 +415,13 @@ def _missing_ground_truth(row: Mapping[str, Any], reward_key: str) -> str | None
     if _is_missing(row.get(reward_key)):
         return f"no ground truth: its {what} value is null, NaN or absent, and the rule scorer compares every " \
                "response with one"
-    if _is_missing(_ground_truth(row[reward_key])):
+    spec = row[reward_key]
+    if isinstance(spec, Mapping) and "style" in spec and "ground_truth" not in spec:
+        # verl's reward spec ({"style": ..., "ground_truth": ...}) without its ground truth: not a ground truth
+        # itself (the dict would be compared as one; verl's reward fails on the missing key)
+        return (f"no ground truth: its {what} value {dict(spec)!r} is verl's reward spec without a 'ground_truth' "
+                "entry, and the rule scorer compares every response with one")
+    if _is_missing(_ground_truth(spec)):
         return (f"no ground truth: its {what} value's 'ground_truth' is null or NaN, and the rule scorer compares "
                 "every response with one")
     return None

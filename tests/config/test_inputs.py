@@ -297,6 +297,22 @@ def test_plan_refuses_what_only_reading_every_row_shows(row, reason, demo_assets
         assert "Traceback" not in result.stderr and "Started a local Ray" not in result.stderr + result.stdout
 
 
+def test_verl_reward_specs_without_a_ground_truth_are_refused(demo_assets, tmp_path):
+    """Every row's reward spec verl's form without its ground truth ({"style": "rule"}: a file whose rows mix it with
+    full specs reads the missing entry as null, refused above): the plan refuses naming the file and the first row,
+    where it passed and train scored the dict itself as the ground truth, stopping at the first reward call after
+    every worker had started."""
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({**r, "reward_model": {"style": "rule"}}) + "\n" for r in _rows(12)))
+    for path in (data, write_rows([{**r, "reward_model": {"style": "rule"}} for r in _rows(12)],
+                                  tmp_path / "train.parquet")):
+        result = _hybridrl("plan", CONFIG, *demo_overrides(demo_assets, tmp_path), f"data.train_files=[{path}]")
+        assert result.returncode == 2, result.stderr[-3000:]
+        expected = (f"data.train_files={path} row 0: no ground truth: its data.reward_key=reward_model value "
+                    "{'style': 'rule'} is verl's reward spec without a 'ground_truth' entry")
+        assert expected in result.stderr, result.stderr
+
+
 def test_a_data_source_without_a_scorer_past_the_preview_is_refused_naming_its_row(demo_assets, tmp_path):
     """algorithm.reward_fn=auto scores each row by its data_source; the plan reads every row of the file (it read a
     JSONL file's first lines only), so a source further down (or a row without one) is refused naming its first row
