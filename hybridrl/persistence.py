@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -227,6 +228,22 @@ def write_problem(folder: Path) -> str | None:
         return f"{folder} is on a read-only file system"
     if not os.access(folder, os.W_OK | os.X_OK):
         return f"no permission to write in {folder}"
+    return _create_problem(os.fspath(folder))
+
+
+@functools.lru_cache(maxsize=64)
+def _create_problem(folder: str) -> str | None:
+    """Why creating a file in `folder` fails, found by creating (and removing) one: os.access answers from the mode
+    bits, and root passes it everywhere, where the file system still refuses: an NFS export squashing root, a
+    pseudo file system (/proc, /sys). Once per folder and process (a layout search checks the same folders in each of
+    its plans)."""
+    probe = os.path.join(folder, f".hybridrl-write-check-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except OSError as error:
+        return f"creating a file in {folder} fails ({error.strerror or type(error).__name__})"
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
     return None
 
 

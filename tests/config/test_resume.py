@@ -208,6 +208,22 @@ def test_output_folders_that_are_files_are_refused(job, tmp_path):
     assert "3 config error(s)" in text
 
 
+def test_output_folders_the_file_system_refuses_to_create_files_in_are_refused(job, tmp_path):
+    """Where the mode bits allow writing but the file system refuses a new file (root passes os.access everywhere:
+    an NFS export squashing root, a pseudo file system, here /proc), the plan refused nothing and train failed at
+    its first checkpoint, after Ray, the workers and the first steps (seen: FileNotFoundError '/proc/ckpt'). The plan
+    creates a file there and removes it: nothing is left in a folder it may write in."""
+    overrides, _, _ = job
+    text = _refusal(GRPO, [*overrides, "trainer.default_local_dir=/proc/hybridrl-ckpt", "trainer.save_freq=2"])
+    assert ("trainer.default_local_dir=/proc/hybridrl-ckpt cannot be written: creating a file in /proc fails (") in text
+    assert "1 config error(s)" in text
+    run = tmp_path / "writable"
+    run.mkdir()
+    plan_from_sources(GRPO, [*overrides, f"trainer.default_local_dir={run}", "trainer.save_freq=2",
+                             f"trainer.run_dir={run}"], check_files=True)
+    assert list(run.iterdir()) == []  # the probe file went
+
+
 def test_output_folders_on_a_read_only_file_system_are_refused(job, tmp_path):
     """A run folder or checkpoint root the run may not write (here a real read-only mount) passed the plan, and train
     failed at its first write: after loading the data, or at its first checkpoint after Ray, the workers and the first
