@@ -15,6 +15,7 @@ from hybridrl.config.errors import ConfigError
 from hybridrl.config.loader import config_and_overrides
 from hybridrl.config.plan import plan_from_sources
 from hybridrl.config.report import packing_line, resume_line
+from hybridrl.config.schema import JobConfig
 from hybridrl.persistence import atomic_file
 
 
@@ -74,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
         except RayAddressError as exc:
             print(f"hybridrl train: {exc}", file=sys.stderr)
             return 2
+    elif problem := _needs_a_cluster(plan.config, address):
+        print(f"hybridrl train: {problem}", file=sys.stderr)
+        return 2
 
     trainer = None
     stopped_by: list[int] = []  # Ray's `get` turns any exception a handler raises into a plain KeyboardInterrupt
@@ -109,6 +113,27 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(result.summary)
     return 0
+
+
+def _needs_a_cluster(config: JobConfig, address: str | None) -> str | None:
+    """Why a job of several machines cannot run without a Ray cluster to join (None when it can): with no address
+    (or `local`) train starts a private Ray cluster of this machine alone, which no other machine can join, and its
+    pools would wait for machines that never come (`trainer.nnodes=2` on a login node without RAY_ADDRESS)."""
+    rollout, teacher = config.actor_rollout_ref.rollout, config.teacher
+    pools = [("trainer.nnodes", config.trainer.nnodes)]
+    if rollout.mode == "disaggregated":
+        pools.append(("actor_rollout_ref.rollout.nnodes", rollout.nnodes))
+    if config.algorithm.distillation.enable and teacher.mode == "disaggregated":
+        pools.append(("teacher.nnodes", teacher.nnodes))
+    field, machines = max(pools, key=lambda pool: pool[1])
+    if machines <= 1:
+        return None
+    started = "trainer.ray_address=local starts" if address == "local" else \
+        "neither trainer.ray_address nor RAY_ADDRESS names one, so this run would start"
+    return (f"{field}={machines} needs a Ray cluster of {machines} machines, but {started} a Ray cluster of this "
+            "machine alone, which no other machine can join: start Ray on every machine (launch/ray_head.sh on "
+            "the first, launch/ray_worker.sh on the others; launch/slurm_grpo.sbatch under Slurm) and set "
+            f"RAY_ADDRESS (or trainer.ray_address) to the head's address, or run on this machine with {field}=1")
 
 
 # A disk that will not take the run's files: full, over quota, read-only, or not this user's to write. The machine's

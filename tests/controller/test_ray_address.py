@@ -69,6 +69,30 @@ def test_ray_address_from_the_environment_is_named_as_such(demo_assets, tmp_path
     assert done.returncode == 2 and "hybridrl train: RAY_ADDRESS=bogus.invalid:6379 cannot be reached" in done.stderr
 
 
+@pytest.mark.parametrize("overrides, field", [
+    (["trainer.nnodes=2", "trainer.n_gpus_per_node=1"], "trainer.nnodes=2"),
+    (["trainer.n_gpus_per_node=1", "actor_rollout_ref.rollout.mode=disaggregated", "actor_rollout_ref.rollout.nnodes=2",
+      "actor_rollout_ref.rollout.n_gpus_per_node=1"], "actor_rollout_ref.rollout.nnodes=2"),
+])
+def test_a_job_of_several_machines_without_a_cluster_is_refused_before_ray_starts(demo_assets, tmp_path, overrides,
+                                                                                   field):
+    """No RAY_ADDRESS (the commonest slip of a multi-node job: train run on the login node, or the variable not
+    exported): train started a Ray cluster of this machine alone and its pool waited 300 s for machines that could
+    never join it, then failed naming resources. Refused at once, naming the field and the way to a cluster."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    started = time.monotonic()
+    done = _train(demo_assets, tmp_path, env, *overrides)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert (f"hybridrl train: {field} needs a Ray cluster of 2 machines, but neither trainer.ray_address nor "
+            "RAY_ADDRESS names one, so this run would start a Ray cluster of this machine alone") in done.stderr
+    assert "launch/ray_head.sh" in done.stderr and "Traceback" not in done.stderr
+    assert "Started a local Ray" not in done.stdout + done.stderr and time.monotonic() - started < 45
+    assert list(tmp_path.iterdir()) == []  # no run folder: refused before the trainer
+    local = _train(demo_assets, tmp_path, env, *overrides, "trainer.ray_address=local")
+    assert local.returncode == 2 and f"{field} needs a Ray cluster of 2 machines, but trainer.ray_address=local " \
+        "starts a Ray cluster of this machine alone" in local.stderr
+
+
 def test_a_port_that_never_answers_is_refused_within_the_time_limit(silent_port):
     started = time.monotonic()
     with pytest.raises(RayAddressError, match=f"x=127.0.0.1:{silent_port} accepts a connection on port {silent_port} "
