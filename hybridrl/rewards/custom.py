@@ -220,19 +220,24 @@ def adapt_reward_function(function: Callable[..., Any], reward_kwargs: Mapping[s
             kwargs.update({name: extra.get(name) for name in optional})
             return function(**kwargs, **fixed)
 
-        verl_style.__name__ = getattr(function, "__name__", "custom_reward")
-        return verl_style
+        return _adapting(verl_style, function)
     if parameters is not None and _ours_by_name(parameters):
         def by_name(response: str, ground_truth: Any, extra: Mapping[str, Any]) -> Any:
             return function(response=response, ground_truth=ground_truth, extra=extra, **fixed)
 
-        by_name.__name__ = getattr(function, "__name__", "custom_reward")
-        return by_name
+        return _adapting(by_name, function)
     if not fixed:
         return function
 
     def ours(response: str, ground_truth: Any, extra: Mapping[str, Any]) -> Any:
         return function(response, ground_truth, extra, **fixed)
 
-    ours.__name__ = getattr(function, "__name__", "custom_reward")
-    return ours
+    return _adapting(ours, function)
+
+
+def _adapting(adapter: Callable[..., Any], function: Callable[..., Any]) -> Callable[..., Any]:
+    """`adapter` under the user function's name, holding it as `user_function` (whether it is ``async def``: the
+    reward processes split an async function's batch into shares, `hybridrl.rewards.isolation`)."""
+    adapter.__name__ = getattr(function, "__name__", "custom_reward")
+    adapter.user_function = function  # type: ignore[attr-defined]
+    return adapter

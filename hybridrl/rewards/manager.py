@@ -10,8 +10,10 @@ An ``async def`` scorer's calls for a batch are awaited together in one event lo
 With ``timeout_s`` (``algorithm.custom_reward_function.timeout_s``, 300 s by default in a job's config) every call
 runs in a worker process and may take that long (`hybridrl.rewards.isolation`): a call past it is stopped (its
 process killed) and scores like a failure, the fallback or the run's end naming it, counted in
-``reward/timeouts`` (and ``reward/fallbacks``) with one warning per batch naming the data sources. Without it,
-the calls run in this process, unbounded.
+``reward/timeouts`` (and ``reward/fallbacks``) with one warning per batch naming the data sources. ``num_workers``
+(``algorithm.custom_reward_function.num_workers``, 1 by default) such processes score a batch's calls at once,
+the scores still in the batch's order. Without a timeout, the calls run in this process, unbounded, one after
+another (an ``async def`` function's awaited together).
 
 A scorer's extra keys (a dict result's keys beside ``score`` and ``acc``, verl's ``reward_extra_info``) are
 kept per sample in ``RewardOutput.details``; each numeric one's mean over the samples that report it is a
@@ -88,32 +90,40 @@ class RewardManager:
         fallback_score: float | None = None,
         timeout_s: float | None = None,
         recipe: ScorerRecipe | None = None,
+        num_workers: int = 1,
     ) -> None:
-        """`timeout_s`: each call's deadline, the calls then made in a worker process that builds the scorer from
-        `recipe` (by default, `scorer` itself, which must then pickle: a module's function)."""
+        """`timeout_s`: each call's deadline, the calls then made in `num_workers` worker processes that build the
+        scorer from `recipe` (by default, `scorer` itself, which must then pickle: a module's function)."""
         if fallback_score is not None and not math.isfinite(fallback_score):
             raise ValueError(f"fallback_score must be a finite number, got {fallback_score}")
         if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"num_workers must be an integer >= 1, got {num_workers!r}")
+        if num_workers > 1 and timeout_s is None:
+            raise ValueError(f"num_workers={num_workers} needs a timeout_s: without one the calls run in this process")
         self.scorer = scorer
         self.name = name
         self.fallback_score = fallback_score
         self.timeout_s = timeout_s
-        self.isolated = None if timeout_s is None else IsolatedScorer(recipe or ScorerRecipe(scorer=scorer), timeout_s)
+        self.isolated = None if timeout_s is None else IsolatedScorer(recipe or ScorerRecipe(scorer=scorer), timeout_s,
+                                                                      num_workers)
 
     @classmethod
     def from_name(cls, name: str, fallback_score: float | None = None, timeout_s: float | None = None,
-                  **options: Any) -> RewardManager:
+                  num_workers: int = 1, **options: Any) -> RewardManager:
         return cls(get_scorer(name, **options), name, fallback_score, timeout_s,
-                   ScorerRecipe(registry=name, options=options))
+                   ScorerRecipe(registry=name, options=options), num_workers)
 
     @classmethod
     def from_file(cls, path: str, function_name: str = "compute_score",
                   fallback_score: float | None = None,
-                  reward_kwargs: Mapping[str, Any] | None = None, timeout_s: float | None = None) -> RewardManager:
+                  reward_kwargs: Mapping[str, Any] | None = None, timeout_s: float | None = None,
+                  num_workers: int = 1) -> RewardManager:
         function = load_reward_function(path, function_name)
         return cls(adapt_reward_function(function, reward_kwargs), f"{function_name} from {path}", fallback_score,
-                   timeout_s, ScorerRecipe(path=path, function=function_name, reward_kwargs=reward_kwargs))
+                   timeout_s, ScorerRecipe(path=path, function=function_name, reward_kwargs=reward_kwargs),
+                   num_workers)
 
     @classmethod
     def from_config(cls, algorithm_config: Any, fallback_score: float | None = None) -> RewardManager:
@@ -122,13 +132,14 @@ class RewardManager:
         if fallback_score is None:
             fallback_score = getattr(custom, "fallback_score", None)
         timeout_s = getattr(custom, "timeout_s", None)
+        num_workers = getattr(custom, "num_workers", 1)
         if custom.path:
             return cls.from_file(custom.path, custom.name, fallback_score, getattr(custom, "reward_kwargs", None),
-                                 timeout_s)
-        return cls.from_name(algorithm_config.reward_fn, fallback_score, timeout_s)
+                                 timeout_s, num_workers)
+        return cls.from_name(algorithm_config.reward_fn, fallback_score, timeout_s, num_workers)
 
     def close(self) -> None:
-        """Stop the worker process of a scorer with a deadline (a later batch would start another)."""
+        """Stop the worker processes of a scorer with a deadline (a later batch would start others)."""
         if self.isolated is not None:
             self.isolated.close()
 
@@ -205,7 +216,7 @@ class RewardManager:
 
     def _call_each(self, responses: Sequence[str], ground_truths: Sequence[Any],
                    extras: Sequence[Mapping[str, Any]]) -> list[Any]:
-        """Each sample's scorer return value, `Failed` or `TimedOut`: in the worker process under the deadline, or
+        """Each sample's scorer return value, `Failed` or `TimedOut`: in the worker processes under the deadline, or
         here without one."""
         if self.isolated is None:
             return _call_each(self.scorer, responses, ground_truths, extras)

@@ -497,3 +497,195 @@ def test_how_a_reward_function_is_called_follows_its_parameter_names(tmp_path: P
         "ground_truth, extra), by position)"), problem
     field, problem = call_problem(load_reward_function(path, "trl_batch"))
     assert field == "name" and "takes prompts, completions: TRL's convention" in problem
+
+
+POOL_REWARD = '''
+import asyncio, hashlib, os, time
+
+def digest(text):
+    return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) / 2**32
+
+def compute_score(response, ground_truth, extra):
+    if response == "hang":
+        open(extra["extra_info"]["pid_file"], "w").write(str(os.getpid()))
+        time.sleep(600)
+    if response == "exit":
+        os._exit(3)  # ends its own process, as a crashing extension would
+    time.sleep(float(extra.get("extra_info", {}).get("sleep", 0.0)))
+    return {"score": digest(response), "pid": os.getpid()}
+
+async def judge(response, ground_truth, extra):
+    if response == "block":
+        time.sleep(600)  # blocking work inside async def: holds its process's whole event loop
+    await asyncio.sleep(1.0)  # a remote judge
+    return {"score": digest(response), "pid": os.getpid()}
+'''
+
+
+def _digest(text: str) -> float:
+    import hashlib
+
+    return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) / 2**32
+
+
+@pytest.fixture()
+def pool_file(tmp_path: Path) -> Path:
+    path = tmp_path / "pool_reward.py"
+    path.write_text(POOL_REWARD)
+    return path
+
+
+def test_num_workers_score_a_batchs_calls_at_once_and_in_its_order(pool_file: Path) -> None:
+    """algorithm.custom_reward_function.num_workers: 8 calls of 1 s on 4 processes take about 2 s, not 8; each score is
+    its own sample's (derived from its response), whichever process answered first; the processes are started once
+    and serve the next batch."""
+    import time
+
+    manager = RewardManager.from_file(str(pool_file), timeout_s=30.0, num_workers=4)
+    assert manager.isolated is not None and manager.isolated.num_workers == 4
+    manager.score(["w0", "w1", "w2", "w3"], ["x"] * 4)  # the processes started
+    pids = sorted(manager.isolated.pids)
+    assert len(pids) == 4
+    texts = [f"sample {i}" for i in range(8)]
+    started = time.monotonic()
+    output = manager.score(texts, ["x"] * 8, [{"extra_info": {"sleep": 1.0}}] * 8)
+    elapsed = time.monotonic() - started
+    assert elapsed < 4.0, elapsed  # one after another: 8 s
+    assert output.scores == [_digest(text) for text in texts]  # each its own, in the batch's order
+    assert {detail["pid"] for detail in output.details} == set(pids)  # all four took calls
+    assert sorted(manager.isolated.pids) == pids  # the same processes, batch after batch
+    manager.close()
+    assert manager.isolated.pids == []
+
+
+def test_a_call_past_its_deadline_in_the_pool_times_out_alone_and_the_pool_goes_on(pool_file: Path,
+                                                                                      tmp_path: Path) -> None:
+    """One call that hangs is killed with its process at timeout_s and scores the fallback; the batch's other calls,
+    on the other processes, score normally meanwhile; a new process takes the killed one's place for the next
+    batch."""
+    import os
+    import time
+
+    pid_file = tmp_path / "hung_pid"
+    manager = RewardManager.from_file(str(pool_file), fallback_score=-1.0, timeout_s=1.5, num_workers=3)
+    manager.score(["w0", "w1", "w2"], ["x"] * 3)  # the processes started
+    texts = ["a", "hang", "b", "c", "d", "e", "f"]
+    extras = [{"extra_info": {"sleep": 0.3, "pid_file": str(pid_file)}}] * len(texts)
+    started = time.monotonic()
+    output = manager.score(texts, ["x"] * len(texts), extras)
+    elapsed = time.monotonic() - started
+    assert output.scores == [-1.0 if text == "hang" else _digest(text) for text in texts]
+    assert output.metrics["reward/timeouts"] == 1.0 and output.fallback_rows == [1]
+    assert "timed out after 1.5 s" in output.details[1]["fallback"] and "its process was stopped" in \
+        output.details[1]["fallback"]
+    hung = int(pid_file.read_text())
+    assert hung not in {detail.get("pid") for detail in output.details}  # the others ran beside it, elsewhere
+    assert elapsed < 1.5 + 3.0, elapsed  # the deadline; the others' 1.8 s of calls shared by two processes
+    with pytest.raises(ProcessLookupError):
+        os.kill(hung, 0)  # killed, not left sleeping
+    following = manager.score(["g", "h", "i", "j"], ["x"] * 4, [{"extra_info": {"sleep": 0.3}}] * 4)
+    assert following.scores == [_digest(text) for text in "ghij"] and following.metrics["reward/timeouts"] == 0.0
+    assert len(manager.isolated.pids) == 3 and hung not in manager.isolated.pids  # a new one in its place
+    manager.close()
+
+
+def test_a_call_that_ends_its_process_fails_only_its_sample(pool_file: Path) -> None:
+    manager = RewardManager.from_file(str(pool_file), fallback_score=-1.0, timeout_s=30.0, num_workers=2)
+    texts = ["a", "exit", "b", "c", "d"]
+    output = manager.score(texts, ["x"] * len(texts))
+    assert output.scores == [-1.0 if text == "exit" else _digest(text) for text in texts]
+    assert output.fallback_rows == [1] and output.details[1]["fallback"] == "ended its process (exit code 3)"
+    assert output.metrics["reward/timeouts"] == 0.0
+    stop = RewardManager.from_file(str(pool_file), timeout_s=30.0, num_workers=2)
+    with pytest.raises(RewardFunctionError, match=r"ended its process \(exit code 3\) on sample 2"):
+        stop.score(["a", "b", "exit"], ["x"] * 3)
+    manager.close()
+    stop.close()
+
+
+def test_an_async_function_awaits_its_share_of_the_batch_in_each_process(pool_file: Path) -> None:
+    """With num_workers an async def function's batch is split into contiguous shares, each awaited together in its
+    process: 6 calls of a 1 s judge on 3 processes take about 1 s (each share's two at once); a call that blocks its
+    event loop times out alone, its share's other call answered when the share runs again one at a time."""
+    import time
+
+    manager = RewardManager.from_file(str(pool_file), "judge", fallback_score=-1.0, timeout_s=2.0, num_workers=3)
+    manager.score(["w0", "w1", "w2"], ["x"] * 3)  # the processes started
+    texts = [f"q{i}" for i in range(6)]
+    started = time.monotonic()
+    output = manager.score(texts, ["x"] * 6)
+    elapsed = time.monotonic() - started
+    assert output.scores == [_digest(text) for text in texts]
+    pids = [detail["pid"] for detail in output.details]
+    assert pids[0] == pids[1] and pids[2] == pids[3] and pids[4] == pids[5] and len(set(pids)) == 3  # the shares
+    assert elapsed < 1.9, elapsed  # each share's calls one after another: 2 s
+    blocked = manager.score(["a", "block", "b", "c", "d", "e"], ["x"] * 6)  # shares [a, block], [b, c], [d, e]
+    assert blocked.scores == [_digest("a"), -1.0, *map(_digest, "bcde")]
+    assert blocked.metrics["reward/timeouts"] == 1.0 and "its process was stopped" in blocked.details[1]["fallback"]
+    manager.close()
+
+
+BUSY_REWARD = '''
+import os, time
+
+def compute_score(response, ground_truth, extra):
+    open(os.path.join(extra["extra_info"]["folder"], str(os.getpid())), "w").close()  # busy now
+    time.sleep(600)
+    return 1.0
+'''
+
+TRAINER = '''
+import sys
+sys.path.insert(0, sys.argv[1])
+from hybridrl.rewards.isolation import IsolatedScorer, ScorerRecipe
+scorer = IsolatedScorer(ScorerRecipe(path=sys.argv[2]), timeout_s=300.0, num_workers=3)
+scorer.call_each(["a", "b", "c"], ["x"] * 3, [{"extra_info": {"folder": sys.argv[3]}}] * 3)
+'''
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie no one has reaped yet is not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def test_the_reward_processes_die_with_the_trainer(tmp_path: Path) -> None:
+    """PR_SET_PDEATHSIG: a trainer killed by SIGKILL (no cleanup runs) takes its reward processes with it, even in
+    the middle of a call (an idle one would end anyway, at the end of its pipe), not left burning a core for no
+    one."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "busy.py").write_text(BUSY_REWARD)
+    (tmp_path / "trainer.py").write_text(TRAINER)
+    folder = tmp_path / "busy"
+    folder.mkdir()
+    root = str(Path(__file__).resolve().parents[2])
+    trainer = subprocess.Popen([sys.executable, str(tmp_path / "trainer.py"), root, str(tmp_path / "busy.py"),
+                                str(folder)])
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60.0
+        while len(pids) < 3 and time.monotonic() < deadline and trainer.poll() is None:
+            time.sleep(0.1)
+            pids = [int(path.name) for path in folder.iterdir()]
+        assert len(pids) == 3 and all(_alive(pid) for pid in pids), (pids, trainer.poll())  # each in its call
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(timeout=30)
+        deadline = time.monotonic() + 10.0
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in pids if _alive(pid)]
+    finally:
+        trainer.kill()
+        for pid in pids:
+            try:
+                os.killpg(pid, signal.SIGKILL)  # what the test would leave behind when it fails
+            except ProcessLookupError:
+                pass
