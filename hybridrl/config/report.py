@@ -203,7 +203,7 @@ def render_plan(plan: Plan) -> str:
 
 def reward_line(plan: Plan) -> str:
     """What scores the samples and how: the custom function's call, argument by argument (`Plan.reward_call`), or
-    the rule scorer; each call's time limit, and what a failed call scores."""
+    the rule scorer; each call's time limit, the processes that make the calls, and what a failed call scores."""
     algorithm, custom = plan.config.algorithm, plan.config.algorithm.custom_reward_function
     if custom.path:
         how = (f", called once per sample as {plan.reward_call}" if plan.reward_call
@@ -214,9 +214,13 @@ def reward_line(plan: Plan) -> str:
             " (each row by the scorer its data_source names)" if algorithm.reward_fn == AUTO else "")
     if plan.config.reward_model.enable:
         scorer = f"the reward model's score (reward_model.enable); validation rows by {scorer}"
-    limit = (f"each call may take {custom.timeout_s:g} s, in a process of its own "
-             "(algorithm.custom_reward_function.timeout_s)" if custom.timeout_s is not None
-             else "each call in the trainer's process, without a time limit (timeout_s: null)")
+    if custom.timeout_s is None:
+        limit = "each call in the trainer's process, without a time limit (timeout_s: null)"
+    else:
+        where = ("in a process of its own, one call after another" if custom.num_workers == 1 else
+                 f"in {custom.num_workers} processes of their own, {custom.num_workers} calls at once")
+        limit = (f"each call may take {custom.timeout_s:g} s, {where} (algorithm.custom_reward_function.timeout_s, "
+                 "num_workers)")
     failed = (f"scores {custom.fallback_score:g} (fallback_score)" if custom.fallback_score is not None
               else "stops the run naming it (fallback_score: null)")
     return f"Reward: {scorer}; {limit}; a call that raises, returns no number or times out {failed}"

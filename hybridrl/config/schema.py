@@ -560,6 +560,11 @@ class CustomRewardConfig:
         300.0, "seconds each reward call may take (verl's reward_model.timeout), the rule scorers' too: calls run in a "
                "process of their own, killed past it, and the sample scores fallback_score (reward/timeouts); "
                "null = no limit, calls run in the trainer's process")
+    num_workers: int = doc(
+        1, "reward processes that score a batch's calls at once, each call under timeout_s (so timeout_s may not be "
+           "null); 1 = one after another. A CPU-bound function (math-verify, running code) gains up to the trainer "
+           "machine's cores, one that waits (a sandbox service, a judge) beyond them; an async def function's batch "
+           "is split into num_workers shares, each awaited together")
 
 
 @dataclass

@@ -55,11 +55,13 @@ from hybridrl.config.verl_keys import RESUME_PATH_POINTER
 from hybridrl.models.arch import ModelShape
 from hybridrl.models.layout import ParallelLayout
 from hybridrl.names import Role
+from hybridrl.parallel.device import usable_cores
 from hybridrl.parallel.device_policy import DEVICE_POLICIES
 from hybridrl.persistence import nearest_existing, write_problem
 from hybridrl.rewards.registry import AUTO
 
 RESUME_MODES = ("auto", "disable")
+REWARD_WORKERS_MAX = 1024  # algorithm.custom_reward_function.num_workers
 VERL_RESUME_PATH = "resume_path"  # verl's resume_mode for its resume_from_path
 
 
@@ -223,6 +225,7 @@ def _check_reward_choice(check: Checker, config: JobConfig) -> None:
     if custom.timeout_s is not None:  # a week: longer is no deadline (null is none)
         check.in_range("algorithm.custom_reward_function.timeout_s", custom.timeout_s, 0.0, 7 * 86400.0,
                        low_open=True)
+    _check_reward_workers(check, custom.num_workers, custom.timeout_s)
     if custom.fallback_score is not None and not (isinstance(custom.fallback_score, (int, float))
                                                   and math.isfinite(custom.fallback_score)):
         check.fail("algorithm.custom_reward_function.fallback_score", custom.fallback_score,
@@ -231,6 +234,27 @@ def _check_reward_choice(check: Checker, config: JobConfig) -> None:
         check.fail("algorithm.custom_reward_function.reward_kwargs", custom.reward_kwargs, "are keyword arguments of "
                    "a custom reward function, but algorithm.custom_reward_function.path (the file defining it) is "
                    "unset: set the path, or remove them (the rule scorers take none)")
+
+
+def _check_reward_workers(check: Checker, workers: object, timeout_s: object) -> None:
+    """algorithm.custom_reward_function.num_workers: the reward processes that score a batch's calls at once. At most
+    REWARD_WORKERS_MAX (the trainer holds a pipe to each: a default open-file limit of 1024 would fail before);
+    above the cores of this machine a warning (a CPU-bound function's calls then share cores, each slower towards its
+    deadline); more than one needs the deadline's processes (timeout_s null calls in the trainer's process)."""
+    field = "algorithm.custom_reward_function.num_workers"
+    if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= REWARD_WORKERS_MAX:
+        check.fail(field, workers, f"must be an integer in [1, {REWARD_WORKERS_MAX}]: the reward processes that "
+                   "score a batch's calls at once (1: one after another; the trainer holds a pipe to each)",
+                   sorted({1, min(usable_cores(), REWARD_WORKERS_MAX)}))
+    elif workers > 1 and timeout_s is None:
+        check.fail(field, workers, "runs the reward calls in processes of their own, each under "
+                   "algorithm.custom_reward_function.timeout_s, but timeout_s=null calls them in the trainer's "
+                   "process, one after another: set timeout_s, or num_workers=1", [1])
+    elif workers > (cores := usable_cores()):
+        check.warnings.append(
+            f"{field}={workers} is more reward processes than the {cores} cores this machine gives the trainer: a "
+            "CPU-bound reward function's calls share them, each slower towards timeout_s (more processes than "
+            "cores help a function that waits: on a sandbox service, a judge)")
 
 
 def _check_seeds(check: Checker, config: JobConfig) -> None:

@@ -203,6 +203,11 @@ def layer_spec_kind(device: str, te_available: bool | None = None, *, adapters: 
 _probe_te = te_available
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity set, which a cgroup's cpuset or `taskset` narrows)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def torch_threads_per_rank(ranks_on_node: int, cores: int | None = None) -> int:
     """Intra-op threads for one of `ranks_on_node` training processes sharing this node's cores.
 

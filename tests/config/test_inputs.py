@@ -541,8 +541,9 @@ def test_the_plan_says_how_the_reward_function_is_called_and_refuses_misplaced_n
     (line,) = [line for line in render_plan(plan).splitlines() if line.startswith("Reward: ")]
     assert line == (f"Reward: score from {tmp_path / 'mine.py'}, called once per sample as score(a=<the response "
                     "text>, b=<the row's ground truth>, c=<the row's metadata (data_source, extra_info, index, prompt, "
-                    "reward_spec)>), by position; each call may take 300 s, in a process of its own "
-                    "(algorithm.custom_reward_function.timeout_s); a call that raises, returns no number or times out "
+                    "reward_spec)>), by position; each call may take 300 s, in a process of its own, one call after "
+                    "another (algorithm.custom_reward_function.timeout_s, num_workers); a call that raises, returns no "
+                    "number or times out "
                     "scores -1 (fallback_score)")
     with pytest.raises(ConfigError, match=r"algorithm\.custom_reward_function\.name=swapped has 'ground_truth' as its "
                                           r"parameter 1, where the call passes the response text"):

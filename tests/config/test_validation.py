@@ -191,6 +191,25 @@ CASES = {
     "reward timeout positive": (["algorithm.custom_reward_function.timeout_s=0"],
                                 "algorithm.custom_reward_function.timeout_s", "must be in (0, 604800]",
                                 ["algorithm.custom_reward_function.timeout_s=30"]),
+    # the reward processes that score a batch at once: a count, and only beside the deadline that puts calls in them
+    "reward workers at least one": (["algorithm.custom_reward_function.num_workers=0"],
+                                    "algorithm.custom_reward_function.num_workers", "must be an integer in [1, 1024]",
+                                    ["algorithm.custom_reward_function.num_workers=2"]),
+    "reward workers not negative": (["algorithm.custom_reward_function.num_workers=-1"],
+                                    "algorithm.custom_reward_function.num_workers", "must be an integer in [1, 1024]",
+                                    ["algorithm.custom_reward_function.num_workers=1"]),
+    "reward workers a number": (["algorithm.custom_reward_function.num_workers=x"],
+                                "algorithm.custom_reward_function.num_workers", "must be int, got str",
+                                ["algorithm.custom_reward_function.num_workers=4"]),
+    "reward workers bounded": (["algorithm.custom_reward_function.num_workers=1025"],
+                               "algorithm.custom_reward_function.num_workers", "the trainer holds a pipe to each",
+                               ["algorithm.custom_reward_function.num_workers=1"]),
+    "reward workers need the timeout": (["algorithm.custom_reward_function.num_workers=2",
+                                         "algorithm.custom_reward_function.timeout_s=null"],
+                                        "algorithm.custom_reward_function.num_workers",
+                                        "timeout_s=null calls them in the trainer's process",
+                                        ["algorithm.custom_reward_function.num_workers=1",
+                                         "algorithm.custom_reward_function.timeout_s=null"]),
     "fallback score finite": (["algorithm.custom_reward_function.fallback_score=.nan"],
                               "algorithm.custom_reward_function.fallback_score", "must be a finite number",
                               ["algorithm.custom_reward_function.fallback_score=-1"]),
@@ -213,6 +232,24 @@ def assert_refused_then_fixed(bad: list[str], field: str, fragment: str, good: l
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_rule_refuses_bad_and_accepts_fix(name):
     assert_refused_then_fixed(*CASES[name])
+
+
+def test_the_plan_shows_the_reward_processes_and_warns_of_more_than_the_cores():
+    """The Reward line says how many processes make the calls; more than this machine's cores is a warning (a CPU-bound
+    function's calls would share them), not an error (a function that waits on a service gains from more)."""
+    from hybridrl.parallel.device import usable_cores
+
+    field = "algorithm.custom_reward_function.num_workers"
+    plan = plan_from_sources(SEED, [f"{field}=2"])
+    (line,) = [line for line in render_plan(plan).splitlines() if line.startswith("Reward: ")]
+    assert "each call may take 300 s, in 2 processes of their own, 2 calls at once (algorithm.custom_reward_function" \
+           ".timeout_s, num_workers)" in line, line
+    one = plan_from_sources(SEED, [])
+    assert "in a process of its own, one call after another" in render_plan(one)
+    assert not [w for w in one.warnings if field in w]
+    crowded = plan_from_sources(SEED, [f"{field}={usable_cores() + 1}"])
+    assert [w for w in crowded.warnings if w.startswith(f"{field}={usable_cores() + 1} is more reward processes "
+                                                        f"than the {usable_cores()} cores")], crowded.warnings
 
 
 # Model-shape rules on custom shapes (heads, KV heads, layers, vocab).

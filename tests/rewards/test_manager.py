@@ -140,6 +140,12 @@ def test_from_config_picks_custom_or_registry(user_file: Path) -> None:
     assert RewardManager.from_config(custom).score(["abc"], ["abc"]).accs == [True]
     with pytest.raises(UnknownScorerError, match="Did you mean 'countdown'"):
         RewardManager.from_config(AlgorithmConfig(reward_fn="count_down"))
+    pooled = AlgorithmConfig(custom_reward_function=CustomRewardConfig(path=str(user_file), num_workers=3))
+    isolated = RewardManager.from_config(pooled).isolated
+    assert isolated is not None and (isolated.num_workers, isolated.timeout_s) == (3, 300.0)
+    with pytest.raises(ValueError, match="num_workers=3 needs a timeout_s"):
+        RewardManager.from_config(AlgorithmConfig(custom_reward_function=CustomRewardConfig(
+            path=str(user_file), num_workers=3, timeout_s=None)))
 
 
 def test_reward_kwargs_reach_the_function_on_every_call(user_file: Path) -> None:
