@@ -17,7 +17,7 @@ import yaml
 
 from hybridrl.config.errors import ConfigError, ConfigIssue, show_value
 from hybridrl.config.schema import REF_DEFAULTS_TO_ACTOR, REF_SHARES_WITH_ACTOR, JobConfig, MegatronConfig, without_none
-from hybridrl.config.verl_keys import Refused, Restates, restated, verl_key
+from hybridrl.config.verl_keys import Implies, Refused, Restates, restated, verl_key
 from hybridrl.config.yaml_load import RepeatedKeyError, load_yaml
 
 # Fields users of other trainers write directly on a role: accepted there and moved into the
@@ -82,16 +82,39 @@ def load_config_collecting(
     """
     issues: list[ConfigIssue] = []
     raw: dict[str, Any] = {}
+    implied: _Implied = {}
     if path is not None:
-        _merge_source(raw, _leaves(_read_yaml(Path(path), issues)), str(path), issues)
+        _merge_source(raw, _leaves(_read_yaml(Path(path), issues)), str(path), issues, implied)
     assignments = []
     for override in overrides:
         parsed = _parse_override(override, issues)
         if parsed is not None:
             assignments.extend(parsed)
-    _merge_source(raw, assignments, COMMAND_LINE, issues)
+    _merge_source(raw, assignments, COMMAND_LINE, issues, implied)
+    _apply_implied(raw, implied, issues)
     _inherit_reference_layout(raw)
     return _build(JobConfig, raw, "", issues), issues
+
+
+# per verl key that implies fields (`verl_keys.Implies`), the fields its last value sets: a later source's value
+# replaces an earlier one's, as for any key
+_Implied = dict[tuple[str, ...], dict[str, Any]]
+
+
+def _apply_implied(raw: dict[str, Any], implied: _Implied, issues: list[ConfigIssue]) -> None:
+    """Set the fields a verl key's value implies (reward_manager=prime: num_workers) where no source set them: the
+    job's own value of a field wins over what a verl key implies for it."""
+    for fields in implied.values():
+        for name, value in fields.items():
+            parts = canonical_path(tuple(name.split(".")))
+            node: Any = raw
+            for part in parts:
+                if _plain(node) is None or (isinstance(node, dict) and part not in node):
+                    _assign(raw, parts, value, issues)  # no source set it (a null section is its defaults)
+                    break
+                if not isinstance(node, dict):
+                    break  # a value where a section belongs: the schema's refusal
+                node = node[part]
 
 
 def _inherit_reference_layout(raw: dict[str, Any]) -> None:
@@ -114,7 +137,9 @@ def config_from_dict(raw: Mapping[str, Any]) -> JobConfig:
     """Build a `JobConfig` from a plain nested dict (e.g. `config_to_dict` output)."""
     issues: list[ConfigIssue] = []
     tree: dict[str, Any] = {}
-    _merge_source(tree, _leaves(dict(raw)), "the given dict", issues)
+    implied: _Implied = {}
+    _merge_source(tree, _leaves(dict(raw)), "the given dict", issues, implied)
+    _apply_implied(tree, implied, issues)
     config = _build(JobConfig, tree, "", issues)
     if issues:
         raise ConfigError(issues)
@@ -191,7 +216,8 @@ def _parse_override(override: str, issues: list[ConfigIssue]) -> list[tuple[tupl
 def override_fields(override: str) -> list[tuple[str, Any]]:
     """The fields a command-line override sets, as the loader applies it: (canonical dotted path, value) for each
     (a mapping override: each field under it; a verl key: hybridrl's field). [] for one the loader would refuse or
-    take as restating hybridrl's behaviour."""
+    take as restating hybridrl's behaviour, and for a verl key that only implies fields where the job sets none
+    (`verl_keys.Implies`: reward_manager=prime)."""
     issues: list[ConfigIssue] = []
     fields = []
     for parts, value in _parse_override(override, issues) or []:
@@ -211,15 +237,16 @@ def _leaves(tree: Any, prefix: tuple[str, ...] = ()) -> typing.Iterator[tuple[tu
 
 
 def _merge_source(raw: dict[str, Any], assignments: Iterable[tuple[tuple[str, ...], Any]], source: str,
-                  issues: list[ConfigIssue]) -> None:
+                  issues: list[ConfigIssue], implied: _Implied) -> None:
     """Write one source's assignments (the file, or the command line) into `raw`, each at its
     canonical path, so a later source replaces an earlier one whichever spelling either used.
     Within the source the same path written twice keeps the last value; two spellings of one
-    field with different values are an error naming both."""
+    field with different values are an error naming both. What a verl key implies goes to `implied`,
+    set once every source is read (`_apply_implied`)."""
     written: dict[tuple[str, ...], tuple[str, Any]] = {}
     for parts, value in assignments:
         spelling = ".".join(parts)  # as written: a verl alias and its target are two spellings of one field
-        verl = _read_verl_key(parts, value, issues)
+        verl = _read_verl_key(parts, value, issues, implied)
         if verl is None:
             continue
         parts, value = verl
@@ -237,15 +264,23 @@ def _merge_source(raw: dict[str, Any], assignments: Iterable[tuple[tuple[str, ..
         _assign(raw, where, value, issues)
 
 
-def _read_verl_key(parts: tuple[str, ...], value: Any,
-                   issues: list[ConfigIssue]) -> tuple[tuple[str, ...], Any] | None:
+def _read_verl_key(parts: tuple[str, ...], value: Any, issues: list[ConfigIssue],
+                   implied: _Implied | None = None) -> tuple[tuple[str, ...], Any] | None:
     """A verl key without a field of hybridrl's own, in verl's meaning (`hybridrl.config.verl_keys`): the
-    (path, value) to assign, or None when it is taken as restating hybridrl's behaviour or refused."""
+    (path, value) to assign, or None when it is taken as restating hybridrl's behaviour, implies fields (kept in
+    `implied`) or is refused."""
     found = verl_key(parts)
     if found is None:
         return parts, value
     entry, target = found
     spelling, plain = ".".join(parts), _plain(value)
+    if isinstance(entry, Implies):
+        fields = entry.implied(plain)
+        if fields is None:
+            issues.append(ConfigIssue(spelling, _as_written(value), entry.reason(plain)))
+        elif implied is not None:
+            implied[parts] = fields
+        return None
     if isinstance(entry, Refused):
         if plain is None and entry.null_restates:
             return None

@@ -564,7 +564,8 @@ class CustomRewardConfig:
         1, "reward processes that score a batch's calls at once, each call under timeout_s (so timeout_s may not be "
            "null); 1 = one after another. A CPU-bound function (math-verify, running code) gains up to the trainer "
            "machine's cores, one that waits (a sandbox service, a judge) beyond them; an async def function's batch "
-           "is split into num_workers shares, each awaited together")
+           "is split into num_workers shares, each awaited together. verl's reward_model.reward_manager=prime sets "
+           "min(64, cores) where the job does not set it")
 
 
 @dataclass

@@ -249,7 +249,8 @@ def _check_reward_workers(check: Checker, workers: object, timeout_s: object) ->
     elif workers > 1 and timeout_s is None:
         check.fail(field, workers, "runs the reward calls in processes of their own, each under "
                    "algorithm.custom_reward_function.timeout_s, but timeout_s=null calls them in the trainer's "
-                   "process, one after another: set timeout_s, or num_workers=1", [1])
+                   "process, one after another: set timeout_s (verl's reward_manager=prime gives each call 300 s), or "
+                   "num_workers=1", [1])
     elif workers > (cores := usable_cores()):
         check.warnings.append(
             f"{field}={workers} is more reward processes than the {cores} cores this machine gives the trainer: a "

@@ -1,7 +1,7 @@
 """verl's keys that have no field of hybridrl's own, read in verl's meaning, so a verl job carries over.
 
 A verl script's overrides mostly name hybridrl's own fields (the schema speaks verl's vocabulary). The
-rest are here, each one of three kinds, and the loader (`hybridrl.config.loader`) applies them before
+rest are here, each one of four kinds, and the loader (`hybridrl.config.loader`) applies them before
 it reads a key as unknown:
 
 * `Restates`: a setting whose accepted values describe what hybridrl does anyway (verl's default is
@@ -15,18 +15,24 @@ it reads a key as unknown:
 * `Refused`: a verl key with a meaning hybridrl does not build; refused by name with the reason, never
   read as a near-spelled field of another meaning (verl's `data.reward_fn_key` is not `data.reward_key`).
   With `null_restates`, null (verl's default: the feature off) is taken and changes nothing.
+* `Implies`: a verl setting whose accepted values each stand for values of hybridrl fields (verl's
+  `reward_model.reward_manager=prime` is reward calls in a pool of processes:
+  `algorithm.custom_reward_function.num_workers`). The loader sets those fields where the job does not set them
+  itself, in any source and spelling: the job's own value wins. Any other value is refused with the reason.
 
 `ROLE` in a key stands for each role section with a megatron layout (actor, ref, critic, reward model).
 """
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from hybridrl.parallel.device import usable_cores
 
 ROLE = "<role>"
 ROLE_PATHS = (("actor_rollout_ref", "actor"), ("actor_rollout_ref", "ref"), ("critic",), ("reward_model",))
@@ -58,11 +64,54 @@ class Refused:
         return self.why(value) if callable(self.why) else self.why
 
 
-VerlKey = Restates | Alias | Refused
+@dataclass(frozen=True)
+class Implies:
+    key: str
+    values: Mapping[Any, Mapping[str, Any]]  # verl's value -> {hybridrl field: its value, or a function giving it}
+    why: str | Callable[[Any], str]  # the refusal of any other value (or the reason for the value given)
+
+    def implied(self, value: Any) -> dict[str, Any] | None:
+        """The fields `value` sets (functions called now), or None when it is not accepted (YAML's True is not 1:
+        compared with types)."""
+        for accepted, fields in self.values.items():
+            if type(value) is type(accepted) and value == accepted:
+                return {name: field() if callable(field) else field for name, field in fields.items()}
+        return None
+
+    def reason(self, value: Any) -> str:
+        return self.why(value) if callable(self.why) else self.why
+
+
+VerlKey = Restates | Alias | Refused | Implies
 
 # verl's resume_mode=resume_path with resume_from_path=<folder>: hybridrl's resume_mode is the folder itself
 RESUME_PATH_POINTER = ("hybridrl's trainer.resume_mode takes the checkpoint path itself: trainer.resume_mode=<the "
                        "global_step_N folder> (auto: the newest under default_local_dir; disable: a fresh start)")
+REWARD_WORKERS = "algorithm.custom_reward_function.num_workers"
+# verl's PrimeRewardManager: a ProcessPoolExecutor of num_processes=64, each call given 300 s (hybridrl's timeout_s
+# default), a failed or timed-out call scoring 0.0 (hybridrl's fallback_score is not implied)
+PRIME_PROCESSES = 64
+
+
+def prime_num_workers() -> int:
+    """What verl's reward_manager=prime sets num_workers to: its 64 processes, at most one per core this process may
+    run on (the trainer's machine, where the reward processes run): each runs one call at a time under a wall-clock
+    deadline, and CPU-bound calls sharing a core would take longer towards it."""
+    return max(1, min(PRIME_PROCESSES, usable_cores()))
+
+
+def _reward_manager_refusal(value: Any) -> str:
+    if value == "batch":
+        return ("is verl's manager that calls the reward function once per batch with lists (data_sources, "
+                "solution_strs, ground_truths, extra_infos); hybridrl calls it once per sample, in "
+                f"{REWARD_WORKERS} processes at once: write it per sample (verl's naive form compute_score("
+                "data_source, solution_str, ground_truth, extra_info)) and set reward_model.reward_manager=prime or "
+                f"{REWARD_WORKERS}=N for the batch in parallel")
+    return ("is a verl setting hybridrl takes only as naive, dapo, prime: the rule scorer (algorithm.reward_fn) or "
+            "algorithm.custom_reward_function scores each sample; DAPO's overlong penalty is "
+            f"algorithm.overlong_buffer; prime's pool of processes is {REWARD_WORKERS}")
+
+
 _WEIGHTS = "hybridrl loads the HF folder of model.path with its own weight table per model family " \
            "(hybridrl/models/families)"
 VERL_KEYS: tuple[VerlKey, ...] = (
@@ -90,9 +139,12 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     Restates(f"{ROLE}.profiler.all_ranks", ANY, "only read with profiler.enable=true, which is refused"),
     Restates(f"{ROLE}.profiler.ranks", ANY, "only read with profiler.enable=true, which is refused"),
     # verl's DAPO reward manager: the rule score plus the soft overlong penalty, which is hybridrl's
-    # algorithm.overlong_buffer (naive: the rule score alone, the same with the buffer off)
-    Restates("reward_model.reward_manager", ("naive", "dapo"),
-             "the rule scorer (algorithm.reward_fn) scores; DAPO's overlong penalty is algorithm.overlong_buffer"),
+    # algorithm.overlong_buffer (naive: the rule score alone, the same with the buffer off); its prime manager: the
+    # same calls in a pool of processes, each under a deadline (verl/workers/reward_manager/prime.py)
+    Implies("reward_model.reward_manager", {"naive": {}, "dapo": {}, "prime": {REWARD_WORKERS: prime_num_workers}},
+            _reward_manager_refusal),
+    # prime's pool size (its constructor's num_processes, which verl passes from reward_model.reward_kwargs)
+    Alias("reward_model.reward_kwargs.num_processes", REWARD_WORKERS),
     Alias("reward_model.reward_kwargs.overlong_buffer_cfg.enable", "algorithm.overlong_buffer.enable"),
     Alias("reward_model.reward_kwargs.overlong_buffer_cfg.len", "algorithm.overlong_buffer.len"),
     Alias("reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor", "algorithm.overlong_buffer.penalty_factor"),

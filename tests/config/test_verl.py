@@ -92,7 +92,9 @@ def test_keys_restating_what_hybridrl_does_change_nothing(override):
     ("trainer.critic_warmup=5", "trainer.critic_warmup=5 is a verl setting hybridrl takes only as 0: the actor"),
     ("actor_rollout_ref.actor.megatron.use_dist_checkpointing=True", "takes only as False: hybridrl loads the HF"),
     ("actor_rollout_ref.model.use_fused_kernels=True", "verl's fused kernels are not used"),
-    ("reward_model.reward_manager=prime", "takes only as naive, dapo"),
+    ("reward_model.reward_manager=rate_limited", "takes only as naive, dapo, prime"),
+    # verl's batched reward function (one call, lists of every sample): hybridrl's calls are per sample
+    ("reward_model.reward_manager=batch", "calls the reward function once per batch with lists"),
     # verl keys whose near spelling is a hybridrl field of another meaning: never a did-you-mean to it
     ("actor_rollout_ref.actor.ppo_micro_batch_size=64", "set actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
     ("data.reward_fn_key=source", "the scorer is algorithm.reward_fn"),
@@ -122,6 +124,55 @@ def test_aliases_set_hybridrls_field_and_conflicts_are_named():
     assert (ob.enable, ob.len, ob.penalty_factor, ob.max_response_length) == (True, 128, 0.5, 1024)
     _, issues = load_config_collecting(None, ["actor_rollout_ref.nccl_timeout=1200", "trainer.nccl_timeout_s=600"])
     assert len(issues) == 1 and "two spellings of one field" in issues[0].rule
+
+
+def test_verls_prime_reward_manager_sets_num_workers_unless_the_job_does(tmp_path):
+    """verl's reward_model.reward_manager=prime scores a batch in a pool of 64 processes, each call under 300 s:
+    hybridrl's num_workers, min(64, this machine's cores), and timeout_s (300 s by default). num_workers set by the
+    job, in any source, order or spelling (prime's num_processes, from verl's reward_kwargs), wins; naive and dapo
+    leave it at 1."""
+    from hybridrl.config.verl_keys import PRIME_PROCESSES, prime_num_workers
+    from hybridrl.parallel.device import usable_cores
+
+    def custom(*overrides, path=None):
+        return load_config(path, overrides).algorithm.custom_reward_function
+
+    assert PRIME_PROCESSES == 64 and prime_num_workers() == min(64, usable_cores())
+    prime = custom("reward_model.reward_manager=prime")
+    assert (prime.num_workers, prime.timeout_s) == (prime_num_workers(), 300.0)
+    for overrides in (["reward_model.reward_manager=prime", "algorithm.custom_reward_function.num_workers=7"],
+                      ["algorithm.custom_reward_function.num_workers=7", "reward_model.reward_manager=prime"],
+                      ["reward_model.reward_manager=prime", "custom_reward_function.num_workers=7"],
+                      ["reward_model.reward_manager=prime", "+reward_model.reward_kwargs.num_processes=7"]):
+        assert custom(*overrides).num_workers == 7, overrides
+    job = tmp_path / "job.yaml"
+    job.write_text("algorithm:\n  custom_reward_function:\n    num_workers: 5\n")
+    assert custom("reward_model.reward_manager=prime", path=job).num_workers == 5  # the file's, below the line
+    job.write_text("reward_model:\n  reward_manager: prime\n")
+    assert custom(path=job).num_workers == prime_num_workers()
+    assert custom("reward_model.reward_manager=naive", path=job).num_workers == 1  # the line's manager replaces it
+    assert custom("reward_model.reward_manager=naive").num_workers == custom("reward_model.reward_manager=dapo"
+                                                                             ).num_workers == 1
+    _, issues = load_config_collecting(None, ["+reward_model.reward_kwargs.num_processes=7",
+                                              "algorithm.custom_reward_function.num_workers=3"])
+    assert len(issues) == 1 and "two spellings of one field" in issues[0].rule
+
+
+def test_verls_prime_without_a_deadline_is_refused_naming_num_workers():
+    """prime's calls run in processes, each under its deadline: with timeout_s null (calls in the trainer's process)
+    the plan refuses the num_workers prime set, saying where it came from and what to set."""
+    from hybridrl.config.verl_keys import prime_num_workers
+
+    if prime_num_workers() < 2:
+        pytest.skip("one core: prime's pool is one process, which timeout_s null leaves in the trainer's process")
+    seed = ROOT / "configs/examples/seed_6gpu_grpo.yaml"
+    with pytest.raises(ConfigError) as error:
+        plan_from_sources(seed, ["reward_model.reward_manager=prime",
+                                 "algorithm.custom_reward_function.timeout_s=null"])
+    (issue,) = error.value.issues
+    assert issue.field == "algorithm.custom_reward_function.num_workers" and issue.value == prime_num_workers()
+    assert "timeout_s=null calls them in the trainer's process" in issue.rule
+    assert "verl's reward_manager=prime gives each call 300 s" in issue.rule
 
 
 @pytest.mark.parametrize("section", ["custom_reward_function", "reward.custom_reward_function"])
