@@ -10,7 +10,7 @@ import math
 import os
 from pathlib import Path
 
-from hybridrl.algorithms.names import CRITIC_ADV_ESTIMATORS, GROUP_ADV_ESTIMATORS
+from hybridrl.algorithms.names import CRITIC_ADV_ESTIMATORS, GREEDY_BASELINE_ADV_ESTIMATORS, GROUP_ADV_ESTIMATORS
 from hybridrl.config.checker import Checker, divisors, nearest, nearest_multiples, nearest_satisfying
 from hybridrl.config.distillation_rules import check_distillation, check_teacher_placement, teacher_shape
 from hybridrl.config.errors import ConfigError, ConfigIssue
@@ -690,6 +690,20 @@ def _check_algorithm(check: Checker, config: JobConfig, resolved: Resolved) -> N
         check.fail("actor_rollout_ref.rollout.n", n,
                    f"must be >= 2 for algorithm.adv_estimator={estimator} (it compares samples of one prompt; "
                    "a group of one has advantage 0)", [2, 4, 8, 16])
+    rollout, distill = config.actor_rollout_ref.rollout, config.algorithm.distillation
+    trains_the_reward = not (distill.enable is True and distill.task_reward is False)
+    if estimator in (*GROUP_ADV_ESTIMATORS, *GREEDY_BASELINE_ADV_ESTIMATORS) and trains_the_reward:
+        # greedy sampling: the n samples of a prompt are its one greedy answer (remax: its greedy baseline too)
+        baseline = ("the prompt's greedy baseline" if estimator in GREEDY_BASELINE_ADV_ESTIMATORS
+                    else "the other samples of its prompt")
+        for field, value, greedy in (("temperature", rollout.temperature, 0), ("top_k", rollout.top_k, 1)):
+            if value == greedy and not isinstance(value, bool):
+                check.fail(f"actor_rollout_ref.rollout.{field}", value,
+                           f"decodes greedily: every sample of a prompt is the same answer, so with "
+                           f"algorithm.adv_estimator={estimator} each scores what {baseline} score"
+                           f"{'s' if estimator in GREEDY_BASELINE_ADV_ESTIMATORS else ''}: every advantage is 0 "
+                           "and nothing trains; sample (temperature > 0, top_k -1 or > 1)",
+                           [1.0] if field == "temperature" else [-1])
     if estimator in CRITIC_ADV_ESTIMATORS and config.critic.enable is False:
         check.fail("critic.enable", False, f"must be true (or null) for algorithm.adv_estimator={estimator}",
                    [True])

@@ -116,6 +116,15 @@ CASES = {
                               [f"{A}.loss_agg_mode=seq-mean-token-sum-norm"]),
     "unknown kl type": ([f"{A}.kl_loss_type=k5"], f"{A}.kl_loss_type", "KL estimator", [f"{A}.kl_loss_type=k3"]),
     "group estimator needs n >= 2": ([f"{R}.n=1"], f"{R}.n", "must be >= 2", [f"{R}.n=4"]),
+    # greedy samples: a prompt's n answers are one, and every group-relative advantage is 0 (nothing trains)
+    "group estimator needs sampling": ([f"{R}.temperature=0"], f"{R}.temperature",
+                                       "with algorithm.adv_estimator=grpo each scores what the other samples of its "
+                                       "prompt score: every advantage is 0", [f"{R}.temperature=0.6"]),
+    "group estimator needs top_k above 1": ([f"{R}.top_k=1", "algorithm.adv_estimator=rloo"], f"{R}.top_k",
+                                            "decodes greedily", [f"{R}.top_k=50", "algorithm.adv_estimator=rloo"]),
+    "remax needs sampling": ([f"{R}.temperature=0", "algorithm.adv_estimator=remax"], f"{R}.temperature",
+                             "each scores what the prompt's greedy baseline scores",
+                             [f"{R}.temperature=1.0", "algorithm.adv_estimator=remax"]),
     "world size positive": (["trainer.nnodes=0"], "trainer.nnodes", ">= 1", ["trainer.nnodes=1"]),
     "torch threads positive": (["trainer.torch_threads_per_rank=0"], "trainer.torch_threads_per_rank", ">= 1",
                                ["trainer.torch_threads_per_rank=3"]),
