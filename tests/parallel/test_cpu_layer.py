@@ -180,6 +180,40 @@ def test_cuda_to_cpu_mode_patch():
     assert out["to_dtype"] == "torch.float16"  # non-device arguments of .to() are left alone
 
 
+def _yarn_rotary_device_index(rank: int, world_size: int, strict: bool) -> dict:
+    """megatron's YarnRotaryEmbedding built as on a GPU (`use_cpu_initialization=False`: its `__init__` enters
+    `torch.device(torch.cuda.current_device())`), without and with the mapping of that bare index, against the same
+    module built on the host (`use_cpu_initialization=True`, no device context)."""
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+
+    from hybridrl.parallel.cpu import strict_device
+
+    if not strict:
+        _plain_layer()
+    _init_megatron_groups()
+    cpu_layer.apply_cpu_layer()
+    kwargs = dict(kv_channels=16, rotary_base=10000.0, scaling_factor=4.0, original_max_position_embeddings=32)
+    host = YarnRotaryEmbedding(**kwargs, use_cpu_initialization=True)(100)[0]
+    saved = cpu_layer.cuda_ordinal_device
+    cpu_layer.cuda_ordinal_device = strict_device.cuda_ordinal_device = lambda *args: None
+    try:
+        without = _raises(lambda: YarnRotaryEmbedding(**kwargs, use_cpu_initialization=False))
+    finally:
+        cpu_layer.cuda_ordinal_device = strict_device.cuda_ordinal_device = saved
+    as_on_gpu = YarnRotaryEmbedding(**kwargs, use_cpu_initialization=False)(100)[0]
+    return {"without": without, "same": torch.equal(as_on_gpu.cpu(), host.cpu()),
+            "device": str(torch.device(0)), "strict": strict_device.strict_device_active()}
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_cuda_to_cpu_mode_maps_a_bare_device_index(strict):
+    out = run_ranks(_yarn_rotary_device_index, 1, strict, timeout_s=120)[0]
+    # a CPU-only torch cannot resolve torch.device(0) (the current accelerator's device 0)
+    assert "Cannot access accelerator device" in out["without"]
+    assert out["device"] == "cuda:0" and out["strict"] is strict
+    assert out["same"]  # megatron's own YaRN angles, as built on the host
+
+
 def _sequence_parallel_backward(rank: int, world_size: int) -> dict:
     from megatron.core import tensor_parallel
 

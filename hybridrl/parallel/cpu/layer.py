@@ -20,7 +20,10 @@ The patches (names as in `PATCHES`):
   ``device="cuda"`` of the default causal mask (``transformer.utils.get_default_causal_mask``), the
   token counters of the pipeline schedules (``pipeline_parallel.schedules``), the optimizer's
   ``found_inf``/scale tensors (``optimizer.optimizer``) and grad-norm/clipping buffers
-  (``optimizer.clip_grads``), and the index-0 allocations above. Two properties of torch function
+  (``optimizer.clip_grads``), and the index-0 allocations above. ``torch.device(i)`` of a bare index
+  (``YarnRotaryEmbedding.__init__`` enters ``torch.device(torch.cuda.current_device())``) gives the
+  ``cuda:i`` descriptor it means on a GPU (a CPU-only torch raises "Cannot access accelerator device"
+  resolving the index); what is then allocated on it is mapped as above. Two properties of torch function
   modes shape it: a mode is popped while its handler runs, so ``Tensor.backward``/
   ``torch.autograd.backward``/``grad`` are re-dispatched with the mode pushed again (megatron's
   custom backward functions allocate too, e.g. the sequence-parallel reduce-scatter buffer in
@@ -145,6 +148,17 @@ def _map_device(device: Any) -> Any:
     return _CPU if _is_cuda_device(device) else device
 
 
+def cuda_ordinal_device(func: Any, args: tuple, kwargs: dict | None) -> torch.device | None:
+    """`torch.device(i)` for a bare index (megatron's `torch.device(torch.cuda.current_device())`, e.g. the context
+    manager around `YarnRotaryEmbedding.__init__`): the CUDA device descriptor it names on a GPU, where a CPU-only
+    torch raises "Cannot access accelerator device" while resolving the index. A descriptor allocates nothing: the
+    tensors then asked for on it are mapped as any cuda device is. None: not such a call."""
+    if func is torch.device and not kwargs and len(args) == 1 and isinstance(args[0], int) \
+            and not isinstance(args[0], bool):
+        return torch.device("cuda", args[0])
+    return None
+
+
 # Functions that run arbitrary Python (custom autograd backward, hooks) under their dispatch. A mode
 # is popped while its handler runs, so without re-entry the whole backward pass would run without
 # the mapping and megatron's backward allocations (e.g. the reduce-scatter buffer in
@@ -163,6 +177,8 @@ class CudaToCpuMode(TorchFunctionMode):
             # `t.cuda()` on CPU means "stay here": return the tensor itself, as CUDA does for a
             # tensor already on the current device.
             return args[0]
+        if (ordinal := cuda_ordinal_device(func, args, kwargs)) is not None:
+            return ordinal
         if kwargs and "device" in kwargs:
             kwargs = dict(kwargs)
             kwargs["device"] = _map_device(kwargs["device"])

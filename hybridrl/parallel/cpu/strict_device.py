@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch.overrides import _get_current_function_mode_stack
 
 from hybridrl.parallel.cpu import layer as cpu_layer
-from hybridrl.parallel.cpu.layer import _REENTRANT, CudaToCpuMode, _is_cuda_device, _map_device
+from hybridrl.parallel.cpu.layer import _REENTRANT, CudaToCpuMode, _is_cuda_device, _map_device, cuda_ordinal_device
 
 ENV_SWITCH = "HYBRIDRL_STRICT_DEVICE"
 # Test-only: `HYBRIDRL_STRICT_DEVICE_PLANT=<module prefix>[:<function>]` plants one host tensor (`plant_host_tensor`).
@@ -178,7 +178,8 @@ _CROSS_DEVICE_OK = frozenset({
 _MOVES = frozenset({torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu})
 # every call the general path treats apart (the fast path takes the rest); attribute getters and setters are
 # method-wrappers of torch's getset descriptors, told apart by their type
-_SPECIAL = frozenset({*_REENTRANT, *_MOVES, *_CROSS_DEVICE_OK, torch.Tensor.numpy, torch.Tensor.__setitem__})
+_SPECIAL = frozenset({*_REENTRANT, *_MOVES, *_CROSS_DEVICE_OK, torch.Tensor.numpy, torch.Tensor.__setitem__,
+                      torch.device})
 _METHOD_WRAPPER = type(torch.Tensor.grad.__get__)
 
 
@@ -205,6 +206,8 @@ class StrictDeviceMode(CudaToCpuMode):
         if func in _REENTRANT:
             with self:
                 return torch.overrides.redispatch_function(func, types, args, kwargs)
+        if (ordinal := cuda_ordinal_device(func, args, kwargs)) is not None:
+            return ordinal
         kwargs = kwargs or {}
         if func in _MOVES:
             return self._move(func, args, kwargs)
