@@ -38,7 +38,9 @@ TRANSFORMER_FIELDS_SET_BY = {
         "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "kv_channels",
         "normalization", "layernorm_epsilon", "activation_func", "gated_linear_unit", "add_bias_linear",
         "add_qkv_bias", "qk_layernorm", "hidden_dropout", "attention_dropout", "num_moe_experts", "moe_router_topk",
-        "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_pre_softmax", "moe_router_score_function"),
+        "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_pre_softmax", "moe_router_score_function",
+        # 1 / sqrt(head_dim), or YaRN's attention factor squared over it
+        "softmax_scale"),
     "the role's megatron layout (hybridrl splits the layers itself)": (
         "tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
         "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size",

@@ -667,9 +667,15 @@ def _check_lengths(check: Checker, config: JobConfig, resolved: Resolved, model:
         limit = model.max_exact_sequence_length
         # A sliding-window model (Mistral; Qwen with use_sliding_window) is only exact up to its window: megatron's
         # layers have none.
-        what = (f"max_position_embeddings={limit}" if limit == model.max_position_embeddings
-                else f"sliding_window={limit} (vLLM attends within this window and megatron's layers have none: "
-                "longer sequences would differ)")
+        if limit == model.max_position_embeddings:
+            what = f"max_position_embeddings={limit}"
+        elif limit == model.sliding_window:
+            what = (f"sliding_window={limit} (vLLM attends within this window and megatron's layers have none: "
+                    "longer sequences would differ)")
+        else:
+            what = (f"YaRN table of {limit} positions (original_max_position_embeddings="
+                    f"{model.rope_yarn_original_max_position_embeddings} x factor {model.rope_yarn_factor:g}: vLLM "
+                    "0.32 holds cos and sin up to there)")
         room = limit - data.max_prompt_length
         turns = (" (with multi-turn rollouts the response holds every model turn and tool answer)"
                  if rollout.multi_turn.enable is True else "")

@@ -59,7 +59,81 @@ MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "origin
 
 
 # The RoPE scalings that run here as transformers runs them: rope_type -> what megatron-core is given.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+# YaRN's ramp bounds where config.json names none (transformers' `_compute_yarn_parameters`, vLLM's
+# `YaRNScalingRotaryEmbedding` and megatron's `YarnRotaryEmbedding` all default to these).
+YARN_DEFAULT_BETA_FAST = 32.0
+YARN_DEFAULT_BETA_SLOW = 1.0
+
+
+@dataclass(frozen=True)
+class YarnRope:
+    """`rope_type: yarn` as transformers 5 reads it (`_compute_yarn_parameters`), and vLLM 0.32 the same config."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = YARN_DEFAULT_BETA_FAST
+    beta_slow: float = YARN_DEFAULT_BETA_SLOW
+    # floor/ceil the ramp's bounds (transformers' and vLLM's `truncate`, megatron's correction_range_round_to_int)
+    truncate: bool = True
+    # what transformers and vLLM multiply cos and sin by: config.json's attention_factor, else inferred from factor
+    # (and mscale / mscale_all_dim when both are set)
+    attention_factor: float = 1.0
+
+
+def _yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """transformers' (and vLLM's) `get_mscale`."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _positive_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and 0 < value < math.inf
+
+
+def _yarn(key: str, params: Mapping[str, Any], config: Mapping[str, Any], max_positions: int) -> YarnRope:
+    """config.json's YaRN, refused where transformers 5 and vLLM 0.32 would read it differently (each names the field):
+    vLLM takes `factor`, `beta_fast` and `beta_slow` as written, where transformers infers a missing factor from
+    max_position_embeddings / original_max_position_embeddings and replaces a null or zero beta by its default."""
+    factor = _rope_factor(key, "yarn", params, "Qwen2.5/Qwen3: 4.0 with original_max_position_embeddings=32768; "
+                          "vLLM 0.32 does not infer a missing one from max_position_embeddings as transformers does")
+    inner = params.get("original_max_position_embeddings")
+    outer = config.get("original_max_position_embeddings")
+    if inner is not None and outer is not None and inner != outer:
+        raise UnsupportedModelError(
+            f"{key}.original_max_position_embeddings={inner!r} differs from the top-level "
+            f"original_max_position_embeddings={outer!r} (transformers takes the top-level one): write one value")
+    original = outer if outer is not None else inner if inner is not None else max_positions
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise UnsupportedModelError(f"{key}.original_max_position_embeddings={original!r}: YaRN needs the "
+                                    "pre-training context length, an integer >= 1 (Qwen2.5/Qwen3: 32768)")
+    betas = {}
+    for name, default in (("beta_fast", YARN_DEFAULT_BETA_FAST), ("beta_slow", YARN_DEFAULT_BETA_SLOW)):
+        value = params.get(name, default)
+        if not _positive_number(value):
+            raise UnsupportedModelError(
+                f"{key}.{name}={value!r} is not supported: transformers replaces a null or zero {name} by "
+                f"{default:g}, vLLM 0.32 uses the value written: the rollout would not be the model trained; valid: a "
+                f"number > 0, or no {name} ({default:g})")
+        betas[name] = float(value)
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise UnsupportedModelError(f"{key}.truncate={truncate!r} must be true or false (true: the ramp's bounds "
+                                    "rounded to whole dimensions, as transformers and vLLM do by default)")
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        for name, value in (("mscale", mscale), ("mscale_all_dim", mscale_all_dim)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+                raise UnsupportedModelError(f"{key}.{name}={value!r} must be a number")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_get_mscale(factor, mscale) / _yarn_get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_get_mscale(factor)
+    elif not _positive_number(attention_factor):
+        raise UnsupportedModelError(f"{key}.attention_factor={attention_factor!r}: YaRN's attention factor (cos and "
+                                    "sin are multiplied by it) must be a number > 0, or absent (inferred from factor)")
+    return YarnRope(factor, original, truncate=truncate, attention_factor=float(attention_factor), **betas)
 
 
 @dataclass(frozen=True)
@@ -75,6 +149,8 @@ class RopeSettings:
     # dynamic NTK: transformers changes the base only for sequences longer than max_position_embeddings, which the
     # plan refuses (`max_exact_sequence_length`), and vLLM never does: plain RoPE here
     dynamic_factor: float | None = None
+    # YaRN: megatron's YarnRotaryEmbedding for the frequencies, the attention factor in the softmax scale
+    yarn: YarnRope | None = None
 
 
 def _rope_factor(key: str, rope_type: str, params: Mapping[str, Any], example: str) -> float:
@@ -85,15 +161,16 @@ def _rope_factor(key: str, rope_type: str, params: Mapping[str, Any], example: s
     return float(factor)
 
 
-def _rope(config: Mapping[str, Any], default_theta: float) -> RopeSettings:
+def _rope(config: Mapping[str, Any], default_theta: float, max_positions: int) -> RopeSettings:
     """The RoPE of transformers 5's `rope_parameters` or 4.x's `rope_theta` + `rope_scaling`; the base is the family's
-    `default_theta` when neither names one.
+    `default_theta` when neither names one (`max_positions`: the model's max_position_embeddings).
 
-    Plain RoPE, linear and dynamic-NTK scaling and Llama 3's scaling are read as transformers reads them; any other
-    scaling (yarn, longrope, ...) is refused: megatron-core would run it as plain RoPE and silently change the logits.
+    Plain RoPE, linear, dynamic-NTK, Llama 3's and YaRN scaling are read as transformers reads them; any other
+    scaling (longrope, ...) is refused: megatron-core would run it as plain RoPE and silently change the logits.
     """
     theta = config.get("rope_theta", default_theta)
     found: dict[str, float] = {}
+    yarn: YarnRope | None = None
     # transformers 5 moves a top-level partial_rotary_factor into rope_parameters, where vLLM reads it
     for where, holder in (("", config), ("rope_parameters.", config.get("rope_parameters")),
                           ("rope_scaling.", config.get("rope_scaling"))):
@@ -125,16 +202,16 @@ def _rope(config: Mapping[str, Any], default_theta: float) -> RopeSettings:
                     f"{key}: rope_type 'dynamic' with alpha={params['alpha']!r} is not supported (transformers reads "
                     "only a factor); valid: a factor >= 1")
             found["dynamic"] = _rope_factor(key, rope_type, params, "e.g. 2.0")
+        elif rope_type == "yarn":
+            yarn = _yarn(key, params, config, max_positions)
         elif rope_type != "default":
-            why = ("megatron-core 0.16.1's GPT model has YaRN only for multi-latent attention (its GPT path drops the "
-                   "attention factor transformers multiplies cos and sin by)" if rope_type == "yarn"
-                   else "megatron-core would run it as plain RoPE and change the logits")
             raise UnsupportedModelError(
-                f"{key}.rope_type={rope_type!r} is not supported: {why}; supported rope_type: "
+                f"{key}.rope_type={rope_type!r} is not supported: megatron-core would run it as plain RoPE and "
+                f"change the logits; supported rope_type: "
                 f"{', '.join(map(repr, SUPPORTED_ROPE_TYPES))} (llama3 with Llama 3.1's frequency bands)")
         theta = params.get("rope_theta", theta)
     return RopeSettings(float(theta), llama3_factor=found.get("llama3"), linear_factor=found.get("linear"),
-                        dynamic_factor=found.get("dynamic"))
+                        dynamic_factor=found.get("dynamic"), yarn=yarn)
 
 
 @dataclass(frozen=True)
@@ -185,6 +262,16 @@ class ModelShape:
     # Dynamic-NTK RoPE scaling (`rope_type: dynamic`): plain RoPE up to max_position_embeddings, as transformers runs
     # it there (it changes the base only beyond, where the plan refuses sequences) and vLLM 0.32 everywhere.
     rope_dynamic_factor: float | None = None
+    # YaRN (`rope_type: yarn`): the frequencies interpolated by this factor below the ramp between beta_slow and
+    # beta_fast rotations over the original context (megatron's YarnRotaryEmbedding), and cos and sin multiplied by
+    # the attention factor in transformers and vLLM, which megatron runs as softmax_scale = attention_factor^2 /
+    # sqrt(head_dim) (`megatron_config_kwargs`); None: no YaRN.
+    rope_yarn_factor: float | None = None
+    rope_yarn_original_max_position_embeddings: int | None = None
+    rope_yarn_beta_fast: float = YARN_DEFAULT_BETA_FAST
+    rope_yarn_beta_slow: float = YARN_DEFAULT_BETA_SLOW
+    rope_yarn_truncate: bool = True
+    rope_yarn_attention_factor: float = 1.0
 
     def __post_init__(self) -> None:
         # A shape read back from JSON (Plan.from_json) carries a list: keep the shape hashable.
@@ -233,7 +320,13 @@ class ModelShape:
         sliding_window = _sliding_window(family, config, int(need("num_hidden_layers")))
         tie = config.get("tie_word_embeddings")
         moe = _moe_fields(family, config, int(need("num_hidden_layers")), need) if family.moe else {}
-        rope = _rope(config, family.default_rope_theta)
+        max_positions = int(config.get("max_position_embeddings") or family.default_max_positions)
+        rope = _rope(config, family.default_rope_theta, max_positions)
+        yarn = {} if rope.yarn is None else dict(
+            rope_yarn_factor=rope.yarn.factor,
+            rope_yarn_original_max_position_embeddings=rope.yarn.original_max_position_embeddings,
+            rope_yarn_beta_fast=rope.yarn.beta_fast, rope_yarn_beta_slow=rope.yarn.beta_slow,
+            rope_yarn_truncate=rope.yarn.truncate, rope_yarn_attention_factor=rope.yarn.attention_factor)
         return cls(
             architecture=name,
             model_type=family.model_type,
@@ -244,9 +337,7 @@ class ModelShape:
             head_dim=int(head_dim),
             ffn_hidden_size=int(need("intermediate_size")),
             vocab_size=int(need("vocab_size")),
-            max_position_embeddings=int(
-                config.get("max_position_embeddings") or family.default_max_positions
-            ),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(family.default_tie_word_embeddings if tie is None else tie),
             rms_norm_eps=float(config.get("rms_norm_eps", family.default_rms_norm_eps)),
             rope_theta=rope.theta,
@@ -257,6 +348,7 @@ class ModelShape:
             rope_linear_factor=rope.linear_factor,
             rope_dynamic_factor=rope.dynamic_factor,
             attention_dropout=float(config.get("attention_dropout") or 0.0),
+            **yarn,
             **moe,
         )
 
@@ -275,6 +367,14 @@ class ModelShape:
         if self.rope_dynamic_factor is not None:
             notes.append(f"dynamic RoPE scaling x{self.rope_dynamic_factor:g}: plain RoPE up to "
                          f"max_position_embeddings={self.max_position_embeddings}, as transformers and vLLM run it")
+        if self.rope_yarn_factor is not None:
+            notes.append(
+                f"YaRN RoPE scaling x{self.rope_yarn_factor:g} of original_max_position_embeddings="
+                f"{self.rope_yarn_original_max_position_embeddings} (beta_fast {self.rope_yarn_beta_fast:g}, beta_slow "
+                f"{self.rope_yarn_beta_slow:g}{'' if self.rope_yarn_truncate else ', truncate=false'}: megatron's "
+                f"YarnRotaryEmbedding), attention factor {self.rope_yarn_attention_factor:.6g} (transformers and vLLM "
+                f"multiply cos and sin by it; megatron's softmax_scale = its square / sqrt(head_dim) = "
+                f"{self.yarn_softmax_scale:.6g})")
         if self.sliding_window is not None:
             notes.append(f"sliding window {self.sliding_window} (vLLM windows every layer, megatron none: sequences "
                          f"up to {self.max_exact_sequence_length} tokens)")
@@ -291,10 +391,46 @@ class ModelShape:
 
     @property
     def max_exact_sequence_length(self) -> int:
-        """Longest sequence on which the megatron model equals HF (a sliding window caps it)."""
-        if self.sliding_window is None:
-            return self.max_position_embeddings
-        return min(self.sliding_window, self.max_position_embeddings)
+        """Longest sequence on which the megatron model equals HF and vLLM: max_position_embeddings, capped by a
+        sliding window (megatron's layers have none) and by YaRN's original_max_position_embeddings x factor (vLLM
+        0.32's YaRN cos/sin table ends there; transformers' and megatron's YaRN are the same at every position)."""
+        limit = self.max_position_embeddings
+        if self.sliding_window is not None:
+            limit = min(limit, self.sliding_window)
+        if self.yarn_table_length is not None:
+            limit = min(limit, self.yarn_table_length)
+        return limit
+
+    @property
+    def yarn_table_length(self) -> int | None:
+        """Positions vLLM 0.32's YaRN module holds cos/sin for (`torch.arange(original * factor)`); None: no YaRN."""
+        if self.rope_yarn_factor is None or self.rope_yarn_original_max_position_embeddings is None:
+            return None
+        return math.ceil(self.rope_yarn_original_max_position_embeddings * self.rope_yarn_factor)
+
+    @property
+    def yarn_softmax_scale(self) -> float | None:
+        """The attention's softmax scale under YaRN: transformers and vLLM multiply cos and sin by the attention
+        factor m, which multiplies every query-key product by m^2; megatron-core 0.16.1's GPT model drops that factor
+        (`GPTModel.forward` discards YarnRotaryEmbedding's mscale), so the scale carries it. None: no YaRN."""
+        if self.rope_yarn_factor is None:
+            return None
+        return self.rope_yarn_attention_factor ** 2 / math.sqrt(self.head_dim)
+
+    def megatron_yarn_attributes(self) -> dict[str, Any]:
+        """What megatron-core 0.16.1's `GPTModel(position_embedding_type='yarn')` reads from its TransformerConfig with
+        getattr: attributes no field of that class declares (only MLATransformerConfig has YaRN fields, under other
+        names), so `bridge.transformer_config` sets them on the built config. `yarn_mscale` equal to
+        `yarn_mscale_all_dim` makes megatron's own concentration factor (which its attention applies to q and k when
+        these attributes exist) exactly 1: the attention factor is in `softmax_scale` instead, which every attention
+        (local, TE, SDPA) and every fused RoPE path honours. Empty without YaRN."""
+        if self.rope_yarn_factor is None:
+            return {}
+        return dict(yarn_rotary_scaling_factor=self.rope_yarn_factor,
+                    yarn_original_max_position_embeddings=self.rope_yarn_original_max_position_embeddings,
+                    yarn_beta_fast=self.rope_yarn_beta_fast, yarn_beta_slow=self.rope_yarn_beta_slow,
+                    yarn_mscale=1.0, yarn_mscale_all_dim=1.0,
+                    yarn_correction_range_round_to_int=self.rope_yarn_truncate)
 
     @property
     def is_moe(self) -> bool:
@@ -457,6 +593,8 @@ class ModelShape:
             num_layers_in_first_pipeline_stage=first_stage_layers,
             num_layers_in_last_pipeline_stage=last_stage_layers,
             **self._moe_config_kwargs(etp or tp, ep),
+            # YaRN's attention factor (transformers' cos and sin x m: q.k x m^2); None: megatron's 1 / sqrt(kv_channels)
+            softmax_scale=self.yarn_softmax_scale,
         )
 
     def _moe_config_kwargs(self, etp: int, ep: int) -> dict[str, Any]:
@@ -488,7 +626,7 @@ class ModelShape:
         return dict(
             vocab_size=self.padded_vocab_size(tp),
             max_sequence_length=self.max_position_embeddings,
-            position_embedding_type="rope",
+            position_embedding_type="rope" if self.rope_yarn_factor is None else "yarn",
             rotary_base=self.rope_theta,
             rotary_percent=1.0,
             rope_scaling=self.rope_llama3_factor is not None,

@@ -179,7 +179,11 @@ def transformer_config(
             # unfused path for both (the numbers are the same)
             kwargs["apply_rope_fusion"] = False
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    config = TransformerConfig(**kwargs)
+    # YaRN: what megatron's GPTModel reads with getattr and no TransformerConfig field declares (arch.py)
+    for name, value in shape.megatron_yarn_attributes().items():
+        setattr(config, name, value)
+    return config
 
 
 def layer_spec(shape: ModelShape, kind: str, config: Any = None, chunk: StageChunk | None = None, *,

@@ -85,6 +85,7 @@ def test_recompute_verdict_is_megatrons(settings):
     ("recompute_num_layer=1", "is not a field of megatron-core 0.16.1's TransformerConfig; did you mean "
                               "'recompute_num_layers'?"),
     ("num_layers=4", "is set by hybridrl from the model's config.json"),
+    ("softmax_scale=0.5", "is set by hybridrl from the model's config.json"),  # head_dim, YaRN's attention factor
     ("tensor_model_parallel_size=2", "is set by hybridrl from the role's megatron layout"),
     ("params_dtype=bf16", "is set by hybridrl from the role's dtype and device"),
     ("calculate_per_token_loss=true", "is set by hybridrl from the role's loss_agg_mode"),

@@ -369,6 +369,28 @@ def test_sliding_window_caps_sequence_length(tmp_path):
     plan_from_sources(SEED, [model, "data.max_prompt_length=512", "data.max_response_length=512"])
 
 
+def test_yarn_is_shown_by_the_plan_and_caps_at_vllms_table(tmp_path):
+    """A Qwen2 with YaRN plans, its note naming the factor, original length and attention factor; sequences beyond
+    original_max_position_embeddings x factor (vLLM's cos/sin table) are refused when max_position_embeddings is
+    larger still."""
+    folder = tmp_path / "qwen2"
+    folder.mkdir()
+    config = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 256, "intermediate_size": 512,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
+              "max_position_embeddings": 32768, "rope_theta": 1e6,
+              "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    (folder / "config.json").write_text(json.dumps(config))
+    model = f"actor_rollout_ref.model.path={folder}"
+    text = render_plan(plan_from_sources(SEED, [model, "data.max_prompt_length=512", "data.max_response_length=512"]))
+    assert ("config.json: YaRN RoPE scaling x4 of original_max_position_embeddings=32768 (beta_fast 32, beta_slow 1: "
+            "megatron's YarnRotaryEmbedding), attention factor 1.13863") in text, text
+    config["rope_scaling"] = {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 512}
+    (folder / "config.json").write_text(json.dumps(config))
+    issues = issues_for([model, "data.max_prompt_length=512", "data.max_response_length=1024"])
+    assert any(i.field == "data.max_response_length" and "YaRN table of 1024 positions" in str(i)
+               and i.valid == (512,) for i in issues), [str(i) for i in issues]
+
+
 def test_qwen_window_and_rope_scaling_are_checked_and_shown_by_the_plan(tmp_path):
     """A Qwen2 with use_sliding_window: true is capped at its window (vLLM windows every layer), named in the plan
     with its linear RoPE scaling, and its attention_dropout in a warning; one whose layers mix windowed and full

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -185,6 +186,78 @@ def test_legacy_transformers4_config_keys():
     assert shape.gpt_model_kwargs()["rope_scaling"] and shape.gpt_model_kwargs()["rope_scaling_factor"] == 8.0
 
 
+def test_yarn_as_qwen_ships_it(hf_configs):
+    """Qwen2.5/Qwen3's long-context setting (transformers 4's `rope_scaling`, as their config.json files carry it):
+    megatron's YaRN position embedding with the factor, original length and default ramp, its own rotary factor made 1
+    (mscale == mscale_all_dim) and transformers' attention factor 0.1 ln 4 + 1 in the softmax scale, squared."""
+    config = {**hf_configs["qwen2"], "rope_theta": 1e6, "max_position_embeddings": 32768,
+              "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    config.pop("rope_parameters", None)
+    shape = ModelShape.from_hf_config(config)
+    factor = 0.1 * math.log(4.0) + 1
+    assert (shape.rope_theta, shape.rope_yarn_factor, shape.rope_yarn_original_max_position_embeddings) == \
+        (1e6, 4.0, 32768)
+    assert (shape.rope_yarn_beta_fast, shape.rope_yarn_beta_slow, shape.rope_yarn_truncate) == (32.0, 1.0, True)
+    assert shape.rope_yarn_attention_factor == pytest.approx(factor, rel=1e-15)
+    assert shape.gpt_model_kwargs()["position_embedding_type"] == "yarn"
+    assert not shape.gpt_model_kwargs()["rope_scaling"] and shape.gpt_model_kwargs()["seq_len_interpolation_factor"] \
+        is None
+    assert shape.megatron_config_kwargs()["softmax_scale"] == pytest.approx(factor ** 2 / math.sqrt(16), rel=1e-15)
+    assert shape.megatron_yarn_attributes() == dict(
+        yarn_rotary_scaling_factor=4.0, yarn_original_max_position_embeddings=32768, yarn_beta_fast=32.0,
+        yarn_beta_slow=1.0, yarn_mscale=1.0, yarn_mscale_all_dim=1.0, yarn_correction_range_round_to_int=True)
+    # vLLM's table covers 4 x 32768 positions: max_position_embeddings stays the limit
+    assert shape.max_exact_sequence_length == 32768 and shape.yarn_table_length == 131072
+    assert any("YaRN RoPE scaling x4 of original_max_position_embeddings=32768" in note and "1.13863" in note
+               for note in shape.reading_notes())
+    # a model without YaRN: megatron's own scale and position embedding
+    plain = ModelShape.from_hf_config(hf_configs["qwen2"])
+    assert plain.megatron_config_kwargs()["softmax_scale"] is None and plain.megatron_yarn_attributes() == {}
+    assert plain.gpt_model_kwargs()["position_embedding_type"] == "rope"
+    # ModelShape survives the plan's JSON round trip
+    assert ModelShape(**json.loads(json.dumps(shape.to_dict()))) == shape
+
+
+@pytest.mark.parametrize("params", [
+    {"factor": 4.0, "original_max_position_embeddings": 32},
+    {"factor": 8.0, "original_max_position_embeddings": 32, "mscale": 1.0, "mscale_all_dim": 0.5},
+    {"factor": 8.0, "original_max_position_embeddings": 32, "mscale": 0.7},  # one of the two: factor only
+    {"factor": 4.0, "original_max_position_embeddings": 32, "attention_factor": 1.3, "mscale": 2.0,
+     "mscale_all_dim": 1.0},  # explicit wins
+    {"factor": 1.0, "original_max_position_embeddings": 64},  # factor 1: attention factor 1
+    {"factor": 16.0, "original_max_position_embeddings": 16, "beta_fast": 8, "beta_slow": 2, "truncate": False},
+])
+def test_yarn_attention_factor_and_ramp_are_transformers(hf_configs, params):
+    """The attention factor (and the other fields) as transformers 5's own `_compute_yarn_parameters` reads the same
+    config.json (its attention scaling, from its config class)."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = {**hf_configs["llama"], "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, **params}}
+    shape = ModelShape.from_hf_config(config)
+    hf_config = transformers.LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"})
+    _, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config, "cpu")
+    assert shape.rope_yarn_attention_factor == pytest.approx(attention_factor, rel=1e-15)
+    assert shape.rope_yarn_factor == params["factor"]
+    assert shape.rope_yarn_original_max_position_embeddings == params["original_max_position_embeddings"]
+    assert (shape.rope_yarn_beta_fast, shape.rope_yarn_beta_slow) == (params.get("beta_fast", 32),
+                                                                      params.get("beta_slow", 1))
+    assert shape.megatron_yarn_attributes()["yarn_correction_range_round_to_int"] is params.get("truncate", True)
+
+
+def test_yarn_original_length_defaults_as_transformers(hf_configs):
+    """Without original_max_position_embeddings transformers takes the top-level one, else max_position_embeddings
+    (`standardize_rope_params`); vLLM reads transformers' config object, so the same."""
+    base = {**hf_configs["llama"], "max_position_embeddings": 64}
+    params = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}
+    shape = ModelShape.from_hf_config({**base, "rope_parameters": params})
+    assert shape.rope_yarn_original_max_position_embeddings == 64
+    shape = ModelShape.from_hf_config({**base, "rope_parameters": params, "original_max_position_embeddings": 16})
+    assert shape.rope_yarn_original_max_position_embeddings == 16
+    # vLLM's cos/sin table (16 x 2 positions) caps the exact length below max_position_embeddings
+    assert shape.max_exact_sequence_length == 32
+
+
 @pytest.mark.parametrize("config, message", [
     ({"architectures": ["GPTNeoXForCausalLM"]}, "GPTNeoXForCausalLM"),
     ({"architectures": ["LlamaForCausalLM", "Qwen2ForCausalLM"]}, "LlamaForCausalLM"),
@@ -204,8 +277,25 @@ def test_unsupported_architecture_names_value_and_supported(config, message):
      r"rope_type='llama3' with original_max_position_embeddings=4096 .*original_max_position_embeddings=8192"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                           "original_max_position_embeddings": 8192}}, r"rope_parameters.factor=None"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 4.0}},
-     r"rope_type='yarn' is not supported: .*multi-latent.*supported rope_type: 'default', 'linear', 'dynamic'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "original_max_position_embeddings": 32}},
+     r"rope_parameters.factor=None: rope_type 'yarn' needs its factor.*vLLM 0.32 does not infer"),
+    ({"rope_scaling": {"type": "yarn", "factor": 0.5}}, r"rope_scaling.factor=0.5: rope_type 'yarn' needs"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "beta_fast": None}},
+     r"rope_parameters.beta_fast=None is not supported: transformers replaces .* by 32, vLLM 0.32 uses"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "beta_slow": 0}},
+     r"rope_parameters.beta_slow=0 is not supported: .*valid: a number > 0, or no beta_slow \(1\)"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "attention_factor": 0.0}},
+     r"rope_parameters.attention_factor=0.0: YaRN's attention factor"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "truncate": "yes"}},
+     r"rope_parameters.truncate='yes' must be true or false"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "mscale": "1"}},
+     r"rope_parameters.mscale='1' must be a number"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                          "original_max_position_embeddings": 16}, "original_max_position_embeddings": 32},
+     r"rope_parameters.original_max_position_embeddings=16 differs from the top-level .*=32"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                          "original_max_position_embeddings": 32.5}},
+     r"rope_parameters.original_max_position_embeddings=32.5: YaRN needs"),
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 5e5, "factor": 4.0}}, "'longrope' is not supported"),
     ({"rope_scaling": {"type": "linear", "factor": 0.5}}, r"rope_scaling.factor=0.5: rope_type 'linear' needs"),
     ({"rope_scaling": {"type": "dynamic", "alpha": 2.0}}, "alpha=2.0 is not supported"),

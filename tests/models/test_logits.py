@@ -122,6 +122,27 @@ def _rope_rank(rank: int, world_size: int, tp: int, pp: int, hf_dir: str, tokens
         destroy_model_parallel()
 
 
+def _yarn_rank(rank: int, world_size: int, tp: int, hf_dirs: dict[str, str], tokens: torch.Tensor) -> dict[str, Any]:
+    """For each YaRN model: logits (also with megatron's default softmax scale, the attention factor dropped) and the
+    rotary angles megatron's YarnRotaryEmbedding gives the tokens' positions."""
+    from hybridrl.models.bridge import build_gpt_models, load_weights
+    from hybridrl.parallel.state import destroy_model_parallel, initialize_model_parallel
+
+    initialize_model_parallel(tp=tp, device="cpu")
+    out: dict[str, Any] = {}
+    try:
+        for name, hf_dir in hf_dirs.items():
+            for suffix, overrides in (("", {}), (":no_softmax_scale", {"softmax_scale": None})):
+                models = build_gpt_models(hf_dir, config_overrides=overrides)
+                load_weights(models, hf_dir)
+                out[name + suffix] = pipeline_logits(models, tokens)
+            emb, mscale = models[0].rotary_pos_emb(tokens.shape[1])
+            out[name + ":angles"], out[name + ":mscale"] = emb.cpu(), mscale
+    finally:
+        destroy_model_parallel()
+    return out
+
+
 def _bad_build_rank(rank: int, world_size: int, source: str, weights: str) -> str:
     """Build and load, returning the error message each rank raises (every rank must refuse)."""
     from hybridrl.models.bridge import build_gpt_models, load_weights
@@ -237,6 +258,62 @@ def test_llama3_rope_scaling_gives_transformers_logits(tmp_path, tp, pp):
     (plain / "config.json").write_text(json.dumps({**config, "rope_parameters": {"rope_type": "default",
                                                                                 "rope_theta": 500000.0}}))
     assert max_logit_error(results[-1]["logits"], hf_logits(plain, tokens)) > 10 * TOLERANCE
+
+
+# YaRN as Qwen2.5/Qwen3 ship it for long context (`factor` x `original_max_position_embeddings`), with the original
+# context 32 tokens so that 100-token sequences run far past it; one of transformers' implicit attention factor
+# (0.1 ln 4 + 1), one of an explicit attention factor with the ramp's bounds not rounded and another beta_fast, and one
+# of the factor inferred from mscale / mscale_all_dim.
+YARN_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen2_yarn": ("qwen2", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                 "original_max_position_embeddings": 32},
+                           "max_position_embeddings": 128}),
+    "llama_yarn_explicit": ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                          "original_max_position_embeddings": 32,
+                                                          "attention_factor": 1.3, "truncate": False,
+                                                          "beta_fast": 16},
+                                      "max_position_embeddings": 128}),
+    "qwen3_yarn_mscale": ("qwen3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+                                                        "original_max_position_embeddings": 32, "mscale": 1.0,
+                                                        "mscale_all_dim": 0.5},
+                                    "max_position_embeddings": 256}),
+}
+YARN_SEQ = 100
+
+
+def test_yarn_rope_gives_transformers_logits(tmp_path):
+    """`rope_type: yarn` runs as megatron's YarnRotaryEmbedding with transformers' attention factor in the softmax
+    scale: at TP2 the rotary angles are transformers' (cos and sin, times the attention factor, as its rotary module
+    gives them), megatron's own rotary factor is 1, and the logits over 100 positions (past the original 32) equal
+    transformers'. With megatron's default softmax scale (the attention factor dropped, as GPTModel drops it) they do
+    not: the negative control."""
+    import transformers
+
+    folders = {name: make_hf_model(tmp_path / name, arch, seed=60 + i, rope_theta=None, **overrides)
+               for i, (name, (arch, overrides)) in enumerate(YARN_MODELS.items())}
+    tokens = sample_tokens(batch=1, seq=YARN_SEQ)
+    results = run_ranks(_yarn_rank, 2, 2, {name: str(path) for name, path in folders.items()}, tokens,
+                        timeout_s=300)
+    errors, dropped = {}, {}
+    for name, folder in folders.items():
+        shape = ModelShape.from_hf_dir(folder)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).model
+        positions = torch.arange(YARN_SEQ)[None]
+        hf_cos, hf_sin = hf.rotary_emb(torch.zeros(1, YARN_SEQ, 1), positions)
+        assert hf.rotary_emb.attention_scaling == pytest.approx(shape.rope_yarn_attention_factor, rel=1e-12), name
+        for result in results:
+            angles = result[name + ":angles"][:, 0, 0]
+            assert result[name + ":mscale"] == 1.0  # ModelShape.megatron_yarn_attributes: mscale == mscale_all_dim
+            factor = shape.rope_yarn_attention_factor
+            torch.testing.assert_close(angles.cos() * factor, hf_cos[0], rtol=0, atol=2e-6)
+            torch.testing.assert_close(angles.sin() * factor, hf_sin[0], rtol=0, atol=2e-6)
+        reference = hf_logits(folder, tokens)
+        assert torch.equal(results[0][name], results[1][name])
+        errors[name] = max_logit_error(results[0][name], reference)
+        dropped[name] = max_logit_error(results[0][name + ":no_softmax_scale"], reference)
+    print("yarn max |logit gap|:", errors, "attention factor dropped:", dropped)
+    assert all(err <= TOLERANCE for err in errors.values()), errors
+    assert all(err > 10 * TOLERANCE for err in dropped.values()), dropped
 
 
 # config.json settings read as transformers reads them (each a tiny model of its own): Qwen2's window on no layer
