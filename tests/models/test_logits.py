@@ -349,9 +349,9 @@ def test_config_settings_read_as_transformers_give_its_logits(tmp_path):
 
 
 def test_vllm_rotates_these_configs_as_transformers(tmp_path):
-    """vLLM reads the same config.json for the rollout: its RoPE module for linear and dynamic scaling (the one its
-    Llama attention builds, from the config vLLM loads; transformers 4's `rope_scaling` key too) rotates queries and
-    keys as transformers' does, at every position up to max_position_embeddings."""
+    """vLLM reads the same config.json for the rollout: its RoPE module for linear, dynamic and YaRN scaling (the one
+    its Llama and Qwen attention builds, from the config vLLM loads; transformers 4's `rope_scaling` key too) rotates
+    queries and keys as transformers' does (YaRN's attention factor included), at every position the plan allows."""
     import transformers
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
     from vllm.config import VllmConfig, set_current_vllm_config
@@ -359,26 +359,33 @@ def test_vllm_rotates_these_configs_as_transformers(tmp_path):
     from vllm.transformers_utils.config import get_config
 
     legacy = {"rope_theta": 10000.0, "rope_scaling": {"type": "linear", "factor": 4.0}}
-    for name in ("llama_linear_rope", "llama_dynamic_rope", "legacy_linear"):
-        arch, overrides = READ_AS_TRANSFORMERS.get(name, READ_AS_TRANSFORMERS["llama_linear_rope"])
-        folder = make_hf_model(tmp_path / name, arch, **overrides)
+    for name in ("llama_linear_rope", "llama_dynamic_rope", "legacy_linear", *YARN_MODELS):
+        arch, overrides = {**READ_AS_TRANSFORMERS, **YARN_MODELS}.get(name, READ_AS_TRANSFORMERS["llama_linear_rope"])
+        folder = make_hf_model(tmp_path / name, arch, **{"rope_theta": None, **overrides})
         if name == "legacy_linear":  # transformers 4's keys
             config = {k: v for k, v in read_json(folder / "config.json").items() if k != "rope_parameters"}
             (folder / "config.json").write_text(json.dumps({**config, **legacy}))
         hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).model
         vllm_config = get_config(str(folder), trust_remote_code=False)
+        shape = ModelShape.from_hf_dir(folder)
+        d, n = shape.head_dim, shape.max_exact_sequence_length
         with set_current_vllm_config(VllmConfig()):
-            rope = get_rope(16, max_position=vllm_config.max_position_embeddings,
+            rope = get_rope(d, max_position=vllm_config.max_position_embeddings,
                             rope_parameters=vllm_config.rope_parameters, is_neox_style=True)
-        positions = torch.arange(64)
-        q, k = torch.randn(64, 4 * 16), torch.randn(64, 2 * 16)
+        positions = torch.arange(n)
+        q, k = torch.randn(n, 4 * d), torch.randn(n, 2 * d)
         vllm_q, vllm_k = rope.forward_native(positions, q.clone(), k.clone())
         cos, sin = hf.rotary_emb(q[None], positions[None])
-        hf_q, hf_k = apply_rotary_pos_emb(q.view(1, 64, 4, 16).transpose(1, 2), k.view(1, 64, 2, 16).transpose(1, 2),
+        hf_q, hf_k = apply_rotary_pos_emb(q.view(1, n, 4, d).transpose(1, 2), k.view(1, n, 2, d).transpose(1, 2),
                                           cos, sin)
-        torch.testing.assert_close(vllm_q.view(64, 4, 16), hf_q[0].transpose(0, 1), rtol=0, atol=1e-6)
-        torch.testing.assert_close(vllm_k.view(64, 2, 16), hf_k[0].transpose(0, 1), rtol=0, atol=1e-6)
-        assert ModelShape.from_hf_dir(folder).rope_linear_factor == (None if "dynamic" in name else 4.0)
+        torch.testing.assert_close(vllm_q.view(n, 4, d), hf_q[0].transpose(0, 1), rtol=0, atol=1e-6)
+        torch.testing.assert_close(vllm_k.view(n, 2, d), hf_k[0].transpose(0, 1), rtol=0, atol=1e-6)
+        if name in YARN_MODELS:
+            # the attention factor is in both (cos and sin scaled), and vLLM's table holds every exact position
+            assert rope.mscale == pytest.approx(shape.rope_yarn_attention_factor, rel=1e-12) and rope.mscale != 1
+            assert rope.cos_sin_cache.shape[0] >= shape.max_exact_sequence_length == 32 * shape.rope_yarn_factor
+        else:
+            assert shape.rope_linear_factor == (None if "dynamic" in name else 4.0)
 
 
 @pytest.mark.parametrize("tp, corrupt", [(1, "plain_qkv_concat"), (2, "split_gate_up_concat")])

@@ -65,6 +65,33 @@ def test_greedy_tokens_and_logprobs_equal_hf(session):
     _assert_greedy_matches_hf(batch, _hf_model(session))
 
 
+# YaRN as Qwen ships it for long context, scaled down: 32 original positions x 8 = the model's 256
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 32}
+
+
+@pytest.mark.slow
+def test_yarn_rollout_equals_hf(tmp_path):
+    """vLLM's rollout of a Qwen2 with `rope_type: yarn` (frequencies ramped, cos and sin x 1.208) is transformers':
+    greedy tokens and their log-probs over prompts of 40 and 3 tokens, to position 64, twice the original context.
+    Against the same weights with plain RoPE they differ: the YaRN setting is what the check sees."""
+    model_dir = build_tiny_model(tmp_path / "qwen2_yarn", {**QWEN2_TIED, "rope_parameters": YARN}, seed=11)
+    prompts = [LONG_PROMPT, [5, 6, 7]]
+    batch = run_ranks(rollout_scenarios.greedy_rollout, 1, str(model_dir), prompts, 24, timeout_s=300)[0]
+    assert batch.tensors["responses"].shape == (2, 24)
+    yarn = load_hf_model(model_dir)
+    _assert_greedy_matches_hf(batch, yarn, max_tokens=24)
+    plain = load_hf_model(build_tiny_model(tmp_path / "qwen2_plain", {**QWEN2_TIED, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 10000.0}}, seed=11))
+
+    def gap(model) -> float:
+        return max((log_probs.double() - torch.log_softmax(hf_logits_of(model, prompt, response), -1)[
+            torch.arange(len(response)), response]).abs().max().item()
+            for prompt, response, log_probs in response_rows(batch))
+
+    print(f"vLLM vs transformers, YaRN log-prob gap {gap(yarn):.2e}; against plain RoPE {gap(plain):.2e}")
+    assert gap(plain) > 10 * LOGPROB_TOLERANCE
+
+
 @pytest.mark.slow
 def test_sampled_logprobs_are_those_of_the_sampling_distribution(session):
     model = _hf_model(session)

@@ -54,6 +54,17 @@ def layout_snapshot(rank: int, world_size: int, model_dir: str, infer_tp: int) -
     }
 
 
+def greedy_rollout(rank: int, world_size: int, model_dir: str, prompts: list[list[int]], max_tokens: int) -> Any:
+    """One engine's greedy responses and their log-probs for `prompts` (a model of its own, e.g. a RoPE setting)."""
+    from hybridrl.rollout.sampling import validation_sampling
+
+    engine = make_engine(model_dir)
+    try:
+        return engine.generate_sequences(prompts, validation_sampling(max_tokens=max_tokens))
+    finally:
+        engine.close()
+
+
 def generation_session(
     rank: int, world_size: int, model_dir: str, new_weights: list[dict[str, torch.Tensor]], long_prompt: list[int]
 ) -> dict[str, Any]:
