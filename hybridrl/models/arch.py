@@ -322,7 +322,7 @@ class ModelShape:
         moe = _moe_fields(family, config, int(need("num_hidden_layers")), need) if family.moe else {}
         max_positions = int(config.get("max_position_embeddings") or family.default_max_positions)
         rope = _rope(config, family.default_rope_theta, max_positions)
-        yarn = {} if rope.yarn is None else dict(
+        yarn: dict[str, Any] = {} if rope.yarn is None else dict(
             rope_yarn_factor=rope.yarn.factor,
             rope_yarn_original_max_position_embeddings=rope.yarn.original_max_position_embeddings,
             rope_yarn_beta_fast=rope.yarn.beta_fast, rope_yarn_beta_slow=rope.yarn.beta_slow,
