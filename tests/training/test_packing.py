@@ -8,6 +8,7 @@ segment that leaked attention into its neighbour would change its log-probs.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -274,6 +275,32 @@ def test_packed_log_probs_equal_padded_and_transformers(tmp_path):
         for key, ref in (("old_log_probs", ref_lp), ("entropys", ref_ent)):
             assert (runs[True][key] - runs[False][key]).abs().max() <= TOL, (tp, pp, key)
             assert (runs[True][key] - ref).abs().max() <= TOL, (tp, pp, key)
+
+
+def test_yarn_log_probs_packed_and_padded_equal_transformers(tmp_path):
+    """A YaRN policy (factor 4 over an original context of 4 tokens, so every position of these 13-token rows is
+    past it) in the actor's log-prob pass, packed (THD: megatron's YaRN table through the CPU packed-RoPE slot) and
+    padded: transformers' log-probs and entropies both ways."""
+    from tests.support.models_fixtures import make_hf_model
+
+    hf = make_hf_model(tmp_path / "hf", "llama", rope_theta=None, max_position_embeddings=16, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4})
+    batch = rollout_batch(8, seed=9)
+    ref_lp, ref_ent = hf_response_log_probs(hf, batch)
+    for on in (False, True):
+        config = packed(job_config(hf, world=1, micro=4), on)
+        (result,) = run_ranks(_log_prob_rank, 1, config, batch)
+        assert result["layout"][1] == on
+        for key, ref in (("old_log_probs", ref_lp), ("entropys", ref_ent)):
+            assert (result["out"][key] - ref).abs().max() <= TOL, (on, key)
+    # the same weights with plain RoPE: other log-probs, so the check sees the YaRN setting
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "model.safetensors").symlink_to(hf / "model.safetensors")
+    config = json.loads((hf / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    (plain / "config.json").write_text(json.dumps(config))
+    assert (hf_response_log_probs(plain, batch)[0] - ref_lp).abs().max() > 10 * TOL
 
 
 def _update_rank(rank: int, world: int, config: Any, batch: Any) -> Any:
