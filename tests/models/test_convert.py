@@ -64,6 +64,24 @@ def test_hf_mcore_hf_round_trip_is_bit_exact(hf_dirs, tmp_path, arch, tp, pp, vp
         hf_dirs[arch] / "generation_config.json")
 
 
+def test_a_yarn_models_config_survives_the_round_trip(tmp_path):
+    """A Qwen2 whose config.json carries YaRN in transformers 4's `rope_scaling` (as Qwen ships it): hf -> mcore (TP2)
+    -> hf keeps config.json as it was, and the checkpoint's shape reads the same YaRN."""
+    from hybridrl.models.arch import ModelShape
+
+    hf = make_hf_model(tmp_path / "qwen2", "qwen2", seed=3)
+    config = {k: v for k, v in read_json(hf / "config.json").items() if k != "rope_parameters"}
+    config.update(rope_theta=10000.0, max_position_embeddings=128,
+                  rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32})
+    (hf / "config.json").write_text(json.dumps(config))
+    ckpt = to_mcore(hf, tmp_path / "mcore", 2, 1)
+    assert convert("mcore-to-hf", "--ckpt", str(ckpt), "--out", str(tmp_path / "back")) == 0
+    assert read_json(tmp_path / "back" / "config.json") == config
+    shape = ModelShape.from_hf_dir(tmp_path / "back")
+    assert (shape.rope_yarn_factor, shape.rope_yarn_original_max_position_embeddings) == (4.0, 32)
+    assert shape == ModelShape.from_hf_dir(hf)
+
+
 def test_vocab_padding_rows_are_zero_and_stripped(hf_dirs, tmp_path):
     ckpt = to_mcore(hf_dirs["llama"], tmp_path / "mcore", tp=2)
     rank1 = safetensors_state_file(ckpt / "model_tp01_pp000.safetensors")
