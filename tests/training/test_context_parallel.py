@@ -275,6 +275,24 @@ def test_cp2_log_probs_and_entropy_equal_cp1_and_transformers(tmp_path, tp, pp):
             assert runs[run][key].abs().max() > 1e-2
 
 
+def test_cp2_yarn_log_probs_equal_transformers(tmp_path):
+    """A YaRN policy (factor 4 over 4 original positions) at CP2, padded and packed: megatron's YaRN table cut to
+    the rank's chunks (padded) or rotated per segment chunk (packed) gives transformers' log-probs and entropies."""
+    from tests.support.models_fixtures import make_hf_model
+    from tests.support.training_fixtures import hf_response_log_probs, job_config, rollout_batch
+
+    hf = make_hf_model(tmp_path / "hf", "llama", rope_theta=None, max_position_embeddings=16, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4})
+    batch = rollout_batch(8, seed=9)
+    ref_lp, ref_ent = hf_response_log_probs(hf, batch)
+    for packed in (False, True):
+        config = with_cp(job_config(hf, world=2, micro=4), 2, packed)
+        results = run_ranks(log_prob_rank, 2, config, batch)
+        (out,) = [r["out"] for r in results if r["out"] is not None]
+        for key, ref in (("old_log_probs", ref_lp), ("entropys", ref_ent)):
+            assert (out[key] - ref).abs().max() <= TOL, (packed, key)
+
+
 @pytest.mark.parametrize("dp,runs", [(1, RUNS), (2, RUNS[:2])])
 def test_cp2_update_equals_cp1(tmp_path, dp, runs):
     """One PPO step (KL loss, entropy bonus) at CP2, padded and packed (and DP2 × CP2 padded): loss,
