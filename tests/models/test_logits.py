@@ -481,17 +481,30 @@ def test_save_and_export_with_data_parallel_replicas(hf_dirs, tmp_path):
 def test_gradients_match_transformers(hf_dirs, tmp_path, arch, tp):
     """Training sees the same model: every weight gradient equals HF's, mapped back by the layout math
     (at TP=4 > 2 KV heads each KV head's gradient is summed over the ranks that share it)."""
+    _assert_gradients_match_transformers(hf_dirs[arch], tmp_path, tp)
+
+
+def test_yarn_gradients_match_transformers(tmp_path):
+    """The same for a Qwen2 with YaRN (factor 4 over 4 original positions: every position past it), at TP2: the
+    attention factor in the softmax scale reaches the gradients as transformers' scaled cos and sin do."""
+    folder = make_hf_model(tmp_path / "qwen2_yarn", "qwen2", seed=70, rope_theta=None, max_position_embeddings=16,
+                           rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                            "original_max_position_embeddings": 4})
+    _assert_gradients_match_transformers(folder, tmp_path, 2)
+
+
+def _assert_gradients_match_transformers(hf_dir: Path, tmp_path: Path, tp: int) -> None:
     import transformers
 
     from hybridrl.models.convert_cli import main as convert_main
 
     weights = torch.randn(*TOKENS.shape, VOCAB, generator=torch.Generator().manual_seed(3))
-    run_ranks(grads_rank, tp, str(hf_dirs[arch]), weights, str(tmp_path / "grads"), timeout_s=300)
+    run_ranks(grads_rank, tp, str(hf_dir), weights, str(tmp_path / "grads"), timeout_s=300)
     assert convert_main(["mcore-to-hf", "--ckpt", str(tmp_path / "grads"), "--out", str(tmp_path / "hf"),
                          "--quiet"]) == 0
     ours = safetensors_state(tmp_path / "hf")
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        hf_dirs[arch], dtype=torch.float32, attn_implementation="eager")
+        hf_dir, dtype=torch.float32, attn_implementation="eager")
     (model(TOKENS).logits * weights).sum().backward()
     theirs = {name: p.grad for name, p in model.named_parameters()}
     assert sorted(ours) == sorted(theirs)
