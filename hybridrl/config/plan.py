@@ -61,7 +61,7 @@ from hybridrl.config.resolve import (
     role_megatron,
     role_megatron_field,
 )
-from hybridrl.config.resume import ResumePoint
+from hybridrl.config.resume import ResumePoint, schedule_notes
 from hybridrl.config.rollout_rules import check_rollout_head_dim
 from hybridrl.config.schema import JobConfig, LoraConfig, MegatronConfig
 from hybridrl.config.validate import validate
@@ -391,6 +391,10 @@ def build_plan(config: JobConfig, prior_issues: list[ConfigIssue] | tuple[Config
     if issues:
         raise ConfigError(issues, hint)
     plan = _derive(config, resolved, model, tuple(warnings), refuse_over_memory)
+    if resume is not None:  # the schedules' position, from the job's batch arithmetic
+        optims = {"actor": config.actor_rollout_ref.actor.optim, "critic": config.critic.optim}
+        notes = schedule_notes(resume, {u.role: u.optimizer_steps_per_step for u in plan.updates}, optims)
+        resume = dataclasses.replace(resume, notes=resume.notes + notes)
     if resume is not None or reward_call is not None:
         plan = dataclasses.replace(plan, resume=resume, reward_call=reward_call)
     refusals = megatron_refusals(plan)

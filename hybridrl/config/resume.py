@@ -30,7 +30,7 @@ from typing import Any
 from hybridrl.algorithms.kl_control import kl_controller_from_config
 from hybridrl.config.errors import ConfigIssue
 from hybridrl.config.model_shapes import own_model_shape
-from hybridrl.config.schema import JobConfig
+from hybridrl.config.schema import JobConfig, OptimConfig
 from hybridrl.data.loader_state import state_mismatches
 from hybridrl.models.arch import ModelShape
 from hybridrl.names import Role
@@ -51,6 +51,8 @@ class ResumePoint:
     mode: str
     # what the resumed run takes otherwise than from the checkpoint, as `train` will say it ("resumed from ...; ")
     notes: tuple[str, ...] = ()
+    # each trained role's optimizer steps taken by the checkpoint (its role_checkpoint.json): the schedules' position
+    optimizer_steps: tuple[tuple[str, int], ...] = ()
 
 
 def checkpointed_roles(critic: bool) -> tuple[Role, ...]:
@@ -75,7 +77,8 @@ def check_resume(config: JobConfig, issues: list[ConfigIssue], *, critic: bool,
     except CheckpointError as error:
         issues.append(ConfigIssue(FIELD, mode, str(error).removeprefix(f"{FIELD}={mode}: ")))
         return None
-    point = ResumePoint(str(found), state["global_step"], mode, _kl_notes(config, state))
+    point = ResumePoint(str(found), state["global_step"], mode, _kl_notes(config, state),
+                        _optimizer_steps(found, checkpointed_roles(critic)))
     where, outs = _where_and_outs(found, point.step, mode)
     for role in checkpointed_roles(critic):
         if not (found / role / ROLE_CHECKPOINT_FILE).is_file():
@@ -99,6 +102,41 @@ def _kl_notes(config: JobConfig, state: dict[str, Any]) -> tuple[str, ...]:
     except (TypeError, ValueError):
         return ()
     return (note,) if note else ()
+
+
+def _optimizer_steps(found: Path, roles: tuple[Role, ...]) -> tuple[tuple[str, int], ...]:
+    """The optimizer steps each role's checkpoint records (`optimizer_steps` of its role_checkpoint.json; a role
+    without a readable count is left out: its folder's problems are the checks' below, or the workers')."""
+    counts = []
+    for role in roles:
+        try:
+            count = json.loads((found / role / ROLE_CHECKPOINT_FILE).read_text()).get("optimizer_steps")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
+            counts.append((str(role), count))
+    return tuple(counts)
+
+
+def schedule_notes(point: ResumePoint, steps_per_step: dict[str, int], schedules: dict[str, OptimConfig]
+                   ) -> tuple[str, ...]:
+    """`train`'s workers' word on a learning-rate schedule whose position a resume rescales: a job that takes another
+    number of optimizer steps a training step (ppo_mini_batch_size, ppo_epochs) than the checkpoint's run goes on
+    from the same point of the run, its optimizer-step count scaled (`training.lr_schedule.LRSchedule.
+    load_state_dict`). Said only where the position moves the rate (a warmup or a decay)."""
+    notes = []
+    for role, saved in point.optimizer_steps:
+        now, optim = steps_per_step.get(role), schedules.get(role)
+        if now is None or optim is None or point.step <= 0 or saved % point.step:
+            continue
+        before = saved // point.step
+        varies = optim.lr_decay_style != "constant" or optim.lr_warmup_steps > 0 or optim.lr_warmup_steps_ratio > 0
+        if before and before != now and varies:
+            position = round(saved * now / before)
+            notes.append(f"the {role}'s learning-rate schedule goes on from optimizer step {position} (the "
+                         f"checkpoint's {saved} at {before} a training step, this job's {now}: the same point of the "
+                         "run)")
+    return tuple(notes)
 
 
 def _where_and_outs(found: Path, step: int, mode: str) -> tuple[str, str]:

@@ -73,7 +73,8 @@ def test_plan_says_where_a_run_starts(job):
     off = plan_from_sources(GRPO, [*overrides, "trainer.resume_mode=disable"], check_files=True)
     assert off.resume is None and resume_line(off) == "Resume: none, a fresh start (trainer.resume_mode=disable)"
     # the plan's JSON carries it (what a user's tooling reads)
-    assert json.loads(plan.to_json())["resume"] == {"path": str(latest), "step": 2, "mode": "auto", "notes": []}
+    assert json.loads(plan.to_json())["resume"] == {"path": str(latest), "step": 2, "mode": "auto", "notes": [],
+                                                    "optimizer_steps": []}
 
 
 def test_plan_says_which_kl_coefficient_a_resume_goes_on_with(job):
@@ -88,6 +89,31 @@ def test_plan_says_which_kl_coefficient_a_resume_goes_on_with(job):
         "checkpoint's run had the KL coefficient at 0.002 (a fixed coefficient is a setting)")
     same = plan_from_sources(GRPO, [*overrides, "algorithm.kl_ctrl.kl_coef=0.002"], check_files=True)
     assert same.resume is not None and same.resume.notes == ()
+
+
+def test_plan_says_where_a_rescaled_learning_rate_schedule_goes_on_from(job):
+    """A job resumed with another number of optimizer steps a training step (here 1 mini-batch a step where the
+    checkpoint's run took 2) goes on from the same point of the run: the workers scale the schedule's optimizer-step
+    count (`LRSchedule.load_state_dict`, checked against it here); the plan says where, before the run starts, where
+    the position moves the rate (a decay or a warmup); a constant rate, or the same count a step, says nothing."""
+    from hybridrl.training.lr_schedule import LRSchedule
+
+    overrides, root, rows = job
+    latest = _checkpoint(root, 3, dataset_size=rows, train_rows=rows)
+    (latest / "actor" / ROLE_CHECKPOINT_FILE).write_text(json.dumps({"optimizer_steps": 6}))  # 2 a training step
+    decay = ["actor_rollout_ref.actor.optim.lr_decay_style=cosine"]
+    plan = plan_from_sources(GRPO, [*overrides, *decay], check_files=True)
+    assert plan.update("actor").optimizer_steps_per_step == 1
+    schedule = LRSchedule.from_config(plan.config.actor_rollout_ref.actor.optim, 100, steps_per_step=1)
+    schedule.load_state_dict({"step_count": 6, "steps_per_step": 2})  # what the actor's workers do at load
+    assert schedule.step_count == 3
+    assert resume_line(plan).endswith(
+        "; the actor's learning-rate schedule goes on from optimizer step 3 (the checkpoint's 6 at 2 a training step, "
+        "this job's 1: the same point of the run)")
+    assert json.loads(plan.to_json())["resume"]["optimizer_steps"] == [["actor", 6]]
+    assert plan_from_sources(GRPO, overrides, check_files=True).resume.notes == ()  # a constant rate
+    (latest / "actor" / ROLE_CHECKPOINT_FILE).write_text(json.dumps({"optimizer_steps": 3}))  # 1 a step, as now
+    assert plan_from_sources(GRPO, [*overrides, *decay], check_files=True).resume.notes == ()
 
 
 def test_a_changed_batch_size_or_seed_is_refused_naming_saved_and_new(job):
