@@ -392,7 +392,7 @@ def build_plan(config: JobConfig, prior_issues: list[ConfigIssue] | tuple[Config
         raise ConfigError(issues, hint)
     plan = _derive(config, resolved, model, tuple(warnings), refuse_over_memory)
     if resume is not None:  # the schedules' position, from the job's batch arithmetic
-        optims = {"actor": config.actor_rollout_ref.actor.optim, "critic": config.critic.optim}
+        optims = {str(Role.ACTOR): config.actor_rollout_ref.actor.optim, str(Role.CRITIC): config.critic.optim}
         notes = schedule_notes(resume, {u.role: u.optimizer_steps_per_step for u in plan.updates}, optims)
         resume = dataclasses.replace(resume, notes=resume.notes + notes)
     if resume is not None or reward_call is not None:

@@ -130,8 +130,9 @@ def schedule_notes(point: ResumePoint, steps_per_step: dict[str, int], schedules
         if now is None or optim is None or point.step <= 0 or saved % point.step:
             continue
         before = saved // point.step
-        varies = optim.lr_decay_style != "constant" or optim.lr_warmup_steps > 0 or optim.lr_warmup_steps_ratio > 0
-        if before and before != now and varies:
+        # a warmup as `LRSchedule.from_config` reads it: lr_warmup_steps, or the ratio where that is -1
+        warmup = optim.lr_warmup_steps > 0 or (optim.lr_warmup_steps < 0 and optim.lr_warmup_steps_ratio > 0)
+        if before and before != now and (warmup or optim.lr_decay_style != "constant"):
             position = round(saved * now / before)
             notes.append(f"the {role}'s learning-rate schedule goes on from optimizer step {position} (the "
                          f"checkpoint's {saved} at {before} a training step, this job's {now}: the same point of the "
