@@ -700,16 +700,15 @@ def _check_algorithm(check: Checker, config: JobConfig, resolved: Resolved) -> N
     trains_the_reward = not (distill.enable is True and distill.task_reward is False)
     if estimator in (*GROUP_ADV_ESTIMATORS, *GREEDY_BASELINE_ADV_ESTIMATORS) and trains_the_reward:
         # greedy sampling: the n samples of a prompt are its one greedy answer (remax: its greedy baseline too)
-        baseline = ("the prompt's greedy baseline" if estimator in GREEDY_BASELINE_ADV_ESTIMATORS
-                    else "the other samples of its prompt")
-        for field, value, greedy in (("temperature", rollout.temperature, 0), ("top_k", rollout.top_k, 1)):
+        same_as = ("what the prompt's greedy baseline scores" if estimator in GREEDY_BASELINE_ADV_ESTIMATORS
+                   else "what the other samples of its prompt score")
+        greedy_settings = (("temperature", rollout.temperature, 0, 1.0), ("top_k", rollout.top_k, 1, -1))
+        for field, value, greedy, valid in greedy_settings:
             if value == greedy and not isinstance(value, bool):
                 check.fail(f"actor_rollout_ref.rollout.{field}", value,
                            f"decodes greedily: every sample of a prompt is the same answer, so with "
-                           f"algorithm.adv_estimator={estimator} each scores what {baseline} score"
-                           f"{'s' if estimator in GREEDY_BASELINE_ADV_ESTIMATORS else ''}: every advantage is 0 "
-                           "and nothing trains; sample (temperature > 0, top_k -1 or > 1)",
-                           [1.0] if field == "temperature" else [-1])
+                           f"algorithm.adv_estimator={estimator} each scores {same_as}: every advantage is 0 "
+                           "and nothing trains; sample (temperature > 0, top_k -1 or > 1)", [valid])
     if estimator in CRITIC_ADV_ESTIMATORS and config.critic.enable is False:
         check.fail("critic.enable", False, f"must be true (or null) for algorithm.adv_estimator={estimator}",
                    [True])
