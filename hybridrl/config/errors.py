@@ -5,6 +5,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+CONFIG_FILE = "<config file>"  # the field of a problem with the YAML file itself
+
 
 @dataclass(frozen=True)
 class ConfigIssue:

@@ -15,16 +15,18 @@ from typing import Any
 
 import yaml
 
-from hybridrl.config.errors import ConfigError, ConfigIssue, show_value
+from hybridrl.config.errors import CONFIG_FILE, ConfigError, ConfigIssue, show_value
 from hybridrl.config.schema import REF_DEFAULTS_TO_ACTOR, REF_SHARES_WITH_ACTOR, JobConfig, MegatronConfig, without_none
-from hybridrl.config.verl_keys import Implies, Refused, Restates, restated, verl_key
+from hybridrl.config.verl_default_values import VERL_DEFAULTS
+from hybridrl.config.verl_defaults import MISSING, TARGET, VerlDefaults, missing_refusal, refusal, target_refusal
+from hybridrl.config.verl_interpolation import InterpolatedConfig, has_interpolation
+from hybridrl.config.verl_keys import Alias, Implies, Refused, Restates, restated, verl_key
 from hybridrl.config.yaml_load import RepeatedKeyError, load_yaml
 
 # Fields users of other trainers write directly on a role: accepted there and moved into the
 # role's `megatron` section, so `actor_rollout_ref.actor.tensor_model_parallel_size=2` works too.
 _MEGATRON_FIELDS = frozenset(f.name for f in dataclasses.fields(MegatronConfig))
 COMMAND_LINE = "the command line"
-CONFIG_FILE = "<config file>"  # the field of a problem with the YAML file itself
 
 
 def _role_sections(cls: type = JobConfig, prefix: tuple[str, ...] = ()) -> frozenset[tuple[str, ...]]:
@@ -73,27 +75,46 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
 
 
 def load_config_collecting(
-    path: str | Path | None = None, overrides: Iterable[str] = ()
+    path: str | Path | None = None, overrides: Iterable[str] = (), verl: VerlDefaults | None = None
 ) -> tuple[JobConfig, list[ConfigIssue]]:
     """Like `load_config`, but return the problems instead of raising.
 
     Unknown keys and ill-typed values are reported and left at their defaults, so the caller can
-    go on validating the rest and report everything in one pass.
+    go on validating the rest and report everything in one pass. `verl` (given by the plan) collects the verl
+    keys taken at verl's defaults (`hybridrl.config.verl_defaults`).
     """
     issues: list[ConfigIssue] = []
     raw: dict[str, Any] = {}
     implied: _Implied = {}
-    if path is not None:
-        _merge_source(raw, _leaves(_read_yaml(Path(path), issues)), str(path), issues, implied)
+    verl = verl if verl is not None else VerlDefaults()
     assignments = []
     for override in overrides:
         parsed = _parse_override(override, issues)
         if parsed is not None:
             assignments.extend(parsed)
-    _merge_source(raw, assignments, COMMAND_LINE, issues, implied)
+    if path is not None:
+        tree = _read_yaml(Path(path), issues)
+        # a whole verl config derives keys from others: resolved as verl's Hydra does, after the command line's
+        # overrides of the keys the file has (in either spelling); a file without interpolations is read as it is
+        verl.context = InterpolatedConfig(tree, [(spelling, _plain(value)) for parts, value in assignments
+                                                 for spelling in dict.fromkeys((parts, canonical_path(parts)))])
+        read = verl.context.resolved(issues) if has_interpolation(tree) else tree
+        _merge_source(raw, _leaves(read), str(path), issues, implied, verl, from_file=True)
+    _merge_source(raw, assignments, COMMAND_LINE, issues, implied, verl)
+    _check_missing(raw, verl.missing, issues)
     _apply_implied(raw, implied, issues)
     _inherit_reference_layout(raw)
     return _build(JobConfig, raw, "", issues), issues
+
+
+def _check_missing(raw: dict[str, Any], missing: list[tuple[str, ...]], issues: list[ConfigIssue]) -> None:
+    """Each of verl's mandatory values (`???`) the file leaves unset and no later source sets is a problem."""
+    for parts in missing:
+        node: Any = raw
+        for part in canonical_path(parts):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is None:
+            issues.append(ConfigIssue(".".join(parts), MISSING, missing_refusal()))
 
 
 # per verl key that implies fields (`verl_keys.Implies`), the fields its last value sets: a later source's value
@@ -237,43 +258,72 @@ def _leaves(tree: Any, prefix: tuple[str, ...] = ()) -> typing.Iterator[tuple[tu
 
 
 def _merge_source(raw: dict[str, Any], assignments: Iterable[tuple[tuple[str, ...], Any]], source: str,
-                  issues: list[ConfigIssue], implied: _Implied) -> None:
+                  issues: list[ConfigIssue], implied: _Implied, verl: VerlDefaults | None = None,
+                  from_file: bool = False) -> None:
     """Write one source's assignments (the file, or the command line) into `raw`, each at its
     canonical path, so a later source replaces an earlier one whichever spelling either used.
     Within the source the same path written twice keeps the last value; two spellings of one
-    field with different values are an error naming both. What a verl key implies goes to `implied`,
-    set once every source is read (`_apply_implied`)."""
-    written: dict[tuple[str, ...], tuple[str, Any]] = {}
+    field with different values are an error naming both, unless one is a verl spelling at verl's default (verl's
+    whole config writes both of a pair, `model.lora_alpha` of its FSDP trainer beside `model.lora.alpha`; the one
+    at its default is the one not in use): the other wins. What a verl key implies goes to `implied`,
+    set once every source is read (`_apply_implied`). `from_file`: the source is the YAML file (a key that follows
+    another by verl's own interpolation there is at verl's default)."""
+    written: dict[tuple[str, ...], tuple[str, Any, tuple[bool, bool]]] = {}
     for parts, value in assignments:
         spelling = ".".join(parts)  # as written: a verl alias and its target are two spellings of one field
-        verl = _read_verl_key(parts, value, issues, implied)
-        if verl is None:
+        verl_default = verl is not None and verl.matches(parts, _plain(value), from_file)
+        read = _read_verl_key(parts, value, issues, implied, verl, verl_default, from_file)
+        if read is None:
             continue
-        parts, value = verl
+        parts, value = read
         where = canonical_path(parts)
+        # which of two spellings gives way: one at verl's default, and of two such a null (verl's "not set")
+        rank = (verl_default, verl_default and _plain(value) is None)
         earlier = written.get(where)
         if earlier is not None and earlier[0] != spelling and _plain(earlier[1]) != _plain(value):
-            issues.append(ConfigIssue(
-                earlier[0], _plain(earlier[1]),
-                f"conflicts with {spelling}={show_value(_plain(value))} in {source} (two spellings of one "
-                "field); write it once, or give both the same value"))
-            continue
+            if rank > earlier[2]:
+                continue
+            if rank == earlier[2]:
+                issues.append(ConfigIssue(
+                    earlier[0], _plain(earlier[1]),
+                    f"conflicts with {spelling}={show_value(_plain(value))} in {source} (two spellings of one "
+                    "field); write it once, or give both the same value"))
+                continue
         if _plain(value) is None and any(len(path) > len(where) and path[: len(where)] == where for path in written):
             continue  # `section: null` beside fields of that section in one source: the fields win
-        written[where] = (spelling, value)
+        written[where] = (spelling, value, rank)
         _assign(raw, where, value, issues)
 
 
 def _read_verl_key(parts: tuple[str, ...], value: Any, issues: list[ConfigIssue],
-                   implied: _Implied | None = None) -> tuple[tuple[str, ...], Any] | None:
+                   implied: _Implied | None = None, verl: VerlDefaults | None = None, verl_default: bool = False,
+                   from_file: bool = False) -> tuple[tuple[str, ...], Any] | None:
     """A verl key without a field of hybridrl's own, in verl's meaning (`hybridrl.config.verl_keys`): the
-    (path, value) to assign, or None when it is taken as restating hybridrl's behaviour, implies fields (kept in
-    `implied`) or is refused."""
+    (path, value) to assign, or None when it is taken as restating hybridrl's behaviour or verl's default
+    (`verl_default`, found by `verl`: `hybridrl.config.verl_defaults`), implies fields (kept in `implied`) or is
+    refused."""
+    spelling, plain = ".".join(parts), _plain(value)
     found = verl_key(parts)
+    if verl is not None:
+        if parts[-1] == TARGET:  # Hydra's class of the section
+            if verl.target_known(parts, plain, from_file):
+                verl.targets.append(spelling)
+            else:
+                issues.append(ConfigIssue(spelling, _as_written(value), target_refusal(verl.default_of(parts))))
+            return None
+        if not (found is not None and isinstance(found[0], Alias)):  # an alias is hybridrl's field: its value holds
+            if verl_default or verl.unset(parts, plain):
+                verl.taken.append(spelling)
+                return None
+            if found is None and spelling in VERL_DEFAULTS:  # verl's key, not at verl's default: the user's setting
+                issues.append(ConfigIssue(spelling, _as_written(value), refusal(parts)))
+                return None
+        if plain == MISSING:  # verl's mandatory value: a later source must give it (`_check_missing`)
+            verl.missing.append(parts)
+            return None
     if found is None:
         return parts, value
     entry, target = found
-    spelling, plain = ".".join(parts), _plain(value)
     if isinstance(entry, Implies):
         fields = entry.implied(plain)
         if fields is None:

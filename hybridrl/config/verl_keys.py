@@ -112,6 +112,7 @@ def _reward_manager_refusal(value: Any) -> str:
             f"algorithm.overlong_buffer; prime's pool of processes is {REWARD_WORKERS}")
 
 
+_TORCH_DTYPES = (("bfloat16", "bf16"), ("float16", "fp16"), ("float32", "fp32"))
 _WEIGHTS = "hybridrl loads the HF folder of model.path with its own weight table per model family " \
            "(hybridrl/models/families)"
 VERL_KEYS: tuple[VerlKey, ...] = (
@@ -141,8 +142,9 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     # verl's DAPO reward manager: the rule score plus the soft overlong penalty, which is hybridrl's
     # algorithm.overlong_buffer (naive: the rule score alone, the same with the buffer off); its prime manager: the
     # same calls in a pool of processes, each under a deadline (verl/workers/reward_manager/prime.py)
-    Implies("reward_model.reward_manager", {"naive": {}, "dapo": {}, "prime": {REWARD_WORKERS: prime_num_workers}},
-            _reward_manager_refusal),
+    *(Implies(key, {"naive": {}, "dapo": {}, "prime": {REWARD_WORKERS: prime_num_workers}}, _reward_manager_refusal)
+      # verl's scripts' key, and newer verl's (0.9: reward.reward_manager.name, the legacy key migrated into it)
+      for key in ("reward_model.reward_manager", "reward.reward_manager.name")),
     # prime's pool size (its constructor's num_processes, which verl passes from reward_model.reward_kwargs)
     Alias("reward_model.reward_kwargs.num_processes", REWARD_WORKERS),
     Alias("reward_model.reward_kwargs.overlong_buffer_cfg.enable", "algorithm.overlong_buffer.enable"),
@@ -165,6 +167,9 @@ VERL_KEYS: tuple[VerlKey, ...] = (
                    "moe_token_dispatcher_type", "moe_expert_capacity_factor", "moe_token_drop_policy",
                    "moe_pad_expert_input_to_capacity")),
     Alias("data.trust_remote_code", "actor_rollout_ref.model.trust_remote_code"),
+    # verl spells dtypes as torch does (its default: bfloat16); hybridrl's fields take bf16, fp16, fp32
+    *(Alias(key, key, translate=dict(_TORCH_DTYPES))
+      for key in (f"{ROLE}.megatron.dtype", "actor_rollout_ref.rollout.dtype")),
     # verl's seed of its sampler's order: hybridrl's data order comes from the one job seed, which also seeds sampling
     Refused("data.seed", "is verl's seed of the data order; hybridrl's data order follows trainer.seed (which also "
             "seeds the rollout's sampling): set trainer.seed"),

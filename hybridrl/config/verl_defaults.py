@@ -1,0 +1,126 @@
+"""verl's keys at verl's own defaults: taken as changing nothing, so a whole verl config file plans.
+
+A whole verl YAML (verl's generated trainer config, or the `.hydra/config.yaml` a verl run saves) writes every key
+verl has, most at verl's default: the feature off, null, `{}`. hybridrl has no field for hundreds of them. Each
+such key whose value is verl's default (`verl_default_values.VERL_DEFAULTS`) sets nothing verl would do
+differently from hybridrl, and is taken; the plan says how many, and lists them in its JSON. The same key at any
+other value is a setting of the user's and stays refused by name (an unknown key, or its `verl_keys` reason).
+
+Hydra's `_target_` entries name the class verl instantiates a section as. At the class verl's trainer config names
+there (either trainer's: Megatron or FSDP) it is metadata, ignored; any other class is the user's own (a custom
+config, reward manager or engine class) that hybridrl cannot instantiate, and is refused naming it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridrl.config.verl_default_values import VERL_DEFAULTS, VERL_NULL_UNSET, VERL_VERSION
+from hybridrl.config.verl_interpolation import MARK, InterpolatedConfig
+
+TARGET = "_target_"
+MISSING = "???"  # OmegaConf's mandatory value: verl's config leaves it for the user to set
+# hybridrl fields where verl's default means "not set" though it is not null: verl reads the rollout's own nodes and
+# GPUs only for a rollout pool of its own (its separate-async trainers), and 0 nodes is none; hybridrl's
+# actor_rollout_ref.rollout.mode=colocated (the default) runs vLLM on the training ranks
+VERL_UNSET: dict[str, Any] = {
+    "actor_rollout_ref.rollout.nnodes": 0,
+    "actor_rollout_ref.rollout.n_gpus_per_node": "${oc.select:trainer.n_gpus_per_node,8}",
+}
+
+
+def _same(value: Any, default: Any) -> bool:
+    """Equal as YAML values: True is not 1, but 2 is 2.0 (verl's `lr: 1e-6` against a file's `1.0e-06`)."""
+    if isinstance(default, bool) or isinstance(value, bool):
+        return type(value) is type(default) and value == default
+    if isinstance(default, (int, float)) and isinstance(value, (int, float)):
+        return value == default
+    if isinstance(default, list) and isinstance(value, list):
+        return len(value) == len(default) and all(_same(v, d) for v, d in zip(value, default))
+    if isinstance(default, dict) and isinstance(value, dict):
+        return value.keys() == default.keys() and all(_same(value[k], default[k]) for k in default)
+    return type(value) is type(default) and value == default
+
+
+@dataclass
+class VerlDefaults:
+    """One load's view of verl's defaults: the file's own config (its interpolated defaults resolve within it), and
+    the keys found at verl's defaults."""
+    context: InterpolatedConfig | None = None
+    taken: list[str] = field(default_factory=list)  # verl keys at verl's defaults (dotted, as written)
+    targets: list[str] = field(default_factory=list)  # `_target_` entries ignored as Hydra's metadata
+    missing: list[tuple[str, ...]] = field(default_factory=list)  # verl's mandatory values (???) left to set
+
+    def default_of(self, parts: tuple[str, ...]) -> Any:
+        return VERL_DEFAULTS.get(".".join(parts), _NONE)
+
+    def matches(self, parts: tuple[str, ...], value: Any, from_file: bool = False) -> bool:
+        """Whether `value` is verl's default for this key (`from_file`: the value the file gives, after its
+        interpolations resolved). An interpolated default (the reference's layout follows the actor's) is met by the
+        file writing that same expression, here or for a section above the key (the keys it names are checked
+        where they are written), or by a value equal to what it resolves to in this config."""
+        if from_file and self._follows(parts):
+            return True
+        default = self.default_of(parts)
+        if default is _NONE:
+            return False
+        return self._meets(parts, value, default)
+
+    def unset(self, parts: tuple[str, ...], value: Any) -> bool:
+        """Whether a hybridrl field's value is verl's way of leaving it unset (`VERL_UNSET`, `VERL_NULL_UNSET`)."""
+        key = ".".join(parts)
+        if key in VERL_NULL_UNSET and value is None:
+            return True
+        return key in VERL_UNSET and self._meets(parts, value, VERL_UNSET[key])
+
+    def _meets(self, parts: tuple[str, ...], value: Any, default: Any) -> bool:
+        if isinstance(default, str) and MARK in default:
+            if self.context is None:
+                return False
+            try:
+                default = self.context.evaluate(parts, default)
+            except Exception:  # noqa: BLE001 - a default that does not resolve here is not met
+                return False
+        return _same(value, default)
+
+    def _follows(self, parts: tuple[str, ...]) -> bool:
+        node: Any = self.context.tree if self.context is not None else None
+        for depth, part in enumerate(parts, 1):
+            if not isinstance(node, dict) or part not in node:
+                return False
+            node = node[part]
+            if isinstance(node, str) and MARK in node:
+                return VERL_DEFAULTS.get(".".join(parts[:depth]), _NONE) == node
+        return False
+
+    def target_known(self, parts: tuple[str, ...], value: Any, from_file: bool = False) -> bool:
+        """Whether a `_target_` names the class verl's own trainer config names at this place (or sits in a
+        section that follows another by verl's own interpolation)."""
+        if from_file and self._follows(parts):
+            return True
+        default = self.default_of(parts)
+        return value in (default if isinstance(default, tuple) else (default,))
+
+
+_NONE = object()
+
+
+def refusal(parts: tuple[str, ...]) -> str:
+    """Why a verl key without a hybridrl field, at a value other than verl's default, is refused."""
+    return (f"is a verl setting hybridrl has no field for: it is taken only at verl {VERL_VERSION}'s default "
+            f"{_show(VERL_DEFAULTS['.'.join(parts)])} (which changes nothing); remove it or set it back")
+
+
+def missing_refusal() -> str:
+    return "is left unset (???, a value verl's config makes the user give): set it, e.g. on the command line"
+
+
+def target_refusal(default: Any) -> str:
+    known = " or ".join(default) if isinstance(default, tuple) else default if default is not _NONE else None
+    where = f"verl's trainer config names {known} here" if known else "verl's trainer config has no class here"
+    return (f"names a class for Hydra to instantiate; hybridrl reads this section's keys into its own config and "
+            f"instantiates no user class ({where}): remove the _target_ entry, or the custom class's setting")
+
+
+def _show(value: Any) -> str:
+    return "null" if value is None else repr(value)
