@@ -65,6 +65,7 @@ from hybridrl.config.resume import ResumePoint, schedule_notes
 from hybridrl.config.rollout_rules import check_rollout_head_dim
 from hybridrl.config.schema import JobConfig, LoraConfig, MegatronConfig
 from hybridrl.config.validate import validate
+from hybridrl.config.verl_defaults import VerlDefaults
 from hybridrl.models.arch import ModelShape
 from hybridrl.models.lora_targets import adapter_elements_per_layer
 from hybridrl.names import Phase, Role
@@ -186,6 +187,10 @@ class Plan:
     # how `train` calls the custom reward function, each argument named with what it holds (`rewards.custom.call_form`),
     # when the plan checks files
     reward_call: str | None = None
+    # a whole verl config's keys taken at verl's defaults (no hybridrl field; they change nothing) and its Hydra
+    # `_target_` entries ignored (`config/verl_defaults.py`), dotted as written: the text report counts them
+    verl_defaults_taken: tuple[str, ...] = ()
+    verl_targets_ignored: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # A Plan read back from JSON could pair one device's policy with another's resolved values.
@@ -289,7 +294,8 @@ def plan_from_sources(path: str | Path | None, overrides: list[str] | tuple[str,
 
     `check_files`: also check what `train` reads (model folders, data files, reward code:
     `hybridrl.config.inputs`); False sizes the layout from the model's config.json alone."""
-    config, issues = load_config_collecting(path, overrides)
+    verl = VerlDefaults()
+    config, issues = load_config_collecting(path, overrides, verl)
     if any(issue.field == CONFIG_FILE for issue in issues):  # unread: its defaults would only add noise
         raise ConfigError(issues)
     if not issues and config == JobConfig():
@@ -297,7 +303,11 @@ def plan_from_sources(path: str | Path | None, overrides: list[str] | tuple[str,
             "<config>", str(path) if path else "(none)", "sets nothing: a job names at least its model "
             "(actor_rollout_ref.model.path) and data (data.train_files); start from "
             "configs/examples/cpu_tiny_grpo.yaml (docs/user-guide.md)")])
-    return build_plan(config, prior_issues=issues, check_files=check_files)
+    plan = build_plan(config, prior_issues=issues, check_files=check_files)
+    if verl.taken or verl.targets:
+        plan = dataclasses.replace(plan, verl_defaults_taken=tuple(verl.taken),
+                                   verl_targets_ignored=tuple(verl.targets))
+    return plan
 
 
 def megatron_pipeline_split(config: JobConfig, num_layers: int) -> None:

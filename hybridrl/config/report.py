@@ -22,6 +22,7 @@ from hybridrl.config.plan import (
 from hybridrl.config.resolve import MODEL_SECTIONS, role_megatron_field
 from hybridrl.config.search import Found, SearchResult, Sizing, job_command, job_overrides
 from hybridrl.config.step_time import StepTime, predict_step_time, seconds_text, step_time_line
+from hybridrl.config.verl_default_values import VERL_VERSION
 from hybridrl.models.arch import ModelShape
 from hybridrl.parallel.device_policy import WITHOUT_TE
 from hybridrl.persistence import latest_step
@@ -259,8 +260,20 @@ def header_lines(plan: Plan) -> list[str]:
         f"devices = world size {res.world_size}; algorithm {cfg.algorithm.adv_estimator}"
         f"{' + critic' if res.critic_enabled else ''}{' + ref' if res.ref_enabled else ''}"
         f"{_correction(cfg.algorithm.rollout_correction, arr.rollout)}",
+        *verl_defaults_lines(plan),
         "",
     ]
+
+
+def verl_defaults_lines(plan: Plan) -> list[str]:
+    """One line for a whole verl config's keys at verl's defaults (`config/verl_defaults.py`): how many were taken
+    as changing nothing and where they are listed; none for a config without any."""
+    taken, targets = len(plan.verl_defaults_taken), len(plan.verl_targets_ignored)
+    if not taken and not targets:
+        return []
+    return [f"  verl:    {taken} key(s) without a hybridrl field at verl {VERL_VERSION}'s defaults taken (they change "
+            f"nothing here), {targets} Hydra _target_ entries ignored; listed in `hybridrl plan --format json` "
+            "(verl_defaults_taken, verl_targets_ignored)"]
 
 
 def moe_aux_loss_lines(plan: Plan) -> list[str]:
