@@ -99,7 +99,11 @@ def load_config_collecting(
         verl.context = InterpolatedConfig(tree, [(spelling, _plain(value)) for parts, value in assignments
                                                  for spelling in dict.fromkeys((parts, canonical_path(parts)))])
         read = verl.context.resolved(issues) if has_interpolation(tree) else tree
-        _merge_source(raw, _leaves(read), str(path), issues, implied, verl, from_file=True)
+        # a key the command line sets is the command line's alone, as in Hydra: the file's value is never read (a
+        # verl file's critic.strategy=fsdp, replaced on the line, is not refused)
+        overridden = {canonical_path(parts) for parts, _ in assignments}
+        file_leaves = [(parts, value) for parts, value in _leaves(read) if canonical_path(parts) not in overridden]
+        _merge_source(raw, file_leaves, str(path), issues, implied, verl, from_file=True)
     _merge_source(raw, assignments, COMMAND_LINE, issues, implied, verl)
     _check_missing(raw, verl.missing, issues)
     _apply_implied(raw, implied, issues)

@@ -112,6 +112,10 @@ def _reward_manager_refusal(value: Any) -> str:
             f"algorithm.overlong_buffer; prime's pool of processes is {REWARD_WORKERS}")
 
 
+_FSDP_TRAINER = ("hybridrl trains every role with megatron-core; verl's FSDP trainer (strategy=fsdp and its "
+                 "fsdp_config sections) is not built: start from verl's Megatron trainer config "
+                 "(verl/trainer/config/_generated_ppo_megatron_trainer.yaml) or set strategy=megatron for "
+                 "actor_rollout_ref.actor, actor_rollout_ref.ref and critic")
 _TORCH_DTYPES = (("bfloat16", "bf16"), ("float16", "fp16"), ("float32", "fp32"))
 _WEIGHTS = "hybridrl loads the HF folder of model.path with its own weight table per model family " \
            "(hybridrl/models/families)"
@@ -170,6 +174,12 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     # verl spells dtypes as torch does (its default: bfloat16); hybridrl's fields take bf16, fp16, fp32
     *(Alias(key, key, translate=dict(_TORCH_DTYPES))
       for key in (f"{ROLE}.megatron.dtype", "actor_rollout_ref.rollout.dtype")),
+    # verl's FSDP trainer names torch's class; megatron's adam is AdamW (decoupled weight decay, its default)
+    *(Alias(f"{role}.optim.optimizer", f"{role}.optim.optimizer", translate={"AdamW": "adam"})
+      for role in ("actor_rollout_ref.actor", "critic")),
+    # the actor's is hybridrl's own field (megatron only); verl's reference and critic name theirs too
+    *(Restates(f"{role}.strategy", ("megatron",), _FSDP_TRAINER)
+      for role in ("actor_rollout_ref.ref", "critic")),
     # verl's seed of its sampler's order: hybridrl's data order comes from the one job seed, which also seeds sampling
     Refused("data.seed", "is verl's seed of the data order; hybridrl's data order follows trainer.seed (which also "
             "seeds the rollout's sampling): set trainer.seed"),
