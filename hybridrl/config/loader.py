@@ -98,6 +98,7 @@ def load_config_collecting(
         # overrides of the keys the file has (in either spelling); a file without interpolations is read as it is
         verl.context = InterpolatedConfig(tree, [(spelling, _plain(value)) for parts, value in assignments
                                                  for spelling in dict.fromkeys((parts, canonical_path(parts)))])
+        verl.file_context = InterpolatedConfig(tree)
         read = verl.context.resolved(issues) if has_interpolation(tree) else tree
         # a key the command line sets is the command line's alone, as in Hydra: the file's value is never read (a
         # verl file's critic.strategy=fsdp, replaced on the line, is not refused)

@@ -46,12 +46,16 @@ def _same(value: Any, default: Any) -> bool:
 class VerlDefaults:
     """One load's view of verl's defaults: the file's own config (its interpolated defaults resolve within it), and
     the keys found at verl's defaults."""
+    # the file with the command line's overrides of its keys (a command-line value is compared in it), and as the file
+    # wrote it (a file's value is: a saved verl config says what its own expressions gave, whatever the line changes)
     context: InterpolatedConfig | None = None
+    file_context: InterpolatedConfig | None = None
     taken: list[str] = field(default_factory=list)  # verl keys at verl's defaults (dotted, as written)
     targets: list[str] = field(default_factory=list)  # `_target_` entries ignored as Hydra's metadata
     missing: list[tuple[str, ...]] = field(default_factory=list)  # verl's mandatory values (???) left to set
 
     def default_of(self, parts: tuple[str, ...]) -> Any:
+        """verl's default for the key as its table writes it (an interpolation unresolved); _NONE for none."""
         return VERL_DEFAULTS.get(".".join(parts), _NONE)
 
     def matches(self, parts: tuple[str, ...], value: Any, from_file: bool = False) -> bool:
@@ -61,30 +65,53 @@ class VerlDefaults:
         where they are written), or by a value equal to what it resolves to in this config."""
         if from_file and self._follows(parts):
             return True
-        default = self.default_of(parts)
-        if default is _NONE:
-            return False
-        return self._meets(parts, value, default)
+        default = self._resolved_default(parts, from_file)
+        return default is not _NONE and _same(value, default)
 
     def unset(self, parts: tuple[str, ...], value: Any) -> bool:
         """Whether a hybridrl field's value is verl's way of leaving it unset (`VERL_UNSET`, `VERL_NULL_UNSET`)."""
         key = ".".join(parts)
         if key in VERL_NULL_UNSET and value is None:
             return True
-        return key in VERL_UNSET and self._meets(parts, value, VERL_UNSET[key])
+        return key in VERL_UNSET and _same(value, self._resolve(parts, VERL_UNSET[key], False))
 
-    def _meets(self, parts: tuple[str, ...], value: Any, default: Any) -> bool:
-        if isinstance(default, str) and MARK in default:
-            if self.context is None:
-                return False
-            try:
-                default = self.context.evaluate(parts, default)
-            except Exception:  # noqa: BLE001 - a default that does not resolve here is not met
-                return False
-        return _same(value, default)
+    def target_known(self, parts: tuple[str, ...], value: Any, from_file: bool = False) -> bool:
+        """Whether a `_target_` names the class verl's own trainer config names at this place (or sits in a
+        section that follows another by verl's own interpolation)."""
+        if from_file and self._follows(parts):
+            return True
+        default = self._resolved_default(parts, from_file)
+        return value in (default if isinstance(default, tuple) else (default,))
+
+    def _resolved_default(self, parts: tuple[str, ...], from_file: bool) -> Any:
+        """verl's default for the key, its interpolation resolved in this config; a key under a section whose
+        default is an interpolation (`rollout.mtp: ${oc.select:actor_rollout_ref.model.mtp, null}`) takes its
+        value from what the section resolves to. _NONE: verl has no such key, or its default does not resolve."""
+        default = self.default_of(parts)
+        if default is not _NONE:
+            return self._resolve(parts, default, from_file)
+        for depth in range(len(parts) - 1, 0, -1):
+            section = self.default_of(parts[:depth])
+            if isinstance(section, str) and MARK in section:
+                node = self._resolve(parts[:depth], section, from_file)
+                for part in parts[depth:]:
+                    node = node.get(part, _NONE) if isinstance(node, dict) else _NONE
+                return node
+        return _NONE
+
+    def _resolve(self, parts: tuple[str, ...], default: Any, from_file: bool) -> Any:
+        if not (isinstance(default, str) and MARK in default):
+            return default
+        context = self.file_context if from_file else self.context
+        if context is None:
+            return _NONE
+        try:
+            return context.evaluate(parts, default)
+        except Exception:  # noqa: BLE001 - a default that does not resolve here is not met
+            return _NONE
 
     def _follows(self, parts: tuple[str, ...]) -> bool:
-        node: Any = self.context.tree if self.context is not None else None
+        node: Any = self.file_context.tree if self.file_context is not None else None
         for depth, part in enumerate(parts, 1):
             if not isinstance(node, dict) or part not in node:
                 return False
@@ -92,14 +119,6 @@ class VerlDefaults:
             if isinstance(node, str) and MARK in node:
                 return VERL_DEFAULTS.get(".".join(parts[:depth]), _NONE) == node
         return False
-
-    def target_known(self, parts: tuple[str, ...], value: Any, from_file: bool = False) -> bool:
-        """Whether a `_target_` names the class verl's own trainer config names at this place (or sits in a
-        section that follows another by verl's own interpolation)."""
-        if from_file and self._follows(parts):
-            return True
-        default = self.default_of(parts)
-        return value in (default if isinstance(default, tuple) else (default,))
 
 
 _NONE = object()
