@@ -317,7 +317,7 @@ def _read_verl_key(parts: tuple[str, ...], value: Any, issues: list[ConfigIssue]
                 issues.append(ConfigIssue(spelling, _as_written(value), target_refusal(verl.default_of(parts))))
             return None
         if not (found is not None and isinstance(found[0], Alias)):  # an alias is hybridrl's field: its value holds
-            if verl_default or verl.unset(parts, plain):
+            if verl_default or verl.unset(parts, plain, from_file):
                 verl.taken.append(spelling)
                 return None
             if found is None and spelling in VERL_DEFAULTS:  # verl's key, not at verl's default: the user's setting

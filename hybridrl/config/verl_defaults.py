@@ -68,12 +68,16 @@ class VerlDefaults:
         default = self._resolved_default(parts, from_file)
         return default is not _NONE and _same(value, default)
 
-    def unset(self, parts: tuple[str, ...], value: Any) -> bool:
-        """Whether a hybridrl field's value is verl's way of leaving it unset (`VERL_UNSET`, `VERL_NULL_UNSET`)."""
+    def unset(self, parts: tuple[str, ...], value: Any, from_file: bool) -> bool:
+        """Whether a hybridrl field's value in the file is verl's way of leaving it unset (`VERL_UNSET`,
+        `VERL_NULL_UNSET`). Never on the command line: a value given there is the user's (rollout.n_gpus_per_node=1
+        for a pool of its own, which verl's default expression would also give)."""
         key = ".".join(parts)
+        if not from_file:
+            return False
         if key in VERL_NULL_UNSET and value is None:
             return True
-        return key in VERL_UNSET and _same(value, self._resolve(parts, VERL_UNSET[key], False))
+        return key in VERL_UNSET and _same(value, self._resolve(parts, VERL_UNSET[key], True))
 
     def target_known(self, parts: tuple[str, ...], value: Any, from_file: bool = False) -> bool:
         """Whether a `_target_` names the class verl's own trainer config names at this place (or sits in a
