@@ -21,6 +21,7 @@ import pytest
 
 from hybridrl.cli import build_parser
 from hybridrl.config.schema import JobConfig, without_none
+from hybridrl.config.verl_default_values import VERL_DEFAULTS
 from hybridrl.config.verl_keys import ROLE, VERL_KEYS, verl_key
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,8 +56,9 @@ def _sections() -> set[str]:
 
 def _is_schema_key(parts: tuple[str, ...]) -> bool:
     """A full path, or the tail of one (`rollout.n`), of the schema; a role's layout fields also sit on the role;
-    or a verl key the loader reads (`hybridrl/config/verl_keys.py`)."""
-    if verl_key(parts) is not None:
+    or a verl key the loader reads (`hybridrl/config/verl_keys.py`) or takes at verl's default
+    (`hybridrl/config/verl_default_values.py`)."""
+    if verl_key(parts) is not None or ".".join(parts) in VERL_DEFAULTS:
         return True
     for path in SCHEMA:
         if path[-len(parts):] == parts:

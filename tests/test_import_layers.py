@@ -164,7 +164,8 @@ def test_every_hybridrl_import_names_an_existing_module():
 
 # Inside `hybridrl.config` the modules import in one line: each may import only those before it
 # (`errors`, `meshes` and `estimates` are helpers below `resolve`; `docs` and `plan_cli` sit on top).
-CONFIG_LINE = ("errors", "yaml_load", "megatron_fields", "schema", "hardware", "verl_keys", "loader", "meshes",
+CONFIG_LINE = ("errors", "yaml_load", "megatron_fields", "schema", "hardware", "verl_keys", "verl_default_values",
+               "verl_interpolation", "verl_defaults", "loader", "meshes",
                "estimates", "megatron_verdict", "resolve", "model_shapes", "checker", "refusals", "megatron_rules",
                "moe_rules", "rollout_rules", "lora_rules", "distillation_rules", "validate", "resume", "inputs",
                "plan", "internode", "step_time", "search", "report", "docs", "plan_cli", "hardware_cli", "__init__")
