@@ -77,7 +77,11 @@ class VerlDefaults:
             return False
         if key in VERL_NULL_UNSET and value is None:
             return True
-        return key in VERL_UNSET and _same(value, self._resolve(parts, VERL_UNSET[key], True))
+        if key not in VERL_UNSET:
+            return False
+        # the file's own expression (whatever the line gives what it names), or the value it gives in the file
+        written = self.file_context.written(parts) if self.file_context is not None else None
+        return written == VERL_UNSET[key] or _same(value, self._resolve(parts, VERL_UNSET[key], True))
 
     def target_known(self, parts: tuple[str, ...], value: Any, from_file: bool = False) -> bool:
         """Whether a `_target_` names the class verl's own trainer config names at this place (or sits in a

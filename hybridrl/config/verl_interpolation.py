@@ -84,6 +84,11 @@ class InterpolatedConfig:
             _put(resolved, parts, value)
         return resolved
 
+    def written(self, parts: tuple[str, ...]) -> Any:
+        """The file's value of a key as written (an interpolation unresolved); None where the file lacks it."""
+        value = _lookup(self.tree, parts)
+        return None if value is _ABSENT else value
+
     def evaluate(self, parts: tuple[str, ...], expression: str) -> Any:
         """What `expression` (an interpolation) would give at `parts` in this config; raises when it does not
         resolve. The key's own value is put back after (a key the file lacks: the config is rebuilt on next use)."""

@@ -130,8 +130,11 @@ def test_verls_generated_megatron_config_plans_whole(wheel, assets, tmp_path):
     path = tmp_path / "ppo_megatron_trainer.yaml"
     path.write_text(read_member(wheel, MEGATRON_YAML))
     # the actor's layout, given on the line, reaches the reference's and the critic's keys that follow it in verl
+    # (rollout.n_gpus_per_node follows trainer.n_gpus_per_node in verl's file, read only for a rollout pool of its own:
+    # verl's "not set" however the line changes the trainer's)
     plan = plan_from_sources(str(path), _user(assets, "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
-                                              "actor_rollout_ref.actor.ppo_mini_batch_size=128"), check_files=True)
+                                              "actor_rollout_ref.actor.ppo_mini_batch_size=128",
+                                              "trainer.n_gpus_per_node=4"), check_files=True)
     assert len(plan.verl_defaults_taken) > 600 and len(plan.verl_targets_ignored) > 60
     lines = [line for line in render_plan(plan).splitlines() if "verl 0.9.1's defaults" in line]
     assert len(lines) == 1 and f"{len(plan.verl_defaults_taken)} key(s)" in lines[0]  # one line, never one each
@@ -147,6 +150,7 @@ def test_verls_generated_megatron_config_plans_whole(wheel, assets, tmp_path):
     assert (cfg.critic.ppo_mini_batch_size, cfg.critic.megatron.tensor_model_parallel_size) == (128, 1)
     assert cfg.trainer.nccl_timeout_s == 600  # verl's actor_rollout_ref.nccl_timeout, not hybridrl's 1800
     assert cfg.actor_rollout_ref.model.lora.alpha == 32  # megatron's lora.alpha, not the FSDP spelling's 16
+    assert (rollout.mode, rollout.n_gpus_per_node, cfg.trainer.n_gpus_per_node) == ("colocated", None, 4)
 
 
 def test_a_saved_resolved_verl_config_plans_too(wheel, assets, tmp_path):
