@@ -2,9 +2,11 @@
 
 A whole verl YAML (verl's generated trainer config, or the `.hydra/config.yaml` a verl run saves) writes every key
 verl has, most at verl's default: the feature off, null, `{}`. hybridrl has no field for hundreds of them. Each
-such key whose value is verl's default (`verl_default_values.VERL_DEFAULTS`) sets nothing verl would do
-differently from hybridrl, and is taken; the plan says how many, and lists them in its JSON. The same key at any
-other value is a setting of the user's and stays refused by name (an unknown key, or its `verl_keys` reason).
+such key whose value is verl's default (`verl_default_values.VERL_DEFAULTS`) asks for nothing beyond what verl does
+by default, and is taken as changing nothing; the plan says how many, and lists them in its JSON. The same key at
+any other value is a setting of the user's and stays refused by name (with verl's default, or its `verl_keys`
+reason). A few hybridrl fields have a verl default that means "not set" (`VERL_UNSET`, `VERL_NULL_UNSET`): in the
+file it leaves hybridrl's default. verl's mandatory `???` must be given by the command line or the file.
 
 Hydra's `_target_` entries name the class verl instantiates a section as. At the class verl's trainer config names
 there (either trainer's: Megatron or FSDP) it is metadata, ignored; any other class is the user's own (a custom
