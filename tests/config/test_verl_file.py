@@ -222,3 +222,20 @@ def test_the_defaults_table_is_verls(wheel):
     from tools.verl_defaults import OUT, nulls, render, table
 
     assert render(table(wheel), nulls(wheel)) == OUT.read_text()
+
+
+def test_verls_example_scripts_on_verls_file_are_refused_no_more_than_alone(wheel, tmp_path):
+    """Each of verl's Megatron example scripts (tests/support/verl_megatron_examples.json) run on verl's whole file, as
+    verl runs it: the file adds no problem to what the script's overrides alone get (tests/config/test_verl.py)."""
+    import json
+
+    path = tmp_path / "ppo_megatron_trainer.yaml"
+    path.write_text(read_member(wheel, MEGATRON_YAML))
+    scripts = json.loads((ROOT / "tests/support/verl_megatron_examples.json").read_text())["scripts"]
+    added = {}
+    for script, overrides in scripts.items():
+        on_file = {issue.field for issue in load_config_collecting(path, overrides)[1]}
+        alone = {issue.field for issue in load_config_collecting(None, overrides)[1]}
+        if on_file - alone:
+            added[script] = sorted(on_file - alone)
+    assert len(scripts) >= 20 and added == {}
