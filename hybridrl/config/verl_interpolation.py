@@ -68,6 +68,10 @@ class InterpolatedConfig:
         resolved = _copy(self.tree)
         try:
             self._omegaconf()
+        except ImportError as exc:  # an install without hybridrl's requirements
+            issues.append(ConfigIssue(CONFIG_FILE, str(exc), "has interpolations (${...}), which need the omegaconf "
+                                      "package: pip install 'omegaconf>=2.3,<2.4' (hybridrl's install requires it)"))
+            return resolved
         except Exception as exc:  # noqa: BLE001 - a tree OmegaConf cannot hold (a key that is not a string...)
             issues.append(ConfigIssue(CONFIG_FILE, str(exc).splitlines()[0], "has interpolations (${...}) but "
                                       "OmegaConf cannot read it to resolve them"))
