@@ -721,8 +721,16 @@ def _check_algorithm(check: Checker, config: JobConfig, resolved: Resolved) -> N
     if ob.enable and isinstance(ob.len, int) and isinstance(end, int) and not 0 < ob.len <= end:
         check.fail("algorithm.overlong_buffer.len", ob.len, f"must be in (0, {end_field}={end}]")
     if config.algorithm.filter_groups.enable:
-        check.is_int_at_least("algorithm.filter_groups.max_num_gen_batches",
-                              config.algorithm.filter_groups.max_num_gen_batches, 1)
+        rounds = config.algorithm.filter_groups.max_num_gen_batches
+        if isinstance(rounds, int) and not isinstance(rounds, bool) and rounds <= 0:
+            # verl's default (0: no upper limit) generates until the batch is full, forever where the reward gives
+            # most prompts' samples one score: hybridrl bounds the rounds and fills with zero-spread groups after them
+            check.fail("algorithm.filter_groups.max_num_gen_batches", rounds,
+                       "is verl's 'no upper limit', which hybridrl does not offer (a reward that scores most groups "
+                       "alike would generate forever); give the generation rounds a step may take, an integer >= 1 "
+                       "(hybridrl's default 4; after them groups without spread fill the batch, their advantage 0)")
+        else:
+            check.is_int_at_least("algorithm.filter_groups.max_num_gen_batches", rounds, 1)
         if estimator not in GROUP_ADV_ESTIMATORS:
             check.fail("algorithm.filter_groups.enable", True,
                        f"needs a group estimator (grpo, dr_grpo, rloo), not adv_estimator={estimator}")

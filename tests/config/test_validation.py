@@ -161,6 +161,10 @@ CASES = {
         ["algorithm.filter_groups.enable=true", "algorithm.adv_estimator=reinforce_plus_plus"],
         "algorithm.filter_groups.enable", "needs a group estimator",
         ["algorithm.filter_groups.enable=true", "algorithm.adv_estimator=grpo"]),
+    "dynamic sampling's unbounded rounds (verl's 0)": (
+        ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=0"],
+        "algorithm.filter_groups.max_num_gen_batches", "is verl's 'no upper limit', which hybridrl does not offer",
+        ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=10"]),
     "overlong buffer within response length": (
         ["algorithm.overlong_buffer.enable=true", "algorithm.overlong_buffer.len=2000"],
         "algorithm.overlong_buffer.len", "data.max_response_length=1024",
