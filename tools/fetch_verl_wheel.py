@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import hashlib
-import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python tools/...` resolves hybridrl and tools to this checkout
+    sys.path.insert(0, str(REPO))
+
+from tools.pypi_wheel import FetchError, fetch_wheel  # noqa: E402 (after the path fix above)
+
 VERL_VERSION = "0.9.1"
 WHEEL_NAME = f"verl-{VERL_VERSION}-py3-none-any.whl"
 WHEEL_SHA256 = "db6e6f2a8d9d5808d9ec32d357a42319fdc6967df688ff9d9810050f49bfdd14"
@@ -27,36 +30,16 @@ MEGATRON_YAML = "verl/trainer/config/_generated_ppo_megatron_trainer.yaml"
 FSDP_YAML = "verl/trainer/config/_generated_ppo_trainer.yaml"
 
 
-class FetchError(RuntimeError):
-    """The wheel could not be fetched, or is not the one expected."""
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def ensure_verl_wheel(folder: str | Path = DEFAULT_DIR, quiet: bool = False) -> Path:
     """The checked wheel in `folder`, downloaded when absent (one downloader at a time: xdist workers may race)."""
     folder = Path(folder)
-    wheel = folder / WHEEL_NAME
     folder.mkdir(parents=True, exist_ok=True)
     with (folder / ".lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            if not wheel.is_file():
-                cmd = [sys.executable, "-m", "pip", "download", "--no-deps", f"verl=={VERL_VERSION}", "-d", str(folder)]
-                if quiet:
-                    cmd.append("-q")
-                result = subprocess.run(cmd, check=False)
-                if result.returncode != 0 or not wheel.is_file():
-                    raise FetchError(f"`{' '.join(cmd)}` failed (exit {result.returncode}); is PyPI reachable?")
-            actual = _sha256(wheel)
-            if actual != WHEEL_SHA256:
-                wheel.unlink()
-                raise FetchError(f"{wheel.name} has sha256 {actual}, expected {WHEEL_SHA256} (deleted; run again)")
+            return fetch_wheel(folder, f"verl=={VERL_VERSION}", WHEEL_NAME, WHEEL_SHA256, quiet)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
-    return wheel
 
 
 def read_member(wheel: Path, member: str) -> str:
