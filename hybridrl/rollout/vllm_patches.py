@@ -214,6 +214,10 @@ HANDLED_WARNINGS: dict[str, tuple[tuple[str, str], ...]] = {
         ("This model does not officially support disabling chunked prefill",
          "the CPU policy builds engines without chunked prefill (`DevicePolicy.vllm_chunked_prefill`), and every "
          "sync's probe checks the engine's log-probs against the trainer's"),
+        ("The global random seed is set to ",
+         "hybridrl builds the engine in the worker's own process on purpose (VLLM_ENABLE_V1_MULTIPROCESSING off: the "
+         "trainer and vLLM share the rank's device) and puts back the Python, NumPy and torch RNG states the build "
+         "seeds (`engine._preserved_process_state`)"),
     ),
     "vllm.config.vllm": (
         ("Enforce eager set, disabling torch.compile",
