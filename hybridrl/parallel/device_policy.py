@@ -211,6 +211,10 @@ CPU_WORKER_WARNINGS = ",".join((
     "ignore:Transformer Engine and Apex are not installed:UserWarning",  # megatron's optimizer and clip_grads
     "ignore:Apex is not installed:UserWarning",  # megatron's local layer spec
     "ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning",  # vLLM's Triton dispatcher, no Triton
+    # megatron-core 0.16's TP gathers and distributed optimizer call the collectives by the names the CPU stack's
+    # torch 2.13 deprecates (bound at import: `tensor_parallel.mappings`, `distributed.param_and_grad_buffer`)
+    "ignore:`torch.distributed.all_gather_into_tensor` is deprecated:FutureWarning",
+    "ignore:`torch.distributed.reduce_scatter_tensor` is deprecated:FutureWarning",
 ))
 
 CPU = DevicePolicy(

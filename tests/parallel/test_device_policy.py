@@ -1,5 +1,6 @@
 """The device policy: every cuda/cpu difference as a named field, values written out by hand."""
 import dataclasses
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -117,6 +118,32 @@ def _import_warnings(env: dict[str, str]) -> str:
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stderr
+
+
+MEGATRON_COLLECTIVES = """
+import os, tempfile, torch, torch.distributed as dist
+from megatron.core.tensor_parallel import mappings
+from megatron.core.distributed import param_and_grad_buffer
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+out = torch.zeros(4)
+mappings.dist_all_gather_func(out, torch.ones(4))
+param_and_grad_buffer.dist_reduce_scatter_func(out, torch.ones(4))
+dist.destroy_process_group()
+"""
+
+
+def test_cpu_workers_ignore_the_deprecated_collective_names_megatron_calls():
+    """megatron-core's TP gathers and distributed optimizer call all_gather_into_tensor and reduce_scatter_tensor,
+    which the CPU stack's torch deprecates: printed once per worker without CPU_WORKER_WARNINGS (the control),
+    silenced with it."""
+    starts = ("`torch.distributed.all_gather_into_tensor` is deprecated",
+              "`torch.distributed.reduce_scatter_tensor` is deprecated")
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    for env, printed in (({}, True), ({"PYTHONWARNINGS": CPU_WORKER_WARNINGS}, False)):
+        done = subprocess.run([sys.executable, "-c", MEGATRON_COLLECTIVES], env={**clean, **env},
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert all((start in done.stderr) == printed for start in starts), (env, done.stderr[-3000:])
 
 
 def test_cpu_workers_ignore_the_import_warnings_of_the_gpu_libraries_they_run_without():
