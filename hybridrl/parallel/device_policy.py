@@ -215,6 +215,9 @@ CPU_WORKER_WARNINGS = ",".join((
     # torch 2.13 deprecates (bound at import: `tensor_parallel.mappings`, `distributed.param_and_grad_buffer`)
     "ignore:`torch.distributed.all_gather_into_tensor` is deprecated:FutureWarning",
     "ignore:`torch.distributed.reduce_scatter_tensor` is deprecated:FutureWarning",
+    # megatron's TP linear layers' advice for CUDA streams (the cuda policy sets the variable: `worker_env`)
+    "ignore:When using async grad allreduce it is recommended to set the environment variable "
+    "CUDA_DEVICE_MAX_CONNECTIONS:UserWarning",
 ))
 
 CPU = DevicePolicy(

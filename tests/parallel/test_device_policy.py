@@ -128,16 +128,20 @@ dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=
 out = torch.zeros(4)
 mappings.dist_all_gather_func(out, torch.ones(4))
 param_and_grad_buffer.dist_reduce_scatter_func(out, torch.ones(4))
+from megatron.core.tensor_parallel.layers import linear_with_grad_accumulation_and_async_allreduce as linear
+linear(torch.ones(2, 4), torch.ones(3, 4), None, False, True, False, tp_group=dist.group.WORLD)
 dist.destroy_process_group()
 """
 
 
-def test_cpu_workers_ignore_the_deprecated_collective_names_megatron_calls():
+def test_cpu_workers_ignore_megatrons_deprecated_collective_names_and_cuda_stream_advice():
     """megatron-core's TP gathers and distributed optimizer call all_gather_into_tensor and reduce_scatter_tensor,
-    which the CPU stack's torch deprecates: printed once per worker without CPU_WORKER_WARNINGS (the control),
-    silenced with it."""
+    which the CPU stack's torch deprecates, and its TP linear layers advise CUDA_DEVICE_MAX_CONNECTIONS: printed once
+    per worker without CPU_WORKER_WARNINGS (the control), silenced with it."""
     starts = ("`torch.distributed.all_gather_into_tensor` is deprecated",
-              "`torch.distributed.reduce_scatter_tensor` is deprecated")
+              "`torch.distributed.reduce_scatter_tensor` is deprecated",
+              "When using async grad allreduce it is recommended to set the environment variable "
+              "CUDA_DEVICE_MAX_CONNECTIONS")
     clean = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
     for env, printed in (({}, True), ({"PYTHONWARNINGS": CPU_WORKER_WARNINGS}, False)):
         done = subprocess.run([sys.executable, "-c", MEGATRON_COLLECTIVES], env={**clean, **env},
