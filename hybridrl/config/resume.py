@@ -77,10 +77,11 @@ def check_resume(config: JobConfig, issues: list[ConfigIssue], *, critic: bool,
     except CheckpointError as error:
         issues.append(ConfigIssue(FIELD, mode, str(error).removeprefix(f"{FIELD}={mode}: ")))
         return None
-    point = ResumePoint(str(found), state["global_step"], mode, _kl_notes(config, state),
-                        _optimizer_steps(found, checkpointed_roles(critic)))
+    roles = checkpointed_roles(critic)
+    metadata = {role: _role_metadata(found / role / ROLE_CHECKPOINT_FILE) for role in roles}  # read once each
+    point = ResumePoint(str(found), state["global_step"], mode, _kl_notes(config, state), _optimizer_steps(metadata))
     where, outs = _where_and_outs(found, point.step, mode)
-    for role in checkpointed_roles(critic):
+    for role in roles:
         if not (found / role / ROLE_CHECKPOINT_FILE).is_file():
             what, why = (("no", "it was saved by a job without one (a critic-free estimator, such as grpo)")
                          if not (found / role).exists() else ("an incomplete", "its save did not finish"))
@@ -88,7 +89,7 @@ def check_resume(config: JobConfig, issues: list[ConfigIssue], *, critic: bool,
                 f"resumes from {found} (step {point.step}), which holds {what} {role} checkpoint "
                 f"(no {role}/{ROLE_CHECKPOINT_FILE}), but this job trains the {role}: {why}; {outs}")))
         else:
-            _check_model(config, role, found / role / ROLE_CHECKPOINT_FILE, model, where, outs, issues)
+            _check_model(config, role, metadata[role], model, where, outs, issues)
     _check_loader(config, state, where, outs, train_rows, issues)
     return point
 
@@ -104,15 +105,21 @@ def _kl_notes(config: JobConfig, state: dict[str, Any]) -> tuple[str, ...]:
     return (note,) if note else ()
 
 
-def _optimizer_steps(found: Path, roles: tuple[Role, ...]) -> tuple[tuple[str, int], ...]:
+def _role_metadata(path: Path) -> dict[str, Any] | None:
+    """A role's role_checkpoint.json, None where it is absent or unreadable (the workers name that at load)."""
+    try:
+        metadata = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return metadata if isinstance(metadata, dict) else None
+
+
+def _optimizer_steps(metadata: dict[Role, dict[str, Any] | None]) -> tuple[tuple[str, int], ...]:
     """The optimizer steps each role's checkpoint records (`optimizer_steps` of its role_checkpoint.json; a role
     without a readable count is left out: its folder's problems are the checks' below, or the workers')."""
     counts = []
-    for role in roles:
-        try:
-            count = json.loads((found / role / ROLE_CHECKPOINT_FILE).read_text()).get("optimizer_steps")
-        except (OSError, ValueError, AttributeError):
-            continue
+    for role, saved in metadata.items():
+        count = saved.get("optimizer_steps") if saved is not None else None
         if isinstance(count, int) and not isinstance(count, bool) and count >= 0:
             counts.append((str(role), count))
     return tuple(counts)
@@ -172,15 +179,14 @@ def check_kept_prompts(config: JobConfig, found: Path, state: dict[str, Any], lo
     ))]
 
 
-def _check_model(config: JobConfig, role: Role, saved_file: Path, actor: ModelShape | None, where: str, outs: str,
-                 issues: list[ConfigIssue]) -> None:
+def _check_model(config: JobConfig, role: Role, metadata: dict[str, Any] | None, actor: ModelShape | None, where: str,
+                 outs: str, issues: list[ConfigIssue]) -> None:
     """A trained role's model against the one its checkpoint was saved from (the shape `role_checkpoint.json`
     records), as the workers compare them at load: the actor's model; the critic's own folder, else the actor's
     backbone, as a value model (untied)."""
-    try:
-        saved = json.loads(saved_file.read_text()).get("shape")
-    except (OSError, ValueError, AttributeError):
+    if metadata is None:
         return  # unreadable: the workers name it at load
+    saved = metadata.get("shape")
     if role == Role.ACTOR:
         field, path, shape = "actor_rollout_ref.model.path", config.actor_rollout_ref.model.path, actor
     else:
