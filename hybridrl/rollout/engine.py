@@ -24,7 +24,12 @@ Side effects of building a vLLM engine, and what we do about them (docs/platform
   fp32 matmuls on CPU (`hybridrl.parallel.cpu.matmul`): we put the previous setting back.
 - Engine teardown destroys the default process group: `vllm_patches.guard_default_process_group`.
   Keep the engine for the life of the process; `close()` exists for tests and tools.
-- `gc.freeze()` at construction: deleting an engine frees little; don't build engines in a loop.
+- `gc.freeze()` at construction: deleting an engine frees little; don't build engines in a loop. vLLM collects
+  the whole heap three times while it builds (twice loading weights, once before its own freeze); a process that
+  imported megatron and vLLM holds ~660k objects, 0.4 s a collection here, so we collect and freeze once just
+  before the build: what ends up frozen is what vLLM's own freeze would hold (everything alive once the engine is
+  built), and the build takes ~1 s of CPU less (2.3-2.7 s -> 1.0-1.6 s plus 0.4 s for our one collection,
+  the tiny model on this 2-core machine).
 - external_launcher's CPU shm segment names are job-unique (`vllm_patches.tag_cpu_shm_names`).
 
 Log-probs. The engine is built with `logprobs_mode="processed_logprobs"`: the log-prob vLLM reports
@@ -38,6 +43,7 @@ module (through the hybrid worker) and must not import vLLM.
 """
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -642,6 +648,8 @@ class RolloutEngine:
         from vllm import LLM
 
         started = time.perf_counter()
+        gc.collect()  # the garbage first: a frozen cycle is never freed (it may hold device memory)
+        gc.freeze()  # vLLM's three collections during the build then skip the imported heap (see the top)
         planned_groups = config.tp_groups if (distributed and config.infer_tp > 1) else None
         with _preserved_process_state(self.device, config.restore_num_threads), \
                 vllm_patches.planned_tensor_parallel_groups(planned_groups), vllm_patches.quiet_tokenizerless_warmup():

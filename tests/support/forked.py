@@ -27,6 +27,8 @@ DEFAULT_PRELOAD: tuple[str, ...] = ("torch", "megatron.core", "hybridrl.parallel
 # CPU worker: importing it replaces `torch.cuda.Stream` with a placeholder in the whole process, which
 # would hide from every rank the CUDA calls the CPU layer exists to catch.
 VLLM_PRELOAD: tuple[str, ...] = ("vllm.entrypoints.llm",)
+# Imported by the rank server after the preload: freezes its heap for the ranks it forks (the module's docstring).
+FROZEN_HEAP = "tests.support.frozen_heap"
 _context: Any = None
 _server_preload: tuple[str, ...] | None = None  # chosen by set_server_preload, or the first call's
 
@@ -90,7 +92,7 @@ def _forkserver(preload: Sequence[str]) -> Any:
         if _server_preload is None:
             _server_preload = tuple(preload)
         _context = mp.get_context("forkserver")
-        _context.set_forkserver_preload(list(_server_preload))
+        _context.set_forkserver_preload([*_server_preload, FROZEN_HEAP])
     return _context
 
 
