@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -67,6 +68,8 @@ from hybridrl.training.value_head import attach_value_head, load_value_model, va
 # megatron disables clipping with clip_grad=0 and then reports no grad norm; a bound no real norm
 # reaches keeps the norm computed without ever clipping.
 NO_CLIP = 1.0e12
+# torch's words when `.grad` of a non-leaf is read (megatron's distributed optimizer does, see `train_step`)
+NON_LEAF_GRAD_WARNING = "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed"
 
 LM_ROLES = (Role.ACTOR, Role.REF, Role.TEACHER)
 VALUE_ROLES = (Role.CRITIC, Role.REWARD_MODEL)
@@ -774,7 +777,12 @@ class MegatronBackend:
         for m in self.models:
             m.train()
             m.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        with warnings.catch_warnings():
+            # megatron's distributed optimizer zeroes its fp32 shard groups, views of the parameters (non-leaves),
+            # through `hasattr(view, "grad")` (`optimizer._zero_grad_group_helper`), which torch warns about on every
+            # device: megatron's reading, not a gradient this run loses (each step's grads are the buffers' anyway)
+            warnings.filterwarnings("ignore", message=NON_LEAF_GRAD_WARNING, category=UserWarning)
+            self.optimizer.zero_grad()
         lr = self.trained_schedule.current_lr
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_mult", 1.0)
