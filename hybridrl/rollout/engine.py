@@ -113,6 +113,10 @@ class RolloutEngineConfig:
     # values (`models.lora_targets.vllm_lora_rank`); 0 = plain weights. vLLM then wraps each adaptable layer (its
     # weights under `<layer>.base_layer`) and holds one adapter at a time.
     lora_rank: int = 0
+    # What vLLM starts from: "auto" reads the model folder (vLLM's own loader); "dummy" (verl's default for its
+    # hybrid engine) builds on random weights and reads nothing, for an engine whose first weight sync writes every
+    # parameter before it generates (the colocated worker's, proven by digests and the probe).
+    load_format: Literal["auto", "dummy"] = "auto"
 
     def __post_init__(self) -> None:
         if self.infer_tp < 1:
@@ -156,6 +160,7 @@ def vllm_engine_kwargs(config: RolloutEngineConfig, device: str, distributed: bo
         max_num_seqs=config.max_num_seqs,
         enable_prefix_caching=config.enable_prefix_caching,
         logprobs_mode="processed_logprobs",
+        load_format=config.load_format,
     )
     if config.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens

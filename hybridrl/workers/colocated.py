@@ -97,7 +97,9 @@ class ColocatedPolicyWorker(PolicyWorker):
         # between its updates (grad_offload, optimizer_offload) leaves before it, not after the first update
         self._built_actor().backend.offload_training_state()
         self._actor_params_out()  # megatron.param_offload: vLLM builds with the actor's weights on the host
-        self.rollout = RolloutEngine(engine_config(plan, self._resolve_pad_token_id()))
+        # vLLM builds on dummy weights (reads nothing from the model folder): the first sync below writes every
+        # parameter it holds before anything is generated, checked by `_sync_base`'s digests and the probe
+        self.rollout = RolloutEngine(engine_config(plan, self._resolve_pad_token_id(), load_format="dummy"))
         # The shard a rank must receive is that of the TP rank vLLM actually gave it; it equals
         # the Plan's (checked: a difference would mean more traffic than planned, not wrong weights).
         gathered: list[Any] = [None] * self.world_size
@@ -179,7 +181,9 @@ class ColocatedPolicyWorker(PolicyWorker):
         report = resharder.finished_report()
         held = engine.parameter_digests()
         try:
-            verify_checksums(report.checksums, held, self.rank, ignore_extra=True)
+            # every parameter vLLM holds: it was built on dummy weights, so one the sync left out would serve random
+            # values (and after a level-2 sleep on GPU any vLLM weight is the sync's alone anyway)
+            verify_checksums(report.checksums, held, self.rank)
         except Exception as exc:  # the error names tensors and rank; keep its type for the controller
             raise WeightSyncError(f"sync {self.syncs}: {exc}") from exc
         self.base_in_vllm = self.plan.resolved.serves_adapters  # a merged sync rewrites the weights every time

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -35,8 +35,9 @@ def planned_kv_cache_bytes(plan: Plan) -> int:
     return RolloutEngineConfig.kv_cache_memory_bytes  # GPU (unused there) or no model shape to size it from
 
 
-def engine_config(plan: Plan, pad_token_id: int) -> RolloutEngineConfig:
-    """The vLLM engine of this run's rollout ranks, from the Plan."""
+def engine_config(plan: Plan, pad_token_id: int, load_format: Literal["auto", "dummy"]) -> RolloutEngineConfig:
+    """The vLLM engine of this run's rollout ranks, from the Plan. `load_format`: dummy where the first weight sync
+    writes every parameter before anything is generated (`RolloutEngineConfig.load_format`)."""
     arr = plan.config.actor_rollout_ref
     return RolloutEngineConfig(
         model_path=arr.model.path,
@@ -62,6 +63,7 @@ def engine_config(plan: Plan, pad_token_id: int) -> RolloutEngineConfig:
         return_routed_experts=arr.actor.router_replay == "rollout",
         # lora.merge false: vLLM serves the actor's adapters (`reshard.adapter_sync`)
         lora_rank=vllm_lora_rank(plan.resolved.lora_rank) if plan.resolved.serves_adapters else 0,
+        load_format=load_format,
     )
 
 

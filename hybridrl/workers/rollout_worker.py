@@ -83,7 +83,8 @@ class RolloutWorker(Worker):
     def setup(self) -> dict[str, Any]:
         started = time.perf_counter()
         self.use_torch_threads(self.plan.config.trainer.torch_threads_per_rank)
-        self.rollout = RolloutEngine(engine_config(self.plan, self.pad_token_id))
+        # vLLM's own loader reads the model folder: the first sync is checked against what it made of it
+        self.rollout = RolloutEngine(engine_config(self.plan, self.pad_token_id, load_format="auto"))
         self.agent = agent_loop_for(self.plan, self._engine())
         self.stream = ContinuousGeneration(self._engine())
         # what vLLM's own loader made of the model folder: the first sync (the trainer's weights as

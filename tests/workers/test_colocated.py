@@ -138,3 +138,38 @@ def test_colocated_engine_syncs_and_follows_updates(model_dir, world, layout):
     for r in outputs:
         assert r["rollout_gap"] < 1e-4      # vLLM's sampling log-probs = megatron's, same weights
         assert r["moved"] > 1e-3            # the update changed the policy, and vLLM followed (probe)
+
+
+def _sync_leaving_out_rank(rank: int, world: int, model_dir: str, left_out: str) -> str:
+    """A colocated worker whose resharder neither sends nor reports `left_out` (as a weight table that does not know
+    a parameter would): what its setup's first sync says."""
+    from hybridrl.reshard.resharder import Resharder
+    from tests.support.colocated_workers import colocated_worker
+
+    shards, report = Resharder.shards, Resharder.finished_report
+
+    def fewer_shards(self):
+        return ((name, tensor) for name, tensor in shards(self) if name != left_out)
+
+    def fewer_checksums(self):
+        finished = report(self)
+        finished.checksums.pop(left_out)
+        return finished
+
+    Resharder.shards, Resharder.finished_report = fewer_shards, fewer_checksums
+    worker = colocated_worker(rank, world, model_dir, [])
+    try:
+        worker.setup(total_training_steps=1)
+    except Exception as exc:  # noqa: BLE001 - the error is what the test reads
+        return f"{type(exc).__name__}: {exc}"
+    return "set up"
+
+
+def test_vllm_builds_on_dummy_weights_and_a_parameter_the_first_sync_leaves_out_is_named(model_dir):
+    """The colocated engine reads nothing from the model folder (`load_format: dummy`, verl's default for its hybrid
+    engine): the first sync writes every parameter vLLM holds, proven by its digests, so one it left out (random
+    dummy values) stops the setup naming it. (With the digests' old `ignore_extra` the setup went on to the probe,
+    which saw a 0.38 gap and named no tensor: the left-out norm held vLLM's dummy values, not the folder's.)"""
+    (said,) = run_ranks(_sync_leaving_out_rank, 1, model_dir, "model.norm.weight", timeout_s=300)
+    assert said.startswith("WeightSyncError: sync 0: weight sync checksum mismatch on 1 tensor(s): rank 0 "
+                           "model.norm.weight: not produced by the resharder"), said
