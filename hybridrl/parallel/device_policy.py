@@ -136,6 +136,8 @@ class DevicePolicy:
     # without by design (Transformer Engine, Apex: the CPU layer, `hybridrl.parallel.cpu`, stands in for their
     # kernels; Triton: vLLM's dispatcher reads a deprecated torch name looking for Triton kernels) are ignored
     # in the workers (`CPU_WORKER_WARNINGS`): ten lines a rank in every CPU run that say nothing a user can act on.
+    # Likewise torch's log line when vLLM's CPU worker looks for Triton kernels, which the CPU stack does not install
+    # (`CPU_WORKER_TORCH_LOGS`).
     worker_env: tuple[tuple[str, str], ...]  # (name, value) pairs: the policy pickles and prints as JSON
     # Flush subnormal floats to zero in the worker's compute thread (`torch.set_flush_denormal`). On
     # CPU, a vocab head's grad holds millions of values near 1e-38 (the softmax of tokens the model
@@ -220,6 +222,10 @@ CPU_WORKER_WARNINGS = ",".join((
     "CUDA_DEVICE_MAX_CONNECTIONS:UserWarning",
 ))
 
+# TORCH_LOGS for CPU workers: torch's `torch._library.triton` logger at ERROR ("Triton not available,
+# find_triton_kernels = []", once a rank at vLLM's engine build: the CPU stack has no Triton, by design)
+CPU_WORKER_TORCH_LOGS = "-torch._library.triton"
+
 CPU = DevicePolicy(
     name="cpu", dist_backend="gloo", default_train_dtype="fp32", default_rollout_dtype="fp32",
     ray_use_gpu=False, ray_cpus_per_worker=0.5, ray_min_cluster_cpus=4,
@@ -231,7 +237,7 @@ CPU = DevicePolicy(
     vllm_top_k_keeps_ties=True, vllm_attention_head_dims=(32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512),
     device_rng=False,
     worker_env=(("MALLOC_MMAP_MAX_", "0"), ("MALLOC_TRIM_THRESHOLD_", str(1 << 40)),
-                ("PYTHONWARNINGS", CPU_WORKER_WARNINGS)),
+                ("PYTHONWARNINGS", CPU_WORKER_WARNINGS), ("TORCH_LOGS", CPU_WORKER_TORCH_LOGS)),
     flush_denormals=True, reshard_keeps_buffers=True, optimizer_state_at_setup=True,
     wgrad_accumulation_fusion="cpu_stand_in", megatron_speed_defaults=False,
 )

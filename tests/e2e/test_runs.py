@@ -53,7 +53,8 @@ def test_reward_rises(demo_assets, tmp_path, name, config, layout):
     # warnings it handles (vllm_patches.HANDLED_WARNINGS), the GPU libraries' absence on CPU, megatron's deprecation
     console = result.stdout + result.stderr
     quiet = [" INFO ", "Transformer Engine and Apex are not installed", "Apex is not installed",
-             "full scope is deprecated", "Chat template warmup failed",
+             "full scope is deprecated", "Chat template warmup failed", "Triton not available",
+             "The .grad attribute of a Tensor that is not a leaf", "Attempted to load weight",
              *(start.split("%s")[-1].strip() for handled in HANDLED_WARNINGS.values() for start, _ in handled)]
     assert not [line for line in console.splitlines() if any(text in line for text in quiet)], console[-5000:]
     rows = _metrics(run)

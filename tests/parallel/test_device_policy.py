@@ -9,7 +9,14 @@ import pytest
 
 from hybridrl.config import plan_from_sources
 from hybridrl.config.plan import Plan
-from hybridrl.parallel.device_policy import CPU, CPU_WORKER_WARNINGS, CUDA, DEVICE_POLICIES, DevicePolicy
+from hybridrl.parallel.device_policy import (
+    CPU,
+    CPU_WORKER_TORCH_LOGS,
+    CPU_WORKER_WARNINGS,
+    CUDA,
+    DEVICE_POLICIES,
+    DevicePolicy,
+)
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "configs" / "examples"
 
@@ -46,7 +53,8 @@ CPU_FIELDS = {
     "vllm_attention_head_dims": (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512),
     "device_rng": False,
     "worker_env": (("MALLOC_MMAP_MAX_", "0"), ("MALLOC_TRIM_THRESHOLD_", str(1 << 40)),
-                   ("PYTHONWARNINGS", CPU_WORKER_WARNINGS)), "flush_denormals": True,
+                   ("PYTHONWARNINGS", CPU_WORKER_WARNINGS), ("TORCH_LOGS", CPU_WORKER_TORCH_LOGS)),
+    "flush_denormals": True,
     "reshard_keeps_buffers": True, "optimizer_state_at_setup": True,
     "wgrad_accumulation_fusion": "cpu_stand_in", "megatron_speed_defaults": False,
 }
@@ -118,6 +126,26 @@ def _import_warnings(env: dict[str, str]) -> str:
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stderr
+
+
+def test_cpu_workers_log_no_triton_search_but_keep_torchs_other_warnings():
+    """CPU_WORKER_TORCH_LOGS (a CPU worker's TORCH_LOGS) puts torch's Triton-search logger at ERROR: the line vLLM's
+    CPU worker makes torch log at every engine build is printed without it (the control), not with it, and another
+    torch logger's warning still is."""
+    import os
+    import subprocess
+    import sys
+
+    assert ("TORCH_LOGS", CPU_WORKER_TORCH_LOGS) in CPU.worker_env
+    code = ("import logging, torch\n"
+            "logging.getLogger('torch._library.triton').warning('Triton not available, find_triton_kernels = []')\n"
+            "logging.getLogger('torch._library.custom_ops').warning('another torch warning')")
+    clean = {k: v for k, v in os.environ.items() if k != "TORCH_LOGS"}
+    plain, quiet = (subprocess.run([sys.executable, "-c", code], env={**clean, **extra}, capture_output=True,
+                                   text=True, timeout=120).stderr
+                    for extra in ({}, {"TORCH_LOGS": CPU_WORKER_TORCH_LOGS}))
+    assert "Triton not available" in plain and "another torch warning" in plain, plain
+    assert "Triton not available" not in quiet and "another torch warning" in quiet, quiet
 
 
 MEGATRON_COLLECTIVES = """
