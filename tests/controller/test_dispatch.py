@@ -149,6 +149,7 @@ def test_worker_env_keeps_the_users_own_values(monkeypatch):
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "123")
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
     monkeypatch.setenv("PYTHONWARNINGS", "error")
+    monkeypatch.setenv("TORCH_LOGS", "+dynamo")
     assert worker_process_env(CPU) == {"MALLOC_MMAP_MAX_": "0"}
     assert worker_process_env(CUDA) == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")

@@ -33,6 +33,9 @@ def stop(signum, frame):
     raise Stop(signum)
 
 signum = getattr(signal, sys.argv[1])
+# Python's own SIGINT handler (KeyboardInterrupt), which a process started with SIGINT ignored, as a shell's
+# background job is, does not get
+signal.signal(signal.SIGINT, signal.default_int_handler)
 if signum != signal.SIGINT:  # SIGINT keeps Python's own handler: KeyboardInterrupt
     signal.signal(signum, stop)
 started = time.monotonic()
