@@ -6,6 +6,7 @@ torch.cuda's device calls are replaced in this test by a per-thread record of th
 """
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
@@ -61,3 +62,45 @@ def test_every_public_method_of_the_role_workers_selects_the_device(worker_cls):
               and name not in vars(Worker)]
     assert public and all(getattr(getattr(worker_cls, name), "on_rank_device", False) for name in public), \
         [n for n in public if not getattr(getattr(worker_cls, n), "on_rank_device", False)]
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+class _Building(Worker):
+    """Records whether Python's automatic collection ran in each call."""
+
+    def setup(self) -> list[bool]:
+        import weakref
+
+        seen = [gc.isenabled()]
+        self.init_model()  # a bring-up inside another
+        seen.append(gc.isenabled())
+        self.garbage = weakref.ref(_Cycle())  # a cycle, garbage at once: only a collection frees it
+        self.kept = _Cycle()
+        return seen
+
+    def init_model(self) -> bool:
+        return gc.isenabled()
+
+    def step(self) -> bool:
+        return gc.isenabled()
+
+
+def test_a_workers_bring_up_runs_without_automatic_collections_and_freezes_what_it_built():
+    """`setup` / `init_model` (the calls that import megatron and vLLM and build the model and the engine) run with
+    Python's automatic collection paused; after them one collection frees their garbage and what is alive is frozen,
+    skipped by every later collection; other calls run with collection on."""
+    worker = _Building(RankContext(group="x", rank=0, world_size=1, node_rank=0, local_rank=0, local_world_size=1,
+                                   use_gpu=False))
+    assert gc.isenabled()
+    try:
+        assert worker.setup() == [False, False]
+        assert gc.isenabled() and worker.step()
+        assert worker.garbage() is None  # collected before the freeze, not frozen with the rest
+        assert gc.get_freeze_count() > 0 and not any(o is worker.kept for o in gc.get_objects())  # frozen: untracked
+        assert worker.init_model() is False and gc.isenabled()  # a bring-up called alone: paused in it, on after
+    finally:
+        gc.unfreeze()
