@@ -25,13 +25,11 @@ Rules for subclasses:
 from __future__ import annotations
 
 import functools
-import gc
 import inspect
 import os
 import socket
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -41,6 +39,7 @@ import ray
 from hybridrl.controller.dispatch import MeshCoord
 from hybridrl.parallel import state
 from hybridrl.parallel.device import torch_threads_per_rank
+from hybridrl.parallel.heap import built_without_collections
 
 Part = TypeVar("Part")
 
@@ -79,30 +78,6 @@ class RankContext:
 
 # The calls that build a worker's parts (the controller calls one of them first; `setup` may call `init_model`)
 BRING_UP_METHODS = ("setup", "init_model")
-
-
-@contextmanager
-def built_without_collections() -> Iterator[None]:
-    """Python's automatic garbage collection paused while a worker builds its parts, then one collection and the rest
-    frozen (`gc.freeze`).
-
-    A bring-up imports megatron-core and vLLM (~660k objects with torch) and builds the model and the engine; the
-    collector walked the growing heap again and again meanwhile: measured in a fresh process as a worker runs it
-    (the worker module imported first, as Ray does), those imports and a tiny model's engine took 9.3-12.0 CPU-s
-    with it and 8.0-9.1 without. What is alive once the worker is built lives as long as the worker, so every later
-    collection skips it (vLLM's engine build ends with the same freeze). Explicit `gc.collect()` calls (vLLM's)
-    still run while paused. Nested (a `setup` calling `init_model`) or with collection already off, nothing
-    changes."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.collect()  # the garbage first: a frozen cycle is never freed (it may hold device memory)
-        gc.freeze()
-        gc.enable()
 
 
 def _on_rank_device(method: Callable[..., Any]) -> Callable[..., Any]:

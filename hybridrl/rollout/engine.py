@@ -43,7 +43,6 @@ module (through the hybrid worker) and must not import vLLM.
 """
 from __future__ import annotations
 
-import gc
 import json
 import math
 import os
@@ -64,6 +63,7 @@ from hybridrl.data.batch import Batch
 from hybridrl.parallel.device import default_dtype_for, resolve_device
 from hybridrl.parallel.device_policy import DevicePolicy
 from hybridrl.parallel.digest import tensor_digest
+from hybridrl.parallel.heap import freeze_heap
 from hybridrl.rollout import vllm_patches
 from hybridrl.rollout.agent_loop import AgentLoop, RoundRunner, ToolRound, TurnOutput
 from hybridrl.rollout.sampling import SEED_RANGE, RolloutSampling
@@ -653,8 +653,7 @@ class RolloutEngine:
         from vllm import LLM
 
         started = time.perf_counter()
-        gc.collect()  # the garbage first: a frozen cycle is never freed (it may hold device memory)
-        gc.freeze()  # vLLM's three collections during the build then skip the imported heap (see the top)
+        freeze_heap()  # vLLM's three collections during the build then skip the imported heap (see the top)
         planned_groups = config.tp_groups if (distributed and config.infer_tp > 1) else None
         with _preserved_process_state(self.device, config.restore_num_threads), \
                 vllm_patches.planned_tensor_parallel_groups(planned_groups), vllm_patches.quiet_tokenizerless_warmup():

@@ -132,10 +132,6 @@ def test_cpu_workers_log_no_triton_search_but_keep_torchs_other_warnings():
     """CPU_WORKER_TORCH_LOGS (a CPU worker's TORCH_LOGS) puts torch's Triton-search logger at ERROR: the line vLLM's
     CPU worker makes torch log at every engine build is printed without it (the control), not with it, and another
     torch logger's warning still is."""
-    import os
-    import subprocess
-    import sys
-
     assert ("TORCH_LOGS", CPU_WORKER_TORCH_LOGS) in CPU.worker_env
     code = ("import logging, torch\n"
             "logging.getLogger('torch._library.triton').warning('Triton not available, find_triton_kernels = []')\n"
