@@ -36,7 +36,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # server and the Ray cluster start (they hand their environment on). HYBRIDRL_STRICT_DEVICE=0 runs the plain layer.
 os.environ.setdefault("HYBRIDRL_STRICT_DEVICE", "1")
 
-from tests.support import forked  # noqa: E402 - after the Ray setting above
+from tests.support import forked, worker_forkserver  # noqa: E402 - after the Ray setting above
 
 # One rank server per xdist worker, for every `run_ranks` of the session: about 30 tests build vLLM
 # engines in forked ranks, so the server imports vLLM once (~8 s) instead of each test's ranks.
@@ -52,6 +52,25 @@ TEST_CLUSTER_CPUS = 8
 LONGEST_FIRST = ("tests/e2e/test_runs.py", "tests/e2e/test_multi_host.py", "tests/e2e/test_async_runs.py",
                  "tests/e2e/test_faults.py", "tests/e2e/test_soak.py", "tests/e2e/test_real_model.py",
                  "tests/training/test_real_layouts.py", "tests/rollout/test_stop_and_pad.py")
+
+
+_worker_forkserver: worker_forkserver.Server | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Each process that runs tests (an xdist worker, or pytest alone; not xdist's controller) starts its Ray
+    worker fork server (tests/support/worker_forkserver.py): the Ray workers of its runs fork from one process that
+    imported torch, megatron, vLLM and transformers, instead of importing them each (~12 CPU-s a worker).
+    HYBRIDRL_TEST_PLAIN_WORKERS=1 runs every worker as a plain interpreter."""
+    global _worker_forkserver
+    controller = getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput")
+    if not controller and os.environ.get("HYBRIDRL_TEST_PLAIN_WORKERS") != "1":
+        _worker_forkserver = worker_forkserver.start()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _worker_forkserver is not None:
+        _worker_forkserver.stop()
 
 
 @pytest.hookimpl(trylast=True)
@@ -97,7 +116,15 @@ def real_model() -> Path:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[object]:
+def worker_fork_server() -> worker_forkserver.Server | None:
+    """This process's Ray worker fork server once it accepts (None under HYBRIDRL_TEST_PLAIN_WORKERS=1)."""
+    if _worker_forkserver is not None:
+        _worker_forkserver.wait_ready()
+    return _worker_forkserver
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(worker_fork_server) -> Iterator[object]:
     from hybridrl.controller.cluster import init_ray
 
     # address="local": a test session must never attach to a cluster named by RAY_ADDRESS.

@@ -1,0 +1,325 @@
+"""The test session's Ray workers, forked from one process that imported what a worker imports.
+
+A fresh Ray worker of a CPU run spends ~12 CPU-s importing torch, megatron-core, vLLM's engine and transformers
+before its first call returns; the suite starts a few hundred of them (two or more per `hybridrl train`, again at
+every restart in place, the worker tests). Forked from a process that imported them once, a worker skips that: the
+standards' "fork ranks from an imported parent" (the rank server, `forked.py`), applied to the processes Ray starts.
+Only the test session does this; a user's workers are plain interpreters.
+
+How Ray is told: the session exports `RAY_RUNTIME_ENV_HOOK=tests.support.worker_forkserver.hook`, Ray's own hook,
+which each driver's `ray.init` applies to its job's runtime environment: `hook` sets the job's `py_executable` to
+this file's client. The raylet then execs `<python> -I -S worker_forkserver.py <socket> <the worker's argv>` where
+it would exec `<python> <the worker's argv>`. The client hands its argv, environment, working directory and
+standard streams to the server, which forks a child that runs them: Ray's `default_worker.py` as `__main__`. The
+client stays the process the raylet started and knows: it relays the signals it gets to the child and exits as the
+child exits (a signal death by that signal); if the client dies first (the raylet's SIGKILL), the server kills the
+child's process group; if the server dies, its children die with it.
+
+A worker the server cannot stand for runs as a plain interpreter (the client execs it): no server yet (it binds its
+socket once its imports are done), a client in another network namespace (a host of `netns_hosts.py`: a worker
+lives on its own host), or an environment that differs in a variable read once at process start (`FIXED_AT_START`).
+
+What a forked worker takes from its client, beyond the environment (replaced whole): the working directory, umask,
+streams, PYTHONPATH, PYTHONWARNINGS and TORCH_LOGS (applied again when they differ from the server's), and
+OMP_NUM_THREADS (torch's thread count). Ray is not preloaded: loading `ray._raylet` snapshots every `RAY_*` variable
+(RAY_JOB_ID among them) into Ray's C++ config, so each worker imports Ray itself, under its own environment; vLLM's
+module that remembered Ray as missing is imported again once Ray is allowed.
+"""
+from __future__ import annotations
+
+import array
+import json
+import os
+import signal
+import socket
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import subprocess
+
+# What a worker imports before its first call returns, less Ray and hybridrl (both import Ray). Not vLLM's CPU
+# worker: importing it replaces `torch.cuda.Stream` in the whole process (forked.py). Nothing here starts a thread.
+PRELOAD: tuple[str, ...] = ("torch", "megatron.core", "vllm.entrypoints.llm", "transformers")
+# vLLM modules that import Ray at module level inside try/except (re-imported in a worker, where Ray is allowed)
+RAY_OPTIONAL: tuple[str, ...] = ("vllm.v1.executor.ray_utils",)
+# Read once when a process starts (glibc's malloc, the dynamic loader, the interpreter, torch's C++ logging): a worker
+# whose environment differs from the server's in one of them runs as a plain interpreter.
+FIXED_AT_START: tuple[str, ...] = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX", "LD_PRELOAD",
+                                   "LD_LIBRARY_PATH", "PYTHONHASHSEED", "PYTHONMALLOC", "TORCH_CPP_LOG_LEVEL")
+SOCKET_ENV = "HYBRIDRL_TEST_WORKER_FORKSERVER"
+HOOK = "tests.support.worker_forkserver.hook"
+_PLAIN = b"plain\n"
+_START_ENV: dict[str, str] = {}  # the server's environment when it started (its imports change some: cv2's loader path)
+
+
+def _netns() -> str:
+    return str(os.stat("/proc/self/ns/net").st_ino)
+
+
+# ------------------------------------------------------------------ started and stopped by the test session
+class Server:
+    """The running server: `stop()` ends it (its workers with it) and removes its socket."""
+
+    def __init__(self, process: subprocess.Popen, folder: str, path: str) -> None:
+        self.process = process
+        self.folder = folder
+        self.path = path
+
+    def wait_ready(self, timeout_s: float = 120.0) -> None:
+        """Until the server accepts (its imports done): drivers started after this fork their workers."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(self.path):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                log = open(os.path.join(self.folder, "server.log"), errors="replace").read()[-3000:]
+                raise RuntimeError(f"the worker fork server did not start (exit {self.process.returncode}): {log}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        import shutil
+
+        self.process.kill()
+        self.process.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def start() -> Server:
+    """Start this process's server (it imports for ~12 s, then binds its socket) and point every Ray driver this
+    process and its children start at it (RAY_RUNTIME_ENV_HOOK, the socket's path and the repository on PYTHONPATH,
+    in `os.environ`). The server
+    runs with the CPU workers' own variables (`DevicePolicy.worker_env`: glibc reads its malloc settings once)."""
+    import subprocess  # noqa: F811 - at run time (the client, which shares this file, does without it)
+    import tempfile
+
+    from hybridrl.parallel.device_policy import CPU
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    folder = tempfile.mkdtemp(prefix="hrl-workers-")
+    path = os.path.join(folder, "socket")
+    env = {**os.environ, **dict(CPU.worker_env)}
+    process = subprocess.Popen([sys.executable, "-m", "tests.support.worker_forkserver", "--serve", path],
+                               env=env, cwd=root,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=open(os.path.join(folder, "server.log"), "wb"))
+    os.environ[SOCKET_ENV] = path
+    os.environ["RAY_RUNTIME_ENV_HOOK"] = HOOK
+    # the hook is imported by every driver, whatever its working directory or script (`python bench/x.py`)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join([root, *[p for p in paths if p != root]])
+    return Server(process, folder, path)
+
+
+def plain_workers(env: dict[str, str]) -> dict[str, str]:
+    """`env` for a run whose workers must be plain interpreters of the run's own process tree (the tests of what a
+    run leaves behind, or of the signals its processes get)."""
+    return {name: value for name, value in env.items() if name != SOCKET_ENV}
+
+
+# ------------------------------------------------------------------ the hook (in every driver of the session)
+def hook(runtime_env: dict | None) -> dict:
+    """Ray's RAY_RUNTIME_ENV_HOOK: the job's workers start through the client while the server's socket exists."""
+    runtime_env = dict(runtime_env or {})
+    path = os.environ.get(SOCKET_ENV)
+    if path and os.path.exists(path) and "py_executable" not in runtime_env:
+        runtime_env["py_executable"] = f"{sys.executable} -I -S {os.path.abspath(__file__)} {path}"
+    return runtime_env
+
+
+# ------------------------------------------------------------------ the client (exec'd by the raylet for a worker)
+def _plain(argv: list[str]) -> None:
+    os.execv(sys.executable, [sys.executable, *argv])
+
+
+def _client(path: str, argv: list[str]) -> None:
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(path)
+        server_netns = sock.recv(64).decode()
+    except OSError:
+        server_netns = ""
+    if server_netns != _netns():
+        _plain(argv)
+    request = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "umask": os.umask(0o022)})
+    sock.sendmsg([request.encode() + b"\n"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [0, 1, 2]))])
+    reply = sock.makefile("rb")
+    first = reply.readline()
+    if first in (_PLAIN, b""):
+        _plain(argv)
+    child = int(first)
+
+    def relay(signum: int, _frame: object) -> None:
+        try:
+            os.kill(child, signum)
+        except ProcessLookupError:
+            pass
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(signum, relay)
+    status = reply.readline().strip()
+    code = int(status) if status else 1
+    if code < 0:  # the child died by a signal: so does the client, as the raylet would have seen the worker die
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code)
+
+
+# ------------------------------------------------------------------ the server (one per test session process)
+def _read_request(conn: socket.socket) -> tuple[dict | None, list[int]]:
+    message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+    if not message:  # a client of another namespace hung up
+        return None, list(fds)
+    while not message.endswith(b"\n"):
+        more = conn.recv(1 << 20)
+        if not more:
+            return None, list(fds)
+        message += more
+    return json.loads(message), list(fds)
+
+
+def _serve(path: str) -> dict:
+    """Accept clients until killed; returns only in a forked child, with its client's request."""
+    import selectors
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".binding")
+    os.rename(path + ".binding", path)  # the hook sees the socket only once it accepts
+    listener.listen(64)
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, None)
+    children: dict[int, tuple[socket.socket, int]] = {}  # pidfd -> (the client's connection, the child's pid)
+    netns = _netns().encode()
+    while True:
+        for key, _ in selector.select():
+            if key.data is None:  # a new client
+                conn, _ = listener.accept()
+                conn.sendall(netns)
+                request, fds = _read_request(conn)
+                if request is None or any(request["env"].get(name) != _START_ENV.get(name) for name in FIXED_AT_START):
+                    for fd in fds:
+                        os.close(fd)
+                    if request is not None:
+                        conn.sendall(_PLAIN)
+                    conn.close()
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    selector.close()
+                    listener.close()
+                    for pidfd, (other, _) in children.items():
+                        other.close()
+                        os.close(pidfd)
+                    conn.close()
+                    for target, fd in enumerate(fds):
+                        os.dup2(fd, target)
+                        os.close(fd)
+                    return request
+                for fd in fds:
+                    os.close(fd)
+                conn.sendall(f"{pid}\n".encode())
+                pidfd = os.pidfd_open(pid)
+                children[pidfd] = (conn, pid)
+                selector.register(pidfd, selectors.EVENT_READ, ("exited", pidfd))
+                selector.register(conn, selectors.EVENT_READ, ("client", pidfd))
+            elif key.data[0] == "exited":
+                pidfd = key.data[1]
+                conn, pid = children.pop(pidfd)
+                selector.unregister(pidfd)
+                selector.unregister(conn)
+                os.close(pidfd)
+                _, status = os.waitpid(pid, 0)
+                try:
+                    conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+                except OSError:
+                    pass
+                conn.close()
+            else:  # the client's end closed while its child runs: the client was killed
+                conn, pid = children[key.data[1]]
+                if conn.recv(1) == b"":
+                    selector.unregister(conn)
+                    try:
+                        os.killpg(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+
+
+def _die_with_parent() -> None:
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _become_worker(request: dict) -> None:
+    """In the forked child: take the client's process state, then run the worker's script as `__main__`."""
+    import importlib
+    import runpy
+    import warnings
+
+    _die_with_parent()
+    os.setpgid(0, 0)
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
+        signal.signal(signum, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    os.umask(request["umask"])
+    if os.environ.get("PYTHONUNBUFFERED"):
+        sys.stdout.reconfigure(write_through=True)
+        sys.stderr.reconfigure(write_through=True)
+    if os.environ.get("PYTHONWARNINGS") != _START_ENV.get("PYTHONWARNINGS"):
+        specs = [s for s in os.environ.get("PYTHONWARNINGS", "").split(",") if s]
+        sys.warnoptions[:] = specs
+        warnings._processoptions(specs)  # type: ignore[attr-defined]
+    if os.environ.get("TORCH_LOGS") != _START_ENV.get("TORCH_LOGS"):
+        import torch._logging._internal as torch_logging
+
+        torch_logging._init_logs()
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    argv = list(request["argv"])
+    while argv and argv[0].startswith("-"):  # interpreter flags ahead of the script
+        argv.pop(0)
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    sys.path[:1] = [os.path.dirname(os.path.abspath(argv[0])), *extra]
+    for name in RAY_OPTIONAL:
+        if name in sys.modules:
+            importlib.reload(sys.modules[name])
+    sys.argv = argv
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+class _NoRay:
+    """A meta-path finder that refuses Ray while the server preloads (`ray._raylet` would snapshot its environment)."""
+
+    @staticmethod
+    def find_spec(name: str, path: object = None, target: object = None) -> None:
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError(f"{name} is imported by each worker itself, not preloaded")
+        return None
+
+
+def _server_main(path: str) -> None:
+    import importlib
+
+    _START_ENV.update(os.environ)
+    _die_with_parent()
+    sys.meta_path.insert(0, _NoRay)  # type: ignore[arg-type]
+    for module in PRELOAD:
+        importlib.import_module(module)
+    sys.meta_path.remove(_NoRay)  # type: ignore[arg-type]
+    from hybridrl.parallel.heap import freeze_heap
+
+    freeze_heap()
+    request = _serve(path)
+    _become_worker(request)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--serve":
+        _server_main(sys.argv[2])
+    else:
+        _client(sys.argv[1], sys.argv[2:])

@@ -1,0 +1,86 @@
+"""The test session's Ray worker fork server (tests/support/worker_forkserver.py): a worker forked from it is the
+worker Ray asked for (its job, its environment, its signals, its end), and a worker it cannot stand for is plain."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.runs import ROOT
+from tests.support.worker_forkserver import plain_workers
+
+# A driver as `hybridrl train` is one (its own local cluster; the hook applies at ray.init): one actor with a CPU
+# worker's runtime environment and variables of its own (argv[1]), asked what process it is; then killed as a hung
+# worker is, and looked for.
+DRIVER = r"""
+import json, os, sys, time
+import ray
+from hybridrl.parallel.device_policy import CPU
+
+ray.init(num_cpus=1, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+
+
+@ray.remote(num_cpus=0.5)
+class Probe:
+    def __init__(self):
+        self.preloaded = "megatron.core" in sys.modules  # before this worker imported anything itself
+
+    def describe(self):
+        with open(f"/proc/{os.getpid()}/cmdline", "rb") as cmdline:
+            title = cmdline.read().split(b"\0")[0].decode()
+        return {"pid": os.getpid(), "parent": os.getppid(), "preloaded": self.preloaded, "mine": os.environ["MINE"],
+                "job": ray.get_runtime_context().get_job_id(), "title": title, "cwd": os.getcwd(),
+                "rank_env": os.environ.get("HYBRIDRL_STRICT_DEVICE")}
+
+
+# a CPU worker's variables, as the trainer's workers get them (the server started with the same: malloc's settings)
+env_vars = {**dict(CPU.worker_env), "MINE": "from the actor's runtime env", **json.loads(sys.argv[1])}
+probe = Probe.options(runtime_env={"env_vars": env_vars}).remote()
+seen = ray.get(probe.describe.remote(), timeout=120)
+seen["driver_job"] = ray.get_runtime_context().get_job_id()
+ray.kill(probe)
+deadline = time.monotonic() + 20
+while os.path.exists(f"/proc/{seen['pid']}") and time.monotonic() < deadline:
+    time.sleep(0.1)
+seen["gone"] = not os.path.exists(f"/proc/{seen['pid']}")
+print(json.dumps(seen))
+"""
+
+
+def _probe(env: dict[str, str], worker_env: dict[str, str] | None = None) -> dict:
+    done = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(worker_env or {})], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_worker_is_forked_from_the_server_and_is_the_worker_ray_asked_for(worker_fork_server):
+    if worker_fork_server is None:
+        pytest.fail("HYBRIDRL_TEST_PLAIN_WORKERS=1: this session runs no fork server to test")
+    forked = _probe(dict(os.environ))
+    assert forked["parent"] == worker_fork_server.process.pid  # forked by the server...
+    assert forked["preloaded"]  # ...so megatron was there before the worker imported anything
+    assert forked["mine"] == "from the actor's runtime env"  # the client's environment, taken whole
+    assert forked["rank_env"] == os.environ["HYBRIDRL_STRICT_DEVICE"]
+    assert forked["job"] == forked["driver_job"]  # Ray's C++ config read the worker's own RAY_JOB_ID
+    assert forked["title"].startswith("ray::Probe")  # Ray named the process, as it names a plain worker
+    assert forked["gone"], "the killed worker's forked process outlived its client"
+
+    plain = _probe(plain_workers(dict(os.environ)))  # the control: without the server's socket, a plain interpreter
+    assert plain["parent"] != worker_fork_server.process.pid
+    assert not plain["preloaded"]
+    assert plain["mine"] == "from the actor's runtime env" and plain["job"] == plain["driver_job"] and plain["gone"]
+    assert forked["cwd"] == plain["cwd"]  # the working directory Ray gave the worker
+
+
+def test_a_worker_whose_start_time_settings_differ_runs_plain(worker_fork_server):
+    """glibc reads MALLOC_* once at process start: a worker asking for other values than the server started with
+    cannot be a fork of it."""
+    if worker_fork_server is None:
+        pytest.fail("HYBRIDRL_TEST_PLAIN_WORKERS=1: this session runs no fork server to test")
+    seen = _probe(dict(os.environ), {"MALLOC_ARENA_MAX": "3"})
+    assert seen["parent"] != worker_fork_server.process.pid
+    assert not seen["preloaded"]
