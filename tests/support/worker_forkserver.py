@@ -44,9 +44,11 @@ PRELOAD: tuple[str, ...] = ("torch", "megatron.core", "vllm.entrypoints.llm", "t
 # vLLM modules that import Ray at module level inside try/except (re-imported in a worker, where Ray is allowed)
 RAY_OPTIONAL: tuple[str, ...] = ("vllm.v1.executor.ray_utils",)
 # Read once when a process starts (glibc's malloc, the dynamic loader, the interpreter, torch's C++ logging): a worker
-# whose environment differs from the server's in one of them runs as a plain interpreter.
+# whose environment differs from the server's in one of them runs as a plain interpreter. Not LD_LIBRARY_PATH: cv2
+# (imported with vLLM) prepends its own folder to it in every process that imports it, the test session's included,
+# so every run's workers would differ; what it adds is where cv2 finds libraries the server has loaded already.
 FIXED_AT_START: tuple[str, ...] = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX", "LD_PRELOAD",
-                                   "LD_LIBRARY_PATH", "PYTHONHASHSEED", "PYTHONMALLOC", "TORCH_CPP_LOG_LEVEL")
+                                   "PYTHONHASHSEED", "PYTHONMALLOC", "TORCH_CPP_LOG_LEVEL")
 SOCKET_ENV = "HYBRIDRL_TEST_WORKER_FORKSERVER"
 HOOK = "tests.support.worker_forkserver.hook"
 _PLAIN = b"plain\n"
@@ -195,10 +197,14 @@ def _serve(path: str) -> dict:
                 conn, _ = listener.accept()
                 conn.sendall(netns)
                 request, fds = _read_request(conn)
-                if request is None or any(request["env"].get(name) != _START_ENV.get(name) for name in FIXED_AT_START):
+                differ = [] if request is None else [name for name in FIXED_AT_START
+                                                     if request["env"].get(name) != _START_ENV.get(name)]
+                if request is None or differ:
                     for fd in fds:
                         os.close(fd)
                     if request is not None:
+                        print(f"plain worker: its {', '.join(differ)} differ from this server's", file=sys.stderr,
+                              flush=True)
                         conn.sendall(_PLAIN)
                     conn.close()
                     continue
