@@ -95,6 +95,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item._id = coerce_node_id(f"{item.nodeid}@{mark.args[0] if mark.args else 'default'}")
 
 
+@pytest.fixture(autouse=True)
+def _no_ld_preload_left_behind() -> Iterator[None]:
+    """vLLM's CPU platform exports LD_PRELOAD (tcmalloc, torch's libgomp) for its engine's subprocesses whenever a
+    VllmConfig is built (`vllm/platforms/cpu.py`); built in this process by a test, it would reach every later run's
+    drivers and workers, so which malloc a run's workers use would depend on the tests before it."""
+    before = os.environ.get("LD_PRELOAD")
+    yield
+    if before is None:
+        os.environ.pop("LD_PRELOAD", None)
+    else:
+        os.environ["LD_PRELOAD"] = before
+
+
 @pytest.fixture(scope="session")
 def demo_assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tools.demo_assets import build_demo_assets
