@@ -6,10 +6,12 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
 from tests.support.runs import ROOT
+from tests.support import worker_forkserver
 from tests.support.worker_forkserver import plain_workers
 
 # A driver as `hybridrl train` is one (its own local cluster; the hook applies at ray.init): one actor with a CPU
@@ -84,3 +86,30 @@ def test_a_worker_whose_start_time_settings_differ_runs_plain(worker_fork_server
     seen = _probe(dict(os.environ), {"MALLOC_ARENA_MAX": "3"})
     assert seen["parent"] != worker_fork_server.process.pid
     assert not seen["preloaded"]
+
+
+def test_the_server_outlives_a_client_killed_before_its_worker(worker_fork_server, tmp_path):
+    """The raylet SIGKILLs a worker's process (the client) at a job's end or on `ray.kill`: the server kills the
+    forked child and goes on serving the next worker (it used to die reaping that child, and its other children with
+    it)."""
+    if worker_fork_server is None:
+        pytest.fail("HYBRIDRL_TEST_PLAIN_WORKERS=1: this session runs no fork server to test")
+    from hybridrl.parallel.device_policy import CPU
+
+    env = {**os.environ, **dict(CPU.worker_env)}
+    client = [sys.executable, "-I", "-S", worker_forkserver.__file__, worker_fork_server.path]
+    (tmp_path / "sleeps.py").write_text("import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(60)\n")
+    (tmp_path / "parent.py").write_text("import os\nprint(os.getppid())\n")
+    sleeping = subprocess.Popen([*client, str(tmp_path / "sleeps.py")], env=env, stdout=subprocess.PIPE, text=True)
+    child = int(sleeping.stdout.readline())
+    sleeping.kill()
+    sleeping.wait()
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{child}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{child}"), "the forked child outlived its killed client"
+    time.sleep(0.5)  # the server reaps it
+    after = subprocess.run([*client, str(tmp_path / "parent.py")], env=env, capture_output=True, text=True,
+                           timeout=60)
+    assert after.returncode == 0, after.stderr[-2000:]
+    assert int(after.stdout) == worker_fork_server.process.pid

@@ -231,7 +231,8 @@ def _serve(path: str) -> dict:
                 pidfd = key.data[1]
                 conn, pid = children.pop(pidfd)
                 selector.unregister(pidfd)
-                selector.unregister(conn)
+                if conn.fileno() in selector.get_map():  # not when its client died first (the branch below)
+                    selector.unregister(conn)
                 os.close(pidfd)
                 _, status = os.waitpid(pid, 0)
                 try:
