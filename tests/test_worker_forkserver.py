@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from tests.support.runs import ROOT
 from tests.support import worker_forkserver
+from tests.support.runs import ROOT
 from tests.support.worker_forkserver import plain_workers
 
 # A driver as `hybridrl train` is one (its own local cluster; the hook applies at ray.init): one actor with a CPU

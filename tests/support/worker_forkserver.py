@@ -90,11 +90,12 @@ class Server:
 def start() -> Server:
     """Start this process's server (it imports for ~12 s, then binds its socket) and point every Ray driver this
     process and its children start at it (RAY_RUNTIME_ENV_HOOK, the socket's path and the repository on PYTHONPATH,
-    in `os.environ`). The server
-    runs with the CPU workers' own variables (`DevicePolicy.worker_env`: glibc reads its malloc settings once)."""
+    in `os.environ`). The server runs with the CPU workers' own variables (`DevicePolicy.worker_env`: glibc reads its
+    malloc settings once)."""
     import subprocess  # noqa: F811 - at run time (the client, which shares this file, does without it)
     import tempfile
 
+    from hybridrl.controller.cluster import _prepend_pythonpath
     from hybridrl.parallel.device_policy import CPU
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -108,8 +109,7 @@ def start() -> Server:
     os.environ[SOCKET_ENV] = path
     os.environ["RAY_RUNTIME_ENV_HOOK"] = HOOK
     # the hook is imported by every driver, whatever its working directory or script (`python bench/x.py`)
-    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    os.environ["PYTHONPATH"] = os.pathsep.join([root, *[p for p in paths if p != root]])
+    os.environ["PYTHONPATH"] = _prepend_pythonpath([root])
     return Server(process, folder, path)
 
 
