@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -134,6 +135,17 @@ def worker_fork_server() -> worker_forkserver.Server | None:
     if _worker_forkserver is not None:
         _worker_forkserver.wait_ready()
     return _worker_forkserver
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _worker_fork_server_outlives_the_session() -> Iterator[None]:
+    """A warning in the session's summary when this process's fork server died before the session's end: its
+    workers died with it, and every later one ran plain (a refused connect falls back without a word), so the
+    session ran slower than it should and the server has a bug to find in its log."""
+    yield
+    if _worker_forkserver is not None and not _worker_forkserver.alive():
+        warnings.warn(f"the Ray worker fork server died during the session: {_worker_forkserver.describe()}",
+                      stacklevel=1)
 
 
 @pytest.fixture(scope="session")

@@ -75,9 +75,17 @@ class Server:
         deadline = time.monotonic() + timeout_s
         while not os.path.exists(self.path):
             if self.process.poll() is not None or time.monotonic() > deadline:
-                log = open(os.path.join(self.folder, "server.log"), errors="replace").read()[-3000:]
-                raise RuntimeError(f"the worker fork server did not start (exit {self.process.returncode}): {log}")
+                raise RuntimeError(f"the worker fork server did not start: {self.describe()}")
             time.sleep(0.1)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def describe(self) -> str:
+        """How it ended (or that it runs) and the end of its log."""
+        state = "still running" if self.alive() else f"exit {self.process.returncode}"
+        log = open(os.path.join(self.folder, "server.log"), errors="replace").read()[-3000:]
+        return f"{state}; its log:\n{log}"
 
     def stop(self) -> None:
         import shutil
