@@ -56,22 +56,27 @@ LONGEST_FIRST = ("tests/e2e/test_runs.py", "tests/e2e/test_multi_host.py", "test
 
 
 _worker_forkserver: worker_forkserver.Server | None = None
+_driver_forkserver: worker_forkserver.Server | None = None
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """Each process that runs tests (an xdist worker, or pytest alone; not xdist's controller) starts its Ray
     worker fork server (tests/support/worker_forkserver.py): the Ray workers of its runs fork from one process that
     imported torch, megatron, vLLM and transformers, instead of importing them each (~12 CPU-s a worker).
-    HYBRIDRL_TEST_PLAIN_WORKERS=1 runs every worker as a plain interpreter."""
-    global _worker_forkserver
+    And its driver fork server: the `hybridrl train` drivers its tests start (`tests.support.runs.train`) fork from
+    a process that imported torch, transformers and matplotlib (~5 CPU-s a run).
+    HYBRIDRL_TEST_PLAIN_WORKERS=1 runs every worker and driver as a plain interpreter."""
+    global _worker_forkserver, _driver_forkserver
     controller = getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput")
     if not controller and os.environ.get("HYBRIDRL_TEST_PLAIN_WORKERS") != "1":
-        _worker_forkserver = worker_forkserver.start()
+        _worker_forkserver = worker_forkserver.start("workers")
+        _driver_forkserver = worker_forkserver.start("drivers")  # with the environment the workers' start left
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if _worker_forkserver is not None:
-        _worker_forkserver.stop()
+    for server in (_worker_forkserver, _driver_forkserver):
+        if server is not None:
+            server.stop()
 
 
 @pytest.hookimpl(trylast=True)
@@ -137,15 +142,23 @@ def worker_fork_server() -> worker_forkserver.Server | None:
     return _worker_forkserver
 
 
+@pytest.fixture(scope="session")
+def driver_fork_server() -> worker_forkserver.Server | None:
+    """This process's driver fork server once it accepts (None under HYBRIDRL_TEST_PLAIN_WORKERS=1)."""
+    if _driver_forkserver is not None:
+        _driver_forkserver.wait_ready()
+    return _driver_forkserver
+
+
 @pytest.fixture(scope="session", autouse=True)
-def _worker_fork_server_outlives_the_session() -> Iterator[None]:
-    """A warning in the session's summary when this process's fork server died before the session's end: its
-    workers died with it, and every later one ran plain (a refused connect falls back without a word), so the
-    session ran slower than it should and the server has a bug to find in its log."""
+def _fork_servers_outlive_the_session() -> Iterator[None]:
+    """A warning in the session's summary when one of this process's fork servers died before the session's end:
+    what it had forked died with it, and every later worker or driver ran plain (a refused connect falls back
+    without a word), so the session ran slower than it should and the server has a bug to find in its log."""
     yield
-    if _worker_forkserver is not None and not _worker_forkserver.alive():
-        warnings.warn(f"the Ray worker fork server died during the session: {_worker_forkserver.describe()}",
-                      stacklevel=1)
+    for kind, server in (("Ray worker", _worker_forkserver), ("driver", _driver_forkserver)):
+        if server is not None and not server.alive():
+            warnings.warn(f"the {kind} fork server died during the session: {server.describe()}", stacklevel=1)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
-"""The test session's Ray worker fork server (tests/support/worker_forkserver.py): a worker forked from it is the
-worker Ray asked for (its job, its environment, its signals, its end), and a worker it cannot stand for is plain."""
+"""The test session's fork servers (tests/support/worker_forkserver.py): a Ray worker forked from one is the worker Ray
+asked for (its job, its environment, its signals, its end), a worker it cannot stand for is plain; a driver forked
+from the other runs as the interpreter would have run it."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,7 @@ import pytest
 
 from tests.support import worker_forkserver
 from tests.support.runs import ROOT
-from tests.support.worker_forkserver import plain_workers
+from tests.support.worker_forkserver import plain_interpreters, python_command
 
 # A driver as `hybridrl train` is one (its own local cluster; the hook applies at ray.init): one actor with a CPU
 # worker's runtime environment and variables of its own (argv[1]), asked what process it is; then killed as a hung
@@ -71,7 +72,8 @@ def test_a_worker_is_forked_from_the_server_and_is_the_worker_ray_asked_for(work
     assert forked["title"].startswith("ray::Probe")  # Ray named the process, as it names a plain worker
     assert forked["gone"], "the killed worker's forked process outlived its client"
 
-    plain = _probe(plain_workers(dict(os.environ)))  # the control: without the server's socket, a plain interpreter
+    # the control: without the server's socket, a plain interpreter
+    plain = _probe(plain_interpreters(dict(os.environ)))
     assert plain["parent"] != worker_fork_server.process.pid
     assert not plain["preloaded"]
     assert plain["mine"] == "from the actor's runtime env" and plain["job"] == plain["driver_job"] and plain["gone"]
@@ -113,3 +115,40 @@ def test_the_server_outlives_a_client_killed_before_its_worker(worker_fork_serve
                            timeout=60)
     assert after.returncode == 0, after.stderr[-2000:]
     assert int(after.stdout) == worker_fork_server.process.pid
+
+
+# A module run as `python -m probe ...`: what the interpreter made of its command line and environment, on both
+# streams, and an exit status of its own
+PROBE = r"""
+import json, os, sys
+print(json.dumps({"parent": os.getppid(), "argv": sys.argv, "path0": sys.path[0], "cwd": os.getcwd(),
+                  "name": __name__, "mine": os.environ.get("MINE"), "torch": "torch" in sys.modules}))
+print("to stderr", file=sys.stderr)
+sys.exit(3)
+"""
+
+
+def test_a_driver_forked_from_the_drivers_server_runs_as_the_interpreter_runs_it(driver_fork_server, tmp_path):
+    """`python_command` (how tests/support/runs.py starts `hybridrl train`): the module runs as `__main__` with the
+    argv, sys.path[0], working directory, environment, streams and exit status a plain `python -m` gives it (the
+    control, run the same way), but as a child of the server that imported torch."""
+    if driver_fork_server is None:
+        pytest.fail("HYBRIDRL_TEST_PLAIN_WORKERS=1: this session runs no fork server to test")
+    (tmp_path / "probe.py").write_text(PROBE)
+    env = {**os.environ, "MINE": "the driver's own"}
+    args = ["-m", "probe", "two words", "--flag"]
+
+    def run(command_env: dict[str, str]) -> tuple[dict, subprocess.CompletedProcess]:
+        done = subprocess.run(python_command(args, command_env), cwd=tmp_path, env=command_env, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 3 and done.stderr == "to stderr\n", (done.returncode, done.stderr[-3000:])
+        return json.loads(done.stdout), done
+
+    forked, _ = run(env)
+    plain, _ = run(plain_interpreters(env))
+    assert forked["parent"] == driver_fork_server.process.pid and forked["torch"]
+    assert plain["parent"] == os.getpid() and not plain["torch"]
+    for seen in (forked, plain):
+        seen.pop("parent"), seen.pop("torch")
+    assert forked == plain == {"argv": [str(tmp_path / "probe.py"), "two words", "--flag"], "path0": str(tmp_path),
+                               "cwd": str(tmp_path), "name": "__main__", "mine": "the driver's own"}

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from tests.support.runs import ROOT, session_left_running
-from tests.support.worker_forkserver import plain_workers
+from tests.support.worker_forkserver import plain_interpreters
 
 # The child reports the temp folder init_ray made (spied on, not replaced) and what the signal did.
 _SIGNAL_WHILE_STARTING = """
@@ -58,7 +58,7 @@ def test_a_stop_signal_while_ray_starts_stops_the_whole_cluster_once_it_is_up(na
     runtime-env agents, for a minute or more (SIGTERM went to Ray's handler, which exited from inside `ray.init`)."""
     child = subprocess.Popen([sys.executable, "-c", _SIGNAL_WHILE_STARTING, name], cwd=ROOT, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                             env=plain_workers(os.environ))
+                             env=plain_interpreters(os.environ))
     out, err = child.communicate(timeout=120)
     report = json.loads(out.strip().splitlines()[-1])
     assert report["raised"] == raised, err[-3000:]  # the caller's own handler acted, after the start

@@ -21,7 +21,7 @@ import pytest
 from hybridrl.workers import faults
 from tests.support.runs import ROOT, session_left_running
 from tests.support.runs import metrics as _metrics
-from tests.support.worker_forkserver import plain_workers
+from tests.support.worker_forkserver import plain_interpreters
 from tools.demo_assets import demo_overrides
 
 CONFIG = "configs/examples/cpu_tiny_grpo.yaml"
@@ -32,7 +32,7 @@ def _train_with(overrides: list[str], env: dict[str, str], timeout: int = 600) -
                                                                                       float]:
     cmd = [sys.executable, "-m", "hybridrl.cli", "train", CONFIG, *overrides, "--no-progress"]
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                            env={**plain_workers(os.environ), **env})
+                            env={**plain_interpreters(os.environ), **env})
     return result, time.time()
 
 
@@ -157,7 +157,7 @@ def test_sigterm_stops_the_run_cleanly_naming_where_it_goes_on_from(demo_assets,
     cmd = [sys.executable, "-m", "hybridrl.cli", "train", CONFIG, "--no-progress",
            *demo_overrides(demo_assets, run, "trainer.total_training_steps=3", "trainer.save_freq=2")]
     driver = subprocess.Popen(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env={**plain_workers(os.environ), faults.ENV: "hang_update_actor:3:0"},
+                              env={**plain_interpreters(os.environ), faults.ENV: "hang_update_actor:3:0"},
                               start_new_session=True)
     sealed = run / CKPT / "global_step_2" / "trainer_state.json"
     deadline = time.monotonic() + 300

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.worker_forkserver import plain_workers
+from tests.support.worker_forkserver import plain_interpreters
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_short_soak_keeps_memory_flat_and_leaves_nothing(tmp_path):
     out = tmp_path / "soak.json"
     proc = subprocess.run([sys.executable, "bench/soak.py", "--steps", "20", "--warmup", "8", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900, env=plain_workers(os.environ))
+                          cwd=ROOT, capture_output=True, text=True, timeout=900, env=plain_interpreters(os.environ))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     workers = {k: v for k, v in result["rss_mib_after_warmup"].items() if k.startswith("worker:")}

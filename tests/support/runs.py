@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
+
+from tests.support.worker_forkserver import python_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,15 +19,15 @@ def train(config: str, overrides: list[str], timeout: int = 900, env: dict[str, 
     `ray_address`: a running cluster the run joins (RAY_ADDRESS; the session's `ray_address` fixture), instead of
     starting its own (~4 s of each run here). A run whose workers must see `env` starts its own: Ray's workers
     inherit the environment of the cluster's processes, not the driver's."""
-    cmd = [sys.executable, "-m", "hybridrl.cli", "train", config, *overrides, "--no-progress"]
     inherited = {name: value for name, value in os.environ.items() if name not in unset}
     if ray_address is not None:
         assert not env, "the workers of a running cluster do not see the driver's environment"
         inherited["RAY_ADDRESS"] = ray_address
     else:
         inherited.pop("RAY_ADDRESS", None)
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**inherited, **(env or {})})
+    run_env = {**inherited, **(env or {})}
+    cmd = python_command(["-m", "hybridrl.cli", "train", config, *overrides, "--no-progress"], run_env)
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=run_env)
 
 
 def metrics(run: Path) -> list[dict]:

@@ -1,4 +1,4 @@
-"""The test session's Ray workers, forked from one process that imported what a worker imports.
+"""The test session's Ray workers and `hybridrl train` drivers, forked from processes that imported what they import.
 
 A fresh Ray worker of a CPU run spends ~12 CPU-s importing torch, megatron-core, vLLM's engine and transformers
 before its first call returns; the suite starts a few hundred of them (two or more per `hybridrl train`, again at
@@ -24,6 +24,12 @@ streams, PYTHONPATH, PYTHONWARNINGS and TORCH_LOGS (applied again when they diff
 OMP_NUM_THREADS (torch's thread count). Ray is not preloaded: loading `ray._raylet` snapshots every `RAY_*` variable
 (RAY_JOB_ID among them) into Ray's C++ config, so each worker imports Ray itself, under its own environment; vLLM's
 module that remembered Ray as missing is imported again once Ray is allowed.
+
+Drivers: a second server per test process (`start("drivers")`, with the environment a driver inherits) imported
+what a `hybridrl train` driver imports (`DRIVER_PRELOAD`: ~5 of its ~7 CPU-s of imports); `python_command` gives
+the command line that runs `python -m hybridrl.cli ...` through the same client (tests/support/runs.py's `train`).
+A driver forked from it runs `-m` modules as the interpreter does (sys.path[0] the working directory, argv[0] the
+module's file). The tests of signals and of what a run leaves behind start plain ones (`plain_interpreters`).
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -41,6 +48,12 @@ if TYPE_CHECKING:
 # What a worker imports before its first call returns, less Ray and hybridrl (both import Ray). Not vLLM's CPU
 # worker: importing it replaces `torch.cuda.Stream` in the whole process (forked.py). Nothing here starts a thread.
 PRELOAD: tuple[str, ...] = ("torch", "megatron.core", "vllm.entrypoints.llm", "transformers")
+# What a `hybridrl train` driver imports (~5 of its ~7 CPU-s of imports), less Ray and hybridrl: torch (the
+# controller's batches), transformers' auto classes (the tokenizer; they import torch's distributed tensors and
+# dynamo), the summary plot's figure and Agg canvas (not pyplot, which picks a backend at import), Ray's aiohttp
+DRIVER_PRELOAD: tuple[str, ...] = ("torch", "transformers.models.auto.auto_factory", "matplotlib.figure",
+                                   "matplotlib.backends.backend_agg", "aiohttp")
+PRELOADS: dict[str, tuple[str, ...]] = {"workers": PRELOAD, "drivers": DRIVER_PRELOAD}
 # vLLM modules that import Ray at module level inside try/except (re-imported in a worker, where Ray is allowed)
 RAY_OPTIONAL: tuple[str, ...] = ("vllm.v1.executor.ray_utils",)
 # Read once when a process starts (glibc's malloc, the dynamic loader, the interpreter, torch's C++ logging): a worker
@@ -50,6 +63,7 @@ RAY_OPTIONAL: tuple[str, ...] = ("vllm.v1.executor.ray_utils",)
 FIXED_AT_START: tuple[str, ...] = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX", "LD_PRELOAD",
                                    "PYTHONHASHSEED", "PYTHONMALLOC", "TORCH_CPP_LOG_LEVEL")
 SOCKET_ENV = "HYBRIDRL_TEST_WORKER_FORKSERVER"
+DRIVER_SOCKET_ENV = "HYBRIDRL_TEST_DRIVER_FORKSERVER"
 HOOK = "tests.support.worker_forkserver.hook"
 _PLAIN = b"plain\n"
 _START_ENV: dict[str, str] = {}  # the server's environment when it started (its imports change some: cv2's loader path)
@@ -95,11 +109,15 @@ class Server:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def start() -> Server:
-    """Start this process's server (it imports for ~12 s, then binds its socket) and point every Ray driver this
-    process and its children start at it (RAY_RUNTIME_ENV_HOOK, the socket's path and the repository on PYTHONPATH,
-    in `os.environ`). The server runs with the CPU workers' own variables (`DevicePolicy.worker_env`: glibc reads its
-    malloc settings once)."""
+def start(kind: str = "workers") -> Server:
+    """Start this process's server of `kind` (it imports for a few seconds, then binds its socket) and point what this
+    process and its children start at it, in `os.environ`:
+
+    - "workers": every Ray driver's workers (RAY_RUNTIME_ENV_HOOK, the socket's path, the repository on PYTHONPATH).
+      The server runs with the CPU workers' own variables (`DevicePolicy.worker_env`: glibc reads its malloc
+      settings once);
+    - "drivers": the `hybridrl train` drivers the tests start through `python_command` (the socket's path). Started
+      after the workers' server, with the environment a driver then inherits."""
     import subprocess  # noqa: F811 - at run time (the client, which shares this file, does without it)
     import tempfile
 
@@ -107,24 +125,37 @@ def start() -> Server:
     from hybridrl.parallel.device_policy import CPU
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    folder = tempfile.mkdtemp(prefix="hrl-workers-")
+    folder = tempfile.mkdtemp(prefix=f"hrl-{kind}-")
     path = os.path.join(folder, "socket")
-    env = {**os.environ, **dict(CPU.worker_env)}
-    process = subprocess.Popen([sys.executable, "-m", "tests.support.worker_forkserver", "--serve", path],
+    env = {**os.environ, **dict(CPU.worker_env)} if kind == "workers" else dict(os.environ)
+    process = subprocess.Popen([sys.executable, "-m", "tests.support.worker_forkserver", "--serve", path, kind],
                                env=env, cwd=root,
                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                stderr=open(os.path.join(folder, "server.log"), "wb"))
-    os.environ[SOCKET_ENV] = path
-    os.environ["RAY_RUNTIME_ENV_HOOK"] = HOOK
-    # the hook is imported by every driver, whatever its working directory or script (`python bench/x.py`)
-    os.environ["PYTHONPATH"] = _prepend_pythonpath([root])
+    if kind == "workers":
+        os.environ[SOCKET_ENV] = path
+        os.environ["RAY_RUNTIME_ENV_HOOK"] = HOOK
+        # the hook is imported by every driver, whatever its working directory or script (`python bench/x.py`)
+        os.environ["PYTHONPATH"] = _prepend_pythonpath([root])
+    else:
+        os.environ[DRIVER_SOCKET_ENV] = path
     return Server(process, folder, path)
 
 
-def plain_workers(env: dict[str, str]) -> dict[str, str]:
-    """`env` for a run whose workers must be plain interpreters of the run's own process tree (the tests of what a
-    run leaves behind, or of the signals its processes get)."""
-    return {name: value for name, value in env.items() if name != SOCKET_ENV}
+def plain_interpreters(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` for a run whose driver and workers must be plain interpreters of the run's own process tree (the tests
+    of what a run leaves behind, or of the signals its processes get)."""
+    return {name: value for name, value in env.items() if name not in (SOCKET_ENV, DRIVER_SOCKET_ENV)}
+
+
+def python_command(args: list[str], env: Mapping[str, str]) -> list[str]:
+    """The command line that runs `python *args` (a script or `-m module`, no interpreter flags) with `env`: forked
+    from the drivers' server where `env` names one that accepts (the client falls back to a plain interpreter where
+    the server cannot stand for it), else the interpreter itself."""
+    path = env.get(DRIVER_SOCKET_ENV)
+    if path and os.path.exists(path):
+        return [sys.executable, "-I", "-S", os.path.abspath(__file__), path, *args]
+    return [sys.executable, *args]
 
 
 # ------------------------------------------------------------------ the hook (in every driver of the session)
@@ -296,15 +327,21 @@ def _become_worker(request: dict) -> None:
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     argv = list(request["argv"])
-    while argv and argv[0].startswith("-"):  # interpreter flags ahead of the script
+    while argv and argv[0].startswith("-") and argv[0] != "-m":  # interpreter flags ahead of the script
         argv.pop(0)
+    module = argv[1] if argv[0] == "-m" else None
     extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
-    sys.path[:1] = [os.path.dirname(os.path.abspath(argv[0])), *extra]
+    # sys.path[0] as the interpreter sets it: the working directory under -m, else the script's folder
+    sys.path[:1] = [os.getcwd() if module else os.path.dirname(os.path.abspath(argv[0])), *extra]
     for name in RAY_OPTIONAL:
         if name in sys.modules:
             importlib.reload(sys.modules[name])
-    sys.argv = argv
-    runpy.run_path(argv[0], run_name="__main__")
+    if module is not None:
+        sys.argv = [module, *argv[2:]]  # run_module sets argv[0] to the module's file, as -m does
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = argv
+        runpy.run_path(argv[0], run_name="__main__")
 
 
 class _NoRay:
@@ -317,13 +354,13 @@ class _NoRay:
         return None
 
 
-def _server_main(path: str) -> None:
+def _server_main(path: str, kind: str) -> None:
     import importlib
 
     _START_ENV.update(os.environ)
     _die_with_parent()
     sys.meta_path.insert(0, _NoRay)  # type: ignore[arg-type]
-    for module in PRELOAD:
+    for module in PRELOADS[kind]:
         importlib.import_module(module)
     sys.meta_path.remove(_NoRay)  # type: ignore[arg-type]
     from hybridrl.parallel.heap import freeze_heap
@@ -335,6 +372,6 @@ def _server_main(path: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "--serve":
-        _server_main(sys.argv[2])
+        _server_main(sys.argv[2], sys.argv[3])
     else:
         _client(sys.argv[1], sys.argv[2:])
