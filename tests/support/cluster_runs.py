@@ -4,6 +4,7 @@ Shared by the multi-host tests and `bench/internode_traffic.py`."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -18,8 +19,17 @@ CONFIG = "configs/examples/cpu_tiny_grpo.yaml"
 
 
 def env_of(tmp: Path) -> dict[str, str]:
+    """A host's environment: a HOME of its own, but vLLM's cache the test session's (hosts that have run vLLM
+    before): without it each vLLM rank learns its model's class in a fresh interpreter that imports vLLM (its
+    registry's `inspect_model_cls` subprocess, ~15 CPU-s here), which a machine does once per model and vLLM."""
     return {"PATH": f"{BIN}:/usr/bin:/bin:/usr/sbin:/sbin", "NUM_GPUS": "0", "HOME": str(tmp / "home"),
-            "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1"}
+            "RAY_USAGE_STATS_ENABLED": "0", "PYTHONUNBUFFERED": "1", "VLLM_CACHE_ROOT": vllm_cache_root()}
+
+
+def vllm_cache_root() -> str:
+    """The folder vLLM caches in for this process's environment (`vllm.envs.VLLM_CACHE_ROOT`'s rule)."""
+    default = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "vllm")
+    return os.path.expanduser(os.environ.get("VLLM_CACHE_ROOT", default))
 
 
 def start_ray(cluster: Cluster, tmp: Path, temp: str, launch: Path = ROOT / "launch",
