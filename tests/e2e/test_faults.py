@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from hybridrl.workers import faults
-from tests.support.runs import ROOT, session_left_running
+from tests.support.runs import ROOT, session_left_running, train
 from tests.support.runs import metrics as _metrics
 from tests.support.worker_forkserver import plain_interpreters
 from tools.demo_assets import demo_overrides
@@ -30,9 +30,9 @@ CKPT = Path("ckpt") / "demo" / "cpu_tiny_grpo"
 
 def _train_with(overrides: list[str], env: dict[str, str], timeout: int = 600) -> tuple[subprocess.CompletedProcess,
                                                                                       float]:
-    cmd = [sys.executable, "-m", "hybridrl.cli", "train", CONFIG, *overrides, "--no-progress"]
-    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                            env={**plain_interpreters(os.environ), **env})
+    """A run of its own (its workers see `env`), its driver and workers forked from the session's servers: a
+    fault's `os._exit(1)` ends the forked worker, whose client exits with it as the raylet's worker process would."""
+    result = train(CONFIG, overrides, timeout=timeout, env=env)
     return result, time.time()
 
 
