@@ -40,7 +40,7 @@ import signal
 import socket
 import sys
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     import subprocess
@@ -53,7 +53,8 @@ PRELOAD: tuple[str, ...] = ("torch", "megatron.core", "vllm.entrypoints.llm", "t
 # dynamo), the summary plot's figure and Agg canvas (not pyplot, which picks a backend at import), Ray's aiohttp
 DRIVER_PRELOAD: tuple[str, ...] = ("torch", "transformers.models.auto.auto_factory", "matplotlib.figure",
                                    "matplotlib.backends.backend_agg", "aiohttp")
-PRELOADS: dict[str, tuple[str, ...]] = {"workers": PRELOAD, "drivers": DRIVER_PRELOAD}
+ServerKind = Literal["workers", "drivers"]
+PRELOADS: dict[ServerKind, tuple[str, ...]] = {"workers": PRELOAD, "drivers": DRIVER_PRELOAD}
 # vLLM modules that import Ray at module level inside try/except (re-imported in a worker, where Ray is allowed)
 RAY_OPTIONAL: tuple[str, ...] = ("vllm.v1.executor.ray_utils",)
 # Read once when a process starts (glibc's malloc, the dynamic loader, the interpreter, torch's C++ logging): a worker
@@ -89,7 +90,7 @@ class Server:
         deadline = time.monotonic() + timeout_s
         while not os.path.exists(self.path):
             if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the worker fork server did not start: {self.describe()}")
+                raise RuntimeError(f"the fork server of {self.path} did not start: {self.describe()}")
             time.sleep(0.1)
 
     def alive(self) -> bool:
@@ -109,7 +110,7 @@ class Server:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def start(kind: str = "workers") -> Server:
+def start(kind: ServerKind = "workers") -> Server:
     """Start this process's server of `kind` (it imports for a few seconds, then binds its socket) and point what this
     process and its children start at it, in `os.environ`:
 
@@ -296,8 +297,9 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _become_worker(request: dict) -> None:
-    """In the forked child: take the client's process state, then run the worker's script as `__main__`."""
+def _run_request(request: dict) -> None:
+    """In the forked child: take the client's process state, then run what it asked for as `__main__` (Ray's worker
+    script, or a driver's `-m` module)."""
     import importlib
     import runpy
     import warnings
@@ -354,7 +356,7 @@ class _NoRay:
         return None
 
 
-def _server_main(path: str, kind: str) -> None:
+def _server_main(path: str, kind: ServerKind) -> None:
     import importlib
 
     _START_ENV.update(os.environ)
@@ -367,11 +369,14 @@ def _server_main(path: str, kind: str) -> None:
 
     freeze_heap()
     request = _serve(path)
-    _become_worker(request)
+    _run_request(request)
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "--serve":
-        _server_main(sys.argv[2], sys.argv[3])
+        kind = sys.argv[3]
+        if kind not in PRELOADS:
+            raise SystemExit(f"no fork server of kind {kind!r} (the kinds: {', '.join(PRELOADS)})")
+        _server_main(sys.argv[2], kind)  # type: ignore[arg-type] - checked just above
     else:
         _client(sys.argv[1], sys.argv[2:])
