@@ -99,7 +99,7 @@ def test_the_server_outlives_a_client_killed_before_its_worker(worker_fork_serve
     from hybridrl.parallel.device_policy import CPU
 
     env = {**os.environ, **dict(CPU.worker_env)}
-    client = [sys.executable, "-I", "-S", worker_forkserver.__file__, worker_fork_server.path]
+    client = worker_forkserver.client_command(worker_fork_server.path)
     (tmp_path / "sleeps.py").write_text("import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(60)\n")
     (tmp_path / "parent.py").write_text("import os\nprint(os.getppid())\n")
     sleeping = subprocess.Popen([*client, str(tmp_path / "sleeps.py")], env=env, stdout=subprocess.PIPE, text=True)
@@ -138,17 +138,15 @@ def test_a_driver_forked_from_the_drivers_server_runs_as_the_interpreter_runs_it
     env = {**os.environ, "MINE": "the driver's own"}
     args = ["-m", "probe", "two words", "--flag"]
 
-    def run(command_env: dict[str, str]) -> tuple[dict, subprocess.CompletedProcess]:
+    def run(command_env: dict[str, str]) -> dict:
         done = subprocess.run(python_command(args, command_env), cwd=tmp_path, env=command_env, capture_output=True,
                               text=True, timeout=60)
         assert done.returncode == 3 and done.stderr == "to stderr\n", (done.returncode, done.stderr[-3000:])
-        return json.loads(done.stdout), done
+        return json.loads(done.stdout)
 
-    forked, _ = run(env)
-    plain, _ = run(plain_interpreters(env))
-    assert forked["parent"] == driver_fork_server.process.pid and forked["torch"]
-    assert plain["parent"] == os.getpid() and not plain["torch"]
-    for seen in (forked, plain):
-        seen.pop("parent"), seen.pop("torch")
+    forked = run(env)
+    plain = run(plain_interpreters(env))
+    assert (forked.pop("parent"), forked.pop("torch")) == (driver_fork_server.process.pid, True)
+    assert (plain.pop("parent"), plain.pop("torch")) == (os.getpid(), False)
     assert forked == plain == {"argv": [str(tmp_path / "probe.py"), "two words", "--flag"], "path0": str(tmp_path),
                                "cwd": str(tmp_path), "name": "__main__", "mine": "the driver's own"}

@@ -149,13 +149,20 @@ def plain_interpreters(env: Mapping[str, str]) -> dict[str, str]:
     return {name: value for name, value in env.items() if name not in (SOCKET_ENV, DRIVER_SOCKET_ENV)}
 
 
+def client_command(socket_path: str) -> list[str]:
+    """The client's command line for the server listening on `socket_path`, less the program it is to run (an
+    interpreter isolated from the environment's Python variables and site packages: it imports nothing but the
+    standard library, and starts in milliseconds)."""
+    return [sys.executable, "-I", "-S", os.path.abspath(__file__), socket_path]
+
+
 def python_command(args: list[str], env: Mapping[str, str]) -> list[str]:
     """The command line that runs `python *args` (a script or `-m module`, no interpreter flags) with `env`: forked
     from the drivers' server where `env` names one that accepts (the client falls back to a plain interpreter where
     the server cannot stand for it), else the interpreter itself."""
     path = env.get(DRIVER_SOCKET_ENV)
     if path and os.path.exists(path):
-        return [sys.executable, "-I", "-S", os.path.abspath(__file__), path, *args]
+        return [*client_command(path), *args]
     return [sys.executable, *args]
 
 
@@ -165,7 +172,7 @@ def hook(runtime_env: dict | None) -> dict:
     runtime_env = dict(runtime_env or {})
     path = os.environ.get(SOCKET_ENV)
     if path and os.path.exists(path) and "py_executable" not in runtime_env:
-        runtime_env["py_executable"] = f"{sys.executable} -I -S {os.path.abspath(__file__)} {path}"
+        runtime_env["py_executable"] = " ".join(client_command(path))
     return runtime_env
 
 
